@@ -1,0 +1,43 @@
+"""analyze: records in, findings and a recommendation out. A pure function: no torch.distributed calls."""
+
+from __future__ import annotations
+
+import statistics
+
+from ddp_doctor.analyze.findings import DETECTORS
+from ddp_doctor.analyze.recommend import recommend
+from ddp_doctor.analyze.view import View
+from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord
+from ddp_doctor.report.model import Crash, Diagnosis, Timing
+
+__all__ = ["analyze"]
+
+_SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+def _timing(v: View) -> Timing:
+    rows = [r.timing[s] for r in v.records for s in range(v.steps)]
+    if not rows:
+        return Timing()
+    fwd, bwd, opt = (statistics.median(float(row[i]) for row in rows) for i in range(3))
+    return Timing(forward_s=fwd, backward_s=bwd, optimizer_s=opt,
+                  step_s=statistics.median(float(row.sum()) for row in rows))
+
+
+def analyze(info: ModelInfo, records: list[RankRecord]) -> Diagnosis:
+    """Diagnose every rank's records.
+
+    Args:
+        info: the model as DDP wrapped it (rank 0's view).
+        records: one `RankRecord` per rank, in rank order.
+
+    Returns:
+        A `Diagnosis`: findings (errors first), the recommendation, per-step timing and any crashes.
+    """
+    view = View(info, records)
+    findings = [f for detect in DETECTORS for f in detect(view)]
+    findings.sort(key=lambda f: _SEVERITY_ORDER[f.severity])
+    crashes = [Crash(rank=r.rank, step=r.crash_step, kind=CRASH_KINDS[r.crash_kind], message=r.crash_message)
+               for r in records if r.crash_kind]
+    return Diagnosis(findings=findings, recommendation=recommend(view, findings), timing=_timing(view),
+                     steps_observed=view.steps, crashes=crashes)

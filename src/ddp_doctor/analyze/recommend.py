@@ -1,0 +1,91 @@
+"""The recommendation: the cheapest DDP configuration that is correct for the observed used-set.
+
+Preference order, cheapest first:
+  (a) parameters never used on any rank or step are frozen before wrapping: no hook, no communication at all;
+  (b) find_unused_parameters=False when every remaining trainable parameter is used on every rank and step;
+  (c) static_graph=True when each rank's used-set is the same on every step (also covers reentrant checkpointing);
+  (d) find_unused_parameters=True only when the used-set changes between steps.
+"""
+
+from __future__ import annotations
+
+from ddp_doctor.analyze.findings import hidden_params
+from ddp_doctor.analyze.view import View
+from ddp_doctor.report.model import Finding, Recommendation
+from ddp_doctor.report.snippets import render_snippets
+
+__all__ = ["recommend"]
+
+
+def _rec(v: View, *, find_unused: bool, static: bool, freeze: list[str], reason: str, verified: bool) -> Recommendation:
+    rec = Recommendation(
+        find_unused_parameters=find_unused, static_graph=static,
+        gradient_as_bucket_view=bool(v.info.ddp_config.get("gradient_as_bucket_view", False)),
+        freeze_before_wrap=freeze, reason=reason, verified=verified)
+    rec.render = render_snippets(rec, v.info.ddp_config)
+    return rec
+
+
+def recommend(v: View, findings: list[Finding]) -> Recommendation:
+    """Pick flags from what was observed, never from what the script currently uses."""
+    if not v.steps:
+        if v.crashed("mark-ready-twice"):
+            return _rec(v, find_unused=False, static=True, freeze=[], verified=False,
+                        reason="The first step crashed because parameters outside the graph of DDP's forward "
+                               "outputs (used after forward, or under reentrant checkpointing) got gradients with "
+                               "find_unused_parameters=True; static_graph=True handles that. Re-run the check with "
+                               "it to see the full used set.")
+        return _rec(v, find_unused=v.find_unused, static=v.static_graph, freeze=[], verified=False,
+                    reason="No complete step was observed, so there is nothing to base a change on. Observe from "
+                           "the first training step.")
+
+    names = v.info.param_names
+    intended = v.trainable[0, -1] & ~v.ignored           # what the script trains now
+    used = v.used
+    ever = v.ever_used
+    _, dynamic, _, _ = v.usage()
+    frozen_after = v.tracked & ~v.live
+    freeze_mask = (intended & ~ever) | frozen_after
+    freeze = [names[i] for i in freeze_mask.nonzero().flatten().tolist()]
+    rest = intended & ever
+    u = used[:, :, rest]
+    all_used = bool(u.all()) and not dynamic.any()
+    stable = bool((u.any(1) == u.all(1)).all()) and not dynamic.any()
+    outside_h, reentrant_h = hidden_params(v)
+    outside, reentrant = bool(outside_h.ranks), bool(reentrant_h.ranks)
+
+    parts = []
+    if freeze:
+        parts.append(f"{len(freeze)} parameter(s) never reached the loss on any rank in {v.steps} steps"
+                     + (" or were frozen after wrap" if frozen_after.any() else "")
+                     + ": freezing them before wrapping removes them from DDP entirely (if some are meant to "
+                       "train later, use static_graph=True instead).")
+    if all_used and not reentrant:
+        find_unused, static = False, False
+        parts.append(f"Every other trainable parameter got a gradient on all {v.world} ranks in all {v.steps} "
+                     "steps, so find_unused_parameters=False is correct and cheapest.")
+    elif stable:
+        find_unused, static = False, True
+        why = ("reentrant checkpointing hides parameters from DDP's forward graph" if reentrant else
+               "each rank used the same parameters on every step")
+        parts.append(f"static_graph=True: {why}, so DDP can learn the used set once instead of searching "
+                     "the graph every step.")
+    else:
+        find_unused, static = True, False
+        parts.append("find_unused_parameters=True: the set of used parameters changes between steps, and only "
+                     "it handles that.")
+        if outside:
+            parts.append("But parameters are also used outside forward, which find_unused_parameters=True "
+                         "cannot handle: move that computation into forward.")
+    if v.steps < 2:
+        parts.append(f"Based on {v.steps} observed step; observe more steps to confirm the used set is stable.")
+
+    errors = [f for f in findings if f.severity == "error"]
+    same = (find_unused == v.find_unused and static == v.static_graph and not freeze)
+    verified = same and not errors and v.steps >= 2
+    if verified:
+        parts.append("Verified: this run already uses it, and every step synced correctly.")
+    elif errors and same:
+        parts.append("The flags are right, but errors remain that flags cannot fix (see the findings).")
+    return _rec(v, find_unused=find_unused, static=static, freeze=freeze, reason=" ".join(parts),
+                verified=verified)

@@ -1,0 +1,26 @@
+"""The stable finding codes (the JSON contract). A code may be added; none may be renamed."""
+
+from __future__ import annotations
+
+__all__ = ["CODES", "SEVERITIES"]
+
+SEVERITIES = ("error", "warning", "info")
+
+CODES: dict[str, str] = {
+    "unused-parameters": "trainable parameters that never reach the loss",
+    "dynamic-graph": "the set of parameters that reach the loss changes between steps",
+    "rank-dependent-graph": "the set of parameters that reach the loss differs between ranks",
+    "used-outside-forward": "parameters used in the loss outside DDP's forward",
+    "find-unused-unneeded": "find_unused_parameters=True while every parameter is used",
+    "static-graph-unsafe": "static_graph=True while the graph changes between steps",
+    "reentrant-checkpoint": "reentrant activation checkpointing inside DDP",
+    "wrapper-bypass": "the wrapped module is called directly, so DDP never syncs",
+    "grads-not-synced": "gradients differ across ranks when the optimizer steps",
+    "replica-divergence": "weights differ across ranks",
+    "buffer-divergence": "buffers differ across ranks",
+    "frozen-after-wrap": "requires_grad set to False after DDP was built",
+    "unfrozen-after-wrap": "requires_grad set to True after DDP was built",
+    "identical-inputs-across-ranks": "every rank got the same batch",
+    "reduction-error": "DDP crashed with 'Expected to have finished reduction', explained",
+    "no-trainable-parameters": "no parameter requires a gradient",
+}

@@ -1,0 +1,613 @@
+"""observe: watch the first steps of a DDP model on this rank, with local hooks only.
+
+Nothing here communicates. Each hook writes one local fact into the current step's state; `Doctor.report()` hands
+the finished record to `gather` (the only place that talks to other ranks) and then to `analyze`.
+
+What is recorded, and from where:
+
+- *used*: a post-accumulate-grad hook on each trainable parameter. It fires when autograd accumulates a gradient,
+  which is exactly "this parameter reached the loss on this rank". DDP's reducer writes grads of unused parameters
+  directly, so it does not fire this hook.
+- *reachable*: a walk of the autograd graph from DDP's forward outputs (what `find_unused_parameters=True` does).
+  Used but unreachable means the parameter was used outside DDP's forward, or inside reentrant checkpointing.
+- *bypass*: the wrapped module's forward ran in grad mode with no DDP forward around it, so DDP's reducer never fired.
+- fingerprints of grads when the optimizer steps, of weights after it, of buffers after DDP broadcast them, and of
+  the inputs; and `requires_grad` of every parameter, to compare with the state DDP was built with.
+
+A step is what the user thinks of as one: one `optimizer.step()` (or one synced backward when no optimizer is
+given), so gradient accumulation with `no_sync()` or `require_backward_grad_sync=False` is one step of several
+micro-steps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_doctor import _log
+from ddp_doctor.errors import (
+    DDPFailure,
+    InvalidArgumentError,
+    NoTrainableParametersError,
+    NotDDPModelError,
+    ProcessGroupNotInitializedError,
+    ReductionError,
+)
+from ddp_doctor.fingerprint import fingerprints
+from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
+
+__all__ = ["observe", "Doctor", "ddp_config_of", "user_site", "WRAP_STATE_ATTR"]
+
+logger = _log.get_logger(__name__)
+
+WRAP_STATE_ATTR = "_ddp_doctor_wrap_state"
+"""Set on a DDP instance by the launcher's injection: `{"trainable": [...], "site": "file:line", "framework": ...}`."""
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OUR_DIR = os.path.dirname(__file__)
+_MAX_SITES = 4
+
+
+def observe(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None, *,
+            steps: int | None = None) -> Doctor:
+    """Watch a DDP model's training steps on this rank and diagnose them.
+
+    Use it as a context manager around the first few steps of the user's own loop, on every rank. Then call
+    `report()` on every rank: it is collective and every rank gets the same report.
+
+    Args:
+        ddp_model: the `DistributedDataParallel` model the loop trains.
+        optimizer: the optimizer the loop steps. A step is then one `optimizer.step()`; without it, a step is
+            one backward pass that DDP synchronizes.
+        steps: stop observing (and remove every hook) after this many steps; `None` observes until the context
+            exits.
+
+    Returns:
+        A `Doctor`, the context manager.
+
+    Raises:
+        NotDDPModelError: `ddp_model` is not a `DistributedDataParallel`.
+        ProcessGroupNotInitializedError: `torch.distributed` is not initialized.
+        NoTrainableParametersError: no parameter of the model requires a gradient.
+        InvalidArgumentError: `optimizer` or `steps` has an unusable value.
+
+    Example:
+        >>> with observe(ddp_model, optimizer=opt) as doctor:
+        ...     for batch in batches[:8]:
+        ...         loss_fn(ddp_model(batch)).backward(); opt.step(); opt.zero_grad()
+        >>> report = doctor.report()
+    """
+    return Doctor(ddp_model, optimizer, steps=steps)
+
+
+def ddp_config_of(ddp: DistributedDataParallel) -> dict[str, Any]:
+    """The constructor flags that matter for diagnosis, read back from a built DDP instance."""
+    return {
+        "find_unused_parameters": bool(ddp.find_unused_parameters),
+        "static_graph": bool(ddp.static_graph),
+        "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
+        "broadcast_buffers": bool(getattr(ddp, "broadcast_buffers", True)),
+        "bucket_cap_mb": round(ddp.bucket_bytes_cap / 2**20, 3),
+        "device_ids": list(ddp.device_ids) if ddp.device_ids else None,
+    }
+
+
+def user_site() -> str | None:
+    """`file:line` of the innermost caller outside torch and ddp_doctor."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OUR_DIR) or filename.startswith("<")):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested lists, tuples, dicts (HF `ModelOutput` is one) and dataclasses."""
+    if depth > 8:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v, depth + 1)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from _tensors(getattr(obj, name, None), depth + 1)
+
+
+def _classify(exc: BaseException) -> str:
+    text = str(exc)
+    if "graph has changed" in text:
+        return "static-graph-changed"
+    if "Expected to have finished reduction" in text:
+        return "reduction-error"
+    if "mark a variable ready only once" in text:
+        return "mark-ready-twice"
+    if isinstance(exc, RuntimeError) and "DistributedDataParallel" in text:
+        return "ddp-other"
+    return "other"
+
+
+class _Step:
+    """The state of the step in progress."""
+
+    def __init__(self, n_params: int) -> None:
+        self.used = bytearray(n_params)
+        self.reachable = bytearray(n_params)
+        self.counters = StepCounters(complete=1)
+        self.input_fp = torch.zeros(2, dtype=torch.float64)
+        self.buffer_fp: torch.Tensor | None = None
+        self.grad_fp: torch.Tensor | None = None
+        self.started = False
+        self.t_forward = 0.0
+        self.t_backward = 0.0
+        self.t_optimizer = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.started or any(self.used)
+
+
+class Doctor:
+    """Context manager returned by `observe`. See `observe` for the arguments."""
+
+    def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None, *,
+                 steps: int | None = None) -> None:
+        if not isinstance(ddp_model, DistributedDataParallel):
+            hint = (" Wrap it first: DistributedDataParallel(model, device_ids=[local_rank])."
+                    if isinstance(ddp_model, torch.nn.Module) else "")
+            raise NotDDPModelError(
+                f"observe() needs a torch.nn.parallel.DistributedDataParallel model, got "
+                f"{type(ddp_model).__module__}.{type(ddp_model).__qualname__}.{hint}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ProcessGroupNotInitializedError(
+                "observe() needs an initialized process group: call torch.distributed.init_process_group(backend) "
+                "first, or launch the script with torchrun or `ddp-doctor check`.")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidArgumentError(
+                f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__qualname__}.")
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise InvalidArgumentError(f"steps must be a positive int or None, got {steps!r}.")
+
+        self._ddp = ddp_model
+        self._module: torch.nn.Module = ddp_model.module
+        self._optimizer = optimizer
+        self._max_steps = steps
+        self._named_params = list(self._module.named_parameters())
+        self._params = [p for _, p in self._named_params]
+        self._buffers = [b for _, b in self._module.named_buffers()]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self.info = self._model_info()
+        trainable_now = [p.requires_grad for p in self._params]
+        if not any(trainable_now):
+            raise NoTrainableParametersError(
+                f"the DDP model has {len(self._params)} parameters and none requires a gradient, so there is "
+                "nothing to train or synchronize. Set requires_grad=True on the parameters to train before "
+                "wrapping the model in DistributedDataParallel.")
+
+        self.rank = dist.get_rank()
+        self._handles: list[Any] = []
+        self._hooked: set[int] = set()
+        self._attached = False
+        self._finished = False
+        self._ddp_depth = 0
+        self._sync_forward = True
+        self._backward_pending = False
+        self._t_forward_start = 0.0
+        self._t_last_forward_end = 0.0
+        self._t_optimizer_start = 0.0
+        self._reports = 0
+
+        n = len(self._params)
+        self._step = _Step(n)
+        self._rows: dict[str, list[torch.Tensor]] = {k: [] for k in (
+            "used", "reachable", "trainable", "grad_fp", "weight_fp", "buffer_fp", "input_fp", "timing", "counters")}
+        self._rows["weight_fp"].append(fingerprints(self._params))
+        self._trainable_at_entry = sum(trainable_now)
+        self._crash_kind = 0
+        self._crash_step = -1
+        self._crash_message = ""
+        self._bypass_sites: list[str] = []
+        self.on_steps_done: Callable[[Doctor], None] | None = None
+        """Called once when `steps` steps have been observed (used by the launcher to stop the script)."""
+
+    # ----------------------------------------------------------------------------------------------- set-up
+
+    def _model_info(self) -> ModelInfo:
+        ddp = self._ddp
+        ignore = set(getattr(ddp, "parameters_to_ignore", ()))
+        names = [n for n, _ in self._named_params]
+        ignored = [n in ignore for n in names]
+        state = getattr(ddp, WRAP_STATE_ATTR, None)
+        try:
+            logging_data = ddp._get_ddp_logging_data()
+            wrap_count: int | None = int(logging_data.get("num_parameter_tensors", -1))
+            wrap_bytes = int(logging_data.get("total_parameter_size_bytes", -1))
+        except Exception:  # logging data is an internal API; diagnosis does not depend on it
+            wrap_count, wrap_bytes = None, -1
+        if state is not None and len(state["trainable"]) == len(names):
+            trainable = [t and not ig for t, ig in zip(state["trainable"], ignored)]
+            exact = True
+        else:
+            # Not built under our launcher: the state at observe() entry stands in for the state at wrap time.
+            # DDP's logging data tells how many tensors its reducer holds, which catches a flip in between.
+            trainable = [p.requires_grad and not ig for p, ig in zip(self._params, ignored)]
+            exact = wrap_count is None or wrap_count < 0 or wrap_count == sum(trainable)
+            if not exact and wrap_count is not None and wrap_count > sum(trainable):
+                # Fewer trainable tensors now than DDP was built with. If every currently frozen parameter is
+                # needed to make up both the count and the byte size DDP recorded, they were all frozen after wrap.
+                frozen = [i for i, (t, ig) in enumerate(zip(trainable, ignored)) if not t and not ig]
+                nbytes = sum(p.numel() * p.element_size() for p, t in zip(self._params, trainable) if t)
+                extra = sum(self._params[i].numel() * self._params[i].element_size() for i in frozen)
+                if len(frozen) == wrap_count - sum(trainable) and nbytes + extra == wrap_bytes:
+                    for i in frozen:
+                        trainable[i] = True
+                    exact = True
+        return ModelInfo(
+            param_names=names,
+            param_shapes=[tuple(p.shape) for p in self._params],
+            trainable_at_wrap=trainable,
+            ignored=ignored,
+            buffer_names=[n for n, _ in self._module.named_buffers()],
+            buffer_shapes=[tuple(b.shape) for b in self._buffers],
+            ddp_config=ddp_config_of(ddp),
+            wrap_state_exact=exact,
+            wrap_trainable_count=wrap_count if wrap_count is not None and wrap_count >= 0 else None,
+            ddp_site=state.get("site") if state else None,
+            framework=state.get("framework", "torch") if state else "torch",
+        )
+
+    def __enter__(self) -> Doctor:
+        if self._attached or self._finished:
+            raise InvalidArgumentError("this observe() context was already used; call observe() again.")
+        self._attach()
+        return self
+
+    def _attach(self) -> None:
+        ddp, module = self._ddp, self._module
+        self._handles += [
+            ddp.register_forward_pre_hook(self._on_ddp_forward_pre),
+            ddp.register_forward_hook(self._on_ddp_forward),
+            module.register_forward_pre_hook(self._on_module_forward_pre, with_kwargs=True),
+            module.register_forward_hook(self._on_module_forward),
+        ]
+        if self._optimizer is not None:
+            self._handles += [
+                self._optimizer.register_step_pre_hook(self._on_optimizer_pre),
+                self._optimizer.register_step_post_hook(self._on_optimizer_post),
+            ]
+        self._hook_new_trainable()
+        self._attached = True
+
+    def _hook_new_trainable(self) -> None:
+        """Hook every parameter that requires grad now; parameters unfrozen later are hooked at the next step."""
+        for i, p in enumerate(self._params):
+            if p.requires_grad and i not in self._hooked:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
+                self._hooked.add(i)
+
+    def _detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._hooked.clear()
+        self._attached = False
+        self._finished = True
+
+    @property
+    def steps_observed(self) -> int:
+        return len(self._rows["used"])
+
+    @property
+    def finished(self) -> bool:
+        """True once every hook is removed (context exited, or `steps` reached)."""
+        return self._finished
+
+    # ---------------------------------------------------------------------------------------------- hooks
+
+    def _make_grad_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            self._step.used[i] = 1  # read _step at call time: it is replaced when a step closes
+
+        return hook
+
+    def _begin_step_if_needed(self) -> None:
+        if not self._step.started:
+            self._step.started = True
+            self._hook_new_trainable()
+            self._step.buffer_fp = None
+
+    def _on_ddp_forward_pre(self, _module: torch.nn.Module, _args: Any) -> None:
+        self._ddp_depth += 1
+        if torch.is_grad_enabled():
+            self._sync_forward = bool(self._ddp.require_backward_grad_sync)
+        self._t_forward_start = time.perf_counter()
+
+    def _on_ddp_forward(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
+        self._ddp_depth -= 1
+        if not torch.is_grad_enabled():
+            return
+        step = self._step
+        step.counters.ddp_forwards += 1
+        reachable, checkpoints = self._walk_graph(output)
+        for i in reachable:
+            step.reachable[i] = 1
+        step.counters.reentrant_checkpoints += checkpoints
+        self._t_last_forward_end = time.perf_counter()
+        step.t_forward += self._t_last_forward_end - self._t_forward_start
+
+    def _on_module_forward_pre(self, _module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if not torch.is_grad_enabled():
+            return  # evaluation under no_grad is not a training step
+        self._begin_step_if_needed()
+        step = self._step
+        if self._ddp_depth == 0:
+            step.counters.bypass_forwards += 1
+            self._sync_forward = bool(self._ddp.require_backward_grad_sync)
+            self._t_forward_start = time.perf_counter()
+            if len(self._bypass_sites) < _MAX_SITES:
+                site = user_site()
+                if site and site not in self._bypass_sites:
+                    self._bypass_sites.append(site)
+        if step.buffer_fp is None:
+            # DDP broadcasts rank 0's buffers inside its forward, before this hook: what we see is what trains.
+            step.buffer_fp = fingerprints(self._buffers)
+        inputs = [t for t in _tensors((args, kwargs)) if t.is_floating_point() or not t.is_complex()]
+        if inputs:
+            step.input_fp += fingerprints(inputs).nan_to_num(0.0).sum(0)
+
+    def _on_module_forward(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if self._ddp_depth == 0:
+            self._t_last_forward_end = time.perf_counter()
+            self._step.t_forward += self._t_last_forward_end - self._t_forward_start
+        # The first gradient to reach an output marks the start of this forward's backward pass; from there we
+        # queue a callback for its end. Hooking outputs (not parameters) keeps the callback on the outer graph
+        # task even when reentrant checkpointing runs nested backward passes.
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, _grad: torch.Tensor) -> None:
+        if not self._backward_pending and self._attached:
+            self._backward_pending = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward_queued)
+
+    def _after_backward_queued(self) -> None:
+        # DDP queues its finalize callback during the backward pass, after ours; queueing again runs us after it,
+        # when the reduced gradients are in `.grad`.
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._backward_pending = False
+        if not self._attached:
+            return
+        step = self._step
+        step.counters.micro_steps += 1
+        step.t_backward += time.perf_counter() - self._t_last_forward_end
+        if self._sync_forward:
+            step.counters.synced_backwards += 1
+            if self._optimizer is None:
+                step.grad_fp = fingerprints(p.grad for p in self._params)
+                self._close_step()
+
+    def _on_optimizer_pre(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self._step.grad_fp = fingerprints(p.grad for p in self._params)
+        self._t_optimizer_start = time.perf_counter()
+
+    def _on_optimizer_post(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self._step.t_optimizer += time.perf_counter() - self._t_optimizer_start
+        self._step.counters.optimizer_step = 1
+        self._close_step()
+
+    def _walk_graph(self, output: Any) -> tuple[set[int], int]:
+        """Parameters reachable from the autograd graph of `output`, and the number of reentrant checkpoints."""
+        stack = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        seen: set[Any] = set()
+        reachable: set[int] = set()
+        checkpoints = 0
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            variable = getattr(fn, "variable", None)
+            if variable is not None:
+                i = self._index.get(id(variable))
+                if i is not None:
+                    reachable.add(i)
+                continue
+            if type(fn).__name__ == "CheckpointFunctionBackward":
+                checkpoints += 1
+            stack.extend(next_fn for next_fn, _ in fn.next_functions)
+        return reachable, checkpoints
+
+    # --------------------------------------------------------------------------------------------- steps
+
+    def _close_step(self, *, complete: bool = True) -> None:
+        step = self._step
+        n = len(self._params)
+        step.counters.complete = int(complete)
+        rows = self._rows
+        rows["used"].append(torch.tensor(list(step.used), dtype=torch.bool))
+        rows["reachable"].append(torch.tensor(list(step.reachable), dtype=torch.bool))
+        rows["trainable"].append(torch.tensor([p.requires_grad for p in self._params], dtype=torch.bool))
+        rows["grad_fp"].append(step.grad_fp if step.grad_fp is not None
+                               else torch.full((n, 2), float("nan"), dtype=torch.float64))
+        rows["weight_fp"].append(fingerprints(self._params))
+        rows["buffer_fp"].append(step.buffer_fp if step.buffer_fp is not None
+                                 else torch.full((len(self._buffers), 2), float("nan"), dtype=torch.float64))
+        rows["input_fp"].append(step.input_fp)
+        rows["timing"].append(torch.tensor([step.t_forward, step.t_backward, step.t_optimizer], dtype=torch.float64))
+        rows["counters"].append(torch.tensor(step.counters.as_list(), dtype=torch.int64))
+        self._step = _Step(n)
+        if complete and self._max_steps is not None and self.steps_observed >= self._max_steps:
+            self._detach()
+            if self.on_steps_done is not None:
+                self.on_steps_done(self)
+
+    # ---------------------------------------------------------------------------------------------- exit
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        try:
+            if exc is not None:
+                self.record_crash(exc)
+        finally:
+            if self._attached:
+                self._detach()
+            self._finished = True
+        if exc is not None and self._crash_kind in (1, 2, 3):
+            raise self._explain(exc) from exc
+        return False
+
+    def record_crash(self, exc: BaseException) -> None:
+        """Record that the observed loop died with `exc` (the launcher calls this for crashes outside the context)."""
+        if self._crash_kind:
+            return
+        kind = _classify(exc)
+        self._crash_kind = CRASH_KINDS.index(kind)
+        if self._step.active and self._attached:
+            self._crash_step = self.steps_observed
+            self._close_step(complete=False)
+        else:
+            self._crash_step = self.steps_observed
+        self._crash_message = f"{type(exc).__name__}: {exc}"[:4000]
+
+    def _explain(self, exc: BaseException) -> DDPFailure:
+        """A ddp_doctor error that says, with names, what DDP's error means on this rank."""
+        kind = CRASH_KINDS[self._crash_kind]
+        info = self.info
+        complete = [i for i, c in enumerate(self._rows["counters"]) if c[StepCounters.FIELDS.index("complete")]]
+        if kind == "mark-ready-twice":
+            used = self._rows["used"][-1] if self._rows["used"] else torch.zeros(len(info.param_names), dtype=bool)
+            reach = self._rows["reachable"][-1] if self._rows["reachable"] else used
+            counters = self._rows["counters"][-1] if self._rows["counters"] else None
+            named = set(re.findall(r"with name (\S+)", str(exc)))
+            names = [n for i, n in enumerate(info.param_names) if (used[i] and not reach[i]) or n in named]
+            reentrant = counters is not None and bool(counters[StepCounters.FIELDS.index("reentrant_checkpoints")])
+            where = ("inside reentrant activation checkpointing (use_reentrant=True)" if reentrant else
+                     "outside DDP's forward")
+            return DDPFailure(
+                f"DDP failed on rank {self.rank}: with find_unused_parameters=True a parameter was marked ready "
+                f"twice. These parameters got a gradient but are not part of the graph of DDP's forward outputs, "
+                f"because they are used {where}: {_names(names)}. Fix: build DDP with static_graph=True and "
+                f"find_unused_parameters=False"
+                + (", or use use_reentrant=False" if reentrant else ", or compute them inside forward")
+                + ". Call doctor.report() on every rank for the full diagnosis.",
+                code="reentrant-checkpoint" if reentrant else "used-outside-forward", params=names)
+        if complete:
+            last = complete[-1]
+            used = self._rows["used"][last]
+            trainable = self._rows["trainable"][last]
+            names = [n for i, n in enumerate(info.param_names)
+                     if info.trainable_at_wrap[i] and not used[i]]
+            frozen = [n for i, n in enumerate(info.param_names) if info.trainable_at_wrap[i] and not trainable[i]]
+            where = f"in step {last}"
+        else:
+            names = _names_from_torch_message(str(exc), info)
+            frozen = []
+            where = "before observe() saw a full step"
+        if kind == "static-graph-changed":
+            return DDPFailure(
+                f"DDP failed on rank {self.rank}: static_graph=True, but the set of parameters that reach the loss "
+                f"changed between steps. Parameters with no gradient {where}: {_names(names)}. Fix: build DDP "
+                f"with static_graph=False and find_unused_parameters=True (the graph is dynamic). "
+                f"Call doctor.report() on every rank for the full diagnosis.",
+                code="static-graph-unsafe", params=names)
+        cause = (f"these parameters were frozen after DDP was built: {_names(frozen)}. Fix: set requires_grad=False "
+                 f"before wrapping the model (or rebuild DDP after freezing)" if frozen else
+                 "Fix: if they are never meant to train, set requires_grad=False before wrapping; if the same "
+                 "ones are unused every step, build DDP with static_graph=True; if the set changes from step to "
+                 "step, use find_unused_parameters=True")
+        return ReductionError(
+            f"DDP failed on rank {self.rank}: 'Expected to have finished reduction in the prior iteration'. DDP "
+            f"waited for gradients that never came. Trainable parameters that received no gradient {where}: "
+            f"{_names(names)}. {cause}. Call doctor.report() on every rank for the full diagnosis.",
+            code="reduction-error", params=names)
+
+    # --------------------------------------------------------------------------------------------- output
+
+    def record(self) -> RankRecord:
+        """This rank's observations so far, as plain data."""
+        rows = self._rows
+        n, b = len(self._params), len(self._buffers)
+        if not rows["used"]:
+            record = RankRecord.empty(self.rank, n, b)
+            record.weight_fp = rows["weight_fp"][0].unsqueeze(0)
+        else:
+            record = RankRecord(rank=self.rank, **{k: torch.stack(v) for k, v in rows.items()})
+        record.crash_kind = self._crash_kind
+        record.crash_step = self._crash_step
+        record.crash_message = self._crash_message
+        record.bypass_sites = list(self._bypass_sites)
+        record.trainable_at_entry_count = self._trainable_at_entry
+        return record
+
+    def report(self, *, timeout: float = 300.0) -> Any:
+        """Exchange every rank's record and diagnose them. Collective: every rank must call it.
+
+        Args:
+            timeout: seconds to wait for the other ranks to call `report()` too.
+
+        Returns:
+            The `Report`, identical on every rank.
+
+        Raises:
+            ReportTimeoutError: some rank did not call `report()` within `timeout`; the message names them.
+            RankMismatchError: the ranks observed models with different parameter lists.
+        """
+        from ddp_doctor.analyze import analyze
+        from ddp_doctor.gather import gather
+        from ddp_doctor.report import Report
+
+        if self._attached:
+            raise InvalidArgumentError("report() was called inside the observe() block; call it after the block.")
+        self._reports += 1
+        info, records = gather(self.record(), self.info, timeout=timeout, tag=f"report{self._reports}",
+                               device=self._comm_device())
+        return Report.build(info, records, analyze(info, records), backend=str(dist.get_backend()))
+
+    def _comm_device(self) -> torch.device:
+        if dist.get_backend() == "nccl":
+            device = self._params[0].device
+            return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "(none identified)"
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _names_from_torch_message(text: str, info: ModelInfo) -> list[str]:
+    """Map DDP's 'Parameter indices which did not receive grad for rank R: i j' onto names."""
+    marker = "did not receive grad for rank"
+    if marker not in text:
+        return []
+    tail = text.split(marker, 1)[1].split(":", 1)[-1].split("\n", 1)[0]
+    reduced = [n for n, t in zip(info.param_names, info.trainable_at_wrap) if t]
+    out = []
+    for token in tail.split():
+        if token.isdigit() and int(token) < len(reduced):
+            out.append(reduced[int(token)])
+        elif not token.isdigit():
+            out.append(token)
+    return out

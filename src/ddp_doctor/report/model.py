@@ -1,0 +1,210 @@
+"""The result objects: what the doctor knows. Renderers (text, JSON) read them; nothing here prints."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ddp_doctor.codes import CODES, SEVERITIES
+
+__all__ = ["SCHEMA", "ParamRef", "Finding", "Recommendation", "Timing", "Crash", "Diagnosis", "Report"]
+
+SCHEMA = "ddp-doctor/report@1"
+
+
+@dataclass(frozen=True, slots=True)
+class ParamRef:
+    """A parameter (or buffer) by module path, with its size."""
+
+    name: str
+    numel: int
+    shape: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.numel:,})"
+
+
+@dataclass(kw_only=True, slots=True)
+class Finding:
+    """One diagnosed problem. `code` is one of `ddp_doctor.codes.CODES`."""
+
+    code: str
+    severity: str
+    title: str
+    detail: str
+    params: list[ParamRef] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    fix: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.code in CODES, f"unknown finding code {self.code!r}"
+        assert self.severity in SEVERITIES, f"unknown severity {self.severity!r}"
+
+    @property
+    def param_names(self) -> list[str]:
+        return [p.name for p in self.params]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "severity": self.severity,
+            "title": self.title,
+            "detail": self.detail,
+            "params": [{"name": p.name, "numel": p.numel, "shape": list(p.shape)} for p in self.params],
+            "ranks": self.ranks,
+            "steps": self.steps,
+            "fix": self.fix,
+        }
+
+
+@dataclass(kw_only=True, slots=True)
+class Recommendation:
+    """The cheapest DDP configuration that is correct for what was observed."""
+
+    find_unused_parameters: bool
+    static_graph: bool
+    gradient_as_bucket_view: bool
+    freeze_before_wrap: list[str]
+    reason: str
+    verified: bool
+    render: dict[str, str] = field(default_factory=dict)
+    """Copy-pasteable code for `torch`, `transformers`, `accelerate` and `lightning`."""
+
+    @property
+    def ddp_kwargs(self) -> dict[str, bool]:
+        return {
+            "find_unused_parameters": self.find_unused_parameters,
+            "static_graph": self.static_graph,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class Timing:
+    """Per-step medians over every rank's complete observed steps, in seconds (observed, so hooks included)."""
+
+    forward_s: float | None = None
+    backward_s: float | None = None
+    optimizer_s: float | None = None
+    step_s: float | None = None
+
+    def to_dict(self) -> dict[str, float | None]:
+        return asdict(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class Crash:
+    """A rank whose observed loop ended with an exception."""
+
+    rank: int
+    step: int
+    kind: str
+    message: str
+
+
+@dataclass(kw_only=True)
+class Diagnosis:
+    """What `analyze` returns: pure data, no torch.distributed involved."""
+
+    findings: list[Finding]
+    recommendation: Recommendation
+    timing: Timing
+    steps_observed: int
+    crashes: list[Crash] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class Report:
+    """The doctor's report, identical on every rank. `print(report)` renders it; `to_dict()` is the JSON schema."""
+
+    tool_version: str
+    torch_version: str
+    backend: str
+    world_size: int
+    steps_observed: int
+    ddp_config: dict[str, Any]
+    findings: list[Finding]
+    recommendation: Recommendation
+    timing: Timing
+    crashes: list[Crash] = field(default_factory=list)
+    framework: str = "torch"
+    ddp_site: str | None = None
+    schema: str = SCHEMA
+
+    @classmethod
+    def build(cls, info: Any, records: list[Any], diagnosis: Diagnosis, *, backend: str) -> Report:
+        from ddp_doctor import __version__
+
+        return cls(
+            tool_version=__version__,
+            torch_version=torch.__version__,
+            backend=backend,
+            world_size=len(records),
+            steps_observed=diagnosis.steps_observed,
+            ddp_config=dict(info.ddp_config),
+            findings=diagnosis.findings,
+            recommendation=diagnosis.recommendation,
+            timing=diagnosis.timing,
+            crashes=diagnosis.crashes,
+            framework=info.framework,
+            ddp_site=info.ddp_site,
+        )
+
+    @property
+    def codes(self) -> set[str]:
+        return {f.code for f in self.findings}
+
+    def finding(self, code: str) -> Finding | None:
+        return next((f for f in self.findings if f.code == code), None)
+
+    def worst_severity(self) -> str | None:
+        present = {f.severity for f in self.findings}
+        return next((s for s in SEVERITIES if s in present), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema,
+            "tool_version": self.tool_version,
+            "torch_version": self.torch_version,
+            "backend": self.backend,
+            "world_size": self.world_size,
+            "steps_observed": self.steps_observed,
+            "ddp_config": self.ddp_config,
+            "findings": [f.to_dict() for f in self.findings],
+            "recommendation": self.recommendation.to_dict(),
+            "timing": self.timing.to_dict(),
+            "crashes": [asdict(c) for c in self.crashes],
+            "framework": self.framework,
+            "ddp_site": self.ddp_site,
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(_finite(self.to_dict()), indent=2, **kwargs)
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from ddp_doctor.report.text import render
+
+        yield from render(self)
+
+    def __str__(self) -> str:
+        from ddp_doctor.report.text import to_text
+
+        return to_text(self)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj

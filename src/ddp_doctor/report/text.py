@@ -1,0 +1,87 @@
+"""Terminal rendering with rich. Reads a `Report`; knows nothing about how it was diagnosed."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from ddp_doctor.report.model import Finding, Report
+
+__all__ = ["render", "to_text"]
+
+_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+_MAX_PARAMS = 6
+
+
+def _flags(config: dict[str, Any]) -> str:
+    keys = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "broadcast_buffers")
+    return ", ".join(f"{k}={config[k]}" for k in keys if k in config)
+
+
+def _finding(f: Finding) -> Panel:
+    body = Text()
+    body.append(f.detail + "\n")
+    if f.params:
+        shown = ", ".join(str(p) for p in f.params[:_MAX_PARAMS])
+        more = f" and {len(f.params) - _MAX_PARAMS} more" if len(f.params) > _MAX_PARAMS else ""
+        body.append("params: ", style="bold").append(shown + more + "\n")
+    if f.ranks or f.steps:
+        body.append("seen: ", style="bold").append(f"ranks {f.ranks}, steps {f.steps}\n")
+    body.append("fix: ", style="bold green").append(f.fix)
+    title = Text.assemble((f.severity.upper(), _STYLE[f.severity]), " ", (f.code, "bold"), f"  {f.title}")
+    return Panel(body, title=title, title_align="left", border_style=_STYLE[f.severity])
+
+
+def render(report: Report) -> Iterator[Any]:
+    """Yield rich renderables for the report, top to bottom."""
+    head = Table.grid(padding=(0, 2))
+    head.add_row("world size", str(report.world_size), "backend", report.backend)
+    head.add_row("steps observed", str(report.steps_observed), "torch", report.torch_version)
+    head.add_row("DDP flags", _flags(report.ddp_config), "built by", report.framework)
+    if report.ddp_site:
+        head.add_row("DDP built at", report.ddp_site, "", "")
+    yield Panel(head, title=f"ddp-doctor {report.tool_version}", title_align="left")
+
+    for crash in report.crashes:
+        yield Text(f"rank {crash.rank} stopped at step {crash.step}: {crash.message.splitlines()[0][:300]}",
+                   style="red")
+    if not report.findings:
+        yield Text("No problems found.", style="bold green")
+    for f in report.findings:
+        yield _finding(f)
+
+    rec = report.recommendation
+    summary = Text()
+    summary.append(f"find_unused_parameters={rec.find_unused_parameters}, static_graph={rec.static_graph}, "
+                   f"gradient_as_bucket_view={rec.gradient_as_bucket_view}", style="bold")
+    if rec.freeze_before_wrap:
+        summary.append(f"\nfreeze before wrap: {', '.join(rec.freeze_before_wrap)}")
+    summary.append(f"\n{rec.reason}")
+    first = "torch" if report.framework not in rec.render else report.framework
+    parts: list[Any] = [summary]
+    if first in rec.render:
+        parts.append(Syntax(rec.render[first], "python", theme="ansi_dark", background_color="default"))
+    verdict = "verified" if rec.verified else "not yet verified"
+    yield Panel(Group(*parts), title=f"Recommendation ({verdict})", title_align="left", border_style="green")
+
+    t = report.timing
+    if t.step_s is not None:
+        yield Text(f"median per step (observed, hooks included): forward {t.forward_s * 1e3:.1f} ms, backward "
+                   f"{t.backward_s * 1e3:.1f} ms, optimizer {t.optimizer_s * 1e3:.1f} ms", style="dim")
+
+
+def to_text(report: Report, *, width: int = 100, color: bool = False) -> str:
+    """The report as a string; plain text unless `color`."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, force_terminal=color, color_system="standard" if color else None,
+                      highlight=False)
+    for part in render(report):
+        console.print(part)
+    return buffer.getvalue()

@@ -1,0 +1,278 @@
+"""The scenario matrix: one small model and loop per DDP situation, with the findings each must produce.
+
+Each case runs twice inside one launch: first as the user wrote it (observed), then with the report's
+recommendation applied (and the loop's bug fixed where flags cannot fix it), checking at every optimizer step that
+grads are identical across ranks and equal to the average of the per-rank local grads.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+
+from ddp_doctor import DDPFailure, observe
+
+
+class Net(nn.Module):
+    """A trunk, two heads and an optional checkpointed block; `mode` picks which parts reach the loss."""
+
+    def __init__(self, *, checkpointed: str | None = None, batchnorm: bool = False) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.head_a = nn.Linear(16, 4)
+        self.head_b = nn.Linear(16, 4)
+        self.norm = nn.BatchNorm1d(16) if batchnorm else None
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor, use_b: bool = False, return_features: bool = False) -> Any:
+        h = torch.relu(self.trunk(x))
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.checkpointed is None:
+            h = self.block(h)
+        else:
+            h = checkpoint(self.block, h, use_reentrant=self.checkpointed == "reentrant")
+        out = self.head_a(h)
+        if use_b:
+            out = out + self.head_b(h)
+        return (out, h) if return_features else out
+
+
+def batch(rank: int, step: int, micro: int = 0, *, same: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed((0 if same else 1000 * rank) + 10 * step + micro + 1)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+LossFn = Callable[[Any, nn.Module, tuple[torch.Tensor, torch.Tensor], int, int], torch.Tensor]
+
+
+def loss_plain(model: Any, inner: nn.Module, data: Any, step: int, rank: int) -> torch.Tensor:
+    x, y = data
+    return F.mse_loss(model(x), y)
+
+
+def loss_both(model: Any, inner: nn.Module, data: Any, step: int, rank: int) -> torch.Tensor:
+    x, y = data
+    return F.mse_loss(model(x, use_b=True), y)
+
+
+def loss_odd_steps(model: Any, inner: nn.Module, data: Any, step: int, rank: int) -> torch.Tensor:
+    x, y = data
+    return F.mse_loss(model(x, use_b=step % 2 == 1), y)
+
+
+def loss_rank0_only(model: Any, inner: nn.Module, data: Any, step: int, rank: int) -> torch.Tensor:
+    x, y = data
+    return F.mse_loss(model(x, use_b=rank == 0), y)
+
+
+def loss_outside_forward(model: Any, inner: nn.Module, data: Any, step: int, rank: int) -> torch.Tensor:
+    x, y = data
+    out, h = model(x, return_features=True)
+    return F.mse_loss(out, y) + 0.1 * inner.head_b(h).pow(2).mean()  # head_b runs after DDP's forward
+
+
+def loss_bypass(model: Any, inner: nn.Module, data: Any, step: int, rank: int) -> torch.Tensor:
+    x, y = data
+    return F.mse_loss(inner(x, use_b=True), y)  # seed 002: the loss goes through ddp.module
+
+
+def freeze(*names: str) -> Callable[[nn.Module], None]:
+    def apply(module: nn.Module) -> None:
+        for n in names:
+            module.get_parameter(n).requires_grad_(False)
+    return apply
+
+
+def unfreeze(*names: str) -> Callable[[nn.Module], None]:
+    def apply(module: nn.Module) -> None:
+        for n in names:
+            module.get_parameter(n).requires_grad_(True)
+    return apply
+
+
+@dataclass(kw_only=True)
+class Case:
+    name: str
+    codes: set[str]
+    """The exact set of finding codes the observed run must produce."""
+    params: dict[str, set[str]] = field(default_factory=dict)
+    """Per code, the exact parameter (or buffer) names the finding must name."""
+    loss: LossFn = loss_both
+    ddp_kwargs: dict[str, Any] = field(default_factory=dict)
+    net_kwargs: dict[str, Any] = field(default_factory=dict)
+    before_wrap: Callable[[nn.Module], None] | None = None
+    after_wrap: Callable[[nn.Module], None] | None = None
+    accumulate: str | None = None
+    """None, "flag" (nanoGPT's require_backward_grad_sync) or "no_sync"."""
+    micro_steps: int = 1
+    same_batch: bool = False
+    raises: str | None = None
+    """The ddp_doctor error code the observed loop must raise, if it crashes."""
+    fixed: dict[str, Any] = field(default_factory=dict)
+    """Changes to the loop for the applied run, where the bug is in code rather than in flags."""
+    steps: int = 4
+
+
+HEAD_B = {"head_b.weight", "head_b.bias"}
+TRUNK = {"trunk.weight", "trunk.bias"}
+BLOCK = {"block.0.weight", "block.0.bias"}
+ALL = TRUNK | BLOCK | {"head_a.weight", "head_a.bias"} | HEAD_B
+
+CASES: dict[str, Case] = {c.name: c for c in [
+    Case(name="all-used", codes=set()),
+    Case(name="unused-head", loss=loss_plain, raises="reduction-error",
+         codes={"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"},
+         params={"reduction-error": HEAD_B, "unused-parameters": HEAD_B}),
+    Case(name="unused-head-find-unused", loss=loss_plain, ddp_kwargs={"find_unused_parameters": True},
+         codes={"unused-parameters"}, params={"unused-parameters": HEAD_B}),
+    Case(name="odd-steps-head", loss=loss_odd_steps, ddp_kwargs={"find_unused_parameters": True},
+         codes={"dynamic-graph"}, params={"dynamic-graph": HEAD_B}),
+    Case(name="odd-steps-static-graph", loss=loss_odd_steps, ddp_kwargs={"static_graph": True},
+         raises="static-graph-unsafe", codes={"static-graph-unsafe", "dynamic-graph"},
+         params={"dynamic-graph": HEAD_B, "static-graph-unsafe": HEAD_B}),
+    Case(name="one-rank-head", loss=loss_rank0_only, ddp_kwargs={"find_unused_parameters": True},
+         codes={"rank-dependent-graph"}, params={"rank-dependent-graph": HEAD_B}),
+    Case(name="outside-forward", loss=loss_outside_forward,
+         codes={"used-outside-forward"}, params={"used-outside-forward": HEAD_B}),
+    Case(name="outside-forward-find-unused", loss=loss_outside_forward, ddp_kwargs={"find_unused_parameters": True},
+         raises="used-outside-forward", codes={"used-outside-forward"},
+         # DDP fails at the first gradient that arrives; only that one is known to be used outside forward.
+         params={"used-outside-forward": {"head_b.bias"}}),
+    Case(name="reentrant-checkpoint", net_kwargs={"checkpointed": "reentrant"},
+         codes={"reentrant-checkpoint"}, params={"reentrant-checkpoint": BLOCK}),
+    Case(name="reentrant-checkpoint-find-unused", net_kwargs={"checkpointed": "reentrant"},
+         ddp_kwargs={"find_unused_parameters": True}, raises="reentrant-checkpoint",
+         codes={"reentrant-checkpoint"}, params={"reentrant-checkpoint": {"block.0.bias"}}),
+    Case(name="reentrant-checkpoint-unused", loss=loss_plain, net_kwargs={"checkpointed": "reentrant"},
+         raises="reduction-error",
+         codes={"reduction-error", "reentrant-checkpoint", "unused-parameters", "grads-not-synced",
+                "replica-divergence"},
+         params={"reentrant-checkpoint": BLOCK, "unused-parameters": HEAD_B, "reduction-error": HEAD_B}),
+    Case(name="nonreentrant-checkpoint", net_kwargs={"checkpointed": "non-reentrant"}, codes=set()),
+    Case(name="nonreentrant-checkpoint-unused", loss=loss_plain, net_kwargs={"checkpointed": "non-reentrant"},
+         raises="reduction-error",
+         codes={"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"},
+         params={"unused-parameters": HEAD_B}),
+    Case(name="find-unused-unneeded", ddp_kwargs={"find_unused_parameters": True},
+         codes={"find-unused-unneeded"}),
+    Case(name="loss-through-module", loss=loss_bypass,
+         codes={"wrapper-bypass", "grads-not-synced", "replica-divergence"},
+         params={"grads-not-synced": ALL, "replica-divergence": ALL},
+         fixed={"loss": loss_both}),
+    Case(name="freeze-after-wrap", after_wrap=freeze("trunk.weight", "trunk.bias"), raises="reduction-error",
+         codes={"frozen-after-wrap", "reduction-error", "grads-not-synced", "replica-divergence"},
+         params={"frozen-after-wrap": TRUNK, "reduction-error": TRUNK}, fixed={"after_wrap": None}),
+    Case(name="unfreeze-after-wrap", before_wrap=freeze("trunk.weight", "trunk.bias"),
+         after_wrap=unfreeze("trunk.weight", "trunk.bias"),
+         codes={"unfrozen-after-wrap", "grads-not-synced", "replica-divergence"},
+         params={"unfrozen-after-wrap": TRUNK, "grads-not-synced": TRUNK, "replica-divergence": TRUNK},
+         fixed={"before_wrap": None, "after_wrap": None}),
+    Case(name="accumulate-nanogpt", accumulate="flag", micro_steps=3, codes=set()),
+    Case(name="accumulate-no-sync", accumulate="no_sync", micro_steps=3, codes=set()),
+    Case(name="same-batch", same_batch=True, codes={"identical-inputs-across-ranks"},
+         fixed={"same_batch": False}),
+    Case(name="batchnorm", net_kwargs={"batchnorm": True}, codes=set()),
+    Case(name="batchnorm-no-broadcast", net_kwargs={"batchnorm": True}, ddp_kwargs={"broadcast_buffers": False},
+         codes={"buffer-divergence"}, params={"buffer-divergence": {"norm.running_mean", "norm.running_var"}}),
+]}
+
+
+def _build(case: Case, ddp_kwargs: dict[str, Any], freeze_names: list[str]) -> tuple[DDP, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    net = Net(**case.net_kwargs)
+    if case.before_wrap is not None:
+        case.before_wrap(net)
+    for n in freeze_names:
+        net.get_parameter(n).requires_grad_(False)
+    ddp = DDP(net, **ddp_kwargs)
+    if case.after_wrap is not None:
+        case.after_wrap(net)
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+
+def _micro_batches(case: Case, rank: int, step: int) -> list[Any]:
+    return [batch(rank, step, m, same=case.same_batch) for m in range(case.micro_steps)]
+
+
+def train_step(case: Case, model: Any, inner: nn.Module, rank: int, step: int) -> None:
+    """One optimizer step's forward and backward passes, written the way users write them."""
+    for micro, data in enumerate(_micro_batches(case, rank, step)):
+        last = micro == case.micro_steps - 1
+        if case.accumulate == "flag":
+            model.require_backward_grad_sync = last  # nanoGPT's idiom
+        context = model.no_sync() if case.accumulate == "no_sync" and not last else nullcontext()
+        with context:
+            (case.loss(model, inner, data, step, rank) / case.micro_steps).backward()
+
+
+def run_observed(case: Case, rank: int) -> dict[str, Any]:
+    """The user's loop under observe(); returns the report as a dict plus what was raised."""
+    ddp, opt = _build(case, case.ddp_kwargs, [])
+    raised = None
+    doctor = observe(ddp, optimizer=opt)
+    try:
+        with doctor:
+            for step in range(case.steps):
+                train_step(case, ddp, ddp.module, rank, step)
+                opt.step()
+                opt.zero_grad()
+    except DDPFailure as exc:
+        raised = exc.code
+    report = doctor.report(timeout=20)
+    return {"report": report.to_dict(), "raised": raised, "text": str(report)}
+
+
+def _flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+
+
+def run_applied(case: Case, rank: int, rec: dict[str, Any]) -> dict[str, Any]:
+    """Apply the recommendation and check grads at every optimizer step against a reference average."""
+    fixed = replace(case, **case.fixed)
+    kwargs = {k: v for k, v in fixed.ddp_kwargs.items() if k == "broadcast_buffers"}
+    kwargs.update(find_unused_parameters=rec["find_unused_parameters"], static_graph=rec["static_graph"],
+                  gradient_as_bucket_view=rec["gradient_as_bucket_view"])
+    ddp, opt = _build(fixed, kwargs, rec["freeze_before_wrap"])
+    trained = [p for p in ddp.module.parameters() if p.requires_grad]
+    worst, unequal = 0.0, 0
+    for step in range(case.steps):
+        reference = copy.deepcopy(ddp.module)
+        ref_params = [p for p in reference.parameters() if p.requires_grad]
+        _reference_accumulate(fixed, reference, rank, step)
+        expected = _flat_grads(ref_params)
+        dist.all_reduce(expected)
+        expected /= dist.get_world_size()
+        train_step(fixed, ddp, ddp.module, rank, step)
+        got = _flat_grads(trained)
+        everyone = [torch.empty_like(got) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, got)
+        unequal += sum(not torch.equal(everyone[0], g) for g in everyone)
+        worst = max(worst, float((got - expected).abs().max()))
+        opt.step()
+        opt.zero_grad()
+    return {"max_abs_err": worst, "unequal_across_ranks": unequal}
+
+
+def _reference_accumulate(case: Case, module: nn.Module, rank: int, step: int) -> None:
+    for data in _micro_batches(case, rank, step):
+        (case.loss(module, module, data, step, rank) / case.micro_steps).backward()
+
+
+def run_case(rank: int, world: int, name: str) -> dict[str, Any]:
+    """Rank function for the harness: observed run, then the applied recommendation."""
+    case = CASES[name]
+    out = run_observed(case, rank)
+    out["applied"] = run_applied(case, rank, out["report"]["recommendation"])
+    return out
