@@ -221,6 +221,7 @@ class Doctor:
         self._crash_kind = 0
         self._crash_step = -1
         self._crash_message = ""
+        self._crash_in_window = False
         self._bypass_sites: list[str] = []
         self.on_steps_done: Callable[[Doctor], None] | None = None
         """Called once when `steps` steps have been observed (used by the launcher to stop the script)."""
@@ -482,6 +483,7 @@ class Doctor:
             return
         kind = _classify(exc)
         self._crash_kind = CRASH_KINDS.index(kind)
+        self._crash_in_window = self._attached
         if self._step.active and self._attached:
             self._crash_step = self.steps_observed
             self._close_step(complete=False)
@@ -511,7 +513,7 @@ class Doctor:
                 + (", or use use_reentrant=False" if reentrant else ", or compute them inside forward")
                 + ". Call doctor.report() on every rank for the full diagnosis.",
                 code="reentrant-checkpoint" if reentrant else "used-outside-forward", params=names)
-        if complete:
+        if complete and self._crash_in_window:
             last = complete[-1]
             used = self._rows["used"][last]
             trainable = self._rows["trainable"][last]
@@ -522,7 +524,7 @@ class Doctor:
         else:
             names = _names_from_torch_message(str(exc), info)
             frozen = []
-            where = "before observe() saw a full step"
+            where = "after the observed steps" if complete else "before observe() saw a full step"
         if kind == "static-graph-changed":
             return DDPFailure(
                 f"DDP failed on rank {self.rank}: static_graph=True, but the set of parameters that reach the loss "

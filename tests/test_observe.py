@@ -1,0 +1,248 @@
+"""observe(): bad input, step counting, zero cost after exit, communication budget, crash explanation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist import RankFailure, run_ranks
+from scenarios import Net, batch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_doctor
+from ddp_doctor import (
+    InvalidArgumentError,
+    NoTrainableParametersError,
+    NotDDPModelError,
+    ProcessGroupNotInitializedError,
+    ReductionError,
+    ReportTimeoutError,
+    observe,
+)
+
+
+def _model(**kwargs) -> tuple[DDP, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    ddp = DDP(Net(), **kwargs)
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+
+def _step(ddp: DDP, opt: torch.optim.Optimizer | None, rank: int, step: int, *, use_b: bool = True) -> None:
+    x, y = batch(rank, step)
+    F.mse_loss(ddp(x, use_b=use_b), y).backward()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad()
+
+
+def test_plain_module_is_rejected() -> None:
+    with pytest.raises(NotDDPModelError, match=r"got .*Linear.*Wrap it first"):
+        observe(nn.Linear(2, 2))
+    with pytest.raises(NotDDPModelError, match="got builtins.str"):
+        observe("model")  # type: ignore[arg-type]
+
+
+def _no_process_group(rank: int, world: int) -> str:
+    ddp, _ = _model()
+    dist.destroy_process_group()
+    with pytest.raises(ProcessGroupNotInitializedError, match="init_process_group") as info:
+        observe(ddp)
+    return str(info.value)
+
+
+def test_observe_without_process_group(tmp_path) -> None:
+    [message] = run_ranks(_no_process_group, tmp_path, world_size=1)
+    assert "torchrun" in message
+
+
+def _nothing_trainable(rank: int, world: int) -> str:
+    ddp, _ = _model()
+    for p in ddp.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(NoTrainableParametersError, match="8 parameters and none requires a gradient") as info:
+        observe(ddp)
+    return info.value.code
+
+
+def test_nothing_trainable(tmp_path) -> None:
+    assert run_ranks(_nothing_trainable, tmp_path) == ["no-trainable-parameters"] * 2
+
+
+def _bad_arguments(rank: int, world: int) -> None:
+    ddp, _ = _model()
+    with pytest.raises(InvalidArgumentError, match="optimizer must be a torch.optim.Optimizer"):
+        observe(ddp, optimizer="sgd")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="steps must be a positive int or None, got 0"):
+        observe(ddp, steps=0)
+    doctor = observe(ddp)
+    with doctor:
+        with pytest.raises(InvalidArgumentError, match="inside the observe"):
+            doctor.report()
+
+
+def test_bad_arguments(tmp_path) -> None:
+    run_ranks(_bad_arguments, tmp_path, world_size=1)
+
+
+def _report_on_one_rank(rank: int, world: int) -> str | None:
+    ddp, opt = _model()
+    with observe(ddp, optimizer=opt) as doctor:
+        _step(ddp, opt, rank, 0)
+    if rank == 1:
+        return None  # rank 1 forgets report()
+    with pytest.raises(ReportTimeoutError) as info:
+        doctor.report(timeout=2)
+    return str(info.value)
+
+
+def test_report_on_one_rank_times_out_and_names_the_missing_rank(tmp_path) -> None:
+    message, _ = run_ranks(_report_on_one_rank, tmp_path, timeout=40)
+    assert "rank(s) [1] of world size 2" in message and "call it on every rank" in message
+
+
+def _hook_counts(ddp: DDP, opt: torch.optim.Optimizer) -> tuple[int, ...]:
+    modules = (ddp, ddp.module)
+    return (
+        sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in modules),
+        sum(len(p._post_accumulate_grad_hooks or {}) for p in ddp.parameters()),
+        len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks),
+    )
+
+
+def _zero_cost_after_exit(rank: int, world: int) -> dict:
+    observed, opt_a = _model()
+    plain = copy.deepcopy(observed)
+    plain = DDP(plain.module)
+    opt_b = torch.optim.SGD(plain.parameters(), lr=0.1)
+    before = _hook_counts(observed, opt_a)
+    during = None
+    identical = True
+    with observe(observed, optimizer=opt_a) as doctor:
+        for step in range(3):
+            during = during or _hook_counts(observed, opt_a)
+            _step(observed, opt_a, rank, step)
+            _step(plain, opt_b, rank, step)
+    after = _hook_counts(observed, opt_a)
+    for step in range(3, 6):
+        for model, opt in ((observed, None), (plain, None)):
+            _step(model, opt, rank, step)
+        identical &= all(torch.equal(a.grad, b.grad) for a, b in zip(observed.parameters(), plain.parameters()))
+        opt_a.step(), opt_b.step(), opt_a.zero_grad(), opt_b.zero_grad()
+    identical &= all(torch.equal(a, b) for a, b in zip(observed.parameters(), plain.parameters()))
+    doctor.report(timeout=20)
+    return {"before": before, "during": during, "after": after, "identical": identical}
+
+
+def test_every_hook_is_gone_after_exit_and_training_is_bit_identical(tmp_path) -> None:
+    for r in run_ranks(_zero_cost_after_exit, tmp_path):
+        assert r["during"] > r["before"], "observe() installed no hooks?"
+        assert r["after"] == r["before"]
+        assert r["identical"], "grads or weights differ from a run that was never observed"
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "barrier", "all_gather_object", "reduce_scatter",
+                "all_to_all", "gather", "scatter", "reduce")
+
+
+def _communication(rank: int, world: int) -> dict:
+    ddp, opt = _model()
+    calls: dict[str, list] = {name: [] for name in _COLLECTIVES}
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counting(name):
+        def wrapper(*args, **kwargs):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            calls[name].append(tuple(tensors[0].shape) if tensors else None)
+            return originals[name](*args, **kwargs)
+        return wrapper
+
+    for name in _COLLECTIVES:
+        setattr(dist, name, counting(name))
+    try:
+        with observe(ddp, optimizer=opt) as doctor:
+            for step in range(4):
+                _step(ddp, opt, rank, step)
+        during = sum(len(v) for v in calls.values())
+        doctor.report(timeout=20)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {"during": during, "report": {k: len(v) for k, v in calls.items() if v},
+            "shapes": calls["all_gather"]}
+
+
+def test_no_collectives_during_steps_and_three_fixed_shape_ones_at_report(tmp_path) -> None:
+    a, b = run_ranks(_communication, tmp_path)
+    assert a["during"] == b["during"] == 0
+    assert a["report"] == b["report"] == {"all_gather": 3}
+    assert a["shapes"] == b["shapes"], "collective shapes depend on the rank"
+
+
+def _no_optimizer(rank: int, world: int) -> dict:
+    ddp, _ = _model()
+    with observe(ddp) as doctor:
+        for step in range(3):
+            with ddp.no_sync():
+                _step(ddp, None, rank, step)
+            _step(ddp, None, rank, step)  # the synced micro-step ends the step
+            ddp.zero_grad()
+    report = doctor.report(timeout=20)
+    return {"steps": report.steps_observed, "codes": sorted(report.codes)}
+
+
+def test_without_optimizer_a_step_is_a_synced_backward(tmp_path) -> None:
+    assert run_ranks(_no_optimizer, tmp_path) == [{"steps": 3, "codes": []}] * 2
+
+
+def _limited_steps(rank: int, world: int) -> dict:
+    ddp, opt = _model(find_unused_parameters=True)
+    with observe(ddp, optimizer=opt, steps=2) as doctor:
+        for step in range(5):
+            _step(ddp, opt, rank, step, use_b=step < 2)  # head_b unused after the observed steps: not seen
+        finished = doctor.finished
+    report = doctor.report(timeout=20)
+    return {"finished": finished, "steps": report.steps_observed, "codes": sorted(report.codes)}
+
+
+def test_steps_limit_detaches_after_k_steps(tmp_path) -> None:
+    expected = {"finished": True, "steps": 2, "codes": ["find-unused-unneeded"]}
+    assert run_ranks(_limited_steps, tmp_path) == [expected] * 2
+
+
+def _reduction_error(rank: int, world: int) -> dict:
+    ddp, opt = _model()
+    doctor = observe(ddp, optimizer=opt)
+    with pytest.raises(ReductionError) as info:
+        with doctor:
+            for step in range(3):
+                _step(ddp, opt, rank, step, use_b=False)
+    report = doctor.report(timeout=20)
+    return {"message": str(info.value), "cause": type(info.value.__cause__).__name__, "params": info.value.params,
+            "text": str(report)}
+
+
+def test_reduction_error_is_explained_with_names_and_chained(tmp_path) -> None:
+    result = run_ranks(_reduction_error, tmp_path)[0]
+    assert result["cause"] == "RuntimeError"
+    assert result["params"] == ["head_b.weight", "head_b.bias"]
+    assert "head_b.weight, head_b.bias" in result["message"] and "static_graph=True" in result["message"]
+    assert "reduction-error" in result["text"] and "head_b.weight (64)" in result["text"]
+
+
+def test_rank_failure_collects_every_traceback(tmp_path) -> None:
+    with pytest.raises(RankFailure, match=r"(?s)--- rank 1 ---.*boom on rank 1"):
+        run_ranks(_fail_on_rank_1, tmp_path, timeout=30)
+
+
+def _fail_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+
+
+def test_public_api_names() -> None:
+    assert set(ddp_doctor.CODES) >= {"unused-parameters", "reduction-error", "no-trainable-parameters"}
+    assert callable(ddp_doctor.observe)
