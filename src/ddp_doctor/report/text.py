@@ -49,9 +49,13 @@ def render(report: Report) -> Iterator[Any]:
         head.add_row("DDP built at", report.ddp_site, "", "")
     yield Panel(head, title=f"ddp-doctor {report.tool_version}", title_align="left")
 
+    by_message: dict[tuple[int, str], list[int]] = {}
     for crash in report.crashes:
-        yield Text(f"rank {crash.rank} stopped at step {crash.step}: {crash.message.splitlines()[0][:300]}",
-                   style="red")
+        first = crash.message.split(". ", 1)[0].splitlines()[0][:200]
+        by_message.setdefault((crash.step, first), []).append(crash.rank)
+    for (step, first), ranks in by_message.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        yield Text(f"{who} stopped at step {step}: {first}.", style="red")
     if not report.findings:
         yield Text("No problems found.", style="bold green")
     for f in report.findings:

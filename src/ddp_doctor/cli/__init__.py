@@ -1,0 +1,25 @@
+"""The `ddp-doctor` command. One module per subcommand; each registers itself with the parser."""
+
+from __future__ import annotations
+
+import argparse
+
+from ddp_doctor import __version__
+from ddp_doctor.cli import codes
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddp-doctor", description="Find, explain and fix misconfigured PyTorch "
+                                                                    "DistributedDataParallel training.")
+    parser.add_argument("--version", action="version", version=f"ddp-doctor {__version__}")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    codes.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+

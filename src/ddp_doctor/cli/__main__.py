@@ -1,0 +1,5 @@
+import sys
+
+from ddp_doctor.cli import main
+
+sys.exit(main())

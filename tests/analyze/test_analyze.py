@@ -1,0 +1,211 @@
+"""analyze() is pure: hand-built records in, findings and a recommendation out, no process group anywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_doctor.analyze import analyze
+from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
+
+NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight"]
+SHAPES = [(4, 3), (4,), (2, 4), (2, 4)]
+
+
+def info(**overrides) -> ModelInfo:
+    base = dict(param_names=NAMES, param_shapes=SHAPES, trainable_at_wrap=[True] * 4, ignored=[False] * 4,
+                buffer_names=["norm.running_mean"], buffer_shapes=[(4,)],
+                ddp_config={"find_unused_parameters": False, "static_graph": False,
+                            "gradient_as_bucket_view": False, "broadcast_buffers": True})
+    base.update(overrides)
+    return ModelInfo(**base)
+
+
+def record(rank: int, used: list[list[int]], *, grad=None, weights=None, inputs=None, trainable=None,
+           buffers=None, counters=None, crash: str = "none", crash_step: int = -1) -> RankRecord:
+    """A rank's record: `used[s][p]` is 1 when param p got a gradient in step s."""
+    steps, n = len(used), len(used[0])
+    used_t = torch.tensor(used, dtype=torch.bool)
+    default_grad = torch.arange(steps * n * 2, dtype=torch.float64).reshape(steps, n, 2)
+    c = StepCounters(ddp_forwards=1, micro_steps=1, synced_backwards=1, optimizer_step=1)
+    return RankRecord(
+        rank=rank,
+        used=used_t,
+        reachable=used_t.clone(),
+        trainable=torch.tensor(trainable, dtype=torch.bool) if trainable is not None else torch.ones(steps, n,
+                                                                                                       dtype=torch.bool),
+        grad_fp=grad if grad is not None else default_grad,
+        weight_fp=weights if weights is not None else torch.zeros(steps + 1, n, 2, dtype=torch.float64),
+        buffer_fp=buffers if buffers is not None else torch.zeros(steps, 1, 2, dtype=torch.float64),
+        input_fp=inputs if inputs is not None else torch.full((steps, 2), float(rank + 1), dtype=torch.float64),
+        timing=torch.full((steps, 3), 0.01, dtype=torch.float64),
+        counters=counters if counters is not None else torch.tensor([c.as_list()] * steps),
+        crash_kind=CRASH_KINDS.index(crash), crash_step=crash_step,
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_distributed(monkeypatch) -> None:
+    """Any collective inside analyze would be a bug: make them all explode."""
+    for name in ("all_gather", "all_reduce", "broadcast", "barrier", "get_rank", "get_world_size"):
+        monkeypatch.setattr(dist, name, lambda *a, **k: pytest.fail("analyze called torch.distributed"))
+    assert not dist.is_initialized()
+
+
+def codes(diagnosis) -> set[str]:
+    return {f.code for f in diagnosis.findings}
+
+
+def names(diagnosis, code: str) -> list[str]:
+    return next(f for f in diagnosis.findings if f.code == code).param_names
+
+
+ALL = [[1, 1, 1, 1]] * 3
+
+
+def test_clean_run_has_no_findings_and_a_verified_recommendation() -> None:
+    d = analyze(info(), [record(0, ALL), record(1, ALL)])
+    assert codes(d) == set()
+    rec = d.recommendation
+    assert (rec.find_unused_parameters, rec.static_graph, rec.freeze_before_wrap, rec.verified) == (
+        False, False, [], True)
+    assert "find_unused_parameters=False" in rec.render["torch"]
+    assert "ddp_find_unused_parameters=False" in rec.render["transformers"]
+    assert "DistributedDataParallelKwargs(find_unused_parameters=False" in rec.render["accelerate"]
+    assert "DDPStrategy(find_unused_parameters=False" in rec.render["lightning"]
+    assert d.steps_observed == 3 and d.timing.step_s == pytest.approx(0.03)
+
+
+def test_never_used_param_with_default_flags_is_an_error_and_frozen_before_wrap() -> None:
+    used = [[1, 1, 1, 0]] * 3
+    d = analyze(info(), [record(0, used), record(1, used)])
+    assert codes(d) == {"unused-parameters"}
+    f = d.findings[0]
+    assert f.severity == "error" and f.param_names == ["head_b.weight"] and f.params[0].numel == 8
+    assert d.recommendation.freeze_before_wrap == ["head_b.weight"]
+    assert "get_parameter(name).requires_grad_(False)" in d.recommendation.render["torch"]
+
+
+def test_used_set_changing_between_steps_needs_find_unused() -> None:
+    used = [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 0]]
+    cfg = {"find_unused_parameters": True, "static_graph": False, "gradient_as_bucket_view": False}
+    d = analyze(info(ddp_config=cfg), [record(0, used), record(1, used)])
+    assert codes(d) == {"dynamic-graph"}
+    assert d.findings[0].severity == "info" and d.findings[0].steps == [0, 2]
+    assert (d.recommendation.find_unused_parameters, d.recommendation.static_graph) == (True, False)
+    assert d.recommendation.verified
+
+
+def test_dynamic_graph_under_static_graph_is_unsafe() -> None:
+    used = [[1, 1, 1, 0], [1, 1, 1, 1]]
+    cfg = {"find_unused_parameters": False, "static_graph": True}
+    d = analyze(info(ddp_config=cfg), [record(0, used), record(1, used)])
+    assert codes(d) == {"dynamic-graph", "static-graph-unsafe"}
+    assert all(f.severity == "error" for f in d.findings)
+
+
+def test_stable_rank_dependent_graph_gets_static_graph() -> None:
+    cfg = {"find_unused_parameters": True, "static_graph": False}
+    d = analyze(info(ddp_config=cfg), [record(0, ALL), record(1, [[1, 1, 1, 0]] * 3)])
+    assert codes(d) == {"rank-dependent-graph"}
+    assert d.findings[0].ranks == [1] and names(d, "rank-dependent-graph") == ["head_b.weight"]
+    assert (d.recommendation.find_unused_parameters, d.recommendation.static_graph) == (False, True)
+
+
+def test_grads_that_differ_across_ranks_are_named_with_ranks_and_steps() -> None:
+    grad = torch.zeros(3, 4, 2, dtype=torch.float64)
+    other = grad.clone()
+    other[2, 1] = 5.0
+    d = analyze(info(), [record(0, ALL, grad=grad), record(1, ALL, grad=other)])
+    f = next(f for f in d.findings if f.code == "grads-not-synced")
+    assert (f.param_names, f.ranks, f.steps) == (["trunk.bias"], [0, 1], [2])
+
+
+def test_missing_grad_on_every_rank_is_in_sync() -> None:
+    grad = torch.full((3, 4, 2), float("nan"), dtype=torch.float64)
+    d = analyze(info(), [record(0, ALL, grad=grad), record(1, ALL, grad=grad.clone())])
+    assert "grads-not-synced" not in codes(d)
+
+
+def test_weights_that_already_differ_at_entry() -> None:
+    w = torch.zeros(4, 4, 2, dtype=torch.float64)
+    w1 = w.clone()
+    w1[:, 0, 0] = 1.0
+    d = analyze(info(), [record(0, ALL, weights=w), record(1, ALL, weights=w1)])
+    f = next(f for f in d.findings if f.code == "replica-divergence")
+    assert f.param_names == ["trunk.weight"] and "already when observe() started" in f.detail
+
+
+def test_identical_inputs_on_every_rank() -> None:
+    same = torch.full((3, 2), 7.0, dtype=torch.float64)
+    d = analyze(info(), [record(0, ALL, inputs=same), record(1, ALL, inputs=same.clone())])
+    assert codes(d) == {"identical-inputs-across-ranks"}
+    assert "DistributedSampler" in d.findings[0].fix
+
+
+def test_buffers_that_differ() -> None:
+    b = torch.zeros(3, 1, 2, dtype=torch.float64)
+    b1 = b.clone()
+    b1[1:] = 3.0
+    d = analyze(info(), [record(0, ALL, buffers=b), record(1, ALL, buffers=b1)])
+    f = next(f for f in d.findings if f.code == "buffer-divergence")
+    assert f.param_names == ["norm.running_mean"] and f.steps == [1, 2]
+
+
+def test_frozen_and_unfrozen_after_wrap() -> None:
+    trainable = [[1, 1, 0, 1]] * 3
+    used = [[1, 1, 0, 1]] * 3
+    d = analyze(info(trainable_at_wrap=[True, True, True, False]),
+                [record(r, used, trainable=trainable) for r in range(2)])
+    assert {"frozen-after-wrap", "unfrozen-after-wrap"} <= codes(d)
+    assert names(d, "frozen-after-wrap") == ["head_a.weight"]
+    assert names(d, "unfrozen-after-wrap") == ["head_b.weight"]
+    assert "head_a.weight" in d.recommendation.freeze_before_wrap
+
+
+def test_nothing_trainable_at_a_step() -> None:
+    trainable = [[1, 1, 1, 1], [0, 0, 0, 0]]
+    used = [[1, 1, 1, 1], [0, 0, 0, 0]]
+    d = analyze(info(), [record(r, used, trainable=trainable) for r in range(2)])
+    f = next(f for f in d.findings if f.code == "no-trainable-parameters")
+    assert f.steps == [1]
+
+
+def test_bypass_is_reported_with_call_site() -> None:
+    c = StepCounters(bypass_forwards=1, micro_steps=1, synced_backwards=1, optimizer_step=1).as_list()
+    records = [record(r, ALL, counters=torch.tensor([c] * 3)) for r in range(2)]
+    records[0].bypass_sites = ["train.py:42"]
+    d = analyze(info(), records)
+    f = next(f for f in d.findings if f.code == "wrapper-bypass")
+    assert f.severity == "error" and "train.py:42" in f.detail and f.steps == [0, 1, 2]
+
+
+def test_reduction_error_names_the_params_without_grad_in_the_last_step() -> None:
+    used = [[1, 1, 1, 0]]
+    d = analyze(info(), [record(r, used, crash="reduction-error", crash_step=1) for r in range(2)])
+    f = next(f for f in d.findings if f.code == "reduction-error")
+    assert f.param_names == ["head_b.weight"] and f.steps == [1] and f.ranks == [0, 1]
+    assert [c.kind for c in d.crashes] == ["reduction-error"] * 2
+
+
+def test_find_unused_left_on_when_nothing_is_unused() -> None:
+    cfg = {"find_unused_parameters": True, "static_graph": False}
+    d = analyze(info(ddp_config=cfg), [record(0, ALL), record(1, ALL)])
+    assert codes(d) == {"find-unused-unneeded"}
+    assert not d.recommendation.find_unused_parameters
+
+
+def test_json_round_trip_of_the_report_shape() -> None:
+    from ddp_doctor.report import Report
+
+    d = analyze(info(), [record(0, [[1, 1, 1, 0]] * 2), record(1, [[1, 1, 1, 0]] * 2)])
+    report = Report.build(info(), [None, None], d, backend="gloo")
+    data = report.to_dict()
+    assert data["schema"] == "ddp-doctor/report@1"
+    assert set(data) >= {"schema", "tool_version", "torch_version", "backend", "world_size", "steps_observed",
+                         "ddp_config", "findings", "recommendation", "timing"}
+    assert set(data["findings"][0]) == {"code", "severity", "title", "detail", "params", "ranks", "steps", "fix"}
+    assert set(data["recommendation"]) == {"find_unused_parameters", "static_graph", "gradient_as_bucket_view",
+                                           "freeze_before_wrap", "reason", "verified", "render"}
+    assert "unused-parameters" in str(report) and "head_b.weight (8)" in str(report)
