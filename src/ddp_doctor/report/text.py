@@ -71,7 +71,7 @@ def render(report: Report) -> Iterator[Any]:
     first = "torch" if report.framework not in rec.render else report.framework
     parts: list[Any] = [summary]
     if first in rec.render:
-        parts.append(Syntax(rec.render[first], "python", theme="ansi_dark", background_color="default"))
+        parts.append(Syntax(rec.render[first], "python", theme="ansi_dark", background_color="default", word_wrap=True))
     verdict = "verified" if rec.verified else "not yet verified"
     yield Panel(Group(*parts), title=f"Recommendation ({verdict})", title_align="left", border_style="green")
 
