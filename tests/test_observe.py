@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_doctor
 from ddp_doctor import (
     InvalidArgumentError,
-    NoTrainableParametersError,
     NotDDPModelError,
+    NoTrainableParametersError,
     ProcessGroupNotInitializedError,
     ReductionError,
     ReportTimeoutError,
@@ -79,9 +79,8 @@ def _bad_arguments(rank: int, world: int) -> None:
     with pytest.raises(InvalidArgumentError, match="steps must be a positive int or None, got 0"):
         observe(ddp, steps=0)
     doctor = observe(ddp)
-    with doctor:
-        with pytest.raises(InvalidArgumentError, match="inside the observe"):
-            doctor.report()
+    with doctor, pytest.raises(InvalidArgumentError, match="inside the observe"):
+        doctor.report()
 
 
 def test_bad_arguments(tmp_path) -> None:
@@ -115,8 +114,7 @@ def _hook_counts(ddp: DDP, opt: torch.optim.Optimizer) -> tuple[int, ...]:
 
 def _zero_cost_after_exit(rank: int, world: int) -> dict:
     observed, opt_a = _model()
-    plain = copy.deepcopy(observed)
-    plain = DDP(plain.module)
+    plain = DDP(copy.deepcopy(observed.module))
     opt_b = torch.optim.SGD(plain.parameters(), lr=0.1)
     before = _hook_counts(observed, opt_a)
     during = None
@@ -128,10 +126,12 @@ def _zero_cost_after_exit(rank: int, world: int) -> dict:
             _step(plain, opt_b, rank, step)
     after = _hook_counts(observed, opt_a)
     for step in range(3, 6):
-        for model, opt in ((observed, None), (plain, None)):
-            _step(model, opt, rank, step)
+        for model in (observed, plain):
+            _step(model, None, rank, step)
         identical &= all(torch.equal(a.grad, b.grad) for a, b in zip(observed.parameters(), plain.parameters()))
-        opt_a.step(), opt_b.step(), opt_a.zero_grad(), opt_b.zero_grad()
+        for opt in (opt_a, opt_b):
+            opt.step()
+            opt.zero_grad()
     identical &= all(torch.equal(a, b) for a, b in zip(observed.parameters(), plain.parameters()))
     doctor.report(timeout=20)
     return {"before": before, "during": during, "after": after, "identical": identical}
@@ -216,10 +216,9 @@ def test_steps_limit_detaches_after_k_steps(tmp_path) -> None:
 def _reduction_error(rank: int, world: int) -> dict:
     ddp, opt = _model()
     doctor = observe(ddp, optimizer=opt)
-    with pytest.raises(ReductionError) as info:
-        with doctor:
-            for step in range(3):
-                _step(ddp, opt, rank, step, use_b=False)
+    with pytest.raises(ReductionError) as info, doctor:
+        for step in range(3):
+            _step(ddp, opt, rank, step, use_b=False)
     report = doctor.report(timeout=20)
     return {"message": str(info.value), "cause": type(info.value.__cause__).__name__, "params": info.value.params,
             "text": str(report)}

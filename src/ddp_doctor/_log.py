@@ -7,7 +7,7 @@ import logging
 
 import torch.distributed as dist
 
-__all__ = ["get_logger", "log_once", "rank", "is_rank_zero"]
+__all__ = ["get_logger", "is_rank_zero", "log_once", "rank"]
 
 
 def get_logger(name: str) -> logging.Logger:
@@ -22,7 +22,7 @@ def is_rank_zero() -> bool:
     return rank() == 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def log_once(logger: logging.Logger, level: int, message: str) -> None:
     """Log `message` once per process (the cache key is the message itself)."""
     logger.log(level, message)

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 __all__ = [
+    "DDPFailure",
     "DoctorError",
     "InvalidArgumentError",
+    "NoTrainableParametersError",
     "NotDDPModelError",
     "ProcessGroupNotInitializedError",
-    "NoTrainableParametersError",
     "RankMismatchError",
-    "ReportTimeoutError",
-    "DDPFailure",
     "ReductionError",
+    "ReportTimeoutError",
 ]
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["fingerprint", "fingerprints", "MISSING"]
+__all__ = ["MISSING", "fingerprint", "fingerprints"]
 
 MISSING = float("nan")
 """The fingerprint of an absent tensor (a `None` grad)."""

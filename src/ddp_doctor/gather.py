@@ -20,7 +20,7 @@ from ddp_doctor import _log
 from ddp_doctor.errors import RankMismatchError, ReportTimeoutError
 from ddp_doctor.records import ModelInfo, RankRecord
 
-__all__ = ["gather", "arrive"]
+__all__ = ["arrive", "gather"]
 
 logger = _log.get_logger(__name__)
 

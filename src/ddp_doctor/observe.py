@@ -22,7 +22,6 @@ micro-steps.
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -35,17 +34,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor import _log
 from ddp_doctor.errors import (
-    DDPFailure,
     InvalidArgumentError,
-    NoTrainableParametersError,
     NotDDPModelError,
+    NoTrainableParametersError,
     ProcessGroupNotInitializedError,
-    ReductionError,
 )
+from ddp_doctor.explain import classify, explain_failure
 from ddp_doctor.fingerprint import fingerprints
 from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
 
-__all__ = ["observe", "Doctor", "ddp_config_of", "user_site", "WRAP_STATE_ATTR"]
+__all__ = ["WRAP_STATE_ATTR", "Doctor", "ddp_config_of", "observe", "user_site"]
 
 logger = _log.get_logger(__name__)
 
@@ -106,7 +104,7 @@ def user_site() -> str | None:
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OUR_DIR) or filename.startswith("<")):
+        if not filename.startswith((_TORCH_DIR, _OUR_DIR, "<")):
             return f"{filename}:{frame.f_lineno}"
         frame = frame.f_back
     return None
@@ -127,19 +125,6 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     elif hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
             yield from _tensors(getattr(obj, name, None), depth + 1)
-
-
-def _classify(exc: BaseException) -> str:
-    text = str(exc)
-    if "graph has changed" in text:
-        return "static-graph-changed"
-    if "Expected to have finished reduction" in text:
-        return "reduction-error"
-    if "mark a variable ready only once" in text:
-        return "mark-ready-twice"
-    if isinstance(exc, RuntimeError) and "DistributedDataParallel" in text:
-        return "ddp-other"
-    return "other"
 
 
 class _Step:
@@ -367,7 +352,7 @@ class Doctor:
         if step.buffer_fp is None:
             # DDP broadcasts rank 0's buffers inside its forward, before this hook: what we see is what trains.
             step.buffer_fp = fingerprints(self._buffers)
-        inputs = [t for t in _tensors((args, kwargs)) if t.is_floating_point() or not t.is_complex()]
+        inputs = [t for t in _tensors((args, kwargs)) if not t.is_complex()]
         if inputs:
             step.input_fp += fingerprints(inputs).nan_to_num(0.0).sum(0)
 
@@ -474,14 +459,15 @@ class Doctor:
                 self._detach()
             self._finished = True
         if exc is not None and self._crash_kind in (1, 2, 3):
-            raise self._explain(exc) from exc
+            raise explain_failure(exc, kind=CRASH_KINDS[self._crash_kind], rank=self.rank, info=self.info,
+                                  rows=self._rows, crash_in_window=self._crash_in_window) from exc
         return False
 
     def record_crash(self, exc: BaseException) -> None:
         """Record that the observed loop died with `exc` (the launcher calls this for crashes outside the context)."""
         if self._crash_kind:
             return
-        kind = _classify(exc)
+        kind = classify(exc)
         self._crash_kind = CRASH_KINDS.index(kind)
         self._crash_in_window = self._attached
         if self._step.active and self._attached:
@@ -490,58 +476,6 @@ class Doctor:
         else:
             self._crash_step = self.steps_observed
         self._crash_message = f"{type(exc).__name__}: {exc}"[:4000]
-
-    def _explain(self, exc: BaseException) -> DDPFailure:
-        """A ddp_doctor error that says, with names, what DDP's error means on this rank."""
-        kind = CRASH_KINDS[self._crash_kind]
-        info = self.info
-        complete = [i for i, c in enumerate(self._rows["counters"]) if c[StepCounters.FIELDS.index("complete")]]
-        if kind == "mark-ready-twice":
-            used = self._rows["used"][-1] if self._rows["used"] else torch.zeros(len(info.param_names), dtype=bool)
-            reach = self._rows["reachable"][-1] if self._rows["reachable"] else used
-            counters = self._rows["counters"][-1] if self._rows["counters"] else None
-            named = set(re.findall(r"with name (\S+)", str(exc)))
-            names = [n for i, n in enumerate(info.param_names) if (used[i] and not reach[i]) or n in named]
-            reentrant = counters is not None and bool(counters[StepCounters.FIELDS.index("reentrant_checkpoints")])
-            where = ("inside reentrant activation checkpointing (use_reentrant=True)" if reentrant else
-                     "outside DDP's forward")
-            return DDPFailure(
-                f"DDP failed on rank {self.rank}: with find_unused_parameters=True a parameter was marked ready "
-                f"twice. These parameters got a gradient but are not part of the graph of DDP's forward outputs, "
-                f"because they are used {where}: {_names(names)}. Fix: build DDP with static_graph=True and "
-                f"find_unused_parameters=False"
-                + (", or use use_reentrant=False" if reentrant else ", or compute them inside forward")
-                + ". Call doctor.report() on every rank for the full diagnosis.",
-                code="reentrant-checkpoint" if reentrant else "used-outside-forward", params=names)
-        if complete and self._crash_in_window:
-            last = complete[-1]
-            used = self._rows["used"][last]
-            trainable = self._rows["trainable"][last]
-            names = [n for i, n in enumerate(info.param_names)
-                     if info.trainable_at_wrap[i] and not used[i]]
-            frozen = [n for i, n in enumerate(info.param_names) if info.trainable_at_wrap[i] and not trainable[i]]
-            where = f"in step {last}"
-        else:
-            names = _names_from_torch_message(str(exc), info)
-            frozen = []
-            where = "after the observed steps" if complete else "before observe() saw a full step"
-        if kind == "static-graph-changed":
-            return DDPFailure(
-                f"DDP failed on rank {self.rank}: static_graph=True, but the set of parameters that reach the loss "
-                f"changed between steps. Parameters with no gradient {where}: {_names(names)}. Fix: build DDP "
-                f"with static_graph=False and find_unused_parameters=True (the graph is dynamic). "
-                f"Call doctor.report() on every rank for the full diagnosis.",
-                code="static-graph-unsafe", params=names)
-        cause = (f"these parameters were frozen after DDP was built: {_names(frozen)}. Fix: set requires_grad=False "
-                 f"before wrapping the model (or rebuild DDP after freezing)" if frozen else
-                 "Fix: if they are never meant to train, set requires_grad=False before wrapping; if the same "
-                 "ones are unused every step, build DDP with static_graph=True; if the set changes from step to "
-                 "step, use find_unused_parameters=True")
-        return ReductionError(
-            f"DDP failed on rank {self.rank}: 'Expected to have finished reduction in the prior iteration'. DDP "
-            f"waited for gradients that never came. Trainable parameters that received no gradient {where}: "
-            f"{_names(names)}. {cause}. Call doctor.report() on every rank for the full diagnosis.",
-            code="reduction-error", params=names)
 
     # --------------------------------------------------------------------------------------------- output
 
@@ -590,26 +524,3 @@ class Doctor:
             device = self._params[0].device
             return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-
-
-def _names(names: list[str], limit: int = 8) -> str:
-    if not names:
-        return "(none identified)"
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _names_from_torch_message(text: str, info: ModelInfo) -> list[str]:
-    """Map DDP's 'Parameter indices which did not receive grad for rank R: i j' onto names."""
-    marker = "did not receive grad for rank"
-    if marker not in text:
-        return []
-    tail = text.split(marker, 1)[1].split(":", 1)[-1].split("\n", 1)[0]
-    reduced = [n for n, t in zip(info.param_names, info.trainable_at_wrap) if t]
-    out = []
-    for token in tail.split():
-        if token.isdigit() and int(token) < len(reduced):
-            out.append(reduced[int(token)])
-        elif not token.isdigit():
-            out.append(token)
-    return out

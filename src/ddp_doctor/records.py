@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelInfo", "RankRecord", "StepCounters", "CRASH_KINDS"]
+__all__ = ["CRASH_KINDS", "ModelInfo", "RankRecord", "StepCounters"]
 
 # How a rank's observed loop ended early. Index = the code stored in a record.
 CRASH_KINDS = ("none", "reduction-error", "static-graph-changed", "mark-ready-twice", "ddp-other", "other")

@@ -188,7 +188,7 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
 def find_unused_unneeded(v: View) -> list[Finding]:
     if not (v.find_unused and not v.static_graph) or not v.steps:
         return []
-    never, dynamic, rank_dep, always = v.usage()
+    always = v.usage()[3]
     outside, reentrant = hidden_params(v)
     if not bool((always == v.live).all()) or outside.ranks or reentrant.ranks or any(r.crash_kind for r in v.records):
         return []

@@ -7,7 +7,7 @@ import argparse
 from ddp_doctor import __version__
 from ddp_doctor.cli import codes
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ import torch
 
 from ddp_doctor.codes import CODES, SEVERITIES
 
-__all__ = ["SCHEMA", "ParamRef", "Finding", "Recommendation", "Timing", "Crash", "Diagnosis", "Report"]
+__all__ = ["SCHEMA", "Crash", "Diagnosis", "Finding", "ParamRef", "Recommendation", "Report", "Timing"]
 
 SCHEMA = "ddp-doctor/report@1"
 

@@ -1,0 +1,111 @@
+"""Turn DDP's own runtime errors into ddp_doctor errors that name the parameters and the fix (local data only)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from ddp_doctor.errors import DDPFailure, ReductionError
+from ddp_doctor.records import ModelInfo, StepCounters
+
+__all__ = ["classify", "explain_failure"]
+
+
+def classify(exc: BaseException) -> str:
+    text = str(exc)
+    if "graph has changed" in text:
+        return "static-graph-changed"
+    if "Expected to have finished reduction" in text:
+        return "reduction-error"
+    if "mark a variable ready only once" in text:
+        return "mark-ready-twice"
+    if isinstance(exc, RuntimeError) and "DistributedDataParallel" in text:
+        return "ddp-other"
+    return "other"
+
+
+
+def explain_failure(exc: BaseException, *, kind: str, rank: int, info: ModelInfo, rows: dict[str, list[Any]],
+                    crash_in_window: bool) -> DDPFailure:
+    """A ddp_doctor error that says, with names, what DDP's error means on this rank.
+
+    Args:
+        exc: DDP's error.
+        kind: its class from `classify`.
+        rank: this rank.
+        info: the model.
+        rows: the observed per-step rows so far (`Doctor._rows`).
+        crash_in_window: whether the error came while steps were still being observed.
+    """
+    complete = [i for i, c in enumerate(rows["counters"]) if c[StepCounters.FIELDS.index("complete")]]
+    if kind == "mark-ready-twice":
+        used = rows["used"][-1] if rows["used"] else torch.zeros(len(info.param_names), dtype=bool)
+        reach = rows["reachable"][-1] if rows["reachable"] else used
+        counters = rows["counters"][-1] if rows["counters"] else None
+        named = set(re.findall(r"with name (\S+)", str(exc)))
+        names = [n for i, n in enumerate(info.param_names) if (used[i] and not reach[i]) or n in named]
+        reentrant = counters is not None and bool(counters[StepCounters.FIELDS.index("reentrant_checkpoints")])
+        where = ("inside reentrant activation checkpointing (use_reentrant=True)" if reentrant else
+                 "outside DDP's forward")
+        return DDPFailure(
+            f"DDP failed on rank {rank}: with find_unused_parameters=True a parameter was marked ready "
+            f"twice. These parameters got a gradient but are not part of the graph of DDP's forward outputs, "
+            f"because they are used {where}: {_names(names)}. Fix: build DDP with static_graph=True and "
+            f"find_unused_parameters=False"
+            + (", or use use_reentrant=False" if reentrant else ", or compute them inside forward")
+            + ". Call doctor.report() on every rank for the full diagnosis.",
+            code="reentrant-checkpoint" if reentrant else "used-outside-forward", params=names)
+    if complete and crash_in_window:
+        last = complete[-1]
+        used = rows["used"][last]
+        trainable = rows["trainable"][last]
+        names = [n for i, n in enumerate(info.param_names)
+                 if info.trainable_at_wrap[i] and not used[i]]
+        frozen = [n for i, n in enumerate(info.param_names) if info.trainable_at_wrap[i] and not trainable[i]]
+        where = f"in step {last}"
+    else:
+        names = _names_from_torch_message(str(exc), info)
+        frozen = []
+        where = "after the observed steps" if complete else "before observe() saw a full step"
+    if kind == "static-graph-changed":
+        return DDPFailure(
+            f"DDP failed on rank {rank}: static_graph=True, but the set of parameters that reach the loss "
+            f"changed between steps. Parameters with no gradient {where}: {_names(names)}. Fix: build DDP "
+            f"with static_graph=False and find_unused_parameters=True (the graph is dynamic). "
+            f"Call doctor.report() on every rank for the full diagnosis.",
+            code="static-graph-unsafe", params=names)
+    cause = (f"these parameters were frozen after DDP was built: {_names(frozen)}. Fix: set requires_grad=False "
+             f"before wrapping the model (or rebuild DDP after freezing)" if frozen else
+             "Fix: if they are never meant to train, set requires_grad=False before wrapping; if the same "
+             "ones are unused every step, build DDP with static_graph=True; if the set changes from step to "
+             "step, use find_unused_parameters=True")
+    return ReductionError(
+        f"DDP failed on rank {rank}: 'Expected to have finished reduction in the prior iteration'. DDP "
+        f"waited for gradients that never came. Trainable parameters that received no gradient {where}: "
+        f"{_names(names)}. {cause}. Call doctor.report() on every rank for the full diagnosis.",
+        code="reduction-error", params=names)
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "(none identified)"
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _names_from_torch_message(text: str, info: ModelInfo) -> list[str]:
+    """Map DDP's 'Parameter indices which did not receive grad for rank R: i j' onto names."""
+    marker = "did not receive grad for rank"
+    if marker not in text:
+        return []
+    tail = text.split(marker, 1)[1].split(":", 1)[-1].split("\n", 1)[0]
+    reduced = [n for n, t in zip(info.param_names, info.trainable_at_wrap) if t]
+    out = []
+    for token in tail.split():
+        if token.isdigit() and int(token) < len(reduced):
+            out.append(reduced[int(token)])
+        elif not token.isdigit():
+            out.append(token)
+    return out
