@@ -202,7 +202,6 @@ class Doctor:
         self._rows: dict[str, list[torch.Tensor]] = {k: [] for k in (
             "used", "reachable", "trainable", "grad_fp", "weight_fp", "buffer_fp", "input_fp", "timing", "counters")}
         self._rows["weight_fp"].append(fingerprints(self._params))
-        self._trainable_at_entry = sum(trainable_now)
         self._crash_kind = 0
         self._crash_step = -1
         self._crash_message = ""
@@ -315,7 +314,6 @@ class Doctor:
         if not self._step.started:
             self._step.started = True
             self._hook_new_trainable()
-            self._step.buffer_fp = None
 
     def _on_ddp_forward_pre(self, _module: torch.nn.Module, _args: Any) -> None:
         self._ddp_depth += 1
@@ -492,7 +490,6 @@ class Doctor:
         record.crash_step = self._crash_step
         record.crash_message = self._crash_message
         record.bypass_sites = list(self._bypass_sites)
-        record.trainable_at_entry_count = self._trainable_at_entry
         return record
 
     def report(self, *, timeout: float = 300.0) -> Any:

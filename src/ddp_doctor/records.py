@@ -134,7 +134,6 @@ class RankRecord:
     crash_message: str = ""
     bypass_sites: list[str] = field(default_factory=list)
     """`file:line` of user code that called the wrapped module directly."""
-    trainable_at_entry_count: int = 0
 
     @property
     def steps(self) -> int:
@@ -221,5 +220,4 @@ class RankRecord:
             "crash_step": self.crash_step,
             "crash_message": self.crash_message,
             "bypass_sites": self.bypass_sites,
-            "trainable_at_entry_count": self.trainable_at_entry_count,
         }
