@@ -55,7 +55,7 @@ _OUR_DIR = os.path.dirname(__file__)
 _MAX_SITES = 4
 
 
-def observe(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None, *,
+def observe(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer | str | None = None, *,
             steps: int | None = None) -> Doctor:
     """Watch a DDP model's training steps on this rank and diagnose them.
 
@@ -65,7 +65,8 @@ def observe(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer
     Args:
         ddp_model: the `DistributedDataParallel` model the loop trains.
         optimizer: the optimizer the loop steps. A step is then one `optimizer.step()`; without it, a step is
-            one backward pass that DDP synchronizes.
+            one backward pass that DDP synchronizes. `"auto"` adopts the first optimizer whose `step()` updates
+            the model's parameters (what `ddp-doctor check` uses, since it cannot see the script's variables).
         steps: stop observing (and remove every hook) after this many steps; `None` observes until the context
             exits.
 
@@ -127,6 +128,36 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors(getattr(obj, name, None), depth + 1)
 
 
+def _inert(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+class _Hook:
+    """A hook that calls back into the `Doctor`.
+
+    A model copied or pickled while observed (an EMA copy, `torch.save(model)`) must not drag the doctor along or
+    fail: the copy gets a no-op in its place, since nobody observes the copy.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_make_inert, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return _inert
+
+
+def _make_inert() -> Callable[..., None]:
+    return _inert
+
+
 class _Step:
     """The state of the step in progress."""
 
@@ -150,7 +181,7 @@ class _Step:
 class Doctor:
     """Context manager returned by `observe`. See `observe` for the arguments."""
 
-    def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None, *,
+    def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer | str | None = None, *,
                  steps: int | None = None) -> None:
         if not isinstance(ddp_model, DistributedDataParallel):
             hint = (" Wrap it first: DistributedDataParallel(model, device_ids=[local_rank])."
@@ -162,9 +193,12 @@ class Doctor:
             raise ProcessGroupNotInitializedError(
                 "observe() needs an initialized process group: call torch.distributed.init_process_group(backend) "
                 "first, or launch the script with torchrun or `ddp-doctor check`.")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        self._auto_optimizer = optimizer == "auto"
+        if self._auto_optimizer:
+            optimizer = None
+        elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidArgumentError(
-                f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__qualname__}.")
+                f"optimizer must be a torch.optim.Optimizer, \"auto\" or None, got {optimizer!r}.")
         if steps is not None and (not isinstance(steps, int) or steps < 1):
             raise InvalidArgumentError(f"steps must be a positive int or None, got {steps!r}.")
 
@@ -195,7 +229,11 @@ class Doctor:
         self._t_forward_start = 0.0
         self._t_last_forward_end = 0.0
         self._t_optimizer_start = 0.0
+        self._t_backward_end = 0.0
+        self._pending_close = False
         self._reports = 0
+        self.phase = "before the first step"
+        """What this rank is doing, for the launcher's hang report."""
 
         n = len(self._params)
         self._step = _Step(n)
@@ -222,7 +260,7 @@ class Doctor:
             logging_data = ddp._get_ddp_logging_data()
             wrap_count: int | None = int(logging_data.get("num_parameter_tensors", -1))
             wrap_bytes = int(logging_data.get("total_parameter_size_bytes", -1))
-        except Exception:  # logging data is an internal API; diagnosis does not depend on it
+        except Exception:  # noqa: BLE001  (logging data is an internal API; diagnosis does not depend on it)
             wrap_count, wrap_bytes = None, -1
         if state is not None and len(state["trainable"]) == len(names):
             trainable = [t and not ig for t, ig in zip(state["trainable"], ignored)]
@@ -256,24 +294,43 @@ class Doctor:
             framework=state.get("framework", "torch") if state else "torch",
         )
 
-    def __enter__(self) -> Doctor:
+    def __enter__(self) -> Doctor:  # noqa: PYI034
+        return self.start()
+
+    def start(self) -> Doctor:
+        """Attach the hooks (what entering the context does). Returns the doctor."""
         if self._attached or self._finished:
             raise InvalidArgumentError("this observe() context was already used; call observe() again.")
         self._attach()
         return self
 
+    def stop(self) -> None:
+        """Close the step that is waiting for its optimizer step, and remove every hook (what a clean exit does)."""
+        if self._attached:
+            self._close_pending()
+        if self._attached:
+            self._detach()
+        self._finished = True
+
     def _attach(self) -> None:
         ddp, module = self._ddp, self._module
         self._handles += [
-            ddp.register_forward_pre_hook(self._on_ddp_forward_pre),
-            ddp.register_forward_hook(self._on_ddp_forward),
-            module.register_forward_pre_hook(self._on_module_forward_pre, with_kwargs=True),
-            module.register_forward_hook(self._on_module_forward),
+            ddp.register_forward_pre_hook(_Hook(self._on_ddp_forward_pre)),
+            ddp.register_forward_hook(_Hook(self._on_ddp_forward)),
+            module.register_forward_pre_hook(_Hook(self._on_module_forward_pre), with_kwargs=True),
+            module.register_forward_hook(_Hook(self._on_module_forward)),
         ]
-        if self._optimizer is not None:
+        if self._auto_optimizer:
+            # The launcher does not know the script's optimizer: adopt the first one whose step() updates this
+            # model's parameters (an Accelerate or Lightning wrapper calls the torch optimizer's step inside).
             self._handles += [
-                self._optimizer.register_step_pre_hook(self._on_optimizer_pre),
-                self._optimizer.register_step_post_hook(self._on_optimizer_post),
+                torch.optim.optimizer.register_optimizer_step_pre_hook(self._on_any_optimizer_pre),
+                torch.optim.optimizer.register_optimizer_step_post_hook(self._on_any_optimizer_post),
+            ]
+        elif self._optimizer is not None:
+            self._handles += [
+                self._optimizer.register_step_pre_hook(_Hook(self._on_optimizer_pre)),
+                self._optimizer.register_step_post_hook(_Hook(self._on_optimizer_post)),
             ]
         self._hook_new_trainable()
         self._attached = True
@@ -282,7 +339,7 @@ class Doctor:
         """Hook every parameter that requires grad now; parameters unfrozen later are hooked at the next step."""
         for i, p in enumerate(self._params):
             if p.requires_grad and i not in self._hooked:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
+                self._handles.append(p.register_post_accumulate_grad_hook(_Hook(self._make_grad_hook(i))))
                 self._hooked.add(i)
 
     def _detach(self) -> None:
@@ -318,6 +375,9 @@ class Doctor:
     def _on_ddp_forward_pre(self, _module: torch.nn.Module, _args: Any) -> None:
         self._ddp_depth += 1
         if torch.is_grad_enabled():
+            self._close_pending()
+            self.phase = "forward"
+        if torch.is_grad_enabled():
             self._sync_forward = bool(self._ddp.require_backward_grad_sync)
         self._t_forward_start = time.perf_counter()
 
@@ -333,11 +393,14 @@ class Doctor:
         step.counters.reentrant_checkpoints += checkpoints
         self._t_last_forward_end = time.perf_counter()
         step.t_forward += self._t_last_forward_end - self._t_forward_start
+        self.phase = "after forward, before backward"
 
     def _on_module_forward_pre(self, _module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if not torch.is_grad_enabled():
             return  # evaluation under no_grad is not a training step
+        self._close_pending()
         self._begin_step_if_needed()
+        self.phase = "forward"
         step = self._step
         if self._ddp_depth == 0:
             step.counters.bypass_forwards += 1
@@ -360,6 +423,7 @@ class Doctor:
         if self._ddp_depth == 0:
             self._t_last_forward_end = time.perf_counter()
             self._step.t_forward += self._t_last_forward_end - self._t_forward_start
+            self.phase = "after forward, before backward"
         # The first gradient to reach an output marks the start of this forward's backward pass; from there we
         # queue a callback for its end. Hooking outputs (not parameters) keeps the callback on the outer graph
         # task even when reentrant checkpointing runs nested backward passes.
@@ -370,6 +434,7 @@ class Doctor:
     def _on_output_grad(self, _grad: torch.Tensor) -> None:
         if not self._backward_pending and self._attached:
             self._backward_pending = True
+            self.phase = "backward"
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward_queued)
 
     def _after_backward_queued(self) -> None:
@@ -383,19 +448,44 @@ class Doctor:
             return
         step = self._step
         step.counters.micro_steps += 1
-        step.t_backward += time.perf_counter() - self._t_last_forward_end
+        self._t_backward_end = time.perf_counter()
+        step.t_backward += self._t_backward_end - self._t_last_forward_end
+        self.phase = "after backward"
         if self._sync_forward:
             step.counters.synced_backwards += 1
-            if self._optimizer is None:
-                step.grad_fp = fingerprints(p.grad for p in self._params)
+            # The grads the optimizer will use: taken here rather than in the optimizer's pre-hook because a
+            # closure-based step (Lightning) runs forward and backward inside optimizer.step().
+            step.grad_fp = fingerprints(p.grad for p in self._params)
+            if self._optimizer is None and not self._auto_optimizer:
                 self._close_step()
+            else:
+                # Normally optimizer.step() closes the step. If the next forward comes first (no optimizer found
+                # yet, or GradScaler skipped the step), that forward closes it.
+                self._pending_close = True
+
+    def _close_pending(self) -> None:
+        if self._pending_close and self._attached:
+            self._close_step()
+
+    def _on_any_optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._optimizer is None and any(id(p) in self._index for g in opt.param_groups for p in g["params"]):
+            self._optimizer = opt
+        if opt is self._optimizer:
+            self._on_optimizer_pre(opt, args, kwargs)
+
+    def _on_any_optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if opt is self._optimizer:
+            self._on_optimizer_post(opt, args, kwargs)
 
     def _on_optimizer_pre(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        self._step.grad_fp = fingerprints(p.grad for p in self._params)
+        if self._step.grad_fp is None:
+            self._step.grad_fp = fingerprints(p.grad for p in self._params)
         self._t_optimizer_start = time.perf_counter()
+        self.phase = "optimizer step"
 
     def _on_optimizer_post(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        self._step.t_optimizer += time.perf_counter() - self._t_optimizer_start
+        now = time.perf_counter()
+        self._step.t_optimizer += now - max(self._t_optimizer_start, self._t_backward_end)
         self._step.counters.optimizer_step = 1
         self._close_step()
 
@@ -440,6 +530,8 @@ class Doctor:
         rows["timing"].append(torch.tensor([step.t_forward, step.t_backward, step.t_optimizer], dtype=torch.float64))
         rows["counters"].append(torch.tensor(step.counters.as_list(), dtype=torch.int64))
         self._step = _Step(n)
+        self._pending_close = False
+        self.phase = "between steps"
         if complete and self._max_steps is not None and self.steps_observed >= self._max_steps:
             self._detach()
             if self.on_steps_done is not None:
@@ -453,9 +545,7 @@ class Doctor:
             if exc is not None:
                 self.record_crash(exc)
         finally:
-            if self._attached:
-                self._detach()
-            self._finished = True
+            self.stop()
         if exc is not None and self._crash_kind in (1, 2, 3):
             raise explain_failure(exc, kind=CRASH_KINDS[self._crash_kind], rank=self.rank, info=self.info,
                                   rows=self._rows, crash_in_window=self._crash_in_window) from exc
