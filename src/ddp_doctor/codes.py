@@ -23,4 +23,7 @@ CODES: dict[str, str] = {
     "identical-inputs-across-ranks": "every rank got the same batch",
     "reduction-error": "DDP crashed with 'Expected to have finished reduction', explained",
     "no-trainable-parameters": "no parameter requires a gradient",
+    # Added with `ddp-doctor check`, which runs whole scripts:
+    "rank-crashed": "a rank died with an error that is not DDP's; the others were stopped",
+    "rank-hung": "a rank stopped making progress and the others waited for it",
 }

@@ -21,6 +21,7 @@ micro-steps.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -30,10 +31,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ddp_doctor import _log
 from ddp_doctor.errors import (
+    DDPFailure,
     InvalidArgumentError,
     NotDDPModelError,
     NoTrainableParametersError,
@@ -43,7 +47,7 @@ from ddp_doctor.explain import classify, explain_failure
 from ddp_doctor.fingerprint import fingerprints
 from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
 
-__all__ = ["WRAP_STATE_ATTR", "Doctor", "ddp_config_of", "observe", "user_site"]
+__all__ = ["WRAP_STATE_ATTR", "Doctor", "ddp_config_of", "format_site", "observe", "user_site"]
 
 logger = _log.get_logger(__name__)
 
@@ -100,13 +104,26 @@ def ddp_config_of(ddp: DistributedDataParallel) -> dict[str, Any]:
     }
 
 
-def user_site() -> str | None:
-    """`file:line` of the innermost caller outside torch and ddp_doctor."""
+def format_site(filename: str, lineno: int) -> str:
+    """`file:line`, the path relative to the working folder when it is inside it."""
+    if filename.startswith(os.getcwd() + os.sep):
+        filename = os.path.relpath(filename)
+    return f"{filename}:{lineno}"
+
+
+def user_site(skip_self: set[int] | None = None) -> str | None:
+    """`file:line` of the innermost caller outside torch and ddp_doctor.
+
+    Args:
+        skip_self: ids of modules whose own methods are skipped too, so a bypass is reported where the user's
+            trainer calls into the model, not inside the model's helper method.
+    """
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith((_TORCH_DIR, _OUR_DIR, "<")):
-            return f"{filename}:{frame.f_lineno}"
+        if not filename.startswith((_TORCH_DIR, _OUR_DIR, "<")) and not (
+                skip_self and "self" in frame.f_code.co_varnames and id(frame.f_locals.get("self")) in skip_self):
+            return format_site(filename, frame.f_lineno)
         frame = frame.f_back
     return None
 
@@ -181,6 +198,10 @@ class _Step:
 class Doctor:
     """Context manager returned by `observe`. See `observe` for the arguments."""
 
+    _serials = itertools.count()
+    """Numbers this process's doctors, so that each one's exchange has its own store keys. Every rank builds its
+    doctors in the same order (one per DDP model), so the numbers agree across ranks."""
+
     def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer | str | None = None, *,
                  steps: int | None = None) -> None:
         if not isinstance(ddp_model, DistributedDataParallel):
@@ -218,7 +239,10 @@ class Doctor:
                 "nothing to train or synchronize. Set requires_grad=True on the parameters to train before "
                 "wrapping the model in DistributedDataParallel.")
 
+        self._submodules = {id(m) for m in self._module.modules()}
+        self._outside: list[bool] = []
         self.rank = dist.get_rank()
+        self._serial = next(Doctor._serials)
         self._handles: list[Any] = []
         self._hooked: set[int] = set()
         self._attached = False
@@ -319,13 +343,17 @@ class Doctor:
             ddp.register_forward_hook(_Hook(self._on_ddp_forward)),
             module.register_forward_pre_hook(_Hook(self._on_module_forward_pre), with_kwargs=True),
             module.register_forward_hook(_Hook(self._on_module_forward)),
+            # Global module hooks catch a bypass through any submodule too (seed 002's loss is computed by a
+            # method of the inner module that calls its layers, so the inner module's own forward never runs).
+            register_module_forward_pre_hook(self._on_any_module_forward_pre),
+            register_module_forward_hook(self._on_any_module_forward, always_call=True),
         ]
         if self._auto_optimizer:
             # The launcher does not know the script's optimizer: adopt the first one whose step() updates this
             # model's parameters (an Accelerate or Lightning wrapper calls the torch optimizer's step inside).
             self._handles += [
-                torch.optim.optimizer.register_optimizer_step_pre_hook(self._on_any_optimizer_pre),
-                torch.optim.optimizer.register_optimizer_step_post_hook(self._on_any_optimizer_post),
+                register_optimizer_step_pre_hook(self._on_any_optimizer_pre),
+                register_optimizer_step_post_hook(self._on_any_optimizer_post),
             ]
         elif self._optimizer is not None:
             self._handles += [
@@ -402,14 +430,6 @@ class Doctor:
         self._begin_step_if_needed()
         self.phase = "forward"
         step = self._step
-        if self._ddp_depth == 0:
-            step.counters.bypass_forwards += 1
-            self._sync_forward = bool(self._ddp.require_backward_grad_sync)
-            self._t_forward_start = time.perf_counter()
-            if len(self._bypass_sites) < _MAX_SITES:
-                site = user_site()
-                if site and site not in self._bypass_sites:
-                    self._bypass_sites.append(site)
         if step.buffer_fp is None:
             # DDP broadcasts rank 0's buffers inside its forward, before this hook: what we see is what trains.
             step.buffer_fp = fingerprints(self._buffers)
@@ -420,16 +440,43 @@ class Doctor:
     def _on_module_forward(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        if self._ddp_depth == 0:
-            self._t_last_forward_end = time.perf_counter()
-            self._step.t_forward += self._t_last_forward_end - self._t_forward_start
-            self.phase = "after forward, before backward"
+        self._hook_outputs(output)
+
+    def _hook_outputs(self, output: Any) -> None:
         # The first gradient to reach an output marks the start of this forward's backward pass; from there we
         # queue a callback for its end. Hooking outputs (not parameters) keeps the callback on the outer graph
         # task even when reentrant checkpointing runs nested backward passes.
         for t in _tensors(output):
             if t.requires_grad:
                 t.register_hook(self._on_output_grad)
+
+    def _on_any_module_forward_pre(self, module: torch.nn.Module, _args: Any) -> None:
+        if self._ddp_depth or id(module) not in self._submodules:
+            return
+        counted = not self._outside and torch.is_grad_enabled()
+        self._outside.append(counted)
+        if not counted:
+            return
+        # The outermost call of the wrapped module, or of one of its submodules, with no DDP forward around it.
+        self._close_pending()
+        self._begin_step_if_needed()
+        self._step.counters.bypass_forwards += 1
+        self._sync_forward = bool(self._ddp.require_backward_grad_sync)
+        self._t_forward_start = time.perf_counter()
+        self.phase = "forward"
+        if len(self._bypass_sites) < _MAX_SITES:
+            site = user_site(self._submodules)
+            if site and site not in self._bypass_sites:
+                self._bypass_sites.append(site)
+
+    def _on_any_module_forward(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
+        if self._ddp_depth or id(module) not in self._submodules or not self._outside:
+            return
+        if self._outside.pop() and output is not None:
+            self._t_last_forward_end = time.perf_counter()
+            self._step.t_forward += self._t_last_forward_end - self._t_forward_start
+            self.phase = "after forward, before backward"
+            self._hook_outputs(output)
 
     def _on_output_grad(self, _grad: torch.Tensor) -> None:
         if not self._backward_pending and self._attached:
@@ -546,10 +593,18 @@ class Doctor:
                 self.record_crash(exc)
         finally:
             self.stop()
-        if exc is not None and self._crash_kind in (1, 2, 3):
-            raise explain_failure(exc, kind=CRASH_KINDS[self._crash_kind], rank=self.rank, info=self.info,
-                                  rows=self._rows, crash_in_window=self._crash_in_window) from exc
+        failure = self.explain(exc) if exc is not None else None
+        if failure is not None:
+            raise failure from exc
         return False
+
+    def explain(self, exc: BaseException) -> DDPFailure | None:
+        """DDP's own error `exc`, explained with parameter names; None when it is not one of DDP's."""
+        self.record_crash(exc)
+        if self._crash_kind not in (1, 2, 3):
+            return None
+        return explain_failure(exc, kind=CRASH_KINDS[self._crash_kind], rank=self.rank, info=self.info,
+                               rows=self._rows, crash_in_window=self._crash_in_window)
 
     def record_crash(self, exc: BaseException) -> None:
         """Record that the observed loop died with `exc` (the launcher calls this for crashes outside the context)."""
@@ -602,7 +657,7 @@ class Doctor:
         if self._attached:
             raise InvalidArgumentError("report() was called inside the observe() block; call it after the block.")
         self._reports += 1
-        info, records = gather(self.record(), self.info, timeout=timeout, tag=f"report{self._reports}",
+        info, records = gather(self.record(), self.info, timeout=timeout, tag=f"doctor{self._serial}/report{self._reports}",
                                device=self._comm_device())
         return Report.build(info, records, analyze(info, records), backend=str(dist.get_backend()))
 

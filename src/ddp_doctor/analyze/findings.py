@@ -205,10 +205,17 @@ def find_unused_unneeded(v: View) -> list[Finding]:
 
 
 def wrapper_bypass(v: View) -> list[Finding]:
-    hits = [(r.rank, s) for r in v.records for s in _steps(r.counter("bypass_forwards") > 0)]
+    # A step with DDP's forward as well is not a bypass: DDP then reduces every gradient, including those of
+    # modules called outside its forward (that case is used-outside-forward).
+    hits = [(r.rank, s) for r in v.records
+            for s in _steps((r.counter("bypass_forwards") > 0) & (r.counter("ddp_forwards") == 0))]
     if not hits:
         return []
     sites = sorted({site for r in v.records for site in r.bypass_sites})
+    used_on_hits = torch.zeros(len(v.info.param_names), dtype=torch.bool)
+    for r in v.records:
+        for step in {s for rank, s in hits if rank == r.rank}:
+            used_on_hits |= r.used[step]
     where = f" Called from {', '.join(sites)}." if sites else ""
     return [Finding(
         code="wrapper-bypass", severity="error",
@@ -216,6 +223,7 @@ def wrapper_bypass(v: View) -> list[Finding]:
         detail="The module inside DDP ran forward in grad mode without DDP's forward around it (for example "
                "loss = ddp_model.module(x) or a helper that unwraps the model). DDP's reducer only fires after its "
                "own forward, so each rank trains its own replica." + where,
+        params=v.params(used_on_hits),
         ranks=sorted({r for r, _ in hits}), steps=sorted({s for _, s in hits}),
         fix="call the DDP wrapper (ddp_model(x)); if the loss needs other outputs, return them from forward. "
             "ddp_doctor.sync_gradients is the fallback when that is impossible.")]

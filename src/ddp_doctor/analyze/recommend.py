@@ -45,7 +45,10 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
     ever = v.ever_used
     _, dynamic, _, _ = v.usage()
     frozen_after = v.tracked & ~v.live
-    freeze_mask = (intended & ~ever) | frozen_after
+    # Frozen after wrap before any observed step trained them: the script meant them frozen from the start.
+    # Frozen after training for some steps (gradual freezing): the set DDP must reduce changes over time.
+    frozen_later = frozen_after & v.trainable.any(0).any(0)
+    freeze_mask = (intended & ~ever) | (frozen_after & ~frozen_later)
     freeze = [names[i] for i in freeze_mask.nonzero().flatten().tolist()]
     rest = intended & ever
     u = used[:, :, rest]
@@ -57,12 +60,18 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
     parts = []
     if freeze:
         parts.append(f"{len(freeze)} parameter(s) never reached the loss on any rank in {v.steps} steps"
-                     + (" or were frozen after wrap" if frozen_after.any() else "")
+                     + (" or were frozen after wrap" if (frozen_after & ~frozen_later).any() else "")
                      + ": freezing them before wrapping removes them from DDP entirely (if some are meant to "
                        "train later, use static_graph=True instead).")
-    if all_used and not reentrant:
+    if frozen_later.any():
+        find_unused, static = True, False
+        parts.append(f"{int(frozen_later.sum())} parameter(s) trained for some steps and were then frozen after "
+                     "DDP was built: find_unused_parameters=True is the only flag that copes with a frozen set that "
+                     "changes, though DDP still all-reduces them. Rebuilding DDP at each change "
+                     "(ddp_doctor.refreeze) stops that communication.")
+    elif all_used and not reentrant:
         find_unused, static = False, False
-        parts.append(f"Every other trainable parameter got a gradient on all {v.world} ranks in all {v.steps} "
+        parts.append(f"Every {'other ' if freeze else ''}trainable parameter got a gradient on all {v.world} ranks in all {v.steps} "
                      "steps, so find_unused_parameters=False is correct and cheapest.")
     elif stable:
         find_unused, static = False, True

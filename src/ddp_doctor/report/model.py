@@ -11,7 +11,7 @@ import torch
 
 from ddp_doctor.codes import CODES, SEVERITIES
 
-__all__ = ["SCHEMA", "Crash", "Diagnosis", "Finding", "ParamRef", "Recommendation", "Report", "Timing"]
+__all__ = ["SCHEMA", "Crash", "Diagnosis", "Finding", "ParamRef", "Recommendation", "Report", "Timing", "finite"]
 
 SCHEMA = "ddp-doctor/report@1"
 
@@ -158,6 +158,18 @@ class Report:
             ddp_site=info.ddp_site,
         )
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        """The inverse of `to_dict` (the `check` parent reads the ranks' JSON back with it)."""
+        findings = [Finding(**{**f, "params": [ParamRef(p["name"], p["numel"], tuple(p.get("shape", ())))
+                                                 for p in f["params"]]}) for f in data["findings"]]
+        return cls(
+            tool_version=data["tool_version"], torch_version=data["torch_version"], backend=data["backend"],
+            world_size=data["world_size"], steps_observed=data["steps_observed"], ddp_config=data["ddp_config"],
+            findings=findings, recommendation=Recommendation(**data["recommendation"]),
+            timing=Timing(**data["timing"]), crashes=[Crash(**c) for c in data.get("crashes", [])],
+            framework=data.get("framework", "torch"), ddp_site=data.get("ddp_site"))
+
     @property
     def codes(self) -> set[str]:
         return {f.code for f in self.findings}
@@ -187,7 +199,7 @@ class Report:
         }
 
     def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(_finite(self.to_dict()), indent=2, **kwargs)
+        return json.dumps(finite(self.to_dict()), indent=2, **kwargs)
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
         from ddp_doctor.report.text import render
@@ -200,11 +212,11 @@ class Report:
         return to_text(self)
 
 
-def _finite(obj: Any) -> Any:
+def finite(obj: Any) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: finite(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_finite(v) for v in obj]
+        return [finite(v) for v in obj]
     return obj

@@ -1,0 +1,160 @@
+"""`ddp-doctor check`: run an unmodified training script under torchrun, observe its first steps, report."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import IO, Any
+
+from rich.console import Console
+from rich.rule import Rule
+
+from ddp_doctor.launch.config import RankConfig
+from ddp_doctor.launch.outcome import CheckResult, exit_code
+from ddp_doctor.launch.supervise import run_check
+
+__all__ = ["check", "parse_ddp_kwargs", "register", "render_result"]
+
+EPILOG = """\
+Everything torchrun accepts before SCRIPT works the same way (--nnodes, --node-rank, --rdzv-backend,
+--rdzv-endpoint, ...). The script's own arguments go after SCRIPT, unchanged.
+
+examples:
+  # the two-rank CPU check of a script you normally start with torchrun
+  ddp-doctor check --nproc-per-node 2 train.py --lr 3e-4
+
+  # JSON for CI, and exit code 1 on warnings too
+  ddp-doctor check --nproc-per-node 2 --json report.json --fail-on warning train.py
+
+  # try the recommended flags without editing the script
+  ddp-doctor check --nproc-per-node 2 --ddp-kwargs '{"static_graph": true}' train.py
+
+  # a module, like python -m
+  ddp-doctor check --nproc-per-node 2 -m mypkg.train --epochs 1
+
+  # two nodes, one process each (run one command per node)
+  ddp-doctor check --nnodes 2 --nproc-per-node 1 --node-rank 0 \\
+      --rdzv-backend c10d --rdzv-endpoint node0.example:29400 --rdzv-id job1 train.py
+
+exit codes: 0 nothing at or above --fail-on; 1 findings at or above it; 2 the tool could not run the script.
+"""
+
+_OURS = ("steps", "json", "fail_on", "timeout", "ddp_kwargs", "func")
+
+
+def _torchrun_parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser()
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check", parents=[_torchrun_parser()], conflict_handler="resolve",
+        help="run a training script under torchrun and diagnose its DDP setup",
+        description="Run SCRIPT under torchrun with ddp-doctor in every rank. Every DistributedDataParallel "
+                    "model the script builds (directly, or inside HF Trainer, Accelerate or Lightning) is observed "
+                    "for --steps optimizer steps; then all ranks stop together and one report is printed.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    doctor = p.add_argument_group("ddp-doctor")
+    add_check_arguments(doctor)
+    p.set_defaults(func=run, _parser=p)
+
+
+def add_check_arguments(group: Any) -> None:
+    """The options `check` (and `bench`) add to torchrun's."""
+    group.add_argument("--steps", type=int, default=8, metavar="K",
+                       help="optimizer steps to observe per DDP model before stopping (default: 8)")
+    group.add_argument("--json", metavar="FILE", help="write the report as JSON (schema ddp-doctor/report@1)")
+    group.add_argument("--fail-on", choices=("error", "warning", "never"), default="error",
+                       help="lowest severity that makes the exit code 1 (default: error)")
+    group.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                       help="stop every rank after S seconds and report what happened (default: 600)")
+    group.add_argument("--ddp-kwargs", metavar="JSON", default=None,
+                       help='override the script\'s DDP constructor arguments, e.g. \'{"static_graph": true}\'; '
+                            'the key "freeze_before_wrap" takes a list of parameter names to freeze before wrapping')
+
+
+def parse_ddp_kwargs(text: str | None) -> tuple[dict[str, Any], list[str]]:
+    """Validate `--ddp-kwargs`: returns (constructor overrides, freeze_before_wrap names).
+
+    Raises:
+        TypeError: not a JSON object.
+        ValueError: not JSON, an unknown argument, or a bad freeze_before_wrap list; the message names it.
+    """
+    if not text:
+        return {}, []
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--ddp-kwargs is not valid JSON ({exc.msg} at character {exc.pos}): {text!r}. "
+                         "Example: '{\"static_graph\": true}'") from None
+    if not isinstance(value, dict):
+        raise TypeError(f"--ddp-kwargs must be a JSON object, got {text!r}. Example: '{{\"static_graph\": true}}'")
+    from torch.nn.parallel import DistributedDataParallel
+
+    accepted = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in ("self", "module")]
+    freeze = value.pop("freeze_before_wrap", [])
+    if not isinstance(freeze, list) or not all(isinstance(n, str) for n in freeze):
+        raise ValueError(f"--ddp-kwargs freeze_before_wrap must be a list of parameter names, got {freeze!r}.")
+    unknown = [k for k in value if k not in accepted]
+    if unknown:
+        raise ValueError(f"--ddp-kwargs has {unknown}, which DistributedDataParallel does not accept. It accepts: "
+                         f"{', '.join(accepted)} (and freeze_before_wrap).")
+    return value, freeze
+
+
+def check(script: str, script_args: list[str] = (), *, torchrun: list[str] = (), module: bool = False,
+          steps: int = 8, ddp_kwargs: dict[str, Any] | None = None, freeze_before_wrap: list[str] = (),
+          timeout: float = 600.0, output: IO[str] | None = None) -> CheckResult:
+    """Run `check` from Python: `torchrun` holds torchrun's own options, e.g. `["--nproc-per-node", "2"]`."""
+    argv = [*torchrun, *(["-m"] if module else []), script, *script_args]
+    namespace = vars(_torchrun_parser().parse_args(argv))
+    return _run(namespace, steps=steps, ddp_kwargs=dict(ddp_kwargs or {}), freeze=list(freeze_before_wrap),
+                timeout=timeout, output=output)
+
+
+def _run(namespace: dict[str, Any], *, steps: int, ddp_kwargs: dict[str, Any], freeze: list[str], timeout: float,
+         output: IO[str] | None) -> CheckResult:
+    config = RankConfig(target=namespace["training_script"], module=bool(namespace["module"]), steps=steps,
+                        ddp_kwargs=ddp_kwargs, freeze_before_wrap=freeze)
+    return run_check(namespace, config, timeout=timeout, output=output)
+
+
+def run(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args._parser
+    if args.no_python:
+        parser.error("--no-python cannot be used with check: the doctor runs inside the Python process of each rank.")
+    if not args.module and not Path(args.training_script).is_file():
+        parser.error(f"script {args.training_script!r} does not exist (from {os.getcwd()}). Pass the path of the "
+                     "training script, or -m MODULE for a module.")
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}.")
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be positive, got {args.timeout}.")
+    try:
+        ddp_kwargs, freeze = parse_ddp_kwargs(args.ddp_kwargs)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    namespace = {k: v for k, v in vars(args).items() if k not in (*_OURS, "_parser")}
+    result = _run(namespace, steps=args.steps, ddp_kwargs=ddp_kwargs, freeze=freeze, timeout=args.timeout,
+                  output=None)
+    console = Console()
+    render_result(result, console)
+    if args.json:
+        Path(args.json).write_text(result.to_json())
+    return exit_code(result, args.fail_on)
+
+
+def render_result(result: CheckResult, console: Console) -> None:
+    """Print the report(s), or the reason there is none."""
+    if result.error is not None:
+        console.print(f"[bold red]ddp-doctor: {result.error}[/]", highlight=False)
+        return
+    for i, model in enumerate(result.models):
+        if len(result.models) > 1:
+            console.print(Rule(f"DDP model {i + 1} of {len(result.models)}: {model.module}"))
+        console.print(model.report)

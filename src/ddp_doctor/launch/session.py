@@ -1,0 +1,292 @@
+"""The doctor inside each rank of a script launched by `ddp-doctor check`.
+
+`Session.install()` runs before any user code. It wraps `DistributedDataParallel.__init__` in place (the class is
+untouched, so `isinstance` and pickling behave as before), so every DDP model the script builds, directly or
+inside HF Trainer, Accelerate or Lightning, gets the `--ddp-kwargs` overrides and a `Doctor` with
+`optimizer="auto"`. When every doctor has seen its K steps, all ranks exchange their records, the node's local
+rank 0 writes the report, and every rank exits right there: the rest of the script (saving a half-trained
+checkpoint, say) never runs.
+
+Failures are written to files in the node's output folder, because a rank that crashed alone cannot count on the
+others to join a collective:
+- `rank{R}.progress.json`: what this rank is doing, refreshed by a watchdog thread every half second. It runs
+  while the main thread is blocked in a collective, so a hung rank still tells its step and stack.
+- `rank{R}.json`: how this rank ended (a crash with its traceback and explanation, or the end of the script).
+- `report.json`: the reports, when the ranks managed to exchange records.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_doctor import _log
+from ddp_doctor.errors import DoctorError
+from ddp_doctor.gather import arrive
+from ddp_doctor.launch.config import RankConfig
+from ddp_doctor.observe import WRAP_STATE_ATTR, Doctor, format_site
+
+__all__ = ["FRAMEWORKS", "Session", "framework_of_stack", "write_json"]
+
+logger = _log.get_logger(__name__)
+
+FRAMEWORKS = {"transformers": "transformers", "accelerate": "accelerate", "lightning": "lightning",
+              "pytorch_lightning": "lightning"}
+"""Top-level package -> the framework name used in reports and recommendation snippets."""
+_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
+              os.path.dirname(threading.__file__))
+_WATCH_INTERVAL_S = 0.5
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write atomically, so a reader (or a kill) never sees half a file."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, default=str))
+    os.replace(tmp, path)
+
+
+def _framework_dirs() -> dict[str, str]:
+    """Where the imported frameworks live (a framework that built DDP has been imported)."""
+    dirs = {}
+    for package, name in FRAMEWORKS.items():
+        module = sys.modules.get(package)
+        if module is not None and getattr(module, "__file__", None):
+            dirs[os.path.dirname(module.__file__) + os.sep] = name
+    return dirs
+
+
+def framework_of_stack(frames: list[traceback.FrameSummary]) -> str:
+    """The outermost training framework on the stack (`torch` when none is).
+
+    Outermost, because HF Trainer builds DDP through Accelerate: the user's idiom is the Trainer's.
+    """
+    dirs = _framework_dirs()
+    for frame in frames:
+        for prefix, name in dirs.items():
+            if frame.filename.startswith(prefix):
+                return name
+    return "torch"
+
+
+def _is_user_frame(filename: str) -> bool:
+    return not filename.startswith((*_SKIP_DIRS, "<", *_framework_dirs()))
+
+
+def _user_frame(frames: list[traceback.FrameSummary], *, code: bool = True) -> str | None:
+    """`file:line  code` of the innermost frame in the user's own code (the path relative to the working folder)."""
+    for frame in reversed(frames):
+        if _is_user_frame(frame.filename):
+            return format_site(frame.filename, frame.lineno or 0) + (
+                f"  {frame.line.strip()}" if code and frame.line else "")
+    return None
+
+
+class Session:
+    """The per-rank state of one `check` run. See the module docstring."""
+
+    def __init__(self, config: RankConfig) -> None:
+        self.config = config
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.outdir = Path(config.outdir)
+        self.doctors: list[Doctor] = []
+        self.models: list[dict[str, Any]] = []
+        self._finishing = False
+        self._ended = threading.Event()
+        self._original_init = DistributedDataParallel.__init__
+        self._original_destroy = dist.destroy_process_group
+        self._signature = inspect.signature(self._original_init)
+
+    # ---------------------------------------------------------------------------------------------- set-up
+
+    def install(self) -> None:
+        """Wrap DDP's constructor and `destroy_process_group`, and start the watchdog. Call before user code."""
+        session = self
+        original_init = self._original_init
+
+        @functools.wraps(original_init)
+        def __init__(ddp: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
+            bound = session._signature.bind(ddp, *args, **kwargs)
+            module = bound.arguments["module"]
+            session._before_wrap(module, bound.arguments)
+            trainable = [p.requires_grad for _, p in module.named_parameters()]
+            original_init(*bound.args, **bound.kwargs)
+            session._after_wrap(ddp, trainable)
+
+        original_destroy = self._original_destroy
+
+        @functools.wraps(original_destroy)
+        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+            # The script tears its process group down before K steps: report while the group still exists.
+            if session.doctors and not session._finishing and (not args and not kwargs.get("group")):
+                session.finish("the script destroyed its process group")
+            return original_destroy(*args, **kwargs)
+
+        DistributedDataParallel.__init__ = __init__
+        dist.destroy_process_group = destroy_process_group
+        self._write_progress()
+        threading.Thread(target=self._watch, name="ddp-doctor-watchdog", daemon=True).start()
+
+    def _before_wrap(self, module: torch.nn.Module, arguments: dict[str, Any]) -> None:
+        if self._finishing:
+            return
+        for key, value in self.config.ddp_kwargs.items():
+            arguments[key] = value
+        if self.config.freeze_before_wrap:
+            named = dict(module.named_parameters())
+            missing = [n for n in self.config.freeze_before_wrap if n not in named]
+            if missing:
+                raise DoctorError(
+                    f"--ddp-kwargs freeze_before_wrap names parameters this model does not have: {missing}. "
+                    f"Its parameters are: {list(named)[:20]}{' ...' if len(named) > 20 else ''}")
+            for name in self.config.freeze_before_wrap:
+                named[name].requires_grad_(False)
+
+    def _after_wrap(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
+        if self._finishing or any(d._ddp is ddp for d in self.doctors):
+            return
+        frames = traceback.extract_stack()[:-2]
+        framework = framework_of_stack(frames)
+        site = _user_frame(frames, code=False)
+        setattr(ddp, WRAP_STATE_ATTR, {"trainable": trainable, "site": site, "framework": framework})
+        try:
+            doctor = Doctor(ddp, optimizer="auto", steps=self.config.steps)
+            doctor.on_steps_done = self._on_doctor_done
+            doctor.start()
+        except Exception as exc:  # noqa: BLE001  (a doctor bug must not take the user's training down)
+            logger.warning("ddp-doctor cannot observe the DDP model built at %s: %s", site, exc)
+            return
+        self.doctors.append(doctor)
+        self.models.append({"site": site, "framework": framework, "module": type(ddp.module).__qualname__,
+                            "ddp_config": doctor.info.ddp_config, "torch_version": torch.__version__,
+                            "backend": str(dist.get_backend())})
+        self._write_progress()
+
+    # ----------------------------------------------------------------------------------------------- ending
+
+    def _on_doctor_done(self, _doctor: Doctor) -> None:
+        if all(d.finished for d in self.doctors):
+            self.finish(f"{self.config.steps} steps observed")
+
+    def on_script_end(self) -> None:
+        """The script returned (or called sys.exit(0)) on this rank."""
+        if self.doctors:
+            self.finish("the script ended")
+        self._end({"outcome": "script-ended", "ddp_models": 0})
+        self._exit(0)
+
+    def on_crash(self, exc: BaseException) -> None:
+        """The script raised on this rank: record it, try to report with the others, and exit."""
+        tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        frames = traceback.extract_tb(exc.__traceback__)
+        explained = None
+        step = -1
+        for doctor in self.doctors:
+            failure = doctor.explain(exc)
+            step = max(step, doctor.record().crash_step)
+            if failure is not None and explained is None:
+                explained = {"code": failure.code, "params": failure.params, "message": str(failure)}
+        crash = {"type": type(exc).__name__, "message": str(exc)[:4000], "traceback": "".join(tb)[-20000:],
+                 "site": _user_frame(frames), "step": step, "explained": explained}
+        self._end({"outcome": "crashed", "crash": crash, "ddp_models": len(self.doctors)})
+        if explained is None:
+            # Not DDP's error: the user needs the whole traceback, as torchrun would have shown it.
+            sys.stderr.write(f"[ddp-doctor] rank {self.rank} crashed:\n{''.join(tb)}")
+            sys.stderr.flush()
+        if self.doctors:
+            wait = max(0.5, min(self.config.crash_wait_s, self._remaining()))
+            self.finish(f"rank {self.rank} crashed", timeout=wait, exit_code=1)
+        self._exit(1)
+
+    def finish(self, reason: str, *, timeout: float | None = None, exit_code: int = 0) -> None:
+        """Stop observing, exchange records with every rank, write the report (local rank 0) and exit."""
+        if self._finishing:
+            return
+        self._finishing = True
+        for doctor in self.doctors:
+            doctor.stop()
+        timeout = self._remaining() if timeout is None else timeout
+        try:
+            reports = [doctor.report(timeout=timeout) for doctor in self.doctors]
+        except DoctorError as exc:
+            logger.warning("ddp-doctor: rank %d could not exchange records (%s): %s", self.rank, reason, exc)
+            self._end({"outcome": "no-exchange", "error": str(exc), "ddp_models": len(self.doctors)})
+            self._exit(exit_code or 1)
+            return
+        if self.local_rank == 0:
+            models = [{**m, "report": r.to_dict()} for m, r in zip(self.models, reports)]
+            write_json(self.outdir / "report.json", {"reason": reason, "models": models})
+        self._end({"outcome": "reported", "reason": reason, "ddp_models": len(self.doctors)})
+        try:
+            # Nobody leaves while a peer may still be reading from its sockets.
+            arrive("ddp_doctor/exit", timeout=min(10.0, max(0.5, self._remaining())))
+        except DoctorError:
+            pass
+        self._exit(0)
+
+    def _end(self, state: dict[str, Any]) -> None:
+        path = self.outdir / f"rank{self.rank}.json"
+        if not path.exists():
+            write_json(path, {"rank": self.rank, "local_rank": self.local_rank, "world_size": self.world_size,
+                              "pid": os.getpid(), "models": self.models, **state})
+
+    def _exit(self, code: int) -> None:
+        self._ended.set()
+        self._write_progress()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # os._exit: the rest of the script, its atexit handlers and its finally blocks (which may save a
+        # half-trained checkpoint) must not run in a diagnostic run.
+        os._exit(code)
+
+    def _remaining(self) -> float:
+        return max(1.0, self.config.deadline - time.time() - 2.0) if self.config.deadline else 300.0
+
+    # ---------------------------------------------------------------------------------------------- watchdog
+
+    def _progress(self) -> dict[str, Any]:
+        active = next((d for d in self.doctors if not d.finished), self.doctors[-1] if self.doctors else None)
+        main = sys._current_frames().get(threading.main_thread().ident or 0)
+        frames = traceback.extract_stack(main) if main is not None else []
+        inner = frames[-1] if frames else None
+        return {
+            "rank": self.rank, "local_rank": self.local_rank, "world_size": self.world_size, "pid": os.getpid(),
+            "ddp_models": len(self.doctors),
+            "step": active.steps_observed if active is not None else -1,
+            "phase": active.phase if active is not None else "before DDP was built",
+            "user_frame": _user_frame(frames),
+            "innermost": f"{inner.filename}:{inner.lineno} in {inner.name}" if inner else None,
+            "ended": self._ended.is_set(), "time": time.time(),
+        }
+
+    def _write_progress(self) -> None:
+        try:
+            write_json(self.outdir / f"rank{self.rank}.progress.json", self._progress())
+        except Exception as exc:  # noqa: BLE001  (the watchdog must never take the rank down)
+            logger.debug("ddp-doctor: progress not written: %s", exc)
+
+    def _watch(self) -> None:
+        last: tuple[Any, ...] = ()
+        while not self._ended.wait(_WATCH_INTERVAL_S):
+            progress = self._progress()
+            key = (progress["step"], progress["phase"], progress["user_frame"], progress["innermost"])
+            if key != last:
+                self._write_progress()
+                last = key
+            if self.config.deadline and time.time() > self.config.deadline + 2.0:
+                # The parent normally stops us before this; this covers a parent that is gone.
+                self._write_progress()
+                os._exit(124)
