@@ -11,16 +11,22 @@ from ddp_doctor.codes import CODES
 from ddp_doctor.errors import (
     DDPFailure,
     DoctorError,
+    GuardError,
     InvalidArgumentError,
     NotDDPModelError,
     NoTrainableParametersError,
     ProcessGroupNotInitializedError,
     RankMismatchError,
     ReductionError,
+    ReplicaDivergenceError,
     ReportTimeoutError,
+    StaleModelError,
 )
+from ddp_doctor.guard import Guard, guard
 from ddp_doctor.observe import Doctor, observe
+from ddp_doctor.refreeze import ProgressiveFreeze, progressive_freeze, refreeze
 from ddp_doctor.report import Finding, ParamRef, Recommendation, Report
+from ddp_doctor.sync import sync_gradients
 
 __all__ = [
     "CODES",
@@ -28,16 +34,25 @@ __all__ = [
     "Doctor",
     "DoctorError",
     "Finding",
+    "Guard",
+    "GuardError",
     "InvalidArgumentError",
     "NoTrainableParametersError",
     "NotDDPModelError",
     "ParamRef",
     "ProcessGroupNotInitializedError",
+    "ProgressiveFreeze",
     "RankMismatchError",
     "Recommendation",
     "ReductionError",
+    "ReplicaDivergenceError",
     "Report",
     "ReportTimeoutError",
+    "StaleModelError",
     "__version__",
+    "guard",
     "observe",
+    "progressive_freeze",
+    "refreeze",
+    "sync_gradients",
 ]

@@ -5,13 +5,16 @@ from __future__ import annotations
 __all__ = [
     "DDPFailure",
     "DoctorError",
+    "GuardError",
     "InvalidArgumentError",
     "NoTrainableParametersError",
     "NotDDPModelError",
     "ProcessGroupNotInitializedError",
     "RankMismatchError",
     "ReductionError",
+    "ReplicaDivergenceError",
     "ReportTimeoutError",
+    "StaleModelError",
 ]
 
 
@@ -61,3 +64,39 @@ class DDPFailure(DoctorError):
 
 class ReductionError(DDPFailure):
     """DDP's *Expected to have finished reduction in the prior iteration* error, explained."""
+
+
+class ReplicaDivergenceError(DoctorError):
+    """The replicas already differ across ranks, so ddp-doctor refuses to go on (for example, to rebuild DDP).
+
+    Attributes:
+        params: names of the parameters (or optimizer-state entries) that differ.
+        ranks: the ranks whose copy differs from the most common one (rank 0's on a tie).
+        max_difference: the largest difference of a fingerprint (a float64 sum) between two ranks.
+    """
+
+    code = "replica-divergence"
+
+    def __init__(self, message: str, *, params: list[str], ranks: list[int], max_difference: float) -> None:
+        super().__init__(message)
+        self.params = params
+        self.ranks = ranks
+        self.max_difference = max_difference
+
+
+class GuardError(DoctorError):
+    """`guard(..., on_problem="raise")` found a problem.
+
+    Attributes:
+        findings: the problems, as `ddp_doctor.Finding` objects (code, params, ranks, steps, fix).
+        code: the code of the first finding (for example ``"wrapper-bypass"``).
+    """
+
+    def __init__(self, message: str, *, findings: list) -> None:
+        super().__init__(message)
+        self.findings = findings
+        self.code = findings[0].code if findings else ""
+
+
+class StaleModelError(DoctorError):
+    """A `DistributedDataParallel` that `refreeze` replaced was called; the model it returned must be used."""

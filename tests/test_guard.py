@@ -1,0 +1,409 @@
+"""guard(): bypass within one step, requires_grad flips before the damage, divergence within N steps, and silence
+on healthy runs (including nanoGPT-style gradient accumulation)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist import RankFailure, run_ranks
+from scenarios import Net, batch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_doctor import (
+    GuardError,
+    InvalidArgumentError,
+    NotDDPModelError,
+    RankMismatchError,
+    guard,
+)
+
+# `ddp_doctor.guard` is the function (the package re-exports it); the module is reached through importlib.
+guard_module = importlib.import_module("ddp_doctor.guard")
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    @property
+    def text(self) -> str:
+        return "\n".join(r.getMessage() for r in self.records)
+
+
+def _capture() -> _Lines:
+    handler = _Lines()
+    log = logging.getLogger("ddp_doctor.guard")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    return handler
+
+
+def _model(**kwargs) -> tuple[DDP, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    ddp = DDP(Net(batchnorm=kwargs.pop("batchnorm", False)), **kwargs)
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+
+def _train_step(ddp: DDP, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
+    x, y = batch(rank, step)
+    F.mse_loss(ddp(x, use_b=True), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _summary(g) -> list[tuple]:
+    return [(f.code, f.severity, f.param_names, f.ranks, f.steps) for f in g.problems]
+
+
+# ------------------------------------------------------------------------------------------------- healthy runs
+
+
+def _clean(rank: int, world: int, accumulation: str) -> dict:
+    ddp, opt = _model()
+    with guard(ddp, every=1, on_problem="raise", optimizer=opt) as g:
+        for step in range(4):
+            for micro in range(3):
+                last = micro == 2
+                x, y = batch(rank, step, micro)
+                if accumulation == "flag":        # nanoGPT
+                    ddp.require_backward_grad_sync = last
+                    ctx = nullcontext()
+                elif accumulation == "no_sync":
+                    ctx = nullcontext() if last else ddp.no_sync()
+                else:
+                    ctx = nullcontext()
+                with ctx:
+                    F.mse_loss(ddp(x, use_b=True), y).backward()
+                if accumulation == "none":
+                    break
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            ddp.module(batch(rank, 9)[0])         # evaluation through the inner module: not a bypass
+        g.check_now()
+        g.before_save()
+    return {"problems": _summary(g), "checks": g.checks, "steps": g.steps, "active": g.active}
+
+
+@pytest.mark.parametrize("accumulation", ["none", "flag", "no_sync"])
+def test_healthy_training_is_not_flagged(tmp_path, accumulation) -> None:
+    for res in run_ranks(_clean, tmp_path, args=(accumulation,)):
+        assert res == {"problems": [], "checks": 6, "steps": 4, "active": False}
+
+
+# ----------------------------------------------------------------------------------------------- wrapper bypass
+
+
+def _bypass(rank: int, world: int, on_problem: str) -> dict:
+    ddp, opt = _model()
+    lines = _capture()
+    g = guard(ddp, every=2, on_problem=on_problem, optimizer=opt)
+    raised = None
+    steps_done = 0
+    try:
+        for step in range(4):
+            x, y = batch(rank, step)
+            F.mse_loss(ddp.module(x, use_b=True), y).backward()   # the seed-002 bug: BYPASS-LINE
+            opt.step()
+            opt.zero_grad()
+            steps_done += 1
+    except GuardError as exc:
+        raised = (exc.code, str(exc))
+    g.close()
+    return {"problems": _summary(g), "raised": raised, "steps_done": steps_done, "log": lines.text}
+
+
+def _bypass_line() -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if "BYPASS-LINE" in line and "ddp.module" in line)
+
+
+def test_bypass_raises_at_the_first_call_with_file_and_line(tmp_path) -> None:
+    site = f"test_guard.py:{_bypass_line()}"
+    for rank, res in enumerate(run_ranks(_bypass, tmp_path, args=("raise",))):
+        assert res["steps_done"] == 0
+        code, message = res["raised"]
+        assert code == "wrapper-bypass" and site in message and "sync_gradients" in message
+        assert res["problems"] == [("wrapper-bypass", "error", [], [rank], [0])]
+
+
+def test_bypass_warns_once_then_divergence_is_found_within_every_steps(tmp_path) -> None:
+    site = f"test_guard.py:{_bypass_line()}"
+    results = run_ranks(_bypass, tmp_path, args=("warn",))
+    for rank, res in enumerate(results):
+        assert res["steps_done"] == 4 and res["raised"] is None
+        codes = [p[0] for p in res["problems"]]
+        assert codes.count("wrapper-bypass") == 1                  # warned once, not every step
+        assert res["problems"][0][3:] == ([rank], [0])
+        divergence = [p for p in res["problems"] if p[0] == "replica-divergence"]
+        assert divergence and divergence[0][4] == [2]              # found at the first comparison (every=2)
+        assert set(divergence[0][2]) == {n for n, _ in Net().named_parameters() if "norm" not in n}
+        assert divergence[0][3] == [0, 1]
+    assert site in results[0]["log"] and "replica-divergence" in results[0]["log"]
+    assert "replica-divergence" not in results[1]["log"]           # collective results are logged by rank 0 only
+
+
+# ------------------------------------------------------------------------------------------- replica divergence
+
+
+def _injected(rank: int, world: int, every: int, bad_rank: int, with_optimizer: bool) -> dict:
+    ddp, opt = _model()
+    g = guard(ddp, every=every, optimizer=opt if with_optimizer else None)
+    for step in range(8):
+        if step == 3 and rank == bad_rank:
+            with torch.no_grad():
+                ddp.module.head_a.weight[0, 0] += 1e-3   # a silent rank-local change
+        _train_step(ddp, opt, rank, step)
+    g.close()
+    return {"problems": _summary(g), "detail": g.problems[0].detail if g.problems else ""}
+
+
+@pytest.mark.parametrize(("world", "every", "with_optimizer"), [(2, 2, True), (3, 3, True), (2, 2, False)])
+def test_divergence_found_within_every_steps_and_named(tmp_path, world, every, with_optimizer) -> None:
+    bad = world - 1
+    for res in run_ranks(_injected, tmp_path, world_size=world, args=(every, bad, with_optimizer)):
+        [(code, severity, params, ranks, steps)] = res["problems"]
+        assert (code, severity, params) == ("replica-divergence", "error", ["head_a.weight"])
+        assert ranks == [0, bad]
+        first_check_after = (3 // every + 1) * every          # injected before step 3's update
+        assert steps == [first_check_after] and first_check_after - 3 <= every
+        assert f"rank(s) [{bad}] differ from rank 0; fingerprint differs by" in res["detail"]
+
+
+def _raise_on_divergence(rank: int, world: int) -> tuple:
+    ddp, opt = _model()
+    g = guard(ddp, every=1, on_problem="raise", optimizer=opt)
+    try:
+        for step in range(4):
+            if step == 2 and rank == 1:
+                with torch.no_grad():
+                    ddp.module.trunk.bias.mul_(1.5)
+            _train_step(ddp, opt, rank, step)
+    except GuardError as exc:
+        return exc.code, exc.findings[0].param_names, step, g.steps
+    finally:
+        g.close()
+    return None, [], -1, g.steps
+
+
+def test_raise_mode_raises_on_every_rank_at_the_same_step(tmp_path) -> None:
+    assert run_ranks(_raise_on_divergence, tmp_path) == [("replica-divergence", ["trunk.bias"], 2, 3)] * 2
+
+
+def _buffers(rank: int, world: int, broadcast: bool) -> list[tuple]:
+    ddp, opt = _model(batchnorm=True, broadcast_buffers=broadcast)
+    with guard(ddp, every=2, optimizer=opt) as g:
+        for step in range(2):
+            _train_step(ddp, opt, rank, step)
+    return [(c, s, p) for c, s, p, _, _ in _summary(g)]
+
+
+def test_buffers_are_reported_separately_when_ddp_does_not_broadcast_them(tmp_path) -> None:
+    expected = [("buffer-divergence", "warning", ["norm.running_mean", "norm.running_var"])]
+    assert run_ranks(_buffers, tmp_path, args=(False,)) == [expected] * 2
+    assert run_ranks(_buffers, tmp_path, args=(True,)) == [[]] * 2
+
+
+def _before_save(rank: int, world: int, on_problem: str) -> dict:
+    ddp, opt = _model()
+    lines = _capture()
+    g = guard(ddp, every=1000, on_problem=on_problem, optimizer=opt)
+    _train_step(ddp, opt, rank, 0)
+    clean = g.before_save()
+    if rank == 1:
+        with torch.no_grad():
+            ddp.module.head_b.weight.zero_()
+    raised = None
+    try:
+        found = g.before_save()
+    except GuardError as exc:
+        found, raised = exc.findings, exc.code
+    ddp.module.state_dict()        # saving after a known divergence is logged even without before_save
+    g.close()
+    errors = [r.getMessage() for r in lines.records if r.levelno >= logging.ERROR]
+    return {"clean": clean, "found": [(f.code, f.param_names) for f in found], "raised": raised,
+            "errors": errors, "checks": g.checks}
+
+
+def test_before_save_never_saves_a_diverged_replica_silently(tmp_path) -> None:
+    warn = run_ranks(_before_save, tmp_path, args=("warn",))
+    for rank, res in enumerate(warn):
+        assert res["clean"] == [] and res["checks"] == 2
+        assert res["found"] == [("replica-divergence", ["head_b.weight"])] and res["raised"] is None
+    assert any("before_save()" in e for e in warn[0]["errors"])          # ERROR level on rank 0
+    assert all(any("saving a state_dict" in e for e in res["errors"]) for res in warn)
+    for res in run_ranks(_before_save, tmp_path, args=("raise",)):
+        assert res["raised"] == "replica-divergence"
+
+
+# ---------------------------------------------------------------------------------------- requires_grad flips
+
+
+def _flip(rank: int, world: int, direction: str, on_problem: str, flags: dict) -> dict:
+    torch.manual_seed(0)
+    net = Net()
+    if direction == "unfreeze":
+        net.head_b.weight.requires_grad_(False)
+    ddp = DDP(net, **flags)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = guard(ddp, every=100, on_problem=on_problem, optimizer=opt)
+    _train_step(ddp, opt, rank, 0)
+    net.head_b.weight.requires_grad_(direction == "unfreeze")
+    raised = None
+    try:
+        x, _ = batch(rank, 1)
+        ddp(x, use_b=True)            # the guard checks in DDP's forward pre-hook, before the backward
+    except GuardError as exc:
+        raised = exc.code
+    g.close()
+    return {"problems": _summary(g), "raised": raised}
+
+
+@pytest.mark.parametrize(("direction", "flags", "severity"), [
+    ("freeze", {}, "error"),
+    ("freeze", {"static_graph": True}, "error"),
+    ("freeze", {"find_unused_parameters": True}, "warning"),
+    ("unfreeze", {}, "error"),
+])
+def test_requires_grad_flips_after_wrap_are_named_before_the_backward(tmp_path, direction, flags, severity) -> None:
+    code = f"{direction.replace('unfreeze', 'unfrozen').replace('freeze', 'frozen')}-after-wrap"
+    for rank, res in enumerate(run_ranks(_flip, tmp_path, args=(direction, "raise", flags))):
+        assert res["problems"] == [(code, severity, ["head_b.weight"], [rank], [1])]
+        assert res["raised"] == (code if severity == "error" else None)
+
+
+def _flip_warn_once(rank: int, world: int) -> tuple[list, int]:
+    ddp, opt = _model(find_unused_parameters=True)
+    g = guard(ddp, every=100, optimizer=opt)
+    _train_step(ddp, opt, rank, 0)
+    ddp.module.block[0].weight.requires_grad_(False)
+    for step in range(1, 4):
+        _train_step(ddp, opt, rank, step)
+    g.close()
+    return _summary(g), len(g.problems)
+
+
+def test_a_flip_is_reported_once(tmp_path) -> None:
+    for rank, (problems, count) in enumerate(run_ranks(_flip_warn_once, tmp_path)):
+        assert count == 1 and problems[0][:3] == ("frozen-after-wrap", "warning", ["block.0.weight"])
+
+
+# --------------------------------------------------------------------------------------------- robustness
+
+
+def _internal_failure(rank: int, world: int, where: str) -> dict:
+    ddp, opt = _model()
+    lines = _capture()
+    g = guard(ddp, every=2, optimizer=opt)
+    if rank == 1:
+        def broken(*_args, **_kwargs):
+            raise ZeroDivisionError("injected")
+        if where == "comparison":
+            guard_module.local_rows = broken      # in this rank's process only
+        else:
+            g._check_flips = broken
+    for step in range(6):
+        _train_step(ddp, opt, rank, step)
+    same = all(_all_equal(p.detach()) for p in ddp.parameters())
+    return {"active": g.active, "checks": g.checks, "same": same, "log": lines.text,
+            "failures_logged": lines.text.count("hit an internal error")}
+
+
+def _all_equal(t: torch.Tensor) -> bool:
+    copies = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, t.contiguous())
+    return all(torch.equal(copies[0], c) for c in copies[1:])
+
+
+@pytest.mark.parametrize("where", ["comparison", "local hook"])
+def test_an_internal_failure_turns_the_guard_off_on_every_rank_and_training_goes_on(tmp_path, where) -> None:
+    results = run_ranks(_internal_failure, tmp_path, args=(where,))
+    for res in results:
+        assert res["active"] is False and res["same"]
+    # The failing rank logs it once; at the next comparison (step 2) every rank learns it and turns off.
+    assert results[1]["failures_logged"] == 1 and "ZeroDivisionError: injected" in results[1]["log"]
+    assert "turned off on every rank after an internal error on rank(s) [1]" in results[0]["log"]
+
+
+def _bad_arguments(rank: int, world: int) -> list[str]:
+    ddp, _ = _model()
+    messages = []
+    for call, error in [
+        (lambda: guard(nn.Linear(2, 2)), NotDDPModelError),
+        (lambda: guard(ddp, every=0), InvalidArgumentError),
+        (lambda: guard(ddp, on_problem="loud"), InvalidArgumentError),
+        (lambda: guard(ddp, optimizer="sgd"), InvalidArgumentError),   # type: ignore[arg-type]
+    ]:
+        with pytest.raises(error) as info:
+            call()
+        messages.append(str(info.value))
+    g = guard(ddp)
+    with pytest.raises(InvalidArgumentError) as info:
+        guard(ddp)
+    messages.append(str(info.value))
+    g.close()
+    guard(ddp).close()    # after close() the model can be guarded again
+    return messages
+
+
+def test_bad_arguments(tmp_path) -> None:
+    messages = run_ranks(_bad_arguments, tmp_path)[0]
+    assert "got torch.nn.modules.linear.Linear. Wrap it first" in messages[0]
+    assert "every must be a positive int" in messages[1] and "got 0" in messages[1]
+    assert "on_problem must be 'warn' or 'raise', got 'loud'" in messages[2]
+    assert "optimizer must be a torch.optim.Optimizer or None, got str" in messages[3]
+    assert "already has an active guard" in messages[4]
+
+
+def _different_models(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    ddp = DDP(Net(), init_sync=False) if rank == 0 else DDP(Net(batchnorm=True), init_sync=False)
+    with pytest.raises(RankMismatchError) as info:
+        guard(ddp)
+    return str(info.value)
+
+
+def test_different_models_raise_on_every_rank(tmp_path) -> None:
+    for message in run_ranks(_different_models, tmp_path):
+        assert "rank 0: 8 tensors, rank 1: 13 tensors" in message
+
+
+def _hooks(ddp: DDP, opt: torch.optim.Optimizer) -> tuple[int, ...]:
+    return (len(ddp._forward_pre_hooks), len(ddp._forward_hooks), len(ddp.module._forward_pre_hooks),
+            len(ddp.module._state_dict_pre_hooks), len(opt._optimizer_step_post_hooks))
+
+
+def _close_removes_hooks(rank: int, world: int) -> tuple:
+    ddp, opt = _model()
+    before = _hooks(ddp, opt)
+    with guard(ddp, optimizer=opt):
+        during = _hooks(ddp, opt)
+    return before, during, _hooks(ddp, opt), hasattr(ddp, guard_module.GUARD_ATTR)
+
+
+def test_close_removes_every_hook(tmp_path) -> None:
+    before, during, after, attr = run_ranks(_close_removes_hooks, tmp_path, world_size=1)[0]
+    assert during != before and after == before and not attr
+
+
+def test_rank_failure_is_reported(tmp_path) -> None:
+    # The harness itself: a rank that raises fails the test (so the tests above can fail).
+    with pytest.raises(RankFailure, match="GuardError"):
+        run_ranks(_bypass_must_not_raise, tmp_path)
+
+
+def _bypass_must_not_raise(rank: int, world: int) -> None:
+    ddp, opt = _model()
+    guard(ddp, on_problem="raise", optimizer=opt)
+    ddp.module(batch(rank, 0)[0])
