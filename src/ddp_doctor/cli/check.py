@@ -145,7 +145,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     render_result(result, console)
     if args.json:
-        Path(args.json).write_text(result.to_json())
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(result.to_json())
     return exit_code(result, args.fail_on)
 
 

@@ -113,56 +113,86 @@ _PHASES = ("before DDP was built", "before the first step", "between steps", "fo
 
 
 def _where(p: dict[str, Any]) -> str:
-    frame = p.get("user_frame") or p.get("innermost") or "an unknown place"
+    frame = p.get("user_frame") or p.get("site") or p.get("innermost") or "an unknown place"
     return f"step {max(p.get('step', 0), 0)}, {p.get('phase', '?')}, at {frame}"
+
+
+def _list(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _failure_report(ends: dict[int, dict[str, Any]], progress: dict[int, dict[str, Any]],
                     crashed: dict[int, dict[str, Any]], timed_out: bool) -> Report:
+    """A report from the ranks' own files: who failed first, how, and where the others were."""
     from ddp_doctor import __version__
 
     ranks = sorted(set(ends) | set(progress))
     world = max([d.get("world_size", 1) for d in (*ends.values(), *progress.values())] + [len(ranks)])
-    models = next((d["models"] for d in ends.values() if d.get("models")), [])
-    meta = models[0] if models else {}
+    meta = next((d["models"][0] for d in (*ends.values(), *progress.values()) if d.get("models")), {})
+    causes = {r: c for r, c in crashed.items() if not c.get("peer_lost")}
+    # A rank with no end record died without Python noticing: killed by a signal (out of memory, say), or stopped
+    # by the launcher after another rank failed, or by the timeout.
+    silent = [r for r in ranks if r not in ends]
+    vanished = silent if not causes and not timed_out else []
     findings: list[Finding] = []
-    waiting = [r for r in ranks if r not in crashed and not progress.get(r, {}).get("ended")]
-    others = "; ".join(f"rank {r} was at {_where(progress[r])}" for r in waiting if r in progress)
-    for rank, crash in sorted(crashed.items()):
+
+    def others(culprits: list[int]) -> str:
+        parts = []
+        for r in ranks:
+            if r in culprits:
+                continue
+            if r in crashed:
+                parts.append(f"rank {r} lost its peer at {_where({**progress.get(r, {}), **crashed[r]})}")
+            elif r in progress and not progress[r].get("ended"):
+                parts.append(f"rank {r} was at {_where(progress[r])}")
+        return "; ".join(parts)
+
+    for rank, crash in sorted(causes.items()):
         explained = crash.get("explained")
         step = max(crash.get("step", 0), 0)
+        waiting = others(list(causes))
         if explained:
             findings.append(Finding(
                 code=explained["code"], severity="error",
                 title=f"rank {rank}: DDP failed at step {step}", detail=explained["message"],
                 params=[ParamRef(n, 0) for n in explained.get("params", [])], ranks=[rank], steps=[step],
-                fix="see the explanation above; re-run the check once it is fixed to see the full diagnosis."))
-        else:
-            findings.append(Finding(
-                code="rank-crashed", severity="error",
-                title=f"rank {rank} crashed at step {step}: {crash['type']}: {crash['message'][:200]}",
-                detail=(f"Raised at {crash.get('site') or 'an unknown place'}. "
-                        + (f"The other ranks were stopped while waiting for it: {others}. " if others else "")
-                        + "Its traceback was printed above."),
-                ranks=[rank], steps=[step],
-                fix="fix the error on that rank; the rest of the diagnosis needs every rank to finish its steps."))
-    missing = [r for r in range(world) if r not in progress and r not in ends]
-    if not crashed and waiting:
-        order = {r: (progress[r].get("step", 0), _PHASES.index(progress[r].get("phase"))
-                     if progress[r].get("phase") in _PHASES else 0) for r in waiting if r in progress}
-        behind = min(order.values()) if order else (0, 0)
-        stuck = [r for r, key in order.items() if key == behind] if len(set(order.values())) > 1 else list(order)
-        detail = "; ".join(f"rank {r} was at {_where(progress[r])}" for r in sorted(order))
+                fix="see the explanation above; run the check again once it is fixed to see the full diagnosis."))
+            continue
+        findings.append(Finding(
+            code="rank-crashed", severity="error",
+            title=f"rank {rank} crashed at step {step}: {crash['type']}: {crash['message'][:200]}",
+            detail=(f"Raised at {crash.get('site') or 'an unknown place'} ({crash.get('phase', '?')}); its traceback "
+                    "was printed above." + (f" The other ranks were stopped while waiting for it: {waiting}."
+                                            if waiting else "")),
+            ranks=[rank], steps=[step],
+            fix="fix the error on that rank; the rest of the diagnosis needs every rank to finish its steps."))
+    if vanished:
+        findings.append(Finding(
+            code="rank-crashed", severity="error",
+            title=f"{_list(vanished)} died without a Python error",
+            detail=("It was killed by a signal (the kernel's out-of-memory killer, or a scheduler) at "
+                    + "; ".join(f"rank {r}: {_where(progress[r])}" for r in vanished if r in progress)
+                    + (f". The others: {others(vanished)}." if others(vanished) else ".")),
+            ranks=vanished, steps=sorted({max(progress[r].get("step", 0), 0) for r in vanished if r in progress}),
+            fix="check the system log (dmesg) and the memory use of that rank."))
+    if not causes and not vanished:
+        waiting = [r for r in ranks if r in progress and not progress[r].get("ended")]
+        order = {r: (progress[r].get("step", 0),
+                     _PHASES.index(progress[r]["phase"]) if progress[r].get("phase") in _PHASES else 0)
+                 for r in waiting}
+        behind = min(order.values(), default=(0, 0))
+        stuck = sorted(r for r, key in order.items() if key == behind)
+        missing = [r for r in range(world) if r not in ranks]
         findings.append(Finding(
             code="rank-hung", severity="error",
-            title=(f"rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} stopped making progress"
-                   + (" before the timeout" if timed_out else "")),
-            detail=(f"{detail}." + (" The ranks ahead were waiting for the ones behind in a collective."
-                                    if len(stuck) < len(order) else "")
-                    + (f" Ranks {missing} run on another node; that node's report covers them." if missing else "")),
+            title=f"{_list(stuck)} stopped making progress" + (" before the timeout" if timed_out else ""),
+            detail=("; ".join(f"rank {r} was at {_where(progress[r])}" for r in sorted(order)) + "."
+                    + (" The ranks ahead were waiting for the ones behind in a collective."
+                       if len(stuck) < len(order) else "")
+                    + (f" {_list(missing)} ran on another node; that node's report covers them." if missing else "")),
             ranks=stuck, steps=sorted({max(progress[r].get("step", 0), 0) for r in stuck}),
-            fix="look at what the stuck rank does at that line; a collective that only some ranks call, or a loop "
-                "with a different number of iterations per rank, hangs the others."))
+            fix="look at what the stuck rank does at that line: a collective that only some ranks call, a loop with "
+                "a different number of iterations per rank, or a data source that blocks."))
     ddp_config = meta.get("ddp_config", {})
     rec = Recommendation(
         find_unused_parameters=bool(ddp_config.get("find_unused_parameters", False)),
@@ -171,8 +201,8 @@ def _failure_report(ends: dict[int, dict[str, Any]], progress: dict[int, dict[st
         freeze_before_wrap=[], verified=False,
         reason="No recommendation: the ranks could not finish the observed steps together, so the used set is not "
                "known on every rank. Fix the failure above and run the check again.")
+    steps = [max(d.get("step", 0), 0) for d in progress.values()]
     return Report(
         tool_version=__version__, torch_version=meta.get("torch_version", ""), backend=meta.get("backend", ""),
-        world_size=world, steps_observed=min((max(progress.get(r, {}).get("step", 0), 0) for r in ranks), default=0),
-        ddp_config=ddp_config, findings=findings, recommendation=rec, timing=Timing(),
-        framework=meta.get("framework", "torch"), ddp_site=meta.get("site"))
+        world_size=world, steps_observed=min(steps, default=0), ddp_config=ddp_config, findings=findings,
+        recommendation=rec, timing=Timing(), framework=meta.get("framework", "torch"), ddp_site=meta.get("site"))

@@ -48,6 +48,9 @@ FRAMEWORKS = {"transformers": "transformers", "accelerate": "accelerate", "light
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
               os.path.dirname(threading.__file__))
 _WATCH_INTERVAL_S = 0.5
+# What a collective raises on the ranks that survive when a peer dies or stops (gloo, then NCCL wording).
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+              "communicator was aborted", "remote process exited", "NCCL error")
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -192,6 +195,7 @@ class Session:
         """The script raised on this rank: record it, try to report with the others, and exit."""
         tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
         frames = traceback.extract_tb(exc.__traceback__)
+        phase = self._progress()["phase"]
         explained = None
         step = -1
         for doctor in self.doctors:
@@ -199,14 +203,17 @@ class Session:
             step = max(step, doctor.record().crash_step)
             if failure is not None and explained is None:
                 explained = {"code": failure.code, "params": failure.params, "message": str(failure)}
-        crash = {"type": type(exc).__name__, "message": str(exc)[:4000], "traceback": "".join(tb)[-20000:],
-                 "site": _user_frame(frames), "step": step, "explained": explained}
+        message = str(exc)
+        crash = {"type": type(exc).__name__, "message": message[:4000], "traceback": "".join(tb)[-20000:],
+                 "site": _user_frame(frames), "step": step, "explained": explained,
+                 "peer_lost": explained is None and any(p in message for p in _PEER_LOST),
+                 "phase": phase}
         self._end({"outcome": "crashed", "crash": crash, "ddp_models": len(self.doctors)})
-        if explained is None:
+        if explained is None and not crash["peer_lost"]:
             # Not DDP's error: the user needs the whole traceback, as torchrun would have shown it.
             sys.stderr.write(f"[ddp-doctor] rank {self.rank} crashed:\n{''.join(tb)}")
             sys.stderr.flush()
-        if self.doctors:
+        if self.doctors and not crash["peer_lost"]:
             wait = max(0.5, min(self.config.crash_wait_s, self._remaining()))
             self.finish(f"rank {self.rank} crashed", timeout=wait, exit_code=1)
         self._exit(1)
@@ -264,7 +271,7 @@ class Session:
         inner = frames[-1] if frames else None
         return {
             "rank": self.rank, "local_rank": self.local_rank, "world_size": self.world_size, "pid": os.getpid(),
-            "ddp_models": len(self.doctors),
+            "ddp_models": len(self.doctors), "models": self.models,
             "step": active.steps_observed if active is not None else -1,
             "phase": active.phase if active is not None else "before DDP was built",
             "user_frame": _user_frame(frames),

@@ -1,0 +1,68 @@
+"""`ddp-doctor check` on every bundled example, as a subprocess: exact codes, named params, exit code, no
+leftover process; then the recommendation, passed back with --ddp-kwargs, must leave no error-level finding."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from checkrun import EXAMPLES, check
+
+
+@dataclass
+class Example:
+    script: str
+    codes: set[str]
+    rc: int
+    params: dict[str, set[str]] = field(default_factory=dict)
+    code_fix: list[str] | None = None
+    """Script arguments that fix what no DDP flag can (the bypass)."""
+
+
+HEAD = {f"regress.{i}.{k}" for i in (0, 2) for k in ("weight", "bias")}
+EXAMPLES_EXPECTED = [
+    Example("clean.py", set(), 0),
+    Example("unused_head.py", {"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"}, 1,
+            params={"unused-parameters": HEAD, "reduction-error": HEAD}),
+    Example("find_unused_all_used.py", {"find-unused-unneeded"}, 0),
+    Example("curriculum_through_module.py", {"wrapper-bypass", "grads-not-synced", "replica-divergence"}, 1,
+            params={"wrapper-bypass": {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}},
+            code_fix=["--through-ddp"]),
+    Example("progressive_freeze.py", {"reduction-error", "frozen-after-wrap", "grads-not-synced",
+                                      "replica-divergence"}, 1,
+            params={"frozen-after-wrap": {"layers.0.weight", "layers.0.bias"},
+                    "reduction-error": {"layers.0.weight", "layers.0.bias"}}),
+    Example("dynamic_graph.py", {"static-graph-unsafe", "dynamic-graph", "grads-not-synced", "replica-divergence"},
+            1, params={"dynamic-graph": {"aux_head.weight", "aux_head.bias"},
+                       "static-graph-unsafe": {"aux_head.weight", "aux_head.bias"}}),
+]
+
+
+@pytest.mark.parametrize("example", EXAMPLES_EXPECTED, ids=lambda e: e.script)
+def test_check_example_then_apply_the_recommendation(example: Example, tmp_path: Path) -> None:
+    script = str(EXAMPLES / example.script)
+    first = check(["--nproc-per-node", "2", script], tmp_path / "first")
+    assert first.report is not None, first.output
+    assert first.codes == example.codes, first.output
+    assert first.rc == example.rc, first.output
+    for code, names in example.params.items():
+        assert first.params(code) == names, (code, first.output)
+    assert first.report["world_size"] == 2 and first.report["backend"] == "gloo"
+    assert first.report["ddp_site"].startswith(f"examples/{example.script}:"), first.report["ddp_site"]
+
+    rec = first.report["recommendation"]
+    kwargs = {"find_unused_parameters": rec["find_unused_parameters"], "static_graph": rec["static_graph"],
+              "freeze_before_wrap": rec["freeze_before_wrap"]}
+    second = check(["--nproc-per-node", "2", "--ddp-kwargs", json.dumps(kwargs), script], tmp_path / "second")
+    assert second.report is not None, second.output
+    if example.code_fix is None:
+        assert second.errors() == [], second.output
+        assert second.rc == 0, second.output
+        assert second.report["steps_observed"] == 8
+        return
+    # No flag fixes a bypassed wrapper: the report must keep saying so, and the code fix must be clean.
+    assert "wrapper-bypass" in second.errors(), second.output
+    fixed = check(["--nproc-per-node", "2", script, *example.code_fix], tmp_path / "fixed")
+    assert fixed.errors() == [] and fixed.rc == 0, fixed.output
