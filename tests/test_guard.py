@@ -154,6 +154,56 @@ def test_bypass_warns_once_then_divergence_is_found_within_every_steps(tmp_path)
     assert "replica-divergence" not in results[1]["log"]           # collective results are logged by rank 0 only
 
 
+class WithLossMethod(Net):
+    """Seed 002's shape: the trainer calls a method of the inner module, so its forward() never runs."""
+
+    def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.block(torch.relu(self.trunk(x)))
+        return F.mse_loss(self.head_a(h) + self.head_b(h), y)
+
+
+def _bypass_through_method(rank: int, world: int, healthy_steps: int) -> dict:
+    from torch.nn.modules import module as module_globals
+
+    torch.manual_seed(0)
+    ddp = DDP(WithLossMethod())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    global_hooks = len(module_globals._global_forward_pre_hooks)
+    g = guard(ddp, every=100, optimizer=opt)
+    armed = len(module_globals._global_forward_pre_hooks) - global_hooks
+    for step in range(healthy_steps):
+        _train_step(ddp, opt, rank, step)
+    armed_after_healthy = len(module_globals._global_forward_pre_hooks) - global_hooks
+    for step in range(healthy_steps, healthy_steps + 3):
+        x, y = batch(rank, step)
+        ddp.module.compute_loss(x, y).backward()     # METHOD-LINE
+        opt.step()                                   # STEP-LINE
+        opt.zero_grad()
+    g.close()
+    return {"problems": _summary(g), "titles": [f.title for f in g.problems], "armed": armed,
+            "armed_after_healthy": armed_after_healthy}
+
+
+def _line(tag: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if f"# {tag}" in line and "tag" not in line)
+
+
+def test_bypass_through_a_method_of_the_inner_module_is_found_at_the_first_call(tmp_path) -> None:
+    for rank, res in enumerate(run_ranks(_bypass_through_method, tmp_path, args=(0,))):
+        assert res["armed"] == 1
+        assert res["problems"] == [("wrapper-bypass", "error", [], [rank], [0])]
+        assert f"test_guard.py:{_line('METHOD-LINE')}" in res["titles"][0]
+
+
+def test_a_later_bypass_is_found_within_its_step_at_no_steady_cost(tmp_path) -> None:
+    for rank, res in enumerate(run_ranks(_bypass_through_method, tmp_path, args=(2,))):
+        assert res["armed"] == 1 and res["armed_after_healthy"] == 0    # global hooks gone after a healthy step
+        assert res["problems"] == [("wrapper-bypass", "error", [], [rank], [2])]
+        assert "never synchronized" in res["titles"][0]
+        assert f"test_guard.py:{_line('STEP-LINE')}" in res["titles"][0]
+
+
 # ------------------------------------------------------------------------------------------- replica divergence
 
 
@@ -380,8 +430,11 @@ def test_different_models_raise_on_every_rank(tmp_path) -> None:
 
 
 def _hooks(ddp: DDP, opt: torch.optim.Optimizer) -> tuple[int, ...]:
+    from torch.nn.modules import module as module_globals
+
     return (len(ddp._forward_pre_hooks), len(ddp._forward_hooks), len(ddp.module._forward_pre_hooks),
-            len(ddp.module._state_dict_pre_hooks), len(opt._optimizer_step_post_hooks))
+            len(ddp.module._state_dict_pre_hooks), len(opt._optimizer_step_pre_hooks),
+            len(opt._optimizer_step_post_hooks), len(module_globals._global_forward_pre_hooks))
 
 
 def _close_removes_hooks(rank: int, world: int) -> tuple:

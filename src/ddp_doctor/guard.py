@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor import _log
@@ -150,6 +151,10 @@ class Guard:
         self._handles: list[Any] = []
         self._ddp_handles: list[Any] = []
         self._depth = 0
+        self._ddp_forwards = 0
+        """Grad-mode DDP forwards since the last optimizer step."""
+        self._submodules = {id(m) for m in self._module.modules()}
+        self._global_handles: list[Any] = []
         self._active = True
         self._broken = False
         self._reported: set[tuple[Any, ...]] = set()
@@ -211,7 +216,24 @@ class Guard:
         self._handles.append(self._module.register_forward_pre_hook(self._on_module_forward_pre))
         self._handles.append(self._module.register_state_dict_pre_hook(self._on_state_dict))
         if self._optimizer is not None:
+            self._handles.append(self._optimizer.register_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(self._optimizer.register_step_post_hook(self._on_optimizer_step))
+        self._arm_site_finder()
+
+    def _arm_site_finder(self) -> None:
+        """Global module hooks that see a bypass through any submodule (seed 002 calls a method of the inner
+        module that calls its layers, so the inner module's own forward never runs) and name the caller's line.
+
+        A hook on every module call costs about 3% of a CPU step here, so they stay only until the first healthy
+        step; after that an O(1) check at each optimizer step notices a bypass within that step.
+        """
+        if not self._global_handles:
+            self._global_handles = [register_module_forward_pre_hook(self._on_any_module_forward_pre)]
+
+    def _disarm_site_finder(self) -> None:
+        for h in self._global_handles:
+            h.remove()
+        self._global_handles.clear()
 
     def _attach_ddp(self) -> None:
         self._ddp_handles = [
@@ -222,6 +244,7 @@ class Guard:
         setattr(self._ddp, GUARD_ATTR, self)
 
     def _detach(self) -> None:
+        self._disarm_site_finder()
         for h in self._handles + self._ddp_handles:
             h.remove()
         self._handles.clear()
@@ -307,21 +330,35 @@ class Guard:
     def _on_ddp_forward_pre(self, _module: torch.nn.Module, _args: Any) -> None:
         self._depth += 1
         if torch.is_grad_enabled():
+            self._ddp_forwards += 1
             self._safely(self._check_flips)
             if self._optimizer is None and self._ddp.require_backward_grad_sync:
                 self._count_step()
 
     def _on_ddp_forward(self, _module: torch.nn.Module, _args: Any, _output: Any) -> None:
         self._depth = max(0, self._depth - 1)
+        if self._optimizer is None and self._global_handles and torch.is_grad_enabled():
+            self._disarm_site_finder()        # a healthy forward: from here the inner module's hook suffices
 
     def _on_module_forward_pre(self, _module: torch.nn.Module, _args: Any) -> None:
         if self._depth == 0 and torch.is_grad_enabled():
-            self._safely(self._on_bypass)
+            self._safely(self._on_bypass, user_site())
             if self._optimizer is None:
                 self._count_step()
 
+    def _on_any_module_forward_pre(self, module: torch.nn.Module, _args: Any) -> None:
+        if self._depth == 0 and id(module) in self._submodules and torch.is_grad_enabled():
+            self._safely(self._on_bypass, user_site(self._submodules))
+
+    def _on_optimizer_pre(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if self._ddp_forwards == 0:
+            self._safely(self._check_unsynced_step)
+
     def _on_optimizer_step(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         self.steps += 1
+        if self._ddp_forwards and self._global_handles:
+            self._disarm_site_finder()        # a healthy step: from here the O(1) check suffices
+        self._ddp_forwards = 0
         if self._active and self.steps % self.every == 0:
             self._check(f"step {self.steps}")
 
@@ -343,16 +380,39 @@ class Guard:
 
     # ------------------------------------------------------------------------------------------- detectors
 
-    def _on_bypass(self) -> None:
-        site = user_site()
+    def _on_bypass(self, site: str | None) -> None:
         key = ("wrapper-bypass", site or "")
+        if key in self._reported and self.on_problem == "warn":
+            return
         where = f" at {site}" if site else ""
         self._report([Finding(
             code="wrapper-bypass", severity="error",
-            title=f"the module inside DDP was called directly{where}, so DDP does not synchronize its gradients",
-            detail=f"Rank {self._rank} ran {type(self._module).__qualname__}.forward in grad mode without "
-                   f"DistributedDataParallel's forward around it{where} (for example loss = ddp_model.module(x)). "
-                   "DDP's reducer only fires after its own forward, so each rank trains its own replica.",
+            title=f"the model inside DDP was called directly{where}, so DDP does not synchronize its gradients",
+            detail=f"Rank {self._rank} ran the model inside DistributedDataParallel in grad mode without DDP's "
+                   f"forward around it{where} (for example loss = ddp_model.module(x), or a method of "
+                   "ddp_model.module that calls its layers). DDP's reducer only fires after its own forward, so "
+                   "each rank trains its own replica.",
+            ranks=[self._rank], steps=[self.steps], fix=_BYPASS_FIX)], key=key)
+        self._disarm_site_finder()
+
+    def _check_unsynced_step(self) -> None:
+        # No grad-mode DDP forward since the last step, yet gradients to apply: they came from a backward that
+        # DDP's reducer never saw. The first trainable parameter with a grad ends the scan, so this is O(1) in
+        # the bypass case; in healthy runs it never runs (there was a DDP forward).
+        if not any(p.grad is not None for p, t in zip(self._params, self._wrap_trainable) if t):
+            return
+        if self.on_problem == "warn" and any(k[0] == "wrapper-bypass" for k in self._reported):
+            return  # already reported (with its call site when the first call was seen)
+        site = user_site()
+        key = ("wrapper-bypass", "step")
+        self._report([Finding(
+            code="wrapper-bypass", severity="error",
+            title="the optimizer stepped on gradients that DDP never synchronized"
+                  + (f" (optimizer step at {site})" if site else ""),
+            detail=f"On rank {self._rank} there was no forward through DistributedDataParallel since the last "
+                   "optimizer step, yet the parameters have gradients: the loss was computed through the model "
+                   "inside DDP (ddp_model.module or one of its methods), so DDP's reducer never fired and each "
+                   "rank trains its own replica.",
             ranks=[self._rank], steps=[self.steps], fix=_BYPASS_FIX)], key=key)
 
     def _check_flips(self) -> None:
