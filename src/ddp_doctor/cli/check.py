@@ -6,6 +6,7 @@ import argparse
 import inspect
 import json
 import os
+import sys
 from pathlib import Path
 from typing import IO, Any
 
@@ -154,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
 def render_result(result: CheckResult, console: Console) -> None:
     """Print the report(s), or the reason there is none."""
     if result.error is not None:
-        console.print(f"[bold red]ddp-doctor: {result.error}[/]", highlight=False)
+        # Plain stderr, not rich: the message may carry a traceback and must not be re-wrapped.
+        sys.stderr.write(f"ddp-doctor: error: {result.error}\n")
         return
     for i, model in enumerate(result.models):
         if len(result.models) > 1:

@@ -1,0 +1,100 @@
+"""`ddp-doctor check` when things go wrong: a crash on one rank, a hang on one rank, no DDP model, bad input,
+and user code that copies and pickles the observed model. Every run must end, name the rank, leave nothing
+behind, and exit with the documented code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from checkrun import EXAMPLES, REPO, SCRIPTS, check, finish, free_port, start
+
+
+def test_crash_on_rank_1_names_the_rank_step_and_error(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", "--timeout", "60", str(SCRIPTS / "crash_rank1.py")], tmp_path)
+    assert run.rc == 1, run.output
+    assert run.codes == {"rank-crashed"}, run.output
+    finding = run.finding("rank-crashed")
+    assert finding["ranks"] == [1] and finding["steps"] == [3], finding
+    assert "ValueError: corrupt sample 1234 in shard 1" in finding["title"]
+    assert "crash_rank1.py:10" in finding["detail"]
+    assert "rank 0 lost its peer at step 3" in finding["detail"], finding["detail"]
+    assert "corrupt sample 1234" in run.output          # the traceback reaches the user
+
+
+def test_hang_on_rank_1_ends_within_the_timeout_and_names_it(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", "--timeout", "20", str(SCRIPTS / "hang_rank1.py")], tmp_path,
+                timeout=60)
+    assert run.seconds < 20 + 5, run.seconds           # the timeout plus the parent's own start-up
+    assert run.rc == 1, run.output
+    assert run.codes == {"rank-hung"}, run.output
+    finding = run.finding("rank-hung")
+    assert finding["ranks"] == [1] and finding["steps"] == [2], finding
+    assert "hang_rank1.py:13" in finding["detail"] and "rank 0 was at step 2, backward" in finding["detail"]
+
+
+def test_a_script_that_never_builds_ddp_is_a_clear_exit_2(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "no_ddp.py")], tmp_path)
+    assert run.rc == 2, run.output
+    assert "without building a torch.nn.parallel.DistributedDataParallel model" in run.output
+    assert "Traceback" not in run.output
+
+
+def test_isinstance_copy_and_pickle_keep_working_while_observed(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "introspect.py")], tmp_path)
+    assert run.rc == 0 and run.codes == set(), run.output
+    assert run.report["steps_observed"] == 8
+
+
+def test_freeze_before_wrap_with_an_unknown_name_is_exit_2_naming_it(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", "--ddp-kwargs", '{"freeze_before_wrap": ["encoder.nope"]}',
+                 str(EXAMPLES / "clean.py")], tmp_path)
+    assert run.rc == 2, run.output
+    assert "encoder.nope" in run.output and "0.weight" in run.output
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ddp_doctor.cli", "check", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_bad_input_is_exit_2_with_the_value_and_the_fix() -> None:
+    missing = _cli("--nproc-per-node", "2", "no/such/train.py")
+    assert missing.returncode == 2 and "'no/such/train.py' does not exist" in missing.stderr
+    typo = _cli("--ddp-kwargs", '{"static_graf": true}', str(EXAMPLES / "clean.py"))
+    assert typo.returncode == 2 and "['static_graf']" in typo.stderr and "static_graph" in typo.stderr
+    not_json = _cli("--ddp-kwargs", "static_graph=True", str(EXAMPLES / "clean.py"))
+    assert not_json.returncode == 2 and "not valid JSON" in not_json.stderr
+    no_python = _cli("--no-python", str(EXAMPLES / "clean.py"))
+    assert no_python.returncode == 2 and "--no-python" in no_python.stderr
+    for result in (missing, typo, not_json, no_python):
+        assert "Traceback" not in result.stderr
+
+
+def test_help_shows_examples_and_torchrun_options() -> None:
+    out = _cli("--help").stdout
+    assert "examples:" in out and "--rdzv-endpoint" in out and "--ddp-kwargs" in out and "--nnodes 2" in out
+
+
+def test_two_nodes_of_one_process_give_the_same_report_as_one_node_of_two(tmp_path: Path) -> None:
+    script = str(EXAMPLES / "unused_head.py")
+    single = check(["--nproc-per-node", "2", script], tmp_path / "single")
+    port = free_port()
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}", "--timeout", "90"]
+    started = time.monotonic()
+    nodes = [start([*rdzv, "--node-rank", str(n), script], tmp_path, name=f"node{n}.json") for n in (0, 1)]
+    runs = [finish(proc, out, timeout=120, started=started) for proc, out in nodes]
+
+    def essence(report: dict) -> str:
+        keep = ("world_size", "steps_observed", "ddp_config", "findings", "crashes")
+        rec = {k: v for k, v in report["recommendation"].items()}
+        return json.dumps({**{k: report[k] for k in keep}, "recommendation": rec}, sort_keys=True)
+
+    for run in runs:
+        assert run.rc == single.rc == 1, run.output
+        assert run.report["world_size"] == 2
+        assert essence(run.report) == essence(single.report), run.output
