@@ -11,7 +11,7 @@ $(BIN)/ddp-doctor: pyproject.toml constraints.txt
 
 .PHONY: demo test bench
 demo: $(BIN)/ddp-doctor
-	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/observe_unused_head.py
+	$(BIN)/ddp-doctor demo
 
 test: $(BIN)/ddp-doctor
 	$(BIN)/python -m pytest -q

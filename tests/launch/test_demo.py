@@ -1,0 +1,26 @@
+"""`ddp-doctor demo` runs check on the examples and ends with the summary table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from checkrun import REPO
+
+
+def test_demo_on_two_examples_prints_the_summary() -> None:
+    out = subprocess.run([sys.executable, "-m", "ddp_doctor.cli", "demo", "--only", "clean", "--only",
+                          "find_unused_all_used"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert any("ddp-doctor demo: 2 ranks, gloo, CPU" in line for line in lines), out.stdout
+    clean = next(line for line in lines if line.startswith("│ clean "))
+    assert "│ none " in clean and "keep the script's flags" in clean, out.stdout
+    row = next(line for line in lines if line.startswith("│ find_unused_all_used "))
+    assert "find-unused-unneeded" in row and "find_unused_parameters=" in row, out.stdout
+
+
+def test_demo_names_an_unknown_example() -> None:
+    out = subprocess.run([sys.executable, "-m", "ddp_doctor.cli", "demo", "--only", "nope"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "['nope.py'] not found" in out.stderr
