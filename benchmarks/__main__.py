@@ -13,7 +13,13 @@ from rich.table import Table
 
 BENCHMARKS = {
     "observe_overhead": ["observed", "after_exit"],
+    "guard_overhead": ["guard every=100", "guard every=10"],
+    "sync_gradients": ["sync_gradients", "step with sync_gradients"],
+    "refreeze_bytes": ["bytes after refreeze", "step after refreeze"],
+    "fingerprint_cost": ["fingerprints_batched", "fingerprints (per tensor)", "fingerprints_batched per step"],
 }
+"""Benchmark file (without .py) -> the keys of its JSON result to show. A result entry has `median_ratio` and
+`iqr`, and may say what it is compared with (`vs`, default: plain DDP) and its `goal`."""
 
 
 def run(name: str) -> dict:
@@ -26,14 +32,19 @@ def run(name: str) -> dict:
 
 
 def main() -> None:
-    table = Table("benchmark", "variant", "median ratio vs plain DDP", "IQR", title="ddp-doctor benchmarks")
+    only = sys.argv[1:]
+    table = Table("benchmark", "variant", "median ratio", "IQR", "compared with", "goal",
+                  title="ddp-doctor benchmarks")
     for name, variants in BENCHMARKS.items():
+        if only and name not in only:
+            continue
         result = run(name)
         for v in variants:
             r = result[v]
-            table.add_row(f"{name} ({result['param_tensors']} tensors)", v, f"{r['median_ratio']:.3f}x",
-                          f"{r['iqr'][0]:.3f}-{r['iqr'][1]:.3f}")
-    Console().print(table)
+            table.add_row(f"{name} ({result['param_tensors']} tensors)", v, f"{r['median_ratio']:.4f}x",
+                          f"{r['iqr'][0]:.4f}-{r['iqr'][1]:.4f}", r.get("vs", "plain DDP"), r.get("goal", ""))
+    # Not a terminal (CI logs, a file): wide enough that the rows do not wrap.
+    Console(width=None if sys.stdout.isatty() else 150).print(table)
 
 
 if __name__ == "__main__":

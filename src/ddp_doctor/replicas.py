@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_doctor._collective import global_ranks, minmax, rows_by_rank
-from ddp_doctor.fingerprint import fingerprints
+from ddp_doctor.fingerprint import fingerprints_batched
 
 __all__ = ["Comparison", "Difference", "Entry", "compare_replicas", "describe"]
 
@@ -94,10 +94,10 @@ def _encode(fp: torch.Tensor) -> torch.Tensor:
 def local_rows(entries: Sequence[Entry]) -> torch.Tensor:
     """This rank's rows, float64[K, 4] on CPU (the local part of `compare_replicas`)."""
     singles = [e.tensor if not isinstance(e.tensor, list) else None for e in entries]
-    fp = fingerprints(singles)
+    fp = fingerprints_batched(singles)
     for i, e in enumerate(entries):
         if isinstance(e.tensor, list):
-            fp[i] = fingerprints(e.tensor).sum(0) if e.tensor else float("nan")
+            fp[i] = fingerprints_batched(e.tensor).sum(0) if e.tensor else float("nan")
     rows = _encode(fp)
     absent = torch.tensor([e.tensor is None or (isinstance(e.tensor, list) and not e.tensor) for e in entries],
                           dtype=torch.bool)
