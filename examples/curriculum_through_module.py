@@ -11,9 +11,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from common import device_ids, setup, synthetic_loader
+from common import device_ids, setup, synthetic_loader, teardown
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -68,7 +67,8 @@ def main() -> None:
         loss = trainer.train_stage(difficulty, epoch=stage)
         if rank == 0:
             print(f"stage {stage} (difficulty {difficulty}) loss {loss:.3f}")
-    dist.destroy_process_group()
+    del trainer   # see common.teardown
+    teardown()
 
 
 if __name__ == "__main__":

@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from common import device_ids, setup, synthetic_loader
+from common import device_ids, setup, synthetic_loader, teardown
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -50,7 +49,8 @@ def main() -> None:
         opt.step()
         if rank == 0 and step % 8 == 0:
             print(f"step {step:3d} loss {loss.item():.3f}")
-    dist.destroy_process_group()
+    del model, opt   # see common.teardown
+    teardown()
 
 
 if __name__ == "__main__":

@@ -11,9 +11,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from common import device_ids, setup, synthetic_loader
+from common import device_ids, setup, synthetic_loader, teardown
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -53,7 +52,8 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    dist.destroy_process_group()
+    del model, tower, opt   # see common.teardown
+    teardown()
 
 
 if __name__ == "__main__":

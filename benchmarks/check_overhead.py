@@ -1,0 +1,76 @@
+"""`ddp-doctor check` against plain `torchrun` on examples/clean.py, for the same number of steps.
+
+The goal (issue 3): check takes at most 2x plain torchrun's wall time plus a fixed start-up of at most 3 s. Both
+commands run as subprocesses, interleaved in rounds (plain, check, plain, check, ...) so that machine drift hits
+both alike. Reported per step count: the median of the per-round ratios check/plain with its IQR, the median of
+the per-round differences check - plain (the extra seconds) with its IQR, and whether the median round met the goal.
+
+    python benchmarks/check_overhead.py [--rounds 5] [--steps 8 64] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "examples" / "clean.py"
+
+
+def _timed(cmd: list[str]) -> float:
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {done.returncode}:\n{done.stdout[-3000:]}"
+                           f"\n{done.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return q[0], q[2]
+
+
+def measure(steps: int, rounds: int) -> dict:
+    epochs = steps // 16 + 1   # 16 steps per epoch per rank with 2 ranks
+    plain = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+             "--epochs", str(epochs), "--max-steps", str(steps)]
+    check = [sys.executable, "-m", "ddp_doctor.cli", "check", "--nproc-per-node", "2", "--steps", str(steps),
+             str(SCRIPT), "--epochs", str(epochs), "--max-steps", str(steps)]
+    _timed(plain)   # warm the file cache
+    times: dict[str, list[float]] = {"plain": [], "check": []}
+    for _ in range(rounds):
+        times["plain"].append(_timed(plain))
+        times["check"].append(_timed(check))
+    ratios = [c / p for p, c in zip(times["plain"], times["check"])]
+    extra = [c - p for p, c in zip(times["plain"], times["check"])]
+    over_goal = [c - (2 * p + 3.0) for p, c in zip(times["plain"], times["check"])]
+    return {
+        "steps": steps, "rounds": rounds,
+        "plain_s": statistics.median(times["plain"]), "check_s": statistics.median(times["check"]),
+        "median_ratio": statistics.median(ratios), "iqr": _quartiles(ratios),
+        "median_extra_s": statistics.median(extra), "iqr_extra_s": _quartiles(extra),
+        "meets_goal": statistics.median(over_goal) <= 0.0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    results = {f"steps_{k}": measure(k, args.rounds) for k in args.steps}
+    text = json.dumps(results, indent=2)
+    if args.json:
+        args.json.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
