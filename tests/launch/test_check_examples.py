@@ -19,6 +19,8 @@ class Example:
     params: dict[str, set[str]] = field(default_factory=dict)
     code_fix: list[str] | None = None
     """Script arguments that fix what no DDP flag can (the bypass)."""
+    detail: dict[str, str] = field(default_factory=dict)
+    """Text a finding's detail must contain (where in the user's code it comes from)."""
 
 
 HEAD = {f"regress.{i}.{k}" for i in (0, 2) for k in ("weight", "bias")}
@@ -29,7 +31,8 @@ EXAMPLES_EXPECTED = [
     Example("find_unused_all_used.py", {"find-unused-unneeded"}, 0),
     Example("curriculum_through_module.py", {"wrapper-bypass", "grads-not-synced", "replica-divergence"}, 1,
             params={"wrapper-bypass": {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}},
-            code_fix=["--through-ddp"]),
+            code_fix=["--through-ddp"],
+            detail={"wrapper-bypass": "Called from examples/curriculum_through_module.py:51."}),
     Example("progressive_freeze.py", {"reduction-error", "frozen-after-wrap", "grads-not-synced",
                                       "replica-divergence"}, 1,
             params={"frozen-after-wrap": {"layers.0.weight", "layers.0.bias"},
@@ -49,6 +52,8 @@ def test_check_example_then_apply_the_recommendation(example: Example, tmp_path:
     assert first.rc == example.rc, first.output
     for code, names in example.params.items():
         assert first.params(code) == names, (code, first.output)
+    for code, text in example.detail.items():
+        assert text in first.finding(code)["detail"], (code, first.output)
     assert first.report["world_size"] == 2 and first.report["backend"] == "gloo"
     assert first.report["ddp_site"].startswith(f"examples/{example.script}:"), first.report["ddp_site"]
 
