@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ddp_doctor import __version__
-from ddp_doctor.cli import check, codes, demo
+from ddp_doctor.cli import bench, check, codes, demo
 
 __all__ = ["build_parser", "main"]
 
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ddp-doctor {__version__}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     check.register(sub)
+    bench.register(sub)
     demo.register(sub)
     codes.register(sub)
     return parser

@@ -17,7 +17,8 @@ from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.outcome import CheckResult, exit_code
 from ddp_doctor.launch.supervise import run_check
 
-__all__ = ["check", "parse_ddp_kwargs", "register", "render_result"]
+__all__ = ["add_check_arguments", "check", "check_namespace", "parse_ddp_kwargs", "register", "render_result",
+           "validate"]
 
 EPILOG = """\
 Everything torchrun accepts before SCRIPT works the same way (--nnodes, --node-rank, --rdzv-backend,
@@ -44,6 +45,7 @@ exit codes: 0 nothing at or above --fail-on; 1 findings at or above it; 2 the to
 """
 
 _OURS = ("steps", "json", "fail_on", "timeout", "ddp_kwargs", "func")
+_BENCH = ("rounds", "configs", "html")
 
 
 def _torchrun_parser() -> argparse.ArgumentParser:
@@ -110,22 +112,23 @@ def parse_ddp_kwargs(text: str | None) -> tuple[dict[str, Any], list[str]]:
 
 def check(script: str, script_args: list[str] = (), *, torchrun: list[str] = (), module: bool = False,
           steps: int = 8, ddp_kwargs: dict[str, Any] | None = None, freeze_before_wrap: list[str] = (),
-          timeout: float = 600.0, output: IO[str] | None = None) -> CheckResult:
+          timeout: float = 600.0, output: IO[str] | None = None, timed_steps: int = 0) -> CheckResult:
     """Run `check` from Python: `torchrun` holds torchrun's own options, e.g. `["--nproc-per-node", "2"]`."""
     argv = [*torchrun, *(["-m"] if module else []), script, *script_args]
-    namespace = vars(_torchrun_parser().parse_args(argv))
-    return _run(namespace, steps=steps, ddp_kwargs=dict(ddp_kwargs or {}), freeze=list(freeze_before_wrap),
-                timeout=timeout, output=output)
+    return check_namespace(vars(_torchrun_parser().parse_args(argv)), steps=steps, ddp_kwargs=dict(ddp_kwargs or {}),
+                           freeze=list(freeze_before_wrap), timeout=timeout, output=output, timed_steps=timed_steps)
 
 
-def _run(namespace: dict[str, Any], *, steps: int, ddp_kwargs: dict[str, Any], freeze: list[str], timeout: float,
-         output: IO[str] | None) -> CheckResult:
+def check_namespace(namespace: dict[str, Any], *, steps: int, ddp_kwargs: dict[str, Any], freeze: list[str],
+                    timeout: float, output: IO[str] | None, timed_steps: int = 0) -> CheckResult:
+    """Run `check` on torchrun's parsed namespace (as a dict)."""
     config = RankConfig(target=namespace["training_script"], module=bool(namespace["module"]), steps=steps,
-                        ddp_kwargs=ddp_kwargs, freeze_before_wrap=freeze)
+                        ddp_kwargs=ddp_kwargs, freeze_before_wrap=freeze, timed_steps=timed_steps)
     return run_check(namespace, config, timeout=timeout, output=output)
 
 
-def run(args: argparse.Namespace) -> int:
+def validate(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """Check the arguments `check` and `bench` share; returns (torchrun namespace, DDP overrides, freeze names)."""
     parser: argparse.ArgumentParser = args._parser
     if args.no_python:
         parser.error("--no-python cannot be used with check: the doctor runs inside the Python process of each rank.")
@@ -140,8 +143,13 @@ def run(args: argparse.Namespace) -> int:
         ddp_kwargs, freeze = parse_ddp_kwargs(args.ddp_kwargs)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
-    namespace = {k: v for k, v in vars(args).items() if k not in (*_OURS, "_parser")}
-    result = _run(namespace, steps=args.steps, ddp_kwargs=ddp_kwargs, freeze=freeze, timeout=args.timeout,
+    namespace = {k: v for k, v in vars(args).items() if k not in (*_OURS, *_BENCH, "_parser")}
+    return namespace, ddp_kwargs, freeze
+
+
+def run(args: argparse.Namespace) -> int:
+    namespace, ddp_kwargs, freeze = validate(args)
+    result = check_namespace(namespace, steps=args.steps, ddp_kwargs=ddp_kwargs, freeze=freeze, timeout=args.timeout,
                   output=None)
     console = Console()
     render_result(result, console)

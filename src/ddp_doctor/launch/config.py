@@ -30,6 +30,9 @@ class RankConfig:
     """This node's folder for the ranks' progress, crash records and the report."""
     deadline: float = 0.0
     """Wall-clock time (`time.time()`) by which every rank must have ended."""
+    timed_steps: int = 0
+    """After the observed steps and the report, time this many more optimizer steps with every hook removed
+    (`ddp-doctor bench`); the step times go to `timing.json`."""
     crash_wait_s: float = 10.0
     """After a crash, how long a rank waits for the others to join the report before it gives up and exits."""
 

@@ -36,6 +36,10 @@ class CheckResult:
     error: str | None = None
     """Set when the tool could not run the script at all (exit code 2)."""
     timed_out: bool = False
+    step_times: list[float] | None = None
+    """Unobserved optimizer-step times after the report (`ddp-doctor bench`), from this node's local rank 0."""
+    late_crash: str | None = None
+    """An error raised after the report was written (during the timed steps)."""
 
     @property
     def report(self) -> Report | None:
@@ -79,7 +83,12 @@ def collect(outdir: Path, *, timed_out: bool, torchrun_rc: int | None) -> CheckR
     if full is not None:
         models = [Model(report=Report.from_dict(m["report"]), site=m.get("site"), framework=m.get("framework", "torch"),
                         module=m.get("module", "")) for m in full["models"]]
-        return CheckResult(models=models, timed_out=timed_out)
+        timing = _read(outdir / "timing.json")
+        late = [f"rank {d['rank']}: {d['crash']['type']}: {d['crash']['message'][:300]}"
+                for p in sorted(outdir.glob("rank*.json")) if not p.name.endswith(".progress.json")
+                if (d := _read(p)) is not None and d.get("outcome") == "crashed"]
+        return CheckResult(models=models, timed_out=timed_out, step_times=timing["step_s"] if timing else None,
+                           late_crash="; ".join(late) or None)
 
     ends = {d["rank"]: d for p in outdir.glob("rank*.json") if not p.name.endswith(".progress.json")
             if (d := _read(p)) is not None}

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ddp_doctor import _log
 from ddp_doctor.errors import DoctorError
@@ -108,6 +109,7 @@ class Session:
         self.doctors: list[Doctor] = []
         self.models: list[dict[str, Any]] = []
         self._finishing = False
+        self._stamps: list[float] = []
         self._ended = threading.Event()
         self._original_init = DistributedDataParallel.__init__
         self._original_destroy = dist.destroy_process_group
@@ -180,12 +182,19 @@ class Session:
 
     # ----------------------------------------------------------------------------------------------- ending
 
+    @property
+    def _steps_reason(self) -> str:
+        return f"{self.config.steps} steps observed"
+
     def _on_doctor_done(self, _doctor: Doctor) -> None:
         if all(d.finished for d in self.doctors):
-            self.finish(f"{self.config.steps} steps observed")
+            self.finish(self._steps_reason)
 
     def on_script_end(self) -> None:
         """The script returned (or called sys.exit(0)) on this rank."""
+        if self._stamps:
+            self._write_timing()      # the script ended before all timed steps
+            self._leave()
         if self.doctors:
             self.finish("the script ended")
         self._end({"outcome": "script-ended", "ddp_models": 0})
@@ -208,7 +217,7 @@ class Session:
                  "site": _user_frame(frames), "step": step, "explained": explained,
                  "peer_lost": explained is None and any(p in message for p in _PEER_LOST),
                  "phase": phase}
-        self._end({"outcome": "crashed", "crash": crash, "ddp_models": len(self.doctors)})
+        self._end({"outcome": "crashed", "crash": crash, "ddp_models": len(self.doctors)}, overwrite=True)
         if explained is None and not crash["peer_lost"]:
             # Not DDP's error: the user needs the whole traceback, as torchrun would have shown it.
             sys.stderr.write(f"[ddp-doctor] rank {self.rank} crashed:\n{''.join(tb)}")
@@ -237,6 +246,12 @@ class Session:
             models = [{**m, "report": r.to_dict()} for m, r in zip(self.models, reports)]
             write_json(self.outdir / "report.json", {"reason": reason, "models": models})
         self._end({"outcome": "reported", "reason": reason, "ddp_models": len(self.doctors)})
+        if self.config.timed_steps and exit_code == 0 and reason == self._steps_reason:
+            self._start_timing()
+            return
+        self._leave()
+
+    def _leave(self) -> None:
         try:
             # Nobody leaves while a peer may still be reading from its sockets.
             arrive("ddp_doctor/exit", timeout=min(10.0, max(0.5, self._remaining())))
@@ -244,9 +259,31 @@ class Session:
             pass
         self._exit(0)
 
-    def _end(self, state: dict[str, Any]) -> None:
+    # ------------------------------------------------------------------------------------------- timing
+
+    def _start_timing(self) -> None:
+        """Let the script run `timed_steps` more optimizer steps, unobserved, and record when each one ends."""
+        self._stamps = [time.perf_counter()]
+        optimizer = next((d._optimizer for d in self.doctors if d._optimizer is not None), None)
+
+        def on_step(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+            if optimizer is not None and opt is not optimizer:
+                return
+            self._stamps.append(time.perf_counter())
+            if len(self._stamps) > self.config.timed_steps:
+                self._write_timing()
+                self._leave()
+
+        self._timing_hook = register_optimizer_step_post_hook(on_step)
+
+    def _write_timing(self) -> None:
+        if self.local_rank == 0:
+            steps = [b - a for a, b in zip(self._stamps, self._stamps[1:])]
+            write_json(self.outdir / "timing.json", {"rank": self.rank, "step_s": steps})
+
+    def _end(self, state: dict[str, Any], *, overwrite: bool = False) -> None:
         path = self.outdir / f"rank{self.rank}.json"
-        if not path.exists():
+        if overwrite or not path.exists():
             write_json(path, {"rank": self.rank, "local_rank": self.local_rank, "world_size": self.world_size,
                               "pid": os.getpid(), "models": self.models, **state})
 

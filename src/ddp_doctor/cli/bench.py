@@ -1,0 +1,125 @@
+"""`ddp-doctor bench`: which DDP configuration is fastest on this script, among those that are correct."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.syntax import Syntax
+from rich.table import Table
+
+from ddp_doctor.bench import BenchResult, run_bench
+from ddp_doctor.cli.check import _torchrun_parser, add_check_arguments, validate
+from ddp_doctor.report.model import finite
+
+__all__ = ["register", "render"]
+
+EPILOG = """\
+Each candidate runs the unmodified script through the same injection as `check`: the first --steps optimizer
+steps are observed (the correctness check), then --steps more are timed with every hook removed. Candidates run
+interleaved in rounds (A B C, A B C, ...). A candidate that fails or desyncs is marked incorrect and never wins.
+
+examples:
+  ddp-doctor bench --nproc-per-node 2 train.py
+  ddp-doctor bench --nproc-per-node 2 --rounds 5 --html bench.html --json bench.json train.py
+  ddp-doctor bench --nproc-per-node 2 --configs user,recommended,static_graph train.py
+
+candidate names: user (the script's flags), recommended (the check's recommendation), defaults (both flags off),
+find_unused (find_unused_parameters=True), static_graph (static_graph=True), recommended+bucket_view
+(gradient_as_bucket_view flipped), recommended+bucket_10mb, recommended+bucket_50mb (bucket_cap_mb). Flag
+combinations that the check proves cannot work are not built; the rest must prove themselves in the runs.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", parents=[_torchrun_parser()], conflict_handler="resolve",
+        help="time the candidate DDP configurations on a script and pick the fastest correct one",
+        description="Check SCRIPT, build the DDP configurations that could be correct for what it does, run each "
+                    "one several times interleaved, and report which is fastest among those that stayed correct.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = p.add_argument_group("ddp-doctor")
+    add_check_arguments(group)
+    group.add_argument("--rounds", type=int, default=3, metavar="R", help="runs per candidate (default: 3)")
+    group.add_argument("--configs", metavar="NAMES", help="comma-separated candidate names to run (default: all)")
+    group.add_argument("--html", metavar="FILE", help="write a self-contained HTML page with the table and a chart")
+    p.set_defaults(func=run, _parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+    namespace, ddp_kwargs, freeze = validate(args)
+    if ddp_kwargs or freeze:
+        args._parser.error("--ddp-kwargs does not apply to bench: it builds its own candidate configurations.")
+    if args.rounds < 1:
+        args._parser.error(f"--rounds must be at least 1, got {args.rounds}.")
+    only = [n.strip() for n in args.configs.split(",")] if args.configs else None
+    if args.html:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            args._parser.error("--html needs matplotlib: pip install 'ddp-doctor[html]'.")
+    console = Console()
+    with tempfile.TemporaryDirectory(prefix="ddp-doctor-bench-") as tmp:
+        progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                            TextColumn("{task.completed} runs"), TimeElapsedColumn(), console=console, transient=True)
+        with progress:
+            task = progress.add_task("check", total=None)
+
+            def on_progress(name: str) -> None:
+                if name != "check":
+                    progress.advance(task)
+                progress.update(task, description=f"running {name}")
+
+            result = run_bench(namespace, steps=args.steps, rounds=args.rounds, timeout=args.timeout,
+                               log_dir=Path(tmp), only=only, on_progress=on_progress)
+    render(result, console)
+    if args.json:
+        Path(args.json).write_text(json.dumps(finite(result.to_dict()), indent=2))
+    if args.html:
+        from ddp_doctor.bench.html import write_html
+
+        write_html(result, Path(args.html))
+        console.print(f"wrote {args.html}")
+    return 0 if result.winner is not None else 1
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(result: BenchResult) -> Table:
+    """One row per candidate, fastest correct first."""
+    t = Table(title="ddp-doctor bench", title_justify="left")
+    for name, justify in (("config", "left"), ("correct", "left"), ("median step", "right"), ("spread", "right"),
+                          ("vs user", "right"), ("vs best", "right")):
+        t.add_column(name, justify=justify)   # type: ignore[arg-type]
+    order = sorted(result.candidates, key=lambda c: (not c.correct, c.median_step_s or 0.0))
+    for c in order:
+        label = c.name
+        mark = "[green]yes[/]" if c.correct else f"[red]no[/] {c.reason[:90]}"
+        if result.winner is c:
+            label = f"[bold]{label} (winner)[/]"
+        t.add_row(label, mark, _fmt(c.median_step_s and c.median_step_s * 1e3, ".2f") + " ms",
+                  _fmt(c.spread and c.spread * 100, ".0f") + "%", _fmt(result.ratio_to(c, result.user), ".2f"),
+                  _fmt(result.ratio_to(c, result.winner), ".2f"))
+    return t
+
+
+def render(result: BenchResult, console: Console) -> None:
+    console.print(table(result))
+    rec = result.verdict()
+    if rec is None:
+        console.print("[bold red]No candidate ran correctly.[/] See the reasons above and `ddp-doctor check`.")
+        return
+    framework = result.check.framework if result.check.framework in rec.render else "torch"
+    order = [framework, *(k for k in ("torch", "transformers", "accelerate", "lightning") if k != framework)]
+    parts = [Syntax(f"# {k}\n{rec.render[k]}", "python", theme="ansi_dark", background_color="default",
+                    word_wrap=True) for k in order]
+    console.print(Panel.fit(rec.reason, title="Verdict", border_style="green"))
+    for part in parts:
+        console.print(part)
