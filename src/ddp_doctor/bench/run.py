@@ -127,7 +127,7 @@ def judge(result: CheckResult, config: Config, baseline: Report, timed_steps: in
     assert report is not None
     errors = [f for f in report.findings if f.severity == "error"]
     if errors:
-        return False, "; ".join(f"{f.code}: {f.title}" for f in errors)
+        return False, f"{', '.join(f.code for f in errors)} ({errors[0].title})"
     if result.late_crash:
         return False, f"crashed after the observed steps: {result.late_crash}"
     expected = _unused(baseline) - set(config.freeze_before_wrap)

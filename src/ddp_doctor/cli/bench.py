@@ -88,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.winner is not None else 1
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, spec) + suffix
 
 
 def table(result: BenchResult) -> Table:
@@ -101,17 +101,20 @@ def table(result: BenchResult) -> Table:
     order = sorted(result.candidates, key=lambda c: (not c.correct, c.median_step_s or 0.0))
     for c in order:
         label = c.name
-        mark = "[green]yes[/]" if c.correct else f"[red]no[/] {c.reason[:90]}"
+        mark = "[green]yes[/]" if c.correct else f"[red]no[/] ({c.reason.split(' (')[0][:60]})"
         if result.winner is c:
             label = f"[bold]{label} (winner)[/]"
-        t.add_row(label, mark, _fmt(c.median_step_s and c.median_step_s * 1e3, ".2f") + " ms",
-                  _fmt(c.spread and c.spread * 100, ".0f") + "%", _fmt(result.ratio_to(c, result.user), ".2f"),
+        t.add_row(label, mark, _fmt(c.median_step_s and c.median_step_s * 1e3, ".2f", " ms"),
+                  _fmt(c.spread and c.spread * 100, ".0f", "%"), _fmt(result.ratio_to(c, result.user), ".2f"),
                   _fmt(result.ratio_to(c, result.winner), ".2f"))
     return t
 
 
 def render(result: BenchResult, console: Console) -> None:
     console.print(table(result))
+    for c in result.candidates:
+        if not c.correct:
+            console.print(f"[red]{c.name}[/] is incorrect: {c.reason}", highlight=False)
     rec = result.verdict()
     if rec is None:
         console.print("[bold red]No candidate ran correctly.[/] See the reasons above and `ddp-doctor check`.")
