@@ -71,14 +71,32 @@ def _freeze_without_refreeze(rank: int, world: int, flags: dict) -> dict:
     return {"error": None, "sent": sent}
 
 
+def _unfreeze_without_refreeze(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    net = Net()
+    net.trunk.weight.requires_grad_(False)
+    ddp = DDP(net)
+    sent: list[int] = []
+    ddp.register_comm_hook(sent, counting_hook)
+    net.trunk.weight.requires_grad_(True)
+    x, y = batch(rank, 0)
+    F.mse_loss(ddp(x, use_b=True), y).backward()
+    grads = [torch.empty_like(net.trunk.weight.grad) for _ in range(world)]
+    dist.all_gather(grads, net.trunk.weight.grad)
+    return {"sent": sum(sent), "synced": torch.equal(grads[0], grads[1])}
+
+
 def test_measured_freezing_after_wrap_without_refreeze(tmp_path) -> None:
-    """What refreeze exists for, on this torch: a freeze after wrap either keeps communicating or breaks."""
+    """What refreeze exists for, on this torch: a flip after wrapping keeps communicating, breaks, or never syncs."""
     everything = _nbytes(Net())
     res = run_ranks(_freeze_without_refreeze, tmp_path, args=({},))[0]
     assert res["error"] == "Expected to have finished reduction in the prior iteration before starting a new one"
     assert res["sent"] == []        # the step after the freeze all-reduced nothing: its grads were not synced
     res = run_ranks(_freeze_without_refreeze, tmp_path, args=({"find_unused_parameters": True},))[0]
     assert res["error"] is None and sum(res["sent"]) == 2 * everything   # 2 steps, frozen weight still sent
+    # Unfrozen after wrapping: never all-reduced, so the ranks' grads differ.
+    res = run_ranks(_unfreeze_without_refreeze, tmp_path)[0]
+    assert res == {"sent": everything - _nbytes(Net(), ["trunk.weight"]), "synced": False}
 
 
 # --------------------------------------------------------------------------------------------- refreeze

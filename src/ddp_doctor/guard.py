@@ -389,9 +389,9 @@ class Guard:
             code="wrapper-bypass", severity="error",
             title=f"the model inside DDP was called directly{where}, so DDP does not synchronize its gradients",
             detail=f"Rank {self._rank} ran the model inside DistributedDataParallel in grad mode without DDP's "
-                   f"forward around it{where} (for example loss = ddp_model.module(x), or a method of "
-                   "ddp_model.module that calls its layers). DDP's reducer only fires after its own forward, so "
-                   "each rank trains its own replica.",
+                   "forward around it (for example loss = ddp_model.module(x), or a method of ddp_model.module "
+                   "that calls its layers). DDP's reducer only fires after its own forward, so each rank trains "
+                   "its own replica.",
             ranks=[self._rank], steps=[self.steps], fix=_BYPASS_FIX)], key=key)
         self._disarm_site_finder()
 
@@ -572,7 +572,7 @@ class Guard:
 def _render(f: Finding) -> str:
     params = ", ".join(str(p) for p in f.params[:6]) + (f" and {len(f.params) - 6} more" if len(f.params) > 6 else "")
     lines = [f"ddp-doctor guard [{f.code}] {f.title}"]
-    if params:
+    if params and not all(f"  {p.name} (" in f.detail for p in f.params):   # the detail lists them otherwise
         lines.append(f"  params: {params}")
     lines.append(f"  ranks: {f.ranks}; step: {f.steps}")
     lines.append("  " + f.detail.replace("\n", "\n  "))
