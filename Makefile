@@ -9,11 +9,17 @@ $(BIN)/ddp-doctor: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $@
 
-.PHONY: demo test bench
+.PHONY: demo test bench browser
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 demo: $(BIN)/ddp-doctor
 	$(BIN)/ddp-doctor demo
 
-test: $(BIN)/ddp-doctor
+# The bench --html test renders the page in headless Chromium (Debian's package).
+browser:
+	@command -v chromium >/dev/null || { echo "installing Debian's chromium for the HTML test"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium >/dev/null; }
+
+test: $(BIN)/ddp-doctor browser
 	$(BIN)/python -m pytest -q
 
 bench: $(BIN)/ddp-doctor

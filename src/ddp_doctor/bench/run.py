@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ddp_doctor.bench.candidates import Config, candidates
-from ddp_doctor.cli.check import check_namespace
 from ddp_doctor.launch.outcome import CheckResult
+from ddp_doctor.launch.supervise import check_namespace
 from ddp_doctor.report.model import Recommendation, Report
 from ddp_doctor.report.snippets import render_snippets
 

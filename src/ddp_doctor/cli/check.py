@@ -13,11 +13,10 @@ from typing import IO, Any
 from rich.console import Console
 from rich.rule import Rule
 
-from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.outcome import CheckResult, exit_code
-from ddp_doctor.launch.supervise import run_check
+from ddp_doctor.launch.supervise import check_namespace
 
-__all__ = ["add_check_arguments", "check", "check_namespace", "parse_ddp_kwargs", "register", "render_result",
+__all__ = ["add_check_arguments", "check", "parse_ddp_kwargs", "register", "render_result",
            "validate"]
 
 EPILOG = """\
@@ -117,14 +116,6 @@ def check(script: str, script_args: list[str] = (), *, torchrun: list[str] = (),
     argv = [*torchrun, *(["-m"] if module else []), script, *script_args]
     return check_namespace(vars(_torchrun_parser().parse_args(argv)), steps=steps, ddp_kwargs=dict(ddp_kwargs or {}),
                            freeze=list(freeze_before_wrap), timeout=timeout, output=output, timed_steps=timed_steps)
-
-
-def check_namespace(namespace: dict[str, Any], *, steps: int, ddp_kwargs: dict[str, Any], freeze: list[str],
-                    timeout: float, output: IO[str] | None, timed_steps: int = 0) -> CheckResult:
-    """Run `check` on torchrun's parsed namespace (as a dict)."""
-    config = RankConfig(target=namespace["training_script"], module=bool(namespace["module"]), steps=steps,
-                        ddp_kwargs=ddp_kwargs, freeze_before_wrap=freeze, timed_steps=timed_steps)
-    return run_check(namespace, config, timeout=timeout, output=output)
 
 
 def validate(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list[str]]:

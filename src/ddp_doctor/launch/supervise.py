@@ -21,7 +21,7 @@ from typing import IO, Any
 from ddp_doctor.launch.config import ENV_VAR, RankConfig
 from ddp_doctor.launch.outcome import CheckResult, collect
 
-__all__ = ["run_check"]
+__all__ = ["check_namespace", "run_check"]
 
 BOOTSTRAP = "ddp_doctor.launch.bootstrap"
 
@@ -93,3 +93,11 @@ def _signal_all(proc: subprocess.Popen[Any], folder: Path, sig: signal.Signals) 
             os.killpg(pgid, sig)
         except (ProcessLookupError, PermissionError):
             continue
+
+
+def check_namespace(namespace: dict[str, Any], *, steps: int, ddp_kwargs: dict[str, Any], freeze: list[str],
+                    timeout: float, output: IO[str] | None, timed_steps: int = 0) -> CheckResult:
+    """Run `check` on torchrun's parsed namespace (as a dict)."""
+    config = RankConfig(target=namespace["training_script"], module=bool(namespace["module"]), steps=steps,
+                        ddp_kwargs=ddp_kwargs, freeze_before_wrap=freeze, timed_steps=timed_steps)
+    return run_check(namespace, config, timeout=timeout, output=output)
