@@ -17,16 +17,23 @@ BENCHMARKS = {
     "sync_gradients": ["sync_gradients", "step with sync_gradients"],
     "refreeze_bytes": ["bytes after refreeze", "step after refreeze"],
     "fingerprint_cost": ["fingerprints_batched", "fingerprints (per tensor)", "fingerprints_batched per step"],
+    "check_overhead": ["check, 8 steps", "check, 64 steps"],
 }
 """Benchmark file (without .py) -> the keys of its JSON result to show. A result entry has `median_ratio` and
 `iqr`, and may say what it is compared with (`vs`, default: plain DDP) and its `goal`."""
 
 
+SELF_LAUNCHED = {"check_overhead"}
+"""Benchmarks that start their own processes (they compare launchers) instead of running under torchrun."""
+
+
 def run(name: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(Path(__file__).parent / f"{name}.py"), "--json", str(out)], check=True,
+        script = str(Path(__file__).parent / f"{name}.py")
+        launcher = [] if name in SELF_LAUNCHED else ["-m", "torch.distributed.run", "--standalone",
+                                                     "--nproc-per-node", "2"]
+        subprocess.run([sys.executable, *launcher, script, "--json", str(out)], check=True,
                        stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
 
