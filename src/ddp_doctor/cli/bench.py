@@ -17,7 +17,10 @@ from ddp_doctor.bench import BenchResult, run_bench
 from ddp_doctor.cli.check import _torchrun_parser, add_check_arguments, validate
 from ddp_doctor.report.model import finite
 
-__all__ = ["register", "render"]
+__all__ = ["CANDIDATE_NAMES", "register", "render"]
+
+CANDIDATE_NAMES = ("user", "recommended", "defaults", "find_unused", "static_graph", "recommended+bucket_view",
+                   "recommended+bucket_10mb", "recommended+bucket_50mb")
 
 EPILOG = """\
 Each candidate runs the unmodified script through the same injection as `check`: the first --steps optimizer
@@ -44,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "one several times interleaved, and report which is fastest among those that stayed correct.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = p.add_argument_group("ddp-doctor")
-    add_check_arguments(group)
+    add_check_arguments(group, bench=True)
     group.add_argument("--rounds", type=int, default=3, metavar="R", help="runs per candidate (default: 3)")
     group.add_argument("--configs", metavar="NAMES", help="comma-separated candidate names to run (default: all)")
     group.add_argument("--html", metavar="FILE", help="write a self-contained HTML page with the table and a chart")
@@ -52,12 +55,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    namespace, ddp_kwargs, freeze = validate(args)
-    if ddp_kwargs or freeze:
-        args._parser.error("--ddp-kwargs does not apply to bench: it builds its own candidate configurations.")
+    namespace, _, _ = validate(args)
     if args.rounds < 1:
         args._parser.error(f"--rounds must be at least 1, got {args.rounds}.")
     only = [n.strip() for n in args.configs.split(",")] if args.configs else None
+    unknown = [n for n in only or [] if n not in CANDIDATE_NAMES]
+    if unknown:
+        args._parser.error(f"--configs has unknown candidate name(s) {unknown}; the names are: "
+                           f"{', '.join(CANDIDATE_NAMES)}.")
     if args.html:
         try:
             import matplotlib  # noqa: F401
@@ -77,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
 
             result = run_bench(namespace, steps=args.steps, rounds=args.rounds, timeout=args.timeout,
                                log_dir=Path(tmp), only=only, on_progress=on_progress)
+    built = {c.name for c in result.candidates}
+    for name in only or []:
+        if name not in built:
+            console.print(f"[yellow]{name}[/] was not run: what the check saw rules it out, or it is the same "
+                          "configuration as another candidate.", highlight=False)
     render(result, console)
     if args.json:
         Path(args.json).write_text(json.dumps(finite(result.to_dict()), indent=2))

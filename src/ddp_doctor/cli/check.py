@@ -66,15 +66,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run, _parser=p)
 
 
-def add_check_arguments(group: Any) -> None:
-    """The options `check` (and `bench`) add to torchrun's."""
+def add_check_arguments(group: Any, *, bench: bool = False) -> None:
+    """The options `check` (and, without --fail-on and --ddp-kwargs, `bench`) add to torchrun's."""
     group.add_argument("--steps", type=int, default=8, metavar="K",
-                       help="optimizer steps to observe per DDP model before stopping (default: 8)")
-    group.add_argument("--json", metavar="FILE", help="write the report as JSON (schema ddp-doctor/report@1)")
+                       help="optimizer steps to observe per DDP model before stopping (default: 8)" if not bench else
+                       "optimizer steps observed for correctness, then as many timed, per run (default: 8)")
+    group.add_argument("--json", metavar="FILE", help=f"write the result as JSON (schema ddp-doctor/"
+                                                      f"{'bench' if bench else 'report'}@1)")
+    group.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                       help="stop every rank after S seconds and report what happened (default: 600)"
+                       + (", per run" if bench else ""))
+    if bench:
+        return
     group.add_argument("--fail-on", choices=("error", "warning", "never"), default="error",
                        help="lowest severity that makes the exit code 1 (default: error)")
-    group.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                       help="stop every rank after S seconds and report what happened (default: 600)")
     group.add_argument("--ddp-kwargs", metavar="JSON", default=None,
                        help='override the script\'s DDP constructor arguments, e.g. \'{"static_graph": true}\'; '
                             'the key "freeze_before_wrap" takes a list of parameter names to freeze before wrapping')
@@ -131,7 +136,7 @@ def validate(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], 
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout}.")
     try:
-        ddp_kwargs, freeze = parse_ddp_kwargs(args.ddp_kwargs)
+        ddp_kwargs, freeze = parse_ddp_kwargs(getattr(args, "ddp_kwargs", None))
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     namespace = {k: v for k, v in vars(args).items() if k not in (*_OURS, *_BENCH, "_parser")}
