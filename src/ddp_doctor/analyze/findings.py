@@ -10,12 +10,20 @@ import torch
 from ddp_doctor.analyze.view import View
 from ddp_doctor.records import CRASH_KINDS
 from ddp_doctor.report.model import Finding
+from ddp_doctor.report.snippets import flags_fix, freeze_point
 
 __all__ = ["DETECTORS"]
 
-_FREEZE_FIX = ("set requires_grad=False on them before wrapping the model in DDP; if they must train on some "
-               "steps, build DDP with static_graph=True (same params unused every step) or "
-               "find_unused_parameters=True (the set changes)")
+
+def _with(v: View, **flags: bool) -> str:
+    """'build DDP with ...', in the words of the framework that built the model (TrainingArguments, ...)."""
+    return flags_fix(v.info.framework, flags)
+
+
+def _freeze_fix(v: View) -> str:
+    return (f"set requires_grad=False on them {freeze_point(v.info.framework)}; if they must train on some steps, "
+            f"{_with(v, static_graph=True)} (same params unused every step) or "
+            f"{_with(v, find_unused_parameters=True)} (the set changes)")
 
 
 def _steps(mask: torch.Tensor) -> list[int]:
@@ -46,7 +54,7 @@ def unused_parameters(v: View) -> list[Finding]:
         detail=f"On every rank and every one of the {v.steps} observed steps, these parameters got no gradient. "
                + effect,
         params=v.params(never), ranks=list(range(v.world)), steps=list(range(v.steps)),
-        fix=_FREEZE_FIX + ".")]
+        fix=_freeze_fix(v) + ".")]
 
 
 def dynamic_graph(v: View) -> list[Finding]:
@@ -67,7 +75,7 @@ def dynamic_graph(v: View) -> list[Finding]:
                "on some steps). Only find_unused_parameters=True handles a used-set that changes"
                + (", which is what this run uses." if v.find_unused and not v.static_graph else "."),
         params=v.params(dynamic), ranks=list(range(v.world)), steps=steps,
-        fix="build DDP with find_unused_parameters=True and static_graph=False.")]
+        fix=_with(v, find_unused_parameters=True, static_graph=False) + ".")]
 
 
 def rank_dependent_graph(v: View) -> list[Finding]:
@@ -86,7 +94,8 @@ def rank_dependent_graph(v: View) -> list[Finding]:
                "static_graph=True handles it when each rank's set is the same every step; "
                "find_unused_parameters=True handles it always.",
         params=v.params(rank_dep), ranks=lacking, steps=_steps((u.any(0) != u.all(0)).any(-1)),
-        fix="build DDP with static_graph=True if each rank's used set is stable, else find_unused_parameters=True.")]
+        fix=f"{_with(v, static_graph=True)} if each rank's used set is stable, else "
+            f"{_with(v, find_unused_parameters=True)}.")]
 
 
 def static_graph_unsafe(v: View) -> list[Finding]:
@@ -102,7 +111,7 @@ def static_graph_unsafe(v: View) -> list[Finding]:
                   "changed'." if crashed else "Here they changed, so gradients would be reduced wrongly."),
         params=v.params(dynamic), ranks=[r.rank for r in crashed] or list(range(v.world)),
         steps=sorted({r.crash_step for r in crashed}),
-        fix="build DDP with static_graph=False and find_unused_parameters=True.")]
+        fix=_with(v, static_graph=False, find_unused_parameters=True) + ".")]
 
 
 @dataclass
@@ -157,8 +166,8 @@ def used_outside_forward(v: View) -> list[Finding]:
         title=f"{_count(len(outside.params), 'parameter')} used outside DDP's forward",
         detail=detail, params=v.params(sorted(outside.params)), ranks=sorted(outside.ranks),
         steps=sorted(outside.steps),
-        fix="compute them inside the wrapped module's forward; or, if the used set is stable, build DDP with "
-            "static_graph=True and find_unused_parameters=False.")]
+        fix="compute them inside the wrapped module's forward; or, if the used set is stable, "
+            + _with(v, static_graph=True, find_unused_parameters=False) + ".")]
 
 
 def reentrant_checkpoint(v: View) -> list[Finding]:
@@ -181,8 +190,8 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
         detail="torch.utils.checkpoint with use_reentrant=True runs a nested backward for the checkpointed "
                "segment, so its parameters are invisible in the graph of DDP's forward outputs. " + effect,
         params=v.params(sorted(reentrant.params)), ranks=sorted(reentrant.ranks), steps=sorted(reentrant.steps),
-        fix="pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it composes with DDP), or build DDP "
-            "with static_graph=True and find_unused_parameters=False.")]
+        fix="pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it composes with DDP), or "
+            + _with(v, static_graph=True, find_unused_parameters=False) + ".")]
 
 
 def find_unused_unneeded(v: View) -> list[Finding]:
@@ -201,7 +210,7 @@ def find_unused_unneeded(v: View) -> list[Finding]:
                f"in all {v.steps} observed steps. find_unused_parameters=True makes DDP walk the whole autograd "
                "graph after every forward and delays communication, for nothing.",
         ranks=list(range(v.world)), steps=list(range(v.steps)),
-        fix="build DDP with find_unused_parameters=False.")]
+        fix=_with(v, find_unused_parameters=False) + ".")]
 
 
 def wrapper_bypass(v: View) -> list[Finding]:
@@ -293,8 +302,21 @@ def buffer_divergence(v: View) -> list[Finding]:
                + (" because DDP was built with broadcast_buffers=False" if not broadcast else "")
                + ". Evaluation then differs by rank, and only rank 0's are saved.",
         params=v.buffers(buffers), ranks=list(range(v.world)), steps=_steps(differ.any(1)),
-        fix="build DDP with broadcast_buffers=True (the default), or convert BatchNorm with "
-            "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before wrapping.")]
+        fix=_with(v, broadcast_buffers=True) + " (the default), or convert BatchNorm with "
+            f"torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) {freeze_point(v.info.framework)}.")]
+
+
+def _midway(v: View, change: str) -> str:
+    """How to change the frozen set mid-training, where the framework builds DDP once and keeps it."""
+    if v.info.framework in ("transformers", "lightning", "accelerate"):
+        # The framework owns the DDP instance, so rebuilding it (refreeze) is not open to the user; a learning
+        # rate of 0 keeps the set DDP reduces fixed while the parameters do not move.
+        return (f"to {change} mid-training, keep them trainable when DDP is built and hold their learning rate at 0 "
+                "while they should not move, so the set DDP reduces never changes"
+                + (f"; or {_with(v, find_unused_parameters=True)}, which copes with parameters frozen later "
+                   "(DDP still all-reduces them)" if change == "freeze" else "") + ".")
+    return (f"to {change} mid-training, rebuild DDP (ddp_doctor.refreeze keeps the optimizer state and checks the "
+            "replicas first).")
 
 
 def frozen_after_wrap(v: View) -> list[Finding]:
@@ -313,8 +335,7 @@ def frozen_after_wrap(v: View) -> list[Finding]:
         code="frozen-after-wrap", severity="error" if v.default_flags else "warning",
         title=f"{_count(int(frozen.sum()), 'parameter')} frozen after DDP was built",
         detail=detail, params=v.params(frozen), ranks=list(range(v.world)), steps=steps,
-        fix="freeze before wrapping; to change the frozen set mid-training, rebuild DDP "
-            "(ddp_doctor.refreeze keeps the optimizer state).")]
+        fix=f"freeze {freeze_point(v.info.framework)}; " + _midway(v, "freeze"))]
 
 
 def unfrozen_after_wrap(v: View) -> list[Finding]:
@@ -330,8 +351,7 @@ def unfrozen_after_wrap(v: View) -> list[Finding]:
                "their gradients are never all-reduced and each rank trains its own copy silently.",
         params=v.params(unfrozen), ranks=list(range(v.world)),
         steps=_steps(v.trainable[:, :, unfrozen].any(0).any(-1)),
-        fix="set requires_grad=True before wrapping; to change the frozen set mid-training, rebuild DDP "
-            "(ddp_doctor.refreeze).")]
+        fix=f"set requires_grad=True {freeze_point(v.info.framework)}; " + _midway(v, "unfreeze"))]
 
 
 def identical_inputs(v: View) -> list[Finding]:
@@ -385,7 +405,7 @@ def reduction_error(v: View) -> list[Finding]:
                "finished, because these trainable parameters got no gradient. Until it failed, the previous "
                "step's gradients were silently not all-reduced.",
         params=v.params(sorted(missing)), ranks=[r.rank for r in crashed], steps=[step],
-        fix=_FREEZE_FIX + "; see the recommendation for the cheapest flags.")]
+        fix=_freeze_fix(v) + "; see the recommendation for the cheapest flags.")]
 
 
 DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (

@@ -1,0 +1,139 @@
+"""ddp-doctor for Lightning: a callback that diagnoses the first optimizer steps of `trainer.fit()`.
+
+```python
+from ddp_doctor.integrations.lightning import DoctorCallback
+
+trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[DoctorCallback(steps=8)])
+```
+
+Lightning builds `DistributedDataParallel` in `trainer.fit()` from its strategy: `"ddp"` (find_unused_parameters
+False), `"ddp_find_unused_parameters_true"`, or `DDPStrategy(find_unused_parameters=..., static_graph=...)`. The
+report's fixes are phrased that way. Works with `lightning.pytorch` and with `pytorch_lightning` (the callback
+subclasses whichever of the two the process has imported; `lightning.pytorch` when neither is yet).
+
+Unlike a Trainer callback in transformers, a Lightning callback hears about exceptions: when DDP itself fails
+before the K steps are done (*Expected to have finished reduction*, say), every rank that failed joins a short
+report that explains the failure, and the exception then goes on as usual.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from ddp_doctor import _log
+from ddp_doctor.errors import DoctorError
+from ddp_doctor.integrations._common import (
+    JSON_NAME,
+    FindingsError,
+    check_fail_on,
+    check_steps,
+    observed_by_check,
+    publish,
+    raise_if_failing,
+    start_doctor,
+    unwrap_ddp,
+)
+from ddp_doctor.observe import Doctor
+from ddp_doctor.report import Report
+
+__all__ = ["DoctorCallback", "FindingsError"]
+
+logger = _log.get_logger(__name__)
+
+
+def _callback_base() -> type:
+    """`Callback` of the Lightning package in use, without importing the other one (each takes seconds)."""
+    names = [n for n in ("lightning.pytorch", "pytorch_lightning") if n in sys.modules] or [
+        "lightning.pytorch", "pytorch_lightning"]
+    for name in names:
+        try:
+            return importlib.import_module(name).Callback
+        except ImportError:
+            continue
+    raise ImportError("ddp_doctor.integrations.lightning needs Lightning: pip install 'ddp-doctor[lightning]'")
+
+
+class DoctorCallback(_callback_base()):  # type: ignore[misc]
+    """Observe the first `steps` optimizer steps of `trainer.fit()` on every rank, then report once.
+
+    The report is identical on every rank. Global rank 0 logs it (WARNING when it has findings, INFO when clean)
+    and writes it as JSON (schema `ddp-doctor/report@1`) to `json_path`. Hooks are removed after the K steps.
+
+    Args:
+        steps: optimizer steps to observe (with `accumulate_grad_batches`, one step is all its micro-batches).
+        fail_on: `"error"` (default), `"warning"` or `"never"`: after writing the report, raise `FindingsError` on
+            every rank when it has a finding of that severity or worse.
+        json_path: where to write the JSON; default `trainer.default_root_dir/ddp_doctor.json`.
+        timeout: seconds each rank waits for the others to join the report.
+        crash_timeout: the same, when the report follows an exception (a rank that did not fail is not coming).
+
+    Attributes:
+        report: the `Report`, once written (None before).
+
+    Raises:
+        InvalidArgumentError: `steps` or `fail_on` has an unusable value.
+        FindingsError: from `trainer.fit()`, when the report has findings at or above `fail_on`.
+
+    Example:
+        >>> trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[DoctorCallback(steps=8)])
+        >>> trainer.fit(model, datamodule=dm)
+    """
+
+    def __init__(self, steps: int = 8, fail_on: str = "error", *, json_path: str | Path | None = None,
+                 timeout: float = 300.0, crash_timeout: float = 15.0) -> None:
+        super().__init__()
+        self.steps = check_steps(steps)
+        self.fail_on = check_fail_on(fail_on)
+        self.json_path = json_path
+        self.timeout = timeout
+        self.crash_timeout = crash_timeout
+        self.report: Report | None = None
+        self._doctor: Doctor | None = None
+        self._reported = False
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._doctor, self._reported, self.report = None, False, None
+        ddp = unwrap_ddp(trainer.strategy.model)
+        if ddp is None:
+            logger.warning("ddp-doctor: strategy %s did not wrap the model in DistributedDataParallel, so there "
+                           "is nothing to observe; DoctorCallback diagnoses DDP only (strategy=\"ddp\").",
+                           type(trainer.strategy).__name__)
+            return
+        if observed_by_check(ddp):
+            logger.info("ddp-doctor: `ddp-doctor check` observes this model already; DoctorCallback stands by.")
+            return
+        self._doctor = start_doctor(ddp, framework="lightning", steps=self.steps)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._doctor is not None and self._doctor.finished and not self._reported:
+            self._report(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._doctor is not None and not self._reported:
+            self._doctor.stop()
+            self._report(trainer)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self._doctor is None or self._reported or isinstance(exception, FindingsError):
+            return
+        self._doctor.record_crash(exception)
+        self._doctor.stop()
+        try:
+            self._report(trainer, timeout=self.crash_timeout, fail=False)
+        except DoctorError as exc:
+            logger.warning("ddp-doctor: rank %d failed with %s: %s, and the ranks could not exchange their "
+                           "observations (%s). Run `ddp-doctor check` on the script for a per-rank account.",
+                           trainer.global_rank, type(exception).__name__, str(exception)[:200], exc)
+
+    def _report(self, trainer: Any, *, timeout: float | None = None, fail: bool = True) -> None:
+        assert self._doctor is not None
+        self._reported = True
+        report = self._doctor.report(timeout=self.timeout if timeout is None else timeout)
+        self.report = report
+        path = Path(self.json_path) if self.json_path else Path(trainer.default_root_dir) / JSON_NAME
+        publish(report, logger=logger, json_path=path, is_main=bool(trainer.is_global_zero))
+        if fail:
+            raise_if_failing(report, self.fail_on, where=str(path))
