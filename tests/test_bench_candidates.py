@@ -50,3 +50,12 @@ def test_within_noise_when_rounds_disagree_or_the_gap_is_tiny() -> None:
     assert not _within_noise(c, b)
     d = Candidate(name="d", config=Config(), rounds=[[1.11], [1.115]])
     assert _within_noise(d, b)                       # 1% slower: under the noise floor
+
+
+def test_a_gap_smaller_than_the_round_to_round_swing_is_noise() -> None:
+    user = Candidate(name="user", config=Config(), rounds=[[10.7], [8.0], [11.9]])
+    rec = Candidate(name="rec", config=Config(), rounds=[[11.9], [17.6], [13.9]])
+    assert _within_noise(rec, user)                  # ratios 1.11, 2.2, 1.17: the rounds swing more than the gap
+    steady = Candidate(name="steady", config=Config(), rounds=[[17.5], [10.5], [14.8]])
+    fast = Candidate(name="fast", config=Config(), rounds=[[10.3], [7.7], [9.0]])
+    assert not _within_noise(steady, fast)           # ratios 1.70, 1.36, 1.64: slower in every round, by far
