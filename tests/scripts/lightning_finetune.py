@@ -5,11 +5,13 @@ callback freezes `neck` at epoch 1. Two ranks on CPU (`accelerator="cpu", device
 Lightning detects from the environment.
 
 Usage: torchrun --nproc-per-node 2 lightning_finetune.py ROOT_DIR [--strategy ddp|ddp_find_unused_parameters_true]
+The callback's default fail_on="error" stops the run after the report: exit code 3, with the finding codes.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 
 import lightning.pytorch as pl
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import BackboneFinetuning
 from torch import nn
 
-from ddp_doctor.integrations.lightning import DoctorCallback
+from ddp_doctor.integrations.lightning import DoctorCallback, FindingsError
 
 
 class Classifier(pl.LightningModule):
@@ -60,9 +62,13 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=opts.strategy, max_epochs=3, default_root_dir=opts.root_dir,
         callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1, verbose=False), FreezeNeck(),
-                   DoctorCallback(steps=6, fail_on="never")],
+                   DoctorCallback(steps=6)],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Classifier(), loader)
+    try:
+        trainer.fit(Classifier(), loader)
+    except FindingsError as exc:
+        print(f"rank {trainer.global_rank} stopped by ddp-doctor: {sorted(f.code for f in exc.findings)}")
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,72 @@
+"""Run a framework test script under plain torchrun (2 ranks, CPU, gloo), the way its user would, and check that
+it left no process behind. `ddp-doctor check` runs of the same scripts go through `checkrun.check`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from checkrun import SCRIPTS, assert_no_leftovers
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+"""Nothing is ever downloaded: every model is built from a config in the script."""
+
+
+@dataclass
+class Launch:
+    rc: int
+    output: str
+    seconds: float
+
+
+def torchrun(script: str, args: list[str], cwd: Path, *, timeout: float = 180.0) -> Launch:
+    """`torchrun --standalone --nproc-per-node 2 tests/scripts/SCRIPT ARGS` (torchrun picks a free port)."""
+    tag = uuid.uuid4().hex
+    env = {**os.environ, **OFFLINE, "DDP_DOCTOR_TEST_TAG": tag}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(SCRIPTS / script), *args]
+    started = time.monotonic()
+    try:
+        out = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             timeout=timeout, check=False)
+    finally:
+        assert_no_leftovers(tag)
+    return Launch(rc=out.returncode, output=out.stdout, seconds=time.monotonic() - started)
+
+
+def codes(report: dict[str, Any]) -> set[str]:
+    return {f["code"] for f in report["findings"]}
+
+
+def finding(report: dict[str, Any], code: str) -> dict[str, Any]:
+    found = [f for f in report["findings"] if f["code"] == code]
+    assert found, f"no {code} finding in {sorted(codes(report))}"
+    return found[0]
+
+
+def params(report: dict[str, Any], code: str) -> set[str]:
+    return {p["name"] for p in finding(report, code)["params"]}
+
+
+def load(path: Path, launch: Launch) -> dict[str, Any]:
+    assert path.exists(), f"no report at {path}:\n{launch.output[-6000:]}"
+    return json.loads(path.read_text())
+
+
+def same_findings(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """The same codes, severities and parameter names, and the same recommended flags."""
+    def key(r: dict[str, Any]) -> set[tuple[str, str, tuple[str, ...]]]:
+        return {(f["code"], f["severity"], tuple(sorted(p["name"] for p in f["params"]))) for f in r["findings"]}
+
+    assert key(a) == key(b), (key(a), key(b))
+    flags = ("find_unused_parameters", "static_graph", "freeze_before_wrap")
+    assert {k: a["recommendation"][k] for k in flags} == {k: b["recommendation"][k] for k in flags}
+    assert a["framework"] == b["framework"]

@@ -1,0 +1,115 @@
+"""The integrations' pure parts: optional imports, fixes phrased per framework and per installed version,
+kwargs_handler, fail_on, argument checks. No process group needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from checkrun import REPO
+
+from ddp_doctor.errors import InvalidArgumentError
+from ddp_doctor.integrations._common import FindingsError, raise_if_failing
+from ddp_doctor.report import snippets
+from ddp_doctor.report.model import Finding, Recommendation, Report, Timing
+
+FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning")
+# TrainingArguments' ddp_* fields on transformers 4.57 (read from its wheel): no ddp_static_graph yet.
+FIELDS_4_57 = {"ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_backend",
+               "ddp_timeout", "output_dir"}
+
+
+def report(*severities: str, rec: Recommendation | None = None) -> Report:
+    codes = {"error": "unfrozen-after-wrap", "warning": "find-unused-unneeded", "info": "dynamic-graph"}
+    findings = [Finding(code=codes[s], severity=s, title="t", detail="d") for s in severities]
+    rec = rec or Recommendation(find_unused_parameters=False, static_graph=True, gradient_as_bucket_view=False,
+                                freeze_before_wrap=[], reason="r", verified=False)
+    return Report(tool_version="0", torch_version="0", backend="gloo", world_size=2, steps_observed=4,
+                  ddp_config={}, findings=findings, recommendation=rec, timing=Timing())
+
+
+def test_importing_ddp_doctor_imports_no_framework() -> None:
+    code = ("import sys, ddp_doctor, ddp_doctor.cli, ddp_doctor.launch.session, ddp_doctor.integrations, "
+            "ddp_doctor.report.snippets; ddp_doctor.observe; "
+            f"print(sorted(m for m in {FRAMEWORKS!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_installed_training_arguments_has_every_ddp_field() -> None:
+    import transformers.training_args  # noqa: F401  (what a Trainer user's process has imported)
+
+    fields = snippets.training_arguments_fields()
+    assert fields is not None and set(snippets.TRAINING_ARGUMENTS_FIELDS.values()) <= fields
+    assert snippets.flags_fix("transformers", {"find_unused_parameters": False, "static_graph": True}) == (
+        "set TrainingArguments(ddp_find_unused_parameters=False, ddp_static_graph=True)")
+
+
+def test_a_transformers_version_without_ddp_static_graph_gets_the_working_route(monkeypatch) -> None:
+    monkeypatch.setattr(snippets, "training_arguments_fields", lambda: FIELDS_4_57)
+    fix = snippets.flags_fix("transformers", {"static_graph": True, "find_unused_parameters": False})
+    assert fix.startswith("set TrainingArguments(ddp_find_unused_parameters=False) and set static_graph=True on "
+                          "the Trainer's DDP kwargs (TrainingArguments on transformers "), fix
+    assert "has no field for static_graph" in fix
+    rec = report().recommendation
+    code = snippets.render_snippets(rec, {})["transformers"]
+    assert "args = TrainingArguments(..., ddp_find_unused_parameters=False)" in code
+    assert "ddp_static_graph" not in code
+    assert "def _wrap_model(self, model, training=True, dataloader=None):" in code
+    assert "handler.static_graph = True" in code
+    compile(code.replace("...", "output_dir='x'"), "<snippet>", "exec")  # the route is valid Python
+
+
+def test_fixes_in_each_framework_s_words() -> None:
+    flags = {"find_unused_parameters": True}
+    assert snippets.flags_fix("torch", flags) == "build DDP with find_unused_parameters=True"
+    assert snippets.flags_fix("accelerate", flags) == (
+        "pass Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])")
+    assert snippets.flags_fix("lightning", flags) == 'use Trainer(strategy="ddp_find_unused_parameters_true")'
+    assert snippets.flags_fix("lightning", {"static_graph": True}) == "use Trainer(strategy=DDPStrategy(static_graph=True))"
+    for name in ("transformers", "accelerate", "lightning"):
+        code = snippets.render_snippets(report().recommendation, {})[name]
+        compile(code.replace("...", "output_dir='x'"), f"<{name}>", "exec")
+
+
+def test_kwargs_handler_from_a_report_its_json_or_its_recommendation() -> None:
+    from ddp_doctor.integrations.accelerate import kwargs_handler
+
+    r = report()
+    for source in (r, r.to_dict(), r.recommendation):
+        handler = kwargs_handler(source)
+        assert (handler.find_unused_parameters, handler.static_graph, handler.gradient_as_bucket_view) == (
+            False, True, False)
+    assert kwargs_handler(r, bucket_cap_mb=50).bucket_cap_mb == 50
+    with pytest.raises(InvalidArgumentError, match=r"\['bucket_size'\], which DistributedDataParallelKwargs"):
+        kwargs_handler(r, bucket_size=50)
+    with pytest.raises(InvalidArgumentError, match="without a 'recommendation' key"):
+        kwargs_handler({"findings": []})
+    with pytest.raises(InvalidArgumentError, match="got str"):
+        kwargs_handler("report.json")
+
+
+def test_fail_on_thresholds() -> None:
+    raise_if_failing(report("warning"), "error", where="x")
+    raise_if_failing(report("error"), "never", where="x")
+    raise_if_failing(report("info"), "warning", where="x")
+    with pytest.raises(FindingsError, match=r"at or above fail_on='warning': find-unused-unneeded") as caught:
+        raise_if_failing(report("warning", "info"), "warning", where="out/ddp_doctor.json")
+    assert caught.value.code == "find-unused-unneeded" and "out/ddp_doctor.json" in str(caught.value)
+    with pytest.raises(FindingsError) as caught:
+        raise_if_failing(report("error", "warning"), "error", where="x")
+    assert [f.code for f in caught.value.findings] == ["unfrozen-after-wrap"]
+
+
+@pytest.mark.parametrize("module", ["transformers", "lightning"])
+def test_callback_arguments_are_checked(module: str) -> None:
+    import importlib
+
+    callback = importlib.import_module(f"ddp_doctor.integrations.{module}").DoctorCallback
+    with pytest.raises(InvalidArgumentError, match="steps must be a positive int .* got 0"):
+        callback(steps=0)
+    with pytest.raises(InvalidArgumentError, match="fail_on must be one of 'error', 'warning', 'never', got 'fatal'"):
+        callback(fail_on="fatal")
+    assert callback(steps=3).steps == 3
