@@ -98,3 +98,10 @@ def test_two_nodes_of_one_process_give_the_same_report_as_one_node_of_two(tmp_pa
         assert run.rc == single.rc == 1, run.output
         assert run.report["world_size"] == 2
         assert essence(run.report) == essence(single.report), run.output
+
+
+def test_a_module_runs_like_python_dash_m_with_its_arguments(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", "--steps", "4", "-m", "tests.scripts.as_module", "--steps-total", "12"],
+                tmp_path)
+    assert run.rc == 0, run.output
+    assert run.codes == {"find-unused-unneeded"} and run.report["steps_observed"] == 4, run.output
