@@ -51,8 +51,8 @@ def test_a_transformers_version_without_ddp_static_graph_gets_the_working_route(
     monkeypatch.setattr(snippets, "training_arguments_fields", lambda: FIELDS_4_57)
     fix = snippets.flags_fix("transformers", {"static_graph": True, "find_unused_parameters": False})
     assert fix.startswith("set TrainingArguments(ddp_find_unused_parameters=False) and set static_graph=True on "
-                          "the Trainer's DDP kwargs (TrainingArguments on transformers "), fix
-    assert "has no field for static_graph" in fix
+                          "the DDP kwargs the Trainer builds (TrainingArguments on transformers "), fix
+    assert "has no field for static_graph: subclass Trainer" in fix and "self.accelerator.ddp_handler" in fix
     rec = report().recommendation
     code = snippets.render_snippets(rec, {})["transformers"]
     assert "args = TrainingArguments(..., ddp_find_unused_parameters=False)" in code
@@ -113,3 +113,11 @@ def test_callback_arguments_are_checked(module: str) -> None:
     with pytest.raises(InvalidArgumentError, match="fail_on must be one of 'error', 'warning', 'never', got 'fatal'"):
         callback(fail_on="fatal")
     assert callback(steps=3).steps == 3
+
+
+def test_lightning_callback_follows_pytorch_lightning_when_that_is_the_package_in_use() -> None:
+    code = ("import sys, pytorch_lightning as pl; from ddp_doctor.integrations.lightning import DoctorCallback; "
+            "print(issubclass(DoctorCallback, pl.Callback), 'lightning' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr

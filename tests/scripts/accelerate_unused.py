@@ -10,6 +10,7 @@ Usage: torchrun --nproc-per-node 2 accelerate_unused.py OUTPUT_DIR [--apply REPO
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from accelerate import Accelerator, DistributedDataParallelKwargs
 from torch import nn
 
 from ddp_doctor.integrations.accelerate import kwargs_handler, observe
+from ddp_doctor.report import Report
 
 
 class Net(nn.Module):
@@ -32,27 +34,13 @@ class Net(nn.Module):
         return self.head(torch.tanh(self.body(x)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("output_dir")
-    parser.add_argument("--apply", metavar="REPORT_JSON")
-    opts = parser.parse_args()
-    torch.manual_seed(0)
-    model = Net()
-    if opts.apply:
-        report = json.loads(Path(opts.apply).read_text())
-        handler = kwargs_handler(report)
-        for name in report["recommendation"]["freeze_before_wrap"]:
-            model.get_parameter(name).requires_grad_(False)
-    else:
-        handler = DistributedDataParallelKwargs(find_unused_parameters=True)
-    accelerator = Accelerator(cpu=True, kwargs_handlers=[handler])
+def train(model: nn.Module, accelerator: Accelerator) -> Report:
+    """The user's loop, observed for its first 4 optimizer steps."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g))
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-
     with observe(model, optimizer, steps=4) as doctor:
         for step, (x, y) in enumerate(loader):
             loss = F.cross_entropy(model(x), y)
@@ -61,14 +49,35 @@ def main() -> None:
             optimizer.zero_grad()
             if step == 5:
                 break
-    report = doctor.report()
+    return doctor.report()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output_dir")
+    parser.add_argument("--apply", metavar="REPORT_JSON")
+    opts = parser.parse_args()
+    torch.manual_seed(0)
+    model = Net()
+    if opts.apply:
+        previous = json.loads(Path(opts.apply).read_text())
+        handler = kwargs_handler(previous)
+        for name in previous["recommendation"]["freeze_before_wrap"]:
+            model.get_parameter(name).requires_grad_(False)
+    else:
+        handler = DistributedDataParallelKwargs(find_unused_parameters=True)
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[handler])
+    report = train(model, accelerator)
     if accelerator.is_main_process:
         out = Path(opts.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "ddp_doctor.json").write_text(report.to_json())
         print(report)
+    # Free the DDP model (prepare() keeps a reference in the Accelerator) before end_training() destroys the process
+    # group: gloo (torch 2.13, CPU) otherwise aborts at interpreter exit now and then.
+    accelerator.free_memory()
+    gc.collect()
     accelerator.end_training()
-
 
 if __name__ == "__main__":
     main()

@@ -6,12 +6,14 @@ PreTrainedModel without gradient checkpointing). Usage: torchrun --nproc-per-nod
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+import torch.distributed as dist
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
 from ddp_doctor.integrations.transformers import DoctorCallback
@@ -40,6 +42,11 @@ def main() -> None:
                              disable_tqdm=True, logging_steps=100)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[DoctorCallback(steps=4)])
     trainer.train()
+    # Free the DDP model before the process group goes: gloo (torch 2.13, CPU) otherwise aborts at interpreter exit
+    # now and then ("terminate called without an active exception"), with or without ddp-doctor.
+    del trainer, model
+    gc.collect()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -10,11 +10,13 @@ Usage: torchrun --nproc-per-node 2 hf_two_heads.py OUTPUT_DIR [--fix freeze|stat
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
@@ -86,6 +88,11 @@ def main() -> None:
                              disable_tqdm=True, logging_steps=100, **ddp_args)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[DoctorCallback(steps=4)])
     trainer.train()
+    # Free the DDP model before the process group goes: gloo (torch 2.13, CPU) otherwise aborts at interpreter exit
+    # now and then ("terminate called without an active exception"), with or without ddp-doctor.
+    del trainer, model
+    gc.collect()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -11,11 +11,13 @@ The callback's default fail_on="error" stops the run after the report: exit code
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import warnings
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import BackboneFinetuning
 from torch import nn
@@ -64,11 +66,18 @@ def main() -> None:
         callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1, verbose=False), FreezeNeck(),
                    DoctorCallback(steps=6)],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    code = 0
     try:
         trainer.fit(Classifier(), loader)
     except FindingsError as exc:
         print(f"rank {trainer.global_rank} stopped by ddp-doctor: {sorted(f.code for f in exc.findings)}")
-        sys.exit(3)
+        code = 3
+    # Free the DDP model before the process group goes: gloo (torch 2.13, CPU) otherwise aborts at interpreter exit
+    # now and then ("terminate called without an active exception"), with or without ddp-doctor.
+    del trainer
+    gc.collect()
+    dist.destroy_process_group()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

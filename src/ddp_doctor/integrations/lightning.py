@@ -130,8 +130,11 @@ class DoctorCallback(_callback_base()):  # type: ignore[misc]
 
     def _report(self, trainer: Any, *, timeout: float | None = None, fail: bool = True) -> None:
         assert self._doctor is not None
+        # Keep no reference to the DDP model from here on: a DDP model that outlives its process group makes gloo
+        # abort at interpreter exit (torch 2.13, CPU).
+        doctor, self._doctor = self._doctor, None
         self._reported = True
-        report = self._doctor.report(timeout=self.timeout if timeout is None else timeout)
+        report = doctor.report(timeout=self.timeout if timeout is None else timeout)
         self.report = report
         path = Path(self.json_path) if self.json_path else Path(trainer.default_root_dir) / JSON_NAME
         publish(report, logger=logger, json_path=path, is_main=bool(trainer.is_global_zero))

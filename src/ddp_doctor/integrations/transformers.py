@@ -114,8 +114,11 @@ class DoctorCallback(TrainerCallback):
 
     def _report(self, args: Any, state: Any) -> None:
         assert self._doctor is not None
+        # Keep no reference to the DDP model from here on: a DDP model that outlives its process group makes gloo
+        # abort at interpreter exit (torch 2.13, CPU).
+        doctor, self._doctor = self._doctor, None
         self._reported = True
-        report = self._doctor.report(timeout=self.timeout)
+        report = doctor.report(timeout=self.timeout)
         self.report = report
         output_dir = getattr(args, "output_dir", None)
         path = Path(output_dir) / JSON_NAME if output_dir else None

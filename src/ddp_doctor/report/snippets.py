@@ -85,9 +85,9 @@ def flags_fix(framework: str, flags: dict[str, Any]) -> str:
             parts.append("set TrainingArguments(" + ", ".join(f"{k}={v!r}" for k, v in mapped.items()) + ")")
         if missing:
             names = ", ".join(f"{k}={v!r}" for k, v in missing.items())
-            parts.append(f"set {names} on the Trainer's DDP kwargs (TrainingArguments on transformers "
-                         f"{_transformers_version()} has no field for {', '.join(missing)}; the recommendation "
-                         "shows how)")
+            parts.append(f"set {names} on the DDP kwargs the Trainer builds (TrainingArguments on transformers "
+                         f"{_transformers_version()} has no field for {', '.join(missing)}: subclass Trainer, and in "
+                         "_wrap_model, after super()._wrap_model(...), set it on self.accelerator.ddp_handler)")
         return " and ".join(parts)
     if framework == "accelerate":
         return f"pass Accelerator(kwargs_handlers=[DistributedDataParallelKwargs({kwargs})])"
