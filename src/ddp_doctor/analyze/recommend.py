@@ -67,8 +67,11 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
         find_unused, static = True, False
         parts.append(f"{int(frozen_later.sum())} parameter(s) trained for some steps and were then frozen after "
                      "DDP was built: find_unused_parameters=True is the only flag that copes with a frozen set that "
-                     "changes, though DDP still all-reduces them. Rebuilding DDP at each change "
-                     "(ddp_doctor.refreeze) stops that communication.")
+                     "changes, though DDP still all-reduces them. "
+                     + ("Rebuilding DDP at each change (ddp_doctor.refreeze) stops that communication."
+                        if v.info.framework == "torch" else
+                        f"{v.info.framework} owns the DDP model, so instead of freezing, a learning rate of 0 keeps "
+                        "the set DDP reduces fixed."))
     elif all_used and not reentrant:
         find_unused, static = False, False
         parts.append(f"Every {'other ' if freeze else ''}trainable parameter got a gradient on all {v.world} ranks in all {v.steps} "
