@@ -86,17 +86,21 @@ def _unfreeze_without_refreeze(rank: int, world: int) -> dict:
     return {"sent": sum(sent), "synced": torch.equal(grads[0], grads[1])}
 
 
+def _flips_without_refreeze(rank: int, world: int) -> list[dict]:
+    return [_freeze_without_refreeze(rank, world, {}),
+            _freeze_without_refreeze(rank, world, {"find_unused_parameters": True}),
+            _unfreeze_without_refreeze(rank, world)]
+
+
 def test_measured_freezing_after_wrap_without_refreeze(tmp_path) -> None:
     """What refreeze exists for, on this torch: a flip after wrapping keeps communicating, breaks, or never syncs."""
     everything = _nbytes(Net())
-    res = run_ranks(_freeze_without_refreeze, tmp_path, args=({},))[0]
-    assert res["error"] == "Expected to have finished reduction in the prior iteration before starting a new one"
-    assert res["sent"] == []        # the step after the freeze all-reduced nothing: its grads were not synced
-    res = run_ranks(_freeze_without_refreeze, tmp_path, args=({"find_unused_parameters": True},))[0]
-    assert res["error"] is None and sum(res["sent"]) == 2 * everything   # 2 steps, frozen weight still sent
+    default, find_unused, unfrozen = run_ranks(_flips_without_refreeze, tmp_path)[0]
+    assert default["error"] == "Expected to have finished reduction in the prior iteration before starting a new one"
+    assert default["sent"] == []    # the step after the freeze all-reduced nothing: its grads were not synced
+    assert find_unused["error"] is None and sum(find_unused["sent"]) == 2 * everything   # frozen weight still sent
     # Unfrozen after wrapping: never all-reduced, so the ranks' grads differ.
-    res = run_ranks(_unfreeze_without_refreeze, tmp_path)[0]
-    assert res == {"sent": everything - _nbytes(Net(), ["trunk.weight"]), "synced": False}
+    assert unfrozen == {"sent": everything - _nbytes(Net(), ["trunk.weight"]), "synced": False}
 
 
 # --------------------------------------------------------------------------------------------- refreeze
@@ -367,6 +371,10 @@ def test_ranks_that_disagree_raise_on_every_rank(tmp_path, case) -> None:
 # ------------------------------------------------------------------------------------------ progressive
 
 
+def _progressive_twice(rank: int, world: int) -> list[dict]:
+    return [_progressive(rank, world, None), _progressive(rank, world, 4)]
+
+
 def _progressive(rank: int, world: int, resume_at: int | None) -> dict:
     torch.manual_seed(0)
     ddp = DDP(Net())
@@ -390,13 +398,12 @@ def test_progressive_freeze_by_step(tmp_path) -> None:
     full = _nbytes(net)
     no_trunk = full - _nbytes(net, ["trunk.weight", "trunk.bias"])
     no_block = no_trunk - _nbytes(net, ["block.0.weight", "block.0.bias"])
-    res = run_ranks(_progressive, tmp_path, args=(None,))[0]
+    res, resumed = run_ranks(_progressive_twice, tmp_path)[0]
     assert res["bytes"] == [full, no_trunk, no_trunk, no_block, no_block]
     assert res["rebuilt"] == [False, True, False, True, False]
     assert res["applied"] == [1, 3] and res["pending"] == []
     # Resuming at step 4 applies both entries in one rebuild.
-    res = run_ranks(_progressive, tmp_path, args=(4,))[0]
-    assert res["bytes"] == [no_block] and res["applied"] == [1, 3]
+    assert resumed["bytes"] == [no_block] and resumed["rebuilt"] == [True] and resumed["applied"] == [1, 3]
 
 
 def test_progressive_freeze_checks_names_up_front(tmp_path) -> None:
