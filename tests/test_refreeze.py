@@ -21,6 +21,7 @@ from ddp_doctor import (
     NoTrainableParametersError,
     RankMismatchError,
     ReplicaDivergenceError,
+    ReportTimeoutError,
     StaleModelError,
     guard,
     progressive_freeze,
@@ -366,6 +367,22 @@ def test_ranks_that_disagree_raise_on_every_rank(tmp_path, case) -> None:
         assert messages[1].startswith("InvalidArgumentError") and "no_such_module" in messages[1]
         for m in (messages[0], messages[2]):
             assert m.startswith("RankMismatchError") and "rejected on rank(s) [1]" in m
+
+
+def _called_on_one_rank(rank: int, world: int) -> str | None:
+    torch.manual_seed(0)
+    ddp = DDP(Net())
+    if rank == 1:
+        return None                   # rank 1 forgets to call refreeze
+    with pytest.raises(ReportTimeoutError) as info:
+        refreeze(ddp, freeze="trunk", timeout=2)
+    assert ddp.module.trunk.weight.requires_grad
+    return str(info.value)
+
+
+def test_a_rank_that_does_not_call_refreeze_is_named(tmp_path) -> None:
+    message = run_ranks(_called_on_one_rank, tmp_path, timeout=40)[0]
+    assert "waited 2 s in refreeze() for rank(s) [1]" in message and "every rank of the DDP's process group" in message
 
 
 # ------------------------------------------------------------------------------------------ progressive

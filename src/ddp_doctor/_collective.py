@@ -8,13 +8,19 @@ all_gather follow to name the ranks.
 
 from __future__ import annotations
 
+import datetime
 import zlib
 from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["comm_device", "global_ranks", "layout_hash", "minmax", "rows_by_rank"]
+from ddp_doctor import _log
+from ddp_doctor.errors import ReportTimeoutError
+
+__all__ = ["arrive", "comm_device", "global_ranks", "layout_hash", "minmax", "rows_by_rank"]
+
+logger = _log.get_logger(__name__)
 
 
 def comm_device(group: dist.ProcessGroup | None, hint: torch.device | None = None) -> torch.device:
@@ -67,3 +73,28 @@ def global_ranks(group: dist.ProcessGroup | None, group_ranks: Iterable[int]) ->
 def layout_hash(items: Sequence[str]) -> int:
     """A 31-bit hash of a parameter list description (names, shapes, dtypes), equal on ranks that agree."""
     return zlib.crc32("\n".join(items).encode()) & 0x7FFFFFFF
+
+
+def arrive(tag: str, *, group: dist.ProcessGroup | None, timeout: float, call: str, fix: str) -> None:
+    """Wait until every rank of `group` reached `tag`, or raise `ReportTimeoutError` naming the ranks that did not.
+
+    Goes through the default store, so a rank that never comes costs a timeout with names instead of a collective
+    that waits forever. `call` names the collective call (``"refreeze()"``) and `fix` says how to call it.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001  (private API; without it the process group's own timeout applies)
+        logger.debug("no default store; skipping the arrival check")
+        return
+    members = global_ranks(group, range(dist.get_world_size(group)))
+    keys = [f"ddp_doctor/{tag}/{r}" for r in members]
+    store.set(keys[dist.get_rank(group)], "1")
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # the store raises its own timeout type, which differs by store kind
+        missing = [r for r, k in zip(members, keys) if not store.check([k])]
+        if not missing:
+            raise
+        raise ReportTimeoutError(
+            f"rank {dist.get_rank()} waited {timeout:g} s in {call} for rank(s) {missing}. {call} is collective: "
+            f"{fix} A rank that crashed, exited or is elsewhere in its loop cannot answer.") from exc

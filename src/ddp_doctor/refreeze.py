@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor import _log
-from ddp_doctor._collective import comm_device, global_ranks, layout_hash, minmax, rows_by_rank
+from ddp_doctor._collective import arrive, comm_device, global_ranks, layout_hash, minmax, rows_by_rank
 from ddp_doctor.errors import (
     DoctorError,
     InvalidArgumentError,
@@ -33,7 +33,6 @@ from ddp_doctor.errors import (
     ReplicaDivergenceError,
     StaleModelError,
 )
-from ddp_doctor.gather import arrive
 from ddp_doctor.guard import GUARD_ATTR
 from ddp_doctor.observe import user_site
 from ddp_doctor.replicas import Entry, compare_replicas, describe
@@ -127,7 +126,8 @@ def refreeze(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimize
         target = _target_flags(ddp_model, named, optimizer, freeze, unfreeze)
     except DoctorError as exc:
         problem = exc
-    arrive(f"refreeze/{next(_calls)}", timeout)
+    arrive(f"refreeze/{next(_calls)}", group=group, timeout=timeout, call="refreeze()",
+           fix="call it on every rank of the DDP's process group, at the same step, with the same arguments.")
     layout = layout_hash([f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named])
     plan = layout_hash([n for (n, _), t in zip(named, target) if t])
     header = torch.tensor([1.0 if problem else 0.0, len(named), layout, plan], dtype=torch.float64)
