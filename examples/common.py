@@ -32,7 +32,8 @@ def teardown() -> None:
 
     DDP's reducer holds the process group. If the model is still alive when the group is destroyed, the group is
     freed during interpreter shutdown, and gloo (torch 2.13, CPU) then aborts the process about one time in four
-    ("terminate called without an active exception"). Collecting the model first avoids that.
+    ("terminate called without an active exception"). Collecting the model first avoided that for these
+    examples (0 aborts in 26 runs), though not for every script.
     """
     gc.collect()
     dist.destroy_process_group()
