@@ -13,12 +13,11 @@ available, else gloo on CPU.
 from __future__ import annotations
 
 import argparse
-import os
 
 import rich
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from common import device_ids, setup, teardown
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -43,19 +42,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend)
-    rank = dist.get_rank()
-
+    rank, device = setup()
     torch.manual_seed(0)
     model = MultiTask().to(device)
-    ddp = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None,
-                                  find_unused_parameters=args.find_unused)
+    ddp = DistributedDataParallel(model, device_ids=device_ids(device), find_unused_parameters=args.find_unused)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     data = torch.Generator().manual_seed(rank)  # each rank its own shard
 
@@ -75,7 +65,8 @@ def main() -> None:
     report = doctor.report()  # collective: every rank calls it
     if rank == 0:
         rich.print(report)
-    dist.destroy_process_group()
+    del ddp, model, opt, doctor   # see common.teardown
+    teardown()
 
 
 if __name__ == "__main__":
