@@ -41,7 +41,7 @@ def _child(fn: Callable[..., Any], rank: int, world: int, store_path: str, pg_ti
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         result = fn(rank, world, *args)
         conn.send(("ok", result))
-    except BaseException:
+    except BaseException:  # noqa: BLE001  (every failure of the rank goes back to the test)
         conn.send(("error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
@@ -77,8 +77,8 @@ def run_ranks(fn: Callable[..., Any], tmp_path: Path, *, world_size: int = 2, ar
                 try:
                     outcomes[rank] = conn.recv()
                 except EOFError:
-                    outcomes[rank] = ("error", f"rank {rank} exited with code {procs[rank].exitcode} "
-                                               "without a result")
+                    outcomes[rank] = ("error", (f"rank {rank} exited with code {procs[rank].exitcode} "
+                                               "without a result"))
             elif not procs[rank].is_alive() and not conn.poll(0):
                 outcomes[rank] = ("error", f"rank {rank} died with exit code {procs[rank].exitcode}")
     for p in procs:

@@ -40,9 +40,10 @@ from ddp_doctor.errors import (
     ProcessGroupNotInitializedError,
     RankMismatchError,
 )
-from ddp_doctor.observe import WRAP_STATE_ATTR, user_site
+from ddp_doctor.hookutil import user_site
 from ddp_doctor.replicas import Comparison, Entry, compare_replicas, describe, local_rows, report_failure
 from ddp_doctor.report.model import Finding, ParamRef
+from ddp_doctor.wrapstate import WRAP_STATE_ATTR
 
 __all__ = ["GUARD_ATTR", "Guard", "guard"]
 

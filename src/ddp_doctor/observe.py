@@ -22,10 +22,8 @@ micro-steps.
 from __future__ import annotations
 
 import itertools
-import os
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -45,17 +43,15 @@ from ddp_doctor.errors import (
 )
 from ddp_doctor.explain import classify, explain_failure
 from ddp_doctor.fingerprint import fingerprints
-from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
+from ddp_doctor.hookutil import Hook as _Hook
+from ddp_doctor.hookutil import tensors_in, user_site
+from ddp_doctor.records import CRASH_KINDS, RankRecord, StepCounters
+from ddp_doctor.wrapstate import model_info
 
-__all__ = ["WRAP_STATE_ATTR", "Doctor", "ddp_config_of", "format_site", "observe", "user_site"]
+__all__ = ["Doctor", "observe"]
 
 logger = _log.get_logger(__name__)
 
-WRAP_STATE_ATTR = "_ddp_doctor_wrap_state"
-"""Set on a DDP instance by the launcher's injection: `{"trainable": [...], "site": "file:line", "framework": ...}`."""
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OUR_DIR = os.path.dirname(__file__)
 _MAX_SITES = 4
 
 
@@ -90,89 +86,6 @@ def observe(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer
         >>> report = doctor.report()
     """
     return Doctor(ddp_model, optimizer, steps=steps)
-
-
-def ddp_config_of(ddp: DistributedDataParallel) -> dict[str, Any]:
-    """The constructor flags that matter for diagnosis, read back from a built DDP instance."""
-    return {
-        "find_unused_parameters": bool(ddp.find_unused_parameters),
-        "static_graph": bool(ddp.static_graph),
-        "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
-        "broadcast_buffers": bool(getattr(ddp, "broadcast_buffers", True)),
-        "bucket_cap_mb": round(ddp.bucket_bytes_cap / 2**20, 3),
-        "device_ids": list(ddp.device_ids) if ddp.device_ids else None,
-    }
-
-
-def format_site(filename: str, lineno: int) -> str:
-    """`file:line`, the path relative to the working folder when it is inside it."""
-    if filename.startswith(os.getcwd() + os.sep):
-        filename = os.path.relpath(filename)
-    return f"{filename}:{lineno}"
-
-
-def user_site(skip_self: set[int] | None = None) -> str | None:
-    """`file:line` of the innermost caller outside torch and ddp_doctor.
-
-    Args:
-        skip_self: ids of modules whose own methods are skipped too, so a bypass is reported where the user's
-            trainer calls into the model, not inside the model's helper method.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith((_TORCH_DIR, _OUR_DIR, "<")) and not (
-                skip_self and "self" in frame.f_code.co_varnames and id(frame.f_locals.get("self")) in skip_self):
-            return format_site(filename, frame.f_lineno)
-        frame = frame.f_back
-    return None
-
-
-def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested lists, tuples, dicts (HF `ModelOutput` is one) and dataclasses."""
-    if depth > 8:
-        return
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v, depth + 1)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for name in obj.__dataclass_fields__:
-            yield from _tensors(getattr(obj, name, None), depth + 1)
-
-
-def _inert(*_args: Any, **_kwargs: Any) -> None:
-    return None
-
-
-class _Hook:
-    """A hook that calls back into the `Doctor`.
-
-    A model copied or pickled while observed (an EMA copy, `torch.save(model)`) must not drag the doctor along or
-    fail: the copy gets a no-op in its place, since nobody observes the copy.
-    """
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_make_inert, ())
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
-        return _inert
-
-
-def _make_inert() -> Callable[..., None]:
-    return _inert
 
 
 class _Step:
@@ -231,7 +144,7 @@ class Doctor:
         self._params = [p for _, p in self._named_params]
         self._buffers = [b for _, b in self._module.named_buffers()]
         self._index = {id(p): i for i, p in enumerate(self._params)}
-        self.info = self._model_info()
+        self.info = model_info(ddp_model, self._named_params, self._buffers)
         trainable_now = [p.requires_grad for p in self._params]
         if not any(trainable_now):
             raise NoTrainableParametersError(
@@ -273,50 +186,6 @@ class Doctor:
         """Called once when `steps` steps have been observed (used by the launcher to stop the script)."""
 
     # ----------------------------------------------------------------------------------------------- set-up
-
-    def _model_info(self) -> ModelInfo:
-        ddp = self._ddp
-        ignore = set(getattr(ddp, "parameters_to_ignore", ()))
-        names = [n for n, _ in self._named_params]
-        ignored = [n in ignore for n in names]
-        state = getattr(ddp, WRAP_STATE_ATTR, None)
-        try:
-            logging_data = ddp._get_ddp_logging_data()
-            wrap_count: int | None = int(logging_data.get("num_parameter_tensors", -1))
-            wrap_bytes = int(logging_data.get("total_parameter_size_bytes", -1))
-        except Exception:  # noqa: BLE001  (logging data is an internal API; diagnosis does not depend on it)
-            wrap_count, wrap_bytes = None, -1
-        if state is not None and len(state["trainable"]) == len(names):
-            trainable = [t and not ig for t, ig in zip(state["trainable"], ignored)]
-            exact = True
-        else:
-            # Not built under our launcher: the state at observe() entry stands in for the state at wrap time.
-            # DDP's logging data tells how many tensors its reducer holds, which catches a flip in between.
-            trainable = [p.requires_grad and not ig for p, ig in zip(self._params, ignored)]
-            exact = wrap_count is None or wrap_count < 0 or wrap_count == sum(trainable)
-            if not exact and wrap_count is not None and wrap_count > sum(trainable):
-                # Fewer trainable tensors now than DDP was built with. If every currently frozen parameter is
-                # needed to make up both the count and the byte size DDP recorded, they were all frozen after wrap.
-                frozen = [i for i, (t, ig) in enumerate(zip(trainable, ignored)) if not t and not ig]
-                nbytes = sum(p.numel() * p.element_size() for p, t in zip(self._params, trainable) if t)
-                extra = sum(self._params[i].numel() * self._params[i].element_size() for i in frozen)
-                if len(frozen) == wrap_count - sum(trainable) and nbytes + extra == wrap_bytes:
-                    for i in frozen:
-                        trainable[i] = True
-                    exact = True
-        return ModelInfo(
-            param_names=names,
-            param_shapes=[tuple(p.shape) for p in self._params],
-            trainable_at_wrap=trainable,
-            ignored=ignored,
-            buffer_names=[n for n, _ in self._module.named_buffers()],
-            buffer_shapes=[tuple(b.shape) for b in self._buffers],
-            ddp_config=ddp_config_of(ddp),
-            wrap_state_exact=exact,
-            wrap_trainable_count=wrap_count if wrap_count is not None and wrap_count >= 0 else None,
-            ddp_site=state.get("site") if state else None,
-            framework=state.get("framework", "torch") if state else "torch",
-        )
 
     def __enter__(self) -> Doctor:  # noqa: PYI034
         return self.start()
@@ -433,7 +302,7 @@ class Doctor:
         if step.buffer_fp is None:
             # DDP broadcasts rank 0's buffers inside its forward, before this hook: what we see is what trains.
             step.buffer_fp = fingerprints(self._buffers)
-        inputs = [t for t in _tensors((args, kwargs)) if not t.is_complex()]
+        inputs = [t for t in tensors_in((args, kwargs)) if not t.is_complex()]
         if inputs:
             step.input_fp += fingerprints(inputs).nan_to_num(0.0).sum(0)
 
@@ -446,7 +315,7 @@ class Doctor:
         # The first gradient to reach an output marks the start of this forward's backward pass; from there we
         # queue a callback for its end. Hooking outputs (not parameters) keeps the callback on the outer graph
         # task even when reentrant checkpointing runs nested backward passes.
-        for t in _tensors(output):
+        for t in tensors_in(output):
             if t.requires_grad:
                 t.register_hook(self._on_output_grad)
 
@@ -538,7 +407,7 @@ class Doctor:
 
     def _walk_graph(self, output: Any) -> tuple[set[int], int]:
         """Parameters reachable from the autograd graph of `output`, and the number of reentrant checkpoints."""
-        stack = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        stack = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
         seen: set[Any] = set()
         reachable: set[int] = set()
         checkpoints = 0

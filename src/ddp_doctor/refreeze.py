@@ -34,7 +34,7 @@ from ddp_doctor.errors import (
     StaleModelError,
 )
 from ddp_doctor.guard import GUARD_ATTR
-from ddp_doctor.observe import user_site
+from ddp_doctor.hookutil import user_site
 from ddp_doctor.replicas import Entry, compare_replicas, describe
 
 __all__ = ["ParamSpec", "ProgressiveFreeze", "constructor_kwargs", "progressive_freeze", "refreeze"]

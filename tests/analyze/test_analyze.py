@@ -14,10 +14,10 @@ SHAPES = [(4, 3), (4,), (2, 4), (2, 4)]
 
 
 def info(**overrides) -> ModelInfo:
-    base = dict(param_names=NAMES, param_shapes=SHAPES, trainable_at_wrap=[True] * 4, ignored=[False] * 4,
-                buffer_names=["norm.running_mean"], buffer_shapes=[(4,)],
-                ddp_config={"find_unused_parameters": False, "static_graph": False,
-                            "gradient_as_bucket_view": False, "broadcast_buffers": True})
+    base = {"param_names": NAMES, "param_shapes": SHAPES, "trainable_at_wrap": [True] * 4, "ignored": [False] * 4,
+                "buffer_names": ["norm.running_mean"], "buffer_shapes": [(4,)],
+                "ddp_config": {"find_unused_parameters": False, "static_graph": False,
+                            "gradient_as_bucket_view": False, "broadcast_buffers": True}}
     base.update(overrides)
     return ModelInfo(**base)
 

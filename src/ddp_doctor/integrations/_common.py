@@ -12,8 +12,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor.codes import SEVERITIES
 from ddp_doctor.errors import DoctorError, InvalidArgumentError
-from ddp_doctor.observe import WRAP_STATE_ATTR, Doctor
+from ddp_doctor.observe import Doctor
 from ddp_doctor.report import Report
+from ddp_doctor.wrapstate import WRAP_STATE_ATTR
 
 __all__ = ["FAIL_ON", "FindingsError", "check_fail_on", "check_steps", "find_ddp", "observed_by_check", "publish",
            "raise_if_failing", "start_doctor", "unwrap_ddp"]

@@ -36,8 +36,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ddp_doctor import _log
 from ddp_doctor.errors import DoctorError
 from ddp_doctor.gather import arrive
+from ddp_doctor.hookutil import format_site
 from ddp_doctor.launch.config import RankConfig
-from ddp_doctor.observe import WRAP_STATE_ATTR, Doctor, format_site
+from ddp_doctor.observe import Doctor
+from ddp_doctor.wrapstate import WRAP_STATE_ATTR
 
 __all__ = ["FRAMEWORKS", "Session", "framework_of_stack", "write_json"]
 

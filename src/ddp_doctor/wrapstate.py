@@ -1,0 +1,79 @@
+"""What DDP was built with: its flags read back from the instance, and the requires_grad state at wrap time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_doctor.records import ModelInfo
+
+__all__ = ["WRAP_STATE_ATTR", "ddp_config_of", "model_info"]
+
+WRAP_STATE_ATTR = "_ddp_doctor_wrap_state"
+"""Set on a DDP instance by the launcher's injection: `{"trainable": [...], "site": "file:line", "framework": ...}`."""
+
+
+def ddp_config_of(ddp: DistributedDataParallel) -> dict[str, Any]:
+    """The constructor flags that matter for diagnosis, read back from a built DDP instance."""
+    return {
+        "find_unused_parameters": bool(ddp.find_unused_parameters),
+        "static_graph": bool(ddp.static_graph),
+        "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
+        "broadcast_buffers": bool(getattr(ddp, "broadcast_buffers", True)),
+        "bucket_cap_mb": round(ddp.bucket_bytes_cap / 2**20, 3),
+        "device_ids": list(ddp.device_ids) if ddp.device_ids else None,
+    }
+
+
+def model_info(ddp: DistributedDataParallel, named_params: list[tuple[str, torch.nn.Parameter]],
+               buffers: list[torch.Tensor]) -> ModelInfo:
+    """The model's parameter layout and the trainable set DDP was built with.
+
+    Exact when the launcher stamped `WRAP_STATE_ATTR` on the instance; otherwise the state at observe() entry
+    stands in, checked against the tensor count and byte size DDP's logging data recorded at construction.
+    """
+    module = ddp.module
+    params = [p for _, p in named_params]
+    ignore = set(getattr(ddp, "parameters_to_ignore", ()))
+    names = [n for n, _ in named_params]
+    ignored = [n in ignore for n in names]
+    state = getattr(ddp, WRAP_STATE_ATTR, None)
+    try:
+        logging_data = ddp._get_ddp_logging_data()
+        wrap_count: int | None = int(logging_data.get("num_parameter_tensors", -1))
+        wrap_bytes = int(logging_data.get("total_parameter_size_bytes", -1))
+    except Exception:  # noqa: BLE001  (logging data is an internal API; diagnosis does not depend on it)
+        wrap_count, wrap_bytes = None, -1
+    if state is not None and len(state["trainable"]) == len(names):
+        trainable = [t and not ig for t, ig in zip(state["trainable"], ignored)]
+        exact = True
+    else:
+        # Not built under our launcher: the state at observe() entry stands in for the state at wrap time.
+        # DDP's logging data tells how many tensors its reducer holds, which catches a flip in between.
+        trainable = [p.requires_grad and not ig for p, ig in zip(params, ignored)]
+        exact = wrap_count is None or wrap_count < 0 or wrap_count == sum(trainable)
+        if not exact and wrap_count is not None and wrap_count > sum(trainable):
+            # Fewer trainable tensors now than DDP was built with. If every currently frozen parameter is
+            # needed to make up both the count and the byte size DDP recorded, they were all frozen after wrap.
+            frozen = [i for i, (t, ig) in enumerate(zip(trainable, ignored)) if not t and not ig]
+            nbytes = sum(p.numel() * p.element_size() for p, t in zip(params, trainable) if t)
+            extra = sum(params[i].numel() * params[i].element_size() for i in frozen)
+            if len(frozen) == wrap_count - sum(trainable) and nbytes + extra == wrap_bytes:
+                for i in frozen:
+                    trainable[i] = True
+                exact = True
+    return ModelInfo(
+        param_names=names,
+        param_shapes=[tuple(p.shape) for p in params],
+        trainable_at_wrap=trainable,
+        ignored=ignored,
+        buffer_names=[n for n, _ in module.named_buffers()],
+        buffer_shapes=[tuple(b.shape) for b in buffers],
+        ddp_config=ddp_config_of(ddp),
+        wrap_state_exact=exact,
+        wrap_trainable_count=wrap_count if wrap_count is not None and wrap_count >= 0 else None,
+        ddp_site=state.get("site") if state else None,
+        framework=state.get("framework", "torch") if state else "torch",
+    )
