@@ -36,14 +36,12 @@ from ddp_doctor._collective import comm_device, layout_hash, minmax, rows_by_ran
 from ddp_doctor.errors import (
     GuardError,
     InvalidArgumentError,
-    NotDDPModelError,
-    ProcessGroupNotInitializedError,
     RankMismatchError,
 )
 from ddp_doctor.hookutil import user_site
 from ddp_doctor.replicas import Comparison, Entry, compare_replicas, describe, local_rows, report_failure
 from ddp_doctor.report.model import Finding, ParamRef
-from ddp_doctor.wrapstate import WRAP_STATE_ATTR
+from ddp_doctor.wrapstate import WRAP_STATE_ATTR, require_ddp, require_process_group
 
 __all__ = ["GUARD_ATTR", "Guard", "guard"]
 
@@ -109,16 +107,8 @@ class Guard:
 
     def __init__(self, ddp_model: DistributedDataParallel, *, every: int = 100, on_problem: str = "warn",
                  optimizer: torch.optim.Optimizer | None = None) -> None:
-        if not isinstance(ddp_model, DistributedDataParallel):
-            hint = (" Wrap it first: DistributedDataParallel(model, device_ids=[local_rank])."
-                    if isinstance(ddp_model, torch.nn.Module) else "")
-            raise NotDDPModelError(
-                f"guard() needs a torch.nn.parallel.DistributedDataParallel model, got "
-                f"{type(ddp_model).__module__}.{type(ddp_model).__qualname__}.{hint}")
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ProcessGroupNotInitializedError(
-                "guard() needs an initialized process group: call torch.distributed.init_process_group(backend) "
-                "first, or launch the script with torchrun.")
+        require_ddp(ddp_model, "guard()")
+        require_process_group("guard()")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise InvalidArgumentError(
                 f"every must be a positive int (compare the replicas every that many optimizer steps), got "

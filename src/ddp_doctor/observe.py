@@ -37,16 +37,14 @@ from ddp_doctor import _log
 from ddp_doctor.errors import (
     DDPFailure,
     InvalidArgumentError,
-    NotDDPModelError,
     NoTrainableParametersError,
-    ProcessGroupNotInitializedError,
 )
 from ddp_doctor.explain import classify, explain_failure
 from ddp_doctor.fingerprint import fingerprints
 from ddp_doctor.hookutil import Hook as _Hook
 from ddp_doctor.hookutil import tensors_in, user_site
 from ddp_doctor.records import CRASH_KINDS, RankRecord, StepCounters
-from ddp_doctor.wrapstate import model_info
+from ddp_doctor.wrapstate import model_info, require_ddp, require_process_group
 
 __all__ = ["Doctor", "observe"]
 
@@ -117,16 +115,8 @@ class Doctor:
 
     def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer | str | None = None, *,
                  steps: int | None = None) -> None:
-        if not isinstance(ddp_model, DistributedDataParallel):
-            hint = (" Wrap it first: DistributedDataParallel(model, device_ids=[local_rank])."
-                    if isinstance(ddp_model, torch.nn.Module) else "")
-            raise NotDDPModelError(
-                f"observe() needs a torch.nn.parallel.DistributedDataParallel model, got "
-                f"{type(ddp_model).__module__}.{type(ddp_model).__qualname__}.{hint}")
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ProcessGroupNotInitializedError(
-                "observe() needs an initialized process group: call torch.distributed.init_process_group(backend) "
-                "first, or launch the script with torchrun or `ddp-doctor check`.")
+        require_ddp(ddp_model, "observe()")
+        require_process_group("observe()", launchers="torchrun or `ddp-doctor check`")
         self._auto_optimizer = optimizer == "auto"
         if self._auto_optimizer:
             optimizer = None

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -28,7 +27,6 @@ from ddp_doctor.errors import (
     InvalidArgumentError,
     NotDDPModelError,
     NoTrainableParametersError,
-    ProcessGroupNotInitializedError,
     RankMismatchError,
     ReplicaDivergenceError,
     StaleModelError,
@@ -36,6 +34,7 @@ from ddp_doctor.errors import (
 from ddp_doctor.guard import GUARD_ATTR
 from ddp_doctor.hookutil import user_site
 from ddp_doctor.replicas import Entry, compare_replicas, describe
+from ddp_doctor.wrapstate import require_ddp, require_process_group
 
 __all__ = ["ParamSpec", "ProgressiveFreeze", "constructor_kwargs", "progressive_freeze", "refreeze"]
 
@@ -97,16 +96,9 @@ def refreeze(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimize
         >>> ddp_model = ddp_doctor.refreeze(ddp_model, opt, freeze=["embed", "blocks.0"])
         >>> ddp_model = ddp_doctor.refreeze(ddp_model, opt, freeze=lambda name, p: name.startswith("encoder."))
     """
-    if not isinstance(ddp_model, DistributedDataParallel):
-        hint = (" Pass the DistributedDataParallel wrapper, not the module inside it."
-                if isinstance(ddp_model, nn.Module) else "")
-        raise NotDDPModelError(
-            f"refreeze() needs a torch.nn.parallel.DistributedDataParallel model, got "
-            f"{type(ddp_model).__module__}.{type(ddp_model).__qualname__}.{hint}")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ProcessGroupNotInitializedError(
-            "refreeze() needs an initialized process group: call torch.distributed.init_process_group(backend) "
-            "first, or launch the script with torchrun.")
+    require_ddp(ddp_model, "refreeze()", module_hint="Pass the DistributedDataParallel wrapper, not the module "
+                                                     "inside it.")
+    require_process_group("refreeze()")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidArgumentError(
             f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__qualname__}.")

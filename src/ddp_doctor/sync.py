@@ -26,7 +26,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor._collective import comm_device, global_ranks, layout_hash, minmax, rows_by_rank
-from ddp_doctor.errors import InvalidArgumentError, ProcessGroupNotInitializedError, RankMismatchError
+from ddp_doctor.errors import InvalidArgumentError, RankMismatchError
+from ddp_doctor.wrapstate import require_process_group
 
 __all__ = ["sync_gradients"]
 
@@ -84,10 +85,7 @@ def sync_gradients(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     """
     if not isinstance(module, nn.Module):
         raise InvalidArgumentError(f"sync_gradients() needs an nn.Module, got {type(module).__qualname__}.")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ProcessGroupNotInitializedError(
-            "sync_gradients() needs an initialized process group: call torch.distributed.init_process_group "
-            "first, or launch the script with torchrun.")
+    require_process_group("sync_gradients()")
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
         raise InvalidArgumentError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}. Try 25.")
     if isinstance(module, DistributedDataParallel):

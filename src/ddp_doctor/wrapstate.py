@@ -5,11 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_doctor.errors import NotDDPModelError, ProcessGroupNotInitializedError
 from ddp_doctor.records import ModelInfo
 
-__all__ = ["WRAP_STATE_ATTR", "ddp_config_of", "model_info"]
+__all__ = ["WRAP_STATE_ATTR", "ddp_config_of", "model_info", "require_ddp", "require_process_group"]
+
+_WRAP_HINT = "Wrap it first: DistributedDataParallel(model, device_ids=[local_rank])."
 
 WRAP_STATE_ATTR = "_ddp_doctor_wrap_state"
 """Set on a DDP instance by the launcher's injection: `{"trainable": [...], "site": "file:line", "framework": ...}`."""
@@ -77,3 +81,27 @@ def model_info(ddp: DistributedDataParallel, named_params: list[tuple[str, torch
         ddp_site=state.get("site") if state else None,
         framework=state.get("framework", "torch") if state else "torch",
     )
+
+
+def require_ddp(model: Any, caller: str, *, module_hint: str = _WRAP_HINT) -> None:
+    """Raise `NotDDPModelError` naming `caller` and the type received unless `model` is a DDP instance.
+
+    Args:
+        model: what the user passed.
+        caller: the public function's name, for the message (``"observe()"``).
+        module_hint: the fix to add when `model` is a plain `nn.Module`.
+    """
+    if isinstance(model, DistributedDataParallel):
+        return
+    hint = f" {module_hint}" if isinstance(model, torch.nn.Module) else ""
+    raise NotDDPModelError(
+        f"{caller} needs a torch.nn.parallel.DistributedDataParallel model, got "
+        f"{type(model).__module__}.{type(model).__qualname__}.{hint}")
+
+
+def require_process_group(caller: str, *, launchers: str = "torchrun") -> None:
+    """Raise `ProcessGroupNotInitializedError` naming `caller` unless torch.distributed is initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ProcessGroupNotInitializedError(
+            f"{caller} needs an initialized process group: call torch.distributed.init_process_group(backend) "
+            f"first, or launch the script with {launchers}.")

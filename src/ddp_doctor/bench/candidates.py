@@ -43,15 +43,6 @@ class Config:
         d["freeze_before_wrap"] = list(self.freeze_before_wrap)
         return d
 
-    def label(self, user: Config) -> str:
-        """What differs from the user's configuration, in a few words."""
-        if self == user:
-            return "user"
-        parts = [f"{k}={v}" for k, v in self.ddp_kwargs.items() if v != user.ddp_kwargs[k]]
-        if self.freeze_before_wrap:
-            parts.append(f"freeze {len(self.freeze_before_wrap)} before wrap")
-        return ", ".join(parts)
-
 
 def candidates(report: Report) -> list[tuple[str, Config]]:
     """The user's configuration, the recommendation, and every other flag combination that could be correct.
