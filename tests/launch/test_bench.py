@@ -84,3 +84,19 @@ def _render_in_chromium(page: Path, tmp_path: Path, names: list[str]) -> None:
     low, high = pixels.getextrema()
     assert high - low > 100, "the screenshot is blank"
     assert sum(1 for count in pixels.histogram() if count) > 20, "the screenshot has almost no content"
+
+
+def test_a_crash_during_the_timed_steps_makes_the_candidate_incorrect(tmp_path: Path) -> None:
+    from checkrun import SCRIPTS
+
+    from ddp_doctor.bench.candidates import Config
+    from ddp_doctor.bench.run import judge
+    from ddp_doctor.cli.check import check
+
+    with open(tmp_path / "log", "w") as log:
+        result = check(str(SCRIPTS / "crash_late.py"), torchrun=["--nproc-per-node", "2"], steps=4, timed_steps=4,
+                       timeout=120, output=log)
+    assert result.report is not None and result.report.steps_observed == 4   # the observed steps were clean
+    assert result.late_crash is not None and "loss is NaN at step 6" in result.late_crash
+    correct, reason = judge(result, Config(), result.report, timed_steps=4)
+    assert not correct and "crashed after the observed steps" in reason

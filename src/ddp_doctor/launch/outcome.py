@@ -86,7 +86,7 @@ def collect(outdir: Path, *, timed_out: bool, torchrun_rc: int | None) -> CheckR
         timing = _read(outdir / "timing.json")
         late = [f"rank {d['rank']}: {d['crash']['type']}: {d['crash']['message'][:300]}"
                 for p in sorted(outdir.glob("rank*.json")) if not p.name.endswith(".progress.json")
-                if (d := _read(p)) is not None and d.get("outcome") == "crashed"]
+                if (d := _read(p)) is not None and d.get("outcome") == "crashed-after-report"]
         return CheckResult(models=models, timed_out=timed_out, step_times=timing["step_s"] if timing else None,
                            late_crash="; ".join(late) or None)
 

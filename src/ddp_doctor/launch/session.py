@@ -219,7 +219,9 @@ class Session:
                  "site": _user_frame(frames), "step": step, "explained": explained,
                  "peer_lost": explained is None and any(p in message for p in _PEER_LOST),
                  "phase": phase}
-        self._end({"outcome": "crashed", "crash": crash, "ddp_models": len(self.doctors)}, overwrite=True)
+        # After finish() the report is written: this crash happened in the timed steps that follow it (bench).
+        outcome = "crashed-after-report" if self._finishing else "crashed"
+        self._end({"outcome": outcome, "crash": crash, "ddp_models": len(self.doctors)}, overwrite=True)
         if explained is None and not crash["peer_lost"]:
             # Not DDP's error: the user needs the whole traceback, as torchrun would have shown it.
             sys.stderr.write(f"[ddp-doctor] rank {self.rank} crashed:\n{''.join(tb)}")
