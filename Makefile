@@ -1,26 +1,49 @@
 # The two commands: `make demo` (the main job) and `make test` (the whole suite). Both build .venv when needed.
-PYTHON ?= python3
+# `make test-torch TORCH=2.4.1 PYTHON=3.10` proves the core suite on any torch / Python pair in its own venv.
+BASE_PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
 $(BIN)/ddp-doctor: pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
+	$(BASE_PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 
-.PHONY: demo test bench browser
+.PHONY: demo test test-core test-torch bench browser
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 demo: $(BIN)/ddp-doctor
 	$(BIN)/ddp-doctor demo
 
-# The bench --html test renders the page in headless Chromium (Debian's package).
+# The HTML tests render pages in headless Chromium (Debian's package).
 browser:
-	@command -v chromium >/dev/null || { echo "installing Debian's chromium for the HTML test"; \
+	@command -v chromium >/dev/null || { echo "installing Debian's chromium for the HTML tests"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium >/dev/null; }
 
+# Corner A: the whole suite on the pinned torch 2.13.0 / the machine's Python, integrations included.
 test: $(BIN)/ddp-doctor browser
 	$(BIN)/python -m pytest -q
+
+# Any torch / Python pair, in .venv-torch$(TORCH)-py$(PYTHON): the core suite (everything but the framework
+# integrations, which pin their own torch-dependent stacks). PYTHON is a version such as 3.13, found on PATH or
+# under pyenv. Torch releases other than those on this machine's disk come from the registry as CUDA builds
+# (2.15.0: about 5 GB, 2 minutes); they run on the CPU.
+TORCH ?= 2.15.0
+PYTHON ?= 3.13
+TVENV := .venv-torch$(TORCH)-py$(PYTHON)
+$(TVENV)/.ready: pyproject.toml
+	@pybin=$$(command -v python$(PYTHON) || ls -d $$HOME/.pyenv/versions/$(PYTHON).*/bin/python$(PYTHON) 2>/dev/null | tail -1); \
+	  [ -n "$$pybin" ] || { echo "no python$(PYTHON) on PATH or under ~/.pyenv/versions"; exit 2; }; \
+	  echo "building $(TVENV) with $$pybin"; rm -rf $(TVENV) && $$pybin -m venv $(TVENV)
+	$(TVENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TVENV)/bin/python -m pip install --quiet "torch==$(TORCH)"
+	$(TVENV)/bin/python -m pip install --quiet -e ".[test,html]"
+	$(TVENV)/bin/python -c "import torch; assert torch.__version__.split('+')[0] == '$(TORCH)', torch.__version__"
+	touch $@
+
+test-torch: $(TVENV)/.ready browser
+	$(TVENV)/bin/python -c "import sys, torch; print('torch', torch.__version__, 'python', sys.version.split()[0])"
+	$(TVENV)/bin/python -m pytest -q --ignore=tests/integrations
 
 bench: $(BIN)/ddp-doctor
 	$(BIN)/python -m benchmarks

@@ -27,6 +27,7 @@ from ddp_doctor import (
     progressive_freeze,
     refreeze,
 )
+from ddp_doctor._compat import HAS_FORWARD_SYNC_BUFFERS
 from ddp_doctor.refreeze import constructor_kwargs
 
 FROZEN = ["trunk.weight", "trunk.bias", "block.0.weight", "block.0.bias"]
@@ -176,7 +177,8 @@ def _carried_over(rank: int, world: int) -> list[tuple]:
         _step(ddp, opt, rank, 0)
         new = refreeze(ddp, opt, freeze="trunk")
         attrs = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_bytes_cap",
-                 "bucket_bytes_cap_default", "forward_sync_buffers", "dim", "device_ids", "output_device")
+                 "bucket_bytes_cap_default", "forward_sync_buffers" if HAS_FORWARD_SYNC_BUFFERS else "broadcast_buffers",
+                 "dim", "device_ids", "output_device")
         out.append(tuple(getattr(new, a) == getattr(ddp, a) for a in attrs)
                    + (new.process_group is ddp.process_group, new.static_graph == ("static_graph" in kwargs)))
     return out

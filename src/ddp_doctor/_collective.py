@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_doctor import _log
+from ddp_doctor._compat import default_store
 from ddp_doctor.errors import ReportTimeoutError
 
 __all__ = ["arrive", "comm_device", "global_ranks", "layout_hash", "minmax", "rows_by_rank"]
@@ -81,10 +82,8 @@ def arrive(tag: str, *, group: dist.ProcessGroup | None, timeout: float, call: s
     Goes through the default store, so a rank that never comes costs a timeout with names instead of a collective
     that waits forever. `call` names the collective call (``"refreeze()"``) and `fix` says how to call it.
     """
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001  (private API; without it the process group's own timeout applies)
-        logger.debug("no default store; skipping the arrival check")
+    store = default_store()
+    if store is None:  # without it the process group's own timeout applies
         return
     members = global_ranks(group, range(dist.get_world_size(group)))
     keys = [f"ddp_doctor/{tag}/{r}" for r in members]

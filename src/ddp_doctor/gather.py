@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_doctor import _log
+from ddp_doctor._compat import default_store
 from ddp_doctor.errors import RankMismatchError, ReportTimeoutError
 from ddp_doctor.records import ModelInfo, RankRecord
 
@@ -38,10 +39,8 @@ def arrive(tag: str, timeout: float) -> None:
 
     Uses the default process group's key-value store, so a missing rank costs a timeout, not a stuck collective.
     """
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001  (private API; without it we rely on the process group's own timeout)
-        logger.debug("no default store; skipping the arrival check")
+    store = default_store()
+    if store is None:  # without it we rely on the process group's own timeout
         return
     world, rank = dist.get_world_size(), dist.get_rank()
     keys = [f"ddp_doctor/{tag}/{r}" for r in range(world)]

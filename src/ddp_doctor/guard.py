@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor import _log
 from ddp_doctor._collective import comm_device, layout_hash, minmax, rows_by_rank
+from ddp_doctor._compat import ddp_logging_data, ddp_syncs_buffers, parameters_to_ignore
 from ddp_doctor.errors import (
     GuardError,
     InvalidArgumentError,
@@ -133,7 +134,7 @@ class Guard:
         self._optimizer = optimizer
         self._group = ddp_model.process_group
         self._rank = dist.get_rank()
-        ignore = set(getattr(ddp_model, "parameters_to_ignore", ()))
+        ignore = parameters_to_ignore(ddp_model)
         named = [(n, p) for n, p in self._module.named_parameters() if n not in ignore]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
@@ -184,10 +185,10 @@ class Guard:
         return [p.requires_grad for p in self._params]
 
     def _check_wrap_count(self) -> None:
-        try:
-            wrap_count = int(self._ddp._get_ddp_logging_data().get("num_parameter_tensors", -1))
-        except Exception:  # noqa: BLE001  (private API; the check is a bonus)
+        logging_data = ddp_logging_data(self._ddp)
+        if logging_data is None:  # the check is a bonus
             return
+        wrap_count = int(logging_data.get("num_parameter_tensors", -1))
         now = sum(self._wrap_trainable)
         if wrap_count < 0 or wrap_count == now:
             return
@@ -437,7 +438,7 @@ class Guard:
     def _entries(self) -> list[Entry]:
         # Buffers are compared only when DDP does not broadcast them in forward: otherwise rank 0's overwrite the
         # others' at the next forward, and BatchNorm statistics legitimately differ after a forward.
-        sync_buffers = bool(getattr(self._ddp, "forward_sync_buffers", getattr(self._ddp, "broadcast_buffers", True)))
+        sync_buffers = ddp_syncs_buffers(self._ddp)
         entries = [Entry(n, "param", p.numel(), p) for n, p in zip(self._names, self._params)]
         for n in self._buffer_names:
             try:

@@ -11,7 +11,6 @@ identical, since a rebuild is where a divergence would otherwise be papered over
 from __future__ import annotations
 
 import difflib
-import inspect
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -22,6 +21,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor import _log
 from ddp_doctor._collective import arrive, comm_device, global_ranks, layout_hash, minmax, rows_by_rank
+from ddp_doctor._compat import (
+    DDP_ARGUMENTS,
+    HAS_FORWARD_SYNC_BUFFERS,
+    HAS_INIT_SYNC,
+    ddp_logging_data,
+    ddp_syncs_buffers,
+    parameters_to_ignore,
+)
 from ddp_doctor.errors import (
     DoctorError,
     InvalidArgumentError,
@@ -106,7 +113,7 @@ def refreeze(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimize
     module = ddp_model.module
     group = ddp_model.process_group
     named = list(module.named_parameters())
-    ignore = set(getattr(ddp_model, "parameters_to_ignore", ()))
+    ignore = parameters_to_ignore(ddp_model)
     device = comm_device(group, named[0][1].device if named else None)
 
     # 1. Resolve locally; any error is shared with the other ranks before anything changes.
@@ -207,16 +214,14 @@ def constructor_kwargs(ddp_model: DistributedDataParallel) -> dict[str, Any]:
     if getattr(ddp, "_delay_all_reduce_params", None):
         raise InvalidArgumentError(
             "refreeze() cannot rebuild a DDP built with delay_all_reduce_named_params=; rebuild it by hand.")
-    try:
-        hook_name = str(ddp._get_ddp_logging_data().get("comm_hook", "") or "")
-    except Exception:  # noqa: BLE001  (private API; without it a built-in hook cannot be detected)
-        hook_name = ""
+    logging_data = ddp_logging_data(ddp) or {}  # without it a built-in hook cannot be detected
+    hook_name = str(logging_data.get("comm_hook", "") or "")
     if hook_name and not getattr(ddp, "_comm_hooks", None):
         raise InvalidArgumentError(
             f"refreeze() cannot carry over the built-in comm hook {hook_name!r}. Register it with "
             "ddp.register_comm_hook(state, hook) (for example default_hooks.fp16_compress_hook) instead.")
 
-    accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters)
+    accepted = DDP_ARGUMENTS
     kw: dict[str, Any] = {
         "device_ids": list(ddp.device_ids) if ddp.device_ids else None,
         "output_device": ddp.output_device,
@@ -234,14 +239,11 @@ def constructor_kwargs(ddp_model: DistributedDataParallel) -> dict[str, Any]:
         kw["bucket_cap_mb_list"] = [c / 2**20 for c in caps]
     elif not getattr(ddp, "bucket_bytes_cap_default", False):
         kw["bucket_cap_mb"] = ddp.bucket_bytes_cap / 2**20
-    if "forward_sync_buffers" in accepted:
-        kw["forward_sync_buffers"] = bool(ddp.forward_sync_buffers)
-    else:
-        kw["broadcast_buffers"] = bool(ddp.broadcast_buffers)
+    kw["forward_sync_buffers" if HAS_FORWARD_SYNC_BUFFERS else "broadcast_buffers"] = ddp_syncs_buffers(ddp)
     for name in ("skip_all_reduce_unused_params", "batched_grad_copy"):
         if name in accepted and hasattr(ddp, name):
             kw[name] = getattr(ddp, name)
-    if "init_sync" in accepted:
+    if HAS_INIT_SYNC:
         kw["init_sync"] = False
     return {k: v for k, v in kw.items() if k in accepted}
 
@@ -263,7 +265,7 @@ def _target_flags(ddp: DistributedDataParallel, named: list[tuple[str, nn.Parame
     if both:
         raise InvalidArgumentError(f"these parameters are both in freeze= and unfreeze=: {both[:8]}. Pick one.")
     target = [(p.requires_grad or n in to_unfreeze) and n not in to_freeze for n, p in named]
-    ignore = set(getattr(ddp, "parameters_to_ignore", ()))
+    ignore = parameters_to_ignore(ddp)
     if not any(t for (n, _), t in zip(named, target) if n not in ignore):
         raise NoTrainableParametersError(
             f"after refreeze() none of the {len(named)} parameters would require a gradient, so there is nothing "

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor._collective import comm_device, global_ranks, layout_hash, minmax, rows_by_rank
+from ddp_doctor._compat import parameters_to_ignore
 from ddp_doctor.errors import InvalidArgumentError, RankMismatchError
 from ddp_doctor.wrapstate import require_process_group
 
@@ -91,7 +92,7 @@ def sync_gradients(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     if isinstance(module, DistributedDataParallel):
         if group is None:
             group = module.process_group
-        ignore = frozenset(getattr(module, "parameters_to_ignore", ()))
+        ignore = parameters_to_ignore(module)
         module = module.module
     else:
         ignore = frozenset()

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_doctor._compat import ddp_logging_data, ddp_syncs_buffers, parameters_to_ignore
 from ddp_doctor.errors import NotDDPModelError, ProcessGroupNotInitializedError
 from ddp_doctor.records import ModelInfo
 
@@ -25,7 +26,7 @@ def ddp_config_of(ddp: DistributedDataParallel) -> dict[str, Any]:
         "find_unused_parameters": bool(ddp.find_unused_parameters),
         "static_graph": bool(ddp.static_graph),
         "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
-        "broadcast_buffers": bool(getattr(ddp, "broadcast_buffers", True)),
+        "broadcast_buffers": ddp_syncs_buffers(ddp),
         "bucket_cap_mb": round(ddp.bucket_bytes_cap / 2**20, 3),
         "device_ids": list(ddp.device_ids) if ddp.device_ids else None,
     }
@@ -40,16 +41,13 @@ def model_info(ddp: DistributedDataParallel, named_params: list[tuple[str, torch
     """
     module = ddp.module
     params = [p for _, p in named_params]
-    ignore = set(getattr(ddp, "parameters_to_ignore", ()))
+    ignore = parameters_to_ignore(ddp)
     names = [n for n, _ in named_params]
     ignored = [n in ignore for n in names]
     state = getattr(ddp, WRAP_STATE_ATTR, None)
-    try:
-        logging_data = ddp._get_ddp_logging_data()
-        wrap_count: int | None = int(logging_data.get("num_parameter_tensors", -1))
-        wrap_bytes = int(logging_data.get("total_parameter_size_bytes", -1))
-    except Exception:  # noqa: BLE001  (logging data is an internal API; diagnosis does not depend on it)
-        wrap_count, wrap_bytes = None, -1
+    logging_data = ddp_logging_data(ddp)
+    wrap_count: int | None = None if logging_data is None else int(logging_data.get("num_parameter_tensors", -1))
+    wrap_bytes = -1 if logging_data is None else int(logging_data.get("total_parameter_size_bytes", -1))
     if state is not None and len(state["trainable"]) == len(names):
         trainable = [t and not ig for t, ig in zip(state["trainable"], ignored)]
         exact = True
