@@ -32,8 +32,9 @@ TORCH ?= 2.15.0
 PYTHON ?= 3.13
 TVENV := .venv-torch$(TORCH)-py$(PYTHON)
 $(TVENV)/.ready: pyproject.toml
-	@pybin=$$(command -v python$(PYTHON) || ls -d $$HOME/.pyenv/versions/$(PYTHON).*/bin/python$(PYTHON) 2>/dev/null | tail -1); \
-	  [ -n "$$pybin" ] || { echo "no python$(PYTHON) on PATH or under ~/.pyenv/versions"; exit 2; }; \
+	@pybin=; for c in $$(command -v python$(PYTHON)) $$(ls -d $$HOME/.pyenv/versions/$(PYTHON).*/bin/python$(PYTHON) 2>/dev/null); do \
+	  [ -z "$$pybin" ] && "$$c" -c "" 2>/dev/null && pybin=$$c; done; \
+	  [ -n "$$pybin" ] || { echo "no working python$(PYTHON) on PATH or under ~/.pyenv/versions"; exit 2; }; \
 	  echo "building $(TVENV) with $$pybin"; rm -rf $(TVENV) && $$pybin -m venv $(TVENV)
 	$(TVENV)/bin/python -m pip install --quiet --upgrade pip
 	$(TVENV)/bin/python -m pip install --quiet "torch==$(TORCH)"

@@ -26,4 +26,11 @@ CODES: dict[str, str] = {
     # Added with `ddp-doctor check`, which runs whole scripts:
     "rank-crashed": "a rank died with an error that is not DDP's; the others were stopped",
     "rank-hung": "a rank stopped making progress and the others waited for it",
+    # Added in the second round (DESIGN.md section 2.3 names them):
+    "grad-blocked": "a module ran in forward but no gradient reaches its parameters (no_grad, detach, checkpoint)",
+    "model-not-wrapped": "an optimizer trains parameters on several ranks with no DDP around them",
+    "collective-mismatch": "ranks issued different collectives, or different numbers of synced backward passes",
+    "uneven-inputs": "ranks have different numbers of batches per epoch",
+    "sampler-epoch-not-set": "a shuffling DistributedSampler starts a new epoch without set_epoch",
+    "rank-exited": "a rank left the job early (any exit status) while the others still trained",
 }

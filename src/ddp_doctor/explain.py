@@ -27,8 +27,12 @@ def classify(exc: BaseException) -> str:
 
 
 
+OBSERVE_HINT = " Call doctor.report() on every rank for the full diagnosis."
+"""What the in-process API adds to an explained failure; `ddp-doctor check` reports by itself and passes ""."""
+
+
 def explain_failure(exc: BaseException, *, kind: str, rank: int, info: ModelInfo, rows: dict[str, list[Any]],
-                    crash_in_window: bool) -> DDPFailure:
+                    crash_in_window: bool, hint: str = OBSERVE_HINT) -> DDPFailure:
     """A ddp_doctor error that says, with names, what DDP's error means on this rank.
 
     Args:
@@ -38,6 +42,7 @@ def explain_failure(exc: BaseException, *, kind: str, rank: int, info: ModelInfo
         info: the model.
         rows: the observed per-step rows so far (`Doctor._rows`).
         crash_in_window: whether the error came while steps were still being observed.
+        hint: the sentence that ends the message (what to do next in the caller's context).
     """
     complete = [i for i, c in enumerate(rows["counters"]) if c[StepCounters.FIELDS.index("complete")]]
     if kind == "mark-ready-twice":
@@ -55,7 +60,7 @@ def explain_failure(exc: BaseException, *, kind: str, rank: int, info: ModelInfo
             f"because they are used {where}: {_names(names)}. Fix: build DDP with static_graph=True and "
             f"find_unused_parameters=False"
             + (", or use use_reentrant=False" if reentrant else ", or compute them inside forward")
-            + ". Call doctor.report() on every rank for the full diagnosis.",
+            + "." + hint,
             code="reentrant-checkpoint" if reentrant else "used-outside-forward", params=names)
     if complete and crash_in_window:
         last = complete[-1]
@@ -73,8 +78,7 @@ def explain_failure(exc: BaseException, *, kind: str, rank: int, info: ModelInfo
         return DDPFailure(
             f"DDP failed on rank {rank}: static_graph=True, but the set of parameters that reach the loss "
             f"changed between steps. Parameters with no gradient {where}: {_names(names)}. Fix: build DDP "
-            f"with static_graph=False and find_unused_parameters=True (the graph is dynamic). "
-            f"Call doctor.report() on every rank for the full diagnosis.",
+            f"with static_graph=False and find_unused_parameters=True (the graph is dynamic).{hint}",
             code="static-graph-unsafe", params=names)
     cause = (f"these parameters were frozen after DDP was built: {_names(frozen)}. Fix: set requires_grad=False "
              f"before wrapping the model (or rebuild DDP after freezing)" if frozen else
@@ -84,7 +88,7 @@ def explain_failure(exc: BaseException, *, kind: str, rank: int, info: ModelInfo
     return ReductionError(
         f"DDP failed on rank {rank}: 'Expected to have finished reduction in the prior iteration'. DDP "
         f"waited for gradients that never came. Trainable parameters that received no gradient {where}: "
-        f"{_names(names)}. {cause}. Call doctor.report() on every rank for the full diagnosis.",
+        f"{_names(names)}. {cause}.{hint}",
         code="reduction-error", params=names)
 
 

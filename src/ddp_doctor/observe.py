@@ -39,7 +39,7 @@ from ddp_doctor.errors import (
     InvalidArgumentError,
     NoTrainableParametersError,
 )
-from ddp_doctor.explain import classify, explain_failure
+from ddp_doctor.explain import OBSERVE_HINT, classify, explain_failure
 from ddp_doctor.fingerprint import fingerprints
 from ddp_doctor.hookutil import Hook as _Hook
 from ddp_doctor.hookutil import tensors_in, user_site
@@ -159,8 +159,9 @@ class Doctor:
         self._t_backward_end = 0.0
         self._pending_close = False
         self._reports = 0
+        self.on_phase: Callable[[Doctor], None] | None = None
+        """Called at every phase change (the launcher publishes the rank's position with it)."""
         self.phase = "before the first step"
-        """What this rank is doing, for the launcher's hang report."""
 
         n = len(self._params)
         self._step = _Step(n)
@@ -174,6 +175,17 @@ class Doctor:
         self._bypass_sites: list[str] = []
         self.on_steps_done: Callable[[Doctor], None] | None = None
         """Called once when `steps` steps have been observed (used by the launcher to stop the script)."""
+
+    @property
+    def phase(self) -> str:
+        """What this rank is doing, for the launcher's hang report."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        if self.on_phase is not None:
+            self.on_phase(self)
 
     # ----------------------------------------------------------------------------------------------- set-up
 
@@ -457,13 +469,14 @@ class Doctor:
             raise failure from exc
         return False
 
-    def explain(self, exc: BaseException) -> DDPFailure | None:
-        """DDP's own error `exc`, explained with parameter names; None when it is not one of DDP's."""
+    def explain(self, exc: BaseException, *, hint: str = OBSERVE_HINT) -> DDPFailure | None:
+        """DDP's own error `exc`, explained with parameter names; None when it is not one of DDP's. `hint` ends the
+        message (`ddp-doctor check` reports by itself and passes "")."""
         self.record_crash(exc)
         if self._crash_kind not in (1, 2, 3):
             return None
         return explain_failure(exc, kind=CRASH_KINDS[self._crash_kind], rank=self.rank, info=self.info,
-                               rows=self._rows, crash_in_window=self._crash_in_window)
+                               rows=self._rows, crash_in_window=self._crash_in_window, hint=hint)
 
     def record_crash(self, exc: BaseException) -> None:
         """Record that the observed loop died with `exc` (the launcher calls this for crashes outside the context)."""

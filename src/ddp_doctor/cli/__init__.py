@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 
 from ddp_doctor import __version__
 from ddp_doctor.cli import bench, check, codes, demo
@@ -23,6 +25,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    # First thing: SIGINT, SIGTERM and SIGHUP stop the run cleanly (every process it started, its temp folder)
+    # and exit 128 + the signal, from the first millisecond on.
+    from ddp_doctor.launch.supervise import Interrupted, install_signal_handlers
+
+    install_signal_handlers()
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except Interrupted as exc:
+        sys.stderr.write(f"\nddp-doctor: interrupted by {signal.Signals(exc.signum).name} before the run started; "
+                         "nothing was left running.\n")
+        return exc.exit_code
 

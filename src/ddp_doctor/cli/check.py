@@ -6,6 +6,7 @@ import argparse
 import inspect
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import IO, Any
@@ -43,6 +44,7 @@ examples:
 exit codes: 0 nothing at or above --fail-on; 1 findings at or above it; 2 the tool could not run the script.
 """
 
+_RUN_FAILURES = ("rank-crashed", "rank-hung", "rank-exited", "collective-mismatch")
 _OURS = ("steps", "json", "fail_on", "timeout", "ddp_kwargs", "func")
 _BENCH = ("rounds", "configs", "html")
 
@@ -131,6 +133,10 @@ def validate(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], 
     if not args.module and not Path(args.training_script).is_file():
         parser.error(f"script {args.training_script!r} does not exist (from {os.getcwd()}). Pass the path of the "
                      "training script, or -m MODULE for a module.")
+    nproc = str(args.nproc_per_node)
+    if (nproc.isdigit() and int(nproc) < 1) or (not nproc.isdigit() and nproc not in ("auto", "cpu", "gpu", "xpu")):
+        parser.error(f"--nproc-per-node must be a positive number of processes (or auto, cpu, gpu, xpu), got "
+                     f"{nproc!r}. Example: --nproc-per-node 2")
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}.")
     if args.timeout <= 0:
@@ -158,7 +164,16 @@ def run(args: argparse.Namespace) -> int:
 
 def render_result(result: CheckResult, console: Console) -> None:
     """Print the report(s), or the reason there is none."""
-    if result.error is not None:
+    if not result.clean_line:
+        # The script's last output did not end its line (a progress bar): start the report on a fresh one.
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if result.interrupted is not None:
+        name = signal.Signals(result.interrupted).name
+        sys.stderr.write(f"ddp-doctor: interrupted by {name}; every process of the run was stopped"
+                         + (", partial report below" if result.models else ", nothing was recorded yet") + ".\n")
+        sys.stderr.flush()
+    if result.error is not None and result.interrupted is None:
         # Plain stderr, not rich: the message may carry a traceback and must not be re-wrapped.
         sys.stderr.write(f"ddp-doctor: error: {result.error}\n")
         return
@@ -166,3 +181,7 @@ def render_result(result: CheckResult, console: Console) -> None:
         if len(result.models) > 1:
             console.print(Rule(f"DDP model {i + 1} of {len(result.models)}: {model.module}"))
         console.print(model.report)
+    failed = result.error is not None or result.timed_out or any(
+        f.code in _RUN_FAILURES for m in result.models for f in m.report.findings)
+    if result.torchrun_log and failed:
+        console.print(f"torchrun's own log: {result.torchrun_log}", highlight=False, soft_wrap=True)

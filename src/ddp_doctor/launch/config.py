@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["ENV_VAR", "RankConfig"]
+__all__ = ["CLI_PID_VAR", "ENV_VAR", "LAUNCHER_PID_VAR", "RUN_MARKER_VAR", "RankConfig", "die_with_parent"]
 
 ENV_VAR = "DDP_DOCTOR_CHECK"
+RUN_MARKER_VAR = "DDP_DOCTOR_RUN"
+"""Set to a fresh id in the environment of every process a run starts (torchrun, ranks, their children): the
+supervisor finds them by scanning /proc for it, from the first millisecond, without any file the ranks write."""
+CLI_PID_VAR = "DDP_DOCTOR_CLI_PID"
+LAUNCHER_PID_VAR = "DDP_DOCTOR_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux `PR_SET_PDEATHSIG`).
+
+    torchrun's workers and torchrun itself call this first thing, so a `ddp-doctor` that is killed outright
+    (SIGKILL, an OOM kill) still takes its whole run with it. The parent's pid, passed in the environment, closes the
+    race where the parent died before the call. A no-op where prctl is missing (not Linux).
+    """
+    expected = os.environ.get(LAUNCHER_PID_VAR if os.environ.get(LAUNCHER_PID_VAR) else CLI_PID_VAR)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if expected and os.getppid() != int(expected):
+        os._exit(1)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -9,14 +9,18 @@ checkpoint, say) never runs.
 
 Failures are written to files in the node's output folder, because a rank that crashed alone cannot count on the
 others to join a collective:
-- `rank{R}.progress.json`: what this rank is doing, refreshed by a watchdog thread every half second. It runs
-  while the main thread is blocked in a collective, so a hung rank still tells its step and stack.
-- `rank{R}.json`: how this rank ended (a crash with its traceback and explanation, or the end of the script).
+- `rank{R}.beacon`: the rank's step, phase and last collective (op, tensor, call site), published at every change
+  into shared memory (see `beacon.py`): exact up to the moment the rank died, even by SIGKILL.
+- `rank{R}.progress.json`: the user's frame on the main thread, sampled by a watchdog thread every half second. It
+  runs while the main thread is blocked in a collective, so a hung rank still tells where it waits.
+- `rank{R}.fault`: Python's faulthandler dump when the rank dies of SIGSEGV, SIGABRT, SIGBUS, SIGFPE or SIGILL.
+- `rank{R}.json`: how this rank ended (a crash with its traceback and explanation, an exit, or the end of the script).
 - `report.json`: the reports, when the ranks managed to exchange records.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import inspect
 import json
@@ -37,6 +41,7 @@ from ddp_doctor import _log
 from ddp_doctor.errors import DoctorError
 from ddp_doctor.gather import arrive
 from ddp_doctor.hookutil import format_site
+from ddp_doctor.launch.beacon import Beacon, read_beacon
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.observe import Doctor
 from ddp_doctor.wrapstate import WRAP_STATE_ATTR
@@ -51,6 +56,13 @@ FRAMEWORKS = {"transformers": "transformers", "accelerate": "accelerate", "light
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
               os.path.dirname(threading.__file__))
 _WATCH_INTERVAL_S = 0.5
+_IN_STEP = ("forward", "after forward, before backward", "backward", "after backward", "optimizer step")
+_OWN_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
+# The script's collectives that the beacon records (DDP's own gradient all-reduces run in C++ and are not among
+# them: the beacon's phase says when a rank is in DDP's backward).
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce",
+               "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single")
 # What a collective raises on the ranks that survive when a peer dies or stops (gloo, then NCCL wording).
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
               "communicator was aborted", "remote process exited", "NCCL error")
@@ -99,6 +111,15 @@ def _user_frame(frames: list[traceback.FrameSummary], *, code: bool = True) -> s
     return None
 
 
+def _user_site_of(frame: Any, limit: int = 40) -> str | None:
+    """`file:line` of the innermost user frame at or above `frame` (a cheap walk: no traceback objects)."""
+    while frame is not None and limit:
+        if _is_user_frame(frame.f_code.co_filename):
+            return format_site(frame.f_code.co_filename, frame.f_lineno)
+        frame, limit = frame.f_back, limit - 1
+    return None
+
+
 class Session:
     """The per-rank state of one `check` run. See the module docstring."""
 
@@ -116,6 +137,9 @@ class Session:
         self._original_init = DistributedDataParallel.__init__
         self._original_destroy = dist.destroy_process_group
         self._signature = inspect.signature(self._original_init)
+        self._in_collective = False
+        self._collectives = 0
+        self.beacon = Beacon(self.outdir / f"rank{self.rank}.beacon")
 
     # ---------------------------------------------------------------------------------------------- set-up
 
@@ -144,6 +168,11 @@ class Session:
 
         DistributedDataParallel.__init__ = __init__
         dist.destroy_process_group = destroy_process_group
+        self._patch_collectives()
+        # A segfault or abort (gloo's on a mismatched collective) leaves no Python exception: faulthandler writes
+        # the signal and the stack to a file the supervisor reads. The file object must stay open.
+        self._fault_file = open(self.outdir / f"rank{self.rank}.fault", "w")  # noqa: SIM115
+        faulthandler.enable(self._fault_file, all_threads=False)
         self._write_progress()
         threading.Thread(target=self._watch, name="ddp-doctor-watchdog", daemon=True).start()
 
@@ -172,15 +201,71 @@ class Session:
         try:
             doctor = Doctor(ddp, optimizer="auto", steps=self.config.steps)
             doctor.on_steps_done = self._on_doctor_done
+            doctor.on_phase = self._on_phase
             doctor.start()
         except Exception as exc:  # noqa: BLE001  (a doctor bug must not take the user's training down)
             logger.warning("ddp-doctor cannot observe the DDP model built at %s: %s", site, exc)
             return
         self.doctors.append(doctor)
+        self._on_phase(doctor)
         self.models.append({"site": site, "framework": framework, "module": type(ddp.module).__qualname__,
                             "ddp_config": doctor.info.ddp_config, "torch_version": torch.__version__,
                             "backend": str(dist.get_backend())})
         self._write_progress()
+
+    # ------------------------------------------------------------------------------------------- position
+
+    def _on_phase(self, doctor: Doctor) -> None:
+        model = next((i for i, d in enumerate(self.doctors) if d is doctor), len(self.doctors))
+        self.beacon.update(step=doctor.steps_observed, phase=doctor.phase, model=model,
+                           site=_user_site_of(sys._getframe(1)))
+
+    def _patch_collectives(self) -> None:
+        """Record each collective the script enters in the beacon: op, tensor, group size and the user's line."""
+        c10d = dist.distributed_c10d
+        for name in COLLECTIVES:
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
+            wrapped = self._recording(name, original)
+            if getattr(dist, name, None) is original:
+                setattr(dist, name, wrapped)
+            setattr(c10d, name, wrapped)
+
+    def _recording(self, name: str, original: Any) -> Any:
+        session = self
+
+        @functools.wraps(original)
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1)
+            # Nested calls (all_gather_object -> all_gather) and the doctor's own exchange are not the script's.
+            if session._in_collective or caller.f_code.co_filename.startswith(_OWN_DIR):
+                return original(*args, **kwargs)
+            session._in_collective = True
+            try:
+                session._enter_collective(name, args, kwargs, caller)
+                return original(*args, **kwargs)
+            finally:
+                session._in_collective = False
+                session.beacon.update(in_collective=False)
+
+        return collective
+
+    def _enter_collective(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], caller: Any) -> None:
+        self._collectives += 1
+        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if tensor is None:
+            lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) and a]
+            tensor = next((x for lst in lists for x in lst if isinstance(x, torch.Tensor)), None)
+        group = next((a for a in (*args, *kwargs.values()) if isinstance(a, dist.ProcessGroup)), None)
+        site = _user_site_of(caller)
+        active = next((d for d in self.doctors if not d.finished), None)
+        self.beacon.update(in_collective=True, collectives=self._collectives, collective={
+            "op": name, "n": self._collectives, "site": site,
+            "tensor": f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}" if tensor is not None else None,
+            "group_size": dist.get_world_size(group) if dist.is_initialized() else None,
+            "step": active.steps_observed if active is not None else None,
+            "phase": active.phase if active is not None else None})
 
     # ----------------------------------------------------------------------------------------------- ending
 
@@ -192,15 +277,48 @@ class Session:
         if all(d.finished for d in self.doctors):
             self.finish(self._steps_reason)
 
-    def on_script_end(self) -> None:
-        """The script returned (or called sys.exit(0)) on this rank."""
+    def on_exit(self, exc: SystemExit | None) -> None:
+        """The script returned (`exc` None) or called `sys.exit` on this rank, whatever the status.
+
+        With the observed steps not yet done, the rank records where it left, then waits a short while for the
+        others to end too (a short script ends on every rank) and exchanges records with them. If they do not come,
+        they are still training: the rank leaves with its own status, and the supervisor reports `rank-exited`.
+        """
+        code = 0 if exc is None or exc.code is None else exc.code if isinstance(exc.code, int) else 1
         if self._stamps:
             self._write_timing()      # the script ended before all timed steps
             self._leave()
-        if self.doctors:
-            self.finish("the script ended")
-        self._end({"outcome": "script-ended", "ddp_models": 0})
-        self._exit(0)
+        if exc is None:
+            site = "the end of the script"
+        else:
+            site = _user_frame(traceback.extract_tb(exc.__traceback__)) or "sys.exit"
+        step = max((d.steps_observed for d in self.doctors), default=-1)
+        self._end({"outcome": "exited", "status": code, "site": site, "step": step, "phase": self._progress()["phase"],
+                   "ddp_models": len(self.doctors)})
+        if self.doctors and not self._finishing and not self._peers_train_on(step):
+            wait = max(0.5, min(self.config.crash_wait_s, self._remaining()))
+            self.finish("the script ended" if exc is None else f"rank {self.rank} exited with status {code}",
+                        timeout=wait, exit_code=code)
+        self._exit(code)
+
+    def _peers_train_on(self, step: int, *, watch_s: float = 1.0) -> bool:
+        """Whether a rank on this node has started a step this rank will never take (read from their beacons).
+
+        Then waiting for it to join the exchange is pointless: it waits for this rank in DDP's all-reduce. Ranks
+        on other nodes are not visible here; for them the exchange's own wait applies.
+        """
+        deadline = time.monotonic() + watch_s
+        while True:
+            for path in self.outdir.glob("rank*.beacon"):
+                if path.name == f"rank{self.rank}.beacon":
+                    continue
+                peer = read_beacon(path) or {}
+                peer_step = int(peer.get("step", -1))
+                if peer_step > step or (peer_step == step and peer.get("phase") in _IN_STEP):
+                    return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
     def on_crash(self, exc: BaseException) -> None:
         """The script raised on this rank: record it, try to report with the others, and exit."""
@@ -210,7 +328,7 @@ class Session:
         explained = None
         step = -1
         for doctor in self.doctors:
-            failure = doctor.explain(exc)
+            failure = doctor.explain(exc, hint="")
             step = max(step, doctor.record().crash_step)
             if failure is not None and explained is None:
                 explained = {"code": failure.code, "params": failure.params, "message": str(failure)}
@@ -231,8 +349,11 @@ class Session:
             self.finish(f"rank {self.rank} crashed", timeout=wait, exit_code=1)
         self._exit(1)
 
-    def finish(self, reason: str, *, timeout: float | None = None, exit_code: int = 0) -> None:
-        """Stop observing, exchange records with every rank, write the report (local rank 0) and exit."""
+    def finish(self, reason: str, *, timeout: float | None = None, exit_code: int | None = None) -> None:
+        """Stop observing, exchange records with every rank, write the report (local rank 0) and exit.
+
+        `exit_code` is the rank's status when the exchange fails (default 1): an exiting rank keeps its own.
+        """
         if self._finishing:
             return
         self._finishing = True
@@ -244,13 +365,13 @@ class Session:
         except DoctorError as exc:
             logger.warning("ddp-doctor: rank %d could not exchange records (%s): %s", self.rank, reason, exc)
             self._end({"outcome": "no-exchange", "error": str(exc), "ddp_models": len(self.doctors)})
-            self._exit(exit_code or 1)
+            self._exit(1 if exit_code is None else exit_code)
             return
         if self.local_rank == 0:
             models = [{**m, "report": r.to_dict()} for m, r in zip(self.models, reports)]
             write_json(self.outdir / "report.json", {"reason": reason, "models": models})
         self._end({"outcome": "reported", "reason": reason, "ddp_models": len(self.doctors)})
-        if self.config.timed_steps and exit_code == 0 and reason == self._steps_reason:
+        if self.config.timed_steps and not exit_code and reason == self._steps_reason:
             self._start_timing()
             return
         self._leave()

@@ -1,8 +1,12 @@
 """The `check` parent: start torchrun with the doctor injected, enforce the timeout, leave no process behind.
 
-torchrun starts each worker in its own session, so killing torchrun's process group does not reach them. The
-ranks write their pids into their progress files; whatever is still alive at the end is killed by process group
-(which also takes the worker's own children, such as DataLoader workers).
+Every process of a run (torchrun, each rank, a rank's own children such as DataLoader workers) carries the run's
+id in its environment (`RUN_MARKER_VAR`), so the parent finds all of them by scanning /proc, from the first
+millisecond, without waiting for any file a rank writes. torchrun and the ranks also ask the kernel to kill them
+when their parent dies (`die_with_parent`), which covers a parent that is itself killed outright.
+
+The run ends early, without waiting for `--timeout`, when a rank has ended (crashed or exited) and the others have
+not followed within `RankConfig.crash_wait_s` plus a margin: under NCCL nothing else would stop them.
 """
 
 from __future__ import annotations
@@ -13,22 +17,136 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
-from ddp_doctor.launch.config import ENV_VAR, RankConfig
+from ddp_doctor.launch.config import CLI_PID_VAR, ENV_VAR, RUN_MARKER_VAR, RankConfig
 from ddp_doctor.launch.outcome import CheckResult, collect
 
-__all__ = ["check_namespace", "run_check"]
+__all__ = ["Interrupted", "check_namespace", "install_signal_handlers", "run_check", "run_processes"]
 
 BOOTSTRAP = "ddp_doctor.launch.bootstrap"
+_POLL_S = 0.1
+_LOG_DIR = Path(tempfile.gettempdir()) / "ddp-doctor-logs"
+
+
+class Interrupted(BaseException):
+    """`ddp-doctor` received SIGINT, SIGTERM or SIGHUP. Raised in the main thread by the handlers below."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def install_signal_handlers() -> None:
+    """Turn SIGINT, SIGTERM and SIGHUP into `Interrupted` (once: a second signal during clean-up is ignored)."""
+    def handler(signum: int, _frame: Any) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def _user() -> str:
+    try:
+        import getpass
+
+        return getpass.getuser()
+    except (ImportError, KeyError, OSError):
+        return "user"
 
 
 def _grace(timeout: float) -> float:
     """Seconds between asking the ranks to stop and killing them."""
     return min(5.0, max(1.0, timeout * 0.1))
+
+
+def run_processes(marker: str) -> list[int]:
+    """Live processes (not zombies) whose environment carries `RUN_MARKER_VAR=marker`."""
+    needle = f"{RUN_MARKER_VAR}={marker}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0") and \
+                    (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+                pids.append(int(entry.name))
+        except (OSError, IndexError):
+            continue
+    return pids
+
+
+def _signal_run(marker: str, sig: signal.Signals) -> None:
+    for pid in run_processes(marker):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def _stop_run(proc: subprocess.Popen[Any], marker: str, grace: float) -> None:
+    """SIGTERM every process of the run, wait up to `grace` seconds, then SIGKILL what is left."""
+    _signal_run(marker, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and run_processes(marker):
+        time.sleep(_POLL_S)
+    _signal_run(marker, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 5.0
+    while run_processes(marker) and time.monotonic() < deadline:
+        _signal_run(marker, signal.SIGKILL)
+        time.sleep(_POLL_S)
+
+
+class _Forward(threading.Thread):
+    """Copy the run's output to ours, remembering whether the last byte ended a line (the report must start on a
+    clean line even after a progress bar's carriage returns)."""
+
+    clean_line = True
+
+    def __init__(self, source: IO[bytes], sink: IO[str]) -> None:
+        super().__init__(daemon=True)
+        self.source, self.sink = source, sink
+
+    def run(self) -> None:
+        out = getattr(self.sink, "buffer", None)
+        for chunk in iter(lambda: self.source.read1(65536), b""):
+            try:
+                if out is not None:
+                    out.write(chunk)
+                    out.flush()
+                else:
+                    self.sink.write(chunk.decode(errors="replace"))
+                    self.sink.flush()
+            except (OSError, ValueError):
+                pass
+            _Forward.clean_line = chunk.endswith(b"\n")
+
+
+def _ended_ranks(folder: Path) -> dict[int, float]:
+    """rank -> when it wrote its end record, for ranks that ended without a report (crashed or exited)."""
+    out = {}
+    for path in folder.glob("rank*.json"):
+        if path.name.endswith(".progress.json"):
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("outcome") in ("crashed", "exited", "no-exchange"):
+            out[int(data["rank"])] = path.stat().st_mtime
+    return out
 
 
 def run_check(torchrun_args: dict[str, Any], config: RankConfig, *, timeout: float,
@@ -43,8 +161,9 @@ def run_check(torchrun_args: dict[str, Any], config: RankConfig, *, timeout: flo
         outdir: keep the ranks' files here instead of a temporary folder.
 
     Returns:
-        The `CheckResult`.
+        The `CheckResult`; `interrupted` is set (and the result partial) when `Interrupted` stopped the run.
     """
+    marker = uuid.uuid4().hex
     with tempfile.TemporaryDirectory(prefix="ddp-doctor-") as tmp:
         folder = Path(outdir) if outdir is not None else Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
@@ -52,47 +171,74 @@ def run_check(torchrun_args: dict[str, Any], config: RankConfig, *, timeout: flo
         config = replace(config, outdir=str(folder.resolve()), deadline=start + timeout)
         args = {**torchrun_args, "module": True, "no_python": False, "run_path": False,
                 "training_script": BOOTSTRAP}
-        env = {**os.environ, ENV_VAR: config.to_env(), "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "ddp_doctor.launch.torchrun", json.dumps(args)], env=env,
-                                stdout=output, stderr=subprocess.STDOUT if output is not None else None,
-                                start_new_session=True)
+        # torchrun and the ranks make their temporary files (torchelastic_*, the script's own) inside the run's
+        # folder, so they go with it even when a process had to be killed. torch's compile cache stays where
+        # torch would put it, so it survives between runs.
+        run_tmp = Path(tmp) / "tmp"
+        run_tmp.mkdir()
+        cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(
+            Path(tempfile.gettempdir()) / f"torchinductor_{_user()}")
+        env = {**os.environ, ENV_VAR: config.to_env(), "PYTHONUNBUFFERED": "1", RUN_MARKER_VAR: marker,
+               CLI_PID_VAR: str(os.getpid()), "TMPDIR": str(run_tmp), "TORCHINDUCTOR_CACHE_DIR": cache}
+        proc = None
+        forwards: list[_Forward] = []
         timed_out = False
+        interrupted: Interrupted | None = None
         try:
-            proc.wait(timeout=max(0.1, timeout - _grace(timeout)))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _signal_all(proc, folder, signal.SIGTERM)
-            try:
-                proc.wait(timeout=_grace(timeout))
-            except subprocess.TimeoutExpired:
-                pass
-        except KeyboardInterrupt:
-            _signal_all(proc, folder, signal.SIGTERM)
-            raise
+            _Forward.clean_line = True
+            pipe = subprocess.PIPE if output is None else output
+            proc = subprocess.Popen([sys.executable, "-m", "ddp_doctor.launch.torchrun", json.dumps(args)], env=env,
+                                    stdout=pipe, stderr=subprocess.PIPE if output is None else subprocess.STDOUT,
+                                    start_new_session=True)
+            if output is None:
+                forwards = [_Forward(proc.stdout, sys.stdout), _Forward(proc.stderr, sys.stderr)]
+                for f in forwards:
+                    f.start()
+            timed_out = _wait(proc, folder, timeout=timeout, crash_wait=config.crash_wait_s)
+        except Interrupted as exc:
+            interrupted = exc
         finally:
-            _signal_all(proc, folder, signal.SIGKILL)
-            proc.wait()
-        return collect(folder, timed_out=timed_out, torchrun_rc=proc.returncode)
+            if proc is not None:
+                _stop_run(proc, marker, grace=_grace(timeout) if interrupted is None else 2.0)
+            else:
+                _signal_run(marker, signal.SIGKILL)
+            for f in forwards:
+                f.join(timeout=2.0)
+        result = collect(folder, timed_out=timed_out, torchrun_rc=proc.returncode if proc is not None else None,
+                         interrupted=interrupted.signum if interrupted is not None else None)
+        result.clean_line = _Forward.clean_line
+        result.torchrun_log = _keep_log(folder / "torchrun.log", marker)
+        return result
 
 
-def _rank_pids(folder: Path) -> list[int]:
-    pids = []
-    for path in folder.glob("rank*.progress.json"):
-        try:
-            pids.append(int(json.loads(path.read_text())["pid"]))
-        except (OSError, ValueError, KeyError):
-            continue
-    return pids
+def _wait(proc: subprocess.Popen[Any], folder: Path, *, timeout: float, crash_wait: float) -> bool:
+    """Wait for torchrun to end; True when the run had to be stopped at the timeout.
+
+    Also stops waiting when a rank ended on its own (crash or exit) and the others did not follow within
+    `crash_wait` seconds plus a margin: they are waiting for it in a collective that may never fail (NCCL).
+    """
+    deadline = time.monotonic() + max(0.1, timeout - _grace(timeout))
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            return True
+        ended = _ended_ranks(folder)
+        if ended and time.time() - min(ended.values()) > crash_wait + 3.0:
+            return False
+        time.sleep(_POLL_S)
+    return False
 
 
-def _signal_all(proc: subprocess.Popen[Any], folder: Path, sig: signal.Signals) -> None:
-    """Send `sig` to torchrun's process group and to every rank's (each rank leads its own)."""
-    groups = [proc.pid, *_rank_pids(folder)]
-    for pgid in groups:
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            continue
+def _keep_log(path: Path, marker: str) -> str | None:
+    """Move torchrun's own log out of the temporary folder (when it said anything) and return its path."""
+    try:
+        if not path.exists() or path.stat().st_size == 0:
+            return None
+        _LOG_DIR.mkdir(parents=True, exist_ok=True)
+        kept = _LOG_DIR / f"torchrun-{time.strftime('%Y%m%d-%H%M%S')}-{marker[:8]}.log"
+        kept.write_bytes(path.read_bytes())
+        return str(kept)
+    except OSError:
+        return None
 
 
 def check_namespace(namespace: dict[str, Any], *, steps: int, ddp_kwargs: dict[str, Any], freeze: list[str],

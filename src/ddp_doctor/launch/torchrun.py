@@ -2,7 +2,8 @@
 
 The `check` parent parses the command line with torchrun's own parser (so every rendezvous flag works as it does
 for torchrun) and hands the namespace over as JSON. A worker failure is the doctor's to report: torchrun's
-`ChildFailedError` dump would only repeat it, so it becomes a plain exit code.
+`ChildFailedError` dump would only repeat it, so each failed worker's exit status goes to `torchrun.json` in the
+output folder (the rank files cannot say "killed by SIGKILL"), and torchrun's own log lines go to `torchrun.log`.
 """
 
 from __future__ import annotations
@@ -10,19 +11,47 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
+from pathlib import Path
+
+from ddp_doctor.launch.config import LAUNCHER_PID_VAR, RankConfig, die_with_parent
+
+
+def _failures(exc: BaseException) -> dict[str, dict[str, object]]:
+    out = {}
+    for rank, failure in getattr(exc, "failures", {}).items():
+        code = int(failure.exitcode)
+        out[str(rank)] = {"exitcode": code, "signal": signal.Signals(-code).name if code < 0 else None,
+                          "pid": int(failure.pid)}
+    return out
 
 
 def main() -> None:
+    die_with_parent()
+    outdir = Path(RankConfig.from_env().outdir)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    # torchrun logs every SIGTERM it sends to a worker at WARNING; the doctor's report says what happened.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # torchrun's own messages (a SIGTERM it forwards, a worker it restarts) go to a log file the report names;
+    # what the user sees is the script's output and the doctor's report.
+    handler = logging.FileHandler(outdir / "torchrun.log", delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        log = logging.getLogger(name)
+        log.handlers[:] = [handler]
+        log.propagate = False
+    os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
     try:
         run(argparse.Namespace(**json.loads(sys.argv[1])))
-    except ChildFailedError:
+    except ChildFailedError as exc:
+        (outdir / "torchrun.json").write_text(json.dumps({"failures": _failures(exc)}))
         sys.exit(1)
+    except SignalException as exc:
+        logging.getLogger("torch.distributed.run").warning("torchrun stopped by %s", exc.sigval.name)
+        sys.exit(128 + int(exc.sigval))
 
 
 if __name__ == "__main__":

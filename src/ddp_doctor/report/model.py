@@ -137,6 +137,8 @@ class Report:
     crashes: list[Crash] = field(default_factory=list)
     framework: str = "torch"
     ddp_site: str | None = None
+    interrupted: bool = False
+    """`ddp-doctor` was stopped by SIGINT / SIGTERM / SIGHUP before the observed steps ended: a partial report."""
     schema: str = SCHEMA
 
     @classmethod
@@ -168,7 +170,8 @@ class Report:
             world_size=data["world_size"], steps_observed=data["steps_observed"], ddp_config=data["ddp_config"],
             findings=findings, recommendation=Recommendation(**data["recommendation"]),
             timing=Timing(**data["timing"]), crashes=[Crash(**c) for c in data.get("crashes", [])],
-            framework=data.get("framework", "torch"), ddp_site=data.get("ddp_site"))
+            framework=data.get("framework", "torch"), ddp_site=data.get("ddp_site"),
+            interrupted=bool(data.get("interrupted", False)))
 
     @property
     def codes(self) -> set[str]:
@@ -182,7 +185,7 @@ class Report:
         return next((s for s in SEVERITIES if s in present), None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "schema": self.schema,
             "tool_version": self.tool_version,
             "torch_version": self.torch_version,
@@ -197,6 +200,9 @@ class Report:
             "framework": self.framework,
             "ddp_site": self.ddp_site,
         }
+        if self.interrupted:
+            out["interrupted"] = True
+        return out
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(finite(self.to_dict()), indent=2, **kwargs)

@@ -56,7 +56,9 @@ def render(report: Report) -> Iterator[Any]:
     for (step, first), ranks in by_message.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         yield Text(f"{who} stopped at step {step}: {first}.", style="red")
-    if not report.findings:
+    if report.interrupted and not report.findings:
+        yield Text(f"Interrupted after {report.steps_observed} observed step(s): nothing was diagnosed.", style="yellow")
+    elif not report.findings:
         yield Text("No problems found.", style="bold green")
     for f in report.findings:
         yield _finding(f)

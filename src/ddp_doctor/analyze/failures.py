@@ -1,0 +1,236 @@
+"""Findings for a run whose ranks could not exchange records: who failed first, how, where, and what the others did.
+
+Pure: the input is the supervisor's `RankState` per rank (the ranks' own files, merged); no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from ddp_doctor.launch.protocol import PHASES, Outcome, RankState
+from ddp_doctor.report.model import Finding, ParamRef
+
+__all__ = ["failure_findings", "rank_list"]
+
+_SIGNAL_CAUSE = {
+    "SIGKILL": "SIGKILL can only come from outside the process: the kernel's out-of-memory killer, a scheduler, "
+               "or a person",
+    "SIGSEGV": "a segmentation fault inside native code (torch, a CUDA or communication library, or an extension)",
+    "SIGABRT": "an abort from native code (gloo and NCCL abort the process on a broken collective)",
+    "SIGBUS": "a bus error, usually shared memory (/dev/shm) running out under DataLoader workers",
+    "SIGFPE": "a floating-point exception in native code",
+    "SIGILL": "an illegal instruction in native code (a build for another CPU)",
+    "SIGTERM": "SIGTERM from outside the run",
+}
+_DDP_INIT = ("torch/nn/parallel/distributed.py", "__init__")
+
+
+def rank_list(ranks: list[int], *, limit: int = 6) -> str:
+    """`rank 3` / `ranks 0, 2` / `ranks 0-511, 513-1023`: runs compressed, at most `limit` items shown."""
+    ranks = sorted(set(ranks))
+    runs: list[tuple[int, int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    items = [f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in runs]
+    text = ", ".join(items[:limit]) + (f" and {len(items) - limit} more ranges" if len(items) > limit else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def _where(s: RankState) -> str:
+    if s.crash is not None:
+        # A crashed rank's own record is exact; its last sample may show the doctor's exit path.
+        return f"step {max(s.crash.step, 0)}, {s.crash.phase}, at {s.crash.site or 'an unknown place'}"
+    step = max(s.step, 0)
+    if s.outcome is None and s.signal not in (None, "SIGTERM") and s.site:
+        # Killed: its sampled frame may be stale, the beacon's line is where it last changed phase.
+        place, age = f"{s.site} or later", ""
+    else:
+        place = s.user_frame or s.site or s.innermost or "an unknown place"
+        age = (f" (sampled; there for the last {s.sample_age_s:.1f} s)" if s.user_frame and s.sample_age_s
+               and s.sample_age_s > 1 else "")
+    waiting = ""
+    if s.in_collective and s.collective is not None:
+        c = s.collective
+        waiting = f", inside {c.describe()} called at {c.site or 'an unknown place'}"
+    elif s.phase == "backward":
+        waiting = ", in DDP's backward (its gradient all-reduce)"
+    return f"step {step}, {s.phase}{waiting}, at {place}{age}"
+
+
+def _short(site: str | None) -> str:
+    return site.rsplit("/", 1)[-1].split()[0] if site else "an unknown place"
+
+
+def _fault_place(s: RankState) -> str:
+    """`in DistributedDataParallel.__init__ at train.py:12` from the fault dump."""
+    if s.fault is None or not s.fault.frames:
+        return ""
+    inner_file, _, inner_fn = s.fault.frames[0]
+    if any(inner_file.endswith(_DDP_INIT[0]) and fn == _DDP_INIT[1] for inner_file, _, fn in s.fault.frames[:3]):
+        where = "in DistributedDataParallel.__init__"
+    else:
+        where = f"in {inner_fn} ({inner_file.rsplit('/', 1)[-1]})"
+    user = next((f"{f}:{n}" for f, n, _ in s.fault.frames
+                 if "/site-packages/" not in f and "/lib/python" not in f and "ddp_doctor" not in f), None)
+    return where + (f" at {user}" if user else "")
+
+
+def _mismatch(states: dict[int, RankState]) -> Finding | None:
+    """Ranks whose script collectives disagree: one rank waits in a collective another rank never called (or called
+    with another op or shape), so the other rank's next collective (often DDP's gradient all-reduce) is paired
+    with it. Judged from each rank's last collective and its count of the script's collectives."""
+    live = [s for s in states.values() if s.built_ddp]
+    waiting = [s for s in live if s.in_collective and s.collective is not None]
+    if not waiting or len(live) < 2:
+        return None
+    first = min(waiting, key=lambda s: (s.collective.n, s.rank))
+    c = first.collective
+    others = [s for s in live if s.rank != first.rank]
+    behind = [s for s in others if s.collectives < c.n]
+    different = [s for s in others if s.in_collective and s.collective is not None and s.collective.n == c.n
+                 and (s.collective.op, s.collective.tensor) != (c.op, c.tensor)]
+    if not behind and not different:
+        return None
+    parts = [(f"rank {first.rank} called {c.describe()} at {c.site or 'an unknown place'} in step {c.step or 0} "
+              f"(its collective #{c.n}) and waited there")]
+    for s in behind:
+        parts.append(f"rank {s.rank} never called it: it had issued {s.collectives} of the script's collectives and "
+                     f"went on to {_where(s)}"
+                     + ("; DDP's next gradient all-reduce on that rank was paired with it"
+                        if s.phase in ("backward", "after backward") or not s.in_collective else ""))
+    for s in different:
+        o = s.collective
+        parts.append(f"rank {s.rank} called {o.describe()} at {o.site or 'an unknown place'} at the same position")
+    culprits = sorted({s.rank for s in (*behind, *different)})
+    signals = [f"rank {s.rank} died of {s.signal}" for s in states.values() if s.signal in ("SIGABRT", "SIGSEGV")]
+    return Finding(
+        code="collective-mismatch", severity="error",
+        title=(f"{rank_list(culprits)} skipped {c.op} ({_short(c.site)}) that rank {first.rank} called"
+               if behind and not different else
+               f"ranks called different collectives at position {c.n}: {c.describe()} on rank {first.rank}"),
+        detail="; ".join(parts) + "." + (f" {'; '.join(signals)} (gloo aborts a process whose peer issued a "
+                                         "different collective)." if signals else ""),
+        ranks=sorted({first.rank, *culprits}), steps=sorted({max(s.step, 0) for s in (first, *behind, *different)}),
+        fix=f"make every rank of the group call the same collectives in the same order: move {c.op} at "
+            f"{c.site or 'that line'} out of the rank-dependent branch (compute the condition on every rank, "
+            f"or all_reduce a flag first), or call it on every rank.")
+
+
+def failure_findings(states: dict[int, RankState], *, timed_out: bool) -> list[Finding]:
+    """The findings for a run whose ranks did not exchange records."""
+    ranks = sorted(states)
+    crashed = {r: s for r, s in states.items() if s.outcome is Outcome.CRASHED and s.crash is not None}
+    causes = {r: s for r, s in crashed.items() if not s.crash.peer_lost}
+    exited = {r: s for r, s in states.items() if s.outcome is Outcome.EXITED}
+    killed = {r: s for r, s in states.items() if s.outcome is None and s.signal not in (None, "SIGTERM")}
+    findings: list[Finding] = []
+
+    def others(culprits: list[int]) -> str:
+        parts = []
+        for r in ranks:
+            if r in culprits:
+                continue
+            s = states[r]
+            if r in crashed:
+                c = s.crash
+                parts.append(f"rank {r} lost its peer at step {max(c.step, 0)}, {c.phase}, at "
+                             f"{c.site or 'an unknown place'}")
+            elif s.outcome is None and not s.ended:
+                parts.append(f"rank {r} was at {_where(s)}")
+        return "; ".join(parts)
+
+    mismatch = _mismatch(states)
+    if mismatch is not None:
+        findings.append(mismatch)
+
+    for rank, s in sorted(causes.items()):
+        crash = s.crash
+        step = max(crash.step, 0)
+        waiting = others(list(causes))
+        if crash.explained:
+            findings.append(Finding(
+                code=crash.explained["code"], severity="error",
+                title=f"rank {rank}: DDP failed at step {step}", detail=crash.explained["message"],
+                params=[ParamRef(n, 0) for n in crash.explained.get("params", [])], ranks=[rank], steps=[step],
+                fix="fix the cause named above, then run the check again for the full diagnosis (the ranks could "
+                    "not exchange their records, so the other checks did not run)."))
+            continue
+        findings.append(Finding(
+            code="rank-crashed", severity="error",
+            title=f"rank {rank} crashed at step {step}: {crash.type}: {crash.message[:200]}",
+            detail=(f"Raised at {crash.site or 'an unknown place'} ({crash.phase}); its traceback was printed "
+                    "above." + (f" The other ranks were stopped while waiting for it: {waiting}." if waiting else "")),
+            ranks=[rank], steps=[step],
+            fix="fix the error on that rank; the rest of the diagnosis needs every rank to finish its steps."))
+
+    for rank, s in sorted(killed.items()):
+        cause = _SIGNAL_CAUSE.get(s.signal or "", f"signal {s.signal}")
+        place = _fault_place(s)
+        exact = "" if s.position_age_s is None else f" (its last published position, {s.position_age_s:.1f} s before the end)"
+        rest = others([rank, *(mismatch.ranks if mismatch else [])])
+        findings.append(Finding(
+            code="rank-crashed", severity="error",
+            title=f"rank {rank} died of {s.signal}" + (f" {place}" if place else f" at step {max(s.step, 0)}"),
+            detail=(f"It was at {_where(s)}{exact}. Cause: {cause}."
+                    + (f" The others: {rest}." if rest else "")),
+            ranks=[rank], steps=[max(s.step, 0)],
+            fix=("run the same script without ddp-doctor to confirm; a segfault in DDP's constructor is known with "
+                 "TORCH_DISTRIBUTED_DEBUG=DETAIL on some torch builds: unset it." if s.signal == "SIGSEGV" else
+                 "see the collective-mismatch finding." if mismatch is not None and s.signal == "SIGABRT" else
+                 "check the system log (dmesg) and the memory use of that rank." if s.signal == "SIGKILL" else
+                 "run that rank's command alone to see the native error.")))
+
+    if exited and not causes:
+        steps_by_rank = {r: max(s.step, 0) for r, s in states.items()}
+        for rank, s in sorted(exited.items()):
+            still = [r for r in ranks if r not in exited and (states[r].outcome is not Outcome.REPORTED)]
+            if not still and len({steps_by_rank[r] for r in exited}) == 1:
+                continue  # every rank ended at the same step: the script is just short
+            waiting = others([*exited])
+            findings.append(Finding(
+                code="rank-exited", severity="error",
+                title=f"rank {rank} exited (status {s.exit_status}) at step {steps_by_rank[rank]}; "
+                      f"{rank_list(still) if still else 'the others'} trained on",
+                detail=(f"It left from {s.exit_site or 'an unknown place'} ({s.phase}). A rank that leaves early makes "
+                        "the others wait for it in their next collective (DDP's gradient all-reduce) until it fails "
+                        "or times out." + (f" The others: {waiting}." if waiting else "")),
+                ranks=[rank], steps=[steps_by_rank[rank]],
+                fix="make every rank take the same decision to stop: compute the stopping condition from values "
+                    "reduced across ranks (all_reduce a flag), and give every rank the same number of batches."))
+
+    accounted = set(causes) | set(killed) | set(exited) | set(mismatch.ranks if mismatch else [])
+    silent = [r for r in ranks if states[r].outcome is None and r not in accounted and not states[r].ended]
+    if not findings and silent and not timed_out:
+        findings.append(Finding(
+            code="rank-crashed", severity="error",
+            title=f"{rank_list(silent)} died without a Python error",
+            detail=("It ended without an exception, exit status or fault record, at "
+                    + "; ".join(f"rank {r}: {_where(states[r])}" for r in silent)
+                    + (f". The others: {others(silent)}." if others(silent) else ".")),
+            ranks=silent, steps=sorted({max(states[r].step, 0) for r in silent}),
+            fix="check the system log (dmesg) and the memory use of that rank."))
+    if not findings or (timed_out and mismatch is None and not causes and not killed and not exited):
+        findings.extend(_hung(states, timed_out))
+    return findings
+
+
+def _hung(states: dict[int, RankState], timed_out: bool) -> list[Finding]:
+    waiting = {r: s for r, s in states.items() if s.outcome is None and not s.ended}
+    if not waiting:
+        return []
+    order = {r: (s.step, PHASES.index(s.phase) if s.phase in PHASES else 0) for r, s in waiting.items()}
+    behind = min(order.values())
+    stuck = sorted(r for r, key in order.items() if key == behind)
+    world = max(s.world_size for s in states.values())
+    missing = [r for r in range(world) if r not in states]
+    return [Finding(
+        code="rank-hung", severity="error",
+        title=f"{rank_list(stuck)} stopped making progress" + (" before the timeout" if timed_out else ""),
+        detail=("; ".join(f"rank {r} was at {_where(s)}" for r, s in sorted(waiting.items())) + "."
+                + (" The ranks ahead were waiting for the ones behind in a collective." if len(stuck) < len(order)
+                   else "")
+                + (f" {rank_list(missing)} ran on another node; that node's report covers them." if missing else "")),
+        ranks=stuck, steps=sorted({max(states[r].step, 0) for r in stuck}),
+        fix="look at what the stuck rank does at that line: a collective that only some ranks call, a loop with "
+            "a different number of iterations per rank, or a data source that blocks.")]
