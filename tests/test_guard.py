@@ -453,3 +453,28 @@ def _close_removes_hooks(rank: int, world: int) -> tuple:
 def test_close_removes_every_hook(tmp_path) -> None:
     before, during, after, attr = run_ranks(_close_removes_hooks, tmp_path, world_size=1)[0]
     assert during != before and after == before and not attr
+
+
+def _copy_and_save(rank: int, world: int, path: str) -> list[str]:
+    import copy
+    import io
+    import pickle
+
+    ddp, opt = _model()
+    with guard(ddp, opt):
+        _train_step(ddp, opt, rank, 0)
+        twin = copy.deepcopy(ddp.module)        # an EMA copy
+        buffer = io.BytesIO()
+        torch.save(ddp.module, buffer)          # a whole-model checkpoint
+        pickle.dumps(ddp.module)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        x, _ = batch(rank, 0)
+        with torch.no_grad():   # evaluation of the copies: the same function as the guarded model
+            same = torch.allclose(twin(x), ddp.module(x)) and torch.allclose(loaded(x), twin(x))
+        _train_step(ddp, opt, rank, 1)
+    return ["ok" if same else "different"]
+
+
+def test_a_guarded_model_can_be_deep_copied_pickled_and_saved(tmp_path) -> None:
+    assert run_ranks(_copy_and_save, tmp_path, args=(str(tmp_path),)) == [["ok"], ["ok"]]

@@ -39,7 +39,7 @@ from ddp_doctor.errors import (
     InvalidArgumentError,
     RankMismatchError,
 )
-from ddp_doctor.hookutil import user_site
+from ddp_doctor.hookutil import Hook, user_site
 from ddp_doctor.replicas import Comparison, Entry, compare_replicas, describe, local_rows, report_failure
 from ddp_doctor.report.model import Finding, ParamRef
 from ddp_doctor.wrapstate import WRAP_STATE_ATTR, require_ddp, require_process_group
@@ -205,11 +205,11 @@ class Guard:
 
     def _attach(self) -> None:
         self._attach_ddp()
-        self._handles.append(self._module.register_forward_pre_hook(self._on_module_forward_pre))
-        self._handles.append(self._module.register_state_dict_pre_hook(self._on_state_dict))
+        self._handles.append(self._module.register_forward_pre_hook(Hook(self._on_module_forward_pre)))
+        self._handles.append(self._module.register_state_dict_pre_hook(Hook(self._on_state_dict)))
         if self._optimizer is not None:
-            self._handles.append(self._optimizer.register_step_pre_hook(self._on_optimizer_pre))
-            self._handles.append(self._optimizer.register_step_post_hook(self._on_optimizer_step))
+            self._handles.append(self._optimizer.register_step_pre_hook(Hook(self._on_optimizer_pre)))
+            self._handles.append(self._optimizer.register_step_post_hook(Hook(self._on_optimizer_step)))
         self._arm_site_finder()
 
     def _arm_site_finder(self) -> None:
@@ -220,7 +220,7 @@ class Guard:
         step; after that an O(1) check at each optimizer step notices a bypass within that step.
         """
         if not self._global_handles:
-            self._global_handles = [register_module_forward_pre_hook(self._on_any_module_forward_pre)]
+            self._global_handles = [register_module_forward_pre_hook(Hook(self._on_any_module_forward_pre))]
 
     def _disarm_site_finder(self) -> None:
         for h in self._global_handles:
@@ -229,9 +229,9 @@ class Guard:
 
     def _attach_ddp(self) -> None:
         self._ddp_handles = [
-            self._ddp.register_forward_pre_hook(self._on_ddp_forward_pre),
+            self._ddp.register_forward_pre_hook(Hook(self._on_ddp_forward_pre)),
             # always_call: the depth must come back down even when DDP's forward raises.
-            self._ddp.register_forward_hook(self._on_ddp_forward, always_call=True),
+            self._ddp.register_forward_hook(Hook(self._on_ddp_forward), always_call=True),
         ]
         setattr(self._ddp, GUARD_ATTR, self)
 

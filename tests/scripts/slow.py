@@ -9,7 +9,7 @@ import time
 if "--slow-start" in sys.argv:
     time.sleep(30)
 
-from _train import setup, train  # noqa: E402
+from _train import setup, train
 
 
 def before_step(rank: int, step: int) -> None:
