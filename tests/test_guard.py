@@ -461,7 +461,7 @@ def _copy_and_save(rank: int, world: int, path: str) -> list[str]:
     import pickle
 
     ddp, opt = _model()
-    with guard(ddp, opt):
+    with guard(ddp, optimizer=opt):
         _train_step(ddp, opt, rank, 0)
         twin = copy.deepcopy(ddp.module)        # an EMA copy
         buffer = io.BytesIO()
