@@ -10,7 +10,7 @@ $(BIN)/ddp-doctor: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 
-.PHONY: demo test test-core test-torch bench browser
+.PHONY: demo test test-torch test-transformers4 bench browser
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 demo: $(BIN)/ddp-doctor
 	$(BIN)/ddp-doctor demo
@@ -45,6 +45,20 @@ $(TVENV)/.ready: pyproject.toml
 test-torch: $(TVENV)/.ready browser
 	$(TVENV)/bin/python -c "import sys, torch; print('torch', torch.__version__, 'python', sys.version.split()[0])"
 	$(TVENV)/bin/python -m pytest -q --ignore=tests/integrations
+
+# The integrations on the last transformers 4.x release (4.57.6), which has no ddp_static_graph field.
+HF4VENV := .venv-hf4
+$(HF4VENV)/.ready: pyproject.toml constraints.txt
+	$(BASE_PYTHON) -m venv $(HF4VENV)
+	$(HF4VENV)/bin/python -m pip install --quiet --upgrade pip
+	grep -v '^transformers' constraints.txt > $(HF4VENV)/constraints.txt
+	$(HF4VENV)/bin/python -m pip install --quiet -c $(HF4VENV)/constraints.txt -e ".[test,html,accelerate,lightning]" \
+	  "transformers==4.57.6"
+	touch $@
+
+test-transformers4: $(HF4VENV)/.ready
+	$(HF4VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	$(HF4VENV)/bin/python -m pytest -q tests/integrations
 
 bench: $(BIN)/ddp-doctor
 	$(BIN)/python -m benchmarks

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ddp_doctor.bench.candidates import Config, candidates
-from ddp_doctor.bench.run import Candidate, _within_noise
 from ddp_doctor.report.model import Finding, Recommendation, Report, Timing
 
 
@@ -40,22 +39,3 @@ def test_dynamic_graph_rules_out_static_graph_and_outside_forward_rules_out_find
     assert "static_graph" not in dynamic and "defaults" not in dynamic
     outside = dict(candidates(_report(["used-outside-forward"], used={}, rec={"static_graph": True})))
     assert "find_unused" not in outside
-
-
-def test_within_noise_when_rounds_disagree_or_the_gap_is_tiny() -> None:
-    a = Candidate(name="a", config=Config(), rounds=[[1.0], [1.2]])
-    b = Candidate(name="b", config=Config(), rounds=[[1.1], [1.1]])
-    assert _within_noise(a, b)                       # faster in round 1, slower in round 2
-    c = Candidate(name="c", config=Config(), rounds=[[2.0], [2.1]])
-    assert not _within_noise(c, b)
-    d = Candidate(name="d", config=Config(), rounds=[[1.11], [1.115]])
-    assert _within_noise(d, b)                       # 1% slower: under the noise floor
-
-
-def test_a_gap_smaller_than_the_round_to_round_swing_is_noise() -> None:
-    user = Candidate(name="user", config=Config(), rounds=[[10.7], [8.0], [11.9]])
-    rec = Candidate(name="rec", config=Config(), rounds=[[11.9], [17.6], [13.9]])
-    assert _within_noise(rec, user)                  # ratios 1.11, 2.2, 1.17: the rounds swing more than the gap
-    steady = Candidate(name="steady", config=Config(), rounds=[[17.5], [10.5], [14.8]])
-    fast = Candidate(name="fast", config=Config(), rounds=[[10.3], [7.7], [9.0]])
-    assert not _within_noise(steady, fast)           # ratios 1.70, 1.36, 1.64: slower in every round, by far

@@ -121,3 +121,19 @@ def test_lightning_callback_follows_pytorch_lightning_when_that_is_the_package_i
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                          check=True)
     assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
+
+
+def test_the_fix_follows_the_installed_transformers() -> None:
+    """Real install, no monkeypatch: transformers 5.x has ddp_static_graph; 4.x (run with `make test-transformers4`)
+    does not, and then the fix must take the subclass route."""
+    import transformers
+    import transformers.training_args  # noqa: F401
+
+    fields = snippets.training_arguments_fields()
+    assert fields is not None
+    fix = snippets.flags_fix("transformers", {"static_graph": True, "find_unused_parameters": False})
+    if "ddp_static_graph" in fields:
+        assert fix == "set TrainingArguments(ddp_find_unused_parameters=False, ddp_static_graph=True)", fix
+    else:
+        assert transformers.__version__.startswith("4."), transformers.__version__
+        assert "has no field for static_graph: subclass Trainer" in fix and transformers.__version__ in fix, fix

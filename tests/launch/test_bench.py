@@ -36,8 +36,12 @@ def test_find_unused_unneeded_recommended_config_is_correct_and_page_renders(tmp
     assert cands["recommended"]["config"]["find_unused_parameters"] is False and cands["recommended"]["correct"]
     for c in cands.values():
         assert c["median_step_s"] > 0 and len(c["rounds"]) == 2 and all(len(r) == 4 for r in c["rounds"])
-        assert c["ratio_to_user"] is not None and c["ratio_to_best"] >= 1.0
-    assert result["winner"]["name"] in cands
+        assert c["ratio_to_user"] is not None
+    # Two rounds cannot show that the script's extra graph walk pays off: the least-work config is chosen, as
+    # `check`'s find-unused-unneeded says, whatever the noisy timings were.
+    assert result["winner"]["name"] == "recommended" and result["winner"]["measured"] is False, result["winner"]
+    assert result["rounds_run"] == 2 and "skips the graph walk" in result["winner"]["reason"]
+    assert cands["user"]["vs_reference"]["rounds"] == 2 and cands["recommended"]["vs_reference"] is None
     assert {f["code"] for f in result["check"]["findings"]} == {"find-unused-unneeded"}
     _render_in_chromium(page, tmp_path, names=list(cands))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ddp_doctor.bench.candidates import Config, candidates
-from ddp_doctor.bench.run import NOISE_FLOOR, BenchResult, Candidate, run_bench
+from ddp_doctor.bench.run import BenchResult, Candidate, run_bench
+from ddp_doctor.bench.stats import Verdict, decide
 
-__all__ = ["NOISE_FLOOR", "BenchResult", "Candidate", "Config", "candidates", "run_bench"]
+__all__ = ["BenchResult", "Candidate", "Config", "Verdict", "candidates", "decide", "run_bench"]

@@ -5,30 +5,30 @@ correctness check: no error finding, gradients identical across ranks at every o
 as the baseline check), then removes every hook and times K more optimizer steps. Only those unobserved steps are
 timed.
 
-"Within noise": candidates A and B run in the same rounds, so each round gives one ratio of their median step
-times. A is within noise of B when the median of those ratios is closer to 1 than half their range (the rounds
-disagree with each other by more than the gap between A and B; this covers rounds that disagree about which one
-is faster), or within 2% of 1.
+The verdict (`stats.py`): each candidate is compared with the correct candidate that does the least work, through
+paired per-round ratios and a bootstrap interval of their median; a candidate wins only when it is clearly faster,
+else the least-work one is kept. `--rounds` is a maximum: rounds stop once more of them could not change the
+verdict, or when `--budget` seconds have passed.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ddp_doctor.bench.candidates import Config, candidates
+from ddp_doctor.bench.stats import MIN_ROUNDS, Comparison, Verdict, decide
 from ddp_doctor.launch.outcome import CheckResult
 from ddp_doctor.launch.supervise import check_namespace
 from ddp_doctor.report.model import Recommendation, Report
 from ddp_doctor.report.snippets import render_snippets
 
-__all__ = ["NOISE_FLOOR", "BenchResult", "Candidate", "run_bench"]
+__all__ = ["BenchResult", "Candidate", "run_bench"]
 
-NOISE_FLOOR = 0.02
-"""Median ratios within this of 1 are treated as a tie, whatever the rounds say."""
 SCHEMA = "ddp-doctor/bench@1"
 
 
@@ -71,7 +71,14 @@ class BenchResult:
     check: Report
     candidates: list[Candidate]
     winner: Candidate | None
-    within_noise: list[Candidate]
+    decision: Verdict | None = None
+    rounds_run: int = 0
+    stopped: str = ""
+    """Why the rounds stopped: the verdict was settled, the maximum was reached, or the budget ran out."""
+
+    def comparison(self, candidate: Candidate) -> Comparison | None:
+        """The candidate against the least-work reference (None for the reference itself)."""
+        return self.decision.comparisons.get(candidate.name) if self.decision is not None else None
 
     def ratio_to(self, candidate: Candidate, other: Candidate | None) -> float | None:
         a, b = candidate.median_step_s, other.median_step_s if other is not None else None
@@ -86,15 +93,14 @@ class BenchResult:
         if self.winner is None:
             return None
         c = self.winner.config
-        gain = self.ratio_to(self.user, self.winner) if self.user is not None else None
+        assert self.decision is not None
+        head = ("Measured fastest correct configuration" if self.decision.measured else
+                "Correct configuration that does the least work")
         rec = Recommendation(
             find_unused_parameters=c.find_unused_parameters, static_graph=c.static_graph,
             gradient_as_bucket_view=c.gradient_as_bucket_view, freeze_before_wrap=list(c.freeze_before_wrap),
             verified=True,
-            reason=(f"Fastest correct configuration ({self.winner.name})"
-                    + (f": the script's own configuration takes {gain:.2f}x its step time" if gain else "")
-                    + (f"; within noise of {', '.join(c.name for c in self.within_noise)}"
-                       if self.within_noise else "") + "."))
+            reason=f"{head} ({self.winner.name}). {self.decision.reason} Rounds: {self.rounds_run} ({self.stopped}).")
         rec.render = render_snippets(rec, {**self.check.ddp_config, "bucket_cap_mb": c.bucket_cap_mb})
         return rec
 
@@ -106,11 +112,16 @@ class BenchResult:
                 "name": c.name, "config": c.config.to_dict(), "correct": c.correct, "reason": c.reason,
                 "median_step_s": c.median_step_s, "spread": c.spread,
                 "ratio_to_user": self.ratio_to(c, self.user), "ratio_to_best": self.ratio_to(c, best),
+                "vs_reference": None if (cmp := self.comparison(c)) is None else {
+                    "median_ratio": cmp.ratio, "low": cmp.low, "high": cmp.high, "rounds": cmp.rounds},
                 "rounds": c.rounds,
             } for c in self.candidates],
             "winner": None if best is None else {
                 "name": best.name, "config": best.config.to_dict(),
-                "within_noise_of": [c.name for c in self.within_noise]},
+                "reference": self.decision.reference if self.decision else None,
+                "measured": self.decision.measured if self.decision else False,
+                "reason": self.decision.reason if self.decision else ""},
+            "rounds_run": self.rounds_run, "stopped": self.stopped,
             "check": self.check.to_dict(),
         }
 
@@ -141,17 +152,18 @@ def judge(result: CheckResult, config: Config, baseline: Report, timed_steps: in
 
 
 def run_bench(namespace: dict[str, Any], *, steps: int, rounds: int, timeout: float, log_dir: Path,
-              only: list[str] | None = None,
+              only: list[str] | None = None, budget: float | None = None,
               on_progress: Callable[[str], None] | None = None) -> BenchResult:
-    """Check the script once, then run every candidate `rounds` times, interleaved.
+    """Check the script once, then run every candidate in interleaved rounds until the verdict is settled.
 
     Args:
         namespace: torchrun's parsed namespace for the script (as a dict).
         steps: K: optimizer steps observed for correctness, then K more timed, per run.
-        rounds: how many times each candidate runs.
+        rounds: the most rounds (runs per candidate); fewer when the verdict settles earlier.
         timeout: per run, in seconds.
         log_dir: the script's output of every run goes to a file here.
         only: candidate names to keep (default: all).
+        budget: seconds after which no new round starts (None: no limit).
         on_progress: called before each run with a description.
     """
     def run(name: str, config: Config | None, timed: int) -> CheckResult:
@@ -168,6 +180,9 @@ def run_bench(namespace: dict[str, Any], *, steps: int, rounds: int, timeout: fl
         raise RuntimeError(first.error or "the check produced no report")
     baseline = first.report
     cands = [Candidate(name=n, config=c) for n, c in candidates(baseline) if only is None or n in only]
+    started = time.monotonic()
+    decision: Verdict | None = None
+    done, stopped = 0, f"the maximum of {rounds}"
     for _ in range(rounds):
         for cand in cands:
             if not cand.correct:
@@ -176,15 +191,21 @@ def run_bench(namespace: dict[str, Any], *, steps: int, rounds: int, timeout: fl
             cand.correct, cand.reason = judge(result, cand.config, baseline, steps)
             if cand.correct:
                 cand.rounds.append(list(result.step_times or []))
-    correct = [c for c in cands if c.correct and c.median_step_s is not None]
-    winner = min(correct, key=lambda c: c.median_step_s or 0.0, default=None)
-    noise = [c for c in correct if c is not winner and winner is not None and _within_noise(c, winner)]
-    return BenchResult(check=baseline, candidates=cands, winner=winner, within_noise=noise)
+        done += 1
+        decision = _decide(cands)
+        if decision is not None and decision.settled and done >= MIN_ROUNDS:
+            stopped = "settled: more rounds would not change the verdict"
+            break
+        if budget is not None and time.monotonic() - started > budget and done < rounds:
+            stopped = f"the --budget of {budget:g} s was spent"
+            break
+    correct = {c.name: c for c in cands if c.correct and c.rounds}
+    decision = _decide(cands)
+    winner = correct[decision.choice] if decision is not None else None
+    return BenchResult(check=baseline, candidates=cands, winner=winner, decision=decision, rounds_run=done,
+                       stopped=stopped)
 
 
-def _within_noise(a: Candidate, b: Candidate) -> bool:
-    ratios = [x / y for x, y in zip(a.round_medians(), b.round_medians()) if y]
-    if not ratios:
-        return True
-    gap = abs(statistics.median(ratios) - 1.0)
-    return gap <= NOISE_FLOOR or gap <= (max(ratios) - min(ratios)) / 2
+def _decide(cands: list[Candidate]) -> Verdict | None:
+    correct = [c for c in cands if c.correct and c.rounds]
+    return decide({c.name: c.round_medians() for c in correct}, {c.name: c.config for c in correct})

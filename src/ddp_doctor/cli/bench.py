@@ -14,6 +14,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from ddp_doctor.bench import BenchResult, run_bench
+from ddp_doctor.bench.run import Candidate
 from ddp_doctor.cli.check import _torchrun_parser, add_check_arguments, validate
 from ddp_doctor.report.model import finite
 
@@ -48,7 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = p.add_argument_group("ddp-doctor")
     add_check_arguments(group, bench=True)
-    group.add_argument("--rounds", type=int, default=3, metavar="R", help="runs per candidate (default: 3)")
+    group.add_argument("--rounds", type=int, default=6, metavar="R",
+                       help="the most runs per candidate; rounds stop once the verdict is settled (default: 6)")
+    group.add_argument("--budget", type=float, default=None, metavar="S",
+                       help="start no new round after S seconds (default: no limit)")
     group.add_argument("--configs", metavar="NAMES", help="comma-separated candidate names to run (default: all)")
     group.add_argument("--html", metavar="FILE", help="write a self-contained HTML page with the table and a chart")
     p.set_defaults(func=run, _parser=p)
@@ -58,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     namespace, _, _ = validate(args)
     if args.rounds < 1:
         args._parser.error(f"--rounds must be at least 1, got {args.rounds}.")
+    if args.budget is not None and args.budget <= 0:
+        args._parser.error(f"--budget must be a positive number of seconds, got {args.budget}.")
     only = [n.strip() for n in args.configs.split(",")] if args.configs else None
     unknown = [n for n in only or [] if n not in CANDIDATE_NAMES]
     if unknown:
@@ -81,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                 progress.update(task, description=f"running {name}")
 
             result = run_bench(namespace, steps=args.steps, rounds=args.rounds, timeout=args.timeout,
-                               log_dir=Path(tmp), only=only, on_progress=on_progress)
+                               log_dir=Path(tmp), only=only, budget=args.budget, on_progress=on_progress)
     built = {c.name for c in result.candidates}
     for name in only or []:
         if name not in built:
@@ -102,11 +108,21 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, spec) + suffix
 
 
+def _interval(result: BenchResult, c: Candidate) -> str:
+    cmp = result.comparison(c)
+    if result.decision is not None and c.name == result.decision.reference:
+        return "reference"
+    if cmp is None or cmp.ratio is None:
+        return "-"
+    return f"{cmp.ratio:.2f}" + (f" ({cmp.low:.2f}-{cmp.high:.2f})" if cmp.low is not None else " (too few rounds)")
+
+
 def table(result: BenchResult) -> Table:
     """One row per candidate, fastest correct first."""
     t = Table(title="ddp-doctor bench", title_justify="left")
+    ref = result.decision.reference if result.decision is not None else "reference"
     for name, justify in (("config", "left"), ("correct", "left"), ("median step", "right"), ("spread", "right"),
-                          ("vs user", "right"), ("vs best", "right")):
+                          (f"vs {ref} (95% interval)", "right"), ("vs user", "right")):
         t.add_column(name, justify=justify)   # type: ignore[arg-type]
     order = sorted(result.candidates, key=lambda c: (not c.correct, c.median_step_s or 0.0))
     for c in order:
@@ -115,8 +131,8 @@ def table(result: BenchResult) -> Table:
         if result.winner is c:
             label = f"[bold]{label} (winner)[/]"
         t.add_row(label, mark, _fmt(c.median_step_s and c.median_step_s * 1e3, ".2f", " ms"),
-                  _fmt(c.spread and c.spread * 100, ".0f", "%"), _fmt(result.ratio_to(c, result.user), ".2f"),
-                  _fmt(result.ratio_to(c, result.winner), ".2f"))
+                  _fmt(c.spread and c.spread * 100, ".0f", "%"), _interval(result, c),
+                  _fmt(result.ratio_to(c, result.user), ".2f"))
     return t
 
 
