@@ -127,7 +127,7 @@ def test_the_fix_follows_the_installed_transformers() -> None:
     """Real install, no monkeypatch: transformers 5.x has ddp_static_graph; 4.x (run with `make test-transformers4`)
     does not, and then the fix must take the subclass route."""
     import transformers
-    import transformers.training_args  # noqa: F401
+    import transformers.training_args
 
     fields = snippets.training_arguments_fields()
     assert fields is not None
