@@ -35,11 +35,18 @@ class Net(nn.Module):
         self.norm = nn.BatchNorm1d(16) if batchnorm else None
         self.checkpointed = checkpointed
 
+    def stem(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.trunk(x))
+
     def forward(self, x: torch.Tensor, use_b: bool = False, return_features: bool = False) -> Any:
-        h = torch.relu(self.trunk(x))
+        if self.checkpointed in ("reentrant-input", "non-reentrant-input"):
+            # Memory-saving checkpointing of the first layer, whose input (the batch) does not require grad.
+            h = checkpoint(self.stem, x, use_reentrant=self.checkpointed == "reentrant-input")
+        else:
+            h = self.stem(x)
         if self.norm is not None:
             h = self.norm(h)
-        if self.checkpointed is None:
+        if self.checkpointed is None or self.checkpointed.endswith("-input"):
             h = self.block(h)
         else:
             h = checkpoint(self.block, h, use_reentrant=self.checkpointed == "reentrant")
@@ -161,6 +168,15 @@ CASES: dict[str, Case] = {c.name: c for c in [
                 "replica-divergence"},
          params={"reentrant-checkpoint": BLOCK, "unused-parameters": HEAD_B, "reduction-error": HEAD_B}),
     Case(name="nonreentrant-checkpoint", net_kwargs={"checkpointed": "non-reentrant"}, codes=set()),
+    # Reentrant checkpointing of a block whose input does not require grad: the block gets no gradient at all.
+    # Its parameters look unused, but the module ran: grad-blocked, never "freeze them".
+    Case(name="reentrant-checkpoint-no-grad-input", net_kwargs={"checkpointed": "reentrant-input"},
+         raises="reduction-error",
+         codes={"grad-blocked", "reentrant-checkpoint", "reduction-error", "grads-not-synced", "replica-divergence"},
+         params={"grad-blocked": TRUNK, "reentrant-checkpoint": TRUNK, "reduction-error": TRUNK},
+         fixed={"net_kwargs": {"checkpointed": "non-reentrant-input"}}),
+    Case(name="nonreentrant-checkpoint-no-grad-input", net_kwargs={"checkpointed": "non-reentrant-input"},
+         codes=set()),
     Case(name="nonreentrant-checkpoint-unused", loss=loss_plain, net_kwargs={"checkpointed": "non-reentrant"},
          raises="reduction-error",
          codes={"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"},

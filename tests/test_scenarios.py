@@ -9,6 +9,9 @@ from scenarios import CASES, Case, run_applied, run_case
 from ddp_doctor import CODES
 
 
+_TRAINED = {"grad-blocked", "dynamic-graph", "rank-dependent-graph", "reentrant-checkpoint"}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_scenario(name: str, tmp_path) -> None:
     case: Case = CASES[name]
@@ -26,6 +29,14 @@ def test_scenario(name: str, tmp_path) -> None:
         assert got == names, f"{name}: {code} should name {sorted(names)}, named {sorted(got)}"
         assert all(p["numel"] > 0 for p in finding["params"])
     assert all(r["raised"] == case.raises for r in ranks), f"{name}: raised {[r['raised'] for r in ranks]}"
+    # DESIGN 2.3: never advise freezing a parameter the script evidently trains (its module ran, or it got a
+    # gradient on some rank or step).
+    trained = {p["name"] for f in report["findings"] if f["code"] in _TRAINED for p in f["params"]}
+    frozen = set(report["recommendation"]["freeze_before_wrap"])
+    assert not frozen & trained, f"{name}: the recommendation freezes trained parameters {sorted(frozen & trained)}"
+    for f in report["findings"]:
+        if {p["name"] for p in f["params"]} & trained:
+            assert "set requires_grad=False on them" not in f["fix"] or f["code"] == "grad-blocked", (name, f)
 
     # Applying the recommendation: every step's grads identical across ranks and equal to the reference average.
     for rank, r in enumerate(ranks):

@@ -33,7 +33,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ddp_doctor import _log
+from ddp_doctor import _log, checkpoints
 from ddp_doctor.errors import (
     DDPFailure,
     InvalidArgumentError,
@@ -92,6 +92,7 @@ class _Step:
     def __init__(self, n_params: int) -> None:
         self.used = bytearray(n_params)
         self.reachable = bytearray(n_params)
+        self.ran = bytearray(n_params)
         self.counters = StepCounters(complete=1)
         self.input_fp = torch.zeros(2, dtype=torch.float64)
         self.buffer_fp: torch.Tensor | None = None
@@ -143,6 +144,15 @@ class Doctor:
                 "wrapping the model in DistributedDataParallel.")
 
         self._submodules = {id(m) for m in self._module.modules()}
+        # Each module's own (direct) parameters, by index: a module that runs is evidence its parameters are used.
+        self._owned: dict[int, list[int]] = {}
+        for m in self._module.modules():
+            owned = [self._index[id(q)] for q in m.parameters(recurse=False) if id(q) in self._index]
+            if owned:
+                self._owned[id(m)] = owned
+        self._ddp_grad = False
+        self._blocked_checkpoints: list[str] = []
+        self._stop_checkpoints: Callable[[], None] | None = None
         self._outside: list[bool] = []
         self.rank = dist.get_rank()
         self._serial = next(Doctor._serials)
@@ -166,7 +176,8 @@ class Doctor:
         n = len(self._params)
         self._step = _Step(n)
         self._rows: dict[str, list[torch.Tensor]] = {k: [] for k in (
-            "used", "reachable", "trainable", "grad_fp", "weight_fp", "buffer_fp", "input_fp", "timing", "counters")}
+            "used", "reachable", "trainable", "ran", "grad_fp", "weight_fp", "buffer_fp", "input_fp", "timing",
+            "counters")}
         self._rows["weight_fp"].append(fingerprints(self._params))
         self._crash_kind = 0
         self._crash_step = -1
@@ -231,6 +242,7 @@ class Doctor:
                 self._optimizer.register_step_pre_hook(_Hook(self._on_optimizer_pre)),
                 self._optimizer.register_step_post_hook(_Hook(self._on_optimizer_post)),
             ]
+        self._stop_checkpoints = checkpoints.listen(self._on_checkpoint)
         self._hook_new_trainable()
         self._attached = True
 
@@ -245,6 +257,9 @@ class Doctor:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._stop_checkpoints is not None:
+            self._stop_checkpoints()
+            self._stop_checkpoints = None
         self._hooked.clear()
         self._attached = False
         self._finished = True
@@ -273,6 +288,7 @@ class Doctor:
 
     def _on_ddp_forward_pre(self, _module: torch.nn.Module, _args: Any) -> None:
         self._ddp_depth += 1
+        self._ddp_grad = torch.is_grad_enabled()
         if torch.is_grad_enabled():
             self._close_pending()
             self.phase = "forward"
@@ -322,6 +338,13 @@ class Doctor:
                 t.register_hook(self._on_output_grad)
 
     def _on_any_module_forward_pre(self, module: torch.nn.Module, _args: Any) -> None:
+        owned = self._owned.get(id(module))
+        # Inside a training forward through DDP (even under no_grad or a checkpoint there), or a grad-mode call
+        # outside it: the module runs as part of training. A no_grad evaluation outside DDP does not count.
+        if owned is not None and (self._ddp_grad if self._ddp_depth else torch.is_grad_enabled()):
+            ran = self._step.ran
+            for i in owned:
+                ran[i] = 1
         if self._ddp_depth or id(module) not in self._submodules:
             return
         counted = not self._outside and torch.is_grad_enabled()
@@ -348,6 +371,12 @@ class Doctor:
             self._step.t_forward += self._t_last_forward_end - self._t_forward_start
             self.phase = "after forward, before backward"
             self._hook_outputs(output)
+
+    def _on_checkpoint(self, site: str | None, needs_grad: bool) -> None:
+        # Only a training forward through this DDP model, with no grad-requiring input: its blocks get no gradient.
+        if (not needs_grad and self._ddp_depth and self._ddp_grad and site and site not in self._blocked_checkpoints
+                and len(self._blocked_checkpoints) < _MAX_SITES):
+            self._blocked_checkpoints.append(site)
 
     def _on_output_grad(self, _grad: torch.Tensor) -> None:
         if not self._backward_pending and self._attached:
@@ -438,6 +467,7 @@ class Doctor:
         rows = self._rows
         rows["used"].append(torch.tensor(list(step.used), dtype=torch.bool))
         rows["reachable"].append(torch.tensor(list(step.reachable), dtype=torch.bool))
+        rows["ran"].append(torch.tensor(list(step.ran), dtype=torch.bool))
         rows["trainable"].append(torch.tensor([p.requires_grad for p in self._params], dtype=torch.bool))
         rows["grad_fp"].append(step.grad_fp if step.grad_fp is not None
                                else torch.full((n, 2), float("nan"), dtype=torch.float64))
@@ -507,6 +537,7 @@ class Doctor:
         record.crash_step = self._crash_step
         record.crash_message = self._crash_message
         record.bypass_sites = list(self._bypass_sites)
+        record.blocked_checkpoints = list(self._blocked_checkpoints)
         return record
 
     def report(self, *, timeout: float = 300.0) -> Any:

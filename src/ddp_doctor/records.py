@@ -116,6 +116,9 @@ class RankRecord:
     """bool[S, P]: the parameter is reachable from the autograd graph of DDP's forward outputs."""
     trainable: torch.Tensor
     """bool[S, P]: `requires_grad` at the end of the step."""
+    ran: torch.Tensor
+    """bool[S, P]: the module that owns the parameter ran in the step's forward (in a training forward, even under
+    `no_grad` or a checkpoint inside it): evidence that the script means to use it."""
     grad_fp: torch.Tensor
     """float64[S, P, 2]: gradient fingerprint as the optimizer saw it (NaN: no grad)."""
     weight_fp: torch.Tensor
@@ -134,6 +137,9 @@ class RankRecord:
     crash_message: str = ""
     bypass_sites: list[str] = field(default_factory=list)
     """`file:line` of user code that called the wrapped module directly."""
+    blocked_checkpoints: list[str] = field(default_factory=list)
+    """`file:line` of reentrant checkpoint calls (use_reentrant=True) none of whose inputs required grad: their
+    blocks get no gradient at all."""
 
     @property
     def steps(self) -> int:
@@ -150,6 +156,7 @@ class RankRecord:
             used=torch.zeros(0, n_params, dtype=torch.bool),
             reachable=torch.zeros(0, n_params, dtype=torch.bool),
             trainable=torch.zeros(0, n_params, dtype=torch.bool),
+            ran=torch.zeros(0, n_params, dtype=torch.bool),
             grad_fp=torch.zeros(0, n_params, 2, dtype=torch.float64),
             weight_fp=torch.zeros(1, n_params, 2, dtype=torch.float64),
             buffer_fp=torch.zeros(0, n_buffers, 2, dtype=torch.float64),
@@ -161,9 +168,6 @@ class RankRecord:
     # Packing: one float64 vector of a length that depends only on (S, P, B), so that every rank's vector
     # has the same shape once S is agreed on. Steps a rank did not reach are padded and masked by `steps`.
 
-    _TENSOR_FIELDS = ("used", "reachable", "trainable", "grad_fp", "weight_fp", "buffer_fp", "input_fp", "timing",
-                      "counters")
-
     @staticmethod
     def _shapes(steps: int, n_params: int, n_buffers: int) -> dict[str, tuple[int, ...]]:
         c = len(StepCounters.FIELDS)
@@ -171,6 +175,7 @@ class RankRecord:
             "used": (steps, n_params),
             "reachable": (steps, n_params),
             "trainable": (steps, n_params),
+            "ran": (steps, n_params),
             "grad_fp": (steps, n_params, 2),
             "weight_fp": (steps + 1, n_params, 2),
             "buffer_fp": (steps, n_buffers, 2),
@@ -206,7 +211,7 @@ class RankRecord:
             offset += n
             keep = steps + 1 if name == "weight_fp" else steps
             t = t[:keep]
-            if name in ("used", "reachable", "trainable"):
+            if name in ("used", "reachable", "trainable", "ran"):
                 t = t.bool()
             elif name == "counters":
                 t = t.long()
@@ -220,4 +225,5 @@ class RankRecord:
             "crash_step": self.crash_step,
             "crash_message": self.crash_message,
             "bypass_sites": self.bypass_sites,
+            "blocked_checkpoints": self.blocked_checkpoints,
         }

@@ -23,8 +23,10 @@ def info(**overrides) -> ModelInfo:
 
 
 def record(rank: int, used: list[list[int]], *, grad=None, weights=None, inputs=None, trainable=None,
-           buffers=None, counters=None, crash: str = "none", crash_step: int = -1) -> RankRecord:
-    """A rank's record: `used[s][p]` is 1 when param p got a gradient in step s."""
+           buffers=None, counters=None, crash: str = "none", crash_step: int = -1, ran=None,
+           blocked_checkpoints=()) -> RankRecord:
+    """A rank's record: `used[s][p]` is 1 when param p got a gradient in step s; `ran` (default: `used`) when its
+    module ran in forward."""
     steps, n = len(used), len(used[0])
     used_t = torch.tensor(used, dtype=torch.bool)
     default_grad = torch.arange(steps * n * 2, dtype=torch.float64).reshape(steps, n, 2)
@@ -33,6 +35,7 @@ def record(rank: int, used: list[list[int]], *, grad=None, weights=None, inputs=
         rank=rank,
         used=used_t,
         reachable=used_t.clone(),
+        ran=torch.tensor(ran, dtype=torch.bool) if ran is not None else used_t.clone(),
         trainable=torch.tensor(trainable, dtype=torch.bool) if trainable is not None else torch.ones(steps, n,
                                                                                                        dtype=torch.bool),
         grad_fp=grad if grad is not None else default_grad,
@@ -41,7 +44,7 @@ def record(rank: int, used: list[list[int]], *, grad=None, weights=None, inputs=
         input_fp=inputs if inputs is not None else torch.full((steps, 2), float(rank + 1), dtype=torch.float64),
         timing=torch.full((steps, 3), 0.01, dtype=torch.float64),
         counters=counters if counters is not None else torch.tensor([c.as_list()] * steps),
-        crash_kind=CRASH_KINDS.index(crash), crash_step=crash_step,
+        crash_kind=CRASH_KINDS.index(crash), crash_step=crash_step, blocked_checkpoints=list(blocked_checkpoints),
     )
 
 

@@ -37,7 +37,7 @@ def _count(n: int, word: str) -> str:
 def unused_parameters(v: View) -> list[Finding]:
     if not v.steps:
         return []
-    never, *_ = v.usage()
+    never, _ = v.unused_by_cause()      # modules that never ran: the only parameters freezing can be advised for
     if not never.any():
         return []
     n = int(never.sum())
@@ -51,10 +51,35 @@ def unused_parameters(v: View) -> list[Finding]:
     return [Finding(
         code="unused-parameters", severity=severity,
         title=f"{_count(n, 'trainable parameter')} never reached the loss",
-        detail=f"On every rank and every one of the {v.steps} observed steps, these parameters got no gradient. "
-               + effect,
+        detail=f"On every rank and every one of the {v.steps} observed steps, these parameters got no gradient and "
+               "their modules never ran in a training forward. " + effect,
         params=v.params(never), ranks=list(range(v.world)), steps=list(range(v.steps)),
         fix=_freeze_fix(v) + ".")]
+
+
+def grad_blocked(v: View) -> list[Finding]:
+    if not v.steps:
+        return []
+    _, blocked = v.unused_by_cause()
+    if not blocked.any():
+        return []
+    sites = v.blocked_checkpoints
+    cause = (f"a reentrant checkpoint none of whose inputs requires grad ({', '.join(sites)}): the checkpointed "
+             "block runs without building a graph, so no gradient ever reaches it" if sites else
+             "their modules ran, but the output was cut from the graph: torch.no_grad(), .detach(), or a reentrant "
+             "checkpoint whose inputs do not require grad")
+    return [Finding(
+        code="grad-blocked", severity="error",
+        title=f"{_count(int(blocked.sum()), 'parameter')} ran in forward but never got a gradient",
+        detail=f"On every rank and every one of the {v.steps} observed steps these parameters' modules ran, yet "
+               f"no gradient reached them: {cause}. The script evidently means to train them, so they silently "
+               "stay at their initial values"
+               + (" while DDP waits for their gradients" if v.default_flags else "") + ".",
+        params=v.params(blocked), ranks=list(range(v.world)), steps=list(range(v.steps)),
+        fix=("pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it works whether or not the inputs "
+             "require grad)" if sites else
+             "remove the torch.no_grad() / .detach() that cuts them off, or use checkpoint(..., use_reentrant=False)")
+            + "; if they really are meant to stay fixed, set requires_grad=False on them yourself before wrapping.")]
 
 
 def dynamic_graph(v: View) -> list[Finding]:
@@ -172,6 +197,17 @@ def used_outside_forward(v: View) -> list[Finding]:
 
 def reentrant_checkpoint(v: View) -> list[Finding]:
     _, reentrant = hidden_params(v)
+    sites = v.blocked_checkpoints
+    if sites and v.steps:
+        _, blocked = v.unused_by_cause()
+        return [Finding(
+            code="reentrant-checkpoint", severity="error",
+            title=f"reentrant checkpoint without grad-requiring inputs at {', '.join(sites)}",
+            detail="torch.utils.checkpoint with use_reentrant=True gives the checkpointed block no gradient at all "
+                   "when none of the call's tensor inputs requires grad (PyTorch only warns). Its parameters look "
+                   "unused, but freezing them would be the wrong fix: the script means to train them.",
+            params=v.params(blocked), ranks=list(range(v.world)), steps=list(range(v.steps)),
+            fix="pass use_reentrant=False to the checkpoint call at " + ", ".join(sites) + ".")]
     if not reentrant.ranks:
         return []
     broken = v.find_unused and not v.static_graph
@@ -398,6 +434,16 @@ def reduction_error(v: View) -> list[Finding]:
         if used is not None:
             missing.update((v.tracked & ~used).nonzero().flatten().tolist())
     step = min(r.crash_step for r in crashed)
+    # Parameters a rank or step used, or whose module ran, are meant to train: never advise freezing them.
+    meant = v.ever_used | (v.ran.any(0).any(0) if v.steps else torch.zeros_like(v.ever_used))
+    trained = [i for i in sorted(missing) if meant[i]]
+    if trained:
+        fix = (f"do not freeze them: {', '.join(v.info.param_names[i] for i in trained[:4])}"
+               f"{' ...' if len(trained) > 4 else ''} got a gradient on some rank or step, or their module ran. "
+               f"{_with(v, static_graph=True)} if each rank's used set is the same every step, else "
+               f"{_with(v, find_unused_parameters=True)}; see the recommendation")
+    else:
+        fix = _freeze_fix(v) + "; see the recommendation for the cheapest flags"
     return [Finding(
         code="reduction-error", severity="error",
         title="DDP failed: 'Expected to have finished reduction in the prior iteration'",
@@ -405,11 +451,11 @@ def reduction_error(v: View) -> list[Finding]:
                "finished, because these trainable parameters got no gradient. Until it failed, the previous "
                "step's gradients were silently not all-reduced.",
         params=v.params(sorted(missing)), ranks=[r.rank for r in crashed], steps=[step],
-        fix=_freeze_fix(v) + "; see the recommendation for the cheapest flags.")]
+        fix=fix + ".")]
 
 
 DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (
     reduction_error, static_graph_unsafe, wrapper_bypass, unfrozen_after_wrap, frozen_after_wrap,
-    unused_parameters, dynamic_graph, rank_dependent_graph, used_outside_forward, reentrant_checkpoint,
+    unused_parameters, grad_blocked, dynamic_graph, rank_dependent_graph, used_outside_forward, reentrant_checkpoint,
     grads_not_synced, replica_divergence, buffer_divergence, identical_inputs, no_trainable, find_unused_unneeded,
 )

@@ -48,9 +48,12 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
     # Frozen after wrap before any observed step trained them: the script meant them frozen from the start.
     # Frozen after training for some steps (gradual freezing): the set DDP must reduce changes over time.
     frozen_later = frozen_after & v.trainable.any(0).any(0)
-    freeze_mask = (intended & ~ever) | (frozen_after & ~frozen_later)
+    # Only parameters whose modules never ran may be frozen (DESIGN 2.3): a module that ran but got no gradient is
+    # blocked (no_grad, detach, a reentrant checkpoint), and the script means to train it.
+    _, blocked = v.unused_by_cause()
+    freeze_mask = (intended & ~ever & ~blocked) | (frozen_after & ~frozen_later)
     freeze = [names[i] for i in freeze_mask.nonzero().flatten().tolist()]
-    rest = intended & ever
+    rest = intended & (ever | blocked)
     u = used[:, :, rest]
     all_used = bool(u.all()) and not dynamic.any()
     stable = bool((u.any(1) == u.all(1)).all()) and not dynamic.any()
@@ -58,6 +61,10 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
     outside, reentrant = bool(outside_h.ranks), bool(reentrant_h.ranks)
 
     parts = []
+    if blocked.any():
+        parts.append(f"{int(blocked.sum())} parameter(s) ran in forward but got no gradient (grad-blocked): fix that "
+                     "first; until then they count as unused, and they are not frozen here because the script means "
+                     "to train them.")
     if freeze:
         parts.append(f"{len(freeze)} parameter(s) never reached the loss on any rank in {v.steps} steps"
                      + (" or were frozen after wrap" if (frozen_after & ~frozen_later).any() else "")

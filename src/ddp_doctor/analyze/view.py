@@ -39,6 +39,7 @@ class View:
         s = self.steps
         self.used = torch.stack([r.used[:s] for r in records])            # [W, S, P]
         self.trainable = torch.stack([r.trainable[:s] for r in records])  # [W, S, P]
+        self.ran = torch.stack([r.ran[:s] for r in records])              # [W, S, P]
         self.grad_fp = torch.stack([r.grad_fp[:s] for r in records])      # [W, S, P, 2]
         self.weight_fp = torch.stack([r.weight_fp[: s + 1] for r in records])  # [W, S+1, P, 2]
         self.buffer_fp = torch.stack([r.buffer_fp[:s] for r in records])  # [W, S, B, 2]
@@ -92,6 +93,19 @@ class View:
         dynamic = self.live & (across_steps | after_crash)
         rank_dep = self.live & (u.any(0) != u.all(0)).any(0)
         return never, dynamic, rank_dep, always
+
+    def unused_by_cause(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Never-used live params split by cause, [P] masks: (dead: the module never ran in a training forward on
+        any rank or step, so freezing it changes nothing the script does; blocked: the module ran, but no gradient
+        reached the parameter: `no_grad`, `.detach()` or a reentrant checkpoint without grad-requiring inputs).
+        Only the dead ones may ever be advised to freeze."""
+        never = self.usage()[0]
+        ran = self.ran.any(0).any(0) if self.steps else torch.zeros_like(never)
+        return never & ~ran, never & ran
+
+    @property
+    def blocked_checkpoints(self) -> list[str]:
+        return sorted({site for r in self.records for site in r.blocked_checkpoints})
 
     @property
     def ever_used(self) -> torch.Tensor:
