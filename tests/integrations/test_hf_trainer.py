@@ -55,7 +55,12 @@ def test_two_heads_seed000_freeze_the_unused_head_and_run_clean(tmp_path: Path) 
     unused = finding(report, "unused-parameters")
     assert unused["severity"] == "warning"  # the Trainer's find_unused_parameters=True copes, at a cost
     assert params(report, "unused-parameters") == SCORE_HEAD
-    assert "set TrainingArguments(ddp_static_graph=True) (same params unused every step)" in unused["fix"]
+    import transformers
+
+    if transformers.__version__.startswith("4."):   # no ddp_static_graph field: the subclass route (4.57.6)
+        assert "has no field for static_graph: subclass Trainer" in unused["fix"], unused["fix"]
+    else:
+        assert "set TrainingArguments(ddp_static_graph=True) (same params unused every step)" in unused["fix"]
     assert "before trainer.train()" in unused["fix"]
     rec = report["recommendation"]
     assert set(rec["freeze_before_wrap"]) == SCORE_HEAD
