@@ -130,6 +130,8 @@ class Case:
     fixed: dict[str, Any] = field(default_factory=dict)
     """Changes to the loop for the applied run, where the bug is in code rather than in flags."""
     steps: int = 4
+    retry_on_rank: int | None = None
+    """This rank runs one more synced forward and backward through DDP in step 1, the others in step 2."""
 
 
 HEAD_B = {"head_b.weight", "head_b.bias"}
@@ -200,6 +202,12 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case(name="same-batch", same_batch=True, codes={"identical-inputs-across-ranks"},
          fixed={"same_batch": False}),
     Case(name="batchnorm", net_kwargs={"batchnorm": True}, codes=set()),
+    # A retry path that runs one more forward and backward through DDP on rank 1: DDP's all-reduces pair across
+    # steps. Named as a collective mismatch at the step it happened, with the rank.
+    # The paired all-reduces average the same gradients on both ranks (so grads agree at each optimizer step),
+    # but of different micro-passes: the weights drift apart.
+    Case(name="extra-backward-on-one-rank", retry_on_rank=1, codes={"collective-mismatch", "replica-divergence"},
+         fixed={"retry_on_rank": None}),
     Case(name="batchnorm-no-broadcast", net_kwargs={"batchnorm": True}, ddp_kwargs={"broadcast_buffers": False},
          codes={"buffer-divergence"}, params={"buffer-divergence": {"norm.running_mean", "norm.running_var"}}),
 ]}
@@ -230,6 +238,11 @@ def train_step(case: Case, model: Any, inner: nn.Module, rank: int, step: int) -
             model.require_backward_grad_sync = last  # nanoGPT's idiom
         context = model.no_sync() if case.accumulate == "no_sync" and not last else nullcontext()
         with context:
+            (case.loss(model, inner, data, step, rank) / case.micro_steps).backward()
+        # "The loss spiked: retry". Rank `retry_on_rank` retries in step 1 and the others in step 2, so the totals
+        # match again and the run ends (a single unmatched retry would leave a rank waiting in its last all-reduce).
+        retry_step = 1 if case.retry_on_rank == rank else 2
+        if case.retry_on_rank is not None and step == retry_step and last:
             (case.loss(model, inner, data, step, rank) / case.micro_steps).backward()
 
 

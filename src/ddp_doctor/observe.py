@@ -152,6 +152,7 @@ class Doctor:
                 self._owned[id(m)] = owned
         self._ddp_grad = False
         self._blocked_checkpoints: list[str] = []
+        self._repeat_sites: list[str] = []
         self._stop_checkpoints: Callable[[], None] | None = None
         self._outside: list[bool] = []
         self.rank = dist.get_rank()
@@ -290,10 +291,14 @@ class Doctor:
         self._ddp_depth += 1
         self._ddp_grad = torch.is_grad_enabled()
         if torch.is_grad_enabled():
+            # A synced backward that no optimizer.step() followed: this forward starts another pass in the same
+            # optimizer step (a retry path), or a GradScaler skipped the step. Where, for the report.
+            unstepped = self._pending_close and self._attached and self._optimizer is not None
             self._close_pending()
             self.phase = "forward"
-        if torch.is_grad_enabled():
             self._sync_forward = bool(self._ddp.require_backward_grad_sync)
+            if unstepped and self._sync_forward and len(self._repeat_sites) < _MAX_SITES:
+                self._repeat_sites.append(f"step {self.steps_observed}: {user_site({id(self._ddp)})}")
         self._t_forward_start = time.perf_counter()
 
     def _on_ddp_forward(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
@@ -538,6 +543,7 @@ class Doctor:
         record.crash_message = self._crash_message
         record.bypass_sites = list(self._bypass_sites)
         record.blocked_checkpoints = list(self._blocked_checkpoints)
+        record.repeat_sites = list(self._repeat_sites)
         return record
 
     def report(self, *, timeout: float = 300.0) -> Any:

@@ -140,6 +140,8 @@ class RankRecord:
     blocked_checkpoints: list[str] = field(default_factory=list)
     """`file:line` of reentrant checkpoint calls (use_reentrant=True) none of whose inputs required grad: their
     blocks get no gradient at all."""
+    repeat_sites: list[str] = field(default_factory=list)
+    """`step N: file:line` of each synced DDP forward after the first in a step."""
 
     @property
     def steps(self) -> int:
@@ -226,4 +228,5 @@ class RankRecord:
             "crash_message": self.crash_message,
             "bypass_sites": self.bypass_sites,
             "blocked_checkpoints": self.blocked_checkpoints,
+            "repeat_sites": self.repeat_sites,
         }

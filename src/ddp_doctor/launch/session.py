@@ -111,6 +111,17 @@ def _user_frame(frames: list[traceback.FrameSummary], *, code: bool = True) -> s
     return None
 
 
+def _raising_ddp(exc: BaseException) -> DistributedDataParallel | None:
+    """The innermost DDP instance whose method is on the traceback of `exc` (None when none is)."""
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("self")
+        if isinstance(candidate, DistributedDataParallel):
+            found = candidate
+        tb = tb.tb_next
+    return found
+
+
 def _user_site_of(frame: Any, limit: int = 40) -> str | None:
     """`file:line` of the innermost user frame at or above `frame` (a cheap walk: no traceback objects)."""
     while frame is not None and limit:
@@ -327,7 +338,12 @@ class Session:
         phase = self._progress()["phase"]
         explained = None
         step = -1
+        # DDP's own errors are raised inside the forward of the model that failed: only that model's doctor
+        # records the crash (a GAN's critic failing says nothing about its generator).
+        raising = _raising_ddp(exc)
         for doctor in self.doctors:
+            if raising is not None and doctor._ddp is not raising:
+                continue
             failure = doctor.explain(exc, hint="")
             step = max(step, doctor.record().crash_step)
             if failure is not None and explained is None:
