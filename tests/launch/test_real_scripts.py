@@ -1,0 +1,30 @@
+"""`ddp-doctor check` on real-script patterns outside the seeds: the same findings as the in-process matrix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkrun import SCRIPTS, check
+
+
+def test_a_gan_s_critic_failure_is_reported_against_the_critic_only(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "gan.py")], tmp_path, timeout=180)
+    assert run.rc == 1, run.output
+    generator, critic = run.report, run.report["other_models"][0]
+    assert generator["model"] == "Sequential" and critic["model"] == "Critic"
+    assert generator["findings"] == [], generator["findings"]      # nothing of the critic's crash leaks here
+    reduction = next(f for f in critic["findings"] if f["code"] == "reduction-error")
+    assert {p["name"] for p in reduction["params"]} == {"aux.weight", "aux.bias"}
+
+
+def test_reentrant_checkpoint_without_grad_input_is_grad_blocked_never_freeze(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "checkpoint_input.py")], tmp_path, timeout=180)
+    assert run.rc == 1, run.output
+    assert {"grad-blocked", "reentrant-checkpoint"} <= run.codes, run.output
+    assert run.params("grad-blocked") == {"stem.0.weight", "stem.0.bias"}
+    site = run.finding("reentrant-checkpoint")
+    assert "checkpoint_input.py:23" in site["title"] and "use_reentrant=False" in site["fix"], site
+    assert run.report["recommendation"]["freeze_before_wrap"] == []
+    fixed = check(["--nproc-per-node", "2", str(SCRIPTS / "checkpoint_input.py"), "--fixed"], tmp_path / "fixed",
+                  timeout=180)
+    assert fixed.rc == 0 and not fixed.errors(), fixed.output
