@@ -37,7 +37,7 @@ def test_hang_on_rank_1_ends_within_the_timeout_and_names_it(tmp_path: Path) -> 
 
 
 def test_a_script_that_never_builds_ddp_is_a_clear_exit_2(tmp_path: Path) -> None:
-    run = check(["--nproc-per-node", "2", str(SCRIPTS / "no_ddp.py")], tmp_path)
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "no_training.py")], tmp_path)
     assert run.rc == 2, run.output
     assert "without building a torch.nn.parallel.DistributedDataParallel model" in run.output
     assert "Traceback" not in run.output

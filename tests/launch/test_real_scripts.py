@@ -28,3 +28,21 @@ def test_reentrant_checkpoint_without_grad_input_is_grad_blocked_never_freeze(tm
     fixed = check(["--nproc-per-node", "2", str(SCRIPTS / "checkpoint_input.py"), "--fixed"], tmp_path / "fixed",
                   timeout=180)
     assert fixed.rc == 0 and not fixed.errors(), fixed.output
+
+
+def test_a_model_trained_on_every_rank_without_ddp_is_model_not_wrapped(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "no_ddp.py")], tmp_path, timeout=180)
+    assert run.rc == 1, run.output
+    assert run.codes == {"model-not-wrapped"}, run.output
+    finding = run.finding("model-not-wrapped")
+    assert finding["severity"] == "error" and "SGD created at tests/scripts/_train.py:21" in finding["detail"]
+    assert run.params("model-not-wrapped") == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert run.report["steps_observed"] == 3     # the script ends after 3 steps, before K
+
+
+def test_a_correct_manual_sync_without_ddp_is_info_only(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "manual_sync.py")], tmp_path, timeout=180)
+    assert run.rc == 0, run.output
+    finding = run.finding("model-not-wrapped")
+    assert finding["severity"] == "info" and "sync_gradients" in finding["fix"], finding
+    assert run.report["steps_observed"] == 8

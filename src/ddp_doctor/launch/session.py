@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
 from ddp_doctor import _log
 from ddp_doctor.errors import DoctorError
@@ -43,6 +43,7 @@ from ddp_doctor.gather import arrive
 from ddp_doctor.hookutil import format_site
 from ddp_doctor.launch.beacon import Beacon, read_beacon
 from ddp_doctor.launch.config import RankConfig
+from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
 from ddp_doctor.observe import Doctor
 from ddp_doctor.wrapstate import WRAP_STATE_ATTR
 
@@ -151,6 +152,7 @@ class Session:
         self._in_collective = False
         self._collectives = 0
         self.beacon = Beacon(self.outdir / f"rank{self.rank}.beacon")
+        self.plain = PlainOptimizerWatch()
 
     # ---------------------------------------------------------------------------------------------- set-up
 
@@ -175,10 +177,21 @@ class Session:
             # The script tears its process group down before K steps: report while the group still exists.
             if session.doctors and not session._finishing and (not args and not kwargs.get("group")):
                 session.finish("the script destroyed its process group")
+            if session.plain.steps and not session.doctors and not session._finishing and not args:
+                session.finish_unwrapped("the script destroyed its process group")
             return original_destroy(*args, **kwargs)
 
         DistributedDataParallel.__init__ = __init__
         dist.destroy_process_group = destroy_process_group
+        original_opt_init = Optimizer.__init__
+
+        @functools.wraps(original_opt_init)
+        def optimizer_init(opt: Optimizer, *args: Any, **kwargs: Any) -> None:
+            original_opt_init(opt, *args, **kwargs)
+            record_creation_site(opt)
+
+        Optimizer.__init__ = optimizer_init
+        self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
         self._patch_collectives()
         # A segfault or abort (gloo's on a mismatched collective) leaves no Python exception: faulthandler writes
         # the signal and the stack to a file the supervisor reads. The file object must stay open.
@@ -223,6 +236,35 @@ class Session:
                             "ddp_config": doctor.info.ddp_config, "torch_version": torch.__version__,
                             "backend": str(dist.get_backend())})
         self._write_progress()
+
+    # ------------------------------------------------------------------------------------------- no DDP
+
+    def _on_any_step(self, opt: Optimizer, _args: Any, _kwargs: Any) -> None:
+        """With no DDP model, follow the first optimizer that trains on several ranks (`model-not-wrapped`)."""
+        if self.doctors or self._finishing or not self.plain.on_step(opt):
+            return
+        self.beacon.update(step=self.plain.steps, phase="between steps")
+        if self.plain.steps >= self.config.steps:
+            self.finish_unwrapped(self._steps_reason)
+
+    def finish_unwrapped(self, reason: str) -> None:
+        """Compare the unwrapped optimizer's parameters across ranks, write the report (local rank 0), exit."""
+        self._finishing = True
+        try:
+            arrive("ddp_doctor/unwrapped", timeout=min(self.config.crash_wait_s, self._remaining()))
+            report = self.plain.report()
+        except DoctorError as exc:
+            logger.warning("ddp-doctor: rank %d could not compare the unwrapped model: %s", self.rank, exc)
+            self._end({"outcome": "no-exchange", "error": str(exc), "ddp_models": 0})
+            self._exit(1)
+            return
+        opt = self.plain.optimizer
+        model = {"site": getattr(opt, "_ddp_doctor_site", None), "framework": "torch",
+                 "module": self.plain.module or type(opt).__qualname__, "report": report.to_dict()}
+        if self.local_rank == 0:
+            write_json(self.outdir / "report.json", {"reason": reason, "models": [model]})
+        self._end({"outcome": "reported", "reason": reason, "ddp_models": 0})
+        self._leave()
 
     # ------------------------------------------------------------------------------------------- position
 
@@ -304,6 +346,8 @@ class Session:
         else:
             site = _user_frame(traceback.extract_tb(exc.__traceback__)) or "sys.exit"
         step = max((d.steps_observed for d in self.doctors), default=-1)
+        if not self.doctors and self.plain.steps and not self._finishing and code == 0:
+            self.finish_unwrapped("the script ended")
         self._end({"outcome": "exited", "status": code, "site": site, "step": step, "phase": self._progress()["phase"],
                    "ddp_models": len(self.doctors)})
         if self.doctors and not self._finishing and not self._peers_train_on(step):
