@@ -8,7 +8,6 @@ from scenarios import CASES, Case, run_applied, run_case
 
 from ddp_doctor import CODES
 
-
 _TRAINED = {"grad-blocked", "dynamic-graph", "rank-dependent-graph", "reentrant-checkpoint"}
 
 
