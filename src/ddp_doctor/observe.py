@@ -33,7 +33,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ddp_doctor import _log, checkpoints
+from ddp_doctor import _log, checkpoints, dataprobe
 from ddp_doctor.errors import (
     DDPFailure,
     InvalidArgumentError,
@@ -153,6 +153,8 @@ class Doctor:
         self._ddp_grad = False
         self._blocked_checkpoints: list[str] = []
         self._repeat_sites: list[str] = []
+        self._loaders: list[dict[str, Any]] = []
+        self._stop_loaders: Callable[[], None] | None = None
         self._stop_checkpoints: Callable[[], None] | None = None
         self._outside: list[bool] = []
         self.rank = dist.get_rank()
@@ -244,6 +246,7 @@ class Doctor:
                 self._optimizer.register_step_post_hook(_Hook(self._on_optimizer_post)),
             ]
         self._stop_checkpoints = checkpoints.listen(self._on_checkpoint)
+        self._stop_loaders = dataprobe.listen(self._on_loader)
         self._hook_new_trainable()
         self._attached = True
 
@@ -261,6 +264,9 @@ class Doctor:
         if self._stop_checkpoints is not None:
             self._stop_checkpoints()
             self._stop_checkpoints = None
+        if self._stop_loaders is not None:
+            self._stop_loaders()
+            self._stop_loaders = None
         self._hooked.clear()
         self._attached = False
         self._finished = True
@@ -382,6 +388,17 @@ class Doctor:
         if (not needs_grad and self._ddp_depth and self._ddp_grad and site and site not in self._blocked_checkpoints
                 and len(self._blocked_checkpoints) < _MAX_SITES):
             self._blocked_checkpoints.append(site)
+
+    def _on_loader(self, info: dict[str, Any]) -> None:
+        # The first loader iterated while observed is the training loader in the usual loop; later starts of the
+        # same loader are new epochs.
+        known = next((d for d in self._loaders if d["id"] == info["id"]), None)
+        if known is not None:
+            known["epochs_started"] += 1
+            known["epochs_seen"].append(info.get("epoch"))
+        elif len(self._loaders) < 4:
+            self._loaders.append({**info, "epochs_started": 1, "epochs_seen": [info.get("epoch")],
+                                  "first_step": self.steps_observed})
 
     def _on_output_grad(self, _grad: torch.Tensor) -> None:
         if not self._backward_pending and self._attached:
@@ -544,6 +561,7 @@ class Doctor:
         record.bypass_sites = list(self._bypass_sites)
         record.blocked_checkpoints = list(self._blocked_checkpoints)
         record.repeat_sites = list(self._repeat_sites)
+        record.loaders = [{k: v for k, v in d.items() if k != "id"} for d in self._loaders]
         return record
 
     def report(self, *, timeout: float = 300.0) -> Any:

@@ -140,6 +140,8 @@ class RankRecord:
     blocked_checkpoints: list[str] = field(default_factory=list)
     """`file:line` of reentrant checkpoint calls (use_reentrant=True) none of whose inputs required grad: their
     blocks get no gradient at all."""
+    loaders: list[dict[str, Any]] = field(default_factory=list)
+    """The DataLoaders iterated while observed (at most 4): batches per epoch, sampler kind, padding, epochs."""
     repeat_sites: list[str] = field(default_factory=list)
     """`step N: file:line` of each synced DDP forward after the first in a step."""
 
@@ -229,4 +231,5 @@ class RankRecord:
             "bypass_sites": self.bypass_sites,
             "blocked_checkpoints": self.blocked_checkpoints,
             "repeat_sites": self.repeat_sites,
+            "loaders": self.loaders,
         }

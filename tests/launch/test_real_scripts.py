@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkrun import SCRIPTS, check
+from checkrun import EXAMPLES, SCRIPTS, check
 
 
 def test_a_gan_s_critic_failure_is_reported_against_the_critic_only(tmp_path: Path) -> None:
@@ -46,3 +46,21 @@ def test_a_correct_manual_sync_without_ddp_is_info_only(tmp_path: Path) -> None:
     finding = run.finding("model-not-wrapped")
     assert finding["severity"] == "info" and "sync_gradients" in finding["fix"], finding
     assert run.report["steps_observed"] == 8
+
+
+def test_ranks_with_different_batch_counts_are_uneven_inputs(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", str(EXAMPLES / "uneven_inputs.py")], tmp_path, timeout=180)
+    assert run.rc == 1, run.output
+    finding = run.finding("uneven-inputs")
+    assert finding["severity"] == "error" and "rank 0: 13, rank 1: 12" in finding["title"], finding
+    assert "Rank 1 runs out after 12 batches" in finding["detail"] and "Join" in finding["fix"]
+
+
+def test_a_sampler_whose_epoch_is_never_set_is_named_and_set_epoch_is_clean(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "sampler_epoch.py")], tmp_path, timeout=180)
+    assert run.rc == 0, run.output                       # a warning: below the default --fail-on error
+    finding = run.finding("sampler-epoch-not-set")
+    assert finding["severity"] == "warning" and "same epoch (0)" in finding["title"], finding
+    fixed = check(["--nproc-per-node", "2", str(SCRIPTS / "sampler_epoch.py"), "--set-epoch"], tmp_path / "fixed",
+                  timeout=180)
+    assert "sampler-epoch-not-set" not in fixed.codes and "uneven-inputs" not in fixed.codes, fixed.output

@@ -42,20 +42,21 @@ def _where(s: RankState) -> str:
         # A crashed rank's own record is exact; its last sample may show the doctor's exit path.
         return f"step {max(s.crash.step, 0)}, {s.crash.phase}, at {s.crash.site or 'an unknown place'}"
     step = max(s.step, 0)
-    if s.outcome is None and s.signal not in (None, "SIGTERM") and s.site:
-        # Killed: its sampled frame may be stale, the beacon's line is where it last changed phase.
-        place, age = f"{s.site} or later", ""
-    else:
-        place = s.user_frame or s.site or s.innermost or "an unknown place"
-        age = (f" (sampled; there for the last {s.sample_age_s:.1f} s)" if s.user_frame and s.sample_age_s
-               and s.sample_age_s > 1 else "")
-    waiting = ""
     if s.in_collective and s.collective is not None:
         c = s.collective
-        waiting = f", inside {c.describe()} called at {c.site or 'an unknown place'}"
-    elif s.phase == "backward":
-        waiting = ", in DDP's backward (its gradient all-reduce)"
-    return f"step {step}, {s.phase}{waiting}, at {place}{age}"
+        return f"step {step}, {s.phase}, inside {c.describe()} called at {c.site or 'an unknown place'}"
+    waiting = ", in DDP's backward (its gradient all-reduce)" if s.phase == "backward" else ""
+    # The watchdog's sample of the user's line is newer than the last phase change only when the rank sat still
+    # (a hang); otherwise the line published at the last phase change is the better one.
+    sample_newer = s.user_frame is not None and (
+        s.site is None or s.position_age_s is None
+        or (s.sample_age_s is not None and s.sample_age_s <= s.position_age_s))
+    if sample_newer:
+        age = f" (sampled; there for the last {s.sample_age_s:.1f} s)" if s.sample_age_s and s.sample_age_s > 1 else ""
+        return f"step {step}, {s.phase}{waiting}, at {s.user_frame}{age}"
+    if s.site:
+        return f"step {step}, {s.phase}{waiting}, after {s.site}"
+    return f"step {step}, {s.phase}{waiting}, at {s.innermost or 'an unknown place'}"
 
 
 def _short(site: str | None) -> str:

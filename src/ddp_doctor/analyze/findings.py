@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddp_doctor.analyze.data import sampler_epoch_not_set, uneven_inputs
 from ddp_doctor.analyze.view import View
 from ddp_doctor.records import CRASH_KINDS, RankRecord
 from ddp_doctor.report.model import Finding
@@ -504,4 +505,5 @@ DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (
     reduction_error, static_graph_unsafe, wrapper_bypass, unfrozen_after_wrap, frozen_after_wrap,
     unused_parameters, grad_blocked, synced_pass_mismatch, dynamic_graph, rank_dependent_graph, used_outside_forward, reentrant_checkpoint,
     grads_not_synced, replica_divergence, buffer_divergence, identical_inputs, no_trainable, find_unused_unneeded,
+    uneven_inputs, sampler_epoch_not_set,
 )

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
-from ddp_doctor import _log
+from ddp_doctor import _log, dataprobe
 from ddp_doctor.errors import DoctorError
 from ddp_doctor.gather import arrive
 from ddp_doctor.hookutil import format_site
@@ -193,6 +193,7 @@ class Session:
         Optimizer.__init__ = optimizer_init
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
         self._patch_collectives()
+        dataprobe.install()
         # A segfault or abort (gloo's on a mismatched collective) leaves no Python exception: faulthandler writes
         # the signal and the stack to a file the supervisor reads. The file object must stay open.
         self._fault_file = open(self.outdir / f"rank{self.rank}.fault", "w")  # noqa: SIM115

@@ -1,0 +1,84 @@
+"""Data-sharding findings: `uneven-inputs` and `sampler-epoch-not-set`. Pure: reads the ranks' loader facts."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from ddp_doctor.analyze.view import View
+from ddp_doctor.report.model import Finding
+
+__all__ = ["sampler_epoch_not_set", "uneven_inputs"]
+
+
+def _training_loader(record: Any) -> dict[str, Any] | None:
+    """The first loader the rank iterated while observed that has a length (the training loop's, in practice)."""
+    return next((d for d in record.loaders if d.get("batches") is not None), None)
+
+
+def uneven_inputs(v: View) -> list[Finding]:
+    loaders = {r.rank: _training_loader(r) for r in v.records}
+    known = {rank: d for rank, d in loaders.items() if d is not None}
+    if v.world < 2 or len(known) < v.world:
+        return []
+    counts = {rank: int(d["batches"]) for rank, d in known.items()}
+    fewest = min(counts.values())
+    if len(set(counts.values())) > 1:
+        short = sorted(r for r, c in counts.items() if c == fewest)
+        shown = ", ".join(f"rank {r}: {c}" for r, c in sorted(counts.items())[:8])
+        return [Finding(
+            code="uneven-inputs", severity="error",
+            title=f"ranks have different numbers of batches per epoch ({shown})",
+            detail=f"{'Ranks' if len(short) > 1 else 'Rank'} {', '.join(map(str, short))} "
+                   f"run{'' if len(short) > 1 else 's'} out after {fewest} "
+                   f"batches, at batch {fewest} of the first epoch, while the others still train: they then wait "
+                   "in DDP's gradient all-reduce for a rank that has stopped, and the job hangs or crashes at the end "
+                   f"of the epoch. Sampler: {known[short[0]].get('sampler')}.",
+            ranks=sorted(counts), steps=[fewest],
+            fix="give every rank the same number of batches: shard with DistributedSampler (equal shares), or use "
+                "drop_last=True, or wrap the loop in torch.distributed.algorithms.Join([model]) so ranks that run "
+                "out shadow the others' all-reduces (Accelerate: Accelerator(even_batches=True)).")]
+    padded = {rank: int(d.get("padded") or 0) for rank, d in known.items()}
+    if any(padded.values()):
+        d = known[0] if 0 in known else next(iter(known.values()))
+        pad = max(padded.values())
+        return [Finding(
+            code="uneven-inputs", severity="info",
+            title=f"equal batch counts only thanks to {pad} padded sample(s)",
+            detail=f"DistributedSampler(drop_last=False) repeats {pad} sample(s) so that the {d.get('dataset')} "
+                   f"samples split evenly over {v.world} ranks: every rank gets {fewest} batches, and those samples "
+                   "count twice in each epoch. Harmless for training; it skews an evaluation metric.",
+            ranks=sorted(padded), steps=[],
+            fix="DistributedSampler(..., drop_last=True) drops them instead; for evaluation, count only the first "
+                "len(dataset) samples.")]
+    return []
+
+
+def sampler_epoch_not_set(v: View) -> list[Finding]:
+    findings: list[Finding] = []
+    for r in v.records[:1]:   # every rank's loop has the same shape; rank 0 speaks for it
+        for d in r.loaders:
+            if d.get("sampler") != "DistributedSampler" or not d.get("shuffle"):
+                continue
+            seen = [e for e in d.get("epochs_seen", []) if e is not None]
+            repeated = any(a == b for a, b in itertools.pairwise(seen))
+            if d.get("epochs_started", 1) >= 2 and repeated:
+                findings.append(Finding(
+                    code="sampler-epoch-not-set", severity="warning",
+                    title=f"a shuffling DistributedSampler started a new epoch with the same epoch ({seen[-1]})",
+                    detail="set_epoch was not called between epochs, so every epoch visits the samples in the same "
+                           "order on every rank: shuffling only happened once.",
+                    ranks=list(range(v.world)), steps=[],
+                    fix="call sampler.set_epoch(epoch) at the start of every epoch, before iterating the loader."))
+            elif d.get("epochs_started", 1) == 1 and not d.get("set_epoch_called") and seen and seen[0] == 0:
+                findings.append(Finding(
+                    code="sampler-epoch-not-set", severity="info",
+                    title="a shuffling DistributedSampler: set_epoch not called yet",
+                    detail=f"The observed steps stayed in the first epoch ({d.get('batches')} batches per epoch, "
+                           f"first batch at observed step {d.get('first_step', 0)}), and set_epoch was not called "
+                           "before it. What cannot be known from these steps: whether the loop calls set_epoch when "
+                           "the next epoch starts. If it does not, every epoch repeats the same order.",
+                    ranks=list(range(v.world)), steps=[],
+                    fix="call sampler.set_epoch(epoch) at the start of every epoch (set_epoch(0) before the first "
+                        "one makes this check certain)."))
+    return findings
