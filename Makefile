@@ -42,9 +42,11 @@ $(TVENV)/.ready: pyproject.toml
 	$(TVENV)/bin/python -c "import torch; assert torch.__version__.split('+')[0] == '$(TORCH)', torch.__version__"
 	touch $@
 
+# TESTS narrows what runs (CI's corner B: the scenario matrix, the check examples, the failure and fault suites).
+TESTS ?= --ignore=tests/integrations
 test-torch: $(TVENV)/.ready browser
 	$(TVENV)/bin/python -c "import sys, torch; print('torch', torch.__version__, 'python', sys.version.split()[0])"
-	$(TVENV)/bin/python -m pytest -q --ignore=tests/integrations
+	$(TVENV)/bin/python -m pytest -q $(TESTS)
 
 # The integrations on the last transformers 4.x release (4.57.6), which has no ddp_static_graph field.
 HF4VENV := .venv-hf4
