@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ddp_doctor import _log, checkpoints, dataprobe
+from ddp_doctor._collective import comm_device
 from ddp_doctor.errors import (
     DDPFailure,
     InvalidArgumentError,
@@ -584,12 +585,9 @@ class Doctor:
         if self._attached:
             raise InvalidArgumentError("report() was called inside the observe() block; call it after the block.")
         self._reports += 1
+        # Each DDP model is compared within its own process group (a hybrid-parallel job's data-parallel group).
+        group = self._ddp.process_group
+        device = comm_device(group, self._params[0].device if self._params else None)
         info, records = gather(self.record(), self.info, timeout=timeout, tag=f"doctor{self._serial}/report{self._reports}",
-                               device=self._comm_device())
-        return Report.build(info, records, analyze(info, records), backend=str(dist.get_backend()))
-
-    def _comm_device(self) -> torch.device:
-        if dist.get_backend() == "nccl":
-            device = self._params[0].device
-            return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+                               device=device, group=group)
+        return Report.build(info, records, analyze(info, records), backend=str(dist.get_backend(group)))

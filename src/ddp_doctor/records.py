@@ -42,6 +42,9 @@ class ModelInfo:
     """`file:line` of the user code that built DDP, when it was seen."""
     framework: str = "torch"
     """Who built the DDP model: torch, transformers, accelerate or lightning."""
+    group_ranks: list[int] | None = None
+    """The global ranks of the DDP model's process group, in group order, when it is a subgroup (None: the world).
+    Analysis works in group ranks; findings are mapped to these at the end."""
 
     def __post_init__(self) -> None:
         n = len(self.param_names)
@@ -68,6 +71,7 @@ class ModelInfo:
             "wrap_trainable_count": self.wrap_trainable_count,
             "ddp_site": self.ddp_site,
             "framework": self.framework,
+            "group_ranks": self.group_ranks,
         }
 
     @classmethod

@@ -64,3 +64,25 @@ def test_a_sampler_whose_epoch_is_never_set_is_named_and_set_epoch_is_clean(tmp_
     fixed = check(["--nproc-per-node", "2", str(SCRIPTS / "sampler_epoch.py"), "--set-epoch"], tmp_path / "fixed",
                   timeout=180)
     assert "sampler-epoch-not-set" not in fixed.codes and "uneven-inputs" not in fixed.codes, fixed.output
+
+
+def _groups(run) -> list[tuple[list[int], set[str]]]:
+    models = [run.report, *run.report.get("other_models", [])]
+    return [(m["ddp_config"]["process_group_ranks"], {f["code"] for f in m["findings"]}) for m in models]
+
+
+def test_ddp_over_subgroups_is_compared_within_each_group(tmp_path: Path) -> None:
+    # Two data-parallel groups holding different models: no "different models" error, one report per group.
+    run = check(["--nproc-per-node", "4", str(SCRIPTS / "subgroups.py")], tmp_path, timeout=240)
+    assert run.rc == 0, run.output
+    assert _groups(run) == [([0, 1], set()), ([2, 3], set())], run.output
+    # The same architecture with different weights per group: no false grads-not-synced or replica-divergence.
+    same = check(["--nproc-per-node", "4", str(SCRIPTS / "subgroups.py"), "--same-arch"], tmp_path / "same",
+                 timeout=240)
+    assert same.rc == 0 and _groups(same) == [([0, 1], set()), ([2, 3], set())], same.output
+    # A finding in the second group names that group's global ranks.
+    unused = check(["--nproc-per-node", "4", str(SCRIPTS / "subgroups.py"), "--unused-head"], tmp_path / "unused",
+                   timeout=240)
+    assert _groups(unused) == [([0, 1], set()), ([2, 3], {"unused-parameters"})], unused.output
+    finding = next(f for f in unused.report["other_models"][0]["findings"] if f["code"] == "unused-parameters")
+    assert finding["ranks"] == [2, 3] and {p["name"] for p in finding["params"]} == {"head.weight", "head.bias"}

@@ -39,5 +39,12 @@ def analyze(info: ModelInfo, records: list[RankRecord]) -> Diagnosis:
     findings.sort(key=lambda f: _SEVERITY_ORDER[f.severity])
     crashes = [Crash(rank=r.rank, step=r.crash_step, kind=CRASH_KINDS[r.crash_kind], message=r.crash_message)
                for r in records if r.crash_kind]
+    if info.group_ranks:
+        # A DDP model over a subgroup: analysis ran in group ranks; users read global ranks.
+        to_global = info.group_ranks
+        for f in findings:
+            f.ranks = [to_global[r] if 0 <= r < len(to_global) else r for r in f.ranks]
+        for c in crashes:
+            c.rank = to_global[c.rank] if 0 <= c.rank < len(to_global) else c.rank
     return Diagnosis(findings=findings, recommendation=recommend(view, findings), timing=_timing(view),
                      steps_observed=view.steps, crashes=crashes)

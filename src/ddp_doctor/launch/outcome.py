@@ -98,8 +98,11 @@ def collect(outdir: Path, *, timed_out: bool, torchrun_rc: int | None, interrupt
     """Read the output folder after every rank has ended."""
     full = _read(outdir / "report.json")
     if full is not None:
+        # Models over subgroups come from their groups' first ranks, in group order.
+        extra = [m for p in sorted(outdir.glob("report.rank*.json"), key=lambda p: int(p.name[11:-5]))
+                 if (d := _read(p)) is not None for m in d["models"]]
         models = [Model(report=Report.from_dict(m["report"]), site=m.get("site"), framework=m.get("framework", "torch"),
-                        module=m.get("module", "")) for m in full["models"]]
+                        module=m.get("module", "")) for m in [*full["models"], *extra]]
         timing = _read(outdir / "timing.json")
         late = [f"rank {d['rank']}: {d['crash']['type']}: {d['crash']['message'][:300]}"
                 for p in sorted(outdir.glob("rank*.json")) if not p.name.endswith(".progress.json")

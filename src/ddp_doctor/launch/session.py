@@ -112,6 +112,10 @@ def _user_frame(frames: list[traceback.FrameSummary], *, code: bool = True) -> s
     return None
 
 
+def _is_world(group: dist.ProcessGroup | None) -> bool:
+    return group is None or group is dist.group.WORLD or dist.get_world_size(group) == dist.get_world_size()
+
+
 def _raising_ddp(exc: BaseException) -> DistributedDataParallel | None:
     """The innermost DDP instance whose method is on the traceback of `exc` (None when none is)."""
     found, tb = None, exc.__traceback__
@@ -428,9 +432,17 @@ class Session:
             self._end({"outcome": "no-exchange", "error": str(exc), "ddp_models": len(self.doctors)})
             self._exit(1 if exit_code is None else exit_code)
             return
+        # A model over the whole world is written by each node's local rank 0; a model over a subgroup (a
+        # data-parallel group of a hybrid job) by the group's first rank, into its own file.
+        world = [(m, r) for d, m, r in zip(self.doctors, self.models, reports) if _is_world(d._ddp.process_group)]
+        mine = [(m, r) for d, m, r in zip(self.doctors, self.models, reports)
+                if not _is_world(d._ddp.process_group) and dist.get_rank(d._ddp.process_group) == 0]
         if self.local_rank == 0:
-            models = [{**m, "report": r.to_dict()} for m, r in zip(self.models, reports)]
-            write_json(self.outdir / "report.json", {"reason": reason, "models": models})
+            write_json(self.outdir / "report.json",
+                       {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in world]})
+        if mine:
+            write_json(self.outdir / f"report.rank{self.rank}.json",
+                       {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in mine]})
         self._end({"outcome": "reported", "reason": reason, "ddp_models": len(self.doctors)})
         if self.config.timed_steps and not exit_code and reason == self._steps_reason:
             self._start_timing()
