@@ -130,6 +130,7 @@ def test_a_skipped_all_reduce_is_a_collective_mismatch_with_both_sites(tmp_path:
     assert "rank 1 never called it" in mismatch["detail"]
     aborted = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
     assert all("SIGABRT" in f["title"] for f in aborted), aborted      # never "out-of-memory"
+    assert any("The communication library said: enforce fail at" in f["detail"] for f in aborted), aborted
     assert "out-of-memory" not in json.dumps(run.report)
 
 
@@ -180,3 +181,18 @@ def test_a_timeout_keeps_torchruns_output_in_a_log_the_report_names(tmp_path: Pa
     log = run.report["torchrun_log"]
     assert f"torchrun's own log: {log}" in run.output and Path(log).is_file()
     assert run.finding("rank-hung")["fix"] and "doctor.report()" not in run.output
+
+
+def test_gloo_and_nccl_abort_lines_are_read_from_the_output() -> None:
+    from ddp_doctor.launch.supervise import native_messages
+
+    text = ("step 3\nterminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail "
+            "at pair.cc:456] op.preamble.length <= op.nbytes. 180 vs 4.\n"
+            "[rank1]:[E] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for "
+            "600000 milliseconds before timing out.\nNCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error\n")
+    assert native_messages(text) == [
+        "enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 180 vs 4.",
+        "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error",
+        "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 "
+        "milliseconds before timing out."]
+    assert native_messages("all fine\n") == []

@@ -118,8 +118,9 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
             f"or all_reduce a flag first), or call it on every rank.")
 
 
-def failure_findings(states: dict[int, RankState], *, timed_out: bool) -> list[Finding]:
-    """The findings for a run whose ranks did not exchange records."""
+def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: list[str] = ()) -> list[Finding]:
+    """The findings for a run whose ranks did not exchange records. `native`: gloo's or NCCL's own error lines
+    found in the job's output (C++ aborts print them; no rank file can)."""
     ranks = sorted(states)
     crashed = {r: s for r, s in states.items() if s.outcome is Outcome.CRASHED and s.crash is not None}
     causes = {r: s for r, s in crashed.items() if not s.crash.peer_lost}
@@ -174,6 +175,8 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool) -> list[F
             code="rank-crashed", severity="error",
             title=f"rank {rank} died of {s.signal}" + (f" {place}" if place else f" at step {max(s.step, 0)}"),
             detail=(f"It was at {_where(s)}{exact}. Cause: {cause}."
+                    + (f" The communication library said: {native[0]}" if native and s.signal in ("SIGABRT", "SIGSEGV")
+                       else "")
                     + (f" The others: {rest}." if rest else "")),
             ranks=[rank], steps=[max(s.step, 0)],
             fix=("run the same script without ddp-doctor to confirm; a segfault in DDP's constructor is known with "
@@ -212,7 +215,10 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool) -> list[F
             ranks=silent, steps=sorted({max(states[r].step, 0) for r in silent}),
             fix="check the system log (dmesg) and the memory use of that rank."))
     if not findings or (timed_out and mismatch is None and not causes and not killed and not exited):
-        findings.extend(_hung(states, timed_out))
+        hung = _hung(states, timed_out)
+        if hung and native:
+            hung[0].detail += f" The communication library said: {native[0]}"
+        findings.extend(hung)
     return findings
 
 

@@ -94,7 +94,8 @@ def _read(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def collect(outdir: Path, *, timed_out: bool, torchrun_rc: int | None, interrupted: int | None = None) -> CheckResult:
+def collect(outdir: Path, *, timed_out: bool, torchrun_rc: int | None, interrupted: int | None = None,
+            native: list[str] | None = None) -> CheckResult:
     """Read the output folder after every rank has ended."""
     full = _read(outdir / "report.json")
     if full is not None:
@@ -130,7 +131,8 @@ def collect(outdir: Path, *, timed_out: bool, torchrun_rc: int | None, interrupt
                       key=lambda s: (s.fault is None, s.rank))
         if died:
             s = died[0]
-            findings = [f for f in failure_findings(states, timed_out=timed_out) if s.rank in f.ranks]
+            findings = [f for f in failure_findings(states, timed_out=timed_out, native=native or [])
+                        if s.rank in f.ranks]
             what = findings[0].title if findings else f"rank {s.rank} died of {s.signal}"
             return CheckResult(error=f"{what}, before the script built a DDP model. "
                                      + (findings[0].detail + " " + findings[0].fix if findings else ""),
@@ -144,17 +146,18 @@ def collect(outdir: Path, *, timed_out: bool, torchrun_rc: int | None, interrupt
                                  "Check that it wraps its model in DDP when launched with torchrun (for example, "
                                  "that it does not fall back to single-process training when WORLD_SIZE is set).",
                            timed_out=timed_out)
-    return CheckResult(models=[Model(report=_failure_report(states, timed_out, interrupted))], timed_out=timed_out,
-                       interrupted=interrupted)
+    return CheckResult(models=[Model(report=_failure_report(states, timed_out, interrupted, native or []))],
+                       timed_out=timed_out, interrupted=interrupted)
 
 
-def _failure_report(states: dict[int, RankState], timed_out: bool, interrupted: int | None) -> Report:
+def _failure_report(states: dict[int, RankState], timed_out: bool, interrupted: int | None,
+                    native: list[str]) -> Report:
     """A report from the ranks' own files: who failed first, how, and where the others were."""
     from ddp_doctor import __version__
 
     world = max([s.world_size for s in states.values()] + [len(states)])
     meta = next((s.models[0] for s in states.values() if s.models), {})
-    findings = [] if interrupted is not None else failure_findings(states, timed_out=timed_out)
+    findings = [] if interrupted is not None else failure_findings(states, timed_out=timed_out, native=native)
     ddp_config = meta.get("ddp_config", {})
     rec = Recommendation(
         find_unused_parameters=bool(ddp_config.get("find_unused_parameters", False)),

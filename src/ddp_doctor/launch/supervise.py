@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,10 +115,13 @@ class _Forward(threading.Thread):
     clean line even after a progress bar's carriage returns)."""
 
     clean_line = True
+    _TAIL = 65536
 
     def __init__(self, source: IO[bytes], sink: IO[str]) -> None:
         super().__init__(daemon=True)
         self.source, self.sink = source, sink
+        self.tail = bytearray()
+        """The last 64 KiB, where gloo's and NCCL's own abort messages are found."""
 
     def run(self) -> None:
         out = getattr(self.sink, "buffer", None)
@@ -132,6 +136,25 @@ class _Forward(threading.Thread):
             except (OSError, ValueError):
                 pass
             _Forward.clean_line = chunk.endswith(b"\n")
+            self.tail += chunk
+            del self.tail[: max(0, len(self.tail) - self._TAIL)]
+
+
+_NATIVE = (re.compile(r"enforce fail at [^\n]*"), re.compile(r"NCCL error[^\n]*"),
+           re.compile(r"nccl(?:InternalError|SystemError|UnhandledCudaError|InvalidUsage|RemoteError)[^\n]*"),
+           re.compile(r"Watchdog caught collective operation timeout[^\n]*"),
+           re.compile(r"Some NCCL operations have failed or timed out[^\n]*"))
+
+
+def native_messages(text: str, limit: int = 3) -> list[str]:
+    """gloo's and NCCL's own error lines in the job's output (they come from C++, not as Python exceptions)."""
+    found: list[str] = []
+    for pattern in _NATIVE:
+        for match in pattern.finditer(text):
+            line = match.group(0).strip()[:300]
+            if line not in found:
+                found.append(line)
+    return found[:limit]
 
 
 def _ended_ranks(folder: Path) -> dict[int, float]:
@@ -204,8 +227,12 @@ def run_check(torchrun_args: dict[str, Any], config: RankConfig, *, timeout: flo
                 _signal_run(marker, signal.SIGKILL)
             for f in forwards:
                 f.join(timeout=2.0)
+        native = native_messages("".join(f.tail.decode(errors="replace") for f in forwards))
+        if output is not None and hasattr(output, "name") and Path(str(output.name)).is_file():
+            output.flush()
+            native = native_messages(Path(output.name).read_text(errors="replace")[-65536:])
         result = collect(folder, timed_out=timed_out, torchrun_rc=proc.returncode if proc is not None else None,
-                         interrupted=interrupted.signum if interrupted is not None else None)
+                         interrupted=interrupted.signum if interrupted is not None else None, native=native)
         result.clean_line = _Forward.clean_line
         result.torchrun_log = _keep_log(folder / "torchrun.log", marker)
         return result
