@@ -34,6 +34,8 @@ def test_scenario(name: str, tmp_path) -> None:
     frozen = set(report["recommendation"]["freeze_before_wrap"])
     assert not frozen & trained, f"{name}: the recommendation freezes trained parameters {sorted(frozen & trained)}"
     for f in report["findings"]:
+        named = {c for c in CODES if c in f["fix"] and c != f["code"]}
+        assert named <= codes, f"{name}: {f['code']}'s fix points to absent finding(s) {sorted(named - codes)}"
         if {p["name"] for p in f["params"]} & trained:
             assert "set requires_grad=False on them" not in f["fix"] or f["code"] == "grad-blocked", (name, f)
 

@@ -37,6 +37,7 @@ def analyze(info: ModelInfo, records: list[RankRecord]) -> Diagnosis:
     view = View(info, records)
     findings = [f for detect in DETECTORS for f in detect(view)]
     findings.sort(key=lambda f: _SEVERITY_ORDER[f.severity])
+    _consistent_fixes(findings)
     crashes = [Crash(rank=r.rank, step=r.crash_step, kind=CRASH_KINDS[r.crash_kind], message=r.crash_message)
                for r in records if r.crash_kind]
     if info.group_ranks:
@@ -48,3 +49,28 @@ def analyze(info: ModelInfo, records: list[RankRecord]) -> Diagnosis:
             c.rank = to_global[c.rank] if 0 <= c.rank < len(to_global) else c.rank
     return Diagnosis(findings=findings, recommendation=recommend(view, findings), timing=_timing(view),
                      steps_observed=view.steps, crashes=crashes)
+
+
+_EXPLAINS_UNSYNCED = {"wrapper-bypass", "unused-parameters", "grad-blocked", "reduction-error", "frozen-after-wrap",
+                      "unfrozen-after-wrap", "rank-dependent-graph", "collective-mismatch", "static-graph-unsafe"}
+
+
+def _consistent_fixes(findings: list) -> None:
+    """A fix must not send the user to a finding the report does not have."""
+    codes = {f.code for f in findings}
+    for f in findings:
+        if f.code == "replica-divergence" and "grads-not-synced" not in codes:
+            f.fix = ("fix the cause named by the other findings; the gradients agreed at every optimizer step, so "
+                     "the updates themselves differed (an extra synced pass on one rank, a rank-dependent optimizer "
+                     "setting, or weights changed outside the optimizer). Restart from a checkpoint saved before the "
+                     "divergence, or re-broadcast rank 0's weights knowingly."
+                     if codes & _EXPLAINS_UNSYNCED else
+                     "the gradients agreed at every optimizer step, so the updates themselves differed: look for a "
+                     "rank-dependent optimizer setting or learning rate, or weights changed outside the optimizer. "
+                     "Restart from a checkpoint saved before the divergence, or re-broadcast rank 0's weights "
+                     "knowingly.")
+        if f.code == "grads-not-synced" and not codes & _EXPLAINS_UNSYNCED:
+            f.fix = ("gradients must be reduced by DDP before optimizer.step(): check that every rank runs the "
+                     "backward pass through the DDP model (not its .module), with the same parameters trainable, "
+                     "and that nothing edits .grad between backward and the optimizer step.")
+
