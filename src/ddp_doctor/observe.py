@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -51,6 +52,7 @@ __all__ = ["Doctor", "observe"]
 
 logger = _log.get_logger(__name__)
 
+_COMPILE_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 _MAX_SITES = 4
 
 
@@ -157,6 +159,7 @@ class Doctor:
         self._loaders: list[dict[str, Any]] = []
         self._stop_loaders: Callable[[], None] | None = None
         self._stop_checkpoints: Callable[[], None] | None = None
+        self._warning_filter: tuple[Any, ...] | None = None
         self._outside: list[bool] = []
         self.rank = dist.get_rank()
         self._serial = next(Doctor._serials)
@@ -246,6 +249,11 @@ class Doctor:
                 self._optimizer.register_step_pre_hook(_Hook(self._on_optimizer_pre)),
                 self._optimizer.register_step_post_hook(_Hook(self._on_optimizer_post)),
             ]
+        # torch warns at every forward of a DDP around a torch.compile'd module while global module hooks exist.
+        # Ours are read-only observers that ignore the OptimizedModule's extra call (it owns no parameters and
+        # runs inside DDP's forward); the warning would only alarm the user, so it is silenced while observing.
+        warnings.filterwarnings("ignore", message=_COMPILE_HOOK_WARNING, category=UserWarning)
+        self._warning_filter = warnings.filters[0]
         self._stop_checkpoints = checkpoints.listen(self._on_checkpoint)
         self._stop_loaders = dataprobe.listen(self._on_loader)
         self._hook_new_trainable()
@@ -268,6 +276,9 @@ class Doctor:
         if self._stop_loaders is not None:
             self._stop_loaders()
             self._stop_loaders = None
+        if self._warning_filter is not None and self._warning_filter in warnings.filters:
+            warnings.filters.remove(self._warning_filter)
+            self._warning_filter = None
         self._hooked.clear()
         self._attached = False
         self._finished = True

@@ -12,12 +12,18 @@ from ddp_doctor._compat import ddp_logging_data, ddp_syncs_buffers, parameters_t
 from ddp_doctor.errors import NotDDPModelError, ProcessGroupNotInitializedError
 from ddp_doctor.records import ModelInfo
 
-__all__ = ["WRAP_STATE_ATTR", "ddp_config_of", "model_info", "require_ddp", "require_process_group"]
+__all__ = ["WRAP_STATE_ATTR", "ddp_config_of", "model_info", "require_ddp", "require_process_group", "user_name"]
 
 _WRAP_HINT = "Wrap it first: DistributedDataParallel(model, device_ids=[local_rank])."
 
 WRAP_STATE_ATTR = "_ddp_doctor_wrap_state"
 """Set on a DDP instance by the launcher's injection: `{"trainable": [...], "site": "file:line", "framework": ...}`."""
+
+
+def user_name(name: str) -> str:
+    """A parameter's name as the user's own module calls it: `torch.compile` wraps a module in an `OptimizedModule`
+    whose parameters carry an `_orig_mod.` prefix (at any depth, for a compiled submodule)."""
+    return name.replace("_orig_mod.", "")
 
 
 def ddp_config_of(ddp: DistributedDataParallel) -> dict[str, Any]:
@@ -67,11 +73,11 @@ def model_info(ddp: DistributedDataParallel, named_params: list[tuple[str, torch
                     trainable[i] = True
                 exact = True
     return ModelInfo(
-        param_names=names,
+        param_names=[user_name(n) for n in names],
         param_shapes=[tuple(p.shape) for p in params],
         trainable_at_wrap=trainable,
         ignored=ignored,
-        buffer_names=[n for n, _ in module.named_buffers()],
+        buffer_names=[user_name(n) for n, _ in module.named_buffers()],
         buffer_shapes=[tuple(b.shape) for b in buffers],
         ddp_config=ddp_config_of(ddp),
         wrap_state_exact=exact,

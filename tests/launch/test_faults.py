@@ -193,6 +193,6 @@ def test_gloo_and_nccl_abort_lines_are_read_from_the_output() -> None:
     assert native_messages(text) == [
         "enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 180 vs 4.",
         "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error",
-        "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 "
-        "milliseconds before timing out."]
+        ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 "
+         "milliseconds before timing out.")]
     assert native_messages("all fine\n") == []

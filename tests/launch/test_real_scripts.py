@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 from checkrun import EXAMPLES, SCRIPTS, check
 
 
@@ -86,3 +88,20 @@ def test_ddp_over_subgroups_is_compared_within_each_group(tmp_path: Path) -> Non
     assert _groups(unused) == [([0, 1], set()), ([2, 3], {"unused-parameters"})], unused.output
     finding = next(f for f in unused.report["other_models"][0]["findings"] if f["code"] == "unused-parameters")
     assert finding["ranks"] == [2, 3] and {p["name"] for p in finding["params"]} == {"head.weight", "head.bias"}
+
+
+@pytest.mark.parametrize("placement", [[], ["--outside"]], ids=["compile-inside-ddp", "compile-around-ddp"])
+def test_torch_compile_either_side_of_ddp_shows_user_names_and_the_fix_applies(tmp_path: Path,
+                                                                               placement: list[str]) -> None:
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "compiled.py"), *placement], tmp_path, timeout=240)
+    assert run.codes == {"unused-parameters"}, run.output
+    assert run.params("unused-parameters") == {"aux.weight", "aux.bias"}      # no `_orig_mod.` prefix
+    assert "_orig_mod" not in json.dumps(run.report) and "global hooks" not in run.output
+    rec = run.report["recommendation"]
+    assert rec["freeze_before_wrap"] == ["aux.weight", "aux.bias"]
+    kwargs = json.dumps({"freeze_before_wrap": rec["freeze_before_wrap"],
+                         "find_unused_parameters": rec["find_unused_parameters"], "static_graph": rec["static_graph"]})
+    applied = check(["--nproc-per-node", "2", "--ddp-kwargs", kwargs, str(SCRIPTS / "compiled.py"), *placement],
+                    tmp_path / "applied", timeout=240)
+    assert applied.rc == 0 and applied.codes == set(), applied.output
+    assert applied.report["recommendation"]["verified"] is True, applied.report["recommendation"]

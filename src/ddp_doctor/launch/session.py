@@ -45,7 +45,7 @@ from ddp_doctor.launch.beacon import Beacon, read_beacon
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
 from ddp_doctor.observe import Doctor
-from ddp_doctor.wrapstate import WRAP_STATE_ATTR
+from ddp_doctor.wrapstate import WRAP_STATE_ATTR, user_name
 
 __all__ = ["FRAMEWORKS", "Session", "framework_of_stack", "write_json"]
 
@@ -211,7 +211,9 @@ class Session:
         for key, value in self.config.ddp_kwargs.items():
             arguments[key] = value
         if self.config.freeze_before_wrap:
+            # The report's names drop torch.compile's `_orig_mod.` prefix; accept both spellings.
             named = dict(module.named_parameters())
+            named.update({user_name(n): p for n, p in list(named.items())})
             missing = [n for n in self.config.freeze_before_wrap if n not in named]
             if missing:
                 raise DoctorError(
