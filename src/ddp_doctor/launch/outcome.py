@@ -121,7 +121,11 @@ def collect(outdir: Path, *, timed_out: bool, torchrun_rc: int | None, interrupt
     if not built:
         if interrupted is not None:
             return CheckResult(error="interrupted before the script built a DDP model", interrupted=interrupted)
-        crashed = sorted((s for s in states.values() if s.crash is not None), key=lambda s: s.rank)
+        # A rank that only lost its peer is not the cause when another rank raised or died of a signal.
+        died_of_signal = any(s.signal not in (None, "SIGTERM") for s in states.values())
+        crashed = sorted((s for s in states.values() if s.crash is not None
+                          and not (s.crash.peer_lost and died_of_signal)),
+                         key=lambda s: (s.crash.peer_lost, s.rank))
         if crashed:
             crash = crashed[0].crash
             return CheckResult(error=f"the script failed on rank {crashed[0].rank} before it built a DDP model: "
