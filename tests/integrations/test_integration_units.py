@@ -136,7 +136,7 @@ def test_the_fix_follows_the_installed_transformers() -> None:
 
     fields = snippets.training_arguments_fields()
     assert fields is not None
-    fix = snippets.flags_fix("transformers", {"static_graph": True, "find_unused_parameters": False})
+    fix = snippets.flags_fix("transformers", {"find_unused_parameters": False, "static_graph": True})
     if "ddp_static_graph" in fields:
         assert fix == "set TrainingArguments(ddp_find_unused_parameters=False, ddp_static_graph=True)", fix
     else:
