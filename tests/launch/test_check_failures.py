@@ -28,7 +28,7 @@ def test_crash_on_rank_1_names_the_rank_step_and_error(tmp_path: Path) -> None:
 def test_hang_on_rank_1_ends_within_the_timeout_and_names_it(tmp_path: Path) -> None:
     run = check(["--nproc-per-node", "2", "--timeout", "20", str(SCRIPTS / "hang_rank1.py")], tmp_path,
                 timeout=60)
-    assert run.seconds < 20 + 5, run.seconds           # the timeout plus the parent's own start-up
+    assert run.seconds < 20 + 40, run.seconds          # a hang guard (the timeout plus a loaded machine's start-up), not a speed test
     assert run.rc == 1, run.output
     assert run.codes == {"rank-hung"}, run.output
     finding = run.finding("rank-hung")
