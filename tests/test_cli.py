@@ -6,7 +6,6 @@ import sys
 
 from ddp_doctor import CODES
 
-
 # The JSON contract (DESIGN 2.3), frozen here: a code may be added to this list, never renamed or removed.
 STABLE_CODES = {
     "unused-parameters", "dynamic-graph", "rank-dependent-graph", "used-outside-forward", "find-unused-unneeded",
