@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from checkrun import EXAMPLES, REPO, SCRIPTS, Run, assert_no_leftovers
 
+from ddp_doctor._compat import TORCH_VERSION
+
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -150,6 +152,9 @@ def test_a_segfault_before_ddp_is_named_with_signal_and_line(tmp_path: Path) -> 
     assert "ran to the end without building" not in run.output
 
 
+@pytest.mark.skipif(TORCH_VERSION[:2] != (2, 13), reason="the DETAIL segfault in DDP's constructor is the documented "
+                    "behaviour of torch 2.13 (DESIGN 1); on 2.15.0 it segfaults on some runs and fails a monitored "
+                    "barrier on others, so the outcome is not the test's to fix")
 def test_torch_distributed_debug_detail_segfault_is_reported_in_ddp_init(tmp_path: Path) -> None:
     run = _run(["--nproc-per-node", "2", "--timeout", "120", str(EXAMPLES / "clean.py")], tmp_path,
                TORCH_DISTRIBUTED_DEBUG="DETAIL")
