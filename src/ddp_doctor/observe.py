@@ -284,6 +284,16 @@ class Doctor:
         self._finished = True
 
     @property
+    def ddp(self) -> DistributedDataParallel:
+        """The observed DDP model."""
+        return self._ddp
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer whose steps close a step (given, or adopted with `optimizer="auto"`); None if none yet."""
+        return self._optimizer
+
+    @property
     def steps_observed(self) -> int:
         return len(self._rows["used"])
 

@@ -393,7 +393,7 @@ class Session:
         # records the crash (a GAN's critic failing says nothing about its generator).
         raising = _raising_ddp(exc)
         for doctor in self.doctors:
-            if raising is not None and doctor._ddp is not raising:
+            if raising is not None and doctor.ddp is not raising:
                 continue
             failure = doctor.explain(exc, hint="")
             step = max(step, doctor.record().crash_step)
