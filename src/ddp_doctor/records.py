@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -149,6 +149,10 @@ class RankRecord:
     repeat_sites: list[str] = field(default_factory=list)
     """`step N: file:line` of each synced DDP forward after the first in a step."""
 
+    TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "used", "reachable", "trainable", "ran", "grad_fp", "weight_fp", "buffer_fp", "input_fp", "timing", "counters")
+    """The per-step tensor fields, in packing order."""
+
     @property
     def steps(self) -> int:
         return int(self.used.shape[0])
@@ -179,7 +183,7 @@ class RankRecord:
     @staticmethod
     def _shapes(steps: int, n_params: int, n_buffers: int) -> dict[str, tuple[int, ...]]:
         c = len(StepCounters.FIELDS)
-        return {
+        shapes = {
             "used": (steps, n_params),
             "reachable": (steps, n_params),
             "trainable": (steps, n_params),
@@ -191,6 +195,8 @@ class RankRecord:
             "timing": (steps, 3),
             "counters": (steps, c),
         }
+        assert tuple(shapes) == RankRecord.TENSOR_FIELDS
+        return shapes
 
     @staticmethod
     def packed_size(steps: int, n_params: int, n_buffers: int) -> int:

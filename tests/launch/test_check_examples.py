@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from checkrun import EXAMPLES, check
+from golden import assert_matches_golden
 
 
 @dataclass
@@ -56,6 +57,7 @@ def test_check_example_then_apply_the_recommendation(example: Example, tmp_path:
         assert text in first.finding(code)["detail"], (code, first.output)
     assert first.report["world_size"] == 2 and first.report["backend"] == "gloo"
     assert first.report["ddp_site"].startswith(f"examples/{example.script}:"), first.report["ddp_site"]
+    assert_matches_golden(Path(example.script).stem, first.report)
 
     rec = first.report["recommendation"]
     kwargs = {"find_unused_parameters": rec["find_unused_parameters"], "static_graph": rec["static_graph"],
@@ -71,3 +73,11 @@ def test_check_example_then_apply_the_recommendation(example: Example, tmp_path:
     assert "wrapper-bypass" in second.errors(), second.output
     fixed = check(["--nproc-per-node", "2", script, *example.code_fix], tmp_path / "fixed")
     assert fixed.errors() == [] and fixed.rc == 0, fixed.output
+
+
+@pytest.mark.parametrize("script", ["uneven_inputs.py", "observe_unused_head.py"])
+def test_check_report_is_unchanged(script: str, tmp_path: Path) -> None:
+    """The examples not covered above: the whole JSON report is the golden one."""
+    run = check(["--nproc-per-node", "2", str(EXAMPLES / script)], tmp_path)
+    assert run.report is not None, run.output
+    assert_matches_golden(Path(script).stem, run.report)

@@ -38,7 +38,7 @@ except ImportError as exc:  # pragma: no cover  (the extra is not installed)
 from ddp_doctor import _log
 from ddp_doctor.errors import InvalidArgumentError, NotDDPModelError
 from ddp_doctor.integrations._common import unwrap_ddp
-from ddp_doctor.observe import Doctor
+from ddp_doctor._observe import Doctor
 from ddp_doctor.report import Recommendation, Report
 
 __all__ = ["kwargs_handler", "observe"]

@@ -36,7 +36,7 @@ from ddp_doctor.integrations._common import (
     start_doctor,
     unwrap_ddp,
 )
-from ddp_doctor.observe import Doctor
+from ddp_doctor._observe import Doctor
 from ddp_doctor.report import Report
 
 __all__ = ["DoctorCallback", "FindingsError"]

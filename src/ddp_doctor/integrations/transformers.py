@@ -44,7 +44,7 @@ from ddp_doctor.integrations._common import (
     raise_if_failing,
     start_doctor,
 )
-from ddp_doctor.observe import Doctor
+from ddp_doctor._observe import Doctor
 from ddp_doctor.report import Report
 
 __all__ = ["DoctorCallback", "FindingsError"]

@@ -44,7 +44,7 @@ from ddp_doctor.hookutil import format_site
 from ddp_doctor.launch.beacon import Beacon, read_beacon
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
-from ddp_doctor.observe import Doctor
+from ddp_doctor._observe import Doctor
 from ddp_doctor.wrapstate import WRAP_STATE_ATTR, user_name
 
 __all__ = ["FRAMEWORKS", "Session", "framework_of_stack", "write_json"]
@@ -223,7 +223,7 @@ class Session:
                 named[name].requires_grad_(False)
 
     def _after_wrap(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
-        if self._finishing or any(d._ddp is ddp for d in self.doctors):
+        if self._finishing or any(d.ddp is ddp for d in self.doctors):
             return
         frames = traceback.extract_stack()[:-2]
         framework = framework_of_stack(frames)
@@ -436,9 +436,9 @@ class Session:
             return
         # A model over the whole world is written by each node's local rank 0; a model over a subgroup (a
         # data-parallel group of a hybrid job) by the group's first rank, into its own file.
-        world = [(m, r) for d, m, r in zip(self.doctors, self.models, reports) if _is_world(d._ddp.process_group)]
+        world = [(m, r) for d, m, r in zip(self.doctors, self.models, reports) if _is_world(d.ddp.process_group)]
         mine = [(m, r) for d, m, r in zip(self.doctors, self.models, reports)
-                if not _is_world(d._ddp.process_group) and dist.get_rank(d._ddp.process_group) == 0]
+                if not _is_world(d.ddp.process_group) and dist.get_rank(d.ddp.process_group) == 0]
         if self.local_rank == 0:
             write_json(self.outdir / "report.json",
                        {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in world]})
@@ -464,7 +464,7 @@ class Session:
     def _start_timing(self) -> None:
         """Let the script run `timed_steps` more optimizer steps, unobserved, and record when each one ends."""
         self._stamps = [time.perf_counter()]
-        optimizer = next((d._optimizer for d in self.doctors if d._optimizer is not None), None)
+        optimizer = next((d.optimizer for d in self.doctors if d.optimizer is not None), None)
 
         def on_step(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
             if optimizer is not None and opt is not optimizer:

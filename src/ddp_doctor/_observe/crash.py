@@ -1,19 +1,20 @@
-"""Turn DDP's own runtime errors into ddp_doctor errors that name the parameters and the fix (local data only)."""
+"""A rank's crash: how the observed loop ended early, and DDP's own errors explained with names (local data only)."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from ddp_doctor.errors import DDPFailure, ReductionError
-from ddp_doctor.records import ModelInfo, StepCounters
+from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord
 
-__all__ = ["classify", "explain_failure"]
+__all__ = ["OBSERVE_HINT", "CrashLog", "classify", "explain_failure"]
 
 
 def classify(exc: BaseException) -> str:
+    """The kind of a crash, one of `records.CRASH_KINDS` (but "none"), from DDP's error text."""
     text = str(exc)
     if "graph has changed" in text:
         return "static-graph-changed"
@@ -26,12 +27,11 @@ def classify(exc: BaseException) -> str:
     return "other"
 
 
-
 OBSERVE_HINT = " Call doctor.report() on every rank for the full diagnosis."
 """What the in-process API adds to an explained failure; `ddp-doctor check` reports by itself and passes ""."""
 
 
-def explain_failure(exc: BaseException, *, kind: str, rank: int, info: ModelInfo, rows: dict[str, list[Any]],
+def explain_failure(exc: BaseException, *, kind: str, rank: int, info: ModelInfo, record: RankRecord,
                     crash_in_window: bool, hint: str = OBSERVE_HINT) -> DDPFailure:
     """A ddp_doctor error that says, with names, what DDP's error means on this rank.
 
@@ -40,18 +40,18 @@ def explain_failure(exc: BaseException, *, kind: str, rank: int, info: ModelInfo
         kind: its class from `classify`.
         rank: this rank.
         info: the model.
-        rows: the observed per-step rows so far (`Doctor._rows`).
+        record: this rank's observed steps so far (the crashed step last, marked incomplete).
         crash_in_window: whether the error came while steps were still being observed.
         hint: the sentence that ends the message (what to do next in the caller's context).
     """
-    complete = [i for i, c in enumerate(rows["counters"]) if c[StepCounters.FIELDS.index("complete")]]
+    complete = [i for i, c in enumerate(record.counter("complete").tolist()) if c]
     if kind == "mark-ready-twice":
-        used = rows["used"][-1] if rows["used"] else torch.zeros(len(info.param_names), dtype=bool)
-        reach = rows["reachable"][-1] if rows["reachable"] else used
-        counters = rows["counters"][-1] if rows["counters"] else None
+        seen = record.steps > 0
+        used = record.used[-1] if seen else torch.zeros(len(info.param_names), dtype=torch.bool)
+        reach = record.reachable[-1] if seen else used
         named = set(re.findall(r"with name (\S+)", str(exc)))
         names = [n for i, n in enumerate(info.param_names) if (used[i] and not reach[i]) or n in named]
-        reentrant = counters is not None and bool(counters[StepCounters.FIELDS.index("reentrant_checkpoints")])
+        reentrant = seen and bool(record.counter("reentrant_checkpoints")[-1])
         where = ("inside reentrant activation checkpointing (use_reentrant=True)" if reentrant else
                  "outside DDP's forward")
         return DDPFailure(
@@ -64,8 +64,8 @@ def explain_failure(exc: BaseException, *, kind: str, rank: int, info: ModelInfo
             code="reentrant-checkpoint" if reentrant else "used-outside-forward", params=names)
     if complete and crash_in_window:
         last = complete[-1]
-        used = rows["used"][last]
-        trainable = rows["trainable"][last]
+        used = record.used[last]
+        trainable = record.trainable[last]
         names = [n for i, n in enumerate(info.param_names)
                  if info.trainable_at_wrap[i] and not used[i]]
         frozen = [n for i, n in enumerate(info.param_names) if info.trainable_at_wrap[i] and not trainable[i]]
@@ -113,3 +113,34 @@ def _names_from_torch_message(text: str, info: ModelInfo) -> list[str]:
         elif not token.isdigit():
             out.append(token)
     return out
+
+
+@dataclass(kw_only=True, slots=True)
+class CrashLog:
+    """How this rank's observed loop ended early, if it did (what a `RankRecord` carries about it)."""
+
+    kind: int = 0
+    """Index into `records.CRASH_KINDS`; 0: no crash."""
+    step: int = -1
+    """The step the crash interrupted (the number of steps closed before it)."""
+    message: str = ""
+    in_window: bool = False
+    """The crash came while steps were still observed (the hooks were attached)."""
+
+    @property
+    def kind_name(self) -> str:
+        return CRASH_KINDS[self.kind]
+
+    def note(self, exc: BaseException, *, step: int, in_window: bool) -> bool:
+        """Record `exc` unless a crash is already recorded. Returns whether it was recorded."""
+        if self.kind:
+            return False
+        self.kind = CRASH_KINDS.index(classify(exc))
+        self.step = step
+        self.in_window = in_window
+        self.message = f"{type(exc).__name__}: {exc}"[:4000]
+        return True
+
+    def stamp(self, record: RankRecord) -> None:
+        """Copy the crash into `record`."""
+        record.crash_kind, record.crash_step, record.crash_message = self.kind, self.step, self.message
