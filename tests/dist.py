@@ -37,7 +37,12 @@ def _child(fn: Callable[..., Any], rank: int, world: int, store_path: str, pg_ti
                        "LOCAL_WORLD_SIZE": str(world), **env})
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+        # DDP_DOCTOR_TEST_DEVICE=cuda puts each rank on a GPU (the GPU-only tests set it); the backend is gloo
+        # unless DDP_DOCTOR_TEST_BACKEND says otherwise (nccl).
+        if os.environ.get("DDP_DOCTOR_TEST_DEVICE") == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(os.environ.get("DDP_DOCTOR_TEST_BACKEND", "gloo"),
+                                store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         result = fn(rank, world, *args)
         conn.send(("ok", result))

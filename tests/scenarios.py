@@ -3,11 +3,15 @@
 Each case runs twice inside one launch: first as the user wrote it (observed), then with the report's
 recommendation applied (and the loop's bug fixed where flags cannot fix it), checking at every optimizer step that
 grads are identical across ranks and equal to the average of the per-rank local grads.
+
+The model and batches live on `device()`: the CPU, or each rank's GPU when `DDP_DOCTOR_TEST_DEVICE=cuda` (the
+GPU-only tests; the backend is then NCCL or gloo, see tests/dist.py).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -56,9 +60,16 @@ class Net(nn.Module):
         return (out, h) if return_features else out
 
 
+def device() -> torch.device:
+    """Where this rank's model and batches live."""
+    if os.environ.get("DDP_DOCTOR_TEST_DEVICE") == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def batch(rank: int, step: int, micro: int = 0, *, same: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed((0 if same else 1000 * rank) + 10 * step + micro + 1)
-    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+    return torch.randn(6, 8, generator=g).to(device()), torch.randn(6, 4, generator=g).to(device())
 
 
 LossFn = Callable[[Any, nn.Module, tuple[torch.Tensor, torch.Tensor], int, int], torch.Tensor]
@@ -215,12 +226,12 @@ CASES: dict[str, Case] = {c.name: c for c in [
 
 def _build(case: Case, ddp_kwargs: dict[str, Any], freeze_names: list[str]) -> tuple[DDP, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    net = Net(**case.net_kwargs)
+    net = Net(**case.net_kwargs).to(device())
     if case.before_wrap is not None:
         case.before_wrap(net)
     for n in freeze_names:
         net.get_parameter(n).requires_grad_(False)
-    ddp = DDP(net, **ddp_kwargs)
+    ddp = DDP(net, device_ids=[device()] if device().type == "cuda" else None, **ddp_kwargs)
     if case.after_wrap is not None:
         case.after_wrap(net)
     return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -280,13 +291,16 @@ def run_applied(case: Case, rank: int, rec: dict[str, Any]) -> dict[str, Any]:
         reference = copy.deepcopy(ddp.module)
         ref_params = [p for p in reference.parameters() if p.requires_grad]
         _reference_accumulate(fixed, reference, rank, step)
+        # The harness's own collectives go through the CPU-capable path on any backend: all_reduce on the rank's
+        # device, all_gather of the result back on the CPU for the comparison.
         expected = _flat_grads(ref_params)
         dist.all_reduce(expected)
-        expected /= dist.get_world_size()
+        expected = expected.cpu() / dist.get_world_size()
         train_step(fixed, ddp, ddp.module, rank, step)
         got = _flat_grads(trained)
         everyone = [torch.empty_like(got) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, got)
+        everyone, got = [e.cpu() for e in everyone], got.cpu()
         unequal += sum(not torch.equal(everyone[0], g) for g in everyone)
         worst = max(worst, float((got - expected).abs().max()))
         opt.step()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from dist import run_ranks
 from scenarios import CASES, Case, run_applied, run_case
 
@@ -11,10 +12,46 @@ from ddp_doctor import CODES
 _TRAINED = {"grad-blocked", "dynamic-graph", "rank-dependent-graph", "reentrant-checkpoint"}
 
 
+_GPU = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="needs a CUDA GPU (CI has none; run on a GPU machine, see the README)")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_scenario(name: str, tmp_path) -> None:
+    check_scenario(name, tmp_path)
+
+
+@_GPU
+@pytest.mark.parametrize("name", list(CASES))
+def test_scenario_on_cuda_with_gloo(name: str, tmp_path) -> None:
+    """Two ranks sharing one GPU (gloo reduces CUDA tensors; NCCL needs a GPU per rank): the same diagnosis."""
+    check_scenario(name, tmp_path, env={"DDP_DOCTOR_TEST_DEVICE": "cuda"})
+
+
+@_GPU
+@pytest.mark.parametrize("name", list(CASES))
+def test_scenario_on_nccl_matches_gloo(name: str, tmp_path) -> None:
+    """One rank on NCCL and CUDA gives the diagnosis one rank on gloo and the CPU gives, and its recommendation
+    applied keeps grads equal to the reference."""
+    cpu = run_ranks(run_case, tmp_path, args=(name,), world_size=1, timeout=90)[0]
+    gpu = run_ranks(run_case, tmp_path, args=(name,), world_size=1, timeout=120,
+                    env={"DDP_DOCTOR_TEST_DEVICE": "cuda", "DDP_DOCTOR_TEST_BACKEND": "nccl"})[0]
+    assert gpu["report"]["backend"] == "nccl"
+
+    def diagnosis(report: dict) -> tuple:
+        rec = report["recommendation"]
+        return ([(f["code"], f["severity"], sorted(p["name"] for p in f["params"])) for f in report["findings"]],
+                rec["find_unused_parameters"], rec["static_graph"], rec["freeze_before_wrap"])
+
+    assert diagnosis(gpu["report"]) == diagnosis(cpu["report"]), f"{name}:\n{gpu['text']}\n---\n{cpu['text']}"
+    assert gpu["raised"] == cpu["raised"]
+    assert gpu["applied"]["max_abs_err"] < 1e-5, gpu["applied"]
+
+
+def check_scenario(name: str, tmp_path, *, env: dict[str, str] | None = None) -> None:
+    """Run the case on two ranks and assert its exact diagnosis, then its recommendation applied."""
     case: Case = CASES[name]
-    ranks = run_ranks(run_case, tmp_path, args=(name,), timeout=90)
+    ranks = run_ranks(run_case, tmp_path, args=(name,), timeout=90, env=env)
     reports = [r["report"] for r in ranks]
     report = reports[0]
     assert all(r == report for r in reports[1:]), "ranks got different reports"
