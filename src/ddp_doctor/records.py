@@ -8,15 +8,32 @@ during the observed steps: only local facts, never the result of a collective. B
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["CRASH_KINDS", "ModelInfo", "RankRecord", "StepCounters"]
+__all__ = ["CRASH_KINDS", "Flavor", "ModelInfo", "RankRecord", "StepCounters"]
 
 # How a rank's observed loop ended early. Index = the code stored in a record.
 CRASH_KINDS = ("none", "reduction-error", "static-graph-changed", "mark-ready-twice", "ddp-other", "other")
+
+
+@dataclass(kw_only=True)
+class Flavor:
+    """The installed framework versions a fix must be phrased for, read where the model was built.
+
+    Recorded with the model so that analysis and rendering depend on the records only, never on what happens to
+    be imported in the process that renders.
+    """
+
+    lightning_package: str = "lightning.pytorch"
+    """`lightning.pytorch`, or `pytorch_lightning` when only that package was imported."""
+    transformers_version: str = ""
+    """The imported transformers' version ("" when it was not imported)."""
+    training_arguments_fields: list[str] | None = None
+    """The `ddp_*` fields of the imported `TrainingArguments` (4.x has no `ddp_static_graph`); None when
+    transformers was not imported, and then every field is assumed to exist."""
 
 
 @dataclass(kw_only=True)
@@ -45,6 +62,8 @@ class ModelInfo:
     group_ranks: list[int] | None = None
     """The global ranks of the DDP model's process group, in group order, when it is a subgroup (None: the world).
     Analysis works in group ranks; findings are mapped to these at the end."""
+    flavor: Flavor = field(default_factory=Flavor)
+    """The framework versions installed where the model was built (how fixes and snippets are phrased)."""
 
     def __post_init__(self) -> None:
         n = len(self.param_names)
@@ -72,12 +91,14 @@ class ModelInfo:
             "ddp_site": self.ddp_site,
             "framework": self.framework,
             "group_ranks": self.group_ranks,
+            "flavor": asdict(self.flavor),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelInfo:
         return cls(**{**d, "param_shapes": [tuple(s) for s in d["param_shapes"]],
-                      "buffer_shapes": [tuple(s) for s in d["buffer_shapes"]]})
+                      "buffer_shapes": [tuple(s) for s in d["buffer_shapes"]],
+                      "flavor": Flavor(**d.get("flavor", {}))})
 
 
 @dataclass(kw_only=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -10,9 +11,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor._compat import ddp_logging_data, ddp_syncs_buffers, parameters_to_ignore
 from ddp_doctor.errors import NotDDPModelError, ProcessGroupNotInitializedError
-from ddp_doctor.records import ModelInfo
+from ddp_doctor.records import Flavor, ModelInfo
 
-__all__ = ["WRAP_STATE_ATTR", "ddp_config_of", "model_info", "require_ddp", "require_process_group", "user_name"]
+__all__ = ["WRAP_STATE_ATTR", "current_flavor", "ddp_config_of", "model_info", "require_ddp", "require_process_group",
+           "user_name"]
 
 _WRAP_HINT = "Wrap it first: DistributedDataParallel(model, device_ids=[local_rank])."
 
@@ -84,7 +86,19 @@ def model_info(ddp: DistributedDataParallel, named_params: list[tuple[str, torch
         wrap_trainable_count=wrap_count if wrap_count is not None and wrap_count >= 0 else None,
         ddp_site=state.get("site") if state else None,
         framework=state.get("framework", "torch") if state else "torch",
+        flavor=current_flavor(),
     )
+
+
+def current_flavor() -> Flavor:
+    """The framework versions imported in this process (where the model is built): what fixes are phrased for."""
+    module = sys.modules.get("transformers.training_args")
+    fields = getattr(getattr(module, "TrainingArguments", None), "__dataclass_fields__", None)
+    only_pl = "pytorch_lightning" in sys.modules and "lightning" not in sys.modules
+    return Flavor(
+        lightning_package="pytorch_lightning" if only_pl else "lightning.pytorch",
+        transformers_version=str(getattr(sys.modules.get("transformers"), "__version__", "")),
+        training_arguments_fields=sorted(f for f in fields if f.startswith("ddp_")) if fields is not None else None)
 
 
 def require_ddp(model: Any, caller: str, *, module_hint: str = _WRAP_HINT) -> None:

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from ddp_doctor.analyze import analyze
-from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
+from ddp_doctor.records import CRASH_KINDS, Flavor, ModelInfo, RankRecord, StepCounters
+from ddp_doctor.report import Report
 
 NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight"]
 SHAPES = [(4, 3), (4,), (2, 4), (2, 4)]
@@ -68,9 +69,10 @@ ALL = [[1, 1, 1, 1]] * 3
 
 
 def test_clean_run_has_no_findings_and_a_verified_recommendation() -> None:
-    d = analyze(info(), [record(0, ALL), record(1, ALL)])
+    records = [record(0, ALL), record(1, ALL)]
+    d = analyze(info(), records)
     assert codes(d) == set()
-    rec = d.recommendation
+    rec = Report.build(info(), records, d, backend="gloo").recommendation  # the code is rendered at report time
     assert (rec.find_unused_parameters, rec.static_graph, rec.freeze_before_wrap, rec.verified) == (
         False, False, [], True)
     assert "find_unused_parameters=False" in rec.render["torch"]
@@ -82,12 +84,26 @@ def test_clean_run_has_no_findings_and_a_verified_recommendation() -> None:
 
 def test_never_used_param_with_default_flags_is_an_error_and_frozen_before_wrap() -> None:
     used = [[1, 1, 1, 0]] * 3
-    d = analyze(info(), [record(0, used), record(1, used)])
+    records = [record(0, used), record(1, used)]
+    d = analyze(info(), records)
     assert codes(d) == {"unused-parameters"}
     f = d.findings[0]
     assert f.severity == "error" and f.param_names == ["head_b.weight"] and f.params[0].numel == 8
     assert d.recommendation.freeze_before_wrap == ["head_b.weight"]
-    assert "get_parameter(name).requires_grad_(False)" in d.recommendation.render["torch"]
+    rec = Report.build(info(), records, d, backend="gloo").recommendation
+    assert "get_parameter(name).requires_grad_(False)" in rec.render["torch"]
+
+
+def test_the_snippets_follow_the_recorded_flavor_not_the_process() -> None:
+    """Analysis and rendering read the flavour recorded with the model, whatever this process imported."""
+    records = [record(0, ALL), record(1, ALL)]
+    old = info(flavor=Flavor(lightning_package="pytorch_lightning", transformers_version="4.57.6",
+                             training_arguments_fields=["ddp_find_unused_parameters"]))
+    rec = Report.build(old, records, analyze(old, records), backend="gloo").recommendation
+    assert "from pytorch_lightning import Trainer" in rec.render["lightning"]
+    new = info()
+    rec = Report.build(new, records, analyze(new, records), backend="gloo").recommendation
+    assert "from lightning.pytorch import Trainer" in rec.render["lightning"]
 
 
 def test_used_set_changing_between_steps_needs_find_unused() -> None:

@@ -12,12 +12,14 @@ from checkrun import REPO
 from ddp_doctor.errors import InvalidArgumentError
 from ddp_doctor.integrations._common import FindingsError, raise_if_failing
 from ddp_doctor.report import snippets
+from ddp_doctor.records import Flavor
 from ddp_doctor.report.model import Finding, Recommendation, Report, Timing
+from ddp_doctor.wrapstate import current_flavor
 
 FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning")
 # TrainingArguments' ddp_* fields on transformers 4.57 (read from its wheel): no ddp_static_graph yet.
-FIELDS_4_57 = {"ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_backend",
-               "ddp_timeout", "output_dir"}
+FLAVOR_4_57 = Flavor(transformers_version="4.57.6", training_arguments_fields=[
+    "ddp_backend", "ddp_broadcast_buffers", "ddp_bucket_cap_mb", "ddp_find_unused_parameters", "ddp_timeout"])
 
 
 def report(*severities: str, rec: Recommendation | None = None) -> Report:
@@ -42,24 +44,25 @@ def test_installed_training_arguments_has_every_ddp_field() -> None:
     import transformers
     import transformers.training_args
 
-    fields = snippets.training_arguments_fields()
+    flavor = current_flavor()
+    fields = set(flavor.training_arguments_fields or ())
     expected = set(snippets.TRAINING_ARGUMENTS_FIELDS.values())
     if transformers.__version__.startswith("4."):
         expected.discard("ddp_static_graph")      # added in transformers 5; 4.x takes the route tested below
-    assert fields is not None and expected <= fields
+    assert expected <= fields
     if "ddp_static_graph" in fields:
-        assert snippets.flags_fix("transformers", {"find_unused_parameters": False, "static_graph": True}) == (
+        assert snippets.flags_fix("transformers", {"find_unused_parameters": False, "static_graph": True},
+                                  flavor) == (
             "set TrainingArguments(ddp_find_unused_parameters=False, ddp_static_graph=True)")
 
 
-def test_a_transformers_version_without_ddp_static_graph_gets_the_working_route(monkeypatch) -> None:
-    monkeypatch.setattr(snippets, "training_arguments_fields", lambda: FIELDS_4_57)
-    fix = snippets.flags_fix("transformers", {"static_graph": True, "find_unused_parameters": False})
+def test_a_transformers_version_without_ddp_static_graph_gets_the_working_route() -> None:
+    fix = snippets.flags_fix("transformers", {"static_graph": True, "find_unused_parameters": False}, FLAVOR_4_57)
     assert fix.startswith("set TrainingArguments(ddp_find_unused_parameters=False) and set static_graph=True on "
                           "the DDP kwargs the Trainer builds (TrainingArguments on transformers "), fix
     assert "has no field for static_graph: subclass Trainer" in fix and "self.accelerator.ddp_handler" in fix
     rec = report().recommendation
-    code = snippets.render_snippets(rec, {})["transformers"]
+    code = snippets.render_snippets(rec, {}, FLAVOR_4_57)["transformers"]
     assert "args = TrainingArguments(..., ddp_find_unused_parameters=False)" in code
     assert "ddp_static_graph" not in code
     assert "def _wrap_model(self, model, training=True, dataloader=None):" in code
@@ -134,9 +137,10 @@ def test_the_fix_follows_the_installed_transformers() -> None:
     import transformers
     import transformers.training_args
 
-    fields = snippets.training_arguments_fields()
+    flavor = current_flavor()
+    fields = flavor.training_arguments_fields
     assert fields is not None
-    fix = snippets.flags_fix("transformers", {"find_unused_parameters": False, "static_graph": True})
+    fix = snippets.flags_fix("transformers", {"find_unused_parameters": False, "static_graph": True}, flavor)
     if "ddp_static_graph" in fields:
         assert fix == "set TrainingArguments(ddp_find_unused_parameters=False, ddp_static_graph=True)", fix
     else:

@@ -18,7 +18,7 @@ __all__ = ["DETECTORS"]
 
 def _with(v: View, **flags: bool) -> str:
     """'build DDP with ...', in the words of the framework that built the model (TrainingArguments, ...)."""
-    return flags_fix(v.info.framework, flags)
+    return flags_fix(v.info.framework, flags, v.info.flavor)
 
 
 def _freeze_fix(v: View) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from ddp_doctor.analyze.findings import hidden_params
 from ddp_doctor.analyze.view import View
 from ddp_doctor.report.model import Finding, Recommendation
-from ddp_doctor.report.snippets import render_snippets
 
 __all__ = ["recommend"]
 
@@ -22,7 +21,6 @@ def _rec(v: View, *, find_unused: bool, static: bool, freeze: list[str], reason:
         find_unused_parameters=find_unused, static_graph=static,
         gradient_as_bucket_view=bool(v.info.ddp_config.get("gradient_as_bucket_view", False)),
         freeze_before_wrap=freeze, reason=reason, verified=verified)
-    rec.render = render_snippets(rec, v.info.ddp_config)
     return rec
 
 

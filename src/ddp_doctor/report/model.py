@@ -144,7 +144,11 @@ class Report:
     @classmethod
     def build(cls, info: Any, records: list[Any], diagnosis: Diagnosis, *, backend: str) -> Report:
         from ddp_doctor import __version__
+        from ddp_doctor.report.snippets import render_snippets
 
+        # The code for the recommendation is rendered here, from the records alone: the flavour (which Lightning
+        # package, which TrainingArguments fields) was recorded where the model was built.
+        diagnosis.recommendation.render = render_snippets(diagnosis.recommendation, info.ddp_config, info.flavor)
         return cls(
             tool_version=__version__,
             torch_version=torch.__version__,

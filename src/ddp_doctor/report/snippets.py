@@ -1,19 +1,18 @@
 """Copy-pasteable code for a recommendation, and fixes phrased in each framework's own words.
 
-The frameworks are never imported here (the core must not depend on them). Where the installed version matters
-(which `TrainingArguments` fields exist), it is read from the modules the user's process has already imported,
-which is the case whenever that framework built the DDP model.
+Pure: the frameworks are never imported here, and nothing is read from the process. What depends on the installed
+versions (which `TrainingArguments` fields exist, which Lightning package) comes in as a `Flavor`, recorded where
+the model was built (`wrapstate.current_flavor`).
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
+from ddp_doctor.records import Flavor
 from ddp_doctor.report.model import Recommendation
 
-__all__ = ["TRAINING_ARGUMENTS_FIELDS", "flags_fix", "freeze_point", "lightning_package", "render_snippets",
-           "training_arguments_fields"]
+__all__ = ["TRAINING_ARGUMENTS_FIELDS", "flags_fix", "freeze_point", "render_snippets"]
 
 TRAINING_ARGUMENTS_FIELDS = {
     "find_unused_parameters": "ddp_find_unused_parameters",
@@ -23,33 +22,16 @@ TRAINING_ARGUMENTS_FIELDS = {
 }
 """DDP constructor argument -> the `TrainingArguments` field the HF Trainer forwards to it."""
 
-
-def training_arguments_fields() -> set[str] | None:
-    """The field names of the imported `transformers.TrainingArguments`; None when transformers is not imported.
-
-    `ddp_static_graph` only exists on recent versions (4.x has none), so a fix must not promise a field the user's
-    version lacks.
-    """
-    module = sys.modules.get("transformers.training_args")
-    cls = getattr(module, "TrainingArguments", None)
-    fields = getattr(cls, "__dataclass_fields__", None)
-    return set(fields) if fields is not None else None
+_ANY = Flavor()
 
 
-def _transformers_version() -> str:
-    return str(getattr(sys.modules.get("transformers"), "__version__", "")) or "the installed version"
+def _transformers_version(flavor: Flavor) -> str:
+    return flavor.transformers_version or "the installed version"
 
 
-def lightning_package() -> str:
-    """`lightning.pytorch`, or `pytorch_lightning` when only that one is imported."""
-    if "pytorch_lightning" in sys.modules and "lightning" not in sys.modules:
-        return "pytorch_lightning"
-    return "lightning.pytorch"
-
-
-def _split_hf(flags: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _split_hf(flags: dict[str, Any], flavor: Flavor) -> tuple[dict[str, Any], dict[str, Any]]:
     """(TrainingArguments fields that exist on this version, DDP arguments that have no field)."""
-    fields = training_arguments_fields()
+    fields = flavor.training_arguments_fields
     mapped: dict[str, Any] = {}
     missing: dict[str, Any] = {}
     for key, value in flags.items():
@@ -70,8 +52,9 @@ def _lightning_strategy(flags: dict[str, Any]) -> str:
     return "DDPStrategy(" + ", ".join(f"{k}={v!r}" for k, v in flags.items()) + ")"
 
 
-def flags_fix(framework: str, flags: dict[str, Any]) -> str:
-    """How to build DDP with `flags`, as the user of `framework` sets them (a clause, no final period).
+def flags_fix(framework: str, flags: dict[str, Any], flavor: Flavor = _ANY) -> str:
+    """How to build DDP with `flags`, as the user of `framework` at `flavor`'s versions sets them (a clause, no
+    final period).
 
     Example:
         >>> flags_fix("transformers", {"find_unused_parameters": False})
@@ -79,14 +62,14 @@ def flags_fix(framework: str, flags: dict[str, Any]) -> str:
     """
     kwargs = ", ".join(f"{k}={v!r}" for k, v in flags.items())
     if framework == "transformers":
-        mapped, missing = _split_hf(flags)
+        mapped, missing = _split_hf(flags, flavor)
         parts = []
         if mapped:
             parts.append("set TrainingArguments(" + ", ".join(f"{k}={v!r}" for k, v in mapped.items()) + ")")
         if missing:
             names = ", ".join(f"{k}={v!r}" for k, v in missing.items())
             parts.append(f"set {names} on the DDP kwargs the Trainer builds (TrainingArguments on transformers "
-                         f"{_transformers_version()} has no field for {', '.join(missing)}: subclass Trainer, and in "
+                         f"{_transformers_version(flavor)} has no field for {', '.join(missing)}: subclass Trainer, and in "
                          "_wrap_model, after super()._wrap_model(...), set it on self.accelerator.ddp_handler)")
         return " and ".join(parts)
     if framework == "accelerate":
@@ -125,11 +108,11 @@ def _kwargs(rec: Recommendation) -> list[tuple[str, bool]]:
     return out
 
 
-def _transformers_code(rec: Recommendation) -> str:
+def _transformers_code(rec: Recommendation, flavor: Flavor) -> str:
     flags = dict(_kwargs(rec))
     if not rec.static_graph:
         flags.pop("static_graph")  # None, Accelerate's default False, is what the Trainer passes unless told
-    mapped, missing = _split_hf(flags)
+    mapped, missing = _split_hf(flags, flavor)
     lines = _freeze_lines(rec.freeze_before_wrap, "model", "before trainer.train()")
     lines += ["from transformers import TrainingArguments",
               "args = TrainingArguments(..., " + ", ".join(f"{k}={v}" for k, v in mapped.items()) + ")"]
@@ -139,7 +122,7 @@ def _transformers_code(rec: Recommendation) -> str:
         sets = [f"        handler.{k} = {v}" for k, v in missing.items()]
         lines += [
             "",
-            (f"# TrainingArguments on transformers {_transformers_version()} has no field for "
+            (f"# TrainingArguments on transformers {_transformers_version(flavor)} has no field for "
              f"{', '.join(missing)}: set it on the DDP kwargs the Trainer hands to Accelerate."),
             "from accelerate.utils import DistributedDataParallelKwargs",
             "from transformers import Trainer",
@@ -155,8 +138,9 @@ def _transformers_code(rec: Recommendation) -> str:
     return "\n".join(lines)
 
 
-def render_snippets(rec: Recommendation, ddp_config: dict[str, Any]) -> dict[str, str]:
-    """Return `{"torch": ..., "transformers": ..., "accelerate": ..., "lightning": ...}` code strings."""
+def render_snippets(rec: Recommendation, ddp_config: dict[str, Any], flavor: Flavor = _ANY) -> dict[str, str]:
+    """Return `{"torch": ..., "transformers": ..., "accelerate": ..., "lightning": ...}` code strings for `rec`,
+    phrased for the versions in `flavor`."""
     args = ", ".join(f"{k}={v}" for k, v in _kwargs(rec))
     device = "device_ids=[local_rank], " if ddp_config.get("device_ids") else ""
     torch_code = "\n".join(_freeze_lines(rec.freeze_before_wrap, "model", "before wrapping") + [
@@ -170,7 +154,7 @@ def render_snippets(rec: Recommendation, ddp_config: dict[str, Any]) -> dict[str
         "# or from this report: ddp_doctor.integrations.accelerate.kwargs_handler(report)",
     ])
 
-    package = lightning_package()
+    package = flavor.lightning_package
     strategy = _lightning_strategy(dict(_kwargs(rec)))
     lightning_code = "\n".join(_freeze_lines(rec.freeze_before_wrap, "model", "before trainer.fit(model)") + [
         f"from {package} import Trainer",
@@ -178,5 +162,5 @@ def render_snippets(rec: Recommendation, ddp_config: dict[str, Any]) -> dict[str
         f"trainer = Trainer(strategy=DDPStrategy({args}))"
         + (f"  # or strategy={strategy}" if not strategy.startswith("DDPStrategy") else ""),
     ])
-    return {"torch": torch_code, "transformers": _transformers_code(rec), "accelerate": accelerate_code,
+    return {"torch": torch_code, "transformers": _transformers_code(rec, flavor), "accelerate": accelerate_code,
             "lightning": lightning_code}
