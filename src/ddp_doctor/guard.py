@@ -32,13 +32,9 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor import _log
-from ddp_doctor._collective import comm_device, layout_hash, minmax, rows_by_rank
+from ddp_doctor._collective import agree, comm_device, layout_hash
 from ddp_doctor._compat import ddp_logging_data, ddp_syncs_buffers, parameters_to_ignore
-from ddp_doctor.errors import (
-    GuardError,
-    InvalidArgumentError,
-    RankMismatchError,
-)
+from ddp_doctor.errors import GuardError, InvalidArgumentError
 from ddp_doctor.hookutil import Hook, user_site
 from ddp_doctor.replicas import Comparison, Entry, compare_replicas, describe, local_rows, report_failure
 from ddp_doctor.report.model import Finding, ParamRef
@@ -166,14 +162,10 @@ class Guard:
     def _check_layout(self) -> None:
         described = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(self._names, self._params)]
         described += [f"buffer {n}" for n in self._buffer_names]
-        mine = torch.tensor([layout_hash(described), len(described)], dtype=torch.float64)
-        hi, lo = minmax(mine, self._group, self._device)
-        if bool((hi != lo).any()):
-            everyone = rows_by_rank(mine, self._group, self._device)
-            counts = ", ".join(f"rank {r}: {int(row[1])} tensors" for r, row in enumerate(everyone.tolist()))
-            raise RankMismatchError(
-                f"guard() found different models on the ranks ({counts}; names, shapes or dtypes differ). Every "
-                "rank must build the same model, in the same order, before wrapping it in DDP.")
+        agree([layout_hash(described), len(described)], group=self._group, device=self._device,
+              what="guard() found different models on the ranks", cause="names, shapes or dtypes",
+              describe=lambda h: f"{int(h[1])} tensors",
+              fix="Every rank must build the same model, in the same order, before wrapping it in DDP.")
 
     def _trainable_at_wrap(self) -> list[bool]:
         state = getattr(self._ddp, WRAP_STATE_ATTR, None)

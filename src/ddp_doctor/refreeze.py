@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor import _log
-from ddp_doctor._collective import arrive, comm_device, global_ranks, layout_hash, minmax, rows_by_rank
+from ddp_doctor._collective import agree, arrive, comm_device, layout_hash
 from ddp_doctor._compat import (
     DDP_ARGUMENTS,
     HAS_FORWARD_SYNC_BUFFERS,
@@ -129,23 +129,17 @@ def refreeze(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimize
            fix="call it on every rank of the DDP's process group, at the same step, with the same arguments.")
     layout = layout_hash([f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named])
     plan = layout_hash([n for (n, _), t in zip(named, target) if t])
-    header = torch.tensor([1.0 if problem else 0.0, len(named), layout, plan], dtype=torch.float64)
-    hi, lo = minmax(header, group, device)
-    if bool((hi != lo).any()) or hi[0] > 0:
-        everyone = rows_by_rank(header, group, device)
+    headers = agree(
+        [len(named), layout, plan], failed=int(problem is not None), group=group, device=device,
+        what="refreeze() resolved a different model or a different trainable set on the ranks",
+        cause="names, shapes or the selected parameters", describe=lambda h: f"{int(h[0])} params",
+        fix="A predicate or name list must select the same parameters on every rank; nothing was changed.")
+    if headers is not None:          # some rank's arguments were invalid: every rank raises
         if problem is not None:
             raise problem
-        failed = global_ranks(group, [r for r, row in enumerate(everyone.tolist()) if row[0] > 0])
-        if failed:
-            raise RankMismatchError(
-                f"refreeze() was rejected on rank(s) {failed} (their error names the argument); nothing was "
-                "changed on any rank. Pass the same valid freeze=/unfreeze= on every rank.")
-        per_rank = ", ".join(f"rank {r}: {int(row[1])} params" for r, row in
-                             zip(global_ranks(group, range(len(everyone))), everyone.tolist()))
         raise RankMismatchError(
-            f"refreeze() resolved a different model or a different trainable set on the ranks ({per_rank}; "
-            "names, shapes or the selected parameters differ). A predicate or name list must select the same "
-            "parameters on every rank; nothing was changed.")
+            f"refreeze() was rejected on rank(s) {headers.failed} (their error names the argument); nothing was "
+            "changed on any rank. Pass the same valid freeze=/unfreeze= on every rank.")
 
     # 2. The replicas must still be identical: a rebuild is not the place to adopt rank 0's weights silently.
     entries = [Entry(n, "param", p.numel(), p) for n, p in named if n not in ignore]
