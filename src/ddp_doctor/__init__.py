@@ -22,7 +22,7 @@ from ddp_doctor.errors import (
     ReportTimeoutError,
     StaleModelError,
 )
-from ddp_doctor.guard import Guard, guard
+from ddp_doctor._guard import Guard, guard
 from ddp_doctor.observe import Doctor, observe
 from ddp_doctor.refreeze import ProgressiveFreeze, progressive_freeze, refreeze
 from ddp_doctor.report import Finding, ParamRef, Recommendation, Report

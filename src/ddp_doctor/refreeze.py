@@ -38,7 +38,7 @@ from ddp_doctor.errors import (
     ReplicaDivergenceError,
     StaleModelError,
 )
-from ddp_doctor.guard import GUARD_ATTR
+from ddp_doctor._guard import GUARD_ATTR
 from ddp_doctor.hookutil import user_site
 from ddp_doctor.replicas import Entry, compare_replicas, describe
 from ddp_doctor.wrapstate import require_ddp, require_process_group
@@ -180,7 +180,7 @@ def refreeze(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimize
     _retire(ddp_model, user_site())
     watcher = getattr(ddp_model, GUARD_ATTR, None)
     if watcher is not None and watcher.active:
-        watcher._rebind(new)
+        watcher.follow(new)
     if _log.is_rank_zero():
         frozen = sum(1 for w, t in zip(before, target) if w and not t)
         unfrozen = sum(1 for w, t in zip(before, target) if t and not w)
