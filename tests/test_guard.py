@@ -113,7 +113,7 @@ def _bypass(rank: int, world: int, on_problem: str) -> dict:
     try:
         for step in range(4):
             x, y = batch(rank, step)
-            F.mse_loss(ddp.module(x, use_b=True), y).backward()   # the seed-002 bug: BYPASS-LINE
+            F.mse_loss(ddp.module(x, use_b=True), y).backward()   # the loss through the inner module: BYPASS-LINE
             opt.step()
             opt.zero_grad()
             steps_done += 1
@@ -154,7 +154,8 @@ def test_bypass_warns_once_then_divergence_is_found_within_every_steps(tmp_path)
 
 
 class WithLossMethod(Net):
-    """Seed 002's shape: the trainer calls a method of the inner module, so its forward() never runs."""
+    """A bypass the inner module's own hook cannot see: the trainer calls a method of the inner module that calls its
+    layers, so its forward() never runs."""
 
     def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.block(torch.relu(self.trunk(x)))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from ddp_doctor._guard import Guard, guard
+from ddp_doctor._refreeze import ProgressiveFreeze, progressive_freeze, refreeze
 from ddp_doctor.codes import CODES
 from ddp_doctor.errors import (
     DDPFailure,
@@ -22,9 +24,7 @@ from ddp_doctor.errors import (
     ReportTimeoutError,
     StaleModelError,
 )
-from ddp_doctor._guard import Guard, guard
 from ddp_doctor.observe import Doctor, observe
-from ddp_doctor.refreeze import ProgressiveFreeze, progressive_freeze, refreeze
 from ddp_doctor.report import Finding, ParamRef, Recommendation, Report
 from ddp_doctor.sync import sync_gradients
 

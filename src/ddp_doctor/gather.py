@@ -2,8 +2,9 @@
 
 Every rank runs the same sequence with the same shapes, whatever it observed: an arrival check on the process
 group's store (so a rank that never calls `report()` is named instead of hanging the others), one all_gather of a
-fixed float64 header (`_collective.agree`: the layout must match, the lengths may differ), then one all_gather of the padded numeric record and one of the padded JSON metadata. The
-padded lengths come from the header, which every rank holds identically after the first collective.
+fixed float64 header (`_collective.agree`: the layout must match, the lengths may differ), then one all_gather of
+the padded numeric record and one of the padded JSON metadata. The padded lengths come from the header, which
+every rank holds identically after the first collective.
 """
 
 from __future__ import annotations

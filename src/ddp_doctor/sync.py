@@ -2,7 +2,7 @@
 
 The first fix for a bypassed DDP wrapper is to call the wrapper (``loss_fn(ddp_model(x))``), which gives DDP's
 bucketed reducer that overlaps communication with the backward pass. This is the fallback. The hand-written
-version people reach for (``for p in params: if p.grad is not None: dist.all_reduce(p.grad)``, seed 002) is slow
+version people reach for (``for p in params: if p.grad is not None: dist.all_reduce(p.grad)``) is slow
 (one collective per tensor) and hangs when a grad is None on one rank only, because the ranks then issue different
 numbers of collectives. Here every rank issues the same collectives with the same shapes, whatever its grads:
 
