@@ -482,3 +482,51 @@ def _copy_and_save(rank: int, world: int, path: str) -> list[str]:
 
 def test_a_guarded_model_can_be_deep_copied_pickled_and_saved(tmp_path) -> None:
     assert run_ranks(_copy_and_save, tmp_path, args=(str(tmp_path),)) == [["ok"], ["ok"]]
+
+
+# ------------------------------------------------------------------------------------------------ follow
+
+
+def _follow_by_hand(rank: int, world: int) -> dict:
+    ddp, opt = _model()
+    g = guard(ddp, every=2, on_problem="raise", optimizer=opt)
+    _train_step(ddp, opt, rank, 0)
+    ddp.module.head_b.weight.requires_grad_(False)
+    new = DDP(ddp.module)                     # rebuilt by hand for the new trainable set
+    g.follow(new)
+    for step in range(1, 4):
+        _train_step(new, opt, rank, step)     # not a flip for the new DDP; the schedule carries on
+    ddp.module.head_b.bias.requires_grad_(False)
+    raised = None
+    try:
+        _train_step(new, opt, rank, 4)
+    except GuardError as exc:
+        raised = (exc.code, exc.findings[0].param_names)
+    errors = []
+    for bad in (nn.Linear(2, 2), DDP(nn.Linear(2, 2))):
+        try:
+            g.follow(bad)
+        except (NotDDPModelError, InvalidArgumentError) as exc:
+            errors.append(type(exc).__name__)
+    watched = (hasattr(ddp, GUARD_ATTR), getattr(new, GUARD_ATTR, None) is g)
+    g.close()
+    return {"raised": raised, "checks": g.checks, "steps": g.steps, "errors": errors, "watched": watched}
+
+
+def test_follow_hands_the_guard_over_to_a_ddp_rebuilt_by_hand(tmp_path) -> None:
+    assert run_ranks(_follow_by_hand, tmp_path) == [{
+        "raised": ("frozen-after-wrap", ["head_b.bias"]), "checks": 2, "steps": 4,
+        "errors": ["NotDDPModelError", "InvalidArgumentError"], "watched": (False, True)}] * 2
+
+
+def _flip_before_guard(rank: int, world: int) -> tuple:
+    ddp, opt = _model()
+    ddp.module.head_a.bias.requires_grad_(False)      # between building DDP and guard()
+    with pytest.raises(GuardError) as info:
+        guard(ddp, on_problem="raise", optimizer=opt)
+    return info.value.code, info.value.findings[0].param_names, hasattr(ddp, GUARD_ATTR)
+
+
+def test_a_flip_before_guard_is_named_at_guard(tmp_path) -> None:
+    # DDP's recorded tensor count and bytes identify the parameter (wrapstate.model_info), so it is named.
+    assert run_ranks(_flip_before_guard, tmp_path) == [("frozen-after-wrap", ["head_a.bias"], False)] * 2
