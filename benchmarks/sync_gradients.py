@@ -2,8 +2,9 @@
 
 Two measurements, interleaved in one process per rank:
 
-- the synchronization alone, on gradients of the same model: `sync_gradients` against seed 002's loop
-  (``for p in params: if p.grad is not None: all_reduce(p.grad); p.grad /= world``; gloo has no ReduceOp.AVG);
+- the synchronization alone, on gradients of the same model: `sync_gradients` against the hand-written
+  per-parameter loop (``for p in params: if p.grad is not None: all_reduce(p.grad); p.grad /= world``; gloo has
+  no ReduceOp.AVG);
 - a whole training step: forward and backward through the inner module, then `sync_gradients`, against forward
   and backward through DDP (whose reducer all-reduces buckets during the backward pass).
 """

@@ -28,7 +28,7 @@ from ddp_doctor import (
     refreeze,
 )
 from ddp_doctor._compat import HAS_FORWARD_SYNC_BUFFERS
-from ddp_doctor.refreeze import constructor_kwargs
+from ddp_doctor._refreeze import constructor_kwargs
 
 FROZEN = ["trunk.weight", "trunk.bias", "block.0.weight", "block.0.bias"]
 

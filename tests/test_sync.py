@@ -43,7 +43,8 @@ def _none_on_one_rank(rank: int, world: int) -> dict:
     model = Net()
     x, y = batch(rank, 0)
     # Rank 0 uses head_b, the others do not: its grad is None on those ranks only. This is the case where the
-    # per-parameter loop of seed 002 issues different numbers of collectives and hangs.
+    # hand-written per-parameter loop (all_reduce only where p.grad is not None) issues different numbers of
+    # collectives on the ranks and hangs.
     F.mse_loss(model(x, use_b=rank == 0), y).backward()
     params = list(model.parameters())
     expected = _reference(params, world)
@@ -159,8 +160,8 @@ def test_mismatched_parameter_lists_raise_on_every_rank(tmp_path) -> None:
         assert "Nothing was reduced on any rank" in m
 
 
-def _seed_002_loop(rank: int, world: int) -> tuple[bool, bool]:
-    """The seed's loop (loss through ddp.module) with sync_gradients: replicas stay identical, like with DDP."""
+def _loss_through_module(rank: int, world: int) -> tuple[bool, bool]:
+    """A loop that computes the loss through ddp.module, with sync_gradients: replicas stay identical, like with DDP."""
     torch.manual_seed(0)
     ddp = DDP(Net())
     reference = DDP(Net())
@@ -183,7 +184,7 @@ def _seed_002_loop(rank: int, world: int) -> tuple[bool, bool]:
 
 
 def test_bypassed_loop_with_sync_matches_ddp(tmp_path) -> None:
-    assert run_ranks(_seed_002_loop, tmp_path) == [(True, True)] * 2
+    assert run_ranks(_loss_through_module, tmp_path) == [(True, True)] * 2
 
 
 def _bad_input(rank: int, world: int) -> list[str]:

@@ -2,7 +2,7 @@
 
 The first fix for a bypassed DDP wrapper is to call the wrapper (``loss_fn(ddp_model(x))``), which gives DDP's
 bucketed reducer that overlaps communication with the backward pass. This is the fallback. The hand-written
-version people reach for (``for p in params: if p.grad is not None: dist.all_reduce(p.grad)``, seed 002) is slow
+version people reach for (``for p in params: if p.grad is not None: dist.all_reduce(p.grad)``) is slow
 (one collective per tensor) and hangs when a grad is None on one rank only, because the ranks then issue different
 numbers of collectives. Here every rank issues the same collectives with the same shapes, whatever its grads:
 
@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_doctor._collective import comm_device, global_ranks, layout_hash, minmax, rows_by_rank
+from ddp_doctor._collective import Headers, agree, comm_device, layout_hash
 from ddp_doctor._compat import parameters_to_ignore
-from ddp_doctor.errors import InvalidArgumentError, RankMismatchError
+from ddp_doctor.errors import InvalidArgumentError
 from ddp_doctor.wrapstate import require_process_group
 
 __all__ = ["sync_gradients"]
@@ -109,10 +109,15 @@ def sync_gradients(module: nn.Module, *, group: dist.ProcessGroup | None = None,
                 flags |= _SPARSE
             elif g.shape != p.shape:
                 flags |= _WRONG_SHAPE
-    header = torch.tensor([plan.hash, len(plan.params), flags], dtype=torch.float64)
-    hi, lo = minmax(header, group, device)
-    if bool((hi[:2] != lo[:2]).any()) or hi[2] > 0:
-        _raise_disagreement(header, plan, group, device)
+    headers = agree(
+        [plan.hash, len(plan.params)], failed=flags, group=group, device=device,
+        what="sync_gradients() found that the ranks disagree on the trainable parameter list",
+        cause="names, shapes, dtypes or requires_grad", describe=lambda h: f"{int(h[1])} trainable tensors",
+        fix=f"This rank has {len(plan.params)}" + (f", first {plan.names[0]!r}" if plan.names else "")
+            + ". Nothing was reduced on any rank. Build the same model on every rank and change requires_grad "
+            "identically on every rank.")
+    if headers is not None:
+        _raise_bad_grads(headers)
 
     # 2. Reduce the buckets; issue them all before waiting on any, so packing overlaps communication.
     pending = []
@@ -182,22 +187,11 @@ def _plan(module: nn.Module, ignore: frozenset[str], cap_bytes: int) -> _Plan:
     return plan
 
 
-def _raise_disagreement(header: torch.Tensor, plan: _Plan, group: dist.ProcessGroup | None,
-                        device: torch.device) -> None:
-    everyone = rows_by_rank(header, group, device).tolist()
-    ranks = global_ranks(group, range(len(everyone)))
-    bad_flags = [(r, int(row[2])) for r, row in zip(ranks, everyone) if row[2] > 0]
-    if bad_flags:
-        what = "; ".join(f"rank {r}: " + " and ".join(
-            w for bit, w in ((_SPARSE, "a sparse grad"), (_WRONG_SHAPE, "a grad whose shape is not its param's"))
-            if f & bit) for r, f in bad_flags)
-        raise InvalidArgumentError(
-            f"sync_gradients() cannot reduce these gradients ({what}); nothing was reduced on any rank. It handles "
-            "dense grads shaped like their parameters; for sparse embeddings use DDP itself.")
-    counts = ", ".join(f"rank {r}: {int(row[1])} trainable tensors" for r, row in zip(ranks, everyone))
-    raise RankMismatchError(
-        f"sync_gradients() found that the ranks disagree on the trainable parameter list ({counts}; names, "
-        f"shapes, dtypes or requires_grad differ). This rank has {len(plan.params)}"
-        + (f", first {plan.names[0]!r}" if plan.names else "")
-        + ". Nothing was reduced on any rank. Build the same model on every rank and change requires_grad "
-        "identically on every rank.")
+def _raise_bad_grads(headers: Headers) -> None:
+    """Some rank cannot reduce its grads; every rank raises the same error (`headers` is equal on every rank)."""
+    what = "; ".join(f"rank {r}: " + " and ".join(
+        w for bit, w in ((_SPARSE, "a sparse grad"), (_WRONG_SHAPE, "a grad whose shape is not its param's"))
+        if f & bit) for r, f in zip(headers.ranks, headers.codes) if f)
+    raise InvalidArgumentError(
+        f"sync_gradients() cannot reduce these gradients ({what}); nothing was reduced on any rank. It handles "
+        "dense grads shaped like their parameters; for sparse embeddings use DDP itself.")

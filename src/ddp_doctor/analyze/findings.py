@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.data import sampler_epoch_not_set, uneven_inputs
+from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View
 from ddp_doctor.records import CRASH_KINDS, RankRecord
 from ddp_doctor.report.model import Finding
@@ -29,10 +31,6 @@ def _freeze_fix(v: View) -> str:
 
 def _steps(mask: torch.Tensor) -> list[int]:
     return mask.nonzero().flatten().tolist()
-
-
-def _count(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def unused_parameters(v: View) -> list[Finding]:
@@ -309,8 +307,7 @@ def wrapper_bypass(v: View) -> list[Finding]:
         for step in {s for rank, s in hits if rank == r.rank}:
             used_on_hits |= r.used[step]
     where = f" Called from {', '.join(sites)}." if sites else ""
-    return [Finding(
-        code="wrapper-bypass", severity="error",
+    return [rules.wrapper_bypass(
         title="the wrapped module is called directly, so DDP never synchronizes it",
         detail="The module inside DDP ran forward in grad mode without DDP's forward around it (for example "
                "loss = ddp_model.module(x) or a helper that unwraps the model). DDP's reducer only fires after its "
@@ -357,8 +354,7 @@ def replica_divergence(v: View) -> list[Finding]:
     gap = float((w - w[:1]).abs().nan_to_num(0).max())
     ranks = [r for r in range(1, v.world) if not bool(torch.equal(v.weight_fp[r][:, params], v.weight_fp[0][:, params]))]
     when = "already when observe() started" if at_entry else f"after step {after[0]}"
-    return [Finding(
-        code="replica-divergence", severity="error",
+    return [rules.replica_divergence(
         title=f"weights of {_count(int(params.sum()), 'parameter')} differ across ranks",
         detail=f"The replicas are no longer identical, {when}; the largest difference of a parameter's sum "
                f"between rank 0 and another rank is {gap:.3g}. Whatever rank 0 saves is not what the other ranks "
@@ -378,8 +374,7 @@ def buffer_divergence(v: View) -> list[Finding]:
         return []
     buffers = differ.any(0)
     broadcast = bool(v.info.ddp_config.get("broadcast_buffers", True))
-    return [Finding(
-        code="buffer-divergence", severity="warning",
+    return [rules.buffer_divergence(
         title=f"{_count(int(buffers.sum()), 'buffer')} differ across ranks during training",
         detail="Buffers such as BatchNorm running statistics differ between ranks when the forward pass runs"
                + (" because DDP was built with broadcast_buffers=False" if not broadcast else "")
@@ -408,16 +403,11 @@ def frozen_after_wrap(v: View) -> list[Finding]:
     if not frozen.any() and not inferred:
         return []
     steps = _steps((~v.trainable[:, :, frozen]).any(0).any(-1)) if frozen.any() else []
-    detail = ("requires_grad was set to False after DDP was built. DDP's reducer still expects their gradients: "
-              + ("with default flags the step's reduction never finishes and the next step fails."
-                 if v.default_flags else "they are still all-reduced every step, which wastes communication."))
-    if inferred:
-        detail += (f" DDP was built with {v.info.wrap_trainable_count} trainable tensors, but only "
-                   f"{int(v.tracked.sum())} required grad when observe() started.")
-    return [Finding(
-        code="frozen-after-wrap", severity="error" if v.default_flags else "warning",
-        title=f"{_count(int(frozen.sum()), 'parameter')} frozen after DDP was built",
-        detail=detail, params=v.params(frozen), ranks=list(range(v.world)), steps=steps,
+    note = (f" DDP was built with {v.info.wrap_trainable_count} trainable tensors, but only "
+            f"{int(v.tracked.sum())} required grad when observe() started." if inferred else "")
+    return [rules.frozen_after_wrap(
+        params=v.params(frozen), ranks=list(range(v.world)), steps=steps, find_unused=v.find_unused,
+        static_graph=v.static_graph, note=note,
         fix=f"freeze {freeze_point(v.info.framework)}; " + _midway(v, "freeze"))]
 
 
@@ -427,11 +417,7 @@ def unfrozen_after_wrap(v: View) -> list[Finding]:
     unfrozen = ~v.tracked & ~v.ignored & v.trainable.any(0).any(0)
     if not unfrozen.any():
         return []
-    return [Finding(
-        code="unfrozen-after-wrap", severity="error",
-        title=f"{_count(int(unfrozen.sum()), 'parameter')} unfrozen after DDP was built",
-        detail="requires_grad was set to True after DDP was built. DDP's reducer has no hook for them, so "
-               "their gradients are never all-reduced and each rank trains its own copy silently.",
+    return [rules.unfrozen_after_wrap(
         params=v.params(unfrozen), ranks=list(range(v.world)),
         steps=_steps(v.trainable[:, :, unfrozen].any(0).any(-1)),
         fix=f"set requires_grad=True {freeze_point(v.info.framework)}; " + _midway(v, "unfreeze"))]

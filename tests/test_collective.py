@@ -1,0 +1,103 @@
+"""_collective: the cross-rank agreement every collective entry point starts with, and the named arrival check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist import run_ranks
+
+from ddp_doctor import RankMismatchError, ReportTimeoutError
+from ddp_doctor._collective import agree, arrive, comm_device, layout_hash, minmax, rows_by_rank
+
+_CPU = torch.device("cpu")
+
+
+def _agree(rank: int, world: int, odd_rank: int | None, carry: bool) -> dict:
+    layout = layout_hash(["a:(2,)", "b:(3,)"] if rank != odd_rank else ["a:(2,)", "c:(3,)"])
+    try:
+        headers = agree([layout, 2], carry=[10 + rank] if carry else (), group=None, device=_CPU,
+                        what="test found different models", cause="names", describe=lambda h: f"{int(h[1])} tensors",
+                        fix="Build the same model.")
+    except RankMismatchError as exc:
+        return {"raised": str(exc)}
+    return {"raised": None, "rows": None if headers is None else headers.rows}
+
+
+def test_ranks_that_agree_pass(tmp_path) -> None:
+    for res in run_ranks(_agree, tmp_path, world_size=4, args=(None, False)):
+        assert res == {"raised": None, "rows": None}       # no second collective, nothing to return
+
+
+def test_carried_values_come_back_from_every_rank(tmp_path) -> None:
+    layout = layout_hash(["a:(2,)", "b:(3,)"])
+    expected = [[float(layout), 2.0, 10.0 + r] for r in range(3)]
+    for res in run_ranks(_agree, tmp_path, world_size=3, args=(None, True)):
+        assert res == {"raised": None, "rows": expected}
+
+
+@pytest.mark.parametrize("carry", [False, True])
+def test_one_rank_of_four_differs_every_rank_raises_naming_it(tmp_path, carry) -> None:
+    for res in run_ranks(_agree, tmp_path, world_size=4, args=(2, carry)):
+        message = res["raised"]
+        assert message is not None and message.startswith("test found different models (rank 0: 2 tensors, ")
+        assert "rank(s) [2] differ from rank 0 in names). Build the same model." in message
+
+
+def _failure(rank: int, world: int) -> dict:
+    headers = agree([7], failed=4 if rank == 1 else 0, group=None, device=_CPU, what="w", cause="c",
+                    describe=str, fix="f")
+    return {"failed": headers.failed, "codes": headers.codes}
+
+
+def test_a_local_failure_is_returned_to_every_rank_instead_of_raising(tmp_path) -> None:
+    assert run_ranks(_failure, tmp_path, world_size=3) == [{"failed": [1], "codes": [0, 4, 0]}] * 3
+
+
+def _subgroup(rank: int, world: int) -> str | None:
+    """Ranks {1, 3} form a group; rank 3 differs. The message names global ranks, and ranks 0 and 2 take no part."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = groups[rank % 2]
+    try:
+        agree([1 if rank != 3 else 2], group=group, device=comm_device(group), what="w", cause="c",
+              describe=lambda h: f"{int(h[0])}", fix="f")
+    except RankMismatchError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_are_named_by_global_rank_within_a_subgroup(tmp_path) -> None:
+    results = run_ranks(_subgroup, tmp_path, world_size=4)
+    assert results[0] is None and results[2] is None
+    for message in (results[1], results[3]):
+        assert "(rank 1: 1, rank 3: 2; rank(s) [3] differ from rank 1 in c)" in message
+
+
+def _minmax_rows(rank: int, world: int) -> tuple[list, list, list]:
+    values = torch.tensor([float(rank), -2.0 * rank])
+    hi, lo = minmax(values, None, _CPU)
+    return hi.tolist(), lo.tolist(), rows_by_rank(values, None, _CPU).tolist()
+
+
+def test_minmax_and_rows_by_rank(tmp_path) -> None:
+    expected = ([2.0, 0.0], [0.0, -4.0], [[0.0, -0.0], [1.0, -2.0], [2.0, -4.0]])
+    assert run_ranks(_minmax_rows, tmp_path, world_size=3) == [expected] * 3
+
+
+def _arrive_alone(rank: int, world: int) -> str | None:
+    if rank == 1:
+        return None
+    with pytest.raises(ReportTimeoutError) as info:
+        arrive("alone", group=None, timeout=1, call="thing()", fix="call it everywhere.")
+    return str(info.value)
+
+
+def test_arrive_names_the_rank_that_never_came(tmp_path) -> None:
+    message = run_ranks(_arrive_alone, tmp_path, timeout=40)[0]
+    assert "rank 0 waited 1 s in thing() for rank(s) [1] of world size 2. thing() is collective: call it " \
+           "everywhere." in message
+
+
+def test_layout_hash_is_stable_and_order_sensitive() -> None:
+    assert layout_hash(["a", "b"]) == layout_hash(["a", "b"]) != layout_hash(["b", "a"])
+    assert 0 <= layout_hash(["x" * 1000]) < 2**31
