@@ -203,6 +203,11 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case(name="freeze-after-wrap", after_wrap=freeze("trunk.weight", "trunk.bias"), raises="reduction-error",
          codes={"frozen-after-wrap", "reduction-error", "grads-not-synced", "replica-divergence"},
          params={"frozen-after-wrap": TRUNK, "reduction-error": TRUNK}, fixed={"after_wrap": None}),
+    # Frozen after wrap but before the first step, static_graph=True records them as unused: wasted communication
+    # (a warning); once a step has trained them, the same freeze fails like default flags (tests/test_guard.py).
+    Case(name="freeze-after-wrap-static-graph", after_wrap=freeze("trunk.weight", "trunk.bias"),
+         ddp_kwargs={"static_graph": True}, codes={"frozen-after-wrap"}, params={"frozen-after-wrap": TRUNK},
+         fixed={"after_wrap": None}),
     Case(name="unfreeze-after-wrap", before_wrap=freeze("trunk.weight", "trunk.bias"),
          after_wrap=unfreeze("trunk.weight", "trunk.bias"),
          codes={"unfrozen-after-wrap", "grads-not-synced", "replica-divergence"},

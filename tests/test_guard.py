@@ -324,12 +324,9 @@ def _flip(rank: int, world: int, direction: str, on_problem: str, flags: dict) -
 
 @pytest.mark.parametrize(("direction", "flags", "severity"), [
     ("freeze", {}, "error"),
-    # The guard now builds this finding with analyze's rule (ddp_doctor.analyze.rules.frozen_after_wrap), which says
-    # "warning" under static_graph=True. Measured on torch 2.13 (2 ranks, gloo), freezing after wrap with
-    # static_graph=True fails like default flags: the step's reduction never finishes, nothing of that step is
-    # all-reduced, the next forward raises. This case keeps the expected "error" until the shared rule is decided.
-    pytest.param("freeze", {"static_graph": True}, "error", marks=pytest.mark.xfail(
-        strict=True, reason="shared frozen-after-wrap rule says warning under static_graph=True; measured: error")),
+    # Measured on torch 2.13: with static_graph=True a freeze after wrap fails like default flags (the scenario
+    # matrix's freeze-after-wrap-static-graph case proves it end to end).
+    ("freeze", {"static_graph": True}, "error"),
     ("freeze", {"find_unused_parameters": True}, "warning"),
     ("unfreeze", {}, "error"),
 ])

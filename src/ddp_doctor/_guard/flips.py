@@ -54,7 +54,8 @@ class FlipWatch:
         if not self._exact and self._wrap_count is not None and self._wrap_count != now:
             frozen = self._wrap_count > now
             f = (rules.frozen_after_wrap(params=[], ranks=[self._rank], steps=[step], fix="", find_unused=bool(
-                    self._ddp.find_unused_parameters), static_graph=bool(self._ddp.static_graph)) if frozen else
+                    self._ddp.find_unused_parameters), static_graph=bool(self._ddp.static_graph),
+                    after_first_step=step > 0) if frozen else
                  rules.unfrozen_after_wrap(params=[], ranks=[self._rank], steps=[step], fix=""))
             self._reporter.report([dataclasses.replace(
                 f, title=f"requires_grad changed between building DDP and guard(): DDP reduces {self._wrap_count} "
@@ -75,7 +76,8 @@ class FlipWatch:
         if frozen:
             findings.append(rules.frozen_after_wrap(
                 params=self._refs(frozen), ranks=[self._rank], steps=[step], note=_NOTE, fix=REFREEZE_FIX,
-                find_unused=bool(self._ddp.find_unused_parameters), static_graph=bool(self._ddp.static_graph)))
+                find_unused=bool(self._ddp.find_unused_parameters), static_graph=bool(self._ddp.static_graph),
+                after_first_step=step > 0))
         if unfrozen:
             findings.append(rules.unfrozen_after_wrap(
                 params=self._refs(unfrozen), ranks=[self._rank], steps=[step], note=_NOTE, fix=REFREEZE_FIX))

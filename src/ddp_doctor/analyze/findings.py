@@ -407,7 +407,7 @@ def frozen_after_wrap(v: View) -> list[Finding]:
             f"{int(v.tracked.sum())} required grad when observe() started." if inferred else "")
     return [rules.frozen_after_wrap(
         params=v.params(frozen), ranks=list(range(v.world)), steps=steps, find_unused=v.find_unused,
-        static_graph=v.static_graph, note=note,
+        static_graph=v.static_graph, after_first_step=bool(steps) and steps[0] > 0, note=note,
         fix=f"freeze {freeze_point(v.info.framework)}; " + _midway(v, "freeze"))]
 
 
