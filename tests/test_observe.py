@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 from dist import RankFailure, run_ranks
 from scenarios import Net, batch
@@ -152,6 +153,9 @@ def _communication(rank: int, world: int) -> dict:
     ddp, opt = _model()
     calls: dict[str, list] = {name: [] for name in _COLLECTIVES}
     originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+    # Both namespaces: torch.distributed's re-export and distributed_c10d's globals, through which torch's own
+    # helpers (all_gather_object, ...) and any `from torch.distributed.distributed_c10d import ...` call them.
+    namespaces = (dist, c10d)
 
     def counting(name):
         def wrapper(*args, **kwargs):
@@ -161,7 +165,8 @@ def _communication(rank: int, world: int) -> dict:
         return wrapper
 
     for name in _COLLECTIVES:
-        setattr(dist, name, counting(name))
+        for ns in namespaces:
+            setattr(ns, name, counting(name))
     try:
         with observe(ddp, optimizer=opt) as doctor:
             for step in range(4):
@@ -170,7 +175,8 @@ def _communication(rank: int, world: int) -> dict:
         doctor.report(timeout=20)
     finally:
         for name, fn in originals.items():
-            setattr(dist, name, fn)
+            for ns in namespaces:
+                setattr(ns, name, fn)
     return {"during": during, "report": {k: len(v) for k, v in calls.items() if v},
             "shapes": calls["all_gather"]}
 
@@ -242,6 +248,20 @@ def _fail_on_rank_1(rank: int, world: int) -> None:
         raise ValueError("boom on rank 1")
 
 
-def test_public_api_names() -> None:
-    assert set(ddp_doctor.CODES) >= {"unused-parameters", "reduction-error", "no-trainable-parameters"}
-    assert callable(ddp_doctor.observe)
+def test_public_names_are_the_functions_and_the_implementation_modules_are_private() -> None:
+    """`from ddp_doctor import guard` is the function (rich's pattern: private implementation modules, public names
+    in the package), so no public module of the same name can shadow it or be shadowed by it."""
+    import importlib
+    import inspect
+    import types
+
+    from ddp_doctor import guard, observe, refreeze
+
+    for fn, module in ((observe, "ddp_doctor._observe"), (guard, "ddp_doctor._guard"),
+                       (refreeze, "ddp_doctor._refreeze")):
+        assert inspect.isfunction(fn) and fn.__module__.startswith(module), (fn, fn.__module__)
+        assert isinstance(importlib.import_module(module), types.ModuleType)
+        name = fn.__name__
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"ddp_doctor.{name}")
+    assert set(ddp_doctor.__all__) >= {"observe", "guard", "refreeze", "sync_gradients", "Doctor", "Guard"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -228,3 +230,7 @@ def test_json_round_trip_of_the_report_shape() -> None:
     assert set(data["recommendation"]) == {"find_unused_parameters", "static_graph", "gradient_as_bucket_view",
                                            "freeze_before_wrap", "reason", "verified", "render"}
     assert "unused-parameters" in str(report) and "head_b.weight (8)" in str(report)
+    # The check parent reads the ranks' JSON back with from_dict: nothing may be lost on the way.
+    back = Report.from_dict(json.loads(json.dumps(data)))
+    assert back.to_dict() == data
+    assert back.findings == report.findings and back.recommendation == report.recommendation
