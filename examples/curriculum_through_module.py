@@ -1,4 +1,4 @@
-"""Seed 002: a curriculum trainer that computes the loss through `ddp.module`, so DDP never syncs.
+"""A curriculum trainer that computes the loss through `ddp.module`, so DDP never syncs.
 
 The model is wrapped in DDP, but the trainer's `_get_model()` unwraps it and calls `compute_loss` on the inner
 module. DDP's forward never runs, its reducer never fires, and each rank trains its own replica on its own shard.

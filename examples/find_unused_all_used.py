@@ -1,4 +1,4 @@
-"""Seed 001: find_unused_parameters=True left on "just in case", while every parameter is used on every step.
+"""find_unused_parameters=True left on "just in case", while every parameter is used on every step.
 
 Correct, but DDP walks the autograd graph after every forward for nothing, and PyTorch warns about it.
 Run: torchrun --nproc-per-node 2 examples/find_unused_all_used.py

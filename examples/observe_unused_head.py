@@ -1,4 +1,4 @@
-"""A multi-task model that trains only one of its two heads (the situation of seed 000), observed by ddp-doctor.
+"""A multi-task model that trains only one of its two heads (parameters that never reach the loss), observed by ddp-doctor.
 
 Run it like any DDP script:
 

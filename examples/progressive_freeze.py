@@ -1,4 +1,4 @@
-"""Seed 003: gradual layer freezing after DDP is built.
+"""Gradual layer freezing after DDP is built.
 
 Every few steps the next lowest layer gets requires_grad=False. DDP fixed its set of gradients when it was built,
 so with default flags it waits for the frozen layer's gradients and the next step fails with "Expected to have

@@ -1,4 +1,4 @@
-"""Seed 000: a multi-task model whose second head is never trained in this run.
+"""A multi-task model whose second head is never trained in this run.
 
 The regression head never reaches the loss. With DDP's default flags its gradients are never all-reduced: step 0
 silently skips the sync, and step 1 fails with "Expected to have finished reduction in the prior iteration".

@@ -10,6 +10,7 @@ flag) that must be equal on every rank.
 from __future__ import annotations
 
 import datetime
+import logging
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -18,13 +19,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddp_doctor import _log
 from ddp_doctor._compat import default_store
 from ddp_doctor.errors import RankMismatchError, ReportTimeoutError
 
 __all__ = ["Headers", "agree", "arrive", "comm_device", "global_ranks", "layout_hash", "minmax", "rows_by_rank"]
 
-logger = _log.get_logger(__name__)
+logger = logging.getLogger(__name__)
 
 
 def comm_device(group: dist.ProcessGroup | None, hint: torch.device | None = None) -> torch.device:

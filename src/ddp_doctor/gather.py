@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from ddp_doctor import _log
 from ddp_doctor._collective import agree, global_ranks
 from ddp_doctor._collective import arrive as group_arrive
 from ddp_doctor.records import ModelInfo, RankRecord
 
 __all__ = ["arrive", "gather"]
 
-logger = _log.get_logger(__name__)
+logger = logging.getLogger(__name__)
 
 _calls = itertools.count()
 _REPORT_FIX = "call it on every rank, after the observe() block."

@@ -11,8 +11,8 @@ from checkrun import REPO
 
 from ddp_doctor.errors import InvalidArgumentError
 from ddp_doctor.integrations._common import FindingsError, raise_if_failing
-from ddp_doctor.report import snippets
 from ddp_doctor.records import Flavor
+from ddp_doctor.report import snippets
 from ddp_doctor.report.model import Finding, Recommendation, Report, Timing
 from ddp_doctor.wrapstate import current_flavor
 

@@ -1,6 +1,6 @@
 """Lightning + DoctorCallback, end to end: `Trainer(accelerator="cpu", devices=2, strategy=...)` launched by torchrun
 (Lightning detects torchelastic's environment), with Lightning's own BackboneFinetuning unfreezing the backbone and a
-user callback freezing the neck at epoch 1 (seed 003; Lightning issue 20340)."""
+user callback freezing the neck at epoch 1 (layers frozen after DDP was built; Lightning issue 20340)."""
 
 from __future__ import annotations
 

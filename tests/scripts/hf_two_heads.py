@@ -1,10 +1,10 @@
-"""HF Trainer on a custom PreTrainedModel with two heads, of which only one is trained (seed 000), with DoctorCallback.
+"""HF Trainer on a custom PreTrainedModel with two heads, of which only one is trained (a head that never reaches the loss), with DoctorCallback.
 
 Usage: torchrun --nproc-per-node 2 hf_two_heads.py OUTPUT_DIR [--fix freeze|static|none-unused]
   (no --fix)         the Trainer's defaults: find_unused_parameters=True copes with the unused head, at a cost
   --fix freeze       the recommendation: freeze the unused head before train(), ddp_find_unused_parameters=False
   --fix static       the other route: ddp_find_unused_parameters=False, ddp_static_graph=True
-  --fix none-unused  seed 000's crash: ddp_find_unused_parameters=False with the head left trainable
+  --fix none-unused  the reduction error: ddp_find_unused_parameters=False with the head left trainable
 """
 
 from __future__ import annotations

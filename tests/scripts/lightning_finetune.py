@@ -1,4 +1,4 @@
-"""Lightning fine-tuning that changes the frozen set mid-training (seed 003; Lightning issue 20340), with DoctorCallback.
+"""Lightning fine-tuning that changes the frozen set mid-training (layers frozen after DDP was built; Lightning issue 20340), with DoctorCallback.
 
 Lightning's own BackboneFinetuning freezes `backbone` before fit() builds DDP and unfreezes it at epoch 1; a user
 callback freezes `neck` at epoch 1. Two ranks on CPU (`accelerator="cpu", devices=2`), launched by torchrun, which

@@ -38,7 +38,6 @@ from ddp_doctor._collective import comm_device
 from ddp_doctor._observe.backward import BackwardHooks
 from ddp_doctor._observe.crash import OBSERVE_HINT, CrashLog, explain_failure
 from ddp_doctor._observe.forward import ForwardHooks
-from ddp_doctor._observe.phase import Phase
 from ddp_doctor._observe.steplog import StepLog
 from ddp_doctor._observe.target import Target
 from ddp_doctor._observe.timeline import Timeline

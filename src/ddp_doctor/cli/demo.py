@@ -20,7 +20,8 @@ __all__ = ["DEMO_ORDER", "register"]
 
 DEMO_ORDER = ("clean.py", "unused_head.py", "find_unused_all_used.py", "curriculum_through_module.py",
               "progressive_freeze.py", "dynamic_graph.py")
-"""The examples, from the healthy script to seed 000, 001, 002, 003 and a changing graph."""
+"""The examples, from the healthy script to an unused head, find_unused_parameters left on for nothing, a loss
+computed through `ddp.module`, layers frozen after wrapping, and a changing graph."""
 
 _EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}

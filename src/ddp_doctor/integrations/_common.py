@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_doctor._observe import Doctor
 from ddp_doctor.codes import SEVERITIES
 from ddp_doctor.errors import DoctorError, InvalidArgumentError
-from ddp_doctor._observe import Doctor
 from ddp_doctor.report import Report
 from ddp_doctor.wrapstate import WRAP_STATE_ATTR
 

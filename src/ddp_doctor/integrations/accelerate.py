@@ -24,6 +24,7 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so `ddp-doctor check --nproc-per-node 2 t
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -35,15 +36,14 @@ except ImportError as exc:  # pragma: no cover  (the extra is not installed)
         "ddp_doctor.integrations.accelerate needs the accelerate package: pip install 'ddp-doctor[accelerate]'"
     ) from exc
 
-from ddp_doctor import _log
+from ddp_doctor._observe import Doctor
 from ddp_doctor.errors import InvalidArgumentError, NotDDPModelError
 from ddp_doctor.integrations._common import unwrap_ddp
-from ddp_doctor._observe import Doctor
 from ddp_doctor.report import Recommendation, Report
 
 __all__ = ["kwargs_handler", "observe"]
 
-logger = _log.get_logger(__name__)
+logger = logging.getLogger(__name__)
 
 
 def observe(model: torch.nn.Module, optimizer: torch.optim.Optimizer | str | None = "auto", *,

@@ -19,11 +19,12 @@ report that explains the failure, and the exception then goes on as usual.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_doctor import _log
+from ddp_doctor._observe import Doctor
 from ddp_doctor.errors import DoctorError
 from ddp_doctor.integrations._common import (
     JSON_NAME,
@@ -36,12 +37,11 @@ from ddp_doctor.integrations._common import (
     start_doctor,
     unwrap_ddp,
 )
-from ddp_doctor._observe import Doctor
 from ddp_doctor.report import Report
 
 __all__ = ["DoctorCallback", "FindingsError"]
 
-logger = _log.get_logger(__name__)
+logger = logging.getLogger(__name__)
 
 
 def _callback_base() -> type:

@@ -20,6 +20,7 @@ Under `ddp-doctor check` the callback stands by, since the launcher already obse
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ except ImportError as exc:  # pragma: no cover  (the extra is not installed)
         "ddp_doctor.integrations.transformers needs the transformers package: pip install 'ddp-doctor[transformers]'"
     ) from exc
 
-from ddp_doctor import _log
+from ddp_doctor._observe import Doctor
 from ddp_doctor.integrations._common import (
     JSON_NAME,
     FindingsError,
@@ -44,12 +45,11 @@ from ddp_doctor.integrations._common import (
     raise_if_failing,
     start_doctor,
 )
-from ddp_doctor._observe import Doctor
 from ddp_doctor.report import Report
 
 __all__ = ["DoctorCallback", "FindingsError"]
 
-logger = _log.get_logger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class DoctorCallback(TrainerCallback):

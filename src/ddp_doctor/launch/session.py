@@ -38,13 +38,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
 from ddp_doctor import _log, dataprobe
+from ddp_doctor._observe import Doctor
 from ddp_doctor.errors import DoctorError
 from ddp_doctor.gather import arrive
 from ddp_doctor.hookutil import format_site
 from ddp_doctor.launch.beacon import Beacon, read_beacon
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
-from ddp_doctor._observe import Doctor
 from ddp_doctor.wrapstate import WRAP_STATE_ATTR, user_name
 
 __all__ = ["FRAMEWORKS", "Session", "framework_of_stack", "write_json"]
