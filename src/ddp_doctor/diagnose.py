@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ddp_doctor.analyze import analyze
-from ddp_doctor.gather import gather
+from ddp_doctor.analyze import analyze_summary
+from ddp_doctor.gather import exchange
 from ddp_doctor.records import ModelInfo, RankRecord
 from ddp_doctor.report import Report
 
@@ -15,7 +15,7 @@ __all__ = ["diagnose"]
 
 def diagnose(record: RankRecord, info: ModelInfo, *, group: dist.ProcessGroup | None, device: torch.device,
              timeout: float, tag: str) -> Report:
-    """Exchange `record` with the other ranks of `group` and diagnose every rank's records. Collective over `group`.
+    """Reduce `record` with the other ranks of `group` (`gather.exchange`) and diagnose the group. Collective over `group`.
 
     Args:
         record: this rank's observations.
@@ -28,5 +28,7 @@ def diagnose(record: RankRecord, info: ModelInfo, *, group: dist.ProcessGroup | 
     Returns:
         The `Report`, identical on every rank of `group`.
     """
-    info, records = gather(record, info, timeout=timeout, tag=tag, device=device, group=group)
-    return Report.build(info, records, analyze(info, records), backend=str(dist.get_backend(group)))
+    summary = exchange(record, info, timeout=timeout, tag=tag, device=device, group=group)
+    # Report.build only counts the ranks: a range stands for them at any world size.
+    return Report.build(summary.info, range(summary.world), analyze_summary(summary),
+                        backend=str(dist.get_backend(group)))

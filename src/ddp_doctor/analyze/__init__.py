@@ -7,25 +7,27 @@ import statistics
 from ddp_doctor.analyze.findings import DETECTORS
 from ddp_doctor.analyze.recommend import recommend
 from ddp_doctor.analyze.view import View
+from ddp_doctor.exchange import Summary, summarize
 from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord
 from ddp_doctor.report.model import Crash, Diagnosis, Timing
 
-__all__ = ["analyze"]
+__all__ = ["analyze", "analyze_summary"]
 
 _SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
 
-def _timing(v: View) -> Timing:
-    rows = [r.timing[s] for r in v.records for s in range(v.steps)]
-    if not rows:
+def _timing(summary: Summary) -> Timing:
+    fwd, bwd, opt, step = summary.timing
+    if step is None:
         return Timing()
-    fwd, bwd, opt = (statistics.median(float(row[i]) for row in rows) for i in range(3))
-    return Timing(forward_s=fwd, backward_s=bwd, optimizer_s=opt,
-                  step_s=statistics.median(float(row.sum()) for row in rows))
+    return Timing(forward_s=fwd, backward_s=bwd, optimizer_s=opt, step_s=step)
 
 
 def analyze(info: ModelInfo, records: list[RankRecord]) -> Diagnosis:
     """Diagnose every rank's records.
+
+    The records are reduced exactly as the ranks' exchange reduces them (`ddp_doctor.exchange.summarize`), then
+    diagnosed by `analyze_summary`.
 
     Args:
         info: the model as DDP wrapped it (rank 0's view).
@@ -34,12 +36,21 @@ def analyze(info: ModelInfo, records: list[RankRecord]) -> Diagnosis:
     Returns:
         A `Diagnosis`: findings (errors first), the recommendation, per-step timing and any crashes.
     """
-    view = View(info, records)
+    return analyze_summary(summarize(info, records))
+
+
+def analyze_summary(summary: Summary) -> Diagnosis:
+    """Diagnose the group from the exchange's `Summary`. Time and memory do not depend on the world size."""
+    info = summary.info
+    view = View(summary)
     findings = [f for detect in DETECTORS for f in detect(view)]
     findings.sort(key=lambda f: _SEVERITY_ORDER[f.severity])
     _consistent_fixes(findings)
-    crashes = [Crash(rank=r.rank, step=r.crash_step, kind=CRASH_KINDS[r.crash_kind], message=r.crash_message)
-               for r in records if r.crash_kind]
+    crashes = []
+    for r in summary.examples["crashed"].ranks:
+        meta = summary.metas[r]
+        crashes.append(Crash(rank=r, step=meta["crash_step"], kind=CRASH_KINDS[meta["crash_kind"]],
+                             message=meta["crash_message"]))
     if info.group_ranks:
         # A DDP model over a subgroup: analysis ran in group ranks; users read global ranks.
         to_global = info.group_ranks
@@ -47,7 +58,7 @@ def analyze(info: ModelInfo, records: list[RankRecord]) -> Diagnosis:
             f.ranks = [to_global[r] if 0 <= r < len(to_global) else r for r in f.ranks]
         for c in crashes:
             c.rank = to_global[c.rank] if 0 <= c.rank < len(to_global) else c.rank
-    return Diagnosis(findings=findings, recommendation=recommend(view, findings), timing=_timing(view),
+    return Diagnosis(findings=findings, recommendation=recommend(view, findings), timing=_timing(summary),
                      steps_observed=view.steps, crashes=crashes)
 
 

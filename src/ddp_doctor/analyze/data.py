@@ -11,44 +11,43 @@ from ddp_doctor.report.model import Finding
 __all__ = ["sampler_epoch_not_set", "uneven_inputs"]
 
 
-def _training_loader(record: Any) -> dict[str, Any] | None:
+def _training_loader(meta: dict[str, Any]) -> dict[str, Any]:
     """The first loader the rank iterated while observed that has a length (the training loop's, in practice)."""
-    return next((d for d in record.loaders if d.get("batches") is not None), None)
+    return next((d for d in meta["loaders"] if d.get("batches") is not None), {})
 
 
 def uneven_inputs(v: View) -> list[Finding]:
-    loaders = {r.rank: _training_loader(r) for r in v.records}
-    known = {rank: d for rank, d in loaders.items() if d is not None}
-    if v.world < 2 or len(known) < v.world:
+    s = v.summary
+    if v.world < 2 or s.loader_ranks < v.world:
         return []
-    counts = {rank: int(d["batches"]) for rank, d in known.items()}
-    fewest = min(counts.values())
-    if len(set(counts.values())) > 1:
-        short = sorted(r for r, c in counts.items() if c == fewest)
-        shown = ", ".join(f"rank {r}: {c}" for r, c in sorted(counts.items())[:8])
+    most, fewest = s.batches
+    if most != fewest:
+        short = v.ranks("fewest-batches")
+        shown = ", ".join(f"rank {r}: {c}" for r, c in enumerate(s.first_batches[:8]))
+        names = ", ".join(map(str, short.ranks)) + (f" and {short.more} others" if short.more else "")
+        sampler = _training_loader(v.meta(short.ranks[0])).get("sampler")
         return [Finding(
             code="uneven-inputs", severity="error",
             title=f"ranks have different numbers of batches per epoch ({shown})",
-            detail=f"{'Ranks' if len(short) > 1 else 'Rank'} {', '.join(map(str, short))} "
-                   f"run{'' if len(short) > 1 else 's'} out after {fewest} "
+            detail=f"{'Ranks' if short.count > 1 else 'Rank'} {names} "
+                   f"run{'' if short.count > 1 else 's'} out after {fewest} "
                    f"batches, at batch {fewest} of the first epoch, while the others still train: they then wait "
                    "in DDP's gradient all-reduce for a rank that has stopped, and the job hangs or crashes at the end "
-                   f"of the epoch. Sampler: {known[short[0]].get('sampler')}.",
-            ranks=sorted(counts), steps=[fewest],
+                   f"of the epoch. Sampler: {sampler}.",
+            ranks=list(range(v.world)), steps=[fewest],
             fix="give every rank the same number of batches: shard with DistributedSampler (equal shares), or use "
                 "drop_last=True, or wrap the loop in torch.distributed.algorithms.Join([model]) so ranks that run "
                 "out shadow the others' all-reduces (Accelerate: Accelerator(even_batches=True)).")]
-    padded = {rank: int(d.get("padded") or 0) for rank, d in known.items()}
-    if any(padded.values()):
-        d = known[0] if 0 in known else next(iter(known.values()))
-        pad = max(padded.values())
+    if s.padded:
+        d = _training_loader(v.meta(0))
+        pad = s.padded
         return [Finding(
             code="uneven-inputs", severity="info",
             title=f"equal batch counts only thanks to {pad} padded sample(s)",
             detail=f"DistributedSampler(drop_last=False) repeats {pad} sample(s) so that the {d.get('dataset')} "
                    f"samples split evenly over {v.world} ranks: every rank gets {fewest} batches, and those samples "
                    "count twice in each epoch. Harmless for training; it skews an evaluation metric.",
-            ranks=sorted(padded), steps=[],
+            ranks=list(range(v.world)), steps=[],
             fix="DistributedSampler(..., drop_last=True) drops them instead; for evaluation, count only the first "
                 "len(dataset) samples.")]
     return []
@@ -56,8 +55,8 @@ def uneven_inputs(v: View) -> list[Finding]:
 
 def sampler_epoch_not_set(v: View) -> list[Finding]:
     findings: list[Finding] = []
-    for r in v.records[:1]:   # every rank's loop has the same shape; rank 0 speaks for it
-        for d in r.loaders:
+    for meta in [v.meta(0)]:   # every rank's loop has the same shape; rank 0 speaks for it
+        for d in meta["loaders"]:
             if d.get("sampler") != "DistributedSampler" or not d.get("shuffle"):
                 continue
             seen = [e for e in d.get("epochs_seen", []) if e is not None]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ddp_doctor.launch.protocol import PHASES, Outcome, RankState
 from ddp_doctor.report.model import Finding, ParamRef
+from ddp_doctor.report.ranks import rank_list
 
 __all__ = ["failure_findings", "rank_list"]
 
@@ -21,20 +22,6 @@ _SIGNAL_CAUSE = {
     "SIGTERM": "SIGTERM from outside the run",
 }
 _DDP_INIT = ("torch/nn/parallel/distributed.py", "__init__")
-
-
-def rank_list(ranks: list[int], *, limit: int = 6) -> str:
-    """`rank 3` / `ranks 0, 2` / `ranks 0-511, 513-1023`: runs compressed, at most `limit` items shown."""
-    ranks = sorted(set(ranks))
-    runs: list[tuple[int, int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], r)
-        else:
-            runs.append((r, r))
-    items = [f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in runs]
-    text = ", ".join(items[:limit]) + (f" and {len(items) - limit} more ranges" if len(items) > limit else "")
-    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
 def _where(s: RankState) -> str:

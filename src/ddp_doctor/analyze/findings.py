@@ -11,8 +11,8 @@ from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.data import sampler_epoch_not_set, uneven_inputs
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View
-from ddp_doctor.records import CRASH_KINDS, RankRecord
 from ddp_doctor.report.model import Finding
+from ddp_doctor.report.ranks import listed
 from ddp_doctor.report.snippets import flags_fix, freeze_point
 
 __all__ = ["DETECTORS"]
@@ -31,6 +31,15 @@ def _freeze_fix(v: View) -> str:
 
 def _steps(mask: torch.Tensor) -> list[int]:
     return mask.nonzero().flatten().tolist()
+
+
+def _more(finding: Finding, more: int) -> Finding:
+    finding.more_ranks = more
+    return finding
+
+
+def _all(v: View) -> list[int]:
+    return list(range(v.world))
 
 
 def unused_parameters(v: View) -> list[Finding]:
@@ -52,7 +61,7 @@ def unused_parameters(v: View) -> list[Finding]:
         title=f"{_count(n, 'trainable parameter')} never reached the loss",
         detail=f"On every rank and every one of the {v.steps} observed steps, these parameters got no gradient and "
                "their modules never ran in a training forward. " + effect,
-        params=v.params(never), ranks=list(range(v.world)), steps=list(range(v.steps)),
+        params=v.params(never), ranks=_all(v), steps=list(range(v.steps)),
         fix=_freeze_fix(v) + ".")]
 
 
@@ -74,24 +83,11 @@ def grad_blocked(v: View) -> list[Finding]:
                f"no gradient reached them: {cause}. The script evidently means to train them, so they silently "
                "stay at their initial values"
                + (" while DDP waits for their gradients" if v.default_flags else "") + ".",
-        params=v.params(blocked), ranks=list(range(v.world)), steps=list(range(v.steps)),
+        params=v.params(blocked), ranks=_all(v), steps=list(range(v.steps)),
         fix=("pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it works whether or not the inputs "
              "require grad)" if sites else
              "remove the torch.no_grad() / .detach() that cuts them off, or use checkpoint(..., use_reentrant=False)")
             + "; if they really are meant to stay fixed, set requires_grad=False on them yourself before wrapping.")]
-
-
-def _windows(record: RankRecord) -> list[tuple[int, list[int]]]:
-    """Per optimizer step: (synced backward passes, the record's step indices in it). Steps are closed by
-    optimizer.step() or, when a synced backward was not followed by one, by the next forward."""
-    out, count, idx = [], 0, []
-    synced, stepped = record.counter("synced_backwards").tolist(), record.counter("optimizer_step").tolist()
-    for s, (n, opt) in enumerate(zip(synced, stepped)):
-        count, idx = count + n, [*idx, s]
-        if opt:
-            out.append((count, idx))
-            count, idx = 0, []
-    return out
 
 
 def synced_pass_mismatch(v: View) -> list[Finding]:
@@ -99,39 +95,40 @@ def synced_pass_mismatch(v: View) -> list[Finding]:
     backward issues DDP's gradient all-reduces once more, which the other ranks pair with their next ones."""
     if v.world < 2:
         return []
-    windows = [_windows(r) for r in v.records]
-    n = min(len(w) for w in windows)
-    bad = [k for k in range(n) if len({w[k][0] for w in windows}) > 1]
+    most_by, least_by = v.summary.window_passes
+    bad = [k for k in range(v.summary.windows) if most_by[k] != least_by[k]]
     if not bad:
         return []
     first = bad[0]
-    counts = [w[first][0] for w in windows]
-    most, least = max(counts), min(counts)
-    extra = [r.rank for r, c in zip(v.records, counts) if c == most]
-    rest = [r.rank for r, c in zip(v.records, counts) if c != most]
-    sites = sorted({site.split(": ", 1)[1] for r, w in zip(v.records, windows) if r.rank in extra
-                    for site in r.repeat_sites if int(site.split(":", 1)[0].split()[1]) in w[first][1]})
+    most, least = most_by[first], least_by[first]
+    extra, rest = v.ranks("extra-passes"), v.ranks("fewer-passes")
+    sites = sorted({site for r in extra.ranks for site in v.meta(r)["window_sites"]})
     where = f" (the extra pass starts at {', '.join(sites)})" if sites else ""
-    plural = "s" if len(extra) > 1 else ""
+    plural = "s" if extra.count > 1 else ""
     return [Finding(
         code="collective-mismatch", severity="error",
-        title=f"rank{plural} {', '.join(map(str, extra))} ran {most} synced backward passes in optimizer step {first}, "
-              f"rank{'s' if len(rest) > 1 else ''} {', '.join(map(str, rest))} {least}",
+        title=f"rank{plural} {_joined(extra.ranks, extra.more)} ran {most} synced backward passes in optimizer "
+              f"step {first}, rank{'s' if rest.count > 1 else ''} {_joined(rest.ranks, rest.more)} {least}",
         detail=f"In optimizer step {first}{where}, the ranks ran different numbers of backward passes through DDP "
                "with gradient sync on. Each synced backward issues DDP's gradient all-reduces, so the extra ones on "
                "one rank are paired with the other ranks' next ones: gradients of different steps get averaged, "
                "and the job hangs or crashes when the counts no longer line up."
                + (f" It happened again in optimizer step(s) {bad[1:]}." if len(bad) > 1 else ""),
-        params=[], ranks=extra, steps=bad,
+        params=[], ranks=extra.ranks, steps=bad, more_ranks=extra.more,
         fix="run the same number of synced forward/backward passes on every rank in each step: decide the retry "
             "from a value all-reduced across ranks, or run the extra pass under ddp.no_sync().")]
+
+
+def _joined(ranks: list[int], more: int) -> str:
+    """``0, 1`` (and ``and 41 others`` when the exchange named only examples)."""
+    return ", ".join(map(str, ranks)) + (f" and {more} other{'s' if more > 1 else ''}" if more else "")
 
 
 def dynamic_graph(v: View) -> list[Finding]:
     _, dynamic, _, _ = v.usage()
     if not dynamic.any():
         return []
-    steps = _steps((~v.used[:, :, dynamic]).any(0).any(-1))
+    steps = _steps((~v.used_all[:, dynamic]).any(-1))
     if v.static_graph:
         severity = "error"
     elif v.find_unused:
@@ -144,7 +141,7 @@ def dynamic_graph(v: View) -> list[Finding]:
         detail="The set of parameters that get a gradient changes from step to step (for example a branch taken "
                "on some steps). Only find_unused_parameters=True handles a used-set that changes"
                + (", which is what this run uses." if v.find_unused and not v.static_graph else "."),
-        params=v.params(dynamic), ranks=list(range(v.world)), steps=steps,
+        params=v.params(dynamic), ranks=_all(v), steps=steps,
         fix=_with(v, find_unused_parameters=True, static_graph=False) + ".")]
 
 
@@ -154,16 +151,16 @@ def rank_dependent_graph(v: View) -> list[Finding]:
     _, _, rank_dep, _ = v.usage()
     if not rank_dep.any():
         return []
-    u = v.used[:, :, rank_dep]
-    lacking = _steps((~u).any(1).any(-1))
+    lacking = v.ranks("lacking")
     return [Finding(
         code="rank-dependent-graph", severity="error" if v.default_flags else "info",
         title=f"{_count(int(rank_dep.sum()), 'parameter')} reach the loss on some ranks but not others",
-        detail=f"Ranks {lacking} left these parameters without a gradient while other ranks used them. With "
+        detail=f"Ranks {listed(lacking.ranks, lacking.more)} left these parameters without a gradient while other ranks used them. With "
                "default flags the ranks disagree on which buckets are ready, which hangs or crashes. "
                "static_graph=True handles it when each rank's set is the same every step; "
                "find_unused_parameters=True handles it always.",
-        params=v.params(rank_dep), ranks=lacking, steps=_steps((u.any(0) != u.all(0)).any(-1)),
+        params=v.params(rank_dep), ranks=lacking.ranks, more_ranks=lacking.more,
+        steps=_steps((v.used_any[:, rank_dep] != v.used_all[:, rank_dep]).any(-1)),
         fix=f"{_with(v, static_graph=True)} if each rank's used set is stable, else "
             f"{_with(v, find_unused_parameters=True)}.")]
 
@@ -171,16 +168,16 @@ def rank_dependent_graph(v: View) -> list[Finding]:
 def static_graph_unsafe(v: View) -> list[Finding]:
     crashed = v.crashed("static-graph-changed")
     dynamic = v.usage()[1]
-    if not v.static_graph or not (crashed or dynamic.any()):
+    if not v.static_graph or not (crashed.count or dynamic.any()):
         return []
     return [Finding(
         code="static-graph-unsafe", severity="error",
         title="static_graph=True, but the graph changes between steps",
         detail="static_graph=True records the used parameters on the first steps and assumes they never change. "
-               + ("DDP failed on rank(s) " + str([r.rank for r in crashed]) + " with 'Your training graph has "
-                  "changed'." if crashed else "Here they changed, so gradients would be reduced wrongly."),
-        params=v.params(dynamic), ranks=[r.rank for r in crashed] or list(range(v.world)),
-        steps=sorted({r.crash_step for r in crashed}),
+               + ("DDP failed on rank(s) " + listed(crashed.ranks, crashed.more) + " with 'Your training graph "
+                  "has changed'." if crashed.count else "Here they changed, so gradients would be reduced wrongly."),
+        params=v.params(dynamic), ranks=crashed.ranks or _all(v), more_ranks=crashed.more,
+        steps=v.crash_steps("static-graph-changed"),
         fix=_with(v, static_graph=False, find_unused_parameters=True) + ".")]
 
 
@@ -189,35 +186,21 @@ class Hidden:
     """Parameters that got a gradient but are not in the graph of DDP's forward outputs."""
 
     params: set[int] = field(default_factory=set)
-    ranks: set[int] = field(default_factory=set)
+    ranks: list[int] = field(default_factory=list)
+    more_ranks: int = 0
     steps: set[int] = field(default_factory=set)
-    crashed: list[int] = field(default_factory=list)
+    crashed: int = 0
     """Ranks where DDP failed with 'mark a variable ready only once' because of them."""
-
-    def add(self, rank: int, step: int, params: list[int]) -> None:
-        self.params.update(params)
-        self.ranks.add(rank)
-        self.steps.add(step)
 
 
 def hidden_params(v: View) -> tuple[Hidden, Hidden]:
     """(used outside forward, used under reentrant checkpoints), from every step including a crashed one."""
-    outside, reentrant = Hidden(), Hidden()
-    mark_twice = CRASH_KINDS.index("mark-ready-twice")
-    for r in v.records:
-        forwards = r.counter("ddp_forwards")
-        checkpoints = r.counter("reentrant_checkpoints")
-        for s in range(r.steps):
-            if not forwards[s]:
-                continue
-            target = reentrant if checkpoints[s] else outside
-            hidden = (r.used[s] & ~r.reachable[s] & v.tracked).nonzero().flatten().tolist()
-            if r.crash_kind == mark_twice and s == r.crash_step:
-                hidden += v.names_in_message(r.crash_message)
-                target.crashed.append(r.rank)
-            if hidden or checkpoints[s]:
-                target.add(r.rank, s, hidden)
-    return outside, reentrant
+    out = []
+    for k, predicate in enumerate(("hidden-outside", "hidden-reentrant")):
+        ex = v.ranks(predicate)
+        out.append(Hidden(params=set(_steps(v.summary.hidden[k])), ranks=ex.ranks, more_ranks=ex.more,
+                          steps=set(_steps(v.summary.hidden_steps[k])), crashed=v.summary.hidden_crashed[k]))
+    return out[0], out[1]
 
 
 def used_outside_forward(v: View) -> list[Finding]:
@@ -234,8 +217,8 @@ def used_outside_forward(v: View) -> list[Finding]:
     return [Finding(
         code="used-outside-forward", severity="error" if broken else "info",
         title=f"{_count(len(outside.params), 'parameter')} used outside DDP's forward",
-        detail=detail, params=v.params(sorted(outside.params)), ranks=sorted(outside.ranks),
-        steps=sorted(outside.steps),
+        detail=detail, params=v.params(sorted(outside.params)), ranks=outside.ranks,
+        more_ranks=outside.more_ranks, steps=sorted(outside.steps),
         fix="compute them inside the wrapped module's forward; or, if the used set is stable, "
             + _with(v, static_graph=True, find_unused_parameters=False) + ".")]
 
@@ -251,7 +234,7 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
             detail="torch.utils.checkpoint with use_reentrant=True gives the checkpointed block no gradient at all "
                    "when none of the call's tensor inputs requires grad (PyTorch only warns). Its parameters look "
                    "unused, but freezing them would be the wrong fix: the script means to train them.",
-            params=v.params(blocked), ranks=list(range(v.world)), steps=list(range(v.steps)),
+            params=v.params(blocked), ranks=_all(v), steps=list(range(v.steps)),
             fix="pass use_reentrant=False to the checkpoint call at " + ", ".join(sites) + ".")]
     if not reentrant.ranks:
         return []
@@ -270,7 +253,8 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
         title="reentrant activation checkpointing inside DDP",
         detail="torch.utils.checkpoint with use_reentrant=True runs a nested backward for the checkpointed "
                "segment, so its parameters are invisible in the graph of DDP's forward outputs. " + effect,
-        params=v.params(sorted(reentrant.params)), ranks=sorted(reentrant.ranks), steps=sorted(reentrant.steps),
+        params=v.params(sorted(reentrant.params)), ranks=reentrant.ranks, more_ranks=reentrant.more_ranks,
+        steps=sorted(reentrant.steps),
         fix="pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it composes with DDP), or "
             + _with(v, static_graph=True, find_unused_parameters=False) + ".")]
 
@@ -280,7 +264,7 @@ def find_unused_unneeded(v: View) -> list[Finding]:
         return []
     always = v.usage()[3]
     outside, reentrant = hidden_params(v)
-    if not bool((always == v.live).all()) or outside.ranks or reentrant.ranks or any(r.crash_kind for r in v.records):
+    if not bool((always == v.live).all()) or outside.ranks or reentrant.ranks or v.ranks("crashed").count:
         return []
     if (v.tracked & ~v.live).any():
         return []  # something was frozen after wrap: it would be unused
@@ -290,52 +274,43 @@ def find_unused_unneeded(v: View) -> list[Finding]:
         detail=f"All {int(v.live.sum())} trainable parameters got a gradient on every one of the {v.world} ranks "
                f"in all {v.steps} observed steps. find_unused_parameters=True makes DDP walk the whole autograd "
                "graph after every forward and delays communication, for nothing.",
-        ranks=list(range(v.world)), steps=list(range(v.steps)),
+        ranks=_all(v), steps=list(range(v.steps)),
         fix=_with(v, find_unused_parameters=False) + ".")]
 
 
 def wrapper_bypass(v: View) -> list[Finding]:
     # A step with DDP's forward as well is not a bypass: DDP then reduces every gradient, including those of
     # modules called outside its forward (that case is used-outside-forward).
-    hits = [(r.rank, s) for r in v.records
-            for s in _steps((r.counter("bypass_forwards") > 0) & (r.counter("ddp_forwards") == 0))]
-    if not hits:
+    hits = v.ranks("bypass")
+    if not hits.count:
         return []
-    sites = sorted({site for r in v.records for site in r.bypass_sites})
-    used_on_hits = torch.zeros(len(v.info.param_names), dtype=torch.bool)
-    for r in v.records:
-        for step in {s for rank, s in hits if rank == r.rank}:
-            used_on_hits |= r.used[step]
+    sites = v.bypass_sites
     where = f" Called from {', '.join(sites)}." if sites else ""
-    return [rules.wrapper_bypass(
+    return [_more(rules.wrapper_bypass(
         title="the wrapped module is called directly, so DDP never synchronizes it",
         detail="The module inside DDP ran forward in grad mode without DDP's forward around it (for example "
                "loss = ddp_model.module(x) or a helper that unwraps the model). DDP's reducer only fires after its "
                "own forward, so each rank trains its own replica." + where,
-        params=v.params(used_on_hits),
-        ranks=sorted({r for r, _ in hits}), steps=sorted({s for _, s in hits}),
+        params=v.params(v.summary.bypass_used), ranks=hits.ranks, steps=_steps(v.summary.bypass_steps),
         fix="call the DDP wrapper (ddp_model(x)); if the loss needs other outputs, return them from forward. "
-            "ddp_doctor.sync_gradients is the fallback when that is impossible.")]
+            "ddp_doctor.sync_gradients is the fallback when that is impossible."), hits.more)]
 
 
 def grads_not_synced(v: View) -> list[Finding]:
     if v.world < 2 or not v.steps:
         return []
-    trainable_all = v.trainable.all(0)                      # [S, P]
-    same = v.same_across_ranks(v.grad_fp)                   # [S, P]
-    differ = ~same & trainable_all & ~v.ignored
-    if not differ.any():
+    params = v.summary.grad_params                         # differ in a step where every rank trains them
+    if not params.any():
         return []
-    params = differ.any(0)
-    steps = _steps(differ.any(1))
-    g = v.grad_fp[:, :, params]
-    ranks = [r for r in range(1, v.world) if not bool(((g[r] == g[0]) | (g[r].isnan() & g[0].isnan())).all())]
+    steps = _steps(v.summary.grad_steps)
+    others = v.ranks("grad-differs")                        # ranks whose gradients differ from rank 0's
+    ranks = [0] + others.ranks
     return [Finding(
         code="grads-not-synced", severity="error",
         title=f"gradients of {_count(int(params.sum()), 'parameter')} differ across ranks at the optimizer step",
         detail="When the optimizer stepped, these gradients were not the same on every rank, so the replicas "
-               f"take different updates. Ranks {[0] + ranks} disagree in steps {steps}.",
-        params=v.params(params), ranks=[0] + ranks, steps=steps,
+               f"take different updates. Ranks {listed(ranks, others.more)} disagree in steps {steps}.",
+        params=v.params(params), ranks=ranks, steps=steps, more_ranks=others.more,
         fix="see the findings that explain why (a bypassed wrapper, parameters unused with default flags, "
             "requires_grad changed after wrap); gradients must be reduced by DDP before optimizer.step().")]
 
@@ -343,33 +318,31 @@ def grads_not_synced(v: View) -> list[Finding]:
 def replica_divergence(v: View) -> list[Finding]:
     if v.world < 2:
         return []
-    same = v.same_across_ranks(v.weight_fp)                 # [S+1, P]
-    differ = ~same & ~v.ignored
-    if not differ.any():
+    params = v.summary.weight_params
+    if not params.any():
         return []
-    params = differ.any(0)
-    at_entry = bool(differ[0].any())
-    after = [s - 1 for s in _steps(differ.any(1)) if s > 0]
-    w = v.weight_fp[:, :, params, 0]
-    gap = float((w - w[:1]).abs().nan_to_num(0).max())
-    ranks = [r for r in range(1, v.world) if not bool(torch.equal(v.weight_fp[r][:, params], v.weight_fp[0][:, params]))]
+    differ_steps = _steps(v.summary.weight_steps)
+    at_entry = bool(v.summary.weight_steps[0])
+    after = [s - 1 for s in differ_steps if s > 0]
+    gap = v.summary.weight_gap
+    others = v.ranks("weight-differs")
+    ranks = [0] + others.ranks
     when = "already when observe() started" if at_entry else f"after step {after[0]}"
-    return [rules.replica_divergence(
+    return [_more(rules.replica_divergence(
         title=f"weights of {_count(int(params.sum()), 'parameter')} differ across ranks",
         detail=f"The replicas are no longer identical, {when}; the largest difference of a parameter's sum "
                f"between rank 0 and another rank is {gap:.3g}. Whatever rank 0 saves is not what the other ranks "
                "trained.",
-        params=v.params(params), ranks=[0] + ranks, steps=after,
+        params=v.params(params), ranks=ranks, steps=after,
         fix="fix the cause (see grads-not-synced and the findings that explain it); restart from a checkpoint "
-            "saved before the divergence, or re-broadcast rank 0's weights knowingly.")]
+            "saved before the divergence, or re-broadcast rank 0's weights knowingly."), others.more)]
 
 
 def buffer_divergence(v: View) -> list[Finding]:
     if v.world < 2 or not v.steps or not v.info.buffer_names:
         return []
-    fp = v.buffer_fp
-    seen = ~fp.isnan().all(-1).any(0)                       # [S, B]: every rank recorded it
-    differ = ~v.same_across_ranks(fp) & seen
+    seen = v.summary.buffer_seen                            # [S, B]: every rank recorded it
+    differ = v.summary.buffer_differs & seen
     if not differ.any():
         return []
     buffers = differ.any(0)
@@ -379,7 +352,7 @@ def buffer_divergence(v: View) -> list[Finding]:
         detail="Buffers such as BatchNorm running statistics differ between ranks when the forward pass runs"
                + (" because DDP was built with broadcast_buffers=False" if not broadcast else "")
                + ". Evaluation then differs by rank, and only rank 0's are saved.",
-        params=v.buffers(buffers), ranks=list(range(v.world)), steps=_steps(differ.any(1)),
+        params=v.buffers(buffers), ranks=_all(v), steps=_steps(differ.any(1)),
         fix=_with(v, broadcast_buffers=True) + " (the default), or convert BatchNorm with "
             f"torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) {freeze_point(v.info.framework)}.")]
 
@@ -402,11 +375,11 @@ def frozen_after_wrap(v: View) -> list[Finding]:
     inferred = not v.info.wrap_state_exact and (v.info.wrap_trainable_count or 0) > int(v.tracked.sum())
     if not frozen.any() and not inferred:
         return []
-    steps = _steps((~v.trainable[:, :, frozen]).any(0).any(-1)) if frozen.any() else []
+    steps = _steps((~v.train_all[:, frozen]).any(-1)) if frozen.any() else []
     note = (f" DDP was built with {v.info.wrap_trainable_count} trainable tensors, but only "
             f"{int(v.tracked.sum())} required grad when observe() started." if inferred else "")
     return [rules.frozen_after_wrap(
-        params=v.params(frozen), ranks=list(range(v.world)), steps=steps, find_unused=v.find_unused,
+        params=v.params(frozen), ranks=_all(v), steps=steps, find_unused=v.find_unused,
         static_graph=v.static_graph, after_first_step=bool(steps) and steps[0] > 0, note=note,
         fix=f"freeze {freeze_point(v.info.framework)}; " + _midway(v, "freeze"))]
 
@@ -414,23 +387,22 @@ def frozen_after_wrap(v: View) -> list[Finding]:
 def unfrozen_after_wrap(v: View) -> list[Finding]:
     if not v.steps:
         return []
-    unfrozen = ~v.tracked & ~v.ignored & v.trainable.any(0).any(0)
+    unfrozen = ~v.tracked & ~v.ignored & v.train_any.any(0)
     if not unfrozen.any():
         return []
     return [rules.unfrozen_after_wrap(
-        params=v.params(unfrozen), ranks=list(range(v.world)),
-        steps=_steps(v.trainable[:, :, unfrozen].any(0).any(-1)),
+        params=v.params(unfrozen), ranks=_all(v),
+        steps=_steps(v.train_any[:, unfrozen].any(-1)),
         fix=f"set requires_grad=True {freeze_point(v.info.framework)}; " + _midway(v, "unfreeze"))]
 
 
 def identical_inputs(v: View) -> list[Finding]:
     if v.world < 2 or not v.steps:
         return []
-    fp = v.input_fp
-    has_input = (fp != 0).any(-1).all(0)                    # [S]
+    has_input = v.summary.input_present                     # [S]: every rank saw an input
     if not has_input.any():
         return []
-    same = v.same_across_ranks(fp)[has_input]
+    same = ~v.summary.input_differs[has_input]
     if not bool(same.all()):
         return []
     return [Finding(
@@ -438,7 +410,7 @@ def identical_inputs(v: View) -> list[Finding]:
         title="every rank got the same batch",
         detail=f"In all {int(has_input.sum())} observed steps the inputs were identical on all {v.world} ranks, so "
                "the ranks do the same work and the job trains no faster than one rank.",
-        ranks=list(range(v.world)), steps=_steps(has_input),
+        ranks=_all(v), steps=_steps(has_input),
         fix="shard the data: DataLoader(dataset, sampler=DistributedSampler(dataset)), and call "
             "sampler.set_epoch(epoch) every epoch.")]
 
@@ -446,29 +418,25 @@ def identical_inputs(v: View) -> list[Finding]:
 def no_trainable(v: View) -> list[Finding]:
     if not v.steps:
         return []
-    empty = ~v.trainable.any(-1)                            # [W, S]
-    if not empty.any():
+    empty = v.ranks("no-trainable")                         # ranks with a step that trained nothing
+    if not empty.count:
         return []
     return [Finding(
         code="no-trainable-parameters", severity="error",
         title="no parameter requires a gradient",
         detail="At some observed step every parameter had requires_grad=False, so the step trains nothing.",
-        ranks=_steps(empty.any(1)), steps=_steps(empty.any(0)),
+        ranks=empty.ranks, more_ranks=empty.more, steps=_steps(v.summary.no_trainable_steps),
         fix="set requires_grad=True on the parameters to train, before wrapping the model in DDP.")]
 
 
 def reduction_error(v: View) -> list[Finding]:
     crashed = v.crashed("reduction-error")
-    if not crashed:
+    if not crashed.count:
         return []
-    missing: set[int] = set()
-    for r in crashed:
-        used = v.last_complete_used(r)
-        if used is not None:
-            missing.update((v.tracked & ~used).nonzero().flatten().tolist())
-    step = min(r.crash_step for r in crashed)
+    missing = set(_steps(v.summary.reduction_missing))
+    step = min(v.crash_steps("reduction-error"))
     # Parameters a rank or step used, or whose module ran, are meant to train: never advise freezing them.
-    meant = v.ever_used | (v.ran.any(0).any(0) if v.steps else torch.zeros_like(v.ever_used))
+    meant = v.ever_used | v.summary.ran
     trained = [i for i in sorted(missing) if meant[i]]
     if trained:
         fix = (f"do not freeze them: {', '.join(v.info.param_names[i] for i in trained[:4])}"
@@ -483,7 +451,7 @@ def reduction_error(v: View) -> list[Finding]:
         detail=f"At the start of step {step}, DDP found that the previous step's gradient reduction never "
                "finished, because these trainable parameters got no gradient. Until it failed, the previous "
                "step's gradients were silently not all-reduced.",
-        params=v.params(sorted(missing)), ranks=[r.rank for r in crashed], steps=[step],
+        params=v.params(sorted(missing)), ranks=crashed.ranks, more_ranks=crashed.more, steps=[step],
         fix=fix + ".")]
 
 

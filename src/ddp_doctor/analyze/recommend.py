@@ -27,7 +27,7 @@ def _rec(v: View, *, find_unused: bool, static: bool, freeze: list[str], reason:
 def recommend(v: View, findings: list[Finding]) -> Recommendation:
     """Pick flags from what was observed, never from what the script currently uses."""
     if not v.steps:
-        if v.crashed("mark-ready-twice"):
+        if v.crashed("mark-ready-twice").count:
             return _rec(v, find_unused=False, static=True, freeze=[], verified=False,
                         reason="The first step crashed because parameters outside the graph of DDP's forward "
                                "outputs (used after forward, or under reentrant checkpointing) got gradients with "
@@ -38,23 +38,21 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
                            "the first training step.")
 
     names = v.info.param_names
-    intended = v.trainable[0, -1] & ~v.ignored           # what the script trains now
-    used = v.used
+    intended = v.summary.rank0_trainable & ~v.ignored     # what the script trains now (rank 0, last step)
     ever = v.ever_used
     _, dynamic, _, _ = v.usage()
     frozen_after = v.tracked & ~v.live
     # Frozen after wrap before any observed step trained them: the script meant them frozen from the start.
     # Frozen after training for some steps (gradual freezing): the set DDP must reduce changes over time.
-    frozen_later = frozen_after & v.trainable.any(0).any(0)
+    frozen_later = frozen_after & v.train_any.any(0)
     # Only parameters whose modules never ran may be frozen (DESIGN 2.3): a module that ran but got no gradient is
     # blocked (no_grad, detach, a reentrant checkpoint), and the script means to train it.
     _, blocked = v.unused_by_cause()
     freeze_mask = (intended & ~ever & ~blocked) | (frozen_after & ~frozen_later)
     freeze = [names[i] for i in freeze_mask.nonzero().flatten().tolist()]
     rest = intended & (ever | blocked)
-    u = used[:, :, rest]
-    all_used = bool(u.all()) and not dynamic.any()
-    stable = bool((u.any(1) == u.all(1)).all()) and not dynamic.any()
+    all_used = bool(v.used_all[:, rest].all()) and not dynamic.any()
+    stable = not bool(v.summary.varies[rest].any()) and not dynamic.any()   # each rank's set is the same every step
     outside_h, reentrant_h = hidden_params(v)
     outside, reentrant = bool(outside_h.ranks), bool(reentrant_h.ranks)
 

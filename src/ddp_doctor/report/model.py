@@ -40,6 +40,9 @@ class Finding:
     ranks: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     fix: str = ""
+    more_ranks: int = 0
+    """Ranks that also showed it beyond those in `ranks`: at large world sizes the exchange names only examples
+    (`ddp_doctor.exchange.EXAMPLES`) and counts the rest. In the JSON only when nonzero."""
 
     def __post_init__(self) -> None:
         assert self.code in CODES, f"unknown finding code {self.code!r}"
@@ -50,7 +53,7 @@ class Finding:
         return [p.name for p in self.params]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "code": self.code,
             "severity": self.severity,
             "title": self.title,
@@ -60,6 +63,9 @@ class Finding:
             "steps": self.steps,
             "fix": self.fix,
         }
+        if self.more_ranks:
+            out["more_ranks"] = self.more_ranks
+        return out
 
 
 @dataclass(kw_only=True, slots=True)
