@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddp_doctor.report.model import Finding, Report
+from ddp_doctor.report.ranks import rank_list, rank_ranges
 
 __all__ = ["render", "to_text"]
 
@@ -33,7 +34,8 @@ def _finding(f: Finding) -> Panel:
         more = f" and {len(f.params) - _MAX_PARAMS} more" if len(f.params) > _MAX_PARAMS else ""
         body.append("params: ", style="bold").append(shown + more + "\n")
     if f.ranks or f.steps:
-        body.append("seen: ", style="bold").append(f"ranks {f.ranks}, steps {f.steps}\n")
+        ranks = rank_ranges(f.ranks, more=f.more_ranks) if f.ranks else "none"
+        body.append("seen: ", style="bold").append(f"ranks {ranks}; steps {f.steps}\n")
     body.append("fix: ", style="bold green").append(f.fix)
     title = Text.assemble((f.severity.upper(), _STYLE[f.severity]), " ", (f.code, "bold"), f"  {f.title}")
     return Panel(body, title=title, title_align="left", border_style=_STYLE[f.severity])
@@ -54,8 +56,7 @@ def render(report: Report) -> Iterator[Any]:
         first = crash.message.split(". ", 1)[0].splitlines()[0][:200]
         by_message.setdefault((crash.step, first), []).append(crash.rank)
     for (step, first), ranks in by_message.items():
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        yield Text(f"{who} stopped at step {step}: {first}.", style="red")
+        yield Text(f"{rank_list(ranks)} stopped at step {step}: {first}.", style="red")
     if report.interrupted and not report.findings:
         yield Text(f"Interrupted after {report.steps_observed} observed step(s): nothing was diagnosed.", style="yellow")
     elif not report.findings:
