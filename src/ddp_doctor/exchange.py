@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,19 @@ _M3 = -7723592293110705685      # 0x94D049BB133111EB
 _NAN_BITS = 0x7FF8000000000000
 
 Op = tuple[str, torch.Tensor]
-"""A collective request: ``("sum" | "max", int64 tensor)``; the reply is the reduced tensor."""
+"""A collective request: ``("sum" | "max", int64 tensor)``; the answer is a `Reply`."""
+
+
+class Reply:
+    """A collective's result. The in-process driver hands the same `Reply` to every rank, so what the ranks decode
+    from it is decoded once and shared (read-only): the model of W ranks then needs memory for one decoded result,
+    not W."""
+
+    __slots__ = ("cache", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.cache: dict[Any, Any] = {}
 
 # Predicates: each rank says yes or no after the first rounds; the exchange counts the yeses and names examples.
 PREDICATES = ("lacking", "bypass", "grad-differs", "weight-differs", "no-trainable",
@@ -121,9 +133,18 @@ class _Sum:
         self.layout.append((name, "ints", tuple(t.shape), flat.numel()))
 
     def tensor(self) -> torch.Tensor:
-        return torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.int64)
+        """The buffer to reduce (the parts are released: a waiting rank holds nothing of it)."""
+        out = torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.int64)
+        self.parts = []
+        return out
 
-    def read(self, result: torch.Tensor) -> dict[str, torch.Tensor]:
+    def read(self, reply: Reply) -> dict[str, torch.Tensor]:
+        key = ("sum", self.width, tuple(self.layout))
+        if key not in reply.cache:
+            reply.cache[key] = self._decode(reply.tensor)
+        return reply.cache[key]
+
+    def _decode(self, result: torch.Tensor) -> dict[str, torch.Tensor]:
         out, offset = {}, 0
         shifts = torch.arange(self.per_word, dtype=torch.int64) * self.width
         for name, kind, shape, n in self.layout:
@@ -164,9 +185,18 @@ class _Max:
         self.layout.append((name, "slot", tuple(t.shape), flat.numel()))
 
     def tensor(self) -> torch.Tensor:
-        return torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.int64)
+        """The buffer to reduce (the parts are released: a waiting rank holds nothing of it)."""
+        out = torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.int64)
+        self.parts = []
+        return out
 
-    def read(self, result: torch.Tensor) -> dict[str, Any]:
+    def read(self, reply: Reply) -> dict[str, Any]:
+        key = ("max", tuple(self.layout))
+        if key not in reply.cache:
+            reply.cache[key] = self._decode(reply.tensor)
+        return dict(reply.cache[key])
+
+    def _decode(self, result: torch.Tensor) -> dict[str, Any]:
         out: dict[str, Any] = {}
         offset = 0
         for name, kind, shape, n in self.layout:
@@ -369,7 +399,7 @@ def _examples(counts: torch.Tensor, slots: torch.Tensor) -> dict[str, Examples]:
 
 
 def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
-             world: int) -> Generator[Op, torch.Tensor, Summary]:
+             world: int) -> Generator[Op, Reply, Summary]:
     """One rank's side of the exchange (group ranks). Yields collectives, returns the `Summary`."""
     n_params, n_buffers = record.used.shape[1], record.buffer_fp.shape[1]
     lead = _leading_complete(record)
@@ -388,7 +418,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
         n = int(ra["info_len"][0])
         words = _words(info_json if rank == 0 else b"", -(-n // 8))
         got = yield ("sum", words if rank == 0 else torch.zeros_like(words))
-        info = ModelInfo.from_dict(json.loads(_from_words(got, n).decode()))
+        info = ModelInfo.from_dict(json.loads(_from_words(got.tensor, n).decode()))
     tracked = torch.tensor(info.trainable_at_wrap, dtype=torch.bool)
     ignored = torch.tensor(info.ignored, dtype=torch.bool)
 
@@ -397,7 +427,10 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     partial = torch.zeros(n_params, dtype=torch.bool)
     if lead < record.steps:
         partial = record.used[lead] | record.reachable[lead]
-    grad_h = element_hashes(record.grad_fp[:s]).sum(-1) if s else torch.zeros(0, n_params, dtype=torch.int64)
+
+    def grad_hashes() -> torch.Tensor:
+        """int64[S, P]: each gradient fingerprint's hash (recomputed where needed rather than held while waiting)."""
+        return element_hashes(record.grad_fp[:s]).sum(-1)
 
     # Round B: every local fact that needs only the common step count.
     b = _Sum(world)
@@ -434,8 +467,12 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     loader = _training_loader(record)
     b.ints("loader", torch.tensor([int(loader is not None)]))
 
+    rb = b.read((yield ("sum", b.tensor())))
+    del b
+
     m = _Max()
     mask = trainable & ~ignored
+    grad_h = grad_hashes()
     m.pair("grad_p", (grad_h * mask).sum(0))
     m.pair("grad_s", (grad_h * mask).sum(1))
     infer = (not info.wrap_state_exact and info.wrap_trainable_count is not None and world >= 2 and s > 0)
@@ -444,6 +481,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     weight_h = element_hashes(record.weight_fp[: s + 1]).sum(-1)
     m.pair("weight_p", weight_h.sum(0))
     m.pair("weight_s", (weight_h * ~ignored).sum(1))
+    del grad_h, weight_h, mask
     m.pair("buffer", element_hashes(record.buffer_fp[:s]).sum(-1) if n_buffers else
            torch.zeros(s, 0, dtype=torch.int64))
     m.pair("input", element_hashes(record.input_fp[:s]).sum(-1))
@@ -463,8 +501,8 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     m.slot("first_batches", first, torch.arange(len(first)) == rank)
     sites = [_text_digest(sorted(set(record.bypass_sites))), _text_digest(sorted(set(record.blocked_checkpoints)))]
     m.slot("sites0", torch.tensor(sites), rank == 0)
-    rb = b.read((yield ("sum", b.tensor())))
     rm = m.read((yield ("max", m.tensor())))
+    del m
 
     # Round B2, only when some parameter's requires_grad differs across ranks in some step: the gradient digests
     # again, masked by the parameters every rank trains (the mask round B could not know yet).
@@ -473,8 +511,10 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     if not uniform:
         b2 = _Max()
         mask = train_all & ~ignored
+        grad_h = grad_hashes()
         b2.pair("grad_p", (grad_h * mask).sum(0))
         b2.pair("grad_s", (grad_h * mask).sum(1))
+        del grad_h, mask
         r2 = b2.read((yield ("max", b2.tensor())))
         rm["grad_p"], rm["grad_s"] = r2["grad_p"], r2["grad_s"]
 
@@ -505,7 +545,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     w_nan0 = False
     if bool(grad_params.any() or weight_params.any()):
         c = _Max()
-        g_mine = int(grad_h[:, grad_params].sum()) if s else 0
+        g_mine = int(grad_hashes()[:, grad_params].sum()) if s else 0
         w_slice = record.weight_fp[: s + 1][:, weight_params]
         w_mine = int(element_hashes(w_slice).sum()) if w_slice.numel() else 0
         w_nan = bool(w_slice.isnan().any())
@@ -515,7 +555,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
         x = w_slice[..., 0]
         x0_words = _words(x.contiguous().numpy().tobytes() if rank == 0 else b"", x.numel())
         got = yield ("sum", x0_words if rank == 0 else torch.zeros_like(x0_words))
-        x0 = got.view(torch.float64).reshape(x.shape)
+        x0 = got.tensor.view(torch.float64).reshape(x.shape)
         if x.numel():
             gap_local = float((x - x0).abs().nan_to_num(0).max())
 
@@ -600,7 +640,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     got = yield ("sum", e.reshape(-1))
     metas = {}
     for i, r in enumerate(chosen):
-        raw = _from_words(got.reshape(len(chosen), words)[i], n_meta).rstrip(b"\0")
+        raw = _from_words(got.tensor.reshape(len(chosen), words)[i], n_meta).rstrip(b"\0")
         metas[r] = json.loads(raw.decode())
 
     # Rounds T: exact medians of the step timings over every rank's common steps (radix select on the keys).
@@ -621,7 +661,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
                 for q in range(4):
                     sel = torch.ones(s, dtype=torch.bool) if level == 0 else (keys[:, q] >> (shift + 8)) == prefix[j][q]
                     hist[j, q] = torch.bincount(digit[sel, q], minlength=256)
-            got = (yield ("sum", hist.reshape(-1))).reshape(2, 4, 256)
+            got = (yield ("sum", hist.reshape(-1))).tensor.reshape(2, 4, 256)
             for j in range(2):
                 for q in range(4):
                     cum = got[j, q].cumsum(0)
@@ -659,45 +699,54 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
 # ------------------------------------------------------------------------------------------------ local driver
 
 
-def _reduce(op: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    stacked = torch.stack(list(tensors))
-    return stacked.sum(0) if op == "sum" else stacked.max(0).values
-
-
 def summarize(info: ModelInfo, records: Sequence[RankRecord], *,
-              infos: Sequence[ModelInfo] | None = None,
-              on_collective: Callable[[str, torch.Tensor], None] | None = None) -> Summary:
+              infos: Sequence[ModelInfo] | None = None) -> Summary:
     """Run every rank's `protocol` in lockstep in this process, each collective's result computed as the
     reduction computes it. Pure: no process group. `records[w]` is group rank w's record.
+
+    Ranks are advanced one at a time and their buffers folded into a running SUM or MAX, so the model of W ranks
+    holds one buffer, not W (the benchmark runs 1,024 ranks this way). Every collective is checked to have the same
+    op and shape on every rank: the invariant that keeps the real exchange from hanging.
 
     Args:
         info: the model (every rank's, unless `infos` gives one per rank).
         records: one per rank, in group-rank order.
         infos: per-rank `ModelInfo`, when they differ.
-        on_collective: called with each collective's op and one rank's tensor (the benchmark counts bytes).
+
+    Returns:
+        Group rank 0's `Summary` (every rank's is the same), with `volume` counting one rank's bytes.
     """
     world = len(records)
     gens = [protocol(r, infos[w] if infos else info, rank=w, world=world) for w, r in enumerate(records)]
     volume = Volume()
-    requests = [next(g) for g in gens]
+    reply: Reply | None = None
     while True:
-        ops = {op for op, _ in requests}
-        shapes = {tuple(t.shape) for _, t in requests}
-        assert len(ops) == 1 and len(shapes) == 1, f"ranks disagree on the collective: {ops} {shapes}"
-        op = requests[0][0]
-        volume.add(op, requests[0][1], world)
-        if on_collective is not None:
-            on_collective(op, requests[0][1])
-        result = _reduce(op, [t for _, t in requests])
-        done: list[Summary] = []
-        nxt = []
-        for g in gens:
+        acc: torch.Tensor | None = None
+        op0: str | None = None
+        result: Summary | None = None
+        ended = 0
+        for w, g in enumerate(gens):
             try:
-                nxt.append(g.send(result.clone()))
+                op, t = next(g) if reply is None else g.send(reply)
             except StopIteration as stop:
-                done.append(stop.value)
-        if done:
-            assert len(done) == world, "ranks ended the exchange at different collectives"
-            done[0].volume = volume
-            return done[0]
-        requests = nxt
+                ended += 1
+                if w == 0:
+                    result = stop.value
+                continue
+            if acc is None:
+                op0, acc = op, t.clone()
+            else:
+                assert op == op0 and t.shape == acc.shape, (
+                    f"rank {w} issued {op} {tuple(t.shape)} where rank 0 issued {op0} {tuple(acc.shape)}")
+                if op == "sum":
+                    acc += t
+                else:
+                    torch.maximum(acc, t, out=acc)
+        if ended:
+            assert ended == world, "ranks ended the exchange at different collectives"
+            assert result is not None
+            result.volume = volume
+            return result
+        assert op0 is not None and acc is not None
+        volume.add(op0, acc, world)
+        reply = Reply(acc)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ddp_doctor._collective import agree, global_ranks
 from ddp_doctor._collective import arrive as group_arrive
-from ddp_doctor.exchange import Summary, Volume, protocol
+from ddp_doctor.exchange import Reply, Summary, Volume, protocol
 from ddp_doctor.records import ModelInfo, RankRecord
 
 __all__ = ["arrive", "exchange", "gather"]
@@ -86,7 +86,7 @@ def exchange(record: RankRecord, info: ModelInfo, *, timeout: float, tag: str, d
         buf = local.to(device)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
         try:
-            request = steps.send(buf.cpu())
+            request = steps.send(Reply(buf.cpu()))
         except StopIteration as stop:
             summary: Summary = stop.value
             break

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
-
 from ddp_doctor.analyze.findings import DETECTORS
 from ddp_doctor.analyze.recommend import recommend
 from ddp_doctor.analyze.view import View
