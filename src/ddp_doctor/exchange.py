@@ -21,10 +21,11 @@ holds identically: never on local data (DESIGN §3).
 
 from __future__ import annotations
 
+import gc
 import json
-import math
 import re
-from collections.abc import Generator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,29 @@ def element_hashes(fp: torch.Tensor) -> torch.Tensor:
     return _mix(flat ^ _mix(pos * _M3 + 1)).reshape(fp.shape)
 
 
+_memo: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, Any]] | None = None
+"""Set by `summarize` only: in the in-process model, ranks that share a record tensor hash it once."""
+
+
+def _of_record(record: RankRecord, name: str, n: int, compute: Callable[[torch.Tensor], Any]) -> Any:
+    """`compute(getattr(record, name)[:n])`, remembered for the last few tensors while the model runs."""
+    t = getattr(record, name)
+    if _memo is None:
+        return compute(t[:n])
+    key = (id(t), t._version, name, n, compute)
+    hit = _memo.get(key)
+    if hit is None or hit[0] is not t:
+        hit = (t, compute(t[:n]))
+        _memo[key] = hit
+        while len(_memo) > 16:
+            _memo.popitem(last=False)
+    return hit[1]
+
+
+def _hash_steps(fp: torch.Tensor) -> torch.Tensor:
+    return element_hashes(fp).sum(-1)
+
+
 def _key(x: torch.Tensor) -> torch.Tensor:
     """float64 -> int64 whose signed order is the float order (NaN mapped above +inf)."""
     bits = x.to(torch.float64).contiguous().view(torch.int64)
@@ -108,53 +132,88 @@ def _unkey(k: int) -> float:
 # ------------------------------------------------------------------------------------------------ buffers
 
 
+def _bool_digest(t: torch.Tensor) -> int:
+    """A 64-bit digest of a bool tensor (its bits packed 63 to a word, then hashed with their positions)."""
+    flat = t.reshape(-1).to(torch.int64)
+    words = -(-flat.numel() // 63)
+    x = torch.zeros(words * 63, dtype=torch.int64)
+    x[: flat.numel()] = flat
+    packed = (x.view(words, 63) << torch.arange(63, dtype=torch.int64)).sum(1)
+    pos = torch.arange(words, dtype=torch.int64)
+    return int(_mix(packed ^ _mix(pos * _M3 + flat.numel())).sum())
+
+
 class _Sum:
-    """Sections of one all_reduce(SUM) of int64: bit fields (counts of ranks) and plain integers."""
+    """Sections of one all_reduce(SUM) of int64: bit fields (counts of ranks) and plain integers.
+
+    A bits section is packed ``63 // width`` fields to a word, ``width = W.bit_length()`` bits each, so the sum of
+    the ranks' words holds each field's count without carries. With `settle`, a section that a preceding MAX
+    showed identical on every rank (`digests`) is not sent at all: its counts are W times the local bits.
+    """
 
     def __init__(self, world: int) -> None:
+        self.world = world
         self.width = max(1, world.bit_length())
         self.per_word = 63 // self.width
-        self.parts: list[torch.Tensor] = []
-        self.layout: list[tuple[str, str, tuple[int, ...], int]] = []
+        self.sections: list[tuple[str, str, torch.Tensor]] = []
+        self.uniform: dict[str, bool] = {}
+        self.known: dict[str, int] = {}
 
-    def bits(self, name: str, t: torch.Tensor) -> None:
+    def bits(self, name: str, t: torch.Tensor, digest: int | None = None) -> None:
+        self.sections.append((name, "bits", t.bool()))
+        if digest is not None:
+            self.known[name] = digest
+
+    def ints(self, name: str, t: torch.Tensor) -> None:
+        self.sections.append((name, "ints", t.to(torch.int64)))
+
+    def digests(self) -> torch.Tensor:
+        """One digest per bits section, for a MAX pair that tells which sections are identical on every rank."""
+        return torch.tensor([self.known[n] if n in self.known else _bool_digest(t)
+                             for n, kind, t in self.sections if kind == "bits"], dtype=torch.int64)
+
+    def settle(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+        names = [name for name, kind, _ in self.sections if kind == "bits"]
+        self.uniform = {n: bool(h == lo) for n, h, lo in zip(names, pair[0].tolist(), pair[1].tolist())}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
         flat = t.reshape(-1).to(torch.int64)
         f = self.per_word
         words = -(-flat.numel() // f)
         x = torch.zeros(words * f, dtype=torch.int64)
         x[: flat.numel()] = flat
         shifts = torch.arange(f, dtype=torch.int64) * self.width
-        self.parts.append((x.view(words, f) << shifts).sum(1))
-        self.layout.append((name, "bits", tuple(t.shape), words))
-
-    def ints(self, name: str, t: torch.Tensor) -> None:
-        flat = t.reshape(-1).to(torch.int64)
-        self.parts.append(flat)
-        self.layout.append((name, "ints", tuple(t.shape), flat.numel()))
+        return (x.view(words, f) << shifts).sum(1)
 
     def tensor(self) -> torch.Tensor:
-        """The buffer to reduce (the parts are released: a waiting rank holds nothing of it)."""
-        out = torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.int64)
-        self.parts = []
-        return out
+        """The buffer to reduce: the sections that differ somewhere, packed."""
+        parts = [self._pack(t) if kind == "bits" else t.reshape(-1) for name, kind, t in self.sections
+                 if not self.uniform.get(name)]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
     def read(self, reply: Reply) -> dict[str, torch.Tensor]:
-        key = ("sum", self.width, tuple(self.layout))
+        key = ("sum", self.width, tuple((n, k, tuple(t.shape), self.uniform.get(n)) for n, k, t in self.sections))
         if key not in reply.cache:
             reply.cache[key] = self._decode(reply.tensor)
+        self.sections = []        # nothing held after the round
         return reply.cache[key]
 
     def _decode(self, result: torch.Tensor) -> dict[str, torch.Tensor]:
         out, offset = {}, 0
         shifts = torch.arange(self.per_word, dtype=torch.int64) * self.width
-        for name, kind, shape, n in self.layout:
+        for name, kind, t in self.sections:
+            if self.uniform.get(name):
+                out[name] = t.to(torch.int64) * self.world
+                continue
+            numel = t.numel()
+            n = -(-numel // self.per_word) if kind == "bits" else numel
             chunk = result[offset: offset + n]
             offset += n
             if kind == "bits":
                 counts = ((chunk.unsqueeze(1) >> shifts) & ((1 << self.width) - 1)).reshape(-1)
-                out[name] = counts[: math.prod(shape)].reshape(shape)
+                out[name] = counts[:numel].reshape(t.shape)
             else:
-                out[name] = chunk.reshape(shape)
+                out[name] = chunk.reshape(t.shape)
         return out
 
 
@@ -383,8 +442,16 @@ def _from_words(words: torch.Tensor, n: int) -> bytes:
     return words.contiguous().numpy().tobytes()[:n]
 
 
-def _info_dict(info: ModelInfo) -> dict[str, Any]:
-    return info.to_dict()
+_last_info: list[Any] = [None, b"", 0]
+
+
+def _info_json(info: ModelInfo) -> tuple[bytes, int]:
+    """The ModelInfo as JSON and its digest. The in-process model hands one ModelInfo to every rank: the last one
+    is remembered (the ranks of a real group each compute theirs once)."""
+    if _last_info[0] is not info:
+        data = json.dumps(info.to_dict(), sort_keys=True).encode()
+        _last_info[:] = [info, data, _text_digest(data)]
+    return _last_info[1], _last_info[2]
 
 
 def _examples(counts: torch.Tensor, slots: torch.Tensor) -> dict[str, Examples]:
@@ -401,14 +468,14 @@ def _examples(counts: torch.Tensor, slots: torch.Tensor) -> dict[str, Examples]:
 def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
              world: int) -> Generator[Op, Reply, Summary]:
     """One rank's side of the exchange (group ranks). Yields collectives, returns the `Summary`."""
-    n_params, n_buffers = record.used.shape[1], record.buffer_fp.shape[1]
+    n_params = record.used.shape[1]
     lead = _leading_complete(record)
-    info_json = json.dumps(_info_dict(info), sort_keys=True).encode()
+    info_json, info_digest = _info_json(info)
 
     # Round A: the common and padded step counts, and whether every rank holds the same ModelInfo.
     a = _Max()
     a.pair("steps", torch.tensor([record.steps, lead]))
-    a.pair("info", torch.tensor([_text_digest(info_json)]))
+    a.pair("info", torch.tensor([info_digest]))
     a.slot("info_len", torch.tensor([len(info_json)]), rank == 0)
     ra = a.read((yield ("max", a.tensor())))
     pad_steps, s = int(ra["steps"][0][0]), int(ra["steps"][1][1])
@@ -430,12 +497,12 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
 
     def grad_hashes() -> torch.Tensor:
         """int64[S, P]: each gradient fingerprint's hash (recomputed where needed rather than held while waiting)."""
-        return element_hashes(record.grad_fp[:s]).sum(-1)
+        return _of_record(record, "grad_fp", s, _hash_steps)
 
     # Round B: every local fact that needs only the common step count.
     b = _Sum(world)
-    b.bits("used", used)
-    b.bits("trainable", trainable)
+    b.bits("used", used, _of_record(record, "used", s, _bool_digest))
+    b.bits("trainable", trainable, _of_record(record, "trainable", s, _bool_digest))
     b.bits("ran", record.ran[:s].any(0) if s else torch.zeros(n_params, dtype=torch.bool))
     b.bits("partial", partial)
     b.bits("varies", used.any(0) != used.all(0) if s >= 2 else torch.zeros(n_params, dtype=torch.bool))
@@ -467,10 +534,8 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     loader = _training_loader(record)
     b.ints("loader", torch.tensor([int(loader is not None)]))
 
-    rb = b.read((yield ("sum", b.tensor())))
-    del b
-
     m = _Max()
+    m.pair("sections", b.digests())
     mask = trainable & ~ignored
     grad_h = grad_hashes()
     m.pair("grad_p", (grad_h * mask).sum(0))
@@ -478,13 +543,12 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     infer = (not info.wrap_state_exact and info.wrap_trainable_count is not None and world >= 2 and s > 0)
     if infer:
         m.pair("unsynced", grad_h.sum(0))
-    weight_h = element_hashes(record.weight_fp[: s + 1]).sum(-1)
+    weight_h = _of_record(record, "weight_fp", s + 1, _hash_steps)
     m.pair("weight_p", weight_h.sum(0))
     m.pair("weight_s", (weight_h * ~ignored).sum(1))
     del grad_h, weight_h, mask
-    m.pair("buffer", element_hashes(record.buffer_fp[:s]).sum(-1) if n_buffers else
-           torch.zeros(s, 0, dtype=torch.int64))
-    m.pair("input", element_hashes(record.input_fp[:s]).sum(-1))
+    m.pair("buffer", _of_record(record, "buffer_fp", s, _hash_steps))
+    m.pair("input", _of_record(record, "input_fp", s, _hash_steps))
     wins = windows(record)
     counts = torch.full((pad_steps,), 0, dtype=torch.int64)
     counts[: len(wins)] = torch.tensor([c for c, _ in wins], dtype=torch.int64)
@@ -503,6 +567,9 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     m.slot("sites0", torch.tensor(sites), rank == 0)
     rm = m.read((yield ("max", m.tensor())))
     del m
+    b.settle(rm["sections"])
+    rb = b.read((yield ("sum", b.tensor())))
+    del b
 
     # Round B2, only when some parameter's requires_grad differs across ranks in some step: the gradient digests
     # again, masked by the parameters every rank trains (the mask round B could not know yet).
@@ -530,6 +597,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     used_any, used_all = used_count > 0, used_count == world
     live = tracked & ~((rb["trainable"] < world).any(0) if s else torch.zeros_like(tracked))
     rank_dep = live & (used_any != used_all).any(0) if s else torch.zeros_like(live)
+    del used_any, used_all, train_all
     n_wins = int(rm["n_windows"][1][0])
     w_hi, w_lo = rm["windows"]
     bad = [k for k in range(n_wins) if int(w_hi[k]) != int(w_lo[k])]
@@ -716,6 +784,21 @@ def summarize(info: ModelInfo, records: Sequence[RankRecord], *,
     Returns:
         Group rank 0's `Summary` (every rank's is the same), with `volume` counting one rank's bytes.
     """
+    # Thousands of suspended generators and their tensors make the cyclic collector rescan them all the time;
+    # nothing here builds reference cycles.
+    global _memo
+    collecting = gc.isenabled()
+    gc.disable()
+    _memo = OrderedDict()
+    try:
+        return _run(info, records, infos)
+    finally:
+        _memo = None
+        if collecting:
+            gc.enable()
+
+
+def _run(info: ModelInfo, records: Sequence[RankRecord], infos: Sequence[ModelInfo] | None) -> Summary:
     world = len(records)
     gens = [protocol(r, infos[w] if infos else info, rank=w, world=world) for w, r in enumerate(records)]
     volume = Volume()
