@@ -182,3 +182,15 @@ def test_rank_ranges() -> None:
     assert rank_ranges(range(0, 40, 2), limit=3) == "0, 2, 4 and 17 more ranges"
     assert rank_list([5]) == "rank 5" and rank_list([1, 2, 3]) == "ranks 1-3"
     assert Finding(code="rank-hung", severity="error", title="t", detail="d").to_dict().get("more_ranks") is None
+
+
+def test_rank_zeros_model_info_speaks_for_the_group_when_the_ranks_differ() -> None:
+    """Names and shapes are checked before (layout hash); other fields travel once, from rank 0, when they differ."""
+    from dataclasses import replace
+
+    infos = [_info(), replace(_info(), ddp_site="other.py:1"), replace(_info(), ddp_site="other.py:2")]
+    infos[0].ddp_site = "train.py:10"
+    small = summarize(infos[0], [_record(r) for r in range(3)])
+    mixed = summarize(infos[0], [_record(r) for r in range(3)], infos=infos)
+    assert mixed.info.ddp_site == "train.py:10"
+    assert mixed.volume.collectives == small.volume.collectives + 1
