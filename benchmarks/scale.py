@@ -102,7 +102,8 @@ def before_bytes(world: int, params: int) -> dict[str, int]:
 
 
 def analysis_cost(summary: Any) -> dict[str, float]:
-    """Median seconds of `analyze_summary` over 5 runs here, and its peak RSS growth in a fresh process."""
+    """Median seconds of `analyze_summary` over 5 runs here; the size of its input (the `Summary`, pickled); and
+    the growth of the peak RSS of a fresh process (torch imported, the summary loaded) while it runs."""
     from ddp_doctor.analyze import analyze_summary
 
     times = []
@@ -119,7 +120,8 @@ def analysis_cost(summary: Any) -> dict[str, float]:
                 "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; analyze_summary(s); "
                 "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)")
         out = subprocess.run([sys.executable, "-c", code, str(path)], check=True, capture_output=True, text=True)
-    return {"analysis_s": statistics.median(times), "analysis_peak_mb": int(out.stdout.split()[-1]) / 1024}
+    return {"analysis_s": statistics.median(times), "analysis_peak_mb": int(out.stdout.split()[-1]) / 1024,
+            "summary_mb": len(pickle.dumps(summary)) / 1024 ** 2}
 
 
 def model_row(world: int, params: int) -> dict[str, Any]:
@@ -287,13 +289,13 @@ def _kb(n: float) -> str:
 
 def markdown(rows: list[dict[str, Any]], guards: list[dict[str, Any]]) -> str:
     head = ("| ranks | tensors | measured on | sent / rank | received / rank | before: received / rank | "
-            "collectives | analysis | analysis peak memory |")
-    lines = [head, "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+            "collectives | analysis | its input | peak RSS growth |")
+    lines = [head, "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         before = before_bytes(r["world"], r["tensors"])["received"]
         lines.append(f"| {r['world']:,} | {r['tensors']:,} | {r['how']} | {_kb(r['sent'])} | {_kb(r['received'])} | "
                      f"{_kb(before)} | {r['collectives']} | {r['analysis_s'] * 1e3:.0f} ms | "
-                     f"{r['analysis_peak_mb']:.0f} MB |")
+                     f"{r['summary_mb']:.1f} MB | {r['analysis_peak_mb']:.0f} MB |")
     if guards:
         names = list(guards[0]["figures"])
         lines += ["", "| ranks | tensors | " + " | ".join(f"{n}: received / rank" for n in names) + " |",
