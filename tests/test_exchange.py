@@ -194,3 +194,15 @@ def test_rank_zeros_model_info_speaks_for_the_group_when_the_ranks_differ() -> N
     mixed = summarize(infos[0], [_record(r) for r in range(3)], infos=infos)
     assert mixed.info.ddp_site == "train.py:10"
     assert mixed.volume.collectives == small.volume.collectives + 1
+
+
+def test_a_1024_rank_hang_names_a_handful_of_ranks_per_line() -> None:
+    """The findings of a run whose ranks could not exchange (built from the ranks' files) stay short too."""
+    from ddp_doctor.analyze.failures import failure_findings
+    from ddp_doctor.launch.protocol import RankState
+
+    states = {r: RankState(rank=r, world_size=1024, step=3 if r != 700 else 2, phase="backward",
+                           site=f"train.py:{40 + r % 3}") for r in range(1024)}
+    (hung,) = failure_findings(states, timed_out=True)
+    assert hung.code == "rank-hung" and hung.ranks == [700]
+    assert "and 1016 other ranks" in hung.detail and hung.detail.count("rank ") < 12

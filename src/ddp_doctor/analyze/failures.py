@@ -22,6 +22,14 @@ _SIGNAL_CAUSE = {
     "SIGTERM": "SIGTERM from outside the run",
 }
 _DDP_INIT = ("torch/nn/parallel/distributed.py", "__init__")
+_SHOWN = 8
+"""Ranks described one by one in a finding's text; the rest are counted (a 1,024-rank job stays readable)."""
+
+
+def _capped(parts: list[str]) -> str:
+    """``part; part; ...`` for the first `_SHOWN` parts, then ``and N other ranks``."""
+    more = len(parts) - _SHOWN
+    return "; ".join(parts[:_SHOWN]) + (f"; and {more} other rank{'s' if more > 1 else ''}" if more > 0 else "")
 
 
 def _where(s: RankState) -> str:
@@ -97,7 +105,7 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
         title=(f"{rank_list(culprits)} skipped {c.op} ({_short(c.site)}) that rank {first.rank} called"
                if behind and not different else
                f"ranks called different collectives at position {c.n}: {c.describe()} on rank {first.rank}"),
-        detail="; ".join(parts) + "." + (f" {'; '.join(signals)} (gloo aborts a process whose peer issued a "
+        detail=_capped(parts) + "." + (f" {_capped(signals)} (gloo aborts a process whose peer issued a "
                                          "different collective)." if signals else ""),
         ranks=sorted({first.rank, *culprits}), steps=sorted({max(s.step, 0) for s in (first, *behind, *different)}),
         fix=f"make every rank of the group call the same collectives in the same order: move {c.op} at "
@@ -127,7 +135,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
                              f"{c.site or 'an unknown place'}")
             elif s.outcome is None and not s.ended:
                 parts.append(f"rank {r} was at {_where(s)}")
-        return "; ".join(parts)
+        return _capped(parts)
 
     mismatch = _mismatch(states)
     if mismatch is not None:
@@ -197,7 +205,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
             code="rank-crashed", severity="error",
             title=f"{rank_list(silent)} died without a Python error",
             detail=("It ended without an exception, exit status or fault record, at "
-                    + "; ".join(f"rank {r}: {_where(states[r])}" for r in silent)
+                    + _capped([f"rank {r}: {_where(states[r])}" for r in silent])
                     + (f". The others: {others(silent)}." if others(silent) else ".")),
             ranks=silent, steps=sorted({max(states[r].step, 0) for r in silent}),
             fix="check the system log (dmesg) and the memory use of that rank."))
@@ -221,7 +229,7 @@ def _hung(states: dict[int, RankState], timed_out: bool) -> list[Finding]:
     return [Finding(
         code="rank-hung", severity="error",
         title=f"{rank_list(stuck)} stopped making progress" + (" before the timeout" if timed_out else ""),
-        detail=("; ".join(f"rank {r} was at {_where(s)}" for r, s in sorted(waiting.items())) + "."
+        detail=(_capped([f"rank {r} was at {_where(s)}" for r, s in sorted(waiting.items())]) + "."
                 + (" The ranks ahead were waiting for the ones behind in a collective." if len(stuck) < len(order)
                    else "")
                 + (f" {rank_list(missing)} ran on another node; that node's report covers them." if missing else "")),
