@@ -114,7 +114,8 @@ def analysis_cost(summary: Any) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "summary.pkl"
         path.write_bytes(pickle.dumps(summary))
-        code = ("import pickle, resource, sys; from ddp_doctor.analyze import analyze_summary; "
+        code = ("import pickle, resource, sys, torch; torch.set_num_threads(1); "
+                "from ddp_doctor.analyze import analyze_summary; "
                 "import ddp_doctor.report.snippets; "
                 "s = pickle.loads(open(sys.argv[1], 'rb').read()); "
                 "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; analyze_summary(s); "
@@ -311,6 +312,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--quick", action="store_true", help="300 tensors and world sizes 2 and 64 only")
     args = p.parse_args()
+    torch.set_num_threads(1)   # like each rank; intra-op threads only fight the other processes on a small machine
     tensors = (300,) if args.quick else TENSORS
     worlds = (2, 64) if args.quick else WORLDS
     rows, checks = [], []

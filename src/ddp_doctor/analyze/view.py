@@ -42,17 +42,21 @@ class View:
         # Parameters DDP reduces and that stayed trainable throughout: the ones whose usage decides the flags.
         frozen_any = (~self.train_all).any(0) if s else torch.zeros_like(self.tracked)
         self.live = self.tracked & ~frozen_any
+        self._usage: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def usage(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Over live params, [P] masks: (never used, used-set changes across steps, differs across ranks, always used).
 
-        A crashed step's partial usage counts as evidence of use.
+        A crashed step's partial usage counts as evidence of use. Computed once: every detector asks.
         """
+        if self._usage is not None:
+            return self._usage
         never = self.live & ~self.used_any.any(0) & ~self.partial_used
         always = self.live & self.used_all.all(0) & ~(self.steps == 0)
         dynamic = self.live & (self.summary.varies | self.summary.after_crash)
         rank_dep = self.live & (self.used_any != self.used_all).any(0)
-        return never, dynamic, rank_dep, always
+        self._usage = (never, dynamic, rank_dep, always)
+        return self._usage
 
     def unused_by_cause(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Never-used live params split by cause, [P] masks: (dead: the module never ran in a training forward on
