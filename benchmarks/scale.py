@@ -296,7 +296,8 @@ def markdown(rows: list[dict[str, Any]], guards: list[dict[str, Any]]) -> str:
         before = before_bytes(r["world"], r["tensors"])["received"]
         lines.append(f"| {r['world']:,} | {r['tensors']:,} | {r['how']} | {_kb(r['sent'])} | {_kb(r['received'])} | "
                      f"{_kb(before)} | {r['collectives']} | {r['analysis_s'] * 1e3:.0f} ms | "
-                     f"{r['summary_mb']:.1f} MB | {r['analysis_peak_mb']:.0f} MB |")
+                     f"{r['summary_mb']:.1f} MB | "
+                     + (f"{r['analysis_peak_mb']:.0f} MB |" if r["analysis_peak_mb"] >= 1 else "< 1 MB |"))
     if guards:
         names = list(guards[0]["figures"])
         lines += ["", "| ranks | tensors | " + " | ".join(f"{n}: received / rank" for n in names) + " |",
