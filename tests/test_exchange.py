@@ -206,3 +206,19 @@ def test_a_1024_rank_hang_names_a_handful_of_ranks_per_line() -> None:
     (hung,) = failure_findings(states, timed_out=True)
     assert hung.code == "rank-hung" and hung.ranks == [700]
     assert "and 1016 other ranks" in hung.detail and hung.detail.count("rank ") < 12
+
+
+def _mismatch(rank: int, world: int) -> str:
+    from ddp_doctor import RankMismatchError
+
+    names = NAMES if rank == 0 else [*NAMES, "extra.weight"]
+    info = ModelInfo(param_names=names, param_shapes=[(2,)] * len(names), trainable_at_wrap=[True] * len(names),
+                     ignored=[False] * len(names), buffer_names=[], buffer_shapes=[], ddp_config={})
+    with pytest.raises(RankMismatchError) as raised:
+        exchange(RankRecord.empty(rank, len(names), 0), info, timeout=10, tag="mm", device=torch.device("cpu"))
+    return str(raised.value)
+
+
+def test_different_parameter_lists_raise_on_every_rank_before_the_exchange(tmp_path) -> None:
+    messages = run_ranks(_mismatch, tmp_path)
+    assert all("rank 0: 4 params" in m and "rank 1: 5 params" in m for m in messages)

@@ -34,7 +34,7 @@ import torch
 
 from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord
 
-__all__ = ["EXAMPLES", "SLOTS", "Examples", "Summary", "Volume", "protocol", "summarize"]
+__all__ = ["EXAMPLES", "PREDICATES", "SLOTS", "Examples", "Reply", "Summary", "Volume", "protocol", "summarize"]
 
 EXAMPLES = 8
 """How many example ranks a finding names when more ranks show it (the rest are counted)."""
