@@ -709,7 +709,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     for name in ("crashed", "bypass-sites", "blocked-sites", "extra-passes"):
         wanted.update(examples[name].ranks)
     wanted.update(examples["fewest-batches"].ranks[:1])
-    chosen = sorted(wanted)[: 1 + 4 * EXAMPLES] if world else []
+    chosen = sorted(wanted)          # at most 2 + 4 * EXAMPLES ranks, whatever W
     n_meta = int(rdm["meta_len"][0][0])
     words = -(-n_meta // 8)
     e = torch.zeros(len(chosen), words, dtype=torch.int64)
