@@ -139,7 +139,8 @@ def divergence_svg(div: Divergence, *, world_size: int) -> str:
         ax.set_yscale("log")
         ax.set_ylim(floor / 2, top * 2)
         ax.axhline(floor, color="#999999", linewidth=0.8, linestyle=":")
-        ax.text(w_x[0], floor * 1.3, "identical on every rank (0)", fontsize=8, color="#666666")
+        ax.annotate("identical on every rank (0)", xy=(1.0, floor), xycoords=("axes fraction", "data"),
+                    xytext=(-4, 3), textcoords="offset points", ha="right", fontsize=8, color="#666666")
         for start, label, color in ((div.weights_start, "weights differ", "#1f4e9c"),
                                     (div.grads_start, "gradients differ", "#c2185b")):
             if start is None:
