@@ -138,6 +138,10 @@ def divergence_svg(div: Divergence, *, world_size: int) -> str:
                     label="a gradient present on some ranks only")
         ax.set_yscale("log")
         ax.set_ylim(floor / 2, top * 2)
+        if not finite:
+            # Nothing differs: a log axis of made-up decades would mislead; one tick, "0".
+            ax.set_yticks([floor], ["0"])
+            ax.minorticks_off()
         ax.axhline(floor, color="#999999", linewidth=0.8, linestyle=":")
         ax.annotate("identical on every rank (0)", xy=(1.0, floor), xycoords=("axes fraction", "data"),
                     xytext=(-4, 3), textcoords="offset points", ha="right", fontsize=8, color="#666666")
