@@ -19,8 +19,8 @@ from ddp_doctor.report.model import Report
 __all__ = ["DEMO_ORDER", "register"]
 
 DEMO_ORDER = ("clean.py", "unused_head.py", "find_unused_all_used.py", "curriculum_through_module.py",
-              "progressive_freeze.py", "dynamic_graph.py")
-"""The examples, from the healthy script to seed 000, 001, 002, 003 and a changing graph."""
+              "progressive_freeze.py", "dynamic_graph.py", "rank_dependent_head.py")
+"""The examples, from the healthy script to seed 000, 001, 002, 003, a changing graph and a rank-dependent one."""
 
 _EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
