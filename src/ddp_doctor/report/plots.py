@@ -80,6 +80,7 @@ def usage_map_svg(usage: UsageMap, severities: dict[str, str] | None = None) -> 
     with plt.rc_context(_RC):
         fig, axes = plt.subplots(1, len(blocks), sharey=True, squeeze=False, figsize=(width, height),
                                  layout="constrained")
+        fig.get_layout_engine().set(w_pad=0.15, h_pad=0.1)
         cmap = ListedColormap([COLORS[k] for k in keys])
         norm = BoundaryNorm([i - 0.5 for i in range(len(keys) + 1)], cmap.N)
         module_edges = [i for i in range(1, len(rows)) if rows[i].module != rows[i - 1].module]
