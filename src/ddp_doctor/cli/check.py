@@ -61,6 +61,13 @@ def _torchrun_parser() -> argparse.ArgumentParser:
     return get_args_parser()
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Raw descriptions, without the indent argparse puts on their blank lines."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
+
+
 def torchrun_subparser(sub: argparse._SubParsersAction, name: str, *, help: str, description: str, epilog: str,
                        examples: str, add_ours: Callable[[Any], None]) -> argparse.ArgumentParser:
     """A subcommand that takes torchrun's options: ours first with the examples, then torchrun's in their own group.
@@ -70,7 +77,7 @@ def torchrun_subparser(sub: argparse._SubParsersAction, name: str, *, help: str,
     """
     p = sub.add_parser(name, help=help, description=textwrap.fill(description, 100), epilog=epilog, add_help=False,
                        usage=f"%(prog)s [{name} options] [torchrun options] SCRIPT [SCRIPT ARGS ...]",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=_Formatter)
     ours = p.add_argument_group(f"{name} options")
     ours.add_argument("-h", "--help", action="help", help="show this help and exit")
     add_ours(ours)
