@@ -113,7 +113,7 @@ def _index(folder: Path, results: list[tuple[str, CheckResult]]) -> str:
             worst=report.worst_severity() if report else None, codes=[f.code for f in report.findings] if report else [],
             error=result.error if report is None else None))
     return index_page("ddp-doctor demo: 2 ranks, gloo, CPU", entries,
-                      intro="Each page is the report of `ddp-doctor check --nproc-per-node 2 examples/NAME.py`.")
+                      intro="Each page is the report of: ddp-doctor check --nproc-per-node 2 examples/NAME.py")
 
 
 def _recommended(report: Report) -> Text:
