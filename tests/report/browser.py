@@ -78,7 +78,7 @@ def render(page: Path, out: Path) -> Rendered:
     probed.write_text(text.replace("<head>", "<head>" + _PROBE, 1))
     done = subprocess.run([*_browser(), f"--window-size={WIDTH},1000", "--virtual-time-budget=10000", "--dump-dom",
                            probed.as_uri()], capture_output=True, text=True, timeout=180, check=False)
-    found = re.search(r'<pre id="ddp-doctor-probe">(.*?)</pre>', done.stdout, re.S)
+    found = re.search(r'<pre id="ddp-doctor-probe">(.*?)</pre>', done.stdout, re.DOTALL)
     assert found, f"the probe did not run: {done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     probe = json.loads(html.unescape(found.group(1)))
     console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]

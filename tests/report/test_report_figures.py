@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ddp_doctor.analyze import analyze
-from ddp_doctor.analyze.usage import figures
 from ddp_doctor.records import ModelInfo, RankRecord, StepCounters
 from ddp_doctor.report.figures import MAX_PATTERNS, MAX_ROWS
 from ddp_doctor.report.model import Report
@@ -35,8 +34,8 @@ def record(rank: int, used: list[list[int]], *, ran=None, trainable=None, grad=N
     return RankRecord(
         rank=rank, used=used_t, reachable=used_t.clone(),
         ran=torch.tensor(ran, dtype=torch.bool) if ran is not None else used_t.clone(),
-        trainable=torch.tensor(trainable, dtype=torch.bool) if trainable is not None else torch.ones(steps, n,
-                                                                                                       dtype=torch.bool),
+        trainable=(torch.tensor(trainable, dtype=torch.bool) if trainable is not None
+                   else torch.ones(steps, n, dtype=torch.bool)),
         grad_fp=grad if grad is not None else g.masked_fill(~used_t[..., None], float("nan")),
         weight_fp=weights if weights is not None else torch.zeros(steps + 1, n, 2, dtype=torch.float64),
         buffer_fp=torch.zeros(steps, 0, 2, dtype=torch.float64),
@@ -187,3 +186,25 @@ def test_the_page_is_self_contained(page) -> None:
     assert not re.search(r"""\b(?:src|href)\s*=\s*["']?(?:https?:)?//""", html)
     assert "@import" not in html and not re.search(r"url\(\s*['\"]?(?:https?:)?//", html)
     assert "<link" not in html and "<iframe" not in html
+
+
+def test_check_page_of_several_models_gives_each_its_own_section_and_ids(page) -> None:
+    from ddp_doctor.cli.check import check_page
+    from ddp_doctor.launch.outcome import CheckResult, Model
+
+    report, _ = page
+    html = check_page(CheckResult(models=[Model(report=report, module="Generator"),
+                                          Model(report=report, module="Discriminator")]))
+    assert "DDP model 1 of 2: Generator" in html and "DDP model 2 of 2: Discriminator" in html
+    ids = re.findall(r"id='(m\d-[a-z-]+)'", html)
+    assert {"m0-usage-map", "m1-usage-map", "m0-divergence", "m1-divergence"} <= set(ids)
+    assert len(ids) == len(set(ids))
+    assert html.count("name='m0-rec'") == html.count("name='m1-rec'") == 4     # one tab group per model
+
+
+def test_check_page_without_a_report_says_why() -> None:
+    from ddp_doctor.cli.check import check_page
+    from ddp_doctor.launch.outcome import CheckResult
+
+    html = check_page(CheckResult(error="the script failed on rank 1 before it built a DDP model: <ValueError>"))
+    assert "could not run the script" in html and "&lt;ValueError&gt;" in html and "<section" not in html

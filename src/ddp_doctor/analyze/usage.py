@@ -84,7 +84,16 @@ def _group_rows(names: list[str]) -> tuple[list[str], list[str], list[int], bool
 
 
 def usage_map(v: View, findings: Sequence[Finding] = ()) -> UsageMap:
-    """Which parameter (or module) got a gradient on which rank at which step, with ranks deduplicated."""
+    """Which parameter (or module) got a gradient on which rank at which step, with ranks deduplicated.
+
+    Args:
+        v: the aligned records.
+        findings: their findings; each row lists the codes that name its parameters.
+
+    Returns:
+        The map: rows in model order, at most `MAX_ROWS` (modules above that), and at most `MAX_PATTERNS` distinct
+        rank patterns, rank 0's first, in global ranks.
+    """
     names = v.info.param_names
     row_names, modules, row_of, aggregated = _group_rows(names)
     state = cell_states(v)                                              # [W, S, P]
@@ -141,7 +150,14 @@ def _gap(fp: torch.Tensor, keep: torch.Tensor) -> tuple[list[float], list[int]]:
 
 
 def divergence(v: View) -> Divergence:
-    """The weights' and gradients' largest cross-rank difference per step, and the step where each started."""
+    """The weights' and gradients' largest cross-rank difference per step, and the step where each started.
+
+    Args:
+        v: the aligned records (their weight and gradient fingerprints).
+
+    Returns:
+        The curve; zero everywhere and no start step when every rank agreed bit for bit.
+    """
     kept = ~v.ignored
     weights, w_missing = _gap(v.weight_fp, kept.expand(v.steps + 1, -1))
     # Only parameters trainable on every rank at the step, as the grads-not-synced finding compares them.

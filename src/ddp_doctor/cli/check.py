@@ -9,8 +9,8 @@ import os
 import signal
 import sys
 import textwrap
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, Any
 
 from rich.console import Console
@@ -215,7 +215,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_page(result: CheckResult, *, title: str = "ddp-doctor check") -> str:
-    """The whole result as one HTML page: every model's report, or the reason there is none."""
+    """The whole result as one HTML page (`check --html`, `demo --html`): every model's report, each in its own
+    section, or the reason there is none.
+
+    Args:
+        result: what `check` produced.
+        title: the page's title and heading.
+    """
     from html import escape
 
     from ddp_doctor.report.html import check_section, page

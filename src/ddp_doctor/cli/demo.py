@@ -110,7 +110,8 @@ def _index(folder: Path, results: list[tuple[str, CheckResult]]) -> str:
         report = result.report
         entries.append(IndexEntry(
             name=name.removesuffix(".py"), href=f"{Path(name).stem}.html", summary=_summary_line(folder / name),
-            worst=report.worst_severity() if report else None, codes=[f.code for f in report.findings] if report else [],
+            worst=report.worst_severity() if report else None,
+            codes=[f.code for f in report.findings] if report else [],
             error=result.error if report is None else None))
     return index_page("ddp-doctor demo: 2 ranks, gloo, CPU", entries,
                       intro="Each page is the report of: ddp-doctor check --nproc-per-node 2 examples/NAME.py")

@@ -80,13 +80,32 @@ def _e(text: object) -> str:
 
 
 def page(title: str, body: str) -> str:
-    """A complete page around `body`, with the shared style and script inline."""
+    """A complete page around `body`, with the shared style and script inline (nothing is fetched).
+
+    Args:
+        title: the page's title.
+        body: HTML for the body, already escaped where it holds text.
+
+    Returns:
+        The page as a string.
+    """
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
             f"<style>{CSS}</style></head>\n<body>\n{body}\n<script>{SCRIPT}</script>\n</body></html>\n")
 
 
 def to_html(report: Report, *, title: str = "ddp-doctor check") -> str:
-    """One report as a complete page."""
+    """One report as a complete page (what `Report.to_html()` returns).
+
+    Args:
+        report: the report to draw.
+        title: the page's title and heading.
+
+    Returns:
+        A self-contained HTML page: header, findings, usage map, divergence curve, recommendation.
+
+    Example:
+        >>> Path("report.html").write_text(to_html(doctor.report()))  # doctest: +SKIP
+    """
     return page(title, f"<h1>{_e(title)}</h1>\n{check_section(report)}")
 
 
@@ -232,7 +251,13 @@ class IndexEntry:
 
 
 def index_page(title: str, entries: Sequence[IndexEntry], intro: str = "") -> str:
-    """A page linking to one page per entry, with each one's findings at a glance."""
+    """A page linking to one page per entry, with each one's findings at a glance (`demo --html`'s index).
+
+    Args:
+        title: the page's title and heading.
+        entries: one row each, in order.
+        intro: a sentence under the heading (plain text).
+    """
     rows = []
     for e in entries:
         if e.error is not None:
