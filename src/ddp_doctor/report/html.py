@@ -182,8 +182,8 @@ def _figures(report: Report, key: str) -> str:
     from ddp_doctor.report.plots import divergence_svg, usage_map_svg
 
     if report.usage_map is None and report.divergence is None:
-        return ("<p class='no-figures'>No usage map or divergence curve: no step completed on every rank, so "
-                "there is nothing per step to draw.</p>")
+        return ("<p class='no-figures'>No usage map or divergence curve: this report has no per-step records to "
+                "draw (no step completed on every rank, or the ranks could not exchange their records).</p>")
     out = []
     if report.usage_map is not None:
         severities = {f.code: f.severity for f in reversed(report.findings)}
