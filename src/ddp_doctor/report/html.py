@@ -23,6 +23,7 @@ body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 
 .finding.error { border-color: #b00020; } .finding.warning { border-color: #d68400; }
 .finding.info { border-color: #00639b; }
 .finding h3 { margin: 0.3em 0; font-size: 1.05em; }
+.finding p { white-space: pre-line; }
 .sev { font-weight: bold; margin-right: 0.4em; }
 .error .sev, .crash { color: #b00020; } .warning .sev { color: #a15c00; } .info .sev { color: #00639b; }
 .finding .fix b { color: #1b5e20; }
