@@ -230,8 +230,10 @@ def check_page(result: CheckResult, *, title: str = "ddp-doctor check") -> str:
     if result.interrupted is not None:
         parts.append(f"<p class='crash'>Interrupted by {signal.Signals(result.interrupted).name}: a partial "
                      "report.</p>")
-    if result.error is not None and not result.models:
+    if result.error is not None and result.interrupted is None:
+        # As in the terminal: the tool could not run the script, and that is all there is to say.
         parts.append(f"<p class='crash'>ddp-doctor could not run the script:</p><pre>{escape(result.error)}</pre>")
+        return page(title, "\n".join(parts))
     for i, model in enumerate(result.models):
         heading = f"DDP model {i + 1} of {len(result.models)}: {model.module}" if len(result.models) > 1 else None
         parts.append(check_section(model.report, key=f"m{i}", heading=heading))
