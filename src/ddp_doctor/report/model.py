@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -10,10 +11,13 @@ from typing import Any
 import torch
 
 from ddp_doctor.codes import CODES, SEVERITIES
+from ddp_doctor.report.figures import Divergence, UsageMap
 
 __all__ = ["SCHEMA", "Crash", "Diagnosis", "Finding", "ParamRef", "Recommendation", "Report", "Timing", "finite"]
 
 SCHEMA = "ddp-doctor/report@1"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,16 +143,26 @@ class Report:
     ddp_site: str | None = None
     interrupted: bool = False
     """`ddp-doctor` was stopped by SIGINT / SIGTERM / SIGHUP before the observed steps ended: a partial report."""
+    usage_map: UsageMap | None = None
+    """Which parameter got a gradient on which rank at which step (JSON key `usage_map`, absent when None)."""
+    divergence: Divergence | None = None
+    """The largest cross-rank difference of weights and gradients per step (JSON key `divergence`)."""
     schema: str = SCHEMA
 
     @classmethod
     def build(cls, info: Any, records: list[Any], diagnosis: Diagnosis, *, backend: str) -> Report:
         from ddp_doctor import __version__
-        from ddp_doctor.report.snippets import render_snippets
+        from ddp_doctor.analyze.usage import figures
+        from ddp_doctor.report.snippets import render_snippets  # imports this module: imported here, not at the top
 
         # The code for the recommendation is rendered here, from the records alone: the flavour (which Lightning
         # package, which TrainingArguments fields) was recorded where the model was built.
         diagnosis.recommendation.render = render_snippets(diagnosis.recommendation, info.ddp_config, info.flavor)
+        try:
+            usage, gap = figures(info, records, diagnosis.findings)
+        except Exception:   # the figures are a view of the diagnosis: never lose the report over them
+            logger.warning("ddp-doctor: could not compute the usage map and divergence curve", exc_info=True)
+            usage, gap = None, None
         return cls(
             tool_version=__version__,
             torch_version=torch.__version__,
@@ -162,6 +176,8 @@ class Report:
             crashes=diagnosis.crashes,
             framework=info.framework,
             ddp_site=info.ddp_site,
+            usage_map=usage,
+            divergence=gap,
         )
 
     @classmethod
@@ -175,7 +191,9 @@ class Report:
             findings=findings, recommendation=Recommendation(**data["recommendation"]),
             timing=Timing(**data["timing"]), crashes=[Crash(**c) for c in data.get("crashes", [])],
             framework=data.get("framework", "torch"), ddp_site=data.get("ddp_site"),
-            interrupted=bool(data.get("interrupted", False)))
+            interrupted=bool(data.get("interrupted", False)),
+            usage_map=UsageMap.from_dict(data["usage_map"]) if data.get("usage_map") else None,
+            divergence=Divergence.from_dict(data["divergence"]) if data.get("divergence") else None)
 
     @property
     def codes(self) -> set[str]:
@@ -206,10 +224,27 @@ class Report:
         }
         if self.interrupted:
             out["interrupted"] = True
+        # New keys go last and only when present, so every key above stays exactly as it was.
+        if self.usage_map is not None:
+            out["usage_map"] = self.usage_map.to_dict()
+        if self.divergence is not None:
+            out["divergence"] = self.divergence.to_dict()
         return out
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(finite(self.to_dict()), indent=2, **kwargs)
+
+    def to_html(self) -> str:
+        """The report as one self-contained HTML page: findings, both figures, the recommendation as code.
+
+        Needs matplotlib (`pip install 'ddp-doctor[html]'`).
+
+        Example:
+            >>> Path("report.html").write_text(doctor.report().to_html())  # doctest: +SKIP
+        """
+        from ddp_doctor.report.html import to_html
+
+        return to_html(self)
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
         from ddp_doctor.report.text import render
