@@ -19,14 +19,9 @@ from ddp_doctor.report.model import Report
 __all__ = ["DEMO_ORDER", "register"]
 
 DEMO_ORDER = ("clean.py", "unused_head.py", "find_unused_all_used.py", "curriculum_through_module.py",
-<<<<<<< HEAD
-              "progressive_freeze.py", "dynamic_graph.py")
-"""The examples, from the healthy script to an unused head, find_unused_parameters left on for nothing, a loss
-computed through `ddp.module`, layers frozen after wrapping, and a changing graph."""
-=======
               "progressive_freeze.py", "dynamic_graph.py", "rank_dependent_head.py")
-"""The examples, from the healthy script to seed 000, 001, 002, 003, a changing graph and a rank-dependent one."""
->>>>>>> issue16
+"""The examples, from the healthy script to an unused head, find_unused_parameters left on for nothing, a loss
+computed through `ddp.module`, layers frozen after wrapping, a changing graph and a rank-dependent one."""
 
 _EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
