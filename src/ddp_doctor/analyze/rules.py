@@ -36,7 +36,7 @@ def frozen_after_wrap(*, params: list[ParamRef], ranks: list[int], steps: list[i
         detail = ("static_graph=True recorded them as used in the first step, so the step's reduction never "
                   "finishes, none of the step's gradients are all-reduced, and the next step fails.")
     else:
-        detail = "the step's reduction never finishes and the next step fails."
+        detail = "with default flags the step's reduction never finishes and the next step fails."
     return Finding(
         code="frozen-after-wrap", severity="warning" if harmless else "error",
         title=f"{count(len(params), 'parameter')} frozen after DDP was built",
