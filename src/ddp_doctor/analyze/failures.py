@@ -89,7 +89,9 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
     c = first.collective
     others = [s for s in live if s.rank != first.rank]
     behind = [s for s in others if s.collectives < c.n]
-    different = [s for s in others if s.in_collective and s.collective is not None and s.collective.n == c.n
+    # A rank still waiting in, or already past, its collective at the same position with another op or shape
+    # (the sender of a broadcast returns at once; the receiver of the wrong size aborts).
+    different = [s for s in others if s.collective is not None and s.collective.n == c.n
                  and (s.collective.op, s.collective.tensor) != (c.op, c.tensor)]
     if not behind and not different:
         return None
@@ -113,9 +115,12 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
         detail="; ".join(parts) + "." + (f" {'; '.join(signals)} (gloo aborts a process whose peer issued a "
                                          "different collective)." if signals else ""),
         ranks=sorted({first.rank, *culprits}), steps=sorted({max(s.step, 0) for s in (first, *behind, *different)}),
-        fix=f"make every rank of the group call the same collectives in the same order: move {c.op} at "
-            f"{c.site or 'that line'} out of the rank-dependent branch (compute the condition on every rank, "
-            f"or all_reduce a flag first), or call it on every rank.")
+        fix=(f"give {c.op} at {c.site or 'that line'} the same dtype and shape on every rank: agree on the size "
+             "first (all_reduce the length, or broadcast_object_list), then pad or slice to it."
+             if different and all(s.collective.op == c.op for s in different) and not behind else
+             f"make every rank of the group call the same collectives in the same order: move {c.op} at "
+             f"{c.site or 'that line'} out of the rank-dependent branch (compute the condition on every rank, "
+             f"or all_reduce a flag first), or call it on every rank."))
 
 
 def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: list[str] = ()) -> list[Finding]:
