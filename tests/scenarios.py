@@ -143,6 +143,9 @@ class Case:
     steps: int = 4
     retry_on_rank: int | None = None
     """This rank runs one more synced forward and backward through DDP in step 1, the others in step 2."""
+    evaluate: str | None = None
+    """Rank 0 evaluates before step 1: "grad" through the DDP wrapper with autograd on, "no_grad" the right way
+    (under torch.no_grad() through ddp.module)."""
 
 
 HEAD_B = {"head_b.weight", "head_b.bias"}
@@ -224,6 +227,11 @@ CASES: dict[str, Case] = {c.name: c for c in [
     # but of different micro-passes: the weights drift apart.
     Case(name="extra-backward-on-one-rank", retry_on_rank=1, codes={"collective-mismatch", "replica-divergence"},
          fixed={"retry_on_rank": None}),
+    # A rank-0-only evaluation through the DDP wrapper with autograd on: the ranks' DDP calls differ. Harmless here
+    # (no buffers to broadcast), so a warning that says why; the right way (no_grad through .module) stays clean.
+    Case(name="eval-rank0-through-ddp-in-grad-mode", evaluate="grad", codes={"collective-mismatch"},
+         fixed={"evaluate": "no_grad"}),
+    Case(name="eval-rank0-no-grad-through-module", evaluate="no_grad", codes=set()),
     Case(name="batchnorm-no-broadcast", net_kwargs={"batchnorm": True}, ddp_kwargs={"broadcast_buffers": False},
          codes={"buffer-divergence"}, params={"buffer-divergence": {"norm.running_mean", "norm.running_var"}}),
 ]}
@@ -248,6 +256,13 @@ def _micro_batches(case: Case, rank: int, step: int) -> list[Any]:
 
 def train_step(case: Case, model: Any, inner: nn.Module, rank: int, step: int) -> None:
     """One optimizer step's forward and backward passes, written the way users write them."""
+    if case.evaluate is not None and rank == 0 and step == 1:
+        x, _ = batch(rank, 100 + step)
+        if case.evaluate == "grad":
+            model(x).sum().item()
+        else:
+            with torch.no_grad():
+                inner(x).sum().item()
     for micro, data in enumerate(_micro_batches(case, rank, step)):
         last = micro == case.micro_steps - 1
         if case.accumulate == "flag":

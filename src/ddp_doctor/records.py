@@ -119,9 +119,12 @@ class StepCounters:
     """0 for the step a crash interrupted: its usage data is partial."""
     optimizer_step: int = 0
     """1 when the step ended with `optimizer.step()`."""
+    unpaired_forwards: int = 0
+    """Forward calls through the DDP wrapper in grad mode, with gradient sync on, that no backward followed before
+    the next one (an evaluation through DDP with autograd on, say)."""
 
     FIELDS = ("micro_steps", "ddp_forwards", "bypass_forwards", "reentrant_checkpoints", "synced_backwards",
-              "complete", "optimizer_step")
+              "complete", "optimizer_step", "unpaired_forwards")
 
     def as_list(self) -> list[int]:
         return [getattr(self, f) for f in self.FIELDS]
@@ -169,6 +172,8 @@ class RankRecord:
     """The DataLoaders iterated while observed (at most 4): batches per epoch, sampler kind, padding, epochs."""
     repeat_sites: list[str] = field(default_factory=list)
     """`step N: file:line` of each synced DDP forward after the first in a step."""
+    unpaired_sites: list[str] = field(default_factory=list)
+    """`step N: file:line` of synced DDP forwards in grad mode that no backward followed (see `unpaired_forwards`)."""
 
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
         "used", "reachable", "trainable", "ran", "grad_fp", "weight_fp", "buffer_fp", "input_fp", "timing", "counters")
@@ -262,5 +267,6 @@ class RankRecord:
             "bypass_sites": self.bypass_sites,
             "blocked_checkpoints": self.blocked_checkpoints,
             "repeat_sites": self.repeat_sites,
+            "unpaired_sites": self.unpaired_sites,
             "loaders": self.loaders,
         }

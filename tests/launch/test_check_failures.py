@@ -105,3 +105,13 @@ def test_a_module_runs_like_python_dash_m_with_its_arguments(tmp_path: Path) -> 
                 tmp_path)
     assert run.rc == 0, run.output
     assert run.codes == {"find-unused-unneeded"} and run.report["steps_observed"] == 4, run.output
+
+
+def test_a_rank_0_evaluation_through_ddp_in_grad_mode_is_named_and_the_right_way_is_clean(tmp_path: Path) -> None:
+    wrong = check(["--nproc-per-node", "2", str(SCRIPTS / "eval_rank0.py"), "--grad"], tmp_path / "grad")
+    mismatch = wrong.finding("collective-mismatch")
+    assert mismatch["ranks"] == [0] and mismatch["steps"] == [2, 5], mismatch
+    assert "at tests/scripts/eval_rank0.py:24" in mismatch["detail"], mismatch
+    assert mismatch["severity"] == "warning" and "no buffers" in mismatch["detail"], mismatch  # it survived: says why
+    right = check(["--nproc-per-node", "2", str(SCRIPTS / "eval_rank0.py")], tmp_path / "no_grad")
+    assert right.rc == 0 and right.codes == set(), right.output

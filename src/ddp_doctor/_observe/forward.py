@@ -78,6 +78,13 @@ class ForwardHooks:
             tl.sync_forward = bool(self._t.ddp.require_backward_grad_sync)
             if unstepped and tl.sync_forward and len(self._log.repeat_sites) < MAX_SITES:
                 self._log.repeat_sites.append(f"step {self._log.steps}: {user_site({id(self._t.ddp)})}")
+            if tl.open_forward is not None:
+                # The previous synced forward in grad mode got no backward (an evaluation through DDP with autograd
+                # on): DDP prepared a reduction for it that nothing finishes. Harmless only if every rank does it.
+                tl.state.counters.unpaired_forwards += 1
+                if len(self._log.unpaired_sites) < MAX_SITES:
+                    self._log.unpaired_sites.append(f"step {self._log.steps}: {tl.open_forward}")
+            tl.open_forward = user_site({id(self._t.ddp)}) if tl.sync_forward else None
         tl.clock.forward_start = time.perf_counter()
 
     def _on_ddp_forward(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:

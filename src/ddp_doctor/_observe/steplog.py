@@ -58,6 +58,8 @@ class StepLog:
         """`file:line` of reentrant checkpoint calls with no grad-requiring input."""
         self.repeat_sites: list[str] = []
         """`step N: file:line` of each synced DDP forward after the first in a step."""
+        self.unpaired_sites: list[str] = []
+        """`step N: file:line` of synced DDP forwards in grad mode that no backward followed."""
         self.loaders: list[dict[str, Any]] = []
         """The DataLoaders iterated while observed (at most `MAX_LOADERS`)."""
 
@@ -111,5 +113,6 @@ class StepLog:
         record.bypass_sites = list(self.bypass_sites)
         record.blocked_checkpoints = list(self.blocked_checkpoints)
         record.repeat_sites = list(self.repeat_sites)
+        record.unpaired_sites = list(self.unpaired_sites)
         record.loaders = [{k: v for k, v in d.items() if k != "id"} for d in self.loaders]
         return record

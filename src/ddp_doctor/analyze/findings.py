@@ -8,14 +8,16 @@ from dataclasses import dataclass, field
 import torch
 
 from ddp_doctor.analyze import rules
+from ddp_doctor.analyze.consistency import synced_pass_mismatch, unpaired_forward_mismatch
 from ddp_doctor.analyze.data import sampler_epoch_not_set, uneven_inputs
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View
-from ddp_doctor.records import CRASH_KINDS, RankRecord
+from ddp_doctor.records import CRASH_KINDS
 from ddp_doctor.report.model import Finding
 from ddp_doctor.report.snippets import flags_fix, freeze_point
 
 __all__ = ["DETECTORS"]
+
 
 
 def _with(v: View, **flags: bool) -> str:
@@ -79,52 +81,6 @@ def grad_blocked(v: View) -> list[Finding]:
              "require grad)" if sites else
              "remove the torch.no_grad() / .detach() that cuts them off, or use checkpoint(..., use_reentrant=False)")
             + "; if they really are meant to stay fixed, set requires_grad=False on them yourself before wrapping.")]
-
-
-def _windows(record: RankRecord) -> list[tuple[int, list[int]]]:
-    """Per optimizer step: (synced backward passes, the record's step indices in it). Steps are closed by
-    optimizer.step() or, when a synced backward was not followed by one, by the next forward."""
-    out, count, idx = [], 0, []
-    synced, stepped = record.counter("synced_backwards").tolist(), record.counter("optimizer_step").tolist()
-    for s, (n, opt) in enumerate(zip(synced, stepped)):
-        count, idx = count + n, [*idx, s]
-        if opt:
-            out.append((count, idx))
-            count, idx = 0, []
-    return out
-
-
-def synced_pass_mismatch(v: View) -> list[Finding]:
-    """Ranks that ran different numbers of synced backward passes through DDP in one optimizer step: each extra
-    backward issues DDP's gradient all-reduces once more, which the other ranks pair with their next ones."""
-    if v.world < 2:
-        return []
-    windows = [_windows(r) for r in v.records]
-    n = min(len(w) for w in windows)
-    bad = [k for k in range(n) if len({w[k][0] for w in windows}) > 1]
-    if not bad:
-        return []
-    first = bad[0]
-    counts = [w[first][0] for w in windows]
-    most, least = max(counts), min(counts)
-    extra = [r.rank for r, c in zip(v.records, counts) if c == most]
-    rest = [r.rank for r, c in zip(v.records, counts) if c != most]
-    sites = sorted({site.split(": ", 1)[1] for r, w in zip(v.records, windows) if r.rank in extra
-                    for site in r.repeat_sites if int(site.split(":", 1)[0].split()[1]) in w[first][1]})
-    where = f" (the extra pass starts at {', '.join(sites)})" if sites else ""
-    plural = "s" if len(extra) > 1 else ""
-    return [Finding(
-        code="collective-mismatch", severity="error",
-        title=f"rank{plural} {', '.join(map(str, extra))} ran {most} synced backward passes in optimizer step {first}, "
-              f"rank{'s' if len(rest) > 1 else ''} {', '.join(map(str, rest))} {least}",
-        detail=f"In optimizer step {first}{where}, the ranks ran different numbers of backward passes through DDP "
-               "with gradient sync on. Each synced backward issues DDP's gradient all-reduces, so the extra ones on "
-               "one rank are paired with the other ranks' next ones: gradients of different steps get averaged, "
-               "and the job hangs or crashes when the counts no longer line up."
-               + (f" It happened again in optimizer step(s) {bad[1:]}." if len(bad) > 1 else ""),
-        params=[], ranks=extra, steps=bad,
-        fix="run the same number of synced forward/backward passes on every rank in each step: decide the retry "
-            "from a value all-reduced across ranks, or run the extra pass under ddp.no_sync().")]
 
 
 def dynamic_graph(v: View) -> list[Finding]:
@@ -489,7 +445,7 @@ def reduction_error(v: View) -> list[Finding]:
 
 DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (
     reduction_error, static_graph_unsafe, wrapper_bypass, unfrozen_after_wrap, frozen_after_wrap,
-    unused_parameters, grad_blocked, synced_pass_mismatch, dynamic_graph, rank_dependent_graph, used_outside_forward, reentrant_checkpoint,
+    unused_parameters, grad_blocked, synced_pass_mismatch, unpaired_forward_mismatch, dynamic_graph, rank_dependent_graph, used_outside_forward, reentrant_checkpoint,
     grads_not_synced, replica_divergence, buffer_divergence, identical_inputs, no_trainable, find_unused_unneeded,
     uneven_inputs, sampler_epoch_not_set,
 )

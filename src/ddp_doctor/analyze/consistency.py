@@ -1,0 +1,97 @@
+"""Cross-rank consistency of what each rank did in a step: the same number of synced passes through DDP, and no
+DDP forward in grad mode that only some ranks run without a backward. Pure: records in, findings out."""
+
+from __future__ import annotations
+
+from ddp_doctor.analyze.view import View
+from ddp_doctor.records import RankRecord
+from ddp_doctor.report.model import Finding
+
+__all__ = ["synced_pass_mismatch", "unpaired_forward_mismatch"]
+
+
+def _windows(record: RankRecord) -> list[tuple[int, list[int]]]:
+    """Per optimizer step: (synced backward passes, the record's step indices in it). Steps are closed by
+    optimizer.step() or, when a synced backward was not followed by one, by the next forward."""
+    out, count, idx = [], 0, []
+    synced, stepped = record.counter("synced_backwards").tolist(), record.counter("optimizer_step").tolist()
+    for s, (n, opt) in enumerate(zip(synced, stepped)):
+        count, idx = count + n, [*idx, s]
+        if opt:
+            out.append((count, idx))
+            count, idx = 0, []
+    return out
+
+
+def synced_pass_mismatch(v: View) -> list[Finding]:
+    """Ranks that ran different numbers of synced backward passes through DDP in one optimizer step: each extra
+    backward issues DDP's gradient all-reduces once more, which the other ranks pair with their next ones."""
+    if v.world < 2:
+        return []
+    windows = [_windows(r) for r in v.records]
+    n = min(len(w) for w in windows)
+    bad = [k for k in range(n) if len({w[k][0] for w in windows}) > 1]
+    if not bad:
+        return []
+    first = bad[0]
+    counts = [w[first][0] for w in windows]
+    most, least = max(counts), min(counts)
+    extra = [r.rank for r, c in zip(v.records, counts) if c == most]
+    rest = [r.rank for r, c in zip(v.records, counts) if c != most]
+    sites = sorted({site.split(": ", 1)[1] for r, w in zip(v.records, windows) if r.rank in extra
+                    for site in r.repeat_sites if int(site.split(":", 1)[0].split()[1]) in w[first][1]})
+    where = f" (the extra pass starts at {', '.join(sites)})" if sites else ""
+    plural = "s" if len(extra) > 1 else ""
+    return [Finding(
+        code="collective-mismatch", severity="error",
+        title=f"rank{plural} {', '.join(map(str, extra))} ran {most} synced backward passes in optimizer step {first}, "
+              f"rank{'s' if len(rest) > 1 else ''} {', '.join(map(str, rest))} {least}",
+        detail=f"In optimizer step {first}{where}, the ranks ran different numbers of backward passes through DDP "
+               "with gradient sync on. Each synced backward issues DDP's gradient all-reduces, so the extra ones on "
+               "one rank are paired with the other ranks' next ones: gradients of different steps get averaged, "
+               "and the job hangs or crashes when the counts no longer line up."
+               + (f" It happened again in optimizer step(s) {bad[1:]}." if len(bad) > 1 else ""),
+        params=[], ranks=extra, steps=bad,
+        fix="run the same number of synced forward/backward passes on every rank in each step: decide the retry "
+            "from a value all-reduced across ranks, or run the extra pass under ddp.no_sync().")]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def unpaired_forward_mismatch(v: View) -> list[Finding]:
+    """Ranks that ran DDP's forward in grad mode (gradient sync on) without a backward where other ranks did not:
+    typically a rank-0-only evaluation through the DDP wrapper with autograd on. DDP prepares a reduction in such a
+    forward and, when it broadcasts buffers, issues a collective the other ranks never issue."""
+    if v.world < 2 or not v.steps:
+        return []
+    counts = [r.counter("unpaired_forwards")[: v.steps].tolist() for r in v.records]
+    bad = [s for s in range(v.steps) if len({c[s] for c in counts}) > 1]
+    if not bad:
+        return []
+    first = bad[0]
+    most = max(c[first] for c in counts)
+    extra = [r.rank for r, c in zip(v.records, counts) if c[first] == most]
+    rest = [r.rank for r, c in zip(v.records, counts) if c[first] != most]
+    sites = sorted({site.split(": ", 1)[1] for r in v.records if r.rank in extra for site in r.unpaired_sites
+                    if int(site.split(":", 1)[0].split()[1]) == first})
+    where = f" at {', '.join(sites)}" if sites else ""
+    broadcasts = bool(v.info.buffer_names) and bool(v.info.ddp_config.get("broadcast_buffers", True))
+    consequence = (
+        "DDP's forward broadcasts rank 0's buffers (broadcast_buffers=True and the model has buffers), a collective "
+        "the other ranks do not issue at that point: their next collectives are paired with it, and the job hangs "
+        "or averages the wrong tensors." if broadcasts else
+        "This run went on because the model has no buffers for DDP to broadcast in that forward, so it issued no "
+        "collective there; with buffers (BatchNorm, say) and broadcast_buffers=True the same line broadcasts them on "
+        "these ranks alone, a collective the other ranks never join, and the job hangs (measured on torch 2.13).")
+    return [Finding(
+        code="collective-mismatch", severity="error" if broadcasts else "warning",
+        title=f"{_ranks(extra)} ran DDP's forward with autograd on and no backward{where} in step {first}; "
+              f"{_ranks(rest)} did not",
+        detail=f"In step {first}, {_ranks(extra)} called the DDP model in grad mode {most} more time(s) than "
+               f"{_ranks(rest)}, and no backward followed{where} (an evaluation through the DDP wrapper, say). "
+               + consequence + (f" Also in step(s) {bad[1:]}." if len(bad) > 1 else ""),
+        params=[], ranks=extra, steps=bad,
+        fix="evaluate on one rank under torch.no_grad() through the inner module (ddp_model.module(x)), or run the "
+            "evaluation on every rank.")]
