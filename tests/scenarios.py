@@ -143,6 +143,9 @@ class Case:
     steps: int = 4
     retry_on_rank: int | None = None
     """This rank runs one more synced forward and backward through DDP in step 1, the others in step 2."""
+    log_metric: str | None = None
+    """Each rank all-reduces its loss for logging after the backward: "sum" on every rank, or "max-on-rank-1" (rank
+    1 asks for MAX while the others SUM: the calls pair up, the results are silently wrong)."""
     evaluate: str | None = None
     """Rank 0 evaluates before step 1: "grad" through the DDP wrapper with autograd on, "no_grad" the right way
     (under torch.no_grad() through ddp.module)."""
@@ -232,6 +235,11 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case(name="eval-rank0-through-ddp-in-grad-mode", evaluate="grad", codes={"collective-mismatch"},
          fixed={"evaluate": "no_grad"}),
     Case(name="eval-rank0-no-grad-through-module", evaluate="no_grad", codes=set()),
+    # The script's own collectives, compared per step through a digest: the same logging all_reduce everywhere is
+    # clean; a different reduction on one rank pairs up silently and is named.
+    Case(name="logging-all-reduce", log_metric="sum", codes=set()),
+    Case(name="logging-all-reduce-other-op-on-rank-1", log_metric="max-on-rank-1", codes={"collective-mismatch"},
+         fixed={"log_metric": "sum"}),
     Case(name="batchnorm-no-broadcast", net_kwargs={"batchnorm": True}, ddp_kwargs={"broadcast_buffers": False},
          codes={"buffer-divergence"}, params={"buffer-divergence": {"norm.running_mean", "norm.running_var"}}),
 ]}
@@ -270,6 +278,10 @@ def train_step(case: Case, model: Any, inner: nn.Module, rank: int, step: int) -
         context = model.no_sync() if case.accumulate == "no_sync" and not last else nullcontext()
         with context:
             (case.loss(model, inner, data, step, rank) / case.micro_steps).backward()
+        if case.log_metric is not None and last:
+            metric = torch.ones(1, device=device())
+            odd = case.log_metric == "max-on-rank-1" and rank == 1
+            dist.all_reduce(metric, op=dist.ReduceOp.MAX if odd else dist.ReduceOp.SUM)
         # "The loss spiked: retry". Rank `retry_on_rank` retries in step 1 and the others in step 2, so the totals
         # match again and the run ends (a single unmatched retry would leave a rank waiting in its last all-reduce).
         retry_step = 1 if case.retry_on_rank == rank else 2

@@ -123,8 +123,14 @@ class StepCounters:
     """Forward calls through the DDP wrapper in grad mode, with gradient sync on, that no backward followed before
     the next one (an evaluation through DDP with autograd on, say)."""
 
+    collectives: int = 0
+    """The script's own `torch.distributed` collectives in this step (DDP's gradient all-reduces not included)."""
+    collective_digest: int = 0
+    """A running 31-bit digest of those collectives' op, dtype, shape, reduction and group size, in order
+    (`collectives.digest`): equal on ranks that issued the same sequence."""
+
     FIELDS = ("micro_steps", "ddp_forwards", "bypass_forwards", "reentrant_checkpoints", "synced_backwards",
-              "complete", "optimizer_step", "unpaired_forwards")
+              "complete", "optimizer_step", "unpaired_forwards", "collectives", "collective_digest")
 
     def as_list(self) -> list[int]:
         return [getattr(self, f) for f in self.FIELDS]
@@ -174,6 +180,9 @@ class RankRecord:
     """`step N: file:line` of each synced DDP forward after the first in a step."""
     unpaired_sites: list[str] = field(default_factory=list)
     """`step N: file:line` of synced DDP forwards in grad mode that no backward followed (see `unpaired_forwards`)."""
+    collective_log: list[str] = field(default_factory=list)
+    """The first script collectives of the observed steps (at most `MAX_COLLECTIVE_LOG`), as
+    `step N: all_reduce(float32[1], SUM)/2 at file:line`: what names a mismatch that the per-step digests reveal."""
 
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
         "used", "reachable", "trainable", "ran", "grad_fp", "weight_fp", "buffer_fp", "input_fp", "timing", "counters")
@@ -268,5 +277,6 @@ class RankRecord:
             "blocked_checkpoints": self.blocked_checkpoints,
             "repeat_sites": self.repeat_sites,
             "unpaired_sites": self.unpaired_sites,
+            "collective_log": self.collective_log,
             "loaders": self.loaders,
         }

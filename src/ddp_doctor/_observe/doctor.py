@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_doctor import checkpoints, dataprobe
+from ddp_doctor import checkpoints, collectives, dataprobe
 from ddp_doctor._collective import comm_device
 from ddp_doctor._observe.backward import BackwardHooks
 from ddp_doctor._observe.crash import OBSERVE_HINT, CrashLog, explain_failure
@@ -41,8 +41,10 @@ from ddp_doctor._observe.forward import ForwardHooks
 from ddp_doctor._observe.steplog import StepLog
 from ddp_doctor._observe.target import Target
 from ddp_doctor._observe.timeline import Timeline
+from ddp_doctor.collectives import Call
 from ddp_doctor.diagnose import diagnose
 from ddp_doctor.errors import DDPFailure, InvalidArgumentError, NoTrainableParametersError
+from ddp_doctor.hookutil import user_site
 from ddp_doctor.records import RankRecord
 from ddp_doctor.report import Report
 from ddp_doctor.wrapstate import model_info, require_ddp, require_process_group
@@ -169,7 +171,8 @@ class Doctor:
         # runs inside DDP's forward); the warning would only alarm the user, so it is silenced while observing.
         warnings.filterwarnings("ignore", message=_COMPILE_HOOK_WARNING, category=UserWarning)
         self._warning_filter = warnings.filters[0]
-        self._unlisten = [checkpoints.listen(self._forward.on_checkpoint), dataprobe.listen(self._log.note_loader)]
+        self._unlisten = [checkpoints.listen(self._forward.on_checkpoint), dataprobe.listen(self._log.note_loader),
+                          collectives.listen(self._on_collective)]
         self._timeline.attached = True
         return self
 
@@ -191,6 +194,12 @@ class Doctor:
             self._warning_filter = None
         self._timeline.attached = False
         self._finished = True
+
+    def _on_collective(self, call: Call) -> None:
+        # Only while steps are observed; the same call on another doctor's model counts there too (a script's
+        # collectives belong to the rank, not to one model).
+        if self._timeline.attached:
+            self._log.note_collective(self._timeline.state, call, user_site())
 
     def _on_new_step(self) -> None:
         self._backward.hook_new_trainable()

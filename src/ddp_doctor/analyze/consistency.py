@@ -1,5 +1,6 @@
-"""Cross-rank consistency of what each rank did in a step: the same number of synced passes through DDP, and no
-DDP forward in grad mode that only some ranks run without a backward. Pure: records in, findings out."""
+"""Cross-rank consistency of what each rank did in a step: the same collectives in the same order, the same number
+of synced passes through DDP, and no DDP forward in grad mode that only some ranks run without a backward. Pure:
+records in, findings out."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from ddp_doctor.analyze.view import View
 from ddp_doctor.records import RankRecord
 from ddp_doctor.report.model import Finding
 
-__all__ = ["synced_pass_mismatch", "unpaired_forward_mismatch"]
+__all__ = ["collective_sequence_mismatch", "synced_pass_mismatch", "unpaired_forward_mismatch"]
 
 
 def _windows(record: RankRecord) -> list[tuple[int, list[int]]]:
@@ -95,3 +96,54 @@ def unpaired_forward_mismatch(v: View) -> list[Finding]:
         params=[], ranks=extra, steps=bad,
         fix="evaluate on one rank under torch.no_grad() through the inner module (ddp_model.module(x)), or run the "
             "evaluation on every rank.")]
+
+
+def _logged(record: RankRecord, step: int) -> list[str]:
+    """The rank's logged collectives of `step`, as `signature at site`."""
+    prefix = f"step {step}: "
+    return [entry.removeprefix(prefix) for entry in record.collective_log if entry.startswith(prefix)]
+
+
+def collective_sequence_mismatch(v: View) -> list[Finding]:
+    """Ranks whose own collectives (the script's `torch.distributed` calls) differed in a step that still completed:
+    a different op, shape or reduction at the same position, or a different count. Compared through each step's
+    count and running digest; the logged calls name the first difference. (A mismatch that aborts or hangs the
+    job is named from the ranks' beacons instead, in `failures.py`.)"""
+    if v.world < 2 or not v.steps:
+        return []
+    keys = [list(zip(r.counter("collectives")[: v.steps].tolist(), r.counter("collective_digest")[: v.steps].tolist()))
+            for r in v.records]
+    bad = [s for s in range(v.steps) if len({k[s] for k in keys}) > 1]
+    if not bad:
+        return []
+    first = bad[0]
+    logs = [_logged(r, first) for r in v.records]
+    position = next((i for i in range(max(len(log) for log in logs))
+                     if len({log[i] if i < len(log) else None for log in logs}) > 1), None)
+    odd = [r.rank for r, k in zip(v.records, keys) if k[first] != keys[0][first]]
+    if position is None:
+        where = "the calls beyond the logged ones differ"
+    else:
+        shown = []
+        for r, log in zip(v.records, logs):
+            call = log[position] if position < len(log) else None
+            shown.append(f"rank {r.rank} called {call.replace('/', ' over a group of ', 1)}" if call else
+                         f"rank {r.rank} called nothing more")
+            if len(shown) == 4:
+                break
+        where = f"at its collective #{position + 1} of the step, " + "; ".join(shown)
+    counts = sorted({k[first][0] for k in keys})
+    return [Finding(
+        code="collective-mismatch", severity="error",
+        title=f"the ranks issued different collectives in step {first} ({_ranks(odd)} "
+              f"differ{'s' if len(odd) == 1 else ''} from rank {v.records[0].rank})",
+        detail=f"In step {first} the script's own collectives were not the same on every rank: {where}. "
+               + (f"The ranks issued {' / '.join(map(str, counts))} collectives in that step. " if len(counts) > 1
+                  else "")
+               + "Collectives pair up by position, so each rank combined a different tensor or reduction than it "
+                 "meant to, silently, or waits for a peer that never comes."
+               + (f" Also in step(s) {bad[1:]}." if len(bad) > 1 else ""),
+        params=[], ranks=sorted({v.records[0].rank, *odd}), steps=bad,
+        fix="make every rank of the group call the same collectives, in the same order, with the same dtype, shape "
+            "and reduction: compute rank-dependent choices (which metric, which op) from values agreed across ranks "
+            "first.")]

@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ddp_doctor.analyze import rules
-from ddp_doctor.analyze.consistency import synced_pass_mismatch, unpaired_forward_mismatch
+from ddp_doctor.analyze.consistency import (
+    collective_sequence_mismatch,
+    synced_pass_mismatch,
+    unpaired_forward_mismatch,
+)
 from ddp_doctor.analyze.data import sampler_epoch_not_set, uneven_inputs
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View
@@ -445,7 +449,8 @@ def reduction_error(v: View) -> list[Finding]:
 
 DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (
     reduction_error, static_graph_unsafe, wrapper_bypass, unfrozen_after_wrap, frozen_after_wrap,
-    unused_parameters, grad_blocked, synced_pass_mismatch, unpaired_forward_mismatch, dynamic_graph, rank_dependent_graph, used_outside_forward, reentrant_checkpoint,
+    unused_parameters, grad_blocked, collective_sequence_mismatch, synced_pass_mismatch, unpaired_forward_mismatch,
+    dynamic_graph, rank_dependent_graph, used_outside_forward, reentrant_checkpoint,
     grads_not_synced, replica_divergence, buffer_divergence, identical_inputs, no_trainable, find_unused_unneeded,
     uneven_inputs, sampler_epoch_not_set,
 )

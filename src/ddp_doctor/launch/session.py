@@ -37,8 +37,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
-from ddp_doctor import _log, dataprobe
+from ddp_doctor import _log, collectives, dataprobe
 from ddp_doctor._observe import Doctor
+from ddp_doctor.collectives import Call
 from ddp_doctor.errors import DoctorError
 from ddp_doctor.gather import arrive
 from ddp_doctor.hookutil import format_site
@@ -58,12 +59,6 @@ _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(_
               os.path.dirname(threading.__file__))
 _WATCH_INTERVAL_S = 0.5
 _IN_STEP = ("forward", "after forward, before backward", "backward", "after backward", "optimizer step")
-_OWN_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
-# The script's collectives that the beacon records (DDP's own gradient all-reduces run in C++ and are not among
-# them: the beacon's phase says when a rank is in DDP's backward).
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
-               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce",
-               "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single")
 # What a collective raises on the ranks that survive when a peer dies or stops (gloo, then NCCL wording).
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
               "communicator was aborted", "remote process exited", "NCCL error")
@@ -153,7 +148,6 @@ class Session:
         self._original_init = DistributedDataParallel.__init__
         self._original_destroy = dist.destroy_process_group
         self._signature = inspect.signature(self._original_init)
-        self._in_collective = False
         self._collectives = 0
         self.beacon = Beacon(self.outdir / f"rank{self.rank}.beacon")
         self.plain = PlainOptimizerWatch()
@@ -196,7 +190,7 @@ class Session:
 
         Optimizer.__init__ = optimizer_init
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
-        self._patch_collectives()
+        collectives.listen(self._enter_collective, self._leave_collective)
         dataprobe.install()
         # A segfault or abort (gloo's on a mismatched collective) leaves no Python exception: faulthandler writes
         # the signal and the stack to a file the supervisor reads. The file object must stay open.
@@ -280,52 +274,18 @@ class Session:
         self.beacon.update(step=doctor.steps_observed, phase=doctor.phase, model=model,
                            site=_user_site_of(sys._getframe(1)))
 
-    def _patch_collectives(self) -> None:
-        """Record each collective the script enters in the beacon: op, tensor, group size and the user's line."""
-        c10d = dist.distributed_c10d
-        for name in COLLECTIVES:
-            original = getattr(c10d, name, None)
-            if original is None:
-                continue
-            wrapped = self._recording(name, original)
-            if getattr(dist, name, None) is original:
-                setattr(dist, name, wrapped)
-            setattr(c10d, name, wrapped)
-
-    def _recording(self, name: str, original: Any) -> Any:
-        session = self
-
-        @functools.wraps(original)
-        def collective(*args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1)
-            # Nested calls (all_gather_object -> all_gather) and the doctor's own exchange are not the script's.
-            if session._in_collective or caller.f_code.co_filename.startswith(_OWN_DIR):
-                return original(*args, **kwargs)
-            session._in_collective = True
-            try:
-                session._enter_collective(name, args, kwargs, caller)
-                return original(*args, **kwargs)
-            finally:
-                session._in_collective = False
-                session.beacon.update(in_collective=False)
-
-        return collective
-
-    def _enter_collective(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], caller: Any) -> None:
+    def _enter_collective(self, call: Call) -> None:
+        """The script entered a collective: publish it in the beacon (op, tensor, group size and the user's line)."""
         self._collectives += 1
-        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if tensor is None:
-            lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) and a]
-            tensor = next((x for lst in lists for x in lst if isinstance(x, torch.Tensor)), None)
-        group = next((a for a in (*args, *kwargs.values()) if isinstance(a, dist.ProcessGroup)), None)
-        site = _user_site_of(caller)
         active = next((d for d in self.doctors if not d.finished), None)
         self.beacon.update(in_collective=True, collectives=self._collectives, collective={
-            "op": name, "n": self._collectives, "site": site,
-            "tensor": f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}" if tensor is not None else None,
-            "group_size": dist.get_world_size(group) if dist.is_initialized() else None,
+            "op": call.op, "n": self._collectives, "site": _user_site_of(call.caller), "tensor": call.tensor,
+            "group_size": call.group_size,
             "step": active.steps_observed if active is not None else None,
             "phase": active.phase if active is not None else None})
+
+    def _leave_collective(self) -> None:
+        self.beacon.update(in_collective=False)
 
     # ----------------------------------------------------------------------------------------------- ending
 
