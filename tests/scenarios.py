@@ -146,6 +146,9 @@ class Case:
     log_metric: str | None = None
     """Each rank all-reduces its loss for logging after the backward: "sum" on every rank, or "max-on-rank-1" (rank
     1 asks for MAX while the others SUM: the calls pair up, the results are silently wrong)."""
+    scaler: str | None = None
+    """AMP's GradScaler around the step: "same" on every rank, or "rank-1-init" (rank 1 builds it with another
+    init_scale, so the ranks skip different steps)."""
     evaluate: str | None = None
     """Rank 0 evaluates before step 1: "grad" through the DDP wrapper with autograd on, "no_grad" the right way
     (under torch.no_grad() through ddp.module)."""
@@ -223,7 +226,15 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case(name="accumulate-no-sync", accumulate="no_sync", micro_steps=3, codes=set()),
     Case(name="same-batch", same_batch=True, codes={"identical-inputs-across-ranks"},
          fixed={"same_batch": False}),
-    Case(name="batchnorm", net_kwargs={"batchnorm": True}, codes=set()),
+    # BatchNorm in training mode, each rank over its own batch of 6: information, with the per-rank batch size.
+    Case(name="batchnorm", net_kwargs={"batchnorm": True}, codes={"batchnorm-not-synced"}),
+    # The same layer in eval mode (frozen statistics, as in fine-tuning): nothing to say.
+    Case(name="batchnorm-eval", net_kwargs={"batchnorm": True}, after_wrap=lambda net: net.norm.eval(), codes=set()),
+    # AMP's GradScaler: the same on every rank is clean; a rank-dependent init_scale is named at the first step.
+    Case(name="grad-scaler", scaler="same", codes=set(), fixed={"scaler": None}),
+    # DDP averages gradients scaled by different factors; each rank unscales by its own: the replicas diverge.
+    Case(name="grad-scaler-rank-dependent", scaler="rank-1-init", codes={"grad-scaler-mismatch", "replica-divergence"},
+         fixed={"scaler": None}),
     # A retry path that runs one more forward and backward through DDP on rank 1: DDP's all-reduces pair across
     # steps. Named as a collective mismatch at the step it happened, with the rank.
     # The paired all-reduces average the same gradients on both ranks (so grads agree at each optimizer step),
@@ -241,7 +252,7 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case(name="logging-all-reduce-other-op-on-rank-1", log_metric="max-on-rank-1", codes={"collective-mismatch"},
          fixed={"log_metric": "sum"}),
     Case(name="batchnorm-no-broadcast", net_kwargs={"batchnorm": True}, ddp_kwargs={"broadcast_buffers": False},
-         codes={"buffer-divergence"}, params={"buffer-divergence": {"norm.running_mean", "norm.running_var"}}),
+         codes={"buffer-divergence", "batchnorm-not-synced"}, params={"buffer-divergence": {"norm.running_mean", "norm.running_var"}}),
 ]}
 
 
@@ -262,7 +273,14 @@ def _micro_batches(case: Case, rank: int, step: int) -> list[Any]:
     return [batch(rank, step, m, same=case.same_batch) for m in range(case.micro_steps)]
 
 
-def train_step(case: Case, model: Any, inner: nn.Module, rank: int, step: int) -> None:
+def make_scaler(case: Case, rank: int) -> Any:
+    if case.scaler is None:
+        return None
+    return torch.amp.GradScaler(device().type, init_scale=2.0**10 if case.scaler == "rank-1-init" and rank == 1
+                                else 2.0**16)
+
+
+def train_step(case: Case, model: Any, inner: nn.Module, rank: int, step: int, scaler: Any = None) -> None:
     """One optimizer step's forward and backward passes, written the way users write them."""
     if case.evaluate is not None and rank == 0 and step == 1:
         x, _ = batch(rank, 100 + step)
@@ -277,7 +295,8 @@ def train_step(case: Case, model: Any, inner: nn.Module, rank: int, step: int) -
             model.require_backward_grad_sync = last  # nanoGPT's idiom
         context = model.no_sync() if case.accumulate == "no_sync" and not last else nullcontext()
         with context:
-            (case.loss(model, inner, data, step, rank) / case.micro_steps).backward()
+            loss = case.loss(model, inner, data, step, rank) / case.micro_steps
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         if case.log_metric is not None and last:
             metric = torch.ones(1, device=device())
             odd = case.log_metric == "max-on-rank-1" and rank == 1
@@ -294,11 +313,16 @@ def run_observed(case: Case, rank: int) -> dict[str, Any]:
     ddp, opt = _build(case, case.ddp_kwargs, [])
     raised = None
     doctor = observe(ddp, optimizer=opt)
+    scaler = make_scaler(case, rank)
     try:
         with doctor:
             for step in range(case.steps):
-                train_step(case, ddp, ddp.module, rank, step)
-                opt.step()
+                train_step(case, ddp, ddp.module, rank, step, scaler)
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
                 opt.zero_grad()
     except DDPFailure as exc:
         raised = exc.code

@@ -62,6 +62,8 @@ class ModelInfo:
     group_ranks: list[int] | None = None
     """The global ranks of the DDP model's process group, in group order, when it is a subgroup (None: the world).
     Analysis works in group ranks; findings are mapped to these at the end."""
+    batchnorm: list[str] = field(default_factory=list)
+    """Names of the model's BatchNorm layers that are not SyncBatchNorm: each rank normalizes over its own batch."""
     flavor: Flavor = field(default_factory=Flavor)
     """The framework versions installed where the model was built (how fixes and snippets are phrased)."""
 
@@ -91,6 +93,7 @@ class ModelInfo:
             "ddp_site": self.ddp_site,
             "framework": self.framework,
             "group_ranks": self.group_ranks,
+            "batchnorm": self.batchnorm,
             "flavor": asdict(self.flavor),
         }
 
@@ -129,8 +132,16 @@ class StepCounters:
     """A running 31-bit digest of those collectives' op, dtype, shape, reduction and group size, in order
     (`collectives.digest`): equal on ranks that issued the same sequence."""
 
+    scaler_scale: int = 0
+    """AMP GradScaler's scale at the step's `scaler.step()`, as float32 bits (`scalerprobe.encode`); 0: none."""
+    batch_size: int = 0
+    """The first dimension of the first input tensor of the step's first training forward (0: none seen)."""
+    batchnorm_training: int = 0
+    """How many of the model's BatchNorm layers (not SyncBatchNorm) were in training mode at that forward."""
+
     FIELDS = ("micro_steps", "ddp_forwards", "bypass_forwards", "reentrant_checkpoints", "synced_backwards",
-              "complete", "optimizer_step", "unpaired_forwards", "collectives", "collective_digest")
+              "complete", "optimizer_step", "unpaired_forwards", "collectives", "collective_digest", "scaler_scale",
+              "batch_size", "batchnorm_training")
 
     def as_list(self) -> list[int]:
         return [getattr(self, f) for f in self.FIELDS]

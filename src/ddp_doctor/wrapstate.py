@@ -13,7 +13,7 @@ from ddp_doctor._compat import ddp_logging_data, ddp_syncs_buffers, parameters_t
 from ddp_doctor.errors import NotDDPModelError, ProcessGroupNotInitializedError
 from ddp_doctor.records import Flavor, ModelInfo
 
-__all__ = ["WRAP_STATE_ATTR", "current_flavor", "ddp_config_of", "model_info", "require_ddp", "require_process_group",
+__all__ = ["WRAP_STATE_ATTR", "current_flavor", "ddp_config_of", "is_local_batchnorm", "model_info", "require_ddp", "require_process_group",
            "user_name"]
 
 _WRAP_HINT = "Wrap it first: DistributedDataParallel(model, device_ids=[local_rank])."
@@ -86,8 +86,14 @@ def model_info(ddp: DistributedDataParallel, named_params: list[tuple[str, torch
         wrap_trainable_count=wrap_count if wrap_count is not None and wrap_count >= 0 else None,
         ddp_site=state.get("site") if state else None,
         framework=state.get("framework", "torch") if state else "torch",
+        batchnorm=[user_name(n) for n, m in module.named_modules() if is_local_batchnorm(m)],
         flavor=current_flavor(),
     )
+
+
+def is_local_batchnorm(module: torch.nn.Module) -> bool:
+    """A BatchNorm layer whose statistics come from this rank's batch alone (not SyncBatchNorm)."""
+    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(module, torch.nn.SyncBatchNorm)
 
 
 def current_flavor() -> Flavor:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_doctor import checkpoints, collectives, dataprobe
+from ddp_doctor import checkpoints, collectives, dataprobe, scalerprobe
 from ddp_doctor._collective import comm_device
 from ddp_doctor._observe.backward import BackwardHooks
 from ddp_doctor._observe.crash import OBSERVE_HINT, CrashLog, explain_failure
@@ -172,7 +172,7 @@ class Doctor:
         warnings.filterwarnings("ignore", message=_COMPILE_HOOK_WARNING, category=UserWarning)
         self._warning_filter = warnings.filters[0]
         self._unlisten = [checkpoints.listen(self._forward.on_checkpoint), dataprobe.listen(self._log.note_loader),
-                          collectives.listen(self._on_collective)]
+                          scalerprobe.listen(self._on_scaler_step), collectives.listen(self._on_collective)]
         self._timeline.attached = True
         return self
 
@@ -200,6 +200,10 @@ class Doctor:
         # collectives belong to the rank, not to one model).
         if self._timeline.attached:
             self._log.note_collective(self._timeline.state, call, user_site())
+
+    def _on_scaler_step(self, scale: float) -> None:
+        if self._timeline.attached:
+            self._timeline.state.counters.scaler_scale = scalerprobe.encode(scale)
 
     def _on_new_step(self) -> None:
         self._backward.hook_new_trainable()

@@ -116,6 +116,9 @@ class ForwardHooks:
         inputs = [t for t in tensors_in((args, kwargs)) if not t.is_complex()]
         if inputs:
             step.input_fp += fingerprints(inputs).nan_to_num(0.0).sum(0)
+        if not step.counters.batch_size:
+            step.counters.batch_size = next((int(t.shape[0]) for t in inputs if t.dim()), 0)
+            step.counters.batchnorm_training = sum(m.training for m in self._t.batchnorm)
 
     def _on_module_forward(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
         if torch.is_grad_enabled():

@@ -52,7 +52,8 @@ def analyze(info: ModelInfo, records: list[RankRecord]) -> Diagnosis:
 
 
 _EXPLAINS_UNSYNCED = {"wrapper-bypass", "unused-parameters", "grad-blocked", "reduction-error", "frozen-after-wrap",
-                      "unfrozen-after-wrap", "rank-dependent-graph", "collective-mismatch", "static-graph-unsafe"}
+                      "unfrozen-after-wrap", "rank-dependent-graph", "collective-mismatch", "static-graph-unsafe",
+                      "grad-scaler-mismatch"}
 
 
 def _consistent_fixes(findings: list) -> None:

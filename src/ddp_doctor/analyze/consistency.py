@@ -4,11 +4,14 @@ records in, findings out."""
 
 from __future__ import annotations
 
+from ddp_doctor.analyze.rules import count
 from ddp_doctor.analyze.view import View
 from ddp_doctor.records import RankRecord
 from ddp_doctor.report.model import Finding
+from ddp_doctor.scalerprobe import decode
 
-__all__ = ["collective_sequence_mismatch", "synced_pass_mismatch", "unpaired_forward_mismatch"]
+__all__ = ["batchnorm_not_synced", "collective_sequence_mismatch", "grad_scaler_mismatch", "synced_pass_mismatch",
+           "unpaired_forward_mismatch"]
 
 
 def _windows(record: RankRecord) -> list[tuple[int, list[int]]]:
@@ -147,3 +150,62 @@ def collective_sequence_mismatch(v: View) -> list[Finding]:
         fix="make every rank of the group call the same collectives, in the same order, with the same dtype, shape "
             "and reduction: compute rank-dependent choices (which metric, which op) from values agreed across ranks "
             "first.")]
+
+
+def grad_scaler_mismatch(v: View) -> list[Finding]:
+    """AMP GradScaler's scale differs across ranks at an optimizer step: the ranks skip different steps (a scaler
+    skips the step whose gradients hold an inf or NaN, then lowers its scale), so the replicas drift apart."""
+    if v.world < 2 or not v.steps:
+        return []
+    scales = [r.counter("scaler_scale")[: v.steps].tolist() for r in v.records]
+    bad = [s for s in range(v.steps) if any(c[s] for c in scales) and len({c[s] for c in scales}) > 1]
+    if not bad:
+        return []
+    first = bad[0]
+    shown = ", ".join(f"rank {r.rank}: {decode(c[first]):g}" if c[first] else f"rank {r.rank}: no scaler.step()"
+                      for r, c in list(zip(v.records, scales))[:8])
+    ref = scales[0][first]
+    odd = [r.rank for r, c in zip(v.records, scales) if c[first] != ref]
+    return [Finding(
+        code="grad-scaler-mismatch", severity="warning",
+        title=f"GradScaler's scale differs across ranks at step {first} ({shown})",
+        detail="With gradients synchronized by DDP, every rank sees the same infs and NaNs, so every rank's scaler "
+               "skips the same steps and keeps the same scale. Here they differ: DDP averages gradients scaled by "
+               "different factors and each rank divides the average by its own scale, so the ranks apply different "
+               "updates (and skip different steps), and the replicas drift apart. Usual causes: a scaler built with "
+               "a rank-dependent "
+               "init_scale, scaler.update() or scaler.step() called on some ranks only, or gradients that DDP did "
+               "not synchronize (see the other findings)."
+               + (f" Also at step(s) {bad[1:]}." if len(bad) > 1 else ""),
+        params=[], ranks=sorted({v.records[0].rank, *odd}), steps=bad,
+        fix="build the GradScaler with the same arguments on every rank and call scaler.scale(loss).backward(), "
+            "scaler.step(optimizer) and scaler.update() on every rank in every step.")]
+
+
+def batchnorm_not_synced(v: View) -> list[Finding]:
+    """BatchNorm layers in training mode under DDP without SyncBatchNorm: each rank normalizes over its own batch.
+    Information, not an error: it matters when the per-rank batch is small."""
+    if v.world < 2 or not v.steps or not v.info.batchnorm:
+        return []
+    training = [r.counter("batchnorm_training")[: v.steps].tolist() for r in v.records]
+    steps = [s for s in range(v.steps) if any(t[s] for t in training)]
+    if not steps:
+        return []
+    sizes = sorted({int(b) for r in v.records for b in r.counter("batch_size")[: v.steps].tolist() if b})
+    per_rank = (f"{sizes[0]} samples per rank" if len(sizes) == 1 else
+                f"{sizes[0]} to {sizes[-1]} samples per rank" if sizes else "an unknown number of samples per rank")
+    names = v.info.batchnorm
+    listed = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return [Finding(
+        code="batchnorm-not-synced", severity="info",
+        title=f"BatchNorm without SyncBatchNorm: {count(len(names), 'layer')} normalizing over each rank's own "
+              f"batch ({per_rank})",
+        detail=f"{listed} trained in training mode without SyncBatchNorm, so each rank computes the batch mean and "
+               f"variance over its own {per_rank} and keeps its own running statistics (DDP then copies rank 0's "
+               "running statistics to the others at each forward when broadcast_buffers=True). That is fine when the "
+               "per-rank batch is large (tens of samples or more per layer input); with a few samples per rank the "
+               "statistics are noisy and training can be worse than on one device with the global batch. "
+               "SyncBatchNorm computes them over the global batch at the cost of one all-reduce per layer per forward.",
+        params=[], ranks=[r.rank for r in v.records], steps=steps,
+        fix="if the per-rank batch is small, convert before wrapping: "
+            "model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model); otherwise nothing to do.")]

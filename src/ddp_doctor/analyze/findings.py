@@ -9,7 +9,9 @@ import torch
 
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.consistency import (
+    batchnorm_not_synced,
     collective_sequence_mismatch,
+    grad_scaler_mismatch,
     synced_pass_mismatch,
     unpaired_forward_mismatch,
 )
@@ -452,5 +454,5 @@ DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (
     unused_parameters, grad_blocked, collective_sequence_mismatch, synced_pass_mismatch, unpaired_forward_mismatch,
     dynamic_graph, rank_dependent_graph, used_outside_forward, reentrant_checkpoint,
     grads_not_synced, replica_divergence, buffer_divergence, identical_inputs, no_trainable, find_unused_unneeded,
-    uneven_inputs, sampler_epoch_not_set,
+    uneven_inputs, sampler_epoch_not_set, grad_scaler_mismatch, batchnorm_not_synced,
 )
