@@ -46,12 +46,13 @@ def main() -> None:
 
     doctor = observe(ddp, optimizer=opt)
     doctor.start()
-    remove = doctor._unlisten.pop()  # the doctor's collectives listener (registered last at start)
-    listening = {"remove": remove}
+    listeners = doctor._listeners
+    listeners._stops.pop()()  # stop the doctor's own collectives listener (registered last); toggled below
+    listening: dict = {"remove": None}
 
     def recording() -> None:
         if listening["remove"] is None:
-            listening["remove"] = collectives.listen(doctor._on_collective)
+            listening["remove"] = collectives.listen(listeners.on_collective)
         step()
 
     def not_recording() -> None:
@@ -65,7 +66,7 @@ def main() -> None:
     times = interleave({"recording": recording, "not recording": not_recording}, args.rounds)
     # The listener's own cost, timed directly on a real call (the interleaved ratio above is at the mercy of
     # the machine's noise at a few milliseconds per step): median of 20 batches of 200 calls.
-    listening["remove"] = listening["remove"] or collectives.listen(doctor._on_collective)
+    listening["remove"] = listening["remove"] or collectives.listen(listeners.on_collective)
     seen: list[collectives.Call] = []
     grab = collectives.listen(seen.append)
     dist.all_reduce(torch.zeros(1))
@@ -74,7 +75,7 @@ def main() -> None:
     for _ in range(20):
         t0 = time.perf_counter()
         for _ in range(200):
-            doctor._on_collective(seen[0])
+            listeners.on_collective(seen[0])
         per_call.append((time.perf_counter() - t0) / 200)
     doctor.stop()
     recorded = doctor.record().counter("collectives").sum().item()

@@ -24,34 +24,29 @@ micro-steps (`timeline.py`).
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_doctor import checkpoints, collectives, dataprobe, scalerprobe
 from ddp_doctor._collective import comm_device
 from ddp_doctor._observe.backward import BackwardHooks
 from ddp_doctor._observe.crash import OBSERVE_HINT, CrashLog, explain_failure
 from ddp_doctor._observe.forward import ForwardHooks
+from ddp_doctor._observe.listeners import Listeners
 from ddp_doctor._observe.steplog import StepLog
 from ddp_doctor._observe.target import Target
 from ddp_doctor._observe.timeline import Timeline
-from ddp_doctor.collectives import Call
 from ddp_doctor.diagnose import diagnose
 from ddp_doctor.errors import DDPFailure, InvalidArgumentError, NoTrainableParametersError
-from ddp_doctor.hookutil import user_site
 from ddp_doctor.records import RankRecord
 from ddp_doctor.report import Report
 from ddp_doctor.wrapstate import model_info, require_ddp, require_process_group
 
 __all__ = ["Doctor", "observe"]
 
-_COMPILE_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 
 def observe(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer | str | None = None, *,
@@ -122,8 +117,7 @@ class Doctor:
                                   on_new_step=self._on_new_step, on_done=self._on_done, on_phase=self._on_phase)
         self._backward = BackwardHooks(t, self._timeline)
         self._forward = ForwardHooks(t, self._timeline, self._log, self._backward.hook_outputs)
-        self._unlisten: list[Callable[[], None]] = []
-        self._warning_filter: tuple[Any, ...] | None = None
+        self._listeners = Listeners(self._timeline, self._log, self._forward)
         self.on_phase: Callable[[Doctor], None] | None = None
         """Called at every phase change (the launcher publishes the rank's position with it)."""
         self.on_steps_done: Callable[[Doctor], None] | None = None
@@ -166,13 +160,7 @@ class Doctor:
             raise InvalidArgumentError("this observe() context was already used; call observe() again.")
         self._forward.attach()
         self._backward.attach()
-        # torch warns at every forward of a DDP around a torch.compile'd module while global module hooks exist.
-        # Ours are read-only observers that ignore the OptimizedModule's extra call (it owns no parameters and
-        # runs inside DDP's forward); the warning would only alarm the user, so it is silenced while observing.
-        warnings.filterwarnings("ignore", message=_COMPILE_HOOK_WARNING, category=UserWarning)
-        self._warning_filter = warnings.filters[0]
-        self._unlisten = [checkpoints.listen(self._forward.on_checkpoint), dataprobe.listen(self._log.note_loader),
-                          scalerprobe.listen(self._on_scaler_step), collectives.listen(self._on_collective)]
+        self._listeners.start()
         self._timeline.attached = True
         return self
 
@@ -186,24 +174,9 @@ class Doctor:
     def _detach(self) -> None:
         self._forward.detach()
         self._backward.detach()
-        for unlisten in self._unlisten:
-            unlisten()
-        self._unlisten.clear()
-        if self._warning_filter is not None and self._warning_filter in warnings.filters:
-            warnings.filters.remove(self._warning_filter)
-            self._warning_filter = None
+        self._listeners.stop()
         self._timeline.attached = False
         self._finished = True
-
-    def _on_collective(self, call: Call) -> None:
-        # Only while steps are observed; the same call on another doctor's model counts there too (a script's
-        # collectives belong to the rank, not to one model).
-        if self._timeline.attached:
-            self._log.note_collective(self._timeline.state, call, user_site())
-
-    def _on_scaler_step(self, scale: float) -> None:
-        if self._timeline.attached:
-            self._timeline.state.counters.scaler_scale = scalerprobe.encode(scale)
 
     def _on_new_step(self) -> None:
         self._backward.hook_new_trainable()

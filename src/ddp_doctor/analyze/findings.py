@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ddp_doctor.analyze import rules
+from ddp_doctor.analyze.agreement import (
+    buffer_divergence,
+    grads_not_synced,
+    identical_inputs,
+    replica_divergence,
+    wrapper_bypass,
+)
+from ddp_doctor.analyze.common import freeze_fix, steps_of, with_flags
 from ddp_doctor.analyze.consistency import (
     batchnorm_not_synced,
     collective_sequence_mismatch,
@@ -20,25 +28,10 @@ from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View
 from ddp_doctor.records import CRASH_KINDS
 from ddp_doctor.report.model import Finding
-from ddp_doctor.report.snippets import flags_fix, freeze_point
+from ddp_doctor.report.snippets import freeze_point
 
 __all__ = ["DETECTORS"]
 
-
-
-def _with(v: View, **flags: bool) -> str:
-    """'build DDP with ...', in the words of the framework that built the model (TrainingArguments, ...)."""
-    return flags_fix(v.info.framework, flags, v.info.flavor)
-
-
-def _freeze_fix(v: View) -> str:
-    return (f"set requires_grad=False on them {freeze_point(v.info.framework)}; if they must train on some steps, "
-            f"{_with(v, static_graph=True)} (same params unused every step) or "
-            f"{_with(v, find_unused_parameters=True)} (the set changes)")
-
-
-def _steps(mask: torch.Tensor) -> list[int]:
-    return mask.nonzero().flatten().tolist()
 
 
 def unused_parameters(v: View) -> list[Finding]:
@@ -61,7 +54,7 @@ def unused_parameters(v: View) -> list[Finding]:
         detail=f"On every rank and every one of the {v.steps} observed steps, these parameters got no gradient and "
                "their modules never ran in a training forward. " + effect,
         params=v.params(never), ranks=list(range(v.world)), steps=list(range(v.steps)),
-        fix=_freeze_fix(v) + ".")]
+        fix=freeze_fix(v) + ".")]
 
 
 def grad_blocked(v: View) -> list[Finding]:
@@ -93,7 +86,7 @@ def dynamic_graph(v: View) -> list[Finding]:
     _, dynamic, _, _ = v.usage()
     if not dynamic.any():
         return []
-    steps = _steps((~v.used[:, :, dynamic]).any(0).any(-1))
+    steps = steps_of((~v.used[:, :, dynamic]).any(0).any(-1))
     if v.static_graph:
         severity = "error"
     elif v.find_unused:
@@ -107,7 +100,7 @@ def dynamic_graph(v: View) -> list[Finding]:
                "on some steps). Only find_unused_parameters=True handles a used-set that changes"
                + (", which is what this run uses." if v.find_unused and not v.static_graph else "."),
         params=v.params(dynamic), ranks=list(range(v.world)), steps=steps,
-        fix=_with(v, find_unused_parameters=True, static_graph=False) + ".")]
+        fix=with_flags(v, find_unused_parameters=True, static_graph=False) + ".")]
 
 
 def rank_dependent_graph(v: View) -> list[Finding]:
@@ -117,7 +110,7 @@ def rank_dependent_graph(v: View) -> list[Finding]:
     if not rank_dep.any():
         return []
     u = v.used[:, :, rank_dep]
-    lacking = _steps((~u).any(1).any(-1))
+    lacking = steps_of((~u).any(1).any(-1))
     return [Finding(
         code="rank-dependent-graph", severity="error" if v.default_flags else "info",
         title=f"{_count(int(rank_dep.sum()), 'parameter')} reach the loss on some ranks but not others",
@@ -125,9 +118,9 @@ def rank_dependent_graph(v: View) -> list[Finding]:
                "default flags the ranks disagree on which buckets are ready, which hangs or crashes. "
                "static_graph=True handles it when each rank's set is the same every step; "
                "find_unused_parameters=True handles it always.",
-        params=v.params(rank_dep), ranks=lacking, steps=_steps((u.any(0) != u.all(0)).any(-1)),
-        fix=f"{_with(v, static_graph=True)} if each rank's used set is stable, else "
-            f"{_with(v, find_unused_parameters=True)}.")]
+        params=v.params(rank_dep), ranks=lacking, steps=steps_of((u.any(0) != u.all(0)).any(-1)),
+        fix=f"{with_flags(v, static_graph=True)} if each rank's used set is stable, else "
+            f"{with_flags(v, find_unused_parameters=True)}.")]
 
 
 def static_graph_unsafe(v: View) -> list[Finding]:
@@ -143,7 +136,7 @@ def static_graph_unsafe(v: View) -> list[Finding]:
                   "changed'." if crashed else "Here they changed, so gradients would be reduced wrongly."),
         params=v.params(dynamic), ranks=[r.rank for r in crashed] or list(range(v.world)),
         steps=sorted({r.crash_step for r in crashed}),
-        fix=_with(v, static_graph=False, find_unused_parameters=True) + ".")]
+        fix=with_flags(v, static_graph=False, find_unused_parameters=True) + ".")]
 
 
 @dataclass
@@ -199,7 +192,7 @@ def used_outside_forward(v: View) -> list[Finding]:
         detail=detail, params=v.params(sorted(outside.params)), ranks=sorted(outside.ranks),
         steps=sorted(outside.steps),
         fix="compute them inside the wrapped module's forward; or, if the used set is stable, "
-            + _with(v, static_graph=True, find_unused_parameters=False) + ".")]
+            + with_flags(v, static_graph=True, find_unused_parameters=False) + ".")]
 
 
 def reentrant_checkpoint(v: View) -> list[Finding]:
@@ -234,7 +227,7 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
                "segment, so its parameters are invisible in the graph of DDP's forward outputs. " + effect,
         params=v.params(sorted(reentrant.params)), ranks=sorted(reentrant.ranks), steps=sorted(reentrant.steps),
         fix="pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it composes with DDP), or "
-            + _with(v, static_graph=True, find_unused_parameters=False) + ".")]
+            + with_flags(v, static_graph=True, find_unused_parameters=False) + ".")]
 
 
 def find_unused_unneeded(v: View) -> list[Finding]:
@@ -253,97 +246,7 @@ def find_unused_unneeded(v: View) -> list[Finding]:
                f"in all {v.steps} observed steps. find_unused_parameters=True makes DDP walk the whole autograd "
                "graph after every forward and delays communication, for nothing.",
         ranks=list(range(v.world)), steps=list(range(v.steps)),
-        fix=_with(v, find_unused_parameters=False) + ".")]
-
-
-def wrapper_bypass(v: View) -> list[Finding]:
-    # A step with DDP's forward as well is not a bypass: DDP then reduces every gradient, including those of
-    # modules called outside its forward (that case is used-outside-forward).
-    hits = [(r.rank, s) for r in v.records
-            for s in _steps((r.counter("bypass_forwards") > 0) & (r.counter("ddp_forwards") == 0))]
-    if not hits:
-        return []
-    sites = sorted({site for r in v.records for site in r.bypass_sites})
-    used_on_hits = torch.zeros(len(v.info.param_names), dtype=torch.bool)
-    for r in v.records:
-        for step in {s for rank, s in hits if rank == r.rank}:
-            used_on_hits |= r.used[step]
-    where = f" Called from {', '.join(sites)}." if sites else ""
-    return [rules.wrapper_bypass(
-        title="the wrapped module is called directly, so DDP never synchronizes it",
-        detail="The module inside DDP ran forward in grad mode without DDP's forward around it (for example "
-               "loss = ddp_model.module(x) or a helper that unwraps the model). DDP's reducer only fires after its "
-               "own forward, so each rank trains its own replica." + where,
-        params=v.params(used_on_hits),
-        ranks=sorted({r for r, _ in hits}), steps=sorted({s for _, s in hits}),
-        fix="call the DDP wrapper (ddp_model(x)); if the loss needs other outputs, return them from forward. "
-            "ddp_doctor.sync_gradients is the fallback when that is impossible.")]
-
-
-def grads_not_synced(v: View) -> list[Finding]:
-    if v.world < 2 or not v.steps:
-        return []
-    trainable_all = v.trainable.all(0)                      # [S, P]
-    same = v.same_across_ranks(v.grad_fp)                   # [S, P]
-    differ = ~same & trainable_all & ~v.ignored
-    if not differ.any():
-        return []
-    params = differ.any(0)
-    steps = _steps(differ.any(1))
-    g = v.grad_fp[:, :, params]
-    ranks = [r for r in range(1, v.world) if not bool(((g[r] == g[0]) | (g[r].isnan() & g[0].isnan())).all())]
-    return [Finding(
-        code="grads-not-synced", severity="error",
-        title=f"gradients of {_count(int(params.sum()), 'parameter')} differ across ranks at the optimizer step",
-        detail="When the optimizer stepped, these gradients were not the same on every rank, so the replicas "
-               f"take different updates. Ranks {[0] + ranks} disagree in steps {steps}.",
-        params=v.params(params), ranks=[0] + ranks, steps=steps,
-        fix="see the findings that explain why (a bypassed wrapper, parameters unused with default flags, "
-            "requires_grad changed after wrap); gradients must be reduced by DDP before optimizer.step().")]
-
-
-def replica_divergence(v: View) -> list[Finding]:
-    if v.world < 2:
-        return []
-    same = v.same_across_ranks(v.weight_fp)                 # [S+1, P]
-    differ = ~same & ~v.ignored
-    if not differ.any():
-        return []
-    params = differ.any(0)
-    at_entry = bool(differ[0].any())
-    after = [s - 1 for s in _steps(differ.any(1)) if s > 0]
-    w = v.weight_fp[:, :, params, 0]
-    gap = float((w - w[:1]).abs().nan_to_num(0).max())
-    ranks = [r for r in range(1, v.world) if not bool(torch.equal(v.weight_fp[r][:, params], v.weight_fp[0][:, params]))]
-    when = "already when observe() started" if at_entry else f"after step {after[0]}"
-    return [rules.replica_divergence(
-        title=f"weights of {_count(int(params.sum()), 'parameter')} differ across ranks",
-        detail=f"The replicas are no longer identical, {when}; the largest difference of a parameter's sum "
-               f"between rank 0 and another rank is {gap:.3g}. Whatever rank 0 saves is not what the other ranks "
-               "trained.",
-        params=v.params(params), ranks=[0] + ranks, steps=after,
-        fix="fix the cause (see grads-not-synced and the findings that explain it); restart from a checkpoint "
-            "saved before the divergence, or re-broadcast rank 0's weights knowingly.")]
-
-
-def buffer_divergence(v: View) -> list[Finding]:
-    if v.world < 2 or not v.steps or not v.info.buffer_names:
-        return []
-    fp = v.buffer_fp
-    seen = ~fp.isnan().all(-1).any(0)                       # [S, B]: every rank recorded it
-    differ = ~v.same_across_ranks(fp) & seen
-    if not differ.any():
-        return []
-    buffers = differ.any(0)
-    broadcast = bool(v.info.ddp_config.get("broadcast_buffers", True))
-    return [rules.buffer_divergence(
-        title=f"{_count(int(buffers.sum()), 'buffer')} differ across ranks during training",
-        detail="Buffers such as BatchNorm running statistics differ between ranks when the forward pass runs"
-               + (" because DDP was built with broadcast_buffers=False" if not broadcast else "")
-               + ". Evaluation then differs by rank, and only rank 0's are saved.",
-        params=v.buffers(buffers), ranks=list(range(v.world)), steps=_steps(differ.any(1)),
-        fix=_with(v, broadcast_buffers=True) + " (the default), or convert BatchNorm with "
-            f"torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) {freeze_point(v.info.framework)}.")]
+        fix=with_flags(v, find_unused_parameters=False) + ".")]
 
 
 def _midway(v: View, change: str) -> str:
@@ -353,7 +256,7 @@ def _midway(v: View, change: str) -> str:
         # rate of 0 keeps the set DDP reduces fixed while the parameters do not move.
         return (f"to {change} mid-training, keep them trainable when DDP is built and hold their learning rate at 0 "
                 "while they should not move, so the set DDP reduces never changes"
-                + (f"; or {_with(v, find_unused_parameters=True)}, which copes with parameters frozen later "
+                + (f"; or {with_flags(v, find_unused_parameters=True)}, which copes with parameters frozen later "
                    "(DDP still all-reduces them)" if change == "freeze" else "") + ".")
     return (f"to {change} mid-training, rebuild DDP (ddp_doctor.refreeze keeps the optimizer state and checks the "
             "replicas first).")
@@ -364,7 +267,7 @@ def frozen_after_wrap(v: View) -> list[Finding]:
     inferred = not v.info.wrap_state_exact and (v.info.wrap_trainable_count or 0) > int(v.tracked.sum())
     if not frozen.any() and not inferred:
         return []
-    steps = _steps((~v.trainable[:, :, frozen]).any(0).any(-1)) if frozen.any() else []
+    steps = steps_of((~v.trainable[:, :, frozen]).any(0).any(-1)) if frozen.any() else []
     note = (f" DDP was built with {v.info.wrap_trainable_count} trainable tensors, but only "
             f"{int(v.tracked.sum())} required grad when observe() started." if inferred else "")
     return [rules.frozen_after_wrap(
@@ -381,28 +284,8 @@ def unfrozen_after_wrap(v: View) -> list[Finding]:
         return []
     return [rules.unfrozen_after_wrap(
         params=v.params(unfrozen), ranks=list(range(v.world)),
-        steps=_steps(v.trainable[:, :, unfrozen].any(0).any(-1)),
+        steps=steps_of(v.trainable[:, :, unfrozen].any(0).any(-1)),
         fix=f"set requires_grad=True {freeze_point(v.info.framework)}; " + _midway(v, "unfreeze"))]
-
-
-def identical_inputs(v: View) -> list[Finding]:
-    if v.world < 2 or not v.steps:
-        return []
-    fp = v.input_fp
-    has_input = (fp != 0).any(-1).all(0)                    # [S]
-    if not has_input.any():
-        return []
-    same = v.same_across_ranks(fp)[has_input]
-    if not bool(same.all()):
-        return []
-    return [Finding(
-        code="identical-inputs-across-ranks", severity="warning",
-        title="every rank got the same batch",
-        detail=f"In all {int(has_input.sum())} observed steps the inputs were identical on all {v.world} ranks, so "
-               "the ranks do the same work and the job trains no faster than one rank.",
-        ranks=list(range(v.world)), steps=_steps(has_input),
-        fix="shard the data: DataLoader(dataset, sampler=DistributedSampler(dataset)), and call "
-            "sampler.set_epoch(epoch) every epoch.")]
 
 
 def no_trainable(v: View) -> list[Finding]:
@@ -415,7 +298,7 @@ def no_trainable(v: View) -> list[Finding]:
         code="no-trainable-parameters", severity="error",
         title="no parameter requires a gradient",
         detail="At some observed step every parameter had requires_grad=False, so the step trains nothing.",
-        ranks=_steps(empty.any(1)), steps=_steps(empty.any(0)),
+        ranks=steps_of(empty.any(1)), steps=steps_of(empty.any(0)),
         fix="set requires_grad=True on the parameters to train, before wrapping the model in DDP.")]
 
 
@@ -435,10 +318,10 @@ def reduction_error(v: View) -> list[Finding]:
     if trained:
         fix = (f"do not freeze them: {', '.join(v.info.param_names[i] for i in trained[:4])}"
                f"{' ...' if len(trained) > 4 else ''} got a gradient on some rank or step, or their module ran. "
-               f"{_with(v, static_graph=True)} if each rank's used set is the same every step, else "
-               f"{_with(v, find_unused_parameters=True)}; see the recommendation")
+               f"{with_flags(v, static_graph=True)} if each rank's used set is the same every step, else "
+               f"{with_flags(v, find_unused_parameters=True)}; see the recommendation")
     else:
-        fix = _freeze_fix(v) + "; see the recommendation for the cheapest flags"
+        fix = freeze_fix(v) + "; see the recommendation for the cheapest flags"
     return [Finding(
         code="reduction-error", severity="error",
         title="DDP failed: 'Expected to have finished reduction in the prior iteration'",

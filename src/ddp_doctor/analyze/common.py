@@ -1,0 +1,27 @@
+"""Phrases and helpers the detectors share: flags and freezing in the framework's own words, step lists."""
+
+from __future__ import annotations
+
+import torch
+
+from ddp_doctor.analyze.view import View
+from ddp_doctor.report.snippets import flags_fix, freeze_point
+
+__all__ = ["freeze_fix", "steps_of", "with_flags"]
+
+
+def with_flags(v: View, **flags: bool) -> str:
+    """'build DDP with ...', in the words of the framework that built the model (TrainingArguments, ...)."""
+    return flags_fix(v.info.framework, flags, v.info.flavor)
+
+
+def freeze_fix(v: View) -> str:
+    """Freeze before wrapping, or the flags that cope with a changing set, in the framework's words."""
+    return (f"set requires_grad=False on them {freeze_point(v.info.framework)}; if they must train on some steps, "
+            f"{with_flags(v, static_graph=True)} (same params unused every step) or "
+            f"{with_flags(v, find_unused_parameters=True)} (the set changes)")
+
+
+def steps_of(mask: torch.Tensor) -> list[int]:
+    """The indices where a 1-d mask is set."""
+    return mask.nonzero().flatten().tolist()
