@@ -149,6 +149,14 @@ class Case:
     scaler: str | None = None
     """AMP's GradScaler around the step: "same" on every rank, or "rank-1-init" (rank 1 builds it with another
     init_scale, so the ranks skip different steps)."""
+    compile: str | None = None
+    """torch.compile (dynamo's "eager" backend: tracing without code generation): "inside" DDP (DDP around the
+    compiled module) or "outside" (the compiled DDP)."""
+    groups: list[list[int]] | None = None
+    """Data-parallel groups over which DDP is built (DDP(process_group=...)), as in hybrid-parallel jobs; each group
+    gets its own weights. None: the world."""
+    loss_by_group: list[LossFn] | None = None
+    """The loss of each group, when the groups train differently."""
     evaluate: str | None = None
     """Rank 0 evaluates before step 1: "grad" through the DDP wrapper with autograd on, "no_grad" the right way
     (under torch.no_grad() through ddp.module)."""
@@ -251,26 +259,60 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case(name="logging-all-reduce", log_metric="sum", codes=set()),
     Case(name="logging-all-reduce-other-op-on-rank-1", log_metric="max-on-rank-1", codes={"collective-mismatch"},
          fixed={"log_metric": "sum"}),
+    # torch.compile on either side of DDP: names without the `_orig_mod.` prefix, the recommendation applied to the
+    # compiled model.
+    Case(name="compiled-inside-ddp-unused-head", compile="inside", loss=loss_plain, ddp_kwargs={"static_graph": True},
+         codes={"unused-parameters"}, params={"unused-parameters": HEAD_B}),
+    Case(name="compiled-ddp-unused-head", compile="outside", loss=loss_plain, ddp_kwargs={"static_graph": True},
+         codes={"unused-parameters"}, params={"unused-parameters": HEAD_B}),
     Case(name="batchnorm-no-broadcast", net_kwargs={"batchnorm": True}, ddp_kwargs={"broadcast_buffers": False},
          codes={"buffer-divergence", "batchnorm-not-synced"}, params={"buffer-divergence": {"norm.running_mean", "norm.running_var"}}),
 ]}
 
 
-def _build(case: Case, ddp_kwargs: dict[str, Any], freeze_names: list[str]) -> tuple[DDP, torch.optim.Optimizer]:
-    torch.manual_seed(0)
+def group_index(case: Case, rank: int) -> int:
+    """The data-parallel group `rank` belongs to (0 without groups)."""
+    return next((i for i, g in enumerate(case.groups or []) if rank in g), 0)
+
+
+def _group(case: Case, rank: int) -> Any:
+    """This rank's process group (every rank creates every group, in the same order, as new_group requires)."""
+    if case.groups is None:
+        return None
+    made = [dist.new_group(g) for g in case.groups]
+    return made[group_index(case, rank)]
+
+
+def _build(case: Case, ddp_kwargs: dict[str, Any], freeze_names: list[str]) -> tuple[Any, torch.optim.Optimizer]:
+    """The model the loop calls (the DDP, or the compiled DDP) and its optimizer."""
+    rank = dist.get_rank()
+    group = _group(case, rank)
+    torch.manual_seed(100 * group_index(case, rank))  # each data-parallel group has its own weights
     net = Net(**case.net_kwargs).to(device())
     if case.before_wrap is not None:
         case.before_wrap(net)
     for n in freeze_names:
         net.get_parameter(n).requires_grad_(False)
-    ddp = DDP(net, device_ids=[device()] if device().type == "cuda" else None, **ddp_kwargs)
+    wrapped = torch.compile(net, backend="eager") if case.compile == "inside" else net
+    ddp = DDP(wrapped, device_ids=[device()] if device().type == "cuda" else None, process_group=group,
+              **ddp_kwargs)
     if case.after_wrap is not None:
         case.after_wrap(net)
-    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
+    model = torch.compile(ddp, backend="eager") if case.compile == "outside" else ddp
+    return model, torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+
+def the_ddp(model: Any) -> DDP:
+    """The DDP inside what the loop calls (a compiled DDP keeps it as `_orig_mod`)."""
+    return model if isinstance(model, DDP) else model._orig_mod
 
 
 def _micro_batches(case: Case, rank: int, step: int) -> list[Any]:
     return [batch(rank, step, m, same=case.same_batch) for m in range(case.micro_steps)]
+
+
+def _loss_of(case: Case, rank: int) -> LossFn:
+    return case.loss_by_group[group_index(case, rank)] if case.loss_by_group else case.loss
 
 
 def make_scaler(case: Case, rank: int) -> Any:
@@ -295,7 +337,7 @@ def train_step(case: Case, model: Any, inner: nn.Module, rank: int, step: int, s
             model.require_backward_grad_sync = last  # nanoGPT's idiom
         context = model.no_sync() if case.accumulate == "no_sync" and not last else nullcontext()
         with context:
-            loss = case.loss(model, inner, data, step, rank) / case.micro_steps
+            loss = _loss_of(case, rank)(model, inner, data, step, rank) / case.micro_steps
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if case.log_metric is not None and last:
             metric = torch.ones(1, device=device())
@@ -312,7 +354,7 @@ def run_observed(case: Case, rank: int) -> dict[str, Any]:
     """The user's loop under observe(); returns the report as a dict plus what was raised."""
     ddp, opt = _build(case, case.ddp_kwargs, [])
     raised = None
-    doctor = observe(ddp, optimizer=opt)
+    doctor = observe(the_ddp(ddp), optimizer=opt)
     scaler = make_scaler(case, rank)
     try:
         with doctor:
@@ -340,22 +382,25 @@ def run_applied(case: Case, rank: int, rec: dict[str, Any]) -> dict[str, Any]:
     kwargs = {k: v for k, v in fixed.ddp_kwargs.items() if k == "broadcast_buffers"}
     kwargs.update(find_unused_parameters=rec["find_unused_parameters"], static_graph=rec["static_graph"],
                   gradient_as_bucket_view=rec["gradient_as_bucket_view"])
-    ddp, opt = _build(fixed, kwargs, rec["freeze_before_wrap"])
+    model, opt = _build(fixed, kwargs, rec["freeze_before_wrap"])
+    ddp = the_ddp(model)
+    group = ddp.process_group
     trained = [p for p in ddp.module.parameters() if p.requires_grad]
     worst, unequal = 0.0, 0
     for step in range(case.steps):
-        reference = copy.deepcopy(ddp.module)
+        inner = getattr(ddp.module, "_orig_mod", ddp.module)   # the reference is the plain module
+        reference = copy.deepcopy(inner)
         ref_params = [p for p in reference.parameters() if p.requires_grad]
         _reference_accumulate(fixed, reference, rank, step)
         # The harness's own collectives go through the CPU-capable path on any backend: all_reduce on the rank's
-        # device, all_gather of the result back on the CPU for the comparison.
+        # device, all_gather of the result back on the CPU for the comparison. Within the DDP's own group.
         expected = _flat_grads(ref_params)
-        dist.all_reduce(expected)
-        expected = expected.cpu() / dist.get_world_size()
-        train_step(fixed, ddp, ddp.module, rank, step)
+        dist.all_reduce(expected, group=group)
+        expected = expected.cpu() / dist.get_world_size(group)
+        train_step(fixed, model, ddp.module, rank, step)
         got = _flat_grads(trained)
-        everyone = [torch.empty_like(got) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, got)
+        everyone = [torch.empty_like(got) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, got, group=group)
         everyone, got = [e.cpu() for e in everyone], got.cpu()
         unequal += sum(not torch.equal(everyone[0], g) for g in everyone)
         worst = max(worst, float((got - expected).abs().max()))
@@ -366,12 +411,49 @@ def run_applied(case: Case, rank: int, rec: dict[str, Any]) -> dict[str, Any]:
 
 def _reference_accumulate(case: Case, module: nn.Module, rank: int, step: int) -> None:
     for data in _micro_batches(case, rank, step):
-        (case.loss(module, module, data, step, rank) / case.micro_steps).backward()
+        (_loss_of(case, rank)(module, module, data, step, rank) / case.micro_steps).backward()
+
+
+GROUPS = [[0, 1], [2, 3]]
+GROUP_CASES: dict[str, tuple[Case, list[set[str]]]] = {c.name: (c, codes) for c, codes in [
+    # Two data-parallel groups of a 4-rank hybrid job, same architecture, different weights; group [2, 3] never
+    # uses head_b. Each DDP is compared within its own group: no cross-group divergence, the head named for its
+    # group only, with global ranks.
+    (Case(name="subgroups-unused-head-in-one", groups=GROUPS, loss_by_group=[loss_both, loss_plain],
+          ddp_kwargs={"find_unused_parameters": True}, codes=set()), [{"find-unused-unneeded"}, {"unused-parameters"}]),
+    (Case(name="subgroups-all-used", groups=GROUPS, codes=set()), [set(), set()]),
+]}
+"""4-rank cases over two data-parallel groups, with each group's expected codes."""
 
 
 def run_case(rank: int, world: int, name: str) -> dict[str, Any]:
     """Rank function for the harness: observed run, then the applied recommendation."""
-    case = CASES[name]
+    case = CASES[name] if name in CASES else GROUP_CASES[name][0]
     out = run_observed(case, rank)
     out["applied"] = run_applied(case, rank, out["report"]["recommendation"])
     return out
+
+
+def run_unwrapped(rank: int, world: int, sync: str | None) -> dict[str, Any]:
+    """A model trained on every rank with no DDP around it (the watch `ddp-doctor check` uses when a script builds
+    no DDP), with no sync or a correct manual one; then the fix (DDP) applied with the reference check."""
+    import ddp_doctor
+    from ddp_doctor.launch.unwrapped import PlainOptimizerWatch
+
+    torch.manual_seed(0)
+    net = Net().to(device())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    watch = PlainOptimizerWatch()
+    handle = opt.register_step_post_hook(lambda o, _args, _kwargs: watch.on_step(o))
+    for step in range(4):
+        loss_both(net, net, batch(rank, step), step, rank).backward()
+        if sync == "sync_gradients":
+            ddp_doctor.sync_gradients(net)
+        opt.step()
+        opt.zero_grad()
+    handle.remove()
+    report = watch.report()
+    fix = {"find_unused_parameters": False, "static_graph": False, "gradient_as_bucket_view": False,
+           "freeze_before_wrap": []}
+    return {"report": report.to_dict(), "text": str(report), "applied": run_applied(Case(name="wrapped", codes=set()),
+                                                                                 rank, fix)}
