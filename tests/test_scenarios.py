@@ -106,7 +106,7 @@ def test_reference_check_catches_unsynced_grads(tmp_path) -> None:
 def test_scenario_over_subgroups(name: str, tmp_path) -> None:
     """DDP over two data-parallel groups of 4 ranks: each group's report is its own (same on its ranks, global rank
     numbers, the group's ranks listed), and its recommendation applied keeps grads equal within the group."""
-    case, expected = GROUP_CASES[name]
+    _, expected = GROUP_CASES[name]
     ranks = run_ranks(run_case, tmp_path, args=(name,), world_size=4, timeout=150)
     for g, members in enumerate(GROUPS):
         reports = [ranks[r]["report"] for r in members]
