@@ -457,3 +457,29 @@ def run_unwrapped(rank: int, world: int, sync: str | None) -> dict[str, Any]:
            "freeze_before_wrap": []}
     return {"report": report.to_dict(), "text": str(report), "applied": run_applied(Case(name="wrapped", codes=set()),
                                                                                  rank, fix)}
+
+
+def run_two_models(rank: int, world: int) -> dict[str, Any]:
+    """A GAN-shaped loop: a critic whose head_b never reaches the loss (default flags: DDP fails at step 1) and a
+    generator that is fine, each with its own optimizer and its own observe(). Each report must be about its own
+    model only."""
+    torch.manual_seed(0)
+    gen, critic = DDP(Net()), DDP(Net())
+    g_opt, c_opt = torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(critic.parameters(), lr=0.1)
+    watch_g, watch_c = observe(gen, optimizer=g_opt), observe(critic, optimizer=c_opt)
+    raised = None
+    try:
+        with watch_g, watch_c:
+            for step in range(3):
+                x, y = batch(rank, step)
+                F.mse_loss(critic(x), y).backward()            # the critic's head_b never runs
+                c_opt.step()
+                c_opt.zero_grad()
+                F.mse_loss(gen(x, use_b=True), y).backward()
+                g_opt.step()
+                g_opt.zero_grad()
+    except DDPFailure as exc:
+        raised = exc.code
+    gen_report, critic_report = watch_g.report(timeout=20), watch_c.report(timeout=20)
+    return {"raised": raised, "generator": gen_report.to_dict(), "critic": critic_report.to_dict(),
+            "text": str(critic_report)}

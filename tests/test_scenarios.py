@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist import run_ranks
-from scenarios import CASES, GROUP_CASES, GROUPS, Case, run_applied, run_case, run_unwrapped
+from scenarios import CASES, GROUP_CASES, GROUPS, Case, run_applied, run_case, run_two_models, run_unwrapped
 
 from ddp_doctor import CODES
 
@@ -138,3 +138,15 @@ def test_scenario_model_not_wrapped(sync: str | None, severity: str, tmp_path) -
                      "head_b.weight", "head_b.bias"}, names
     for r in ranks:
         assert r["applied"]["unequal_across_ranks"] == 0 and r["applied"]["max_abs_err"] < 1e-5, r["applied"]
+
+
+def test_scenario_two_models_each_report_is_its_own(tmp_path) -> None:
+    """Several DDP models (a GAN): the critic's reduction error belongs to the critic; the generator's report, whose
+    loop the same error ended, has no finding about it."""
+    for r in run_ranks(run_two_models, tmp_path, timeout=90):
+        assert r["raised"] == "reduction-error"
+        critic = {f["code"]: {p["name"] for p in f["params"]} for f in r["critic"]["findings"]}
+        assert set(critic) == {"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"}, r["text"]
+        assert critic["reduction-error"] == critic["unused-parameters"] == {"head_b.weight", "head_b.bias"}
+        assert r["generator"]["findings"] == [], r["generator"]["findings"]
+        assert r["generator"]["crashes"][0]["kind"] == "other"   # what ended its loop, not its own failure

@@ -207,7 +207,8 @@ class Doctor:
     def record_crash(self, exc: BaseException) -> None:
         """Record that the observed loop died with `exc` (the launcher calls this for crashes outside the context)."""
         tl = self._timeline
-        if self._crash.note(exc, step=self._log.steps, in_window=tl.attached) and tl.state.active and tl.attached:
+        if (self._crash.note(exc, step=self._log.steps, in_window=tl.attached, ddp=self.ddp)
+                and tl.state.active and tl.attached):
             tl.close(complete=False)
 
     def explain(self, exc: BaseException, *, hint: str = OBSERVE_HINT) -> DDPFailure | None:

@@ -39,6 +39,7 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
 from ddp_doctor import _log, collectives, dataprobe
 from ddp_doctor._observe import Doctor
+from ddp_doctor._observe.crash import raising_ddp
 from ddp_doctor.collectives import Call
 from ddp_doctor.errors import DoctorError
 from ddp_doctor.gather import arrive
@@ -109,17 +110,6 @@ def _user_frame(frames: list[traceback.FrameSummary], *, code: bool = True) -> s
 
 def _is_world(group: dist.ProcessGroup | None) -> bool:
     return group is None or group is dist.group.WORLD or dist.get_world_size(group) == dist.get_world_size()
-
-
-def _raising_ddp(exc: BaseException) -> DistributedDataParallel | None:
-    """The innermost DDP instance whose method is on the traceback of `exc` (None when none is)."""
-    found, tb = None, exc.__traceback__
-    while tb is not None:
-        candidate = tb.tb_frame.f_locals.get("self")
-        if isinstance(candidate, DistributedDataParallel):
-            found = candidate
-        tb = tb.tb_next
-    return found
 
 
 def _user_site_of(frame: Any, limit: int = 40) -> str | None:
@@ -351,7 +341,7 @@ class Session:
         step = -1
         # DDP's own errors are raised inside the forward of the model that failed: only that model's doctor
         # records the crash (a GAN's critic failing says nothing about its generator).
-        raising = _raising_ddp(exc)
+        raising = raising_ddp(exc)
         for doctor in self.doctors:
             if raising is not None and doctor.ddp is not raising:
                 continue
