@@ -159,7 +159,9 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
             findings.append(Finding(
                 code=crash.explained["code"], severity="error",
                 title=f"rank {rank}: DDP failed at step {step}", detail=crash.explained["message"],
-                params=[ParamRef(n, 0) for n in crash.explained.get("params", [])], ranks=[rank], steps=[step],
+                params=[ParamRef(n, k) for n, k in zip(crash.explained.get("params", []),
+                                                       crash.explained.get("numels") or [0] * 10**4)],
+                ranks=[rank], steps=[step],
                 fix="fix the cause named above, then run the check again for the full diagnosis (the ranks could "
                     "not exchange their records, so the other checks did not run)."))
             continue

@@ -348,7 +348,9 @@ class Session:
             failure = doctor.explain(exc, hint="")
             step = max(step, doctor.record().crash_step)
             if failure is not None and explained is None:
-                explained = {"code": failure.code, "params": failure.params, "message": str(failure)}
+                numel = dict(zip(doctor.info.param_names, doctor.info.numels))
+                explained = {"code": failure.code, "params": failure.params, "message": str(failure),
+                             "numels": [numel.get(n, 0) for n in failure.params]}
         message = str(exc)
         crash = {"type": type(exc).__name__, "message": message[:4000], "traceback": "".join(tb)[-20000:],
                  "site": _user_frame(frames), "step": step, "explained": explained,
