@@ -115,3 +115,10 @@ def test_a_rank_0_evaluation_through_ddp_in_grad_mode_is_named_and_the_right_way
     assert mismatch["severity"] == "warning" and "no buffers" in mismatch["detail"], mismatch  # it survived: says why
     right = check(["--nproc-per-node", "2", str(SCRIPTS / "eval_rank0.py")], tmp_path / "no_grad")
     assert right.rc == 0 and right.codes == set(), right.output
+
+
+def test_an_internal_error_of_the_doctor_is_exit_2_never_a_clean_report(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "internal_error.py")], tmp_path)
+    assert run.rc == 2, run.output
+    assert "internal error: AttributeError: simulated bug inside ddp-doctor" in run.output, run.output
+    assert "No problems found" not in run.output and run.report is None, run.output

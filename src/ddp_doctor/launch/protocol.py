@@ -35,6 +35,8 @@ class Outcome(str, Enum):
     """The script returned or called `sys.exit` (any status) before the exchange."""
     NO_EXCHANGE = "no-exchange"
     """The rank tried to exchange records and the others did not come."""
+    INTERNAL_ERROR = "internal-error"
+    """ddp-doctor itself failed on the rank (a bug in the tool, not in the script)."""
 
 
 @dataclass(kw_only=True)

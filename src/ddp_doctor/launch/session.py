@@ -386,6 +386,11 @@ class Session:
             self._end({"outcome": "no-exchange", "error": str(exc), "ddp_models": len(self.doctors)})
             self._exit(1 if exit_code is None else exit_code)
             return
+        except Exception as exc:  # noqa: BLE001  (a bug of ours must never read as a clean report)
+            self._end({"outcome": "internal-error", "error": f"{type(exc).__name__}: {exc}",
+                       "traceback": traceback.format_exc()[-20000:], "ddp_models": len(self.doctors)})
+            self._exit(1)
+            return
         # A model over the whole world is written by each node's local rank 0; a model over a subgroup (a
         # data-parallel group of a hybrid job) by the group's first rank, into its own file.
         world = [(m, r) for d, m, r in zip(self.doctors, self.models, reports) if _is_world(d.ddp.process_group)]
