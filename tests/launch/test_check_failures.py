@@ -21,7 +21,10 @@ def test_crash_on_rank_1_names_the_rank_step_and_error(tmp_path: Path) -> None:
     assert finding["ranks"] == [1] and finding["steps"] == [3], finding
     assert "ValueError: corrupt sample 1234 in shard 1" in finding["title"]
     assert "crash_rank1.py:10" in finding["detail"]
-    assert "rank 0 lost its peer at step 3" in finding["detail"], finding["detail"]
+    # Where rank 0 was: it either noticed the lost peer first or was stopped while still waiting in DDP's
+    # all-reduce (which comes first depends on the machine's load); both name its step.
+    assert ("rank 0 lost its peer at step 3" in finding["detail"]
+            or "rank 0 was at step 3, backward" in finding["detail"]), finding["detail"]
     assert "corrupt sample 1234" in run.output          # the traceback reaches the user
 
 
