@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,10 @@ from ddp_doctor.launch.beacon import Beacon, read_beacon
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
 from ddp_doctor.observe import Doctor
-from ddp_doctor.wrapstate import WRAP_STATE_ATTR, user_name
+from ddp_doctor.wrapstate import WRAP_STATE_ATTR, freeze_named
+
+if TYPE_CHECKING:
+    from ddp_doctor.bench.inrank import InRankBench
 
 __all__ = ["FRAMEWORKS", "Session", "framework_of_stack", "write_json"]
 
@@ -148,30 +151,42 @@ class Session:
         self.doctors: list[Doctor] = []
         self.models: list[dict[str, Any]] = []
         self._finishing = False
-        self._stamps: list[float] = []
         self._ended = threading.Event()
-        self._original_init = DistributedDataParallel.__init__
+        self.original_init = DistributedDataParallel.__init__
+        """DDP's own constructor (`bench` rebuilds the script's DDP with it, unobserved)."""
         self._original_destroy = dist.destroy_process_group
-        self._signature = inspect.signature(self._original_init)
+        self._signature = inspect.signature(self.original_init)
         self._in_collective = False
         self._collectives = 0
         self.beacon = Beacon(self.outdir / f"rank{self.rank}.beacon")
         self.plain = PlainOptimizerWatch()
+        self.bench: InRankBench | None = None
+        """`ddp-doctor bench`'s driver, which takes over after the observed steps (None under `check`)."""
 
     # ---------------------------------------------------------------------------------------------- set-up
 
     def install(self) -> None:
         """Wrap DDP's constructor and `destroy_process_group`, and start the watchdog. Call before user code."""
         session = self
-        original_init = self._original_init
+        original_init = self.original_init
+        if self.config.timed_steps:
+            from ddp_doctor.bench.inrank import InRankBench
+            from ddp_doctor.bench.plan import BenchPlan
+
+            plan = (BenchPlan.from_dict(self.config.bench) if self.config.bench else
+                    BenchPlan(steps=self.config.timed_steps, rounds=1, share=False))
+            self.bench = InRankBench(self, plan)
 
         @functools.wraps(original_init)
         def __init__(ddp: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
             bound = session._signature.bind(ddp, *args, **kwargs)
             module = bound.arguments["module"]
+            own = [p.requires_grad for _, p in module.named_parameters()]
             session._before_wrap(module, bound.arguments)
             trainable = [p.requires_grad for _, p in module.named_parameters()]
             original_init(*bound.args, **bound.kwargs)
+            if session.bench is not None and not session._finishing:
+                session.bench.wrapped(ddp, own)
             session._after_wrap(ddp, trainable)
 
         original_destroy = self._original_destroy
@@ -210,17 +225,7 @@ class Session:
             return
         for key, value in self.config.ddp_kwargs.items():
             arguments[key] = value
-        if self.config.freeze_before_wrap:
-            # The report's names drop torch.compile's `_orig_mod.` prefix; accept both spellings.
-            named = dict(module.named_parameters())
-            named.update({user_name(n): p for n, p in list(named.items())})
-            missing = [n for n in self.config.freeze_before_wrap if n not in named]
-            if missing:
-                raise DoctorError(
-                    f"--ddp-kwargs freeze_before_wrap names parameters this model does not have: {missing}. "
-                    f"Its parameters are: {list(named)[:20]}{' ...' if len(named) > 20 else ''}")
-            for name in self.config.freeze_before_wrap:
-                named[name].requires_grad_(False)
+        freeze_named(module, self.config.freeze_before_wrap)
 
     def _after_wrap(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
         if self._finishing or any(d._ddp is ddp for d in self.doctors):
@@ -232,13 +237,13 @@ class Session:
         try:
             doctor = Doctor(ddp, optimizer="auto", steps=self.config.steps)
             doctor.on_steps_done = self._on_doctor_done
-            doctor.on_phase = self._on_phase
+            doctor.on_phase = self.on_phase
             doctor.start()
         except Exception as exc:  # noqa: BLE001  (a doctor bug must not take the user's training down)
             logger.warning("ddp-doctor cannot observe the DDP model built at %s: %s", site, exc)
             return
         self.doctors.append(doctor)
-        self._on_phase(doctor)
+        self.on_phase(doctor)
         self.models.append({"site": site, "framework": framework, "module": type(ddp.module).__qualname__,
                             "ddp_config": doctor.info.ddp_config, "torch_version": torch.__version__,
                             "backend": str(dist.get_backend())})
@@ -258,7 +263,7 @@ class Session:
         """Compare the unwrapped optimizer's parameters across ranks, write the report (local rank 0), exit."""
         self._finishing = True
         try:
-            arrive("ddp_doctor/unwrapped", timeout=min(self.config.crash_wait_s, self._remaining()))
+            arrive("ddp_doctor/unwrapped", timeout=min(self.config.crash_wait_s, self.remaining()))
             report = self.plain.report()
         except DoctorError as exc:
             logger.warning("ddp-doctor: rank %d could not compare the unwrapped model: %s", self.rank, exc)
@@ -271,11 +276,12 @@ class Session:
         if self.local_rank == 0:
             write_json(self.outdir / "report.json", {"reason": reason, "models": [model]})
         self._end({"outcome": "reported", "reason": reason, "ddp_models": 0})
-        self._leave()
+        self.leave()
 
     # ------------------------------------------------------------------------------------------- position
 
-    def _on_phase(self, doctor: Doctor) -> None:
+    def on_phase(self, doctor: Doctor) -> None:
+        """Publish the rank's position (step, phase, the user's line) in its beacon."""
         model = next((i for i, d in enumerate(self.doctors) if d is doctor), len(self.doctors))
         self.beacon.update(step=doctor.steps_observed, phase=doctor.phase, model=model,
                            site=_user_site_of(sys._getframe(1)))
@@ -345,9 +351,9 @@ class Session:
         they are still training: the rank leaves with its own status, and the supervisor reports `rank-exited`.
         """
         code = 0 if exc is None or exc.code is None else exc.code if isinstance(exc.code, int) else 1
-        if self._stamps:
-            self._write_timing()      # the script ended before all timed steps
-            self._leave()
+        if self.bench is not None and self.bench.took_over:
+            self.bench.on_script_end()      # the script's loop ended before the bench's blocks did
+            self.leave()
         if exc is None:
             site = "the end of the script"
         else:
@@ -358,7 +364,7 @@ class Session:
         self._end({"outcome": "exited", "status": code, "site": site, "step": step, "phase": self._progress()["phase"],
                    "ddp_models": len(self.doctors)})
         if self.doctors and not self._finishing and not self._peers_train_on(step):
-            wait = max(0.5, min(self.config.crash_wait_s, self._remaining()))
+            wait = max(0.5, min(self.config.crash_wait_s, self.remaining()))
             self.finish("the script ended" if exc is None else f"rank {self.rank} exited with status {code}",
                         timeout=wait, exit_code=code)
         self._exit(code)
@@ -412,7 +418,7 @@ class Session:
             sys.stderr.write(f"[ddp-doctor] rank {self.rank} crashed:\n{''.join(tb)}")
             sys.stderr.flush()
         if self.doctors and not crash["peer_lost"]:
-            wait = max(0.5, min(self.config.crash_wait_s, self._remaining()))
+            wait = max(0.5, min(self.config.crash_wait_s, self.remaining()))
             self.finish(f"rank {self.rank} crashed", timeout=wait, exit_code=1)
         self._exit(1)
 
@@ -426,7 +432,7 @@ class Session:
         self._finishing = True
         for doctor in self.doctors:
             doctor.stop()
-        timeout = self._remaining() if timeout is None else timeout
+        timeout = self.remaining() if timeout is None else timeout
         try:
             reports = [doctor.report(timeout=timeout) for doctor in self.doctors]
         except DoctorError as exc:
@@ -446,40 +452,19 @@ class Session:
             write_json(self.outdir / f"report.rank{self.rank}.json",
                        {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in mine]})
         self._end({"outcome": "reported", "reason": reason, "ddp_models": len(self.doctors)})
-        if self.config.timed_steps and not exit_code and reason == self._steps_reason:
-            self._start_timing()
+        if self.bench is not None and not exit_code and reason == self._steps_reason:
+            self.bench.take_over(self.doctors, reports[0])
             return
-        self._leave()
+        self.leave()
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
+        """Wait (briefly) for every rank to get here, then exit with status 0."""
         try:
             # Nobody leaves while a peer may still be reading from its sockets.
-            arrive("ddp_doctor/exit", timeout=min(10.0, max(0.5, self._remaining())))
+            arrive("ddp_doctor/exit", timeout=min(10.0, max(0.5, self.remaining())))
         except DoctorError:
             pass
         self._exit(0)
-
-    # ------------------------------------------------------------------------------------------- timing
-
-    def _start_timing(self) -> None:
-        """Let the script run `timed_steps` more optimizer steps, unobserved, and record when each one ends."""
-        self._stamps = [time.perf_counter()]
-        optimizer = next((d._optimizer for d in self.doctors if d._optimizer is not None), None)
-
-        def on_step(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-            if optimizer is not None and opt is not optimizer:
-                return
-            self._stamps.append(time.perf_counter())
-            if len(self._stamps) > self.config.timed_steps:
-                self._write_timing()
-                self._leave()
-
-        self._timing_hook = register_optimizer_step_post_hook(on_step)
-
-    def _write_timing(self) -> None:
-        if self.local_rank == 0:
-            steps = [b - a for a, b in zip(self._stamps, self._stamps[1:])]
-            write_json(self.outdir / "timing.json", {"rank": self.rank, "step_s": steps})
 
     def _end(self, state: dict[str, Any], *, overwrite: bool = False) -> None:
         path = self.outdir / f"rank{self.rank}.json"
@@ -496,7 +481,13 @@ class Session:
         # half-trained checkpoint) must not run in a diagnostic run.
         os._exit(code)
 
-    def _remaining(self) -> float:
+    @property
+    def deadline(self) -> float:
+        """Wall-clock time by which every rank must have ended (0: none)."""
+        return self.config.deadline
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline, less a margin to write the results (at least 1)."""
         return max(1.0, self.config.deadline - time.time() - 2.0) if self.config.deadline else 300.0
 
     # ---------------------------------------------------------------------------------------------- watchdog
