@@ -231,14 +231,17 @@ class _Runner:
         if self.why_not_shared:
             return f"the candidates cannot share a launch: {self.why_not_shared}"
         if log is None or not log.blocks:
-            return (f"launch {launch.index} ended in its first block ({launch.ended}); a crashed or finished "
-                    "process cannot go on, so the rest start again")
+            what = "the check" if launch.index == 1 else "its first block"
+            return (f"{what} ended launch {launch.index} ({launch.ended}); a crashed or finished process cannot "
+                    "go on, so the candidates start a new one")
         if result.late_crash:
             return (f"a candidate crashed in launch {launch.index}, which ends that launch; a crashed process "
                     "cannot go on")
         if result.timed_out:
             return f"launch {launch.index} reached --timeout ({self.timeout:g} s)"
-        return f"launch {launch.index}: {log.ended or 'ended early'}"
+        if log.ended.startswith("the script's loop ended"):
+            return f"{log.ended} in launch {launch.index}, before the remaining blocks"
+        return f"launch {launch.index} ended: {log.ended or 'early'}"
 
 
 def _decide(cands: list[Candidate]) -> Verdict | None:
