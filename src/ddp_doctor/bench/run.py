@@ -75,6 +75,8 @@ class _Runner:
         self.budget_deadline: float | None = None
         self.why_not_shared = ""
         self.baseline: Report | None = None
+        self.crashed = ""
+        """The candidate whose block was running when its launch crashed."""
 
     # ------------------------------------------------------------------------------------------------ flow
 
@@ -182,6 +184,7 @@ class _Runner:
         elif block.status == "incorrect":
             cand.correct, cand.reason = False, block.reason
         elif result.late_crash or (result.error and not result.timed_out):
+            self.crashed = block.name
             cand.correct = False
             cand.reason = f"crashed during its block: {result.late_crash or result.error}"[:500]
         elif result.timed_out and first_in_launch:
@@ -235,8 +238,8 @@ class _Runner:
             return (f"{what} ended launch {launch.index} ({launch.ended}); a crashed or finished process cannot "
                     "go on, so the candidates start a new one")
         if result.late_crash:
-            return (f"a candidate crashed in launch {launch.index}, which ends that launch; a crashed process "
-                    "cannot go on")
+            return (f"{self.crashed or 'a candidate'} crashed in launch {launch.index}, which ends that launch; a "
+                    "crashed process cannot go on")
         if result.timed_out:
             return f"launch {launch.index} reached --timeout ({self.timeout:g} s)"
         if log.ended.startswith("the script's loop ended"):

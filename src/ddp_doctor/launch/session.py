@@ -16,6 +16,10 @@ others to join a collective:
 - `rank{R}.fault`: Python's faulthandler dump when the rank dies of SIGSEGV, SIGABRT, SIGBUS, SIGFPE or SIGILL.
 - `rank{R}.json`: how this rank ended (a crash with its traceback and explanation, an exit, or the end of the script).
 - `report.json`: the reports, when the ranks managed to exchange records.
+
+Under `ddp-doctor bench` the rank does not exit after the report: `bench.inrank` takes over and runs the
+candidates' blocks in the same processes (see there). `collectives.py` records the script's collectives in the
+beacon; `frames.py` tells the user's frames from torch's and the frameworks'.
 """
 
 from __future__ import annotations
@@ -40,9 +44,10 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 from ddp_doctor import _log, dataprobe
 from ddp_doctor.errors import DoctorError
 from ddp_doctor.gather import arrive
-from ddp_doctor.hookutil import format_site
 from ddp_doctor.launch.beacon import Beacon, read_beacon
+from ddp_doctor.launch.collectives import CollectiveRecorder
 from ddp_doctor.launch.config import RankConfig
+from ddp_doctor.launch.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site_of
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
 from ddp_doctor.observe import Doctor
 from ddp_doctor.wrapstate import WRAP_STATE_ATTR, freeze_named
@@ -54,19 +59,8 @@ __all__ = ["FRAMEWORKS", "Session", "framework_of_stack", "write_json"]
 
 logger = _log.get_logger(__name__)
 
-FRAMEWORKS = {"transformers": "transformers", "accelerate": "accelerate", "lightning": "lightning",
-              "pytorch_lightning": "lightning"}
-"""Top-level package -> the framework name used in reports and recommendation snippets."""
-_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
-              os.path.dirname(threading.__file__))
 _WATCH_INTERVAL_S = 0.5
 _IN_STEP = ("forward", "after forward, before backward", "backward", "after backward", "optimizer step")
-_OWN_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
-# The script's collectives that the beacon records (DDP's own gradient all-reduces run in C++ and are not among
-# them: the beacon's phase says when a rank is in DDP's backward).
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
-               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce",
-               "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single")
 # What a collective raises on the ranks that survive when a peer dies or stops (gloo, then NCCL wording).
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
               "communicator was aborted", "remote process exited", "NCCL error")
@@ -77,42 +71,6 @@ def write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, default=str))
     os.replace(tmp, path)
-
-
-def _framework_dirs() -> dict[str, str]:
-    """Where the imported frameworks live (a framework that built DDP has been imported)."""
-    dirs = {}
-    for package, name in FRAMEWORKS.items():
-        module = sys.modules.get(package)
-        if module is not None and getattr(module, "__file__", None):
-            dirs[os.path.dirname(module.__file__) + os.sep] = name
-    return dirs
-
-
-def framework_of_stack(frames: list[traceback.FrameSummary]) -> str:
-    """The outermost training framework on the stack (`torch` when none is).
-
-    Outermost, because HF Trainer builds DDP through Accelerate: the user's idiom is the Trainer's.
-    """
-    dirs = _framework_dirs()
-    for frame in frames:
-        for prefix, name in dirs.items():
-            if frame.filename.startswith(prefix):
-                return name
-    return "torch"
-
-
-def _is_user_frame(filename: str) -> bool:
-    return not filename.startswith((*_SKIP_DIRS, "<", *_framework_dirs()))
-
-
-def _user_frame(frames: list[traceback.FrameSummary], *, code: bool = True) -> str | None:
-    """`file:line  code` of the innermost frame in the user's own code (the path relative to the working folder)."""
-    for frame in reversed(frames):
-        if _is_user_frame(frame.filename):
-            return format_site(frame.filename, frame.lineno or 0) + (
-                f"  {frame.line.strip()}" if code and frame.line else "")
-    return None
 
 
 def _is_world(group: dist.ProcessGroup | None) -> bool:
@@ -128,15 +86,6 @@ def _raising_ddp(exc: BaseException) -> DistributedDataParallel | None:
             found = candidate
         tb = tb.tb_next
     return found
-
-
-def _user_site_of(frame: Any, limit: int = 40) -> str | None:
-    """`file:line` of the innermost user frame at or above `frame` (a cheap walk: no traceback objects)."""
-    while frame is not None and limit:
-        if _is_user_frame(frame.f_code.co_filename):
-            return format_site(frame.f_code.co_filename, frame.f_lineno)
-        frame, limit = frame.f_back, limit - 1
-    return None
 
 
 class Session:
@@ -156,9 +105,9 @@ class Session:
         """DDP's own constructor (`bench` rebuilds the script's DDP with it, unobserved)."""
         self._original_destroy = dist.destroy_process_group
         self._signature = inspect.signature(self.original_init)
-        self._in_collective = False
-        self._collectives = 0
         self.beacon = Beacon(self.outdir / f"rank{self.rank}.beacon")
+        self.collectives = CollectiveRecorder(self.beacon, lambda: next((d for d in self.doctors if not d.finished),
+                                                                        None))
         self.plain = PlainOptimizerWatch()
         self.bench: InRankBench | None = None
         """`ddp-doctor bench`'s driver, which takes over after the observed steps (None under `check`)."""
@@ -211,7 +160,7 @@ class Session:
 
         Optimizer.__init__ = optimizer_init
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
-        self._patch_collectives()
+        self.collectives.install()
         dataprobe.install()
         # A segfault or abort (gloo's on a mismatched collective) leaves no Python exception: faulthandler writes
         # the signal and the stack to a file the supervisor reads. The file object must stay open.
@@ -232,7 +181,7 @@ class Session:
             return
         frames = traceback.extract_stack()[:-2]
         framework = framework_of_stack(frames)
-        site = _user_frame(frames, code=False)
+        site = user_frame(frames, code=False)
         setattr(ddp, WRAP_STATE_ATTR, {"trainable": trainable, "site": site, "framework": framework})
         try:
             doctor = Doctor(ddp, optimizer="auto", steps=self.config.steps)
@@ -284,54 +233,7 @@ class Session:
         """Publish the rank's position (step, phase, the user's line) in its beacon."""
         model = next((i for i, d in enumerate(self.doctors) if d is doctor), len(self.doctors))
         self.beacon.update(step=doctor.steps_observed, phase=doctor.phase, model=model,
-                           site=_user_site_of(sys._getframe(1)))
-
-    def _patch_collectives(self) -> None:
-        """Record each collective the script enters in the beacon: op, tensor, group size and the user's line."""
-        c10d = dist.distributed_c10d
-        for name in COLLECTIVES:
-            original = getattr(c10d, name, None)
-            if original is None:
-                continue
-            wrapped = self._recording(name, original)
-            if getattr(dist, name, None) is original:
-                setattr(dist, name, wrapped)
-            setattr(c10d, name, wrapped)
-
-    def _recording(self, name: str, original: Any) -> Any:
-        session = self
-
-        @functools.wraps(original)
-        def collective(*args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1)
-            # Nested calls (all_gather_object -> all_gather) and the doctor's own exchange are not the script's.
-            if session._in_collective or caller.f_code.co_filename.startswith(_OWN_DIR):
-                return original(*args, **kwargs)
-            session._in_collective = True
-            try:
-                session._enter_collective(name, args, kwargs, caller)
-                return original(*args, **kwargs)
-            finally:
-                session._in_collective = False
-                session.beacon.update(in_collective=False)
-
-        return collective
-
-    def _enter_collective(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], caller: Any) -> None:
-        self._collectives += 1
-        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if tensor is None:
-            lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) and a]
-            tensor = next((x for lst in lists for x in lst if isinstance(x, torch.Tensor)), None)
-        group = next((a for a in (*args, *kwargs.values()) if isinstance(a, dist.ProcessGroup)), None)
-        site = _user_site_of(caller)
-        active = next((d for d in self.doctors if not d.finished), None)
-        self.beacon.update(in_collective=True, collectives=self._collectives, collective={
-            "op": name, "n": self._collectives, "site": site,
-            "tensor": f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}" if tensor is not None else None,
-            "group_size": dist.get_world_size(group) if dist.is_initialized() else None,
-            "step": active.steps_observed if active is not None else None,
-            "phase": active.phase if active is not None else None})
+                           site=user_site_of(sys._getframe(1)))
 
     # ----------------------------------------------------------------------------------------------- ending
 
@@ -357,7 +259,7 @@ class Session:
         if exc is None:
             site = "the end of the script"
         else:
-            site = _user_frame(traceback.extract_tb(exc.__traceback__)) or "sys.exit"
+            site = user_frame(traceback.extract_tb(exc.__traceback__)) or "sys.exit"
         step = max((d.steps_observed for d in self.doctors), default=-1)
         if not self.doctors and self.plain.steps and not self._finishing and code == 0:
             self.finish_unwrapped("the script ended")
@@ -407,7 +309,7 @@ class Session:
                 explained = {"code": failure.code, "params": failure.params, "message": str(failure)}
         message = str(exc)
         crash = {"type": type(exc).__name__, "message": message[:4000], "traceback": "".join(tb)[-20000:],
-                 "site": _user_frame(frames), "step": step, "explained": explained,
+                 "site": user_frame(frames), "step": step, "explained": explained,
                  "peer_lost": explained is None and any(p in message for p in _PEER_LOST),
                  "phase": phase}
         # After finish() the report is written: this crash happened in the timed steps that follow it (bench).
@@ -502,7 +404,7 @@ class Session:
             "ddp_models": len(self.doctors), "models": self.models,
             "step": active.steps_observed if active is not None else -1,
             "phase": active.phase if active is not None else "before DDP was built",
-            "user_frame": _user_frame(frames),
+            "user_frame": user_frame(frames),
             "innermost": f"{inner.filename}:{inner.lineno} in {inner.name}" if inner else None,
             "ended": self._ended.is_set(), "time": time.time(),
         }
