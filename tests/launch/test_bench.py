@@ -67,11 +67,13 @@ def test_unused_head_default_flags_are_incorrect_and_the_fixes_are_correct(tmp_p
     assert result["winner"]["name"] != "user"
     assert done.returncode == 0
     # The check's own run (the script's flags) is user's block: it crashed, so the others start a second launch,
-    # built with recommended's flags and its frozen head, and rebuilt in place for static_graph and find_unused.
-    first, second = result["launches"]
+    # built with recommended's flags and its frozen head, then rebuilt in place for find_unused. The example's
+    # 16 steps hold two blocks of 4 + 4 steps: static_graph needs a third launch.
+    first, second, third = result["launches"]
     assert first["blocks"] == ["user (round 1)"] and "reduction-error" in first["ended"]
     assert "the check ended launch 1" in second["why"]
-    assert second["blocks"] == ["recommended (round 1)", "static_graph (round 1)", "find_unused (round 1)"]
+    assert second["blocks"] == ["recommended (round 1)", "find_unused (round 1)"]
+    assert third["blocks"] == ["static_graph (round 1)"] and "the script's loop ended" in third["why"]
 
 
 def test_changing_graph_static_graph_is_incorrect(tmp_path: Path) -> None:
