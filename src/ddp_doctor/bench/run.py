@@ -227,7 +227,7 @@ class _Runner:
             return result.error.splitlines()[0][:300]
         report = result.report
         errors = [f.code for f in report.findings if f.severity == "error"] if report is not None else []
-        return f"the observed steps failed ({', '.join(errors)})" if errors else "the script ended"
+        return f"the observed steps failed: {', '.join(errors)}" if errors else "the script ended"
 
     def _why_next(self, result: CheckResult, log: BenchLog | None, launch: Launch) -> str:
         """Why the next launch is needed, in words for the output."""
