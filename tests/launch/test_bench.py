@@ -122,6 +122,22 @@ def test_a_candidate_that_crashes_mid_launch_is_incorrect_and_the_rest_go_on_in_
     assert result["winner"]["name"] == "find_unused" and done.returncode == 0
 
 
+def test_a_script_with_two_ddp_models_runs_each_block_in_its_own_launch(tmp_path: Path) -> None:
+    from checkrun import SCRIPTS
+
+    # The GAN's critic fails with the script's flags (the check's run is user's block, judged over both models);
+    # static_graph works, and with two DDP models it cannot be rebuilt in place: one launch per block, and why.
+    done, result = bench(["--steps", "3", "--rounds", "2", "--configs", "user,static_graph",
+                          str(SCRIPTS / "gan.py")], tmp_path)
+    cands = by_name(result)
+    assert not cands["user"]["correct"] and "reduction-error" in cands["user"]["reason"]
+    assert cands["static_graph"]["correct"] and len(cands["static_graph"]["rounds"]) == 2
+    first, second, third = result["launches"]
+    assert first["blocks"] == ["user (round 1)"] and second["blocks"] == ["static_graph (round 1)"]
+    assert third["blocks"] == ["static_graph (round 2)"] and "builds 2 DDP models" in third["why"]
+    assert result["winner"]["name"] == "static_graph" and done.returncode == 0
+
+
 def _render_in_chromium(page: Path, tmp_path: Path, names: list[str]) -> None:
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:

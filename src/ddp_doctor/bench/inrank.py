@@ -226,8 +226,10 @@ class InRankBench:
 
     # ------------------------------------------------------------------------------------------- hand-over
 
-    def take_over(self, doctors: list[Doctor], report: Report) -> None:
-        """The check's K steps are observed and reported (`report`, identical on every rank): run the blocks."""
+    def take_over(self, doctors: list[Doctor], reports: list[Report]) -> None:
+        """The check's K steps are observed and reported (`reports`, one per DDP model, identical on every rank):
+        run the blocks."""
+        report = reports[0]
         self.took_over = True
         self.log.steps_run = self._steps
         if self.optimizer is None:
@@ -255,7 +257,7 @@ class InRankBench:
             self._pending.remove(first)
             self._block = Block(round=self._round, name=first)
             self.log.blocks.append(self._block)
-            correct, reason = judge_report(report, self._configs[first], self._baseline_unused)
+            correct, reason = judge_report(report, self._configs[first], self._baseline_unused, reports[1:])
             if correct:
                 self._start_timing(arm=False)
                 return

@@ -135,10 +135,12 @@ def unused_of(report: Report) -> set[str]:
     return set(found.param_names) if found else set()
 
 
-def judge_report(report: Report, config: Config, baseline_unused: set[str]) -> tuple[bool, str]:
-    """Whether a candidate's observed steps were correct, and why not: no error-level finding, and the same used set
-    as the check's (parameters frozen before wrapping aside)."""
-    errors = [f for f in report.findings if f.severity == "error"]
+def judge_report(report: Report, config: Config, baseline_unused: set[str],
+                 others: list[Report] | tuple[Report, ...] = ()) -> tuple[bool, str]:
+    """Whether a candidate's observed steps were correct, and why not: no error-level finding (in the report of any
+    DDP model the script built: `others` are the second and later), and the same used set as the check's for the
+    first model (parameters frozen before wrapping aside)."""
+    errors = [f for r in (report, *others) for f in r.findings if f.severity == "error"]
     if errors:
         return False, f"{', '.join(f.code for f in errors)} ({errors[0].title})"
     frozen = set(config.freeze_before_wrap)

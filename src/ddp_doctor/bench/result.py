@@ -152,7 +152,7 @@ def judge(result: CheckResult, config: Config, baseline: Report, timed_steps: in
         return False, result.error.splitlines()[0]
     report = result.report
     assert report is not None
-    correct, reason = judge_report(report, config, unused_of(baseline))
+    correct, reason = judge_report(report, config, unused_of(baseline), [m.report for m in result.models[1:]])
     if correct and result.late_crash:
         return False, f"crashed after the observed steps: {result.late_crash}"
     if correct and not result.step_times:

@@ -225,8 +225,7 @@ class _Runner:
             return log.ended
         if result.error:
             return result.error.splitlines()[0][:300]
-        report = result.report
-        errors = [f.code for f in report.findings if f.severity == "error"] if report is not None else []
+        errors = list(dict.fromkeys(f.code for m in result.models for f in m.report.findings if f.severity == "error"))
         return f"the observed steps failed: {', '.join(errors)}" if errors else "the script ended"
 
     def _why_next(self, result: CheckResult, log: BenchLog | None, launch: Launch) -> str:

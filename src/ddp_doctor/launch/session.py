@@ -355,7 +355,7 @@ class Session:
                        {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in mine]})
         self._end({"outcome": "reported", "reason": reason, "ddp_models": len(self.doctors)})
         if self.bench is not None and not exit_code and reason == self._steps_reason:
-            self.bench.take_over(self.doctors, reports[0])
+            self.bench.take_over(self.doctors, reports)
             return
         self.leave()
 
