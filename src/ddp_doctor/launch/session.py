@@ -177,7 +177,7 @@ class Session:
         freeze_named(module, self.config.freeze_before_wrap)
 
     def _after_wrap(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
-        if self._finishing or any(d._ddp is ddp for d in self.doctors):
+        if self._finishing or any(d.ddp is ddp for d in self.doctors):
             return
         frames = traceback.extract_stack()[:-2]
         framework = framework_of_stack(frames)
@@ -344,9 +344,9 @@ class Session:
             return
         # A model over the whole world is written by each node's local rank 0; a model over a subgroup (a
         # data-parallel group of a hybrid job) by the group's first rank, into its own file.
-        world = [(m, r) for d, m, r in zip(self.doctors, self.models, reports) if _is_world(d._ddp.process_group)]
+        world = [(m, r) for d, m, r in zip(self.doctors, self.models, reports) if _is_world(d.ddp.process_group)]
         mine = [(m, r) for d, m, r in zip(self.doctors, self.models, reports)
-                if not _is_world(d._ddp.process_group) and dist.get_rank(d._ddp.process_group) == 0]
+                if not _is_world(d.ddp.process_group) and dist.get_rank(d.ddp.process_group) == 0]
         if self.local_rank == 0:
             write_json(self.outdir / "report.json",
                        {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in world]})
