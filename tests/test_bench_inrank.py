@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor.bench.candidates import Config
-from ddp_doctor.bench.inrank import _Snapshot, rebuild_in_place
+from ddp_doctor.bench.rebuild import Snapshot, rebuild_in_place
 from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, round_end
 from ddp_doctor.refreeze import constructor_kwargs
 
@@ -87,7 +87,7 @@ def test_snapshot_restores_weights_buffers_and_optimizer_state() -> None:
             opt.step()
         return [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
 
-    snap = _Snapshot.take(model, opt)
+    snap = Snapshot.take(model, opt)
     first = train()
     opt.param_groups[0]["lr"] = 0.5                 # a scheduler moved it
     train()

@@ -3,8 +3,8 @@
 The session (`launch/session.py`) hands over after the check's K observed steps and its report. From then on this
 driver runs *blocks* (see `plan.py`): for each candidate, it puts the model and the optimizer back where they were
 just before the script's first optimizer step, rebuilds the script's own `DistributedDataParallel` object in place
-with the candidate's arguments (the script's loop keeps its reference, so it trains the rebuilt wrapper without
-knowing), observes K steps with a fresh `Doctor` (the correctness check, a collective report as in `check`), then
+with the candidate's arguments (`rebuild.py`; the script's loop keeps its reference, so it trains the rebuilt
+wrapper without knowing), observes K steps with a fresh `Doctor` (the correctness check, a collective report as in `check`), then
 times K more steps with every hook removed. Candidates are interleaved in rounds, A B C, A B C, ...
 
 Every rank switches at the same optimizer step: the schedule comes from the plan and from the reports, which are
@@ -19,11 +19,9 @@ When the script's own loop ends first, the session calls `on_script_end`.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,24 +29,15 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ddp_doctor import _log
 from ddp_doctor._collective import comm_device, rows_by_rank
 from ddp_doctor.bench.candidates import Config, candidates
 from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, judge_report, round_end, unused_of
+from ddp_doctor.bench.rebuild import Snapshot, rebuild_in_place
 from ddp_doctor.errors import DoctorError
 from ddp_doctor.observe import Doctor
 from ddp_doctor.report.model import Report
-from ddp_doctor.wrapstate import WRAP_STATE_ATTR, freeze_named
 
-__all__ = ["BenchHost", "InRankBench", "rebuild_in_place"]
-
-logger = _log.get_logger(__name__)
-
-_HOOK_DICTS = ("_backward_pre_hooks", "_backward_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
-               "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
-               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks")
-"""nn.Module.__init__ replaces these; hooks the script put on its DDP object must survive the rebuild."""
+__all__ = ["BenchHost", "InRankBench"]
 
 
 class BenchHost(Protocol):
@@ -69,87 +58,6 @@ class BenchHost(Protocol):
     def on_phase(self, doctor: Doctor) -> None: ...
 
 
-def rebuild_in_place(ddp: DistributedDataParallel, base_kwargs: dict[str, Any], config: Config,
-                     trainable: list[bool], original_init: Callable[..., None] | None = None) -> list[bool]:
-    """Re-run DDP's constructor on the same object, around the same module, with `config`'s arguments.
-
-    The script holds `ddp` (and its optimizer holds the module's parameters), so the object must stay the same:
-    its old reducer's autograd hooks are removed, `__init__` builds a new reducer, and the hooks the script had
-    registered on the wrapper, its train/eval mode and its Python comm hooks are carried over. `trainable` is the
-    script's own `requires_grad` before any freezing; `config.freeze_before_wrap` is applied on top, before the
-    constructor runs, as a user who froze before wrapping would. DDP's constructor broadcasts rank 0's parameters
-    and buffers, as at the script's own construction.
-
-    Returns:
-        The `requires_grad` flags the new reducer was built with.
-    """
-    module = ddp.module
-    named = list(module.named_parameters())
-    for (_, p), t in zip(named, trainable):
-        p.requires_grad_(t)
-    freeze_named(module, config.freeze_before_wrap, what="the candidate's freeze_before_wrap")
-    flags = [p.requires_grad for _, p in named]
-    for _, p in named:
-        p.grad = None   # a grad that is a view into the old reducer's bucket must not outlive it
-    kwargs = {**base_kwargs, **config.ddp_kwargs}
-    kwargs.pop("init_sync", None)
-    if "bucket_cap_mb" in config.ddp_kwargs:
-        kwargs.pop("bucket_cap_mb_list", None)
-    hooks = {name: ddp.__dict__[name] for name in _HOOK_DICTS if name in ddp.__dict__}
-    comm_hooks = list(getattr(ddp, "_comm_hooks", []))
-    training, state = ddp.training, getattr(ddp, WRAP_STATE_ATTR, None)
-    try:
-        ddp._remove_autograd_hooks()
-    except Exception as exc:  # noqa: BLE001  (private API; the old reducer's destructor removes them too)
-        logger.debug("could not remove the old reducer's hooks: %s", exc)
-    (original_init or DistributedDataParallel.__init__)(ddp, module, **kwargs)
-    ddp.__dict__.update(hooks)
-    ddp.training = training
-    for hook, hook_state in comm_hooks:
-        ddp.register_comm_hook(hook_state, hook)
-    if state is not None:
-        setattr(ddp, WRAP_STATE_ATTR, {**state, "trainable": flags})
-    return flags
-
-
-@dataclass(kw_only=True)
-class _Snapshot:
-    """The model and optimizer state just before the script's first optimizer step, on the CPU."""
-
-    params: list[torch.Tensor]
-    buffers: list[torch.Tensor]
-    state: dict[torch.Tensor, dict[str, Any]]
-    """Optimizer state per parameter: tensors as (CPU copy, device)."""
-    groups: list[dict[str, Any]]
-    """Optimizer param_group settings (lr, betas, ...) without the parameters."""
-
-    @classmethod
-    def take(cls, module: torch.nn.Module, opt: Optimizer) -> _Snapshot:
-        def keep(v: Any) -> Any:
-            return (v.detach().to("cpu", copy=True), v.device) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-
-        return cls(params=[p.detach().to("cpu", copy=True) for p in module.parameters()],
-                   buffers=[b.detach().to("cpu", copy=True) for b in module.buffers()],
-                   state={p: {k: keep(v) for k, v in s.items()} for p, s in opt.state.items()},
-                   groups=[{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups])
-
-    def restore(self, module: torch.nn.Module, opt: Optimizer) -> None:
-        def back(v: Any) -> Any:
-            return v[0].to(v[1], copy=True) if isinstance(v, tuple) and isinstance(v[0], torch.Tensor) \
-                else copy.deepcopy(v)
-
-        with torch.no_grad():
-            for p, saved in zip(module.parameters(), self.params):
-                p.copy_(saved)
-            for b, saved in zip(module.buffers(), self.buffers):
-                b.copy_(saved)
-        opt.state.clear()
-        for p, s in self.state.items():
-            opt.state[p] = {k: back(v) for k, v in s.items()}
-        for group, saved in zip(opt.param_groups, self.groups):
-            group.update(copy.deepcopy(saved))   # in place: a scheduler holds these dicts
-
-
 class InRankBench:
     """The per-rank bench driver. See the module docstring."""
 
@@ -160,7 +68,7 @@ class InRankBench:
         self.optimizer: Optimizer | None = None
         self.took_over = False
         self._trainable: list[bool] = []
-        self._snapshot: _Snapshot | None = None
+        self._snapshot: Snapshot | None = None
         self._snapshot_error = ""
         self._base_kwargs: dict[str, Any] = {}
         self._configs: dict[str, Config] = {}
@@ -204,7 +112,7 @@ class InRankBench:
         self.optimizer = opt
         self.log.first_step_at = time.time()
         try:
-            self._snapshot = _Snapshot.take(self.ddp.module, opt)
+            self._snapshot = Snapshot.take(self.ddp.module, opt)
         except Exception as exc:  # noqa: BLE001  (then the candidates do not share the launch; the bench goes on)
             self._snapshot_error = f"the model and optimizer state could not be copied ({exc})"
         self._write()
