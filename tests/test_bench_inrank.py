@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor.bench.candidates import Config
 from ddp_doctor.bench.rebuild import Snapshot, rebuild_in_place
-from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, round_end
+from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, round_end, round_order
 from ddp_doctor.refreeze import constructor_kwargs
 
 
@@ -115,3 +115,10 @@ def test_round_end_stops_on_the_maximum_the_budget_or_nothing_left() -> None:
     assert round_end(tie, configs, rounds_done=2, rounds=2, budget_spent=False) == "the maximum of 2"
     assert "budget of 60 s" in round_end(tie, configs, rounds_done=2, rounds=6, budget_spent=True, budget_s=60.0)
     assert round_end({}, {}, rounds_done=1, rounds=6, budget_spent=False) == "no candidate is left"
+
+
+def test_rounds_rotate_their_order() -> None:
+    live = ["user", "recommended", "static_graph"]
+    assert [round_order(live, r) for r in range(4)] == [
+        live, ["recommended", "static_graph", "user"], ["static_graph", "user", "recommended"], live]
+    assert round_order([], 3) == []

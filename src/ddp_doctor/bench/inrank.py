@@ -4,8 +4,9 @@ The session (`launch/session.py`) hands over after the check's K observed steps 
 driver runs *blocks* (see `plan.py`): for each candidate, it puts the model and the optimizer back where they were
 just before the script's first optimizer step, rebuilds the script's own `DistributedDataParallel` object in place
 with the candidate's arguments (`rebuild.py`; the script's loop keeps its reference, so it trains the rebuilt
-wrapper without knowing), observes K steps with a fresh `Doctor` (the correctness check, a collective report as in `check`), then
-times K more steps with every hook removed. Candidates are interleaved in rounds, A B C, A B C, ...
+wrapper without knowing), observes K steps with a fresh `Doctor` (the correctness check, a collective report as in
+`check`), then times K more steps with every hook removed. Candidates are interleaved in rounds, each rotated by
+one place: A B C, B C A, C A B, ...
 
 Every rank switches at the same optimizer step: the schedule comes from the plan and from the reports, which are
 identical on every rank. The only decision taken on timings (do the rounds stop) uses rank 0's numbers, shared by one
@@ -31,7 +32,7 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, 
 
 from ddp_doctor._collective import comm_device, rows_by_rank
 from ddp_doctor.bench.candidates import Config, candidates
-from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, judge_report, round_end, unused_of
+from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, judge_report, round_end, round_order, unused_of
 from ddp_doctor.bench.rebuild import Snapshot, rebuild_in_place
 from ddp_doctor.errors import DoctorError
 from ddp_doctor.observe import Doctor
@@ -220,7 +221,7 @@ class InRankBench:
                 if stop:
                     break
                 self._round += 1
-                self._pending = list(self._live)
+                self._pending = round_order(self._live, self._round)
                 self._round_started = time.monotonic()
             name = self._pending.pop(0)
             self._block = Block(round=self._round, name=name)

@@ -20,7 +20,7 @@ from ddp_doctor.bench.candidates import Config
 from ddp_doctor.bench.stats import MIN_ROUNDS, decide
 from ddp_doctor.report.model import Report
 
-__all__ = ["LOG_FILE", "BenchLog", "BenchPlan", "Block", "judge_report", "round_end", "unused_of"]
+__all__ = ["LOG_FILE", "BenchLog", "BenchPlan", "Block", "judge_report", "round_end", "round_order", "unused_of"]
 
 LOG_FILE = "bench.json"
 
@@ -139,16 +139,30 @@ def judge_report(report: Report, config: Config, baseline_unused: set[str],
                  others: list[Report] | tuple[Report, ...] = ()) -> tuple[bool, str]:
     """Whether a candidate's observed steps were correct, and why not: no error-level finding (in the report of any
     DDP model the script built: `others` are the second and later), and the same used set as the check's for the
-    first model (parameters frozen before wrapping aside)."""
+    first model (parameters frozen before wrapping aside).
+
+    The used-set rule does not apply to `find_unused_parameters=True`, which handles whatever set a step uses: in a
+    shared launch a later block runs at a later step of the script, where its graph may differ from the check's
+    first steps (an auxiliary loss switched off after warm-up). The other flags depend on that set staying the same.
+    """
     errors = [f for r in (report, *others) for f in r.findings if f.severity == "error"]
     if errors:
         return False, f"{', '.join(f.code for f in errors)} ({errors[0].title})"
     frozen = set(config.freeze_before_wrap)
     unused = unused_of(report) - frozen
-    if unused != baseline_unused - frozen:
+    if unused != baseline_unused - frozen and not config.find_unused_parameters:
         return False, (f"the used set differs from the check's: unused {sorted(unused_of(report))}, "
                        f"expected {sorted(baseline_unused - frozen)}")
     return True, ""
+
+
+def round_order(live: list[str], index: int) -> list[str]:
+    """The order of round `index`: the candidates still correct, rotated by one place each round, so that no
+    candidate always runs right after a given other one (drift within a round hits every candidate alike)."""
+    if not live:
+        return []
+    k = index % len(live)
+    return live[k:] + live[:k]
 
 
 def round_end(history: dict[str, list[float]], configs: dict[str, Config], *, rounds_done: int, rounds: int,

@@ -5,7 +5,7 @@ then, in the same processes, the ranks build the candidates from the check's rep
 (`inrank.py`): DDP rebuilt in place with the candidate's arguments, the model and optimizer put back to their state
 before the first step, K steps observed by a doctor (the correctness check: no error finding, gradients identical
 across ranks at every optimizer step, the same used set as the check), then K steps timed with every hook removed.
-Candidates are interleaved in rounds (A B C, A B C, ...).
+Candidates are interleaved in rounds, each rotated by one place (A B C, B C A, C A B, ...).
 
 A new launch starts only when the previous one cannot go on, and the result says why: the check (or a candidate)
 crashed, which leaves the processes unusable; the script's own loop ended before the blocks did; another round
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_doctor.bench.candidates import Config, candidates
-from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, round_end, unused_of
+from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, round_end, round_order, unused_of
 from ddp_doctor.bench.result import SCHEMA, BenchResult, Candidate, Launch, judge
 from ddp_doctor.bench.stats import Verdict, decide
 from ddp_doctor.launch.config import RankConfig
@@ -207,7 +207,7 @@ class _Runner:
 
     def _next_round(self, index: int) -> None:
         self.round = index
-        self.pending = [n for n, c in self.cands.items() if c.correct]
+        self.pending = round_order([n for n, c in self.cands.items() if c.correct], index)
 
     def _round_end(self) -> str:
         live = {n: c.round_medians() for n, c in self.cands.items() if c.correct and c.rounds}

@@ -27,7 +27,7 @@ EPILOG = """\
 The script starts once where it can: after `check`'s --steps observed steps, the ranks rebuild the script's DDP
 wrapper in place for each candidate, put the model and optimizer back to their state before the first step,
 observe --steps steps (the correctness check), then time --steps more with every hook removed. Candidates run
-interleaved in rounds (A B C, A B C, ...). A candidate that fails or desyncs is marked incorrect and never wins.
+interleaved in rounds (A B C, B C A, ...). A candidate that fails or desyncs is marked incorrect and never wins.
 A new launch starts only when the previous one cannot go on (a crash, the script's loop ended); the output says why.
 
 examples:
