@@ -14,8 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor.bench.candidates import Config
 from ddp_doctor.bench.rebuild import Snapshot, rebuild_in_place
-from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, round_end, round_order
+from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, judge_report, round_end, round_order
 from ddp_doctor.refreeze import constructor_kwargs
+from ddp_doctor.report.model import Finding, ParamRef, Recommendation, Report, Timing
 
 
 class Net(nn.Module):
@@ -122,3 +123,29 @@ def test_rounds_rotate_their_order() -> None:
     assert [round_order(live, r) for r in range(4)] == [
         live, ["recommended", "static_graph", "user"], ["static_graph", "user", "recommended"], live]
     assert round_order([], 3) == []
+
+
+def _report(unused: list[str], errors: tuple[str, ...] = ()) -> Report:
+    findings = [Finding(code=c, severity="error", title=c, detail="") for c in errors]
+    if unused:
+        findings.append(Finding(code="unused-parameters", severity="warning", title="unused", detail="",
+                                params=[ParamRef(name=n, numel=1) for n in unused]))
+    return Report(tool_version="0", torch_version="2.13", backend="gloo", world_size=2, steps_observed=4,
+                  ddp_config={}, findings=findings, timing=Timing(),
+                  recommendation=Recommendation(find_unused_parameters=False, static_graph=False,
+                                                gradient_as_bucket_view=False, freeze_before_wrap=[], reason="",
+                                                verified=False))
+
+
+def test_a_block_is_judged_on_errors_and_on_the_checks_used_set_except_under_find_unused() -> None:
+    assert judge_report(_report([]), Config(), set()) == (True, "")
+    correct, reason = judge_report(_report([], errors=("grads-not-synced",)), Config(), set())
+    assert not correct and reason.startswith("grads-not-synced")
+    # A block that ran where the script no longer uses its aux head (a later step of a shared launch):
+    correct, reason = judge_report(_report(["aux.weight"]), Config(static_graph=True), set())
+    assert not correct and "used set differs" in reason
+    assert judge_report(_report(["aux.weight"]), Config(find_unused_parameters=True), set()) == (True, "")
+    assert judge_report(_report(["aux.weight"]), Config(freeze_before_wrap=("aux.weight",)), set()) == (True, "")
+    # An error in the second DDP model's report (a GAN's critic) makes the candidate incorrect too.
+    correct, reason = judge_report(_report([]), Config(), set(), [_report([], errors=("reduction-error",))])
+    assert not correct and reason.startswith("reduction-error")
