@@ -146,8 +146,8 @@ class _Runner:
         judged from the launch's result (the session's doctor observed it and the ranks never got further)."""
         launch = self.launches[-1]
         blocks = [b for b in (log.blocks if log is not None else []) if b.status != "check"]
-        if log is not None and not log.shared:
-            self.why_not_shared = log.why_not_shared
+        if log is not None and not log.shared and not self.why_not_shared:
+            self.why_not_shared = log.why_not_shared     # later launches, run one block each, keep the first reason
         if first is not None and not blocks and first in self.cands:
             correct, reason = judge(result, self.cands[first].config, self.baseline, self.steps)
             cand = self.cands[first]
