@@ -141,6 +141,23 @@ def test_a_script_with_two_ddp_models_runs_each_block_in_its_own_launch(tmp_path
     assert result["winner"]["name"] == "static_graph" and done.returncode == 0
 
 
+@pytest.mark.parametrize(("script", "framework"), [("bench_accelerate.py", "accelerate"),
+                                                    ("bench_lightning.py", "lightning")])
+def test_candidates_share_one_launch_when_a_framework_holds_the_ddp_model(tmp_path: Path, script: str,
+                                                                          framework: str) -> None:
+    from checkrun import SCRIPTS
+
+    done, result = bench(["--rounds", "2", "--configs", "user,recommended,static_graph", str(SCRIPTS / script)],
+                         tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert result["check"]["framework"] == framework
+    cands = by_name(result)
+    assert all(c["correct"] and len(c["rounds"]) == 2 for c in cands.values()), cands
+    (launch,) = result["launches"]
+    assert len(launch["blocks"]) == 6 and launch["ended"] == "the maximum of 2"
+    assert result["winner"]["name"] == "recommended"    # two rounds never show a winner: the least work
+
+
 def _render_in_chromium(page: Path, tmp_path: Path, names: list[str]) -> None:
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
