@@ -3,8 +3,9 @@ tool failed (exit 2, with the traceback), never print a clean report."""
 
 from __future__ import annotations
 
-import ddp_doctor._observe.doctor as doctor_module
 from _train import setup, train
+
+import ddp_doctor._observe.doctor as doctor_module
 
 
 def _broken(*_args: object, **_kwargs: object) -> None:

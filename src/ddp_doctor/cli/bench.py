@@ -30,9 +30,11 @@ EXAMPLES = """\
 """
 
 EPILOG = """\
-Each candidate runs the unmodified script through the same injection as `check`: the first --steps optimizer
-steps are observed (the correctness check), then --steps more are timed with every hook removed. Candidates run
-interleaved in rounds (A B C, A B C, ...). A candidate that fails or desyncs is marked incorrect and never wins.
+The script starts once where it can: after `check`'s --steps observed steps, the ranks rebuild the script's DDP
+wrapper in place for each candidate, put the model and optimizer back to their state before the first step,
+observe --steps steps (the correctness check), then time --steps more with every hook removed. Candidates run
+interleaved in rounds (A B C, B C A, ...). A candidate that fails or desyncs is marked incorrect and never wins.
+A new launch starts only when the previous one cannot go on (a crash, the script's loop ended); the output says why.
 
 candidate names: user (the script's flags), recommended (the check's recommendation), defaults (both flags off),
 find_unused (find_unused_parameters=True), static_graph (static_graph=True), recommended+bucket_view
@@ -80,14 +82,14 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     with tempfile.TemporaryDirectory(prefix="ddp-doctor-bench-") as tmp:
         progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                            TextColumn("{task.completed} runs"), TimeElapsedColumn(), console=console, transient=True)
+                            TextColumn("{task.completed} launches"), TimeElapsedColumn(), console=console,
+                            transient=True)
         with progress:
             task = progress.add_task("check", total=None)
 
-            def on_progress(name: str) -> None:
-                if name != "check":
-                    progress.advance(task)
-                progress.update(task, description=f"running {name}")
+            def on_progress(text: str) -> None:
+                progress.advance(task)
+                progress.update(task, description=text)
 
             result = run_bench(namespace, steps=args.steps, rounds=args.rounds, timeout=args.timeout,
                                log_dir=Path(tmp), only=only, budget=args.budget, on_progress=on_progress)
@@ -139,8 +141,21 @@ def table(result: BenchResult) -> Table:
     return t
 
 
+def launches(result: BenchResult) -> list[str]:
+    """What the script's start-up cost: the launches, and why each one after the first was needed."""
+    startup = result.startup_s
+    n = len(result.launches)
+    lines = [(f"Start-up (launch to the first optimizer step): {_fmt(startup, '.1f', ' s')}, paid {n} time(s) for "
+              f"{result.blocks} block(s) (one per candidate and round).")]
+    for launch in result.launches[1:]:
+        lines.append(f"  launch {launch.index} ({', '.join(launch.blocks) or 'no block'}): {launch.why}")
+    return lines
+
+
 def render(result: BenchResult, console: Console) -> None:
     console.print(table(result))
+    for line in launches(result):
+        console.print(line, highlight=False)
     for c in result.candidates:
         if not c.correct:
             console.print(f"[red]{c.name}[/] is incorrect: {c.reason}", highlight=False)

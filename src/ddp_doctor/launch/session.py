@@ -16,6 +16,10 @@ others to join a collective:
 - `rank{R}.fault`: Python's faulthandler dump when the rank dies of SIGSEGV, SIGABRT, SIGBUS, SIGFPE or SIGILL.
 - `rank{R}.json`: how this rank ended (a crash with its traceback and explanation, an exit, or the end of the script).
 - `report.json`: the reports, when the ranks managed to exchange records.
+
+Under `ddp-doctor bench` the rank does not exit after the report: `bench.inrank` takes over and runs the
+candidates' blocks in the same processes (see there). `collectives.py` records the script's collectives in the
+beacon; `frames.py` tells the user's frames from torch's and the frameworks'.
 """
 
 from __future__ import annotations
@@ -30,34 +34,32 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
-from ddp_doctor import _log, collectives, dataprobe
+from ddp_doctor import _log, dataprobe
 from ddp_doctor._observe import Doctor
 from ddp_doctor._observe.crash import raising_ddp
-from ddp_doctor.collectives import Call
 from ddp_doctor.errors import DoctorError
 from ddp_doctor.gather import arrive
-from ddp_doctor.hookutil import format_site
 from ddp_doctor.launch.beacon import Beacon, read_beacon
+from ddp_doctor.launch.collectives import CollectiveRecorder
 from ddp_doctor.launch.config import RankConfig
+from ddp_doctor.launch.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site_of
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
-from ddp_doctor.wrapstate import WRAP_STATE_ATTR, user_name
+from ddp_doctor.wrapstate import WRAP_STATE_ATTR, freeze_named
+
+if TYPE_CHECKING:
+    from ddp_doctor.bench.inrank import InRankBench
 
 __all__ = ["FRAMEWORKS", "Session", "framework_of_stack", "write_json"]
 
 logger = _log.get_logger(__name__)
 
-FRAMEWORKS = {"transformers": "transformers", "accelerate": "accelerate", "lightning": "lightning",
-              "pytorch_lightning": "lightning"}
-"""Top-level package -> the framework name used in reports and recommendation snippets."""
-_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
-              os.path.dirname(threading.__file__))
 _WATCH_INTERVAL_S = 0.5
 _IN_STEP = ("forward", "after forward, before backward", "backward", "after backward", "optimizer step")
 # What a collective raises on the ranks that survive when a peer dies or stops (gloo, then NCCL wording).
@@ -72,53 +74,8 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _framework_dirs() -> dict[str, str]:
-    """Where the imported frameworks live (a framework that built DDP has been imported)."""
-    dirs = {}
-    for package, name in FRAMEWORKS.items():
-        module = sys.modules.get(package)
-        if module is not None and getattr(module, "__file__", None):
-            dirs[os.path.dirname(module.__file__) + os.sep] = name
-    return dirs
-
-
-def framework_of_stack(frames: list[traceback.FrameSummary]) -> str:
-    """The outermost training framework on the stack (`torch` when none is).
-
-    Outermost, because HF Trainer builds DDP through Accelerate: the user's idiom is the Trainer's.
-    """
-    dirs = _framework_dirs()
-    for frame in frames:
-        for prefix, name in dirs.items():
-            if frame.filename.startswith(prefix):
-                return name
-    return "torch"
-
-
-def _is_user_frame(filename: str) -> bool:
-    return not filename.startswith((*_SKIP_DIRS, "<", *_framework_dirs()))
-
-
-def _user_frame(frames: list[traceback.FrameSummary], *, code: bool = True) -> str | None:
-    """`file:line  code` of the innermost frame in the user's own code (the path relative to the working folder)."""
-    for frame in reversed(frames):
-        if _is_user_frame(frame.filename):
-            return format_site(frame.filename, frame.lineno or 0) + (
-                f"  {frame.line.strip()}" if code and frame.line else "")
-    return None
-
-
 def _is_world(group: dist.ProcessGroup | None) -> bool:
     return group is None or group is dist.group.WORLD or dist.get_world_size(group) == dist.get_world_size()
-
-
-def _user_site_of(frame: Any, limit: int = 40) -> str | None:
-    """`file:line` of the innermost user frame at or above `frame` (a cheap walk: no traceback objects)."""
-    while frame is not None and limit:
-        if _is_user_frame(frame.f_code.co_filename):
-            return format_site(frame.f_code.co_filename, frame.f_lineno)
-        frame, limit = frame.f_back, limit - 1
-    return None
 
 
 class Session:
@@ -133,29 +90,42 @@ class Session:
         self.doctors: list[Doctor] = []
         self.models: list[dict[str, Any]] = []
         self._finishing = False
-        self._stamps: list[float] = []
         self._ended = threading.Event()
-        self._original_init = DistributedDataParallel.__init__
+        self.original_init = DistributedDataParallel.__init__
+        """DDP's own constructor (`bench` rebuilds the script's DDP with it, unobserved)."""
         self._original_destroy = dist.destroy_process_group
-        self._signature = inspect.signature(self._original_init)
-        self._collectives = 0
+        self._signature = inspect.signature(self.original_init)
         self.beacon = Beacon(self.outdir / f"rank{self.rank}.beacon")
+        self.collectives = CollectiveRecorder(self.beacon, lambda: next((d for d in self.doctors if not d.finished),
+                                                                        None))
         self.plain = PlainOptimizerWatch()
+        self.bench: InRankBench | None = None
+        """`ddp-doctor bench`'s driver, which takes over after the observed steps (None under `check`)."""
 
     # ---------------------------------------------------------------------------------------------- set-up
 
     def install(self) -> None:
         """Wrap DDP's constructor and `destroy_process_group`, and start the watchdog. Call before user code."""
         session = self
-        original_init = self._original_init
+        original_init = self.original_init
+        if self.config.timed_steps:
+            from ddp_doctor.bench.inrank import InRankBench
+            from ddp_doctor.bench.plan import BenchPlan
+
+            plan = (BenchPlan.from_dict(self.config.bench) if self.config.bench else
+                    BenchPlan(steps=self.config.timed_steps, rounds=1, share=False))
+            self.bench = InRankBench(self, plan)
 
         @functools.wraps(original_init)
         def __init__(ddp: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
             bound = session._signature.bind(ddp, *args, **kwargs)
             module = bound.arguments["module"]
+            own = [p.requires_grad for _, p in module.named_parameters()]
             session._before_wrap(module, bound.arguments)
             trainable = [p.requires_grad for _, p in module.named_parameters()]
             original_init(*bound.args, **bound.kwargs)
+            if session.bench is not None and not session._finishing:
+                session.bench.wrapped(ddp, own)
             session._after_wrap(ddp, trainable)
 
         original_destroy = self._original_destroy
@@ -180,7 +150,7 @@ class Session:
 
         Optimizer.__init__ = optimizer_init
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
-        collectives.listen(self._enter_collective, self._leave_collective)
+        self.collectives.install()
         dataprobe.install()
         # A segfault or abort (gloo's on a mismatched collective) leaves no Python exception: faulthandler writes
         # the signal and the stack to a file the supervisor reads. The file object must stay open.
@@ -194,35 +164,25 @@ class Session:
             return
         for key, value in self.config.ddp_kwargs.items():
             arguments[key] = value
-        if self.config.freeze_before_wrap:
-            # The report's names drop torch.compile's `_orig_mod.` prefix; accept both spellings.
-            named = dict(module.named_parameters())
-            named.update({user_name(n): p for n, p in list(named.items())})
-            missing = [n for n in self.config.freeze_before_wrap if n not in named]
-            if missing:
-                raise DoctorError(
-                    f"--ddp-kwargs freeze_before_wrap names parameters this model does not have: {missing}. "
-                    f"Its parameters are: {list(named)[:20]}{' ...' if len(named) > 20 else ''}")
-            for name in self.config.freeze_before_wrap:
-                named[name].requires_grad_(False)
+        freeze_named(module, self.config.freeze_before_wrap)
 
     def _after_wrap(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
         if self._finishing or any(d.ddp is ddp for d in self.doctors):
             return
         frames = traceback.extract_stack()[:-2]
         framework = framework_of_stack(frames)
-        site = _user_frame(frames, code=False)
+        site = user_frame(frames, code=False)
         setattr(ddp, WRAP_STATE_ATTR, {"trainable": trainable, "site": site, "framework": framework})
         try:
             doctor = Doctor(ddp, optimizer="auto", steps=self.config.steps)
             doctor.on_steps_done = self._on_doctor_done
-            doctor.on_phase = self._on_phase
+            doctor.on_phase = self.on_phase
             doctor.start()
         except Exception as exc:  # noqa: BLE001  (a doctor bug must not take the user's training down)
             logger.warning("ddp-doctor cannot observe the DDP model built at %s: %s", site, exc)
             return
         self.doctors.append(doctor)
-        self._on_phase(doctor)
+        self.on_phase(doctor)
         self.models.append({"site": site, "framework": framework, "module": type(ddp.module).__qualname__,
                             "ddp_config": doctor.info.ddp_config, "torch_version": torch.__version__,
                             "backend": str(dist.get_backend())})
@@ -242,7 +202,7 @@ class Session:
         """Compare the unwrapped optimizer's parameters across ranks, write the report (local rank 0), exit."""
         self._finishing = True
         try:
-            arrive("ddp_doctor/unwrapped", timeout=min(self.config.crash_wait_s, self._remaining()))
+            arrive("ddp_doctor/unwrapped", timeout=min(self.config.crash_wait_s, self.remaining()))
             report = self.plain.report()
         except DoctorError as exc:
             logger.warning("ddp-doctor: rank %d could not compare the unwrapped model: %s", self.rank, exc)
@@ -255,27 +215,16 @@ class Session:
         if self.local_rank == 0:
             write_json(self.outdir / "report.json", {"reason": reason, "models": [model]})
         self._end({"outcome": "reported", "reason": reason, "ddp_models": 0})
-        self._leave()
+        self.leave()
 
     # ------------------------------------------------------------------------------------------- position
 
-    def _on_phase(self, doctor: Doctor) -> None:
+    def on_phase(self, doctor: Doctor) -> None:
+        """Publish the rank's position (step, phase, the user's line) in its beacon."""
         model = next((i for i, d in enumerate(self.doctors) if d is doctor), len(self.doctors))
         self.beacon.update(step=doctor.steps_observed, phase=doctor.phase, model=model,
-                           site=_user_site_of(sys._getframe(1)))
+                           site=user_site_of(sys._getframe(1)))
 
-    def _enter_collective(self, call: Call) -> None:
-        """The script entered a collective: publish it in the beacon (op, tensor, group size and the user's line)."""
-        self._collectives += 1
-        active = next((d for d in self.doctors if not d.finished), None)
-        self.beacon.update(in_collective=True, collectives=self._collectives, collective={
-            "op": call.op, "n": self._collectives, "site": _user_site_of(call.caller), "tensor": call.tensor,
-            "group_size": call.group_size,
-            "step": active.steps_observed if active is not None else None,
-            "phase": active.phase if active is not None else None})
-
-    def _leave_collective(self) -> None:
-        self.beacon.update(in_collective=False)
 
     # ----------------------------------------------------------------------------------------------- ending
 
@@ -295,20 +244,20 @@ class Session:
         they are still training: the rank leaves with its own status, and the supervisor reports `rank-exited`.
         """
         code = 0 if exc is None or exc.code is None else exc.code if isinstance(exc.code, int) else 1
-        if self._stamps:
-            self._write_timing()      # the script ended before all timed steps
-            self._leave()
+        if self.bench is not None and self.bench.took_over:
+            self.bench.on_script_end()      # the script's loop ended before the bench's blocks did
+            self.leave()
         if exc is None:
             site = "the end of the script"
         else:
-            site = _user_frame(traceback.extract_tb(exc.__traceback__)) or "sys.exit"
+            site = user_frame(traceback.extract_tb(exc.__traceback__)) or "sys.exit"
         step = max((d.steps_observed for d in self.doctors), default=-1)
         if not self.doctors and self.plain.steps and not self._finishing and code == 0:
             self.finish_unwrapped("the script ended")
         self._end({"outcome": "exited", "status": code, "site": site, "step": step, "phase": self._progress()["phase"],
                    "ddp_models": len(self.doctors)})
         if self.doctors and not self._finishing and not self._peers_train_on(step):
-            wait = max(0.5, min(self.config.crash_wait_s, self._remaining()))
+            wait = max(0.5, min(self.config.crash_wait_s, self.remaining()))
             self.finish("the script ended" if exc is None else f"rank {self.rank} exited with status {code}",
                         timeout=wait, exit_code=code)
         self._exit(code)
@@ -353,7 +302,7 @@ class Session:
                              "numels": [numel.get(n, 0) for n in failure.params]}
         message = str(exc)
         crash = {"type": type(exc).__name__, "message": message[:4000], "traceback": "".join(tb)[-20000:],
-                 "site": _user_frame(frames), "step": step, "explained": explained,
+                 "site": user_frame(frames), "step": step, "explained": explained,
                  "peer_lost": explained is None and any(p in message for p in _PEER_LOST),
                  "phase": phase}
         # After finish() the report is written: this crash happened in the timed steps that follow it (bench).
@@ -364,7 +313,7 @@ class Session:
             sys.stderr.write(f"[ddp-doctor] rank {self.rank} crashed:\n{''.join(tb)}")
             sys.stderr.flush()
         if self.doctors and not crash["peer_lost"]:
-            wait = max(0.5, min(self.config.crash_wait_s, self._remaining()))
+            wait = max(0.5, min(self.config.crash_wait_s, self.remaining()))
             self.finish(f"rank {self.rank} crashed", timeout=wait, exit_code=1)
         self._exit(1)
 
@@ -378,7 +327,7 @@ class Session:
         self._finishing = True
         for doctor in self.doctors:
             doctor.stop()
-        timeout = self._remaining() if timeout is None else timeout
+        timeout = self.remaining() if timeout is None else timeout
         try:
             reports = [doctor.report(timeout=timeout) for doctor in self.doctors]
         except DoctorError as exc:
@@ -403,40 +352,19 @@ class Session:
             write_json(self.outdir / f"report.rank{self.rank}.json",
                        {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in mine]})
         self._end({"outcome": "reported", "reason": reason, "ddp_models": len(self.doctors)})
-        if self.config.timed_steps and not exit_code and reason == self._steps_reason:
-            self._start_timing()
+        if self.bench is not None and not exit_code and reason == self._steps_reason:
+            self.bench.take_over(self.doctors, reports)
             return
-        self._leave()
+        self.leave()
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
+        """Wait (briefly) for every rank to get here, then exit with status 0."""
         try:
             # Nobody leaves while a peer may still be reading from its sockets.
-            arrive("ddp_doctor/exit", timeout=min(10.0, max(0.5, self._remaining())))
+            arrive("ddp_doctor/exit", timeout=min(10.0, max(0.5, self.remaining())))
         except DoctorError:
             pass
         self._exit(0)
-
-    # ------------------------------------------------------------------------------------------- timing
-
-    def _start_timing(self) -> None:
-        """Let the script run `timed_steps` more optimizer steps, unobserved, and record when each one ends."""
-        self._stamps = [time.perf_counter()]
-        optimizer = next((d.optimizer for d in self.doctors if d.optimizer is not None), None)
-
-        def on_step(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-            if optimizer is not None and opt is not optimizer:
-                return
-            self._stamps.append(time.perf_counter())
-            if len(self._stamps) > self.config.timed_steps:
-                self._write_timing()
-                self._leave()
-
-        self._timing_hook = register_optimizer_step_post_hook(on_step)
-
-    def _write_timing(self) -> None:
-        if self.local_rank == 0:
-            steps = [b - a for a, b in zip(self._stamps, self._stamps[1:])]
-            write_json(self.outdir / "timing.json", {"rank": self.rank, "step_s": steps})
 
     def _end(self, state: dict[str, Any], *, overwrite: bool = False) -> None:
         path = self.outdir / f"rank{self.rank}.json"
@@ -453,7 +381,13 @@ class Session:
         # half-trained checkpoint) must not run in a diagnostic run.
         os._exit(code)
 
-    def _remaining(self) -> float:
+    @property
+    def deadline(self) -> float:
+        """Wall-clock time by which every rank must have ended (0: none)."""
+        return self.config.deadline
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline, less a margin to write the results (at least 1)."""
         return max(1.0, self.config.deadline - time.time() - 2.0) if self.config.deadline else 300.0
 
     # ---------------------------------------------------------------------------------------------- watchdog
@@ -468,7 +402,7 @@ class Session:
             "ddp_models": len(self.doctors), "models": self.models,
             "step": active.steps_observed if active is not None else -1,
             "phase": active.phase if active is not None else "before DDP was built",
-            "user_frame": _user_frame(frames),
+            "user_frame": user_frame(frames),
             "innermost": f"{inner.filename}:{inner.lineno} in {inner.name}" if inner else None,
             "ended": self._ended.is_set(), "time": time.time(),
         }
