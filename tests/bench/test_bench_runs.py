@@ -77,7 +77,7 @@ def test_unused_head_default_flags_are_incorrect_and_the_fixes_are_correct(tmp_p
 
 
 def test_changing_graph_static_graph_is_incorrect(tmp_path: Path) -> None:
-    # Which candidates the check rules out is tested without processes in tests/test_bench_candidates.py.
+    # Which candidates the check rules out is tested without processes in tests/bench/test_candidates.py.
     _, result = bench(["--rounds", "1", "--configs", "user,recommended", str(EXAMPLES / "dynamic_graph.py"),
                        "--aux-every", "2"], tmp_path)
     cands = by_name(result)
