@@ -22,6 +22,7 @@ the guard off (on every rank, at the next scheduled comparison, so no rank is le
 
 from __future__ import annotations
 
+import logging
 from types import TracebackType
 
 import torch
@@ -43,7 +44,7 @@ from ddp_doctor.wrapstate import require_ddp, require_process_group
 
 __all__ = ["GUARD_ATTR", "Guard", "guard"]
 
-logger = _log.get_logger(LOGGER_NAME)
+logger = logging.getLogger(LOGGER_NAME)
 
 GUARD_ATTR = "_ddp_doctor_guard"
 """Set on a guarded DDP instance; `refreeze` reads it to hand the guard over (`Guard.follow`) to the DDP it builds."""

@@ -4,6 +4,7 @@ what lets `ddp-doctor bench` run every candidate in one launch (`inrank.py`)."""
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -12,13 +13,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer
 
-from ddp_doctor import _log
 from ddp_doctor.bench.candidates import Config
 from ddp_doctor.wrapstate import WRAP_STATE_ATTR, freeze_named
 
 __all__ = ["Snapshot", "rebuild_in_place"]
 
-logger = _log.get_logger(__name__)
+logger = logging.getLogger(__name__)
 
 _HOOK_DICTS = ("_backward_pre_hooks", "_backward_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
                "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",

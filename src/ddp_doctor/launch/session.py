@@ -28,6 +28,7 @@ import faulthandler
 import functools
 import inspect
 import json
+import logging
 import os
 import sys
 import threading
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
-from ddp_doctor import _log, dataprobe
+from ddp_doctor import dataprobe
 from ddp_doctor._observe import Doctor
 from ddp_doctor._observe.crash import raising_ddp
 from ddp_doctor.errors import DoctorError
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FRAMEWORKS", "Session", "framework_of_stack", "write_json"]
 
-logger = _log.get_logger(__name__)
+logger = logging.getLogger(__name__)
 
 _WATCH_INTERVAL_S = 0.5
 _IN_STEP = ("forward", "after forward, before backward", "backward", "after backward", "optimizer step")
