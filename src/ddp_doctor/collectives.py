@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddp_doctor._listeners import Listeners
+
 __all__ = ["COLLECTIVES", "Call", "digest", "listen"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
@@ -54,7 +56,7 @@ class Call:
 
 
 Listener = tuple[Callable[[Call], None], Callable[[], None] | None]
-_listeners: list[Listener] = []
+_listeners: Listeners[Listener] = Listeners()
 _state = {"inside": False, "installed": False}
 
 
@@ -122,10 +124,4 @@ def listen(on_enter: Callable[[Call], None], on_exit: Callable[[], None] | None 
     that stops it. The first listener installs the wrappers, which stay (inert) for the life of the process."""
     _install()
     listener = (on_enter, on_exit)
-    _listeners.append(listener)
-
-    def remove() -> None:
-        if listener in _listeners:
-            _listeners.remove(listener)
-
-    return remove
+    return _listeners.add(listener)

@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 
+from ddp_doctor._listeners import Listeners
+
 __all__ = ["decode", "encode", "listen"]
 
 Listener = Callable[[float], None]
-_listeners: list[Listener] = []
+_listeners: Listeners[Listener] = Listeners()
 _installed = False
 
 
@@ -64,10 +66,4 @@ def _install() -> None:
 def listen(listener: Listener) -> Callable[[], None]:
     """Pass the scale of each `GradScaler.step` call to `listener`; returns the function that stops it."""
     _install()
-    _listeners.append(listener)
-
-    def remove() -> None:
-        if listener in _listeners:
-            _listeners.remove(listener)
-
-    return remove
+    return _listeners.add(listener)

@@ -145,13 +145,8 @@ def _finding(f: Finding) -> str:
 
 def _status(report: Report) -> str:
     parts = []
-    by_message: dict[tuple[int, str], list[int]] = {}
-    for crash in report.crashes:
-        first = crash.message.split(". ", 1)[0].splitlines()[0][:200]
-        by_message.setdefault((crash.step, first), []).append(crash.rank)
-    for (step, first), ranks in by_message.items():
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        parts.append(f"<p class='crash'>{_e(who)} stopped at step {step}: {_e(first)}.</p>")
+    for line in report.crash_lines():
+        parts.append(f"<p class='crash'>{_e(line)}</p>")
     if report.interrupted and not report.findings:
         parts.append(f"<p class='crash'>Interrupted after {report.steps_observed} observed step(s): nothing was "
                      "diagnosed.</p>")

@@ -202,6 +202,15 @@ class Report:
     def finding(self, code: str) -> Finding | None:
         return next((f for f in self.findings if f.code == code), None)
 
+    def crash_lines(self) -> list[str]:
+        """One line per distinct crash, ranks grouped: `ranks 0, 1 stopped at step 1: RuntimeError: ....`"""
+        by_message: dict[tuple[int, str], list[int]] = {}
+        for crash in self.crashes:
+            first = crash.message.split(". ", 1)[0].splitlines()[0][:200]
+            by_message.setdefault((crash.step, first), []).append(crash.rank)
+        return [f"{f'rank {ranks[0]}' if len(ranks) == 1 else 'ranks ' + ', '.join(map(str, ranks))} stopped at "
+                f"step {step}: {first}." for (step, first), ranks in by_message.items()]
+
     def worst_severity(self) -> str | None:
         present = {f.severity for f in self.findings}
         return next((s for s in SEVERITIES if s in present), None)

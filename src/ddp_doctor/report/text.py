@@ -49,13 +49,8 @@ def render(report: Report) -> Iterator[Any]:
         head.add_row("DDP built at", report.ddp_site, "", "")
     yield Panel(head, title=f"ddp-doctor {report.tool_version}", title_align="left")
 
-    by_message: dict[tuple[int, str], list[int]] = {}
-    for crash in report.crashes:
-        first = crash.message.split(". ", 1)[0].splitlines()[0][:200]
-        by_message.setdefault((crash.step, first), []).append(crash.rank)
-    for (step, first), ranks in by_message.items():
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        yield Text(f"{who} stopped at step {step}: {first}.", style="red")
+    for line in report.crash_lines():
+        yield Text(line, style="red")
     if report.interrupted and not report.findings:
         yield Text(f"Interrupted after {report.steps_observed} observed step(s): nothing was diagnosed.", style="yellow")
     elif not report.findings:
