@@ -126,3 +126,17 @@ def test_an_internal_error_of_the_doctor_is_exit_2_never_a_clean_report(tmp_path
     assert "internal error: AttributeError: simulated bug inside ddp-doctor" in run.output, run.output
     assert "No problems found" not in run.output, run.output
     assert run.report is None or not run.report.get("findings"), run.report
+
+
+def test_a_head_only_rank_0_trains_is_rank_dependent_after_a_one_step_crash(tmp_path: Path) -> None:
+    """Default flags, a head used on rank 0 only: rank 1 fails at step 1 with DDP's reduction error while rank 0
+    waits for it. The report says the graph depends on the rank (rank 0's beacon: it closed step 0 with every
+    gradient), and no fix tells the user to freeze the head rank 0 trains."""
+    run = check(["--nproc-per-node", "2", "--timeout", "60", str(SCRIPTS / "rank0_head.py")], tmp_path)
+    assert run.rc == 1, run.output
+    rank_dependent = run.finding("rank-dependent-graph")
+    assert run.params("rank-dependent-graph") == {"aux.weight", "aux.bias"}
+    assert rank_dependent["ranks"] == [0, 1] and rank_dependent["steps"] == [0], rank_dependent
+    assert "static_graph=True" in rank_dependent["fix"] and "keep them trainable" in rank_dependent["fix"]
+    assert all("requires_grad=False" not in f["fix"] for f in run.report["findings"]), run.output
+    assert run.report["recommendation"]["freeze_before_wrap"] == []

@@ -144,6 +144,13 @@ class Doctor:
     def steps_observed(self) -> int:
         return self._log.steps
 
+    def missing_grads(self, limit: int = 16) -> tuple[int, list[str]]:
+        """The last closed step and the trainable parameters that got no gradient in it (at most `limit` names).
+
+        Published by the launcher at each step's end, so that a rank later stuck in a collective, which can no
+        longer exchange its records, still tells which parameters it trained. Local, one pass over the step's row."""
+        return self._log.steps - 1, self._log.missing(self._target.names, limit)
+
     @property
     def finished(self) -> bool:
         """True once every hook is removed (context exited, or `steps` reached)."""

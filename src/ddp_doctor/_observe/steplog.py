@@ -91,6 +91,13 @@ class StepLog:
         rows["timing"].append(torch.tensor([step.t_forward, step.t_backward, step.t_optimizer], dtype=torch.float64))
         rows["counters"].append(torch.tensor(step.counters.as_list(), dtype=torch.int64))
 
+    def missing(self, names: list[str], limit: int) -> list[str]:
+        """Names of the parameters trainable at the end of the last closed step that got no gradient in it."""
+        if not self._rows["used"]:
+            return []
+        used, trainable = self._rows["used"][-1], self._rows["trainable"][-1]
+        return [n for n, u, t in zip(names, used.tolist(), trainable.tolist()) if t and not u][:limit]
+
     def note_site(self, sites: list[str], site: str | None) -> None:
         """Add `site` to one of the site lists, once, and at most `MAX_SITES` of them."""
         if site and site not in sites and len(sites) < MAX_SITES:

@@ -5,6 +5,8 @@ Pure: the input is the supervisor's `RankState` per rank (the ranks' own files, 
 
 from __future__ import annotations
 
+from typing import Any
+
 from ddp_doctor.launch.protocol import PHASES, Outcome, RankState
 from ddp_doctor.report.model import Finding, ParamRef
 
@@ -123,6 +125,38 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
              f"or all_reduce a flag first), or call it on every rank."))
 
 
+def _trained_elsewhere(states: dict[int, RankState], rank: int, crash: Any) -> Finding | None:
+    """`rank-dependent-graph` when DDP's reduction error on `rank` names parameters that other ranks trained.
+
+    The error at step S names the parameters that got no gradient on `rank` in step S-1. Another rank that closed
+    step S-1 with none of them missing (its beacon says so: it went on, and then waited in a collective for `rank`)
+    trained them: the used set depends on the rank.
+    """
+    explained = crash.explained or {}
+    names = list(explained.get("params") or [])
+    if explained.get("code") != "reduction-error" or not names or crash.step < 1:
+        return None
+    previous = crash.step - 1
+    trained = [r for r, s in sorted(states.items()) if r != rank and s.closed is not None
+               and s.closed.get("step") == previous and len(s.closed.get("missing", [])) < 16
+               and not set(names) & set(s.closed.get("missing", []))]
+    if not trained:
+        return None
+    numels = explained.get("numels") or [0] * len(names)
+    return Finding(
+        code="rank-dependent-graph", severity="error",
+        title=f"{len(names)} parameter(s) got a gradient on {rank_list(trained)} but not on rank {rank} in step "
+              f"{previous}",
+        detail=f"Rank {rank} failed at the start of step {crash.step} because these parameters got no gradient in "
+               f"step {previous}; {rank_list(trained)} closed that step with a gradient for every one of them (then "
+               f"waited for rank {rank} in a collective). The set "
+               "of parameters that reach the loss depends on the rank: a branch on the rank, or a task only some "
+               "ranks have data for. With default flags DDP cannot reduce such a set.",
+        params=[ParamRef(n, k) for n, k in zip(names, numels)], ranks=sorted({rank, *trained}), steps=[previous],
+        fix="keep them trainable; build DDP with static_graph=True when each rank's used set is the same at every "
+            "step (cheapest), or find_unused_parameters=True when it changes.")
+
+
 def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: list[str] = ()) -> list[Finding]:
     """The findings for a run whose ranks did not exchange records. `native`: gloo's or NCCL's own error lines
     found in the job's output (C++ aborts print them; no rank file can)."""
@@ -156,14 +190,19 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
         step = max(crash.step, 0)
         waiting = others(list(causes))
         if crash.explained:
+            trained = _trained_elsewhere(states, rank, crash)
+            if trained:
+                findings.append(trained)
             findings.append(Finding(
                 code=crash.explained["code"], severity="error",
                 title=f"rank {rank}: DDP failed at step {step}", detail=crash.explained["message"],
                 params=[ParamRef(n, k) for n, k in zip(crash.explained.get("params", []),
                                                        crash.explained.get("numels") or [0] * 10**4)],
                 ranks=[rank], steps=[step],
-                fix="fix the cause named above, then run the check again for the full diagnosis (the ranks could "
-                    "not exchange their records, so the other checks did not run)."))
+                fix=("keep them trainable (see rank-dependent-graph): build DDP with static_graph=True if each rank's "
+                     "set is the same at every step, else with find_unused_parameters=True." if trained else
+                     "fix the cause named above, then run the check again for the full diagnosis (the ranks could "
+                     "not exchange their records, so the other checks did not run).")))
             continue
         findings.append(Finding(
             code="rank-crashed", severity="error",

@@ -127,6 +127,9 @@ class RankState:
     models: list[dict[str, Any]] = field(default_factory=list)
     ddp_models: int = 0
     ended: bool = False
+    closed: dict[str, Any] | None = None
+    """From the beacon: `{"step": S, "missing": [...]}`, the last step the rank closed and the trainable parameters
+    that got no gradient in it (at most 16 names)."""
 
     @property
     def built_ddp(self) -> bool:
@@ -170,6 +173,7 @@ def read_rank_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
         if beacon is not None:
             state.step, state.phase = beacon.get("step", state.step), beacon.get("phase", state.phase)
             state.site = beacon.get("site")
+            state.closed = beacon.get("closed")
             state.position_age_s = max(0.0, end_time - beacon.get("time", end_time))
             state.in_collective = bool(beacon.get("in_collective"))
             state.collectives = int(beacon.get("collectives", 0))

@@ -223,8 +223,14 @@ class Session:
     def on_phase(self, doctor: Doctor) -> None:
         """Publish the rank's position (step, phase, the user's line) in its beacon."""
         model = next((i for i, d in enumerate(self.doctors) if d is doctor), len(self.doctors))
+        extra: dict[str, Any] = {}
+        if doctor.phase == "between steps" and doctor.steps_observed:
+            # What the step that just closed left without a gradient: a rank that later hangs in a collective
+            # still tells which parameters it trained (analyze.failures reads it against a peer's DDP error).
+            step, names = doctor.missing_grads()
+            extra["closed"] = {"step": step, "missing": names}
         self.beacon.update(step=doctor.steps_observed, phase=doctor.phase, model=model,
-                           site=user_site_of(sys._getframe(1)))
+                           site=user_site_of(sys._getframe(1)), **extra)
 
 
     # ----------------------------------------------------------------------------------------------- ending
