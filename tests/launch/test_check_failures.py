@@ -138,5 +138,5 @@ def test_a_head_only_rank_0_trains_is_rank_dependent_after_a_one_step_crash(tmp_
     assert run.params("rank-dependent-graph") == {"aux.weight", "aux.bias"}
     assert rank_dependent["ranks"] == [0, 1] and rank_dependent["steps"] == [0], rank_dependent
     assert "static_graph=True" in rank_dependent["fix"] and "keep them trainable" in rank_dependent["fix"]
-    assert all("requires_grad=False" not in f["fix"] for f in run.report["findings"]), run.output
+    assert all("requires_grad=False" not in f["fix"] + f["detail"] for f in run.report["findings"]), run.output
     assert run.report["recommendation"]["freeze_before_wrap"] == []

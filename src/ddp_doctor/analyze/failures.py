@@ -195,7 +195,9 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
                 findings.append(trained)
             findings.append(Finding(
                 code=crash.explained["code"], severity="error",
-                title=f"rank {rank}: DDP failed at step {step}", detail=crash.explained["message"],
+                title=f"rank {rank}: DDP failed at step {step}",
+                # The rank's own fix considers freezing; other ranks trained them, so that part is dropped.
+                detail=crash.explained["message"].split(" Fix: ")[0] if trained else crash.explained["message"],
                 params=[ParamRef(n, k) for n, k in zip(crash.explained.get("params", []),
                                                        crash.explained.get("numels") or [0] * 10**4)],
                 ranks=[rank], steps=[step],
