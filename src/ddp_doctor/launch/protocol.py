@@ -13,13 +13,13 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ddp_doctor._observe.phase import Phase
 from ddp_doctor.launch.beacon import read_beacon
 
 __all__ = ["PHASES", "Collective", "Crash", "Fault", "Outcome", "RankState", "read_rank_states"]
 
-PHASES = ("before DDP was built", "before the first step", "between steps", "forward",
-          "after forward, before backward", "backward", "after backward", "optimizer step")
-"""The phases a rank reports, in the order they happen within a step."""
+PHASES = tuple(p.value for p in Phase)
+"""The phases a rank reports, in the order they happen within a step (`ddp_doctor._observe.Phase`)."""
 
 
 class Outcome(str, Enum):

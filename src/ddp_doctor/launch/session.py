@@ -45,6 +45,7 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 from ddp_doctor import dataprobe
 from ddp_doctor._observe import Doctor
 from ddp_doctor._observe.crash import raising_ddp
+from ddp_doctor._observe.phase import IN_STEP, Phase
 from ddp_doctor.errors import DoctorError
 from ddp_doctor.gather import arrive
 from ddp_doctor.launch.beacon import Beacon, read_beacon
@@ -62,7 +63,7 @@ __all__ = ["FRAMEWORKS", "Session", "framework_of_stack", "write_json"]
 logger = logging.getLogger(__name__)
 
 _WATCH_INTERVAL_S = 0.5
-_IN_STEP = ("forward", "after forward, before backward", "backward", "after backward", "optimizer step")
+_IN_STEP = tuple(p.value for p in IN_STEP)
 # What a collective raises on the ranks that survive when a peer dies or stops (gloo, then NCCL wording).
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
               "communicator was aborted", "remote process exited", "NCCL error")
@@ -195,7 +196,7 @@ class Session:
         """With no DDP model, follow the first optimizer that trains on several ranks (`model-not-wrapped`)."""
         if self.doctors or self._finishing or not self.plain.on_step(opt):
             return
-        self.beacon.update(step=self.plain.steps, phase="between steps")
+        self.beacon.update(step=self.plain.steps, phase=Phase.BETWEEN_STEPS.value)
         if self.plain.steps >= self.config.steps:
             self.finish_unwrapped(self._steps_reason)
 
@@ -224,7 +225,7 @@ class Session:
         """Publish the rank's position (step, phase, the user's line) in its beacon."""
         model = next((i for i, d in enumerate(self.doctors) if d is doctor), len(self.doctors))
         extra: dict[str, Any] = {}
-        if doctor.phase == "between steps" and doctor.steps_observed:
+        if doctor.phase == Phase.BETWEEN_STEPS and doctor.steps_observed:
             # What the step that just closed left without a gradient: a rank that later hangs in a collective
             # still tells which parameters it trained (analyze.failures reads it against a peer's DDP error).
             step, names = doctor.missing_grads()
