@@ -45,14 +45,15 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 from ddp_doctor import dataprobe
 from ddp_doctor._observe import Doctor
 from ddp_doctor._observe.crash import raising_ddp
-from ddp_doctor._observe.phase import IN_STEP, Phase
+from ddp_doctor._observe.phase import Phase
 from ddp_doctor.errors import DoctorError
 from ddp_doctor.gather import arrive
-from ddp_doctor.launch.beacon import Beacon, read_beacon
+from ddp_doctor.launch.beacon import Beacon
 from ddp_doctor.launch.collectives import CollectiveRecorder
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site_of
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
+from ddp_doctor.launch.watchdog import Watchdog, peers_train_on
 from ddp_doctor.wrapstate import WRAP_STATE_ATTR, freeze_named
 
 if TYPE_CHECKING:
@@ -62,8 +63,6 @@ __all__ = ["FRAMEWORKS", "Session", "framework_of_stack", "write_json"]
 
 logger = logging.getLogger(__name__)
 
-_WATCH_INTERVAL_S = 0.5
-_IN_STEP = tuple(p.value for p in IN_STEP)
 # What a collective raises on the ranks that survive when a peer dies or stops (gloo, then NCCL wording).
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
               "communicator was aborted", "remote process exited", "NCCL error")
@@ -92,7 +91,8 @@ class Session:
         self.doctors: list[Doctor] = []
         self.models: list[dict[str, Any]] = []
         self._finishing = False
-        self._ended = threading.Event()
+        self.ended = threading.Event()
+        """Set when the rank is done (the watchdog stops)."""
         self.original_init = DistributedDataParallel.__init__
         """DDP's own constructor (`bench` rebuilds the script's DDP with it, unobserved)."""
         self._original_destroy = dist.destroy_process_group
@@ -101,6 +101,7 @@ class Session:
         self.collectives = CollectiveRecorder(self.beacon, lambda: next((d for d in self.doctors if not d.finished),
                                                                         None))
         self.plain = PlainOptimizerWatch()
+        self.watchdog = Watchdog(self)
         self.bench: InRankBench | None = None
         """`ddp-doctor bench`'s driver, which takes over after the observed steps (None under `check`)."""
 
@@ -158,8 +159,7 @@ class Session:
         # the signal and the stack to a file the supervisor reads. The file object must stay open.
         self._fault_file = open(self.outdir / f"rank{self.rank}.fault", "w")  # noqa: SIM115
         faulthandler.enable(self._fault_file, all_threads=False)
-        self._write_progress()
-        threading.Thread(target=self._watch, name="ddp-doctor-watchdog", daemon=True).start()
+        self.watchdog.start()
 
     def _before_wrap(self, module: torch.nn.Module, arguments: dict[str, Any]) -> None:
         if self._finishing:
@@ -188,7 +188,7 @@ class Session:
         self.models.append({"site": site, "framework": framework, "module": type(ddp.module).__qualname__,
                             "ddp_config": doctor.info.ddp_config, "torch_version": torch.__version__,
                             "backend": str(dist.get_backend())})
-        self._write_progress()
+        self.watchdog.write()
 
     # ------------------------------------------------------------------------------------------- no DDP
 
@@ -262,38 +262,19 @@ class Session:
         step = max((d.steps_observed for d in self.doctors), default=-1)
         if not self.doctors and self.plain.steps and not self._finishing and code == 0:
             self.finish_unwrapped("the script ended")
-        self._end({"outcome": "exited", "status": code, "site": site, "step": step, "phase": self._progress()["phase"],
+        self._end({"outcome": "exited", "status": code, "site": site, "step": step, "phase": self.watchdog.progress()["phase"],
                    "ddp_models": len(self.doctors)})
-        if self.doctors and not self._finishing and not self._peers_train_on(step):
+        if self.doctors and not self._finishing and not peers_train_on(self.outdir, self.rank, step):
             wait = max(0.5, min(self.config.crash_wait_s, self.remaining()))
             self.finish("the script ended" if exc is None else f"rank {self.rank} exited with status {code}",
                         timeout=wait, exit_code=code)
         self._exit(code)
 
-    def _peers_train_on(self, step: int, *, watch_s: float = 1.0) -> bool:
-        """Whether a rank on this node has started a step this rank will never take (read from their beacons).
-
-        Then waiting for it to join the exchange is pointless: it waits for this rank in DDP's all-reduce. Ranks
-        on other nodes are not visible here; for them the exchange's own wait applies.
-        """
-        deadline = time.monotonic() + watch_s
-        while True:
-            for path in self.outdir.glob("rank*.beacon"):
-                if path.name == f"rank{self.rank}.beacon":
-                    continue
-                peer = read_beacon(path) or {}
-                peer_step = int(peer.get("step", -1))
-                if peer_step > step or (peer_step == step and peer.get("phase") in _IN_STEP):
-                    return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-
     def on_crash(self, exc: BaseException) -> None:
         """The script raised on this rank: record it, try to report with the others, and exit."""
         tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
         frames = traceback.extract_tb(exc.__traceback__)
-        phase = self._progress()["phase"]
+        phase = self.watchdog.progress()["phase"]
         explained = None
         step = -1
         # DDP's own errors are raised inside the forward of the model that failed: only that model's doctor
@@ -381,8 +362,8 @@ class Session:
                               "pid": os.getpid(), "models": self.models, **state})
 
     def _exit(self, code: int) -> None:
-        self._ended.set()
-        self._write_progress()
+        self.ended.set()
+        self.watchdog.write()
         sys.stdout.flush()
         sys.stderr.flush()
         # os._exit: the rest of the script, its atexit handlers and its finally blocks (which may save a
@@ -397,39 +378,3 @@ class Session:
     def remaining(self) -> float:
         """Seconds left before the deadline, less a margin to write the results (at least 1)."""
         return max(1.0, self.config.deadline - time.time() - 2.0) if self.config.deadline else 300.0
-
-    # ---------------------------------------------------------------------------------------------- watchdog
-
-    def _progress(self) -> dict[str, Any]:
-        active = next((d for d in self.doctors if not d.finished), self.doctors[-1] if self.doctors else None)
-        main = sys._current_frames().get(threading.main_thread().ident or 0)
-        frames = traceback.extract_stack(main) if main is not None else []
-        inner = frames[-1] if frames else None
-        return {
-            "rank": self.rank, "local_rank": self.local_rank, "world_size": self.world_size, "pid": os.getpid(),
-            "ddp_models": len(self.doctors), "models": self.models,
-            "step": active.steps_observed if active is not None else -1,
-            "phase": active.phase if active is not None else "before DDP was built",
-            "user_frame": user_frame(frames),
-            "innermost": f"{inner.filename}:{inner.lineno} in {inner.name}" if inner else None,
-            "ended": self._ended.is_set(), "time": time.time(),
-        }
-
-    def _write_progress(self) -> None:
-        try:
-            write_json(self.outdir / f"rank{self.rank}.progress.json", self._progress())
-        except Exception as exc:  # noqa: BLE001  (the watchdog must never take the rank down)
-            logger.debug("ddp-doctor: progress not written: %s", exc)
-
-    def _watch(self) -> None:
-        last: tuple[Any, ...] = ()
-        while not self._ended.wait(_WATCH_INTERVAL_S):
-            progress = self._progress()
-            key = (progress["step"], progress["phase"], progress["user_frame"], progress["innermost"])
-            if key != last:
-                self._write_progress()
-                last = key
-            if self.config.deadline and time.time() > self.config.deadline + 2.0:
-                # The parent normally stops us before this; this covers a parent that is gone.
-                self._write_progress()
-                os._exit(124)
