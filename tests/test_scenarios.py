@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from dist import run_ranks
-from scenarios import CASES, GROUP_CASES, GROUPS, Case, run_applied, run_case, run_two_models, run_unwrapped
+from scenarios import CASES, GROUP_CASES, GROUPS, Case, run_applied, run_case
+from scenarios_models import run_two_models, run_unwrapped
 
 from ddp_doctor import CODES
 
