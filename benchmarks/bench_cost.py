@@ -14,30 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from _shared import quartiles, timed_command
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "scripts" / "slow_start.py"
 CONFIGS = "user,recommended,static_graph,recommended+bucket_view"
 GOAL = 3.0
-
-
-def _timed(cmd: list[str]) -> float:
-    start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {done.returncode}:\n{done.stdout[-3000:]}"
-                           f"\n{done.stderr[-3000:]}")
-    return time.perf_counter() - start
-
-
-def _quartiles(values: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return q[0], q[2]
 
 
 def measure(rounds: int, startup_s: float, steps: int) -> dict:
@@ -50,15 +36,15 @@ def measure(rounds: int, startup_s: float, steps: int) -> dict:
         bench = [sys.executable, "-m", "ddp_doctor.cli", "bench", "--nproc-per-node", "2", "--steps", str(steps),
                  "--rounds", "3", "--configs", CONFIGS, "--json", str(out), *script]
         for _ in range(rounds):
-            times["check"].append(_timed(check))
-            times["bench"].append(_timed(bench))
+            times["check"].append(timed_command(check, str(REPO)))
+            times["bench"].append(timed_command(bench, str(REPO)))
             result = json.loads(out.read_text())
             launches.append(len(result["launches"]))
     ratios = [b / c for c, b in zip(times["check"], times["bench"])]
     return {
         "rounds": rounds, "startup_s": startup_s, "steps": steps, "candidates": CONFIGS, "bench_rounds": 3,
         "check_s": statistics.median(times["check"]), "bench_s": statistics.median(times["bench"]),
-        "median_ratio": statistics.median(ratios), "iqr": _quartiles(ratios), "ratios": ratios,
+        "median_ratio": statistics.median(ratios), "iqr": quartiles(ratios), "ratios": ratios,
         "launches": launches, "meets_goal": statistics.median(ratios) < GOAL,
     }
 

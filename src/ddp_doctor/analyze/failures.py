@@ -125,6 +125,13 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
              f"or all_reduce a flag first), or call it on every rank."))
 
 
+def _param_refs(explained: dict[str, Any]) -> list[ParamRef]:
+    """The parameters a rank's explained DDP error names, with their sizes (0 where the rank file has none)."""
+    names = list(explained.get("params") or [])
+    numels = explained.get("numels") or [0] * len(names)
+    return [ParamRef(n, k) for n, k in zip(names, numels)]
+
+
 def _trained_elsewhere(states: dict[int, RankState], rank: int, crash: Any) -> Finding | None:
     """`rank-dependent-graph` when DDP's reduction error on `rank` names parameters that other ranks trained.
 
@@ -142,7 +149,6 @@ def _trained_elsewhere(states: dict[int, RankState], rank: int, crash: Any) -> F
                and not set(names) & set(s.closed.get("missing", []))]
     if not trained:
         return None
-    numels = explained.get("numels") or [0] * len(names)
     return Finding(
         code="rank-dependent-graph", severity="error",
         title=f"{len(names)} parameter(s) got a gradient on {rank_list(trained)} but not on rank {rank} in step "
@@ -152,7 +158,7 @@ def _trained_elsewhere(states: dict[int, RankState], rank: int, crash: Any) -> F
                f"waited for rank {rank} in a collective). The set "
                "of parameters that reach the loss depends on the rank: a branch on the rank, or a task only some "
                "ranks have data for. With default flags DDP cannot reduce such a set.",
-        params=[ParamRef(n, k) for n, k in zip(names, numels)], ranks=sorted({rank, *trained}), steps=[previous],
+        params=_param_refs(explained), ranks=sorted({rank, *trained}), steps=[previous],
         fix="keep them trainable; build DDP with static_graph=True when each rank's used set is the same at every "
             "step (cheapest), or find_unused_parameters=True when it changes.")
 
@@ -198,8 +204,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
                 title=f"rank {rank}: DDP failed at step {step}",
                 # The rank's own fix considers freezing; other ranks trained them, so that part is dropped.
                 detail=crash.explained["message"].split(" Fix: ")[0] if trained else crash.explained["message"],
-                params=[ParamRef(n, k) for n, k in zip(crash.explained.get("params", []),
-                                                       crash.explained.get("numels") or [0] * 10**4)],
+                params=_param_refs(crash.explained),
                 ranks=[rank], steps=[step],
                 fix=("keep them trainable (see rank-dependent-graph): build DDP with static_graph=True if each rank's "
                      "set is the same at every step, else with find_unused_parameters=True." if trained else
