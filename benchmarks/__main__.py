@@ -18,12 +18,14 @@ BENCHMARKS = {
     "refreeze_bytes": ["bytes after refreeze", "step after refreeze"],
     "fingerprint_cost": ["fingerprints_batched", "fingerprints (per tensor)", "fingerprints_batched per step"],
     "check_overhead": ["check, 8 steps", "check, 64 steps"],
+    "collective_recording": ["collective recording"],
+    "bench_cost": ["bench, 4 candidates x 3 rounds"],
 }
 """Benchmark file (without .py) -> the keys of its JSON result to show. A result entry has `median_ratio` and
 `iqr`, and may say what it is compared with (`vs`, default: plain DDP) and its `goal`."""
 
 
-SELF_LAUNCHED = {"check_overhead"}
+SELF_LAUNCHED = {"check_overhead", "bench_cost"}
 """Benchmarks that start their own processes (they compare launchers) instead of running under torchrun."""
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["interleave", "mlp", "parser", "ratio", "timed", "write"]
+__all__ = ["interleave", "mlp", "parser", "quartiles", "ratio", "timed", "timed_command", "write"]
 
 
 def mlp(depth: int = 70, width: int = 128) -> nn.Sequential:
@@ -68,3 +69,19 @@ def write(result: dict, path: str | None) -> None:
         if path:
             with open(path, "w") as f:
                 json.dump(result, f, indent=2)
+
+
+def timed_command(cmd: list[str], cwd: str) -> float:
+    """Wall-clock seconds of one run of `cmd` (raises, with its output's tail, when it fails)."""
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {done.returncode}:\n{done.stdout[-3000:]}"
+                           f"\n{done.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """First and third quartiles (both the value itself for a single value)."""
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return q[0], q[2]

@@ -13,27 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from _shared import quartiles, timed_command
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "clean.py"
-
-
-def _timed(cmd: list[str]) -> float:
-    start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {done.returncode}:\n{done.stdout[-3000:]}"
-                           f"\n{done.stderr[-3000:]}")
-    return time.perf_counter() - start
-
-
-def _quartiles(values: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return q[0], q[2]
 
 
 def measure(steps: int, rounds: int) -> dict:
@@ -42,19 +28,19 @@ def measure(steps: int, rounds: int) -> dict:
              "--epochs", str(epochs), "--max-steps", str(steps)]
     check = [sys.executable, "-m", "ddp_doctor.cli", "check", "--nproc-per-node", "2", "--steps", str(steps),
              str(SCRIPT), "--epochs", str(epochs), "--max-steps", str(steps)]
-    _timed(plain)   # warm the file cache
+    timed_command(plain, str(REPO))   # warm the file cache
     times: dict[str, list[float]] = {"plain": [], "check": []}
     for _ in range(rounds):
-        times["plain"].append(_timed(plain))
-        times["check"].append(_timed(check))
+        times["plain"].append(timed_command(plain, str(REPO)))
+        times["check"].append(timed_command(check, str(REPO)))
     ratios = [c / p for p, c in zip(times["plain"], times["check"])]
     extra = [c - p for p, c in zip(times["plain"], times["check"])]
     over_goal = [c - (2 * p + 3.0) for p, c in zip(times["plain"], times["check"])]
     return {
         "steps": steps, "rounds": rounds,
         "plain_s": statistics.median(times["plain"]), "check_s": statistics.median(times["check"]),
-        "median_ratio": statistics.median(ratios), "iqr": _quartiles(ratios),
-        "median_extra_s": statistics.median(extra), "iqr_extra_s": _quartiles(extra),
+        "median_ratio": statistics.median(ratios), "iqr": quartiles(ratios),
+        "median_extra_s": statistics.median(extra), "iqr_extra_s": quartiles(extra),
         "meets_goal": statistics.median(over_goal) <= 0.0,
     }
 

@@ -143,6 +143,23 @@ class Case:
     steps: int = 4
     retry_on_rank: int | None = None
     """This rank runs one more synced forward and backward through DDP in step 1, the others in step 2."""
+    log_metric: str | None = None
+    """Each rank all-reduces its loss for logging after the backward: "sum" on every rank, or "max-on-rank-1" (rank
+    1 asks for MAX while the others SUM: the calls pair up, the results are silently wrong)."""
+    scaler: str | None = None
+    """AMP's GradScaler around the step: "same" on every rank, or "rank-1-init" (rank 1 builds it with another
+    init_scale, so the ranks skip different steps)."""
+    compile: str | None = None
+    """torch.compile (dynamo's "eager" backend: tracing without code generation): "inside" DDP (DDP around the
+    compiled module) or "outside" (the compiled DDP)."""
+    groups: list[list[int]] | None = None
+    """Data-parallel groups over which DDP is built (DDP(process_group=...)), as in hybrid-parallel jobs; each group
+    gets its own weights. None: the world."""
+    loss_by_group: list[LossFn] | None = None
+    """The loss of each group, when the groups train differently."""
+    evaluate: str | None = None
+    """Rank 0 evaluates before step 1: "grad" through the DDP wrapper with autograd on, "no_grad" the right way
+    (under torch.no_grad() through ddp.module)."""
 
 
 HEAD_B = {"head_b.weight", "head_b.bias"}
@@ -217,44 +234,115 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case(name="accumulate-no-sync", accumulate="no_sync", micro_steps=3, codes=set()),
     Case(name="same-batch", same_batch=True, codes={"identical-inputs-across-ranks"},
          fixed={"same_batch": False}),
-    Case(name="batchnorm", net_kwargs={"batchnorm": True}, codes=set()),
+    # BatchNorm in training mode, each rank over its own batch of 6: information, with the per-rank batch size.
+    Case(name="batchnorm", net_kwargs={"batchnorm": True}, codes={"batchnorm-not-synced"}),
+    # The same layer in eval mode (frozen statistics, as in fine-tuning): nothing to say.
+    Case(name="batchnorm-eval", net_kwargs={"batchnorm": True}, after_wrap=lambda net: net.norm.eval(), codes=set()),
+    # AMP's GradScaler: the same on every rank is clean; a rank-dependent init_scale is named at the first step.
+    Case(name="grad-scaler", scaler="same", codes=set(), fixed={"scaler": None}),
+    # DDP averages gradients scaled by different factors; each rank unscales by its own: the replicas diverge.
+    Case(name="grad-scaler-rank-dependent", scaler="rank-1-init", codes={"grad-scaler-mismatch", "replica-divergence"},
+         fixed={"scaler": None}),
     # A retry path that runs one more forward and backward through DDP on rank 1: DDP's all-reduces pair across
     # steps. Named as a collective mismatch at the step it happened, with the rank.
     # The paired all-reduces average the same gradients on both ranks (so grads agree at each optimizer step),
     # but of different micro-passes: the weights drift apart.
     Case(name="extra-backward-on-one-rank", retry_on_rank=1, codes={"collective-mismatch", "replica-divergence"},
          fixed={"retry_on_rank": None}),
+    # A rank-0-only evaluation through the DDP wrapper with autograd on: the ranks' DDP calls differ. Harmless here
+    # (no buffers to broadcast), so a warning that says why; the right way (no_grad through .module) stays clean.
+    Case(name="eval-rank0-through-ddp-in-grad-mode", evaluate="grad", codes={"collective-mismatch"},
+         fixed={"evaluate": "no_grad"}),
+    Case(name="eval-rank0-no-grad-through-module", evaluate="no_grad", codes=set()),
+    # The script's own collectives, compared per step through a digest: the same logging all_reduce everywhere is
+    # clean; a different reduction on one rank pairs up silently and is named.
+    Case(name="logging-all-reduce", log_metric="sum", codes=set()),
+    Case(name="logging-all-reduce-other-op-on-rank-1", log_metric="max-on-rank-1", codes={"collective-mismatch"},
+         fixed={"log_metric": "sum"}),
+    # torch.compile on either side of DDP: names without the `_orig_mod.` prefix, the recommendation applied to the
+    # compiled model.
+    Case(name="compiled-inside-ddp-unused-head", compile="inside", loss=loss_plain, ddp_kwargs={"static_graph": True},
+         codes={"unused-parameters"}, params={"unused-parameters": HEAD_B}),
+    Case(name="compiled-ddp-unused-head", compile="outside", loss=loss_plain, ddp_kwargs={"static_graph": True},
+         codes={"unused-parameters"}, params={"unused-parameters": HEAD_B}),
     Case(name="batchnorm-no-broadcast", net_kwargs={"batchnorm": True}, ddp_kwargs={"broadcast_buffers": False},
-         codes={"buffer-divergence"}, params={"buffer-divergence": {"norm.running_mean", "norm.running_var"}}),
+         codes={"buffer-divergence", "batchnorm-not-synced"}, params={"buffer-divergence": {"norm.running_mean", "norm.running_var"}}),
 ]}
 
 
-def _build(case: Case, ddp_kwargs: dict[str, Any], freeze_names: list[str]) -> tuple[DDP, torch.optim.Optimizer]:
-    torch.manual_seed(0)
+def group_index(case: Case, rank: int) -> int:
+    """The data-parallel group `rank` belongs to (0 without groups)."""
+    return next((i for i, g in enumerate(case.groups or []) if rank in g), 0)
+
+
+def _group(case: Case, rank: int) -> Any:
+    """This rank's process group (every rank creates every group, in the same order, as new_group requires)."""
+    if case.groups is None:
+        return None
+    made = [dist.new_group(g) for g in case.groups]
+    return made[group_index(case, rank)]
+
+
+def _build(case: Case, ddp_kwargs: dict[str, Any], freeze_names: list[str]) -> tuple[Any, torch.optim.Optimizer]:
+    """The model the loop calls (the DDP, or the compiled DDP) and its optimizer."""
+    rank = dist.get_rank()
+    group = _group(case, rank)
+    torch.manual_seed(100 * group_index(case, rank))  # each data-parallel group has its own weights
     net = Net(**case.net_kwargs).to(device())
     if case.before_wrap is not None:
         case.before_wrap(net)
     for n in freeze_names:
         net.get_parameter(n).requires_grad_(False)
-    ddp = DDP(net, device_ids=[device()] if device().type == "cuda" else None, **ddp_kwargs)
+    wrapped = torch.compile(net, backend="eager") if case.compile == "inside" else net
+    ddp = DDP(wrapped, device_ids=[device()] if device().type == "cuda" else None, process_group=group,
+              **ddp_kwargs)
     if case.after_wrap is not None:
         case.after_wrap(net)
-    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
+    model = torch.compile(ddp, backend="eager") if case.compile == "outside" else ddp
+    return model, torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+
+def the_ddp(model: Any) -> DDP:
+    """The DDP inside what the loop calls (a compiled DDP keeps it as `_orig_mod`)."""
+    return model if isinstance(model, DDP) else model._orig_mod
 
 
 def _micro_batches(case: Case, rank: int, step: int) -> list[Any]:
     return [batch(rank, step, m, same=case.same_batch) for m in range(case.micro_steps)]
 
 
-def train_step(case: Case, model: Any, inner: nn.Module, rank: int, step: int) -> None:
+def _loss_of(case: Case, rank: int) -> LossFn:
+    return case.loss_by_group[group_index(case, rank)] if case.loss_by_group else case.loss
+
+
+def make_scaler(case: Case, rank: int) -> Any:
+    if case.scaler is None:
+        return None
+    return torch.amp.GradScaler(device().type, init_scale=2.0**10 if case.scaler == "rank-1-init" and rank == 1
+                                else 2.0**16)
+
+
+def train_step(case: Case, model: Any, inner: nn.Module, rank: int, step: int, scaler: Any = None) -> None:
     """One optimizer step's forward and backward passes, written the way users write them."""
+    if case.evaluate is not None and rank == 0 and step == 1:
+        x, _ = batch(rank, 100 + step)
+        if case.evaluate == "grad":
+            model(x).sum().item()
+        else:
+            with torch.no_grad():
+                inner(x).sum().item()
     for micro, data in enumerate(_micro_batches(case, rank, step)):
         last = micro == case.micro_steps - 1
         if case.accumulate == "flag":
             model.require_backward_grad_sync = last  # nanoGPT's idiom
         context = model.no_sync() if case.accumulate == "no_sync" and not last else nullcontext()
         with context:
-            (case.loss(model, inner, data, step, rank) / case.micro_steps).backward()
+            loss = _loss_of(case, rank)(model, inner, data, step, rank) / case.micro_steps
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if case.log_metric is not None and last:
+            metric = torch.ones(1, device=device())
+            odd = case.log_metric == "max-on-rank-1" and rank == 1
+            dist.all_reduce(metric, op=dist.ReduceOp.MAX if odd else dist.ReduceOp.SUM)
         # "The loss spiked: retry". Rank `retry_on_rank` retries in step 1 and the others in step 2, so the totals
         # match again and the run ends (a single unmatched retry would leave a rank waiting in its last all-reduce).
         retry_step = 1 if case.retry_on_rank == rank else 2
@@ -266,12 +354,17 @@ def run_observed(case: Case, rank: int) -> dict[str, Any]:
     """The user's loop under observe(); returns the report as a dict plus what was raised."""
     ddp, opt = _build(case, case.ddp_kwargs, [])
     raised = None
-    doctor = observe(ddp, optimizer=opt)
+    doctor = observe(the_ddp(ddp), optimizer=opt)
+    scaler = make_scaler(case, rank)
     try:
         with doctor:
             for step in range(case.steps):
-                train_step(case, ddp, ddp.module, rank, step)
-                opt.step()
+                train_step(case, ddp, ddp.module, rank, step, scaler)
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
                 opt.zero_grad()
     except DDPFailure as exc:
         raised = exc.code
@@ -289,22 +382,25 @@ def run_applied(case: Case, rank: int, rec: dict[str, Any]) -> dict[str, Any]:
     kwargs = {k: v for k, v in fixed.ddp_kwargs.items() if k == "broadcast_buffers"}
     kwargs.update(find_unused_parameters=rec["find_unused_parameters"], static_graph=rec["static_graph"],
                   gradient_as_bucket_view=rec["gradient_as_bucket_view"])
-    ddp, opt = _build(fixed, kwargs, rec["freeze_before_wrap"])
+    model, opt = _build(fixed, kwargs, rec["freeze_before_wrap"])
+    ddp = the_ddp(model)
+    group = ddp.process_group
     trained = [p for p in ddp.module.parameters() if p.requires_grad]
     worst, unequal = 0.0, 0
     for step in range(case.steps):
-        reference = copy.deepcopy(ddp.module)
+        inner = getattr(ddp.module, "_orig_mod", ddp.module)   # the reference is the plain module
+        reference = copy.deepcopy(inner)
         ref_params = [p for p in reference.parameters() if p.requires_grad]
         _reference_accumulate(fixed, reference, rank, step)
         # The harness's own collectives go through the CPU-capable path on any backend: all_reduce on the rank's
-        # device, all_gather of the result back on the CPU for the comparison.
+        # device, all_gather of the result back on the CPU for the comparison. Within the DDP's own group.
         expected = _flat_grads(ref_params)
-        dist.all_reduce(expected)
-        expected = expected.cpu() / dist.get_world_size()
-        train_step(fixed, ddp, ddp.module, rank, step)
+        dist.all_reduce(expected, group=group)
+        expected = expected.cpu() / dist.get_world_size(group)
+        train_step(fixed, model, ddp.module, rank, step)
         got = _flat_grads(trained)
-        everyone = [torch.empty_like(got) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, got)
+        everyone = [torch.empty_like(got) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, got, group=group)
         everyone, got = [e.cpu() for e in everyone], got.cpu()
         unequal += sum(not torch.equal(everyone[0], g) for g in everyone)
         worst = max(worst, float((got - expected).abs().max()))
@@ -315,12 +411,24 @@ def run_applied(case: Case, rank: int, rec: dict[str, Any]) -> dict[str, Any]:
 
 def _reference_accumulate(case: Case, module: nn.Module, rank: int, step: int) -> None:
     for data in _micro_batches(case, rank, step):
-        (case.loss(module, module, data, step, rank) / case.micro_steps).backward()
+        (_loss_of(case, rank)(module, module, data, step, rank) / case.micro_steps).backward()
+
+
+GROUPS = [[0, 1], [2, 3]]
+GROUP_CASES: dict[str, tuple[Case, list[set[str]]]] = {c.name: (c, codes) for c, codes in [
+    # Two data-parallel groups of a 4-rank hybrid job, same architecture, different weights; group [2, 3] never
+    # uses head_b. Each DDP is compared within its own group: no cross-group divergence, the head named for its
+    # group only, with global ranks.
+    (Case(name="subgroups-unused-head-in-one", groups=GROUPS, loss_by_group=[loss_both, loss_plain],
+          ddp_kwargs={"find_unused_parameters": True}, codes=set()), [{"find-unused-unneeded"}, {"unused-parameters"}]),
+    (Case(name="subgroups-all-used", groups=GROUPS, codes=set()), [set(), set()]),
+]}
+"""4-rank cases over two data-parallel groups, with each group's expected codes."""
 
 
 def run_case(rank: int, world: int, name: str) -> dict[str, Any]:
     """Rank function for the harness: observed run, then the applied recommendation."""
-    case = CASES[name]
+    case = CASES[name] if name in CASES else GROUP_CASES[name][0]
     out = run_observed(case, rank)
     out["applied"] = run_applied(case, rank, out["report"]["recommendation"])
     return out

@@ -8,7 +8,7 @@ from dist import run_ranks
 
 from ddp_doctor import RankMismatchError
 from ddp_doctor.gather import gather
-from ddp_doctor.records import ModelInfo, RankRecord
+from ddp_doctor.records import ModelInfo, RankRecord, StepCounters
 
 
 def _info(names: list[str]) -> ModelInfo:
@@ -40,7 +40,7 @@ def _uneven_steps(rank: int, world: int) -> list[int]:
     record.buffer_fp = torch.zeros(steps, 1, 2, dtype=torch.float64)
     record.input_fp = torch.zeros(steps, 2, dtype=torch.float64)
     record.timing = torch.zeros(steps, 3, dtype=torch.float64)
-    record.counters = torch.zeros(steps, 7, dtype=torch.int64)
+    record.counters = torch.zeros(steps, len(StepCounters.FIELDS), dtype=torch.int64)
     record.bypass_sites = [f"rank{rank}.py:1"]
     _, records = gather(record, _info(["a", "b"]), timeout=10, tag="u", device=torch.device("cpu"))
     return [r.steps for r in records] + [float(r.grad_fp[0, 0, 0]) for r in records] + [r.bypass_sites for r in records]

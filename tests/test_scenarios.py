@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from dist import run_ranks
-from scenarios import CASES, Case, run_applied, run_case
+from scenarios import CASES, GROUP_CASES, GROUPS, Case, run_applied, run_case
+from scenarios_models import run_two_models, run_unwrapped
 
 from ddp_doctor import CODES
 
@@ -100,3 +101,53 @@ def test_reference_check_catches_unsynced_grads(tmp_path) -> None:
     ranks = run_ranks(_applied_unfixed, tmp_path)
     assert ranks[0]["unequal_across_ranks"] > 0
     assert ranks[0]["max_abs_err"] > 1e-4
+
+
+@pytest.mark.parametrize("name", list(GROUP_CASES))
+def test_scenario_over_subgroups(name: str, tmp_path) -> None:
+    """DDP over two data-parallel groups of 4 ranks: each group's report is its own (same on its ranks, global rank
+    numbers, the group's ranks listed), and its recommendation applied keeps grads equal within the group."""
+    _, expected = GROUP_CASES[name]
+    ranks = run_ranks(run_case, tmp_path, args=(name,), world_size=4, timeout=150)
+    for g, members in enumerate(GROUPS):
+        reports = [ranks[r]["report"] for r in members]
+        assert all(r == reports[0] for r in reports[1:]), f"{name}: group {members} got different reports"
+        report = reports[0]
+        assert report["ddp_config"].get("process_group_ranks") == members, report["ddp_config"]
+        codes = {f["code"] for f in report["findings"]}
+        assert codes == expected[g], f"{name}: group {members} expected {expected[g]}, got {codes}\n{ranks[members[0]]['text']}"
+        for f in report["findings"]:
+            assert set(f["ranks"]) <= set(members), f"{name}: a finding of group {members} names ranks {f['ranks']}"
+            if f["code"] == "unused-parameters":
+                assert {p["name"] for p in f["params"]} == {"head_b.weight", "head_b.bias"}
+                assert report["recommendation"]["freeze_before_wrap"] == ["head_b.weight", "head_b.bias"]
+        for r in members:
+            applied = ranks[r]["applied"]
+            assert applied["unequal_across_ranks"] == 0 and applied["max_abs_err"] < 1e-5, (name, r, applied)
+
+
+@pytest.mark.parametrize(("sync", "severity"), [(None, "error"), ("sync_gradients", "info")])
+def test_scenario_model_not_wrapped(sync: str | None, severity: str, tmp_path) -> None:
+    """No DDP at all: each rank trains its own copy (error), unless a correct manual sync keeps them equal (info,
+    pointing to DDP). The fix, DDP around the model, keeps grads equal to the reference average."""
+    ranks = run_ranks(run_unwrapped, tmp_path, args=(sync,), timeout=90)
+    report = ranks[0]["report"]
+    assert all(r["report"] == report for r in ranks[1:])
+    assert [(f["code"], f["severity"]) for f in report["findings"]] == [("model-not-wrapped", severity)], ranks[0]["text"]
+    names = {p["name"] for p in report["findings"][0]["params"]}
+    assert names == {"trunk.weight", "trunk.bias", "block.0.weight", "block.0.bias", "head_a.weight", "head_a.bias",
+                     "head_b.weight", "head_b.bias"}, names
+    for r in ranks:
+        assert r["applied"]["unequal_across_ranks"] == 0 and r["applied"]["max_abs_err"] < 1e-5, r["applied"]
+
+
+def test_scenario_two_models_each_report_is_its_own(tmp_path) -> None:
+    """Several DDP models (a GAN): the critic's reduction error belongs to the critic; the generator's report, whose
+    loop the same error ended, has no finding about it."""
+    for r in run_ranks(run_two_models, tmp_path, timeout=90):
+        assert r["raised"] == "reduction-error"
+        critic = {f["code"]: {p["name"] for p in f["params"]} for f in r["critic"]["findings"]}
+        assert set(critic) == {"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"}, r["text"]
+        assert critic["reduction-error"] == critic["unused-parameters"] == {"head_b.weight", "head_b.bias"}
+        assert r["generator"]["findings"] == [], r["generator"]["findings"]
+        assert r["generator"]["crashes"][0]["kind"] == "other"   # what ended its loop, not its own failure

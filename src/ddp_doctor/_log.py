@@ -1,4 +1,5 @@
-"""Logging helpers: library code logs, only the CLI configures handlers."""
+"""Logging helpers: library code logs through `logging.getLogger(__name__)`; only the CLI configures handlers.
+These add what logging lacks: the rank, rank-zero only, and once per process."""
 
 from __future__ import annotations
 
@@ -7,11 +8,7 @@ import logging
 
 import torch.distributed as dist
 
-__all__ = ["get_logger", "is_rank_zero", "log_once", "rank"]
-
-
-def get_logger(name: str) -> logging.Logger:
-    return logging.getLogger(name)
+__all__ = ["is_rank_zero", "log_once", "rank"]
 
 
 def rank() -> int:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ddp_doctor._listeners import Listeners
 from ddp_doctor.hookutil import user_site
 
 __all__ = ["listen"]
@@ -20,7 +21,7 @@ __all__ = ["listen"]
 Listener = Callable[[str | None, bool], None]
 """Called with (the user's `file:line`, whether any tensor input requires grad)."""
 
-_listeners: list[Listener] = []
+_listeners: Listeners[Listener] = Listeners()
 _installed = False
 
 
@@ -46,10 +47,4 @@ def listen(listener: Listener) -> Callable[[], None]:
     """Start passing reentrant checkpoint calls to `listener`; returns the function that stops it."""
     if not _installed:
         _install()
-    _listeners.append(listener)
-
-    def remove() -> None:
-        if listener in _listeners:
-            _listeners.remove(listener)
-
-    return remove
+    return _listeners.add(listener)

@@ -33,4 +33,7 @@ CODES: dict[str, str] = {
     "uneven-inputs": "ranks have different numbers of batches per epoch",
     "sampler-epoch-not-set": "a shuffling DistributedSampler starts a new epoch without set_epoch",
     "rank-exited": "a rank left the job early (any exit status) while the others still trained",
+    # Cheap cross-rank checks of the training loop's helpers:
+    "batchnorm-not-synced": "BatchNorm layers train on each rank's batch alone (no SyncBatchNorm)",
+    "grad-scaler-mismatch": "AMP GradScaler's scale differs across ranks at an optimizer step",
 }

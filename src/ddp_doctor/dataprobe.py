@@ -12,10 +12,12 @@ from typing import Any
 
 import torch.utils.data as tud
 
+from ddp_doctor._listeners import Listeners
+
 __all__ = ["describe", "install", "listen"]
 
 Listener = Callable[[dict[str, Any]], None]
-_listeners: list[Listener] = []
+_listeners: Listeners[Listener] = Listeners()
 _installed = False
 _set_epoch_called: set[int] = set()
 """ids of DistributedSamplers whose set_epoch was called since the probe was installed."""
@@ -78,10 +80,4 @@ def listen(listener: Listener) -> Callable[[], None]:
     """Pass each start of a DataLoader iteration to `listener`; returns the function that stops it."""
     if not _installed:
         _install()
-    _listeners.append(listener)
-
-    def remove() -> None:
-        if listener in _listeners:
-            _listeners.remove(listener)
-
-    return remove
+    return _listeners.add(listener)

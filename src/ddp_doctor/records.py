@@ -62,6 +62,8 @@ class ModelInfo:
     group_ranks: list[int] | None = None
     """The global ranks of the DDP model's process group, in group order, when it is a subgroup (None: the world).
     Analysis works in group ranks; findings are mapped to these at the end."""
+    batchnorm: list[str] = field(default_factory=list)
+    """Names of the model's BatchNorm layers that are not SyncBatchNorm: each rank normalizes over its own batch."""
     flavor: Flavor = field(default_factory=Flavor)
     """The framework versions installed where the model was built (how fixes and snippets are phrased)."""
 
@@ -91,6 +93,7 @@ class ModelInfo:
             "ddp_site": self.ddp_site,
             "framework": self.framework,
             "group_ranks": self.group_ranks,
+            "batchnorm": self.batchnorm,
             "flavor": asdict(self.flavor),
         }
 
@@ -119,9 +122,26 @@ class StepCounters:
     """0 for the step a crash interrupted: its usage data is partial."""
     optimizer_step: int = 0
     """1 when the step ended with `optimizer.step()`."""
+    unpaired_forwards: int = 0
+    """Forward calls through the DDP wrapper in grad mode, with gradient sync on, that no backward followed before
+    the next one (an evaluation through DDP with autograd on, say)."""
+
+    collectives: int = 0
+    """The script's own `torch.distributed` collectives in this step (DDP's gradient all-reduces not included)."""
+    collective_digest: int = 0
+    """A running 31-bit digest of those collectives' op, dtype, shape, reduction and group size, in order
+    (`collectives.digest`): equal on ranks that issued the same sequence."""
+
+    scaler_scale: int = 0
+    """AMP GradScaler's scale at the step's `scaler.step()`, as float32 bits (`scalerprobe.encode`); 0: none."""
+    batch_size: int = 0
+    """The first dimension of the first input tensor of the step's first training forward (0: none seen)."""
+    batchnorm_training: int = 0
+    """How many of the model's BatchNorm layers (not SyncBatchNorm) were in training mode at that forward."""
 
     FIELDS = ("micro_steps", "ddp_forwards", "bypass_forwards", "reentrant_checkpoints", "synced_backwards",
-              "complete", "optimizer_step")
+              "complete", "optimizer_step", "unpaired_forwards", "collectives", "collective_digest", "scaler_scale",
+              "batch_size", "batchnorm_training")
 
     def as_list(self) -> list[int]:
         return [getattr(self, f) for f in self.FIELDS]
@@ -169,6 +189,11 @@ class RankRecord:
     """The DataLoaders iterated while observed (at most 4): batches per epoch, sampler kind, padding, epochs."""
     repeat_sites: list[str] = field(default_factory=list)
     """`step N: file:line` of each synced DDP forward after the first in a step."""
+    unpaired_sites: list[str] = field(default_factory=list)
+    """`step N: file:line` of synced DDP forwards in grad mode that no backward followed (see `unpaired_forwards`)."""
+    collective_log: list[str] = field(default_factory=list)
+    """The first script collectives of the observed steps (at most `MAX_COLLECTIVE_LOG`), as
+    `step N: all_reduce(float32[1], SUM)/2 at file:line`: what names a mismatch that the per-step digests reveal."""
 
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
         "used", "reachable", "trainable", "ran", "grad_fp", "weight_fp", "buffer_fp", "input_fp", "timing", "counters")
@@ -262,5 +287,7 @@ class RankRecord:
             "bypass_sites": self.bypass_sites,
             "blocked_checkpoints": self.blocked_checkpoints,
             "repeat_sites": self.repeat_sites,
+            "unpaired_sites": self.unpaired_sites,
+            "collective_log": self.collective_log,
             "loaders": self.loaders,
         }

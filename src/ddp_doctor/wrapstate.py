@@ -10,10 +10,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor._compat import ddp_logging_data, ddp_syncs_buffers, parameters_to_ignore
-from ddp_doctor.errors import NotDDPModelError, ProcessGroupNotInitializedError
+from ddp_doctor.errors import DoctorError, NotDDPModelError, ProcessGroupNotInitializedError
 from ddp_doctor.records import Flavor, ModelInfo
 
-__all__ = ["WRAP_STATE_ATTR", "current_flavor", "ddp_config_of", "model_info", "require_ddp", "require_process_group",
+__all__ = ["WRAP_STATE_ATTR", "current_flavor", "ddp_config_of", "freeze_named", "is_local_batchnorm", "model_info",
+           "require_ddp", "require_process_group",
            "user_name"]
 
 _WRAP_HINT = "Wrap it first: DistributedDataParallel(model, device_ids=[local_rank])."
@@ -26,6 +27,26 @@ def user_name(name: str) -> str:
     """A parameter's name as the user's own module calls it: `torch.compile` wraps a module in an `OptimizedModule`
     whose parameters carry an `_orig_mod.` prefix (at any depth, for a compiled submodule)."""
     return name.replace("_orig_mod.", "")
+
+
+def freeze_named(module: torch.nn.Module, names: list[str] | tuple[str, ...], *,
+                 what: str = "--ddp-kwargs freeze_before_wrap") -> None:
+    """Set `requires_grad=False` on the named parameters of `module` (`ddp-doctor`'s freeze-before-wrap).
+
+    The report's names drop torch.compile's `_orig_mod.` prefix; both spellings are accepted.
+
+    Raises:
+        DoctorError: a name the module does not have; the message lists the module's parameters.
+    """
+    named = dict(module.named_parameters())
+    named.update({user_name(n): p for n, p in list(named.items())})
+    missing = [n for n in names if n not in named]
+    if missing:
+        raise DoctorError(
+            f"{what} names parameters this model does not have: {missing}. "
+            f"Its parameters are: {list(named)[:20]}{' ...' if len(named) > 20 else ''}")
+    for name in names:
+        named[name].requires_grad_(False)
 
 
 def ddp_config_of(ddp: DistributedDataParallel) -> dict[str, Any]:
@@ -86,8 +107,14 @@ def model_info(ddp: DistributedDataParallel, named_params: list[tuple[str, torch
         wrap_trainable_count=wrap_count if wrap_count is not None and wrap_count >= 0 else None,
         ddp_site=state.get("site") if state else None,
         framework=state.get("framework", "torch") if state else "torch",
+        batchnorm=[user_name(n) for n, m in module.named_modules() if is_local_batchnorm(m)],
         flavor=current_flavor(),
     )
+
+
+def is_local_batchnorm(module: torch.nn.Module) -> bool:
+    """A BatchNorm layer whose statistics come from this rank's batch alone (not SyncBatchNorm)."""
+    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(module, torch.nn.SyncBatchNorm)
 
 
 def current_flavor() -> Flavor:

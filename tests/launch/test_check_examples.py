@@ -41,6 +41,9 @@ EXAMPLES_EXPECTED = [
     Example("dynamic_graph.py", {"static-graph-unsafe", "dynamic-graph", "grads-not-synced", "replica-divergence"},
             1, params={"dynamic-graph": {"aux_head.weight", "aux_head.bias"},
                        "static-graph-unsafe": {"aux_head.weight", "aux_head.bias"}}),
+    # The used set differs by rank but never changes: static_graph=True is the cheaper correct flag.
+    Example("rank_dependent_head.py", {"rank-dependent-graph"}, 0,
+            params={"rank-dependent-graph": {"aux_head.weight", "aux_head.bias"}}),
 ]
 
 

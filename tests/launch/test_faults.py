@@ -201,3 +201,26 @@ def test_gloo_and_nccl_abort_lines_are_read_from_the_output() -> None:
         ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 "
          "milliseconds before timing out.")]
     assert native_messages("all fine\n") == []
+
+
+def test_a_barrier_only_rank_0_calls_is_named(tmp_path: Path) -> None:
+    """Rank 0 waits at a barrier "before saving" that the other rank never calls: the job hangs, and the report
+    names the barrier, its line and the rank that skipped it."""
+    run = _run(["--nproc-per-node", "2", "--timeout", "30", str(SCRIPTS / "barrier_rank0.py")], tmp_path)
+    assert run.rc == 1, run.output
+    mismatch = run.finding("collective-mismatch")
+    assert "rank 1 skipped barrier (barrier_rank0.py:12) that rank 0 called" in mismatch["title"], mismatch
+    assert "rank 0 called barrier at tests/scripts/barrier_rank0.py:12 in step 3" in mismatch["detail"], mismatch
+    assert mismatch["ranks"] == [0, 1] and mismatch["steps"] == [3], mismatch
+
+
+def test_a_broadcast_of_rank_dependent_shape_is_named(tmp_path: Path) -> None:
+    """Both ranks call the same broadcast with different shapes: gloo aborts the receiver; the report names the op,
+    each rank's shape and the line, and the fix is about the shape, not about skipping the call."""
+    run = _run(["--nproc-per-node", "2", "--timeout", "60", str(SCRIPTS / "broadcast_shapes.py")], tmp_path)
+    assert run.rc == 1, run.output
+    mismatch = run.finding("collective-mismatch")
+    assert "rank 1 called broadcast(float32[3]) at tests/scripts/broadcast_shapes.py:13" in mismatch["detail"]
+    assert "rank 0 called broadcast(float32[4]) at tests/scripts/broadcast_shapes.py:13" in mismatch["detail"]
+    assert "same dtype and shape on every rank" in mismatch["fix"], mismatch
+    assert any(f["code"] == "rank-crashed" and "SIGABRT" in f["title"] for f in run.report["findings"])

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor._compat import ddp_syncs_buffers
+from ddp_doctor._guard.data import DataWatch
 from ddp_doctor._guard.problems import Reporter
 from ddp_doctor.analyze import rules
 from ddp_doctor.replicas import Comparison, Entry, compare_replicas, describe, local_rows, report_failure
@@ -34,8 +35,10 @@ class ReplicaCheck:
     """Compares this rank's parameters (and unbroadcast buffers) with every other rank's."""
 
     def __init__(self, ddp: DistributedDataParallel, names: list[str], params: list[torch.nn.Parameter],
-                 buffer_names: list[str], group: dist.ProcessGroup | None, device: torch.device) -> None:
+                 buffer_names: list[str], group: dist.ProcessGroup | None, device: torch.device,
+                 data: DataWatch) -> None:
         self._ddp = ddp
+        self._data = data
         self._names = names
         self._params = params
         self._buffer_names = buffer_names
@@ -59,6 +62,7 @@ class ReplicaCheck:
             except AttributeError:
                 b = None
             entries.append(Entry(n, "buffer", b.numel() if b is not None else 0, b))
+        entries.append(self._data.entry())  # one row, on every rank: the training loader's batches per epoch
         return entries
 
     def run(self, reporter: Reporter) -> Comparison | None:
@@ -111,6 +115,7 @@ class ReplicaCheck:
                 steps=[step],
                 fix="build DDP with broadcast_buffers=True (the default), or convert BatchNorm with "
                     "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before wrapping."))
+        findings += self._data.findings(comparison.of_kind("data"), step)
         self.diverged = [d.name for d in params]
         return findings
 

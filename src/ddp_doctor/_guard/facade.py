@@ -22,6 +22,7 @@ the guard off (on every rank, at the next scheduled comparison, so no rank is le
 
 from __future__ import annotations
 
+import logging
 from types import TracebackType
 
 import torch
@@ -33,6 +34,7 @@ from ddp_doctor._collective import agree, comm_device, layout_hash
 from ddp_doctor._compat import parameters_to_ignore
 from ddp_doctor._guard.bypass import BypassWatch
 from ddp_doctor._guard.compare import EXPLICIT, ReplicaCheck
+from ddp_doctor._guard.data import DataWatch
 from ddp_doctor._guard.flips import FlipWatch
 from ddp_doctor._guard.hooks import Hooks
 from ddp_doctor._guard.problems import LOGGER_NAME, Reporter
@@ -42,7 +44,7 @@ from ddp_doctor.wrapstate import require_ddp, require_process_group
 
 __all__ = ["GUARD_ATTR", "Guard", "guard"]
 
-logger = _log.get_logger(LOGGER_NAME)
+logger = logging.getLogger(LOGGER_NAME)
 
 GUARD_ATTR = "_ddp_doctor_guard"
 """Set on a guarded DDP instance; `refreeze` reads it to hand the guard over (`Guard.follow`) to the DDP it builds."""
@@ -140,7 +142,9 @@ class Guard:
         self._reporter = Reporter(on_problem=on_problem, group=self._group)
         self._bypass = BypassWatch(self._module, self._reporter, self._rank)
         self._flips = FlipWatch(ddp_model, names, self._params, self._reporter, self._rank)
-        self._replicas = ReplicaCheck(ddp_model, names, self._params, buffer_names, self._group, self._device)
+        self._data = DataWatch(self._reporter, self._rank)
+        self._replicas = ReplicaCheck(ddp_model, names, self._params, buffer_names, self._group, self._device,
+                                      self._data)
         self._hooks = Hooks(self)
         self._hooks.attach(ddp_model, self._module, optimizer)
         setattr(ddp_model, GUARD_ATTR, self)
@@ -249,6 +253,7 @@ class Guard:
 
     def _detach(self) -> None:
         self._hooks.detach()
+        self._data.close()
         if getattr(self._ddp, GUARD_ATTR, None) is self:
             delattr(self._ddp, GUARD_ATTR)
         self._active = False

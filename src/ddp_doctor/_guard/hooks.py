@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Hooks"]
 
-logger = _log.get_logger(LOGGER_NAME)
+logger = logging.getLogger(LOGGER_NAME)
 
 
 class Hooks:

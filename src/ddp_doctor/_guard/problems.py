@@ -7,7 +7,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddp_doctor import _log
 from ddp_doctor.errors import GuardError
 from ddp_doctor.report.model import Finding
 
@@ -16,7 +15,7 @@ __all__ = ["LOGGER_NAME", "Reporter", "render"]
 LOGGER_NAME = "ddp_doctor.guard"
 """Every part of the guard logs here (the name the README documents), whichever private module it lives in."""
 
-logger = _log.get_logger(LOGGER_NAME)
+logger = logging.getLogger(LOGGER_NAME)
 
 
 class Reporter:

@@ -80,6 +80,7 @@ class BackwardHooks:
                 t.register_hook(self._on_output_grad)
 
     def _on_output_grad(self, _grad: torch.Tensor) -> None:
+        self._timeline.open_forward = None
         if not self._backward_pending and self._timeline.attached:
             self._backward_pending = True
             self._timeline.phase = Phase.BACKWARD

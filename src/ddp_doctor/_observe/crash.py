@@ -6,11 +6,26 @@ import re
 from dataclasses import dataclass
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor.errors import DDPFailure, ReductionError
 from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord
 
-__all__ = ["OBSERVE_HINT", "CrashLog", "classify", "explain_failure"]
+__all__ = ["OBSERVE_HINT", "CrashLog", "classify", "explain_failure", "raising_ddp"]
+
+
+def raising_ddp(exc: BaseException) -> DistributedDataParallel | None:
+    """The innermost DDP instance whose method is on the traceback of `exc`, or of the DDP error an already explained
+    `DDPFailure` wraps (None when none is)."""
+    if isinstance(exc, DDPFailure) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("self")
+        if isinstance(candidate, DistributedDataParallel):
+            found = candidate
+        tb = tb.tb_next
+    return found
 
 
 def classify(exc: BaseException) -> str:
@@ -131,11 +146,20 @@ class CrashLog:
     def kind_name(self) -> str:
         return CRASH_KINDS[self.kind]
 
-    def note(self, exc: BaseException, *, step: int, in_window: bool) -> bool:
-        """Record `exc` unless a crash is already recorded. Returns whether it was recorded."""
+    def note(self, exc: BaseException, *, step: int, in_window: bool, ddp: DistributedDataParallel | None = None) -> bool:
+        """Record `exc` unless a crash is already recorded. Returns whether it was recorded.
+
+        A DDP error raised by another DDP model than `ddp` (a GAN's critic failing while its generator is observed
+        too) ended this model's loop, but is not this model's failure: it is recorded as "other".
+        """
         if self.kind:
             return False
-        self.kind = CRASH_KINDS.index(classify(exc))
+        kind = classify(exc)
+        if kind != "other" and ddp is not None:
+            raiser = raising_ddp(exc)
+            if raiser is not None and raiser is not ddp:
+                kind = "other"
+        self.kind = CRASH_KINDS.index(kind)
         self.step = step
         self.in_window = in_window
         self.message = f"{type(exc).__name__}: {exc}"[:4000]

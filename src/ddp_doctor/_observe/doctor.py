@@ -24,20 +24,18 @@ micro-steps (`timeline.py`).
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_doctor import checkpoints, dataprobe
 from ddp_doctor._collective import comm_device
 from ddp_doctor._observe.backward import BackwardHooks
 from ddp_doctor._observe.crash import OBSERVE_HINT, CrashLog, explain_failure
 from ddp_doctor._observe.forward import ForwardHooks
+from ddp_doctor._observe.listeners import Listeners
 from ddp_doctor._observe.steplog import StepLog
 from ddp_doctor._observe.target import Target
 from ddp_doctor._observe.timeline import Timeline
@@ -49,7 +47,6 @@ from ddp_doctor.wrapstate import model_info, require_ddp, require_process_group
 
 __all__ = ["Doctor", "observe"]
 
-_COMPILE_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 
 def observe(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer | str | None = None, *,
@@ -120,8 +117,7 @@ class Doctor:
                                   on_new_step=self._on_new_step, on_done=self._on_done, on_phase=self._on_phase)
         self._backward = BackwardHooks(t, self._timeline)
         self._forward = ForwardHooks(t, self._timeline, self._log, self._backward.hook_outputs)
-        self._unlisten: list[Callable[[], None]] = []
-        self._warning_filter: tuple[Any, ...] | None = None
+        self._listeners = Listeners(self._timeline, self._log, self._forward)
         self.on_phase: Callable[[Doctor], None] | None = None
         """Called at every phase change (the launcher publishes the rank's position with it)."""
         self.on_steps_done: Callable[[Doctor], None] | None = None
@@ -148,6 +144,13 @@ class Doctor:
     def steps_observed(self) -> int:
         return self._log.steps
 
+    def missing_grads(self, limit: int = 16) -> tuple[int, list[str]]:
+        """The last closed step and the trainable parameters that got no gradient in it (at most `limit` names).
+
+        Published by the launcher at each step's end, so that a rank later stuck in a collective, which can no
+        longer exchange its records, still tells which parameters it trained. Local, one pass over the step's row."""
+        return self._log.steps - 1, self._log.missing(self._target.names, limit)
+
     @property
     def finished(self) -> bool:
         """True once every hook is removed (context exited, or `steps` reached)."""
@@ -164,12 +167,7 @@ class Doctor:
             raise InvalidArgumentError("this observe() context was already used; call observe() again.")
         self._forward.attach()
         self._backward.attach()
-        # torch warns at every forward of a DDP around a torch.compile'd module while global module hooks exist.
-        # Ours are read-only observers that ignore the OptimizedModule's extra call (it owns no parameters and
-        # runs inside DDP's forward); the warning would only alarm the user, so it is silenced while observing.
-        warnings.filterwarnings("ignore", message=_COMPILE_HOOK_WARNING, category=UserWarning)
-        self._warning_filter = warnings.filters[0]
-        self._unlisten = [checkpoints.listen(self._forward.on_checkpoint), dataprobe.listen(self._log.note_loader)]
+        self._listeners.start()
         self._timeline.attached = True
         return self
 
@@ -183,12 +181,7 @@ class Doctor:
     def _detach(self) -> None:
         self._forward.detach()
         self._backward.detach()
-        for unlisten in self._unlisten:
-            unlisten()
-        self._unlisten.clear()
-        if self._warning_filter is not None and self._warning_filter in warnings.filters:
-            warnings.filters.remove(self._warning_filter)
-            self._warning_filter = None
+        self._listeners.stop()
         self._timeline.attached = False
         self._finished = True
 
@@ -221,7 +214,8 @@ class Doctor:
     def record_crash(self, exc: BaseException) -> None:
         """Record that the observed loop died with `exc` (the launcher calls this for crashes outside the context)."""
         tl = self._timeline
-        if self._crash.note(exc, step=self._log.steps, in_window=tl.attached) and tl.state.active and tl.attached:
+        if (self._crash.note(exc, step=self._log.steps, in_window=tl.attached, ddp=self.ddp)
+                and tl.state.active and tl.attached):
             tl.close(complete=False)
 
     def explain(self, exc: BaseException, *, hint: str = OBSERVE_HINT) -> DDPFailure | None:

@@ -78,6 +78,13 @@ class ForwardHooks:
             tl.sync_forward = bool(self._t.ddp.require_backward_grad_sync)
             if unstepped and tl.sync_forward and len(self._log.repeat_sites) < MAX_SITES:
                 self._log.repeat_sites.append(f"step {self._log.steps}: {user_site({id(self._t.ddp)})}")
+            if tl.open_forward is not None:
+                # The previous synced forward in grad mode got no backward (an evaluation through DDP with autograd
+                # on): DDP prepared a reduction for it that nothing finishes. Harmless only if every rank does it.
+                tl.state.counters.unpaired_forwards += 1
+                if len(self._log.unpaired_sites) < MAX_SITES:
+                    self._log.unpaired_sites.append(f"step {self._log.steps}: {tl.open_forward}")
+            tl.open_forward = user_site({id(self._t.ddp)}) if tl.sync_forward else None
         tl.clock.forward_start = time.perf_counter()
 
     def _on_ddp_forward(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
@@ -109,6 +116,9 @@ class ForwardHooks:
         inputs = [t for t in tensors_in((args, kwargs)) if not t.is_complex()]
         if inputs:
             step.input_fp += fingerprints(inputs).nan_to_num(0.0).sum(0)
+        if not step.counters.batch_size:
+            step.counters.batch_size = next((int(t.shape[0]) for t in inputs if t.dim()), 0)
+            step.counters.batchnorm_training = sum(m.training for m in self._t.batchnorm)
 
     def _on_module_forward(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
         if torch.is_grad_enabled():

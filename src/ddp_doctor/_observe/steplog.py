@@ -7,14 +7,17 @@ from typing import Any
 
 import torch
 
+from ddp_doctor.collectives import Call, digest
 from ddp_doctor.fingerprint import fingerprints
 from ddp_doctor.records import RankRecord, StepCounters
 
-__all__ = ["MAX_LOADERS", "MAX_SITES", "StepLog", "StepState"]
+__all__ = ["MAX_COLLECTIVE_LOG", "MAX_LOADERS", "MAX_SITES", "StepLog", "StepState"]
 
 MAX_SITES = 4
 """At most this many call sites of each kind are kept (the first ones)."""
 MAX_LOADERS = 4
+MAX_COLLECTIVE_LOG = 64
+"""At most this many of the script's collectives are logged by name (every one is counted in the digests)."""
 
 
 class StepState:
@@ -58,6 +61,10 @@ class StepLog:
         """`file:line` of reentrant checkpoint calls with no grad-requiring input."""
         self.repeat_sites: list[str] = []
         """`step N: file:line` of each synced DDP forward after the first in a step."""
+        self.unpaired_sites: list[str] = []
+        """`step N: file:line` of synced DDP forwards in grad mode that no backward followed."""
+        self.collective_log: list[str] = []
+        """The first script collectives, `step N: all_reduce(float32[1])/2 at file:line`."""
         self.loaders: list[dict[str, Any]] = []
         """The DataLoaders iterated while observed (at most `MAX_LOADERS`)."""
 
@@ -84,6 +91,13 @@ class StepLog:
         rows["timing"].append(torch.tensor([step.t_forward, step.t_backward, step.t_optimizer], dtype=torch.float64))
         rows["counters"].append(torch.tensor(step.counters.as_list(), dtype=torch.int64))
 
+    def missing(self, names: list[str], limit: int) -> list[str]:
+        """Names of the parameters trainable at the end of the last closed step that got no gradient in it."""
+        if not self._rows["used"]:
+            return []
+        used, trainable = self._rows["used"][-1], self._rows["trainable"][-1]
+        return [n for n, u, t in zip(names, used.tolist(), trainable.tolist()) if t and not u][:limit]
+
     def note_site(self, sites: list[str], site: str | None) -> None:
         """Add `site` to one of the site lists, once, and at most `MAX_SITES` of them."""
         if site and site not in sites and len(sites) < MAX_SITES:
@@ -101,6 +115,13 @@ class StepLog:
             self.loaders.append({**info, "epochs_started": 1, "epochs_seen": [info.get("epoch")],
                                  "first_step": self.steps})
 
+    def note_collective(self, step: StepState, call: Call, site: str | None) -> None:
+        """The script entered `call` during `step`: count it, fold it into the step's digest, log it by name."""
+        step.counters.collectives += 1
+        step.counters.collective_digest = digest(step.counters.collective_digest, call)
+        if len(self.collective_log) < MAX_COLLECTIVE_LOG:
+            self.collective_log.append(f"step {self.steps}: {call.signature()} at {site or 'an unknown place'}")
+
     def record(self, rank: int) -> RankRecord:
         """The closed steps and the sites seen, as a `RankRecord` (without the crash, which the caller stamps)."""
         if not self._rows["used"]:
@@ -111,5 +132,7 @@ class StepLog:
         record.bypass_sites = list(self.bypass_sites)
         record.blocked_checkpoints = list(self.blocked_checkpoints)
         record.repeat_sites = list(self.repeat_sites)
+        record.unpaired_sites = list(self.unpaired_sites)
+        record.collective_log = list(self.collective_log)
         record.loaders = [{k: v for k, v in d.items() if k != "id"} for d in self.loaders]
         return record

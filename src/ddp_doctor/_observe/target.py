@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_doctor.wrapstate import is_local_batchnorm
+
 __all__ = ["Target"]
 
 
@@ -28,6 +30,8 @@ class Target:
     """`id(module)` -> the positions of the module's own (direct) parameters: a module that runs is evidence its
     parameters are meant to be used."""
     submodules: set[int] = field(init=False)
+    batchnorm: list[torch.nn.Module] = field(init=False)
+    """The BatchNorm layers that normalize over this rank's batch alone (not SyncBatchNorm)."""
 
     def __post_init__(self) -> None:
         self.module = self.ddp.module
@@ -37,6 +41,7 @@ class Target:
         self.buffers = [b for _, b in self.module.named_buffers()]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.submodules = {id(m) for m in self.module.modules()}
+        self.batchnorm = [m for m in self.module.modules() if is_local_batchnorm(m)]
         self.owned = {}
         for m in self.module.modules():
             owned = [self.index[id(q)] for q in m.parameters(recurse=False) if id(q) in self.index]

@@ -48,6 +48,8 @@ class Timeline:
     """The hooks are on: steps are being observed."""
     sync_forward: bool = True
     """The last training forward ran with `require_backward_grad_sync`: its backward is synced by DDP."""
+    open_forward: str | None = None
+    """Where the last synced DDP forward in grad mode was called, until a backward pass starts (then None)."""
     _phase: Phase = Phase.BEFORE_FIRST_STEP
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ identical (`preflight`), since a rebuild is where a divergence would otherwise b
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from ddp_doctor.wrapstate import require_ddp, require_process_group
 
 __all__ = ["constructor_kwargs", "refreeze"]
 
-logger = _log.get_logger("ddp_doctor.refreeze")
+logger = logging.getLogger("ddp_doctor.refreeze")
 
 
 def refreeze(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None, *,

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+
 from ddp_doctor.analyze.findings import DETECTORS
 from ddp_doctor.analyze.recommend import recommend
+from ddp_doctor.analyze.usage import figures
 from ddp_doctor.analyze.view import View
 from ddp_doctor.exchange import Summary, summarize
 from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord
 from ddp_doctor.report.model import Crash, Diagnosis, Timing
 
 __all__ = ["analyze", "analyze_summary"]
+
+logger = logging.getLogger(__name__)
 
 _SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
@@ -56,12 +61,18 @@ def analyze_summary(summary: Summary) -> Diagnosis:
             f.ranks = [to_global[r] if 0 <= r < len(to_global) else r for r in f.ranks]
         for c in crashes:
             c.rank = to_global[c.rank] if 0 <= c.rank < len(to_global) else c.rank
+    try:
+        usage, gap = figures(summary, findings)
+    except Exception:   # the figures are a view of the diagnosis: never lose the report over them
+        logger.warning("ddp-doctor: could not compute the usage map and divergence curve", exc_info=True)
+        usage, gap = None, None
     return Diagnosis(findings=findings, recommendation=recommend(view, findings), timing=_timing(summary),
-                     steps_observed=view.steps, crashes=crashes)
+                     steps_observed=view.steps, crashes=crashes, usage_map=usage, divergence=gap)
 
 
 _EXPLAINS_UNSYNCED = {"wrapper-bypass", "unused-parameters", "grad-blocked", "reduction-error", "frozen-after-wrap",
-                      "unfrozen-after-wrap", "rank-dependent-graph", "collective-mismatch", "static-graph-unsafe"}
+                      "unfrozen-after-wrap", "rank-dependent-graph", "collective-mismatch", "static-graph-unsafe",
+                      "grad-scaler-mismatch"}
 
 
 def _consistent_fixes(findings: list) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.view import View
 from ddp_doctor.report.model import Finding
 
@@ -26,18 +27,11 @@ def uneven_inputs(v: View) -> list[Finding]:
         shown = ", ".join(f"rank {r}: {c}" for r, c in enumerate(s.first_batches[:8]))
         names = ", ".join(map(str, short.ranks)) + (f" and {short.more} others" if short.more else "")
         sampler = _training_loader(v.meta(short.ranks[0])).get("sampler")
-        return [Finding(
-            code="uneven-inputs", severity="error",
+        return [rules.uneven_inputs(
             title=f"ranks have different numbers of batches per epoch ({shown})",
-            detail=f"{'Ranks' if short.count > 1 else 'Rank'} {names} "
-                   f"run{'' if short.count > 1 else 's'} out after {fewest} "
-                   f"batches, at batch {fewest} of the first epoch, while the others still train: they then wait "
-                   "in DDP's gradient all-reduce for a rank that has stopped, and the job hangs or crashes at the end "
-                   f"of the epoch. Sampler: {sampler}.",
-            ranks=list(range(v.world)), steps=[fewest],
-            fix="give every rank the same number of batches: shard with DistributedSampler (equal shares), or use "
-                "drop_last=True, or wrap the loop in torch.distributed.algorithms.Join([model]) so ranks that run "
-                "out shadow the others' all-reduces (Accelerate: Accelerator(even_batches=True)).")]
+            cause=f"{'Ranks' if short.count > 1 else 'Rank'} {names} run{'' if short.count > 1 else 's'} out after "
+                  f"{fewest} batches, at batch {fewest} of the first epoch, while the others still train",
+            note=f"Sampler: {sampler}.", ranks=list(range(v.world)), steps=[fewest])]
     if s.padded:
         d = _training_loader(v.meta(0))
         pad = s.padded
@@ -62,13 +56,7 @@ def sampler_epoch_not_set(v: View) -> list[Finding]:
             seen = [e for e in d.get("epochs_seen", []) if e is not None]
             repeated = any(a == b for a, b in itertools.pairwise(seen))
             if d.get("epochs_started", 1) >= 2 and repeated:
-                findings.append(Finding(
-                    code="sampler-epoch-not-set", severity="warning",
-                    title=f"a shuffling DistributedSampler started a new epoch with the same epoch ({seen[-1]})",
-                    detail="set_epoch was not called between epochs, so every epoch visits the samples in the same "
-                           "order on every rank: shuffling only happened once.",
-                    ranks=list(range(v.world)), steps=[],
-                    fix="call sampler.set_epoch(epoch) at the start of every epoch, before iterating the loader."))
+                findings.append(rules.sampler_epoch_repeated(epoch=seen[-1], ranks=list(range(v.world))))
             elif d.get("epochs_started", 1) == 1 and not d.get("set_epoch_called") and seen and seen[0] == 0:
                 findings.append(Finding(
                     code="sampler-epoch-not-set", severity="info",

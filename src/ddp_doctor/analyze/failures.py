@@ -5,6 +5,8 @@ Pure: the input is the supervisor's `RankState` per rank (the ranks' own files, 
 
 from __future__ import annotations
 
+from typing import Any
+
 from ddp_doctor.launch.protocol import PHASES, Outcome, RankState
 from ddp_doctor.report.model import Finding, ParamRef
 from ddp_doctor.report.ranks import rank_list
@@ -84,7 +86,9 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
     c = first.collective
     others = [s for s in live if s.rank != first.rank]
     behind = [s for s in others if s.collectives < c.n]
-    different = [s for s in others if s.in_collective and s.collective is not None and s.collective.n == c.n
+    # A rank still waiting in, or already past, its collective at the same position with another op or shape
+    # (the sender of a broadcast returns at once; the receiver of the wrong size aborts).
+    different = [s for s in others if s.collective is not None and s.collective.n == c.n
                  and (s.collective.op, s.collective.tensor) != (c.op, c.tensor)]
     if not behind and not different:
         return None
@@ -108,9 +112,50 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
         detail=_capped(parts) + "." + (f" {_capped(signals)} (gloo aborts a process whose peer issued a "
                                          "different collective)." if signals else ""),
         ranks=sorted({first.rank, *culprits}), steps=sorted({max(s.step, 0) for s in (first, *behind, *different)}),
-        fix=f"make every rank of the group call the same collectives in the same order: move {c.op} at "
-            f"{c.site or 'that line'} out of the rank-dependent branch (compute the condition on every rank, "
-            f"or all_reduce a flag first), or call it on every rank.")
+        fix=(f"give {c.op} at {c.site or 'that line'} the same dtype and shape on every rank: agree on the size "
+             "first (all_reduce the length, or broadcast_object_list), then pad or slice to it."
+             if different and all(s.collective.op == c.op for s in different) and not behind else
+             f"make every rank of the group call the same collectives in the same order: move {c.op} at "
+             f"{c.site or 'that line'} out of the rank-dependent branch (compute the condition on every rank, "
+             f"or all_reduce a flag first), or call it on every rank."))
+
+
+def _param_refs(explained: dict[str, Any]) -> list[ParamRef]:
+    """The parameters a rank's explained DDP error names, with their sizes (0 where the rank file has none)."""
+    names = list(explained.get("params") or [])
+    numels = explained.get("numels") or [0] * len(names)
+    return [ParamRef(n, k) for n, k in zip(names, numels)]
+
+
+def _trained_elsewhere(states: dict[int, RankState], rank: int, crash: Any) -> Finding | None:
+    """`rank-dependent-graph` when DDP's reduction error on `rank` names parameters that other ranks trained.
+
+    The error at step S names the parameters that got no gradient on `rank` in step S-1. Another rank that closed
+    step S-1 with none of them missing (its beacon says so: it went on, and then waited in a collective for `rank`)
+    trained them: the used set depends on the rank.
+    """
+    explained = crash.explained or {}
+    names = list(explained.get("params") or [])
+    if explained.get("code") != "reduction-error" or not names or crash.step < 1:
+        return None
+    previous = crash.step - 1
+    trained = [r for r, s in sorted(states.items()) if r != rank and s.closed is not None
+               and s.closed.get("step") == previous and len(s.closed.get("missing", [])) < 16
+               and not set(names) & set(s.closed.get("missing", []))]
+    if not trained:
+        return None
+    return Finding(
+        code="rank-dependent-graph", severity="error",
+        title=f"{len(names)} parameter(s) got a gradient on {rank_list(trained)} but not on rank {rank} in step "
+              f"{previous}",
+        detail=f"Rank {rank} failed at the start of step {crash.step} because these parameters got no gradient in "
+               f"step {previous}; {rank_list(trained)} closed that step with a gradient for every one of them (then "
+               f"waited for rank {rank} in a collective). The set "
+               "of parameters that reach the loss depends on the rank: a branch on the rank, or a task only some "
+               "ranks have data for. With default flags DDP cannot reduce such a set.",
+        params=_param_refs(explained), ranks=sorted({rank, *trained}), steps=[previous],
+        fix="keep them trainable; build DDP with static_graph=True when each rank's used set is the same at every "
+            "step (cheapest), or find_unused_parameters=True when it changes.")
 
 
 def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: list[str] = ()) -> list[Finding]:
@@ -146,12 +191,20 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
         step = max(crash.step, 0)
         waiting = others(list(causes))
         if crash.explained:
+            trained = _trained_elsewhere(states, rank, crash)
+            if trained:
+                findings.append(trained)
             findings.append(Finding(
                 code=crash.explained["code"], severity="error",
-                title=f"rank {rank}: DDP failed at step {step}", detail=crash.explained["message"],
-                params=[ParamRef(n, 0) for n in crash.explained.get("params", [])], ranks=[rank], steps=[step],
-                fix="fix the cause named above, then run the check again for the full diagnosis (the ranks could "
-                    "not exchange their records, so the other checks did not run)."))
+                title=f"rank {rank}: DDP failed at step {step}",
+                # The rank's own fix considers freezing; other ranks trained them, so that part is dropped.
+                detail=crash.explained["message"].split(" Fix: ")[0] if trained else crash.explained["message"],
+                params=_param_refs(crash.explained),
+                ranks=[rank], steps=[step],
+                fix=("keep them trainable (see rank-dependent-graph): build DDP with static_graph=True if each rank's "
+                     "set is the same at every step, else with find_unused_parameters=True." if trained else
+                     "fix the cause named above, then run the check again for the full diagnosis (the ranks could "
+                     "not exchange their records, so the other checks did not run).")))
             continue
         findings.append(Finding(
             code="rank-crashed", severity="error",

@@ -1,4 +1,6 @@
-"""Detectors: each reads the aligned `View` and returns findings. Pure functions, no communication."""
+"""Detectors of the used set, the frozen set and DDP's own errors: each reads the `View` and returns findings.
+Pure functions, no communication (the agreement of grads, weights, buffers and inputs is in `agreement.py`, the
+consistency of collectives and passes in `consistency.py`)."""
 
 from __future__ import annotations
 
@@ -8,38 +10,29 @@ from dataclasses import dataclass, field
 import torch
 
 from ddp_doctor.analyze import rules
+from ddp_doctor.analyze.agreement import (
+    buffer_divergence,
+    grads_not_synced,
+    identical_inputs,
+    replica_divergence,
+    wrapper_bypass,
+)
+from ddp_doctor.analyze.common import all_ranks, freeze_fix, steps_of, with_flags
+from ddp_doctor.analyze.consistency import (
+    batchnorm_not_synced,
+    collective_sequence_mismatch,
+    grad_scaler_mismatch,
+    synced_pass_mismatch,
+    unpaired_forward_mismatch,
+)
 from ddp_doctor.analyze.data import sampler_epoch_not_set, uneven_inputs
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View
 from ddp_doctor.report.model import Finding
 from ddp_doctor.report.ranks import listed
-from ddp_doctor.report.snippets import flags_fix, freeze_point
+from ddp_doctor.report.snippets import freeze_point
 
 __all__ = ["DETECTORS"]
-
-
-def _with(v: View, **flags: bool) -> str:
-    """'build DDP with ...', in the words of the framework that built the model (TrainingArguments, ...)."""
-    return flags_fix(v.info.framework, flags, v.info.flavor)
-
-
-def _freeze_fix(v: View) -> str:
-    return (f"set requires_grad=False on them {freeze_point(v.info.framework)}; if they must train on some steps, "
-            f"{_with(v, static_graph=True)} (same params unused every step) or "
-            f"{_with(v, find_unused_parameters=True)} (the set changes)")
-
-
-def _steps(mask: torch.Tensor) -> list[int]:
-    return mask.nonzero().flatten().tolist()
-
-
-def _more(finding: Finding, more: int) -> Finding:
-    finding.more_ranks = more
-    return finding
-
-
-def _all(v: View) -> list[int]:
-    return list(range(v.world))
 
 
 def unused_parameters(v: View) -> list[Finding]:
@@ -61,8 +54,8 @@ def unused_parameters(v: View) -> list[Finding]:
         title=f"{_count(n, 'trainable parameter')} never reached the loss",
         detail=f"On every rank and every one of the {v.steps} observed steps, these parameters got no gradient and "
                "their modules never ran in a training forward. " + effect,
-        params=v.params(never), ranks=_all(v), steps=list(range(v.steps)),
-        fix=_freeze_fix(v) + ".")]
+        params=v.params(never), ranks=all_ranks(v), steps=list(range(v.steps)),
+        fix=freeze_fix(v) + ".")]
 
 
 def grad_blocked(v: View) -> list[Finding]:
@@ -83,52 +76,18 @@ def grad_blocked(v: View) -> list[Finding]:
                f"no gradient reached them: {cause}. The script evidently means to train them, so they silently "
                "stay at their initial values"
                + (" while DDP waits for their gradients" if v.default_flags else "") + ".",
-        params=v.params(blocked), ranks=_all(v), steps=list(range(v.steps)),
+        params=v.params(blocked), ranks=all_ranks(v), steps=list(range(v.steps)),
         fix=("pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it works whether or not the inputs "
              "require grad)" if sites else
              "remove the torch.no_grad() / .detach() that cuts them off, or use checkpoint(..., use_reentrant=False)")
             + "; if they really are meant to stay fixed, set requires_grad=False on them yourself before wrapping.")]
 
 
-def synced_pass_mismatch(v: View) -> list[Finding]:
-    """Ranks that ran different numbers of synced backward passes through DDP in one optimizer step: each extra
-    backward issues DDP's gradient all-reduces once more, which the other ranks pair with their next ones."""
-    if v.world < 2:
-        return []
-    most_by, least_by = v.summary.window_passes
-    bad = [k for k in range(v.summary.windows) if most_by[k] != least_by[k]]
-    if not bad:
-        return []
-    first = bad[0]
-    most, least = most_by[first], least_by[first]
-    extra, rest = v.ranks("extra-passes"), v.ranks("fewer-passes")
-    sites = sorted({site for r in extra.ranks for site in v.meta(r)["window_sites"]})
-    where = f" (the extra pass starts at {', '.join(sites)})" if sites else ""
-    plural = "s" if extra.count > 1 else ""
-    return [Finding(
-        code="collective-mismatch", severity="error",
-        title=f"rank{plural} {_joined(extra.ranks, extra.more)} ran {most} synced backward passes in optimizer "
-              f"step {first}, rank{'s' if rest.count > 1 else ''} {_joined(rest.ranks, rest.more)} {least}",
-        detail=f"In optimizer step {first}{where}, the ranks ran different numbers of backward passes through DDP "
-               "with gradient sync on. Each synced backward issues DDP's gradient all-reduces, so the extra ones on "
-               "one rank are paired with the other ranks' next ones: gradients of different steps get averaged, "
-               "and the job hangs or crashes when the counts no longer line up."
-               + (f" It happened again in optimizer step(s) {bad[1:]}." if len(bad) > 1 else ""),
-        params=[], ranks=extra.ranks, steps=bad, more_ranks=extra.more,
-        fix="run the same number of synced forward/backward passes on every rank in each step: decide the retry "
-            "from a value all-reduced across ranks, or run the extra pass under ddp.no_sync().")]
-
-
-def _joined(ranks: list[int], more: int) -> str:
-    """``0, 1`` (and ``and 41 others`` when the exchange named only examples)."""
-    return ", ".join(map(str, ranks)) + (f" and {more} other{'s' if more > 1 else ''}" if more else "")
-
-
 def dynamic_graph(v: View) -> list[Finding]:
     _, dynamic, _, _ = v.usage()
     if not dynamic.any():
         return []
-    steps = _steps((~v.used_all[:, dynamic]).any(-1))
+    steps = steps_of((~v.used_all[:, dynamic]).any(-1))
     if v.static_graph:
         severity = "error"
     elif v.find_unused:
@@ -141,8 +100,8 @@ def dynamic_graph(v: View) -> list[Finding]:
         detail="The set of parameters that get a gradient changes from step to step (for example a branch taken "
                "on some steps). Only find_unused_parameters=True handles a used-set that changes"
                + (", which is what this run uses." if v.find_unused and not v.static_graph else "."),
-        params=v.params(dynamic), ranks=_all(v), steps=steps,
-        fix=_with(v, find_unused_parameters=True, static_graph=False) + ".")]
+        params=v.params(dynamic), ranks=all_ranks(v), steps=steps,
+        fix=with_flags(v, find_unused_parameters=True, static_graph=False) + ".")]
 
 
 def rank_dependent_graph(v: View) -> list[Finding]:
@@ -160,9 +119,9 @@ def rank_dependent_graph(v: View) -> list[Finding]:
                "static_graph=True handles it when each rank's set is the same every step; "
                "find_unused_parameters=True handles it always.",
         params=v.params(rank_dep), ranks=lacking.ranks, more_ranks=lacking.more,
-        steps=_steps((v.used_any[:, rank_dep] != v.used_all[:, rank_dep]).any(-1)),
-        fix=f"{_with(v, static_graph=True)} if each rank's used set is stable, else "
-            f"{_with(v, find_unused_parameters=True)}.")]
+        steps=steps_of((v.used_any[:, rank_dep] != v.used_all[:, rank_dep]).any(-1)),
+        fix=f"{with_flags(v, static_graph=True)} if each rank's used set is stable, else "
+            f"{with_flags(v, find_unused_parameters=True)}.")]
 
 
 def static_graph_unsafe(v: View) -> list[Finding]:
@@ -176,9 +135,9 @@ def static_graph_unsafe(v: View) -> list[Finding]:
         detail="static_graph=True records the used parameters on the first steps and assumes they never change. "
                + ("DDP failed on rank(s) " + listed(crashed.ranks, crashed.more) + " with 'Your training graph "
                   "has changed'." if crashed.count else "Here they changed, so gradients would be reduced wrongly."),
-        params=v.params(dynamic), ranks=crashed.ranks or _all(v), more_ranks=crashed.more,
+        params=v.params(dynamic), ranks=crashed.ranks or all_ranks(v), more_ranks=crashed.more,
         steps=v.crash_steps("static-graph-changed"),
-        fix=_with(v, static_graph=False, find_unused_parameters=True) + ".")]
+        fix=with_flags(v, static_graph=False, find_unused_parameters=True) + ".")]
 
 
 @dataclass
@@ -198,8 +157,8 @@ def hidden_params(v: View) -> tuple[Hidden, Hidden]:
     out = []
     for k, predicate in enumerate(("hidden-outside", "hidden-reentrant")):
         ex = v.ranks(predicate)
-        out.append(Hidden(params=set(_steps(v.summary.hidden[k])), ranks=ex.ranks, more_ranks=ex.more,
-                          steps=set(_steps(v.summary.hidden_steps[k])), crashed=v.summary.hidden_crashed[k]))
+        out.append(Hidden(params=set(steps_of(v.summary.hidden[k])), ranks=ex.ranks, more_ranks=ex.more,
+                          steps=set(steps_of(v.summary.hidden_steps[k])), crashed=v.summary.hidden_crashed[k]))
     return out[0], out[1]
 
 
@@ -220,7 +179,7 @@ def used_outside_forward(v: View) -> list[Finding]:
         detail=detail, params=v.params(sorted(outside.params)), ranks=outside.ranks,
         more_ranks=outside.more_ranks, steps=sorted(outside.steps),
         fix="compute them inside the wrapped module's forward; or, if the used set is stable, "
-            + _with(v, static_graph=True, find_unused_parameters=False) + ".")]
+            + with_flags(v, static_graph=True, find_unused_parameters=False) + ".")]
 
 
 def reentrant_checkpoint(v: View) -> list[Finding]:
@@ -234,7 +193,7 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
             detail="torch.utils.checkpoint with use_reentrant=True gives the checkpointed block no gradient at all "
                    "when none of the call's tensor inputs requires grad (PyTorch only warns). Its parameters look "
                    "unused, but freezing them would be the wrong fix: the script means to train them.",
-            params=v.params(blocked), ranks=_all(v), steps=list(range(v.steps)),
+            params=v.params(blocked), ranks=all_ranks(v), steps=list(range(v.steps)),
             fix="pass use_reentrant=False to the checkpoint call at " + ", ".join(sites) + ".")]
     if not reentrant.ranks:
         return []
@@ -256,7 +215,7 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
         params=v.params(sorted(reentrant.params)), ranks=reentrant.ranks, more_ranks=reentrant.more_ranks,
         steps=sorted(reentrant.steps),
         fix="pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it composes with DDP), or "
-            + _with(v, static_graph=True, find_unused_parameters=False) + ".")]
+            + with_flags(v, static_graph=True, find_unused_parameters=False) + ".")]
 
 
 def find_unused_unneeded(v: View) -> list[Finding]:
@@ -274,87 +233,8 @@ def find_unused_unneeded(v: View) -> list[Finding]:
         detail=f"All {int(v.live.sum())} trainable parameters got a gradient on every one of the {v.world} ranks "
                f"in all {v.steps} observed steps. find_unused_parameters=True makes DDP walk the whole autograd "
                "graph after every forward and delays communication, for nothing.",
-        ranks=_all(v), steps=list(range(v.steps)),
-        fix=_with(v, find_unused_parameters=False) + ".")]
-
-
-def wrapper_bypass(v: View) -> list[Finding]:
-    # A step with DDP's forward as well is not a bypass: DDP then reduces every gradient, including those of
-    # modules called outside its forward (that case is used-outside-forward).
-    hits = v.ranks("bypass")
-    if not hits.count:
-        return []
-    sites = v.bypass_sites
-    where = f" Called from {', '.join(sites)}." if sites else ""
-    return [_more(rules.wrapper_bypass(
-        title="the wrapped module is called directly, so DDP never synchronizes it",
-        detail="The module inside DDP ran forward in grad mode without DDP's forward around it (for example "
-               "loss = ddp_model.module(x) or a helper that unwraps the model). DDP's reducer only fires after its "
-               "own forward, so each rank trains its own replica." + where,
-        params=v.params(v.summary.bypass_used), ranks=hits.ranks, steps=_steps(v.summary.bypass_steps),
-        fix="call the DDP wrapper (ddp_model(x)); if the loss needs other outputs, return them from forward. "
-            "ddp_doctor.sync_gradients is the fallback when that is impossible."), hits.more)]
-
-
-def grads_not_synced(v: View) -> list[Finding]:
-    if v.world < 2 or not v.steps:
-        return []
-    params = v.summary.grad_params                         # differ in a step where every rank trains them
-    if not params.any():
-        return []
-    steps = _steps(v.summary.grad_steps)
-    others = v.ranks("grad-differs")                        # ranks whose gradients differ from rank 0's
-    ranks = [0] + others.ranks
-    return [Finding(
-        code="grads-not-synced", severity="error",
-        title=f"gradients of {_count(int(params.sum()), 'parameter')} differ across ranks at the optimizer step",
-        detail="When the optimizer stepped, these gradients were not the same on every rank, so the replicas "
-               f"take different updates. Ranks {listed(ranks, others.more)} disagree in steps {steps}.",
-        params=v.params(params), ranks=ranks, steps=steps, more_ranks=others.more,
-        fix="see the findings that explain why (a bypassed wrapper, parameters unused with default flags, "
-            "requires_grad changed after wrap); gradients must be reduced by DDP before optimizer.step().")]
-
-
-def replica_divergence(v: View) -> list[Finding]:
-    if v.world < 2:
-        return []
-    params = v.summary.weight_params
-    if not params.any():
-        return []
-    differ_steps = _steps(v.summary.weight_steps)
-    at_entry = bool(v.summary.weight_steps[0])
-    after = [s - 1 for s in differ_steps if s > 0]
-    gap = v.summary.weight_gap
-    others = v.ranks("weight-differs")
-    ranks = [0] + others.ranks
-    when = "already when observe() started" if at_entry else f"after step {after[0]}"
-    return [_more(rules.replica_divergence(
-        title=f"weights of {_count(int(params.sum()), 'parameter')} differ across ranks",
-        detail=f"The replicas are no longer identical, {when}; the largest difference of a parameter's sum "
-               f"between rank 0 and another rank is {gap:.3g}. Whatever rank 0 saves is not what the other ranks "
-               "trained.",
-        params=v.params(params), ranks=ranks, steps=after,
-        fix="fix the cause (see grads-not-synced and the findings that explain it); restart from a checkpoint "
-            "saved before the divergence, or re-broadcast rank 0's weights knowingly."), others.more)]
-
-
-def buffer_divergence(v: View) -> list[Finding]:
-    if v.world < 2 or not v.steps or not v.info.buffer_names:
-        return []
-    seen = v.summary.buffer_seen                            # [S, B]: every rank recorded it
-    differ = v.summary.buffer_differs & seen
-    if not differ.any():
-        return []
-    buffers = differ.any(0)
-    broadcast = bool(v.info.ddp_config.get("broadcast_buffers", True))
-    return [rules.buffer_divergence(
-        title=f"{_count(int(buffers.sum()), 'buffer')} differ across ranks during training",
-        detail="Buffers such as BatchNorm running statistics differ between ranks when the forward pass runs"
-               + (" because DDP was built with broadcast_buffers=False" if not broadcast else "")
-               + ". Evaluation then differs by rank, and only rank 0's are saved.",
-        params=v.buffers(buffers), ranks=_all(v), steps=_steps(differ.any(1)),
-        fix=_with(v, broadcast_buffers=True) + " (the default), or convert BatchNorm with "
-            f"torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) {freeze_point(v.info.framework)}.")]
+        ranks=all_ranks(v), steps=list(range(v.steps)),
+        fix=with_flags(v, find_unused_parameters=False) + ".")]
 
 
 def _midway(v: View, change: str) -> str:
@@ -364,7 +244,7 @@ def _midway(v: View, change: str) -> str:
         # rate of 0 keeps the set DDP reduces fixed while the parameters do not move.
         return (f"to {change} mid-training, keep them trainable when DDP is built and hold their learning rate at 0 "
                 "while they should not move, so the set DDP reduces never changes"
-                + (f"; or {_with(v, find_unused_parameters=True)}, which copes with parameters frozen later "
+                + (f"; or {with_flags(v, find_unused_parameters=True)}, which copes with parameters frozen later "
                    "(DDP still all-reduces them)" if change == "freeze" else "") + ".")
     return (f"to {change} mid-training, rebuild DDP (ddp_doctor.refreeze keeps the optimizer state and checks the "
             "replicas first).")
@@ -375,11 +255,11 @@ def frozen_after_wrap(v: View) -> list[Finding]:
     inferred = not v.info.wrap_state_exact and (v.info.wrap_trainable_count or 0) > int(v.tracked.sum())
     if not frozen.any() and not inferred:
         return []
-    steps = _steps((~v.train_all[:, frozen]).any(-1)) if frozen.any() else []
+    steps = steps_of((~v.train_all[:, frozen]).any(-1)) if frozen.any() else []
     note = (f" DDP was built with {v.info.wrap_trainable_count} trainable tensors, but only "
             f"{int(v.tracked.sum())} required grad when observe() started." if inferred else "")
     return [rules.frozen_after_wrap(
-        params=v.params(frozen), ranks=_all(v), steps=steps, find_unused=v.find_unused,
+        params=v.params(frozen), ranks=all_ranks(v), steps=steps, find_unused=v.find_unused,
         static_graph=v.static_graph, after_first_step=bool(steps) and steps[0] > 0, note=note,
         fix=f"freeze {freeze_point(v.info.framework)}; " + _midway(v, "freeze"))]
 
@@ -391,28 +271,9 @@ def unfrozen_after_wrap(v: View) -> list[Finding]:
     if not unfrozen.any():
         return []
     return [rules.unfrozen_after_wrap(
-        params=v.params(unfrozen), ranks=_all(v),
-        steps=_steps(v.train_any[:, unfrozen].any(-1)),
+        params=v.params(unfrozen), ranks=all_ranks(v),
+        steps=steps_of(v.train_any[:, unfrozen].any(-1)),
         fix=f"set requires_grad=True {freeze_point(v.info.framework)}; " + _midway(v, "unfreeze"))]
-
-
-def identical_inputs(v: View) -> list[Finding]:
-    if v.world < 2 or not v.steps:
-        return []
-    has_input = v.summary.input_present                     # [S]: every rank saw an input
-    if not has_input.any():
-        return []
-    same = ~v.summary.input_differs[has_input]
-    if not bool(same.all()):
-        return []
-    return [Finding(
-        code="identical-inputs-across-ranks", severity="warning",
-        title="every rank got the same batch",
-        detail=f"In all {int(has_input.sum())} observed steps the inputs were identical on all {v.world} ranks, so "
-               "the ranks do the same work and the job trains no faster than one rank.",
-        ranks=_all(v), steps=_steps(has_input),
-        fix="shard the data: DataLoader(dataset, sampler=DistributedSampler(dataset)), and call "
-            "sampler.set_epoch(epoch) every epoch.")]
 
 
 def no_trainable(v: View) -> list[Finding]:
@@ -425,7 +286,7 @@ def no_trainable(v: View) -> list[Finding]:
         code="no-trainable-parameters", severity="error",
         title="no parameter requires a gradient",
         detail="At some observed step every parameter had requires_grad=False, so the step trains nothing.",
-        ranks=empty.ranks, more_ranks=empty.more, steps=_steps(v.summary.no_trainable_steps),
+        ranks=empty.ranks, more_ranks=empty.more, steps=steps_of(v.summary.no_trainable_steps),
         fix="set requires_grad=True on the parameters to train, before wrapping the model in DDP.")]
 
 
@@ -433,7 +294,7 @@ def reduction_error(v: View) -> list[Finding]:
     crashed = v.crashed("reduction-error")
     if not crashed.count:
         return []
-    missing = set(_steps(v.summary.reduction_missing))
+    missing = set(steps_of(v.summary.reduction_missing))
     step = min(v.crash_steps("reduction-error"))
     # Parameters a rank or step used, or whose module ran, are meant to train: never advise freezing them.
     meant = v.ever_used | v.summary.ran
@@ -441,10 +302,10 @@ def reduction_error(v: View) -> list[Finding]:
     if trained:
         fix = (f"do not freeze them: {', '.join(v.info.param_names[i] for i in trained[:4])}"
                f"{' ...' if len(trained) > 4 else ''} got a gradient on some rank or step, or their module ran. "
-               f"{_with(v, static_graph=True)} if each rank's used set is the same every step, else "
-               f"{_with(v, find_unused_parameters=True)}; see the recommendation")
+               f"{with_flags(v, static_graph=True)} if each rank's used set is the same every step, else "
+               f"{with_flags(v, find_unused_parameters=True)}; see the recommendation")
     else:
-        fix = _freeze_fix(v) + "; see the recommendation for the cheapest flags"
+        fix = freeze_fix(v) + "; see the recommendation for the cheapest flags"
     return [Finding(
         code="reduction-error", severity="error",
         title="DDP failed: 'Expected to have finished reduction in the prior iteration'",
@@ -457,7 +318,8 @@ def reduction_error(v: View) -> list[Finding]:
 
 DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (
     reduction_error, static_graph_unsafe, wrapper_bypass, unfrozen_after_wrap, frozen_after_wrap,
-    unused_parameters, grad_blocked, synced_pass_mismatch, dynamic_graph, rank_dependent_graph, used_outside_forward, reentrant_checkpoint,
+    unused_parameters, grad_blocked, collective_sequence_mismatch, synced_pass_mismatch, unpaired_forward_mismatch,
+    dynamic_graph, rank_dependent_graph, used_outside_forward, reentrant_checkpoint,
     grads_not_synced, replica_divergence, buffer_divergence, identical_inputs, no_trainable, find_unused_unneeded,
-    uneven_inputs, sampler_epoch_not_set,
+    uneven_inputs, sampler_epoch_not_set, grad_scaler_mismatch, batchnorm_not_synced,
 )

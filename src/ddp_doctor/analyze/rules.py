@@ -36,7 +36,7 @@ def frozen_after_wrap(*, params: list[ParamRef], ranks: list[int], steps: list[i
         detail = ("static_graph=True recorded them as used in the first step, so the step's reduction never "
                   "finishes, none of the step's gradients are all-reduced, and the next step fails.")
     else:
-        detail = "the step's reduction never finishes and the next step fails."
+        detail = "with default flags the step's reduction never finishes and the next step fails."
     return Finding(
         code="frozen-after-wrap", severity="warning" if harmless else "error",
         title=f"{count(len(params), 'parameter')} frozen after DDP was built",
@@ -78,3 +78,28 @@ def buffer_divergence(*, title: str, detail: str, params: list[ParamRef], ranks:
     the saved buffers depend on the rank."""
     return Finding(code="buffer-divergence", severity="warning", title=title, detail=detail, params=params,
                    ranks=ranks, steps=steps, fix=fix)
+
+
+def uneven_inputs(*, title: str, cause: str, ranks: list[int], steps: list[int], note: str = "") -> Finding:
+    """Ranks whose training loaders give different numbers of batches per epoch. Always an ``error``: the rank that
+    runs out stops calling DDP's all-reduce while the others wait in it. `cause` ends with "while the others still
+    train"."""
+    return Finding(
+        code="uneven-inputs", severity="error", title=title,
+        detail=cause + ": they then wait in DDP's gradient all-reduce for a rank that has stopped, and the job hangs "
+                       "or crashes at the end of the epoch." + (f" {note}" if note else ""),
+        ranks=ranks, steps=steps,
+        fix="give every rank the same number of batches: shard with DistributedSampler (equal shares), or use "
+            "drop_last=True, or wrap the loop in torch.distributed.algorithms.Join([model]) so ranks that run "
+            "out shadow the others' all-reduces (Accelerate: Accelerator(even_batches=True)).")
+
+
+def sampler_epoch_repeated(*, epoch: int | None, ranks: list[int]) -> Finding:
+    """A shuffling DistributedSampler started a new epoch with the epoch of the last one. A ``warning``."""
+    return Finding(
+        code="sampler-epoch-not-set", severity="warning",
+        title=f"a shuffling DistributedSampler started a new epoch with the same epoch ({epoch})",
+        detail="set_epoch was not called between epochs, so every epoch visits the samples in the same order on "
+               "every rank: shuffling only happened once.",
+        ranks=ranks, steps=[],
+        fix="call sampler.set_epoch(epoch) at the start of every epoch, before iterating the loader.")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ddp_doctor.bench.candidates import Config, candidates
-from ddp_doctor.bench.run import BenchResult, Candidate, run_bench
+from ddp_doctor.bench.result import BenchResult, Candidate, Launch
+from ddp_doctor.bench.run import run_bench
 from ddp_doctor.bench.stats import Verdict, decide
 
-__all__ = ["BenchResult", "Candidate", "Config", "Verdict", "candidates", "decide", "run_bench"]
+__all__ = ["BenchResult", "Candidate", "Config", "Launch", "Verdict", "candidates", "decide", "run_bench"]

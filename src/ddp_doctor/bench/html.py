@@ -1,4 +1,5 @@
-"""`bench --html`: one self-contained page with the table, a step-time chart (matplotlib SVG) and the check report."""
+"""`bench --html`: one self-contained page with the table, a step-time chart (matplotlib SVG) and the check report
+(the same section `check --html` writes, with its usage map and divergence curve)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,8 @@ import html
 import io
 from pathlib import Path
 
-from rich.console import Console
-
 from ddp_doctor.bench.run import BenchResult
+from ddp_doctor.report import html as report_html
 
 __all__ = ["write_html"]
 
@@ -70,19 +70,14 @@ def _table(result: BenchResult) -> str:
     return f"<table id='candidates'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
-def _report(result: BenchResult) -> str:
-    console = Console(record=True, width=110, file=io.StringIO(), force_terminal=True, color_system="truecolor")
-    console.print(result.check)
-    return console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")
-
-
 def write_html(result: BenchResult, path: Path) -> None:
     """Write the page: verdict, table, chart, the verdict's code per framework, and the check report."""
     rec = result.verdict()
     verdict = html.escape(rec.reason) if rec is not None else "No candidate ran correctly."
     snippets = "".join(f"<h3>{k}</h3><pre>{html.escape(v)}</pre>" for k, v in (rec.render.items() if rec else []))
     page = f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>ddp-doctor bench</title><style>{_CSS}</style></head>
+<html lang="en"><head><meta charset="utf-8"><title>ddp-doctor bench</title>
+<style>{report_html.CSS}{_CSS}</style></head>
 <body>
 <h1>ddp-doctor bench</h1>
 <p id="verdict">{verdict}</p>
@@ -93,7 +88,8 @@ hooks. Candidates ran interleaved in rounds. Spread is the interquartile range r
 <h2>The verdict as code</h2>
 {snippets}
 <h2>The check report</h2>
-{_report(result)}
+{report_html.check_section(result.check, key="check")}
+<script>{report_html.SCRIPT}</script>
 </body></html>
 """
     path.parent.mkdir(parents=True, exist_ok=True)

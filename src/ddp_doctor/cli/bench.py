@@ -15,7 +15,7 @@ from rich.table import Table
 
 from ddp_doctor.bench import BenchResult, run_bench
 from ddp_doctor.bench.run import Candidate
-from ddp_doctor.cli.check import _torchrun_parser, add_check_arguments, validate
+from ddp_doctor.cli.check import add_check_arguments, torchrun_subparser, validate
 from ddp_doctor.report.model import finite
 
 __all__ = ["CANDIDATE_NAMES", "register", "render"]
@@ -23,15 +23,18 @@ __all__ = ["CANDIDATE_NAMES", "register", "render"]
 CANDIDATE_NAMES = ("user", "recommended", "defaults", "find_unused", "static_graph", "recommended+bucket_view",
                    "recommended+bucket_10mb", "recommended+bucket_50mb")
 
-EPILOG = """\
-Each candidate runs the unmodified script through the same injection as `check`: the first --steps optimizer
-steps are observed (the correctness check), then --steps more are timed with every hook removed. Candidates run
-interleaved in rounds (A B C, A B C, ...). A candidate that fails or desyncs is marked incorrect and never wins.
-
-examples:
+EXAMPLES = """\
   ddp-doctor bench --nproc-per-node 2 train.py
   ddp-doctor bench --nproc-per-node 2 --rounds 5 --html bench.html --json bench.json train.py
   ddp-doctor bench --nproc-per-node 2 --configs user,recommended,static_graph train.py
+"""
+
+EPILOG = """\
+The script starts once where it can: after `check`'s --steps observed steps, the ranks rebuild the script's DDP
+wrapper in place for each candidate, put the model and optimizer back to their state before the first step,
+observe --steps steps (the correctness check), then time --steps more with every hook removed. Candidates run
+interleaved in rounds (A B C, B C A, ...). A candidate that fails or desyncs is marked incorrect and never wins.
+A new launch starts only when the previous one cannot go on (a crash, the script's loop ended); the output says why.
 
 candidate names: user (the script's flags), recommended (the check's recommendation), defaults (both flags off),
 find_unused (find_unused_parameters=True), static_graph (static_graph=True), recommended+bucket_view
@@ -40,22 +43,24 @@ combinations that the check proves cannot work are not built; the rest must prov
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "bench", parents=[_torchrun_parser()], conflict_handler="resolve",
-        help="time the candidate DDP configurations on a script and pick the fastest correct one",
-        description="Check SCRIPT, build the DDP configurations that could be correct for what it does, run each "
-                    "one several times interleaved, and report which is fastest among those that stayed correct.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    group = p.add_argument_group("ddp-doctor")
+def _add_bench_arguments(group: argparse._ArgumentGroup) -> None:
     add_check_arguments(group, bench=True)
     group.add_argument("--rounds", type=int, default=6, metavar="R",
                        help="the most runs per candidate; rounds stop once the verdict is settled (default: 6)")
     group.add_argument("--budget", type=float, default=None, metavar="S",
                        help="start no new round after S seconds (default: no limit)")
     group.add_argument("--configs", metavar="NAMES", help="comma-separated candidate names to run (default: all)")
-    group.add_argument("--html", metavar="FILE", help="write a self-contained HTML page with the table and a chart")
-    p.set_defaults(func=run, _parser=p)
+    group.add_argument("--html", metavar="FILE", help="write a self-contained HTML page with the table, a chart "
+                                                      "and the check report with its figures")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    # Our options first, with the examples; torchrun's launcher options in their own group after them.
+    torchrun_subparser(
+        sub, "bench", help="time the candidate DDP configurations on a script and pick the fastest correct one",
+        description="Check SCRIPT, build the DDP configurations that could be correct for what it does, run each "
+                    "one several times interleaved, and report which is fastest among those that stayed correct.",
+        epilog=EPILOG, examples=EXAMPLES, add_ours=_add_bench_arguments).set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,14 +82,14 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     with tempfile.TemporaryDirectory(prefix="ddp-doctor-bench-") as tmp:
         progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                            TextColumn("{task.completed} runs"), TimeElapsedColumn(), console=console, transient=True)
+                            TextColumn("{task.completed} launches"), TimeElapsedColumn(), console=console,
+                            transient=True)
         with progress:
             task = progress.add_task("check", total=None)
 
-            def on_progress(name: str) -> None:
-                if name != "check":
-                    progress.advance(task)
-                progress.update(task, description=f"running {name}")
+            def on_progress(text: str) -> None:
+                progress.advance(task)
+                progress.update(task, description=text)
 
             result = run_bench(namespace, steps=args.steps, rounds=args.rounds, timeout=args.timeout,
                                log_dir=Path(tmp), only=only, budget=args.budget, on_progress=on_progress)
@@ -136,8 +141,21 @@ def table(result: BenchResult) -> Table:
     return t
 
 
+def launches(result: BenchResult) -> list[str]:
+    """What the script's start-up cost: the launches, and why each one after the first was needed."""
+    startup = result.startup_s
+    n = len(result.launches)
+    lines = [(f"Start-up (launch to the first optimizer step): {_fmt(startup, '.1f', ' s')}, paid {n} time(s) for "
+              f"{result.blocks} block(s) (one per candidate and round).")]
+    for launch in result.launches[1:]:
+        lines.append(f"  launch {launch.index} ({', '.join(launch.blocks) or 'no block'}): {launch.why}")
+    return lines
+
+
 def render(result: BenchResult, console: Console) -> None:
     console.print(table(result))
+    for line in launches(result):
+        console.print(line, highlight=False)
     for c in result.candidates:
         if not c.correct:
             console.print(f"[red]{c.name}[/] is incorrect: {c.reason}", highlight=False)

@@ -8,6 +8,8 @@ import json
 import os
 import signal
 import sys
+import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -17,19 +19,18 @@ from rich.rule import Rule
 from ddp_doctor.launch.outcome import CheckResult, exit_code
 from ddp_doctor.launch.supervise import check_namespace
 
-__all__ = ["add_check_arguments", "check", "parse_ddp_kwargs", "register", "render_result",
-           "validate"]
+__all__ = ["add_check_arguments", "check", "check_page", "parse_ddp_kwargs", "register", "render_result",
+           "torchrun_subparser", "validate"]
 
-EPILOG = """\
-Everything torchrun accepts before SCRIPT works the same way (--nnodes, --node-rank, --rdzv-backend,
---rdzv-endpoint, ...). The script's own arguments go after SCRIPT, unchanged.
-
-examples:
+EXAMPLES = """\
   # the two-rank CPU check of a script you normally start with torchrun
   ddp-doctor check --nproc-per-node 2 train.py --lr 3e-4
 
   # JSON for CI, and exit code 1 on warnings too
   ddp-doctor check --nproc-per-node 2 --json report.json --fail-on warning train.py
+
+  # a page to look at: findings, usage map, divergence curve, the fix for four frameworks
+  ddp-doctor check --nproc-per-node 2 --html report.html train.py
 
   # try the recommended flags without editing the script
   ddp-doctor check --nproc-per-node 2 --ddp-kwargs '{"static_graph": true}' train.py
@@ -40,12 +41,17 @@ examples:
   # two nodes, one process each (run one command per node)
   ddp-doctor check --nnodes 2 --nproc-per-node 1 --node-rank 0 \\
       --rdzv-backend c10d --rdzv-endpoint node0.example:29400 --rdzv-id job1 train.py
+"""
+
+EPILOG = """\
+Everything torchrun accepts before SCRIPT works the same way (--nnodes, --node-rank, --rdzv-backend,
+--rdzv-endpoint, ...). The script's own arguments go after SCRIPT, unchanged.
 
 exit codes: 0 nothing at or above --fail-on; 1 findings at or above it; 2 the tool could not run the script.
 """
 
 _RUN_FAILURES = ("rank-crashed", "rank-hung", "rank-exited", "collective-mismatch")
-_OURS = ("steps", "json", "fail_on", "timeout", "ddp_kwargs", "func")
+_OURS = ("steps", "json", "html", "fail_on", "timeout", "ddp_kwargs", "func")
 _BENCH = ("rounds", "configs", "html")
 
 
@@ -55,17 +61,49 @@ def _torchrun_parser() -> argparse.ArgumentParser:
     return get_args_parser()
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Raw descriptions, without the indent argparse puts on their blank lines."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
+
+
+def torchrun_subparser(sub: argparse._SubParsersAction, name: str, *, help: str, description: str, epilog: str,
+                       examples: str, add_ours: Callable[[Any], None]) -> argparse.ArgumentParser:
+    """A subcommand that takes torchrun's options: ours first with the examples, then torchrun's in their own group.
+
+    torchrun's own actions are moved into a titled group (as argparse's `parents=` does internally), so that they
+    parse exactly as torchrun parses them; only where `--help` shows them changes.
+    """
+    p = sub.add_parser(name, help=help, description=textwrap.fill(description, 100), epilog=epilog, add_help=False,
+                       usage=f"%(prog)s [{name} options] [torchrun options] SCRIPT [SCRIPT ARGS ...]",
+                       formatter_class=_Formatter)
+    ours = p.add_argument_group(f"{name} options")
+    ours.add_argument("-h", "--help", action="help", help="show this help and exit")
+    add_ours(ours)
+    p.add_argument_group("examples", examples)
+    script = p.add_argument_group("the script")
+    launcher = p.add_argument_group("torchrun options",
+                                    "PyTorch's launcher options, passed to torchrun unchanged (torchrun --help)")
+    for action in _torchrun_parser()._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        if action.dest == "training_script":
+            action.metavar, action.help = "SCRIPT", "the training script (a module with -m), as torchrun takes it"
+        elif action.dest == "training_script_args":
+            action.metavar, action.help = "SCRIPT ARGS", "the script's own arguments"
+        (launcher if action.option_strings else script)._add_action(action)
+    p.set_defaults(_parser=p)
+    return p
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "check", parents=[_torchrun_parser()], conflict_handler="resolve",
-        help="run a training script under torchrun and diagnose its DDP setup",
+    torchrun_subparser(
+        sub, "check", help="run a training script under torchrun and diagnose its DDP setup",
         description="Run SCRIPT under torchrun with ddp-doctor in every rank. Every DistributedDataParallel "
                     "model the script builds (directly, or inside HF Trainer, Accelerate or Lightning) is observed "
                     "for --steps optimizer steps; then all ranks stop together and one report is printed.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    doctor = p.add_argument_group("ddp-doctor")
-    add_check_arguments(doctor)
-    p.set_defaults(func=run, _parser=p)
+        epilog=EPILOG, examples=EXAMPLES, add_ours=add_check_arguments).set_defaults(func=run)
 
 
 def add_check_arguments(group: Any, *, bench: bool = False) -> None:
@@ -75,6 +113,10 @@ def add_check_arguments(group: Any, *, bench: bool = False) -> None:
                        "optimizer steps observed for correctness, then as many timed, per run (default: 8)")
     group.add_argument("--json", metavar="FILE", help=f"write the result as JSON (schema ddp-doctor/"
                                                       f"{'bench' if bench else 'report'}@1)")
+    if not bench:
+        group.add_argument("--html", metavar="FILE",
+                           help="write the report as one self-contained HTML page: the findings, a usage map, a "
+                                "divergence curve and the fix for four frameworks (needs matplotlib)")
     group.add_argument("--timeout", type=float, default=600.0, metavar="S",
                        help="stop every rank after S seconds and report what happened (default: 600)"
                        + (", per run" if bench else ""))
@@ -151,6 +193,11 @@ def validate(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], 
 
 def run(args: argparse.Namespace) -> int:
     namespace, ddp_kwargs, freeze = validate(args)
+    if args.html:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            args._parser.error("--html needs matplotlib: pip install 'ddp-doctor[html]'.")
     result = check_namespace(namespace, steps=args.steps, ddp_kwargs=ddp_kwargs, freeze=freeze, timeout=args.timeout,
                   output=None)
     console = Console()
@@ -159,7 +206,38 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(result.to_json())
+    if args.html:
+        path = Path(args.html)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(check_page(result, title=f"ddp-doctor check {Path(args.training_script).name}"))
+        console.print(f"wrote {args.html}", highlight=False)
     return exit_code(result, args.fail_on)
+
+
+def check_page(result: CheckResult, *, title: str = "ddp-doctor check") -> str:
+    """The whole result as one HTML page (`check --html`, `demo --html`): every model's report, each in its own
+    section, or the reason there is none.
+
+    Args:
+        result: what `check` produced.
+        title: the page's title and heading.
+    """
+    from html import escape
+
+    from ddp_doctor.report.html import check_section, page
+
+    parts = [f"<h1>{escape(title)}</h1>"]
+    if result.interrupted is not None:
+        parts.append(f"<p class='crash'>Interrupted by {signal.Signals(result.interrupted).name}: a partial "
+                     "report.</p>")
+    if result.error is not None and result.interrupted is None:
+        # As in the terminal: the tool could not run the script, and that is all there is to say.
+        parts.append(f"<p class='crash'>ddp-doctor could not run the script:</p><pre>{escape(result.error)}</pre>")
+        return page(title, "\n".join(parts))
+    for i, model in enumerate(result.models):
+        heading = f"DDP model {i + 1} of {len(result.models)}: {model.module}" if len(result.models) > 1 else None
+        parts.append(check_section(model.report, key=f"m{i}", heading=heading))
+    return page(title, "\n".join(parts))
 
 
 def render_result(result: CheckResult, console: Console) -> None:

@@ -12,16 +12,16 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 from rich.text import Text
 
-from ddp_doctor.cli.check import check, render_result
+from ddp_doctor.cli.check import check, check_page, render_result
 from ddp_doctor.launch.outcome import CheckResult
 from ddp_doctor.report.model import Report
 
 __all__ = ["DEMO_ORDER", "register"]
 
 DEMO_ORDER = ("clean.py", "unused_head.py", "find_unused_all_used.py", "curriculum_through_module.py",
-              "progressive_freeze.py", "dynamic_graph.py")
+              "progressive_freeze.py", "dynamic_graph.py", "rank_dependent_head.py")
 """The examples, from the healthy script to an unused head, find_unused_parameters left on for nothing, a loss
-computed through `ddp.module`, layers frozen after wrapping, and a changing graph."""
+computed through `ddp.module`, layers frozen after wrapping, a changing graph and a rank-dependent one."""
 
 _EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
@@ -31,6 +31,7 @@ examples:
   ddp-doctor demo                     # every example, then the summary
   ddp-doctor demo --full              # and each example's whole report
   ddp-doctor demo --only unused_head  # one example
+  ddp-doctor demo --html demo-pages   # and one HTML page per example, with an index.html
 """
 
 
@@ -44,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--only", action="append", metavar="NAME", help="run only this example (repeatable)")
     p.add_argument("--full", action="store_true", help="print every example's full report too")
     p.add_argument("--steps", type=int, default=8, metavar="K", help="steps to observe (default: 8)")
+    p.add_argument("--html", type=Path, metavar="DIR",
+                   help="write one HTML page per example (findings, usage map, divergence curve) and DIR/index.html")
     p.set_defaults(func=run, _parser=p)
 
 
@@ -60,6 +63,13 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         parser.error(f"example(s) {missing} not found in {folder}. The examples ship with the source checkout; "
                      "pass --examples DIR to point at them.")
+    if args.html is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--html needs matplotlib: pip install 'ddp-doctor[html]'.")
+        if args.html.exists() and not args.html.is_dir():
+            parser.error(f"--html takes a folder, and {str(args.html)!r} is a file.")
     console = Console()
     results: list[tuple[str, CheckResult]] = []
     with tempfile.TemporaryDirectory(prefix="ddp-doctor-demo-") as tmp:
@@ -79,11 +89,33 @@ def run(args: argparse.Namespace) -> int:
                               f"[{_STYLE.get(worst or '', 'green')}]{worst or 'clean'}[/]", highlight=False)
                 if args.full:
                     render_result(result, console)
+                if args.html is not None:
+                    args.html.mkdir(parents=True, exist_ok=True)
+                    page = check_page(result, title=f"ddp-doctor check --nproc-per-node 2 examples/{name}")
+                    (args.html / f"{Path(name).stem}.html").write_text(page)
     console.print(_table(results))
+    if args.html is not None:
+        (args.html / "index.html").write_text(_index(folder, results))
+        console.print(f"wrote {args.html / 'index.html'} and one page per example", highlight=False)
     console.print("Run one yourself: [bold]ddp-doctor check --nproc-per-node 2 examples/unused_head.py[/]; "
                   "apply a recommendation without editing the script: --ddp-kwargs '{\"static_graph\": true}'.",
                   highlight=False)
     return 2 if any(r.error for _, r in results) else 0
+
+
+def _index(folder: Path, results: list[tuple[str, CheckResult]]) -> str:
+    from ddp_doctor.report.html import IndexEntry, index_page
+
+    entries = []
+    for name, result in results:
+        report = result.report
+        entries.append(IndexEntry(
+            name=name.removesuffix(".py"), href=f"{Path(name).stem}.html", summary=_summary_line(folder / name),
+            worst=report.worst_severity() if report else None,
+            codes=[f.code for f in report.findings] if report else [],
+            error=result.error if report is None else None))
+    return index_page("ddp-doctor demo: 2 ranks, gloo, CPU", entries,
+                      intro="Each page is the report of: ddp-doctor check --nproc-per-node 2 examples/NAME.py")
 
 
 def _recommended(report: Report) -> Text:

@@ -58,6 +58,9 @@ class RankConfig:
     timed_steps: int = 0
     """After the observed steps and the report, time this many more optimizer steps with every hook removed
     (`ddp-doctor bench`); the step times go to `timing.json`."""
+    bench: dict[str, Any] | None = None
+    """`ddp-doctor bench`'s plan for this launch (`bench.plan.BenchPlan` as a dict): after the observed steps, run
+    the candidates' blocks in the same processes. None with `timed_steps`: time those steps only."""
     crash_wait_s: float = 10.0
     """After a crash, how long a rank waits for the others to join the report before it gives up and exits."""
 

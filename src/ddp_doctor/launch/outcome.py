@@ -97,6 +97,14 @@ def _read(path: Path) -> dict[str, Any] | None:
 def collect(outdir: Path, *, timed_out: bool, torchrun_rc: int | None, interrupted: int | None = None,
             native: list[str] | None = None) -> CheckResult:
     """Read the output folder after every rank has ended."""
+    internal = [(p, d) for p in sorted(outdir.glob("rank*.json")) if not p.name.endswith(".progress.json")
+                if (d := _read(p)) is not None and d.get("outcome") == Outcome.INTERNAL_ERROR.value]
+    if internal:
+        path, data = internal[0]
+        return CheckResult(error=f"ddp-doctor failed on {path.stem.replace('rank', 'rank ')} with an internal error: "
+                                 f"{data.get('error')}. This is a bug in ddp-doctor, not a finding about your script; "
+                                 "no report can be trusted from this run. Please report it with this traceback:\n"
+                                 f"{data.get('traceback', '')}", timed_out=timed_out, interrupted=interrupted)
     full = _read(outdir / "report.json")
     if full is not None:
         # Models over subgroups come from their groups' first ranks, in group order.

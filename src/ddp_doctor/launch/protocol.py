@@ -13,13 +13,13 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ddp_doctor._observe.phase import Phase
 from ddp_doctor.launch.beacon import read_beacon
 
 __all__ = ["PHASES", "Collective", "Crash", "Fault", "Outcome", "RankState", "read_rank_states"]
 
-PHASES = ("before DDP was built", "before the first step", "between steps", "forward",
-          "after forward, before backward", "backward", "after backward", "optimizer step")
-"""The phases a rank reports, in the order they happen within a step."""
+PHASES = tuple(p.value for p in Phase)
+"""The phases a rank reports, in the order they happen within a step (`ddp_doctor._observe.Phase`)."""
 
 
 class Outcome(str, Enum):
@@ -35,6 +35,8 @@ class Outcome(str, Enum):
     """The script returned or called `sys.exit` (any status) before the exchange."""
     NO_EXCHANGE = "no-exchange"
     """The rank tried to exchange records and the others did not come."""
+    INTERNAL_ERROR = "internal-error"
+    """ddp-doctor itself failed on the rank (a bug in the tool, not in the script)."""
 
 
 @dataclass(kw_only=True)
@@ -125,6 +127,9 @@ class RankState:
     models: list[dict[str, Any]] = field(default_factory=list)
     ddp_models: int = 0
     ended: bool = False
+    closed: dict[str, Any] | None = None
+    """From the beacon: `{"step": S, "missing": [...]}`, the last step the rank closed and the trainable parameters
+    that got no gradient in it (at most 16 names)."""
 
     @property
     def built_ddp(self) -> bool:
@@ -168,6 +173,7 @@ def read_rank_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
         if beacon is not None:
             state.step, state.phase = beacon.get("step", state.step), beacon.get("phase", state.phase)
             state.site = beacon.get("site")
+            state.closed = beacon.get("closed")
             state.position_age_s = max(0.0, end_time - beacon.get("time", end_time))
             state.in_collective = bool(beacon.get("in_collective"))
             state.collectives = int(beacon.get("collectives", 0))

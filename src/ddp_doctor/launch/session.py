@@ -16,6 +16,10 @@ others to join a collective:
 - `rank{R}.fault`: Python's faulthandler dump when the rank dies of SIGSEGV, SIGABRT, SIGBUS, SIGFPE or SIGILL.
 - `rank{R}.json`: how this rank ended (a crash with its traceback and explanation, an exit, or the end of the script).
 - `report.json`: the reports, when the ranks managed to exchange records.
+
+Under `ddp-doctor bench` the rank does not exit after the report: `bench.inrank` takes over and runs the
+candidates' blocks in the same processes (see there). `collectives.py` records the script's collectives in the
+beacon; `frames.py` tells the user's frames from torch's and the frameworks'.
 """
 
 from __future__ import annotations
@@ -24,46 +28,41 @@ import faulthandler
 import functools
 import inspect
 import json
+import logging
 import os
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
-from ddp_doctor import _log, dataprobe
+from ddp_doctor import dataprobe
 from ddp_doctor._observe import Doctor
+from ddp_doctor._observe.crash import raising_ddp
+from ddp_doctor._observe.phase import Phase
 from ddp_doctor.errors import DoctorError
 from ddp_doctor.gather import arrive
-from ddp_doctor.hookutil import format_site
-from ddp_doctor.launch.beacon import Beacon, read_beacon
+from ddp_doctor.launch.beacon import Beacon
+from ddp_doctor.launch.collectives import CollectiveRecorder
 from ddp_doctor.launch.config import RankConfig
+from ddp_doctor.launch.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site_of
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
-from ddp_doctor.wrapstate import WRAP_STATE_ATTR, user_name
+from ddp_doctor.launch.watchdog import Watchdog, peers_train_on
+from ddp_doctor.wrapstate import WRAP_STATE_ATTR, freeze_named
+
+if TYPE_CHECKING:
+    from ddp_doctor.bench.inrank import InRankBench
 
 __all__ = ["FRAMEWORKS", "Session", "framework_of_stack", "write_json"]
 
-logger = _log.get_logger(__name__)
+logger = logging.getLogger(__name__)
 
-FRAMEWORKS = {"transformers": "transformers", "accelerate": "accelerate", "lightning": "lightning",
-              "pytorch_lightning": "lightning"}
-"""Top-level package -> the framework name used in reports and recommendation snippets."""
-_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
-              os.path.dirname(threading.__file__))
-_WATCH_INTERVAL_S = 0.5
-_IN_STEP = ("forward", "after forward, before backward", "backward", "after backward", "optimizer step")
-_OWN_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
-# The script's collectives that the beacon records (DDP's own gradient all-reduces run in C++ and are not among
-# them: the beacon's phase says when a rank is in DDP's backward).
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
-               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce",
-               "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single")
 # What a collective raises on the ranks that survive when a peer dies or stops (gloo, then NCCL wording).
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
               "communicator was aborted", "remote process exited", "NCCL error")
@@ -76,64 +75,8 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _framework_dirs() -> dict[str, str]:
-    """Where the imported frameworks live (a framework that built DDP has been imported)."""
-    dirs = {}
-    for package, name in FRAMEWORKS.items():
-        module = sys.modules.get(package)
-        if module is not None and getattr(module, "__file__", None):
-            dirs[os.path.dirname(module.__file__) + os.sep] = name
-    return dirs
-
-
-def framework_of_stack(frames: list[traceback.FrameSummary]) -> str:
-    """The outermost training framework on the stack (`torch` when none is).
-
-    Outermost, because HF Trainer builds DDP through Accelerate: the user's idiom is the Trainer's.
-    """
-    dirs = _framework_dirs()
-    for frame in frames:
-        for prefix, name in dirs.items():
-            if frame.filename.startswith(prefix):
-                return name
-    return "torch"
-
-
-def _is_user_frame(filename: str) -> bool:
-    return not filename.startswith((*_SKIP_DIRS, "<", *_framework_dirs()))
-
-
-def _user_frame(frames: list[traceback.FrameSummary], *, code: bool = True) -> str | None:
-    """`file:line  code` of the innermost frame in the user's own code (the path relative to the working folder)."""
-    for frame in reversed(frames):
-        if _is_user_frame(frame.filename):
-            return format_site(frame.filename, frame.lineno or 0) + (
-                f"  {frame.line.strip()}" if code and frame.line else "")
-    return None
-
-
 def _is_world(group: dist.ProcessGroup | None) -> bool:
     return group is None or group is dist.group.WORLD or dist.get_world_size(group) == dist.get_world_size()
-
-
-def _raising_ddp(exc: BaseException) -> DistributedDataParallel | None:
-    """The innermost DDP instance whose method is on the traceback of `exc` (None when none is)."""
-    found, tb = None, exc.__traceback__
-    while tb is not None:
-        candidate = tb.tb_frame.f_locals.get("self")
-        if isinstance(candidate, DistributedDataParallel):
-            found = candidate
-        tb = tb.tb_next
-    return found
-
-
-def _user_site_of(frame: Any, limit: int = 40) -> str | None:
-    """`file:line` of the innermost user frame at or above `frame` (a cheap walk: no traceback objects)."""
-    while frame is not None and limit:
-        if _is_user_frame(frame.f_code.co_filename):
-            return format_site(frame.f_code.co_filename, frame.f_lineno)
-        frame, limit = frame.f_back, limit - 1
-    return None
 
 
 class Session:
@@ -148,30 +91,44 @@ class Session:
         self.doctors: list[Doctor] = []
         self.models: list[dict[str, Any]] = []
         self._finishing = False
-        self._stamps: list[float] = []
-        self._ended = threading.Event()
-        self._original_init = DistributedDataParallel.__init__
+        self.ended = threading.Event()
+        """Set when the rank is done (the watchdog stops)."""
+        self.original_init = DistributedDataParallel.__init__
+        """DDP's own constructor (`bench` rebuilds the script's DDP with it, unobserved)."""
         self._original_destroy = dist.destroy_process_group
-        self._signature = inspect.signature(self._original_init)
-        self._in_collective = False
-        self._collectives = 0
+        self._signature = inspect.signature(self.original_init)
         self.beacon = Beacon(self.outdir / f"rank{self.rank}.beacon")
+        self.collectives = CollectiveRecorder(self.beacon, lambda: next((d for d in self.doctors if not d.finished),
+                                                                        None))
         self.plain = PlainOptimizerWatch()
+        self.watchdog = Watchdog(self)
+        self.bench: InRankBench | None = None
+        """`ddp-doctor bench`'s driver, which takes over after the observed steps (None under `check`)."""
 
     # ---------------------------------------------------------------------------------------------- set-up
 
     def install(self) -> None:
         """Wrap DDP's constructor and `destroy_process_group`, and start the watchdog. Call before user code."""
         session = self
-        original_init = self._original_init
+        original_init = self.original_init
+        if self.config.timed_steps:
+            from ddp_doctor.bench.inrank import InRankBench
+            from ddp_doctor.bench.plan import BenchPlan
+
+            plan = (BenchPlan.from_dict(self.config.bench) if self.config.bench else
+                    BenchPlan(steps=self.config.timed_steps, rounds=1, share=False))
+            self.bench = InRankBench(self, plan)
 
         @functools.wraps(original_init)
         def __init__(ddp: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
             bound = session._signature.bind(ddp, *args, **kwargs)
             module = bound.arguments["module"]
+            own = [p.requires_grad for _, p in module.named_parameters()]
             session._before_wrap(module, bound.arguments)
             trainable = [p.requires_grad for _, p in module.named_parameters()]
             original_init(*bound.args, **bound.kwargs)
+            if session.bench is not None and not session._finishing:
+                session.bench.wrapped(ddp, own)
             session._after_wrap(ddp, trainable)
 
         original_destroy = self._original_destroy
@@ -196,53 +153,42 @@ class Session:
 
         Optimizer.__init__ = optimizer_init
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
-        self._patch_collectives()
+        self.collectives.install()
         dataprobe.install()
         # A segfault or abort (gloo's on a mismatched collective) leaves no Python exception: faulthandler writes
         # the signal and the stack to a file the supervisor reads. The file object must stay open.
         self._fault_file = open(self.outdir / f"rank{self.rank}.fault", "w")  # noqa: SIM115
         faulthandler.enable(self._fault_file, all_threads=False)
-        self._write_progress()
-        threading.Thread(target=self._watch, name="ddp-doctor-watchdog", daemon=True).start()
+        self.watchdog.start()
 
     def _before_wrap(self, module: torch.nn.Module, arguments: dict[str, Any]) -> None:
         if self._finishing:
             return
         for key, value in self.config.ddp_kwargs.items():
             arguments[key] = value
-        if self.config.freeze_before_wrap:
-            # The report's names drop torch.compile's `_orig_mod.` prefix; accept both spellings.
-            named = dict(module.named_parameters())
-            named.update({user_name(n): p for n, p in list(named.items())})
-            missing = [n for n in self.config.freeze_before_wrap if n not in named]
-            if missing:
-                raise DoctorError(
-                    f"--ddp-kwargs freeze_before_wrap names parameters this model does not have: {missing}. "
-                    f"Its parameters are: {list(named)[:20]}{' ...' if len(named) > 20 else ''}")
-            for name in self.config.freeze_before_wrap:
-                named[name].requires_grad_(False)
+        freeze_named(module, self.config.freeze_before_wrap)
 
     def _after_wrap(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
         if self._finishing or any(d.ddp is ddp for d in self.doctors):
             return
         frames = traceback.extract_stack()[:-2]
         framework = framework_of_stack(frames)
-        site = _user_frame(frames, code=False)
+        site = user_frame(frames, code=False)
         setattr(ddp, WRAP_STATE_ATTR, {"trainable": trainable, "site": site, "framework": framework})
         try:
             doctor = Doctor(ddp, optimizer="auto", steps=self.config.steps)
             doctor.on_steps_done = self._on_doctor_done
-            doctor.on_phase = self._on_phase
+            doctor.on_phase = self.on_phase
             doctor.start()
         except Exception as exc:  # noqa: BLE001  (a doctor bug must not take the user's training down)
             logger.warning("ddp-doctor cannot observe the DDP model built at %s: %s", site, exc)
             return
         self.doctors.append(doctor)
-        self._on_phase(doctor)
+        self.on_phase(doctor)
         self.models.append({"site": site, "framework": framework, "module": type(ddp.module).__qualname__,
                             "ddp_config": doctor.info.ddp_config, "torch_version": torch.__version__,
                             "backend": str(dist.get_backend())})
-        self._write_progress()
+        self.watchdog.write()
 
     # ------------------------------------------------------------------------------------------- no DDP
 
@@ -250,7 +196,7 @@ class Session:
         """With no DDP model, follow the first optimizer that trains on several ranks (`model-not-wrapped`)."""
         if self.doctors or self._finishing or not self.plain.on_step(opt):
             return
-        self.beacon.update(step=self.plain.steps, phase="between steps")
+        self.beacon.update(step=self.plain.steps, phase=Phase.BETWEEN_STEPS.value)
         if self.plain.steps >= self.config.steps:
             self.finish_unwrapped(self._steps_reason)
 
@@ -258,7 +204,7 @@ class Session:
         """Compare the unwrapped optimizer's parameters across ranks, write the report (local rank 0), exit."""
         self._finishing = True
         try:
-            arrive("ddp_doctor/unwrapped", timeout=min(self.config.crash_wait_s, self._remaining()))
+            arrive("ddp_doctor/unwrapped", timeout=min(self.config.crash_wait_s, self.remaining()))
             report = self.plain.report()
         except DoctorError as exc:
             logger.warning("ddp-doctor: rank %d could not compare the unwrapped model: %s", self.rank, exc)
@@ -271,61 +217,22 @@ class Session:
         if self.local_rank == 0:
             write_json(self.outdir / "report.json", {"reason": reason, "models": [model]})
         self._end({"outcome": "reported", "reason": reason, "ddp_models": 0})
-        self._leave()
+        self.leave()
 
     # ------------------------------------------------------------------------------------------- position
 
-    def _on_phase(self, doctor: Doctor) -> None:
+    def on_phase(self, doctor: Doctor) -> None:
+        """Publish the rank's position (step, phase, the user's line) in its beacon."""
         model = next((i for i, d in enumerate(self.doctors) if d is doctor), len(self.doctors))
+        extra: dict[str, Any] = {}
+        if doctor.phase == Phase.BETWEEN_STEPS and doctor.steps_observed:
+            # What the step that just closed left without a gradient: a rank that later hangs in a collective
+            # still tells which parameters it trained (analyze.failures reads it against a peer's DDP error).
+            step, names = doctor.missing_grads()
+            extra["closed"] = {"step": step, "missing": names}
         self.beacon.update(step=doctor.steps_observed, phase=doctor.phase, model=model,
-                           site=_user_site_of(sys._getframe(1)))
+                           site=user_site_of(sys._getframe(1)), **extra)
 
-    def _patch_collectives(self) -> None:
-        """Record each collective the script enters in the beacon: op, tensor, group size and the user's line."""
-        c10d = dist.distributed_c10d
-        for name in COLLECTIVES:
-            original = getattr(c10d, name, None)
-            if original is None:
-                continue
-            wrapped = self._recording(name, original)
-            if getattr(dist, name, None) is original:
-                setattr(dist, name, wrapped)
-            setattr(c10d, name, wrapped)
-
-    def _recording(self, name: str, original: Any) -> Any:
-        session = self
-
-        @functools.wraps(original)
-        def collective(*args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1)
-            # Nested calls (all_gather_object -> all_gather) and the doctor's own exchange are not the script's.
-            if session._in_collective or caller.f_code.co_filename.startswith(_OWN_DIR):
-                return original(*args, **kwargs)
-            session._in_collective = True
-            try:
-                session._enter_collective(name, args, kwargs, caller)
-                return original(*args, **kwargs)
-            finally:
-                session._in_collective = False
-                session.beacon.update(in_collective=False)
-
-        return collective
-
-    def _enter_collective(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], caller: Any) -> None:
-        self._collectives += 1
-        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if tensor is None:
-            lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) and a]
-            tensor = next((x for lst in lists for x in lst if isinstance(x, torch.Tensor)), None)
-        group = next((a for a in (*args, *kwargs.values()) if isinstance(a, dist.ProcessGroup)), None)
-        site = _user_site_of(caller)
-        active = next((d for d in self.doctors if not d.finished), None)
-        self.beacon.update(in_collective=True, collectives=self._collectives, collective={
-            "op": name, "n": self._collectives, "site": site,
-            "tensor": f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}" if tensor is not None else None,
-            "group_size": dist.get_world_size(group) if dist.is_initialized() else None,
-            "step": active.steps_observed if active is not None else None,
-            "phase": active.phase if active is not None else None})
 
     # ----------------------------------------------------------------------------------------------- ending
 
@@ -345,63 +252,46 @@ class Session:
         they are still training: the rank leaves with its own status, and the supervisor reports `rank-exited`.
         """
         code = 0 if exc is None or exc.code is None else exc.code if isinstance(exc.code, int) else 1
-        if self._stamps:
-            self._write_timing()      # the script ended before all timed steps
-            self._leave()
+        if self.bench is not None and self.bench.took_over:
+            self.bench.on_script_end()      # the script's loop ended before the bench's blocks did
+            self.leave()
         if exc is None:
             site = "the end of the script"
         else:
-            site = _user_frame(traceback.extract_tb(exc.__traceback__)) or "sys.exit"
+            site = user_frame(traceback.extract_tb(exc.__traceback__)) or "sys.exit"
         step = max((d.steps_observed for d in self.doctors), default=-1)
         if not self.doctors and self.plain.steps and not self._finishing and code == 0:
             self.finish_unwrapped("the script ended")
-        self._end({"outcome": "exited", "status": code, "site": site, "step": step, "phase": self._progress()["phase"],
+        self._end({"outcome": "exited", "status": code, "site": site, "step": step, "phase": self.watchdog.progress()["phase"],
                    "ddp_models": len(self.doctors)})
-        if self.doctors and not self._finishing and not self._peers_train_on(step):
-            wait = max(0.5, min(self.config.crash_wait_s, self._remaining()))
+        if self.doctors and not self._finishing and not peers_train_on(self.outdir, self.rank, step):
+            wait = max(0.5, min(self.config.crash_wait_s, self.remaining()))
             self.finish("the script ended" if exc is None else f"rank {self.rank} exited with status {code}",
                         timeout=wait, exit_code=code)
         self._exit(code)
-
-    def _peers_train_on(self, step: int, *, watch_s: float = 1.0) -> bool:
-        """Whether a rank on this node has started a step this rank will never take (read from their beacons).
-
-        Then waiting for it to join the exchange is pointless: it waits for this rank in DDP's all-reduce. Ranks
-        on other nodes are not visible here; for them the exchange's own wait applies.
-        """
-        deadline = time.monotonic() + watch_s
-        while True:
-            for path in self.outdir.glob("rank*.beacon"):
-                if path.name == f"rank{self.rank}.beacon":
-                    continue
-                peer = read_beacon(path) or {}
-                peer_step = int(peer.get("step", -1))
-                if peer_step > step or (peer_step == step and peer.get("phase") in _IN_STEP):
-                    return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
 
     def on_crash(self, exc: BaseException) -> None:
         """The script raised on this rank: record it, try to report with the others, and exit."""
         tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
         frames = traceback.extract_tb(exc.__traceback__)
-        phase = self._progress()["phase"]
+        phase = self.watchdog.progress()["phase"]
         explained = None
         step = -1
         # DDP's own errors are raised inside the forward of the model that failed: only that model's doctor
         # records the crash (a GAN's critic failing says nothing about its generator).
-        raising = _raising_ddp(exc)
+        raising = raising_ddp(exc)
         for doctor in self.doctors:
             if raising is not None and doctor.ddp is not raising:
                 continue
             failure = doctor.explain(exc, hint="")
             step = max(step, doctor.record().crash_step)
             if failure is not None and explained is None:
-                explained = {"code": failure.code, "params": failure.params, "message": str(failure)}
+                numel = dict(zip(doctor.info.param_names, doctor.info.numels))
+                explained = {"code": failure.code, "params": failure.params, "message": str(failure),
+                             "numels": [numel.get(n, 0) for n in failure.params]}
         message = str(exc)
         crash = {"type": type(exc).__name__, "message": message[:4000], "traceback": "".join(tb)[-20000:],
-                 "site": _user_frame(frames), "step": step, "explained": explained,
+                 "site": user_frame(frames), "step": step, "explained": explained,
                  "peer_lost": explained is None and any(p in message for p in _PEER_LOST),
                  "phase": phase}
         # After finish() the report is written: this crash happened in the timed steps that follow it (bench).
@@ -412,7 +302,7 @@ class Session:
             sys.stderr.write(f"[ddp-doctor] rank {self.rank} crashed:\n{''.join(tb)}")
             sys.stderr.flush()
         if self.doctors and not crash["peer_lost"]:
-            wait = max(0.5, min(self.config.crash_wait_s, self._remaining()))
+            wait = max(0.5, min(self.config.crash_wait_s, self.remaining()))
             self.finish(f"rank {self.rank} crashed", timeout=wait, exit_code=1)
         self._exit(1)
 
@@ -426,13 +316,18 @@ class Session:
         self._finishing = True
         for doctor in self.doctors:
             doctor.stop()
-        timeout = self._remaining() if timeout is None else timeout
+        timeout = self.remaining() if timeout is None else timeout
         try:
             reports = [doctor.report(timeout=timeout) for doctor in self.doctors]
         except DoctorError as exc:
             logger.warning("ddp-doctor: rank %d could not exchange records (%s): %s", self.rank, reason, exc)
             self._end({"outcome": "no-exchange", "error": str(exc), "ddp_models": len(self.doctors)})
             self._exit(1 if exit_code is None else exit_code)
+            return
+        except Exception as exc:  # noqa: BLE001  (a bug of ours must never read as a clean report)
+            self._end({"outcome": "internal-error", "error": f"{type(exc).__name__}: {exc}",
+                       "traceback": traceback.format_exc()[-20000:], "ddp_models": len(self.doctors)})
+            self._exit(1)
             return
         # A model over the whole world is written by each node's local rank 0; a model over a subgroup (a
         # data-parallel group of a hybrid job) by the group's first rank, into its own file.
@@ -446,40 +341,19 @@ class Session:
             write_json(self.outdir / f"report.rank{self.rank}.json",
                        {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in mine]})
         self._end({"outcome": "reported", "reason": reason, "ddp_models": len(self.doctors)})
-        if self.config.timed_steps and not exit_code and reason == self._steps_reason:
-            self._start_timing()
+        if self.bench is not None and not exit_code and reason == self._steps_reason:
+            self.bench.take_over(self.doctors, reports)
             return
-        self._leave()
+        self.leave()
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
+        """Wait (briefly) for every rank to get here, then exit with status 0."""
         try:
             # Nobody leaves while a peer may still be reading from its sockets.
-            arrive("ddp_doctor/exit", timeout=min(10.0, max(0.5, self._remaining())))
+            arrive("ddp_doctor/exit", timeout=min(10.0, max(0.5, self.remaining())))
         except DoctorError:
             pass
         self._exit(0)
-
-    # ------------------------------------------------------------------------------------------- timing
-
-    def _start_timing(self) -> None:
-        """Let the script run `timed_steps` more optimizer steps, unobserved, and record when each one ends."""
-        self._stamps = [time.perf_counter()]
-        optimizer = next((d.optimizer for d in self.doctors if d.optimizer is not None), None)
-
-        def on_step(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-            if optimizer is not None and opt is not optimizer:
-                return
-            self._stamps.append(time.perf_counter())
-            if len(self._stamps) > self.config.timed_steps:
-                self._write_timing()
-                self._leave()
-
-        self._timing_hook = register_optimizer_step_post_hook(on_step)
-
-    def _write_timing(self) -> None:
-        if self.local_rank == 0:
-            steps = [b - a for a, b in zip(self._stamps, self._stamps[1:])]
-            write_json(self.outdir / "timing.json", {"rank": self.rank, "step_s": steps})
 
     def _end(self, state: dict[str, Any], *, overwrite: bool = False) -> None:
         path = self.outdir / f"rank{self.rank}.json"
@@ -488,49 +362,19 @@ class Session:
                               "pid": os.getpid(), "models": self.models, **state})
 
     def _exit(self, code: int) -> None:
-        self._ended.set()
-        self._write_progress()
+        self.ended.set()
+        self.watchdog.write()
         sys.stdout.flush()
         sys.stderr.flush()
         # os._exit: the rest of the script, its atexit handlers and its finally blocks (which may save a
         # half-trained checkpoint) must not run in a diagnostic run.
         os._exit(code)
 
-    def _remaining(self) -> float:
+    @property
+    def deadline(self) -> float:
+        """Wall-clock time by which every rank must have ended (0: none)."""
+        return self.config.deadline
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline, less a margin to write the results (at least 1)."""
         return max(1.0, self.config.deadline - time.time() - 2.0) if self.config.deadline else 300.0
-
-    # ---------------------------------------------------------------------------------------------- watchdog
-
-    def _progress(self) -> dict[str, Any]:
-        active = next((d for d in self.doctors if not d.finished), self.doctors[-1] if self.doctors else None)
-        main = sys._current_frames().get(threading.main_thread().ident or 0)
-        frames = traceback.extract_stack(main) if main is not None else []
-        inner = frames[-1] if frames else None
-        return {
-            "rank": self.rank, "local_rank": self.local_rank, "world_size": self.world_size, "pid": os.getpid(),
-            "ddp_models": len(self.doctors), "models": self.models,
-            "step": active.steps_observed if active is not None else -1,
-            "phase": active.phase if active is not None else "before DDP was built",
-            "user_frame": _user_frame(frames),
-            "innermost": f"{inner.filename}:{inner.lineno} in {inner.name}" if inner else None,
-            "ended": self._ended.is_set(), "time": time.time(),
-        }
-
-    def _write_progress(self) -> None:
-        try:
-            write_json(self.outdir / f"rank{self.rank}.progress.json", self._progress())
-        except Exception as exc:  # noqa: BLE001  (the watchdog must never take the rank down)
-            logger.debug("ddp-doctor: progress not written: %s", exc)
-
-    def _watch(self) -> None:
-        last: tuple[Any, ...] = ()
-        while not self._ended.wait(_WATCH_INTERVAL_S):
-            progress = self._progress()
-            key = (progress["step"], progress["phase"], progress["user_frame"], progress["innermost"])
-            if key != last:
-                self._write_progress()
-                last = key
-            if self.config.deadline and time.time() > self.config.deadline + 2.0:
-                # The parent normally stops us before this; this covers a parent that is gone.
-                self._write_progress()
-                os._exit(124)

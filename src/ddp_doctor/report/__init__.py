@@ -1,7 +1,8 @@
-"""report: the result objects and their renderers (text here; JSON via `Report.to_dict`)."""
+"""report: the result objects and their renderers (text, HTML via `Report.to_html`, JSON via `Report.to_dict`)."""
 
 from __future__ import annotations
 
+from ddp_doctor.report.figures import Divergence, RankPattern, UsageMap, UsageRow
 from ddp_doctor.report.model import (
     SCHEMA,
     Crash,
@@ -13,4 +14,5 @@ from ddp_doctor.report.model import (
     Timing,
 )
 
-__all__ = ["SCHEMA", "Crash", "Diagnosis", "Finding", "ParamRef", "Recommendation", "Report", "Timing"]
+__all__ = ["SCHEMA", "Crash", "Diagnosis", "Divergence", "Finding", "ParamRef", "RankPattern", "Recommendation",
+           "Report", "Timing", "UsageMap", "UsageRow"]

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sized
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from ddp_doctor.codes import CODES, SEVERITIES
+from ddp_doctor.report.figures import Divergence, UsageMap
+from ddp_doctor.report.ranks import rank_list
 
 __all__ = ["SCHEMA", "Crash", "Diagnosis", "Finding", "ParamRef", "Recommendation", "Report", "Timing", "finite"]
 
 SCHEMA = "ddp-doctor/report@1"
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +129,10 @@ class Diagnosis:
     timing: Timing
     steps_observed: int
     crashes: list[Crash] = field(default_factory=list)
+    usage_map: UsageMap | None = None
+    """The usage map's data (`analyze.usage`), from the exchange."""
+    divergence: Divergence | None = None
+    """The divergence curve's data."""
 
 
 @dataclass(kw_only=True)
@@ -145,12 +153,17 @@ class Report:
     ddp_site: str | None = None
     interrupted: bool = False
     """`ddp-doctor` was stopped by SIGINT / SIGTERM / SIGHUP before the observed steps ended: a partial report."""
+    usage_map: UsageMap | None = None
+    """Which parameter got a gradient on which rank at which step (JSON key `usage_map`, absent when None)."""
+    divergence: Divergence | None = None
+    """The largest cross-rank difference of weights and gradients per step (JSON key `divergence`)."""
     schema: str = SCHEMA
 
     @classmethod
-    def build(cls, info: Any, records: list[Any], diagnosis: Diagnosis, *, backend: str) -> Report:
+    def build(cls, info: Any, records: Sized, diagnosis: Diagnosis, *, backend: str) -> Report:
+        """The report of one DDP model: `records` counts the ranks (any sized collection: a range at scale)."""
         from ddp_doctor import __version__
-        from ddp_doctor.report.snippets import render_snippets
+        from ddp_doctor.report.snippets import render_snippets  # imports this module: imported here, not at the top
 
         # The code for the recommendation is rendered here, from the records alone: the flavour (which Lightning
         # package, which TrainingArguments fields) was recorded where the model was built.
@@ -168,6 +181,8 @@ class Report:
             crashes=diagnosis.crashes,
             framework=info.framework,
             ddp_site=info.ddp_site,
+            usage_map=diagnosis.usage_map,
+            divergence=diagnosis.divergence,
         )
 
     @classmethod
@@ -181,7 +196,9 @@ class Report:
             findings=findings, recommendation=Recommendation(**data["recommendation"]),
             timing=Timing(**data["timing"]), crashes=[Crash(**c) for c in data.get("crashes", [])],
             framework=data.get("framework", "torch"), ddp_site=data.get("ddp_site"),
-            interrupted=bool(data.get("interrupted", False)))
+            interrupted=bool(data.get("interrupted", False)),
+            usage_map=UsageMap.from_dict(data["usage_map"]) if data.get("usage_map") else None,
+            divergence=Divergence.from_dict(data["divergence"]) if data.get("divergence") else None)
 
     @property
     def codes(self) -> set[str]:
@@ -189,6 +206,14 @@ class Report:
 
     def finding(self, code: str) -> Finding | None:
         return next((f for f in self.findings if f.code == code), None)
+
+    def crash_lines(self) -> list[str]:
+        """One line per distinct crash, ranks grouped: `ranks 0, 1 stopped at step 1: RuntimeError: ....`"""
+        by_message: dict[tuple[int, str], list[int]] = {}
+        for crash in self.crashes:
+            first = crash.message.split(". ", 1)[0].splitlines()[0][:200]
+            by_message.setdefault((crash.step, first), []).append(crash.rank)
+        return [f"{rank_list(ranks)} stopped at step {step}: {first}." for (step, first), ranks in by_message.items()]
 
     def worst_severity(self) -> str | None:
         present = {f.severity for f in self.findings}
@@ -212,10 +237,27 @@ class Report:
         }
         if self.interrupted:
             out["interrupted"] = True
+        # New keys go last and only when present, so every key above stays exactly as it was.
+        if self.usage_map is not None:
+            out["usage_map"] = self.usage_map.to_dict()
+        if self.divergence is not None:
+            out["divergence"] = self.divergence.to_dict()
         return out
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(finite(self.to_dict()), indent=2, **kwargs)
+
+    def to_html(self) -> str:
+        """The report as one self-contained HTML page: findings, both figures, the recommendation as code.
+
+        Needs matplotlib (`pip install 'ddp-doctor[html]'`).
+
+        Example:
+            >>> Path("report.html").write_text(doctor.report().to_html())  # doctest: +SKIP
+        """
+        from ddp_doctor.report.html import to_html
+
+        return to_html(self)
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
         from ddp_doctor.report.text import render

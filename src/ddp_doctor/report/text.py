@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddp_doctor.report.model import Finding, Report
-from ddp_doctor.report.ranks import rank_list, rank_ranges
+from ddp_doctor.report.ranks import rank_ranges
 
 __all__ = ["render", "to_text"]
 
@@ -51,12 +51,8 @@ def render(report: Report) -> Iterator[Any]:
         head.add_row("DDP built at", report.ddp_site, "", "")
     yield Panel(head, title=f"ddp-doctor {report.tool_version}", title_align="left")
 
-    by_message: dict[tuple[int, str], list[int]] = {}
-    for crash in report.crashes:
-        first = crash.message.split(". ", 1)[0].splitlines()[0][:200]
-        by_message.setdefault((crash.step, first), []).append(crash.rank)
-    for (step, first), ranks in by_message.items():
-        yield Text(f"{rank_list(ranks)} stopped at step {step}: {first}.", style="red")
+    for line in report.crash_lines():
+        yield Text(line, style="red")
     if report.interrupted and not report.findings:
         yield Text(f"Interrupted after {report.steps_observed} observed step(s): nothing was diagnosed.", style="yellow")
     elif not report.findings:

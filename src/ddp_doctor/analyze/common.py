@@ -1,0 +1,50 @@
+"""Phrases and helpers the detectors share: flags and freezing in the framework's own words, step lists."""
+
+from __future__ import annotations
+
+import torch
+
+from ddp_doctor.analyze.view import View
+from ddp_doctor.exchange import Examples
+from ddp_doctor.report.model import Finding
+from ddp_doctor.report.snippets import flags_fix, freeze_point
+
+__all__ = ["all_ranks", "freeze_fix", "joined", "ranks_of", "steps_of", "with_flags", "with_more"]
+
+
+def with_flags(v: View, **flags: bool) -> str:
+    """'build DDP with ...', in the words of the framework that built the model (TrainingArguments, ...)."""
+    return flags_fix(v.info.framework, flags, v.info.flavor)
+
+
+def freeze_fix(v: View) -> str:
+    """Freeze before wrapping, or the flags that cope with a changing set, in the framework's words."""
+    return (f"set requires_grad=False on them {freeze_point(v.info.framework)}; if they must train on some steps, "
+            f"{with_flags(v, static_graph=True)} (same params unused every step) or "
+            f"{with_flags(v, find_unused_parameters=True)} (the set changes)")
+
+
+def steps_of(mask: torch.Tensor) -> list[int]:
+    """The indices where a 1-d mask is set."""
+    return mask.nonzero().flatten().tolist()
+
+
+def all_ranks(v: View) -> list[int]:
+    """Every rank of the group (a finding every rank shows)."""
+    return list(range(v.world))
+
+
+def joined(ranks: list[int], more: int) -> str:
+    """``0, 1`` (and ``and 41 others`` when the exchange named only examples)."""
+    return ", ".join(map(str, ranks)) + (f" and {more} other{'s' if more > 1 else ''}" if more else "")
+
+
+def ranks_of(examples: Examples) -> str:
+    """``rank 3`` / ``ranks 0, 1`` / ``ranks 0, 1, 2 and 41 others``: an `Examples` in words."""
+    return f"rank{'s' if examples.count > 1 else ''} {joined(examples.ranks, examples.more)}"
+
+
+def with_more(finding: Finding, more: int) -> Finding:
+    """`finding`, with `more` ranks counted beyond those it lists (the exchange names only examples)."""
+    finding.more_ranks = more
+    return finding

@@ -1,0 +1,32 @@
+"""The check's exchange: what every rank contributes, reduced across the DDP group into one `Summary`.
+
+Every rank runs the same `protocol`, a generator that yields collectives (``("sum" | "max", int64 tensor)``) and
+receives their results. Two drivers run it: `gather.exchange` over a real process group (one rank per process),
+and `summarize` (`model.py`), which runs every rank's generator in lockstep in one process and computes each collective's
+result as the reduction would (the pure `analyze(info, records)` entry point and the scale benchmark use it). Both
+drivers therefore run the same packing and the same local computations.
+
+Why the volume does not grow with the world size W: the exchange is made of reductions, never gathers.
+- Boolean masks travel as bit fields of ``W.bit_length()`` bits, summed: each field is the count of ranks that
+  set the bit (so OR is ``count > 0`` and AND is ``count == W``).
+- Fingerprints travel as 64-bit digests (per parameter over the steps, per step over the parameters); their MIN and
+  MAX over the ranks (one all_reduce(MAX) of ``[x, ~x]``) tell where they differ.
+- Ranks are named only where a round shows a difference, by predicates each rank evaluates on the reduced results:
+  a count and up to `SLOTS` example ranks per predicate (the smallest flagged rank in each class ``rank % SLOTS``).
+- Strings (crash messages, call sites, DataLoader facts) travel from at most a bounded set of example ranks.
+- Timing medians are exact order statistics, found with a fixed 16-round radix select (4-bit digits) on summed
+  histograms.
+- The usage map's distinct per-rank patterns are sent once each, by one owner (`figures.py`); one bit per rank
+  says which pattern it has. The divergence curve needs group rank 0's fingerprints of the differing parameters
+  only.
+The shapes of every collective depend only on (W, S, P, B) and on earlier collectives' results, which every rank
+holds identically: never on local data (DESIGN §3).
+"""
+
+from ddp_doctor.exchange.model import summarize
+from ddp_doctor.exchange.packing import Reply
+from ddp_doctor.exchange.protocol import protocol
+from ddp_doctor.exchange.summary import EXAMPLES, PREDICATES, SLOTS, Curve, Examples, Summary, Volume
+
+__all__ = ["EXAMPLES", "PREDICATES", "SLOTS", "Curve", "Examples", "Reply", "Summary", "Volume", "protocol",
+           "summarize"]

@@ -1,0 +1,445 @@
+"""One rank's side of the check's exchange: the rounds, what each rank puts in them, and what it reads back.
+
+Round A agrees on the step counts (and rank 0's `ModelInfo` when the ranks' differ); round B reduces every local
+fact that needs only the common step count; B2 and C run only when something differs (gradients masked by what
+every rank trains; rank 0's fingerprints of the differing parameters); round D evaluates the predicates that name
+ranks; round E carries strings from a bounded set of example ranks; then the usage patterns (`figures.py`) and the
+timing medians (`timing.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Generator
+from typing import Any
+
+import torch
+
+from ddp_doctor.exchange.figures import local_gaps, patterns
+from ddp_doctor.exchange.packing import (
+    MIN,
+    MaxRound,
+    Op,
+    Reply,
+    SumRound,
+    bool_digest,
+    differs,
+    element_hashes,
+    from_words,
+    hash_steps,
+    of_record,
+    order_key,
+    text_digest,
+    to_words,
+    unkey,
+)
+from ddp_doctor.exchange.summary import PREDICATES, SLOTS, Curve, Summary, examples_from
+from ddp_doctor.exchange.timing import medians
+from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord
+from ddp_doctor.report.figures import group_rows, rank_grid
+
+__all__ = ["names_in_message", "protocol", "windows"]
+
+
+def _leading_complete(record: RankRecord) -> int:
+    complete = record.counter("complete").bool().tolist()
+    return next((i for i, c in enumerate(complete) if not c), len(complete))
+
+
+def windows(record: RankRecord) -> list[tuple[int, list[int]]]:
+    """Per optimizer step: (synced backward passes, the record's step indices in it). Steps are closed by
+    optimizer.step() or, when a synced backward was not followed by one, by the next forward."""
+    out, count, idx = [], 0, []
+    synced, stepped = record.counter("synced_backwards").tolist(), record.counter("optimizer_step").tolist()
+    for s, (n, opt) in enumerate(zip(synced, stepped)):
+        count, idx = count + n, [*idx, s]
+        if opt:
+            out.append((count, idx))
+            count, idx = 0, []
+    return out
+
+
+def _training_loader(record: RankRecord) -> dict[str, Any] | None:
+    """The first loader the rank iterated while observed that has a length (the training loop's, in practice)."""
+    return next((d for d in record.loaders if d.get("batches") is not None), None)
+
+
+def names_in_message(info: ModelInfo, text: str) -> list[int]:
+    """Indices of parameters DDP named in an error message ("... with name head_b.bias has been marked ...")."""
+    index = {n: i for i, n in enumerate(info.param_names)}
+    return [index[m] for m in re.findall(r"with name (\S+)", text) if m in index]
+
+
+def _first(flags: list[bool]) -> int | None:
+    return next((i for i, f in enumerate(flags) if f), None)
+
+
+def _logged(record: RankRecord, step: int) -> list[str]:
+    """The rank's logged collectives of `step`, as `signature at site`."""
+    prefix = f"step {step}: "
+    return [entry.removeprefix(prefix) for entry in record.collective_log if entry.startswith(prefix)]
+
+
+_rows_memo: list[Any] = [None, None]
+
+
+def _rows(info: ModelInfo) -> tuple[list[str], list[str], torch.Tensor, bool]:
+    """The usage map's rows (`group_rows`), with the row of each parameter as a tensor. The in-process model hands
+    one ModelInfo to every rank: the last one is remembered."""
+    if _rows_memo[0] is not info.param_names:
+        names, modules, row_of, aggregated = group_rows(info.param_names)
+        _rows_memo[:] = [info.param_names, (names, modules, torch.tensor(row_of, dtype=torch.int64), aggregated)]
+    return _rows_memo[1]
+
+
+def _curve(keys: torch.Tensor, s: int, w_missing: torch.Tensor, g_missing: torch.Tensor) -> Curve:
+    gaps = [unkey(int(k)) for k in keys.tolist()]
+    return Curve(weights=gaps[: s + 1], grads=gaps[s + 1:], weights_missing=w_missing.tolist(),
+                 grads_missing=g_missing.tolist())
+
+
+_last_info: list[Any] = [None, b"", 0]
+
+
+def _info_json(info: ModelInfo) -> tuple[bytes, int]:
+    """The ModelInfo as JSON and its digest. The in-process model hands one ModelInfo to every rank: the last one
+    is remembered (the ranks of a real group each compute theirs once)."""
+    if _last_info[0] is not info:
+        data = json.dumps(info.to_dict(), sort_keys=True).encode()
+        _last_info[:] = [info, data, text_digest(data)]
+    return _last_info[1], _last_info[2]
+
+
+# ------------------------------------------------------------------------------------------------ the protocol
+
+
+def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
+             world: int) -> Generator[Op, Reply, Summary]:
+    """One rank's side of the exchange (group ranks). Yields collectives, returns the `Summary`."""
+    n_params = record.used.shape[1]
+    lead = _leading_complete(record)
+    info_json, info_digest = _info_json(info)
+
+    # Round A: the common and padded step counts, and whether every rank holds the same ModelInfo.
+    a = MaxRound()
+    a.pair("steps", torch.tensor([record.steps, lead]))
+    a.pair("info", torch.tensor([info_digest]))
+    a.slot("info_len", torch.tensor([len(info_json)]), rank == 0)
+    ra = a.read((yield ("max", a.tensor())))
+    pad_steps, s = int(ra["steps"][0][0]), int(ra["steps"][1][1])
+    if bool(differs(ra["info"]).any()):
+        # Group rank 0's ModelInfo speaks for the group (names and shapes already agree: they are in the layout
+        # hash, checked before); it travels once, from rank 0 only.
+        n = int(ra["info_len"][0])
+        words = to_words(info_json if rank == 0 else b"", -(-n // 8))
+        got = yield ("sum", words if rank == 0 else torch.zeros_like(words))
+        info = ModelInfo.from_dict(json.loads(from_words(got.tensor, n).decode()))
+    tracked = torch.tensor(info.trainable_at_wrap, dtype=torch.bool)
+    ignored = torch.tensor(info.ignored, dtype=torch.bool)
+
+    used = record.used[:s]
+    trainable = record.trainable[:s]
+    partial = torch.zeros(n_params, dtype=torch.bool)
+    if lead < record.steps:
+        partial = record.used[lead] | record.reachable[lead]
+
+    def grad_hashes() -> torch.Tensor:
+        """int64[S, P]: each gradient fingerprint's hash (recomputed where needed rather than held while waiting)."""
+        return of_record(record, "grad_fp", s, hash_steps)
+
+    # Round B: every local fact that needs only the common step count.
+    b = SumRound(world)
+    b.bits("used", used, of_record(record, "used", s, bool_digest))
+    b.bits("trainable", trainable, of_record(record, "trainable", s, bool_digest))
+    b.bits("ran", record.ran[:s].any(0) if s else torch.zeros(n_params, dtype=torch.bool))
+    b.bits("partial", partial)
+    b.bits("varies", used.any(0) != used.all(0) if s >= 2 else torch.zeros(n_params, dtype=torch.bool))
+    b.bits("after_crash", partial & ~used.all(0) if s >= 1 else torch.zeros(n_params, dtype=torch.bool))
+    forwards, bypasses = record.counter("ddp_forwards"), record.counter("bypass_forwards")
+    hits = ((bypasses > 0) & (forwards == 0)).nonzero().flatten().tolist()
+    bypass_used = torch.zeros(n_params, dtype=torch.bool)
+    for step in hits:
+        bypass_used |= record.used[step]
+    hit_steps = torch.zeros(pad_steps, dtype=torch.bool)
+    hit_steps[hits] = True
+    b.bits("bypass_used", bypass_used)
+    b.bits("bypass_steps", hit_steps)
+    empty = torch.zeros(pad_steps, dtype=torch.bool)
+    if s:
+        empty[:s] = ~trainable.any(-1)
+    b.bits("empty", empty)
+    missing = torch.zeros(n_params, dtype=torch.bool)
+    if CRASH_KINDS[record.crash_kind] == "reduction-error" and lead:
+        missing = ~record.used[lead - 1]
+    b.bits("missing", missing)
+    b.bits("rank0_trainable", trainable[-1] if rank == 0 and s else torch.zeros(n_params, dtype=torch.bool))
+    crash_steps = torch.zeros(len(CRASH_KINDS), pad_steps + 2, dtype=torch.bool)
+    if record.crash_kind:
+        crash_steps[record.crash_kind, min(max(record.crash_step + 1, 0), pad_steps + 1)] = True
+    b.bits("crash_steps", crash_steps)
+    b.bits("buffer_nan", record.buffer_fp[:s].isnan().all(-1))
+    b.bits("input", (record.input_fp[:s] != 0).any(-1))
+    loader = _training_loader(record)
+    b.ints("loader", torch.tensor([int(loader is not None)]))
+    b.bits("bn_training", record.counter("batchnorm_training")[:s] > 0)
+
+    m = MaxRound()
+    m.pair("sections", b.digests())
+    mask = trainable & ~ignored
+    grad_h = grad_hashes()
+    m.pair("grad_p", (grad_h * mask).sum(0))
+    m.pair("grad_s", (grad_h * mask).sum(1))
+    infer = (not info.wrap_state_exact and info.wrap_trainable_count is not None and world >= 2 and s > 0)
+    if infer:
+        m.pair("unsynced", grad_h.sum(0))
+    weight_h = of_record(record, "weight_fp", s + 1, hash_steps)
+    m.pair("weight_p", weight_h.sum(0))
+    m.pair("weight_s", (weight_h * ~ignored).sum(1))
+    del grad_h, weight_h, mask
+    m.pair("buffer", of_record(record, "buffer_fp", s, hash_steps))
+    m.pair("input", of_record(record, "input_fp", s, hash_steps))
+    wins = windows(record)
+    counts = torch.full((pad_steps,), 0, dtype=torch.int64)
+    counts[: len(wins)] = torch.tensor([c for c, _ in wins], dtype=torch.int64)
+    present = torch.arange(pad_steps) < len(wins)
+    m.pair("windows", counts, present)
+    m.pair("n_windows", torch.tensor([len(wins)]))
+    batches = int(loader["batches"]) if loader is not None else 0
+    m.pair("batches", torch.tensor([batches]), loader is not None)
+    m.slot("padded", torch.tensor([int(loader.get("padded") or 0) if loader is not None else 0]),
+           loader is not None)
+    first = torch.full((min(world, 8),), -1, dtype=torch.int64)
+    if rank < len(first):
+        first[rank] = batches if loader is not None else -1
+    m.slot("first_batches", first, torch.arange(len(first)) == rank)
+    sites = [text_digest(sorted(set(record.bypass_sites))), text_digest(sorted(set(record.blocked_checkpoints)))]
+    m.slot("sites0", torch.tensor(sites), rank == 0)
+    # Per common step: DDP forwards in grad mode without a backward, the script's own collectives (count and
+    # running digest) and GradScaler's scale, with group rank 0's values to compare against; the batch sizes.
+    unpaired = record.counter("unpaired_forwards")[:s]
+    m.pair("unpaired", unpaired)
+    coll = torch.stack([record.counter("collectives")[:s], record.counter("collective_digest")[:s]], 1)
+    m.pair("coll", coll)
+    m.slot("coll0", coll, rank == 0)
+    scale = record.counter("scaler_scale")[:s]
+    m.pair("scale", scale)
+    m.slot("scale0", scale, rank == 0)
+    sizes = record.counter("batch_size")[:s]
+    sizes = sizes[sizes > 0]
+    m.pair("batch_size", torch.tensor([int(sizes.max()), int(sizes.min())]) if sizes.numel() else
+           torch.zeros(2, dtype=torch.int64), bool(sizes.numel()))
+    rm = m.read((yield ("max", m.tensor())))
+    del m
+    b.settle(rm["sections"])
+    rb = b.read((yield ("sum", b.tensor())))
+    del b
+
+    # Round B2, only when some parameter's requires_grad differs across ranks in some step: the gradient digests
+    # again, masked by the parameters every rank trains (the mask round B could not know yet).
+    train_all = rb["trainable"] == world
+    uniform = bool(((rb["trainable"] == 0) | train_all).all())
+    if not uniform:
+        b2 = MaxRound()
+        mask = train_all & ~ignored
+        grad_h = grad_hashes()
+        b2.pair("grad_p", (grad_h * mask).sum(0))
+        b2.pair("grad_s", (grad_h * mask).sum(1))
+        del grad_h, mask
+        r2 = b2.read((yield ("max", b2.tensor())))
+        rm["grad_p"], rm["grad_s"] = r2["grad_p"], r2["grad_s"]
+
+    # What the group knows now.
+    unsynced = differs(rm["unsynced"]) if infer else torch.zeros(n_params, dtype=torch.bool)
+    if infer:
+        extra = int(tracked.sum()) - int(info.wrap_trainable_count or 0)
+        if extra > 0 and int((unsynced & tracked).sum()) == extra:
+            tracked = tracked & ~unsynced
+    grad_params = differs(rm["grad_p"]) & ~ignored if world >= 2 else torch.zeros(n_params, dtype=torch.bool)
+    weight_params = differs(rm["weight_p"]) & ~ignored if world >= 2 else torch.zeros(n_params, dtype=torch.bool)
+    used_count = rb["used"]
+    used_any, used_all = used_count > 0, used_count == world
+    live = tracked & ~((rb["trainable"] < world).any(0) if s else torch.zeros_like(tracked))
+    rank_dep = live & (used_any != used_all).any(0) if s else torch.zeros_like(live)
+    del used_any, used_all, train_all
+    n_wins = int(rm["n_windows"][1][0])
+    w_hi, w_lo = rm["windows"]
+    bad = [k for k in range(n_wins) if int(w_hi[k]) != int(w_lo[k])]
+    b_hi, b_lo = (int(v[0]) for v in rm["batches"])
+    all_loaders = int(rb["loader"][0]) == world
+    u_hi, u_lo = rm["unpaired"]
+    first_unpaired = _first((u_hi != u_lo).tolist())
+    c_hi, c_lo = rm["coll"]
+    first_coll = _first((c_hi != c_lo).any(-1).tolist())
+    sc_hi, sc_lo = rm["scale"]
+    first_scale = _first((sc_hi != sc_lo).tolist())
+
+    # Round C, only when gradients or weights differ: digests of each rank's differing slice against rank 0's
+    # (to name the ranks), and rank 0's fingerprints there (for the largest difference and the divergence curve).
+    g_ref = w_ref = 0
+    g_mine = w_mine = 0
+    w_nan = False
+    gap_local = 0.0
+    w_nan0 = False
+    w_curve = torch.zeros(s + 1, dtype=torch.float64)
+    g_curve = torch.zeros(s, dtype=torch.float64)
+    w_missing = torch.zeros(s + 1, 0, dtype=torch.bool)
+    g_missing = torch.zeros(s, 0, dtype=torch.bool)
+    if bool(grad_params.any() or weight_params.any()):
+        c = MaxRound()
+        g_mine = int(grad_hashes()[:, grad_params].sum()) if s else 0
+        w_slice = record.weight_fp[: s + 1][:, weight_params]
+        g_slice = record.grad_fp[:s][:, grad_params]
+        w_mine = int(element_hashes(w_slice).sum()) if w_slice.numel() else 0
+        w_nan = bool(w_slice.isnan().any())
+        c.slot("ref", torch.tensor([g_mine, w_mine, int(w_nan)]), rank == 0)
+        rc = c.read((yield ("max", c.tensor())))
+        g_ref, w_ref, w_nan0 = int(rc["ref"][0]), int(rc["ref"][1]), bool(rc["ref"][2])
+        both = torch.cat([w_slice.reshape(-1), g_slice.reshape(-1)]).to(torch.float64)
+        words = to_words(both.contiguous().numpy().tobytes() if rank == 0 else b"", both.numel())
+        got = yield ("sum", words if rank == 0 else torch.zeros_like(words))
+        ref = got.tensor.view(torch.float64)
+        w0, g0 = ref[: w_slice.numel()].reshape(w_slice.shape), ref[w_slice.numel():].reshape(g_slice.shape)
+        if w_slice.numel():
+            gap_local = float((w_slice[..., 0] - w0[..., 0]).abs().nan_to_num(0).max())
+        w_curve, w_missing = local_gaps(w_slice, w0, torch.ones(w_slice.shape[:2], dtype=torch.bool))
+        g_curve, g_missing = local_gaps(g_slice, g0, (rb["trainable"] == world)[:, grad_params])
+
+    # Round D: the predicates, plus what needs the inferred `tracked` (hidden parameters).
+    checkpoints = record.counter("reentrant_checkpoints")
+    hidden = torch.zeros(2, n_params, dtype=torch.bool)
+    hidden_steps = torch.zeros(2, pad_steps, dtype=torch.bool)
+    hidden_rank = [False, False]
+    hidden_crash = [0, 0]
+    mark_twice = CRASH_KINDS.index("mark-ready-twice")
+    for step in range(record.steps):
+        if not forwards[step]:
+            continue
+        target = 1 if checkpoints[step] else 0
+        found = record.used[step] & ~record.reachable[step] & tracked
+        named = False
+        if record.crash_kind == mark_twice and step == record.crash_step:
+            idx = names_in_message(info, record.crash_message)
+            found[idx] = True
+            named = bool(idx)
+            hidden_crash[target] = 1
+        if bool(found.any()) or named or checkpoints[step]:
+            hidden[target] |= found
+            hidden_steps[target, step] = True
+            hidden_rank[target] = True
+    first_window = bad[0] if bad else None
+    my_passes = wins[first_window][0] if first_window is not None else None
+    window_sites: list[str] = []
+    if first_window is not None and my_passes == int(w_hi[first_window]):
+        window_sites = [site.split(": ", 1)[1] for site in record.repeat_sites
+                        if int(site.split(":", 1)[0].split()[1]) in wins[first_window][1]]
+    lacking = bool(s and rank_dep.any() and (~used[:, rank_dep]).any())
+    unpaired_sites = [site.split(": ", 1)[1] for site in record.unpaired_sites
+                      if first_unpaired is not None and int(site.split(":", 1)[0].split()[1]) == first_unpaired]
+    c0 = rm["coll0"]
+    coll_differs = first_coll is not None and bool((coll[first_coll] != c0[first_coll]).any())
+    scale_differs = first_scale is not None and int(scale[first_scale]) != int(rm["scale0"][first_scale])
+    flags = {
+        "lacking": lacking,
+        "bypass": bool(hits),
+        "grad-differs": bool(rank >= 1 and grad_params.any() and g_mine != g_ref),
+        "weight-differs": bool(rank >= 1 and weight_params.any() and (w_mine != w_ref or w_nan or w_nan0)),
+        "no-trainable": bool(empty.any()),
+        **{f"crash:{k}": record.crash_kind == i for i, k in enumerate(CRASH_KINDS) if i},
+        "crashed": bool(record.crash_kind),
+        "hidden-outside": hidden_rank[0],
+        "hidden-reentrant": hidden_rank[1],
+        "extra-passes": first_window is not None and my_passes == int(w_hi[first_window]),
+        "fewer-passes": first_window is not None and my_passes != int(w_hi[first_window]),
+        "fewest-batches": bool(all_loaders and b_hi != b_lo and loader is not None and batches == b_lo),
+        "bypass-sites": sites[0] != int(rm["sites0"][0]),
+        "blocked-sites": sites[1] != int(rm["sites0"][1]),
+        "unpaired-extra": first_unpaired is not None and int(unpaired[first_unpaired]) == int(u_hi[first_unpaired]),
+        "unpaired-fewer": first_unpaired is not None and int(unpaired[first_unpaired]) != int(u_hi[first_unpaired]),
+        "collective-differs": coll_differs,
+        "scale-differs": scale_differs,
+    }
+    assert tuple(flags) == PREDICATES
+    meta = json.dumps({
+        "crash_kind": record.crash_kind, "crash_step": record.crash_step, "crash_message": record.crash_message,
+        "bypass_sites": sorted(set(record.bypass_sites)), "blocked_checkpoints": sorted(set(record.blocked_checkpoints)),
+        "loaders": record.loaders, "window_sites": window_sites, "unpaired_sites": unpaired_sites,
+        "collective_log": _logged(record, first_coll) if first_coll is not None else [],
+        "scale": int(scale[first_scale]) if first_scale is not None else 0}).encode()
+    d = SumRound(world)
+    d.ints("counts", torch.tensor([int(v) for v in flags.values()]))
+    d.bits("hidden", hidden)
+    d.bits("hidden_steps", hidden_steps)
+    d.ints("hidden_crash", torch.tensor(hidden_crash))
+    d.bits("w_missing", w_missing.any(-1))
+    d.bits("g_missing", g_missing)
+    dm = MaxRound()
+    me = torch.full((len(PREDICATES), SLOTS), MIN, dtype=torch.int64)
+    for k, v in enumerate(flags.values()):
+        if v:
+            me[k, rank % SLOTS] = -rank
+    dm.slot("slots", me, True)
+    dm.pair("meta_len", torch.tensor([len(meta)]))
+    dm.pair("gap", order_key(torch.tensor([gap_local])))
+    dm.pair("curve", order_key(torch.cat([w_curve, g_curve])))
+    rd = d.read((yield ("sum", d.tensor())))
+    rdm = dm.read((yield ("max", dm.tensor())))
+    examples = examples_from(rd["counts"], rdm["slots"])
+
+    # The usage map: each rank's grid of cell states, and the distinct grids with the ranks that have them.
+    row_names, _, row_of, _ = _rows(info)
+    grid = rank_grid(used=used, ran=record.ran[:s], trainable=trainable, tracked=tracked, ignored=ignored,
+                     row_of=row_of, rows=len(row_names))
+    grids, members, omitted = yield from patterns(grid, rank=rank, world=world)
+
+    # Round E: the strings, from group rank 0 and a bounded set of example ranks.
+    wanted = {0}
+    for name in ("crashed", "bypass-sites", "blocked-sites", "extra-passes", "unpaired-extra", "collective-differs",
+                 "scale-differs"):
+        wanted.update(examples[name].ranks)
+    wanted.update(examples["fewest-batches"].ranks[:1])
+    chosen = sorted(wanted)          # at most 2 + 7 * EXAMPLES ranks, whatever W
+    n_meta = int(rdm["meta_len"][0][0])
+    words = -(-n_meta // 8)
+    e = torch.zeros(len(chosen), words, dtype=torch.int64)
+    if rank in chosen:
+        e[chosen.index(rank)] = to_words(meta, words)
+    got = yield ("sum", e.reshape(-1))
+    metas = {}
+    for i, r in enumerate(chosen):
+        raw = from_words(got.tensor.reshape(len(chosen), words)[i], n_meta).rstrip(b"\0")
+        metas[r] = json.loads(raw.decode())
+
+    # Rounds T: exact medians of the step timings over every rank's common steps.
+    timing = yield from medians(record, s, world)
+
+    b_nan = rb["buffer_nan"]
+    return Summary(
+        info=info, world=world, steps=s, pad_steps=pad_steps,
+        used=used_count, trainable=rb["trainable"],
+        ran=rb["ran"] > 0, partial=rb["partial"] > 0, varies=rb["varies"] > 0, after_crash=rb["after_crash"] > 0,
+        bypass_used=rb["bypass_used"] > 0, bypass_steps=rb["bypass_steps"] > 0,
+        no_trainable_steps=(rb["empty"] > 0)[:s], reduction_missing=(rb["missing"] > 0) & tracked,
+        rank0_trainable=rb["rank0_trainable"] > 0, tracked=tracked, crash_steps=rb["crash_steps"] > 0,
+        hidden=rd["hidden"] > 0, hidden_steps=rd["hidden_steps"] > 0,
+        hidden_crashed=[int(v) for v in rd["hidden_crash"]],
+        grad_params=grad_params, grad_steps=(differs(rm["grad_s"]) if world >= 2 else
+                                             torch.zeros(s, dtype=torch.bool)),
+        unsynced=unsynced, weight_params=weight_params,
+        weight_steps=differs(rm["weight_s"]) if world >= 2 else torch.zeros(s + 1, dtype=torch.bool),
+        weight_gap=unkey(int(rdm["gap"][0][0])) if weight_params.any() else 0.0,
+        buffer_seen=b_nan == 0, buffer_differs=differs(rm["buffer"]),
+        input_present=rb["input"] == world, input_differs=differs(rm["input"]),
+        windows=n_wins, window_passes=(w_hi[:n_wins].tolist(), w_lo[:n_wins].tolist()),
+        loader_ranks=int(rb["loader"][0]), batches=(b_hi, b_lo), padded=int(rm["padded"][0]),
+        first_batches=[int(v) for v in rm["first_batches"]],
+        examples=examples, metas=metas, timing=timing,
+        unpaired=(u_hi.tolist(), u_lo.tolist()), collectives=(c_hi, c_lo), collectives0=rm["coll0"],
+        scales=(sc_hi.tolist(), sc_lo.tolist()), scales0=rm["scale0"].tolist(),
+        batchnorm_training=rb["bn_training"] > 0,
+        batch_sizes=(int(rm["batch_size"][0][0]), int(rm["batch_size"][1][1])) if int(rm["batch_size"][0][0]) != MIN
+        else None,
+        patterns=list(zip(grids, members)), patterns_omitted=omitted,
+        curve=_curve(rdm["curve"][0], s, rd["w_missing"] > 0, (rd["g_missing"] > 0).sum(-1)))
+
+

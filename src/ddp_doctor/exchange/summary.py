@@ -1,0 +1,186 @@
+"""What the exchange tells every rank: the `Summary`, its bounded rank `Examples`, and the `Volume` one rank
+moved."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddp_doctor.exchange.packing import MIN
+from ddp_doctor.records import CRASH_KINDS, ModelInfo
+
+__all__ = ["EXAMPLES", "PREDICATES", "SLOTS", "Curve", "Examples", "Summary", "Volume", "examples_from"]
+
+EXAMPLES = 8
+"""How many example ranks a finding names when more ranks show it (the rest are counted)."""
+SLOTS = 64
+"""Example slots per predicate: the smallest flagged rank of each class ``rank % SLOTS``. Exact for W <= SLOTS."""
+
+PREDICATES = ("lacking", "bypass", "grad-differs", "weight-differs", "no-trainable",
+              *(f"crash:{k}" for k in CRASH_KINDS[1:]), "crashed", "hidden-outside", "hidden-reentrant",
+              "extra-passes", "fewer-passes", "fewest-batches", "bypass-sites", "blocked-sites",
+              "unpaired-extra", "unpaired-fewer", "collective-differs", "scale-differs")
+
+
+@dataclass(frozen=True, slots=True)
+class Examples:
+    """The ranks (within the group) that satisfied one predicate: a count and up to `EXAMPLES` of them."""
+
+    count: int
+    ranks: list[int]
+
+    @property
+    def more(self) -> int:
+        return self.count - len(self.ranks)
+
+
+@dataclass(kw_only=True)
+class Summary:
+    """What the exchange tells every rank, identically. W ranks, S common steps, P params, B buffers.
+
+    Counts are "how many ranks"; masks over ranks are derived from them (any: > 0, all: == W).
+    """
+
+    info: ModelInfo
+    world: int
+    steps: int
+    """Steps every rank completed (the leading complete steps, minimum over the ranks)."""
+    pad_steps: int
+    """The most steps any rank recorded."""
+    used: torch.Tensor
+    """int64[S, P]: ranks on which the parameter got a gradient in the step."""
+    trainable: torch.Tensor
+    """int64[S, P]: ranks on which it required grad at the end of the step."""
+    ran: torch.Tensor
+    """bool[P]: its module ran on some rank in some common step."""
+    partial: torch.Tensor
+    """bool[P]: used or reachable on some rank in the step a crash interrupted."""
+    varies: torch.Tensor
+    """bool[P]: on some rank, used in some common steps and not in others."""
+    after_crash: torch.Tensor
+    """bool[P]: on some rank, used in the interrupted step but not in every common step."""
+    bypass_used: torch.Tensor
+    """bool[P]: used in a step that ran the wrapped module without DDP's forward."""
+    bypass_steps: torch.Tensor
+    """bool[pad_steps]: steps with such a bypass on some rank."""
+    no_trainable_steps: torch.Tensor
+    """bool[S]: steps in which some rank had no parameter requiring grad."""
+    reduction_missing: torch.Tensor
+    """bool[P]: tracked params without a gradient in the last complete step of a rank that hit the reduction error."""
+    rank0_trainable: torch.Tensor
+    """bool[P]: group rank 0's requires_grad at the end of the last common step."""
+    tracked: torch.Tensor
+    """bool[P]: the parameters DDP's reducer reduces (trainable at wrap, minus any inferred unfrozen)."""
+    crash_steps: torch.Tensor
+    """bool[len(CRASH_KINDS), pad_steps + 2]: index ``crash_step + 1`` for each crash kind seen."""
+    hidden: torch.Tensor
+    """bool[2, P]: got a gradient outside the graph of DDP's outputs (0: used outside forward, 1: under a reentrant
+    checkpoint), including parameters DDP named in a 'mark a variable ready only once' error."""
+    hidden_steps: torch.Tensor
+    """bool[2, pad_steps]."""
+    hidden_crashed: list[int]
+    """[2]: ranks whose 'mark a variable ready only once' crash is attributed to each kind."""
+    grad_params: torch.Tensor
+    """bool[P]: gradients differ across ranks in some common step where every rank trains the param."""
+    grad_steps: torch.Tensor
+    """bool[S]: steps with such a difference."""
+    unsynced: torch.Tensor
+    """bool[P]: gradients differ across ranks in some common step (no mask; for inferring the wrap state)."""
+    weight_params: torch.Tensor
+    """bool[P]: weights differ across ranks before or after some common step."""
+    weight_steps: torch.Tensor
+    """bool[S + 1]: over the non-ignored parameters."""
+    weight_gap: float
+    """Largest |weight fingerprint - group rank 0's| over the differing parameters (0 when none differ)."""
+    buffer_seen: torch.Tensor
+    """bool[S, B]: every rank recorded the buffer's fingerprint."""
+    buffer_differs: torch.Tensor
+    """bool[S, B]."""
+    input_present: torch.Tensor
+    """bool[S]: every rank saw a nonzero input fingerprint."""
+    input_differs: torch.Tensor
+    """bool[S]."""
+    windows: int
+    """Optimizer steps every rank closed (see `windows`)."""
+    window_passes: tuple[list[int], list[int]]
+    """(max, min) over the ranks of synced backward passes in each of the first `windows` optimizer steps."""
+    loader_ranks: int
+    """Ranks that iterated a DataLoader with a length."""
+    batches: tuple[int, int]
+    """(max, min) batches per epoch over those ranks."""
+    padded: int
+    """The most padded samples any rank's sampler added."""
+    first_batches: list[int]
+    """Batches per epoch of group ranks 0.. min(W, 8) - 1 (-1: unknown)."""
+    examples: dict[str, Examples]
+    """Per predicate (`PREDICATES`)."""
+    metas: dict[int, dict[str, Any]]
+    """Group rank -> its strings: crash, call sites, loaders (group rank 0 and the example ranks that need them)."""
+    timing: list[float | None]
+    """Medians over every rank's common steps: forward, backward, optimizer, and their sum (None: no step)."""
+    unpaired: tuple[list[int], list[int]]
+    """(max, min) over the ranks of DDP forwards in grad mode without a backward, per common step."""
+    collectives: tuple[torch.Tensor, torch.Tensor]
+    """(max, min) over the ranks of int64[S, 2]: the script's own collectives per step, count and running digest."""
+    collectives0: torch.Tensor
+    """int64[S, 2]: group rank 0's."""
+    scales: tuple[list[int], list[int]]
+    """(max, min) of GradScaler's scale at each step's scaler.step() (float32 bits; 0: no scaler.step())."""
+    scales0: list[int]
+    """Group rank 0's."""
+    batchnorm_training: torch.Tensor
+    """bool[S]: some rank had BatchNorm layers in training mode in the step's first forward."""
+    batch_sizes: tuple[int, int] | None
+    """(largest, smallest) nonzero first-input batch size over every rank and common step (None: none seen)."""
+    patterns: list[tuple[torch.Tensor, list[int]]]
+    """The distinct usage-map grids (int64[R, S] of `STATES` indices) and the group ranks that have each, group
+    rank 0's first; at most `MAX_PATTERNS`."""
+    patterns_omitted: list[int]
+    """Group ranks whose grid was not among those found."""
+    curve: Curve
+    """The divergence curve's data."""
+    volume: Volume | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class Curve:
+    """Per step, the largest |fingerprint(rank r) - fingerprint(rank 0)| over parameters, ranks and both numbers."""
+
+    weights: list[float]
+    """S + 1 values: before the first common step, then after each."""
+    grads: list[float]
+    """S values, over the parameters every rank trains in the step."""
+    weights_missing: list[bool]
+    """S + 1: some parameter's weight fingerprint is NaN on some ranks only."""
+    grads_missing: list[int]
+    """S: how many such parameters' gradient fingerprints are NaN on some ranks only (a gradient absent there)."""
+
+
+@dataclass
+class Volume:
+    """Bytes one rank hands to and gets back from the exchange's collectives (logical payload; a ring all_reduce
+    moves about twice that on the wire)."""
+
+    sent: int = 0
+    received: int = 0
+    collectives: int = 0
+    rounds: list[str] = field(default_factory=list)
+
+    def add(self, op: str, t: torch.Tensor, world: int) -> None:
+        n = t.numel() * t.element_size()
+        self.sent += n
+        self.received += n
+        self.collectives += 1
+        self.rounds.append(f"{op}:{n}")
+
+
+def examples_from(counts: torch.Tensor, slots: torch.Tensor) -> dict[str, Examples]:
+    out = {}
+    for k, name in enumerate(PREDICATES):
+        found = sorted(-int(v) for v in slots[k].tolist() if v != MIN)
+        out[name] = Examples(count=int(counts[k]), ranks=found[:EXAMPLES])
+    return out
+
+
