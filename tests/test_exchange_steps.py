@@ -1,0 +1,180 @@
+"""The exchange's per-step counters and the report's figures: reduced across the ranks, they give what a look at
+every rank's record gives (checked against a direct per-rank computation), and they name the odd ranks with
+bounded examples at any world size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist import run_ranks
+
+from ddp_doctor.analyze import analyze, analyze_summary
+from ddp_doctor.exchange import EXAMPLES, summarize
+from ddp_doctor.gather import exchange
+from ddp_doctor.records import ModelInfo, RankRecord, StepCounters
+from ddp_doctor.report.figures import MAX_PATTERNS, STATES
+from ddp_doctor.scalerprobe import encode
+
+NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight", "norm.weight"]
+P, STEPS = len(NAMES), 4
+_KEYS = list(STATES)
+
+
+def _info(**overrides) -> ModelInfo:
+    base = {"param_names": NAMES, "param_shapes": [(4, 3), (4,), (2, 4), (2, 4), (4,)],
+            "trainable_at_wrap": [True] * P, "ignored": [False] * (P - 1) + [True],
+            "buffer_names": ["norm.running_mean"], "buffer_shapes": [(4,)],
+            "ddp_config": {"find_unused_parameters": True, "static_graph": False, "broadcast_buffers": True},
+            "batchnorm": ["norm"]}
+    base.update(overrides)
+    return ModelInfo(**base)
+
+
+def _record(rank: int, *, seed: int | None = None, counters: dict[str, list[int]] | None = None,
+            sites: dict[str, list[str]] | None = None) -> RankRecord:
+    """A clean rank; with `seed`, random usage, frozen flags, module runs and fingerprints (a few NaN)."""
+    used = torch.ones(STEPS, P, dtype=torch.bool)
+    ran = used.clone()
+    trainable = torch.ones(STEPS, P, dtype=torch.bool)
+    grad = torch.arange(STEPS * P * 2, dtype=torch.float64).reshape(STEPS, P, 2)
+    weight = torch.arange((STEPS + 1) * P * 2, dtype=torch.float64).reshape(STEPS + 1, P, 2)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        used = torch.rand(STEPS, P, generator=g) < 0.7
+        ran = used | (torch.rand(STEPS, P, generator=g) < 0.5)
+        trainable = torch.rand(STEPS, P, generator=g) < 0.9
+        grad = grad + (torch.rand(STEPS, P, 2, generator=g) < 0.3) * torch.rand(STEPS, P, 2, generator=g)
+        weight = weight + (torch.rand(STEPS + 1, P, 2, generator=g) < 0.2) * torch.rand(STEPS + 1, P, 2, generator=g)
+        grad[torch.rand(STEPS, P, 2, generator=g) < 0.05] = float("nan")
+        if rank == 1:
+            weight[2, 1, 0] = float("nan")          # one weight NaN on one rank: that step's gap is infinite
+    c = StepCounters(ddp_forwards=1, micro_steps=1, synced_backwards=1, optimizer_step=1, batch_size=8,
+                     batchnorm_training=1)
+    table = torch.tensor([c.as_list()] * STEPS)
+    for name, values in (counters or {}).items():
+        table[:, StepCounters.FIELDS.index(name)] = torch.tensor(values)
+    return RankRecord(rank=rank, used=used, reachable=used.clone(), ran=ran, trainable=trainable, grad_fp=grad,
+                      weight_fp=weight, buffer_fp=torch.zeros(STEPS, 1, 2, dtype=torch.float64),
+                      input_fp=torch.full((STEPS, 2), float(rank + 1), dtype=torch.float64),
+                      timing=torch.full((STEPS, 3), 0.01, dtype=torch.float64), counters=table, **(sites or {}))
+
+
+# ------------------------------------------------------------------- the figures, against every rank's record
+
+
+def _direct_patterns(info: ModelInfo, records: list[RankRecord], tracked: torch.Tensor) -> dict[tuple, list[int]]:
+    """Each distinct per-rank grid of cell states, computed from the records themselves."""
+    ignored = torch.tensor(info.ignored)
+    out: dict[tuple, list[int]] = {}
+    for r in records:
+        state = torch.full((STEPS, P), _KEYS.index("N"))
+        state[r.ran & ~r.used] = _KEYS.index("B")
+        state[r.used] = _KEYS.index("U")
+        state[~r.trainable] = _KEYS.index("F")
+        state[r.trainable != tracked] = _KEYS.index("X")
+        state[:, ignored] = _KEYS.index("I")
+        cells = tuple("".join(_KEYS[c] for c in row) for row in state.T.tolist())
+        out.setdefault(cells, []).append(r.rank)
+    return out
+
+
+def _direct_gaps(fp: torch.Tensor, keep: torch.Tensor) -> tuple[list[float], list[int]]:
+    ref = fp[:1]
+    one_nan = fp.isnan() ^ ref.isnan()
+    diff = (fp - ref).abs().masked_fill(fp.isnan() | ref.isnan(), 0.0).amax(-1).amax(0)
+    return diff.masked_fill(~keep, 0.0).amax(-1).tolist(), (one_nan.any(-1).any(0) & keep).sum(-1).tolist()
+
+
+@pytest.mark.parametrize("world", [2, 3, 6])
+def test_figures_equal_a_direct_look_at_every_rank(world: int) -> None:
+    info = _info()
+    records = [_record(r, seed=100 * world + r) for r in range(world)]
+    d = analyze(info, records)
+    assert d.usage_map is not None and d.divergence is not None
+    tracked = torch.tensor(info.trainable_at_wrap)
+    got = {tuple(p.cells): p.ranks for p in d.usage_map.patterns}
+    assert got == _direct_patterns(info, records, tracked)
+    assert d.usage_map.patterns[0].ranks[0] == 0
+    kept = ~torch.tensor(info.ignored)
+    weights, w_missing = _direct_gaps(torch.stack([r.weight_fp for r in records]), kept.expand(STEPS + 1, -1))
+    trained = torch.stack([r.trainable for r in records]).all(0) & kept
+    grads, g_missing = _direct_gaps(torch.stack([r.grad_fp for r in records]), trained)
+    assert d.divergence.weights == [float("inf") if m else w for w, m in zip(weights, w_missing)]
+    assert d.divergence.grads == grads
+    assert d.divergence.grads_missing == g_missing
+
+
+def test_the_usage_map_keeps_rank_zeros_pattern_and_counts_the_ranks_beyond_the_limit() -> None:
+    world = MAX_PATTERNS + 4
+    records = [_record(r, seed=r) for r in range(world)]
+    d = analyze(_info(), records)
+    shown = [r for p in d.usage_map.patterns for r in p.ranks]
+    assert len(d.usage_map.patterns) == MAX_PATTERNS and d.usage_map.patterns[0].ranks[0] == 0
+    assert sorted(shown + d.usage_map.ranks_omitted) == list(range(world))
+
+
+# ------------------------------------------------------------------- per-step counters name the odd ranks
+
+
+def _odd(world: int, extra: set[int], colls: set[int], scales: set[int]) -> list[RankRecord]:
+    out = []
+    for r in range(world):
+        counters = {"unpaired_forwards": [0, 1 if r in extra else 0, 0, 0],
+                    "collectives": [1, 1, 2 if r in colls else 1, 1],
+                    "collective_digest": [7, 7, 9 if r in colls else 8, 7],
+                    "scaler_scale": [encode(1024.0), encode(512.0 if r in scales else 1024.0), encode(1024.0),
+                                     encode(1024.0)]}
+        log = ["step 2: all_reduce(float32[1], SUM)/2 at train.py:40"]
+        if r in colls:
+            log.append("step 2: broadcast(int64[3])/2 at train.py:41")
+        sites = {"unpaired_sites": ["step 1: train.py:55"] if r in extra else [], "collective_log": log}
+        out.append(_record(r, counters=counters, sites=sites))
+    return out
+
+
+def _by_title(d, code: str, words: str):
+    return next(f for f in d.findings if f.code == code and words in f.title)
+
+
+def test_unpaired_forwards_collectives_and_scales_name_the_ranks() -> None:
+    d = analyze(_info(), _odd(8, extra={2, 5}, colls={3}, scales={6}))
+    unpaired = _by_title(d, "collective-mismatch", "no backward")
+    assert unpaired.ranks == [2, 5] and unpaired.steps == [1] and "train.py:55" in unpaired.title
+    assert unpaired.severity == "error"          # the model has buffers and broadcasts them
+    coll = _by_title(d, "collective-mismatch", "different collectives")
+    assert coll.ranks == [0, 3] and coll.steps == [2] and "rank 3 differs from rank 0" in coll.title
+    assert "rank 3 called broadcast(int64[3]) over a group of 2 at train.py:41" in coll.detail
+    scaler = next(f for f in d.findings if f.code == "grad-scaler-mismatch")
+    assert scaler.ranks == [0, 6] and "rank 0: 1024, rank 6: 512" in scaler.title
+    bn = next(f for f in d.findings if f.code == "batchnorm-not-synced")
+    assert "8 samples per rank" in bn.title and bn.ranks == list(range(8))
+
+
+def test_many_odd_ranks_are_named_by_examples_and_counted() -> None:
+    world = 40
+    extra = set(range(1, world, 2))
+    d = analyze(_info(), _odd(world, extra=extra, colls=extra, scales=extra))
+    unpaired = _by_title(d, "collective-mismatch", "no backward")
+    assert len(unpaired.ranks) == EXAMPLES and set(unpaired.ranks) <= extra
+    assert unpaired.more_ranks == len(extra) - EXAMPLES
+    coll = _by_title(d, "collective-mismatch", "different collectives")
+    assert coll.more_ranks == len(extra) - EXAMPLES
+    scaler = next(f for f in d.findings if f.code == "grad-scaler-mismatch")
+    assert f"and {len(extra) - 7} other ranks" in scaler.title
+
+
+def _real(rank: int, world: int) -> dict:
+    records = _odd(world, extra={2, 5}, colls={3}, scales={6})
+    summary = exchange(records[rank], _info(), timeout=20, tag="c", device=torch.device("cpu"))
+    d = analyze_summary(summary)
+    model = analyze(_info(), records)
+    return {"real": [f.to_dict() for f in d.findings], "model": [f.to_dict() for f in model.findings],
+            "usage": d.usage_map.to_dict(), "model_usage": model.usage_map.to_dict()}
+
+
+def test_a_real_group_of_8_agrees_with_the_model(tmp_path) -> None:
+    results = run_ranks(_real, tmp_path, world_size=8, timeout=120)
+    for r in results:
+        assert r["real"] == results[0]["real"] == r["model"]
+        assert r["usage"] == r["model_usage"]
+    assert {f["code"] for f in results[0]["real"]} >= {"collective-mismatch", "grad-scaler-mismatch"}
