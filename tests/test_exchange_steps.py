@@ -9,7 +9,7 @@ import torch
 from dist import run_ranks
 
 from ddp_doctor.analyze import analyze, analyze_summary
-from ddp_doctor.exchange import EXAMPLES, summarize
+from ddp_doctor.exchange import EXAMPLES
 from ddp_doctor.gather import exchange
 from ddp_doctor.records import ModelInfo, RankRecord, StepCounters
 from ddp_doctor.report.figures import MAX_PATTERNS, STATES
