@@ -10,13 +10,22 @@ timing medians (`timing.py`).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Generator
-from typing import Any
 
 import torch
 
 from ddp_doctor.exchange.figures import local_gaps, patterns
+from ddp_doctor.exchange.local import (
+    curve_of,
+    first_set,
+    info_json,
+    leading_complete,
+    logged,
+    names_in_message,
+    rows_of,
+    training_loader,
+    windows,
+)
 from ddp_doctor.exchange.packing import (
     MIN,
     MaxRound,
@@ -34,105 +43,33 @@ from ddp_doctor.exchange.packing import (
     to_words,
     unkey,
 )
-from ddp_doctor.exchange.summary import PREDICATES, SLOTS, Curve, Summary, examples_from
+from ddp_doctor.exchange.summary import PREDICATES, SLOTS, Summary, examples_from
 from ddp_doctor.exchange.timing import medians
 from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord
-from ddp_doctor.report.figures import group_rows, rank_grid
+from ddp_doctor.report.figures import rank_grid
 
-__all__ = ["names_in_message", "protocol", "windows"]
-
-
-def _leading_complete(record: RankRecord) -> int:
-    complete = record.counter("complete").bool().tolist()
-    return next((i for i, c in enumerate(complete) if not c), len(complete))
-
-
-def windows(record: RankRecord) -> list[tuple[int, list[int]]]:
-    """Per optimizer step: (synced backward passes, the record's step indices in it). Steps are closed by
-    optimizer.step() or, when a synced backward was not followed by one, by the next forward."""
-    out, count, idx = [], 0, []
-    synced, stepped = record.counter("synced_backwards").tolist(), record.counter("optimizer_step").tolist()
-    for s, (n, opt) in enumerate(zip(synced, stepped)):
-        count, idx = count + n, [*idx, s]
-        if opt:
-            out.append((count, idx))
-            count, idx = 0, []
-    return out
-
-
-def _training_loader(record: RankRecord) -> dict[str, Any] | None:
-    """The first loader the rank iterated while observed that has a length (the training loop's, in practice)."""
-    return next((d for d in record.loaders if d.get("batches") is not None), None)
-
-
-def names_in_message(info: ModelInfo, text: str) -> list[int]:
-    """Indices of parameters DDP named in an error message ("... with name head_b.bias has been marked ...")."""
-    index = {n: i for i, n in enumerate(info.param_names)}
-    return [index[m] for m in re.findall(r"with name (\S+)", text) if m in index]
-
-
-def _first(flags: list[bool]) -> int | None:
-    return next((i for i, f in enumerate(flags) if f), None)
-
-
-def _logged(record: RankRecord, step: int) -> list[str]:
-    """The rank's logged collectives of `step`, as `signature at site`."""
-    prefix = f"step {step}: "
-    return [entry.removeprefix(prefix) for entry in record.collective_log if entry.startswith(prefix)]
-
-
-_rows_memo: list[Any] = [None, None]
-
-
-def _rows(info: ModelInfo) -> tuple[list[str], list[str], torch.Tensor, bool]:
-    """The usage map's rows (`group_rows`), with the row of each parameter as a tensor. The in-process model hands
-    one ModelInfo to every rank: the last one is remembered."""
-    if _rows_memo[0] is not info.param_names:
-        names, modules, row_of, aggregated = group_rows(info.param_names)
-        _rows_memo[:] = [info.param_names, (names, modules, torch.tensor(row_of, dtype=torch.int64), aggregated)]
-    return _rows_memo[1]
-
-
-def _curve(keys: torch.Tensor, s: int, w_missing: torch.Tensor, g_missing: torch.Tensor) -> Curve:
-    gaps = [unkey(int(k)) for k in keys.tolist()]
-    return Curve(weights=gaps[: s + 1], grads=gaps[s + 1:], weights_missing=w_missing.tolist(),
-                 grads_missing=g_missing.tolist())
-
-
-_last_info: list[Any] = [None, b"", 0]
-
-
-def _info_json(info: ModelInfo) -> tuple[bytes, int]:
-    """The ModelInfo as JSON and its digest. The in-process model hands one ModelInfo to every rank: the last one
-    is remembered (the ranks of a real group each compute theirs once)."""
-    if _last_info[0] is not info:
-        data = json.dumps(info.to_dict(), sort_keys=True).encode()
-        _last_info[:] = [info, data, text_digest(data)]
-    return _last_info[1], _last_info[2]
-
-
-# ------------------------------------------------------------------------------------------------ the protocol
+__all__ = ["protocol"]
 
 
 def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
              world: int) -> Generator[Op, Reply, Summary]:
     """One rank's side of the exchange (group ranks). Yields collectives, returns the `Summary`."""
     n_params = record.used.shape[1]
-    lead = _leading_complete(record)
-    info_json, info_digest = _info_json(info)
+    lead = leading_complete(record)
+    info_bytes, info_digest = info_json(info)
 
     # Round A: the common and padded step counts, and whether every rank holds the same ModelInfo.
     a = MaxRound()
     a.pair("steps", torch.tensor([record.steps, lead]))
     a.pair("info", torch.tensor([info_digest]))
-    a.slot("info_len", torch.tensor([len(info_json)]), rank == 0)
+    a.slot("info_len", torch.tensor([len(info_bytes)]), rank == 0)
     ra = a.read((yield ("max", a.tensor())))
     pad_steps, s = int(ra["steps"][0][0]), int(ra["steps"][1][1])
     if bool(differs(ra["info"]).any()):
         # Group rank 0's ModelInfo speaks for the group (names and shapes already agree: they are in the layout
         # hash, checked before); it travels once, from rank 0 only.
         n = int(ra["info_len"][0])
-        words = to_words(info_json if rank == 0 else b"", -(-n // 8))
+        words = to_words(info_bytes if rank == 0 else b"", -(-n // 8))
         got = yield ("sum", words if rank == 0 else torch.zeros_like(words))
         info = ModelInfo.from_dict(json.loads(from_words(got.tensor, n).decode()))
     tracked = torch.tensor(info.trainable_at_wrap, dtype=torch.bool)
@@ -180,7 +117,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     b.bits("crash_steps", crash_steps)
     b.bits("buffer_nan", record.buffer_fp[:s].isnan().all(-1))
     b.bits("input", (record.input_fp[:s] != 0).any(-1))
-    loader = _training_loader(record)
+    loader = training_loader(record)
     b.ints("loader", torch.tensor([int(loader is not None)]))
     b.bits("bn_training", record.counter("batchnorm_training")[:s] > 0)
 
@@ -268,11 +205,11 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     b_hi, b_lo = (int(v[0]) for v in rm["batches"])
     all_loaders = int(rb["loader"][0]) == world
     u_hi, u_lo = rm["unpaired"]
-    first_unpaired = _first((u_hi != u_lo).tolist())
+    first_unpaired = first_set((u_hi != u_lo).tolist())
     c_hi, c_lo = rm["coll"]
-    first_coll = _first((c_hi != c_lo).any(-1).tolist())
+    first_coll = first_set((c_hi != c_lo).any(-1).tolist())
     sc_hi, sc_lo = rm["scale"]
-    first_scale = _first((sc_hi != sc_lo).tolist())
+    first_scale = first_set((sc_hi != sc_lo).tolist())
 
     # Round C, only when gradients or weights differ: digests of each rank's differing slice against rank 0's
     # (to name the ranks), and rank 0's fingerprints there (for the largest difference and the divergence curve).
@@ -364,7 +301,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
         "crash_kind": record.crash_kind, "crash_step": record.crash_step, "crash_message": record.crash_message,
         "bypass_sites": sorted(set(record.bypass_sites)), "blocked_checkpoints": sorted(set(record.blocked_checkpoints)),
         "loaders": record.loaders, "window_sites": window_sites, "unpaired_sites": unpaired_sites,
-        "collective_log": _logged(record, first_coll) if first_coll is not None else [],
+        "collective_log": logged(record, first_coll) if first_coll is not None else [],
         "scale": int(scale[first_scale]) if first_scale is not None else 0}).encode()
     d = SumRound(world)
     d.ints("counts", torch.tensor([int(v) for v in flags.values()]))
@@ -387,7 +324,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     examples = examples_from(rd["counts"], rdm["slots"])
 
     # The usage map: each rank's grid of cell states, and the distinct grids with the ranks that have them.
-    row_names, _, row_of, _ = _rows(info)
+    row_names, _, row_of, _ = rows_of(info)
     grid = rank_grid(used=used, ran=record.ran[:s], trainable=trainable, tracked=tracked, ignored=ignored,
                      row_of=row_of, rows=len(row_names))
     grids, members, omitted = yield from patterns(grid, rank=rank, world=world)
@@ -440,6 +377,6 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
         batch_sizes=(int(rm["batch_size"][0][0]), int(rm["batch_size"][1][1])) if int(rm["batch_size"][0][0]) != MIN
         else None,
         patterns=list(zip(grids, members)), patterns_omitted=omitted,
-        curve=_curve(rdm["curve"][0], s, rd["w_missing"] > 0, (rd["g_missing"] > 0).sum(-1)))
+        curve=curve_of(rdm["curve"][0], s, rd["w_missing"] > 0, (rd["g_missing"] > 0).sum(-1)))
 
 
