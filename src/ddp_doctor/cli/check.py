@@ -110,7 +110,7 @@ def add_check_arguments(group: Any, *, bench: bool = False) -> None:
     """The options `check` (and, without --fail-on and --ddp-kwargs, `bench`) add to torchrun's."""
     group.add_argument("--steps", type=int, default=8, metavar="K",
                        help="optimizer steps to observe per DDP model before stopping (default: 8)" if not bench else
-                       "optimizer steps observed for correctness, then as many timed, per run (default: 8)")
+                       "optimizer steps observed for correctness, then as many timed, per candidate (default: 8)")
     group.add_argument("--json", metavar="FILE", help=f"write the result as JSON (schema ddp-doctor/"
                                                       f"{'bench' if bench else 'report'}@1)")
     if not bench:
@@ -119,7 +119,7 @@ def add_check_arguments(group: Any, *, bench: bool = False) -> None:
                                 "divergence curve and the fix for four frameworks (needs matplotlib)")
     group.add_argument("--timeout", type=float, default=600.0, metavar="S",
                        help="stop every rank after S seconds and report what happened (default: 600)"
-                       + (", per run" if bench else ""))
+                       + (", per launch of the script (candidates that share a launch share it)" if bench else ""))
     if bench:
         return
     group.add_argument("--fail-on", choices=("error", "warning", "never"), default="error",
