@@ -266,3 +266,38 @@ def test_public_names_are_the_functions_and_the_implementation_modules_are_priva
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(f"ddp_doctor.{name}")
     assert set(ddp_doctor.__all__) >= {"observe", "guard", "refreeze", "sync_gradients", "Doctor", "Guard"}
+
+
+def _explained(used: list[list[int]], ran: list[list[int]]) -> str:
+    """The reduction error a rank explains after the given steps (head_b = parameter 1)."""
+    from ddp_doctor._observe.crash import explain_failure
+    from ddp_doctor.records import ModelInfo, RankRecord, StepCounters
+
+    info = ModelInfo(param_names=["trunk.weight", "head_b.weight"], param_shapes=[(4, 4), (2, 4)],
+                     trainable_at_wrap=[True, True], ignored=[False, False], buffer_names=[], buffer_shapes=[],
+                     ddp_config={})
+    steps = len(used)
+    u = torch.tensor(used, dtype=torch.bool)
+    c = StepCounters(ddp_forwards=1, micro_steps=1, synced_backwards=1, optimizer_step=1)
+    record = RankRecord(rank=1, used=u, reachable=u.clone(), ran=torch.tensor(ran, dtype=torch.bool),
+                        trainable=torch.ones(steps, 2, dtype=torch.bool),
+                        grad_fp=torch.zeros(steps, 2, 2, dtype=torch.float64),
+                        weight_fp=torch.zeros(steps + 1, 2, 2, dtype=torch.float64),
+                        buffer_fp=torch.zeros(steps, 0, 2, dtype=torch.float64),
+                        input_fp=torch.zeros(steps, 2, dtype=torch.float64),
+                        timing=torch.zeros(steps, 3, dtype=torch.float64), counters=torch.tensor([c.as_list()] * steps))
+    exc = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.")
+    return str(explain_failure(exc, kind="reduction-error", rank=1, info=info, record=record, crash_in_window=True,
+                               hint=""))
+
+
+def test_a_rank_never_advises_freezing_what_it_trained_in_another_step() -> None:
+    # head_b got a gradient in step 0 and none in step 1: the script trains it, the set changes.
+    text = _explained(used=[[1, 1], [1, 0]], ran=[[1, 1], [1, 0]])
+    assert "head_b.weight" in text and "keep them trainable" in text and "requires_grad=False" not in text
+    # Its module ran but no gradient reached it: still meant to train.
+    text = _explained(used=[[1, 0]], ran=[[1, 1]])
+    assert "keep them trainable" in text and "requires_grad=False" not in text
+    # Never ran, never got a gradient on this rank: freezing is one of the conditional fixes.
+    text = _explained(used=[[1, 0], [1, 0]], ran=[[1, 0], [1, 0]])
+    assert "if they are never meant to train, set requires_grad=False" in text

@@ -95,11 +95,22 @@ def explain_failure(exc: BaseException, *, kind: str, rank: int, info: ModelInfo
             f"changed between steps. Parameters with no gradient {where}: {_names(names)}. Fix: build DDP "
             f"with static_graph=False and find_unused_parameters=True (the graph is dynamic).{hint}",
             code="static-graph-unsafe", params=names)
-    cause = (f"these parameters were frozen after DDP was built: {_names(frozen)}. Fix: set requires_grad=False "
-             f"before wrapping the model (or rebuild DDP after freezing)" if frozen else
-             "Fix: if they are never meant to train, set requires_grad=False before wrapping; if the same "
-             "ones are unused every step, build DDP with static_graph=True; if the set changes from step to "
-             "step, use find_unused_parameters=True")
+    # This rank's own record shows which of them the script trains: a gradient in another step, or a module that
+    # ran. Freezing is never the advice for those (what other ranks did is only known after the exchange).
+    trained = ([n for i, n in enumerate(info.param_names)
+                if n in set(names) and bool((record.used[:, i] | record.ran[:, i]).any())] if record.steps else [])
+    if frozen:
+        cause = (f"these parameters were frozen after DDP was built: {_names(frozen)}. Fix: set requires_grad=False "
+                 f"before wrapping the model (or rebuild DDP after freezing)")
+    elif trained:
+        cause = (f"The script trains {_names(trained)}: on this rank they got a gradient in another step, or "
+                 "their module ran. Fix: keep them trainable; if the same ones are unused at every step, build "
+                 "DDP with static_graph=True; if the set changes from step to step, use "
+                 "find_unused_parameters=True")
+    else:
+        cause = ("Fix: if they are never meant to train, set requires_grad=False before wrapping; if the same "
+                 "ones are unused every step, build DDP with static_graph=True; if the set changes from step to "
+                 "step, use find_unused_parameters=True")
     return ReductionError(
         f"DDP failed on rank {rank}: 'Expected to have finished reduction in the prior iteration'. DDP "
         f"waited for gradients that never came. Trainable parameters that received no gradient {where}: "
