@@ -44,14 +44,41 @@ def test_one_rank_of_four_differs_every_rank_raises_naming_it(tmp_path, carry) -
         assert "rank(s) [2] differ from rank 0 in names). Build the same model." in message
 
 
-def _failure(rank: int, world: int) -> dict:
-    headers = agree([7], failed=4 if rank == 1 else 0, group=None, device=_CPU, what="w", cause="c",
+def _failure(rank: int, world: int, failing: dict[int, int]) -> dict:
+    headers = agree([7], failed=failing.get(rank, 0), group=None, device=_CPU, what="w", cause="c",
                     describe=str, fix="f")
-    return {"failed": headers.failed, "codes": headers.codes}
+    return {"failed": headers.failed, "more": headers.more_failed, "ranks": headers.ranks, "codes": headers.codes,
+            "rows": headers.rows}
 
 
 def test_a_local_failure_is_returned_to_every_rank_instead_of_raising(tmp_path) -> None:
-    assert run_ranks(_failure, tmp_path, world_size=3) == [{"failed": [1], "codes": [0, 4, 0]}] * 3
+    # Without carry=, the headers returned are the failed ranks' (named in bounded space), not every rank's.
+    expected = {"failed": [1], "more": 0, "ranks": [1], "codes": [4], "rows": [[7.0]]}
+    assert run_ranks(_failure, tmp_path, world_size=3, args=({1: 4},)) == [expected] * 3
+
+
+def _without_gathering(rank: int, world: int, case: str) -> dict:
+    """agree() with all_gather made to raise: without carry=, its failure and mismatch paths only all_reduce."""
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("agree() without carry= must not all_gather")
+
+    dist.all_gather = refuse
+    if case == "failure":
+        return _failure(rank, world, {2: 1, 5: 2, 7: 1})
+    return _agree(rank, world, rank if rank in (2, 5, 7) else None, False)
+
+
+def test_failed_ranks_are_named_without_gathering(tmp_path) -> None:
+    failure = run_ranks(_without_gathering, tmp_path, world_size=8, args=("failure",), timeout=120)
+    assert failure == [{"failed": [2, 5, 7], "more": 0, "ranks": [2, 5, 7], "codes": [1, 2, 1],
+                        "rows": [[7.0]] * 3}] * 8
+
+
+def test_beyond_nine_ranks_the_message_shows_the_reference_and_the_odd_ranks(tmp_path) -> None:
+    for res in run_ranks(_without_gathering, tmp_path, world_size=10, args=("mismatch",), timeout=120):
+        assert res["raised"] == (
+            "test found different models (rank 0: 2 tensors, rank 2: 2 tensors, rank 5: 2 tensors, rank 7: 2 tensors; "
+            "rank(s) [2, 5, 7] differ from rank 0 in names). Build the same model.")
 
 
 def _subgroup(rank: int, world: int) -> str | None:

@@ -2,9 +2,9 @@
 
 The rule that keeps them hang-free: a collective's shape and the decision to issue it never depend on local data.
 The steady-state check is one all_reduce(MAX) of ``[x, -x]``, which gives every rank the same maximum and minimum
-of every entry; only when those differ (every rank sees that identically) does a second, also fixed-shape,
-all_gather follow to name the ranks. `agree` is that sequence for a small header (a layout hash, counts, an error
-flag) that must be equal on every rank.
+of every entry; only when those differ (every rank sees that identically) do more all_reduces follow to name the
+ranks (`ddp_doctor._oddranks`: a few example ranks and a count, in a volume that does not grow with the world size).
+`agree` is that sequence for a small header (a layout hash, counts, an error flag) that must be equal on every rank.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_doctor._compat import default_store
+from ddp_doctor._oddranks import CANDIDATES, EXAMPLES, name_flagged, odd_ranks, pick, say_ranks
 from ddp_doctor.errors import RankMismatchError, ReportTimeoutError
 
 __all__ = ["Headers", "agree", "arrive", "comm_device", "global_ranks", "layout_hash", "minmax", "rows_by_rank"]
@@ -81,28 +82,34 @@ def layout_hash(items: Sequence[str]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Headers:
-    """Every rank's header after `agree`, identical on every rank."""
+    """The headers `agree` returns, identical on every rank."""
 
     rows: list[list[float]]
-    """Each member's header (``match`` then ``carry`` values), in group-rank order."""
+    """The header (``match`` then ``carry`` values) of each rank in `ranks`."""
     ranks: list[int]
-    """The members' global ranks, in group-rank order."""
+    """Global ranks: with `carry`, every member in group-rank order; without it, the failed ranks named in
+    `failed`."""
     failed: list[int]
-    """Global ranks that passed a nonzero `failed` code to `agree`."""
+    """Global ranks that passed a nonzero `failed` code to `agree` (without `carry`: the lowest `EXAMPLES`)."""
     codes: list[int]
-    """Each member's `failed` code, in group-rank order (0: no local error)."""
-
-    def per_rank(self, describe: Callable[[list[float]], str]) -> str:
-        """``"rank 0: <describe(row)>, rank 1: ..."`` for every member."""
-        return ", ".join(f"rank {r}: {describe(row)}" for r, row in zip(self.ranks, self.rows))
+    """The `failed` code of each rank in `ranks` (0: no local error)."""
+    more_failed: int = 0
+    """How many further ranks failed, beyond those in `failed` (always 0 with `carry`)."""
 
 
-def _odd_ranks(keys: list[tuple[float, ...]], ranks: list[int]) -> tuple[list[int], int]:
-    """(global ranks whose key differs from the most common one, the rank holding that one; lowest on a tie)."""
-    counts = Counter(keys)
-    top = max(counts.values())
-    reference = next(i for i, k in enumerate(keys) if counts[k] == top)
-    return [r for r, k in zip(ranks, keys) if k != keys[reference]], ranks[reference]
+def _listed(world: int, reference: int, odd: list[int]) -> list[int]:
+    """The ranks whose header a mismatch message shows: every rank of a small group (at most ``EXAMPLES + 1``),
+    otherwise the reference rank and the odd ranks named."""
+    return list(range(world)) if world <= EXAMPLES + 1 else sorted({reference, *odd})
+
+
+def _mismatch(what: str, cause: str, fix: str, describe: Callable[[list[float]], str],
+              shown: dict[int, list[float]], odd: list[int], more: int, reference: int, proven: bool) -> str:
+    """The `RankMismatchError` message: the headers `shown` (by global rank), and the odd ranks named."""
+    listing = ", ".join(f"rank {r}: {describe(shown[r])}" for r in sorted(shown))
+    unproven = "" if proven else f" (whose header is the most common of the first {CANDIDATES} compared, no more)"
+    return (f"{what} ({listing}; {say_ranks(odd, more)} differ from rank {reference}{unproven} in {cause}). "
+            f"{fix}")
 
 
 def agree(match: Sequence[float], *, group: dist.ProcessGroup | None, device: torch.device, what: str, cause: str,
@@ -113,8 +120,9 @@ def agree(match: Sequence[float], *, group: dist.ProcessGroup | None, device: to
     Collective, with fixed shapes: `len(match)` and `len(carry)` must be equal on every rank (they depend on the
     call site, never on local data). Values must be exact in float64 (ints below 2**53, such as `layout_hash`).
 
-    Without `carry`, the check is one all_reduce(MAX) of ``2 * (len(match) + 1)`` numbers; a second collective (an
-    all_gather of the headers) runs only when they differ, which every rank sees identically. With `carry` (values
+    Without `carry`, the check is one all_reduce(MAX) of ``2 * (len(match) + 1)`` numbers; only when the headers
+    differ, which every rank sees identically, do a few more small all_reduces follow to name the failed or odd
+    ranks (`ddp_doctor._oddranks`), in a volume that does not grow with the world size. With `carry` (values
     allowed to differ, that every rank needs from every other, such as record lengths) it is one all_gather.
 
     Args:
@@ -131,31 +139,59 @@ def agree(match: Sequence[float], *, group: dist.ProcessGroup | None, device: to
             (every rank gets the same `Headers`, so every rank raises).
 
     Returns:
-        None when every rank agrees and no rank failed (without `carry`); otherwise every rank's `Headers`.
+        None when every rank agrees and no rank failed (without `carry`); otherwise the `Headers`: with `carry`,
+        every rank's; without it, those of the failed ranks (the lowest `EXAMPLES`, and a count of the others).
 
     Raises:
-        RankMismatchError: `match` differs across ranks and no rank failed. The message lists every rank's header
-            and names the ranks whose `match` differs from the most common one.
+        RankMismatchError: `match` differs across ranks and no rank failed. The message names the ranks whose
+            `match` differs from the most common one (the lowest `EXAMPLES`, and a count of the others) and shows
+            their headers and the most common one (every rank's in a group of at most ``EXAMPLES + 1``).
     """
     n = len(match)
     header = torch.tensor([float(failed), *map(float, match), *map(float, carry)], dtype=torch.float64)
-    if not carry:
-        hi, lo = minmax(header, group, device)
-        if not bool((hi != lo).any()) and hi[0] == 0:
-            return None
+    message = (what, cause, fix, describe)
+    if carry:
+        return _agree_gathered(header, n, group, device, message)
+    hi, lo = minmax(header, group, device)
+    if hi[0] != 0 or lo[0] != 0:       # some rank failed: name those ranks and return their codes
+        [named] = name_flagged(header[:1] != 0, group=group, device=device)
+        rows = pick(header.expand(len(named.examples), -1), torch.tensor(named.examples, dtype=torch.int64),
+                    group=group, device=device).tolist()
+        ranks = global_ranks(group, named.examples)
+        return Headers(rows=[row[1:] for row in rows], ranks=ranks, failed=ranks, codes=[int(row[0]) for row in rows],
+                       more_failed=named.more)
+    if not bool((hi != lo).any()):
+        return None
+    [odd] = odd_ranks(header[1:].unsqueeze(0), group=group, device=device)
+    listed = _listed(dist.get_world_size(group), odd.reference, odd.odd.examples)
+    rows = pick(header[1:].expand(len(listed), -1), torch.tensor(listed, dtype=torch.int64), group=group,
+                device=device).tolist()
+    names = dict(zip(listed, global_ranks(group, listed)))
+    raise RankMismatchError(_mismatch(
+        *message, shown={names[r]: row for r, row in zip(listed, rows)},
+        odd=[names[r] for r in odd.odd.examples], more=odd.odd.more, reference=names[odd.reference],
+        proven=odd.proven))
+
+
+def _agree_gathered(header: torch.Tensor, n: int, group: dist.ProcessGroup | None, device: torch.device,
+                    message: tuple[str, str, str, Callable[[list[float]], str]]) -> Headers:
+    """`agree` with `carry`: every rank's header, in one all_gather."""
     everyone = rows_by_rank(header, group, device).tolist()
     ranks = global_ranks(group, range(len(everyone)))
     codes = [int(row[0]) for row in everyone]
     headers = Headers(rows=[row[1:] for row in everyone], ranks=ranks,
                       failed=[r for r, c in zip(ranks, codes) if c], codes=codes)
-    if headers.failed:
-        return headers
     keys = [tuple(row[1:1 + n]) for row in everyone]
-    if len(set(keys)) > 1:
-        odd, reference = _odd_ranks(keys, ranks)
-        raise RankMismatchError(
-            f"{what} ({headers.per_rank(describe)}; rank(s) {odd} differ from rank {reference} in {cause}). {fix}")
-    return headers
+    if headers.failed or len(set(keys)) == 1:
+        return headers
+    counts = Counter(keys)
+    top = max(counts.values())
+    reference = next(i for i, k in enumerate(keys) if counts[k] == top)      # the most common; lowest rank on a tie
+    odd = [i for i, k in enumerate(keys) if k != keys[reference]]
+    listed = _listed(len(everyone), reference, odd[:EXAMPLES])
+    raise RankMismatchError(_mismatch(
+        *message, shown={ranks[i]: headers.rows[i] for i in listed}, odd=[ranks[i] for i in odd[:EXAMPLES]],
+        more=max(len(odd) - EXAMPLES, 0), reference=ranks[reference], proven=True))
 
 
 def arrive(tag: str, *, group: dist.ProcessGroup | None, timeout: float, call: str, fix: str) -> None:

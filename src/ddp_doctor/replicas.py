@@ -6,24 +6,26 @@ rebuilt). Each tensor becomes one row of four float64 numbers: the two fingerpri
 -inf, absent), so NaN never reaches a MAX reduction. One extra row carries this rank's status, so a rank whose
 local part failed is known to every rank and all of them stop together.
 
-Steady state costs one all_reduce(MAX) of ``2 * 4 * (K + 1)`` float64 numbers. Only when some row differs does a
-second collective (an all_gather of the same rows) run, to name the ranks; every rank sees the same maximum and
-minimum, so every rank takes that branch together.
+Steady state costs one all_reduce(MAX) of ``2 * 4 * (K + 1)`` float64 numbers. Only when some row differs (every
+rank sees the same maximum and minimum, so every rank takes that branch together) do more all_reduces follow, over
+the differing rows only, to find the reference copy and name the ranks that differ from it (`ddp_doctor._oddranks`):
+up to `EXAMPLES` ranks per row plus a count of the others, in a volume per rank that does not grow with the world
+size. A rank failure is named the same way.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ddp_doctor._collective import global_ranks, minmax, rows_by_rank
+from ddp_doctor._collective import global_ranks, minmax
+from ddp_doctor._oddranks import CANDIDATES, EXAMPLES, name_flagged, odd_ranks, say_ranks
 from ddp_doctor.fingerprint import fingerprints_batched
 
-__all__ = ["Comparison", "Difference", "Entry", "compare_replicas", "describe"]
+__all__ = ["EXAMPLES", "Comparison", "Difference", "Entry", "compare_replicas", "describe"]
 
 # Below this relative size a difference is at float64 rounding level. Bit-identical float32 tensors summed in float64
 # with different intra-op thread counts differed here by about 2e-16 relative (4M elements, 1 vs 16 threads), while
@@ -53,12 +55,18 @@ class Difference:
     kind: str
     numel: int
     ranks: list[int]
-    """Global ranks whose copy differs from the reference rank's."""
+    """Global ranks whose copy differs from the reference rank's: the lowest `EXAMPLES` of them (all of them when
+    `more_ranks` is 0)."""
     reference_rank: int
-    """The global rank holding the most common copy (the lowest such rank on a tie)."""
+    """The global rank holding the most common copy (the lowest such rank on a tie); see `reference_proven`."""
     gap: float
     """The largest absolute difference of a fingerprint between any two ranks (inf when NaN/inf/absent differ)."""
     relative_gap: float
+    more_ranks: int = 0
+    """How many further ranks differ from the reference rank's copy, beyond those in `ranks`."""
+    reference_proven: bool = True
+    """False when the ranks hold several copies and none of the first `CANDIDATES` (by lowest holder) could be
+    proven the most common with a bounded exchange: `reference_rank` then holds the most common of those."""
 
     @property
     def rounding_only(self) -> bool:
@@ -72,7 +80,10 @@ class Comparison:
 
     differences: list[Difference] = field(default_factory=list)
     failed_ranks: list[int] = field(default_factory=list)
-    """Global ranks that reported a local failure; when non-empty, `differences` is empty."""
+    """Global ranks that reported a local failure (the lowest `EXAMPLES` of them); when non-empty, `differences` is
+    empty."""
+    more_failed: int = 0
+    """How many further ranks reported a local failure, beyond those in `failed_ranks`."""
 
     @property
     def ok(self) -> bool:
@@ -106,7 +117,7 @@ def local_rows(entries: Sequence[Entry]) -> torch.Tensor:
 
 
 def compare_replicas(entries: Sequence[Entry], *, group: dist.ProcessGroup | None, device: torch.device,
-                     rows: torch.Tensor | None = None) -> Comparison:
+                     rows: torch.Tensor | None = None, examples: int = EXAMPLES) -> Comparison:
     """Compare `entries` across the ranks of `group`. Collective; `len(entries)` must be equal on every rank.
 
     Args:
@@ -115,13 +126,15 @@ def compare_replicas(entries: Sequence[Entry], *, group: dist.ProcessGroup | Non
         device: where the collective's tensors live (CPU for gloo, the rank's CUDA device for NCCL).
         rows: this rank's rows from `local_rows(entries)`, or None to compute them here. A rank whose local
             part failed calls `report_failure` instead, with the same `entries`.
+        examples: how many ranks to name per difference (and of the failed ranks); the others are counted. Equal
+            on every rank.
 
     Returns:
         A `Comparison`, identical on every rank.
     """
     if rows is None:
         rows = local_rows(entries)
-    return _compare(entries, rows, status=0.0, group=group, device=device)
+    return _compare(entries, rows, status=0.0, group=group, device=device, examples=examples)
 
 
 def failed_rows(n: int) -> torch.Tensor:
@@ -129,41 +142,35 @@ def failed_rows(n: int) -> torch.Tensor:
     return torch.zeros(n, 4, dtype=torch.float64)
 
 
-def report_failure(entries: Sequence[Entry], *, group: dist.ProcessGroup | None,
-                   device: torch.device) -> Comparison:
+def report_failure(entries: Sequence[Entry], *, group: dist.ProcessGroup | None, device: torch.device,
+                   examples: int = EXAMPLES) -> Comparison:
     """Take part in the comparison after this rank's local part failed, so every rank learns it. Collective."""
-    return _compare(entries, failed_rows(len(entries)), status=1.0, group=group, device=device)
+    return _compare(entries, failed_rows(len(entries)), status=1.0, group=group, device=device, examples=examples)
 
 
 def _compare(entries: Sequence[Entry], rows: torch.Tensor, *, status: float, group: dist.ProcessGroup | None,
-             device: torch.device) -> Comparison:
+             device: torch.device, examples: int) -> Comparison:
     payload = torch.cat([rows, torch.tensor([[status, 0.0, 0.0, 0.0]], dtype=torch.float64)])
     hi, lo = minmax(payload, group, device)
     if hi[-1, 0] > 0:
-        status_by_rank = rows_by_rank(payload[-1:, 0], group, device)[:, 0]
-        failed = [r for r, s in enumerate(status_by_rank.tolist()) if s > 0]
-        return Comparison(failed_ranks=global_ranks(group, failed))
+        [failed] = name_flagged(torch.tensor([status > 0]), group=group, device=device, limit=examples)
+        return Comparison(failed_ranks=global_ranks(group, failed.examples), more_failed=failed.more)
     hi, lo = hi[:-1], lo[:-1]
-    differ = (hi != lo).any(1)
-    if not bool(differ.any()):
+    differ = (hi != lo).any(1).nonzero().flatten()
+    if not len(differ):
         return Comparison()
 
-    everyone = rows_by_rank(rows, group, device)            # [W, K, 4]
     differences = []
-    for i in differ.nonzero().flatten().tolist():
-        per_rank = [tuple(everyone[r, i].tolist()) for r in range(everyone.shape[0])]
-        counts = Counter(per_rank)
-        top = max(counts.values())
-        reference = next(r for r, row in enumerate(per_rank) if counts[row] == top)
-        odd = [r for r, row in enumerate(per_rank) if row != per_rank[reference]]
+    for i, odd in zip(differ.tolist(), odd_ranks(rows[differ], group=group, device=device, limit=examples)):
         classes_differ = bool((hi[i, 2:] != lo[i, 2:]).any())
         gap = float("inf") if classes_differ else float((hi[i, :2] - lo[i, :2]).abs().max())
         scale = float(torch.maximum(hi[i, :2].abs(), lo[i, :2].abs()).max())
         relative = float("inf") if classes_differ else gap / max(scale, 1e-300)
         e = entries[i]
         differences.append(Difference(
-            name=e.name, kind=e.kind, numel=e.numel, ranks=global_ranks(group, odd),
-            reference_rank=global_ranks(group, [reference])[0], gap=gap, relative_gap=relative))
+            name=e.name, kind=e.kind, numel=e.numel, ranks=global_ranks(group, odd.odd.examples),
+            reference_rank=global_ranks(group, [odd.reference])[0], gap=gap, relative_gap=relative,
+            more_ranks=odd.odd.more, reference_proven=odd.proven))
     return Comparison(differences=differences)
 
 
@@ -173,8 +180,11 @@ def describe(differences: Sequence[Difference], *, limit: int = 8) -> str:
     for d in differences[:limit]:
         size = "NaN/inf or presence differs" if d.gap == float("inf") else f"fingerprint differs by {d.gap:.3g}"
         note = " (float64 rounding level: do the ranks use different thread counts?)" if d.rounding_only else ""
-        lines.append(f"  {d.name} ({d.numel:,} elements): rank(s) {d.ranks} differ from rank {d.reference_rank}; "
-                     f"{size}{note}")
+        if not d.reference_proven:
+            note += (f" (rank {d.reference_rank}'s copy is only the most common of the first {CANDIDATES} copies "
+                     "compared: the ranks hold more, and one of those may be more common)")
+        lines.append(f"  {d.name} ({d.numel:,} elements): {say_ranks(d.ranks, d.more_ranks)} differ from rank "
+                     f"{d.reference_rank}; {size}{note}")
     if len(differences) > limit:
         lines.append(f"  ... and {len(differences) - limit} more")
     return "\n".join(lines)

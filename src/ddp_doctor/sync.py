@@ -192,6 +192,8 @@ def _raise_bad_grads(headers: Headers) -> None:
     what = "; ".join(f"rank {r}: " + " and ".join(
         w for bit, w in ((_SPARSE, "a sparse grad"), (_WRONG_SHAPE, "a grad whose shape is not its param's"))
         if f & bit) for r, f in zip(headers.ranks, headers.codes) if f)
+    if headers.more_failed:
+        what += f"; and {headers.more_failed} other rank{'s' if headers.more_failed > 1 else ''}"
     raise InvalidArgumentError(
         f"sync_gradients() cannot reduce these gradients ({what}); nothing was reduced on any rank. It handles "
         "dense grads shaped like their parameters; for sparse embeddings use DDP itself.")

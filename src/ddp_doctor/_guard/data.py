@@ -10,6 +10,7 @@ import torch
 
 from ddp_doctor import dataprobe
 from ddp_doctor._guard.problems import Reporter
+from ddp_doctor._oddranks import say_ranks
 from ddp_doctor.analyze import rules
 from ddp_doctor.replicas import Difference, Entry
 from ddp_doctor.report.model import Finding
@@ -59,7 +60,9 @@ class DataWatch:
             return []
         d = differences[0]
         return [rules.uneven_inputs(
-            title=f"ranks {d.ranks} have a different number of batches per epoch than rank {d.reference_rank}",
-            cause=f"The training DataLoader gives rank {self._rank} {self.batches} batches per epoch, and rank(s) "
-                  f"{d.ranks} a different number, so some rank runs out first while the others still train",
+            title=f"{say_ranks(d.ranks, d.more_ranks, prefix='ranks')} have a different number of batches per epoch "
+                  f"than rank {d.reference_rank}",
+            cause=f"The training DataLoader gives rank {self._rank} {self.batches} batches per epoch, and "
+                  f"{say_ranks(d.ranks, d.more_ranks)} a different number, so some rank runs out first while the "
+                  "others still train",
             ranks=sorted({d.reference_rank, *d.ranks}), steps=[step])]

@@ -38,6 +38,7 @@ from ddp_doctor._guard.data import DataWatch
 from ddp_doctor._guard.flips import FlipWatch
 from ddp_doctor._guard.hooks import Hooks
 from ddp_doctor._guard.problems import LOGGER_NAME, Reporter
+from ddp_doctor._oddranks import say_ranks
 from ddp_doctor.errors import GuardError, InvalidArgumentError
 from ddp_doctor.report.model import Finding
 from ddp_doctor.wrapstate import require_ddp, require_process_group
@@ -269,8 +270,9 @@ class Guard:
         self.checks += 1
         if comparison.failed_ranks:
             if _log.is_rank_zero() or self._reporter.broken:
-                logger.warning("ddp-doctor guard: turned off on every rank after an internal error on rank(s) %s; "
-                               "training continues unguarded.", comparison.failed_ranks)
+                logger.warning("ddp-doctor guard: turned off on every rank after an internal error on %s; "
+                               "training continues unguarded.",
+                               say_ranks(comparison.failed_ranks, comparison.more_failed))
             self._detach()
             return []
         try:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_doctor._collective import agree, arrive, layout_hash
+from ddp_doctor._oddranks import say_ranks
 from ddp_doctor.errors import DoctorError, RankMismatchError, ReplicaDivergenceError
 from ddp_doctor.replicas import Entry, compare_replicas, describe
 
@@ -45,8 +46,8 @@ def agree_on_plan(named: list[tuple[str, nn.Parameter]], target: list[bool], pro
         if problem is not None:
             raise problem
         raise RankMismatchError(
-            f"refreeze() was rejected on rank(s) {headers.failed} (their error names the argument); nothing was "
-            "changed on any rank. Pass the same valid freeze=/unfreeze= on every rank.")
+            f"refreeze() was rejected on {say_ranks(headers.failed, headers.more_failed)} (their error names the "
+            "argument); nothing was changed on any rank. Pass the same valid freeze=/unfreeze= on every rank.")
 
 
 def require_identical_replicas(named: list[tuple[str, nn.Parameter]], ignore: frozenset[str] | set[str],
