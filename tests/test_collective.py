@@ -13,10 +13,10 @@ from ddp_doctor._collective import agree, arrive, comm_device, layout_hash, minm
 _CPU = torch.device("cpu")
 
 
-def _agree(rank: int, world: int, odd_rank: int | None, carry: bool) -> dict:
+def _agree(rank: int, world: int, odd_rank: int | None) -> dict:
     layout = layout_hash(["a:(2,)", "b:(3,)"] if rank != odd_rank else ["a:(2,)", "c:(3,)"])
     try:
-        headers = agree([layout, 2], carry=[10 + rank] if carry else (), group=None, device=_CPU,
+        headers = agree([layout, 2], group=None, device=_CPU,
                         what="test found different models", cause="names", describe=lambda h: f"{int(h[1])} tensors",
                         fix="Build the same model.")
     except RankMismatchError as exc:
@@ -25,20 +25,12 @@ def _agree(rank: int, world: int, odd_rank: int | None, carry: bool) -> dict:
 
 
 def test_ranks_that_agree_pass(tmp_path) -> None:
-    for res in run_ranks(_agree, tmp_path, world_size=4, args=(None, False)):
+    for res in run_ranks(_agree, tmp_path, world_size=4, args=(None,)):
         assert res == {"raised": None, "rows": None}       # no second collective, nothing to return
 
 
-def test_carried_values_come_back_from_every_rank(tmp_path) -> None:
-    layout = layout_hash(["a:(2,)", "b:(3,)"])
-    expected = [[float(layout), 2.0, 10.0 + r] for r in range(3)]
-    for res in run_ranks(_agree, tmp_path, world_size=3, args=(None, True)):
-        assert res == {"raised": None, "rows": expected}
-
-
-@pytest.mark.parametrize("carry", [False, True])
-def test_one_rank_of_four_differs_every_rank_raises_naming_it(tmp_path, carry) -> None:
-    for res in run_ranks(_agree, tmp_path, world_size=4, args=(2, carry)):
+def test_one_rank_of_four_differs_every_rank_raises_naming_it(tmp_path) -> None:
+    for res in run_ranks(_agree, tmp_path, world_size=4, args=(2,)):
         message = res["raised"]
         assert message is not None and message.startswith("test found different models (rank 0: 2 tensors, ")
         assert "rank(s) [2] differ from rank 0 in names). Build the same model." in message
@@ -52,20 +44,20 @@ def _failure(rank: int, world: int, failing: dict[int, int]) -> dict:
 
 
 def test_a_local_failure_is_returned_to_every_rank_instead_of_raising(tmp_path) -> None:
-    # Without carry=, the headers returned are the failed ranks' (named in bounded space), not every rank's.
+    # The headers returned are the failed ranks' (named in bounded space), not every rank's.
     expected = {"failed": [1], "more": 0, "ranks": [1], "codes": [4], "rows": [[7.0]]}
     assert run_ranks(_failure, tmp_path, world_size=3, args=({1: 4},)) == [expected] * 3
 
 
 def _without_gathering(rank: int, world: int, case: str) -> dict:
-    """agree() with all_gather made to raise: without carry=, its failure and mismatch paths only all_reduce."""
+    """agree() with all_gather made to raise: its failure and mismatch paths only all_reduce."""
     def refuse(*_args, **_kwargs):
-        raise AssertionError("agree() without carry= must not all_gather")
+        raise AssertionError("agree() must not all_gather")
 
     dist.all_gather = refuse
     if case == "failure":
         return _failure(rank, world, {2: 1, 5: 2, 7: 1})
-    return _agree(rank, world, rank if rank in (2, 5, 7) else None, False)
+    return _agree(rank, world, rank if rank in (2, 5, 7) else None)
 
 
 def test_failed_ranks_are_named_without_gathering(tmp_path) -> None:

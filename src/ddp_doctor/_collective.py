@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import logging
 import zlib
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -85,16 +84,15 @@ class Headers:
     """The headers `agree` returns, identical on every rank."""
 
     rows: list[list[float]]
-    """The header (``match`` then ``carry`` values) of each rank in `ranks`."""
+    """The `match` values of each rank in `ranks`."""
     ranks: list[int]
-    """Global ranks: with `carry`, every member in group-rank order; without it, the failed ranks named in
-    `failed`."""
+    """Global ranks: the failed ranks named in `failed`."""
     failed: list[int]
-    """Global ranks that passed a nonzero `failed` code to `agree` (without `carry`: the lowest `EXAMPLES`)."""
+    """Global ranks that passed a nonzero `failed` code to `agree` (the lowest `EXAMPLES`)."""
     codes: list[int]
     """The `failed` code of each rank in `ranks` (0: no local error)."""
     more_failed: int = 0
-    """How many further ranks failed, beyond those in `failed` (always 0 with `carry`)."""
+    """How many further ranks failed, beyond those in `failed`."""
 
 
 def _listed(world: int, reference: int, odd: list[int]) -> list[int]:
@@ -113,17 +111,15 @@ def _mismatch(what: str, cause: str, fix: str, describe: Callable[[list[float]],
 
 
 def agree(match: Sequence[float], *, group: dist.ProcessGroup | None, device: torch.device, what: str, cause: str,
-          fix: str, describe: Callable[[list[float]], str], carry: Sequence[float] = (),
-          failed: int = 0) -> Headers | None:
+          fix: str, describe: Callable[[list[float]], str], failed: int = 0) -> Headers | None:
     """Check that `match` is equal on every rank of `group`; raise `RankMismatchError` on every rank when not.
 
-    Collective, with fixed shapes: `len(match)` and `len(carry)` must be equal on every rank (they depend on the
-    call site, never on local data). Values must be exact in float64 (ints below 2**53, such as `layout_hash`).
+    Collective, with fixed shapes: `len(match)` must be equal on every rank (it depends on the call site, never on
+    local data). Values must be exact in float64 (ints below 2**53, such as `layout_hash`).
 
-    Without `carry`, the check is one all_reduce(MAX) of ``2 * (len(match) + 1)`` numbers; only when the headers
-    differ, which every rank sees identically, do a few more small all_reduces follow to name the failed or odd
-    ranks (`ddp_doctor._oddranks`), in a volume that does not grow with the world size. With `carry` (values
-    allowed to differ, that every rank needs from every other, such as record lengths) it is one all_gather.
+    The check is one all_reduce(MAX) of ``2 * (len(match) + 1)`` numbers; only when the headers differ, which every
+    rank sees identically, do a few more small all_reduces follow to name the failed or odd ranks
+    (`ddp_doctor._oddranks`), in a volume that does not grow with the world size.
 
     Args:
         match: values that must be identical on every rank (a layout hash, a count).
@@ -132,26 +128,21 @@ def agree(match: Sequence[float], *, group: dist.ProcessGroup | None, device: to
         what: what disagrees, for the message (``"guard() found different models on the ranks"``).
         cause: what `match` summarizes, for the message (``"names, shapes or dtypes"``).
         fix: what to do about it, for the message.
-        describe: one rank's header row (``match`` then ``carry``) in words, for the message (``"8 tensors"``).
-        carry: values that may differ across ranks and are returned in `Headers.rows`.
+        describe: one rank's `match` values in words, for the message (``"8 tensors"``).
         failed: a nonzero code when this rank's local part failed. Any failure is shared with every rank before
             `match` is compared, and `agree` then returns the `Headers` instead of raising: the caller raises
             (every rank gets the same `Headers`, so every rank raises).
 
     Returns:
-        None when every rank agrees and no rank failed (without `carry`); otherwise the `Headers`: with `carry`,
-        every rank's; without it, those of the failed ranks (the lowest `EXAMPLES`, and a count of the others).
+        None when every rank agrees and no rank failed; otherwise the `Headers` of the failed ranks (the lowest
+        `EXAMPLES`, and a count of the others).
 
     Raises:
         RankMismatchError: `match` differs across ranks and no rank failed. The message names the ranks whose
             `match` differs from the most common one (the lowest `EXAMPLES`, and a count of the others) and shows
             their headers and the most common one (every rank's in a group of at most ``EXAMPLES + 1``).
     """
-    n = len(match)
-    header = torch.tensor([float(failed), *map(float, match), *map(float, carry)], dtype=torch.float64)
-    message = (what, cause, fix, describe)
-    if carry:
-        return _agree_gathered(header, n, group, device, message)
+    header = torch.tensor([float(failed), *map(float, match)], dtype=torch.float64)
     hi, lo = minmax(header, group, device)
     if hi[0] != 0 or lo[0] != 0:       # some rank failed: name those ranks and return their codes
         [named] = name_flagged(header[:1] != 0, group=group, device=device)
@@ -168,30 +159,9 @@ def agree(match: Sequence[float], *, group: dist.ProcessGroup | None, device: to
                 device=device).tolist()
     names = dict(zip(listed, global_ranks(group, listed)))
     raise RankMismatchError(_mismatch(
-        *message, shown={names[r]: row for r, row in zip(listed, rows)},
+        what, cause, fix, describe, shown={names[r]: row for r, row in zip(listed, rows)},
         odd=[names[r] for r in odd.odd.examples], more=odd.odd.more, reference=names[odd.reference],
         proven=odd.proven))
-
-
-def _agree_gathered(header: torch.Tensor, n: int, group: dist.ProcessGroup | None, device: torch.device,
-                    message: tuple[str, str, str, Callable[[list[float]], str]]) -> Headers:
-    """`agree` with `carry`: every rank's header, in one all_gather."""
-    everyone = rows_by_rank(header, group, device).tolist()
-    ranks = global_ranks(group, range(len(everyone)))
-    codes = [int(row[0]) for row in everyone]
-    headers = Headers(rows=[row[1:] for row in everyone], ranks=ranks,
-                      failed=[r for r, c in zip(ranks, codes) if c], codes=codes)
-    keys = [tuple(row[1:1 + n]) for row in everyone]
-    if headers.failed or len(set(keys)) == 1:
-        return headers
-    counts = Counter(keys)
-    top = max(counts.values())
-    reference = next(i for i, k in enumerate(keys) if counts[k] == top)      # the most common; lowest rank on a tie
-    odd = [i for i, k in enumerate(keys) if k != keys[reference]]
-    listed = _listed(len(everyone), reference, odd[:EXAMPLES])
-    raise RankMismatchError(_mismatch(
-        *message, shown={ranks[i]: headers.rows[i] for i in listed}, odd=[ranks[i] for i in odd[:EXAMPLES]],
-        more=max(len(odd) - EXAMPLES, 0), reference=ranks[reference], proven=True))
 
 
 def arrive(tag: str, *, group: dist.ProcessGroup | None, timeout: float, call: str, fix: str) -> None:

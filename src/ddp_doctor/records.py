@@ -246,37 +246,9 @@ class RankRecord:
 
     @staticmethod
     def packed_size(steps: int, n_params: int, n_buffers: int) -> int:
+        """float64 numbers in a record of `steps` steps: what the all_gather exchange that the reductions of
+        `ddp_doctor.exchange` replaced sent from every rank to every rank (the scale benchmark's "before")."""
         return sum(math.prod(s) for s in RankRecord._shapes(steps, n_params, n_buffers).values())
-
-    def pack(self, steps: int) -> torch.Tensor:
-        """Flatten into float64[packed_size(steps, P, B)], padding the step axis to `steps`."""
-        n_params, n_buffers = self.used.shape[1], self.buffer_fp.shape[1]
-        parts = []
-        for name, shape in self._shapes(steps, n_params, n_buffers).items():
-            value = getattr(self, name).to(torch.float64)
-            padded = torch.zeros(shape, dtype=torch.float64)
-            padded[: value.shape[0]] = value
-            parts.append(padded.flatten())
-        return torch.cat(parts)
-
-    @staticmethod
-    def unpack(flat: torch.Tensor, *, rank: int, steps: int, pad_steps: int, n_params: int, n_buffers: int,
-               meta: dict[str, Any]) -> RankRecord:
-        """Inverse of `pack`: `steps` is this rank's own count, `pad_steps` the agreed padded length."""
-        values: dict[str, torch.Tensor] = {}
-        offset = 0
-        for name, shape in RankRecord._shapes(pad_steps, n_params, n_buffers).items():
-            n = math.prod(shape)
-            t = flat[offset: offset + n].reshape(shape)
-            offset += n
-            keep = steps + 1 if name == "weight_fp" else steps
-            t = t[:keep]
-            if name in ("used", "reachable", "trainable", "ran"):
-                t = t.bool()
-            elif name == "counters":
-                t = t.long()
-            values[name] = t
-        return RankRecord(rank=rank, **values, **meta)
 
     def meta(self) -> dict[str, Any]:
         """The non-tensor part, exchanged as JSON."""
