@@ -8,7 +8,7 @@ import torch.distributed as dist
 from dist import run_ranks
 
 from ddp_doctor import RankMismatchError, ReportTimeoutError
-from ddp_doctor._collective import agree, arrive, comm_device, layout_hash, minmax, rows_by_rank
+from ddp_doctor._collective import agree, arrive, comm_device, layout_hash, minmax
 
 _CPU = torch.device("cpu")
 
@@ -92,14 +92,14 @@ def test_ranks_are_named_by_global_rank_within_a_subgroup(tmp_path) -> None:
         assert "(rank 1: 1, rank 3: 2; rank(s) [3] differ from rank 1 in c)" in message
 
 
-def _minmax_rows(rank: int, world: int) -> tuple[list, list, list]:
+def _minmax_rows(rank: int, world: int) -> tuple[list, list]:
     values = torch.tensor([float(rank), -2.0 * rank])
     hi, lo = minmax(values, None, _CPU)
-    return hi.tolist(), lo.tolist(), rows_by_rank(values, None, _CPU).tolist()
+    return hi.tolist(), lo.tolist()
 
 
-def test_minmax_and_rows_by_rank(tmp_path) -> None:
-    expected = ([2.0, 0.0], [0.0, -4.0], [[0.0, -0.0], [1.0, -2.0], [2.0, -4.0]])
+def test_minmax(tmp_path) -> None:
+    expected = ([2.0, 0.0], [0.0, -4.0])
     assert run_ranks(_minmax_rows, tmp_path, world_size=3) == [expected] * 3
 
 

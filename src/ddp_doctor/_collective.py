@@ -22,7 +22,7 @@ from ddp_doctor._compat import default_store
 from ddp_doctor._oddranks import CANDIDATES, EXAMPLES, name_flagged, odd_ranks, pick, say_ranks
 from ddp_doctor.errors import RankMismatchError, ReportTimeoutError
 
-__all__ = ["Headers", "agree", "arrive", "comm_device", "global_ranks", "layout_hash", "minmax", "rows_by_rank"]
+__all__ = ["Headers", "agree", "arrive", "comm_device", "global_ranks", "layout_hash", "minmax"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +57,6 @@ def minmax(values: torch.Tensor, group: dist.ProcessGroup | None,
     both = both.cpu()
     n = values.numel()
     return both[:n].reshape(values.shape), (-both[n:]).reshape(values.shape)
-
-
-def rows_by_rank(values: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
-    """Every rank's `values`, stacked in group-rank order (a CPU tensor ``[world, *values.shape]``). Collective."""
-    local = values.contiguous().to(device)
-    out = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, local, group=group)
-    return torch.stack([o.cpu() for o in out])
 
 
 def global_ranks(group: dist.ProcessGroup | None, group_ranks: Iterable[int]) -> list[int]:

@@ -31,8 +31,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ddp_doctor._collective import comm_device, rows_by_rank
+from ddp_doctor._collective import comm_device
 from ddp_doctor._observe import Doctor
+from ddp_doctor._oddranks import pick
 from ddp_doctor.bench.candidates import Config, candidates
 from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, judge_report, round_end, round_order, unused_of
 from ddp_doctor.bench.rebuild import Snapshot, rebuild_in_place
@@ -320,7 +321,9 @@ class InRankBench:
                             *(self._round_times.get(n, -1.0) for n in names)], dtype=torch.float64)
         group = self.ddp.process_group
         param = next(self.ddp.module.parameters(), None)
-        agreed = rows_by_rank(row, group, comm_device(group, param.device if param is not None else None))[0]
+        # Group rank 0's row on every rank (its values are finite: flags and times, -1 for none).
+        agreed = pick(row.unsqueeze(0), torch.zeros(1, dtype=torch.int64), group=group,
+                      device=comm_device(group, param.device if param is not None else None))[0]
         for i, name in enumerate(names):
             if name in self._live and agreed[2 + i] > 0:
                 self._history.setdefault(name, []).append(float(agreed[2 + i]))
