@@ -104,7 +104,7 @@ class ModelInfo:
                       "flavor": Flavor(**d.get("flavor", {}))})
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True)
 class StepCounters:
     """Per-step counts, one row of `RankRecord.counters`."""
 
