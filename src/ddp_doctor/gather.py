@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import zlib
 
 import torch
@@ -22,8 +21,6 @@ from ddp_doctor.exchange import Reply, Summary, Volume, protocol
 from ddp_doctor.records import ModelInfo, RankRecord
 
 __all__ = ["arrive", "exchange"]
-
-logger = logging.getLogger(__name__)
 
 _calls = itertools.count()
 _REPORT_FIX = "call it on every rank, after the observe() block."
@@ -70,7 +67,7 @@ def exchange(record: RankRecord, info: ModelInfo, *, timeout: float, tag: str, d
     request = next(steps)
     while True:
         op, local = request
-        volume.add(op, local, world)
+        volume.add(op, local)
         buf = local.to(device)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
         try:

@@ -6,6 +6,7 @@ import itertools
 from typing import Any
 
 from ddp_doctor.analyze import rules
+from ddp_doctor.analyze.common import joined
 from ddp_doctor.analyze.view import View
 from ddp_doctor.report.model import Finding
 
@@ -25,7 +26,7 @@ def uneven_inputs(v: View) -> list[Finding]:
     if most != fewest:
         short = v.ranks("fewest-batches")
         shown = ", ".join(f"rank {r}: {c}" for r, c in enumerate(s.first_batches[:8]))
-        names = ", ".join(map(str, short.ranks)) + (f" and {short.more} others" if short.more else "")
+        names = joined(short.ranks, short.more)
         sampler = _training_loader(v.meta(short.ranks[0])).get("sampler")
         return [rules.uneven_inputs(
             title=f"ranks have different numbers of batches per epoch ({shown})",

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 
 from ddp_doctor.exchange import Summary
+from ddp_doctor.exchange.local import rows_of
 from ddp_doctor.report.figures import (
     MAX_PATTERNS,
     STATES,
@@ -21,7 +22,6 @@ from ddp_doctor.report.figures import (
     RankPattern,
     UsageMap,
     UsageRow,
-    group_rows,
 )
 from ddp_doctor.report.model import Finding
 
@@ -58,7 +58,8 @@ def usage_map(summary: Summary, findings: Sequence[Finding] = ()) -> UsageMap:
     """
     info = summary.info
     names = info.param_names
-    row_names, modules, row_of, aggregated = group_rows(names)
+    row_names, modules, rows, aggregated = rows_of(info)     # as the exchange built each rank's grid
+    row_of = rows.tolist()
     to_global = info.group_ranks or list(range(summary.world))
 
     def global_rank(w: int) -> int:

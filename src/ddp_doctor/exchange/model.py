@@ -82,6 +82,6 @@ def _run(info: ModelInfo, records: Sequence[RankRecord], infos: Sequence[ModelIn
             result.volume = volume
             return result
         assert op0 is not None and acc is not None
-        volume.add(op0, acc, world)
+        volume.add(op0, acc)
         reply = Reply(acc)
 

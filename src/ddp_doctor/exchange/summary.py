@@ -168,7 +168,7 @@ class Volume:
     collectives: int = 0
     rounds: list[str] = field(default_factory=list)
 
-    def add(self, op: str, t: torch.Tensor, world: int) -> None:
+    def add(self, op: str, t: torch.Tensor) -> None:
         n = t.numel() * t.element_size()
         self.sent += n
         self.received += n
