@@ -8,68 +8,22 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from dist import run_ranks
+from guardrun import capture, make_model, summary, train_step
 from scenarios import Net, batch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_doctor import (
     GuardError,
-    InvalidArgumentError,
-    NotDDPModelError,
-    RankMismatchError,
     guard,
 )
-from ddp_doctor._compat import HAS_INIT_SYNC
-from ddp_doctor._guard import GUARD_ATTR
-from ddp_doctor._guard import compare as guard_compare
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    @property
-    def text(self) -> str:
-        return "\n".join(r.getMessage() for r in self.records)
-
-
-def _capture() -> _Lines:
-    handler = _Lines()
-    log = logging.getLogger("ddp_doctor.guard")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    return handler
-
-
-def _model(**kwargs) -> tuple[DDP, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    ddp = DDP(Net(batchnorm=kwargs.pop("batchnorm", False)), **kwargs)
-    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
-
-
-def _train_step(ddp: DDP, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
-    x, y = batch(rank, step)
-    F.mse_loss(ddp(x, use_b=True), y).backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def _summary(g) -> list[tuple]:
-    return [(f.code, f.severity, f.param_names, f.ranks, f.steps) for f in g.problems]
-
 
 # ------------------------------------------------------------------------------------------------- healthy runs
 
 
 def _clean(rank: int, world: int, accumulation: str) -> dict:
-    ddp, opt = _model()
+    ddp, opt = make_model()
     with guard(ddp, every=1, on_problem="raise", optimizer=opt) as g:
         for step in range(4):
             for micro in range(3):
@@ -92,7 +46,7 @@ def _clean(rank: int, world: int, accumulation: str) -> dict:
             ddp.module(batch(rank, 9)[0])         # evaluation through the inner module: not a bypass
         g.check_now()
         g.before_save()
-    return {"problems": _summary(g), "checks": g.checks, "steps": g.steps, "active": g.active}
+    return {"problems": summary(g), "checks": g.checks, "steps": g.steps, "active": g.active}
 
 
 @pytest.mark.parametrize("accumulation", ["none", "flag", "no_sync"])
@@ -105,8 +59,8 @@ def test_healthy_training_is_not_flagged(tmp_path, accumulation) -> None:
 
 
 def _bypass(rank: int, world: int, on_problem: str) -> dict:
-    ddp, opt = _model()
-    lines = _capture()
+    ddp, opt = make_model()
+    lines = capture()
     g = guard(ddp, every=2, on_problem=on_problem, optimizer=opt)
     raised = None
     steps_done = 0
@@ -120,7 +74,7 @@ def _bypass(rank: int, world: int, on_problem: str) -> dict:
     except GuardError as exc:
         raised = (exc.code, str(exc))
     g.close()
-    return {"problems": _summary(g), "raised": raised, "steps_done": steps_done, "log": lines.text}
+    return {"problems": summary(g), "raised": raised, "steps_done": steps_done, "log": lines.text}
 
 
 def _bypass_line() -> int:
@@ -172,7 +126,7 @@ def _bypass_through_method(rank: int, world: int, healthy_steps: int) -> dict:
     g = guard(ddp, every=100, optimizer=opt)
     armed = len(module_globals._global_forward_pre_hooks) - global_hooks
     for step in range(healthy_steps):
-        _train_step(ddp, opt, rank, step)
+        train_step(ddp, opt, rank, step)
     armed_after_healthy = len(module_globals._global_forward_pre_hooks) - global_hooks
     for step in range(healthy_steps, healthy_steps + 3):
         x, y = batch(rank, step)
@@ -180,7 +134,7 @@ def _bypass_through_method(rank: int, world: int, healthy_steps: int) -> dict:
         opt.step()                                   # STEP-LINE
         opt.zero_grad()
     g.close()
-    return {"problems": _summary(g), "titles": [f.title for f in g.problems], "armed": armed,
+    return {"problems": summary(g), "titles": [f.title for f in g.problems], "armed": armed,
             "armed_after_healthy": armed_after_healthy}
 
 
@@ -208,15 +162,15 @@ def test_a_later_bypass_is_found_within_its_step_at_no_steady_cost(tmp_path) -> 
 
 
 def _injected(rank: int, world: int, every: int, bad_rank: int, with_optimizer: bool) -> dict:
-    ddp, opt = _model()
+    ddp, opt = make_model()
     g = guard(ddp, every=every, optimizer=opt if with_optimizer else None)
     for step in range(8):
         if step == 3 and rank == bad_rank:
             with torch.no_grad():
                 ddp.module.head_a.weight[0, 0] += 1e-3   # a silent rank-local change
-        _train_step(ddp, opt, rank, step)
+        train_step(ddp, opt, rank, step)
     g.close()
-    return {"problems": _summary(g), "detail": g.problems[0].detail if g.problems else ""}
+    return {"problems": summary(g), "detail": g.problems[0].detail if g.problems else ""}
 
 
 @pytest.mark.parametrize(("world", "every", "with_optimizer"), [(2, 2, True), (3, 3, True), (2, 2, False)])
@@ -232,14 +186,14 @@ def test_divergence_found_within_every_steps_and_named(tmp_path, world, every, w
 
 
 def _raise_on_divergence(rank: int, world: int) -> tuple:
-    ddp, opt = _model()
+    ddp, opt = make_model()
     g = guard(ddp, every=1, on_problem="raise", optimizer=opt)
     try:
         for step in range(4):
             if step == 2 and rank == 1:
                 with torch.no_grad():
                     ddp.module.trunk.bias.mul_(1.5)
-            _train_step(ddp, opt, rank, step)
+            train_step(ddp, opt, rank, step)
     except GuardError as exc:
         return exc.code, exc.findings[0].param_names, step, g.steps
     finally:
@@ -254,11 +208,11 @@ def test_raise_mode_raises_on_every_rank_at_the_same_step(tmp_path) -> None:
 def _buffers(rank: int, world: int) -> dict[bool, list[tuple]]:
     out = {}
     for broadcast in (False, True):
-        ddp, opt = _model(batchnorm=True, broadcast_buffers=broadcast)
+        ddp, opt = make_model(batchnorm=True, broadcast_buffers=broadcast)
         with guard(ddp, every=2, optimizer=opt) as g:
             for step in range(2):
-                _train_step(ddp, opt, rank, step)
-        out[broadcast] = [(c, s, p) for c, s, p, _, _ in _summary(g)]
+                train_step(ddp, opt, rank, step)
+        out[broadcast] = [(c, s, p) for c, s, p, _, _ in summary(g)]
     return out
 
 
@@ -268,10 +222,10 @@ def test_buffers_are_reported_separately_when_ddp_does_not_broadcast_them(tmp_pa
 
 
 def _before_save(rank: int, world: int, on_problem: str) -> dict:
-    ddp, opt = _model()
-    lines = _capture()
+    ddp, opt = make_model()
+    lines = capture()
     g = guard(ddp, every=1000, on_problem=on_problem, optimizer=opt)
-    _train_step(ddp, opt, rank, 0)
+    train_step(ddp, opt, rank, 0)
     clean = g.before_save()
     if rank == 1:
         with torch.no_grad():
@@ -310,7 +264,7 @@ def _flip(rank: int, world: int, direction: str, on_problem: str, flags: dict) -
     ddp = DDP(net, **flags)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = guard(ddp, every=100, on_problem=on_problem, optimizer=opt)
-    _train_step(ddp, opt, rank, 0)
+    train_step(ddp, opt, rank, 0)
     net.head_b.weight.requires_grad_(direction == "unfreeze")
     raised = None
     try:
@@ -319,7 +273,7 @@ def _flip(rank: int, world: int, direction: str, on_problem: str, flags: dict) -
     except GuardError as exc:
         raised = exc.code
     g.close()
-    return {"problems": _summary(g), "raised": raised}
+    return {"problems": summary(g), "raised": raised}
 
 
 @pytest.mark.parametrize(("direction", "flags", "severity"), [
@@ -338,235 +292,16 @@ def test_requires_grad_flips_after_wrap_are_named_before_the_backward(tmp_path, 
 
 
 def _flip_warn_once(rank: int, world: int) -> tuple[list, int]:
-    ddp, opt = _model(find_unused_parameters=True)
+    ddp, opt = make_model(find_unused_parameters=True)
     g = guard(ddp, every=100, optimizer=opt)
-    _train_step(ddp, opt, rank, 0)
+    train_step(ddp, opt, rank, 0)
     ddp.module.block[0].weight.requires_grad_(False)
     for step in range(1, 4):
-        _train_step(ddp, opt, rank, step)
+        train_step(ddp, opt, rank, step)
     g.close()
-    return _summary(g), len(g.problems)
+    return summary(g), len(g.problems)
 
 
 def test_a_flip_is_reported_once(tmp_path) -> None:
     for rank, (problems, count) in enumerate(run_ranks(_flip_warn_once, tmp_path)):
         assert count == 1 and problems[0][:3] == ("frozen-after-wrap", "warning", ["block.0.weight"])
-
-
-# --------------------------------------------------------------------------------------------- robustness
-
-
-def _internal_failure(rank: int, world: int, where: str) -> dict:
-    ddp, opt = _model()
-    lines = _capture()
-    g = guard(ddp, every=2, optimizer=opt)
-    if rank == 1:
-        def broken(*_args, **_kwargs):
-            raise ZeroDivisionError("injected")
-        if where == "comparison":
-            guard_compare.local_rows = broken     # in this rank's process only
-        else:
-            g._flips.check = broken
-    for step in range(6):
-        _train_step(ddp, opt, rank, step)
-    same = all(_all_equal(p.detach()) for p in ddp.parameters())
-    return {"active": g.active, "checks": g.checks, "same": same, "log": lines.text,
-            "failures_logged": lines.text.count("hit an internal error")}
-
-
-def _all_equal(t: torch.Tensor) -> bool:
-    copies = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(copies, t.contiguous())
-    return all(torch.equal(copies[0], c) for c in copies[1:])
-
-
-@pytest.mark.parametrize("where", ["comparison", "local hook"])
-def test_an_internal_failure_turns_the_guard_off_on_every_rank_and_training_goes_on(tmp_path, where) -> None:
-    results = run_ranks(_internal_failure, tmp_path, args=(where,))
-    for res in results:
-        assert res["active"] is False and res["same"]
-    # The failing rank logs it once; at the next comparison (step 2) every rank learns it and turns off.
-    assert results[1]["failures_logged"] == 1 and "ZeroDivisionError: injected" in results[1]["log"]
-    assert "turned off on every rank after an internal error on rank(s) [1]" in results[0]["log"]
-
-
-def _bad_arguments(rank: int, world: int) -> list[str]:
-    ddp, _ = _model()
-    messages = []
-    for call, error in [
-        (lambda: guard(nn.Linear(2, 2)), NotDDPModelError),
-        (lambda: guard(ddp, every=0), InvalidArgumentError),
-        (lambda: guard(ddp, on_problem="loud"), InvalidArgumentError),
-        (lambda: guard(ddp, optimizer="sgd"), InvalidArgumentError),   # type: ignore[arg-type]
-    ]:
-        with pytest.raises(error) as info:
-            call()
-        messages.append(str(info.value))
-    g = guard(ddp)
-    with pytest.raises(InvalidArgumentError) as info:
-        guard(ddp)
-    messages.append(str(info.value))
-    g.close()
-    guard(ddp).close()    # after close() the model can be guarded again
-    return messages
-
-
-def test_bad_arguments(tmp_path) -> None:
-    messages = run_ranks(_bad_arguments, tmp_path)[0]
-    assert "got torch.nn.modules.linear.Linear. Wrap it first" in messages[0]
-    assert "every must be a positive int" in messages[1] and "got 0" in messages[1]
-    assert "on_problem must be 'warn' or 'raise', got 'loud'" in messages[2]
-    assert "optimizer must be a torch.optim.Optimizer or None, got str" in messages[3]
-    assert "already has an active guard" in messages[4]
-
-
-def _different_models(rank: int, world: int) -> str:
-    torch.manual_seed(0)
-    ddp = DDP(Net(), init_sync=False) if rank == 0 else DDP(Net(batchnorm=True), init_sync=False)
-    with pytest.raises(RankMismatchError) as info:
-        guard(ddp)
-    return str(info.value)
-
-
-@pytest.mark.skipif(not HAS_INIT_SYNC, reason="DDP(init_sync=False) needs torch newer than 2.4 (absent in 2.4.1); "
-                    "without it DDP's own initial broadcast fails first")
-def test_different_models_raise_on_every_rank(tmp_path) -> None:
-    for message in run_ranks(_different_models, tmp_path):
-        assert "rank 0: 8 tensors, rank 1: 13 tensors" in message
-
-
-def _hooks(ddp: DDP, opt: torch.optim.Optimizer) -> tuple[int, ...]:
-    from torch.nn.modules import module as module_globals
-
-    return (len(ddp._forward_pre_hooks), len(ddp._forward_hooks), len(ddp.module._forward_pre_hooks),
-            len(ddp.module._state_dict_pre_hooks), len(opt._optimizer_step_pre_hooks),
-            len(opt._optimizer_step_post_hooks), len(module_globals._global_forward_pre_hooks))
-
-
-def _close_removes_hooks(rank: int, world: int) -> tuple:
-    ddp, opt = _model()
-    before = _hooks(ddp, opt)
-    with guard(ddp, optimizer=opt):
-        during = _hooks(ddp, opt)
-    return before, during, _hooks(ddp, opt), hasattr(ddp, GUARD_ATTR)
-
-
-def test_close_removes_every_hook(tmp_path) -> None:
-    before, during, after, attr = run_ranks(_close_removes_hooks, tmp_path, world_size=1)[0]
-    assert during != before and after == before and not attr
-
-
-def _copy_and_save(rank: int, world: int, path: str) -> list[str]:
-    import copy
-    import io
-    import pickle
-
-    ddp, opt = _model()
-    with guard(ddp, optimizer=opt):
-        _train_step(ddp, opt, rank, 0)
-        twin = copy.deepcopy(ddp.module)        # an EMA copy
-        buffer = io.BytesIO()
-        torch.save(ddp.module, buffer)          # a whole-model checkpoint
-        pickle.dumps(ddp.module)
-        buffer.seek(0)
-        loaded = torch.load(buffer, weights_only=False)
-        x, _ = batch(rank, 0)
-        with torch.no_grad():   # evaluation of the copies: the same function as the guarded model
-            same = torch.allclose(twin(x), ddp.module(x)) and torch.allclose(loaded(x), twin(x))
-        _train_step(ddp, opt, rank, 1)
-    return ["ok" if same else "different"]
-
-
-def test_a_guarded_model_can_be_deep_copied_pickled_and_saved(tmp_path) -> None:
-    assert run_ranks(_copy_and_save, tmp_path, args=(str(tmp_path),)) == [["ok"], ["ok"]]
-
-
-# ------------------------------------------------------------------------------------------------ follow
-
-
-def _follow_by_hand(rank: int, world: int) -> dict:
-    ddp, opt = _model()
-    g = guard(ddp, every=2, on_problem="raise", optimizer=opt)
-    _train_step(ddp, opt, rank, 0)
-    ddp.module.head_b.weight.requires_grad_(False)
-    new = DDP(ddp.module)                     # rebuilt by hand for the new trainable set
-    g.follow(new)
-    for step in range(1, 4):
-        _train_step(new, opt, rank, step)     # not a flip for the new DDP; the schedule carries on
-    ddp.module.head_b.bias.requires_grad_(False)
-    raised = None
-    try:
-        _train_step(new, opt, rank, 4)
-    except GuardError as exc:
-        raised = (exc.code, exc.findings[0].param_names)
-    errors = []
-    for bad in (nn.Linear(2, 2), DDP(nn.Linear(2, 2))):
-        try:
-            g.follow(bad)
-        except (NotDDPModelError, InvalidArgumentError) as exc:
-            errors.append(type(exc).__name__)
-    watched = (hasattr(ddp, GUARD_ATTR), getattr(new, GUARD_ATTR, None) is g)
-    g.close()
-    return {"raised": raised, "checks": g.checks, "steps": g.steps, "errors": errors, "watched": watched}
-
-
-def test_follow_hands_the_guard_over_to_a_ddp_rebuilt_by_hand(tmp_path) -> None:
-    assert run_ranks(_follow_by_hand, tmp_path) == [{
-        "raised": ("frozen-after-wrap", ["head_b.bias"]), "checks": 2, "steps": 4,
-        "errors": ["NotDDPModelError", "InvalidArgumentError"], "watched": (False, True)}] * 2
-
-
-def _flip_before_guard(rank: int, world: int) -> tuple:
-    ddp, opt = _model()
-    ddp.module.head_a.bias.requires_grad_(False)      # between building DDP and guard()
-    with pytest.raises(GuardError) as info:
-        guard(ddp, on_problem="raise", optimizer=opt)
-    return info.value.code, info.value.findings[0].param_names, hasattr(ddp, GUARD_ATTR)
-
-
-def test_a_flip_before_guard_is_named_at_guard(tmp_path) -> None:
-    # DDP's recorded tensor count and bytes identify the parameter (wrapstate.model_info), so it is named.
-    assert run_ranks(_flip_before_guard, tmp_path) == [("frozen-after-wrap", ["head_a.bias"], False)] * 2
-
-
-# ------------------------------------------------------------------------------------------------- data checks
-
-
-def _data_loop(rank: int, world: int, uneven: bool, set_epoch: bool) -> dict:
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-    ddp, opt = _model()
-    g = torch.Generator().manual_seed(rank)
-    if uneven:   # hand-made shards: 10 samples on rank 0, 8 on rank 1, batch size 2
-        data = TensorDataset(torch.randn(10 - 2 * rank, 8, generator=g), torch.randn(10 - 2 * rank, 4, generator=g))
-        loader = DataLoader(data, batch_size=2)
-    else:
-        data = TensorDataset(torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g))
-        loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, shuffle=True))
-    lines = _capture()
-    with guard(ddp, every=3, optimizer=opt) as gd:
-        for epoch in range(2):
-            if set_epoch and not uneven:
-                loader.sampler.set_epoch(epoch)
-            for i, (x, y) in enumerate(loader):
-                if i == 4:
-                    break   # the same number of steps on every rank: the check must come from the loader's length
-                F.mse_loss(ddp(x, use_b=True), y).backward()
-                opt.step()
-                opt.zero_grad()
-    return {"problems": _summary(gd), "log": lines.text}
-
-
-def test_guard_names_ranks_with_different_batch_counts(tmp_path) -> None:
-    for rank, r in enumerate(run_ranks(_data_loop, tmp_path, args=(True, True))):
-        uneven = [p for p in r["problems"] if p[0] == "uneven-inputs"]
-        assert len(uneven) == 1 and uneven[0][1] == "error" and uneven[0][3] == [0, 1], r
-        if rank == 0:   # the guard speaks on rank 0
-            assert "batches per epoch" in r["log"] and r["log"].count("uneven-inputs") == 1, r["log"]
-
-
-def test_guard_warns_once_when_the_sampler_epoch_does_not_advance(tmp_path) -> None:
-    for r in run_ranks(_data_loop, tmp_path, args=(False, False)):
-        assert [p[:2] for p in r["problems"]] == [("sampler-epoch-not-set", "warning")], r
-    for r in run_ranks(_data_loop, tmp_path, args=(False, True)):
-        assert r["problems"] == [], r
