@@ -33,25 +33,30 @@ def run(name: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         script = str(Path(__file__).parent / f"{name}.py")
-        launcher = [] if name in SELF_LAUNCHED else ["-m", "torch.distributed.run", "--standalone",
-                                                     "--nproc-per-node", "2"]
-        subprocess.run([sys.executable, *launcher, script, "--json", str(out)], check=True,
-                       stdout=subprocess.DEVNULL)
+        launcher = (
+            [] if name in SELF_LAUNCHED else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        )
+        subprocess.run([sys.executable, *launcher, script, "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
 
 
 def main() -> None:
     only = sys.argv[1:]
-    table = Table("benchmark", "variant", "median ratio", "IQR", "compared with", "goal",
-                  title="ddp-doctor benchmarks")
+    table = Table("benchmark", "variant", "median ratio", "IQR", "compared with", "goal", title="ddp-doctor benchmarks")
     for name, variants in BENCHMARKS.items():
         if only and name not in only:
             continue
         result = run(name)
         for v in variants:
             r = result[v]
-            table.add_row(f"{name} ({result['param_tensors']} tensors)", v, f"{r['median_ratio']:.4f}x",
-                          f"{r['iqr'][0]:.4f}-{r['iqr'][1]:.4f}", r.get("vs", "plain DDP"), r.get("goal", ""))
+            table.add_row(
+                f"{name} ({result['param_tensors']} tensors)",
+                v,
+                f"{r['median_ratio']:.4f}x",
+                f"{r['iqr'][0]:.4f}-{r['iqr'][1]:.4f}",
+                r.get("vs", "plain DDP"),
+                r.get("goal", ""),
+            )
     # Not a terminal (CI logs, a file): wide enough that the rows do not wrap.
     Console(width=None if sys.stdout.isatty() else 150).print(table)
 

@@ -59,8 +59,13 @@ def ratio(numerator: list[float], denominator: list[float], *, vs: str, goal: st
     such as the periodic guard comparison, which the median ignores)."""
     ratios = [a / b for a, b in zip(numerator, denominator)]
     q1, med, q3 = statistics.quantiles(ratios, n=4)[0], statistics.median(ratios), statistics.quantiles(ratios, n=4)[2]
-    return {"median_ratio": round(med, 3), "iqr": [round(q1, 3), round(q3, 3)],
-            "mean_ratio": round(sum(numerator) / sum(denominator), 3), "vs": vs, "goal": goal}
+    return {
+        "median_ratio": round(med, 3),
+        "iqr": [round(q1, 3), round(q3, 3)],
+        "mean_ratio": round(sum(numerator) / sum(denominator), 3),
+        "vs": vs,
+        "goal": goal,
+    }
 
 
 def write(result: dict, path: str | None) -> None:
@@ -76,8 +81,9 @@ def timed_command(cmd: list[str], cwd: str) -> float:
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {done.returncode}:\n{done.stdout[-3000:]}"
-                           f"\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{' '.join(cmd)} failed with exit code {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
     return time.perf_counter() - start
 
 

@@ -33,8 +33,23 @@ def measure(rounds: int, startup_s: float, steps: int) -> dict:
     launches: list[int] = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        bench = [sys.executable, "-m", "ddp_doctor.cli", "bench", "--nproc-per-node", "2", "--steps", str(steps),
-                 "--rounds", "3", "--configs", CONFIGS, "--json", str(out), *script]
+        bench = [
+            sys.executable,
+            "-m",
+            "ddp_doctor.cli",
+            "bench",
+            "--nproc-per-node",
+            "2",
+            "--steps",
+            str(steps),
+            "--rounds",
+            "3",
+            "--configs",
+            CONFIGS,
+            "--json",
+            str(out),
+            *script,
+        ]
         for _ in range(rounds):
             times["check"].append(timed_command(check, str(REPO)))
             times["bench"].append(timed_command(bench, str(REPO)))
@@ -42,10 +57,18 @@ def measure(rounds: int, startup_s: float, steps: int) -> dict:
             launches.append(len(result["launches"]))
     ratios = [b / c for c, b in zip(times["check"], times["bench"])]
     return {
-        "rounds": rounds, "startup_s": startup_s, "steps": steps, "candidates": CONFIGS, "bench_rounds": 3,
-        "check_s": statistics.median(times["check"]), "bench_s": statistics.median(times["bench"]),
-        "median_ratio": statistics.median(ratios), "iqr": quartiles(ratios), "ratios": ratios,
-        "launches": launches, "meets_goal": statistics.median(ratios) < GOAL,
+        "rounds": rounds,
+        "startup_s": startup_s,
+        "steps": steps,
+        "candidates": CONFIGS,
+        "bench_rounds": 3,
+        "check_s": statistics.median(times["check"]),
+        "bench_s": statistics.median(times["bench"]),
+        "median_ratio": statistics.median(ratios),
+        "iqr": quartiles(ratios),
+        "ratios": ratios,
+        "launches": launches,
+        "meets_goal": statistics.median(ratios) < GOAL,
     }
 
 
@@ -57,9 +80,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     r = measure(args.rounds, args.startup_s, args.steps)
-    results = {"param_tensors": 34, "bench, 4 candidates x 3 rounds": {
-        **r, "vs": f"one check, {args.startup_s:g} s start-up",
-        "goal": f"< {GOAL:g}x (met)" if r["meets_goal"] else f"< {GOAL:g}x (MISSED)"}}
+    results = {
+        "param_tensors": 34,
+        "bench, 4 candidates x 3 rounds": {
+            **r,
+            "vs": f"one check, {args.startup_s:g} s start-up",
+            "goal": f"< {GOAL:g}x (met)" if r["meets_goal"] else f"< {GOAL:g}x (MISSED)",
+        },
+    }
     text = json.dumps(results, indent=2)
     if args.json:
         args.json.write_text(text)

@@ -23,12 +23,36 @@ SCRIPT = REPO / "examples" / "clean.py"
 
 
 def measure(steps: int, rounds: int) -> dict:
-    epochs = steps // 16 + 1   # 16 steps per epoch per rank with 2 ranks
-    plain = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-             "--epochs", str(epochs), "--max-steps", str(steps)]
-    check = [sys.executable, "-m", "ddp_doctor.cli", "check", "--nproc-per-node", "2", "--steps", str(steps),
-             str(SCRIPT), "--epochs", str(epochs), "--max-steps", str(steps)]
-    timed_command(plain, str(REPO))   # warm the file cache
+    epochs = steps // 16 + 1  # 16 steps per epoch per rank with 2 ranks
+    plain = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        "--epochs",
+        str(epochs),
+        "--max-steps",
+        str(steps),
+    ]
+    check = [
+        sys.executable,
+        "-m",
+        "ddp_doctor.cli",
+        "check",
+        "--nproc-per-node",
+        "2",
+        "--steps",
+        str(steps),
+        str(SCRIPT),
+        "--epochs",
+        str(epochs),
+        "--max-steps",
+        str(steps),
+    ]
+    timed_command(plain, str(REPO))  # warm the file cache
     times: dict[str, list[float]] = {"plain": [], "check": []}
     for _ in range(rounds):
         times["plain"].append(timed_command(plain, str(REPO)))
@@ -37,10 +61,14 @@ def measure(steps: int, rounds: int) -> dict:
     extra = [c - p for p, c in zip(times["plain"], times["check"])]
     over_goal = [c - (2 * p + 3.0) for p, c in zip(times["plain"], times["check"])]
     return {
-        "steps": steps, "rounds": rounds,
-        "plain_s": statistics.median(times["plain"]), "check_s": statistics.median(times["check"]),
-        "median_ratio": statistics.median(ratios), "iqr": quartiles(ratios),
-        "median_extra_s": statistics.median(extra), "iqr_extra_s": quartiles(extra),
+        "steps": steps,
+        "rounds": rounds,
+        "plain_s": statistics.median(times["plain"]),
+        "check_s": statistics.median(times["check"]),
+        "median_ratio": statistics.median(ratios),
+        "iqr": quartiles(ratios),
+        "median_extra_s": statistics.median(extra),
+        "iqr_extra_s": quartiles(extra),
         "meets_goal": statistics.median(over_goal) <= 0.0,
     }
 
@@ -54,8 +82,11 @@ def main() -> None:
     results: dict = {"param_tensors": 8}
     for k in args.steps:
         r = measure(k, args.rounds)
-        results[f"check, {k} steps"] = {**r, "vs": "plain torchrun, same steps",
-                                         "goal": "<= 2x + 3 s (met)" if r["meets_goal"] else "<= 2x + 3 s (MISSED)"}
+        results[f"check, {k} steps"] = {
+            **r,
+            "vs": "plain torchrun, same steps",
+            "goal": "<= 2x + 3 s (met)" if r["meets_goal"] else "<= 2x + 3 s (MISSED)",
+        }
     text = json.dumps(results, indent=2)
     if args.json:
         args.json.write_text(text)

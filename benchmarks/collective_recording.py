@@ -29,8 +29,9 @@ def main() -> None:
     rank = dist.get_rank()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 128), nn.GELU(),
-                          nn.Linear(128, 10))
+    model = nn.Sequential(
+        nn.Linear(32, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 10)
+    )
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(rank)
@@ -79,12 +80,16 @@ def main() -> None:
         per_call.append((time.perf_counter() - t0) / 200)
     doctor.stop()
     recorded = doctor.record().counter("collectives").sum().item()
-    result = {"param_tensors": sum(1 for _ in ddp.parameters()), "rounds": args.rounds,
-              "collectives_recorded": int(recorded),
-              "collective recording": ratio(times["recording"], times["not recording"],
-                                            vs="the same observed step, recording off", goal="at most 1.02x"),
-              "step_ms": round(1e3 * statistics.median(times["not recording"]), 3),
-              "listener_us_per_call": round(1e6 * statistics.median(per_call), 1)}
+    result = {
+        "param_tensors": sum(1 for _ in ddp.parameters()),
+        "rounds": args.rounds,
+        "collectives_recorded": int(recorded),
+        "collective recording": ratio(
+            times["recording"], times["not recording"], vs="the same observed step, recording off", goal="at most 1.02x"
+        ),
+        "step_ms": round(1e3 * statistics.median(times["not recording"]), 3),
+        "listener_us_per_call": round(1e6 * statistics.median(per_call), 1),
+    }
     result["listener_share_of_step"] = round(result["listener_us_per_call"] / (1e3 * result["step_ms"]), 5)
     write(result, args.json)
     dist.destroy_process_group()

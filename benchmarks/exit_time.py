@@ -24,14 +24,30 @@ SCRIPT = HERE / "scripts" / "exit_at_step3.py"
 
 def _start(tmp: Path, *extra: str) -> subprocess.Popen[str]:
     env = {**os.environ, "EXIT_STAMP": str(tmp / "exit.stamp")}
-    return subprocess.Popen([sys.executable, "-m", "ddp_doctor.cli", "check", "--nproc-per-node", "2",
-                             "--timeout", "120", *extra, str(SCRIPT)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=tmp)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddp_doctor.cli",
+            "check",
+            "--nproc-per-node",
+            "2",
+            "--timeout",
+            "120",
+            *extra,
+            str(SCRIPT),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp,
+    )
 
 
 def after_sigterm(tmp: Path) -> float:
     proc = _start(tmp, "--steps", "1000")
-    for line in proc.stdout:              # wait until training runs
+    for line in proc.stdout:  # wait until training runs
         if line.startswith("step 2"):
             break
     proc.send_signal(signal.SIGTERM)
@@ -54,14 +70,22 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     times: dict[str, list[float]] = {"after SIGTERM": [], "after an early rank exit": []}
-    for _ in range(args.runs):            # interleaved, so load drift hits both alike
+    for _ in range(args.runs):  # interleaved, so load drift hits both alike
         with tempfile.TemporaryDirectory() as d:
             times["after SIGTERM"].append(after_sigterm(Path(d)))
         with tempfile.TemporaryDirectory() as d:
             times["after an early rank exit"].append(after_early_exit(Path(d)))
     goals = {"after SIGTERM": 10.0, "after an early rank exit": 15.0}
-    result = {name: {"median_s": round(statistics.median(v), 2), "min_s": round(min(v), 2),
-                     "max_s": round(max(v), 2), "runs": len(v), "goal_s": goals[name]} for name, v in times.items()}
+    result = {
+        name: {
+            "median_s": round(statistics.median(v), 2),
+            "min_s": round(min(v), 2),
+            "max_s": round(max(v), 2),
+            "runs": len(v),
+            "goal_s": goals[name],
+        }
+        for name, v in times.items()
+    }
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from _shared import interleave, mlp, parser, ratio, write
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_doctor.fingerprint import fingerprints, fingerprints_batched
+from ddp_doctor.observation.fingerprint import fingerprints, fingerprints_batched
 
 
 def main() -> None:
@@ -36,8 +36,12 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
 
-    variants = {"plain pass": plain_pass, "batched": lambda: fingerprints_batched(params),
-                "per tensor": lambda: fingerprints(params), "ddp step": step}
+    variants = {
+        "plain pass": plain_pass,
+        "batched": lambda: fingerprints_batched(params),
+        "per tensor": lambda: fingerprints(params),
+        "ddp step": step,
+    }
     for fn in variants.values():
         fn()
     times = interleave(variants, args.rounds)
@@ -49,12 +53,15 @@ def main() -> None:
         "per_tensor_ms": round(sorted(times["per tensor"])[args.rounds // 2] * 1e3, 3),
         "plain_pass_ms": round(sorted(times["plain pass"])[args.rounds // 2] * 1e3, 3),
         "step_ms": round(sorted(times["ddp step"])[args.rounds // 2] * 1e3, 3),
-        "fingerprints_batched": ratio(times["batched"], times["plain pass"], vs="plain memory pass (sum per tensor)",
-                                      goal="report"),
-        "fingerprints (per tensor)": ratio(times["per tensor"], times["plain pass"],
-                                           vs="plain memory pass (sum per tensor)", goal="report"),
-        "fingerprints_batched per step": ratio(times["batched"], times["ddp step"], vs="one DDP step",
-                                               goal="paid 1/every"),
+        "fingerprints_batched": ratio(
+            times["batched"], times["plain pass"], vs="plain memory pass (sum per tensor)", goal="report"
+        ),
+        "fingerprints (per tensor)": ratio(
+            times["per tensor"], times["plain pass"], vs="plain memory pass (sum per tensor)", goal="report"
+        ),
+        "fingerprints_batched per step": ratio(
+            times["batched"], times["ddp step"], vs="one DDP step", goal="paid 1/every"
+        ),
     }
     write(result, args.json)
     dist.destroy_process_group()

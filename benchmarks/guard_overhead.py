@@ -39,7 +39,7 @@ def main() -> None:
         opt.zero_grad()
 
     variants = {name: (lambda m=m: step(*m)) for name, m in models.items()}
-    for fn in variants.values():   # warm-up, and the first healthy step that disarms the first-step hooks
+    for fn in variants.values():  # warm-up, and the first healthy step that disarms the first-step hooks
         fn()
         fn()
     times = interleave(variants, args.rounds)

@@ -73,14 +73,18 @@ def main() -> None:
     with doctor:
         order = list(variants)
         for r in range(args.rounds):
-            for name in order[r % 3:] + order[: r % 3]:
+            for name in order[r % 3 :] + order[: r % 3]:
                 times[name].append(_step(*variants[name], x))
     report = doctor.report()
 
     if rank == 0:
         n_tensors = sum(1 for _ in ddp_b.parameters())
-        result = {"param_tensors": n_tensors, "rounds": args.rounds, "world_size": dist.get_world_size(),
-                  "findings": sorted(report.codes)}
+        result = {
+            "param_tensors": n_tensors,
+            "rounds": args.rounds,
+            "world_size": dist.get_world_size(),
+            "findings": sorted(report.codes),
+        }
         for name in ("observed", "after_exit"):
             ratios = [a / b for a, b in zip(times[name], times["plain"])]
             q1, med, q3 = _quartiles(ratios)

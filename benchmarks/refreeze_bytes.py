@@ -50,8 +50,8 @@ def main() -> None:
 
     for name in models:
         step(name)
-    frozen = [str(3 * i) for i in range(args.depth // 3)]            # the Linear of the first third of the blocks
-    frozen += [str(3 * i + 1) for i in range(args.depth // 3)]        # and its LayerNorm
+    frozen = [str(3 * i) for i in range(args.depth // 3)]  # the Linear of the first third of the blocks
+    frozen += [str(3 * i + 1) for i in range(args.depth // 3)]  # and its LayerNorm
     module = models["after"][0].module
     trainable_before = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     models["after"][0] = refreeze(models["after"][0], models["after"][1], freeze=frozen)
@@ -68,10 +68,12 @@ def main() -> None:
         "bytes_before": per_step["before"][-1],
         "bytes_after": per_step["after"][-1],
         "expected_ratio": round(trainable_after / trainable_before, 6),
-        "bytes after refreeze": {"median_ratio": round(sorted(byte_ratios)[len(byte_ratios) // 2], 6),
-                                 "iqr": [round(min(byte_ratios), 6), round(max(byte_ratios), 6)],
-                                 "vs": "bytes per step before (min-max)",
-                                 "goal": f"= {trainable_after / trainable_before:.4f} (trainable share)"},
+        "bytes after refreeze": {
+            "median_ratio": round(sorted(byte_ratios)[len(byte_ratios) // 2], 6),
+            "iqr": [round(min(byte_ratios), 6), round(max(byte_ratios), 6)],
+            "vs": "bytes per step before (min-max)",
+            "goal": f"= {trainable_after / trainable_before:.4f} (trainable share)",
+        },
         "step after refreeze": ratio(times["after"], times["before"], vs="step before refreeze", goal="report"),
     }
     write(result, args.json)

@@ -46,13 +46,14 @@ def _measure_rank(rank: int, world: int, store: str, k: int) -> dict[str, dict[s
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddp_doctor import guard
-    from ddp_doctor._refreeze.preflight import agree_on_plan, require_identical_replicas
-    from ddp_doctor.errors import ReplicaDivergenceError
+    from ddp_doctor.core.errors import ReplicaDivergenceError
+    from ddp_doctor.fixes.refreeze.preflight import agree_on_plan, require_identical_replicas
 
     torch.set_num_threads(1)
-    logging.getLogger("ddp_doctor").setLevel(logging.CRITICAL)      # the guard's divergence warning is expected
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    logging.getLogger("ddp_doctor").setLevel(logging.CRITICAL)  # the guard's divergence warning is expected
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
     counted = {"all_reduce": 0, "all_gather": 0, "calls": 0}
     real_reduce = dist.all_reduce
 
@@ -70,6 +71,7 @@ def _measure_rank(rank: int, world: int, store: str, k: int) -> dict[str, dict[s
             counted["all_gather"] += sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
             counted["calls"] += 1
             return real(*args, **kwargs)
+
         return call
 
     def counting(fn) -> dict[str, int]:
@@ -92,7 +94,7 @@ def _measure_rank(rank: int, world: int, store: str, k: int) -> dict[str, dict[s
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
     for p in ddp.parameters():
         p.grad = torch.ones_like(p)
-    opt.step()                                   # optimizer state exists: refreeze compares it too
+    opt.step()  # optimizer state exists: refreeze compares it too
     named = list(ddp.module.named_parameters())
     g = guard(ddp, every=10**9, optimizer=opt)
     device = torch.device("cpu")
@@ -158,8 +160,10 @@ def main() -> None:
     print("| path | tensors | W | outcome | all_reduce bytes | all_gather bytes | collectives |")
     print("|---|---:|---:|---|---:|---:|---:|")
     for r in sorted(rows, key=lambda r: (r["path"], r["tensors"], r["outcome"], r["world"])):
-        print(f"| {r['path']} | {r['tensors']:,} | {r['world']} | {r['outcome']} | {r['all_reduce']:,} | "
-              f"{r['all_gather']:,} | {r['calls']} |")
+        print(
+            f"| {r['path']} | {r['tensors']:,} | {r['world']} | {r['outcome']} | {r['all_reduce']:,} | "
+            f"{r['all_gather']:,} | {r['calls']} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.scale [--json FILE] [--quick]
 
-Rows at world sizes up to 8 run the real exchange (`ddp_doctor.gather.exchange`) over real gloo process groups
+Rows at world sizes up to 8 run the real exchange (`ddp_doctor.exchange.runner.exchange`) over real gloo process groups
 (one process per rank, a FileStore rendezvous). Larger world sizes run the model of the same code path:
 `ddp_doctor.exchange.summarize` runs every rank's real `protocol` (the real packing, on each rank's own synthetic
 record) in lockstep in one process and computes each collective's result as the reduction computes it, checking
@@ -47,32 +47,47 @@ REAL_MAX = 8
 
 
 def make_info(params: int) -> Any:
-    from ddp_doctor.records import ModelInfo
+    from ddp_doctor.core.records import ModelInfo
 
     names = [f"layers.{i // 32}.experts.{(i // 4) % 8}.w{i % 4}.weight" for i in range(params)]
-    return ModelInfo(param_names=names, param_shapes=[(256, 64)] * params, trainable_at_wrap=[True] * params,
-                     ignored=[False] * params, buffer_names=[], buffer_shapes=[],
-                     ddp_config={"find_unused_parameters": False, "static_graph": True,
-                                 "gradient_as_bucket_view": False, "broadcast_buffers": True})
+    return ModelInfo(
+        param_names=names,
+        param_shapes=[(256, 64)] * params,
+        trainable_at_wrap=[True] * params,
+        ignored=[False] * params,
+        buffer_names=[],
+        buffer_shapes=[],
+        ddp_config={
+            "find_unused_parameters": False,
+            "static_graph": True,
+            "gradient_as_bucket_view": False,
+            "broadcast_buffers": True,
+        },
+    )
 
 
 def _clean(params: int) -> dict[str, torch.Tensor]:
-    from ddp_doctor.records import StepCounters
+    from ddp_doctor.core.records import StepCounters
 
     g = torch.Generator().manual_seed(0)
     used = torch.ones(STEPS, params, dtype=torch.bool)
     c = StepCounters(ddp_forwards=1, micro_steps=1, synced_backwards=1, optimizer_step=1)
-    return {"used": used, "reachable": used, "ran": used, "trainable": used,
-            "grad_fp": torch.randn(STEPS, params, 2, generator=g, dtype=torch.float64),
-            "weight_fp": torch.randn(STEPS + 1, params, 2, generator=g, dtype=torch.float64),
-            "buffer_fp": torch.zeros(STEPS, 0, 2, dtype=torch.float64),
-            "counters": torch.tensor([c.as_list()] * STEPS)}
+    return {
+        "used": used,
+        "reachable": used,
+        "ran": used,
+        "trainable": used,
+        "grad_fp": torch.randn(STEPS, params, 2, generator=g, dtype=torch.float64),
+        "weight_fp": torch.randn(STEPS + 1, params, 2, generator=g, dtype=torch.float64),
+        "buffer_fp": torch.zeros(STEPS, 0, 2, dtype=torch.float64),
+        "counters": torch.tensor([c.as_list()] * STEPS),
+    }
 
 
 def make_record(rank: int, world: int, params: int, clean: dict[str, torch.Tensor] | None = None) -> Any:
     """Rank `rank`'s record. Ranks other than the two odd ones share `clean`'s tensors (the model of 1,024 ranks
     then fits in memory); inputs and timings are the rank's own."""
-    from ddp_doctor.records import RankRecord
+    from ddp_doctor.core.records import RankRecord
 
     fields = dict(clean if clean is not None else _clean(params))
     if rank == world // 3:
@@ -82,14 +97,18 @@ def make_record(rank: int, world: int, params: int, clean: dict[str, torch.Tenso
         fields["weight_fp"] = fields["weight_fp"].clone()
         fields["weight_fp"][6:, :3] += 1.0
     g = torch.Generator().manual_seed(1000 + rank)
-    return RankRecord(rank=rank, input_fp=torch.randn(STEPS, 2, generator=g, dtype=torch.float64),
-                      timing=0.01 + 0.001 * torch.rand(STEPS, 3, generator=g, dtype=torch.float64), **fields)
+    return RankRecord(
+        rank=rank,
+        input_fp=torch.randn(STEPS, 2, generator=g, dtype=torch.float64),
+        timing=0.01 + 0.001 * torch.rand(STEPS, 3, generator=g, dtype=torch.float64),
+        **fields,
+    )
 
 
 def before_bytes(world: int, params: int) -> dict[str, int]:
     """The replaced exchange: an agree() all_gather of 6 float64, then all_gathers of the padded record and of
     the JSON metadata (record meta + the whole ModelInfo)."""
-    from ddp_doctor.records import RankRecord
+    from ddp_doctor.core.records import RankRecord
 
     info = make_info(params)
     rec = make_record(0, world, params)
@@ -114,15 +133,20 @@ def analysis_cost(summary: Any) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "summary.pkl"
         path.write_bytes(pickle.dumps(summary))
-        code = ("import pickle, resource, sys, torch; torch.set_num_threads(1); "
-                "from ddp_doctor.analyze import analyze_summary; "
-                "import ddp_doctor.report.snippets; "
-                "s = pickle.loads(open(sys.argv[1], 'rb').read()); "
-                "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; analyze_summary(s); "
-                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)")
+        code = (
+            "import pickle, resource, sys, torch; torch.set_num_threads(1); "
+            "from ddp_doctor.analyze import analyze_summary; "
+            "import ddp_doctor.analyze.snippets; "
+            "s = pickle.loads(open(sys.argv[1], 'rb').read()); "
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; analyze_summary(s); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)"
+        )
         out = subprocess.run([sys.executable, "-c", code, str(path)], check=True, capture_output=True, text=True)
-    return {"analysis_s": statistics.median(times), "analysis_peak_mb": int(out.stdout.split()[-1]) / 1024,
-            "summary_mb": len(pickle.dumps(summary)) / 1024 ** 2}
+    return {
+        "analysis_s": statistics.median(times),
+        "analysis_peak_mb": int(out.stdout.split()[-1]) / 1024,
+        "summary_mb": len(pickle.dumps(summary)) / 1024**2,
+    }
 
 
 def model_row(world: int, params: int) -> dict[str, Any]:
@@ -134,10 +158,18 @@ def model_row(world: int, params: int) -> dict[str, Any]:
     summary = summarize(make_info(params), records)
     elapsed = time.perf_counter() - t0
     del records
-    return {"world": world, "tensors": params, "how": "model", "sent": summary.volume.sent,
-            "received": summary.volume.received, "collectives": summary.volume.collectives,
-            "rounds": summary.volume.rounds, "model_s": elapsed, **analysis_cost(summary),
-            "codes": _codes(summary)}
+    return {
+        "world": world,
+        "tensors": params,
+        "how": "model",
+        "sent": summary.volume.sent,
+        "received": summary.volume.received,
+        "collectives": summary.volume.collectives,
+        "rounds": summary.volume.rounds,
+        "model_s": elapsed,
+        **analysis_cost(summary),
+        "codes": _codes(summary),
+    }
 
 
 def _codes(summary: Any) -> list[str]:
@@ -149,11 +181,12 @@ def _codes(summary: Any) -> list[str]:
 def _real_rank(rank: int, world: int, params: int, store: str, out: Any) -> None:
     import torch.distributed as dist
 
-    from ddp_doctor.gather import exchange
+    from ddp_doctor.exchange.runner import exchange
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
+    )
     try:
         record = make_record(rank, world, params)
         dist.barrier()
@@ -161,10 +194,20 @@ def _real_rank(rank: int, world: int, params: int, store: str, out: Any) -> None
         summary = exchange(record, make_info(params), timeout=600, tag="scale", device=torch.device("cpu"))
         elapsed = time.perf_counter() - t0
         if rank == 0:
-            out.send({"world": world, "tensors": params, "how": "real gloo", "sent": summary.volume.sent,
-                      "received": summary.volume.received, "collectives": summary.volume.collectives,
-                      "rounds": summary.volume.rounds, "exchange_s": elapsed, **analysis_cost(summary),
-                      "codes": _codes(summary)})
+            out.send(
+                {
+                    "world": world,
+                    "tensors": params,
+                    "how": "real gloo",
+                    "sent": summary.volume.sent,
+                    "received": summary.volume.received,
+                    "collectives": summary.volume.collectives,
+                    "rounds": summary.volume.rounds,
+                    "exchange_s": elapsed,
+                    **analysis_cost(summary),
+                    "codes": _codes(summary),
+                }
+            )
     finally:
         dist.destroy_process_group()
 
@@ -192,8 +235,15 @@ def real_row(world: int, params: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ guard, refreeze
 
 
-_COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_gather_object",
-            "broadcast_object_list", "reduce_scatter")
+_COUNTED = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "all_gather_object",
+    "broadcast_object_list",
+    "reduce_scatter",
+)
 
 
 def _count_bytes() -> tuple[dict[str, int], Any]:
@@ -222,6 +272,7 @@ def _count_bytes() -> tuple[dict[str, int], Any]:
                 counts["sent"] += size(args[0])
                 counts["received"] += size(args[0])
             return originals[name](*args, **kwargs)
+
         return counted
 
     for n in _COUNTED:
@@ -232,6 +283,7 @@ def _count_bytes() -> tuple[dict[str, int], Any]:
         for n, fn in originals.items():
             for ns in (dist, c10d):
                 setattr(ns, n, fn)
+
     return counts, undo
 
 
@@ -245,9 +297,10 @@ def _guard_rank(rank: int, world: int, depth: int, store: str, out: Any) -> None
     from ddp_doctor import guard, refreeze
 
     torch.set_num_threads(1)
-    logging.disable(logging.WARNING)   # the divergence this measures is expected: no warning
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    logging.disable(logging.WARNING)  # the divergence this measures is expected: no warning
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
+    )
     try:
         torch.manual_seed(0)
         model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(8, 8), nn.LayerNorm(8))])
@@ -256,6 +309,7 @@ def _guard_rank(rank: int, world: int, depth: int, store: str, out: Any) -> None
         figures = {}
         counts, undo = _count_bytes()
         try:
+
             def measure(name: str, fn: Any) -> Any:
                 before = dict(counts)
                 result = fn()
@@ -285,26 +339,36 @@ def guard_rows(worlds: tuple[int, ...], depth: int) -> list[dict[str, Any]]:
 
 
 def _kb(n: float) -> str:
-    return f"{n / 1024:,.0f} KB" if n < 1024 ** 2 * 10 else f"{n / 1024 ** 2:,.1f} MB"
+    return f"{n / 1024:,.0f} KB" if n < 1024**2 * 10 else f"{n / 1024**2:,.1f} MB"
 
 
 def markdown(rows: list[dict[str, Any]], guards: list[dict[str, Any]]) -> str:
-    head = ("| ranks | tensors | measured on | sent / rank | received / rank | before: received / rank | "
-            "collectives | analysis | its input | peak RSS growth |")
+    head = (
+        "| ranks | tensors | measured on | sent / rank | received / rank | before: received / rank | "
+        "collectives | analysis | its input | peak RSS growth |"
+    )
     lines = [head, "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         before = before_bytes(r["world"], r["tensors"])["received"]
-        lines.append(f"| {r['world']:,} | {r['tensors']:,} | {r['how']} | {_kb(r['sent'])} | {_kb(r['received'])} | "
-                     f"{_kb(before)} | {r['collectives']} | {r['analysis_s'] * 1e3:.0f} ms | "
-                     f"{r['summary_mb']:.1f} MB | "
-                     + (f"{r['analysis_peak_mb']:.0f} MB |" if r["analysis_peak_mb"] >= 1 else "< 1 MB |"))
+        lines.append(
+            f"| {r['world']:,} | {r['tensors']:,} | {r['how']} | {_kb(r['sent'])} | {_kb(r['received'])} | "
+            f"{_kb(before)} | {r['collectives']} | {r['analysis_s'] * 1e3:.0f} ms | "
+            f"{r['summary_mb']:.1f} MB | "
+            + (f"{r['analysis_peak_mb']:.0f} MB |" if r["analysis_peak_mb"] >= 1 else "< 1 MB |")
+        )
     if guards:
         names = list(guards[0]["figures"])
-        lines += ["", "| ranks | tensors | " + " | ".join(f"{n}: received / rank" for n in names) + " |",
-                  "|---:|---:|" + "---:|" * len(names)]
+        lines += [
+            "",
+            "| ranks | tensors | " + " | ".join(f"{n}: received / rank" for n in names) + " |",
+            "|---:|---:|" + "---:|" * len(names),
+        ]
         for g in guards:
-            lines.append(f"| {g['world']} | {g['tensors']} | "
-                         + " | ".join(f"{g['figures'][n]['received']:,} B" for n in names) + " |")
+            lines.append(
+                f"| {g['world']} | {g['tensors']} | "
+                + " | ".join(f"{g['figures'][n]['received']:,} B" for n in names)
+                + " |"
+            )
     return "\n".join(lines)
 
 
@@ -313,7 +377,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--quick", action="store_true", help="300 tensors and world sizes 2 and 64 only")
     args = p.parse_args()
-    torch.set_num_threads(1)   # like each rank; intra-op threads only fight the other processes on a small machine
+    torch.set_num_threads(1)  # like each rank; intra-op threads only fight the other processes on a small machine
     tensors = (300,) if args.quick else TENSORS
     worlds = (2, 64) if args.quick else WORLDS
     rows, checks = [], []
@@ -323,8 +387,10 @@ def main() -> None:
                 real = real_row(world, params)
                 model = model_row(world, params)
                 assert (real["sent"], real["rounds"]) == (model["sent"], model["rounds"]), (real, model)
-                checks.append(f"W={world}, {params} tensors: the model moved the same bytes in the same "
-                              f"{real['collectives']} collectives as the gloo group")
+                checks.append(
+                    f"W={world}, {params} tensors: the model moved the same bytes in the same "
+                    f"{real['collectives']} collectives as the gloo group"
+                )
                 rows.append(real)
             else:
                 rows.append(model_row(world, params))
@@ -332,8 +398,10 @@ def main() -> None:
         real = real_row(REAL_MAX, params)
         model = model_row(REAL_MAX, params)
         assert (real["sent"], real["rounds"]) == (model["sent"], model["rounds"]), (real, model)
-        checks.append(f"W={REAL_MAX}, {params} tensors: the model moved the same bytes in the same "
-                      f"{real['collectives']} collectives as the gloo group")
+        checks.append(
+            f"W={REAL_MAX}, {params} tensors: the model moved the same bytes in the same "
+            f"{real['collectives']} collectives as the gloo group"
+        )
     guards = guard_rows((2, 4, 8), depth=75)
     table = markdown(rows, guards)
     print(table)

@@ -58,8 +58,12 @@ def main() -> None:
         ddp.zero_grad()
         F.mse_loss(ddp(x), x).backward()
 
-    variants = {"sync only": lambda: sync_only("sync_gradients"), "loop only": lambda: sync_only("loop"),
-                "manual step": manual_step, "ddp step": ddp_step}
+    variants = {
+        "sync only": lambda: sync_only("sync_gradients"),
+        "loop only": lambda: sync_only("loop"),
+        "manual step": manual_step,
+        "ddp step": ddp_step,
+    }
     for fn in variants.values():
         fn()
     for times in sync_times.values():
@@ -71,10 +75,15 @@ def main() -> None:
         "sync_ms": round(sorted(sync_times["sync_gradients"])[args.rounds // 2] * 1e3, 3),
         "loop_ms": round(sorted(sync_times["loop"])[args.rounds // 2] * 1e3, 3),
         "ddp_step_ms": round(sorted(steps["ddp step"])[args.rounds // 2] * 1e3, 3),
-        "sync_gradients": ratio(sync_times["sync_gradients"], sync_times["loop"],
-                                vs="per-parameter all_reduce loop", goal="<= 0.2x (5x faster)"),
-        "step with sync_gradients": ratio(steps["manual step"], steps["ddp step"],
-                                          vs="DDP step (native reducer)", goal="<= 1.25x"),
+        "sync_gradients": ratio(
+            sync_times["sync_gradients"],
+            sync_times["loop"],
+            vs="per-parameter all_reduce loop",
+            goal="<= 0.2x (5x faster)",
+        ),
+        "step with sync_gradients": ratio(
+            steps["manual step"], steps["ddp step"], vs="DDP step (native reducer)", goal="<= 1.25x"
+        ),
     }
     write(result, args.json)
     dist.destroy_process_group()

@@ -24,7 +24,7 @@ if __name__ == "__main__":
     loader = DataLoader(data, batch_size=4, shuffle=True)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for epoch in range(2):
+    for _epoch in range(2):
         for x, y in loader:
             F.cross_entropy(model(x), y).backward()
             opt.step()

@@ -83,8 +83,10 @@ def assert_no_leftovers(tag: str) -> None:
             if not entry.name.isdigit():
                 continue
             try:
-                if marker in (entry / "environ").read_bytes().split(b"\0") and \
-                        (entry / "stat").read_text().split(")")[-1].split()[0] != "Z":
+                if (
+                    marker in (entry / "environ").read_bytes().split(b"\0")
+                    and (entry / "stat").read_text().split(")")[-1].split()[0] != "Z"
+                ):
                     alive.append((entry.name, (entry / "cmdline").read_bytes().replace(b"\0", b" ")[:200]))
             except OSError:
                 continue

@@ -28,22 +28,35 @@ class RankFailure(AssertionError):
     """One or more ranks raised or did not finish."""
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, store_path: str, pg_timeout: float, conn: Any,
-           args: tuple[Any, ...], env: dict[str, str]) -> None:
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    store_path: str,
+    pg_timeout: float,
+    conn: Any,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), **env})
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), **env}
+    )
     torch.set_num_threads(1)
     try:
         # DDP_DOCTOR_TEST_DEVICE=cuda puts each rank on a GPU (the GPU-only tests set it); the backend is gloo
         # unless DDP_DOCTOR_TEST_BACKEND says otherwise (nccl).
         if os.environ.get("DDP_DOCTOR_TEST_DEVICE") == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(os.environ.get("DDP_DOCTOR_TEST_BACKEND", "gloo"),
-                                store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
+        dist.init_process_group(
+            os.environ.get("DDP_DOCTOR_TEST_BACKEND", "gloo"),
+            store=dist.FileStore(store_path, world),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
         result = fn(rank, world, *args)
         conn.send(("ok", result))
     except BaseException:  # noqa: BLE001  (every failure of the rank goes back to the test)
@@ -54,8 +67,16 @@ def _child(fn: Callable[..., Any], rank: int, world: int, store_path: str, pg_ti
         conn.close()
 
 
-def run_ranks(fn: Callable[..., Any], tmp_path: Path, *, world_size: int = 2, args: tuple[Any, ...] = (),
-              timeout: float = 60.0, pg_timeout: float = 20.0, env: dict[str, str] | None = None) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    tmp_path: Path,
+    *,
+    world_size: int = 2,
+    args: tuple[Any, ...] = (),
+    timeout: float = 60.0,
+    pg_timeout: float = 20.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks and return each rank's result, in rank order.
 
     `fn` must be importable (a module-level function). Raises `RankFailure` with every rank's traceback when any
@@ -65,8 +86,11 @@ def run_ranks(fn: Callable[..., Any], tmp_path: Path, *, world_size: int = 2, ar
     pipes, procs = [], []
     for rank in range(world_size):
         parent, child = _CTX.Pipe(duplex=False)
-        p = _CTX.Process(target=_child, args=(fn, rank, world_size, str(store), pg_timeout, child, args, env or {}),
-                         name=f"rank{rank}")
+        p = _CTX.Process(
+            target=_child,
+            args=(fn, rank, world_size, str(store), pg_timeout, child, args, env or {}),
+            name=f"rank{rank}",
+        )
         p.start()
         child.close()
         pipes.append(parent)
@@ -82,8 +106,10 @@ def run_ranks(fn: Callable[..., Any], tmp_path: Path, *, world_size: int = 2, ar
                 try:
                     outcomes[rank] = conn.recv()
                 except EOFError:
-                    outcomes[rank] = ("error", (f"rank {rank} exited with code {procs[rank].exitcode} "
-                                               "without a result"))
+                    outcomes[rank] = (
+                        "error",
+                        (f"rank {rank} exited with code {procs[rank].exitcode} without a result"),
+                    )
             elif not procs[rank].is_alive() and not conn.poll(0):
                 outcomes[rank] = ("error", f"rank {rank} died with exit code {procs[rank].exitcode}")
     for p in procs:

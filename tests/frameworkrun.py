@@ -15,8 +15,12 @@ from typing import Any
 
 from checkrun import SCRIPTS, assert_no_leftovers
 
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 """Nothing is ever downloaded: every model is built from a config in the script."""
 
 
@@ -31,12 +35,28 @@ def torchrun(script: str, args: list[str], cwd: Path, *, timeout: float = 180.0)
     """`torchrun --standalone --nproc-per-node 2 tests/scripts/SCRIPT ARGS` (torchrun picks a free port)."""
     tag = uuid.uuid4().hex
     env = {**os.environ, **OFFLINE, "DDP_DOCTOR_TEST_TAG": tag}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPTS / script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPTS / script),
+        *args,
+    ]
     started = time.monotonic()
     try:
-        out = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             timeout=timeout, check=False)
+        out = subprocess.run(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
     finally:
         assert_no_leftovers(tag)
     return Launch(rc=out.returncode, output=out.stdout, seconds=time.monotonic() - started)
@@ -63,6 +83,7 @@ def load(path: Path, launch: Launch) -> dict[str, Any]:
 
 def same_findings(a: dict[str, Any], b: dict[str, Any]) -> None:
     """The same codes, severities and parameter names, and the same recommended flags."""
+
     def key(r: dict[str, Any]) -> set[tuple[str, str, tuple[str, ...]]]:
         return {(f["code"], f["severity"], tuple(sorted(p["name"] for p in f["params"]))) for f in r["findings"]}
 

@@ -38,5 +38,6 @@ def assert_matches_golden(name: str, report: dict[str, Any]) -> None:
         return  # made on another torch: wording and numbers of DDP's own errors may differ
     want, have = (json.dumps(d, indent=1, sort_keys=True).splitlines() for d in (expected, got))
     diff = "\n".join(difflib.unified_diff(want, have, "golden", "now", lineterm="", n=2))
-    assert not diff, (f"the report of {name} changed; if that is intended, regenerate with "
-                      f"DDP_DOCTOR_UPDATE_GOLDEN=1:\n{diff}")
+    assert not diff, (
+        f"the report of {name} changed; if that is intended, regenerate with DDP_DOCTOR_UPDATE_GOLDEN=1:\n{diff}"
+    )

@@ -110,6 +110,7 @@ def freeze(*names: str) -> Callable[[nn.Module], None]:
     def apply(module: nn.Module) -> None:
         for n in names:
             module.get_parameter(n).requires_grad_(False)
+
     return apply
 
 
@@ -117,6 +118,7 @@ def unfreeze(*names: str) -> Callable[[nn.Module], None]:
     def apply(module: nn.Module) -> None:
         for n in names:
             module.get_parameter(n).requires_grad_(True)
+
     return apply
 
 
@@ -167,107 +169,220 @@ TRUNK = {"trunk.weight", "trunk.bias"}
 BLOCK = {"block.0.weight", "block.0.bias"}
 ALL = TRUNK | BLOCK | {"head_a.weight", "head_a.bias"} | HEAD_B
 
-CASES: dict[str, Case] = {c.name: c for c in [
-    Case(name="all-used", codes=set()),
-    Case(name="unused-head", loss=loss_plain, raises="reduction-error",
-         codes={"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"},
-         params={"reduction-error": HEAD_B, "unused-parameters": HEAD_B}),
-    Case(name="unused-head-find-unused", loss=loss_plain, ddp_kwargs={"find_unused_parameters": True},
-         codes={"unused-parameters"}, params={"unused-parameters": HEAD_B}),
-    Case(name="odd-steps-head", loss=loss_odd_steps, ddp_kwargs={"find_unused_parameters": True},
-         codes={"dynamic-graph"}, params={"dynamic-graph": HEAD_B}),
-    Case(name="odd-steps-static-graph", loss=loss_odd_steps, ddp_kwargs={"static_graph": True},
-         raises="static-graph-unsafe", codes={"static-graph-unsafe", "dynamic-graph"},
-         params={"dynamic-graph": HEAD_B, "static-graph-unsafe": HEAD_B}),
-    Case(name="one-rank-head", loss=loss_rank0_only, ddp_kwargs={"find_unused_parameters": True},
-         codes={"rank-dependent-graph"}, params={"rank-dependent-graph": HEAD_B}),
-    Case(name="outside-forward", loss=loss_outside_forward,
-         codes={"used-outside-forward"}, params={"used-outside-forward": HEAD_B}),
-    Case(name="outside-forward-find-unused", loss=loss_outside_forward, ddp_kwargs={"find_unused_parameters": True},
-         raises="used-outside-forward", codes={"used-outside-forward"},
-         # DDP fails at the first gradient that arrives; only that one is known to be used outside forward.
-         params={"used-outside-forward": {"head_b.bias"}}),
-    Case(name="reentrant-checkpoint", net_kwargs={"checkpointed": "reentrant"},
-         codes={"reentrant-checkpoint"}, params={"reentrant-checkpoint": BLOCK}),
-    Case(name="reentrant-checkpoint-find-unused", net_kwargs={"checkpointed": "reentrant"},
-         ddp_kwargs={"find_unused_parameters": True}, raises="reentrant-checkpoint",
-         codes={"reentrant-checkpoint"}, params={"reentrant-checkpoint": {"block.0.bias"}}),
-    Case(name="reentrant-checkpoint-unused", loss=loss_plain, net_kwargs={"checkpointed": "reentrant"},
-         raises="reduction-error",
-         codes={"reduction-error", "reentrant-checkpoint", "unused-parameters", "grads-not-synced",
-                "replica-divergence"},
-         params={"reentrant-checkpoint": BLOCK, "unused-parameters": HEAD_B, "reduction-error": HEAD_B}),
-    Case(name="nonreentrant-checkpoint", net_kwargs={"checkpointed": "non-reentrant"}, codes=set()),
-    # Reentrant checkpointing of a block whose input does not require grad: the block gets no gradient at all.
-    # Its parameters look unused, but the module ran: grad-blocked, never "freeze them".
-    Case(name="reentrant-checkpoint-no-grad-input", net_kwargs={"checkpointed": "reentrant-input"},
-         raises="reduction-error",
-         codes={"grad-blocked", "reentrant-checkpoint", "reduction-error", "grads-not-synced", "replica-divergence"},
-         params={"grad-blocked": TRUNK, "reentrant-checkpoint": TRUNK, "reduction-error": TRUNK},
-         fixed={"net_kwargs": {"checkpointed": "non-reentrant-input"}}),
-    Case(name="nonreentrant-checkpoint-no-grad-input", net_kwargs={"checkpointed": "non-reentrant-input"},
-         codes=set()),
-    Case(name="nonreentrant-checkpoint-unused", loss=loss_plain, net_kwargs={"checkpointed": "non-reentrant"},
-         raises="reduction-error",
-         codes={"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"},
-         params={"unused-parameters": HEAD_B}),
-    Case(name="find-unused-unneeded", ddp_kwargs={"find_unused_parameters": True},
-         codes={"find-unused-unneeded"}),
-    Case(name="loss-through-module", loss=loss_bypass,
-         codes={"wrapper-bypass", "grads-not-synced", "replica-divergence"},
-         params={"grads-not-synced": ALL, "replica-divergence": ALL},
-         fixed={"loss": loss_both}),
-    Case(name="freeze-after-wrap", after_wrap=freeze("trunk.weight", "trunk.bias"), raises="reduction-error",
-         codes={"frozen-after-wrap", "reduction-error", "grads-not-synced", "replica-divergence"},
-         params={"frozen-after-wrap": TRUNK, "reduction-error": TRUNK}, fixed={"after_wrap": None}),
-    # Frozen after wrap but before the first step, static_graph=True records them as unused: wasted communication
-    # (a warning); once a step has trained them, the same freeze fails like default flags (tests/test_guard.py).
-    Case(name="freeze-after-wrap-static-graph", after_wrap=freeze("trunk.weight", "trunk.bias"),
-         ddp_kwargs={"static_graph": True}, codes={"frozen-after-wrap"}, params={"frozen-after-wrap": TRUNK},
-         fixed={"after_wrap": None}),
-    Case(name="unfreeze-after-wrap", before_wrap=freeze("trunk.weight", "trunk.bias"),
-         after_wrap=unfreeze("trunk.weight", "trunk.bias"),
-         codes={"unfrozen-after-wrap", "grads-not-synced", "replica-divergence"},
-         params={"unfrozen-after-wrap": TRUNK, "grads-not-synced": TRUNK, "replica-divergence": TRUNK},
-         fixed={"before_wrap": None, "after_wrap": None}),
-    Case(name="accumulate-nanogpt", accumulate="flag", micro_steps=3, codes=set()),
-    Case(name="accumulate-no-sync", accumulate="no_sync", micro_steps=3, codes=set()),
-    Case(name="same-batch", same_batch=True, codes={"identical-inputs-across-ranks"},
-         fixed={"same_batch": False}),
-    # BatchNorm in training mode, each rank over its own batch of 6: information, with the per-rank batch size.
-    Case(name="batchnorm", net_kwargs={"batchnorm": True}, codes={"batchnorm-not-synced"}),
-    # The same layer in eval mode (frozen statistics, as in fine-tuning): nothing to say.
-    Case(name="batchnorm-eval", net_kwargs={"batchnorm": True}, after_wrap=lambda net: net.norm.eval(), codes=set()),
-    # AMP's GradScaler: the same on every rank is clean; a rank-dependent init_scale is named at the first step.
-    Case(name="grad-scaler", scaler="same", codes=set(), fixed={"scaler": None}),
-    # DDP averages gradients scaled by different factors; each rank unscales by its own: the replicas diverge.
-    Case(name="grad-scaler-rank-dependent", scaler="rank-1-init", codes={"grad-scaler-mismatch", "replica-divergence"},
-         fixed={"scaler": None}),
-    # A retry path that runs one more forward and backward through DDP on rank 1: DDP's all-reduces pair across
-    # steps. Named as a collective mismatch at the step it happened, with the rank.
-    # The paired all-reduces average the same gradients on both ranks (so grads agree at each optimizer step),
-    # but of different micro-passes: the weights drift apart.
-    Case(name="extra-backward-on-one-rank", retry_on_rank=1, codes={"collective-mismatch", "replica-divergence"},
-         fixed={"retry_on_rank": None}),
-    # A rank-0-only evaluation through the DDP wrapper with autograd on: the ranks' DDP calls differ. Harmless here
-    # (no buffers to broadcast), so a warning that says why; the right way (no_grad through .module) stays clean.
-    Case(name="eval-rank0-through-ddp-in-grad-mode", evaluate="grad", codes={"collective-mismatch"},
-         fixed={"evaluate": "no_grad"}),
-    Case(name="eval-rank0-no-grad-through-module", evaluate="no_grad", codes=set()),
-    # The script's own collectives, compared per step through a digest: the same logging all_reduce everywhere is
-    # clean; a different reduction on one rank pairs up silently and is named.
-    Case(name="logging-all-reduce", log_metric="sum", codes=set()),
-    Case(name="logging-all-reduce-other-op-on-rank-1", log_metric="max-on-rank-1", codes={"collective-mismatch"},
-         fixed={"log_metric": "sum"}),
-    # torch.compile on either side of DDP: names without the `_orig_mod.` prefix, the recommendation applied to the
-    # compiled model.
-    Case(name="compiled-inside-ddp-unused-head", compile="inside", loss=loss_plain, ddp_kwargs={"static_graph": True},
-         codes={"unused-parameters"}, params={"unused-parameters": HEAD_B}),
-    Case(name="compiled-ddp-unused-head", compile="outside", loss=loss_plain, ddp_kwargs={"static_graph": True},
-         codes={"unused-parameters"}, params={"unused-parameters": HEAD_B}),
-    Case(name="batchnorm-no-broadcast", net_kwargs={"batchnorm": True}, ddp_kwargs={"broadcast_buffers": False},
-         codes={"buffer-divergence", "batchnorm-not-synced"}, params={"buffer-divergence": {"norm.running_mean", "norm.running_var"}}),
-]}
+CASES: dict[str, Case] = {
+    c.name: c
+    for c in [
+        Case(name="all-used", codes=set()),
+        Case(
+            name="unused-head",
+            loss=loss_plain,
+            raises="reduction-error",
+            codes={"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"},
+            params={"reduction-error": HEAD_B, "unused-parameters": HEAD_B},
+        ),
+        Case(
+            name="unused-head-find-unused",
+            loss=loss_plain,
+            ddp_kwargs={"find_unused_parameters": True},
+            codes={"unused-parameters"},
+            params={"unused-parameters": HEAD_B},
+        ),
+        Case(
+            name="odd-steps-head",
+            loss=loss_odd_steps,
+            ddp_kwargs={"find_unused_parameters": True},
+            codes={"dynamic-graph"},
+            params={"dynamic-graph": HEAD_B},
+        ),
+        Case(
+            name="odd-steps-static-graph",
+            loss=loss_odd_steps,
+            ddp_kwargs={"static_graph": True},
+            raises="static-graph-unsafe",
+            codes={"static-graph-unsafe", "dynamic-graph"},
+            params={"dynamic-graph": HEAD_B, "static-graph-unsafe": HEAD_B},
+        ),
+        Case(
+            name="one-rank-head",
+            loss=loss_rank0_only,
+            ddp_kwargs={"find_unused_parameters": True},
+            codes={"rank-dependent-graph"},
+            params={"rank-dependent-graph": HEAD_B},
+        ),
+        Case(
+            name="outside-forward",
+            loss=loss_outside_forward,
+            codes={"used-outside-forward"},
+            params={"used-outside-forward": HEAD_B},
+        ),
+        Case(
+            name="outside-forward-find-unused",
+            loss=loss_outside_forward,
+            ddp_kwargs={"find_unused_parameters": True},
+            raises="used-outside-forward",
+            codes={"used-outside-forward"},
+            # DDP fails at the first gradient that arrives; only that one is known to be used outside forward.
+            params={"used-outside-forward": {"head_b.bias"}},
+        ),
+        Case(
+            name="reentrant-checkpoint",
+            net_kwargs={"checkpointed": "reentrant"},
+            codes={"reentrant-checkpoint"},
+            params={"reentrant-checkpoint": BLOCK},
+        ),
+        Case(
+            name="reentrant-checkpoint-find-unused",
+            net_kwargs={"checkpointed": "reentrant"},
+            ddp_kwargs={"find_unused_parameters": True},
+            raises="reentrant-checkpoint",
+            codes={"reentrant-checkpoint"},
+            params={"reentrant-checkpoint": {"block.0.bias"}},
+        ),
+        Case(
+            name="reentrant-checkpoint-unused",
+            loss=loss_plain,
+            net_kwargs={"checkpointed": "reentrant"},
+            raises="reduction-error",
+            codes={
+                "reduction-error",
+                "reentrant-checkpoint",
+                "unused-parameters",
+                "grads-not-synced",
+                "replica-divergence",
+            },
+            params={"reentrant-checkpoint": BLOCK, "unused-parameters": HEAD_B, "reduction-error": HEAD_B},
+        ),
+        Case(name="nonreentrant-checkpoint", net_kwargs={"checkpointed": "non-reentrant"}, codes=set()),
+        # Reentrant checkpointing of a block whose input does not require grad: the block gets no gradient at all.
+        # Its parameters look unused, but the module ran: grad-blocked, never "freeze them".
+        Case(
+            name="reentrant-checkpoint-no-grad-input",
+            net_kwargs={"checkpointed": "reentrant-input"},
+            raises="reduction-error",
+            codes={"grad-blocked", "reentrant-checkpoint", "reduction-error", "grads-not-synced", "replica-divergence"},
+            params={"grad-blocked": TRUNK, "reentrant-checkpoint": TRUNK, "reduction-error": TRUNK},
+            fixed={"net_kwargs": {"checkpointed": "non-reentrant-input"}},
+        ),
+        Case(
+            name="nonreentrant-checkpoint-no-grad-input",
+            net_kwargs={"checkpointed": "non-reentrant-input"},
+            codes=set(),
+        ),
+        Case(
+            name="nonreentrant-checkpoint-unused",
+            loss=loss_plain,
+            net_kwargs={"checkpointed": "non-reentrant"},
+            raises="reduction-error",
+            codes={"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"},
+            params={"unused-parameters": HEAD_B},
+        ),
+        Case(name="find-unused-unneeded", ddp_kwargs={"find_unused_parameters": True}, codes={"find-unused-unneeded"}),
+        Case(
+            name="loss-through-module",
+            loss=loss_bypass,
+            codes={"wrapper-bypass", "grads-not-synced", "replica-divergence"},
+            params={"grads-not-synced": ALL, "replica-divergence": ALL},
+            fixed={"loss": loss_both},
+        ),
+        Case(
+            name="freeze-after-wrap",
+            after_wrap=freeze("trunk.weight", "trunk.bias"),
+            raises="reduction-error",
+            codes={"frozen-after-wrap", "reduction-error", "grads-not-synced", "replica-divergence"},
+            params={"frozen-after-wrap": TRUNK, "reduction-error": TRUNK},
+            fixed={"after_wrap": None},
+        ),
+        # Frozen after wrap but before the first step, static_graph=True records them as unused: wasted communication
+        # (a warning); once a step has trained them, the same freeze fails like default flags (tests/test_guard.py).
+        Case(
+            name="freeze-after-wrap-static-graph",
+            after_wrap=freeze("trunk.weight", "trunk.bias"),
+            ddp_kwargs={"static_graph": True},
+            codes={"frozen-after-wrap"},
+            params={"frozen-after-wrap": TRUNK},
+            fixed={"after_wrap": None},
+        ),
+        Case(
+            name="unfreeze-after-wrap",
+            before_wrap=freeze("trunk.weight", "trunk.bias"),
+            after_wrap=unfreeze("trunk.weight", "trunk.bias"),
+            codes={"unfrozen-after-wrap", "grads-not-synced", "replica-divergence"},
+            params={"unfrozen-after-wrap": TRUNK, "grads-not-synced": TRUNK, "replica-divergence": TRUNK},
+            fixed={"before_wrap": None, "after_wrap": None},
+        ),
+        Case(name="accumulate-nanogpt", accumulate="flag", micro_steps=3, codes=set()),
+        Case(name="accumulate-no-sync", accumulate="no_sync", micro_steps=3, codes=set()),
+        Case(name="same-batch", same_batch=True, codes={"identical-inputs-across-ranks"}, fixed={"same_batch": False}),
+        # BatchNorm in training mode, each rank over its own batch of 6: information, with the per-rank batch size.
+        Case(name="batchnorm", net_kwargs={"batchnorm": True}, codes={"batchnorm-not-synced"}),
+        # The same layer in eval mode (frozen statistics, as in fine-tuning): nothing to say.
+        Case(
+            name="batchnorm-eval", net_kwargs={"batchnorm": True}, after_wrap=lambda net: net.norm.eval(), codes=set()
+        ),
+        # AMP's GradScaler: the same on every rank is clean; a rank-dependent init_scale is named at the first step.
+        Case(name="grad-scaler", scaler="same", codes=set(), fixed={"scaler": None}),
+        # DDP averages gradients scaled by different factors; each rank unscales by its own: the replicas diverge.
+        Case(
+            name="grad-scaler-rank-dependent",
+            scaler="rank-1-init",
+            codes={"grad-scaler-mismatch", "replica-divergence"},
+            fixed={"scaler": None},
+        ),
+        # A retry path that runs one more forward and backward through DDP on rank 1: DDP's all-reduces pair across
+        # steps. Named as a collective mismatch at the step it happened, with the rank.
+        # The paired all-reduces average the same gradients on both ranks (so grads agree at each optimizer step),
+        # but of different micro-passes: the weights drift apart.
+        Case(
+            name="extra-backward-on-one-rank",
+            retry_on_rank=1,
+            codes={"collective-mismatch", "replica-divergence"},
+            fixed={"retry_on_rank": None},
+        ),
+        # A rank-0-only evaluation through the DDP wrapper with autograd on: the ranks' DDP calls differ. Harmless here
+        # (no buffers to broadcast), so a warning that says why; the right way (no_grad through .module) stays clean.
+        Case(
+            name="eval-rank0-through-ddp-in-grad-mode",
+            evaluate="grad",
+            codes={"collective-mismatch"},
+            fixed={"evaluate": "no_grad"},
+        ),
+        Case(name="eval-rank0-no-grad-through-module", evaluate="no_grad", codes=set()),
+        # The script's own collectives, compared per step through a digest: the same logging all_reduce everywhere is
+        # clean; a different reduction on one rank pairs up silently and is named.
+        Case(name="logging-all-reduce", log_metric="sum", codes=set()),
+        Case(
+            name="logging-all-reduce-other-op-on-rank-1",
+            log_metric="max-on-rank-1",
+            codes={"collective-mismatch"},
+            fixed={"log_metric": "sum"},
+        ),
+        # torch.compile on either side of DDP: names without the `_orig_mod.` prefix, the recommendation applied to the
+        # compiled model.
+        Case(
+            name="compiled-inside-ddp-unused-head",
+            compile="inside",
+            loss=loss_plain,
+            ddp_kwargs={"static_graph": True},
+            codes={"unused-parameters"},
+            params={"unused-parameters": HEAD_B},
+        ),
+        Case(
+            name="compiled-ddp-unused-head",
+            compile="outside",
+            loss=loss_plain,
+            ddp_kwargs={"static_graph": True},
+            codes={"unused-parameters"},
+            params={"unused-parameters": HEAD_B},
+        ),
+        Case(
+            name="batchnorm-no-broadcast",
+            net_kwargs={"batchnorm": True},
+            ddp_kwargs={"broadcast_buffers": False},
+            codes={"buffer-divergence", "batchnorm-not-synced"},
+            params={"buffer-divergence": {"norm.running_mean", "norm.running_var"}},
+        ),
+    ]
+}
 
 
 def group_index(case: Case, rank: int) -> int:
@@ -294,8 +409,7 @@ def _build(case: Case, ddp_kwargs: dict[str, Any], freeze_names: list[str]) -> t
     for n in freeze_names:
         net.get_parameter(n).requires_grad_(False)
     wrapped = torch.compile(net, backend="eager") if case.compile == "inside" else net
-    ddp = DDP(wrapped, device_ids=[device()] if device().type == "cuda" else None, process_group=group,
-              **ddp_kwargs)
+    ddp = DDP(wrapped, device_ids=[device()] if device().type == "cuda" else None, process_group=group, **ddp_kwargs)
     if case.after_wrap is not None:
         case.after_wrap(net)
     model = torch.compile(ddp, backend="eager") if case.compile == "outside" else ddp
@@ -318,8 +432,9 @@ def _loss_of(case: Case, rank: int) -> LossFn:
 def make_scaler(case: Case, rank: int) -> Any:
     if case.scaler is None:
         return None
-    return torch.amp.GradScaler(device().type, init_scale=2.0**10 if case.scaler == "rank-1-init" and rank == 1
-                                else 2.0**16)
+    return torch.amp.GradScaler(
+        device().type, init_scale=2.0**10 if case.scaler == "rank-1-init" and rank == 1 else 2.0**16
+    )
 
 
 def train_step(case: Case, model: Any, inner: nn.Module, rank: int, step: int, scaler: Any = None) -> None:
@@ -380,15 +495,18 @@ def run_applied(case: Case, rank: int, rec: dict[str, Any]) -> dict[str, Any]:
     """Apply the recommendation and check grads at every optimizer step against a reference average."""
     fixed = replace(case, **case.fixed)
     kwargs = {k: v for k, v in fixed.ddp_kwargs.items() if k == "broadcast_buffers"}
-    kwargs.update(find_unused_parameters=rec["find_unused_parameters"], static_graph=rec["static_graph"],
-                  gradient_as_bucket_view=rec["gradient_as_bucket_view"])
+    kwargs.update(
+        find_unused_parameters=rec["find_unused_parameters"],
+        static_graph=rec["static_graph"],
+        gradient_as_bucket_view=rec["gradient_as_bucket_view"],
+    )
     model, opt = _build(fixed, kwargs, rec["freeze_before_wrap"])
     ddp = the_ddp(model)
     group = ddp.process_group
     trained = [p for p in ddp.module.parameters() if p.requires_grad]
     worst, unequal = 0.0, 0
     for step in range(case.steps):
-        inner = getattr(ddp.module, "_orig_mod", ddp.module)   # the reference is the plain module
+        inner = getattr(ddp.module, "_orig_mod", ddp.module)  # the reference is the plain module
         reference = copy.deepcopy(inner)
         ref_params = [p for p in reference.parameters() if p.requires_grad]
         _reference_accumulate(fixed, reference, rank, step)
@@ -415,14 +533,25 @@ def _reference_accumulate(case: Case, module: nn.Module, rank: int, step: int) -
 
 
 GROUPS = [[0, 1], [2, 3]]
-GROUP_CASES: dict[str, tuple[Case, list[set[str]]]] = {c.name: (c, codes) for c, codes in [
-    # Two data-parallel groups of a 4-rank hybrid job, same architecture, different weights; group [2, 3] never
-    # uses head_b. Each DDP is compared within its own group: no cross-group divergence, the head named for its
-    # group only, with global ranks.
-    (Case(name="subgroups-unused-head-in-one", groups=GROUPS, loss_by_group=[loss_both, loss_plain],
-          ddp_kwargs={"find_unused_parameters": True}, codes=set()), [{"find-unused-unneeded"}, {"unused-parameters"}]),
-    (Case(name="subgroups-all-used", groups=GROUPS, codes=set()), [set(), set()]),
-]}
+GROUP_CASES: dict[str, tuple[Case, list[set[str]]]] = {
+    c.name: (c, codes)
+    for c, codes in [
+        # Two data-parallel groups of a 4-rank hybrid job, same architecture, different weights; group [2, 3] never
+        # uses head_b. Each DDP is compared within its own group: no cross-group divergence, the head named for its
+        # group only, with global ranks.
+        (
+            Case(
+                name="subgroups-unused-head-in-one",
+                groups=GROUPS,
+                loss_by_group=[loss_both, loss_plain],
+                ddp_kwargs={"find_unused_parameters": True},
+                codes=set(),
+            ),
+            [{"find-unused-unneeded"}, {"unused-parameters"}],
+        ),
+        (Case(name="subgroups-all-used", groups=GROUPS, codes=set()), [set(), set()]),
+    ]
+}
 """4-rank cases over two data-parallel groups, with each group's expected codes."""
 
 

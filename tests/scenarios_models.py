@@ -31,10 +31,17 @@ def run_unwrapped(rank: int, world: int, sync: str | None) -> dict[str, Any]:
         opt.zero_grad()
     handle.remove()
     report = watch.report()
-    fix = {"find_unused_parameters": False, "static_graph": False, "gradient_as_bucket_view": False,
-           "freeze_before_wrap": []}
-    return {"report": report.to_dict(), "text": str(report), "applied": run_applied(Case(name="wrapped", codes=set()),
-                                                                                 rank, fix)}
+    fix = {
+        "find_unused_parameters": False,
+        "static_graph": False,
+        "gradient_as_bucket_view": False,
+        "freeze_before_wrap": [],
+    }
+    return {
+        "report": report.to_dict(),
+        "text": str(report),
+        "applied": run_applied(Case(name="wrapped", codes=set()), rank, fix),
+    }
 
 
 def run_two_models(rank: int, world: int) -> dict[str, Any]:
@@ -50,7 +57,7 @@ def run_two_models(rank: int, world: int) -> dict[str, Any]:
         with watch_g, watch_c:
             for step in range(3):
                 x, y = batch(rank, step)
-                F.mse_loss(critic(x), y).backward()            # the critic's head_b never runs
+                F.mse_loss(critic(x), y).backward()  # the critic's head_b never runs
                 c_opt.step()
                 c_opt.zero_grad()
                 F.mse_loss(gen(x, use_b=True), y).backward()
@@ -59,5 +66,9 @@ def run_two_models(rank: int, world: int) -> dict[str, Any]:
     except DDPFailure as exc:
         raised = exc.code
     gen_report, critic_report = watch_g.report(timeout=20), watch_c.report(timeout=20)
-    return {"raised": raised, "generator": gen_report.to_dict(), "critic": critic_report.to_dict(),
-            "text": str(critic_report)}
+    return {
+        "raised": raised,
+        "generator": gen_report.to_dict(),
+        "critic": critic_report.to_dict(),
+        "text": str(critic_report),
+    }

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from dist import run_ranks
 
 from ddp_doctor import RankMismatchError, ReportTimeoutError
-from ddp_doctor._collective import agree, arrive, comm_device, layout_hash, minmax
+from ddp_doctor.exchange.primitives import agree, arrive, comm_device, layout_hash, minmax
 
 _CPU = torch.device("cpu")
 
@@ -16,9 +16,15 @@ _CPU = torch.device("cpu")
 def _agree(rank: int, world: int, odd_rank: int | None) -> dict:
     layout = layout_hash(["a:(2,)", "b:(3,)"] if rank != odd_rank else ["a:(2,)", "c:(3,)"])
     try:
-        headers = agree([layout, 2], group=None, device=_CPU,
-                        what="test found different models", cause="names", describe=lambda h: f"{int(h[1])} tensors",
-                        fix="Build the same model.")
+        headers = agree(
+            [layout, 2],
+            group=None,
+            device=_CPU,
+            what="test found different models",
+            cause="names",
+            describe=lambda h: f"{int(h[1])} tensors",
+            fix="Build the same model.",
+        )
     except RankMismatchError as exc:
         return {"raised": str(exc)}
     return {"raised": None, "rows": None if headers is None else headers.rows}
@@ -26,7 +32,7 @@ def _agree(rank: int, world: int, odd_rank: int | None) -> dict:
 
 def test_ranks_that_agree_pass(tmp_path) -> None:
     for res in run_ranks(_agree, tmp_path, world_size=4, args=(None,)):
-        assert res == {"raised": None, "rows": None}       # no second collective, nothing to return
+        assert res == {"raised": None, "rows": None}  # no second collective, nothing to return
 
 
 def test_one_rank_of_four_differs_every_rank_raises_naming_it(tmp_path) -> None:
@@ -37,10 +43,16 @@ def test_one_rank_of_four_differs_every_rank_raises_naming_it(tmp_path) -> None:
 
 
 def _failure(rank: int, world: int, failing: dict[int, int]) -> dict:
-    headers = agree([7], failed=failing.get(rank, 0), group=None, device=_CPU, what="w", cause="c",
-                    describe=str, fix="f")
-    return {"failed": headers.failed, "more": headers.more_failed, "ranks": headers.ranks, "codes": headers.codes,
-            "rows": headers.rows}
+    headers = agree(
+        [7], failed=failing.get(rank, 0), group=None, device=_CPU, what="w", cause="c", describe=str, fix="f"
+    )
+    return {
+        "failed": headers.failed,
+        "more": headers.more_failed,
+        "ranks": headers.ranks,
+        "codes": headers.codes,
+        "rows": headers.rows,
+    }
 
 
 def test_a_local_failure_is_returned_to_every_rank_instead_of_raising(tmp_path) -> None:
@@ -51,6 +63,7 @@ def test_a_local_failure_is_returned_to_every_rank_instead_of_raising(tmp_path) 
 
 def _without_gathering(rank: int, world: int, case: str) -> dict:
     """agree() with all_gather made to raise: its failure and mismatch paths only all_reduce."""
+
     def refuse(*_args, **_kwargs):
         raise AssertionError("agree() must not all_gather")
 
@@ -62,15 +75,17 @@ def _without_gathering(rank: int, world: int, case: str) -> dict:
 
 def test_failed_ranks_are_named_without_gathering(tmp_path) -> None:
     failure = run_ranks(_without_gathering, tmp_path, world_size=8, args=("failure",), timeout=120)
-    assert failure == [{"failed": [2, 5, 7], "more": 0, "ranks": [2, 5, 7], "codes": [1, 2, 1],
-                        "rows": [[7.0]] * 3}] * 8
+    assert (
+        failure == [{"failed": [2, 5, 7], "more": 0, "ranks": [2, 5, 7], "codes": [1, 2, 1], "rows": [[7.0]] * 3}] * 8
+    )
 
 
 def test_beyond_nine_ranks_the_message_shows_the_reference_and_the_odd_ranks(tmp_path) -> None:
     for res in run_ranks(_without_gathering, tmp_path, world_size=10, args=("mismatch",), timeout=120):
         assert res["raised"] == (
             "test found different models (rank 0: 2 tensors, rank 2: 2 tensors, rank 5: 2 tensors, rank 7: 2 tensors; "
-            "rank(s) [2, 5, 7] differ from rank 0 in names). Build the same model.")
+            "rank(s) [2, 5, 7] differ from rank 0 in names). Build the same model."
+        )
 
 
 def _subgroup(rank: int, world: int) -> str | None:
@@ -78,8 +93,15 @@ def _subgroup(rank: int, world: int) -> str | None:
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     group = groups[rank % 2]
     try:
-        agree([1 if rank != 3 else 2], group=group, device=comm_device(group), what="w", cause="c",
-              describe=lambda h: f"{int(h[0])}", fix="f")
+        agree(
+            [1 if rank != 3 else 2],
+            group=group,
+            device=comm_device(group),
+            what="w",
+            cause="c",
+            describe=lambda h: f"{int(h[0])}",
+            fix="f",
+        )
     except RankMismatchError as exc:
         return str(exc)
     return None
@@ -113,8 +135,10 @@ def _arrive_alone(rank: int, world: int) -> str | None:
 
 def test_arrive_names_the_rank_that_never_came(tmp_path) -> None:
     message = run_ranks(_arrive_alone, tmp_path, timeout=40)[0]
-    assert "rank 0 waited 1 s in thing() for rank(s) [1] of world size 2. thing() is collective: call it " \
-           "everywhere." in message
+    assert (
+        "rank 0 waited 1 s in thing() for rank(s) [1] of world size 2. thing() is collective: call it "
+        "everywhere." in message
+    )
 
 
 def test_layout_hash_is_stable_and_order_sensitive() -> None:

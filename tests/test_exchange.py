@@ -9,11 +9,12 @@ from dist import run_ranks
 
 from ddp_doctor import ReportTimeoutError
 from ddp_doctor.analyze import analyze, analyze_summary
+from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.ranks import rank_list, rank_ranges
+from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
 from ddp_doctor.exchange import EXAMPLES, summarize
-from ddp_doctor.gather import exchange
-from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
-from ddp_doctor.report.model import Finding, Report
-from ddp_doctor.report.ranks import rank_list, rank_ranges
+from ddp_doctor.exchange.runner import exchange
+from ddp_doctor.report.model import Report
 from ddp_doctor.report.text import to_text
 
 NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight"]
@@ -21,13 +22,20 @@ STEPS = 3
 
 
 def _info() -> ModelInfo:
-    return ModelInfo(param_names=NAMES, param_shapes=[(4, 3), (4,), (2, 4), (2, 4)], trainable_at_wrap=[True] * 4,
-                     ignored=[False] * 4, buffer_names=[], buffer_shapes=[],
-                     ddp_config={"find_unused_parameters": False, "static_graph": False})
+    return ModelInfo(
+        param_names=NAMES,
+        param_shapes=[(4, 3), (4,), (2, 4), (2, 4)],
+        trainable_at_wrap=[True] * 4,
+        ignored=[False] * 4,
+        buffer_names=[],
+        buffer_shapes=[],
+        ddp_config={"find_unused_parameters": False, "static_graph": False},
+    )
 
 
-def _record(rank: int, *, lacks: set[int] = frozenset(), diverged: set[int] = frozenset(),
-            crashed: set[int] = frozenset()) -> RankRecord:
+def _record(
+    rank: int, *, lacks: set[int] = frozenset(), diverged: set[int] = frozenset(), crashed: set[int] = frozenset()
+) -> RankRecord:
     """A clean rank, except: ranks in `lacks` never use head_b; ranks in `diverged` end step 1 with other trunk
     weights; ranks in `crashed` stop in step 2 with DDP's reduction error."""
     used = torch.ones(STEPS, 4, dtype=torch.bool)
@@ -41,14 +49,25 @@ def _record(rank: int, *, lacks: set[int] = frozenset(), diverged: set[int] = fr
     crash = {}
     if rank in crashed:
         counters[2, StepCounters.FIELDS.index("complete")] = 0
-        crash = {"crash_kind": CRASH_KINDS.index("reduction-error"), "crash_step": 2,
-                 "crash_message": f"Expected to have finished reduction in the prior iteration (rank {rank})"}
+        crash = {
+            "crash_kind": CRASH_KINDS.index("reduction-error"),
+            "crash_step": 2,
+            "crash_message": f"Expected to have finished reduction in the prior iteration (rank {rank})",
+        }
     return RankRecord(
-        rank=rank, used=used, reachable=used.clone(), ran=used.clone(), trainable=torch.ones(STEPS, 4, dtype=torch.bool),
-        grad_fp=torch.arange(STEPS * 4 * 2, dtype=torch.float64).reshape(STEPS, 4, 2), weight_fp=weights,
+        rank=rank,
+        used=used,
+        reachable=used.clone(),
+        ran=used.clone(),
+        trainable=torch.ones(STEPS, 4, dtype=torch.bool),
+        grad_fp=torch.arange(STEPS * 4 * 2, dtype=torch.float64).reshape(STEPS, 4, 2),
+        weight_fp=weights,
         buffer_fp=torch.zeros(STEPS, 0, 2, dtype=torch.float64),
         input_fp=torch.full((STEPS, 2), float(rank + 1), dtype=torch.float64),
-        timing=torch.full((STEPS, 3), 0.01 * (rank + 1), dtype=torch.float64), counters=counters, **crash)
+        timing=torch.full((STEPS, 3), 0.01 * (rank + 1), dtype=torch.float64),
+        counters=counters,
+        **crash,
+    )
 
 
 ODD = {"lacks": {3}, "diverged": {5}}
@@ -60,16 +79,22 @@ def _diagnose(rank: int, world: int) -> dict:
     # The in-process model of the same protocol, on every rank's record: the same diagnosis and the same bytes.
     local = summarize(_info(), [_record(r, **ODD) for r in range(world)])
     model = analyze(_info(), [_record(r, **ODD) for r in range(world)])
-    return {"findings": [f.to_dict() for f in d.findings], "model": [f.to_dict() for f in model.findings],
-            "timing": d.timing.to_dict(), "model_timing": model.timing.to_dict(),
-            "sent": summary.volume.sent, "model_sent": local.volume.sent, "rounds": summary.volume.rounds,
-            "model_rounds": local.volume.rounds}
+    return {
+        "findings": [f.to_dict() for f in d.findings],
+        "model": [f.to_dict() for f in model.findings],
+        "timing": d.timing.to_dict(),
+        "model_timing": model.timing.to_dict(),
+        "sent": summary.volume.sent,
+        "model_sent": local.volume.sent,
+        "rounds": summary.volume.rounds,
+        "model_rounds": local.volume.rounds,
+    }
 
 
 def test_second_round_names_the_rank_with_another_used_set_and_the_diverged_one(tmp_path) -> None:
     results = run_ranks(_diagnose, tmp_path, world_size=8, timeout=120)
     first = results[0]
-    assert all(r["findings"] == first["findings"] for r in results)       # identical on every rank
+    assert all(r["findings"] == first["findings"] for r in results)  # identical on every rank
     by_code = {f["code"]: f for f in first["findings"]}
     assert by_code["rank-dependent-graph"]["ranks"] == [3]
     assert by_code["rank-dependent-graph"]["params"][0]["name"] == "head_b.weight"
@@ -143,20 +168,38 @@ def test_large_world_names_examples_and_counts_the_rest() -> None:
 
 def _wide(world: int, params: int = 300) -> tuple[ModelInfo, list[RankRecord]]:
     """A 300-tensor model on `world` ranks (shared tensors), rank 1 never using one parameter."""
-    info = ModelInfo(param_names=[f"layer{i}.weight" for i in range(params)], param_shapes=[(8,)] * params,
-                     trainable_at_wrap=[True] * params, ignored=[False] * params, buffer_names=[], buffer_shapes=[],
-                     ddp_config={})
+    info = ModelInfo(
+        param_names=[f"layer{i}.weight" for i in range(params)],
+        param_shapes=[(8,)] * params,
+        trainable_at_wrap=[True] * params,
+        ignored=[False] * params,
+        buffer_names=[],
+        buffer_shapes=[],
+        ddp_config={},
+    )
     used = torch.ones(STEPS, params, dtype=torch.bool)
     odd = used.clone()
     odd[:, 5] = False
     c = StepCounters(ddp_forwards=1, micro_steps=1, synced_backwards=1, optimizer_step=1)
-    shared = {"reachable": used, "ran": used, "trainable": used,
-              "grad_fp": torch.randn(STEPS, params, 2, dtype=torch.float64),
-              "weight_fp": torch.randn(STEPS + 1, params, 2, dtype=torch.float64),
-              "buffer_fp": torch.zeros(STEPS, 0, 2, dtype=torch.float64), "counters": torch.tensor([c.as_list()] * STEPS)}
-    return info, [RankRecord(rank=r, used=odd if r == 1 else used, **shared,
-                             input_fp=torch.full((STEPS, 2), float(r + 1), dtype=torch.float64),
-                             timing=torch.rand(STEPS, 3, dtype=torch.float64)) for r in range(world)]
+    shared = {
+        "reachable": used,
+        "ran": used,
+        "trainable": used,
+        "grad_fp": torch.randn(STEPS, params, 2, dtype=torch.float64),
+        "weight_fp": torch.randn(STEPS + 1, params, 2, dtype=torch.float64),
+        "buffer_fp": torch.zeros(STEPS, 0, 2, dtype=torch.float64),
+        "counters": torch.tensor([c.as_list()] * STEPS),
+    }
+    return info, [
+        RankRecord(
+            rank=r,
+            used=odd if r == 1 else used,
+            **shared,
+            input_fp=torch.full((STEPS, 2), float(r + 1), dtype=torch.float64),
+            timing=torch.rand(STEPS, 3, dtype=torch.float64),
+        )
+        for r in range(world)
+    ]
 
 
 def test_the_volume_does_not_grow_with_the_world_size() -> None:
@@ -199,10 +242,14 @@ def test_rank_zeros_model_info_speaks_for_the_group_when_the_ranks_differ() -> N
 def test_a_1024_rank_hang_names_a_handful_of_ranks_per_line() -> None:
     """The findings of a run whose ranks could not exchange (built from the ranks' files) stay short too."""
     from ddp_doctor.analyze.failures import failure_findings
-    from ddp_doctor.launch.protocol import RankState
+    from ddp_doctor.core.rankfiles import RankState
 
-    states = {r: RankState(rank=r, world_size=1024, step=3 if r != 700 else 2, phase="backward",
-                           site=f"train.py:{40 + r % 3}") for r in range(1024)}
+    states = {
+        r: RankState(
+            rank=r, world_size=1024, step=3 if r != 700 else 2, phase="backward", site=f"train.py:{40 + r % 3}"
+        )
+        for r in range(1024)
+    }
     (hung,) = failure_findings(states, timed_out=True)
     assert hung.code == "rank-hung" and hung.ranks == [700]
     assert "and 1016 other ranks" in hung.detail and hung.detail.count("rank ") < 12
@@ -212,8 +259,15 @@ def _mismatch(rank: int, world: int) -> str:
     from ddp_doctor import RankMismatchError
 
     names = NAMES if rank == 0 else [*NAMES, "extra.weight"]
-    info = ModelInfo(param_names=names, param_shapes=[(2,)] * len(names), trainable_at_wrap=[True] * len(names),
-                     ignored=[False] * len(names), buffer_names=[], buffer_shapes=[], ddp_config={})
+    info = ModelInfo(
+        param_names=names,
+        param_shapes=[(2,)] * len(names),
+        trainable_at_wrap=[True] * len(names),
+        ignored=[False] * len(names),
+        buffer_names=[],
+        buffer_shapes=[],
+        ddp_config={},
+    )
     with pytest.raises(RankMismatchError) as raised:
         exchange(RankRecord.empty(rank, len(names), 0), info, timeout=10, tag="mm", device=torch.device("cpu"))
     return str(raised.value)

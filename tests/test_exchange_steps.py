@@ -9,11 +9,11 @@ import torch
 from dist import run_ranks
 
 from ddp_doctor.analyze import analyze, analyze_summary
+from ddp_doctor.core.figures import MAX_PATTERNS, STATES
+from ddp_doctor.core.records import ModelInfo, RankRecord, StepCounters
 from ddp_doctor.exchange import EXAMPLES
-from ddp_doctor.gather import exchange
-from ddp_doctor.records import ModelInfo, RankRecord, StepCounters
-from ddp_doctor.report.figures import MAX_PATTERNS, STATES
-from ddp_doctor.scalerprobe import encode
+from ddp_doctor.exchange.runner import exchange
+from ddp_doctor.observation.gradscaler import encode
 
 NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight", "norm.weight"]
 P, STEPS = len(NAMES), 4
@@ -21,17 +21,27 @@ _KEYS = list(STATES)
 
 
 def _info(**overrides) -> ModelInfo:
-    base = {"param_names": NAMES, "param_shapes": [(4, 3), (4,), (2, 4), (2, 4), (4,)],
-            "trainable_at_wrap": [True] * P, "ignored": [False] * (P - 1) + [True],
-            "buffer_names": ["norm.running_mean"], "buffer_shapes": [(4,)],
-            "ddp_config": {"find_unused_parameters": True, "static_graph": False, "broadcast_buffers": True},
-            "batchnorm": ["norm"]}
+    base = {
+        "param_names": NAMES,
+        "param_shapes": [(4, 3), (4,), (2, 4), (2, 4), (4,)],
+        "trainable_at_wrap": [True] * P,
+        "ignored": [False] * (P - 1) + [True],
+        "buffer_names": ["norm.running_mean"],
+        "buffer_shapes": [(4,)],
+        "ddp_config": {"find_unused_parameters": True, "static_graph": False, "broadcast_buffers": True},
+        "batchnorm": ["norm"],
+    }
     base.update(overrides)
     return ModelInfo(**base)
 
 
-def _record(rank: int, *, seed: int | None = None, counters: dict[str, list[int]] | None = None,
-            sites: dict[str, list[str]] | None = None) -> RankRecord:
+def _record(
+    rank: int,
+    *,
+    seed: int | None = None,
+    counters: dict[str, list[int]] | None = None,
+    sites: dict[str, list[str]] | None = None,
+) -> RankRecord:
     """A clean rank; with `seed`, random usage, frozen flags, module runs and fingerprints (a few NaN)."""
     used = torch.ones(STEPS, P, dtype=torch.bool)
     ran = used.clone()
@@ -47,16 +57,27 @@ def _record(rank: int, *, seed: int | None = None, counters: dict[str, list[int]
         weight = weight + (torch.rand(STEPS + 1, P, 2, generator=g) < 0.2) * torch.rand(STEPS + 1, P, 2, generator=g)
         grad[torch.rand(STEPS, P, 2, generator=g) < 0.05] = float("nan")
         if rank == 1:
-            weight[2, 1, 0] = float("nan")          # one weight NaN on one rank: that step's gap is infinite
-    c = StepCounters(ddp_forwards=1, micro_steps=1, synced_backwards=1, optimizer_step=1, batch_size=8,
-                     batchnorm_training=1)
+            weight[2, 1, 0] = float("nan")  # one weight NaN on one rank: that step's gap is infinite
+    c = StepCounters(
+        ddp_forwards=1, micro_steps=1, synced_backwards=1, optimizer_step=1, batch_size=8, batchnorm_training=1
+    )
     table = torch.tensor([c.as_list()] * STEPS)
     for name, values in (counters or {}).items():
         table[:, StepCounters.FIELDS.index(name)] = torch.tensor(values)
-    return RankRecord(rank=rank, used=used, reachable=used.clone(), ran=ran, trainable=trainable, grad_fp=grad,
-                      weight_fp=weight, buffer_fp=torch.zeros(STEPS, 1, 2, dtype=torch.float64),
-                      input_fp=torch.full((STEPS, 2), float(rank + 1), dtype=torch.float64),
-                      timing=torch.full((STEPS, 3), 0.01, dtype=torch.float64), counters=table, **(sites or {}))
+    return RankRecord(
+        rank=rank,
+        used=used,
+        reachable=used.clone(),
+        ran=ran,
+        trainable=trainable,
+        grad_fp=grad,
+        weight_fp=weight,
+        buffer_fp=torch.zeros(STEPS, 1, 2, dtype=torch.float64),
+        input_fp=torch.full((STEPS, 2), float(rank + 1), dtype=torch.float64),
+        timing=torch.full((STEPS, 3), 0.01, dtype=torch.float64),
+        counters=table,
+        **(sites or {}),
+    )
 
 
 # ------------------------------------------------------------------- the figures, against every rank's record
@@ -119,11 +140,12 @@ def test_the_usage_map_keeps_rank_zeros_pattern_and_counts_the_ranks_beyond_the_
 def _odd(world: int, extra: set[int], colls: set[int], scales: set[int]) -> list[RankRecord]:
     out = []
     for r in range(world):
-        counters = {"unpaired_forwards": [0, 1 if r in extra else 0, 0, 0],
-                    "collectives": [1, 1, 2 if r in colls else 1, 1],
-                    "collective_digest": [7, 7, 9 if r in colls else 8, 7],
-                    "scaler_scale": [encode(1024.0), encode(512.0 if r in scales else 1024.0), encode(1024.0),
-                                     encode(1024.0)]}
+        counters = {
+            "unpaired_forwards": [0, 1 if r in extra else 0, 0, 0],
+            "collectives": [1, 1, 2 if r in colls else 1, 1],
+            "collective_digest": [7, 7, 9 if r in colls else 8, 7],
+            "scaler_scale": [encode(1024.0), encode(512.0 if r in scales else 1024.0), encode(1024.0), encode(1024.0)],
+        }
         log = ["step 2: all_reduce(float32[1], SUM)/2 at train.py:40"]
         if r in colls:
             log.append("step 2: broadcast(int64[3])/2 at train.py:41")
@@ -140,7 +162,7 @@ def test_unpaired_forwards_collectives_and_scales_name_the_ranks() -> None:
     d = analyze(_info(), _odd(8, extra={2, 5}, colls={3}, scales={6}))
     unpaired = _by_title(d, "collective-mismatch", "no backward")
     assert unpaired.ranks == [2, 5] and unpaired.steps == [1] and "train.py:55" in unpaired.title
-    assert unpaired.severity == "error"          # the model has buffers and broadcasts them
+    assert unpaired.severity == "error"  # the model has buffers and broadcasts them
     coll = _by_title(d, "collective-mismatch", "different collectives")
     assert coll.ranks == [0, 3] and coll.steps == [2] and "rank 3 differs from rank 0" in coll.title
     assert "rank 3 called broadcast(int64[3]) over a group of 2 at train.py:41" in coll.detail
@@ -168,8 +190,12 @@ def _real(rank: int, world: int) -> dict:
     summary = exchange(records[rank], _info(), timeout=20, tag="c", device=torch.device("cpu"))
     d = analyze_summary(summary)
     model = analyze(_info(), records)
-    return {"real": [f.to_dict() for f in d.findings], "model": [f.to_dict() for f in model.findings],
-            "usage": d.usage_map.to_dict(), "model_usage": model.usage_map.to_dict()}
+    return {
+        "real": [f.to_dict() for f in d.findings],
+        "model": [f.to_dict() for f in model.findings],
+        "usage": d.usage_map.to_dict(),
+        "model_usage": model.usage_map.to_dict(),
+    }
 
 
 def test_a_real_group_of_8_agrees_with_the_model(tmp_path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddp_doctor.fingerprint import fingerprints, fingerprints_batched
+from ddp_doctor.observation.fingerprint import fingerprints, fingerprints_batched
 
 
 def _tensors() -> list[torch.Tensor | None]:
@@ -13,9 +13,16 @@ def _tensors() -> list[torch.Tensor | None]:
     out: list[torch.Tensor | None] = []
     for _ in range(5):
         out += [torch.randn(16, 16, generator=g), torch.randn(16, generator=g), torch.ones(16)]
-    return out + [None, torch.randn(1000, generator=g), torch.randn(3, generator=g).double(),
-                  torch.randn(7, generator=g).to(torch.bfloat16), torch.empty(0), torch.tensor(float("nan")),
-                  torch.tensor([float("inf"), 1.0]), torch.randn(4, 4, generator=g).t()]
+    return out + [
+        None,
+        torch.randn(1000, generator=g),
+        torch.randn(3, generator=g).double(),
+        torch.randn(7, generator=g).to(torch.bfloat16),
+        torch.empty(0),
+        torch.tensor(float("nan")),
+        torch.tensor([float("inf"), 1.0]),
+        torch.randn(4, 4, generator=g).t(),
+    ]
 
 
 @pytest.mark.parametrize("chunk", [None, 1, 16, 100, 1 << 20])
@@ -41,6 +48,6 @@ def test_batched_sees_a_one_ulp_change_and_a_swap() -> None:
         for changed in (nudged.view_as(t), swapped.view_as(t)):
             if torch.equal(changed, t):
                 continue
-            again = fingerprints_batched(ts[:i] + [changed] + ts[i + 1:], chunk_elements=100)
+            again = fingerprints_batched(ts[:i] + [changed] + ts[i + 1 :], chunk_elements=100)
             assert not torch.equal(again[i], base[i]), (i, changed)
-            assert torch.equal(torch.cat([again[:i], again[i + 1:]]), torch.cat([base[:i], base[i + 1:]]))
+            assert torch.equal(torch.cat([again[:i], again[i + 1 :]]), torch.cat([base[:i], base[i + 1 :]]))

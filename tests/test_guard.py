@@ -14,10 +14,7 @@ from guardrun import capture, make_model, summary, train_step
 from scenarios import Net, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_doctor import (
-    GuardError,
-    guard,
-)
+from ddp_doctor import GuardError, guard
 
 # ------------------------------------------------------------------------------------------------- healthy runs
 
@@ -29,7 +26,7 @@ def _clean(rank: int, world: int, accumulation: str) -> dict:
             for micro in range(3):
                 last = micro == 2
                 x, y = batch(rank, step, micro)
-                if accumulation == "flag":        # nanoGPT
+                if accumulation == "flag":  # nanoGPT
                     ddp.require_backward_grad_sync = last
                     ctx = nullcontext()
                 elif accumulation == "no_sync":
@@ -43,7 +40,7 @@ def _clean(rank: int, world: int, accumulation: str) -> dict:
             opt.step()
             opt.zero_grad()
         with torch.no_grad():
-            ddp.module(batch(rank, 9)[0])         # evaluation through the inner module: not a bypass
+            ddp.module(batch(rank, 9)[0])  # evaluation through the inner module: not a bypass
         g.check_now()
         g.before_save()
     return {"problems": summary(g), "checks": g.checks, "steps": g.steps, "active": g.active}
@@ -67,7 +64,7 @@ def _bypass(rank: int, world: int, on_problem: str) -> dict:
     try:
         for step in range(4):
             x, y = batch(rank, step)
-            F.mse_loss(ddp.module(x, use_b=True), y).backward()   # the loss through the inner module: BYPASS-LINE
+            F.mse_loss(ddp.module(x, use_b=True), y).backward()  # the loss through the inner module: BYPASS-LINE
             opt.step()
             opt.zero_grad()
             steps_done += 1
@@ -97,14 +94,14 @@ def test_bypass_warns_once_then_divergence_is_found_within_every_steps(tmp_path)
     for rank, res in enumerate(results):
         assert res["steps_done"] == 4 and res["raised"] is None
         codes = [p[0] for p in res["problems"]]
-        assert codes.count("wrapper-bypass") == 1                  # warned once, not every step
+        assert codes.count("wrapper-bypass") == 1  # warned once, not every step
         assert res["problems"][0][3:] == ([rank], [0])
         divergence = [p for p in res["problems"] if p[0] == "replica-divergence"]
-        assert divergence and divergence[0][4] == [2]              # found at the first comparison (every=2)
+        assert divergence and divergence[0][4] == [2]  # found at the first comparison (every=2)
         assert set(divergence[0][2]) == {n for n, _ in Net().named_parameters() if "norm" not in n}
         assert divergence[0][3] == [0, 1]
     assert site in results[0]["log"] and "replica-divergence" in results[0]["log"]
-    assert "replica-divergence" not in results[1]["log"]           # collective results are logged by rank 0 only
+    assert "replica-divergence" not in results[1]["log"]  # collective results are logged by rank 0 only
 
 
 class WithLossMethod(Net):
@@ -130,12 +127,16 @@ def _bypass_through_method(rank: int, world: int, healthy_steps: int) -> dict:
     armed_after_healthy = len(module_globals._global_forward_pre_hooks) - global_hooks
     for step in range(healthy_steps, healthy_steps + 3):
         x, y = batch(rank, step)
-        ddp.module.compute_loss(x, y).backward()     # METHOD-LINE
-        opt.step()                                   # STEP-LINE
+        ddp.module.compute_loss(x, y).backward()  # METHOD-LINE
+        opt.step()  # STEP-LINE
         opt.zero_grad()
     g.close()
-    return {"problems": summary(g), "titles": [f.title for f in g.problems], "armed": armed,
-            "armed_after_healthy": armed_after_healthy}
+    return {
+        "problems": summary(g),
+        "titles": [f.title for f in g.problems],
+        "armed": armed,
+        "armed_after_healthy": armed_after_healthy,
+    }
 
 
 def _line(tag: str) -> int:
@@ -152,7 +153,7 @@ def test_bypass_through_a_method_of_the_inner_module_is_found_at_the_first_call(
 
 def test_a_later_bypass_is_found_within_its_step_at_no_steady_cost(tmp_path) -> None:
     for rank, res in enumerate(run_ranks(_bypass_through_method, tmp_path, args=(2,))):
-        assert res["armed"] == 1 and res["armed_after_healthy"] == 0    # global hooks gone after a healthy step
+        assert res["armed"] == 1 and res["armed_after_healthy"] == 0  # global hooks gone after a healthy step
         assert res["problems"] == [("wrapper-bypass", "error", [], [rank], [2])]
         assert "never synchronized" in res["titles"][0]
         assert f"test_guard.py:{_line('STEP-LINE')}" in res["titles"][0]
@@ -167,7 +168,7 @@ def _injected(rank: int, world: int, every: int, bad_rank: int, with_optimizer: 
     for step in range(8):
         if step == 3 and rank == bad_rank:
             with torch.no_grad():
-                ddp.module.head_a.weight[0, 0] += 1e-3   # a silent rank-local change
+                ddp.module.head_a.weight[0, 0] += 1e-3  # a silent rank-local change
         train_step(ddp, opt, rank, step)
     g.close()
     return {"problems": summary(g), "detail": g.problems[0].detail if g.problems else ""}
@@ -180,7 +181,7 @@ def test_divergence_found_within_every_steps_and_named(tmp_path, world, every, w
         [(code, severity, params, ranks, steps)] = res["problems"]
         assert (code, severity, params) == ("replica-divergence", "error", ["head_a.weight"])
         assert ranks == [0, bad]
-        first_check_after = (3 // every + 1) * every          # injected before step 3's update
+        first_check_after = (3 // every + 1) * every  # injected before step 3's update
         assert steps == [first_check_after] and first_check_after - 3 <= every
         assert f"rank(s) [{bad}] differ from rank 0; fingerprint differs by" in res["detail"]
 
@@ -235,19 +236,24 @@ def _before_save(rank: int, world: int, on_problem: str) -> dict:
         found = g.before_save()
     except GuardError as exc:
         found, raised = exc.findings, exc.code
-    ddp.module.state_dict()        # saving after a known divergence is logged even without before_save
+    ddp.module.state_dict()  # saving after a known divergence is logged even without before_save
     g.close()
     errors = [r.getMessage() for r in lines.records if r.levelno >= logging.ERROR]
-    return {"clean": clean, "found": [(f.code, f.param_names) for f in found], "raised": raised,
-            "errors": errors, "checks": g.checks}
+    return {
+        "clean": clean,
+        "found": [(f.code, f.param_names) for f in found],
+        "raised": raised,
+        "errors": errors,
+        "checks": g.checks,
+    }
 
 
 def test_before_save_never_saves_a_diverged_replica_silently(tmp_path) -> None:
     warn = run_ranks(_before_save, tmp_path, args=("warn",))
-    for rank, res in enumerate(warn):
+    for _rank, res in enumerate(warn):
         assert res["clean"] == [] and res["checks"] == 2
         assert res["found"] == [("replica-divergence", ["head_b.weight"])] and res["raised"] is None
-    assert any("before_save()" in e for e in warn[0]["errors"])          # ERROR level on rank 0
+    assert any("before_save()" in e for e in warn[0]["errors"])  # ERROR level on rank 0
     assert all(any("saving a state_dict" in e for e in res["errors"]) for res in warn)
     for res in run_ranks(_before_save, tmp_path, args=("raise",)):
         assert res["raised"] == "replica-divergence"
@@ -269,21 +275,24 @@ def _flip(rank: int, world: int, direction: str, on_problem: str, flags: dict) -
     raised = None
     try:
         x, _ = batch(rank, 1)
-        ddp(x, use_b=True)            # the guard checks in DDP's forward pre-hook, before the backward
+        ddp(x, use_b=True)  # the guard checks in DDP's forward pre-hook, before the backward
     except GuardError as exc:
         raised = exc.code
     g.close()
     return {"problems": summary(g), "raised": raised}
 
 
-@pytest.mark.parametrize(("direction", "flags", "severity"), [
-    ("freeze", {}, "error"),
-    # Measured on torch 2.13: with static_graph=True a freeze after wrap fails like default flags (the scenario
-    # matrix's freeze-after-wrap-static-graph case proves it end to end).
-    ("freeze", {"static_graph": True}, "error"),
-    ("freeze", {"find_unused_parameters": True}, "warning"),
-    ("unfreeze", {}, "error"),
-])
+@pytest.mark.parametrize(
+    ("direction", "flags", "severity"),
+    [
+        ("freeze", {}, "error"),
+        # Measured on torch 2.13: with static_graph=True a freeze after wrap fails like default flags (the scenario
+        # matrix's freeze-after-wrap-static-graph case proves it end to end).
+        ("freeze", {"static_graph": True}, "error"),
+        ("freeze", {"find_unused_parameters": True}, "warning"),
+        ("unfreeze", {}, "error"),
+    ],
+)
 def test_requires_grad_flips_after_wrap_are_named_before_the_backward(tmp_path, direction, flags, severity) -> None:
     code = f"{direction.replace('unfreeze', 'unfrozen').replace('freeze', 'frozen')}-after-wrap"
     for rank, res in enumerate(run_ranks(_flip, tmp_path, args=(direction, "raise", flags))):
@@ -303,5 +312,5 @@ def _flip_warn_once(rank: int, world: int) -> tuple[list, int]:
 
 
 def test_a_flip_is_reported_once(tmp_path) -> None:
-    for rank, (problems, count) in enumerate(run_ranks(_flip_warn_once, tmp_path)):
+    for _rank, (problems, count) in enumerate(run_ranks(_flip_warn_once, tmp_path)):
         assert count == 1 and problems[0][:3] == ("frozen-after-wrap", "warning", ["block.0.weight"])

@@ -13,16 +13,10 @@ from scenarios import Net, batch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_doctor import (
-    GuardError,
-    InvalidArgumentError,
-    NotDDPModelError,
-    RankMismatchError,
-    guard,
-)
-from ddp_doctor._compat import HAS_INIT_SYNC
-from ddp_doctor._guard import GUARD_ATTR
-from ddp_doctor._guard import compare as guard_compare
+from ddp_doctor import GuardError, InvalidArgumentError, NotDDPModelError, RankMismatchError, guard
+from ddp_doctor.core.compat import HAS_INIT_SYNC
+from ddp_doctor.fixes.guard import GUARD_ATTR
+from ddp_doctor.fixes.guard import compare as guard_compare
 
 # --------------------------------------------------------------------------------------------- robustness
 
@@ -32,17 +26,24 @@ def _internal_failure(rank: int, world: int, where: str) -> dict:
     lines = capture()
     g = guard(ddp, every=2, optimizer=opt)
     if rank == 1:
+
         def broken(*_args, **_kwargs):
             raise ZeroDivisionError("injected")
+
         if where == "comparison":
-            guard_compare.local_rows = broken     # in this rank's process only
+            guard_compare.local_rows = broken  # in this rank's process only
         else:
             g._flips.check = broken
     for step in range(6):
         train_step(ddp, opt, rank, step)
     same = all(_all_equal(p.detach()) for p in ddp.parameters())
-    return {"active": g.active, "checks": g.checks, "same": same, "log": lines.text,
-            "failures_logged": lines.text.count("hit an internal error")}
+    return {
+        "active": g.active,
+        "checks": g.checks,
+        "same": same,
+        "log": lines.text,
+        "failures_logged": lines.text.count("hit an internal error"),
+    }
 
 
 def _all_equal(t: torch.Tensor) -> bool:
@@ -68,7 +69,7 @@ def _bad_arguments(rank: int, world: int) -> list[str]:
         (lambda: guard(nn.Linear(2, 2)), NotDDPModelError),
         (lambda: guard(ddp, every=0), InvalidArgumentError),
         (lambda: guard(ddp, on_problem="loud"), InvalidArgumentError),
-        (lambda: guard(ddp, optimizer="sgd"), InvalidArgumentError),   # type: ignore[arg-type]
+        (lambda: guard(ddp, optimizer="sgd"), InvalidArgumentError),  # type: ignore[arg-type]
     ]:
         with pytest.raises(error) as info:
             call()
@@ -78,7 +79,7 @@ def _bad_arguments(rank: int, world: int) -> list[str]:
         guard(ddp)
     messages.append(str(info.value))
     g.close()
-    guard(ddp).close()    # after close() the model can be guarded again
+    guard(ddp).close()  # after close() the model can be guarded again
     return messages
 
 
@@ -99,8 +100,11 @@ def _different_models(rank: int, world: int) -> str:
     return str(info.value)
 
 
-@pytest.mark.skipif(not HAS_INIT_SYNC, reason="DDP(init_sync=False) needs torch newer than 2.4 (absent in 2.4.1); "
-                    "without it DDP's own initial broadcast fails first")
+@pytest.mark.skipif(
+    not HAS_INIT_SYNC,
+    reason="DDP(init_sync=False) needs torch newer than 2.4 (absent in 2.4.1); "
+    "without it DDP's own initial broadcast fails first",
+)
 def test_different_models_raise_on_every_rank(tmp_path) -> None:
     for message in run_ranks(_different_models, tmp_path):
         assert "rank 0: 8 tensors, rank 1: 13 tensors" in message
@@ -109,9 +113,15 @@ def test_different_models_raise_on_every_rank(tmp_path) -> None:
 def _hooks(ddp: DDP, opt: torch.optim.Optimizer) -> tuple[int, ...]:
     from torch.nn.modules import module as module_globals
 
-    return (len(ddp._forward_pre_hooks), len(ddp._forward_hooks), len(ddp.module._forward_pre_hooks),
-            len(ddp.module._state_dict_pre_hooks), len(opt._optimizer_step_pre_hooks),
-            len(opt._optimizer_step_post_hooks), len(module_globals._global_forward_pre_hooks))
+    return (
+        len(ddp._forward_pre_hooks),
+        len(ddp._forward_hooks),
+        len(ddp.module._forward_pre_hooks),
+        len(ddp.module._state_dict_pre_hooks),
+        len(opt._optimizer_step_pre_hooks),
+        len(opt._optimizer_step_post_hooks),
+        len(module_globals._global_forward_pre_hooks),
+    )
 
 
 def _close_removes_hooks(rank: int, world: int) -> tuple:
@@ -135,14 +145,14 @@ def _copy_and_save(rank: int, world: int, path: str) -> list[str]:
     ddp, opt = make_model()
     with guard(ddp, optimizer=opt):
         train_step(ddp, opt, rank, 0)
-        twin = copy.deepcopy(ddp.module)        # an EMA copy
+        twin = copy.deepcopy(ddp.module)  # an EMA copy
         buffer = io.BytesIO()
-        torch.save(ddp.module, buffer)          # a whole-model checkpoint
+        torch.save(ddp.module, buffer)  # a whole-model checkpoint
         pickle.dumps(ddp.module)
         buffer.seek(0)
         loaded = torch.load(buffer, weights_only=False)
         x, _ = batch(rank, 0)
-        with torch.no_grad():   # evaluation of the copies: the same function as the guarded model
+        with torch.no_grad():  # evaluation of the copies: the same function as the guarded model
             same = torch.allclose(twin(x), ddp.module(x)) and torch.allclose(loaded(x), twin(x))
         train_step(ddp, opt, rank, 1)
     return ["ok" if same else "different"]
@@ -160,10 +170,10 @@ def _follow_by_hand(rank: int, world: int) -> dict:
     g = guard(ddp, every=2, on_problem="raise", optimizer=opt)
     train_step(ddp, opt, rank, 0)
     ddp.module.head_b.weight.requires_grad_(False)
-    new = DDP(ddp.module)                     # rebuilt by hand for the new trainable set
+    new = DDP(ddp.module)  # rebuilt by hand for the new trainable set
     g.follow(new)
     for step in range(1, 4):
-        train_step(new, opt, rank, step)     # not a flip for the new DDP; the schedule carries on
+        train_step(new, opt, rank, step)  # not a flip for the new DDP; the schedule carries on
     ddp.module.head_b.bias.requires_grad_(False)
     raised = None
     try:
@@ -182,14 +192,24 @@ def _follow_by_hand(rank: int, world: int) -> dict:
 
 
 def test_follow_hands_the_guard_over_to_a_ddp_rebuilt_by_hand(tmp_path) -> None:
-    assert run_ranks(_follow_by_hand, tmp_path) == [{
-        "raised": ("frozen-after-wrap", ["head_b.bias"]), "checks": 2, "steps": 4,
-        "errors": ["NotDDPModelError", "InvalidArgumentError"], "watched": (False, True)}] * 2
+    assert (
+        run_ranks(_follow_by_hand, tmp_path)
+        == [
+            {
+                "raised": ("frozen-after-wrap", ["head_b.bias"]),
+                "checks": 2,
+                "steps": 4,
+                "errors": ["NotDDPModelError", "InvalidArgumentError"],
+                "watched": (False, True),
+            }
+        ]
+        * 2
+    )
 
 
 def _flip_before_guard(rank: int, world: int) -> tuple:
     ddp, opt = make_model()
-    ddp.module.head_a.bias.requires_grad_(False)      # between building DDP and guard()
+    ddp.module.head_a.bias.requires_grad_(False)  # between building DDP and guard()
     with pytest.raises(GuardError) as info:
         guard(ddp, on_problem="raise", optimizer=opt)
     return info.value.code, info.value.findings[0].param_names, hasattr(ddp, GUARD_ATTR)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ddp_doctor.hookutil import Hook, format_site, tensors_in, user_site
+from ddp_doctor.core.frames import format_site, user_site
+from ddp_doctor.observation.hooks import Hook, tensors_in
 
 
 class _Counter:
@@ -32,7 +33,7 @@ def test_a_hook_calls_through_and_copies_and_pickles_as_a_no_op() -> None:
     loaded = pickle.loads(pickle.dumps(model))
     twin(torch.ones(1, 2))
     loaded(torch.ones(1, 2))
-    assert counter.calls == 1                       # the copies do not call back into the original's observer
+    assert counter.calls == 1  # the copies do not call back into the original's observer
     model(torch.ones(1, 2))
     assert counter.calls == 2
 
@@ -75,4 +76,4 @@ def test_tensors_in_nested_outputs() -> None:
     deep: list = [a]
     for _ in range(12):
         deep = [deep]
-    assert list(tensors_in(deep)) == []             # nesting deeper than 8 is not searched
+    assert list(tensors_in(deep)) == []  # nesting deeper than 8 is not searched

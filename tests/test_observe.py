@@ -145,8 +145,18 @@ def test_every_hook_is_gone_after_exit_and_training_is_bit_identical(tmp_path) -
         assert r["identical"], "grads or weights differ from a run that was never observed"
 
 
-_COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "barrier", "all_gather_object", "reduce_scatter",
-                "all_to_all", "gather", "scatter", "reduce")
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+    "barrier",
+    "all_gather_object",
+    "reduce_scatter",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "reduce",
+)
 
 
 def _communication(rank: int, world: int) -> dict:
@@ -162,6 +172,7 @@ def _communication(rank: int, world: int) -> dict:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             calls[name].append(tuple(tensors[0].shape) if tensors else None)
             return originals[name](*args, **kwargs)
+
         return wrapper
 
     for name in _COLLECTIVES:
@@ -177,8 +188,7 @@ def _communication(rank: int, world: int) -> dict:
         for name, fn in originals.items():
             for ns in namespaces:
                 setattr(ns, name, fn)
-    return {"during": during, "report": {k: len(v) for k, v in calls.items() if v},
-            "shapes": calls["all_reduce"]}
+    return {"during": during, "report": {k: len(v) for k, v in calls.items() if v}, "shapes": calls["all_reduce"]}
 
 
 def test_no_collectives_during_steps_and_fixed_shape_reductions_at_report(tmp_path) -> None:
@@ -227,8 +237,12 @@ def _reduction_error(rank: int, world: int) -> dict:
         for step in range(3):
             _step(ddp, opt, rank, step, use_b=False)
     report = doctor.report(timeout=20)
-    return {"message": str(info.value), "cause": type(info.value.__cause__).__name__, "params": info.value.params,
-            "text": str(report)}
+    return {
+        "message": str(info.value),
+        "cause": type(info.value.__cause__).__name__,
+        "params": info.value.params,
+        "text": str(report),
+    }
 
 
 def test_reduction_error_is_explained_with_names_and_chained(tmp_path) -> None:
@@ -258,8 +272,11 @@ def test_public_names_are_the_functions_and_the_implementation_modules_are_priva
 
     from ddp_doctor import guard, observe, refreeze
 
-    for fn, module in ((observe, "ddp_doctor._observe"), (guard, "ddp_doctor._guard"),
-                       (refreeze, "ddp_doctor._refreeze")):
+    for fn, module in (
+        (observe, "ddp_doctor.doctor"),
+        (guard, "ddp_doctor.fixes.guard"),
+        (refreeze, "ddp_doctor.fixes.refreeze"),
+    ):
         assert inspect.isfunction(fn) and fn.__module__.startswith(module), (fn, fn.__module__)
         assert isinstance(importlib.import_module(module), types.ModuleType)
         name = fn.__name__
@@ -270,25 +287,38 @@ def test_public_names_are_the_functions_and_the_implementation_modules_are_priva
 
 def _explained(used: list[list[int]], ran: list[list[int]]) -> str:
     """The reduction error a rank explains after the given steps (head_b = parameter 1)."""
-    from ddp_doctor._observe.crash import explain_failure
-    from ddp_doctor.records import ModelInfo, RankRecord, StepCounters
+    from ddp_doctor.core.records import ModelInfo, RankRecord, StepCounters
+    from ddp_doctor.observation.crash import explain_failure
 
-    info = ModelInfo(param_names=["trunk.weight", "head_b.weight"], param_shapes=[(4, 4), (2, 4)],
-                     trainable_at_wrap=[True, True], ignored=[False, False], buffer_names=[], buffer_shapes=[],
-                     ddp_config={})
+    info = ModelInfo(
+        param_names=["trunk.weight", "head_b.weight"],
+        param_shapes=[(4, 4), (2, 4)],
+        trainable_at_wrap=[True, True],
+        ignored=[False, False],
+        buffer_names=[],
+        buffer_shapes=[],
+        ddp_config={},
+    )
     steps = len(used)
     u = torch.tensor(used, dtype=torch.bool)
     c = StepCounters(ddp_forwards=1, micro_steps=1, synced_backwards=1, optimizer_step=1)
-    record = RankRecord(rank=1, used=u, reachable=u.clone(), ran=torch.tensor(ran, dtype=torch.bool),
-                        trainable=torch.ones(steps, 2, dtype=torch.bool),
-                        grad_fp=torch.zeros(steps, 2, 2, dtype=torch.float64),
-                        weight_fp=torch.zeros(steps + 1, 2, 2, dtype=torch.float64),
-                        buffer_fp=torch.zeros(steps, 0, 2, dtype=torch.float64),
-                        input_fp=torch.zeros(steps, 2, dtype=torch.float64),
-                        timing=torch.zeros(steps, 3, dtype=torch.float64), counters=torch.tensor([c.as_list()] * steps))
+    record = RankRecord(
+        rank=1,
+        used=u,
+        reachable=u.clone(),
+        ran=torch.tensor(ran, dtype=torch.bool),
+        trainable=torch.ones(steps, 2, dtype=torch.bool),
+        grad_fp=torch.zeros(steps, 2, 2, dtype=torch.float64),
+        weight_fp=torch.zeros(steps + 1, 2, 2, dtype=torch.float64),
+        buffer_fp=torch.zeros(steps, 0, 2, dtype=torch.float64),
+        input_fp=torch.zeros(steps, 2, dtype=torch.float64),
+        timing=torch.zeros(steps, 3, dtype=torch.float64),
+        counters=torch.tensor([c.as_list()] * steps),
+    )
     exc = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.")
-    return str(explain_failure(exc, kind="reduction-error", rank=1, info=info, record=record, crash_in_window=True,
-                               hint=""))
+    return str(
+        explain_failure(exc, kind="reduction-error", rank=1, info=info, record=record, crash_in_window=True, hint="")
+    )
 
 
 def test_a_rank_never_advises_freezing_what_it_trained_in_another_step() -> None:

@@ -27,8 +27,8 @@ from ddp_doctor import (
     progressive_freeze,
     refreeze,
 )
-from ddp_doctor._compat import HAS_FORWARD_SYNC_BUFFERS
-from ddp_doctor._refreeze import constructor_kwargs
+from ddp_doctor.core.compat import HAS_FORWARD_SYNC_BUFFERS
+from ddp_doctor.observation.wrapstate import constructor_kwargs
 
 FROZEN = ["trunk.weight", "trunk.bias", "block.0.weight", "block.0.bias"]
 
@@ -49,8 +49,7 @@ def _step(ddp: DDP, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
 
 
 def _nbytes(module: nn.Module, names: list[str] | None = None) -> int:
-    return sum(p.numel() * p.element_size() for n, p in module.named_parameters()
-               if (names is None or n in names))
+    return sum(p.numel() * p.element_size() for n, p in module.named_parameters() if (names is None or n in names))
 
 
 # ------------------------------------------------------------------------------------------ DDP, measured
@@ -89,9 +88,11 @@ def _unfreeze_without_refreeze(rank: int, world: int) -> dict:
 
 
 def _flips_without_refreeze(rank: int, world: int) -> list[dict]:
-    return [_freeze_without_refreeze(rank, world, {}),
-            _freeze_without_refreeze(rank, world, {"find_unused_parameters": True}),
-            _unfreeze_without_refreeze(rank, world)]
+    return [
+        _freeze_without_refreeze(rank, world, {}),
+        _freeze_without_refreeze(rank, world, {"find_unused_parameters": True}),
+        _unfreeze_without_refreeze(rank, world),
+    ]
 
 
 def test_measured_freezing_after_wrap_without_refreeze(tmp_path) -> None:
@@ -99,8 +100,8 @@ def test_measured_freezing_after_wrap_without_refreeze(tmp_path) -> None:
     everything = _nbytes(Net())
     default, find_unused, unfrozen = run_ranks(_flips_without_refreeze, tmp_path)[0]
     assert default["error"] == "Expected to have finished reduction in the prior iteration before starting a new one"
-    assert default["sent"] == []    # the step after the freeze all-reduced nothing: its grads were not synced
-    assert find_unused["error"] is None and sum(find_unused["sent"]) == 2 * everything   # frozen weight still sent
+    assert default["sent"] == []  # the step after the freeze all-reduced nothing: its grads were not synced
+    assert find_unused["error"] is None and sum(find_unused["sent"]) == 2 * everything  # frozen weight still sent
     # Unfrozen after wrapping: never all-reduced, so the ranks' grads differ.
     assert unfrozen == {"sent": everything - _nbytes(Net(), ["trunk.weight"]), "synced": False}
 
@@ -141,7 +142,8 @@ def _keeps_state_and_stops_communication(rank: int, world: int, flags: dict) -> 
 
 def _kwargs(ddp: DDP) -> dict:
     return {k: v for k, v in constructor_kwargs(ddp).items() if k != "process_group"} | {
-        "process_group": id(ddp.process_group)}
+        "process_group": id(ddp.process_group)
+    }
 
 
 def _state_equal(a: dict, b: dict) -> bool:
@@ -154,33 +156,58 @@ def _state_equal(a: dict, b: dict) -> bool:
     return True
 
 
-@pytest.mark.parametrize("flags", [{}, {"gradient_as_bucket_view": True, "bucket_cap_mb": 1e-4},
-                                   {"find_unused_parameters": True, "broadcast_buffers": False}])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {},
+        {"gradient_as_bucket_view": True, "bucket_cap_mb": 1e-4},
+        {"find_unused_parameters": True, "broadcast_buffers": False},
+    ],
+)
 def test_refreeze_keeps_optimizer_state_and_stops_communicating_frozen_params(tmp_path, flags) -> None:
     net = Net()
     everything = _nbytes(net)
     kept = everything - _nbytes(net, FROZEN)
     for res in run_ranks(_keeps_state_and_stops_communication, tmp_path, args=(flags,)):
         assert res["new"] and res["identity"] and res["state_bit_identical"] and res["kwargs_equal"]
-        assert (res["before"], res["after"]) == (everything, kept)   # reduced by exactly the frozen share
+        assert (res["before"], res["after"]) == (everything, kept)  # reduced by exactly the frozen share
         assert res["reducer_tensors"] == 8 - len(FROZEN)
 
 
 def _carried_over(rank: int, world: int) -> list[tuple]:
     group = dist.new_group(list(range(world)))
     out = []
-    for kwargs in ({}, {"process_group": group, "static_graph": True, "gradient_as_bucket_view": True,
-                        "bucket_cap_mb": 2, "broadcast_buffers": False, "dim": 1}):
+    for kwargs in (
+        {},
+        {
+            "process_group": group,
+            "static_graph": True,
+            "gradient_as_bucket_view": True,
+            "bucket_cap_mb": 2,
+            "broadcast_buffers": False,
+            "dim": 1,
+        },
+    ):
         torch.manual_seed(0)
         ddp = DDP(Net(), **kwargs)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         _step(ddp, opt, rank, 0)
         new = refreeze(ddp, opt, freeze="trunk")
-        attrs = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_bytes_cap",
-                 "bucket_bytes_cap_default", "forward_sync_buffers" if HAS_FORWARD_SYNC_BUFFERS else "broadcast_buffers",
-                 "dim", "device_ids", "output_device")
-        out.append(tuple(getattr(new, a) == getattr(ddp, a) for a in attrs)
-                   + (new.process_group is ddp.process_group, new.static_graph == ("static_graph" in kwargs)))
+        attrs = (
+            "find_unused_parameters",
+            "static_graph",
+            "gradient_as_bucket_view",
+            "bucket_bytes_cap",
+            "bucket_bytes_cap_default",
+            "forward_sync_buffers" if HAS_FORWARD_SYNC_BUFFERS else "broadcast_buffers",
+            "dim",
+            "device_ids",
+            "output_device",
+        )
+        out.append(
+            tuple(getattr(new, a) == getattr(ddp, a) for a in attrs)
+            + (new.process_group is ddp.process_group, new.static_graph == ("static_graph" in kwargs))
+        )
     return out
 
 
@@ -196,7 +223,7 @@ def _match_reference(rank: int, world: int, direction: str, flags: dict) -> dict
         x, y = batch(rank, step)
         F.mse_loss(ddp(x, use_b=True), y).backward()
         opt.step()
-        opt.zero_grad(set_to_none=set_to_none)   # False: frozen params would keep zero grads, and AdamW moves them
+        opt.zero_grad(set_to_none=set_to_none)  # False: frozen params would keep zero grads, and AdamW moves them
 
     torch.manual_seed(0)
     net = Net()
@@ -214,7 +241,7 @@ def _match_reference(rank: int, world: int, direction: str, flags: dict) -> dict
         p.requires_grad_((n not in FROZEN) if direction == "freeze" else True)
         p.grad = None
     ref_opt = torch.optim.AdamW(ref_net.parameters(), lr=1e-2, weight_decay=0.1)
-    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))   # load_state_dict aliases same-device tensors
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict aliases same-device tensors
     ref = DDP(ref_net, **flags)
 
     if direction == "freeze":
@@ -226,13 +253,16 @@ def _match_reference(rank: int, world: int, direction: str, flags: dict) -> dict
         _step(ddp, opt, rank, step)
         _step(ref, ref_opt, rank, step)
         equal_after.append(all(torch.equal(a, b) for a, b in zip(net.parameters(), ref_net.parameters())))
-    frozen_moved = any(not torch.equal(dict(net.named_parameters())[n], dict(ref_net.named_parameters())[n])
-                       for n in FROZEN)
+    frozen_moved = any(
+        not torch.equal(dict(net.named_parameters())[n], dict(ref_net.named_parameters())[n]) for n in FROZEN
+    )
     return {"equal_after": equal_after, "frozen_moved": frozen_moved}
 
 
-@pytest.mark.parametrize(("direction", "flags"), [
-    ("freeze", {}), ("freeze", {"gradient_as_bucket_view": True, "set_to_none": False}), ("unfreeze", {})])
+@pytest.mark.parametrize(
+    ("direction", "flags"),
+    [("freeze", {}), ("freeze", {"gradient_as_bucket_view": True, "set_to_none": False}), ("unfreeze", {})],
+)
 def test_next_steps_match_a_run_with_that_trainable_set_from_the_start(tmp_path, direction, flags) -> None:
     for res in run_ranks(_match_reference, tmp_path, args=(direction, flags)):
         assert res == {"equal_after": [True, True, True], "frozen_moved": False}
@@ -251,13 +281,18 @@ def _refuses_divergence(rank: int, world: int, what: str) -> dict:
                 opt.state[ddp.module.block[0].weight]["exp_avg"][0, 0] += 1e-4
     with pytest.raises(ReplicaDivergenceError) as info:
         refreeze(ddp, opt, freeze="trunk")
-    _step(ddp, opt, rank, 1)          # nothing changed: the old DDP still trains
-    return {"params": info.value.params, "ranks": info.value.ranks, "message": str(info.value),
-            "trunk_trainable": ddp.module.trunk.weight.requires_grad}
+    _step(ddp, opt, rank, 1)  # nothing changed: the old DDP still trains
+    return {
+        "params": info.value.params,
+        "ranks": info.value.ranks,
+        "message": str(info.value),
+        "trunk_trainable": ddp.module.trunk.weight.requires_grad,
+    }
 
 
-@pytest.mark.parametrize(("world", "what", "name"), [(3, "weights", "head_a.bias"),
-                                                     (2, "optimizer", "block.0.weight (optimizer state)")])
+@pytest.mark.parametrize(
+    ("world", "what", "name"), [(3, "weights", "head_a.bias"), (2, "optimizer", "block.0.weight (optimizer state)")]
+)
 def test_refuses_when_the_replicas_already_differ(tmp_path, world, what, name) -> None:
     for res in run_ranks(_refuses_divergence, tmp_path, world_size=world, args=(what,)):
         assert res["params"] == [name] and res["ranks"] == [world - 1] and res["trunk_trainable"]
@@ -290,7 +325,7 @@ def _guard_follows(rank: int, world: int) -> dict:
     _step(ddp, opt, rank, 0)
     ddp = refreeze(ddp, opt, freeze="trunk")
     for step in range(1, 5):
-        _step(ddp, opt, rank, step)           # no flip reported: the guard now watches the new DDP
+        _step(ddp, opt, rank, step)  # no flip reported: the guard now watches the new DDP
     ddp.module.head_b.weight.requires_grad_(False)
     code = None
     try:
@@ -356,7 +391,7 @@ def _disagreeing_ranks(rank: int, world: int, case: str) -> str:
         spec = "trunk" if rank != 1 else "no_such_module"
     with pytest.raises((RankMismatchError, InvalidArgumentError)) as info:
         refreeze(ddp, opt, freeze=spec)
-    _step(ddp, opt, rank, 0)          # nothing changed on any rank
+    _step(ddp, opt, rank, 0)  # nothing changed on any rank
     return f"{type(info.value).__name__}: {info.value}"
 
 
@@ -375,7 +410,7 @@ def _called_on_one_rank(rank: int, world: int) -> str | None:
     torch.manual_seed(0)
     ddp = DDP(Net())
     if rank == 1:
-        return None                   # rank 1 forgets to call refreeze
+        return None  # rank 1 forgets to call refreeze
     with pytest.raises(ReportTimeoutError) as info:
         refreeze(ddp, freeze="trunk", timeout=2)
     assert ddp.module.trunk.weight.requires_grad

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from dist import run_ranks
 
-from ddp_doctor.replicas import Difference, Entry, compare_replicas, describe, local_rows, report_failure
+from ddp_doctor.exchange.replicas import Difference, Entry, compare_replicas, describe, local_rows, report_failure
 
 _CPU = torch.device("cpu")
 
@@ -19,15 +19,20 @@ def _entries(rank: int, change: str | None, odd: int) -> list[Entry]:
         elif change == "nan":
             b[0, 0] = float("nan")
     absent = change == "absent" and rank == odd
-    return [Entry("a", "param", 6, a), Entry("b", "param", 9, b),
-            Entry("m", "buffer", 0 if absent else 2, None if absent else torch.zeros(2))]
+    return [
+        Entry("a", "param", 6, a),
+        Entry("b", "param", 9, b),
+        Entry("m", "buffer", 0 if absent else 2, None if absent else torch.zeros(2)),
+    ]
 
 
 def _compare(rank: int, world: int, change: str | None) -> dict:
     comparison = compare_replicas(_entries(rank, change, odd=world - 1), group=None, device=_CPU)
-    return {"ok": comparison.ok, "failed": comparison.failed_ranks,
-            "diffs": [(d.name, d.kind, d.ranks, d.reference_rank, d.gap == float("inf"))
-                      for d in comparison.differences]}
+    return {
+        "ok": comparison.ok,
+        "failed": comparison.failed_ranks,
+        "diffs": [(d.name, d.kind, d.ranks, d.reference_rank, d.gap == float("inf")) for d in comparison.differences],
+    }
 
 
 def test_identical_replicas_are_ok(tmp_path) -> None:
@@ -56,13 +61,17 @@ def test_a_local_failure_reaches_every_rank(tmp_path) -> None:
 
 
 def test_local_rows_encode_values_classes_and_absence() -> None:
-    rows = local_rows([Entry("x", "param", 2, torch.tensor([1.0, 2.0])),
-                       Entry("y", "param", 1, torch.tensor([float("inf")])),
-                       Entry("z", "buffer", 0, None)])
+    rows = local_rows(
+        [
+            Entry("x", "param", 2, torch.tensor([1.0, 2.0])),
+            Entry("y", "param", 1, torch.tensor([float("inf")])),
+            Entry("z", "buffer", 0, None),
+        ]
+    )
     assert rows.shape == (3, 4) and rows.dtype == torch.float64
-    assert rows[0, 0] == 3.0 and rows[0, 2:].tolist() == [1.0, 1.0]     # the plain sum; both fingerprints finite
-    assert rows[1, 2] == 3.0 and rows[1, 0] == 0.0                       # +inf: class code 3, value zeroed
-    assert rows[2, 2:].tolist() == [0.0, 0.0]                            # absent
+    assert rows[0, 0] == 3.0 and rows[0, 2:].tolist() == [1.0, 1.0]  # the plain sum; both fingerprints finite
+    assert rows[1, 2] == 3.0 and rows[1, 0] == 0.0  # +inf: class code 3, value zeroed
+    assert rows[2, 2:].tolist() == [0.0, 0.0]  # absent
 
 
 def test_describe_lists_each_difference_and_the_rest_as_a_count() -> None:

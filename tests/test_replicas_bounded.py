@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from dist import run_ranks
 
-from ddp_doctor._oddranks import CANDIDATES, EXAMPLES
-from ddp_doctor.replicas import Entry, compare_replicas, describe, report_failure
+from ddp_doctor.exchange.oddranks import CANDIDATES, EXAMPLES
+from ddp_doctor.exchange.replicas import Entry, compare_replicas, describe, report_failure
 
 _CPU = torch.device("cpu")
 
@@ -18,9 +18,9 @@ _CASES = {
     "one": ([5], "same"),
     "three": ([1, 4, 6], "same"),
     "rank 0": ([0], "same"),
-    "half": ([1, 3, 5, 7], "same"),               # a 4-4 tie: rank 0's copy, the lowest rank's, is the reference
-    "0 and 1 apart": ([0, 1], "own"),             # the majority copy is the third one compared
-    "5 apart": ([0, 1, 2, 3, 4], "own"),          # more minority copies than CANDIDATES before the majority's
+    "half": ([1, 3, 5, 7], "same"),  # a 4-4 tie: rank 0's copy, the lowest rank's, is the reference
+    "0 and 1 apart": ([0, 1], "own"),  # the majority copy is the third one compared
+    "5 apart": ([0, 1, 2, 3, 4], "own"),  # more minority copies than CANDIDATES before the majority's
     "all apart": (list(range(8)), "own"),
 }
 
@@ -40,9 +40,12 @@ def _scenarios(rank: int, world: int) -> dict:
     for name, (changed, how) in _CASES.items():
         examples = 2 if name == "half" else EXAMPLES
         comparison = compare_replicas(_entries(rank, changed, how), group=None, device=_CPU, examples=examples)
-        out[name] = {"diffs": [(d.name, d.ranks, d.more_ranks, d.reference_rank, d.reference_proven)
-                               for d in comparison.differences],
-                     "text": describe(comparison.differences)}
+        out[name] = {
+            "diffs": [
+                (d.name, d.ranks, d.more_ranks, d.reference_rank, d.reference_proven) for d in comparison.differences
+            ],
+            "text": describe(comparison.differences),
+        }
     entries = _entries(rank, [], "same")
     if rank in (2, 5, 6):
         failed = report_failure(entries, group=None, device=_CPU, examples=2)
@@ -59,8 +62,10 @@ def eight(tmp_path_factory) -> dict:
     return results[0]
 
 
-@pytest.mark.parametrize(("case", "ranks", "reference"), [("one", [5], 0), ("three", [1, 4, 6], 0),
-                                                          ("rank 0", [0], 1), ("0 and 1 apart", [0, 1], 2)])
+@pytest.mark.parametrize(
+    ("case", "ranks", "reference"),
+    [("one", [5], 0), ("three", [1, 4, 6], 0), ("rank 0", [0], 1), ("0 and 1 apart", [0, 1], 2)],
+)
 def test_the_odd_ranks_are_named_exactly_against_the_most_common_copy(eight, case, ranks, reference) -> None:
     assert eight[case]["diffs"] == [("b", ranks, 0, reference, True)]
     assert f"rank(s) {ranks} differ from rank {reference}; fingerprint differs by" in eight[case]["text"]
@@ -86,8 +91,20 @@ def test_failed_ranks_are_named_as_examples_and_a_count(eight) -> None:
 
 # ------------------------------------------------------------------------------------------------ the volume
 
-_OTHER = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "gather", "scatter",
-          "all_to_all", "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "send", "recv")
+_OTHER = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "send",
+    "recv",
+)
 
 
 def _volume(rank: int, world: int, k: int) -> dict:
@@ -104,6 +121,7 @@ def _volume(rank: int, world: int, k: int) -> dict:
         def call(*args, **kwargs):
             others.append(name)
             return getattr(torch.distributed.distributed_c10d, name)(*args, **kwargs)
+
         return call
 
     dist.all_reduce = counting
@@ -131,7 +149,7 @@ def test_bytes_per_rank_do_not_depend_on_the_world_size(tmp_path) -> None:
         assert all(r == results[0] for r in results), f"ranks passed different volumes at W={w}: {results}"
         assert results[0]["others"] == [], f"only all_reduce may be called, got {results[0]['others']} at W={w}"
     first = {w: results[0] for w, results in by_world.items()}
-    steady = 8 * 2 * 4 * (k + 1)                                  # the one all_reduce(MAX) of [rows, -rows]
+    steady = 8 * 2 * 4 * (k + 1)  # the one all_reduce(MAX) of [rows, -rows]
     for pattern in ("identical", "last rank", "failed"):
         assert first[2][pattern] == first[4][pattern] == first[8][pattern], (pattern, first)
     assert first[8]["identical"] == steady

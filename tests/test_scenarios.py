@@ -13,8 +13,9 @@ from ddp_doctor import CODES
 _TRAINED = {"grad-blocked", "dynamic-graph", "rank-dependent-graph", "reentrant-checkpoint"}
 
 
-_GPU = pytest.mark.skipif(not torch.cuda.is_available(),
-                          reason="needs a CUDA GPU (CI has none; run on a GPU machine, see the README)")
+_GPU = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; run on a GPU machine, see the README)"
+)
 
 
 def test_every_case_expects_real_codes() -> None:
@@ -41,14 +42,24 @@ def test_scenario_on_nccl_matches_gloo(name: str, tmp_path) -> None:
     """One rank on NCCL and CUDA gives the diagnosis one rank on gloo and the CPU gives, and its recommendation
     applied keeps grads equal to the reference."""
     cpu = run_ranks(run_case, tmp_path, args=(name,), world_size=1, timeout=90)[0]
-    gpu = run_ranks(run_case, tmp_path, args=(name,), world_size=1, timeout=120,
-                    env={"DDP_DOCTOR_TEST_DEVICE": "cuda", "DDP_DOCTOR_TEST_BACKEND": "nccl"})[0]
+    gpu = run_ranks(
+        run_case,
+        tmp_path,
+        args=(name,),
+        world_size=1,
+        timeout=120,
+        env={"DDP_DOCTOR_TEST_DEVICE": "cuda", "DDP_DOCTOR_TEST_BACKEND": "nccl"},
+    )[0]
     assert gpu["report"]["backend"] == "nccl"
 
     def diagnosis(report: dict) -> tuple:
         rec = report["recommendation"]
-        return ([(f["code"], f["severity"], sorted(p["name"] for p in f["params"])) for f in report["findings"]],
-                rec["find_unused_parameters"], rec["static_graph"], rec["freeze_before_wrap"])
+        return (
+            [(f["code"], f["severity"], sorted(p["name"] for p in f["params"])) for f in report["findings"]],
+            rec["find_unused_parameters"],
+            rec["static_graph"],
+            rec["freeze_before_wrap"],
+        )
 
     assert diagnosis(gpu["report"]) == diagnosis(cpu["report"]), f"{name}:\n{gpu['text']}\n---\n{cpu['text']}"
     assert gpu["raised"] == cpu["raised"]
@@ -64,7 +75,9 @@ def check_scenario(name: str, tmp_path, *, env: dict[str, str] | None = None) ->
     assert all(r == report for r in reports[1:]), "ranks got different reports"
 
     codes = {f["code"] for f in report["findings"]}
-    assert codes == case.codes, f"{name}: expected findings {sorted(case.codes)}, got {sorted(codes)}\n{ranks[0]['text']}"
+    assert codes == case.codes, (
+        f"{name}: expected findings {sorted(case.codes)}, got {sorted(codes)}\n{ranks[0]['text']}"
+    )
     for code, names in case.params.items():
         finding = next(f for f in report["findings"] if f["code"] == code)
         got = {p["name"] for p in finding["params"]}
@@ -91,8 +104,12 @@ def check_scenario(name: str, tmp_path, *, env: dict[str, str] | None = None) ->
 
 def _applied_unfixed(rank: int, world: int) -> dict:
     case = CASES["loss-through-module"]
-    rec = {"find_unused_parameters": False, "static_graph": False, "gradient_as_bucket_view": False,
-           "freeze_before_wrap": []}
+    rec = {
+        "find_unused_parameters": False,
+        "static_graph": False,
+        "gradient_as_bucket_view": False,
+        "freeze_before_wrap": [],
+    }
     return run_applied(Case(**{**case.__dict__, "fixed": {}}), rank, rec)
 
 
@@ -115,7 +132,9 @@ def test_scenario_over_subgroups(name: str, tmp_path) -> None:
         report = reports[0]
         assert report["ddp_config"].get("process_group_ranks") == members, report["ddp_config"]
         codes = {f["code"] for f in report["findings"]}
-        assert codes == expected[g], f"{name}: group {members} expected {expected[g]}, got {codes}\n{ranks[members[0]]['text']}"
+        assert codes == expected[g], (
+            f"{name}: group {members} expected {expected[g]}, got {codes}\n{ranks[members[0]]['text']}"
+        )
         for f in report["findings"]:
             assert set(f["ranks"]) <= set(members), f"{name}: a finding of group {members} names ranks {f['ranks']}"
             if f["code"] == "unused-parameters":
@@ -133,10 +152,20 @@ def test_scenario_model_not_wrapped(sync: str | None, severity: str, tmp_path) -
     ranks = run_ranks(run_unwrapped, tmp_path, args=(sync,), timeout=90)
     report = ranks[0]["report"]
     assert all(r["report"] == report for r in ranks[1:])
-    assert [(f["code"], f["severity"]) for f in report["findings"]] == [("model-not-wrapped", severity)], ranks[0]["text"]
+    assert [(f["code"], f["severity"]) for f in report["findings"]] == [("model-not-wrapped", severity)], ranks[0][
+        "text"
+    ]
     names = {p["name"] for p in report["findings"][0]["params"]}
-    assert names == {"trunk.weight", "trunk.bias", "block.0.weight", "block.0.bias", "head_a.weight", "head_a.bias",
-                     "head_b.weight", "head_b.bias"}, names
+    assert names == {
+        "trunk.weight",
+        "trunk.bias",
+        "block.0.weight",
+        "block.0.bias",
+        "head_a.weight",
+        "head_a.bias",
+        "head_b.weight",
+        "head_b.bias",
+    }, names
     for r in ranks:
         assert r["applied"]["unequal_across_ranks"] == 0 and r["applied"]["max_abs_err"] < 1e-5, r["applied"]
 
@@ -147,7 +176,9 @@ def test_scenario_two_models_each_report_is_its_own(tmp_path) -> None:
     for r in run_ranks(run_two_models, tmp_path, timeout=90):
         assert r["raised"] == "reduction-error"
         critic = {f["code"]: {p["name"] for p in f["params"]} for f in r["critic"]["findings"]}
-        assert set(critic) == {"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"}, r["text"]
+        assert set(critic) == {"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"}, r[
+            "text"
+        ]
         assert critic["reduction-error"] == critic["unused-parameters"] == {"head_b.weight", "head_b.bias"}
         assert r["generator"]["findings"] == [], r["generator"]["findings"]
-        assert r["generator"]["crashes"][0]["kind"] == "other"   # what ended its loop, not its own failure
+        assert r["generator"]["crashes"][0]["kind"] == "other"  # what ended its loop, not its own failure

@@ -75,7 +75,7 @@ def _none_everywhere_stays_none(rank: int, world: int) -> tuple[bool, bool]:
     torch.manual_seed(0)
     model = Net()
     x, y = batch(rank, 0)
-    F.mse_loss(model(x), y).backward()   # head_b unused on every rank
+    F.mse_loss(model(x), y).backward()  # head_b unused on every rank
     sync_gradients(model)
     return model.head_b.weight.grad is None, model.head_a.weight.grad is not None
 
@@ -126,13 +126,13 @@ def test_mixed_dtypes(tmp_path, bucket_mb) -> None:
 
 def _many_small(rank: int, world: int, average: bool) -> dict:
     torch.manual_seed(0)
-    model = nn.ModuleList([nn.Linear(3, 3) for _ in range(150)])   # 300 tensors of 9 and 3 elements
+    model = nn.ModuleList([nn.Linear(3, 3) for _ in range(150)])  # 300 tensors of 9 and 3 elements
     x = torch.randn(2, 3, generator=torch.Generator().manual_seed(rank))
     loss = sum(layer(x).sum() * (i + 1) for i, layer in enumerate(model))
     loss.backward()
     params = list(model.parameters())
     expected = _reference(params, world, average=average)
-    sync_gradients(model, bucket_mb=100 / 2**20, average=average)   # ~100-byte buckets: many of them
+    sync_gradients(model, bucket_mb=100 / 2**20, average=average)  # ~100-byte buckets: many of them
     return {"n": len(params), "bitwise": all(torch.equal(p.grad, e) for p, e in zip(params, expected))}
 
 
@@ -145,7 +145,7 @@ def _mismatched_lists(rank: int, world: int) -> str:
     torch.manual_seed(0)
     model = Net()
     if rank == world - 1:
-        model.head_b.bias.requires_grad_(False)   # one rank disagrees on the trainable list
+        model.head_b.bias.requires_grad_(False)  # one rank disagrees on the trainable list
     x, y = batch(rank, 0)
     F.mse_loss(model(x, use_b=True), y).backward()
     with pytest.raises(RankMismatchError) as info:
@@ -170,16 +170,15 @@ def _loss_through_module(rank: int, world: int) -> tuple[bool, bool]:
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
         x, y = batch(rank, step)
-        F.mse_loss(ddp.module(x, use_b=True), y).backward()      # bypasses DDP's reducer
+        F.mse_loss(ddp.module(x, use_b=True), y).backward()  # bypasses DDP's reducer
         sync_gradients(ddp)
         opt.step()
         opt.zero_grad()
-        F.mse_loss(reference(x, use_b=True), y).backward()       # through the wrapper
+        F.mse_loss(reference(x, use_b=True), y).backward()  # through the wrapper
         opt_ref.step()
         opt_ref.zero_grad()
     same = all(_gathered_equal(p.detach()) for p in ddp.parameters())
-    matches = all(torch.allclose(a, b, rtol=1e-6, atol=1e-7)
-                  for a, b in zip(ddp.parameters(), reference.parameters()))
+    matches = all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(ddp.parameters(), reference.parameters()))
     return same, matches
 
 
@@ -189,8 +188,10 @@ def test_bypassed_loop_with_sync_matches_ddp(tmp_path) -> None:
 
 def _bad_input(rank: int, world: int) -> list[str]:
     messages = []
-    for call in (lambda: sync_gradients("model"),                      # type: ignore[arg-type]
-                 lambda: sync_gradients(nn.Linear(2, 2), bucket_mb=0)):
+    for call in (
+        lambda: sync_gradients("model"),  # type: ignore[arg-type]
+        lambda: sync_gradients(nn.Linear(2, 2), bucket_mb=0),
+    ):
         with pytest.raises(InvalidArgumentError) as info:
             call()
         messages.append(str(info.value))

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_doctor import NotDDPModelError, ProcessGroupNotInitializedError
-from ddp_doctor.wrapstate import (
+from ddp_doctor.observation.wrapstate import (
     WRAP_STATE_ATTR,
     ddp_config_of,
     model_info,
@@ -19,43 +19,66 @@ from ddp_doctor.wrapstate import (
     user_name,
 )
 
-NAMES = ["trunk.weight", "trunk.bias", "block.0.weight", "block.0.bias", "head_a.weight", "head_a.bias",
-         "head_b.weight", "head_b.bias"]
+NAMES = [
+    "trunk.weight",
+    "trunk.bias",
+    "block.0.weight",
+    "block.0.bias",
+    "head_a.weight",
+    "head_a.bias",
+    "head_b.weight",
+    "head_b.bias",
+]
 
 
 def _info(rank: int, world: int, case: str) -> dict:
     torch.manual_seed(0)
     net = Net()
     if case in ("ambiguous", "unfrozen"):
-        net.head_a.bias.requires_grad_(False)               # frozen before wrapping: DDP reduces 7 tensors
+        net.head_a.bias.requires_grad_(False)  # frozen before wrapping: DDP reduces 7 tensors
     ddp = DDP(net)
     if case == "stamped":
-        setattr(ddp, WRAP_STATE_ATTR, {"trainable": [n != "trunk.bias" for n in NAMES], "site": "train.py:12",
-                                       "framework": "transformers"})
+        setattr(
+            ddp,
+            WRAP_STATE_ATTR,
+            {"trainable": [n != "trunk.bias" for n in NAMES], "site": "train.py:12", "framework": "transformers"},
+        )
     if case in ("inferred", "ambiguous"):
-        net.head_b.bias.requires_grad_(False)               # frozen after wrapping
+        net.head_b.bias.requires_grad_(False)  # frozen after wrapping
     if case == "unfrozen":
         net.head_a.bias.requires_grad_(True)
     info = model_info(ddp, list(net.named_parameters()), [b for _, b in net.named_buffers()])
     assert info.param_names == NAMES
-    return {"frozen_at_wrap": [n for n, t in zip(info.param_names, info.trainable_at_wrap) if not t],
-            "exact": info.wrap_state_exact, "count": info.wrap_trainable_count, "site": info.ddp_site,
-            "framework": info.framework}
+    return {
+        "frozen_at_wrap": [n for n, t in zip(info.param_names, info.trainable_at_wrap) if not t],
+        "exact": info.wrap_state_exact,
+        "count": info.wrap_trainable_count,
+        "site": info.ddp_site,
+        "framework": info.framework,
+    }
 
 
-@pytest.mark.parametrize(("case", "expected"), [
-    # Launched by the doctor: the stamped state is the truth, whatever requires_grad says now.
-    ("stamped", {"frozen_at_wrap": ["trunk.bias"], "exact": True, "site": "train.py:12", "framework": "transformers"}),
-    # No stamp, nothing changed.
-    ("plain", {"frozen_at_wrap": [], "exact": True, "site": None, "framework": "torch"}),
-    # No stamp; DDP's recorded tensor count and bytes identify the one parameter frozen after wrapping.
-    ("inferred", {"frozen_at_wrap": [], "exact": True, "site": None, "framework": "torch"}),
-    # Two frozen now, one of them since before wrapping: which one changed is unknowable.
-    ("ambiguous", {"frozen_at_wrap": ["head_a.bias", "head_b.bias"], "exact": False, "site": None,
-                   "framework": "torch"}),
-    # More trainable now than DDP reduces: not inferred, and not exact.
-    ("unfrozen", {"frozen_at_wrap": [], "exact": False, "site": None, "framework": "torch"}),
-])
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        # Launched by the doctor: the stamped state is the truth, whatever requires_grad says now.
+        (
+            "stamped",
+            {"frozen_at_wrap": ["trunk.bias"], "exact": True, "site": "train.py:12", "framework": "transformers"},
+        ),
+        # No stamp, nothing changed.
+        ("plain", {"frozen_at_wrap": [], "exact": True, "site": None, "framework": "torch"}),
+        # No stamp; DDP's recorded tensor count and bytes identify the one parameter frozen after wrapping.
+        ("inferred", {"frozen_at_wrap": [], "exact": True, "site": None, "framework": "torch"}),
+        # Two frozen now, one of them since before wrapping: which one changed is unknowable.
+        (
+            "ambiguous",
+            {"frozen_at_wrap": ["head_a.bias", "head_b.bias"], "exact": False, "site": None, "framework": "torch"},
+        ),
+        # More trainable now than DDP reduces: not inferred, and not exact.
+        ("unfrozen", {"frozen_at_wrap": [], "exact": False, "site": None, "framework": "torch"}),
+    ],
+)
 def test_trainable_set_at_wrap_time(tmp_path, case, expected) -> None:
     [res] = run_ranks(_info, tmp_path, world_size=1, args=(case,))
     count = res.pop("count")
@@ -69,9 +92,16 @@ def _config(rank: int, world: int) -> dict:
 
 
 def test_flags_are_read_back_from_the_instance(tmp_path) -> None:
-    assert run_ranks(_config, tmp_path, world_size=1) == [{
-        "find_unused_parameters": True, "static_graph": False, "gradient_as_bucket_view": False,
-        "broadcast_buffers": False, "bucket_cap_mb": 1.0, "device_ids": None}]
+    assert run_ranks(_config, tmp_path, world_size=1) == [
+        {
+            "find_unused_parameters": True,
+            "static_graph": False,
+            "gradient_as_bucket_view": False,
+            "broadcast_buffers": False,
+            "bucket_cap_mb": 1.0,
+            "device_ids": None,
+        }
+    ]
 
 
 def test_require_ddp_names_the_type_and_the_fix() -> None:
@@ -79,7 +109,7 @@ def test_require_ddp_names_the_type_and_the_fix() -> None:
         require_ddp(nn.Linear(2, 2), "thing()")
     with pytest.raises(NotDDPModelError) as info:
         require_ddp("model", "thing()")
-    assert str(info.value).endswith("got builtins.str.")          # no wrap hint for something that is no module
+    assert str(info.value).endswith("got builtins.str.")  # no wrap hint for something that is no module
 
 
 def test_require_process_group_without_one() -> None:

@@ -24,10 +24,11 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    time.sleep(args.startup_s)       # loading a checkpoint and a dataset
+    time.sleep(args.startup_s)  # loading a checkpoint and a dataset
     torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU())],
-                          nn.Linear(64, 10))
+    model = nn.Sequential(
+        *[m for _ in range(8) for m in (nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU())], nn.Linear(64, 10)
+    )
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(rank)

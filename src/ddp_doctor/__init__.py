@@ -9,13 +9,9 @@ shadowed by it.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from ddp_doctor._guard import Guard, guard
-from ddp_doctor._observe import Doctor, observe
-from ddp_doctor._refreeze import ProgressiveFreeze, progressive_freeze, refreeze
-from ddp_doctor.codes import CODES
-from ddp_doctor.errors import (
+from ddp_doctor.core import VERSION as __version__
+from ddp_doctor.core.codes import CODES
+from ddp_doctor.core.errors import (
     DDPFailure,
     DoctorError,
     GuardError,
@@ -29,8 +25,12 @@ from ddp_doctor.errors import (
     ReportTimeoutError,
     StaleModelError,
 )
-from ddp_doctor.report import Finding, ParamRef, Recommendation, Report
-from ddp_doctor.sync import sync_gradients
+from ddp_doctor.core.findings import Finding, ParamRef, Recommendation
+from ddp_doctor.doctor import Doctor, observe
+from ddp_doctor.fixes.guard import Guard, guard
+from ddp_doctor.fixes.refreeze import ProgressiveFreeze, progressive_freeze, refreeze
+from ddp_doctor.fixes.sync import sync_gradients
+from ddp_doctor.report import Report
 
 __all__ = [
     "CODES",

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_doctor.analyze import analyze
-from ddp_doctor.records import CRASH_KINDS, Flavor, ModelInfo, RankRecord, StepCounters
+from ddp_doctor.core.records import CRASH_KINDS, Flavor, ModelInfo, RankRecord, StepCounters
 from ddp_doctor.report import Report
 
 NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight"]
@@ -17,17 +17,39 @@ SHAPES = [(4, 3), (4,), (2, 4), (2, 4)]
 
 
 def info(**overrides) -> ModelInfo:
-    base = {"param_names": NAMES, "param_shapes": SHAPES, "trainable_at_wrap": [True] * 4, "ignored": [False] * 4,
-                "buffer_names": ["norm.running_mean"], "buffer_shapes": [(4,)],
-                "ddp_config": {"find_unused_parameters": False, "static_graph": False,
-                            "gradient_as_bucket_view": False, "broadcast_buffers": True}}
+    base = {
+        "param_names": NAMES,
+        "param_shapes": SHAPES,
+        "trainable_at_wrap": [True] * 4,
+        "ignored": [False] * 4,
+        "buffer_names": ["norm.running_mean"],
+        "buffer_shapes": [(4,)],
+        "ddp_config": {
+            "find_unused_parameters": False,
+            "static_graph": False,
+            "gradient_as_bucket_view": False,
+            "broadcast_buffers": True,
+        },
+    }
     base.update(overrides)
     return ModelInfo(**base)
 
 
-def record(rank: int, used: list[list[int]], *, grad=None, weights=None, inputs=None, trainable=None,
-           buffers=None, counters=None, crash: str = "none", crash_step: int = -1, ran=None,
-           blocked_checkpoints=()) -> RankRecord:
+def record(
+    rank: int,
+    used: list[list[int]],
+    *,
+    grad=None,
+    weights=None,
+    inputs=None,
+    trainable=None,
+    buffers=None,
+    counters=None,
+    crash: str = "none",
+    crash_step: int = -1,
+    ran=None,
+    blocked_checkpoints=(),
+) -> RankRecord:
     """A rank's record: `used[s][p]` is 1 when param p got a gradient in step s; `ran` (default: `used`) when its
     module ran in forward."""
     steps, n = len(used), len(used[0])
@@ -39,15 +61,18 @@ def record(rank: int, used: list[list[int]], *, grad=None, weights=None, inputs=
         used=used_t,
         reachable=used_t.clone(),
         ran=torch.tensor(ran, dtype=torch.bool) if ran is not None else used_t.clone(),
-        trainable=torch.tensor(trainable, dtype=torch.bool) if trainable is not None else torch.ones(steps, n,
-                                                                                                       dtype=torch.bool),
+        trainable=torch.tensor(trainable, dtype=torch.bool)
+        if trainable is not None
+        else torch.ones(steps, n, dtype=torch.bool),
         grad_fp=grad if grad is not None else default_grad,
         weight_fp=weights if weights is not None else torch.zeros(steps + 1, n, 2, dtype=torch.float64),
         buffer_fp=buffers if buffers is not None else torch.zeros(steps, 1, 2, dtype=torch.float64),
         input_fp=inputs if inputs is not None else torch.full((steps, 2), float(rank + 1), dtype=torch.float64),
         timing=torch.full((steps, 3), 0.01, dtype=torch.float64),
         counters=counters if counters is not None else torch.tensor([c.as_list()] * steps),
-        crash_kind=CRASH_KINDS.index(crash), crash_step=crash_step, blocked_checkpoints=list(blocked_checkpoints),
+        crash_kind=CRASH_KINDS.index(crash),
+        crash_step=crash_step,
+        blocked_checkpoints=list(blocked_checkpoints),
     )
 
 
@@ -76,7 +101,11 @@ def test_clean_run_has_no_findings_and_a_verified_recommendation() -> None:
     assert codes(d) == set()
     rec = Report.build(info(), records, d, backend="gloo").recommendation  # the code is rendered at report time
     assert (rec.find_unused_parameters, rec.static_graph, rec.freeze_before_wrap, rec.verified) == (
-        False, False, [], True)
+        False,
+        False,
+        [],
+        True,
+    )
     assert "find_unused_parameters=False" in rec.render["torch"]
     assert "ddp_find_unused_parameters=False" in rec.render["transformers"]
     assert "DistributedDataParallelKwargs(find_unused_parameters=False" in rec.render["accelerate"]
@@ -99,8 +128,13 @@ def test_never_used_param_with_default_flags_is_an_error_and_frozen_before_wrap(
 def test_the_snippets_follow_the_recorded_flavor_not_the_process() -> None:
     """Analysis and rendering read the flavour recorded with the model, whatever this process imported."""
     records = [record(0, ALL), record(1, ALL)]
-    old = info(flavor=Flavor(lightning_package="pytorch_lightning", transformers_version="4.57.6",
-                             training_arguments_fields=["ddp_find_unused_parameters"]))
+    old = info(
+        flavor=Flavor(
+            lightning_package="pytorch_lightning",
+            transformers_version="4.57.6",
+            training_arguments_fields=["ddp_find_unused_parameters"],
+        )
+    )
     rec = Report.build(old, records, analyze(old, records), backend="gloo").recommendation
     assert "from pytorch_lightning import Trainer" in rec.render["lightning"]
     new = info()
@@ -177,8 +211,9 @@ def test_buffers_that_differ() -> None:
 def test_frozen_and_unfrozen_after_wrap() -> None:
     trainable = [[1, 1, 0, 1]] * 3
     used = [[1, 1, 0, 1]] * 3
-    d = analyze(info(trainable_at_wrap=[True, True, True, False]),
-                [record(r, used, trainable=trainable) for r in range(2)])
+    d = analyze(
+        info(trainable_at_wrap=[True, True, True, False]), [record(r, used, trainable=trainable) for r in range(2)]
+    )
     assert {"frozen-after-wrap", "unfrozen-after-wrap"} <= codes(d)
     assert names(d, "frozen-after-wrap") == ["head_a.weight"]
     assert names(d, "unfrozen-after-wrap") == ["head_b.weight"]
@@ -224,11 +259,28 @@ def test_json_round_trip_of_the_report_shape() -> None:
     report = Report.build(info(), [None, None], d, backend="gloo")
     data = report.to_dict()
     assert data["schema"] == "ddp-doctor/report@1"
-    assert set(data) >= {"schema", "tool_version", "torch_version", "backend", "world_size", "steps_observed",
-                         "ddp_config", "findings", "recommendation", "timing"}
+    assert set(data) >= {
+        "schema",
+        "tool_version",
+        "torch_version",
+        "backend",
+        "world_size",
+        "steps_observed",
+        "ddp_config",
+        "findings",
+        "recommendation",
+        "timing",
+    }
     assert set(data["findings"][0]) == {"code", "severity", "title", "detail", "params", "ranks", "steps", "fix"}
-    assert set(data["recommendation"]) == {"find_unused_parameters", "static_graph", "gradient_as_bucket_view",
-                                           "freeze_before_wrap", "reason", "verified", "render"}
+    assert set(data["recommendation"]) == {
+        "find_unused_parameters",
+        "static_graph",
+        "gradient_as_bucket_view",
+        "freeze_before_wrap",
+        "reason",
+        "verified",
+        "render",
+    }
     assert "unused-parameters" in str(report) and "head_b.weight (8)" in str(report)
     # The check parent reads the ranks' JSON back with from_dict: nothing may be lost on the way.
     back = Report.from_dict(json.loads(json.dumps(data)))

@@ -15,8 +15,26 @@ from checkrun import EXAMPLES, REPO
 
 def bench(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], dict]:
     out = tmp_path / "bench.json"
-    done = subprocess.run([sys.executable, "-m", "ddp_doctor.cli", "bench", "--nproc-per-node", "2", "--steps", "4",
-                           "--json", str(out), *args], cwd=REPO, capture_output=True, text=True, timeout=400, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddp_doctor.cli",
+            "bench",
+            "--nproc-per-node",
+            "2",
+            "--steps",
+            "4",
+            "--json",
+            str(out),
+            *args,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
     assert out.exists(), done.stdout + done.stderr
     return done, json.loads(out.read_text())
 
@@ -27,8 +45,18 @@ def by_name(result: dict) -> dict[str, dict]:
 
 def test_find_unused_unneeded_recommended_config_is_correct_and_page_renders(tmp_path: Path) -> None:
     page = tmp_path / "bench.html"
-    done, result = bench(["--rounds", "2", "--configs", "user,recommended", "--html", str(page),
-                          str(EXAMPLES / "find_unused_all_used.py")], tmp_path)
+    done, result = bench(
+        [
+            "--rounds",
+            "2",
+            "--configs",
+            "user,recommended",
+            "--html",
+            str(page),
+            str(EXAMPLES / "find_unused_all_used.py"),
+        ],
+        tmp_path,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert result["schema"] == "ddp-doctor/bench@1"
     cands = by_name(result)
@@ -46,8 +74,10 @@ def test_find_unused_unneeded_recommended_config_is_correct_and_page_renders(tmp
     # The example's loop has 16 steps: the check, user's block and recommended's fill the first launch; round 2
     # needs a second one, and the output says why.
     launches = result["launches"]
-    assert [launch["blocks"] for launch in launches] == [["user (round 1)", "recommended (round 1)"],
-                                                         ["recommended (round 2)", "user (round 2)"]]
+    assert [launch["blocks"] for launch in launches] == [
+        ["user (round 1)", "recommended (round 1)"],
+        ["recommended (round 2)", "user (round 2)"],
+    ]
     assert "the script's loop ended after 16 optimizer steps in launch 1" in launches[1]["why"]
     assert all(launch["startup_s"] > 0 for launch in launches)
     assert "paid 2 time(s) for 4 block(s)" in " ".join(done.stdout.split())
@@ -55,14 +85,20 @@ def test_find_unused_unneeded_recommended_config_is_correct_and_page_renders(tmp
 
 
 def test_unused_head_default_flags_are_incorrect_and_the_fixes_are_correct(tmp_path: Path) -> None:
-    done, result = bench(["--rounds", "1", "--configs", "user,recommended,static_graph,find_unused",
-                          str(EXAMPLES / "unused_head.py")], tmp_path)
+    done, result = bench(
+        ["--rounds", "1", "--configs", "user,recommended,static_graph,find_unused", str(EXAMPLES / "unused_head.py")],
+        tmp_path,
+    )
     cands = by_name(result)
     assert set(cands) == {"user", "recommended", "static_graph", "find_unused"}
     assert not cands["user"]["correct"] and "reduction-error" in cands["user"]["reason"]
     assert cands["user"]["median_step_s"] is None
     assert cands["recommended"]["config"]["freeze_before_wrap"] == [
-        "regress.0.weight", "regress.0.bias", "regress.2.weight", "regress.2.bias"]
+        "regress.0.weight",
+        "regress.0.bias",
+        "regress.2.weight",
+        "regress.2.bias",
+    ]
     assert cands["recommended"]["correct"] and cands["static_graph"]["correct"] and cands["find_unused"]["correct"]
     assert result["winner"]["name"] != "user"
     assert done.returncode == 0
@@ -78,8 +114,10 @@ def test_unused_head_default_flags_are_incorrect_and_the_fixes_are_correct(tmp_p
 
 def test_changing_graph_static_graph_is_incorrect(tmp_path: Path) -> None:
     # Which candidates the check rules out is tested without processes in tests/bench/test_candidates.py.
-    _, result = bench(["--rounds", "1", "--configs", "user,recommended", str(EXAMPLES / "dynamic_graph.py"),
-                       "--aux-every", "2"], tmp_path)
+    _, result = bench(
+        ["--rounds", "1", "--configs", "user,recommended", str(EXAMPLES / "dynamic_graph.py"), "--aux-every", "2"],
+        tmp_path,
+    )
     cands = by_name(result)
     assert not cands["user"]["correct"] and cands["user"]["config"]["static_graph"] is True
     assert "static-graph-unsafe" in cands["user"]["reason"]
@@ -89,8 +127,20 @@ def test_changing_graph_static_graph_is_incorrect(tmp_path: Path) -> None:
 
 def test_candidates_share_one_launch_on_a_slow_start_script(tmp_path: Path) -> None:
     script = REPO / "benchmarks" / "scripts" / "slow_start.py"
-    done, result = bench(["--rounds", "3", "--configs", "user,recommended,static_graph,recommended+bucket_view",
-                          str(script), "--startup-s", "2", "--max-steps", "400"], tmp_path)
+    done, result = bench(
+        [
+            "--rounds",
+            "3",
+            "--configs",
+            "user,recommended,static_graph,recommended+bucket_view",
+            str(script),
+            "--startup-s",
+            "2",
+            "--max-steps",
+            "400",
+        ],
+        tmp_path,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     cands = by_name(result)
     assert all(c["correct"] for c in cands.values()), cands
@@ -98,7 +148,11 @@ def test_candidates_share_one_launch_on_a_slow_start_script(tmp_path: Path) -> N
     # One launch: the script slept through its start-up once, for the check and all twelve blocks.
     (launch,) = result["launches"]
     assert len(launch["blocks"]) == 12 and launch["blocks"][:4] == [
-        "user (round 1)", "recommended (round 1)", "static_graph (round 1)", "recommended+bucket_view (round 1)"]
+        "user (round 1)",
+        "recommended (round 1)",
+        "static_graph (round 1)",
+        "recommended+bucket_view (round 1)",
+    ]
     assert launch["startup_s"] >= 2.0 and result["startup_s"] == launch["startup_s"]
     assert result["rounds_run"] == 3 and result["winner"]["reference"] == "recommended"
     assert "paid 1 time(s) for 12 block(s)" in " ".join(done.stdout.split())
@@ -109,8 +163,9 @@ def test_a_candidate_that_crashes_mid_launch_is_incorrect_and_the_rest_go_on_in_
 
     # Its auxiliary loss stops at step 10: the check (4 steps) sees every parameter used, user's second block
     # runs past step 10 in the shared launch and crashes with the reduction error.
-    done, result = bench(["--rounds", "3", "--configs", "user,static_graph,find_unused",
-                          str(SCRIPTS / "aux_off_later.py")], tmp_path)
+    done, result = bench(
+        ["--rounds", "3", "--configs", "user,static_graph,find_unused", str(SCRIPTS / "aux_off_later.py")], tmp_path
+    )
     cands = by_name(result)
     assert not cands["user"]["correct"] and "crashed during its block" in cands["user"]["reason"]
     assert "Expected to have finished reduction" in cands["user"]["reason"]
@@ -129,8 +184,9 @@ def test_a_script_with_two_ddp_models_runs_each_block_in_its_own_launch(tmp_path
 
     # The GAN's critic fails with the script's flags (the check's run is user's block, judged over both models);
     # static_graph works, and with two DDP models it cannot be rebuilt in place: one launch per block, and why.
-    done, result = bench(["--steps", "3", "--rounds", "3", "--configs", "user,static_graph",
-                          str(SCRIPTS / "gan.py")], tmp_path)
+    done, result = bench(
+        ["--steps", "3", "--rounds", "3", "--configs", "user,static_graph", str(SCRIPTS / "gan.py")], tmp_path
+    )
     cands = by_name(result)
     assert not cands["user"]["correct"] and "reduction-error" in cands["user"]["reason"]
     assert cands["static_graph"]["correct"] and len(cands["static_graph"]["rounds"]) == 3
@@ -141,21 +197,24 @@ def test_a_script_with_two_ddp_models_runs_each_block_in_its_own_launch(tmp_path
     assert result["winner"]["name"] == "static_graph" and done.returncode == 0
 
 
-@pytest.mark.parametrize(("script", "framework"), [("bench_accelerate.py", "accelerate"),
-                                                    ("bench_lightning.py", "lightning")])
-def test_candidates_share_one_launch_when_a_framework_holds_the_ddp_model(tmp_path: Path, script: str,
-                                                                          framework: str) -> None:
+@pytest.mark.parametrize(
+    ("script", "framework"), [("bench_accelerate.py", "accelerate"), ("bench_lightning.py", "lightning")]
+)
+def test_candidates_share_one_launch_when_a_framework_holds_the_ddp_model(
+    tmp_path: Path, script: str, framework: str
+) -> None:
     from checkrun import SCRIPTS
 
-    done, result = bench(["--rounds", "2", "--configs", "user,recommended,static_graph", str(SCRIPTS / script)],
-                         tmp_path)
+    done, result = bench(
+        ["--rounds", "2", "--configs", "user,recommended,static_graph", str(SCRIPTS / script)], tmp_path
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert result["check"]["framework"] == framework
     cands = by_name(result)
     assert all(c["correct"] and len(c["rounds"]) == 2 for c in cands.values()), cands
     (launch,) = result["launches"]
     assert len(launch["blocks"]) == 6 and launch["ended"] == "the maximum of 2"
-    assert result["winner"]["name"] == "recommended"    # two rounds never show a winner: the least work
+    assert result["winner"]["name"] == "recommended"  # two rounds never show a winner: the least work
 
 
 def _render_in_chromium(page: Path, tmp_path: Path, names: list[str]) -> None:
@@ -163,7 +222,9 @@ def _render_in_chromium(page: Path, tmp_path: Path, names: list[str]) -> None:
     if browser is None:
         pytest.fail("Chromium is not installed: `apt-get install chromium` (make test and .ci/run install it).")
     flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,1600"]
-    dom = subprocess.run([*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120, check=False).stdout
+    dom = subprocess.run(
+        [*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120, check=False
+    ).stdout
     for name in names:
         assert f'data-candidate="{name}"' in dom, dom[:2000]
     assert "<svg" in dom and 'id="verdict"' in dom
@@ -185,9 +246,15 @@ def test_a_crash_during_the_timed_steps_makes_the_candidate_incorrect(tmp_path: 
     from ddp_doctor.cli.check import check
 
     with open(tmp_path / "log", "w") as log:
-        result = check(str(SCRIPTS / "crash_late.py"), torchrun=["--nproc-per-node", "2"], steps=4, timed_steps=4,
-                       timeout=120, output=log)
-    assert result.report is not None and result.report.steps_observed == 4   # the observed steps were clean
+        result = check(
+            str(SCRIPTS / "crash_late.py"),
+            torchrun=["--nproc-per-node", "2"],
+            steps=4,
+            timed_steps=4,
+            timeout=120,
+            output=log,
+        )
+    assert result.report is not None and result.report.steps_observed == 4  # the observed steps were clean
     assert result.late_crash is not None and "loss is NaN at step 6" in result.late_crash
     correct, reason = judge(result, Config(), result.report, timed_steps=4)
     assert not correct and "crashed after the observed steps" in reason

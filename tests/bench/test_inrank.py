@@ -12,11 +12,12 @@ from dist import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_doctor._refreeze.rebuild import constructor_kwargs
 from ddp_doctor.bench.candidates import Config
+from ddp_doctor.bench.inplace import Snapshot, rebuild_in_place
 from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, judge_report, round_end, round_order
-from ddp_doctor.bench.rebuild import Snapshot, rebuild_in_place
-from ddp_doctor.report.model import Finding, ParamRef, Recommendation, Report, Timing
+from ddp_doctor.core.findings import Finding, ParamRef, Recommendation, Timing
+from ddp_doctor.observation.wrapstate import constructor_kwargs
+from ddp_doctor.report.model import Report
 
 
 class Net(nn.Module):
@@ -24,18 +25,18 @@ class Net(nn.Module):
         super().__init__()
         self.body = nn.Linear(8, 8)
         self.head = nn.Linear(8, 2)
-        self.aux = nn.Linear(8, 1)     # never used: both flags off cannot work unless it is frozen
+        self.aux = nn.Linear(8, 1)  # never used: both flags off cannot work unless it is frozen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.relu(self.body(x)))
 
 
 def _rebuilds(rank: int, world: int) -> dict[str, tuple]:
-    torch.manual_seed(rank)                       # different weights: DDP's constructor broadcasts rank 0's
+    torch.manual_seed(rank)  # different weights: DDP's constructor broadcasts rank 0's
     model = Net()
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
     calls: list[int] = []
-    ddp.register_forward_pre_hook(lambda _m, _a: calls.append(1))   # the script's own hook on its wrapper
+    ddp.register_forward_pre_hook(lambda _m, _a: calls.append(1))  # the script's own hook on its wrapper
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(10 + rank)
 
@@ -50,17 +51,26 @@ def _rebuilds(rank: int, world: int) -> dict[str, tuple]:
     base = constructor_kwargs(ddp)
     trainable = [p.requires_grad for p in model.parameters()]
     out = {}
-    for name, config in (("static_graph", Config(static_graph=True)),
-                         ("frozen aux", Config(freeze_before_wrap=("aux.weight", "aux.bias"))),
-                         ("find_unused 1mb", Config(find_unused_parameters=True, bucket_cap_mb=1.0))):
+    for name, config in (
+        ("static_graph", Config(static_graph=True)),
+        ("frozen aux", Config(freeze_before_wrap=("aux.weight", "aux.bias"))),
+        ("find_unused 1mb", Config(find_unused_parameters=True, bucket_cap_mb=1.0)),
+    ):
         before = len(calls)
         flags = rebuild_in_place(ddp, base, config, trainable)
         grads = torch.stack([step() for _ in range(3)])
         every = [torch.empty_like(grads) for _ in range(world)]
         dist.all_gather(every, grads)
-        out[name] = (bool(ddp.static_graph), bool(ddp.find_unused_parameters), ddp.bucket_bytes_cap / 2**20,
-                     flags, all(torch.equal(every[0], e) for e in every), len(calls) - before,
-                     model.aux.weight.requires_grad, ddp.training)
+        out[name] = (
+            bool(ddp.static_graph),
+            bool(ddp.find_unused_parameters),
+            ddp.bucket_bytes_cap / 2**20,
+            flags,
+            all(torch.equal(every[0], e) for e in every),
+            len(calls) - before,
+            model.aux.weight.requires_grad,
+            ddp.training,
+        )
     return out
 
 
@@ -70,8 +80,8 @@ def test_rebuild_in_place_applies_each_config_and_keeps_the_scripts_object_train
         # (static_graph, find_unused, bucket MB, trainable flags, grads equal across ranks, hook calls, aux trains)
         assert static[:3] == (True, False, 25.0) and static[3] == [True] * 6 and static[4] and static[5] == 3
         assert frozen[:2] == (False, False) and frozen[3] == [True, True, True, True, False, False]
-        assert frozen[4] and frozen[5] == 3 and frozen[6] is False     # both flags off works: aux was frozen first
-        assert unused[:3] == (False, True, 1.0) and unused[4] and unused[6] is True   # the freeze is undone
+        assert frozen[4] and frozen[5] == 3 and frozen[6] is False  # both flags off works: aux was frozen first
+        assert unused[:3] == (False, True, 1.0) and unused[4] and unused[6] is True  # the freeze is undone
         assert all(r[7] for r in result.values())
 
 
@@ -90,20 +100,29 @@ def test_snapshot_restores_weights_buffers_and_optimizer_state() -> None:
 
     snap = Snapshot.take(model, opt)
     first = train()
-    opt.param_groups[0]["lr"] = 0.5                 # a scheduler moved it
+    opt.param_groups[0]["lr"] = 0.5  # a scheduler moved it
     train()
     snap.restore(model, opt)
     assert opt.param_groups[0]["lr"] == 1e-2 and len(opt.state) == 0
-    again = train()                                  # from the same starting point: the same trajectory
+    again = train()  # from the same starting point: the same trajectory
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
 def test_plan_and_log_round_trip(tmp_path: Path) -> None:
-    plan = BenchPlan(steps=4, rounds=3, candidates=[("recommended", Config(freeze_before_wrap=("a.weight",)))],
-                     pending=["recommended"], history={"recommended": [0.01]}, budget_s=60.0)
+    plan = BenchPlan(
+        steps=4,
+        rounds=3,
+        candidates=[("recommended", Config(freeze_before_wrap=("a.weight",)))],
+        pending=["recommended"],
+        history={"recommended": [0.01]},
+        budget_s=60.0,
+    )
     assert BenchPlan.from_dict(plan.to_dict()) == plan
-    log = BenchLog(candidates=plan.candidates, blocks=[Block(round=0, name="recommended", status="timing",
-                                                             step_s=[0.1])], first_step_at=5.0)
+    log = BenchLog(
+        candidates=plan.candidates,
+        blocks=[Block(round=0, name="recommended", status="timing", step_s=[0.1])],
+        first_step_at=5.0,
+    )
     log.write(tmp_path)
     back = BenchLog.read(tmp_path)
     assert back == log and back.current is back.blocks[0]
@@ -121,20 +140,44 @@ def test_round_end_stops_on_the_maximum_the_budget_or_nothing_left() -> None:
 def test_rounds_rotate_their_order() -> None:
     live = ["user", "recommended", "static_graph"]
     assert [round_order(live, r) for r in range(4)] == [
-        live, ["recommended", "static_graph", "user"], ["static_graph", "user", "recommended"], live]
+        live,
+        ["recommended", "static_graph", "user"],
+        ["static_graph", "user", "recommended"],
+        live,
+    ]
     assert round_order([], 3) == []
 
 
 def _report(unused: list[str], errors: tuple[str, ...] = ()) -> Report:
     findings = [Finding(code=c, severity="error", title=c, detail="") for c in errors]
     if unused:
-        findings.append(Finding(code="unused-parameters", severity="warning", title="unused", detail="",
-                                params=[ParamRef(name=n, numel=1) for n in unused]))
-    return Report(tool_version="0", torch_version="2.13", backend="gloo", world_size=2, steps_observed=4,
-                  ddp_config={}, findings=findings, timing=Timing(),
-                  recommendation=Recommendation(find_unused_parameters=False, static_graph=False,
-                                                gradient_as_bucket_view=False, freeze_before_wrap=[], reason="",
-                                                verified=False))
+        findings.append(
+            Finding(
+                code="unused-parameters",
+                severity="warning",
+                title="unused",
+                detail="",
+                params=[ParamRef(name=n, numel=1) for n in unused],
+            )
+        )
+    return Report(
+        tool_version="0",
+        torch_version="2.13",
+        backend="gloo",
+        world_size=2,
+        steps_observed=4,
+        ddp_config={},
+        findings=findings,
+        timing=Timing(),
+        recommendation=Recommendation(
+            find_unused_parameters=False,
+            static_graph=False,
+            gradient_as_bucket_view=False,
+            freeze_before_wrap=[],
+            reason="",
+            verified=False,
+        ),
+    )
 
 
 def test_a_block_is_judged_on_errors_and_on_the_checks_used_set_except_under_find_unused() -> None:

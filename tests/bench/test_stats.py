@@ -20,8 +20,10 @@ def test_the_fallback_order_is_least_work_first() -> None:
 def test_a_clear_winner_is_found() -> None:
     # find_unused is 20% faster in every one of 6 rounds (an odd script where the graph walk pays off).
     defaults = [10.0, 11.0, 9.5, 10.5, 12.0, 10.2]
-    verdict = decide({"defaults": defaults, "find_unused": [t * 0.8 for t in defaults]},
-                     {"defaults": DEFAULTS, "find_unused": FIND_UNUSED})
+    verdict = decide(
+        {"defaults": defaults, "find_unused": [t * 0.8 for t in defaults]},
+        {"defaults": DEFAULTS, "find_unused": FIND_UNUSED},
+    )
     assert verdict.choice == "find_unused" and verdict.measured and verdict.reference == "defaults"
     c = verdict.comparisons["find_unused"]
     assert c.high < 1 - MARGIN and abs(c.ratio - 0.8) < 1e-9
@@ -39,14 +41,17 @@ def test_a_noisy_tie_falls_back_to_least_work_and_says_so() -> None:
 
 
 def test_freeze_before_wrap_wins_a_tie_over_plain_flags() -> None:
-    verdict = decide({"recommended": [10.0, 10.1, 9.9], "static_graph": [9.9, 10.2, 10.0]},
-                     {"recommended": FREEZE, "static_graph": STATIC})
+    verdict = decide(
+        {"recommended": [10.0, 10.1, 9.9], "static_graph": [9.9, 10.2, 10.0]},
+        {"recommended": FREEZE, "static_graph": STATIC},
+    )
     assert verdict.choice == "recommended" and "freezes the never-used parameters" in verdict.reason
 
 
 def test_too_few_rounds_never_declare_a_winner() -> None:
-    verdict = decide({"defaults": [10.0, 10.0], "find_unused": [5.0, 5.0]},
-                     {"defaults": DEFAULTS, "find_unused": FIND_UNUSED})
+    verdict = decide(
+        {"defaults": [10.0, 10.0], "find_unused": [5.0, 5.0]}, {"defaults": DEFAULTS, "find_unused": FIND_UNUSED}
+    )
     assert verdict.choice == "defaults" and not verdict.settled
     assert "too few rounds for an interval" in verdict.reason
 

@@ -26,13 +26,18 @@ def test_unused_module_then_the_recommended_kwargs_handler(tmp_path: Path) -> No
     assert set(rec["freeze_before_wrap"]) == AUX and rec["find_unused_parameters"] is False
     assert "DistributedDataParallelKwargs(find_unused_parameters=False" in rec["render"]["accelerate"]
 
-    checked = check(["--nproc-per-node", "2", "--steps", "4", str(SCRIPTS / "accelerate_unused.py"),
-                     str(tmp_path / "c")], tmp_path / "check")
+    checked = check(
+        ["--nproc-per-node", "2", "--steps", "4", str(SCRIPTS / "accelerate_unused.py"), str(tmp_path / "c")],
+        tmp_path / "check",
+    )
     assert checked.rc == 0 and checked.report is not None, checked.output
     same_findings(report, checked.report)
 
-    applied = torchrun("accelerate_unused.py", [str(tmp_path / "applied"), "--apply",
-                                                str(tmp_path / "out" / "ddp_doctor.json")], tmp_path)
+    applied = torchrun(
+        "accelerate_unused.py",
+        [str(tmp_path / "applied"), "--apply", str(tmp_path / "out" / "ddp_doctor.json")],
+        tmp_path,
+    )
     assert applied.rc == 0, applied.output[-6000:]
     clean = load(tmp_path / "applied" / "ddp_doctor.json", applied)
     assert clean["ddp_config"]["find_unused_parameters"] is False

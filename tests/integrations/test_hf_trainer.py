@@ -39,8 +39,9 @@ def test_bert_trainer_defaults_pay_for_find_unused(tmp_path: Path) -> None:
     assert "fix: set TrainingArguments(ddp_find_unused_parameters=False)." in run.output
     assert "'train_runtime'" in run.output
 
-    checked = check(["--nproc-per-node", "2", "--steps", "4", str(SCRIPTS / "hf_bert.py"), str(tmp_path / "c")],
-                    tmp_path / "check")
+    checked = check(
+        ["--nproc-per-node", "2", "--steps", "4", str(SCRIPTS / "hf_bert.py"), str(tmp_path / "c")], tmp_path / "check"
+    )
     assert checked.rc == 0 and checked.report is not None, checked.output
     same_findings(report, checked.report)
     # Under check the callback stands by: one doctor, one report.
@@ -57,7 +58,7 @@ def test_two_heads_seed000_freeze_the_unused_head_and_run_clean(tmp_path: Path) 
     assert params(report, "unused-parameters") == SCORE_HEAD
     import transformers
 
-    if transformers.__version__.startswith("4."):   # no ddp_static_graph field: the subclass route (4.57.6)
+    if transformers.__version__.startswith("4."):  # no ddp_static_graph field: the subclass route (4.57.6)
         assert "has no field for static_graph: subclass Trainer" in unused["fix"], unused["fix"]
     else:
         assert "set TrainingArguments(ddp_static_graph=True) (same params unused every step)" in unused["fix"]
@@ -69,8 +70,10 @@ def test_two_heads_seed000_freeze_the_unused_head_and_run_clean(tmp_path: Path) 
     assert "model.get_parameter(name).requires_grad_(False)" in code and "'score_head.weight'" in code
     assert "ddp_find_unused_parameters=False" in code
 
-    checked = check(["--nproc-per-node", "2", "--steps", "4", str(SCRIPTS / "hf_two_heads.py"), str(tmp_path / "c")],
-                    tmp_path / "check")
+    checked = check(
+        ["--nproc-per-node", "2", "--steps", "4", str(SCRIPTS / "hf_two_heads.py"), str(tmp_path / "c")],
+        tmp_path / "check",
+    )
     assert checked.rc == 0 and checked.report is not None, checked.output
     same_findings(report, checked.report)
 
@@ -80,4 +83,3 @@ def test_two_heads_seed000_freeze_the_unused_head_and_run_clean(tmp_path: Path) 
     clean = load(tmp_path / "fixed" / "ddp_doctor.json", fixed)
     assert clean["findings"] == [] and clean["recommendation"]["verified"] is True
     assert clean["ddp_config"]["find_unused_parameters"] is False
-

@@ -31,12 +31,16 @@ def test_frozen_set_changed_mid_training_is_flagged_and_stops_the_run(tmp_path: 
     assert "DDPStrategy(find_unused_parameters=True" in report["recommendation"]["render"]["lightning"]
     # fail_on="error" (the default): after the report, every rank stops with FindingsError.
     assert run.rc != 0, run.output[-6000:]
-    assert run.output.count("stopped by ddp-doctor: ['grads-not-synced', 'replica-divergence', "
-                            "'unfrozen-after-wrap']") == 2, run.output[-6000:]
+    assert (
+        run.output.count("stopped by ddp-doctor: ['grads-not-synced', 'replica-divergence', 'unfrozen-after-wrap']")
+        == 2
+    ), run.output[-6000:]
     assert run.output.count("ddp-doctor report after 6 observed steps") == 1
 
-    checked = check(["--nproc-per-node", "2", "--steps", "6", str(SCRIPTS / "lightning_finetune.py"),
-                     str(tmp_path / "c")], tmp_path / "check")
+    checked = check(
+        ["--nproc-per-node", "2", "--steps", "6", str(SCRIPTS / "lightning_finetune.py"), str(tmp_path / "c")],
+        tmp_path / "check",
+    )
     assert checked.rc == 1 and checked.report is not None, checked.output
     same_findings(report, checked.report)
     assert "stopped by ddp-doctor" not in checked.output  # the callback stood by

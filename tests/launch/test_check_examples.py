@@ -27,23 +27,46 @@ class Example:
 HEAD = {f"regress.{i}.{k}" for i in (0, 2) for k in ("weight", "bias")}
 EXAMPLES_EXPECTED = [
     Example("clean.py", set(), 0),
-    Example("unused_head.py", {"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"}, 1,
-            params={"unused-parameters": HEAD, "reduction-error": HEAD}),
+    Example(
+        "unused_head.py",
+        {"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"},
+        1,
+        params={"unused-parameters": HEAD, "reduction-error": HEAD},
+    ),
     Example("find_unused_all_used.py", {"find-unused-unneeded"}, 0),
-    Example("curriculum_through_module.py", {"wrapper-bypass", "grads-not-synced", "replica-divergence"}, 1,
-            params={"wrapper-bypass": {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}},
-            code_fix=["--through-ddp"],
-            detail={"wrapper-bypass": "Called from examples/curriculum_through_module.py:51."}),
-    Example("progressive_freeze.py", {"reduction-error", "frozen-after-wrap", "grads-not-synced",
-                                      "replica-divergence"}, 1,
-            params={"frozen-after-wrap": {"layers.0.weight", "layers.0.bias"},
-                    "reduction-error": {"layers.0.weight", "layers.0.bias"}}),
-    Example("dynamic_graph.py", {"static-graph-unsafe", "dynamic-graph", "grads-not-synced", "replica-divergence"},
-            1, params={"dynamic-graph": {"aux_head.weight", "aux_head.bias"},
-                       "static-graph-unsafe": {"aux_head.weight", "aux_head.bias"}}),
+    Example(
+        "curriculum_through_module.py",
+        {"wrapper-bypass", "grads-not-synced", "replica-divergence"},
+        1,
+        params={"wrapper-bypass": {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}},
+        code_fix=["--through-ddp"],
+        detail={"wrapper-bypass": "Called from examples/curriculum_through_module.py:51."},
+    ),
+    Example(
+        "progressive_freeze.py",
+        {"reduction-error", "frozen-after-wrap", "grads-not-synced", "replica-divergence"},
+        1,
+        params={
+            "frozen-after-wrap": {"layers.0.weight", "layers.0.bias"},
+            "reduction-error": {"layers.0.weight", "layers.0.bias"},
+        },
+    ),
+    Example(
+        "dynamic_graph.py",
+        {"static-graph-unsafe", "dynamic-graph", "grads-not-synced", "replica-divergence"},
+        1,
+        params={
+            "dynamic-graph": {"aux_head.weight", "aux_head.bias"},
+            "static-graph-unsafe": {"aux_head.weight", "aux_head.bias"},
+        },
+    ),
     # The used set differs by rank but never changes: static_graph=True is the cheaper correct flag.
-    Example("rank_dependent_head.py", {"rank-dependent-graph"}, 0,
-            params={"rank-dependent-graph": {"aux_head.weight", "aux_head.bias"}}),
+    Example(
+        "rank_dependent_head.py",
+        {"rank-dependent-graph"},
+        0,
+        params={"rank-dependent-graph": {"aux_head.weight", "aux_head.bias"}},
+    ),
 ]
 
 
@@ -63,8 +86,11 @@ def test_check_example_then_apply_the_recommendation(example: Example, tmp_path:
     assert_matches_golden(Path(example.script).stem, first.report)
 
     rec = first.report["recommendation"]
-    kwargs = {"find_unused_parameters": rec["find_unused_parameters"], "static_graph": rec["static_graph"],
-              "freeze_before_wrap": rec["freeze_before_wrap"]}
+    kwargs = {
+        "find_unused_parameters": rec["find_unused_parameters"],
+        "static_graph": rec["static_graph"],
+        "freeze_before_wrap": rec["freeze_before_wrap"],
+    }
     second = check(["--nproc-per-node", "2", "--ddp-kwargs", json.dumps(kwargs), script], tmp_path / "second")
     assert second.report is not None, second.output
     if example.code_fix is None:

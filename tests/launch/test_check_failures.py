@@ -23,15 +23,17 @@ def test_crash_on_rank_1_names_the_rank_step_and_error(tmp_path: Path) -> None:
     assert "crash_rank1.py:10" in finding["detail"]
     # Where rank 0 was: it either noticed the lost peer first or was stopped while still waiting in DDP's
     # all-reduce (which comes first depends on the machine's load); both name its step.
-    assert ("rank 0 lost its peer at step 3" in finding["detail"]
-            or "rank 0 was at step 3, backward" in finding["detail"]), finding["detail"]
-    assert "corrupt sample 1234" in run.output          # the traceback reaches the user
+    assert (
+        "rank 0 lost its peer at step 3" in finding["detail"] or "rank 0 was at step 3, backward" in finding["detail"]
+    ), finding["detail"]
+    assert "corrupt sample 1234" in run.output  # the traceback reaches the user
 
 
 def test_hang_on_rank_1_ends_within_the_timeout_and_names_it(tmp_path: Path) -> None:
-    run = check(["--nproc-per-node", "2", "--timeout", "20", str(SCRIPTS / "hang_rank1.py")], tmp_path,
-                timeout=60)
-    assert run.seconds < 20 + 40, run.seconds          # a hang guard (the timeout plus a loaded machine's start-up), not a speed test
+    run = check(["--nproc-per-node", "2", "--timeout", "20", str(SCRIPTS / "hang_rank1.py")], tmp_path, timeout=60)
+    assert run.seconds < 20 + 40, (
+        run.seconds
+    )  # a hang guard (the timeout plus a loaded machine's start-up), not a speed test
     assert run.rc == 1, run.output
     assert run.codes == {"rank-hung"}, run.output
     finding = run.finding("rank-hung")
@@ -53,15 +55,29 @@ def test_isinstance_copy_and_pickle_keep_working_while_observed(tmp_path: Path) 
 
 
 def test_freeze_before_wrap_with_an_unknown_name_is_exit_2_naming_it(tmp_path: Path) -> None:
-    run = check(["--nproc-per-node", "2", "--ddp-kwargs", '{"freeze_before_wrap": ["encoder.nope"]}',
-                 str(EXAMPLES / "clean.py")], tmp_path)
+    run = check(
+        [
+            "--nproc-per-node",
+            "2",
+            "--ddp-kwargs",
+            '{"freeze_before_wrap": ["encoder.nope"]}',
+            str(EXAMPLES / "clean.py"),
+        ],
+        tmp_path,
+    )
     assert run.rc == 2, run.output
     assert "encoder.nope" in run.output and "0.weight" in run.output
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ddp_doctor.cli", "check", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "ddp_doctor.cli", "check", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_bad_input_is_exit_2_with_the_value_and_the_fix() -> None:
@@ -86,8 +102,20 @@ def test_two_nodes_of_one_process_give_the_same_report_as_one_node_of_two(tmp_pa
     script = str(EXAMPLES / "unused_head.py")
     single = check(["--nproc-per-node", "2", script], tmp_path / "single")
     port = free_port()
-    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}", "--timeout", "90"]
+    rdzv = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"test-{port}",
+        "--timeout",
+        "90",
+    ]
     started = time.monotonic()
     nodes = [start([*rdzv, "--node-rank", str(n), script], tmp_path, name=f"node{n}.json") for n in (0, 1)]
     runs = [finish(proc, out, timeout=120, started=started) for proc, out in nodes]
@@ -104,8 +132,9 @@ def test_two_nodes_of_one_process_give_the_same_report_as_one_node_of_two(tmp_pa
 
 
 def test_a_module_runs_like_python_dash_m_with_its_arguments(tmp_path: Path) -> None:
-    run = check(["--nproc-per-node", "2", "--steps", "4", "-m", "tests.scripts.as_module", "--steps-total", "12"],
-                tmp_path)
+    run = check(
+        ["--nproc-per-node", "2", "--steps", "4", "-m", "tests.scripts.as_module", "--steps-total", "12"], tmp_path
+    )
     assert run.rc == 0, run.output
     assert run.codes == {"find-unused-unneeded"} and run.report["steps_observed"] == 4, run.output
 

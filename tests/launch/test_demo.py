@@ -9,8 +9,14 @@ from checkrun import REPO
 
 
 def test_demo_on_two_examples_prints_the_summary() -> None:
-    out = subprocess.run([sys.executable, "-m", "ddp_doctor.cli", "demo", "--only", "clean", "--only",
-                          "find_unused_all_used"], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "ddp_doctor.cli", "demo", "--only", "clean", "--only", "find_unused_all_used"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert any("ddp-doctor demo: 2 ranks, gloo, CPU" in line for line in lines), out.stdout
@@ -21,6 +27,12 @@ def test_demo_on_two_examples_prints_the_summary() -> None:
 
 
 def test_demo_names_an_unknown_example() -> None:
-    out = subprocess.run([sys.executable, "-m", "ddp_doctor.cli", "demo", "--only", "nope"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "ddp_doctor.cli", "demo", "--only", "nope"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 2 and "['nope.py'] not found" in out.stderr

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from checkrun import EXAMPLES, REPO, SCRIPTS, Run, assert_no_leftovers
 
-from ddp_doctor._compat import TORCH_VERSION
+from ddp_doctor.core.compat import TORCH_VERSION
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -28,8 +28,14 @@ def _start(args: list[str], tmp_path: Path, **env: str) -> tuple[subprocess.Pope
     out, tmpdir = tmp_path / "report.json", tmp_path / "tmp"
     tmpdir.mkdir()
     full_env = {**os.environ, "DDP_DOCTOR_TEST_TAG": uuid.uuid4().hex, "TMPDIR": str(tmpdir), **env}
-    proc = subprocess.Popen([sys.executable, "-m", "ddp_doctor.cli", "check", "--json", str(out), *args], cwd=REPO,
-                            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddp_doctor.cli", "check", "--json", str(out), *args],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     proc.tag = full_env["DDP_DOCTOR_TEST_TAG"]  # type: ignore[attr-defined]
     return proc, out, tmpdir
 
@@ -67,18 +73,22 @@ def _read_until(proc: subprocess.Popen[str], marker: str, limit_s: float = 120) 
     raise AssertionError(f"never saw {marker!r}:\n{''.join(seen)}")
 
 
-@pytest.mark.parametrize(("sig", "code", "name"), [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT"),
-                                                   (signal.SIGHUP, 129, "SIGHUP")])
-def test_a_signal_mid_run_stops_every_process_with_a_partial_report(tmp_path: Path, sig: signal.Signals, code: int,
-                                                                    name: str) -> None:
-    proc, out, tmpdir = _start(["--nproc-per-node", "2", "--steps", "1000", str(SCRIPTS / "steps_printed.py")],
-                               tmp_path)
+@pytest.mark.parametrize(
+    ("sig", "code", "name"),
+    [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT"), (signal.SIGHUP, 129, "SIGHUP")],
+)
+def test_a_signal_mid_run_stops_every_process_with_a_partial_report(
+    tmp_path: Path, sig: signal.Signals, code: int, name: str
+) -> None:
+    proc, out, tmpdir = _start(
+        ["--nproc-per-node", "2", "--steps", "1000", str(SCRIPTS / "steps_printed.py")], tmp_path
+    )
     seen = _read_until(proc, "step 3")
     proc.send_signal(sig)
     signalled = time.monotonic()
     run = _finish(proc, out, tmpdir, output=seen)
     assert run.rc == code, run.output
-    assert time.monotonic() - signalled < 60, "the run outlived the signal"   # a hang guard; the goal is in benchmarks/
+    assert time.monotonic() - signalled < 60, "the run outlived the signal"  # a hang guard; the goal is in benchmarks/
     assert f"ddp-doctor: interrupted by {name}; every process of the run was stopped" in run.output
     assert "Traceback" not in run.output and "KeyboardInterrupt" not in run.output, run.output
     assert run.report is not None and run.report["interrupted"] is True, run.report
@@ -90,8 +100,8 @@ def test_sigint_in_the_first_second_leaves_nothing(tmp_path: Path) -> None:
     # The script sleeps before importing torch: the ranks have written no file when the signal comes.
     proc, out, tmpdir = _start(["--nproc-per-node", "2", str(SCRIPTS / "slow.py"), "--slow-start"], tmp_path)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:   # wait until the ranks exist (found by their environment tag)
-        if _tagged(proc.tag) >= 3:       # type: ignore[attr-defined]
+    while time.monotonic() < deadline:  # wait until the ranks exist (found by their environment tag)
+        if _tagged(proc.tag) >= 3:  # type: ignore[attr-defined]
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
@@ -131,7 +141,7 @@ def test_a_skipped_all_reduce_is_a_collective_mismatch_with_both_sites(tmp_path:
     assert "rank 0 called all_reduce(float32[1]) at tests/scripts/skip_allreduce.py:15 in step 3" in mismatch["detail"]
     assert "rank 1 never called it" in mismatch["detail"]
     aborted = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
-    assert all("SIGABRT" in f["title"] for f in aborted), aborted      # never "out-of-memory"
+    assert all("SIGABRT" in f["title"] for f in aborted), aborted  # never "out-of-memory"
     assert any("The communication library said: enforce fail at" in f["detail"] for f in aborted), aborted
     assert "out-of-memory" not in json.dumps(run.report)
 
@@ -152,12 +162,18 @@ def test_a_segfault_before_ddp_is_named_with_signal_and_line(tmp_path: Path) -> 
     assert "ran to the end without building" not in run.output
 
 
-@pytest.mark.skipif(TORCH_VERSION[:2] != (2, 13), reason="the DETAIL segfault in DDP's constructor is the documented "
-                    "behaviour of torch 2.13 (DESIGN 1); on 2.15.0 it segfaults on some runs and fails a monitored "
-                    "barrier on others, so the outcome is not the test's to fix")
+@pytest.mark.skipif(
+    TORCH_VERSION[:2] != (2, 13),
+    reason="the DETAIL segfault in DDP's constructor is the documented "
+    "behaviour of torch 2.13 (DESIGN 1); on 2.15.0 it segfaults on some runs and fails a monitored "
+    "barrier on others, so the outcome is not the test's to fix",
+)
 def test_torch_distributed_debug_detail_segfault_is_reported_in_ddp_init(tmp_path: Path) -> None:
-    run = _run(["--nproc-per-node", "2", "--timeout", "120", str(EXAMPLES / "clean.py")], tmp_path,
-               TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    run = _run(
+        ["--nproc-per-node", "2", "--timeout", "120", str(EXAMPLES / "clean.py")],
+        tmp_path,
+        TORCH_DISTRIBUTED_DEBUG="DETAIL",
+    )
     if "SIGSEGV" not in run.output:
         # Seen on torch 2.13.0 (CPU build); on 2.15.0 DETAIL mode runs (and fails differently: a monitored barrier).
         pytest.skip("TORCH_DISTRIBUTED_DEBUG=DETAIL does not segfault in DDP's constructor on this torch build")
@@ -191,15 +207,20 @@ def test_a_timeout_keeps_torchruns_output_in_a_log_the_report_names(tmp_path: Pa
 def test_gloo_and_nccl_abort_lines_are_read_from_the_output() -> None:
     from ddp_doctor.launch.supervise import native_messages
 
-    text = ("step 3\nterminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail "
-            "at pair.cc:456] op.preamble.length <= op.nbytes. 180 vs 4.\n"
-            "[rank1]:[E] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for "
-            "600000 milliseconds before timing out.\nNCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error\n")
+    text = (
+        "step 3\nterminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail "
+        "at pair.cc:456] op.preamble.length <= op.nbytes. 180 vs 4.\n"
+        "[rank1]:[E] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for "
+        "600000 milliseconds before timing out.\nNCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error\n"
+    )
     assert native_messages(text) == [
         "enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 180 vs 4.",
         "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error",
-        ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 "
-         "milliseconds before timing out.")]
+        (
+            "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 "
+            "milliseconds before timing out."
+        ),
+    ]
     assert native_messages("all fine\n") == []
 
 

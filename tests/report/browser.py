@@ -67,8 +67,16 @@ def _browser() -> list[str]:
     if browser is None:
         pytest.fail("Chromium is not installed: `apt-get install chromium` (make test and .ci/run install it).")
     # Every host name fails to resolve: a page that tried to fetch anything would log an error.
-    return [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-            "--host-resolver-rules=MAP * ~NOTFOUND", "--enable-logging=stderr", "--v=0"]
+    return [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--host-resolver-rules=MAP * ~NOTFOUND",
+        "--enable-logging=stderr",
+        "--v=0",
+    ]
 
 
 def render(page: Path, out: Path) -> Rendered:
@@ -76,16 +84,30 @@ def render(page: Path, out: Path) -> Rendered:
     text = page.read_text()
     probed = out / f"{page.stem}.probed.html"
     probed.write_text(text.replace("<head>", "<head>" + _PROBE, 1))
-    done = subprocess.run([*_browser(), f"--window-size={WIDTH},1000", "--virtual-time-budget=10000", "--dump-dom",
-                           probed.as_uri()], capture_output=True, text=True, timeout=180, check=False)
+    done = subprocess.run(
+        [*_browser(), f"--window-size={WIDTH},1000", "--virtual-time-budget=10000", "--dump-dom", probed.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     found = re.search(r'<pre id="ddp-doctor-probe">(.*?)</pre>', done.stdout, re.DOTALL)
     assert found, f"the probe did not run: {done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     probe = json.loads(html.unescape(found.group(1)))
     console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
     shot = out / f"{page.stem}.png"
-    subprocess.run([*_browser(), f"--window-size={WIDTH},{int(probe['height']) + 20}", f"--screenshot={shot}",
-                    f"--force-device-scale-factor={SCALE}", page.as_uri()], capture_output=True, timeout=180,
-                   check=True)
+    subprocess.run(
+        [
+            *_browser(),
+            f"--window-size={WIDTH},{int(probe['height']) + 20}",
+            f"--screenshot={shot}",
+            f"--force-device-scale-factor={SCALE}",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        timeout=180,
+        check=True,
+    )
     return Rendered(probe=probe, console=console, screenshot=shot)
 
 

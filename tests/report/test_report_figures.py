@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ddp_doctor.analyze import analyze
-from ddp_doctor.records import ModelInfo, RankRecord, StepCounters
-from ddp_doctor.report.figures import MAX_PATTERNS, MAX_ROWS
+from ddp_doctor.core.figures import MAX_PATTERNS, MAX_ROWS
+from ddp_doctor.core.records import ModelInfo, RankRecord, StepCounters
 from ddp_doctor.report.model import Report
 
 NAMES = ["trunk.weight", "trunk.bias", "head.weight", "aux.weight"]
@@ -19,9 +19,15 @@ NAMES = ["trunk.weight", "trunk.bias", "head.weight", "aux.weight"]
 
 def info(names: list[str] = NAMES, **overrides) -> ModelInfo:
     n = len(names)
-    base = {"param_names": names, "param_shapes": [(2, 2)] * n, "trainable_at_wrap": [True] * n,
-            "ignored": [False] * n, "buffer_names": [], "buffer_shapes": [],
-            "ddp_config": {"find_unused_parameters": True, "static_graph": False}}
+    base = {
+        "param_names": names,
+        "param_shapes": [(2, 2)] * n,
+        "trainable_at_wrap": [True] * n,
+        "ignored": [False] * n,
+        "buffer_names": [],
+        "buffer_shapes": [],
+        "ddp_config": {"find_unused_parameters": True, "static_graph": False},
+    }
     return ModelInfo(**{**base, **overrides})
 
 
@@ -32,16 +38,22 @@ def record(rank: int, used: list[list[int]], *, ran=None, trainable=None, grad=N
     counters = StepCounters(ddp_forwards=1, micro_steps=1, synced_backwards=1, optimizer_step=1)
     g = torch.ones(steps, n, 2, dtype=torch.float64)
     return RankRecord(
-        rank=rank, used=used_t, reachable=used_t.clone(),
+        rank=rank,
+        used=used_t,
+        reachable=used_t.clone(),
         ran=torch.tensor(ran, dtype=torch.bool) if ran is not None else used_t.clone(),
-        trainable=(torch.tensor(trainable, dtype=torch.bool) if trainable is not None
-                   else torch.ones(steps, n, dtype=torch.bool)),
+        trainable=(
+            torch.tensor(trainable, dtype=torch.bool)
+            if trainable is not None
+            else torch.ones(steps, n, dtype=torch.bool)
+        ),
         grad_fp=grad if grad is not None else g.masked_fill(~used_t[..., None], float("nan")),
         weight_fp=weights if weights is not None else torch.zeros(steps + 1, n, 2, dtype=torch.float64),
         buffer_fp=torch.zeros(steps, 0, 2, dtype=torch.float64),
         input_fp=torch.full((steps, 2), float(rank + 1), dtype=torch.float64),
         timing=torch.full((steps, 3), 0.01, dtype=torch.float64),
-        counters=torch.tensor([counters.as_list()] * steps))
+        counters=torch.tensor([counters.as_list()] * steps),
+    )
 
 
 def build(model: ModelInfo, records: list[RankRecord]) -> Report:
@@ -61,9 +73,13 @@ def test_a_dynamic_graph_shows_the_steps_a_parameter_missed_and_the_rows_carry_t
     assert "dynamic-graph" in report.codes
     usage = report.usage_map
     assert usage is not None and usage.steps == 4 and not usage.aggregated
-    assert len(usage.patterns) == 1 and usage.patterns[0].ranks == [0, 1]     # both ranks saw the same
-    assert cells(report, 0) == {"trunk.weight": "UUUU", "trunk.bias": "UUUU", "head.weight": "UUUU",
-                                "aux.weight": "UNUN"}
+    assert len(usage.patterns) == 1 and usage.patterns[0].ranks == [0, 1]  # both ranks saw the same
+    assert cells(report, 0) == {
+        "trunk.weight": "UUUU",
+        "trunk.bias": "UUUU",
+        "head.weight": "UUUU",
+        "aux.weight": "UNUN",
+    }
     rows = {r.name: r for r in usage.rows}
     assert rows["aux.weight"].codes == ["dynamic-graph"] and rows["trunk.weight"].codes == []
     assert rows["aux.weight"].module == "aux" and rows["trunk.bias"].module == "trunk"
@@ -74,7 +90,7 @@ def test_a_rank_dependent_graph_gives_one_pattern_per_distinct_rank_behaviour() 
     report = build(info(), [record(0, with_aux), record(1, without), record(2, without), record(3, without)])
     assert "rank-dependent-graph" in report.codes
     usage = report.usage_map
-    assert [p.ranks for p in usage.patterns] == [[0], [1, 2, 3]]   # rank 0's first, then by frequency
+    assert [p.ranks for p in usage.patterns] == [[0], [1, 2, 3]]  # rank 0's first, then by frequency
     assert cells(report, 0)["aux.weight"] == "UUU" and cells(report, 2)["aux.weight"] == "NNN"
 
 
@@ -105,7 +121,7 @@ def test_above_max_rows_the_rows_are_modules_showing_their_most_notable_state() 
 def test_rank_patterns_are_capped_and_the_rest_are_named() -> None:
     world = MAX_PATTERNS + 3
     names = [f"p{i}" for i in range(world)]
-    records = [record(r, [[int(i != r) for i in range(world)]]) for r in range(world)]   # every rank differs
+    records = [record(r, [[int(i != r) for i in range(world)]]) for r in range(world)]  # every rank differs
     report = build(info(names), records)
     usage = report.usage_map
     assert len(usage.patterns) == MAX_PATTERNS and usage.patterns[0].ranks == [0]
@@ -123,11 +139,11 @@ def test_the_divergence_curve_starts_where_the_fingerprints_first_differ() -> No
     used = [[1, 1, 1, 1]] * 3
     w0 = torch.zeros(4, 4, 2, dtype=torch.float64)
     w1 = w0.clone()
-    w1[2:, 2, 0] = torch.tensor([0.5, 2.0])           # head.weight's sum differs after step 1, more after step 2
+    w1[2:, 2, 0] = torch.tensor([0.5, 2.0])  # head.weight's sum differs after step 1, more after step 2
     g = torch.ones(3, 4, 2, dtype=torch.float64)
     g1 = g.clone()
-    g1[1, 2, 1] = 1.25                                   # its gradient differed in step 1
-    g1[2, 3] = float("nan")                              # rank 1 had no gradient for aux.weight in step 2
+    g1[1, 2, 1] = 1.25  # its gradient differed in step 1
+    g1[2, 3] = float("nan")  # rank 1 had no gradient for aux.weight in step 2
     report = build(info(), [record(0, used, grad=g, weights=w0), record(1, used, grad=g1, weights=w1)])
     d = report.divergence
     assert d.weights == [0.0, 0.0, 0.5, 2.0] and d.weights_start == 1
@@ -145,7 +161,7 @@ def test_json_round_trip_keeps_the_old_keys_and_carries_the_new_ones() -> None:
     used = [[1, 1, 1, s % 2 == 0] for s in range(3)]
     report = build(info(), [record(0, used), record(1, used)])
     data = json.loads(report.to_json())
-    assert list(data)[-2:] == ["usage_map", "divergence"]          # new keys last, only added
+    assert list(data)[-2:] == ["usage_map", "divergence"]  # new keys last, only added
     old = Report.from_dict(data)
     old.usage_map = old.divergence = None
     assert {k: v for k, v in data.items() if k not in ("usage_map", "divergence")} == json.loads(old.to_json())
@@ -163,8 +179,9 @@ def test_no_complete_step_means_no_figures_and_the_page_says_why() -> None:
 @pytest.fixture(scope="module")
 def page() -> tuple[Report, str]:
     used = [[1, 1, 1, s % 2 == 0] for s in range(4)]
-    report = build(info(ddp_config={"find_unused_parameters": False, "static_graph": True}),
-                   [record(0, used), record(1, used)])
+    report = build(
+        info(ddp_config={"find_unused_parameters": False, "static_graph": True}), [record(0, used), record(1, used)]
+    )
     return report, report.to_html()
 
 
@@ -177,7 +194,7 @@ def test_the_page_has_every_finding_both_figures_and_code_for_four_frameworks(pa
     assert html.count("<svg") == 2
     for framework in ("torch", "transformers", "accelerate", "lightning"):
         assert f"data-framework='{framework}'" in html
-    assert "static_graph=False" in html             # the recommendation's code, escaped but whole
+    assert "static_graph=False" in html  # the recommendation's code, escaped but whole
 
 
 def test_the_page_is_self_contained(page) -> None:
@@ -193,13 +210,14 @@ def test_check_page_of_several_models_gives_each_its_own_section_and_ids(page) -
     from ddp_doctor.launch.outcome import CheckResult, Model
 
     report, _ = page
-    html = check_page(CheckResult(models=[Model(report=report, module="Generator"),
-                                          Model(report=report, module="Discriminator")]))
+    html = check_page(
+        CheckResult(models=[Model(report=report, module="Generator"), Model(report=report, module="Discriminator")])
+    )
     assert "DDP model 1 of 2: Generator" in html and "DDP model 2 of 2: Discriminator" in html
     ids = re.findall(r"id='(m\d-[a-z-]+)'", html)
     assert {"m0-usage-map", "m1-usage-map", "m0-divergence", "m1-divergence"} <= set(ids)
     assert len(ids) == len(set(ids))
-    assert html.count("name='m0-rec'") == html.count("name='m1-rec'") == 4     # one tab group per model
+    assert html.count("name='m0-rec'") == html.count("name='m1-rec'") == 4  # one tab group per model
 
 
 def test_check_page_without_a_report_says_why() -> None:

@@ -32,14 +32,26 @@ class Page:
 
 
 PAGES = [
-    Page("dynamic_graph", "dynamic_graph.py", {"static-graph-unsafe", "dynamic-graph", "replica-divergence"},
-         diverges=True),
+    Page(
+        "dynamic_graph",
+        "dynamic_graph.py",
+        {"static-graph-unsafe", "dynamic-graph", "replica-divergence"},
+        diverges=True,
+    ),
     # The same example with the flags the report recommends: 8 steps, the auxiliary head on every other one.
-    Page("dynamic_graph_fixed", "dynamic_graph.py", {"dynamic-graph"},
-         args=["--ddp-kwargs", '{"static_graph": false, "find_unused_parameters": true}']),
+    Page(
+        "dynamic_graph_fixed",
+        "dynamic_graph.py",
+        {"dynamic-graph"},
+        args=["--ddp-kwargs", '{"static_graph": false, "find_unused_parameters": true}'],
+    ),
     Page("rank_dependent", "rank_dependent_head.py", {"rank-dependent-graph"}, patterns=2),
-    Page("bypass", "curriculum_through_module.py", {"wrapper-bypass", "grads-not-synced", "replica-divergence"},
-         diverges=True),
+    Page(
+        "bypass",
+        "curriculum_through_module.py",
+        {"wrapper-bypass", "grads-not-synced", "replica-divergence"},
+        diverges=True,
+    ),
 ]
 
 
@@ -74,9 +86,25 @@ def test_check_html_page_renders_what_a_person_needs_to_see(case: Page, tmp_path
 
 def test_demo_html_writes_a_page_per_example_and_an_index(tmp_path: Path) -> None:
     out = tmp_path / "pages"
-    done = subprocess.run([sys.executable, "-m", "ddp_doctor.cli", "demo", "--only", "clean", "--only",
-                           "rank_dependent_head", "--html", str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddp_doctor.cli",
+            "demo",
+            "--only",
+            "clean",
+            "--only",
+            "rank_dependent_head",
+            "--html",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(p.name for p in out.glob("*.html")) == ["clean.html", "index.html", "rank_dependent_head.html"]
     index = (out / "index.html").read_text()
@@ -88,20 +116,33 @@ def test_demo_html_writes_a_page_per_example_and_an_index(tmp_path: Path) -> Non
 
 
 def _help(command: str) -> str:
-    return subprocess.run([sys.executable, "-m", "ddp_doctor.cli", command, "--help"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, check=True).stdout
+    return subprocess.run(
+        [sys.executable, "-m", "ddp_doctor.cli", command, "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
 
 
 @pytest.mark.parametrize("command", ["check", "bench"])
 def test_help_leads_with_our_options_and_examples_then_torchrun(command: str) -> None:
     out = _help(command)
-    ours, examples, torchrun = (out.index(f"\n{command} options:"), out.index("\nexamples:"),
-                                out.index("\ntorchrun options:"))
+    ours, examples, torchrun = (
+        out.index(f"\n{command} options:"),
+        out.index("\nexamples:"),
+        out.index("\ntorchrun options:"),
+    )
     assert ours < examples < torchrun, out
     mine = out[ours:examples]
-    for option in ("--steps", "--json", "--html", "--timeout", *(("--fail-on", "--ddp-kwargs") if command == "check"
-                                                                 else ("--rounds", "--configs"))):
+    for option in (
+        "--steps",
+        "--json",
+        "--html",
+        "--timeout",
+        *(("--fail-on", "--ddp-kwargs") if command == "check" else ("--rounds", "--configs")),
+    ):
         assert option in mine, (option, mine)
     assert "--nproc-per-node" not in mine and "--rdzv-endpoint" in out[torchrun:]
     assert f"ddp-doctor {command} --nproc-per-node 2" in out[examples:torchrun]
-

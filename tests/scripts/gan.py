@@ -29,7 +29,7 @@ if __name__ == "__main__":
     opt_g = torch.optim.SGD(generator.parameters(), lr=0.01)
     opt_c = torch.optim.SGD(critic.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
-    for step in range(20):
+    for _step in range(20):
         real = torch.randn(8, 4, generator=g)
         fake = generator(torch.randn(8, 2, generator=g))
         loss_c = critic(fake.detach()).mean() - critic(real).mean()

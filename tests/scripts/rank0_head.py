@@ -30,7 +30,7 @@ if __name__ == "__main__":
     model = DistributedDataParallel(TwoHeads())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
-    for step in range(10):
+    for _step in range(10):
         x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
         F.cross_entropy(model(x, aux=rank == 0), y).backward()
         opt.step()

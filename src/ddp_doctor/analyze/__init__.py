@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from ddp_doctor.analyze.findings import DETECTORS
 from ddp_doctor.analyze.recommend import recommend
 from ddp_doctor.analyze.usage import figures
+from ddp_doctor.analyze.used_set import DETECTORS
 from ddp_doctor.analyze.view import View
+from ddp_doctor.core.findings import Crash, Diagnosis, Timing
+from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord
 from ddp_doctor.exchange import Summary, summarize
-from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord
-from ddp_doctor.report.model import Crash, Diagnosis, Timing
 
 __all__ = ["analyze", "analyze_summary"]
 
@@ -52,8 +52,9 @@ def analyze_summary(summary: Summary) -> Diagnosis:
     crashes = []
     for r in summary.examples["crashed"].ranks:
         meta = summary.metas[r]
-        crashes.append(Crash(rank=r, step=meta["crash_step"], kind=CRASH_KINDS[meta["crash_kind"]],
-                             message=meta["crash_message"]))
+        crashes.append(
+            Crash(rank=r, step=meta["crash_step"], kind=CRASH_KINDS[meta["crash_kind"]], message=meta["crash_message"])
+        )
     if info.group_ranks:
         # A DDP model over a subgroup: analysis ran in group ranks; users read global ranks.
         to_global = info.group_ranks
@@ -63,16 +64,32 @@ def analyze_summary(summary: Summary) -> Diagnosis:
             c.rank = to_global[c.rank] if 0 <= c.rank < len(to_global) else c.rank
     try:
         usage, gap = figures(summary, findings)
-    except Exception:   # the figures are a view of the diagnosis: never lose the report over them
+    except Exception:  # the figures are a view of the diagnosis: never lose the report over them
         logger.warning("ddp-doctor: could not compute the usage map and divergence curve", exc_info=True)
         usage, gap = None, None
-    return Diagnosis(findings=findings, recommendation=recommend(view, findings), timing=_timing(summary),
-                     steps_observed=view.steps, crashes=crashes, usage_map=usage, divergence=gap)
+    return Diagnosis(
+        findings=findings,
+        recommendation=recommend(view, findings),
+        timing=_timing(summary),
+        steps_observed=view.steps,
+        crashes=crashes,
+        usage_map=usage,
+        divergence=gap,
+    )
 
 
-_EXPLAINS_UNSYNCED = {"wrapper-bypass", "unused-parameters", "grad-blocked", "reduction-error", "frozen-after-wrap",
-                      "unfrozen-after-wrap", "rank-dependent-graph", "collective-mismatch", "static-graph-unsafe",
-                      "grad-scaler-mismatch"}
+_EXPLAINS_UNSYNCED = {
+    "wrapper-bypass",
+    "unused-parameters",
+    "grad-blocked",
+    "reduction-error",
+    "frozen-after-wrap",
+    "unfrozen-after-wrap",
+    "rank-dependent-graph",
+    "collective-mismatch",
+    "static-graph-unsafe",
+    "grad-scaler-mismatch",
+}
 
 
 def _consistent_fixes(findings: list) -> None:
@@ -80,17 +97,20 @@ def _consistent_fixes(findings: list) -> None:
     codes = {f.code for f in findings}
     for f in findings:
         if f.code == "replica-divergence" and "grads-not-synced" not in codes:
-            f.fix = ("fix the cause named by the other findings; the gradients agreed at every optimizer step, so "
-                     "the updates themselves differed (an extra synced pass on one rank, a rank-dependent optimizer "
-                     "setting, or weights changed outside the optimizer). Restart from a checkpoint saved before the "
-                     "divergence, or re-broadcast rank 0's weights knowingly."
-                     if codes & _EXPLAINS_UNSYNCED else
-                     "the gradients agreed at every optimizer step, so the updates themselves differed: look for a "
-                     "rank-dependent optimizer setting or learning rate, or weights changed outside the optimizer. "
-                     "Restart from a checkpoint saved before the divergence, or re-broadcast rank 0's weights "
-                     "knowingly.")
+            f.fix = (
+                "fix the cause named by the other findings; the gradients agreed at every optimizer step, so "
+                "the updates themselves differed (an extra synced pass on one rank, a rank-dependent optimizer "
+                "setting, or weights changed outside the optimizer). Restart from a checkpoint saved before the "
+                "divergence, or re-broadcast rank 0's weights knowingly."
+                if codes & _EXPLAINS_UNSYNCED
+                else "the gradients agreed at every optimizer step, so the updates themselves differed: look for a "
+                "rank-dependent optimizer setting or learning rate, or weights changed outside the optimizer. "
+                "Restart from a checkpoint saved before the divergence, or re-broadcast rank 0's weights "
+                "knowingly."
+            )
         if f.code == "grads-not-synced" and not codes & _EXPLAINS_UNSYNCED:
-            f.fix = ("gradients must be reduced by DDP before optimizer.step(): check that every rank runs the "
-                     "backward pass through the DDP model (not its .module), with the same parameters trainable, "
-                     "and that nothing edits .grad between backward and the optimizer step.")
-
+            f.fix = (
+                "gradients must be reduced by DDP before optimizer.step(): check that every rank runs the "
+                "backward pass through the DDP model (not its .module), with the same parameters trainable, "
+                "and that nothing edits .grad between backward and the optimizer step."
+            )

@@ -7,10 +7,10 @@ from __future__ import annotations
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.common import all_ranks, steps_of, with_flags, with_more
 from ddp_doctor.analyze.rules import count as _count
+from ddp_doctor.analyze.snippets import freeze_point
 from ddp_doctor.analyze.view import View
-from ddp_doctor.report.model import Finding
-from ddp_doctor.report.ranks import listed
-from ddp_doctor.report.snippets import freeze_point
+from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.ranks import listed
 
 __all__ = ["buffer_divergence", "grads_not_synced", "identical_inputs", "replica_divergence", "wrapper_bypass"]
 
@@ -23,35 +23,48 @@ def wrapper_bypass(v: View) -> list[Finding]:
         return []
     sites = v.bypass_sites
     where = f" Called from {', '.join(sites)}." if sites else ""
-    return [with_more(rules.wrapper_bypass(
-        title="the wrapped module is called directly, so DDP never synchronizes it",
-        detail="The module inside DDP ran forward in grad mode without DDP's forward around it (for example "
-               "loss = ddp_model.module(x) or a helper that unwraps the model). DDP's reducer only fires after its "
-               "own forward, so each rank trains its own replica." + where,
-        params=v.params(v.summary.bypass_used), ranks=hits.ranks, steps=steps_of(v.summary.bypass_steps),
-        fix="call the DDP wrapper (ddp_model(x)); if the loss needs other outputs, return them from forward. "
-            "ddp_doctor.sync_gradients is the fallback when that is impossible."), hits.more)]
-
+    return [
+        with_more(
+            rules.wrapper_bypass(
+                title="the wrapped module is called directly, so DDP never synchronizes it",
+                detail="The module inside DDP ran forward in grad mode without DDP's forward around it (for example "
+                "loss = ddp_model.module(x) or a helper that unwraps the model). DDP's reducer only fires after its "
+                "own forward, so each rank trains its own replica." + where,
+                params=v.params(v.summary.bypass_used),
+                ranks=hits.ranks,
+                steps=steps_of(v.summary.bypass_steps),
+                fix="call the DDP wrapper (ddp_model(x)); if the loss needs other outputs, return them from forward. "
+                "ddp_doctor.sync_gradients is the fallback when that is impossible.",
+            ),
+            hits.more,
+        )
+    ]
 
 
 def grads_not_synced(v: View) -> list[Finding]:
     if v.world < 2 or not v.steps:
         return []
-    params = v.summary.grad_params                         # differ in a step where every rank trains them
+    params = v.summary.grad_params  # differ in a step where every rank trains them
     if not params.any():
         return []
     steps = steps_of(v.summary.grad_steps)
-    others = v.ranks("grad-differs")                        # ranks whose gradients differ from rank 0's
+    others = v.ranks("grad-differs")  # ranks whose gradients differ from rank 0's
     ranks = [0] + others.ranks
-    return [Finding(
-        code="grads-not-synced", severity="error",
-        title=f"gradients of {_count(int(params.sum()), 'parameter')} differ across ranks at the optimizer step",
-        detail="When the optimizer stepped, these gradients were not the same on every rank, so the replicas "
-               f"take different updates. Ranks {listed(ranks, others.more)} disagree in steps {steps}.",
-        params=v.params(params), ranks=ranks, steps=steps, more_ranks=others.more,
-        fix="see the findings that explain why (a bypassed wrapper, parameters unused with default flags, "
-            "requires_grad changed after wrap); gradients must be reduced by DDP before optimizer.step().")]
-
+    return [
+        Finding(
+            code="grads-not-synced",
+            severity="error",
+            title=f"gradients of {_count(int(params.sum()), 'parameter')} differ across ranks at the optimizer step",
+            detail="When the optimizer stepped, these gradients were not the same on every rank, so the replicas "
+            f"take different updates. Ranks {listed(ranks, others.more)} disagree in steps {steps}.",
+            params=v.params(params),
+            ranks=ranks,
+            steps=steps,
+            more_ranks=others.more,
+            fix="see the findings that explain why (a bypassed wrapper, parameters unused with default flags, "
+            "requires_grad changed after wrap); gradients must be reduced by DDP before optimizer.step().",
+        )
+    ]
 
 
 def replica_divergence(v: View) -> list[Finding]:
@@ -67,51 +80,67 @@ def replica_divergence(v: View) -> list[Finding]:
     others = v.ranks("weight-differs")
     ranks = [0] + others.ranks
     when = "already when observe() started" if at_entry else f"after step {after[0]}"
-    return [with_more(rules.replica_divergence(
-        title=f"weights of {_count(int(params.sum()), 'parameter')} differ across ranks",
-        detail=f"The replicas are no longer identical, {when}; the largest difference of a parameter's sum "
-               f"between rank 0 and another rank is {gap:.3g}. Whatever rank 0 saves is not what the other ranks "
-               "trained.",
-        params=v.params(params), ranks=ranks, steps=after,
-        fix="fix the cause (see grads-not-synced and the findings that explain it); restart from a checkpoint "
-            "saved before the divergence, or re-broadcast rank 0's weights knowingly."), others.more)]
-
+    return [
+        with_more(
+            rules.replica_divergence(
+                title=f"weights of {_count(int(params.sum()), 'parameter')} differ across ranks",
+                detail=f"The replicas are no longer identical, {when}; the largest difference of a parameter's sum "
+                f"between rank 0 and another rank is {gap:.3g}. Whatever rank 0 saves is not what the other ranks "
+                "trained.",
+                params=v.params(params),
+                ranks=ranks,
+                steps=after,
+                fix="fix the cause (see grads-not-synced and the findings that explain it); restart from a checkpoint "
+                "saved before the divergence, or re-broadcast rank 0's weights knowingly.",
+            ),
+            others.more,
+        )
+    ]
 
 
 def buffer_divergence(v: View) -> list[Finding]:
     if v.world < 2 or not v.steps or not v.info.buffer_names:
         return []
-    seen = v.summary.buffer_seen                            # [S, B]: every rank recorded it
+    seen = v.summary.buffer_seen  # [S, B]: every rank recorded it
     differ = v.summary.buffer_differs & seen
     if not differ.any():
         return []
     buffers = differ.any(0)
     broadcast = bool(v.info.ddp_config.get("broadcast_buffers", True))
-    return [rules.buffer_divergence(
-        title=f"{_count(int(buffers.sum()), 'buffer')} differ across ranks during training",
-        detail="Buffers such as BatchNorm running statistics differ between ranks when the forward pass runs"
-               + (" because DDP was built with broadcast_buffers=False" if not broadcast else "")
-               + ". Evaluation then differs by rank, and only rank 0's are saved.",
-        params=v.buffers(buffers), ranks=all_ranks(v), steps=steps_of(differ.any(1)),
-        fix=with_flags(v, broadcast_buffers=True) + " (the default), or convert BatchNorm with "
-            f"torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) {freeze_point(v.info.framework)}.")]
-
+    return [
+        rules.buffer_divergence(
+            title=f"{_count(int(buffers.sum()), 'buffer')} differ across ranks during training",
+            detail="Buffers such as BatchNorm running statistics differ between ranks when the forward pass runs"
+            + (" because DDP was built with broadcast_buffers=False" if not broadcast else "")
+            + ". Evaluation then differs by rank, and only rank 0's are saved.",
+            params=v.buffers(buffers),
+            ranks=all_ranks(v),
+            steps=steps_of(differ.any(1)),
+            fix=with_flags(v, broadcast_buffers=True) + " (the default), or convert BatchNorm with "
+            f"torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) {freeze_point(v.info.framework)}.",
+        )
+    ]
 
 
 def identical_inputs(v: View) -> list[Finding]:
     if v.world < 2 or not v.steps:
         return []
-    has_input = v.summary.input_present                     # [S]: every rank saw an input
+    has_input = v.summary.input_present  # [S]: every rank saw an input
     if not has_input.any():
         return []
     same = ~v.summary.input_differs[has_input]
     if not bool(same.all()):
         return []
-    return [Finding(
-        code="identical-inputs-across-ranks", severity="warning",
-        title="every rank got the same batch",
-        detail=f"In all {int(has_input.sum())} observed steps the inputs were identical on all {v.world} ranks, so "
-               "the ranks do the same work and the job trains no faster than one rank.",
-        ranks=all_ranks(v), steps=steps_of(has_input),
-        fix="shard the data: DataLoader(dataset, sampler=DistributedSampler(dataset)), and call "
-            "sampler.set_epoch(epoch) every epoch.")]
+    return [
+        Finding(
+            code="identical-inputs-across-ranks",
+            severity="warning",
+            title="every rank got the same batch",
+            detail=f"In all {int(has_input.sum())} observed steps the inputs were identical on all {v.world} ranks, so "
+            "the ranks do the same work and the job trains no faster than one rank.",
+            ranks=all_ranks(v),
+            steps=steps_of(has_input),
+            fix="shard the data: DataLoader(dataset, sampler=DistributedSampler(dataset)), and call "
+            "sampler.set_epoch(epoch) every epoch.",
+        )
+    ]

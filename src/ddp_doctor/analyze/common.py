@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ddp_doctor.analyze.snippets import flags_fix, freeze_point
 from ddp_doctor.analyze.view import View
+from ddp_doctor.core.findings import Finding
 from ddp_doctor.exchange import Examples
-from ddp_doctor.report.model import Finding
-from ddp_doctor.report.snippets import flags_fix, freeze_point
 
 __all__ = ["all_ranks", "freeze_fix", "joined", "ranks_of", "steps_of", "with_flags", "with_more"]
 
@@ -19,9 +19,11 @@ def with_flags(v: View, **flags: bool) -> str:
 
 def freeze_fix(v: View) -> str:
     """Freeze before wrapping, or the flags that cope with a changing set, in the framework's words."""
-    return (f"set requires_grad=False on them {freeze_point(v.info.framework)}; if they must train on some steps, "
-            f"{with_flags(v, static_graph=True)} (same params unused every step) or "
-            f"{with_flags(v, find_unused_parameters=True)} (the set changes)")
+    return (
+        f"set requires_grad=False on them {freeze_point(v.info.framework)}; if they must train on some steps, "
+        f"{with_flags(v, static_graph=True)} (same params unused every step) or "
+        f"{with_flags(v, find_unused_parameters=True)} (the set changes)"
+    )
 
 
 def steps_of(mask: torch.Tensor) -> list[int]:

@@ -7,11 +7,16 @@ from __future__ import annotations
 from ddp_doctor.analyze.common import all_ranks, ranks_of
 from ddp_doctor.analyze.rules import count
 from ddp_doctor.analyze.view import View
-from ddp_doctor.report.model import Finding
-from ddp_doctor.scalerprobe import decode
+from ddp_doctor.core.findings import Finding
+from ddp_doctor.observation.gradscaler import decode
 
-__all__ = ["batchnorm_not_synced", "collective_sequence_mismatch", "grad_scaler_mismatch", "synced_pass_mismatch",
-           "unpaired_forward_mismatch"]
+__all__ = [
+    "batchnorm_not_synced",
+    "collective_sequence_mismatch",
+    "grad_scaler_mismatch",
+    "synced_pass_mismatch",
+    "unpaired_forward_mismatch",
+]
 
 
 def synced_pass_mismatch(v: View) -> list[Finding]:
@@ -28,18 +33,25 @@ def synced_pass_mismatch(v: View) -> list[Finding]:
     extra, rest = v.ranks("extra-passes"), v.ranks("fewer-passes")
     sites = sorted({site for r in extra.ranks for site in v.meta(r)["window_sites"]})
     where = f" (the extra pass starts at {', '.join(sites)})" if sites else ""
-    return [Finding(
-        code="collective-mismatch", severity="error",
-        title=f"{ranks_of(extra)} ran {most} synced backward passes in optimizer step {first}, {ranks_of(rest)} "
-              f"{least}",
-        detail=f"In optimizer step {first}{where}, the ranks ran different numbers of backward passes through DDP "
-               "with gradient sync on. Each synced backward issues DDP's gradient all-reduces, so the extra ones on "
-               "one rank are paired with the other ranks' next ones: gradients of different steps get averaged, "
-               "and the job hangs or crashes when the counts no longer line up."
-               + (f" It happened again in optimizer step(s) {bad[1:]}." if len(bad) > 1 else ""),
-        params=[], ranks=extra.ranks, steps=bad, more_ranks=extra.more,
-        fix="run the same number of synced forward/backward passes on every rank in each step: decide the retry "
-            "from a value all-reduced across ranks, or run the extra pass under ddp.no_sync().")]
+    return [
+        Finding(
+            code="collective-mismatch",
+            severity="error",
+            title=f"{ranks_of(extra)} ran {most} synced backward passes in optimizer step {first}, {ranks_of(rest)} "
+            f"{least}",
+            detail=f"In optimizer step {first}{where}, the ranks ran different numbers of backward passes through DDP "
+            "with gradient sync on. Each synced backward issues DDP's gradient all-reduces, so the extra ones on "
+            "one rank are paired with the other ranks' next ones: gradients of different steps get averaged, "
+            "and the job hangs or crashes when the counts no longer line up."
+            + (f" It happened again in optimizer step(s) {bad[1:]}." if len(bad) > 1 else ""),
+            params=[],
+            ranks=extra.ranks,
+            steps=bad,
+            more_ranks=extra.more,
+            fix="run the same number of synced forward/backward passes on every rank in each step: decide the retry "
+            "from a value all-reduced across ranks, or run the extra pass under ddp.no_sync().",
+        )
+    ]
 
 
 def unpaired_forward_mismatch(v: View) -> list[Finding]:
@@ -60,20 +72,29 @@ def unpaired_forward_mismatch(v: View) -> list[Finding]:
     consequence = (
         "DDP's forward broadcasts rank 0's buffers (broadcast_buffers=True and the model has buffers), a collective "
         "the other ranks do not issue at that point: their next collectives are paired with it, and the job hangs "
-        "or averages the wrong tensors." if broadcasts else
-        "This run went on because the model has no buffers for DDP to broadcast in that forward, so it issued no "
+        "or averages the wrong tensors."
+        if broadcasts
+        else "This run went on because the model has no buffers for DDP to broadcast in that forward, so it issued no "
         "collective there; with buffers (BatchNorm, say) and broadcast_buffers=True the same line broadcasts them on "
-        "these ranks alone, a collective the other ranks never join, and the job hangs (measured on torch 2.13).")
-    return [Finding(
-        code="collective-mismatch", severity="error" if broadcasts else "warning",
-        title=f"{ranks_of(extra)} ran DDP's forward with autograd on and no backward{where} in step {first}; "
-              f"{ranks_of(rest)} did not",
-        detail=f"In step {first}, {ranks_of(extra)} called the DDP model in grad mode {most_by[first]} "
-               f"more time(s) than {ranks_of(rest)}, and no backward followed{where} (an evaluation through the DDP "
-               "wrapper, say). " + consequence + (f" Also in step(s) {bad[1:]}." if len(bad) > 1 else ""),
-        params=[], ranks=extra.ranks, steps=bad, more_ranks=extra.more,
-        fix="evaluate on one rank under torch.no_grad() through the inner module (ddp_model.module(x)), or run the "
-            "evaluation on every rank.")]
+        "these ranks alone, a collective the other ranks never join, and the job hangs (measured on torch 2.13)."
+    )
+    return [
+        Finding(
+            code="collective-mismatch",
+            severity="error" if broadcasts else "warning",
+            title=f"{ranks_of(extra)} ran DDP's forward with autograd on and no backward{where} in step {first}; "
+            f"{ranks_of(rest)} did not",
+            detail=f"In step {first}, {ranks_of(extra)} called the DDP model in grad mode {most_by[first]} "
+            f"more time(s) than {ranks_of(rest)}, and no backward followed{where} (an evaluation through the DDP "
+            "wrapper, say). " + consequence + (f" Also in step(s) {bad[1:]}." if len(bad) > 1 else ""),
+            params=[],
+            ranks=extra.ranks,
+            steps=bad,
+            more_ranks=extra.more,
+            fix="evaluate on one rank under torch.no_grad() through the inner module (ddp_model.module(x)), or run the "
+            "evaluation on every rank.",
+        )
+    ]
 
 
 def collective_sequence_mismatch(v: View) -> list[Finding]:
@@ -92,32 +113,51 @@ def collective_sequence_mismatch(v: View) -> list[Finding]:
     odd = v.ranks("collective-differs")
     shown_ranks = [0, *odd.ranks]
     logs = [v.meta(r)["collective_log"] for r in shown_ranks]
-    position = next((i for i in range(max(len(log) for log in logs))
-                     if len({log[i] if i < len(log) else None for log in logs}) > 1), None)
+    position = next(
+        (
+            i
+            for i in range(max(len(log) for log in logs))
+            if len({log[i] if i < len(log) else None for log in logs}) > 1
+        ),
+        None,
+    )
     if position is None:
         where = "the calls beyond the logged ones differ"
     else:
         shown = []
         for r, log in list(zip(shown_ranks, logs))[:4]:
             call = log[position] if position < len(log) else None
-            shown.append(f"rank {r} called {call.replace('/', ' over a group of ', 1)}" if call else
-                         f"rank {r} called nothing more")
+            shown.append(
+                f"rank {r} called {call.replace('/', ' over a group of ', 1)}"
+                if call
+                else f"rank {r} called nothing more"
+            )
         where = f"at its collective #{position + 1} of the step, " + "; ".join(shown)
     counts = sorted({int(lo[first][0]), int(hi[first][0])})
-    return [Finding(
-        code="collective-mismatch", severity="error",
-        title=f"the ranks issued different collectives in step {first} ({ranks_of(odd)} "
-              f"differ{'s' if odd.count == 1 else ''} from rank 0)",
-        detail=f"In step {first} the script's own collectives were not the same on every rank: {where}. "
-               + (f"The ranks issued {' to '.join(map(str, counts))} collectives in that step. " if len(counts) > 1
-                  else "")
-               + "Collectives pair up by position, so each rank combined a different tensor or reduction than it "
-                 "meant to, silently, or waits for a peer that never comes."
-               + (f" Also in step(s) {bad[1:]}." if len(bad) > 1 else ""),
-        params=[], ranks=sorted({0, *odd.ranks}), steps=bad, more_ranks=odd.more,
-        fix="make every rank of the group call the same collectives, in the same order, with the same dtype, shape "
+    return [
+        Finding(
+            code="collective-mismatch",
+            severity="error",
+            title=f"the ranks issued different collectives in step {first} ({ranks_of(odd)} "
+            f"differ{'s' if odd.count == 1 else ''} from rank 0)",
+            detail=f"In step {first} the script's own collectives were not the same on every rank: {where}. "
+            + (
+                f"The ranks issued {' to '.join(map(str, counts))} collectives in that step. "
+                if len(counts) > 1
+                else ""
+            )
+            + "Collectives pair up by position, so each rank combined a different tensor or reduction than it "
+            "meant to, silently, or waits for a peer that never comes."
+            + (f" Also in step(s) {bad[1:]}." if len(bad) > 1 else ""),
+            params=[],
+            ranks=sorted({0, *odd.ranks}),
+            steps=bad,
+            more_ranks=odd.more,
+            fix="make every rank of the group call the same collectives, in the same order, with the same dtype, shape "
             "and reduction: compute rank-dependent choices (which metric, which op) from values agreed across ranks "
-            "first.")]
+            "first.",
+        )
+    ]
 
 
 def grad_scaler_mismatch(v: View) -> list[Finding]:
@@ -135,24 +175,35 @@ def grad_scaler_mismatch(v: View) -> list[Finding]:
     def scale(value: int) -> str:
         return f"{decode(value):g}" if value else "no scaler.step()"
 
-    shown = ", ".join([f"rank 0: {scale(v.summary.scales0[first])}",
-                       *(f"rank {r}: {scale(v.meta(r)['scale'])}" for r in odd.ranks[:7])])
+    shown = ", ".join(
+        [
+            f"rank 0: {scale(v.summary.scales0[first])}",
+            *(f"rank {r}: {scale(v.meta(r)['scale'])}" for r in odd.ranks[:7]),
+        ]
+    )
     more = odd.count - min(len(odd.ranks), 7)
-    return [Finding(
-        code="grad-scaler-mismatch", severity="warning",
-        title=f"GradScaler's scale differs across ranks at step {first} ({shown}"
-              + (f" and {more} other rank{'s' if more > 1 else ''}" if more else "") + ")",
-        detail="With gradients synchronized by DDP, every rank sees the same infs and NaNs, so every rank's scaler "
-               "skips the same steps and keeps the same scale. Here they differ: DDP averages gradients scaled by "
-               "different factors and each rank divides the average by its own scale, so the ranks apply different "
-               "updates (and skip different steps), and the replicas drift apart. Usual causes: a scaler built with "
-               "a rank-dependent "
-               "init_scale, scaler.update() or scaler.step() called on some ranks only, or gradients that DDP did "
-               "not synchronize (see the other findings)."
-               + (f" Also at step(s) {bad[1:]}." if len(bad) > 1 else ""),
-        params=[], ranks=sorted({0, *odd.ranks}), steps=bad, more_ranks=odd.more,
-        fix="build the GradScaler with the same arguments on every rank and call scaler.scale(loss).backward(), "
-            "scaler.step(optimizer) and scaler.update() on every rank in every step.")]
+    return [
+        Finding(
+            code="grad-scaler-mismatch",
+            severity="warning",
+            title=f"GradScaler's scale differs across ranks at step {first} ({shown}"
+            + (f" and {more} other rank{'s' if more > 1 else ''}" if more else "")
+            + ")",
+            detail="With gradients synchronized by DDP, every rank sees the same infs and NaNs, so every rank's scaler "
+            "skips the same steps and keeps the same scale. Here they differ: DDP averages gradients scaled by "
+            "different factors and each rank divides the average by its own scale, so the ranks apply different "
+            "updates (and skip different steps), and the replicas drift apart. Usual causes: a scaler built with "
+            "a rank-dependent "
+            "init_scale, scaler.update() or scaler.step() called on some ranks only, or gradients that DDP did "
+            "not synchronize (see the other findings)." + (f" Also at step(s) {bad[1:]}." if len(bad) > 1 else ""),
+            params=[],
+            ranks=sorted({0, *odd.ranks}),
+            steps=bad,
+            more_ranks=odd.more,
+            fix="build the GradScaler with the same arguments on every rank and call scaler.scale(loss).backward(), "
+            "scaler.step(optimizer) and scaler.update() on every rank in every step.",
+        )
+    ]
 
 
 def batchnorm_not_synced(v: View) -> list[Finding]:
@@ -164,20 +215,31 @@ def batchnorm_not_synced(v: View) -> list[Finding]:
     if not steps:
         return []
     sizes = sorted(set(v.summary.batch_sizes or ()))
-    per_rank = (f"{sizes[0]} samples per rank" if len(sizes) == 1 else
-                f"{sizes[0]} to {sizes[-1]} samples per rank" if sizes else "an unknown number of samples per rank")
+    per_rank = (
+        f"{sizes[0]} samples per rank"
+        if len(sizes) == 1
+        else f"{sizes[0]} to {sizes[-1]} samples per rank"
+        if sizes
+        else "an unknown number of samples per rank"
+    )
     names = v.info.batchnorm
     listed = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-    return [Finding(
-        code="batchnorm-not-synced", severity="info",
-        title=f"BatchNorm without SyncBatchNorm: {count(len(names), 'layer')} normalizing over each rank's own "
-              f"batch ({per_rank})",
-        detail=f"{listed} trained in training mode without SyncBatchNorm, so each rank computes the batch mean and "
-               f"variance over its own {per_rank} and keeps its own running statistics (DDP then copies rank 0's "
-               "running statistics to the others at each forward when broadcast_buffers=True). That is fine when the "
-               "per-rank batch is large (tens of samples or more per layer input); with a few samples per rank the "
-               "statistics are noisy and training can be worse than on one device with the global batch. "
-               "SyncBatchNorm computes them over the global batch at the cost of one all-reduce per layer per forward.",
-        params=[], ranks=all_ranks(v), steps=steps,
-        fix="if the per-rank batch is small, convert before wrapping: "
-            "model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model); otherwise nothing to do.")]
+    return [
+        Finding(
+            code="batchnorm-not-synced",
+            severity="info",
+            title=f"BatchNorm without SyncBatchNorm: {count(len(names), 'layer')} normalizing over each rank's own "
+            f"batch ({per_rank})",
+            detail=f"{listed} trained in training mode without SyncBatchNorm, so each rank computes the batch mean and "
+            f"variance over its own {per_rank} and keeps its own running statistics (DDP then copies rank 0's "
+            "running statistics to the others at each forward when broadcast_buffers=True). That is fine when the "
+            "per-rank batch is large (tens of samples or more per layer input); with a few samples per rank the "
+            "statistics are noisy and training can be worse than on one device with the global batch. "
+            "SyncBatchNorm computes them over the global batch at the cost of one all-reduce per layer per forward.",
+            params=[],
+            ranks=all_ranks(v),
+            steps=steps,
+            fix="if the per-rank batch is small, convert before wrapping: "
+            "model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model); otherwise nothing to do.",
+        )
+    ]

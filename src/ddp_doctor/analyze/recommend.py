@@ -9,18 +9,22 @@ Preference order, cheapest first:
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.findings import hidden_params
+from ddp_doctor.analyze.used_set import hidden_params
 from ddp_doctor.analyze.view import View
-from ddp_doctor.report.model import Finding, Recommendation
+from ddp_doctor.core.findings import Finding, Recommendation
 
 __all__ = ["recommend"]
 
 
 def _rec(v: View, *, find_unused: bool, static: bool, freeze: list[str], reason: str, verified: bool) -> Recommendation:
     rec = Recommendation(
-        find_unused_parameters=find_unused, static_graph=static,
+        find_unused_parameters=find_unused,
+        static_graph=static,
         gradient_as_bucket_view=bool(v.info.ddp_config.get("gradient_as_bucket_view", False)),
-        freeze_before_wrap=freeze, reason=reason, verified=verified)
+        freeze_before_wrap=freeze,
+        reason=reason,
+        verified=verified,
+    )
     return rec
 
 
@@ -28,17 +32,29 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
     """Pick flags from what was observed, never from what the script currently uses."""
     if not v.steps:
         if v.crashed("mark-ready-twice").count:
-            return _rec(v, find_unused=False, static=True, freeze=[], verified=False,
-                        reason="The first step crashed because parameters outside the graph of DDP's forward "
-                               "outputs (used after forward, or under reentrant checkpointing) got gradients with "
-                               "find_unused_parameters=True; static_graph=True handles that. Re-run the check with "
-                               "it to see the full used set.")
-        return _rec(v, find_unused=v.find_unused, static=v.static_graph, freeze=[], verified=False,
-                    reason="No complete step was observed, so there is nothing to base a change on. Observe from "
-                           "the first training step.")
+            return _rec(
+                v,
+                find_unused=False,
+                static=True,
+                freeze=[],
+                verified=False,
+                reason="The first step crashed because parameters outside the graph of DDP's forward "
+                "outputs (used after forward, or under reentrant checkpointing) got gradients with "
+                "find_unused_parameters=True; static_graph=True handles that. Re-run the check with "
+                "it to see the full used set.",
+            )
+        return _rec(
+            v,
+            find_unused=v.find_unused,
+            static=v.static_graph,
+            freeze=[],
+            verified=False,
+            reason="No complete step was observed, so there is nothing to base a change on. Observe from "
+            "the first training step.",
+        )
 
     names = v.info.param_names
-    intended = v.summary.rank0_trainable & ~v.ignored     # what the script trains now (rank 0, last step)
+    intended = v.summary.rank0_trainable & ~v.ignored  # what the script trains now (rank 0, last step)
     ever = v.ever_used
     _, dynamic, _, _ = v.usage()
     frozen_after = v.tracked & ~v.live
@@ -52,55 +68,71 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
     freeze = [names[i] for i in freeze_mask.nonzero().flatten().tolist()]
     rest = intended & (ever | blocked)
     all_used = bool(v.used_all[:, rest].all()) and not dynamic.any()
-    stable = not bool(v.summary.varies[rest].any()) and not dynamic.any()   # each rank's set is the same every step
+    stable = not bool(v.summary.varies[rest].any()) and not dynamic.any()  # each rank's set is the same every step
     outside_h, reentrant_h = hidden_params(v)
     outside, reentrant = bool(outside_h.ranks), bool(reentrant_h.ranks)
 
     parts = []
     if blocked.any():
-        parts.append(f"{int(blocked.sum())} parameter(s) ran in forward but got no gradient (grad-blocked): fix that "
-                     "first; until then they count as unused, and they are not frozen here because the script means "
-                     "to train them.")
+        parts.append(
+            f"{int(blocked.sum())} parameter(s) ran in forward but got no gradient (grad-blocked): fix that "
+            "first; until then they count as unused, and they are not frozen here because the script means "
+            "to train them."
+        )
     if freeze:
-        parts.append(f"{len(freeze)} parameter(s) never reached the loss on any rank in {v.steps} steps"
-                     + (" or were frozen after wrap" if (frozen_after & ~frozen_later).any() else "")
-                     + ": freezing them before wrapping removes them from DDP entirely (if some are meant to "
-                       "train later, use static_graph=True instead).")
+        parts.append(
+            f"{len(freeze)} parameter(s) never reached the loss on any rank in {v.steps} steps"
+            + (" or were frozen after wrap" if (frozen_after & ~frozen_later).any() else "")
+            + ": freezing them before wrapping removes them from DDP entirely (if some are meant to "
+            "train later, use static_graph=True instead)."
+        )
     if frozen_later.any():
         find_unused, static = True, False
-        parts.append(f"{int(frozen_later.sum())} parameter(s) trained for some steps and were then frozen after "
-                     "DDP was built: find_unused_parameters=True is the only flag that copes with a frozen set that "
-                     "changes, though DDP still all-reduces them. "
-                     + ("Rebuilding DDP at each change (ddp_doctor.refreeze) stops that communication."
-                        if v.info.framework == "torch" else
-                        f"{v.info.framework} owns the DDP model, so instead of freezing, a learning rate of 0 keeps "
-                        "the set DDP reduces fixed."))
+        parts.append(
+            f"{int(frozen_later.sum())} parameter(s) trained for some steps and were then frozen after "
+            "DDP was built: find_unused_parameters=True is the only flag that copes with a frozen set that "
+            "changes, though DDP still all-reduces them. "
+            + (
+                "Rebuilding DDP at each change (ddp_doctor.refreeze) stops that communication."
+                if v.info.framework == "torch"
+                else f"{v.info.framework} owns the DDP model, so instead of freezing, a learning rate of 0 keeps "
+                "the set DDP reduces fixed."
+            )
+        )
     elif all_used and not reentrant:
         find_unused, static = False, False
-        parts.append(f"Every {'other ' if freeze else ''}trainable parameter got a gradient on all {v.world} ranks in all {v.steps} "
-                     "steps, so find_unused_parameters=False is correct and cheapest.")
+        parts.append(
+            f"Every {'other ' if freeze else ''}trainable parameter got a gradient on all {v.world} ranks in all {v.steps} "
+            "steps, so find_unused_parameters=False is correct and cheapest."
+        )
     elif stable:
         find_unused, static = False, True
-        why = ("reentrant checkpointing hides parameters from DDP's forward graph" if reentrant else
-               "each rank used the same parameters on every step")
-        parts.append(f"static_graph=True: {why}, so DDP can learn the used set once instead of searching "
-                     "the graph every step.")
+        why = (
+            "reentrant checkpointing hides parameters from DDP's forward graph"
+            if reentrant
+            else "each rank used the same parameters on every step"
+        )
+        parts.append(
+            f"static_graph=True: {why}, so DDP can learn the used set once instead of searching the graph every step."
+        )
     else:
         find_unused, static = True, False
-        parts.append("find_unused_parameters=True: the set of used parameters changes between steps, and only "
-                     "it handles that.")
+        parts.append(
+            "find_unused_parameters=True: the set of used parameters changes between steps, and only it handles that."
+        )
         if outside:
-            parts.append("But parameters are also used outside forward, which find_unused_parameters=True "
-                         "cannot handle: move that computation into forward.")
+            parts.append(
+                "But parameters are also used outside forward, which find_unused_parameters=True "
+                "cannot handle: move that computation into forward."
+            )
     if v.steps < 2:
         parts.append(f"Based on {v.steps} observed step; observe more steps to confirm the used set is stable.")
 
     errors = [f for f in findings if f.severity == "error"]
-    same = (find_unused == v.find_unused and static == v.static_graph and not freeze)
+    same = find_unused == v.find_unused and static == v.static_graph and not freeze
     verified = same and not errors and v.steps >= 2
     if verified:
         parts.append("Verified: this run already uses it, and every step synced correctly.")
     elif errors and same:
         parts.append("The flags are right, but errors remain that flags cannot fix (see the findings).")
-    return _rec(v, find_unused=find_unused, static=static, freeze=freeze, reason=" ".join(parts),
-                verified=verified)
+    return _rec(v, find_unused=find_unused, static=static, freeze=freeze, reason=" ".join(parts), verified=verified)

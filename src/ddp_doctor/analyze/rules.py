@@ -7,10 +7,16 @@ of the framework that built DDP.
 
 from __future__ import annotations
 
-from ddp_doctor.report.model import Finding, ParamRef
+from ddp_doctor.core.findings import Finding, ParamRef
 
-__all__ = ["buffer_divergence", "count", "frozen_after_wrap", "replica_divergence", "unfrozen_after_wrap",
-           "wrapper_bypass"]
+__all__ = [
+    "buffer_divergence",
+    "count",
+    "frozen_after_wrap",
+    "replica_divergence",
+    "unfrozen_after_wrap",
+    "wrapper_bypass",
+]
 
 
 def count(n: int, word: str) -> str:
@@ -18,8 +24,17 @@ def count(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def frozen_after_wrap(*, params: list[ParamRef], ranks: list[int], steps: list[int], find_unused: bool,
-                      static_graph: bool, after_first_step: bool, fix: str, note: str = "") -> Finding:
+def frozen_after_wrap(
+    *,
+    params: list[ParamRef],
+    ranks: list[int],
+    steps: list[int],
+    find_unused: bool,
+    static_graph: bool,
+    after_first_step: bool,
+    fix: str,
+    note: str = "",
+) -> Finding:
     """Parameters whose `requires_grad` went from True to False after DDP was built.
 
     Severity, as measured on torch 2.13 (gloo, 2 ranks): ``warning`` with `find_unused_parameters=True` (the graph
@@ -33,51 +48,100 @@ def frozen_after_wrap(*, params: list[ParamRef], ranks: list[int], steps: list[i
     if harmless:
         detail = "they are still all-reduced every step, which wastes communication."
     elif static_graph:
-        detail = ("static_graph=True recorded them as used in the first step, so the step's reduction never "
-                  "finishes, none of the step's gradients are all-reduced, and the next step fails.")
+        detail = (
+            "static_graph=True recorded them as used in the first step, so the step's reduction never "
+            "finishes, none of the step's gradients are all-reduced, and the next step fails."
+        )
     else:
         detail = "with default flags the step's reduction never finishes and the next step fails."
     return Finding(
-        code="frozen-after-wrap", severity="warning" if harmless else "error",
+        code="frozen-after-wrap",
+        severity="warning" if harmless else "error",
         title=f"{count(len(params), 'parameter')} frozen after DDP was built",
         detail="requires_grad was set to False after DDP was built. DDP's reducer still expects their gradients: "
-               + detail + note, params=params, ranks=ranks, steps=steps, fix=fix)
+        + detail
+        + note,
+        params=params,
+        ranks=ranks,
+        steps=steps,
+        fix=fix,
+    )
 
 
-def unfrozen_after_wrap(*, params: list[ParamRef], ranks: list[int], steps: list[int], fix: str,
-                        note: str = "") -> Finding:
+def unfrozen_after_wrap(
+    *, params: list[ParamRef], ranks: list[int], steps: list[int], fix: str, note: str = ""
+) -> Finding:
     """Parameters whose `requires_grad` went from False to True after DDP was built. Always an ``error``: nothing
     ever all-reduces their gradients."""
     return Finding(
-        code="unfrozen-after-wrap", severity="error",
+        code="unfrozen-after-wrap",
+        severity="error",
         title=f"{count(len(params), 'parameter')} unfrozen after DDP was built",
         detail="requires_grad was set to True after DDP was built. DDP's reducer has no hook for them, so "
-               "their gradients are never all-reduced and each rank trains its own copy silently." + note,
-        params=params, ranks=ranks, steps=steps, fix=fix)
+        "their gradients are never all-reduced and each rank trains its own copy silently." + note,
+        params=params,
+        ranks=ranks,
+        steps=steps,
+        fix=fix,
+    )
 
 
-def wrapper_bypass(*, title: str, detail: str, params: list[ParamRef], ranks: list[int], steps: list[int],
-                   fix: str) -> Finding:
+def wrapper_bypass(
+    *, title: str, detail: str, params: list[ParamRef], ranks: list[int], steps: list[int], fix: str
+) -> Finding:
     """The module inside DDP ran forward in grad mode without DDP's forward around it. Always an ``error``."""
-    return Finding(code="wrapper-bypass", severity="error", title=title, detail=detail, params=params, ranks=ranks,
-                   steps=steps, fix=fix)
+    return Finding(
+        code="wrapper-bypass",
+        severity="error",
+        title=title,
+        detail=detail,
+        params=params,
+        ranks=ranks,
+        steps=steps,
+        fix=fix,
+    )
 
 
-def replica_divergence(*, title: str, detail: str, params: list[ParamRef], ranks: list[int], steps: list[int],
-                       fix: str, rounding_only: bool = False) -> Finding:
+def replica_divergence(
+    *,
+    title: str,
+    detail: str,
+    params: list[ParamRef],
+    ranks: list[int],
+    steps: list[int],
+    fix: str,
+    rounding_only: bool = False,
+) -> Finding:
     """Parameter values differ across ranks. An ``error``, except a ``warning`` when every difference is at float64
-    rounding level (`ddp_doctor.replicas.ROUNDING_RELATIVE`: bit-identical weights summed with different thread
+    rounding level (`ddp_doctor.exchange.replicas.ROUNDING_RELATIVE`: bit-identical weights summed with different thread
     counts), which only a fingerprint comparison can tell."""
-    return Finding(code="replica-divergence", severity="warning" if rounding_only else "error", title=title,
-                   detail=detail, params=params, ranks=ranks, steps=steps, fix=fix)
+    return Finding(
+        code="replica-divergence",
+        severity="warning" if rounding_only else "error",
+        title=title,
+        detail=detail,
+        params=params,
+        ranks=ranks,
+        steps=steps,
+        fix=fix,
+    )
 
 
-def buffer_divergence(*, title: str, detail: str, params: list[ParamRef], ranks: list[int], steps: list[int],
-                      fix: str) -> Finding:
+def buffer_divergence(
+    *, title: str, detail: str, params: list[ParamRef], ranks: list[int], steps: list[int], fix: str
+) -> Finding:
     """Buffers (BatchNorm statistics) differ across ranks. A ``warning``: training stays correct, evaluation and
     the saved buffers depend on the rank."""
-    return Finding(code="buffer-divergence", severity="warning", title=title, detail=detail, params=params,
-                   ranks=ranks, steps=steps, fix=fix)
+    return Finding(
+        code="buffer-divergence",
+        severity="warning",
+        title=title,
+        detail=detail,
+        params=params,
+        ranks=ranks,
+        steps=steps,
+        fix=fix,
+    )
 
 
 def uneven_inputs(*, title: str, cause: str, ranks: list[int], steps: list[int], note: str = "") -> Finding:
@@ -85,21 +149,28 @@ def uneven_inputs(*, title: str, cause: str, ranks: list[int], steps: list[int],
     runs out stops calling DDP's all-reduce while the others wait in it. `cause` ends with "while the others still
     train"."""
     return Finding(
-        code="uneven-inputs", severity="error", title=title,
+        code="uneven-inputs",
+        severity="error",
+        title=title,
         detail=cause + ": they then wait in DDP's gradient all-reduce for a rank that has stopped, and the job hangs "
-                       "or crashes at the end of the epoch." + (f" {note}" if note else ""),
-        ranks=ranks, steps=steps,
+        "or crashes at the end of the epoch." + (f" {note}" if note else ""),
+        ranks=ranks,
+        steps=steps,
         fix="give every rank the same number of batches: shard with DistributedSampler (equal shares), or use "
-            "drop_last=True, or wrap the loop in torch.distributed.algorithms.Join([model]) so ranks that run "
-            "out shadow the others' all-reduces (Accelerate: Accelerator(even_batches=True)).")
+        "drop_last=True, or wrap the loop in torch.distributed.algorithms.Join([model]) so ranks that run "
+        "out shadow the others' all-reduces (Accelerate: Accelerator(even_batches=True)).",
+    )
 
 
 def sampler_epoch_repeated(*, epoch: int | None, ranks: list[int]) -> Finding:
     """A shuffling DistributedSampler started a new epoch with the epoch of the last one. A ``warning``."""
     return Finding(
-        code="sampler-epoch-not-set", severity="warning",
+        code="sampler-epoch-not-set",
+        severity="warning",
         title=f"a shuffling DistributedSampler started a new epoch with the same epoch ({epoch})",
         detail="set_epoch was not called between epochs, so every epoch visits the samples in the same order on "
-               "every rank: shuffling only happened once.",
-        ranks=ranks, steps=[],
-        fix="call sampler.set_epoch(epoch) at the start of every epoch, before iterating the loader.")
+        "every rank: shuffling only happened once.",
+        ranks=ranks,
+        steps=[],
+        fix="call sampler.set_epoch(epoch) at the start of every epoch, before iterating the loader.",
+    )

@@ -13,17 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from ddp_doctor.core.figures import MAX_PATTERNS, STATES, Divergence, RankPattern, UsageMap, UsageRow
+from ddp_doctor.core.findings import Finding
 from ddp_doctor.exchange import Summary
 from ddp_doctor.exchange.local import rows_of
-from ddp_doctor.report.figures import (
-    MAX_PATTERNS,
-    STATES,
-    Divergence,
-    RankPattern,
-    UsageMap,
-    UsageRow,
-)
-from ddp_doctor.report.model import Finding
 
 __all__ = ["divergence", "figures", "usage_map"]
 
@@ -58,7 +51,7 @@ def usage_map(summary: Summary, findings: Sequence[Finding] = ()) -> UsageMap:
     """
     info = summary.info
     names = info.param_names
-    row_names, modules, rows, aggregated = rows_of(info)     # as the exchange built each rank's grid
+    row_names, modules, rows, aggregated = rows_of(info)  # as the exchange built each rank's grid
     row_of = rows.tolist()
     to_global = info.group_ranks or list(range(summary.world))
 
@@ -68,9 +61,16 @@ def usage_map(summary: Summary, findings: Sequence[Finding] = ()) -> UsageMap:
     found = [(grid, members) for grid, members in summary.patterns if members]
     order = sorted(range(len(found)), key=lambda u: (0 not in found[u][1][:1], -len(found[u][1]), found[u][1][0]))
     kept, dropped = order[:MAX_PATTERNS], order[MAX_PATTERNS:]
-    patterns = [RankPattern(ranks=[global_rank(w) for w in found[u][1]],
-                            cells=["".join(_KEYS[c] for c in row) for row in found[u][0].tolist()]) for u in kept]
-    omitted = [global_rank(w) for u in dropped for w in found[u][1]] + [global_rank(w) for w in summary.patterns_omitted]
+    patterns = [
+        RankPattern(
+            ranks=[global_rank(w) for w in found[u][1]],
+            cells=["".join(_KEYS[c] for c in row) for row in found[u][0].tolist()],
+        )
+        for u in kept
+    ]
+    omitted = [global_rank(w) for u in dropped for w in found[u][1]] + [
+        global_rank(w) for w in summary.patterns_omitted
+    ]
     codes: list[list[str]] = [[] for _ in row_names]
     index_of = {n: i for i, n in enumerate(names)}
     for f in findings:
@@ -83,10 +83,13 @@ def usage_map(summary: Summary, findings: Sequence[Finding] = ()) -> UsageMap:
     for i, numel in enumerate(info.numels):
         numels[row_of[i]] += numel
         counts_per_row[row_of[i]] += 1
-    rows = [UsageRow(name=n, module=m, params=c, numel=e, codes=k)
-            for n, m, c, e, k in zip(row_names, modules, counts_per_row, numels, codes)]
-    return UsageMap(steps=summary.steps, aggregated=aggregated, rows=rows, patterns=patterns,
-                    ranks_omitted=sorted(omitted))
+    rows = [
+        UsageRow(name=n, module=m, params=c, numel=e, codes=k)
+        for n, m, c, e, k in zip(row_names, modules, counts_per_row, numels, codes)
+    ]
+    return UsageMap(
+        steps=summary.steps, aggregated=aggregated, rows=rows, patterns=patterns, ranks_omitted=sorted(omitted)
+    )
 
 
 def divergence(summary: Summary) -> Divergence:
@@ -102,5 +105,10 @@ def divergence(summary: Summary) -> Divergence:
     weights = [math.inf if m else w for w, m in zip(c.weights, c.weights_missing)]
     w_start = next((i - 1 for i, w in enumerate(weights) if w > 0), None)
     g_start = next((s for s, (g, m) in enumerate(zip(c.grads, c.grads_missing)) if g > 0 or m), None)
-    return Divergence(weights=weights, grads=list(c.grads), grads_missing=list(c.grads_missing), weights_start=w_start,
-                      grads_start=g_start)
+    return Divergence(
+        weights=weights,
+        grads=list(c.grads),
+        grads_missing=list(c.grads_missing),
+        weights_start=w_start,
+        grads_start=g_start,
+    )

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from ddp_doctor.core.findings import ParamRef
+from ddp_doctor.core.records import CRASH_KINDS
 from ddp_doctor.exchange import Examples, Summary
-from ddp_doctor.records import CRASH_KINDS
-from ddp_doctor.report.model import ParamRef
 
 __all__ = ["View"]
 
@@ -26,10 +26,10 @@ class View:
         self.info = info = summary.info
         self.world = summary.world
         self.steps = s = summary.steps
-        self.used_any = summary.used > 0                       # [S, P]: some rank used it in the step
-        self.used_all = summary.used == self.world             # [S, P]: every rank did
-        self.train_any = summary.trainable > 0                 # [S, P]
-        self.train_all = summary.trainable == self.world       # [S, P]
+        self.used_any = summary.used > 0  # [S, P]: some rank used it in the step
+        self.used_all = summary.used == self.world  # [S, P]: every rank did
+        self.train_any = summary.trainable > 0  # [S, P]
+        self.train_all = summary.trainable == self.world  # [S, P]
         self.tracked = summary.tracked
         self.ignored = torch.tensor(info.ignored, dtype=torch.bool)
         # The step a crash interrupted: what got a gradient, or was reachable from DDP's outputs, before the crash

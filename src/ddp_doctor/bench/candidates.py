@@ -28,15 +28,21 @@ class Config:
     def of_report(cls, report: Report) -> Config:
         """The configuration the script itself used."""
         cfg = report.ddp_config
-        return cls(find_unused_parameters=bool(cfg.get("find_unused_parameters")),
-                   static_graph=bool(cfg.get("static_graph")),
-                   gradient_as_bucket_view=bool(cfg.get("gradient_as_bucket_view")),
-                   bucket_cap_mb=float(cfg.get("bucket_cap_mb") or DEFAULT_BUCKET_MB))
+        return cls(
+            find_unused_parameters=bool(cfg.get("find_unused_parameters")),
+            static_graph=bool(cfg.get("static_graph")),
+            gradient_as_bucket_view=bool(cfg.get("gradient_as_bucket_view")),
+            bucket_cap_mb=float(cfg.get("bucket_cap_mb") or DEFAULT_BUCKET_MB),
+        )
 
     @property
     def ddp_kwargs(self) -> dict[str, Any]:
-        return {"find_unused_parameters": self.find_unused_parameters, "static_graph": self.static_graph,
-                "gradient_as_bucket_view": self.gradient_as_bucket_view, "bucket_cap_mb": self.bucket_cap_mb}
+        return {
+            "find_unused_parameters": self.find_unused_parameters,
+            "static_graph": self.static_graph,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+            "bucket_cap_mb": self.bucket_cap_mb,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -53,9 +59,13 @@ def candidates(report: Report) -> list[tuple[str, Config]]:
     """
     user = Config.of_report(report)
     rec = report.recommendation
-    recommended = Config(find_unused_parameters=rec.find_unused_parameters, static_graph=rec.static_graph,
-                         gradient_as_bucket_view=rec.gradient_as_bucket_view, bucket_cap_mb=user.bucket_cap_mb,
-                         freeze_before_wrap=tuple(rec.freeze_before_wrap))
+    recommended = Config(
+        find_unused_parameters=rec.find_unused_parameters,
+        static_graph=rec.static_graph,
+        gradient_as_bucket_view=rec.gradient_as_bucket_view,
+        bucket_cap_mb=user.bucket_cap_mb,
+        freeze_before_wrap=tuple(rec.freeze_before_wrap),
+    )
     codes = report.codes
     dynamic = bool(codes & {"dynamic-graph", "static-graph-unsafe", "frozen-after-wrap"})
     hidden = bool(codes & {"used-outside-forward", "reentrant-checkpoint"})
@@ -68,10 +78,15 @@ def candidates(report: Report) -> list[tuple[str, Config]]:
     }
     for name, (find_unused, static, plausible) in flags.items():
         if plausible:
-            out.append((name, replace(user, find_unused_parameters=find_unused, static_graph=static,
-                                      freeze_before_wrap=())))
-    out.append(("recommended+bucket_view",
-                replace(recommended, gradient_as_bucket_view=not recommended.gradient_as_bucket_view)))
+            out.append(
+                (name, replace(user, find_unused_parameters=find_unused, static_graph=static, freeze_before_wrap=()))
+            )
+    out.append(
+        (
+            "recommended+bucket_view",
+            replace(recommended, gradient_as_bucket_view=not recommended.gradient_as_bucket_view),
+        )
+    )
     for mb in _BUCKET_ALTERNATIVES:
         if mb != recommended.bucket_cap_mb:
             out.append((f"recommended+bucket_{mb:g}mb", replace(recommended, bucket_cap_mb=mb)))

@@ -31,13 +31,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ddp_doctor._collective import comm_device
-from ddp_doctor._observe import Doctor
-from ddp_doctor._oddranks import pick
 from ddp_doctor.bench.candidates import Config, candidates
+from ddp_doctor.bench.inplace import Snapshot, rebuild_in_place
 from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, judge_report, round_end, round_order, unused_of
-from ddp_doctor.bench.rebuild import Snapshot, rebuild_in_place
-from ddp_doctor.errors import DoctorError
+from ddp_doctor.core.errors import DoctorError
+from ddp_doctor.doctor import Doctor
+from ddp_doctor.exchange.oddranks import pick
+from ddp_doctor.exchange.primitives import comm_device
 from ddp_doctor.report.model import Report
 
 __all__ = ["BenchHost", "InRankBench"]
@@ -187,14 +187,16 @@ class InRankBench:
         if not self.plan.share:
             return "the parent asked for one block"
         if len(doctors) != 1:
-            return (f"the script builds {len(doctors)} DDP models; the bench rebuilds one wrapper in place, so "
-                    "each candidate needs a launch of its own")
+            return (
+                f"the script builds {len(doctors)} DDP models; the bench rebuilds one wrapper in place, so "
+                "each candidate needs a launch of its own"
+            )
         if self.ddp is None or doctors[0].ddp is not self.ddp or self.optimizer is None:
             return "the optimizer that trains the DDP model was not found before the first step"
         if self._snapshot is None:
             return self._snapshot_error or "the model state could not be copied before the first step"
         try:
-            from ddp_doctor._refreeze.rebuild import constructor_kwargs
+            from ddp_doctor.observation.wrapstate import constructor_kwargs
 
             self._base_kwargs = constructor_kwargs(self.ddp)
         except DoctorError as exc:
@@ -291,7 +293,7 @@ class InRankBench:
         if self._timed_blocks == 0:
             self._write_timing(block.step_s)
         self._timed_blocks += 1
-        if block.name == "check":   # `check(timed_steps=K)`
+        if block.name == "check":  # `check(timed_steps=K)`
             self.log.ended = "the timed steps are done"
             self._end()
             self.host.leave()
@@ -317,20 +319,32 @@ class InRankBench:
         self._longest_round = max(self._longest_round, time.monotonic() - self._round_started)
         budget = self.log.budget_deadline
         near = bool(self.host.deadline) and now + 2 * self._longest_round + 5.0 > self.host.deadline
-        row = torch.tensor([float(budget is not None and now > budget), float(near),
-                            *(self._round_times.get(n, -1.0) for n in names)], dtype=torch.float64)
+        row = torch.tensor(
+            [float(budget is not None and now > budget), float(near), *(self._round_times.get(n, -1.0) for n in names)],
+            dtype=torch.float64,
+        )
         group = self.ddp.process_group
         param = next(self.ddp.module.parameters(), None)
         # Group rank 0's row on every rank (its values are finite: flags and times, -1 for none).
-        agreed = pick(row.unsqueeze(0), torch.zeros(1, dtype=torch.int64), group=group,
-                      device=comm_device(group, param.device if param is not None else None))[0]
+        agreed = pick(
+            row.unsqueeze(0),
+            torch.zeros(1, dtype=torch.int64),
+            group=group,
+            device=comm_device(group, param.device if param is not None else None),
+        )[0]
         for i, name in enumerate(names):
             if name in self._live and agreed[2 + i] > 0:
                 self._history.setdefault(name, []).append(float(agreed[2 + i]))
         self._round_times.clear()
         live = {n: self._history[n] for n in self._live if n in self._history}
-        stop = round_end(live, {n: self._configs[n] for n in live}, rounds_done=self._round + 1,
-                         rounds=self.plan.rounds, budget_spent=bool(agreed[0]), budget_s=self.plan.budget_s)
+        stop = round_end(
+            live,
+            {n: self._configs[n] for n in live},
+            rounds_done=self._round + 1,
+            rounds=self.plan.rounds,
+            budget_spent=bool(agreed[0]),
+            budget_s=self.plan.budget_s,
+        )
         if stop:
             self.log.ended = self.log.stopped = stop
         elif agreed[1]:

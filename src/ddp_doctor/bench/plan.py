@@ -120,8 +120,13 @@ class BenchLog:
             d = json.loads((folder / LOG_FILE).read_text())
         except (OSError, ValueError):
             return None
-        return cls(**{**d, "candidates": [(n, _config(c)) for n, c in d["candidates"]],
-                      "blocks": [Block(**b) for b in d["blocks"]]})
+        return cls(
+            **{
+                **d,
+                "candidates": [(n, _config(c)) for n, c in d["candidates"]],
+                "blocks": [Block(**b) for b in d["blocks"]],
+            }
+        )
 
     @property
     def current(self) -> Block | None:
@@ -135,8 +140,9 @@ def unused_of(report: Report) -> set[str]:
     return set(found.param_names) if found else set()
 
 
-def judge_report(report: Report, config: Config, baseline_unused: set[str],
-                 others: list[Report] | tuple[Report, ...] = ()) -> tuple[bool, str]:
+def judge_report(
+    report: Report, config: Config, baseline_unused: set[str], others: list[Report] | tuple[Report, ...] = ()
+) -> tuple[bool, str]:
     """Whether a candidate's observed steps were correct, and why not: no error-level finding (in the report of any
     DDP model the script built: `others` are the second and later), and the same used set as the check's for the
     first model (parameters frozen before wrapping aside).
@@ -151,8 +157,10 @@ def judge_report(report: Report, config: Config, baseline_unused: set[str],
     frozen = set(config.freeze_before_wrap)
     unused = unused_of(report) - frozen
     if unused != baseline_unused - frozen and not config.find_unused_parameters:
-        return False, (f"the used set differs from the check's: unused {sorted(unused_of(report))}, "
-                       f"expected {sorted(baseline_unused - frozen)}")
+        return False, (
+            f"the used set differs from the check's: unused {sorted(unused_of(report))}, "
+            f"expected {sorted(baseline_unused - frozen)}"
+        )
     return True, ""
 
 
@@ -165,8 +173,15 @@ def round_order(live: list[str], index: int) -> list[str]:
     return live[k:] + live[:k]
 
 
-def round_end(history: dict[str, list[float]], configs: dict[str, Config], *, rounds_done: int, rounds: int,
-              budget_spent: bool, budget_s: float | None = None) -> str:
+def round_end(
+    history: dict[str, list[float]],
+    configs: dict[str, Config],
+    *,
+    rounds_done: int,
+    rounds: int,
+    budget_spent: bool,
+    budget_s: float | None = None,
+) -> str:
     """After a complete round: why the rounds stop now, or "" to go on. `history` holds the per-round median step
     times of the correct candidates (the same rounds for all)."""
     decision = decide(history, configs)

@@ -7,12 +7,13 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddp_doctor.analyze.snippets import render_snippets
 from ddp_doctor.bench.candidates import Config
 from ddp_doctor.bench.plan import judge_report, unused_of
 from ddp_doctor.bench.stats import Comparison, Verdict
+from ddp_doctor.core.findings import Recommendation
 from ddp_doctor.launch.outcome import CheckResult
-from ddp_doctor.report.model import Recommendation, Report
-from ddp_doctor.report.snippets import render_snippets
+from ddp_doctor.report.model import Report
 
 __all__ = ["SCHEMA", "BenchResult", "Candidate", "Launch", "judge"]
 
@@ -67,8 +68,14 @@ class Launch:
     wall_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "why": self.why, "blocks": self.blocks, "ended": self.ended,
-                "startup_s": self.startup_s, "wall_s": self.wall_s}
+        return {
+            "index": self.index,
+            "why": self.why,
+            "blocks": self.blocks,
+            "ended": self.ended,
+            "startup_s": self.startup_s,
+            "wall_s": self.wall_s,
+        }
 
 
 @dataclass(kw_only=True)
@@ -112,13 +119,19 @@ class BenchResult:
             return None
         c = self.winner.config
         assert self.decision is not None
-        head = ("Measured fastest correct configuration" if self.decision.measured else
-                "Correct configuration that does the least work")
+        head = (
+            "Measured fastest correct configuration"
+            if self.decision.measured
+            else "Correct configuration that does the least work"
+        )
         rec = Recommendation(
-            find_unused_parameters=c.find_unused_parameters, static_graph=c.static_graph,
-            gradient_as_bucket_view=c.gradient_as_bucket_view, freeze_before_wrap=list(c.freeze_before_wrap),
+            find_unused_parameters=c.find_unused_parameters,
+            static_graph=c.static_graph,
+            gradient_as_bucket_view=c.gradient_as_bucket_view,
+            freeze_before_wrap=list(c.freeze_before_wrap),
             verified=True,
-            reason=f"{head} ({self.winner.name}). {self.decision.reason} Rounds: {self.rounds_run} ({self.stopped}).")
+            reason=f"{head} ({self.winner.name}). {self.decision.reason} Rounds: {self.rounds_run} ({self.stopped}).",
+        )
         rec.render = render_snippets(rec, {**self.check.ddp_config, "bucket_cap_mb": c.bucket_cap_mb})
         return rec
 
@@ -126,21 +139,36 @@ class BenchResult:
         best = self.winner
         return {
             "schema": SCHEMA,
-            "candidates": [{
-                "name": c.name, "config": c.config.to_dict(), "correct": c.correct, "reason": c.reason,
-                "median_step_s": c.median_step_s, "spread": c.spread,
-                "ratio_to_user": self.ratio_to(c, self.user), "ratio_to_best": self.ratio_to(c, best),
-                "vs_reference": None if (cmp := self.comparison(c)) is None else {
-                    "median_ratio": cmp.ratio, "low": cmp.low, "high": cmp.high, "rounds": cmp.rounds},
-                "rounds": c.rounds,
-            } for c in self.candidates],
-            "winner": None if best is None else {
-                "name": best.name, "config": best.config.to_dict(),
+            "candidates": [
+                {
+                    "name": c.name,
+                    "config": c.config.to_dict(),
+                    "correct": c.correct,
+                    "reason": c.reason,
+                    "median_step_s": c.median_step_s,
+                    "spread": c.spread,
+                    "ratio_to_user": self.ratio_to(c, self.user),
+                    "ratio_to_best": self.ratio_to(c, best),
+                    "vs_reference": None
+                    if (cmp := self.comparison(c)) is None
+                    else {"median_ratio": cmp.ratio, "low": cmp.low, "high": cmp.high, "rounds": cmp.rounds},
+                    "rounds": c.rounds,
+                }
+                for c in self.candidates
+            ],
+            "winner": None
+            if best is None
+            else {
+                "name": best.name,
+                "config": best.config.to_dict(),
                 "reference": self.decision.reference if self.decision else None,
                 "measured": self.decision.measured if self.decision else False,
-                "reason": self.decision.reason if self.decision else ""},
-            "rounds_run": self.rounds_run, "stopped": self.stopped,
-            "startup_s": self.startup_s, "launches": [launch.to_dict() for launch in self.launches],
+                "reason": self.decision.reason if self.decision else "",
+            },
+            "rounds_run": self.rounds_run,
+            "stopped": self.stopped,
+            "startup_s": self.startup_s,
+            "launches": [launch.to_dict() for launch in self.launches],
             "check": self.check.to_dict(),
         }
 

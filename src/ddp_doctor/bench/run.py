@@ -38,9 +38,17 @@ from ddp_doctor.report.model import Report
 __all__ = ["SCHEMA", "BenchResult", "Candidate", "Launch", "judge", "run_bench"]
 
 
-def run_bench(namespace: dict[str, Any], *, steps: int, rounds: int, timeout: float, log_dir: Path,
-              only: list[str] | None = None, budget: float | None = None,
-              on_progress: Callable[[str], None] | None = None) -> BenchResult:
+def run_bench(
+    namespace: dict[str, Any],
+    *,
+    steps: int,
+    rounds: int,
+    timeout: float,
+    log_dir: Path,
+    only: list[str] | None = None,
+    budget: float | None = None,
+    on_progress: Callable[[str], None] | None = None,
+) -> BenchResult:
     """Check the script, then run every candidate in interleaved rounds until the verdict is settled.
 
     Args:
@@ -56,15 +64,33 @@ def run_bench(namespace: dict[str, Any], *, steps: int, rounds: int, timeout: fl
     Raises:
         RuntimeError: the check produced no report (the script could not start, or built no DDP model).
     """
-    return _Runner(namespace, steps=steps, rounds=rounds, timeout=timeout, log_dir=log_dir, only=only,
-                   budget=budget, on_progress=on_progress).run()
+    return _Runner(
+        namespace,
+        steps=steps,
+        rounds=rounds,
+        timeout=timeout,
+        log_dir=log_dir,
+        only=only,
+        budget=budget,
+        on_progress=on_progress,
+    ).run()
 
 
 class _Runner:
     """The parent's side of the bench: launches, and the schedule reconstructed from what each one did."""
 
-    def __init__(self, namespace: dict[str, Any], *, steps: int, rounds: int, timeout: float, log_dir: Path,
-                 only: list[str] | None, budget: float | None, on_progress: Callable[[str], None] | None) -> None:
+    def __init__(
+        self,
+        namespace: dict[str, Any],
+        *,
+        steps: int,
+        rounds: int,
+        timeout: float,
+        log_dir: Path,
+        only: list[str] | None,
+        budget: float | None,
+        on_progress: Callable[[str], None] | None,
+    ) -> None:
         self.namespace, self.steps, self.rounds, self.timeout = namespace, steps, rounds, timeout
         self.log_dir, self.only, self.budget, self.on_progress = log_dir, only, budget, on_progress
         self.cands: dict[str, Candidate] = {}
@@ -81,21 +107,28 @@ class _Runner:
     # ------------------------------------------------------------------------------------------------ flow
 
     def run(self) -> BenchResult:
-        result, log = self._launch(BenchPlan(steps=self.steps, rounds=self.rounds, auto=True, only=self.only,
-                                             budget_s=self.budget), None,
-                                   "the check; the candidates follow in the same processes")
+        result, log = self._launch(
+            BenchPlan(steps=self.steps, rounds=self.rounds, auto=True, only=self.only, budget_s=self.budget),
+            None,
+            "the check; the candidates follow in the same processes",
+        )
         if result.report is None:
             raise RuntimeError(result.error or "the check produced no report")
         self.baseline = result.report
         built = log.candidates if log is not None and log.candidates else candidates(self.baseline)
         self.cands = {n: Candidate(name=n, config=c) for n, c in built if self.only is None or n in self.only}
         self.pending = list(self.cands)
-        self.budget_deadline = (log.budget_deadline if log is not None and log.budget_deadline else
-                                time.time() + self.budget if self.budget is not None else None)
+        self.budget_deadline = (
+            log.budget_deadline
+            if log is not None and log.budget_deadline
+            else time.time() + self.budget
+            if self.budget is not None
+            else None
+        )
         why = self._absorb(result, log, first="user" if log is None or not log.blocks else None)
         while not self.stopped and why:
             if len(self.launches) > 2 * len(self.cands) * self.rounds + 2:
-                self.stopped = "too many launches"   # a guard: every launch below makes progress
+                self.stopped = "too many launches"  # a guard: every launch below makes progress
                 break
             first = self.pending[0]
             plan = self._plan()
@@ -104,20 +137,32 @@ class _Runner:
         decision = _decide(list(self.cands.values()))
         correct = {c.name: c for c in self.cands.values() if c.correct and c.rounds}
         winner = correct[decision.choice] if decision is not None else None
-        return BenchResult(check=self.baseline, candidates=list(self.cands.values()), winner=winner,
-                           decision=decision, rounds_run=self.round + (0 if self.pending else 1),
-                           stopped=self.stopped, launches=self.launches)
+        return BenchResult(
+            check=self.baseline,
+            candidates=list(self.cands.values()),
+            winner=winner,
+            decision=decision,
+            rounds_run=self.round + (0 if self.pending else 1),
+            stopped=self.stopped,
+            launches=self.launches,
+        )
 
     def _plan(self) -> BenchPlan:
         live = [n for n, c in self.cands.items() if c.correct]
         medians = {n: self.cands[n].round_medians() for n in live}
         return BenchPlan(
-            steps=self.steps, rounds=self.rounds, candidates=[(n, self.cands[n].config) for n in live],
-            round=self.round, pending=list(self.pending),
-            history={n: m[:self.round] for n, m in medians.items()},
+            steps=self.steps,
+            rounds=self.rounds,
+            candidates=[(n, self.cands[n].config) for n in live],
+            round=self.round,
+            pending=list(self.pending),
+            history={n: m[: self.round] for n, m in medians.items()},
             round_times={n: m[self.round] for n, m in medians.items() if len(m) > self.round},
             baseline_unused=sorted(unused_of(self.baseline)) if self.baseline is not None else [],
-            budget_deadline=self.budget_deadline, budget_s=self.budget, share=not self.why_not_shared)
+            budget_deadline=self.budget_deadline,
+            budget_s=self.budget,
+            share=not self.why_not_shared,
+        )
 
     def _launch(self, plan: BenchPlan, config: Config | None, why: str) -> tuple[CheckResult, BenchLog | None]:
         index = len(self.launches) + 1
@@ -125,17 +170,27 @@ class _Runner:
         if self.on_progress is not None:
             self.on_progress(f"launch {index}: {first}" + (" and the rest" if plan.share else ""))
         folder = self.log_dir / f"launch{index}"
-        config_ = RankConfig(target=self.namespace["training_script"], module=bool(self.namespace["module"]),
-                             steps=self.steps, ddp_kwargs=config.ddp_kwargs if config is not None else {},
-                             freeze_before_wrap=list(config.freeze_before_wrap) if config is not None else [],
-                             timed_steps=self.steps, bench=plan.to_dict())
+        config_ = RankConfig(
+            target=self.namespace["training_script"],
+            module=bool(self.namespace["module"]),
+            steps=self.steps,
+            ddp_kwargs=config.ddp_kwargs if config is not None else {},
+            freeze_before_wrap=list(config.freeze_before_wrap) if config is not None else [],
+            timed_steps=self.steps,
+            bench=plan.to_dict(),
+        )
         started = time.time()
         with open(self.log_dir / f"launch{index}.log", "a") as output:
             result = run_check(self.namespace, config_, timeout=self.timeout, output=output, outdir=folder)
         log = BenchLog.read(folder)
-        self.launches.append(Launch(
-            index=index, why=why, wall_s=time.time() - started,
-            startup_s=log.first_step_at - started if log is not None and log.first_step_at else None))
+        self.launches.append(
+            Launch(
+                index=index,
+                why=why,
+                wall_s=time.time() - started,
+                startup_s=log.first_step_at - started if log is not None and log.first_step_at else None,
+            )
+        )
         return result, log
 
     # --------------------------------------------------------------------------------------------- merging
@@ -147,7 +202,7 @@ class _Runner:
         launch = self.launches[-1]
         blocks = [b for b in (log.blocks if log is not None else []) if b.status != "check"]
         if log is not None and not log.shared and not self.why_not_shared:
-            self.why_not_shared = log.why_not_shared     # later launches, run one block each, keep the first reason
+            self.why_not_shared = log.why_not_shared  # later launches, run one block each, keep the first reason
         if first is not None and not blocks and first in self.cands:
             correct, reason = judge(result, self.cands[first].config, self.baseline, self.steps)
             cand = self.cands[first]
@@ -191,13 +246,13 @@ class _Runner:
             cand.correct = False
             cand.reason = f"its block did not end within the launch's --timeout ({self.timeout:g} s)"
         elif log is not None and log.ended.startswith("the script's loop ended") and first_in_launch:
-            if block.step_s:     # the script is shorter than one block: what was timed is all there is
+            if block.step_s:  # the script is shorter than one block: what was timed is all there is
                 cand.rounds.append(block.step_s)
             else:
                 cand.correct = False
                 cand.reason = f"no step was timed (the script ended before {self.steps} more steps)"
         else:
-            return False         # not its fault: it runs again in the next launch
+            return False  # not its fault: it runs again in the next launch
         self._done(block.name, block.round)
         return True
 
@@ -212,8 +267,14 @@ class _Runner:
     def _round_end(self) -> str:
         live = {n: c.round_medians() for n, c in self.cands.items() if c.correct and c.rounds}
         spent = self.budget_deadline is not None and time.time() > self.budget_deadline
-        return round_end(live, {n: self.cands[n].config for n in live}, rounds_done=self.round + 1,
-                         rounds=self.rounds, budget_spent=spent, budget_s=self.budget)
+        return round_end(
+            live,
+            {n: self.cands[n].config for n in live},
+            rounds_done=self.round + 1,
+            rounds=self.rounds,
+            budget_spent=spent,
+            budget_s=self.budget,
+        )
 
     @staticmethod
     def _ended(result: CheckResult, log: BenchLog | None) -> str:
@@ -234,11 +295,15 @@ class _Runner:
             return f"the candidates cannot share a launch: {self.why_not_shared}"
         if log is None or not log.blocks:
             what = "the check" if launch.index == 1 else "its first block"
-            return (f"{what} ended launch {launch.index} ({launch.ended}); a crashed or finished process cannot "
-                    "go on, so the candidates start a new one")
+            return (
+                f"{what} ended launch {launch.index} ({launch.ended}); a crashed or finished process cannot "
+                "go on, so the candidates start a new one"
+            )
         if result.late_crash:
-            return (f"{self.crashed or 'a candidate'} crashed in launch {launch.index}, which ends that launch; a "
-                    "crashed process cannot go on")
+            return (
+                f"{self.crashed or 'a candidate'} crashed in launch {launch.index}, which ends that launch; a "
+                "crashed process cannot go on"
+            )
         if result.timed_out:
             return f"launch {launch.index} reached --timeout ({self.timeout:g} s)"
         if log.ended.startswith("the script's loop ended"):

@@ -42,8 +42,12 @@ def work_rank(config: Config) -> int:
 
 
 def work_reason(config: Config) -> str:
-    return ("freezes the never-used parameters, so DDP reduces fewer tensors", "skips the graph walk",
-            "walks the graph once, at the first step", "walks the autograd graph every step")[work_rank(config)]
+    return (
+        "freezes the never-used parameters, so DDP reduces fewer tensors",
+        "skips the graph walk",
+        "walks the graph once, at the first step",
+        "walks the autograd graph every step",
+    )[work_rank(config)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +76,9 @@ class Comparison:
             return "no paired round"
         if self.low is None:
             return f"median ratio {self.ratio:.2f} over {self.rounds} round(s): too few rounds for an interval"
-        return f"median ratio {self.ratio:.2f}, 95% interval {self.low:.2f} to {self.high:.2f} over {self.rounds} rounds"
+        return (
+            f"median ratio {self.ratio:.2f}, 95% interval {self.low:.2f} to {self.high:.2f} over {self.rounds} rounds"
+        )
 
 
 def compare(candidate: Sequence[float], reference: Sequence[float]) -> Comparison:
@@ -119,16 +125,19 @@ def decide(rounds: dict[str, list[float]], configs: dict[str, Config]) -> Verdic
     if faster:
         choice = min(faster, key=lambda n: faster[n].ratio or 1.0)
         c = faster[choice]
-        reason = (f"{choice} vs {reference}: {c.describe()}: clearly faster (the whole interval is below "
-                  f"{1 - MARGIN:.2f}), although {reference} does less work ({work_reason(ref_cfg)}).")
-        return Verdict(choice=choice, reference=reference, comparisons=comparisons, measured=True, settled=settled,
-                       reason=reason)
+        reason = (
+            f"{choice} vs {reference}: {c.describe()}: clearly faster (the whole interval is below "
+            f"{1 - MARGIN:.2f}), although {reference} does less work ({work_reason(ref_cfg)})."
+        )
+        return Verdict(
+            choice=choice, reference=reference, comparisons=comparisons, measured=True, settled=settled, reason=reason
+        )
     if comparisons:
         name, c = min(comparisons.items(), key=lambda kv: kv[1].ratio if kv[1].ratio is not None else 9.9)
         how = "slower" if c.low is not None and c.low > 1 + MARGIN else "indistinguishable here"
-        reason = (f"{name} vs {reference}: {c.describe()}: {how}; choosing {reference}, which "
-                  f"{work_reason(ref_cfg)}.")
+        reason = f"{name} vs {reference}: {c.describe()}: {how}; choosing {reference}, which {work_reason(ref_cfg)}."
     else:
         reason = f"{reference} is the only correct candidate."
-    return Verdict(choice=reference, reference=reference, comparisons=comparisons, measured=False, settled=settled,
-                   reason=reason)
+    return Verdict(
+        choice=reference, reference=reference, comparisons=comparisons, measured=False, settled=settled, reason=reason
+    )

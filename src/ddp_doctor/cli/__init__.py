@@ -7,20 +7,21 @@ import signal
 import sys
 
 from ddp_doctor import __version__
-from ddp_doctor.cli import bench, check, codes, demo
+from ddp_doctor.cli import bench, check, demo, list_codes
 
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddp-doctor", description="Find, explain and fix misconfigured PyTorch "
-                                                                    "DistributedDataParallel training.")
+    parser = argparse.ArgumentParser(
+        prog="ddp-doctor", description="Find, explain and fix misconfigured PyTorch DistributedDataParallel training."
+    )
     parser.add_argument("--version", action="version", version=f"ddp-doctor {__version__}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     check.register(sub)
     bench.register(sub)
     demo.register(sub)
-    codes.register(sub)
+    list_codes.register(sub)
     return parser
 
 
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except Interrupted as exc:
-        sys.stderr.write(f"\nddp-doctor: interrupted by {signal.Signals(exc.signum).name} before the run started; "
-                         "nothing was left running.\n")
+        sys.stderr.write(
+            f"\nddp-doctor: interrupted by {signal.Signals(exc.signum).name} before the run started; "
+            "nothing was left running.\n"
+        )
         return exc.exit_code
-

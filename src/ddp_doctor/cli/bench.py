@@ -16,12 +16,20 @@ from rich.table import Table
 from ddp_doctor.bench import BenchResult, run_bench
 from ddp_doctor.bench.run import Candidate
 from ddp_doctor.cli.check import add_check_arguments, torchrun_subparser, validate
-from ddp_doctor.report.model import finite
+from ddp_doctor.core.findings import finite
 
 __all__ = ["CANDIDATE_NAMES", "register", "render"]
 
-CANDIDATE_NAMES = ("user", "recommended", "defaults", "find_unused", "static_graph", "recommended+bucket_view",
-                   "recommended+bucket_10mb", "recommended+bucket_50mb")
+CANDIDATE_NAMES = (
+    "user",
+    "recommended",
+    "defaults",
+    "find_unused",
+    "static_graph",
+    "recommended+bucket_view",
+    "recommended+bucket_10mb",
+    "recommended+bucket_50mb",
+)
 
 EXAMPLES = """\
   ddp-doctor bench --nproc-per-node 2 train.py
@@ -45,22 +53,36 @@ combinations that the check proves cannot work are not built; the rest must prov
 
 def _add_bench_arguments(group: argparse._ArgumentGroup) -> None:
     add_check_arguments(group, bench=True)
-    group.add_argument("--rounds", type=int, default=6, metavar="R",
-                       help="the most runs per candidate; rounds stop once the verdict is settled (default: 6)")
-    group.add_argument("--budget", type=float, default=None, metavar="S",
-                       help="start no new round after S seconds (default: no limit)")
+    group.add_argument(
+        "--rounds",
+        type=int,
+        default=6,
+        metavar="R",
+        help="the most runs per candidate; rounds stop once the verdict is settled (default: 6)",
+    )
+    group.add_argument(
+        "--budget", type=float, default=None, metavar="S", help="start no new round after S seconds (default: no limit)"
+    )
     group.add_argument("--configs", metavar="NAMES", help="comma-separated candidate names to run (default: all)")
-    group.add_argument("--html", metavar="FILE", help="write a self-contained HTML page with the table, a chart "
-                                                      "and the check report with its figures")
+    group.add_argument(
+        "--html",
+        metavar="FILE",
+        help="write a self-contained HTML page with the table, a chart and the check report with its figures",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     # Our options first, with the examples; torchrun's launcher options in their own group after them.
     torchrun_subparser(
-        sub, "bench", help="time the candidate DDP configurations on a script and pick the fastest correct one",
+        sub,
+        "bench",
+        help="time the candidate DDP configurations on a script and pick the fastest correct one",
         description="Check SCRIPT, build the DDP configurations that could be correct for what it does, run each "
-                    "one several times interleaved, and report which is fastest among those that stayed correct.",
-        epilog=EPILOG, examples=EXAMPLES, add_ours=_add_bench_arguments).set_defaults(func=run)
+        "one several times interleaved, and report which is fastest among those that stayed correct.",
+        epilog=EPILOG,
+        examples=EXAMPLES,
+        add_ours=_add_bench_arguments,
+    ).set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
     only = [n.strip() for n in args.configs.split(",")] if args.configs else None
     unknown = [n for n in only or [] if n not in CANDIDATE_NAMES]
     if unknown:
-        args._parser.error(f"--configs has unknown candidate name(s) {unknown}; the names are: "
-                           f"{', '.join(CANDIDATE_NAMES)}.")
+        args._parser.error(
+            f"--configs has unknown candidate name(s) {unknown}; the names are: {', '.join(CANDIDATE_NAMES)}."
+        )
     if args.html:
         try:
             import matplotlib  # noqa: F401
@@ -81,9 +104,15 @@ def run(args: argparse.Namespace) -> int:
             args._parser.error("--html needs matplotlib: pip install 'ddp-doctor[html]'.")
     console = Console()
     with tempfile.TemporaryDirectory(prefix="ddp-doctor-bench-") as tmp:
-        progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                            TextColumn("{task.completed} launches"), TimeElapsedColumn(), console=console,
-                            transient=True)
+        progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed} launches"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
         with progress:
             task = progress.add_task("check", total=None)
 
@@ -91,18 +120,29 @@ def run(args: argparse.Namespace) -> int:
                 progress.advance(task)
                 progress.update(task, description=text)
 
-            result = run_bench(namespace, steps=args.steps, rounds=args.rounds, timeout=args.timeout,
-                               log_dir=Path(tmp), only=only, budget=args.budget, on_progress=on_progress)
+            result = run_bench(
+                namespace,
+                steps=args.steps,
+                rounds=args.rounds,
+                timeout=args.timeout,
+                log_dir=Path(tmp),
+                only=only,
+                budget=args.budget,
+                on_progress=on_progress,
+            )
     built = {c.name for c in result.candidates}
     for name in only or []:
         if name not in built:
-            console.print(f"[yellow]{name}[/] was not run: what the check saw rules it out, or it is the same "
-                          "configuration as another candidate.", highlight=False)
+            console.print(
+                f"[yellow]{name}[/] was not run: what the check saw rules it out, or it is the same "
+                "configuration as another candidate.",
+                highlight=False,
+            )
     render(result, console)
     if args.json:
         Path(args.json).write_text(json.dumps(finite(result.to_dict()), indent=2))
     if args.html:
-        from ddp_doctor.bench.html import write_html
+        from ddp_doctor.bench.page import write_html
 
         write_html(result, Path(args.html))
         console.print(f"wrote {args.html}")
@@ -126,18 +166,29 @@ def table(result: BenchResult) -> Table:
     """One row per candidate, fastest correct first."""
     t = Table(title="ddp-doctor bench", title_justify="left")
     ref = result.decision.reference if result.decision is not None else "reference"
-    for name, justify in (("config", "left"), ("correct", "left"), ("median step", "right"), ("spread", "right"),
-                          (f"vs {ref} (95% interval)", "right"), ("vs user", "right")):
-        t.add_column(name, justify=justify)   # type: ignore[arg-type]
+    for name, justify in (
+        ("config", "left"),
+        ("correct", "left"),
+        ("median step", "right"),
+        ("spread", "right"),
+        (f"vs {ref} (95% interval)", "right"),
+        ("vs user", "right"),
+    ):
+        t.add_column(name, justify=justify)  # type: ignore[arg-type]
     order = sorted(result.candidates, key=lambda c: (not c.correct, c.median_step_s or 0.0))
     for c in order:
         label = c.name
         mark = "[green]yes[/]" if c.correct else f"[red]no[/] ({c.reason.split(' (')[0][:60]})"
         if result.winner is c:
             label = f"[bold]{label} (winner)[/]"
-        t.add_row(label, mark, _fmt(c.median_step_s and c.median_step_s * 1e3, ".2f", " ms"),
-                  _fmt(c.spread and c.spread * 100, ".0f", "%"), _interval(result, c),
-                  _fmt(result.ratio_to(c, result.user), ".2f"))
+        t.add_row(
+            label,
+            mark,
+            _fmt(c.median_step_s and c.median_step_s * 1e3, ".2f", " ms"),
+            _fmt(c.spread and c.spread * 100, ".0f", "%"),
+            _interval(result, c),
+            _fmt(result.ratio_to(c, result.user), ".2f"),
+        )
     return t
 
 
@@ -145,8 +196,12 @@ def launches(result: BenchResult) -> list[str]:
     """What the script's start-up cost: the launches, and why each one after the first was needed."""
     startup = result.startup_s
     n = len(result.launches)
-    lines = [(f"Start-up (launch to the first optimizer step): {_fmt(startup, '.1f', ' s')}, paid {n} time(s) for "
-              f"{result.blocks} block(s) (one per candidate and round).")]
+    lines = [
+        (
+            f"Start-up (launch to the first optimizer step): {_fmt(startup, '.1f', ' s')}, paid {n} time(s) for "
+            f"{result.blocks} block(s) (one per candidate and round)."
+        )
+    ]
     for launch in result.launches[1:]:
         lines.append(f"  launch {launch.index} ({', '.join(launch.blocks) or 'no block'}): {launch.why}")
     return lines
@@ -165,8 +220,10 @@ def render(result: BenchResult, console: Console) -> None:
         return
     framework = result.check.framework if result.check.framework in rec.render else "torch"
     order = [framework, *(k for k in ("torch", "transformers", "accelerate", "lightning") if k != framework)]
-    parts = [Syntax(f"# {k}\n{rec.render[k]}", "python", theme="ansi_dark", background_color="default",
-                    word_wrap=True) for k in order]
+    parts = [
+        Syntax(f"# {k}\n{rec.render[k]}", "python", theme="ansi_dark", background_color="default", word_wrap=True)
+        for k in order
+    ]
     console.print(Panel.fit(rec.reason, title="Verdict", border_style="green"))
     for part in parts:
         console.print(part)

@@ -19,8 +19,16 @@ from rich.rule import Rule
 from ddp_doctor.launch.outcome import CheckResult, exit_code
 from ddp_doctor.launch.supervise import check_namespace
 
-__all__ = ["add_check_arguments", "check", "check_page", "parse_ddp_kwargs", "register", "render_result",
-           "torchrun_subparser", "validate"]
+__all__ = [
+    "add_check_arguments",
+    "check",
+    "check_page",
+    "parse_ddp_kwargs",
+    "register",
+    "render_result",
+    "torchrun_subparser",
+    "validate",
+]
 
 EXAMPLES = """\
   # the two-rank CPU check of a script you normally start with torchrun
@@ -68,23 +76,38 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
 
 
-def torchrun_subparser(sub: argparse._SubParsersAction, name: str, *, help: str, description: str, epilog: str,
-                       examples: str, add_ours: Callable[[Any], None]) -> argparse.ArgumentParser:
+def torchrun_subparser(
+    sub: argparse._SubParsersAction,
+    name: str,
+    *,
+    help: str,
+    description: str,
+    epilog: str,
+    examples: str,
+    add_ours: Callable[[Any], None],
+) -> argparse.ArgumentParser:
     """A subcommand that takes torchrun's options: ours first with the examples, then torchrun's in their own group.
 
     torchrun's own actions are moved into a titled group (as argparse's `parents=` does internally), so that they
     parse exactly as torchrun parses them; only where `--help` shows them changes.
     """
-    p = sub.add_parser(name, help=help, description=textwrap.fill(description, 100), epilog=epilog, add_help=False,
-                       usage=f"%(prog)s [{name} options] [torchrun options] SCRIPT [SCRIPT ARGS ...]",
-                       formatter_class=_Formatter)
+    p = sub.add_parser(
+        name,
+        help=help,
+        description=textwrap.fill(description, 100),
+        epilog=epilog,
+        add_help=False,
+        usage=f"%(prog)s [{name} options] [torchrun options] SCRIPT [SCRIPT ARGS ...]",
+        formatter_class=_Formatter,
+    )
     ours = p.add_argument_group(f"{name} options")
     ours.add_argument("-h", "--help", action="help", help="show this help and exit")
     add_ours(ours)
     p.add_argument_group("examples", examples)
     script = p.add_argument_group("the script")
-    launcher = p.add_argument_group("torchrun options",
-                                    "PyTorch's launcher options, passed to torchrun unchanged (torchrun --help)")
+    launcher = p.add_argument_group(
+        "torchrun options", "PyTorch's launcher options, passed to torchrun unchanged (torchrun --help)"
+    )
     for action in _torchrun_parser()._actions:
         if isinstance(action, argparse._HelpAction):
             continue
@@ -99,34 +122,64 @@ def torchrun_subparser(sub: argparse._SubParsersAction, name: str, *, help: str,
 
 def register(sub: argparse._SubParsersAction) -> None:
     torchrun_subparser(
-        sub, "check", help="run a training script under torchrun and diagnose its DDP setup",
+        sub,
+        "check",
+        help="run a training script under torchrun and diagnose its DDP setup",
         description="Run SCRIPT under torchrun with ddp-doctor in every rank. Every DistributedDataParallel "
-                    "model the script builds (directly, or inside HF Trainer, Accelerate or Lightning) is observed "
-                    "for --steps optimizer steps; then all ranks stop together and one report is printed.",
-        epilog=EPILOG, examples=EXAMPLES, add_ours=add_check_arguments).set_defaults(func=run)
+        "model the script builds (directly, or inside HF Trainer, Accelerate or Lightning) is observed "
+        "for --steps optimizer steps; then all ranks stop together and one report is printed.",
+        epilog=EPILOG,
+        examples=EXAMPLES,
+        add_ours=add_check_arguments,
+    ).set_defaults(func=run)
 
 
 def add_check_arguments(group: Any, *, bench: bool = False) -> None:
     """The options `check` (and, without --fail-on and --ddp-kwargs, `bench`) add to torchrun's."""
-    group.add_argument("--steps", type=int, default=8, metavar="K",
-                       help="optimizer steps to observe per DDP model before stopping (default: 8)" if not bench else
-                       "optimizer steps observed for correctness, then as many timed, per candidate (default: 8)")
-    group.add_argument("--json", metavar="FILE", help=f"write the result as JSON (schema ddp-doctor/"
-                                                      f"{'bench' if bench else 'report'}@1)")
+    group.add_argument(
+        "--steps",
+        type=int,
+        default=8,
+        metavar="K",
+        help="optimizer steps to observe per DDP model before stopping (default: 8)"
+        if not bench
+        else "optimizer steps observed for correctness, then as many timed, per candidate (default: 8)",
+    )
+    group.add_argument(
+        "--json",
+        metavar="FILE",
+        help=f"write the result as JSON (schema ddp-doctor/{'bench' if bench else 'report'}@1)",
+    )
     if not bench:
-        group.add_argument("--html", metavar="FILE",
-                           help="write the report as one self-contained HTML page: the findings, a usage map, a "
-                                "divergence curve and the fix for four frameworks (needs matplotlib)")
-    group.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                       help="stop every rank after S seconds and report what happened (default: 600)"
-                       + (", per launch of the script (candidates that share a launch share it)" if bench else ""))
+        group.add_argument(
+            "--html",
+            metavar="FILE",
+            help="write the report as one self-contained HTML page: the findings, a usage map, a "
+            "divergence curve and the fix for four frameworks (needs matplotlib)",
+        )
+    group.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="stop every rank after S seconds and report what happened (default: 600)"
+        + (", per launch of the script (candidates that share a launch share it)" if bench else ""),
+    )
     if bench:
         return
-    group.add_argument("--fail-on", choices=("error", "warning", "never"), default="error",
-                       help="lowest severity that makes the exit code 1 (default: error)")
-    group.add_argument("--ddp-kwargs", metavar="JSON", default=None,
-                       help='override the script\'s DDP constructor arguments, e.g. \'{"static_graph": true}\'; '
-                            'the key "freeze_before_wrap" takes a list of parameter names to freeze before wrapping')
+    group.add_argument(
+        "--fail-on",
+        choices=("error", "warning", "never"),
+        default="error",
+        help="lowest severity that makes the exit code 1 (default: error)",
+    )
+    group.add_argument(
+        "--ddp-kwargs",
+        metavar="JSON",
+        default=None,
+        help="override the script's DDP constructor arguments, e.g. '{\"static_graph\": true}'; "
+        'the key "freeze_before_wrap" takes a list of parameter names to freeze before wrapping',
+    )
 
 
 def parse_ddp_kwargs(text: str | None) -> tuple[dict[str, Any], list[str]]:
@@ -141,30 +194,53 @@ def parse_ddp_kwargs(text: str | None) -> tuple[dict[str, Any], list[str]]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--ddp-kwargs is not valid JSON ({exc.msg} at character {exc.pos}): {text!r}. "
-                         "Example: '{\"static_graph\": true}'") from None
+        raise ValueError(
+            f"--ddp-kwargs is not valid JSON ({exc.msg} at character {exc.pos}): {text!r}. "
+            "Example: '{\"static_graph\": true}'"
+        ) from None
     if not isinstance(value, dict):
         raise TypeError(f"--ddp-kwargs must be a JSON object, got {text!r}. Example: '{{\"static_graph\": true}}'")
     from torch.nn.parallel import DistributedDataParallel
 
-    accepted = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in ("self", "module")]
+    accepted = [
+        n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in ("self", "module")
+    ]
     freeze = value.pop("freeze_before_wrap", [])
     if not isinstance(freeze, list) or not all(isinstance(n, str) for n in freeze):
         raise ValueError(f"--ddp-kwargs freeze_before_wrap must be a list of parameter names, got {freeze!r}.")
     unknown = [k for k in value if k not in accepted]
     if unknown:
-        raise ValueError(f"--ddp-kwargs has {unknown}, which DistributedDataParallel does not accept. It accepts: "
-                         f"{', '.join(accepted)} (and freeze_before_wrap).")
+        raise ValueError(
+            f"--ddp-kwargs has {unknown}, which DistributedDataParallel does not accept. It accepts: "
+            f"{', '.join(accepted)} (and freeze_before_wrap)."
+        )
     return value, freeze
 
 
-def check(script: str, script_args: list[str] = (), *, torchrun: list[str] = (), module: bool = False,
-          steps: int = 8, ddp_kwargs: dict[str, Any] | None = None, freeze_before_wrap: list[str] = (),
-          timeout: float = 600.0, output: IO[str] | None = None, timed_steps: int = 0) -> CheckResult:
+def check(
+    script: str,
+    script_args: list[str] = (),
+    *,
+    torchrun: list[str] = (),
+    module: bool = False,
+    steps: int = 8,
+    ddp_kwargs: dict[str, Any] | None = None,
+    freeze_before_wrap: list[str] = (),
+    timeout: float = 600.0,
+    output: IO[str] | None = None,
+    timed_steps: int = 0,
+) -> CheckResult:
     """Run `check` from Python: `torchrun` holds torchrun's own options, e.g. `["--nproc-per-node", "2"]`."""
     argv = [*torchrun, *(["-m"] if module else []), script, *script_args]
-    return check_namespace(vars(_torchrun_parser().parse_args(argv)), steps=steps, ddp_kwargs=dict(ddp_kwargs or {}),
-                           freeze=list(freeze_before_wrap), timeout=timeout, output=output, timed_steps=timed_steps)
+    return check_namespace(
+        vars(_torchrun_parser().parse_args(argv)),
+        steps=steps,
+        ddp_kwargs=dict(ddp_kwargs or {}),
+        freeze=list(freeze_before_wrap),
+        timeout=timeout,
+        output=output,
+        timed_steps=timed_steps,
+    )
 
 
 def validate(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
@@ -173,12 +249,16 @@ def validate(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], 
     if args.no_python:
         parser.error("--no-python cannot be used with check: the doctor runs inside the Python process of each rank.")
     if not args.module and not Path(args.training_script).is_file():
-        parser.error(f"script {args.training_script!r} does not exist (from {os.getcwd()}). Pass the path of the "
-                     "training script, or -m MODULE for a module.")
+        parser.error(
+            f"script {args.training_script!r} does not exist (from {os.getcwd()}). Pass the path of the "
+            "training script, or -m MODULE for a module."
+        )
     nproc = str(args.nproc_per_node)
     if (nproc.isdigit() and int(nproc) < 1) or (not nproc.isdigit() and nproc not in ("auto", "cpu", "gpu", "xpu")):
-        parser.error(f"--nproc-per-node must be a positive number of processes (or auto, cpu, gpu, xpu), got "
-                     f"{nproc!r}. Example: --nproc-per-node 2")
+        parser.error(
+            f"--nproc-per-node must be a positive number of processes (or auto, cpu, gpu, xpu), got "
+            f"{nproc!r}. Example: --nproc-per-node 2"
+        )
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}.")
     if args.timeout <= 0:
@@ -198,8 +278,9 @@ def run(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             args._parser.error("--html needs matplotlib: pip install 'ddp-doctor[html]'.")
-    result = check_namespace(namespace, steps=args.steps, ddp_kwargs=ddp_kwargs, freeze=freeze, timeout=args.timeout,
-                  output=None)
+    result = check_namespace(
+        namespace, steps=args.steps, ddp_kwargs=ddp_kwargs, freeze=freeze, timeout=args.timeout, output=None
+    )
     console = Console()
     render_result(result, console)
     if args.json:
@@ -228,8 +309,9 @@ def check_page(result: CheckResult, *, title: str = "ddp-doctor check") -> str:
 
     parts = [f"<h1>{escape(title)}</h1>"]
     if result.interrupted is not None:
-        parts.append(f"<p class='crash'>Interrupted by {signal.Signals(result.interrupted).name}: a partial "
-                     "report.</p>")
+        parts.append(
+            f"<p class='crash'>Interrupted by {signal.Signals(result.interrupted).name}: a partial report.</p>"
+        )
     if result.error is not None and result.interrupted is None:
         # As in the terminal: the tool could not run the script, and that is all there is to say.
         parts.append(f"<p class='crash'>ddp-doctor could not run the script:</p><pre>{escape(result.error)}</pre>")
@@ -248,8 +330,11 @@ def render_result(result: CheckResult, console: Console) -> None:
         sys.stdout.flush()
     if result.interrupted is not None:
         name = signal.Signals(result.interrupted).name
-        sys.stderr.write(f"ddp-doctor: interrupted by {name}; every process of the run was stopped"
-                         + (", partial report below" if result.models else ", nothing was recorded yet") + ".\n")
+        sys.stderr.write(
+            f"ddp-doctor: interrupted by {name}; every process of the run was stopped"
+            + (", partial report below" if result.models else ", nothing was recorded yet")
+            + ".\n"
+        )
         sys.stderr.flush()
     if result.error is not None and result.interrupted is None:
         # Plain stderr, not rich: the message may carry a traceback and must not be re-wrapped.
@@ -259,7 +344,10 @@ def render_result(result: CheckResult, console: Console) -> None:
         if len(result.models) > 1:
             console.print(Rule(f"DDP model {i + 1} of {len(result.models)}: {model.module}"))
         console.print(model.report)
-    failed = result.error is not None or result.timed_out or any(
-        f.code in _RUN_FAILURES for m in result.models for f in m.report.findings)
+    failed = (
+        result.error is not None
+        or result.timed_out
+        or any(f.code in _RUN_FAILURES for m in result.models for f in m.report.findings)
+    )
     if result.torchrun_log and failed:
         console.print(f"torchrun's own log: {result.torchrun_log}", highlight=False, soft_wrap=True)

@@ -18,8 +18,15 @@ from ddp_doctor.report.model import Report
 
 __all__ = ["DEMO_ORDER", "register"]
 
-DEMO_ORDER = ("clean.py", "unused_head.py", "find_unused_all_used.py", "curriculum_through_module.py",
-              "progressive_freeze.py", "dynamic_graph.py", "rank_dependent_head.py")
+DEMO_ORDER = (
+    "clean.py",
+    "unused_head.py",
+    "find_unused_all_used.py",
+    "curriculum_through_module.py",
+    "progressive_freeze.py",
+    "dynamic_graph.py",
+    "rank_dependent_head.py",
+)
 """The examples, from the healthy script to an unused head, find_unused_parameters left on for nothing, a loss
 computed through `ddp.module`, layers frozen after wrapping, a changing graph and a rank-dependent one."""
 
@@ -36,17 +43,30 @@ examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run check on every bundled example and sum up the findings",
-                       description="Run `ddp-doctor check` on each bundled example script (2 ranks, gloo, CPU): "
-                                   "one per failure in the seed reports, plus a clean one.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--examples", type=Path, default=_EXAMPLES, metavar="DIR",
-                   help="folder of the example scripts (default: the source checkout's examples/)")
+    p = sub.add_parser(
+        "demo",
+        help="run check on every bundled example and sum up the findings",
+        description="Run `ddp-doctor check` on each bundled example script (2 ranks, gloo, CPU): "
+        "one per failure in the seed reports, plus a clean one.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--examples",
+        type=Path,
+        default=_EXAMPLES,
+        metavar="DIR",
+        help="folder of the example scripts (default: the source checkout's examples/)",
+    )
     p.add_argument("--only", action="append", metavar="NAME", help="run only this example (repeatable)")
     p.add_argument("--full", action="store_true", help="print every example's full report too")
     p.add_argument("--steps", type=int, default=8, metavar="K", help="steps to observe (default: 8)")
-    p.add_argument("--html", type=Path, metavar="DIR",
-                   help="write one HTML page per example (findings, usage map, divergence curve) and DIR/index.html")
+    p.add_argument(
+        "--html",
+        type=Path,
+        metavar="DIR",
+        help="write one HTML page per example (findings, usage map, divergence curve) and DIR/index.html",
+    )
     p.set_defaults(func=run, _parser=p)
 
 
@@ -61,8 +81,10 @@ def run(args: argparse.Namespace) -> int:
     names = [n if n.endswith(".py") else f"{n}.py" for n in (args.only or DEMO_ORDER)]
     missing = [n for n in names if not (folder / n).is_file()]
     if missing:
-        parser.error(f"example(s) {missing} not found in {folder}. The examples ship with the source checkout; "
-                     "pass --examples DIR to point at them.")
+        parser.error(
+            f"example(s) {missing} not found in {folder}. The examples ship with the source checkout; "
+            "pass --examples DIR to point at them."
+        )
     if args.html is not None:
         try:
             import matplotlib  # noqa: F401
@@ -73,20 +95,35 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     results: list[tuple[str, CheckResult]] = []
     with tempfile.TemporaryDirectory(prefix="ddp-doctor-demo-") as tmp:
-        progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                            TimeElapsedColumn(), console=console, transient=True)
+        progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
         with progress:
             task = progress.add_task("", total=len(names))
             for name in names:
                 progress.update(task, description=f"ddp-doctor check --nproc-per-node 2 examples/{name}")
                 with open(Path(tmp) / f"{name}.log", "w") as log:
-                    result = check(str(folder / name), torchrun=["--nproc-per-node", "2"], steps=args.steps,
-                                   timeout=300, output=log)
+                    result = check(
+                        str(folder / name),
+                        torchrun=["--nproc-per-node", "2"],
+                        steps=args.steps,
+                        timeout=300,
+                        output=log,
+                    )
                 results.append((name, result))
                 progress.advance(task)
                 worst = result.report.worst_severity() if result.report else "error"
-                console.print(f"  examples/{name}: {_summary_line(folder / name)} "
-                              f"[{_STYLE.get(worst or '', 'green')}]{worst or 'clean'}[/]", highlight=False)
+                console.print(
+                    f"  examples/{name}: {_summary_line(folder / name)} "
+                    f"[{_STYLE.get(worst or '', 'green')}]{worst or 'clean'}[/]",
+                    highlight=False,
+                )
                 if args.full:
                     render_result(result, console)
                 if args.html is not None:
@@ -97,9 +134,11 @@ def run(args: argparse.Namespace) -> int:
     if args.html is not None:
         (args.html / "index.html").write_text(_index(folder, results))
         console.print(f"wrote {args.html / 'index.html'} and one page per example", highlight=False)
-    console.print("Run one yourself: [bold]ddp-doctor check --nproc-per-node 2 examples/unused_head.py[/]; "
-                  "apply a recommendation without editing the script: --ddp-kwargs '{\"static_graph\": true}'.",
-                  highlight=False)
+    console.print(
+        "Run one yourself: [bold]ddp-doctor check --nproc-per-node 2 examples/unused_head.py[/]; "
+        "apply a recommendation without editing the script: --ddp-kwargs '{\"static_graph\": true}'.",
+        highlight=False,
+    )
     return 2 if any(r.error for _, r in results) else 0
 
 
@@ -109,13 +148,21 @@ def _index(folder: Path, results: list[tuple[str, CheckResult]]) -> str:
     entries = []
     for name, result in results:
         report = result.report
-        entries.append(IndexEntry(
-            name=name.removesuffix(".py"), href=f"{Path(name).stem}.html", summary=_summary_line(folder / name),
-            worst=report.worst_severity() if report else None,
-            codes=[f.code for f in report.findings] if report else [],
-            error=result.error if report is None else None))
-    return index_page("ddp-doctor demo: 2 ranks, gloo, CPU", entries,
-                      intro="Each page is the report of: ddp-doctor check --nproc-per-node 2 examples/NAME.py")
+        entries.append(
+            IndexEntry(
+                name=name.removesuffix(".py"),
+                href=f"{Path(name).stem}.html",
+                summary=_summary_line(folder / name),
+                worst=report.worst_severity() if report else None,
+                codes=[f.code for f in report.findings] if report else [],
+                error=result.error if report is None else None,
+            )
+        )
+    return index_page(
+        "ddp-doctor demo: 2 ranks, gloo, CPU",
+        entries,
+        intro="Each page is the report of: ddp-doctor check --nproc-per-node 2 examples/NAME.py",
+    )
 
 
 def _recommended(report: Report) -> Text:

@@ -23,10 +23,20 @@ The shapes of every collective depend only on (W, S, P, B) and on earlier collec
 holds identically: never on local data (DESIGN §3).
 """
 
-from ddp_doctor.exchange.model import summarize
 from ddp_doctor.exchange.packing import Reply
 from ddp_doctor.exchange.protocol import protocol
+from ddp_doctor.exchange.simulate import summarize
 from ddp_doctor.exchange.summary import EXAMPLES, PREDICATES, SLOTS, Curve, Examples, Summary, Volume
 
-__all__ = ["EXAMPLES", "PREDICATES", "SLOTS", "Curve", "Examples", "Reply", "Summary", "Volume", "protocol",
-           "summarize"]
+__all__ = [
+    "EXAMPLES",
+    "PREDICATES",
+    "SLOTS",
+    "Curve",
+    "Examples",
+    "Reply",
+    "Summary",
+    "Volume",
+    "protocol",
+    "summarize",
+]

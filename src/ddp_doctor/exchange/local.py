@@ -9,13 +9,22 @@ from typing import Any
 
 import torch
 
+from ddp_doctor.core.figures import group_rows
+from ddp_doctor.core.records import ModelInfo, RankRecord
 from ddp_doctor.exchange.packing import text_digest, unkey
 from ddp_doctor.exchange.summary import Curve
-from ddp_doctor.records import ModelInfo, RankRecord
-from ddp_doctor.report.figures import group_rows
 
-__all__ = ["curve_of", "first_set", "info_json", "leading_complete", "logged", "names_in_message", "rows_of",
-           "training_loader", "windows"]
+__all__ = [
+    "curve_of",
+    "first_set",
+    "info_json",
+    "leading_complete",
+    "logged",
+    "names_in_message",
+    "rows_of",
+    "training_loader",
+    "windows",
+]
 
 
 def leading_complete(record: RankRecord) -> int:
@@ -71,8 +80,9 @@ def rows_of(info: ModelInfo) -> tuple[list[str], list[str], torch.Tensor, bool]:
 
 def curve_of(keys: torch.Tensor, s: int, w_missing: torch.Tensor, g_missing: torch.Tensor) -> Curve:
     gaps = [unkey(int(k)) for k in keys.tolist()]
-    return Curve(weights=gaps[: s + 1], grads=gaps[s + 1:], weights_missing=w_missing.tolist(),
-                 grads_missing=g_missing.tolist())
+    return Curve(
+        weights=gaps[: s + 1], grads=gaps[s + 1 :], weights_missing=w_missing.tolist(), grads_missing=g_missing.tolist()
+    )
 
 
 _last_info: list[Any] = [None, b"", 0]

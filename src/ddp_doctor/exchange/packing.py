@@ -11,15 +11,31 @@ from typing import Any
 
 import torch
 
-from ddp_doctor.records import RankRecord
+from ddp_doctor.core.records import RankRecord
 
-__all__ = ["MIN", "MaxRound", "Op", "Reply", "SumRound", "bool_digest", "differs", "element_hashes", "from_words",
-           "hash_steps", "int_digest", "of_record", "order_key", "text_digest", "to_words", "unkey"]
+__all__ = [
+    "MIN",
+    "MaxRound",
+    "Op",
+    "Reply",
+    "SumRound",
+    "bool_digest",
+    "differs",
+    "element_hashes",
+    "from_words",
+    "hash_steps",
+    "int_digest",
+    "of_record",
+    "order_key",
+    "text_digest",
+    "to_words",
+    "unkey",
+]
 
 MIN = -(2**63)
-_M1 = -7046029254386353131      # 0x9E3779B97F4A7C15 as int64
-_M2 = -4658895280553007687      # 0xBF58476D1CE4E5B9
-_M3 = -7723592293110705685      # 0x94D049BB133111EB
+_M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_M2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_M3 = -7723592293110705685  # 0x94D049BB133111EB
 _NAN_BITS = 0x7FF8000000000000
 
 Op = tuple[str, torch.Tensor]
@@ -36,6 +52,7 @@ class Reply:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
         self.cache: dict[Any, Any] = {}
+
 
 # ------------------------------------------------------------------------------------------------ digests
 
@@ -149,8 +166,10 @@ class SumRound:
 
     def digests(self) -> torch.Tensor:
         """One digest per bits section, for a MAX pair that tells which sections are identical on every rank."""
-        return torch.tensor([self.known[n] if n in self.known else bool_digest(t)
-                             for n, kind, t in self.sections if kind == "bits"], dtype=torch.int64)
+        return torch.tensor(
+            [self.known[n] if n in self.known else bool_digest(t) for n, kind, t in self.sections if kind == "bits"],
+            dtype=torch.int64,
+        )
 
     def settle(self, pair: tuple[torch.Tensor, torch.Tensor]) -> None:
         names = [name for name, kind, _ in self.sections if kind == "bits"]
@@ -170,15 +189,18 @@ class SumRound:
 
     def tensor(self) -> torch.Tensor:
         """The buffer to reduce: the sections that differ somewhere, packed."""
-        parts = [t.reshape(-1) if kind == "ints" else self._pack(t, self._width(kind))
-                 for name, kind, t in self.sections if not self.uniform.get(name)]
+        parts = [
+            t.reshape(-1) if kind == "ints" else self._pack(t, self._width(kind))
+            for name, kind, t in self.sections
+            if not self.uniform.get(name)
+        ]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
     def read(self, reply: Reply) -> dict[str, torch.Tensor]:
         key = ("sum", self.width, tuple((n, k, tuple(t.shape), self.uniform.get(n)) for n, k, t in self.sections))
         if key not in reply.cache:
             reply.cache[key] = self._decode(reply.tensor)
-        self.sections = []        # nothing held after the round
+        self.sections = []  # nothing held after the round
         return reply.cache[key]
 
     def _decode(self, result: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -189,13 +211,13 @@ class SumRound:
                 continue
             numel = t.numel()
             if kind == "ints":
-                out[name] = result[offset: offset + numel].reshape(t.shape)
+                out[name] = result[offset : offset + numel].reshape(t.shape)
                 offset += numel
                 continue
             width = self._width(kind)
             per_word = 63 // width
             n = -(-numel // per_word)
-            chunk = result[offset: offset + n]
+            chunk = result[offset : offset + n]
             offset += n
             shifts = torch.arange(per_word, dtype=torch.int64) * width
             counts = ((chunk.unsqueeze(1) >> shifts) & ((1 << width) - 1)).reshape(-1)
@@ -245,7 +267,7 @@ class MaxRound:
         out: dict[str, Any] = {}
         offset = 0
         for name, kind, shape, n in self.layout:
-            chunk = result[offset: offset + n]
+            chunk = result[offset : offset + n]
             offset += n
             if kind == "pair":
                 half = n // 2
@@ -257,6 +279,7 @@ class MaxRound:
 
 def differs(pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return pair[0] != pair[1]
+
 
 def text_digest(value: Any) -> int:
     """A 64-bit digest of a JSON-able value (or of bytes)."""
@@ -273,4 +296,3 @@ def to_words(data: bytes, n_words: int) -> torch.Tensor:
 
 def from_words(words: torch.Tensor, n: int) -> bytes:
     return words.contiguous().numpy().tobytes()[:n]
-

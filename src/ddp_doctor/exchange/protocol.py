@@ -14,7 +14,8 @@ from collections.abc import Generator
 
 import torch
 
-from ddp_doctor.exchange.figures import local_gaps, patterns
+from ddp_doctor.core.figures import rank_grid
+from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord
 from ddp_doctor.exchange.local import (
     curve_of,
     first_set,
@@ -43,16 +44,14 @@ from ddp_doctor.exchange.packing import (
     to_words,
     unkey,
 )
+from ddp_doctor.exchange.patterns import local_gaps, patterns
 from ddp_doctor.exchange.summary import PREDICATES, SLOTS, Summary, examples_from
 from ddp_doctor.exchange.timing import medians
-from ddp_doctor.records import CRASH_KINDS, ModelInfo, RankRecord
-from ddp_doctor.report.figures import rank_grid
 
 __all__ = ["protocol"]
 
 
-def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
-             world: int) -> Generator[Op, Reply, Summary]:
+def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> Generator[Op, Reply, Summary]:
     """One rank's side of the exchange (group ranks). Yields collectives, returns the `Summary`."""
     n_params = record.used.shape[1]
     lead = leading_complete(record)
@@ -127,7 +126,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     grad_h = grad_hashes()
     m.pair("grad_p", (grad_h * mask).sum(0))
     m.pair("grad_s", (grad_h * mask).sum(1))
-    infer = (not info.wrap_state_exact and info.wrap_trainable_count is not None and world >= 2 and s > 0)
+    infer = not info.wrap_state_exact and info.wrap_trainable_count is not None and world >= 2 and s > 0
     if infer:
         m.pair("unsynced", grad_h.sum(0))
     weight_h = of_record(record, "weight_fp", s + 1, hash_steps)
@@ -144,8 +143,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     m.pair("n_windows", torch.tensor([len(wins)]))
     batches = int(loader["batches"]) if loader is not None else 0
     m.pair("batches", torch.tensor([batches]), loader is not None)
-    m.slot("padded", torch.tensor([int(loader.get("padded") or 0) if loader is not None else 0]),
-           loader is not None)
+    m.slot("padded", torch.tensor([int(loader.get("padded") or 0) if loader is not None else 0]), loader is not None)
     first = torch.full((min(world, 8),), -1, dtype=torch.int64)
     if rank < len(first):
         first[rank] = batches if loader is not None else -1
@@ -164,8 +162,11 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     m.slot("scale0", scale, rank == 0)
     sizes = record.counter("batch_size")[:s]
     sizes = sizes[sizes > 0]
-    m.pair("batch_size", torch.tensor([int(sizes.max()), int(sizes.min())]) if sizes.numel() else
-           torch.zeros(2, dtype=torch.int64), bool(sizes.numel()))
+    m.pair(
+        "batch_size",
+        torch.tensor([int(sizes.max()), int(sizes.min())]) if sizes.numel() else torch.zeros(2, dtype=torch.int64),
+        bool(sizes.numel()),
+    )
     rm = m.read((yield ("max", m.tensor())))
     del m
     b.settle(rm["sections"])
@@ -236,7 +237,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
         words = to_words(both.contiguous().numpy().tobytes() if rank == 0 else b"", both.numel())
         got = yield ("sum", words if rank == 0 else torch.zeros_like(words))
         ref = got.tensor.view(torch.float64)
-        w0, g0 = ref[: w_slice.numel()].reshape(w_slice.shape), ref[w_slice.numel():].reshape(g_slice.shape)
+        w0, g0 = ref[: w_slice.numel()].reshape(w_slice.shape), ref[w_slice.numel() :].reshape(g_slice.shape)
         if w_slice.numel():
             gap_local = float((w_slice[..., 0] - w0[..., 0]).abs().nan_to_num(0).max())
         w_curve, w_missing = local_gaps(w_slice, w0, torch.ones(w_slice.shape[:2], dtype=torch.bool))
@@ -268,11 +269,17 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
     my_passes = wins[first_window][0] if first_window is not None else None
     window_sites: list[str] = []
     if first_window is not None and my_passes == int(w_hi[first_window]):
-        window_sites = [site.split(": ", 1)[1] for site in record.repeat_sites
-                        if int(site.split(":", 1)[0].split()[1]) in wins[first_window][1]]
+        window_sites = [
+            site.split(": ", 1)[1]
+            for site in record.repeat_sites
+            if int(site.split(":", 1)[0].split()[1]) in wins[first_window][1]
+        ]
     lacking = bool(s and rank_dep.any() and (~used[:, rank_dep]).any())
-    unpaired_sites = [site.split(": ", 1)[1] for site in record.unpaired_sites
-                      if first_unpaired is not None and int(site.split(":", 1)[0].split()[1]) == first_unpaired]
+    unpaired_sites = [
+        site.split(": ", 1)[1]
+        for site in record.unpaired_sites
+        if first_unpaired is not None and int(site.split(":", 1)[0].split()[1]) == first_unpaired
+    ]
     c0 = rm["coll0"]
     coll_differs = first_coll is not None and bool((coll[first_coll] != c0[first_coll]).any())
     scale_differs = first_scale is not None and int(scale[first_scale]) != int(rm["scale0"][first_scale])
@@ -297,12 +304,20 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
         "scale-differs": scale_differs,
     }
     assert tuple(flags) == PREDICATES
-    meta = json.dumps({
-        "crash_kind": record.crash_kind, "crash_step": record.crash_step, "crash_message": record.crash_message,
-        "bypass_sites": sorted(set(record.bypass_sites)), "blocked_checkpoints": sorted(set(record.blocked_checkpoints)),
-        "loaders": record.loaders, "window_sites": window_sites, "unpaired_sites": unpaired_sites,
-        "collective_log": logged(record, first_coll) if first_coll is not None else [],
-        "scale": int(scale[first_scale]) if first_scale is not None else 0}).encode()
+    meta = json.dumps(
+        {
+            "crash_kind": record.crash_kind,
+            "crash_step": record.crash_step,
+            "crash_message": record.crash_message,
+            "bypass_sites": sorted(set(record.bypass_sites)),
+            "blocked_checkpoints": sorted(set(record.blocked_checkpoints)),
+            "loaders": record.loaders,
+            "window_sites": window_sites,
+            "unpaired_sites": unpaired_sites,
+            "collective_log": logged(record, first_coll) if first_coll is not None else [],
+            "scale": int(scale[first_scale]) if first_scale is not None else 0,
+        }
+    ).encode()
     d = SumRound(world)
     d.ints("counts", torch.tensor([int(v) for v in flags.values()]))
     d.bits("hidden", hidden)
@@ -325,17 +340,31 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
 
     # The usage map: each rank's grid of cell states, and the distinct grids with the ranks that have them.
     row_names, _, row_of, _ = rows_of(info)
-    grid = rank_grid(used=used, ran=record.ran[:s], trainable=trainable, tracked=tracked, ignored=ignored,
-                     row_of=row_of, rows=len(row_names))
+    grid = rank_grid(
+        used=used,
+        ran=record.ran[:s],
+        trainable=trainable,
+        tracked=tracked,
+        ignored=ignored,
+        row_of=row_of,
+        rows=len(row_names),
+    )
     grids, members, omitted = yield from patterns(grid, rank=rank, world=world)
 
     # Round E: the strings, from group rank 0 and a bounded set of example ranks.
     wanted = {0}
-    for name in ("crashed", "bypass-sites", "blocked-sites", "extra-passes", "unpaired-extra", "collective-differs",
-                 "scale-differs"):
+    for name in (
+        "crashed",
+        "bypass-sites",
+        "blocked-sites",
+        "extra-passes",
+        "unpaired-extra",
+        "collective-differs",
+        "scale-differs",
+    ):
         wanted.update(examples[name].ranks)
     wanted.update(examples["fewest-batches"].ranks[:1])
-    chosen = sorted(wanted)          # at most 2 + 7 * EXAMPLES ranks, whatever W
+    chosen = sorted(wanted)  # at most 2 + 7 * EXAMPLES ranks, whatever W
     n_meta = int(rdm["meta_len"][0][0])
     words = -(-n_meta // 8)
     e = torch.zeros(len(chosen), words, dtype=torch.int64)
@@ -352,31 +381,55 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int,
 
     b_nan = rb["buffer_nan"]
     return Summary(
-        info=info, world=world, steps=s, pad_steps=pad_steps,
-        used=used_count, trainable=rb["trainable"],
-        ran=rb["ran"] > 0, partial=rb["partial"] > 0, varies=rb["varies"] > 0, after_crash=rb["after_crash"] > 0,
-        bypass_used=rb["bypass_used"] > 0, bypass_steps=rb["bypass_steps"] > 0,
-        no_trainable_steps=(rb["empty"] > 0)[:s], reduction_missing=(rb["missing"] > 0) & tracked,
-        rank0_trainable=rb["rank0_trainable"] > 0, tracked=tracked, crash_steps=rb["crash_steps"] > 0,
-        hidden=rd["hidden"] > 0, hidden_steps=rd["hidden_steps"] > 0,
+        info=info,
+        world=world,
+        steps=s,
+        pad_steps=pad_steps,
+        used=used_count,
+        trainable=rb["trainable"],
+        ran=rb["ran"] > 0,
+        partial=rb["partial"] > 0,
+        varies=rb["varies"] > 0,
+        after_crash=rb["after_crash"] > 0,
+        bypass_used=rb["bypass_used"] > 0,
+        bypass_steps=rb["bypass_steps"] > 0,
+        no_trainable_steps=(rb["empty"] > 0)[:s],
+        reduction_missing=(rb["missing"] > 0) & tracked,
+        rank0_trainable=rb["rank0_trainable"] > 0,
+        tracked=tracked,
+        crash_steps=rb["crash_steps"] > 0,
+        hidden=rd["hidden"] > 0,
+        hidden_steps=rd["hidden_steps"] > 0,
         hidden_crashed=[int(v) for v in rd["hidden_crash"]],
-        grad_params=grad_params, grad_steps=(differs(rm["grad_s"]) if world >= 2 else
-                                             torch.zeros(s, dtype=torch.bool)),
-        unsynced=unsynced, weight_params=weight_params,
+        grad_params=grad_params,
+        grad_steps=(differs(rm["grad_s"]) if world >= 2 else torch.zeros(s, dtype=torch.bool)),
+        unsynced=unsynced,
+        weight_params=weight_params,
         weight_steps=differs(rm["weight_s"]) if world >= 2 else torch.zeros(s + 1, dtype=torch.bool),
         weight_gap=unkey(int(rdm["gap"][0][0])) if weight_params.any() else 0.0,
-        buffer_seen=b_nan == 0, buffer_differs=differs(rm["buffer"]),
-        input_present=rb["input"] == world, input_differs=differs(rm["input"]),
-        windows=n_wins, window_passes=(w_hi[:n_wins].tolist(), w_lo[:n_wins].tolist()),
-        loader_ranks=int(rb["loader"][0]), batches=(b_hi, b_lo), padded=int(rm["padded"][0]),
+        buffer_seen=b_nan == 0,
+        buffer_differs=differs(rm["buffer"]),
+        input_present=rb["input"] == world,
+        input_differs=differs(rm["input"]),
+        windows=n_wins,
+        window_passes=(w_hi[:n_wins].tolist(), w_lo[:n_wins].tolist()),
+        loader_ranks=int(rb["loader"][0]),
+        batches=(b_hi, b_lo),
+        padded=int(rm["padded"][0]),
         first_batches=[int(v) for v in rm["first_batches"]],
-        examples=examples, metas=metas, timing=timing,
-        unpaired=(u_hi.tolist(), u_lo.tolist()), collectives=(c_hi, c_lo), collectives0=rm["coll0"],
-        scales=(sc_hi.tolist(), sc_lo.tolist()), scales0=rm["scale0"].tolist(),
+        examples=examples,
+        metas=metas,
+        timing=timing,
+        unpaired=(u_hi.tolist(), u_lo.tolist()),
+        collectives=(c_hi, c_lo),
+        collectives0=rm["coll0"],
+        scales=(sc_hi.tolist(), sc_lo.tolist()),
+        scales0=rm["scale0"].tolist(),
         batchnorm_training=rb["bn_training"] > 0,
-        batch_sizes=(int(rm["batch_size"][0][0]), int(rm["batch_size"][1][1])) if int(rm["batch_size"][0][0]) != MIN
+        batch_sizes=(int(rm["batch_size"][0][0]), int(rm["batch_size"][1][1]))
+        if int(rm["batch_size"][0][0]) != MIN
         else None,
-        patterns=list(zip(grids, members)), patterns_omitted=omitted,
-        curve=curve_of(rdm["curve"][0], s, rd["w_missing"] > 0, (rd["g_missing"] > 0).sum(-1)))
-
-
+        patterns=list(zip(grids, members)),
+        patterns_omitted=omitted,
+        curve=curve_of(rdm["curve"][0], s, rd["w_missing"] > 0, (rd["g_missing"] > 0).sum(-1)),
+    )

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from ddp_doctor.core.records import CRASH_KINDS, ModelInfo
 from ddp_doctor.exchange.packing import MIN
-from ddp_doctor.records import CRASH_KINDS, ModelInfo
 
 __all__ = ["EXAMPLES", "PREDICATES", "SLOTS", "Curve", "Examples", "Summary", "Volume", "examples_from"]
 
@@ -18,10 +18,26 @@ EXAMPLES = 8
 SLOTS = 64
 """Example slots per predicate: the smallest flagged rank of each class ``rank % SLOTS``. Exact for W <= SLOTS."""
 
-PREDICATES = ("lacking", "bypass", "grad-differs", "weight-differs", "no-trainable",
-              *(f"crash:{k}" for k in CRASH_KINDS[1:]), "crashed", "hidden-outside", "hidden-reentrant",
-              "extra-passes", "fewer-passes", "fewest-batches", "bypass-sites", "blocked-sites",
-              "unpaired-extra", "unpaired-fewer", "collective-differs", "scale-differs")
+PREDICATES = (
+    "lacking",
+    "bypass",
+    "grad-differs",
+    "weight-differs",
+    "no-trainable",
+    *(f"crash:{k}" for k in CRASH_KINDS[1:]),
+    "crashed",
+    "hidden-outside",
+    "hidden-reentrant",
+    "extra-passes",
+    "fewer-passes",
+    "fewest-batches",
+    "bypass-sites",
+    "blocked-sites",
+    "unpaired-extra",
+    "unpaired-fewer",
+    "collective-differs",
+    "scale-differs",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,5 +198,3 @@ def examples_from(counts: torch.Tensor, slots: torch.Tensor) -> dict[str, Exampl
         found = sorted(-int(v) for v in slots[k].tolist() if v != MIN)
         out[name] = Examples(count=int(counts[k]), ranks=found[:EXAMPLES])
     return out
-
-

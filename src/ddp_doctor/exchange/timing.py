@@ -8,8 +8,8 @@ from collections.abc import Generator
 
 import torch
 
+from ddp_doctor.core.records import RankRecord
 from ddp_doctor.exchange.packing import Op, Reply, SumRound, order_key, unkey
-from ddp_doctor.records import RankRecord
 
 __all__ = ["medians"]
 
@@ -20,13 +20,13 @@ def medians(record: RankRecord, s: int, world: int) -> Generator[Op, Reply, list
     timing: list[float | None] = [None] * 4
     if s:
         rows = record.timing[:s]
-        values = torch.cat([rows, rows.sum(1, keepdim=True)], 1)         # [s, 4]
+        values = torch.cat([rows, rows.sum(1, keepdim=True)], 1)  # [s, 4]
         keys = order_key(values)
         total = world * s
         # The middle element (odd count), or the two middle ones, of each quantity's world * s values.
         targets = [(total - 1) // 2, total // 2] if total % 2 == 0 else [total // 2]
         n_sel = len(targets)
-        remaining = [[t] * 4 for t in targets]                            # [selection][quantity]
+        remaining = [[t] * 4 for t in targets]  # [selection][quantity]
         prefix: list[list[int | None]] = [[None] * 4 for _ in targets]
         # 16 rounds of 4-bit digits: more (tiny) collectives than 8 rounds of bytes, 8 times fewer counts.
         for level in range(16):

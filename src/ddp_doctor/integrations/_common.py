@@ -10,14 +10,24 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_doctor._observe import Doctor
-from ddp_doctor.codes import SEVERITIES
-from ddp_doctor.errors import DoctorError, InvalidArgumentError
+from ddp_doctor.core.codes import SEVERITIES
+from ddp_doctor.core.errors import DoctorError, InvalidArgumentError
+from ddp_doctor.doctor import Doctor
+from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR
 from ddp_doctor.report import Report
-from ddp_doctor.wrapstate import WRAP_STATE_ATTR
 
-__all__ = ["FAIL_ON", "FindingsError", "check_fail_on", "check_steps", "find_ddp", "observed_by_check", "publish",
-           "raise_if_failing", "start_doctor", "unwrap_ddp"]
+__all__ = [
+    "FAIL_ON",
+    "FindingsError",
+    "check_fail_on",
+    "check_steps",
+    "find_ddp",
+    "observed_by_check",
+    "publish",
+    "raise_if_failing",
+    "start_doctor",
+    "unwrap_ddp",
+]
 
 FAIL_ON = ("error", "warning", "never")
 """The lowest severity that makes a callback raise `FindingsError`, as `ddp-doctor check --fail-on` takes it."""
@@ -74,8 +84,12 @@ def find_ddp(module: torch.nn.Module) -> DistributedDataParallel | None:
     if isinstance(module, DistributedDataParallel):
         return module
     # type(), not isinstance(): isinstance may read `__class__` through a proxy's __getattr__ (which can warn).
-    found = [o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel)
-             and (o.module is module or getattr(o.module, "_orig_mod", None) is module)]
+    found = [
+        o
+        for o in gc.get_objects()
+        if issubclass(type(o), DistributedDataParallel)
+        and (o.module is module or getattr(o.module, "_orig_mod", None) is module)
+    ]
     return found[-1] if found else None
 
 
@@ -85,8 +99,13 @@ def observed_by_check(ddp: DistributedDataParallel) -> bool:
     return isinstance(state, dict) and "trainable" in state
 
 
-def start_doctor(ddp: DistributedDataParallel, *, framework: str, steps: int | None,
-                 optimizer: torch.optim.Optimizer | str | None = "auto") -> Doctor:
+def start_doctor(
+    ddp: DistributedDataParallel,
+    *,
+    framework: str,
+    steps: int | None,
+    optimizer: torch.optim.Optimizer | str | None = "auto",
+) -> Doctor:
     """`observe(ddp, optimizer, steps=steps)`, started, with the report phrased for `framework`."""
     doctor = Doctor(ddp, optimizer, steps=steps)
     doctor.info.framework = framework
@@ -125,4 +144,6 @@ def raise_if_failing(report: Report, fail_on: str, *, where: str) -> None:
         raise FindingsError(
             f"ddp-doctor found {len(bad)} problem(s) at or above fail_on={fail_on!r}: {codes}. The report is in "
             f"{where}; apply its recommendation, or pass fail_on='never' to only report.",
-            report=report, findings=bad)
+            report=report,
+            findings=bad,
+        )

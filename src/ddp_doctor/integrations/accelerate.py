@@ -36,18 +36,20 @@ except ImportError as exc:  # pragma: no cover  (the extra is not installed)
         "ddp_doctor.integrations.accelerate needs the accelerate package: pip install 'ddp-doctor[accelerate]'"
     ) from exc
 
-from ddp_doctor._observe import Doctor
-from ddp_doctor.errors import InvalidArgumentError, NotDDPModelError
+from ddp_doctor.core.errors import InvalidArgumentError, NotDDPModelError
+from ddp_doctor.core.findings import Recommendation
+from ddp_doctor.doctor import Doctor
 from ddp_doctor.integrations._common import unwrap_ddp
-from ddp_doctor.report import Recommendation, Report
+from ddp_doctor.report import Report
 
 __all__ = ["kwargs_handler", "observe"]
 
 logger = logging.getLogger(__name__)
 
 
-def observe(model: torch.nn.Module, optimizer: torch.optim.Optimizer | str | None = "auto", *,
-            steps: int | None = None) -> Doctor:
+def observe(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | str | None = "auto", *, steps: int | None = None
+) -> Doctor:
     """`ddp_doctor.observe` for what `accelerator.prepare` returned; the report speaks Accelerate.
 
     Args:
@@ -80,7 +82,8 @@ def observe(model: torch.nn.Module, optimizer: torch.optim.Optimizer | str | Non
             f"{type(model).__module__}.{type(model).__qualname__} (Accelerate's distributed_type is "
             f"{state.distributed_type}, {state.num_processes} process(es)). Accelerate wraps in DDP only with "
             "several processes: run the script with `accelerate launch --num_processes 2`, torchrun, or "
-            "`ddp-doctor check --nproc-per-node 2`.")
+            "`ddp-doctor check --nproc-per-node 2`."
+        )
     inner = getattr(optimizer, "optimizer", None)
     if isinstance(inner, torch.optim.Optimizer):
         # AcceleratedOptimizer: its step() calls the torch optimizer's (skipped on accumulation micro-steps), and
@@ -117,22 +120,31 @@ def kwargs_handler(report: Report | Recommendation | dict[str, Any], **overrides
         if "recommendation" not in report:
             raise InvalidArgumentError(
                 f"kwargs_handler() got a dict without a 'recommendation' key (keys: {sorted(report)[:10]}); pass "
-                "a ddp-doctor report, e.g. json.load(open('report.json')).")
+                "a ddp-doctor report, e.g. json.load(open('report.json'))."
+            )
         report = Report.from_dict(report)
     rec = report.recommendation if isinstance(report, Report) else report
     if not isinstance(rec, Recommendation):
         raise InvalidArgumentError(
-            f"kwargs_handler() needs a ddp_doctor Report, Recommendation or report dict, got {type(report).__name__}.")
+            f"kwargs_handler() needs a ddp_doctor Report, Recommendation or report dict, got {type(report).__name__}."
+        )
     fields = set(DistributedDataParallelKwargs.__dataclass_fields__)
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise InvalidArgumentError(
             f"kwargs_handler() got {unknown}, which DistributedDataParallelKwargs does not have. It has: "
-            f"{', '.join(sorted(fields))}.")
+            f"{', '.join(sorted(fields))}."
+        )
     if rec.freeze_before_wrap:
-        logger.warning("ddp-doctor: the recommendation also freezes %d parameter(s) before wrapping, which DDP flags "
-                       "cannot do: set requires_grad_(False) on %s before accelerator.prepare(model).",
-                       len(rec.freeze_before_wrap), rec.freeze_before_wrap)
-    flags = {"find_unused_parameters": rec.find_unused_parameters, "static_graph": rec.static_graph,
-             "gradient_as_bucket_view": rec.gradient_as_bucket_view}
+        logger.warning(
+            "ddp-doctor: the recommendation also freezes %d parameter(s) before wrapping, which DDP flags "
+            "cannot do: set requires_grad_(False) on %s before accelerator.prepare(model).",
+            len(rec.freeze_before_wrap),
+            rec.freeze_before_wrap,
+        )
+    flags = {
+        "find_unused_parameters": rec.find_unused_parameters,
+        "static_graph": rec.static_graph,
+        "gradient_as_bucket_view": rec.gradient_as_bucket_view,
+    }
     return DistributedDataParallelKwargs(**{**flags, **overrides})

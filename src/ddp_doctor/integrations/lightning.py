@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_doctor._observe import Doctor
-from ddp_doctor.errors import DoctorError
+from ddp_doctor.core.errors import DoctorError
+from ddp_doctor.doctor import Doctor
 from ddp_doctor.integrations._common import (
     JSON_NAME,
     FindingsError,
@@ -47,7 +47,9 @@ logger = logging.getLogger(__name__)
 def _callback_base() -> type:
     """`Callback` of the Lightning package in use, without importing the other one (each takes seconds)."""
     names = [n for n in ("lightning.pytorch", "pytorch_lightning") if n in sys.modules] or [
-        "lightning.pytorch", "pytorch_lightning"]
+        "lightning.pytorch",
+        "pytorch_lightning",
+    ]
     for name in names:
         try:
             return importlib.import_module(name).Callback
@@ -82,8 +84,15 @@ class DoctorCallback(_callback_base()):  # type: ignore[misc]
         >>> trainer.fit(model, datamodule=dm)
     """
 
-    def __init__(self, steps: int = 8, fail_on: str = "error", *, json_path: str | Path | None = None,
-                 timeout: float = 300.0, crash_timeout: float = 15.0) -> None:
+    def __init__(
+        self,
+        steps: int = 8,
+        fail_on: str = "error",
+        *,
+        json_path: str | Path | None = None,
+        timeout: float = 300.0,
+        crash_timeout: float = 15.0,
+    ) -> None:
         super().__init__()
         self.steps = check_steps(steps)
         self.fail_on = check_fail_on(fail_on)
@@ -98,9 +107,11 @@ class DoctorCallback(_callback_base()):  # type: ignore[misc]
         self._doctor, self._reported, self.report = None, False, None
         ddp = unwrap_ddp(trainer.strategy.model)
         if ddp is None:
-            logger.warning("ddp-doctor: strategy %s did not wrap the model in DistributedDataParallel, so there "
-                           "is nothing to observe; DoctorCallback diagnoses DDP only (strategy=\"ddp\").",
-                           type(trainer.strategy).__name__)
+            logger.warning(
+                "ddp-doctor: strategy %s did not wrap the model in DistributedDataParallel, so there "
+                'is nothing to observe; DoctorCallback diagnoses DDP only (strategy="ddp").',
+                type(trainer.strategy).__name__,
+            )
             return
         if observed_by_check(ddp):
             logger.info("ddp-doctor: `ddp-doctor check` observes this model already; DoctorCallback stands by.")
@@ -124,9 +135,14 @@ class DoctorCallback(_callback_base()):  # type: ignore[misc]
         try:
             self._report(trainer, timeout=self.crash_timeout, fail=False)
         except DoctorError as exc:
-            logger.warning("ddp-doctor: rank %d failed with %s: %s, and the ranks could not exchange their "
-                           "observations (%s). Run `ddp-doctor check` on the script for a per-rank account.",
-                           trainer.global_rank, type(exception).__name__, str(exception)[:200], exc)
+            logger.warning(
+                "ddp-doctor: rank %d failed with %s: %s, and the ranks could not exchange their "
+                "observations (%s). Run `ddp-doctor check` on the script for a per-rank account.",
+                trainer.global_rank,
+                type(exception).__name__,
+                str(exception)[:200],
+                exc,
+            )
 
     def _report(self, trainer: Any, *, timeout: float | None = None, fail: bool = True) -> None:
         assert self._doctor is not None

@@ -33,7 +33,7 @@ except ImportError as exc:  # pragma: no cover  (the extra is not installed)
         "ddp_doctor.integrations.transformers needs the transformers package: pip install 'ddp-doctor[transformers]'"
     ) from exc
 
-from ddp_doctor._observe import Doctor
+from ddp_doctor.doctor import Doctor
 from ddp_doctor.integrations._common import (
     JSON_NAME,
     FindingsError,
@@ -93,9 +93,12 @@ class DoctorCallback(TrainerCallback):
         # The callback is handed Trainer.model, the inner model; the Trainer wrapped it in DDP just before this.
         ddp = find_ddp(model) if model is not None else None
         if ddp is None:
-            logger.warning("ddp-doctor: the Trainer did not wrap %s in DistributedDataParallel (parallel mode %s), "
-                           "so there is nothing to observe; DoctorCallback diagnoses DDP only.",
-                           type(model).__name__, getattr(args, "parallel_mode", "?"))
+            logger.warning(
+                "ddp-doctor: the Trainer did not wrap %s in DistributedDataParallel (parallel mode %s), "
+                "so there is nothing to observe; DoctorCallback diagnoses DDP only.",
+                type(model).__name__,
+                getattr(args, "parallel_mode", "?"),
+            )
             return
         if observed_by_check(ddp):
             logger.info("ddp-doctor: `ddp-doctor check` observes this model already; DoctorCallback stands by.")

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from ddp_doctor.analyze.failures import failure_findings
-from ddp_doctor.codes import SEVERITIES
-from ddp_doctor.launch.protocol import Outcome, RankState, read_rank_states
-from ddp_doctor.report.model import Recommendation, Report, Timing, finite
+from ddp_doctor.core.codes import SEVERITIES
+from ddp_doctor.core.findings import Recommendation, Timing, finite
+from ddp_doctor.core.rankfiles import Outcome, RankState, read_rank_states
+from ddp_doctor.report.model import Report
 
 __all__ = ["CheckResult", "Model", "collect", "exit_code"]
 
@@ -94,78 +95,131 @@ def _read(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def collect(outdir: Path, *, timed_out: bool, torchrun_rc: int | None, interrupted: int | None = None,
-            native: list[str] | None = None) -> CheckResult:
+def collect(
+    outdir: Path,
+    *,
+    timed_out: bool,
+    torchrun_rc: int | None,
+    interrupted: int | None = None,
+    native: list[str] | None = None,
+) -> CheckResult:
     """Read the output folder after every rank has ended."""
-    internal = [(p, d) for p in sorted(outdir.glob("rank*.json")) if not p.name.endswith(".progress.json")
-                if (d := _read(p)) is not None and d.get("outcome") == Outcome.INTERNAL_ERROR.value]
+    internal = [
+        (p, d)
+        for p in sorted(outdir.glob("rank*.json"))
+        if not p.name.endswith(".progress.json")
+        if (d := _read(p)) is not None and d.get("outcome") == Outcome.INTERNAL_ERROR.value
+    ]
     if internal:
         path, data = internal[0]
-        return CheckResult(error=f"ddp-doctor failed on {path.stem.replace('rank', 'rank ')} with an internal error: "
-                                 f"{data.get('error')}. This is a bug in ddp-doctor, not a finding about your script; "
-                                 "no report can be trusted from this run. Please report it with this traceback:\n"
-                                 f"{data.get('traceback', '')}", timed_out=timed_out, interrupted=interrupted)
+        return CheckResult(
+            error=f"ddp-doctor failed on {path.stem.replace('rank', 'rank ')} with an internal error: "
+            f"{data.get('error')}. This is a bug in ddp-doctor, not a finding about your script; "
+            "no report can be trusted from this run. Please report it with this traceback:\n"
+            f"{data.get('traceback', '')}",
+            timed_out=timed_out,
+            interrupted=interrupted,
+        )
     full = _read(outdir / "report.json")
     if full is not None:
         # Models over subgroups come from their groups' first ranks, in group order.
-        extra = [m for p in sorted(outdir.glob("report.rank*.json"), key=lambda p: int(p.name[11:-5]))
-                 if (d := _read(p)) is not None for m in d["models"]]
-        models = [Model(report=Report.from_dict(m["report"]), site=m.get("site"), framework=m.get("framework", "torch"),
-                        module=m.get("module", "")) for m in [*full["models"], *extra]]
+        extra = [
+            m
+            for p in sorted(outdir.glob("report.rank*.json"), key=lambda p: int(p.name[11:-5]))
+            if (d := _read(p)) is not None
+            for m in d["models"]
+        ]
+        models = [
+            Model(
+                report=Report.from_dict(m["report"]),
+                site=m.get("site"),
+                framework=m.get("framework", "torch"),
+                module=m.get("module", ""),
+            )
+            for m in [*full["models"], *extra]
+        ]
         timing = _read(outdir / "timing.json")
-        late = [f"rank {d['rank']}: {d['crash']['type']}: {d['crash']['message'][:300]}"
-                for p in sorted(outdir.glob("rank*.json")) if not p.name.endswith(".progress.json")
-                if (d := _read(p)) is not None and d.get("outcome") == Outcome.CRASHED_AFTER_REPORT.value]
-        return CheckResult(models=models, timed_out=timed_out, step_times=timing["step_s"] if timing else None,
-                           late_crash="; ".join(late) or None, interrupted=interrupted)
+        late = [
+            f"rank {d['rank']}: {d['crash']['type']}: {d['crash']['message'][:300]}"
+            for p in sorted(outdir.glob("rank*.json"))
+            if not p.name.endswith(".progress.json")
+            if (d := _read(p)) is not None and d.get("outcome") == Outcome.CRASHED_AFTER_REPORT.value
+        ]
+        return CheckResult(
+            models=models,
+            timed_out=timed_out,
+            step_times=timing["step_s"] if timing else None,
+            late_crash="; ".join(late) or None,
+            interrupted=interrupted,
+        )
 
     states = read_rank_states(outdir, end_time=time.time())
     if not states:
         if interrupted is not None:
             return CheckResult(error="interrupted before any rank started", interrupted=interrupted)
-        return CheckResult(error=f"the script did not start on any rank (torchrun exit code {torchrun_rc}); "
-                                 "its output above says why.", timed_out=timed_out)
+        return CheckResult(
+            error=f"the script did not start on any rank (torchrun exit code {torchrun_rc}); "
+            "its output above says why.",
+            timed_out=timed_out,
+        )
     built = [s for s in states.values() if s.built_ddp]
     if not built:
         if interrupted is not None:
             return CheckResult(error="interrupted before the script built a DDP model", interrupted=interrupted)
         # A rank that only lost its peer is not the cause when another rank raised or died of a signal.
         died_of_signal = any(s.signal not in (None, "SIGTERM") for s in states.values())
-        crashed = sorted((s for s in states.values() if s.crash is not None
-                          and not (s.crash.peer_lost and died_of_signal)),
-                         key=lambda s: (s.crash.peer_lost, s.rank))
+        crashed = sorted(
+            (s for s in states.values() if s.crash is not None and not (s.crash.peer_lost and died_of_signal)),
+            key=lambda s: (s.crash.peer_lost, s.rank),
+        )
         if crashed:
             crash = crashed[0].crash
-            return CheckResult(error=f"the script failed on rank {crashed[0].rank} before it built a DDP model: "
-                                     f"{crash.type}: {crash.message}\n{crash.traceback}", timed_out=timed_out)
+            return CheckResult(
+                error=f"the script failed on rank {crashed[0].rank} before it built a DDP model: "
+                f"{crash.type}: {crash.message}\n{crash.traceback}",
+                timed_out=timed_out,
+            )
         # The rank that died of its own signal; the launcher's SIGTERM to the others is not a cause.
-        died = sorted((s for s in states.values() if s.signal not in (None, "SIGTERM")),
-                      key=lambda s: (s.fault is None, s.rank))
+        died = sorted(
+            (s for s in states.values() if s.signal not in (None, "SIGTERM")), key=lambda s: (s.fault is None, s.rank)
+        )
         if died:
             s = died[0]
-            findings = [f for f in failure_findings(states, timed_out=timed_out, native=native or [])
-                        if s.rank in f.ranks]
+            findings = [
+                f for f in failure_findings(states, timed_out=timed_out, native=native or []) if s.rank in f.ranks
+            ]
             what = findings[0].title if findings else f"rank {s.rank} died of {s.signal}"
-            return CheckResult(error=f"{what}, before the script built a DDP model. "
-                                     + (findings[0].detail + " " + findings[0].fix if findings else ""),
-                               timed_out=timed_out)
+            return CheckResult(
+                error=f"{what}, before the script built a DDP model. "
+                + (findings[0].detail + " " + findings[0].fix if findings else ""),
+                timed_out=timed_out,
+            )
         if timed_out:
-            return CheckResult(error="the script built no DistributedDataParallel model before the timeout "
-                                     f"(ranks {sorted(states)} were still running). Raise --timeout if its start-up "
-                                     "is slow.", timed_out=True)
-        return CheckResult(error="the script ran to the end without building a "
-                                 "torch.nn.parallel.DistributedDataParallel model, so there was nothing to observe. "
-                                 "Check that it wraps its model in DDP when launched with torchrun (for example, "
-                                 "that it does not fall back to single-process training when WORLD_SIZE is set).",
-                           timed_out=timed_out)
-    return CheckResult(models=[Model(report=_failure_report(states, timed_out, interrupted, native or []))],
-                       timed_out=timed_out, interrupted=interrupted)
+            return CheckResult(
+                error="the script built no DistributedDataParallel model before the timeout "
+                f"(ranks {sorted(states)} were still running). Raise --timeout if its start-up "
+                "is slow.",
+                timed_out=True,
+            )
+        return CheckResult(
+            error="the script ran to the end without building a "
+            "torch.nn.parallel.DistributedDataParallel model, so there was nothing to observe. "
+            "Check that it wraps its model in DDP when launched with torchrun (for example, "
+            "that it does not fall back to single-process training when WORLD_SIZE is set).",
+            timed_out=timed_out,
+        )
+    return CheckResult(
+        models=[Model(report=_failure_report(states, timed_out, interrupted, native or []))],
+        timed_out=timed_out,
+        interrupted=interrupted,
+    )
 
 
-def _failure_report(states: dict[int, RankState], timed_out: bool, interrupted: int | None,
-                    native: list[str]) -> Report:
+def _failure_report(
+    states: dict[int, RankState], timed_out: bool, interrupted: int | None, native: list[str]
+) -> Report:
     """A report from the ranks' own files: who failed first, how, and where the others were."""
-    from ddp_doctor import __version__
+    from ddp_doctor.core import VERSION as __version__
 
     world = max([s.world_size for s in states.values()] + [len(states)])
     meta = next((s.models[0] for s in states.values() if s.models), {})
@@ -175,16 +229,30 @@ def _failure_report(states: dict[int, RankState], timed_out: bool, interrupted: 
         find_unused_parameters=bool(ddp_config.get("find_unused_parameters", False)),
         static_graph=bool(ddp_config.get("static_graph", False)),
         gradient_as_bucket_view=bool(ddp_config.get("gradient_as_bucket_view", False)),
-        freeze_before_wrap=[], verified=False,
-        reason=("No recommendation: the run was interrupted before the ranks finished the observed steps. "
-                "Where they were: " + "; ".join(f"rank {r} at step {max(s.step, 0)}, {s.phase}"
-                                                 for r, s in sorted(states.items())) + "."
-                if interrupted is not None else
-                "No recommendation: the ranks could not finish the observed steps together, so the used set is not "
-                "known on every rank. Fix the failure above and run the check again."))
+        freeze_before_wrap=[],
+        verified=False,
+        reason=(
+            "No recommendation: the run was interrupted before the ranks finished the observed steps. "
+            "Where they were: "
+            + "; ".join(f"rank {r} at step {max(s.step, 0)}, {s.phase}" for r, s in sorted(states.items()))
+            + "."
+            if interrupted is not None
+            else "No recommendation: the ranks could not finish the observed steps together, so the used set is not "
+            "known on every rank. Fix the failure above and run the check again."
+        ),
+    )
     steps = [max(s.step, 0) for s in states.values()]
     return Report(
-        tool_version=__version__, torch_version=meta.get("torch_version", ""), backend=meta.get("backend", ""),
-        world_size=world, steps_observed=min(steps, default=0), ddp_config=ddp_config, findings=findings,
-        recommendation=rec, timing=Timing(), framework=meta.get("framework", "torch"), ddp_site=meta.get("site"),
-        interrupted=interrupted is not None)
+        tool_version=__version__,
+        torch_version=meta.get("torch_version", ""),
+        backend=meta.get("backend", ""),
+        world_size=world,
+        steps_observed=min(steps, default=0),
+        ddp_config=ddp_config,
+        findings=findings,
+        recommendation=rec,
+        timing=Timing(),
+        framework=meta.get("framework", "torch"),
+        ddp_site=meta.get("site"),
+        interrupted=interrupted is not None,
+    )

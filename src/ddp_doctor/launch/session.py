@@ -42,19 +42,19 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
-from ddp_doctor import dataprobe
-from ddp_doctor._observe import Doctor
-from ddp_doctor._observe.crash import raising_ddp
-from ddp_doctor._observe.phase import Phase
-from ddp_doctor.errors import DoctorError
-from ddp_doctor.gather import arrive
-from ddp_doctor.launch.beacon import Beacon
-from ddp_doctor.launch.collectives import CollectiveRecorder
+from ddp_doctor.core.beacon import Beacon
+from ddp_doctor.core.errors import DoctorError
+from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site_of
+from ddp_doctor.core.phase import Phase
+from ddp_doctor.doctor import Doctor
+from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
-from ddp_doctor.launch.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site_of
+from ddp_doctor.launch.inflight import CollectiveRecorder
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
 from ddp_doctor.launch.watchdog import Watchdog, peers_train_on
-from ddp_doctor.wrapstate import WRAP_STATE_ATTR, freeze_named
+from ddp_doctor.observation import dataloaders
+from ddp_doctor.observation.crash import raising_ddp
+from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR, freeze_named
 
 if TYPE_CHECKING:
     from ddp_doctor.bench.inrank import InRankBench
@@ -64,8 +64,15 @@ __all__ = ["FRAMEWORKS", "Session", "framework_of_stack", "write_json"]
 logger = logging.getLogger(__name__)
 
 # What a collective raises on the ranks that survive when a peer dies or stops (gloo, then NCCL wording).
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
-              "communicator was aborted", "remote process exited", "NCCL error")
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "communicator was aborted",
+    "remote process exited",
+    "NCCL error",
+)
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -98,8 +105,9 @@ class Session:
         self._original_destroy = dist.destroy_process_group
         self._signature = inspect.signature(self.original_init)
         self.beacon = Beacon(self.outdir / f"rank{self.rank}.beacon")
-        self.collectives = CollectiveRecorder(self.beacon, lambda: next((d for d in self.doctors if not d.finished),
-                                                                        None))
+        self.collectives = CollectiveRecorder(
+            self.beacon, lambda: next((d for d in self.doctors if not d.finished), None)
+        )
         self.plain = PlainOptimizerWatch()
         self.watchdog = Watchdog(self)
         self.bench: InRankBench | None = None
@@ -115,8 +123,11 @@ class Session:
             from ddp_doctor.bench.inrank import InRankBench
             from ddp_doctor.bench.plan import BenchPlan
 
-            plan = (BenchPlan.from_dict(self.config.bench) if self.config.bench else
-                    BenchPlan(steps=self.config.timed_steps, rounds=1, share=False))
+            plan = (
+                BenchPlan.from_dict(self.config.bench)
+                if self.config.bench
+                else BenchPlan(steps=self.config.timed_steps, rounds=1, share=False)
+            )
             self.bench = InRankBench(self, plan)
 
         @functools.wraps(original_init)
@@ -154,7 +165,7 @@ class Session:
         Optimizer.__init__ = optimizer_init
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
         self.collectives.install()
-        dataprobe.install()
+        dataloaders.install()
         # A segfault or abort (gloo's on a mismatched collective) leaves no Python exception: faulthandler writes
         # the signal and the stack to a file the supervisor reads. The file object must stay open.
         self._fault_file = open(self.outdir / f"rank{self.rank}.fault", "w")  # noqa: SIM115
@@ -185,9 +196,16 @@ class Session:
             return
         self.doctors.append(doctor)
         self.on_phase(doctor)
-        self.models.append({"site": site, "framework": framework, "module": type(ddp.module).__qualname__,
-                            "ddp_config": doctor.info.ddp_config, "torch_version": torch.__version__,
-                            "backend": str(dist.get_backend())})
+        self.models.append(
+            {
+                "site": site,
+                "framework": framework,
+                "module": type(ddp.module).__qualname__,
+                "ddp_config": doctor.info.ddp_config,
+                "torch_version": torch.__version__,
+                "backend": str(dist.get_backend()),
+            }
+        )
         self.watchdog.write()
 
     # ------------------------------------------------------------------------------------------- no DDP
@@ -212,8 +230,12 @@ class Session:
             self._exit(1)
             return
         opt = self.plain.optimizer
-        model = {"site": getattr(opt, "_ddp_doctor_site", None), "framework": "torch",
-                 "module": self.plain.module or type(opt).__qualname__, "report": report.to_dict()}
+        model = {
+            "site": getattr(opt, "_ddp_doctor_site", None),
+            "framework": "torch",
+            "module": self.plain.module or type(opt).__qualname__,
+            "report": report.to_dict(),
+        }
         if self.local_rank == 0:
             write_json(self.outdir / "report.json", {"reason": reason, "models": [model]})
         self._end({"outcome": "reported", "reason": reason, "ddp_models": 0})
@@ -230,9 +252,9 @@ class Session:
             # still tells which parameters it trained (analyze.failures reads it against a peer's DDP error).
             step, names = doctor.missing_grads()
             extra["closed"] = {"step": step, "missing": names}
-        self.beacon.update(step=doctor.steps_observed, phase=doctor.phase, model=model,
-                           site=user_site_of(sys._getframe(1)), **extra)
-
+        self.beacon.update(
+            step=doctor.steps_observed, phase=doctor.phase, model=model, site=user_site_of(sys._getframe(1)), **extra
+        )
 
     # ----------------------------------------------------------------------------------------------- ending
 
@@ -253,7 +275,7 @@ class Session:
         """
         code = 0 if exc is None or exc.code is None else exc.code if isinstance(exc.code, int) else 1
         if self.bench is not None and self.bench.took_over:
-            self.bench.on_script_end()      # the script's loop ended before the bench's blocks did
+            self.bench.on_script_end()  # the script's loop ended before the bench's blocks did
             self.leave()
         if exc is None:
             site = "the end of the script"
@@ -262,12 +284,23 @@ class Session:
         step = max((d.steps_observed for d in self.doctors), default=-1)
         if not self.doctors and self.plain.steps and not self._finishing and code == 0:
             self.finish_unwrapped("the script ended")
-        self._end({"outcome": "exited", "status": code, "site": site, "step": step, "phase": self.watchdog.progress()["phase"],
-                   "ddp_models": len(self.doctors)})
+        self._end(
+            {
+                "outcome": "exited",
+                "status": code,
+                "site": site,
+                "step": step,
+                "phase": self.watchdog.progress()["phase"],
+                "ddp_models": len(self.doctors),
+            }
+        )
         if self.doctors and not self._finishing and not peers_train_on(self.outdir, self.rank, step):
             wait = max(0.5, min(self.config.crash_wait_s, self.remaining()))
-            self.finish("the script ended" if exc is None else f"rank {self.rank} exited with status {code}",
-                        timeout=wait, exit_code=code)
+            self.finish(
+                "the script ended" if exc is None else f"rank {self.rank} exited with status {code}",
+                timeout=wait,
+                exit_code=code,
+            )
         self._exit(code)
 
     def on_crash(self, exc: BaseException) -> None:
@@ -287,13 +320,23 @@ class Session:
             step = max(step, doctor.record().crash_step)
             if failure is not None and explained is None:
                 numel = dict(zip(doctor.info.param_names, doctor.info.numels))
-                explained = {"code": failure.code, "params": failure.params, "message": str(failure),
-                             "numels": [numel.get(n, 0) for n in failure.params]}
+                explained = {
+                    "code": failure.code,
+                    "params": failure.params,
+                    "message": str(failure),
+                    "numels": [numel.get(n, 0) for n in failure.params],
+                }
         message = str(exc)
-        crash = {"type": type(exc).__name__, "message": message[:4000], "traceback": "".join(tb)[-20000:],
-                 "site": user_frame(frames), "step": step, "explained": explained,
-                 "peer_lost": explained is None and any(p in message for p in _PEER_LOST),
-                 "phase": phase}
+        crash = {
+            "type": type(exc).__name__,
+            "message": message[:4000],
+            "traceback": "".join(tb)[-20000:],
+            "site": user_frame(frames),
+            "step": step,
+            "explained": explained,
+            "peer_lost": explained is None and any(p in message for p in _PEER_LOST),
+            "phase": phase,
+        }
         # After finish() the report is written: this crash happened in the timed steps that follow it (bench).
         outcome = "crashed-after-report" if self._finishing else "crashed"
         self._end({"outcome": outcome, "crash": crash, "ddp_models": len(self.doctors)}, overwrite=True)
@@ -325,21 +368,34 @@ class Session:
             self._exit(1 if exit_code is None else exit_code)
             return
         except Exception as exc:  # noqa: BLE001  (a bug of ours must never read as a clean report)
-            self._end({"outcome": "internal-error", "error": f"{type(exc).__name__}: {exc}",
-                       "traceback": traceback.format_exc()[-20000:], "ddp_models": len(self.doctors)})
+            self._end(
+                {
+                    "outcome": "internal-error",
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc()[-20000:],
+                    "ddp_models": len(self.doctors),
+                }
+            )
             self._exit(1)
             return
         # A model over the whole world is written by each node's local rank 0; a model over a subgroup (a
         # data-parallel group of a hybrid job) by the group's first rank, into its own file.
         world = [(m, r) for d, m, r in zip(self.doctors, self.models, reports) if _is_world(d.ddp.process_group)]
-        mine = [(m, r) for d, m, r in zip(self.doctors, self.models, reports)
-                if not _is_world(d.ddp.process_group) and dist.get_rank(d.ddp.process_group) == 0]
+        mine = [
+            (m, r)
+            for d, m, r in zip(self.doctors, self.models, reports)
+            if not _is_world(d.ddp.process_group) and dist.get_rank(d.ddp.process_group) == 0
+        ]
         if self.local_rank == 0:
-            write_json(self.outdir / "report.json",
-                       {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in world]})
+            write_json(
+                self.outdir / "report.json",
+                {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in world]},
+            )
         if mine:
-            write_json(self.outdir / f"report.rank{self.rank}.json",
-                       {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in mine]})
+            write_json(
+                self.outdir / f"report.rank{self.rank}.json",
+                {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in mine]},
+            )
         self._end({"outcome": "reported", "reason": reason, "ddp_models": len(self.doctors)})
         if self.bench is not None and not exit_code and reason == self._steps_reason:
             self.bench.take_over(self.doctors, reports)
@@ -358,8 +414,17 @@ class Session:
     def _end(self, state: dict[str, Any], *, overwrite: bool = False) -> None:
         path = self.outdir / f"rank{self.rank}.json"
         if overwrite or not path.exists():
-            write_json(path, {"rank": self.rank, "local_rank": self.local_rank, "world_size": self.world_size,
-                              "pid": os.getpid(), "models": self.models, **state})
+            write_json(
+                path,
+                {
+                    "rank": self.rank,
+                    "local_rank": self.local_rank,
+                    "world_size": self.world_size,
+                    "pid": os.getpid(),
+                    "models": self.models,
+                    **state,
+                },
+            )
 
     def _exit(self, code: int) -> None:
         self.ended.set()

@@ -49,6 +49,7 @@ class Interrupted(BaseException):
 
 def install_signal_handlers() -> None:
     """Turn SIGINT, SIGTERM and SIGHUP into `Interrupted` (once: a second signal during clean-up is ignored)."""
+
     def handler(signum: int, _frame: Any) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
@@ -80,8 +81,10 @@ def run_processes(marker: str) -> list[int]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if needle in (entry / "environ").read_bytes().split(b"\0") and \
-                    (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+            if (
+                needle in (entry / "environ").read_bytes().split(b"\0")
+                and (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+            ):
                 pids.append(int(entry.name))
         except (OSError, IndexError):
             continue
@@ -140,10 +143,13 @@ class _Forward(threading.Thread):
             del self.tail[: max(0, len(self.tail) - self._TAIL)]
 
 
-_NATIVE = (re.compile(r"enforce fail at [^\n]*"), re.compile(r"NCCL error[^\n]*"),
-           re.compile(r"nccl(?:InternalError|SystemError|UnhandledCudaError|InvalidUsage|RemoteError)[^\n]*"),
-           re.compile(r"Watchdog caught collective operation timeout[^\n]*"),
-           re.compile(r"Some NCCL operations have failed or timed out[^\n]*"))
+_NATIVE = (
+    re.compile(r"enforce fail at [^\n]*"),
+    re.compile(r"NCCL error[^\n]*"),
+    re.compile(r"nccl(?:InternalError|SystemError|UnhandledCudaError|InvalidUsage|RemoteError)[^\n]*"),
+    re.compile(r"Watchdog caught collective operation timeout[^\n]*"),
+    re.compile(r"Some NCCL operations have failed or timed out[^\n]*"),
+)
 
 
 def native_messages(text: str, limit: int = 3) -> list[str]:
@@ -172,8 +178,14 @@ def _ended_ranks(folder: Path) -> dict[int, float]:
     return out
 
 
-def run_check(torchrun_args: dict[str, Any], config: RankConfig, *, timeout: float,
-              output: IO[str] | None = None, outdir: Path | None = None) -> CheckResult:
+def run_check(
+    torchrun_args: dict[str, Any],
+    config: RankConfig,
+    *,
+    timeout: float,
+    output: IO[str] | None = None,
+    outdir: Path | None = None,
+) -> CheckResult:
     """Run the script under torchrun with the doctor in every rank, and collect the result on this node.
 
     Args:
@@ -192,17 +204,24 @@ def run_check(torchrun_args: dict[str, Any], config: RankConfig, *, timeout: flo
         folder.mkdir(parents=True, exist_ok=True)
         start = time.time()
         config = replace(config, outdir=str(folder.resolve()), deadline=start + timeout)
-        args = {**torchrun_args, "module": True, "no_python": False, "run_path": False,
-                "training_script": BOOTSTRAP}
+        args = {**torchrun_args, "module": True, "no_python": False, "run_path": False, "training_script": BOOTSTRAP}
         # torchrun and the ranks make their temporary files (torchelastic_*, the script's own) inside the run's
         # folder, so they go with it even when a process had to be killed. torch's compile cache stays where
         # torch would put it, so it survives between runs.
         run_tmp = Path(tmp) / "tmp"
         run_tmp.mkdir()
         cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(
-            Path(tempfile.gettempdir()) / f"torchinductor_{_user()}")
-        env = {**os.environ, ENV_VAR: config.to_env(), "PYTHONUNBUFFERED": "1", RUN_MARKER_VAR: marker,
-               CLI_PID_VAR: str(os.getpid()), "TMPDIR": str(run_tmp), "TORCHINDUCTOR_CACHE_DIR": cache}
+            Path(tempfile.gettempdir()) / f"torchinductor_{_user()}"
+        )
+        env = {
+            **os.environ,
+            ENV_VAR: config.to_env(),
+            "PYTHONUNBUFFERED": "1",
+            RUN_MARKER_VAR: marker,
+            CLI_PID_VAR: str(os.getpid()),
+            "TMPDIR": str(run_tmp),
+            "TORCHINDUCTOR_CACHE_DIR": cache,
+        }
         proc = None
         forwards: list[_Forward] = []
         timed_out = False
@@ -210,9 +229,13 @@ def run_check(torchrun_args: dict[str, Any], config: RankConfig, *, timeout: flo
         try:
             _Forward.clean_line = True
             pipe = subprocess.PIPE if output is None else output
-            proc = subprocess.Popen([sys.executable, "-m", "ddp_doctor.launch.torchrun", json.dumps(args)], env=env,
-                                    stdout=pipe, stderr=subprocess.PIPE if output is None else subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ddp_doctor.launch.torchrun", json.dumps(args)],
+                env=env,
+                stdout=pipe,
+                stderr=subprocess.PIPE if output is None else subprocess.STDOUT,
+                start_new_session=True,
+            )
             if output is None:
                 forwards = [_Forward(proc.stdout, sys.stdout), _Forward(proc.stderr, sys.stderr)]
                 for f in forwards:
@@ -231,8 +254,13 @@ def run_check(torchrun_args: dict[str, Any], config: RankConfig, *, timeout: flo
         if output is not None and hasattr(output, "name") and Path(str(output.name)).is_file():
             output.flush()
             native = native_messages(Path(output.name).read_text(errors="replace")[-65536:])
-        result = collect(folder, timed_out=timed_out, torchrun_rc=proc.returncode if proc is not None else None,
-                         interrupted=interrupted.signum if interrupted is not None else None, native=native)
+        result = collect(
+            folder,
+            timed_out=timed_out,
+            torchrun_rc=proc.returncode if proc is not None else None,
+            interrupted=interrupted.signum if interrupted is not None else None,
+            native=native,
+        )
         result.clean_line = _Forward.clean_line
         result.torchrun_log = _keep_log(folder / "torchrun.log", marker)
         return result
@@ -268,9 +296,23 @@ def _keep_log(path: Path, marker: str) -> str | None:
         return None
 
 
-def check_namespace(namespace: dict[str, Any], *, steps: int, ddp_kwargs: dict[str, Any], freeze: list[str],
-                    timeout: float, output: IO[str] | None, timed_steps: int = 0) -> CheckResult:
+def check_namespace(
+    namespace: dict[str, Any],
+    *,
+    steps: int,
+    ddp_kwargs: dict[str, Any],
+    freeze: list[str],
+    timeout: float,
+    output: IO[str] | None,
+    timed_steps: int = 0,
+) -> CheckResult:
     """Run `check` on torchrun's parsed namespace (as a dict)."""
-    config = RankConfig(target=namespace["training_script"], module=bool(namespace["module"]), steps=steps,
-                        ddp_kwargs=ddp_kwargs, freeze_before_wrap=freeze, timed_steps=timed_steps)
+    config = RankConfig(
+        target=namespace["training_script"],
+        module=bool(namespace["module"]),
+        steps=steps,
+        ddp_kwargs=ddp_kwargs,
+        freeze_before_wrap=freeze,
+        timed_steps=timed_steps,
+    )
     return run_check(namespace, config, timeout=timeout, output=output)

@@ -23,8 +23,11 @@ def _failures(exc: BaseException) -> dict[str, dict[str, object]]:
     out = {}
     for rank, failure in getattr(exc, "failures", {}).items():
         code = int(failure.exitcode)
-        out[str(rank)] = {"exitcode": code, "signal": signal.Signals(-code).name if code < 0 else None,
-                          "pid": int(failure.pid)}
+        out[str(rank)] = {
+            "exitcode": code,
+            "signal": signal.Signals(-code).name if code < 0 else None,
+            "pid": int(failure.pid),
+        }
     return out
 
 

@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_doctor._collective import comm_device, minmax
-from ddp_doctor.analyze.unwrapped import unwrapped_findings
-from ddp_doctor.fingerprint import fingerprints
-from ddp_doctor.hookutil import user_site
-from ddp_doctor.report.model import ParamRef, Recommendation, Report, Timing
+from ddp_doctor.analyze.not_wrapped import unwrapped_findings
+from ddp_doctor.core.findings import ParamRef, Recommendation, Timing
+from ddp_doctor.core.frames import user_site
+from ddp_doctor.exchange.primitives import comm_device, minmax
+from ddp_doctor.observation.fingerprint import fingerprints
+from ddp_doctor.report.model import Report
 
 __all__ = ["PlainOptimizerWatch", "record_creation_site"]
 
@@ -74,7 +75,7 @@ class PlainOptimizerWatch:
 
     def report(self) -> Report:
         """Compare the parameters across ranks and build the report. Collective: every rank calls it."""
-        from ddp_doctor import __version__
+        from ddp_doctor.core import VERSION as __version__
 
         params = self._params()
         device = comm_device(None, params[0].device if params else None)
@@ -89,15 +90,33 @@ class PlainOptimizerWatch:
             differ = (high != lowest).any(-1)
             gap = (high - lowest).abs().amax(-1)
         assert self.optimizer is not None
-        findings = unwrapped_findings(refs, differ, gap, world=world, steps=self.steps,
-                                      optimizer_site=getattr(self.optimizer, SITE_ATTR, None),
-                                      optimizer=type(self.optimizer).__qualname__)
+        findings = unwrapped_findings(
+            refs,
+            differ,
+            gap,
+            world=world,
+            steps=self.steps,
+            optimizer_site=getattr(self.optimizer, SITE_ATTR, None),
+            optimizer=type(self.optimizer).__qualname__,
+        )
         return Report(
-            tool_version=__version__, torch_version=torch.__version__, backend=str(dist.get_backend()),
-            world_size=world, steps_observed=self.steps, ddp_config={}, findings=findings,
+            tool_version=__version__,
+            torch_version=torch.__version__,
+            backend=str(dist.get_backend()),
+            world_size=world,
+            steps_observed=self.steps,
+            ddp_config={},
+            findings=findings,
             recommendation=Recommendation(
-                find_unused_parameters=False, static_graph=False, gradient_as_bucket_view=False,
-                freeze_before_wrap=[], verified=False,
+                find_unused_parameters=False,
+                static_graph=False,
+                gradient_as_bucket_view=False,
+                freeze_before_wrap=[],
+                verified=False,
                 reason="No DDP model was built, so there are no DDP flags to recommend: wrap the model first, then "
-                       "run the check again."),
-            timing=Timing(), framework="torch", ddp_site=None)
+                "run the check again.",
+            ),
+            timing=Timing(),
+            framework="torch",
+            ddp_site=None,
+        )

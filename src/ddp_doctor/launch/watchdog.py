@@ -13,9 +13,9 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddp_doctor._observe.phase import IN_STEP
-from ddp_doctor.launch.beacon import read_beacon
-from ddp_doctor.launch.frames import user_frame
+from ddp_doctor.core.beacon import read_beacon
+from ddp_doctor.core.frames import user_frame
+from ddp_doctor.core.phase import IN_STEP
 
 if TYPE_CHECKING:
     from ddp_doctor.launch.session import Session
@@ -47,13 +47,18 @@ class Watchdog:
         frames = traceback.extract_stack(main) if main is not None else []
         inner = frames[-1] if frames else None
         return {
-            "rank": s.rank, "local_rank": s.local_rank, "world_size": s.world_size, "pid": os.getpid(),
-            "ddp_models": len(s.doctors), "models": s.models,
+            "rank": s.rank,
+            "local_rank": s.local_rank,
+            "world_size": s.world_size,
+            "pid": os.getpid(),
+            "ddp_models": len(s.doctors),
+            "models": s.models,
             "step": active.steps_observed if active is not None else -1,
             "phase": active.phase if active is not None else "before DDP was built",
             "user_frame": user_frame(frames),
             "innermost": f"{inner.filename}:{inner.lineno} in {inner.name}" if inner else None,
-            "ended": s.ended.is_set(), "time": time.time(),
+            "ended": s.ended.is_set(),
+            "time": time.time(),
         }
 
     def write(self) -> None:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from ddp_doctor.report.figures import Divergence, RankPattern, UsageMap, UsageRow
-from ddp_doctor.report.model import (
-    SCHEMA,
-    Crash,
-    Diagnosis,
-    Finding,
-    ParamRef,
-    Recommendation,
-    Report,
-    Timing,
-)
+from ddp_doctor.core.figures import Divergence, RankPattern, UsageMap, UsageRow
+from ddp_doctor.core.findings import Crash, Diagnosis, Finding, ParamRef, Recommendation, Timing
+from ddp_doctor.report.model import SCHEMA, Report
 
-__all__ = ["SCHEMA", "Crash", "Diagnosis", "Divergence", "Finding", "ParamRef", "RankPattern", "Recommendation",
-           "Report", "Timing", "UsageMap", "UsageRow"]
+__all__ = [
+    "SCHEMA",
+    "Crash",
+    "Diagnosis",
+    "Divergence",
+    "Finding",
+    "ParamRef",
+    "RankPattern",
+    "Recommendation",
+    "Report",
+    "Timing",
+    "UsageMap",
+    "UsageRow",
+]

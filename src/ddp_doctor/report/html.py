@@ -6,9 +6,13 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ddp_doctor.report.figures import STATE_HELP, STATES
-from ddp_doctor.report.model import Finding, Report
+from ddp_doctor.core.figures import STATE_HELP, STATES
+from ddp_doctor.core.findings import Finding
+
+if TYPE_CHECKING:  # the model calls these renderers; they only read it
+    from ddp_doctor.report.model import Report
 
 __all__ = ["CSS", "SCRIPT", "IndexEntry", "check_section", "index_page", "page", "to_html"]
 
@@ -90,8 +94,10 @@ def page(title: str, body: str) -> str:
     Returns:
         The page as a string.
     """
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
-            f"<style>{CSS}</style></head>\n<body>\n{body}\n<script>{SCRIPT}</script>\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
+        f"<style>{CSS}</style></head>\n<body>\n{body}\n<script>{SCRIPT}</script>\n</body></html>\n"
+    )
 
 
 def to_html(report: Report, *, title: str = "ddp-doctor check") -> str:
@@ -116,9 +122,14 @@ def _flags(config: dict) -> str:
 
 
 def _head(report: Report) -> str:
-    cells = [("world size", report.world_size), ("backend", report.backend),
-             ("steps observed", report.steps_observed), ("torch", report.torch_version),
-             ("DDP flags", _flags(report.ddp_config) or "-"), ("built by", report.framework)]
+    cells = [
+        ("world size", report.world_size),
+        ("backend", report.backend),
+        ("steps observed", report.steps_observed),
+        ("torch", report.torch_version),
+        ("DDP flags", _flags(report.ddp_config) or "-"),
+        ("built by", report.framework),
+    ]
     if report.ddp_site:
         cells.append(("DDP built at", report.ddp_site))
     rows = "".join(f"<tr><td class='key'>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in cells)
@@ -130,17 +141,26 @@ def _params(f: Finding) -> str:
         return ""
     shown = ", ".join(f"<code>{_e(p.name)}</code> ({p.numel:,})" for p in f.params[:_MAX_PARAMS])
     rest = f.params[_MAX_PARAMS:]
-    more = (f"<details><summary>and {len(rest)} more</summary>"
-            + ", ".join(f"<code>{_e(p.name)}</code> ({p.numel:,})" for p in rest) + "</details>") if rest else ""
+    more = (
+        (
+            f"<details><summary>and {len(rest)} more</summary>"
+            + ", ".join(f"<code>{_e(p.name)}</code> ({p.numel:,})" for p in rest)
+            + "</details>"
+        )
+        if rest
+        else ""
+    )
     return f"<p><b>params:</b> {shown}{more}</p>"
 
 
 def _finding(f: Finding) -> str:
     seen = f"<p><b>seen:</b> ranks {_e(f.ranks)}, steps {_e(f.steps)}</p>" if f.ranks or f.steps else ""
-    return (f"<article class='finding {f.severity}' data-code='{_e(f.code)}'>"
-            f"<h3><span class='sev'>{f.severity.upper()}</span><code>{_e(f.code)}</code> "
-            f"<span class='title'>{_e(f.title)}</span></h3>"
-            f"<p>{_e(f.detail)}</p>{_params(f)}{seen}<p class='fix'><b>fix:</b> {_e(f.fix)}</p></article>")
+    return (
+        f"<article class='finding {f.severity}' data-code='{_e(f.code)}'>"
+        f"<h3><span class='sev'>{f.severity.upper()}</span><code>{_e(f.code)}</code> "
+        f"<span class='title'>{_e(f.title)}</span></h3>"
+        f"<p>{_e(f.detail)}</p>{_params(f)}{seen}<p class='fix'><b>fix:</b> {_e(f.fix)}</p></article>"
+    )
 
 
 def _status(report: Report) -> str:
@@ -148,8 +168,9 @@ def _status(report: Report) -> str:
     for line in report.crash_lines():
         parts.append(f"<p class='crash'>{_e(line)}</p>")
     if report.interrupted and not report.findings:
-        parts.append(f"<p class='crash'>Interrupted after {report.steps_observed} observed step(s): nothing was "
-                     "diagnosed.</p>")
+        parts.append(
+            f"<p class='crash'>Interrupted after {report.steps_observed} observed step(s): nothing was diagnosed.</p>"
+        )
     elif not report.findings:
         parts.append("<p class='clean'>No problems found.</p>")
     return "".join(parts)
@@ -160,60 +181,94 @@ def _usage_caption(report: Report) -> str:
     assert usage is not None
     from ddp_doctor.report.plots import COLORS
 
-    legend = "".join(f"<dt><span class='swatch' style='background:{COLORS[k]}'></span>{_e(STATES[k])}</dt>"
-                     f"<dd>{_e(STATE_HELP[k])}</dd>" for k in STATES)
-    blocks = ("one block of columns per rank" if len(usage.patterns) == report.world_size else
-              "one block of columns per distinct rank pattern (ranks that saw exactly the same share a block)")
-    omitted = (f" {len(usage.ranks_omitted)} rank(s) with rarer patterns are not drawn: "
-               f"{_e(usage.ranks_omitted[:64])}{' ...' if len(usage.ranks_omitted) > 64 else ''}."
-               if usage.ranks_omitted else "")
-    rows = ("Rows are modules (more parameters than fit one row each): a module row shows the most notable state "
-            "among its parameters." if usage.aggregated else "Rows are parameters, grouped by module.")
-    return (f"<figcaption>Usage map over the {usage.steps} step(s) every rank completed: {blocks}. {rows} "
-            f"Row labels in colour are named by a finding (red: error, amber: warning, blue: info).{omitted}"
-            f"<dl>{legend}</dl></figcaption>")
+    legend = "".join(
+        f"<dt><span class='swatch' style='background:{COLORS[k]}'></span>{_e(STATES[k])}</dt>"
+        f"<dd>{_e(STATE_HELP[k])}</dd>"
+        for k in STATES
+    )
+    blocks = (
+        "one block of columns per rank"
+        if len(usage.patterns) == report.world_size
+        else "one block of columns per distinct rank pattern (ranks that saw exactly the same share a block)"
+    )
+    omitted = (
+        f" {len(usage.ranks_omitted)} rank(s) with rarer patterns are not drawn: "
+        f"{_e(usage.ranks_omitted[:64])}{' ...' if len(usage.ranks_omitted) > 64 else ''}."
+        if usage.ranks_omitted
+        else ""
+    )
+    rows = (
+        "Rows are modules (more parameters than fit one row each): a module row shows the most notable state "
+        "among its parameters."
+        if usage.aggregated
+        else "Rows are parameters, grouped by module."
+    )
+    return (
+        f"<figcaption>Usage map over the {usage.steps} step(s) every rank completed: {blocks}. {rows} "
+        f"Row labels in colour are named by a finding (red: error, amber: warning, blue: info).{omitted}"
+        f"<dl>{legend}</dl></figcaption>"
+    )
 
 
 def _figures(report: Report, key: str) -> str:
     from ddp_doctor.report.plots import divergence_svg, usage_map_svg
 
     if report.usage_map is None and report.divergence is None:
-        return ("<p class='no-figures'>No usage map or divergence curve: this report has no per-step records to "
-                "draw (no step completed on every rank, or the ranks could not exchange their records).</p>")
+        return (
+            "<p class='no-figures'>No usage map or divergence curve: this report has no per-step records to "
+            "draw (no step completed on every rank, or the ranks could not exchange their records).</p>"
+        )
     out = []
     if report.usage_map is not None:
         severities = {f.code: f.severity for f in reversed(report.findings)}
-        out.append(f"<figure class='usage-map' id='{key}-usage-map'>{usage_map_svg(report.usage_map, severities)}"
-                   f"{_usage_caption(report)}</figure>")
+        out.append(
+            f"<figure class='usage-map' id='{key}-usage-map'>{usage_map_svg(report.usage_map, severities)}"
+            f"{_usage_caption(report)}</figure>"
+        )
     if report.divergence is not None:
         d = report.divergence
-        out.append(f"<figure class='divergence' id='{key}-divergence'>"
-                   f"{divergence_svg(d, world_size=report.world_size)}"
-                   "<figcaption>Divergence curve. Each point is the max over parameters, over ranks r and over both "
-                   "fingerprint numbers (the sum, and a sum weighted by a fixed pattern) of |fingerprint(rank r) - "
-                   "fingerprint(rank 0)|: weights after each step (\"start\": when observing began), gradients as "
-                   "the optimizer saw them. 0 means bit-identical on every rank; a dashed line marks the first "
-                   "step where each differs.</figcaption></figure>")
+        out.append(
+            f"<figure class='divergence' id='{key}-divergence'>"
+            f"{divergence_svg(d, world_size=report.world_size)}"
+            "<figcaption>Divergence curve. Each point is the max over parameters, over ranks r and over both "
+            "fingerprint numbers (the sum, and a sum weighted by a fixed pattern) of |fingerprint(rank r) - "
+            'fingerprint(rank 0)|: weights after each step ("start": when observing began), gradients as '
+            "the optimizer saw them. 0 means bit-identical on every rank; a dashed line marks the first "
+            "step where each differs.</figcaption></figure>"
+        )
     return "".join(out)
 
 
 def _recommendation(report: Report, key: str) -> str:
     rec = report.recommendation
     verdict = "verified" if rec.verified else "not yet verified"
-    flags = (f"find_unused_parameters={rec.find_unused_parameters}, static_graph={rec.static_graph}, "
-             f"gradient_as_bucket_view={rec.gradient_as_bucket_view}")
-    freeze = (f"<p>freeze before wrap: {', '.join(f'<code>{_e(n)}</code>' for n in rec.freeze_before_wrap)}</p>"
-              if rec.freeze_before_wrap else "")
+    flags = (
+        f"find_unused_parameters={rec.find_unused_parameters}, static_graph={rec.static_graph}, "
+        f"gradient_as_bucket_view={rec.gradient_as_bucket_view}"
+    )
+    freeze = (
+        f"<p>freeze before wrap: {', '.join(f'<code>{_e(n)}</code>' for n in rec.freeze_before_wrap)}</p>"
+        if rec.freeze_before_wrap
+        else ""
+    )
     first = report.framework if report.framework in rec.render else "torch"
     order = [k for k in (first, *FRAMEWORKS) if k in rec.render]
     order = list(dict.fromkeys(order))
-    inputs = "".join(f"<input type='radio' name='{key}-rec' id='{key}-rec-{k}'{' checked' if i == 0 else ''}>"
-                     f"<label for='{key}-rec-{k}'>{_e(k)}</label>" for i, k in enumerate(order))
-    panels = "".join(f"<div class='panel' data-framework='{_e(k)}'><button class='copy' type='button'>Copy</button>"
-                     f"<pre><code>{_e(rec.render[k])}</code></pre></div>" for k in order)
+    inputs = "".join(
+        f"<input type='radio' name='{key}-rec' id='{key}-rec-{k}'{' checked' if i == 0 else ''}>"
+        f"<label for='{key}-rec-{k}'>{_e(k)}</label>"
+        for i, k in enumerate(order)
+    )
+    panels = "".join(
+        f"<div class='panel' data-framework='{_e(k)}'><button class='copy' type='button'>Copy</button>"
+        f"<pre><code>{_e(rec.render[k])}</code></pre></div>"
+        for k in order
+    )
     tabs = f"<div class='tabs'>{inputs}{panels}</div>" if order else ""
-    return (f"<div class='recommendation'><h3>Recommendation ({verdict})</h3><p><b>{_e(flags)}</b></p>{freeze}"
-            f"<p>{_e(rec.reason)}</p>{tabs}</div>")
+    return (
+        f"<div class='recommendation'><h3>Recommendation ({verdict})</h3><p><b>{_e(flags)}</b></p>{freeze}"
+        f"<p>{_e(rec.reason)}</p>{tabs}</div>"
+    )
 
 
 def check_section(report: Report, *, key: str = "m0", heading: str | None = None) -> str:
@@ -225,13 +280,18 @@ def check_section(report: Report, *, key: str = "m0", heading: str | None = None
         heading: a title above the section (for pages with several models).
     """
     t = report.timing
-    timing = (f"<p class='timing'>median per step (observed, hooks included): forward {t.forward_s * 1e3:.1f} ms, "
-              f"backward {t.backward_s * 1e3:.1f} ms, optimizer {t.optimizer_s * 1e3:.1f} ms</p>"
-              if t.step_s is not None and None not in (t.forward_s, t.backward_s, t.optimizer_s) else "")
+    timing = (
+        f"<p class='timing'>median per step (observed, hooks included): forward {t.forward_s * 1e3:.1f} ms, "
+        f"backward {t.backward_s * 1e3:.1f} ms, optimizer {t.optimizer_s * 1e3:.1f} ms</p>"
+        if t.step_s is not None and None not in (t.forward_s, t.backward_s, t.optimizer_s)
+        else ""
+    )
     title = f"<h2>{_e(heading)}</h2>" if heading else ""
-    return (f"<section class='ddp-check' id='{key}'>{title}<p class='version'>ddp-doctor {_e(report.tool_version)}"
-            f"</p>{_head(report)}{_status(report)}{''.join(_finding(f) for f in report.findings)}"
-            f"{_figures(report, key)}{_recommendation(report, key)}{timing}</section>")
+    return (
+        f"<section class='ddp-check' id='{key}'>{title}<p class='version'>ddp-doctor {_e(report.tool_version)}"
+        f"</p>{_head(report)}{_status(report)}{''.join(_finding(f) for f in report.findings)}"
+        f"{_figures(report, key)}{_recommendation(report, key)}{timing}</section>"
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -259,10 +319,17 @@ def index_page(title: str, entries: Sequence[IndexEntry], intro: str = "") -> st
         if e.error is not None:
             verdict = f"<span class='crash'>{_e(e.error[:300])}</span>"
         else:
-            verdict = (", ".join(f"<code>{_e(c)}</code>" for c in e.codes) + f" ({_e(e.worst)})" if e.worst else
-                       "<span class='clean'>none</span>")
-        rows.append(f"<tr data-example='{_e(e.name)}'><td><a href='{_e(e.href)}'>{_e(e.name)}</a></td>"
-                    f"<td>{_e(e.summary)}</td><td>{verdict}</td></tr>")
-    table = ("<table class='index'><thead><tr><th>example</th><th>what it does</th><th>findings</th></tr></thead>"
-             f"<tbody>{''.join(rows)}</tbody></table>")
+            verdict = (
+                ", ".join(f"<code>{_e(c)}</code>" for c in e.codes) + f" ({_e(e.worst)})"
+                if e.worst
+                else "<span class='clean'>none</span>"
+            )
+        rows.append(
+            f"<tr data-example='{_e(e.name)}'><td><a href='{_e(e.href)}'>{_e(e.name)}</a></td>"
+            f"<td>{_e(e.summary)}</td><td>{verdict}</td></tr>"
+        )
+    table = (
+        "<table class='index'><thead><tr><th>example</th><th>what it does</th><th>findings</th></tr></thead>"
+        f"<tbody>{''.join(rows)}</tbody></table>"
+    )
     return page(title, f"<h1>{_e(title)}</h1>{f'<p>{_e(intro)}</p>' if intro else ''}{table}")

@@ -1,138 +1,26 @@
-"""The result objects: what the doctor knows. Renderers (text, JSON) read them; nothing here prints."""
+"""The report: the diagnosis of one DDP model with the run's facts around it. `to_dict()` is the JSON schema
+(`ddp-doctor/report@1`); `print(report)` and `to_html()` hand it to the renderers (`text.py`, `html.py`)."""
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sized
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from ddp_doctor.codes import CODES, SEVERITIES
-from ddp_doctor.report.figures import Divergence, UsageMap
-from ddp_doctor.report.ranks import rank_list
+from ddp_doctor.analyze.snippets import render_snippets
+from ddp_doctor.core import VERSION
+from ddp_doctor.core.codes import SEVERITIES
+from ddp_doctor.core.figures import Divergence, UsageMap
+from ddp_doctor.core.findings import Crash, Diagnosis, Finding, ParamRef, Recommendation, Timing, finite
+from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.report import html, text
 
-__all__ = ["SCHEMA", "Crash", "Diagnosis", "Finding", "ParamRef", "Recommendation", "Report", "Timing", "finite"]
+__all__ = ["SCHEMA", "Report"]
 
 SCHEMA = "ddp-doctor/report@1"
-
-
-
-@dataclass(frozen=True, slots=True)
-class ParamRef:
-    """A parameter (or buffer) by module path, with its size."""
-
-    name: str
-    numel: int
-    shape: tuple[int, ...] = ()
-
-    def __str__(self) -> str:
-        return f"{self.name} ({self.numel:,})"
-
-
-@dataclass(kw_only=True, slots=True)
-class Finding:
-    """One diagnosed problem. `code` is one of `ddp_doctor.codes.CODES`."""
-
-    code: str
-    severity: str
-    title: str
-    detail: str
-    params: list[ParamRef] = field(default_factory=list)
-    ranks: list[int] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)
-    fix: str = ""
-    more_ranks: int = 0
-    """Ranks that also showed it beyond those in `ranks`: at large world sizes the exchange names only examples
-    (`ddp_doctor.exchange.EXAMPLES`) and counts the rest. In the JSON only when nonzero."""
-
-    def __post_init__(self) -> None:
-        assert self.code in CODES, f"unknown finding code {self.code!r}"
-        assert self.severity in SEVERITIES, f"unknown severity {self.severity!r}"
-
-    @property
-    def param_names(self) -> list[str]:
-        return [p.name for p in self.params]
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {
-            "code": self.code,
-            "severity": self.severity,
-            "title": self.title,
-            "detail": self.detail,
-            "params": [{"name": p.name, "numel": p.numel, "shape": list(p.shape)} for p in self.params],
-            "ranks": self.ranks,
-            "steps": self.steps,
-            "fix": self.fix,
-        }
-        if self.more_ranks:
-            out["more_ranks"] = self.more_ranks
-        return out
-
-
-@dataclass(kw_only=True, slots=True)
-class Recommendation:
-    """The cheapest DDP configuration that is correct for what was observed."""
-
-    find_unused_parameters: bool
-    static_graph: bool
-    gradient_as_bucket_view: bool
-    freeze_before_wrap: list[str]
-    reason: str
-    verified: bool
-    render: dict[str, str] = field(default_factory=dict)
-    """Copy-pasteable code for `torch`, `transformers`, `accelerate` and `lightning`."""
-
-    @property
-    def ddp_kwargs(self) -> dict[str, bool]:
-        return {
-            "find_unused_parameters": self.find_unused_parameters,
-            "static_graph": self.static_graph,
-            "gradient_as_bucket_view": self.gradient_as_bucket_view,
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(kw_only=True, slots=True)
-class Timing:
-    """Per-step medians over every rank's complete observed steps, in seconds (observed, so hooks included)."""
-
-    forward_s: float | None = None
-    backward_s: float | None = None
-    optimizer_s: float | None = None
-    step_s: float | None = None
-
-    def to_dict(self) -> dict[str, float | None]:
-        return asdict(self)
-
-
-@dataclass(kw_only=True, slots=True)
-class Crash:
-    """A rank whose observed loop ended with an exception."""
-
-    rank: int
-    step: int
-    kind: str
-    message: str
-
-
-@dataclass(kw_only=True)
-class Diagnosis:
-    """What `analyze` returns: pure data, no torch.distributed involved."""
-
-    findings: list[Finding]
-    recommendation: Recommendation
-    timing: Timing
-    steps_observed: int
-    crashes: list[Crash] = field(default_factory=list)
-    usage_map: UsageMap | None = None
-    """The usage map's data (`analyze.usage`), from the exchange."""
-    divergence: Divergence | None = None
-    """The divergence curve's data."""
 
 
 @dataclass(kw_only=True)
@@ -162,14 +50,11 @@ class Report:
     @classmethod
     def build(cls, info: Any, records: Sized, diagnosis: Diagnosis, *, backend: str) -> Report:
         """The report of one DDP model: `records` counts the ranks (any sized collection: a range at scale)."""
-        from ddp_doctor import __version__
-        from ddp_doctor.report.snippets import render_snippets  # imports this module: imported here, not at the top
-
         # The code for the recommendation is rendered here, from the records alone: the flavour (which Lightning
         # package, which TrainingArguments fields) was recorded where the model was built.
         diagnosis.recommendation.render = render_snippets(diagnosis.recommendation, info.ddp_config, info.flavor)
         return cls(
-            tool_version=__version__,
+            tool_version=VERSION,
             torch_version=torch.__version__,
             backend=backend,
             world_size=len(records),
@@ -188,17 +73,29 @@ class Report:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Report:
         """The inverse of `to_dict` (the `check` parent reads the ranks' JSON back with it)."""
-        findings = [Finding(**{**f, "params": [ParamRef(p["name"], p["numel"], tuple(p.get("shape", ())))
-                                                 for p in f["params"]]}) for f in data["findings"]]
+        findings = [
+            Finding(
+                **{**f, "params": [ParamRef(p["name"], p["numel"], tuple(p.get("shape", ()))) for p in f["params"]]}
+            )
+            for f in data["findings"]
+        ]
         return cls(
-            tool_version=data["tool_version"], torch_version=data["torch_version"], backend=data["backend"],
-            world_size=data["world_size"], steps_observed=data["steps_observed"], ddp_config=data["ddp_config"],
-            findings=findings, recommendation=Recommendation(**data["recommendation"]),
-            timing=Timing(**data["timing"]), crashes=[Crash(**c) for c in data.get("crashes", [])],
-            framework=data.get("framework", "torch"), ddp_site=data.get("ddp_site"),
+            tool_version=data["tool_version"],
+            torch_version=data["torch_version"],
+            backend=data["backend"],
+            world_size=data["world_size"],
+            steps_observed=data["steps_observed"],
+            ddp_config=data["ddp_config"],
+            findings=findings,
+            recommendation=Recommendation(**data["recommendation"]),
+            timing=Timing(**data["timing"]),
+            crashes=[Crash(**c) for c in data.get("crashes", [])],
+            framework=data.get("framework", "torch"),
+            ddp_site=data.get("ddp_site"),
             interrupted=bool(data.get("interrupted", False)),
             usage_map=UsageMap.from_dict(data["usage_map"]) if data.get("usage_map") else None,
-            divergence=Divergence.from_dict(data["divergence"]) if data.get("divergence") else None)
+            divergence=Divergence.from_dict(data["divergence"]) if data.get("divergence") else None,
+        )
 
     @property
     def codes(self) -> set[str]:
@@ -255,26 +152,10 @@ class Report:
         Example:
             >>> Path("report.html").write_text(doctor.report().to_html())  # doctest: +SKIP
         """
-        from ddp_doctor.report.html import to_html
-
-        return to_html(self)
+        return html.to_html(self)
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
-        from ddp_doctor.report.text import render
-
-        yield from render(self)
+        yield from text.render(self)
 
     def __str__(self) -> str:
-        from ddp_doctor.report.text import to_text
-
-        return to_text(self)
-
-
-def finite(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [finite(v) for v in obj]
-    return obj
+        return text.to_text(self)

@@ -10,17 +10,17 @@ import io
 import math
 from typing import Any
 
-from ddp_doctor.report.figures import NOTABLE, STATES, Divergence, UsageMap
+from ddp_doctor.core.figures import NOTABLE, STATES, Divergence, UsageMap
 
 __all__ = ["COLORS", "divergence_svg", "usage_map_svg"]
 
 COLORS: dict[str, str] = {
-    "U": "#2e7d32",   # used: green
-    "N": "#d9d9d9",   # no gradient: light grey
-    "B": "#ef6c00",   # blocked: orange
-    "F": "#5c7fa3",   # frozen: steel blue
-    "X": "#c2185b",   # flipped: magenta
-    "I": "#f7f7f7",   # ignored by DDP: near white
+    "U": "#2e7d32",  # used: green
+    "N": "#d9d9d9",  # no gradient: light grey
+    "B": "#ef6c00",  # blocked: orange
+    "F": "#5c7fa3",  # frozen: steel blue
+    "X": "#c2185b",  # flipped: magenta
+    "I": "#f7f7f7",  # ignored by DDP: near white
 }
 _SEVERITY_COLOR = {"error": "#b00020", "warning": "#a15c00", "info": "#00639b"}
 _RC = {"svg.fonttype": "none", "svg.hashsalt": "ddp-doctor", "font.size": 9}
@@ -41,7 +41,7 @@ def _svg(fig: Any) -> str:
     fig.savefig(buffer, format="svg", metadata={"Date": None})
     plt.close(fig)
     svg = buffer.getvalue()
-    return svg[svg.index("<svg"):]
+    return svg[svg.index("<svg") :]
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -78,8 +78,9 @@ def usage_map_svg(usage: UsageMap, severities: dict[str, str] | None = None) -> 
     width = min(2.0 + 0.065 * label_chars + len(blocks) * (block_w + 0.25), 60.0)
     height = 1.9 + 0.2 * len(rows)
     with plt.rc_context(_RC):
-        fig, axes = plt.subplots(1, len(blocks), sharey=True, squeeze=False, figsize=(width, height),
-                                 layout="constrained")
+        fig, axes = plt.subplots(
+            1, len(blocks), sharey=True, squeeze=False, figsize=(width, height), layout="constrained"
+        )
         fig.get_layout_engine().set(w_pad=0.15, h_pad=0.1)
         cmap = ListedColormap([COLORS[k] for k in keys])
         norm = BoundaryNorm([i - 0.5 for i in range(len(keys) + 1)], cmap.N)
@@ -89,7 +90,7 @@ def usage_map_svg(usage: UsageMap, severities: dict[str, str] | None = None) -> 
             ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
             ax.set_xticks(range(steps), [str(s) for s in range(steps)])
             ax.set_xticks([s - 0.5 for s in range(1, steps)], minor=True)
-            if len(rows) <= 64:       # cell borders help to read a few rows; on hundreds they only cost
+            if len(rows) <= 64:  # cell borders help to read a few rows; on hundreds they only cost
                 ax.set_yticks([r - 0.5 for r in range(1, len(rows))], minor=True)
             ax.grid(which="minor", color="white", linewidth=0.8)
             ax.tick_params(which="minor", length=0)
@@ -98,11 +99,11 @@ def usage_map_svg(usage: UsageMap, severities: dict[str, str] | None = None) -> 
             ax.set_xlabel("step")
             ax.set_title(_ranks(pattern.ranks), fontsize=9)
         first = axes[0][0]
-        first.set_yticks(range(len(rows)), [r.name + (f" ({r.params} params)" if r.params > 1 else "")
-                                            for r in rows])
+        first.set_yticks(range(len(rows)), [r.name + (f" ({r.params} params)" if r.params > 1 else "") for r in rows])
         for label, row in zip(first.get_yticklabels(), rows):
-            worst = next((s for s in ("error", "warning", "info") if any(severities.get(c) == s for c in row.codes)),
-                         None)
+            worst = next(
+                (s for s in ("error", "warning", "info") if any(severities.get(c) == s for c in row.codes)), None
+            )
             if worst is not None:
                 label.set_color(_SEVERITY_COLOR[worst])
                 label.set_fontweight("bold")
@@ -127,8 +128,10 @@ def divergence_svg(div: Divergence, *, world_size: int) -> str:
     top = max(finite) * 30 if finite else 1.0
     with plt.rc_context(_RC):
         fig, ax = plt.subplots(figsize=(9, 3.8), layout="constrained")
-        for xs, values, label, color, marker in ((w_x, div.weights, "weights after the step", "#1f4e9c", "o"),
-                                                 (g_x, div.grads, "gradients at the optimizer step", "#c2185b", "s")):
+        for xs, values, label, color, marker in (
+            (w_x, div.weights, "weights after the step", "#1f4e9c", "o"),
+            (g_x, div.grads, "gradients at the optimizer step", "#c2185b", "s"),
+        ):
             shown = [min(v, top) if v > 0 else floor for v in values]
             ax.plot(xs, shown, color=color, marker=marker, label=label, linewidth=1.5)
             zero = [(x, floor) for x, v in zip(xs, values) if v == 0]
@@ -136,8 +139,14 @@ def divergence_svg(div: Divergence, *, world_size: int) -> str:
                 ax.plot(*zip(*zero), linestyle="none", marker=marker, markerfacecolor="white", color=color)
         missing = [x for x, m in zip(g_x, div.grads_missing) if m]
         if missing:
-            ax.plot(missing, [top] * len(missing), linestyle="none", marker="v", color="#ef6c00",
-                    label="a gradient present on some ranks only")
+            ax.plot(
+                missing,
+                [top] * len(missing),
+                linestyle="none",
+                marker="v",
+                color="#ef6c00",
+                label="a gradient present on some ranks only",
+            )
         ax.set_yscale("log")
         ax.set_ylim(floor / 2, top * 2)
         if not finite:
@@ -145,10 +154,20 @@ def divergence_svg(div: Divergence, *, world_size: int) -> str:
             ax.set_yticks([floor], ["0"])
             ax.minorticks_off()
         ax.axhline(floor, color="#999999", linewidth=0.8, linestyle=":")
-        ax.annotate("identical on every rank (0)", xy=(1.0, floor), xycoords=("axes fraction", "data"),
-                    xytext=(-4, 3), textcoords="offset points", ha="right", fontsize=8, color="#666666")
-        for start, label, color in ((div.weights_start, "weights differ", "#1f4e9c"),
-                                    (div.grads_start, "gradients differ", "#c2185b")):
+        ax.annotate(
+            "identical on every rank (0)",
+            xy=(1.0, floor),
+            xycoords=("axes fraction", "data"),
+            xytext=(-4, 3),
+            textcoords="offset points",
+            ha="right",
+            fontsize=8,
+            color="#666666",
+        )
+        for start, label, color in (
+            (div.weights_start, "weights differ", "#1f4e9c"),
+            (div.grads_start, "gradients differ", "#c2185b"),
+        ):
             if start is None:
                 continue
             ax.axvline(start, color=color, linestyle="--", linewidth=1)
@@ -156,8 +175,14 @@ def divergence_svg(div: Divergence, *, world_size: int) -> str:
                 where = "already at the start" if start < 0 else f"after step {start}"
             else:
                 where = f"in step {start}"
-            ax.annotate(f"{label} {where}", (start, top), xytext=(4, -12 if label == "weights differ" else -26),
-                        textcoords="offset points", color=color, fontsize=8)
+            ax.annotate(
+                f"{label} {where}",
+                (start, top),
+                xytext=(4, -12 if label == "weights differ" else -26),
+                textcoords="offset points",
+                color=color,
+                fontsize=8,
+            )
         ax.set_xticks(w_x, ["start"] + [str(s) for s in g_x])
         ax.set_xlabel("step")
         ax.set_ylabel(measure, fontsize=8)

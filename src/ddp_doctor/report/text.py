@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -12,8 +12,11 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from ddp_doctor.report.model import Finding, Report
-from ddp_doctor.report.ranks import rank_ranges
+from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.ranks import rank_ranges
+
+if TYPE_CHECKING:  # the model calls these renderers; they only read it
+    from ddp_doctor.report.model import Report
 
 __all__ = ["render", "to_text"]
 
@@ -54,7 +57,9 @@ def render(report: Report) -> Iterator[Any]:
     for line in report.crash_lines():
         yield Text(line, style="red")
     if report.interrupted and not report.findings:
-        yield Text(f"Interrupted after {report.steps_observed} observed step(s): nothing was diagnosed.", style="yellow")
+        yield Text(
+            f"Interrupted after {report.steps_observed} observed step(s): nothing was diagnosed.", style="yellow"
+        )
     elif not report.findings:
         yield Text("No problems found.", style="bold green")
     for f in report.findings:
@@ -62,8 +67,11 @@ def render(report: Report) -> Iterator[Any]:
 
     rec = report.recommendation
     summary = Text()
-    summary.append(f"find_unused_parameters={rec.find_unused_parameters}, static_graph={rec.static_graph}, "
-                   f"gradient_as_bucket_view={rec.gradient_as_bucket_view}", style="bold")
+    summary.append(
+        f"find_unused_parameters={rec.find_unused_parameters}, static_graph={rec.static_graph}, "
+        f"gradient_as_bucket_view={rec.gradient_as_bucket_view}",
+        style="bold",
+    )
     if rec.freeze_before_wrap:
         summary.append(f"\nfreeze before wrap: {', '.join(rec.freeze_before_wrap)}")
     summary.append(f"\n{rec.reason}")
@@ -76,15 +84,19 @@ def render(report: Report) -> Iterator[Any]:
 
     t = report.timing
     if t.step_s is not None:
-        yield Text(f"median per step (observed, hooks included): forward {t.forward_s * 1e3:.1f} ms, backward "
-                   f"{t.backward_s * 1e3:.1f} ms, optimizer {t.optimizer_s * 1e3:.1f} ms", style="dim")
+        yield Text(
+            f"median per step (observed, hooks included): forward {t.forward_s * 1e3:.1f} ms, backward "
+            f"{t.backward_s * 1e3:.1f} ms, optimizer {t.optimizer_s * 1e3:.1f} ms",
+            style="dim",
+        )
 
 
 def to_text(report: Report, *, width: int = 100, color: bool = False) -> str:
     """The report as a string; plain text unless `color`."""
     buffer = io.StringIO()
-    console = Console(file=buffer, width=width, force_terminal=color, color_system="standard" if color else None,
-                      highlight=False)
+    console = Console(
+        file=buffer, width=width, force_terminal=color, color_system="standard" if color else None, highlight=False
+    )
     for part in render(report):
         console.print(part)
     return buffer.getvalue()

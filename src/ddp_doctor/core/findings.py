@@ -1,0 +1,137 @@
+"""The findings and the diagnosis: what the analysis decides, what every renderer and fix reads. Pure data."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ddp_doctor.core.codes import CODES, SEVERITIES
+from ddp_doctor.core.figures import Divergence, UsageMap
+
+__all__ = ["Crash", "Diagnosis", "Finding", "ParamRef", "Recommendation", "Timing", "finite"]
+
+
+@dataclass(frozen=True, slots=True)
+class ParamRef:
+    """A parameter (or buffer) by module path, with its size."""
+
+    name: str
+    numel: int
+    shape: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.numel:,})"
+
+
+@dataclass(kw_only=True, slots=True)
+class Finding:
+    """One diagnosed problem. `code` is one of `ddp_doctor.core.codes.CODES`."""
+
+    code: str
+    severity: str
+    title: str
+    detail: str
+    params: list[ParamRef] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    fix: str = ""
+    more_ranks: int = 0
+    """Ranks that also showed it beyond those in `ranks`: at large world sizes the exchange names only examples
+    (`ddp_doctor.exchange.EXAMPLES`) and counts the rest. In the JSON only when nonzero."""
+
+    def __post_init__(self) -> None:
+        assert self.code in CODES, f"unknown finding code {self.code!r}"
+        assert self.severity in SEVERITIES, f"unknown severity {self.severity!r}"
+
+    @property
+    def param_names(self) -> list[str]:
+        return [p.name for p in self.params]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "code": self.code,
+            "severity": self.severity,
+            "title": self.title,
+            "detail": self.detail,
+            "params": [{"name": p.name, "numel": p.numel, "shape": list(p.shape)} for p in self.params],
+            "ranks": self.ranks,
+            "steps": self.steps,
+            "fix": self.fix,
+        }
+        if self.more_ranks:
+            out["more_ranks"] = self.more_ranks
+        return out
+
+
+@dataclass(kw_only=True, slots=True)
+class Recommendation:
+    """The cheapest DDP configuration that is correct for what was observed."""
+
+    find_unused_parameters: bool
+    static_graph: bool
+    gradient_as_bucket_view: bool
+    freeze_before_wrap: list[str]
+    reason: str
+    verified: bool
+    render: dict[str, str] = field(default_factory=dict)
+    """Copy-pasteable code for `torch`, `transformers`, `accelerate` and `lightning`."""
+
+    @property
+    def ddp_kwargs(self) -> dict[str, bool]:
+        return {
+            "find_unused_parameters": self.find_unused_parameters,
+            "static_graph": self.static_graph,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class Timing:
+    """Per-step medians over every rank's complete observed steps, in seconds (observed, so hooks included)."""
+
+    forward_s: float | None = None
+    backward_s: float | None = None
+    optimizer_s: float | None = None
+    step_s: float | None = None
+
+    def to_dict(self) -> dict[str, float | None]:
+        return asdict(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class Crash:
+    """A rank whose observed loop ended with an exception."""
+
+    rank: int
+    step: int
+    kind: str
+    message: str
+
+
+@dataclass(kw_only=True)
+class Diagnosis:
+    """What `analyze` returns: pure data, no torch.distributed involved."""
+
+    findings: list[Finding]
+    recommendation: Recommendation
+    timing: Timing
+    steps_observed: int
+    crashes: list[Crash] = field(default_factory=list)
+    usage_map: UsageMap | None = None
+    """The usage map's data (`analyze.usage`), from the exchange."""
+    divergence: Divergence | None = None
+    """The divergence curve's data."""
+
+
+def finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite(v) for v in obj]
+    return obj

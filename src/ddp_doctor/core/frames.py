@@ -1,0 +1,111 @@
+"""The one stack walker: which frames are the user's, the user's line (`file:line`), and which training framework
+built the DDP model. Our own frames, torch's and the threading module's are never the user's; the frameworks'
+(transformers, accelerate, lightning) are skipped where the user's own line is wanted (`frameworks=True`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FRAMEWORKS",
+    "format_site",
+    "framework_of_stack",
+    "is_user_frame",
+    "user_frame",
+    "user_site",
+    "user_site_of",
+]
+
+FRAMEWORKS = {
+    "transformers": "transformers",
+    "accelerate": "accelerate",
+    "lightning": "lightning",
+    "pytorch_lightning": "lightning",
+}
+"""Top-level package -> the framework name used in reports and recommendation snippets."""
+_SKIP_DIRS = (
+    os.path.dirname(torch.__file__),
+    os.path.dirname(os.path.dirname(__file__)),
+    os.path.dirname(threading.__file__),
+)
+"""torch, ddp_doctor (this file's grandparent folder) and the threading module."""
+
+
+def format_site(filename: str, lineno: int) -> str:
+    """`file:line`, the path relative to the working folder when it is inside it."""
+    if filename.startswith(os.getcwd() + os.sep):
+        filename = os.path.relpath(filename)
+    return f"{filename}:{lineno}"
+
+
+def _framework_dirs() -> dict[str, str]:
+    """Where the imported frameworks live (a framework that built DDP has been imported)."""
+    dirs = {}
+    for package, name in FRAMEWORKS.items():
+        module = sys.modules.get(package)
+        if module is not None and getattr(module, "__file__", None):
+            dirs[os.path.dirname(module.__file__) + os.sep] = name
+    return dirs
+
+
+def framework_of_stack(frames: list[traceback.FrameSummary]) -> str:
+    """The outermost training framework on the stack (`torch` when none is).
+
+    Outermost, because HF Trainer builds DDP through Accelerate: the user's idiom is the Trainer's.
+    """
+    dirs = _framework_dirs()
+    for frame in frames:
+        for prefix, name in dirs.items():
+            if frame.filename.startswith(prefix):
+                return name
+    return "torch"
+
+
+def is_user_frame(filename: str, *, frameworks: bool = True) -> bool:
+    """Not torch's, ours or the threading module's, not `<string>`-like, and (with `frameworks`) no framework's."""
+    skip = (*_SKIP_DIRS, "<", *_framework_dirs()) if frameworks else (*_SKIP_DIRS, "<")
+    return not filename.startswith(skip)
+
+
+def user_frame(frames: list[traceback.FrameSummary], *, code: bool = True) -> str | None:
+    """`file:line  code` of the innermost frame in the user's own code (the path relative to the working folder)."""
+    for frame in reversed(frames):
+        if is_user_frame(frame.filename):
+            return format_site(frame.filename, frame.lineno or 0) + (
+                f"  {frame.line.strip()}" if code and frame.line else ""
+            )
+    return None
+
+
+def user_site_of(
+    frame: Any, limit: int | None = 40, *, frameworks: bool = True, skip_self: set[int] | None = None
+) -> str | None:
+    """`file:line` of the innermost user frame at or above `frame` (a cheap walk: no traceback objects).
+
+    Args:
+        frame: where the walk starts (a frame object).
+        limit: frames walked at most (None: the whole stack).
+        frameworks: skip the training frameworks' frames too.
+        skip_self: ids of modules whose own methods are skipped as well, so a bypass is reported where the user's
+            trainer calls into the model, not inside the model's helper method.
+    """
+    while frame is not None and limit != 0:
+        code = frame.f_code
+        if is_user_frame(code.co_filename, frameworks=frameworks) and not (
+            skip_self and "self" in code.co_varnames and id(frame.f_locals.get("self")) in skip_self
+        ):
+            return format_site(code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+        limit = None if limit is None else limit - 1
+    return None
+
+
+def user_site(skip_self: set[int] | None = None) -> str | None:
+    """`file:line` of the innermost caller outside torch and ddp_doctor (framework code counts as the user's)."""
+    return user_site_of(sys._getframe(1), None, frameworks=False, skip_self=skip_self)

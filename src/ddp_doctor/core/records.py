@@ -1,0 +1,292 @@
+"""The data that flows from observe, through gather, into analyze.
+
+`ModelInfo` is what every rank knows about the model before the first step. `RankRecord` is what one rank saw
+during the observed steps: only local facts, never the result of a collective. Both are plain data, so
+`analyze` can be tested on hand-built records without a process group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = ["CRASH_KINDS", "Flavor", "ModelInfo", "RankRecord", "StepCounters"]
+
+# How a rank's observed loop ended early. Index = the code stored in a record.
+CRASH_KINDS = ("none", "reduction-error", "static-graph-changed", "mark-ready-twice", "ddp-other", "other")
+
+
+@dataclass(kw_only=True)
+class Flavor:
+    """The installed framework versions a fix must be phrased for, read where the model was built.
+
+    Recorded with the model so that analysis and rendering depend on the records only, never on what happens to
+    be imported in the process that renders.
+    """
+
+    lightning_package: str = "lightning.pytorch"
+    """`lightning.pytorch`, or `pytorch_lightning` when only that package was imported."""
+    transformers_version: str = ""
+    """The imported transformers' version ("" when it was not imported)."""
+    training_arguments_fields: list[str] | None = None
+    """The `ddp_*` fields of the imported `TrainingArguments` (4.x has no `ddp_static_graph`); None when
+    transformers was not imported, and then every field is assumed to exist."""
+
+
+@dataclass(kw_only=True)
+class ModelInfo:
+    """The model as DDP wrapped it. Identical on every rank of a healthy job."""
+
+    param_names: list[str]
+    """Names from `ddp.module.named_parameters()`, in that order (shared parameters appear once)."""
+    param_shapes: list[tuple[int, ...]]
+    trainable_at_wrap: list[bool]
+    """`requires_grad` when DDP was built, for parameters DDP does not ignore: the set DDP's reducer reduces."""
+    ignored: list[bool]
+    """Parameters listed in `_ddp_params_and_buffers_to_ignore`: DDP never touches them."""
+    buffer_names: list[str]
+    buffer_shapes: list[tuple[int, ...]]
+    ddp_config: dict[str, Any]
+    """The flags the script built DDP with (`find_unused_parameters`, `static_graph`, ...)."""
+    wrap_state_exact: bool = True
+    """False when the trainable set at wrap time had to be inferred from the state at `observe()` entry."""
+    wrap_trainable_count: int | None = None
+    """How many parameter tensors DDP's reducer was built with, from DDP's own logging data."""
+    ddp_site: str | None = None
+    """`file:line` of the user code that built DDP, when it was seen."""
+    framework: str = "torch"
+    """Who built the DDP model: torch, transformers, accelerate or lightning."""
+    group_ranks: list[int] | None = None
+    """The global ranks of the DDP model's process group, in group order, when it is a subgroup (None: the world).
+    Analysis works in group ranks; findings are mapped to these at the end."""
+    batchnorm: list[str] = field(default_factory=list)
+    """Names of the model's BatchNorm layers that are not SyncBatchNorm: each rank normalizes over its own batch."""
+    flavor: Flavor = field(default_factory=Flavor)
+    """The framework versions installed where the model was built (how fixes and snippets are phrased)."""
+
+    def __post_init__(self) -> None:
+        n = len(self.param_names)
+        if not (len(self.param_shapes) == len(self.trainable_at_wrap) == len(self.ignored) == n):
+            raise ValueError(
+                f"ModelInfo lists disagree: {n} names, {len(self.param_shapes)} shapes, "
+                f"{len(self.trainable_at_wrap)} trainable flags, {len(self.ignored)} ignore flags"
+            )
+
+    @property
+    def numels(self) -> list[int]:
+        return [math.prod(s) for s in self.param_shapes]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "param_names": self.param_names,
+            "param_shapes": [list(s) for s in self.param_shapes],
+            "trainable_at_wrap": self.trainable_at_wrap,
+            "ignored": self.ignored,
+            "buffer_names": self.buffer_names,
+            "buffer_shapes": [list(s) for s in self.buffer_shapes],
+            "ddp_config": self.ddp_config,
+            "wrap_state_exact": self.wrap_state_exact,
+            "wrap_trainable_count": self.wrap_trainable_count,
+            "ddp_site": self.ddp_site,
+            "framework": self.framework,
+            "group_ranks": self.group_ranks,
+            "batchnorm": self.batchnorm,
+            "flavor": asdict(self.flavor),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelInfo:
+        return cls(
+            **{
+                **d,
+                "param_shapes": [tuple(s) for s in d["param_shapes"]],
+                "buffer_shapes": [tuple(s) for s in d["buffer_shapes"]],
+                "flavor": Flavor(**d.get("flavor", {})),
+            }
+        )
+
+
+@dataclass(kw_only=True)
+class StepCounters:
+    """Per-step counts, one row of `RankRecord.counters`."""
+
+    micro_steps: int = 0
+    """Backward passes in this step (more than one under gradient accumulation)."""
+    ddp_forwards: int = 0
+    """Forward calls through the DDP wrapper in grad mode."""
+    bypass_forwards: int = 0
+    """Forward calls of the wrapped module in grad mode with no DDP forward around them."""
+    reentrant_checkpoints: int = 0
+    """Reentrant activation-checkpoint nodes found in the graph of DDP's outputs."""
+    synced_backwards: int = 0
+    """Backward passes that followed a forward with `require_backward_grad_sync=True`."""
+    complete: int = 1
+    """0 for the step a crash interrupted: its usage data is partial."""
+    optimizer_step: int = 0
+    """1 when the step ended with `optimizer.step()`."""
+    unpaired_forwards: int = 0
+    """Forward calls through the DDP wrapper in grad mode, with gradient sync on, that no backward followed before
+    the next one (an evaluation through DDP with autograd on, say)."""
+
+    collectives: int = 0
+    """The script's own `torch.distributed` collectives in this step (DDP's gradient all-reduces not included)."""
+    collective_digest: int = 0
+    """A running 31-bit digest of those collectives' op, dtype, shape, reduction and group size, in order
+    (`collectives.digest`): equal on ranks that issued the same sequence."""
+
+    scaler_scale: int = 0
+    """AMP GradScaler's scale at the step's `scaler.step()`, as float32 bits (`scalerprobe.encode`); 0: none."""
+    batch_size: int = 0
+    """The first dimension of the first input tensor of the step's first training forward (0: none seen)."""
+    batchnorm_training: int = 0
+    """How many of the model's BatchNorm layers (not SyncBatchNorm) were in training mode at that forward."""
+
+    FIELDS = (
+        "micro_steps",
+        "ddp_forwards",
+        "bypass_forwards",
+        "reentrant_checkpoints",
+        "synced_backwards",
+        "complete",
+        "optimizer_step",
+        "unpaired_forwards",
+        "collectives",
+        "collective_digest",
+        "scaler_scale",
+        "batch_size",
+        "batchnorm_training",
+    )
+
+    def as_list(self) -> list[int]:
+        return [getattr(self, f) for f in self.FIELDS]
+
+
+@dataclass(kw_only=True)
+class RankRecord:
+    """Everything one rank saw. S = observed steps, P = parameters, B = buffers.
+
+    Fingerprints are float64 pairs (see `fingerprint.py`); NaN marks "no gradient" (`grad is None`).
+    """
+
+    rank: int
+    used: torch.Tensor
+    """bool[S, P]: the parameter's grad was accumulated by autograd during the step (it reached the loss)."""
+    reachable: torch.Tensor
+    """bool[S, P]: the parameter is reachable from the autograd graph of DDP's forward outputs."""
+    trainable: torch.Tensor
+    """bool[S, P]: `requires_grad` at the end of the step."""
+    ran: torch.Tensor
+    """bool[S, P]: the module that owns the parameter ran in the step's forward (in a training forward, even under
+    `no_grad` or a checkpoint inside it): evidence that the script means to use it."""
+    grad_fp: torch.Tensor
+    """float64[S, P, 2]: gradient fingerprint as the optimizer saw it (NaN: no grad)."""
+    weight_fp: torch.Tensor
+    """float64[S + 1, P, 2]: weight fingerprint before step 0, then after each step."""
+    buffer_fp: torch.Tensor
+    """float64[S, B, 2]: buffer fingerprint at the first forward of the step, after DDP's buffer broadcast."""
+    input_fp: torch.Tensor
+    """float64[S, 2]: fingerprint of every tensor the wrapped module received during the step."""
+    timing: torch.Tensor
+    """float64[S, 3]: forward, backward and optimizer seconds."""
+    counters: torch.Tensor
+    """int64[S, len(StepCounters.FIELDS)]."""
+    crash_kind: int = 0
+    """Index into `CRASH_KINDS`."""
+    crash_step: int = -1
+    crash_message: str = ""
+    bypass_sites: list[str] = field(default_factory=list)
+    """`file:line` of user code that called the wrapped module directly."""
+    blocked_checkpoints: list[str] = field(default_factory=list)
+    """`file:line` of reentrant checkpoint calls (use_reentrant=True) none of whose inputs required grad: their
+    blocks get no gradient at all."""
+    loaders: list[dict[str, Any]] = field(default_factory=list)
+    """The DataLoaders iterated while observed (at most 4): batches per epoch, sampler kind, padding, epochs."""
+    repeat_sites: list[str] = field(default_factory=list)
+    """`step N: file:line` of each synced DDP forward after the first in a step."""
+    unpaired_sites: list[str] = field(default_factory=list)
+    """`step N: file:line` of synced DDP forwards in grad mode that no backward followed (see `unpaired_forwards`)."""
+    collective_log: list[str] = field(default_factory=list)
+    """The first script collectives of the observed steps (at most `MAX_COLLECTIVE_LOG`), as
+    `step N: all_reduce(float32[1], SUM)/2 at file:line`: what names a mismatch that the per-step digests reveal."""
+
+    TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "used",
+        "reachable",
+        "trainable",
+        "ran",
+        "grad_fp",
+        "weight_fp",
+        "buffer_fp",
+        "input_fp",
+        "timing",
+        "counters",
+    )
+    """The per-step tensor fields, in packing order."""
+
+    @property
+    def steps(self) -> int:
+        return int(self.used.shape[0])
+
+    def counter(self, name: str) -> torch.Tensor:
+        """The int64[S] column of one `StepCounters` field."""
+        return self.counters[:, StepCounters.FIELDS.index(name)]
+
+    @staticmethod
+    def empty(rank: int, n_params: int, n_buffers: int) -> RankRecord:
+        return RankRecord(
+            rank=rank,
+            used=torch.zeros(0, n_params, dtype=torch.bool),
+            reachable=torch.zeros(0, n_params, dtype=torch.bool),
+            trainable=torch.zeros(0, n_params, dtype=torch.bool),
+            ran=torch.zeros(0, n_params, dtype=torch.bool),
+            grad_fp=torch.zeros(0, n_params, 2, dtype=torch.float64),
+            weight_fp=torch.zeros(1, n_params, 2, dtype=torch.float64),
+            buffer_fp=torch.zeros(0, n_buffers, 2, dtype=torch.float64),
+            input_fp=torch.zeros(0, 2, dtype=torch.float64),
+            timing=torch.zeros(0, 3, dtype=torch.float64),
+            counters=torch.zeros(0, len(StepCounters.FIELDS), dtype=torch.int64),
+        )
+
+    # Packing: one float64 vector of a length that depends only on (S, P, B), so that every rank's vector
+    # has the same shape once S is agreed on. Steps a rank did not reach are padded and masked by `steps`.
+
+    @staticmethod
+    def _shapes(steps: int, n_params: int, n_buffers: int) -> dict[str, tuple[int, ...]]:
+        c = len(StepCounters.FIELDS)
+        shapes = {
+            "used": (steps, n_params),
+            "reachable": (steps, n_params),
+            "trainable": (steps, n_params),
+            "ran": (steps, n_params),
+            "grad_fp": (steps, n_params, 2),
+            "weight_fp": (steps + 1, n_params, 2),
+            "buffer_fp": (steps, n_buffers, 2),
+            "input_fp": (steps, 2),
+            "timing": (steps, 3),
+            "counters": (steps, c),
+        }
+        assert tuple(shapes) == RankRecord.TENSOR_FIELDS
+        return shapes
+
+    @staticmethod
+    def packed_size(steps: int, n_params: int, n_buffers: int) -> int:
+        """float64 numbers in a record of `steps` steps: what the all_gather exchange that the reductions of
+        `ddp_doctor.exchange` replaced sent from every rank to every rank (the scale benchmark's "before")."""
+        return sum(math.prod(s) for s in RankRecord._shapes(steps, n_params, n_buffers).values())
+
+    def meta(self) -> dict[str, Any]:
+        """The non-tensor part, exchanged as JSON."""
+        return {
+            "crash_kind": self.crash_kind,
+            "crash_step": self.crash_step,
+            "crash_message": self.crash_message,
+            "bypass_sites": self.bypass_sites,
+            "blocked_checkpoints": self.blocked_checkpoints,
+            "repeat_sites": self.repeat_sites,
+            "unpaired_sites": self.unpaired_sites,
+            "collective_log": self.collective_log,
+            "loaders": self.loaders,
+        }

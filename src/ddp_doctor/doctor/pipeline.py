@@ -1,0 +1,42 @@
+"""The pipeline after the observed steps: gather (the exchange) -> analyze (pure) -> the report object."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ddp_doctor.analyze import analyze_summary
+from ddp_doctor.core.records import ModelInfo, RankRecord
+from ddp_doctor.exchange.runner import exchange
+from ddp_doctor.report import Report
+
+__all__ = ["diagnose"]
+
+
+def diagnose(
+    record: RankRecord,
+    info: ModelInfo,
+    *,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    timeout: float,
+    tag: str,
+) -> Report:
+    """Reduce `record` with the other ranks of `group` (`gather.exchange`) and diagnose the group. Collective over `group`.
+
+    Args:
+        record: this rank's observations.
+        info: the model as this rank wrapped it.
+        group: the DDP model's process group (each DDP model is compared within its own group).
+        device: where the exchange's tensors live (`_collective.comm_device`).
+        timeout: seconds to wait for the other ranks to arrive.
+        tag: the exchange's name in the store, equal on every rank and unique per exchange.
+
+    Returns:
+        The `Report`, identical on every rank of `group`.
+    """
+    summary = exchange(record, info, timeout=timeout, tag=tag, device=device, group=group)
+    # Report.build only counts the ranks: a range stands for them at any world size.
+    return Report.build(
+        summary.info, range(summary.world), analyze_summary(summary), backend=str(dist.get_backend(group))
+    )

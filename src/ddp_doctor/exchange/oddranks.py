@@ -1,0 +1,174 @@
+"""Name the ranks whose copy of something differs, in all_reduces whose size does not grow with the world size.
+
+Part of the communication layer, with `_collective`: `replicas.compare_replicas` and `_collective.agree` use it once
+a first all_reduce(MAX) has shown that copies differ. Only all_reduce(SUM) and all_reduce(MAX) are issued. Every
+shape, and every decision to issue one more, comes from values already reduced, which are identical on every rank,
+so every rank issues the same sequence and none can be left waiting. Each carries at most one row (C numbers) per
+entry, and an entry takes part in at most ``3 * CANDIDATES + EXAMPLES`` of them, whatever the world size.
+
+1. The reference copy: the most common one, held by the lowest rank on a tie. The candidates are group rank 0's copy,
+   then the copy of the lowest rank that holds none of the candidates so far (so each candidate's owner is the lowest
+   rank holding it). A candidate's row reaches every rank through a SUM to which only its owner contributes (adding
+   zeros is exact), and a SUM counts the ranks holding it. Once the most common candidate is held by at least as
+   many ranks as hold no candidate at all, it is provably the reference: any other copy is held by at most that many
+   ranks, and its lowest holder is above every candidate's owner, so it loses a tie. After `CANDIDATES` candidates
+   without that proof, the most common candidate is taken and marked unproven (`Odd.proven`).
+2. The odd ranks, those whose copy differs from the reference: their count is the world size less the reference's
+   holders, and each round of MAX over ``-rank`` names the lowest one above those already named, up to `EXAMPLES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CANDIDATES", "EXAMPLES", "Named", "Odd", "name_flagged", "odd_ranks", "pick", "say_ranks"]
+
+EXAMPLES = 8
+"""How many ranks are named; the others are counted."""
+
+CANDIDATES = 4
+"""How many copies are compared as the reference before the most common of them is taken unproven."""
+
+
+@dataclass(frozen=True, slots=True)
+class Named:
+    """Some ranks of a group: the lowest of them, and how many more there are."""
+
+    examples: list[int]
+    """The lowest ones (group ranks, ascending); all of them when `more` is 0."""
+    more: int
+    """How many further ranks there are."""
+
+
+@dataclass(frozen=True, slots=True)
+class Odd:
+    """One entry's reference copy and the ranks whose copy differs from it."""
+
+    reference: int
+    """The group rank holding the reference copy (the most common one, lowest rank on a tie, when `proven`)."""
+    holders: int
+    """How many ranks hold the reference copy."""
+    proven: bool
+    """False when `CANDIDATES` copies were compared without proving one of them the most common: `reference`
+    then holds the most common of those, and some other copy may be more common."""
+    odd: Named
+    """The ranks whose copy differs from the reference's."""
+
+
+def say_ranks(ranks: Sequence[int], more: int = 0, *, prefix: str = "rank(s)") -> str:
+    """``"rank(s) [3, 17]"`` when every rank is listed, ``"ranks 3, 17, 250 and 41 others"`` when some are counted."""
+    if not more:
+        return f"{prefix} {list(ranks)}"
+    return f"ranks {', '.join(map(str, ranks))} and {more} other{'s' if more > 1 else ''}"
+
+
+def _reduce(
+    values: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None, device: torch.device
+) -> torch.Tensor:
+    """all_reduce of a tensor the caller built for it (it may be reduced in place); the result on CPU."""
+    out = values.to(device)
+    dist.all_reduce(out, op=op, group=group)
+    return out.cpu()
+
+
+def _lowest(mask: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
+    """int64[N]: per entry, the lowest group rank whose `mask` is set (some rank must set it). One all_reduce(MAX)."""
+    # The MAX of -rank; -world is below every rank's value, so ranks that do not set the mask never win.
+    values = torch.full(mask.shape, -float(dist.get_world_size(group)), dtype=torch.float64)
+    values[mask] = -float(dist.get_rank(group))
+    return (-_reduce(values, dist.ReduceOp.MAX, group, device)).to(torch.int64)
+
+
+def pick(
+    rows: torch.Tensor, owners: torch.Tensor, *, group: dist.ProcessGroup | None, device: torch.device
+) -> torch.Tensor:
+    """Row ``i`` of group rank ``owners[i]``'s `rows`, on every rank. Collective: one all_reduce(SUM).
+
+    Args:
+        rows: float64[N, C], this rank's rows (finite); `N` and `C` equal on every rank.
+        owners: int64[N], the same on every rank.
+    """
+    mine = (owners == dist.get_rank(group)).unsqueeze(1)
+    return _reduce(torch.where(mine, rows, torch.zeros_like(rows)), dist.ReduceOp.SUM, group, device)
+
+
+def name_flagged(
+    flags: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    limit: int = EXAMPLES,
+    counts: torch.Tensor | None = None,
+) -> list[Named]:
+    """For each entry, the lowest `limit` group ranks whose flag is set, and how many more. Collective.
+
+    Args:
+        flags: bool[N], this rank's flag per entry; `N` equal on every rank.
+        limit: how many ranks to name per entry.
+        counts: int64[N], how many ranks set each flag, when the caller knows it (identical on every rank);
+            otherwise one all_reduce(SUM) counts them.
+
+    Returns:
+        One `Named` per entry, identical on every rank, after at most `limit` rounds of all_reduce(MAX).
+    """
+    me = dist.get_rank(group)
+    if counts is None:
+        counts = _reduce(flags.to(torch.float64), dist.ReduceOp.SUM, group, device)
+    totals = [int(c) for c in counts.tolist()]
+    found: list[list[int]] = [[] for _ in totals]
+    while todo := [i for i, c in enumerate(totals) if len(found[i]) < min(c, limit)]:
+        above = torch.tensor([found[i][-1] if found[i] else -1 for i in todo])
+        lowest = _lowest(flags[todo] & (above < me), group, device)  # the lowest flagged rank not named yet
+        for i, r in zip(todo, lowest.tolist()):
+            found[i].append(r)
+    return [Named(examples=f, more=c - len(f)) for f, c in zip(found, totals)]
+
+
+def odd_ranks(
+    rows: torch.Tensor, *, group: dist.ProcessGroup | None, device: torch.device, limit: int = EXAMPLES
+) -> list[Odd]:
+    """For each entry whose copies differ somewhere, its reference copy and the ranks that differ from it.
+
+    Collective. The reference is the most common copy (the lowest rank's on a tie) whenever that can be proven
+    from `CANDIDATES` copies; see the module docstring.
+
+    Args:
+        rows: float64[N, C], this rank's copy of each entry (finite; compared exactly); `N` and `C` equal on every
+            rank, and each entry known to differ on some rank (as a reduced maximum and minimum show).
+        limit: how many odd ranks to name per entry.
+
+    Returns:
+        One `Odd` per entry (group ranks), identical on every rank.
+    """
+    world = dist.get_world_size(group)
+    n = rows.shape[0]
+    copies = torch.zeros(n, CANDIDATES, rows.shape[1], dtype=rows.dtype)
+    owners = torch.zeros(n, CANDIDATES, dtype=torch.int64)
+    holders = torch.zeros(n, CANDIDATES, dtype=torch.int64)
+    unmatched = torch.ones(n, dtype=torch.bool)  # this rank holds none of the candidates so far
+    todo = torch.arange(n)  # entries whose reference is not proven yet
+    for j in range(CANDIDATES):
+        if j:  # the next owner: the lowest rank holding none of the candidates (some rank does, or it is proven)
+            owners[todo, j] = _lowest(unmatched[todo], group, device)
+        copies[todo, j] = pick(rows[todo], owners[todo, j], group=group, device=device)
+        same = (rows[todo] == copies[todo, j]).all(1)
+        unmatched[todo] = unmatched[todo] & ~same
+        holders[todo, j] = _reduce(same.to(torch.float64), dist.ReduceOp.SUM, group, device).to(torch.int64)
+        rest = world - holders[todo].sum(1)  # ranks holding no candidate
+        todo = todo[holders[todo].max(1).values < rest]
+        if not len(todo):
+            break
+    best = holders.argmax(1)  # the first of the most common: the lowest owner
+    every = torch.arange(n)
+    reference, count = owners[every, best], holders[every, best]
+    differs = (rows != copies[every, best]).any(1)
+    named = name_flagged(differs, group=group, device=device, limit=limit, counts=world - count)
+    unproven = set(todo.tolist())
+    return [
+        Odd(reference=int(reference[i]), holders=int(count[i]), proven=i not in unproven, odd=named[i])
+        for i in range(n)
+    ]

@@ -1,0 +1,138 @@
+"""Backward-side hooks: which parameters got a gradient, when the backward pass ends, and the optimizer's step.
+
+Each hook writes one local fact into the step in progress. Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ddp_doctor.core.phase import Phase
+from ddp_doctor.observation.fingerprint import fingerprints
+from ddp_doctor.observation.hooks import Hook, tensors_in
+from ddp_doctor.observation.target import Target
+from ddp_doctor.observation.timeline import Timeline
+
+__all__ = ["BackwardHooks"]
+
+
+class BackwardHooks:
+    """Gradients, the end of each backward pass, and the optimizer step that closes a step."""
+
+    def __init__(self, target: Target, timeline: Timeline) -> None:
+        self._t = target
+        self._timeline = timeline
+        self._hooked: set[int] = set()
+        self._handles: list[Any] = []
+        self._backward_pending = False
+
+    def attach(self) -> None:
+        """Register the optimizer hooks and the gradient hooks of the parameters that require grad now."""
+        t = self._t
+        if t.auto_optimizer:
+            # The launcher does not know the script's optimizer: adopt the first one whose step() updates this
+            # model's parameters (an Accelerate or Lightning wrapper calls the torch optimizer's step inside).
+            self._handles += [
+                register_optimizer_step_pre_hook(self._on_any_optimizer_pre),
+                register_optimizer_step_post_hook(self._on_any_optimizer_post),
+            ]
+        elif t.optimizer is not None:
+            self._handles += [
+                t.optimizer.register_step_pre_hook(Hook(self._on_optimizer_pre)),
+                t.optimizer.register_step_post_hook(Hook(self._on_optimizer_post)),
+            ]
+        self.hook_new_trainable()
+
+    def detach(self) -> None:
+        """Remove every hook."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._hooked.clear()
+
+    def hook_new_trainable(self) -> None:
+        """Hook every parameter that requires grad now; parameters unfrozen later are hooked at the next step."""
+        for i, p in enumerate(self._t.params):
+            if p.requires_grad and i not in self._hooked:
+                self._handles.append(p.register_post_accumulate_grad_hook(Hook(self._grad_hook(i))))
+                self._hooked.add(i)
+
+    def _grad_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        timeline = self._timeline
+
+        def hook(_: torch.Tensor) -> None:
+            timeline.state.used[i] = 1  # read the state at call time: it is replaced when a step closes
+
+        return hook
+
+    def hook_outputs(self, output: Any) -> None:
+        """Watch a training forward's outputs for the start of their backward pass."""
+        # The first gradient to reach an output marks the start of this forward's backward pass; from there we
+        # queue a callback for its end. Hooking outputs (not parameters) keeps the callback on the outer graph
+        # task even when reentrant checkpointing runs nested backward passes.
+        for t in tensors_in(output):
+            if t.requires_grad:
+                t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, _grad: torch.Tensor) -> None:
+        self._timeline.open_forward = None
+        if not self._backward_pending and self._timeline.attached:
+            self._backward_pending = True
+            self._timeline.phase = Phase.BACKWARD
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward_queued)
+
+    def _after_backward_queued(self) -> None:
+        # DDP queues its finalize callback during the backward pass, after ours; queueing again runs us after it,
+        # when the reduced gradients are in `.grad`.
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._backward_pending = False
+        tl = self._timeline
+        if not tl.attached:
+            return
+        step = tl.state
+        step.counters.micro_steps += 1
+        tl.clock.backward_end = time.perf_counter()
+        step.t_backward += tl.clock.backward_end - tl.clock.last_forward_end
+        tl.phase = Phase.AFTER_BACKWARD
+        if tl.sync_forward:
+            step.counters.synced_backwards += 1
+            # The grads the optimizer will use: taken here rather than in the optimizer's pre-hook because a
+            # closure-based step (Lightning) runs forward and backward inside optimizer.step().
+            step.grad_fp = fingerprints(p.grad for p in self._t.params)
+            if self._t.optimizer is None and not self._t.auto_optimizer:
+                tl.close()
+            else:
+                # Normally optimizer.step() closes the step. If the next forward comes first (no optimizer found
+                # yet, or GradScaler skipped the step), that forward closes it.
+                tl.pending_close = True
+
+    def _on_any_optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._t.optimizer is None and self._t.steps_params(opt):
+            self._t.optimizer = opt
+        if opt is self._t.optimizer:
+            self._on_optimizer_pre(opt, args, kwargs)
+
+    def _on_any_optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if opt is self._t.optimizer:
+            self._on_optimizer_post(opt, args, kwargs)
+
+    def _on_optimizer_pre(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        tl = self._timeline
+        if tl.state.grad_fp is None:
+            tl.state.grad_fp = fingerprints(p.grad for p in self._t.params)
+        tl.clock.optimizer_start = time.perf_counter()
+        tl.phase = Phase.OPTIMIZER
+
+    def _on_optimizer_post(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        tl = self._timeline
+        now = time.perf_counter()
+        tl.state.t_optimizer += now - max(tl.clock.optimizer_start, tl.clock.backward_end)
+        tl.state.counters.optimizer_step = 1
+        tl.close()

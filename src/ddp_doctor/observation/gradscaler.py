@@ -1,0 +1,69 @@
+"""The loss scale of AMP's GradScaler at each `scaler.step(optimizer)` (local facts only).
+
+Ranks whose gradients are synchronized see the same infs and NaNs, so their scalers skip the same steps and keep the
+same scale. A scale that differs across ranks means the ranks skip different optimizer steps, and the replicas
+drift apart. `GradScaler.step` is wrapped once, process-wide; each call's scale is passed to whoever listens.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ddp_doctor.observation.hooks import ListenerList
+
+__all__ = ["decode", "encode", "listen"]
+
+Listener = Callable[[float], None]
+_listeners: ListenerList[Listener] = ListenerList()
+_installed = False
+
+
+def encode(scale: float) -> int:
+    """The scale as the bits of a float32 (an int that a record's int64 counters carry exactly; 0 = no scaler)."""
+    return struct.unpack("<i", struct.pack("<f", scale))[0]
+
+
+def decode(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", int(bits)))[0]
+
+
+def _scaler_classes() -> list[type]:
+    found = []
+    for path in ("amp", "cuda.amp"):
+        module: Any = torch
+        for part in path.split("."):
+            module = getattr(module, part, None)
+        cls = getattr(module, "GradScaler", None)
+        if isinstance(cls, type) and "step" in cls.__dict__:
+            found.append(cls)
+    return found
+
+
+def _install() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    for cls in _scaler_classes():
+        original = cls.step
+
+        @functools.wraps(original)
+        def step(self: Any, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
+            if _listeners and self.is_enabled() and getattr(self, "_scale", None) is not None:
+                scale = float(self.get_scale())
+                for listener in _listeners:
+                    listener(scale)
+            return __original(self, *args, **kwargs)
+
+        cls.step = step
+
+
+def listen(listener: Listener) -> Callable[[], None]:
+    """Pass the scale of each `GradScaler.step` call to `listener`; returns the function that stops it."""
+    _install()
+    return _listeners.add(listener)

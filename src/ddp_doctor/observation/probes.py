@@ -1,0 +1,64 @@
+"""The process-wide probes an observing doctor listens to while attached: reentrant checkpoint calls, DataLoader
+iterations, GradScaler steps and the script's own collectives (each probe wraps a torch function once per process;
+see `reentrant`, `dataloaders`, `gradscaler` and `collectives`). Also silences torch's warning about global hooks
+around a compiled module while observing."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from ddp_doctor.core.frames import user_site
+from ddp_doctor.observation import collectives, dataloaders, gradscaler, reentrant
+from ddp_doctor.observation.collectives import Call
+from ddp_doctor.observation.forward import ForwardHooks
+from ddp_doctor.observation.steplog import StepLog
+from ddp_doctor.observation.timeline import Timeline
+
+__all__ = ["Probes"]
+
+_COMPILE_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+
+
+class Probes:
+    """Starts and stops one doctor's process-wide listeners."""
+
+    def __init__(self, timeline: Timeline, log: StepLog, forward: ForwardHooks) -> None:
+        self._timeline = timeline
+        self._log = log
+        self._forward = forward
+        self._stops: list[Callable[[], None]] = []
+        self._warning_filter: tuple[Any, ...] | None = None
+
+    def start(self) -> None:
+        # torch warns at every forward of a DDP around a torch.compile'd module while global module hooks exist.
+        # Ours are read-only observers that ignore the OptimizedModule's extra call (it owns no parameters and
+        # runs inside DDP's forward); the warning would only alarm the user, so it is silenced while observing.
+        warnings.filterwarnings("ignore", message=_COMPILE_HOOK_WARNING, category=UserWarning)
+        self._warning_filter = warnings.filters[0]
+        self._stops = [
+            reentrant.listen(self._forward.on_checkpoint),
+            dataloaders.listen(self._log.note_loader),
+            gradscaler.listen(self.on_scaler_step),
+            collectives.listen(self.on_collective),
+        ]
+
+    def stop(self) -> None:
+        for stop in self._stops:
+            stop()
+        self._stops.clear()
+        if self._warning_filter is not None and self._warning_filter in warnings.filters:
+            warnings.filters.remove(self._warning_filter)
+            self._warning_filter = None
+
+    def on_collective(self, call: Call) -> None:
+        """The script entered a collective: part of the step in progress (while steps are observed)."""
+        # The same call on another doctor's model counts there too: a script's collectives belong to the rank.
+        if self._timeline.attached:
+            self._log.note_collective(self._timeline.state, call, user_site())
+
+    def on_scaler_step(self, scale: float) -> None:
+        """`GradScaler.step` with this loss scale, in the step in progress."""
+        if self._timeline.attached:
+            self._timeline.state.counters.scaler_scale = gradscaler.encode(scale)

@@ -1,0 +1,143 @@
+"""The per-step log of one rank: the step in progress, and the closed steps that become its `RankRecord`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ddp_doctor.core.records import RankRecord, StepCounters
+from ddp_doctor.observation.collectives import Call, digest
+from ddp_doctor.observation.fingerprint import fingerprints
+
+__all__ = ["MAX_COLLECTIVE_LOG", "MAX_LOADERS", "MAX_SITES", "StepLog", "StepState"]
+
+MAX_SITES = 4
+"""At most this many call sites of each kind are kept (the first ones)."""
+MAX_LOADERS = 4
+MAX_COLLECTIVE_LOG = 64
+"""At most this many of the script's collectives are logged by name (every one is counted in the digests)."""
+
+
+class StepState:
+    """What the hooks have seen of the step in progress."""
+
+    def __init__(self, n_params: int) -> None:
+        self.used = bytearray(n_params)
+        self.reachable = bytearray(n_params)
+        self.ran = bytearray(n_params)
+        self.counters = StepCounters(complete=1)
+        self.input_fp = torch.zeros(2, dtype=torch.float64)
+        self.buffer_fp: torch.Tensor | None = None
+        self.grad_fp: torch.Tensor | None = None
+        self.started = False
+        self.t_forward = 0.0
+        self.t_backward = 0.0
+        self.t_optimizer = 0.0
+
+    @property
+    def active(self) -> bool:
+        """Something of this step happened (a forward started, or a gradient arrived)."""
+        return self.started or any(self.used)
+
+
+class StepLog:
+    """The closed steps of one rank, one row per `RankRecord` tensor field and step.
+
+    Args:
+        params: the model's parameters, in `named_parameters()` order.
+        buffers: the model's buffers, in `named_buffers()` order.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Sequence[torch.Tensor]) -> None:
+        self._params = list(params)
+        self._buffers = list(buffers)
+        self._rows: dict[str, list[torch.Tensor]] = {k: [] for k in RankRecord.TENSOR_FIELDS}
+        self._rows["weight_fp"].append(fingerprints(self._params))  # before step 0
+        self.bypass_sites: list[str] = []
+        """`file:line` of user code that called the wrapped module directly."""
+        self.blocked_checkpoints: list[str] = []
+        """`file:line` of reentrant checkpoint calls with no grad-requiring input."""
+        self.repeat_sites: list[str] = []
+        """`step N: file:line` of each synced DDP forward after the first in a step."""
+        self.unpaired_sites: list[str] = []
+        """`step N: file:line` of synced DDP forwards in grad mode that no backward followed."""
+        self.collective_log: list[str] = []
+        """The first script collectives, `step N: all_reduce(float32[1])/2 at file:line`."""
+        self.loaders: list[dict[str, Any]] = []
+        """The DataLoaders iterated while observed (at most `MAX_LOADERS`)."""
+
+    @property
+    def steps(self) -> int:
+        """Closed steps so far."""
+        return len(self._rows["used"])
+
+    def close(self, step: StepState, *, complete: bool) -> None:
+        """Append `step` (whose counters say whether it ran to the end) and the weights after it."""
+        n = len(self._params)
+        step.counters.complete = int(complete)
+        rows = self._rows
+        rows["used"].append(torch.tensor(list(step.used), dtype=torch.bool))
+        rows["reachable"].append(torch.tensor(list(step.reachable), dtype=torch.bool))
+        rows["ran"].append(torch.tensor(list(step.ran), dtype=torch.bool))
+        rows["trainable"].append(torch.tensor([p.requires_grad for p in self._params], dtype=torch.bool))
+        rows["grad_fp"].append(
+            step.grad_fp if step.grad_fp is not None else torch.full((n, 2), float("nan"), dtype=torch.float64)
+        )
+        rows["weight_fp"].append(fingerprints(self._params))
+        rows["buffer_fp"].append(
+            step.buffer_fp
+            if step.buffer_fp is not None
+            else torch.full((len(self._buffers), 2), float("nan"), dtype=torch.float64)
+        )
+        rows["input_fp"].append(step.input_fp)
+        rows["timing"].append(torch.tensor([step.t_forward, step.t_backward, step.t_optimizer], dtype=torch.float64))
+        rows["counters"].append(torch.tensor(step.counters.as_list(), dtype=torch.int64))
+
+    def missing(self, names: list[str], limit: int) -> list[str]:
+        """Names of the parameters trainable at the end of the last closed step that got no gradient in it."""
+        if not self._rows["used"]:
+            return []
+        used, trainable = self._rows["used"][-1], self._rows["trainable"][-1]
+        return [n for n, u, t in zip(names, used.tolist(), trainable.tolist()) if t and not u][:limit]
+
+    def note_site(self, sites: list[str], site: str | None) -> None:
+        """Add `site` to one of the site lists, once, and at most `MAX_SITES` of them."""
+        if site and site not in sites and len(sites) < MAX_SITES:
+            sites.append(site)
+
+    def note_loader(self, info: dict[str, Any]) -> None:
+        """A DataLoader started iterating: a new loader, or a new epoch of a known one."""
+        # The first loader iterated while observed is the training loader in the usual loop; later starts of the
+        # same loader are new epochs.
+        known = next((d for d in self.loaders if d["id"] == info["id"]), None)
+        if known is not None:
+            known["epochs_started"] += 1
+            known["epochs_seen"].append(info.get("epoch"))
+        elif len(self.loaders) < MAX_LOADERS:
+            self.loaders.append(
+                {**info, "epochs_started": 1, "epochs_seen": [info.get("epoch")], "first_step": self.steps}
+            )
+
+    def note_collective(self, step: StepState, call: Call, site: str | None) -> None:
+        """The script entered `call` during `step`: count it, fold it into the step's digest, log it by name."""
+        step.counters.collectives += 1
+        step.counters.collective_digest = digest(step.counters.collective_digest, call)
+        if len(self.collective_log) < MAX_COLLECTIVE_LOG:
+            self.collective_log.append(f"step {self.steps}: {call.signature()} at {site or 'an unknown place'}")
+
+    def record(self, rank: int) -> RankRecord:
+        """The closed steps and the sites seen, as a `RankRecord` (without the crash, which the caller stamps)."""
+        if not self._rows["used"]:
+            record = RankRecord.empty(rank, len(self._params), len(self._buffers))
+            record.weight_fp = self._rows["weight_fp"][0].unsqueeze(0)
+        else:
+            record = RankRecord(rank=rank, **{k: torch.stack(v) for k, v in self._rows.items()})
+        record.bypass_sites = list(self.bypass_sites)
+        record.blocked_checkpoints = list(self.blocked_checkpoints)
+        record.repeat_sites = list(self.repeat_sites)
+        record.unpaired_sites = list(self.unpaired_sites)
+        record.collective_log = list(self.collective_log)
+        record.loaders = [{k: v for k, v in d.items() if k != "id"} for d in self.loaders]
+        return record

@@ -1,0 +1,53 @@
+"""The observed model as the hooks see it: its parameters by position, and which modules own which."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_doctor.observation.wrapstate import is_local_batchnorm
+
+__all__ = ["Target"]
+
+
+@dataclass(kw_only=True)
+class Target:
+    """A DDP model and the optimizer that closes its steps."""
+
+    ddp: DistributedDataParallel
+    optimizer: torch.optim.Optimizer | None
+    """Given, or adopted at its first step when `auto_optimizer` (None until then)."""
+    auto_optimizer: bool
+    module: torch.nn.Module = field(init=False)
+    names: list[str] = field(init=False)
+    params: list[torch.nn.Parameter] = field(init=False)
+    buffers: list[torch.Tensor] = field(init=False)
+    index: dict[int, int] = field(init=False)
+    """`id(parameter)` -> its position."""
+    owned: dict[int, list[int]] = field(init=False)
+    """`id(module)` -> the positions of the module's own (direct) parameters: a module that runs is evidence its
+    parameters are meant to be used."""
+    submodules: set[int] = field(init=False)
+    batchnorm: list[torch.nn.Module] = field(init=False)
+    """The BatchNorm layers that normalize over this rank's batch alone (not SyncBatchNorm)."""
+
+    def __post_init__(self) -> None:
+        self.module = self.ddp.module
+        named = list(self.module.named_parameters())
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.buffers = [b for _, b in self.module.named_buffers()]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.submodules = {id(m) for m in self.module.modules()}
+        self.batchnorm = [m for m in self.module.modules() if is_local_batchnorm(m)]
+        self.owned = {}
+        for m in self.module.modules():
+            owned = [self.index[id(q)] for q in m.parameters(recurse=False) if id(q) in self.index]
+            if owned:
+                self.owned[id(m)] = owned
+
+    def steps_params(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether `opt` updates any of the model's parameters."""
+        return any(id(p) in self.index for g in opt.param_groups for p in g["params"])

@@ -1,0 +1,84 @@
+"""The step in progress: its phase, when it opens and closes, and the times of its parts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ddp_doctor.core.phase import Phase
+from ddp_doctor.observation.steplog import StepLog, StepState
+
+__all__ = ["Clock", "Timeline"]
+
+
+@dataclass(slots=True)
+class Clock:
+    """`time.perf_counter()` marks within a step, from which its forward, backward and optimizer times are cut."""
+
+    forward_start: float = 0.0
+    last_forward_end: float = 0.0
+    backward_end: float = 0.0
+    optimizer_start: float = 0.0
+
+
+@dataclass(kw_only=True)
+class Timeline:
+    """Opens and closes steps, and says where the rank is (`phase`).
+
+    A step is what the user thinks of as one: it closes at `optimizer.step()` (or, with no optimizer, after each
+    synced backward), so gradient accumulation is one step of several micro-steps. It is written to `log` when it
+    closes; after `max_steps` steps `on_done` is called (it removes the hooks).
+    """
+
+    log: StepLog
+    params: list[torch.nn.Parameter]
+    max_steps: int | None
+    on_new_step: Callable[[], None]
+    """Called when a step opens (hooks parameters unfrozen since the last one)."""
+    on_done: Callable[[], None]
+    on_phase: Callable[[], None]
+    """Called at every phase change."""
+    state: StepState = field(init=False)
+    clock: Clock = field(default_factory=Clock)
+    pending_close: bool = False
+    """A synced backward ended and the optimizer step that closes the step has not come yet."""
+    attached: bool = False
+    """The hooks are on: steps are being observed."""
+    sync_forward: bool = True
+    """The last training forward ran with `require_backward_grad_sync`: its backward is synced by DDP."""
+    open_forward: str | None = None
+    """Where the last synced DDP forward in grad mode was called, until a backward pass starts (then None)."""
+    _phase: Phase = Phase.BEFORE_FIRST_STEP
+
+    def __post_init__(self) -> None:
+        self.state = StepState(len(self.params))
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: Phase) -> None:
+        self._phase = value
+        self.on_phase()
+
+    def begin_if_needed(self) -> None:
+        if not self.state.started:
+            self.state.started = True
+            self.on_new_step()
+
+    def close_pending(self) -> None:
+        """Close the step whose synced backward ended, if the optimizer step never came to close it."""
+        if self.pending_close and self.attached:
+            self.close()
+
+    def close(self, *, complete: bool = True) -> None:
+        """Write the step in progress to the log and open a fresh one."""
+        self.log.close(self.state, complete=complete)
+        self.state = StepState(len(self.params))
+        self.pending_close = False
+        self.phase = Phase.BETWEEN_STEPS
+        if complete and self.max_steps is not None and self.log.steps >= self.max_steps:
+            self.on_done()
