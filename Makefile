@@ -10,7 +10,7 @@ $(BIN)/ddp-doctor: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 
-.PHONY: demo test test-torch test-transformers4 bench browser
+.PHONY: demo test lint test-torch test-transformers4 bench browser
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 demo: $(BIN)/ddp-doctor
 	$(BIN)/ddp-doctor demo
@@ -20,8 +20,13 @@ browser:
 	@command -v chromium >/dev/null || { echo "installing Debian's chromium for the HTML tests"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium >/dev/null; }
 
-# Corner A: the whole suite on the pinned torch 2.13.0 / the machine's Python, integrations included.
-test: $(BIN)/ddp-doctor browser
+# ruff: lint and the format check (CI fails on either).
+lint: $(BIN)/ddp-doctor
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+
+# Corner A: lint, then the whole suite on the pinned torch 2.13.0 / the machine's Python, integrations included.
+test: lint browser
 	$(BIN)/python -m pytest -q
 
 # Any torch / Python pair, in .venv-torch$(TORCH)-py$(PYTHON): the core suite (everything but the framework
