@@ -33,7 +33,7 @@ from ddp_doctor.core import log as _log
 from ddp_doctor.core.compat import parameters_to_ignore
 from ddp_doctor.core.errors import GuardError, InvalidArgumentError
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.exchange.oddranks import say_ranks
+from ddp_doctor.core.ranks import named_ranks
 from ddp_doctor.exchange.primitives import agree, comm_device, layout_hash
 from ddp_doctor.fixes.guard.bypass import BypassWatch
 from ddp_doctor.fixes.guard.compare import EXPLICIT, ReplicaCheck
@@ -166,7 +166,16 @@ class Guard:
         self._replicas = ReplicaCheck(
             ddp_model, names, self._params, buffer_names, self._group, self._device, self._data
         )
-        self._hooks = Hooks(self)
+        self._hooks = Hooks(
+            self,
+            bypass=self._bypass,
+            flips=self._flips,
+            replicas=self._replicas,
+            reporter=self._reporter,
+            params=self._params,
+            rank=self._rank,
+            check=self._check,
+        )
         self._hooks.attach(ddp_model, self._module, optimizer)
         setattr(ddp_model, GUARD_ATTR, self)
         try:
@@ -298,7 +307,7 @@ class Guard:
                 logger.warning(
                     "ddp-doctor guard: turned off on every rank after an internal error on %s; "
                     "training continues unguarded.",
-                    say_ranks(comparison.failed_ranks, comparison.more_failed),
+                    named_ranks(comparison.failed_ranks, comparison.more_failed),
                 )
             self._detach()
             return []

@@ -21,7 +21,11 @@ from ddp_doctor.fixes.guard.problems import LOGGER_NAME
 from ddp_doctor.observation.hooks import Hook
 
 if TYPE_CHECKING:
+    from ddp_doctor.fixes.guard.bypass import BypassWatch
+    from ddp_doctor.fixes.guard.compare import ReplicaCheck
     from ddp_doctor.fixes.guard.facade import Guard
+    from ddp_doctor.fixes.guard.flips import FlipWatch
+    from ddp_doctor.fixes.guard.problems import Reporter
 
 __all__ = ["Hooks"]
 
@@ -31,8 +35,27 @@ logger = logging.getLogger(LOGGER_NAME)
 class Hooks:
     """Registers the guard's hooks and turns events into checks. Holds the per-step event state."""
 
-    def __init__(self, guard: Guard) -> None:
+    def __init__(
+        self,
+        guard: Guard,
+        *,
+        bypass: BypassWatch,
+        flips: FlipWatch,
+        replicas: ReplicaCheck,
+        reporter: Reporter,
+        params: list[torch.nn.Parameter],
+        rank: int,
+        check: Callable[[str], Any],
+    ) -> None:
         self._g = guard
+        """Read and advanced through its public attributes only: `steps`, `every`, `active`."""
+        self._bypass, self._flips, self._replicas, self._reporter = bypass, flips, replicas, reporter
+        self._params, self._rank = params, rank
+        self._check = check
+        """Compares the replicas now (the guard's scheduled check), with the reason in words."""
+        self._ddp: DistributedDataParallel | None = None
+        self._stepper = False
+        """The guard was given the optimizer: a step is its `step()`, not a synchronizing forward."""
         self.depth = 0
         """How many DDP forwards are running now (a module call at depth 0 bypasses DDP)."""
         self.ddp_forwards = 0
@@ -45,15 +68,17 @@ class Hooks:
     def attach(
         self, ddp: DistributedDataParallel, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> None:
+        self._stepper = optimizer is not None
         self.attach_ddp(ddp)
         self._handles.append(module.register_forward_pre_hook(Hook(self.on_module_forward_pre)))
         self._handles.append(module.register_state_dict_pre_hook(Hook(self.on_state_dict)))
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(Hook(self.on_optimizer_pre)))
             self._handles.append(optimizer.register_step_post_hook(Hook(self.on_optimizer_step)))
-        self._g._bypass.arm(self.on_any_module_forward_pre)
+        self._bypass.arm(self.on_any_module_forward_pre)
 
     def attach_ddp(self, ddp: DistributedDataParallel) -> None:
+        self._ddp = ddp
         self._ddp_handles = [
             ddp.register_forward_pre_hook(Hook(self.on_ddp_forward_pre)),
             # always_call: the depth must come back down even when DDP's forward raises.
@@ -67,7 +92,7 @@ class Hooks:
         self.depth = 0
 
     def detach(self) -> None:
-        self._g._bypass.disarm()
+        self._bypass.disarm()
         self.detach_ddp()
         for h in self._handles:
             h.remove()
@@ -78,14 +103,14 @@ class Hooks:
     def _safely(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a local detector; an internal error turns the guard off instead of taking training down."""
         g = self._g
-        if not g.active or g._reporter.broken:
+        if not g.active or self._reporter.broken:
             return None
         try:
             return fn(*args)
         except GuardError:
             raise
         except Exception as exc:  # noqa: BLE001  (the guard must never take training down)
-            g._reporter.fail(exc)
+            self._reporter.fail(exc)
             return None
 
     def on_ddp_forward_pre(self, _module: torch.nn.Module, _args: Any) -> None:
@@ -93,58 +118,58 @@ class Hooks:
         self.depth += 1
         if torch.is_grad_enabled():
             self.ddp_forwards += 1
-            self._safely(g._flips.check, g.steps)
-            if g._optimizer is None and g._ddp.require_backward_grad_sync:
+            self._safely(self._flips.check, g.steps)
+            if not self._stepper and (self._ddp is not None and self._ddp.require_backward_grad_sync):
                 self._count_step()
 
     def on_ddp_forward(self, _module: torch.nn.Module, _args: Any, _output: Any) -> None:
         self.depth = max(0, self.depth - 1)
-        if self._g._optimizer is None and self._g._bypass.armed and torch.is_grad_enabled():
-            self._g._bypass.disarm()  # a healthy forward: from here the inner module's hook suffices
+        if not self._stepper and self._bypass.armed and torch.is_grad_enabled():
+            self._bypass.disarm()  # a healthy forward: from here the inner module's hook suffices
 
     def on_module_forward_pre(self, _module: torch.nn.Module, _args: Any) -> None:
         if self.depth == 0 and torch.is_grad_enabled():
-            self._safely(self._g._bypass.called_directly, user_site(), self._g.steps)
-            if self._g._optimizer is None:
+            self._safely(self._bypass.called_directly, user_site(), self._g.steps)
+            if not self._stepper:
                 self._count_step()
 
     def on_any_module_forward_pre(self, module: torch.nn.Module, _args: Any) -> None:
-        bypass = self._g._bypass
+        bypass = self._bypass
         if self.depth == 0 and id(module) in bypass.submodules and torch.is_grad_enabled():
             self._safely(bypass.called_directly, user_site(bypass.submodules), self._g.steps)
 
     def on_optimizer_pre(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if self.ddp_forwards == 0:
             g = self._g
-            self._safely(g._bypass.unsynced_step, g._params, g._flips.wrap_trainable, g.steps)
+            self._safely(self._bypass.unsynced_step, self._params, self._flips.wrap_trainable, g.steps)
 
     def on_optimizer_step(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         g = self._g
         g.steps += 1
-        if self.ddp_forwards and g._bypass.armed:
-            g._bypass.disarm()  # a healthy step: from here the O(1) check suffices
+        if self.ddp_forwards and self._bypass.armed:
+            self._bypass.disarm()  # a healthy step: from here the O(1) check suffices
         self.ddp_forwards = 0
         if g.active and due(g.steps, g.every):
-            g._check(f"step {g.steps}")
+            self._check(f"step {g.steps}")
 
     def _count_step(self) -> None:
         # Without an optimizer a step is a synchronizing forward; compare before the forward that starts step
         # k * every + 1, when the weights are those after k * every updates.
         g = self._g
         if g.active and due(g.steps, g.every):
-            g._check(f"step {g.steps}")
+            self._check(f"step {g.steps}")
         g.steps += 1
 
     def on_state_dict(self, *_args: Any, **_kwargs: Any) -> None:
         # Local only (state_dict() usually runs on rank 0 alone, so no collective here): it reports what the last
         # comparison already knows.
         g = self._g
-        diverged = g._replicas.diverged
+        diverged = self._replicas.diverged
         if diverged and g.active:
             _log.log_once(
                 logger,
                 logging.ERROR,
-                f"ddp-doctor guard (rank {g._rank}): saving a state_dict while the last comparison "
+                f"ddp-doctor guard (rank {self._rank}): saving a state_dict while the last comparison "
                 f"found the replicas different ({', '.join(diverged[:4])}). Every rank's copy is "
                 "not the same; call guard.before_save() on every rank before saving to see which.",
             )
