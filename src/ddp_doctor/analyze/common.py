@@ -7,9 +7,8 @@ import torch
 from ddp_doctor.analyze.snippets import flags_fix, freeze_point
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.exchange import Examples
 
-__all__ = ["all_ranks", "freeze_fix", "joined", "ranks_of", "steps_of", "with_flags", "with_more"]
+__all__ = ["all_ranks", "freeze_fix", "steps_of", "with_flags", "with_more"]
 
 
 def with_flags(v: View, **flags: bool) -> str:
@@ -34,16 +33,6 @@ def steps_of(mask: torch.Tensor) -> list[int]:
 def all_ranks(v: View) -> list[int]:
     """Every rank of the group (a finding every rank shows)."""
     return list(range(v.world))
-
-
-def joined(ranks: list[int], more: int) -> str:
-    """``0, 1`` (and ``and 41 others`` when the exchange named only examples)."""
-    return ", ".join(map(str, ranks)) + (f" and {more} other{'s' if more > 1 else ''}" if more else "")
-
-
-def ranks_of(examples: Examples) -> str:
-    """``rank 3`` / ``ranks 0, 1`` / ``ranks 0, 1, 2 and 41 others``: an `Examples` in words."""
-    return f"rank{'s' if examples.count > 1 else ''} {joined(examples.ranks, examples.more)}"
 
 
 def with_more(finding: Finding, more: int) -> Finding:

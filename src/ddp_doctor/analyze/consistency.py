@@ -4,10 +4,11 @@ the exchange's per-step maxima and minima show where the ranks differ, its bound
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.common import all_ranks, ranks_of
+from ddp_doctor.analyze.common import all_ranks
 from ddp_doctor.analyze.rules import count
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.ranks import other_ranks, rank_list
 from ddp_doctor.observation.gradscaler import decode
 
 __all__ = [
@@ -37,7 +38,7 @@ def synced_pass_mismatch(v: View) -> list[Finding]:
         Finding(
             code="collective-mismatch",
             severity="error",
-            title=f"{ranks_of(extra)} ran {most} synced backward passes in optimizer step {first}, {ranks_of(rest)} "
+            title=f"{rank_list(extra.ranks, more=extra.more)} ran {most} synced backward passes in optimizer step {first}, {rank_list(rest.ranks, more=rest.more)} "
             f"{least}",
             detail=f"In optimizer step {first}{where}, the ranks ran different numbers of backward passes through DDP "
             "with gradient sync on. Each synced backward issues DDP's gradient all-reduces, so the extra ones on "
@@ -82,10 +83,10 @@ def unpaired_forward_mismatch(v: View) -> list[Finding]:
         Finding(
             code="collective-mismatch",
             severity="error" if broadcasts else "warning",
-            title=f"{ranks_of(extra)} ran DDP's forward with autograd on and no backward{where} in step {first}; "
-            f"{ranks_of(rest)} did not",
-            detail=f"In step {first}, {ranks_of(extra)} called the DDP model in grad mode {most_by[first]} "
-            f"more time(s) than {ranks_of(rest)}, and no backward followed{where} (an evaluation through the DDP "
+            title=f"{rank_list(extra.ranks, more=extra.more)} ran DDP's forward with autograd on and no backward{where} in step {first}; "
+            f"{rank_list(rest.ranks, more=rest.more)} did not",
+            detail=f"In step {first}, {rank_list(extra.ranks, more=extra.more)} called the DDP model in grad mode {most_by[first]} "
+            f"more time(s) than {rank_list(rest.ranks, more=rest.more)}, and no backward followed{where} (an evaluation through the DDP "
             "wrapper, say). " + consequence + (f" Also in step(s) {bad[1:]}." if len(bad) > 1 else ""),
             params=[],
             ranks=extra.ranks,
@@ -138,7 +139,7 @@ def collective_sequence_mismatch(v: View) -> list[Finding]:
         Finding(
             code="collective-mismatch",
             severity="error",
-            title=f"the ranks issued different collectives in step {first} ({ranks_of(odd)} "
+            title=f"the ranks issued different collectives in step {first} ({rank_list(odd.ranks, more=odd.more)} "
             f"differ{'s' if odd.count == 1 else ''} from rank 0)",
             detail=f"In step {first} the script's own collectives were not the same on every rank: {where}. "
             + (
@@ -186,9 +187,7 @@ def grad_scaler_mismatch(v: View) -> list[Finding]:
         Finding(
             code="grad-scaler-mismatch",
             severity="warning",
-            title=f"GradScaler's scale differs across ranks at step {first} ({shown}"
-            + (f" and {more} other rank{'s' if more > 1 else ''}" if more else "")
-            + ")",
+            title=f"GradScaler's scale differs across ranks at step {first} ({shown}" + other_ranks(more) + ")",
             detail="With gradients synchronized by DDP, every rank sees the same infs and NaNs, so every rank's scaler "
             "skips the same steps and keeps the same scale. Here they differ: DDP averages gradients scaled by "
             "different factors and each rank divides the average by its own scale, so the ranks apply different "

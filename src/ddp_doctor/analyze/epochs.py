@@ -6,9 +6,9 @@ import itertools
 from typing import Any
 
 from ddp_doctor.analyze import rules
-from ddp_doctor.analyze.common import joined
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.ranks import rank_ranges
 
 __all__ = ["sampler_epoch_not_set", "uneven_inputs"]
 
@@ -26,7 +26,7 @@ def uneven_inputs(v: View) -> list[Finding]:
     if most != fewest:
         short = v.ranks("fewest-batches")
         shown = ", ".join(f"rank {r}: {c}" for r, c in enumerate(s.first_batches[:8]))
-        names = joined(short.ranks, short.more)
+        names = rank_ranges(short.ranks, more=short.more)
         sampler = _training_loader(v.meta(short.ranks[0])).get("sampler")
         return [
             rules.uneven_inputs(

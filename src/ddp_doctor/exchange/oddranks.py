@@ -19,11 +19,12 @@ entry, and an entry takes part in at most ``3 * CANDIDATES + EXAMPLES`` of them,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ddp_doctor.core.ranks import named_ranks
 
 __all__ = ["CANDIDATES", "EXAMPLES", "Named", "Odd", "name_flagged", "odd_ranks", "pick", "say_ranks"]
 
@@ -59,11 +60,9 @@ class Odd:
     """The ranks whose copy differs from the reference's."""
 
 
-def say_ranks(ranks: Sequence[int], more: int = 0, *, prefix: str = "rank(s)") -> str:
-    """``"rank(s) [3, 17]"`` when every rank is listed, ``"ranks 3, 17, 250 and 41 others"`` when some are counted."""
-    if not more:
-        return f"{prefix} {list(ranks)}"
-    return f"ranks {', '.join(map(str, ranks))} and {more} other{'s' if more > 1 else ''}"
+say_ranks = named_ranks
+"""The exchange's name for `ddp_doctor.core.ranks.named_ranks` (its callers here keep it): ``rank(s) [3, 17]`` when
+every rank is listed, ``ranks 3, 17, 250 and 41 others`` when some are counted."""
 
 
 def _reduce(

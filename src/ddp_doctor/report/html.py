@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from ddp_doctor.core.figures import STATE_HELP, STATES
 from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.ranks import rank_ranges
 
 if TYPE_CHECKING:  # the model calls these renderers; they only read it
     from ddp_doctor.report.model import Report
@@ -154,7 +155,8 @@ def _params(f: Finding) -> str:
 
 
 def _finding(f: Finding) -> str:
-    seen = f"<p><b>seen:</b> ranks {_e(f.ranks)}, steps {_e(f.steps)}</p>" if f.ranks or f.steps else ""
+    ranks = rank_ranges(f.ranks, more=f.more_ranks) if f.ranks else "none"
+    seen = f"<p><b>seen:</b> ranks {_e(ranks)}; steps {_e(f.steps)}</p>" if f.ranks or f.steps else ""
     return (
         f"<article class='finding {f.severity}' data-code='{_e(f.code)}'>"
         f"<h3><span class='sev'>{f.severity.upper()}</span><code>{_e(f.code)}</code> "
@@ -193,7 +195,7 @@ def _usage_caption(report: Report) -> str:
     )
     omitted = (
         f" {len(usage.ranks_omitted)} rank(s) with rarer patterns are not drawn: "
-        f"{_e(usage.ranks_omitted[:64])}{' ...' if len(usage.ranks_omitted) > 64 else ''}."
+        f"{_e(rank_ranges(usage.ranks_omitted, limit=64))}."
         if usage.ranks_omitted
         else ""
     )

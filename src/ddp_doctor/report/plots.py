@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from ddp_doctor.core.figures import NOTABLE, STATES, Divergence, UsageMap
+from ddp_doctor.core.ranks import rank_list
 
 __all__ = ["COLORS", "divergence_svg", "usage_map_svg"]
 
@@ -42,21 +43,6 @@ def _svg(fig: Any) -> str:
     plt.close(fig)
     svg = buffer.getvalue()
     return svg[svg.index("<svg") :]
-
-
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    runs: list[str] = []
-    start = prev = ranks[0]
-    for r in [*ranks[1:], None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        runs.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return f"ranks {', '.join(runs)}"
 
 
 def usage_map_svg(usage: UsageMap, severities: dict[str, str] | None = None) -> str:
@@ -97,7 +83,7 @@ def usage_map_svg(usage: UsageMap, severities: dict[str, str] | None = None) -> 
             for edge in module_edges:
                 ax.axhline(edge - 0.5, color="#333333", linewidth=1.0)
             ax.set_xlabel("step")
-            ax.set_title(_ranks(pattern.ranks), fontsize=9)
+            ax.set_title(rank_list(pattern.ranks), fontsize=9)
         first = axes[0][0]
         first.set_yticks(range(len(rows)), [r.name + (f" ({r.params} params)" if r.params > 1 else "") for r in rows])
         for label, row in zip(first.get_yticklabels(), rows):

@@ -10,7 +10,7 @@ import torch
 
 from ddp_doctor.analyze import rules
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.exchange.oddranks import say_ranks
+from ddp_doctor.core.ranks import named_ranks
 from ddp_doctor.exchange.replicas import Difference, Entry
 from ddp_doctor.fixes.guard.problems import Reporter
 from ddp_doctor.observation import dataloaders
@@ -62,10 +62,10 @@ class DataWatch:
         d = differences[0]
         return [
             rules.uneven_inputs(
-                title=f"{say_ranks(d.ranks, d.more_ranks, prefix='ranks')} have a different number of batches per epoch "
+                title=f"{named_ranks(d.ranks, d.more_ranks, prefix='ranks')} have a different number of batches per epoch "
                 f"than rank {d.reference_rank}",
                 cause=f"The training DataLoader gives rank {self._rank} {self.batches} batches per epoch, and "
-                f"{say_ranks(d.ranks, d.more_ranks)} a different number, so some rank runs out first while the "
+                f"{named_ranks(d.ranks, d.more_ranks)} a different number, so some rank runs out first while the "
                 "others still train",
                 ranks=sorted({d.reference_rank, *d.ranks}),
                 steps=[step],

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_doctor.core.errors import DoctorError, RankMismatchError, ReplicaDivergenceError
-from ddp_doctor.exchange.oddranks import say_ranks
+from ddp_doctor.core.ranks import named_ranks
 from ddp_doctor.exchange.primitives import agree, arrive, layout_hash
 from ddp_doctor.exchange.replicas import Entry, compare_replicas, describe
 
@@ -63,7 +63,7 @@ def agree_on_plan(
         if problem is not None:
             raise problem
         raise RankMismatchError(
-            f"refreeze() was rejected on {say_ranks(headers.failed, headers.more_failed)} (their error names the "
+            f"refreeze() was rejected on {named_ranks(headers.failed, headers.more_failed)} (their error names the "
             "argument); nothing was changed on any rank. Pass the same valid freeze=/unfreeze= on every rank."
         )
 
