@@ -157,11 +157,12 @@ def _params(f: Finding) -> str:
 def _finding(f: Finding) -> str:
     ranks = rank_ranges(f.ranks, more=f.more_ranks) if f.ranks else "none"
     seen = f"<p><b>seen:</b> ranks {_e(ranks)}; steps {_e(f.steps)}</p>" if f.ranks or f.steps else ""
+    fix = f"<p class='fix'><b>fix:</b> {_e(f.fix)}</p>" if f.fix else ""
     return (
         f"<article class='finding {f.severity}' data-code='{_e(f.code)}'>"
         f"<h3><span class='sev'>{f.severity.upper()}</span><code>{_e(f.code)}</code> "
         f"<span class='title'>{_e(f.title)}</span></h3>"
-        f"<p>{_e(f.detail)}</p>{_params(f)}{seen}<p class='fix'><b>fix:</b> {_e(f.fix)}</p></article>"
+        f"<p>{_e(f.detail)}</p>{_params(f)}{seen}{fix}</article>"
     )
 
 
@@ -267,6 +268,9 @@ def _recommendation(report: Report, key: str) -> str:
         for k in order
     )
     tabs = f"<div class='tabs'>{inputs}{panels}</div>" if order else ""
+    if not report.ddp_built:
+        # No DDP model, no DDP flags: the Recommendation's flags are placeholders; only its reason applies.
+        return f"<div class='recommendation'><h3>No DDP flags to recommend</h3><p>{_e(rec.reason)}</p></div>"
     return (
         f"<div class='recommendation'><h3>Recommendation ({verdict})</h3><p><b>{_e(flags)}</b></p>{freeze}"
         f"<p>{_e(rec.reason)}</p>{tabs}</div>"

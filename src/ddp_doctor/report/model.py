@@ -98,6 +98,12 @@ class Report:
         )
 
     @property
+    def ddp_built(self) -> bool:
+        """Whether the run built a DDP model: only then are there DDP flags to show or recommend (a report of a
+        script that never wrapped its model, or whose ranks failed before wrapping it, has no `ddp_config`)."""
+        return bool(self.ddp_config)
+
+    @property
     def codes(self) -> set[str]:
         return {f.code for f in self.findings}
 

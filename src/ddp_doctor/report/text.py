@@ -30,7 +30,10 @@ def _flags(config: dict[str, Any]) -> str:
 
 
 def _finding(f: Finding) -> Panel:
+    # A Panel's title is one line, cut at the terminal's width: the border names the finding (severity and code,
+    # short), and the title is the body's first line, where it wraps like the rest.
     body = Text()
+    body.append(f.title + "\n", style="bold")
     body.append(f.detail + "\n")
     if f.params:
         shown = ", ".join(str(p) for p in f.params[:_MAX_PARAMS])
@@ -39,33 +42,42 @@ def _finding(f: Finding) -> Panel:
     if f.ranks or f.steps:
         ranks = rank_ranges(f.ranks, more=f.more_ranks) if f.ranks else "none"
         body.append("seen: ", style="bold").append(f"ranks {ranks}; steps {f.steps}\n")
-    body.append("fix: ", style="bold green").append(f.fix)
-    title = Text.assemble((f.severity.upper(), _STYLE[f.severity]), " ", (f.code, "bold"), f"  {f.title}")
+    if f.fix:  # empty when the script's flags already are the fix (an `info` finding): nothing to do
+        body.append("fix: ", style="bold green").append(f.fix)
+    body.rstrip()
+    title = Text.assemble((f.severity.upper(), _STYLE[f.severity]), " ", (f.code, "bold"))
     return Panel(body, title=title, title_align="left", border_style=_STYLE[f.severity])
 
 
-def render(report: Report) -> Iterator[Any]:
-    """Yield rich renderables for the report, top to bottom."""
+def _head(report: Report) -> Group:
+    """The run's facts, two pairs a row; values wrap (a long path folds onto the next lines instead of being cut)."""
+    key_width = len("steps observed")
     head = Table.grid(padding=(0, 2))
+    head.add_column(min_width=key_width, no_wrap=True)
+    head.add_column(overflow="fold")
+    head.add_column(no_wrap=True)
+    head.add_column(overflow="fold")
     head.add_row("world size", str(report.world_size), "backend", report.backend)
     head.add_row("steps observed", str(report.steps_observed), "torch", report.torch_version)
-    head.add_row("DDP flags", _flags(report.ddp_config), "built by", report.framework)
+    head.add_row(
+        "DDP flags", _flags(report.ddp_config) or "none (no DDP model was built)", "built by", report.framework
+    )
+    parts: list[Any] = [head]
     if report.ddp_site:
-        head.add_row("DDP built at", report.ddp_site, "", "")
-    yield Panel(head, title=f"ddp-doctor {report.tool_version}", title_align="left")
+        # On a row of its own, so the path has the whole width before it folds.
+        where = Table.grid(padding=(0, 2))
+        where.add_column(min_width=key_width, no_wrap=True)
+        where.add_column(overflow="fold")
+        where.add_row("DDP built at", report.ddp_site)
+        parts.append(where)
+    return Group(*parts)
 
-    for line in report.crash_lines():
-        yield Text(line, style="red")
-    if report.interrupted and not report.findings:
-        yield Text(
-            f"Interrupted after {report.steps_observed} observed step(s): nothing was diagnosed.", style="yellow"
-        )
-    elif not report.findings:
-        yield Text("No problems found.", style="bold green")
-    for f in report.findings:
-        yield _finding(f)
 
+def _recommendation(report: Report) -> Panel:
     rec = report.recommendation
+    if not report.ddp_built:
+        # No DDP model, no DDP flags: the Recommendation's flags are placeholders there; only its reason applies.
+        return Panel(Text(rec.reason), title="No DDP flags to recommend", title_align="left", border_style="green")
     summary = Text()
     summary.append(
         f"find_unused_parameters={rec.find_unused_parameters}, static_graph={rec.static_graph}, "
@@ -80,7 +92,25 @@ def render(report: Report) -> Iterator[Any]:
     if first in rec.render:
         parts.append(Syntax(rec.render[first], "python", theme="ansi_dark", background_color="default", word_wrap=True))
     verdict = "verified" if rec.verified else "not yet verified"
-    yield Panel(Group(*parts), title=f"Recommendation ({verdict})", title_align="left", border_style="green")
+    return Panel(Group(*parts), title=f"Recommendation ({verdict})", title_align="left", border_style="green")
+
+
+def render(report: Report) -> Iterator[Any]:
+    """Yield rich renderables for the report, top to bottom."""
+    yield Panel(_head(report), title=f"ddp-doctor {report.tool_version}", title_align="left")
+
+    for line in report.crash_lines():
+        yield Text(line, style="red")
+    if report.interrupted and not report.findings:
+        yield Text(
+            f"Interrupted after {report.steps_observed} observed step(s): nothing was diagnosed.", style="yellow"
+        )
+    elif not report.findings:
+        yield Text("No problems found.", style="bold green")
+    for f in report.findings:
+        yield _finding(f)
+
+    yield _recommendation(report)
 
     t = report.timing
     if t.step_s is not None:

@@ -1,0 +1,114 @@
+"""The terminal and HTML reports as a user reads them: at 80 columns nothing is cut (finding titles, paths), the
+ranks counted beyond the named examples are said in both renderers, and a run without DDP shows no DDP flags."""
+
+from __future__ import annotations
+
+import re
+
+from ddp_doctor.core.findings import Finding, ParamRef, Recommendation, Timing
+from ddp_doctor.core.ranks import listed, named_ranks, other_ranks, rank_list, rank_ranges
+from ddp_doctor.report import Report
+from ddp_doctor.report.html import check_section
+from ddp_doctor.report.text import to_text
+
+LONG_TITLE = "1 layer normalizes over each rank's own batch of 8 samples with no SyncBatchNorm in the model"
+LONG_PATH = "very/long/project/folder/with/many/nested/levels/of/packages/and/a/long/training_script_name.py"
+FLAGS = {"find_unused_parameters": False, "static_graph": False, "gradient_as_bucket_view": False}
+
+
+def _report(findings: list[Finding], *, ddp_config: dict | None = None, ddp_site: str | None = None) -> Report:
+    return Report(
+        tool_version="0.test",
+        torch_version="2.x",
+        backend="gloo",
+        world_size=1024,
+        steps_observed=3,
+        ddp_config=FLAGS if ddp_config is None else ddp_config,
+        findings=findings,
+        recommendation=Recommendation(
+            find_unused_parameters=False,
+            static_graph=True,
+            gradient_as_bucket_view=True,
+            freeze_before_wrap=[],
+            verified=False,
+            reason="each rank used the same parameters on every step",
+        ),
+        timing=Timing(),
+        ddp_site=ddp_site,
+    )
+
+
+def _finding(**kw) -> Finding:
+    base = dict(
+        code="batchnorm-not-synced",
+        severity="warning",
+        title=LONG_TITLE,
+        detail=f"Called from {LONG_PATH}:51, in training mode.",
+        params=[ParamRef("net.bn.weight", 8, (8,))],
+        ranks=[0, 1],
+        steps=[0],
+        fix="convert with torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before wrapping",
+    )
+    return Finding(**{**base, **kw})
+
+
+def _words(text: str) -> str:
+    """The text without the boxes' borders, its lines joined: what a user reads across the wrapped lines."""
+    lines = [re.sub(r"^[│╭╰]\s?|\s?[│╮╯]$", "", line).strip() for line in text.splitlines()]
+    return " ".join(line for line in lines if line)
+
+
+def test_a_long_finding_title_wraps_whole_at_80_columns() -> None:
+    text = to_text(_report([_finding()]), width=80)
+    assert max(map(len, text.splitlines())) <= 80
+    assert "WARNING batchnorm-not-synced" in text
+    assert LONG_TITLE in _words(text), text
+
+
+def test_long_paths_wrap_instead_of_being_cut() -> None:
+    site = f"{LONG_PATH}:40"
+    text = to_text(_report([_finding()], ddp_site=site), width=80)
+    assert "…" not in text, text
+    # Folded or wrapped, every character of both paths is there, in order.
+    flat = re.sub(r"\s", "", _words(text))
+    assert f"DDPbuiltat{site}" in flat and f"Calledfrom{LONG_PATH}:51" in flat, text
+
+
+def test_ranks_counted_beyond_the_examples_are_said_in_text_and_html() -> None:
+    f = _finding(ranks=[0, 1, 2, 3, 4, 5, 6, 7], more_ranks=1015)
+    report = _report([f])
+    assert "seen: ranks 0-7 and 1015 others; steps [0]" in to_text(report, width=80)
+    assert "ranks 0-7 and 1015 others; steps [0]" in check_section(report)
+
+
+def test_a_run_without_ddp_shows_no_ddp_flags() -> None:
+    report = _report(
+        [_finding(code="model-not-wrapped", severity="error", title="no DDP: 4 of 4 trained parameters differ")],
+        ddp_config={},
+    )
+    report.recommendation.reason = "No DDP model was built, so there are no DDP flags to recommend."
+    text = to_text(report, width=80)
+    assert "No DDP model was built" in text
+    assert "Recommendation (" not in text and "static_graph=" not in text and "find_unused_parameters=" not in text
+    page = check_section(report)
+    assert "No DDP model was built" in page and "static_graph=" not in page
+    # With DDP, the flags are recommended as before.
+    text = to_text(_report([]), width=80)
+    assert "Recommendation (not yet verified)" in text and "static_graph=True" in text
+
+
+def test_rank_lists_in_words() -> None:
+    assert rank_ranges([*range(512), *range(513, 1024)]) == "0-511, 513-1023"
+    assert rank_ranges([3, 17, 250], more=41) == "3, 17, 250 and 41 others"
+    assert rank_ranges([1], more=1) == "1 and 1 other"
+    # Cut at its limit with ranks also counted: the hidden ones join the count, so the phrase keeps one total.
+    assert rank_ranges(range(0, 20, 2), limit=3, more=5) == "0, 2, 4 and 12 others"
+    assert rank_ranges(range(0, 8, 2), limit=3) == "0, 2, 4 and 1 more range"
+    assert rank_list([5]) == "rank 5" and rank_list([5], more=2) == "ranks 5 and 2 others"
+    assert rank_list([1, 2, 3]) == "ranks 1-3"
+    assert listed([0, 1]) == "[0, 1]" and listed([0, 1], 41) == "[0, 1] and 41 other ranks"
+    assert named_ranks([3, 17]) == "rank(s) [3, 17]" and named_ranks([3], prefix="ranks") == "ranks [3]"
+    assert named_ranks([1, 3], 2) == "ranks 1, 3 and 2 others"
+    assert (
+        other_ranks(0) == "" and other_ranks(1) == " and 1 other rank" and other_ranks(3, noun=False) == " and 3 others"
+    )
