@@ -168,6 +168,29 @@ def test_stable_rank_dependent_graph_gets_static_graph() -> None:
     assert (d.recommendation.find_unused_parameters, d.recommendation.static_graph) == (False, True)
 
 
+def test_an_info_finding_prints_no_fix_the_script_already_applies() -> None:
+    """The script's flags already cope (severity info): no "build DDP with ..." naming the flags it has, in the
+    JSON and in the text; on default flags the same finding is an error and keeps its fix."""
+    lacking = [record(0, ALL), record(1, [[1, 1, 1, 0]] * 3)]
+    for cfg in ({"find_unused_parameters": True, "static_graph": False}, {"static_graph": True}):
+        new = info(ddp_config=cfg)
+        d = analyze(new, lacking)
+        (f,) = d.findings
+        assert (f.code, f.severity, f.fix) == ("rank-dependent-graph", "info", ""), cfg
+        report = Report.build(new, lacking, d, backend="gloo")
+        assert report.to_dict()["findings"][0]["fix"] == ""
+        assert "fix:" not in str(report) and "INFO rank-dependent-graph" in str(report)
+    d = analyze(info(), lacking)
+    assert d.findings[0].severity == "error" and "static_graph=True" in d.findings[0].fix
+
+    dynamic = [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 0]]
+    new = info(ddp_config={"find_unused_parameters": True, "static_graph": False})
+    d = analyze(new, [record(0, dynamic), record(1, dynamic)])
+    assert (d.findings[0].code, d.findings[0].severity, d.findings[0].fix) == ("dynamic-graph", "info", "")
+    d = analyze(info(), [record(0, dynamic), record(1, dynamic)])
+    assert "find_unused_parameters=True" in next(f for f in d.findings if f.code == "dynamic-graph").fix
+
+
 def test_grads_that_differ_across_ranks_are_named_with_ranks_and_steps() -> None:
     grad = torch.zeros(3, 4, 2, dtype=torch.float64)
     other = grad.clone()

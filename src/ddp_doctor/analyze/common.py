@@ -8,12 +8,19 @@ from ddp_doctor.analyze.snippets import flags_fix, freeze_point
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding
 
-__all__ = ["all_ranks", "freeze_fix", "steps_of", "with_flags", "with_more"]
+__all__ = ["all_ranks", "freeze_fix", "has_flags", "steps_of", "with_flags", "with_more"]
 
 
 def with_flags(v: View, **flags: bool) -> str:
     """'build DDP with ...', in the words of the framework that built the model (TrainingArguments, ...)."""
     return flags_fix(v.info.framework, flags, v.info.flavor)
+
+
+def has_flags(v: View, **flags: bool) -> bool:
+    """Whether the script's DDP was built with every one of `flags` already. A fix that only sets them would change
+    nothing, so an `info` finding (the current flags cope) leaves that fix out, in the JSON and in the text alike:
+    printing "build DDP with static_graph=True" to a script that has it reads as if it were missing."""
+    return all(bool(v.info.ddp_config.get(k, False)) == want for k, want in flags.items())
 
 
 def freeze_fix(v: View) -> str:

@@ -17,7 +17,7 @@ from ddp_doctor.analyze.agreement import (
     replica_divergence,
     wrapper_bypass,
 )
-from ddp_doctor.analyze.common import all_ranks, freeze_fix, steps_of, with_flags
+from ddp_doctor.analyze.common import all_ranks, freeze_fix, has_flags, steps_of, with_flags
 from ddp_doctor.analyze.consistency import (
     batchnorm_not_synced,
     collective_sequence_mismatch,
@@ -132,7 +132,8 @@ def dynamic_graph(v: View) -> list[Finding]:
             params=v.params(dynamic),
             ranks=all_ranks(v),
             steps=steps,
-            fix=with_flags(v, find_unused_parameters=True, static_graph=False) + ".",
+            # info means the script already has exactly these flags: no fix to print.
+            fix="" if severity == "info" else with_flags(v, find_unused_parameters=True, static_graph=False) + ".",
         )
     ]
 
@@ -157,8 +158,11 @@ def rank_dependent_graph(v: View) -> list[Finding]:
             ranks=lacking.ranks,
             more_ranks=lacking.more,
             steps=steps_of((v.used_any[:, rank_dep] != v.used_all[:, rank_dep]).any(-1)),
+            # Either flag copes, and a script that is not on default flags has one of them: no fix to print then.
             fix=f"{with_flags(v, static_graph=True)} if each rank's used set is stable, else "
-            f"{with_flags(v, find_unused_parameters=True)}.",
+            f"{with_flags(v, find_unused_parameters=True)}."
+            if v.default_flags
+            else "",
         )
     ]
 
@@ -244,9 +248,14 @@ def used_outside_forward(v: View) -> list[Finding]:
             ranks=outside.ranks,
             more_ranks=outside.more_ranks,
             steps=sorted(outside.steps),
-            fix="compute them inside the wrapped module's forward; or, if the used set is stable, "
-            + with_flags(v, static_graph=True, find_unused_parameters=False)
-            + ".",
+            fix="compute them inside the wrapped module's forward"
+            + (
+                "."
+                if has_flags(v, static_graph=True, find_unused_parameters=False)
+                else "; or, if the used set is stable, "
+                + with_flags(v, static_graph=True, find_unused_parameters=False)
+                + "."
+            ),
         )
     ]
 
@@ -303,9 +312,12 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
             ranks=reentrant.ranks,
             more_ranks=reentrant.more_ranks,
             steps=sorted(reentrant.steps),
-            fix="pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it composes with DDP), or "
-            + with_flags(v, static_graph=True, find_unused_parameters=False)
-            + ".",
+            fix="pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it composes with DDP)"
+            + (
+                "."
+                if has_flags(v, static_graph=True, find_unused_parameters=False)
+                else ", or " + with_flags(v, static_graph=True, find_unused_parameters=False) + "."
+            ),
         )
     ]
 
