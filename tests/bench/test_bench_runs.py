@@ -240,21 +240,17 @@ def _render_in_chromium(page: Path, tmp_path: Path, names: list[str]) -> None:
 
 def test_a_crash_during_the_timed_steps_makes_the_candidate_incorrect(tmp_path: Path) -> None:
     from checkrun import SCRIPTS
+    from torch.distributed.run import get_args_parser
 
     from ddp_doctor.bench.candidates import Config
+    from ddp_doctor.bench.launched import time_steps
     from ddp_doctor.bench.run import judge
-    from ddp_doctor.cli.check import check
 
+    namespace = vars(get_args_parser().parse_args(["--nproc-per-node", "2", str(SCRIPTS / "crash_late.py")]))
     with open(tmp_path / "log", "w") as log:
-        result = check(
-            str(SCRIPTS / "crash_late.py"),
-            torchrun=["--nproc-per-node", "2"],
-            steps=4,
-            timed_steps=4,
-            timeout=120,
-            output=log,
-        )
-    assert result.report is not None and result.report.steps_observed == 4  # the observed steps were clean
+        result = time_steps(namespace, steps=4, timed_steps=4, timeout=120, output=log)
+    report = result.check.report
+    assert report is not None and report.steps_observed == 4  # the observed steps were clean
     assert result.late_crash is not None and "loss is NaN at step 6" in result.late_crash
-    correct, reason = judge(result, Config(), result.report, timed_steps=4)
+    correct, reason = judge(result, Config(), report, timed_steps=4)
     assert not correct and "crashed after the observed steps" in reason

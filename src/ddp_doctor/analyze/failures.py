@@ -5,10 +5,8 @@ Pure: the input is the supervisor's `RankState` per rank (the ranks' own files, 
 
 from __future__ import annotations
 
-from typing import Any
-
 from ddp_doctor.core.findings import Finding, ParamRef
-from ddp_doctor.core.rankfiles import PHASES, Outcome, RankState
+from ddp_doctor.core.rankfiles import PHASES, ExplainedError, Outcome, RaisedError, RankState
 from ddp_doctor.core.ranks import rank_list
 
 __all__ = ["failure_findings", "rank_list"]
@@ -35,9 +33,9 @@ def _capped(parts: list[str]) -> str:
 
 
 def _where(s: RankState) -> str:
-    if s.crash is not None:
+    if s.raised is not None:
         # A crashed rank's own record is exact; its last sample may show the doctor's exit path.
-        return f"step {max(s.crash.step, 0)}, {s.crash.phase}, at {s.crash.site or 'an unknown place'}"
+        return f"step {max(s.raised.step, 0)}, {s.raised.phase}, at {s.raised.site or 'an unknown place'}"
     step = max(s.step, 0)
     if s.in_collective and s.collective is not None:
         c = s.collective
@@ -150,23 +148,23 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
     )
 
 
-def _param_refs(explained: dict[str, Any]) -> list[ParamRef]:
+def _param_refs(explained: ExplainedError) -> list[ParamRef]:
     """The parameters a rank's explained DDP error names, with their sizes (0 where the rank file has none)."""
-    names = list(explained.get("params") or [])
-    numels = explained.get("numels") or [0] * len(names)
+    names = list(explained.params)
+    numels = explained.numels or [0] * len(names)
     return [ParamRef(n, k) for n, k in zip(names, numels)]
 
 
-def _trained_elsewhere(states: dict[int, RankState], rank: int, crash: Any) -> Finding | None:
+def _trained_elsewhere(states: dict[int, RankState], rank: int, crash: RaisedError) -> Finding | None:
     """`rank-dependent-graph` when DDP's reduction error on `rank` names parameters that other ranks trained.
 
     The error at step S names the parameters that got no gradient on `rank` in step S-1. Another rank that closed
     step S-1 with none of them missing (its beacon says so: it went on, and then waited in a collective for `rank`)
     trained them: the used set depends on the rank.
     """
-    explained = crash.explained or {}
-    names = list(explained.get("params") or [])
-    if explained.get("code") != "reduction-error" or not names or crash.step < 1:
+    explained = crash.explained
+    names = list(explained.params) if explained is not None else []
+    if explained is None or explained.code != "reduction-error" or not names or crash.step < 1:
         return None
     previous = crash.step - 1
     trained = [
@@ -174,9 +172,9 @@ def _trained_elsewhere(states: dict[int, RankState], rank: int, crash: Any) -> F
         for r, s in sorted(states.items())
         if r != rank
         and s.closed is not None
-        and s.closed.get("step") == previous
-        and len(s.closed.get("missing", [])) < 16
-        and not set(names) & set(s.closed.get("missing", []))
+        and s.closed.step == previous
+        and len(s.closed.missing) < 16
+        and not set(names) & set(s.closed.missing)
     ]
     if not trained:
         return None
@@ -202,8 +200,8 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
     """The findings for a run whose ranks did not exchange records. `native`: gloo's or NCCL's own error lines
     found in the job's output (C++ aborts print them; no rank file can)."""
     ranks = sorted(states)
-    crashed = {r: s for r, s in states.items() if s.outcome is Outcome.CRASHED and s.crash is not None}
-    causes = {r: s for r, s in crashed.items() if not s.crash.peer_lost}
+    crashed = {r: s for r, s in states.items() if s.outcome is Outcome.CRASHED and s.raised is not None}
+    causes = {r: s for r, s in crashed.items() if not s.raised.peer_lost}
     exited = {r: s for r, s in states.items() if s.outcome is Outcome.EXITED}
     killed = {r: s for r, s in states.items() if s.outcome is None and s.signal not in (None, "SIGTERM")}
     findings: list[Finding] = []
@@ -215,7 +213,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
                 continue
             s = states[r]
             if r in crashed:
-                c = s.crash
+                c = s.raised
                 parts.append(
                     f"rank {r} lost its peer at step {max(c.step, 0)}, {c.phase}, at {c.site or 'an unknown place'}"
                 )
@@ -228,7 +226,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
         findings.append(mismatch)
 
     for rank, s in sorted(causes.items()):
-        crash = s.crash
+        crash = s.raised
         step = max(crash.step, 0)
         waiting = others(list(causes))
         if crash.explained:
@@ -237,11 +235,11 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
                 findings.append(trained)
             findings.append(
                 Finding(
-                    code=crash.explained["code"],
+                    code=crash.explained.code,
                     severity="error",
                     title=f"rank {rank}: DDP failed at step {step}",
                     # The rank's own fix considers freezing; other ranks trained them, so that part is dropped.
-                    detail=crash.explained["message"].split(" Fix: ")[0] if trained else crash.explained["message"],
+                    detail=crash.explained.message.split(" Fix: ")[0] if trained else crash.explained.message,
                     params=_param_refs(crash.explained),
                     ranks=[rank],
                     steps=[step],

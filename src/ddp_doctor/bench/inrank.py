@@ -1,7 +1,8 @@
 """`ddp-doctor bench` inside each rank: every candidate in the same processes, so the script starts once.
 
-The session (`launch/session.py`) hands over after the check's K observed steps and its report. From then on this
-driver runs *blocks* (see `plan.py`): for each candidate, it puts the model and the optimizer back where they were
+This is the in-rank run's policy under `ddp-doctor bench` (`launch/policy.py`'s `RunPolicy`, handed to the run by
+`start.py`, the bench's entry point in every rank): the run (`launch/session.py`) hands over after the check's K
+observed steps and its report (`reported`). From then on this driver runs *blocks* (see `plan.py`): for each candidate, it puts the model and the optimizer back where they were
 just before the script's first optimizer step, rebuilds the script's own `DistributedDataParallel` object in place
 with the candidate's arguments (`rebuild.py`; the script's loop keeps its reference, so it trains the rebuilt
 wrapper without knowing), observes K steps with a fresh `Doctor` (the correctness check, a collective report as in
@@ -15,7 +16,7 @@ fixed-shape all_gather at the end of each round, so no rank decides alone.
 The launch ends (`host.leave()`, the rest of the script never runs) when the rounds are over, when another round
 might not fit in the launch's timeout, or when the candidates cannot share the launch (several DDP models, a DDP
 that cannot be rebuilt, an optimizer state that cannot be copied): the parent then starts the rest in new launches.
-When the script's own loop ends first, the session calls `on_script_end`.
+When the script's own loop ends first, the run calls `script_ended`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,18 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, 
 
 from ddp_doctor.bench.candidates import Config, candidates
 from ddp_doctor.bench.inplace import Snapshot, rebuild_in_place
-from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, judge_report, round_end, round_order, unused_of
+from ddp_doctor.bench.plan import (
+    TIMING_FILE,
+    BenchLog,
+    BenchPlan,
+    Block,
+    judge_report,
+    round_end,
+    round_order,
+    unused_of,
+)
 from ddp_doctor.core.errors import DoctorError
+from ddp_doctor.core.rankfiles import write_json
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.oddranks import pick
 from ddp_doctor.exchange.primitives import comm_device
@@ -135,6 +146,20 @@ class InRankBench:
         if len(self._stamps) > self.plan.steps:
             self._timed()
 
+    # ------------------------------------------------------------------------------------------- the policy
+
+    def reported(self, doctors: list[Doctor], reports: list[Report]) -> bool:
+        """`RunPolicy.reported`: take over (always)."""
+        self.take_over(doctors, reports)
+        return True
+
+    def script_ended(self) -> bool:
+        """`RunPolicy.script_ended`: keep what was timed, when the driver had taken over."""
+        if not self.took_over:
+            return False
+        self.on_script_end()
+        return True
+
     # ------------------------------------------------------------------------------------------- hand-over
 
     def take_over(self, doctors: list[Doctor], reports: list[Report]) -> None:
@@ -174,7 +199,7 @@ class InRankBench:
                 return
             self._incorrect(reason)
         elif not cands and not plan.auto:
-            # `check(timed_steps=K)`: no candidates, only the steps after the report are timed.
+            # `launched.time_steps` (a plan with no candidates): only the steps after the report are timed.
             self._block = Block(round=0, name="check")
             self.log.blocks.append(self._block)
             self._start_timing(arm=False)
@@ -293,7 +318,7 @@ class InRankBench:
         if self._timed_blocks == 0:
             self._write_timing(block.step_s)
         self._timed_blocks += 1
-        if block.name == "check":  # `check(timed_steps=K)`
+        if block.name == "check":  # `launched.time_steps`
             self.log.ended = "the timed steps are done"
             self._end()
             self.host.leave()
@@ -366,7 +391,5 @@ class InRankBench:
             self.log.write(self.host.outdir)
 
     def _write_timing(self, steps: list[float]) -> None:
-        from ddp_doctor.launch.session import write_json
-
         if self.host.local_rank == 0:
-            write_json(self.host.outdir / "timing.json", {"rank": self.host.rank, "step_s": steps})
+            write_json(self.host.outdir / TIMING_FILE, {"rank": self.host.rank, "step_s": steps})

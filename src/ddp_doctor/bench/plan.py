@@ -2,7 +2,7 @@
 
 A launch runs *blocks*: one candidate configuration for one round, that is `steps` optimizer steps observed by a
 doctor (the correctness check) and then `steps` more timed with every hook removed. The parent passes a `BenchPlan`
-(in `RankConfig.bench`); the ranks write a `BenchLog` to `bench.json` in the node's output folder after every
+(in its own environment variable, `ENV_VAR`, beside the check's `RankConfig`); the ranks write a `BenchLog` to `bench.json` in the node's output folder after every
 change, so whatever the launch did before it ended (the script's loop ran out, a candidate crashed) is known.
 
 Also here, because both sides apply them to the same numbers: `judge_report` (is a candidate's observed block
@@ -12,17 +12,34 @@ correct) and `round_end` (do the rounds stop).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ddp_doctor.bench.candidates import Config
 from ddp_doctor.bench.stats import MIN_ROUNDS, decide
+from ddp_doctor.core.rankfiles import write_json
 from ddp_doctor.report.model import Report
 
-__all__ = ["LOG_FILE", "BenchLog", "BenchPlan", "Block", "judge_report", "round_end", "round_order", "unused_of"]
+__all__ = [
+    "ENV_VAR",
+    "LOG_FILE",
+    "TIMING_FILE",
+    "BenchLog",
+    "BenchPlan",
+    "Block",
+    "judge_report",
+    "round_end",
+    "round_order",
+    "unused_of",
+]
 
+ENV_VAR = "DDP_DOCTOR_BENCH"
+"""The environment variable that carries the launch's `BenchPlan` to every rank."""
 LOG_FILE = "bench.json"
+TIMING_FILE = "timing.json"
+"""The first timed block's step times, from the node's local rank 0: `{"rank": R, "step_s": [...]}`."""
 
 
 def _config(d: dict[str, Any]) -> Config:
@@ -70,6 +87,16 @@ class BenchPlan:
     def from_dict(cls, d: dict[str, Any]) -> BenchPlan:
         return cls(**{**d, "candidates": [(n, _config(c)) for n, c in d.get("candidates", [])]})
 
+    def to_env(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_env(cls) -> BenchPlan:
+        raw = os.environ.get(ENV_VAR)
+        if not raw:
+            raise RuntimeError(f"{ENV_VAR} is not set: ddp_doctor.bench.start is started by `ddp-doctor bench`.")
+        return cls.from_dict(json.loads(raw))
+
 
 @dataclass(kw_only=True)
 class Block:
@@ -108,8 +135,6 @@ class BenchLog:
     budget_deadline: float | None = None
 
     def write(self, folder: Path) -> None:
-        from ddp_doctor.launch.session import write_json
-
         d = asdict(self)
         d["candidates"] = [[n, c.to_dict()] for n, c in self.candidates]
         write_json(folder / LOG_FILE, d)

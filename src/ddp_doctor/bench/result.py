@@ -9,10 +9,10 @@ from typing import Any
 
 from ddp_doctor.analyze.snippets import render_snippets
 from ddp_doctor.bench.candidates import Config
+from ddp_doctor.bench.launched import LaunchResult
 from ddp_doctor.bench.plan import judge_report, unused_of
 from ddp_doctor.bench.stats import Comparison, Verdict
 from ddp_doctor.core.findings import Recommendation
-from ddp_doctor.launch.outcome import CheckResult
 from ddp_doctor.report.model import Report
 
 __all__ = ["SCHEMA", "BenchResult", "Candidate", "Launch", "judge"]
@@ -173,14 +173,15 @@ class BenchResult:
         }
 
 
-def judge(result: CheckResult, config: Config, baseline: Report, timed_steps: int) -> tuple[bool, str]:
+def judge(result: LaunchResult, config: Config, baseline: Report, timed_steps: int) -> tuple[bool, str]:
     """Whether a candidate whose block was the first of its launch (observed by the session's own doctor) was
     correct, from the launch's result, and why not."""
-    if result.error is not None:
-        return False, result.error.splitlines()[0]
-    report = result.report
+    check = result.check
+    if check.error is not None:
+        return False, check.error.splitlines()[0]
+    report = check.report
     assert report is not None
-    correct, reason = judge_report(report, config, unused_of(baseline), [m.report for m in result.models[1:]])
+    correct, reason = judge_report(report, config, unused_of(baseline), [m.report for m in check.models[1:]])
     if correct and result.late_crash:
         return False, f"crashed after the observed steps: {result.late_crash}"
     if correct and not result.step_times:

@@ -27,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from ddp_doctor.bench.candidates import Config, candidates
+from ddp_doctor.bench.launched import LaunchResult, run_launch
 from ddp_doctor.bench.plan import BenchLog, BenchPlan, Block, round_end, round_order, unused_of
 from ddp_doctor.bench.result import SCHEMA, BenchResult, Candidate, Launch, judge
 from ddp_doctor.bench.stats import Verdict, decide
 from ddp_doctor.launch.config import RankConfig
-from ddp_doctor.launch.outcome import CheckResult
-from ddp_doctor.launch.supervise import run_check
 from ddp_doctor.report.model import Report
 
 __all__ = ["SCHEMA", "BenchResult", "Candidate", "Launch", "judge", "run_bench"]
@@ -112,9 +111,9 @@ class _Runner:
             None,
             "the check; the candidates follow in the same processes",
         )
-        if result.report is None:
-            raise RuntimeError(result.error or "the check produced no report")
-        self.baseline = result.report
+        if result.check.report is None:
+            raise RuntimeError(result.check.error or "the check produced no report")
+        self.baseline = result.check.report
         built = log.candidates if log is not None and log.candidates else candidates(self.baseline)
         self.cands = {n: Candidate(name=n, config=c) for n, c in built if self.only is None or n in self.only}
         self.pending = list(self.cands)
@@ -164,7 +163,7 @@ class _Runner:
             share=not self.why_not_shared,
         )
 
-    def _launch(self, plan: BenchPlan, config: Config | None, why: str) -> tuple[CheckResult, BenchLog | None]:
+    def _launch(self, plan: BenchPlan, config: Config | None, why: str) -> tuple[LaunchResult, BenchLog | None]:
         index = len(self.launches) + 1
         first = plan.pending[0] if plan.pending else "check"
         if self.on_progress is not None:
@@ -176,13 +175,11 @@ class _Runner:
             steps=self.steps,
             ddp_kwargs=config.ddp_kwargs if config is not None else {},
             freeze_before_wrap=list(config.freeze_before_wrap) if config is not None else [],
-            timed_steps=self.steps,
-            bench=plan.to_dict(),
         )
         started = time.time()
         with open(self.log_dir / f"launch{index}.log", "a") as output:
-            result = run_check(self.namespace, config_, timeout=self.timeout, output=output, outdir=folder)
-        log = BenchLog.read(folder)
+            result = run_launch(self.namespace, config_, plan, timeout=self.timeout, output=output, outdir=folder)
+        log = result.log
         self.launches.append(
             Launch(
                 index=index,
@@ -195,7 +192,7 @@ class _Runner:
 
     # --------------------------------------------------------------------------------------------- merging
 
-    def _absorb(self, result: CheckResult, log: BenchLog | None, *, first: str | None) -> str:
+    def _absorb(self, result: LaunchResult, log: BenchLog | None, *, first: str | None) -> str:
         """Fold one launch's blocks into the candidates and the schedule. Returns why another launch is needed
         ("" when the rounds are over). `first`: the candidate the launch built DDP with, when its block must be
         judged from the launch's result (the session's doctor observed it and the ranks never got further)."""
@@ -229,7 +226,7 @@ class _Runner:
             self._next_round(self.round + 1)
         return self._why_next(result, log, launch)
 
-    def _apply(self, block: Block, result: CheckResult, log: BenchLog | None, *, first_in_launch: bool) -> bool:
+    def _apply(self, block: Block, result: LaunchResult, log: BenchLog | None, *, first_in_launch: bool) -> bool:
         """One block of the launch's log; True when it settled something (the candidate was timed or failed)."""
         cand = self.cands.get(block.name)
         if cand is None:
@@ -238,11 +235,11 @@ class _Runner:
             cand.rounds.append(block.step_s)
         elif block.status == "incorrect":
             cand.correct, cand.reason = False, block.reason
-        elif result.late_crash or (result.error and not result.timed_out):
+        elif result.late_crash or (result.check.error and not result.check.timed_out):
             self.crashed = block.name
             cand.correct = False
-            cand.reason = f"crashed during its block: {result.late_crash or result.error}"[:500]
-        elif result.timed_out and first_in_launch:
+            cand.reason = f"crashed during its block: {result.late_crash or result.check.error}"[:500]
+        elif result.check.timed_out and first_in_launch:
             cand.correct = False
             cand.reason = f"its block did not end within the launch's --timeout ({self.timeout:g} s)"
         elif log is not None and log.ended.startswith("the script's loop ended") and first_in_launch:
@@ -277,19 +274,21 @@ class _Runner:
         )
 
     @staticmethod
-    def _ended(result: CheckResult, log: BenchLog | None) -> str:
-        if result.timed_out:
+    def _ended(result: LaunchResult, log: BenchLog | None) -> str:
+        if result.check.timed_out:
             return "stopped at --timeout"
         if result.late_crash:
             return f"a rank crashed: {result.late_crash}"[:300]
         if log is not None and log.ended:
             return log.ended
-        if result.error:
-            return result.error.splitlines()[0][:300]
-        errors = list(dict.fromkeys(f.code for m in result.models for f in m.report.findings if f.severity == "error"))
+        if result.check.error:
+            return result.check.error.splitlines()[0][:300]
+        errors = list(
+            dict.fromkeys(f.code for m in result.check.models for f in m.report.findings if f.severity == "error")
+        )
         return f"the observed steps failed: {', '.join(errors)}" if errors else "the script ended"
 
-    def _why_next(self, result: CheckResult, log: BenchLog | None, launch: Launch) -> str:
+    def _why_next(self, result: LaunchResult, log: BenchLog | None, launch: Launch) -> str:
         """Why the next launch is needed, in words for the output."""
         if self.why_not_shared:
             return f"the candidates cannot share a launch: {self.why_not_shared}"
@@ -304,7 +303,7 @@ class _Runner:
                 f"{self.crashed or 'a candidate'} crashed in launch {launch.index}, which ends that launch; a "
                 "crashed process cannot go on"
             )
-        if result.timed_out:
+        if result.check.timed_out:
             return f"launch {launch.index} reached --timeout ({self.timeout:g} s)"
         if log.ended.startswith("the script's loop ended"):
             return f"{log.ended} in launch {launch.index}, before the remaining blocks"

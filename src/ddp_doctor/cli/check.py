@@ -228,7 +228,6 @@ def check(
     freeze_before_wrap: list[str] = (),
     timeout: float = 600.0,
     output: IO[str] | None = None,
-    timed_steps: int = 0,
 ) -> CheckResult:
     """Run `check` from Python: `torchrun` holds torchrun's own options, e.g. `["--nproc-per-node", "2"]`."""
     argv = [*torchrun, *(["-m"] if module else []), script, *script_args]
@@ -239,7 +238,6 @@ def check(
         freeze=list(freeze_before_wrap),
         timeout=timeout,
         output=output,
-        timed_steps=timed_steps,
     )
 
 

@@ -1,4 +1,4 @@
-"""A rank's live position, kept in a small memory-mapped file that outlives the rank.
+"""A rank's live position, kept in a small memory-mapped file that outlives the rank: written and read here.
 
 The rank writes its step, phase and the last collective it entered at every change (a few hundred bytes copied
 into shared memory: no system call, no fsync), so the supervising process can read where a rank was even after it
@@ -6,7 +6,8 @@ was killed by SIGKILL or aborted by gloo. A sampled position (the watchdog's sta
 fields do not need one: they are exact up to the moment the rank died.
 
 Layout: a fixed 4 KiB file. Byte 0..7 a sequence number (odd while a write is in progress), 8..15 the length of
-the JSON that follows from byte 16. A reader retries while the sequence number is odd or changed under it.
+the JSON that follows from byte 16 (`BeaconState`, schema `BEACON_SCHEMA`). A reader retries while the sequence
+number is odd or changed under it.
 """
 
 from __future__ import annotations
@@ -16,13 +17,80 @@ import mmap
 import os
 import struct
 import time
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Beacon", "read_beacon"]
+__all__ = ["BEACON_SCHEMA", "Beacon", "BeaconState", "ClosedStep", "Collective", "read_beacon"]
 
+BEACON_SCHEMA = "ddp-doctor/beacon@1"
 _SIZE = 4096
 _HEAD = struct.Struct("<QQ")
+
+
+def _known(cls: type, d: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+@dataclass(kw_only=True, slots=True)
+class Collective:
+    """The last collective the script entered on a rank (DDP's own gradient all-reduces are not among them)."""
+
+    op: str
+    n: int
+    """Its position in the rank's sequence of the script's collectives (1-based)."""
+    site: str | None = None
+    tensor: str | None = None
+    step: int | None = None
+    phase: str | None = None
+    group_size: int | None = None
+
+    def describe(self) -> str:
+        return f"{self.op}({self.tensor})" if self.tensor else self.op
+
+
+@dataclass(kw_only=True, slots=True)
+class ClosedStep:
+    """The last step a rank closed, and the trainable parameters that got no gradient in it."""
+
+    step: int
+    missing: list[str] = field(default_factory=list)
+    """At most 16 names (the doctor's cap): 16 means "16 or more"."""
+
+
+@dataclass(kw_only=True, slots=True)
+class BeaconState:
+    """What a rank publishes in its beacon."""
+
+    schema: str = BEACON_SCHEMA
+    step: int = -1
+    phase: str = "before DDP was built"
+    model: int | None = None
+    """The index of the DDP model (in build order) whose doctor published last."""
+    site: str | None = None
+    """The user's line at the last phase change."""
+    collective: Collective | None = None
+    collectives: int = 0
+    """How many of the script's collectives the rank entered."""
+    in_collective: bool = False
+    closed: ClosedStep | None = None
+    time: float = 0.0
+    """`time.time()` of the last change."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BeaconState:
+        if d.get("schema", BEACON_SCHEMA) != BEACON_SCHEMA:
+            raise ValueError(f"beacon schema {d.get('schema')!r}, expected {BEACON_SCHEMA!r}")
+        out = cls(**_known(cls, {k: v for k, v in d.items() if k not in ("collective", "closed")}))
+        if d.get("collective"):
+            out.collective = Collective(**_known(Collective, d["collective"]))
+        if d.get("closed"):
+            out.closed = ClosedStep(**_known(ClosedStep, d["closed"]))
+        return out
 
 
 class Beacon:
@@ -36,23 +104,22 @@ class Beacon:
         finally:
             os.close(fd)
         self._seq = 0
-        self.state: dict[str, Any] = {
-            "step": -1,
-            "phase": "before DDP was built",
-            "collective": None,
-            "collectives": 0,
-            "time": time.time(),
-        }
+        self.state = BeaconState(time=time.time())
         self._write()
 
-    def update(self, **fields: Any) -> None:
-        """Merge `fields` into the state and publish it."""
-        self.state.update(fields)
-        self.state["time"] = time.time()
+    def update(self, **changes: Any) -> None:
+        """Set `changes` (`BeaconState` field names) and publish the state.
+
+        Raises:
+            AttributeError: a name that is no field of `BeaconState` (slots: a typo cannot add a field).
+        """
+        for name, value in changes.items():
+            setattr(self.state, name, value)
+        self.state.time = time.time()
         self._write()
 
     def _write(self) -> None:
-        data = json.dumps(self.state, default=str).encode()[: _SIZE - _HEAD.size]
+        data = json.dumps(self.state.to_dict(), default=str).encode()[: _SIZE - _HEAD.size]
         self._seq += 1  # odd: a write is in progress
         _HEAD.pack_into(self._map, 0, self._seq, 0)
         self._map[_HEAD.size : _HEAD.size + len(data)] = data
@@ -60,8 +127,8 @@ class Beacon:
         _HEAD.pack_into(self._map, 0, self._seq, len(data))
 
 
-def read_beacon(path: Path) -> dict[str, Any] | None:
-    """The last state a rank published, or None when there is no readable beacon."""
+def read_beacon(path: Path) -> BeaconState | None:
+    """The last state a rank published, or None when there is no readable beacon (or one of another schema)."""
     for _ in range(20):
         try:
             raw = path.read_bytes()
@@ -74,7 +141,7 @@ def read_beacon(path: Path) -> dict[str, Any] | None:
             time.sleep(0.001)
             continue
         try:
-            return json.loads(raw[_HEAD.size : _HEAD.size + length])
-        except ValueError:
+            return BeaconState.from_dict(json.loads(raw[_HEAD.size : _HEAD.size + length]))
+        except (ValueError, TypeError):
             time.sleep(0.001)
     return None

@@ -1,25 +1,82 @@
-"""What a rank leaves in the node's output folder, typed once for both sides.
+"""What a rank leaves in the node's output folder: one typed, versioned schema, written and read here.
 
-The rank side (`session.py`) writes these files; the supervisor (`outcome.py`) reads them into `RankState`, the
-input of `analyze.failures`. Files, not a collective, because a rank that failed alone cannot count on the others.
+The rank side (`launch/session.py`, `launch/watchdog.py`) writes these files through `write_end` and
+`write_progress`; the supervisor (`launch/supervise.py`, `launch/outcome.py`) reads them back through `read_end`
+and `read_rank_states`, whose `RankState` is the input of `analyze.failures`. Files, not a collective, because a
+rank that failed alone cannot count on the others. The live position (`rank{R}.beacon`) has its own writer and
+reader in `beacon.py`; the fault dump (`rank{R}.fault`) is Python's faulthandler's, parsed by `Fault.parse`.
+
+- `rank{R}.json`: `EndRecord` (schema `END_SCHEMA`), how the rank ended.
+- `rank{R}.progress.json`: `ProgressSample` (schema `PROGRESS_SCHEMA`), the watchdog's last sample.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ddp_doctor.core.beacon import read_beacon
+from ddp_doctor.core.beacon import BeaconState, ClosedStep, Collective, read_beacon
 from ddp_doctor.core.phase import Phase
 
-__all__ = ["PHASES", "Collective", "Crash", "Fault", "Outcome", "RankState", "read_rank_states"]
+__all__ = [
+    "END_SCHEMA",
+    "PHASES",
+    "PROGRESS_SCHEMA",
+    "EndRecord",
+    "ExplainedError",
+    "Fault",
+    "Outcome",
+    "ProgressSample",
+    "RaisedError",
+    "RankState",
+    "end_path",
+    "progress_path",
+    "read_end",
+    "read_ends",
+    "read_progress",
+    "read_rank_states",
+    "write_end",
+    "write_json",
+    "write_progress",
+]
 
+END_SCHEMA = "ddp-doctor/rank-end@1"
+PROGRESS_SCHEMA = "ddp-doctor/rank-progress@1"
 PHASES = tuple(p.value for p in Phase)
 """The phases a rank reports, in the order they happen within a step (`ddp_doctor.doctor.Phase`)."""
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write atomically, so a reader (or a kill) never sees half a file."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, default=str))
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _known(cls: type, d: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+def end_path(folder: Path, rank: int) -> Path:
+    return folder / f"rank{rank}.json"
+
+
+def progress_path(folder: Path, rank: int) -> Path:
+    return folder / f"rank{rank}.progress.json"
 
 
 class Outcome(str, Enum):
@@ -39,33 +96,154 @@ class Outcome(str, Enum):
     """ddp-doctor itself failed on the rank (a bug in the tool, not in the script)."""
 
 
-@dataclass(kw_only=True)
-class Crash:
+@dataclass(kw_only=True, slots=True)
+class ExplainedError:
+    """DDP's own error, explained by the rank's doctor with parameter names."""
+
+    code: str
+    """The finding's code (`reduction-error`, ...)."""
+    params: list[str] = field(default_factory=list)
+    message: str = ""
+    numels: list[int] = field(default_factory=list)
+    """The element count of each of `params` (0 where unknown)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RaisedError:
+    """What the script raised on a rank (not `core.findings.Crash`, the in-process API's view of a crash)."""
+
     type: str
     message: str
     traceback: str = ""
     site: str | None = None
+    """The user's line that raised."""
     step: int = -1
-    explained: dict[str, Any] | None = None
+    explained: ExplainedError | None = None
     peer_lost: bool = False
+    """The error only says a peer went away (connection closed, a timed-out collective): not a cause."""
     phase: str = "?"
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RaisedError:
+        out = cls(**_known(cls, {k: v for k, v in d.items() if k != "explained"}))
+        if d.get("explained"):
+            out.explained = ExplainedError(**_known(ExplainedError, d["explained"]))
+        return out
 
-@dataclass(kw_only=True)
-class Collective:
-    """The last collective the script entered on a rank (DDP's own gradient all-reduces are not among them)."""
 
-    op: str
-    n: int
-    """Its position in the rank's sequence of the script's collectives (1-based)."""
+@dataclass(kw_only=True, slots=True)
+class EndRecord:
+    """How a rank ended: `rank{R}.json`."""
+
+    schema: str = END_SCHEMA
+    rank: int
+    local_rank: int = 0
+    world_size: int = 1
+    pid: int = 0
+    outcome: Outcome
+    models: list[dict[str, Any]] = field(default_factory=list)
+    """Per DDP model built: site, framework, module, ddp_config, torch_version, backend."""
+    ddp_models: int = 0
+    reason: str | None = None
+    """`REPORTED`: why the report was written (the K steps, the script's end, a crash)."""
+    error: str | None = None
+    """`NO_EXCHANGE`, `INTERNAL_ERROR`: what failed."""
+    traceback: str | None = None
+    """`INTERNAL_ERROR`: ddp-doctor's own traceback."""
+    raised: RaisedError | None = None
+    """`CRASHED`, `CRASHED_AFTER_REPORT`."""
+    status: int | None = None
+    """`EXITED`: the exit status."""
     site: str | None = None
-    tensor: str | None = None
+    """`EXITED`: where the script left (`sys.exit`'s line, or the end of the script)."""
     step: int | None = None
     phase: str | None = None
-    group_size: int | None = None
 
-    def describe(self) -> str:
-        return f"{self.op}({self.tensor})" if self.tensor else self.op
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EndRecord:
+        if d.get("schema") != END_SCHEMA:
+            raise ValueError(f"rank end record of schema {d.get('schema')!r}, expected {END_SCHEMA!r}")
+        out = cls(**{**_known(cls, d), "outcome": Outcome(d["outcome"]), "raised": None})
+        if d.get("raised"):
+            out.raised = RaisedError.from_dict(d["raised"])
+        return out
+
+
+def write_end(folder: Path, record: EndRecord, *, overwrite: bool = False) -> bool:
+    """Write `rank{R}.json` unless one is there already (the first ending wins) or `overwrite`. True if written."""
+    path = end_path(folder, record.rank)
+    if not overwrite and path.exists():
+        return False
+    write_json(path, record.to_dict())
+    return True
+
+
+def read_end(path: Path) -> EndRecord | None:
+    """A rank's end record, or None when the file is missing, half written or of another schema."""
+    data = _read(path)
+    if data is None:
+        return None
+    try:
+        return EndRecord.from_dict(data)
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def read_ends(folder: Path) -> dict[int, EndRecord]:
+    """Every rank's end record in `folder`, by rank."""
+    out = {}
+    for path in sorted(folder.glob("rank*.json")):
+        if not path.name.endswith(".progress.json") and (end := read_end(path)) is not None:
+            out[end.rank] = end
+    return out
+
+
+@dataclass(kw_only=True, slots=True)
+class ProgressSample:
+    """Where the rank's main thread is, sampled by its watchdog: `rank{R}.progress.json`."""
+
+    schema: str = PROGRESS_SCHEMA
+    rank: int
+    local_rank: int = 0
+    world_size: int = 1
+    pid: int = 0
+    ddp_models: int = 0
+    models: list[dict[str, Any]] = field(default_factory=list)
+    step: int = -1
+    phase: str = "before DDP was built"
+    user_frame: str | None = None
+    """The user's innermost line on the main thread."""
+    innermost: str | None = None
+    """The innermost frame on the main thread, whoever's ("file:line in function")."""
+    ended: bool = False
+    """The rank is done (it wrote its end record and is leaving)."""
+    time: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ProgressSample:
+        if d.get("schema") != PROGRESS_SCHEMA:
+            raise ValueError(f"progress sample of schema {d.get('schema')!r}, expected {PROGRESS_SCHEMA!r}")
+        return cls(**_known(cls, d))
+
+
+def write_progress(folder: Path, sample: ProgressSample) -> None:
+    write_json(progress_path(folder, sample.rank), sample.to_dict())
+
+
+def read_progress(path: Path) -> ProgressSample | None:
+    data = _read(path)
+    if data is None:
+        return None
+    try:
+        return ProgressSample.from_dict(data)
+    except (ValueError, TypeError):
+        return None
 
 
 @dataclass(kw_only=True)
@@ -111,7 +289,7 @@ class RankState:
     world_size: int = 1
     outcome: Outcome | None = None
     """None: the rank left no end record (killed by a signal, or stopped by the launcher or the timeout)."""
-    crash: Crash | None = None
+    raised: RaisedError | None = None
     exit_status: int | None = None
     exit_site: str | None = None
     step: int = -1
@@ -134,64 +312,43 @@ class RankState:
     models: list[dict[str, Any]] = field(default_factory=list)
     ddp_models: int = 0
     ended: bool = False
-    closed: dict[str, Any] | None = None
-    """From the beacon: `{"step": S, "missing": [...]}`, the last step the rank closed and the trainable parameters
-    that got no gradient in it (at most 16 names)."""
+    closed: ClosedStep | None = None
+    """From the beacon: the last step the rank closed and the trainable parameters that got no gradient in it."""
 
     @property
     def built_ddp(self) -> bool:
         return self.ddp_models > 0
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def read_rank_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
     """Merge each rank's files (end record, beacon, sampled progress, fault dump, torchrun's exit statuses)."""
-    ends = {
-        d["rank"]: d
-        for p in folder.glob("rank*.json")
-        if not p.name.endswith(".progress.json")
-        if (d := _read(p)) is not None
-    }
-    progress = {d["rank"]: d for p in folder.glob("rank*.progress.json") if (d := _read(p)) is not None}
-    beacons = {
+    ends = read_ends(folder)
+    progress = {s.rank: s for p in folder.glob("rank*.progress.json") if (s := read_progress(p)) is not None}
+    beacons: dict[int, BeaconState] = {
         int(p.name[4 : -len(".beacon")]): b for p in folder.glob("rank*.beacon") if (b := read_beacon(p)) is not None
     }
     failures = (_read(folder / "torchrun.json") or {}).get("failures", {})
     states: dict[int, RankState] = {}
     for rank in sorted(set(ends) | set(progress) | set(beacons)):
-        end, prog, beacon = ends.get(rank, {}), progress.get(rank, {}), beacons.get(rank)
-        state = RankState(rank=rank, world_size=int(end.get("world_size") or prog.get("world_size") or 1))
-        if end.get("outcome"):
-            state.outcome = Outcome(end["outcome"])
-        if end.get("crash"):
-            crash = end["crash"]
-            state.crash = Crash(**{k: crash[k] for k in Crash.__dataclass_fields__ if k in crash})
-        if state.outcome is Outcome.EXITED:
-            state.exit_status, state.exit_site = end.get("status"), end.get("site")
-        state.models = end.get("models") or prog.get("models") or []
-        state.ddp_models = max(end.get("ddp_models", 0) or 0, prog.get("ddp_models", 0) or 0)
-        state.ended = bool(prog.get("ended"))
-        state.step = prog.get("step", -1)
-        state.phase = prog.get("phase", state.phase)
-        state.user_frame, state.innermost = prog.get("user_frame"), prog.get("innermost")
-        if prog.get("time"):
-            state.sample_age_s = max(0.0, end_time - prog["time"])
+        end, prog, beacon = ends.get(rank), progress.get(rank), beacons.get(rank)
+        world = (end.world_size if end else 0) or (prog.world_size if prog else 0) or 1
+        state = RankState(rank=rank, world_size=world)
+        if end is not None:
+            state.outcome, state.raised = end.outcome, end.raised
+            if end.outcome is Outcome.EXITED:
+                state.exit_status, state.exit_site = end.status, end.site
+        state.models = (end.models if end else []) or (prog.models if prog else [])
+        state.ddp_models = max(end.ddp_models if end else 0, prog.ddp_models if prog else 0)
+        if prog is not None:
+            state.ended, state.step, state.phase = prog.ended, prog.step, prog.phase
+            state.user_frame, state.innermost = prog.user_frame, prog.innermost
+            if prog.time:
+                state.sample_age_s = max(0.0, end_time - prog.time)
         if beacon is not None:
-            state.step, state.phase = beacon.get("step", state.step), beacon.get("phase", state.phase)
-            state.site = beacon.get("site")
-            state.closed = beacon.get("closed")
-            state.position_age_s = max(0.0, end_time - beacon.get("time", end_time))
-            state.in_collective = bool(beacon.get("in_collective"))
-            state.collectives = int(beacon.get("collectives", 0))
-            if beacon.get("collective"):
-                c = beacon["collective"]
-                state.collective = Collective(**{k: c[k] for k in Collective.__dataclass_fields__ if k in c})
+            state.step, state.phase, state.site, state.closed = beacon.step, beacon.phase, beacon.site, beacon.closed
+            state.position_age_s = max(0.0, end_time - (beacon.time or end_time))
+            state.in_collective, state.collectives = beacon.in_collective, beacon.collectives
+            state.collective = beacon.collective
         failure = failures.get(str(rank))
         if failure is not None:
             state.signal = failure.get("signal")

@@ -3,7 +3,8 @@
 torchrun starts this module instead of the user's script. It ties the rank's life to torchrun's, installs the
 doctor, then runs the script (or module) the way `python script.py` / `python -m module` would: as `__main__`, with
 `sys.argv[0]` and `sys.path[0]` set to the script's, so `if __name__ == "__main__":` blocks, relative imports of
-sibling files and argparse all behave as usual.
+sibling files and argparse all behave as usual. Another entry point (`ddp-doctor bench`'s) calls `run_rank` with
+its own policy.
 """
 
 from __future__ import annotations
@@ -11,16 +12,24 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from typing import TYPE_CHECKING
 
 from ddp_doctor.launch.config import RankConfig, die_with_parent
 
+if TYPE_CHECKING:
+    from ddp_doctor.launch.session import PolicyFactory
 
-def main() -> None:
-    die_with_parent()
+__all__ = ["main", "run_rank"]
+
+
+def run_rank(config: RankConfig, policy: PolicyFactory | None = None) -> None:
+    """Install the doctor with `policy` (default: the check's), run the script, and end the rank (never returns).
+
+    Call `die_with_parent()` first, before the heavy imports.
+    """
     from ddp_doctor.launch.session import Session
 
-    config = RankConfig.from_env()
-    session = Session(config)
+    session = Session(config, policy)
     session.install()
     args = sys.argv[1:]
     try:
@@ -39,6 +48,11 @@ def main() -> None:
     except BaseException as exc:  # noqa: BLE001  (whatever the script raised is reported, not re-raised)
         session.on_crash(exc)
     session.on_exit(None)
+
+
+def main() -> None:
+    die_with_parent()
+    run_rank(RankConfig.from_env())
 
 
 if __name__ == "__main__":

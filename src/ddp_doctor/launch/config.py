@@ -1,4 +1,5 @@
-"""What the `check` parent tells each rank, through one environment variable."""
+"""What the `check` parent tells each rank, through one environment variable (`ddp-doctor bench` adds its own
+plan in another: `bench/plan.py`)."""
 
 from __future__ import annotations
 
@@ -55,12 +56,6 @@ class RankConfig:
     """This node's folder for the ranks' progress, crash records and the report."""
     deadline: float = 0.0
     """Wall-clock time (`time.time()`) by which every rank must have ended."""
-    timed_steps: int = 0
-    """After the observed steps and the report, time this many more optimizer steps with every hook removed
-    (`ddp-doctor bench`); the step times go to `timing.json`."""
-    bench: dict[str, Any] | None = None
-    """`ddp-doctor bench`'s plan for this launch (`bench.plan.BenchPlan` as a dict): after the observed steps, run
-    the candidates' blocks in the same processes. None with `timed_steps`: time those steps only."""
     crash_wait_s: float = 10.0
     """After a crash, how long a rank waits for the others to join the report before it gives up and exits."""
 
@@ -71,5 +66,7 @@ class RankConfig:
     def from_env(cls) -> RankConfig:
         raw = os.environ.get(ENV_VAR)
         if not raw:
-            raise RuntimeError(f"{ENV_VAR} is not set: ddp_doctor.launch.bootstrap is started by `ddp-doctor check`.")
+            raise RuntimeError(
+                f"{ENV_VAR} is not set: ddp_doctor.launch.bootstrap is started by `ddp-doctor check` (or `bench`)."
+            )
         return cls(**json.loads(raw))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ddp_doctor.core.beacon import Beacon
+from ddp_doctor.core.beacon import Beacon, Collective
 from ddp_doctor.core.frames import user_site_of
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.observation import collectives
@@ -35,15 +35,15 @@ class CollectiveRecorder:
         self.beacon.update(
             in_collective=True,
             collectives=self.count,
-            collective={
-                "op": call.op,
-                "n": self.count,
-                "site": user_site_of(call.caller),
-                "tensor": call.tensor,
-                "group_size": call.group_size,
-                "step": active.steps_observed if active is not None else None,
-                "phase": active.phase if active is not None else None,
-            },
+            collective=Collective(
+                op=call.op,
+                n=self.count,
+                site=user_site_of(call.caller),
+                tensor=call.tensor,
+                group_size=call.group_size,
+                step=active.steps_observed if active is not None else None,
+                phase=active.phase if active is not None else None,
+            ),
         )
 
     def _leave(self) -> None:

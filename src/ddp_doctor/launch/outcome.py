@@ -16,7 +16,7 @@ from typing import Any
 from ddp_doctor.analyze.failures import failure_findings
 from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.findings import Recommendation, Timing, finite
-from ddp_doctor.core.rankfiles import Outcome, RankState, read_rank_states
+from ddp_doctor.core.rankfiles import Outcome, RankState, read_ends, read_rank_states
 from ddp_doctor.report.model import Report
 
 __all__ = ["CheckResult", "Model", "collect", "exit_code"]
@@ -40,10 +40,6 @@ class CheckResult:
     error: str | None = None
     """Set when the tool could not run the script at all (exit code 2)."""
     timed_out: bool = False
-    step_times: list[float] | None = None
-    """Unobserved optimizer-step times after the report (`ddp-doctor bench`), from this node's local rank 0."""
-    late_crash: str | None = None
-    """An error raised after the report was written (during the timed steps)."""
     interrupted: int | None = None
     """The signal (2 SIGINT, 15 SIGTERM, 1 SIGHUP) that stopped `ddp-doctor` before the run ended."""
     clean_line: bool = True
@@ -104,19 +100,14 @@ def collect(
     native: list[str] | None = None,
 ) -> CheckResult:
     """Read the output folder after every rank has ended."""
-    internal = [
-        (p, d)
-        for p in sorted(outdir.glob("rank*.json"))
-        if not p.name.endswith(".progress.json")
-        if (d := _read(p)) is not None and d.get("outcome") == Outcome.INTERNAL_ERROR.value
-    ]
+    internal = [e for e in read_ends(outdir).values() if e.outcome is Outcome.INTERNAL_ERROR]
     if internal:
-        path, data = internal[0]
+        end = internal[0]
         return CheckResult(
-            error=f"ddp-doctor failed on {path.stem.replace('rank', 'rank ')} with an internal error: "
-            f"{data.get('error')}. This is a bug in ddp-doctor, not a finding about your script; "
+            error=f"ddp-doctor failed on rank {end.rank} with an internal error: "
+            f"{end.error}. This is a bug in ddp-doctor, not a finding about your script; "
             "no report can be trusted from this run. Please report it with this traceback:\n"
-            f"{data.get('traceback', '')}",
+            f"{end.traceback or ''}",
             timed_out=timed_out,
             interrupted=interrupted,
         )
@@ -138,20 +129,7 @@ def collect(
             )
             for m in [*full["models"], *extra]
         ]
-        timing = _read(outdir / "timing.json")
-        late = [
-            f"rank {d['rank']}: {d['crash']['type']}: {d['crash']['message'][:300]}"
-            for p in sorted(outdir.glob("rank*.json"))
-            if not p.name.endswith(".progress.json")
-            if (d := _read(p)) is not None and d.get("outcome") == Outcome.CRASHED_AFTER_REPORT.value
-        ]
-        return CheckResult(
-            models=models,
-            timed_out=timed_out,
-            step_times=timing["step_s"] if timing else None,
-            late_crash="; ".join(late) or None,
-            interrupted=interrupted,
-        )
+        return CheckResult(models=models, timed_out=timed_out, interrupted=interrupted)
 
     states = read_rank_states(outdir, end_time=time.time())
     if not states:
@@ -169,11 +147,11 @@ def collect(
         # A rank that only lost its peer is not the cause when another rank raised or died of a signal.
         died_of_signal = any(s.signal not in (None, "SIGTERM") for s in states.values())
         crashed = sorted(
-            (s for s in states.values() if s.crash is not None and not (s.crash.peer_lost and died_of_signal)),
-            key=lambda s: (s.crash.peer_lost, s.rank),
+            (s for s in states.values() if s.raised is not None and not (s.raised.peer_lost and died_of_signal)),
+            key=lambda s: (s.raised.peer_lost, s.rank),
         )
         if crashed:
-            crash = crashed[0].crash
+            crash = crashed[0].raised
             return CheckResult(
                 error=f"the script failed on rank {crashed[0].rank} before it built a DDP model: "
                 f"{crash.type}: {crash.message}\n{crash.traceback}",

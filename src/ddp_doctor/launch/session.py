@@ -17,9 +17,10 @@ others to join a collective:
 - `rank{R}.json`: how this rank ended (a crash with its traceback and explanation, an exit, or the end of the script).
 - `report.json`: the reports, when the ranks managed to exchange records.
 
-Under `ddp-doctor bench` the rank does not exit after the report: `bench.inrank` takes over and runs the
-candidates' blocks in the same processes (see there). `collectives.py` records the script's collectives in the
-beacon; `frames.py` tells the user's frames from torch's and the frameworks'.
+The files' schema is `core/rankfiles.py` (and `core/beacon.py`). What happens after the report is the run's
+`RunPolicy` (`policy.py`): under `check` the rank exits; under `ddp-doctor bench` (whose entry point hands its own
+policy to `run_rank`) the rank goes on in the same processes. `inflight.py` records the script's collectives in the
+beacon; `core/frames.py` tells the user's frames from torch's and the frameworks'.
 """
 
 from __future__ import annotations
@@ -27,59 +28,43 @@ from __future__ import annotations
 import faulthandler
 import functools
 import inspect
-import json
 import logging
 import os
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
-from ddp_doctor.core.beacon import Beacon
+from ddp_doctor.core.beacon import Beacon, ClosedStep
 from ddp_doctor.core.errors import DoctorError
 from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site_of
 from ddp_doctor.core.phase import Phase
+from ddp_doctor.core.rankfiles import EndRecord, Outcome, ProgressSample, write_end, write_json
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.inflight import CollectiveRecorder
+from ddp_doctor.launch.policy import CheckPolicy, RunPolicy
+from ddp_doctor.launch.raised import raised_error
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
-from ddp_doctor.launch.watchdog import Watchdog, peers_train_on
+from ddp_doctor.launch.watchdog import Watchdog, main_thread_position, peers_train_on
 from ddp_doctor.observation import dataloaders
-from ddp_doctor.observation.crash import raising_ddp
 from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR, freeze_named
 
-if TYPE_CHECKING:
-    from ddp_doctor.bench.inrank import InRankBench
-
-__all__ = ["FRAMEWORKS", "Session", "framework_of_stack", "write_json"]
+__all__ = ["FRAMEWORKS", "PolicyFactory", "Session", "framework_of_stack"]
 
 logger = logging.getLogger(__name__)
 
-# What a collective raises on the ranks that survive when a peer dies or stops (gloo, then NCCL wording).
-_PEER_LOST = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Timed out waiting",
-    "communicator was aborted",
-    "remote process exited",
-    "NCCL error",
-)
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write atomically, so a reader (or a kill) never sees half a file."""
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, default=str))
-    os.replace(tmp, path)
+PolicyFactory = Callable[["Session"], RunPolicy]
+"""Builds the run's policy from the session, in `install()` (before any user code runs)."""
 
 
 def _is_world(group: dist.ProcessGroup | None) -> bool:
@@ -87,10 +72,16 @@ def _is_world(group: dist.ProcessGroup | None) -> bool:
 
 
 class Session:
-    """The per-rank state of one `check` run. See the module docstring."""
+    """The per-rank state of one launch. See the module docstring.
 
-    def __init__(self, config: RankConfig) -> None:
+    Args:
+        config: what the parent told the ranks.
+        policy: builds what happens after the report (default: `CheckPolicy`, the rank leaves).
+    """
+
+    def __init__(self, config: RankConfig, policy: PolicyFactory | None = None) -> None:
         self.config = config
+        self._make_policy = policy
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -101,7 +92,7 @@ class Session:
         self.ended = threading.Event()
         """Set when the rank is done (the watchdog stops)."""
         self.original_init = DistributedDataParallel.__init__
-        """DDP's own constructor (`bench` rebuilds the script's DDP with it, unobserved)."""
+        """DDP's own constructor (a policy may rebuild the script's DDP with it, unobserved: `bench`)."""
         self._original_destroy = dist.destroy_process_group
         self._signature = inspect.signature(self.original_init)
         self.beacon = Beacon(self.outdir / f"rank{self.rank}.beacon")
@@ -109,9 +100,9 @@ class Session:
             self.beacon, lambda: next((d for d in self.doctors if not d.finished), None)
         )
         self.plain = PlainOptimizerWatch()
-        self.watchdog = Watchdog(self)
-        self.bench: InRankBench | None = None
-        """`ddp-doctor bench`'s driver, which takes over after the observed steps (None under `check`)."""
+        self.watchdog = Watchdog(self.outdir, self.progress, self.ended, config.deadline)
+        self.policy: RunPolicy = CheckPolicy()
+        """What happens after the report (set in `install`)."""
 
     # ---------------------------------------------------------------------------------------------- set-up
 
@@ -119,16 +110,9 @@ class Session:
         """Wrap DDP's constructor and `destroy_process_group`, and start the watchdog. Call before user code."""
         session = self
         original_init = self.original_init
-        if self.config.timed_steps:
-            from ddp_doctor.bench.inrank import InRankBench
-            from ddp_doctor.bench.plan import BenchPlan
-
-            plan = (
-                BenchPlan.from_dict(self.config.bench)
-                if self.config.bench
-                else BenchPlan(steps=self.config.timed_steps, rounds=1, share=False)
-            )
-            self.bench = InRankBench(self, plan)
+        if self._make_policy is not None:
+            # Built before any doctor exists: a policy's optimizer hooks run before every doctor's.
+            self.policy = self._make_policy(self)
 
         @functools.wraps(original_init)
         def __init__(ddp: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
@@ -138,8 +122,8 @@ class Session:
             session._before_wrap(module, bound.arguments)
             trainable = [p.requires_grad for _, p in module.named_parameters()]
             original_init(*bound.args, **bound.kwargs)
-            if session.bench is not None and not session._finishing:
-                session.bench.wrapped(ddp, own)
+            if not session._finishing:
+                session.policy.wrapped(ddp, own)
             session._after_wrap(ddp, trainable)
 
         original_destroy = self._original_destroy
@@ -226,7 +210,7 @@ class Session:
             report = self.plain.report()
         except DoctorError as exc:
             logger.warning("ddp-doctor: rank %d could not compare the unwrapped model: %s", self.rank, exc)
-            self._end({"outcome": "no-exchange", "error": str(exc), "ddp_models": 0})
+            self._end(Outcome.NO_EXCHANGE, error=str(exc))
             self._exit(1)
             return
         opt = self.plain.optimizer
@@ -238,7 +222,7 @@ class Session:
         }
         if self.local_rank == 0:
             write_json(self.outdir / "report.json", {"reason": reason, "models": [model]})
-        self._end({"outcome": "reported", "reason": reason, "ddp_models": 0})
+        self._end(Outcome.REPORTED, reason=reason)
         self.leave()
 
     # ------------------------------------------------------------------------------------------- position
@@ -251,7 +235,7 @@ class Session:
             # What the step that just closed left without a gradient: a rank that later hangs in a collective
             # still tells which parameters it trained (analyze.failures reads it against a peer's DDP error).
             step, names = doctor.missing_grads()
-            extra["closed"] = {"step": step, "missing": names}
+            extra["closed"] = ClosedStep(step=step, missing=list(names))
         self.beacon.update(
             step=doctor.steps_observed, phase=doctor.phase, model=model, site=user_site_of(sys._getframe(1)), **extra
         )
@@ -274,8 +258,7 @@ class Session:
         they are still training: the rank leaves with its own status, and the supervisor reports `rank-exited`.
         """
         code = 0 if exc is None or exc.code is None else exc.code if isinstance(exc.code, int) else 1
-        if self.bench is not None and self.bench.took_over:
-            self.bench.on_script_end()  # the script's loop ended before the bench's blocks did
+        if self.policy.script_ended():  # the script's loop ended while the policy ran (bench's blocks)
             self.leave()
         if exc is None:
             site = "the end of the script"
@@ -284,16 +267,7 @@ class Session:
         step = max((d.steps_observed for d in self.doctors), default=-1)
         if not self.doctors and self.plain.steps and not self._finishing and code == 0:
             self.finish_unwrapped("the script ended")
-        self._end(
-            {
-                "outcome": "exited",
-                "status": code,
-                "site": site,
-                "step": step,
-                "phase": self.watchdog.progress()["phase"],
-                "ddp_models": len(self.doctors),
-            }
-        )
+        self._end(Outcome.EXITED, status=code, site=site, step=step, phase=str(self.progress().phase))
         if self.doctors and not self._finishing and not peers_train_on(self.outdir, self.rank, step):
             wait = max(0.5, min(self.config.crash_wait_s, self.remaining()))
             self.finish(
@@ -305,46 +279,16 @@ class Session:
 
     def on_crash(self, exc: BaseException) -> None:
         """The script raised on this rank: record it, try to report with the others, and exit."""
-        tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
-        frames = traceback.extract_tb(exc.__traceback__)
-        phase = self.watchdog.progress()["phase"]
-        explained = None
-        step = -1
-        # DDP's own errors are raised inside the forward of the model that failed: only that model's doctor
-        # records the crash (a GAN's critic failing says nothing about its generator).
-        raising = raising_ddp(exc)
-        for doctor in self.doctors:
-            if raising is not None and doctor.ddp is not raising:
-                continue
-            failure = doctor.explain(exc, hint="")
-            step = max(step, doctor.record().crash_step)
-            if failure is not None and explained is None:
-                numel = dict(zip(doctor.info.param_names, doctor.info.numels))
-                explained = {
-                    "code": failure.code,
-                    "params": failure.params,
-                    "message": str(failure),
-                    "numels": [numel.get(n, 0) for n in failure.params],
-                }
-        message = str(exc)
-        crash = {
-            "type": type(exc).__name__,
-            "message": message[:4000],
-            "traceback": "".join(tb)[-20000:],
-            "site": user_frame(frames),
-            "step": step,
-            "explained": explained,
-            "peer_lost": explained is None and any(p in message for p in _PEER_LOST),
-            "phase": phase,
-        }
-        # After finish() the report is written: this crash happened in the timed steps that follow it (bench).
-        outcome = "crashed-after-report" if self._finishing else "crashed"
-        self._end({"outcome": outcome, "crash": crash, "ddp_models": len(self.doctors)}, overwrite=True)
-        if explained is None and not crash["peer_lost"]:
+        raised = raised_error(exc, self.doctors, phase=str(self.progress().phase))
+        # After finish() the report is written: this crash happened in what the policy ran after it (bench).
+        outcome = Outcome.CRASHED_AFTER_REPORT if self._finishing else Outcome.CRASHED
+        self._end(outcome, raised=raised, overwrite=True)
+        if raised.explained is None and not raised.peer_lost:
             # Not DDP's error: the user needs the whole traceback, as torchrun would have shown it.
-            sys.stderr.write(f"[ddp-doctor] rank {self.rank} crashed:\n{''.join(tb)}")
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            sys.stderr.write(f"[ddp-doctor] rank {self.rank} crashed:\n{tb}")
             sys.stderr.flush()
-        if self.doctors and not crash["peer_lost"]:
+        if self.doctors and not raised.peer_lost:
             wait = max(0.5, min(self.config.crash_wait_s, self.remaining()))
             self.finish(f"rank {self.rank} crashed", timeout=wait, exit_code=1)
         self._exit(1)
@@ -364,17 +308,12 @@ class Session:
             reports = [doctor.report(timeout=timeout) for doctor in self.doctors]
         except DoctorError as exc:
             logger.warning("ddp-doctor: rank %d could not exchange records (%s): %s", self.rank, reason, exc)
-            self._end({"outcome": "no-exchange", "error": str(exc), "ddp_models": len(self.doctors)})
+            self._end(Outcome.NO_EXCHANGE, error=str(exc))
             self._exit(1 if exit_code is None else exit_code)
             return
         except Exception as exc:  # noqa: BLE001  (a bug of ours must never read as a clean report)
             self._end(
-                {
-                    "outcome": "internal-error",
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc()[-20000:],
-                    "ddp_models": len(self.doctors),
-                }
+                Outcome.INTERNAL_ERROR, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-20000:]
             )
             self._exit(1)
             return
@@ -396,10 +335,9 @@ class Session:
                 self.outdir / f"report.rank{self.rank}.json",
                 {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in mine]},
             )
-        self._end({"outcome": "reported", "reason": reason, "ddp_models": len(self.doctors)})
-        if self.bench is not None and not exit_code and reason == self._steps_reason:
-            self.bench.take_over(self.doctors, reports)
-            return
+        self._end(Outcome.REPORTED, reason=reason)
+        if not exit_code and reason == self._steps_reason and self.policy.reported(self.doctors, reports):
+            return  # the policy goes on in this process, and leaves when it is done
         self.leave()
 
     def leave(self) -> None:
@@ -411,20 +349,38 @@ class Session:
             pass
         self._exit(0)
 
-    def _end(self, state: dict[str, Any], *, overwrite: bool = False) -> None:
-        path = self.outdir / f"rank{self.rank}.json"
-        if overwrite or not path.exists():
-            write_json(
-                path,
-                {
-                    "rank": self.rank,
-                    "local_rank": self.local_rank,
-                    "world_size": self.world_size,
-                    "pid": os.getpid(),
-                    "models": self.models,
-                    **state,
-                },
-            )
+    def _end(self, outcome: Outcome, *, overwrite: bool = False, **fields: Any) -> None:
+        """Write the rank's end record (the first ending wins, unless `overwrite`); `fields`: `EndRecord`'s."""
+        record = EndRecord(
+            rank=self.rank,
+            local_rank=self.local_rank,
+            world_size=self.world_size,
+            pid=os.getpid(),
+            outcome=outcome,
+            models=self.models,
+            ddp_models=len(self.doctors),
+            **fields,
+        )
+        write_end(self.outdir, record, overwrite=overwrite)
+
+    def progress(self) -> ProgressSample:
+        """Where the rank is now (the watchdog's sample; any thread)."""
+        active = next((d for d in self.doctors if not d.finished), self.doctors[-1] if self.doctors else None)
+        user, innermost = main_thread_position()
+        return ProgressSample(
+            rank=self.rank,
+            local_rank=self.local_rank,
+            world_size=self.world_size,
+            pid=os.getpid(),
+            ddp_models=len(self.doctors),
+            models=self.models,
+            step=active.steps_observed if active is not None else -1,
+            phase=active.phase if active is not None else Phase.BEFORE_DDP.value,
+            user_frame=user,
+            innermost=innermost,
+            ended=self.ended.is_set(),
+            time=time.time(),
+        )
 
     def _exit(self, code: int) -> None:
         self.ended.set()

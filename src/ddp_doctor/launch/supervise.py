@@ -25,12 +25,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
+from ddp_doctor.core.rankfiles import Outcome, end_path, read_ends
 from ddp_doctor.launch.config import CLI_PID_VAR, ENV_VAR, RUN_MARKER_VAR, RankConfig
 from ddp_doctor.launch.outcome import CheckResult, collect
 
-__all__ = ["Interrupted", "check_namespace", "install_signal_handlers", "run_check", "run_processes"]
+__all__ = ["BOOTSTRAP", "Interrupted", "check_namespace", "install_signal_handlers", "run_check", "run_processes"]
 
 BOOTSTRAP = "ddp_doctor.launch.bootstrap"
+"""The module torchrun starts in every rank under `check` (`run_check(bootstrap=...)` names another)."""
 _POLL_S = 0.1
 _LOG_DIR = Path(tempfile.gettempdir()) / "ddp-doctor-logs"
 
@@ -166,15 +168,12 @@ def native_messages(text: str, limit: int = 3) -> list[str]:
 def _ended_ranks(folder: Path) -> dict[int, float]:
     """rank -> when it wrote its end record, for ranks that ended without a report (crashed or exited)."""
     out = {}
-    for path in folder.glob("rank*.json"):
-        if path.name.endswith(".progress.json"):
-            continue
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if data.get("outcome") in ("crashed", "exited", "no-exchange"):
-            out[int(data["rank"])] = path.stat().st_mtime
+    for rank, end in read_ends(folder).items():
+        if end.outcome in (Outcome.CRASHED, Outcome.EXITED, Outcome.NO_EXCHANGE):
+            try:
+                out[rank] = end_path(folder, rank).stat().st_mtime
+            except OSError:
+                continue
     return out
 
 
@@ -185,6 +184,8 @@ def run_check(
     timeout: float,
     output: IO[str] | None = None,
     outdir: Path | None = None,
+    bootstrap: str = BOOTSTRAP,
+    env: dict[str, str] | None = None,
 ) -> CheckResult:
     """Run the script under torchrun with the doctor in every rank, and collect the result on this node.
 
@@ -194,6 +195,8 @@ def run_check(
         timeout: seconds after which every rank is stopped and the run reported as it stands.
         output: where the script's stdout and stderr go (`None`: this process's own).
         outdir: keep the ranks' files here instead of a temporary folder.
+        bootstrap: the module torchrun starts in every rank (a later stage's entry point, with its own policy).
+        env: more environment variables for the ranks (a later stage's own settings).
 
     Returns:
         The `CheckResult`; `interrupted` is set (and the result partial) when `Interrupted` stopped the run.
@@ -204,7 +207,7 @@ def run_check(
         folder.mkdir(parents=True, exist_ok=True)
         start = time.time()
         config = replace(config, outdir=str(folder.resolve()), deadline=start + timeout)
-        args = {**torchrun_args, "module": True, "no_python": False, "run_path": False, "training_script": BOOTSTRAP}
+        args = {**torchrun_args, "module": True, "no_python": False, "run_path": False, "training_script": bootstrap}
         # torchrun and the ranks make their temporary files (torchelastic_*, the script's own) inside the run's
         # folder, so they go with it even when a process had to be killed. torch's compile cache stays where
         # torch would put it, so it survives between runs.
@@ -213,8 +216,9 @@ def run_check(
         cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(
             Path(tempfile.gettempdir()) / f"torchinductor_{_user()}"
         )
-        env = {
+        environ = {
             **os.environ,
+            **(env or {}),
             ENV_VAR: config.to_env(),
             "PYTHONUNBUFFERED": "1",
             RUN_MARKER_VAR: marker,
@@ -231,7 +235,7 @@ def run_check(
             pipe = subprocess.PIPE if output is None else output
             proc = subprocess.Popen(
                 [sys.executable, "-m", "ddp_doctor.launch.torchrun", json.dumps(args)],
-                env=env,
+                env=environ,
                 stdout=pipe,
                 stderr=subprocess.PIPE if output is None else subprocess.STDOUT,
                 start_new_session=True,
@@ -304,7 +308,6 @@ def check_namespace(
     freeze: list[str],
     timeout: float,
     output: IO[str] | None,
-    timed_steps: int = 0,
 ) -> CheckResult:
     """Run `check` on torchrun's parsed namespace (as a dict)."""
     config = RankConfig(
@@ -313,6 +316,5 @@ def check_namespace(
         steps=steps,
         ddp_kwargs=ddp_kwargs,
         freeze_before_wrap=freeze,
-        timed_steps=timed_steps,
     )
     return run_check(namespace, config, timeout=timeout, output=output)

@@ -1,6 +1,9 @@
 """The rank's watchdog: a daemon thread that samples where the main thread is (step, phase, the user's line, the
 innermost frame) into `rank{R}.progress.json` whenever it changes, so a hung rank's report says where it hangs;
-and the look at the other local ranks' beacons that tells an exiting rank whether waiting for them is pointless."""
+and the look at the other local ranks' beacons that tells an exiting rank whether waiting for them is pointless.
+
+The watchdog knows nothing of the run: it is given the function that takes a sample, the event that ends it and
+the deadline (see `session.py`)."""
 
 from __future__ import annotations
 
@@ -10,17 +13,15 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from ddp_doctor.core.beacon import read_beacon
 from ddp_doctor.core.frames import user_frame
 from ddp_doctor.core.phase import IN_STEP
+from ddp_doctor.core.rankfiles import ProgressSample, write_progress
 
-if TYPE_CHECKING:
-    from ddp_doctor.launch.session import Session
-
-__all__ = ["Watchdog", "peers_train_on"]
+__all__ = ["Watchdog", "main_thread_position", "peers_train_on"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,58 +29,51 @@ _INTERVAL_S = 0.5
 _IN_STEP = tuple(p.value for p in IN_STEP)
 
 
-class Watchdog:
-    """Samples `session`'s main thread every half second (see the module docstring)."""
+def main_thread_position() -> tuple[str | None, str | None]:
+    """(the user's innermost line, the innermost frame) on the main thread, from any thread."""
+    main = sys._current_frames().get(threading.main_thread().ident or 0)
+    frames = traceback.extract_stack(main) if main is not None else []
+    inner = frames[-1] if frames else None
+    return user_frame(frames), f"{inner.filename}:{inner.lineno} in {inner.name}" if inner else None
 
-    def __init__(self, session: Session) -> None:
-        self._s = session
+
+class Watchdog:
+    """Writes `sample()` to `folder` every half second when it changed, until `ended` is set.
+
+    Args:
+        folder: the node's output folder.
+        sample: where the rank is now.
+        ended: set when the rank is done (the thread stops).
+        deadline: wall-clock time by which the rank must have ended (0: none); past it (plus a margin), the
+            watchdog ends the rank with status 124, in case the parent is gone.
+    """
+
+    def __init__(
+        self, folder: Path, sample: Callable[[], ProgressSample], ended: threading.Event, deadline: float
+    ) -> None:
+        self._folder, self._sample, self._ended, self._deadline = folder, sample, ended, deadline
 
     def start(self) -> None:
-        """Write a first sample, then sample in a daemon thread until the session ends."""
+        """Write a first sample, then sample in a daemon thread until `ended` is set."""
         self.write()
         threading.Thread(target=self._run, name="ddp-doctor-watchdog", daemon=True).start()
 
-    def progress(self) -> dict[str, Any]:
-        """Where the rank is now."""
-        s = self._s
-        active = next((d for d in s.doctors if not d.finished), s.doctors[-1] if s.doctors else None)
-        main = sys._current_frames().get(threading.main_thread().ident or 0)
-        frames = traceback.extract_stack(main) if main is not None else []
-        inner = frames[-1] if frames else None
-        return {
-            "rank": s.rank,
-            "local_rank": s.local_rank,
-            "world_size": s.world_size,
-            "pid": os.getpid(),
-            "ddp_models": len(s.doctors),
-            "models": s.models,
-            "step": active.steps_observed if active is not None else -1,
-            "phase": active.phase if active is not None else "before DDP was built",
-            "user_frame": user_frame(frames),
-            "innermost": f"{inner.filename}:{inner.lineno} in {inner.name}" if inner else None,
-            "ended": s.ended.is_set(),
-            "time": time.time(),
-        }
-
     def write(self) -> None:
         """Write a sample now (never raises: the watchdog must never take the rank down)."""
-        from ddp_doctor.launch.session import write_json
-
         try:
-            write_json(self._s.outdir / f"rank{self._s.rank}.progress.json", self.progress())
+            write_progress(self._folder, self._sample())
         except Exception as exc:  # noqa: BLE001
             logger.debug("ddp-doctor: progress not written: %s", exc)
 
     def _run(self) -> None:
-        last: tuple[Any, ...] = ()
-        deadline = self._s.config.deadline
-        while not self._s.ended.wait(_INTERVAL_S):
-            progress = self.progress()
-            key = (progress["step"], progress["phase"], progress["user_frame"], progress["innermost"])
+        last: tuple[object, ...] = ()
+        while not self._ended.wait(_INTERVAL_S):
+            s = self._sample()
+            key = (s.step, s.phase, s.user_frame, s.innermost)
             if key != last:
                 self.write()
                 last = key
-            if deadline and time.time() > deadline + 2.0:
+            if self._deadline and time.time() > self._deadline + 2.0:
                 # The parent normally stops us before this; this covers a parent that is gone.
                 self.write()
                 os._exit(124)
@@ -96,9 +90,8 @@ def peers_train_on(outdir: Path, rank: int, step: int, *, watch_s: float = 1.0) 
         for path in outdir.glob("rank*.beacon"):
             if path.name == f"rank{rank}.beacon":
                 continue
-            peer = read_beacon(path) or {}
-            peer_step = int(peer.get("step", -1))
-            if peer_step > step or (peer_step == step and peer.get("phase") in _IN_STEP):
+            peer = read_beacon(path)
+            if peer is not None and (peer.step > step or (peer.step == step and peer.phase in _IN_STEP)):
                 return True
         if time.monotonic() > deadline:
             return False

@@ -1,0 +1,52 @@
+"""What a launch does after the check's observed steps: the policy the in-rank run (`session.py`) consults.
+
+The run itself (the wrap of DDP's constructor, the observation, the ending by crash, exit or finish) is the same
+for every launch. What differs is what happens after the report: `ddp-doctor check` ends the rank right there
+(`CheckPolicy`); `ddp-doctor bench` goes on in the same processes (its policy lives in `bench/inrank.py`, started by
+its own entry point, so launch never names bench).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_doctor.doctor import Doctor
+
+if TYPE_CHECKING:
+    from ddp_doctor.report.model import Report
+
+__all__ = ["CheckPolicy", "RunPolicy"]
+
+
+class RunPolicy(Protocol):
+    """The hooks the in-rank run calls. Every method runs on the rank's main thread, inside the script."""
+
+    def wrapped(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
+        """The script built a DDP model (before the report); `trainable` is its own `requires_grad` before any
+        freezing the launch applied."""
+        ...
+
+    def reported(self, doctors: list[Doctor], reports: list[Report]) -> bool:
+        """Every doctor saw its K steps and the report is written (`reports`, one per DDP model, identical on
+        every rank). True: the policy took over and the rank does not leave now (the policy leaves later)."""
+        ...
+
+    def script_ended(self) -> bool:
+        """The script returned or called `sys.exit`. True: the policy had taken over and has wrapped up; the rank
+        leaves with status 0 (the script's end is the policy's end, not a finding)."""
+        ...
+
+
+class CheckPolicy:
+    """`ddp-doctor check`: nothing after the report; the rank leaves."""
+
+    def wrapped(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
+        return None
+
+    def reported(self, doctors: list[Doctor], reports: list[Report]) -> bool:
+        return False
+
+    def script_ended(self) -> bool:
+        return False
