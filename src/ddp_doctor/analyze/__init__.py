@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from ddp_doctor.analyze.causes import CAUSES
 from ddp_doctor.analyze.recommend import recommend
 from ddp_doctor.analyze.usage import figures
 from ddp_doctor.analyze.used_set import DETECTORS
@@ -96,17 +97,28 @@ def _consistent_fixes(findings: list) -> None:
     """A fix must not send the user to a finding the report does not have."""
     codes = {f.code for f in findings}
     for f in findings:
-        if f.code == "replica-divergence" and "grads-not-synced" not in codes:
+        causes = [c for c in CAUSES if c in codes]
+        if f.code == "replica-divergence" and causes and "grads-not-synced" not in codes:
+            f.fix = (
+                f"fix the cause: {', '.join(causes)} (see {'that finding' if len(causes) == 1 else 'those findings'}). "
+                "Then restart from a checkpoint saved before the divergence, or re-broadcast rank 0's weights "
+                "knowingly."
+            )
+        elif f.code == "replica-divergence" and "grads-not-synced" not in codes:
             f.fix = (
                 "fix the cause named by the other findings; the gradients agreed at every optimizer step, so "
                 "the updates themselves differed (an extra synced pass on one rank, a rank-dependent optimizer "
                 "setting, or weights changed outside the optimizer). Restart from a checkpoint saved before the "
                 "divergence, or re-broadcast rank 0's weights knowingly."
                 if codes & _EXPLAINS_UNSYNCED
-                else "the gradients agreed at every optimizer step, so the updates themselves differed: look for a "
-                "rank-dependent optimizer setting or learning rate, or weights changed outside the optimizer. "
-                "Restart from a checkpoint saved before the divergence, or re-broadcast rank 0's weights "
-                "knowingly."
+                else "the cause is unknown. The gradients agreed at every optimizer step, and none of the causes "
+                "ddp-doctor looks for was seen: the same optimizer settings on every rank at the steps observed "
+                "(optimizer-differs), the same optimizer steps taken in lockstep (optimizer-step-skipped), "
+                "identical replicas before the first step (replicas-differ-at-wrap), no write to the weights "
+                "outside the optimizer on some ranks only (weights-changed-outside-optimizer). Look for what "
+                "changes the weights per rank that these do not cover (an optimizer the check did not observe, "
+                "a parameter replaced rather than written in place). Restart from a checkpoint saved before the "
+                "divergence, or re-broadcast rank 0's weights knowingly."
             )
         if f.code == "grads-not-synced" and not codes & _EXPLAINS_UNSYNCED:
             f.fix = (

@@ -25,6 +25,11 @@ def synced_pass_mismatch(v: View) -> list[Finding]:
     backward issues DDP's gradient all-reduces once more, which the other ranks pair with their next ones."""
     if v.world < 2:
         return []
+    (stepped_hi, stepped_lo), (synced_hi, synced_lo) = v.summary.steps_taken, v.summary.synced
+    if synced_hi == synced_lo and stepped_hi != stepped_lo:
+        # Every rank ran its synced passes in lockstep: counted per rank's own optimizer steps they look uneven
+        # only because some rank skipped a step (`optimizer-step-skipped`), not because collectives were extra.
+        return []
     most_by, least_by = v.summary.window_passes
     bad = [k for k in range(v.summary.windows) if most_by[k] != least_by[k]]
     if not bad:

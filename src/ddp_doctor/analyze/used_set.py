@@ -17,6 +17,13 @@ from ddp_doctor.analyze.agreement import (
     replica_divergence,
     wrapper_bypass,
 )
+from ddp_doctor.analyze.causes import (
+    grads_reduced_twice,
+    optimizer_differs,
+    optimizer_step_skipped,
+    replicas_differ_at_wrap,
+    weights_changed_outside_optimizer,
+)
 from ddp_doctor.analyze.common import all_ranks, freeze_fix, has_flags, steps_of, with_flags
 from ddp_doctor.analyze.consistency import (
     batchnorm_not_synced,
@@ -467,6 +474,11 @@ def reduction_error(v: View) -> list[Finding]:
 
 DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (
     reduction_error,
+    replicas_differ_at_wrap,
+    weights_changed_outside_optimizer,
+    optimizer_step_skipped,
+    optimizer_differs,
+    grads_reduced_twice,
     static_graph_unsafe,
     wrapper_bypass,
     unfrozen_after_wrap,

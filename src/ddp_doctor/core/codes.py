@@ -36,4 +36,10 @@ CODES: dict[str, str] = {
     # Cheap cross-rank checks of the training loop's helpers:
     "batchnorm-not-synced": "BatchNorm layers train on each rank's batch alone (no SyncBatchNorm)",
     "grad-scaler-mismatch": "AMP GradScaler's scale differs across ranks at an optimizer step",
+    # Added in the third round: why replicas diverge when the gradients agree.
+    "optimizer-differs": "the optimizers' settings (a hyperparameter, the groups, a scheduler's lr) differ across ranks",
+    "optimizer-step-skipped": "in one lockstep iteration some ranks called optimizer.step() and others did not",
+    "grads-reduced-twice": "the script reduces gradients that DDP has already reduced",
+    "replicas-differ-at-wrap": "the replicas differ before the first step (init_sync=False, a per-rank seed)",
+    "weights-changed-outside-optimizer": "parameters changed on some ranks only, outside the optimizer",
 }

@@ -144,6 +144,17 @@ class StepCounters:
     batchnorm_training: int = 0
     """How many of the model's BatchNorm layers (not SyncBatchNorm) were in training mode at that forward."""
 
+    optimizer_digest: int = 0
+    """A 31-bit digest of the optimizer's param groups at its `step()`: every hyperparameter (lr, momentum, betas,
+    weight decay, ...), the number of groups and their sizes (`observation.optimizers.describe`); 0: no step."""
+    scheduler_steps: int = 0
+    """Calls of an LR scheduler's `step()` on the observed optimizer in this step."""
+    changed_outside: int = 0
+    """Parameters whose values changed on this rank between the last optimizer step (or DDP's wrap, for step 0)
+    and this step's first forward: a change no optimizer made (their tensors' in-place version counters moved)."""
+    grads_rereduced: int = 0
+    """The script's collectives on a synced parameter's `.grad` after DDP reduced it in this step."""
+
     FIELDS = (
         "micro_steps",
         "ddp_forwards",
@@ -158,6 +169,10 @@ class StepCounters:
         "scaler_scale",
         "batch_size",
         "batchnorm_training",
+        "optimizer_digest",
+        "scheduler_steps",
+        "changed_outside",
+        "grads_rereduced",
     )
 
     def as_list(self) -> list[int]:
@@ -211,6 +226,17 @@ class RankRecord:
     collective_log: list[str] = field(default_factory=list)
     """The first script collectives of the observed steps (at most `MAX_COLLECTIVE_LOG`), as
     `step N: all_reduce(float32[1], SUM)/2 at file:line`: what names a mismatch that the per-step digests reveal."""
+    optimizer_log: list[str] = field(default_factory=list)
+    """Per step with an optimizer step: `step N: group 0 lr=0.05, momentum=0.9; group 1 ...`, what names the field
+    that `optimizer_digest` shows to differ (at most `MAX_STEP_LOG` steps)."""
+    scheduler_sites: list[str] = field(default_factory=list)
+    """`step N: file:line` of the LR scheduler's `step()` calls."""
+    changed_sites: list[str] = field(default_factory=list)
+    """`step N: <how> at file:line` of changes to the parameters outside the optimizer (`changed_outside`)."""
+    changed_params: list[int] = field(default_factory=list)
+    """Positions of the parameters changed outside the optimizer, the first step it happened."""
+    rereduce_sites: list[str] = field(default_factory=list)
+    """`step N: all_reduce(SUM)/2 at file:line` of collectives on gradients DDP had already reduced."""
 
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
         "used",
@@ -289,4 +315,9 @@ class RankRecord:
             "unpaired_sites": self.unpaired_sites,
             "collective_log": self.collective_log,
             "loaders": self.loaders,
+            "optimizer_log": self.optimizer_log,
+            "scheduler_sites": self.scheduler_sites,
+            "changed_sites": self.changed_sites,
+            "changed_params": self.changed_params,
+            "rereduce_sites": self.rereduce_sites,
         }

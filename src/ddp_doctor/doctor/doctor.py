@@ -131,7 +131,7 @@ class Doctor:
         )
         self._backward = BackwardHooks(t, self._timeline)
         self._forward = ForwardHooks(t, self._timeline, self._log, self._backward.hook_outputs)
-        self._listeners = Probes(self._timeline, self._log, self._forward)
+        self._listeners = Probes(self._timeline, self._log, self._forward, t)
         self.on_phase: Callable[[Doctor], None] | None = None
         """Called at every phase change (the launcher publishes the rank's position with it)."""
         self.on_steps_done: Callable[[Doctor], None] | None = None

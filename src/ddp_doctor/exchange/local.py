@@ -19,6 +19,7 @@ __all__ = [
     "first_set",
     "info_json",
     "leading_complete",
+    "at_step",
     "logged",
     "names_in_message",
     "rows_of",
@@ -58,6 +59,14 @@ def names_in_message(info: ModelInfo, text: str) -> list[int]:
 
 def first_set(flags: list[bool]) -> int | None:
     return next((i for i, f in enumerate(flags) if f), None)
+
+
+def at_step(log: list[str], step: int | None) -> list[str]:
+    """The entries of a per-step log (`step N: text`) for `step`, without the prefix ([] for None)."""
+    if step is None:
+        return []
+    prefix = f"step {step}: "
+    return [entry.removeprefix(prefix) for entry in log if entry.startswith(prefix)]
 
 
 def logged(record: RankRecord, step: int) -> list[str]:

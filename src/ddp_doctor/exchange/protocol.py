@@ -17,6 +17,7 @@ import torch
 from ddp_doctor.core.figures import rank_grid
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord
 from ddp_doctor.exchange.local import (
+    at_step,
     curve_of,
     first_set,
     info_json,
@@ -160,6 +161,21 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
     scale = record.counter("scaler_scale")[:s]
     m.pair("scale", scale)
     m.slot("scale0", scale, rank == 0)
+    # Per common step, aligned by what the ranks do in lockstep (DDP's synced backward passes): whether the rank
+    # called optimizer.step(), its optimizer's settings (with rank 0's), LR scheduler calls, parameters changed
+    # outside the optimizer, and collectives on gradients DDP had already reduced.
+    stepped, synced = record.counter("optimizer_step")[:s], record.counter("synced_backwards")[:s]
+    m.pair("stepped", stepped)
+    m.pair("synced", synced)
+    settings = record.counter("optimizer_digest")[:s]
+    m.pair("settings", settings)
+    m.slot("settings0", settings, rank == 0)
+    sched = record.counter("scheduler_steps")[:s]
+    m.pair("sched", sched)
+    changed = (record.counter("changed_outside")[:s] > 0).long()
+    m.pair("changed", changed)
+    rereduced = record.counter("grads_rereduced")[:s]
+    m.pair("rereduced", rereduced)
     sizes = record.counter("batch_size")[:s]
     sizes = sizes[sizes > 0]
     m.pair(
@@ -211,6 +227,18 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
     first_coll = first_set((c_hi != c_lo).any(-1).tolist())
     sc_hi, sc_lo = rm["scale"]
     first_scale = first_set((sc_hi != sc_lo).tolist())
+
+    st_hi, st_lo = rm["stepped"]
+    sy_hi, sy_lo = rm["synced"]
+    first_skip = first_set(((st_hi != st_lo) & (sy_hi == sy_lo) & (sy_lo > 0)).tolist())
+    se_hi, se_lo = rm["settings"]
+    first_settings = first_set(((st_lo > 0) & (se_hi != se_lo)).tolist())
+    sh_hi, sh_lo = rm["sched"]
+    first_sched = first_set((sh_hi != sh_lo).tolist())
+    ch_hi, ch_lo = rm["changed"]
+    first_changed = first_set((ch_hi != ch_lo).tolist())
+    rr_hi, rr_lo = rm["rereduced"]
+    first_rereduced = first_set((rr_hi > 0).tolist())
 
     # Round C, only when gradients or weights differ: digests of each rank's differing slice against rank 0's
     # (to name the ranks), and rank 0's fingerprints there (for the largest difference and the divergence curve).
@@ -302,6 +330,12 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         "unpaired-fewer": first_unpaired is not None and int(unpaired[first_unpaired]) != int(u_hi[first_unpaired]),
         "collective-differs": coll_differs,
         "scale-differs": scale_differs,
+        "optimizer-differs": first_settings is not None
+        and int(settings[first_settings]) != int(rm["settings0"][first_settings]),
+        "skipped-step": first_skip is not None and int(stepped[first_skip]) == 0,
+        "changed-outside": first_changed is not None and bool(changed[first_changed]),
+        "rereduced": first_rereduced is not None and bool(rereduced[first_rereduced]),
+        "scheduler-extra": first_sched is not None and int(sched[first_sched]) == int(sh_hi[first_sched]),
     }
     assert tuple(flags) == PREDICATES
     meta = json.dumps(
@@ -316,6 +350,11 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
             "unpaired_sites": unpaired_sites,
             "collective_log": logged(record, first_coll) if first_coll is not None else [],
             "scale": int(scale[first_scale]) if first_scale is not None else 0,
+            "optimizer": at_step(record.optimizer_log, first_settings),
+            "scheduler_sites": at_step(record.scheduler_sites, first_sched),
+            "changed_sites": at_step(record.changed_sites, first_changed),
+            "changed_params": record.changed_params if first_changed is not None else [],
+            "rereduce_sites": at_step(record.rereduce_sites, first_rereduced),
         }
     ).encode()
     d = SumRound(world)
@@ -361,6 +400,11 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         "unpaired-extra",
         "collective-differs",
         "scale-differs",
+        "optimizer-differs",
+        "skipped-step",
+        "changed-outside",
+        "rereduced",
+        "scheduler-extra",
     ):
         wanted.update(examples[name].ranks)
     wanted.update(examples["fewest-batches"].ranks[:1])
@@ -425,6 +469,12 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         collectives0=rm["coll0"],
         scales=(sc_hi.tolist(), sc_lo.tolist()),
         scales0=rm["scale0"].tolist(),
+        steps_taken=(st_hi.tolist(), st_lo.tolist()),
+        synced=(sy_hi.tolist(), sy_lo.tolist()),
+        optimizer_differs=first_settings,
+        scheduler_steps=(sh_hi.tolist(), sh_lo.tolist()),
+        changed=(ch_hi.tolist(), ch_lo.tolist()),
+        rereduced=(rr_hi.tolist(), rr_lo.tolist()),
         batchnorm_training=rb["bn_training"] > 0,
         batch_sizes=(int(rm["batch_size"][0][0]), int(rm["batch_size"][1][1]))
         if int(rm["batch_size"][0][0]) != MIN

@@ -37,6 +37,11 @@ PREDICATES = (
     "unpaired-fewer",
     "collective-differs",
     "scale-differs",
+    "optimizer-differs",
+    "skipped-step",
+    "changed-outside",
+    "rereduced",
+    "scheduler-extra",
 )
 
 
@@ -130,6 +135,19 @@ class Summary:
     """The most padded samples any rank's sampler added."""
     first_batches: list[int]
     """Batches per epoch of group ranks 0.. min(W, 8) - 1 (-1: unknown)."""
+    steps_taken: tuple[list[int], list[int]]
+    """(max, min) over the ranks of `optimizer.step()` calls in each common step (0 or 1)."""
+    synced: tuple[list[int], list[int]]
+    """(max, min) of synced backward passes in each common step: the steps are aligned by these, what the ranks do
+    in lockstep, never by each rank's own count of optimizer steps."""
+    optimizer_differs: int | None
+    """The first common step that every rank took with `optimizer.step()` and whose optimizer settings differ."""
+    scheduler_steps: tuple[list[int], list[int]]
+    """(max, min) of LR scheduler `step()` calls on the observed optimizer in each common step."""
+    changed: tuple[list[int], list[int]]
+    """(max, min) over the ranks of 1 when parameters changed outside the optimizer before the step's forward."""
+    rereduced: tuple[list[int], list[int]]
+    """(max, min) of the script's collectives on already reduced gradients in each common step."""
     examples: dict[str, Examples]
     """Per predicate (`PREDICATES`)."""
     metas: dict[int, dict[str, Any]]

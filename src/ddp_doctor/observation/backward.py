@@ -15,6 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.observation.fingerprint import fingerprints
 from ddp_doctor.observation.hooks import Hook, tensors_in
+from ddp_doctor.observation.optimizers import describe
 from ddp_doctor.observation.target import Target
 from ddp_doctor.observation.timeline import Timeline
 
@@ -123,10 +124,13 @@ class BackwardHooks:
         if opt is self._t.optimizer:
             self._on_optimizer_post(opt, args, kwargs)
 
-    def _on_optimizer_pre(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    def _on_optimizer_pre(self, opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         tl = self._timeline
         if tl.state.grad_fp is None:
             tl.state.grad_fp = fingerprints(p.grad for p in self._t.params)
+        # The settings this step is taken with: ranks whose settings differ update identical replicas differently.
+        tl.state.counters.optimizer_digest, settings = describe(opt)
+        tl.log.note_step(tl.log.optimizer_log, settings)
         tl.clock.optimizer_start = time.perf_counter()
         tl.phase = Phase.OPTIMIZER
 
@@ -135,4 +139,5 @@ class BackwardHooks:
         now = time.perf_counter()
         tl.state.t_optimizer += now - max(tl.clock.optimizer_start, tl.clock.backward_end)
         tl.state.counters.optimizer_step = 1
+        tl.versions.mark()  # what the optimizer wrote is its own; a write after this, before the next forward, is not
         tl.close()

@@ -60,6 +60,8 @@ class Call:
     reduce_op: str | None
     """The reduction (`SUM`, `MAX`, ...) when one was passed."""
     caller: FrameType
+    first: torch.Tensor | None = None
+    """The first tensor it was given (the one reduced in place, for an all_reduce)."""
 
     def describe(self) -> str:
         """`all_reduce(float32[1])`, `all_reduce(float32[1], MAX)`."""
@@ -99,6 +101,7 @@ def _describe(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], caller: 
         group_size=dist.get_world_size(group) if dist.is_initialized() else None,
         reduce_op=str(op).rsplit(".", 1)[-1] if op is not None else None,
         caller=caller,
+        first=tensor,
     )
 
 

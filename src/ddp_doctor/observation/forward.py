@@ -75,6 +75,8 @@ class ForwardHooks:
             # optimizer step (a retry path), or a GradScaler skipped the step. Where, for the report.
             unstepped = tl.pending_close and tl.attached and self._t.optimizer is not None
             tl.close_pending()
+            if tl.attached and not tl.state.counters.ddp_forwards:
+                self._check_versions()
             tl.phase = Phase.FORWARD
             tl.sync_forward = bool(self._t.ddp.require_backward_grad_sync)
             if unstepped and tl.sync_forward and len(self._log.repeat_sites) < MAX_SITES:
@@ -87,6 +89,22 @@ class ForwardHooks:
                     self._log.unpaired_sites.append(f"step {self._log.steps}: {tl.open_forward}")
             tl.open_forward = user_site({id(self._t.ddp)}) if tl.sync_forward else None
         tl.clock.forward_start = time.perf_counter()
+
+    def _check_versions(self) -> None:
+        """At a step's first training forward: parameters written since the optimizer's step (or since DDP was
+        built, before step 0) were changed by something else. Once the optimizer is known, or before step 0."""
+        tl = self._timeline
+        if self._t.optimizer is None and self._log.steps:
+            return
+        moved = tl.versions.moved()
+        load, tl.pending_load = tl.pending_load, None
+        if not moved:
+            return
+        tl.state.counters.changed_outside = len(moved)
+        how = f"load_state_dict at {load}" if load else "an in-place write (under torch.no_grad(), say)"
+        self._log.note_step(self._log.changed_sites, f"{len(moved)} parameter tensor(s), {how}")
+        if not self._log.changed_params:
+            self._log.changed_params = moved[:64]
 
     def _on_ddp_forward(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
         self._ddp_depth -= 1

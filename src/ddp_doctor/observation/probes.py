@@ -10,10 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ddp_doctor.core.frames import user_site
-from ddp_doctor.observation import collectives, dataloaders, gradscaler, reentrant
+from ddp_doctor.observation import collectives, dataloaders, gradscaler, optimizers, reentrant, weights
 from ddp_doctor.observation.collectives import Call
 from ddp_doctor.observation.forward import ForwardHooks
 from ddp_doctor.observation.steplog import StepLog
+from ddp_doctor.observation.target import Target
 from ddp_doctor.observation.timeline import Timeline
 
 __all__ = ["Probes"]
@@ -24,7 +25,8 @@ _COMPILE_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global
 class Probes:
     """Starts and stops one doctor's process-wide listeners."""
 
-    def __init__(self, timeline: Timeline, log: StepLog, forward: ForwardHooks) -> None:
+    def __init__(self, timeline: Timeline, log: StepLog, forward: ForwardHooks, target: Target) -> None:
+        self._target = target
         self._timeline = timeline
         self._log = log
         self._forward = forward
@@ -42,6 +44,8 @@ class Probes:
             dataloaders.listen(self._log.note_loader),
             gradscaler.listen(self.on_scaler_step),
             collectives.listen(self.on_collective),
+            optimizers.listen(self.on_scheduler_step),
+            weights.listen(self.on_load_state_dict),
         ]
 
     def stop(self) -> None:
@@ -56,7 +60,34 @@ class Probes:
         """The script entered a collective: part of the step in progress (while steps are observed)."""
         # The same call on another doctor's model counts there too: a script's collectives belong to the rank.
         if self._timeline.attached:
-            self._log.note_collective(self._timeline.state, call, user_site())
+            site = user_site()
+            self._log.note_collective(self._timeline.state, call, site)
+            if self._rereduced(call):
+                self._timeline.state.counters.grads_rereduced += 1
+                self._log.note_step(self._log.rereduce_sites, f"{call.signature()} at {site or 'an unknown place'}")
+
+    def _rereduced(self, call: Call) -> bool:
+        """`call` runs on the `.grad` of a parameter DDP synchronizes, after DDP reduced it in this step."""
+        state, target = self._timeline.state, self._target
+        if call.first is None or not state.counters.synced_backwards:
+            return False
+        if state.grad_ids is None:
+            state.grad_ids = {id(p.grad): i for i, p in enumerate(target.params) if p.grad is not None}
+        i = state.grad_ids.get(id(call.first))
+        return i is not None and target.synced[i]
+
+    def on_scheduler_step(self, scheduler: Any) -> None:
+        """An LR scheduler's `step()`: counted in the step in progress when it schedules the observed optimizer."""
+        tl = self._timeline
+        if tl.attached and getattr(scheduler, "optimizer", None) is self._target.optimizer:
+            tl.state.counters.scheduler_steps += 1
+            self._log.note_step(self._log.scheduler_sites, f"{type(scheduler).__name__}.step() at {user_site()}")
+
+    def on_load_state_dict(self, module: Any, site: str | None) -> None:
+        """`load_state_dict` on the model (the DDP wrapper, the module inside or a submodule)."""
+        target = self._target
+        if self._timeline.attached and (module is target.ddp or id(module) in target.submodules):
+            self._timeline.pending_load = site or "an unknown place"
 
     def on_scaler_step(self, scale: float) -> None:
         """`GradScaler.step` with this loss scale, in the step in progress."""

@@ -11,13 +11,16 @@ from ddp_doctor.core.records import RankRecord, StepCounters
 from ddp_doctor.observation.collectives import Call, digest
 from ddp_doctor.observation.fingerprint import fingerprints
 
-__all__ = ["MAX_COLLECTIVE_LOG", "MAX_LOADERS", "MAX_SITES", "StepLog", "StepState"]
+__all__ = ["MAX_COLLECTIVE_LOG", "MAX_LOADERS", "MAX_SITES", "MAX_STEP_LOG", "StepLog", "StepState"]
 
 MAX_SITES = 4
 """At most this many call sites of each kind are kept (the first ones)."""
 MAX_LOADERS = 4
 MAX_COLLECTIVE_LOG = 64
 """At most this many of the script's collectives are logged by name (every one is counted in the digests)."""
+MAX_STEP_LOG = 64
+"""At most this many entries of each per-step log (the optimizer's settings, scheduler calls, changes outside the
+optimizer, gradients reduced again)."""
 
 
 class StepState:
@@ -31,6 +34,8 @@ class StepState:
         self.input_fp = torch.zeros(2, dtype=torch.float64)
         self.buffer_fp: torch.Tensor | None = None
         self.grad_fp: torch.Tensor | None = None
+        self.grad_ids: dict[int, int] | None = None
+        """`id(p.grad)` -> the parameter's position, once a collective after the synced backward asked."""
         self.started = False
         self.t_forward = 0.0
         self.t_backward = 0.0
@@ -67,6 +72,16 @@ class StepLog:
         """The first script collectives, `step N: all_reduce(float32[1])/2 at file:line`."""
         self.loaders: list[dict[str, Any]] = []
         """The DataLoaders iterated while observed (at most `MAX_LOADERS`)."""
+        self.optimizer_log: list[str] = []
+        """`step N: group 0 (4 tensors) lr=0.1, ...` at each optimizer step."""
+        self.scheduler_sites: list[str] = []
+        """`step N: file:line` of each LR scheduler step()."""
+        self.changed_sites: list[str] = []
+        """`step N: <how>` of each change to the parameters outside the optimizer."""
+        self.changed_params: list[int] = []
+        """Positions of the parameters changed outside the optimizer, the first time it happened."""
+        self.rereduce_sites: list[str] = []
+        """`step N: all_reduce(float32[16, 8], SUM)/2 at file:line` of collectives on already reduced gradients."""
 
     @property
     def steps(self) -> int:
@@ -107,6 +122,11 @@ class StepLog:
         if site and site not in sites and len(sites) < MAX_SITES:
             sites.append(site)
 
+    def note_step(self, log: list[str], text: str) -> None:
+        """Add `step N: text` to one of the per-step logs (at most `MAX_STEP_LOG` entries)."""
+        if len(log) < MAX_STEP_LOG:
+            log.append(f"step {self.steps}: {text}")
+
     def note_loader(self, info: dict[str, Any]) -> None:
         """A DataLoader started iterating: a new loader, or a new epoch of a known one."""
         # The first loader iterated while observed is the training loader in the usual loop; later starts of the
@@ -139,5 +159,10 @@ class StepLog:
         record.repeat_sites = list(self.repeat_sites)
         record.unpaired_sites = list(self.unpaired_sites)
         record.collective_log = list(self.collective_log)
+        record.optimizer_log = list(self.optimizer_log)
+        record.scheduler_sites = list(self.scheduler_sites)
+        record.changed_sites = list(self.changed_sites)
+        record.changed_params = list(self.changed_params)
+        record.rereduce_sites = list(self.rereduce_sites)
         record.loaders = [{k: v for k, v in d.items() if k != "id"} for d in self.loaders]
         return record

@@ -30,6 +30,8 @@ class Target:
     """`id(module)` -> the positions of the module's own (direct) parameters: a module that runs is evidence its
     parameters are meant to be used."""
     submodules: set[int] = field(init=False)
+    synced: list[bool] = field(init=False)
+    """Per position: DDP's reducer reduces its gradient (trainable when DDP was built, not ignored)."""
     batchnorm: list[torch.nn.Module] = field(init=False)
     """The BatchNorm layers that normalize over this rank's batch alone (not SyncBatchNorm)."""
 
@@ -42,6 +44,8 @@ class Target:
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.submodules = {id(m) for m in self.module.modules()}
         self.batchnorm = [m for m in self.module.modules() if is_local_batchnorm(m)]
+        reduced = {id(p) for p in getattr(self.ddp, "_module_parameters", None) or self.params}
+        self.synced = [id(p) in reduced and p.requires_grad for p in self.params]
         self.owned = {}
         for m in self.module.modules():
             owned = [self.index[id(q)] for q in m.parameters(recurse=False) if id(q) in self.index]

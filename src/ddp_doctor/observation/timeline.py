@@ -9,6 +9,7 @@ import torch
 
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.observation.steplog import StepLog, StepState
+from ddp_doctor.observation.weights import VersionWatch
 
 __all__ = ["Clock", "Timeline"]
 
@@ -50,10 +51,15 @@ class Timeline:
     """The last training forward ran with `require_backward_grad_sync`: its backward is synced by DDP."""
     open_forward: str | None = None
     """Where the last synced DDP forward in grad mode was called, until a backward pass starts (then None)."""
+    versions: VersionWatch = field(init=False)
+    """The parameters' version counters as the optimizer (or DDP's constructor) left them."""
+    pending_load: str | None = None
+    """Where `load_state_dict` was last called on the model since the optimizer's step (None: not called)."""
     _phase: Phase = Phase.BEFORE_FIRST_STEP
 
     def __post_init__(self) -> None:
         self.state = StepState(len(self.params))
+        self.versions = VersionWatch(self.params)
 
     @property
     def phase(self) -> Phase:

@@ -1,0 +1,300 @@
+"""Why replicas diverge when the gradients agree: the optimizers disagree, some ranks skip a step, the script
+reduces DDP's gradients again, the replicas differed from the start, or something other than the optimizer wrote
+the weights on some ranks. Pure functions of the `View`.
+
+Iterations are aligned by what the ranks do in lockstep, DDP's synced backward passes (`Summary.synced`), never by
+each rank's own count of optimizer steps: a rank that skips `optimizer.step()` is one update behind, not one
+collective ahead.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ddp_doctor.analyze.common import with_more
+from ddp_doctor.analyze.view import View
+from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.ranks import rank_list
+
+__all__ = [
+    "CAUSES",
+    "grads_reduced_twice",
+    "optimizer_differs",
+    "optimizer_step_skipped",
+    "replicas_differ_at_wrap",
+    "weights_changed_outside_optimizer",
+]
+
+CAUSES = ("optimizer-differs", "optimizer-step-skipped", "replicas-differ-at-wrap", "weights-changed-outside-optimizer")
+"""The codes that explain a `replica-divergence` whose gradients agreed."""
+
+
+def _first_differing(pair: tuple[list[int], list[int]]) -> list[int]:
+    hi, lo = pair
+    return [k for k in range(len(hi)) if hi[k] != lo[k]]
+
+
+def _sites(v: View, ranks: list[int], key: str) -> list[str]:
+    return sorted({s for r in ranks for s in v.meta(r).get(key, [])})
+
+
+def optimizer_step_skipped(v: View) -> list[Finding]:
+    """In one lockstep iteration some ranks called `optimizer.step()` and the others did not."""
+    if v.world < 2 or not v.steps:
+        return []
+    (hi, lo), (shi, slo) = v.summary.steps_taken, v.summary.synced
+    bad = [k for k in range(len(hi)) if hi[k] != lo[k] and shi[k] == slo[k] and slo[k] > 0]
+    if not bad:
+        return []
+    first = bad[0]
+    skipped = v.ranks("skipped-step")
+    scaler = any(v.summary.scales[0])
+    who = "their GradScaler skipped it, or the script did" if scaler else "the script skipped it"
+    return [
+        with_more(
+            Finding(
+                code="optimizer-step-skipped",
+                severity="error",
+                title=f"{rank_list(skipped.ranks, more=skipped.more)} did not call optimizer.step() in iteration "
+                f"{first}; the other ranks did",
+                detail=f"In iteration {first} (counted by DDP's synced backward passes, which every rank runs in "
+                f"lockstep), {rank_list(skipped.ranks, more=skipped.more)} took no optimizer step ({who}) while the "
+                "other ranks stepped. DDP had averaged the gradients, so they were the same everywhere: the "
+                "replicas now hold different weights, one update apart, and every later step starts from "
+                "different weights. A decision taken from each rank's own loss or gradients differs by rank."
+                + (f" It happened again in iteration(s) {bad[1:]}." if len(bad) > 1 else ""),
+                params=[],
+                ranks=skipped.ranks,
+                steps=bad,
+                fix="decide the skip from a value all-reduced across ranks, so every rank takes the same decision: "
+                "flag = torch.tensor(float(skip)); dist.all_reduce(flag, op=dist.ReduceOp.MAX); skip = "
+                "flag.item() > 0. (A GradScaler decides from DDP's reduced gradients, alike on every rank, "
+                "unless something edits the gradients per rank after the backward.)",
+            ),
+            skipped.more,
+        )
+    ]
+
+
+_FIELD = re.compile(r"(\w+)=([^,;]+)")
+
+
+def _settings(text: str) -> dict[str, str]:
+    """`group 0 (4 tensors) lr=0.1, momentum=0.9; group 1 ...` -> {"group 0 lr": "0.1", ...}."""
+    out = {}
+    for part in text.split("; "):
+        head = part.split(" (", 1)[0]
+        count = re.search(r"\((\d+) tensors\)", part)
+        if count:
+            out[f"{head} size"] = count.group(1)
+        for key, value in _FIELD.findall(part.split(") ", 1)[-1]):
+            out[f"{head} {key}"] = value.strip()
+    return out
+
+
+def optimizer_differs(v: View) -> list[Finding]:
+    """At a step that every rank took, the optimizers' settings differ: a hyperparameter, the groups, or what an
+    LR scheduler stepped on some ranks only set."""
+    step = v.summary.optimizer_differs
+    if v.world < 2 or step is None:
+        return []
+    odd = v.ranks("optimizer-differs")
+    mine = v.meta(0).get("optimizer", [])
+    ref = _settings(mine[0]) if mine else {}
+    values: dict[str, dict[int, str]] = {}
+    for r in odd.ranks:
+        theirs = v.meta(r).get("optimizer", [])
+        other = _settings(theirs[0]) if theirs else {}
+        for key in sorted(set(ref) | set(other)):
+            if ref.get(key) != other.get(key):
+                values.setdefault(key, {0: ref.get(key, "absent")})[r] = other.get(key, "absent")
+    fields = [k for k in values if not k.endswith("initial_lr")] or list(values)
+    said = "; ".join(
+        f"{key}: " + ", ".join(f"{value} on rank {r}" for r, value in by_rank.items())
+        for key, by_rank in ((k, values[k]) for k in fields[:4])
+    )
+    # Where it changed: a scheduler stepped on some ranks only, at or before this step.
+    changed = [k for k in _first_differing(v.summary.scheduler_steps) if k <= step]
+    where, fix = "", "set every optimizer hyperparameter identically on every rank."
+    if changed:
+        extra = v.ranks("scheduler-extra")
+        sites = _sites(v, extra.ranks, "scheduler_sites")
+        where = (
+            f" An LR scheduler was stepped on {rank_list(extra.ranks, more=extra.more)} only, in step {changed[0]}"
+            + (f" ({', '.join(sites)})" if sites else "")
+            + ": the other ranks' learning rate stayed where it was."
+        )
+        fix = (
+            "step the LR scheduler on every rank"
+            + (
+                f" (move the call at {sites[0].rsplit(' at ', 1)[-1]} out of its rank-dependent branch)"
+                if sites
+                else ""
+            )
+            + "; change any optimizer setting on every rank alike."
+        )
+    names = ", ".join(k.split(" ", 2)[-1] for k in fields[:4]) or "settings"
+    return [
+        with_more(
+            Finding(
+                code="optimizer-differs",
+                severity="error",
+                title=f"the optimizer's {names} {'differs' if len(fields) == 1 else 'differ'} across ranks from step "
+                f"{step}",
+                detail=f"At optimizer step {step}, which every rank took, the optimizers' settings were not the same "
+                f"({said or 'the groups differ'}). Identical gradients then give different updates, so the replicas "
+                f"drift apart.{where}",
+                params=[],
+                ranks=sorted({0, *odd.ranks}),
+                steps=[step],
+                fix=fix,
+            ),
+            odd.more,
+        )
+    ]
+
+
+def _factor(signature: str) -> tuple[str, int | None]:
+    """(`SUM`, 2) from `all_reduce(float32[16, 8], SUM)/2`; the reduction defaults to SUM for a reducing op."""
+    op = signature.split("(", 1)[0]
+    inner = signature[signature.find("(") + 1 : signature.rfind(")")] if "(" in signature else ""
+    group = signature.rsplit("/", 1)[-1]
+    size = int(group) if group.isdigit() else None
+    reduction = inner.rsplit(", ", 1)[-1] if ", " in inner and not inner.rsplit(", ", 1)[-1][0].isdigit() else ""
+    if op in ("all_reduce", "reduce"):
+        reduction = reduction or "SUM"
+        if reduction == "SUM":
+            return reduction, size
+        if reduction == "AVG":
+            return reduction, 1
+    return reduction or op, None
+
+
+def grads_reduced_twice(v: View) -> list[Finding]:
+    """The script ran a collective on a synced parameter's `.grad` after DDP had reduced it in that iteration."""
+    hi, _ = v.summary.rereduced
+    bad = [k for k, n in enumerate(hi) if n > 0]
+    if not bad:
+        return []
+    who = v.ranks("rereduced")
+    sites = _sites(v, who.ranks, "rereduce_sites")
+    signature = sites[0].split(" at ", 1)[0] if sites else ""
+    line = sites[0].split(" at ", 1)[1] if sites and " at " in sites[0] else "an unknown place"
+    reduction, factor = _factor(signature)
+    if factor is not None and factor != 1:
+        effect = (
+            f"so each gradient is {factor} times what DDP computed and every update is {factor} times too large, on "
+            "every rank alike (nothing diverges: the learning rate is silently scaled)"
+        )
+        severity = "error"
+    elif factor == 1:
+        effect = "which changes nothing but exchanges every gradient a second time each step"
+        severity = "warning"
+    else:
+        effect = "which replaces or changes what DDP computed"
+        severity = "error"
+    return [
+        with_more(
+            Finding(
+                code="grads-reduced-twice",
+                severity=severity,
+                title=f"gradients reduced again after DDP reduced them ({signature or 'a collective'} at {line})",
+                detail=f"DDP averaged the gradients across the ranks during the backward pass; then the script ran "
+                f"{signature or 'a collective'} ({reduction}) on parameters' .grad at {line}, {effect}. Seen in "
+                f"step(s) {bad}.",
+                params=[],
+                ranks=who.ranks,
+                steps=bad,
+                fix="drop the manual reduction: DDP already averages the gradients. If it is meant to replace DDP's, "
+                "run the backward under ddp.no_sync(), or register a comm hook (ddp.register_comm_hook) instead.",
+            ),
+            who.more,
+        )
+    ]
+
+
+def replicas_differ_at_wrap(v: View) -> list[Finding]:
+    """The replicas differed before any optimizer step: right after DDP was built (or when observing started)."""
+    s = v.summary
+    if v.world < 2 or not bool(s.weight_steps[0]) or not s.weight_params.any():
+        return []
+    others = v.ranks("weight-differs")
+    init_sync = v.info.ddp_config.get("init_sync")
+    exact = v.info.wrap_state_exact
+    if init_sync is False:
+        why = (
+            "DDP was built with init_sync=False, so its constructor did not broadcast rank 0's weights and each "
+            "rank kept the weights it built"
+        )
+    elif exact:
+        why = (
+            "they differed right after DDP's constructor returned, which broadcasts rank 0's weights unless "
+            "init_sync=False: each rank kept the weights it built"
+        )
+    else:
+        why = "they differed when observing started, before any step"
+    return [
+        with_more(
+            Finding(
+                code="replicas-differ-at-wrap",
+                severity="error",
+                title=f"the replicas already differ before the first step ({v.params(s.weight_params)[0].name}"
+                + (" and others)" if int(s.weight_params.sum()) > 1 else ")"),
+                detail=f"Before any optimizer step the weights of {int(s.weight_params.sum())} parameter tensor(s) "
+                f"were not the same on every rank: {why}. What makes them differ is rank-dependent construction: a "
+                "per-rank seed (torch.manual_seed(rank)) before the model is built, or a model built from "
+                "rank-local data.",
+                params=v.params(s.weight_params),
+                ranks=[0, *others.ranks],
+                steps=[0],
+                fix="build DDP with the default init_sync=True (its constructor broadcasts rank 0's weights), or "
+                "seed every rank alike before building the model (a per-rank seed belongs after DDP is built, for "
+                "data order and dropout).",
+            ),
+            others.more,
+        )
+    ]
+
+
+def weights_changed_outside_optimizer(v: View) -> list[Finding]:
+    """Some ranks' parameters were written between DDP's wrap (or an optimizer step) and the next forward, where
+    only the optimizer should write them, and the other ranks' were not."""
+    if v.world < 2 or not v.steps:
+        return []
+    bad = _first_differing(v.summary.changed)
+    if not bad:
+        return []
+    first = bad[0]
+    who = v.ranks("changed-outside")
+    sites = _sites(v, who.ranks, "changed_sites")
+    changed = sorted({i for r in who.ranks for i in v.meta(r).get("changed_params", [])})
+    mask = torch.zeros(len(v.info.param_names), dtype=torch.bool)
+    mask[[i for i in changed if i < len(mask)]] = True
+    when = (
+        "between DDP's wrap and the first forward"
+        if first == 0
+        else f"between optimizer step {first - 1} and the next forward"
+    )
+    how = f" ({'; '.join(sites)})" if sites else ""
+    return [
+        with_more(
+            Finding(
+                code="weights-changed-outside-optimizer",
+                severity="error",
+                title=f"{rank_list(who.ranks, more=who.more)} changed the weights {when}; the other ranks did not",
+                detail=f"On {rank_list(who.ranks, more=who.more)}, parameters were written {when}{how}, where only "
+                "the optimizer should write them, and the other ranks' were not. DDP synchronizes the weights only "
+                "in its constructor, so from here the replicas differ."
+                + (f" Again in step(s) {bad[1:]}." if len(bad) > 1 else ""),
+                params=v.params(mask),
+                ranks=who.ranks,
+                steps=[first],
+                fix="make the change on every rank: load a checkpoint on every rank before wrapping the model in "
+                "DDP (its constructor then broadcasts rank 0's copy), copy an EMA back on every rank, or broadcast "
+                "rank 0's weights after the change on purpose.",
+            ),
+            who.more,
+        )
+    ]

@@ -1,0 +1,124 @@
+"""The divergence causes on hand-built records (no process group): each rule fires on its own evidence, names
+the ranks and steps, and stays quiet on the evidence of the legitimate patterns next to it."""
+
+from __future__ import annotations
+
+import torch
+from test_analyze import ALL, info, record
+
+from ddp_doctor.analyze import analyze
+from ddp_doctor.core.records import StepCounters
+
+CAUSES = {
+    "optimizer-differs",
+    "optimizer-step-skipped",
+    "grads-reduced-twice",
+    "replicas-differ-at-wrap",
+    "weights-changed-outside-optimizer",
+}
+
+
+def counters(rows: list[dict]) -> torch.Tensor:
+    base = {"ddp_forwards": 1, "micro_steps": 1, "synced_backwards": 1, "optimizer_step": 1, "optimizer_digest": 7}
+    return torch.tensor([StepCounters(**{**base, **row}).as_list() for row in rows])
+
+
+def weights(diverge_from: int | None, rank: int) -> torch.Tensor:
+    w = torch.zeros(4, 4, 2, dtype=torch.float64)
+    if diverge_from is not None and rank:
+        w[diverge_from:] += 1.0
+    return w
+
+
+def found(records, **info_overrides) -> dict:
+    d = analyze(info(**info_overrides), records)
+    return {f.code: f for f in d.findings}
+
+
+def test_a_step_one_rank_skipped_in_lockstep_is_optimizer_step_skipped_not_a_collective_mismatch() -> None:
+    same = counters([{}] * 3)
+    skipped = counters([{}, {"optimizer_step": 0, "optimizer_digest": 0}, {}])
+    f = found(
+        [record(0, ALL, counters=same, weights=weights(2, 0)), record(1, ALL, counters=skipped, weights=weights(2, 1))]
+    )
+    assert set(f) & CAUSES == {"optimizer-step-skipped"} and "collective-mismatch" not in f
+    assert (f["optimizer-step-skipped"].ranks, f["optimizer-step-skipped"].steps) == ([1], [1])
+    assert "fix the cause: optimizer-step-skipped" in f["replica-divergence"].fix
+
+
+def test_a_rank_that_skips_no_step_but_runs_an_extra_synced_pass_is_still_a_collective_mismatch() -> None:
+    one = counters([{}] * 3)
+    extra = counters([{"synced_backwards": 2, "micro_steps": 2}, {}, {}])
+    f = found([record(0, ALL, counters=one), record(1, ALL, counters=extra)])
+    assert "optimizer-step-skipped" not in f and f["collective-mismatch"].ranks == [1]
+
+
+def test_optimizer_settings_that_differ_at_a_step_every_rank_took() -> None:
+    rows0 = counters([{}, {}, {}])
+    rows1 = counters([{}, {"optimizer_digest": 9, "scheduler_steps": 0}, {"optimizer_digest": 9}])
+    rows0[1, StepCounters.FIELDS.index("scheduler_steps")] = 1
+    r0 = record(0, ALL, counters=rows0, weights=weights(2, 0))
+    r1 = record(1, ALL, counters=rows1, weights=weights(2, 1))
+    r0.optimizer_log = [
+        f"step {s}: group 0 (4 tensors) lr={lr}, momentum=0.9" for s, lr in enumerate((0.1, 0.05, 0.05))
+    ]
+    r1.optimizer_log = [f"step {s}: group 0 (4 tensors) lr=0.1, momentum=0.9" for s in range(3)]
+    r0.scheduler_sites = ["step 1: StepLR.step() at train.py:31"]
+    f = found([r0, r1])
+    assert set(f) & CAUSES == {"optimizer-differs"}
+    d = f["optimizer-differs"]
+    assert (d.ranks, d.steps) == ([0, 1], [1])
+    assert "lr: 0.05 on rank 0, 0.1 on rank 1" in d.detail and "StepLR.step() at train.py:31" in d.detail
+    assert "train.py:31" in d.fix and d.title.startswith("the optimizer's lr differs")
+
+
+def test_a_step_some_ranks_skipped_is_not_also_an_optimizer_difference() -> None:
+    skipped = counters([{}, {"optimizer_step": 0, "optimizer_digest": 0}, {}])
+    f = found([record(0, ALL, counters=counters([{}] * 3)), record(1, ALL, counters=skipped)])
+    assert "optimizer-differs" not in f
+
+
+def test_gradients_reduced_again_give_the_line_the_op_and_the_factor() -> None:
+    rows = counters([{"grads_rereduced": 4}] * 3)
+    records = [record(r, ALL, counters=rows) for r in range(2)]
+    for r in records:
+        r.rereduce_sites = [f"step {s}: all_reduce(float32[4, 3])/2 at train.py:40" for s in range(3)]
+    f = found(records)
+    assert set(f) == {"grads-reduced-twice"} and f["grads-reduced-twice"].severity == "error"
+    assert "train.py:40" in f["grads-reduced-twice"].title and "2 times" in f["grads-reduced-twice"].detail
+    for r in records:
+        r.rereduce_sites = [f"step {s}: all_reduce(float32[4, 3], AVG)/2 at train.py:40" for s in range(3)]
+    assert found(records)["grads-reduced-twice"].severity == "warning"
+
+
+def test_replicas_that_differ_before_the_first_step_say_init_sync() -> None:
+    records = [record(r, ALL, weights=weights(0, r)) for r in range(2)]
+    f = found(records, ddp_config={"find_unused_parameters": False, "static_graph": False, "init_sync": False})
+    assert (f["replicas-differ-at-wrap"].ranks, f["replicas-differ-at-wrap"].steps) == ([0, 1], [0])
+    assert "init_sync=False" in f["replicas-differ-at-wrap"].detail
+    assert "fix the cause: replicas-differ-at-wrap" in f["replica-divergence"].fix
+
+
+def test_weights_written_outside_the_optimizer_on_one_rank_name_the_rank_the_line_and_the_parameters() -> None:
+    r0 = record(0, ALL, counters=counters([{"changed_outside": 1}, {}, {}]), weights=weights(1, 0))
+    r1 = record(1, ALL, counters=counters([{}] * 3), weights=weights(1, 1))
+    r0.changed_sites = ["step 0: 1 parameter tensor(s), load_state_dict at resume.py:12"]
+    r0.changed_params = [2]
+    f = found([r0, r1])
+    w = f["weights-changed-outside-optimizer"]
+    assert (w.ranks, w.steps, w.param_names) == ([0], [0], ["head_a.weight"])
+    assert "load_state_dict at resume.py:12" in w.detail and "between DDP's wrap and the first forward" in w.title
+
+
+def test_a_write_on_every_rank_alike_is_no_cause() -> None:
+    rows = counters([{"changed_outside": 4}] * 3)
+    assert "weights-changed-outside-optimizer" not in found([record(r, ALL, counters=rows) for r in range(2)])
+
+
+def test_a_divergence_no_cause_explains_says_it_is_unknown_and_what_was_ruled_out() -> None:
+    f = found([record(r, ALL, weights=weights(2, r)) for r in range(2)])
+    assert not set(f) & CAUSES
+    assert (
+        "the cause is unknown" in f["replica-divergence"].fix
+        and "optimizer-step-skipped" in f["replica-divergence"].fix
+    )

@@ -1,0 +1,34 @@
+"""`ddp-doctor check` on unmodified scripts whose replicas diverge (or whose gradients are reduced twice): the
+cause's code, on default flags, naming the rank, the step and the line, with nothing else at warning or error
+than `replica-divergence` pointing to it."""
+
+from __future__ import annotations
+
+import pytest
+from checkrun import SCRIPTS, check
+
+
+@pytest.mark.parametrize(
+    "script, nproc, code, ranks, steps, where",
+    [
+        ("cause_scheduler_rank0.py", 2, "optimizer-differs", [0, 1], [1], "cause_scheduler_rank0.py:27"),
+        ("cause_skip_step.py", 4, "optimizer-step-skipped", [1], [2], None),
+        ("cause_reduce_twice.py", 2, "grads-reduced-twice", [0, 1], list(range(8)), "cause_reduce_twice.py:24"),
+        ("cause_init_sync_false.py", 2, "replicas-differ-at-wrap", [0, 1], [0], None),
+        ("cause_rank0_load.py", 2, "weights-changed-outside-optimizer", [0], [0], "cause_rank0_load.py:18"),
+    ],
+)
+def test_check_names_the_cause(tmp_path, script, nproc, code, ranks, steps, where) -> None:
+    run = check(["--nproc-per-node", str(nproc), str(SCRIPTS / script)], tmp_path)
+    assert run.rc == 1, run.output
+    finding = run.finding(code)
+    assert (finding["ranks"], finding["steps"]) == (ranks, steps), finding
+    if where:
+        assert where in finding["detail"] + finding["fix"] + finding["title"], finding
+    loud = {f["code"] for f in run.report["findings"] if f["severity"] in ("error", "warning")}
+    if code == "grads-reduced-twice":
+        assert loud == {code}, run.output
+    else:
+        assert loud == {code, "replica-divergence"}, run.output
+        assert f"fix the cause: {code}" in run.finding("replica-divergence")["fix"]
+    assert "collective-mismatch" not in run.codes

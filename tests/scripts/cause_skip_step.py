@@ -1,0 +1,25 @@
+""""Skip the update when the loss spikes", decided from each rank's own loss: rank 1 skips optimizer.step() in
+iteration 2 while rank 0 steps. DDP's all-reduces stay in lockstep; the replicas diverge."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _train import model
+from torch.nn.parallel import DistributedDataParallel
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ddp = DistributedDataParallel(model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(10):
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
+        loss = F.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        spike = rank == 1 and step == 2  # stands for `loss.item() > 3 * running_mean` on this rank's own loss
+        if not spike:
+            opt.step()

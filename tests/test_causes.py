@@ -1,0 +1,123 @@
+"""Why replicas diverge, on real gloo groups through `observe()`: each cause gives its own code (and
+`replica-divergence` names it), and the legitimate patterns next to them give none of these codes and nothing at
+warning or error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_doctor import observe
+
+CAUSES = {
+    "optimizer-differs",
+    "optimizer-step-skipped",
+    "grads-reduced-twice",
+    "replicas-differ-at-wrap",
+    "weights-changed-outside-optimizer",
+}
+STEPS = 5
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _train(rank: int, world: int, pattern: str) -> dict:
+    torch.manual_seed(rank if pattern in ("seed_before_build", "init_sync_false") else 0)
+    kwargs = {"init_sync": False} if pattern == "init_sync_false" else {}
+    ddp = DistributedDataParallel(_net(), **kwargs)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=3)
+    scaler = torch.amp.GradScaler("cpu") if pattern == "grad_scaler" else None
+    g = torch.Generator().manual_seed(100 + rank)
+    with observe(ddp, optimizer=opt, steps=STEPS) as doctor:
+        if pattern == "load_on_rank0" and rank == 0:
+            with torch.no_grad():
+                ddp.module[0].weight.add_(1.0)  # stands for a checkpoint loaded on rank 0 alone
+        for step in range(STEPS):
+            if pattern == "load_state_dict_rank1_step2" and rank == 1 and step == 2:
+                ddp.module.load_state_dict({k: v * 0.5 for k, v in ddp.module.state_dict().items()})
+            micro = 2 if pattern == "no_sync_accumulation" else 1
+            for i in range(micro):
+                x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
+                ctx = ddp.no_sync() if i < micro - 1 else torch.enable_grad()
+                with ctx:
+                    if pattern == "bf16_autocast":
+                        with torch.autocast("cpu", dtype=torch.bfloat16):
+                            loss = F.cross_entropy(ddp(x).float(), y)
+                    else:
+                        loss = F.cross_entropy(ddp(x), y)
+                    (scaler.scale(loss) if scaler else loss).backward()
+            if pattern == "reduce_twice":
+                for p in ddp.parameters():
+                    dist.all_reduce(p.grad)
+            if pattern == "log_loss":
+                logged = loss.detach().clone()
+                dist.all_reduce(logged)
+            if pattern == "clip":
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.1)
+            skip = pattern == "skip_on_rank1" and rank == 1 and step == 2
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            elif not skip:
+                opt.step()
+            opt.zero_grad()
+            if pattern != "scheduler_rank0" or rank == 0:
+                sched.step()
+    report = doctor.report()
+    return {
+        "codes": sorted(report.codes),
+        "loud": sorted(f.code for f in report.findings if f.severity in ("error", "warning")),
+        "findings": {f.code: (f.ranks, f.steps, f.detail, f.fix, [p.name for p in f.params]) for f in report.findings},
+    }
+
+
+@pytest.mark.parametrize(
+    "pattern, code, ranks, steps",
+    [
+        ("scheduler_rank0", "optimizer-differs", [0, 1], [1]),
+        ("skip_on_rank1", "optimizer-step-skipped", [1], [2]),
+        ("reduce_twice", "grads-reduced-twice", [0, 1], list(range(STEPS))),
+        ("init_sync_false", "replicas-differ-at-wrap", [0, 1], [0]),
+        ("load_on_rank0", "weights-changed-outside-optimizer", [0], [0]),
+        ("load_state_dict_rank1_step2", "weights-changed-outside-optimizer", [1], [2]),
+    ],
+)
+def test_each_cause_is_named_and_replica_divergence_says_so(tmp_path, pattern, code, ranks, steps) -> None:
+    for result in run_ranks(_train, tmp_path, args=(pattern,)):
+        assert set(result["codes"]) & CAUSES == {code}, result["codes"]
+        got_ranks, got_steps, detail, fix, _ = result["findings"][code]
+        assert (got_ranks, got_steps) == (ranks, steps), result["findings"][code]
+        if code == "grads-reduced-twice":
+            # Nothing diverges: every rank's update is world-size times too large, alike.
+            assert result["codes"] == [code] and "2 times" in detail and "test_causes.py" in result["findings"][code][2]
+        else:
+            assert result["loud"] == sorted({code, "replica-divergence"}), result["codes"]
+            assert f"fix the cause: {code}" in result["findings"]["replica-divergence"][3]
+        if code == "optimizer-differs":
+            assert "lr" in detail and "on rank 0" in detail and "LinearLR.step()" in detail and "test_causes.py" in fix
+        if pattern == "load_state_dict_rank1_step2":
+            assert "load_state_dict at" in detail and "test_causes.py" in detail
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["plain", "seed_before_build", "bf16_autocast", "clip", "grad_scaler", "no_sync_accumulation", "log_loss"],
+)
+def test_legitimate_patterns_raise_none_of_the_causes(tmp_path, pattern) -> None:
+    for result in run_ranks(_train, tmp_path, args=(pattern,)):
+        assert result["loud"] == [], result["findings"]
+        assert not set(result["codes"]) & CAUSES
+
+
+def test_a_skipped_step_at_four_ranks_names_the_rank_and_is_no_collective_mismatch(tmp_path) -> None:
+    for result in run_ranks(_train, tmp_path, world_size=4, args=("skip_on_rank1",)):
+        assert result["loud"] == ["optimizer-step-skipped", "replica-divergence"], result["codes"]
+        assert result["findings"]["optimizer-step-skipped"][:2] == ([1], [2])
