@@ -1,0 +1,73 @@
+"""The rank <-> supervisor files: what the rank side writes, the supervisor reads back, typed and versioned."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ddp_doctor.core.beacon import BEACON_SCHEMA, Beacon, ClosedStep, Collective, read_beacon
+from ddp_doctor.core.rankfiles import (
+    END_SCHEMA,
+    PROGRESS_SCHEMA,
+    EndRecord,
+    ExplainedError,
+    Outcome,
+    ProgressSample,
+    RaisedError,
+    end_path,
+    read_end,
+    read_rank_states,
+    write_end,
+    write_progress,
+)
+
+
+def test_what_a_crashed_rank_writes_is_what_the_supervisor_reads(tmp_path: Path) -> None:
+    beacon = Beacon(tmp_path / "rank1.beacon")
+    beacon.update(
+        step=3,
+        phase="backward",
+        site="train.py:40",
+        collective=Collective(op="all_reduce", n=2, tensor="float32[4]", site="train.py:41"),
+        in_collective=True,
+        collectives=2,
+        closed=ClosedStep(step=2, missing=["head.weight"]),
+    )
+    raised = RaisedError(
+        type="RuntimeError",
+        message="Expected to have finished reduction",
+        step=3,
+        phase="forward",
+        explained=ExplainedError(code="reduction-error", params=["head.weight"], message="...", numels=[12]),
+    )
+    write_end(tmp_path, EndRecord(rank=1, world_size=2, outcome=Outcome.CRASHED, raised=raised, ddp_models=1))
+    write_progress(tmp_path, ProgressSample(rank=1, world_size=2, step=3, phase="backward", user_frame="train.py:40"))
+
+    assert json.loads(end_path(tmp_path, 1).read_text())["schema"] == END_SCHEMA
+    assert json.loads((tmp_path / "rank1.progress.json").read_text())["schema"] == PROGRESS_SCHEMA
+    assert read_beacon(tmp_path / "rank1.beacon").schema == BEACON_SCHEMA
+    (state,) = read_rank_states(tmp_path, end_time=beacon.state.time + 5.0).values()
+    assert state.rank == 1 and state.world_size == 2 and state.outcome is Outcome.CRASHED and state.built_ddp
+    assert state.raised == raised
+    assert state.step == 3 and state.phase == "backward" and state.site == "train.py:40"
+    assert (
+        state.in_collective and state.collective is not None and state.collective.describe() == "all_reduce(float32[4])"
+    )
+    assert state.closed == ClosedStep(step=2, missing=["head.weight"])
+    assert state.user_frame == "train.py:40" and 4.0 < state.position_age_s < 6.0
+
+
+def test_the_first_ending_wins_unless_overwritten(tmp_path: Path) -> None:
+    assert write_end(tmp_path, EndRecord(rank=0, outcome=Outcome.REPORTED, reason="8 steps observed"))
+    assert not write_end(tmp_path, EndRecord(rank=0, outcome=Outcome.EXITED, status=3))
+    assert read_end(end_path(tmp_path, 0)).outcome is Outcome.REPORTED
+    late = RaisedError(type="ValueError", message="loss is NaN")
+    assert write_end(tmp_path, EndRecord(rank=0, outcome=Outcome.CRASHED_AFTER_REPORT, raised=late), overwrite=True)
+    assert read_end(end_path(tmp_path, 0)).raised == late
+
+
+def test_a_file_of_another_schema_is_not_read(tmp_path: Path) -> None:
+    end_path(tmp_path, 0).write_text(json.dumps({"rank": 0, "outcome": "crashed", "crash": {"type": "X"}}))
+    assert read_end(end_path(tmp_path, 0)) is None
+    (tmp_path / "rank0.progress.json").write_text(json.dumps({"schema": "ddp-doctor/rank-progress@0", "rank": 0}))
+    assert read_rank_states(tmp_path, end_time=0.0) == {}
