@@ -20,7 +20,8 @@ from _shared import interleave, parser, ratio, write
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_doctor import collectives, observe
+from ddp_doctor import observe
+from ddp_doctor.observation import collectives
 
 
 def main() -> None:

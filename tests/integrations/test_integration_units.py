@@ -9,12 +9,12 @@ import sys
 import pytest
 from checkrun import REPO
 
+from ddp_doctor.analyze import snippets
 from ddp_doctor.core.errors import InvalidArgumentError
 from ddp_doctor.core.findings import Finding, Recommendation, Timing
 from ddp_doctor.core.records import Flavor
 from ddp_doctor.integrations._common import FindingsError, raise_if_failing
 from ddp_doctor.observation.wrapstate import current_flavor
-from ddp_doctor.report import snippets
 from ddp_doctor.report.model import Report
 
 FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from _train import setup, train
 
-import ddp_doctor._observe.doctor as doctor_module
+import ddp_doctor.doctor.doctor as doctor_module
 
 
 def _broken(*_args: object, **_kwargs: object) -> None:

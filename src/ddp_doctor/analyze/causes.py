@@ -52,6 +52,12 @@ def optimizer_step_skipped(v: View) -> list[Finding]:
     skipped = v.ranks("skipped-step")
     scaler = any(v.summary.scales[0])
     who = "their GradScaler skipped it, or the script did" if scaler else "the script skipped it"
+    sites = _sites(v, skipped.ranks, "skip_sites")
+    if sites:
+        who += (
+            f"; their next synced forward, at {', '.join(sites)}, came without a step: a skipped update, or a "
+            "retry that ran the forward and backward again before stepping"
+        )
     return [
         with_more(
             Finding(
@@ -68,7 +74,8 @@ def optimizer_step_skipped(v: View) -> list[Finding]:
                 params=[],
                 ranks=skipped.ranks,
                 steps=bad,
-                fix="decide the skip from a value all-reduced across ranks, so every rank takes the same decision: "
+                fix="decide the skip (or the retry) from a value all-reduced across ranks, so every rank takes the "
+                "same decision: "
                 "flag = torch.tensor(float(skip)); dist.all_reduce(flag, op=dist.ReduceOp.MAX); skip = "
                 "flag.item() > 0. (A GradScaler decides from DDP's reduced gradients, alike on every rank, "
                 "unless something edits the gradients per rank after the backward.)",

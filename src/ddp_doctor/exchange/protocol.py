@@ -353,6 +353,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
             "optimizer": at_step(record.optimizer_log, first_settings),
             "scheduler_sites": at_step(record.scheduler_sites, first_sched),
             "changed_sites": at_step(record.changed_sites, first_changed),
+            "skip_sites": at_step(record.repeat_sites, first_skip + 1) if first_skip is not None else [],
             "changed_params": record.changed_params if first_changed is not None else [],
             "rereduce_sites": at_step(record.rereduce_sites, first_rereduced),
         }
