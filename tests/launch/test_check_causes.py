@@ -25,6 +25,10 @@ def test_check_names_the_cause(tmp_path, script, nproc, code, ranks, steps, wher
     assert (finding["ranks"], finding["steps"]) == (ranks, steps), finding
     if where:
         assert where in finding["detail"] + finding["fix"] + finding["title"], finding
+    if code == "replicas-differ-at-wrap":
+        assert (
+            "DDP was built with init_sync=False" in finding["detail"] and run.report["ddp_config"]["init_sync"] is False
+        )
     loud = {f["code"] for f in run.report["findings"] if f["severity"] in ("error", "warning")}
     if code == "grads-reduced-twice":
         assert loud == {code}, run.output

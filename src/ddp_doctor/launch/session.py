@@ -124,7 +124,8 @@ class Session:
             original_init(*bound.args, **bound.kwargs)
             if not session._finishing:
                 session.policy.wrapped(ddp, own)
-            session._after_wrap(ddp, trainable)
+            # DDP keeps no trace of init_sync=False (its constructor then skips broadcasting rank 0's weights).
+            session._after_wrap(ddp, trainable, init_sync=bool(bound.arguments.get("init_sync", True)))
 
         original_destroy = self._original_destroy
 
@@ -163,13 +164,15 @@ class Session:
             arguments[key] = value
         freeze_named(module, self.config.freeze_before_wrap)
 
-    def _after_wrap(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
+    def _after_wrap(self, ddp: DistributedDataParallel, trainable: list[bool], *, init_sync: bool = True) -> None:
         if self._finishing or any(d.ddp is ddp for d in self.doctors):
             return
         frames = traceback.extract_stack()[:-2]
         framework = framework_of_stack(frames)
         site = user_frame(frames, code=False)
-        setattr(ddp, WRAP_STATE_ATTR, {"trainable": trainable, "site": site, "framework": framework})
+        setattr(
+            ddp, WRAP_STATE_ATTR, {"trainable": trainable, "site": site, "framework": framework, "init_sync": init_sync}
+        )
         try:
             doctor = Doctor(ddp, optimizer="auto", steps=self.config.steps)
             doctor.on_steps_done = self._on_doctor_done

@@ -114,6 +114,9 @@ def model_info(
                 for i in frozen:
                     trainable[i] = True
                 exact = True
+    config = ddp_config_of(ddp)
+    if state is not None and state.get("init_sync") is False:
+        config["init_sync"] = False  # only when set: DDP keeps no trace of it, the launcher's wrap saw it
     return ModelInfo(
         param_names=[user_name(n) for n in names],
         param_shapes=[tuple(p.shape) for p in params],
@@ -121,7 +124,7 @@ def model_info(
         ignored=ignored,
         buffer_names=[user_name(n) for n, _ in module.named_buffers()],
         buffer_shapes=[tuple(b.shape) for b in buffers],
-        ddp_config=ddp_config_of(ddp),
+        ddp_config=config,
         wrap_state_exact=exact,
         wrap_trainable_count=wrap_count if wrap_count is not None and wrap_count >= 0 else None,
         ddp_site=state.get("site") if state else None,
