@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 from ddp_doctor.analyze.causes import CAUSES
+from ddp_doctor.analyze.detectors import DETECTORS
 from ddp_doctor.analyze.recommend import recommend
 from ddp_doctor.analyze.usage import figures
-from ddp_doctor.analyze.used_set import DETECTORS
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Crash, Diagnosis, Timing
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord

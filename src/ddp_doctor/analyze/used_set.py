@@ -1,45 +1,30 @@
-"""Detectors of the used set, the frozen set and DDP's own errors: each reads the `View` and returns findings.
-Pure functions, no communication (the agreement of grads, weights, buffers and inputs is in `agreement.py`, the
-consistency of collectives and passes in `consistency.py`)."""
+"""Detectors of the used set: which parameters reach the loss, on which ranks and steps, and what the DDP flags make
+of it. Each reads the `View` and returns findings; pure functions, no communication (the frozen set and DDP's own
+errors are in `frozen_set.py`, the agreement of grads, weights, buffers and inputs in `agreement.py`, the
+consistency of collectives and passes in `consistency.py`, why replicas diverge in `causes.py`; every detector is
+listed, in report order, in `detectors.py`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from ddp_doctor.analyze import rules
-from ddp_doctor.analyze.agreement import (
-    buffer_divergence,
-    grads_not_synced,
-    identical_inputs,
-    replica_divergence,
-    wrapper_bypass,
-)
-from ddp_doctor.analyze.causes import (
-    grads_reduced_twice,
-    optimizer_differs,
-    optimizer_step_skipped,
-    replicas_differ_at_wrap,
-    weights_changed_outside_optimizer,
-)
 from ddp_doctor.analyze.common import all_ranks, freeze_fix, has_flags, steps_of, with_flags
-from ddp_doctor.analyze.consistency import (
-    batchnorm_not_synced,
-    collective_sequence_mismatch,
-    grad_scaler_mismatch,
-    synced_pass_mismatch,
-    unpaired_forward_mismatch,
-)
-from ddp_doctor.analyze.epochs import sampler_epoch_not_set, uneven_inputs
 from ddp_doctor.analyze.rules import count as _count
-from ddp_doctor.analyze.snippets import freeze_point
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import listed
 
-__all__ = ["DETECTORS"]
+__all__ = [
+    "dynamic_graph",
+    "find_unused_unneeded",
+    "grad_blocked",
+    "hidden_params",
+    "rank_dependent_graph",
+    "reentrant_checkpoint",
+    "static_graph_unsafe",
+    "unused_parameters",
+    "used_outside_forward",
+]
 
 
 def unused_parameters(v: View) -> list[Finding]:
@@ -351,155 +336,3 @@ def find_unused_unneeded(v: View) -> list[Finding]:
             fix=with_flags(v, find_unused_parameters=False) + ".",
         )
     ]
-
-
-def _midway(v: View, change: str) -> str:
-    """How to change the frozen set mid-training, where the framework builds DDP once and keeps it."""
-    if v.info.framework in ("transformers", "lightning", "accelerate"):
-        # The framework owns the DDP instance, so rebuilding it (refreeze) is not open to the user; a learning
-        # rate of 0 keeps the set DDP reduces fixed while the parameters do not move.
-        return (
-            f"to {change} mid-training, keep them trainable when DDP is built and hold their learning rate at 0 "
-            "while they should not move, so the set DDP reduces never changes"
-            + (
-                f"; or {with_flags(v, find_unused_parameters=True)}, which copes with parameters frozen later "
-                "(DDP still all-reduces them)"
-                if change == "freeze"
-                else ""
-            )
-            + "."
-        )
-    return (
-        f"to {change} mid-training, rebuild DDP (ddp_doctor.refreeze keeps the optimizer state and checks the "
-        "replicas first)."
-    )
-
-
-def frozen_after_wrap(v: View) -> list[Finding]:
-    frozen = v.tracked & ~v.live if v.steps else torch.zeros_like(v.tracked)
-    inferred = not v.info.wrap_state_exact and (v.info.wrap_trainable_count or 0) > int(v.tracked.sum())
-    if not frozen.any() and not inferred:
-        return []
-    steps = steps_of((~v.train_all[:, frozen]).any(-1)) if frozen.any() else []
-    note = (
-        f" DDP was built with {v.info.wrap_trainable_count} trainable tensors, but only "
-        f"{int(v.tracked.sum())} required grad when observe() started."
-        if inferred
-        else ""
-    )
-    return [
-        rules.frozen_after_wrap(
-            params=v.params(frozen),
-            ranks=all_ranks(v),
-            steps=steps,
-            find_unused=v.find_unused,
-            static_graph=v.static_graph,
-            after_first_step=bool(steps) and steps[0] > 0,
-            note=note,
-            fix=f"freeze {freeze_point(v.info.framework)}; " + _midway(v, "freeze"),
-        )
-    ]
-
-
-def unfrozen_after_wrap(v: View) -> list[Finding]:
-    if not v.steps:
-        return []
-    unfrozen = ~v.tracked & ~v.ignored & v.train_any.any(0)
-    if not unfrozen.any():
-        return []
-    return [
-        rules.unfrozen_after_wrap(
-            params=v.params(unfrozen),
-            ranks=all_ranks(v),
-            steps=steps_of(v.train_any[:, unfrozen].any(-1)),
-            fix=f"set requires_grad=True {freeze_point(v.info.framework)}; " + _midway(v, "unfreeze"),
-        )
-    ]
-
-
-def no_trainable(v: View) -> list[Finding]:
-    if not v.steps:
-        return []
-    empty = v.ranks("no-trainable")  # ranks with a step that trained nothing
-    if not empty.count:
-        return []
-    return [
-        Finding(
-            code="no-trainable-parameters",
-            severity="error",
-            title="no parameter requires a gradient",
-            detail="At some observed step every parameter had requires_grad=False, so the step trains nothing.",
-            ranks=empty.ranks,
-            more_ranks=empty.more,
-            steps=steps_of(v.summary.no_trainable_steps),
-            fix="set requires_grad=True on the parameters to train, before wrapping the model in DDP.",
-        )
-    ]
-
-
-def reduction_error(v: View) -> list[Finding]:
-    crashed = v.crashed("reduction-error")
-    if not crashed.count:
-        return []
-    missing = set(steps_of(v.summary.reduction_missing))
-    step = min(v.crash_steps("reduction-error"))
-    # Parameters a rank or step used, or whose module ran, are meant to train: never advise freezing them.
-    meant = v.ever_used | v.summary.ran
-    trained = [i for i in sorted(missing) if meant[i]]
-    if trained:
-        fix = (
-            f"do not freeze them: {', '.join(v.info.param_names[i] for i in trained[:4])}"
-            f"{' ...' if len(trained) > 4 else ''} got a gradient on some rank or step, or their module ran. "
-            f"{with_flags(v, static_graph=True)} if each rank's used set is the same every step, else "
-            f"{with_flags(v, find_unused_parameters=True)}; see the recommendation"
-        )
-    else:
-        fix = freeze_fix(v) + "; see the recommendation for the cheapest flags"
-    return [
-        Finding(
-            code="reduction-error",
-            severity="error",
-            title="DDP failed: 'Expected to have finished reduction in the prior iteration'",
-            detail=f"At the start of step {step}, DDP found that the previous step's gradient reduction never "
-            "finished, because these trainable parameters got no gradient. Until it failed, the previous "
-            "step's gradients were silently not all-reduced.",
-            params=v.params(sorted(missing)),
-            ranks=crashed.ranks,
-            more_ranks=crashed.more,
-            steps=[step],
-            fix=fix + ".",
-        )
-    ]
-
-
-DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (
-    reduction_error,
-    replicas_differ_at_wrap,
-    weights_changed_outside_optimizer,
-    optimizer_step_skipped,
-    optimizer_differs,
-    grads_reduced_twice,
-    static_graph_unsafe,
-    wrapper_bypass,
-    unfrozen_after_wrap,
-    frozen_after_wrap,
-    unused_parameters,
-    grad_blocked,
-    collective_sequence_mismatch,
-    synced_pass_mismatch,
-    unpaired_forward_mismatch,
-    dynamic_graph,
-    rank_dependent_graph,
-    used_outside_forward,
-    reentrant_checkpoint,
-    grads_not_synced,
-    replica_divergence,
-    buffer_divergence,
-    identical_inputs,
-    no_trainable,
-    find_unused_unneeded,
-    uneven_inputs,
-    sampler_epoch_not_set,
-    grad_scaler_mismatch,
-    batchnorm_not_synced,
-)
