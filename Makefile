@@ -36,18 +36,23 @@ test: lint browser
 TORCH ?= 2.15.0
 PYTHON ?= 3.13
 TVENV := .venv-torch$(TORCH)-py$(PYTHON)
-$(TVENV)/.ready: pyproject.toml
+# The venv and torch alone first (.torch: the big download, which CI runs while corner A tests), then the package.
+$(TVENV)/.torch:
 	@pybin=; for c in $$(command -v python$(PYTHON)) $$(ls -d $$HOME/.pyenv/versions/$(PYTHON).*/bin/python$(PYTHON) 2>/dev/null); do \
 	  [ -z "$$pybin" ] && "$$c" -c "" 2>/dev/null && pybin=$$c; done; \
 	  [ -n "$$pybin" ] || { echo "no working python$(PYTHON) on PATH or under ~/.pyenv/versions"; exit 2; }; \
 	  echo "building $(TVENV) with $$pybin"; rm -rf $(TVENV) && $$pybin -m venv $(TVENV)
 	$(TVENV)/bin/python -m pip install --quiet --upgrade pip
 	$(TVENV)/bin/python -m pip install --quiet "torch==$(TORCH)"
+	$(TVENV)/bin/python -c "import torch; assert torch.__version__.split('+')[0] == '$(TORCH)', torch.__version__"
+	touch $@
+
+$(TVENV)/.ready: $(TVENV)/.torch pyproject.toml
 	$(TVENV)/bin/python -m pip install --quiet -e ".[test,html]"
 	$(TVENV)/bin/python -c "import torch; assert torch.__version__.split('+')[0] == '$(TORCH)', torch.__version__"
 	touch $@
 
-# TESTS narrows what runs (CI's corner B: the scenario matrix, the check examples, the failure and fault suites).
+# TESTS narrows what runs (CI's corner B: the version-dependent tests, listed in .ci/run).
 TESTS ?= --ignore=tests/integrations
 test-torch: $(TVENV)/.ready browser
 	$(TVENV)/bin/python -c "import sys, torch; print('torch', torch.__version__, 'python', sys.version.split()[0])"
