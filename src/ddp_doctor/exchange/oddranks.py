@@ -24,9 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddp_doctor.core.ranks import named_ranks
-
-__all__ = ["CANDIDATES", "EXAMPLES", "Named", "Odd", "name_flagged", "odd_ranks", "pick", "say_ranks"]
+__all__ = ["CANDIDATES", "EXAMPLES", "Named", "Odd", "name_flagged", "odd_ranks", "pick"]
 
 EXAMPLES = 8
 """How many ranks are named; the others are counted."""
@@ -58,11 +56,6 @@ class Odd:
     then holds the most common of those, and some other copy may be more common."""
     odd: Named
     """The ranks whose copy differs from the reference's."""
-
-
-say_ranks = named_ranks
-"""The exchange's name for `ddp_doctor.core.ranks.named_ranks` (its callers here keep it): ``rank(s) [3, 17]`` when
-every rank is listed, ``ranks 3, 17, 250 and 41 others`` when some are counted."""
 
 
 def _reduce(

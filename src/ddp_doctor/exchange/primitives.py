@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from ddp_doctor.core.compat import default_store
 from ddp_doctor.core.errors import RankMismatchError, ReportTimeoutError
-from ddp_doctor.exchange.oddranks import CANDIDATES, EXAMPLES, name_flagged, odd_ranks, pick, say_ranks
+from ddp_doctor.core.ranks import named_ranks
+from ddp_doctor.exchange.oddranks import CANDIDATES, EXAMPLES, name_flagged, odd_ranks, pick
 
 __all__ = ["Headers", "agree", "arrive", "comm_device", "global_ranks", "layout_hash", "minmax"]
 
@@ -108,7 +109,7 @@ def _mismatch(
     """The `RankMismatchError` message: the headers `shown` (by global rank), and the odd ranks named."""
     listing = ", ".join(f"rank {r}: {describe(shown[r])}" for r in sorted(shown))
     unproven = "" if proven else f" (whose header is the most common of the first {CANDIDATES} compared, no more)"
-    return f"{what} ({listing}; {say_ranks(odd, more)} differ from rank {reference}{unproven} in {cause}). {fix}"
+    return f"{what} ({listing}; {named_ranks(odd, more)} differ from rank {reference}{unproven} in {cause}). {fix}"
 
 
 def agree(

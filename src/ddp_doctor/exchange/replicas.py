@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ddp_doctor.exchange.oddranks import CANDIDATES, EXAMPLES, name_flagged, odd_ranks, say_ranks
+from ddp_doctor.core.ranks import named_ranks
+from ddp_doctor.exchange.oddranks import CANDIDATES, EXAMPLES, name_flagged, odd_ranks
 from ddp_doctor.exchange.primitives import global_ranks, minmax
 from ddp_doctor.observation.fingerprint import fingerprints_batched
 
@@ -210,7 +211,7 @@ def describe(differences: Sequence[Difference], *, limit: int = 8) -> str:
                 "compared: the ranks hold more, and one of those may be more common)"
             )
         lines.append(
-            f"  {d.name} ({d.numel:,} elements): {say_ranks(d.ranks, d.more_ranks)} differ from rank "
+            f"  {d.name} ({d.numel:,} elements): {named_ranks(d.ranks, d.more_ranks)} differ from rank "
             f"{d.reference_rank}; {size}{note}"
         )
     if len(differences) > limit:

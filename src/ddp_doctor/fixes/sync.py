@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor.core.compat import parameters_to_ignore
 from ddp_doctor.core.errors import InvalidArgumentError
+from ddp_doctor.core.ranks import other_ranks
 from ddp_doctor.exchange.primitives import Headers, agree, comm_device, layout_hash
 from ddp_doctor.observation.wrapstate import require_process_group
 
@@ -221,7 +222,7 @@ def _raise_bad_grads(headers: Headers) -> None:
         if f
     )
     if headers.more_failed:
-        what += f"; and {headers.more_failed} other rank{'s' if headers.more_failed > 1 else ''}"
+        what += ";" + other_ranks(headers.more_failed)
     raise InvalidArgumentError(
         f"sync_gradients() cannot reduce these gradients ({what}); nothing was reduced on any rank. It handles "
         "dense grads shaped like their parameters; for sparse embeddings use DDP itself."
