@@ -169,3 +169,30 @@ def test_a_head_only_rank_0_trains_is_rank_dependent_after_a_one_step_crash(tmp_
     assert "static_graph=True" in rank_dependent["fix"] and "keep them trainable" in rank_dependent["fix"]
     assert all("requires_grad=False" not in f["fix"] + f["detail"] for f in run.report["findings"]), run.output
     assert run.report["recommendation"]["freeze_before_wrap"] == []
+
+
+def test_destroy_process_group_with_none_before_the_steps_reports_on_the_steps_it_ran(tmp_path: Path) -> None:
+    """`dist.destroy_process_group(None)` (Accelerate's end_training()) after 3 of 8 steps ends the run like the
+    no-argument form: a find_unused_parameters=True model that uses every parameter gets find-unused-unneeded."""
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "destroy_none.py")], tmp_path)
+    assert run.rc == 0, run.output
+    assert run.codes == {"find-unused-unneeded"}, run.output
+    assert run.report["steps_observed"] == 3, run.report
+    assert run.report["recommendation"]["find_unused_parameters"] is False, run.report["recommendation"]
+    assert "Fix the failure above" not in run.output, run.output
+
+
+def test_a_report_without_a_shown_failure_never_points_at_one() -> None:
+    """When the ranks' files explain nothing, the recommendation says where the ranks were instead of pointing at
+    a failure the report does not show."""
+    from ddp_doctor.core.rankfiles import Outcome, RankState
+    from ddp_doctor.launch.outcome import _failure_report
+
+    states = {
+        r: RankState(rank=r, world_size=2, outcome=Outcome.REPORTED, step=3, phase="between steps", ddp_models=1)
+        for r in (0, 1)
+    }
+    report = _failure_report(states, timed_out=False, interrupted=None, native=[])
+    assert not [f for f in report.findings if f.severity in ("error", "warning")], report.findings
+    assert "Fix the failure above" not in report.recommendation.reason, report.recommendation.reason
+    assert "rank 0 at step 3, between steps; rank 1 at step 3, between steps" in report.recommendation.reason

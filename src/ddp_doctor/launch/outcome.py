@@ -203,6 +203,8 @@ def _failure_report(
     meta = next((s.models[0] for s in states.values() if s.models), {})
     findings = [] if interrupted is not None else failure_findings(states, timed_out=timed_out, native=native)
     ddp_config = meta.get("ddp_config", {})
+    where = "; ".join(f"rank {r} at step {max(s.step, 0)}, {s.phase}" for r, s in sorted(states.items()))
+    shown = any(f.severity in ("error", "warning") for f in findings)
     rec = Recommendation(
         find_unused_parameters=bool(ddp_config.get("find_unused_parameters", False)),
         static_graph=bool(ddp_config.get("static_graph", False)),
@@ -210,13 +212,15 @@ def _failure_report(
         freeze_before_wrap=[],
         verified=False,
         reason=(
-            "No recommendation: the run was interrupted before the ranks finished the observed steps. "
-            "Where they were: "
-            + "; ".join(f"rank {r} at step {max(s.step, 0)}, {s.phase}" for r, s in sorted(states.items()))
-            + "."
+            f"No recommendation: the run was interrupted before the ranks finished the observed steps. "
+            f"Where they were: {where}."
             if interrupted is not None
             else "No recommendation: the ranks could not finish the observed steps together, so the used set is not "
             "known on every rank. Fix the failure above and run the check again."
+            if shown
+            # Never point at a failure the report does not show.
+            else "No recommendation: the ranks could not compare what they observed, so the used set is not known "
+            f"on every rank. Where they were: {where}. Run the check again; if this repeats, please report it."
         ),
     )
     steps = [max(s.step, 0) for s in states.values()]

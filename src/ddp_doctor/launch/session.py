@@ -132,10 +132,14 @@ class Session:
         @functools.wraps(original_destroy)
         def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
             # The script tears its process group down before K steps: report while the group still exists.
-            if session.doctors and not session._finishing and (not args and not kwargs.get("group")):
-                session.finish("the script destroyed its process group")
-            if session.plain.steps and not session.doctors and not session._finishing and not args:
-                session.finish_unwrapped("the script destroyed its process group")
+            # `destroy_process_group(None)` (Accelerate's end_training()) and `(group=dist.group.WORLD)` end the
+            # default group just as the no-argument form does.
+            group = args[0] if args else kwargs.get("group")
+            if group is None or group is dist.group.WORLD:
+                if session.doctors and not session._finishing:
+                    session.finish("the script destroyed its process group")
+                if session.plain.steps and not session.doctors and not session._finishing:
+                    session.finish_unwrapped("the script destroyed its process group")
             return original_destroy(*args, **kwargs)
 
         DistributedDataParallel.__init__ = __init__
