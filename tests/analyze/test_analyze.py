@@ -309,3 +309,32 @@ def test_json_round_trip_of_the_report_shape() -> None:
     back = Report.from_dict(json.loads(json.dumps(data)))
     assert back.to_dict() == data
     assert back.findings == report.findings and back.recommendation == report.recommendation
+
+
+def test_after_a_failure_only_a_rank_dependent_set_supports_flags_and_none_are_shown_otherwise() -> None:
+    from ddp_doctor.analyze.recommend import recommend_after_failure
+    from ddp_doctor.core.findings import Finding, ParamRef
+
+    by_rank = Finding(
+        code="rank-dependent-graph",
+        severity="error",
+        title="t",
+        detail="d",
+        params=[ParamRef("aux.weight", 32), ParamRef("aux.bias", 2)],
+        ranks=[0, 1],
+        steps=[0],
+        fix="f",
+    )
+    rec = recommend_after_failure([by_rank], {"find_unused_parameters": False}, where="rank 0 at step 1")
+    assert (rec.find_unused_parameters, rec.static_graph, rec.freeze_before_wrap) == (True, False, [])
+    assert rec.flags_known and not rec.verified and "aux.weight, aux.bias" in rec.reason
+    assert "flags_known" not in rec.to_dict()
+
+    unknown = recommend_after_failure([], {"find_unused_parameters": False}, where="rank 0 at step 1, backward")
+    assert not unknown.flags_known and unknown.to_dict()["flags_known"] is False
+    assert "Fix the failure above" not in unknown.reason and "rank 0 at step 1, backward" in unknown.reason
+    d = analyze(info(), [record(0, [[1] * 4]), record(1, [[1] * 4])])
+    data = Report.build(info(), [None, None], d, backend="gloo").to_dict()
+    report = Report.from_dict({**data, "recommendation": unknown.to_dict()})
+    text = str(report)
+    assert "No DDP flags to recommend" in text and "Recommendation (" not in text, text

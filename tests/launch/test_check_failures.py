@@ -168,7 +168,22 @@ def test_a_head_only_rank_0_trains_is_rank_dependent_after_a_one_step_crash(tmp_
     assert rank_dependent["ranks"] == [0, 1] and rank_dependent["steps"] == [0], rank_dependent
     assert "static_graph=True" in rank_dependent["fix"] and "keep them trainable" in rank_dependent["fix"]
     assert all("requires_grad=False" not in f["fix"] + f["detail"] for f in run.report["findings"]), run.output
-    assert run.report["recommendation"]["freeze_before_wrap"] == []
+    rec = run.report["recommendation"]
+    assert rec["freeze_before_wrap"] == [] and rec["verified"] is False, rec
+    # One step is all DDP allowed: the flag that works whether or not each rank's set changes, never the defaults.
+    assert rec["find_unused_parameters"] is True and rec["static_graph"] is False, rec
+
+    # Applied, it works: every step synced, the head still trained on rank 0, and the next advice is the cheaper one.
+    kwargs = {k: rec[k] for k in ("find_unused_parameters", "static_graph")}
+    again = check(
+        ["--nproc-per-node", "2", "--ddp-kwargs", json.dumps(kwargs), str(SCRIPTS / "rank0_head.py")], tmp_path / "fix"
+    )
+    assert again.rc == 0 and again.errors() == [], again.output
+    assert again.report["steps_observed"] == 8, again.output
+    assert again.params("rank-dependent-graph") == {"aux.weight", "aux.bias"}, again.output
+    assert again.finding("rank-dependent-graph")["severity"] == "info", again.output
+    assert again.report["recommendation"]["static_graph"] is True, again.report["recommendation"]
+    assert again.report["recommendation"]["freeze_before_wrap"] == []
 
 
 def test_destroy_process_group_with_none_before_the_steps_reports_on_the_steps_it_ran(tmp_path: Path) -> None:

@@ -9,11 +9,13 @@ Preference order, cheapest first:
 
 from __future__ import annotations
 
+from typing import Any
+
 from ddp_doctor.analyze.used_set import hidden_params
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding, Recommendation
 
-__all__ = ["recommend"]
+__all__ = ["recommend", "recommend_after_failure"]
 
 
 def _rec(v: View, *, find_unused: bool, static: bool, freeze: list[str], reason: str, verified: bool) -> Recommendation:
@@ -136,3 +138,54 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
     elif errors and same:
         parts.append("The flags are right, but errors remain that flags cannot fix (see the findings).")
     return _rec(v, find_unused=find_unused, static=static, freeze=freeze, reason=" ".join(parts), verified=verified)
+
+
+def recommend_after_failure(findings: list[Finding], ddp_config: dict[str, Any], *, where: str) -> Recommendation:
+    """The recommendation for a run whose ranks failed before they could exchange records.
+
+    Only a `rank-dependent-graph` finding (a rank's reduction error naming parameters another rank trained) supports
+    flags: the used set depends on the rank, and DDP failed before a second step showed whether each rank's set
+    stays the same. find_unused_parameters=True works either way and keeps those parameters trained on the ranks
+    that use them; static_graph=True is cheaper but wrong if a set changes, so it waits for a run that sees every
+    step. Anything else supports no flags: the recommendation says so and shows none (`flags_known=False`).
+
+    Args:
+        findings: the failure's findings (`failure_findings`).
+        ddp_config: the flags the script built DDP with.
+        where: where each rank was when the run ended (for the text).
+    """
+    bucket_view = bool(ddp_config.get("gradient_as_bucket_view", False))
+    shown = any(f.severity in ("error", "warning") for f in findings)
+    by_rank = next((f for f in findings if f.code == "rank-dependent-graph" and f.params), None)
+    if by_rank is not None and not ddp_config.get("find_unused_parameters") and not ddp_config.get("static_graph"):
+        names = ", ".join(p.name for p in by_rank.params[:6]) + (", ..." if len(by_rank.params) > 6 else "")
+        flags = '{"find_unused_parameters": true}'
+        return Recommendation(
+            find_unused_parameters=True,
+            static_graph=False,
+            gradient_as_bucket_view=bucket_view,
+            freeze_before_wrap=[],
+            verified=False,
+            reason=f"find_unused_parameters=True: the parameters that reach the loss depend on the rank ({names}), "
+            "and DDP failed before a second step could show whether each rank's set stays the same. This flag works "
+            "either way and keeps them trained on the ranks that use them. Not verified yet: run the check again "
+            f"with --ddp-kwargs '{flags}'; that run sees every step and says whether static_graph=True, which is "
+            "cheaper, is safe.",
+        )
+    return Recommendation(
+        find_unused_parameters=bool(ddp_config.get("find_unused_parameters", False)),
+        static_graph=bool(ddp_config.get("static_graph", False)),
+        gradient_as_bucket_view=bucket_view,
+        freeze_before_wrap=[],
+        verified=False,
+        flags_known=False,
+        reason=(
+            "No DDP flags can be recommended: the ranks could not finish the observed steps together, so the used "
+            "set is not known on every rank. Fix the failure above and run the check again."
+            if shown
+            # Never point at a failure the report does not show.
+            else "No DDP flags can be recommended: the ranks could not compare what they observed, so the used set "
+            f"is not known on every rank. Where they were: {where}. Run the check again; if this repeats, please "
+            "report it."
+        ),
+    )

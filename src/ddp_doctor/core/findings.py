@@ -76,6 +76,10 @@ class Recommendation:
     verified: bool
     render: dict[str, str] = field(default_factory=dict)
     """Copy-pasteable code for `torch`, `transformers`, `accelerate` and `lightning`."""
+    flags_known: bool = True
+    """False when nothing observed supports any flags (the ranks failed before they could compare): the flags are
+    then the script's own, placeholders the renderers do not show; only `reason` applies. In the JSON only when
+    False."""
 
     @property
     def ddp_kwargs(self) -> dict[str, bool]:
@@ -86,7 +90,10 @@ class Recommendation:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.flags_known:
+            del out["flags_known"]
+        return out
 
 
 @dataclass(kw_only=True, slots=True)

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ddp_doctor.analyze.failures import failure_findings
+from ddp_doctor.analyze.recommend import recommend_after_failure
+from ddp_doctor.analyze.snippets import render_snippets
 from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.findings import Recommendation, Timing, finite
 from ddp_doctor.core.rankfiles import Outcome, RankState, read_ends, read_rank_states
@@ -204,25 +206,21 @@ def _failure_report(
     findings = [] if interrupted is not None else failure_findings(states, timed_out=timed_out, native=native)
     ddp_config = meta.get("ddp_config", {})
     where = "; ".join(f"rank {r} at step {max(s.step, 0)}, {s.phase}" for r, s in sorted(states.items()))
-    shown = any(f.severity in ("error", "warning") for f in findings)
-    rec = Recommendation(
-        find_unused_parameters=bool(ddp_config.get("find_unused_parameters", False)),
-        static_graph=bool(ddp_config.get("static_graph", False)),
-        gradient_as_bucket_view=bool(ddp_config.get("gradient_as_bucket_view", False)),
-        freeze_before_wrap=[],
-        verified=False,
-        reason=(
-            f"No recommendation: the run was interrupted before the ranks finished the observed steps. "
-            f"Where they were: {where}."
-            if interrupted is not None
-            else "No recommendation: the ranks could not finish the observed steps together, so the used set is not "
-            "known on every rank. Fix the failure above and run the check again."
-            if shown
-            # Never point at a failure the report does not show.
-            else "No recommendation: the ranks could not compare what they observed, so the used set is not known "
-            f"on every rank. Where they were: {where}. Run the check again; if this repeats, please report it."
-        ),
-    )
+    if interrupted is not None:
+        rec = Recommendation(
+            find_unused_parameters=bool(ddp_config.get("find_unused_parameters", False)),
+            static_graph=bool(ddp_config.get("static_graph", False)),
+            gradient_as_bucket_view=bool(ddp_config.get("gradient_as_bucket_view", False)),
+            freeze_before_wrap=[],
+            verified=False,
+            flags_known=False,
+            reason="No recommendation: the run was interrupted before the ranks finished the observed steps. "
+            f"Where they were: {where}.",
+        )
+    else:
+        rec = recommend_after_failure(findings, ddp_config, where=where)
+        if rec.flags_known:
+            rec.render = render_snippets(rec, ddp_config)
     steps = [max(s.step, 0) for s in states.values()]
     return Report(
         tool_version=__version__,

@@ -268,8 +268,8 @@ def _recommendation(report: Report, key: str) -> str:
         for k in order
     )
     tabs = f"<div class='tabs'>{inputs}{panels}</div>" if order else ""
-    if not report.ddp_built:
-        # No DDP model, no DDP flags: the Recommendation's flags are placeholders; only its reason applies.
+    if not report.ddp_built or not rec.flags_known:
+        # No DDP model, or nothing observed supports flags: the flags are placeholders; only the reason applies.
         return f"<div class='recommendation'><h3>No DDP flags to recommend</h3><p>{_e(rec.reason)}</p></div>"
     return (
         f"<div class='recommendation'><h3>Recommendation ({verdict})</h3><p><b>{_e(flags)}</b></p>{freeze}"
