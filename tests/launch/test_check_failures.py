@@ -211,3 +211,16 @@ def test_a_report_without_a_shown_failure_never_points_at_one() -> None:
     assert not [f for f in report.findings if f.severity in ("error", "warning")], report.findings
     assert "Fix the failure above" not in report.recommendation.reason, report.recommendation.reason
     assert "rank 0 at step 3, between steps; rank 1 at step 3, between steps" in report.recommendation.reason
+
+
+def test_a_model_sized_from_rank_local_data_names_each_parameter_and_its_shape_per_rank(tmp_path: Path) -> None:
+    """Each rank sizes its embedding by its own shard's vocabulary: DDP's constructor refuses the model on rank 1.
+    The check reports param-shapes-differ (not 'failed before it built a DDP model' and a traceback)."""
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "local_vocab.py")], tmp_path)
+    assert run.rc == 1, run.output
+    assert run.codes == {"param-shapes-differ"}, run.output
+    f = run.finding("param-shapes-differ")
+    assert run.params("param-shapes-differ") == {"embed.weight"}
+    assert "embed.weight is [9, 16] on rank 0, [11, 16] on rank 1" in f["detail"], f
+    assert "tests/scripts/local_vocab.py:38" in f["detail"] and "broadcast" in f["fix"], f
+    assert "failed on rank 1 before it built" not in run.output and "Traceback" not in run.output, run.output

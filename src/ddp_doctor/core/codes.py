@@ -42,4 +42,6 @@ CODES: dict[str, str] = {
     "grads-reduced-twice": "the script reduces gradients that DDP has already reduced",
     "replicas-differ-at-wrap": "the replicas differ before the first step (init_sync=False, a per-rank seed)",
     "weights-changed-outside-optimizer": "parameters changed on some ranks only, outside the optimizer",
+    # Added with issue #27 (what happens at wrap and at epoch ends):
+    "param-shapes-differ": "parameters have different shapes on different ranks when DDP is built",
 }

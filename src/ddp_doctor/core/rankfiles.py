@@ -8,6 +8,8 @@ reader in `beacon.py`; the fault dump (`rank{R}.fault`) is Python's faulthandler
 
 - `rank{R}.json`: `EndRecord` (schema `END_SCHEMA`), how the rank ended.
 - `rank{R}.progress.json`: `ProgressSample` (schema `PROGRESS_SCHEMA`), the watchdog's last sample.
+- `rank{R}.wrap.json`: `WrapShapes` (schema `WRAP_SCHEMA`), the shapes of the parameters the rank handed to DDP's
+  constructor, written just before it runs (a constructor that refuses the model leaves no other record of them).
 """
 
 from __future__ import annotations
@@ -34,19 +36,25 @@ __all__ = [
     "ProgressSample",
     "RaisedError",
     "RankState",
+    "WRAP_SCHEMA",
+    "WrapShapes",
     "end_path",
     "progress_path",
     "read_end",
     "read_ends",
     "read_progress",
     "read_rank_states",
+    "read_wrap",
     "write_end",
     "write_json",
     "write_progress",
+    "wrap_path",
+    "write_wrap",
 ]
 
 END_SCHEMA = "ddp-doctor/rank-end@1"
 PROGRESS_SCHEMA = "ddp-doctor/rank-progress@1"
+WRAP_SCHEMA = "ddp-doctor/rank-wrap@1"
 PHASES = tuple(p.value for p in Phase)
 """The phases a rank reports, in the order they happen within a step (`ddp_doctor.doctor.Phase`)."""
 
@@ -196,9 +204,50 @@ def read_ends(folder: Path) -> dict[int, EndRecord]:
     """Every rank's end record in `folder`, by rank."""
     out = {}
     for path in sorted(folder.glob("rank*.json")):
-        if not path.name.endswith(".progress.json") and (end := read_end(path)) is not None:
+        if not path.name.endswith((".progress.json", ".wrap.json")) and (end := read_end(path)) is not None:
             out[end.rank] = end
     return out
+
+
+@dataclass(kw_only=True, slots=True)
+class WrapShapes:
+    """The parameters a rank handed to DDP's constructor, in DDP's order: `rank{R}.wrap.json`."""
+
+    schema: str = WRAP_SCHEMA
+    rank: int
+    site: str | None = None
+    """The user's line that built DDP."""
+    names: list[str] = field(default_factory=list)
+    """The trainable parameters DDP verifies (its `params[i]` is `names[i]`)."""
+    shapes: list[list[int]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WrapShapes:
+        if d.get("schema") != WRAP_SCHEMA:
+            raise ValueError(f"rank wrap record of schema {d.get('schema')!r}, expected {WRAP_SCHEMA!r}")
+        return cls(**_known(cls, d))
+
+
+def wrap_path(folder: Path, rank: int) -> Path:
+    return folder / f"rank{rank}.wrap.json"
+
+
+def write_wrap(folder: Path, record: WrapShapes) -> None:
+    write_json(wrap_path(folder, record.rank), record.to_dict())
+
+
+def read_wrap(path: Path) -> WrapShapes | None:
+    """A rank's wrap record, or None when the file is missing, half written or of another schema."""
+    data = _read(path)
+    if data is None:
+        return None
+    try:
+        return WrapShapes.from_dict(data)
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -314,6 +363,8 @@ class RankState:
     ended: bool = False
     closed: ClosedStep | None = None
     """From the beacon: the last step the rank closed and the trainable parameters that got no gradient in it."""
+    wrap: WrapShapes | None = None
+    """The parameters of the last DDP model the rank started to build (`rank{R}.wrap.json`)."""
 
     @property
     def built_ddp(self) -> bool:
@@ -352,6 +403,7 @@ def read_rank_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
         failure = failures.get(str(rank))
         if failure is not None:
             state.signal = failure.get("signal")
+        state.wrap = read_wrap(wrap_path(folder, rank))
         fault_path = folder / f"rank{rank}.fault"
         if fault_path.exists():
             state.fault = Fault.parse(fault_path.read_text(errors="replace"))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_doctor.analyze.failures import failure_findings
+from ddp_doctor.analyze.failures import failure_findings, shape_findings
 from ddp_doctor.analyze.recommend import recommend_after_failure
 from ddp_doctor.analyze.snippets import render_snippets
 from ddp_doctor.core.codes import SEVERITIES
@@ -143,6 +143,11 @@ def collect(
             timed_out=timed_out,
         )
     built = [s for s in states.values() if s.built_ddp]
+    if not built and interrupted is None and shape_findings(states):
+        # DDP's constructor refused the model (shapes differ by rank): a finding, not a failure to run.
+        return CheckResult(
+            models=[Model(report=_failure_report(states, timed_out, interrupted, native or []))], timed_out=timed_out
+        )
     if not built:
         if interrupted is not None:
             return CheckResult(error="interrupted before the script built a DDP model", interrupted=interrupted)
@@ -233,6 +238,6 @@ def _failure_report(
         recommendation=rec,
         timing=Timing(),
         framework=meta.get("framework", "torch"),
-        ddp_site=meta.get("site"),
+        ddp_site=meta.get("site") or next((s.wrap.site for s in states.values() if s.wrap and s.wrap.site), None),
         interrupted=interrupted is not None,
     )

@@ -47,7 +47,7 @@ from ddp_doctor.core.beacon import Beacon, ClosedStep
 from ddp_doctor.core.errors import DoctorError
 from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site_of
 from ddp_doctor.core.phase import Phase
-from ddp_doctor.core.rankfiles import EndRecord, Outcome, ProgressSample, write_end, write_json
+from ddp_doctor.core.rankfiles import EndRecord, Outcome, ProgressSample, WrapShapes, write_end, write_json, write_wrap
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
@@ -121,6 +121,7 @@ class Session:
             own = [p.requires_grad for _, p in module.named_parameters()]
             session._before_wrap(module, bound.arguments)
             trainable = [p.requires_grad for _, p in module.named_parameters()]
+            session._write_wrap(module)
             original_init(*bound.args, **bound.kwargs)
             if not session._finishing:
                 session.policy.wrapped(ddp, own)
@@ -167,6 +168,22 @@ class Session:
         for key, value in self.config.ddp_kwargs.items():
             arguments[key] = value
         freeze_named(module, self.config.freeze_before_wrap)
+
+    def _write_wrap(self, module: torch.nn.Module) -> None:
+        """Leave the shapes DDP's constructor is about to compare across ranks (`param-shapes-differ`): when it
+        refuses the model, a rank's error names only `params[i]` and its own sizes, and rank 0 names nothing."""
+        if self._finishing:
+            return
+        # DDP's order: trainable parameters not ignored, shared ones once (`_build_params_for_reducer`).
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
+        site = user_frame(traceback.extract_stack()[:-2], code=False)
+        write_wrap(
+            self.outdir,
+            WrapShapes(
+                rank=self.rank, site=site, names=[n for n, _ in params], shapes=[list(p.shape) for _, p in params]
+            ),
+        )
 
     def _after_wrap(self, ddp: DistributedDataParallel, trainable: list[bool], *, init_sync: bool = True) -> None:
         if self._finishing or any(d.ddp is ddp for d in self.doctors):
