@@ -58,30 +58,28 @@ def uneven_inputs(v: View) -> list[Finding]:
     return []
 
 
+def _loader_site(d: dict[str, Any]) -> str | None:
+    if d.get("site"):
+        return f"created at {d['site']}"
+    return f"first iterated at {d['iterated_at']}" if d.get("iterated_at") else None
+
+
 def sampler_epoch_not_set(v: View) -> list[Finding]:
+    """A shuffling DistributedSampler whose loader started a pass again with the sampler's epoch unchanged.
+
+    Only a loader iterated more than once while observed tells: a loop that stayed in its first epoch, or a
+    non-shuffling sampler (an evaluation loader's, whose order does not matter), says nothing.
+    """
     findings: list[Finding] = []
     for meta in [v.meta(0)]:  # every rank's loop has the same shape; rank 0 speaks for it
         for d in meta["loaders"]:
-            if d.get("sampler") != "DistributedSampler" or not d.get("shuffle"):
+            if d.get("sampler") != "DistributedSampler" or not d.get("shuffle") or d.get("epochs_started", 1) < 2:
                 continue
             seen = [e for e in d.get("epochs_seen", []) if e is not None]
-            repeated = any(a == b for a, b in itertools.pairwise(seen))
-            if d.get("epochs_started", 1) >= 2 and repeated:
-                findings.append(rules.sampler_epoch_repeated(epoch=seen[-1], ranks=list(range(v.world))))
-            elif d.get("epochs_started", 1) == 1 and not d.get("set_epoch_called") and seen and seen[0] == 0:
+            if any(a == b for a, b in itertools.pairwise(seen)):
                 findings.append(
-                    Finding(
-                        code="sampler-epoch-not-set",
-                        severity="info",
-                        title="a shuffling DistributedSampler: set_epoch not called yet",
-                        detail=f"The observed steps stayed in the first epoch ({d.get('batches')} batches per epoch, "
-                        f"first batch at observed step {d.get('first_step', 0)}), and set_epoch was not called "
-                        "before it. What cannot be known from these steps: whether the loop calls set_epoch when "
-                        "the next epoch starts. If it does not, every epoch repeats the same order.",
-                        ranks=list(range(v.world)),
-                        steps=[],
-                        fix="call sampler.set_epoch(epoch) at the start of every epoch (set_epoch(0) before the first "
-                        "one makes this check certain).",
+                    rules.sampler_epoch_repeated(
+                        epoch=seen[-1], ranks=list(range(v.world)), site=_loader_site(d), seen=seen
                     )
                 )
     return findings

@@ -162,14 +162,25 @@ def uneven_inputs(*, title: str, cause: str, ranks: list[int], steps: list[int],
     )
 
 
-def sampler_epoch_repeated(*, epoch: int | None, ranks: list[int]) -> Finding:
-    """A shuffling DistributedSampler started a new epoch with the epoch of the last one. A ``warning``."""
+def sampler_epoch_repeated(
+    *, epoch: int | None, ranks: list[int], site: str | None = None, seen: list[int] | None = None
+) -> Finding:
+    """A shuffling DistributedSampler started a new epoch with the epoch of the last one. A ``warning``.
+
+    Args:
+        epoch: the epoch it started with again.
+        ranks: where it was seen.
+        site: the loader's creation line (or where it was first iterated, said so in the text).
+        seen: the sampler's epoch at each start of the loader's iteration.
+    """
+    where = f" (the DataLoader {site})" if site else ""
+    starts = f" The loader started {len(seen)} passes with the sampler's epoch at {seen}." if seen else ""
     return Finding(
         code="sampler-epoch-not-set",
         severity="warning",
-        title=f"a shuffling DistributedSampler started a new epoch with the same epoch ({epoch})",
+        title=f"a shuffling DistributedSampler started a new epoch with the same epoch ({epoch}){where}",
         detail="set_epoch was not called between epochs, so every epoch visits the samples in the same order on "
-        "every rank: shuffling only happened once.",
+        f"every rank: shuffling only happened once.{starts}",
         ranks=ranks,
         steps=[],
         fix="call sampler.set_epoch(epoch) at the start of every epoch, before iterating the loader.",

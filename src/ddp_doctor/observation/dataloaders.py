@@ -7,11 +7,14 @@ each start of an iteration is passed to whoever listens (the observing doctors).
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import torch.utils.data as tud
 
+from ddp_doctor.core.frames import user_site
 from ddp_doctor.observation.hooks import ListenerList
 
 __all__ = ["describe", "install", "listen"]
@@ -21,6 +24,9 @@ _listeners: ListenerList[Listener] = ListenerList()
 _installed = False
 _set_epoch_called: set[int] = set()
 """ids of DistributedSamplers whose set_epoch was called since the probe was installed."""
+_SITE = "_ddp_doctor_site"
+_SERIAL = "_ddp_doctor_serial"
+_serials = itertools.count(1)
 
 
 def describe(loader: tud.DataLoader) -> dict[str, Any]:
@@ -53,15 +59,28 @@ def describe(loader: tud.DataLoader) -> dict[str, Any]:
 def _install() -> None:
     global _installed
     original = tud.DataLoader.__iter__
+    original_init = tud.DataLoader.__init__
+
+    @functools.wraps(original_init)  # frameworks read the signature to rebuild a loader (Lightning)
+    def __init__(self: tud.DataLoader, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        # The creation line names the loader in findings; the serial tells loaders apart where an id may be reused
+        # (a loader created anew each epoch can get the address of the last one).
+        object.__setattr__(self, _SITE, user_site())
+        object.__setattr__(self, _SERIAL, next(_serials))
 
     def __iter__(self: tud.DataLoader) -> Any:
         if _listeners:
             info = describe(self)
-            info["id"] = id(self)
+            info["id"] = getattr(self, _SERIAL, None) or f"id{id(self)}"
+            info["site"] = getattr(self, _SITE, None)
+            if info["site"] is None:  # created before the probe was installed: its first iteration names it
+                info["iterated_at"] = user_site()
             for listener in _listeners:
                 listener(info)
         return original(self)
 
+    tud.DataLoader.__init__ = __init__  # type: ignore[method-assign]
     tud.DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
     original_set_epoch = tud.distributed.DistributedSampler.set_epoch
 
@@ -74,8 +93,8 @@ def _install() -> None:
 
 
 def install() -> None:
-    """Wrap `DataLoader.__iter__` and `DistributedSampler.set_epoch` now (the launcher does it before the script
-    runs, so a set_epoch call before DDP is built is seen too)."""
+    """Wrap `DataLoader.__init__`, `DataLoader.__iter__` and `DistributedSampler.set_epoch` now (the launcher does it
+    before the script runs, so a set_epoch call before DDP is built, and every loader's creation line, are seen)."""
     if not _installed:
         _install()
 

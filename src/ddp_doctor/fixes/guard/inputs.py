@@ -46,7 +46,12 @@ class DataWatch:
         epoch, key = info.get("epoch"), info["id"]
         if key in self._epochs and epoch is not None and self._epochs[key] == epoch:
             self._reporter.report(
-                [rules.sampler_epoch_repeated(epoch=epoch, ranks=[self._rank])], key=("sampler-epoch", key)
+                [
+                    rules.sampler_epoch_repeated(
+                        epoch=epoch, ranks=[self._rank], site=f"created at {info['site']}" if info.get("site") else None
+                    )
+                ],
+                key=("sampler-epoch", key),
             )
         self._epochs[key] = epoch
 
