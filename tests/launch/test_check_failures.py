@@ -224,3 +224,15 @@ def test_a_model_sized_from_rank_local_data_names_each_parameter_and_its_shape_p
     assert "embed.weight is [9, 16] on rank 0, [11, 16] on rank 1" in f["detail"], f
     assert "tests/scripts/local_vocab.py:38" in f["detail"] and "broadcast" in f["fix"], f
     assert "failed on rank 1 before it built" not in run.output and "Traceback" not in run.output, run.output
+
+
+def test_every_rank_saving_one_checkpoint_then_ending_early_is_named(tmp_path: Path) -> None:
+    """Every rank torch.saves the wrapper's state dict to one file after 3 steps, then destroys its group: the check
+    (torch.save wrapped before the script) names the path, both ranks and the line, and the 'module.' keys."""
+    out = tmp_path / "ckpt.pt"
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "checkpoint_every_rank.py"), "--out", str(out)], tmp_path)
+    assert run.rc == 0, run.output  # a warning: below the default --fail-on error
+    assert run.codes == {"checkpoint-same-path", "checkpoint-module-prefix"}, run.output
+    same = run.finding("checkpoint-same-path")
+    assert str(out) in same["title"] and same["ranks"] == [0, 1] and same["steps"] == [2], same
+    assert "tests/scripts/checkpoint_every_rank.py:23" in same["detail"], same

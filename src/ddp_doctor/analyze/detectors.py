@@ -26,6 +26,7 @@ from ddp_doctor.analyze.consistency import (
     synced_pass_mismatch,
     unpaired_forward_mismatch,
 )
+from ddp_doctor.analyze.checkpoints import checkpoint_module_prefix, checkpoint_same_path
 from ddp_doctor.analyze.epochs import sampler_epoch_not_set, uneven_inputs
 from ddp_doctor.analyze.frozen_set import frozen_after_wrap, no_trainable, reduction_error, unfrozen_after_wrap
 from ddp_doctor.analyze.used_set import (
@@ -71,6 +72,8 @@ DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (
     find_unused_unneeded,
     uneven_inputs,
     sampler_epoch_not_set,
+    checkpoint_same_path,
+    checkpoint_module_prefix,
     grad_scaler_mismatch,
     batchnorm_not_synced,
 )

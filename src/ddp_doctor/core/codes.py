@@ -44,4 +44,6 @@ CODES: dict[str, str] = {
     "weights-changed-outside-optimizer": "parameters changed on some ranks only, outside the optimizer",
     # Added with issue #27 (what happens at wrap and at epoch ends):
     "param-shapes-differ": "parameters have different shapes on different ranks when DDP is built",
+    "checkpoint-same-path": "several ranks wrote the same file with torch.save (no rank guard)",
+    "checkpoint-module-prefix": "the DDP wrapper's state dict (keys 'module.*') was saved",
 }

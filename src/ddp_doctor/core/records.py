@@ -237,6 +237,9 @@ class RankRecord:
     """Positions of the parameters changed outside the optimizer, the first step it happened."""
     rereduce_sites: list[str] = field(default_factory=list)
     """`step N: all_reduce(SUM)/2 at file:line` of collectives on gradients DDP had already reduced."""
+    saves: list[dict[str, Any]] = field(default_factory=list)
+    """The files written with `torch.save` while observed (at most `MAX_SAVES`): `path`, `site`, `step`,
+    `module_prefix` (the DDP wrapper's state dict)."""
 
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
         "used",
@@ -320,4 +323,5 @@ class RankRecord:
             "changed_sites": self.changed_sites,
             "changed_params": self.changed_params,
             "rereduce_sites": self.rereduce_sites,
+            "saves": self.saves,
         }

@@ -46,7 +46,7 @@ from ddp_doctor.exchange.packing import (
     unkey,
 )
 from ddp_doctor.exchange.patterns import local_gaps, patterns
-from ddp_doctor.exchange.summary import PREDICATES, SLOTS, Summary, examples_from
+from ddp_doctor.exchange.summary import PREDICATES, SAVE_BUCKETS, SLOTS, Summary, examples_from
 from ddp_doctor.exchange.timing import medians
 
 __all__ = ["protocol"]
@@ -119,6 +119,18 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
     b.bits("input", (record.input_fp[:s] != 0).any(-1))
     loader = training_loader(record)
     b.ints("loader", torch.tensor([int(loader is not None)]))
+    # The files written with torch.save, hashed into a fixed number of buckets: how many ranks wrote into each
+    # (SUM) and whether their paths there agree (MAX == MIN of the bucket's digest); `checkpoint-same-path`.
+    save_counts = torch.zeros(SAVE_BUCKETS, dtype=torch.int64)
+    save_digests = [0] * SAVE_BUCKETS
+    bucket_of: dict[str, int] = {}
+    for saved in record.saves:
+        h = text_digest(saved["path"])
+        k = h % SAVE_BUCKETS
+        save_counts[k] = 1
+        save_digests[k] ^= h
+        bucket_of[saved["path"]] = k
+    b.ints("saves", save_counts)
     b.bits("bn_training", record.counter("batchnorm_training")[:s] > 0)
 
     m = MaxRound()
@@ -183,6 +195,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         torch.tensor([int(sizes.max()), int(sizes.min())]) if sizes.numel() else torch.zeros(2, dtype=torch.int64),
         bool(sizes.numel()),
     )
+    m.pair("save_digest", torch.tensor(save_digests, dtype=torch.int64), save_counts > 0)
     rm = m.read((yield ("max", m.tensor())))
     del m
     b.settle(rm["sections"])
@@ -239,6 +252,9 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
     first_changed = first_set((ch_hi != ch_lo).tolist())
     rr_hi, rr_lo = rm["rereduced"]
     first_rereduced = first_set((rr_hi > 0).tolist())
+    sd_hi, sd_lo = rm["save_digest"]
+    shared = ((rb["saves"] >= 2) & (sd_hi == sd_lo)).tolist()
+    shared_saves = [d for d in record.saves if shared[bucket_of[d["path"]]]]
 
     # Round C, only when gradients or weights differ: digests of each rank's differing slice against rank 0's
     # (to name the ranks), and rank 0's fingerprints there (for the largest difference and the divergence curve).
@@ -336,6 +352,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         "changed-outside": first_changed is not None and bool(changed[first_changed]),
         "rereduced": first_rereduced is not None and bool(rereduced[first_rereduced]),
         "scheduler-extra": first_sched is not None and int(sched[first_sched]) == int(sh_hi[first_sched]),
+        "same-path-save": bool(shared_saves),
     }
     assert tuple(flags) == PREDICATES
     meta = json.dumps(
@@ -356,6 +373,8 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
             "skip_sites": at_step(record.repeat_sites, first_skip + 1) if first_skip is not None else [],
             "changed_params": record.changed_params if first_changed is not None else [],
             "rereduce_sites": at_step(record.rereduce_sites, first_rereduced),
+            "shared_saves": shared_saves,
+            "module_saves": [d for d in record.saves if d.get("module_prefix")][:1],
         }
     ).encode()
     d = SumRound(world)
@@ -409,7 +428,8 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
     ):
         wanted.update(examples[name].ranks)
     wanted.update(examples["fewest-batches"].ranks[:1])
-    chosen = sorted(wanted)  # at most 2 + 7 * EXAMPLES ranks, whatever W
+    wanted.update(examples["same-path-save"].ranks[:1])
+    chosen = sorted(wanted)  # at most 3 + 12 * EXAMPLES ranks, whatever W
     n_meta = int(rdm["meta_len"][0][0])
     words = -(-n_meta // 8)
     e = torch.zeros(len(chosen), words, dtype=torch.int64)

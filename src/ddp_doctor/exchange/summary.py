@@ -11,10 +11,12 @@ import torch
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo
 from ddp_doctor.exchange.packing import MIN
 
-__all__ = ["EXAMPLES", "PREDICATES", "SLOTS", "Curve", "Examples", "Summary", "Volume", "examples_from"]
+__all__ = ["EXAMPLES", "PREDICATES", "SAVE_BUCKETS", "SLOTS", "Curve", "Examples", "Summary", "Volume", "examples_from"]
 
 EXAMPLES = 8
 """How many example ranks a finding names when more ranks show it (the rest are counted)."""
+SAVE_BUCKETS = 16
+"""Buckets the paths a rank wrote with torch.save are hashed into (`checkpoint-same-path`): a fixed shape."""
 SLOTS = 64
 """Example slots per predicate: the smallest flagged rank of each class ``rank % SLOTS``. Exact for W <= SLOTS."""
 
@@ -42,6 +44,7 @@ PREDICATES = (
     "changed-outside",
     "rereduced",
     "scheduler-extra",
+    "same-path-save",
 )
 
 

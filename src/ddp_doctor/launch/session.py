@@ -56,7 +56,7 @@ from ddp_doctor.launch.policy import CheckPolicy, RunPolicy
 from ddp_doctor.launch.raised import raised_error
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
 from ddp_doctor.launch.watchdog import Watchdog, main_thread_position, peers_train_on
-from ddp_doctor.observation import dataloaders
+from ddp_doctor.observation import dataloaders, saves
 from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR, freeze_named
 
 __all__ = ["FRAMEWORKS", "PolicyFactory", "Session", "framework_of_stack"]
@@ -156,6 +156,7 @@ class Session:
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
         self.collectives.install()
         dataloaders.install()
+        saves.install()
         # A segfault or abort (gloo's on a mismatched collective) leaves no Python exception: faulthandler writes
         # the signal and the stack to a file the supervisor reads. The file object must stay open.
         self._fault_file = open(self.outdir / f"rank{self.rank}.fault", "w")  # noqa: SIM115

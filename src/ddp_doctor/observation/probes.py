@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddp_doctor.core.frames import user_site
-from ddp_doctor.observation import collectives, dataloaders, gradscaler, optimizers, reentrant, weights
+from ddp_doctor.observation import collectives, dataloaders, gradscaler, optimizers, reentrant, saves, weights
 from ddp_doctor.observation.collectives import Call
 from ddp_doctor.observation.forward import ForwardHooks
 from ddp_doctor.observation.steplog import StepLog
@@ -42,6 +42,7 @@ class Probes:
         self._stops = [
             reentrant.listen(self._forward.on_checkpoint),
             dataloaders.listen(self._log.note_loader),
+            saves.listen(self._log.note_save),
             gradscaler.listen(self.on_scaler_step),
             collectives.listen(self.on_collective),
             optimizers.listen(self.on_scheduler_step),

@@ -11,11 +11,13 @@ from ddp_doctor.core.records import RankRecord, StepCounters
 from ddp_doctor.observation.collectives import Call, digest
 from ddp_doctor.observation.fingerprint import fingerprints
 
-__all__ = ["MAX_COLLECTIVE_LOG", "MAX_LOADERS", "MAX_SITES", "MAX_STEP_LOG", "StepLog", "StepState"]
+__all__ = ["MAX_COLLECTIVE_LOG", "MAX_LOADERS", "MAX_SAVES", "MAX_SITES", "MAX_STEP_LOG", "StepLog", "StepState"]
 
 MAX_SITES = 4
 """At most this many call sites of each kind are kept (the first ones)."""
 MAX_LOADERS = 4
+MAX_SAVES = 8
+"""Distinct files written with `torch.save` that a rank records while observed."""
 MAX_COLLECTIVE_LOG = 64
 """At most this many of the script's collectives are logged by name (every one is counted in the digests)."""
 MAX_STEP_LOG = 64
@@ -72,6 +74,8 @@ class StepLog:
         """The first script collectives, `step N: all_reduce(float32[1])/2 at file:line`."""
         self.loaders: list[dict[str, Any]] = []
         """The DataLoaders iterated while observed (at most `MAX_LOADERS`)."""
+        self.saves: list[dict[str, Any]] = []
+        """The files written with `torch.save` while observed (at most `MAX_SAVES` distinct paths)."""
         self.optimizer_log: list[str] = []
         """`step N: group 0 (4 tensors) lr=0.1, ...` at each optimizer step."""
         self.scheduler_sites: list[str] = []
@@ -140,6 +144,12 @@ class StepLog:
                 {**info, "epochs_started": 1, "epochs_seen": [info.get("epoch")], "first_step": self.steps}
             )
 
+    def note_save(self, info: dict[str, Any]) -> None:
+        """`torch.save` wrote a file: the first write of each path, with its line and the last step closed before
+        it (`step`, -1 before the first; a checkpoint is written between steps)."""
+        if not any(d["path"] == info["path"] for d in self.saves) and len(self.saves) < MAX_SAVES:
+            self.saves.append({**info, "step": self.steps - 1})
+
     def note_collective(self, step: StepState, call: Call, site: str | None) -> None:
         """The script entered `call` during `step`: count it, fold it into the step's digest, log it by name."""
         step.counters.collectives += 1
@@ -165,4 +175,5 @@ class StepLog:
         record.changed_params = list(self.changed_params)
         record.rereduce_sites = list(self.rereduce_sites)
         record.loaders = [{k: v for k, v in d.items() if k != "id"} for d in self.loaders]
+        record.saves = list(self.saves)
         return record
