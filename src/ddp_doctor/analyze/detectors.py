@@ -19,6 +19,7 @@ from ddp_doctor.analyze.causes import (
     replicas_differ_at_wrap,
     weights_changed_outside_optimizer,
 )
+from ddp_doctor.analyze.checkpoints import checkpoint_module_prefix, checkpoint_same_path
 from ddp_doctor.analyze.consistency import (
     batchnorm_not_synced,
     collective_sequence_mismatch,
@@ -26,7 +27,6 @@ from ddp_doctor.analyze.consistency import (
     synced_pass_mismatch,
     unpaired_forward_mismatch,
 )
-from ddp_doctor.analyze.checkpoints import checkpoint_module_prefix, checkpoint_same_path
 from ddp_doctor.analyze.epochs import sampler_epoch_not_set, uneven_inputs
 from ddp_doctor.analyze.frozen_set import frozen_after_wrap, no_trainable, reduction_error, unfrozen_after_wrap
 from ddp_doctor.analyze.used_set import (
