@@ -15,7 +15,7 @@ from ddp_doctor import observe
 from ddp_doctor.observation import dataloaders
 
 
-def _epochs(rank: int, world: int, set_epoch: bool, epochs: int) -> list[dict]:
+def _epochs(rank: int, world: int, set_epoch: bool, epochs: int, peek: bool = False) -> list[dict]:
     dataloaders.install()  # as the launcher does before the script: loaders get their creation line
     torch.manual_seed(0)
     train = TensorDataset(torch.randn(16, 8), torch.randint(0, 2, (16,)))
@@ -27,6 +27,8 @@ def _epochs(rank: int, world: int, set_epoch: bool, epochs: int) -> list[dict]:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     with observe(ddp, optimizer=opt, steps=2 * epochs) as doctor:
         for epoch in range(epochs):
+            if peek:  # PyTorch's DDP tutorial reads the batch size this way, before set_epoch
+                len(next(iter(train_loader))[0])
             if set_epoch:
                 sampler.set_epoch(epoch)
             for x, y in train_loader:
@@ -58,3 +60,13 @@ def test_set_epoch_or_a_single_epoch_leaves_only_the_evaluation_sampler_silent_t
         assert _sampler(findings) == [], findings
     for findings in run_ranks(_epochs, tmp_path, args=(False, 1)):
         assert _sampler(findings) == [], findings
+
+
+def test_a_one_batch_peek_before_set_epoch_is_no_epoch(tmp_path) -> None:
+    """PyTorch's DDP tutorial (multigpu_torchrun.py) takes `next(iter(loader))` for the batch size before
+    `set_epoch`: that pass yields one batch of several and is dropped, so it is no epoch of its own."""
+    for findings in run_ranks(_epochs, tmp_path, args=(True, 3, True)):
+        assert _sampler(findings) == [], findings
+    for findings in run_ranks(_epochs, tmp_path, args=(False, 3, True)):
+        (f,) = _sampler(findings)
+        assert "started 3 passes with the sampler's epoch at [0, 0, 0]" in f["detail"], f

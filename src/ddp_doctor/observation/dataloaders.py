@@ -27,6 +27,11 @@ _set_epoch_called: set[int] = set()
 _SITE = "_ddp_doctor_site"
 _SERIAL = "_ddp_doctor_serial"
 _serials = itertools.count(1)
+_passes: dict[int, dict[str, int]] = {}
+"""id(iterator) -> {"yielded": n} of the passes started while someone listens: a pass that yields one batch and is
+dropped (`next(iter(loader))` to read the batch size, as PyTorch's own DDP tutorial does before `set_epoch`) is a
+peek, not an epoch. The same dict travels with the pass's start to the listeners."""
+_MAX_PASSES = 64
 
 
 def describe(loader: tud.DataLoader) -> dict[str, Any]:
@@ -70,15 +75,35 @@ def _install() -> None:
         object.__setattr__(self, _SERIAL, next(_serials))
 
     def __iter__(self: tud.DataLoader) -> Any:
-        if _listeners:
-            info = describe(self)
-            info["id"] = getattr(self, _SERIAL, None) or f"id{id(self)}"
-            info["site"] = getattr(self, _SITE, None)
-            if info["site"] is None:  # created before the probe was installed: its first iteration names it
-                info["iterated_at"] = user_site()
-            for listener in _listeners:
-                listener(info)
-        return original(self)
+        if not _listeners:
+            _passes.clear()
+            return original(self)
+        info = describe(self)
+        info["id"] = getattr(self, _SERIAL, None) or f"id{id(self)}"
+        info["site"] = getattr(self, _SITE, None)
+        if info["site"] is None:  # created before the probe was installed: its first iteration names it
+            info["iterated_at"] = user_site()
+        iterator = original(self)
+        if len(_passes) >= _MAX_PASSES:
+            _passes.clear()
+        info["pass"] = _passes[id(iterator)] = {"yielded": 0}
+        for listener in _listeners:
+            listener(info)
+        return iterator
+
+    base = tud.dataloader._BaseDataLoaderIter
+    original_next = base.__next__
+
+    @functools.wraps(original_next)
+    def __next__(self: Any) -> Any:
+        batch = original_next(self)
+        if _passes:
+            counted = _passes.get(id(self))
+            if counted is not None:
+                counted["yielded"] += 1
+        return batch
+
+    base.__next__ = __next__  # type: ignore[method-assign]
 
     tud.DataLoader.__init__ = __init__  # type: ignore[method-assign]
     tud.DataLoader.__iter__ = __iter__  # type: ignore[method-assign]

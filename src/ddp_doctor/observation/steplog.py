@@ -136,13 +136,23 @@ class StepLog:
         # The first loader iterated while observed is the training loader in the usual loop; later starts of the
         # same loader are new epochs.
         known = next((d for d in self.loaders if d["id"] == info["id"]), None)
+        one_pass = {"epoch": info.get("epoch"), "counted": info.get("pass", {"yielded": 2})}
         if known is not None:
-            known["epochs_started"] += 1
-            known["epochs_seen"].append(info.get("epoch"))
+            known["passes"].append(one_pass)
         elif len(self.loaders) < MAX_LOADERS:
-            self.loaders.append(
-                {**info, "epochs_started": 1, "epochs_seen": [info.get("epoch")], "first_step": self.steps}
-            )
+            fields = {k: v for k, v in info.items() if k != "pass"}
+            self.loaders.append({**fields, "passes": [one_pass], "first_step": self.steps})
+
+    @staticmethod
+    def _epochs(loader: dict[str, Any]) -> dict[str, Any]:
+        """A loader as the record keeps it: its passes that were epochs (`epochs_started`, `epochs_seen`). A pass that
+        yielded one batch of several and was dropped is a peek at the data, not an epoch."""
+        out = {k: v for k, v in loader.items() if k not in ("id", "passes")}
+        least = min(2, loader.get("batches") or 2)
+        epochs = [p["epoch"] for p in loader["passes"] if p["counted"]["yielded"] >= least]
+        out["epochs_started"], out["epochs_seen"] = max(1, len(epochs)), epochs or [loader["passes"][0]["epoch"]]
+        out["peeks"] = len(loader["passes"]) - len(epochs)
+        return out
 
     def note_save(self, info: dict[str, Any]) -> None:
         """`torch.save` wrote a file: the first write of each path, with its line and the last step closed before
@@ -174,6 +184,6 @@ class StepLog:
         record.changed_sites = list(self.changed_sites)
         record.changed_params = list(self.changed_params)
         record.rereduce_sites = list(self.rereduce_sites)
-        record.loaders = [{k: v for k, v in d.items() if k != "id"} for d in self.loaders]
+        record.loaders = [self._epochs(d) for d in self.loaders]
         record.saves = list(self.saves)
         return record
