@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from dist import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ddp_doctor import observe
 
@@ -36,6 +37,10 @@ def _train(rank: int, world: int, pattern: str) -> dict:
     sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=3)
     scaler = torch.amp.GradScaler("cpu") if pattern == "grad_scaler" else None
     g = torch.Generator().manual_seed(100 + rank)
+    # 9 samples on 2 ranks: the DistributedSampler pads rank 1's share with a repeated sample.
+    data = TensorDataset(torch.randn(9, 8, generator=torch.Generator().manual_seed(0)), torch.randint(0, 2, (9,)))
+    loader = DataLoader(data, batch_size=1, sampler=DistributedSampler(data, shuffle=True))
+    batches = iter(loader)
     with observe(ddp, optimizer=opt, steps=STEPS) as doctor:
         if pattern == "load_on_rank0" and rank == 0:
             with torch.no_grad():
@@ -46,6 +51,8 @@ def _train(rank: int, world: int, pattern: str) -> dict:
             micro = 2 if pattern == "no_sync_accumulation" else 1
             for i in range(micro):
                 x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
+                if pattern == "padded_sampler":
+                    x, y = next(batches)
                 ctx = ddp.no_sync() if i < micro - 1 else torch.enable_grad()
                 with ctx:
                     if pattern == "bf16_autocast":
@@ -109,7 +116,16 @@ def test_each_cause_is_named_and_replica_divergence_says_so(tmp_path, pattern, c
 
 @pytest.mark.parametrize(
     "pattern",
-    ["plain", "seed_before_build", "bf16_autocast", "clip", "grad_scaler", "no_sync_accumulation", "log_loss"],
+    [
+        "plain",
+        "seed_before_build",
+        "bf16_autocast",
+        "clip",
+        "grad_scaler",
+        "no_sync_accumulation",
+        "log_loss",
+        "padded_sampler",
+    ],
 )
 def test_legitimate_patterns_raise_none_of_the_causes(tmp_path, pattern) -> None:
     for result in run_ranks(_train, tmp_path, args=(pattern,)):
