@@ -35,6 +35,7 @@ from ddp_doctor.analyze.consistency import (
 from ddp_doctor.analyze.epochs import sampler_epoch_not_set, uneven_inputs
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.snippets import freeze_point
+from ddp_doctor.analyze.throughput import input_bound, straggler_rank
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import listed
@@ -502,4 +503,6 @@ DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (
     sampler_epoch_not_set,
     grad_scaler_mismatch,
     batchnorm_not_synced,
+    input_bound,
+    straggler_rank,
 )

@@ -42,4 +42,7 @@ CODES: dict[str, str] = {
     "grads-reduced-twice": "the script reduces gradients that DDP has already reduced",
     "replicas-differ-at-wrap": "the replicas differ before the first step (init_sync=False, a per-rank seed)",
     "weights-changed-outside-optimizer": "parameters changed on some ranks only, outside the optimizer",
+    # Where the step time goes (measurements on this machine):
+    "input-bound": "the ranks spend a large share of every step waiting for the next batch",
+    "straggler-rank": "one rank is consistently slower and the others wait for it in the gradient all-reduce",
 }

@@ -7,11 +7,14 @@ each start of an iteration is passed to whoever listens (the observing doctors).
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch.utils.data as tud
 
+from ddp_doctor.core.frames import user_site
 from ddp_doctor.observation.hooks import ListenerList
 
 __all__ = ["describe", "install", "listen"]
@@ -21,6 +24,9 @@ _listeners: ListenerList[Listener] = ListenerList()
 _installed = False
 _set_epoch_called: set[int] = set()
 """ids of DistributedSamplers whose set_epoch was called since the probe was installed."""
+_sites: dict[int, tuple[weakref.ref[tud.DataLoader], str]] = {}
+"""id of each DataLoader built since the probe was installed -> (a weak reference to it, `file:line` of its
+creation). An entry goes when its loader does."""
 
 
 def describe(loader: tud.DataLoader) -> dict[str, Any]:
@@ -35,7 +41,16 @@ def describe(loader: tud.DataLoader) -> dict[str, Any]:
         "sampler": type(sampler).__name__ if sampler is not None else None,
         "padded": 0,
         "dataset": None,
+        # What decides how fast it delivers (named by `input-bound`).
+        "dataset_type": type(loader.dataset).__name__,
+        "num_workers": int(loader.num_workers),
+        "pin_memory": bool(loader.pin_memory),
+        "persistent_workers": bool(loader.persistent_workers),
+        "batch_size": loader.batch_size,
     }
+    site = _sites.get(id(loader))
+    if site is not None and site[0]() is loader:
+        info["site"] = site[1]
     if isinstance(sampler, tud.distributed.DistributedSampler):
         try:
             size = len(sampler.dataset)  # type: ignore[arg-type]
@@ -63,6 +78,20 @@ def _install() -> None:
         return original(self)
 
     tud.DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+    original_init = tud.DataLoader.__init__
+
+    # `wraps` keeps the signature visible: Lightning and Accelerate read DataLoader.__init__'s parameters to rebuild
+    # a loader with their own sampler.
+    @functools.wraps(original_init)
+    def __init__(self: tud.DataLoader, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        key = id(self)
+        site = user_site({key})  # a subclass's own __init__ is not the creation line
+        if site is not None:
+            # A weak reference: the probe never keeps a loader (and its workers) alive.
+            _sites[key] = (weakref.ref(self, lambda _: _sites.pop(key, None)), site)
+
+    tud.DataLoader.__init__ = __init__  # type: ignore[method-assign]
     original_set_epoch = tud.distributed.DistributedSampler.set_epoch
 
     def set_epoch(self: tud.distributed.DistributedSampler, epoch: int) -> None:
