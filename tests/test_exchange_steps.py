@@ -74,7 +74,7 @@ def _record(
         weight_fp=weight,
         buffer_fp=torch.zeros(STEPS, 1, 2, dtype=torch.float64),
         input_fp=torch.full((STEPS, 2), float(rank + 1), dtype=torch.float64),
-        timing=torch.full((STEPS, 3), 0.01, dtype=torch.float64),
+        timing=torch.full((STEPS, 5), 0.01, dtype=torch.float64),
         counters=table,
         **(sites or {}),
     )

@@ -312,7 +312,7 @@ def _explained(used: list[list[int]], ran: list[list[int]]) -> str:
         weight_fp=torch.zeros(steps + 1, 2, 2, dtype=torch.float64),
         buffer_fp=torch.zeros(steps, 0, 2, dtype=torch.float64),
         input_fp=torch.zeros(steps, 2, dtype=torch.float64),
-        timing=torch.zeros(steps, 3, dtype=torch.float64),
+        timing=torch.zeros(steps, 5, dtype=torch.float64),
         counters=torch.tensor([c.as_list()] * steps),
     )
     exc = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.")

@@ -51,7 +51,7 @@ def record(rank: int, used: list[list[int]], *, ran=None, trainable=None, grad=N
         weight_fp=weights if weights is not None else torch.zeros(steps + 1, n, 2, dtype=torch.float64),
         buffer_fp=torch.zeros(steps, 0, 2, dtype=torch.float64),
         input_fp=torch.full((steps, 2), float(rank + 1), dtype=torch.float64),
-        timing=torch.full((steps, 3), 0.01, dtype=torch.float64),
+        timing=torch.full((steps, 5), 0.01, dtype=torch.float64),
         counters=torch.tensor([counters.as_list()] * steps),
     )
 
@@ -191,7 +191,8 @@ def test_the_page_has_every_finding_both_figures_and_code_for_four_frameworks(pa
     for f in report.findings:
         assert f"data-code='{f.code}'" in html and f.title.replace("'", "&#x27;") in html
     assert html.count("class='usage-map'") == 1 and html.count("class='divergence'") == 1
-    assert html.count("<svg") == 2
+    assert html.count("class='step-time'") == 1  # each rank's step in phases (issue #26)
+    assert html.count("<svg") == 3
     for framework in ("torch", "transformers", "accelerate", "lightning"):
         assert f"data-framework='{framework}'" in html
     assert "static_graph=False" in html  # the recommendation's code, escaped but whole

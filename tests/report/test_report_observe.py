@@ -45,4 +45,4 @@ def test_observe_report_draws_the_rank_dependent_head_on_every_rank(tmp_path) ->
     assert "rank-dependent-graph" in got["codes"]
     assert got["ranks"] == [[0], [1]] and got["head_b"] == {(0,): "UUU", (1,): "NNN"}
     assert got["weights_start"] is None  # find_unused_parameters=True kept them in sync
-    assert got["figures"] == 2 and got["svgs"] == 2
+    assert got["figures"] == 3 and got["svgs"] == 3  # usage map, divergence curve, step time per rank

@@ -7,6 +7,7 @@ import logging
 from ddp_doctor.analyze.causes import CAUSES
 from ddp_doctor.analyze.detectors import DETECTORS
 from ddp_doctor.analyze.recommend import recommend
+from ddp_doctor.analyze.throughput import rank_timings
 from ddp_doctor.analyze.usage import figures
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Crash, Diagnosis, Timing
@@ -20,11 +21,16 @@ logger = logging.getLogger(__name__)
 _SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
 
-def _timing(summary: Summary) -> Timing:
+def _timing(summary: Summary, view: View) -> Timing:
     fwd, bwd, opt, step = summary.timing
     if step is None:
         return Timing()
-    return Timing(forward_s=fwd, backward_s=bwd, optimizer_s=opt, step_s=step)
+    per_rank = rank_timings(view)
+    group = summary.info.group_ranks
+    if group:  # users read global ranks
+        for t in per_rank:
+            t.rank = group[t.rank] if t.rank < len(group) else t.rank
+    return Timing(forward_s=fwd, backward_s=bwd, optimizer_s=opt, step_s=step, per_rank=per_rank)
 
 
 def analyze(info: ModelInfo, records: list[RankRecord]) -> Diagnosis:
@@ -71,7 +77,7 @@ def analyze_summary(summary: Summary) -> Diagnosis:
     return Diagnosis(
         findings=findings,
         recommendation=recommend(view, findings),
-        timing=_timing(summary),
+        timing=_timing(summary, view),
         steps_observed=view.steps,
         crashes=crashes,
         usage_map=usage,

@@ -29,6 +29,7 @@ from ddp_doctor.analyze.consistency import (
 )
 from ddp_doctor.analyze.epochs import sampler_epoch_not_set, uneven_inputs
 from ddp_doctor.analyze.frozen_set import frozen_after_wrap, no_trainable, reduction_error, unfrozen_after_wrap
+from ddp_doctor.analyze.throughput import input_bound, straggler_rank
 from ddp_doctor.analyze.used_set import (
     dynamic_graph,
     find_unused_unneeded,
@@ -76,4 +77,6 @@ DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (
     checkpoint_module_prefix,
     grad_scaler_mismatch,
     batchnorm_not_synced,
+    input_bound,
+    straggler_rank,
 )

@@ -8,6 +8,7 @@ from typing import Any
 
 from ddp_doctor.core.codes import CODES, SEVERITIES
 from ddp_doctor.core.figures import Divergence, UsageMap
+from ddp_doctor.core.steptime import RankTiming
 
 __all__ = ["Crash", "Diagnosis", "Finding", "ParamRef", "Recommendation", "Timing", "finite"]
 
@@ -98,15 +99,32 @@ class Recommendation:
 
 @dataclass(kw_only=True, slots=True)
 class Timing:
-    """Per-step medians over every rank's complete observed steps, in seconds (observed, so hooks included)."""
+    """Per-step medians over every rank's complete observed steps, in seconds (observed, so hooks included), and
+    each rank's step split into phases (`per_rank`)."""
 
     forward_s: float | None = None
     backward_s: float | None = None
     optimizer_s: float | None = None
     step_s: float | None = None
+    per_rank: list[RankTiming] = field(default_factory=list)
+    """One entry per rank that had steps to measure (a few floats each: the one part of the report that grows with
+    the world size)."""
 
-    def to_dict(self) -> dict[str, float | None]:
-        return asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "optimizer_s": self.optimizer_s,
+            "step_s": self.step_s,
+            "per_rank": [r.to_dict() for r in self.per_rank],
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Timing:
+        return Timing(
+            **{k: data.get(k) for k in ("forward_s", "backward_s", "optimizer_s", "step_s")},
+            per_rank=[RankTiming.from_dict(r) for r in data.get("per_rank", [])],
+        )
 
 
 @dataclass(kw_only=True, slots=True)

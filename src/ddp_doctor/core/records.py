@@ -13,9 +13,11 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["CRASH_KINDS", "Flavor", "ModelInfo", "RankRecord", "StepCounters"]
+__all__ = ["CRASH_KINDS", "TIMING_COLUMNS", "Flavor", "ModelInfo", "RankRecord", "StepCounters"]
 
 # How a rank's observed loop ended early. Index = the code stored in a record.
+TIMING_COLUMNS = 5
+"""Columns of `RankRecord.timing`: forward, backward, optimizer, input wait, communication wait."""
 CRASH_KINDS = ("none", "reduction-error", "static-graph-changed", "mark-ready-twice", "ddp-other", "other")
 
 
@@ -205,7 +207,9 @@ class RankRecord:
     input_fp: torch.Tensor
     """float64[S, 2]: fingerprint of every tensor the wrapped module received during the step."""
     timing: torch.Tensor
-    """float64[S, 3]: forward, backward and optimizer seconds."""
+    """float64[S, 5]: seconds of forward, backward (DDP's wait included), optimizer, the wait for the step's input
+    (from the end of the previous step, or of the previous micro-step's backward, to the forward; NaN where no
+    previous step was seen) and DDP's communication wait (from autograd's end to DDP's finalize, within backward)."""
     counters: torch.Tensor
     """int64[S, len(StepCounters.FIELDS)]."""
     crash_kind: int = 0
@@ -275,7 +279,7 @@ class RankRecord:
             weight_fp=torch.zeros(1, n_params, 2, dtype=torch.float64),
             buffer_fp=torch.zeros(0, n_buffers, 2, dtype=torch.float64),
             input_fp=torch.zeros(0, 2, dtype=torch.float64),
-            timing=torch.zeros(0, 3, dtype=torch.float64),
+            timing=torch.zeros(0, TIMING_COLUMNS, dtype=torch.float64),
             counters=torch.zeros(0, len(StepCounters.FIELDS), dtype=torch.int64),
         )
 
@@ -294,7 +298,7 @@ class RankRecord:
             "weight_fp": (steps + 1, n_params, 2),
             "buffer_fp": (steps, n_buffers, 2),
             "input_fp": (steps, 2),
-            "timing": (steps, 3),
+            "timing": (steps, TIMING_COLUMNS),
             "counters": (steps, c),
         }
         assert tuple(shapes) == RankRecord.TENSOR_FIELDS

@@ -19,6 +19,8 @@ Why the volume does not grow with the world size W: the exchange is made of redu
 - The usage map's distinct per-rank patterns are sent once each, by one owner (`figures.py`); one bit per rank
   says which pattern it has. The divergence curve needs group rank 0's fingerprints of the differing parameters
   only.
+- The one exception, on purpose: each rank's step split into phases (`ranktable.py`), `ROW_SIZE` float64 per rank
+  (136 bytes), in one SUM where each rank fills its own row; the steps never add to it.
 The shapes of every collective depend only on (W, S, P, B) and on earlier collectives' results, which every rank
 holds identically: never on local data (DESIGN §3).
 """

@@ -4,7 +4,7 @@ Round A agrees on the step counts (and rank 0's `ModelInfo` when the ranks' diff
 fact that needs only the common step count; B2 and C run only when something differs (gradients masked by what
 every rank trains; rank 0's fingerprints of the differing parameters); round D evaluates the predicates that name
 ranks; round E carries strings from a bounded set of example ranks; then the usage patterns (`figures.py`) and the
-timing medians (`timing.py`).
+timing medians (`timing.py`) and each rank's step phases (`ranktable.py`, the one round that grows with W).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from ddp_doctor.exchange.packing import (
     unkey,
 )
 from ddp_doctor.exchange.patterns import local_gaps, patterns
+from ddp_doctor.exchange.ranktable import per_rank
 from ddp_doctor.exchange.summary import PREDICATES, SAVE_BUCKETS, SLOTS, Summary, examples_from
 from ddp_doctor.exchange.timing import medians
 
@@ -443,6 +444,8 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
 
     # Rounds T: exact medians of the step timings over every rank's common steps.
     timing = yield from medians(record, s, world)
+    # Round P: each rank's phases, one row per rank.
+    phases = yield from per_rank(record, s, rank, world)
 
     b_nan = rb["buffer_nan"]
     return Summary(
@@ -485,6 +488,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         examples=examples,
         metas=metas,
         timing=timing,
+        per_rank=phases,
         unpaired=(u_hi.tolist(), u_lo.tolist()),
         collectives=(c_hi, c_lo),
         collectives0=rm["coll0"],

@@ -157,6 +157,8 @@ class Summary:
     """Group rank -> its strings: crash, call sites, loaders (group rank 0 and the example ranks that need them)."""
     timing: list[float | None]
     """Medians over every rank's common steps: forward, backward, optimizer, and their sum (None: no step)."""
+    per_rank: list[list[float]]
+    """[W][ROW_SIZE]: each group rank's `RankTiming.to_row()` (NaN: nothing measured)."""
     unpaired: tuple[list[int], list[int]]
     """(max, min) over the ranks of DDP forwards in grad mode without a backward, per common step."""
     collectives: tuple[torch.Tensor, torch.Tensor]

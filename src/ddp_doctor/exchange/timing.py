@@ -19,7 +19,7 @@ def medians(record: RankRecord, s: int, world: int) -> Generator[Op, Reply, list
     step). Collective: every rank yields the same rounds."""
     timing: list[float | None] = [None] * 4
     if s:
-        rows = record.timing[:s]
+        rows = record.timing[:s, :3]  # forward, backward, optimizer
         values = torch.cat([rows, rows.sum(1, keepdim=True)], 1)  # [s, 4]
         keys = order_key(values)
         total = world * s

@@ -88,6 +88,11 @@ class BackwardHooks:
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward_queued)
 
     def _after_backward_queued(self) -> None:
+        # The engine runs the queued callbacks in order once the graph is done. Ours was queued at the first
+        # output gradient, before DDP's finalize (queued when its last bucket is ready), so this runs when
+        # autograd has finished computing and before finalize waits for every bucket's all-reduce: the time from
+        # here to `_after_backward` is the wait for the other ranks (and for the transfer still in flight).
+        self._timeline.clock.computed_end = time.perf_counter()
         # DDP queues its finalize callback during the backward pass, after ours; queueing again runs us after it,
         # when the reduced gradients are in `.grad`.
         torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
@@ -101,6 +106,8 @@ class BackwardHooks:
         step.counters.micro_steps += 1
         tl.clock.backward_end = time.perf_counter()
         step.t_backward += tl.clock.backward_end - tl.clock.last_forward_end
+        if tl.sync_forward:  # under no_sync DDP's finalize reduces nothing: no wait to count
+            step.t_comm += tl.clock.backward_end - max(tl.clock.computed_end, tl.clock.last_forward_end)
         tl.phase = Phase.AFTER_BACKWARD
         if tl.sync_forward:
             step.counters.synced_backwards += 1
@@ -139,5 +146,6 @@ class BackwardHooks:
         now = time.perf_counter()
         tl.state.t_optimizer += now - max(tl.clock.optimizer_start, tl.clock.backward_end)
         tl.state.counters.optimizer_step = 1
+        tl.clock.step_end = now
         tl.versions.mark()  # what the optimizer wrote is its own; a write after this, before the next forward, is not
         tl.close()

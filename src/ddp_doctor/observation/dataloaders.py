@@ -46,7 +46,15 @@ def describe(loader: tud.DataLoader) -> dict[str, Any]:
         "sampler": type(sampler).__name__ if sampler is not None else None,
         "padded": 0,
         "dataset": None,
+        # What decides how fast it delivers (named by `input-bound`).
+        "dataset_type": type(loader.dataset).__name__,
+        "num_workers": int(loader.num_workers),
+        "pin_memory": bool(loader.pin_memory),
+        "persistent_workers": bool(loader.persistent_workers),
+        "batch_size": loader.batch_size,
     }
+    if getattr(loader, _SITE, None) is not None:
+        info["site"] = getattr(loader, _SITE)
     if isinstance(sampler, tud.distributed.DistributedSampler):
         try:
             size = len(sampler.dataset)  # type: ignore[arg-type]
@@ -71,7 +79,7 @@ def _install() -> None:
         original_init(self, *args, **kwargs)
         # The creation line names the loader in findings; the serial tells loaders apart where an id may be reused
         # (a loader created anew each epoch can get the address of the last one).
-        object.__setattr__(self, _SITE, user_site())
+        object.__setattr__(self, _SITE, user_site({id(self)}))  # a subclass's own __init__ is not the creation line
         object.__setattr__(self, _SERIAL, next(_serials))
 
     def __iter__(self: tud.DataLoader) -> Any:

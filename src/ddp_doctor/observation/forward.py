@@ -88,7 +88,11 @@ class ForwardHooks:
                 if len(self._log.unpaired_sites) < MAX_SITES:
                     self._log.unpaired_sites.append(f"step {self._log.steps}: {tl.open_forward}")
             tl.open_forward = user_site({id(self._t.ddp)}) if tl.sync_forward else None
-        tl.clock.forward_start = time.perf_counter()
+            now = time.perf_counter()
+            tl.state.t_input += tl.clock.input_wait(now)
+            tl.clock.forward_start = now
+        else:
+            tl.clock.forward_start = time.perf_counter()
 
     def _check_versions(self) -> None:
         """At a step's first training forward: parameters written since the optimizer's step (or since DDP was

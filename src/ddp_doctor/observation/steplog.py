@@ -42,6 +42,10 @@ class StepState:
         self.t_forward = 0.0
         self.t_backward = 0.0
         self.t_optimizer = 0.0
+        self.t_input = 0.0
+        """Waiting for the step's input: before each training forward, since the previous step or backward."""
+        self.t_comm = 0.0
+        """Waiting in DDP's gradient communication: from autograd's end to DDP's finalize, in each backward."""
 
     @property
     def active(self) -> bool:
@@ -111,7 +115,11 @@ class StepLog:
             else torch.full((len(self._buffers), 2), float("nan"), dtype=torch.float64)
         )
         rows["input_fp"].append(step.input_fp)
-        rows["timing"].append(torch.tensor([step.t_forward, step.t_backward, step.t_optimizer], dtype=torch.float64))
+        rows["timing"].append(
+            torch.tensor(
+                [step.t_forward, step.t_backward, step.t_optimizer, step.t_input, step.t_comm], dtype=torch.float64
+            )
+        )
         rows["counters"].append(torch.tensor(step.counters.as_list(), dtype=torch.int64))
 
     def missing(self, names: list[str], limit: int) -> list[str]:

@@ -16,12 +16,24 @@ __all__ = ["Clock", "Timeline"]
 
 @dataclass(slots=True)
 class Clock:
-    """`time.perf_counter()` marks within a step, from which its forward, backward and optimizer times are cut."""
+    """`time.perf_counter()` marks within a step, from which its forward, backward and optimizer times are cut, and
+    the waits: for the next batch (from `step_end` or `backward_end` to the forward) and in DDP's gradient
+    communication (from `computed_end` to `backward_end`). 0.0: not seen yet."""
 
     forward_start: float = 0.0
     last_forward_end: float = 0.0
+    computed_end: float = 0.0
+    """Autograd finished computing the backward pass (before DDP's finalize waits for the all-reduce)."""
     backward_end: float = 0.0
+    """DDP's finalize returned: the reduced gradients are in `.grad`."""
     optimizer_start: float = 0.0
+    step_end: float = 0.0
+    """The optimizer's step returned."""
+
+    def input_wait(self, now: float) -> float:
+        """Seconds from the end of the previous step (or micro-step's backward) to `now`; NaN when none was seen."""
+        since = max(self.step_end, self.backward_end)
+        return now - since if since else float("nan")
 
 
 @dataclass(kw_only=True)

@@ -239,6 +239,23 @@ def _figures(report: Report, key: str) -> str:
             "the optimizer saw them. 0 means bit-identical on every rank; a dashed line marks the first "
             "step where each differs.</figcaption></figure>"
         )
+    if report.timing.per_rank:
+        from ddp_doctor.report.plots import shown_ranks, step_time_svg
+
+        per_rank = report.timing.per_rank
+        shown = len(shown_ranks(per_rank))
+        which = (
+            ""
+            if shown == len(per_rank)
+            else f" {shown} of the {len(per_rank)} ranks are drawn: the slowest, the fastest and the lowest."
+        )
+        out.append(
+            f"<figure class='step-time' id='{key}-step-time'>{step_time_svg(per_rank)}"
+            "<figcaption>Where each rank's step goes, measured on this machine (median over the observed steps, "
+            "the first left out): waiting for data (from the end of one step to the next forward, the "
+            "DataLoader's __next__ included), forward, backward compute, waiting in DDP's gradient all-reduce "
+            f"(from autograd's end to DDP's finalize), optimizer.{which}</figcaption></figure>"
+        )
     return "".join(out)
 
 

@@ -88,7 +88,7 @@ class Report:
             ddp_config=data["ddp_config"],
             findings=findings,
             recommendation=Recommendation(**data["recommendation"]),
-            timing=Timing(**data["timing"]),
+            timing=Timing.from_dict(data["timing"]),
             crashes=[Crash(**c) for c in data.get("crashes", [])],
             framework=data.get("framework", "torch"),
             ddp_site=data.get("ddp_site"),

@@ -12,8 +12,9 @@ from typing import Any
 
 from ddp_doctor.core.figures import NOTABLE, STATES, Divergence, UsageMap
 from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.steptime import PHASE_LABELS, PHASES, RankTiming
 
-__all__ = ["COLORS", "divergence_svg", "usage_map_svg"]
+__all__ = ["COLORS", "MAX_BARS", "PHASE_COLORS", "divergence_svg", "shown_ranks", "step_time_svg", "usage_map_svg"]
 
 COLORS: dict[str, str] = {
     "U": "#2e7d32",  # used: green
@@ -23,6 +24,15 @@ COLORS: dict[str, str] = {
     "X": "#c2185b",  # flipped: magenta
     "I": "#f7f7f7",  # ignored by DDP: near white
 }
+PHASE_COLORS: dict[str, str] = {
+    "data_wait_s": "#ef6c00",  # waiting for data: orange
+    "forward_s": "#1f4e9c",  # forward: blue
+    "backward_s": "#5c7fa3",  # backward compute: steel blue
+    "comm_wait_s": "#c2185b",  # waiting in the all-reduce: magenta
+    "optimizer_s": "#2e7d32",  # optimizer: green
+}
+MAX_BARS = 48
+"""Ranks drawn at most in the step-time figure (the slowest, then the fastest, then the lowest ranks)."""
 _SEVERITY_COLOR = {"error": "#b00020", "warning": "#a15c00", "info": "#00639b"}
 _RC = {"svg.fonttype": "none", "svg.hashsalt": "ddp-doctor", "font.size": 9}
 
@@ -180,4 +190,59 @@ def divergence_svg(div: Divergence, *, world_size: int) -> str:
             title = "Cross-rank difference per step (log scale)"
         ax.set_title(title, fontsize=10)
         ax.legend(loc="center left", fontsize=8, frameon=False)
+        return _svg(fig)
+
+
+def shown_ranks(per_rank: list[RankTiming]) -> list[RankTiming]:
+    """The ranks the step-time figure draws, in rank order: every rank up to `MAX_BARS`, else the slowest and the
+    fastest by own time (the ones a straggler finding compares) and the lowest ranks."""
+    if len(per_rank) <= MAX_BARS:
+        return list(per_rank)
+    by_own = sorted(per_rank, key=lambda t: t.own_s)
+    keep = {t.rank for t in by_own[-MAX_BARS // 4 :] + by_own[: MAX_BARS // 4]}
+    keep.update(t.rank for t in per_rank[: MAX_BARS - len(keep)])
+    return [t for t in per_rank if t.rank in keep]
+
+
+def step_time_svg(per_rank: list[RankTiming]) -> str:
+    """One horizontal bar per rank: the median of each phase (`PHASES`), stacked, and the median step with its
+    interquartile range written beside it."""
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
+    shown = shown_ranks(per_rank)
+    height = 1.4 + 0.28 * len(shown)
+    with plt.rc_context(_RC):
+        fig, ax = plt.subplots(figsize=(7.5, height), layout="constrained")
+        ys = list(range(len(shown)))
+        left = [0.0] * len(shown)
+        for phase in PHASES:
+            widths = [t.median[phase] * 1e3 for t in shown]
+            ax.barh(ys, widths, left=left, color=PHASE_COLORS[phase], height=0.7)
+            left = [a + b for a, b in zip(left, widths)]
+        # The median step is not the sum of the phases' medians: it is written beside the bar, with its spread.
+        for y, t, end in zip(ys, shown, left):
+            ax.annotate(
+                f"step {t.median['step_s'] * 1e3:.1f} ms (IQR {t.iqr['step_s'] * 1e3:.1f})",
+                (end, y),
+                xytext=(4, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+                color="#333333",
+            )
+        ax.set_xlim(0, max(left) * 1.35 if max(left) > 0 else 1)
+        ax.set_yticks(ys, [f"rank {t.rank}" for t in shown])
+        ax.invert_yaxis()
+        ax.set_xlabel("ms per step (median of each phase over the observed steps)")
+        ax.set_title("Where each rank's step goes", fontsize=10)
+        handles = [Patch(color=PHASE_COLORS[p], label=PHASE_LABELS[p]) for p in PHASES]
+        ax.legend(
+            handles=handles,
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.35 if len(shown) < 4 else -0.15),
+            ncol=3,
+            fontsize=8,
+            frameon=False,
+        )
         return _svg(fig)

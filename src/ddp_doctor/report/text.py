@@ -14,11 +14,12 @@ from rich.text import Text
 
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_ranges
+from ddp_doctor.core.steptime import PHASES, RankTiming
 
 if TYPE_CHECKING:  # the model calls these renderers; they only read it
     from ddp_doctor.report.model import Report
 
-__all__ = ["render", "to_text"]
+__all__ = ["phases_line", "render", "to_text"]
 
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 _MAX_PARAMS = 6
@@ -120,6 +121,23 @@ def render(report: Report) -> Iterator[Any]:
             f"{t.backward_s * 1e3:.1f} ms, optimizer {t.optimizer_s * 1e3:.1f} ms",
             style="dim",
         )
+    if t.per_rank:
+        yield Text(phases_line(t.per_rank), style="dim")
+
+
+def phases_line(per_rank: list[RankTiming]) -> str:
+    """One line: each rank's median step split into phases (the slowest and the fastest only, beyond 4 ranks)."""
+    shown = per_rank
+    if len(per_rank) > 4:
+        by_own = sorted(per_rank, key=lambda r: r.own_s)
+        shown = [by_own[-1], by_own[0]]
+    parts = [
+        f"rank {r.rank}{' (slowest)' if len(shown) < len(per_rank) and i == 0 else ''}"
+        f"{' (fastest)' if len(shown) < len(per_rank) and i == 1 else ''} "
+        + "/".join(f"{r.median[p] * 1e3:.1f}" for p in PHASES)
+        for i, r in enumerate(shown)
+    ]
+    return "step per rank, ms (data wait/forward/backward/all-reduce wait/optimizer): " + "; ".join(parts)
 
 
 def to_text(report: Report, *, width: int = 100, color: bool = False) -> str:

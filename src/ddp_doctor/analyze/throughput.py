@@ -1,0 +1,163 @@
+"""Where the step time goes: `input-bound` (the ranks wait for their data) and `straggler-rank` (one rank is slower
+and the others wait for it in the gradient all-reduce). Measurements on this machine, so both rules ask for an
+effect that is large in milliseconds, large in share, and consistent over the observed steps; a noisy shared
+machine, or a tiny model whose steps take a millisecond, shows neither.
+
+The rules, on each rank's `RankTiming` (medians and quartiles over its common steps, the first left out):
+
+- **input-bound**: a rank waits for data when its median wait for the next batch is at least `MIN_WAIT_S` and at
+  least `INPUT_SHARE` of its median step, and in three steps out of four it waited at least `INPUT_SHARE_Q1` of
+  the step. The finding needs more than half of the measured ranks waiting, and a DataLoader iterated while
+  observed: without one, the time between steps is the loop's own (a benchmark timing other models in between, an
+  evaluation), not evidence of waiting for data.
+- **straggler-rank**: the rank with the longest own time (step less its communication wait) is a straggler when
+  its median own time is at least `STRAGGLER_RATIO` times the other ranks' median and `MIN_WAIT_S` longer, its
+  first quartile is above every other rank's third quartile (slower in most steps, not in a few), and the other
+  ranks lose at least half of that difference waiting in DDP's all-reduce.
+
+Reading `per_rank` is the one part of the analysis whose time grows with the world size (a few floats per rank).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from ddp_doctor.analyze.view import View
+from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.steptime import PHASE_LABELS, PHASES, RankTiming
+
+__all__ = [
+    "INPUT_SHARE",
+    "INPUT_SHARE_Q1",
+    "MIN_WAIT_S",
+    "STRAGGLER_RATIO",
+    "input_bound",
+    "rank_timings",
+    "straggler_rank",
+]
+
+MIN_WAIT_S = 0.010
+"""Seconds per step below which neither finding is reported, whatever the share."""
+INPUT_SHARE = 0.5
+"""Median wait for data over median step, at least."""
+INPUT_SHARE_Q1 = 0.4
+"""First quartile over the steps of the wait's share of the step, at least."""
+STRAGGLER_RATIO = 1.5
+"""The slow rank's own time over the others' median, at least."""
+_MEASURED = "Measured on this machine over {n} steps (the first observed step left out)"
+
+
+def rank_timings(v: View) -> list[RankTiming]:
+    """The group ranks' step phases, for every rank that had steps to measure (`exchange.ranktable`)."""
+    out = []
+    for rank, row in enumerate(v.summary.per_rank):
+        t = RankTiming.from_row(rank, row)
+        if t is not None:
+            out.append(t)
+    return out
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _waits_for_data(t: RankTiming) -> bool:
+    wait, step = t.median["data_wait_s"], t.median["step_s"]
+    return wait >= MIN_WAIT_S and wait >= INPUT_SHARE * step and t.data_wait_share_q1 >= INPUT_SHARE_Q1
+
+
+def _loader_phrase(v: View) -> tuple[str, str]:
+    """How the training loader is named, and its settings, from group rank 0's loaders (what the fix acts on)."""
+    loaders = v.meta(0).get("loaders", [])
+    d = next((x for x in loaders if x.get("batches") is not None), loaders[0])
+    name = f"the DataLoader over {d.get('dataset_type') or 'its dataset'}"
+    if d.get("site"):
+        name += f" created at {d['site']}"
+    settings = ", ".join(
+        f"{k}={d[k]}" for k in ("num_workers", "pin_memory", "persistent_workers", "batch_size") if k in d
+    )
+    return name, settings
+
+
+def input_bound(v: View) -> list[Finding]:
+    timings = rank_timings(v)
+    waiting = [t for t in timings if _waits_for_data(t)]
+    if not timings or 2 * len(waiting) <= len(timings) or not v.meta(0).get("loaders"):
+        return []
+    wait = statistics.median(t.median["data_wait_s"] for t in waiting)
+    step = statistics.median(t.median["step_s"] for t in waiting)
+    share = wait / step if step > 0 else 1.0
+    compute = statistics.median(t.median["forward_s"] + t.median["backward_s"] for t in waiting)
+    name, settings = _loader_phrase(v)
+    n = min(t.steps for t in waiting)
+    workers = next((d.get("num_workers") for d in v.meta(0).get("loaders", []) if "num_workers" in d), None)
+    first = (
+        "give it worker processes (num_workers=4 or more, so that decoding runs beside the step)"
+        if workers == 0
+        else "give it more worker processes (num_workers) or a larger prefetch_factor"
+    )
+    return [
+        Finding(
+            code="input-bound",
+            severity="warning",
+            title=f"the ranks wait for data {share:.0%} of each step ({_ms(wait)} of {_ms(step)})",
+            detail=f"{_MEASURED.format(n=n)}: {len(waiting)} of {len(timings)} ranks spend {_ms(wait)} per step (median, "
+            f"{share:.0%} of the step) between the end of one step and the next forward, against {_ms(compute)} "
+            f"of forward and backward compute. The input comes from {name}"
+            + (f" ({settings})" if settings else "")
+            + ". That time is spent in the loader's __next__ and whatever else the loop does between steps; "
+            "adding GPUs will not make the run faster until it shrinks.",
+            ranks=sorted(t.rank for t in waiting),
+            steps=[],
+            fix=f"{first}; persistent_workers=True keeps them between epochs; pin_memory=True speeds the copy to "
+            "the GPU; move decoding and augmentation out of the training loop (into the Dataset run by the "
+            "workers, or done once beforehand).",
+        )
+    ]
+
+
+def straggler_rank(v: View) -> list[Finding]:
+    timings = rank_timings(v)
+    if len(timings) < 2:
+        return []
+    slow = max(timings, key=lambda t: t.own_s)
+    others = [t for t in timings if t.rank != slow.rank]
+    others_own = statistics.median(t.own_s for t in others)
+    lost = statistics.median(t.median["comm_wait_s"] for t in others)
+    extra = slow.own_s - others_own
+    if not (
+        slow.own_s >= STRAGGLER_RATIO * others_own
+        and extra >= MIN_WAIT_S
+        and slow.own_q1_s > max(t.own_q3_s for t in others)
+        and lost >= 0.5 * extra
+    ):
+        return []
+    ratio = slow.own_s / others_own if others_own > 0 else float("inf")
+    gaps = {p: slow.median[p] - statistics.median(t.median[p] for t in others) for p in PHASES if p != "comm_wait_s"}
+    phase = max(gaps, key=lambda p: gaps[p])
+    where = (
+        f"between steps (the wait for the next batch and anything else the loop does before the forward: "
+        f"{_ms(gaps[phase])} more than the others)"
+        if phase == "data_wait_s"
+        else f"in its {PHASE_LABELS[phase]} ({_ms(gaps[phase])} more than the others)"
+    )
+    n = min(t.steps for t in timings)
+    group = v.info.group_ranks
+    name = group[slow.rank] if group and slow.rank < len(group) else slow.rank  # as users number them
+    return [
+        Finding(
+            code="straggler-rank",
+            severity="warning",
+            title=f"rank {name} is {ratio:.1f}x slower; the other ranks wait {_ms(lost)} per step for it",
+            detail=f"{_MEASURED.format(n=n)}: rank {name} takes {_ms(slow.own_s)} per step of its own work "
+            f"(median, its wait in DDP's all-reduce left out) against {_ms(others_own)} on the other ranks, "
+            f"{ratio:.1f} times as long, in most steps. Its extra time is spent {where}. The other ranks lose "
+            f"{_ms(lost)} per step waiting for it in DDP's gradient all-reduce.",
+            ranks=[slow.rank],
+            steps=[],
+            fix=f"make rank {name} do the same work as the others: look for code that runs on that rank only "
+            "(if rank == ..., logging, evaluation or checkpointing inside the step), a data shard with larger "
+            "samples, or a slower or busier device on its machine; do rank-0-only work outside the timed loop "
+            "or asynchronously.",
+        )
+    ]

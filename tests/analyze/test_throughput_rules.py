@@ -1,0 +1,161 @@
+"""input-bound and straggler-rank on hand-built records: each rule fires on a large, consistent effect, and not on
+a small one, an inconsistent one, or one the other ranks do not pay for. Timing rows are
+(forward, backward incl. the all-reduce wait, optimizer, wait for data, all-reduce wait) in seconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_analyze import info, no_distributed, record  # noqa: F401 (the fixture: no collective in analyze)
+
+from ddp_doctor.analyze import analyze
+from ddp_doctor.analyze.throughput import MIN_WAIT_S
+from ddp_doctor.core.records import RankRecord
+from ddp_doctor.report import Report
+from ddp_doctor.report.text import to_text
+
+STEPS = 8
+ALL = [[1, 1, 1, 1]] * STEPS
+MS = 1e-3
+LOADER = {
+    "batches": 64,
+    "sampler": "DistributedSampler",
+    "padded": 0,
+    "dataset": 1024,
+    "dataset_type": "SlowDecode",
+    "num_workers": 0,
+    "pin_memory": False,
+    "persistent_workers": False,
+    "batch_size": 8,
+    "site": "train.py:31",
+    "epochs_started": 1,
+    "epochs_seen": [0],
+    "first_step": 0,
+}
+
+
+def timed(rank: int, rows: list[tuple[float, ...]], loaders=()) -> RankRecord:
+    """A clean rank whose step `s` took `rows[s]` (in ms; the first step's data wait is unknown, NaN)."""
+    r = record(rank, ALL)
+    t = torch.tensor(rows, dtype=torch.float64) * MS
+    t[0, 3] = float("nan")
+    r.timing = t
+    r.loaders = [dict(d) for d in loaders]
+    return r
+
+
+def steady(fwd=1.0, bwd=2.0, opt=0.5, data=0.5, comm=0.5, jitter=0.05) -> list[tuple[float, ...]]:
+    """`STEPS` rows around the given milliseconds, a little apart (as measured steps are)."""
+    return [(fwd, bwd + comm, opt, data * (1 + jitter * (s % 3)), comm) for s in range(STEPS)]
+
+
+def codes(records) -> set[str]:
+    return {f.code for f in analyze(info(), records).findings}
+
+
+# ------------------------------------------------------------------------------------------------ input-bound
+
+
+def test_input_bound_names_the_loader_its_settings_the_share_and_the_milliseconds() -> None:
+    records = [timed(r, steady(data=20.0), loaders=[LOADER]) for r in range(2)]
+    d = analyze(info(), records)
+    f = next(f for f in d.findings if f.code == "input-bound")
+    assert f.ranks == [0, 1] and f.severity == "warning"
+    assert "SlowDecode created at train.py:31" in f.detail
+    assert "num_workers=0" in f.detail and "pin_memory=False" in f.detail
+    assert "Measured on this machine" in f.detail
+    assert "ms" in f.title and "%" in f.title
+    assert "num_workers" in f.fix and "persistent_workers" in f.fix and "pin_memory" in f.fix
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        pytest.param(steady(data=1000 * MIN_WAIT_S * 0.8, fwd=0.1, bwd=0.1, opt=0.1, comm=0.1), id="too-few-ms"),
+        pytest.param(steady(data=20.0, fwd=15.0, bwd=10.0), id="small-share"),
+        # A long wait in 3 steps of 8 (an epoch start, a log line): the median step does not wait.
+        pytest.param([(1, 2.5, 0.5, 40.0 if s % 3 == 0 else 0.5, 0.5) for s in range(STEPS)], id="now-and-then"),
+    ],
+)
+def test_input_bound_needs_a_large_and_consistent_wait(rows) -> None:
+    assert "input-bound" not in codes([timed(r, rows, loaders=[LOADER]) for r in range(2)])
+
+
+def test_input_bound_needs_most_ranks_waiting() -> None:
+    records = [timed(r, steady(data=20.0 if r == 0 else 0.5), loaders=[LOADER]) for r in range(3)]
+    assert "input-bound" not in codes(records)
+
+
+def test_input_bound_needs_a_dataloader() -> None:
+    """Without one the time between steps is the loop's own (observe_overhead times two other models there)."""
+    assert "input-bound" not in codes([timed(r, steady(data=20.0)) for r in range(2)])
+
+
+# ------------------------------------------------------------------------------------------------ straggler-rank
+
+
+def test_a_slow_rank_the_others_wait_for_is_named_with_its_phase_and_the_time_lost() -> None:
+    fast = steady(comm=25.0)
+    slow = steady(fwd=26.0, comm=0.5)
+    d = analyze(info(), [timed(0, fast), timed(1, slow), timed(2, fast)])
+    f = next(f for f in d.findings if f.code == "straggler-rank")
+    assert f.ranks == [1]
+    assert f.title.startswith("rank 1 is ")
+    assert "in its forward" in f.detail and "25.0 ms per step" in f.detail
+    assert "Measured on this machine" in f.detail
+
+
+@pytest.mark.parametrize(
+    "fast, slow",
+    [
+        # Slower, but by a few milliseconds only.
+        pytest.param(steady(comm=3.0), steady(fwd=4.0), id="too-few-ms"),
+        # Slower by 25 ms in 2 steps of 8: noise on a busy machine, not a straggler.
+        pytest.param(
+            steady(comm=1.0), [(26.0 if s in (2, 5) else 1.0, 2.5, 0.5, 0.5, 0.5) for s in range(STEPS)], id="rarely"
+        ),
+        # The others do not wait for it (they are not in lockstep with it): not this finding.
+        pytest.param(steady(comm=0.5), steady(fwd=26.0), id="nobody-waits"),
+    ],
+)
+def test_straggler_needs_a_large_consistent_gap_that_the_others_pay_for(fast, slow) -> None:
+    assert "straggler-rank" not in codes([timed(0, fast), timed(1, slow)])
+
+
+def test_the_clean_records_show_neither_and_one_rank_has_nothing_to_compare() -> None:
+    assert not codes([timed(r, steady()) for r in range(4)]) & {"input-bound", "straggler-rank"}
+    assert "straggler-rank" not in codes([timed(0, steady(fwd=40.0))])
+
+
+# ------------------------------------------------------------------------------------------------ the report
+
+
+def test_per_rank_phases_in_the_json_keep_the_old_timing_keys_and_survive_a_round_trip() -> None:
+    records = [timed(0, steady(comm=25.0)), timed(1, steady(fwd=26.0))]
+    d = analyze(info(), records)
+    report = Report.build(info(), records, d, backend="gloo")
+    data = json.loads(report.to_json())
+    timing = data["timing"]
+    assert {"forward_s", "backward_s", "optimizer_s", "step_s"} <= set(timing)
+    assert [r["rank"] for r in timing["per_rank"]] == [0, 1]
+    one = timing["per_rank"][1]
+    for key in ("data_wait_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s", "step_s"):
+        assert isinstance(one[key], float), key
+    assert one["forward_s"] == pytest.approx(0.026) and one["steps"] == STEPS - 1
+    assert one["backward_s"] == pytest.approx(0.002)  # backward compute: the all-reduce wait is its own phase
+    assert Report.from_dict(data).to_dict()["timing"] == timing
+    assert "rank 1 0.5/26.0/2.0/0.5/0.5" in to_text(report, width=300)
+    html = report.to_html()
+    assert "class='step-time'" in html and "rank 1</text>" in html
+
+
+def test_beyond_four_ranks_the_text_line_names_the_slowest_and_the_fastest_rank() -> None:
+    records = [timed(r, steady(comm=25.0)) for r in range(6)]
+    records[4] = timed(4, steady(fwd=26.0))
+    d = analyze(info(), records)
+    assert next(f for f in d.findings if f.code == "straggler-rank").ranks == [4]
+    text = to_text(Report.build(info(), records, d, backend="gloo"), width=300)
+    line = next(x for x in text.splitlines() if x.startswith("step per rank"))
+    assert "rank 4 (slowest) 0.5/26.0/2.0/0.5/0.5" in line and "(fastest)" in line and line.count("rank ") == 2
