@@ -88,6 +88,15 @@ def test_input_bound_needs_most_ranks_waiting() -> None:
     assert "input-bound" not in codes(records)
 
 
+def test_neither_rule_runs_for_a_ddp_on_gpus_whose_host_times_do_not_tell() -> None:
+    cuda = info(ddp_config={"find_unused_parameters": False, "static_graph": False, "device_ids": [0]})
+    waiting = [timed(r, steady(data=20.0), loaders=[LOADER]) for r in range(2)]
+    straggling = [timed(0, steady(comm=25.0)), timed(1, steady(fwd=26.0, comm=0.5)), timed(2, steady(comm=25.0))]
+    assert "input-bound" in codes(waiting) and "straggler-rank" in codes(straggling)  # the same records on CPU
+    for records in (waiting, straggling):
+        assert not {f.code for f in analyze(cuda, records).findings} & {"input-bound", "straggler-rank"}
+
+
 def test_input_bound_needs_a_dataloader() -> None:
     """Without one the time between steps is the loop's own (observe_overhead times two other models there)."""
     assert "input-bound" not in codes([timed(r, steady(data=20.0)) for r in range(2)])

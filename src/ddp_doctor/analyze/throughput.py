@@ -15,6 +15,10 @@ The rules, on each rank's `RankTiming` (medians and quartiles over its common st
   first quartile is above every other rank's third quartile (slower in most steps, not in a few), and the other
   ranks lose at least half of that difference waiting in DDP's all-reduce.
 
+Neither rule runs for a DDP on GPUs (`device_ids` set): the phases are host-side times, and with CUDA the host runs
+ahead of the device, so the time it spends waiting for a batch may be time the GPU was busy, and the all-reduce the
+others wait in does not block the host. The per-rank phases are still reported; the findings would be guesses.
+
 Reading `per_rank` is the one part of the analysis whose time grows with the world size (a few floats per rank).
 """
 
@@ -45,6 +49,11 @@ INPUT_SHARE_Q1 = 0.4
 STRAGGLER_RATIO = 1.5
 """The slow rank's own time over the others' median, at least."""
 _MEASURED = "Measured on this machine over {n} steps (the first observed step left out)"
+
+
+def _host_times_tell(v: View) -> bool:
+    """The host's clock measures the step: a CPU model (DDP built without `device_ids`)."""
+    return not v.info.ddp_config.get("device_ids")
 
 
 def rank_timings(v: View) -> list[RankTiming]:
@@ -80,6 +89,8 @@ def _loader_phrase(v: View) -> tuple[str, str]:
 
 
 def input_bound(v: View) -> list[Finding]:
+    if not _host_times_tell(v):
+        return []
     timings = rank_timings(v)
     waiting = [t for t in timings if _waits_for_data(t)]
     if not timings or 2 * len(waiting) <= len(timings) or not v.meta(0).get("loaders"):
@@ -117,6 +128,8 @@ def input_bound(v: View) -> list[Finding]:
 
 
 def straggler_rank(v: View) -> list[Finding]:
+    if not _host_times_tell(v):
+        return []
     timings = rank_timings(v)
     if len(timings) < 2:
         return []
