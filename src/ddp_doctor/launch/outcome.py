@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_doctor.analyze.failures import failure_findings, shape_findings
+from ddp_doctor.analyze.failures import failure_findings
 from ddp_doctor.analyze.recommend import recommend_after_failure
+from ddp_doctor.analyze.shapes import shape_findings
 from ddp_doctor.analyze.snippets import render_snippets
 from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.findings import Recommendation, Timing, finite

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import traceback
 
-from ddp_doctor.analyze.failures import SHAPE_ERROR
+from ddp_doctor.analyze.shapes import SHAPE_ERROR
 from ddp_doctor.core.frames import user_frame
 from ddp_doctor.core.rankfiles import ExplainedError, RaisedError
 from ddp_doctor.doctor import Doctor
@@ -49,7 +49,7 @@ def raised_error(exc: BaseException, doctors: list[Doctor], *, phase: str) -> Ra
     message = str(exc)
     if explained is None and SHAPE_ERROR.search(message):
         # DDP's constructor refused a model whose shapes differ by rank: the report names the parameters from every
-        # rank's wrap record (analyze.failures.shape_findings), so the traceback adds nothing.
+        # rank's wrap record (analyze.shapes.shape_findings), so the traceback adds nothing.
         explained = ExplainedError(
             code="param-shapes-differ", message="DDP's constructor found parameter shapes that differ between ranks."
         )

@@ -1,0 +1,86 @@
+"""`param-shapes-differ`: DDP's constructor refused a model whose parameter shapes differ by rank. Each rank wrote
+the names and shapes it handed to DDP just before the constructor ran (`core/rankfiles.py`, `WrapShapes`); this
+names each differing parameter with its shape on each rank. Pure: rank states in, findings out."""
+
+from __future__ import annotations
+
+import re
+
+from ddp_doctor.core.findings import Finding, ParamRef
+from ddp_doctor.core.rankfiles import RankState
+from ddp_doctor.core.ranks import rank_list
+
+__all__ = ["SHAPE_ERROR", "shape_findings"]
+
+
+SHAPE_ERROR = re.compile(
+    r"params\[(\d+)\] in this process with sizes \[([\d, ]*)\] appears not to match sizes of the same param in "
+    r"process (\d+)"
+)
+"""DDP's constructor (`_verify_param_shape_across_processes`) refusing a model whose shapes differ by rank."""
+
+
+def _shape(shape: list[int] | tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def shape_findings(states: dict[int, RankState]) -> list[Finding]:
+    """`param-shapes-differ` when DDP's constructor refused the model on some rank because a parameter's shape
+    differs from rank 0's: each differing parameter by name with its shape on each rank (from the ranks' wrap
+    records), else what the error itself says."""
+    refused = {
+        r: m for r, s in sorted(states.items()) if s.raised is not None and (m := SHAPE_ERROR.search(s.raised.message))
+    }
+    if not refused:
+        return []
+    wraps = {r: s.wrap for r, s in sorted(states.items()) if s.wrap is not None}
+    per_name: dict[str, dict[int, tuple[int, ...]]] = {}
+    for r, w in wraps.items():
+        for name, shape in zip(w.names, w.shapes):
+            per_name.setdefault(name, {})[r] = tuple(shape)
+    differing = {n: by_rank for n, by_rank in per_name.items() if len(set(by_rank.values())) > 1}
+    counts = {r: len(w.names) for r, w in wraps.items()}
+    lines, params = [], []
+    for name, by_rank in differing.items():
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for r, shape in sorted(by_rank.items()):
+            groups.setdefault(shape, []).append(r)
+        lines.append(f"{name} is " + ", ".join(f"{_shape(sh)} on {rank_list(rs)}" for sh, rs in groups.items()))
+        first = by_rank[min(by_rank)]
+        numel = 1
+        for d in first:
+            numel *= d
+        params.append(ParamRef(name, numel, first))
+    if not differing:
+        # No wrap records (or the same names and shapes, with parameters missing on some rank): DDP's words.
+        for r, m in refused.items():
+            index, sizes, other = int(m.group(1)), m.group(2), int(m.group(3))
+            name = wraps[r].names[index] if r in wraps and index < len(wraps[r].names) else f"params[{index}]"
+            lines.append(f"{name} is [{sizes}] on rank {r}, not the shape it has on rank {other}")
+    if len(set(counts.values())) > 1:
+        lines.append(
+            "the number of trainable parameters differs too: "
+            + ", ".join(f"{n} on rank {r}" for r, n in sorted(counts.items()))
+        )
+    site = next((w.site for w in wraps.values() if w.site), None) or next(
+        (states[r].raised.site for r in refused if states[r].raised.site), None
+    )
+    ranks = sorted({r for by_rank in differing.values() for r in by_rank} | set(refused) | {0})
+    return [
+        Finding(
+            code="param-shapes-differ",
+            severity="error",
+            title=f"{len(differing) or len(refused)} parameter(s) have different shapes on different ranks when DDP "
+            "is built",
+            detail=f"DDP's constructor{f' at {site}' if site else ''} compares every parameter's shape with rank "
+            f"0's and refused the model: {'; '.join(lines)}. Every rank must build the same model. The likely cause: "
+            "the model's size comes from rank-local data, such as the vocabulary (or the number of classes) of "
+            "each rank's own data shard.",
+            params=params,
+            ranks=ranks,
+            steps=[],
+            fix="build the model from data every rank agrees on: compute the vocabulary (or the size) on rank 0 and "
+            "broadcast it before building the model (dist.broadcast_object_list(obj, src=0)), or read it from one "
+            "file every rank loads whole.",
+        )
+    ]
