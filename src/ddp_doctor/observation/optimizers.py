@@ -36,7 +36,9 @@ def _scalar(value: Any) -> str | None:
     if isinstance(value, (int, float)):
         return repr(float(value)) if isinstance(value, float) and math.isfinite(value) else str(value)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return repr(float(value))
+        # A hyperparameter held on a GPU (a capturable or fused optimizer's tensor lr): reading it would synchronize
+        # the device at every optimizer step, so it is named but not compared.
+        return repr(float(value)) if value.device.type == "cpu" else f"<tensor on {value.device.type}>"
     if isinstance(value, (tuple, list)) and all(isinstance(v, (int, float)) for v in value):
         return "(" + ", ".join(repr(float(v)) for v in value) + ")"
     if isinstance(value, str):
