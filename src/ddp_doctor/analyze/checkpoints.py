@@ -14,12 +14,16 @@ __all__ = ["checkpoint_module_prefix", "checkpoint_same_path"]
 
 
 def _steps(save: dict[str, Any]) -> list[int]:
-    """The last step closed before the save (none when it came before the first)."""
+    """The last step closed before the save (none when it came before the first, or after the observed steps)."""
+    if save.get("followed"):
+        return []
     step = int(save.get("step", -1))
     return [step] if step >= 0 else []
 
 
 def _when(save: dict[str, Any]) -> str:
+    if save.get("followed"):
+        return "after the observed steps, at an epoch end the check followed"
     step = int(save.get("step", -1))
     return f"first after step {step}" if step >= 0 else "before the first step"
 

@@ -59,7 +59,7 @@ exit codes: 0 nothing at or above --fail-on; 1 findings at or above it; 2 the to
 """
 
 _RUN_FAILURES = ("rank-crashed", "rank-hung", "rank-exited", "collective-mismatch")
-_OURS = ("steps", "json", "html", "fail_on", "timeout", "ddp_kwargs", "func")
+_OURS = ("steps", "json", "html", "fail_on", "timeout", "ddp_kwargs", "follow_epochs", "limit_batches", "func")
 _BENCH = ("rounds", "configs", "html")
 
 
@@ -168,6 +168,23 @@ def add_check_arguments(group: Any, *, bench: bool = False) -> None:
     if bench:
         return
     group.add_argument(
+        "--follow-epochs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="after the observed steps, follow the script through N epoch ends (its evaluation, checkpoints, "
+        "collectives) with every later DataLoader pass capped at --limit-batches; 0 stops right after the "
+        "observed steps (default: 1)",
+    )
+    group.add_argument(
+        "--limit-batches",
+        type=int,
+        default=2,
+        metavar="M",
+        help="while following, each DataLoader pass (training or evaluation) hands out at most M batches; "
+        "len() still returns the real length (default: 2)",
+    )
+    group.add_argument(
         "--fail-on",
         choices=("error", "warning", "never"),
         default="error",
@@ -227,6 +244,8 @@ def check(
     ddp_kwargs: dict[str, Any] | None = None,
     freeze_before_wrap: list[str] = (),
     timeout: float = 600.0,
+    follow_epochs: int = 1,
+    limit_batches: int = 2,
     output: IO[str] | None = None,
 ) -> CheckResult:
     """Run `check` from Python: `torchrun` holds torchrun's own options, e.g. `["--nproc-per-node", "2"]`."""
@@ -237,6 +256,8 @@ def check(
         ddp_kwargs=dict(ddp_kwargs or {}),
         freeze=list(freeze_before_wrap),
         timeout=timeout,
+        follow_epochs=follow_epochs,
+        limit_batches=limit_batches,
         output=output,
     )
 
@@ -261,6 +282,10 @@ def validate(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], 
         parser.error(f"--steps must be at least 1, got {args.steps}.")
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout}.")
+    if getattr(args, "follow_epochs", 0) < 0:
+        parser.error(f"--follow-epochs must be 0 (off) or more, got {args.follow_epochs}.")
+    if getattr(args, "limit_batches", 1) < 1:
+        parser.error(f"--limit-batches must be at least 1, got {args.limit_batches}.")
     try:
         ddp_kwargs, freeze = parse_ddp_kwargs(getattr(args, "ddp_kwargs", None))
     except (TypeError, ValueError) as exc:
@@ -277,7 +302,14 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             args._parser.error("--html needs matplotlib: pip install 'ddp-doctor[html]'.")
     result = check_namespace(
-        namespace, steps=args.steps, ddp_kwargs=ddp_kwargs, freeze=freeze, timeout=args.timeout, output=None
+        namespace,
+        steps=args.steps,
+        ddp_kwargs=ddp_kwargs,
+        freeze=freeze,
+        timeout=args.timeout,
+        follow_epochs=args.follow_epochs,
+        limit_batches=args.limit_batches,
+        output=None,
     )
     console = Console()
     render_result(result, console)

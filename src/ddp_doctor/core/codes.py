@@ -46,6 +46,7 @@ CODES: dict[str, str] = {
     "param-shapes-differ": "parameters have different shapes on different ranks when DDP is built",
     "checkpoint-same-path": "several ranks wrote the same file with torch.save (no rank guard)",
     "checkpoint-module-prefix": "the DDP wrapper's state dict (keys 'module.*') was saved",
+    "timeout-risk": "a rank works alone while the others wait in a collective, long enough to reach the timeout",
     # Where the step time goes (measurements on this machine):
     "input-bound": "the ranks spend a large share of every step waiting for the next batch",
     "straggler-rank": "one rank is consistently slower and the others wait for it in the gradient all-reduce",

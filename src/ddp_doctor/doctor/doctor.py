@@ -35,6 +35,7 @@ from ddp_doctor.core.errors import DDPFailure, InvalidArgumentError, NoTrainable
 from ddp_doctor.core.records import RankRecord
 from ddp_doctor.doctor.pipeline import diagnose
 from ddp_doctor.exchange.primitives import comm_device
+from ddp_doctor.observation import dataloaders, saves
 from ddp_doctor.observation.backward import BackwardHooks
 from ddp_doctor.observation.crash import OBSERVE_HINT, CrashLog, explain_failure
 from ddp_doctor.observation.forward import ForwardHooks
@@ -119,6 +120,7 @@ class Doctor:
         self._serial = next(Doctor._serials)
         self._reports = 0
         self._finished = False
+        self._after: list[Callable[[], None]] = []
         self._crash = CrashLog()
         self._log = StepLog(t.params, t.buffers)
         self._timeline = Timeline(
@@ -198,6 +200,17 @@ class Doctor:
         self._listeners.stop()
         self._timeline.attached = False
         self._finished = True
+
+    def listen_after_steps(self) -> None:
+        """After the observed steps, keep recording DataLoader passes and checkpoint writes (`check` follows the
+        script through its epoch ends) until `stop_listening`."""
+        self._log.after_steps = True
+        self._after = [dataloaders.listen(self._log.note_loader), saves.listen(self._log.note_save)]
+
+    def stop_listening(self) -> None:
+        for stop in self._after:
+            stop()
+        self._after = []
 
     def _on_new_step(self) -> None:
         self._backward.hook_new_trainable()

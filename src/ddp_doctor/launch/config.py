@@ -56,6 +56,10 @@ class RankConfig:
     """This node's folder for the ranks' progress, crash records and the report."""
     deadline: float = 0.0
     """Wall-clock time (`time.time()`) by which every rank must have ended."""
+    follow_epochs: int = 0
+    """After the observed steps, follow the script through this many epoch ends (0: stop right after them)."""
+    limit_batches: int = 2
+    """While following, every DataLoader pass hands out at most this many batches."""
     crash_wait_s: float = 10.0
     """After a crash, how long a rank waits for the others to join the report before it gives up and exits."""
 

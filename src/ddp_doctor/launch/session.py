@@ -41,14 +41,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
+from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ddp_doctor.analyze.following import following_findings, following_section
 
 from ddp_doctor.core.beacon import Beacon, ClosedStep
 from ddp_doctor.core.errors import DoctorError
 from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site_of
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import EndRecord, Outcome, ProgressSample, WrapShapes, write_end, write_json, write_wrap
+from ddp_doctor.core.following import FollowSummary
 from ddp_doctor.doctor import Doctor
+from ddp_doctor.exchange.follow import exchange_follow
+from ddp_doctor.exchange.primitives import comm_device
 from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.inflight import CollectiveRecorder
@@ -57,6 +62,7 @@ from ddp_doctor.launch.raised import raised_error
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
 from ddp_doctor.launch.watchdog import Watchdog, main_thread_position, peers_train_on
 from ddp_doctor.observation import dataloaders, saves
+from ddp_doctor.observation.following import FollowWatch
 from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR, freeze_named
 
 __all__ = ["FRAMEWORKS", "PolicyFactory", "Session", "framework_of_stack"]
@@ -69,6 +75,17 @@ PolicyFactory = Callable[["Session"], RunPolicy]
 
 def _is_world(group: dist.ProcessGroup | None) -> bool:
     return group is None or group is dist.group.WORLD or dist.get_world_size(group) == dist.get_world_size()
+
+
+def _group_timeout() -> float | None:
+    """The default process group's timeout in seconds (what `init_process_group(timeout=...)` set), or None."""
+    backend = str(dist.get_backend()).lower()
+    device = torch.device("cuda" if "nccl" in backend and "gloo" not in backend else "cpu")
+    try:
+        timeout = dist.group.WORLD._get_backend(device).options._timeout
+        return float(timeout.total_seconds())
+    except Exception:  # noqa: BLE001  (a private API: unknown on a torch that lacks it)
+        return None
 
 
 class Session:
@@ -103,6 +120,9 @@ class Session:
         self.watchdog = Watchdog(self.outdir, self.progress, self.ended, config.deadline)
         self.policy: RunPolicy = CheckPolicy()
         """What happens after the report (set in `install`)."""
+        self.watch = FollowWatch()
+        """Follows the script through its epoch ends after the observed steps (`--follow-epochs`)."""
+        self.following = False
 
     # ---------------------------------------------------------------------------------------------- set-up
 
@@ -154,6 +174,8 @@ class Session:
 
         Optimizer.__init__ = optimizer_init
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
+        self._step_pre_hook = register_optimizer_step_pre_hook(self._before_any_step)
+        self.watch.install()
         self.collectives.install()
         dataloaders.install()
         saves.install()
@@ -216,6 +238,11 @@ class Session:
             }
         )
         self.watchdog.write()
+
+    def _before_any_step(self, _opt: Optimizer, _args: Any, _kwargs: Any) -> None:
+        """Which loader pass each step trains on; while following, whether the next epoch has begun."""
+        if self.watch.on_step() and self.following and not self._finishing:
+            self.finish(f"the next epoch's first step, after {self.watch.epoch_ends} epoch end(s)")
 
     # ------------------------------------------------------------------------------------------- no DDP
 
@@ -293,8 +320,10 @@ class Session:
         if not self.doctors and self.plain.steps and not self._finishing and code == 0:
             self.finish_unwrapped("the script ended")
         self._end(Outcome.EXITED, status=code, site=site, step=step, phase=str(self.progress().phase))
-        if self.doctors and not self._finishing and not peers_train_on(self.outdir, self.rank, step):
-            wait = max(0.5, min(self.config.crash_wait_s, self.remaining()))
+        if self.doctors and not self._finishing and (self.following or not peers_train_on(self.outdir, self.rank, step)):
+            # While following, the others are past the observed steps too: they end at the same epoch end or at
+            # the script's end, after whatever they run alone (capped), so they are waited for longer.
+            wait = max(0.5, min(self.config.crash_wait_s * (6 if self.following else 1), self.remaining()))
             self.finish(
                 "the script ended" if exc is None else f"rank {self.rank} exited with status {code}",
                 timeout=wait,
@@ -325,11 +354,14 @@ class Session:
         """
         if self._finishing:
             return
-        self._finishing = True
         for doctor in self.doctors:
             doctor.stop()
+        if exit_code is None and reason == self._steps_reason and self._start_following():
+            return  # the script goes on, lightly watched, to its next epoch end
+        self._finishing = True
         timeout = self.remaining() if timeout is None else timeout
         try:
+            followed = self._exchange_following(reason, timeout)
             reports = [doctor.report(timeout=timeout) for doctor in self.doctors]
         except DoctorError as exc:
             logger.warning("ddp-doctor: rank %d could not exchange records (%s): %s", self.rank, reason, exc)
@@ -342,6 +374,12 @@ class Session:
             )
             self._exit(1)
             return
+        if self.config.follow_epochs:
+            section = following_section(followed, epochs=self.config.follow_epochs, limit=self.config.limit_batches)
+            found = following_findings(followed)
+            for doctor, report in zip(self.doctors, reports):
+                if _is_world(doctor.ddp.process_group):
+                    report.add_following(section, found)
         # A model over the whole world is written by each node's local rank 0; a model over a subgroup (a
         # data-parallel group of a hybrid job) by the group's first rank, into its own file.
         world = [(m, r) for d, m, r in zip(self.doctors, self.models, reports) if _is_world(d.ddp.process_group)]
@@ -364,6 +402,29 @@ class Session:
         if not exit_code and reason == self._steps_reason and self.policy.reported(self.doctors, reports):
             return  # the policy goes on in this process, and leaves when it is done
         self.leave()
+
+    def _start_following(self) -> bool:
+        """At the end of the observed steps: end the training pass and cap every later one (`--follow-epochs`).
+        False when following is off or the steps did not train on a DataLoader pass."""
+        if not self.config.follow_epochs or self.following:
+            return False
+        if not self.watch.start(self.config.follow_epochs, self.config.limit_batches, [d.ddp for d in self.doctors]):
+            return False
+        self.following = True
+        for doctor in self.doctors:
+            doctor.listen_after_steps()
+        return True
+
+    def _exchange_following(self, reason: str, timeout: float) -> FollowSummary | None:
+        """Stop following and reduce what it saw over every rank (None when following is off). Collective."""
+        if not self.config.follow_epochs:
+            return None
+        record = self.watch.stop(reason, timeout_s=_group_timeout())
+        for doctor in self.doctors:
+            doctor.stop_listening()
+        params = [p for d in self.doctors for p in d.ddp.parameters()][:1]
+        device = comm_device(None, params[0].device if params else None)
+        return exchange_follow(record, timeout=timeout, device=device)
 
     def leave(self) -> None:
         """Wait (briefly) for every rank to get here, then exit with status 0."""

@@ -308,6 +308,8 @@ def check_namespace(
     freeze: list[str],
     timeout: float,
     output: IO[str] | None,
+    follow_epochs: int = 1,
+    limit_batches: int = 2,
 ) -> CheckResult:
     """Run `check` on torchrun's parsed namespace (as a dict)."""
     config = RankConfig(
@@ -316,5 +318,7 @@ def check_namespace(
         steps=steps,
         ddp_kwargs=ddp_kwargs,
         freeze_before_wrap=freeze,
+        follow_epochs=follow_epochs,
+        limit_batches=limit_batches,
     )
     return run_check(namespace, config, timeout=timeout, output=output)

@@ -2,14 +2,22 @@
 
 Ranks with different numbers of batches per epoch hang or crash at the end of the first epoch: the rank that runs
 out stops calling DDP's all-reduce while the others wait in it. `DataLoader.__iter__` is wrapped once, process-wide;
-each start of an iteration is passed to whoever listens (the observing doctors). Local facts only.
+each start of an iteration is passed to whoever listens (the observing doctors, the launcher's epoch following).
+Local facts only.
+
+Each pass (one `iter(loader)`) is a `Pass`: its batches, its start and end, and an optional cap. `check` follows a
+script through its epoch ends by capping passes (`end_open_passes`, `cap_later_passes`): a capped pass raises
+StopIteration at its next batch, exactly as an exhausted one does, so the script's own loop ends the epoch.
+`len(loader)` is never changed: it keeps returning the real length.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.utils.data as tud
@@ -17,21 +25,60 @@ import torch.utils.data as tud
 from ddp_doctor.core.frames import user_site
 from ddp_doctor.observation.hooks import ListenerList
 
-__all__ = ["describe", "install", "listen"]
+__all__ = [
+    "Pass",
+    "cap_later_passes",
+    "describe",
+    "end_open_passes",
+    "install",
+    "last_pass",
+    "listen",
+    "listen_ends",
+]
+
+
+@dataclass(eq=False, slots=True)
+class Pass:
+    """One iteration of a DataLoader (`iter(loader)`), as far as it went. Mutated by the wrapped iterator."""
+
+    yielded: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    """`time.perf_counter()` at `iter(loader)`."""
+    ended: float | None = None
+    """When it raised StopIteration (exhausted or capped); None while open, or when the loop left it early."""
+    last: float | None = None
+    """When its last batch was handed out."""
+    cap: int | None = None
+    """Raise StopIteration once this many batches were handed out (None: no cap)."""
+    capped: bool = False
+    """It ended at its cap, before its real end."""
+    steps: int = 0
+    """Optimizer steps taken while its batch was the last one handed out (a training pass has some)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """The loader's `describe()` at the start of the pass, with `id` and `site`."""
+
+    @property
+    def open(self) -> bool:
+        return self.ended is None
+
 
 Listener = Callable[[dict[str, Any]], None]
+EndListener = Callable[[Pass], None]
 _listeners: ListenerList[Listener] = ListenerList()
+_end_listeners: ListenerList[EndListener] = ListenerList()
 _installed = False
 _set_epoch_called: set[int] = set()
 """ids of DistributedSamplers whose set_epoch was called since the probe was installed."""
 _SITE = "_ddp_doctor_site"
 _SERIAL = "_ddp_doctor_serial"
 _serials = itertools.count(1)
-_passes: dict[int, dict[str, int]] = {}
-"""id(iterator) -> {"yielded": n} of the passes started while someone listens: a pass that yields one batch and is
+_passes: dict[int, Pass] = {}
+"""id(iterator) -> its `Pass`, for the passes started while someone listens: a pass that yields one batch and is
 dropped (`next(iter(loader))` to read the batch size, as PyTorch's own DDP tutorial does before `set_epoch`) is a
-peek, not an epoch. The same dict travels with the pass's start to the listeners."""
+peek, not an epoch. The same object travels with the pass's start to the listeners (`info["pass"]`)."""
 _MAX_PASSES = 64
+_state: dict[str, Any] = {"cap": None, "last": None}
+"""`cap`: the cap of passes started from now on (None: none); `last`: the `Pass` whose batch was handed out last."""
 
 
 def describe(loader: tud.DataLoader) -> dict[str, Any]:
@@ -92,9 +139,11 @@ def _install() -> None:
         if info["site"] is None:  # created before the probe was installed: its first iteration names it
             info["iterated_at"] = user_site()
         iterator = original(self)
-        if len(_passes) >= _MAX_PASSES:
-            _passes.clear()
-        info["pass"] = _passes[id(iterator)] = {"yielded": 0}
+        if len(_passes) >= _MAX_PASSES:  # forget ended passes first: an open one may carry a cap
+            for key in [k for k, p in _passes.items() if not p.open or p.cap is None][: _MAX_PASSES // 2]:
+                del _passes[key]
+        one = Pass(cap=_state["cap"], info={k: v for k, v in info.items()})
+        info["pass"] = _passes[id(iterator)] = one
         for listener in _listeners:
             listener(info)
         return iterator
@@ -104,11 +153,23 @@ def _install() -> None:
 
     @functools.wraps(original_next)
     def __next__(self: Any) -> Any:
-        batch = original_next(self)
-        if _passes:
-            counted = _passes.get(id(self))
-            if counted is not None:
-                counted["yielded"] += 1
+        one = _passes.get(id(self)) if _passes else None
+        if one is None:
+            return original_next(self)
+        if one.cap is not None and one.yielded >= one.cap:
+            if one.open:
+                one.capped = True
+                _ended(one)
+            raise StopIteration
+        try:
+            batch = original_next(self)
+        except StopIteration:
+            if one.open:
+                _ended(one)
+            raise
+        one.yielded += 1
+        one.last = time.perf_counter()
+        _state["last"] = one
         return batch
 
     base.__next__ = __next__  # type: ignore[method-assign]
@@ -125,6 +186,31 @@ def _install() -> None:
     _installed = True
 
 
+def _ended(one: Pass) -> None:
+    one.ended = time.perf_counter()
+    for listener in _end_listeners:
+        listener(one)
+
+
+def last_pass() -> Pass | None:
+    """The pass whose batch was handed out last (the training loop's, at an optimizer step)."""
+    return _state["last"]
+
+
+def end_open_passes() -> list[Pass]:
+    """Make every open pass raise StopIteration at its next batch (the loop in progress ends its epoch there).
+    Returns them."""
+    opened = [p for p in _passes.values() if p.open]
+    for p in opened:
+        p.cap = p.yielded
+    return opened
+
+
+def cap_later_passes(limit: int | None) -> None:
+    """Passes started from now on hand out at most `limit` batches (None: no cap)."""
+    _state["cap"] = limit
+
+
 def install() -> None:
     """Wrap `DataLoader.__init__`, `DataLoader.__iter__` and `DistributedSampler.set_epoch` now (the launcher does it
     before the script runs, so a set_epoch call before DDP is built, and every loader's creation line, are seen)."""
@@ -137,3 +223,10 @@ def listen(listener: Listener) -> Callable[[], None]:
     if not _installed:
         _install()
     return _listeners.add(listener)
+
+
+def listen_ends(listener: EndListener) -> Callable[[], None]:
+    """Pass each pass that raised StopIteration (exhausted, or at its cap) to `listener`; returns its remover."""
+    if not _installed:
+        _install()
+    return _end_listeners.add(listener)

@@ -78,6 +78,8 @@ class StepLog:
         """The first script collectives, `step N: all_reduce(float32[1])/2 at file:line`."""
         self.loaders: list[dict[str, Any]] = []
         """The DataLoaders iterated while observed (at most `MAX_LOADERS`)."""
+        self.after_steps = False
+        """The observed steps are over and `check` follows the script through its epoch ends."""
         self.saves: list[dict[str, Any]] = []
         """The files written with `torch.save` while observed (at most `MAX_SAVES` distinct paths)."""
         self.optimizer_log: list[str] = []
@@ -143,8 +145,21 @@ class StepLog:
         """A DataLoader started iterating: a new loader, or a new epoch of a known one."""
         # The first loader iterated while observed is the training loader in the usual loop; later starts of the
         # same loader are new epochs.
-        known = next((d for d in self.loaders if d["id"] == info["id"]), None)
-        one_pass = {"epoch": info.get("epoch"), "counted": info.get("pass", {"yielded": 2})}
+        # A loader created anew each epoch at the same line, with the same length and sampler, is the same loader.
+        known = next(
+            (
+                d
+                for d in self.loaders
+                if d["id"] == info["id"]
+                or (
+                    info.get("site") is not None
+                    and (d.get("site"), d.get("batches"), d.get("sampler"))
+                    == (info.get("site"), info.get("batches"), info.get("sampler"))
+                )
+            ),
+            None,
+        )
+        one_pass = {"epoch": info.get("epoch"), "counted": info.get("pass")}
         if known is not None:
             known["passes"].append(one_pass)
         elif len(self.loaders) < MAX_LOADERS:
@@ -157,7 +172,12 @@ class StepLog:
         yielded one batch of several and was dropped is a peek at the data, not an epoch."""
         out = {k: v for k, v in loader.items() if k not in ("id", "passes")}
         least = min(2, loader.get("batches") or 2)
-        epochs = [p["epoch"] for p in loader["passes"] if p["counted"]["yielded"] >= least]
+        epochs = [
+            p["epoch"]
+            for p in loader["passes"]
+            # A pass `check` capped while following is an epoch, however few batches it handed out.
+            if p["counted"] is None or p["counted"].yielded >= least or p["counted"].cap is not None
+        ]
         out["epochs_started"], out["epochs_seen"] = max(1, len(epochs)), epochs or [loader["passes"][0]["epoch"]]
         out["peeks"] = len(loader["passes"]) - len(epochs)
         return out
@@ -166,7 +186,7 @@ class StepLog:
         """`torch.save` wrote a file: the first write of each path, with its line and the last step closed before
         it (`step`, -1 before the first; a checkpoint is written between steps)."""
         if not any(d["path"] == info["path"] for d in self.saves) and len(self.saves) < MAX_SAVES:
-            self.saves.append({**info, "step": self.steps - 1})
+            self.saves.append({**info, "step": self.steps - 1, **({"followed": True} if self.after_steps else {})})
 
     def note_collective(self, step: StepState, call: Call, site: str | None) -> None:
         """The script entered `call` during `step`: count it, fold it into the step's digest, log it by name."""

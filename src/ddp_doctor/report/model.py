@@ -15,6 +15,7 @@ from ddp_doctor.core import VERSION
 from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.figures import Divergence, UsageMap
 from ddp_doctor.core.findings import Crash, Diagnosis, Finding, ParamRef, Recommendation, Timing, finite
+from ddp_doctor.core.following import Following
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.report import html, text
 
@@ -45,6 +46,8 @@ class Report:
     """Which parameter got a gradient on which rank at which step (JSON key `usage_map`, absent when None)."""
     divergence: Divergence | None = None
     """The largest cross-rank difference of weights and gradients per step (JSON key `divergence`)."""
+    following: Following | None = None
+    """What `check` followed after the observed steps: the epoch ends, the loaders (JSON key `following`)."""
     schema: str = SCHEMA
 
     @classmethod
@@ -95,6 +98,7 @@ class Report:
             interrupted=bool(data.get("interrupted", False)),
             usage_map=UsageMap.from_dict(data["usage_map"]) if data.get("usage_map") else None,
             divergence=Divergence.from_dict(data["divergence"]) if data.get("divergence") else None,
+            following=Following.from_dict(data["following"]) if data.get("following") else None,
         )
 
     @property
@@ -145,7 +149,17 @@ class Report:
             out["usage_map"] = self.usage_map.to_dict()
         if self.divergence is not None:
             out["divergence"] = self.divergence.to_dict()
+        if self.following is not None:
+            out["following"] = self.following.to_dict()
         return out
+
+    def add_following(self, following: Following, findings: list[Finding]) -> None:
+        """Add what following the script through its epoch ends found (`check`), findings in severity order."""
+        self.following = following
+        if not findings:
+            return
+        order = {s: i for i, s in enumerate(SEVERITIES)}
+        self.findings = sorted([*self.findings, *findings], key=lambda f: order.get(f.severity, len(order)))
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(finite(self.to_dict()), indent=2, **kwargs)

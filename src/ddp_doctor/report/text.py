@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.following import Following
 from ddp_doctor.core.ranks import rank_ranges
 from ddp_doctor.core.steptime import PHASES, RankTiming
 
@@ -123,6 +124,38 @@ def render(report: Report) -> Iterator[Any]:
         )
     if t.per_rank:
         yield Text(phases_line(t.per_rank), style="dim")
+    if report.following is not None:
+        yield from (Text(line, style="dim") for line in following_lines(report.following))
+
+
+def following_lines(f: Following) -> list[str]:
+    """What `check` followed after the observed steps: the epoch ends, then one line per loader."""
+    if not f.epochs:
+        return []
+    if not f.epoch_ends and f.note:
+        head = f.note
+    else:
+        head = (
+            f"followed {f.epoch_ends} epoch end(s) after the observed steps in {f.seconds:.1f} s, every later "
+            f"DataLoader pass capped at {f.limit_batches} batch(es); ended at {f.ended_by}. {f.note}".rstrip()
+        )
+    lines = [head]
+    for d in f.loaders[:8]:
+        b = d["batches"]
+        if b["min"] is None and b["max"] is None:
+            length = "no len()"
+        elif b["min"] == b["max"]:
+            length = f"{b['max']} batches"
+        else:
+            length = f"{b['min']}-{b['max']} batches by rank"
+        role = "training" if d["training"] else "other"
+        lines.append(
+            f"  loader {d['site'] or '(unknown line)'} ({role}, {d.get('sampler') or 'no sampler'}): real length "
+            f"{length}; {d['passes']} pass(es), at most {d['most']} batches handed out, {d['capped']} capped"
+        )
+    if len(f.loaders) > 8:
+        lines.append(f"  and {len(f.loaders) - 8} more loader(s)")
+    return lines
 
 
 def phases_line(per_rank: list[RankTiming]) -> str:

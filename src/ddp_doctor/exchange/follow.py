@@ -1,0 +1,247 @@
+"""The exchange after following a script through its epoch ends: each rank's `FollowRecord` in, the
+`FollowSummary` every rank agrees on out. Collective over the world, with the same sequence of all_reduces on every
+rank: every shape comes from values already reduced, and what a rank sends does not grow with the world size (the
+loaders of the lowest ranks whose loader list differs, up to 8; the real lengths of the first 8 ranks).
+
+Who worked alone: the sync points of every rank are aligned by position (they are collectives, so when their counts
+agree the k-th one is the same meeting on every rank). For each, the gap before it (the time since the rank left
+the previous one) is compared: the rank with the longest gap kept the others waiting by that gap less the longest
+gap among the others. Gaps are host time: on GPUs with NCCL, whose collectives do not block the host, they still
+show the host-side work (an evaluation loop) that kept one rank from the meeting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_doctor.core.following import AloneSpan, FollowRecord, FollowSummary, SyncPoint
+from ddp_doctor.exchange.oddranks import name_flagged, pick
+from ddp_doctor.exchange.packing import from_words, to_words
+from ddp_doctor.exchange.primitives import arrive, minmax
+
+__all__ = ["KINDS", "exchange_follow", "projected_gaps"]
+
+KINDS = ("collective", "ddp-broadcast", "ddp-step")
+_FIRST = 8
+"""Ranks whose real loader lengths are listed one by one."""
+
+
+def _reduce(values: torch.Tensor, op: dist.ReduceOp, device: torch.device) -> torch.Tensor:
+    out = values.to(device)
+    dist.all_reduce(out, op=op)
+    return out.cpu()
+
+
+def _share_texts(texts: list[str | None], device: torch.device) -> list[str]:
+    """Entry i of `texts` as held by the rank that passes a string there (exactly one rank per entry)."""
+    data = [(t or "").encode() for t in texts]
+    mine = torch.tensor([float(len(d)) if t is not None else 0.0 for d, t in zip(data, texts)], dtype=torch.float64)
+    sizes = _reduce(mine, dist.ReduceOp.MAX, device).to(torch.int64).tolist()
+    n_words = -(-max(sizes, default=0) // 8)
+    if not n_words:
+        return ["" for _ in texts]
+    rows = torch.zeros(len(texts), n_words, dtype=torch.int64)
+    for i, (d, t) in enumerate(zip(data, texts)):
+        if t is not None:
+            rows[i] = to_words(d, n_words)
+    summed = _reduce(rows, dist.ReduceOp.SUM, device)
+    return [from_words(summed[i], sizes[i]).decode(errors="replace") for i in range(len(texts))]
+
+
+def projected_gaps(record: FollowRecord) -> tuple[list[float], list[float], list[bool], list[list[str]]]:
+    """Per sync point: the gap before it (seconds), the gap with each capped pass inside it run to its real length,
+    whether that projection is known (every capped pass in it has a length), and the capped passes in words."""
+    gaps, projected, known, shown = [], [], [], []
+    previous = record.started_at
+    for sync in record.syncs:
+        gap = max(0.0, sync.enter - previous)
+        extra, ok, words = 0.0, True, []
+        for p in record.passes:
+            if p["started"] < previous or p["ended"] > sync.enter or not p["capped"] or not p["yielded"]:
+                continue
+            took = p["ended"] - p["started"]
+            if p["batches"] is None:
+                ok = False
+                words.append(f"{p['site']}: {p['yielded']} batches (no length), {took:.2f} s")
+                continue
+            extra += took * (p["batches"] / p["yielded"] - 1.0)
+            words.append(f"{p['site']}: {p['yielded']} of {p['batches']} batches, {took:.2f} s")
+        gaps.append(gap)
+        projected.append(gap + extra)
+        known.append(ok)
+        shown.append(words)
+        previous = sync.exit
+    return gaps, projected, known, shown
+
+
+def _site(sync: SyncPoint | None, fallback: str) -> str:
+    if sync is None:
+        return fallback
+    return f"{sync.what} at {sync.site}" if sync.site else sync.what
+
+
+def exchange_follow(record: FollowRecord, *, timeout: float, device: torch.device) -> FollowSummary:
+    """Reduce every rank's `record` into the `FollowSummary`. Collective over the world.
+
+    Raises:
+        ReportTimeoutError: a rank did not arrive within `timeout` seconds.
+    """
+    arrive(
+        "follow",
+        group=None,
+        timeout=timeout,
+        call="the end of following",
+        fix="every rank ends following at the same epoch end, or at the script's end.",
+    )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    counts = [record.counts.get(k, 0) for k in KINDS]
+    header = torch.tensor(
+        [*counts, len(record.syncs), record.epoch_ends, int(record.followed), record.seconds], dtype=torch.float64
+    )
+    hi, lo = minmax(header, None, device)
+    loaders = _loaders(record, device)
+    summary = FollowSummary(
+        followed=bool(lo[5] > 0),
+        epoch_ends=int(lo[4]),
+        ended_by=record.ended_by,
+        seconds=float(hi[6]),
+        loaders=loaders,
+        counts={k: (int(hi[i]), int(lo[i])) for i, k in enumerate(KINDS)},
+        timeout_s=record.timeout_s,
+    )
+    if not summary.followed:
+        return summary
+    if any(hi[i] != lo[i] for i in range(len(KINDS))):
+        total = sum(counts)
+        fewest = int(sum(lo[i] for i in range(len(KINDS))))
+        named = name_flagged(torch.tensor([total > fewest]), group=None, device=device)[0]
+        summary.more_ranks = named.examples
+        if named.examples:
+            first = named.examples[0]
+            text = _share_texts([json.dumps(record.extra_broadcast_sites) if rank == first else None], device)[0]
+            summary.extra_sites = json.loads(text) if text else []
+        return summary
+    if hi[3] != lo[3] or not record.syncs:
+        return summary
+    summary.alone = _alone(record, rank, world, device)
+    return summary
+
+
+def _longest(values: list[float], rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per entry: the lowest rank holding the largest value, that value, and the largest among the other ranks."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    longest, _ = minmax(mine, None, device)
+    owners = torch.tensor(
+        [n.examples[0] for n in name_flagged(mine >= longest, group=None, device=device, limit=1)], dtype=torch.int64
+    )
+    others = torch.where(owners == rank, torch.full_like(mine, -math.inf), mine)
+    return owners, longest, _reduce(others, dist.ReduceOp.MAX, device)
+
+
+def _alone(record: FollowRecord, rank: int, world: int, device: torch.device) -> AloneSpan | None:
+    """The sync point at which one rank kept the others waiting longest (see the module docstring)."""
+    if world < 2:
+        return None
+    gaps, projected, known, shown = projected_gaps(record)
+    m_owner, m_long, m_second = _longest(gaps, rank, device)
+    p_owner, p_long, p_second = _longest(projected, rank, device)
+    _, all_known = minmax(torch.tensor(known, dtype=torch.float64), None, device)
+    measured, project = m_long - m_second, p_long - p_second
+    score = torch.where(all_known > 0, project, measured)
+    at = int(score.argmax())
+    owner = int(p_owner[at] if all_known[at] > 0 else m_owner[at])
+    text = None
+    if rank == owner:
+        before = record.syncs[at - 1] if at else None
+        text = json.dumps(
+            {
+                "start": _site(before, "the end of the observed steps"),
+                "end": _site(record.syncs[at], "the end of following"),
+                "passes": shown[at],
+            }
+        )
+    detail: dict[str, Any] = json.loads(_share_texts([text], device)[0])
+    return AloneSpan(
+        rank=owner,
+        measured_s=max(0.0, float(measured[at])),
+        projected_s=max(0.0, float(project[at])) if all_known[at] > 0 else None,
+        start=detail["start"],
+        end=detail["end"],
+        passes=detail["passes"],
+    )
+
+
+def _loaders(record: FollowRecord, device: torch.device) -> list[dict[str, Any]]:
+    """The union of the loaders of rank 0 and of the lowest ranks whose list differs, with the real length on each
+    rank: `min`, `max` and `by_rank` (the first ranks)."""
+    rank = dist.get_rank()
+    mine = {seen.key: seen for seen in record.loaders}
+    listing = json.dumps([[s.key, s.site, s.sampler] for s in record.loaders])
+    digest = float(zlib.crc32(listing.encode()))
+    hi, lo = minmax(torch.tensor([digest], dtype=torch.float64), None, device)
+    owners = [0]
+    if hi[0] != lo[0]:
+        ref = _reduce(torch.tensor([digest if rank == 0 else 0.0], dtype=torch.float64), dist.ReduceOp.SUM, device)
+        named = name_flagged(torch.tensor([digest != float(ref[0])]), group=None, device=device)[0]
+        owners += named.examples
+    texts = _share_texts([listing if rank == o else None for o in owners], device)
+    union: list[list[Any]] = []
+    for text in texts:
+        for key, site, sampler in json.loads(text):
+            if all(key != u[0] for u in union):
+                union.append([key, site, sampler])
+    n = len(union)
+    if not n:
+        return []
+    # -1: this rank never iterated it; -2: it has no length.
+    lengths = torch.tensor(
+        [
+            float(mine[k].batches) if k in mine and mine[k].batches is not None else (-2.0 if k in mine else -1.0)
+            for k, _, _ in union
+        ],
+        dtype=torch.float64,
+    )
+    facts = torch.tensor(
+        [
+            [float(mine[k].passes), float(mine[k].most), float(mine[k].capped), float(mine[k].training)]
+            if k in mine
+            else [0.0, 0.0, 0.0, 0.0]
+            for k, _, _ in union
+        ],
+        dtype=torch.float64,
+    )
+    l_hi, l_lo = minmax(lengths, None, device)
+    f_hi, _ = minmax(facts, None, device)
+    first = min(dist.get_world_size(), _FIRST)
+    rows = torch.zeros(first, n, dtype=torch.float64)
+    if rank < first:
+        rows[rank] = lengths
+    by_rank = pick(rows, torch.arange(first), group=None, device=device)
+    out = []
+    for j, (_key, site, sampler) in enumerate(union):
+
+        def shown(x: float) -> int | None:
+            return int(x) if x >= 0 else None
+
+        out.append(
+            {
+                "site": site,
+                "sampler": sampler,
+                "batches": {
+                    "min": shown(float(l_lo[j])) if l_lo[j] != -1 else shown(float(l_hi[j])),
+                    "max": shown(float(l_hi[j])),
+                    "by_rank": [shown(float(x)) for x in by_rank[:, j].tolist()],
+                },
+                "passes": int(f_hi[j, 0]),
+                "most": int(f_hi[j, 1]),
+                "capped": int(f_hi[j, 2]),
+                "training": bool(f_hi[j, 3]),
+            }
+        )
+    return out

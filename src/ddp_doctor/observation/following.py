@@ -1,0 +1,206 @@
+"""The light watch that follows a script through its epoch ends after the observed steps (`check --follow-epochs`).
+
+From the launch on, it registers every DataLoader the script iterates (its creation line, its real length, its
+passes) and which pass each optimizer step trained on. At the end of the observed steps, `start` ends the training
+pass in progress (its next batch raises StopIteration, so the script's own loop ends its epoch), caps every later
+pass at `limit` batches, and times the points where every rank must meet: the script's collectives, DDP's buffer
+broadcasts, DDP's gradient all-reduce before each optimizer step. Following ends at the first optimizer step of a
+training pass started after the Nth epoch end (the epoch-end code, evaluation and checkpoint included, has run by
+then), or when the script ends. Local facts only; nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_doctor.core.frames import user_site, user_site_of
+from ddp_doctor.core.following import MAX_SYNC_POINTS, FollowRecord, LoaderSeen, SyncPoint
+from ddp_doctor.observation import collectives, dataloaders
+from ddp_doctor.observation.collectives import Call
+from ddp_doctor.observation.dataloaders import Pass
+
+__all__ = ["FollowWatch"]
+
+_MAX_LOADERS = 32
+_MAX_PASSES = 256
+
+
+def _key(info: dict[str, Any]) -> str:
+    """A loader by its creation line and shape: a loader created anew each epoch at one line is one loader."""
+    site = info.get("site") or info.get("iterated_at") or f"loader {info.get('id')}"
+    return f"{site}|{info.get('batches')}|{info.get('sampler')}"
+
+
+class FollowWatch:
+    """See the module docstring. `install` at launch; `on_step` before every optimizer step; `start` at the end of
+    the observed steps; `stop` when following ends."""
+
+    def __init__(self) -> None:
+        self.loaders: dict[str, LoaderSeen] = {}
+        self.active = False
+        self.requested = 0
+        self.limit = 0
+        self.epoch_ends = 0
+        self._nth_end: float | None = None
+        self._started = 0.0
+        self._syncs: list[SyncPoint] = []
+        self._counts: dict[str, int] = {}
+        self._passes: list[Pass] = []
+        self._extra_sites: list[str] = []
+        self._pending: tuple[float, str | None] | None = None
+        self._entered: tuple[float, str, str | None] | None = None
+        self._stops: list[Callable[[], None]] = []
+        self._wrapped: list[DistributedDataParallel] = []
+
+    # ------------------------------------------------------------------------------------------- always on
+
+    def install(self) -> None:
+        dataloaders.listen(self._on_pass)
+        dataloaders.listen_ends(self._on_end)
+
+    def _on_pass(self, info: dict[str, Any]) -> None:
+        key = _key(info)
+        seen = self.loaders.get(key)
+        if seen is None and len(self.loaders) < _MAX_LOADERS:
+            seen = self.loaders[key] = LoaderSeen(
+                key=key,
+                site=info.get("site") or info.get("iterated_at"),
+                batches=info.get("batches"),
+                sampler=info.get("sampler"),
+            )
+        if seen is not None:
+            seen.passes += 1
+        one: Pass | None = info.get("pass")
+        if one is not None:
+            one.info["key"] = key
+            if self.active and len(self._passes) < _MAX_PASSES:
+                self._passes.append(one)
+
+    def _on_end(self, one: Pass) -> None:
+        seen = self.loaders.get(one.info.get("key", ""))
+        if seen is not None:
+            seen.most = max(seen.most, one.yielded)
+            seen.capped += int(one.capped)
+        if self.active and one.steps:
+            self.epoch_ends += 1
+            if self.epoch_ends == self.requested:
+                self._nth_end = one.ended
+
+    def on_step(self) -> bool:
+        """An optimizer step is about to run (every optimizer's). True: following is done (the first step of a
+        training pass started after the Nth epoch end)."""
+        one = dataloaders.last_pass()
+        if one is not None:
+            one.steps += 1
+            seen = self.loaders.get(one.info.get("key", ""))
+            if seen is not None:
+                seen.training = True
+        if not self.active:
+            return False
+        if self._pending is not None:
+            entered, site = self._pending
+            self._pending = None
+            self._sync("ddp-step", "DDP's gradient all-reduce", site, entered, time.perf_counter())
+        return self._nth_end is not None and one is not None and one.started > self._nth_end
+
+    # ------------------------------------------------------------------------------------------- following
+
+    def start(self, requested: int, limit: int, models: Sequence[DistributedDataParallel]) -> bool:
+        """End the pass the observed steps trained on and cap every later one; False (nothing changed) when the
+        observed steps did not train on a DataLoader pass (a step-based loop)."""
+        training = dataloaders.last_pass()
+        if requested < 1 or training is None or not training.open or not training.steps:
+            return False
+        self.requested, self.limit = requested, limit
+        self.active = True
+        self._started = time.perf_counter()
+        dataloaders.end_open_passes()
+        dataloaders.cap_later_passes(limit)
+        self._stops.append(collectives.listen(self._on_collective, self._on_collective_exit))
+        for ddp in models:
+            self._watch(ddp)
+        return True
+
+    def _watch(self, ddp: DistributedDataParallel) -> None:
+        original = ddp._sync_buffers  # DDP's buffer broadcast at a forward (torch >= 1.13's name)
+        watch = self
+
+        @functools.wraps(original)
+        def _sync_buffers(*args: Any, **kwargs: Any) -> Any:
+            site = user_site({id(ddp)})
+            if not torch.is_grad_enabled() and site and site not in watch._extra_sites and len(watch._extra_sites) < 8:
+                watch._extra_sites.append(site)
+            entered = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                watch._sync("ddp-broadcast", "DDP's buffer broadcast", site, entered, time.perf_counter())
+
+        ddp._sync_buffers = _sync_buffers  # an instance attribute: DDP's forward calls self._sync_buffers()
+        self._wrapped.append(ddp)
+        self._stops.append(ddp.register_forward_hook(self._on_ddp_forward).remove)
+
+    def _on_ddp_forward(self, ddp: torch.nn.Module, _args: Any, _output: Any) -> None:
+        if torch.is_grad_enabled() and getattr(ddp, "require_backward_grad_sync", True):
+            self._pending = (time.perf_counter(), user_site({id(ddp)}))
+
+    def _on_collective(self, call: Call) -> None:
+        self._entered = (time.perf_counter(), call.describe(), user_site_of(call.caller))
+
+    def _on_collective_exit(self) -> None:
+        if self._entered is None:
+            return
+        entered, what, site = self._entered
+        self._entered = None
+        self._sync("collective", what, site, entered, time.perf_counter())
+
+    def _sync(self, kind: str, what: str, site: str | None, enter: float, exit_: float) -> None:
+        self._counts[kind] = self._counts.get(kind, 0) + 1
+        if len(self._syncs) < MAX_SYNC_POINTS - 1:  # the last slot is the end of following
+            self._syncs.append(SyncPoint(kind=kind, what=what, site=site, enter=enter, exit=exit_))
+
+    def stop(self, ended_by: str, *, timeout_s: float | None) -> FollowRecord:
+        """Stop watching; the record of what following saw (the caps stay: the rank leaves right after)."""
+        now = time.perf_counter()
+        for stop in self._stops:
+            stop()
+        self._stops.clear()
+        for ddp in self._wrapped:
+            ddp.__dict__.pop("_sync_buffers", None)
+        self._wrapped.clear()
+        followed = self.active
+        self.active = False
+        if followed:
+            self._syncs.append(SyncPoint(kind="end", what=f"the end of following ({ended_by})", site=None, enter=now, exit=now))
+        return FollowRecord(
+            requested=self.requested,
+            limit=self.limit,
+            followed=followed,
+            epoch_ends=self.epoch_ends,
+            ended_by=ended_by,
+            seconds=now - self._started if followed else 0.0,
+            syncs=list(self._syncs),
+            counts=dict(self._counts),
+            passes=[_pass_row(p) for p in self._passes],
+            loaders=list(self.loaders.values()),
+            extra_broadcast_sites=list(self._extra_sites),
+            timeout_s=timeout_s,
+            started_at=self._started,
+        )
+
+
+def _pass_row(one: Pass) -> dict[str, Any]:
+    return {
+        "site": one.info.get("site") or one.info.get("iterated_at"),
+        "started": one.started,
+        "ended": one.ended if one.ended is not None else (one.last or one.started),
+        "yielded": one.yielded,
+        "capped": one.capped,
+        "batches": one.info.get("batches"),
+    }
