@@ -28,6 +28,8 @@ def normalize(report: dict[str, Any]) -> dict[str, Any]:
     out["timing"] = sorted(report.get("timing", {}))
     if "torchrun_log" in out:
         out["torchrun_log"] = "<path>"
+    if "following" in out:
+        out["following"] = {**out["following"], "seconds": "<seconds>"}
     return out
 
 

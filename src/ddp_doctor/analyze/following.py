@@ -12,7 +12,7 @@ Without a length (an iterable dataset) the projection is unknown and the measure
 from __future__ import annotations
 
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.core.following import FollowSummary, Following
+from ddp_doctor.core.following import Following, FollowSummary
 from ddp_doctor.core.ranks import rank_list
 
 __all__ = ["following_findings", "following_section"]
@@ -29,17 +29,20 @@ def _seconds(x: float) -> str:
     return f"{x:.2f} s" if x < 10 else f"{x:.0f} s"
 
 
-def following_section(summary: FollowSummary | None, *, epochs: int, limit: int) -> Following:
-    """The report's `following` section."""
-    if summary is None or not summary.followed:
+def following_section(summary: FollowSummary | None, *, epochs: int, limit: int) -> Following | None:
+    """The report's `following` section; None when the run ended before its observed steps did (nothing was
+    followed, nothing to say)."""
+    if summary is None or not (summary.followed or summary.declined):
+        return None
+    if not summary.followed:
         return Following(
             epochs=epochs,
             limit_batches=limit,
             epoch_ends=0,
             ended_by="",
             seconds=0.0,
-            loaders=summary.loaders if summary is not None else [],
-            note=NO_LOADER if epochs else "",
+            loaders=summary.loaders,
+            note=NO_LOADER,
         )
     note = ""
     if summary.epoch_ends < epochs:

@@ -52,7 +52,9 @@ class FollowRecord:
     requested: int
     limit: int
     followed: bool
-    """Following started (False: no DataLoader pass carried the observed steps; nothing was capped)."""
+    """Following started."""
+    declined: bool = False
+    """The observed steps ended but trained on no DataLoader pass (a step-based loop): nothing was followed."""
     epoch_ends: int = 0
     ended_by: str = ""
     seconds: float = 0.0
@@ -92,6 +94,8 @@ class FollowSummary:
     """What every rank agrees on after following (the exchange's result)."""
 
     followed: bool
+    declined: bool
+    """Some rank ended its observed steps outside a DataLoader pass (`FollowRecord.declined`)."""
     epoch_ends: int
     """The fewest epoch ends any rank reached."""
     ended_by: str

@@ -102,12 +102,14 @@ def exchange_follow(record: FollowRecord, *, timeout: float, device: torch.devic
     rank, world = dist.get_rank(), dist.get_world_size()
     counts = [record.counts.get(k, 0) for k in KINDS]
     header = torch.tensor(
-        [*counts, len(record.syncs), record.epoch_ends, int(record.followed), record.seconds], dtype=torch.float64
+        [*counts, len(record.syncs), record.epoch_ends, int(record.followed), record.seconds, int(record.declined)],
+        dtype=torch.float64,
     )
     hi, lo = minmax(header, None, device)
     loaders = _loaders(record, device)
     summary = FollowSummary(
         followed=bool(lo[5] > 0),
+        declined=bool(hi[7] > 0),
         epoch_ends=int(lo[4]),
         ended_by=record.ended_by,
         seconds=float(hi[6]),

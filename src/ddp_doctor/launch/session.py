@@ -44,13 +44,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ddp_doctor.analyze.following import following_findings, following_section
-
 from ddp_doctor.core.beacon import Beacon, ClosedStep
 from ddp_doctor.core.errors import DoctorError
+from ddp_doctor.core.following import FollowSummary
 from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site_of
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import EndRecord, Outcome, ProgressSample, WrapShapes, write_end, write_json, write_wrap
-from ddp_doctor.core.following import FollowSummary
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.follow import exchange_follow
 from ddp_doctor.exchange.primitives import comm_device
@@ -320,7 +319,11 @@ class Session:
         if not self.doctors and self.plain.steps and not self._finishing and code == 0:
             self.finish_unwrapped("the script ended")
         self._end(Outcome.EXITED, status=code, site=site, step=step, phase=str(self.progress().phase))
-        if self.doctors and not self._finishing and (self.following or not peers_train_on(self.outdir, self.rank, step)):
+        if (
+            self.doctors
+            and not self._finishing
+            and (self.following or not peers_train_on(self.outdir, self.rank, step))
+        ):
             # While following, the others are past the observed steps too: they end at the same epoch end or at
             # the script's end, after whatever they run alone (capped), so they are waited for longer.
             wait = max(0.5, min(self.config.crash_wait_s * (6 if self.following else 1), self.remaining()))
@@ -378,7 +381,7 @@ class Session:
             section = following_section(followed, epochs=self.config.follow_epochs, limit=self.config.limit_batches)
             found = following_findings(followed)
             for doctor, report in zip(self.doctors, reports):
-                if _is_world(doctor.ddp.process_group):
+                if section is not None and _is_world(doctor.ddp.process_group):
                     report.add_following(section, found)
         # A model over the whole world is written by each node's local rank 0; a model over a subgroup (a
         # data-parallel group of a hybrid job) by the group's first rank, into its own file.

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_doctor.core.frames import user_site, user_site_of
 from ddp_doctor.core.following import MAX_SYNC_POINTS, FollowRecord, LoaderSeen, SyncPoint
+from ddp_doctor.core.frames import user_site, user_site_of
 from ddp_doctor.observation import collectives, dataloaders
 from ddp_doctor.observation.collectives import Call
 from ddp_doctor.observation.dataloaders import Pass
@@ -32,9 +32,11 @@ _MAX_PASSES = 256
 
 
 def _key(info: dict[str, Any]) -> str:
-    """A loader by its creation line and shape: a loader created anew each epoch at one line is one loader."""
+    """A loader by its creation line and sampler (the same on every rank, whatever its length there): a loader
+    created anew each epoch at one line is one loader; a training and an evaluation loader built by one helper
+    differ by their sampler's kind or shuffling."""
     site = info.get("site") or info.get("iterated_at") or f"loader {info.get('id')}"
-    return f"{site}|{info.get('batches')}|{info.get('sampler')}"
+    return f"{site}|{info.get('sampler')}|{info.get('shuffle')}"
 
 
 class FollowWatch:
@@ -57,6 +59,9 @@ class FollowWatch:
         self._entered: tuple[float, str, str | None] | None = None
         self._stops: list[Callable[[], None]] = []
         self._wrapped: list[DistributedDataParallel] = []
+        self._latest: dict[str, Pass] = {}
+        self.declined = False
+        """Following was asked for, but the observed steps did not train on a DataLoader pass."""
 
     # ------------------------------------------------------------------------------------------- always on
 
@@ -79,6 +84,7 @@ class FollowWatch:
         one: Pass | None = info.get("pass")
         if one is not None:
             one.info["key"] = key
+            self._latest[key] = one
             if self.active and len(self._passes) < _MAX_PASSES:
                 self._passes.append(one)
 
@@ -116,6 +122,7 @@ class FollowWatch:
         observed steps did not train on a DataLoader pass (a step-based loop)."""
         training = dataloaders.last_pass()
         if requested < 1 or training is None or not training.open or not training.steps:
+            self.declined = requested >= 1
             return False
         self.requested, self.limit = requested, limit
         self.active = True
@@ -176,12 +183,17 @@ class FollowWatch:
         self._wrapped.clear()
         followed = self.active
         self.active = False
+        for key, one in self._latest.items():  # a pass still open (or left early by its loop) counts too
+            self.loaders[key].most = max(self.loaders[key].most, one.yielded)
         if followed:
-            self._syncs.append(SyncPoint(kind="end", what=f"the end of following ({ended_by})", site=None, enter=now, exit=now))
+            self._syncs.append(
+                SyncPoint(kind="end", what=f"the end of following ({ended_by})", site=None, enter=now, exit=now)
+            )
         return FollowRecord(
             requested=self.requested,
             limit=self.limit,
             followed=followed,
+            declined=self.declined,
             epoch_ends=self.epoch_ends,
             ended_by=ended_by,
             seconds=now - self._started if followed else 0.0,

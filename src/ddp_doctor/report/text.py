@@ -137,7 +137,7 @@ def following_lines(f: Following) -> list[str]:
     else:
         head = (
             f"followed {f.epoch_ends} epoch end(s) after the observed steps in {f.seconds:.1f} s, every later "
-            f"DataLoader pass capped at {f.limit_batches} batch(es); ended at {f.ended_by}. {f.note}".rstrip()
+            f"DataLoader pass capped at {f.limit_batches} batch(es); what ended it: {f.ended_by}. {f.note}".rstrip()
         )
     lines = [head]
     for d in f.loaders[:8]:
@@ -148,7 +148,7 @@ def following_lines(f: Following) -> list[str]:
             length = f"{b['max']} batches"
         else:
             length = f"{b['min']}-{b['max']} batches by rank"
-        role = "training" if d["training"] else "other"
+        role = "training" if d["training"] else "evaluation or other"
         lines.append(
             f"  loader {d['site'] or '(unknown line)'} ({role}, {d.get('sampler') or 'no sampler'}): real length "
             f"{length}; {d['passes']} pass(es), at most {d['most']} batches handed out, {d['capped']} capped"
