@@ -3,6 +3,9 @@
 --save-every-rank: every rank saves the checkpoint to one file at each epoch end (no rank guard).
 --eval-rank0 S: rank 0 alone evaluates 400 batches at S seconds each at each epoch end; the process group's timeout
 is 20 s, so with S=0.1 the others time out in their next collective (the plain run dies at the start of epoch 2).
+--eval-ddp: rank 0 alone evaluates a few batches through the DDP wrapper (eval mode, no_grad); with --bn the model
+has BatchNorm, so that forward broadcasts rank 0's buffers on rank 0 alone.
+--no-set-epoch: the shuffling DistributedSampler never gets set_epoch.
 --iterable / --no-len / --workers N / --recreate: the loader's kind (an iterable dataset, one without len(), worker
 processes, a loader created anew each epoch).
 """
@@ -29,6 +32,9 @@ p.add_argument("--iterable", action="store_true")
 p.add_argument("--no-len", action="store_true")
 p.add_argument("--workers", type=int, default=0)
 p.add_argument("--recreate", action="store_true")
+p.add_argument("--eval-ddp", action="store_true")
+p.add_argument("--bn", action="store_true")
+p.add_argument("--no-set-epoch", action="store_true")
 args = p.parse_args()
 
 
@@ -70,14 +76,15 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)))
+    norm = nn.BatchNorm1d(16) if args.bn else nn.Identity()
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), norm, nn.Tanh(), nn.Linear(16, 2)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     eval_loader = DataLoader(TensorDataset(torch.randn(1600, 8)), batch_size=4)
     loader = make_loader(rank, world)
     for epoch in range(args.epochs):
         if args.recreate and epoch:
             loader = make_loader(rank, world)
-        if isinstance(loader.sampler, DistributedSampler):
+        if isinstance(loader.sampler, DistributedSampler) and not args.no_set_epoch:
             loader.sampler.set_epoch(epoch)
         for x, y in loader:
             loss = F.cross_entropy(model(x), y)
@@ -86,6 +93,10 @@ def main() -> None:
             opt.step()
         if args.eval_rank0 and rank == 0:
             print(f"epoch {epoch}: eval {evaluate(model.module, eval_loader):.3f}", flush=True)
+        if args.eval_ddp and rank == 0:
+            model.eval()
+            print(f"epoch {epoch}: eval {evaluate(model, eval_loader):.3f}", flush=True)
+            model.train()
         if args.save_every_rank:
             torch.save(model.state_dict(), args.out)
     dist.destroy_process_group()

@@ -70,6 +70,8 @@ def following_findings(summary: FollowSummary | None) -> list[Finding]:
 
 def _mismatch(s: FollowSummary) -> list[Finding]:
     differ = {k: v for k, v in s.counts.items() if v[0] != v[1]}
+    if s.lone_broadcasts and s.more_ranks:
+        return [_lone_broadcast(s)]
     if not differ:
         return []
     words = {
@@ -106,6 +108,28 @@ def _mismatch(s: FollowSummary) -> list[Finding]:
             else "issue the same collectives on every rank: run the code that calls them on every rank.",
         )
     ]
+
+
+def _lone_broadcast(s: FollowSummary) -> Finding:
+    who = rank_list(s.more_ranks)
+    where = f" at {', '.join(s.extra_sites)}" if s.extra_sites else ""
+    return Finding(
+        code="collective-mismatch",
+        severity="error",
+        title=f"{who} called the DDP model without autograd{where} after the observed steps; the other ranks did not",
+        detail=f"At the epoch end the check followed, {who} ran a forward through the DDP wrapper under "
+        f"torch.no_grad(){where} (an evaluation, say) that the other ranks did not run. With broadcast_buffers=True "
+        "and a model with buffers (BatchNorm), DDP broadcasts rank 0's buffers at the first such forward after a "
+        "training step: a collective the other ranks pair with the broadcast of their next training forward (DDP "
+        "then skips that rank's next one, so the counts can still agree). The pairing is silently wrong, and when "
+        "no training forward follows (an evaluation after the last epoch) the broadcast is never matched and the "
+        "job hangs or dies at its end.",
+        params=[],
+        ranks=s.more_ranks,
+        steps=[],
+        fix="evaluate through the inner module (ddp_model.module(x)) under torch.no_grad(), or run the evaluation "
+        "on every rank (each on its shard).",
+    )
 
 
 def _timeout_risk(s: FollowSummary) -> list[Finding]:

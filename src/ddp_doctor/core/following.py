@@ -107,6 +107,9 @@ class FollowSummary:
     """Ranks with more sync points than the fewest (up to 8), when the counts differ."""
     extra_sites: list[str] = field(default_factory=list)
     """The lines of the extra broadcasting forwards on the first of `more_ranks`."""
+    lone_broadcasts: bool = False
+    """The counts agree, but `more_ranks` broadcast buffers in a forward without autograd that the others did not
+    run (`FollowRecord.extra_broadcast_sites`)."""
     alone: AloneSpan | None = None
     timeout_s: float | None = None
 

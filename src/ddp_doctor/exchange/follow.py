@@ -119,11 +119,19 @@ def exchange_follow(record: FollowRecord, *, timeout: float, device: torch.devic
     )
     if not summary.followed:
         return summary
-    if any(hi[i] != lo[i] for i in range(len(KINDS))):
+    # A forward through the wrapper without autograd that broadcast buffers on some ranks only: even when the
+    # counts agree (DDP then skips the broadcast of that rank's next forward), its broadcast pairs with a training
+    # forward's on the others, and one such forward after the last training step leaves a collective unmatched.
+    lone = torch.tensor([bool(record.extra_broadcast_sites)])
+    n_lone = int(_reduce(lone.to(torch.float64), dist.ReduceOp.SUM, device)[0])
+    counts_differ = any(hi[i] != lo[i] for i in range(len(KINDS)))
+    if counts_differ or 0 < n_lone < world:
         total = sum(counts)
         fewest = int(sum(lo[i] for i in range(len(KINDS))))
-        named = name_flagged(torch.tensor([total > fewest]), group=None, device=device)[0]
+        flags = torch.tensor([total > fewest]) if counts_differ else lone
+        named = name_flagged(flags, group=None, device=device)[0]
         summary.more_ranks = named.examples
+        summary.lone_broadcasts = not counts_differ
         if named.examples:
             first = named.examples[0]
             text = _share_texts([json.dumps(record.extra_broadcast_sites) if rank == first else None], device)[0]

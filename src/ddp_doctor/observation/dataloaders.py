@@ -25,16 +25,7 @@ import torch.utils.data as tud
 from ddp_doctor.core.frames import user_site
 from ddp_doctor.observation.hooks import ListenerList
 
-__all__ = [
-    "Pass",
-    "cap_later_passes",
-    "describe",
-    "end_open_passes",
-    "install",
-    "last_pass",
-    "listen",
-    "listen_ends",
-]
+__all__ = ["Pass", "cap_later_passes", "describe", "end_open_passes", "install", "last_pass", "listen", "listen_ends"]
 
 
 @dataclass(eq=False, slots=True)

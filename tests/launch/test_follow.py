@@ -1,0 +1,128 @@
+"""`check` follows the script through its epoch ends (`--follow-epochs`, on by default): the training pass ends after
+the observed steps, every later DataLoader pass is capped, and what happens at the epoch end is diagnosed. Real
+gloo runs of `tests/scripts/epoch_end.py` (a plain loop over a DataLoader) in its variants."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from checkrun import SCRIPTS, Run, check
+
+SCRIPT = str(SCRIPTS / "epoch_end.py")
+TRAIN_LOADER = "tests/scripts/epoch_end.py:63"
+EVAL_LOADER = "tests/scripts/epoch_end.py:82"
+
+
+def follow(tmp_path: Path, *script_args: str, check_args: tuple[str, ...] = ()) -> Run:
+    return check(["--nproc-per-node", "2", *check_args, SCRIPT, *script_args], tmp_path)
+
+
+def warnings_or_errors(run: Run) -> set[str]:
+    assert run.report is not None, run.output
+    return {f["code"] for f in run.report["findings"] if f["severity"] in ("error", "warning")}
+
+
+def loader(run: Run, site: str) -> dict:
+    found = [d for d in run.report["following"]["loaders"] if d["site"] == site]
+    assert found, run.report["following"]
+    return found[0]
+
+
+def test_rank_0_evaluating_alone_past_the_groups_timeout_is_timeout_risk_in_seconds(tmp_path: Path) -> None:
+    # 400 evaluation batches at 0.1 s on rank 0 alone; the group's timeout is 20 s (the plain run dies there).
+    run = follow(tmp_path, "--eval-rank0", "0.1")
+    assert warnings_or_errors(run) == {"timeout-risk"}, run.output
+    risk = run.finding("timeout-risk")
+    assert risk["severity"] == "error" and risk["ranks"] == [0], risk
+    assert "the process group's timeout is 20 s" in risk["title"], risk
+    assert f"{EVAL_LOADER}: 2 of 400 batches" in risk["detail"], risk
+    assert run.seconds < 60, run.seconds
+    following = run.report["following"]
+    assert following["epoch_ends"] == 1 and following["limit_batches"] == 2, following
+    assert "next epoch's first step" in following["ended_by"], following
+    evaluation = loader(run, EVAL_LOADER)
+    assert evaluation["batches"]["by_rank"] == [400, None] and evaluation["most"] == 2, evaluation
+    assert not evaluation["training"] and evaluation["capped"] == 1, evaluation
+    training = loader(run, TRAIN_LOADER)
+    assert training["batches"]["max"] == 32 and training["training"], training
+    assert "followed 1 epoch end(s)" in run.output, run.output
+
+
+def test_a_short_evaluation_alone_is_not_a_timeout_risk(tmp_path: Path) -> None:
+    run = follow(tmp_path, "--eval-rank0", "0.001")
+    assert warnings_or_errors(run) == set(), run.output
+
+
+def test_every_rank_saving_one_file_at_the_epoch_end_is_checkpoint_same_path(tmp_path: Path) -> None:
+    run = follow(tmp_path, "--save-every-rank", "--out", str(tmp_path / "last.pt"))
+    assert warnings_or_errors(run) == {"checkpoint-same-path"}, run.output
+    same = run.finding("checkpoint-same-path")
+    assert same["ranks"] == [0, 1] and "tests/scripts/epoch_end.py:101" in same["detail"], same
+    assert "at an epoch end the check followed" in same["detail"], same
+    assert "checkpoint-module-prefix" in run.codes, run.output
+
+
+def test_rank_0_evaluating_through_the_wrapper_with_batchnorm_is_collective_mismatch(tmp_path: Path) -> None:
+    run = follow(tmp_path, "--eval-ddp", "--bn")
+    assert warnings_or_errors(run) == {"collective-mismatch"}, run.output
+    mismatch = run.finding("collective-mismatch")
+    assert mismatch["ranks"] == [0] and "tests/scripts/epoch_end.py:71" in mismatch["title"], mismatch
+    assert "ddp_model.module" in mismatch["fix"], mismatch
+    # Without buffers the same forward broadcasts nothing: no collective, nothing to pair wrongly.
+    plain = follow(tmp_path / "no_bn", "--eval-ddp")
+    assert warnings_or_errors(plain) == set(), plain.output
+
+
+def test_a_sampler_without_set_epoch_is_named_at_the_followed_epoch(tmp_path: Path) -> None:
+    run = follow(tmp_path, "--no-set-epoch")
+    assert warnings_or_errors(run) == {"sampler-epoch-not-set"}, run.output
+    assert TRAIN_LOADER in run.finding("sampler-epoch-not-set")["title"], run.finding("sampler-epoch-not-set")
+
+
+@pytest.mark.parametrize(
+    ("variant", "length"),
+    [
+        (("--workers", "2"), 32),  # map-style, worker processes
+        (("--iterable",), 32),  # an iterable dataset with a length
+        (("--no-len",), None),  # an iterable dataset without one
+        (("--recreate",), 32),  # a new loader (and sampler) each epoch, at one line
+    ],
+    ids=["workers", "iterable", "no-len", "recreate"],
+)
+def test_capped_loaders_of_every_kind_end_the_epoch_and_are_listed(
+    tmp_path: Path, variant: tuple[str, ...], length: int | None
+) -> None:
+    run = follow(tmp_path, *variant)
+    assert warnings_or_errors(run) == set(), run.output
+    following = run.report["following"]
+    assert following["epoch_ends"] == 1 and "next epoch's first step" in following["ended_by"], following
+    [training] = [d for d in following["loaders"] if d["training"]]
+    assert training["batches"]["max"] == length and training["passes"] == 2, training
+    assert training["capped"] >= 1 and training["most"] == 8, training
+
+
+def test_two_epoch_ends_are_followed_and_zero_turns_following_off(tmp_path: Path) -> None:
+    two = follow(tmp_path / "two", "--recreate", check_args=("--follow-epochs", "2"))
+    following = two.report["following"]
+    assert following["epoch_ends"] == 2 and following["epochs"] == 2, following
+    [training] = [d for d in following["loaders"] if d["training"]]
+    assert training["passes"] == 3, training  # 8 observed steps, a capped epoch of 2, the third epoch's start
+    off = follow(tmp_path / "off", "--eval-rank0", "0.1", check_args=("--follow-epochs", "0"))
+    assert "following" not in off.report and off.codes == set(), off.output
+
+
+def test_a_step_based_script_says_no_epoch_end_was_reached(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "eval_rank0.py")], tmp_path)
+    following = run.report["following"]
+    assert following["epoch_ends"] == 0 and "No epoch end was reached" in following["note"], following
+    assert "No epoch end was reached" in run.output, run.output
+
+
+def test_follow_options_are_checked(tmp_path: Path) -> None:
+    for args, message in (
+        (["--limit-batches", "0"], "--limit-batches must be at least 1, got 0"),
+        (["--follow-epochs", "-1"], "--follow-epochs must be 0 (off) or more, got -1"),
+    ):
+        run = check([*args, "--nproc-per-node", "2", SCRIPT], tmp_path)
+        assert run.rc == 2 and message in run.output, run.output
