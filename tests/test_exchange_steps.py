@@ -137,11 +137,22 @@ def test_the_usage_map_keeps_rank_zeros_pattern_and_counts_the_ranks_beyond_the_
 # ------------------------------------------------------------------- per-step counters name the odd ranks
 
 
-def _odd(world: int, extra: set[int], colls: set[int], scales: set[int]) -> list[RankRecord]:
+def _odd(
+    world: int,
+    extra: set[int],
+    colls: set[int],
+    scales: set[int],
+    evals: frozenset[int] = frozenset(),
+    eval_step: int = 2,
+) -> list[RankRecord]:
     out = []
     for r in range(world):
+        # A rank that evaluates through DDP without grad broadcasts there, and its next training forward does not.
+        evaluated = [int(r in evals and s == eval_step) for s in range(STEPS)]
         counters = {
             "unpaired_forwards": [0, 1 if r in extra else 0, 0, 0],
+            "ddp_broadcasts": [1] * STEPS,
+            "eval_broadcasts": evaluated,
             "collectives": [1, 1, 2 if r in colls else 1, 1],
             "collective_digest": [7, 7, 9 if r in colls else 8, 7],
             "scaler_scale": [encode(1024.0), encode(512.0 if r in scales else 1024.0), encode(1024.0), encode(1024.0)],
@@ -149,7 +160,11 @@ def _odd(world: int, extra: set[int], colls: set[int], scales: set[int]) -> list
         log = ["step 2: all_reduce(float32[1], SUM)/2 at train.py:40"]
         if r in colls:
             log.append("step 2: broadcast(int64[3])/2 at train.py:41")
-        sites = {"unpaired_sites": ["step 1: train.py:55"] if r in extra else [], "collective_log": log}
+        sites = {
+            "unpaired_sites": ["step 1: train.py:55"] if r in extra else [],
+            "broadcast_sites": [f"step {eval_step}: eval.py:30"] if r in evals else [],
+            "collective_log": log,
+        }
         out.append(_record(r, counters=counters, sites=sites))
     return out
 
@@ -172,6 +187,28 @@ def test_unpaired_forwards_collectives_and_scales_name_the_ranks() -> None:
     assert "8 samples per rank" in bn.title and bn.ranks == list(range(8))
 
 
+def test_a_buffer_broadcast_from_a_forward_without_grad_on_some_ranks_names_them_and_the_line() -> None:
+    d = analyze(_info(), _odd(8, extra=set(), colls=set(), scales=set(), evals=frozenset({0, 4})))
+    found = _by_title(d, "collective-mismatch", "without grad")
+    assert found.severity == "error" and found.ranks == [0, 4] and found.steps == [2], found
+    assert "at eval.py:30 in step 2" in found.title and "ranks 1-3, 5-7 did not" in found.title, found
+    assert "ddp_model.module(x)" in found.fix and "every rank" in found.fix
+    # Every rank broadcast once per step (the evaluation took over the next forward's): no count sentence.
+    assert "different numbers of buffer broadcasts" not in found.detail
+
+
+def test_a_step_whose_grad_mode_forwards_without_backward_differ_is_reported_once() -> None:
+    d = analyze(_info(), _odd(4, extra={2}, colls=set(), scales=set(), evals=frozenset({2}), eval_step=1))
+    assert [f.title for f in d.findings if f.code == "collective-mismatch"] == [
+        _by_title(d, "collective-mismatch", "no backward").title
+    ]
+
+
+def test_the_same_evaluation_on_every_rank_is_no_finding() -> None:
+    d = analyze(_info(), _odd(4, extra=set(), colls=set(), scales=set(), evals=frozenset(range(4))))
+    assert not [f for f in d.findings if f.code == "collective-mismatch"], d.findings
+
+
 def test_many_odd_ranks_are_named_by_examples_and_counted() -> None:
     world = 40
     extra = set(range(1, world, 2))
@@ -186,7 +223,7 @@ def test_many_odd_ranks_are_named_by_examples_and_counted() -> None:
 
 
 def _real(rank: int, world: int) -> dict:
-    records = _odd(world, extra={2, 5}, colls={3}, scales={6})
+    records = _odd(world, extra={2, 5}, colls={3}, scales={6}, evals=frozenset({4}))
     summary = exchange(records[rank], _info(), timeout=20, tag="c", device=torch.device("cpu"))
     d = analyze_summary(summary)
     model = analyze(_info(), records)
@@ -204,3 +241,4 @@ def test_a_real_group_of_8_agrees_with_the_model(tmp_path) -> None:
         assert r["real"] == results[0]["real"] == r["model"]
         assert r["usage"] == r["model_usage"]
     assert {f["code"] for f in results[0]["real"]} >= {"collective-mismatch", "grad-scaler-mismatch"}
+    assert any("rank 4 broadcast DDP's buffers" in f["title"] for f in results[0]["real"]), results[0]["real"]

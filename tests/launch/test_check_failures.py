@@ -149,6 +149,19 @@ def test_a_rank_0_evaluation_through_ddp_in_grad_mode_is_named_and_the_right_way
     assert right.rc == 0 and right.codes == set(), right.output
 
 
+def test_a_rank_0_evaluation_through_ddp_under_no_grad_with_batchnorm_is_named_and_the_right_way_is_clean(
+    tmp_path: Path,
+) -> None:
+    wrong = check(["--nproc-per-node", "2", str(SCRIPTS / "eval_rank0_bn.py")], tmp_path / "ddp")
+    mismatch = wrong.finding("collective-mismatch")
+    assert mismatch["severity"] == "error" and mismatch["ranks"] == [0] and mismatch["steps"] == [2, 5], mismatch
+    assert "from a forward without grad at tests/scripts/eval_rank0_bn.py:30 in step 2" in mismatch["title"], mismatch
+    assert "ddp_model.module(x)" in mismatch["fix"], mismatch
+    assert wrong.rc == 1, wrong.output
+    right = check(["--nproc-per-node", "2", str(SCRIPTS / "eval_rank0_bn.py"), "--module"], tmp_path / "module")
+    assert right.rc == 0 and right.codes == {"batchnorm-not-synced"}, right.output
+
+
 def test_an_internal_error_of_the_doctor_is_exit_2_never_a_clean_report(tmp_path: Path) -> None:
     run = check(["--nproc-per-node", "2", str(SCRIPTS / "internal_error.py")], tmp_path)
     assert run.rc == 2, run.output

@@ -1,5 +1,6 @@
 """Cross-rank consistency of what each rank did in a step: the same collectives in the same order, the same number
-of synced passes through DDP, and no DDP forward in grad mode that only some ranks run without a backward. Pure:
+of synced passes through DDP, no DDP forward in grad mode that only some ranks run without a backward, and no
+buffer broadcast of DDP's from a forward without grad that only some ranks run. Pure:
 the exchange's per-step maxima and minima show where the ranks differ, its bounded examples name them."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from ddp_doctor.observation.gradscaler import decode
 __all__ = [
     "batchnorm_not_synced",
     "collective_sequence_mismatch",
+    "eval_broadcast_mismatch",
     "grad_scaler_mismatch",
     "synced_pass_mismatch",
     "unpaired_forward_mismatch",
@@ -99,6 +101,59 @@ def unpaired_forward_mismatch(v: View) -> list[Finding]:
             more_ranks=extra.more,
             fix="evaluate on one rank under torch.no_grad() through the inner module (ddp_model.module(x)), or run the "
             "evaluation on every rank.",
+        )
+    ]
+
+
+def eval_broadcast_mismatch(v: View) -> list[Finding]:
+    """Ranks whose DDP forwards without grad broadcast the buffers where the other ranks' did not: typically a
+    rank-0-only evaluation through the DDP wrapper under torch.no_grad() of a model with buffers (BatchNorm).
+
+    DDP broadcasts at every forward that follows a synced forward in grad mode, whatever the grad mode of its own,
+    and skips the broadcast at the forward after one without grad: the evaluation takes over rank 0's broadcast
+    from its next training forward, and the other ranks pair it with whatever collective they issue next. Steps
+    where `unpaired_forward_mismatch` fires are its to explain (the exchange leaves them out).
+    """
+    if v.world < 2 or not v.steps:
+        return []
+    (hi, lo), (u_hi, u_lo) = v.summary.broadcasts, v.summary.unpaired
+    bad = [s for s in range(v.steps) if int(hi[s, 1]) != int(lo[s, 1]) and u_hi[s] == u_lo[s]]
+    if not bad:
+        return []
+    first = bad[0]
+    extra, rest = v.ranks("broadcast-extra"), v.ranks("broadcast-fewer")
+    sites = sorted({site for r in extra.ranks for site in v.meta(r)["broadcast_sites"]})
+    where = f" at {', '.join(sites)}" if sites else ""
+    uneven = [s for s in bad if int(hi[s, 0]) != int(lo[s, 0])]
+    counts = (
+        f" Counted by optimizer step, the ranks also issued different numbers of buffer broadcasts in step(s) {uneven}."
+        if uneven
+        else ""
+    )
+    who, others = rank_list(extra.ranks, more=extra.more), rank_list(rest.ranks, more=rest.more)
+    return [
+        Finding(
+            code="collective-mismatch",
+            severity="error",
+            title=f"{who} broadcast DDP's buffers from a forward without grad{where} in step {first}; {others} did not",
+            detail=f"In step {first}, {who} called the DDP model without grad{where} (an evaluation through the DDP "
+            "wrapper, say), and DDP's forward broadcast rank 0's buffers there: it does at every forward that "
+            "follows a synced training forward when broadcast_buffers=True and the model has buffers (BatchNorm), "
+            f"in eval mode and under torch.no_grad() too. {others} issued no broadcast at that point. A forward "
+            "without grad also makes DDP skip the broadcast of the next forward, so on those ranks the broadcast moved "
+            "from their next training forward to the evaluation, and the other ranks pair it with the next "
+            "collective they issue. The observed steps got through because that was their next forward's broadcast; when something "
+            "else comes first on them (a dist.barrier() or an all_reduce of metrics after the evaluation, DDP's "
+            "gradient all-reduce when the evaluation runs between forward and backward, the end of training), the "
+            "collectives pair with the wrong ones and the job hangs (measured with gloo on torch 2.13)."
+            + counts
+            + (f" Also in step(s) {bad[1:]}." if len(bad) > 1 else ""),
+            params=[],
+            ranks=extra.ranks,
+            steps=bad,
+            more_ranks=extra.more,
+            fix="evaluate through the inner module (ddp_model.module(x)) under torch.no_grad(), or run the evaluation "
+            "on every rank.",
         )
     ]
 

@@ -23,6 +23,7 @@ from ddp_doctor.analyze.checkpoints import checkpoint_module_prefix, checkpoint_
 from ddp_doctor.analyze.consistency import (
     batchnorm_not_synced,
     collective_sequence_mismatch,
+    eval_broadcast_mismatch,
     grad_scaler_mismatch,
     synced_pass_mismatch,
     unpaired_forward_mismatch,
@@ -61,6 +62,7 @@ DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (
     collective_sequence_mismatch,
     synced_pass_mismatch,
     unpaired_forward_mismatch,
+    eval_broadcast_mismatch,
     dynamic_graph,
     rank_dependent_graph,
     used_outside_forward,

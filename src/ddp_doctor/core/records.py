@@ -132,6 +132,11 @@ class StepCounters:
     unpaired_forwards: int = 0
     """Forward calls through the DDP wrapper in grad mode, with gradient sync on, that no backward followed before
     the next one (an evaluation through DDP with autograd on, say)."""
+    ddp_broadcasts: int = 0
+    """DDP forwards that broadcast group rank 0's buffers (`broadcast_buffers=True`, the model has buffers, and the
+    previous DDP forward was a synced one in grad mode: `ddp.will_sync_module_buffers()`)."""
+    eval_broadcasts: int = 0
+    """Those of `ddp_broadcasts` whose forward ran without grad (an evaluation through the DDP wrapper, say)."""
 
     collectives: int = 0
     """The script's own `torch.distributed` collectives in this step (DDP's gradient all-reduces not included)."""
@@ -166,6 +171,8 @@ class StepCounters:
         "complete",
         "optimizer_step",
         "unpaired_forwards",
+        "ddp_broadcasts",
+        "eval_broadcasts",
         "collectives",
         "collective_digest",
         "scaler_scale",
@@ -227,6 +234,8 @@ class RankRecord:
     """`step N: file:line` of each synced DDP forward after the first in a step."""
     unpaired_sites: list[str] = field(default_factory=list)
     """`step N: file:line` of synced DDP forwards in grad mode that no backward followed (see `unpaired_forwards`)."""
+    broadcast_sites: list[str] = field(default_factory=list)
+    """`step N: file:line` of DDP forwards without grad that broadcast the buffers (see `eval_broadcasts`)."""
     collective_log: list[str] = field(default_factory=list)
     """The first script collectives of the observed steps (at most `MAX_COLLECTIVE_LOG`), as
     `step N: all_reduce(float32[1], SUM)/2 at file:line`: what names a mismatch that the per-step digests reveal."""
@@ -320,6 +329,7 @@ class RankRecord:
             "blocked_checkpoints": self.blocked_checkpoints,
             "repeat_sites": self.repeat_sites,
             "unpaired_sites": self.unpaired_sites,
+            "broadcast_sites": self.broadcast_sites,
             "collective_log": self.collective_log,
             "loaders": self.loaders,
             "optimizer_log": self.optimizer_log,

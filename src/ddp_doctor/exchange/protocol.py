@@ -164,10 +164,13 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
     m.slot("first_batches", first, torch.arange(len(first)) == rank)
     sites = [text_digest(sorted(set(record.bypass_sites))), text_digest(sorted(set(record.blocked_checkpoints)))]
     m.slot("sites0", torch.tensor(sites), rank == 0)
-    # Per common step: DDP forwards in grad mode without a backward, the script's own collectives (count and
-    # running digest) and GradScaler's scale, with group rank 0's values to compare against; the batch sizes.
+    # Per common step: DDP forwards in grad mode without a backward, DDP's buffer broadcasts (all, and those of
+    # forwards without grad), the script's own collectives (count and running digest) and GradScaler's scale, with
+    # group rank 0's values to compare against; the batch sizes.
     unpaired = record.counter("unpaired_forwards")[:s]
     m.pair("unpaired", unpaired)
+    bcast = torch.stack([record.counter("ddp_broadcasts")[:s], record.counter("eval_broadcasts")[:s]], 1)
+    m.pair("bcast", bcast)
     coll = torch.stack([record.counter("collectives")[:s], record.counter("collective_digest")[:s]], 1)
     m.pair("coll", coll)
     m.slot("coll0", coll, rank == 0)
@@ -237,6 +240,9 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
     all_loaders = int(rb["loader"][0]) == world
     u_hi, u_lo = rm["unpaired"]
     first_unpaired = first_set((u_hi != u_lo).tolist())
+    bc_hi, bc_lo = rm["bcast"]
+    # Steps where the ranks' DDP forwards in grad mode without a backward differ are `unpaired`'s to explain.
+    first_bcast = first_set(((bc_hi[:, 1] != bc_lo[:, 1]) & (u_hi == u_lo)).tolist())
     c_hi, c_lo = rm["coll"]
     first_coll = first_set((c_hi != c_lo).any(-1).tolist())
     sc_hi, sc_lo = rm["scale"]
@@ -325,6 +331,11 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         for site in record.unpaired_sites
         if first_unpaired is not None and int(site.split(":", 1)[0].split()[1]) == first_unpaired
     ]
+    broadcast_sites = [
+        site.split(": ", 1)[1]
+        for site in record.broadcast_sites
+        if first_bcast is not None and int(site.split(":", 1)[0].split()[1]) == first_bcast
+    ]
     c0 = rm["coll0"]
     coll_differs = first_coll is not None and bool((coll[first_coll] != c0[first_coll]).any())
     scale_differs = first_scale is not None and int(scale[first_scale]) != int(rm["scale0"][first_scale])
@@ -345,6 +356,8 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         "blocked-sites": sites[1] != int(rm["sites0"][1]),
         "unpaired-extra": first_unpaired is not None and int(unpaired[first_unpaired]) == int(u_hi[first_unpaired]),
         "unpaired-fewer": first_unpaired is not None and int(unpaired[first_unpaired]) != int(u_hi[first_unpaired]),
+        "broadcast-extra": first_bcast is not None and int(bcast[first_bcast, 1]) == int(bc_hi[first_bcast, 1]),
+        "broadcast-fewer": first_bcast is not None and int(bcast[first_bcast, 1]) != int(bc_hi[first_bcast, 1]),
         "collective-differs": coll_differs,
         "scale-differs": scale_differs,
         "optimizer-differs": first_settings is not None
@@ -366,6 +379,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
             "loaders": record.loaders,
             "window_sites": window_sites,
             "unpaired_sites": unpaired_sites,
+            "broadcast_sites": broadcast_sites,
             "collective_log": logged(record, first_coll) if first_coll is not None else [],
             "scale": int(scale[first_scale]) if first_scale is not None else 0,
             "optimizer": at_step(record.optimizer_log, first_settings),
@@ -419,6 +433,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         "blocked-sites",
         "extra-passes",
         "unpaired-extra",
+        "broadcast-extra",
         "collective-differs",
         "scale-differs",
         "optimizer-differs",
@@ -430,7 +445,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         wanted.update(examples[name].ranks)
     wanted.update(examples["fewest-batches"].ranks[:1])
     wanted.update(examples["same-path-save"].ranks[:1])
-    chosen = sorted(wanted)  # at most 3 + 12 * EXAMPLES ranks, whatever W
+    chosen = sorted(wanted)  # at most 3 + 13 * EXAMPLES ranks, whatever W
     n_meta = int(rdm["meta_len"][0][0])
     words = -(-n_meta // 8)
     e = torch.zeros(len(chosen), words, dtype=torch.int64)
@@ -490,6 +505,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         timing=timing,
         per_rank=phases,
         unpaired=(u_hi.tolist(), u_lo.tolist()),
+        broadcasts=(bc_hi, bc_lo),
         collectives=(c_hi, c_lo),
         collectives0=rm["coll0"],
         scales=(sc_hi.tolist(), sc_lo.tolist()),

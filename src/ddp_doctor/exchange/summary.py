@@ -37,6 +37,8 @@ PREDICATES = (
     "blocked-sites",
     "unpaired-extra",
     "unpaired-fewer",
+    "broadcast-extra",
+    "broadcast-fewer",
     "collective-differs",
     "scale-differs",
     "optimizer-differs",
@@ -161,6 +163,9 @@ class Summary:
     """[W][ROW_SIZE]: each group rank's `RankTiming.to_row()` (NaN: nothing measured)."""
     unpaired: tuple[list[int], list[int]]
     """(max, min) over the ranks of DDP forwards in grad mode without a backward, per common step."""
+    broadcasts: tuple[torch.Tensor, torch.Tensor]
+    """(max, min) over the ranks of int64[S, 2]: DDP's buffer broadcasts per common step, all of them and those of
+    forwards without grad (`StepCounters.ddp_broadcasts`, `eval_broadcasts`)."""
     collectives: tuple[torch.Tensor, torch.Tensor]
     """(max, min) over the ranks of int64[S, 2]: the script's own collectives per step, count and running digest."""
     collectives0: torch.Tensor

@@ -93,6 +93,37 @@ class ForwardHooks:
             tl.clock.forward_start = now
         else:
             tl.clock.forward_start = time.perf_counter()
+        if self._will_broadcast():
+            # A collective DDP issues itself. After a forward without grad (or without sync) DDP skips the next
+            # forward's broadcast, so a rank-0-only evaluation moves rank 0's broadcast to the evaluation: the
+            # other ranks pair it with their next forward's, or with whatever collective comes first.
+            counters = tl.state.counters
+            counters.ddp_broadcasts += 1
+            if not torch.is_grad_enabled():
+                counters.eval_broadcasts += 1
+                if len(self._log.broadcast_sites) < MAX_SITES:
+                    self._log.broadcast_sites.append(f"step {self._log.steps}: {user_site({id(self._t.ddp)})}")
+
+    def _will_broadcast(self) -> bool:
+        """DDP's forward that is about to run broadcasts the module's buffers.
+
+        Read before DDP's `_pre_forward`, this is what both of its checks ask: `_check_sync_bufs_pre_fwd` (the
+        default) and `_check_sync_bufs_post_fwd` (a buffer hook registered for after the forward) are
+        `will_sync_module_buffers()` and a location, and `require_forward_param_sync`, which it reads, changes
+        only after both (in `_post_forward`). Not counted: the python reducer (compiled autograd) and a DDP whose
+        parameters are all ignored skip the broadcast; under `join()` DDP first agrees on the source rank with an
+        all-reduce and the joined ranks shadow the broadcast.
+        """
+        ddp = self._t.ddp
+        will = getattr(ddp, "will_sync_module_buffers", None)
+        if (
+            will is None
+            or getattr(ddp, "_use_python_reducer", False)
+            or getattr(ddp, "_delay_all_reduce_all_params", False)
+        ):
+            return False
+        join = getattr(ddp, "_join_config", None)
+        return not (join is not None and join.enable) and bool(will())
 
     def _check_versions(self) -> None:
         """At a step's first training forward: parameters written since the optimizer's step (or since DDP was

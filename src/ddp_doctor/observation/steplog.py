@@ -74,6 +74,8 @@ class StepLog:
         """`step N: file:line` of each synced DDP forward after the first in a step."""
         self.unpaired_sites: list[str] = []
         """`step N: file:line` of synced DDP forwards in grad mode that no backward followed."""
+        self.broadcast_sites: list[str] = []
+        """`step N: file:line` of DDP forwards without grad that broadcast the buffers."""
         self.collective_log: list[str] = []
         """The first script collectives, `step N: all_reduce(float32[1])/2 at file:line`."""
         self.loaders: list[dict[str, Any]] = []
@@ -206,6 +208,7 @@ class StepLog:
         record.blocked_checkpoints = list(self.blocked_checkpoints)
         record.repeat_sites = list(self.repeat_sites)
         record.unpaired_sites = list(self.unpaired_sites)
+        record.broadcast_sites = list(self.broadcast_sites)
         record.collective_log = list(self.collective_log)
         record.optimizer_log = list(self.optimizer_log)
         record.scheduler_sites = list(self.scheduler_sites)
