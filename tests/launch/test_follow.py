@@ -10,8 +10,8 @@ import pytest
 from checkrun import SCRIPTS, Run, check
 
 SCRIPT = str(SCRIPTS / "epoch_end.py")
-TRAIN_LOADER = "tests/scripts/epoch_end.py:63"
-EVAL_LOADER = "tests/scripts/epoch_end.py:82"
+TRAIN_LOADER = "tests/scripts/epoch_end.py:65"
+EVAL_LOADER = "tests/scripts/epoch_end.py:84"
 
 
 def follow(tmp_path: Path, *script_args: str, check_args: tuple[str, ...] = ()) -> Run:
@@ -58,7 +58,7 @@ def test_every_rank_saving_one_file_at_the_epoch_end_is_checkpoint_same_path(tmp
     run = follow(tmp_path, "--save-every-rank", "--out", str(tmp_path / "last.pt"))
     assert warnings_or_errors(run) == {"checkpoint-same-path"}, run.output
     same = run.finding("checkpoint-same-path")
-    assert same["ranks"] == [0, 1] and "tests/scripts/epoch_end.py:101" in same["detail"], same
+    assert same["ranks"] == [0, 1] and "tests/scripts/epoch_end.py:111" in same["detail"], same
     assert "at an epoch end the check followed" in same["detail"], same
     assert "checkpoint-module-prefix" in run.codes, run.output
 
@@ -67,7 +67,7 @@ def test_rank_0_evaluating_through_the_wrapper_with_batchnorm_is_collective_mism
     run = follow(tmp_path, "--eval-ddp", "--bn")
     assert warnings_or_errors(run) == {"collective-mismatch"}, run.output
     mismatch = run.finding("collective-mismatch")
-    assert mismatch["ranks"] == [0] and "tests/scripts/epoch_end.py:71" in mismatch["title"], mismatch
+    assert mismatch["ranks"] == [0] and "tests/scripts/epoch_end.py:73" in mismatch["title"], mismatch
     assert "ddp_model.module" in mismatch["fix"], mismatch
     # Without buffers the same forward broadcasts nothing: no collective, nothing to pair wrongly.
     plain = follow(tmp_path / "no_bn", "--eval-ddp")
@@ -110,6 +110,13 @@ def test_two_epoch_ends_are_followed_and_zero_turns_following_off(tmp_path: Path
     assert training["passes"] == 3, training  # 8 observed steps, a capped epoch of 2, the third epoch's start
     off = follow(tmp_path / "off", "--eval-rank0", "0.1", check_args=("--follow-epochs", "0"))
     assert "following" not in off.report and off.codes == set(), off.output
+
+
+def test_a_loop_that_calls_next_itself_ends_following_where_its_pass_was_ended(tmp_path: Path) -> None:
+    run = follow(tmp_path, "--next-loop")
+    assert run.rc == 0 and warnings_or_errors(run) == set(), run.output
+    assert "called next() on a DataLoader iterator" in run.report["following"]["ended_by"], run.report["following"]
+    assert "rank-crashed" not in run.codes and "StopIteration" not in run.output, run.output
 
 
 def test_a_step_based_script_says_no_epoch_end_was_reached(tmp_path: Path) -> None:

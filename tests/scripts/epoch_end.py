@@ -6,6 +6,7 @@ is 20 s, so with S=0.1 the others time out in their next collective (the plain r
 --eval-ddp: rank 0 alone evaluates a few batches through the DDP wrapper (eval mode, no_grad); with --bn the model
 has BatchNorm, so that forward broadcasts rank 0's buffers on rank 0 alone.
 --no-set-epoch: the shuffling DistributedSampler never gets set_epoch.
+--next-loop: a step-based loop that calls next() on the loader's iterator itself (StopIteration is not expected).
 --iterable / --no-len / --workers N / --recreate: the loader's kind (an iterable dataset, one without len(), worker
 processes, a loader created anew each epoch).
 """
@@ -35,6 +36,7 @@ p.add_argument("--recreate", action="store_true")
 p.add_argument("--eval-ddp", action="store_true")
 p.add_argument("--bn", action="store_true")
 p.add_argument("--no-set-epoch", action="store_true")
+p.add_argument("--next-loop", action="store_true")
 args = p.parse_args()
 
 
@@ -81,7 +83,15 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     eval_loader = DataLoader(TensorDataset(torch.randn(1600, 8)), batch_size=4)
     loader = make_loader(rank, world)
-    for epoch in range(args.epochs):
+    if args.next_loop:
+        batches = iter(loader)
+        for _ in range(len(loader)):
+            x, y = next(batches)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    for epoch in range(0 if args.next_loop else args.epochs):
         if args.recreate and epoch:
             loader = make_loader(rank, world)
         if isinstance(loader.sampler, DistributedSampler) and not args.no_set_epoch:

@@ -87,6 +87,21 @@ def _group_timeout() -> float | None:
         return None
 
 
+CAPPED_NEXT = (
+    "the script called next() on a DataLoader iterator that following had ended (it does not expect the pass to end)"
+)
+
+
+def _ended_by_our_cap(exc: BaseException) -> bool:
+    """A StopIteration from a capped DataLoader pass that the script's own next() call let escape (bare, or turned
+    into RuntimeError by a generator)."""
+    stop = exc if isinstance(exc, StopIteration) else exc.__cause__ if isinstance(exc, RuntimeError) else None
+    if not isinstance(stop, StopIteration):
+        return False
+    last = dataloaders.last_pass()
+    return last is not None and last.capped
+
+
 class Session:
     """The per-rank state of one launch. See the module docstring.
 
@@ -336,6 +351,10 @@ class Session:
 
     def on_crash(self, exc: BaseException) -> None:
         """The script raised on this rank: record it, try to report with the others, and exit."""
+        if self.following and not self._finishing and _ended_by_our_cap(exc):
+            # The loop called next() on its loader's iterator itself and did not expect the pass to end: the cap
+            # that ended it is ours, so this is where following stops, not a crash of the script.
+            self.finish(CAPPED_NEXT)
         raised = raised_error(exc, self.doctors, phase=str(self.progress().phase))
         # After finish() the report is written: this crash happened in what the policy ran after it (bench).
         outcome = Outcome.CRASHED_AFTER_REPORT if self._finishing else Outcome.CRASHED
