@@ -112,7 +112,7 @@ class FollowWatch:
         if self._pending is not None:
             entered, site = self._pending
             self._pending = None
-            self._sync("ddp-step", "DDP's gradient all-reduce", site, entered, time.perf_counter())
+            self._sync("ddp-step", "DDP's gradient all-reduce after the forward", site, entered, time.perf_counter())
         return self._nth_end is not None and one is not None and one.started > self._nth_end
 
     # ------------------------------------------------------------------------------------------- following
