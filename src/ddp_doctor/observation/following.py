@@ -135,7 +135,10 @@ class FollowWatch:
         return True
 
     def _watch(self, ddp: DistributedDataParallel) -> None:
-        original = ddp._sync_buffers  # DDP's buffer broadcast at a forward (torch >= 1.13's name)
+        self._stops.append(ddp.register_forward_hook(self._on_ddp_forward).remove)
+        original = getattr(ddp, "_sync_buffers", None)  # DDP's buffer broadcast at a forward (a private method)
+        if original is None:
+            return
         watch = self
 
         @functools.wraps(original)
@@ -151,7 +154,6 @@ class FollowWatch:
 
         ddp._sync_buffers = _sync_buffers  # an instance attribute: DDP's forward calls self._sync_buffers()
         self._wrapped.append(ddp)
-        self._stops.append(ddp.register_forward_hook(self._on_ddp_forward).remove)
 
     def _on_ddp_forward(self, ddp: torch.nn.Module, _args: Any, _output: Any) -> None:
         if torch.is_grad_enabled() and getattr(ddp, "require_backward_grad_sync", True):
