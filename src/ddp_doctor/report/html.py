@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from ddp_doctor.core.figures import STATE_HELP, STATES
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_ranges
+from ddp_doctor.report.text import following_lines
 
 if TYPE_CHECKING:  # the model calls these renderers; they only read it
     from ddp_doctor.report.model import Report
@@ -310,10 +311,12 @@ def check_section(report: Report, *, key: str = "m0", heading: str | None = None
         else ""
     )
     title = f"<h2>{_e(heading)}</h2>" if heading else ""
+    lines = following_lines(report.following) if report.following is not None else []
+    following = f"<p class='timing following'>{'<br>'.join(_e(x) for x in lines)}</p>" if lines else ""
     return (
         f"<section class='ddp-check' id='{key}'>{title}<p class='version'>ddp-doctor {_e(report.tool_version)}"
         f"</p>{_head(report)}{_status(report)}{''.join(_finding(f) for f in report.findings)}"
-        f"{_figures(report, key)}{_recommendation(report, key)}{timing}</section>"
+        f"{_figures(report, key)}{_recommendation(report, key)}{timing}{following}</section>"
     )
 
 
