@@ -10,8 +10,16 @@ import pytest
 from checkrun import SCRIPTS, Run, check
 
 SCRIPT = str(SCRIPTS / "epoch_end.py")
-TRAIN_LOADER = "tests/scripts/epoch_end.py:65"
-EVAL_LOADER = "tests/scripts/epoch_end.py:84"
+
+
+def line_of(text: str) -> str:
+    """`tests/scripts/epoch_end.py:N` of the one line of the script holding `text`."""
+    [n] = [i for i, line in enumerate(Path(SCRIPT).read_text().splitlines(), 1) if text in line]
+    return f"tests/scripts/epoch_end.py:{n}"
+
+
+TRAIN_LOADER = line_of("sampler=DistributedSampler(data, shuffle=True)")
+EVAL_LOADER = line_of("eval_loader = DataLoader(")
 
 
 def follow(tmp_path: Path, *script_args: str, check_args: tuple[str, ...] = ()) -> Run:
@@ -58,7 +66,7 @@ def test_every_rank_saving_one_file_at_the_epoch_end_is_checkpoint_same_path(tmp
     run = follow(tmp_path, "--save-every-rank", "--out", str(tmp_path / "last.pt"))
     assert warnings_or_errors(run) == {"checkpoint-same-path"}, run.output
     same = run.finding("checkpoint-same-path")
-    assert same["ranks"] == [0, 1] and "tests/scripts/epoch_end.py:111" in same["detail"], same
+    assert same["ranks"] == [0, 1] and line_of("torch.save(") in same["detail"], same
     assert "at an epoch end the check followed" in same["detail"], same
     assert "checkpoint-module-prefix" in run.codes, run.output
 
@@ -67,7 +75,7 @@ def test_rank_0_evaluating_through_the_wrapper_with_batchnorm_is_collective_mism
     run = follow(tmp_path, "--eval-ddp", "--bn")
     assert warnings_or_errors(run) == {"collective-mismatch"}, run.output
     mismatch = run.finding("collective-mismatch")
-    assert mismatch["ranks"] == [0] and "tests/scripts/epoch_end.py:73" in mismatch["title"], mismatch
+    assert mismatch["ranks"] == [0] and line_of("total += float(model(x)") in mismatch["title"], mismatch
     assert "ddp_model.module" in mismatch["fix"], mismatch
     # Without buffers the same forward broadcasts nothing: no collective, nothing to pair wrongly.
     plain = follow(tmp_path / "no_bn", "--eval-ddp")
@@ -78,6 +86,10 @@ def test_a_sampler_without_set_epoch_is_named_at_the_followed_epoch(tmp_path: Pa
     run = follow(tmp_path, "--no-set-epoch")
     assert warnings_or_errors(run) == {"sampler-epoch-not-set"}, run.output
     assert TRAIN_LOADER in run.finding("sampler-epoch-not-set")["title"], run.finding("sampler-epoch-not-set")
+    # PyTorch's DDP tutorial peeks at one batch before set_epoch every epoch: the peek at the followed epoch,
+    # capped or not, is no epoch of its own.
+    peek = follow(tmp_path / "peek", "--peek")
+    assert warnings_or_errors(peek) == set(), peek.output
 
 
 @pytest.mark.parametrize(

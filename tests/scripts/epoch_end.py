@@ -6,6 +6,7 @@ is 20 s, so with S=0.1 the others time out in their next collective (the plain r
 --eval-ddp: rank 0 alone evaluates a few batches through the DDP wrapper (eval mode, no_grad); with --bn the model
 has BatchNorm, so that forward broadcasts rank 0's buffers on rank 0 alone.
 --no-set-epoch: the shuffling DistributedSampler never gets set_epoch.
+--peek: read the batch size from next(iter(loader)) before set_epoch, as PyTorch's DDP tutorial does.
 --next-loop: a step-based loop that calls next() on the loader's iterator itself (StopIteration is not expected).
 --iterable / --no-len / --workers N / --recreate: the loader's kind (an iterable dataset, one without len(), worker
 processes, a loader created anew each epoch).
@@ -37,6 +38,7 @@ p.add_argument("--eval-ddp", action="store_true")
 p.add_argument("--bn", action="store_true")
 p.add_argument("--no-set-epoch", action="store_true")
 p.add_argument("--next-loop", action="store_true")
+p.add_argument("--peek", action="store_true")
 args = p.parse_args()
 
 
@@ -94,6 +96,8 @@ def main() -> None:
     for epoch in range(0 if args.next_loop else args.epochs):
         if args.recreate and epoch:
             loader = make_loader(rank, world)
+        if args.peek:
+            print(f"epoch {epoch}: batch size {len(next(iter(loader))[0])}", flush=True)
         if isinstance(loader.sampler, DistributedSampler) and not args.no_set_epoch:
             loader.sampler.set_epoch(epoch)
         for x, y in loader:

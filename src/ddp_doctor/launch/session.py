@@ -43,10 +43,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ddp_doctor.analyze.following import following_findings, following_section
+from ddp_doctor.analyze.epoch_ends import following_findings, following_section
 from ddp_doctor.core.beacon import Beacon, ClosedStep
 from ddp_doctor.core.errors import DoctorError
-from ddp_doctor.core.following import FollowSummary
+from ddp_doctor.core.followed import FollowSummary
 from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site_of
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import EndRecord, Outcome, ProgressSample, WrapShapes, write_end, write_json, write_wrap

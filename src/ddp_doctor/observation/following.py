@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_doctor.core.following import MAX_SYNC_POINTS, FollowRecord, LoaderSeen, SyncPoint
+from ddp_doctor.core.followed import MAX_SYNC_POINTS, FollowRecord, LoaderSeen, SyncPoint
 from ddp_doctor.core.frames import user_site, user_site_of
 from ddp_doctor.observation import collectives, dataloaders
 from ddp_doctor.observation.collectives import Call

@@ -177,8 +177,10 @@ class StepLog:
         epochs = [
             p["epoch"]
             for p in loader["passes"]
-            # A pass `check` capped while following is an epoch, however few batches it handed out.
-            if p["counted"] is None or p["counted"].yielded >= least or p["counted"].cap is not None
+            # A pass that ran into `check`'s cap while following, or that an optimizer step trained on (following
+            # stops at the next epoch's first step), is an epoch however few batches it handed out; a one-batch peek
+            # dropped before its cap is still a peek.
+            if p["counted"] is None or p["counted"].yielded >= least or p["counted"].capped or p["counted"].steps
         ]
         out["epochs_started"], out["epochs_seen"] = max(1, len(epochs)), epochs or [loader["passes"][0]["epoch"]]
         out["peeks"] = len(loader["passes"]) - len(epochs)

@@ -12,7 +12,7 @@ Without a length (an iterable dataset) the projection is unknown and the measure
 from __future__ import annotations
 
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.core.following import Following, FollowSummary
+from ddp_doctor.core.followed import Following, FollowSummary
 from ddp_doctor.core.ranks import rank_list
 
 __all__ = ["following_findings", "following_section"]
