@@ -22,7 +22,9 @@ def _epochs(rank: int, world: int, set_epoch: bool, epochs: int, peek: bool = Fa
     val = TensorDataset(torch.randn(8, 8), torch.randint(0, 2, (8,)))
     sampler = DistributedSampler(train, shuffle=True)
     train_loader = DataLoader(train, batch_size=4, sampler=sampler)  # line 24: named in the finding
-    val_loader = DataLoader(val, batch_size=4, sampler=DistributedSampler(val, shuffle=False))
+    # The evaluation sampler shuffles (DistributedSampler's default, as torchvision's classification reference long
+    # had it) and never gets set_epoch: no finding, since no optimizer step takes a batch from it.
+    val_loader = DataLoader(val, batch_size=4, sampler=DistributedSampler(val))
     ddp = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     with observe(ddp, optimizer=opt, steps=2 * epochs) as doctor:

@@ -67,13 +67,16 @@ def _loader_site(d: dict[str, Any]) -> str | None:
 def sampler_epoch_not_set(v: View) -> list[Finding]:
     """A shuffling DistributedSampler whose loader started a pass again with the sampler's epoch unchanged.
 
-    Only a loader iterated more than once while observed tells: a loop that stayed in its first epoch, or a
-    non-shuffling sampler (an evaluation loader's, whose order does not matter), says nothing.
+    Only a loader iterated more than once while observed tells: a loop that stayed in its first epoch, a
+    non-shuffling sampler, or a loader no optimizer step took a batch from (an evaluation loader's, whose order does
+    not matter, even with DistributedSampler's default shuffle=True) says nothing.
     """
     findings: list[Finding] = []
     for meta in [v.meta(0)]:  # every rank's loop has the same shape; rank 0 speaks for it
         for d in meta["loaders"]:
             if d.get("sampler") != "DistributedSampler" or not d.get("shuffle") or d.get("epochs_started", 1) < 2:
+                continue
+            if d.get("trained") is False:  # an evaluation loader: the order it visits samples in does not matter
                 continue
             seen = [e for e in d.get("epochs_seen", []) if e is not None]
             if any(a == b for a, b in itertools.pairwise(seen)):

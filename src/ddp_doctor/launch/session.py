@@ -188,8 +188,9 @@ class Session:
 
         Optimizer.__init__ = optimizer_init
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
-        self._step_pre_hook = register_optimizer_step_pre_hook(self._before_any_step)
+        # The loader probe first: its pre-step hook counts the step on its pass before ours reads it.
         self.watch.install()
+        self._step_pre_hook = register_optimizer_step_pre_hook(self._before_any_step)
         self.collectives.install()
         dataloaders.install()
         saves.install()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.utils.data as tud
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ddp_doctor.core.frames import user_site
 from ddp_doctor.observation.hooks import ListenerList
@@ -174,7 +175,15 @@ def _install() -> None:
         original_set_epoch(self, epoch)
 
     tud.distributed.DistributedSampler.set_epoch = set_epoch  # type: ignore[method-assign]
+    register_optimizer_step_pre_hook(_on_optimizer_step)
     _installed = True
+
+
+def _on_optimizer_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
+    """An optimizer step trains on the batch handed out last: its pass is a training pass."""
+    one = _state["last"]
+    if one is not None:
+        one.steps += 1
 
 
 def _ended(one: Pass) -> None:

@@ -101,9 +101,8 @@ class FollowWatch:
     def on_step(self) -> bool:
         """An optimizer step is about to run (every optimizer's). True: following is done (the first step of a
         training pass started after the Nth epoch end)."""
-        one = dataloaders.last_pass()
+        one = dataloaders.last_pass()  # the probe counts the step on it (`Pass.steps`)
         if one is not None:
-            one.steps += 1
             seen = self.loaders.get(one.info.get("key", ""))
             if seen is not None:
                 seen.training = True

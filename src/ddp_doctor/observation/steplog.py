@@ -184,6 +184,10 @@ class StepLog:
         ]
         out["epochs_started"], out["epochs_seen"] = max(1, len(epochs)), epochs or [loader["passes"][0]["epoch"]]
         out["peeks"] = len(loader["passes"]) - len(epochs)
+        # Whether an optimizer step took a batch from it (None: not known, outside `check`): an evaluation loader's
+        # order does not matter, so its sampler's epoch does not either.
+        counted = [p["counted"] for p in loader["passes"] if p["counted"] is not None]
+        out["trained"] = any(c.steps for c in counted) if counted else None
         return out
 
     def note_save(self, info: dict[str, Any]) -> None:
