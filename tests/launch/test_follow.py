@@ -57,6 +57,18 @@ def test_rank_0_evaluating_alone_past_the_groups_timeout_is_timeout_risk_in_seco
     assert "followed 1 epoch end(s)" in run.output, run.output
 
 
+def test_a_capped_evaluation_that_still_outlasts_the_timeout_is_named_with_the_steps_diagnosis(tmp_path: Path) -> None:
+    # Two capped batches of 3 s on rank 0 alone against a 4 s timeout: the real timeout fires while following.
+    run = follow(tmp_path, "--eval-rank0", "3", "--pg-timeout", "4")
+    assert run.rc == 1 and run.report["findings"][0]["code"] == "timeout-risk", run.output
+    risk = run.report["findings"][0]
+    assert risk["ranks"] == [0] and "rank 1 timed out after 4 s" in risk["title"], risk
+    assert "time.sleep(args.eval_rank0)" in risk["detail"], risk
+    # The observed steps' diagnosis survives the failure: their verified recommendation is still there.
+    assert run.report["recommendation"]["verified"] and run.report["steps_observed"] == 8, run.report
+    assert "rank-crashed" not in run.codes and "failed while check followed it" in run.output, run.output
+
+
 def test_a_short_evaluation_alone_is_not_a_timeout_risk(tmp_path: Path) -> None:
     run = follow(tmp_path, "--eval-rank0", "0.001")
     assert warnings_or_errors(run) == set(), run.output

@@ -2,7 +2,7 @@
 
 --save-every-rank: every rank saves the checkpoint to one file at each epoch end (no rank guard).
 --eval-rank0 S: rank 0 alone evaluates 400 batches at S seconds each at each epoch end; the process group's timeout
-is 20 s, so with S=0.1 the others time out in their next collective (the plain run dies at the start of epoch 2).
+is 20 s (--pg-timeout), so with S=0.1 the others time out in their next collective (the plain run dies at the start of epoch 2).
 --eval-ddp: rank 0 alone evaluates a few batches through the DDP wrapper (eval mode, no_grad); with --bn the model
 has BatchNorm, so that forward broadcasts rank 0's buffers on rank 0 alone.
 --no-set-epoch: the shuffling DistributedSampler never gets set_epoch.
@@ -39,6 +39,7 @@ p.add_argument("--bn", action="store_true")
 p.add_argument("--no-set-epoch", action="store_true")
 p.add_argument("--next-loop", action="store_true")
 p.add_argument("--peek", action="store_true")
+p.add_argument("--pg-timeout", type=float, default=20.0)
 args = p.parse_args()
 
 
@@ -77,7 +78,7 @@ def evaluate(model: nn.Module, loader: DataLoader) -> float:
 
 
 def main() -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     norm = nn.BatchNorm1d(16) if args.bn else nn.Identity()

@@ -11,11 +11,15 @@ Without a length (an iterable dataset) the projection is unknown and the measure
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.followed import Following, FollowSummary
+from ddp_doctor.core.rankfiles import RankState
 from ddp_doctor.core.ranks import rank_list
 
-__all__ = ["following_findings", "following_section"]
+__all__ = ["following_findings", "following_section", "timed_out_waiting"]
 
 NO_LOADER = (
     "No epoch end was reached: the observed steps did not train on a DataLoader pass (a step-based loop, like "
@@ -170,3 +174,42 @@ def _timeout_risk(s: FollowSummary) -> list[Finding]:
             "dist.init_process_group(..., timeout=datetime.timedelta(minutes=60)).",
         )
     ]
+
+
+_TIMEOUT_WORDS = ("Timed out waiting", "Watchdog caught collective operation timeout", "timed out")
+_TIMEOUT_MS = re.compile(r"(?:Timed out waiting |Timeout\(ms\)=)(\d+)\s*ms|Timeout\(ms\)=(\d+)")
+
+
+def timed_out_waiting(states: dict[int, RankState], where: Callable[[RankState], str]) -> Finding | None:
+    """A run that died of the process group's timeout: some ranks raised a collective timeout while the others,
+    not in any collective, were working alone (an evaluation on rank 0, say). `timeout-risk` as it happened: the
+    ranks that kept the others waiting, and where they were. `where` words a rank's position."""
+    waited = {
+        r: s
+        for r, s in states.items()
+        if s.raised is not None and s.raised.peer_lost and any(w in s.raised.message for w in _TIMEOUT_WORDS)
+    }
+    away = [r for r, s in sorted(states.items()) if r not in waited and s.raised is None and not s.in_collective]
+    if not waited or not away:
+        return None
+    first = min(waited)
+    crash = waited[first].raised
+    found = _TIMEOUT_MS.search(crash.message)
+    ms = next((g for g in found.groups() if g), None) if found else None
+    after = f" after {int(ms) / 1000:g} s" if ms else ""
+    return Finding(
+        code="timeout-risk",
+        severity="error",
+        title=f"{rank_list(sorted(waited))} timed out{after} in a collective, waiting for {rank_list(away)}, which "
+        "worked alone",
+        detail=f"Rank {first} waited in a collective at {crash.site or 'an unknown place'} (step {max(crash.step, 0)}, "
+        f"{crash.phase}) until the process group's timeout ran out{after} ({crash.type}: {crash.message[:160]}). "
+        + "; ".join(f"Rank {r} was not in any collective: {where(states[r])}" for r in away[:4])
+        + ". It worked alone that long while the others waited for it.",
+        params=[],
+        ranks=away,
+        steps=sorted({max(states[r].step, 0) for r in away}),
+        fix="run that work on every rank, each on its shard (a DistributedSampler on the evaluation set, then "
+        "all_reduce the metric), or move it where no rank waits for it, or raise the timeout knowingly: "
+        "dist.init_process_group(..., timeout=datetime.timedelta(minutes=60)).",
+    )

@@ -5,6 +5,7 @@ Pure: the input is the supervisor's `RankState` per rank (the ranks' own files, 
 
 from __future__ import annotations
 
+from ddp_doctor.analyze.epoch_ends import timed_out_waiting
 from ddp_doctor.analyze.shapes import shape_findings
 from ddp_doctor.core.findings import Finding, ParamRef
 from ddp_doctor.core.rankfiles import PHASES, ExplainedError, Outcome, RaisedError, RankState
@@ -335,6 +336,8 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
                 )
             )
 
+    if not findings and (timeout := timed_out_waiting(states, _where)) is not None:
+        findings.append(timeout)
     accounted = set(causes) | set(killed) | set(exited) | set(mismatch.ranks if mismatch else [])
     silent = [r for r in ranks if states[r].outcome is None and r not in accounted and not states[r].ended]
     if not findings and silent and not timed_out:

@@ -19,6 +19,7 @@ from ddp_doctor.analyze.shapes import shape_findings
 from ddp_doctor.analyze.snippets import render_snippets
 from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.findings import Recommendation, Timing, finite
+from ddp_doctor.core.followed import Following
 from ddp_doctor.core.rankfiles import Outcome, RankState, read_ends, read_rank_states
 from ddp_doctor.report.model import Report
 
@@ -135,6 +136,14 @@ def collect(
         return CheckResult(models=models, timed_out=timed_out, interrupted=interrupted)
 
     states = read_rank_states(outdir, end_time=time.time())
+    steps = _read(outdir / "report.steps.json")
+    if steps is not None and steps["models"] and states:
+        # The observed steps were diagnosed; the run failed while `check` followed it to its epoch end.
+        return CheckResult(
+            models=_after_steps(steps["models"], states, timed_out, native or []),
+            timed_out=timed_out,
+            interrupted=interrupted,
+        )
     if not states:
         if interrupted is not None:
             return CheckResult(error="interrupted before any rank started", interrupted=interrupted)
@@ -199,6 +208,38 @@ def collect(
         timed_out=timed_out,
         interrupted=interrupted,
     )
+
+
+def _after_steps(
+    models: list[dict[str, Any]], states: dict[int, RankState], timed_out: bool, native: list[str]
+) -> list[Model]:
+    """The observed steps' reports, the first one with what failed while `check` followed the script after them
+    (its findings go first: they ended the run)."""
+    out = [
+        Model(
+            report=Report.from_dict(m["report"]),
+            site=m.get("site"),
+            framework=m.get("framework", "torch"),
+            module=m.get("module", ""),
+        )
+        for m in models
+    ]
+    failed = failure_findings(states, timed_out=timed_out, native=native)
+    first = out[0].report
+    first.findings = [*failed, *first.findings]
+    first.following = Following(
+        epochs=0,
+        limit_batches=0,
+        epoch_ends=0,
+        ended_by="a failure (the first finding)",
+        seconds=0.0,
+        loaders=[],
+        note="The observed steps were diagnosed (the findings after the first); the run then failed while check "
+        "followed it to its epoch end: "
+        + (failed[0].title if failed else "the ranks could not exchange records")
+        + ".",
+    )
+    return out
 
 
 def _failure_report(

@@ -379,8 +379,13 @@ class Session:
             return
         for doctor in self.doctors:
             doctor.stop()
-        if exit_code is None and reason == self._steps_reason and self._start_following():
-            return  # the script goes on, lightly watched, to its next epoch end
+        if exit_code is None and reason == self._steps_reason and self._may_follow():
+            # The observed steps' reports first, kept on disk: a failure at the epoch end (a timeout, say) then
+            # still reports what the steps showed, beside the failure.
+            if not self._write_reports(reason, timeout, name="report.steps.json"):
+                return
+            if self._start_following():
+                return  # the script goes on, lightly watched, to its next epoch end
         self._finishing = True
         timeout = self.remaining() if timeout is None else timeout
         try:
@@ -426,11 +431,39 @@ class Session:
             return  # the policy goes on in this process, and leaves when it is done
         self.leave()
 
+    def _may_follow(self) -> bool:
+        return bool(self.config.follow_epochs) and not self.following
+
+    def _write_reports(self, reason: str, timeout: float | None, *, name: str) -> bool:
+        """Exchange the observed steps' records and write `name` (local rank 0); False when the exchange failed
+        (the rank has then ended)."""
+        try:
+            reports = [
+                doctor.report(timeout=self.remaining() if timeout is None else timeout) for doctor in self.doctors
+            ]
+        except DoctorError as exc:
+            self._finishing = True
+            logger.warning("ddp-doctor: rank %d could not exchange records (%s): %s", self.rank, reason, exc)
+            self._end(Outcome.NO_EXCHANGE, error=str(exc))
+            self._exit(1)
+            return False
+        except Exception as exc:  # noqa: BLE001  (a bug of ours must never read as a clean report)
+            self._finishing = True
+            self._end(
+                Outcome.INTERNAL_ERROR, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-20000:]
+            )
+            self._exit(1)
+            return False
+        world = [(m, r) for d, m, r in zip(self.doctors, self.models, reports) if _is_world(d.ddp.process_group)]
+        if self.local_rank == 0:
+            write_json(
+                self.outdir / name, {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in world]}
+            )
+        return True
+
     def _start_following(self) -> bool:
         """At the end of the observed steps: end the training pass and cap every later one (`--follow-epochs`).
         False when following is off or the steps did not train on a DataLoader pass."""
-        if not self.config.follow_epochs or self.following:
-            return False
         if not self.watch.start(self.config.follow_epochs, self.config.limit_batches, [d.ddp for d in self.doctors]):
             return False
         self.following = True

@@ -130,7 +130,7 @@ def render(report: Report) -> Iterator[Any]:
 
 def following_lines(f: Following) -> list[str]:
     """What `check` followed after the observed steps: the epoch ends, then one line per loader."""
-    if not f.epochs:
+    if not f.epochs and not f.note:
         return []
     if not f.epoch_ends and f.note:
         head = f.note
