@@ -161,7 +161,7 @@ def _timeout_risk(s: FollowSummary) -> list[Finding]:
             f"waited for it in {alone.end}.{passes} "
             + (
                 f"That reaches the process group's timeout of {_seconds(timeout)}: in the real run the waiting ranks' "
-                "collective times out (NCCL's watchdog aborts the job) at this point."
+                "collective times out at this point (gloo raises a timeout error; NCCL's watchdog aborts the job)."
                 if reaches
                 else f"That is more than half of the process group's timeout of {_seconds(timeout)}: a slower "
                 "machine, a bigger evaluation set or a busy file system takes it over the timeout."
