@@ -22,8 +22,8 @@ TRAIN_LOADER = line_of("sampler=DistributedSampler(data, shuffle=True)")
 EVAL_LOADER = line_of("eval_loader = DataLoader(")
 
 
-def follow(tmp_path: Path, *script_args: str, check_args: tuple[str, ...] = ()) -> Run:
-    return check(["--nproc-per-node", "2", *check_args, SCRIPT, *script_args], tmp_path)
+def follow(tmp_path: Path, *script_args: str, check_args: tuple[str, ...] = (), ranks: int = 2) -> Run:
+    return check(["--nproc-per-node", str(ranks), *check_args, SCRIPT, *script_args], tmp_path)
 
 
 def warnings_or_errors(run: Run) -> set[str]:
@@ -39,7 +39,7 @@ def loader(run: Run, site: str) -> dict:
 
 def test_rank_0_evaluating_alone_past_the_groups_timeout_is_timeout_risk_in_seconds(tmp_path: Path) -> None:
     # 400 evaluation batches at 0.1 s on rank 0 alone; the group's timeout is 20 s (the plain run dies there).
-    run = follow(tmp_path, "--eval-rank0", "0.1")
+    run = follow(tmp_path, "--eval-rank0", "0.1", ranks=4)
     assert warnings_or_errors(run) == {"timeout-risk"}, run.output
     risk = run.finding("timeout-risk")
     assert risk["severity"] == "error" and risk["ranks"] == [0], risk
@@ -50,10 +50,10 @@ def test_rank_0_evaluating_alone_past_the_groups_timeout_is_timeout_risk_in_seco
     assert following["epoch_ends"] == 1 and following["limit_batches"] == 2, following
     assert "next epoch's first step" in following["ended_by"], following
     evaluation = loader(run, EVAL_LOADER)
-    assert evaluation["batches"]["by_rank"] == [400, None] and evaluation["most"] == 2, evaluation
+    assert evaluation["batches"]["by_rank"] == [400, None, None, None] and evaluation["most"] == 2, evaluation
     assert not evaluation["training"] and evaluation["capped"] == 1, evaluation
     training = loader(run, TRAIN_LOADER)
-    assert training["batches"]["max"] == 32 and training["training"], training
+    assert training["batches"]["by_rank"] == [16] * 4 and training["training"], training
     assert "followed 1 epoch end(s)" in run.output, run.output
 
 

@@ -52,7 +52,7 @@ from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import EndRecord, Outcome, ProgressSample, WrapShapes, write_end, write_json, write_wrap
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.follow import exchange_follow
-from ddp_doctor.exchange.primitives import comm_device
+from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.inflight import CollectiveRecorder
@@ -464,7 +464,12 @@ class Session:
     def _start_following(self) -> bool:
         """At the end of the observed steps: end the training pass and cap every later one (`--follow-epochs`).
         False when following is off or the steps did not train on a DataLoader pass."""
-        if not self.watch.start(self.config.follow_epochs, self.config.limit_batches, [d.ddp for d in self.doctors]):
+        # Every rank follows or none does (the end of following is collective): one all_reduce(MIN) of the flag.
+        params = [p for d in self.doctors for p in d.ddp.parameters()][:1]
+        device = comm_device(None, params[0].device if params else None)
+        _, every = minmax(torch.tensor([float(self.watch.can_start())]), None, device)
+        models = [d.ddp for d in self.doctors]
+        if not self.watch.start(self.config.follow_epochs, self.config.limit_batches, models, agreed=bool(every[0])):
             return False
         self.following = True
         for doctor in self.doctors:

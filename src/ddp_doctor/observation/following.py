@@ -116,11 +116,15 @@ class FollowWatch:
 
     # ------------------------------------------------------------------------------------------- following
 
-    def start(self, requested: int, limit: int, models: Sequence[DistributedDataParallel]) -> bool:
-        """End the pass the observed steps trained on and cap every later one; False (nothing changed) when the
-        observed steps did not train on a DataLoader pass (a step-based loop)."""
+    def can_start(self) -> bool:
+        """Whether the observed steps trained on a DataLoader pass that is still open (not a step-based loop)."""
         training = dataloaders.last_pass()
-        if requested < 1 or training is None or not training.open or not training.steps:
+        return training is not None and training.open and bool(training.steps)
+
+    def start(self, requested: int, limit: int, models: Sequence[DistributedDataParallel], *, agreed: bool) -> bool:
+        """End the pass the observed steps trained on and cap every later one; False (nothing changed) when
+        `requested` is 0 or the ranks did not all pass `can_start` (`agreed`)."""
+        if requested < 1 or not agreed:
             self.declined = requested >= 1
             return False
         self.requested, self.limit = requested, limit
