@@ -36,3 +36,10 @@ def test_check_names_the_cause(tmp_path, script, nproc, code, ranks, steps, wher
         assert loud == {code, "replica-divergence"}, run.output
         assert f"fix the cause: {code}" in run.finding("replica-divergence")["fix"]
     assert "collective-mismatch" not in run.codes
+
+
+def test_zero_redundancy_optimizer_shards_are_not_optimizer_differs(tmp_path) -> None:
+    # Each rank's inner optimizer holds its own shard (different param groups by design), stepped with a scheduler.
+    run = check(["--nproc-per-node", "4", str(SCRIPTS / "zero_sharded.py")], tmp_path)
+    assert run.rc == 0 and run.codes == set(), run.output
+    assert run.report["recommendation"]["verified"], run.report["recommendation"]
