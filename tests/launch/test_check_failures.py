@@ -237,6 +237,7 @@ def test_a_model_sized_from_rank_local_data_names_each_parameter_and_its_shape_p
     assert "embed.weight is [9, 16] on rank 0, [11, 16] on rank 1" in f["detail"], f
     assert "tests/scripts/local_vocab.py:38" in f["detail"] and "broadcast" in f["fix"], f
     assert "failed on rank 1 before it built" not in run.output and "Traceback" not in run.output, run.output
+    assert run.report["backend"] == "gloo" and run.report["torch_version"], run.report  # the header is whole
 
 
 def test_every_rank_saving_one_checkpoint_then_ending_early_is_named(tmp_path: Path) -> None:

@@ -220,6 +220,9 @@ class WrapShapes:
     names: list[str] = field(default_factory=list)
     """The trainable parameters DDP verifies (its `params[i]` is `names[i]`)."""
     shapes: list[list[int]] = field(default_factory=list)
+    torch_version: str = ""
+    backend: str = ""
+    """The run's, for the report's header when DDP's constructor refused the model."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -250,6 +250,7 @@ def _failure_report(
 
     world = max([s.world_size for s in states.values()] + [len(states)])
     meta = next((s.models[0] for s in states.values() if s.models), {})
+    wraps = [s.wrap for s in states.values() if s.wrap is not None]
     findings = [] if interrupted is not None else failure_findings(states, timed_out=timed_out, native=native)
     ddp_config = meta.get("ddp_config", {})
     where = "; ".join(f"rank {r} at step {max(s.step, 0)}, {s.phase}" for r, s in sorted(states.items()))
@@ -271,8 +272,8 @@ def _failure_report(
     steps = [max(s.step, 0) for s in states.values()]
     return Report(
         tool_version=__version__,
-        torch_version=meta.get("torch_version", ""),
-        backend=meta.get("backend", ""),
+        torch_version=meta.get("torch_version") or next((w.torch_version for w in wraps if w.torch_version), ""),
+        backend=meta.get("backend") or next((w.backend for w in wraps if w.backend), ""),
         world_size=world,
         steps_observed=min(steps, default=0),
         ddp_config=ddp_config,

@@ -219,7 +219,12 @@ class Session:
         write_wrap(
             self.outdir,
             WrapShapes(
-                rank=self.rank, site=site, names=[n for n, _ in params], shapes=[list(p.shape) for _, p in params]
+                rank=self.rank,
+                site=site,
+                names=[n for n, _ in params],
+                shapes=[list(p.shape) for _, p in params],
+                torch_version=torch.__version__,
+                backend=str(dist.get_backend()) if dist.is_initialized() else "",
             ),
         )
 
