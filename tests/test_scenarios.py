@@ -14,7 +14,7 @@ _TRAINED = {"grad-blocked", "dynamic-graph", "rank-dependent-graph", "reentrant-
 
 
 _GPU = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; run on a GPU machine, see the README)"
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; run on a GPU machine, see docs/verified.md)"
 )
 
 
