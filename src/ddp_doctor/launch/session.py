@@ -43,26 +43,23 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ddp_doctor.analyze.epoch_ends import following_findings, following_section
 from ddp_doctor.core.beacon import Beacon, ClosedStep
 from ddp_doctor.core.errors import DoctorError
-from ddp_doctor.core.followed import FollowSummary
 from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site_of
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import EndRecord, Outcome, ProgressSample, WrapShapes, write_end, write_json, write_wrap
 from ddp_doctor.doctor import Doctor
-from ddp_doctor.exchange.follow import exchange_follow
-from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
+from ddp_doctor.launch.follow_epochs import CAPPED_NEXT, EpochFollowing, ended_by_our_cap, is_world
 from ddp_doctor.launch.inflight import CollectiveRecorder
 from ddp_doctor.launch.policy import CheckPolicy, RunPolicy
 from ddp_doctor.launch.raised import raised_error
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
 from ddp_doctor.launch.watchdog import Watchdog, main_thread_position, peers_train_on
 from ddp_doctor.observation import dataloaders, saves
-from ddp_doctor.observation.following import FollowWatch
 from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR, freeze_named
+from ddp_doctor.report.model import Report
 
 __all__ = ["FRAMEWORKS", "PolicyFactory", "Session", "framework_of_stack"]
 
@@ -70,36 +67,6 @@ logger = logging.getLogger(__name__)
 
 PolicyFactory = Callable[["Session"], RunPolicy]
 """Builds the run's policy from the session, in `install()` (before any user code runs)."""
-
-
-def _is_world(group: dist.ProcessGroup | None) -> bool:
-    return group is None or group is dist.group.WORLD or dist.get_world_size(group) == dist.get_world_size()
-
-
-def _group_timeout() -> float | None:
-    """The default process group's timeout in seconds (what `init_process_group(timeout=...)` set), or None."""
-    backend = str(dist.get_backend()).lower()
-    device = torch.device("cuda" if "nccl" in backend and "gloo" not in backend else "cpu")
-    try:
-        timeout = dist.group.WORLD._get_backend(device).options._timeout
-        return float(timeout.total_seconds())
-    except Exception:  # noqa: BLE001  (a private API: unknown on a torch that lacks it)
-        return None
-
-
-CAPPED_NEXT = (
-    "the script called next() on a DataLoader iterator that following had ended (it does not expect the pass to end)"
-)
-
-
-def _ended_by_our_cap(exc: BaseException) -> bool:
-    """A StopIteration from a capped DataLoader pass that the script's own next() call let escape (bare, or turned
-    into RuntimeError by a generator)."""
-    stop = exc if isinstance(exc, StopIteration) else exc.__cause__ if isinstance(exc, RuntimeError) else None
-    if not isinstance(stop, StopIteration):
-        return False
-    last = dataloaders.last_pass()
-    return last is not None and last.capped
 
 
 class Session:
@@ -134,9 +101,8 @@ class Session:
         self.watchdog = Watchdog(self.outdir, self.progress, self.ended, config.deadline)
         self.policy: RunPolicy = CheckPolicy()
         """What happens after the report (set in `install`)."""
-        self.watch = FollowWatch()
+        self.follow = EpochFollowing(config)
         """Follows the script through its epoch ends after the observed steps (`--follow-epochs`)."""
-        self.following = False
 
     # ---------------------------------------------------------------------------------------------- set-up
 
@@ -189,7 +155,7 @@ class Session:
         Optimizer.__init__ = optimizer_init
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
         # The loader probe first: its pre-step hook counts the step on its pass before ours reads it.
-        self.watch.install()
+        self.follow.install()
         self._step_pre_hook = register_optimizer_step_pre_hook(self._before_any_step)
         self.collectives.install()
         dataloaders.install()
@@ -261,8 +227,8 @@ class Session:
 
     def _before_any_step(self, _opt: Optimizer, _args: Any, _kwargs: Any) -> None:
         """Which loader pass each step trains on; while following, whether the next epoch has begun."""
-        if self.watch.on_step() and self.following and not self._finishing:
-            self.finish(f"the next epoch's first step, after {self.watch.epoch_ends} epoch end(s)")
+        if self.follow.before_step() and not self._finishing:
+            self.finish(self.follow.reason)
 
     # ------------------------------------------------------------------------------------------- no DDP
 
@@ -343,11 +309,11 @@ class Session:
         if (
             self.doctors
             and not self._finishing
-            and (self.following or not peers_train_on(self.outdir, self.rank, step))
+            and (self.follow.active or not peers_train_on(self.outdir, self.rank, step))
         ):
             # While following, the others are past the observed steps too: they end at the same epoch end or at
             # the script's end, after whatever they run alone (capped), so they are waited for longer.
-            wait = max(0.5, min(self.config.crash_wait_s * (6 if self.following else 1), self.remaining()))
+            wait = max(0.5, min(self.config.crash_wait_s * (6 if self.follow.active else 1), self.remaining()))
             self.finish(
                 "the script ended" if exc is None else f"rank {self.rank} exited with status {code}",
                 timeout=wait,
@@ -357,7 +323,7 @@ class Session:
 
     def on_crash(self, exc: BaseException) -> None:
         """The script raised on this rank: record it, try to report with the others, and exit."""
-        if self.following and not self._finishing and _ended_by_our_cap(exc):
+        if self.follow.active and not self._finishing and ended_by_our_cap(exc):
             # The loop called next() on its loader's iterator itself and did not expect the pass to end: the cap
             # that ended it is ours, so this is where following stops, not a crash of the script.
             self.finish(CAPPED_NEXT)
@@ -384,113 +350,69 @@ class Session:
             return
         for doctor in self.doctors:
             doctor.stop()
-        if exit_code is None and reason == self._steps_reason and self._may_follow():
+        if exit_code is None and reason == self._steps_reason and self.follow.enabled and not self.follow.active:
             # The observed steps' reports first, kept on disk: a failure at the epoch end (a timeout, say) then
             # still reports what the steps showed, beside the failure.
-            if not self._write_reports(reason, timeout, name="report.steps.json"):
+            reports = self._exchange(reason, timeout, exit_code, follow=False)
+            if reports is None:
                 return
-            if self._start_following():
+            self._write(reports, reason, "report.steps.json")
+            if self.follow.start(self.doctors):
                 return  # the script goes on, lightly watched, to its next epoch end
         self._finishing = True
-        timeout = self.remaining() if timeout is None else timeout
-        try:
-            followed = self._exchange_following(reason, timeout)
-            reports = [doctor.report(timeout=timeout) for doctor in self.doctors]
-        except DoctorError as exc:
-            logger.warning("ddp-doctor: rank %d could not exchange records (%s): %s", self.rank, reason, exc)
-            self._end(Outcome.NO_EXCHANGE, error=str(exc))
-            self._exit(1 if exit_code is None else exit_code)
+        reports = self._exchange(reason, timeout, exit_code, follow=True)
+        if reports is None:
             return
-        except Exception as exc:  # noqa: BLE001  (a bug of ours must never read as a clean report)
-            self._end(
-                Outcome.INTERNAL_ERROR, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-20000:]
-            )
-            self._exit(1)
-            return
-        if self.config.follow_epochs:
-            section = following_section(followed, epochs=self.config.follow_epochs, limit=self.config.limit_batches)
-            found = following_findings(followed)
-            for doctor, report in zip(self.doctors, reports):
-                if section is not None and _is_world(doctor.ddp.process_group):
-                    report.add_following(section, found)
-        # A model over the whole world is written by each node's local rank 0; a model over a subgroup (a
-        # data-parallel group of a hybrid job) by the group's first rank, into its own file.
-        world = [(m, r) for d, m, r in zip(self.doctors, self.models, reports) if _is_world(d.ddp.process_group)]
-        mine = [
-            (m, r)
-            for d, m, r in zip(self.doctors, self.models, reports)
-            if not _is_world(d.ddp.process_group) and dist.get_rank(d.ddp.process_group) == 0
-        ]
-        if self.local_rank == 0:
-            write_json(
-                self.outdir / "report.json",
-                {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in world]},
-            )
-        if mine:
-            write_json(
-                self.outdir / f"report.rank{self.rank}.json",
-                {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in mine]},
-            )
+        self._write(reports, reason, "report.json")
         self._end(Outcome.REPORTED, reason=reason)
         if not exit_code and reason == self._steps_reason and self.policy.reported(self.doctors, reports):
             return  # the policy goes on in this process, and leaves when it is done
         self.leave()
 
-    def _may_follow(self) -> bool:
-        return bool(self.config.follow_epochs) and not self.following
-
-    def _write_reports(self, reason: str, timeout: float | None, *, name: str) -> bool:
-        """Exchange the observed steps' records and write `name` (local rank 0); False when the exchange failed
-        (the rank has then ended)."""
+    def _exchange(
+        self, reason: str, timeout: float | None, exit_code: int | None, *, follow: bool
+    ) -> list[Report] | None:
+        """Every doctor's report (after following's exchange when `follow`); None when the exchange failed, after
+        the rank has ended. Collective."""
+        timeout = self.remaining() if timeout is None else timeout
         try:
-            reports = [
-                doctor.report(timeout=self.remaining() if timeout is None else timeout) for doctor in self.doctors
-            ]
+            followed = self.follow.exchange(self.doctors, reason, timeout) if follow else None
+            reports = [doctor.report(timeout=timeout) for doctor in self.doctors]
         except DoctorError as exc:
             self._finishing = True
             logger.warning("ddp-doctor: rank %d could not exchange records (%s): %s", self.rank, reason, exc)
             self._end(Outcome.NO_EXCHANGE, error=str(exc))
-            self._exit(1)
-            return False
+            self._exit(1 if exit_code is None else exit_code)
+            return None
         except Exception as exc:  # noqa: BLE001  (a bug of ours must never read as a clean report)
             self._finishing = True
             self._end(
                 Outcome.INTERNAL_ERROR, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-20000:]
             )
             self._exit(1)
-            return False
-        world = [(m, r) for d, m, r in zip(self.doctors, self.models, reports) if _is_world(d.ddp.process_group)]
+            return None
+        if follow:
+            self.follow.annotate(self.doctors, reports, followed)
+        return reports
+
+    def _write(self, reports: list[Report], reason: str, name: str) -> None:
+        """A model over the whole world is written to `name` by each node's local rank 0; a model over a subgroup
+        (a data-parallel group of a hybrid job) by the group's first rank, into its own file."""
+        world = [(m, r) for d, m, r in zip(self.doctors, self.models, reports) if is_world(d.ddp.process_group)]
+        mine = [
+            (m, r)
+            for d, m, r in zip(self.doctors, self.models, reports)
+            if not is_world(d.ddp.process_group) and dist.get_rank(d.ddp.process_group) == 0
+        ]
         if self.local_rank == 0:
             write_json(
                 self.outdir / name, {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in world]}
             )
-        return True
-
-    def _start_following(self) -> bool:
-        """At the end of the observed steps: end the training pass and cap every later one (`--follow-epochs`).
-        False when following is off or the steps did not train on a DataLoader pass."""
-        # Every rank follows or none does (the end of following is collective): one all_reduce(MIN) of the flag.
-        params = [p for d in self.doctors for p in d.ddp.parameters()][:1]
-        device = comm_device(None, params[0].device if params else None)
-        _, every = minmax(torch.tensor([float(self.watch.can_start())]), None, device)
-        models = [d.ddp for d in self.doctors]
-        if not self.watch.start(self.config.follow_epochs, self.config.limit_batches, models, agreed=bool(every[0])):
-            return False
-        self.following = True
-        for doctor in self.doctors:
-            doctor.listen_after_steps()
-        return True
-
-    def _exchange_following(self, reason: str, timeout: float) -> FollowSummary | None:
-        """Stop following and reduce what it saw over every rank (None when following is off). Collective."""
-        if not self.config.follow_epochs:
-            return None
-        record = self.watch.stop(reason, timeout_s=_group_timeout())
-        for doctor in self.doctors:
-            doctor.stop_listening()
-        params = [p for d in self.doctors for p in d.ddp.parameters()][:1]
-        device = comm_device(None, params[0].device if params else None)
-        return exchange_follow(record, timeout=timeout, device=device)
+        if mine and name == "report.json":
+            write_json(
+                self.outdir / f"report.rank{self.rank}.json",
+                {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in mine]},
+            )
 
     def leave(self) -> None:
         """Wait (briefly) for every rank to get here, then exit with status 0."""
