@@ -131,9 +131,12 @@ def _creation_site(loader: tud.DataLoader, frame: FrameType | None) -> str | Non
 
     Frames whose locals hold `loader` itself are its making, not its creation: a subclass's `__init__`, or a
     framework's wrapper of `__init__` (Lightning wraps every DataLoader's while it calls `train_dataloader()`). A
-    loader a framework builds from another one (Accelerate's prepare(), Lightning adding a DistributedSampler) is
-    named by that one's line, found as a DataLoader in the framework's locals: the user's own line, and the same
-    on every rank. A framework's loader from no loader (the HF Trainer's) is named by the framework's line."""
+    loader a framework builds from another one over the same data (Accelerate's prepare(), Lightning adding a
+    DistributedSampler) is named by that one's line, found as a DataLoader in the framework's locals: the user's own
+    line, and the same on every rank. A framework's loader from no loader (the HF Trainer's) is named by the
+    framework's line."""
+    data = loader.dataset
+    sources = (data, getattr(data, "dataset", None))  # Accelerate wraps an iterable dataset in IterableDatasetShard
     first: str | None = None
     for _ in range(_MAX_FRAMES):
         if frame is None:
@@ -145,7 +148,7 @@ def _creation_site(loader: tud.DataLoader, frame: FrameType | None) -> str | Non
                 if is_user_frame(filename):  # the user's own code
                     return first or format_site(filename, frame.f_lineno)
                 for value in values:
-                    if _is_observed_loader(value):
+                    if _is_observed_loader(value) and any(value.dataset is d for d in sources):
                         return getattr(value, _SITE)
                 first = first or format_site(filename, frame.f_lineno)
         frame = frame.f_back
