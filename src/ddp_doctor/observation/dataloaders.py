@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch.utils.data as tud
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ddp_doctor.core.frames import user_site
+from ddp_doctor.core.frames import format_site, is_user_frame, user_site
 from ddp_doctor.observation.hooks import ListenerList
 
 __all__ = ["Pass", "cap_later_passes", "describe", "end_open_passes", "install", "last_pass", "listen", "listen_ends"]
@@ -69,6 +71,7 @@ _passes: dict[int, Pass] = {}
 dropped (`next(iter(loader))` to read the batch size, as PyTorch's own DDP tutorial does before `set_epoch`) is a
 peek, not an epoch. The same object travels with the pass's start to the listeners (`info["pass"]`)."""
 _MAX_PASSES = 64
+_MAX_FRAMES = 40
 _state: dict[str, Any] = {"cap": None, "last": None}
 """`cap`: the cap of passes started from now on (None: none); `last`: the `Pass` whose batch was handed out last."""
 
@@ -79,7 +82,7 @@ def describe(loader: tud.DataLoader) -> dict[str, Any]:
         batches: int | None = len(loader)
     except TypeError:
         batches = None
-    sampler = getattr(loader, "sampler", None)
+    sampler = _ordering_sampler(loader)
     info: dict[str, Any] = {
         "batches": batches,
         "sampler": type(sampler).__name__ if sampler is not None else None,
@@ -108,6 +111,60 @@ def describe(loader: tud.DataLoader) -> dict[str, Any]:
     return info
 
 
+def _ordering_sampler(loader: tud.DataLoader) -> Any:
+    """The sampler that orders the loader's samples. Given a batch sampler, `DataLoader.sampler` is a placeholder
+    SequentialSampler and the real one sits inside the batch sampler, or one level deeper: Accelerate's
+    BatchSamplerShard wraps the original BatchSampler (a shuffling training loader and an evaluation loader it
+    prepared would otherwise both read SequentialSampler)."""
+    batches = getattr(loader, "batch_sampler", None)
+    for _ in range(3):
+        inner = getattr(batches, "sampler", None)
+        if isinstance(inner, tud.Sampler) and not isinstance(inner, tud.BatchSampler):
+            return inner
+        batches = getattr(batches, "batch_sampler", None)
+        if batches is None:
+            break
+    return getattr(loader, "sampler", None)
+
+
+def _creation_site(loader: tud.DataLoader, frame: FrameType | None) -> str | None:
+    """`file:line` where `loader` was created, walking out from `frame` (its `__init__`'s caller).
+
+    Frames whose locals hold `loader` itself are its making, not its creation: a subclass's `__init__`, or a
+    framework's wrapper of `__init__` (Lightning wraps every DataLoader's while it calls `train_dataloader()`). A
+    loader a framework builds from another one over the same data (Accelerate's prepare(), Lightning adding a
+    DistributedSampler) is named by that one's line, found as a DataLoader in the framework's locals: the user's own
+    line, and the same on every rank. A framework's loader from no loader (the HF Trainer's) is named by the
+    framework's line."""
+    data = loader.dataset
+    sources = (data, getattr(data, "dataset", None))  # Accelerate wraps an iterable dataset in IterableDatasetShard
+    first: str | None = None
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        filename = frame.f_code.co_filename
+        if is_user_frame(filename, frameworks=False):
+            values = list(frame.f_locals.values())
+            if not any(v is loader for v in values):
+                if is_user_frame(filename):  # the user's own code
+                    return first or format_site(filename, frame.f_lineno)
+                for value in values:
+                    if _is_observed_loader(value) and any(value.dataset is d for d in sources):
+                        return getattr(value, _SITE)
+                first = first or format_site(filename, frame.f_lineno)
+        frame = frame.f_back
+    return first
+
+
+def _is_observed_loader(value: Any) -> bool:
+    """A DataLoader whose creation site is known (Accelerate's DataLoaderShard passes isinstance through a
+    `__class__` property, but is not one)."""
+    try:
+        return isinstance(value, tud.DataLoader) and _SITE in getattr(value, "__dict__", {})
+    except Exception:  # noqa: BLE001  (any object may sit in a framework's locals)
+        return False
+
+
 def _install() -> None:
     global _installed
     original = tud.DataLoader.__iter__
@@ -118,7 +175,7 @@ def _install() -> None:
         original_init(self, *args, **kwargs)
         # The creation line names the loader in findings; the serial tells loaders apart where an id may be reused
         # (a loader created anew each epoch can get the address of the last one).
-        object.__setattr__(self, _SITE, user_site({id(self)}))  # a subclass's own __init__ is not the creation line
+        object.__setattr__(self, _SITE, _creation_site(self, sys._getframe(1)))
         object.__setattr__(self, _SERIAL, next(_serials))
 
     def __iter__(self: tud.DataLoader) -> Any:

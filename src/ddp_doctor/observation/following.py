@@ -23,6 +23,7 @@ from ddp_doctor.core.followed import MAX_SYNC_POINTS, FollowRecord, LoaderSeen, 
 from ddp_doctor.core.frames import user_site, user_site_of
 from ddp_doctor.observation import collectives, dataloaders
 from ddp_doctor.observation.collectives import Call
+from ddp_doctor.observation.counted_epochs import LightningEpochs
 from ddp_doctor.observation.dataloaders import Pass
 
 __all__ = ["FollowWatch"]
@@ -60,6 +61,7 @@ class FollowWatch:
         self._stops: list[Callable[[], None]] = []
         self._wrapped: list[DistributedDataParallel] = []
         self._latest: dict[str, Pass] = {}
+        self._counted: list[LightningEpochs] = []
         self.declined = False
         """Following was asked for, but the observed steps did not train on a DataLoader pass."""
 
@@ -108,6 +110,9 @@ class FollowWatch:
                 seen.training = True
         if not self.active:
             return False
+        if one is not None:
+            for counted in self._counted:
+                counted.on_step(one)
         if self._pending is not None:
             entered, site = self._pending
             self._pending = None
@@ -132,6 +137,10 @@ class FollowWatch:
         self._started = time.perf_counter()
         dataloaders.end_open_passes()
         dataloaders.cap_later_passes(limit)
+        # A framework that schedules its epoch-end work by counting batches is told how short the pass now is.
+        self._counted = [c for c in map(LightningEpochs.of, models) if c is not None]
+        for counted in self._counted:
+            counted.on_step(training)
         self._stops.append(collectives.listen(self._on_collective, self._on_collective_exit))
         for ddp in models:
             self._watch(ddp)
