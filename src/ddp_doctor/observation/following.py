@@ -135,12 +135,14 @@ class FollowWatch:
         self.requested, self.limit = requested, limit
         self.active = True
         self._started = time.perf_counter()
+        training = dataloaders.last_pass()
         dataloaders.end_open_passes()
         dataloaders.cap_later_passes(limit)
         # A framework that schedules its epoch-end work by counting batches is told how short the pass now is.
         self._counted = [c for c in map(LightningEpochs.of, models) if c is not None]
         for counted in self._counted:
-            counted.on_step(training)
+            if training is not None:
+                counted.on_step(training)
         self._stops.append(collectives.listen(self._on_collective, self._on_collective_exit))
         for ddp in models:
             self._watch(ddp)
