@@ -56,13 +56,15 @@ def followed(run: Run) -> tuple[dict[str, Any], dict[str, Any]]:
     return training, evaluation
 
 
-def alone_too_long(run: Run, site: str) -> None:
-    """Rank 0's lone work at the epoch end (2 of 400 batches at 0.1 s, projected to 40 s) reaches the 20 s timeout."""
+def alone_too_long(run: Run, site: str, raise_timeout: str) -> None:
+    """Rank 0's lone work at the epoch end (2 of 400 batches at 0.1 s, projected to 40 s) reaches the 20 s timeout;
+    the fix raises the timeout in the framework's words (`raise_timeout`)."""
     assert warnings_or_errors(run) == {"timeout-risk"}, run.output
     risk = run.finding("timeout-risk")
     assert risk["severity"] == "error" and risk["ranks"] == [0], risk
     assert "the process group's timeout is 20 s" in risk["title"], risk
     assert f"{site}: 2 of 400 batches" in risk["detail"], risk
+    assert raise_timeout in risk["fix"], risk
     assert run.report["following"]["epoch_ends"] == 1, run.report["following"]
     assert run.seconds < 60, run.seconds
 
@@ -84,7 +86,7 @@ def test_accelerate_loop_is_followed_through_its_epoch_end_and_evaluation(tmp_pa
 
 def test_accelerate_rank_0_evaluating_alone_past_the_timeout_is_timeout_risk(tmp_path: Path) -> None:
     run = follow(tmp_path, "accelerate_epochs.py", "--eval-rank0", "0.1")
-    alone_too_long(run, "tests/scripts/accelerate_epochs.py:42")
+    alone_too_long(run, "tests/scripts/accelerate_epochs.py:42", "InitProcessGroupKwargs(timeout=")
 
 
 def test_hf_trainer_is_followed_through_its_epoch_end_and_evaluation(tmp_path: Path) -> None:
@@ -102,7 +104,7 @@ def test_hf_trainer_is_followed_through_its_epoch_end_and_evaluation(tmp_path: P
 
 def test_hf_trainer_callback_working_alone_on_the_main_process_is_timeout_risk(tmp_path: Path) -> None:
     run = follow(tmp_path, "hf_epochs.py", str(tmp_path / "out"), "--rank0-samples", "0.1")
-    alone_too_long(run, "tests/scripts/hf_epochs.py:56")
+    alone_too_long(run, "tests/scripts/hf_epochs.py:56", "ddp_timeout=")
 
 
 def test_lightning_fit_is_followed_through_its_epoch_end_and_validation(tmp_path: Path) -> None:
@@ -125,4 +127,4 @@ def test_lightning_fit_is_followed_through_its_epoch_end_and_validation(tmp_path
 
 def test_lightning_rank_0_working_alone_after_validation_is_timeout_risk(tmp_path: Path) -> None:
     run = follow(tmp_path, "lightning_epochs.py", str(tmp_path / "root"), "--rank0-export", "0.1")
-    alone_too_long(run, "tests/scripts/lightning_epochs.py:52")
+    alone_too_long(run, "tests/scripts/lightning_epochs.py:52", "DDPStrategy(timeout=")

@@ -19,7 +19,7 @@ from ddp_doctor.core.followed import Following, FollowSummary
 from ddp_doctor.core.rankfiles import RankState
 from ddp_doctor.core.ranks import rank_list
 
-__all__ = ["following_findings", "following_section", "timed_out_waiting"]
+__all__ = ["following_findings", "following_section", "timed_out_waiting", "timeout_fix"]
 
 NO_LOADER = (
     "No epoch end was reached: the observed steps did not train on a DataLoader pass (a step-based loop, like "
@@ -66,10 +66,27 @@ def following_section(summary: FollowSummary | None, *, epochs: int, limit: int)
     )
 
 
-def following_findings(summary: FollowSummary | None) -> list[Finding]:
+_RAISE_TIMEOUT = {
+    "torch": "dist.init_process_group(..., timeout=datetime.timedelta(minutes=60))",
+    "accelerate": "Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=60))])",
+    "transformers": "TrainingArguments(..., ddp_timeout=3600)",
+    "lightning": "Trainer(strategy=DDPStrategy(timeout=datetime.timedelta(minutes=60)))",
+}
+
+
+def timeout_fix(framework: str | None) -> str:
+    """`timeout-risk`'s fix, the timeout raised in the words of the framework that built the DDP model."""
+    raise_it = _RAISE_TIMEOUT.get(framework or "torch", _RAISE_TIMEOUT["torch"])
+    return (
+        "run that work on every rank, each on its shard (a DistributedSampler on the evaluation set, then all_reduce "
+        f"the metric), or move it where no rank waits for it, or raise the timeout knowingly: {raise_it}."
+    )
+
+
+def following_findings(summary: FollowSummary | None, *, framework: str = "torch") -> list[Finding]:
     if summary is None or not summary.followed:
         return []
-    return [*_mismatch(summary), *_timeout_risk(summary)]
+    return [*_mismatch(summary), *_timeout_risk(summary, framework)]
 
 
 def _mismatch(s: FollowSummary) -> list[Finding]:
@@ -136,7 +153,7 @@ def _lone_broadcast(s: FollowSummary) -> Finding:
     )
 
 
-def _timeout_risk(s: FollowSummary) -> list[Finding]:
+def _timeout_risk(s: FollowSummary, framework: str) -> list[Finding]:
     alone, timeout = s.alone, s.timeout_s
     if alone is None or not timeout:
         return []
@@ -169,9 +186,7 @@ def _timeout_risk(s: FollowSummary) -> list[Finding]:
             params=[],
             ranks=[alone.rank],
             steps=[],
-            fix="run that work on every rank, each on its shard (a DistributedSampler on the evaluation set, then "
-            "all_reduce the metric), or move it where no rank waits for it, or raise the timeout knowingly: "
-            "dist.init_process_group(..., timeout=datetime.timedelta(minutes=60)).",
+            fix=timeout_fix(framework),
         )
     ]
 
@@ -209,7 +224,5 @@ def timed_out_waiting(states: dict[int, RankState], where: Callable[[RankState],
         params=[],
         ranks=away,
         steps=sorted({max(states[r].step, 0) for r in away}),
-        fix="run that work on every rank, each on its shard (a DistributedSampler on the evaluation set, then "
-        "all_reduce the metric), or move it where no rank waits for it, or raise the timeout knowingly: "
-        "dist.init_process_group(..., timeout=datetime.timedelta(minutes=60)).",
+        fix=timeout_fix(next((m.get("framework") for st in states.values() for m in st.models), "torch")),
     )

@@ -113,7 +113,6 @@ class EpochFollowing:
         section = following_section(summary, epochs=self.config.follow_epochs, limit=self.config.limit_batches)
         if section is None:
             return
-        found = following_findings(summary)
         for doctor, report in zip(doctors, reports):
             if is_world(doctor.ddp.process_group):
-                report.add_following(section, found)
+                report.add_following(section, following_findings(summary, framework=report.framework))
