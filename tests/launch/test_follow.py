@@ -108,11 +108,12 @@ def test_a_sampler_without_set_epoch_is_named_at_the_followed_epoch(tmp_path: Pa
     ("variant", "length"),
     [
         (("--workers", "2"), 32),  # map-style, worker processes
+        (("--workers", "2", "--persistent"), 32),  # the same workers kept between epochs
         (("--iterable",), 32),  # an iterable dataset with a length
         (("--no-len",), None),  # an iterable dataset without one
         (("--recreate",), 32),  # a new loader (and sampler) each epoch, at one line
     ],
-    ids=["workers", "iterable", "no-len", "recreate"],
+    ids=["workers", "persistent", "iterable", "no-len", "recreate"],
 )
 def test_capped_loaders_of_every_kind_end_the_epoch_and_are_listed(
     tmp_path: Path, variant: tuple[str, ...], length: int | None

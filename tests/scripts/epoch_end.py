@@ -8,8 +8,8 @@ has BatchNorm, so that forward broadcasts rank 0's buffers on rank 0 alone.
 --no-set-epoch: the shuffling DistributedSampler never gets set_epoch.
 --peek: read the batch size from next(iter(loader)) before set_epoch, as PyTorch's DDP tutorial does.
 --next-loop: a step-based loop that calls next() on the loader's iterator itself (StopIteration is not expected).
---iterable / --no-len / --workers N / --recreate: the loader's kind (an iterable dataset, one without len(), worker
-processes, a loader created anew each epoch).
+--iterable / --no-len / --workers N / --persistent / --recreate: the loader's kind (an iterable dataset, one without
+len(), worker processes, kept between epochs, a loader created anew each epoch).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ p.add_argument("--eval-rank0", type=float, default=0.0)
 p.add_argument("--iterable", action="store_true")
 p.add_argument("--no-len", action="store_true")
 p.add_argument("--workers", type=int, default=0)
+p.add_argument("--persistent", action="store_true")
 p.add_argument("--recreate", action="store_true")
 p.add_argument("--eval-ddp", action="store_true")
 p.add_argument("--bn", action="store_true")
@@ -65,7 +66,8 @@ def make_loader(rank: int, world: int) -> DataLoader:
         stream = Stream(rank, world) if args.no_len else SizedStream(rank, world)
         return DataLoader(stream, batch_size=4, num_workers=args.workers)
     data = TensorDataset(torch.randn(256, 8, generator=torch.Generator().manual_seed(0)), torch.randint(0, 2, (256,)))
-    return DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=True), num_workers=args.workers)
+    kwargs = {"num_workers": args.workers, "persistent_workers": args.persistent}
+    return DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=True), **kwargs)
 
 
 def evaluate(model: nn.Module, loader: DataLoader) -> float:
