@@ -18,6 +18,8 @@ class Phase(str, Enum):
     BACKWARD = "backward"
     AFTER_BACKWARD = "after backward"
     OPTIMIZER = "optimizer step"
+    FOLLOWING = "after the observed steps, following the epoch end"
+    """`check` follows the script past its observed steps (`--follow-epochs`); not a phase of a step."""
 
     def __str__(self) -> str:
         return self.value

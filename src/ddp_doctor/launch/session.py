@@ -358,6 +358,7 @@ class Session:
                 return
             self._write(reports, reason, "report.steps.json")
             if self.follow.start(self.doctors):
+                self.beacon.update(phase=Phase.FOLLOWING.value)
                 return  # the script goes on, lightly watched, to its next epoch end
         self._finishing = True
         reports = self._exchange(reason, timeout, exit_code, follow=True)
@@ -449,7 +450,11 @@ class Session:
             ddp_models=len(self.doctors),
             models=self.models,
             step=active.steps_observed if active is not None else -1,
-            phase=active.phase if active is not None else Phase.BEFORE_DDP.value,
+            phase=Phase.FOLLOWING.value
+            if self.follow.active
+            else active.phase
+            if active is not None
+            else Phase.BEFORE_DDP.value,
             user_frame=user,
             innermost=innermost,
             ended=self.ended.is_set(),
