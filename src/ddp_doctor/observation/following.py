@@ -86,7 +86,8 @@ class FollowWatch:
         one: Pass | None = info.get("pass")
         if one is not None:
             one.info["key"] = key
-            self._latest[key] = one
+            if seen is not None:  # past `_MAX_LOADERS` loaders, the others are not listed
+                self._latest[key] = one
             if self.active and len(self._passes) < _MAX_PASSES:
                 self._passes.append(one)
 
