@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_doctor.core.followed import AloneSpan, FollowRecord, FollowSummary, SyncPoint
-from ddp_doctor.exchange.oddranks import name_flagged, pick
+from ddp_doctor.exchange.oddranks import all_reduced, name_flagged, pick
 from ddp_doctor.exchange.packing import from_words, to_words
 from ddp_doctor.exchange.primitives import arrive, minmax
 
@@ -32,17 +32,11 @@ _FIRST = 8
 """Ranks whose real loader lengths are listed one by one."""
 
 
-def _reduce(values: torch.Tensor, op: dist.ReduceOp, device: torch.device) -> torch.Tensor:
-    out = values.to(device)
-    dist.all_reduce(out, op=op)
-    return out.cpu()
-
-
 def _share_texts(texts: list[str | None], device: torch.device) -> list[str]:
     """Entry i of `texts` as held by the rank that passes a string there (exactly one rank per entry)."""
     data = [(t or "").encode() for t in texts]
     mine = torch.tensor([float(len(d)) if t is not None else 0.0 for d, t in zip(data, texts)], dtype=torch.float64)
-    sizes = _reduce(mine, dist.ReduceOp.MAX, device).to(torch.int64).tolist()
+    sizes = all_reduced(mine, dist.ReduceOp.MAX, None, device).to(torch.int64).tolist()
     n_words = -(-max(sizes, default=0) // 8)
     if not n_words:
         return ["" for _ in texts]
@@ -50,7 +44,7 @@ def _share_texts(texts: list[str | None], device: torch.device) -> list[str]:
     for i, (d, t) in enumerate(zip(data, texts)):
         if t is not None:
             rows[i] = to_words(d, n_words)
-    summed = _reduce(rows, dist.ReduceOp.SUM, device)
+    summed = all_reduced(rows, dist.ReduceOp.SUM, None, device)
     return [from_words(summed[i], sizes[i]).decode(errors="replace") for i in range(len(texts))]
 
 
@@ -78,6 +72,11 @@ def projected_gaps(record: FollowRecord) -> tuple[list[float], list[float], list
         shown.append(words)
         previous = sync.exit
     return gaps, projected, known, shown
+
+
+def shown(x: float) -> int | None:
+    """A length as reduced: -1 (never iterated) and -2 (no length) are None."""
+    return int(x) if x >= 0 else None
 
 
 def _site(sync: SyncPoint | None, fallback: str) -> str:
@@ -123,7 +122,7 @@ def exchange_follow(record: FollowRecord, *, timeout: float, device: torch.devic
     # counts agree (DDP then skips the broadcast of that rank's next forward), its broadcast pairs with a training
     # forward's on the others, and one such forward after the last training step leaves a collective unmatched.
     lone = torch.tensor([bool(record.extra_broadcast_sites)])
-    n_lone = int(_reduce(lone.to(torch.float64), dist.ReduceOp.SUM, device)[0])
+    n_lone = int(all_reduced(lone.to(torch.float64), dist.ReduceOp.SUM, None, device)[0])
     counts_differ = any(hi[i] != lo[i] for i in range(len(KINDS)))
     if counts_differ or 0 < n_lone < world:
         total = sum(counts)
@@ -151,7 +150,7 @@ def _longest(values: list[float], rank: int, device: torch.device) -> tuple[torc
         [n.examples[0] for n in name_flagged(mine >= longest, group=None, device=device, limit=1)], dtype=torch.int64
     )
     others = torch.where(owners == rank, torch.full_like(mine, -math.inf), mine)
-    return owners, longest, _reduce(others, dist.ReduceOp.MAX, device)
+    return owners, longest, all_reduced(others, dist.ReduceOp.MAX, None, device)
 
 
 def _alone(record: FollowRecord, rank: int, world: int, device: torch.device) -> AloneSpan | None:
@@ -197,7 +196,7 @@ def _loaders(record: FollowRecord, device: torch.device) -> list[dict[str, Any]]
     hi, lo = minmax(torch.tensor([digest], dtype=torch.float64), None, device)
     owners = [0]
     if hi[0] != lo[0]:
-        ref = _reduce(torch.tensor([digest if rank == 0 else 0.0], dtype=torch.float64), dist.ReduceOp.SUM, device)
+        ref = pick(torch.tensor([[digest]], dtype=torch.float64), torch.tensor([0]), group=None, device=device)[0]
         named = name_flagged(torch.tensor([digest != float(ref[0])]), group=None, device=device)[0]
         owners += named.examples
     texts = _share_texts([listing if rank == o else None for o in owners], device)
@@ -235,10 +234,6 @@ def _loaders(record: FollowRecord, device: torch.device) -> list[dict[str, Any]]
     by_rank = pick(rows, torch.arange(first), group=None, device=device)
     out = []
     for j, (_key, site, sampler) in enumerate(union):
-
-        def shown(x: float) -> int | None:
-            return int(x) if x >= 0 else None
-
         out.append(
             {
                 "site": site,

@@ -1,7 +1,7 @@
 """Name the ranks whose copy of something differs, in all_reduces whose size does not grow with the world size.
 
 Part of the communication layer, with `_collective`: `replicas.compare_replicas` and `_collective.agree` use it once
-a first all_reduce(MAX) has shown that copies differ. Only all_reduce(SUM) and all_reduce(MAX) are issued. Every
+a first allall_reduced(MAX) has shown that copies differ. Only allall_reduced(SUM) and allall_reduced(MAX) are issued. Every
 shape, and every decision to issue one more, comes from values already reduced, which are identical on every rank,
 so every rank issues the same sequence and none can be left waiting. Each carries at most one row (C numbers) per
 entry, and an entry takes part in at most ``3 * CANDIDATES + EXAMPLES`` of them, whatever the world size.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["CANDIDATES", "EXAMPLES", "Named", "Odd", "name_flagged", "odd_ranks", "pick"]
+__all__ = ["CANDIDATES", "EXAMPLES", "Named", "Odd", "all_reduced", "name_flagged", "odd_ranks", "pick"]
 
 EXAMPLES = 8
 """How many ranks are named; the others are counted."""
@@ -58,7 +58,7 @@ class Odd:
     """The ranks whose copy differs from the reference's."""
 
 
-def _reduce(
+def all_reduced(
     values: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None, device: torch.device
 ) -> torch.Tensor:
     """all_reduce of a tensor the caller built for it (it may be reduced in place); the result on CPU."""
@@ -68,24 +68,24 @@ def _reduce(
 
 
 def _lowest(mask: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
-    """int64[N]: per entry, the lowest group rank whose `mask` is set (some rank must set it). One all_reduce(MAX)."""
+    """int64[N]: per entry, the lowest group rank whose `mask` is set (some rank must set it). One allall_reduced(MAX)."""
     # The MAX of -rank; -world is below every rank's value, so ranks that do not set the mask never win.
     values = torch.full(mask.shape, -float(dist.get_world_size(group)), dtype=torch.float64)
     values[mask] = -float(dist.get_rank(group))
-    return (-_reduce(values, dist.ReduceOp.MAX, group, device)).to(torch.int64)
+    return (-all_reduced(values, dist.ReduceOp.MAX, group, device)).to(torch.int64)
 
 
 def pick(
     rows: torch.Tensor, owners: torch.Tensor, *, group: dist.ProcessGroup | None, device: torch.device
 ) -> torch.Tensor:
-    """Row ``i`` of group rank ``owners[i]``'s `rows`, on every rank. Collective: one all_reduce(SUM).
+    """Row ``i`` of group rank ``owners[i]``'s `rows`, on every rank. Collective: one allall_reduced(SUM).
 
     Args:
         rows: float64[N, C], this rank's rows (finite); `N` and `C` equal on every rank.
         owners: int64[N], the same on every rank.
     """
     mine = (owners == dist.get_rank(group)).unsqueeze(1)
-    return _reduce(torch.where(mine, rows, torch.zeros_like(rows)), dist.ReduceOp.SUM, group, device)
+    return all_reduced(torch.where(mine, rows, torch.zeros_like(rows)), dist.ReduceOp.SUM, group, device)
 
 
 def name_flagged(
@@ -102,14 +102,14 @@ def name_flagged(
         flags: bool[N], this rank's flag per entry; `N` equal on every rank.
         limit: how many ranks to name per entry.
         counts: int64[N], how many ranks set each flag, when the caller knows it (identical on every rank);
-            otherwise one all_reduce(SUM) counts them.
+            otherwise one allall_reduced(SUM) counts them.
 
     Returns:
-        One `Named` per entry, identical on every rank, after at most `limit` rounds of all_reduce(MAX).
+        One `Named` per entry, identical on every rank, after at most `limit` rounds of allall_reduced(MAX).
     """
     me = dist.get_rank(group)
     if counts is None:
-        counts = _reduce(flags.to(torch.float64), dist.ReduceOp.SUM, group, device)
+        counts = all_reduced(flags.to(torch.float64), dist.ReduceOp.SUM, group, device)
     totals = [int(c) for c in counts.tolist()]
     found: list[list[int]] = [[] for _ in totals]
     while todo := [i for i, c in enumerate(totals) if len(found[i]) < min(c, limit)]:
@@ -149,7 +149,7 @@ def odd_ranks(
         copies[todo, j] = pick(rows[todo], owners[todo, j], group=group, device=device)
         same = (rows[todo] == copies[todo, j]).all(1)
         unmatched[todo] = unmatched[todo] & ~same
-        holders[todo, j] = _reduce(same.to(torch.float64), dist.ReduceOp.SUM, group, device).to(torch.int64)
+        holders[todo, j] = all_reduced(same.to(torch.float64), dist.ReduceOp.SUM, group, device).to(torch.int64)
         rest = world - holders[todo].sum(1)  # ranks holding no candidate
         todo = todo[holders[todo].max(1).values < rest]
         if not len(todo):

@@ -191,7 +191,7 @@ def _install() -> None:
         if len(_passes) >= _MAX_PASSES:  # forget ended passes first: an open one may carry a cap
             for key in [k for k, p in _passes.items() if not p.open or p.cap is None][: _MAX_PASSES // 2]:
                 del _passes[key]
-        one = Pass(cap=_state["cap"], info={k: v for k, v in info.items()})
+        one = Pass(cap=_state["cap"], info=dict(info))
         info["pass"] = _passes[id(iterator)] = one
         for listener in _listeners:
             listener(info)
