@@ -253,6 +253,46 @@ def test_reduction_error_is_explained_with_names_and_chained(tmp_path) -> None:
     assert "reduction-error" in result["text"] and "head_b.weight (64)" in result["text"]
 
 
+def _crash_mid_step(rank: int, world: int) -> dict:
+    ddp, opt = _model()
+    published: list[tuple[int, str]] = []
+    doctor = observe(ddp, optimizer=opt)
+    doctor.on_phase = lambda d: published.append((d.position_step, str(d.phase)))
+    with pytest.raises(ValueError), doctor:
+        for step in range(3):
+            x, y = batch(rank, step)
+            loss = F.mse_loss(ddp(x, use_b=True), y)
+            if step == 2:
+                raise ValueError("corrupt sample")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return {"last": published[-1], "steps": doctor.steps_observed}
+
+
+def test_a_crash_leaves_the_published_position_where_the_step_failed(tmp_path) -> None:
+    # Closing the crashed step must not publish "step 3, between steps": a rank stopped before it writes its
+    # own crash record is reported by its last published position (seen in CI as "rank 0 was at step 4").
+    expected = {"last": (2, "after forward, before backward"), "steps": 3}
+    assert run_ranks(_crash_mid_step, tmp_path) == [expected] * 2
+
+
+def _used_set_news(rank: int, world: int) -> list:
+    ddp, opt = _model(find_unused_parameters=True)
+    news: list[tuple[int, str, tuple[int, list[str]]]] = []
+    doctor = observe(ddp, optimizer=opt)
+    doctor.on_phase = lambda d: d.used_set_news and news.append((d.steps_observed, str(d.phase), d.missing_grads()))
+    with doctor:
+        _step(ddp, opt, rank, 0, use_b=False)
+    return news
+
+
+def test_the_used_set_is_published_before_ddp_waits_for_the_all_reduce(tmp_path) -> None:
+    # A rank stuck in DDP's all-reduce for a peer that never reduces still tells which parameters it trained.
+    missing = (0, ["head_b.weight", "head_b.bias"])
+    assert run_ranks(_used_set_news, tmp_path) == [[(0, "backward", missing), (1, "between steps", missing)]] * 2
+
+
 def test_rank_failure_collects_every_traceback(tmp_path) -> None:
     with pytest.raises(RankFailure, match=r"(?s)--- rank 1 ---.*boom on rank 1"):
         run_ranks(_fail_on_rank_1, tmp_path, timeout=30)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor.core.errors import DDPFailure, InvalidArgumentError, NoTrainableParametersError
+from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.records import RankRecord
 from ddp_doctor.doctor.pipeline import diagnose
 from ddp_doctor.exchange.primitives import comm_device
@@ -160,11 +161,31 @@ class Doctor:
     def steps_observed(self) -> int:
         return self._log.steps
 
-    def missing_grads(self, limit: int = 16) -> tuple[int, list[str]]:
-        """The last closed step and the trainable parameters that got no gradient in it (at most `limit` names).
+    @property
+    def position_step(self) -> int:
+        """The step this rank is in, for its published position: the failed one after a crash (which closes it)."""
+        return self._crash.step if self._crash.kind else self._log.steps
 
-        Published by the launcher at each step's end, so that a rank later stuck in a collective, which can no
-        longer exchange its records, still tells which parameters it trained. Local, one pass over the step's row."""
+    @property
+    def used_set_news(self) -> bool:
+        """A step's used set just became final (the step closed, or its synced backward computed every gradient
+        and DDP's all-reduce is in flight), or the loop crashed after one did: the launcher publishes it."""
+        tl = self._timeline
+        if tl.state.computed and tl.phase == Phase.BACKWARD:
+            return True
+        return bool(self._log.steps) and (tl.phase == Phase.BETWEEN_STEPS or bool(self._crash.kind))
+
+    def missing_grads(self, limit: int = 16) -> tuple[int, list[str]]:
+        """The last step whose synced backward computed every gradient (closed, or waiting in DDP's all-reduce)
+        and the trainable parameters that got no gradient in it (at most `limit` names).
+
+        Published by the launcher, so that a rank later stuck in a collective, which can no longer exchange its
+        records, still tells which parameters it trained. Local, one pass over the parameters."""
+        state = self._timeline.state
+        if state.computed:
+            params, names = self._target.params, self._target.names
+            missing = [n for n, p, u in zip(names, params, state.used) if p.requires_grad and not u]
+            return self._log.steps, missing[:limit]
         return self._log.steps - 1, self._log.missing(self._target.names, limit)
 
     @property

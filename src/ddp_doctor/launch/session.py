@@ -269,13 +269,14 @@ class Session:
         """Publish the rank's position (step, phase, the user's line) in its beacon."""
         model = next((i for i, d in enumerate(self.doctors) if d is doctor), len(self.doctors))
         extra: dict[str, Any] = {}
-        if doctor.phase == Phase.BETWEEN_STEPS and doctor.steps_observed:
-            # What the step that just closed left without a gradient: a rank that later hangs in a collective
-            # still tells which parameters it trained (analyze.failures reads it against a peer's DDP error).
+        if doctor.used_set_news:
+            # What the step left without a gradient once its backward computed them all: a rank that then waits in
+            # DDP's all-reduce (or a later collective) for a peer that never comes still tells which parameters it
+            # trained (analyze.failures reads it against a peer's DDP error).
             step, names = doctor.missing_grads()
             extra["closed"] = ClosedStep(step=step, missing=list(names))
         self.beacon.update(
-            step=doctor.steps_observed, phase=doctor.phase, model=model, site=user_site_of(sys._getframe(1)), **extra
+            step=doctor.position_step, phase=doctor.phase, model=model, site=user_site_of(sys._getframe(1)), **extra
         )
 
     # ----------------------------------------------------------------------------------------------- ending
@@ -449,7 +450,7 @@ class Session:
             pid=os.getpid(),
             ddp_models=len(self.doctors),
             models=self.models,
-            step=active.steps_observed if active is not None else -1,
+            step=active.position_step if active is not None else -1,
             phase=Phase.FOLLOWING.value
             if self.follow.active
             else active.phase

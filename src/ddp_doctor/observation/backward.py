@@ -92,7 +92,13 @@ class BackwardHooks:
         # output gradient, before DDP's finalize (queued when its last bucket is ready), so this runs when
         # autograd has finished computing and before finalize waits for every bucket's all-reduce: the time from
         # here to `_after_backward` is the wait for the other ranks (and for the transfer still in flight).
-        self._timeline.clock.computed_end = time.perf_counter()
+        tl = self._timeline
+        if tl.sync_forward:
+            # Published now, not only at the step's end: a rank that waits here forever for a peer that never
+            # reduces (a rank-dependent graph) still tells which parameters it trained.
+            tl.state.computed = True
+            tl.on_phase()
+        tl.clock.computed_end = time.perf_counter()
         # DDP queues its finalize callback during the backward pass, after ours; queueing again runs us after it,
         # when the reduced gradients are in `.grad`.
         torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)

@@ -39,6 +39,8 @@ class StepState:
         self.grad_ids: dict[int, int] | None = None
         """`id(p.grad)` -> the parameter's position, once a collective after the synced backward asked."""
         self.started = False
+        self.computed = False
+        """A synced backward of this step computed every gradient (DDP's all-reduce may still be in flight)."""
         self.t_forward = 0.0
         self.t_backward = 0.0
         self.t_optimizer = 0.0

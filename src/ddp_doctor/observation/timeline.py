@@ -97,6 +97,11 @@ class Timeline:
         self.log.close(self.state, complete=complete)
         self.state = StepState(len(self.params))
         self.pending_close = False
-        self.phase = Phase.BETWEEN_STEPS
+        if complete:
+            self.phase = Phase.BETWEEN_STEPS
+        else:
+            # A crashed step: the phase stays where it failed (a report names it when the rank is stopped before
+            # it writes its own crash record); publishing again hands out what the step left without a gradient.
+            self.on_phase()
         if complete and self.max_steps is not None and self.log.steps >= self.max_steps:
             self.on_done()
