@@ -1,5 +1,6 @@
 """What a rank reads from its own record for the exchange: step windows, its training loader, parameters named in
-a DDP error, logged collectives, the usage map's rows, and its ModelInfo as JSON. No collectives here."""
+a DDP error, the entries of its per-step logs, parameters used outside DDP's view, the usage map's rows, and its
+ModelInfo as JSON. No collectives here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 
 from ddp_doctor.core.figures import group_rows
-from ddp_doctor.core.records import ModelInfo, RankRecord
+from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord
 from ddp_doctor.exchange.packing import text_digest, unkey
 from ddp_doctor.exchange.summary import Curve
 
@@ -20,7 +21,7 @@ __all__ = [
     "info_json",
     "leading_complete",
     "at_step",
-    "logged",
+    "hidden_params",
     "names_in_message",
     "rows_of",
     "training_loader",
@@ -69,10 +70,35 @@ def at_step(log: list[str], step: int | None) -> list[str]:
     return [entry.removeprefix(prefix) for entry in log if entry.startswith(prefix)]
 
 
-def logged(record: RankRecord, step: int) -> list[str]:
-    """The rank's logged collectives of `step`, as `signature at site`."""
-    prefix = f"step {step}: "
-    return [entry.removeprefix(prefix) for entry in record.collective_log if entry.startswith(prefix)]
+def hidden_params(
+    record: RankRecord, info: ModelInfo, tracked: torch.Tensor, pad_steps: int
+) -> tuple[torch.Tensor, torch.Tensor, list[bool], list[int]]:
+    """Parameters that got a gradient DDP's forward did not see coming (used but not reachable from its output),
+    split by cause: [0] used outside DDP's forward, [1] inside reentrant activation checkpointing. Returns the
+    parameters (bool[2, P]), the steps (bool[2, pad_steps]), whether this rank saw either, and whether its
+    mark-ready-twice crash names them."""
+    n_params = record.used.shape[1]
+    hidden = torch.zeros(2, n_params, dtype=torch.bool)
+    steps = torch.zeros(2, pad_steps, dtype=torch.bool)
+    seen, crashed = [False, False], [0, 0]
+    checkpoints, forwards = record.counter("reentrant_checkpoints"), record.counter("ddp_forwards")
+    mark_twice = CRASH_KINDS.index("mark-ready-twice")
+    for step in range(record.steps):
+        if not forwards[step]:
+            continue
+        target = 1 if checkpoints[step] else 0
+        found = record.used[step] & ~record.reachable[step] & tracked
+        named = False
+        if record.crash_kind == mark_twice and step == record.crash_step:
+            idx = names_in_message(info, record.crash_message)
+            found[idx] = True
+            named = bool(idx)
+            crashed[target] = 1
+        if bool(found.any()) or named or checkpoints[step]:
+            hidden[target] |= found
+            steps[target, step] = True
+            seen[target] = True
+    return hidden, steps, seen, crashed
 
 
 _rows_memo: list[Any] = [None, None]

@@ -1,10 +1,11 @@
 """One rank's side of the check's exchange: the rounds, what each rank puts in them, and what it reads back.
 
 Round A agrees on the step counts (and rank 0's `ModelInfo` when the ranks' differ); round B reduces every local
-fact that needs only the common step count; B2 and C run only when something differs (gradients masked by what
-every rank trains; rank 0's fingerprints of the differing parameters); round D evaluates the predicates that name
-ranks; round E carries strings from a bounded set of example ranks; then the usage patterns (`figures.py`) and the
-timing medians (`timing.py`) and each rank's step phases (`ranktable.py`, the one round that grows with W).
+fact that needs only the common step count (`facts.py`); B2 and C run only when something differs (gradients masked
+by what every rank trains; rank 0's fingerprints of the differing parameters, `rank0_slices.py`); round D evaluates
+the predicates that name ranks; then the usage patterns (`patterns.py`); round E carries strings from a bounded set
+of example ranks (`strings.py`); then the timing medians (`timing.py`) and each rank's step phases (`ranktable.py`,
+the one round that grows with W).
 """
 
 from __future__ import annotations
@@ -16,27 +17,15 @@ import torch
 
 from ddp_doctor.core.figures import rank_grid
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord
-from ddp_doctor.exchange.local import (
-    at_step,
-    curve_of,
-    first_set,
-    info_json,
-    leading_complete,
-    logged,
-    names_in_message,
-    rows_of,
-    training_loader,
-    windows,
-)
+from ddp_doctor.exchange.facts import local_facts
+from ddp_doctor.exchange.local import curve_of, first_set, hidden_params, info_json, leading_complete, rows_of, windows
 from ddp_doctor.exchange.packing import (
     MIN,
     MaxRound,
     Op,
     Reply,
     SumRound,
-    bool_digest,
     differs,
-    element_hashes,
     from_words,
     hash_steps,
     of_record,
@@ -45,9 +34,11 @@ from ddp_doctor.exchange.packing import (
     to_words,
     unkey,
 )
-from ddp_doctor.exchange.patterns import local_gaps, patterns
+from ddp_doctor.exchange.patterns import patterns
+from ddp_doctor.exchange.rank0_slices import against_rank0
 from ddp_doctor.exchange.ranktable import per_rank
-from ddp_doctor.exchange.summary import PREDICATES, SAVE_BUCKETS, SLOTS, Summary, examples_from
+from ddp_doctor.exchange.strings import example_metas, rank_strings
+from ddp_doctor.exchange.summary import PREDICATES, SLOTS, Summary, examples_from
 from ddp_doctor.exchange.timing import medians
 
 __all__ = ["protocol"]
@@ -78,9 +69,6 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
 
     used = record.used[:s]
     trainable = record.trainable[:s]
-    partial = torch.zeros(n_params, dtype=torch.bool)
-    if lead < record.steps:
-        partial = record.used[lead] | record.reachable[lead]
 
     def grad_hashes() -> torch.Tensor:
         """int64[S, P]: each gradient fingerprint's hash (recomputed where needed rather than held while waiting)."""
@@ -88,51 +76,8 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
 
     # Round B: every local fact that needs only the common step count.
     b = SumRound(world)
-    b.bits("used", used, of_record(record, "used", s, bool_digest))
-    b.bits("trainable", trainable, of_record(record, "trainable", s, bool_digest))
-    b.bits("ran", record.ran[:s].any(0) if s else torch.zeros(n_params, dtype=torch.bool))
-    b.bits("partial", partial)
-    b.bits("varies", used.any(0) != used.all(0) if s >= 2 else torch.zeros(n_params, dtype=torch.bool))
-    b.bits("after_crash", partial & ~used.all(0) if s >= 1 else torch.zeros(n_params, dtype=torch.bool))
-    forwards, bypasses = record.counter("ddp_forwards"), record.counter("bypass_forwards")
-    hits = ((bypasses > 0) & (forwards == 0)).nonzero().flatten().tolist()
-    bypass_used = torch.zeros(n_params, dtype=torch.bool)
-    for step in hits:
-        bypass_used |= record.used[step]
-    hit_steps = torch.zeros(pad_steps, dtype=torch.bool)
-    hit_steps[hits] = True
-    b.bits("bypass_used", bypass_used)
-    b.bits("bypass_steps", hit_steps)
-    empty = torch.zeros(pad_steps, dtype=torch.bool)
-    if s:
-        empty[:s] = ~trainable.any(-1)
-    b.bits("empty", empty)
-    missing = torch.zeros(n_params, dtype=torch.bool)
-    if CRASH_KINDS[record.crash_kind] == "reduction-error" and lead:
-        missing = ~record.used[lead - 1]
-    b.bits("missing", missing)
-    b.bits("rank0_trainable", trainable[-1] if rank == 0 and s else torch.zeros(n_params, dtype=torch.bool))
-    crash_steps = torch.zeros(len(CRASH_KINDS), pad_steps + 2, dtype=torch.bool)
-    if record.crash_kind:
-        crash_steps[record.crash_kind, min(max(record.crash_step + 1, 0), pad_steps + 1)] = True
-    b.bits("crash_steps", crash_steps)
-    b.bits("buffer_nan", record.buffer_fp[:s].isnan().all(-1))
-    b.bits("input", (record.input_fp[:s] != 0).any(-1))
-    loader = training_loader(record)
-    b.ints("loader", torch.tensor([int(loader is not None)]))
-    # The files written with torch.save, hashed into a fixed number of buckets: how many ranks wrote into each
-    # (SUM) and whether their paths there agree (MAX == MIN of the bucket's digest); `checkpoint-same-path`.
-    save_counts = torch.zeros(SAVE_BUCKETS, dtype=torch.int64)
-    save_digests = [0] * SAVE_BUCKETS
-    bucket_of: dict[str, int] = {}
-    for saved in record.saves:
-        h = text_digest(saved["path"])
-        k = h % SAVE_BUCKETS
-        save_counts[k] = 1
-        save_digests[k] ^= h
-        bucket_of[saved["path"]] = k
-    b.ints("saves", save_counts)
-    b.bits("bn_training", record.counter("batchnorm_training")[:s] > 0)
+    facts = local_facts(b, record, s=s, lead=lead, pad_steps=pad_steps, rank=rank)
+    loader = facts.loader
 
     m = MaxRound()
     m.pair("sections", b.digests())
@@ -199,7 +144,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         torch.tensor([int(sizes.max()), int(sizes.min())]) if sizes.numel() else torch.zeros(2, dtype=torch.int64),
         bool(sizes.numel()),
     )
-    m.pair("save_digest", torch.tensor(save_digests, dtype=torch.int64), save_counts > 0)
+    m.pair("save_digest", facts.save_digests, facts.save_counts > 0)
     rm = m.read((yield ("max", m.tensor())))
     del m
     b.settle(rm["sections"])
@@ -261,61 +206,21 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
     first_rereduced = first_set((rr_hi > 0).tolist())
     sd_hi, sd_lo = rm["save_digest"]
     shared = ((rb["saves"] >= 2) & (sd_hi == sd_lo)).tolist()
-    shared_saves = [d for d in record.saves if shared[bucket_of[d["path"]]]]
+    shared_saves = [d for d in record.saves if shared[facts.bucket_of[d["path"]]]]
 
-    # Round C, only when gradients or weights differ: digests of each rank's differing slice against rank 0's
-    # (to name the ranks), and rank 0's fingerprints there (for the largest difference and the divergence curve).
-    g_ref = w_ref = 0
-    g_mine = w_mine = 0
-    w_nan = False
-    gap_local = 0.0
-    w_nan0 = False
-    w_curve = torch.zeros(s + 1, dtype=torch.float64)
-    g_curve = torch.zeros(s, dtype=torch.float64)
-    w_missing = torch.zeros(s + 1, 0, dtype=torch.bool)
-    g_missing = torch.zeros(s, 0, dtype=torch.bool)
-    if bool(grad_params.any() or weight_params.any()):
-        c = MaxRound()
-        g_mine = int(grad_hashes()[:, grad_params].sum()) if s else 0
-        w_slice = record.weight_fp[: s + 1][:, weight_params]
-        g_slice = record.grad_fp[:s][:, grad_params]
-        w_mine = int(element_hashes(w_slice).sum()) if w_slice.numel() else 0
-        w_nan = bool(w_slice.isnan().any())
-        c.slot("ref", torch.tensor([g_mine, w_mine, int(w_nan)]), rank == 0)
-        rc = c.read((yield ("max", c.tensor())))
-        g_ref, w_ref, w_nan0 = int(rc["ref"][0]), int(rc["ref"][1]), bool(rc["ref"][2])
-        both = torch.cat([w_slice.reshape(-1), g_slice.reshape(-1)]).to(torch.float64)
-        words = to_words(both.contiguous().numpy().tobytes() if rank == 0 else b"", both.numel())
-        got = yield ("sum", words if rank == 0 else torch.zeros_like(words))
-        ref = got.tensor.view(torch.float64)
-        w0, g0 = ref[: w_slice.numel()].reshape(w_slice.shape), ref[w_slice.numel() :].reshape(g_slice.shape)
-        if w_slice.numel():
-            gap_local = float((w_slice[..., 0] - w0[..., 0]).abs().nan_to_num(0).max())
-        w_curve, w_missing = local_gaps(w_slice, w0, torch.ones(w_slice.shape[:2], dtype=torch.bool))
-        g_curve, g_missing = local_gaps(g_slice, g0, (rb["trainable"] == world)[:, grad_params])
+    # Round C, only when gradients or weights differ: which ranks differ from rank 0, and by how much.
+    vs0 = yield from against_rank0(
+        record,
+        s,
+        grad_params=grad_params,
+        weight_params=weight_params,
+        trained_by_all=rb["trainable"] == world,
+        grad_hashes=grad_hashes,
+        rank=rank,
+    )
 
     # Round D: the predicates, plus what needs the inferred `tracked` (hidden parameters).
-    checkpoints = record.counter("reentrant_checkpoints")
-    hidden = torch.zeros(2, n_params, dtype=torch.bool)
-    hidden_steps = torch.zeros(2, pad_steps, dtype=torch.bool)
-    hidden_rank = [False, False]
-    hidden_crash = [0, 0]
-    mark_twice = CRASH_KINDS.index("mark-ready-twice")
-    for step in range(record.steps):
-        if not forwards[step]:
-            continue
-        target = 1 if checkpoints[step] else 0
-        found = record.used[step] & ~record.reachable[step] & tracked
-        named = False
-        if record.crash_kind == mark_twice and step == record.crash_step:
-            idx = names_in_message(info, record.crash_message)
-            found[idx] = True
-            named = bool(idx)
-            hidden_crash[target] = 1
-        if bool(found.any()) or named or checkpoints[step]:
-            hidden[target] |= found
-            hidden_steps[target, step] = True
-            hidden_rank[target] = True
+    hidden, hidden_steps, hidden_rank, hidden_crash = hidden_params(record, info, tracked, pad_steps)
     first_window = bad[0] if bad else None
     my_passes = wins[first_window][0] if first_window is not None else None
     window_sites: list[str] = []
@@ -326,25 +231,15 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
             if int(site.split(":", 1)[0].split()[1]) in wins[first_window][1]
         ]
     lacking = bool(s and rank_dep.any() and (~used[:, rank_dep]).any())
-    unpaired_sites = [
-        site.split(": ", 1)[1]
-        for site in record.unpaired_sites
-        if first_unpaired is not None and int(site.split(":", 1)[0].split()[1]) == first_unpaired
-    ]
-    broadcast_sites = [
-        site.split(": ", 1)[1]
-        for site in record.broadcast_sites
-        if first_bcast is not None and int(site.split(":", 1)[0].split()[1]) == first_bcast
-    ]
     c0 = rm["coll0"]
     coll_differs = first_coll is not None and bool((coll[first_coll] != c0[first_coll]).any())
     scale_differs = first_scale is not None and int(scale[first_scale]) != int(rm["scale0"][first_scale])
     flags = {
         "lacking": lacking,
-        "bypass": bool(hits),
-        "grad-differs": bool(rank >= 1 and grad_params.any() and g_mine != g_ref),
-        "weight-differs": bool(rank >= 1 and weight_params.any() and (w_mine != w_ref or w_nan or w_nan0)),
-        "no-trainable": bool(empty.any()),
+        "bypass": facts.bypassed,
+        "grad-differs": bool(rank >= 1 and grad_params.any() and vs0.grad_differs),
+        "weight-differs": bool(rank >= 1 and weight_params.any() and vs0.weight_differs),
+        "no-trainable": facts.empty_steps,
         **{f"crash:{k}": record.crash_kind == i for i, k in enumerate(CRASH_KINDS) if i},
         "crashed": bool(record.crash_kind),
         "hidden-outside": hidden_rank[0],
@@ -369,36 +264,27 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         "same-path-save": bool(shared_saves),
     }
     assert tuple(flags) == PREDICATES
-    meta = json.dumps(
-        {
-            "crash_kind": record.crash_kind,
-            "crash_step": record.crash_step,
-            "crash_message": record.crash_message,
-            "bypass_sites": sorted(set(record.bypass_sites)),
-            "blocked_checkpoints": sorted(set(record.blocked_checkpoints)),
-            "loaders": record.loaders,
-            "window_sites": window_sites,
-            "unpaired_sites": unpaired_sites,
-            "broadcast_sites": broadcast_sites,
-            "collective_log": logged(record, first_coll) if first_coll is not None else [],
-            "scale": int(scale[first_scale]) if first_scale is not None else 0,
-            "optimizer": at_step(record.optimizer_log, first_settings),
-            "scheduler_sites": at_step(record.scheduler_sites, first_sched),
-            "changed_sites": at_step(record.changed_sites, first_changed),
-            "skip_sites": at_step(record.repeat_sites, first_skip + 1) if first_skip is not None else [],
-            "changed_params": record.changed_params if first_changed is not None else [],
-            "rereduce_sites": at_step(record.rereduce_sites, first_rereduced),
-            "shared_saves": shared_saves,
-            "module_saves": [d for d in record.saves if d.get("module_prefix")][:1],
-        }
-    ).encode()
+    meta = rank_strings(
+        record,
+        window_sites=window_sites,
+        shared_saves=shared_saves,
+        scale=int(scale[first_scale]) if first_scale is not None else 0,
+        unpaired=first_unpaired,
+        broadcast=first_bcast,
+        collective=first_coll,
+        settings=first_settings,
+        sched=first_sched,
+        changed=first_changed,
+        skip=first_skip,
+        rereduced=first_rereduced,
+    )
     d = SumRound(world)
     d.ints("counts", torch.tensor([int(v) for v in flags.values()]))
     d.bits("hidden", hidden)
     d.bits("hidden_steps", hidden_steps)
     d.ints("hidden_crash", torch.tensor(hidden_crash))
-    d.bits("w_missing", w_missing.any(-1))
-    d.bits("g_missing", g_missing)
+    d.bits("w_missing", vs0.w_missing.any(-1))
+    d.bits("g_missing", vs0.g_missing)
     dm = MaxRound()
     me = torch.full((len(PREDICATES), SLOTS), MIN, dtype=torch.int64)
     for k, v in enumerate(flags.values()):
@@ -406,8 +292,8 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
             me[k, rank % SLOTS] = -rank
     dm.slot("slots", me, True)
     dm.pair("meta_len", torch.tensor([len(meta)]))
-    dm.pair("gap", order_key(torch.tensor([gap_local])))
-    dm.pair("curve", order_key(torch.cat([w_curve, g_curve])))
+    dm.pair("gap", order_key(torch.tensor([vs0.gap])))
+    dm.pair("curve", order_key(torch.cat([vs0.w_curve, vs0.g_curve])))
     rd = d.read((yield ("sum", d.tensor())))
     rdm = dm.read((yield ("max", dm.tensor())))
     examples = examples_from(rd["counts"], rdm["slots"])
@@ -426,36 +312,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
     grids, members, omitted = yield from patterns(grid, rank=rank, world=world)
 
     # Round E: the strings, from group rank 0 and a bounded set of example ranks.
-    wanted = {0}
-    for name in (
-        "crashed",
-        "bypass-sites",
-        "blocked-sites",
-        "extra-passes",
-        "unpaired-extra",
-        "broadcast-extra",
-        "collective-differs",
-        "scale-differs",
-        "optimizer-differs",
-        "skipped-step",
-        "changed-outside",
-        "rereduced",
-        "scheduler-extra",
-    ):
-        wanted.update(examples[name].ranks)
-    wanted.update(examples["fewest-batches"].ranks[:1])
-    wanted.update(examples["same-path-save"].ranks[:1])
-    chosen = sorted(wanted)  # at most 3 + 13 * EXAMPLES ranks, whatever W
-    n_meta = int(rdm["meta_len"][0][0])
-    words = -(-n_meta // 8)
-    e = torch.zeros(len(chosen), words, dtype=torch.int64)
-    if rank in chosen:
-        e[chosen.index(rank)] = to_words(meta, words)
-    got = yield ("sum", e.reshape(-1))
-    metas = {}
-    for i, r in enumerate(chosen):
-        raw = from_words(got.tensor.reshape(len(chosen), words)[i], n_meta).rstrip(b"\0")
-        metas[r] = json.loads(raw.decode())
+    metas = yield from example_metas(examples, meta, int(rdm["meta_len"][0][0]), rank=rank)
 
     # Rounds T: exact medians of the step timings over every rank's common steps.
     timing = yield from medians(record, s, world)

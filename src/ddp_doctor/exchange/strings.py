@@ -1,0 +1,97 @@
+"""Round E of the check's exchange: the strings the report quotes (sites, messages, logged calls), from group rank 0
+and a bounded set of example ranks per predicate, whatever the world size."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator
+from typing import Any
+
+import torch
+
+from ddp_doctor.core.records import RankRecord
+from ddp_doctor.exchange.local import at_step
+from ddp_doctor.exchange.packing import Op, Reply, from_words, to_words
+from ddp_doctor.exchange.summary import Examples
+
+__all__ = ["example_metas", "rank_strings"]
+
+QUOTED = (
+    "crashed",
+    "bypass-sites",
+    "blocked-sites",
+    "extra-passes",
+    "unpaired-extra",
+    "broadcast-extra",
+    "collective-differs",
+    "scale-differs",
+    "optimizer-differs",
+    "skipped-step",
+    "changed-outside",
+    "rereduced",
+    "scheduler-extra",
+)
+"""The predicates whose example ranks send their strings (all of them); `fewest-batches` and `same-path-save` send
+their first example's."""
+
+
+def rank_strings(
+    record: RankRecord,
+    *,
+    window_sites: list[str],
+    shared_saves: list[dict[str, Any]],
+    scale: int,
+    unpaired: int | None,
+    broadcast: int | None,
+    collective: int | None,
+    settings: int | None,
+    sched: int | None,
+    changed: int | None,
+    skip: int | None,
+    rereduced: int | None,
+) -> bytes:
+    """What this rank would quote (JSON): its crash, sites, loaders, and its per-step logs at the first step where
+    the ranks differ in each (the keyword arguments: those steps, None where they agree)."""
+    return json.dumps(
+        {
+            "crash_kind": record.crash_kind,
+            "crash_step": record.crash_step,
+            "crash_message": record.crash_message,
+            "bypass_sites": sorted(set(record.bypass_sites)),
+            "blocked_checkpoints": sorted(set(record.blocked_checkpoints)),
+            "loaders": record.loaders,
+            "window_sites": window_sites,
+            "unpaired_sites": at_step(record.unpaired_sites, unpaired),
+            "broadcast_sites": at_step(record.broadcast_sites, broadcast),
+            "collective_log": at_step(record.collective_log, collective),
+            "scale": scale,
+            "optimizer": at_step(record.optimizer_log, settings),
+            "scheduler_sites": at_step(record.scheduler_sites, sched),
+            "changed_sites": at_step(record.changed_sites, changed),
+            # A skipped step shows at the next one: the forward that came without a step.
+            "skip_sites": at_step(record.repeat_sites, skip + 1) if skip is not None else [],
+            "changed_params": record.changed_params if changed is not None else [],
+            "rereduce_sites": at_step(record.rereduce_sites, rereduced),
+            "shared_saves": shared_saves,
+            "module_saves": [d for d in record.saves if d.get("module_prefix")][:1],
+        }
+    ).encode()
+
+
+def example_metas(
+    examples: dict[str, Examples], meta: bytes, n_meta: int, *, rank: int
+) -> Generator[Op, Reply, dict[int, dict[str, Any]]]:
+    """Each chosen rank's `meta` (its JSON, `n_meta` bytes at most on any rank), by rank. One collective."""
+    wanted = {0}
+    for name in QUOTED:
+        wanted.update(examples[name].ranks)
+    wanted.update(examples["fewest-batches"].ranks[:1])
+    wanted.update(examples["same-path-save"].ranks[:1])
+    chosen = sorted(wanted)  # at most 3 + 13 * EXAMPLES ranks
+    words = -(-n_meta // 8)
+    e = torch.zeros(len(chosen), words, dtype=torch.int64)
+    if rank in chosen:
+        e[chosen.index(rank)] = to_words(meta, words)
+    got = yield ("sum", e.reshape(-1))
+    rows = got.tensor.reshape(len(chosen), words)
+    return {r: json.loads(from_words(rows[i], n_meta).rstrip(b"\0").decode()) for i, r in enumerate(chosen)}
