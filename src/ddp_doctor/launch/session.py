@@ -56,7 +56,7 @@ from ddp_doctor.launch.inflight import CollectiveRecorder
 from ddp_doctor.launch.policy import CheckPolicy, RunPolicy
 from ddp_doctor.launch.raised import raised_error
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
-from ddp_doctor.launch.watchdog import Watchdog, main_thread_position, peers_train_on
+from ddp_doctor.launch.watchdog import Watchdog, main_thread_position, peers_train_on, peers_wait_in_collective
 from ddp_doctor.observation import dataloaders, saves
 from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR, freeze_named
 from ddp_doctor.report.model import Report
@@ -337,7 +337,9 @@ class Session:
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             sys.stderr.write(f"[ddp-doctor] rank {self.rank} crashed:\n{tb}")
             sys.stderr.flush()
-        if self.doctors and not raised.peer_lost:
+        if self.doctors and not raised.peer_lost and not peers_wait_in_collective(self.outdir, self.rank):
+            # Ranks that crashed too (the same DDP error at the same step, say) come to the exchange; a rank that
+            # waits for this one in a collective never does, so then the rank leaves at once.
             wait = max(0.5, min(self.config.crash_wait_s, self.remaining()))
             self.finish(f"rank {self.rank} crashed", timeout=wait, exit_code=1)
         self._exit(1)

@@ -1,6 +1,7 @@
 """The rank's watchdog: a daemon thread that samples where the main thread is (step, phase, the user's line, the
 innermost frame) into `rank{R}.progress.json` whenever it changes, so a hung rank's report says where it hangs;
-and the look at the other local ranks' beacons that tells an exiting rank whether waiting for them is pointless.
+and the look at the other local ranks' beacons that tells an exiting or crashed rank whether waiting for them is
+pointless.
 
 The watchdog knows nothing of the run: it is given the function that takes a sample, the event that ends it and
 the deadline (see `session.py`)."""
@@ -18,10 +19,10 @@ from pathlib import Path
 
 from ddp_doctor.core.beacon import read_beacon
 from ddp_doctor.core.frames import user_frame
-from ddp_doctor.core.phase import IN_STEP
+from ddp_doctor.core.phase import IN_STEP, Phase
 from ddp_doctor.core.rankfiles import ProgressSample, write_progress
 
-__all__ = ["Watchdog", "main_thread_position", "peers_train_on"]
+__all__ = ["Watchdog", "main_thread_position", "peers_train_on", "peers_wait_in_collective"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,28 @@ def peers_train_on(outdir: Path, rank: int, step: int, *, watch_s: float = 1.0) 
                 continue
             peer = read_beacon(path)
             if peer is not None and (peer.step > step or (peer.step == step and peer.phase in _IN_STEP)):
+                return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def peers_wait_in_collective(outdir: Path, rank: int, *, watch_s: float = 1.0) -> bool:
+    """Whether a rank on this node sits in a collective: one of the script's, or DDP's gradient all-reduce (its
+    backward computed every gradient and it waits for the others). For a rank that crashed, such a peer can only
+    come to the exchange when that collective fails, which NCCL's never does (gloo's fails when this process
+    ends), so waiting for it is pointless. Ranks that crashed the same way as this one are in no collective.
+    """
+    deadline = time.monotonic() + watch_s
+    while True:
+        for path in outdir.glob("rank*.beacon"):
+            if path.name == f"rank{rank}.beacon":
+                continue
+            peer = read_beacon(path)
+            if peer is None:
+                continue
+            reducing = peer.phase == Phase.BACKWARD.value and peer.closed is not None and peer.closed.step == peer.step
+            if peer.in_collective or reducing:
                 return True
         if time.monotonic() > deadline:
             return False

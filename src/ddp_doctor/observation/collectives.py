@@ -46,7 +46,10 @@ COLLECTIVES = (
     "all_to_all_single",
 )
 
-_OWN_DIR = os.path.dirname(__file__) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN_DIRS = tuple(os.path.join(_PACKAGE, stage) + os.sep for stage in ("observation", "exchange"))
+"""The doctor's own collectives (the exchange, the agreement to follow) are not the script's. Those of the fixes
+(`sync_gradients`) are: the user calls them as part of the training step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +114,7 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if not _listeners or _state["inside"]:
             return original(*args, **kwargs)
         caller = sys._getframe(1)
-        if caller.f_code.co_filename.startswith(_OWN_DIR):
+        if caller.f_code.co_filename.startswith(_OWN_DIRS):
             return original(*args, **kwargs)
         _state["inside"] = True
         try:
