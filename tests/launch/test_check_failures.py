@@ -1,16 +1,16 @@
-"""`ddp-doctor check` when things go wrong: a crash on one rank, a hang on one rank, no DDP model, bad input,
-and user code that copies and pickles the observed model. Every run must end, name the rank, leave nothing
-behind, and exit with the documented code."""
+"""`ddp-doctor check` when the script goes wrong in ways that depend on DDP and torch: a crash on one rank, DDP's
+own errors, evaluation through the wrapper, a rank-dependent model, early ends, two nodes, and user code that
+copies and pickles the observed model. Every run must end, name the rank, and exit with the documented code. (CI
+runs this file on both torch corners; the command line's own errors are `test_check_cli.py`, hangs and signals
+`test_faults.py`.)"""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from checkrun import EXAMPLES, REPO, SCRIPTS, check, finish, free_port, start
+from checkrun import EXAMPLES, SCRIPTS, check, finish, free_port, start
 
 
 def test_crash_on_rank_1_names_the_rank_step_and_error(tmp_path: Path) -> None:
@@ -29,73 +29,10 @@ def test_crash_on_rank_1_names_the_rank_step_and_error(tmp_path: Path) -> None:
     assert "corrupt sample 1234" in run.output  # the traceback reaches the user
 
 
-def test_hang_on_rank_1_ends_within_the_timeout_and_names_it(tmp_path: Path) -> None:
-    run = check(["--nproc-per-node", "2", "--timeout", "20", str(SCRIPTS / "hang_rank1.py")], tmp_path, timeout=60)
-    assert run.seconds < 20 + 40, (
-        run.seconds
-    )  # a hang guard (the timeout plus a loaded machine's start-up), not a speed test
-    assert run.rc == 1, run.output
-    assert run.codes == {"rank-hung"}, run.output
-    finding = run.finding("rank-hung")
-    assert finding["ranks"] == [1] and finding["steps"] == [2], finding
-    assert "hang_rank1.py:13" in finding["detail"] and "rank 0 was at step 2, backward" in finding["detail"]
-
-
-def test_a_script_that_never_builds_ddp_is_a_clear_exit_2(tmp_path: Path) -> None:
-    run = check(["--nproc-per-node", "2", str(SCRIPTS / "no_training.py")], tmp_path)
-    assert run.rc == 2, run.output
-    assert "without building a torch.nn.parallel.DistributedDataParallel model" in run.output
-    assert "Traceback" not in run.output
-
-
 def test_isinstance_copy_and_pickle_keep_working_while_observed(tmp_path: Path) -> None:
     run = check(["--nproc-per-node", "2", str(SCRIPTS / "introspect.py")], tmp_path)
     assert run.rc == 0 and run.codes == set(), run.output
     assert run.report["steps_observed"] == 8
-
-
-def test_freeze_before_wrap_with_an_unknown_name_is_exit_2_naming_it(tmp_path: Path) -> None:
-    run = check(
-        [
-            "--nproc-per-node",
-            "2",
-            "--ddp-kwargs",
-            '{"freeze_before_wrap": ["encoder.nope"]}',
-            str(EXAMPLES / "clean.py"),
-        ],
-        tmp_path,
-    )
-    assert run.rc == 2, run.output
-    assert "encoder.nope" in run.output and "0.weight" in run.output
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ddp_doctor.cli", "check", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
-def test_bad_input_is_exit_2_with_the_value_and_the_fix() -> None:
-    missing = _cli("--nproc-per-node", "2", "no/such/train.py")
-    assert missing.returncode == 2 and "'no/such/train.py' does not exist" in missing.stderr
-    typo = _cli("--ddp-kwargs", '{"static_graf": true}', str(EXAMPLES / "clean.py"))
-    assert typo.returncode == 2 and "['static_graf']" in typo.stderr and "static_graph" in typo.stderr
-    not_json = _cli("--ddp-kwargs", "static_graph=True", str(EXAMPLES / "clean.py"))
-    assert not_json.returncode == 2 and "not valid JSON" in not_json.stderr
-    no_python = _cli("--no-python", str(EXAMPLES / "clean.py"))
-    assert no_python.returncode == 2 and "--no-python" in no_python.stderr
-    for result in (missing, typo, not_json, no_python):
-        assert "Traceback" not in result.stderr
-
-
-def test_help_shows_examples_and_torchrun_options() -> None:
-    out = _cli("--help").stdout
-    assert "examples:" in out and "--rdzv-endpoint" in out and "--ddp-kwargs" in out and "--nnodes 2" in out
 
 
 def test_two_nodes_of_one_process_give_the_same_report_as_one_node_of_two(tmp_path: Path) -> None:
@@ -131,14 +68,6 @@ def test_two_nodes_of_one_process_give_the_same_report_as_one_node_of_two(tmp_pa
         assert essence(run.report) == essence(single.report), run.output
 
 
-def test_a_module_runs_like_python_dash_m_with_its_arguments(tmp_path: Path) -> None:
-    run = check(
-        ["--nproc-per-node", "2", "--steps", "4", "-m", "tests.scripts.as_module", "--steps-total", "12"], tmp_path
-    )
-    assert run.rc == 0, run.output
-    assert run.codes == {"find-unused-unneeded"} and run.report["steps_observed"] == 4, run.output
-
-
 def test_a_rank_0_evaluation_through_ddp_in_grad_mode_is_named_and_the_right_way_is_clean(tmp_path: Path) -> None:
     wrong = check(["--nproc-per-node", "2", str(SCRIPTS / "eval_rank0.py"), "--grad"], tmp_path / "grad")
     mismatch = wrong.finding("collective-mismatch")
@@ -160,14 +89,6 @@ def test_a_rank_0_evaluation_through_ddp_under_no_grad_with_batchnorm_is_named_a
     assert wrong.rc == 1, wrong.output
     right = check(["--nproc-per-node", "2", str(SCRIPTS / "eval_rank0_bn.py"), "--module"], tmp_path / "module")
     assert right.rc == 0 and right.codes == {"batchnorm-not-synced"}, right.output
-
-
-def test_an_internal_error_of_the_doctor_is_exit_2_never_a_clean_report(tmp_path: Path) -> None:
-    run = check(["--nproc-per-node", "2", str(SCRIPTS / "internal_error.py")], tmp_path)
-    assert run.rc == 2, run.output
-    assert "internal error: AttributeError: simulated bug inside ddp-doctor" in run.output, run.output
-    assert "No problems found" not in run.output, run.output
-    assert run.report is None or not run.report.get("findings"), run.report
 
 
 def test_a_head_only_rank_0_trains_is_rank_dependent_after_a_one_step_crash(tmp_path: Path) -> None:
