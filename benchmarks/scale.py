@@ -87,7 +87,7 @@ def _clean(params: int) -> dict[str, torch.Tensor]:
 def make_record(rank: int, world: int, params: int, clean: dict[str, torch.Tensor] | None = None) -> Any:
     """Rank `rank`'s record. Ranks other than the two odd ones share `clean`'s tensors (the model of 1,024 ranks
     then fits in memory); inputs and timings are the rank's own."""
-    from ddp_doctor.core.records import RankRecord
+    from ddp_doctor.core.records import TIMING_COLUMNS, RankRecord
 
     fields = dict(clean if clean is not None else _clean(params))
     if rank == world // 3:
@@ -100,7 +100,7 @@ def make_record(rank: int, world: int, params: int, clean: dict[str, torch.Tenso
     return RankRecord(
         rank=rank,
         input_fp=torch.randn(STEPS, 2, generator=g, dtype=torch.float64),
-        timing=0.01 + 0.001 * torch.rand(STEPS, 3, generator=g, dtype=torch.float64),
+        timing=0.01 + 0.001 * torch.rand(STEPS, TIMING_COLUMNS, generator=g, dtype=torch.float64),
         **fields,
     )
 
