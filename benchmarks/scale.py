@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -327,6 +328,10 @@ def _guard_rank(rank: int, world: int, depth: int, store: str, out: Any) -> None
             undo()
         if rank == 0:
             out.send({"world": world, "tensors": 4 * depth, "figures": figures})
+        # DDP's reducer and the guard hold the group: freed during interpreter shutdown, gloo can abort the
+        # process ("terminate called without an active exception"; see examples/common.py).
+        g = opt = ddp = model = None
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
