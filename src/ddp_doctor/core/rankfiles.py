@@ -6,8 +6,14 @@ and `read_rank_states`, whose `RankState` is the input of `analyze.failures`. Fi
 rank that failed alone cannot count on the others. The live position (`rank{R}.beacon`) has its own writer and
 reader in `beacon.py`; the fault dump (`rank{R}.fault`) is Python's faulthandler's, parsed by `Fault.parse`.
 
+- `rank{R}.beacon`: the rank's step, phase and last collective (op, tensor, call site), published at every change
+  into shared memory (`beacon.py`): exact up to the moment the rank died, even by SIGKILL.
+- `rank{R}.fault`: Python's faulthandler dump when the rank dies of SIGSEGV, SIGABRT, SIGBUS, SIGFPE or SIGILL.
+- `report.json` (and `report.steps.json`, the observed steps' report kept while the script is followed through its
+  epoch ends): the reports, when the ranks managed to exchange records.
 - `rank{R}.json`: `EndRecord` (schema `END_SCHEMA`), how the rank ended.
-- `rank{R}.progress.json`: `ProgressSample` (schema `PROGRESS_SCHEMA`), the watchdog's last sample.
+- `rank{R}.progress.json`: `ProgressSample` (schema `PROGRESS_SCHEMA`), the watchdog's last sample (every half
+  second, from a thread that runs while the main thread is blocked in a collective).
 - `rank{R}.wrap.json`: `WrapShapes` (schema `WRAP_SCHEMA`), the shapes of the parameters the rank handed to DDP's
   constructor, written just before it runs (a constructor that refuses the model leaves no other record of them).
 """

@@ -1,32 +1,20 @@
 """The doctor inside each rank of a script launched by `ddp-doctor check`.
 
-`Session.install()` runs before any user code. It wraps `DistributedDataParallel.__init__` in place (the class is
-untouched, so `isinstance` and pickling behave as before), so every DDP model the script builds, directly or
-inside HF Trainer, Accelerate or Lightning, gets the `--ddp-kwargs` overrides and a `Doctor` with
-`optimizer="auto"`. When every doctor has seen its K steps, all ranks exchange their records, the node's local
-rank 0 writes the report, and every rank exits right there: the rest of the script (saving a half-trained
-checkpoint, say) never runs.
+`Session.install()` runs before any user code and patches DDP's constructor in place (`patches.py`), so every DDP
+model the script builds, directly or inside HF Trainer, Accelerate or Lightning, gets the `--ddp-kwargs` overrides
+and a `Doctor` with `optimizer="auto"`. When every doctor has seen its K steps, all ranks exchange their records and
+the node's local rank 0 writes the report; then the script is followed through its epoch ends (`follow_epochs.py`)
+and the report is written again, or every rank exits right there (the rest of the script never runs).
 
-Failures are written to files in the node's output folder, because a rank that crashed alone cannot count on the
-others to join a collective:
-- `rank{R}.beacon`: the rank's step, phase and last collective (op, tensor, call site), published at every change
-  into shared memory (see `beacon.py`): exact up to the moment the rank died, even by SIGKILL.
-- `rank{R}.progress.json`: the user's frame on the main thread, sampled by a watchdog thread every half second. It
-  runs while the main thread is blocked in a collective, so a hung rank still tells where it waits.
-- `rank{R}.fault`: Python's faulthandler dump when the rank dies of SIGSEGV, SIGABRT, SIGBUS, SIGFPE or SIGILL.
-- `rank{R}.json`: how this rank ended (a crash with its traceback and explanation, an exit, or the end of the script).
-- `report.json`: the reports, when the ranks managed to exchange records.
-
-The files' schema is `core/rankfiles.py` (and `core/beacon.py`). What happens after the report is the run's
-`RunPolicy` (`policy.py`): under `check` the rank exits; under `ddp-doctor bench` (whose entry point hands its own
-policy to `run_rank`) the rank goes on in the same processes. `inflight.py` records the script's collectives in the
-beacon; `core/frames.py` tells the user's frames from torch's and the frameworks'.
+A rank that crashed alone cannot count on the others to join a collective, so each rank also leaves files in the
+node's output folder for the supervisor: its live position (`core/beacon.py`), the watchdog's samples, the fault
+dump, how it ended (`core/rankfiles.py` lists them with their schema). What happens after the report is the run's
+`RunPolicy` (`policy.py`): under `check` the rank exits; under `ddp-doctor bench` it goes on in the same processes.
 """
 
 from __future__ import annotations
 
 import faulthandler
-import functools
 import inspect
 import logging
 import os
@@ -47,15 +35,16 @@ from ddp_doctor.core.beacon import Beacon, ClosedStep
 from ddp_doctor.core.errors import DoctorError
 from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site_of
 from ddp_doctor.core.phase import Phase
-from ddp_doctor.core.rankfiles import EndRecord, Outcome, ProgressSample, WrapShapes, write_end, write_json, write_wrap
+from ddp_doctor.core.rankfiles import EndRecord, Outcome, ProgressSample, write_end, write_json
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.follow_epochs import CAPPED_NEXT, EpochFollowing, ended_by_our_cap, is_world
 from ddp_doctor.launch.inflight import CollectiveRecorder
+from ddp_doctor.launch.patches import patch_ddp_init, patch_destroy_process_group, patch_optimizer_init
 from ddp_doctor.launch.policy import CheckPolicy, RunPolicy
 from ddp_doctor.launch.raised import raised_error
-from ddp_doctor.launch.unwrapped import PlainOptimizerWatch, record_creation_site
+from ddp_doctor.launch.unwrapped import PlainOptimizerWatch
 from ddp_doctor.launch.watchdog import Watchdog, main_thread_position, peers_train_on, peers_wait_in_collective
 from ddp_doctor.observation import dataloaders, saves
 from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR, freeze_named
@@ -91,8 +80,8 @@ class Session:
         """Set when the rank is done (the watchdog stops)."""
         self.original_init = DistributedDataParallel.__init__
         """DDP's own constructor (a policy may rebuild the script's DDP with it, unobserved: `bench`)."""
-        self._original_destroy = dist.destroy_process_group
-        self._signature = inspect.signature(self.original_init)
+        self.signature = inspect.signature(self.original_init)
+        """DDP's constructor's signature (the patched constructor binds the script's arguments with it)."""
         self.beacon = Beacon(self.outdir / f"rank{self.rank}.beacon")
         self.collectives = CollectiveRecorder(
             self.beacon, lambda: next((d for d in self.doctors if not d.finished), None)
@@ -107,52 +96,14 @@ class Session:
     # ---------------------------------------------------------------------------------------------- set-up
 
     def install(self) -> None:
-        """Wrap DDP's constructor and `destroy_process_group`, and start the watchdog. Call before user code."""
-        session = self
-        original_init = self.original_init
+        """Patch DDP's constructor, `destroy_process_group` and `Optimizer.__init__` (`patches.py`), install the
+        probes, and start the watchdog. Call before user code."""
         if self._make_policy is not None:
             # Built before any doctor exists: a policy's optimizer hooks run before every doctor's.
             self.policy = self._make_policy(self)
-
-        @functools.wraps(original_init)
-        def __init__(ddp: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
-            bound = session._signature.bind(ddp, *args, **kwargs)
-            module = bound.arguments["module"]
-            own = [p.requires_grad for _, p in module.named_parameters()]
-            session._before_wrap(module, bound.arguments)
-            trainable = [p.requires_grad for _, p in module.named_parameters()]
-            session._write_wrap(module)
-            original_init(*bound.args, **bound.kwargs)
-            if not session._finishing:
-                session.policy.wrapped(ddp, own)
-            # DDP keeps no trace of init_sync=False (its constructor then skips broadcasting rank 0's weights).
-            session._after_wrap(ddp, trainable, init_sync=bool(bound.arguments.get("init_sync", True)))
-
-        original_destroy = self._original_destroy
-
-        @functools.wraps(original_destroy)
-        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-            # The script tears its process group down before K steps: report while the group still exists.
-            # `destroy_process_group(None)` (Accelerate's end_training()) and `(group=dist.group.WORLD)` end the
-            # default group just as the no-argument form does.
-            group = args[0] if args else kwargs.get("group")
-            if group is None or group is dist.group.WORLD:
-                if session.doctors and not session._finishing:
-                    session.finish("the script destroyed its process group")
-                if session.plain.steps and not session.doctors and not session._finishing:
-                    session.finish_unwrapped("the script destroyed its process group")
-            return original_destroy(*args, **kwargs)
-
-        DistributedDataParallel.__init__ = __init__
-        dist.destroy_process_group = destroy_process_group
-        original_opt_init = Optimizer.__init__
-
-        @functools.wraps(original_opt_init)
-        def optimizer_init(opt: Optimizer, *args: Any, **kwargs: Any) -> None:
-            original_opt_init(opt, *args, **kwargs)
-            record_creation_site(opt)
-
-        Optimizer.__init__ = optimizer_init
+        patch_ddp_init(self)
+        patch_destroy_process_group(self)
+        patch_optimizer_init()
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
         # The loader probe first: its pre-step hook counts the step on its pass before ours reads it.
         self.follow.install()
@@ -166,35 +117,21 @@ class Session:
         faulthandler.enable(self._fault_file, all_threads=False)
         self.watchdog.start()
 
-    def _before_wrap(self, module: torch.nn.Module, arguments: dict[str, Any]) -> None:
+    @property
+    def finishing(self) -> bool:
+        """The rank is past its observed steps' end (reporting, or the report is written)."""
+        return self._finishing
+
+    def before_wrap(self, module: torch.nn.Module, arguments: dict[str, Any]) -> None:
+        """Just before DDP's constructor: the `--ddp-kwargs` overrides and the parameters to freeze."""
         if self._finishing:
             return
         for key, value in self.config.ddp_kwargs.items():
             arguments[key] = value
         freeze_named(module, self.config.freeze_before_wrap)
 
-    def _write_wrap(self, module: torch.nn.Module) -> None:
-        """Leave the shapes DDP's constructor is about to compare across ranks (`param-shapes-differ`): when it
-        refuses the model, a rank's error names only `params[i]` and its own sizes, and rank 0 names nothing."""
-        if self._finishing:
-            return
-        # DDP's order: trainable parameters not ignored, shared ones once (`_build_params_for_reducer`).
-        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
-        site = user_frame(traceback.extract_stack()[:-2], code=False)
-        write_wrap(
-            self.outdir,
-            WrapShapes(
-                rank=self.rank,
-                site=site,
-                names=[n for n, _ in params],
-                shapes=[list(p.shape) for _, p in params],
-                torch_version=torch.__version__,
-                backend=str(dist.get_backend()) if dist.is_initialized() else "",
-            ),
-        )
-
-    def _after_wrap(self, ddp: DistributedDataParallel, trainable: list[bool], *, init_sync: bool = True) -> None:
+    def after_wrap(self, ddp: DistributedDataParallel, trainable: list[bool], *, init_sync: bool = True) -> None:
+        """Just after DDP's constructor: a `Doctor` on the model (once per model), and its entry in the report."""
         if self._finishing or any(d.ddp is ddp for d in self.doctors):
             return
         frames = traceback.extract_stack()[:-2]

@@ -1,0 +1,98 @@
+"""What `Session.install()` patches before any user code runs, in place (the classes stay, so `isinstance` and
+pickling behave as before): DDP's constructor (the `--ddp-kwargs` overrides, the shapes DDP is about to compare, a
+`Doctor` on the model it built), `destroy_process_group` (the report is made while the group still exists) and
+`Optimizer.__init__` (each optimizer's creation line, for `model-not-wrapped`)."""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import Optimizer
+
+from ddp_doctor.core.frames import user_frame
+from ddp_doctor.core.rankfiles import WrapShapes, write_wrap
+from ddp_doctor.launch.unwrapped import record_creation_site
+
+if TYPE_CHECKING:
+    from ddp_doctor.launch.session import Session
+
+__all__ = ["patch_ddp_init", "patch_destroy_process_group", "patch_optimizer_init", "write_wrap_shapes"]
+
+
+def patch_ddp_init(session: Session) -> None:
+    """Wrap `DistributedDataParallel.__init__`: before it, the overrides and the shapes; after it, the policy and a
+    doctor (`Session._after_wrap`)."""
+    original_init = session.original_init
+
+    @functools.wraps(original_init)
+    def __init__(ddp: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
+        bound = session.signature.bind(ddp, *args, **kwargs)
+        module = bound.arguments["module"]
+        own = [p.requires_grad for _, p in module.named_parameters()]
+        session.before_wrap(module, bound.arguments)
+        trainable = [p.requires_grad for _, p in module.named_parameters()]
+        if not session.finishing:
+            write_wrap_shapes(session.outdir, session.rank, module)
+        original_init(*bound.args, **bound.kwargs)
+        if not session.finishing:
+            session.policy.wrapped(ddp, own)
+        # DDP keeps no trace of init_sync=False (its constructor then skips broadcasting rank 0's weights).
+        session.after_wrap(ddp, trainable, init_sync=bool(bound.arguments.get("init_sync", True)))
+
+    DistributedDataParallel.__init__ = __init__
+
+
+def patch_destroy_process_group(session: Session) -> None:
+    """The script tears its process group down before the observed steps are done: report while it exists."""
+    original_destroy = dist.destroy_process_group
+
+    @functools.wraps(original_destroy)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        # `destroy_process_group(None)` (Accelerate's end_training()) and `(group=dist.group.WORLD)` end the
+        # default group just as the no-argument form does.
+        group = args[0] if args else kwargs.get("group")
+        if group is None or group is dist.group.WORLD:
+            if session.doctors and not session.finishing:
+                session.finish("the script destroyed its process group")
+            if session.plain.steps and not session.doctors and not session.finishing:
+                session.finish_unwrapped("the script destroyed its process group")
+        return original_destroy(*args, **kwargs)
+
+    dist.destroy_process_group = destroy_process_group
+
+
+def patch_optimizer_init() -> None:
+    original_opt_init = Optimizer.__init__
+
+    @functools.wraps(original_opt_init)
+    def optimizer_init(opt: Optimizer, *args: Any, **kwargs: Any) -> None:
+        original_opt_init(opt, *args, **kwargs)
+        record_creation_site(opt)
+
+    Optimizer.__init__ = optimizer_init
+
+
+def write_wrap_shapes(outdir: Path, rank: int, module: torch.nn.Module) -> None:
+    """Leave the shapes DDP's constructor is about to compare across ranks (`param-shapes-differ`): when it
+    refuses the model, a rank's error names only `params[i]` and its own sizes, and rank 0 names nothing."""
+    # DDP's order: trainable parameters not ignored, shared ones once (`_build_params_for_reducer`).
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
+    site = user_frame(traceback.extract_stack(), code=False)  # ddp_doctor's and torch's frames are not the user's
+    write_wrap(
+        outdir,
+        WrapShapes(
+            rank=rank,
+            site=site,
+            names=[n for n, _ in params],
+            shapes=[list(p.shape) for _, p in params],
+            torch_version=torch.__version__,
+            backend=str(dist.get_backend()) if dist.is_initialized() else "",
+        ),
+    )
