@@ -1,4 +1,5 @@
-"""Rank 1 leaves with sys.exit(0) at step 3 and writes the time it left to $EXIT_STAMP (for benchmarks/exit_time.py)."""
+"""Rank 1 leaves with sys.exit(0) at step 3 (or raises there, with EXIT_HOW=raise) and writes the time it left to
+$EXIT_STAMP (for benchmarks/exit_time.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ if __name__ == "__main__":
         if rank == 1 and step == 3:
             with open(os.environ["EXIT_STAMP"], "w") as f:
                 f.write(repr(time.time()))
+            if os.environ.get("EXIT_HOW") == "raise":
+                raise ValueError("corrupt sample on rank 1")
             sys.exit(0)
         x = torch.randn(4, 8)
         F.cross_entropy(ddp(x), torch.zeros(4, dtype=torch.long)).backward()
