@@ -12,7 +12,6 @@ from ddp_doctor.analyze import analyze, analyze_summary
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list, rank_ranges
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
-from ddp_doctor.core.steptime import ROW_SIZE
 from ddp_doctor.exchange import EXAMPLES, summarize
 from ddp_doctor.exchange.runner import exchange
 from ddp_doctor.report.model import Report
@@ -207,10 +206,8 @@ def test_the_volume_does_not_grow_with_the_world_size() -> None:
     small = summarize(*_wide(2)).volume
     large = summarize(*_wide(300)).volume
     assert large.collectives == small.collectives
-    # The one exception, and the last round: the per-rank step phases, ROW_SIZE float64 per rank (issue #26).
-    small_table, large_table = (int(v.rounds[-1].removeprefix("sum:")) for v in (small, large))
-    assert small_table == 2 * ROW_SIZE * 8 and large_table == 300 * ROW_SIZE * 8
-    assert large.sent - large_table <= 1.5 * (small.sent - small_table), (small.rounds, large.rounds)
+    # The step phases too: a few ranks' rows and reductions, no row per rank (it was ROW_SIZE float64 per rank).
+    assert large.sent <= 1.5 * small.sent, (small.rounds, large.rounds)
 
 
 def test_the_report_stays_readable_at_large_world_sizes() -> None:

@@ -168,3 +168,56 @@ def test_beyond_four_ranks_the_text_line_names_the_slowest_and_the_fastest_rank(
     text = to_text(Report.build(info(), records, d, backend="gloo"), width=300)
     line = next(x for x in text.splitlines() if x.startswith("step per rank"))
     assert "rank 4 (slowest) 0.5/26.0/2.0/0.5/0.5" in line and "(fastest)" in line and line.count("rank ") == 2
+
+
+# ------------------------------------------------------------------------------------------------ the exchange
+
+
+def _job(world: int) -> list[RankRecord]:
+    """`world` ranks with varied phases: ranks 5, 66, 68 and 69 wait for data, rank 67 is slow."""
+    records = []
+    for r in range(world):
+        rows = steady(fwd=1.0 + (r % 7) * 0.25, comm=0.5 + (r % 5) * 0.1, data=0.5 + (r % 3) * 0.2)
+        if r == 5 or r >= 66:
+            rows = steady(data=30.0 + r % 4)
+        if r == 67:
+            rows = steady(fwd=40.0, data=30.0)
+        records.append(timed(r, rows))
+    return records
+
+
+@pytest.mark.parametrize("world", [2, 3, 9, 70])
+def test_the_exchange_gives_what_every_ranks_timing_gives_in_a_bounded_volume(world: int) -> None:
+    from ddp_doctor.core.steptime import step_times
+    from ddp_doctor.exchange import summarize
+    from ddp_doctor.exchange.ranktable import local_timing
+
+    records = _job(world)
+    summary = summarize(info(), records)
+    s = summary.steps
+    expected = step_times([local_timing(r, s, r.rank) for r in records])
+    got = summary.step_times
+    assert [t.to_row() for t in got.shown] == [t.to_row() for t in expected.shown]
+    assert [t.rank for t in got.shown] == [t.rank for t in expected.shown]
+    for name in ("measured", "slowest", "fastest", "steps", "waiting", "waiting_ranks", "waiting_steps"):
+        assert getattr(got, name) == getattr(expected, name), name
+    for name in ("waiting_median", "others_median"):
+        a, b = getattr(got, name), getattr(expected, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a == pytest.approx(b, rel=1e-12, abs=0.0), name
+    assert got.others_q3_max == pytest.approx(expected.others_q3_max)
+    if world == 70:
+        shown = {t.rank for t in got.shown}
+        # Rank 67 waits 30 ms too, but its 40 ms forward keeps the wait under half of its step.
+        assert got.slowest == 67 and shown == {*range(8), 67, got.fastest} and got.waiting == 4
+        # Named by slot (rank modulo 64, the lowest of each): 69 shares rank 5's slot and is counted, not named.
+        assert got.waiting_ranks == [5, 66, 68]
+
+
+def test_the_step_phases_cost_no_row_per_rank() -> None:
+    from ddp_doctor.exchange import summarize
+
+    small, large = (summarize(info(), _job(w)).volume for w in (9, 200))
+    # Only packed counts grow, by log2 of the world size; a row per rank would add 191 * ROW_SIZE * 8 = 26 KB.
+    assert large.collectives == small.collectives and large.sent - small.sent < 5_000, (small.sent, large.sent)

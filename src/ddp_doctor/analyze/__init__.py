@@ -30,7 +30,14 @@ def _timing(summary: Summary, view: View) -> Timing:
     if group:  # users read global ranks
         for t in per_rank:
             t.rank = group[t.rank] if t.rank < len(group) else t.rank
-    return Timing(forward_s=fwd, backward_s=bwd, optimizer_s=opt, step_s=step, per_rank=per_rank)
+    return Timing(
+        forward_s=fwd,
+        backward_s=bwd,
+        optimizer_s=opt,
+        step_s=step,
+        per_rank=per_rank,
+        ranks_measured=summary.step_times.measured,
+    )
 
 
 def analyze(info: ModelInfo, records: list[RankRecord]) -> Diagnosis:

@@ -19,16 +19,17 @@ Neither rule runs for a DDP on GPUs (`device_ids` set): the phases are host-side
 ahead of the device, so the time it spends waiting for a batch may be time the GPU was busy, and the all-reduce the
 others wait in does not block the host. The per-rank phases are still reported; the findings would be guesses.
 
-Reading `per_rank` is the one part of the analysis whose time grows with the world size (a few floats per rank).
+Every rank's statistics reach the analysis already reduced (`exchange/ranktable.py`): counts, the slowest rank,
+medians over ranks; the rows of a few ranks whole. Nothing here grows with the world size.
 """
 
 from __future__ import annotations
 
-import statistics
+import dataclasses
 
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.core.steptime import PHASE_LABELS, PHASES, RankTiming
+from ddp_doctor.core.steptime import INPUT_SHARE, INPUT_SHARE_Q1, MIN_WAIT_S, PHASE_LABELS, PHASES, RankTiming
 
 __all__ = [
     "INPUT_SHARE",
@@ -40,12 +41,6 @@ __all__ = [
     "straggler_rank",
 ]
 
-MIN_WAIT_S = 0.010
-"""Seconds per step below which neither finding is reported, whatever the share."""
-INPUT_SHARE = 0.5
-"""Median wait for data over median step, at least."""
-INPUT_SHARE_Q1 = 0.4
-"""First quartile over the steps of the wait's share of the step, at least."""
 STRAGGLER_RATIO = 1.5
 """The slow rank's own time over the others' median, at least."""
 _MEASURED = "Measured on this machine over {n} steps (the first observed step left out)"
@@ -57,22 +52,12 @@ def _host_times_tell(v: View) -> bool:
 
 
 def rank_timings(v: View) -> list[RankTiming]:
-    """The group ranks' step phases, for every rank that had steps to measure (`exchange.ranktable`)."""
-    out = []
-    for rank, row in enumerate(v.summary.per_rank):
-        t = RankTiming.from_row(rank, row)
-        if t is not None:
-            out.append(t)
-    return out
+    """The measured ranks among the lowest 8, the slowest and the fastest (copies: the caller may renumber them)."""
+    return [dataclasses.replace(t) for t in v.summary.step_times.shown]
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
-
-
-def _waits_for_data(t: RankTiming) -> bool:
-    wait, step = t.median["data_wait_s"], t.median["step_s"]
-    return wait >= MIN_WAIT_S and wait >= INPUT_SHARE * step and t.data_wait_share_q1 >= INPUT_SHARE_Q1
 
 
 def _loader_phrase(v: View) -> tuple[str, str]:
@@ -91,16 +76,14 @@ def _loader_phrase(v: View) -> tuple[str, str]:
 def input_bound(v: View) -> list[Finding]:
     if not _host_times_tell(v):
         return []
-    timings = rank_timings(v)
-    waiting = [t for t in timings if _waits_for_data(t)]
-    if not timings or 2 * len(waiting) <= len(timings) or not v.meta(0).get("loaders"):
+    st = v.summary.step_times
+    if not st.measured or 2 * st.waiting <= st.measured or not v.meta(0).get("loaders") or st.waiting_median is None:
         return []
-    wait = statistics.median(t.median["data_wait_s"] for t in waiting)
-    step = statistics.median(t.median["step_s"] for t in waiting)
+    wait, step = st.waiting_median["data_wait_s"], st.waiting_median["step_s"]
     share = wait / step if step > 0 else 1.0
-    compute = statistics.median(t.median["forward_s"] + t.median["backward_s"] for t in waiting)
+    compute = st.waiting_median["compute_s"]
     name, settings = _loader_phrase(v)
-    n = min(t.steps for t in waiting)
+    n = st.waiting_steps
     workers = next((d.get("num_workers") for d in v.meta(0).get("loaders", []) if "num_workers" in d), None)
     first = (
         "give it worker processes (num_workers=4 or more, so that decoding runs beside the step)"
@@ -112,13 +95,14 @@ def input_bound(v: View) -> list[Finding]:
             code="input-bound",
             severity="warning",
             title=f"the ranks wait for data {share:.0%} of each step ({_ms(wait)} of {_ms(step)})",
-            detail=f"{_MEASURED.format(n=n)}: {len(waiting)} of {len(timings)} ranks spend {_ms(wait)} per step (median, "
+            detail=f"{_MEASURED.format(n=n)}: {st.waiting} of {st.measured} ranks spend {_ms(wait)} per step (median, "
             f"{share:.0%} of the step) between the end of one step and the next forward, against {_ms(compute)} "
             f"of forward and backward compute. The input comes from {name}"
             + (f" ({settings})" if settings else "")
             + ". That time is spent in the loader's __next__ and whatever else the loop does between steps; "
             "adding GPUs will not make the run faster until it shrinks.",
-            ranks=sorted(t.rank for t in waiting),
+            ranks=list(st.waiting_ranks or []),
+            more_ranks=st.waiting - len(st.waiting_ranks or []),
             steps=[],
             fix=f"{first}; persistent_workers=True keeps them between epochs; pin_memory=True speeds the copy to "
             "the GPU; move decoding and augmentation out of the training loop (into the Dataset run by the "
@@ -130,23 +114,22 @@ def input_bound(v: View) -> list[Finding]:
 def straggler_rank(v: View) -> list[Finding]:
     if not _host_times_tell(v):
         return []
-    timings = rank_timings(v)
-    if len(timings) < 2:
+    st = v.summary.step_times
+    others = st.others_median
+    slow = next((t for t in st.shown if t.rank == st.slowest), None)
+    if st.measured < 2 or slow is None or others is None or st.others_q3_max is None:
         return []
-    slow = max(timings, key=lambda t: t.own_s)
-    others = [t for t in timings if t.rank != slow.rank]
-    others_own = statistics.median(t.own_s for t in others)
-    lost = statistics.median(t.median["comm_wait_s"] for t in others)
+    others_own, lost = others["own_s"], others["comm_wait_s"]
     extra = slow.own_s - others_own
     if not (
         slow.own_s >= STRAGGLER_RATIO * others_own
         and extra >= MIN_WAIT_S
-        and slow.own_q1_s > max(t.own_q3_s for t in others)
+        and slow.own_q1_s > st.others_q3_max
         and lost >= 0.5 * extra
     ):
         return []
     ratio = slow.own_s / others_own if others_own > 0 else float("inf")
-    gaps = {p: slow.median[p] - statistics.median(t.median[p] for t in others) for p in PHASES if p != "comm_wait_s"}
+    gaps = {p: slow.median[p] - others[p] for p in PHASES if p != "comm_wait_s"}
     phase = max(gaps, key=lambda p: gaps[p])
     where = (
         f"between steps (the wait for the next batch and anything else the loop does before the forward: "
@@ -154,7 +137,7 @@ def straggler_rank(v: View) -> list[Finding]:
         if phase == "data_wait_s"
         else f"in its {PHASE_LABELS[phase]} ({_ms(gaps[phase])} more than the others)"
     )
-    n = min(t.steps for t in timings)
+    n = st.steps
     group = v.info.group_ranks
     name = group[slow.rank] if group and slow.rank < len(group) else slow.rank  # as users number them
     return [

@@ -107,8 +107,9 @@ class Timing:
     optimizer_s: float | None = None
     step_s: float | None = None
     per_rank: list[RankTiming] = field(default_factory=list)
-    """One entry per rank that had steps to measure (a few floats each: the one part of the report that grows with
-    the world size)."""
+    """The measured ranks among the lowest 8, the slowest and the fastest (what the exchange carries whole)."""
+    ranks_measured: int = 0
+    """Ranks that had steps to measure (more than `per_rank` lists beyond 8 ranks)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -117,6 +118,7 @@ class Timing:
             "optimizer_s": self.optimizer_s,
             "step_s": self.step_s,
             "per_rank": [r.to_dict() for r in self.per_rank],
+            "ranks_measured": self.ranks_measured,
         }
 
     @staticmethod
@@ -124,6 +126,7 @@ class Timing:
         return Timing(
             **{k: data.get(k) for k in ("forward_s", "backward_s", "optimizer_s", "step_s")},
             per_rank=[RankTiming.from_dict(r) for r in data.get("per_rank", [])],
+            ranks_measured=data.get("ranks_measured", len(data.get("per_rank", []))),
         )
 
 

@@ -10,7 +10,23 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PHASES", "PHASE_LABELS", "ROW_SIZE", "RankTiming"]
+__all__ = [
+    "INPUT_SHARE",
+    "INPUT_SHARE_Q1",
+    "MIN_WAIT_S",
+    "OTHERS",
+    "PHASES",
+    "PHASE_LABELS",
+    "ROW_SIZE",
+    "SHOWN_LOWEST",
+    "WAITING",
+    "EXAMPLE_SLOTS",
+    "RankTiming",
+    "StepTimes",
+    "statistic",
+    "step_times",
+    "waits_for_data",
+]
 
 PHASES = ("data_wait_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s")
 """The parts of a step, in the order they happen: waiting for the next batch (from the end of the previous step
@@ -107,3 +123,95 @@ class RankTiming:
             own_q1_s=data["own_q1_s"],
             own_q3_s=data["own_q3_s"],
         )
+
+
+MIN_WAIT_S = 0.010
+"""Seconds per step below which neither step-time finding is reported, whatever the share."""
+INPUT_SHARE = 0.5
+"""Median wait for data over median step, at least."""
+INPUT_SHARE_Q1 = 0.4
+"""First quartile over the steps of the wait's share of the step, at least."""
+SHOWN_LOWEST = 8
+"""The lowest ranks whose phases travel whole (with the slowest and the fastest rank): what the renderers show."""
+EXAMPLE_SLOTS = 64
+"""The waiting ranks named come from this many slots (rank modulo 64), the lowest rank of each, lowest first."""
+WAITING = ("data_wait_s", "step_s", "compute_s")
+"""The medians over the ranks that wait for data (`compute_s`: forward plus backward compute)."""
+OTHERS = ("own_s", *PHASES)
+"""The medians over every measured rank but the slowest."""
+
+
+def waits_for_data(t: RankTiming) -> bool:
+    """The rank waits for its data: a median wait of at least `MIN_WAIT_S` and `INPUT_SHARE` of its median step,
+    and at least `INPUT_SHARE_Q1` of the step in three steps out of four."""
+    wait, step = t.median["data_wait_s"], t.median["step_s"]
+    return wait >= MIN_WAIT_S and wait >= INPUT_SHARE * step and t.data_wait_share_q1 >= INPUT_SHARE_Q1
+
+
+@dataclass(kw_only=True, slots=True)
+class StepTimes:
+    """What every rank learns of the ranks' step phases, in a volume that does not grow with the world size: the
+    phases of a few ranks whole (`shown`), and over every rank what the two step-time rules need."""
+
+    shown: list[RankTiming]
+    """The measured ranks among the lowest `SHOWN_LOWEST`, the slowest and the fastest, by rank."""
+    measured: int = 0
+    """Ranks that had steps to measure."""
+    slowest: int | None = None
+    """The rank with the longest own time (the lowest such rank); None when none was measured."""
+    fastest: int | None = None
+    steps: int = 0
+    """The fewest steps a measured rank's statistics are over."""
+    waiting: int = 0
+    """Ranks that wait for data (`waits_for_data`)."""
+    waiting_ranks: list[int] | None = None
+    """Some of them, at most `SHOWN_LOWEST`: the lowest waiting rank of each class of rank modulo `EXAMPLE_SLOTS`,
+    lowest first (the lowest ones overall up to 64 ranks)."""
+    waiting_steps: int = 0
+    waiting_median: dict[str, float] | None = None
+    """Over the waiting ranks, each of `WAITING`."""
+    others_median: dict[str, float] | None = None
+    """Over every measured rank but the slowest, each of `OTHERS`."""
+    others_q3_max: float | None = None
+    """The largest third quartile of own time among every measured rank but the slowest."""
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    n = len(values)
+    if not n:
+        return None
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+
+def statistic(t: RankTiming, name: str) -> float:
+    """One of `WAITING` or `OTHERS` for a rank."""
+    if name == "compute_s":
+        return t.median["forward_s"] + t.median["backward_s"]
+    return t.own_s if name == "own_s" else t.median[name]
+
+
+def step_times(timings: list[RankTiming | None]) -> StepTimes:
+    """`StepTimes` from every rank's timing (index = rank; None: not measured): what the exchange computes with
+    reductions, computed directly (the in-process reference, and the tests' expectation)."""
+    measured = [t for t in timings if t is not None]
+    if not measured:
+        return StepTimes(shown=[])
+    slow = max(measured, key=lambda t: (t.own_s, -t.rank))
+    fast = min(measured, key=lambda t: (t.own_s, t.rank))
+    chosen = {t.rank for t in measured if t.rank < SHOWN_LOWEST} | {slow.rank, fast.rank}
+    waiting = [t for t in measured if waits_for_data(t)]
+    others = [t for t in measured if t.rank != slow.rank]
+    return StepTimes(
+        shown=[t for t in measured if t.rank in chosen],
+        measured=len(measured),
+        slowest=slow.rank,
+        fastest=fast.rank,
+        steps=min(t.steps for t in measured),
+        waiting=len(waiting),
+        waiting_ranks=sorted({t.rank % EXAMPLE_SLOTS: t.rank for t in reversed(waiting)}.values())[:SHOWN_LOWEST],
+        waiting_steps=min((t.steps for t in waiting), default=0),
+        waiting_median={k: _median([statistic(t, k) for t in waiting]) for k in WAITING} if waiting else None,
+        others_median={k: _median([statistic(t, k) for t in others]) for k in OTHERS} if others else None,
+        others_q3_max=max((t.own_q3_s for t in others), default=None),
+    )

@@ -4,8 +4,8 @@ Round A agrees on the step counts (and rank 0's `ModelInfo` when the ranks' diff
 fact that needs only the common step count (`facts.py`); B2 and C run only when something differs (gradients masked
 by what every rank trains; rank 0's fingerprints of the differing parameters, `rank0_slices.py`); round D evaluates
 the predicates that name ranks; then the usage patterns (`patterns.py`); round E carries strings from a bounded set
-of example ranks (`strings.py`); then the timing medians (`timing.py`) and each rank's step phases (`ranktable.py`,
-the one round that grows with W).
+of example ranks (`strings.py`); then the timing medians (`timing.py`) and the ranks' step phases
+(`ranktable.py`: the rows of a few ranks, counts and medians over ranks).
 """
 
 from __future__ import annotations
@@ -360,7 +360,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         examples=examples,
         metas=metas,
         timing=timing,
-        per_rank=phases,
+        step_times=phases,
         unpaired=(u_hi.tolist(), u_lo.tolist()),
         broadcasts=(bc_hi, bc_lo),
         collectives=(c_hi, c_lo),

@@ -1,8 +1,10 @@
-"""Round P of the exchange: each rank's step split into phases, as robust statistics over its own common steps.
+"""Rounds P of the exchange: the ranks' steps split into phases, in a volume that does not grow with the world size.
 
-Each rank reduces its own steps locally (medians and quartiles: `RankTiming`) and puts the `ROW_SIZE` floats in its
-row of a [W, ROW_SIZE] table that one SUM fills. This is the one round whose volume grows with the world size, by
-`ROW_SIZE` float64 per rank (about 130 bytes: 130 KB at a thousand ranks); the steps never add to it.
+Each rank reduces its own steps locally (medians and quartiles: `RankTiming`). Then: one MAX finds the slowest and
+the fastest rank's own time and the fewest steps, one more names them; one SUM counts the measured and the waiting
+ranks and carries the whole rows of the lowest `SHOWN_LOWEST` ranks, the slowest and the fastest; one MAX gives the
+largest third quartile among the others; and a radix select finds the medians over ranks the two step-time rules
+need. The result equals `core.steptime.step_times` on every rank's timing (the tests check it).
 """
 
 from __future__ import annotations
@@ -12,8 +14,20 @@ from collections.abc import Generator
 import torch
 
 from ddp_doctor.core.records import RankRecord
-from ddp_doctor.core.steptime import PHASES, ROW_SIZE, RankTiming
-from ddp_doctor.exchange.packing import Op, Reply, SumRound
+from ddp_doctor.core.steptime import (
+    EXAMPLE_SLOTS,
+    OTHERS,
+    PHASES,
+    ROW_SIZE,
+    SHOWN_LOWEST,
+    WAITING,
+    RankTiming,
+    StepTimes,
+    statistic,
+    waits_for_data,
+)
+from ddp_doctor.exchange.packing import MIN, MaxRound, Op, Reply, SumRound, order_key, unkey
+from ddp_doctor.exchange.timing import medians_over_ranks
 
 __all__ = ["local_timing", "per_rank"]
 
@@ -58,15 +72,65 @@ def local_timing(record: RankRecord, s: int, rank: int) -> RankTiming | None:
     )
 
 
-def per_rank(record: RankRecord, s: int, rank: int, world: int) -> Generator[Op, Reply, list[list[float]]]:
-    """Every rank's `RankTiming.to_row()` (all NaN for a rank with nothing to measure). Collective: every rank
-    yields the same round."""
+def per_rank(record: RankRecord, s: int, rank: int, world: int) -> Generator[Op, Reply, StepTimes]:
+    """The group's `StepTimes`. Collective: every rank yields the same rounds (their shapes depend on the world
+    size and on earlier results only)."""
     mine = local_timing(record, s, rank)
-    row = torch.tensor(mine.to_row() if mine else [float("nan")] * ROW_SIZE, dtype=torch.float64)
-    table = torch.zeros(world, ROW_SIZE, dtype=torch.int64)
-    # Each rank fills its own row with its floats' bits and leaves the others zero: the sum is every row exactly.
-    table[rank] = row.view(torch.int64)
-    p = SumRound(world)
-    p.ints("rows", table)
-    got = p.read((yield ("sum", p.tensor())))["rows"]
-    return got.contiguous().view(torch.float64).tolist()
+    waits = mine is not None and waits_for_data(mine)
+    lowest = list(range(min(world, SHOWN_LOWEST)))
+
+    p1 = MaxRound()
+    p1.pair("own", order_key(torch.tensor([mine.own_s if mine else 0.0])), mine is not None)
+    p1.pair("steps", torch.tensor([mine.steps if mine else 0]), mine is not None)
+    p1.pair("wsteps", torch.tensor([mine.steps if mine else 0]), waits)
+    slots = torch.full((EXAMPLE_SLOTS,), MIN, dtype=torch.int64)
+    if waits:
+        slots[rank % EXAMPLE_SLOTS] = -rank
+    p1.slot("waiting", slots, True)
+    r1 = p1.read((yield ("max", p1.tensor())))
+    own_hi, own_lo = int(r1["own"][0][0]), int(r1["own"][1][0])
+    if own_hi == MIN:  # no rank measured anything
+        return StepTimes(shown=[])
+    mine_key = int(order_key(torch.tensor([mine.own_s]))[0]) if mine else None
+
+    p2 = MaxRound()
+    p2.slot("who", torch.tensor([-rank if mine_key == own_hi else MIN, -rank if mine_key == own_lo else MIN]), True)
+    who = p2.read((yield ("max", p2.tensor())))["who"]
+    slowest, fastest = -int(who[0]), -int(who[1])
+
+    chosen = sorted({*lowest, slowest, fastest})
+    table = torch.zeros(len(chosen), ROW_SIZE, dtype=torch.int64)
+    if rank in chosen:
+        row = mine.to_row() if mine else [float("nan")] * ROW_SIZE
+        table[chosen.index(rank)] = torch.tensor(row, dtype=torch.float64).view(torch.int64)
+    p3 = SumRound(world)
+    p3.ints("counts", torch.tensor([int(mine is not None), int(waits)]))
+    p3.ints("rows", table)
+    r3 = p3.read((yield ("sum", p3.tensor())))
+    measured, waiting = (int(v) for v in r3["counts"])
+    rows = r3["rows"].contiguous().view(torch.float64).tolist()
+    shown = [t for r, row in zip(chosen, rows) if (t := RankTiming.from_row(r, row)) is not None]
+
+    other = mine is not None and rank != slowest
+    p4 = MaxRound()
+    p4.pair("q3", order_key(torch.tensor([mine.own_q3_s if mine else 0.0])), other)
+    q3 = int(p4.read((yield ("max", p4.tensor())))["q3"][0][0])
+
+    values = [statistic(mine, k) if waits else None for k in WAITING]
+    values += [statistic(mine, k) if other else None for k in OTHERS]
+    counts = [waiting] * len(WAITING) + [measured - 1] * len(OTHERS)
+    medians = yield from medians_over_ranks(values, counts, world)
+    found = sorted(-int(v) for v in r1["waiting"] if int(v) != MIN)
+    return StepTimes(
+        shown=shown,
+        measured=measured,
+        slowest=slowest,
+        fastest=fastest,
+        steps=int(r1["steps"][1][0]),
+        waiting=waiting,
+        waiting_ranks=found[:SHOWN_LOWEST],
+        waiting_steps=int(r1["wsteps"][1][0]) if waiting else 0,
+        waiting_median=dict(zip(WAITING, medians[: len(WAITING)])) if waiting else None,
+        others_median=dict(zip(OTHERS, medians[len(WAITING) :])) if measured > 1 else None,
+        others_q3_max=unkey(q3) if measured > 1 else None,
+    )

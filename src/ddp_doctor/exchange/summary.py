@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo
+from ddp_doctor.core.steptime import StepTimes
 from ddp_doctor.exchange.packing import MIN
 
 __all__ = ["EXAMPLES", "PREDICATES", "SAVE_BUCKETS", "SLOTS", "Curve", "Examples", "Summary", "Volume", "examples_from"]
@@ -159,8 +160,8 @@ class Summary:
     """Group rank -> its strings: crash, call sites, loaders (group rank 0 and the example ranks that need them)."""
     timing: list[float | None]
     """Medians over every rank's common steps: forward, backward, optimizer, and their sum (None: no step)."""
-    per_rank: list[list[float]]
-    """[W][ROW_SIZE]: each group rank's `RankTiming.to_row()` (NaN: nothing measured)."""
+    step_times: StepTimes
+    """The ranks' step phases: a few ranks whole, and what the step-time rules need over every rank."""
     unpaired: tuple[list[int], list[int]]
     """(max, min) over the ranks of DDP forwards in grad mode without a backward, per common step."""
     broadcasts: tuple[torch.Tensor, torch.Tensor]

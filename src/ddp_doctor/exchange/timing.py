@@ -11,7 +11,7 @@ import torch
 from ddp_doctor.core.records import RankRecord
 from ddp_doctor.exchange.packing import Op, Reply, SumRound, order_key, unkey
 
-__all__ = ["medians"]
+__all__ = ["medians", "medians_over_ranks"]
 
 
 def medians(record: RankRecord, s: int, world: int) -> Generator[Op, Reply, list[float | None]]:
@@ -51,3 +51,40 @@ def medians(record: RankRecord, s: int, world: int) -> Generator[Op, Reply, list
             lo, hi = unkey(prefix[0][q]), unkey(prefix[-1][q])
             timing[q] = lo if total % 2 else (lo + hi) / 2
     return timing
+
+
+def medians_over_ranks(
+    values: list[float | None], counts: list[int], world: int
+) -> Generator[Op, Reply, list[float | None]]:
+    """For each quantity q, the median of the values the ranks hold (`values[q]`, None where this rank holds none),
+    `counts[q]` of them over the group (None: no rank holds one). The same radix select as `medians`, one value per
+    rank and quantity: 16 rounds whose size depends on neither the world size nor the values. Collective."""
+    n_q = len(values)
+    keys = order_key(torch.tensor([v if v is not None else 0.0 for v in values], dtype=torch.float64))
+    held = [v is not None for v in values]
+    # The middle element (odd count) or the two middle ones (even): selection 0 and 1 (the same when odd).
+    remaining = [[(c - 1) // 2 if c else 0 for c in counts], [c // 2 for c in counts]]
+    prefix: list[list[int]] = [[0] * n_q, [0] * n_q]
+    for level in range(16):
+        shift = 60 - 4 * level
+        hist = torch.zeros(2, n_q, 16, dtype=torch.int64)
+        for j in range(2):
+            for q in range(n_q):
+                k = int(keys[q])
+                if not held[q] or (level and (k >> (shift + 4)) != prefix[j][q]):
+                    continue
+                digit = ((k >> 60) + 8) if level == 0 else ((k >> shift) & 0xF)
+                hist[j, q, digit] = 1
+        t = SumRound(world)
+        t.counts("hist", hist, world)
+        got = t.read((yield ("sum", t.tensor())))["hist"]
+        for j in range(2):
+            for q in range(n_q):
+                cum = got[j, q].cumsum(0)
+                bin_ = int((cum <= remaining[j][q]).sum())
+                remaining[j][q] -= int(cum[bin_ - 1]) if bin_ else 0
+                prefix[j][q] = bin_ - 8 if level == 0 else prefix[j][q] * 16 + bin_
+    return [
+        None if not c else (unkey(prefix[0][q]) + unkey(prefix[1][q])) / 2 if c % 2 == 0 else unkey(prefix[0][q])
+        for q, c in enumerate(counts)
+    ]

@@ -245,10 +245,11 @@ def _figures(report: Report, key: str) -> str:
 
         per_rank = report.timing.per_rank
         shown = len(shown_ranks(per_rank))
+        total = max(report.timing.ranks_measured, len(per_rank))
         which = (
             ""
-            if shown == len(per_rank)
-            else f" {shown} of the {len(per_rank)} ranks are drawn: the slowest, the fastest and the lowest."
+            if shown == total
+            else f" {shown} of the {total} ranks are drawn: the slowest, the fastest and the lowest."
         )
         out.append(
             f"<figure class='step-time' id='{key}-step-time'>{step_time_svg(per_rank)}"
