@@ -52,7 +52,7 @@ class View:
         if self._usage is not None:
             return self._usage
         never = self.live & ~self.used_any.any(0) & ~self.partial_used
-        always = self.live & self.used_all.all(0) & ~(self.steps == 0)
+        always = self.live & self.used_all.all(0) & (self.steps != 0)
         dynamic = self.live & (self.summary.varies | self.summary.after_crash)
         rank_dep = self.live & (self.used_any != self.used_all).any(0)
         self._usage = (never, dynamic, rank_dep, always)
