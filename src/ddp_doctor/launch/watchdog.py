@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from ddp_doctor.core.beacon import read_beacon
+from ddp_doctor.core.beacon import BeaconState, read_beacon
 from ddp_doctor.core.frames import user_frame
 from ddp_doctor.core.phase import IN_STEP, Phase
 from ddp_doctor.core.rankfiles import ProgressSample, write_progress
@@ -80,23 +80,28 @@ class Watchdog:
                 os._exit(124)
 
 
-def peers_train_on(outdir: Path, rank: int, step: int, *, watch_s: float = 1.0) -> bool:
-    """Whether a rank on this node has started a step `rank` will never take (read from their beacons).
-
-    Then waiting for it to join the exchange is pointless: it waits for `rank` in DDP's all-reduce. Ranks on other
-    nodes are not visible here; for them the exchange's own wait applies.
-    """
+def _any_peer(outdir: Path, rank: int, test: Callable[[BeaconState], bool], watch_s: float) -> bool:
+    """Whether the beacon of some other rank on this node passes `test`, watched for up to `watch_s` seconds."""
     deadline = time.monotonic() + watch_s
     while True:
         for path in outdir.glob("rank*.beacon"):
             if path.name == f"rank{rank}.beacon":
                 continue
             peer = read_beacon(path)
-            if peer is not None and (peer.step > step or (peer.step == step and peer.phase in _IN_STEP)):
+            if peer is not None and test(peer):
                 return True
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
+
+
+def peers_train_on(outdir: Path, rank: int, step: int, *, watch_s: float = 1.0) -> bool:
+    """Whether a rank on this node has started a step `rank` will never take (read from their beacons).
+
+    Then waiting for it to join the exchange is pointless: it waits for `rank` in DDP's all-reduce. Ranks on other
+    nodes are not visible here; for them the exchange's own wait applies.
+    """
+    return _any_peer(outdir, rank, lambda p: p.step > step or (p.step == step and p.phase in _IN_STEP), watch_s)
 
 
 def peers_wait_in_collective(outdir: Path, rank: int, *, watch_s: float = 1.0) -> bool:
@@ -105,17 +110,9 @@ def peers_wait_in_collective(outdir: Path, rank: int, *, watch_s: float = 1.0) -
     come to the exchange when that collective fails, which NCCL's never does (gloo's fails when this process
     ends), so waiting for it is pointless. Ranks that crashed the same way as this one are in no collective.
     """
-    deadline = time.monotonic() + watch_s
-    while True:
-        for path in outdir.glob("rank*.beacon"):
-            if path.name == f"rank{rank}.beacon":
-                continue
-            peer = read_beacon(path)
-            if peer is None:
-                continue
-            reducing = peer.phase == Phase.BACKWARD.value and peer.closed is not None and peer.closed.step == peer.step
-            if peer.in_collective or reducing:
-                return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
+
+    def waits(p: BeaconState) -> bool:
+        reducing = p.phase == Phase.BACKWARD.value and p.closed is not None and p.closed.step == p.step
+        return p.in_collective or reducing
+
+    return _any_peer(outdir, rank, waits, watch_s)
