@@ -173,7 +173,11 @@ class Doctor:
         tl = self._timeline
         if tl.state.computed and tl.phase == Phase.BACKWARD:
             return True
-        return bool(self._log.steps) and (tl.phase == Phase.BETWEEN_STEPS or bool(self._crash.kind))
+        if self._crash.kind:
+            return bool(self._log.steps)
+        # A step whose synced backward published its used set is not published again when it closes (one pass over
+        # the parameters per step, not two).
+        return bool(self._log.steps) and tl.phase == Phase.BETWEEN_STEPS and not tl.closed_computed
 
     def missing_grads(self, limit: int = 16) -> tuple[int, list[str]]:
         """The last step whose synced backward computed every gradient (closed, or waiting in DDP's all-reduce)

@@ -57,6 +57,8 @@ class Timeline:
     clock: Clock = field(default_factory=Clock)
     pending_close: bool = False
     """A synced backward ended and the optimizer step that closes the step has not come yet."""
+    closed_computed: bool = False
+    """The last closed step's synced backward computed its gradients (its used set was published then)."""
     attached: bool = False
     """The hooks are on: steps are being observed."""
     sync_forward: bool = True
@@ -95,6 +97,7 @@ class Timeline:
     def close(self, *, complete: bool = True) -> None:
         """Write the step in progress to the log and open a fresh one."""
         self.log.close(self.state, complete=complete)
+        self.closed_computed = self.state.computed
         self.state = StepState(len(self.params))
         self.pending_close = False
         if complete:
