@@ -144,3 +144,21 @@ def test_arrive_names_the_rank_that_never_came(tmp_path) -> None:
 def test_layout_hash_is_stable_and_order_sensitive() -> None:
     assert layout_hash(["a", "b"]) == layout_hash(["a", "b"]) != layout_hash(["b", "a"])
     assert 0 <= layout_hash(["x" * 1000]) < 2**31
+
+
+def _seen_by_the_listeners(rank: int, world: int) -> list[str]:
+    from ddp_doctor.observation import collectives
+
+    seen: list[str] = []
+    stop = collectives.listen(lambda call: seen.append(call.op))
+    try:
+        minmax(torch.tensor([1.0]), None, torch.device("cpu"))  # the doctor's own (the exchange's primitives)
+        dist.all_reduce(torch.ones(1))  # the script's
+    finally:
+        stop()
+    return seen
+
+
+def test_only_the_scripts_collectives_reach_the_listeners(tmp_path) -> None:
+    # The doctor's exchange once reached them too, and a hung rank's beacon named it as the script's collective.
+    assert run_ranks(_seen_by_the_listeners, tmp_path) == [["all_reduce"]] * 2
