@@ -38,7 +38,7 @@ LOADER = {
 
 def timed(rank: int, rows: list[tuple[float, ...]], loaders=()) -> RankRecord:
     """A clean rank whose step `s` took `rows[s]` (in ms; the first step's data wait is unknown, NaN)."""
-    r = record(rank, ALL)
+    r = record(rank, [[1, 1, 1, 1]] * len(rows))
     t = torch.tensor(rows, dtype=torch.float64) * MS
     t[0, 3] = float("nan")
     r.timing = t
@@ -83,6 +83,23 @@ def test_input_bound_needs_a_large_and_consistent_wait(rows) -> None:
     assert "input-bound" not in codes([timed(r, rows, loaders=[LOADER]) for r in range(2)])
 
 
+def test_input_bound_needs_a_wait_longer_than_the_spread_of_the_steps() -> None:
+    """A shared machine: another job takes the cores now and then, and the steps scatter by 20 to 60 ms. The time
+    between steps is over half the median step in most steps, but no longer than the steps' own spread."""
+    busy = [(1.0, 2.5, 0.5, (5.0, 30.0, 70.0)[s % 3], 0.5) for s in range(STEPS)]
+    records = [timed(r, busy, loaders=[LOADER]) for r in range(2)]
+    assert "input-bound" not in codes(records)
+    steadier = [(1.0, 2.5, 0.5, 40.0 + 5.0 * (s % 2), 0.5) for s in range(STEPS)]  # the same wait, steadily
+    assert "input-bound" in codes([timed(r, steadier, loaders=[LOADER]) for r in range(2)])
+
+
+def test_neither_rule_on_fewer_than_three_measured_steps() -> None:
+    for observed, found in ((3, False), (4, True)):  # measured steps: the first observed one is left out
+        waiting = [timed(r, steady(data=20.0)[:observed], loaders=[LOADER]) for r in range(2)]
+        straggling = [timed(0, steady(comm=25.0)[:observed]), timed(1, steady(fwd=26.0, comm=0.5)[:observed])]
+        assert ("input-bound" in codes(waiting)) is found and ("straggler-rank" in codes(straggling)) is found
+
+
 def test_input_bound_needs_most_ranks_waiting() -> None:
     records = [timed(r, steady(data=20.0 if r == 0 else 0.5), loaders=[LOADER]) for r in range(3)]
     assert "input-bound" not in codes(records)
@@ -124,6 +141,13 @@ def test_a_slow_rank_the_others_wait_for_is_named_with_its_phase_and_the_time_lo
         # Slower by 25 ms in 2 steps of 8: noise on a busy machine, not a straggler.
         pytest.param(
             steady(comm=1.0), [(26.0 if s in (2, 5) else 1.0, 2.5, 0.5, 0.5, 0.5) for s in range(STEPS)], id="rarely"
+        ),
+        # Slower in most steps, but by amounts that scatter more than the difference (13 to 93 ms against about
+        # 40 ms): a rank starved of CPU by another job on a shared machine, not one that does more work.
+        pytest.param(
+            steady(comm=25.0),
+            [(f, 2.5, 0.5, 0.5, 0.5) for f in (12.0, 70.0, 10.0, 40.0, 90.0, 12.0, 80.0, 14.0)],
+            id="scattered",
         ),
         # The others do not wait for it (they are not in lockstep with it): not this finding.
         pytest.param(steady(comm=0.5), steady(fwd=26.0), id="nobody-waits"),

@@ -6,14 +6,19 @@ machine, or a tiny model whose steps take a millisecond, shows neither.
 The rules, on each rank's `RankTiming` (medians and quartiles over its common steps, the first left out):
 
 - **input-bound**: a rank waits for data when its median wait for the next batch is at least `MIN_WAIT_S` and at
-  least `INPUT_SHARE` of its median step, and in three steps out of four it waited at least `INPUT_SHARE_Q1` of
-  the step. The finding needs more than half of the measured ranks waiting, and a DataLoader iterated while
+  least `INPUT_SHARE` of its median step, in three steps out of four it waited at least `INPUT_SHARE_Q1` of the
+  step, and the wait is longer than the step-to-step spread of its steps (their interquartile range). The finding needs more than half of the measured ranks waiting, and a DataLoader iterated while
   observed: without one, the time between steps is the loop's own (a benchmark timing other models in between, an
   evaluation), not evidence of waiting for data.
 - **straggler-rank**: the rank with the longest own time (step less its communication wait) is a straggler when
   its median own time is at least `STRAGGLER_RATIO` times the other ranks' median and `MIN_WAIT_S` longer, its
-  first quartile is above every other rank's third quartile (slower in most steps, not in a few), and the other
-  ranks lose at least half of that difference waiting in DDP's all-reduce.
+  first quartile is above every other rank's third quartile (slower in most steps, not in a few), the difference
+  is larger than the step-to-step spread of its own time (the interquartile range: a rank starved of CPU by
+  another job on a shared machine is slow by varying amounts), and the other ranks lose at least half of that
+  difference waiting in DDP's all-reduce.
+
+Both need at least `MIN_STEPS` measured steps on every rank compared: with fewer there are no quartiles to tell a
+consistent effect from a few slow steps.
 
 Neither rule runs for a DDP on GPUs (`device_ids` set): the phases are host-side times, and with CUDA the host runs
 ahead of the device, so the time it spends waiting for a batch may be time the GPU was busy, and the all-reduce the
@@ -29,7 +34,15 @@ import dataclasses
 
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.core.steptime import INPUT_SHARE, INPUT_SHARE_Q1, MIN_WAIT_S, PHASE_LABELS, PHASES, RankTiming
+from ddp_doctor.core.steptime import (
+    INPUT_SHARE,
+    INPUT_SHARE_Q1,
+    MIN_STEPS,
+    MIN_WAIT_S,
+    PHASE_LABELS,
+    PHASES,
+    RankTiming,
+)
 
 __all__ = [
     "INPUT_SHARE",
@@ -117,7 +130,7 @@ def straggler_rank(v: View) -> list[Finding]:
     st = v.summary.step_times
     others = st.others_median
     slow = next((t for t in st.shown if t.rank == st.slowest), None)
-    if st.measured < 2 or slow is None or others is None or st.others_q3_max is None:
+    if st.measured < 2 or st.steps < MIN_STEPS or slow is None or others is None or st.others_q3_max is None:
         return []
     others_own, lost = others["own_s"], others["comm_wait_s"]
     extra = slow.own_s - others_own
@@ -125,6 +138,7 @@ def straggler_rank(v: View) -> list[Finding]:
         slow.own_s >= STRAGGLER_RATIO * others_own
         and extra >= MIN_WAIT_S
         and slow.own_q1_s > st.others_q3_max
+        and extra > slow.own_q3_s - slow.own_q1_s
         and lost >= 0.5 * extra
     ):
         return []

@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "INPUT_SHARE",
     "INPUT_SHARE_Q1",
+    "MIN_STEPS",
     "MIN_WAIT_S",
     "OTHERS",
     "PHASES",
@@ -127,6 +128,9 @@ class RankTiming:
 
 MIN_WAIT_S = 0.010
 """Seconds per step below which neither step-time finding is reported, whatever the share."""
+MIN_STEPS = 3
+"""Measured steps (the first observed step left out) below which neither step-time finding is reported: fewer give
+no quartiles to tell a consistent effect from a few slow steps."""
 INPUT_SHARE = 0.5
 """Median wait for data over median step, at least."""
 INPUT_SHARE_Q1 = 0.4
@@ -143,9 +147,17 @@ OTHERS = ("own_s", *PHASES)
 
 def waits_for_data(t: RankTiming) -> bool:
     """The rank waits for its data: a median wait of at least `MIN_WAIT_S` and `INPUT_SHARE` of its median step,
-    and at least `INPUT_SHARE_Q1` of the step in three steps out of four."""
+    at least `INPUT_SHARE_Q1` of the step in three steps out of four, and longer than the step-to-step spread of
+    its steps (their interquartile range: on a busy machine the steps of a rank that does not wait scatter by as
+    much as such a wait)."""
     wait, step = t.median["data_wait_s"], t.median["step_s"]
-    return wait >= MIN_WAIT_S and wait >= INPUT_SHARE * step and t.data_wait_share_q1 >= INPUT_SHARE_Q1
+    return (
+        t.steps >= MIN_STEPS
+        and wait >= MIN_WAIT_S
+        and wait >= INPUT_SHARE * step
+        and t.data_wait_share_q1 >= INPUT_SHARE_Q1
+        and wait > t.iqr["step_s"]
+    )
 
 
 @dataclass(kw_only=True, slots=True)
