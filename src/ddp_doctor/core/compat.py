@@ -23,6 +23,8 @@ __all__ = [
     "ddp_logging_data",
     "ddp_syncs_buffers",
     "default_store",
+    "fsdp_module_type",
+    "is_dtensor",
     "parameters_to_ignore",
 ]
 
@@ -90,3 +92,34 @@ def default_store() -> dist.Store | None:
     except Exception:  # noqa: BLE001  (private API, or no default group)
         logger.debug("no default store on torch %s", torch.__version__)
         return None
+
+
+def fsdp_module_type() -> type | None:
+    """The class every module `fully_shard` (FSDP2) sharded becomes an instance of: `FSDPModule`, public in
+    `torch.distributed.fsdp` from 2.6 (checked on 2.13.0 and 2.15.0), under `torch.distributed._composable.fsdp` in
+    2.4 and 2.5. None where FSDP2 is missing (a torch built without distributed)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        return FSDPModule
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+
+            return FSDPModule
+        except ImportError:
+            return None
+
+
+_IS_DTENSOR: dict[type, bool] = {}
+
+
+def is_dtensor(t: object) -> bool:
+    """A DTensor (FSDP2's sharded parameters and their gradients): `torch.distributed.tensor.DTensor` from 2.5,
+    `torch.distributed._tensor.DTensor` in 2.4; by class name, so no import of either (one dict look-up per call:
+    fingerprints ask it for every parameter of every step)."""
+    cls = type(t)
+    known = _IS_DTENSOR.get(cls)
+    if known is None:
+        known = _IS_DTENSOR[cls] = any(c.__name__ == "DTensor" for c in cls.__mro__)
+    return known

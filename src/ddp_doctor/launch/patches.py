@@ -1,7 +1,8 @@
 """What `Session.install()` patches before any user code runs, in place (the classes stay, so `isinstance` and
 pickling behave as before): DDP's constructor (the `--ddp-kwargs` overrides, the shapes DDP is about to compare, a
 `Doctor` on the model it built), `destroy_process_group` (the report is made while the group still exists) and
-`Optimizer.__init__` (each optimizer's creation line, for `model-not-wrapped`)."""
+`Optimizer.__init__` (each optimizer's creation line, for `model-not-wrapped`), and FSDP2's
+`set_requires_gradient_sync` (where gradient sync was switched off, for `gradient-sync-off`)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,21 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer
 
-from ddp_doctor.core.frames import user_frame
+from ddp_doctor.core.compat import fsdp_module_type
+from ddp_doctor.core.frames import user_frame, user_site
 from ddp_doctor.core.rankfiles import WrapShapes, write_wrap
-from ddp_doctor.launch.unwrapped import record_creation_site
+from ddp_doctor.launch.unwrapped import SYNC_OFF_ATTR, record_creation_site
 
 if TYPE_CHECKING:
     from ddp_doctor.launch.session import Session
 
-__all__ = ["patch_ddp_init", "patch_destroy_process_group", "patch_optimizer_init", "write_wrap_shapes"]
+__all__ = [
+    "patch_ddp_init",
+    "patch_destroy_process_group",
+    "patch_gradient_sync",
+    "patch_optimizer_init",
+    "write_wrap_shapes",
+]
 
 
 def patch_ddp_init(session: Session) -> None:
@@ -76,6 +84,21 @@ def patch_optimizer_init() -> None:
         record_creation_site(opt)
 
     Optimizer.__init__ = optimizer_init
+
+
+def patch_gradient_sync() -> None:
+    """Remember on each FSDP2 module where the script last switched its gradient sync off (None: back on)."""
+    fsdp = fsdp_module_type()
+    if fsdp is None:
+        return
+    original = fsdp.set_requires_gradient_sync
+
+    @functools.wraps(original)
+    def set_requires_gradient_sync(module: Any, requires_gradient_sync: bool, *args: Any, **kwargs: Any) -> None:
+        original(module, requires_gradient_sync, *args, **kwargs)
+        object.__setattr__(module, SYNC_OFF_ATTR, None if requires_gradient_sync else user_site())
+
+    fsdp.set_requires_gradient_sync = set_requires_gradient_sync
 
 
 def write_wrap_shapes(outdir: Path, rank: int, module: torch.nn.Module) -> None:

@@ -41,7 +41,12 @@ from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.follow_epochs import CAPPED_NEXT, EpochFollowing, ended_by_our_cap, is_world
 from ddp_doctor.launch.inflight import CollectiveRecorder
-from ddp_doctor.launch.patches import patch_ddp_init, patch_destroy_process_group, patch_optimizer_init
+from ddp_doctor.launch.patches import (
+    patch_ddp_init,
+    patch_destroy_process_group,
+    patch_gradient_sync,
+    patch_optimizer_init,
+)
 from ddp_doctor.launch.policy import CheckPolicy, RunPolicy
 from ddp_doctor.launch.raised import raised_error
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch
@@ -104,6 +109,7 @@ class Session:
         patch_ddp_init(self)
         patch_destroy_process_group(self)
         patch_optimizer_init()
+        patch_gradient_sync()
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
         # The loader probe first: its pre-step hook counts the step on its pass before ours reads it.
         self.follow.install()

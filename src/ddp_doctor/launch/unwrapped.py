@@ -4,6 +4,12 @@ A well-known pattern: the script wraps the model in DDP only on its GPU branch, 
 copy. The first optimizer that steps while a process group of several ranks exists is followed for K steps (or to
 the end of the script); then every rank compares its parameters' fingerprints with one fixed-shape all_reduce and
 the report says `model-not-wrapped`.
+
+A model sharded with FSDP2 (`fully_shard`) is no unwrapped model: FSDP2 keeps its sharded parameters in sync. When
+the loop's frames hold one, the watch follows it instead (`observation/sharding.py`): which parameters the
+optimizer steps, which stay outside every sharded group, whether gradient sync is on at each step, whether any
+weight changes; the findings are `analyze/sharded.py`'s. DTensor parameters are compared by no one here: their
+shards differ across ranks by design.
 """
 
 from __future__ import annotations
@@ -16,15 +22,21 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_doctor.analyze.not_wrapped import unwrapped_findings
-from ddp_doctor.core.findings import ParamRef, Recommendation, Timing
+from ddp_doctor.analyze.sharded import sharded_findings, sharded_recommendation
+from ddp_doctor.core.compat import is_dtensor
+from ddp_doctor.core.findings import Finding, ParamRef, Recommendation, Timing
 from ddp_doctor.core.frames import user_site
+from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.observation.fingerprint import fingerprints
+from ddp_doctor.observation.sharding import ShardedModel, find_sharded_model
 from ddp_doctor.report.model import Report
 
 __all__ = ["PlainOptimizerWatch", "record_creation_site"]
 
 SITE_ATTR = "_ddp_doctor_site"
+SYNC_OFF_ATTR = "_ddp_doctor_sync_off_site"
+"""Set on an FSDP2 module by the patched `set_requires_gradient_sync(False)`: where the script called it."""
 
 
 def record_creation_site(optimizer: torch.optim.Optimizer) -> None:
@@ -41,6 +53,9 @@ class PlainOptimizerWatch:
         self.steps = 0
         self.names: dict[int, str] = {}
         self.module = ""
+        self.sharded: ShardedModel | None = None
+        self._weights_at_first: torch.Tensor | None = None
+        self.sync_off_steps = 0
 
     def on_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Count a step; returns True when it was this watch's optimizer."""
@@ -48,10 +63,19 @@ class PlainOptimizerWatch:
             return False
         if self.optimizer is None:
             self.optimizer = optimizer
-            self._name_params(sys._getframe(2))
+            self.sharded = find_sharded_model(sys._getframe(2), self._params())
+            if self.sharded is None:
+                self._name_params(sys._getframe(2))
+            else:
+                self.module = type(self.sharded.root).__qualname__
+                self.names = {id(p): n for n, p in self.sharded.named_parameters()}
+                # After the first step: whether any weight changes from here on is what the report measures.
+                self._weights_at_first = fingerprints(p for _, p in self.sharded.named_parameters())
         if optimizer is not self.optimizer:
             return False
         self.steps += 1
+        if self.sharded is not None and not self.sharded.gradient_sync_on():
+            self.sync_off_steps += 1
         return True
 
     def _name_params(self, frame: Any) -> None:
@@ -75,9 +99,11 @@ class PlainOptimizerWatch:
 
     def report(self) -> Report:
         """Compare the parameters across ranks and build the report. Collective: every rank calls it."""
-        from ddp_doctor.core import VERSION as __version__
-
-        params = self._params()
+        if self.sharded is not None:
+            return self._sharded_report(self.sharded)
+        # DTensor parameters (tensor parallelism, or a sharded model the frames did not show) belong to a
+        # parallelism that keeps them itself; their local shards differ by design.
+        params = [p for p in self._params() if not is_dtensor(p)]
         device = comm_device(None, params[0].device if params else None)
         top, low = minmax(torch.tensor([float(len(params))]), None, device)
         refs = [ParamRef(self.names.get(id(p), f"param[{i}]"), p.numel(), tuple(p.shape)) for i, p in enumerate(params)]
@@ -90,24 +116,22 @@ class PlainOptimizerWatch:
             differ = (high != lowest).any(-1)
             gap = (high - lowest).abs().amax(-1)
         assert self.optimizer is not None
-        findings = unwrapped_findings(
-            refs,
-            differ,
-            gap,
-            world=world,
-            steps=self.steps,
-            optimizer_site=getattr(self.optimizer, SITE_ATTR, None),
-            optimizer=type(self.optimizer).__qualname__,
+        findings = (
+            unwrapped_findings(
+                refs,
+                differ,
+                gap,
+                world=world,
+                steps=self.steps,
+                optimizer_site=getattr(self.optimizer, SITE_ATTR, None),
+                optimizer=type(self.optimizer).__qualname__,
+            )
+            if params
+            else []
         )
-        return Report(
-            tool_version=__version__,
-            torch_version=torch.__version__,
-            backend=str(dist.get_backend()),
-            world_size=world,
-            steps_observed=self.steps,
-            ddp_config={},
-            findings=findings,
-            recommendation=Recommendation(
+        return self._report(
+            findings,
+            Recommendation(
                 find_unused_parameters=False,
                 static_graph=False,
                 gradient_as_bucket_view=False,
@@ -116,7 +140,68 @@ class PlainOptimizerWatch:
                 reason="No DDP model was built, so there are no DDP flags to recommend: wrap the model first, then "
                 "run the check again.",
             ),
+        )
+
+    def _report(
+        self, findings: list[Finding], recommendation: Recommendation, *, sharding: dict[str, Any] | None = None
+    ) -> Report:
+        from ddp_doctor.core import VERSION as __version__
+
+        return Report(
+            tool_version=__version__,
+            torch_version=torch.__version__,
+            backend=str(dist.get_backend()),
+            world_size=dist.get_world_size(),
+            steps_observed=self.steps,
+            ddp_config={},
+            findings=findings,
+            recommendation=recommendation,
             timing=Timing(),
             framework="torch",
             ddp_site=None,
+            parallelism="ddp" if sharding is None else "fsdp2",
+            sharding=sharding,
         )
+
+    def _sharded_report(self, model: ShardedModel) -> Report:
+        """The FSDP2 findings: what the optimizer steps, the parameters outside every group, gradient sync, and
+        whether anything changed. Collective: two fixed-shape min/max reductions, a third over the unsharded
+        parameters' fingerprints when every rank has the same number of them."""
+        assert self.optimizer is not None
+        named = model.named_parameters()
+        in_model = {id(p) for _, p in named}
+        stepped = self._params()
+        unsharded = model.unsharded()
+        now = fingerprints(p for _, p in named)
+        before = self._weights_at_first if self._weights_at_first is not None else now
+        changed = bool((now.nan_to_num(0.0) != before.nan_to_num(0.0)).any())
+        device = comm_device(None, named[0][1].device if named else None)
+        local = torch.tensor([float(len(unsharded)), float(self.sync_off_steps), float(changed)])
+        top, low = minmax(local, None, device)
+        differ = [False] * len(unsharded)
+        gap = 0.0
+        if unsharded and top[0].item() == low[0].item():
+            high, lowest = minmax(fingerprints(p for _, p in unsharded).nan_to_num(0.0), None, device)
+            differ = (high != lowest).any(-1).tolist()
+            gap = float((high - lowest).abs().amax()) if differ else 0.0
+        elif unsharded:
+            differ = [True] * len(unsharded)
+            gap = float("inf")
+        sync_site = next((getattr(m, SYNC_OFF_ATTR) for _, m in model.sharded if getattr(m, SYNC_OFF_ATTR, None)), None)
+        run = ShardedRun(
+            world=dist.get_world_size(),
+            steps=self.steps,
+            optimizer=type(self.optimizer).__qualname__,
+            optimizer_site=getattr(self.optimizer, SITE_ATTR, None),
+            sharding=model.describe(),
+            model_params=sum(p.requires_grad for _, p in named),
+            replaced=sum(id(p) not in in_model for p in stepped),
+            model_params_stepped=sum(id(p) in in_model for p in stepped),
+            model_changed=bool(top[2].item()),
+            unsharded=[ParamRef(n, p.numel(), tuple(p.shape)) for n, p in unsharded],
+            unsharded_differ=differ,
+            unsharded_gap=gap,
+            sync_off_steps=int(top[1].item()),
+            sync_off_site=sync_site,
+        )
+        return self._report(sharded_findings(run), sharded_recommendation(run), sharding=run.sharding)

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ddp_doctor.core.compat import is_dtensor
+
 __all__ = ["MISSING", "fingerprint", "fingerprints", "fingerprints_batched"]
 
 MISSING = float("nan")
@@ -33,6 +35,10 @@ def fingerprint(t: torch.Tensor | None) -> tuple[float, float]:
 
 def _fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach()
+    if is_dtensor(flat):
+        # FSDP2's sharded parameters and gradients: this rank's shard (the ranks hold different shards by design;
+        # what the ranks share is compared where a collective already gathers it, never here).
+        flat = flat.to_local()
     if flat.is_sparse:
         flat = flat.to_dense()
     flat = flat.reshape(-1).to(torch.float64)
@@ -81,6 +87,8 @@ def fingerprints_batched(tensors: Iterable[torch.Tensor | None], *, chunk_elemen
         if t is None:
             continue
         flat = t.detach()
+        if is_dtensor(flat):
+            flat = flat.to_local()  # this rank's shard, as in `fingerprints`
         if flat.is_sparse:
             flat = flat.to_dense()
         flat = flat.reshape(-1)

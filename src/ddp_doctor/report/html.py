@@ -176,7 +176,8 @@ def _status(report: Report) -> str:
             f"<p class='crash'>Interrupted after {report.steps_observed} observed step(s): nothing was diagnosed.</p>"
         )
     elif not report.findings:
-        parts.append("<p class='clean'>No problems found.</p>")
+        clean = "No problems found." if report.sharding is None else "No problems found in what was checked (below)."
+        parts.append(f"<p class='clean'>{clean}</p>")
     return "".join(parts)
 
 

@@ -48,6 +48,10 @@ class Report:
     """The largest cross-rank difference of weights and gradients per step (JSON key `divergence`)."""
     following: Following | None = None
     """What `check` followed after the observed steps: the epoch ends, the loaders (JSON key `following`)."""
+    parallelism: str = "ddp"
+    """What keeps the replicas in sync in the observed model: `ddp`, or `fsdp2` (`fully_shard`)."""
+    sharding: dict[str, Any] | None = None
+    """For `fsdp2`: the sharded modules, the mesh, `reshard_after_forward`, the mixed-precision dtypes."""
     schema: str = SCHEMA
 
     @classmethod
@@ -99,6 +103,8 @@ class Report:
             usage_map=UsageMap.from_dict(data["usage_map"]) if data.get("usage_map") else None,
             divergence=Divergence.from_dict(data["divergence"]) if data.get("divergence") else None,
             following=Following.from_dict(data["following"]) if data.get("following") else None,
+            parallelism=data.get("parallelism", "ddp"),
+            sharding=data.get("sharding"),
         )
 
     @property
@@ -141,7 +147,10 @@ class Report:
             "crashes": [asdict(c) for c in self.crashes],
             "framework": self.framework,
             "ddp_site": self.ddp_site,
+            "parallelism": self.parallelism,
         }
+        if self.sharding is not None:
+            out["sharding"] = self.sharding
         if self.interrupted:
             out["interrupted"] = True
         # New keys go last and only when present, so every key above stays exactly as it was.

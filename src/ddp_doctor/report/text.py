@@ -31,6 +31,20 @@ def _flags(config: dict[str, Any]) -> str:
     return ", ".join(f"{k}={config[k]}" for k in keys if k in config)
 
 
+def _sharding(sharding: dict[str, Any]) -> str:
+    """The header's line: `FSDP2: 3 sharded modules (root sharded), mesh [2], reshard_after_forward=True`."""
+    n = sharding.get("sharded_modules", 0)
+    root = "root sharded" if sharding.get("root_sharded") else "root not sharded"
+    parts = [f"FSDP2: {n} sharded module{'s' if n != 1 else ''} ({root})"]
+    if sharding.get("mesh"):
+        parts.append("mesh " + ", ".join(str(m) for m in sharding["mesh"]))
+    if sharding.get("reshard_after_forward"):
+        parts.append("reshard_after_forward=" + "/".join(str(r) for r in sharding["reshard_after_forward"]))
+    dtypes = [f"{k}={'/'.join(sharding[k])}" for k in ("param_dtype", "reduce_dtype") if sharding.get(k)]
+    parts.append("mixed precision " + ", ".join(dtypes) if dtypes else "no mixed precision")
+    return ", ".join(parts)
+
+
 def _finding(f: Finding) -> Panel:
     # A Panel's title is one line, cut at the terminal's width: the border names the finding (severity and code,
     # short), and the title is the body's first line, where it wraps like the rest.
@@ -62,9 +76,12 @@ def _head(report: Report) -> Group:
     head.add_column(overflow="fold")
     head.add_row("world size", str(report.world_size), "backend", report.backend)
     head.add_row("steps observed", str(report.steps_observed), "torch", report.torch_version)
-    head.add_row(
-        "DDP flags", _flags(report.ddp_config) or "none (no DDP model was built)", "built by", report.framework
-    )
+    if report.sharding is not None:
+        head.add_row("sharding", _sharding(report.sharding), "built by", report.framework)
+    else:
+        head.add_row(
+            "DDP flags", _flags(report.ddp_config) or "none (no DDP model was built)", "built by", report.framework
+        )
     parts: list[Any] = [head]
     if report.ddp_site:
         # On a row of its own, so the path has the whole width before it folds.
@@ -81,7 +98,8 @@ def _recommendation(report: Report) -> Panel:
     if not report.ddp_built or not rec.flags_known:
         # No DDP model, or nothing observed supports flags: the Recommendation's flags are placeholders there
         # (the script's own, which may be the ones that failed); only its reason applies.
-        return Panel(Text(rec.reason), title="No DDP flags to recommend", title_align="left", border_style="green")
+        title = "No DDP flags to recommend" if report.sharding is None else "Recommendation"
+        return Panel(Text(rec.reason), title=title, title_align="left", border_style="green")
     summary = Text()
     summary.append(
         f"find_unused_parameters={rec.find_unused_parameters}, static_graph={rec.static_graph}, "
@@ -110,7 +128,8 @@ def render(report: Report) -> Iterator[Any]:
             f"Interrupted after {report.steps_observed} observed step(s): nothing was diagnosed.", style="yellow"
         )
     elif not report.findings:
-        yield Text("No problems found.", style="bold green")
+        clean = "No problems found." if report.sharding is None else "No problems found in what was checked (below)."
+        yield Text(clean, style="bold green")
     for f in report.findings:
         yield _finding(f)
 

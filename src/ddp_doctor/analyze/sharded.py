@@ -1,0 +1,144 @@
+"""Findings of a job that shards with FSDP2 (`fully_shard`): `optimizer-params-replaced`,
+`unsharded-params-not-synced`, `gradient-sync-off`. Pure: the agreed facts (`ShardedRun`) in, findings out.
+
+Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_train.py`, 12 steps): each of
+the three mistakes runs to the end with exit code 0 and prints nothing. The optimizer built before `fully_shard`,
+and gradient sync never switched back on, change no weight at all; a root left unsharded trains its head apart on
+each rank (its weight sums end at -2.187 and -2.443).
+"""
+
+from __future__ import annotations
+
+from ddp_doctor.core.findings import Finding, Recommendation
+from ddp_doctor.core.sharded_run import ShardedRun
+
+__all__ = ["sharded_findings", "sharded_recommendation"]
+
+
+def _steps(run: ShardedRun) -> list[int]:
+    return list(range(run.steps))
+
+
+def _unchanged(run: ShardedRun) -> str:
+    if run.steps < 2:
+        return "Only one optimizer step was observed, so whether the weights change was not measured."
+    if run.model_changed:
+        return f"Some of the model's weights did change between the first and the last of the {run.steps} steps."
+    return (
+        f"Measured: between the first and the last of the {run.steps} observed optimizer steps, not one of the "
+        f"model's {run.model_params} trainable parameters changed on any rank."
+    )
+
+
+def sharded_findings(run: ShardedRun) -> list[Finding]:
+    """Every FSDP2 finding the facts support, errors first."""
+    ranks = list(range(run.world))
+    where = f"{run.optimizer} created at {run.optimizer_site}" if run.optimizer_site else run.optimizer
+    found: list[Finding] = []
+    if run.replaced and not run.model_params_stepped:
+        found.append(
+            Finding(
+                code="optimizer-params-replaced",
+                severity="error",
+                title=f"the optimizer steps {run.replaced} parameters that are no longer the model's",
+                detail=f"The optimizer ({where}) was built before fully_shard. fully_shard replaces every parameter "
+                "of the modules it shards with a new DTensor parameter holding this rank's shard, so the "
+                "optimizer holds the old tensors, which no forward uses and no gradient reaches, and none of the "
+                f"model's {run.model_params} parameters. Training runs, the loss is computed, and nothing learns. "
+                + _unchanged(run),
+                ranks=ranks,
+                steps=_steps(run),
+                fix="build the optimizer after every fully_shard call, from the sharded model: "
+                "`for block in model.blocks: fully_shard(block)`, `fully_shard(model)`, then "
+                "`optimizer = torch.optim.AdamW(model.parameters(), ...)`. With Accelerate, build the optimizer "
+                "from the model that accelerator.prepare() returned (or pass both to prepare together).",
+            )
+        )
+    if run.sync_off_steps and run.sync_off_steps >= run.steps:
+        site = f" (last switched off at {run.sync_off_site})" if run.sync_off_site else ""
+        found.append(
+            Finding(
+                code="gradient-sync-off",
+                severity="error",
+                title=f"gradient sync was off at all {run.steps} optimizer steps",
+                detail=f"set_requires_gradient_sync(False){site} was in force every time the optimizer stepped, and "
+                "it was never switched back on: FSDP2 then reduce-scatters no gradient, the sharded parameters get "
+                "no gradient, and the optimizer skips them. " + _unchanged(run),
+                ranks=ranks,
+                steps=_steps(run),
+                fix="switch gradient sync back on for the last micro-batch of each optimizer step: "
+                "`model.set_requires_gradient_sync(micro_step == accumulation_steps - 1)` before each backward "
+                "(the DDP twin is no_sync(), left off for the last micro-batch).",
+            )
+        )
+    if run.unsharded:
+        differ = [p for p, d in zip(run.unsharded, run.unsharded_differ) if d]
+        if differ:
+            found.append(
+                Finding(
+                    code="unsharded-params-not-synced",
+                    severity="error",
+                    title=f"{len(differ)} parameters outside every fully_shard group differ across ranks",
+                    detail="These trainable parameters belong to no fully_shard group ("
+                    + ("a module added after sharding" if _root_sharded(run) else "the root module was not sharded")
+                    + "), so they stay plain tensors and nothing reduces their gradients: each rank trains its own "
+                    f"copy on its own batches. After {run.steps} steps they differ (the largest difference of a "
+                    f"weight's sum between ranks is {run.unsharded_gap:.3g}); whatever rank 0 saves is one "
+                    "rank's copy.",
+                    params=differ,
+                    ranks=ranks,
+                    steps=_steps(run),
+                    fix=_unsharded_fix(run),
+                )
+            )
+        else:
+            found.append(
+                Finding(
+                    code="unsharded-params-not-synced",
+                    severity="warning",
+                    title=f"{len(run.unsharded)} parameters outside every fully_shard group have nothing syncing them",
+                    detail="These trainable parameters belong to no fully_shard group, so nothing reduces their "
+                    f"gradients. After {run.steps} steps they are still the same on every rank (they got no "
+                    "gradient, or every rank saw the same data); they drift apart as soon as that stops.",
+                    params=list(run.unsharded),
+                    ranks=ranks,
+                    steps=_steps(run),
+                    fix=_unsharded_fix(run),
+                )
+            )
+    return found
+
+
+def _root_sharded(run: ShardedRun) -> bool:
+    return bool(run.sharding.get("root_sharded"))
+
+
+def _unsharded_fix(run: ShardedRun) -> str:
+    if _root_sharded(run):
+        return (
+            "build every module before the fully_shard calls (the root's fully_shard groups every parameter not "
+            "in an inner group), or fully_shard the added module too."
+        )
+    return (
+        "shard the root as well, after its blocks: `for block in model.blocks: fully_shard(block)` then "
+        "`fully_shard(model)`; the root's group holds every parameter left outside the inner groups (the head, "
+        "embeddings, final norm)."
+    )
+
+
+def sharded_recommendation(run: ShardedRun) -> Recommendation:
+    """No DDP flags for a sharded model: what the check can say about the sharding instead."""
+    return Recommendation(
+        find_unused_parameters=False,
+        static_graph=False,
+        gradient_as_bucket_view=False,
+        freeze_before_wrap=[],
+        verified=False,
+        flags_known=False,
+        reason="This job shards its model with FSDP2 (fully_shard), not DDP: there are no DDP flags to recommend. "
+        f"Checked on every rank over {run.steps} optimizer steps: that the optimizer steps the model's own "
+        "parameters, that every trainable parameter is in a fully_shard group (those outside it compared across "
+        "ranks), that gradient sync was on when the optimizer stepped, and whether the weights changed. Not "
+        "checked for FSDP2 yet: checkpoints of sharded state, forwards run on some ranks only, the mixed-precision "
+        "policy, unused or frozen parameters, the step time; no reshard_after_forward advice is made.",
+    )

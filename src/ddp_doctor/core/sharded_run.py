@@ -1,0 +1,46 @@
+"""What a check learns of a job that shards with FSDP2 (`fully_shard`) instead of DDP: the facts every rank agreed on,
+in the one typed record the analysis reads (`analyze/sharded.py`) and the report's header draws."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddp_doctor.core.findings import ParamRef
+
+__all__ = ["PARALLELISMS", "ShardedRun"]
+
+PARALLELISMS = ("ddp", "fsdp2")
+"""The JSON's `parallelism`: what keeps the ranks' parameters in sync in the observed model."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardedRun:
+    """An FSDP2 model trained for `steps` optimizer steps, as every rank saw it (cross-rank facts already reduced)."""
+
+    world: int
+    steps: int
+    """Optimizer steps observed (the first one included)."""
+    optimizer: str
+    """The optimizer's class name."""
+    optimizer_site: str | None
+    sharding: dict[str, Any]
+    """The sharded modules, the mesh, `reshard_after_forward`, the mixed-precision dtypes (`ShardedModel.describe`)."""
+    model_params: int
+    """Trainable parameters of the model."""
+    replaced: int = 0
+    """Parameters the optimizer steps that are not the model's (built before `fully_shard` replaced them)."""
+    model_params_stepped: int = 0
+    """Parameters of the model that the optimizer steps."""
+    model_changed: bool = True
+    """Whether any of the model's parameters changed on any rank between the first observed step and the last."""
+    unsharded: list[ParamRef] = field(default_factory=list)
+    """Trainable parameters outside every `fully_shard` group (plain tensors, not DTensors)."""
+    unsharded_differ: list[bool] = field(default_factory=list)
+    """Per `unsharded` parameter: its weights differ across ranks after the observed steps."""
+    unsharded_gap: float = 0.0
+    """The largest cross-rank difference of an unsharded parameter's weight fingerprint."""
+    sync_off_steps: int = 0
+    """Observed optimizer steps taken while some sharded module had gradient sync off (on the rank with the most)."""
+    sync_off_site: str | None = None
+    """Where the script last called `set_requires_gradient_sync(False)`."""

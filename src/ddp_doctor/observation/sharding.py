@@ -1,0 +1,116 @@
+"""FSDP2 (`fully_shard`) as one rank sees it: which modules are sharded, on what mesh and with which policy, and
+whether their gradients are reduced. Local facts only; nothing here communicates.
+
+FSDP2 replaces each parameter of a sharded module by a DTensor holding this rank's shard, so a parameter that
+stays a plain tensor inside a sharded model belongs to no `fully_shard` group: nothing synchronises it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddp_doctor.core.compat import fsdp_module_type, is_dtensor
+
+__all__ = ["ShardedModel", "find_sharded_model", "local_tensor"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: the local shard of a DTensor, `t` itself otherwise."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _groups(module: nn.Module) -> list[Any]:
+    """The FSDP parameter groups of one sharded module (`_fsdp_param_groups` from 2.10, `_fsdp_param_group` before)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+def _dtype(d: torch.dtype | None) -> str | None:
+    return None if d is None else str(d).removeprefix("torch.")
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardedModel:
+    """The model a script sharded with `fully_shard`, as found from the frames of its training loop."""
+
+    root: nn.Module
+    """The outermost module holding the sharded ones (the script's `model`), sharded itself or not."""
+    sharded: list[tuple[str, nn.Module]] = field(default_factory=list)
+    """Every `FSDPModule` under the root, by name ('' for the root)."""
+
+    @property
+    def root_sharded(self) -> bool:
+        return any(name == "" for name, _ in self.sharded)
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.root.named_parameters())
+
+    def unsharded(self) -> list[tuple[str, nn.Parameter]]:
+        """Trainable parameters that no `fully_shard` group manages: plain tensors, not DTensors."""
+        return [(n, p) for n, p in self.root.named_parameters() if p.requires_grad and not is_dtensor(p)]
+
+    def gradient_sync_on(self) -> bool:
+        """Whether every sharded module reduces its gradients now (`set_requires_gradient_sync`)."""
+        return all(g.reduce_grads for _, m in self.sharded for g in _groups(m))
+
+    def describe(self) -> dict[str, Any]:
+        """What the report's header names: the sharded modules, the mesh, resharding and the mixed precision."""
+        groups = [g for _, m in self.sharded for g in _groups(m)]
+        meshes = {tuple(g.mesh_info.mesh.mesh.shape) for g in groups if getattr(g, "mesh_info", None) is not None}
+        reshard = sorted({_reshards(g) for g in groups}, key=str)
+        policies = {(_dtype(g.mp_policy.param_dtype), _dtype(g.mp_policy.reduce_dtype)) for g in groups}
+        return {
+            "sharded_modules": len(self.sharded),
+            "root_sharded": self.root_sharded,
+            "mesh": [list(m) for m in sorted(meshes)],
+            "mesh_size": max((int(torch.tensor(m).prod()) for m in meshes), default=0),
+            "reshard_after_forward": reshard,
+            "param_dtype": sorted({p for p, _ in policies if p}),
+            "reduce_dtype": sorted({r for _, r in policies if r}),
+        }
+
+
+def _reshards(group: Any) -> bool | int:
+    """`reshard_after_forward` in force (after FSDP2's lazy init, which turns it off for a root): True, False, or
+    the size it reshards to."""
+    post = getattr(group, "post_forward_mesh_info", None)
+    if post is None:
+        return False
+    size = getattr(post, "shard_mesh_size", None)
+    return True if size is None or size == group.mesh_info.shard_mesh_size else int(size)
+
+
+def find_sharded_model(frame: Any, wanted: Iterable[torch.Tensor] = ()) -> ShardedModel | None:
+    """The sharded model of a training loop: among the modules in the locals and globals of `frame` and its
+    callers, the one holding the most `FSDPModule`s (ties: the most of `wanted`, then the most parameters). None
+    when no frame holds a sharded module, or FSDP2 is missing."""
+    fsdp = fsdp_module_type()
+    if fsdp is None:
+        return None
+    want = {id(t) for t in wanted}
+    best: tuple[tuple[int, int, int], nn.Module | None] = ((0, 0, 0), None)
+    seen: set[int] = set()
+    while frame is not None:
+        for value in (*frame.f_locals.values(), *frame.f_globals.values()):
+            if isinstance(value, nn.Module) and id(value) not in seen:
+                seen.add(id(value))
+                n_sharded = sum(isinstance(m, fsdp) for m in value.modules())
+                if n_sharded:
+                    params = list(value.parameters())
+                    key = (n_sharded, sum(id(p) in want for p in params), len(params))
+                    if key > best[0]:
+                        best = (key, value)
+        frame = frame.f_back
+    root = best[1]
+    if root is None:
+        return None
+    return ShardedModel(root=root, sharded=[(n, m) for n, m in root.named_modules() if isinstance(m, fsdp)])

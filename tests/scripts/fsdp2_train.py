@@ -1,0 +1,79 @@
+"""A small model trained with FSDP2 (`fully_shard`) on gloo, clean or with one of its silent mistakes.
+
+--mistake none              every Linear and the root sharded, optimizer built after sharding
+--mistake optimizer-before  the optimizer is built before fully_shard: it holds the replaced parameters
+--mistake root-unsharded    the blocks are sharded, the root (with its head) is not
+--mistake sync-off          set_requires_gradient_sync(False) on every micro-batch, never switched back on
+--mistake added-after       everything sharded, then a module added to the root and trained (no group holds it)
+--mistake accumulate        clean: sync off on the first micro-batch, back on for the last one
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 64), nn.ReLU()) for _ in range(2)])
+        self.blocks[1][0] = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 4)
+        self.extra: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        if self.extra is not None:
+            x = x + self.extra(x)
+        return self.head(x)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mistake", default="none")
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if args.mistake == "optimizer-before":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for block in model.blocks:
+        fully_shard(block)
+    if args.mistake != "root-unsharded":
+        fully_shard(model)
+    if args.mistake == "added-after":
+        model.extra = nn.Linear(64, 64)
+        before.update({f"extra.{n}": p.detach().clone() for n, p in model.extra.named_parameters()})
+    if args.mistake != "optimizer-before":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(args.steps):
+        for micro in range(2):
+            if args.mistake == "sync-off":
+                model.set_requires_gradient_sync(False)
+            if args.mistake == "accumulate":
+                model.set_requires_gradient_sync(micro == 1)
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    # The ground truth, printed by each rank: how far each parameter moved, and its head's sum (compare across ranks).
+    moved = max(
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().sub(before[n]).abs().max().item()
+        for n, p in model.named_parameters()
+    )
+    head = model.head.weight
+    head_sum = (head.full_tensor() if hasattr(head, "full_tensor") else head).detach().double().sum().item()
+    extra = f", extra.weight sum {model.extra.weight.detach().double().sum().item():.6f}" if model.extra else ""
+    print(f"rank {rank}: largest weight change {moved:.3g}, head.weight sum {head_sum:.6f}{extra}", flush=True)
+    dist.destroy_process_group()
