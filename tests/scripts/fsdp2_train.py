@@ -57,7 +57,7 @@ if __name__ == "__main__":
     if args.mistake != "optimizer-before":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(rank)
-    for step in range(args.steps):
+    for _step in range(args.steps):
         for micro in range(2):
             if args.mistake == "sync-off":
                 model.set_requires_gradient_sync(False)

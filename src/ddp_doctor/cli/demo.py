@@ -26,9 +26,11 @@ DEMO_ORDER = (
     "progressive_freeze.py",
     "dynamic_graph.py",
     "rank_dependent_head.py",
+    "fsdp2_optimizer_before_shard.py",
 )
 """The examples, from the healthy script to an unused head, find_unused_parameters left on for nothing, a loss
-computed through `ddp.module`, layers frozen after wrapping, a changing graph and a rank-dependent one."""
+computed through `ddp.module`, layers frozen after wrapping, a changing graph and a rank-dependent one; then past
+DDP, an FSDP2 job whose optimizer was built before `fully_shard`."""
 
 _EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
@@ -166,6 +168,9 @@ def _index(folder: Path, results: list[tuple[str, CheckResult]]) -> str:
 
 
 def _recommended(report: Report) -> Text:
+    if report.sharding is not None:  # FSDP2: no DDP flags; the first finding's fix, up to its first colon
+        fix = report.findings[0].fix.split(":")[0] if report.findings else "keep the sharding"
+        return Text(fix)
     rec, used = report.recommendation, report.ddp_config
     parts = [f"{k}={v}" for k, v in rec.ddp_kwargs.items() if bool(used.get(k, False)) != v]
     if rec.freeze_before_wrap:
