@@ -59,24 +59,43 @@ class ShardedModel:
         return [(n, p) for n, p in self.root.named_parameters() if p.requires_grad and not is_dtensor(p)]
 
     def gradient_sync_on(self) -> bool:
-        """Whether every sharded module reduces its gradients now (`set_requires_gradient_sync`)."""
-        return all(g.reduce_grads for _, m in self.sharded for g in _groups(m))
+        """Whether every sharded module reduces its gradients now (`set_requires_gradient_sync`; True where the
+        flag cannot be read)."""
+        return all(getattr(g, "reduce_grads", True) for _, m in self.sharded for g in _groups(m))
 
     def describe(self) -> dict[str, Any]:
-        """What the report's header names: the sharded modules, the mesh, resharding and the mixed precision."""
+        """What the report's header names: the sharded modules, the mesh, resharding and the mixed precision.
+
+        Read from FSDP2's private state, which moves between releases (the mixed-precision policy is the group's
+        in 2.13, each parameter's in 2.15): what cannot be read is left out, never raised into the script."""
         groups = [g for _, m in self.sharded for g in _groups(m)]
-        meshes = {tuple(g.mesh_info.mesh.mesh.shape) for g in groups if getattr(g, "mesh_info", None) is not None}
-        reshard = sorted({_reshards(g) for g in groups}, key=str)
-        policies = {(_dtype(g.mp_policy.param_dtype), _dtype(g.mp_policy.reduce_dtype)) for g in groups}
-        return {
-            "sharded_modules": len(self.sharded),
-            "root_sharded": self.root_sharded,
-            "mesh": [list(m) for m in sorted(meshes)],
-            "mesh_size": max((int(torch.tensor(m).prod()) for m in meshes), default=0),
-            "reshard_after_forward": reshard,
-            "param_dtype": sorted({p for p, _ in policies if p}),
-            "reduce_dtype": sorted({r for _, r in policies if r}),
-        }
+        out: dict[str, Any] = {"sharded_modules": len(self.sharded), "root_sharded": self.root_sharded}
+        try:
+            meshes = {tuple(g.mesh_info.mesh.mesh.shape) for g in groups}
+            out["mesh"] = [list(m) for m in sorted(meshes)]
+            out["mesh_size"] = max((int(torch.tensor(m).prod()) for m in meshes), default=0)
+        except AttributeError:
+            pass
+        try:
+            out["reshard_after_forward"] = sorted({_reshards(g) for g in groups}, key=str)
+        except AttributeError:
+            pass
+        try:
+            policies = {(_dtype(p.param_dtype), _dtype(p.reduce_dtype)) for p in _policies(groups)}
+            out["param_dtype"] = sorted({p for p, _ in policies if p})
+            out["reduce_dtype"] = sorted({r for _, r in policies if r})
+        except AttributeError:
+            pass
+        return out
+
+
+def _policies(groups: list[Any]) -> list[Any]:
+    """The mixed-precision policies in force: the group's (`mp_policy`, 2.13) or its parameters' (2.15)."""
+    found = []
+    for g in groups:
+        policy = getattr(g, "mp_policy", None)
+        found += [policy] if policy is not None else [p.mp_policy for p in g.fsdp_params]
+    return found
 
 
 def _reshards(group: Any) -> bool | int:

@@ -41,7 +41,8 @@ def _sharding(sharding: dict[str, Any]) -> str:
     if sharding.get("reshard_after_forward"):
         parts.append("reshard_after_forward=" + "/".join(str(r) for r in sharding["reshard_after_forward"]))
     dtypes = [f"{k}={'/'.join(sharding[k])}" for k in ("param_dtype", "reduce_dtype") if sharding.get(k)]
-    parts.append("mixed precision " + ", ".join(dtypes) if dtypes else "no mixed precision")
+    if "param_dtype" in sharding:  # absent where FSDP2's state could not be read
+        parts.append("mixed precision " + ", ".join(dtypes) if dtypes else "no mixed precision")
     return ", ".join(parts)
 
 
