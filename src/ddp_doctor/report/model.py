@@ -48,6 +48,13 @@ class Report:
     """The largest cross-rank difference of weights and gradients per step (JSON key `divergence`)."""
     following: Following | None = None
     """What `check` followed after the observed steps: the epoch ends, the loaders (JSON key `following`)."""
+    files_written: list[dict[str, Any]] = field(default_factory=list)
+    """Files the script wrote under the check (`torch.save`, `open()` for writing in its own code): `path`,
+    `shown`, `site`, `how`, `existed`, `ranks` (JSON key `files_written`, absent when empty)."""
+    files_unlisted: int = 0
+    """Ranks whose written files are not listed (JSON key `files_unlisted_ranks`, absent when 0)."""
+    unchecked: list[str] = field(default_factory=list)
+    """What the check did not run or could not see, in sentences (JSON key `unchecked`, absent when empty)."""
     schema: str = SCHEMA
 
     @classmethod
@@ -99,6 +106,9 @@ class Report:
             usage_map=UsageMap.from_dict(data["usage_map"]) if data.get("usage_map") else None,
             divergence=Divergence.from_dict(data["divergence"]) if data.get("divergence") else None,
             following=Following.from_dict(data["following"]) if data.get("following") else None,
+            files_written=list(data.get("files_written", [])),
+            files_unlisted=int(data.get("files_unlisted_ranks", 0)),
+            unchecked=list(data.get("unchecked", [])),
         )
 
     @property
@@ -151,9 +161,15 @@ class Report:
             out["divergence"] = self.divergence.to_dict()
         if self.following is not None:
             out["following"] = self.following.to_dict()
+        if self.files_written:
+            out["files_written"] = self.files_written
+        if self.files_unlisted:
+            out["files_unlisted_ranks"] = self.files_unlisted
+        if self.unchecked:
+            out["unchecked"] = self.unchecked
         return out
 
-    def add_following(self, following: Following, findings: list[Finding]) -> None:
+    def add_following(self, following: Following | None, findings: list[Finding]) -> None:
         """Add what following the script through its epoch ends found (`check`), findings in severity order."""
         self.following = following
         if not findings:
