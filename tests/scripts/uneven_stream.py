@@ -7,7 +7,7 @@ batches per epoch, and nothing in the loader says so.
 epochs differ, the first's do not).
 --eval: an evaluation loader, built by the same helper (one line) as the training loader, runs at each epoch end.
 --snapshot PATH: rank 0 saves a snapshot there at each epoch end and resumes from it when it exists (minGPT-ddp's
-pattern); --log PATH: rank 0 appends a line per epoch to a log file.
+pattern); --log-file PATH: rank 0 appends a line per epoch to a log file.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ p.add_argument("--epochs", type=int, default=3)
 p.add_argument("--grow", type=int, default=0)
 p.add_argument("--eval", action="store_true")
 p.add_argument("--snapshot", default=None)
-p.add_argument("--log", default=None)
+p.add_argument("--log-file", default=None)
 p.add_argument("--pg-timeout", type=float, default=20.0)
 args = p.parse_args()
 
@@ -83,8 +83,8 @@ def main() -> None:
             print(f"rank {rank}: epoch {epoch}: eval {total:.3f}", flush=True)
         if rank == 0 and args.snapshot:
             torch.save({"model": model.module.state_dict(), "epoch": epoch}, args.snapshot)
-        if rank == 0 and args.log:
-            with open(args.log, "a") as f:
+        if rank == 0 and args.log_file:
+            with open(args.log_file, "a") as f:
                 f.write(f"epoch {epoch} done\n")
     dist.destroy_process_group()
 

@@ -138,9 +138,10 @@ def files_lines(report: Report) -> list[str]:
     files = report.files_written
     head = (
         f"The script wrote {len(files)} file(s) while under the check. They stay behind, and the script will find "
-        f"them on its next run: a script that resumes from a snapshot or checkpoint it finds starts from the "
-        f"check's {report.steps_observed} observed step(s) instead of from scratch, and a log goes on from the "
-        "check's lines. Delete them (or point the script elsewhere) before the real run:"
+        "them on its next run: a script that resumes from a snapshot or checkpoint it finds starts where the check "
+        f"stopped it ({report.steps_observed} observed step(s), then any capped epoch the check followed) instead "
+        "of from scratch, and a log goes on from the check's lines. Delete them (or point the script elsewhere) "
+        "before the real run:"
     )
     lines = [head]
     for w in files:
