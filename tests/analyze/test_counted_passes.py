@@ -131,3 +131,5 @@ def test_the_files_written_and_what_went_unchecked_are_in_json_and_text() -> Non
     assert "the script will find them on its next run" in text, text
     assert "gpt_snapshot.pt (torch.save at t.py:9, rank(s) 0; created)" in text, text
     assert "Not checked: --follow-epochs 0" in text, text
+    page = report.to_html()
+    assert "the script will find them on its next run" in page and "Not checked: --follow-epochs 0" in page
