@@ -83,16 +83,24 @@ def test_the_first_pass_counted_within_the_observed_steps_is_compared_with_follo
     assert "Not checked: --follow-epochs 0" in result.output, result.output
 
 
-def test_equal_shards_are_clean_and_a_capped_later_pass_is_said_to_hide_a_difference(tmp_path: Path) -> None:
-    for args in (("--shards", "16,16"), ("--shards", "16,16", "--grow", "4")):
-        result = run(tmp_path / args[-1], *args)
-        assert result.rc == 0 and warnings_or_errors(result) == set(), result.output
-        [training] = [d for d in loaders(result) if d["training"]]
-        assert training["counted"]["by_rank"] == [4, 4] and training["no_len"], training
-        [hidden] = [u for u in result.report["unchecked"] if LOADER in u]
-        assert "counted on every rank in its first pass (4 each)" in hidden, hidden
-        assert "a later pass was capped by the check" in hidden and "would not show" in hidden, hidden
-        assert "Not checked: The DataLoader built at" in result.output, result.output
+def _clean_but_capped(result: Run) -> None:
+    assert result.rc == 0 and warnings_or_errors(result) == set(), result.output
+    [training] = [d for d in loaders(result) if d["training"]]
+    assert training["counted"]["by_rank"] == [4, 4] and training["no_len"], training
+    [hidden] = [u for u in result.report["unchecked"] if LOADER in u]
+    assert "counted on every rank in its first pass (4 each)" in hidden, hidden
+    assert "a later pass was capped by the check" in hidden and "would not show" in hidden, hidden
+    assert "Not checked: The DataLoader built at" in result.output, result.output
+
+
+def test_equal_shards_are_clean(tmp_path: Path) -> None:
+    _clean_but_capped(run(tmp_path, "--shards", "16,16"))
+
+
+def test_a_capped_later_pass_is_said_to_hide_a_difference(tmp_path: Path) -> None:
+    # Epoch 1 gives rank 1 a fifth batch (the plain run crashes in epoch 2); the check ended that pass after the
+    # observed steps, so it cannot know: it says so, and makes no claim either way.
+    _clean_but_capped(run(tmp_path, "--shards", "16,16", "--grow", "4"))
 
 
 def test_two_loaders_built_at_one_line_are_told_apart_by_creation_order(tmp_path: Path) -> None:
