@@ -1,6 +1,7 @@
 """What following the script through its epoch ends found: `timeout-risk`, a `collective-mismatch` after the
-observed steps, and the report's `following` section (the loaders, the epoch ends reached). Pure: reads the
-`FollowSummary` every rank agrees on.
+observed steps, `uneven-inputs` from the batches each rank's passes handed out (counted, with or without `len()`),
+the report's `following` section (the loaders, the epoch ends reached) and what went unchecked (a capped pass of a
+loader without `len()`, `--follow-epochs 0`). Pure: reads the `FollowSummary` every rank agrees on.
 
 `timeout-risk` rule: at one sync point (a collective every rank must enter), one rank arrived later than every
 other by a span of its own work, and that span, with each capped DataLoader pass in it run to its real length,
@@ -13,13 +14,23 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
+from ddp_doctor.analyze import rules
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.followed import Following, FollowSummary
 from ddp_doctor.core.rankfiles import RankState
 from ddp_doctor.core.ranks import rank_list
 
-__all__ = ["following_findings", "following_section", "timed_out_waiting", "timeout_fix"]
+__all__ = [
+    "counted_uneven",
+    "following_findings",
+    "following_section",
+    "loader_name",
+    "timed_out_waiting",
+    "timeout_fix",
+    "unchecked",
+]
 
 NO_LOADER = (
     "No epoch end was reached: the observed steps did not train on a DataLoader pass (a step-based loop, like "
@@ -83,10 +94,125 @@ def timeout_fix(framework: str | None) -> str:
     )
 
 
-def following_findings(summary: FollowSummary | None, *, framework: str = "torch") -> list[Finding]:
-    if summary is None or not summary.followed:
+def following_findings(
+    summary: FollowSummary | None, *, framework: str = "torch", lengths_compared: bool = False
+) -> list[Finding]:
+    """The findings of following. `uneven-inputs` from the counted passes comes whether or not anything was
+    followed (the observed steps may have run a pass to its end); `lengths_compared`: the observed steps already
+    reported the training loader's different `len()` per rank (not said twice)."""
+    if summary is None:
         return []
-    return [*_mismatch(summary), *_timeout_risk(summary, framework)]
+    uneven = counted_uneven(summary.loaders, lengths_compared=lengths_compared)
+    if not summary.followed:
+        return uneven
+    return [*uneven, *_mismatch(summary), *_timeout_risk(summary, framework)]
+
+
+def loader_name(d: dict[str, Any]) -> str:
+    """`built at file:line`, or `#2 built at file:line` for the second of the loaders built together there."""
+    site = d.get("site") or "at an unknown line"
+    return f"#{d['ordinal']} built at {site}" if d.get("ordinal", 1) > 1 else f"built at {site}"
+
+
+def _per_rank(c: dict[str, Any]) -> str:
+    """`rank 0: 5, rank 1: 4` for the first ranks (`at least 3` where the check ended that rank's pass)."""
+    shown = []
+    for r, (n, floor) in enumerate(zip(c["by_rank"], c["at_least_by_rank"])):
+        shown.append(f"rank {r}: {n}" if n is not None else f"rank {r}: at least {floor}" if floor else "")
+    return ", ".join(x for x in shown if x)
+
+
+def _sampler(sampler: str | None) -> str:
+    if not sampler:
+        return ""
+    if sampler.startswith("_Infinite"):  # the placeholder DataLoader gives an IterableDataset
+        return "It streams an IterableDataset (no sampler): each rank's share is whatever its __iter__ yields there."
+    return f"Its sampler: {sampler}."
+
+
+def counted_uneven(loaders: list[dict[str, Any]], *, lengths_compared: bool = False) -> list[Finding]:
+    """`uneven-inputs` for each loader whose ranks handed out different numbers of batches in one pass, counted as
+    the passes ran (with or without `len()`): an error for a training loader, a warning for another one."""
+    findings = []
+    for d in loaders:
+        c = d.get("counted") or {}
+        if not c.get("uneven"):
+            continue
+        b = d["batches"]
+        if lengths_compared and d["training"] and b["min"] is not None and b["min"] != b["max"]:
+            continue  # the observed steps' finding already compares its len() per rank
+        name = f"the DataLoader {loader_name(d)}"
+        ranks, more = c.get("fewest_ranks", []), c.get("more_fewest", 0)
+        who = rank_list(ranks, more=more) if ranks else "some ranks"
+        counted = (
+            "Counted as the passes ran (the loader has no len(); ddp-doctor counts each rank's batches per pass): "
+            if d.get("no_len")
+            else "Counted as the passes ran: "
+        )
+        per_rank = _per_rank(c)
+        epoch = f"pass {c['pass']} of {name}"
+        if d["training"]:
+            finding = rules.uneven_inputs(
+                title=f"ranks have different numbers of batches per epoch from {name} ({per_rank})",
+                cause=f"{counted}in {epoch}, {who} ran out after {c['min']} batches, while the others still train",
+                note=f"{_sampler(d.get('sampler'))} Batches per rank in that pass: {per_rank}.".strip(),
+                ranks=ranks,
+                steps=[],
+            )
+        else:
+            finding = Finding(
+                code="uneven-inputs",
+                severity="warning",
+                title=f"ranks get different numbers of batches from {name}, which no optimizer step trained on "
+                f"({per_rank})",
+                detail=f"{counted}in {epoch}, {who} ran out after {c['min']} batches while the others went on (up "
+                f"to {c['max']}). A loop over it (an evaluation, say) ends at a different batch on each rank: "
+                "harmless while it issues no collective per batch, but a forward through the DDP wrapper (a buffer "
+                "broadcast) or an all_reduce of a metric per batch then pairs with the wrong batch on the other "
+                "ranks and hangs at the end; a metric averaged per rank weighs the ranks unequally.",
+                ranks=ranks,
+                steps=[],
+                fix="give every rank the same number of batches (a DistributedSampler, or shards of equal size), or "
+                "keep the loop free of collectives and all_reduce the summed metric and the sample count once, after "
+                "it.",
+            )
+        finding.more_ranks = more
+        findings.append(finding)
+    return findings
+
+
+def unchecked(summary: FollowSummary | None, *, epochs: int, limit: int, steps: int) -> list[str]:
+    """What the check did not run or could not see, in sentences: the epoch end with `--follow-epochs 0`, and the
+    loaders without len() whose passes the check capped (a difference in their batches per rank would not show)."""
+    out = []
+    if epochs == 0:
+        out.append(
+            f"--follow-epochs 0: the script was stopped right after its {steps} observed step(s); its epoch end "
+            "(evaluation, checkpoint saves, the collectives there) and every later epoch went unchecked, and a "
+            "DataLoader pass still open then was never counted to its end. Leave --follow-epochs at 1 (the "
+            "default) to follow one epoch end."
+        )
+    for d in summary.loaders if summary is not None else []:
+        c = d.get("counted") or {}
+        if not d.get("no_len") or not d["capped"] or c.get("uneven"):
+            continue
+        name = f"The DataLoader {loader_name(d)}"
+        if c.get("all_first_counted"):
+            each = f" ({c['min']} each)" if c.get("min") == c.get("max") else ""
+            out.append(
+                f"{name} has no len(): its batches were counted on every rank in its first pass{each}, but a later "
+                f"pass was capped by the check (at {limit} batch(es), or where the observed steps ended), so a "
+                "difference between the ranks' counts in later epochs (shards that change per epoch, say) would not "
+                "show."
+            )
+        else:
+            out.append(
+                f"{name} has no len(), and the check ended its passes before they ran to their end on every rank "
+                f"(after the observed steps, then at {limit} batch(es)): its batches per rank were never counted, so "
+                "ranks with different numbers of batches per epoch would not show. Raise --steps above its batches "
+                "per epoch to count a whole pass."
+            )
+    return out
 
 
 def _mismatch(s: FollowSummary) -> list[Finding]:

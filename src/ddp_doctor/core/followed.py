@@ -11,6 +11,8 @@ __all__ = ["AloneSpan", "FollowRecord", "FollowSummary", "Following", "LoaderSee
 
 MAX_SYNC_POINTS = 1024
 """Sync points a rank keeps while following; later ones are counted, not timed."""
+COUNTED_PASSES = 4
+"""Passes of each loader whose batches are counted per rank and compared across ranks."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,6 +45,13 @@ class LoaderSeen:
     training: bool = False
     """An optimizer step was taken on one of its batches."""
     sampler: str | None = None
+    ordinal: int = 1
+    """Its order among the loaders built together at its line (#2: the second built there)."""
+    counted: list[int] = field(default_factory=list)
+    """Its first `COUNTED_PASSES` passes: the batches each handed out when it ran to its real end, -1 for a pass
+    the check capped (or the loop left early)."""
+    floors: list[int] = field(default_factory=list)
+    """The batches each of those passes handed out, run to its end or not (a lower bound of its real count)."""
 
 
 @dataclass(kw_only=True)
@@ -70,6 +79,9 @@ class FollowRecord:
     timeout_s: float | None = None
     """The default process group's timeout (None: unknown)."""
     started_at: float = 0.0
+    files: list[dict[str, Any]] = field(default_factory=list)
+    """The files the script wrote under the check, from launch on: `path` (absolute), `shown`, `site`, `how`
+    (`torch.save` or `open()`), `existed` (it was there before: overwritten or appended to)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,6 +124,11 @@ class FollowSummary:
     run (`FollowRecord.extra_broadcast_sites`)."""
     alone: AloneSpan | None = None
     timeout_s: float | None = None
+    files: list[dict[str, Any]] = field(default_factory=list)
+    """The files any rank wrote (`FollowRecord.files`), each with `ranks` (the lowest 8 that wrote it) and
+    `more_ranks`."""
+    files_unlisted: int = 0
+    """Ranks whose files are not listed (beyond the 9 listings exchanged)."""
 
 
 @dataclass(kw_only=True)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_doctor.core.followed import AloneSpan, FollowRecord, FollowSummary, SyncPoint
+from ddp_doctor.core.followed import COUNTED_PASSES, AloneSpan, FollowRecord, FollowSummary, SyncPoint
 from ddp_doctor.exchange.oddranks import all_reduced, name_flagged, pick
 from ddp_doctor.exchange.packing import from_words, to_words
 from ddp_doctor.exchange.primitives import arrive, minmax
@@ -106,6 +106,7 @@ def exchange_follow(record: FollowRecord, *, timeout: float, device: torch.devic
     )
     hi, lo = minmax(header, None, device)
     loaders = _loaders(record, device)
+    files, unlisted = _files(record, device)
     summary = FollowSummary(
         followed=bool(lo[5] > 0),
         declined=bool(hi[7] > 0),
@@ -115,6 +116,8 @@ def exchange_follow(record: FollowRecord, *, timeout: float, device: torch.devic
         loaders=loaders,
         counts={k: (int(hi[i]), int(lo[i])) for i, k in enumerate(KINDS)},
         timeout_s=record.timeout_s,
+        files=files,
+        files_unlisted=unlisted,
     )
     if not summary.followed:
         return summary
@@ -227,26 +230,118 @@ def _loaders(record: FollowRecord, device: torch.device) -> list[dict[str, Any]]
     )
     l_hi, l_lo = minmax(lengths, None, device)
     f_hi, _ = minmax(facts, None, device)
+    # The batches of each loader's first passes, counted where a pass ran to its end (-1: capped, left early or
+    # never started), and the batches each handed out at all (a lower bound).
+    counted = torch.full((n, COUNTED_PASSES), -1.0, dtype=torch.float64)
+    floors = torch.zeros(n, COUNTED_PASSES, dtype=torch.float64)
+    for j, (k, _, _) in enumerate(union):
+        if k in mine:
+            for i, (c, f) in enumerate(zip(mine[k].counted, mine[k].floors)):
+                counted[j, i], floors[j, i] = float(c), float(f)
+    big = float(2**50)
+    c_hi, _ = minmax(torch.stack([counted, floors]), None, device)
+    _, c_lo = minmax(torch.where(counted >= 0, counted, torch.full_like(counted, big)), None, device)
+    sums = all_reduced(
+        torch.cat([(counted >= 0).to(torch.float64).reshape(-1), (lengths != -1).to(torch.float64)]),
+        dist.ReduceOp.SUM,
+        None,
+        device,
+    )
+    n_counted, iterated = sums[: n * COUNTED_PASSES].reshape(n, COUNTED_PASSES), sums[n * COUNTED_PASSES :]
     first = min(dist.get_world_size(), _FIRST)
-    rows = torch.zeros(first, n, dtype=torch.float64)
+    rows = torch.zeros(first, n, 1 + 2 * COUNTED_PASSES, dtype=torch.float64)
     if rank < first:
-        rows[rank] = lengths
-    by_rank = pick(rows, torch.arange(first), group=None, device=device)
+        rows[rank] = torch.cat([lengths.unsqueeze(1), counted, floors], 1)
+    by_rank = pick(rows.reshape(first, -1), torch.arange(first), group=None, device=device).reshape(rows.shape)
+    # Per loader, the first pass whose counts differ: two ranks ran it to different ends, or one rank handed out
+    # more batches than another's whole pass.
+    uneven: dict[int, int] = {}
+    for j in range(n):
+        for i in range(COUNTED_PASSES):
+            lo, hi, floor = float(c_lo[j, i]), float(c_hi[0, j, i]), float(c_hi[1, j, i])
+            if lo < big and (hi > lo or floor > lo):
+                uneven[j] = i
+                break
+    fewest = {}
+    if uneven:
+        flags = torch.tensor([float(counted[j, i]) == float(c_lo[j, i]) for j, i in uneven.items()])
+        fewest = dict(zip(uneven, name_flagged(flags, group=None, device=device)))
     out = []
     for j, (_key, site, sampler) in enumerate(union):
+        at = uneven.get(j)
+        if at is None:  # the first pass counted on every rank that iterated the loader, else the first counted
+            full = [i for i in range(COUNTED_PASSES) if n_counted[j, i] > 0]
+            every = [i for i in full if n_counted[j, i] >= iterated[j]]
+            at = (every or full or [None])[0]
+        count: dict[str, Any] = {"pass": None, "uneven": False}
+        if at is not None:
+            count = {
+                "pass": at + 1,
+                "uneven": j in uneven,
+                "min": int(c_lo[j, at]),
+                "max": int(max(c_hi[0, j, at], c_hi[1, j, at])),
+                "by_rank": [shown(float(x)) for x in by_rank[:, j, 1 + at].tolist()],
+                "at_least_by_rank": [int(x) for x in by_rank[:, j, 1 + COUNTED_PASSES + at].tolist()],
+                "ranks_counted": int(n_counted[j, at]),
+            }
+            if j in fewest:
+                count["fewest_ranks"], count["more_fewest"] = fewest[j].examples, fewest[j].more
+        # Passes that ended at the check's cap (or where the check ended the observed steps): their real count is
+        # unknown where the loader has no len().
+        count["all_first_counted"] = bool(n_counted[j, 0] >= iterated[j] > 0)
         out.append(
             {
                 "site": site,
+                "ordinal": int(_ordinal(_key)),
                 "sampler": sampler,
                 "batches": {
                     "min": shown(float(l_lo[j])) if l_lo[j] != -1 else shown(float(l_hi[j])),
                     "max": shown(float(l_hi[j])),
-                    "by_rank": [shown(float(x)) for x in by_rank[:, j].tolist()],
+                    "by_rank": [shown(float(x)) for x in by_rank[:, j, 0].tolist()],
                 },
                 "passes": int(f_hi[j, 0]),
                 "most": int(f_hi[j, 1]),
                 "capped": int(f_hi[j, 2]),
                 "training": bool(f_hi[j, 3]),
+                "no_len": bool(l_lo[j] == -2),
+                "counted": count,
             }
         )
     return out
+
+
+def _ordinal(key: str) -> int:
+    """The loader's order among those built together at its line, from its key (`site#N|sampler|shuffle`)."""
+    head = key.split("|", 1)[0]
+    tail = head.rsplit("#", 1)[-1]
+    return int(tail) if tail.isdigit() else 1
+
+
+def _files(record: FollowRecord, device: torch.device) -> tuple[list[dict[str, Any]], int]:
+    """The union of the files written by rank 0 and by the lowest ranks whose list differs (up to 8), each with the
+    ranks that wrote it; and how many ranks' differing lists were left out."""
+    rank = dist.get_rank()
+    listing = json.dumps(sorted([f["path"], f["shown"], f["site"], f["how"], f["existed"]] for f in record.files))
+    digest = float(zlib.crc32(listing.encode()))
+    hi, lo = minmax(torch.tensor([digest], dtype=torch.float64), None, device)
+    owners, unlisted = [0], 0
+    if hi[0] != lo[0]:
+        ref = pick(torch.tensor([[digest]], dtype=torch.float64), torch.tensor([0]), group=None, device=device)[0]
+        named = name_flagged(torch.tensor([digest != float(ref[0])]), group=None, device=device)[0]
+        owners += named.examples
+        unlisted = named.more
+    texts = _share_texts([listing if rank == o else None for o in owners], device)
+    union: list[list[Any]] = []
+    for text in texts:
+        for entry in json.loads(text) if text else []:
+            if all(entry[0] != u[0] for u in union):
+                union.append(entry)
+    if not union:
+        return [], unlisted
+    mine = {f["path"] for f in record.files}
+    wrote = name_flagged(torch.tensor([u[0] in mine for u in union]), group=None, device=device)
+    return [
+        {"path": path, "shown": shown_, "site": site, "how": how, "existed": existed, "ranks": w.examples}
+        | ({"more_ranks": w.more} if w.more else {})
+        for (path, shown_, site, how, existed), w in zip(union, wrote)
+    ], unlisted

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ddp_doctor.analyze.epoch_ends import following_findings, following_section
+from ddp_doctor.analyze.epoch_ends import following_findings, following_section, unchecked
 from ddp_doctor.core.followed import FollowSummary
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.follow import exchange_follow
@@ -98,21 +98,30 @@ class EpochFollowing:
         return True
 
     def exchange(self, doctors: Sequence[Doctor], reason: str, timeout: float) -> FollowSummary | None:
-        """Stop following and reduce what it saw over every rank (None when following is off). Collective."""
-        if not self.enabled:
-            return None
+        """Stop following and reduce what it saw over every rank. Collective. Also with following off: the loaders'
+        counted passes and the files written are reported all the same."""
         record = self.watch.stop(reason, timeout_s=group_timeout())
         for doctor in doctors:
             doctor.stop_listening()
         return exchange_follow(record, timeout=timeout, device=_device(doctors))
 
     def annotate(self, doctors: Sequence[Doctor], reports: Sequence[Report], summary: FollowSummary | None) -> None:
-        """Add the following section and its findings to the reports of the models over the whole world."""
-        if not self.enabled:
-            return
-        section = following_section(summary, epochs=self.config.follow_epochs, limit=self.config.limit_batches)
-        if section is None:
-            return
+        """Add the following section, its findings, the files written and what went unchecked to the reports of
+        the models over the whole world."""
+        epochs, limit = self.config.follow_epochs, self.config.limit_batches
+        section = following_section(summary, epochs=epochs, limit=limit) if self.enabled else None
         for doctor, report in zip(doctors, reports):
-            if is_world(doctor.ddp.process_group):
-                report.add_following(section, following_findings(summary, framework=report.framework))
+            if not is_world(doctor.ddp.process_group):
+                continue
+            steps_uneven = report.finding("uneven-inputs")
+            findings = following_findings(
+                summary,
+                framework=report.framework,
+                lengths_compared=steps_uneven is not None and steps_uneven.severity == "error",
+            )
+            if section is None:  # nothing followed: only the counted passes' findings
+                findings = [f for f in findings if f.code == "uneven-inputs"]
+            report.add_following(section, findings)
+            report.unchecked = unchecked(summary, epochs=epochs, limit=limit, steps=report.steps_observed)
+            if summary is not None:
+                report.files_written, report.files_unlisted = list(summary.files), summary.files_unlisted

@@ -65,7 +65,13 @@ _set_epoch_called: set[int] = set()
 """ids of DistributedSamplers whose set_epoch was called since the probe was installed."""
 _SITE = "_ddp_doctor_site"
 _SERIAL = "_ddp_doctor_serial"
+_ORDINAL = "_ddp_doctor_ordinal"
 _serials = itertools.count(1)
+_at_site: dict[str, list[int]] = {}
+"""Per creation line: [loaders created there in this round, whether one of them started a pass since]. Loaders
+built at one line (a helper that builds the training and the test loader) are told apart by their order in a round
+of creation: a round ends when a loader of the line starts a pass, so a loader built anew each epoch at that line
+is the same loader again (#1), and a training and a test loader built together are #1 and #2."""
 _passes: dict[int, Pass] = {}
 """id(iterator) -> its `Pass`, for the passes started while someone listens: a pass that yields one batch and is
 dropped (`next(iter(loader))` to read the batch size, as PyTorch's own DDP tutorial does before `set_epoch`) is a
@@ -127,8 +133,9 @@ def _ordering_sampler(loader: tud.DataLoader) -> Any:
     return getattr(loader, "sampler", None)
 
 
-def _creation_site(loader: tud.DataLoader, frame: FrameType | None) -> str | None:
-    """`file:line` where `loader` was created, walking out from `frame` (its `__init__`'s caller).
+def _creation_site(loader: tud.DataLoader, frame: FrameType | None) -> tuple[str | None, Any]:
+    """`file:line` where `loader` was created, walking out from `frame` (its `__init__`'s caller), and the user's
+    loader it was built from by a framework (None: the user's own, or unknown).
 
     Frames whose locals hold `loader` itself are its making, not its creation: a subclass's `__init__`, or a
     framework's wrapper of `__init__` (Lightning wraps every DataLoader's while it calls `train_dataloader()`). A
@@ -147,13 +154,13 @@ def _creation_site(loader: tud.DataLoader, frame: FrameType | None) -> str | Non
             values = list(frame.f_locals.values())
             if not any(v is loader for v in values):
                 if is_user_frame(filename):  # the user's own code
-                    return first or format_site(filename, frame.f_lineno)
+                    return first or format_site(filename, frame.f_lineno), None
                 for value in values:
                     if _is_observed_loader(value) and any(value.dataset is d for d in sources):
-                        return getattr(value, _SITE)
+                        return getattr(value, _SITE), value
                 first = first or format_site(filename, frame.f_lineno)
         frame = frame.f_back
-    return first
+    return first, None
 
 
 def _is_observed_loader(value: Any) -> bool:
@@ -175,16 +182,29 @@ def _install() -> None:
         original_init(self, *args, **kwargs)
         # The creation line names the loader in findings; the serial tells loaders apart where an id may be reused
         # (a loader created anew each epoch can get the address of the last one).
-        object.__setattr__(self, _SITE, _creation_site(self, sys._getframe(1)))
+        site, source = _creation_site(self, sys._getframe(1))
+        object.__setattr__(self, _SITE, site)
         object.__setattr__(self, _SERIAL, next(_serials))
+        if source is not None:  # a framework's loader over the user's: the user's loader again
+            object.__setattr__(self, _ORDINAL, getattr(source, _ORDINAL, 1))
+        elif site is not None:
+            round_ = _at_site.setdefault(site, [0, 0])
+            if round_[1]:
+                round_[:] = [0, 0]
+            round_[0] += 1
+            object.__setattr__(self, _ORDINAL, round_[0])
 
     def __iter__(self: tud.DataLoader) -> Any:
+        site = getattr(self, _SITE, None)
+        if site in _at_site:  # the next loader created at its line starts a new round (see `_at_site`)
+            _at_site[site][1] = 1
         if not _listeners:
             _passes.clear()
             return original(self)
         info = describe(self)
         info["id"] = getattr(self, _SERIAL, None) or f"id{id(self)}"
         info["site"] = getattr(self, _SITE, None)
+        info["ordinal"] = getattr(self, _ORDINAL, 1)
         if info["site"] is None:  # created before the probe was installed: its first iteration names it
             info["iterated_at"] = user_site()
         iterator = original(self)

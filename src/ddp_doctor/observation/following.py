@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_doctor.core.followed import MAX_SYNC_POINTS, FollowRecord, LoaderSeen, SyncPoint
+from ddp_doctor.core.followed import COUNTED_PASSES, MAX_SYNC_POINTS, FollowRecord, LoaderSeen, SyncPoint
 from ddp_doctor.core.frames import user_site, user_site_of
-from ddp_doctor.observation import collectives, dataloaders
+from ddp_doctor.observation import collectives, dataloaders, saves
 from ddp_doctor.observation.collectives import Call
 from ddp_doctor.observation.counted_epochs import LightningEpochs
 from ddp_doctor.observation.dataloaders import Pass
@@ -30,14 +30,15 @@ __all__ = ["FollowWatch"]
 
 _MAX_LOADERS = 32
 _MAX_PASSES = 256
+_MAX_FILES = 16
 
 
 def _key(info: dict[str, Any]) -> str:
-    """A loader by its creation line and sampler (the same on every rank, whatever its length there): a loader
-    created anew each epoch at one line is one loader; a training and an evaluation loader built by one helper
-    differ by their sampler's kind or shuffling."""
+    """A loader by its creation line, its order among the loaders built together there, and its sampler (the same
+    on every rank, whatever its length there): a loader created anew each epoch at one line is one loader; a
+    training and a test loader built by one helper are #1 and #2 there (`dataloaders._at_site`)."""
     site = info.get("site") or info.get("iterated_at") or f"loader {info.get('id')}"
-    return f"{site}|{info.get('sampler')}|{info.get('shuffle')}"
+    return f"{site}#{info.get('ordinal', 1)}|{info.get('sampler')}|{info.get('shuffle')}"
 
 
 class FollowWatch:
@@ -62,6 +63,10 @@ class FollowWatch:
         self._wrapped: list[DistributedDataParallel] = []
         self._latest: dict[str, Pass] = {}
         self._counted: list[LightningEpochs] = []
+        self._first: dict[str, list[Pass]] = {}
+        """Each loader's first `COUNTED_PASSES` passes: their batches are counted per rank and compared."""
+        self.files: dict[str, dict[str, Any]] = {}
+        """The files the script wrote (`torch.save`, `open()` for writing in its own code), by absolute path."""
         self.declined = False
         """Following was asked for, but the observed steps did not train on a DataLoader pass."""
 
@@ -70,6 +75,14 @@ class FollowWatch:
     def install(self) -> None:
         dataloaders.listen(self._on_pass)
         dataloaders.listen_ends(self._on_end)
+        saves.listen(functools.partial(self._on_write, "torch.save"))
+        saves.listen_opens(functools.partial(self._on_write, "open()"))
+
+    def _on_write(self, how: str, info: dict[str, Any]) -> None:
+        path = info["path"]
+        if path not in self.files and len(self.files) < _MAX_FILES:
+            self.files[path] = {"path": path, "shown": info["shown"], "site": info.get("site"), "how": how}
+            self.files[path]["existed"] = bool(info.get("existed"))
 
     def _on_pass(self, info: dict[str, Any]) -> None:
         key = _key(info)
@@ -80,6 +93,7 @@ class FollowWatch:
                 site=info.get("site") or info.get("iterated_at"),
                 batches=info.get("batches"),
                 sampler=info.get("sampler"),
+                ordinal=int(info.get("ordinal") or 1),
             )
         if seen is not None:
             seen.passes += 1
@@ -88,6 +102,9 @@ class FollowWatch:
             one.info["key"] = key
             if seen is not None:  # past `_MAX_LOADERS` loaders, the others are not listed
                 self._latest[key] = one
+                first = self._first.setdefault(key, [])
+                if len(first) < COUNTED_PASSES:
+                    first.append(one)
             if self.active and len(self._passes) < _MAX_PASSES:
                 self._passes.append(one)
 
@@ -202,6 +219,11 @@ class FollowWatch:
         self.active = False
         for key, one in self._latest.items():  # a pass still open (or left early by its loop) counts too
             self.loaders[key].most = max(self.loaders[key].most, one.yielded)
+        for key, first in self._first.items():
+            # A pass counts when it ran to its real end; one the check ended (capped) or the loop left early
+            # gives a lower bound only.
+            self.loaders[key].counted = [p.yielded if not p.open and not p.capped else -1 for p in first]
+            self.loaders[key].floors = [p.yielded for p in first]
         if followed:
             self._syncs.append(
                 SyncPoint(kind="end", what=f"the end of following ({ended_by})", site=None, enter=now, exit=now)
@@ -221,6 +243,7 @@ class FollowWatch:
             extra_broadcast_sites=list(self._extra_sites),
             timeout_s=timeout_s,
             started_at=self._started,
+            files=list(self.files.values()),
         )
 
 

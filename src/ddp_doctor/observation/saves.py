@@ -1,28 +1,36 @@
-"""Which files a rank writes with `torch.save` while it is observed.
+"""Which files a rank writes with `torch.save` while it is observed, and which it opens for writing.
 
 Every rank saving the same checkpoint file (no rank guard) makes them race on one path: a torn or interleaved file,
 or, on a shared file system, a checkpoint whose content depends on which rank wrote last. `torch.save` is wrapped
 once, process-wide (the launcher installs it before the script runs, so `from torch import save` in the script
 gets the wrapper too); each call that names a file is passed to whoever listens (the observing doctors). Local facts
 only: the path, the user's line, and whether what was saved is the DDP wrapper's state dict (keys `module.*`).
+
+Whatever the script writes under the check stays behind, and a script that resumes from a snapshot it finds starts
+its next real run from the check's few steps. `open()` is wrapped too (`listen_opens`): a call from the script's
+own code (not a library's) with a mode that writes (`w`, `a`, `x`, `+`) is passed on with its path.
 """
 
 from __future__ import annotations
 
+import builtins
 import functools
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from ddp_doctor.core.frames import user_site
+from ddp_doctor.core.frames import is_user_frame, user_site
 from ddp_doctor.observation.hooks import ListenerList
 
-__all__ = ["describe", "install", "listen"]
+__all__ = ["describe", "install", "listen", "listen_opens"]
 
 Listener = Callable[[dict[str, Any]], None]
 _listeners: ListenerList[Listener] = ListenerList()
+_open_listeners: ListenerList[Listener] = ListenerList()
+_LIBRARIES = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 _installed = False
 _PREFIX = "module."
 
@@ -54,7 +62,17 @@ def describe(obj: Any, f: Any) -> dict[str, Any] | None:
         return None
     here = os.getcwd()
     shown = os.path.relpath(path, here) if path.startswith(here + os.sep) else path
-    return {"path": path, "shown": shown, "site": user_site(), "module_prefix": _module_prefixed(obj)}
+    return {
+        "path": path,
+        "shown": shown,
+        "site": user_site(),
+        "module_prefix": _module_prefixed(obj),
+        "existed": os.path.exists(path),
+    }
+
+
+def _writes(mode: Any) -> bool:
+    return isinstance(mode, str) and any(c in mode for c in "wax+")
 
 
 def _install() -> None:
@@ -71,11 +89,25 @@ def _install() -> None:
         return original(obj, f, *args, **kwargs)
 
     torch.save = save
+    original_open = builtins.open
+
+    @functools.wraps(original_open)
+    def open(file: Any, mode: Any = "r", *args: Any, **kwargs: Any) -> Any:  # noqa: A001  (builtins.open's name)
+        if _open_listeners and _writes(mode) and isinstance(file, (str, os.PathLike)):
+            caller = sys._getframe(1).f_code.co_filename
+            if is_user_frame(caller) and not any(d in caller for d in _LIBRARIES):
+                info = describe(None, file)
+                if info is not None:
+                    for listener in _open_listeners:
+                        listener(info)
+        return original_open(file, mode, *args, **kwargs)
+
+    builtins.open = open
     _installed = True
 
 
 def install() -> None:
-    """Wrap `torch.save` now (the launcher does it before the script runs)."""
+    """Wrap `torch.save` and `open()` now (the launcher does it before the script runs)."""
     if not _installed:
         _install()
 
@@ -85,3 +117,10 @@ def listen(listener: Listener) -> Callable[[], None]:
     if not _installed:
         _install()
     return _listeners.add(listener)
+
+
+def listen_opens(listener: Listener) -> Callable[[], None]:
+    """Pass each `open()` for writing, called from the script's own code, to `listener`; returns its remover."""
+    if not _installed:
+        _install()
+    return _open_listeners.add(listener)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from ddp_doctor.core.figures import STATE_HELP, STATES
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_ranges
-from ddp_doctor.report.text import following_lines
+from ddp_doctor.report.text import files_lines, following_lines
 
 if TYPE_CHECKING:  # the model calls these renderers; they only read it
     from ddp_doctor.report.model import Report
@@ -315,9 +315,12 @@ def check_section(report: Report, *, key: str = "m0", heading: str | None = None
     title = f"<h2>{_e(heading)}</h2>" if heading else ""
     lines = following_lines(report.following) if report.following is not None else []
     following = f"<p class='timing following'>{'<br>'.join(_e(x) for x in lines)}</p>" if lines else ""
+    # What the script left behind and what the check did not see: beside the findings, not in the dim lines.
+    notes = [*(files_lines(report) if report.files_written else []), *(f"Not checked: {u}" for u in report.unchecked)]
+    left = f"<p class='crash'>{'<br>'.join(_e(x) for x in notes)}</p>" if notes else ""
     return (
         f"<section class='ddp-check' id='{key}'>{title}<p class='version'>ddp-doctor {_e(report.tool_version)}"
-        f"</p>{_head(report)}{_status(report)}{''.join(_finding(f) for f in report.findings)}"
+        f"</p>{_head(report)}{_status(report)}{''.join(_finding(f) for f in report.findings)}{left}"
         f"{_figures(report, key)}{_recommendation(report, key)}{timing}{following}</section>"
     )
 

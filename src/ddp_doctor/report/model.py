@@ -52,6 +52,13 @@ class Report:
     """What keeps the replicas in sync in the observed model: `ddp`, or `fsdp2` (`fully_shard`)."""
     sharding: dict[str, Any] | None = None
     """For `fsdp2`: the sharded modules, the mesh, `reshard_after_forward`, the mixed-precision dtypes."""
+    files_written: list[dict[str, Any]] = field(default_factory=list)
+    """Files the script wrote under the check (`torch.save`, `open()` for writing in its own code): `path`,
+    `shown`, `site`, `how`, `existed`, `ranks` (JSON key `files_written`, absent when empty)."""
+    files_unlisted: int = 0
+    """Ranks whose written files are not listed (JSON key `files_unlisted_ranks`, absent when 0)."""
+    unchecked: list[str] = field(default_factory=list)
+    """What the check did not run or could not see, in sentences (JSON key `unchecked`, absent when empty)."""
     schema: str = SCHEMA
 
     @classmethod
@@ -105,6 +112,9 @@ class Report:
             following=Following.from_dict(data["following"]) if data.get("following") else None,
             parallelism=data.get("parallelism", "ddp"),
             sharding=data.get("sharding"),
+            files_written=list(data.get("files_written", [])),
+            files_unlisted=int(data.get("files_unlisted_ranks", 0)),
+            unchecked=list(data.get("unchecked", [])),
         )
 
     @property
@@ -160,9 +170,15 @@ class Report:
             out["divergence"] = self.divergence.to_dict()
         if self.following is not None:
             out["following"] = self.following.to_dict()
+        if self.files_written:
+            out["files_written"] = self.files_written
+        if self.files_unlisted:
+            out["files_unlisted_ranks"] = self.files_unlisted
+        if self.unchecked:
+            out["unchecked"] = self.unchecked
         return out
 
-    def add_following(self, following: Following, findings: list[Finding]) -> None:
+    def add_following(self, following: Following | None, findings: list[Finding]) -> None:
         """Add what following the script through its epoch ends found (`check`), findings in severity order."""
         self.following = following
         if not findings:

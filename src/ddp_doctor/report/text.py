@@ -133,6 +133,10 @@ def render(report: Report) -> Iterator[Any]:
         yield Text(clean, style="bold green")
     for f in report.findings:
         yield _finding(f)
+    if report.files_written:
+        yield Text("\n".join(files_lines(report)), style="yellow")
+    for line in report.unchecked:
+        yield Text(f"Not checked: {line}", style="yellow")
 
     yield _recommendation(report)
 
@@ -147,6 +151,27 @@ def render(report: Report) -> Iterator[Any]:
         yield Text(phases_line(t.per_rank), style="dim")
     if report.following is not None:
         yield from (Text(line, style="dim") for line in following_lines(report.following))
+
+
+def files_lines(report: Report) -> list[str]:
+    """The files the script wrote under the check, and that its next run will find them."""
+    files = report.files_written
+    head = (
+        f"The script wrote {len(files)} file(s) while under the check. They stay behind, and the script will find "
+        "them on its next run: a script that resumes from a snapshot or checkpoint it finds starts where the check "
+        f"stopped it ({report.steps_observed} observed step(s), then any capped epoch the check followed) instead "
+        "of from scratch, and a log goes on from the check's lines. Delete them (or point the script elsewhere) "
+        "before the real run:"
+    )
+    lines = [head]
+    for w in files:
+        ranks = rank_ranges(w.get("ranks", []), more=w.get("more_ranks", 0)) if w.get("ranks") else "?"
+        state = "overwritten or appended to" if w.get("existed") else "created"
+        at = f" at {w['site']}" if w.get("site") else ""
+        lines.append(f"  {w['shown']} ({w['how']}{at}, rank(s) {ranks}; {state})")
+    if report.files_unlisted:
+        lines.append(f"  and the files of {report.files_unlisted} more rank(s) that wrote other ones")
+    return lines
 
 
 def following_lines(f: Following) -> list[str]:
@@ -170,9 +195,16 @@ def following_lines(f: Following) -> list[str]:
         else:
             length = f"{b['min']}-{b['max']} batches by rank"
         role = "training" if d["training"] else "evaluation or other"
+        name = f"#{d['ordinal']} " if d.get("ordinal", 1) > 1 else ""
+        c = d.get("counted") or {}
+        counted = ""
+        if c.get("pass"):
+            spread = f"{c['min']}" if c["min"] == c["max"] else f"{c['min']}-{c['max']}"
+            counted = f"; pass {c['pass']} counted {spread} batches per rank"
         lines.append(
-            f"  loader {d['site'] or '(unknown line)'} ({role}, {d.get('sampler') or 'no sampler'}): real length "
-            f"{length}; {d['passes']} pass(es), at most {d['most']} batches handed out, {d['capped']} capped"
+            f"  loader {name}{d['site'] or '(unknown line)'} ({role}, {d.get('sampler') or 'no sampler'}): real "
+            f"length {length}; {d['passes']} pass(es), at most {d['most']} batches handed out, {d['capped']} capped"
+            f"{counted}"
         )
     if len(f.loaders) > 8:
         lines.append(f"  and {len(f.loaders) - 8} more loader(s)")
