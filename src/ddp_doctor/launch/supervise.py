@@ -28,6 +28,7 @@ from typing import IO, Any
 from ddp_doctor.core.rankfiles import Outcome, end_path, read_ends
 from ddp_doctor.launch.config import CLI_PID_VAR, ENV_VAR, RUN_MARKER_VAR, RankConfig
 from ddp_doctor.launch.outcome import CheckResult, collect
+from ddp_doctor.launch.verify import needs_verification, verify
 
 __all__ = ["BOOTSTRAP", "Interrupted", "check_namespace", "install_signal_handlers", "run_check", "run_processes"]
 
@@ -311,7 +312,8 @@ def check_namespace(
     follow_epochs: int = 1,
     limit_batches: int = 2,
 ) -> CheckResult:
-    """Run `check` on torchrun's parsed namespace (as a dict)."""
+    """Run `check` on torchrun's parsed namespace (as a dict); when the observed steps ended early, verify the
+    recommendation in a second run (`verify.py`)."""
     config = RankConfig(
         target=namespace["training_script"],
         module=bool(namespace["module"]),
@@ -321,4 +323,9 @@ def check_namespace(
         follow_epochs=follow_epochs,
         limit_batches=limit_batches,
     )
-    return run_check(namespace, config, timeout=timeout, output=output)
+    result = run_check(namespace, config, timeout=timeout, output=output)
+    if needs_verification(result, steps):
+        # The second run's prints are not the user's to read twice: they go to a file that is removed after.
+        with tempfile.NamedTemporaryFile("w", prefix="ddp-doctor-verify-", suffix=".log") as sink:
+            verify(result, config, lambda c: run_check(namespace, c, timeout=timeout, output=sink))
+    return result

@@ -107,14 +107,9 @@ class PlainOptimizerWatch:
             steps_observed=self.steps,
             ddp_config={},
             findings=findings,
-            recommendation=Recommendation(
-                find_unused_parameters=False,
-                static_graph=False,
-                gradient_as_bucket_view=False,
-                freeze_before_wrap=[],
-                verified=False,
-                reason="No DDP model was built, so there are no DDP flags to recommend: wrap the model first, then "
-                "run the check again.",
+            recommendation=Recommendation.unknown(
+                "No DDP model was built, so there are no DDP flags to recommend: wrap the model first, then "
+                "run the check again."
             ),
             timing=Timing(),
             framework="torch",

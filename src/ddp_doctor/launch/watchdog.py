@@ -108,10 +108,13 @@ def peers_wait_in_collective(outdir: Path, rank: int, *, watch_s: float = 1.0) -
     """Whether a rank on this node sits in a collective: one of the script's, or DDP's gradient all-reduce (its
     backward computed every gradient and it waits for the others). For a rank that crashed, such a peer can only
     come to the exchange when that collective fails, which NCCL's never does (gloo's fails when this process
-    ends), so waiting for it is pointless. Ranks that crashed the same way as this one are in no collective.
+    ends), so waiting for it is pointless. Ranks that crashed too (their beacon says so) are in no collective: they
+    come to the exchange, and ranks that failed the same way get one joint report.
     """
 
     def waits(p: BeaconState) -> bool:
+        if p.crashed:
+            return False  # it raised too (its failed step reads as closed in backward): it comes to the exchange
         reducing = p.phase == Phase.BACKWARD.value and p.closed is not None and p.closed.step == p.step
         return p.in_collective or reducing
 
