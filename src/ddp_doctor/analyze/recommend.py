@@ -224,5 +224,5 @@ def recommend_after_failure(findings: list[Finding], ddp_config: dict[str, Any],
             else "No DDP flags can be recommended: the ranks could not compare what they observed, so the used set "
             f"is not known on every rank. Where they were: {where}. Run the check again; if this repeats, please "
             "report it."
-        ),
+        )
     )

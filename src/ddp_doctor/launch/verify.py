@@ -79,9 +79,7 @@ def verify(result: CheckResult, config: RankConfig, run: Callable[[RankConfig], 
         )
     else:
         why = (
-            errors[0].title
-            if errors
-            else f"it observed {check.steps_observed} step(s), fewer than the {needed} needed"
+            errors[0].title if errors else f"it observed {check.steps_observed} step(s), fewer than the {needed} needed"
         )
         rec.reason += (
             f" Not verified: a second run with these flags (--ddp-kwargs '{applied}') did not confirm them: {why}."
