@@ -216,13 +216,11 @@ def recommend_after_failure(findings: list[Finding], ddp_config: dict[str, Any],
             "sees every step and says whether static_graph=True, which is cheaper, is safe.",
         )
     return Recommendation.unknown(
-        (
-            "No DDP flags can be recommended: the ranks could not finish the observed steps together, so the used "
-            "set is not known on every rank. Fix the failure above and run the check again."
-            if shown
-            # Never point at a failure the report does not show.
-            else "No DDP flags can be recommended: the ranks could not compare what they observed, so the used set "
-            f"is not known on every rank. Where they were: {where}. Run the check again; if this repeats, please "
-            "report it."
-        )
+        "No DDP flags can be recommended: the ranks could not finish the observed steps together, so the used "
+        "set is not known on every rank. Fix the failure above and run the check again."
+        if shown
+        # Never point at a failure the report does not show.
+        else "No DDP flags can be recommended: the ranks could not compare what they observed, so the used set "
+        f"is not known on every rank. Where they were: {where}. Run the check again; if this repeats, please "
+        "report it."
     )
