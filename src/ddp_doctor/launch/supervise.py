@@ -311,9 +311,11 @@ def check_namespace(
     output: IO[str] | None,
     follow_epochs: int = 1,
     limit_batches: int = 2,
+    verify: bool = True,
 ) -> CheckResult:
     """Run `check` on torchrun's parsed namespace (as a dict); when the observed steps ended early, verify the
-    recommendation in a second run (`verify.py`)."""
+    recommendation in a second run (`verify.py`) unless `verify` is false or the job spans several nodes (each
+    node's `check` would have to start its second run in step with the others')."""
     config = RankConfig(
         target=namespace["training_script"],
         module=bool(namespace["module"]),
@@ -324,7 +326,8 @@ def check_namespace(
         limit_batches=limit_batches,
     )
     result = run_check(namespace, config, timeout=timeout, output=output)
-    if needs_verification(result, steps):
+    one_node = str(namespace.get("nnodes", "1")) in ("1", "1:1")
+    if verify and one_node and needs_verification(result, steps):
         # The second run's prints are not the user's to read twice: they go to a file that is removed after.
         with tempfile.NamedTemporaryFile("w", prefix="ddp-doctor-verify-", suffix=".log") as sink:
             verify(result, config, lambda c: run_check(namespace, c, timeout=timeout, output=sink))
