@@ -28,7 +28,7 @@ from typing import IO, Any
 from ddp_doctor.core.rankfiles import Outcome, end_path, read_ends
 from ddp_doctor.launch.config import CLI_PID_VAR, ENV_VAR, RUN_MARKER_VAR, RankConfig
 from ddp_doctor.launch.outcome import CheckResult, collect
-from ddp_doctor.launch.verify import needs_verification, verify
+from ddp_doctor.launch.verify import needs_verification, verify_recommendation
 
 __all__ = ["BOOTSTRAP", "Interrupted", "check_namespace", "install_signal_handlers", "run_check", "run_processes"]
 
@@ -330,5 +330,5 @@ def check_namespace(
     if verify and one_node and needs_verification(result, steps):
         # The second run's prints are not the user's to read twice: they go to a file that is removed after.
         with tempfile.NamedTemporaryFile("w", prefix="ddp-doctor-verify-", suffix=".log") as sink:
-            verify(result, config, lambda c: run_check(namespace, c, timeout=timeout, output=sink))
+            verify_recommendation(result, config, lambda c: run_check(namespace, c, timeout=timeout, output=sink))
     return result

@@ -20,7 +20,7 @@ from dataclasses import replace
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.outcome import CheckResult
 
-__all__ = ["needs_verification", "verify"]
+__all__ = ["needs_verification", "verify_recommendation"]
 
 _FLAGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
 
@@ -41,7 +41,7 @@ def needs_verification(result: CheckResult, steps: int) -> bool:
     return changed or bool(rec.freeze_before_wrap)
 
 
-def verify(result: CheckResult, config: RankConfig, run: Callable[[RankConfig], CheckResult]) -> CheckResult | None:
+def verify_recommendation(result: CheckResult, config: RankConfig, run: Callable[[RankConfig], CheckResult]) -> CheckResult | None:
     """Run the script again with the first run's recommendation applied, and mark it verified when that run is clean.
 
     Args:
