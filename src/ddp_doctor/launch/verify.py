@@ -41,7 +41,9 @@ def needs_verification(result: CheckResult, steps: int) -> bool:
     return changed or bool(rec.freeze_before_wrap)
 
 
-def verify_recommendation(result: CheckResult, config: RankConfig, run: Callable[[RankConfig], CheckResult]) -> CheckResult | None:
+def verify_recommendation(
+    result: CheckResult, config: RankConfig, run: Callable[[RankConfig], CheckResult]
+) -> CheckResult | None:
     """Run the script again with the first run's recommendation applied, and mark it verified when that run is clean.
 
     Args:
