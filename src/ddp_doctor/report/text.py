@@ -79,8 +79,7 @@ def _head(report: Report) -> Group:
 def _recommendation(report: Report) -> Panel:
     rec = report.recommendation
     if not report.ddp_built or not rec.flags_known:
-        # No DDP model, or nothing observed supports flags: the Recommendation's flags are placeholders there
-        # (the script's own, which may be the ones that failed); only its reason applies.
+        # No DDP model, or nothing observed supports flags (they are None): only the reason applies.
         return Panel(Text(rec.reason), title="No DDP flags to recommend", title_align="left", border_style="green")
     summary = Text()
     summary.append(
