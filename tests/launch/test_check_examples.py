@@ -11,6 +11,10 @@ import pytest
 from checkrun import EXAMPLES, check
 from golden import assert_matches_golden
 
+# An example whose observed steps end early (a crash) gets its recommendation verified by check's own second run,
+# and the test applies it once more: three runs of the script.
+pytestmark = pytest.mark.timeout(300)
+
 
 @dataclass
 class Example:
