@@ -10,7 +10,11 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from checkrun import EXAMPLES, SCRIPTS, check, finish, free_port, start
+
+# A run whose observed steps end early (a crash, a short script) makes a second run to verify its recommendation.
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_crash_on_rank_1_names_the_rank_step_and_error(tmp_path: Path) -> None:
@@ -102,7 +106,7 @@ def test_a_head_only_rank_0_trains_is_rank_dependent_after_a_one_step_crash(tmp_
     """Default flags, a head used on rank 0 only: rank 1 fails at step 1 with DDP's reduction error while rank 0
     waits for it. The report says the graph depends on the rank (rank 0's beacon: it closed step 0 with every
     gradient), and no fix tells the user to freeze the head rank 0 trains."""
-    run = check(["--nproc-per-node", "2", "--timeout", "60", str(SCRIPTS / "rank0_head.py")], tmp_path)
+    run = check(["--nproc-per-node", "2", "--timeout", "60", str(SCRIPTS / "rank0_head.py")], tmp_path, timeout=240)
     assert run.rc == 1, run.output
     rank_dependent = run.finding("rank-dependent-graph")
     assert run.params("rank-dependent-graph") == {"aux.weight", "aux.bias"}
@@ -133,7 +137,7 @@ def test_destroy_process_group_with_none_before_the_steps_reports_on_the_steps_i
 
     Ground truth (plain torchrun, 2 ranks): both ranks train 3 steps and exit 0. The fix, find_unused_parameters=
     False, is verified by check's second run on the same 3 steps (issue #32 item 6: it read "not yet verified")."""
-    run = check(["--nproc-per-node", "2", str(SCRIPTS / "destroy_none.py")], tmp_path)
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "destroy_none.py")], tmp_path, timeout=240)
     assert run.rc == 0, run.output
     assert run.codes == {"find-unused-unneeded"}, run.output
     assert run.report["steps_observed"] == 3, run.report
@@ -153,7 +157,7 @@ def test_static_graph_on_a_changing_graph_is_one_joint_finding_and_the_fix_is_ve
     static_graph set to True.` ("Parameter indices which did not receive grad for rank R: 4 5", aux.weight and
     aux.bias); torchrun exits 1. With static_graph=False and find_unused_parameters=True all 20 steps run (exit 0).
     """
-    run = check(["--nproc-per-node", "2", str(SCRIPTS / "static_graph_changes.py")], tmp_path)
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "static_graph_changes.py")], tmp_path, timeout=240)
     assert run.rc == 1, run.output
     unsafe = [f for f in run.report["findings"] if f["code"] == "static-graph-unsafe"]
     assert len(unsafe) == 1 and unsafe[0]["ranks"] == [0, 1] and unsafe[0]["steps"] == [2], run.output
@@ -176,7 +180,7 @@ def test_a_parameter_used_outside_forward_is_one_joint_finding_and_the_fix_is_ve
     Since a2719d7 both crashed ranks took each other for a rank waiting in DDP's all-reduce and left without
     exchanging: one box per rank, "No DDP flags to recommend", and the script's failing flags in the JSON.
     """
-    run = check(["--nproc-per-node", "2", str(SCRIPTS / "head_outside_forward.py")], tmp_path)
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "head_outside_forward.py")], tmp_path, timeout=240)
     assert run.rc == 1, run.output
     outside = [f for f in run.report["findings"] if f["code"] == "used-outside-forward"]
     assert len(outside) == 1 and outside[0]["ranks"] == [0, 1] and outside[0]["steps"] == [0], run.output
