@@ -131,6 +131,11 @@ def test_kwargs_handler_from_a_report_its_json_or_its_recommendation() -> None:
         kwargs_handler({"findings": []})
     with pytest.raises(InvalidArgumentError, match="got str"):
         kwargs_handler("report.json")
+    # A report whose run failed before anything supported flags has null flags: nothing to apply, and it says why.
+    unknown = report(rec=Recommendation.unknown("No DDP flags can be recommended: the ranks could not finish."))
+    for source in (unknown, unknown.to_dict(), unknown.recommendation):
+        with pytest.raises(InvalidArgumentError, match="recommends no DDP flags.*could not finish"):
+            kwargs_handler(source)
 
 
 def test_fail_on_thresholds() -> None:

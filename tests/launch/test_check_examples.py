@@ -11,6 +11,10 @@ import pytest
 from checkrun import EXAMPLES, check
 from golden import assert_matches_golden
 
+# An example whose observed steps end early (a crash) gets its recommendation verified by check's own second run,
+# and the test applies it once more: three runs of the script.
+pytestmark = pytest.mark.timeout(300)
+
 
 @dataclass
 class Example:
@@ -73,7 +77,7 @@ EXAMPLES_EXPECTED = [
 @pytest.mark.parametrize("example", EXAMPLES_EXPECTED, ids=lambda e: e.script)
 def test_check_example_then_apply_the_recommendation(example: Example, tmp_path: Path) -> None:
     script = str(EXAMPLES / example.script)
-    first = check(["--nproc-per-node", "2", script], tmp_path / "first")
+    first = check(["--nproc-per-node", "2", script], tmp_path / "first", timeout=240)
     assert first.report is not None, first.output
     assert first.codes == example.codes, first.output
     assert first.rc == example.rc, first.output
@@ -107,6 +111,6 @@ def test_check_example_then_apply_the_recommendation(example: Example, tmp_path:
 @pytest.mark.parametrize("script", ["uneven_inputs.py", "observe_unused_head.py"])
 def test_check_report_is_unchanged(script: str, tmp_path: Path) -> None:
     """The examples not covered above: the whole JSON report is the golden one."""
-    run = check(["--nproc-per-node", "2", str(EXAMPLES / script)], tmp_path)
+    run = check(["--nproc-per-node", "2", str(EXAMPLES / script)], tmp_path, timeout=240)
     assert run.report is not None, run.output
     assert_matches_golden(Path(script).stem, run.report)

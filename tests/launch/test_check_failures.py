@@ -10,7 +10,11 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from checkrun import EXAMPLES, SCRIPTS, check, finish, free_port, start
+
+# A run whose observed steps end early (a crash, a short script) makes a second run to verify its recommendation.
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_crash_on_rank_1_names_the_rank_step_and_error(tmp_path: Path) -> None:
@@ -27,6 +31,11 @@ def test_crash_on_rank_1_names_the_rank_step_and_error(tmp_path: Path) -> None:
         "rank 0 lost its peer at step 3" in finding["detail"] or "rank 0 was at step 3, backward" in finding["detail"]
     ), finding["detail"]
     assert "corrupt sample 1234" in run.output  # the traceback reaches the user
+    # Nothing observed supports any flags: the JSON says so with nulls, never with the script's own flags.
+    rec = run.report["recommendation"]
+    assert [rec[k] for k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")] == [None] * 3, rec
+    assert rec["verified"] is False and rec["flags_known"] is False and rec["render"] == {}, rec
+    assert "No DDP flags to recommend" in run.output, run.output
 
 
 def test_isinstance_copy_and_pickle_keep_working_while_observed(tmp_path: Path) -> None:
@@ -37,7 +46,9 @@ def test_isinstance_copy_and_pickle_keep_working_while_observed(tmp_path: Path) 
 
 def test_two_nodes_of_one_process_give_the_same_report_as_one_node_of_two(tmp_path: Path) -> None:
     script = str(EXAMPLES / "unused_head.py")
-    single = check(["--nproc-per-node", "2", script], tmp_path / "single")
+    # A multi-node check runs no verification run (each node would have to start it in step with the others), so
+    # the one-node run is compared without it too.
+    single = check(["--nproc-per-node", "2", "--no-verify", script], tmp_path / "single")
     port = free_port()
     rdzv = [
         "--nnodes",
@@ -95,7 +106,7 @@ def test_a_head_only_rank_0_trains_is_rank_dependent_after_a_one_step_crash(tmp_
     """Default flags, a head used on rank 0 only: rank 1 fails at step 1 with DDP's reduction error while rank 0
     waits for it. The report says the graph depends on the rank (rank 0's beacon: it closed step 0 with every
     gradient), and no fix tells the user to freeze the head rank 0 trains."""
-    run = check(["--nproc-per-node", "2", "--timeout", "60", str(SCRIPTS / "rank0_head.py")], tmp_path)
+    run = check(["--nproc-per-node", "2", "--timeout", "60", str(SCRIPTS / "rank0_head.py")], tmp_path, timeout=240)
     assert run.rc == 1, run.output
     rank_dependent = run.finding("rank-dependent-graph")
     assert run.params("rank-dependent-graph") == {"aux.weight", "aux.bias"}
@@ -103,7 +114,7 @@ def test_a_head_only_rank_0_trains_is_rank_dependent_after_a_one_step_crash(tmp_
     assert "static_graph=True" in rank_dependent["fix"] and "keep them trainable" in rank_dependent["fix"]
     assert all("requires_grad=False" not in f["fix"] + f["detail"] for f in run.report["findings"]), run.output
     rec = run.report["recommendation"]
-    assert rec["freeze_before_wrap"] == [] and rec["verified"] is False, rec
+    assert rec["freeze_before_wrap"] == [] and rec["verified"] is True, rec  # by check's own second run
     # One step is all DDP allowed: the flag that works whether or not each rank's set changes, never the defaults.
     assert rec["find_unused_parameters"] is True and rec["static_graph"] is False, rec
 
@@ -122,13 +133,62 @@ def test_a_head_only_rank_0_trains_is_rank_dependent_after_a_one_step_crash(tmp_
 
 def test_destroy_process_group_with_none_before_the_steps_reports_on_the_steps_it_ran(tmp_path: Path) -> None:
     """`dist.destroy_process_group(None)` (Accelerate's end_training()) after 3 of 8 steps ends the run like the
-    no-argument form: a find_unused_parameters=True model that uses every parameter gets find-unused-unneeded."""
-    run = check(["--nproc-per-node", "2", str(SCRIPTS / "destroy_none.py")], tmp_path)
+    no-argument form: a find_unused_parameters=True model that uses every parameter gets find-unused-unneeded.
+
+    Ground truth (plain torchrun, 2 ranks): both ranks train 3 steps and exit 0. The fix, find_unused_parameters=
+    False, is verified by check's second run on the same 3 steps (issue #32 item 6: it read "not yet verified")."""
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "destroy_none.py")], tmp_path, timeout=240)
     assert run.rc == 0, run.output
     assert run.codes == {"find-unused-unneeded"}, run.output
     assert run.report["steps_observed"] == 3, run.report
-    assert run.report["recommendation"]["find_unused_parameters"] is False, run.report["recommendation"]
+    rec = run.report["recommendation"]
+    assert rec["find_unused_parameters"] is False and rec["static_graph"] is False, rec
+    assert rec["verified"] is True and "observed 3 step(s) on every rank with no error" in rec["reason"], rec
+    assert "Recommendation (verified)" in run.output, run.output
     assert "Fix the failure above" not in run.output, run.output
+
+
+def test_static_graph_on_a_changing_graph_is_one_joint_finding_and_the_fix_is_verified(tmp_path: Path) -> None:
+    """static_graph=True, an auxiliary head on even steps only (`tests/scripts/static_graph_changes.py`).
+
+    Ground truth (plain torchrun, 2 ranks, torch 2.13.0+cpu): both ranks fail in the forward of step 2 (the third)
+    with `RuntimeError: Expected to have finished reduction in the prior iteration before starting a new one. This
+    error indicates that your training graph has changed in this iteration ... this is not compatible with
+    static_graph set to True.` ("Parameter indices which did not receive grad for rank R: 4 5", aux.weight and
+    aux.bias); torchrun exits 1. With static_graph=False and find_unused_parameters=True all 20 steps run (exit 0).
+    """
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "static_graph_changes.py")], tmp_path, timeout=240)
+    assert run.rc == 1, run.output
+    unsafe = [f for f in run.report["findings"] if f["code"] == "static-graph-unsafe"]
+    assert len(unsafe) == 1 and unsafe[0]["ranks"] == [0, 1] and unsafe[0]["steps"] == [2], run.output
+    assert {p["name"] for p in unsafe[0]["params"]} == {"aux.weight", "aux.bias"}, unsafe
+    rec = run.report["recommendation"]
+    assert rec["find_unused_parameters"] is True and rec["static_graph"] is False, rec
+    assert rec["verified"] is True, rec
+    assert "Recommendation (verified)" in run.output, run.output
+
+
+def test_a_parameter_used_outside_forward_is_one_joint_finding_and_the_fix_is_verified(tmp_path: Path) -> None:
+    """find_unused_parameters=True, the loss calls `ddp.module.head(...)` on DDP's output
+    (`tests/scripts/head_outside_forward.py`).
+
+    Ground truth (plain torchrun, 2 ranks, torch 2.13.0+cpu): both ranks fail in the backward of step 0 with
+    `RuntimeError: Expected to mark a variable ready only once. ... Parameter at index 3 with name head.bias has been
+    marked as ready twice.`; torchrun exits 1. With static_graph=True and find_unused_parameters=False all 20 steps
+    run (exit 0); default flags (both False) also run.
+
+    Since a2719d7 both crashed ranks took each other for a rank waiting in DDP's all-reduce and left without
+    exchanging: one box per rank, "No DDP flags to recommend", and the script's failing flags in the JSON.
+    """
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "head_outside_forward.py")], tmp_path, timeout=240)
+    assert run.rc == 1, run.output
+    outside = [f for f in run.report["findings"] if f["code"] == "used-outside-forward"]
+    assert len(outside) == 1 and outside[0]["ranks"] == [0, 1] and outside[0]["steps"] == [0], run.output
+    assert "head.bias" in {p["name"] for p in outside[0]["params"]}, outside
+    rec = run.report["recommendation"]
+    assert rec["static_graph"] is True and rec["find_unused_parameters"] is False, rec
+    assert rec["verified"] is True, rec
+    assert "No DDP flags to recommend" not in run.output and "Recommendation (verified)" in run.output, run.output
 
 
 def test_a_report_without_a_shown_failure_never_points_at_one() -> None:

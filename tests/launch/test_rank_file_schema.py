@@ -20,6 +20,7 @@ from ddp_doctor.core.rankfiles import (
     write_end,
     write_progress,
 )
+from ddp_doctor.launch.watchdog import peers_wait_in_collective
 
 
 def test_what_a_crashed_rank_writes_is_what_the_supervisor_reads(tmp_path: Path) -> None:
@@ -71,3 +72,15 @@ def test_a_file_of_another_schema_is_not_read(tmp_path: Path) -> None:
     assert read_end(end_path(tmp_path, 0)) is None
     (tmp_path / "rank0.progress.json").write_text(json.dumps({"schema": "ddp-doctor/rank-progress@0", "rank": 0}))
     assert read_rank_states(tmp_path, end_time=0.0) == {}
+
+
+def test_a_crashed_peer_is_not_taken_for_one_waiting_in_ddps_all_reduce(tmp_path: Path) -> None:
+    """A rank whose crash closed its step in backward looks, by step and phase alone, like a rank whose backward
+    computed every gradient and waits in DDP's all-reduce; its beacon says it crashed, so a peer that crashed too
+    waits for it at the exchange (a2719d7 made both leave at once: one box per rank)."""
+    peer = Beacon(tmp_path / "rank1.beacon")
+    peer.update(step=0, phase="backward", closed=ClosedStep(step=0, missing=["head.weight"]))
+    assert not peers_wait_in_collective(tmp_path, 0, watch_s=0.0)  # just got there: it may be passing through
+    assert peers_wait_in_collective(tmp_path, 0, watch_s=1.0)  # still there after a while: it waits
+    peer.update(crashed=True)
+    assert not peers_wait_in_collective(tmp_path, 0, watch_s=1.0)

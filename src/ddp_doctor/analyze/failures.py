@@ -5,6 +5,8 @@ Pure: the input is the supervisor's `RankState` per rank (the ranks' own files, 
 
 from __future__ import annotations
 
+import re
+
 from ddp_doctor.analyze.epoch_ends import timed_out_waiting
 from ddp_doctor.analyze.shapes import shape_findings
 from ddp_doctor.core.findings import Finding, ParamRef
@@ -198,6 +200,23 @@ def _trained_elsewhere(states: dict[int, RankState], rank: int, crash: RaisedErr
     )
 
 
+_RANK_IN_MESSAGE = re.compile(r"^DDP failed on rank \d+:")
+
+
+def _same_ddp_error(states: dict[int, RankState], causes: dict[int, RankState]) -> list[tuple[list[int], RaisedError]]:
+    """Groups of two or more ranks that raised the same explained DDP error (code, step, parameters) and that
+    no other rank's record contradicts (`rank-dependent-graph`): one finding for each group, as the exchange's
+    joint report gives (every rank of a job usually fails the same way)."""
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for rank, s in sorted(causes.items()):
+        crash = s.raised
+        if crash.explained is None or _trained_elsewhere(states, rank, crash) is not None:
+            continue
+        key = (crash.explained.code, max(crash.step, 0), tuple(crash.explained.params))
+        groups.setdefault(key, []).append(rank)
+    return [(ranks, causes[ranks[0]].raised) for ranks in groups.values() if len(ranks) > 1]
+
+
 def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: list[str] = ()) -> list[Finding]:
     """The findings for a run whose ranks did not exchange records. `native`: gloo's or NCCL's own error lines
     found in the job's output (C++ aborts print them; no rank file can)."""
@@ -230,7 +249,25 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
     if mismatch is not None:
         findings.append(mismatch)
 
+    joint = _same_ddp_error(states, causes)
+    for ranks_alike, crash in joint:
+        findings.append(
+            Finding(
+                code=crash.explained.code,
+                severity="error",
+                title=f"{rank_list(ranks_alike)}: DDP failed at step {max(crash.step, 0)}",
+                detail=_RANK_IN_MESSAGE.sub(f"DDP failed on {rank_list(ranks_alike)}:", crash.explained.message, 1),
+                params=_param_refs(crash.explained),
+                ranks=ranks_alike,
+                steps=[max(crash.step, 0)],
+                fix="fix the cause named above, then run the check again for the full diagnosis (the ranks could "
+                "not exchange their records, so the other checks did not run).",
+            )
+        )
+    alike = {r for ranks_alike, _ in joint for r in ranks_alike}
     for rank, s in sorted(causes.items()):
+        if rank in alike:
+            continue
         crash = s.raised
         step = max(crash.step, 0)
         waiting = others(list(causes))

@@ -140,14 +140,44 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
     return _rec(v, find_unused=find_unused, static=static, freeze=freeze, reason=" ".join(parts), verified=verified)
 
 
+_FLAGS_FOR_FAILURE = {
+    # DDP's own error on the ranks, as explained: the flags it calls for, and why.
+    "used-outside-forward": (
+        False,
+        True,
+        "static_graph=True, find_unused_parameters=False: parameters used outside DDP's forward got gradients with "
+        "find_unused_parameters=True ('Expected to mark a variable ready only once'); static_graph=True handles "
+        "them.",
+    ),
+    "reentrant-checkpoint": (
+        False,
+        True,
+        "static_graph=True, find_unused_parameters=False: parameters under reentrant activation checkpointing got "
+        "gradients with find_unused_parameters=True ('Expected to mark a variable ready only once'); "
+        "static_graph=True handles them (use_reentrant=False is the code fix).",
+    ),
+    "static-graph-unsafe": (
+        True,
+        False,
+        "find_unused_parameters=True, static_graph=False: the set of parameters that reach the loss changed "
+        "between steps under static_graph=True ('Your training graph has changed'), and only "
+        "find_unused_parameters=True handles a set that changes.",
+    ),
+}
+
+
 def recommend_after_failure(findings: list[Finding], ddp_config: dict[str, Any], *, where: str) -> Recommendation:
     """The recommendation for a run whose ranks failed before they could exchange records.
 
-    Only a `rank-dependent-graph` finding (a rank's reduction error naming parameters another rank trained) supports
-    flags: the used set depends on the rank, and DDP failed before a second step showed whether each rank's set
-    stays the same. find_unused_parameters=True works either way and keeps those parameters trained on the ranks
-    that use them; static_graph=True is cheaper but wrong if a set changes, so it waits for a run that sees every
-    step. Anything else supports no flags: the recommendation says so and shows none (`flags_known=False`).
+    Flags are supported by DDP's own error when it names its cause: parameters used outside forward (or under
+    reentrant checkpointing) with find_unused_parameters=True call for static_graph=True; a used set that changed
+    under static_graph=True calls for find_unused_parameters=True. A `rank-dependent-graph` finding (a rank's
+    reduction error naming parameters another rank trained) supports find_unused_parameters=True: the used set
+    depends on the rank, and DDP failed before a second step showed whether each rank's set stays the same; it
+    works either way and keeps those parameters trained on the ranks that use them (static_graph=True is cheaper
+    but wrong if a set changes, so it waits for a run that sees every step). Anything else supports no flags: the
+    flags are None and the reason says what is known (never the script's own flags, which may be the failing
+    ones). `check` then verifies flags it recommends in a second run (`launch/verify.py`).
 
     Args:
         findings: the failure's findings (`failure_findings`).
@@ -156,6 +186,20 @@ def recommend_after_failure(findings: list[Finding], ddp_config: dict[str, Any],
     """
     bucket_view = bool(ddp_config.get("gradient_as_bucket_view", False))
     shown = any(f.severity in ("error", "warning") for f in findings)
+    explained = [f for f in findings if f.code in _FLAGS_FOR_FAILURE and f.severity == "error"]
+    calls_for = {_FLAGS_FOR_FAILURE[f.code][:2] for f in explained}
+    if len(calls_for) == 1:
+        find_unused, static = calls_for.pop()
+        script = (bool(ddp_config.get("find_unused_parameters")), bool(ddp_config.get("static_graph")))
+        if (find_unused, static) != script:
+            return Recommendation(
+                find_unused_parameters=find_unused,
+                static_graph=static,
+                gradient_as_bucket_view=bucket_view,
+                freeze_before_wrap=[],
+                verified=False,
+                reason=_FLAGS_FOR_FAILURE[explained[0].code][2],
+            )
     by_rank = next((f for f in findings if f.code == "rank-dependent-graph" and f.params), None)
     if by_rank is not None and not ddp_config.get("find_unused_parameters") and not ddp_config.get("static_graph"):
         names = ", ".join(p.name for p in by_rank.params[:6]) + (", ..." if len(by_rank.params) > 6 else "")
@@ -168,24 +212,15 @@ def recommend_after_failure(findings: list[Finding], ddp_config: dict[str, Any],
             verified=False,
             reason=f"find_unused_parameters=True: the parameters that reach the loss depend on the rank ({names}), "
             "and DDP failed before a second step could show whether each rank's set stays the same. This flag works "
-            "either way and keeps them trained on the ranks that use them. Not verified yet: run the check again "
-            f"with --ddp-kwargs '{flags}'; that run sees every step and says whether static_graph=True, which is "
-            "cheaper, is safe.",
+            f"either way and keeps them trained on the ranks that use them. A run with it (--ddp-kwargs '{flags}') "
+            "sees every step and says whether static_graph=True, which is cheaper, is safe.",
         )
-    return Recommendation(
-        find_unused_parameters=bool(ddp_config.get("find_unused_parameters", False)),
-        static_graph=bool(ddp_config.get("static_graph", False)),
-        gradient_as_bucket_view=bucket_view,
-        freeze_before_wrap=[],
-        verified=False,
-        flags_known=False,
-        reason=(
-            "No DDP flags can be recommended: the ranks could not finish the observed steps together, so the used "
-            "set is not known on every rank. Fix the failure above and run the check again."
-            if shown
-            # Never point at a failure the report does not show.
-            else "No DDP flags can be recommended: the ranks could not compare what they observed, so the used set "
-            f"is not known on every rank. Where they were: {where}. Run the check again; if this repeats, please "
-            "report it."
-        ),
+    return Recommendation.unknown(
+        "No DDP flags can be recommended: the ranks could not finish the observed steps together, so the used "
+        "set is not known on every rank. Fix the failure above and run the check again."
+        if shown
+        # Never point at a failure the report does not show.
+        else "No DDP flags can be recommended: the ranks could not compare what they observed, so the used set "
+        f"is not known on every rank. Where they were: {where}. Run the check again; if this repeats, please "
+        "report it."
     )

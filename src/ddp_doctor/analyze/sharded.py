@@ -128,17 +128,11 @@ def _unsharded_fix(run: ShardedRun) -> str:
 
 def sharded_recommendation(run: ShardedRun) -> Recommendation:
     """No DDP flags for a sharded model: what the check can say about the sharding instead."""
-    return Recommendation(
-        find_unused_parameters=False,
-        static_graph=False,
-        gradient_as_bucket_view=False,
-        freeze_before_wrap=[],
-        verified=False,
-        flags_known=False,
-        reason="This job shards its model with FSDP2 (fully_shard), not DDP: there are no DDP flags to recommend. "
+    return Recommendation.unknown(
+        "This job shards its model with FSDP2 (fully_shard), not DDP: there are no DDP flags to recommend. "
         f"Checked on every rank over {run.steps} optimizer steps: that the optimizer steps the model's own "
         "parameters, that every trainable parameter is in a fully_shard group (those outside it compared across "
         "ranks), that gradient sync was on when the optimizer stepped, and whether the weights changed. Not "
         "checked for FSDP2 yet: checkpoints of sharded state, forwards run on some ranks only, the mixed-precision "
-        "policy, unused or frozen parameters, the step time; no reshard_after_forward advice is made.",
+        "policy, unused or frozen parameters, the step time; no reshard_after_forward advice is made."
     )

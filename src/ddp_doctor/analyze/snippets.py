@@ -146,7 +146,9 @@ def _transformers_code(rec: Recommendation, flavor: Flavor) -> str:
 
 def render_snippets(rec: Recommendation, ddp_config: dict[str, Any], flavor: Flavor = _ANY) -> dict[str, str]:
     """Return `{"torch": ..., "transformers": ..., "accelerate": ..., "lightning": ...}` code strings for `rec`,
-    phrased for the versions in `flavor`."""
+    phrased for the versions in `flavor`; empty when `rec` knows no flags."""
+    if not rec.flags_known:
+        return {}
     args = ", ".join(f"{k}={v}" for k, v in _kwargs(rec))
     device = "device_ids=[local_rank], " if ddp_config.get("device_ids") else ""
     torch_code = "\n".join(

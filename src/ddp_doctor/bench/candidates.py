@@ -59,10 +59,12 @@ def candidates(report: Report) -> list[tuple[str, Config]]:
     """
     user = Config.of_report(report)
     rec = report.recommendation
+    # A recommendation without flags (null in the JSON: the check's run failed before anything supported flags)
+    # leaves the user's flags as the recommended candidate, which the dedup below folds into "user".
     recommended = Config(
-        find_unused_parameters=rec.find_unused_parameters,
-        static_graph=rec.static_graph,
-        gradient_as_bucket_view=rec.gradient_as_bucket_view,
+        find_unused_parameters=rec.find_unused_parameters if rec.flags_known else user.find_unused_parameters,
+        static_graph=rec.static_graph if rec.flags_known else user.static_graph,
+        gradient_as_bucket_view=rec.gradient_as_bucket_view if rec.flags_known else user.gradient_as_bucket_view,
         bucket_cap_mb=user.bucket_cap_mb,
         freeze_before_wrap=tuple(rec.freeze_before_wrap),
     )

@@ -59,7 +59,18 @@ exit codes: 0 nothing at or above --fail-on; 1 findings at or above it; 2 the to
 """
 
 _RUN_FAILURES = ("rank-crashed", "rank-hung", "rank-exited", "collective-mismatch")
-_OURS = ("steps", "json", "html", "fail_on", "timeout", "ddp_kwargs", "follow_epochs", "limit_batches", "func")
+_OURS = (
+    "steps",
+    "json",
+    "html",
+    "fail_on",
+    "timeout",
+    "ddp_kwargs",
+    "follow_epochs",
+    "limit_batches",
+    "no_verify",
+    "func",
+)
 _BENCH = ("rounds", "configs", "html")
 
 
@@ -197,6 +208,12 @@ def add_check_arguments(group: Any, *, bench: bool = False) -> None:
         help="override the script's DDP constructor arguments, e.g. '{\"static_graph\": true}'; "
         'the key "freeze_before_wrap" takes a list of parameter names to freeze before wrapping',
     )
+    group.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="when the observed steps end early (a crash, or a script shorter than --steps), do not run the "
+        "script a second time with the recommended flags to verify them",
+    )
 
 
 def parse_ddp_kwargs(text: str | None) -> tuple[dict[str, Any], list[str]]:
@@ -247,6 +264,7 @@ def check(
     follow_epochs: int = 1,
     limit_batches: int = 2,
     output: IO[str] | None = None,
+    verify: bool = True,
 ) -> CheckResult:
     """Run `check` from Python: `torchrun` holds torchrun's own options, e.g. `["--nproc-per-node", "2"]`."""
     argv = [*torchrun, *(["-m"] if module else []), script, *script_args]
@@ -259,6 +277,7 @@ def check(
         follow_epochs=follow_epochs,
         limit_batches=limit_batches,
         output=output,
+        verify=verify,
     )
 
 
@@ -310,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
         follow_epochs=args.follow_epochs,
         limit_batches=args.limit_batches,
         output=None,
+        verify=not args.no_verify,
     )
     console = Console()
     render_result(result, console)

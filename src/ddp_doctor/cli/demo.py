@@ -175,7 +175,7 @@ def _recommended(report: Report) -> Text:
     parts = [f"{k}={v}" for k, v in rec.ddp_kwargs.items() if bool(used.get(k, False)) != v]
     if rec.freeze_before_wrap:
         parts.append(f"freeze {len(rec.freeze_before_wrap)} params before wrap")
-    text = Text("\n".join(parts) or "keep the script's flags")
+    text = Text("\n".join(parts) or ("keep the script's flags" if rec.flags_known else "no flags known"))
     if report.finding("wrapper-bypass"):
         text = Text("call the DDP wrapper, not .module", style="bold")
     elif report.finding("frozen-after-wrap") and rec.find_unused_parameters:

@@ -67,34 +67,65 @@ class Finding:
 
 @dataclass(kw_only=True, slots=True)
 class Recommendation:
-    """The cheapest DDP configuration that is correct for what was observed."""
+    """The cheapest DDP configuration that is correct for what was observed.
 
-    find_unused_parameters: bool
-    static_graph: bool
-    gradient_as_bucket_view: bool
+    The three flags are None together when nothing observed supports any flags (the ranks failed before they could
+    compare, or the run was interrupted): the report then advises no flags, and `reason` says what is known. They
+    are never filled with the script's own flags, which a reader of the JSON would take for advice.
+    """
+
+    find_unused_parameters: bool | None
+    static_graph: bool | None
+    gradient_as_bucket_view: bool | None
     freeze_before_wrap: list[str]
     reason: str
     verified: bool
     render: dict[str, str] = field(default_factory=dict)
-    """Copy-pasteable code for `torch`, `transformers`, `accelerate` and `lightning`."""
-    flags_known: bool = True
-    """False when nothing observed supports any flags (the ranks failed before they could compare): the flags are
-    then the script's own, placeholders the renderers do not show; only `reason` applies. In the JSON only when
-    False."""
+    """Copy-pasteable code for `torch`, `transformers`, `accelerate` and `lightning` (empty when no flags are
+    known)."""
+
+    @classmethod
+    def unknown(cls, reason: str) -> Recommendation:
+        """No flags to recommend: `reason` says why and what is known."""
+        return cls(
+            find_unused_parameters=None,
+            static_graph=None,
+            gradient_as_bucket_view=None,
+            freeze_before_wrap=[],
+            reason=reason,
+            verified=False,
+        )
+
+    @property
+    def flags_known(self) -> bool:
+        """Whether the recommendation advises flags at all (see the class docstring)."""
+        return None not in (self.find_unused_parameters, self.static_graph, self.gradient_as_bucket_view)
 
     @property
     def ddp_kwargs(self) -> dict[str, bool]:
+        """The recommended flags as DDP keyword arguments; empty when no flags are known."""
+        if not self.flags_known:
+            return {}
         return {
-            "find_unused_parameters": self.find_unused_parameters,
-            "static_graph": self.static_graph,
-            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+            "find_unused_parameters": bool(self.find_unused_parameters),
+            "static_graph": bool(self.static_graph),
+            "gradient_as_bucket_view": bool(self.gradient_as_bucket_view),
         }
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        if self.flags_known:
-            del out["flags_known"]
+        if not self.flags_known:
+            out["flags_known"] = False  # the flags are null; kept for readers of the older key
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Recommendation:
+        """Read `to_dict`'s output back (also a report written before the flags could be null: its
+        `flags_known: false` flags were the script's own, placeholders, and read back as None)."""
+        data = dict(data)
+        if data.pop("flags_known", True) is False:
+            data.update(find_unused_parameters=None, static_graph=None, gradient_as_bucket_view=None)
+        return cls(**data)
 
 
 @dataclass(kw_only=True, slots=True)

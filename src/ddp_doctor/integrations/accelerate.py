@@ -110,8 +110,8 @@ def kwargs_handler(report: Report | Recommendation | dict[str, Any], **overrides
         set as recommended.
 
     Raises:
-        InvalidArgumentError: `report` is none of those, or an override is not a field of
-            `DistributedDataParallelKwargs`.
+        InvalidArgumentError: `report` is none of those, it recommends no flags (they are null: the run failed
+            before anything supported flags), or an override is not a field of `DistributedDataParallelKwargs`.
 
     Example:
         >>> accelerator = Accelerator(kwargs_handlers=[kwargs_handler(report)])
@@ -127,6 +127,10 @@ def kwargs_handler(report: Report | Recommendation | dict[str, Any], **overrides
     if not isinstance(rec, Recommendation):
         raise InvalidArgumentError(
             f"kwargs_handler() needs a ddp_doctor Report, Recommendation or report dict, got {type(report).__name__}."
+        )
+    if not rec.flags_known:
+        raise InvalidArgumentError(
+            f"kwargs_handler(): the report recommends no DDP flags, so there is nothing to apply: {rec.reason}"
         )
     fields = set(DistributedDataParallelKwargs.__dataclass_fields__)
     unknown = sorted(set(overrides) - fields)

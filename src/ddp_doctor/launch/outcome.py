@@ -255,15 +255,9 @@ def _failure_report(
     ddp_config = meta.get("ddp_config", {})
     where = "; ".join(f"rank {r} at step {max(s.step, 0)}, {s.phase}" for r, s in sorted(states.items()))
     if interrupted is not None:
-        rec = Recommendation(
-            find_unused_parameters=bool(ddp_config.get("find_unused_parameters", False)),
-            static_graph=bool(ddp_config.get("static_graph", False)),
-            gradient_as_bucket_view=bool(ddp_config.get("gradient_as_bucket_view", False)),
-            freeze_before_wrap=[],
-            verified=False,
-            flags_known=False,
-            reason="No recommendation: the run was interrupted before the ranks finished the observed steps. "
-            f"Where they were: {where}.",
+        rec = Recommendation.unknown(
+            "No recommendation: the run was interrupted before the ranks finished the observed steps. "
+            f"Where they were: {where}."
         )
     else:
         rec = recommend_after_failure(findings, ddp_config, where=where)

@@ -271,6 +271,9 @@ class Session:
             # The loop called next() on its loader's iterator itself and did not expect the pass to end: the cap
             # that ended it is ours, so this is where following stops, not a crash of the script.
             self.finish(CAPPED_NEXT)
+        # First: recording the crash publishes the failed step as closed, and a rank that closed its step in
+        # backward looks like one waiting in DDP's all-reduce to a peer that crashed too (peers_wait_in_collective).
+        self.beacon.update(crashed=True)
         raised = raised_error(exc, self.doctors, phase=str(self.progress().phase))
         # After finish() the report is written: this crash happened in what the policy ran after it (bench).
         outcome = Outcome.CRASHED_AFTER_REPORT if self._finishing else Outcome.CRASHED

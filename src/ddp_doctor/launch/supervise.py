@@ -28,6 +28,7 @@ from typing import IO, Any
 from ddp_doctor.core.rankfiles import Outcome, end_path, read_ends
 from ddp_doctor.launch.config import CLI_PID_VAR, ENV_VAR, RUN_MARKER_VAR, RankConfig
 from ddp_doctor.launch.outcome import CheckResult, collect
+from ddp_doctor.launch.verify import needs_verification, verify_recommendation
 
 __all__ = ["BOOTSTRAP", "Interrupted", "check_namespace", "install_signal_handlers", "run_check", "run_processes"]
 
@@ -310,8 +311,11 @@ def check_namespace(
     output: IO[str] | None,
     follow_epochs: int = 1,
     limit_batches: int = 2,
+    verify: bool = True,
 ) -> CheckResult:
-    """Run `check` on torchrun's parsed namespace (as a dict)."""
+    """Run `check` on torchrun's parsed namespace (as a dict); when the observed steps ended early, verify the
+    recommendation in a second run (`verify.py`) unless `verify` is false or the job spans several nodes (each
+    node's `check` would have to start its second run in step with the others')."""
     config = RankConfig(
         target=namespace["training_script"],
         module=bool(namespace["module"]),
@@ -321,4 +325,10 @@ def check_namespace(
         follow_epochs=follow_epochs,
         limit_batches=limit_batches,
     )
-    return run_check(namespace, config, timeout=timeout, output=output)
+    result = run_check(namespace, config, timeout=timeout, output=output)
+    one_node = str(namespace.get("nnodes", "1")) in ("1", "1:1")
+    if verify and one_node and needs_verification(result, steps):
+        # The second run's prints are not the user's to read twice: they go to a file that is removed after.
+        with tempfile.NamedTemporaryFile("w", prefix="ddp-doctor-verify-", suffix=".log") as sink:
+            verify_recommendation(result, config, lambda c: run_check(namespace, c, timeout=timeout, output=sink))
+    return result

@@ -131,14 +131,9 @@ class PlainOptimizerWatch:
         )
         return self._report(
             findings,
-            Recommendation(
-                find_unused_parameters=False,
-                static_graph=False,
-                gradient_as_bucket_view=False,
-                freeze_before_wrap=[],
-                verified=False,
-                reason="No DDP model was built, so there are no DDP flags to recommend: wrap the model first, then "
-                "run the check again.",
+            Recommendation.unknown(
+                "No DDP model was built, so there are no DDP flags to recommend: wrap the model first, then "
+                "run the check again."
             ),
         )
 

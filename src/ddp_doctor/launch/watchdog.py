@@ -80,6 +80,10 @@ class Watchdog:
                 os._exit(124)
 
 
+_SETTLED_S = 0.3
+"""How long a peer's beacon must have shown it waiting in DDP's all-reduce before a crashed rank stops waiting for it."""
+
+
 def _any_peer(outdir: Path, rank: int, test: Callable[[BeaconState], bool], watch_s: float) -> bool:
     """Whether the beacon of some other rank on this node passes `test`, watched for up to `watch_s` seconds."""
     deadline = time.monotonic() + watch_s
@@ -108,11 +112,22 @@ def peers_wait_in_collective(outdir: Path, rank: int, *, watch_s: float = 1.0) -
     """Whether a rank on this node sits in a collective: one of the script's, or DDP's gradient all-reduce (its
     backward computed every gradient and it waits for the others). For a rank that crashed, such a peer can only
     come to the exchange when that collective fails, which NCCL's never does (gloo's fails when this process
-    ends), so waiting for it is pointless. Ranks that crashed the same way as this one are in no collective.
+    ends), so waiting for it is pointless. Ranks that crashed too (their beacon says so) are in no collective: they
+    come to the exchange, and ranks that failed the same way get one joint report.
     """
 
     def waits(p: BeaconState) -> bool:
-        reducing = p.phase == Phase.BACKWARD.value and p.closed is not None and p.closed.step == p.step
+        if p.crashed:
+            return False  # it raised too (its failed step reads as closed in backward): it comes to the exchange
+        # A rank whose backward computed its gradients and that waits in DDP's all-reduce stays there; one that only
+        # passes through (no bucket to wait for: static_graph=True on a graph that changed) moves on within
+        # milliseconds, to the same error as this rank's, and comes to the exchange.
+        reducing = (
+            p.phase == Phase.BACKWARD.value
+            and p.closed is not None
+            and p.closed.step == p.step
+            and time.time() - p.time >= _SETTLED_S
+        )
         return p.in_collective or reducing
 
     return _any_peer(outdir, rank, waits, watch_s)

@@ -101,7 +101,7 @@ class Report:
             steps_observed=data["steps_observed"],
             ddp_config=data["ddp_config"],
             findings=findings,
-            recommendation=Recommendation(**data["recommendation"]),
+            recommendation=Recommendation.from_dict(data["recommendation"]),
             timing=Timing.from_dict(data["timing"]),
             crashes=[Crash(**c) for c in data.get("crashes", [])],
             framework=data.get("framework", "torch"),

@@ -97,8 +97,7 @@ def _head(report: Report) -> Group:
 def _recommendation(report: Report) -> Panel:
     rec = report.recommendation
     if not report.ddp_built or not rec.flags_known:
-        # No DDP model, or nothing observed supports flags: the Recommendation's flags are placeholders there
-        # (the script's own, which may be the ones that failed); only its reason applies.
+        # No DDP model, or nothing observed supports flags (they are None): only the reason applies.
         title = "No DDP flags to recommend" if report.sharding is None else "Recommendation"
         return Panel(Text(rec.reason), title=title, title_align="left", border_style="green")
     summary = Text()

@@ -1,0 +1,89 @@
+"""The verification run: `check` applies the flags it recommends in a second run of the script, when the first run
+could not show them working.
+
+A run whose observed steps ended early (a crash: DDP's own error on the ranks, say; or a script that ends before
+`--steps`) gives a recommendation that no observed step ran under. `check` then runs the script once more with the
+recommended flags (as `--ddp-kwargs` would, and the parameters to freeze), observes as many steps as the first run
+wanted, and marks the recommendation verified when that run ends with no error: every step it saw synced, on every
+rank. Otherwise the recommendation stays "not yet verified" and its reason says what the second run showed.
+
+The second run's own output (the script's prints) goes to a file, not to the terminal; it follows no epoch end (the
+first run did that), so it costs the observed steps and the start-up.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import replace
+
+from ddp_doctor.launch.config import RankConfig
+from ddp_doctor.launch.outcome import CheckResult
+
+__all__ = ["needs_verification", "verify_recommendation"]
+
+_FLAGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
+
+
+def needs_verification(result: CheckResult, steps: int) -> bool:
+    """Whether the first run's recommendation asks for a verification run: one DDP model, flags known, not verified,
+    different from what the script ran with, and observed steps that ended before `steps` (a crash or a short
+    script) without a timeout or an interruption."""
+    report = result.report
+    if report is None or len(result.models) != 1 or result.error or result.timed_out:
+        return False
+    if result.interrupted is not None or report.interrupted or not report.ddp_built:
+        return False
+    rec = report.recommendation
+    if not rec.flags_known or rec.verified or report.steps_observed >= steps:
+        return False
+    changed = any(bool(report.ddp_config.get(k, False)) != v for k, v in rec.ddp_kwargs.items())
+    return changed or bool(rec.freeze_before_wrap)
+
+
+def verify_recommendation(
+    result: CheckResult, config: RankConfig, run: Callable[[RankConfig], CheckResult]
+) -> CheckResult | None:
+    """Run the script again with the first run's recommendation applied, and mark it verified when that run is clean.
+
+    Args:
+        result: the first run's result; its recommendation is updated in place.
+        config: what the first run's ranks were told (the user's `--ddp-kwargs` and `--steps` among it).
+        run: starts a run with a config and returns its result (`run_check` with the script's namespace).
+
+    Returns:
+        The verification run's result, or None when none was needed.
+    """
+    if not needs_verification(result, config.steps):
+        return None
+    report = result.report
+    rec = report.recommendation
+    kwargs = {**config.ddp_kwargs, **rec.ddp_kwargs}
+    freeze = sorted({*config.freeze_before_wrap, *rec.freeze_before_wrap})
+    second = run(replace(config, ddp_kwargs=kwargs, freeze_before_wrap=freeze, follow_epochs=0))
+    applied = json.dumps({**rec.ddp_kwargs, **({"freeze_before_wrap": freeze} if freeze else {})})
+    crashed = bool(report.crashes) or report.worst_severity() == "error"
+    # Past the step where the first run failed (a crash), or as many steps as it saw (a script that ended early).
+    needed = min(config.steps, max(2, report.steps_observed + (1 if crashed else 0)))
+    check = second.report
+    if second.interrupted is not None:
+        result.interrupted = second.interrupted
+        return second
+    if check is None:
+        rec.reason += f" A second run with these flags (--ddp-kwargs '{applied}') did not run: {second.error}."
+        return second
+    errors = [f for f in check.findings if f.severity == "error"]
+    if not errors and not check.crashes and check.steps_observed >= needed:
+        rec.verified = True
+        rec.reason += (
+            f" Verified: a second run with these flags (--ddp-kwargs '{applied}') observed {check.steps_observed} "
+            f"step(s) on every rank with no error."
+        )
+    else:
+        why = (
+            errors[0].title if errors else f"it observed {check.steps_observed} step(s), fewer than the {needed} needed"
+        )
+        rec.reason += (
+            f" Not verified: a second run with these flags (--ddp-kwargs '{applied}') did not confirm them: {why}."
+        )
+    return second
