@@ -50,4 +50,6 @@ CODES: dict[str, str] = {
     # Where the step time goes (measurements on this machine):
     "input-bound": "the ranks spend a large share of every step waiting for the next batch",
     "straggler-rank": "one rank is consistently slower and the others wait for it in the gradient all-reduce",
+    # Issue #32 (never confidently wrong):
+    "backward-passes-differ": "two backward passes through one DDP forward reach different parameters (a GAN)",
 }
