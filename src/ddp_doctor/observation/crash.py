@@ -173,7 +173,7 @@ def _second_pass_failure(
     return DDPFailure(
         f"DDP failed on rank {rank}: two backward passes through one forward{where} reach different parameters, and "
         f"DDP prepares one reduction per forward: a parameter reached by both passes is marked ready twice "
-        f"({_names(names)}, the parameters the passes do not share). No DDP flag fixes this "
+        f"(parameters involved: {_names(names)}). No DDP flag fixes this "
         "(find_unused_parameters=True and static_graph=True fail too). Fix: give each backward pass its own forward "
         f"through the DDP model, or wrap the generator and the discriminator in DDP models of their own.{hint}",
         code="backward-passes-differ",
