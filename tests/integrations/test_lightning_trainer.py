@@ -86,7 +86,7 @@ def test_a_gan_s_two_manual_backward_passes_are_explained_and_find_unused_is_adv
     assert f["ranks"] == [0, 1] and f["steps"] == [0], f
     assert run.params("reduction-error") == GENERATOR
     assert "second backward pass through one forward" in f["title"], f
-    assert f"{GAN}:32" in f["detail"], f["detail"]  # the first manual_backward
+    assert f"{GAN}:32" in f["detail"] and f"{GAN}:36" in f["detail"], f["detail"]  # each manual_backward
     assert 'Trainer(strategy="ddp_find_unused_parameters_true")' in f["fix"], f
     rec = run.report["recommendation"]
     assert rec["find_unused_parameters"] is True and rec["static_graph"] is False and rec["verified"] is False, rec

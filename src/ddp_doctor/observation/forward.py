@@ -81,6 +81,7 @@ class ForwardHooks:
             tl.sync_forward = bool(self._t.ddp.require_backward_grad_sync)
             tl.inside_forward = True
             tl.state.pass_bit = 1  # the backward passes through this forward are told apart from the first
+            tl.in_pass = False  # a pass that raised never ran its end callback
             if unstepped and tl.sync_forward and len(self._log.repeat_sites) < MAX_SITES:
                 self._log.repeat_sites.append(f"step {self._log.steps}: {user_site({id(self._t.ddp)})}")
             if tl.open_forward is not None:
