@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from checkrun import SCRIPTS, check
+from checkrun import SCRIPTS, Run, check
 from frameworkrun import codes, finding, load, params, same_findings, torchrun
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,3 +59,84 @@ def test_ddp_crash_after_freezing_is_explained_by_the_callback(tmp_path: Path) -
     assert finding(report, "reduction-error")["steps"] == [3]
     assert sorted(c["rank"] for c in report["crashes"]) == [0, 1]
     assert report["recommendation"]["find_unused_parameters"] is True
+
+
+GENERATOR = {"generator.0.weight", "generator.0.bias", "generator.2.weight", "generator.2.bias"}
+GAN = "tests/scripts/lightning_gan.py"
+
+
+def test_a_gan_s_two_manual_backward_passes_are_explained_and_find_unused_is_advised(tmp_path: Path) -> None:
+    """A GAN with manual optimization: `training_step` (inside DDP's forward) runs `manual_backward(d_loss)`, steps
+    the discriminator, then `manual_backward(g_loss)` and steps the generator (tests/scripts/lightning_gan.py).
+
+    Measured with plain torchrun (torch 2.13.0+cpu, lightning 2.6.6, gloo, 2 ranks): strategy="ddp" fails in step 0's
+    second manual_backward (Lightning's prepare_for_backward), with DDP's reduction error reworded by Lightning ("It
+    looks like your LightningModule has parameters that were not used in producing the loss"); static_graph=True
+    fails with "Your training graph has changed"; strategy="ddp_find_unused_parameters_true" runs, the replicas
+    identical after every step (Lightning prepares DDP's reduction from each manual_backward's loss). The check used
+    to call the generator grad-blocked and advise static_graph=True.
+    """
+    run = check(
+        ["--nproc-per-node", "2", str(SCRIPTS / "lightning_gan.py"), str(tmp_path / "root")], tmp_path, timeout=240
+    )
+    assert run.rc == 1 and run.report is not None, run.output
+    assert run.report["framework"] == "lightning"
+    assert run.codes == {"reduction-error"}, run.output  # no grad-blocked: the generator trains in the second pass
+    f = run.finding("reduction-error")
+    assert f["ranks"] == [0, 1] and f["steps"] == [0], f
+    assert run.params("reduction-error") == GENERATOR
+    assert "second backward pass through one forward" in f["title"], f
+    assert f"{GAN}:32" in f["detail"] and f"{GAN}:36" in f["detail"], f["detail"]  # each manual_backward
+    assert 'Trainer(strategy="ddp_find_unused_parameters_true")' in f["fix"], f
+    rec = run.report["recommendation"]
+    assert rec["find_unused_parameters"] is True and rec["static_graph"] is False and rec["verified"] is False, rec
+    assert 'strategy="ddp_find_unused_parameters_true"' in rec["render"]["lightning"], rec["render"]
+
+    # The recommendation applied (--ddp-kwargs): every step synced, nothing at warning or error, verified.
+    fixed = check(
+        [
+            "--nproc-per-node",
+            "2",
+            "--ddp-kwargs",
+            '{"find_unused_parameters": true}',
+            str(SCRIPTS / "lightning_gan.py"),
+            str(tmp_path / "fixed"),
+        ],
+        tmp_path / "check-fixed",
+        timeout=240,
+    )
+    assert fixed.rc == 0 and fixed.report is not None, fixed.output
+    _assert_clean_gan(fixed)
+    assert fixed.report["recommendation"]["verified"] is True, fixed.report["recommendation"]
+
+
+def test_a_gan_already_on_ddp_find_unused_parameters_true_is_clean(tmp_path: Path) -> None:
+    run = check(
+        [
+            "--nproc-per-node",
+            "2",
+            str(SCRIPTS / "lightning_gan.py"),
+            str(tmp_path / "root"),
+            "--strategy",
+            "ddp_find_unused_parameters_true",
+        ],
+        tmp_path,
+        timeout=240,
+    )
+    assert run.rc == 0 and run.report is not None, run.output
+    assert run.report["ddp_config"]["find_unused_parameters"] is True
+    _assert_clean_gan(run)
+    assert run.report["recommendation"]["verified"] is True
+
+
+def _assert_clean_gan(run: Run) -> None:
+    timing = {"input-bound", "straggler-rank"}  # measurements on this shared machine, not about DDP's flags
+    shown = [f["code"] for f in run.report["findings"] if f["severity"] != "info" and f["code"] not in timing]
+    assert shown == [], run.output  # no find-unused-unneeded: each pass leaves the other network's parameters out
+    passes = run.finding("backward-passes-differ")
+    assert passes["severity"] == "info" and passes["ranks"] == [0, 1], passes
+    assert passes["steps"] == list(range(run.report["steps_observed"])) and run.report["steps_observed"] == 6
+    assert f"{GAN}:32" in passes["title"] and f"{GAN}:36" in passes["title"], passes["title"]
+    assert run.params("backward-passes-differ") == GENERATOR  # the discriminator's pass leaves them out
+    rec = run.report["recommendation"]
+    assert rec["find_unused_parameters"] is True and rec["static_graph"] is False, rec

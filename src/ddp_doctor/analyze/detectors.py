@@ -30,6 +30,7 @@ from ddp_doctor.analyze.consistency import (
 )
 from ddp_doctor.analyze.epochs import sampler_epoch_not_set, uneven_inputs
 from ddp_doctor.analyze.frozen_set import frozen_after_wrap, no_trainable, reduction_error, unfrozen_after_wrap
+from ddp_doctor.analyze.passes import backward_passes_differ
 from ddp_doctor.analyze.throughput import input_bound, straggler_rank
 from ddp_doctor.analyze.used_set import (
     dynamic_graph,
@@ -48,6 +49,7 @@ __all__ = ["DETECTORS"]
 
 DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (
     reduction_error,
+    backward_passes_differ,
     replicas_differ_at_wrap,
     weights_changed_outside_optimizer,
     optimizer_step_skipped,

@@ -7,6 +7,7 @@ import torch
 
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.common import all_ranks, freeze_fix, steps_of, with_flags
+from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.snippets import freeze_point
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding
@@ -107,6 +108,26 @@ def reduction_error(v: View) -> list[Finding]:
     # Parameters a rank or step used, or whose module ran, are meant to train: never advise freezing them.
     meant = v.ever_used | v.summary.ran
     trained = [i for i in sorted(missing) if meant[i]]
+    passes = passes_of(v)
+    if passes.crashed:
+        return [
+            Finding(
+                code="reduction-error",
+                severity="error",
+                title="DDP failed: 'Expected to have finished reduction', at a second backward pass through one forward",
+                detail=f"Two backward passes through one forward{passes.where()}: DDP failed at the second one in step "
+                f"{step}. The framework prepares DDP's reduction at each backward pass (Lightning's manual_backward), "
+                "and the first pass gave no gradient to these parameters, so its reduction never finished. They get "
+                "their gradient in the later pass: they are trained, not unused.",
+                params=v.params(sorted(missing)),
+                ranks=crashed.ranks,
+                more_ranks=crashed.more,
+                steps=[step],
+                fix=f"{with_flags(v, find_unused_parameters=True, static_graph=False)}: DDP then finds each pass's "
+                "own set of parameters. static_graph=True fails on this pattern too ('Your training graph has "
+                "changed').",
+            )
+        ]
     if trained:
         fix = (
             f"do not freeze them: {', '.join(v.info.param_names[i] for i in trained[:4])}"

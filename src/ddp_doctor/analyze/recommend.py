@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.used_set import hidden_params
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding, Recommendation
@@ -32,7 +33,35 @@ def _rec(v: View, *, find_unused: bool, static: bool, freeze: list[str], reason:
 
 def recommend(v: View, findings: list[Finding]) -> Recommendation:
     """Pick flags from what was observed, never from what the script currently uses."""
+    passes = passes_of(v)
+    if (passes.steps and not passes.inner) or passes.crashed_twice:
+        return Recommendation(
+            find_unused_parameters=v.find_unused,
+            static_graph=v.static_graph,
+            gradient_as_bucket_view=bool(v.info.ddp_config.get("gradient_as_bucket_view", False)),
+            freeze_before_wrap=[],
+            verified=False,
+            flags_known=False,
+            reason=f"No DDP flags can be recommended: backward passes through one forward{passes.where()} reach "
+            "different parameters, and DDP reduces once per forward whatever its flags (find_unused_parameters=True "
+            "and static_graph=True fail on this pattern too). Give each backward pass its own forward through the "
+            "DDP model, then check again: find_unused_parameters=True is the flag for passes whose sets differ.",
+        )
+
     if not v.steps:
+        if passes.crashed:
+            return _rec(
+                v,
+                find_unused=True,
+                static=False,
+                freeze=[],
+                verified=False,
+                reason="find_unused_parameters=True: DDP failed at a second backward pass through one forward"
+                f"{passes.where()}, which the framework prepares on its own (Lightning's manual_backward); the first "
+                "pass left parameters without a gradient that a later pass trains. With this flag DDP finds each "
+                "pass's own set; static_graph=True fails on this pattern too. Not verified yet: run the check again "
+                "with it (--ddp-kwargs '{\"find_unused_parameters\": true}').",
+            )
         if v.crashed("mark-ready-twice").count:
             return _rec(
                 v,
@@ -100,6 +129,13 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
                 else f"{v.info.framework} owns the DDP model, so instead of freezing, a learning rate of 0 keeps "
                 "the set DDP reduces fixed."
             )
+        )
+    elif passes.steps:
+        find_unused, static = True, False
+        parts.append(
+            f"find_unused_parameters=True: the backward passes through one forward{passes.where()} reach different "
+            "parameters. Lightning prepares DDP's reduction at each of them (manual_backward), and this flag lets "
+            "DDP find each pass's own set; the default flags and static_graph=True fail on this pattern."
         )
     elif all_used and not reentrant:
         find_unused, static = False, False

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ddp_doctor.analyze.common import all_ranks, freeze_fix, has_flags, steps_of, with_flags
+from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding
@@ -323,6 +324,8 @@ def find_unused_unneeded(v: View) -> list[Finding]:
         return []
     if (v.tracked & ~v.live).any():
         return []  # something was frozen after wrap: it would be unused
+    if passes_of(v).steps:
+        return []  # each step's passes reach different parameters: each pass has unused ones
     return [
         Finding(
             code="find-unused-unneeded",

@@ -50,6 +50,8 @@ CODES: dict[str, str] = {
     # Where the step time goes (measurements on this machine):
     "input-bound": "the ranks spend a large share of every step waiting for the next batch",
     "straggler-rank": "one rank is consistently slower and the others wait for it in the gradient all-reduce",
+    # Issue #32 (never confidently wrong):
+    "backward-passes-differ": "two backward passes through one DDP forward reach different parameters (a GAN)",
     # Data parallelism beyond DDP: FSDP2 (`fully_shard`).
     "optimizer-params-replaced": "the optimizer holds parameters that fully_shard replaced: it updates none of the model's",
     "unsharded-params-not-synced": "parameters outside every fully_shard group train on each rank with nothing to sync them",

@@ -161,6 +161,12 @@ class StepCounters:
     and this step's first forward: a change no optimizer made (their tensors' in-place version counters moved)."""
     grads_rereduced: int = 0
     """The script's collectives on a synced parameter's `.grad` after DDP reduced it in this step."""
+    split_passes: int = 0
+    """1 when two backward passes through one DDP forward gave gradients to different parameter sets (a GAN's
+    discriminator and generator losses from one forward, say): DDP prepares one reduction per forward."""
+    inner_passes: int = 0
+    """Backward passes that ran inside DDP's forward (Lightning's manual optimization: `manual_backward` in
+    `training_step`); Lightning prepares DDP's reduction from each such pass's loss."""
 
     FIELDS = (
         "micro_steps",
@@ -182,6 +188,8 @@ class StepCounters:
         "scheduler_steps",
         "changed_outside",
         "grads_rereduced",
+        "split_passes",
+        "inner_passes",
     )
 
     def as_list(self) -> list[int]:
@@ -250,6 +258,11 @@ class RankRecord:
     """Positions of the parameters changed outside the optimizer, the first step it happened."""
     rereduce_sites: list[str] = field(default_factory=list)
     """`step N: all_reduce(SUM)/2 at file:line` of collectives on gradients DDP had already reduced."""
+    pass_sites: list[str] = field(default_factory=list)
+    """`step N: file:line` of each backward pass of the first forward whose passes used different parameters."""
+    split_params: list[int] = field(default_factory=list)
+    """Positions of the parameters that got a gradient in some but not every backward pass through one forward,
+    in the first step where the passes differed (see `StepCounters.split_passes`)."""
     saves: list[dict[str, Any]] = field(default_factory=list)
     """The files written with `torch.save` while observed (at most `MAX_SAVES`): `path`, `site`, `step`,
     `module_prefix` (the DDP wrapper's state dict)."""
@@ -337,5 +350,7 @@ class RankRecord:
             "changed_sites": self.changed_sites,
             "changed_params": self.changed_params,
             "rereduce_sites": self.rereduce_sites,
+            "pass_sites": self.pass_sites,
+            "split_params": self.split_params,
             "saves": self.saves,
         }

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor.core.errors import DDPFailure, InvalidArgumentError, NoTrainableParametersError
+from ddp_doctor.core.frames import user_site_of
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.records import RankRecord
 from ddp_doctor.doctor.pipeline import diagnose
@@ -272,6 +273,10 @@ class Doctor:
             and tl.state.active
             and tl.attached
         ):
+            if tl.state.pass_bit > 1:
+                # It failed after a backward pass through the same forward: where, as the line of the pass that failed
+                # (Lightning's second manual_backward fails before autograd runs, so no hook saw that pass start).
+                _note_failed_pass(tl.state.pass_sites, exc)
             tl.close(complete=False)
 
     def explain(self, exc: BaseException, *, hint: str = OBSERVE_HINT) -> DDPFailure | None:
@@ -326,3 +331,13 @@ class Doctor:
             timeout=timeout,
             tag=f"doctor{self._serial}/report{self._reports}",
         )
+
+
+def _note_failed_pass(sites: list[str], exc: BaseException) -> None:
+    """Add the user's line on the traceback of `exc` (where the failed backward pass was called) to `sites`."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    site = user_site_of(tb.tb_frame, None) if tb is not None else None
+    if site and site not in sites and len(sites) < 4:
+        sites.append(site)

@@ -59,8 +59,13 @@ def local_facts(b: SumRound, record: RankRecord, *, s: int, lead: int, pad_steps
     if s:
         empty[:s] = ~trainable.any(-1)
     b.bits("empty", empty)
-    reduction_error = CRASH_KINDS[record.crash_kind] == "reduction-error" and lead
-    b.bits("missing", ~record.used[lead - 1] if reduction_error else none)
+    # A reduction error in a second backward pass through the forward it crashed in (Lightning prepares DDP's
+    # reduction at each manual_backward): what the first pass left without a gradient; otherwise what the last
+    # complete step did.
+    after_pass = lead < record.steps and int(record.counter("split_passes")[lead]) > 0
+    reduction_error = CRASH_KINDS[record.crash_kind] == "reduction-error" and (lead or after_pass)
+    missing = (~record.used[lead] if after_pass else ~record.used[lead - 1]) if reduction_error else none
+    b.bits("missing", missing)
     b.bits("rank0_trainable", trainable[-1] if rank == 0 and s else none)
     crash_steps = torch.zeros(len(CRASH_KINDS), pad_steps + 2, dtype=torch.bool)
     if record.crash_kind:

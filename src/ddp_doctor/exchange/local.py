@@ -82,14 +82,20 @@ def hidden_params(
     steps = torch.zeros(2, pad_steps, dtype=torch.bool)
     seen, crashed = [False, False], [0, 0]
     checkpoints, forwards = record.counter("reentrant_checkpoints"), record.counter("ddp_forwards")
+    inner, split = record.counter("inner_passes"), record.counter("split_passes")
     mark_twice = CRASH_KINDS.index("mark-ready-twice")
     for step in range(record.steps):
-        if not forwards[step]:
+        # Backward passes inside DDP's forward (Lightning's manual optimization) start from a loss, not from the
+        # forward's outputs: Lightning prepares DDP's reduction from that loss, so nothing there is hidden from DDP.
+        # A mark-ready-twice crash in a later backward pass through the step's forward is that pass's (a parameter
+        # reached by two passes), not a parameter used outside forward.
+        crashed_here = record.crash_kind == mark_twice and step == record.crash_step
+        if not forwards[step] or inner[step] or (crashed_here and split[step]):
             continue
         target = 1 if checkpoints[step] else 0
         found = record.used[step] & ~record.reachable[step] & tracked
         named = False
-        if record.crash_kind == mark_twice and step == record.crash_step:
+        if crashed_here:
             idx = names_in_message(info, record.crash_message)
             found[idx] = True
             named = bool(idx)

@@ -137,6 +137,11 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
     m.pair("changed", changed)
     rereduced = record.counter("grads_rereduced")[:s]
     m.pair("rereduced", rereduced)
+    # Backward passes through one forward that used different parameters, and passes inside DDP's forward.
+    m.pair(
+        "passes",
+        torch.stack([record.counter("split_passes")[:s] == 1, record.counter("inner_passes")[:s] > 0], 1).long(),
+    )
     sizes = record.counter("batch_size")[:s]
     sizes = sizes[sizes > 0]
     m.pair(
@@ -262,6 +267,12 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         "rereduced": first_rereduced is not None and bool(rereduced[first_rereduced]),
         "scheduler-extra": first_sched is not None and int(sched[first_sched]) == int(sh_hi[first_sched]),
         "same-path-save": bool(shared_saves),
+        # The crashed step had a backward pass through the forward that crashed (a second pass failed).
+        "crash-after-pass": bool(
+            record.crash_kind
+            and 0 <= record.crash_step < record.steps
+            and int(record.counter("split_passes")[record.crash_step]) > 0
+        ),
     }
     assert tuple(flags) == PREDICATES
     meta = rank_strings(
@@ -373,6 +384,8 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         scheduler_steps=(sh_hi.tolist(), sh_lo.tolist()),
         changed=(ch_hi.tolist(), ch_lo.tolist()),
         rereduced=(rr_hi.tolist(), rr_lo.tolist()),
+        split_passes=rm["passes"][0][:, 0].tolist(),
+        inner_passes=rm["passes"][0][:, 1].tolist(),
         batchnorm_training=rb["bn_training"] > 0,
         batch_sizes=(int(rm["batch_size"][0][0]), int(rm["batch_size"][1][1]))
         if int(rm["batch_size"][0][0]) != MIN

@@ -72,6 +72,8 @@ def rank_strings(
             "skip_sites": at_step(record.repeat_sites, skip + 1) if skip is not None else [],
             "changed_params": record.changed_params if changed is not None else [],
             "rereduce_sites": at_step(record.rereduce_sites, rereduced),
+            "pass_sites": record.pass_sites,
+            "split_params": record.split_params,
             "shared_saves": shared_saves,
             "module_saves": [d for d in record.saves if d.get("module_prefix")][:1],
         }

@@ -48,6 +48,7 @@ PREDICATES = (
     "rereduced",
     "scheduler-extra",
     "same-path-save",
+    "crash-after-pass",
 )
 
 
@@ -154,6 +155,11 @@ class Summary:
     """(max, min) over the ranks of 1 when parameters changed outside the optimizer before the step's forward."""
     rereduced: tuple[list[int], list[int]]
     """(max, min) of the script's collectives on already reduced gradients in each common step."""
+    split_passes: list[int] = field(default_factory=list)
+    """Per common step, 1 where some rank's backward passes through one DDP forward used different parameters."""
+    inner_passes: list[int] = field(default_factory=list)
+    """Per common step, 1 where some rank ran its backward passes inside DDP's forward (Lightning's manual
+    optimization: Lightning prepares DDP's reduction from each pass's loss)."""
     examples: dict[str, Examples]
     """Per predicate (`PREDICATES`)."""
     metas: dict[int, dict[str, Any]]

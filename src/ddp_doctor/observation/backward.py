@@ -5,6 +5,7 @@ Each hook writes one local fact into the step in progress. Nothing here communic
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from ddp_doctor.core.frames import user_site_of
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.observation.fingerprint import fingerprints
 from ddp_doctor.observation.hooks import Hook, tensors_in
@@ -20,6 +22,11 @@ from ddp_doctor.observation.target import Target
 from ddp_doctor.observation.timeline import Timeline
 
 __all__ = ["BackwardHooks"]
+
+_SITE_STEPS = 2
+"""The steps in which the line of each backward pass is looked up (a stack walk per pass), while no step's passes
+were seen to use different parameters: the pattern shows in the first step it happens in, and in every step of a
+GAN's loop."""
 
 
 class BackwardHooks:
@@ -65,11 +72,49 @@ class BackwardHooks:
 
     def _grad_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         timeline = self._timeline
+        open_pass = self._open_pass
 
         def hook(_: torch.Tensor) -> None:
-            timeline.state.used[i] = 1  # read the state at call time: it is replaced when a step closes
+            step = timeline.state  # read the state at call time: it is replaced when a step closes
+            # The pass's bit, not just 1: the used set of each backward pass through one forward, with no pass over
+            # the parameters per backward (StepLog.close compares them once per step).
+            step.used[i] |= step.pass_bit
+            if not timeline.in_pass:
+                open_pass()
 
         return hook
+
+    def _note_pass_site(self) -> None:
+        tl = self._timeline
+        sites = tl.state.pass_sites
+        if tl.log.steps < _SITE_STEPS and not tl.log.pass_sites and len(sites) < 4:
+            sites.append(user_site_of(sys._getframe(1), None) or "an unknown place")
+
+    def _open_pass(self) -> None:
+        # A backward pass that no forward output announced: one that runs inside DDP's forward (Lightning's
+        # manual_backward in training_step), or whose first gradient reached a parameter before any output. Its end
+        # is queued on the graph task it runs in.
+        self._timeline.in_pass = True
+        self._note_pass_site()
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_inner_pass)
+
+    def _after_inner_pass(self) -> None:
+        tl = self._timeline
+        if tl.in_pass and tl.inside_forward and tl.attached:
+            # DDP's finalize waits in this pass too (Lightning prepared the reduction from its loss): a synced pass.
+            counters = tl.state.counters
+            counters.inner_passes += 1
+            counters.micro_steps += 1
+            if tl.sync_forward:
+                counters.synced_backwards += 1
+        self._end_pass()
+
+    def _end_pass(self) -> None:
+        """The backward pass in progress ended: the next one through the same forward sets the next bit."""
+        tl = self._timeline
+        if tl.in_pass:
+            tl.in_pass = False
+            tl.state.pass_bit = min(tl.state.pass_bit << 1, 0x80)
 
     def hook_outputs(self, output: Any) -> None:
         """Watch a training forward's outputs for the start of their backward pass."""
@@ -82,6 +127,9 @@ class BackwardHooks:
 
     def _on_output_grad(self, _grad: torch.Tensor) -> None:
         self._timeline.open_forward = None
+        if not self._timeline.in_pass:
+            self._timeline.in_pass = True
+            self._note_pass_site()
         if not self._backward_pending and self._timeline.attached:
             self._backward_pending = True
             self._timeline.phase = Phase.BACKWARD
@@ -105,6 +153,7 @@ class BackwardHooks:
 
     def _after_backward(self) -> None:
         self._backward_pending = False
+        self._end_pass()
         tl = self._timeline
         if not tl.attached:
             return
@@ -154,4 +203,9 @@ class BackwardHooks:
         tl.state.counters.optimizer_step = 1
         tl.clock.step_end = now
         tl.versions.mark()  # what the optimizer wrote is its own; a write after this, before the next forward, is not
+        if tl.inside_forward:
+            # Lightning's manual optimization steps inside training_step, which runs inside DDP's forward: one
+            # forward is the step (a GAN steps two optimizers in it), closed when the forward returns.
+            tl.close_after_forward = True
+            return
         tl.close()

@@ -33,7 +33,8 @@ def classify(exc: BaseException) -> str:
     text = str(exc)
     if "graph has changed" in text:
         return "static-graph-changed"
-    if "Expected to have finished reduction" in text:
+    # Lightning's DDP strategy rewrites DDP's reduction error in place (`on_exception`) before re-raising it.
+    if "Expected to have finished reduction" in text or "LightningModule has parameters that were not used" in text:
         return "reduction-error"
     if "mark a variable ready only once" in text:
         return "mark-ready-twice"
@@ -68,6 +69,9 @@ def explain_failure(
         hint: the sentence that ends the message (what to do next in the caller's context).
     """
     complete = [i for i, c in enumerate(record.counter("complete").tolist()) if c]
+    # The crashed step (last, incomplete) had a backward pass through the forward that failed in a later one.
+    if record.steps and not record.counter("complete")[-1] and int(record.counter("split_passes")[-1]):
+        return _second_pass_failure(exc, kind, rank=rank, info=info, record=record, hint=hint)
     if kind == "mark-ready-twice":
         seen = record.steps > 0
         used = record.used[-1] if seen else torch.zeros(len(info.param_names), dtype=torch.bool)
@@ -142,6 +146,37 @@ def explain_failure(
         f"waited for gradients that never came. Trainable parameters that received no gradient {where}: "
         f"{_names(names)}. {cause}.{hint}",
         code="reduction-error",
+        params=names,
+    )
+
+
+def _second_pass_failure(
+    exc: BaseException, kind: str, *, rank: int, info: ModelInfo, record: RankRecord, hint: str
+) -> DDPFailure:
+    """DDP failed in a second backward pass through one forward (a GAN's two losses from one forward)."""
+    sites = [site.split(": ", 1)[-1] for site in record.pass_sites]
+    where = f" ({', '.join(sites)})" if sites else ""
+    used = record.used[-1]
+    if kind == "reduction-error":
+        names = [n for i, n in enumerate(info.param_names) if info.trainable_at_wrap[i] and not used[i]]
+        return ReductionError(
+            f"DDP failed on rank {rank}: 'Expected to have finished reduction' at a second backward pass through one "
+            f"forward{where}. The framework prepares DDP's reduction at each backward pass (Lightning's "
+            f"manual_backward), and the first pass gave no gradient to {_names(names)}, which a later pass trains. "
+            'Fix: find_unused_parameters=True (Lightning: strategy="ddp_find_unused_parameters_true"); '
+            f"static_graph=True fails on this pattern too.{hint}",
+            code="reduction-error",
+            params=names,
+        )
+    named = set(re.findall(r"with name (\S+)", str(exc)))
+    names = [n for i, n in enumerate(info.param_names) if i in set(record.split_params) or n in named]
+    return DDPFailure(
+        f"DDP failed on rank {rank}: two backward passes through one forward{where} reach different parameters, and "
+        f"DDP prepares one reduction per forward: a parameter reached by both passes is marked ready twice "
+        f"(parameters involved: {_names(names)}). No DDP flag fixes this "
+        "(find_unused_parameters=True and static_graph=True fail too). Fix: give each backward pass its own forward "
+        f"through the DDP model, or wrap the generator and the discriminator in DDP models of their own.{hint}",
+        code="backward-passes-differ",
         params=names,
     )
 

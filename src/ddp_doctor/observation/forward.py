@@ -79,6 +79,9 @@ class ForwardHooks:
                 self._check_versions()
             tl.phase = Phase.FORWARD
             tl.sync_forward = bool(self._t.ddp.require_backward_grad_sync)
+            tl.inside_forward = True
+            tl.state.pass_bit = 1  # the backward passes through this forward are told apart from the first
+            tl.in_pass = False  # a pass that raised never ran its end callback
             if unstepped and tl.sync_forward and len(self._log.repeat_sites) < MAX_SITES:
                 self._log.repeat_sites.append(f"step {self._log.steps}: {user_site({id(self._t.ddp)})}")
             if tl.open_forward is not None:
@@ -146,6 +149,7 @@ class ForwardHooks:
         if not torch.is_grad_enabled():
             return
         tl = self._timeline
+        tl.inside_forward = False
         step = tl.state
         step.counters.ddp_forwards += 1
         reachable, checkpoints = walk_graph(output, self._t.index)
@@ -155,6 +159,9 @@ class ForwardHooks:
         tl.clock.last_forward_end = time.perf_counter()
         step.t_forward += tl.clock.last_forward_end - tl.clock.forward_start
         tl.phase = Phase.AFTER_FORWARD
+        if tl.close_after_forward and tl.attached:
+            tl.close_after_forward = False
+            tl.close()
 
     def _on_module_forward_pre(self, _module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if not torch.is_grad_enabled():

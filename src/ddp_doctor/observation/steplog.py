@@ -30,6 +30,13 @@ class StepState:
 
     def __init__(self, n_params: int) -> None:
         self.used = bytearray(n_params)
+        """Nonzero: the parameter got a gradient. Bit k: in the k-th backward pass through its forward (the last
+        bit stands for every pass after the seventh), so passes that used different sets show as different values
+        without a pass over the parameters per backward."""
+        self.pass_bit = 1
+        """The bit the gradient hooks set: the backward pass in progress (or next) through the current forward."""
+        self.pass_sites: list[str] = []
+        """`file:line` of each backward pass of this step, while no step's passes were seen to differ."""
         self.reachable = bytearray(n_params)
         self.ran = bytearray(n_params)
         self.counters = StepCounters(complete=1)
@@ -96,6 +103,10 @@ class StepLog:
         """Positions of the parameters changed outside the optimizer, the first time it happened."""
         self.rereduce_sites: list[str] = []
         """`step N: all_reduce(float32[16, 8], SUM)/2 at file:line` of collectives on already reduced gradients."""
+        self.pass_sites: list[str] = []
+        """`step N: file:line` of the backward passes of the first step whose passes used different parameters."""
+        self.split_params: list[int] = []
+        """Positions of the parameters some of those passes did not reach."""
 
     @property
     def steps(self) -> int:
@@ -107,7 +118,25 @@ class StepLog:
         n = len(self._params)
         step.counters.complete = int(complete)
         rows = self._rows
-        rows["used"].append(torch.tensor(list(step.used), dtype=torch.bool))
+        used = torch.frombuffer(bytearray(step.used), dtype=torch.uint8) if n else torch.zeros(0, dtype=torch.uint8)
+        got = used[used > 0]
+        # Two used parameters whose pass bits differ: some backward pass used one and not the other.
+        if got.numel() and int(got.min()) != int(got.max()):
+            step.counters.split_passes = 1
+            if not self.split_params:
+                passes = 0
+                for bit in range(8):  # every pass of the step (the bits some parameter has)
+                    if bool(((got >> bit) & 1).any()):
+                        passes |= 1 << bit
+                self.split_params = ((used > 0) & (used != passes)).nonzero().flatten().tolist()[:64]
+                self.pass_sites = [f"step {self.steps}: {site}" for site in step.pass_sites[:MAX_SITES]]
+        elif not complete and step.pass_bit > 1:
+            # Crashed after a backward pass through the forward it crashed in: a later pass failed (DDP had
+            # prepared one reduction for the forward, or the first pass left it unfinished).
+            step.counters.split_passes = 2
+            if not self.pass_sites:
+                self.pass_sites = [f"step {self.steps}: {site}" for site in step.pass_sites[:MAX_SITES]]
+        rows["used"].append(used > 0)
         rows["reachable"].append(torch.tensor(list(step.reachable), dtype=torch.bool))
         rows["ran"].append(torch.tensor(list(step.ran), dtype=torch.bool))
         rows["trainable"].append(torch.tensor([p.requires_grad for p in self._params], dtype=torch.bool))
@@ -223,6 +252,8 @@ class StepLog:
         record.changed_sites = list(self.changed_sites)
         record.changed_params = list(self.changed_params)
         record.rereduce_sites = list(self.rereduce_sites)
+        record.pass_sites = list(self.pass_sites)
+        record.split_params = list(self.split_params)
         record.loaders = [self._epochs(d) for d in self.loaders]
         record.saves = list(self.saves)
         return record

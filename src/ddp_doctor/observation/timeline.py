@@ -67,6 +67,13 @@ class Timeline:
     """Where the last synced DDP forward in grad mode was called, until a backward pass starts (then None)."""
     versions: VersionWatch = field(init=False)
     """The parameters' version counters as the optimizer (or DDP's constructor) left them."""
+    in_pass: bool = False
+    """A backward pass is in progress (its end is queued on autograd's engine)."""
+    inside_forward: bool = False
+    """A training forward through DDP is in progress (Lightning's manual optimization runs backward passes and
+    optimizer steps inside it)."""
+    close_after_forward: bool = False
+    """The optimizer stepped inside DDP's forward: the step closes when that forward returns."""
     pending_load: str | None = None
     """Where `load_state_dict` was last called on the model since the optimizer's step (None: not called)."""
     _phase: Phase = Phase.BEFORE_FIRST_STEP
