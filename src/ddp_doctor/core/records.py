@@ -161,6 +161,9 @@ class StepCounters:
     and this step's first forward: a change no optimizer made (their tensors' in-place version counters moved)."""
     grads_rereduced: int = 0
     """The script's collectives on a synced parameter's `.grad` after DDP reduced it in this step."""
+    grads_measured: int = 0
+    """Where `grad_fp` was taken: 1 when `optimizer.step()` began (its pre-hook), 2 when it returned (a closure-based
+    step runs the backward inside it, after the pre-hook), 0 after the synced backward (no optimizer step)."""
 
     FIELDS = (
         "micro_steps",
@@ -182,6 +185,7 @@ class StepCounters:
         "scheduler_steps",
         "changed_outside",
         "grads_rereduced",
+        "grads_measured",
     )
 
     def as_list(self) -> list[int]:
@@ -206,7 +210,8 @@ class RankRecord:
     """bool[S, P]: the module that owns the parameter ran in the step's forward (in a training forward, even under
     `no_grad` or a checkpoint inside it): evidence that the script means to use it."""
     grad_fp: torch.Tensor
-    """float64[S, P, 2]: gradient fingerprint as the optimizer saw it (NaN: no grad)."""
+    """float64[S, P, 2]: gradient fingerprint as the optimizer saw it (NaN: no grad), taken where
+    `StepCounters.grads_measured` says."""
     weight_fp: torch.Tensor
     """float64[S + 1, P, 2]: weight fingerprint before step 0, then after each step."""
     buffer_fp: torch.Tensor
@@ -253,6 +258,15 @@ class RankRecord:
     saves: list[dict[str, Any]] = field(default_factory=list)
     """The files written with `torch.save` while observed (at most `MAX_SAVES`): `path`, `site`, `step`,
     `module_prefix` (the DDP wrapper's state dict)."""
+    synced_grad_fp: torch.Tensor | None = None
+    """float64[S, P, 2]: the gradient fingerprints when the step's last synced backward ended (DDP's all-reduce
+    done), where they differ from `grad_fp` in some step: something changed `.grad` between the backward and
+    `optimizer.step()`. None: the same as `grad_fp` in every step (nothing changed them, or no synced backward)."""
+    grad_edit_sites: list[str] = field(default_factory=list)
+    """`step N: clip_grad_norm_(max_norm=0.5) at file:line` of the gradient clipping calls while observed."""
+    nosync_sites: list[str] = field(default_factory=list)
+    """`no_sync() at file:line` or `require_backward_grad_sync=False at file:line`: where DDP's gradient sync was
+    turned off for steps none of whose backward passes DDP reduced (at most `MAX_SITES`)."""
 
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
         "used",
@@ -338,4 +352,6 @@ class RankRecord:
             "changed_params": self.changed_params,
             "rereduce_sites": self.rereduce_sites,
             "saves": self.saves,
+            "grad_edit_sites": self.grad_edit_sites,
+            "nosync_sites": self.nosync_sites,
         }
