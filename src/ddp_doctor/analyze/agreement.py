@@ -74,9 +74,10 @@ def grads_not_synced(v: View) -> list[Finding]:
     ranks = [0] + others.ranks
     why, fix = "", SEE_CAUSES
     if _unsynced_steps(v, steps):
-        sites = sorted({site for r in (0, *others.ranks) for site in v.meta(r).get("nosync_sites", [])})
+        sites = sorted(v.meta(0).get("nosync_sites", []))  # rank 0 differs too; its strings always travel
         flag = bool(sites) and all(site.startswith("require_backward_grad_sync") for site in sites)
-        where = f" ({'; '.join(sites)})" if sites else ""
+        verb = "set" if flag else "entered"
+        where = f" ({verb} at {'; '.join(site.split(' at ', 1)[-1] for site in sites)})" if sites else ""
         how = "with require_backward_grad_sync=False" if flag else "under no_sync()"
         why = (
             f" Every backward pass of these optimizer steps ran {how}{where}, the last micro-batch included, so "
