@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from checkrun import SCRIPTS, check
 
-
 TIMING = {"input-bound", "straggler-rank"}
 """Measurements of where the step time goes on this machine, which other jobs share: not about the gradients."""
 
