@@ -83,7 +83,8 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
     m.pair("sections", b.digests())
     mask = grad_mask = trainable & ~ignored
     grad_h = grad_hashes()
-    m.pair("grad_p", (grad_h * mask).sum(0))
+    grad_p = (grad_h * mask).sum(0)  # kept: round B3 reuses it where nothing changed the gradients after the sync
+    m.pair("grad_p", grad_p)
     m.pair("grad_s", (grad_h * mask).sum(1))
     infer = not info.wrap_state_exact and info.wrap_trainable_count is not None and world >= 2 and s > 0
     if infer:
@@ -159,7 +160,8 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         b2 = MaxRound()
         mask = grad_mask = train_all & ~ignored
         grad_h = grad_hashes()
-        b2.pair("grad_p", (grad_h * mask).sum(0))
+        grad_p = (grad_h * mask).sum(0)
+        b2.pair("grad_p", grad_p)
         b2.pair("grad_s", (grad_h * mask).sum(1))
         del grad_h, mask
         r2 = b2.read((yield ("max", b2.tensor())))
@@ -181,18 +183,17 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
     my_edits = torch.zeros(s, dtype=torch.bool)
     if bool(grad_params.any()):
         b3 = MaxRound()
-        synced_h = (
-            grad_hashes() if record.synced_grad_fp is None else of_record(record, "synced_grad_fp", s, hash_steps)
-        )
-        b3.pair("synced_p", (synced_h * grad_mask).sum(0))
-        del synced_h
+        if record.synced_grad_fp is None:  # the same gradients at the sync as at the step: round B's digest
+            b3.pair("synced_p", grad_p)
+        else:
+            b3.pair("synced_p", (of_record(record, "synced_grad_fp", s, hash_steps) * grad_mask).sum(0))
         r3 = b3.read((yield ("max", b3.tensor())))
         edited = grad_params & ~differs(r3["synced_p"])
         if record.synced_grad_fp is not None and s:
             before, after = record.synced_grad_fp[:s], record.grad_fp[:s]
             changed = ~((before == after) | (before.isnan() & after.isnan())).all(-1)  # [S, P]
             my_edits = (changed & grad_mask & edited).any(1)
-    del grad_mask
+    del grad_mask, grad_p
     used_count = rb["used"]
     used_any, used_all = used_count > 0, used_count == world
     live = tracked & ~((rb["trainable"] < world).any(0) if s else torch.zeros_like(tracked))
