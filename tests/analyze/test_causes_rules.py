@@ -122,3 +122,43 @@ def test_a_divergence_no_cause_explains_says_it_is_unknown_and_what_was_ruled_ou
         "the cause is unknown" in f["replica-divergence"].fix
         and "optimizer-step-skipped" in f["replica-divergence"].fix
     )
+
+
+def _edited(rank: int, changed: bool, *, measured: int = 1, sites: tuple[str, ...] = ()) -> object:
+    """A rank whose gradients agreed with the others' after DDP's all-reduce; `changed`: it edited parameter 2's
+    before the step (its `grad_fp` differs from its `synced_grad_fp` there)."""
+    synced = torch.arange(3 * 4 * 2, dtype=torch.float64).reshape(3, 4, 2)
+    at_step = synced.clone()
+    if changed:
+        at_step[:, 2] *= 0.5
+    r = record(rank, ALL, grad=at_step, counters=counters([{"grads_measured": measured}] * 3), weights=weights(1, rank))
+    r.synced_grad_fp = synced if changed else None
+    r.grad_edit_sites = list(sites)
+    return r
+
+
+def test_gradients_edited_on_one_rank_after_the_all_reduce_name_the_rank_the_parameter_and_the_line() -> None:
+    sites = tuple(f"step {s}: clip_grad_norm_(max_norm=0.5) at train.py:30" for s in range(3))
+    f = found([_edited(0, True, sites=sites), _edited(1, False)])
+    g = f["grads-changed-after-sync"]
+    assert (g.ranks, g.steps, g.param_names) == ([0], [0, 1, 2], ["head_a.weight"]), g
+    assert "clip_grad_norm_(max_norm=0.5) at train.py:30" in g.detail and "train.py:30" in g.fix
+    assert "when optimizer.step() began" in g.detail
+    assert "grads-not-synced" not in f  # they agreed after DDP's all-reduce: not a sync problem
+    assert "fix the cause: grads-changed-after-sync" in f["replica-divergence"].fix
+
+
+def test_a_closure_based_step_says_where_its_gradients_were_measured() -> None:
+    g = found([_edited(0, False, measured=2), _edited(1, True, measured=2)])["grads-changed-after-sync"]
+    assert g.ranks == [1] and "when optimizer.step() returned" in g.detail and "written in place" in g.detail
+
+
+def test_an_unexplained_divergence_says_where_the_gradients_were_compared() -> None:
+    fix = found([_edited(r, False) for r in range(2)])["replica-divergence"].fix
+    assert "the gradients agreed after ddp's all-reduce and when optimizer.step() began" in fix.lower(), fix
+    fix = found([_edited(r, False, measured=0) for r in range(2)])["replica-divergence"].fix
+    assert "no optimizer step was seen" in fix and "when optimizer.step()" not in fix, fix
+
+
+def test_the_same_edit_on_every_rank_is_no_cause() -> None:
+    assert "grads-changed-after-sync" not in found([_edited(r, True) for r in range(2)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from ddp_doctor.analyze.agreement import SEE_CAUSES
 from ddp_doctor.analyze.causes import CAUSES
 from ddp_doctor.analyze.detectors import DETECTORS
 from ddp_doctor.analyze.recommend import recommend
@@ -62,7 +63,7 @@ def analyze_summary(summary: Summary) -> Diagnosis:
     view = View(summary)
     findings = [f for detect in DETECTORS for f in detect(view)]
     findings.sort(key=lambda f: _SEVERITY_ORDER[f.severity])
-    _consistent_fixes(findings)
+    _consistent_fixes(findings, summary.grads_measured)
     crashes = []
     for r in summary.examples["crashed"].ranks:
         meta = summary.metas[r]
@@ -106,9 +107,23 @@ _EXPLAINS_UNSYNCED = {
 }
 
 
-def _consistent_fixes(findings: list) -> None:
-    """A fix must not send the user to a finding the report does not have."""
+def _agreed(measured: dict[str, int]) -> str:
+    """When the gradients were compared across the ranks, in words: what was measured, no more."""
+    if measured.get("step") and measured.get("closure"):
+        at = "and when optimizer.step() used them (at its start, or when a closure-based step returned)"
+    elif measured.get("step"):
+        at = "and when optimizer.step() began"
+    elif measured.get("closure"):
+        at = "and when optimizer.step() returned (its closure ran the backward inside it)"
+    else:
+        return "the gradients agreed after DDP's all-reduce at every step observed (no optimizer step was seen)"
+    return f"the gradients agreed after DDP's all-reduce {at}, at every step observed"
+
+
+def _consistent_fixes(findings: list, measured: dict[str, int]) -> None:
+    """A fix must not send the user to a finding the report does not have, nor claim more than was measured."""
     codes = {f.code for f in findings}
+    agreed = _agreed(measured)
     for f in findings:
         causes = [c for c in CAUSES if c in codes]
         if f.code == "replica-divergence" and causes and "grads-not-synced" not in codes:
@@ -119,13 +134,14 @@ def _consistent_fixes(findings: list) -> None:
             )
         elif f.code == "replica-divergence" and "grads-not-synced" not in codes:
             f.fix = (
-                "fix the cause named by the other findings; the gradients agreed at every optimizer step, so "
+                f"fix the cause named by the other findings; {agreed}, so "
                 "the updates themselves differed (an extra synced pass on one rank, a rank-dependent optimizer "
                 "setting, or weights changed outside the optimizer). Restart from a checkpoint saved before the "
                 "divergence, or re-broadcast rank 0's weights knowingly."
                 if codes & _EXPLAINS_UNSYNCED
-                else "the cause is unknown. The gradients agreed at every optimizer step, and none of the causes "
-                "ddp-doctor looks for was seen: the same optimizer settings on every rank at the steps observed "
+                else f"the cause is unknown. {agreed[0].upper()}{agreed[1:]}, and none of the causes "
+                "ddp-doctor looks for was seen: no gradients changed on some ranks after DDP's all-reduce "
+                "(grads-changed-after-sync), the same optimizer settings on every rank at the steps observed "
                 "(optimizer-differs), the same optimizer steps taken in lockstep (optimizer-step-skipped), "
                 "identical replicas before the first step (replicas-differ-at-wrap), no write to the weights "
                 "outside the optimizer on some ranks only (weights-changed-outside-optimizer). Look for what "
@@ -133,7 +149,7 @@ def _consistent_fixes(findings: list) -> None:
                 "a parameter replaced rather than written in place). Restart from a checkpoint saved before the "
                 "divergence, or re-broadcast rank 0's weights knowingly."
             )
-        if f.code == "grads-not-synced" and not codes & _EXPLAINS_UNSYNCED:
+        if f.code == "grads-not-synced" and f.fix == SEE_CAUSES and not codes & _EXPLAINS_UNSYNCED:
             f.fix = (
                 "gradients must be reduced by DDP before optimizer.step(): check that every rank runs the "
                 "backward pass through the DDP model (not its .module), with the same parameters trainable, "

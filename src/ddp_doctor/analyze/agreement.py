@@ -12,7 +12,20 @@ from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import listed
 
-__all__ = ["buffer_divergence", "grads_not_synced", "identical_inputs", "replica_divergence", "wrapper_bypass"]
+__all__ = [
+    "SEE_CAUSES",
+    "buffer_divergence",
+    "grads_not_synced",
+    "identical_inputs",
+    "replica_divergence",
+    "wrapper_bypass",
+]
+
+SEE_CAUSES = (
+    "see the findings that explain why (a bypassed wrapper, parameters unused with default flags, "
+    "requires_grad changed after wrap); gradients must be reduced by DDP before optimizer.step()."
+)
+"""`grads-not-synced`'s fix when it names no cause itself (`analyze._consistent_fixes` may say more)."""
 
 
 def wrapper_bypass(v: View) -> list[Finding]:
@@ -41,28 +54,55 @@ def wrapper_bypass(v: View) -> list[Finding]:
     ]
 
 
+def _unsynced_steps(v: View, steps: list[int]) -> bool:
+    """Every one of `steps` was an optimizer step on every rank, and no rank's backward in it was synced by DDP
+    (every micro-batch ran under `no_sync()` or with `require_backward_grad_sync=False`)."""
+    (synced_hi, _), (_, stepped_lo) = v.summary.synced, v.summary.steps_taken
+    return bool(steps) and all(synced_hi[k] == 0 and stepped_lo[k] > 0 for k in steps)
+
+
 def grads_not_synced(v: View) -> list[Finding]:
     if v.world < 2 or not v.steps:
         return []
-    params = v.summary.grad_params  # differ in a step where every rank trains them
+    # Differ at the optimizer step where every rank trains them; those that agreed after DDP's all-reduce are
+    # grads-changed-after-sync's.
+    params = v.summary.grad_params & ~v.summary.edited_params
     if not params.any():
         return []
     steps = steps_of(v.summary.grad_steps)
     others = v.ranks("grad-differs")  # ranks whose gradients differ from rank 0's
     ranks = [0] + others.ranks
+    why, fix = "", SEE_CAUSES
+    if _unsynced_steps(v, steps):
+        sites = sorted(v.meta(0).get("nosync_sites", []))  # rank 0 differs too; its strings always travel
+        flag = bool(sites) and all(site.startswith("require_backward_grad_sync") for site in sites)
+        verb = "set" if flag else "entered"
+        where = f" ({verb} at {'; '.join(site.split(' at ', 1)[-1] for site in sites)})" if sites else ""
+        how = "with require_backward_grad_sync=False" if flag else "under no_sync()"
+        why = (
+            f" Every backward pass of these optimizer steps ran {how}{where}, the last micro-batch included, so "
+            "DDP never reduced the gradients: each rank stepped on its own."
+        )
+        fix = (
+            "set model.require_backward_grad_sync = True on the last micro-step of each optimizer step, as nanoGPT "
+            "does: model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)"
+            if flag
+            else "leave the last micro-batch of each optimizer step outside no_sync(): run its forward and backward "
+            "without the context manager, so DDP reduces the accumulated gradients once before optimizer.step()"
+        ) + (f" (at {sites[0].split(' at ', 1)[1]})." if sites and " at " in sites[0] else ".")
     return [
         Finding(
             code="grads-not-synced",
             severity="error",
-            title=f"gradients of {_count(int(params.sum()), 'parameter')} differ across ranks at the optimizer step",
+            title=f"gradients of {_count(int(params.sum()), 'parameter')} differ across ranks at the optimizer step"
+            + (f" (DDP's sync was off for every backward: {sites[0].split(' at ', 1)[0]})" if why and sites else ""),
             detail="When the optimizer stepped, these gradients were not the same on every rank, so the replicas "
-            f"take different updates. Ranks {listed(ranks, others.more)} disagree in steps {steps}.",
+            f"take different updates. Ranks {listed(ranks, others.more)} disagree in steps {steps}.{why}",
             params=v.params(params),
             ranks=ranks,
             steps=steps,
             more_ranks=others.more,
-            fix="see the findings that explain why (a bypassed wrapper, parameters unused with default flags, "
-            "requires_grad changed after wrap); gradients must be reduced by DDP before optimizer.step().",
+            fix=fix,
         )
     ]
 

@@ -1,6 +1,7 @@
-"""Why replicas diverge when the gradients agree: the optimizers disagree, some ranks skip a step, the script
-reduces DDP's gradients again, the replicas differed from the start, or something other than the optimizer wrote
-the weights on some ranks. Pure functions of the `View`.
+"""Why replicas diverge when the gradients agree after DDP's all-reduce: the script changes them on some ranks
+before the optimizer step, the optimizers disagree, some ranks skip a step, the script reduces DDP's gradients
+again, the replicas differed from the start, or something other than the optimizer wrote the weights on some
+ranks. Pure functions of the `View`.
 
 Iterations are aligned by what the ranks do in lockstep, DDP's synced backward passes (`Summary.synced`), never by
 each rank's own count of optimizer steps: a rank that skips `optimizer.step()` is one update behind, not one
@@ -13,13 +14,14 @@ import re
 
 import torch
 
-from ddp_doctor.analyze.common import with_more
+from ddp_doctor.analyze.common import steps_of, with_more
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list
 
 __all__ = [
     "CAUSES",
+    "grads_changed_after_sync",
     "grads_reduced_twice",
     "optimizer_differs",
     "optimizer_step_skipped",
@@ -27,8 +29,14 @@ __all__ = [
     "weights_changed_outside_optimizer",
 ]
 
-CAUSES = ("optimizer-differs", "optimizer-step-skipped", "replicas-differ-at-wrap", "weights-changed-outside-optimizer")
-"""The codes that explain a `replica-divergence` whose gradients agreed."""
+CAUSES = (
+    "grads-changed-after-sync",
+    "optimizer-differs",
+    "optimizer-step-skipped",
+    "replicas-differ-at-wrap",
+    "weights-changed-outside-optimizer",
+)
+"""The codes that explain a `replica-divergence` whose gradients agreed after DDP's all-reduce."""
 
 
 def _first_differing(pair: tuple[list[int], list[int]]) -> list[int]:
@@ -216,6 +224,63 @@ def grads_reduced_twice(v: View) -> list[Finding]:
                 steps=bad,
                 fix="drop the manual reduction: DDP already averages the gradients. If it is meant to replace DDP's, "
                 "run the backward under ddp.no_sync(), or register a comm hook (ddp.register_comm_hook) instead.",
+            ),
+            who.more,
+        )
+    ]
+
+
+def grads_changed_after_sync(v: View) -> list[Finding]:
+    """Gradients that agreed across the ranks when DDP's all-reduce finished differ when `optimizer.step()` uses
+    them: code between the backward and the step (clipping, a per-rank scale, a write to `.grad`) changed them on
+    some ranks only, or changed them differently."""
+    s = v.summary
+    if v.world < 2 or not v.steps or not s.edited_params.any():
+        return []
+    steps = [k for k, e in enumerate(s.edited_steps.tolist()) if e] or steps_of(s.grad_steps)
+    who = v.ranks("grads-edited")
+    sites = _sites(v, who.ranks, "grad_edit_sites")
+    closure = s.grads_measured.get("closure", 0) and not s.grads_measured.get("step", 0)
+    when = (
+        "when optimizer.step() returned (its closure ran the backward inside it)"
+        if closure
+        else ("when optimizer.step() began")
+    )
+    editors = rank_list(who.ranks, more=who.more) if who.count else "some ranks"
+    if sites:
+        lines = sorted({site.rsplit(" at ", 1)[-1] for site in sites})
+        how = f"{editors} called {'; '.join(sites)} between the backward and the step" + (
+            ", and the other ranks did not, or not alike" if who.count < v.world else ""
+        )
+        fix = (
+            f"call it on every rank alike: move the call at {lines[0]} out of its rank-dependent branch (to log the "
+            "norm on rank 0 only, clip on every rank and print the returned norm on rank 0 only). Every rank must "
+            "step on the same gradients."
+        )
+    else:
+        how = (
+            f"on {editors} the gradients were written in place or replaced (p.grad.mul_(...), p.grad = ...) between "
+            "the backward and the step, and no clip_grad_norm_ or clip_grad_value_ call was seen there"
+        )
+        fix = (
+            "make the same change on every rank (or none): anything that edits .grad after loss.backward() must "
+            "run on every rank alike, from values every rank holds (all-reduce a per-rank value first)."
+        )
+    mask = s.edited_params
+    return [
+        with_more(
+            Finding(
+                code="grads-changed-after-sync",
+                severity="error",
+                title=f"gradients changed on {editors} after DDP synchronized them ({v.params(mask)[0].name}"
+                + (" and others)" if int(mask.sum()) > 1 else ")"),
+                detail=f"The gradients of {int(mask.sum())} parameter tensor(s) were the same on every rank when "
+                f"DDP's all-reduce finished, and differed {when}: {how}. The ranks then take different updates "
+                f"and the replicas drift apart. Seen in step(s) {steps}.",
+                params=v.params(mask),
+                ranks=who.ranks,
+                steps=steps,
+                fix=fix,
             ),
             who.more,
         )

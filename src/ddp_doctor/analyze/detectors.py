@@ -13,6 +13,7 @@ from ddp_doctor.analyze.agreement import (
     wrapper_bypass,
 )
 from ddp_doctor.analyze.causes import (
+    grads_changed_after_sync,
     grads_reduced_twice,
     optimizer_differs,
     optimizer_step_skipped,
@@ -55,6 +56,7 @@ DETECTORS: tuple[Callable[[View], list[Finding]], ...] = (
     optimizer_step_skipped,
     optimizer_differs,
     grads_reduced_twice,
+    grads_changed_after_sync,
     static_graph_unsafe,
     wrapper_bypass,
     unfrozen_after_wrap,

@@ -42,6 +42,9 @@ CODES: dict[str, str] = {
     "grads-reduced-twice": "the script reduces gradients that DDP has already reduced",
     "replicas-differ-at-wrap": "the replicas differ before the first step (init_sync=False, a per-rank seed)",
     "weights-changed-outside-optimizer": "parameters changed on some ranks only, outside the optimizer",
+    # Added in the fourth round (issue #32): gradients that DDP synchronized, changed on some ranks before the step.
+    "grads-changed-after-sync": "gradients agreed after DDP's all-reduce but differ at optimizer.step() (edited on "
+    "some ranks only, e.g. clip_grad_norm_ under if rank == 0)",
     # Added with issue #27 (what happens at wrap and at epoch ends):
     "param-shapes-differ": "parameters have different shapes on different ranks when DDP is built",
     "checkpoint-same-path": "several ranks wrote the same file with torch.save (no rank guard)",

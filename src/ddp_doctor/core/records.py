@@ -167,6 +167,9 @@ class StepCounters:
     inner_passes: int = 0
     """Backward passes that ran inside DDP's forward (Lightning's manual optimization: `manual_backward` in
     `training_step`); Lightning prepares DDP's reduction from each such pass's loss."""
+    grads_measured: int = 0
+    """Where `grad_fp` was taken: 1 when `optimizer.step()` began (its pre-hook), 2 when it returned (a closure-based
+    step runs the backward inside it, after the pre-hook), 0 after the synced backward (no optimizer step)."""
 
     FIELDS = (
         "micro_steps",
@@ -190,6 +193,7 @@ class StepCounters:
         "grads_rereduced",
         "split_passes",
         "inner_passes",
+        "grads_measured",
     )
 
     def as_list(self) -> list[int]:
@@ -214,7 +218,8 @@ class RankRecord:
     """bool[S, P]: the module that owns the parameter ran in the step's forward (in a training forward, even under
     `no_grad` or a checkpoint inside it): evidence that the script means to use it."""
     grad_fp: torch.Tensor
-    """float64[S, P, 2]: gradient fingerprint as the optimizer saw it (NaN: no grad)."""
+    """float64[S, P, 2]: gradient fingerprint as the optimizer saw it (NaN: no grad), taken where
+    `StepCounters.grads_measured` says."""
     weight_fp: torch.Tensor
     """float64[S + 1, P, 2]: weight fingerprint before step 0, then after each step."""
     buffer_fp: torch.Tensor
@@ -266,6 +271,15 @@ class RankRecord:
     saves: list[dict[str, Any]] = field(default_factory=list)
     """The files written with `torch.save` while observed (at most `MAX_SAVES`): `path`, `site`, `step`,
     `module_prefix` (the DDP wrapper's state dict)."""
+    synced_grad_fp: torch.Tensor | None = None
+    """float64[S, P, 2]: the gradient fingerprints when the step's last synced backward ended (DDP's all-reduce
+    done), where they differ from `grad_fp` in some step: something changed `.grad` between the backward and
+    `optimizer.step()`. None: the same as `grad_fp` in every step (nothing changed them, or no synced backward)."""
+    grad_edit_sites: list[str] = field(default_factory=list)
+    """`step N: clip_grad_norm_(max_norm=0.5) at file:line` of the gradient clipping calls while observed."""
+    nosync_sites: list[str] = field(default_factory=list)
+    """`no_sync() at file:line` or `require_backward_grad_sync=False at file:line`: where DDP's gradient sync was
+    turned off for steps none of whose backward passes DDP reduced (at most `MAX_SITES`)."""
 
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
         "used",
@@ -353,4 +367,6 @@ class RankRecord:
             "pass_sites": self.pass_sites,
             "split_params": self.split_params,
             "saves": self.saves,
+            "grad_edit_sites": self.grad_edit_sites,
+            "nosync_sites": self.nosync_sites,
         }

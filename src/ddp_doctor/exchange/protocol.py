@@ -81,9 +81,10 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
 
     m = MaxRound()
     m.pair("sections", b.digests())
-    mask = trainable & ~ignored
+    mask = grad_mask = trainable & ~ignored
     grad_h = grad_hashes()
-    m.pair("grad_p", (grad_h * mask).sum(0))
+    grad_p = (grad_h * mask).sum(0)  # kept: round B3 reuses it where nothing changed the gradients after the sync
+    m.pair("grad_p", grad_p)
     m.pair("grad_s", (grad_h * mask).sum(1))
     infer = not info.wrap_state_exact and info.wrap_trainable_count is not None and world >= 2 and s > 0
     if infer:
@@ -162,9 +163,10 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
     uniform = bool(((rb["trainable"] == 0) | train_all).all())
     if not uniform:
         b2 = MaxRound()
-        mask = train_all & ~ignored
+        mask = grad_mask = train_all & ~ignored
         grad_h = grad_hashes()
-        b2.pair("grad_p", (grad_h * mask).sum(0))
+        grad_p = (grad_h * mask).sum(0)
+        b2.pair("grad_p", grad_p)
         b2.pair("grad_s", (grad_h * mask).sum(1))
         del grad_h, mask
         r2 = b2.read((yield ("max", b2.tensor())))
@@ -178,6 +180,25 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
             tracked = tracked & ~unsynced
     grad_params = differs(rm["grad_p"]) & ~ignored if world >= 2 else torch.zeros(n_params, dtype=torch.bool)
     weight_params = differs(rm["weight_p"]) & ~ignored if world >= 2 else torch.zeros(n_params, dtype=torch.bool)
+
+    # Round B3, only when some gradient differs at the optimizer step: the same digests of the gradients as DDP's
+    # all-reduce left them. Those that agreed then were changed on some ranks after DDP reduced them (clipping on
+    # one rank); the others were never synchronized. Each rank also knows which of its own it changed.
+    edited = torch.zeros(n_params, dtype=torch.bool)
+    my_edits = torch.zeros(s, dtype=torch.bool)
+    if bool(grad_params.any()):
+        b3 = MaxRound()
+        if record.synced_grad_fp is None:  # the same gradients at the sync as at the step: round B's digest
+            b3.pair("synced_p", grad_p)
+        else:
+            b3.pair("synced_p", (of_record(record, "synced_grad_fp", s, hash_steps) * grad_mask).sum(0))
+        r3 = b3.read((yield ("max", b3.tensor())))
+        edited = grad_params & ~differs(r3["synced_p"])
+        if record.synced_grad_fp is not None and s:
+            before, after = record.synced_grad_fp[:s], record.grad_fp[:s]
+            changed = ~((before == after) | (before.isnan() & after.isnan())).all(-1)  # [S, P]
+            my_edits = (changed & grad_mask & edited).any(1)
+    del grad_mask, grad_p
     used_count = rb["used"]
     used_any, used_all = used_count > 0, used_count == world
     live = tracked & ~((rb["trainable"] < world).any(0) if s else torch.zeros_like(tracked))
@@ -273,6 +294,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
             and 0 <= record.crash_step < record.steps
             and int(record.counter("split_passes")[record.crash_step]) > 0
         ),
+        "grads-edited": bool(my_edits.any()),
     }
     assert tuple(flags) == PREDICATES
     meta = rank_strings(
@@ -288,6 +310,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         changed=first_changed,
         skip=first_skip,
         rereduced=first_rereduced,
+        edited=first_set(my_edits.tolist()),
     )
     d = SumRound(world)
     d.ints("counts", torch.tensor([int(v) for v in flags.values()]))
@@ -296,6 +319,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
     d.ints("hidden_crash", torch.tensor(hidden_crash))
     d.bits("w_missing", vs0.w_missing.any(-1))
     d.bits("g_missing", vs0.g_missing)
+    d.bits("edited_steps", my_edits)
     dm = MaxRound()
     me = torch.full((len(PREDICATES), SLOTS), MIN, dtype=torch.int64)
     for k, v in enumerate(flags.values()):
@@ -354,6 +378,9 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         hidden_crashed=[int(v) for v in rd["hidden_crash"]],
         grad_params=grad_params,
         grad_steps=(differs(rm["grad_s"]) if world >= 2 else torch.zeros(s, dtype=torch.bool)),
+        edited_params=edited,
+        edited_steps=rd["edited_steps"] > 0,
+        grads_measured=metas[0].get("grads_measured", {}),
         unsynced=unsynced,
         weight_params=weight_params,
         weight_steps=differs(rm["weight_s"]) if world >= 2 else torch.zeros(s + 1, dtype=torch.bool),

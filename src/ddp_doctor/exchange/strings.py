@@ -30,6 +30,7 @@ QUOTED = (
     "changed-outside",
     "rereduced",
     "scheduler-extra",
+    "grads-edited",
 )
 """The predicates whose example ranks send their strings (all of them); `fewest-batches` and `same-path-save` send
 their first example's."""
@@ -49,9 +50,12 @@ def rank_strings(
     changed: int | None,
     skip: int | None,
     rereduced: int | None,
+    edited: int | None = None,
 ) -> bytes:
     """What this rank would quote (JSON): its crash, sites, loaders, and its per-step logs at the first step where
-    the ranks differ in each (the keyword arguments: those steps, None where they agree)."""
+    the ranks differ in each (the keyword arguments: those steps, None where they agree; `edited`: the first step
+    in which this rank changed gradients after DDP reduced them)."""
+    measured = record.counter("grads_measured").tolist()
     return json.dumps(
         {
             "crash_kind": record.crash_kind,
@@ -76,6 +80,10 @@ def rank_strings(
             "split_params": record.split_params,
             "shared_saves": shared_saves,
             "module_saves": [d for d in record.saves if d.get("module_prefix")][:1],
+            "grad_edit_sites": at_step(record.grad_edit_sites, edited),
+            "edited_step": edited,
+            "nosync_sites": record.nosync_sites,
+            "grads_measured": {k: measured.count(i) for i, k in enumerate(("backward", "step", "closure"))},
         }
     ).encode()
 
@@ -89,7 +97,7 @@ def example_metas(
         wanted.update(examples[name].ranks)
     wanted.update(examples["fewest-batches"].ranks[:1])
     wanted.update(examples["same-path-save"].ranks[:1])
-    chosen = sorted(wanted)  # at most 3 + 13 * EXAMPLES ranks
+    chosen = sorted(wanted)  # at most 3 + 14 * EXAMPLES ranks
     words = -(-n_meta // 8)
     e = torch.zeros(len(chosen), words, dtype=torch.int64)
     if rank in chosen:

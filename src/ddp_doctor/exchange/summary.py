@@ -49,6 +49,7 @@ PREDICATES = (
     "scheduler-extra",
     "same-path-save",
     "crash-after-pass",
+    "grads-edited",
 )
 
 
@@ -111,9 +112,19 @@ class Summary:
     hidden_crashed: list[int]
     """[2]: ranks whose 'mark a variable ready only once' crash is attributed to each kind."""
     grad_params: torch.Tensor
-    """bool[P]: gradients differ across ranks in some common step where every rank trains the param."""
+    """bool[P]: gradients differ across ranks at the optimizer step, in some common step where every rank trains
+    the param (`RankRecord.grad_fp`)."""
     grad_steps: torch.Tensor
     """bool[S]: steps with such a difference."""
+    edited_params: torch.Tensor
+    """bool[P]: those of `grad_params` whose gradients agreed across ranks when the synced backward ended (after
+    DDP's all-reduce) in every common step: something changed them on some ranks after DDP reduced them."""
+    edited_steps: torch.Tensor
+    """bool[S]: steps in which some rank changed one of `edited_params` between its synced backward and the step."""
+    grads_measured: dict[str, int]
+    """Group rank 0's common steps by where the gradients the optimizer used were fingerprinted: `step` (when
+    optimizer.step() began), `closure` (when it returned: a closure ran the backward inside it), `backward` (after
+    the synced backward: no optimizer step)."""
     unsynced: torch.Tensor
     """bool[P]: gradients differ across ranks in some common step (no mask; for inferring the wrap state)."""
     weight_params: torch.Tensor

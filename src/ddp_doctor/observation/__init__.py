@@ -5,5 +5,5 @@ closed steps that become the rank's `RankRecord` (`steplog`), the autograd walk 
 (`target`), how an early end is recorded (`crash`), what DDP was built with (`wrapstate`), fingerprints
 (`fingerprint`), hook plumbing (`hooks`), and the process-wide probes one observer listens to (`probes`):
 reentrant checkpoints (`reentrant`), DataLoaders (`dataloaders`), GradScaler (`gradscaler`), the script's
-collectives (`collectives`).
+collectives (`collectives`), gradient clipping and where gradient sync was turned off (`gradedits`).
 """

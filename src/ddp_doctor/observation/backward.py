@@ -18,6 +18,7 @@ from ddp_doctor.core.phase import Phase
 from ddp_doctor.observation.fingerprint import fingerprints
 from ddp_doctor.observation.hooks import Hook, tensors_in
 from ddp_doctor.observation.optimizers import describe
+from ddp_doctor.observation.steplog import StepState
 from ddp_doctor.observation.target import Target
 from ddp_doctor.observation.timeline import Timeline
 
@@ -166,9 +167,14 @@ class BackwardHooks:
         tl.phase = Phase.AFTER_BACKWARD
         if tl.sync_forward:
             step.counters.synced_backwards += 1
-            # The grads the optimizer will use: taken here rather than in the optimizer's pre-hook because a
-            # closure-based step (Lightning) runs forward and backward inside optimizer.step().
-            step.grad_fp = fingerprints(p.grad for p in self._t.params)
+            # The grads as DDP's all-reduce left them. The optimizer's pre-hook compares what it is about to use
+            # against these (code in between, clipping or logging, may change them on some ranks only); the
+            # version counters let it fingerprint only the gradients written or replaced since.
+            grads = [p.grad for p in self._t.params]
+            step.synced_fp = fingerprints(grads)
+            step.synced_grads = grads
+            step.synced_versions = [0 if g is None else g._version for g in grads]
+            step.grad_fp = None  # a pre-hook before this backward (a closure's) measured nothing the step uses
             if self._t.optimizer is None and not self._t.auto_optimizer:
                 tl.close()
             else:
@@ -186,10 +192,33 @@ class BackwardHooks:
         if opt is self._t.optimizer:
             self._on_optimizer_post(opt, args, kwargs)
 
+    def _grads_now(self, step: StepState, where: int) -> None:
+        """Fingerprint the gradients the optimizer step uses, `where` (`StepCounters.grads_measured`)."""
+        step.counters.grads_measured = where
+        params = self._t.params
+        if step.synced_fp is None:  # no synced backward in this step (no_sync throughout, a bypassed wrapper)
+            step.grad_fp = fingerprints(p.grad for p in params)
+            return
+        changed = [
+            i
+            for i, (p, g, v) in enumerate(zip(params, step.synced_grads, step.synced_versions))
+            if p.grad is not g or (g is not None and g._version != v)
+        ]
+        if not changed:
+            step.grad_fp = step.synced_fp
+            return
+        # Written in place (clip_grad_norm_ multiplies every gradient, even by 1.0) or replaced since DDP reduced
+        # them: fingerprint those again; the comparison across ranks tells whether their values changed alike.
+        fp = step.synced_fp.clone()
+        fp[changed] = fingerprints(params[i].grad for i in changed)
+        step.grad_fp = fp
+
     def _on_optimizer_pre(self, opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         tl = self._timeline
-        if tl.state.grad_fp is None:
-            tl.state.grad_fp = fingerprints(p.grad for p in self._t.params)
+        if tl.state.counters.micro_steps:
+            self._grads_now(tl.state, 1)
+        # else: a closure-based step (Lightning): its forward and backward run inside optimizer.step(), after this
+        # hook; the gradients it used are fingerprinted when it returns (`_on_optimizer_post`).
         # The settings this step is taken with: ranks whose settings differ update identical replicas differently.
         tl.state.counters.optimizer_digest, settings = describe(opt)
         tl.log.note_step(tl.log.optimizer_log, settings)
@@ -201,6 +230,10 @@ class BackwardHooks:
         now = time.perf_counter()
         tl.state.t_optimizer += now - max(tl.clock.optimizer_start, tl.clock.backward_end)
         tl.state.counters.optimizer_step = 1
+        if tl.state.grad_fp is None:
+            # A closure ran the backward inside the step (or there was none): the gradients as the step leaves
+            # them, which are those it used unless the optimizer writes them itself (then alike on every rank).
+            self._grads_now(tl.state, 2)
         tl.clock.step_end = now
         tl.versions.mark()  # what the optimizer wrote is its own; a write after this, before the next forward, is not
         if tl.inside_forward:

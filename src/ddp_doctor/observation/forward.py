@@ -13,6 +13,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from ddp_doctor.core.frames import user_site
 from ddp_doctor.core.phase import Phase
+from ddp_doctor.observation import gradedits
 from ddp_doctor.observation.autograd import walk_graph
 from ddp_doctor.observation.fingerprint import fingerprints
 from ddp_doctor.observation.hooks import Hook, tensors_in
@@ -82,6 +83,8 @@ class ForwardHooks:
             tl.inside_forward = True
             tl.state.pass_bit = 1  # the backward passes through this forward are told apart from the first
             tl.in_pass = False  # a pass that raised never ran its end callback
+            if not tl.sync_forward:
+                tl.state.sync_off = gradedits.sync_off_site(self._t.ddp)
             if unstepped and tl.sync_forward and len(self._log.repeat_sites) < MAX_SITES:
                 self._log.repeat_sites.append(f"step {self._log.steps}: {user_site({id(self._t.ddp)})}")
             if tl.open_forward is not None:

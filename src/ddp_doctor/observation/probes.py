@@ -1,7 +1,7 @@
 """The process-wide probes an observing doctor listens to while attached: reentrant checkpoint calls, DataLoader
-iterations, GradScaler steps and the script's own collectives (each probe wraps a torch function once per process;
-see `reentrant`, `dataloaders`, `gradscaler` and `collectives`). Also silences torch's warning about global hooks
-around a compiled module while observing."""
+iterations, GradScaler steps, gradient clipping calls and the script's own collectives (each probe wraps a torch
+function once per process; see `reentrant`, `dataloaders`, `gradscaler`, `gradedits` and `collectives`). Also
+silences torch's warning about global hooks around a compiled module while observing."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ from collections.abc import Callable
 from typing import Any
 
 from ddp_doctor.core.frames import user_site
-from ddp_doctor.observation import collectives, dataloaders, gradscaler, optimizers, reentrant, saves, weights
+from ddp_doctor.observation import (
+    collectives,
+    dataloaders,
+    gradedits,
+    gradscaler,
+    optimizers,
+    reentrant,
+    saves,
+    weights,
+)
 from ddp_doctor.observation.collectives import Call
 from ddp_doctor.observation.forward import ForwardHooks
 from ddp_doctor.observation.steplog import StepLog
@@ -47,6 +56,7 @@ class Probes:
             collectives.listen(self.on_collective),
             optimizers.listen(self.on_scheduler_step),
             weights.listen(self.on_load_state_dict),
+            gradedits.listen(self.on_grad_clip),
         ]
 
     def stop(self) -> None:
@@ -89,6 +99,13 @@ class Probes:
         target = self._target
         if self._timeline.attached and (module is target.ddp or id(module) in target.submodules):
             self._timeline.pending_load = site or "an unknown place"
+
+    def on_grad_clip(self, call: str) -> None:
+        """`clip_grad_norm_(max_norm=0.5) at file:line`: logged in the step in progress (while steps are observed).
+        Whether it clipped these parameters, and alike on every rank, the gradients' fingerprints at the optimizer
+        step tell; this names the line when they differ."""
+        if self._timeline.attached:
+            self._log.note_step(self._log.grad_edit_sites, call)
 
     def on_scaler_step(self, scale: float) -> None:
         """`GradScaler.step` with this loss scale, in the step in progress."""

@@ -43,6 +43,15 @@ class StepState:
         self.input_fp = torch.zeros(2, dtype=torch.float64)
         self.buffer_fp: torch.Tensor | None = None
         self.grad_fp: torch.Tensor | None = None
+        """The gradients' fingerprints as the optimizer step used them (see `StepCounters.grads_measured`)."""
+        self.synced_fp: torch.Tensor | None = None
+        """... when the step's last synced backward ended, after DDP's all-reduce."""
+        self.synced_grads: list[torch.Tensor | None] = []
+        """The `.grad` tensors then, and their in-place version counters: a gradient neither replaced nor written
+        since keeps its fingerprint, so the optimizer's pre-hook fingerprints only the others."""
+        self.synced_versions: list[int] = []
+        self.sync_off: str | None = None
+        """Where DDP's gradient sync was turned off, for a forward of this step that ran without it."""
         self.grad_ids: dict[int, int] | None = None
         """`id(p.grad)` -> the parameter's position, once a collective after the synced backward asked."""
         self.started = False
@@ -107,6 +116,13 @@ class StepLog:
         """`step N: file:line` of the backward passes of the first step whose passes used different parameters."""
         self.split_params: list[int] = []
         """Positions of the parameters some of those passes did not reach."""
+        self.grad_edit_sites: list[str] = []
+        """`step N: clip_grad_norm_(max_norm=0.5) at file:line` of each gradient clipping call."""
+        self.nosync_sites: list[str] = []
+        """`no_sync() at file:line` (or the flag's assignment) for steps none of whose backward passes were synced."""
+        self._synced_rows: list[torch.Tensor] = []
+        self._edited = False
+        """Some step's gradients changed between its synced backward and the optimizer step."""
 
     @property
     def steps(self) -> int:
@@ -140,9 +156,17 @@ class StepLog:
         rows["reachable"].append(torch.tensor(list(step.reachable), dtype=torch.bool))
         rows["ran"].append(torch.tensor(list(step.ran), dtype=torch.bool))
         rows["trainable"].append(torch.tensor([p.requires_grad for p in self._params], dtype=torch.bool))
-        rows["grad_fp"].append(
-            step.grad_fp if step.grad_fp is not None else torch.full((n, 2), float("nan"), dtype=torch.float64)
-        )
+        grad_fp = step.grad_fp if step.grad_fp is not None else step.synced_fp
+        if grad_fp is None:
+            grad_fp = torch.full((n, 2), float("nan"), dtype=torch.float64)
+        rows["grad_fp"].append(grad_fp)
+        synced = step.synced_fp if step.synced_fp is not None else grad_fp
+        self._synced_rows.append(synced)
+        if synced is not grad_fp and not self._edited:
+            self._edited = not bool(((synced == grad_fp) | (synced.isnan() & grad_fp.isnan())).all())
+        counters = step.counters
+        if counters.optimizer_step and counters.micro_steps and not counters.synced_backwards:
+            self.note_site(self.nosync_sites, step.sync_off)
         rows["weight_fp"].append(fingerprints(self._params))
         rows["buffer_fp"].append(
             step.buffer_fp
@@ -254,6 +278,10 @@ class StepLog:
         record.rereduce_sites = list(self.rereduce_sites)
         record.pass_sites = list(self.pass_sites)
         record.split_params = list(self.split_params)
+        record.grad_edit_sites = list(self.grad_edit_sites)
+        record.nosync_sites = list(self.nosync_sites)
+        if self._edited:
+            record.synced_grad_fp = torch.stack(self._synced_rows)
         record.loaders = [self._epochs(d) for d in self.loaders]
         record.saves = list(self.saves)
         return record
