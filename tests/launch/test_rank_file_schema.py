@@ -81,6 +81,6 @@ def test_a_crashed_peer_is_not_taken_for_one_waiting_in_ddps_all_reduce(tmp_path
     peer = Beacon(tmp_path / "rank1.beacon")
     peer.update(step=0, phase="backward", closed=ClosedStep(step=0, missing=["head.weight"]))
     assert not peers_wait_in_collective(tmp_path, 0, watch_s=0.0)  # just got there: it may be passing through
-    assert peers_wait_in_collective(tmp_path, 0, watch_s=1.0)  # still there after a while: it waits
+    assert peers_wait_in_collective(tmp_path, 0, watch_s=2.0)  # still there after a while: it waits
     peer.update(crashed=True)
     assert not peers_wait_in_collective(tmp_path, 0, watch_s=1.0)

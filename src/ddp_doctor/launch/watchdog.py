@@ -80,8 +80,11 @@ class Watchdog:
                 os._exit(124)
 
 
-_SETTLED_S = 0.3
-"""How long a peer's beacon must have shown it waiting in DDP's all-reduce before a crashed rank stops waiting for it."""
+_SETTLED_S = 1.0
+"""How long a peer's beacon must have shown it waiting in DDP's all-reduce before a crashed rank stops waiting for it.
+0.3 s was too short on a loaded 2-core machine: a peer on its way to the same error (Lightning's reworded reduction
+error at a second manual_backward) still showed the closed step after 0.3 s, both ranks left, and the report had
+one rank's box instead of the joint finding."""
 
 
 def _any_peer(outdir: Path, rank: int, test: Callable[[BeaconState], bool], watch_s: float) -> bool:
@@ -108,7 +111,7 @@ def peers_train_on(outdir: Path, rank: int, step: int, *, watch_s: float = 1.0) 
     return _any_peer(outdir, rank, lambda p: p.step > step or (p.step == step and p.phase in _IN_STEP), watch_s)
 
 
-def peers_wait_in_collective(outdir: Path, rank: int, *, watch_s: float = 1.0) -> bool:
+def peers_wait_in_collective(outdir: Path, rank: int, *, watch_s: float = 2.0) -> bool:
     """Whether a rank on this node sits in a collective: one of the script's, or DDP's gradient all-reduce (its
     backward computed every gradient and it waits for the others). For a rank that crashed, such a peer can only
     come to the exchange when that collective fails, which NCCL's never does (gloo's fails when this process
