@@ -35,17 +35,11 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
     """Pick flags from what was observed, never from what the script currently uses."""
     passes = passes_of(v)
     if (passes.steps and not passes.inner) or passes.crashed_twice:
-        return Recommendation(
-            find_unused_parameters=v.find_unused,
-            static_graph=v.static_graph,
-            gradient_as_bucket_view=bool(v.info.ddp_config.get("gradient_as_bucket_view", False)),
-            freeze_before_wrap=[],
-            verified=False,
-            flags_known=False,
-            reason=f"No DDP flags can be recommended: backward passes through one forward{passes.where()} reach "
+        return Recommendation.unknown(
+            f"No DDP flags can be recommended: backward passes through one forward{passes.where()} reach "
             "different parameters, and DDP reduces once per forward whatever its flags (find_unused_parameters=True "
             "and static_graph=True fail on this pattern too). Give each backward pass its own forward through the "
-            "DDP model, then check again: find_unused_parameters=True is the flag for passes whose sets differ.",
+            "DDP model, then check again: find_unused_parameters=True is the flag for passes whose sets differ."
         )
 
     if not v.steps:
