@@ -70,9 +70,14 @@ def test_a_sampler_whose_epoch_is_never_set_is_named_and_set_epoch_is_clean(tmp_
     assert "sampler-epoch-not-set" not in fixed.codes and "uneven-inputs" not in fixed.codes, fixed.output
 
 
+TIMING = {"straggler-rank", "input-bound"}
+"""Measurements of this machine, not of the script: 4 ranks on 2 cores make one rank slower in most steps."""
+
+
 def _groups(run) -> list[tuple[list[int], set[str]]]:
+    """Each group's ranks and its findings' codes, the timing measurements left out."""
     models = [run.report, *run.report.get("other_models", [])]
-    return [(m["ddp_config"]["process_group_ranks"], {f["code"] for f in m["findings"]}) for m in models]
+    return [(m["ddp_config"]["process_group_ranks"], {f["code"] for f in m["findings"]} - TIMING) for m in models]
 
 
 def test_ddp_over_subgroups_is_compared_within_each_group(tmp_path: Path) -> None:
