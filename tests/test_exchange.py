@@ -11,7 +11,7 @@ from ddp_doctor import ReportTimeoutError
 from ddp_doctor.analyze import analyze, analyze_summary
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list, rank_ranges
-from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
+from ddp_doctor.core.records import CRASH_KINDS, TIMING_COLUMNS, ModelInfo, RankRecord, StepCounters
 from ddp_doctor.exchange import EXAMPLES, summarize
 from ddp_doctor.exchange.runner import exchange
 from ddp_doctor.report.model import Report
@@ -64,7 +64,7 @@ def _record(
         weight_fp=weights,
         buffer_fp=torch.zeros(STEPS, 0, 2, dtype=torch.float64),
         input_fp=torch.full((STEPS, 2), float(rank + 1), dtype=torch.float64),
-        timing=torch.full((STEPS, 5), 0.01 * (rank + 1), dtype=torch.float64),
+        timing=torch.full((STEPS, TIMING_COLUMNS), 0.01 * (rank + 1), dtype=torch.float64),
         counters=counters,
         **crash,
     )
@@ -196,7 +196,7 @@ def _wide(world: int, params: int = 300) -> tuple[ModelInfo, list[RankRecord]]:
             used=odd if r == 1 else used,
             **shared,
             input_fp=torch.full((STEPS, 2), float(r + 1), dtype=torch.float64),
-            timing=torch.rand(STEPS, 5, dtype=torch.float64),
+            timing=torch.rand(STEPS, TIMING_COLUMNS, dtype=torch.float64),
         )
         for r in range(world)
     ]

@@ -10,7 +10,7 @@ from dist import run_ranks
 
 from ddp_doctor.analyze import analyze, analyze_summary
 from ddp_doctor.core.figures import MAX_PATTERNS, STATES
-from ddp_doctor.core.records import ModelInfo, RankRecord, StepCounters
+from ddp_doctor.core.records import TIMING_COLUMNS, ModelInfo, RankRecord, StepCounters
 from ddp_doctor.exchange import EXAMPLES
 from ddp_doctor.exchange.runner import exchange
 from ddp_doctor.observation.gradscaler import encode
@@ -74,7 +74,7 @@ def _record(
         weight_fp=weight,
         buffer_fp=torch.zeros(STEPS, 1, 2, dtype=torch.float64),
         input_fp=torch.full((STEPS, 2), float(rank + 1), dtype=torch.float64),
-        timing=torch.full((STEPS, 5), 0.01, dtype=torch.float64),
+        timing=torch.full((STEPS, TIMING_COLUMNS), 0.01, dtype=torch.float64),
         counters=table,
         **(sites or {}),
     )

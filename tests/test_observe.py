@@ -328,7 +328,7 @@ def test_public_names_are_the_functions_and_the_implementation_modules_are_priva
 
 def _explained(used: list[list[int]], ran: list[list[int]]) -> str:
     """The reduction error a rank explains after the given steps (head_b = parameter 1)."""
-    from ddp_doctor.core.records import ModelInfo, RankRecord, StepCounters
+    from ddp_doctor.core.records import TIMING_COLUMNS, ModelInfo, RankRecord, StepCounters
     from ddp_doctor.observation.crash import explain_failure
 
     info = ModelInfo(
@@ -353,7 +353,7 @@ def _explained(used: list[list[int]], ran: list[list[int]]) -> str:
         weight_fp=torch.zeros(steps + 1, 2, 2, dtype=torch.float64),
         buffer_fp=torch.zeros(steps, 0, 2, dtype=torch.float64),
         input_fp=torch.zeros(steps, 2, dtype=torch.float64),
-        timing=torch.zeros(steps, 5, dtype=torch.float64),
+        timing=torch.zeros(steps, TIMING_COLUMNS, dtype=torch.float64),
         counters=torch.tensor([c.as_list()] * steps),
     )
     exc = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.")

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_doctor.analyze import analyze
-from ddp_doctor.core.records import CRASH_KINDS, Flavor, ModelInfo, RankRecord, StepCounters
+from ddp_doctor.core.records import CRASH_KINDS, TIMING_COLUMNS, Flavor, ModelInfo, RankRecord, StepCounters
 from ddp_doctor.report import Report
 
 NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight"]
@@ -68,7 +68,7 @@ def record(
         weight_fp=weights if weights is not None else torch.zeros(steps + 1, n, 2, dtype=torch.float64),
         buffer_fp=buffers if buffers is not None else torch.zeros(steps, 1, 2, dtype=torch.float64),
         input_fp=inputs if inputs is not None else torch.full((steps, 2), float(rank + 1), dtype=torch.float64),
-        timing=torch.full((steps, 5), 0.01, dtype=torch.float64),
+        timing=torch.full((steps, TIMING_COLUMNS), 0.01, dtype=torch.float64),
         counters=counters if counters is not None else torch.tensor([c.as_list()] * steps),
         crash_kind=CRASH_KINDS.index(crash),
         crash_step=crash_step,

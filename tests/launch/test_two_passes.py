@@ -20,7 +20,9 @@ Neighbours, same measurement:
   drift: 0.0197 on the generator after step 0).
 - each loss's backward after its own forward (`--separate`): the default flags crash at the second forward
   ("Expected to have finished reduction in the prior iteration"), static_graph=True at step 1; only
-  find_unused_parameters=True runs, replicas identical after 4 steps.
+  find_unused_parameters=True runs, replicas identical after 4 steps. With that flag DDP runs the generator's
+  post-accumulate-grad hooks in the discriminator's pass although no gradient reaches it (`.grad` stays None):
+  counted as use, that made the check call the flag unneeded.
 So no flag fixes two differing passes through one forward in a plain loop: the report must not recommend one.
 (Lightning prepares DDP at each manual_backward, where find_unused_parameters=True does work:
 tests/integrations/test_lightning_trainer.py.)
@@ -73,3 +75,36 @@ def test_passes_that_split_the_parameters_exactly_are_a_warning_and_no_flag_is_a
     rec = run.report["recommendation"]
     assert rec["flags_known"] is False and not rec["static_graph"] and not rec["verified"], rec
     assert "Give each backward pass its own forward" in rec["reason"], rec
+
+
+def test_each_pass_through_its_own_forward_gets_find_unused_verified_and_nothing_blamed(tmp_path: Path) -> None:
+    """`--separate`: the discriminator's pass, then the generator's after a forward of its own. The default flags
+    fail at the second forward, before any optimizer step: the steps seen cannot show the generator untrained, so
+    no grad-blocked (whose fix, removing the .detach(), would break the GAN), no gradients blamed that no optimizer
+    used, and find_unused_parameters=True, never static_graph=True, verified by check's second run."""
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "gan_two_passes.py"), "--separate"], tmp_path, timeout=240)
+    assert run.rc == 1 and run.report is not None, run.output
+    errors = {f["code"] for f in run.report["findings"] if f["severity"] == "error"}
+    assert errors == {"reduction-error"}, run.output
+    assert run.params("reduction-error") == GENERATOR
+    rec = run.report["recommendation"]
+    assert rec["find_unused_parameters"] is True and rec["static_graph"] is False, rec
+    assert rec["verified"] is True, rec
+
+
+def test_each_pass_through_its_own_forward_with_find_unused_is_clean(tmp_path: Path) -> None:
+    """The fix applied: the generator reaches the loss in every other forward, so find_unused_parameters=True is
+    needed (dynamic-graph, info), not unneeded, and the recommendation is the script's own flags, verified."""
+    run = check(
+        ["--ddp-kwargs", '{"find_unused_parameters": true}', "--nproc-per-node", "2"]
+        + [str(SCRIPTS / "gan_two_passes.py"), "--separate"],
+        tmp_path,
+        timeout=240,
+    )
+    assert run.rc == 0 and run.report is not None, run.output
+    shown = {f["code"] for f in run.report["findings"] if f["severity"] in ("error", "warning")}
+    assert not shown - {"straggler-rank", "input-bound"}, run.output  # timing: 2 ranks sharing 2 busy cores
+    assert run.finding("dynamic-graph")["severity"] == "info"
+    assert run.params("dynamic-graph") == GENERATOR
+    rec = run.report["recommendation"]
+    assert rec["find_unused_parameters"] is True and rec["verified"] is True, rec

@@ -62,8 +62,8 @@ def _unsynced_steps(v: View, steps: list[int]) -> bool:
 
 
 def grads_not_synced(v: View) -> list[Finding]:
-    if v.world < 2 or not v.steps:
-        return []
+    if v.world < 2 or not v.steps or v.crashed_before_first_step:
+        return []  # no optimizer used them; reduction-error says the reduction never finished
     # Differ at the optimizer step where every rank trains them; those that agreed after DDP's all-reduce are
     # grads-changed-after-sync's.
     params = v.summary.grad_params & ~v.summary.edited_params

@@ -78,6 +78,20 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
             "the first training step.",
         )
 
+    if v.crashed_before_first_step:
+        return _rec(
+            v,
+            find_unused=True,
+            static=False,
+            freeze=[],
+            verified=False,
+            reason="find_unused_parameters=True: DDP failed at a forward before any optimizer step, because the "
+            "backward of an earlier forward gave no gradient to some parameters. A later forward of the same "
+            "optimizer step may train them (a GAN's generator, after the discriminator's pass); this flag handles "
+            "that, and parameters that are never used, alike. static_graph=True needs the same parameters in every "
+            "forward's backward, which the steps seen before the failure cannot show.",
+        )
+
     names = v.info.param_names
     intended = v.summary.rank0_trainable & ~v.ignored  # what the script trains now (rank 0, last step)
     ever = v.ever_used

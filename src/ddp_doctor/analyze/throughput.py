@@ -10,7 +10,9 @@ The rules, on each rank's `RankTiming` (medians and quartiles over its common st
   step, and the wait is longer than the step-to-step spread of its steps (their interquartile range). The finding needs more than half of the measured ranks waiting, and a DataLoader iterated while
   observed: without one, the time between steps is the loop's own (a benchmark timing other models in between, an
   evaluation), not evidence of waiting for data.
-- **straggler-rank**: the rank with the longest own time (step less its communication wait) is a straggler when
+- **straggler-rank**: the rank with the longest own time (step less its communication wait, and less the time its
+  training thread was ready to run but waited for a CPU: Linux's run-queue delay, so a rank starved by other jobs
+  on a shared machine is not called slow at its own work) is a straggler when
   its median own time is at least `STRAGGLER_RATIO` times the other ranks' median and `MIN_WAIT_S` longer, its
   first quartile is above every other rank's third quartile (slower in most steps, not in a few), the difference
   is larger than the step-to-step spread of its own time (the interquartile range: a rank starved of CPU by
@@ -160,7 +162,7 @@ def straggler_rank(v: View) -> list[Finding]:
             severity="warning",
             title=f"rank {name} is {ratio:.1f}x slower; the other ranks wait {_ms(lost)} per step for it",
             detail=f"{_MEASURED.format(n=n)}: rank {name} takes {_ms(slow.own_s)} per step of its own work "
-            f"(median, its wait in DDP's all-reduce left out) against {_ms(others_own)} on the other ranks, "
+            f"(median, its waits in DDP's all-reduce and for a CPU left out) against {_ms(others_own)} on the other ranks, "
             f"{ratio:.1f} times as long, in most steps. Its extra time is spent {where}. The other ranks lose "
             f"{_ms(lost)} per step waiting for it in DDP's gradient all-reduce.",
             ranks=[slow.rank],

@@ -68,8 +68,8 @@ def unused_parameters(v: View) -> list[Finding]:
 
 
 def grad_blocked(v: View) -> list[Finding]:
-    if not v.steps:
-        return []
+    if not v.steps or v.crashed_before_first_step:
+        return []  # reduction-error names them: the forward that would have trained them may never have run
     _, blocked = v.unused_by_cause()
     if not blocked.any():
         return []

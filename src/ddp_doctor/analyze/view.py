@@ -110,6 +110,15 @@ class View:
     def crashed(self, kind: str) -> Examples:
         return self.summary.examples[f"crash:{kind}"]
 
+    @property
+    def crashed_before_first_step(self) -> bool:
+        """DDP failed with 'Expected to have finished reduction' before any rank's optimizer stepped in an observed
+        step: the steps seen are forwards of one optimizer step (closed when the next forward came), and a later
+        forward of that step, which never ran, may have trained what the earlier ones did not (a GAN whose
+        discriminator's pass comes first, each pass through its own forward)."""
+        hi, _ = self.summary.steps_taken
+        return bool(self.crashed("reduction-error").count) and not any(hi[: self.steps])
+
     def crash_steps(self, kind: str) -> list[int]:
         row = self.summary.crash_steps[CRASH_KINDS.index(kind)]
         return [i - 1 for i in row.nonzero().flatten().tolist()]

@@ -16,8 +16,9 @@ import torch
 __all__ = ["CRASH_KINDS", "TIMING_COLUMNS", "Flavor", "ModelInfo", "RankRecord", "StepCounters"]
 
 # How a rank's observed loop ended early. Index = the code stored in a record.
-TIMING_COLUMNS = 5
-"""Columns of `RankRecord.timing`: forward, backward, optimizer, input wait, communication wait."""
+TIMING_COLUMNS = 6
+"""Columns of `RankRecord.timing`: forward, backward, optimizer, input wait, communication wait, CPU wait (the time
+the rank's main thread was ready to run but waited for a CPU: Linux's run-queue delay; 0 where it cannot be read)."""
 CRASH_KINDS = ("none", "reduction-error", "static-graph-changed", "mark-ready-twice", "ddp-other", "other")
 
 
@@ -227,9 +228,10 @@ class RankRecord:
     input_fp: torch.Tensor
     """float64[S, 2]: fingerprint of every tensor the wrapped module received during the step."""
     timing: torch.Tensor
-    """float64[S, 5]: seconds of forward, backward (DDP's wait included), optimizer, the wait for the step's input
+    """float64[S, 6]: seconds of forward, backward (DDP's wait included), optimizer, the wait for the step's input
     (from the end of the previous step, or of the previous micro-step's backward, to the forward; NaN where no
-    previous step was seen) and DDP's communication wait (from autograd's end to DDP's finalize, within backward)."""
+    previous step was seen), DDP's communication wait (from autograd's end to DDP's finalize, within backward) and
+    the main thread's wait for a CPU over the step (run-queue delay: a machine busy with other work)."""
     counters: torch.Tensor
     """int64[S, len(StepCounters.FIELDS)]."""
     crash_kind: int = 0

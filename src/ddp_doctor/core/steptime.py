@@ -43,7 +43,7 @@ _STATS = (*PHASES, "step_s")
 ROW_SIZE = 2 * len(_STATS) + 5
 """Floats per rank in the exchange's per-rank table: the medians and interquartile ranges of the phases and of the
 step, the steps counted, the first quartile of the share of the step spent waiting for data, and the median, first
-and third quartiles of the step less the communication wait (the rank's own time)."""
+and third quartiles of the step less the communication wait and the wait for a CPU (the rank's own time)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,7 +65,9 @@ class RankTiming:
     """First quartile over the steps of the share of the step spent waiting for data: in three steps out of four
     the rank waited at least this share."""
     own_s: float
-    """Median over the steps of the step less the communication wait: the rank's own time."""
+    """Median over the steps of the step less the communication wait and the time the loop's thread waited for a
+    CPU (run-queue delay, Linux): the rank's own time. A rank slowed by other work on its machine is not slow at its
+    own work."""
     own_q1_s: float
     """First quartile of the same."""
     own_q3_s: float
@@ -128,9 +130,12 @@ class RankTiming:
 
 MIN_WAIT_S = 0.010
 """Seconds per step below which neither step-time finding is reported, whatever the share."""
-MIN_STEPS = 3
+MIN_STEPS = 6
 """Measured steps (the first observed step left out) below which neither step-time finding is reported: fewer give
-no quartiles to tell a consistent effect from a few slow steps."""
+no quartiles to tell a consistent effect from a few slow steps. Three were too few: on a machine shared with other
+jobs a rank starved of the CPU for three consecutive steps cleared every other bar (the scenario matrix's 4-step
+runs reported straggler-rank on clean scripts while other test runs loaded the 2 cores). The default `--steps 8`
+measures 7."""
 INPUT_SHARE = 0.5
 """Median wait for data over median step, at least."""
 INPUT_SHARE_Q1 = 0.4

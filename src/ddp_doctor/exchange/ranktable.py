@@ -43,7 +43,9 @@ def local_timing(record: RankRecord, s: int, rank: int) -> RankTiming | None:
     rows = record.timing[1:s]
     if rows.shape[0] == 0:
         return None
-    forward, backward, optimizer, data, comm = rows.unbind(1)
+    forward, backward, optimizer, data, comm = rows[:, :5].unbind(1)
+    # The time the loop's thread waited for a CPU (a machine busy with other work) is not the rank's own work.
+    cpu_wait = rows[:, 5] if rows.shape[1] > 5 else torch.zeros_like(comm)
     data = data.nan_to_num(0.0)
     phases = {
         "data_wait_s": data,
@@ -59,7 +61,7 @@ def local_timing(record: RankRecord, s: int, rank: int) -> RankTiming | None:
         q1, q2, q3 = _quartiles(values)
         median[name], iqr[name] = q2, q3 - q1
     share_q1, _, _ = _quartiles(torch.where(step > 0, data / step, torch.zeros_like(step)))
-    own_q1, own, own_q3 = _quartiles(step - comm)
+    own_q1, own, own_q3 = _quartiles((step - comm - cpu_wait).clamp(min=0.0))
     return RankTiming(
         rank=rank,
         steps=int(rows.shape[0]),

@@ -75,7 +75,12 @@ class BackwardHooks:
         timeline = self._timeline
         open_pass = self._open_pass
 
-        def hook(_: torch.Tensor) -> None:
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is None:
+                # DDP with find_unused_parameters=True runs this hook for a parameter that its graph search found
+                # reachable but that the backward pass never reached (a GAN's generator in the discriminator's
+                # pass, measured on torch 2.13): no gradient was accumulated, so the parameter was not used.
+                return
             step = timeline.state  # read the state at call time: it is replaced when a step closes
             # The pass's bit, not just 1: the used set of each backward pass through one forward, with no pass over
             # the parameters per backward (StepLog.close compares them once per step).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,6 +81,10 @@ class StepLog:
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], buffers: Sequence[torch.Tensor]) -> None:
+        # The thread that runs the training loop: the run-queue delay is read for it, whichever thread closes a step
+        # (CUDA's backward runs the hooks on the device's autograd thread).
+        self._schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        self._runq = self._runq_now()
         self._params = list(params)
         self._buffers = list(buffers)
         self._rows: dict[str, list[torch.Tensor]] = {k: [] for k in RankRecord.TENSOR_FIELDS}
@@ -174,12 +179,23 @@ class StepLog:
             else torch.full((len(self._buffers), 2), float("nan"), dtype=torch.float64)
         )
         rows["input_fp"].append(step.input_fp)
+        runq, self._runq = self._runq, self._runq_now()
         rows["timing"].append(
             torch.tensor(
-                [step.t_forward, step.t_backward, step.t_optimizer, step.t_input, step.t_comm], dtype=torch.float64
+                [step.t_forward, step.t_backward, step.t_optimizer, step.t_input, step.t_comm, self._runq - runq],
+                dtype=torch.float64,
             )
         )
         rows["counters"].append(torch.tensor(step.counters.as_list(), dtype=torch.int64))
+
+    def _runq_now(self) -> float:
+        """Seconds the training loop's thread has waited for a CPU so far (the second field of Linux's schedstat);
+        0.0 where there is none to read."""
+        try:
+            with open(self._schedstat) as f:
+                return int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return 0.0
 
     def missing(self, names: list[str], limit: int) -> list[str]:
         """Names of the parameters trainable at the end of the last closed step that got no gradient in it."""
