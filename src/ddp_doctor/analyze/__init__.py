@@ -11,6 +11,7 @@ from ddp_doctor.analyze.recommend import recommend
 from ddp_doctor.analyze.throughput import rank_timings
 from ddp_doctor.analyze.usage import figures
 from ddp_doctor.analyze.view import View
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Crash, Diagnosis, Timing
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord
 from ddp_doctor.exchange import Summary, summarize
@@ -94,16 +95,16 @@ def analyze_summary(summary: Summary) -> Diagnosis:
 
 
 _EXPLAINS_UNSYNCED = {
-    "wrapper-bypass",
-    "unused-parameters",
-    "grad-blocked",
-    "reduction-error",
-    "frozen-after-wrap",
-    "unfrozen-after-wrap",
-    "rank-dependent-graph",
-    "collective-mismatch",
-    "static-graph-unsafe",
-    "grad-scaler-mismatch",
+    Code.WRAPPER_BYPASS,
+    Code.UNUSED_PARAMETERS,
+    Code.GRAD_BLOCKED,
+    Code.REDUCTION_ERROR,
+    Code.FROZEN_AFTER_WRAP,
+    Code.UNFROZEN_AFTER_WRAP,
+    Code.RANK_DEPENDENT_GRAPH,
+    Code.COLLECTIVE_MISMATCH,
+    Code.STATIC_GRAPH_UNSAFE,
+    Code.GRAD_SCALER_MISMATCH,
 }
 
 
@@ -126,13 +127,13 @@ def _consistent_fixes(findings: list, measured: dict[str, int]) -> None:
     agreed = _agreed(measured)
     for f in findings:
         causes = [c for c in CAUSES if c in codes]
-        if f.code == "replica-divergence" and causes and "grads-not-synced" not in codes:
+        if f.code == Code.REPLICA_DIVERGENCE and causes and Code.GRADS_NOT_SYNCED not in codes:
             f.fix = (
                 f"fix the cause: {', '.join(causes)} (see {'that finding' if len(causes) == 1 else 'those findings'}). "
                 "Then restart from a checkpoint saved before the divergence, or re-broadcast rank 0's weights "
                 "knowingly."
             )
-        elif f.code == "replica-divergence" and "grads-not-synced" not in codes:
+        elif f.code == Code.REPLICA_DIVERGENCE and Code.GRADS_NOT_SYNCED not in codes:
             f.fix = (
                 f"fix the cause named by the other findings; {agreed}, so "
                 "the updates themselves differed (an extra synced pass on one rank, a rank-dependent optimizer "
@@ -149,7 +150,7 @@ def _consistent_fixes(findings: list, measured: dict[str, int]) -> None:
                 "a parameter replaced rather than written in place). Restart from a checkpoint saved before the "
                 "divergence, or re-broadcast rank 0's weights knowingly."
             )
-        if f.code == "grads-not-synced" and f.fix == SEE_CAUSES and not codes & _EXPLAINS_UNSYNCED:
+        if f.code == Code.GRADS_NOT_SYNCED and f.fix == SEE_CAUSES and not codes & _EXPLAINS_UNSYNCED:
             f.fix = (
                 "gradients must be reduced by DDP before optimizer.step(): check that every rank runs the "
                 "backward pass through the DDP model (not its .module), with the same parameters trainable, "

@@ -9,6 +9,7 @@ from ddp_doctor.analyze.common import all_ranks, steps_of, with_flags, with_more
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.snippets import freeze_point
 from ddp_doctor.analyze.view import View
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import listed
 
@@ -92,7 +93,7 @@ def grads_not_synced(v: View) -> list[Finding]:
         ) + (f" (at {sites[0].split(' at ', 1)[1]})." if sites and " at " in sites[0] else ".")
     return [
         Finding(
-            code="grads-not-synced",
+            code=Code.GRADS_NOT_SYNCED,
             severity="error",
             title=f"gradients of {_count(int(params.sum()), 'parameter')} differ across ranks at the optimizer step"
             + (f" (DDP's sync was off for every backward: {sites[0].split(' at ', 1)[0]})" if why and sites else ""),
@@ -173,7 +174,7 @@ def identical_inputs(v: View) -> list[Finding]:
         return []
     return [
         Finding(
-            code="identical-inputs-across-ranks",
+            code=Code.IDENTICAL_INPUTS_ACROSS_RANKS,
             severity="warning",
             title="every rank got the same batch",
             detail=f"In all {int(has_input.sum())} observed steps the inputs were identical on all {v.world} ranks, so "

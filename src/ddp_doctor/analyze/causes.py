@@ -16,6 +16,7 @@ import torch
 
 from ddp_doctor.analyze.common import steps_of, with_more
 from ddp_doctor.analyze.view import View
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list
 
@@ -30,11 +31,11 @@ __all__ = [
 ]
 
 CAUSES = (
-    "grads-changed-after-sync",
-    "optimizer-differs",
-    "optimizer-step-skipped",
-    "replicas-differ-at-wrap",
-    "weights-changed-outside-optimizer",
+    Code.GRADS_CHANGED_AFTER_SYNC,
+    Code.OPTIMIZER_DIFFERS,
+    Code.OPTIMIZER_STEP_SKIPPED,
+    Code.REPLICAS_DIFFER_AT_WRAP,
+    Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER,
 )
 """The codes that explain a `replica-divergence` whose gradients agreed after DDP's all-reduce."""
 
@@ -69,7 +70,7 @@ def optimizer_step_skipped(v: View) -> list[Finding]:
     return [
         with_more(
             Finding(
-                code="optimizer-step-skipped",
+                code=Code.OPTIMIZER_STEP_SKIPPED,
                 severity="error",
                 title=f"{rank_list(skipped.ranks, more=skipped.more)} did not call optimizer.step() in iteration "
                 f"{first}; the other ranks did",
@@ -115,7 +116,7 @@ def optimizer_differs(v: View) -> list[Finding]:
     step = v.summary.optimizer_differs
     if v.world < 2 or step is None:
         return []
-    odd = v.ranks("optimizer-differs")
+    odd = v.ranks(Code.OPTIMIZER_DIFFERS)
     mine = v.meta(0).get("optimizer", [])
     ref = _settings(mine[0]) if mine else {}
     values: dict[str, dict[int, str]] = {}
@@ -154,7 +155,7 @@ def optimizer_differs(v: View) -> list[Finding]:
     return [
         with_more(
             Finding(
-                code="optimizer-differs",
+                code=Code.OPTIMIZER_DIFFERS,
                 severity="error",
                 title=f"the optimizer's {names} {'differs' if len(fields) == 1 else 'differ'} across ranks from step "
                 f"{step}",
@@ -213,7 +214,7 @@ def grads_reduced_twice(v: View) -> list[Finding]:
     return [
         with_more(
             Finding(
-                code="grads-reduced-twice",
+                code=Code.GRADS_REDUCED_TWICE,
                 severity=severity,
                 title=f"gradients reduced again after DDP reduced them ({signature or 'a collective'} at {line})",
                 detail=f"DDP averaged the gradients across the ranks during the backward pass; then the script ran "
@@ -270,7 +271,7 @@ def grads_changed_after_sync(v: View) -> list[Finding]:
     return [
         with_more(
             Finding(
-                code="grads-changed-after-sync",
+                code=Code.GRADS_CHANGED_AFTER_SYNC,
                 severity="error",
                 title=f"gradients changed on {editors} after DDP synchronized them ({v.params(mask)[0].name}"
                 + (" and others)" if int(mask.sum()) > 1 else ")"),
@@ -310,7 +311,7 @@ def replicas_differ_at_wrap(v: View) -> list[Finding]:
     return [
         with_more(
             Finding(
-                code="replicas-differ-at-wrap",
+                code=Code.REPLICAS_DIFFER_AT_WRAP,
                 severity="error",
                 title=f"the replicas already differ before the first step ({v.params(s.weight_params)[0].name}"
                 + (" and others)" if int(s.weight_params.sum()) > 1 else ")"),
@@ -353,7 +354,7 @@ def weights_changed_outside_optimizer(v: View) -> list[Finding]:
     return [
         with_more(
             Finding(
-                code="weights-changed-outside-optimizer",
+                code=Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER,
                 severity="error",
                 title=f"{rank_list(who.ranks, more=who.more)} changed the weights {when}; the other ranks did not",
                 detail=f"On {rank_list(who.ranks, more=who.more)}, parameters were written {when}{how}, where only "

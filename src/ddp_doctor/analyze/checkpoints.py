@@ -7,6 +7,7 @@ from typing import Any
 
 from ddp_doctor.analyze.common import with_more
 from ddp_doctor.analyze.view import View
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list
 
@@ -42,7 +43,7 @@ def checkpoint_same_path(v: View) -> list[Finding]:
     return [
         with_more(
             Finding(
-                code="checkpoint-same-path",
+                code=Code.CHECKPOINT_SAME_PATH,
                 severity="warning",
                 title=f"{who.count} ranks wrote the same file {first['shown']} with torch.save",
                 detail=f"{rank_list(who.ranks, more=who.more).capitalize()} each called torch.save "
@@ -69,7 +70,7 @@ def checkpoint_module_prefix(v: View) -> list[Finding]:
     first = saves[0]
     return [
         Finding(
-            code="checkpoint-module-prefix",
+            code=Code.CHECKPOINT_MODULE_PREFIX,
             severity="info",
             title=f"the DDP wrapper's state dict was saved to {first['shown']} (keys start with 'module.')",
             detail=f"torch.save at {first.get('site') or 'an unknown place'} saved a state dict whose keys start "

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ddp_doctor.analyze.common import all_ranks
 from ddp_doctor.analyze.rules import count
 from ddp_doctor.analyze.view import View
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import other_ranks, rank_list
 from ddp_doctor.observation.gradscaler import decode
@@ -43,7 +44,7 @@ def synced_pass_mismatch(v: View) -> list[Finding]:
     where = f" (the extra pass starts at {', '.join(sites)})" if sites else ""
     return [
         Finding(
-            code="collective-mismatch",
+            code=Code.COLLECTIVE_MISMATCH,
             severity="error",
             title=f"{rank_list(extra.ranks, more=extra.more)} ran {most} synced backward passes in optimizer step {first}, {rank_list(rest.ranks, more=rest.more)} "
             f"{least}",
@@ -88,7 +89,7 @@ def unpaired_forward_mismatch(v: View) -> list[Finding]:
     )
     return [
         Finding(
-            code="collective-mismatch",
+            code=Code.COLLECTIVE_MISMATCH,
             severity="error" if broadcasts else "warning",
             title=f"{rank_list(extra.ranks, more=extra.more)} ran DDP's forward with autograd on and no backward{where} in step {first}; "
             f"{rank_list(rest.ranks, more=rest.more)} did not",
@@ -133,7 +134,7 @@ def eval_broadcast_mismatch(v: View) -> list[Finding]:
     who, others = rank_list(extra.ranks, more=extra.more), rank_list(rest.ranks, more=rest.more)
     return [
         Finding(
-            code="collective-mismatch",
+            code=Code.COLLECTIVE_MISMATCH,
             severity="error",
             title=f"{who} broadcast DDP's buffers from a forward without grad{where} in step {first}; {others} did not",
             detail=f"In step {first}, {who} called the DDP model without grad{where} (an evaluation through the DDP "
@@ -197,7 +198,7 @@ def collective_sequence_mismatch(v: View) -> list[Finding]:
     counts = sorted({int(lo[first][0]), int(hi[first][0])})
     return [
         Finding(
-            code="collective-mismatch",
+            code=Code.COLLECTIVE_MISMATCH,
             severity="error",
             title=f"the ranks issued different collectives in step {first} ({rank_list(odd.ranks, more=odd.more)} "
             f"differ{'s' if odd.count == 1 else ''} from rank 0)",
@@ -245,7 +246,7 @@ def grad_scaler_mismatch(v: View) -> list[Finding]:
     more = odd.count - min(len(odd.ranks), 7)
     return [
         Finding(
-            code="grad-scaler-mismatch",
+            code=Code.GRAD_SCALER_MISMATCH,
             severity="warning",
             title=f"GradScaler's scale differs across ranks at step {first} ({shown}" + other_ranks(more) + ")",
             detail="With gradients synchronized by DDP, every rank sees the same infs and NaNs, so every rank's scaler "
@@ -285,7 +286,7 @@ def batchnorm_not_synced(v: View) -> list[Finding]:
     listed = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
     return [
         Finding(
-            code="batchnorm-not-synced",
+            code=Code.BATCHNORM_NOT_SYNCED,
             severity="info",
             title=f"BatchNorm without SyncBatchNorm: {count(len(names), 'layer')} normalizing over each rank's own "
             f"batch ({per_rank})",

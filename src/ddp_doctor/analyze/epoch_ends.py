@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddp_doctor.analyze import rules
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.followed import Following, FollowSummary
 from ddp_doctor.core.rankfiles import RankState
@@ -161,7 +162,7 @@ def counted_uneven(loaders: list[dict[str, Any]], *, lengths_compared: bool = Fa
             )
         else:
             finding = Finding(
-                code="uneven-inputs",
+                code=Code.UNEVEN_INPUTS,
                 severity="warning",
                 title=f"ranks get different numbers of batches from {name}, which no optimizer step trained on "
                 f"({per_rank})",
@@ -232,7 +233,7 @@ def _mismatch(s: FollowSummary) -> list[Finding]:
     broadcast = "ddp-broadcast" in differ
     return [
         Finding(
-            code="collective-mismatch",
+            code=Code.COLLECTIVE_MISMATCH,
             severity="error",
             title=f"after the observed steps, {rank_list(ranks) if ranks else 'some ranks'} issued more collectives "
             "than the others (at the epoch end)",
@@ -261,7 +262,7 @@ def _lone_broadcast(s: FollowSummary) -> Finding:
     who = rank_list(s.more_ranks)
     where = f" at {', '.join(s.extra_sites)}" if s.extra_sites else ""
     return Finding(
-        code="collective-mismatch",
+        code=Code.COLLECTIVE_MISMATCH,
         severity="error",
         title=f"{who} called the DDP model without autograd{where} after the observed steps; the other ranks did not",
         detail=f"At the epoch end the check followed, {who} ran a forward through the DDP wrapper under "
@@ -295,7 +296,7 @@ def _timeout_risk(s: FollowSummary, framework: str) -> list[Finding]:
     passes = f" Capped DataLoader passes in that span: {'; '.join(alone.passes)}." if alone.passes else ""
     return [
         Finding(
-            code="timeout-risk",
+            code=Code.TIMEOUT_RISK,
             severity="error" if reaches else "warning",
             title=f"rank {alone.rank} works alone for {projection if alone.projected_s is not None else _seconds(value)}"
             f" while the others wait; the process group's timeout is {_seconds(timeout)}",
@@ -339,7 +340,7 @@ def timed_out_waiting(states: dict[int, RankState], where: Callable[[RankState],
     ms = next((g for g in found.groups() if g), None) if found else None
     after = f" after {int(ms) / 1000:g} s" if ms else ""
     return Finding(
-        code="timeout-risk",
+        code=Code.TIMEOUT_RISK,
         severity="error",
         title=f"{rank_list(sorted(waited))} timed out{after} in a collective, waiting for {rank_list(away)}, which "
         "worked alone",

@@ -7,6 +7,7 @@ from typing import Any
 
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.view import View
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_ranges
 
@@ -43,7 +44,7 @@ def uneven_inputs(v: View) -> list[Finding]:
         pad = s.padded
         return [
             Finding(
-                code="uneven-inputs",
+                code=Code.UNEVEN_INPUTS,
                 severity="info",
                 title=f"equal batch counts only thanks to {pad} padded sample(s)",
                 detail=f"DistributedSampler(drop_last=False) repeats {pad} sample(s) so that the {d.get('dataset')} "

@@ -9,6 +9,7 @@ import re
 
 from ddp_doctor.analyze.epoch_ends import timed_out_waiting
 from ddp_doctor.analyze.shapes import shape_findings
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef
 from ddp_doctor.core.rankfiles import PHASES, ExplainedError, Outcome, RaisedError, RankState
 from ddp_doctor.core.ranks import rank_list
@@ -129,7 +130,7 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
     culprits = sorted({s.rank for s in (*behind, *different)})
     signals = [f"rank {s.rank} died of {s.signal}" for s in states.values() if s.signal in ("SIGABRT", "SIGSEGV")]
     return Finding(
-        code="collective-mismatch",
+        code=Code.COLLECTIVE_MISMATCH,
         severity="error",
         title=(
             f"{rank_list(culprits)} skipped {c.op} ({_short(c.site)}) that rank {first.rank} called"
@@ -168,7 +169,7 @@ def _trained_elsewhere(states: dict[int, RankState], rank: int, crash: RaisedErr
     """
     explained = crash.explained
     names = list(explained.params) if explained is not None else []
-    if explained is None or explained.code != "reduction-error" or not names or crash.step < 1:
+    if explained is None or explained.code != Code.REDUCTION_ERROR or not names or crash.step < 1:
         return None
     previous = crash.step - 1
     trained = [
@@ -183,7 +184,7 @@ def _trained_elsewhere(states: dict[int, RankState], rank: int, crash: RaisedErr
     if not trained:
         return None
     return Finding(
-        code="rank-dependent-graph",
+        code=Code.RANK_DEPENDENT_GRAPH,
         severity="error",
         title=f"{len(names)} parameter(s) got a gradient on {rank_list(trained)} but not on rank {rank} in step "
         f"{previous}",
@@ -297,7 +298,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
             continue
         findings.append(
             Finding(
-                code="rank-crashed",
+                code=Code.RANK_CRASHED,
                 severity="error",
                 title=f"rank {rank} crashed at step {step}: {crash.type}: {crash.message[:200]}",
                 detail=(
@@ -321,7 +322,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
         rest = others([rank, *(mismatch.ranks if mismatch else [])])
         findings.append(
             Finding(
-                code="rank-crashed",
+                code=Code.RANK_CRASHED,
                 severity="error",
                 title=f"rank {rank} died of {s.signal}" + (f" {place}" if place else f" at step {max(s.step, 0)}"),
                 detail=(
@@ -357,7 +358,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
             waiting = others([*exited])
             findings.append(
                 Finding(
-                    code="rank-exited",
+                    code=Code.RANK_EXITED,
                     severity="error",
                     title=f"rank {rank} exited (status {s.exit_status}) at step {steps_by_rank[rank]}; "
                     f"{rank_list(still) if still else 'the others'} trained on",
@@ -380,7 +381,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
     if not findings and silent and not timed_out:
         findings.append(
             Finding(
-                code="rank-crashed",
+                code=Code.RANK_CRASHED,
                 severity="error",
                 title=f"{rank_list(silent)} died without a Python error",
                 detail=(
@@ -412,7 +413,7 @@ def _hung(states: dict[int, RankState], timed_out: bool) -> list[Finding]:
     missing = [r for r in range(world) if r not in states]
     return [
         Finding(
-            code="rank-hung",
+            code=Code.RANK_HUNG,
             severity="error",
             title=f"{rank_list(stuck)} stopped making progress" + (" before the timeout" if timed_out else ""),
             detail=(

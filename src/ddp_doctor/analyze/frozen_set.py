@@ -10,6 +10,7 @@ from ddp_doctor.analyze.common import all_ranks, freeze_fix, steps_of, with_flag
 from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.snippets import freeze_point
 from ddp_doctor.analyze.view import View
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 
 __all__ = ["frozen_after_wrap", "no_trainable", "reduction_error", "unfrozen_after_wrap"]
@@ -87,7 +88,7 @@ def no_trainable(v: View) -> list[Finding]:
         return []
     return [
         Finding(
-            code="no-trainable-parameters",
+            code=Code.NO_TRAINABLE_PARAMETERS,
             severity="error",
             title="no parameter requires a gradient",
             detail="At some observed step every parameter had requires_grad=False, so the step trains nothing.",
@@ -100,11 +101,11 @@ def no_trainable(v: View) -> list[Finding]:
 
 
 def reduction_error(v: View) -> list[Finding]:
-    crashed = v.crashed("reduction-error")
+    crashed = v.crashed(Code.REDUCTION_ERROR)
     if not crashed.count:
         return []
     missing = set(steps_of(v.summary.reduction_missing))
-    step = min(v.crash_steps("reduction-error"))
+    step = min(v.crash_steps(Code.REDUCTION_ERROR))
     # Parameters a rank or step used, or whose module ran, are meant to train: never advise freezing them.
     meant = v.ever_used | v.summary.ran
     trained = [i for i in sorted(missing) if meant[i]]
@@ -112,7 +113,7 @@ def reduction_error(v: View) -> list[Finding]:
     if passes.crashed:
         return [
             Finding(
-                code="reduction-error",
+                code=Code.REDUCTION_ERROR,
                 severity="error",
                 title="DDP failed: 'Expected to have finished reduction', at a second backward pass through one forward",
                 detail=f"Two backward passes through one forward{passes.where()}: DDP failed at the second one in step "
@@ -139,7 +140,7 @@ def reduction_error(v: View) -> list[Finding]:
         fix = freeze_fix(v) + "; see the recommendation for the cheapest flags"
     return [
         Finding(
-            code="reduction-error",
+            code=Code.REDUCTION_ERROR,
             severity="error",
             title="DDP failed: 'Expected to have finished reduction in the prior iteration'",
             detail=f"At the start of step {step}, DDP found that the previous step's gradient reduction never "

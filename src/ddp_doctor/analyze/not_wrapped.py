@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef
 
 __all__ = ["unwrapped_findings"]
@@ -35,7 +36,7 @@ def unwrapped_findings(
         bad = [p for p, d in zip(params, differ.tolist()) if d]
         return [
             Finding(
-                code="model-not-wrapped",
+                code=Code.MODEL_NOT_WRAPPED,
                 severity="error",
                 title=f"no DDP: {len(bad)} of {len(params)} trained parameters differ across ranks",
                 detail=f"The process group has {world} ranks and an optimizer{where} stepped these parameters "
@@ -52,7 +53,7 @@ def unwrapped_findings(
         ]
     return [
         Finding(
-            code="model-not-wrapped",
+            code=Code.MODEL_NOT_WRAPPED,
             severity="info",
             title=f"no DDP, but {len(params)} trained parameters stayed identical across ranks",
             detail=f"An optimizer{where} stepped them {steps} time(s) on {world} ranks with no DistributedDataParallel, "

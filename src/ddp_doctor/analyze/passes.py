@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ddp_doctor.analyze.common import all_ranks, with_flags
 from ddp_doctor.analyze.view import View
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef
 
 __all__ = ["Passes", "backward_passes_differ", "passes_of"]
@@ -59,7 +60,7 @@ class Passes:
 def passes_of(v: View) -> Passes:
     steps = [i for i, x in enumerate(v.summary.split_passes[: v.steps]) if x]
     after_pass = bool(v.ranks("crash-after-pass").count)
-    crashed = after_pass and bool(v.crashed("reduction-error").count)
+    crashed = after_pass and bool(v.crashed(Code.REDUCTION_ERROR).count)
     crashed_twice = after_pass and bool(v.crashed("mark-ready-twice").count)
     inner = any(v.summary.inner_passes[: v.steps])
     meta = v.summary.metas.get(0) or next(iter(v.summary.metas.values()), {})
@@ -95,7 +96,7 @@ def backward_passes_differ(v: View) -> list[Finding]:
         )
         return [
             Finding(
-                code="backward-passes-differ",
+                code=Code.BACKWARD_PASSES_DIFFER,
                 severity="info" if handled else "error",
                 title=title,
                 detail=detail,
@@ -128,7 +129,7 @@ def backward_passes_differ(v: View) -> list[Finding]:
         )
     return [
         Finding(
-            code="backward-passes-differ",
+            code=Code.BACKWARD_PASSES_DIFFER,
             severity="error" if broken else "warning",
             title=title,
             detail=detail,

@@ -14,6 +14,7 @@ from typing import Any
 from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.used_set import hidden_params
 from ddp_doctor.analyze.view import View
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
 
 __all__ = ["recommend", "recommend_after_failure"]
@@ -186,21 +187,21 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
 
 _FLAGS_FOR_FAILURE = {
     # DDP's own error on the ranks, as explained: the flags it calls for, and why.
-    "used-outside-forward": (
+    Code.USED_OUTSIDE_FORWARD: (
         False,
         True,
         "static_graph=True, find_unused_parameters=False: parameters used outside DDP's forward got gradients with "
         "find_unused_parameters=True ('Expected to mark a variable ready only once'); static_graph=True handles "
         "them.",
     ),
-    "reentrant-checkpoint": (
+    Code.REENTRANT_CHECKPOINT: (
         False,
         True,
         "static_graph=True, find_unused_parameters=False: parameters under reentrant activation checkpointing got "
         "gradients with find_unused_parameters=True ('Expected to mark a variable ready only once'); "
         "static_graph=True handles them (use_reentrant=False is the code fix).",
     ),
-    "static-graph-unsafe": (
+    Code.STATIC_GRAPH_UNSAFE: (
         True,
         False,
         "find_unused_parameters=True, static_graph=False: the set of parameters that reach the loss changed "
@@ -244,7 +245,7 @@ def recommend_after_failure(findings: list[Finding], ddp_config: dict[str, Any],
                 verified=False,
                 reason=_FLAGS_FOR_FAILURE[explained[0].code][2],
             )
-    by_rank = next((f for f in findings if f.code == "rank-dependent-graph" and f.params), None)
+    by_rank = next((f for f in findings if f.code == Code.RANK_DEPENDENT_GRAPH and f.params), None)
     if by_rank is not None and not ddp_config.get("find_unused_parameters") and not ddp_config.get("static_graph"):
         names = ", ".join(p.name for p in by_rank.params[:6]) + (", ..." if len(by_rank.params) > 6 else "")
         flags = '{"find_unused_parameters": true}'

@@ -7,6 +7,7 @@ of the framework that built DDP.
 
 from __future__ import annotations
 
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef
 
 __all__ = [
@@ -55,7 +56,7 @@ def frozen_after_wrap(
     else:
         detail = "with default flags the step's reduction never finishes and the next step fails."
     return Finding(
-        code="frozen-after-wrap",
+        code=Code.FROZEN_AFTER_WRAP,
         severity="warning" if harmless else "error",
         title=f"{count(len(params), 'parameter')} frozen after DDP was built",
         detail="requires_grad was set to False after DDP was built. DDP's reducer still expects their gradients: "
@@ -74,7 +75,7 @@ def unfrozen_after_wrap(
     """Parameters whose `requires_grad` went from False to True after DDP was built. Always an ``error``: nothing
     ever all-reduces their gradients."""
     return Finding(
-        code="unfrozen-after-wrap",
+        code=Code.UNFROZEN_AFTER_WRAP,
         severity="error",
         title=f"{count(len(params), 'parameter')} unfrozen after DDP was built",
         detail="requires_grad was set to True after DDP was built. DDP's reducer has no hook for them, so "
@@ -91,7 +92,7 @@ def wrapper_bypass(
 ) -> Finding:
     """The module inside DDP ran forward in grad mode without DDP's forward around it. Always an ``error``."""
     return Finding(
-        code="wrapper-bypass",
+        code=Code.WRAPPER_BYPASS,
         severity="error",
         title=title,
         detail=detail,
@@ -116,7 +117,7 @@ def replica_divergence(
     rounding level (`ddp_doctor.exchange.replicas.ROUNDING_RELATIVE`: bit-identical weights summed with different thread
     counts), which only a fingerprint comparison can tell."""
     return Finding(
-        code="replica-divergence",
+        code=Code.REPLICA_DIVERGENCE,
         severity="warning" if rounding_only else "error",
         title=title,
         detail=detail,
@@ -133,7 +134,7 @@ def buffer_divergence(
     """Buffers (BatchNorm statistics) differ across ranks. A ``warning``: training stays correct, evaluation and
     the saved buffers depend on the rank."""
     return Finding(
-        code="buffer-divergence",
+        code=Code.BUFFER_DIVERGENCE,
         severity="warning",
         title=title,
         detail=detail,
@@ -149,7 +150,7 @@ def uneven_inputs(*, title: str, cause: str, ranks: list[int], steps: list[int],
     runs out stops calling DDP's all-reduce while the others wait in it. `cause` ends with "while the others still
     train"."""
     return Finding(
-        code="uneven-inputs",
+        code=Code.UNEVEN_INPUTS,
         severity="error",
         title=title,
         detail=cause + ": they then wait in DDP's gradient all-reduce for a rank that has stopped, and the job hangs "
@@ -176,7 +177,7 @@ def sampler_epoch_repeated(
     where = f" (the DataLoader {site})" if site else ""
     starts = f" The loader started {len(seen)} passes with the sampler's epoch at {seen}." if seen else ""
     return Finding(
-        code="sampler-epoch-not-set",
+        code=Code.SAMPLER_EPOCH_NOT_SET,
         severity="warning",
         title=f"a shuffling DistributedSampler started a new epoch with the same epoch ({epoch}){where}",
         detail="set_epoch was not called between epochs, so every epoch visits the samples in the same order on "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef
 from ddp_doctor.core.rankfiles import RankState
 from ddp_doctor.core.ranks import rank_list
@@ -68,7 +69,7 @@ def shape_findings(states: dict[int, RankState]) -> list[Finding]:
     ranks = sorted({r for by_rank in differing.values() for r in by_rank} | set(refused) | {0})
     return [
         Finding(
-            code="param-shapes-differ",
+            code=Code.PARAM_SHAPES_DIFFER,
             severity="error",
             title=f"{len(differing) or len(refused)} parameter(s) have different shapes on different ranks when DDP "
             "is built",

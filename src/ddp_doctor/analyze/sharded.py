@@ -9,6 +9,7 @@ each rank (its weight sums end at -2.187 and -2.443).
 
 from __future__ import annotations
 
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
 from ddp_doctor.core.sharded_run import ShardedRun
 
@@ -38,7 +39,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
     if run.replaced and not run.model_params_stepped:
         found.append(
             Finding(
-                code="optimizer-params-replaced",
+                code=Code.OPTIMIZER_PARAMS_REPLACED,
                 severity="error",
                 title=f"the optimizer steps {run.replaced} parameters that are no longer the model's",
                 detail=f"The optimizer ({where}) was built before fully_shard. fully_shard replaces every parameter "
@@ -58,7 +59,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         site = f" (last switched off at {run.sync_off_site})" if run.sync_off_site else ""
         found.append(
             Finding(
-                code="gradient-sync-off",
+                code=Code.GRADIENT_SYNC_OFF,
                 severity="error",
                 title=f"gradient sync was off at all {run.steps} optimizer steps",
                 detail=f"set_requires_gradient_sync(False){site} was in force every time the optimizer stepped, and "
@@ -76,7 +77,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         if differ:
             found.append(
                 Finding(
-                    code="unsharded-params-not-synced",
+                    code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
                     severity="error",
                     title=f"{len(differ)} parameters outside every fully_shard group differ across ranks",
                     detail="These trainable parameters belong to no fully_shard group ("
@@ -94,7 +95,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         else:
             found.append(
                 Finding(
-                    code="unsharded-params-not-synced",
+                    code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
                     severity="warning",
                     title=f"{len(run.unsharded)} parameters outside every fully_shard group have nothing syncing them",
                     detail="These trainable parameters belong to no fully_shard group, so nothing reduces their "

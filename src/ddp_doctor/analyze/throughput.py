@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 
 from ddp_doctor.analyze.view import View
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.steptime import (
     INPUT_SHARE,
@@ -107,7 +108,7 @@ def input_bound(v: View) -> list[Finding]:
     )
     return [
         Finding(
-            code="input-bound",
+            code=Code.INPUT_BOUND,
             severity="warning",
             title=f"the ranks wait for data {share:.0%} of each step ({_ms(wait)} of {_ms(step)})",
             detail=f"{_MEASURED.format(n=n)}: {st.waiting} of {st.measured} ranks spend {_ms(wait)} per step (median, "
@@ -158,7 +159,7 @@ def straggler_rank(v: View) -> list[Finding]:
     name = group[slow.rank] if group and slow.rank < len(group) else slow.rank  # as users number them
     return [
         Finding(
-            code="straggler-rank",
+            code=Code.STRAGGLER_RANK,
             severity="warning",
             title=f"rank {name} is {ratio:.1f}x slower; the other ranks wait {_ms(lost)} per step for it",
             detail=f"{_MEASURED.format(n=n)}: rank {name} takes {_ms(slow.own_s)} per step of its own work "

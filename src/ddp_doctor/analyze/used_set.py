@@ -12,6 +12,7 @@ from ddp_doctor.analyze.common import all_ranks, freeze_fix, has_flags, steps_of
 from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import listed
 
@@ -54,7 +55,7 @@ def unused_parameters(v: View) -> list[Finding]:
         )
     return [
         Finding(
-            code="unused-parameters",
+            code=Code.UNUSED_PARAMETERS,
             severity=severity,
             title=f"{_count(n, 'trainable parameter')} never reached the loss",
             detail=f"On every rank and every one of the {v.steps} observed steps, these parameters got no gradient and "
@@ -83,7 +84,7 @@ def grad_blocked(v: View) -> list[Finding]:
     )
     return [
         Finding(
-            code="grad-blocked",
+            code=Code.GRAD_BLOCKED,
             severity="error",
             title=f"{_count(int(blocked.sum()), 'parameter')} ran in forward but never got a gradient",
             detail=f"On every rank and every one of the {v.steps} observed steps these parameters' modules ran, yet "
@@ -116,7 +117,7 @@ def dynamic_graph(v: View) -> list[Finding]:
         severity = "error"
     return [
         Finding(
-            code="dynamic-graph",
+            code=Code.DYNAMIC_GRAPH,
             severity=severity,
             title=f"{_count(int(dynamic.sum()), 'parameter')} reach the loss on some steps but not others",
             detail="The set of parameters that get a gradient changes from step to step (for example a branch taken "
@@ -140,7 +141,7 @@ def rank_dependent_graph(v: View) -> list[Finding]:
     lacking = v.ranks("lacking")
     return [
         Finding(
-            code="rank-dependent-graph",
+            code=Code.RANK_DEPENDENT_GRAPH,
             severity="error" if v.default_flags else "info",
             title=f"{_count(int(rank_dep.sum()), 'parameter')} reach the loss on some ranks but not others",
             detail=f"Ranks {listed(lacking.ranks, lacking.more)} left these parameters without a gradient while other ranks used them. With "
@@ -167,7 +168,7 @@ def static_graph_unsafe(v: View) -> list[Finding]:
         return []
     return [
         Finding(
-            code="static-graph-unsafe",
+            code=Code.STATIC_GRAPH_UNSAFE,
             severity="error",
             title="static_graph=True, but the graph changes between steps",
             detail="static_graph=True records the used parameters on the first steps and assumes they never change. "
@@ -233,7 +234,7 @@ def used_outside_forward(v: View) -> list[Finding]:
     )
     return [
         Finding(
-            code="used-outside-forward",
+            code=Code.USED_OUTSIDE_FORWARD,
             severity="error" if broken else "info",
             title=f"{_count(len(outside.params), 'parameter')} used outside DDP's forward",
             detail=detail,
@@ -260,7 +261,7 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
         _, blocked = v.unused_by_cause()
         return [
             Finding(
-                code="reentrant-checkpoint",
+                code=Code.REENTRANT_CHECKPOINT,
                 severity="error",
                 title=f"reentrant checkpoint without grad-requiring inputs at {', '.join(sites)}",
                 detail="torch.utils.checkpoint with use_reentrant=True gives the checkpointed block no gradient at all "
@@ -296,7 +297,7 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
         )
     return [
         Finding(
-            code="reentrant-checkpoint",
+            code=Code.REENTRANT_CHECKPOINT,
             severity=severity,
             title="reentrant activation checkpointing inside DDP",
             detail="torch.utils.checkpoint with use_reentrant=True runs a nested backward for the checkpointed "
@@ -328,7 +329,7 @@ def find_unused_unneeded(v: View) -> list[Finding]:
         return []  # each step's passes reach different parameters: each pass has unused ones
     return [
         Finding(
-            code="find-unused-unneeded",
+            code=Code.FIND_UNUSED_UNNEEDED,
             severity="warning",
             title="find_unused_parameters=True, but every parameter is used",
             detail=f"All {int(v.live.sum())} trainable parameters got a gradient on every one of the {v.world} ranks "

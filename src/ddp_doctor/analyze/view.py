@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.records import CRASH_KINDS
 from ddp_doctor.exchange import Examples, Summary
@@ -117,7 +118,7 @@ class View:
         forward of that step, which never ran, may have trained what the earlier ones did not (a GAN whose
         discriminator's pass comes first, each pass through its own forward)."""
         hi, _ = self.summary.steps_taken
-        return bool(self.crashed("reduction-error").count) and not any(hi[: self.steps])
+        return bool(self.crashed(Code.REDUCTION_ERROR).count) and not any(hi[: self.steps])
 
     def crash_steps(self, kind: str) -> list[int]:
         row = self.summary.crash_steps[CRASH_KINDS.index(kind)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from ddp_doctor.core.codes import Code
 from ddp_doctor.report.model import Report
 
 __all__ = ["DEFAULT_BUCKET_MB", "Config", "candidates"]
@@ -69,9 +70,9 @@ def candidates(report: Report) -> list[tuple[str, Config]]:
         freeze_before_wrap=tuple(rec.freeze_before_wrap),
     )
     codes = report.codes
-    dynamic = bool(codes & {"dynamic-graph", "static-graph-unsafe", "frozen-after-wrap"})
-    hidden = bool(codes & {"used-outside-forward", "reentrant-checkpoint"})
-    unused = bool(codes & {"unused-parameters", "rank-dependent-graph", "reduction-error"}) or dynamic
+    dynamic = bool(codes & {Code.DYNAMIC_GRAPH, Code.STATIC_GRAPH_UNSAFE, Code.FROZEN_AFTER_WRAP})
+    hidden = bool(codes & {Code.USED_OUTSIDE_FORWARD, Code.REENTRANT_CHECKPOINT})
+    unused = bool(codes & {Code.UNUSED_PARAMETERS, Code.RANK_DEPENDENT_GRAPH, Code.REDUCTION_ERROR}) or dynamic
     out: list[tuple[str, Config]] = [("user", user), ("recommended", recommended)]
     flags = {
         "defaults": (False, False, not unused),

@@ -19,6 +19,7 @@ from typing import Any
 
 from ddp_doctor.bench.candidates import Config
 from ddp_doctor.bench.stats import MIN_ROUNDS, decide
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.rankfiles import write_json
 from ddp_doctor.report.model import Report
 
@@ -161,7 +162,7 @@ class BenchLog:
 
 
 def unused_of(report: Report) -> set[str]:
-    found = report.finding("unused-parameters")
+    found = report.finding(Code.UNUSED_PARAMETERS)
     return set(found.param_names) if found else set()
 
 

@@ -16,6 +16,7 @@ from typing import IO, Any
 from rich.console import Console
 from rich.rule import Rule
 
+from ddp_doctor.core.codes import Code
 from ddp_doctor.launch.outcome import CheckResult, exit_code
 from ddp_doctor.launch.supervise import check_namespace
 
@@ -58,7 +59,7 @@ Everything torchrun accepts before SCRIPT works the same way (--nnodes, --node-r
 exit codes: 0 nothing at or above --fail-on; 1 findings at or above it; 2 the tool could not run the script.
 """
 
-_RUN_FAILURES = ("rank-crashed", "rank-hung", "rank-exited", "collective-mismatch")
+_RUN_FAILURES = (Code.RANK_CRASHED, Code.RANK_HUNG, Code.RANK_EXITED, Code.COLLECTIVE_MISMATCH)
 _OURS = (
     "steps",
     "json",

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddp_doctor.cli.check import check, check_page, render_result
+from ddp_doctor.core.codes import Code
 from ddp_doctor.launch.outcome import CheckResult
 from ddp_doctor.report.model import Report
 
@@ -176,9 +177,9 @@ def _recommended(report: Report) -> Text:
     if rec.freeze_before_wrap:
         parts.append(f"freeze {len(rec.freeze_before_wrap)} params before wrap")
     text = Text("\n".join(parts) or ("keep the script's flags" if rec.flags_known else "no flags known"))
-    if report.finding("wrapper-bypass"):
+    if report.finding(Code.WRAPPER_BYPASS):
         text = Text("call the DDP wrapper, not .module", style="bold")
-    elif report.finding("frozen-after-wrap") and rec.find_unused_parameters:
+    elif report.finding(Code.FROZEN_AFTER_WRAP) and rec.find_unused_parameters:
         text.append("\n(or ddp_doctor.refreeze)")
     if rec.verified:
         text.append(" (verified)", style="green")

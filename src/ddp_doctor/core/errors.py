@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ddp_doctor.core.codes import Code
+
 __all__ = [
     "DDPFailure",
     "DoctorError",
@@ -37,7 +39,7 @@ class ProcessGroupNotInitializedError(DoctorError):
 class NoTrainableParametersError(DoctorError):
     """The DDP model has no parameter with `requires_grad=True`."""
 
-    code = "no-trainable-parameters"
+    code = Code.NO_TRAINABLE_PARAMETERS
 
 
 class RankMismatchError(DoctorError):
@@ -75,7 +77,7 @@ class ReplicaDivergenceError(DoctorError):
         max_difference: the largest difference of a fingerprint (a float64 sum) between two ranks.
     """
 
-    code = "replica-divergence"
+    code = Code.REPLICA_DIVERGENCE
 
     def __init__(self, message: str, *, params: list[str], ranks: list[int], max_difference: float) -> None:
         super().__init__(message)

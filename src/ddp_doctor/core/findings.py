@@ -27,7 +27,8 @@ class ParamRef:
 
 @dataclass(kw_only=True, slots=True)
 class Finding:
-    """One diagnosed problem. `code` is one of `ddp_doctor.core.codes.CODES`."""
+    """One diagnosed problem. `code` is a `ddp_doctor.core.codes.Code`, kept as its plain string (as `from_dict`
+    reads it back)."""
 
     code: str
     severity: str
@@ -43,6 +44,7 @@ class Finding:
 
     def __post_init__(self) -> None:
         assert self.code in CODES, f"unknown finding code {self.code!r}"
+        self.code = str(self.code)  # a Code is its string; the plain one, so that a built and a read finding are alike
         assert self.severity in SEVERITIES, f"unknown severity {self.severity!r}"
 
     @property

@@ -13,13 +13,16 @@ from typing import Any, ClassVar
 
 import torch
 
+from ddp_doctor.core.codes import Code
+
 __all__ = ["CRASH_KINDS", "TIMING_COLUMNS", "Flavor", "ModelInfo", "RankRecord", "StepCounters"]
 
-# How a rank's observed loop ended early. Index = the code stored in a record.
 TIMING_COLUMNS = 6
 """Columns of `RankRecord.timing`: forward, backward, optimizer, input wait, communication wait, CPU wait (the time
 the rank's main thread was ready to run but waited for a CPU: Linux's run-queue delay; 0 where it cannot be read)."""
-CRASH_KINDS = ("none", "reduction-error", "static-graph-changed", "mark-ready-twice", "ddp-other", "other")
+CRASH_KINDS = ("none", Code.REDUCTION_ERROR.value, "static-graph-changed", "mark-ready-twice", "ddp-other", "other")
+"""How a rank's observed loop ended early; index = the number stored in a record. DDP's reduction error is the kind
+named by the code of the finding that explains it (compared as `Code.REDUCTION_ERROR`)."""
 
 
 @dataclass(kw_only=True)

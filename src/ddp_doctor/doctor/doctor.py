@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.errors import DDPFailure, InvalidArgumentError, NoTrainableParametersError
 from ddp_doctor.core.frames import user_site_of
 from ddp_doctor.core.phase import Phase
@@ -283,7 +284,7 @@ class Doctor:
         """DDP's own error `exc`, explained with parameter names; None when it is not one of DDP's. `hint` ends the
         message (`ddp-doctor check` reports by itself and passes "")."""
         self.record_crash(exc)
-        if self._crash.kind_name not in ("reduction-error", "static-graph-changed", "mark-ready-twice"):
+        if self._crash.kind_name not in (Code.REDUCTION_ERROR, "static-graph-changed", "mark-ready-twice"):
             return None
         return explain_failure(
             exc,

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.records import CRASH_KINDS, RankRecord
 from ddp_doctor.exchange.local import training_loader
 from ddp_doctor.exchange.packing import SumRound, bool_digest, of_record, text_digest
@@ -63,7 +64,7 @@ def local_facts(b: SumRound, record: RankRecord, *, s: int, lead: int, pad_steps
     # reduction at each manual_backward): what the first pass left without a gradient; otherwise what the last
     # complete step did.
     after_pass = lead < record.steps and int(record.counter("split_passes")[lead]) > 0
-    reduction_error = CRASH_KINDS[record.crash_kind] == "reduction-error" and (lead or after_pass)
+    reduction_error = CRASH_KINDS[record.crash_kind] == Code.REDUCTION_ERROR and (lead or after_pass)
     missing = (~record.used[lead] if after_pass else ~record.used[lead - 1]) if reduction_error else none
     b.bits("missing", missing)
     b.bits("rank0_trainable", trainable[-1] if rank == 0 and s else none)

@@ -15,6 +15,7 @@ from collections.abc import Generator
 
 import torch
 
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.figures import rank_grid
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord
 from ddp_doctor.exchange.facts import local_facts
@@ -281,7 +282,7 @@ def protocol(record: RankRecord, info: ModelInfo, *, rank: int, world: int) -> G
         "broadcast-fewer": first_bcast is not None and int(bcast[first_bcast, 1]) != int(bc_hi[first_bcast, 1]),
         "collective-differs": coll_differs,
         "scale-differs": scale_differs,
-        "optimizer-differs": first_settings is not None
+        Code.OPTIMIZER_DIFFERS: first_settings is not None
         and int(settings[first_settings]) != int(rm["settings0"][first_settings]),
         "skipped-step": first_skip is not None and int(stepped[first_skip]) == 0,
         "changed-outside": first_changed is not None and bool(changed[first_changed]),

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.records import RankRecord
 from ddp_doctor.exchange.local import at_step
 from ddp_doctor.exchange.packing import Op, Reply, from_words, to_words
@@ -25,7 +26,7 @@ QUOTED = (
     "broadcast-extra",
     "collective-differs",
     "scale-differs",
-    "optimizer-differs",
+    Code.OPTIMIZER_DIFFERS,
     "skipped-step",
     "changed-outside",
     "rereduced",

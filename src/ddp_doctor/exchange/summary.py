@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo
 from ddp_doctor.core.steptime import StepTimes
 from ddp_doctor.exchange.packing import MIN
@@ -42,7 +43,7 @@ PREDICATES = (
     "broadcast-fewer",
     "collective-differs",
     "scale-differs",
-    "optimizer-differs",
+    Code.OPTIMIZER_DIFFERS,  # the one predicate named by the code of the finding it decides
     "skipped-step",
     "changed-outside",
     "rereduced",

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_doctor.analyze.epoch_ends import following_findings, following_section, unchecked
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.followed import FollowSummary
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.follow import exchange_follow
@@ -113,14 +114,14 @@ class EpochFollowing:
         for doctor, report in zip(doctors, reports):
             if not is_world(doctor.ddp.process_group):
                 continue
-            steps_uneven = report.finding("uneven-inputs")
+            steps_uneven = report.finding(Code.UNEVEN_INPUTS)
             findings = following_findings(
                 summary,
                 framework=report.framework,
                 lengths_compared=steps_uneven is not None and steps_uneven.severity == "error",
             )
             if section is None:  # nothing followed: only the counted passes' findings
-                findings = [f for f in findings if f.code == "uneven-inputs"]
+                findings = [f for f in findings if f.code == Code.UNEVEN_INPUTS]
             report.add_following(section, findings)
             report.unchecked = unchecked(summary, epochs=epochs, limit=limit, steps=report.steps_observed)
             if summary is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import traceback
 
 from ddp_doctor.analyze.shapes import SHAPE_ERROR
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.frames import user_frame
 from ddp_doctor.core.rankfiles import ExplainedError, RaisedError
 from ddp_doctor.doctor import Doctor
@@ -51,7 +52,7 @@ def raised_error(exc: BaseException, doctors: list[Doctor], *, phase: str) -> Ra
         # DDP's constructor refused a model whose shapes differ by rank: the report names the parameters from every
         # rank's wrap record (analyze.shapes.shape_findings), so the traceback adds nothing.
         explained = ExplainedError(
-            code="param-shapes-differ", message="DDP's constructor found parameter shapes that differ between ranks."
+            code=Code.PARAM_SHAPES_DIFFER, message="DDP's constructor found parameter shapes that differ between ranks."
         )
     return RaisedError(
         type=type(exc).__name__,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.errors import DDPFailure, ReductionError
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord
 
@@ -35,7 +36,7 @@ def classify(exc: BaseException) -> str:
         return "static-graph-changed"
     # Lightning's DDP strategy rewrites DDP's reduction error in place (`on_exception`) before re-raising it.
     if "Expected to have finished reduction" in text or "LightningModule has parameters that were not used" in text:
-        return "reduction-error"
+        return Code.REDUCTION_ERROR
     if "mark a variable ready only once" in text:
         return "mark-ready-twice"
     if isinstance(exc, RuntimeError) and "DistributedDataParallel" in text:
@@ -90,7 +91,7 @@ def explain_failure(
             + (", or use use_reentrant=False" if reentrant else ", or compute them inside forward")
             + "."
             + hint,
-            code="reentrant-checkpoint" if reentrant else "used-outside-forward",
+            code=Code.REENTRANT_CHECKPOINT if reentrant else Code.USED_OUTSIDE_FORWARD,
             params=names,
         )
     if complete and crash_in_window:
@@ -109,7 +110,7 @@ def explain_failure(
             f"DDP failed on rank {rank}: static_graph=True, but the set of parameters that reach the loss "
             f"changed between steps. Parameters with no gradient {where}: {_names(names)}. Fix: build DDP "
             f"with static_graph=False and find_unused_parameters=True (the graph is dynamic).{hint}",
-            code="static-graph-unsafe",
+            code=Code.STATIC_GRAPH_UNSAFE,
             params=names,
         )
     # This rank's own record shows which of them the script trains: a gradient in another step, or a module that
@@ -145,7 +146,7 @@ def explain_failure(
         f"DDP failed on rank {rank}: 'Expected to have finished reduction in the prior iteration'. DDP "
         f"waited for gradients that never came. Trainable parameters that received no gradient {where}: "
         f"{_names(names)}. {cause}.{hint}",
-        code="reduction-error",
+        code=Code.REDUCTION_ERROR,
         params=names,
     )
 
@@ -157,7 +158,7 @@ def _second_pass_failure(
     sites = [site.split(": ", 1)[-1] for site in record.pass_sites]
     where = f" ({', '.join(sites)})" if sites else ""
     used = record.used[-1]
-    if kind == "reduction-error":
+    if kind == Code.REDUCTION_ERROR:
         names = [n for i, n in enumerate(info.param_names) if info.trainable_at_wrap[i] and not used[i]]
         return ReductionError(
             f"DDP failed on rank {rank}: 'Expected to have finished reduction' at a second backward pass through one "
@@ -165,7 +166,7 @@ def _second_pass_failure(
             f"manual_backward), and the first pass gave no gradient to {_names(names)}, which a later pass trains. "
             'Fix: find_unused_parameters=True (Lightning: strategy="ddp_find_unused_parameters_true"); '
             f"static_graph=True fails on this pattern too.{hint}",
-            code="reduction-error",
+            code=Code.REDUCTION_ERROR,
             params=names,
         )
     named = set(re.findall(r"with name (\S+)", str(exc)))
@@ -176,7 +177,7 @@ def _second_pass_failure(
         f"(parameters involved: {_names(names)}). No DDP flag fixes this "
         "(find_unused_parameters=True and static_graph=True fail too). Fix: give each backward pass its own forward "
         f"through the DDP model, or wrap the generator and the discriminator in DDP models of their own.{hint}",
-        code="backward-passes-differ",
+        code=Code.BACKWARD_PASSES_DIFFER,
         params=names,
     )
 

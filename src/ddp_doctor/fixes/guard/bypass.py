@@ -16,6 +16,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ddp_doctor.analyze import rules
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.frames import user_site
 from ddp_doctor.fixes.guard.problems import Reporter
 from ddp_doctor.observation.hooks import Hook
@@ -60,7 +61,7 @@ class BypassWatch:
 
     def called_directly(self, site: str | None, step: int) -> None:
         """The inner module (or one of its submodules) ran in grad mode outside DDP's forward, called from `site`."""
-        key = ("wrapper-bypass", site or "")
+        key = (Code.WRAPPER_BYPASS, site or "")
         if self._reporter.seen(key) and self._reporter.on_problem == "warn":
             return
         where = f" at {site}" if site else ""
@@ -91,7 +92,7 @@ class BypassWatch:
         """
         if not any(p.grad is not None for p, t in zip(params, trainable) if t):
             return
-        if self._reporter.on_problem == "warn" and self._reporter.seen_kind("wrapper-bypass"):
+        if self._reporter.on_problem == "warn" and self._reporter.seen_kind(Code.WRAPPER_BYPASS):
             return  # already reported (with its call site when the first call was seen)
         site = user_site()
         self._reporter.report(
@@ -109,5 +110,5 @@ class BypassWatch:
                     fix=BYPASS_FIX,
                 )
             ],
-            key=("wrapper-bypass", "step"),
+            key=(Code.WRAPPER_BYPASS, "step"),
         )
