@@ -13,7 +13,7 @@ import torch
 
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.records import CRASH_KINDS
-from ddp_doctor.exchange import Examples, Summary
+from ddp_doctor.core.summary import Examples, Summary
 
 __all__ = ["View"]
 
