@@ -84,7 +84,7 @@ class View:
         return self.used_any.any(0) | self.partial_used
 
     def ranks(self, predicate: str) -> Examples:
-        """The ranks (group ranks) for which `predicate` (one of `exchange.PREDICATES`) held."""
+        """The ranks (group ranks) for which `predicate` (one of `core.summary.PREDICATES`) held."""
         return self.summary.examples[predicate]
 
     def meta(self, rank: int) -> dict[str, Any]:

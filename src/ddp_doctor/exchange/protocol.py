@@ -3,16 +3,16 @@ what it reads back, and the `Summary` assembled from their results.
 
 | round | module | collectives | puts | reads back |
 |---|---|---|---|---|
-| A | `common_steps.py` | MAX (+ SUM when the ModelInfos differ) | step counts, ModelInfo digest | `Agreed` |
-| B | `facts.py`, `compared.py` | MAX, SUM | digests and per-step counters; bit planes | `Compared`, `Counted` |
-| B2 | `step_grads.py` | MAX, when requires_grad differs across ranks | gradient digests masked by what all train | `GradDigests` |
-| B3 | `step_grads.py` | MAX, when some gradient differs at the step | digests after DDP's all-reduce | `Synced` |
-| C | `rank0_slices.py` | MAX, SUM, when gradients or weights differ | differing slices, rank 0's fingerprints | `Rank0Slices` |
-| D | `predicates.py` | SUM, MAX | predicates, hidden parameters, the curve | `Named` |
-| usage map | `patterns.py` | MAX, then up to 2 per distinct pattern | the rank's usage grid | the patterns |
-| E | `strings.py` | SUM | the strings of the example ranks | metas |
-| T | `timing.py` | 16 SUMs | histograms of digits | the medians |
-| P | `ranktable.py` | MAX, MAX, SUM, MAX, 16 SUMs | the rank's phases | `StepTimes` |
+| A | common_steps.py | MAX (+ SUM when the ModelInfos differ) | step counts, ModelInfo digest | `Agreed` |
+| B | facts.py, compared.py | MAX, SUM | digests and per-step counters; bit planes | `Compared`, `Counted` |
+| B2 | step_grads.py | MAX, if requires_grad differs by rank | grad digests, masked by what all train | `GradDigests` |
+| B3 | step_grads.py | MAX, when some gradient differs at the step | digests after DDP's all-reduce | `Synced` |
+| C | rank0_slices.py | MAX, SUM, if grads or weights differ | differing slices, rank 0's fingerprints | `Rank0Slices` |
+| D | predicates.py | SUM, MAX | predicates, hidden parameters, the curve | `Named` |
+| usage map | patterns.py | MAX; if grids differ, MAX and SUM per pattern, SUM | the rank's usage grid | patterns |
+| E | strings.py | SUM | the strings of the example ranks | metas |
+| T | timing.py | 16 SUMs (none without a common step) | histograms of digits | the medians |
+| P | ranktable.py | MAX, MAX, SUM, MAX, 16 SUMs | the rank's phases | `StepTimes` |
 
 Every collective's op and shape depend only on (W, S, P, B) and on earlier results, which every rank holds
 identically: never on local data (DESIGN §3).
