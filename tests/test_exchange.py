@@ -8,10 +8,11 @@ import torch
 from dist import run_ranks
 
 from ddp_doctor import ReportTimeoutError
-from ddp_doctor.analyze import analyze, analyze_summary
+from ddp_doctor.analyze import analyze_summary
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list, rank_ranges
 from ddp_doctor.core.records import CRASH_KINDS, TIMING_COLUMNS, ModelInfo, RankRecord, StepCounters
+from ddp_doctor.doctor.pipeline import analyze
 from ddp_doctor.exchange import EXAMPLES, summarize
 from ddp_doctor.exchange.runner import exchange
 from ddp_doctor.report.model import Report

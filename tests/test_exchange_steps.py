@@ -8,9 +8,10 @@ import pytest
 import torch
 from dist import run_ranks
 
-from ddp_doctor.analyze import analyze, analyze_summary
+from ddp_doctor.analyze import analyze_summary
 from ddp_doctor.core.figures import MAX_PATTERNS, STATES
 from ddp_doctor.core.records import TIMING_COLUMNS, ModelInfo, RankRecord, StepCounters
+from ddp_doctor.doctor.pipeline import analyze
 from ddp_doctor.exchange import EXAMPLES
 from ddp_doctor.exchange.runner import exchange
 from ddp_doctor.observation.gradscaler import encode

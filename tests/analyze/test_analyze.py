@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_doctor.analyze import analyze
 from ddp_doctor.core.records import CRASH_KINDS, TIMING_COLUMNS, Flavor, ModelInfo, RankRecord, StepCounters
+from ddp_doctor.doctor.pipeline import analyze
 from ddp_doctor.report import Report
 
 NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from test_analyze import ALL, info, record
 
-from ddp_doctor.analyze import analyze
 from ddp_doctor.core.records import StepCounters
+from ddp_doctor.doctor.pipeline import analyze
 
 CAUSES = {
     "optimizer-differs",

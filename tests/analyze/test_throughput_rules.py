@@ -10,9 +10,9 @@ import pytest
 import torch
 from test_analyze import info, no_distributed, record  # noqa: F401 (the fixture: no collective in analyze)
 
-from ddp_doctor.analyze import analyze
 from ddp_doctor.analyze.throughput import MIN_WAIT_S
 from ddp_doctor.core.records import RankRecord
+from ddp_doctor.doctor.pipeline import analyze
 from ddp_doctor.report import Report
 from ddp_doctor.report.text import to_text
 

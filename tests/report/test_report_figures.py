@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
-from ddp_doctor.analyze import analyze
 from ddp_doctor.core.figures import MAX_PATTERNS, MAX_ROWS
 from ddp_doctor.core.records import ModelInfo, RankRecord, StepCounters
+from ddp_doctor.doctor.pipeline import analyze
 from ddp_doctor.report.model import Report
 
 NAMES = ["trunk.weight", "trunk.bias", "head.weight", "aux.weight"]

@@ -1,4 +1,6 @@
-"""analyze: records in, findings and a recommendation out. A pure function: no torch.distributed calls."""
+"""analyze: the exchange's `Summary` in, findings and a recommendation out. A pure function: no torch.distributed
+calls, and nothing from the exchange or the observation (`analyze(info, records)`, which reduces hand-built
+records with the exchange's in-process model first, is `ddp_doctor.doctor.pipeline.analyze`)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,10 @@ from ddp_doctor.analyze.usage import figures
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Crash, Diagnosis, Timing
-from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord
-from ddp_doctor.exchange import Summary, summarize
+from ddp_doctor.core.records import CRASH_KINDS
+from ddp_doctor.core.summary import Summary
 
-__all__ = ["analyze", "analyze_summary"]
+__all__ = ["analyze_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,22 +42,6 @@ def _timing(summary: Summary, view: View) -> Timing:
         per_rank=per_rank,
         ranks_measured=summary.step_times.measured,
     )
-
-
-def analyze(info: ModelInfo, records: list[RankRecord]) -> Diagnosis:
-    """Diagnose every rank's records.
-
-    The records are reduced exactly as the ranks' exchange reduces them (`ddp_doctor.exchange.summarize`), then
-    diagnosed by `analyze_summary`.
-
-    Args:
-        info: the model as DDP wrapped it (rank 0's view).
-        records: one `RankRecord` per rank, in rank order.
-
-    Returns:
-        A `Diagnosis`: findings (errors first), the recommendation, per-step timing and any crashes.
-    """
-    return analyze_summary(summarize(info, records))
 
 
 def analyze_summary(summary: Summary) -> Diagnosis:

@@ -11,7 +11,7 @@ from ddp_doctor.analyze.view import View
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import other_ranks, rank_list
-from ddp_doctor.observation.gradscaler import decode
+from ddp_doctor.core.records import decode_scale
 
 __all__ = [
     "batchnorm_not_synced",
@@ -235,7 +235,7 @@ def grad_scaler_mismatch(v: View) -> list[Finding]:
     odd = v.ranks("scale-differs")
 
     def scale(value: int) -> str:
-        return f"{decode(value):g}" if value else "no scaler.step()"
+        return f"{decode_scale(value):g}" if value else "no scaler.step()"
 
     shown = ", ".join(
         [

@@ -1,7 +1,7 @@
 """The data of the report's figures (usage map, divergence curve), from the exchange's `Summary`. Pure: no
 communication.
 
-The exchange already carries what the figures need (`exchange/figures.py`): the distinct per-rank grids of cell
+The exchange already carries what the figures need (`exchange/patterns.py`): the distinct per-rank grids of cell
 states, with the ranks that have each, and each step's largest gap of weights and gradients against group rank 0.
 The cell states use the same masks as the findings: `used`, `ran`, `trainable`, and `tracked` (trainable at wrap
 time, including the inference of parameters unfrozen before `observe()`), so a cell marked "blocked" or "flipped"
@@ -13,10 +13,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ddp_doctor.core.figures import MAX_PATTERNS, STATES, Divergence, RankPattern, UsageMap, UsageRow
+from ddp_doctor.core.figures import MAX_PATTERNS, STATES, Divergence, RankPattern, UsageMap, UsageRow, rows_of
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.exchange import Summary
-from ddp_doctor.exchange.local import rows_of
+from ddp_doctor.core.summary import Summary
 
 __all__ = ["divergence", "figures", "usage_map"]
 
@@ -51,7 +50,7 @@ def usage_map(summary: Summary, findings: Sequence[Finding] = ()) -> UsageMap:
     """
     info = summary.info
     names = info.param_names
-    row_names, modules, rows, aggregated = rows_of(info)  # as the exchange built each rank's grid
+    row_names, modules, rows, aggregated = rows_of(info.param_names)  # as the exchange built each rank's grid
     row_of = rows.tolist()
     to_global = info.group_ranks or list(range(summary.world))
 

@@ -14,7 +14,7 @@ import torch
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.records import CRASH_KINDS
-from ddp_doctor.exchange import Examples, Summary
+from ddp_doctor.core.summary import Examples, Summary
 
 __all__ = ["View"]
 
@@ -85,7 +85,7 @@ class View:
         return self.used_any.any(0) | self.partial_used
 
     def ranks(self, predicate: str) -> Examples:
-        """The ranks (group ranks) for which `predicate` (one of `exchange.PREDICATES`) held."""
+        """The ranks (group ranks) for which `predicate` (one of `core.summary.PREDICATES`) held."""
         return self.summary.examples[predicate]
 
     def meta(self, rank: int) -> dict[str, Any]:

@@ -26,6 +26,7 @@ __all__ = [
     "UsageRow",
     "group_rows",
     "rank_grid",
+    "rows_of",
 ]
 
 STATES: dict[str, str] = {
@@ -81,6 +82,19 @@ def group_rows(names: list[str]) -> tuple[list[str], list[str], list[int], bool]
     size = math.ceil(len(names) / MAX_ROWS)
     rows = [f"{names[i]} ... {names[min(i + size, len(names)) - 1]}" for i in range(0, len(names), size)]
     return rows, ["(parameters in model order)"] * len(rows), [i // size for i in range(len(names))], True
+
+
+_rows_memo: list[Any] = [None, None]
+
+
+def rows_of(param_names: list[str]) -> tuple[list[str], list[str], torch.Tensor, bool]:
+    """`group_rows`, with the row of each parameter as a tensor: how the exchange builds each rank's grid and how
+    the analysis names its rows. The in-process model hands one ModelInfo to every rank: the last list of names is
+    remembered."""
+    if _rows_memo[0] is not param_names:
+        names, modules, row_of, aggregated = group_rows(param_names)
+        _rows_memo[:] = [param_names, (names, modules, torch.tensor(row_of, dtype=torch.int64), aggregated)]
+    return _rows_memo[1]
 
 
 def rank_grid(

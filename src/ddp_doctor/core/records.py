@@ -8,6 +8,7 @@ during the observed steps: only local facts, never the result of a collective. B
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -15,7 +16,16 @@ import torch
 
 from ddp_doctor.core.codes import Code
 
-__all__ = ["CRASH_KINDS", "TIMING_COLUMNS", "Flavor", "ModelInfo", "RankRecord", "StepCounters"]
+__all__ = [
+    "CRASH_KINDS",
+    "TIMING_COLUMNS",
+    "Flavor",
+    "ModelInfo",
+    "RankRecord",
+    "StepCounters",
+    "decode_scale",
+    "encode_scale",
+]
 
 TIMING_COLUMNS = 6
 """Columns of `RankRecord.timing`: forward, backward, optimizer, input wait, communication wait, CPU wait (the time
@@ -23,6 +33,16 @@ the rank's main thread was ready to run but waited for a CPU: Linux's run-queue 
 CRASH_KINDS = ("none", Code.REDUCTION_ERROR.value, "static-graph-changed", "mark-ready-twice", "ddp-other", "other")
 """How a rank's observed loop ended early; index = the number stored in a record. DDP's reduction error is the kind
 named by the code of the finding that explains it (compared as `Code.REDUCTION_ERROR`)."""
+
+
+def encode_scale(scale: float) -> int:
+    """A GradScaler scale as the bits of a float32: an int that a record's int64 counters carry exactly (0: no
+    scaler). `StepCounters.scaler_scale` holds it; the analysis reads it back with `decode_scale`."""
+    return struct.unpack("<i", struct.pack("<f", scale))[0]
+
+
+def decode_scale(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", int(bits)))[0]
 
 
 @dataclass(kw_only=True)
@@ -149,7 +169,7 @@ class StepCounters:
     (`collectives.digest`): equal on ranks that issued the same sequence."""
 
     scaler_scale: int = 0
-    """AMP GradScaler's scale at the step's `scaler.step()`, as float32 bits (`scalerprobe.encode`); 0: none."""
+    """AMP GradScaler's scale at the step's `scaler.step()`, as float32 bits (`encode_scale`); 0: none."""
     batch_size: int = 0
     """The first dimension of the first input tensor of the step's first training forward (0: none seen)."""
     batchnorm_training: int = 0

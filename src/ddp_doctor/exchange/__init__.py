@@ -1,10 +1,12 @@
 """The check's exchange: what every rank contributes, reduced across the DDP group into one `Summary`.
 
 Every rank runs the same `protocol`, a generator that yields collectives (``("sum" | "max", int64 tensor)``) and
-receives their results. Two drivers run it: `gather.exchange` over a real process group (one rank per process),
-and `summarize` (`model.py`), which runs every rank's generator in lockstep in one process and computes each collective's
-result as the reduction would (the pure `analyze(info, records)` entry point and the scale benchmark use it). Both
-drivers therefore run the same packing and the same local computations.
+receives their results; it lists the rounds in order, each in its own module (the table in `protocol.py`). Two
+drivers run it: `runner.exchange` over a real process group (one rank per process), and `summarize`
+(`simulate.py`), which runs every rank's generator in lockstep in one process and computes each collective's result
+as the reduction would (`ddp_doctor.doctor.pipeline.analyze(info, records)` and the scale benchmark use it). Both
+drivers therefore run the same packing and the same local computations. The `Summary` is core's
+(`ddp_doctor.core.summary`): the analysis reads it without importing the exchange.
 
 Why the volume does not grow with the world size W: the exchange is made of reductions, never gathers.
 - Boolean masks travel as bit fields of ``W.bit_length()`` bits, summed: each field is the count of ranks that
@@ -16,7 +18,7 @@ Why the volume does not grow with the world size W: the exchange is made of redu
 - Strings (crash messages, call sites, DataLoader facts) travel from at most a bounded set of example ranks.
 - Timing medians are exact order statistics, found with a fixed 16-round radix select (4-bit digits) on summed
   histograms.
-- The usage map's distinct per-rank patterns are sent once each, by one owner (`figures.py`); one bit per rank
+- The usage map's distinct per-rank patterns are sent once each, by one owner (`patterns.py`); one bit per rank
   says which pattern it has. The divergence curve needs group rank 0's fingerprints of the differing parameters
   only.
 - The one exception, on purpose: each rank's step split into phases (`ranktable.py`), `ROW_SIZE` float64 per rank
@@ -25,10 +27,11 @@ The shapes of every collective depend only on (W, S, P, B) and on earlier collec
 holds identically: never on local data (DESIGN §3).
 """
 
+from ddp_doctor.core.summary import EXAMPLES, PREDICATES, Curve, Examples, Summary, Volume
 from ddp_doctor.exchange.packing import Reply
+from ddp_doctor.exchange.predicates import SLOTS
 from ddp_doctor.exchange.protocol import protocol
 from ddp_doctor.exchange.simulate import summarize
-from ddp_doctor.exchange.summary import EXAMPLES, PREDICATES, SLOTS, Curve, Examples, Summary, Volume
 
 __all__ = [
     "EXAMPLES",

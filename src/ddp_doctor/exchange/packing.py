@@ -22,6 +22,7 @@ __all__ = [
     "bool_digest",
     "differs",
     "element_hashes",
+    "first_set",
     "from_words",
     "hash_steps",
     "int_digest",
@@ -279,6 +280,11 @@ class MaxRound:
 
 def differs(pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return pair[0] != pair[1]
+
+
+def first_set(flags: list[bool]) -> int | None:
+    """The index of the first True (None: none)."""
+    return next((i for i, f in enumerate(flags) if f), None)
 
 
 def text_digest(value: Any) -> int:

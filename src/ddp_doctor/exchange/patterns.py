@@ -12,10 +12,11 @@ from collections.abc import Generator
 
 import torch
 
-from ddp_doctor.core.figures import MAX_PATTERNS
+from ddp_doctor.core.figures import MAX_PATTERNS, rank_grid, rows_of
+from ddp_doctor.core.records import ModelInfo, RankRecord
 from ddp_doctor.exchange.packing import MIN, MaxRound, Op, Reply, int_digest
 
-__all__ = ["local_gaps", "patterns"]
+__all__ = ["local_gaps", "patterns", "usage_grid"]
 
 _PER_WORD = 21  # 3-bit cells (6 states) in a non-negative int64
 
@@ -34,6 +35,20 @@ def _unpack(words: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     for d in shape:
         n *= d
     return ((words.unsqueeze(1) >> shifts) & 7).reshape(-1)[:n].reshape(shape)
+
+
+def usage_grid(record: RankRecord, info: ModelInfo, tracked: torch.Tensor, s: int) -> torch.Tensor:
+    """This rank's usage map over the `s` common steps (`rank_grid`): what `patterns` compares."""
+    row_names, _, row_of, _ = rows_of(info.param_names)
+    return rank_grid(
+        used=record.used[:s],
+        ran=record.ran[:s],
+        trainable=record.trainable[:s],
+        tracked=tracked,
+        ignored=torch.tensor(info.ignored, dtype=torch.bool),
+        row_of=row_of,
+        rows=len(row_names),
+    )
 
 
 def patterns(

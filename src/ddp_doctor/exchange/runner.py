@@ -1,8 +1,8 @@
-"""gather: the check's only communication, `exchange`, over the DDP model's process group.
+"""The check's only communication, `exchange`, over the DDP model's process group.
 
 Every rank runs the same sequence, whatever it observed: an arrival check on the process group's store (so a rank
 that never calls `report()` is named instead of hanging the others), one all_reduce that checks the parameter
-layout (`_collective.agree`), then the rounds of `ddp_doctor.exchange.protocol`, all_reduces whose shapes depend on
+layout (`primitives.agree`), then the rounds of `ddp_doctor.exchange.protocol`, all_reduces whose shapes depend on
 the agreed sizes and on earlier results only. What a rank sends and receives does not grow with the world size.
 """
 
@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 
 from ddp_doctor.core.records import ModelInfo, RankRecord
-from ddp_doctor.exchange import Reply, Summary, Volume, protocol
+from ddp_doctor.core.summary import Summary, Volume
+from ddp_doctor.exchange.packing import Reply
 from ddp_doctor.exchange.primitives import agree, global_ranks
 from ddp_doctor.exchange.primitives import arrive as group_arrive
+from ddp_doctor.exchange.protocol import protocol
 
 __all__ = ["arrive", "exchange"]
 

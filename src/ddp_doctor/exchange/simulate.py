@@ -11,10 +11,10 @@ from collections.abc import Sequence
 import torch
 
 from ddp_doctor.core.records import ModelInfo, RankRecord
+from ddp_doctor.core.summary import Summary, Volume
 from ddp_doctor.exchange import packing
 from ddp_doctor.exchange.packing import Reply
 from ddp_doctor.exchange.protocol import protocol
-from ddp_doctor.exchange.summary import Summary, Volume
 
 __all__ = ["summarize"]
 

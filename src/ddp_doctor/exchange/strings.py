@@ -11,11 +11,11 @@ import torch
 
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.records import RankRecord
-from ddp_doctor.exchange.local import at_step
+from ddp_doctor.core.summary import Examples
+from ddp_doctor.exchange.compared import FirstSteps
 from ddp_doctor.exchange.packing import Op, Reply, from_words, to_words
-from ddp_doctor.exchange.summary import Examples
 
-__all__ = ["example_metas", "rank_strings"]
+__all__ = ["at_step", "example_metas", "rank_strings"]
 
 QUOTED = (
     "crashed",
@@ -37,25 +37,28 @@ QUOTED = (
 their first example's."""
 
 
+def at_step(log: list[str], step: int | None) -> list[str]:
+    """The entries of a per-step log (`step N: text`) for `step`, without the prefix ([] for None)."""
+    if step is None:
+        return []
+    prefix = f"step {step}: "
+    return [entry.removeprefix(prefix) for entry in log if entry.startswith(prefix)]
+
+
 def rank_strings(
     record: RankRecord,
+    first: FirstSteps,
     *,
     window_sites: list[str],
     shared_saves: list[dict[str, Any]],
     scale: int,
-    unpaired: int | None,
-    broadcast: int | None,
-    collective: int | None,
-    settings: int | None,
-    sched: int | None,
-    changed: int | None,
-    skip: int | None,
-    rereduced: int | None,
     edited: int | None = None,
 ) -> bytes:
     """What this rank would quote (JSON): its crash, sites, loaders, and its per-step logs at the first step where
-    the ranks differ in each (the keyword arguments: those steps, None where they agree; `edited`: the first step
-    in which this rank changed gradients after DDP reduced them)."""
+    the ranks differ in each (`first`; `edited`: the first step in which this rank changed gradients after DDP
+    reduced them)."""
+    unpaired, broadcast, collective, settings = first.unpaired, first.broadcast, first.collective, first.settings
+    sched, changed, skip, rereduced = first.sched, first.changed, first.skip, first.rereduced
     measured = record.counter("grads_measured").tolist()
     return json.dumps(
         {

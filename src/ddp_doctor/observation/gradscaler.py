@@ -8,12 +8,12 @@ drift apart. `GradScaler.step` is wrapped once, process-wide; each call's scale 
 from __future__ import annotations
 
 import functools
-import struct
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ddp_doctor.core.records import decode_scale, encode_scale
 from ddp_doctor.observation.hooks import ListenerList
 
 __all__ = ["decode", "encode", "listen"]
@@ -23,13 +23,9 @@ _listeners: ListenerList[Listener] = ListenerList()
 _installed = False
 
 
-def encode(scale: float) -> int:
-    """The scale as the bits of a float32 (an int that a record's int64 counters carry exactly; 0 = no scaler)."""
-    return struct.unpack("<i", struct.pack("<f", scale))[0]
-
-
-def decode(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<i", int(bits)))[0]
+encode = encode_scale
+"""The scale as the record carries it (`ddp_doctor.core.records.encode_scale`)."""
+decode = decode_scale
 
 
 def _scaler_classes() -> list[type]:

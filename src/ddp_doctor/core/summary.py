@@ -1,5 +1,6 @@
-"""What the exchange tells every rank: the `Summary`, its bounded rank `Examples`, and the `Volume` one rank
-moved."""
+"""What the exchange tells every rank, the analysis's one input: the `Summary`, its bounded rank `Examples`, the
+divergence `Curve`, and the `Volume` one rank moved. Built by `ddp_doctor.exchange` (its rounds), read by
+`ddp_doctor.analyze`; plain data here, so neither stage needs the other's modules."""
 
 from __future__ import annotations
 
@@ -11,16 +12,11 @@ import torch
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo
 from ddp_doctor.core.steptime import StepTimes
-from ddp_doctor.exchange.packing import MIN
 
-__all__ = ["EXAMPLES", "PREDICATES", "SAVE_BUCKETS", "SLOTS", "Curve", "Examples", "Summary", "Volume", "examples_from"]
+__all__ = ["EXAMPLES", "PREDICATES", "Curve", "Examples", "Summary", "Volume"]
 
 EXAMPLES = 8
 """How many example ranks a finding names when more ranks show it (the rest are counted)."""
-SAVE_BUCKETS = 16
-"""Buckets the paths a rank wrote with torch.save are hashed into (`checkpoint-same-path`): a fixed shape."""
-SLOTS = 64
-"""Example slots per predicate: the smallest flagged rank of each class ``rank % SLOTS``. Exact for W <= SLOTS."""
 
 PREDICATES = (
     "lacking",
@@ -52,6 +48,8 @@ PREDICATES = (
     "crash-after-pass",
     "grads-edited",
 )
+"""What each rank evaluates on its own record against the group's results (the exchange's round D); the analysis
+reads the ranks for each by name in `Summary.examples`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,11 +235,3 @@ class Volume:
         self.received += n
         self.collectives += 1
         self.rounds.append(f"{op}:{n}")
-
-
-def examples_from(counts: torch.Tensor, slots: torch.Tensor) -> dict[str, Examples]:
-    out = {}
-    for k, name in enumerate(PREDICATES):
-        found = sorted(-int(v) for v in slots[k].tolist() if v != MIN)
-        out[name] = Examples(count=int(counts[k]), ranks=found[:EXAMPLES])
-    return out

@@ -1,0 +1,148 @@
+"""The exchange sends the same bytes: every collective's op, shape and each rank's tensor, for a few simulated groups
+that take every conditional round (B2, B3, C, ModelInfos that differ, more ranks than example slots), against
+signatures recorded before the protocol was cut into rounds. A change here changes what ranks send: re-record only
+on purpose (`python tests/test_exchange_signature.py` prints the current ones), and say why in the commit."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
+from ddp_doctor.exchange import simulate
+
+NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight", "norm.weight"]
+P, STEPS = len(NAMES), 4
+
+RECORDED = {
+    "seeded-6": "e0a5e2ba78add02f",
+    "odd-70": "92ce61b89c16efa4",
+    "infos-differ-3": "0d5a199911ea5349",
+    "edited-2": "2bb1823827ac7de8",
+    "inferred-2": "d8ecddf880b98d04",
+    "clean-1": "ee7f4976acae3ab0",
+}
+
+
+def _info(**overrides) -> ModelInfo:
+    base = {
+        "param_names": NAMES,
+        "param_shapes": [(4, 3), (4,), (2, 4), (2, 4), (4,)],
+        "trainable_at_wrap": [True] * P,
+        "ignored": [False] * (P - 1) + [True],
+        "buffer_names": ["norm.running_mean"],
+        "buffer_shapes": [(4,)],
+        "ddp_config": {"find_unused_parameters": True, "static_graph": False, "broadcast_buffers": True},
+        "batchnorm": ["norm"],
+    }
+    base.update(overrides)
+    return ModelInfo(**base)
+
+
+def _rank(rank: int, *, seed: int | None, edited: bool = False, crashed: bool = False) -> RankRecord:
+    """Random usage, frozen flags, fingerprints (a few NaN), per-step counters and strings, seeded by `seed`
+    (None: a clean rank); `edited`: gradients changed after DDP's all-reduce; `crashed`: a reduction error."""
+    used = torch.ones(STEPS, P, dtype=torch.bool)
+    ran, trainable = used.clone(), used.clone()
+    grad = torch.arange(STEPS * P * 2, dtype=torch.float64).reshape(STEPS, P, 2)
+    weight = torch.arange((STEPS + 1) * P * 2, dtype=torch.float64).reshape(STEPS + 1, P, 2)
+    timing = torch.full((STEPS, 5), 0.01, dtype=torch.float64)
+    c = StepCounters(
+        ddp_forwards=1, micro_steps=1, synced_backwards=1, optimizer_step=1, batch_size=8, batchnorm_training=1
+    )
+    table = torch.tensor([c.as_list()] * STEPS)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        used = torch.rand(STEPS, P, generator=g) < 0.7
+        ran = used | (torch.rand(STEPS, P, generator=g) < 0.5)
+        trainable = torch.rand(STEPS, P, generator=g) < 0.9
+        grad = grad + (torch.rand(STEPS, P, 2, generator=g) < 0.3) * torch.rand(STEPS, P, 2, generator=g)
+        weight = weight + (torch.rand(STEPS + 1, P, 2, generator=g) < 0.2) * torch.rand(STEPS + 1, P, 2, generator=g)
+        grad[torch.rand(STEPS, P, 2, generator=g) < 0.05] = float("nan")
+        timing = torch.rand(STEPS, 5, generator=g, dtype=torch.float64)
+        for name in ("unpaired_forwards", "collectives", "collective_digest", "optimizer_digest", "scheduler_steps"):
+            table[:, StepCounters.FIELDS.index(name)] = torch.randint(0, 2, (STEPS,), generator=g)
+    synced = None
+    if edited:
+        synced = grad.clone()
+        grad = grad.clone()
+        grad[:, 2] *= 0.5
+    if crashed:
+        table[STEPS - 1, StepCounters.FIELDS.index("complete")] = 0
+    return RankRecord(
+        rank=rank,
+        used=used,
+        reachable=used.clone(),
+        ran=ran,
+        trainable=trainable,
+        grad_fp=grad,
+        synced_grad_fp=synced,
+        weight_fp=weight,
+        buffer_fp=torch.zeros(STEPS, 1, 2, dtype=torch.float64),
+        input_fp=torch.full((STEPS, 2), float(rank + 1), dtype=torch.float64),
+        timing=timing,
+        counters=table,
+        crash_kind=CRASH_KINDS.index("reduction-error") if crashed else 0,
+        crash_step=STEPS - 1 if crashed else -1,
+        crash_message=f"Expected to have finished reduction in the prior iteration (rank {rank})" if crashed else "",
+        loaders=[{"line": "train.py:20", "batches": 10 + rank % 3, "padded": rank % 2}],
+        saves=[{"path": "ckpt.pt" if rank % 2 else f"ckpt{rank}.pt", "line": "train.py:40", "step": 1}],
+        repeat_sites=[f"step {s}: train.py:{30 + rank % 2}" for s in range(STEPS)],
+    )
+
+
+def _scenario(name: str) -> tuple[ModelInfo, list[RankRecord], list[ModelInfo] | None]:
+    if name == "seeded-6":
+        return _info(), [_rank(r, seed=r, crashed=r == 4) for r in range(6)], None
+    if name == "odd-70":
+        return _info(), [_rank(r, seed=r if r in (1, 3, 65, 69) else None) for r in range(70)], None
+    if name == "infos-differ-3":
+        infos = [_info(ddp_site=f"train.py:{r}") for r in range(3)]
+        return infos[0], [_rank(r, seed=None) for r in range(3)], infos
+    if name == "edited-2":
+        return _info(), [_rank(0, seed=None, edited=True), _rank(1, seed=None)], None
+    if name == "inferred-2":  # the wrap state is inferred: the unmasked gradient digests travel too
+        unfrozen = _rank(1, seed=None)
+        unfrozen.grad_fp = unfrozen.grad_fp.clone()
+        unfrozen.grad_fp[:, 3] += 1.0
+        return replace(_info(), wrap_state_exact=False, wrap_trainable_count=4), [_rank(0, seed=None), unfrozen], None
+    return _info(), [_rank(0, seed=None)], None
+
+
+def signature(name: str) -> str:
+    """sha256 over the sequence of (op, dtype, shape) and every rank's bytes, collective by collective."""
+    info, records, infos = _scenario(name)
+    sent: list[list[tuple[str, str, tuple[int, ...], str]]] = [[] for _ in records]
+    protocol = simulate.protocol
+
+    def traced(record, info, *, rank, world):
+        gen = protocol(record, info, rank=rank, world=world)
+        reply = None
+        while True:
+            try:
+                op, t = gen.send(reply)
+            except StopIteration as stop:
+                return stop.value
+            data = hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+            sent[rank].append((op, str(t.dtype), tuple(t.shape), data))
+            reply = yield op, t
+
+    simulate.protocol = traced
+    try:
+        simulate.summarize(info, records, infos=infos)
+    finally:
+        simulate.protocol = protocol
+    return hashlib.sha256(json.dumps(sent).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("name", list(RECORDED))
+def test_every_rank_sends_the_recorded_bytes(name: str) -> None:
+    assert signature(name) == RECORDED[name]
+
+
+if __name__ == "__main__":
+    print({name: signature(name) for name in RECORDED})
