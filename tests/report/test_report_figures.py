@@ -12,7 +12,7 @@ import torch
 from ddp_doctor.analyze import analyze
 from ddp_doctor.core.figures import MAX_PATTERNS, MAX_ROWS
 from ddp_doctor.core.records import ModelInfo, RankRecord, StepCounters
-from ddp_doctor.report.model import Report
+from ddp_doctor.report.model import Report, RunFacts
 
 NAMES = ["trunk.weight", "trunk.bias", "head.weight", "aux.weight"]
 
@@ -57,7 +57,7 @@ def record(rank: int, used: list[list[int]], *, ran=None, trainable=None, grad=N
 
 
 def build(model: ModelInfo, records: list[RankRecord]) -> Report:
-    return Report.build(model, records, analyze(model, records), backend="gloo")
+    return Report.build(RunFacts.of_model(model, world_size=len(records), backend="gloo"), analyze(model, records))
 
 
 def cells(report: Report, rank: int) -> dict[str, str]:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from ddp_doctor.analyze import analyze_summary
 from ddp_doctor.core.records import ModelInfo, RankRecord
 from ddp_doctor.exchange.runner import exchange
-from ddp_doctor.report import Report
+from ddp_doctor.report import Report, RunFacts
 
 __all__ = ["diagnose"]
 
@@ -22,13 +22,14 @@ def diagnose(
     timeout: float,
     tag: str,
 ) -> Report:
-    """Reduce `record` with the other ranks of `group` (`gather.exchange`) and diagnose the group. Collective over `group`.
+    """Reduce `record` with the other ranks of `group` (`exchange.runner.exchange`) and diagnose the group.
+    Collective over `group`.
 
     Args:
         record: this rank's observations.
         info: the model as this rank wrapped it.
         group: the DDP model's process group (each DDP model is compared within its own group).
-        device: where the exchange's tensors live (`_collective.comm_device`).
+        device: where the exchange's tensors live (`exchange.primitives.comm_device`).
         timeout: seconds to wait for the other ranks to arrive.
         tag: the exchange's name in the store, equal on every rank and unique per exchange.
 
@@ -36,7 +37,5 @@ def diagnose(
         The `Report`, identical on every rank of `group`.
     """
     summary = exchange(record, info, timeout=timeout, tag=tag, device=device, group=group)
-    # Report.build only counts the ranks: a range stands for them at any world size.
-    return Report.build(
-        summary.info, range(summary.world), analyze_summary(summary), backend=str(dist.get_backend(group))
-    )
+    facts = RunFacts.of_model(summary.info, world_size=summary.world, backend=str(dist.get_backend(group)))
+    return Report.build(facts, analyze_summary(summary))
