@@ -40,6 +40,7 @@ __all__ = [
     "diagnose_verified",
     "explain_shape_error",
     "refused_at_wrap",
+    "with_code",
 ]
 
 logger = logging.getLogger(__name__)

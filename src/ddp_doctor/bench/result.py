@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddp_doctor.analyze.snippets import with_code
+from ddp_doctor.analyze import with_code
 from ddp_doctor.bench.candidates import Config
 from ddp_doctor.bench.launched import LaunchResult
 from ddp_doctor.bench.plan import judge_report, unused_of
