@@ -52,6 +52,18 @@ def test_a_report_is_constructed_only_by_build() -> None:
     assert owners == ["build"], owners
 
 
+def test_the_recommendation_code_is_rendered_in_one_place() -> None:
+    """`render_snippets` is called by `with_code` only (analyze/snippets.py): the analysis renders the code before it
+    returns a diagnosis, bench renders its verdict through `with_code`; no one fills in `render` later."""
+    calls = [
+        f"{p.relative_to(SRC)}:{n.lineno}"
+        for p, tree in _modules()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and _called(n) == "render_snippets"
+    ]
+    assert len(calls) == 1 and calls[0].startswith("analyze/snippets.py:"), calls
+
+
 def test_launch_decides_no_finding_and_calls_the_analysis_through_its_front_door() -> None:
     """launch builds no finding, recommendation or diagnosis, and imports the analysis only as `ddp_doctor.analyze`
     (its entries), never a module of it."""
