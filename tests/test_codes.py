@@ -162,8 +162,8 @@ def test_the_table_says_where_each_code_is_decided() -> None:
     rules = {name for names in _rule_codes().values() for name in names}
     for row in TABLE:
         built = where.get(row.code.name, set()) - {"rules.py"}
-        # failures.py also builds whatever code DDP's explained error carries (`code=crash.explained.code`).
-        listed = set(row.decided_in) - ({"failures.py"} - built)
+        # crashed_ranks.py also builds whatever code DDP's explained error carries (`code=crash.explained.code`).
+        listed = set(row.decided_in) - ({"crashed_ranks.py"} - built)
         assert built == listed, f"{row.code}: built in {sorted(built)}, the table says {sorted(row.decided_in)}"
         assert row.guard == (row.code.name in rules), f"{row.code}: guard={row.guard}, but rules.py disagrees"
 

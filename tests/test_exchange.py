@@ -15,7 +15,7 @@ from ddp_doctor.core.records import CRASH_KINDS, TIMING_COLUMNS, ModelInfo, Rank
 from ddp_doctor.doctor.pipeline import analyze
 from ddp_doctor.exchange import EXAMPLES, summarize
 from ddp_doctor.exchange.runner import exchange
-from ddp_doctor.report.model import Report
+from ddp_doctor.report.model import Report, RunFacts
 from ddp_doctor.report.text import to_text
 
 NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight"]
@@ -215,7 +215,7 @@ def test_the_report_stays_readable_at_large_world_sizes() -> None:
     records = _many(1024, lacks=set(range(1024)) - {512})
     info = _info()
     d = analyze(info, records)
-    text = to_text(Report.build(info, range(1024), d, backend="gloo"))
+    text = to_text(Report.build(RunFacts.of_model(info, world_size=1024, backend="gloo"), d))
     assert "seen: ranks 0-7 and 1015 others; steps [0, 1, 2]" in text
     assert max(line.count(",") for line in text.splitlines()) < 20
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ddp_doctor.core.records import CRASH_KINDS, TIMING_COLUMNS, Flavor, ModelInfo, RankRecord, StepCounters
 from ddp_doctor.doctor.pipeline import analyze
-from ddp_doctor.report import Report
+from ddp_doctor.report import Report, RunFacts
 
 NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight"]
 SHAPES = [(4, 3), (4,), (2, 4), (2, 4)]
@@ -99,7 +99,7 @@ def test_clean_run_has_no_findings_and_a_verified_recommendation() -> None:
     records = [record(0, ALL), record(1, ALL)]
     d = analyze(info(), records)
     assert codes(d) == set()
-    rec = Report.build(info(), records, d, backend="gloo").recommendation  # the code is rendered at report time
+    rec = d.recommendation  # the analysis renders the code before it returns the diagnosis
     assert (rec.find_unused_parameters, rec.static_graph, rec.freeze_before_wrap, rec.verified) == (
         False,
         False,
@@ -121,7 +121,7 @@ def test_never_used_param_with_default_flags_is_an_error_and_frozen_before_wrap(
     f = d.findings[0]
     assert f.severity == "error" and f.param_names == ["head_b.weight"] and f.params[0].numel == 8
     assert d.recommendation.freeze_before_wrap == ["head_b.weight"]
-    rec = Report.build(info(), records, d, backend="gloo").recommendation
+    rec = d.recommendation
     assert "get_parameter(name).requires_grad_(False)" in rec.render["torch"]
 
 
@@ -135,10 +135,10 @@ def test_the_snippets_follow_the_recorded_flavor_not_the_process() -> None:
             training_arguments_fields=["ddp_find_unused_parameters"],
         )
     )
-    rec = Report.build(old, records, analyze(old, records), backend="gloo").recommendation
+    rec = analyze(old, records).recommendation
     assert "from pytorch_lightning import Trainer" in rec.render["lightning"]
     new = info()
-    rec = Report.build(new, records, analyze(new, records), backend="gloo").recommendation
+    rec = analyze(new, records).recommendation
     assert "from lightning.pytorch import Trainer" in rec.render["lightning"]
 
 
@@ -177,7 +177,7 @@ def test_an_info_finding_prints_no_fix_the_script_already_applies() -> None:
         d = analyze(new, lacking)
         (f,) = d.findings
         assert (f.code, f.severity, f.fix) == ("rank-dependent-graph", "info", ""), cfg
-        report = Report.build(new, lacking, d, backend="gloo")
+        report = Report.build(RunFacts.of_model(new, world_size=len(lacking), backend="gloo"), d)
         assert report.to_dict()["findings"][0]["fix"] == ""
         assert "fix:" not in str(report) and "INFO rank-dependent-graph" in str(report)
     d = analyze(info(), lacking)
@@ -279,7 +279,7 @@ def test_json_round_trip_of_the_report_shape() -> None:
     from ddp_doctor.report import Report
 
     d = analyze(info(), [record(0, [[1, 1, 1, 0]] * 2), record(1, [[1, 1, 1, 0]] * 2)])
-    report = Report.build(info(), [None, None], d, backend="gloo")
+    report = Report.build(RunFacts.of_model(info(), world_size=2, backend="gloo"), d)
     data = report.to_dict()
     assert data["schema"] == "ddp-doctor/report@1"
     assert set(data) >= {
@@ -334,7 +334,7 @@ def test_after_a_failure_only_a_rank_dependent_set_supports_flags_and_none_are_s
     assert not unknown.flags_known and unknown.to_dict()["flags_known"] is False
     assert "Fix the failure above" not in unknown.reason and "rank 0 at step 1, backward" in unknown.reason
     d = analyze(info(), [record(0, [[1] * 4]), record(1, [[1] * 4])])
-    data = Report.build(info(), [None, None], d, backend="gloo").to_dict()
+    data = Report.build(RunFacts.of_model(info(), world_size=2, backend="gloo"), d).to_dict()
     report = Report.from_dict({**data, "recommendation": unknown.to_dict()})
     text = str(report)
     assert "No DDP flags to recommend" in text and "Recommendation (" not in text, text

@@ -4,6 +4,7 @@ findings and notes read from it, and the report's new keys in JSON and text."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -117,11 +118,14 @@ def test_the_files_written_and_what_went_unchecked_are_in_json_and_text() -> Non
     )
     plain = json.loads(report.to_json())
     assert "files_written" not in plain and "unchecked" not in plain  # absent when empty
-    report.files_written = [
-        {"path": "/w/gpt_snapshot.pt", "shown": "gpt_snapshot.pt", "site": "t.py:9", "how": "torch.save"}
-        | {"existed": False, "ranks": [0]}
-    ]
-    report.unchecked = ["--follow-epochs 0: the script was stopped right after its 8 observed step(s)."]
+    report = dataclasses.replace(
+        report,
+        files_written=[
+            {"path": "/w/gpt_snapshot.pt", "shown": "gpt_snapshot.pt", "site": "t.py:9", "how": "torch.save"}
+            | {"existed": False, "ranks": [0]}
+        ],
+        unchecked=["--follow-epochs 0: the script was stopped right after its 8 observed step(s)."],
+    )
     data = json.loads(report.to_json())
     assert data["schema"] == "ddp-doctor/report@1" and list(data)[-2:] == ["files_written", "unchecked"], list(data)
     again = Report.from_dict(data)

@@ -4,6 +4,7 @@ worked alone, the loaders' real lengths by rank, counts that differ), the findin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -191,7 +192,7 @@ def test_the_following_section_says_what_was_followed_in_json_text_and_html() ->
         ),
         timing=Timing(),
     )
-    report.add_following(section, [])
+    report = dataclasses.replace(report, following=section)
     again = Report.from_dict(json.loads(report.to_json()))
     assert again.following == section and list(json.loads(report.to_json()))[-1] == "following"
     text = str(report)

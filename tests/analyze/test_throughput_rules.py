@@ -13,7 +13,7 @@ from test_analyze import info, no_distributed, record  # noqa: F401 (the fixture
 from ddp_doctor.analyze.throughput import MIN_WAIT_S
 from ddp_doctor.core.records import RankRecord
 from ddp_doctor.doctor.pipeline import analyze
-from ddp_doctor.report import Report
+from ddp_doctor.report import Report, RunFacts
 from ddp_doctor.report.text import to_text
 
 STEPS = 8
@@ -180,7 +180,7 @@ def test_the_clean_records_show_neither_and_one_rank_has_nothing_to_compare() ->
 def test_per_rank_phases_in_the_json_keep_the_old_timing_keys_and_survive_a_round_trip() -> None:
     records = [timed(0, steady(comm=25.0)), timed(1, steady(fwd=26.0))]
     d = analyze(info(), records)
-    report = Report.build(info(), records, d, backend="gloo")
+    report = Report.build(RunFacts.of_model(info(), world_size=len(records), backend="gloo"), d)
     data = json.loads(report.to_json())
     timing = data["timing"]
     assert {"forward_s", "backward_s", "optimizer_s", "step_s"} <= set(timing)
@@ -201,7 +201,7 @@ def test_beyond_four_ranks_the_text_line_names_the_slowest_and_the_fastest_rank(
     records[4] = timed(4, steady(fwd=26.0))
     d = analyze(info(), records)
     assert next(f for f in d.findings if f.code == "straggler-rank").ranks == [4]
-    text = to_text(Report.build(info(), records, d, backend="gloo"), width=300)
+    text = to_text(Report.build(RunFacts.of_model(info(), world_size=len(records), backend="gloo"), d), width=300)
     line = next(x for x in text.splitlines() if x.startswith("step per rank"))
     assert "rank 4 (slowest) 0.5/26.0/2.0/0.5/0.5" in line and "(fastest)" in line and line.count("rank ") == 2
 

@@ -3,6 +3,7 @@ ranks counted beyond the named examples are said in both renderers, and a run wi
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from ddp_doctor.core.findings import Finding, ParamRef, Recommendation, Timing
@@ -86,7 +87,8 @@ def test_a_run_without_ddp_shows_no_ddp_flags() -> None:
         [_finding(code="model-not-wrapped", severity="error", title="no DDP: 4 of 4 trained parameters differ")],
         ddp_config={},
     )
-    report.recommendation.reason = "No DDP model was built, so there are no DDP flags to recommend."
+    reason = "No DDP model was built, so there are no DDP flags to recommend."
+    report = dataclasses.replace(report, recommendation=dataclasses.replace(report.recommendation, reason=reason))
     text = to_text(report, width=80)
     assert "No DDP model was built" in text
     assert "Recommendation (" not in text and "static_graph=" not in text and "find_unused_parameters=" not in text

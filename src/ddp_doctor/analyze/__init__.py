@@ -1,6 +1,9 @@
-"""analyze: the exchange's `Summary` in, findings and a recommendation out. A pure function: no torch.distributed
-calls, and nothing from the exchange or the observation (`analyze(info, records)`, which reduces hand-built
-records with the exchange's in-process model first, is `ddp_doctor.doctor.pipeline.analyze`)."""
+"""analyze: records in, one `Diagnosis` out (findings, the recommendation with its code, timing, figures). Pure
+functions: no torch.distributed calls, and nothing from the exchange or the observation. Every finding is decided
+through these entries, one per kind of input: `analyze_summary` (the exchange's `Summary`; `analyze(info, records)`,
+which reduces hand-built records with the exchange's in-process model first, is `ddp_doctor.doctor.pipeline.analyze`),
+and those of `analyze/diagnose.py` (a failed run's files and wrap records, an unwrapped or FSDP2 run, the followed
+epochs, the verification run). Nothing edits a diagnosis after an entry returns it."""
 
 from __future__ import annotations
 
@@ -9,7 +12,17 @@ import logging
 from ddp_doctor.analyze.agreement import SEE_CAUSES
 from ddp_doctor.analyze.causes import CAUSES
 from ddp_doctor.analyze.detectors import DETECTORS
+from ddp_doctor.analyze.diagnose import (
+    diagnose_after_steps,
+    diagnose_failure,
+    diagnose_following,
+    diagnose_sharded,
+    diagnose_unwrapped,
+    diagnose_verified,
+)
 from ddp_doctor.analyze.recommend import recommend
+from ddp_doctor.analyze.shapes import explain_shape_error, refused_at_wrap
+from ddp_doctor.analyze.snippets import with_code
 from ddp_doctor.analyze.throughput import rank_timings
 from ddp_doctor.analyze.usage import figures
 from ddp_doctor.analyze.view import View
@@ -18,7 +31,18 @@ from ddp_doctor.core.findings import Crash, Diagnosis, Timing
 from ddp_doctor.core.records import CRASH_KINDS
 from ddp_doctor.core.summary import Summary
 
-__all__ = ["analyze_summary"]
+__all__ = [
+    "analyze_summary",
+    "diagnose_after_steps",
+    "diagnose_failure",
+    "diagnose_following",
+    "diagnose_sharded",
+    "diagnose_unwrapped",
+    "diagnose_verified",
+    "explain_shape_error",
+    "refused_at_wrap",
+    "with_code",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +69,8 @@ def _timing(summary: Summary, view: View) -> Timing:
 
 
 def analyze_summary(summary: Summary) -> Diagnosis:
-    """Diagnose the group from the exchange's `Summary`. Time and memory do not depend on the world size."""
+    """Diagnose the group from the exchange's `Summary`, the recommendation's code included. Time and memory do not
+    depend on the world size."""
     info = summary.info
     view = View(summary)
     findings = [f for detect in DETECTORS for f in detect(view)]
@@ -71,7 +96,9 @@ def analyze_summary(summary: Summary) -> Diagnosis:
         usage, gap = None, None
     return Diagnosis(
         findings=findings,
-        recommendation=recommend(view, findings),
+        # The code for the recommendation, from the records alone: the flavour (which Lightning package, which
+        # TrainingArguments fields) was recorded where the model was built.
+        recommendation=with_code(recommend(view, findings), info.ddp_config, info.flavor),
         timing=_timing(summary, view),
         steps_observed=view.steps,
         crashes=crashes,

@@ -2,38 +2,30 @@
 
 from __future__ import annotations
 
-import torch
-
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, ParamRef
+from ddp_doctor.core.findings import Finding, Recommendation
+from ddp_doctor.core.unwrapped_run import UnwrappedRun
 
-__all__ = ["unwrapped_findings"]
+__all__ = ["unwrapped_findings", "unwrapped_recommendation"]
 
 
-def unwrapped_findings(
-    params: list[ParamRef],
-    differ: torch.Tensor,
-    gap: torch.Tensor,
-    *,
-    world: int,
-    steps: int,
-    optimizer_site: str | None,
-    optimizer: str,
-) -> list[Finding]:
-    """Findings for parameters an optimizer stepped with no DDP around them.
+def unwrapped_recommendation() -> Recommendation:
+    """No DDP model: no flags to recommend."""
+    return Recommendation.unknown(
+        "No DDP model was built, so there are no DDP flags to recommend: wrap the model first, then run the check "
+        "again."
+    )
 
-    Args:
-        params: the stepped parameters (names from the module that owns them).
-        differ: bool[P], the parameter's weights differ across ranks after the observed steps.
-        gap: float64[P], the largest cross-rank difference of the parameter's weight fingerprint.
-        world: ranks in the process group.
-        steps: optimizer steps observed.
-        optimizer_site: where the optimizer was created.
-        optimizer: its class name.
-    """
+
+def unwrapped_findings(run: UnwrappedRun) -> list[Finding]:
+    """Findings for parameters an optimizer stepped with no DDP around them (none when it stepped none)."""
+    if not run.params:
+        return []
+    params, world, steps = run.params, run.world, run.steps
+    optimizer, optimizer_site = run.optimizer, run.optimizer_site
     where = f" ({optimizer} created at {optimizer_site})" if optimizer_site else f" ({optimizer})"
-    if bool(differ.any()):
-        bad = [p for p, d in zip(params, differ.tolist()) if d]
+    if any(run.differ):
+        bad = [p for p, d in zip(params, run.differ) if d]
         return [
             Finding(
                 code=Code.MODEL_NOT_WRAPPED,
@@ -42,7 +34,7 @@ def unwrapped_findings(
                 detail=f"The process group has {world} ranks and an optimizer{where} stepped these parameters "
                 f"{steps} time(s), but no DistributedDataParallel was built, so nothing averages the gradients: "
                 f"each rank trains its own copy on its own data (the largest weight difference is "
-                f"{float(gap.max()):.3g}). Whatever rank 0 saves is one rank's model, not the job's.",
+                f"{run.gap:.3g}). Whatever rank 0 saves is one rank's model, not the job's.",
                 params=bad,
                 ranks=list(range(world)),
                 steps=list(range(steps)),

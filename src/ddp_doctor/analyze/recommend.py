@@ -9,15 +9,16 @@ Preference order, cheapest first:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.used_set import hidden_params
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, Recommendation
+from ddp_doctor.core.findings import Diagnosis, Finding, Recommendation
 
-__all__ = ["recommend", "recommend_after_failure"]
+__all__ = ["recommend", "recommend_after_failure", "verified_by_second_run"]
 
 
 def _rec(v: View, *, find_unused: bool, static: bool, freeze: list[str], reason: str, verified: bool) -> Recommendation:
@@ -269,3 +270,31 @@ def recommend_after_failure(findings: list[Finding], ddp_config: dict[str, Any],
         f"is not known on every rank. Where they were: {where}. Run the check again; if this repeats, please "
         "report it."
     )
+
+
+def verified_by_second_run(
+    rec: Recommendation, *, applied: str, needed: int, second: Diagnosis | None, error: str | None = None
+) -> Recommendation:
+    """`rec` after a second run with its flags applied (`launch/verify.py`): verified when that run saw `needed`
+    steps on every rank with no error and no crash; its reason says what the second run showed either way.
+
+    Args:
+        rec: the first run's recommendation.
+        applied: the flags the second run used, as `--ddp-kwargs` JSON.
+        needed: the steps the second run must observe.
+        second: the second run's diagnosis; None when it produced no report.
+        error: why the second run produced no report.
+    """
+    tried = f"second run with these flags (--ddp-kwargs '{applied}')"
+    if second is None:
+        return dataclasses.replace(rec, reason=rec.reason + f" A {tried} did not run: {error}.")
+    errors = [f for f in second.findings if f.severity == "error"]
+    if not errors and not second.crashes and second.steps_observed >= needed:
+        return dataclasses.replace(
+            rec,
+            verified=True,
+            reason=rec.reason + f" Verified: a {tried} observed {second.steps_observed} step(s) on every rank with no "
+            "error.",
+        )
+    why = errors[0].title if errors else f"it observed {second.steps_observed} step(s), fewer than the {needed} needed"
+    return dataclasses.replace(rec, reason=rec.reason + f" Not verified: a {tried} did not confirm them: {why}.")

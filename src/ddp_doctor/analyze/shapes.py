@@ -8,10 +8,10 @@ import re
 
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef
-from ddp_doctor.core.rankfiles import RankState
+from ddp_doctor.core.rankfiles import ExplainedError, RankState
 from ddp_doctor.core.ranks import rank_list
 
-__all__ = ["SHAPE_ERROR", "shape_findings"]
+__all__ = ["SHAPE_ERROR", "explain_shape_error", "refused_at_wrap", "shape_findings"]
 
 
 SHAPE_ERROR = re.compile(
@@ -19,6 +19,23 @@ SHAPE_ERROR = re.compile(
     r"process (\d+)"
 )
 """DDP's constructor (`_verify_param_shape_across_processes`) refusing a model whose shapes differ by rank."""
+
+
+def explain_shape_error(message: str) -> ExplainedError | None:
+    """What a rank's end record says of an error `message` that is DDP's constructor refusing shapes that differ by
+    rank (None for any other error): the report names the parameters from every rank's wrap record
+    (`shape_findings`), so the traceback adds nothing."""
+    if not SHAPE_ERROR.search(message):
+        return None
+    return ExplainedError(
+        code=Code.PARAM_SHAPES_DIFFER, message="DDP's constructor found parameter shapes that differ between ranks."
+    )
+
+
+def refused_at_wrap(states: dict[int, RankState]) -> bool:
+    """Whether DDP's constructor refused the model on some rank because its shapes differ by rank: a finding
+    (`param-shapes-differ`), not a failure to run."""
+    return bool(shape_findings(states))
 
 
 def _shape(shape: list[int] | tuple[int, ...]) -> str:

@@ -7,12 +7,13 @@ the model was built (`wrapstate.current_flavor`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ddp_doctor.core.findings import Recommendation
 from ddp_doctor.core.records import Flavor
 
-__all__ = ["TRAINING_ARGUMENTS_FIELDS", "flags_fix", "freeze_point", "render_snippets"]
+__all__ = ["TRAINING_ARGUMENTS_FIELDS", "flags_fix", "freeze_point", "render_snippets", "with_code"]
 
 TRAINING_ARGUMENTS_FIELDS = {
     "find_unused_parameters": "ddp_find_unused_parameters",
@@ -185,3 +186,10 @@ def render_snippets(rec: Recommendation, ddp_config: dict[str, Any], flavor: Fla
         "accelerate": accelerate_code,
         "lightning": lightning_code,
     }
+
+
+def with_code(rec: Recommendation, ddp_config: dict[str, Any], flavor: Flavor = _ANY) -> Recommendation:
+    """`rec` with its code (`render`) for the script's `ddp_config`, phrased for `flavor`: a new recommendation, so
+    no one fills in the code of one already handed out. The analysis calls it before it returns a diagnosis; bench
+    for its verdict."""
+    return dataclasses.replace(rec, render=render_snippets(rec, ddp_config, flavor))

@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddp_doctor.analyze.snippets import render_snippets
+from ddp_doctor.analyze import with_code
 from ddp_doctor.bench.candidates import Config
 from ddp_doctor.bench.launched import LaunchResult
 from ddp_doctor.bench.plan import judge_report, unused_of
@@ -132,8 +132,7 @@ class BenchResult:
             verified=True,
             reason=f"{head} ({self.winner.name}). {self.decision.reason} Rounds: {self.rounds_run} ({self.stopped}).",
         )
-        rec.render = render_snippets(rec, {**self.check.ddp_config, "bucket_cap_mb": c.bucket_cap_mb})
-        return rec
+        return with_code(rec, {**self.check.ddp_config, "bucket_cap_mb": c.bucket_cap_mb})
 
     def to_dict(self) -> dict[str, Any]:
         best = self.winner

@@ -151,7 +151,7 @@ def _row(
     more: str = "",
     guard: bool = False,
 ) -> CodeInfo:
-    """A row from its short spelling: `severities` as "error/warning", `decided_in` as "used_set.py failures.py"."""
+    """A row from its short spelling: `severities` as "error/warning", `decided_in` as "used_set.py crashed_ranks.py"."""
     return CodeInfo(
         code,
         family,
@@ -173,17 +173,17 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.DYNAMIC_GRAPH, Family.GRAPH, "error/info", "used_set.py",
          "the set of parameters that reach the loss changes between steps",
          when="error with default flags or `static_graph=True`; info with `find_unused_parameters=True`"),
-    _row(Code.RANK_DEPENDENT_GRAPH, Family.GRAPH, "error/info", "used_set.py failures.py",
+    _row(Code.RANK_DEPENDENT_GRAPH, Family.GRAPH, "error/info", "used_set.py crashed_ranks.py",
          "the set of parameters that reach the loss differs between ranks",
          when="error with default flags; info when the flags cope; error when the job died before the exchange"),
-    _row(Code.USED_OUTSIDE_FORWARD, Family.GRAPH, "error/info", "used_set.py failures.py",
+    _row(Code.USED_OUTSIDE_FORWARD, Family.GRAPH, "error/info", "used_set.py crashed_ranks.py",
          "parameters used in the loss outside DDP's forward",
          when="error with `find_unused_parameters=True` (without `static_graph`); info when the flags cope"),
     _row(Code.FIND_UNUSED_UNNEEDED, Family.GRAPH, "warning", "used_set.py",
          "find_unused_parameters=True while every parameter is used"),
-    _row(Code.STATIC_GRAPH_UNSAFE, Family.GRAPH, "error", "used_set.py failures.py",
+    _row(Code.STATIC_GRAPH_UNSAFE, Family.GRAPH, "error", "used_set.py crashed_ranks.py",
          "static_graph=True while the graph changes between steps"),
-    _row(Code.REENTRANT_CHECKPOINT, Family.GRAPH, "error/warning/info", "used_set.py failures.py",
+    _row(Code.REENTRANT_CHECKPOINT, Family.GRAPH, "error/warning/info", "used_set.py crashed_ranks.py",
          "reentrant activation checkpointing inside DDP",
          when="error with `find_unused_parameters=True` (without `static_graph`) or when no input of the call "
               "requires grad; warning with default flags; info with `static_graph=True`"),
@@ -212,11 +212,11 @@ TABLE: tuple[CodeInfo, ...] = (
          guard=True),
     _row(Code.IDENTICAL_INPUTS_ACROSS_RANKS, Family.SYNC, "warning", "agreement.py",
          "every rank got the same batch"),
-    _row(Code.REDUCTION_ERROR, Family.CRASH, "error", "frozen_set.py failures.py",
+    _row(Code.REDUCTION_ERROR, Family.CRASH, "error", "frozen_set.py crashed_ranks.py",
          "DDP crashed with 'Expected to have finished reduction', explained"),
     _row(Code.NO_TRAINABLE_PARAMETERS, Family.GRAPH, "error", "frozen_set.py",
          "no parameter requires a gradient"),
-    _row(Code.RANK_CRASHED, Family.CRASH, "error", "failures.py",
+    _row(Code.RANK_CRASHED, Family.CRASH, "error", "failures.py crashed_ranks.py",
          "a rank died with an error that is not DDP's; the others were stopped",
          more=" (from `check`)"),
     _row(Code.RANK_HUNG, Family.CRASH, "error", "failures.py",
@@ -289,7 +289,7 @@ TABLE: tuple[CodeInfo, ...] = (
          more=": *gradients changed on rank 0 after DDP synchronized them (0.weight and others)*, with the "
               "parameters, the steps and the line of the `clip_grad_norm_` / `clip_grad_value_` call (or that "
               "`.grad` was written in place or replaced, when no clipping call was seen)"),
-    _row(Code.PARAM_SHAPES_DIFFER, Family.WRAP_AND_EPOCH_ENDS, "error", "shapes.py failures.py",
+    _row(Code.PARAM_SHAPES_DIFFER, Family.WRAP_AND_EPOCH_ENDS, "error", "shapes.py",
          "parameters have different shapes on different ranks when DDP is built",
          more=": *embed.weight is [9, 16] on rank 0, [11, 16] on rank 1* (from `check`; see [At wrap](#at-wrap))"),
     _row(Code.CHECKPOINT_SAME_PATH, Family.WRAP_AND_EPOCH_ENDS, "warning", "checkpoints.py",
@@ -315,7 +315,7 @@ TABLE: tuple[CodeInfo, ...] = (
          "one rank is consistently slower and the others wait for it in the gradient all-reduce",
          more=": *rank 1 is 20.3x slower; the other ranks wait 30.2 ms per step for it*, naming the phase where its "
               "extra time goes"),
-    _row(Code.BACKWARD_PASSES_DIFFER, Family.GRAPH, "error/warning/info", "passes.py failures.py",
+    _row(Code.BACKWARD_PASSES_DIFFER, Family.GRAPH, "error/warning/info", "passes.py crashed_ranks.py",
          "two backward passes through one DDP forward reach different parameters (a GAN)",
          when="error; warning in a plain loop when every parameter gets its gradient in exactly one pass (the "
               "default flags then reduce correctly); info under Lightning with `find_unused_parameters=True`",

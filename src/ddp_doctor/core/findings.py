@@ -8,6 +8,7 @@ from typing import Any
 
 from ddp_doctor.core.codes import CODES, SEVERITIES
 from ddp_doctor.core.figures import Divergence, UsageMap
+from ddp_doctor.core.followed import Following
 from ddp_doctor.core.steptime import RankTiming
 
 __all__ = ["Crash", "Diagnosis", "Finding", "ParamRef", "Recommendation", "Timing", "finite"]
@@ -67,9 +68,10 @@ class Finding:
         return out
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class Recommendation:
-    """The cheapest DDP configuration that is correct for what was observed.
+    """The cheapest DDP configuration that is correct for what was observed. Frozen: the analysis decides it once,
+    its code included (`analyze/snippets.py`); a later fact (a verification run) makes a new one.
 
     The three flags are None together when nothing observed supports any flags (the ranks failed before they could
     compare, or the run was interrupted): the report then advises no flags, and `reason` says what is known. They
@@ -173,12 +175,16 @@ class Crash:
     message: str
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class Diagnosis:
-    """What `analyze` returns: pure data, no torch.distributed involved."""
+    """What `analyze` returns: pure data, no torch.distributed involved. Frozen: nothing edits a diagnosis after the
+    analysis returns it; a later input (the epoch ends followed, a failure after the steps) gives a new one through
+    the analysis (`ddp_doctor.analyze`)."""
 
     findings: list[Finding]
+    """Errors first."""
     recommendation: Recommendation
+    """Its code (`render`) included."""
     timing: Timing
     steps_observed: int
     crashes: list[Crash] = field(default_factory=list)
@@ -186,6 +192,14 @@ class Diagnosis:
     """The usage map's data (`analyze.usage`), from the exchange."""
     divergence: Divergence | None = None
     """The divergence curve's data."""
+    following: Following | None = None
+    """What `check` followed after the observed steps (the epoch ends, the loaders)."""
+    unchecked: list[str] = field(default_factory=list)
+    """What the check did not run or could not see, in sentences."""
+    files_written: list[dict[str, Any]] = field(default_factory=list)
+    """Files the script wrote under the check, as following's exchange agreed on them (passed through)."""
+    files_unlisted: int = 0
+    """Ranks whose written files are not listed."""
 
 
 def finite(obj: Any) -> Any:

@@ -13,7 +13,7 @@ from ddp_doctor.core.findings import Diagnosis
 from ddp_doctor.core.records import ModelInfo, RankRecord
 from ddp_doctor.exchange.runner import exchange
 from ddp_doctor.exchange.simulate import summarize
-from ddp_doctor.report import Report
+from ddp_doctor.report import Report, RunFacts
 
 __all__ = ["analyze", "diagnose"]
 
@@ -43,7 +43,8 @@ def diagnose(
     timeout: float,
     tag: str,
 ) -> Report:
-    """Reduce `record` with the other ranks of `group` (`ddp_doctor.exchange.runner.exchange`) and diagnose the group. Collective over `group`.
+    """Reduce `record` with the other ranks of `group` (`ddp_doctor.exchange.runner.exchange`) and diagnose the
+    group. Collective over `group`.
 
     Args:
         record: this rank's observations.
@@ -57,7 +58,5 @@ def diagnose(
         The `Report`, identical on every rank of `group`.
     """
     summary = exchange(record, info, timeout=timeout, tag=tag, device=device, group=group)
-    # Report.build only counts the ranks: a range stands for them at any world size.
-    return Report.build(
-        summary.info, range(summary.world), analyze_summary(summary), backend=str(dist.get_backend(group))
-    )
+    facts = RunFacts.of_model(summary.info, world_size=summary.world, backend=str(dist.get_backend(group)))
+    return Report.build(facts, analyze_summary(summary))

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ddp_doctor.analyze.epoch_ends import following_findings, following_section, unchecked
-from ddp_doctor.core.codes import Code
+from ddp_doctor.analyze import diagnose_following
 from ddp_doctor.core.followed import FollowSummary
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.follow import exchange_follow
@@ -106,23 +105,19 @@ class EpochFollowing:
             doctor.stop_listening()
         return exchange_follow(record, timeout=timeout, device=_device(doctors))
 
-    def annotate(self, doctors: Sequence[Doctor], reports: Sequence[Report], summary: FollowSummary | None) -> None:
-        """Add the following section, its findings, the files written and what went unchecked to the reports of
-        the models over the whole world."""
-        epochs, limit = self.config.follow_epochs, self.config.limit_batches
-        section = following_section(summary, epochs=epochs, limit=limit) if self.enabled else None
-        for doctor, report in zip(doctors, reports):
+    def annotate(self, doctors: Sequence[Doctor], reports: list[Report], summary: FollowSummary | None) -> None:
+        """Put in `reports`, for each model over the whole world, the report of its diagnosis with what following
+        found (`analyze.diagnose_following`: the section, its findings, what went unchecked, the files written).
+        The reports themselves are never edited: each is replaced by a new one."""
+        for i, (doctor, report) in enumerate(zip(doctors, reports)):
             if not is_world(doctor.ddp.process_group):
                 continue
-            steps_uneven = report.finding(Code.UNEVEN_INPUTS)
-            findings = following_findings(
+            diagnosis = diagnose_following(
+                report.diagnosis,
                 summary,
                 framework=report.framework,
-                lengths_compared=steps_uneven is not None and steps_uneven.severity == "error",
+                epochs=self.config.follow_epochs,
+                limit=self.config.limit_batches,
+                followed=self.enabled,
             )
-            if section is None:  # nothing followed: only the counted passes' findings
-                findings = [f for f in findings if f.code == Code.UNEVEN_INPUTS]
-            report.add_following(section, findings)
-            report.unchecked = unchecked(summary, epochs=epochs, limit=limit, steps=report.steps_observed)
-            if summary is not None:
-                report.files_written, report.files_unlisted = list(summary.files), summary.files_unlisted
+            reports[i] = Report.build(report.facts, diagnosis)

@@ -13,15 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_doctor.analyze.failures import failure_findings
-from ddp_doctor.analyze.recommend import recommend_after_failure
-from ddp_doctor.analyze.shapes import shape_findings
-from ddp_doctor.analyze.snippets import render_snippets
+from ddp_doctor.analyze import diagnose_after_steps, diagnose_failure, refused_at_wrap
 from ddp_doctor.core.codes import SEVERITIES
-from ddp_doctor.core.findings import Recommendation, Timing, finite
-from ddp_doctor.core.followed import Following
+from ddp_doctor.core.findings import finite
 from ddp_doctor.core.rankfiles import Outcome, RankState, read_ends, read_rank_states
-from ddp_doctor.report.model import Report
+from ddp_doctor.report.model import Report, RunFacts
 
 __all__ = ["CheckResult", "Model", "collect", "exit_code"]
 
@@ -124,15 +120,7 @@ def collect(
             if (d := _read(p)) is not None
             for m in d["models"]
         ]
-        models = [
-            Model(
-                report=Report.from_dict(m["report"]),
-                site=m.get("site"),
-                framework=m.get("framework", "torch"),
-                module=m.get("module", ""),
-            )
-            for m in [*full["models"], *extra]
-        ]
+        models = [_model(m) for m in [*full["models"], *extra]]
         return CheckResult(models=models, timed_out=timed_out, interrupted=interrupted)
 
     states = read_rank_states(outdir, end_time=time.time())
@@ -153,7 +141,7 @@ def collect(
             timed_out=timed_out,
         )
     built = [s for s in states.values() if s.built_ddp]
-    if not built and interrupted is None and shape_findings(states):
+    if not built and interrupted is None and refused_at_wrap(states):
         # DDP's constructor refused the model (shapes differ by rank): a finding, not a failure to run.
         return CheckResult(
             models=[Model(report=_failure_report(states, timed_out, interrupted, native or []))], timed_out=timed_out
@@ -180,9 +168,8 @@ def collect(
         )
         if died:
             s = died[0]
-            findings = [
-                f for f in failure_findings(states, timed_out=timed_out, native=native or []) if s.rank in f.ranks
-            ]
+            diagnosis = diagnose_failure(states, timed_out=timed_out, native=native or [])
+            findings = [f for f in diagnosis.findings if s.rank in f.ranks]
             what = findings[0].title if findings else f"rank {s.rank} died of {s.signal}"
             return CheckResult(
                 error=f"{what}, before the script built a DDP model. "
@@ -210,71 +197,41 @@ def collect(
     )
 
 
+def _model(m: dict[str, Any], report: Report | None = None) -> Model:
+    """A model of a rank's report file (`m`), with `report` in place of the one it holds when given."""
+    return Model(
+        report=report if report is not None else Report.from_dict(m["report"]),
+        site=m.get("site"),
+        framework=m.get("framework", "torch"),
+        module=m.get("module", ""),
+    )
+
+
 def _after_steps(
     models: list[dict[str, Any]], states: dict[int, RankState], timed_out: bool, native: list[str]
 ) -> list[Model]:
     """The observed steps' reports, the first one with what failed while `check` followed the script after them
     (its findings go first: they ended the run)."""
-    out = [
-        Model(
-            report=Report.from_dict(m["report"]),
-            site=m.get("site"),
-            framework=m.get("framework", "torch"),
-            module=m.get("module", ""),
-        )
-        for m in models
-    ]
-    failed = failure_findings(states, timed_out=timed_out, native=native)
-    first = out[0].report
-    first.findings = [*failed, *first.findings]
-    first.following = Following(
-        epochs=0,
-        limit_batches=0,
-        epoch_ends=0,
-        ended_by="a failure (the first finding)",
-        seconds=0.0,
-        loaders=[],
-        note="The observed steps were diagnosed (the findings after the first); the run then failed while check "
-        "followed it to its epoch end: "
-        + (failed[0].title if failed else "the ranks could not exchange records")
-        + ".",
-    )
-    return out
+    first, *rest = [Report.from_dict(m["report"]) for m in models]
+    failed = diagnose_after_steps(first.diagnosis, states, timed_out=timed_out, native=native)
+    reports = [Report.build(first.facts, failed), *rest]
+    return [_model(m, r) for m, r in zip(models, reports)]
 
 
 def _failure_report(
     states: dict[int, RankState], timed_out: bool, interrupted: int | None, native: list[str]
 ) -> Report:
     """A report from the ranks' own files: who failed first, how, and where the others were."""
-    from ddp_doctor.core import VERSION as __version__
-
-    world = max([s.world_size for s in states.values()] + [len(states)])
     meta = next((s.models[0] for s in states.values() if s.models), {})
     wraps = [s.wrap for s in states.values() if s.wrap is not None]
-    findings = [] if interrupted is not None else failure_findings(states, timed_out=timed_out, native=native)
-    ddp_config = meta.get("ddp_config", {})
-    where = "; ".join(f"rank {r} at step {max(s.step, 0)}, {s.phase}" for r, s in sorted(states.items()))
-    if interrupted is not None:
-        rec = Recommendation.unknown(
-            "No recommendation: the run was interrupted before the ranks finished the observed steps. "
-            f"Where they were: {where}."
-        )
-    else:
-        rec = recommend_after_failure(findings, ddp_config, where=where)
-        if rec.flags_known:
-            rec.render = render_snippets(rec, ddp_config)
-    steps = [max(s.step, 0) for s in states.values()]
-    return Report(
-        tool_version=__version__,
+    facts = RunFacts(
         torch_version=meta.get("torch_version") or next((w.torch_version for w in wraps if w.torch_version), ""),
         backend=meta.get("backend") or next((w.backend for w in wraps if w.backend), ""),
-        world_size=world,
-        steps_observed=min(steps, default=0),
-        ddp_config=ddp_config,
-        findings=findings,
-        recommendation=rec,
-        timing=Timing(),
+        world_size=max([s.world_size for s in states.values()] + [len(states)]),
+        ddp_config=meta.get("ddp_config", {}),
         framework=meta.get("framework", "torch"),
         ddp_site=meta.get("site") or next((s.wrap.site for s in states.values() if s.wrap and s.wrap.site), None),
         interrupted=interrupted is not None,
     )
+    diagnosis = diagnose_failure(states, timed_out=timed_out, native=native, interrupted=interrupted is not None)
+    return Report.build(facts, diagnosis)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import traceback
 
-from ddp_doctor.analyze.shapes import SHAPE_ERROR
-from ddp_doctor.core.codes import Code
+from ddp_doctor.analyze import explain_shape_error
 from ddp_doctor.core.frames import user_frame
 from ddp_doctor.core.rankfiles import ExplainedError, RaisedError
 from ddp_doctor.doctor import Doctor
@@ -48,12 +47,8 @@ def raised_error(exc: BaseException, doctors: list[Doctor], *, phase: str) -> Ra
                 numels=[numel.get(n, 0) for n in failure.params],
             )
     message = str(exc)
-    if explained is None and SHAPE_ERROR.search(message):
-        # DDP's constructor refused a model whose shapes differ by rank: the report names the parameters from every
-        # rank's wrap record (analyze.shapes.shape_findings), so the traceback adds nothing.
-        explained = ExplainedError(
-            code=Code.PARAM_SHAPES_DIFFER, message="DDP's constructor found parameter shapes that differ between ranks."
-        )
+    if explained is None:
+        explained = explain_shape_error(message)  # DDP's constructor refused shapes that differ by rank
     return RaisedError(
         type=type(exc).__name__,
         message=message[:4000],

@@ -21,16 +21,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_doctor.analyze.not_wrapped import unwrapped_findings
-from ddp_doctor.analyze.sharded import sharded_findings, sharded_recommendation
+from ddp_doctor.analyze import diagnose_sharded, diagnose_unwrapped
 from ddp_doctor.core.compat import is_dtensor
-from ddp_doctor.core.findings import Finding, ParamRef, Recommendation, Timing
+from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.frames import user_site
 from ddp_doctor.core.sharded_run import ShardedRun
+from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.observation.fingerprint import fingerprints
 from ddp_doctor.observation.sharding import ShardedModel, find_sharded_model
-from ddp_doctor.report.model import Report
+from ddp_doctor.report.model import Report, RunFacts
 
 __all__ = ["PlainOptimizerWatch", "record_creation_site"]
 
@@ -116,44 +116,24 @@ class PlainOptimizerWatch:
             differ = (high != lowest).any(-1)
             gap = (high - lowest).abs().amax(-1)
         assert self.optimizer is not None
-        findings = (
-            unwrapped_findings(
-                refs,
-                differ,
-                gap,
-                world=world,
-                steps=self.steps,
-                optimizer_site=getattr(self.optimizer, SITE_ATTR, None),
-                optimizer=type(self.optimizer).__qualname__,
-            )
-            if params
-            else []
+        run = UnwrappedRun(
+            world=world,
+            steps=self.steps,
+            optimizer=type(self.optimizer).__qualname__,
+            optimizer_site=getattr(self.optimizer, SITE_ATTR, None),
+            params=refs,
+            differ=differ.tolist(),
+            gap=float(gap.max()) if len(params) else 0.0,
         )
-        return self._report(
-            findings,
-            Recommendation.unknown(
-                "No DDP model was built, so there are no DDP flags to recommend: wrap the model first, then "
-                "run the check again."
-            ),
-        )
+        return Report.build(self._facts(), diagnose_unwrapped(run))
 
-    def _report(
-        self, findings: list[Finding], recommendation: Recommendation, *, sharding: dict[str, Any] | None = None
-    ) -> Report:
-        from ddp_doctor.core import VERSION as __version__
-
-        return Report(
-            tool_version=__version__,
+    def _facts(self, *, sharding: dict[str, Any] | None = None) -> RunFacts:
+        """The run's facts: no DDP flags; the sharding of an FSDP2 model."""
+        return RunFacts(
             torch_version=torch.__version__,
             backend=str(dist.get_backend()),
             world_size=dist.get_world_size(),
-            steps_observed=self.steps,
             ddp_config={},
-            findings=findings,
-            recommendation=recommendation,
-            timing=Timing(),
-            framework="torch",
-            ddp_site=None,
             parallelism="ddp" if sharding is None else "fsdp2",
             sharding=sharding,
         )
@@ -199,4 +179,4 @@ class PlainOptimizerWatch:
             sync_off_steps=int(top[1].item()),
             sync_off_site=sync_site,
         )
-        return self._report(sharded_findings(run), sharded_recommendation(run), sharding=run.sharding)
+        return Report.build(self._facts(sharding=run.sharding), diagnose_sharded(run))

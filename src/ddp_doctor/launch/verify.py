@@ -17,8 +17,10 @@ import json
 from collections.abc import Callable
 from dataclasses import replace
 
+from ddp_doctor.analyze import diagnose_verified
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.outcome import CheckResult
+from ddp_doctor.report.model import Report
 
 __all__ = ["needs_verification", "verify_recommendation"]
 
@@ -47,7 +49,8 @@ def verify_recommendation(
     """Run the script again with the first run's recommendation applied, and mark it verified when that run is clean.
 
     Args:
-        result: the first run's result; its recommendation is updated in place.
+        result: the first run's result; its report is replaced by one whose recommendation says what the second
+            run showed (`analyze.diagnose_verified`).
         config: what the first run's ranks were told (the user's `--ddp-kwargs` and `--steps` among it).
         run: starts a run with a config and returns its result (`run_check` with the script's namespace).
 
@@ -65,25 +68,16 @@ def verify_recommendation(
     crashed = bool(report.crashes) or report.worst_severity() == "error"
     # Past the step where the first run failed (a crash), or as many steps as it saw (a script that ended early).
     needed = min(config.steps, max(2, report.steps_observed + (1 if crashed else 0)))
-    check = second.report
     if second.interrupted is not None:
         result.interrupted = second.interrupted
         return second
-    if check is None:
-        rec.reason += f" A second run with these flags (--ddp-kwargs '{applied}') did not run: {second.error}."
-        return second
-    errors = [f for f in check.findings if f.severity == "error"]
-    if not errors and not check.crashes and check.steps_observed >= needed:
-        rec.verified = True
-        rec.reason += (
-            f" Verified: a second run with these flags (--ddp-kwargs '{applied}') observed {check.steps_observed} "
-            f"step(s) on every rank with no error."
-        )
-    else:
-        why = (
-            errors[0].title if errors else f"it observed {check.steps_observed} step(s), fewer than the {needed} needed"
-        )
-        rec.reason += (
-            f" Not verified: a second run with these flags (--ddp-kwargs '{applied}') did not confirm them: {why}."
-        )
+    check = second.report
+    verified = diagnose_verified(
+        report.diagnosis,
+        applied=applied,
+        needed=needed,
+        second=check.diagnosis if check is not None else None,
+        error=second.error,
+    )
+    result.models[0] = replace(result.models[0], report=Report.build(report.facts, verified))
     return second

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ddp_doctor.core.figures import Divergence, RankPattern, UsageMap, UsageRow
 from ddp_doctor.core.findings import Crash, Diagnosis, Finding, ParamRef, Recommendation, Timing
-from ddp_doctor.report.model import SCHEMA, Report
+from ddp_doctor.report.data import ReportData
+from ddp_doctor.report.model import SCHEMA, Report, RunFacts
 
 __all__ = [
     "SCHEMA",
@@ -16,6 +17,8 @@ __all__ = [
     "RankPattern",
     "Recommendation",
     "Report",
+    "ReportData",
+    "RunFacts",
     "Timing",
     "UsageMap",
     "UsageRow",

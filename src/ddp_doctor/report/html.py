@@ -1,20 +1,18 @@
 """HTML rendering: the check report as one self-contained page (no network reference), or as a section that other
-pages (`bench --html`, `demo --html`'s pages) embed. Reads a `Report`; knows nothing about how it was diagnosed."""
+pages (`bench --html`, `demo --html`'s pages) embed. Reads the report's data (`ReportData`); knows nothing about
+how it was diagnosed."""
 
 from __future__ import annotations
 
 import html
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ddp_doctor.core.figures import STATE_HELP, STATES
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_ranges
+from ddp_doctor.report.data import ReportData
 from ddp_doctor.report.text import files_lines, following_lines
-
-if TYPE_CHECKING:  # the model calls these renderers; they only read it
-    from ddp_doctor.report.model import Report
 
 __all__ = ["CSS", "SCRIPT", "IndexEntry", "check_section", "index_page", "page", "to_html"]
 
@@ -102,7 +100,7 @@ def page(title: str, body: str) -> str:
     )
 
 
-def to_html(report: Report, *, title: str = "ddp-doctor check") -> str:
+def to_html(report: ReportData, *, title: str = "ddp-doctor check") -> str:
     """One report as a complete page (what `Report.to_html()` returns).
 
     Args:
@@ -123,7 +121,7 @@ def _flags(config: dict) -> str:
     return ", ".join(f"{k}={config[k]}" for k in keys if k in config)
 
 
-def _head(report: Report) -> str:
+def _head(report: ReportData) -> str:
     cells = [
         ("world size", report.world_size),
         ("backend", report.backend),
@@ -167,7 +165,7 @@ def _finding(f: Finding) -> str:
     )
 
 
-def _status(report: Report) -> str:
+def _status(report: ReportData) -> str:
     parts = []
     for line in report.crash_lines():
         parts.append(f"<p class='crash'>{_e(line)}</p>")
@@ -181,7 +179,7 @@ def _status(report: Report) -> str:
     return "".join(parts)
 
 
-def _usage_caption(report: Report) -> str:
+def _usage_caption(report: ReportData) -> str:
     usage = report.usage_map
     assert usage is not None
     from ddp_doctor.report.plots import COLORS
@@ -215,7 +213,7 @@ def _usage_caption(report: Report) -> str:
     )
 
 
-def _figures(report: Report, key: str) -> str:
+def _figures(report: ReportData, key: str) -> str:
     from ddp_doctor.report.plots import divergence_svg, usage_map_svg
 
     if report.usage_map is None and report.divergence is None:
@@ -262,7 +260,7 @@ def _figures(report: Report, key: str) -> str:
     return "".join(out)
 
 
-def _recommendation(report: Report, key: str) -> str:
+def _recommendation(report: ReportData, key: str) -> str:
     rec = report.recommendation
     verdict = "verified" if rec.verified else "not yet verified"
     flags = (
@@ -297,7 +295,7 @@ def _recommendation(report: Report, key: str) -> str:
     )
 
 
-def check_section(report: Report, *, key: str = "m0", heading: str | None = None) -> str:
+def check_section(report: ReportData, *, key: str = "m0", heading: str | None = None) -> str:
     """The report as an HTML section: header, findings, figures, recommendation, timing.
 
     Args:

@@ -1,10 +1,10 @@
-"""Terminal rendering with rich. Reads a `Report`; knows nothing about how it was diagnosed."""
+"""Terminal rendering with rich. Reads the report's data (`ReportData`); knows nothing about how it was diagnosed."""
 
 from __future__ import annotations
 
 import io
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -16,9 +16,7 @@ from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.followed import Following
 from ddp_doctor.core.ranks import rank_ranges
 from ddp_doctor.core.steptime import PHASES, RankTiming
-
-if TYPE_CHECKING:  # the model calls these renderers; they only read it
-    from ddp_doctor.report.model import Report
+from ddp_doctor.report.data import ReportData
 
 __all__ = ["phases_line", "render", "to_text"]
 
@@ -67,7 +65,7 @@ def _finding(f: Finding) -> Panel:
     return Panel(body, title=title, title_align="left", border_style=_STYLE[f.severity])
 
 
-def _head(report: Report) -> Group:
+def _head(report: ReportData) -> Group:
     """The run's facts, two pairs a row; values wrap (a long path folds onto the next lines instead of being cut)."""
     key_width = len("steps observed")
     head = Table.grid(padding=(0, 2))
@@ -94,7 +92,7 @@ def _head(report: Report) -> Group:
     return Group(*parts)
 
 
-def _recommendation(report: Report) -> Panel:
+def _recommendation(report: ReportData) -> Panel:
     rec = report.recommendation
     if not report.ddp_built or not rec.flags_known:
         # No DDP model, or nothing observed supports flags (they are None): only the reason applies.
@@ -117,7 +115,7 @@ def _recommendation(report: Report) -> Panel:
     return Panel(Group(*parts), title=f"Recommendation ({verdict})", title_align="left", border_style="green")
 
 
-def render(report: Report) -> Iterator[Any]:
+def render(report: ReportData) -> Iterator[Any]:
     """Yield rich renderables for the report, top to bottom."""
     yield Panel(_head(report), title=f"ddp-doctor {report.tool_version}", title_align="left")
 
@@ -152,7 +150,7 @@ def render(report: Report) -> Iterator[Any]:
         yield from (Text(line, style="dim") for line in following_lines(report.following))
 
 
-def files_lines(report: Report) -> list[str]:
+def files_lines(report: ReportData) -> list[str]:
     """The files the script wrote under the check, and that its next run will find them."""
     files = report.files_written
     head = (
@@ -225,7 +223,7 @@ def phases_line(per_rank: list[RankTiming]) -> str:
     return "step per rank, ms (data wait/forward/backward/all-reduce wait/optimizer): " + "; ".join(parts)
 
 
-def to_text(report: Report, *, width: int = 100, color: bool = False) -> str:
+def to_text(report: ReportData, *, width: int = 100, color: bool = False) -> str:
     """The report as a string; plain text unless `color`."""
     buffer = io.StringIO()
     console = Console(

@@ -1,0 +1,151 @@
+"""Ranks that raised in a run whose ranks could not exchange records: DDP's own errors explained (one finding for
+the ranks that failed alike, as the exchanged report gives), `rank-dependent-graph` when a rank's reduction error
+names parameters another rank trained, and `rank-crashed` for the script's own errors.
+
+Pure: reads the supervisor's `RankState` per rank; `analyze/failures.py` puts these findings in order.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ddp_doctor.analyze.positions import others
+from ddp_doctor.core.codes import Code
+from ddp_doctor.core.findings import Finding, ParamRef
+from ddp_doctor.core.rankfiles import ExplainedError, RaisedError, RankState
+from ddp_doctor.core.ranks import rank_list
+
+__all__ = ["crash_findings", "trained_elsewhere"]
+
+_RANK_IN_MESSAGE = re.compile(r"^DDP failed on rank \d+:")
+_RUN_AGAIN = (
+    "fix the cause named above, then run the check again for the full diagnosis (the ranks could not exchange "
+    "their records, so the other checks did not run)."
+)
+
+
+def _param_refs(explained: ExplainedError) -> list[ParamRef]:
+    """The parameters a rank's explained DDP error names, with their sizes (0 where the rank file has none)."""
+    names = list(explained.params)
+    numels = explained.numels or [0] * len(names)
+    return [ParamRef(n, k) for n, k in zip(names, numels)]
+
+
+def trained_elsewhere(states: dict[int, RankState], rank: int, crash: RaisedError) -> Finding | None:
+    """`rank-dependent-graph` when DDP's reduction error on `rank` names parameters that other ranks trained.
+
+    The error at step S names the parameters that got no gradient on `rank` in step S-1. Another rank that closed
+    step S-1 with none of them missing (its beacon says so: it went on, and then waited in a collective for `rank`)
+    trained them: the used set depends on the rank.
+    """
+    explained = crash.explained
+    names = list(explained.params) if explained is not None else []
+    if explained is None or explained.code != Code.REDUCTION_ERROR or not names or crash.step < 1:
+        return None
+    previous = crash.step - 1
+    trained = [
+        r
+        for r, s in sorted(states.items())
+        if r != rank
+        and s.closed is not None
+        and s.closed.step == previous
+        and len(s.closed.missing) < 16
+        and not set(names) & set(s.closed.missing)
+    ]
+    if not trained:
+        return None
+    return Finding(
+        code=Code.RANK_DEPENDENT_GRAPH,
+        severity="error",
+        title=f"{len(names)} parameter(s) got a gradient on {rank_list(trained)} but not on rank {rank} in step "
+        f"{previous}",
+        detail=f"Rank {rank} failed at the start of step {crash.step} because these parameters got no gradient in "
+        f"step {previous}; {rank_list(trained)} closed that step with a gradient for every one of them (then "
+        f"waited for rank {rank} in a collective). The set "
+        "of parameters that reach the loss depends on the rank: a branch on the rank, or a task only some "
+        "ranks have data for. With default flags DDP cannot reduce such a set.",
+        params=_param_refs(explained),
+        ranks=sorted({rank, *trained}),
+        steps=[previous],
+        fix="keep them trainable; build DDP with static_graph=True when each rank's used set is the same at every "
+        "step (cheapest), or find_unused_parameters=True when it changes.",
+    )
+
+
+def _same_ddp_error(states: dict[int, RankState], causes: dict[int, RankState]) -> list[tuple[list[int], RaisedError]]:
+    """Groups of two or more ranks that raised the same explained DDP error (code, step, parameters) and that
+    no other rank's record contradicts (`rank-dependent-graph`): one finding for each group, as the exchange's
+    joint report gives (every rank of a job usually fails the same way)."""
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for rank, s in sorted(causes.items()):
+        crash = s.raised
+        if crash.explained is None or trained_elsewhere(states, rank, crash) is not None:
+            continue
+        key = (crash.explained.code, max(crash.step, 0), tuple(crash.explained.params))
+        groups.setdefault(key, []).append(rank)
+    return [(ranks, causes[ranks[0]].raised) for ranks in groups.values() if len(ranks) > 1]
+
+
+def crash_findings(states: dict[int, RankState], causes: dict[int, RankState]) -> list[Finding]:
+    """The findings of the ranks in `causes` (those that raised an error of their own, not a lost peer): the
+    ranks that failed alike first, then each other rank in rank order."""
+    findings: list[Finding] = []
+    joint = _same_ddp_error(states, causes)
+    for ranks_alike, crash in joint:
+        findings.append(
+            Finding(
+                code=crash.explained.code,
+                severity="error",
+                title=f"{rank_list(ranks_alike)}: DDP failed at step {max(crash.step, 0)}",
+                detail=_RANK_IN_MESSAGE.sub(f"DDP failed on {rank_list(ranks_alike)}:", crash.explained.message, 1),
+                params=_param_refs(crash.explained),
+                ranks=ranks_alike,
+                steps=[max(crash.step, 0)],
+                fix=_RUN_AGAIN,
+            )
+        )
+    alike = {r for ranks_alike, _ in joint for r in ranks_alike}
+    for rank, s in sorted(causes.items()):
+        if rank in alike:
+            continue
+        crash = s.raised
+        step = max(crash.step, 0)
+        if crash.explained:
+            trained = trained_elsewhere(states, rank, crash)
+            if trained:
+                findings.append(trained)
+            findings.append(
+                Finding(
+                    code=crash.explained.code,
+                    severity="error",
+                    title=f"rank {rank}: DDP failed at step {step}",
+                    # The rank's own fix considers freezing; other ranks trained them, so that part is dropped.
+                    detail=crash.explained.message.split(" Fix: ")[0] if trained else crash.explained.message,
+                    params=_param_refs(crash.explained),
+                    ranks=[rank],
+                    steps=[step],
+                    fix=(
+                        "keep them trainable (see rank-dependent-graph): build DDP with static_graph=True if each "
+                        "rank's set is the same at every step, else with find_unused_parameters=True."
+                        if trained
+                        else _RUN_AGAIN
+                    ),
+                )
+            )
+            continue
+        waiting = others(states, list(causes))
+        findings.append(
+            Finding(
+                code=Code.RANK_CRASHED,
+                severity="error",
+                title=f"rank {rank} crashed at step {step}: {crash.type}: {crash.message[:200]}",
+                detail=(
+                    f"Raised at {crash.site or 'an unknown place'} ({crash.phase}); its traceback was printed "
+                    "above." + (f" The other ranks were stopped while waiting for it: {waiting}." if waiting else "")
+                ),
+                ranks=[rank],
+                steps=[step],
+                fix="fix the error on that rank; the rest of the diagnosis needs every rank to finish its steps.",
+            )
+        )
+    return findings

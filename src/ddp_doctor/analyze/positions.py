@@ -1,0 +1,89 @@
+"""Where a rank was when a run that could not exchange records ended, in words: its step, phase and line, the
+collective it waited in, the native frame it died in, and the others' positions beside the rank that failed.
+
+Pure: reads the supervisor's `RankState` per rank (the ranks' own files, merged); the failure findings
+(`analyze/failures.py`, `analyze/crashed_ranks.py`) quote it.
+"""
+
+from __future__ import annotations
+
+from ddp_doctor.core.rankfiles import Outcome, RankState
+
+__all__ = ["SHOWN", "capped", "fault_place", "others", "short", "where"]
+
+_DDP_INIT = ("torch/nn/parallel/distributed.py", "__init__")
+SHOWN = 8
+"""Ranks described one by one in a finding's text; the rest are counted (a 1,024-rank job stays readable)."""
+
+
+def capped(parts: list[str]) -> str:
+    """``part; part; ...`` for the first `SHOWN` parts, then ``and N other ranks``."""
+    more = len(parts) - SHOWN
+    return "; ".join(parts[:SHOWN]) + (f"; and {more} other rank{'s' if more > 1 else ''}" if more > 0 else "")
+
+
+def where(s: RankState) -> str:
+    """`step 3, backward, at train.py:41`: where the rank was, from its most exact record."""
+    if s.raised is not None:
+        # A crashed rank's own record is exact; its last sample may show the doctor's exit path.
+        return f"step {max(s.raised.step, 0)}, {s.raised.phase}, at {s.raised.site or 'an unknown place'}"
+    step = max(s.step, 0)
+    if s.in_collective and s.collective is not None:
+        c = s.collective
+        return f"step {step}, {s.phase}, inside {c.describe()} called at {c.site or 'an unknown place'}"
+    waiting = ", in DDP's backward (its gradient all-reduce)" if s.phase == "backward" else ""
+    # The watchdog's sample of the user's line is newer than the last phase change only when the rank sat still
+    # (a hang); otherwise the line published at the last phase change is the better one.
+    sample_newer = s.user_frame is not None and (
+        s.site is None
+        or s.position_age_s is None
+        or (s.sample_age_s is not None and s.sample_age_s <= s.position_age_s)
+    )
+    if sample_newer:
+        age = f" (sampled; there for the last {s.sample_age_s:.1f} s)" if s.sample_age_s and s.sample_age_s > 1 else ""
+        return f"step {step}, {s.phase}{waiting}, at {s.user_frame}{age}"
+    if s.site:
+        return f"step {step}, {s.phase}{waiting}, after {s.site}"
+    return f"step {step}, {s.phase}{waiting}, at {s.innermost or 'an unknown place'}"
+
+
+def short(site: str | None) -> str:
+    """`train.py:12` from a full site."""
+    return site.rsplit("/", 1)[-1].split()[0] if site else "an unknown place"
+
+
+def fault_place(s: RankState) -> str:
+    """`in DistributedDataParallel.__init__ at train.py:12` from the fault dump."""
+    if s.fault is None or not s.fault.frames:
+        return ""
+    inner_file, _, inner_fn = s.fault.frames[0]
+    if any(inner_file.endswith(_DDP_INIT[0]) and fn == _DDP_INIT[1] for inner_file, _, fn in s.fault.frames[:3]):
+        place = "in DistributedDataParallel.__init__"
+    else:
+        place = f"in {inner_fn} ({inner_file.rsplit('/', 1)[-1]})"
+    user = next(
+        (
+            f"{f}:{n}"
+            for f, n, _ in s.fault.frames
+            if "/site-packages/" not in f and "/lib/python" not in f and "ddp_doctor" not in f
+        ),
+        None,
+    )
+    return place + (f" at {user}" if user else "")
+
+
+def others(states: dict[int, RankState], culprits: list[int]) -> str:
+    """Where the ranks other than `culprits` were: the ones that lost their peer, and the ones still running."""
+    parts = []
+    for r in sorted(states):
+        if r in culprits:
+            continue
+        s = states[r]
+        if s.outcome is Outcome.CRASHED and s.raised is not None:
+            c = s.raised
+            parts.append(
+                f"rank {r} lost its peer at step {max(c.step, 0)}, {c.phase}, at {c.site or 'an unknown place'}"
+            )
+        elif s.outcome is None and not s.ended:
+            parts.append(f"rank {r} was at {where(s)}")
+    return capped(parts)

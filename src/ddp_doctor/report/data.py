@@ -1,0 +1,259 @@
+"""The report as data: the diagnosis of one DDP model with the run's facts around it. `ReportData.build` is the one
+constructor of a report; `to_dict()` is the JSON schema (`ddp-doctor/report@1`) and `from_dict` reads it back. The
+renderers (`text.py`, `html.py`) read this type; `model.py`'s `Report` draws itself with them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from ddp_doctor.core import VERSION
+from ddp_doctor.core.codes import SEVERITIES
+from ddp_doctor.core.figures import Divergence, UsageMap
+from ddp_doctor.core.findings import Crash, Diagnosis, Finding, ParamRef, Recommendation, Timing, finite
+from ddp_doctor.core.followed import Following
+from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.records import ModelInfo
+
+__all__ = ["SCHEMA", "ReportData", "RunFacts"]
+
+SCHEMA = "ddp-doctor/report@1"
+
+_R = TypeVar("_R", bound="ReportData")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunFacts:
+    """What a report says around its diagnosis: the run's facts, gathered where the run is (the in-rank doctor,
+    the supervisor from the ranks' files, the optimizer watch), never decided by the analysis."""
+
+    torch_version: str
+    backend: str
+    world_size: int
+    ddp_config: dict[str, Any]
+    """The flags the script built DDP with (empty: no DDP model was built)."""
+    framework: str = "torch"
+    ddp_site: str | None = None
+    interrupted: bool = False
+    """`ddp-doctor` was stopped by SIGINT / SIGTERM / SIGHUP before the observed steps ended: a partial report."""
+    parallelism: str = "ddp"
+    """What keeps the replicas in sync in the observed model: `ddp`, or `fsdp2` (`fully_shard`)."""
+    sharding: dict[str, Any] | None = None
+    """For `fsdp2`: the sharded modules, the mesh, `reshard_after_forward`, the mixed-precision dtypes."""
+    tool_version: str = VERSION
+
+    @classmethod
+    def of_model(cls, info: ModelInfo, *, world_size: int, backend: str) -> RunFacts:
+        """The facts of a DDP model observed in this process (its flags, framework and line from `info`)."""
+        return cls(
+            torch_version=torch.__version__,
+            backend=backend,
+            world_size=world_size,
+            ddp_config=dict(info.ddp_config),
+            framework=info.framework,
+            ddp_site=info.ddp_site,
+        )
+
+
+@dataclass(kw_only=True, frozen=True)
+class ReportData:
+    """The doctor's report as data, identical on every rank: the run's facts (`RunFacts`) around one `Diagnosis`.
+    `build` is its one constructor; `to_dict()` is the JSON schema, `from_dict` reads it back. Frozen: a later
+    input goes through the analysis to a new diagnosis, and `build` makes a new report of it. The renderers read
+    this type; `Report` (`report/model.py`) adds `print(report)` and `to_html()`."""
+
+    tool_version: str
+    torch_version: str
+    backend: str
+    world_size: int
+    steps_observed: int
+    ddp_config: dict[str, Any]
+    findings: list[Finding]
+    recommendation: Recommendation
+    timing: Timing
+    crashes: list[Crash] = field(default_factory=list)
+    framework: str = "torch"
+    ddp_site: str | None = None
+    interrupted: bool = False
+    """`ddp-doctor` was stopped by SIGINT / SIGTERM / SIGHUP before the observed steps ended: a partial report."""
+    usage_map: UsageMap | None = None
+    """Which parameter got a gradient on which rank at which step (JSON key `usage_map`, absent when None)."""
+    divergence: Divergence | None = None
+    """The largest cross-rank difference of weights and gradients per step (JSON key `divergence`)."""
+    following: Following | None = None
+    """What `check` followed after the observed steps: the epoch ends, the loaders (JSON key `following`)."""
+    parallelism: str = "ddp"
+    """What keeps the replicas in sync in the observed model: `ddp`, or `fsdp2` (`fully_shard`)."""
+    sharding: dict[str, Any] | None = None
+    """For `fsdp2`: the sharded modules, the mesh, `reshard_after_forward`, the mixed-precision dtypes."""
+    files_written: list[dict[str, Any]] = field(default_factory=list)
+    """Files the script wrote under the check (`torch.save`, `open()` for writing in its own code): `path`,
+    `shown`, `site`, `how`, `existed`, `ranks` (JSON key `files_written`, absent when empty)."""
+    files_unlisted: int = 0
+    """Ranks whose written files are not listed (JSON key `files_unlisted_ranks`, absent when 0)."""
+    unchecked: list[str] = field(default_factory=list)
+    """What the check did not run or could not see, in sentences (JSON key `unchecked`, absent when empty)."""
+    schema: str = SCHEMA
+
+    @classmethod
+    def build(cls: type[_R], facts: RunFacts, diagnosis: Diagnosis) -> _R:
+        """The report of `diagnosis` with the run's `facts` around it: the one constructor of a report."""
+        return cls(
+            tool_version=facts.tool_version,
+            torch_version=facts.torch_version,
+            backend=facts.backend,
+            world_size=facts.world_size,
+            steps_observed=diagnosis.steps_observed,
+            ddp_config=facts.ddp_config,
+            findings=diagnosis.findings,
+            recommendation=diagnosis.recommendation,
+            timing=diagnosis.timing,
+            crashes=diagnosis.crashes,
+            framework=facts.framework,
+            ddp_site=facts.ddp_site,
+            interrupted=facts.interrupted,
+            usage_map=diagnosis.usage_map,
+            divergence=diagnosis.divergence,
+            following=diagnosis.following,
+            parallelism=facts.parallelism,
+            sharding=facts.sharding,
+            files_written=diagnosis.files_written,
+            files_unlisted=diagnosis.files_unlisted,
+            unchecked=diagnosis.unchecked,
+        )
+
+    @property
+    def facts(self) -> RunFacts:
+        """The run's facts this report was built with."""
+        return RunFacts(
+            tool_version=self.tool_version,
+            torch_version=self.torch_version,
+            backend=self.backend,
+            world_size=self.world_size,
+            ddp_config=self.ddp_config,
+            framework=self.framework,
+            ddp_site=self.ddp_site,
+            interrupted=self.interrupted,
+            parallelism=self.parallelism,
+            sharding=self.sharding,
+        )
+
+    @property
+    def diagnosis(self) -> Diagnosis:
+        """The diagnosis this report was built with (a later input goes through the analysis with it)."""
+        return Diagnosis(
+            findings=list(self.findings),
+            recommendation=self.recommendation,
+            timing=self.timing,
+            steps_observed=self.steps_observed,
+            crashes=list(self.crashes),
+            usage_map=self.usage_map,
+            divergence=self.divergence,
+            following=self.following,
+            unchecked=list(self.unchecked),
+            files_written=list(self.files_written),
+            files_unlisted=self.files_unlisted,
+        )
+
+    @classmethod
+    def from_dict(cls: type[_R], data: dict[str, Any]) -> _R:
+        """The inverse of `to_dict` (the `check` parent reads the ranks' JSON back with it)."""
+        findings = [
+            Finding(
+                **{**f, "params": [ParamRef(p["name"], p["numel"], tuple(p.get("shape", ()))) for p in f["params"]]}
+            )
+            for f in data["findings"]
+        ]
+        facts = RunFacts(
+            tool_version=data["tool_version"],
+            torch_version=data["torch_version"],
+            backend=data["backend"],
+            world_size=data["world_size"],
+            ddp_config=data["ddp_config"],
+            framework=data.get("framework", "torch"),
+            ddp_site=data.get("ddp_site"),
+            interrupted=bool(data.get("interrupted", False)),
+            parallelism=data.get("parallelism", "ddp"),
+            sharding=data.get("sharding"),
+        )
+        diagnosis = Diagnosis(
+            findings=findings,
+            recommendation=Recommendation.from_dict(data["recommendation"]),
+            timing=Timing.from_dict(data["timing"]),
+            steps_observed=data["steps_observed"],
+            crashes=[Crash(**c) for c in data.get("crashes", [])],
+            usage_map=UsageMap.from_dict(data["usage_map"]) if data.get("usage_map") else None,
+            divergence=Divergence.from_dict(data["divergence"]) if data.get("divergence") else None,
+            following=Following.from_dict(data["following"]) if data.get("following") else None,
+            files_written=list(data.get("files_written", [])),
+            files_unlisted=int(data.get("files_unlisted_ranks", 0)),
+            unchecked=list(data.get("unchecked", [])),
+        )
+        return cls.build(facts, diagnosis)
+
+    @property
+    def ddp_built(self) -> bool:
+        """Whether the run built a DDP model: only then are there DDP flags to show or recommend (a report of a
+        script that never wrapped its model, or whose ranks failed before wrapping it, has no `ddp_config`)."""
+        return bool(self.ddp_config)
+
+    @property
+    def codes(self) -> set[str]:
+        return {f.code for f in self.findings}
+
+    def finding(self, code: str) -> Finding | None:
+        return next((f for f in self.findings if f.code == code), None)
+
+    def crash_lines(self) -> list[str]:
+        """One line per distinct crash, ranks grouped: `ranks 0, 1 stopped at step 1: RuntimeError: ....`"""
+        by_message: dict[tuple[int, str], list[int]] = {}
+        for crash in self.crashes:
+            first = crash.message.split(". ", 1)[0].splitlines()[0][:200]
+            by_message.setdefault((crash.step, first), []).append(crash.rank)
+        return [f"{rank_list(ranks)} stopped at step {step}: {first}." for (step, first), ranks in by_message.items()]
+
+    def worst_severity(self) -> str | None:
+        present = {f.severity for f in self.findings}
+        return next((s for s in SEVERITIES if s in present), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "schema": self.schema,
+            "tool_version": self.tool_version,
+            "torch_version": self.torch_version,
+            "backend": self.backend,
+            "world_size": self.world_size,
+            "steps_observed": self.steps_observed,
+            "ddp_config": self.ddp_config,
+            "findings": [f.to_dict() for f in self.findings],
+            "recommendation": self.recommendation.to_dict(),
+            "timing": self.timing.to_dict(),
+            "crashes": [asdict(c) for c in self.crashes],
+            "framework": self.framework,
+            "ddp_site": self.ddp_site,
+            "parallelism": self.parallelism,
+        }
+        if self.sharding is not None:
+            out["sharding"] = self.sharding
+        if self.interrupted:
+            out["interrupted"] = True
+        # New keys go last and only when present, so every key above stays exactly as it was.
+        if self.usage_map is not None:
+            out["usage_map"] = self.usage_map.to_dict()
+        if self.divergence is not None:
+            out["divergence"] = self.divergence.to_dict()
+        if self.following is not None:
+            out["following"] = self.following.to_dict()
+        if self.files_written:
+            out["files_written"] = self.files_written
+        if self.files_unlisted:
+            out["files_unlisted_ranks"] = self.files_unlisted
+        if self.unchecked:
+            out["unchecked"] = self.unchecked
+        return out
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(finite(self.to_dict()), indent=2, **kwargs)

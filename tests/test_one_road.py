@@ -1,0 +1,174 @@
+"""One road for a finding (issue #33): the analysis decides every finding and returns one `Diagnosis` per kind of
+input; launch gathers the inputs and calls it; `ReportData.build` is the one constructor of a report; nothing edits
+a diagnosis or a report after it is made; the renderers read the report's data without importing the model that
+calls them. Checked on the source (ast), and on the pure entries with hand-built inputs; the frozen types refuse an
+edit at run time."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ddp_doctor.analyze import diagnose_following, diagnose_unwrapped, diagnose_verified
+from ddp_doctor.core.findings import Diagnosis, Finding, ParamRef, Recommendation, Timing
+from ddp_doctor.core.followed import FollowSummary
+from ddp_doctor.core.unwrapped_run import UnwrappedRun
+from ddp_doctor.report import Report, RunFacts
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "ddp_doctor"
+
+
+def _modules(folder: Path = SRC) -> list[tuple[Path, ast.Module]]:
+    return [(p, ast.parse(p.read_text(), str(p))) for p in sorted(folder.rglob("*.py"))]
+
+
+def _called(node: ast.Call) -> str:
+    f = node.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
+def test_a_report_is_constructed_only_by_build() -> None:
+    """No `Report(...)` or `ReportData(...)` anywhere in the package; `cls(...)` in report/data.py only in `build`
+    (`from_dict` reads the JSON back through `build`)."""
+    calls = [
+        f"{p.relative_to(SRC)}:{n.lineno}"
+        for p, tree in _modules()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and _called(n) in ("Report", "ReportData")
+    ]
+    assert calls == [], calls
+    data = ast.parse((SRC / "report" / "data.py").read_text())
+    (report_data,) = [c for c in data.body if isinstance(c, ast.ClassDef) and c.name == "ReportData"]
+    owners = [
+        fn.name
+        for fn in ast.walk(report_data)
+        if isinstance(fn, ast.FunctionDef)
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "cls"
+    ]
+    assert owners == ["build"], owners
+
+
+def test_the_recommendation_code_is_rendered_in_one_place() -> None:
+    """`render_snippets` is called by `with_code` only (analyze/snippets.py): the analysis renders the code before it
+    returns a diagnosis, bench renders its verdict through `with_code`; no one fills in `render` later."""
+    calls = [
+        f"{p.relative_to(SRC)}:{n.lineno}"
+        for p, tree in _modules()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and _called(n) == "render_snippets"
+    ]
+    assert len(calls) == 1 and calls[0].startswith("analyze/snippets.py:"), calls
+
+
+def test_launch_decides_no_finding_and_calls_the_analysis_through_its_front_door() -> None:
+    """launch builds no finding, recommendation or diagnosis, and imports the analysis only as `ddp_doctor.analyze`
+    (its entries), never a module of it."""
+    built, reached = [], []
+    for p, tree in _modules(SRC / "launch"):
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and _called(n) in ("Finding", "Recommendation", "Diagnosis", "unknown"):
+                built.append(f"{p.name}:{n.lineno} {_called(n)}")
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("ddp_doctor.analyze."):
+                reached.append(f"{p.name}: {n.module}")
+            if isinstance(n, ast.Import) and any(a.name.startswith("ddp_doctor.analyze.") for a in n.names):
+                reached.append(f"{p.name}: import")
+    assert built == [] and reached == [], (built, reached)
+
+
+def test_the_renderers_read_the_data_and_never_import_the_model() -> None:
+    """report/model.py calls text.py and html.py; they import `report/data.py` only (no circle, not even under
+    TYPE_CHECKING)."""
+    for name in ("text.py", "html.py", "plots.py"):
+        tree = ast.parse((SRC / "report" / name).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "ddp_doctor.report.model" not in imported and "ddp_doctor.report" not in imported, (name, imported)
+
+
+def _rec(**kw) -> Recommendation:
+    base = dict(
+        find_unused_parameters=False,
+        static_graph=True,
+        gradient_as_bucket_view=False,
+        freeze_before_wrap=[],
+        reason="R.",
+        verified=False,
+    )
+    return Recommendation(**{**base, **kw})
+
+
+def _diagnosis(findings: list[Finding] | None = None) -> Diagnosis:
+    return Diagnosis(findings=findings or [], recommendation=_rec(), timing=Timing(), steps_observed=2)
+
+
+def _finding(code: str, severity: str) -> Finding:
+    return Finding(code=code, severity=severity, title=code, detail="d")
+
+
+def test_a_diagnosis_and_its_report_are_frozen() -> None:
+    d = _diagnosis()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.findings = []  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.recommendation.reason = "edited"  # type: ignore[misc]
+    report = Report.build(RunFacts(torch_version="2.x", backend="gloo", world_size=2, ddp_config={}), d)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.findings = []  # type: ignore[misc]
+    assert report.diagnosis == d and Report.build(report.facts, report.diagnosis) == report
+    assert Report.from_dict(report.to_dict()) == report
+
+
+def test_following_gives_a_new_diagnosis_in_severity_order_and_leaves_the_steps_one_alone() -> None:
+    steps = _diagnosis([_finding("unused-parameters", "error"), _finding("rank-dependent-graph", "info")])
+    loader = {
+        "site": "eval.py:3",
+        "training": False,
+        "capped": 1,
+        "no_len": True,
+        "batches": {"min": None, "max": None},
+        "counted": {"uneven": True, "pass": 1, "min": 4, "max": 5, "by_rank": [5, 4], "at_least_by_rank": [0, 0]},
+    }
+    summary = FollowSummary(
+        followed=True, declined=False, epoch_ends=1, ended_by="x", seconds=1.0, loaders=[loader], counts={}
+    )
+    after = diagnose_following(steps, summary, framework="torch", epochs=1, limit=2, followed=True)
+    assert [f.code for f in steps.findings] == ["unused-parameters", "rank-dependent-graph"]
+    assert steps.following is None
+    assert [(f.code, f.severity) for f in after.findings] == [
+        ("unused-parameters", "error"),
+        ("uneven-inputs", "warning"),
+        ("rank-dependent-graph", "info"),
+    ]
+    assert after.following is not None and after.following.epoch_ends == 1
+
+
+def test_verification_gives_a_new_recommendation() -> None:
+    first = _diagnosis()
+    clean = _diagnosis()
+    done = diagnose_verified(first, applied='{"static_graph": true}', needed=2, second=clean)
+    assert done.recommendation.verified and "Verified: a second run with these flags" in done.recommendation.reason
+    assert not first.recommendation.verified and first.recommendation.reason == "R."
+    failed = diagnose_verified(first, applied="{}", needed=3, second=_diagnosis([_finding("rank-crashed", "error")]))
+    assert not failed.recommendation.verified and "Not verified" in failed.recommendation.reason
+    none = diagnose_verified(first, applied="{}", needed=2, second=None, error="no rank started")
+    assert none.recommendation.reason.endswith("did not run: no rank started.")
+
+
+def test_an_unwrapped_run_is_diagnosed_from_its_typed_record() -> None:
+    run = UnwrappedRun(
+        world=2,
+        steps=3,
+        optimizer="SGD",
+        optimizer_site="t.py:5",
+        params=[ParamRef("w", 4), ParamRef("b", 2)],
+        differ=[True, False],
+        gap=0.5,
+    )
+    d = diagnose_unwrapped(run)
+    (f,) = d.findings
+    assert (f.code, f.severity, f.param_names, f.steps) == ("model-not-wrapped", "error", ["w"], [0, 1, 2])
+    assert "0.5" in f.detail and not d.recommendation.flags_known and d.steps_observed == 3
+    assert diagnose_unwrapped(dataclasses.replace(run, params=[], differ=[])).findings == []
