@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from _shared import interleave, mlp, parser, ratio, write
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_doctor.observation.fingerprint import fingerprints, fingerprints_batched
+from ddp_doctor.core.fingerprint import fingerprints, fingerprints_batched
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddp_doctor.observation.fingerprint import fingerprints, fingerprints_batched
+from ddp_doctor.core.fingerprint import fingerprints, fingerprints_batched
 
 
 def _tensors() -> list[torch.Tensor | None]:

@@ -1,8 +1,8 @@
 """ddp-doctor: find, explain and fix misconfigured PyTorch DistributedDataParallel training.
 
-The flow is one-way: observe (local hooks) -> gather (the only collectives) -> analyze (pure) -> report (renderers).
+The flow is one-way: observe (local hooks) -> exchange (the only collectives) -> analyze (pure) -> report (renderers).
 
-The implementation modules of the three context managers are private (`_observe`, `_guard`, `_refreeze`), as in
+The three context managers are implemented under other names (`doctor/`, `fixes/guard/`, `fixes/refreeze/`), as in
 rich: `from ddp_doctor import guard` is the function, and no public module of the same name shadows it or is
 shadowed by it.
 """

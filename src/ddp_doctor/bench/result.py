@@ -1,5 +1,5 @@
 """What `ddp-doctor bench` found: every candidate's rounds, the launches it took, the verdict. Rendered by
-`cli/bench.py` (text) and `bench/html.py`; `to_dict` is the JSON contract (schema `ddp-doctor/bench@1`)."""
+`cli/bench.py` (text) and `bench/page.py`; `to_dict` is the JSON contract (schema `ddp-doctor/bench@1`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The data that flows from observe, through gather, into analyze.
+"""The data that flows from observe, through the exchange, into analyze.
 
 `ModelInfo` is what every rank knows about the model before the first step. `RankRecord` is what one rank saw
 during the observed steps: only local facts, never the result of a collective. Both are plain data, so

@@ -1,7 +1,7 @@
 """Where one rank's step time goes: the phases, and the robust statistics of each over the observed steps.
 
 Pure data, shared by the exchange (which computes each rank's row), the analysis (which decides on them) and the
-renderers (the JSON's `timing.per_rank`, the text line, the HTML figure).
+renderers (the JSON's per-rank timing, the text line, the HTML figure).
 """
 
 from __future__ import annotations

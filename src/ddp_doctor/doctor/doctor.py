@@ -1,7 +1,7 @@
 """The `observe()` API: a `Doctor` attaches local hooks to a DDP model for its first steps, then diagnoses them.
 
-Nothing here communicates until `report()`, which hands the finished record to `diagnose` (gather, the only
-exchange, then the pure analysis).
+Nothing here communicates until `report()`, which hands the finished record to `diagnose` (the exchange, the only
+communication, then the pure analysis).
 
 What is recorded, and from where:
 
@@ -10,7 +10,7 @@ What is recorded, and from where:
   directly, so it does not fire this hook (`backward.py`).
 - *reachable*: a walk of the autograd graph from DDP's forward outputs (what `find_unused_parameters=True` does).
   Used but unreachable means the parameter was used outside DDP's forward, or inside reentrant checkpointing
-  (`graph.py`).
+  (`autograd.py`).
 - *bypass*: the wrapped module's forward ran in grad mode with no DDP forward around it, so DDP's reducer never
   fired (`forward.py`).
 - fingerprints of grads when the optimizer steps, of weights after it, of buffers after DDP broadcast them, and of

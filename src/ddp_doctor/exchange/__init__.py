@@ -24,7 +24,7 @@ Why the volume does not grow with the world size W: the exchange is made of redu
 - The one exception, on purpose: each rank's step split into phases (`ranktable.py`), `ROW_SIZE` float64 per rank
   (136 bytes), in one SUM where each rank fills its own row; the steps never add to it.
 The shapes of every collective depend only on (W, S, P, B) and on earlier collectives' results, which every rank
-holds identically: never on local data (DESIGN §3).
+holds identically: never on local data (docs/architecture.md, "Rules that hold everywhere").
 """
 
 from ddp_doctor.core.summary import EXAMPLES, PREDICATES, Curve, Examples, Summary, Volume

@@ -1,7 +1,7 @@
 """Name the ranks whose copy of something differs, in all_reduces whose size does not grow with the world size.
 
-Part of the communication layer, with `_collective`: `replicas.compare_replicas` and `_collective.agree` use it once
-a first allall_reduced(MAX) has shown that copies differ. Only allall_reduced(SUM) and allall_reduced(MAX) are issued. Every
+Part of the communication layer, with `primitives.py`: `replicas.compare_replicas` and `primitives.agree` use it once
+a first all_reduce(MAX) has shown that copies differ. Only all_reduce(SUM) and all_reduce(MAX) are issued. Every
 shape, and every decision to issue one more, comes from values already reduced, which are identical on every rank,
 so every rank issues the same sequence and none can be left waiting. Each carries at most one row (C numbers) per
 entry, and an entry takes part in at most ``3 * CANDIDATES + EXAMPLES`` of them, whatever the world size.
@@ -68,7 +68,7 @@ def all_reduced(
 
 
 def _lowest(mask: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
-    """int64[N]: per entry, the lowest group rank whose `mask` is set (some rank must set it). One allall_reduced(MAX)."""
+    """int64[N]: per entry, the lowest group rank whose `mask` is set (some rank must set it). One all_reduce(MAX)."""
     # The MAX of -rank; -world is below every rank's value, so ranks that do not set the mask never win.
     values = torch.full(mask.shape, -float(dist.get_world_size(group)), dtype=torch.float64)
     values[mask] = -float(dist.get_rank(group))
@@ -78,7 +78,7 @@ def _lowest(mask: torch.Tensor, group: dist.ProcessGroup | None, device: torch.d
 def pick(
     rows: torch.Tensor, owners: torch.Tensor, *, group: dist.ProcessGroup | None, device: torch.device
 ) -> torch.Tensor:
-    """Row ``i`` of group rank ``owners[i]``'s `rows`, on every rank. Collective: one allall_reduced(SUM).
+    """Row ``i`` of group rank ``owners[i]``'s `rows`, on every rank. Collective: one all_reduce(SUM).
 
     Args:
         rows: float64[N, C], this rank's rows (finite); `N` and `C` equal on every rank.
@@ -102,10 +102,10 @@ def name_flagged(
         flags: bool[N], this rank's flag per entry; `N` equal on every rank.
         limit: how many ranks to name per entry.
         counts: int64[N], how many ranks set each flag, when the caller knows it (identical on every rank);
-            otherwise one allall_reduced(SUM) counts them.
+            otherwise one all_reduce(SUM) counts them.
 
     Returns:
-        One `Named` per entry, identical on every rank, after at most `limit` rounds of allall_reduced(MAX).
+        One `Named` per entry, identical on every rank, after at most `limit` rounds of all_reduce(MAX).
     """
     me = dist.get_rank(group)
     if counts is None:

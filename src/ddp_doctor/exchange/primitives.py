@@ -1,4 +1,4 @@
-"""Small fixed-shape collectives shared by gather, guard, refreeze and sync_gradients.
+"""Small fixed-shape collectives shared by the exchange, guard, refreeze and sync_gradients.
 
 The rule that keeps them hang-free: a collective's shape and the decision to issue it never depend on local data.
 The steady-state check is one all_reduce(MAX) of ``[x, -x]``, which gives every rank the same maximum and minimum

@@ -15,7 +15,7 @@ what it reads back, and the `Summary` assembled from their results.
 | P | ranktable.py | MAX, MAX, SUM, MAX, 16 SUMs | the rank's phases | `StepTimes` |
 
 Every collective's op and shape depend only on (W, S, P, B) and on earlier results, which every rank holds
-identically: never on local data (DESIGN §3).
+identically: never on local data (docs/architecture.md, "Rules that hold everywhere").
 """
 
 from __future__ import annotations

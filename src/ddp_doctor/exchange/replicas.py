@@ -1,7 +1,7 @@
 """Compare this rank's copy of named tensors with every other rank's, in one small fixed-shape collective.
 
 Used by `guard` (every N optimizer steps, and before a checkpoint is saved) and by `refreeze` (before DDP is
-rebuilt). Each tensor becomes one row of four float64 numbers: the two fingerprints of `ddp_doctor.observation.fingerprint`
+rebuilt). Each tensor becomes one row of four float64 numbers: the two fingerprints of `ddp_doctor.core.fingerprint`
 (a plain sum and a golden-ratio weighted sum), each split into a finite value and a class code (finite, NaN, +inf,
 -inf, absent), so NaN never reaches a MAX reduction. One extra row carries this rank's status, so a rank whose
 local part failed is known to every rank and all of them stop together.
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ddp_doctor.core.fingerprint import fingerprints_batched
 from ddp_doctor.core.ranks import named_ranks
 from ddp_doctor.exchange.oddranks import CANDIDATES, EXAMPLES, name_flagged, odd_ranks
 from ddp_doctor.exchange.primitives import global_ranks, minmax
-from ddp_doctor.observation.fingerprint import fingerprints_batched
 
 __all__ = ["EXAMPLES", "Comparison", "Difference", "Entry", "compare_replicas", "describe"]
 

@@ -7,9 +7,11 @@ pickling behave as before): DDP's constructor (the `--ddp-kwargs` overrides, the
 from __future__ import annotations
 
 import functools
+import inspect
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,12 +21,12 @@ from torch.optim.optimizer import Optimizer
 from ddp_doctor.core.compat import fsdp_module_type
 from ddp_doctor.core.frames import user_frame, user_site
 from ddp_doctor.core.rankfiles import WrapShapes, write_wrap
-from ddp_doctor.launch.unwrapped import SYNC_OFF_ATTR, record_creation_site
-
-if TYPE_CHECKING:
-    from ddp_doctor.launch.session import Session
+from ddp_doctor.doctor import Doctor
+from ddp_doctor.launch.policy import RunPolicy
+from ddp_doctor.launch.unwrapped import SYNC_OFF_ATTR, PlainOptimizerWatch, record_creation_site
 
 __all__ = [
+    "PatchedRun",
     "patch_ddp_init",
     "patch_destroy_process_group",
     "patch_gradient_sync",
@@ -33,9 +35,32 @@ __all__ = [
 ]
 
 
-def patch_ddp_init(session: Session) -> None:
+class PatchedRun(Protocol):
+    """What the patches call back: the in-rank run (`session.py`'s `Session`)."""
+
+    rank: int
+    outdir: Path
+    original_init: Callable[..., None]
+    signature: inspect.Signature
+    policy: RunPolicy
+    doctors: list[Doctor]
+    plain: PlainOptimizerWatch
+
+    @property
+    def finishing(self) -> bool: ...
+
+    def before_wrap(self, module: torch.nn.Module, arguments: dict[str, Any]) -> None: ...
+
+    def after_wrap(self, ddp: DistributedDataParallel, trainable: list[bool], *, init_sync: bool = True) -> None: ...
+
+    def finish(self, reason: str) -> None: ...
+
+    def finish_unwrapped(self, reason: str) -> None: ...
+
+
+def patch_ddp_init(session: PatchedRun) -> None:
     """Wrap `DistributedDataParallel.__init__`: before it, the overrides and the shapes; after it, the policy and a
-    doctor (`Session._after_wrap`)."""
+    doctor (`Session.after_wrap`)."""
     original_init = session.original_init
 
     @functools.wraps(original_init)
@@ -56,7 +81,7 @@ def patch_ddp_init(session: Session) -> None:
     DistributedDataParallel.__init__ = __init__
 
 
-def patch_destroy_process_group(session: Session) -> None:
+def patch_destroy_process_group(session: PatchedRun) -> None:
     """The script tears its process group down before the observed steps are done: report while it exists."""
     original_destroy = dist.destroy_process_group
 

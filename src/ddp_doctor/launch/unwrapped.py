@@ -24,11 +24,11 @@ from torch import nn
 from ddp_doctor.analyze import diagnose_sharded, diagnose_unwrapped
 from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.findings import ParamRef
+from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.frames import user_site
 from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.exchange.primitives import comm_device, minmax
-from ddp_doctor.observation.fingerprint import fingerprints
 from ddp_doctor.observation.sharding import ShardedModel, find_sharded_model
 from ddp_doctor.report.model import Report, RunFacts
 

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.frames import user_site_of
 from ddp_doctor.core.phase import Phase
-from ddp_doctor.observation.fingerprint import fingerprints
 from ddp_doctor.observation.hooks import Hook, tensors_in
 from ddp_doctor.observation.optimizers import describe
 from ddp_doctor.observation.steplog import StepState

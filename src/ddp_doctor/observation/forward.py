@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.frames import user_site
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.observation import gradedits
 from ddp_doctor.observation.autograd import walk_graph
-from ddp_doctor.observation.fingerprint import fingerprints
 from ddp_doctor.observation.hooks import Hook, tensors_in
 from ddp_doctor.observation.steplog import MAX_SITES, StepLog
 from ddp_doctor.observation.target import Target

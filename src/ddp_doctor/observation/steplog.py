@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.records import RankRecord, StepCounters
 from ddp_doctor.observation.collectives import Call, digest
-from ddp_doctor.observation.fingerprint import fingerprints
 
 __all__ = ["MAX_COLLECTIVE_LOG", "MAX_LOADERS", "MAX_SAVES", "MAX_SITES", "MAX_STEP_LOG", "StepLog", "StepState"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -23,13 +23,22 @@ from ddp_doctor.observation.hooks import Hook
 if TYPE_CHECKING:
     from ddp_doctor.fixes.guard.bypass import BypassWatch
     from ddp_doctor.fixes.guard.compare import ReplicaCheck
-    from ddp_doctor.fixes.guard.facade import Guard
     from ddp_doctor.fixes.guard.flips import FlipWatch
     from ddp_doctor.fixes.guard.problems import Reporter
 
-__all__ = ["Hooks"]
+__all__ = ["Hooks", "StepCount"]
 
 logger = logging.getLogger(LOGGER_NAME)
+
+
+class StepCount(Protocol):
+    """What the hooks read and advance of the guard (its `Guard`): the step count, the schedule, on or off."""
+
+    steps: int
+    every: int
+
+    @property
+    def active(self) -> bool: ...
 
 
 class Hooks:
@@ -37,7 +46,7 @@ class Hooks:
 
     def __init__(
         self,
-        guard: Guard,
+        guard: StepCount,
         *,
         bypass: BypassWatch,
         flips: FlipWatch,
