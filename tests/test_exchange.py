@@ -244,7 +244,7 @@ def test_rank_zeros_model_info_speaks_for_the_group_when_the_ranks_differ() -> N
 def test_a_1024_rank_hang_names_a_handful_of_ranks_per_line() -> None:
     """The findings of a run whose ranks could not exchange (built from the ranks' files) stay short too."""
     from ddp_doctor.analyze.failures import failure_findings
-    from ddp_doctor.core.rankfiles import RankState
+    from ddp_doctor.core.rankstate import RankState
 
     states = {
         r: RankState(

@@ -257,7 +257,7 @@ def _crash_mid_step(rank: int, world: int) -> dict:
     ddp, opt = _model()
     published: list[tuple[int, str]] = []
     doctor = observe(ddp, optimizer=opt)
-    doctor.on_phase = lambda d: published.append((d.position_step, str(d.phase)))
+    doctor.on_phase = lambda d: published.append((d.position.step, str(d.position.phase)))
     with pytest.raises(ValueError), doctor:
         for step in range(3):
             x, y = batch(rank, step)
@@ -281,7 +281,9 @@ def _used_set_news(rank: int, world: int) -> list:
     ddp, opt = _model(find_unused_parameters=True)
     news: list[tuple[int, str, tuple[int, list[str]]]] = []
     doctor = observe(ddp, optimizer=opt)
-    doctor.on_phase = lambda d: d.used_set_news and news.append((d.steps_observed, str(d.phase), d.missing_grads()))
+    doctor.on_phase = lambda d: (
+        d.position.used_set_news and news.append((d.steps_observed, str(d.position.phase), d.position.missing_grads()))
+    )
     with doctor:
         _step(ddp, opt, rank, 0, use_b=False)
     return news

@@ -8,7 +8,8 @@ import json
 from ddp_doctor.analyze.failures import failure_findings
 from ddp_doctor.analyze.recommend import recommend_after_failure
 from ddp_doctor.core.findings import Recommendation
-from ddp_doctor.core.rankfiles import ExplainedError, Outcome, RaisedError, RankState
+from ddp_doctor.core.rankfiles import ExplainedError, Outcome, RaisedError
+from ddp_doctor.core.rankstate import RankState
 
 TWICE = (
     "DDP failed on rank {r}: with find_unused_parameters=True a parameter was marked ready twice. These parameters "

@@ -4,7 +4,8 @@ parameter shapes differ by rank."""
 from __future__ import annotations
 
 from ddp_doctor.analyze.failures import failure_findings
-from ddp_doctor.core.rankfiles import Outcome, RaisedError, RankState, WrapShapes
+from ddp_doctor.core.rankfiles import Outcome, RaisedError, WrapShapes
+from ddp_doctor.core.rankstate import RankState
 
 REFUSED = (
     "[1]: params[0] in this process with sizes [11, 16] appears not to match sizes of the same param in process 0."

@@ -194,7 +194,8 @@ def test_a_parameter_used_outside_forward_is_one_joint_finding_and_the_fix_is_ve
 def test_a_report_without_a_shown_failure_never_points_at_one() -> None:
     """When the ranks' files explain nothing, the recommendation says where the ranks were instead of pointing at
     a failure the report does not show."""
-    from ddp_doctor.core.rankfiles import Outcome, RankState
+    from ddp_doctor.core.rankfiles import Outcome
+    from ddp_doctor.core.rankstate import RankState
     from ddp_doctor.launch.outcome import _failure_report
 
     states = {

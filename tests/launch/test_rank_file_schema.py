@@ -16,10 +16,10 @@ from ddp_doctor.core.rankfiles import (
     RaisedError,
     end_path,
     read_end,
-    read_rank_states,
     write_end,
     write_progress,
 )
+from ddp_doctor.core.rankstate import read_rank_states
 from ddp_doctor.launch.watchdog import peers_wait_in_collective
 
 

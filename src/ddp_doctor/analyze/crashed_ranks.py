@@ -12,8 +12,9 @@ import re
 from ddp_doctor.analyze.positions import others
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef
-from ddp_doctor.core.rankfiles import ExplainedError, RaisedError, RankState
+from ddp_doctor.core.rankfiles import ExplainedError, RaisedError
 from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.rankstate import RankState
 
 __all__ = ["crash_findings", "trained_elsewhere"]
 

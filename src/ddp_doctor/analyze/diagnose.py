@@ -29,7 +29,7 @@ from ddp_doctor.analyze.snippets import with_code
 from ddp_doctor.core.codes import SEVERITIES, Code
 from ddp_doctor.core.findings import Diagnosis, Recommendation, Timing
 from ddp_doctor.core.followed import Following, FollowSummary
-from ddp_doctor.core.rankfiles import RankState
+from ddp_doctor.core.rankstate import RankState
 from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 
@@ -51,7 +51,7 @@ def diagnose_failure(
     (`analyze/shapes.py`, from the wrap records).
 
     Args:
-        states: every rank's files, merged (`core.rankfiles.read_rank_states`).
+        states: every rank's files, merged (`core.rankstate.read_rank_states`).
         timed_out: the supervisor's `--timeout` ran out.
         native: gloo's or NCCL's own error lines found in the job's output.
         interrupted: `ddp-doctor` was stopped by a signal: no findings, and a recommendation that says where the

@@ -11,8 +11,9 @@ from ddp_doctor.analyze.positions import capped, fault_place, others, short, whe
 from ddp_doctor.analyze.shapes import shape_findings
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.core.rankfiles import PHASES, Outcome, RankState
+from ddp_doctor.core.rankfiles import PHASES, Outcome
 from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.rankstate import RankState
 
 __all__ = ["failure_findings"]
 

@@ -7,7 +7,8 @@ Pure: reads the supervisor's `RankState` per rank (the ranks' own files, merged)
 
 from __future__ import annotations
 
-from ddp_doctor.core.rankfiles import Outcome, RankState
+from ddp_doctor.core.rankfiles import Outcome
+from ddp_doctor.core.rankstate import RankState
 
 __all__ = ["SHOWN", "capped", "fault_place", "others", "short", "where"]
 

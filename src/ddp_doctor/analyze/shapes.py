@@ -8,8 +8,9 @@ import re
 
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef
-from ddp_doctor.core.rankfiles import ExplainedError, RankState
+from ddp_doctor.core.rankfiles import ExplainedError
 from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.rankstate import RankState
 
 __all__ = ["SHAPE_ERROR", "explain_shape_error", "refused_at_wrap", "shape_findings"]
 

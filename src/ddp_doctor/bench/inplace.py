@@ -14,9 +14,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer
 
 from ddp_doctor.bench.candidates import Config
-from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR, freeze_named
+from ddp_doctor.core.errors import DoctorError
+from ddp_doctor.doctor import Doctor
+from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR, constructor_kwargs, freeze_named
 
-__all__ = ["Snapshot", "rebuild_in_place"]
+__all__ = ["Snapshot", "rebuild_in_place", "why_not_shared"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,3 +127,27 @@ class Snapshot:
             opt.state[p] = {k: back(v) for k, v in s.items()}
         for group, saved in zip(opt.param_groups, self.groups):
             group.update(copy.deepcopy(saved))  # in place: a scheduler holds these dicts
+
+
+def why_not_shared(
+    doctors: list[Doctor],
+    ddp: DistributedDataParallel | None,
+    optimizer: Optimizer | None,
+    snapshot: Snapshot | None,
+    snapshot_error: str,
+) -> tuple[str, dict[str, Any]]:
+    """Why the candidates cannot share this launch ("" when they can), and the script's DDP arguments to rebuild
+    its wrapper from when they can."""
+    if len(doctors) != 1:
+        return (
+            f"the script builds {len(doctors)} DDP models; the bench rebuilds one wrapper in place, so "
+            "each candidate needs a launch of its own"
+        ), {}
+    if ddp is None or doctors[0].ddp is not ddp or optimizer is None:
+        return "the optimizer that trains the DDP model was not found before the first step", {}
+    if snapshot is None:
+        return snapshot_error or "the model state could not be copied before the first step", {}
+    try:
+        return "", constructor_kwargs(ddp)
+    except DoctorError as exc:
+        return f"DDP cannot be rebuilt in place: {exc}", {}

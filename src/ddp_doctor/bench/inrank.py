@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ddp_doctor.bench.candidates import Config, candidates
-from ddp_doctor.bench.inplace import Snapshot, rebuild_in_place
+from ddp_doctor.bench.inplace import Snapshot, rebuild_in_place, why_not_shared
 from ddp_doctor.bench.plan import (
     TIMING_FILE,
     BenchLog,
@@ -184,7 +184,12 @@ class InRankBench:
         self._live = [n for n, _ in cands]
         if plan.budget_deadline is None and plan.budget_s is not None:
             self.log.budget_deadline = time.time() + plan.budget_s
-        self.log.why_not_shared = self._why_not_shared(doctors)
+        if not self.plan.share:
+            self.log.why_not_shared = "the parent asked for one block"
+        else:
+            self.log.why_not_shared, self._base_kwargs = why_not_shared(
+                doctors, self.ddp, self.optimizer, self._snapshot, self._snapshot_error
+            )
         self.log.shared = not self.log.why_not_shared
         self._round_started = time.monotonic()
         if first in self._pending:
@@ -208,30 +213,10 @@ class InRankBench:
             self.log.blocks.append(Block(round=self._round, name="check", status="check"))
         self._next()
 
-    def _why_not_shared(self, doctors: list[Doctor]) -> str:
-        if not self.plan.share:
-            return "the parent asked for one block"
-        if len(doctors) != 1:
-            return (
-                f"the script builds {len(doctors)} DDP models; the bench rebuilds one wrapper in place, so "
-                "each candidate needs a launch of its own"
-            )
-        if self.ddp is None or doctors[0].ddp is not self.ddp or self.optimizer is None:
-            return "the optimizer that trains the DDP model was not found before the first step"
-        if self._snapshot is None:
-            return self._snapshot_error or "the model state could not be copied before the first step"
-        try:
-            from ddp_doctor.observation.wrapstate import constructor_kwargs
-
-            self._base_kwargs = constructor_kwargs(self.ddp)
-        except DoctorError as exc:
-            return f"DDP cannot be rebuilt in place: {exc}"
-        return ""
-
     def on_script_end(self) -> None:
         """The script's loop ended (the session is about to leave): keep what the current block timed."""
         if self._block is not None and self._stamps is not None:
-            self._block.step_s = self._durations()
+            self._block.step_s = _durations(self._stamps)
             if self._timed_blocks == 0:
                 self._write_timing(self._block.step_s)
         self.log.ended = f"the script's loop ended after {self._steps} optimizer steps"
@@ -305,14 +290,10 @@ class InRankBench:
             self._stamps = [time.perf_counter()]
         self._write()
 
-    def _durations(self) -> list[float]:
-        stamps = self._stamps or []
-        return [b - a for a, b in itertools.pairwise(stamps)]
-
     def _timed(self) -> None:
         block = self._block
         assert block is not None
-        block.step_s, block.status = self._durations(), "done"
+        block.step_s, block.status = _durations(self._stamps), "done"
         self._stamps = None
         self._round_times[block.name] = statistics.median(block.step_s)
         if self._timed_blocks == 0:
@@ -393,3 +374,8 @@ class InRankBench:
     def _write_timing(self, steps: list[float]) -> None:
         if self.host.local_rank == 0:
             write_json(self.host.outdir / TIMING_FILE, {"rank": self.host.rank, "step_s": steps})
+
+
+def _durations(stamps: list[float] | None) -> list[float]:
+    """The step times between consecutive stamps."""
+    return [b - a for a, b in itertools.pairwise(stamps or [])]

@@ -15,7 +15,8 @@ from rich.table import Table
 
 from ddp_doctor.bench import BenchResult, run_bench
 from ddp_doctor.bench.run import Candidate
-from ddp_doctor.cli.check import add_check_arguments, torchrun_subparser, validate
+from ddp_doctor.cli.check import add_check_arguments, validate
+from ddp_doctor.cli.torchrun_options import torchrun_subparser
 from ddp_doctor.core.findings import finite
 
 __all__ = ["CANDIDATE_NAMES", "register", "render"]

@@ -8,28 +8,18 @@ import json
 import os
 import signal
 import sys
-import textwrap
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from rich.console import Console
 from rich.rule import Rule
 
+from ddp_doctor.cli.torchrun_options import torchrun_parser, torchrun_subparser
 from ddp_doctor.core.codes import Code
 from ddp_doctor.launch.outcome import CheckResult, exit_code
 from ddp_doctor.launch.supervise import check_namespace
 
-__all__ = [
-    "add_check_arguments",
-    "check",
-    "check_page",
-    "parse_ddp_kwargs",
-    "register",
-    "render_result",
-    "torchrun_subparser",
-    "validate",
-]
+__all__ = ["add_check_arguments", "check", "check_page", "parse_ddp_kwargs", "register", "render_result", "validate"]
 
 EXAMPLES = """\
   # the two-rank CPU check of a script you normally start with torchrun
@@ -73,63 +63,6 @@ _OURS = (
     "func",
 )
 _BENCH = ("rounds", "configs", "html")
-
-
-def _torchrun_parser() -> argparse.ArgumentParser:
-    from torch.distributed.run import get_args_parser
-
-    return get_args_parser()
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Raw descriptions, without the indent argparse puts on their blank lines."""
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
-
-
-def torchrun_subparser(
-    sub: argparse._SubParsersAction,
-    name: str,
-    *,
-    help: str,
-    description: str,
-    epilog: str,
-    examples: str,
-    add_ours: Callable[[Any], None],
-) -> argparse.ArgumentParser:
-    """A subcommand that takes torchrun's options: ours first with the examples, then torchrun's in their own group.
-
-    torchrun's own actions are moved into a titled group (as argparse's `parents=` does internally), so that they
-    parse exactly as torchrun parses them; only where `--help` shows them changes.
-    """
-    p = sub.add_parser(
-        name,
-        help=help,
-        description=textwrap.fill(description, 100),
-        epilog=epilog,
-        add_help=False,
-        usage=f"%(prog)s [{name} options] [torchrun options] SCRIPT [SCRIPT ARGS ...]",
-        formatter_class=_Formatter,
-    )
-    ours = p.add_argument_group(f"{name} options")
-    ours.add_argument("-h", "--help", action="help", help="show this help and exit")
-    add_ours(ours)
-    p.add_argument_group("examples", examples)
-    script = p.add_argument_group("the script")
-    launcher = p.add_argument_group(
-        "torchrun options", "PyTorch's launcher options, passed to torchrun unchanged (torchrun --help)"
-    )
-    for action in _torchrun_parser()._actions:
-        if isinstance(action, argparse._HelpAction):
-            continue
-        if action.dest == "training_script":
-            action.metavar, action.help = "SCRIPT", "the training script (a module with -m), as torchrun takes it"
-        elif action.dest == "training_script_args":
-            action.metavar, action.help = "SCRIPT ARGS", "the script's own arguments"
-        (launcher if action.option_strings else script)._add_action(action)
-    p.set_defaults(_parser=p)
-    return p
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -270,7 +203,7 @@ def check(
     """Run `check` from Python: `torchrun` holds torchrun's own options, e.g. `["--nproc-per-node", "2"]`."""
     argv = [*torchrun, *(["-m"] if module else []), script, *script_args]
     return check_namespace(
-        vars(_torchrun_parser().parse_args(argv)),
+        vars(torchrun_parser().parse_args(argv)),
         steps=steps,
         ddp_kwargs=dict(ddp_kwargs or {}),
         freeze=list(freeze_before_wrap),

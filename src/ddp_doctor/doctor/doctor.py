@@ -34,9 +34,9 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.errors import DDPFailure, InvalidArgumentError, NoTrainableParametersError
 from ddp_doctor.core.frames import user_site_of
-from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.records import RankRecord
 from ddp_doctor.doctor.pipeline import diagnose
+from ddp_doctor.doctor.position import Position
 from ddp_doctor.exchange.primitives import comm_device
 from ddp_doctor.observation import dataloaders, saves
 from ddp_doctor.observation.backward import BackwardHooks
@@ -137,6 +137,8 @@ class Doctor:
         self._backward = BackwardHooks(t, self._timeline)
         self._forward = ForwardHooks(t, self._timeline, self._log, self._backward.hook_outputs)
         self._listeners = Probes(self._timeline, self._log, self._forward, t)
+        self.position = Position(t, self._timeline, self._log, self._crash)
+        """Where this rank is, for the launcher to publish (`position.py`)."""
         self.on_phase: Callable[[Doctor], None] | None = None
         """Called at every phase change (the launcher publishes the rank's position with it)."""
         self.on_steps_done: Callable[[Doctor], None] | None = None
@@ -155,44 +157,8 @@ class Doctor:
         return self._target.optimizer
 
     @property
-    def phase(self) -> str:
-        """What this rank is doing, for the launcher's hang report (a `Phase` value)."""
-        return self._timeline.phase.value
-
-    @property
     def steps_observed(self) -> int:
         return self._log.steps
-
-    @property
-    def position_step(self) -> int:
-        """The step this rank is in, for its published position: the failed one after a crash (which closes it)."""
-        return self._crash.step if self._crash.kind else self._log.steps
-
-    @property
-    def used_set_news(self) -> bool:
-        """A step's used set just became final (the step closed, or its synced backward computed every gradient
-        and DDP's all-reduce is in flight), or the loop crashed after one did: the launcher publishes it."""
-        tl = self._timeline
-        if tl.state.computed and tl.phase == Phase.BACKWARD:
-            return True
-        if self._crash.kind:
-            return bool(self._log.steps)
-        # A step whose synced backward published its used set is not published again when it closes (one pass over
-        # the parameters per step, not two).
-        return bool(self._log.steps) and tl.phase == Phase.BETWEEN_STEPS and not tl.closed_computed
-
-    def missing_grads(self, limit: int = 16) -> tuple[int, list[str]]:
-        """The last step whose synced backward computed every gradient (closed, or waiting in DDP's all-reduce)
-        and the trainable parameters that got no gradient in it (at most `limit` names).
-
-        Published by the launcher, so that a rank later stuck in a collective, which can no longer exchange its
-        records, still tells which parameters it trained. Local, one pass over the parameters."""
-        state = self._timeline.state
-        if state.computed:
-            params, names = self._target.params, self._target.names
-            missing = [n for n, p, u in zip(names, params, state.used) if p.requires_grad and not u]
-            return self._log.steps, missing[:limit]
-        return self._log.steps - 1, self._log.missing(self._target.names, limit)
 
     @property
     def finished(self) -> bool:

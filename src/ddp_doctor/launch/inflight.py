@@ -42,7 +42,7 @@ class CollectiveRecorder:
                 tensor=call.tensor,
                 group_size=call.group_size,
                 step=active.steps_observed if active is not None else None,
-                phase=active.phase if active is not None else None,
+                phase=active.position.phase if active is not None else None,
             ),
         )
 

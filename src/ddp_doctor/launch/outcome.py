@@ -16,7 +16,8 @@ from typing import Any
 from ddp_doctor.analyze import diagnose_after_steps, diagnose_failure, refused_at_wrap
 from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.findings import finite
-from ddp_doctor.core.rankfiles import Outcome, RankState, read_ends, read_rank_states
+from ddp_doctor.core.rankfiles import Outcome, read_ends
+from ddp_doctor.core.rankstate import RankState, read_rank_states
 from ddp_doctor.report.model import Report, RunFacts
 
 __all__ = ["CheckResult", "Model", "collect", "exit_code"]

@@ -31,15 +31,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ddp_doctor.core.beacon import Beacon, ClosedStep
 from ddp_doctor.core.errors import DoctorError
-from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site_of
+from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame
 from ddp_doctor.core.phase import Phase
-from ddp_doctor.core.rankfiles import EndRecord, Outcome, ProgressSample, write_end, write_json
+from ddp_doctor.core.rankfiles import Outcome, write_json
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
-from ddp_doctor.launch.follow_epochs import CAPPED_NEXT, EpochFollowing, ended_by_our_cap, is_world
+from ddp_doctor.launch.follow_epochs import CAPPED_NEXT, EpochFollowing, ended_by_our_cap
 from ddp_doctor.launch.inflight import CollectiveRecorder
 from ddp_doctor.launch.patches import (
     patch_ddp_init,
@@ -48,9 +47,10 @@ from ddp_doctor.launch.patches import (
     patch_optimizer_init,
 )
 from ddp_doctor.launch.policy import CheckPolicy, RunPolicy
+from ddp_doctor.launch.publish import Publisher
 from ddp_doctor.launch.raised import raised_error
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch
-from ddp_doctor.launch.watchdog import Watchdog, main_thread_position, peers_train_on, peers_wait_in_collective
+from ddp_doctor.launch.watchdog import Watchdog, peers_train_on, peers_wait_in_collective
 from ddp_doctor.observation import dataloaders, gradedits, saves
 from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR, freeze_named
 from ddp_doctor.report.model import Report
@@ -87,16 +87,24 @@ class Session:
         """DDP's own constructor (a policy may rebuild the script's DDP with it, unobserved: `bench`)."""
         self.signature = inspect.signature(self.original_init)
         """DDP's constructor's signature (the patched constructor binds the script's arguments with it)."""
-        self.beacon = Beacon(self.outdir / f"rank{self.rank}.beacon")
+        self.follow = EpochFollowing(config)
+        """Follows the script through its epoch ends after the observed steps (`--follow-epochs`)."""
+        self.out = Publisher(
+            self.outdir,
+            doctors=self.doctors,
+            models=self.models,
+            ended=self.ended,
+            following=lambda: self.follow.active,
+        )
+        """What the rank leaves for the supervisor (`publish.py`)."""
+        self.beacon = self.out.beacon
         self.collectives = CollectiveRecorder(
             self.beacon, lambda: next((d for d in self.doctors if not d.finished), None)
         )
         self.plain = PlainOptimizerWatch()
-        self.watchdog = Watchdog(self.outdir, self.progress, self.ended, config.deadline)
+        self.watchdog = Watchdog(self.outdir, self.out.progress, self.ended, config.deadline)
         self.policy: RunPolicy = CheckPolicy()
         """What happens after the report (set in `install`)."""
-        self.follow = EpochFollowing(config)
-        """Follows the script through its epoch ends after the observed steps (`--follow-epochs`)."""
 
     # ---------------------------------------------------------------------------------------------- set-up
 
@@ -192,7 +200,7 @@ class Session:
             report = self.plain.report()
         except DoctorError as exc:
             logger.warning("ddp-doctor: rank %d could not compare the unwrapped model: %s", self.rank, exc)
-            self._end(Outcome.NO_EXCHANGE, error=str(exc))
+            self.out.end(Outcome.NO_EXCHANGE, error=str(exc))
             self._exit(1)
             return
         opt = self.plain.optimizer
@@ -204,24 +212,14 @@ class Session:
         }
         if self.local_rank == 0:
             write_json(self.outdir / "report.json", {"reason": reason, "models": [model]})
-        self._end(Outcome.REPORTED, reason=reason)
+        self.out.end(Outcome.REPORTED, reason=reason)
         self.leave()
 
     # ------------------------------------------------------------------------------------------- position
 
     def on_phase(self, doctor: Doctor) -> None:
         """Publish the rank's position (step, phase, the user's line) in its beacon."""
-        model = next((i for i, d in enumerate(self.doctors) if d is doctor), len(self.doctors))
-        extra: dict[str, Any] = {}
-        if doctor.used_set_news:
-            # What the step left without a gradient once its backward computed them all: a rank that then waits in
-            # DDP's all-reduce (or a later collective) for a peer that never comes still tells which parameters it
-            # trained (analyze.failures reads it against a peer's DDP error).
-            step, names = doctor.missing_grads()
-            extra["closed"] = ClosedStep(step=step, missing=list(names))
-        self.beacon.update(
-            step=doctor.position_step, phase=doctor.phase, model=model, site=user_site_of(sys._getframe(1)), **extra
-        )
+        self.out.position(doctor)
 
     # ----------------------------------------------------------------------------------------------- ending
 
@@ -250,7 +248,7 @@ class Session:
         step = max((d.steps_observed for d in self.doctors), default=-1)
         if not self.doctors and self.plain.steps and not self._finishing and code == 0:
             self.finish_unwrapped("the script ended")
-        self._end(Outcome.EXITED, status=code, site=site, step=step, phase=str(self.progress().phase))
+        self.out.end(Outcome.EXITED, status=code, site=site, step=step, phase=str(self.out.progress().phase))
         if (
             self.doctors
             and not self._finishing
@@ -275,10 +273,10 @@ class Session:
         # First: recording the crash publishes the failed step as closed, and a rank that closed its step in
         # backward looks like one waiting in DDP's all-reduce to a peer that crashed too (peers_wait_in_collective).
         self.beacon.update(crashed=True)
-        raised = raised_error(exc, self.doctors, phase=str(self.progress().phase))
+        raised = raised_error(exc, self.doctors, phase=str(self.out.progress().phase))
         # After finish() the report is written: this crash happened in what the policy ran after it (bench).
         outcome = Outcome.CRASHED_AFTER_REPORT if self._finishing else Outcome.CRASHED
-        self._end(outcome, raised=raised, overwrite=True)
+        self.out.end(outcome, raised=raised, overwrite=True)
         if raised.explained is None and not raised.peer_lost:
             # Not DDP's error: the user needs the whole traceback, as torchrun would have shown it.
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -306,7 +304,7 @@ class Session:
             reports = self._exchange(reason, timeout, exit_code, follow=False)
             if reports is None:
                 return
-            self._write(reports, reason, "report.steps.json")
+            self.out.reports(reports, reason, "report.steps.json")
             if self.follow.start(self.doctors):
                 self.beacon.update(phase=Phase.FOLLOWING.value)
                 return  # the script goes on, lightly watched, to its next epoch end
@@ -314,8 +312,8 @@ class Session:
         reports = self._exchange(reason, timeout, exit_code, follow=True)
         if reports is None:
             return
-        self._write(reports, reason, "report.json")
-        self._end(Outcome.REPORTED, reason=reason)
+        self.out.reports(reports, reason, "report.json")
+        self.out.end(Outcome.REPORTED, reason=reason)
         if not exit_code and reason == self._steps_reason and self.policy.reported(self.doctors, reports):
             return  # the policy goes on in this process, and leaves when it is done
         self.leave()
@@ -332,12 +330,12 @@ class Session:
         except DoctorError as exc:
             self._finishing = True
             logger.warning("ddp-doctor: rank %d could not exchange records (%s): %s", self.rank, reason, exc)
-            self._end(Outcome.NO_EXCHANGE, error=str(exc))
+            self.out.end(Outcome.NO_EXCHANGE, error=str(exc))
             self._exit(1 if exit_code is None else exit_code)
             return None
         except Exception as exc:  # noqa: BLE001  (a bug of ours must never read as a clean report)
             self._finishing = True
-            self._end(
+            self.out.end(
                 Outcome.INTERNAL_ERROR, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-20000:]
             )
             self._exit(1)
@@ -345,25 +343,6 @@ class Session:
         if follow:
             self.follow.annotate(self.doctors, reports, followed)
         return reports
-
-    def _write(self, reports: list[Report], reason: str, name: str) -> None:
-        """A model over the whole world is written to `name` by each node's local rank 0; a model over a subgroup
-        (a data-parallel group of a hybrid job) by the group's first rank, into its own file."""
-        world = [(m, r) for d, m, r in zip(self.doctors, self.models, reports) if is_world(d.ddp.process_group)]
-        mine = [
-            (m, r)
-            for d, m, r in zip(self.doctors, self.models, reports)
-            if not is_world(d.ddp.process_group) and dist.get_rank(d.ddp.process_group) == 0
-        ]
-        if self.local_rank == 0:
-            write_json(
-                self.outdir / name, {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in world]}
-            )
-        if mine and name == "report.json":
-            write_json(
-                self.outdir / f"report.rank{self.rank}.json",
-                {"reason": reason, "models": [{**m, "report": r.to_dict()} for m, r in mine]},
-            )
 
     def leave(self) -> None:
         """Wait (briefly) for every rank to get here, then exit with status 0."""
@@ -373,43 +352,6 @@ class Session:
         except DoctorError:
             pass
         self._exit(0)
-
-    def _end(self, outcome: Outcome, *, overwrite: bool = False, **fields: Any) -> None:
-        """Write the rank's end record (the first ending wins, unless `overwrite`); `fields`: `EndRecord`'s."""
-        record = EndRecord(
-            rank=self.rank,
-            local_rank=self.local_rank,
-            world_size=self.world_size,
-            pid=os.getpid(),
-            outcome=outcome,
-            models=self.models,
-            ddp_models=len(self.doctors),
-            **fields,
-        )
-        write_end(self.outdir, record, overwrite=overwrite)
-
-    def progress(self) -> ProgressSample:
-        """Where the rank is now (the watchdog's sample; any thread)."""
-        active = next((d for d in self.doctors if not d.finished), self.doctors[-1] if self.doctors else None)
-        user, innermost = main_thread_position()
-        return ProgressSample(
-            rank=self.rank,
-            local_rank=self.local_rank,
-            world_size=self.world_size,
-            pid=os.getpid(),
-            ddp_models=len(self.doctors),
-            models=self.models,
-            step=active.position_step if active is not None else -1,
-            phase=Phase.FOLLOWING.value
-            if self.follow.active
-            else active.phase
-            if active is not None
-            else Phase.BEFORE_DDP.value,
-            user_frame=user,
-            innermost=innermost,
-            ended=self.ended.is_set(),
-            time=time.time(),
-        )
 
     def _exit(self, code: int) -> None:
         self.ended.set()
