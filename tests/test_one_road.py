@@ -14,7 +14,7 @@ import pytest
 
 from ddp_doctor.analyze import diagnose_following, diagnose_unwrapped, diagnose_verified
 from ddp_doctor.core.findings import Diagnosis, Finding, ParamRef, Recommendation, Timing
-from ddp_doctor.core.followed import FollowSummary
+from ddp_doctor.core.following import FollowSummary
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.report import Report, RunFacts
 

@@ -45,7 +45,7 @@ check epoch_end_nccl 1 benchmarks/gpu/epoch_end_cuda.py --backend nccl --eval-ba
 echo "=== the group timeout as following reads it, on NCCL"
 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 RANK=0 WORLD_SIZE=1 python3 -c "
 import datetime, torch, torch.distributed as dist
-from ddp_doctor.launch.follow_epochs import group_timeout
+from ddp_doctor.launch.following_run import group_timeout
 torch.cuda.set_device(0)
 dist.init_process_group('nccl', timeout=datetime.timedelta(seconds=20))
 dist.all_reduce(torch.ones(1, device='cuda'))

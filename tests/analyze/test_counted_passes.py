@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from dist import run_ranks
 
-from ddp_doctor.analyze.epoch_ends import counted_uneven, following_findings, unchecked
+from ddp_doctor.analyze.following_ends import counted_uneven, following_findings, unchecked
 from ddp_doctor.core.findings import Recommendation, Timing
-from ddp_doctor.core.followed import FollowRecord, FollowSummary, LoaderSeen
-from ddp_doctor.exchange.follow import exchange_follow
+from ddp_doctor.core.following import FollowRecord, FollowSummary, LoaderSeen
+from ddp_doctor.exchange.following_rounds import exchange_follow
 from ddp_doctor.report.model import Report
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from dist import run_ranks
 
-from ddp_doctor.analyze.epoch_ends import NO_LOADER, following_findings, following_section
+from ddp_doctor.analyze.following_ends import NO_LOADER, following_findings, following_section
 from ddp_doctor.core.findings import Recommendation, Timing
-from ddp_doctor.core.followed import AloneSpan, FollowRecord, FollowSummary, LoaderSeen, SyncPoint
-from ddp_doctor.exchange.follow import exchange_follow, projected_gaps
+from ddp_doctor.core.following import AloneSpan, FollowRecord, FollowSummary, LoaderSeen, SyncPoint
+from ddp_doctor.exchange.following_rounds import exchange_follow, projected_gaps
 from ddp_doctor.report.model import Report
 
 

@@ -20,15 +20,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ddp_doctor.analyze.epoch_ends import following_findings, following_section, unchecked
 from ddp_doctor.analyze.failures import failure_findings
+from ddp_doctor.analyze.following_ends import following_findings, following_section, unchecked
 from ddp_doctor.analyze.not_wrapped import unwrapped_findings, unwrapped_recommendation
 from ddp_doctor.analyze.recommend import recommend_after_failure, verified_by_second_run
 from ddp_doctor.analyze.sharded import sharded_findings, sharded_recommendation
 from ddp_doctor.analyze.snippets import with_code
 from ddp_doctor.core.codes import SEVERITIES, Code
 from ddp_doctor.core.findings import Diagnosis, Recommendation, Timing
-from ddp_doctor.core.followed import Following, FollowSummary
+from ddp_doctor.core.following import Following, FollowSummary
 from ddp_doctor.core.rankstate import RankState
 from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
@@ -122,7 +122,7 @@ def diagnose_following(
     steps: Diagnosis, summary: FollowSummary | None, *, framework: str, epochs: int, limit: int, followed: bool
 ) -> Diagnosis:
     """The observed steps' diagnosis with what following the script through its epoch ends found
-    (`analyze/epoch_ends.py`): its section, its findings in severity order, what went unchecked and the files
+    (`analyze/following_ends.py`): its section, its findings in severity order, what went unchecked and the files
     written.
 
     Args:

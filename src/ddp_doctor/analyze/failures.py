@@ -6,7 +6,7 @@ Pure: the input is the supervisor's `RankState` per rank (the ranks' own files, 
 from __future__ import annotations
 
 from ddp_doctor.analyze.crashed_ranks import crash_findings
-from ddp_doctor.analyze.epoch_ends import timed_out_waiting
+from ddp_doctor.analyze.following_ends import timed_out_waiting
 from ddp_doctor.analyze.positions import capped, fault_place, others, short, where
 from ddp_doctor.analyze.shapes import shape_findings
 from ddp_doctor.core.codes import Code

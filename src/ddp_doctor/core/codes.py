@@ -230,7 +230,7 @@ TABLE: tuple[CodeInfo, ...] = (
          "an optimizer trains parameters on several ranks with no DDP around them",
          when="error; info when a manual sync kept the replicas equal",
          more=": *no DDP: 4 of 4 trained parameters differ across ranks* (from `check`)"),
-    _row(Code.COLLECTIVE_MISMATCH, Family.LOCKSTEP, "error/warning", "consistency.py epoch_ends.py failures.py",
+    _row(Code.COLLECTIVE_MISMATCH, Family.LOCKSTEP, "error/warning", "consistency.py following_ends.py failures.py",
          "ranks issued different collectives, or different numbers of synced backward passes",
          when="error; warning for a DDP forward with autograd on and no backward on some ranks that issued no "
               "collective",
@@ -241,7 +241,7 @@ TABLE: tuple[CodeInfo, ...] = (
               "at eval.py:30 in step 2; rank 1 did not* (DDP's own buffer broadcast, counted per step); a collective "
               "one rank skips at an epoch end (see [Collectives the ranks do not agree "
               "on](#collectives-the-ranks-do-not-agree-on))"),
-    _row(Code.UNEVEN_INPUTS, Family.LOCKSTEP, "error/warning/info", "epochs.py epoch_ends.py",
+    _row(Code.UNEVEN_INPUTS, Family.LOCKSTEP, "error/warning/info", "epochs.py following_ends.py",
          "ranks have different numbers of batches per epoch",
          when="error when a training loader's batch counts differ; warning for a loader no optimizer step trained on "
               "(an evaluation); info when they are equal only through `DistributedSampler`'s padding",
@@ -299,7 +299,7 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.CHECKPOINT_MODULE_PREFIX, Family.WRAP_AND_EPOCH_ENDS, "info", "checkpoints.py",
          "the DDP wrapper's state dict (keys 'module.*') was saved",
          more=": *the DDP wrapper's state dict was saved to checkpoints/last.pt*"),
-    _row(Code.TIMEOUT_RISK, Family.WRAP_AND_EPOCH_ENDS, "error/warning", "epoch_ends.py",
+    _row(Code.TIMEOUT_RISK, Family.WRAP_AND_EPOCH_ENDS, "error/warning", "following_ends.py",
          "a rank works alone while the others wait in a collective, long enough to reach the timeout",
          when="error when the projection reaches the timeout, warning at half of it",
          more=", after the observed steps: *rank 0 works alone for about 40 s at the loaders' real lengths while the "

@@ -8,7 +8,7 @@ from typing import Any
 
 from ddp_doctor.core.codes import CODES, SEVERITIES
 from ddp_doctor.core.figures import Divergence, UsageMap
-from ddp_doctor.core.followed import Following
+from ddp_doctor.core.following import Following
 from ddp_doctor.core.steptime import RankTiming
 
 __all__ = ["Crash", "Diagnosis", "Finding", "ParamRef", "Recommendation", "Timing", "finite"]

@@ -19,7 +19,7 @@ from ddp_doctor.core.frames import user_site_of
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import EndRecord, Outcome, ProgressSample, write_end, write_json
 from ddp_doctor.doctor import Doctor
-from ddp_doctor.launch.follow_epochs import is_world
+from ddp_doctor.launch.following_run import is_world
 from ddp_doctor.launch.watchdog import main_thread_position
 from ddp_doctor.report.model import Report
 

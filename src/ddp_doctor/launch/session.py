@@ -3,7 +3,7 @@
 `Session.install()` runs before any user code and patches DDP's constructor in place (`patches.py`), so every DDP
 model the script builds, directly or inside HF Trainer, Accelerate or Lightning, gets the `--ddp-kwargs` overrides
 and a `Doctor` with `optimizer="auto"`. When every doctor has seen its K steps, all ranks exchange their records and
-the node's local rank 0 writes the report; then the script is followed through its epoch ends (`follow_epochs.py`)
+the node's local rank 0 writes the report; then the script is followed through its epoch ends (`following_run.py`)
 and the report is written again, or every rank exits right there (the rest of the script never runs).
 
 A rank that crashed alone cannot count on the others to join a collective, so each rank also leaves files in the
@@ -38,7 +38,7 @@ from ddp_doctor.core.rankfiles import Outcome, write_json
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
-from ddp_doctor.launch.follow_epochs import CAPPED_NEXT, EpochFollowing, ended_by_our_cap
+from ddp_doctor.launch.following_run import CAPPED_NEXT, EpochFollowing, ended_by_our_cap
 from ddp_doctor.launch.inflight import CollectiveRecorder
 from ddp_doctor.launch.patches import (
     patch_ddp_init,

@@ -14,7 +14,7 @@ from ddp_doctor.core import VERSION
 from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.figures import Divergence, UsageMap
 from ddp_doctor.core.findings import Crash, Diagnosis, Finding, ParamRef, Recommendation, Timing, finite
-from ddp_doctor.core.followed import Following
+from ddp_doctor.core.following import Following
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.records import ModelInfo
 

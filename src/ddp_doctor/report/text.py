@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.core.followed import Following
+from ddp_doctor.core.following import Following
 from ddp_doctor.core.ranks import rank_ranges
 from ddp_doctor.core.steptime import PHASES, RankTiming
 from ddp_doctor.report.data import ReportData

@@ -1,6 +1,6 @@
 """The launch's side of following a script through its epoch ends (`check --follow-epochs N`): when it starts,
 when it ends, the exchange at its end, and what it adds to the reports. The watch itself (the capped loaders, the
-sync points) is `observation/following.py`; the exchange `exchange/follow.py`; the findings `analyze/epoch_ends.py`.
+sync points) is `observation/following_watch.py`; the exchange `exchange/following_rounds.py`; the findings `analyze/following_ends.py`.
 
 Every rank follows or none does: whether the observed steps trained on an open DataLoader pass is agreed in one
 all_reduce(MIN) when they end. Following ends at the first optimizer step of a training pass started after the Nth
@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 
 from ddp_doctor.analyze import diagnose_following
-from ddp_doctor.core.followed import FollowSummary
+from ddp_doctor.core.following import FollowSummary
 from ddp_doctor.doctor import Doctor
-from ddp_doctor.exchange.follow import exchange_follow
+from ddp_doctor.exchange.following_rounds import exchange_follow
 from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.observation import dataloaders
-from ddp_doctor.observation.following import FollowWatch
+from ddp_doctor.observation.following_watch import FollowWatch
 from ddp_doctor.report.model import Report
 
 __all__ = ["CAPPED_NEXT", "EpochFollowing", "ended_by_our_cap", "group_timeout", "is_world"]

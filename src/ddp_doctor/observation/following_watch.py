@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_doctor.core.followed import COUNTED_PASSES, MAX_SYNC_POINTS, FollowRecord, LoaderSeen, SyncPoint
+from ddp_doctor.core.following import COUNTED_PASSES, MAX_SYNC_POINTS, FollowRecord, LoaderSeen, SyncPoint
 from ddp_doctor.core.frames import user_site, user_site_of
 from ddp_doctor.observation import collectives, dataloaders, saves
 from ddp_doctor.observation.collectives import Call
-from ddp_doctor.observation.counted_epochs import LightningEpochs
 from ddp_doctor.observation.dataloaders import Pass
+from ddp_doctor.observation.following_counted import LightningEpochs
 
 __all__ = ["FollowWatch"]
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_doctor.core.followed import COUNTED_PASSES, AloneSpan, FollowRecord, FollowSummary, SyncPoint
+from ddp_doctor.core.following import COUNTED_PASSES, AloneSpan, FollowRecord, FollowSummary, SyncPoint
 from ddp_doctor.exchange.oddranks import all_reduced, name_flagged, pick
 from ddp_doctor.exchange.packing import from_words, to_words
 from ddp_doctor.exchange.primitives import arrive, minmax

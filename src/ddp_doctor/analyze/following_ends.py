@@ -19,7 +19,7 @@ from typing import Any
 from ddp_doctor.analyze import rules
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.core.followed import Following, FollowSummary
+from ddp_doctor.core.following import Following, FollowSummary
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 

@@ -1,6 +1,6 @@
 """What following a script through its epoch ends saw (`check --follow-epochs`): each rank's local record, and the
-part of the report every rank agrees on. Plain data; `observation/following.py` fills the record,
-`exchange/follow.py` reduces it, `analyze/epoch_ends.py` reads the result."""
+part of the report every rank agrees on. Plain data; `observation/following_watch.py` fills the record,
+`exchange/following_rounds.py` reduces it, `analyze/following_ends.py` reads the result."""
 
 from __future__ import annotations
 
