@@ -172,9 +172,10 @@ _OUTPUT = re.compile(r"^[\w.{}]+\.(json|log|html|txt|svg|beacon|fault)$")  # fil
 
 class Index:
     """What a package defines, read from its source: modules, each module's top-level names, each class's
-    attributes (its body, `self.x = ...` in its methods, and its bases'), and every identifier its code uses."""
+    attributes (its body, `self.x = ...` in its methods, and its bases'), and every identifier its code uses (and
+    the code under `also`: the tests, which the docs name too)."""
 
-    def __init__(self, root: Path, package: str) -> None:
+    def __init__(self, root: Path, package: str, also: Iterable[Path] = ()) -> None:
         self.root, self.package = root, package
         self.modules = modules(root, package)
         self.top: dict[str, set[str]] = {}
@@ -194,21 +195,9 @@ class Index:
                         if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
                     }
                     self.classes.setdefault(node.name, []).append((attrs, [ast.unparse(b) for b in node.bases]))
-            for n in ast.walk(tree):
-                if isinstance(n, ast.Name):
-                    self.used.add(n.id)
-                elif isinstance(n, ast.Attribute):
-                    self.used.add(n.attr)
-                elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                    self.used.add(n.name)
-                elif isinstance(n, ast.arg):
-                    self.used.add(n.arg)
-                elif isinstance(n, ast.keyword) and n.arg:
-                    self.used.add(n.arg)
-                elif isinstance(n, ast.alias):
-                    self.used.update(n.name.split("."))
-                elif isinstance(n, ast.ImportFrom) and n.module:
-                    self.used.update(n.module.split("."))
+            self.used.update(_identifiers(tree))
+        for path in also:
+            self.used.update(_identifiers(ast.parse(path.read_text())))
         self.stems = {part for name in self.modules for part in name.split(".")}
 
     def _class_has(self, cls: str, attr: str, depth: int = 0) -> bool:
@@ -264,6 +253,25 @@ class Index:
         if parts[0] in self.used or parts[0] in FOREIGN:
             return None
         return f"{parts[0]} is named nowhere in the code (a foreign name goes in FOREIGN)"
+
+
+def _identifiers(tree: ast.Module) -> Iterator[str]:
+    """Every identifier the code of `tree` binds or uses."""
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            yield n.id
+        elif isinstance(n, ast.Attribute):
+            yield n.attr
+        elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            yield n.name
+        elif isinstance(n, ast.arg):
+            yield n.arg
+        elif isinstance(n, ast.keyword) and n.arg:
+            yield n.arg
+        elif isinstance(n, ast.alias):
+            yield from n.name.split(".")
+        elif isinstance(n, ast.ImportFrom) and n.module:
+            yield from n.module.split(".")
 
 
 def _bound(node: ast.stmt) -> Iterator[str]:
@@ -329,7 +337,8 @@ def test_no_file_over_400_lines_and_no_class_over_20_methods():
 
 def test_every_name_in_backquotes_in_the_docs_and_docstrings_exists():
     docs = [REPO / "docs" / "architecture.md", REPO / "ARCHITECTURE.md"]
-    assert stale_names(Index(ROOT, "ddp_doctor"), docs_and_docstrings(ROOT, docs)) == []
+    index = Index(ROOT, "ddp_doctor", also=sorted((REPO / "tests").rglob("*.py")))
+    assert stale_names(index, docs_and_docstrings(ROOT, docs)) == []
 
 
 # ------------------------------------------------------------------------------------------------ the checkers
