@@ -152,7 +152,8 @@ def test_verification_gives_a_new_recommendation() -> None:
     assert done.recommendation.verified and "Verified: a second run with these flags" in done.recommendation.reason
     assert not first.recommendation.verified and first.recommendation.reason == "R."
     failed = diagnose_verified(first, applied="{}", needed=3, second=_diagnosis([_finding("rank-crashed", "error")]))
-    assert not failed.recommendation.verified and "Not verified" in failed.recommendation.reason
+    assert not failed.recommendation.verified and "Refuted" in failed.recommendation.reason
+    assert not failed.recommendation.flags_known  # proven wrong: withdrawn
     none = diagnose_verified(first, applied="{}", needed=2, second=None, error="no rank started")
     assert none.recommendation.reason.endswith("did not run: no rank started.")
 

@@ -52,8 +52,7 @@ def test_a_crash_in_the_second_pass_is_named_with_both_backward_lines_and_no_fla
     assert sorted(r for f in found for r in f["ranks"]) == [0, 1]
     for f in found:
         assert f["severity"] == "error" and f["steps"] == [0], f
-        # Known gap (session 9's merge): when the ranks exchange, the detail does not name the two backward lines
-        # (56 and 58); the per-rank path does. Not asserted until that is fixed.
+        assert f"{SCRIPT}:56" in f["title"] + f["detail"] and f"{SCRIPT}:58" in f["title"] + f["detail"], f
         assert "find_unused_parameters=True and static_graph=True fail" in f["detail"], f["detail"]
         assert {p["name"] for p in f["params"]} <= DISCRIMINATOR | GENERATOR and f["params"], f
     assert "used outside" not in run.output and "grad-blocked" not in run.output

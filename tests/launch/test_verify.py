@@ -12,7 +12,9 @@ from ddp_doctor.report.model import Report
 SCRIPT_FLAGS = {"find_unused_parameters": True, "static_graph": False, "gradient_as_bucket_view": False}
 
 
-def _result(steps: int, *, rec: Recommendation | None = None, errors: int = 0) -> CheckResult:
+def _result(
+    steps: int, *, rec: Recommendation | None = None, errors: int = 0, code: str = "rank-crashed"
+) -> CheckResult:
     rec = rec or Recommendation(
         find_unused_parameters=False,
         static_graph=False,
@@ -21,7 +23,8 @@ def _result(steps: int, *, rec: Recommendation | None = None, errors: int = 0) -
         reason="find_unused_parameters=False is correct and cheapest.",
         verified=False,
     )
-    findings = [Finding(code="rank-crashed", severity="error", title="rank 1 crashed", detail="d")] * errors
+    title = "rank 1 crashed" if code == "rank-crashed" else f"{code} on rank 1"
+    findings = [Finding(code=code, severity="error", title=title, detail="d")] * errors
     report = Report(
         tool_version="0",
         torch_version="0",
@@ -65,10 +68,22 @@ def test_a_clean_second_run_on_as_many_steps_verifies_the_recommendation() -> No
 
 
 def test_a_second_run_that_fails_leaves_it_unverified_and_says_why() -> None:
+    # The flags failed (a crash, or a used set they do not cope with): advice proven wrong is withdrawn, its flags
+    # unknown (null in the JSON), the reason saying what was tried.
     first = _result(3)
     verify_recommendation(first, RankConfig(target="train.py"), lambda _c: _result(3, errors=1))
     rec = first.report.recommendation
-    assert not rec.verified and "did not confirm them: rank 1 crashed" in rec.reason, rec.reason
+    assert not rec.verified and not rec.flags_known, rec
+    assert "Refuted: a second run with these flags" in rec.reason and "failed: rank 1 crashed" in rec.reason
+
+    # An error flags cannot fix (gradients clipped on rank 0 only): the flags ran, they stay, unverified.
+    other = _result(3)
+    verify_recommendation(
+        other, RankConfig(target="train.py"), lambda _c: _result(3, errors=1, code="grads-changed-after-sync")
+    )
+    rec = other.report.recommendation
+    assert not rec.verified and rec.flags_known and rec.find_unused_parameters is False, rec
+    assert "errors that flags cannot fix remain: grads-changed-after-sync on rank 1" in rec.reason, rec.reason
 
     crashed = _result(2, errors=1)  # past the step where the first run failed: at least 3 steps
     verify_recommendation(crashed, RankConfig(target="train.py"), lambda _c: _result(2))

@@ -15,7 +15,7 @@ from typing import Any
 from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.used_set import hidden_params
 from ddp_doctor.analyze.view import View
-from ddp_doctor.core.codes import Code
+from ddp_doctor.core.codes import Code, Family, info
 from ddp_doctor.core.findings import Diagnosis, Finding, Recommendation
 
 __all__ = ["recommend", "recommend_after_failure", "verified_by_second_run"]
@@ -296,5 +296,22 @@ def verified_by_second_run(
             reason=rec.reason + f" Verified: a {tried} observed {second.steps_observed} step(s) on every rank with no "
             "error.",
         )
+    flag_errors = [f for f in errors if info(f.code).family in (Family.GRAPH, Family.CRASH)]
+    if second.crashes or flag_errors:
+        # The flags themselves failed (DDP's error again, or a used set they do not cope with): advice proven wrong
+        # is not advice. What was tried stays in the reason; the flags become unknown (null in the JSON).
+        why = flag_errors[0].title if flag_errors else (errors[0].title if errors else "it crashed")
+        return Recommendation.unknown(
+            rec.reason + f" Refuted: a {tried} failed: {why}. No DDP flags can be recommended from these runs; "
+            "fix the findings above and run the check again."
+        )
     why = errors[0].title if errors else f"it observed {second.steps_observed} step(s), fewer than the {needed} needed"
-    return dataclasses.replace(rec, reason=rec.reason + f" Not verified: a {tried} did not confirm them: {why}.")
+    return dataclasses.replace(
+        rec,
+        reason=rec.reason
+        + (
+            f" Not verified: a {tried} ran without DDP's errors, but errors that flags cannot fix remain: {why}."
+            if errors
+            else f" Not verified: a {tried} did not confirm them: {why}."
+        ),
+    )
