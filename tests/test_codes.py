@@ -24,7 +24,7 @@ PACKAGE = Path(ddp_doctor.__file__).parent
 REPO = PACKAGE.parents[1]
 ANALYZE = PACKAGE / "analyze"
 
-# The JSON contract (DESIGN 2.3), frozen here: a code may be added to this list, never renamed or removed.
+# The JSON contract (../shared/DESIGN.md, 2.3), frozen here: a code may be added to this list, never renamed or removed.
 STABLE = {
     "unused-parameters", "dynamic-graph", "rank-dependent-graph", "used-outside-forward", "find-unused-unneeded",
     "static-graph-unsafe", "reentrant-checkpoint", "wrapper-bypass", "grads-not-synced", "replica-divergence",

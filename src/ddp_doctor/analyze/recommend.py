@@ -102,7 +102,7 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
     # Frozen after wrap before any observed step trained them: the script meant them frozen from the start.
     # Frozen after training for some steps (gradual freezing): the set DDP must reduce changes over time.
     frozen_later = frozen_after & v.train_any.any(0)
-    # Only parameters whose modules never ran may be frozen (DESIGN 2.3): a module that ran but got no gradient is
+    # Only parameters whose modules never ran may be frozen (../shared/DESIGN.md, 2.3): a module that ran but got no gradient is
     # blocked (no_grad, detach, a reentrant checkpoint), and the script means to train it.
     _, blocked = v.unused_by_cause()
     freeze_mask = (intended & ~ever & ~blocked) | (frozen_after & ~frozen_later)
