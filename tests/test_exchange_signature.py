@@ -11,12 +11,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from handbuilt import P, model_info
 
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
 from ddp_doctor.exchange import simulate
 
-NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight", "norm.weight"]
-P, STEPS = len(NAMES), 4
+STEPS = 4
 
 RECORDED = {
     "seeded-6": "e0a5e2ba78add02f",
@@ -26,21 +26,6 @@ RECORDED = {
     "inferred-2": "d8ecddf880b98d04",
     "clean-1": "ee7f4976acae3ab0",
 }
-
-
-def _info(**overrides) -> ModelInfo:
-    base = {
-        "param_names": NAMES,
-        "param_shapes": [(4, 3), (4,), (2, 4), (2, 4), (4,)],
-        "trainable_at_wrap": [True] * P,
-        "ignored": [False] * (P - 1) + [True],
-        "buffer_names": ["norm.running_mean"],
-        "buffer_shapes": [(4,)],
-        "ddp_config": {"find_unused_parameters": True, "static_graph": False, "broadcast_buffers": True},
-        "batchnorm": ["norm"],
-    }
-    base.update(overrides)
-    return ModelInfo(**base)
 
 
 def _rank(rank: int, *, seed: int | None, edited: bool = False, crashed: bool = False) -> RankRecord:
@@ -97,20 +82,24 @@ def _rank(rank: int, *, seed: int | None, edited: bool = False, crashed: bool = 
 
 def _scenario(name: str) -> tuple[ModelInfo, list[RankRecord], list[ModelInfo] | None]:
     if name == "seeded-6":
-        return _info(), [_rank(r, seed=r, crashed=r == 4) for r in range(6)], None
+        return model_info(), [_rank(r, seed=r, crashed=r == 4) for r in range(6)], None
     if name == "odd-70":
-        return _info(), [_rank(r, seed=r if r in (1, 3, 65, 69) else None) for r in range(70)], None
+        return model_info(), [_rank(r, seed=r if r in (1, 3, 65, 69) else None) for r in range(70)], None
     if name == "infos-differ-3":
-        infos = [_info(ddp_site=f"train.py:{r}") for r in range(3)]
+        infos = [model_info(ddp_site=f"train.py:{r}") for r in range(3)]
         return infos[0], [_rank(r, seed=None) for r in range(3)], infos
     if name == "edited-2":
-        return _info(), [_rank(0, seed=None, edited=True), _rank(1, seed=None)], None
+        return model_info(), [_rank(0, seed=None, edited=True), _rank(1, seed=None)], None
     if name == "inferred-2":  # the wrap state is inferred: the unmasked gradient digests travel too
         unfrozen = _rank(1, seed=None)
         unfrozen.grad_fp = unfrozen.grad_fp.clone()
         unfrozen.grad_fp[:, 3] += 1.0
-        return replace(_info(), wrap_state_exact=False, wrap_trainable_count=4), [_rank(0, seed=None), unfrozen], None
-    return _info(), [_rank(0, seed=None)], None
+        return (
+            replace(model_info(), wrap_state_exact=False, wrap_trainable_count=4),
+            [_rank(0, seed=None), unfrozen],
+            None,
+        )
+    return model_info(), [_rank(0, seed=None)], None
 
 
 def signature(name: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist import run_ranks
+from handbuilt import P, model_info
 
 from ddp_doctor.analyze import analyze_summary
 from ddp_doctor.core.figures import MAX_PATTERNS, STATES
@@ -16,24 +17,8 @@ from ddp_doctor.exchange import EXAMPLES
 from ddp_doctor.exchange.runner import exchange
 from ddp_doctor.observation.gradscaler import encode
 
-NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight", "norm.weight"]
-P, STEPS = len(NAMES), 4
+STEPS = 4
 _KEYS = list(STATES)
-
-
-def _info(**overrides) -> ModelInfo:
-    base = {
-        "param_names": NAMES,
-        "param_shapes": [(4, 3), (4,), (2, 4), (2, 4), (4,)],
-        "trainable_at_wrap": [True] * P,
-        "ignored": [False] * (P - 1) + [True],
-        "buffer_names": ["norm.running_mean"],
-        "buffer_shapes": [(4,)],
-        "ddp_config": {"find_unused_parameters": True, "static_graph": False, "broadcast_buffers": True},
-        "batchnorm": ["norm"],
-    }
-    base.update(overrides)
-    return ModelInfo(**base)
 
 
 def _record(
@@ -109,7 +94,7 @@ def _direct_gaps(fp: torch.Tensor, keep: torch.Tensor) -> tuple[list[float], lis
 
 @pytest.mark.parametrize("world", [2, 3, 6])
 def test_figures_equal_a_direct_look_at_every_rank(world: int) -> None:
-    info = _info()
+    info = model_info()
     records = [_record(r, seed=100 * world + r) for r in range(world)]
     d = analyze(info, records)
     assert d.usage_map is not None and d.divergence is not None
@@ -129,7 +114,7 @@ def test_figures_equal_a_direct_look_at_every_rank(world: int) -> None:
 def test_the_usage_map_keeps_rank_zeros_pattern_and_counts_the_ranks_beyond_the_limit() -> None:
     world = MAX_PATTERNS + 4
     records = [_record(r, seed=r) for r in range(world)]
-    d = analyze(_info(), records)
+    d = analyze(model_info(), records)
     shown = [r for p in d.usage_map.patterns for r in p.ranks]
     assert len(d.usage_map.patterns) == MAX_PATTERNS and d.usage_map.patterns[0].ranks[0] == 0
     assert sorted(shown + d.usage_map.ranks_omitted) == list(range(world))
@@ -175,7 +160,7 @@ def _by_title(d, code: str, words: str):
 
 
 def test_unpaired_forwards_collectives_and_scales_name_the_ranks() -> None:
-    d = analyze(_info(), _odd(8, extra={2, 5}, colls={3}, scales={6}))
+    d = analyze(model_info(), _odd(8, extra={2, 5}, colls={3}, scales={6}))
     unpaired = _by_title(d, "collective-mismatch", "no backward")
     assert unpaired.ranks == [2, 5] and unpaired.steps == [1] and "train.py:55" in unpaired.title
     assert unpaired.severity == "error"  # the model has buffers and broadcasts them
@@ -189,7 +174,7 @@ def test_unpaired_forwards_collectives_and_scales_name_the_ranks() -> None:
 
 
 def test_a_buffer_broadcast_from_a_forward_without_grad_on_some_ranks_names_them_and_the_line() -> None:
-    d = analyze(_info(), _odd(8, extra=set(), colls=set(), scales=set(), evals=frozenset({0, 4})))
+    d = analyze(model_info(), _odd(8, extra=set(), colls=set(), scales=set(), evals=frozenset({0, 4})))
     found = _by_title(d, "collective-mismatch", "without grad")
     assert found.severity == "error" and found.ranks == [0, 4] and found.steps == [2], found
     assert "at eval.py:30 in step 2" in found.title and "ranks 1-3, 5-7 did not" in found.title, found
@@ -199,21 +184,21 @@ def test_a_buffer_broadcast_from_a_forward_without_grad_on_some_ranks_names_them
 
 
 def test_a_step_whose_grad_mode_forwards_without_backward_differ_is_reported_once() -> None:
-    d = analyze(_info(), _odd(4, extra={2}, colls=set(), scales=set(), evals=frozenset({2}), eval_step=1))
+    d = analyze(model_info(), _odd(4, extra={2}, colls=set(), scales=set(), evals=frozenset({2}), eval_step=1))
     assert [f.title for f in d.findings if f.code == "collective-mismatch"] == [
         _by_title(d, "collective-mismatch", "no backward").title
     ]
 
 
 def test_the_same_evaluation_on_every_rank_is_no_finding() -> None:
-    d = analyze(_info(), _odd(4, extra=set(), colls=set(), scales=set(), evals=frozenset(range(4))))
+    d = analyze(model_info(), _odd(4, extra=set(), colls=set(), scales=set(), evals=frozenset(range(4))))
     assert not [f for f in d.findings if f.code == "collective-mismatch"], d.findings
 
 
 def test_many_odd_ranks_are_named_by_examples_and_counted() -> None:
     world = 40
     extra = set(range(1, world, 2))
-    d = analyze(_info(), _odd(world, extra=extra, colls=extra, scales=extra))
+    d = analyze(model_info(), _odd(world, extra=extra, colls=extra, scales=extra))
     unpaired = _by_title(d, "collective-mismatch", "no backward")
     assert len(unpaired.ranks) == EXAMPLES and set(unpaired.ranks) <= extra
     assert unpaired.more_ranks == len(extra) - EXAMPLES
@@ -225,9 +210,9 @@ def test_many_odd_ranks_are_named_by_examples_and_counted() -> None:
 
 def _real(rank: int, world: int) -> dict:
     records = _odd(world, extra={2, 5}, colls={3}, scales={6}, evals=frozenset({4}))
-    summary = exchange(records[rank], _info(), timeout=20, tag="c", device=torch.device("cpu"))
+    summary = exchange(records[rank], model_info(), timeout=20, tag="c", device=torch.device("cpu"))
     d = analyze_summary(summary)
-    model = analyze(_info(), records)
+    model = analyze(model_info(), records)
     return {
         "real": [f.to_dict() for f in d.findings],
         "model": [f.to_dict() for f in model.findings],
