@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["CODES", "FAMILY_TITLES", "SEVERITIES", "TABLE", "Code", "CodeInfo", "Family", "info"]
+__all__ = ["CODES", "FAMILY_TITLES", "REPORT_ORDER", "SEVERITIES", "TABLE", "Code", "CodeInfo", "Family", "info"]
 
 SEVERITIES = ("error", "warning", "info")
 """Most severe first."""
@@ -81,6 +81,46 @@ class Code(_Name):
     OPTIMIZER_PARAMS_REPLACED = "optimizer-params-replaced"
     UNSHARDED_PARAMS_NOT_SYNCED = "unsharded-params-not-synced"
     GRADIENT_SYNC_OFF = "gradient-sync-off"
+
+
+REPORT_ORDER: tuple[Code, ...] = (
+    # Where each finding decided from the exchanged `Summary` reads in a report, within its severity: errors that
+    # explain others first (DDP's error, then why replicas diverge), the symptoms after them, timing last. A detector
+    # (`analyze/view.py`'s `detects`) may only be registered for a code listed here.
+    Code.REDUCTION_ERROR,
+    Code.BACKWARD_PASSES_DIFFER,
+    Code.REPLICAS_DIFFER_AT_WRAP,
+    Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER,
+    Code.OPTIMIZER_STEP_SKIPPED,
+    Code.OPTIMIZER_DIFFERS,
+    Code.GRADS_REDUCED_TWICE,
+    Code.GRADS_CHANGED_AFTER_SYNC,
+    Code.STATIC_GRAPH_UNSAFE,
+    Code.WRAPPER_BYPASS,
+    Code.UNFROZEN_AFTER_WRAP,
+    Code.FROZEN_AFTER_WRAP,
+    Code.UNUSED_PARAMETERS,
+    Code.GRAD_BLOCKED,
+    Code.COLLECTIVE_MISMATCH,
+    Code.DYNAMIC_GRAPH,
+    Code.RANK_DEPENDENT_GRAPH,
+    Code.USED_OUTSIDE_FORWARD,
+    Code.REENTRANT_CHECKPOINT,
+    Code.GRADS_NOT_SYNCED,
+    Code.REPLICA_DIVERGENCE,
+    Code.BUFFER_DIVERGENCE,
+    Code.IDENTICAL_INPUTS_ACROSS_RANKS,
+    Code.NO_TRAINABLE_PARAMETERS,
+    Code.FIND_UNUSED_UNNEEDED,
+    Code.UNEVEN_INPUTS,
+    Code.SAMPLER_EPOCH_NOT_SET,
+    Code.CHECKPOINT_SAME_PATH,
+    Code.CHECKPOINT_MODULE_PREFIX,
+    Code.GRAD_SCALER_MISMATCH,
+    Code.BATCHNORM_NOT_SYNCED,
+    Code.INPUT_BOUND,
+    Code.STRAGGLER_RANK,
+)
 
 
 class Family(_Name):
