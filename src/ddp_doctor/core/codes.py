@@ -81,6 +81,7 @@ class Code(_Name):
     OPTIMIZER_PARAMS_REPLACED = "optimizer-params-replaced"
     UNSHARDED_PARAMS_NOT_SYNCED = "unsharded-params-not-synced"
     GRADIENT_SYNC_OFF = "gradient-sync-off"
+    SHARDED_CHECKPOINT_INCOMPLETE = "sharded-checkpoint-incomplete"
 
 
 REPORT_ORDER: tuple[Code, ...] = (
@@ -374,6 +375,10 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.GRADIENT_SYNC_OFF, Family.FSDP2, "error", "sharded.py",
          "gradient sync was off (set_requires_gradient_sync(False)) at every optimizer step",
          more=": *gradient sync was off at all 8 optimizer steps*, with the line of the last call (from `check`)"),
+    _row(Code.SHARDED_CHECKPOINT_INCOMPLETE, Family.FSDP2, "error", "sharded.py",
+         "a torch.save of sharded state on some ranks only: the file holds their shards, not the model",
+         more=": *rank 0 alone saved the sharded state dict: ck.pt holds 1 of 2 ranks' shards*, with the line, a "
+              "parameter's shard shape against its full shape, and the fix on every rank (from `check`)"),
 )
 # fmt: on
 

@@ -118,6 +118,7 @@ class Session:
         patch_destroy_process_group(self)
         patch_optimizer_init()
         patch_gradient_sync()
+        saves.listen(self.plain.note_save)
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
         # The loader probe first: its pre-step hook counts the step on its pass before ours reads it.
         self.follow.install()
