@@ -55,7 +55,7 @@ def test_an_optimizer_built_before_fully_shard_is_named_with_its_line(tmp_path: 
     assert run.rc == 1 and run.codes == {"optimizer-params-replaced"}, run.output
     finding = run.finding("optimizer-params-replaced")
     assert finding["severity"] == "error" and finding["ranks"] == [0, 1]
-    assert "AdamW created at tests/scripts/fsdp2_train.py:75" in finding["detail"]
+    assert "AdamW created at tests/scripts/fsdp2_train.py:76" in finding["detail"]
     assert "not one of the model's 6 trainable parameters changed" in finding["detail"]
     assert "after every fully_shard call" in finding["fix"]
 
@@ -64,7 +64,7 @@ def test_gradient_sync_never_switched_back_on_is_named_with_its_line(tmp_path: P
     run = _check(tmp_path, "sync-off")
     assert run.rc == 1 and run.codes == {"gradient-sync-off"}, run.output
     finding = run.finding("gradient-sync-off")
-    assert "tests/scripts/fsdp2_train.py:89" in finding["detail"] and "changed on any rank" in finding["detail"]
+    assert "tests/scripts/fsdp2_train.py:90" in finding["detail"] and "changed on any rank" in finding["detail"]
     assert "set_requires_gradient_sync(micro_step == accumulation_steps - 1)" in finding["fix"]
 
 
@@ -99,7 +99,7 @@ def test_a_checkpoint_of_some_ranks_shards_is_named_with_its_line(tmp_path: Path
     assert finding["severity"] == "error" and finding["title"] == title.format(tmp_path / "ck.pt")
     assert finding["ranks"] == ([0] if save == "rank0" else [0, 1])
     assert (
-        "tests/scripts/fsdp2_train.py:49" in finding["detail"]
+        "tests/scripts/fsdp2_train.py:50" in finding["detail"]
         and "blocks.0.0.weight is 32x16 of 64x16" in (finding["detail"])
     )
     assert "torch.distributed.checkpoint.save" in finding["fix"] and "full_state_dict=True" in finding["fix"]
@@ -111,3 +111,21 @@ def test_a_checkpoint_every_rank_takes_part_in_is_clean(tmp_path: Path, save: st
     run = check(["--nproc-per-node", "2", SCRIPT, "--save", save, "--save-dir", str(tmp_path)], tmp_path, timeout=180)
     assert run.rc == 0 and run.report["findings"] == [], run.output
     assert (tmp_path / ("dcp" if save == "dcp" else "ck.pt")).exists()
+
+
+def test_a_full_state_dict_gathered_on_rank_0_alone_is_named_with_its_line(tmp_path: Path) -> None:
+    """`get_model_state_dict(..., full_state_dict=True)` under `if rank == 0` (ground truth in the module's
+    docstring: gloo aborts rank 1 at its next forward). The report is an FSDP2 failure report, not "the script
+    failed before it built a DDP model"."""
+    run = check(["--nproc-per-node", "2", SCRIPT, "--save", "gather-rank0", "--save-dir", str(tmp_path)], tmp_path)
+    assert run.rc == 1 and run.report is not None, run.output
+    assert run.report["parallelism"] == "fsdp2" and run.report["sharding"]["sharded_modules"] == 3
+    finding = run.finding("state-gather-some-ranks")
+    assert finding["title"] == "rank 0 gathered the full state dict alone: get_model_state_dict at fsdp2_train.py:58"
+    assert "rank 1 never did: rank 1 went on to step 3" in finding["detail"], finding["detail"]
+    assert "outside the `if rank == 0:`" in finding["fix"]
+    # What the mismatch did to rank 1 is said, and pointed at the cause; nothing else is reported.
+    assert run.codes <= {"state-gather-some-ranks", "rank-crashed"}, run.output
+    crashed = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
+    assert all(f["fix"] == "see the state-gather-some-ranks finding." for f in crashed)
+    assert "FSDP2" in run.report["recommendation"]["reason"]

@@ -13,6 +13,7 @@
   every-own    every rank to its own "ck-rank{r}.pt" (a per-rank sharded checkpoint: loadable by the same sharding)
   dcp          torch.distributed.checkpoint.save on every rank
   full         get_model_state_dict(full_state_dict=True, cpu_offload=True) on every rank, rank 0 torch.save's it
+  gather-rank0 that full state dict gathered on rank 0 alone (its all-gathers meet rank 1's next forward)
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def save(model: nn.Module, rank: int, how: str, folder: str) -> None:
         import torch.distributed.checkpoint as dcp
 
         dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(folder, "dcp"))
-    elif how == "full":
+    elif how == "full" or how == "gather-rank0" and rank == 0:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

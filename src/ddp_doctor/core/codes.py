@@ -82,6 +82,7 @@ class Code(_Name):
     UNSHARDED_PARAMS_NOT_SYNCED = "unsharded-params-not-synced"
     GRADIENT_SYNC_OFF = "gradient-sync-off"
     SHARDED_CHECKPOINT_INCOMPLETE = "sharded-checkpoint-incomplete"
+    STATE_GATHER_SOME_RANKS = "state-gather-some-ranks"
 
 
 REPORT_ORDER: tuple[Code, ...] = (
@@ -379,6 +380,10 @@ TABLE: tuple[CodeInfo, ...] = (
          "a torch.save of sharded state on some ranks only: the file holds their shards, not the model",
          more=": *rank 0 alone saved the sharded state dict: ck.pt holds 1 of 2 ranks' shards*, with the line, a "
               "parameter's shard shape against its full shape, and the fix on every rank (from `check`)"),
+    _row(Code.STATE_GATHER_SOME_RANKS, Family.FSDP2, "error", "failures.py",
+         "a full state dict of sharded parameters gathered on some ranks only: a collective the others never enter",
+         more=": *rank 0 gathered the full state dict alone: get_model_state_dict at train.py:58*, with where the "
+              "others went instead and what the mismatched collectives did (from `check`, when the run failed)"),
 )
 # fmt: on
 

@@ -190,6 +190,8 @@ class Session:
         if self.doctors or self._finishing or not self.plain.on_step(opt):
             return
         self.beacon.update(step=self.plain.steps, phase=Phase.BETWEEN_STEPS.value)
+        if self.plain.sharded is not None and self.beacon.state.sharding is None:
+            self.beacon.update(sharding=self.plain.sharded.describe())
         if self.plain.steps >= self.config.steps:
             self.finish_unwrapped(self._steps_reason)
 
@@ -275,6 +277,8 @@ class Session:
         # backward looks like one waiting in DDP's all-reduce to a peer that crashed too (peers_wait_in_collective).
         self.beacon.update(crashed=True)
         raised = raised_error(exc, self.doctors, phase=str(self.out.progress().phase))
+        if not self.doctors and self.plain.sharded is not None:
+            raised.step = self.plain.steps  # the FSDP2 model's optimizer steps (no doctor counts them)
         # After finish() the report is written: this crash happened in what the policy ran after it (bench).
         outcome = Outcome.CRASHED_AFTER_REPORT if self._finishing else Outcome.CRASHED
         self.out.end(outcome, raised=raised, overwrite=True)
