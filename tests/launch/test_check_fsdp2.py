@@ -129,3 +129,24 @@ def test_a_full_state_dict_gathered_on_rank_0_alone_is_named_with_its_line(tmp_p
     crashed = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
     assert all(f["fix"] == "see the state-gather-some-ranks finding." for f in crashed)
     assert "FSDP2" in run.report["recommendation"]["reason"]
+
+
+@pytest.mark.parametrize(
+    "mistake, said",
+    [
+        (
+            "ddp-around",
+            "DistributedDataParallel was given a Sequential whose modules '0' fully_shard (FSDP2) already sharded",
+        ),
+        ("meta", "still on the meta device, never materialized or initialised: 2.weight, 2.bias (module '2')"),
+    ],
+)
+def test_a_model_fsdp2_cannot_train_gets_a_clear_error_naming_the_module(tmp_path, mistake, said) -> None:
+    """Ground truth, plain torchrun, torch 2.13.0, gloo, 2 ranks: DDP around a model with a fully_shard'ed block
+    raises *aten.cat.default got mixed torch.Tensor and DTensor* inside DDP's constructor (its broadcast of rank 0's
+    weights); a model built on the meta device, sharded and never materialized raises FSDP2's *FSDP parameters
+    should be materialized from meta device before training* at the first forward."""
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "fsdp2_bad_input.py"), "--mistake", mistake], tmp_path)
+    assert run.rc == 2, run.output
+    line = next(x for x in run.output.splitlines() if x.startswith("ddp-doctor: error:"))
+    assert said in line and ("fully_shard the blocks" in line or "model.to_empty(device=device)" in line), line

@@ -12,11 +12,15 @@ weight), and loading it into the unsharded model raises *aten.copy_.default got 
 
 from __future__ import annotations
 
+import re
+
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
 from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = ["sharded_findings", "sharded_recommendation"]
+__all__ = ["explain_meta_params", "sharded_findings", "sharded_recommendation"]
+
+_ON_META = re.compile(r"materialized from meta device before training.*still on meta device: \[([^\]]*)\]", re.S)
 
 
 def _steps(run: ShardedRun) -> list[int]:
@@ -178,4 +182,21 @@ def sharded_recommendation(run: ShardedRun) -> Recommendation:
         "every torch.save of sharded state in those steps wrote all the ranks' shards. Not checked for FSDP2 yet: "
         "forwards or full-state-dict gathers run on some ranks only, the mixed-precision "
         "policy, unused or frozen parameters, the step time; no reshard_after_forward advice is made."
+    )
+
+
+def explain_meta_params(message: str) -> str | None:
+    """FSDP2's error for parameters left on the meta device (built under `torch.device("meta")`, sharded, never
+    materialized), in the words of the modules that hold them; None for any other error."""
+    match = _ON_META.search(message)
+    if match is None:
+        return None
+    params = [p.strip().strip("'\"") for p in match.group(1).split(",") if p.strip()]
+    modules = sorted({p.rpartition(".")[0] or "the root" for p in params})
+    shown = ", ".join(params[:6]) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
+    return (
+        f"fully_shard sharded parameters that are still on the meta device, never materialized or initialised: "
+        f"{shown} (module{'s' if len(modules) > 1 else ''} {', '.join(repr(m) for m in modules[:6])}). Materialize "
+        "them after the fully_shard calls and before the first forward: `model.to_empty(device=device)`, then "
+        "initialise every module (`module.reset_parameters()`, or load a checkpoint into the sharded model)."
     )

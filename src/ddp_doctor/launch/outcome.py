@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ddp_doctor.analyze import diagnose_after_steps, diagnose_failure, refused_at_wrap
+from ddp_doctor.analyze import diagnose_after_steps, diagnose_failure, explain_meta_params, refused_at_wrap
 from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.findings import finite
 from ddp_doctor.core.rankfiles import Outcome, read_ends
@@ -160,6 +160,12 @@ def collect(
         )
         if crashed:
             crash = crashed[0].raised
+            meta_params = explain_meta_params(crash.message)
+            if meta_params is not None:
+                return CheckResult(
+                    error=f"the script failed on rank {crashed[0].rank}: {meta_params}\n{crash.traceback}",
+                    timed_out=timed_out,
+                )
             return CheckResult(
                 error=f"the script failed on rank {crashed[0].rank} before it built a DDP model: "
                 f"{crash.type}: {crash.message}\n{crash.traceback}",
