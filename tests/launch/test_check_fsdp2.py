@@ -45,7 +45,7 @@ def test_a_clean_fsdp2_job_is_clean_and_its_sharding_is_named(tmp_path: Path, mi
     sharding = run.report["sharding"]
     assert sharding["sharded_modules"] == 3 and sharding["root_sharded"] and sharding["mesh"] == [[2]]
     assert "FSDP2: 3 sharded modules" in run.output and "No problems found in what was checked" in run.output
-    assert "Not checked for FSDP2 yet: forwards or full-state-dict gathers" in run.report["recommendation"]["reason"]
+    assert "Not checked for FSDP2 yet: a save after those steps, forwards" in run.report["recommendation"]["reason"]
     assert run.report["steps_observed"] == 8  # the script trains 12 steps; the check stops it after --steps
     assert run.report["recommendation"]["flags_known"] is False and run.report["recommendation"]["static_graph"] is None
 
