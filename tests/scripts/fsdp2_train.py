@@ -6,6 +6,8 @@
 --mistake sync-off          set_requires_gradient_sync(False) on every micro-batch, never switched back on
 --mistake added-after       everything sharded, then a module added to the root and trained (no group holds it)
 --mistake accumulate        clean: sync off on the first micro-batch, back on for the last one
+--mistake eval-rank0        after the third step, rank 0 alone runs an evaluation forward under no_grad
+--mistake eval-every        clean: every rank runs that evaluation forward
 
 --save (after the third optimizer step, to --save-dir):
   rank0        rank 0 alone: torch.save(model.state_dict(), "ck.pt") (its shards only)
@@ -96,6 +98,9 @@ if __name__ == "__main__":
         opt.zero_grad()
         if _step == 2 and args.save:
             save(model, rank, args.save, args.save_dir)
+        if _step == 2 and (args.mistake == "eval-every" or args.mistake == "eval-rank0" and rank == 0):
+            with torch.no_grad():
+                model(torch.randn(4, 16, generator=g))
     # The ground truth, printed by each rank: how far each parameter moved, and its head's sum (compare across ranks).
     moved = max(
         (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().sub(before[n]).abs().max().item()

@@ -5,12 +5,11 @@ Pure: the input is the supervisor's `RankState` per rank (the ranks' own files, 
 
 from __future__ import annotations
 
-import re
-
 from ddp_doctor.analyze.crashed_ranks import crash_findings
 from ddp_doctor.analyze.following_ends import timed_out_waiting
 from ddp_doctor.analyze.positions import capped, fault_place, others, short, where
 from ddp_doctor.analyze.shapes import shape_findings
+from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.rankfiles import PHASES, Outcome
@@ -99,49 +98,6 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
     )
 
 
-_GATHERS = ("get_model_state_dict", "get_state_dict", "get_optimizer_state_dict", "full_tensor", "_gather_state_dict")
-"""The calls that all-gather sharded (DTensor) state, the one a user calls first: every rank must enter them."""
-
-
-def _gather(s: RankState) -> str | None:
-    """The gather of sharded state the rank was in when the run failed: from its traceback, its fault dump or the
-    watchdog's last sample of its innermost frame."""
-    texts = [s.raised.traceback if s.raised else "", s.innermost or ""]
-    texts += [fn for _, _, fn in (s.fault.frames if s.fault else [])]
-    return next((g for g in _GATHERS if any(re.search(rf"\b{g}\b", t) for t in texts)), None)
-
-
-def _gather_alone(states: dict[int, RankState], native: list[str]) -> Finding | None:
-    """Some ranks gathered a full state dict of sharded parameters (`get_model_state_dict(...,
-    full_state_dict=True)`, `DTensor.full_tensor()`) while the others did not: their all-gathers met the others'
-    next collectives (the forward's all-gathers of the sharded parameters)."""
-    gathering = {r: g for r, s in states.items() if (g := _gather(s)) is not None}
-    if not gathering or len(gathering) == len(states):
-        return None
-    first = min(gathering)
-    s = states[first]
-    site = (s.raised.site if s.raised else None) or s.site or s.user_frame
-    rest = sorted(r for r in states if r not in gathering)
-    went = capped([f"rank {r} went on to {where(states[r])}" for r in rest])
-    said = f" The communication library said: {native[0]}" if native else ""
-    return Finding(
-        code=Code.STATE_GATHER_SOME_RANKS,
-        severity="error",
-        title=f"{rank_list(sorted(gathering))} gathered the full state dict alone: {gathering[first]} at {short(site)}",
-        detail=f"{gathering[first]} at {site or 'an unknown place'} all-gathers every sharded parameter, a "
-        f"collective each rank must enter, and {rank_list(rest)} never did: {went}. Their next collectives (a "
-        "forward's all-gathers of the sharded parameters) were paired with the gather's, and a mismatched "
-        "collective aborts, hangs or exchanges the wrong data, depending on the backend and the sizes." + said,
-        ranks=sorted(states),
-        steps=sorted({max(states[r].raised.step if states[r].raised else states[r].step, 0) for r in gathering}),
-        fix="gather on every rank, write on one: `sd = get_model_state_dict(model, "
-        "options=StateDictOptions(full_state_dict=True, cpu_offload=True))` outside the `if rank == 0:`, then "
-        "`if rank == 0: torch.save(sd, path)`; or save the sharded state with `torch.distributed.checkpoint.save` "
-        "on every rank. With Accelerate: `sd = accelerator.get_state_dict(model)` on every process, then "
-        "`accelerator.save(sd, path)`.",
-    )
-
-
 def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: list[str] = ()) -> list[Finding]:
     """The findings for a run whose ranks did not exchange records. `native`: gloo's or NCCL's own error lines
     found in the job's output (C++ aborts print them; no rank file can)."""
@@ -155,7 +111,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
     killed = {r: s for r, s in states.items() if s.outcome is None and s.signal not in (None, "SIGTERM")}
     findings: list[Finding] = []
 
-    mismatch = _mismatch(states) or _gather_alone(states, native)
+    mismatch = _mismatch(states) or gather_alone(states, native) or forward_alone(states)
     if mismatch is not None:
         findings.append(mismatch)
     findings.extend(crash_findings(states, causes))

@@ -180,8 +180,8 @@ def sharded_recommendation(run: ShardedRun) -> Recommendation:
         "parameters, that every trainable parameter is in a fully_shard group (those outside it compared across "
         "ranks), that gradient sync was on when the optimizer stepped, whether the weights changed, and that "
         "every torch.save of sharded state in those steps wrote all the ranks' shards. Not checked for FSDP2 yet: "
-        "a save after those steps, forwards run on some ranks only (a full state dict gathered on some ranks "
-        "only is named when it breaks the run), the mixed-precision "
+        "a save after those steps, forwards and full-state-dict gathers on some ranks only that did not break the "
+        "run (they are named when they do), the mixed-precision "
         "policy, unused or frozen parameters, the step time; no reshard_after_forward advice is made."
     )
 

@@ -97,6 +97,8 @@ class RankState:
     """The parameters of the last DDP model the rank started to build (`rank{R}.wrap.json`)."""
     sharding: dict[str, Any] | None = None
     """The sharding of the FSDP2 model the rank trained (no DDP), from the beacon."""
+    forwards: dict[str, int] = field(default_factory=dict)
+    """Forwards through that model since its first optimizer step, by the user's line, from the beacon."""
 
     @property
     def sharded(self) -> bool:
@@ -141,7 +143,7 @@ def read_rank_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
             state.position_age_s = max(0.0, end_time - (beacon.time or end_time))
             state.in_collective, state.collectives = beacon.in_collective, beacon.collectives
             state.collective = beacon.collective
-            state.sharding = beacon.sharding
+            state.sharding, state.forwards = beacon.sharding, beacon.forwards
         failure = failures.get(str(rank))
         if failure is not None:
             state.signal = failure.get("signal")

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ddp_doctor.core.errors import DoctorError
-from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame
+from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import Outcome, write_json
 from ddp_doctor.doctor import Doctor
@@ -192,8 +192,18 @@ class Session:
         self.beacon.update(step=self.plain.steps, phase=Phase.BETWEEN_STEPS.value)
         if self.plain.sharded is not None and self.beacon.state.sharding is None:
             self.beacon.update(sharding=self.plain.sharded.describe())
+            self.plain.sharded.root.register_forward_pre_hook(self._on_sharded_forward)
         if self.plain.steps >= self.config.steps:
             self.finish_unwrapped(self._steps_reason)
+
+    def _on_sharded_forward(self, _module: Any, _args: Any) -> None:
+        """Count a forward through the FSDP2 model by the user's line: a forward some ranks run alone (an evaluation
+        on rank 0) pairs its all-gathers with the others' next collectives (`analyze/failures.py`)."""
+        site = user_site() or "an unknown place"
+        forwards = self.beacon.state.forwards
+        if site in forwards or len(forwards) < 8:
+            forwards[site] = forwards.get(site, 0) + 1
+            self.beacon.update()
 
     def finish_unwrapped(self, reason: str) -> None:
         """Compare the unwrapped optimizer's parameters across ranks, write the report (local rank 0), exit."""
