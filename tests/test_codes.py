@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,26 +18,15 @@ import pytest
 import ddp_doctor
 from ddp_doctor import CODES
 from ddp_doctor.cli.list_codes import BEGIN, END, markdown
-from ddp_doctor.core.codes import FAMILY_TITLES, SEVERITIES, TABLE, Code, Family, info
+from ddp_doctor.core.codes import FAMILY_TITLES, REPORT_ORDER, SEVERITIES, TABLE, Code, Family, info
 from ddp_doctor.core.findings import Finding
 
 PACKAGE = Path(ddp_doctor.__file__).parent
 REPO = PACKAGE.parents[1]
 ANALYZE = PACKAGE / "analyze"
 
-# The JSON contract (../shared/DESIGN.md, 2.3), frozen here: a code may be added to this list, never renamed or removed.
-STABLE = {
-    "unused-parameters", "dynamic-graph", "rank-dependent-graph", "used-outside-forward", "find-unused-unneeded",
-    "static-graph-unsafe", "reentrant-checkpoint", "wrapper-bypass", "grads-not-synced", "replica-divergence",
-    "buffer-divergence", "frozen-after-wrap", "unfrozen-after-wrap", "identical-inputs-across-ranks",
-    "reduction-error", "no-trainable-parameters", "rank-crashed", "rank-hung", "grad-blocked", "model-not-wrapped",
-    "collective-mismatch", "uneven-inputs", "sampler-epoch-not-set", "rank-exited", "batchnorm-not-synced",
-    "grad-scaler-mismatch", "optimizer-differs", "optimizer-step-skipped", "grads-reduced-twice",
-    "replicas-differ-at-wrap", "weights-changed-outside-optimizer", "grads-changed-after-sync",
-    "param-shapes-differ", "checkpoint-same-path", "checkpoint-module-prefix", "timeout-risk", "input-bound",
-    "straggler-rank", "backward-passes-differ", "optimizer-params-replaced", "unsharded-params-not-synced",
-    "gradient-sync-off",
-}  # fmt: skip
+DESIGN = REPO.parent / "shared" / "DESIGN.md"
+"""The JSON contract (../shared/DESIGN.md, 2.3): the codes it names may never be renamed or removed."""
 
 ALLOWED: dict[tuple[str, str], str] = {}
 """(path under the package, string) -> why a string equal to a code is not a code there. None today: the crash kind
@@ -73,8 +63,23 @@ def test_the_scanner_finds_a_bare_code(tmp_path: Path) -> None:
     assert bare_codes(tmp_path, codes, allowed={("rule.py", "rank-hung"): "a test"}) == []
 
 
-def test_the_stable_codes_are_all_there_and_each_is_its_string() -> None:
-    assert {c.value for c in Code} >= STABLE, f"renamed or removed: {sorted(STABLE - {c.value for c in Code})}"
+def test_the_codes_the_design_names_are_all_there() -> None:
+    if not DESIGN.is_file():
+        pytest.skip(f"{DESIGN} is not beside the repository (CI puts ../shared there)")
+    named = set(re.findall(r"`([a-z0-9]+(?:-[a-z0-9]+)+)`", DESIGN.read_text())) - {"ddp-doctor"}
+    missing = named - {c.value for c in Code}
+    assert not missing, f"renamed or removed (or a new backquoted name in DESIGN.md that is not a code): {missing}"
+
+
+def test_each_code_is_spelled_out_by_a_test_of_its_finding() -> None:
+    """A code's own test spells its string (`assert codes == {"grad-blocked"}`), so renaming a code fails a test of
+    the reports it is in, not only this file."""
+    texts = [p.read_text() for p in REPO.joinpath("tests").rglob("*.py") if p.name != Path(__file__).name]
+    unspelled = [c.value for c in Code if not any(f'"{c.value}"' in t for t in texts)]
+    assert not unspelled, f"no test spells these codes: {unspelled}"
+
+
+def test_each_code_is_its_string() -> None:
     assert list(CODES) == [c.value for c in Code] == [row.code.value for row in TABLE]
     for code in Code:
         assert code == code.value and hash(code) == hash(code.value) and f"{code}" == str(code) == code.value
@@ -166,6 +171,42 @@ def test_the_table_says_where_each_code_is_decided() -> None:
         listed = set(row.decided_in) - ({"crashed_ranks.py"} - built)
         assert built == listed, f"{row.code}: built in {sorted(built)}, the table says {sorted(row.decided_in)}"
         assert row.guard == (row.code.name in rules), f"{row.code}: guard={row.guard}, but rules.py disagrees"
+
+
+def _built_by(tree: ast.Module, name: str, rules: dict[str, set[str]], seen: set[str]) -> set[str]:
+    """The codes function `name` of a module builds: itself, through rules.py, or through the module's helpers."""
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    if name in seen or name not in functions:
+        return set()
+    seen.add(name)
+    built = {code for _, names, _ in _findings_built(functions[name]) for code in names}
+    for node in ast.walk(functions[name]):
+        f = node.func if isinstance(node, ast.Call) else None
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "rules":
+            built |= rules.get(f.attr, set())
+        elif isinstance(f, ast.Name):
+            built |= _built_by(tree, f.id, rules, seen)
+    return built
+
+
+def test_each_detector_builds_the_code_it_is_registered_for() -> None:
+    from ddp_doctor.analyze.detectors import DETECTORS
+    from ddp_doctor.analyze.view import detectors
+
+    registered = detectors()
+    assert [fn for _, fn in registered] == list(DETECTORS) and len(DETECTORS) > 30
+    assert [code for code, _ in registered] == sorted((c for c, _ in registered), key=REPORT_ORDER.index)
+    rules = _rule_codes()
+    for code, fn in registered:
+        tree = ast.parse(Path(sys.modules[fn.__module__].__file__).read_text())
+        assert _built_by(tree, fn.__name__, rules, set()) == {code.name}, f"{fn.__name__} is registered for {code}"
+
+
+def test_a_detector_of_a_code_outside_the_report_order_is_refused() -> None:
+    from ddp_doctor.analyze.view import detects
+
+    with pytest.raises(ValueError, match="REPORT_ORDER"):
+        detects(Code.RANK_HUNG)
 
 
 def test_every_severity_a_detector_spells_out_is_in_the_table() -> None:

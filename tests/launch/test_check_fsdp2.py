@@ -9,6 +9,21 @@ ends with exit code 0 and prints nothing but its own line per rank:
 - root-unsharded (the blocks sharded, the root with its head not): head.weight sums -2.187345 and -2.443114.
 - added-after (everything sharded, then `model.extra = nn.Linear(64, 64)` trained): extra.weight sums -12.648243
   and -1.867362; the sharded head stays equal (-0.749989).
+- --save rank0 (rank 0 alone: `torch.save(model.state_dict(), path)` after the third step): exit code 0, the same
+  sums; the file holds DTensors with rank 0's shard (blocks.0.0.weight: a local [32, 16] of a [64, 16] weight), and
+  `model.load_state_dict(torch.load(path, weights_only=False))` on the unsharded Net raises RuntimeError
+  "aten.copy_.default got mixed torch.Tensor and DTensor". --save every-same: every rank writes the one file
+  (whichever writes last wins). --save dcp (torch.distributed.checkpoint.save) and --save full (a full state dict
+  gathered on every rank, written by rank 0) hold the whole model.
+- A full state dict gathered on rank 0 alone (`get_model_state_dict(..., full_state_dict=True)` under
+  `if rank == 0`) does not end quietly: rank 0's all-gathers meet rank 1's next forward, gloo aborts rank 1
+  ("Received data size doesn't match expected size. Is there a distributed collective mismatch"), with NCCL the
+  same mismatch hangs until the group timeout.
+- eval-rank0 (rank 0 alone runs a forward under no_grad after the third step): gloo aborts rank 0 (*Received data
+  size doesn't match expected size*: its all-gathers met rank 1's next training forward, of other sizes) and rank 1
+  loses its peer; exit code 1. On a two-layer model whose groups have the sizes of the training forward's, the same
+  evaluation returned on rank 0 (with rank 1's all-gathers) and both ranks hung until killed. eval-every (every
+  rank evaluates): exit code 0.
 Before the check knew FSDP2, it crashed every one of these jobs in its own fingerprint code ("aten.mul.Tensor got
 mixed torch.Tensor and DTensor") and blamed the script.
 """
@@ -27,7 +42,7 @@ def _check(tmp_path: Path, mistake: str, ranks: int = 2):
     return check(["--nproc-per-node", str(ranks), SCRIPT, "--mistake", mistake], tmp_path, timeout=180)
 
 
-@pytest.mark.parametrize("mistake", ["none", "accumulate"])
+@pytest.mark.parametrize("mistake", ["none", "accumulate", "eval-every"])
 def test_a_clean_fsdp2_job_is_clean_and_its_sharding_is_named(tmp_path: Path, mistake: str) -> None:
     run = _check(tmp_path, mistake)
     assert run.rc == 0 and run.report["findings"] == [], run.output
@@ -35,7 +50,10 @@ def test_a_clean_fsdp2_job_is_clean_and_its_sharding_is_named(tmp_path: Path, mi
     sharding = run.report["sharding"]
     assert sharding["sharded_modules"] == 3 and sharding["root_sharded"] and sharding["mesh"] == [[2]]
     assert "FSDP2: 3 sharded modules" in run.output and "No problems found in what was checked" in run.output
-    assert "Not checked for FSDP2 yet: checkpoints" in run.report["recommendation"]["reason"]
+    assert (
+        "Not checked for FSDP2 yet: a save after those steps, forwards and full-state-dict gathers"
+        in run.report["recommendation"]["reason"]
+    )
     assert run.report["steps_observed"] == 8  # the script trains 12 steps; the check stops it after --steps
     assert run.report["recommendation"]["flags_known"] is False and run.report["recommendation"]["static_graph"] is None
 
@@ -45,7 +63,7 @@ def test_an_optimizer_built_before_fully_shard_is_named_with_its_line(tmp_path: 
     assert run.rc == 1 and run.codes == {"optimizer-params-replaced"}, run.output
     finding = run.finding("optimizer-params-replaced")
     assert finding["severity"] == "error" and finding["ranks"] == [0, 1]
-    assert "AdamW created at tests/scripts/fsdp2_train.py:49" in finding["detail"]
+    assert "AdamW created at tests/scripts/fsdp2_train.py:78" in finding["detail"]
     assert "not one of the model's 6 trainable parameters changed" in finding["detail"]
     assert "after every fully_shard call" in finding["fix"]
 
@@ -54,7 +72,7 @@ def test_gradient_sync_never_switched_back_on_is_named_with_its_line(tmp_path: P
     run = _check(tmp_path, "sync-off")
     assert run.rc == 1 and run.codes == {"gradient-sync-off"}, run.output
     finding = run.finding("gradient-sync-off")
-    assert "tests/scripts/fsdp2_train.py:63" in finding["detail"] and "changed on any rank" in finding["detail"]
+    assert "tests/scripts/fsdp2_train.py:92" in finding["detail"] and "changed on any rank" in finding["detail"]
     assert "set_requires_gradient_sync(micro_step == accumulation_steps - 1)" in finding["fix"]
 
 
@@ -73,3 +91,87 @@ def test_parameters_outside_every_group_that_differ_are_named(tmp_path, mistake,
     assert finding["severity"] == "error" and finding["ranks"] == list(range(ranks))
     assert run.params("unsharded-params-not-synced") == params
     assert cause in finding["detail"] and "fully_shard" in finding["fix"]
+
+
+@pytest.mark.parametrize(
+    "save, title",
+    [
+        ("rank0", "rank 0 alone saved the sharded state dict: {} holds 1 of 2 ranks' shards"),
+        ("every-same", "every rank saved its shards of the model to the same file: {} holds one rank's shards"),
+    ],
+)
+def test_a_checkpoint_of_some_ranks_shards_is_named_with_its_line(tmp_path: Path, save: str, title: str) -> None:
+    run = check(["--nproc-per-node", "2", SCRIPT, "--save", save, "--save-dir", str(tmp_path)], tmp_path, timeout=180)
+    assert run.rc == 1 and run.codes == {"sharded-checkpoint-incomplete"}, run.output
+    finding = run.finding("sharded-checkpoint-incomplete")
+    assert finding["severity"] == "error" and finding["title"] == title.format(tmp_path / "ck.pt")
+    assert finding["ranks"] == ([0] if save == "rank0" else [0, 1])
+    assert (
+        "tests/scripts/fsdp2_train.py:52" in finding["detail"]
+        and "blocks.0.0.weight is 32x16 of 64x16" in (finding["detail"])
+    )
+    assert "torch.distributed.checkpoint.save" in finding["fix"] and "full_state_dict=True" in finding["fix"]
+
+
+@pytest.mark.parametrize("save", ["dcp", "full"])
+def test_a_checkpoint_every_rank_takes_part_in_is_clean(tmp_path: Path, save: str) -> None:
+    """The two fixes the finding gives, applied: DCP on every rank, or a full state dict gathered on every rank."""
+    run = check(["--nproc-per-node", "2", SCRIPT, "--save", save, "--save-dir", str(tmp_path)], tmp_path, timeout=180)
+    assert run.rc == 0 and run.report["findings"] == [], run.output
+    assert (tmp_path / ("dcp" if save == "dcp" else "ck.pt")).exists()
+
+
+def test_a_full_state_dict_gathered_on_rank_0_alone_is_named_with_its_line(tmp_path: Path) -> None:
+    """`get_model_state_dict(..., full_state_dict=True)` under `if rank == 0` (ground truth in the module's
+    docstring: gloo aborts rank 1 at its next forward). The report is an FSDP2 failure report, not "the script
+    failed before it built a DDP model"."""
+    run = check(["--nproc-per-node", "2", SCRIPT, "--save", "gather-rank0", "--save-dir", str(tmp_path)], tmp_path)
+    assert run.rc == 1 and run.report is not None, run.output
+    assert run.report["parallelism"] == "fsdp2" and run.report["sharding"]["sharded_modules"] == 3
+    finding = run.finding("state-gather-some-ranks")
+    assert finding["title"] == "rank 0 gathered the full state dict alone: get_model_state_dict at fsdp2_train.py:60"
+    assert "rank 1 never did: rank 1 went on to step 3" in finding["detail"], finding["detail"]
+    assert "outside the `if rank == 0:`" in finding["fix"]
+    # What the mismatch did to rank 1 is said, and pointed at the cause; nothing else is reported.
+    assert run.codes <= {"state-gather-some-ranks", "rank-crashed"}, run.output
+    crashed = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
+    assert all(f["fix"] == "see the state-gather-some-ranks finding." for f in crashed)
+    assert "FSDP2" in run.report["recommendation"]["reason"]
+
+
+@pytest.mark.parametrize(
+    "mistake, said",
+    [
+        (
+            "ddp-around",
+            "DistributedDataParallel was given a Sequential whose modules '0' fully_shard (FSDP2) already sharded",
+        ),
+        ("meta", "still on the meta device, never materialized or initialised: 2.weight, 2.bias (module '2')"),
+    ],
+)
+def test_a_model_fsdp2_cannot_train_gets_a_clear_error_naming_the_module(tmp_path, mistake, said) -> None:
+    """Ground truth, plain torchrun, torch 2.13.0, gloo, 2 ranks: DDP around a model with a fully_shard'ed block
+    raises *aten.cat.default got mixed torch.Tensor and DTensor* inside DDP's constructor (its broadcast of rank 0's
+    weights); a model built on the meta device, sharded and never materialized raises FSDP2's *FSDP parameters
+    should be materialized from meta device before training* at the first forward."""
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "fsdp2_bad_input.py"), "--mistake", mistake], tmp_path)
+    assert run.rc == 2, run.output
+    line = next(x for x in run.output.splitlines() if x.startswith("ddp-doctor: error:"))
+    assert said in line and ("fully_shard the blocks" in line or "model.to_empty(device=device)" in line), line
+
+
+def test_a_forward_through_the_sharded_model_on_rank_0_alone_is_named_with_its_line(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", "--timeout", "40", SCRIPT, "--mistake", "eval-rank0"], tmp_path)
+    assert run.rc == 1 and run.report is not None and run.report["parallelism"] == "fsdp2", run.output
+    finding = run.finding("sharded-forward-some-ranks")
+    assert finding["title"] == (
+        "rank 0 ran a forward through the sharded model that rank 1 did not: fsdp2_train.py:103"
+    ), finding["title"]
+    assert "(1 time on rank 0, none on rank 1, counted from the first optimizer step)" in finding["detail"]
+    assert "evaluate on every rank" in finding["fix"]
+    assert run.codes <= {"sharded-forward-some-ranks", "rank-crashed"}, run.output
+    assert all(
+        f["fix"] == "see the sharded-forward-some-ranks finding."
+        for f in run.report["findings"]
+        if f["code"] == "rank-crashed"
+    )

@@ -6,11 +6,22 @@
 --mistake sync-off          set_requires_gradient_sync(False) on every micro-batch, never switched back on
 --mistake added-after       everything sharded, then a module added to the root and trained (no group holds it)
 --mistake accumulate        clean: sync off on the first micro-batch, back on for the last one
+--mistake eval-rank0        after the third step, rank 0 alone runs an evaluation forward under no_grad
+--mistake eval-every        clean: every rank runs that evaluation forward
+
+--save (after the third optimizer step, to --save-dir):
+  rank0        rank 0 alone: torch.save(model.state_dict(), "ck.pt") (its shards only)
+  every-same   every rank torch.save's its state dict to the same "ck.pt"
+  every-own    every rank to its own "ck-rank{r}.pt" (a per-rank sharded checkpoint: loadable by the same sharding)
+  dcp          torch.distributed.checkpoint.save on every rank
+  full         get_model_state_dict(full_state_dict=True, cpu_offload=True) on every rank, rank 0 torch.save's it
+  gather-rank0 that full state dict gathered on rank 0 alone (its all-gathers meet rank 1's next forward)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -35,10 +46,28 @@ class Net(nn.Module):
         return self.head(x)
 
 
+def save(model: nn.Module, rank: int, how: str, folder: str) -> None:
+    path = os.path.join(folder, f"ck-rank{rank}.pt" if how == "every-own" else "ck.pt")
+    if how == "rank0" and rank == 0 or how in ("every-same", "every-own"):
+        torch.save(model.state_dict(), path)
+    elif how == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(folder, "dcp"))
+    elif how == "full" or how == "gather-rank0" and rank == 0:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save(state, path)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--mistake", default="none")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--save", default="")
+    parser.add_argument("--save-dir", default=".")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -67,6 +96,11 @@ if __name__ == "__main__":
             F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+        if _step == 2 and args.save:
+            save(model, rank, args.save, args.save_dir)
+        if _step == 2 and (args.mistake == "eval-every" or args.mistake == "eval-rank0" and rank == 0):
+            with torch.no_grad():
+                model(torch.randn(4, 16, generator=g))
     # The ground truth, printed by each rank: how far each parameter moved, and its head's sum (compare across ranks).
     moved = max(
         (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().sub(before[n]).abs().max().item()

@@ -22,6 +22,7 @@ from ddp_doctor.analyze.diagnose import (
 )
 from ddp_doctor.analyze.recommend import recommend
 from ddp_doctor.analyze.shapes import explain_shape_error, refused_at_wrap
+from ddp_doctor.analyze.sharded import explain_meta_params
 from ddp_doctor.analyze.snippets import with_code
 from ddp_doctor.analyze.throughput import rank_timings
 from ddp_doctor.analyze.usage import figures
@@ -39,6 +40,7 @@ __all__ = [
     "diagnose_sharded",
     "diagnose_unwrapped",
     "diagnose_verified",
+    "explain_meta_params",
     "explain_shape_error",
     "refused_at_wrap",
     "with_code",

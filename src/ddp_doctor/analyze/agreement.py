@@ -8,7 +8,7 @@ from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.common import all_ranks, steps_of, with_flags, with_more
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.snippets import freeze_point
-from ddp_doctor.analyze.view import View
+from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import listed
@@ -29,6 +29,7 @@ SEE_CAUSES = (
 """`grads-not-synced`'s fix when it names no cause itself (`analyze._consistent_fixes` may say more)."""
 
 
+@detects(Code.WRAPPER_BYPASS)
 def wrapper_bypass(v: View) -> list[Finding]:
     # A step with DDP's forward as well is not a bypass: DDP then reduces every gradient, including those of
     # modules called outside its forward (that case is used-outside-forward).
@@ -62,6 +63,7 @@ def _unsynced_steps(v: View, steps: list[int]) -> bool:
     return bool(steps) and all(synced_hi[k] == 0 and stepped_lo[k] > 0 for k in steps)
 
 
+@detects(Code.GRADS_NOT_SYNCED)
 def grads_not_synced(v: View) -> list[Finding]:
     if v.world < 2 or not v.steps or v.crashed_before_first_step:
         return []  # no optimizer used them; reduction-error says the reduction never finished
@@ -108,6 +110,7 @@ def grads_not_synced(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.REPLICA_DIVERGENCE)
 def replica_divergence(v: View) -> list[Finding]:
     if v.world < 2:
         return []
@@ -139,6 +142,7 @@ def replica_divergence(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.BUFFER_DIVERGENCE)
 def buffer_divergence(v: View) -> list[Finding]:
     if v.world < 2 or not v.steps or not v.info.buffer_names:
         return []
@@ -163,6 +167,7 @@ def buffer_divergence(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.IDENTICAL_INPUTS_ACROSS_RANKS)
 def identical_inputs(v: View) -> list[Finding]:
     if v.world < 2 or not v.steps:
         return []

@@ -15,7 +15,7 @@ import re
 import torch
 
 from ddp_doctor.analyze.common import steps_of, with_more
-from ddp_doctor.analyze.view import View
+from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list
@@ -49,6 +49,7 @@ def _sites(v: View, ranks: list[int], key: str) -> list[str]:
     return sorted({s for r in ranks for s in v.meta(r).get(key, [])})
 
 
+@detects(Code.OPTIMIZER_STEP_SKIPPED)
 def optimizer_step_skipped(v: View) -> list[Finding]:
     """In one lockstep iteration some ranks called `optimizer.step()` and the others did not."""
     if v.world < 2 or not v.steps:
@@ -110,6 +111,7 @@ def _settings(text: str) -> dict[str, str]:
     return out
 
 
+@detects(Code.OPTIMIZER_DIFFERS)
 def optimizer_differs(v: View) -> list[Finding]:
     """At a step that every rank took, the optimizers' settings differ: a hyperparameter, the groups, or what an
     LR scheduler stepped on some ranks only set."""
@@ -188,6 +190,7 @@ def _factor(signature: str) -> tuple[str, int | None]:
     return reduction or op, None
 
 
+@detects(Code.GRADS_REDUCED_TWICE)
 def grads_reduced_twice(v: View) -> list[Finding]:
     """The script ran a collective on a synced parameter's `.grad` after DDP had reduced it in that iteration."""
     hi, _ = v.summary.rereduced
@@ -231,6 +234,7 @@ def grads_reduced_twice(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.GRADS_CHANGED_AFTER_SYNC)
 def grads_changed_after_sync(v: View) -> list[Finding]:
     """Gradients that agreed across the ranks when DDP's all-reduce finished differ when `optimizer.step()` uses
     them: code between the backward and the step (clipping, a per-rank scale, a write to `.grad`) changed them on
@@ -288,6 +292,7 @@ def grads_changed_after_sync(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.REPLICAS_DIFFER_AT_WRAP)
 def replicas_differ_at_wrap(v: View) -> list[Finding]:
     """The replicas differed before any optimizer step: right after DDP was built (or when observing started)."""
     s = v.summary
@@ -331,6 +336,7 @@ def replicas_differ_at_wrap(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER)
 def weights_changed_outside_optimizer(v: View) -> list[Finding]:
     """Some ranks' parameters were written between DDP's wrap (or an optimizer step) and the next forward, where
     only the optimizer should write them, and the other ranks' were not."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddp_doctor.analyze.common import with_more
-from ddp_doctor.analyze.view import View
+from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list
@@ -29,6 +29,7 @@ def _when(save: dict[str, Any]) -> str:
     return f"first after step {step}" if step >= 0 else "before the first step"
 
 
+@detects(Code.CHECKPOINT_SAME_PATH)
 def checkpoint_same_path(v: View) -> list[Finding]:
     """Several ranks wrote the same file with `torch.save` while observed: no rank guard around the save."""
     who = v.ranks("same-path-save")
@@ -62,6 +63,7 @@ def checkpoint_same_path(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.CHECKPOINT_MODULE_PREFIX)
 def checkpoint_module_prefix(v: View) -> list[Finding]:
     """Rank 0 saved a state dict of the DDP wrapper (keys `module.*`): loading it into the bare model fails."""
     saves = v.meta(0).get("module_saves", []) if 0 in v.summary.metas else []

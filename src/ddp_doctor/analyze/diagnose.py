@@ -68,7 +68,14 @@ def diagnose_failure(
         )
     else:
         findings = failure_findings(states, timed_out=timed_out, native=list(native))
-        rec = with_code(recommend_after_failure(findings, ddp_config, where=where), ddp_config)
+        if not meta and any(s.sharding is not None for s in states.values()):
+            rec = Recommendation.unknown(
+                "This job shards its model with FSDP2 (fully_shard), not DDP: there are no DDP flags to recommend, "
+                "and the run failed before the ranks could compare what they saw. Fix the failure above and run "
+                f"the check again. Where they were: {where}."
+            )
+        else:
+            rec = with_code(recommend_after_failure(findings, ddp_config, where=where), ddp_config)
     return Diagnosis(
         findings=findings,
         recommendation=rec,

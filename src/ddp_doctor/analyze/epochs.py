@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from ddp_doctor.analyze import rules
-from ddp_doctor.analyze.view import View
+from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_ranges
@@ -19,6 +19,7 @@ def _training_loader(meta: dict[str, Any]) -> dict[str, Any]:
     return next((d for d in meta["loaders"] if d.get("batches") is not None), {})
 
 
+@detects(Code.UNEVEN_INPUTS)
 def uneven_inputs(v: View) -> list[Finding]:
     s = v.summary
     if v.world < 2 or s.loader_ranks < v.world:
@@ -65,6 +66,7 @@ def _loader_site(d: dict[str, Any]) -> str | None:
     return f"first iterated at {d['iterated_at']}" if d.get("iterated_at") else None
 
 
+@detects(Code.SAMPLER_EPOCH_NOT_SET)
 def sampler_epoch_not_set(v: View) -> list[Finding]:
     """A shuffling DistributedSampler whose loader started a pass again with the sampler's epoch unchanged.
 

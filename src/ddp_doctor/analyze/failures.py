@@ -9,6 +9,7 @@ from ddp_doctor.analyze.crashed_ranks import crash_findings
 from ddp_doctor.analyze.following_ends import timed_out_waiting
 from ddp_doctor.analyze.positions import capped, fault_place, others, short, where
 from ddp_doctor.analyze.shapes import shape_findings
+from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.rankfiles import PHASES, Outcome
@@ -110,7 +111,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
     killed = {r: s for r, s in states.items() if s.outcome is None and s.signal not in (None, "SIGTERM")}
     findings: list[Finding] = []
 
-    mismatch = _mismatch(states)
+    mismatch = _mismatch(states) or gather_alone(states, native) or forward_alone(states)
     if mismatch is not None:
         findings.append(mismatch)
     findings.extend(crash_findings(states, causes))
@@ -144,7 +145,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
                     "run the same script without ddp-doctor to confirm; a segfault in DDP's constructor is known with "
                     "TORCH_DISTRIBUTED_DEBUG=DETAIL on some torch builds: unset it."
                     if s.signal == "SIGSEGV"
-                    else "see the collective-mismatch finding."
+                    else f"see the {mismatch.code} finding."
                     if mismatch is not None and s.signal == "SIGABRT"
                     else "check the system log (dmesg) and the memory use of that rank."
                     if s.signal == "SIGKILL"

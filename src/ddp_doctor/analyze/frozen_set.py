@@ -9,7 +9,7 @@ from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.common import all_ranks, freeze_fix, steps_of, with_flags
 from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.snippets import freeze_point
-from ddp_doctor.analyze.view import View
+from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 
@@ -38,6 +38,7 @@ def _midway(v: View, change: str) -> str:
     )
 
 
+@detects(Code.FROZEN_AFTER_WRAP)
 def frozen_after_wrap(v: View) -> list[Finding]:
     frozen = v.tracked & ~v.live if v.steps else torch.zeros_like(v.tracked)
     inferred = not v.info.wrap_state_exact and (v.info.wrap_trainable_count or 0) > int(v.tracked.sum())
@@ -64,6 +65,7 @@ def frozen_after_wrap(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.UNFROZEN_AFTER_WRAP)
 def unfrozen_after_wrap(v: View) -> list[Finding]:
     if not v.steps:
         return []
@@ -80,6 +82,7 @@ def unfrozen_after_wrap(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.NO_TRAINABLE_PARAMETERS)
 def no_trainable(v: View) -> list[Finding]:
     if not v.steps:
         return []
@@ -100,6 +103,7 @@ def no_trainable(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.REDUCTION_ERROR)
 def reduction_error(v: View) -> list[Finding]:
     crashed = v.crashed(Code.REDUCTION_ERROR)
     if not crashed.count:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ddp_doctor.analyze.common import all_ranks, with_flags
-from ddp_doctor.analyze.view import View
+from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef
 
@@ -75,6 +75,7 @@ def passes_of(v: View) -> Passes:
     )
 
 
+@detects(Code.BACKWARD_PASSES_DIFFER)
 def backward_passes_differ(v: View) -> list[Finding]:
     p = passes_of(v)
     if not p.steps and not p.crashed_twice:

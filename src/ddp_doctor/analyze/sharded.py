@@ -1,19 +1,26 @@
 """Findings of a job that shards with FSDP2 (`fully_shard`): `optimizer-params-replaced`,
-`unsharded-params-not-synced`, `gradient-sync-off`. Pure: the agreed facts (`ShardedRun`) in, findings out.
+`unsharded-params-not-synced`, `gradient-sync-off`, `sharded-checkpoint-incomplete`. Pure: the agreed facts
+(`ShardedRun`) in, findings out.
 
 Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_train.py`, 12 steps): each of
 the three mistakes runs to the end with exit code 0 and prints nothing. The optimizer built before `fully_shard`,
 and gradient sync never switched back on, change no weight at all; a root left unsharded trains its head apart on
-each rank (its weight sums end at -2.187 and -2.443).
+each rank (its weight sums end at -2.187 and -2.443). Rank 0 alone calling `torch.save(model.state_dict(), path)`
+also ends with exit code 0: the file holds DTensors with rank 0's shard (a [32, 16] local tensor of a [64, 16]
+weight), and loading it into the unsharded model raises *aten.copy_.default got mixed torch.Tensor and DTensor*.
 """
 
 from __future__ import annotations
+
+import re
 
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
 from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = ["sharded_findings", "sharded_recommendation"]
+__all__ = ["explain_meta_params", "sharded_findings", "sharded_recommendation"]
+
+_ON_META = re.compile(r"materialized from meta device before training.*still on meta device: \[([^\]]*)\]", re.S)
 
 
 def _steps(run: ShardedRun) -> list[int]:
@@ -72,6 +79,8 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
                 "(the DDP twin is no_sync(), left off for the last micro-batch).",
             )
         )
+    if run.shard_save:
+        found.append(_incomplete_checkpoint(run))
     if run.unsharded:
         differ = [p for p, d in zip(run.unsharded, run.unsharded_differ) if d]
         if differ:
@@ -110,6 +119,42 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
     return found
 
 
+def _incomplete_checkpoint(run: ShardedRun) -> Finding:
+    save = run.shard_save or {}
+    shards = save.get("shards") or {}
+    file, site = save.get("shown", "a file"), save.get("site")
+    at = f" at {site}" if site else ""
+    local, full = ("x".join(map(str, shards.get(k, []))) for k in ("local", "global"))
+    if run.shard_save_one_path:
+        title = f"every rank saved its shards of the model to the same file: {file} holds one rank's shards"
+        holds = "holds the shards of whichever rank wrote last"
+    else:
+        savers = f"rank {run.shard_save_first}" if run.shard_save_ranks == 1 else f"{run.shard_save_ranks} ranks"
+        holds = f"holds {run.shard_save_ranks} of {run.world} ranks' shards"
+        title = f"{savers} alone saved the sharded state dict: {file} {holds}"
+    return Finding(
+        code=Code.SHARDED_CHECKPOINT_INCOMPLETE,
+        severity="error",
+        title=title,
+        detail=f"torch.save{at} wrote a state dict of {shards.get('tensors', 'its')} DTensors: an FSDP2 model's "
+        "state_dict() returns each parameter as a DTensor holding this rank's shard only "
+        f"({shards.get('example', 'a parameter')} is {local} of {full} in the file). So the file {holds}, "
+        "the rest of the model is not in it, and loading it into the unsharded model fails (*aten.copy_.default "
+        "got mixed torch.Tensor and DTensor*), typically long after the job ended. Checked: the torch.save calls "
+        "of the observed steps.",
+        # The ranks that saved, as far as they are known: every rank, or the first of those that did.
+        ranks=list(range(run.world)) if run.shard_save_one_path else [run.shard_save_first],
+        fix="let every rank take part in the save: "
+        '`torch.distributed.checkpoint.save({"model": model.state_dict()}, checkpoint_id=ckpt_dir)` on every '
+        "rank (each writes its shards; `torch.distributed.checkpoint.load` reads them back, at any world size), or "
+        "a full state dict gathered on every rank and written by one: `sd = get_model_state_dict(model, "
+        "options=StateDictOptions(full_state_dict=True, cpu_offload=True))` on every rank "
+        "(torch.distributed.checkpoint.state_dict), then `if rank == 0: torch.save(sd, path)`. With Accelerate: "
+        "`accelerator.save_state(ckpt_dir)` on every process, or `sd = accelerator.get_state_dict(model)` on every "
+        "process, then `accelerator.save(sd, path)`.",
+    )
+
+
 def _root_sharded(run: ShardedRun) -> bool:
     return bool(run.sharding.get("root_sharded"))
 
@@ -133,7 +178,26 @@ def sharded_recommendation(run: ShardedRun) -> Recommendation:
         "This job shards its model with FSDP2 (fully_shard), not DDP: there are no DDP flags to recommend. "
         f"Checked on every rank over {run.steps} optimizer steps: that the optimizer steps the model's own "
         "parameters, that every trainable parameter is in a fully_shard group (those outside it compared across "
-        "ranks), that gradient sync was on when the optimizer stepped, and whether the weights changed. Not "
-        "checked for FSDP2 yet: checkpoints of sharded state, forwards run on some ranks only, the mixed-precision "
+        "ranks), that gradient sync was on when the optimizer stepped, whether the weights changed, and that "
+        "every torch.save of sharded state in those steps wrote all the ranks' shards. Not checked for FSDP2 yet: "
+        "a save after those steps, forwards and full-state-dict gathers on some ranks only that did not break the "
+        "run (they are named when they do), the mixed-precision "
         "policy, unused or frozen parameters, the step time; no reshard_after_forward advice is made."
+    )
+
+
+def explain_meta_params(message: str) -> str | None:
+    """FSDP2's error for parameters left on the meta device (built under `torch.device("meta")`, sharded, never
+    materialized), in the words of the modules that hold them; None for any other error."""
+    match = _ON_META.search(message)
+    if match is None:
+        return None
+    params = [p.strip().strip("'\"") for p in match.group(1).split(",") if p.strip()]
+    modules = sorted({p.rpartition(".")[0] or "the root" for p in params})
+    shown = ", ".join(params[:6]) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
+    return (
+        f"fully_shard sharded parameters that are still on the meta device, never materialized or initialised: "
+        f"{shown} (module{'s' if len(modules) > 1 else ''} {', '.join(repr(m) for m in modules[:6])}). Materialize "
+        "them after the fully_shard calls and before the first forward: `model.to_empty(device=device)`, then "
+        "initialise every module (`module.reset_parameters()`, or load a checkpoint into the sharded model)."
     )

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddp_doctor.analyze.view import View
+from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.steptime import (
@@ -89,6 +89,7 @@ def _loader_phrase(v: View) -> tuple[str, str]:
     return name, settings
 
 
+@detects(Code.INPUT_BOUND)
 def input_bound(v: View) -> list[Finding]:
     if not _host_times_tell(v):
         return []
@@ -127,6 +128,7 @@ def input_bound(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.STRAGGLER_RANK)
 def straggler_rank(v: View) -> list[Finding]:
     if not _host_times_tell(v):
         return []

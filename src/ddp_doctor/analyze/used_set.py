@@ -1,8 +1,8 @@
 """Detectors of the used set: which parameters reach the loss, on which ranks and steps, and what the DDP flags make
 of it. Each reads the `View` and returns findings; pure functions, no communication (the frozen set and DDP's own
 errors are in `frozen_set.py`, the agreement of grads, weights, buffers and inputs in `agreement.py`, the
-consistency of collectives and passes in `consistency.py`, why replicas diverge in `causes.py`; every detector is
-listed, in report order, in `detectors.py`)."""
+consistency of collectives and passes in `consistency.py`, why replicas diverge in `causes.py`; each detector
+registers itself with `@detects`, and `core/codes.py`'s `REPORT_ORDER` places its findings in the report)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ddp_doctor.analyze.common import all_ranks, freeze_fix, has_flags, steps_of, with_flags
 from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.rules import count as _count
-from ddp_doctor.analyze.view import View
+from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import listed
@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 
+@detects(Code.UNUSED_PARAMETERS)
 def unused_parameters(v: View) -> list[Finding]:
     if not v.steps:
         return []
@@ -68,6 +69,7 @@ def unused_parameters(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.GRAD_BLOCKED)
 def grad_blocked(v: View) -> list[Finding]:
     if not v.steps or v.crashed_before_first_step:
         return []  # reduction-error names them: the forward that would have trained them may never have run
@@ -104,6 +106,7 @@ def grad_blocked(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.DYNAMIC_GRAPH)
 def dynamic_graph(v: View) -> list[Finding]:
     _, dynamic, _, _ = v.usage()
     if not dynamic.any():
@@ -132,6 +135,7 @@ def dynamic_graph(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.RANK_DEPENDENT_GRAPH)
 def rank_dependent_graph(v: View) -> list[Finding]:
     if not v.steps or v.world < 2:
         return []
@@ -161,6 +165,7 @@ def rank_dependent_graph(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.STATIC_GRAPH_UNSAFE)
 def static_graph_unsafe(v: View) -> list[Finding]:
     crashed = v.crashed("static-graph-changed")
     dynamic = v.usage()[1]
@@ -216,6 +221,7 @@ def hidden_params(v: View) -> tuple[Hidden, Hidden]:
     return out[0], out[1]
 
 
+@detects(Code.USED_OUTSIDE_FORWARD)
 def used_outside_forward(v: View) -> list[Finding]:
     outside, _ = hidden_params(v)
     if not outside.params and not outside.crashed:
@@ -254,6 +260,7 @@ def used_outside_forward(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.REENTRANT_CHECKPOINT)
 def reentrant_checkpoint(v: View) -> list[Finding]:
     _, reentrant = hidden_params(v)
     sites = v.blocked_checkpoints
@@ -316,6 +323,7 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
     ]
 
 
+@detects(Code.FIND_UNUSED_UNNEEDED)
 def find_unused_unneeded(v: View) -> list[Finding]:
     if not (v.find_unused and not v.static_graph) or not v.steps:
         return []

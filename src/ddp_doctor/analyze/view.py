@@ -7,16 +7,40 @@ world size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import ParamRef
+from ddp_doctor.core.codes import REPORT_ORDER, Code
+from ddp_doctor.core.findings import Finding, ParamRef
 from ddp_doctor.core.records import CRASH_KINDS
 from ddp_doctor.core.summary import Examples, Summary
 
-__all__ = ["View"]
+__all__ = ["Detector", "View", "detects", "detectors"]
+
+Detector = Callable[["View"], list[Finding]]
+_DETECTORS: list[tuple[Code, Detector]] = []
+
+
+def detects(code: Code) -> Callable[[Detector], Detector]:
+    """Register a detector of the `Summary`: a function of a `View` that returns findings of `code` only.
+    `analyze_summary` runs every registered detector; the report reads them in `REPORT_ORDER` (core/codes.py)."""
+
+    if code not in REPORT_ORDER:
+        raise ValueError(f"{code}: add it to core/codes.py's REPORT_ORDER, where its findings read in the report")
+
+    def register(fn: Detector) -> Detector:
+        _DETECTORS.append((code, fn))
+        return fn
+
+    return register
+
+
+def detectors() -> list[tuple[Code, Detector]]:
+    """The registered detectors with their codes, in the report's reading order: by `REPORT_ORDER`, then in the
+    order they were registered (several detectors of one code: `analyze/consistency.py`)."""
+    return sorted(_DETECTORS, key=lambda d: REPORT_ORDER.index(d[0]))
 
 
 class View:

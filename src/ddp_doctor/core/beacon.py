@@ -75,6 +75,11 @@ class BeaconState:
     """How many of the script's collectives the rank entered."""
     in_collective: bool = False
     closed: ClosedStep | None = None
+    sharding: dict[str, Any] | None = None
+    """The rank follows a model sharded with FSDP2 (no DDP; its steps are that model's optimizer steps): the sharding
+    the report's header names (`ShardedModel.describe`)."""
+    forwards: dict[str, int] = field(default_factory=dict)
+    """Forwards through that sharded model since its first optimizer step, by the user's line (8 lines at most)."""
     crashed: bool = False
     """The script raised on this rank; set before the crash is recorded (which publishes the failed step as closed),
     so a peer never takes a crashed rank for one that waits in DDP's all-reduce."""

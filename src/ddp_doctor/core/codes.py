@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["CODES", "FAMILY_TITLES", "SEVERITIES", "TABLE", "Code", "CodeInfo", "Family", "info"]
+__all__ = ["CODES", "FAMILY_TITLES", "REPORT_ORDER", "SEVERITIES", "TABLE", "Code", "CodeInfo", "Family", "info"]
 
 SEVERITIES = ("error", "warning", "info")
 """Most severe first."""
@@ -81,6 +81,27 @@ class Code(_Name):
     OPTIMIZER_PARAMS_REPLACED = "optimizer-params-replaced"
     UNSHARDED_PARAMS_NOT_SYNCED = "unsharded-params-not-synced"
     GRADIENT_SYNC_OFF = "gradient-sync-off"
+    SHARDED_CHECKPOINT_INCOMPLETE = "sharded-checkpoint-incomplete"
+    STATE_GATHER_SOME_RANKS = "state-gather-some-ranks"
+    SHARDED_FORWARD_SOME_RANKS = "sharded-forward-some-ranks"
+
+
+# fmt: off
+REPORT_ORDER: tuple[Code, ...] = (
+    # Where each finding decided from the exchanged `Summary` reads in a report, within its severity: errors that
+    # explain others first (DDP's error, then why replicas diverge), the symptoms after them, timing last. A detector
+    # (`analyze/view.py`'s `detects`) may only be registered for a code listed here.
+    Code.REDUCTION_ERROR, Code.BACKWARD_PASSES_DIFFER, Code.REPLICAS_DIFFER_AT_WRAP,
+    Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER, Code.OPTIMIZER_STEP_SKIPPED, Code.OPTIMIZER_DIFFERS,
+    Code.GRADS_REDUCED_TWICE, Code.GRADS_CHANGED_AFTER_SYNC, Code.STATIC_GRAPH_UNSAFE, Code.WRAPPER_BYPASS,
+    Code.UNFROZEN_AFTER_WRAP, Code.FROZEN_AFTER_WRAP, Code.UNUSED_PARAMETERS, Code.GRAD_BLOCKED,
+    Code.COLLECTIVE_MISMATCH, Code.DYNAMIC_GRAPH, Code.RANK_DEPENDENT_GRAPH, Code.USED_OUTSIDE_FORWARD,
+    Code.REENTRANT_CHECKPOINT, Code.GRADS_NOT_SYNCED, Code.REPLICA_DIVERGENCE, Code.BUFFER_DIVERGENCE,
+    Code.IDENTICAL_INPUTS_ACROSS_RANKS, Code.NO_TRAINABLE_PARAMETERS, Code.FIND_UNUSED_UNNEEDED, Code.UNEVEN_INPUTS,
+    Code.SAMPLER_EPOCH_NOT_SET, Code.CHECKPOINT_SAME_PATH, Code.CHECKPOINT_MODULE_PREFIX, Code.GRAD_SCALER_MISMATCH,
+    Code.BATCHNORM_NOT_SYNCED, Code.INPUT_BOUND, Code.STRAGGLER_RANK,
+)
+# fmt: on
 
 
 class Family(_Name):
@@ -334,6 +355,18 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.GRADIENT_SYNC_OFF, Family.FSDP2, "error", "sharded.py",
          "gradient sync was off (set_requires_gradient_sync(False)) at every optimizer step",
          more=": *gradient sync was off at all 8 optimizer steps*, with the line of the last call (from `check`)"),
+    _row(Code.SHARDED_CHECKPOINT_INCOMPLETE, Family.FSDP2, "error", "sharded.py",
+         "a torch.save of sharded state on some ranks only: the file holds their shards, not the model",
+         more=": *rank 0 alone saved the sharded state dict: ck.pt holds 1 of 2 ranks' shards*, with the line, a "
+              "parameter's shard shape against its full shape, and the fix on every rank (from `check`)"),
+    _row(Code.STATE_GATHER_SOME_RANKS, Family.FSDP2, "error", "sharded_failures.py",
+         "a full state dict of sharded parameters gathered on some ranks only: a collective the others never enter",
+         more=": *rank 0 gathered the full state dict alone: get_model_state_dict at train.py:58*, with where the "
+              "others went instead and what the mismatched collectives did (from `check`, when the run failed)"),
+    _row(Code.SHARDED_FORWARD_SOME_RANKS, Family.FSDP2, "error", "sharded_failures.py",
+         "a forward through the sharded model on some ranks only (an evaluation on rank 0): its all-gathers wait",
+         more=": *rank 0 ran a forward through the sharded model that rank 1 did not: train.py:41*, with each "
+              "rank's count of forwards at that line and where the others were (from `check`, when the run failed)"),
 )
 # fmt: on
 

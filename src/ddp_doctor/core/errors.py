@@ -9,6 +9,7 @@ __all__ = [
     "DoctorError",
     "GuardError",
     "InvalidArgumentError",
+    "MixedParallelismError",
     "NoTrainableParametersError",
     "NotDDPModelError",
     "ProcessGroupNotInitializedError",
@@ -30,6 +31,10 @@ class InvalidArgumentError(DoctorError, ValueError):
 
 class NotDDPModelError(DoctorError, TypeError):
     """`observe` was given something that is not a `DistributedDataParallel`."""
+
+
+class MixedParallelismError(DoctorError, TypeError):
+    """DistributedDataParallel was given a model that `fully_shard` (FSDP2) already sharded."""
 
 
 class ProcessGroupNotInitializedError(DoctorError):

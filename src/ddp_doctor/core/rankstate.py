@@ -95,10 +95,23 @@ class RankState:
     """From the beacon: the last step the rank closed and the trainable parameters that got no gradient in it."""
     wrap: WrapShapes | None = None
     """The parameters of the last DDP model the rank started to build (`rank{R}.wrap.json`)."""
+    sharding: dict[str, Any] | None = None
+    """The sharding of the FSDP2 model the rank trained (no DDP), from the beacon."""
+    forwards: dict[str, int] = field(default_factory=dict)
+    """Forwards through that model since its first optimizer step, by the user's line, from the beacon."""
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharding is not None
 
     @property
     def built_ddp(self) -> bool:
         return self.ddp_models > 0
+
+    @property
+    def trained(self) -> bool:
+        """The rank built a DDP model or trains a sharded one: a run whose failure gets a report."""
+        return self.built_ddp or self.sharded
 
 
 def read_rank_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
@@ -130,6 +143,7 @@ def read_rank_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
             state.position_age_s = max(0.0, end_time - (beacon.time or end_time))
             state.in_collective, state.collectives = beacon.in_collective, beacon.collectives
             state.collective = beacon.collective
+            state.sharding, state.forwards = beacon.sharding, beacon.forwards
         failure = failures.get(str(rank))
         if failure is not None:
             state.signal = failure.get("signal")

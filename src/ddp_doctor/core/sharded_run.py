@@ -44,3 +44,13 @@ class ShardedRun:
     """Observed optimizer steps taken while some sharded module had gradient sync off (on the rank with the most)."""
     sync_off_site: str | None = None
     """Where the script last called `set_requires_gradient_sync(False)`."""
+    shard_save: dict[str, Any] | None = None
+    """A `torch.save` of DTensor shards to a file that holds some ranks' shards only, as the first rank that made it
+    saw it: `shown` (the file), `site` (the line), `shards` (how many DTensors, one's name, local and global shape).
+    None when no rank saved shards, or every rank saved its own to a file of its own."""
+    shard_save_ranks: int = 0
+    """How many ranks made such a save."""
+    shard_save_first: int = 0
+    """The lowest rank that made one."""
+    shard_save_one_path: bool = False
+    """Every rank saved, all to the same path."""

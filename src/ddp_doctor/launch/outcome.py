@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_doctor.analyze import diagnose_after_steps, diagnose_failure, refused_at_wrap
+import torch
+
+from ddp_doctor.analyze import diagnose_after_steps, diagnose_failure, explain_meta_params, refused_at_wrap
 from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.findings import finite
 from ddp_doctor.core.rankfiles import Outcome, read_ends
@@ -141,7 +143,7 @@ def collect(
             "its output above says why.",
             timed_out=timed_out,
         )
-    built = [s for s in states.values() if s.built_ddp]
+    built = [s for s in states.values() if s.trained]
     if not built and interrupted is None and refused_at_wrap(states):
         # DDP's constructor refused the model (shapes differ by rank): a finding, not a failure to run.
         return CheckResult(
@@ -158,6 +160,12 @@ def collect(
         )
         if crashed:
             crash = crashed[0].raised
+            meta_params = explain_meta_params(crash.message)
+            if meta_params is not None:
+                return CheckResult(
+                    error=f"the script failed on rank {crashed[0].rank}: {meta_params}\n{crash.traceback}",
+                    timed_out=timed_out,
+                )
             return CheckResult(
                 error=f"the script failed on rank {crashed[0].rank} before it built a DDP model: "
                 f"{crash.type}: {crash.message}\n{crash.traceback}",
@@ -225,14 +233,20 @@ def _failure_report(
     """A report from the ranks' own files: who failed first, how, and where the others were."""
     meta = next((s.models[0] for s in states.values() if s.models), {})
     wraps = [s.wrap for s in states.values() if s.wrap is not None]
+    # A sharded model's ranks publish no DDP model; they run this interpreter's torch.
+    sharding = None if meta else next((s.sharding for s in states.values() if s.sharding is not None), None)
     facts = RunFacts(
-        torch_version=meta.get("torch_version") or next((w.torch_version for w in wraps if w.torch_version), ""),
+        torch_version=meta.get("torch_version")
+        or next((w.torch_version for w in wraps if w.torch_version), "")
+        or (torch.__version__ if sharding is not None else ""),
         backend=meta.get("backend") or next((w.backend for w in wraps if w.backend), ""),
         world_size=max([s.world_size for s in states.values()] + [len(states)]),
         ddp_config=meta.get("ddp_config", {}),
         framework=meta.get("framework", "torch"),
         ddp_site=meta.get("site") or next((s.wrap.site for s in states.values() if s.wrap and s.wrap.site), None),
         interrupted=interrupted is not None,
+        parallelism="fsdp2" if sharding is not None else "ddp",
+        sharding=sharding,
     )
     diagnosis = diagnose_failure(states, timed_out=timed_out, native=native, interrupted=interrupted is not None)
     return Report.build(facts, diagnosis)

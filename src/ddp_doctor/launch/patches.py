@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer
 
 from ddp_doctor.core.compat import fsdp_module_type
+from ddp_doctor.core.errors import MixedParallelismError
 from ddp_doctor.core.frames import user_frame, user_site
 from ddp_doctor.core.rankfiles import WrapShapes, write_wrap
 from ddp_doctor.doctor import Doctor
@@ -72,13 +73,35 @@ def patch_ddp_init(session: PatchedRun) -> None:
         trainable = [p.requires_grad for _, p in module.named_parameters()]
         if not session.finishing:
             write_wrap_shapes(session.outdir, session.rank, module)
-        original_init(*bound.args, **bound.kwargs)
+        try:
+            original_init(*bound.args, **bound.kwargs)
+        except Exception as exc:
+            _refuse_sharded(module, exc)
+            raise
         if not session.finishing:
             session.policy.wrapped(ddp, own)
         # DDP keeps no trace of init_sync=False (its constructor then skips broadcasting rank 0's weights).
         session.after_wrap(ddp, trainable, init_sync=bool(bound.arguments.get("init_sync", True)))
 
     DistributedDataParallel.__init__ = __init__
+
+
+def _refuse_sharded(module: torch.nn.Module, exc: Exception) -> None:
+    """DDP's constructor failed on a model that `fully_shard` already sharded (torch 2.13: *aten.cat.default got
+    mixed torch.Tensor and DTensor*, from its broadcast of rank 0's weights): say so, naming the sharded modules."""
+    fsdp = fsdp_module_type()
+    if fsdp is None:
+        return
+    sharded = [repr(name) if name else "the root" for name, m in module.named_modules() if isinstance(m, fsdp)]
+    if not sharded:
+        return
+    names = ", ".join(sharded[:4]) + (f" and {len(sharded) - 4} more" if len(sharded) > 4 else "")
+    raise MixedParallelismError(
+        f"DistributedDataParallel was given a {type(module).__qualname__} whose modules {names} fully_shard "
+        f"(FSDP2) already sharded; DDP cannot wrap their DTensor parameters (torch raised: {exc}). Use one "
+        "data-parallel wrapper: fully_shard the blocks and then the root, and no DDP; or DDP alone, without "
+        "fully_shard."
+    ) from exc
 
 
 def patch_destroy_process_group(session: PatchedRun) -> None:

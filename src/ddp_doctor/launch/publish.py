@@ -76,17 +76,24 @@ class Publisher:
             pid=os.getpid(),
             ddp_models=len(self.doctors),
             models=self.models,
-            step=active.position.step if active is not None else -1,
+            step=active.position.step if active is not None else self._sharded_step,
             phase=Phase.FOLLOWING.value
             if self.following()
             else active.position.phase
             if active is not None
+            else self.beacon.state.phase
+            if self.beacon.state.sharding is not None
             else Phase.BEFORE_DDP.value,
             user_frame=user,
             innermost=innermost,
             ended=self.ended.is_set(),
             time=time.time(),
         )
+
+    @property
+    def _sharded_step(self) -> int:
+        """With no DDP model: the step of the FSDP2 model's optimizer, as the session published it (-1 before)."""
+        return self.beacon.state.step if self.beacon.state.sharding is not None else -1
 
     def end(self, outcome: Outcome, *, overwrite: bool = False, **fields: Any) -> None:
         """Write the rank's end record (the first ending wins, unless `overwrite`); `fields`: `EndRecord`'s."""

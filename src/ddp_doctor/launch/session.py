@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ddp_doctor.core.errors import DoctorError
-from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame
+from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import Outcome, write_json
 from ddp_doctor.doctor import Doctor
@@ -118,6 +118,7 @@ class Session:
         patch_destroy_process_group(self)
         patch_optimizer_init()
         patch_gradient_sync()
+        saves.listen(self.plain.note_save)
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
         # The loader probe first: its pre-step hook counts the step on its pass before ours reads it.
         self.follow.install()
@@ -189,8 +190,20 @@ class Session:
         if self.doctors or self._finishing or not self.plain.on_step(opt):
             return
         self.beacon.update(step=self.plain.steps, phase=Phase.BETWEEN_STEPS.value)
+        if self.plain.sharded is not None and self.beacon.state.sharding is None:
+            self.beacon.update(sharding=self.plain.sharded.describe())
+            self.plain.sharded.root.register_forward_pre_hook(self._on_sharded_forward)
         if self.plain.steps >= self.config.steps:
             self.finish_unwrapped(self._steps_reason)
+
+    def _on_sharded_forward(self, _module: Any, _args: Any) -> None:
+        """Count a forward through the FSDP2 model by the user's line: a forward some ranks run alone (an evaluation
+        on rank 0) pairs its all-gathers with the others' next collectives (`analyze/failures.py`)."""
+        site = user_site() or "an unknown place"
+        forwards = self.beacon.state.forwards
+        if site in forwards or len(forwards) < 8:
+            forwards[site] = forwards.get(site, 0) + 1
+            self.beacon.update()
 
     def finish_unwrapped(self, reason: str) -> None:
         """Compare the unwrapped optimizer's parameters across ranks, write the report (local rank 0), exit."""
@@ -274,6 +287,8 @@ class Session:
         # backward looks like one waiting in DDP's all-reduce to a peer that crashed too (peers_wait_in_collective).
         self.beacon.update(crashed=True)
         raised = raised_error(exc, self.doctors, phase=str(self.out.progress().phase))
+        if not self.doctors and self.plain.sharded is not None:
+            raised.step = self.plain.steps  # the FSDP2 model's optimizer steps (no doctor counts them)
         # After finish() the report is written: this crash happened in what the policy ran after it (bench).
         outcome = Outcome.CRASHED_AFTER_REPORT if self._finishing else Outcome.CRASHED
         self.out.end(outcome, raised=raised, overwrite=True)

@@ -15,6 +15,7 @@ shards differ across ranks by design.
 from __future__ import annotations
 
 import sys
+import zlib
 from typing import Any
 
 import torch
@@ -56,6 +57,13 @@ class PlainOptimizerWatch:
         self.sharded: ShardedModel | None = None
         self._weights_at_first: torch.Tensor | None = None
         self.sync_off_steps = 0
+        self.shard_saves: list[dict[str, Any]] = []
+        """`torch.save` calls of this rank that wrote DTensor shards (`observation/saves.py`), the first few."""
+
+    def note_save(self, info: dict[str, Any]) -> None:
+        """A `torch.save` to a file (a listener of `observation/saves.py`): kept when it wrote DTensor shards."""
+        if info.get("shards") and len(self.shard_saves) < 4:
+            self.shard_saves.append(info)
 
     def on_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Count a step; returns True when it was this watch's optimizer."""
@@ -151,7 +159,13 @@ class PlainOptimizerWatch:
         before = self._weights_at_first if self._weights_at_first is not None else now
         changed = bool((now.nan_to_num(0.0) != before.nan_to_num(0.0)).any())
         device = comm_device(None, named[0][1].device if named else None)
-        local = torch.tensor([float(len(unsharded)), float(self.sync_off_steps), float(changed)])
+        saved = self.shard_saves[0] if self.shard_saves else None
+        me, nobody = dist.get_rank(), float(2**24)
+        path = float(zlib.crc32(saved["path"].encode()) & 0xFFFFFF) if saved else -1.0
+        local = torch.tensor(
+            [float(len(unsharded)), float(self.sync_off_steps), float(changed), float(saved is not None)]
+            + [float(me) if saved else nobody, path]
+        )
         top, low = minmax(local, None, device)
         differ = [False] * len(unsharded)
         gap = 0.0
@@ -162,6 +176,7 @@ class PlainOptimizerWatch:
         elif unsharded:
             differ = [True] * len(unsharded)
             gap = float("inf")
+        shard_save = self._shard_save(saved, top, low, device)
         sync_site = next((getattr(m, SYNC_OFF_ATTR) for _, m in model.sharded if getattr(m, SYNC_OFF_ATTR, None)), None)
         run = ShardedRun(
             world=dist.get_world_size(),
@@ -178,5 +193,30 @@ class PlainOptimizerWatch:
             unsharded_gap=gap,
             sync_off_steps=int(top[1].item()),
             sync_off_site=sync_site,
+            **shard_save,
         )
         return Report.build(self._facts(sharding=run.sharding), diagnose_sharded(run))
+
+    @staticmethod
+    def _shard_save(
+        saved: dict[str, Any] | None, top: torch.Tensor, low: torch.Tensor, device: torch.device
+    ) -> dict[str, Any]:
+        """Whether sharded state went to a file that holds some ranks' shards only: saved by some ranks, or by every
+        rank to one path. Then two more collectives every rank makes alike: how many ranks saved, and what the
+        first of them wrote (its line, its file, a parameter's shard shape). `ShardedRun`'s `shard_save*` fields."""
+        if top[3].item() == 0:
+            return {}
+        every, one_path = low[3].item() == 1, top[5].item() == low[5].item()
+        if every and not one_path:
+            return {}  # each rank its own file of its own shards: a per-rank sharded checkpoint
+        first = int(low[4].item())
+        count = torch.tensor([1.0 if saved else 0.0], device=device)
+        dist.all_reduce(count)
+        shown = [None if saved is None else {k: saved[k] for k in ("shown", "site", "shards")}]
+        dist.broadcast_object_list(shown, src=first)
+        return {
+            "shard_save": shown[0],
+            "shard_save_ranks": int(count.item()),
+            "shard_save_first": first,
+            "shard_save_one_path": every and one_path,
+        }

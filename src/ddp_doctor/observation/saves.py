@@ -4,7 +4,8 @@ Every rank saving the same checkpoint file (no rank guard) makes them race on on
 or, on a shared file system, a checkpoint whose content depends on which rank wrote last. `torch.save` is wrapped
 once, process-wide (the launcher installs it before the script runs, so `from torch import save` in the script
 gets the wrapper too); each call that names a file is passed to whoever listens (the observing doctors). Local facts
-only: the path, the user's line, and whether what was saved is the DDP wrapper's state dict (keys `module.*`).
+only: the path, the user's line, whether what was saved is the DDP wrapper's state dict (keys `module.*`), and
+whether it holds DTensors sharded across ranks (an FSDP2 model's `state_dict()`: each holds this rank's shard).
 
 Whatever the script writes under the check stays behind, and a script that resumes from a snapshot it finds starts
 its next real run from the check's few steps. `open()` is wrapped too (`listen_opens`): a call from the script's
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.frames import is_user_frame, user_site
 from ddp_doctor.observation.hooks import ListenerList
 
@@ -54,21 +56,45 @@ def _module_prefixed(obj: Any) -> bool:
     return prefixed(obj) or any(isinstance(v, Mapping) and prefixed(v) for v in obj.values())
 
 
+def _shards(obj: Any) -> dict[str, Any] | None:
+    """The DTensors of `obj` (a state dict, as is or one level down) that hold a part of their tensor only: how many,
+    and the first one's name with its local and global shapes; None when there is none."""
+    if not isinstance(obj, Mapping):
+        return None
+    items = [(k, v) for k, v in obj.items() if not isinstance(v, Mapping)]
+    items += [(f"{k}.{k2}", v2) for k, v in obj.items() if isinstance(v, Mapping) for k2, v2 in v.items()]
+    partial = [(str(k), v) for k, v in items if is_dtensor(v) and tuple(v.to_local().shape) != tuple(v.shape)]
+    if not partial:
+        return None
+    name, first = partial[0]
+    return {
+        "tensors": len(partial),
+        "example": name,
+        "local": list(first.to_local().shape),
+        "global": list(first.shape),
+    }
+
+
 def describe(obj: Any, f: Any) -> dict[str, Any] | None:
     """What a `torch.save(obj, f)` call writes: `path` (absolute), `shown` (relative to the working folder when
-    inside it), `site` and `module_prefix`; None when `f` names no file."""
+    inside it), `site`, `module_prefix`, and `shards` when it holds
+    DTensor shards (`_shards`); None when `f` names no file."""
     path = _path(f)
     if path is None:
         return None
     here = os.getcwd()
     shown = os.path.relpath(path, here) if path.startswith(here + os.sep) else path
-    return {
+    out = {
         "path": path,
         "shown": shown,
         "site": user_site(),
         "module_prefix": _module_prefixed(obj),
         "existed": os.path.exists(path),
     }
+    shards = _shards(obj)
+    if shards is not None:
+        out["shards"] = shards
+    return out
 
 
 def _writes(mode: Any) -> bool:

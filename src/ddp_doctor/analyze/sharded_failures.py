@@ -1,0 +1,96 @@
+"""Findings of a failed FSDP2 job that name a collective some ranks entered alone: a full state dict gathered on
+some ranks only (`state-gather-some-ranks`), a forward through the sharded model run on some ranks only
+(`sharded-forward-some-ranks`). Pure: the supervisor's `RankState` per rank in.
+
+Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_train.py`): a full state dict
+gathered on rank 0 alone meets rank 1's next forward, and gloo aborts rank 1 (*Received data size doesn't match
+expected size*); an evaluation forward under `no_grad` on rank 0 alone returns (its all-gathers took rank 1's
+training forward's, of the same sizes), and both ranks then hang until the job is killed.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ddp_doctor.analyze.positions import capped, short, where
+from ddp_doctor.core.codes import Code
+from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.rankstate import RankState
+
+__all__ = ["forward_alone", "gather_alone"]
+
+_GATHERS = ("get_model_state_dict", "get_state_dict", "get_optimizer_state_dict", "full_tensor", "_gather_state_dict")
+"""The calls that all-gather sharded (DTensor) state, the one a user calls first: every rank must enter them."""
+
+
+def _gather(s: RankState) -> str | None:
+    """The gather of sharded state the rank was in when the run failed: from its traceback, its fault dump or the
+    watchdog's last sample of its innermost frame."""
+    texts = [s.raised.traceback if s.raised else "", s.innermost or ""]
+    texts += [fn for _, _, fn in (s.fault.frames if s.fault else [])]
+    return next((g for g in _GATHERS if any(re.search(rf"\b{g}\b", t) for t in texts)), None)
+
+
+def gather_alone(states: dict[int, RankState], native: list[str]) -> Finding | None:
+    """Some ranks gathered a full state dict of sharded parameters (`get_model_state_dict(...,
+    full_state_dict=True)`, `DTensor.full_tensor()`) while the others did not: their all-gathers met the others'
+    next collectives (the forward's all-gathers of the sharded parameters)."""
+    gathering = {r: g for r, s in states.items() if (g := _gather(s)) is not None}
+    if not gathering or len(gathering) == len(states):
+        return None
+    first = min(gathering)
+    s = states[first]
+    site = (s.raised.site if s.raised else None) or s.site or s.user_frame
+    rest = sorted(r for r in states if r not in gathering)
+    went = capped([f"rank {r} went on to {where(states[r])}" for r in rest])
+    said = f" The communication library said: {native[0]}" if native else ""
+    return Finding(
+        code=Code.STATE_GATHER_SOME_RANKS,
+        severity="error",
+        title=f"{rank_list(sorted(gathering))} gathered the full state dict alone: {gathering[first]} at {short(site)}",
+        detail=f"{gathering[first]} at {site or 'an unknown place'} all-gathers every sharded parameter, a "
+        f"collective each rank must enter, and {rank_list(rest)} never did: {went}. Their next collectives (a "
+        "forward's all-gathers of the sharded parameters) were paired with the gather's, and a mismatched "
+        "collective aborts, hangs or exchanges the wrong data, depending on the backend and the sizes." + said,
+        ranks=sorted(states),
+        steps=sorted({max(states[r].raised.step if states[r].raised else states[r].step, 0) for r in gathering}),
+        fix="gather on every rank, write on one: `sd = get_model_state_dict(model, "
+        "options=StateDictOptions(full_state_dict=True, cpu_offload=True))` outside the `if rank == 0:`, then "
+        "`if rank == 0: torch.save(sd, path)`; or save the sharded state with `torch.distributed.checkpoint.save` "
+        "on every rank. With Accelerate: `sd = accelerator.get_state_dict(model)` on every process, then "
+        "`accelerator.save(sd, path)`.",
+    )
+
+
+def forward_alone(states: dict[int, RankState]) -> Finding | None:
+    """A line that ran forwards through the FSDP2 model on some ranks and none on others (counted from the first
+    optimizer step): each such forward all-gathers the sharded parameters, a collective the others never enter."""
+    sites = sorted({site for s in states.values() for site in s.forwards})
+    for site in sites:
+        counts = {r: s.forwards.get(site, 0) for r, s in states.items() if s.sharded}
+        alone = sorted(r for r, n in counts.items() if n)
+        if not alone or len(alone) == len(counts):
+            continue
+        rest = sorted(r for r in counts if r not in alone)
+        went = capped([f"rank {r} was at {where(states[r])}" for r in rest])
+        return Finding(
+            code=Code.SHARDED_FORWARD_SOME_RANKS,
+            severity="error",
+            title=f"{rank_list(alone)} ran a forward through the sharded model that {rank_list(rest)} did not: "
+            f"{short(site)}",
+            detail=f"The forward at {site} ran on {rank_list(alone)} only ("
+            + ", ".join(f"{counts[r]} time{'s' if counts[r] != 1 else ''} on rank {r}" for r in alone)
+            + f", none on {rank_list(rest)}, counted from the first optimizer step). FSDP2's forward all-gathers "
+            "the parameters of every sharded module, a collective each rank must enter, so its all-gathers were "
+            f"paired with the other ranks' next collectives: {went}. A mismatched collective aborts, hangs or "
+            "exchanges the wrong data (with gloo here, an evaluation on rank 0 alone returned, computed with the "
+            "other ranks' all-gathers, and both ranks hung a step later).",
+            ranks=sorted(states),
+            steps=sorted({max(states[r].step, 0) for r in alone}),
+            fix="run the forward on every rank: evaluate on every rank, each on its part of the data, and reduce the "
+            "metric (`dist.all_reduce`); or, for a model that rank 0 alone must run (generation, a sample), gather "
+            "a full state dict on every rank (`get_model_state_dict(model, options=StateDictOptions("
+            "full_state_dict=True, cpu_offload=True))`) and load it into an unsharded copy on rank 0.",
+        )
+    return None
