@@ -198,7 +198,7 @@ class Session:
 
     def _on_sharded_forward(self, _module: Any, _args: Any) -> None:
         """Count a forward through the FSDP2 model by the user's line: a forward some ranks run alone (an evaluation
-        on rank 0) pairs its all-gathers with the others' next collectives (`analyze/failures.py`)."""
+        on rank 0) pairs its all-gathers with the others' next collectives (`analyze/sharded_failures.py`)."""
         site = user_site() or "an unknown place"
         forwards = self.beacon.state.forwards
         if site in forwards or len(forwards) < 8:
