@@ -9,7 +9,7 @@
 --mistake eval-rank0        after the third step, rank 0 alone runs an evaluation forward under no_grad
 --mistake eval-every        clean: every rank runs that evaluation forward
 
---save (after the third optimizer step, to --save-dir):
+--save (after the third optimizer step, to --save-dir; several at once: "dcp,full"):
   rank0        rank 0 alone: torch.save(model.state_dict(), "ck.pt") (its shards only)
   every-same   every rank torch.save's its state dict to the same "ck.pt"
   every-own    every rank to its own "ck-rank{r}.pt" (a per-rank sharded checkpoint: loadable by the same sharding)
@@ -69,36 +69,37 @@ if __name__ == "__main__":
     parser.add_argument("--save", default="")
     parser.add_argument("--save-dir", default=".")
     args = parser.parse_args()
+    mistakes = set(args.mistake.split(","))  # several at once: "accumulate,eval-every"
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = Net()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    if args.mistake == "optimizer-before":
+    if "optimizer-before" in mistakes:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for block in model.blocks:
         fully_shard(block)
-    if args.mistake != "root-unsharded":
+    if "root-unsharded" not in mistakes:
         fully_shard(model)
-    if args.mistake == "added-after":
+    if "added-after" in mistakes:
         model.extra = nn.Linear(64, 64)
         before.update({f"extra.{n}": p.detach().clone() for n, p in model.extra.named_parameters()})
-    if args.mistake != "optimizer-before":
+    if "optimizer-before" not in mistakes:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(rank)
     for _step in range(args.steps):
         for micro in range(2):
-            if args.mistake == "sync-off":
+            if "sync-off" in mistakes:
                 model.set_requires_gradient_sync(False)
-            if args.mistake == "accumulate":
+            if "accumulate" in mistakes:
                 model.set_requires_gradient_sync(micro == 1)
             x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
             F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-        if _step == 2 and args.save:
-            save(model, rank, args.save, args.save_dir)
-        if _step == 2 and (args.mistake == "eval-every" or args.mistake == "eval-rank0" and rank == 0):
+        for how in args.save.split(",") if _step == 2 and args.save else []:
+            save(model, rank, how, args.save_dir)
+        if _step == 2 and ("eval-every" in mistakes or "eval-rank0" in mistakes and rank == 0):
             with torch.no_grad():
                 model(torch.randn(4, 16, generator=g))
     # The ground truth, printed by each rank: how far each parameter moved, and its head's sum (compare across ranks).
