@@ -41,5 +41,7 @@ def test_check_names_the_cause(tmp_path, script, nproc, code, ranks, steps, wher
 def test_zero_redundancy_optimizer_shards_are_not_optimizer_differs(tmp_path) -> None:
     # Each rank's inner optimizer holds its own shard (different param groups by design), stepped with a scheduler.
     run = check(["--nproc-per-node", "4", str(SCRIPTS / "zero_sharded.py")], tmp_path)
-    assert run.rc == 0 and run.codes == set(), run.output
+    # Four ranks on two cores: a timing finding is a measurement of the machine, not this test's subject (each
+    # rank steps a shard of its own size, and a loaded machine once made one rank 1.7x slower in its optimizer).
+    assert not run.codes - {"input-bound", "straggler-rank"} and (run.rc == 0 or run.codes), run.output
     assert run.report["recommendation"]["verified"], run.report["recommendation"]
