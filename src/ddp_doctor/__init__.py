@@ -10,12 +10,13 @@ shadowed by it.
 from __future__ import annotations
 
 from ddp_doctor.core import VERSION as __version__
-from ddp_doctor.core.codes import CODES
+from ddp_doctor.core.codes import CODES, Code
 from ddp_doctor.core.errors import (
     DDPFailure,
     DoctorError,
     GuardError,
     InvalidArgumentError,
+    MixedParallelismError,
     NotDDPModelError,
     NoTrainableParametersError,
     ProcessGroupNotInitializedError,
@@ -34,6 +35,7 @@ from ddp_doctor.report import Report
 
 __all__ = [
     "CODES",
+    "Code",
     "DDPFailure",
     "Doctor",
     "DoctorError",
@@ -41,6 +43,7 @@ __all__ = [
     "Guard",
     "GuardError",
     "InvalidArgumentError",
+    "MixedParallelismError",
     "NoTrainableParametersError",
     "NotDDPModelError",
     "ParamRef",
