@@ -70,7 +70,7 @@ def test_an_optimizer_built_before_fully_shard_is_named_with_its_line(tmp_path: 
     assert run.rc == 1 and run.codes == {"optimizer-params-replaced"}, run.output
     finding = run.finding("optimizer-params-replaced")
     assert finding["severity"] == "error" and finding["ranks"] == [0, 1]
-    assert "AdamW created at tests/scripts/fsdp2_train.py:79" in finding["detail"]
+    assert "AdamW created at tests/scripts/fsdp2_train.py:81" in finding["detail"]
     assert "not one of the model's 6 trainable parameters changed" in finding["detail"]
     assert "after every fully_shard call" in finding["fix"]
 
@@ -79,7 +79,7 @@ def test_gradient_sync_never_switched_back_on_is_named_with_its_line(tmp_path: P
     run = _check(tmp_path, "sync-off")
     assert run.rc == 1 and run.codes == {"gradient-sync-off"}, run.output
     finding = run.finding("gradient-sync-off")
-    assert "tests/scripts/fsdp2_train.py:93" in finding["detail"] and "changed on any rank" in finding["detail"]
+    assert "tests/scripts/fsdp2_train.py:95" in finding["detail"] and "changed on any rank" in finding["detail"]
     assert "set_requires_gradient_sync(micro_step == accumulation_steps - 1)" in finding["fix"]
 
 
@@ -115,7 +115,7 @@ def test_a_checkpoint_of_some_ranks_shards_is_named_with_its_line(tmp_path: Path
     assert finding["severity"] == "error" and finding["title"] == title.format(tmp_path / "ck.pt")
     assert finding["ranks"] == ([0] if save == "rank0" else [0, 1])
     assert (
-        "tests/scripts/fsdp2_train.py:52" in finding["detail"]
+        "tests/scripts/fsdp2_train.py:53" in finding["detail"]
         and "blocks.0.0.weight is 32x16 of 64x16" in (finding["detail"])
     )
     assert "torch.distributed.checkpoint.save" in finding["fix"] and "full_state_dict=True" in finding["fix"]
@@ -129,7 +129,7 @@ def test_a_full_state_dict_gathered_on_rank_0_alone_is_named_with_its_line(tmp_p
     assert run.rc == 1 and run.report is not None, run.output
     assert run.report["parallelism"] == "fsdp2" and run.report["sharding"]["sharded_modules"] == 3
     finding = run.finding("state-gather-some-ranks")
-    assert finding["title"] == "rank 0 gathered the full state dict alone: get_model_state_dict at fsdp2_train.py:60"
+    assert finding["title"] == "rank 0 gathered the full state dict alone: get_model_state_dict at fsdp2_train.py:61"
     assert "rank 1 never did: rank 1 went on to step 3" in finding["detail"], finding["detail"]
     assert "outside the `if rank == 0:`" in finding["fix"]
     # What the mismatch did to rank 1 is said, and pointed at the cause; nothing else is reported.
@@ -165,7 +165,7 @@ def test_a_forward_through_the_sharded_model_on_rank_0_alone_is_named_with_its_l
     assert run.rc == 1 and run.report is not None and run.report["parallelism"] == "fsdp2", run.output
     finding = run.finding("sharded-forward-some-ranks")
     assert finding["title"] == (
-        "rank 0 ran a forward through the sharded model that rank 1 did not: fsdp2_train.py:104"
+        "rank 0 ran a forward through the sharded model that rank 1 did not: fsdp2_train.py:106"
     ), finding["title"]
     assert "(1 time on rank 0, none on rank 1, counted from the first optimizer step)" in finding["detail"]
     assert "evaluate on every rank" in finding["fix"]
@@ -175,3 +175,13 @@ def test_a_forward_through_the_sharded_model_on_rank_0_alone_is_named_with_its_l
         for f in run.report["findings"]
         if f["code"] == "rank-crashed"
     )
+
+
+def test_a_parameter_no_loss_reaches_is_unused_parameters_at_warning(tmp_path: Path) -> None:
+    """Ground truth, plain torchrun, torch 2.13.0, gloo, 2 ranks: a model whose auxiliary head (in the root's
+    fully_shard group) no forward calls runs to the end with exit code 0; the head never moves (largest change 0)."""
+    run = _check(tmp_path, "unused-aux")
+    assert run.codes == {"unused-parameters"}, run.output
+    finding = run.finding("unused-parameters")
+    assert finding["severity"] == "warning" and run.params("unused-parameters") == {"aux.weight", "aux.bias"}
+    assert "FSDP2 raises no error for them" in finding["detail"] and "before fully_shard" in finding["fix"]

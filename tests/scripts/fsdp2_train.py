@@ -8,6 +8,7 @@
 --mistake accumulate        clean: sync off on the first micro-batch, back on for the last one
 --mistake eval-rank0        after the third step, rank 0 alone runs an evaluation forward under no_grad
 --mistake eval-every        clean: every rank runs that evaluation forward
+--mistake unused-aux        an auxiliary head built before sharding that no forward uses (it never gets a gradient)
 
 --save (after the third optimizer step, to --save-dir; several at once: "dcp,full"):
   rank0        rank 0 alone: torch.save(model.state_dict(), "ck.pt") (its shards only)
@@ -74,6 +75,7 @@ if __name__ == "__main__":
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = Net()
+    model.aux = nn.Linear(64, 4) if "unused-aux" in mistakes else None  # in the root's group, never called
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     if "optimizer-before" in mistakes:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

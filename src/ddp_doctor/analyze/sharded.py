@@ -1,5 +1,5 @@
 """Findings of a job that shards with FSDP2 (`fully_shard`): `optimizer-params-replaced`,
-`unsharded-params-not-synced`, `gradient-sync-off`, `sharded-checkpoint-incomplete`. Pure: the agreed facts
+`unsharded-params-not-synced`, `gradient-sync-off`, `sharded-checkpoint-incomplete`, and DDP's `unused-parameters`. Pure: the agreed facts
 (`ShardedRun`) in, findings out.
 
 Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_train.py`, 12 steps): each of
@@ -81,6 +81,8 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         )
     if run.shard_save:
         found.append(_incomplete_checkpoint(run))
+    if run.unused and run.model_params_stepped:
+        found.append(_unused(run, ranks))
     if run.unsharded:
         differ = [p for p, d in zip(run.unsharded, run.unsharded_differ) if d]
         if differ:
@@ -117,6 +119,25 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
                 )
             )
     return found
+
+
+def _unused(run: ShardedRun, ranks: list[int]) -> Finding:
+    n = len(run.unused)
+    return Finding(
+        code=Code.UNUSED_PARAMETERS,
+        severity="warning",
+        title=f"{n} trainable parameter{'s' if n != 1 else ''} never got a gradient",
+        detail=f"On no rank, in none of the {run.steps} observed optimizer steps with gradient sync on, did these "
+        "parameters get a gradient: nothing in the loss reaches them. FSDP2 raises no error for them, unlike DDP "
+        "with default flags; they do not train, and the all-gathers of their fully_shard group still carry them in "
+        "every forward. If a later phase of the script uses them (a curriculum, an auxiliary loss switched on "
+        "later), nothing is wrong.",
+        params=list(run.unused),
+        ranks=ranks,
+        steps=_steps(run),
+        fix="remove them from the model if nothing uses them, or set requires_grad=False on them before fully_shard "
+        "(and build the optimizer from the trainable parameters) while they are not used.",
+    )
 
 
 def _incomplete_checkpoint(run: ShardedRun) -> Finding:
@@ -178,11 +199,12 @@ def sharded_recommendation(run: ShardedRun) -> Recommendation:
         "This job shards its model with FSDP2 (fully_shard), not DDP: there are no DDP flags to recommend. "
         f"Checked on every rank over {run.steps} optimizer steps: that the optimizer steps the model's own "
         "parameters, that every trainable parameter is in a fully_shard group (those outside it compared across "
-        "ranks), that gradient sync was on when the optimizer stepped, whether the weights changed, and that "
+        "ranks), that gradient sync was on when the optimizer stepped, that every trainable parameter got a gradient, "
+        "whether the weights changed, and that "
         "every torch.save of sharded state in those steps wrote all the ranks' shards. Not checked for FSDP2 yet: "
         "a save after those steps, forwards and full-state-dict gathers on some ranks only that did not break the "
         "run (they are named when they do), the mixed-precision "
-        "policy, unused or frozen parameters, the step time; no reshard_after_forward advice is made."
+        "policy, parameters frozen after sharding, the step time; no reshard_after_forward advice is made."
     )
 
 

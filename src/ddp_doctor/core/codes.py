@@ -188,9 +188,10 @@ def _row(
 # One row a code, in `Code`'s order. Laid out by hand, as a table reads (the formatter would give each argument a line).
 # fmt: off
 TABLE: tuple[CodeInfo, ...] = (
-    _row(Code.UNUSED_PARAMETERS, Family.GRAPH, "error/warning", "used_set.py",
+    _row(Code.UNUSED_PARAMETERS, Family.GRAPH, "error/warning", "used_set.py sharded.py",
          "trainable parameters that never reach the loss",
-         when="error with default flags (DDP will fail); warning when the flags cope"),
+         when="error with default flags (DDP will fail); warning when the flags cope, and in a model sharded with "
+              "FSDP2 (no error: they never train, and their group's all-gathers carry them)"),
     _row(Code.DYNAMIC_GRAPH, Family.GRAPH, "error/info", "used_set.py",
          "the set of parameters that reach the loss changes between steps",
          when="error with default flags or `static_graph=True`; info with `find_unused_parameters=True`"),

@@ -44,6 +44,8 @@ class ShardedRun:
     """Observed optimizer steps taken while some sharded module had gradient sync off (on the rank with the most)."""
     sync_off_site: str | None = None
     """Where the script last called `set_requires_gradient_sync(False)`."""
+    unused: list[ParamRef] = field(default_factory=list)
+    """Trainable parameters of the model that got no gradient on any rank in any observed step."""
     shard_save: dict[str, Any] | None = None
     """A `torch.save` of DTensor shards to a file that holds some ranks' shards only, as the first rank that made it
     saw it: `shown` (the file), `site` (the line), `shards` (how many DTensors, one's name, local and global shape).

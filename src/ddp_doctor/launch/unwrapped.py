@@ -59,6 +59,9 @@ class PlainOptimizerWatch:
         self.sync_off_steps = 0
         self.shard_saves: list[dict[str, Any]] = []
         """`torch.save` calls of this rank that wrote DTensor shards (`observation/saves.py`), the first few."""
+        self._grad_seen: torch.Tensor | None = None
+        """Per parameter of the sharded model: it had a gradient at some observed step with gradient sync on."""
+        self._grad_steps = 0
 
     def note_save(self, info: dict[str, Any]) -> None:
         """A `torch.save` to a file (a listener of `observation/saves.py`): kept when it wrote DTensor shards."""
@@ -84,6 +87,10 @@ class PlainOptimizerWatch:
         self.steps += 1
         if self.sharded is not None and not self.sharded.gradient_sync_on():
             self.sync_off_steps += 1
+        elif self.sharded is not None:
+            got = torch.tensor([p.grad is not None for _, p in self.sharded.named_parameters()])
+            self._grad_seen = got if self._grad_seen is None else self._grad_seen | got
+            self._grad_steps += 1
         return True
 
     def _name_params(self, frame: Any) -> None:
@@ -164,9 +171,18 @@ class PlainOptimizerWatch:
         path = float(zlib.crc32(saved["path"].encode()) & 0xFFFFFF) if saved else -1.0
         local = torch.tensor(
             [float(len(unsharded)), float(self.sync_off_steps), float(changed), float(saved is not None)]
-            + [float(me) if saved else nobody, path]
+            + [float(me) if saved else nobody, path, float(self._grad_steps), float(len(named))]
         )
         top, low = minmax(local, None, device)
+        unused: list[ParamRef] = []
+        if low[6].item() > 0 and top[7].item() == low[7].item() and self._grad_seen is not None:
+            # Every rank saw a step with gradient sync on, and the same parameters: none had a gradient anywhere.
+            seen, _ = minmax(self._grad_seen.float(), None, device)
+            unused = [
+                ParamRef(n, p.numel(), tuple(p.shape))
+                for (n, p), s in zip(named, seen.tolist())
+                if p.requires_grad and not s
+            ]
         differ = [False] * len(unsharded)
         gap = 0.0
         if unsharded and top[0].item() == low[0].item():
@@ -191,6 +207,7 @@ class PlainOptimizerWatch:
             unsharded=[ParamRef(n, p.numel(), tuple(p.shape)) for n, p in unsharded],
             unsharded_differ=differ,
             unsharded_gap=gap,
+            unused=unused,
             sync_off_steps=int(top[1].item()),
             sync_off_site=sync_site,
             **shard_save,
