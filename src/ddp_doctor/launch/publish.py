@@ -76,24 +76,29 @@ class Publisher:
             pid=os.getpid(),
             ddp_models=len(self.doctors),
             models=self.models,
-            step=active.position.step if active is not None else self._sharded_step,
-            phase=Phase.FOLLOWING.value
-            if self.following()
-            else active.position.phase
-            if active is not None
-            else self.beacon.state.phase
-            if self.beacon.state.sharding is not None
-            else Phase.BEFORE_DDP.value,
+            step=self._step(active),
+            phase=self._phase(active),
             user_frame=user,
             innermost=innermost,
             ended=self.ended.is_set(),
             time=time.time(),
         )
 
-    @property
-    def _sharded_step(self) -> int:
-        """With no DDP model: the step of the FSDP2 model's optimizer, as the session published it (-1 before)."""
+    def _step(self, active: Doctor | None) -> int:
+        """The active doctor's step; with no DDP model, the FSDP2 model's optimizer step the session published (-1
+        before any)."""
+        if active is not None:
+            return active.position.step
         return self.beacon.state.step if self.beacon.state.sharding is not None else -1
+
+    def _phase(self, active: Doctor | None) -> str:
+        if self.following():
+            return Phase.FOLLOWING.value
+        if active is not None:
+            return active.position.phase
+        if self.beacon.state.sharding is not None:
+            return self.beacon.state.phase
+        return Phase.BEFORE_DDP.value
 
     def end(self, outcome: Outcome, *, overwrite: bool = False, **fields: Any) -> None:
         """Write the rank's end record (the first ending wins, unless `overwrite`); `fields`: `EndRecord`'s."""
