@@ -128,6 +128,7 @@ def test_a_full_state_dict_gathered_on_rank_0_alone_is_named_with_its_line(tmp_p
     run = check(["--nproc-per-node", "2", SCRIPT, "--save", "gather-rank0", "--save-dir", str(tmp_path)], tmp_path)
     assert run.rc == 1 and run.report is not None, run.output
     assert run.report["parallelism"] == "fsdp2" and run.report["sharding"]["sharded_modules"] == 3
+    assert run.report["backend"] == "gloo" and run.report["torch_version"].startswith("2.")
     finding = run.finding("state-gather-some-ranks")
     assert finding["title"] == "rank 0 gathered the full state dict alone: get_model_state_dict at fsdp2_train.py:61"
     assert "rank 1 never did: rank 1 went on to step 3" in finding["detail"], finding["detail"]

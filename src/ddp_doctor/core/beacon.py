@@ -78,6 +78,8 @@ class BeaconState:
     sharding: dict[str, Any] | None = None
     """The rank follows a model sharded with FSDP2 (no DDP; its steps are that model's optimizer steps): the sharding
     the report's header names (`ShardedModel.describe`)."""
+    backend: str | None = None
+    """That model's process group backend (the report's header; a DDP model's is in its model record)."""
     forwards: dict[str, int] = field(default_factory=dict)
     """Forwards through that sharded model since its first optimizer step, by the user's line (8 lines at most)."""
     crashed: bool = False

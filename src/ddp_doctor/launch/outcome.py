@@ -239,7 +239,9 @@ def _failure_report(
         torch_version=meta.get("torch_version")
         or next((w.torch_version for w in wraps if w.torch_version), "")
         or (torch.__version__ if sharding is not None else ""),
-        backend=meta.get("backend") or next((w.backend for w in wraps if w.backend), ""),
+        backend=meta.get("backend")
+        or next((w.backend for w in wraps if w.backend), "")
+        or next((s.backend for s in states.values() if s.backend), ""),
         world_size=max([s.world_size for s in states.values()] + [len(states)]),
         ddp_config=meta.get("ddp_config", {}),
         framework=meta.get("framework", "torch"),

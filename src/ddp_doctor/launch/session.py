@@ -191,7 +191,7 @@ class Session:
             return
         self.beacon.update(step=self.plain.steps, phase=Phase.BETWEEN_STEPS.value)
         if self.plain.sharded is not None and self.beacon.state.sharding is None:
-            self.beacon.update(sharding=self.plain.sharded.describe())
+            self.beacon.update(sharding=self.plain.sharded.describe(), backend=str(dist.get_backend()))
             self.plain.sharded.root.register_forward_pre_hook(self._on_sharded_forward)
         if self.plain.steps >= self.config.steps:
             self.finish_unwrapped(self._steps_reason)
