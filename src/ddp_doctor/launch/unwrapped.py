@@ -36,6 +36,10 @@ from ddp_doctor.report.model import Report, RunFacts
 __all__ = ["PlainOptimizerWatch", "record_creation_site"]
 
 SITE_ATTR = "_ddp_doctor_site"
+_SLOTS = ("unsharded", "sync_off", "changed", "saved", "saver", "path", "grad_steps", "params")
+"""What every rank puts in the sharded report's one min/max reduction, in this order."""
+_NOBODY = 2**24
+"""The `saver` slot of a rank that saved no shards (above any rank, exact in float32)."""
 SYNC_OFF_ATTR = "_ddp_doctor_sync_off_site"
 """Set on an FSDP2 module by the patched `set_requires_gradient_sync(False)`: where the script called it."""
 
@@ -154,9 +158,11 @@ class PlainOptimizerWatch:
         )
 
     def _sharded_report(self, model: ShardedModel) -> Report:
-        """The FSDP2 findings: what the optimizer steps, the parameters outside every group, gradient sync, and
-        whether anything changed. Collective: two fixed-shape min/max reductions, a third over the unsharded
-        parameters' fingerprints when every rank has the same number of them."""
+        """The FSDP2 findings: what the optimizer steps, the parameters outside every group, gradient sync, unused
+        parameters, checkpoints of shards, and whether anything changed. Collective, every call decided by values
+        every rank holds alike: one fixed-shape min/max of `_SLOTS`; one over which parameters had a gradient (when
+        every rank saw a step with sync on); one over the unsharded parameters' fingerprints (when every rank has the
+        same number of them); two more when some rank saved shards (`_shard_save`)."""
         assert self.optimizer is not None
         named = model.named_parameters()
         in_model = {id(p) for _, p in named}
@@ -167,15 +173,20 @@ class PlainOptimizerWatch:
         changed = bool((now.nan_to_num(0.0) != before.nan_to_num(0.0)).any())
         device = comm_device(None, named[0][1].device if named else None)
         saved = self.shard_saves[0] if self.shard_saves else None
-        me, nobody = dist.get_rank(), float(2**24)
-        path = float(zlib.crc32(saved["path"].encode()) & 0xFFFFFF) if saved else -1.0
-        local = torch.tensor(
-            [float(len(unsharded)), float(self.sync_off_steps), float(changed), float(saved is not None)]
-            + [float(me) if saved else nobody, path, float(self._grad_steps), float(len(named))]
-        )
-        top, low = minmax(local, None, device)
+        local = {
+            "unsharded": len(unsharded),
+            "sync_off": self.sync_off_steps,
+            "changed": changed,
+            "saved": saved is not None,
+            "saver": dist.get_rank() if saved else _NOBODY,
+            "path": zlib.crc32(saved["path"].encode()) & 0xFFFFFF if saved else -1,  # exact in float32
+            "grad_steps": self._grad_steps,
+            "params": len(named),
+        }
+        reduced = minmax(torch.tensor([float(local[k]) for k in _SLOTS]), None, device)
+        top, low = ({k: v.item() for k, v in zip(_SLOTS, r)} for r in reduced)
         unused: list[ParamRef] = []
-        if low[6].item() > 0 and top[7].item() == low[7].item() and self._grad_seen is not None:
+        if low["grad_steps"] > 0 and top["params"] == low["params"] and self._grad_seen is not None:
             # Every rank saw a step with gradient sync on, and the same parameters: none had a gradient anywhere.
             seen, _ = minmax(self._grad_seen.float(), None, device)
             unused = [
@@ -185,7 +196,7 @@ class PlainOptimizerWatch:
             ]
         differ = [False] * len(unsharded)
         gap = 0.0
-        if unsharded and top[0].item() == low[0].item():
+        if unsharded and top["unsharded"] == low["unsharded"]:
             high, lowest = minmax(fingerprints(p for _, p in unsharded).nan_to_num(0.0), None, device)
             differ = (high != lowest).any(-1).tolist()
             gap = float((high - lowest).abs().amax()) if differ else 0.0
@@ -203,12 +214,12 @@ class PlainOptimizerWatch:
             model_params=sum(p.requires_grad for _, p in named),
             replaced=sum(id(p) not in in_model for p in stepped),
             model_params_stepped=sum(id(p) in in_model for p in stepped),
-            model_changed=bool(top[2].item()),
+            model_changed=bool(top["changed"]),
             unsharded=[ParamRef(n, p.numel(), tuple(p.shape)) for n, p in unsharded],
             unsharded_differ=differ,
             unsharded_gap=gap,
             unused=unused,
-            sync_off_steps=int(top[1].item()),
+            sync_off_steps=int(top["sync_off"]),
             sync_off_site=sync_site,
             **shard_save,
         )
@@ -216,17 +227,17 @@ class PlainOptimizerWatch:
 
     @staticmethod
     def _shard_save(
-        saved: dict[str, Any] | None, top: torch.Tensor, low: torch.Tensor, device: torch.device
+        saved: dict[str, Any] | None, top: dict[str, float], low: dict[str, float], device: torch.device
     ) -> dict[str, Any]:
         """Whether sharded state went to a file that holds some ranks' shards only: saved by some ranks, or by every
         rank to one path. Then two more collectives every rank makes alike: how many ranks saved, and what the
         first of them wrote (its line, its file, a parameter's shard shape). `ShardedRun`'s `shard_save*` fields."""
-        if top[3].item() == 0:
+        if top["saved"] == 0:
             return {}
-        every, one_path = low[3].item() == 1, top[5].item() == low[5].item()
+        every, one_path = low["saved"] == 1, top["path"] == low["path"]
         if every and not one_path:
             return {}  # each rank its own file of its own shards: a per-rank sharded checkpoint
-        first = int(low[4].item())
+        first = int(low["saver"])
         count = torch.tensor([1.0 if saved else 0.0], device=device)
         dist.all_reduce(count)
         shown = [None if saved is None else {k: saved[k] for k in ("shown", "site", "shards")}]
