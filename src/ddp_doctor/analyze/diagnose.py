@@ -68,9 +68,12 @@ def diagnose_failure(
         )
     else:
         findings = failure_findings(states, timed_out=timed_out, native=list(native))
-        if not meta and any(s.sharding is not None for s in states.values()):
+        sharding = next((s.sharding for s in states.values() if s.sharding is not None), None)
+        if not meta and sharding is not None:
+            how = "replicates its model with FSDP2's replicate" if sharding.get("api") == "replicate" else ""
             rec = Recommendation.unknown(
-                "This job shards its model with FSDP2 (fully_shard), not DDP: there are no DDP flags to recommend, "
+                f"This job {how or 'shards its model with FSDP2 (fully_shard)'}, not DDP: there are no DDP flags "
+                "to recommend, "
                 "and the run failed before the ranks could compare what they saw. Fix the failure above and run "
                 f"the check again. Where they were: {where}."
             )

@@ -13,6 +13,7 @@ weight), and loading it into the unsharded model raises *aten.copy_.default got 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
@@ -21,6 +22,44 @@ from ddp_doctor.core.sharded_run import ShardedRun
 __all__ = ["explain_meta_params", "sharded_findings", "sharded_recommendation"]
 
 _ON_META = re.compile(r"materialized from meta device before training.*still on meta device: \[([^\]]*)\]", re.S)
+
+
+@dataclass(frozen=True, slots=True)
+class _Api:
+    """How a finding names the call that built the model: FSDP2's `fully_shard`, or the FSDP2-based `replicate`
+    (the same replaced parameters and groups, each rank holding whole parameters and all-reducing gradients)."""
+
+    call: str
+    done: str
+    holds: str
+    reduces: str
+    job: str
+    name: str
+    after: str
+
+
+_FULLY_SHARD = _Api(
+    "fully_shard",
+    "sharded",
+    "holding this rank's shard",
+    "reduce-scatters",
+    "shards its model with FSDP2 (fully_shard)",
+    "FSDP2",
+    "sharding",
+)
+_REPLICATE = _Api(
+    "replicate",
+    "replicated",
+    "(a whole copy on every rank)",
+    "all-reduces",
+    "replicates its model with FSDP2's replicate",
+    "replicate",
+    "replicate",
+)
+
+
+def _api(run: ShardedRun) -> _Api:
+    return _REPLICATE if run.sharding.get("api") == "replicate" else _FULLY_SHARD
 
 
 def _steps(run: ShardedRun) -> list[int]:
@@ -42,6 +81,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
     """Every FSDP2 finding the facts support, errors first."""
     ranks = list(range(run.world))
     where = f"{run.optimizer} created at {run.optimizer_site}" if run.optimizer_site else run.optimizer
+    api = _api(run)
     found: list[Finding] = []
     if run.replaced and not run.model_params_stepped:
         found.append(
@@ -49,15 +89,15 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
                 code=Code.OPTIMIZER_PARAMS_REPLACED,
                 severity="error",
                 title=f"the optimizer steps {run.replaced} parameters that are no longer the model's",
-                detail=f"The optimizer ({where}) was built before fully_shard. fully_shard replaces every parameter "
-                "of the modules it shards with a new DTensor parameter holding this rank's shard, so the "
+                detail=f"The optimizer ({where}) was built before {api.call}. {api.call} replaces every parameter "
+                f"of the modules it takes with a new DTensor parameter {api.holds}, so the "
                 "optimizer holds the old tensors, which no forward uses and no gradient reaches, and none of the "
                 f"model's {run.model_params} parameters. Training runs, the loss is computed, and nothing learns. "
                 + _unchanged(run),
                 ranks=ranks,
                 steps=_steps(run),
-                fix="build the optimizer after every fully_shard call, from the sharded model: "
-                "`for block in model.blocks: fully_shard(block)`, `fully_shard(model)`, then "
+                fix=f"build the optimizer after every {api.call} call, from the {api.done} model: "
+                f"`for block in model.blocks: {api.call}(block)`, `{api.call}(model)`, then "
                 "`optimizer = torch.optim.AdamW(model.parameters(), ...)`. With Accelerate, build the optimizer "
                 "from the model that accelerator.prepare() returned (or pass both to prepare together).",
             )
@@ -70,8 +110,8 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
                 severity="error",
                 title=f"gradient sync was off at all {run.steps} optimizer steps",
                 detail=f"set_requires_gradient_sync(False){site} was in force every time the optimizer stepped, and "
-                "it was never switched back on: FSDP2 then reduce-scatters no gradient, the sharded parameters get "
-                "no gradient, and the optimizer skips them. " + _unchanged(run),
+                f"it was never switched back on: {api.name} then {api.reduces} no gradient, the {api.done} parameters "
+                "get no gradient, and the optimizer skips them. " + _unchanged(run),
                 ranks=ranks,
                 steps=_steps(run),
                 fix="switch gradient sync back on for the last micro-batch of each optimizer step: "
@@ -82,7 +122,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
     if run.shard_save:
         found.append(_incomplete_checkpoint(run))
     if run.unused and run.model_params_stepped:
-        found.append(_unused(run, ranks))
+        found.append(_unused(run, ranks, api))
     if run.unsharded:
         differ = [p for p, d in zip(run.unsharded, run.unsharded_differ) if d]
         if differ:
@@ -90,9 +130,13 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
                 Finding(
                     code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
                     severity="error",
-                    title=f"{len(differ)} parameters outside every fully_shard group differ across ranks",
-                    detail="These trainable parameters belong to no fully_shard group ("
-                    + ("a module added after sharding" if _root_sharded(run) else "the root module was not sharded")
+                    title=f"{len(differ)} parameters outside every {api.call} group differ across ranks",
+                    detail=f"These trainable parameters belong to no {api.call} group ("
+                    + (
+                        f"a module added after {api.after}"
+                        if _root_sharded(run)
+                        else f"the root module was not {api.done}"
+                    )
                     + "), so they stay plain tensors and nothing reduces their gradients: each rank trains its own "
                     f"copy on its own batches. After {run.steps} steps they differ (the largest difference of a "
                     f"weight's sum between ranks is {run.unsharded_gap:.3g}); whatever rank 0 saves is one "
@@ -100,7 +144,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
                     params=differ,
                     ranks=ranks,
                     steps=_steps(run),
-                    fix=_unsharded_fix(run),
+                    fix=_unsharded_fix(run, api),
                 )
             )
         else:
@@ -108,34 +152,38 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
                 Finding(
                     code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
                     severity="warning",
-                    title=f"{len(run.unsharded)} parameters outside every fully_shard group have nothing syncing them",
-                    detail="These trainable parameters belong to no fully_shard group, so nothing reduces their "
+                    title=f"{len(run.unsharded)} parameters outside every {api.call} group have nothing syncing them",
+                    detail=f"These trainable parameters belong to no {api.call} group, so nothing reduces their "
                     f"gradients. After {run.steps} steps they are still the same on every rank (they got no "
                     "gradient, or every rank saw the same data); they drift apart as soon as that stops.",
                     params=list(run.unsharded),
                     ranks=ranks,
                     steps=_steps(run),
-                    fix=_unsharded_fix(run),
+                    fix=_unsharded_fix(run, api),
                 )
             )
     return found
 
 
-def _unused(run: ShardedRun, ranks: list[int]) -> Finding:
+def _unused(run: ShardedRun, ranks: list[int], api: _Api) -> Finding:
     n = len(run.unused)
+    carried = (
+        "the all-gathers of their fully_shard group still carry them in every forward"
+        if api is _FULLY_SHARD
+        else "every rank still holds a whole copy of them"
+    )
     return Finding(
         code=Code.UNUSED_PARAMETERS,
         severity="warning",
         title=f"{n} trainable parameter{'s' if n != 1 else ''} never got a gradient",
         detail=f"On no rank, in none of the {run.steps} observed optimizer steps with gradient sync on, did these "
-        "parameters get a gradient: nothing in the loss reaches them. FSDP2 raises no error for them, unlike DDP "
-        "with default flags; they do not train, and the all-gathers of their fully_shard group still carry them in "
-        "every forward. If a later phase of the script uses them (a curriculum, an auxiliary loss switched on "
-        "later), nothing is wrong.",
+        f"parameters get a gradient: nothing in the loss reaches them. {api.name} raises no error for them, unlike "
+        f"DDP with default flags; they do not train, and {carried}. If a later phase of the script uses them (a "
+        "curriculum, an auxiliary loss switched on later), nothing is wrong.",
         params=list(run.unused),
         ranks=ranks,
         steps=_steps(run),
-        fix="remove them from the model if nothing uses them, or set requires_grad=False on them before fully_shard "
+        fix=f"remove them from the model if nothing uses them, or set requires_grad=False on them before {api.call} "
         "(and build the optimizer from the trainable parameters) while they are not used.",
     )
 
@@ -180,30 +228,41 @@ def _root_sharded(run: ShardedRun) -> bool:
     return bool(run.sharding.get("root_sharded"))
 
 
-def _unsharded_fix(run: ShardedRun) -> str:
+def _unsharded_fix(run: ShardedRun, api: _Api) -> str:
+    call = api.call
     if _root_sharded(run):
         return (
-            "build every module before the fully_shard calls (the root's fully_shard groups every parameter not "
-            "in an inner group), or fully_shard the added module too."
+            f"build every module before the {call} calls (the root's {call} groups every parameter not "
+            f"in an inner group), or {call} the added module too."
         )
     return (
-        "shard the root as well, after its blocks: `for block in model.blocks: fully_shard(block)` then "
-        "`fully_shard(model)`; the root's group holds every parameter left outside the inner groups (the head, "
+        f"{call} the root as well, after its blocks: `for block in model.blocks: {call}(block)` then "
+        f"`{call}(model)`; the root's group holds every parameter left outside the inner groups (the head, "
         "embeddings, final norm)."
     )
 
 
 def sharded_recommendation(run: ShardedRun) -> Recommendation:
     """No DDP flags for a sharded model: what the check can say about the sharding instead."""
-    return Recommendation.unknown(
-        "This job shards its model with FSDP2 (fully_shard), not DDP: there are no DDP flags to recommend. "
+    api = _api(run)
+    checked = (
+        f"This job {api.job}, not DDP: there are no DDP flags to recommend. "
         f"Checked on every rank over {run.steps} optimizer steps: that the optimizer steps the model's own "
-        "parameters, that every trainable parameter is in a fully_shard group (those outside it compared across "
+        f"parameters, that every trainable parameter is in a {api.call} group (those outside it compared across "
         "ranks), that gradient sync was on when the optimizer stepped, that every trainable parameter got a gradient, "
-        "whether the weights changed, and that "
-        "every torch.save of sharded state in those steps wrote all the ranks' shards. Not checked for FSDP2 yet: "
-        "a save after those steps, forwards and full-state-dict gathers on some ranks only that did not break the "
-        "run (they are named when they do), the mixed-precision "
+        "whether the weights changed"
+    )
+    if api is _REPLICATE:
+        return Recommendation.unknown(
+            checked + ". Not checked for replicate yet: the mixed-precision policy, parameters frozen after "
+            "replicate, the step time. (Measured, not checked here: an evaluation forward on rank 0 alone runs "
+            "fine; rank 0's torch.save of model.state_dict() holds every value, as DTensors, which load into a "
+            "replicated model but not a plain one: save `{k: v.full_tensor() for k, v in sd.items()}` for that.)"
+        )
+    return Recommendation.unknown(
+        checked + ", and that every torch.save of sharded state in those steps wrote all the ranks' shards. "
+        "Not checked for FSDP2 yet: a save after those steps, forwards and full-state-dict gathers on some ranks "
+        "only that did not break the run (they are named when they do), the mixed-precision "
         "policy, parameters frozen after sharding, the step time; no reshard_after_forward advice is made."
     )
 

@@ -26,6 +26,7 @@ __all__ = [
     "fsdp_module_type",
     "is_dtensor",
     "parameters_to_ignore",
+    "replicate_module_type",
 ]
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,18 @@ def fsdp_module_type() -> type | None:
             return FSDPModule
         except ImportError:
             return None
+
+
+def replicate_module_type() -> type | None:
+    """The class every module the FSDP2-based `replicate` (`torch.distributed._composable.replicate_with_fsdp`, a
+    subclass of `FSDPModule`) becomes an instance of: `ReplicateModule`, checked on 2.13.0 and 2.15.0. None where that
+    `replicate` is missing (older releases have only the DDP-based one, which the DDP path already follows)."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+
+        return ReplicateModule
+    except ImportError:
+        return None
 
 
 _IS_DTENSOR: dict[type, bool] = {}

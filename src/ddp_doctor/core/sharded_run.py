@@ -8,10 +8,18 @@ from typing import Any
 
 from ddp_doctor.core.findings import ParamRef
 
-__all__ = ["PARALLELISMS", "ShardedRun"]
+__all__ = ["PARALLELISMS", "ShardedRun", "parallelism_of"]
 
-PARALLELISMS = ("ddp", "fsdp2")
-"""The JSON's `parallelism`: what keeps the ranks' parameters in sync in the observed model."""
+PARALLELISMS = ("ddp", "fsdp2", "replicate")
+"""The JSON's `parallelism`: what keeps the ranks' parameters in sync in the observed model: DDP, FSDP2's
+`fully_shard`, or the FSDP2-based `replicate` (a full copy of each parameter on every rank, gradients all-reduced)."""
+
+
+def parallelism_of(sharding: dict[str, Any] | None) -> str:
+    """The `parallelism` of a run from its sharding (`ShardedModel.describe`; None for a DDP run)."""
+    if sharding is None:
+        return "ddp"
+    return "replicate" if sharding.get("api") == "replicate" else "fsdp2"
 
 
 @dataclass(kw_only=True, slots=True)

@@ -20,6 +20,7 @@ from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.findings import finite
 from ddp_doctor.core.rankfiles import Outcome, read_ends
 from ddp_doctor.core.rankstate import RankState, read_rank_states
+from ddp_doctor.core.sharded_run import parallelism_of
 from ddp_doctor.report.model import Report, RunFacts
 
 __all__ = ["CheckResult", "Model", "collect", "exit_code"]
@@ -247,7 +248,7 @@ def _failure_report(
         framework=meta.get("framework", "torch"),
         ddp_site=meta.get("site") or next((s.wrap.site for s in states.values() if s.wrap and s.wrap.site), None),
         interrupted=interrupted is not None,
-        parallelism="fsdp2" if sharding is not None else "ddp",
+        parallelism=parallelism_of(sharding),
         sharding=sharding,
     )
     diagnosis = diagnose_failure(states, timed_out=timed_out, native=native, interrupted=interrupted is not None)

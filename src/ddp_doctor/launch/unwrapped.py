@@ -27,7 +27,7 @@ from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.frames import user_site
-from ddp_doctor.core.sharded_run import ShardedRun
+from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.observation.sharding import ShardedModel, find_sharded_model
@@ -153,7 +153,7 @@ class PlainOptimizerWatch:
             backend=str(dist.get_backend()),
             world_size=dist.get_world_size(),
             ddp_config={},
-            parallelism="ddp" if sharding is None else "fsdp2",
+            parallelism=parallelism_of(sharding),
             sharding=sharding,
         )
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_doctor.core.compat import fsdp_module_type, is_dtensor
+from ddp_doctor.core.compat import fsdp_module_type, is_dtensor, replicate_module_type
 
 __all__ = ["ShardedModel", "find_sharded_model", "local_tensor"]
 
@@ -48,6 +48,14 @@ class ShardedModel:
     """Every `FSDPModule` under the root, by name ('' for the root)."""
 
     @property
+    def api(self) -> str:
+        """`replicate` when every sharded module was built by the FSDP2-based `replicate`, else `fully_shard`."""
+        replicated = replicate_module_type()
+        if replicated is not None and self.sharded and all(isinstance(m, replicated) for _, m in self.sharded):
+            return "replicate"
+        return "fully_shard"
+
+    @property
     def root_sharded(self) -> bool:
         return any(name == "" for name, _ in self.sharded)
 
@@ -69,7 +77,7 @@ class ShardedModel:
         Read from FSDP2's private state, which moves between releases (the mixed-precision policy is the group's
         in 2.13, each parameter's in 2.15): what cannot be read is left out, never raised into the script."""
         groups = [g for _, m in self.sharded for g in _groups(m)]
-        out: dict[str, Any] = {"sharded_modules": len(self.sharded), "root_sharded": self.root_sharded}
+        out: dict[str, Any] = {"api": self.api, "sharded_modules": len(self.sharded), "root_sharded": self.root_sharded}
         try:
             meshes = {tuple(g.mesh_info.mesh.mesh.shape) for g in groups}
             out["mesh"] = [list(m) for m in sorted(meshes)]

@@ -40,7 +40,8 @@ class RunFacts:
     interrupted: bool = False
     """`ddp-doctor` was stopped by SIGINT / SIGTERM / SIGHUP before the observed steps ended: a partial report."""
     parallelism: str = "ddp"
-    """What keeps the replicas in sync in the observed model: `ddp`, or `fsdp2` (`fully_shard`)."""
+    """What keeps the replicas in sync in the observed model: `ddp`, `fsdp2` (`fully_shard`) or `replicate` (the
+    FSDP2-based one)."""
     sharding: dict[str, Any] | None = None
     """For `fsdp2`: the sharded modules, the mesh, `reshard_after_forward`, the mixed-precision dtypes."""
     tool_version: str = VERSION
@@ -86,7 +87,8 @@ class ReportData:
     following: Following | None = None
     """What `check` followed after the observed steps: the epoch ends, the loaders (JSON key `following`)."""
     parallelism: str = "ddp"
-    """What keeps the replicas in sync in the observed model: `ddp`, or `fsdp2` (`fully_shard`)."""
+    """What keeps the replicas in sync in the observed model: `ddp`, `fsdp2` (`fully_shard`) or `replicate` (the
+    FSDP2-based one)."""
     sharding: dict[str, Any] | None = None
     """For `fsdp2`: the sharded modules, the mesh, `reshard_after_forward`, the mixed-precision dtypes."""
     files_written: list[dict[str, Any]] = field(default_factory=list)

@@ -30,13 +30,16 @@ def _flags(config: dict[str, Any]) -> str:
 
 
 def _sharding(sharding: dict[str, Any]) -> str:
-    """The header's line: `FSDP2: 3 sharded modules (root sharded), mesh [2], reshard_after_forward=True`."""
+    """The header's line: `FSDP2: 3 sharded modules (root sharded), mesh [2], reshard_after_forward=True`, or
+    `replicate (FSDP2): 3 replicated modules (root replicated), mesh [2]`."""
     n = sharding.get("sharded_modules", 0)
-    root = "root sharded" if sharding.get("root_sharded") else "root not sharded"
-    parts = [f"FSDP2: {n} sharded module{'s' if n != 1 else ''} ({root})"]
+    replicate = sharding.get("api") == "replicate"
+    done = "replicated" if replicate else "sharded"
+    root = f"root {done}" if sharding.get("root_sharded") else f"root not {done}"
+    parts = [f"{'replicate (FSDP2)' if replicate else 'FSDP2'}: {n} {done} module{'s' if n != 1 else ''} ({root})"]
     if sharding.get("mesh"):
         parts.append("mesh " + ", ".join(str(m) for m in sharding["mesh"]))
-    if sharding.get("reshard_after_forward"):
+    if sharding.get("reshard_after_forward") and not replicate:  # replicate keeps every parameter whole
         parts.append("reshard_after_forward=" + "/".join(str(r) for r in sharding["reshard_after_forward"]))
     dtypes = [f"{k}={'/'.join(sharding[k])}" for k in ("param_dtype", "reduce_dtype") if sharding.get(k)]
     if "param_dtype" in sharding:  # absent where FSDP2's state could not be read
@@ -76,7 +79,7 @@ def _head(report: ReportData) -> Group:
     head.add_row("world size", str(report.world_size), "backend", report.backend)
     head.add_row("steps observed", str(report.steps_observed), "torch", report.torch_version)
     if report.sharding is not None:
-        head.add_row("sharding", _sharding(report.sharding), "built by", report.framework)
+        head.add_row("parallelism", _sharding(report.sharding), "built by", report.framework)
     else:
         head.add_row(
             "DDP flags", _flags(report.ddp_config) or "none (no DDP model was built)", "built by", report.framework

@@ -1,0 +1,67 @@
+"""`ddp-doctor check` on jobs built with the FSDP2-based `replicate` (torch.distributed._composable.replicate_with_fsdp),
+tests/scripts/replicate_train.py.
+
+Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 optimizer steps of two micro-batches; every run
+ends with exit code 0 and prints nothing but its own line per rank. `replicate` makes each module a `ReplicateModule`
+(a subclass of FSDP2's `FSDPModule`) whose parameters are DTensors with a Replicate placement: every rank holds the
+whole tensor.
+- none: the weights move (largest change 0.109), the head's weight sums are equal on both ranks (-1.496532).
+- optimizer-before (the optimizer built before replicate): largest weight change 0 on both ranks.
+- root-unreplicated (the blocks replicated, the root with its head not): head.weight sums -2.187345 and -2.443114.
+- sync-off (set_requires_gradient_sync(False) on every micro-batch, never back on): largest weight change 0.
+- eval-rank0 (rank 0 alone runs a forward under no_grad after the third step): runs to the end, sums equal
+  (-1.401586): unlike fully_shard's all-gathers, replicate's forward makes no collective.
+- --save rank0 (rank 0 alone: torch.save(model.state_dict())): the file holds DTensors with the whole tensor
+  (head.weight local [4, 64] = global); loading it into the plain Net raises "aten.copy_.default got mixed
+  torch.Tensor and DTensor", `.to_local()` on every value loads, and loading it into a replicated Net on both ranks
+  works. Not an incomplete checkpoint.
+Before the check knew replicate, it reported these jobs as fully_shard ones ("FSDP2: 3 sharded modules").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from checkrun import SCRIPTS, check
+
+SCRIPT = str(SCRIPTS / "replicate_train.py")
+
+
+def test_a_clean_replicate_job_is_clean_and_named_replicate(tmp_path: Path) -> None:
+    """The clean job with what would be mistakes under fully_shard but are not under replicate: an evaluation
+    forward on rank 0 alone, and rank 0 alone saving the state dict (every value is in it)."""
+    args = ["--mistake", "eval-rank0", "--save", "rank0", "--save-dir", str(tmp_path)]
+    run = check(["--nproc-per-node", "2", SCRIPT, *args], tmp_path, timeout=180)
+    assert run.rc == 0 and run.report["findings"] == [], run.output
+    assert run.report["parallelism"] == "replicate"
+    sharding = run.report["sharding"]
+    assert sharding["api"] == "replicate" and sharding["sharded_modules"] == 3 and sharding["root_sharded"]
+    assert "replicate (FSDP2): 3 replicated" in run.output and "modules (root replicated), mesh" in run.output
+    assert "reshard_after_forward" not in run.output
+    assert "This job replicates its model with FSDP2's replicate" in run.report["recommendation"]["reason"]
+    assert (tmp_path / "ck.pt").is_file()
+
+
+@pytest.mark.parametrize(
+    ("mistake", "code", "words"),
+    [
+        ("optimizer-before", "optimizer-params-replaced", "build the optimizer after every replicate call"),
+        ("root-unreplicated", "unsharded-params-not-synced", "the root module was not replicated"),
+        ("sync-off", "gradient-sync-off", "replicate then all-reduces no gradient"),
+    ],
+)
+def test_a_replicate_mistake_gets_its_code_in_replicate_words(
+    tmp_path: Path, mistake: str, code: str, words: str
+) -> None:
+    run = check(["--nproc-per-node", "2", SCRIPT, "--mistake", mistake], tmp_path, timeout=180)
+    assert run.rc == 1 and run.codes == {code}, run.output
+    assert run.report["parallelism"] == "replicate"
+    finding = run.finding(code)
+    assert words in finding["detail"] + finding["fix"], finding
+    assert "fully_shard" not in finding["detail"] + finding["fix"] + finding["title"], finding
+    if mistake == "root-unreplicated":
+        assert [p["name"] for p in finding["params"]] == ["head.weight", "head.bias"]
+        assert finding["severity"] == "error" and "0.23" in finding["detail"]
+    if mistake == "optimizer-before":
+        assert "AdamW created at tests/scripts/replicate_train.py:53" in finding["detail"]

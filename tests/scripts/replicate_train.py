@@ -1,0 +1,82 @@
+"""A small model trained with the FSDP2-based `replicate` (torch.distributed._composable.replicate_with_fsdp), clean
+or with one of its silent mistakes. `replicate` keeps a full copy of every parameter on every rank (a DTensor with a
+Replicate placement) and all-reduces gradients, like DDP, on FSDP2's machinery.
+
+--mistake none               every block and the root replicated, optimizer built after
+--mistake optimizer-before   the optimizer is built before replicate: it holds the replaced parameters
+--mistake root-unreplicated  the blocks are replicated, the root (with its head) is not
+--mistake sync-off           set_requires_gradient_sync(False) on every micro-batch, never switched back on
+--mistake eval-rank0         clean: rank 0 alone runs an evaluation forward after the third step
+--save rank0                 clean: rank 0 alone torch.save's the state dict after the third step (every value, as
+                             DTensors)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 64), nn.ReLU()) for _ in range(2)])
+        self.blocks[1][0] = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mistake", default="none")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--save", default="")
+    parser.add_argument("--save-dir", default=".")
+    args = parser.parse_args()
+    mistakes = set(args.mistake.split(","))
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if "optimizer-before" in mistakes:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for block in model.blocks:
+        replicate(block)
+    if "root-unreplicated" not in mistakes:
+        replicate(model)
+    if "optimizer-before" not in mistakes:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    for _step in range(args.steps):
+        for _micro in range(2):
+            if "sync-off" in mistakes:
+                model.set_requires_gradient_sync(False)
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if _step == 2 and args.save == "rank0" and rank == 0:
+            torch.save(model.state_dict(), os.path.join(args.save_dir, "ck.pt"))
+        if _step == 2 and "eval-rank0" in mistakes and rank == 0:
+            with torch.no_grad():
+                model(torch.randn(4, 16, generator=g))
+    # The ground truth, printed by each rank: how far each parameter moved, and its head's sum (compare across ranks).
+    moved = max(
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().sub(before[n]).abs().max().item()
+        for n, p in model.named_parameters()
+    )
+    head = model.head.weight
+    head_sum = (head.full_tensor() if hasattr(head, "full_tensor") else head).detach().double().sum().item()
+    print(f"rank {rank}: largest weight change {moved:.3g}, head.weight sum {head_sum:.6f}", flush=True)
+    dist.destroy_process_group()
