@@ -65,11 +65,13 @@ def test_a_clean_fsdp2_job_is_clean_and_its_sharding_is_named(tmp_path: Path, mi
         assert (tmp_path / "dcp").is_dir() and (tmp_path / "ck.pt").is_file()
 
 
-def test_an_optimizer_built_before_fully_shard_is_named_with_its_line(tmp_path: Path) -> None:
-    run = _check(tmp_path, "optimizer-before")
+@pytest.mark.parametrize("ranks", [2, 1])
+def test_an_optimizer_built_before_fully_shard_is_named_with_its_line(tmp_path: Path, ranks: int) -> None:
+    """On one rank too (one GPU, before the job scales out): plain torchrun moves no weight either."""
+    run = _check(tmp_path, "optimizer-before", ranks)
     assert run.rc == 1 and run.codes == {"optimizer-params-replaced"}, run.output
     finding = run.finding("optimizer-params-replaced")
-    assert finding["severity"] == "error" and finding["ranks"] == [0, 1]
+    assert finding["severity"] == "error" and finding["ranks"] == list(range(ranks))
     assert "AdamW created at tests/scripts/fsdp2_train.py:81" in finding["detail"]
     assert "not one of the model's 6 trainable parameters changed" in finding["detail"]
     assert "after every fully_shard call" in finding["fix"]

@@ -114,9 +114,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
                 "get no gradient, and the optimizer skips them. " + _unchanged(run),
                 ranks=ranks,
                 steps=_steps(run),
-                fix="switch gradient sync back on for the last micro-batch of each optimizer step: "
-                "`model.set_requires_gradient_sync(micro_step == accumulation_steps - 1)` before each backward "
-                "(the DDP twin is no_sync(), left off for the last micro-batch).",
+                fix=_sync_fix(run),
             )
         )
     if run.shard_save:
@@ -163,6 +161,22 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
                 )
             )
     return found
+
+
+def _sync_fix(run: ShardedRun) -> str:
+    torch_words = (
+        "switch gradient sync back on for the last micro-batch of each optimizer step: "
+        "`model.set_requires_gradient_sync(micro_step == accumulation_steps - 1)` before each backward "
+        "(the DDP twin is no_sync(), left off for the last micro-batch)."
+    )
+    if run.framework != "accelerate":
+        return torch_words
+    return (
+        "with Accelerate, `accelerator.no_sync(model)` switches sync off until its block ends: call "
+        "optimizer.step() after the block, with the last micro-batch's backward outside it, or let Accelerate do "
+        "it: `Accelerator(gradient_accumulation_steps=N)` and `with accelerator.accumulate(model):` around each "
+        "micro-batch (sync comes back on for the last one). In plain torch: " + torch_words
+    )
 
 
 def _unused(run: ShardedRun, ranks: list[int], api: _Api) -> Finding:

@@ -36,6 +36,8 @@ class ShardedRun:
     """The sharded modules, the mesh, `reshard_after_forward`, the mixed-precision dtypes (`ShardedModel.describe`)."""
     model_params: int
     """Trainable parameters of the model."""
+    framework: str = "torch"
+    """Who stepped the optimizer: `torch` (the script), `accelerate` or `transformers` (HF Trainer)."""
     replaced: int = 0
     """Parameters the optimizer steps that are not the model's (built before `fully_shard` replaced them)."""
     model_params_stepped: int = 0

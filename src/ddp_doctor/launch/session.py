@@ -219,7 +219,7 @@ class Session:
         opt = self.plain.optimizer
         model = {
             "site": getattr(opt, "_ddp_doctor_site", None),
-            "framework": "torch",
+            "framework": self.plain.framework,
             "module": self.plain.module or type(opt).__qualname__,
             "report": report.to_dict(),
         }

@@ -15,6 +15,7 @@ shards differ across ranks by design.
 from __future__ import annotations
 
 import sys
+import traceback
 import zlib
 from typing import Any
 
@@ -26,7 +27,7 @@ from ddp_doctor.analyze import diagnose_sharded, diagnose_unwrapped
 from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.fingerprint import fingerprints
-from ddp_doctor.core.frames import user_site
+from ddp_doctor.core.frames import framework_of_stack, user_site
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.exchange.primitives import comm_device, minmax
@@ -66,6 +67,10 @@ class PlainOptimizerWatch:
         self._grad_seen: torch.Tensor | None = None
         """Per parameter of the sharded model: it had a gradient at some observed step with gradient sync on."""
         self._grad_steps = 0
+        self.framework = "torch"
+        """Who steps the optimizer: `accelerate` or `transformers` when their code is on the first step's stack."""
+        self._solo_declined = False
+        """One rank, and the first optimizer to step trains no sharded model: nothing to compare, nothing followed."""
 
     def note_save(self, info: dict[str, Any]) -> None:
         """A `torch.save` to a file (a listener of `observation/saves.py`): kept when it wrote DTensor shards."""
@@ -73,12 +78,18 @@ class PlainOptimizerWatch:
             self.shard_saves.append(info)
 
     def on_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Count a step; returns True when it was this watch's optimizer."""
-        if not dist.is_initialized() or dist.get_world_size() < 2:
+        """Count a step; returns True when it was this watch's optimizer. On one rank only a sharded model is
+        followed: its optimizer and gradient sync can be wrong on one GPU too, while an unwrapped model is not."""
+        if not dist.is_initialized() or self._solo_declined:
             return False
         if self.optimizer is None:
-            self.optimizer = optimizer
-            self.sharded = find_sharded_model(sys._getframe(2), self._params())
+            stepped = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+            sharded = find_sharded_model(sys._getframe(2), stepped)
+            if sharded is None and dist.get_world_size() < 2:
+                self._solo_declined = True
+                return False
+            self.optimizer, self.sharded = optimizer, sharded
+            self.framework = framework_of_stack(traceback.extract_stack())
             if self.sharded is None:
                 self._name_params(sys._getframe(2))
             else:
@@ -153,6 +164,7 @@ class PlainOptimizerWatch:
             backend=str(dist.get_backend()),
             world_size=dist.get_world_size(),
             ddp_config={},
+            framework=self.framework,
             parallelism=parallelism_of(sharding),
             sharding=sharding,
         )
@@ -167,7 +179,7 @@ class PlainOptimizerWatch:
         named = model.named_parameters()
         in_model = {id(p) for _, p in named}
         stepped = self._params()
-        unsharded = model.unsharded()
+        unsharded = model.unsharded() if dist.get_world_size() > 1 else []  # one rank: nothing to keep in sync
         now = fingerprints(p for _, p in named)
         before = self._weights_at_first if self._weights_at_first is not None else now
         changed = bool((now.nan_to_num(0.0) != before.nan_to_num(0.0)).any())
@@ -210,6 +222,7 @@ class PlainOptimizerWatch:
             steps=self.steps,
             optimizer=type(self.optimizer).__qualname__,
             optimizer_site=getattr(self.optimizer, SITE_ATTR, None),
+            framework=self.framework,
             sharding=model.describe(),
             model_params=sum(p.requires_grad for _, p in named),
             replaced=sum(id(p) not in in_model for p in stepped),
