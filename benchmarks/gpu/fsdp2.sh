@@ -13,6 +13,7 @@ plain() {  # NPROC SCRIPT ARGS...: the script under plain torchrun, its exit cod
   echo "--- plain torchrun x$nproc $*"
   timeout 120 torchrun --nproc-per-node "$nproc" "$@" >"$OUT/plain.txt" 2>&1
   echo "exit $?"; grep -v "^W1\|^\s*$" "$OUT/plain.txt" | grep -i "rank\|error\|tensors\|train_loss\|loss" | tail -4
+  grep -m2 "Error:" "$OUT/plain.txt" | cut -c1-300
 }
 echo "=== ground truth"
 for m in none optimizer-before sync-off; do plain 1 tests/scripts/fsdp2_cuda.py --mistake $m --backend nccl; done
@@ -21,5 +22,5 @@ for m in none step-in-sync; do plain 1 tests/scripts/accelerate_fsdp2.py --mista
 plain 1 tests/scripts/trainer_fsdp2.py
 
 echo "=== the GPU-only check tests"
-timeout 300 python3 -m pytest -q -p no:cacheprovider -n 6 tests/launch/test_check_fsdp2_gpu.py 2>&1 \
+timeout 300 python3 -m pytest -q -p no:cacheprovider -n 3 tests/launch/test_check_fsdp2_gpu.py 2>&1 \
   | tee "$OUT/fsdp2_gpu_tests.log" | tail -30

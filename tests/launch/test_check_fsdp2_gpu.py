@@ -19,13 +19,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkrun import SCRIPTS, check
+from checkrun import SCRIPTS, check, free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (NCCL, Accelerate's FSDP)")
 
 
 def _check(tmp_path: Path, script: str, *args: str):
-    return check(["--nproc-per-node", "1", str(SCRIPTS / script), *args], tmp_path, timeout=240)
+    # A port of its own: torchrun's default (29500) would make checks run side by side (pytest -n) collide.
+    port = ["--master-port", str(free_port())]
+    run = check(["--nproc-per-node", "1", *port, str(SCRIPTS / script), *args], tmp_path, timeout=240)
+    assert run.report is not None and "parallelism" in run.report, run.output
+    return run
 
 
 @pytest.mark.parametrize(
