@@ -84,6 +84,7 @@ class Code(_Name):
     SHARDED_CHECKPOINT_INCOMPLETE = "sharded-checkpoint-incomplete"
     STATE_GATHER_SOME_RANKS = "state-gather-some-ranks"
     SHARDED_FORWARD_SOME_RANKS = "sharded-forward-some-ranks"
+    LOW_PRECISION_REDUCE = "low-precision-reduce"
 
 
 # fmt: off
@@ -368,6 +369,10 @@ TABLE: tuple[CodeInfo, ...] = (
          "a forward through the sharded model on some ranks only (an evaluation on rank 0): its all-gathers wait",
          more=": *rank 0 ran a forward through the sharded model that rank 1 did not: train.py:41*, with each "
               "rank's count of forwards at that line and where the others were (from `check`, when the run failed)"),
+    _row(Code.LOW_PRECISION_REDUCE, Family.FSDP2, "info", "sharded.py",
+         "gradients reduced in bfloat16 (or float16) while the weights train in float32 (reduce_dtype unset or low)",
+         more=": *gradients are reduced in bfloat16 while the weights train in float32*, with the difference "
+              "measured on one backward against a float32 reduction of the same gradients (from `check`)"),
 )
 # fmt: on
 

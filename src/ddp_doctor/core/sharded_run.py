@@ -66,3 +66,11 @@ class ShardedRun:
     """The lowest rank that made one."""
     shard_save_one_path: bool = False
     """Every rank saved, all to the same path."""
+    low_reduce: tuple[str, str] | None = None
+    """(the reduction's dtype, the weights' dtype) when every rank saw FSDP2 reduce-scatter one backward's gradients
+    in bfloat16 or float16 while the sharded weights are float32 (`ReducePrecisionProbe`); None otherwise, also
+    where it could not be seen."""
+    low_reduce_abs: float = 0.0
+    """The largest absolute difference of a reduced gradient element, low dtype against float32, on any rank."""
+    low_reduce_rel: float = 0.0
+    """The largest, over ranks, of sum |low - float32| / sum |float32| over that backward's reduced gradients."""

@@ -31,18 +31,37 @@ from ddp_doctor.core.frames import framework_of_stack, user_site
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.exchange.primitives import comm_device, minmax
-from ddp_doctor.observation.sharding import ShardedModel, find_sharded_model
+from ddp_doctor.observation.sharding import ReducePrecisionProbe, ShardedModel, find_sharded_model
 from ddp_doctor.report.model import Report, RunFacts
 
 __all__ = ["PlainOptimizerWatch", "record_creation_site"]
 
 SITE_ATTR = "_ddp_doctor_site"
-_SLOTS = ("unsharded", "sync_off", "changed", "saved", "saver", "path", "grad_steps", "params")
+_SLOTS = (
+    "unsharded",
+    "sync_off",
+    "changed",
+    "saved",
+    "saver",
+    "path",
+    "grad_steps",
+    "params",
+    "low_reduces",
+    "low_abs",
+    "low_rel",
+)
 """What every rank puts in the sharded report's one min/max reduction, in this order."""
 _NOBODY = 2**24
 """The `saver` slot of a rank that saved no shards (above any rank, exact in float32)."""
 SYNC_OFF_ATTR = "_ddp_doctor_sync_off_site"
 """Set on an FSDP2 module by the patched `set_requires_gradient_sync(False)`: where the script called it."""
+
+
+def _low_reduce(probe: ReducePrecisionProbe | None) -> tuple[str, str] | None:
+    """(the dtype FSDP2 reduced in, the weights' dtype) from the probe, as the report names them."""
+    if probe is None or probe.low_dtype is None:
+        return None
+    return str(probe.low_dtype).removeprefix("torch."), "float32"
 
 
 def record_creation_site(optimizer: torch.optim.Optimizer) -> None:
@@ -69,6 +88,8 @@ class PlainOptimizerWatch:
         self._grad_steps = 0
         self.framework = "torch"
         """Who steps the optimizer: `accelerate` or `transformers` when their code is on the first step's stack."""
+        self._probe: ReducePrecisionProbe | None = None
+        """Installed after the first step when gradients are reduced in a low dtype: measures one backward's."""
         self._solo_declined = False
         """One rank, and the first optimizer to step trains no sharded model: nothing to compare, nothing followed."""
 
@@ -106,7 +127,18 @@ class PlainOptimizerWatch:
             got = torch.tensor([p.grad is not None for _, p in self.sharded.named_parameters()])
             self._grad_seen = got if self._grad_seen is None else self._grad_seen | got
             self._grad_steps += 1
+        if self.sharded is not None:
+            self._measure_reduce(self.sharded)
         return True
+
+    def _measure_reduce(self, model: ShardedModel) -> None:
+        """After the first step, when the model reduces gradients in a low dtype: measure the next backward's
+        reductions (`ReducePrecisionProbe`), then take the probe out."""
+        if self._probe is None and self.steps == 1 and model.api == "fully_shard" and model.may_reduce_low():
+            self._probe = ReducePrecisionProbe(model)
+            self._probe.install()
+        elif self._probe is not None and self._probe.calls:
+            self._probe.remove()
 
     def _name_params(self, frame: Any) -> None:
         """Names from the module (a local or global of the script) that owns the most of the optimizer's params."""
@@ -185,6 +217,9 @@ class PlainOptimizerWatch:
         changed = bool((now.nan_to_num(0.0) != before.nan_to_num(0.0)).any())
         device = comm_device(None, named[0][1].device if named else None)
         saved = self.shard_saves[0] if self.shard_saves else None
+        probe = self._probe
+        if probe is not None:
+            probe.remove()
         local = {
             "unsharded": len(unsharded),
             "sync_off": self.sync_off_steps,
@@ -194,6 +229,9 @@ class PlainOptimizerWatch:
             "path": zlib.crc32(saved["path"].encode()) & 0xFFFFFF if saved else -1,  # exact in float32
             "grad_steps": self._grad_steps,
             "params": len(named),
+            "low_reduces": probe.low_calls if probe else 0,
+            "low_abs": probe.worst_abs if probe else 0.0,
+            "low_rel": probe.mean_relative if probe else 0.0,
         }
         reduced = minmax(torch.tensor([float(local[k]) for k in _SLOTS]), None, device)
         top, low = ({k: v.item() for k, v in zip(_SLOTS, r)} for r in reduced)
@@ -234,6 +272,9 @@ class PlainOptimizerWatch:
             unused=unused,
             sync_off_steps=int(top["sync_off"]),
             sync_off_site=sync_site,
+            low_reduce=_low_reduce(probe) if low["low_reduces"] > 0 else None,
+            low_reduce_abs=top["low_abs"],
+            low_reduce_rel=top["low_rel"],
             **shard_save,
         )
         return Report.build(self._facts(sharding=run.sharding), diagnose_sharded(run))

@@ -1,5 +1,6 @@
 """FSDP2 (`fully_shard`) as one rank sees it: which modules are sharded, on what mesh and with which policy, and
-whether their gradients are reduced. Local facts only; nothing here communicates.
+whether their gradients are reduced. Local facts only; nothing here communicates, but the `ReducePrecisionProbe`
+(a second, float32 reduce-scatter of one backward's gradients, made on every rank alike).
 
 FSDP2 replaces each parameter of a sharded module by a DTensor holding this rank's shard, so a parameter that
 stays a plain tensor inside a sharded model belongs to no `fully_shard` group: nothing synchronises it.
@@ -12,11 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddp_doctor.core.compat import fsdp_module_type, is_dtensor, replicate_module_type
 
-__all__ = ["ShardedModel", "find_sharded_model", "local_tensor"]
+__all__ = ["ReducePrecisionProbe", "ShardedModel", "find_sharded_model", "local_tensor"]
+
+_LOW = (torch.bfloat16, torch.float16)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -70,6 +74,23 @@ class ShardedModel:
         """Whether every sharded module reduces its gradients now (`set_requires_gradient_sync`; True where the
         flag cannot be read)."""
         return all(getattr(g, "reduce_grads", True) for _, m in self.sharded for g in _groups(m))
+
+    def may_reduce_low(self) -> bool:
+        """Whether a sharded group's policy names bfloat16 or float16 (`param_dtype` or `reduce_dtype`) while its
+        sharded weights, which the optimizer steps, are float32: then its gradients may be reduced in the low dtype.
+        Which dtype FSDP2 really reduces in depends on the release (with `reduce_dtype` unset, 2.13 reduces in
+        `param_dtype`, 2.15 in the weights' dtype), so `ReducePrecisionProbe` looks at the reduce-scatter itself.
+        False where FSDP2's state cannot be read."""
+        try:
+            for _, module in self.sharded:
+                for group in _groups(module):
+                    weights = {fp.sharded_param.dtype for fp in group.fsdp_params}
+                    for policy in _policies([group]):
+                        if torch.float32 in weights and {policy.reduce_dtype, policy.param_dtype} & set(_LOW):
+                            return True
+        except AttributeError:
+            return False
+        return False
 
     def describe(self) -> dict[str, Any]:
         """What the report's header names: the sharded modules, the mesh, resharding and the mixed precision.
@@ -141,3 +162,78 @@ def find_sharded_model(frame: Any, wanted: Iterable[torch.Tensor] = ()) -> Shard
     if root is None:
         return None
     return ShardedModel(root=root, sharded=[(n, m) for n, m in root.named_modules() if isinstance(m, fsdp)])
+
+
+class ReducePrecisionProbe:
+    """Sees the dtype FSDP2 reduces one backward's gradients in, and measures what a low one costs: each sharded
+    group's reduce-scatter of a bfloat16 or float16 input also runs on the same input in float32, and the two
+    results are compared.
+
+    Installed around FSDP2's private `_reduce_scatter_comm` of each parameter group (2.10 and later; the probe
+    does nothing where that is missing), on every rank alike, so the extra collective pairs up across ranks. What is
+    measured is the reduction's own rounding: the cast of float32 gradients to the reduce dtype before it (where the
+    compute dtype is float32) is not in the number."""
+
+    def __init__(self, model: ShardedModel) -> None:
+        self._groups = [g for _, m in model.sharded for g in _groups(m) if hasattr(g, "_reduce_scatter_comm")]
+        self._saved: list[tuple[Any, Any]] = []
+        self.worst_abs = 0.0
+        self.diff_sum = 0.0
+        self.ref_sum = 0.0
+        self.calls = 0
+        """Reduce-scatters seen, in any dtype."""
+        self.low_calls = 0
+        """Those of a bfloat16 or float16 input, measured."""
+        self.low_dtype: torch.dtype | None = None
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._saved)
+
+    def install(self) -> None:
+        for group in self._groups:
+            self._saved.append((group, group._reduce_scatter_comm))
+            group._reduce_scatter_comm = _MeasuredReduceScatter(group._reduce_scatter_comm, self)
+
+    def remove(self) -> None:
+        for group, comm in self._saved:
+            group._reduce_scatter_comm = comm
+        self._saved.clear()
+
+    def note(self, low: torch.Tensor, reference: torch.Tensor) -> None:
+        diff = (low.float() - reference).abs()
+        self.worst_abs = max(self.worst_abs, float(diff.max())) if diff.numel() else self.worst_abs
+        self.diff_sum += float(diff.double().sum())
+        self.ref_sum += float(reference.double().abs().sum())
+        self.low_calls += 1
+        self.low_dtype = low.dtype
+
+    @property
+    def mean_relative(self) -> float:
+        return self.diff_sum / self.ref_sum if self.ref_sum > 0 else 0.0
+
+
+class _MeasuredReduceScatter:
+    """FSDP2's reduce-scatter as it was, then the same input reduced in float32 (when it is a low dtype)."""
+
+    def __init__(self, inner: Any, probe: ReducePrecisionProbe) -> None:
+        self._inner, self._probe = inner, probe
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self._inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
+        work = self._inner(
+            output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op
+        )
+        self._probe.calls += 1
+        if input_tensor.dtype in _LOW:
+            if work is not None:
+                work.wait()
+                work = None
+            reference = torch.empty(output_tensor.shape, dtype=torch.float32, device=output_tensor.device)
+            dist.reduce_scatter_tensor(reference, input_tensor.float(), op=op, group=group)
+            self._probe.note(output_tensor, reference)
+        return work
