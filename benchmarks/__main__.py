@@ -18,6 +18,7 @@ BENCHMARKS = {
     "refreeze_bytes": ["bytes after refreeze", "step after refreeze"],
     "fingerprint_cost": ["fingerprints_batched", "fingerprints (per tensor)", "fingerprints_batched per step"],
     "check_overhead": ["check, 8 steps", "check, 64 steps"],
+    "sharded_overhead": ["fsdp2 overhead vs ddp overhead"],
     "collective_recording": ["collective recording"],
     "bench_cost": ["bench, 4 candidates x 3 rounds"],
 }
@@ -25,7 +26,7 @@ BENCHMARKS = {
 `iqr`, and may say what it is compared with (`vs`, default: plain DDP) and its `goal`."""
 
 
-SELF_LAUNCHED = {"check_overhead", "bench_cost"}
+SELF_LAUNCHED = {"check_overhead", "bench_cost", "sharded_overhead"}
 """Benchmarks that start their own processes (they compare launchers) instead of running under torchrun."""
 
 
