@@ -13,13 +13,13 @@ weight), and loading it into the unsharded model raises *aten.copy_.default got 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
 from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = ["explain_meta_params", "sharded_findings", "sharded_recommendation"]
+__all__ = ["explain_meta_params", "sharded_findings", "sharded_recommendation", "verified_reshard"]
 
 _ON_META = re.compile(r"materialized from meta device before training.*still on meta device: \[([^\]]*)\]", re.S)
 
@@ -285,8 +285,10 @@ def _unsharded_fix(run: ShardedRun, api: _Api) -> str:
     )
 
 
-def sharded_recommendation(run: ShardedRun) -> Recommendation:
-    """No DDP flags for a sharded model: what the check can say about the sharding instead."""
+def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommendation:
+    """No DDP flags for a sharded model: what the check can say about the sharding instead, and the one
+    `reshard_after_forward` change that saves an all-gather per step, when there is one (verified by the check in a
+    second run: `launch/verify.py`). No such advice while the run has errors (`errors`): they come first."""
     api = _api(run)
     checked = (
         f"This job {api.job}, not DDP: there are no DDP flags to recommend. "
@@ -302,14 +304,81 @@ def sharded_recommendation(run: ShardedRun) -> Recommendation:
             "fine; rank 0's torch.save of model.state_dict() holds every value, as DTensors, which load into a "
             "replicated model but not a plain one: save `{k: v.full_tensor() for k, v in sd.items()}` for that.)"
         )
-    return Recommendation.unknown(
-        checked + ", and that every torch.save of sharded state in those steps wrote all the ranks' shards. "
+    gathers = run.sharding.get("all_gathers_per_step")
+    candidate = run.reshard_candidate
+    if errors:
+        candidate = None
+        reshard = "reshard_after_forward: looked at once the errors above are fixed"
+    elif candidate and gathers:
+        reshard = f"the reshard_after_forward advice above ({gathers} all-gathers per step counted)"
+    elif gathers:
+        reshard = (
+            f"reshard_after_forward ({gathers} all-gathers per step counted; no change is advised: the last module "
+            "to run forward keeps its parameters for its backward already, or its fully_shard call was not seen)"
+        )
+    else:
+        reshard = "reshard_after_forward was not examined (FSDP2's all-gathers could not be counted here)"
+    text = (
+        checked
+        + f", that every torch.save of sharded state in those steps wrote all the ranks' shards, and {reshard}. "
         "Not checked for FSDP2 yet: a save after those steps, forwards and full-state-dict gathers on some ranks "
         "only that did not break the run (they are named when they do), the mixed-precision policy beyond the "
         "dtype of the gradients' reduce-scatter (seen where FSDP2 has the hook for it, 2.13 and 2.15 here), "
-        "the step time; no reshard_after_forward advice is made. (Freezing or unfreezing a parameter after "
-        "fully_shard is no mistake: FSDP2 follows it, measured on 2.13 and 2.15.)"
+        "the step time. (Freezing or unfreezing a parameter after fully_shard is no mistake: FSDP2 follows it, "
+        "measured on 2.13 and 2.15.)"
     )
+    if not (candidate and gathers):
+        return Recommendation.unknown(text)
+    advice = (
+        f"For speed: `reshard_after_forward=False` on {candidate['module']} (the fully_shard call at "
+        f"{candidate['site']}). It is the last sharded module to run forward, so its backward starts right after "
+        "its forward: with reshard_after_forward=True FSDP2 frees its parameters after the forward and all-gathers "
+        f"them again at once. Kept, each forward and backward make one all-gather fewer ({gathers} per step now) "
+        "and the step holds that "
+        "module's unsharded parameters a moment longer, which its backward needs anyway (torchtitan does the same "
+        "for its last block). (Accelerate's FSDP2 plugin sets one reshard_after_forward for every module it "
+        "shards; this advice is for one module.) "
+    )
+    return replace(
+        Recommendation.unknown(advice + _NOT_VERIFIED + " " + text),
+        reshard={
+            "module": candidate["module"],
+            "site": candidate["site"],
+            "call": candidate["call"],
+            "all_gathers_per_step": gathers,
+            "reshard_after_forward": False,
+        },
+    )
+
+
+_NOT_VERIFIED = "Not yet verified: the check applies it in a second run of the script when it can."
+
+
+def verified_reshard(
+    rec: Recommendation, gathers: int | None, same_findings: bool, error: str | None
+) -> Recommendation:
+    """The reshard advice after a second run applied it: verified when that run counted fewer all-gathers per step
+    (one per forward and backward) and found what the first found; else what it showed."""
+    advice = rec.reshard or {}
+    before = advice.get("all_gathers_per_step")
+    if error is None and same_findings and gathers is not None and before is not None and gathers < before:
+        said = (
+            f"Verified: a second run of the script with it applied made {gathers} all-gathers per step instead of "
+            f"{before}, with the same findings."
+        )
+        return replace(
+            rec,
+            reason=rec.reason.replace(_NOT_VERIFIED, said),
+            verified=True,
+            reshard={**advice, "verified_all_gathers_per_step": gathers},
+        )
+    if error is not None:
+        shown = f"the second run with it applied failed: {error}"
+    elif not same_findings:
+        shown = "the second run with it applied found other problems than the first"
+    else:
+        shown = f"the second run with it applied counted {gathers} all-gathers per step (the first counted {before})"
+    return replace(rec, reason=rec.reason.replace(_NOT_VERIFIED, f"Not verified: {shown}."))
 
 
 def explain_meta_params(message: str) -> str | None:

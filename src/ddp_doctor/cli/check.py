@@ -146,7 +146,8 @@ def add_check_arguments(group: Any, *, bench: bool = False) -> None:
         "--no-verify",
         action="store_true",
         help="when the observed steps end early (a crash, or a script shorter than --steps), do not run the "
-        "script a second time with the recommended flags to verify them",
+        "script a second time with the recommended flags to verify them; for an FSDP2 model, do not run it again "
+        "with the advised reshard_after_forward",
     )
 
 

@@ -87,6 +87,10 @@ class Recommendation:
     render: dict[str, str] = field(default_factory=dict)
     """Copy-pasteable code for `torch`, `transformers`, `accelerate` and `lightning` (empty when no flags are
     known)."""
+    reshard: dict[str, Any] | None = None
+    """For a model sharded with FSDP2: `reshard_after_forward=False` advised for one module (`module`, its
+    `fully_shard` call's `site` and index `call`, the `all_gathers_per_step` it was counted at, and once a second run
+    applied it, `verified_all_gathers_per_step`). In the JSON only when present."""
 
     @classmethod
     def unknown(cls, reason: str) -> Recommendation:
@@ -118,6 +122,8 @@ class Recommendation:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        if out["reshard"] is None:
+            del out["reshard"]
         if not self.flags_known:
             out["flags_known"] = False  # the flags are null; kept for readers of the older key
         return out

@@ -70,6 +70,10 @@ class ShardedRun:
     """(the reduction's dtype, the weights' dtype) when every rank saw FSDP2 reduce-scatter one backward's gradients
     in bfloat16 or float16 while the sharded weights are float32 (`ReducePrecisionProbe`); None otherwise, also
     where it could not be seen."""
+    reshard_candidate: dict[str, Any] | None = None
+    """The sharded module whose `reshard_after_forward=True` costs an all-gather per step for nothing: the last
+    non-root module to run forward (`module`, its `fully_shard` `call` index and `site`); None when there is none or
+    the all-gathers were not counted."""
     low_reduce_abs: float = 0.0
     """The largest absolute difference of a reduced gradient element, low dtype against float32, on any rank."""
     low_reduce_rel: float = 0.0

@@ -62,6 +62,9 @@ class RankConfig:
     """While following, every DataLoader pass hands out at most this many batches."""
     crash_wait_s: float = 10.0
     """After a crash, how long a rank waits for the others to join the report before it gives up and exits."""
+    reshard_off: list[int] = field(default_factory=list)
+    """`fully_shard` calls (0 the first the script makes) to run with `reshard_after_forward=False`: the advice a
+    verification run applies to a sharded model (`verify.py`)."""
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))

@@ -24,12 +24,13 @@ from ddp_doctor.core.frames import user_frame, user_site
 from ddp_doctor.core.rankfiles import WrapShapes, write_wrap
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.launch.policy import RunPolicy
-from ddp_doctor.launch.unwrapped import SYNC_OFF_ATTR, PlainOptimizerWatch, record_creation_site
+from ddp_doctor.launch.unwrapped import SHARD_CALL_ATTR, SYNC_OFF_ATTR, PlainOptimizerWatch, record_creation_site
 
 __all__ = [
     "PatchedRun",
     "patch_ddp_init",
     "patch_destroy_process_group",
+    "patch_fully_shard",
     "patch_gradient_sync",
     "patch_optimizer_init",
     "write_wrap_shapes",
@@ -147,6 +148,36 @@ def patch_gradient_sync() -> None:
         object.__setattr__(module, SYNC_OFF_ATTR, None if requires_gradient_sync else user_site())
 
     fsdp.set_requires_gradient_sync = set_requires_gradient_sync
+
+
+def patch_fully_shard(reshard_off: list[int]) -> None:
+    """Number the script's `fully_shard` calls and remember each call's line on the modules it sharded (the
+    `reshard_after_forward` advice names them); the calls listed in `reshard_off` run with
+    `reshard_after_forward=False` (a verification run applying that advice). The public `torch.distributed.fsdp`
+    attribute is replaced, which `from torch.distributed.fsdp import fully_shard` in the script (or in Accelerate)
+    reads after this runs."""
+    try:
+        import torch.distributed.fsdp as fsdp_package
+    except ImportError:
+        return
+    original = getattr(fsdp_package, "fully_shard", None)
+    if original is None or getattr(original, "_ddp_doctor_patched", False):
+        return
+    calls = [0]
+
+    @functools.wraps(original)
+    def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
+        index, calls[0] = calls[0], calls[0] + 1
+        if index in reshard_off:
+            kwargs["reshard_after_forward"] = False
+        out = original(module, *args, **kwargs)
+        site = user_site()
+        for m in module if isinstance(module, (list, tuple)) else [module]:
+            object.__setattr__(m, SHARD_CALL_ATTR, (index, site))
+        return out
+
+    fully_shard._ddp_doctor_patched = True  # type: ignore[attr-defined]
+    fsdp_package.fully_shard = fully_shard
 
 
 def write_wrap_shapes(outdir: Path, rank: int, module: torch.nn.Module) -> None:

@@ -43,6 +43,7 @@ from ddp_doctor.launch.inflight import CollectiveRecorder
 from ddp_doctor.launch.patches import (
     patch_ddp_init,
     patch_destroy_process_group,
+    patch_fully_shard,
     patch_gradient_sync,
     patch_optimizer_init,
 )
@@ -118,6 +119,7 @@ class Session:
         patch_destroy_process_group(self)
         patch_optimizer_init()
         patch_gradient_sync()
+        patch_fully_shard(self.config.reshard_off)
         saves.listen(self.plain.note_save)
         self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
         # The loader probe first: its pre-step hook counts the step on its pass before ours reads it.

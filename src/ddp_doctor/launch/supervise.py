@@ -28,7 +28,12 @@ from typing import IO, Any
 from ddp_doctor.core.rankfiles import Outcome, end_path, read_ends
 from ddp_doctor.launch.config import CLI_PID_VAR, ENV_VAR, RUN_MARKER_VAR, RankConfig
 from ddp_doctor.launch.outcome import CheckResult, collect
-from ddp_doctor.launch.verify import needs_verification, verify_recommendation
+from ddp_doctor.launch.verify import (
+    needs_reshard_verification,
+    needs_verification,
+    verify_recommendation,
+    verify_reshard,
+)
 
 __all__ = ["BOOTSTRAP", "Interrupted", "check_namespace", "install_signal_handlers", "run_check", "run_processes"]
 
@@ -331,4 +336,7 @@ def check_namespace(
         # The second run's prints are not the user's to read twice: they go to a file that is removed after.
         with tempfile.NamedTemporaryFile("w", prefix="ddp-doctor-verify-", suffix=".log") as sink:
             verify_recommendation(result, config, lambda c: run_check(namespace, c, timeout=timeout, output=sink))
+    elif verify and one_node and needs_reshard_verification(result):
+        with tempfile.NamedTemporaryFile("w", prefix="ddp-doctor-verify-", suffix=".log") as sink:
+            verify_reshard(result, config, lambda c: run_check(namespace, c, timeout=timeout, output=sink))
     return result

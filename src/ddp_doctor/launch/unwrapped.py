@@ -31,7 +31,13 @@ from ddp_doctor.core.frames import framework_of_stack, user_site
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.exchange.primitives import comm_device, minmax
-from ddp_doctor.observation.sharding import ReducePrecisionProbe, ShardedModel, find_sharded_model
+from ddp_doctor.observation.sharding import (
+    GatherCount,
+    ReducePrecisionProbe,
+    ShardedModel,
+    find_sharded_model,
+    reshards_fully,
+)
 from ddp_doctor.report.model import Report, RunFacts
 
 __all__ = ["PlainOptimizerWatch", "record_creation_site"]
@@ -49,10 +55,13 @@ _SLOTS = (
     "low_reduces",
     "low_abs",
     "low_rel",
+    "gathers",
 )
 """What every rank puts in the sharded report's one min/max reduction, in this order."""
 _NOBODY = 2**24
 """The `saver` slot of a rank that saved no shards (above any rank, exact in float32)."""
+SHARD_CALL_ATTR = "_ddp_doctor_shard_call"
+"""Set on each module the patched `fully_shard` sharded: (which call it was, 0 the first; the call's line)."""
 SYNC_OFF_ATTR = "_ddp_doctor_sync_off_site"
 """Set on an FSDP2 module by the patched `set_requires_gradient_sync(False)`: where the script called it."""
 
@@ -88,6 +97,10 @@ class PlainOptimizerWatch:
         self._grad_steps = 0
         self.framework = "torch"
         """Who steps the optimizer: `accelerate` or `transformers` when their code is on the first step's stack."""
+        self._gathers: GatherCount | None = None
+        self._gathers_per_step: list[int] = []
+        """All-gathers of each observed step after the first (the first includes FSDP2's lazy init)."""
+        self._gathers_before = 0
         self._probe: ReducePrecisionProbe | None = None
         """Installed after the first step when gradients are reduced in a low dtype: measures one backward's."""
         self._solo_declined = False
@@ -118,6 +131,8 @@ class PlainOptimizerWatch:
                 self.names = {id(p): n for n, p in self.sharded.named_parameters()}
                 # After the first step: whether any weight changes from here on is what the report measures.
                 self._weights_at_first = fingerprints(p for _, p in self.sharded.named_parameters())
+                if self.sharded.api == "fully_shard":
+                    self._gathers = GatherCount(self.sharded)
         if optimizer is not self.optimizer:
             return False
         self.steps += 1
@@ -129,6 +144,10 @@ class PlainOptimizerWatch:
             self._grad_steps += 1
         if self.sharded is not None:
             self._measure_reduce(self.sharded)
+        if self._gathers is not None:
+            if self.steps > 1:
+                self._gathers_per_step.append(self._gathers.calls - self._gathers_before)
+            self._gathers_before = self._gathers.calls
         return True
 
     def _measure_reduce(self, model: ShardedModel) -> None:
@@ -232,6 +251,7 @@ class PlainOptimizerWatch:
             "low_reduces": probe.low_calls if probe else 0,
             "low_abs": probe.worst_abs if probe else 0.0,
             "low_rel": probe.mean_relative if probe else 0.0,
+            "gathers": self._steady_gathers(),
         }
         reduced = minmax(torch.tensor([float(local[k]) for k in _SLOTS]), None, device)
         top, low = ({k: v.item() for k, v in zip(_SLOTS, r)} for r in reduced)
@@ -255,13 +275,16 @@ class PlainOptimizerWatch:
             gap = float("inf")
         shard_save = self._shard_save(saved, top, low, device)
         sync_site = next((getattr(m, SYNC_OFF_ATTR) for _, m in model.sharded if getattr(m, SYNC_OFF_ATTR, None)), None)
+        sharding = model.describe()
+        if top["gathers"] == low["gathers"] >= 0:
+            sharding["all_gathers_per_step"] = int(top["gathers"])
         run = ShardedRun(
             world=dist.get_world_size(),
             steps=self.steps,
             optimizer=type(self.optimizer).__qualname__,
             optimizer_site=getattr(self.optimizer, SITE_ATTR, None),
             framework=self.framework,
-            sharding=model.describe(),
+            sharding=sharding,
             model_params=sum(p.requires_grad for _, p in named),
             replaced=sum(id(p) not in in_model for p in stepped),
             model_params_stepped=sum(id(p) in in_model for p in stepped),
@@ -273,11 +296,29 @@ class PlainOptimizerWatch:
             sync_off_steps=int(top["sync_off"]),
             sync_off_site=sync_site,
             low_reduce=_low_reduce(probe) if low["low_reduces"] > 0 else None,
+            reshard_candidate=self._reshard_candidate(model) if "all_gathers_per_step" in sharding else None,
             low_reduce_abs=top["low_abs"],
             low_reduce_rel=top["low_rel"],
             **shard_save,
         )
         return Report.build(self._facts(sharding=run.sharding), diagnose_sharded(run))
+
+    def _steady_gathers(self) -> int:
+        """The all-gathers of an observed step after the first, when every such step made as many; -1 when not
+        counted or when they varied (an evaluation forward in between, say)."""
+        counts = set(self._gathers_per_step)
+        return counts.pop() if self._gathers is not None and self._gathers.counted and len(counts) == 1 else -1
+
+    def _reshard_candidate(self, model: ShardedModel) -> dict[str, Any] | None:
+        """The non-root sharded module that ran its forward last, when it reshards after forward and the patched
+        `fully_shard` built it: its backward starts right after that forward, so FSDP2 all-gathers the parameters
+        it just freed again at once. Its name, which `fully_shard` call built it, and that call's line."""
+        name = self._gathers.last_forward if self._gathers is not None else None
+        module = dict(model.sharded).get(name) if name else None
+        call = getattr(module, SHARD_CALL_ATTR, None)
+        if module is None or call is None or not reshards_fully(module):
+            return None
+        return {"module": name, "call": call[0], "site": call[1]}
 
     @staticmethod
     def _shard_save(

@@ -18,11 +18,12 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ddp_doctor.analyze import diagnose_verified
+from ddp_doctor.analyze.sharded import verified_reshard
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.outcome import CheckResult
 from ddp_doctor.report.model import Report
 
-__all__ = ["needs_verification", "verify_recommendation"]
+__all__ = ["needs_reshard_verification", "needs_verification", "verify_recommendation", "verify_reshard"]
 
 _FLAGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
 
@@ -80,4 +81,37 @@ def verify_recommendation(
         error=second.error,
     )
     result.models[0] = replace(result.models[0], report=Report.build(report.facts, verified))
+    return second
+
+
+def needs_reshard_verification(result: CheckResult) -> bool:
+    """Whether the first run advised `reshard_after_forward=False` for a sharded module, not yet verified."""
+    report = result.report
+    if report is None or len(result.models) != 1 or result.error or result.timed_out or result.interrupted:
+        return False
+    return report.recommendation.reshard is not None and not report.recommendation.verified
+
+
+def verify_reshard(
+    result: CheckResult, config: RankConfig, run: Callable[[RankConfig], CheckResult]
+) -> CheckResult | None:
+    """Run the script again with the advised module's `fully_shard` call made with `reshard_after_forward=False`,
+    and mark the advice verified when that run counts one all-gather fewer per step and finds the same codes.
+    Returns the second run's result, or None when none was needed."""
+    if not needs_reshard_verification(result):
+        return None
+    report = result.report
+    rec = report.recommendation
+    call = int(rec.reshard["call"])
+    second = run(replace(config, reshard_off=sorted({*config.reshard_off, call}), follow_epochs=0))
+    if second.interrupted is not None:
+        result.interrupted = second.interrupted
+        return second
+    check = second.report
+    gathers = (check.sharding or {}).get("all_gathers_per_step") if check is not None else None
+    same = check is not None and sorted(check.codes) == sorted(report.codes)
+    error = second.error or (None if check is not None else "no report")
+    new = verified_reshard(rec, gathers, same, error)
+    diagnosis = replace(report.diagnosis, recommendation=new)
+    result.models[0] = replace(result.models[0], report=Report.build(report.facts, diagnosis))
     return second

@@ -8,6 +8,7 @@ stays a plain tensor inside a sharded model belongs to no `fully_shard` group: n
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,14 @@ from torch import nn
 
 from ddp_doctor.core.compat import fsdp_module_type, is_dtensor, replicate_module_type
 
-__all__ = ["ReducePrecisionProbe", "ShardedModel", "find_sharded_model", "local_tensor"]
+__all__ = [
+    "GatherCount",
+    "ReducePrecisionProbe",
+    "ShardedModel",
+    "find_sharded_model",
+    "local_tensor",
+    "reshards_fully",
+]
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -125,6 +133,15 @@ def _policies(groups: list[Any]) -> list[Any]:
         policy = getattr(g, "mp_policy", None)
         found += [policy] if policy is not None else [p.mp_policy for p in g.fsdp_params]
     return found
+
+
+def reshards_fully(module: nn.Module) -> bool:
+    """Whether a sharded module frees its unsharded parameters after its forward (`reshard_after_forward=True` in
+    force; False where FSDP2's state cannot be read)."""
+    try:
+        return any(_reshards(g) is True for g in _groups(module))
+    except AttributeError:
+        return False
 
 
 def _reshards(group: Any) -> bool | int:
@@ -237,3 +254,40 @@ class _MeasuredReduceScatter:
             dist.reduce_scatter_tensor(reference, input_tensor.float(), op=op, group=group)
             self._probe.note(output_tensor, reference)
         return work
+
+
+class GatherCount:
+    """How many all-gathers FSDP2 makes (each sharded group's `_all_gather_comm`, wrapped to count its calls; a
+    group without one, before 2.10, is not counted), and which non-root sharded module ran its forward last (a
+    forward pre-hook on each): the module whose backward comes first, so with `reshard_after_forward=True` its
+    parameters are freed after its forward and all-gathered again at once. Local; nothing here communicates."""
+
+    def __init__(self, model: ShardedModel) -> None:
+        self.calls = 0
+        self.last_forward: str | None = None
+        self.counted = False
+        for name, module in model.sharded:
+            for group in _groups(module):
+                comm = getattr(group, "_all_gather_comm", None)
+                if comm is not None:
+                    group._all_gather_comm = _CountedAllGather(comm, self)
+                    self.counted = True
+            if name:
+                module.register_forward_pre_hook(functools.partial(self._forward, name))
+
+    def _forward(self, name: str, _module: Any, _args: Any) -> None:
+        self.last_forward = name
+
+
+class _CountedAllGather:
+    """FSDP2's all-gather as it was, counted."""
+
+    def __init__(self, inner: Any, count: GatherCount) -> None:
+        self._inner, self._count = inner, count
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self._inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._count.calls += 1
+        return self._inner(*args, **kwargs)
