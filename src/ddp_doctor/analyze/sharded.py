@@ -311,7 +311,9 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
         reshard = "reshard_after_forward: looked at once the errors above are fixed"
     elif candidate and gathers:
         reshard = f"the reshard_after_forward advice above ({gathers} all-gathers per step counted)"
-    elif gathers:
+    elif gathers == 0:
+        reshard = "reshard_after_forward (no all-gathers were counted: one rank holds every shard)"
+    elif gathers is not None:
         reshard = (
             f"reshard_after_forward ({gathers} all-gathers per step counted; no change is advised: the last module "
             "to run forward keeps its parameters for its backward already, or its fully_shard call was not seen)"
