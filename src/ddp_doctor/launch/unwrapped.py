@@ -5,11 +5,13 @@ copy. The first optimizer that steps while a process group of several ranks exis
 the end of the script); then every rank compares its parameters' fingerprints with one fixed-shape all_reduce and
 the report says `model-not-wrapped`.
 
-A model sharded with FSDP2 (`fully_shard`) is no unwrapped model: FSDP2 keeps its sharded parameters in sync. When
-the loop's frames hold one, the watch follows it instead (`observation/sharding.py`): which parameters the
-optimizer steps, which stay outside every sharded group, whether gradient sync is on at each step, whether any
-weight changes; the findings are `analyze/sharded.py`'s. DTensor parameters are compared by no one here: their
-shards differ across ranks by design.
+A model sharded with FSDP2 (`fully_shard`, or the FSDP2-based `replicate`) is no unwrapped model: FSDP2 keeps its
+sharded parameters in sync. When the loop's frames hold one, the watch follows it instead (`observation/sharding.py`),
+on one rank too: which parameters the optimizer steps, which stay outside every sharded group, whether gradient sync
+is on at each step, whether any weight changes, the dtype of one backward's reduce-scatters (and what a low one
+costs), the all-gathers per step and the last module to run forward (the `reshard_after_forward` advice); the
+findings are `analyze/sharded.py`'s. DTensor parameters are compared by no one here: their shards differ across
+ranks by design.
 """
 
 from __future__ import annotations
