@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
@@ -305,21 +306,8 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
             "replicated model but not a plain one: save `{k: v.full_tensor() for k, v in sd.items()}` for that.)"
         )
     gathers = run.sharding.get("all_gathers_per_step")
-    candidate = run.reshard_candidate
-    if errors:
-        candidate = None
-        reshard = "reshard_after_forward: looked at once the errors above are fixed"
-    elif candidate and gathers:
-        reshard = f"the reshard_after_forward advice above ({gathers} all-gathers per step counted)"
-    elif gathers == 0:
-        reshard = "reshard_after_forward (no all-gathers were counted: one rank holds every shard)"
-    elif gathers is not None:
-        reshard = (
-            f"reshard_after_forward ({gathers} all-gathers per step counted; no change is advised: the last module "
-            "to run forward keeps its parameters for its backward already, or its fully_shard call was not seen)"
-        )
-    else:
-        reshard = "reshard_after_forward was not examined (FSDP2's all-gathers could not be counted here)"
+    candidate = None if errors else run.reshard_candidate
+    reshard = _reshard_checked(gathers, candidate, errors)
     text = (
         checked
         + f", that every torch.save of sharded state in those steps wrote all the ranks' shards, and {reshard}. "
@@ -331,16 +319,7 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
     )
     if not (candidate and gathers):
         return Recommendation.unknown(text)
-    advice = (
-        f"For speed: `reshard_after_forward=False` on {candidate['module']} (the fully_shard call at "
-        f"{candidate['site']}). It is the last sharded module to run forward, so its backward starts right after "
-        "its forward: with reshard_after_forward=True FSDP2 frees its parameters after the forward and all-gathers "
-        f"them again at once. Kept, each forward and backward make one all-gather fewer ({gathers} per step now) "
-        "and the step holds that "
-        "module's unsharded parameters a moment longer, which its backward needs anyway (torchtitan does the same "
-        "for its last block). (Accelerate's FSDP2 plugin sets one reshard_after_forward for every module it "
-        "shards; this advice is for one module.) "
-    )
+    advice = _reshard_advice(candidate, gathers)
     return replace(
         Recommendation.unknown(advice + _NOT_VERIFIED + " " + text),
         reshard={
@@ -354,6 +333,34 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
 
 
 _NOT_VERIFIED = "Not yet verified: the check applies it in a second run of the script when it can."
+
+
+def _reshard_checked(gathers: int | None, candidate: dict[str, Any] | None, errors: bool) -> str:
+    """What the recommendation says it looked at for reshard_after_forward."""
+    if errors:
+        return "reshard_after_forward: looked at once the errors above are fixed"
+    if candidate and gathers:
+        return f"the reshard_after_forward advice above ({gathers} all-gathers per step counted)"
+    if gathers == 0:
+        return "reshard_after_forward (no all-gathers were counted: one rank holds every shard)"
+    if gathers is not None:
+        return (
+            f"reshard_after_forward ({gathers} all-gathers per step counted; no change is advised: the last module "
+            "to run forward keeps its parameters for its backward already, or its fully_shard call was not seen)"
+        )
+    return "reshard_after_forward was not examined (FSDP2's all-gathers could not be counted here)"
+
+
+def _reshard_advice(candidate: dict[str, Any], gathers: int) -> str:
+    return (
+        f"For speed: `reshard_after_forward=False` on {candidate['module']} (the fully_shard call at "
+        f"{candidate['site']}). It is the last sharded module to run forward, so its backward starts right after "
+        "its forward: with reshard_after_forward=True FSDP2 frees its parameters after the forward and all-gathers "
+        f"them again at once. Kept, each forward and backward make one all-gather fewer ({gathers} per step now) "
+        "and the step holds that module's unsharded parameters a moment longer, which its backward needs anyway "
+        "(torchtitan does the same for its last block). (Accelerate's FSDP2 plugin sets one reshard_after_forward "
+        "for every module it shards; this advice is for one module.) "
+    )
 
 
 def verified_reshard(
