@@ -17,8 +17,7 @@ import json
 from collections.abc import Callable
 from dataclasses import replace
 
-from ddp_doctor.analyze import diagnose_verified
-from ddp_doctor.analyze.sharded import verified_reshard
+from ddp_doctor.analyze import diagnose_verified, verified_reshard
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.outcome import CheckResult
 from ddp_doctor.report.model import Report
