@@ -203,10 +203,6 @@ class ReducePrecisionProbe:
         """Those of a bfloat16 or float16 input, measured."""
         self.low_dtype: torch.dtype | None = None
 
-    @property
-    def installed(self) -> bool:
-        return bool(self._saved)
-
     def install(self) -> None:
         for group in self._groups:
             self._saved.append((group, group._reduce_scatter_comm))
