@@ -95,7 +95,8 @@ def verify_reshard(
     result: CheckResult, config: RankConfig, run: Callable[[RankConfig], CheckResult]
 ) -> CheckResult | None:
     """Run the script again with the advised module's `fully_shard` call made with `reshard_after_forward=False`,
-    and mark the advice verified when that run counts one all-gather fewer per step and finds the same codes.
+    and mark the advice verified when that run counts fewer all-gathers per step (one per forward and backward)
+    and finds the same codes.
     Returns the second run's result, or None when none was needed."""
     if not needs_reshard_verification(result):
         return None
@@ -108,7 +109,7 @@ def verify_reshard(
         return second
     check = second.report
     gathers = (check.sharding or {}).get("all_gathers_per_step") if check is not None else None
-    same = check is not None and sorted(check.codes) == sorted(report.codes)
+    same = check is not None and check.codes == report.codes
     error = second.error or (None if check is not None else "no report")
     new = verified_reshard(rec, gathers, same, error)
     diagnosis = replace(report.diagnosis, recommendation=new)

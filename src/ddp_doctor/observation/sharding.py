@@ -226,14 +226,22 @@ class ReducePrecisionProbe:
         return self.diff_sum / self.ref_sum if self.ref_sum > 0 else 0.0
 
 
-class _MeasuredReduceScatter:
-    """FSDP2's reduce-scatter as it was, then the same input reduced in float32 (when it is a low dtype)."""
+class _WrappedComm:
+    """One of FSDP2's communication objects (`Comm`: `allocate`, then a call), wrapped: its buffers are its own."""
 
-    def __init__(self, inner: Any, probe: ReducePrecisionProbe) -> None:
-        self._inner, self._probe = inner, probe
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self._inner.allocate(size, dtype=dtype, device=device)
+
+
+class _MeasuredReduceScatter(_WrappedComm):
+    """FSDP2's reduce-scatter as it was, then the same input reduced in float32 (when it is a low dtype)."""
+
+    def __init__(self, inner: Any, probe: ReducePrecisionProbe) -> None:
+        super().__init__(inner)
+        self._probe = probe
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
@@ -275,14 +283,12 @@ class GatherCount:
         self.last_forward = name
 
 
-class _CountedAllGather:
+class _CountedAllGather(_WrappedComm):
     """FSDP2's all-gather as it was, counted."""
 
     def __init__(self, inner: Any, count: GatherCount) -> None:
-        self._inner, self._count = inner, count
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self._inner.allocate(size, dtype=dtype, device=device)
+        super().__init__(inner)
+        self._count = count
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._count.calls += 1
