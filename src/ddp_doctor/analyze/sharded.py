@@ -12,7 +12,6 @@ weight), and loading it into the unsharded model raises *aten.copy_.default got 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,10 +19,7 @@ from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
 from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = ["explain_meta_params", "sharded_findings", "sharded_recommendation", "verified_reshard"]
-
-_ON_META = re.compile(r"materialized from meta device before training.*still on meta device: \[([^\]]*)\]", re.S)
-
+__all__ = ["sharded_findings", "sharded_recommendation", "verified_reshard"]
 
 @dataclass(frozen=True, slots=True)
 class _Api:
@@ -389,19 +385,3 @@ def verified_reshard(
         shown = f"the second run with it applied counted {gathers} all-gathers per step (the first counted {before})"
     return replace(rec, reason=rec.reason.replace(_NOT_VERIFIED, f"Not verified: {shown}."))
 
-
-def explain_meta_params(message: str) -> str | None:
-    """FSDP2's error for parameters left on the meta device (built under `torch.device("meta")`, sharded, never
-    materialized), in the words of the modules that hold them; None for any other error."""
-    match = _ON_META.search(message)
-    if match is None:
-        return None
-    params = [p.strip().strip("'\"") for p in match.group(1).split(",") if p.strip()]
-    modules = sorted({p.rpartition(".")[0] or "the root" for p in params})
-    shown = ", ".join(params[:6]) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
-    return (
-        f"fully_shard sharded parameters that are still on the meta device, never materialized or initialised: "
-        f"{shown} (module{'s' if len(modules) > 1 else ''} {', '.join(repr(m) for m in modules[:6])}). Materialize "
-        "them after the fully_shard calls and before the first forward: `model.to_empty(device=device)`, then "
-        "initialise every module (`module.reset_parameters()`, or load a checkpoint into the sharded model)."
-    )

@@ -1,6 +1,7 @@
 """Findings of a failed FSDP2 job that name a collective some ranks entered alone: a full state dict gathered on
 some ranks only (`state-gather-some-ranks`), a forward through the sharded model run on some ranks only
-(`sharded-forward-some-ranks`). Pure: the supervisor's `RankState` per rank in.
+(`sharded-forward-some-ranks`); and FSDP2's error for parameters left on the meta device, in the words of the
+modules that hold them. Pure: the supervisor's `RankState` per rank in.
 
 Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_train.py`): a full state dict
 gathered on rank 0 alone meets rank 1's next forward, and gloo aborts rank 1 (*Received data size doesn't match
@@ -18,7 +19,9 @@ from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 
-__all__ = ["forward_alone", "gather_alone"]
+__all__ = ["explain_meta_params", "forward_alone", "gather_alone"]
+
+_ON_META = re.compile(r"materialized from meta device before training.*still on meta device: \[([^\]]*)\]", re.S)
 
 _GATHERS = ("get_model_state_dict", "get_state_dict", "get_optimizer_state_dict", "full_tensor", "_gather_state_dict")
 """The calls that all-gather sharded (DTensor) state, the one a user calls first: every rank must enter them."""
@@ -94,3 +97,20 @@ def forward_alone(states: dict[int, RankState]) -> Finding | None:
             "full_state_dict=True, cpu_offload=True))`) and load it into an unsharded copy on rank 0.",
         )
     return None
+
+
+def explain_meta_params(message: str) -> str | None:
+    """FSDP2's error for parameters left on the meta device (built under `torch.device("meta")`, sharded, never
+    materialized), in the words of the modules that hold them; None for any other error."""
+    match = _ON_META.search(message)
+    if match is None:
+        return None
+    params = [p.strip().strip("'\"") for p in match.group(1).split(",") if p.strip()]
+    modules = sorted({p.rpartition(".")[0] or "the root" for p in params})
+    shown = ", ".join(params[:6]) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
+    return (
+        f"fully_shard sharded parameters that are still on the meta device, never materialized or initialised: "
+        f"{shown} (module{'s' if len(modules) > 1 else ''} {', '.join(repr(m) for m in modules[:6])}). Materialize "
+        "them after the fully_shard calls and before the first forward: `model.to_empty(device=device)`, then "
+        "initialise every module (`module.reset_parameters()`, or load a checkpoint into the sharded model)."
+    )
