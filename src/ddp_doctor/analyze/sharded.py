@@ -21,6 +21,7 @@ from ddp_doctor.core.sharded_run import ShardedRun
 
 __all__ = ["sharded_findings", "sharded_recommendation", "verified_reshard"]
 
+
 @dataclass(frozen=True, slots=True)
 class _Api:
     """How a finding names the call that built the model: FSDP2's `fully_shard`, or the FSDP2-based `replicate`
@@ -384,4 +385,3 @@ def verified_reshard(
     else:
         shown = f"the second run with it applied counted {gathers} all-gathers per step (the first counted {before})"
     return replace(rec, reason=rec.reason.replace(_NOT_VERIFIED, f"Not verified: {shown}."))
-
