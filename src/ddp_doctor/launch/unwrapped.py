@@ -28,7 +28,7 @@ from torch import nn
 from ddp_doctor.analyze import diagnose_sharded, diagnose_unwrapped
 from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.findings import ParamRef
-from ddp_doctor.core.fingerprint import fingerprints
+from ddp_doctor.core.fingerprint import fingerprints_batched
 from ddp_doctor.core.frames import framework_of_stack, user_site
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
@@ -38,6 +38,8 @@ from ddp_doctor.observation.sharding import (
     ReducePrecisionProbe,
     ShardedModel,
     find_sharded_model,
+    frame_modules,
+    heap_modules,
     reshards_fully,
 )
 from ddp_doctor.report.model import Report, RunFacts
@@ -132,7 +134,7 @@ class PlainOptimizerWatch:
                 self.module = type(self.sharded.root).__qualname__
                 self.names = {id(p): n for n, p in self.sharded.named_parameters()}
                 # After the first step: whether any weight changes from here on is what the report measures.
-                self._weights_at_first = fingerprints(p for _, p in self.sharded.named_parameters())
+                self._weights_at_first = fingerprints_batched(p for _, p in self.sharded.named_parameters())
                 if self.sharded.api == "fully_shard":
                     self._gathers = GatherCount(self.sharded)
         if optimizer is not self.optimizer:
@@ -162,19 +164,19 @@ class PlainOptimizerWatch:
             self._probe.remove()
 
     def _name_params(self, frame: Any) -> None:
-        """Names from the module (a local or global of the script) that owns the most of the optimizer's params."""
+        """Names from the module that owns the most of the optimizer's params: a local or global of the script's
+        frames, else any module of the process (a loop in a class holds `self.model`)."""
         wanted = {id(p) for p in self._params()}
-        best: tuple[int, str, nn.Module | None] = (0, "", None)
-        while frame is not None:
-            for value in (*frame.f_locals.values(), *frame.f_globals.values()):
-                if isinstance(value, nn.Module):
-                    n = sum(id(p) in wanted for p in value.parameters())
-                    if n > best[0]:
-                        best = (n, type(value).__qualname__, value)
-            frame = frame.f_back
-        if best[2] is not None:
-            self.names = {id(p): n for n, p in best[2].named_parameters()}
-            self.module = best[1]
+        for modules in (frame_modules(frame), heap_modules()):
+            best: tuple[int, nn.Module | None] = (0, None)
+            for module in modules:
+                n = sum(id(p) in wanted for p in module.parameters())
+                if n > best[0]:
+                    best = (n, module)
+            if best[1] is not None:
+                self.names = {id(p): n for n, p in best[1].named_parameters()}
+                self.module = type(best[1]).__qualname__
+                return
 
     def _params(self) -> list[torch.Tensor]:
         assert self.optimizer is not None
@@ -194,7 +196,7 @@ class PlainOptimizerWatch:
         if top.item() != low.item():
             differ, gap = torch.ones(len(params), dtype=torch.bool), torch.full((len(params),), float("inf"))
         else:
-            fp = fingerprints(params).nan_to_num(0.0)
+            fp = fingerprints_batched(params).nan_to_num(0.0)
             high, lowest = minmax(fp, None, device)
             differ = (high != lowest).any(-1)
             gap = (high - lowest).abs().amax(-1)
@@ -233,7 +235,7 @@ class PlainOptimizerWatch:
         in_model = {id(p) for _, p in named}
         stepped = self._params()
         unsharded = model.unsharded() if dist.get_world_size() > 1 else []  # one rank: nothing to keep in sync
-        now = fingerprints(p for _, p in named)
+        now = fingerprints_batched(p for _, p in named)
         before = self._weights_at_first if self._weights_at_first is not None else now
         changed = bool((now.nan_to_num(0.0) != before.nan_to_num(0.0)).any())
         device = comm_device(None, named[0][1].device if named else None)
@@ -269,7 +271,7 @@ class PlainOptimizerWatch:
         differ = [False] * len(unsharded)
         gap = 0.0
         if unsharded and top["unsharded"] == low["unsharded"]:
-            high, lowest = minmax(fingerprints(p for _, p in unsharded).nan_to_num(0.0), None, device)
+            high, lowest = minmax(fingerprints_batched(p for _, p in unsharded).nan_to_num(0.0), None, device)
             differ = (high != lowest).any(-1).tolist()
             gap = float((high - lowest).abs().amax()) if differ else 0.0
         elif unsharded:
