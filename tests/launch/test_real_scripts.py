@@ -51,6 +51,20 @@ def test_a_correct_manual_sync_without_ddp_is_info_only(tmp_path: Path) -> None:
     assert run.report["steps_observed"] == 8
 
 
+def test_a_tensor_parallel_model_is_no_unwrapped_model_and_says_what_was_not_compared(tmp_path: Path) -> None:
+    """tests/scripts/tensor_parallel.py, plain torchrun, torch 2.13.0, gloo, 2 ranks: exit code 0, the head's bias
+    sums 0.024975 on both ranks. Before, the check compared none of its parameters (all DTensors) and said "No
+    problems found." with the advice to wrap the model in DDP."""
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "tensor_parallel.py")], tmp_path, timeout=180)
+    assert run.rc == 0 and run.report["findings"] == [], run.output
+    assert "No problems found in what was checked (below)." in run.output
+    (unchecked,) = run.report["unchecked"]
+    assert "4 of the parameters the optimizer (SGD created at tests/scripts/tensor_parallel.py:18)" in unchecked
+    assert "none of them was compared; it steps no other" in unchecked
+    reason = run.report["recommendation"]["reason"]
+    assert "wrapping this model in DDP is not the advice" in reason and "wrap the model first" not in reason
+
+
 def test_ranks_with_different_batch_counts_are_uneven_inputs(tmp_path: Path) -> None:
     run = check(["--nproc-per-node", "2", str(EXAMPLES / "uneven_inputs.py")], tmp_path, timeout=180)
     assert run.rc == 1, run.output

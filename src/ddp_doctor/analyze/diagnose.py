@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from ddp_doctor.analyze.failures import failure_findings
 from ddp_doctor.analyze.following_ends import following_findings, following_section, unchecked
-from ddp_doctor.analyze.not_wrapped import unwrapped_findings, unwrapped_recommendation
+from ddp_doctor.analyze.not_wrapped import unwrapped_findings, unwrapped_recommendation, unwrapped_unchecked
 from ddp_doctor.analyze.recommend import recommend_after_failure, verified_by_second_run
 from ddp_doctor.analyze.sharded import sharded_findings, sharded_recommendation
 from ddp_doctor.analyze.snippets import with_code
@@ -112,9 +112,10 @@ def diagnose_unwrapped(run: UnwrappedRun) -> Diagnosis:
     """An optimizer that trained parameters on several ranks with no DDP model: `model-not-wrapped`."""
     return Diagnosis(
         findings=unwrapped_findings(run),
-        recommendation=unwrapped_recommendation(),
+        recommendation=unwrapped_recommendation(run),
         timing=Timing(),
         steps_observed=run.steps,
+        unchecked=unwrapped_unchecked(run),
     )
 
 

@@ -6,15 +6,37 @@ from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 
-__all__ = ["unwrapped_findings", "unwrapped_recommendation"]
+__all__ = ["unwrapped_findings", "unwrapped_recommendation", "unwrapped_unchecked"]
 
 
-def unwrapped_recommendation() -> Recommendation:
-    """No DDP model: no flags to recommend."""
+def unwrapped_recommendation(run: UnwrappedRun) -> Recommendation:
+    """No DDP model: no flags to recommend; and no advice to wrap a model whose parameters are DTensors."""
+    if run.dtensors:
+        return Recommendation.unknown(
+            "No DDP model was built, so there are no DDP flags to recommend. The parameters are DTensors of a "
+            "parallelism the check has no rules for (tensor parallelism, say): wrapping this model in DDP is not "
+            "the advice."
+        )
     return Recommendation.unknown(
         "No DDP model was built, so there are no DDP flags to recommend: wrap the model first, then run the check "
         "again."
     )
+
+
+def unwrapped_unchecked(run: UnwrappedRun) -> list[str]:
+    """What the check could not compare: the DTensor parameters of a parallelism it has no rules for."""
+    if not run.dtensors:
+        return []
+    compared = f"the other {len(run.params)} were compared across ranks" if run.params else "it steps no other"
+    return [
+        f"{run.dtensors} of the parameters the optimizer{_where(run)} steps are DTensors placed on a device mesh "
+        "by a parallelism other than FSDP2 or replicate (tensor parallelism, say). Their local parts may differ "
+        f"across ranks by design and the check has no rules for them, so none of them was compared; {compared}."
+    ]
+
+
+def _where(run: UnwrappedRun) -> str:
+    return f" ({run.optimizer} created at {run.optimizer_site})" if run.optimizer_site else f" ({run.optimizer})"
 
 
 def unwrapped_findings(run: UnwrappedRun) -> list[Finding]:
@@ -22,8 +44,7 @@ def unwrapped_findings(run: UnwrappedRun) -> list[Finding]:
     if not run.params:
         return []
     params, world, steps = run.params, run.world, run.steps
-    optimizer, optimizer_site = run.optimizer, run.optimizer_site
-    where = f" ({optimizer} created at {optimizer_site})" if optimizer_site else f" ({optimizer})"
+    where = _where(run)
     if any(run.differ):
         bad = [p for p, d in zip(params, run.differ) if d]
         return [

@@ -30,3 +30,7 @@ class UnwrappedRun:
     gap: float = 0.0
     """The largest cross-rank difference of a parameter's weight fingerprint (inf when the ranks step different
     numbers of parameters)."""
+    dtensors: int = 0
+    """Stepped parameters that are DTensors placed on a device mesh by a parallelism the check has no rules for
+    (tensor parallelism, say: FSDP2's and replicate's modules are followed as such): left out of the comparison,
+    since their local parts may differ across ranks by design."""

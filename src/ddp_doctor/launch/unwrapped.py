@@ -188,12 +188,13 @@ class PlainOptimizerWatch:
             return self._sharded_report(self.sharded)
         # DTensor parameters (tensor parallelism, or a sharded model the frames did not show) belong to a
         # parallelism that keeps them itself; their local shards differ by design.
-        params = [p for p in self._params() if not is_dtensor(p)]
-        device = comm_device(None, params[0].device if params else None)
-        top, low = minmax(torch.tensor([float(len(params))]), None, device)
+        stepped = self._params()
+        params = [p for p in stepped if not is_dtensor(p)]
+        device = comm_device(None, stepped[0].device if stepped else None)
+        top, low = minmax(torch.tensor([float(len(params)), float(len(stepped) - len(params))]), None, device)
         refs = [ParamRef(self.names.get(id(p), f"param[{i}]"), p.numel(), tuple(p.shape)) for i, p in enumerate(params)]
         world = dist.get_world_size()
-        if top.item() != low.item():
+        if top[0].item() != low[0].item():
             differ, gap = torch.ones(len(params), dtype=torch.bool), torch.full((len(params),), float("inf"))
         else:
             fp = fingerprints_batched(params).nan_to_num(0.0)
@@ -209,6 +210,7 @@ class PlainOptimizerWatch:
             params=refs,
             differ=differ.tolist(),
             gap=float(gap.max()) if len(params) else 0.0,
+            dtensors=int(top[1].item()),
         )
         return Report.build(self._facts(), diagnose_unwrapped(run))
 

@@ -197,6 +197,14 @@ class ReportData:
         return cls.build(facts, diagnosis)
 
     @property
+    def clean_line(self) -> str:
+        """The sentence of a report without findings: it claims only what was checked, so a sharded model's report
+        (checked for some things only) and one with `unchecked` sentences point below."""
+        if self.sharding is None and not self.unchecked:
+            return "No problems found."
+        return "No problems found in what was checked (below)."
+
+    @property
     def ddp_built(self) -> bool:
         """Whether the run built a DDP model: only then are there DDP flags to show or recommend (a report of a
         script that never wrapped its model, or whose ranks failed before wrapping it, has no `ddp_config`)."""

@@ -174,7 +174,7 @@ def _status(report: ReportData) -> str:
             f"<p class='crash'>Interrupted after {report.steps_observed} observed step(s): nothing was diagnosed.</p>"
         )
     elif not report.findings:
-        clean = "No problems found." if report.sharding is None else "No problems found in what was checked (below)."
+        clean = report.clean_line
         parts.append(f"<p class='clean'>{clean}</p>")
     return "".join(parts)
 

@@ -129,7 +129,7 @@ def render(report: ReportData) -> Iterator[Any]:
             f"Interrupted after {report.steps_observed} observed step(s): nothing was diagnosed.", style="yellow"
         )
     elif not report.findings:
-        clean = "No problems found." if report.sharding is None else "No problems found in what was checked (below)."
+        clean = report.clean_line
         yield Text(clean, style="bold green")
     for f in report.findings:
         yield _finding(f)
