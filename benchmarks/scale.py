@@ -16,7 +16,9 @@ MoE-like (``layers.12.experts.3.w1.weight``). "before" is the all_gather exchang
 packing (`RankRecord.packed_size`): every rank received every rank's record and metadata.
 
 Also measured on real groups: `guard` (creation, a replica comparison, one that finds a divergence) and
-`refreeze`, bytes per rank through every torch.distributed collective they call.
+`refreeze`, bytes per rank through every torch.distributed collective they call. And the FSDP2 report's own road
+(`benchmarks/sharded_scale.py`, which this runs too): real gloo groups up to 8 ranks, torch's `fake` backend up to
+1,024.
 """
 
 from __future__ import annotations
@@ -408,11 +410,18 @@ def main() -> None:
             f"{real['collectives']} collectives as the gloo group"
         )
     guards = guard_rows((2, 4, 8), depth=75)
-    table = markdown(rows, guards)
-    print(table)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from sharded_scale import markdown as sharded_markdown
+    from sharded_scale import measure as sharded_measure
+
+    sharded, sharded_checks = sharded_measure(args.quick)
+    checks += sharded_checks
+    print(markdown(rows, guards))
+    print(sharded_markdown(sharded))
     print("\n".join(checks))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "guard": guards, "checks": checks}, indent=1))
+        out = {"rows": rows, "guard": guards, "sharded": sharded, "checks": checks}
+        Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
