@@ -14,10 +14,10 @@ def _run(**facts) -> ShardedRun:
     sharding = {"api": "fully_shard", "root_sharded": True, "all_gathers_per_step": 7}
     sharding.update(facts.pop("sharding", {}))
     defaults = {"model_params_stepped": 10, "reshard_candidate": CANDIDATE}
+    defaults = {"steps": 8, **defaults}
     return ShardedRun(
-        world=2, steps=8, optimizer="AdamW", optimizer_site=None, sharding=sharding, model_params=10,
-        **{**defaults, **facts},
-    )  # fmt: skip
+        world=2, optimizer="AdamW", optimizer_site=None, sharding=sharding, model_params=10, **{**defaults, **facts}
+    )
 
 
 def test_the_reshard_advice_names_the_module_and_line_and_waits_for_its_second_run() -> None:
@@ -63,3 +63,29 @@ def test_replicate_gets_no_reshard_advice_and_its_own_parallelism() -> None:
     assert parallelism_of(run.sharding) == "replicate" and parallelism_of(None) == "ddp"
     rec = sharded_recommendation(run)
     assert rec.reshard is None and "replicates its model with FSDP2's replicate" in rec.reason
+
+
+def test_parameters_outside_every_group_are_an_error_an_info_or_a_warning_as_measured() -> None:
+    """analyze/unsharded.py: differ -> error; trained and equal -> info (something syncs them); unchanged and
+    equal -> warning. The cause and the fix follow why they are outside: ignored_params, or the root unsharded."""
+    from ddp_doctor.core.findings import ParamRef
+
+    head = [ParamRef("head.weight", 256, (4, 64)), ParamRef("head.bias", 4, (4,))]
+
+    def finding(**facts):
+        (f,) = [f for f in diagnose_sharded(_run(unsharded=head, **facts)).findings]
+        return f
+
+    ignored = {"ignored": [True, True], "ignored_site": "train.py:42"}
+    error = finding(unsharded_differ=[True, False], unsharded_gap=0.166, **ignored)
+    assert error.severity == "error" and [p.name for p in error.params] == ["head.weight"]
+    assert "passed them to fully_shard as ignored_params at train.py:42" in error.detail
+    assert error.fix.startswith("fully_shard leaves ignored_params to the script: average their gradients")
+    info = finding(unsharded_differ=[False, False], unsharded_changed=True, **ignored)
+    assert info.severity == "info" and "something keeps them in sync" in info.detail
+    assert info.fix.startswith("nothing, if the script averages their gradients itself")
+    warning = finding(unsharded_differ=[False, False], sharding={"root_sharded": False})
+    assert warning.severity == "warning" and "the root module was not sharded" in warning.detail
+    assert "did not change" in warning.detail and warning.fix.startswith("fully_shard the root as well")
+    one_step = finding(unsharded_differ=[False, False], unsharded_changed=True, steps=1)
+    assert one_step.severity == "warning", "one step shows no training: nothing is known to sync them"

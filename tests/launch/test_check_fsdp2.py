@@ -114,6 +114,20 @@ def test_parameters_outside_every_group_that_differ_are_named(tmp_path, mistake,
     assert cause in finding["detail"] and "fully_shard" in finding["fix"]
 
 
+@pytest.mark.parametrize("sync, severity", [("none", "error"), ("all-reduce", "info")])
+def test_ignored_params_are_named_as_the_scripts_to_sync_and_an_info_when_it_does(tmp_path, sync, severity) -> None:
+    """tests/scripts/fsdp2_ignored.py (the head passed to fully_shard as ignored_params; ground truth in
+    analyze/unsharded.py): nothing syncing it is an error naming ignored_params, not "a module added after
+    sharding"; the script averaging its gradients itself is an info, not a warning that nothing syncs them."""
+    script = str(SCRIPTS / "fsdp2_ignored.py")
+    run = check(["--nproc-per-node", "2", "--no-verify", script, "--sync", sync], tmp_path, timeout=180)
+    assert run.rc == (1 if severity == "error" else 0) and run.codes == {"unsharded-params-not-synced"}, run.output
+    finding = run.finding("unsharded-params-not-synced")
+    assert finding["severity"] == severity and run.params("unsharded-params-not-synced") == {"head.weight", "head.bias"}
+    assert "as ignored_params at tests/scripts/fsdp2_ignored.py:42" in finding["detail"]
+    assert "added after" not in finding["detail"]
+
+
 @pytest.mark.parametrize(
     "save, title",
     [

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ddp_doctor.analyze.unsharded import unsharded_finding
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
 from ddp_doctor.core.sharded_run import ShardedRun
@@ -122,44 +123,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
     if run.low_reduce and run.model_params_stepped:
         found.append(_low_reduce(run, ranks))
     if run.unsharded:
-        differ = [p for p, d in zip(run.unsharded, run.unsharded_differ) if d]
-        if differ:
-            found.append(
-                Finding(
-                    code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
-                    severity="error",
-                    title=f"{len(differ)} parameters outside every {api.call} group differ across ranks",
-                    detail=f"These trainable parameters belong to no {api.call} group ("
-                    + (
-                        f"a module added after {api.after}"
-                        if _root_sharded(run)
-                        else f"the root module was not {api.done}"
-                    )
-                    + "), so they stay plain tensors and nothing reduces their gradients: each rank trains its own "
-                    f"copy on its own batches. After {run.steps} steps they differ (the largest difference of a "
-                    f"weight's sum between ranks is {run.unsharded_gap:.3g}); whatever rank 0 saves is one "
-                    "rank's copy.",
-                    params=differ,
-                    ranks=ranks,
-                    steps=_steps(run),
-                    fix=_unsharded_fix(run, api),
-                )
-            )
-        else:
-            found.append(
-                Finding(
-                    code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
-                    severity="warning",
-                    title=f"{len(run.unsharded)} parameters outside every {api.call} group have nothing syncing them",
-                    detail=f"These trainable parameters belong to no {api.call} group, so nothing reduces their "
-                    f"gradients. After {run.steps} steps they are still the same on every rank (they got no "
-                    "gradient, or every rank saw the same data); they drift apart as soon as that stops.",
-                    params=list(run.unsharded),
-                    ranks=ranks,
-                    steps=_steps(run),
-                    fix=_unsharded_fix(run, api),
-                )
-            )
+        found.append(unsharded_finding(run, ranks, api))
     return found
 
 
@@ -262,24 +226,6 @@ def _incomplete_checkpoint(run: ShardedRun) -> Finding:
         "(torch.distributed.checkpoint.state_dict), then `if rank == 0: torch.save(sd, path)`. With Accelerate: "
         "`accelerator.save_state(ckpt_dir)` on every process, or `sd = accelerator.get_state_dict(model)` on every "
         "process, then `accelerator.save(sd, path)`.",
-    )
-
-
-def _root_sharded(run: ShardedRun) -> bool:
-    return bool(run.sharding.get("root_sharded"))
-
-
-def _unsharded_fix(run: ShardedRun, api: _Api) -> str:
-    call = api.call
-    if _root_sharded(run):
-        return (
-            f"build every module before the {call} calls (the root's {call} groups every parameter not "
-            f"in an inner group), or {call} the added module too."
-        )
-    return (
-        f"{call} the root as well, after its blocks: `for block in model.blocks: {call}(block)` then "
-        f"`{call}(model)`; the root's group holds every parameter left outside the inner groups (the head, "
-        "embeddings, final norm)."
     )
 
 

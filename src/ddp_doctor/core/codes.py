@@ -349,10 +349,13 @@ TABLE: tuple[CodeInfo, ...] = (
          "the optimizer holds parameters that fully_shard replaced: it updates none of the model's",
          more=": *the optimizer steps 6 parameters that are no longer the model's*, with its creation line and "
               "whether any weight changed (from `check`)"),
-    _row(Code.UNSHARDED_PARAMS_NOT_SYNCED, Family.FSDP2, "error/warning", "sharded.py",
+    _row(Code.UNSHARDED_PARAMS_NOT_SYNCED, Family.FSDP2, "error/warning/info", "unsharded.py",
          "parameters outside every fully_shard group train on each rank with nothing to sync them",
-         when="error when they already differ across ranks; warning when still equal",
-         more=" (the root not sharded, a module added after sharding): *2 parameters outside every fully_shard group "
+         when="error when they already differ across ranks; info when they trained and stayed equal (the script "
+              "syncs them, as `ignored_params` asks, or every rank saw the same batches); warning when they did not "
+              "change",
+         more=" (the root not sharded, a module added after sharding, `ignored_params`): *2 parameters outside every "
+              "fully_shard group "
               "differ across ranks* (from `check`)"),
     _row(Code.GRADIENT_SYNC_OFF, Family.FSDP2, "error", "sharded.py",
          "gradient sync was off (set_requires_gradient_sync(False)) at every optimizer step",

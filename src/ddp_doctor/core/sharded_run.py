@@ -50,6 +50,13 @@ class ShardedRun:
     """Per `unsharded` parameter: its weights differ across ranks after the observed steps."""
     unsharded_gap: float = 0.0
     """The largest cross-rank difference of an unsharded parameter's weight fingerprint."""
+    unsharded_changed: bool = False
+    """Whether any `unsharded` parameter changed on any rank between the first observed step and the last."""
+    ignored: list[bool] = field(default_factory=list)
+    """Per `unsharded` parameter: the script passed it to `fully_shard` as `ignored_params` (FSDP2 leaves its
+    synchronisation to the script)."""
+    ignored_site: str | None = None
+    """The line of the `fully_shard` call that named the first of them."""
     sync_off_steps: int = 0
     """Observed optimizer steps taken while some sharded module had gradient sync off (on the rank with the most)."""
     sync_off_site: str | None = None

@@ -24,7 +24,13 @@ from ddp_doctor.core.frames import user_frame, user_site
 from ddp_doctor.core.rankfiles import WrapShapes, write_wrap
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.launch.policy import RunPolicy
-from ddp_doctor.launch.unwrapped import SHARD_CALL_ATTR, SYNC_OFF_ATTR, PlainOptimizerWatch, record_creation_site
+from ddp_doctor.launch.unwrapped import (
+    IGNORED_ATTR,
+    SHARD_CALL_ATTR,
+    SYNC_OFF_ATTR,
+    PlainOptimizerWatch,
+    record_creation_site,
+)
 
 __all__ = [
     "PatchedRun",
@@ -152,7 +158,7 @@ def patch_gradient_sync() -> None:
 
 def patch_fully_shard(reshard_off: list[int]) -> None:
     """Number the script's `fully_shard` calls and remember each call's line on the modules it sharded (the
-    `reshard_after_forward` advice names them); the calls listed in `reshard_off` run with
+    `reshard_after_forward` advice names them) and on the parameters it was told to ignore; the calls listed in `reshard_off` run with
     `reshard_after_forward=False` (a verification run applying that advice). The public `torch.distributed.fsdp`
     attribute is replaced, which `from torch.distributed.fsdp import fully_shard` in the script (or in Accelerate)
     reads after this runs."""
@@ -174,6 +180,8 @@ def patch_fully_shard(reshard_off: list[int]) -> None:
         site = user_site()
         for m in module if isinstance(module, (list, tuple)) else [module]:
             object.__setattr__(m, SHARD_CALL_ATTR, (index, site))
+        for p in kwargs.get("ignored_params") or ():
+            setattr(p, IGNORED_ATTR, site)  # FSDP2 leaves them to the script: neither sharded nor synced
         return out
 
     fully_shard._ddp_doctor_patched = True  # type: ignore[attr-defined]

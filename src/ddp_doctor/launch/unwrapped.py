@@ -60,6 +60,7 @@ _SLOTS = (
     "low_abs",
     "low_rel",
     "gathers",
+    "unsharded_changed",
 )
 """What every rank puts in the sharded report's one min/max reduction, in this order."""
 _NOBODY = 2**24
@@ -67,6 +68,8 @@ _NOBODY = 2**24
 SHARD_CALL_ATTR = "_ddp_doctor_shard_call"
 """Set on each module the patched `fully_shard` sharded: (which call it was, 0 the first; the call's line)."""
 SYNC_OFF_ATTR = "_ddp_doctor_sync_off_site"
+IGNORED_ATTR = "_ddp_doctor_ignored_site"
+"""Set on each parameter the script passed to the patched `fully_shard` as `ignored_params`: that call's line."""
 """Set on an FSDP2 module by the patched `set_requires_gradient_sync(False)`: where the script called it."""
 
 
@@ -239,7 +242,10 @@ class PlainOptimizerWatch:
         unsharded = model.unsharded() if dist.get_world_size() > 1 else []  # one rank: nothing to keep in sync
         now = fingerprints_batched(p for _, p in named)
         before = self._weights_at_first if self._weights_at_first is not None else now
-        changed = bool((now.nan_to_num(0.0) != before.nan_to_num(0.0)).any())
+        moved = (now.nan_to_num(0.0) != before.nan_to_num(0.0)).any(-1)
+        changed = bool(moved.any())
+        outside = {id(p) for _, p in unsharded}
+        unsharded_changed = bool(moved[[i for i, (_, p) in enumerate(named) if id(p) in outside]].any())
         device = comm_device(None, named[0][1].device if named else None)
         saved = self.shard_saves[0] if self.shard_saves else None
         probe = self._probe
@@ -258,6 +264,7 @@ class PlainOptimizerWatch:
             "low_abs": probe.worst_abs if probe else 0.0,
             "low_rel": probe.mean_relative if probe else 0.0,
             "gathers": self._steady_gathers(),
+            "unsharded_changed": unsharded_changed,
         }
         reduced = minmax(torch.tensor([float(local[k]) for k in _SLOTS]), None, device)
         top, low = ({k: v.item() for k, v in zip(_SLOTS, r)} for r in reduced)
@@ -298,6 +305,9 @@ class PlainOptimizerWatch:
             unsharded=[ParamRef(n, p.numel(), tuple(p.shape)) for n, p in unsharded],
             unsharded_differ=differ,
             unsharded_gap=gap,
+            unsharded_changed=bool(top["unsharded_changed"]),
+            ignored_site=next((getattr(p, IGNORED_ATTR) for _, p in unsharded if hasattr(p, IGNORED_ATTR)), None),
+            ignored=[hasattr(p, IGNORED_ATTR) for _, p in unsharded],
             unused=unused,
             sync_off_steps=int(top["sync_off"]),
             sync_off_site=sync_site,

@@ -1,0 +1,110 @@
+"""`unsharded-params-not-synced`: trainable parameters of a sharded model that belong to no `fully_shard` (or
+`replicate`) group, so FSDP2 never reduces their gradients. Pure: the agreed facts (`ShardedRun`) in.
+
+Why they are outside decides the fix: the root left unsharded, a module added after sharding, or the script's own
+`ignored_params`, which FSDP2 leaves to the script to synchronise. Whether they are a mistake is measured, not
+assumed: weights that differ across ranks are an error; weights that trained and stayed equal on every rank are
+kept in sync by something (the script's own all-reduce, or the same batches on every rank): an info; weights that
+did not change at all tell nothing yet: a warning.
+
+Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 steps, each rank its own batches
+(`tests/scripts/fsdp2_ignored.py`, the head passed as `ignored_params`): with nothing syncing it the head's weight
+sums end at 0.071712 and 0.250339; with the script averaging its gradients (all_reduce, then divide) before each
+step they are equal, 0.115566 on both ranks. Both end with exit code 0.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ddp_doctor.core.codes import Code
+from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.sharded_run import ShardedRun
+
+__all__ = ["unsharded_finding"]
+
+
+class Api(Protocol):
+    """The words of the call that built the model (`analyze/sharded.py`'s `_Api`)."""
+
+    call: str
+    done: str
+    after: str
+
+
+def _why(run: ShardedRun, api: Api) -> str:
+    if run.ignored and all(run.ignored):
+        return f"the script passed them to {api.call} as ignored_params at {run.ignored_site or 'its call'}"
+    if bool(run.sharding.get("root_sharded")):
+        return f"a module added after {api.after}"
+    return f"the root module was not {api.done}"
+
+
+def _fix(run: ShardedRun, api: Api) -> str:
+    call = api.call
+    if run.ignored and all(run.ignored):
+        return (
+            f"{call} leaves ignored_params to the script: average their gradients on every rank before each "
+            "optimizer step (`for p in params: dist.all_reduce(p.grad); p.grad /= dist.get_world_size()`), or "
+            f"leave them out of ignored_params so that the {call} group holds them."
+        )
+    if bool(run.sharding.get("root_sharded")):
+        return (
+            f"build every module before the {call} calls (the root's {call} groups every parameter not "
+            f"in an inner group), or {call} the added module too."
+        )
+    return (
+        f"{call} the root as well, after its blocks: `for block in model.blocks: {call}(block)` then "
+        f"`{call}(model)`; the root's group holds every parameter left outside the inner groups (the head, "
+        "embeddings, final norm)."
+    )
+
+
+def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding:
+    """The finding for `run.unsharded` (not empty): error, info or warning, as the docstring above says."""
+    steps = list(range(run.steps))
+    differ = [p for p, d in zip(run.unsharded, run.unsharded_differ) if d]
+    why = _why(run, api)
+    if differ:
+        return Finding(
+            code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
+            severity="error",
+            title=f"{len(differ)} parameters outside every {api.call} group differ across ranks",
+            detail=f"These trainable parameters belong to no {api.call} group ({why}), so they stay plain tensors "
+            "and nothing reduces their gradients: each rank trains its own copy on its own batches. After "
+            f"{run.steps} steps they differ (the largest difference of a weight's sum between ranks is "
+            f"{run.unsharded_gap:.3g}); whatever rank 0 saves is one rank's copy.",
+            params=differ,
+            ranks=ranks,
+            steps=steps,
+            fix=_fix(run, api),
+        )
+    if run.unsharded_changed and run.steps >= 2:
+        return Finding(
+            code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
+            severity="info",
+            title=f"{len(run.unsharded)} parameters outside every {api.call} group trained and stayed equal across "
+            "ranks",
+            detail=f"These trainable parameters belong to no {api.call} group ({why}), so {api.call} does not "
+            f"reduce their gradients. Over {run.steps} steps they changed and are still the same on every rank: "
+            "something keeps them in sync, the script's own all-reduce of their gradients, or the same batches on "
+            "every rank.",
+            params=list(run.unsharded),
+            ranks=ranks,
+            steps=steps,
+            fix=f"nothing, if the script averages their gradients itself; if every rank trains on the same batches "
+            f"instead, that stops holding with a distributed sampler: then {_fix(run, api)}",
+        )
+    return Finding(
+        code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
+        severity="warning",
+        title=f"{len(run.unsharded)} parameters outside every {api.call} group have nothing syncing them",
+        detail=f"These trainable parameters belong to no {api.call} group ({why}), so {api.call} does not reduce "
+        f"their gradients. After {run.steps} steps they are still the same on every rank, and did not change "
+        "(they got no gradient, or only one step was observed); they drift apart once they train on different "
+        "batches, unless the script averages their gradients itself.",
+        params=list(run.unsharded),
+        ranks=ranks,
+        steps=steps,
+        fix=_fix(run, api),
+    )
