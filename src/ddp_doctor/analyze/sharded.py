@@ -15,10 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ddp_doctor.analyze.sharded_input import sharded_input_bound
 from ddp_doctor.analyze.unsharded import unsharded_finding
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
 from ddp_doctor.core.sharded_run import ShardedRun
+from ddp_doctor.core.steptime import MIN_STEPS
 
 __all__ = ["sharded_findings", "sharded_recommendation", "verified_reshard"]
 
@@ -124,6 +126,8 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         found.append(_low_reduce(run, ranks))
     if run.unsharded:
         found.append(unsharded_finding(run, ranks, api))
+    if run.input_wait:
+        found.append(sharded_input_bound(run, ranks))
     return found
 
 
@@ -229,6 +233,18 @@ def _incomplete_checkpoint(run: ShardedRun) -> Finding:
     )
 
 
+def _timed(run: ShardedRun) -> str:
+    if run.timed_steps < MIN_STEPS:
+        return ""
+    return f", whether the ranks wait for their data (the host's clock over {run.timed_steps} steps)"
+
+
+def _untimed(run: ShardedRun) -> str:
+    if run.timed_steps < MIN_STEPS:
+        return f"the step time (timed on CPU only, over at least {MIN_STEPS} steps after the first)"
+    return "a straggler rank (the wait in the sharded model's communication is not timed)"
+
+
 def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommendation:
     """No DDP flags for a sharded model: what the check can say about the sharding instead, and the one
     `reshard_after_forward` change that saves an all-gather per step, when there is one (verified by the check in a
@@ -239,12 +255,12 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
         f"Checked on every rank over {run.steps} optimizer steps: that the optimizer steps the model's own "
         f"parameters, that every trainable parameter is in a {api.call} group (those outside it compared across "
         "ranks), that gradient sync was on when the optimizer stepped, that every trainable parameter got a gradient, "
-        "whether the weights changed"
+        "whether the weights changed" + _timed(run)
     )
     if api is _REPLICATE:
         return Recommendation.unknown(
             checked + ". Not checked for replicate yet: the mixed-precision policy, parameters frozen after "
-            "replicate, the step time. (Measured, not checked here: an evaluation forward on rank 0 alone runs "
+            f"replicate, {_untimed(run)}. (Measured, not checked here: an evaluation forward on rank 0 alone runs "
             "fine; rank 0's torch.save of model.state_dict() holds every value, as DTensors, which load into a "
             "replicated model but not a plain one: save `{k: v.full_tensor() for k, v in sd.items()}` for that.)"
         )
@@ -257,7 +273,7 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
         "Not checked for FSDP2 yet: a save after those steps, forwards and full-state-dict gathers on some ranks "
         "only that did not break the run (they are named when they do), the mixed-precision policy beyond the "
         "dtype of the gradients' reduce-scatter (seen where FSDP2 has the hook for it, 2.13 and 2.15 here), "
-        "the step time. (Freezing or unfreezing a parameter after fully_shard is no mistake: FSDP2 follows it, "
+        f"{_untimed(run)}. (Freezing or unfreezing a parameter after fully_shard is no mistake: FSDP2 follows it, "
         "measured on 2.13 and 2.15.)"
     )
     if not (candidate and gathers):

@@ -79,7 +79,11 @@ def _ms(seconds: float) -> str:
 def _loader_phrase(v: View) -> tuple[str, str]:
     """How the training loader is named, and its settings, from group rank 0's loaders (what the fix acts on)."""
     loaders = v.meta(0).get("loaders", [])
-    d = next((x for x in loaders if x.get("batches") is not None), loaders[0])
+    return loader_words(next((x for x in loaders if x.get("batches") is not None), loaders[0]))
+
+
+def loader_words(d: dict) -> tuple[str, str]:
+    """A DataLoader's name (its dataset's type, its line) and its settings, from its `dataloaders.describe`."""
     name = f"the DataLoader over {d.get('dataset_type') or 'its dataset'}"
     if d.get("site"):
         name += f" created at {d['site']}"
@@ -102,11 +106,6 @@ def input_bound(v: View) -> list[Finding]:
     name, settings = _loader_phrase(v)
     n = st.waiting_steps
     workers = next((d.get("num_workers") for d in v.meta(0).get("loaders", []) if "num_workers" in d), None)
-    first = (
-        "give it worker processes (num_workers=4 or more, so that decoding runs beside the step)"
-        if workers == 0
-        else "give it more worker processes (num_workers) or a larger prefetch_factor"
-    )
     return [
         Finding(
             code=Code.INPUT_BOUND,
@@ -121,11 +120,23 @@ def input_bound(v: View) -> list[Finding]:
             ranks=list(st.waiting_ranks or []),
             more_ranks=st.waiting - len(st.waiting_ranks or []),
             steps=[],
-            fix=f"{first}; persistent_workers=True keeps them between epochs; pin_memory=True speeds the copy to "
-            "the GPU; move decoding and augmentation out of the training loop (into the Dataset run by the "
-            "workers, or done once beforehand).",
+            fix=input_fix(workers),
         )
     ]
+
+
+def input_fix(workers: int | None) -> str:
+    """The fix of `input-bound` for a loader with `workers` worker processes (None: not known)."""
+    first = (
+        "give it worker processes (num_workers=4 or more, so that decoding runs beside the step)"
+        if workers == 0
+        else "give it more worker processes (num_workers) or a larger prefetch_factor"
+    )
+    return (
+        f"{first}; persistent_workers=True keeps them between epochs; pin_memory=True speeds the copy to the GPU; "
+        "move decoding and augmentation out of the training loop (into the Dataset run by the workers, or done "
+        "once beforehand)."
+    )
 
 
 @detects(Code.STRAGGLER_RANK)

@@ -329,7 +329,7 @@ TABLE: tuple[CodeInfo, ...] = (
               "others wait; the process group's timeout is 20 s*, with the line span, the capped passes in it, the "
               "measured and projected seconds (see "
               "[check.md](check.md#following-the-epoch-ends---follow-epochs---limit-batches))"),
-    _row(Code.INPUT_BOUND, Family.TIMING, "warning", "throughput.py",
+    _row(Code.INPUT_BOUND, Family.TIMING, "warning", "throughput.py sharded_input.py",
          "the ranks spend a large share of every step waiting for the next batch",
          more=": *the ranks wait for data 80% of each step (17.4 ms of 21.8 ms)*, naming the DataLoader, its "
               "creation line, `num_workers` and `pin_memory` (see [Where the step time "

@@ -81,6 +81,12 @@ class ShardedRun:
     """The sharded module whose `reshard_after_forward=True` costs an all-gather per step for nothing: the last
     non-root module to run forward (`module`, its `fully_shard` `call` index and `site`); None when there is none or
     the all-gathers were not counted."""
+    timed_steps: int = 0
+    """Steps whose time every rank measured (the fewest on a rank; 0 on CUDA, where the host's clock does not tell)."""
+    input_wait: dict[str, Any] | None = None
+    """When every rank waited for its next batch for most of each step (`observation/step_clock.py` on CPU): the
+    ranks' median `wait_s` and `step_s` as [lowest, highest], the `steps` timed, and the DataLoader that fed them
+    (`dataloaders.describe` with its `site`). None otherwise, and on CUDA."""
     low_reduce_abs: float = 0.0
     """The largest absolute difference of a reduced gradient element, low dtype against float32, on any rank."""
     low_reduce_rel: float = 0.0

@@ -27,6 +27,7 @@ __all__ = [
     "statistic",
     "step_times",
     "waits_for_data",
+    "waits_for_data_at",
 ]
 
 PHASES = ("data_wait_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s")
@@ -151,17 +152,27 @@ OTHERS = ("own_s", *PHASES)
 
 
 def waits_for_data(t: RankTiming) -> bool:
-    """The rank waits for its data: a median wait of at least `MIN_WAIT_S` and `INPUT_SHARE` of its median step,
-    at least `INPUT_SHARE_Q1` of the step in three steps out of four, and longer than the step-to-step spread of
-    its steps (their interquartile range: on a busy machine the steps of a rank that does not wait scatter by as
-    much as such a wait)."""
-    wait, step = t.median["data_wait_s"], t.median["step_s"]
+    """The rank waits for its data (`waits_for_data_at` on its timing)."""
+    return waits_for_data_at(
+        steps=t.steps,
+        wait_s=t.median["data_wait_s"],
+        step_s=t.median["step_s"],
+        share_q1=t.data_wait_share_q1,
+        step_iqr_s=t.iqr["step_s"],
+    )
+
+
+def waits_for_data_at(*, steps: int, wait_s: float, step_s: float, share_q1: float, step_iqr_s: float) -> bool:
+    """A rank waits for its data: over at least `MIN_STEPS` steps, a median wait of at least `MIN_WAIT_S` and
+    `INPUT_SHARE` of its median step, at least `INPUT_SHARE_Q1` of the step in three steps out of four (`share_q1`),
+    and longer than the step-to-step spread of its steps (their interquartile range: on a busy machine the steps of
+    a rank that does not wait scatter by as much as such a wait)."""
     return (
-        t.steps >= MIN_STEPS
-        and wait >= MIN_WAIT_S
-        and wait >= INPUT_SHARE * step
-        and t.data_wait_share_q1 >= INPUT_SHARE_Q1
-        and wait > t.iqr["step_s"]
+        steps >= MIN_STEPS
+        and wait_s >= MIN_WAIT_S
+        and wait_s >= INPUT_SHARE * step_s
+        and share_q1 >= INPUT_SHARE_Q1
+        and wait_s > step_iqr_s
     )
 
 

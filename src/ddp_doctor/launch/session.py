@@ -200,7 +200,9 @@ class Session:
 
     def _on_sharded_forward(self, _module: Any, _args: Any) -> None:
         """Count a forward through the FSDP2 model by the user's line: a forward some ranks run alone (an evaluation
-        on rank 0) pairs its all-gathers with the others' next collectives (`analyze/sharded_failures.py`)."""
+        on rank 0) pairs its all-gathers with the others' next collectives (`analyze/sharded_failures.py`); and the
+        step clock's first forward after a step."""
+        self.plain.note_forward()
         site = user_site() or "an unknown place"
         forwards = self.beacon.state.forwards
         if site in forwards or len(forwards) < 8:

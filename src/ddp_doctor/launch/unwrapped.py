@@ -42,6 +42,7 @@ from ddp_doctor.observation.sharding import (
     heap_modules,
     reshards_fully,
 )
+from ddp_doctor.observation.step_clock import StepClock, input_wait
 from ddp_doctor.report.model import Report, RunFacts
 
 __all__ = ["PlainOptimizerWatch", "record_creation_site"]
@@ -61,6 +62,10 @@ _SLOTS = (
     "low_rel",
     "gathers",
     "unsharded_changed",
+    "waiting",
+    "timed_steps",
+    "wait_s",
+    "step_s",
 )
 """What every rank puts in the sharded report's one min/max reduction, in this order."""
 _NOBODY = 2**24
@@ -110,8 +115,15 @@ class PlainOptimizerWatch:
         self._gathers_before = 0
         self._probe: ReducePrecisionProbe | None = None
         """Installed after the first step when gradients are reduced in a low dtype: measures one backward's."""
+        self.clock: StepClock | None = None
+        """The step time of a sharded model on CPU (`observation/step_clock.py`); None on CUDA or unsharded."""
         self._solo_declined = False
         """One rank, and the first optimizer to step trains no sharded model: nothing to compare, nothing followed."""
+
+    def note_forward(self) -> None:
+        """A forward through the sharded model began (the session's pre-hook on its root)."""
+        if self.clock is not None:
+            self.clock.on_forward()
 
     def note_save(self, info: dict[str, Any]) -> None:
         """A `torch.save` to a file (a listener of `observation/saves.py`): kept when it wrote DTensor shards."""
@@ -140,9 +152,13 @@ class PlainOptimizerWatch:
                 self._weights_at_first = fingerprints_batched(p for _, p in self.sharded.named_parameters())
                 if self.sharded.api == "fully_shard":
                     self._gathers = GatherCount(self.sharded)
+                if all(p.device.type == "cpu" for _, p in self.sharded.named_parameters()):
+                    self.clock = StepClock()
         if optimizer is not self.optimizer:
             return False
         self.steps += 1
+        if self.clock is not None:
+            self.clock.on_step()
         if self.sharded is not None and not self.sharded.gradient_sync_on():
             self.sync_off_steps += 1
         elif self.sharded is not None:
@@ -265,6 +281,7 @@ class PlainOptimizerWatch:
             "low_rel": probe.mean_relative if probe else 0.0,
             "gathers": self._steady_gathers(),
             "unsharded_changed": unsharded_changed,
+            **StepClock.slots(self.clock),
         }
         reduced = minmax(torch.tensor([float(local[k]) for k in _SLOTS]), None, device)
         top, low = ({k: v.item() for k, v in zip(_SLOTS, r)} for r in reduced)
@@ -313,6 +330,8 @@ class PlainOptimizerWatch:
             sync_off_site=sync_site,
             low_reduce=_low_reduce(probe) if low["low_reduces"] > 0 else None,
             reshard_candidate=self._reshard_candidate(model) if "all_gathers_per_step" in sharding else None,
+            input_wait=input_wait(top, low),
+            timed_steps=int(low["timed_steps"]),
             low_reduce_abs=top["low_abs"],
             low_reduce_rel=top["low_rel"],
             **shard_save,
