@@ -176,31 +176,37 @@ def heap_modules() -> list[nn.Module]:
 
 def find_sharded_model(frame: Any, wanted: Iterable[torch.Tensor] = ()) -> ShardedModel | None:
     """The sharded model of a training loop: among the modules in the locals and globals of `frame` and its
-    callers, else among every module of the process (a loop in a class holds `self`, not the model), the one
-    holding the most `FSDPModule`s (ties: the most of `wanted`, then the most parameters). None when no module is
-    sharded, or FSDP2 is missing."""
+    callers, the one that holds the most of `wanted` (the parameters the optimizer steps; a teacher model sharded
+    beside the student holds none of them), then the most `FSDPModule`s, then the most parameters. Where no frame's
+    module holds any of `wanted` (a loop in a class holds `self`, not the model), every module of the process is
+    looked at. None when no module is sharded, or FSDP2 is missing."""
     fsdp = fsdp_module_type()
     if fsdp is None:
         return None
     want = {id(t) for t in wanted}
-    root = _most_sharded(frame_modules(frame), fsdp, want)
-    if root is None:
-        root = _most_sharded(heap_modules(), fsdp, want)
+    key, root = _most_sharded(frame_modules(frame), fsdp, want)
+    if root is None or (want and not key[0]):
+        heap_key, heap_root = _most_sharded(heap_modules(), fsdp, want)
+        if heap_root is not None and (root is None or heap_key[0]):
+            root = heap_root
     if root is None:
         return None
     return ShardedModel(root=root, sharded=[(n, m) for n, m in root.named_modules() if isinstance(m, fsdp)])
 
 
-def _most_sharded(modules: Iterable[nn.Module], fsdp: type, want: set[int]) -> nn.Module | None:
+def _most_sharded(
+    modules: Iterable[nn.Module], fsdp: type, want: set[int]
+) -> tuple[tuple[int, int, int], nn.Module | None]:
+    """The best sharded module by (parameters of `want` held, sharded modules, parameters), with its key."""
     best: tuple[tuple[int, int, int], nn.Module | None] = ((0, 0, 0), None)
     for module in modules:
         n_sharded = sum(isinstance(m, fsdp) for m in module.modules())
         if n_sharded:
             params = list(module.parameters())
-            key = (n_sharded, sum(id(p) in want for p in params), len(params))
+            key = (sum(id(p) in want for p in params), n_sharded, len(params))
             if key > best[0]:
                 best = (key, module)
-    return best[1]
+    return best
 
 
 class ReducePrecisionProbe:

@@ -1,6 +1,7 @@
-"""`ddp-doctor check` on an FSDP2 job trained by a class (tests/scripts/fsdp2_class_loop.py): the loop's frames hold
-the trainer (`self`), and only `self.model` reaches the model, so the check finds the sharded model among every
-module of the process.
+"""Which model `ddp-doctor check` follows in an FSDP2 job: the one the optimizer trains, wherever it is held.
+
+A job trained by a class (tests/scripts/fsdp2_class_loop.py): the loop's frames hold the trainer (`self`), and only
+`self.model` reaches the model, so the check finds the sharded model among every module of the process.
 
 Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 steps; every run ends with exit code 0 and prints
 nothing but its own line per rank:
@@ -11,6 +12,11 @@ Before the check looked past the frames, it took each of these jobs for one that
 was "No problems found" with the advice to wrap the model in DDP, the root-unsharded one `model-not-wrapped` on
 `param[0]` and `param[1]` with the fix "wrap the model in DistributedDataParallel", and on one rank the check
 ended with the error that the script built no DDP model.
+
+Distillation (tests/scripts/fsdp2_distill.py): a frozen teacher of 4 sharded blocks beside a student of 2, the
+optimizer stepping the student. Plain torchrun: exit code 0, the student's head sums 0.011364 on both ranks. The
+check followed the model with the most sharded modules, the teacher, and said `optimizer-params-replaced`: "the
+optimizer steps 6 parameters that are no longer the model's".
 """
 
 from __future__ import annotations
@@ -47,3 +53,10 @@ def test_its_optimizer_built_before_fully_shard_is_named_with_its_line(tmp_path:
     run = _check(tmp_path, "optimizer-before")
     assert run.rc == 1 and run.codes == {"optimizer-params-replaced"}, run.output
     assert "SGD created at tests/scripts/fsdp2_class_loop.py:26" in run.finding("optimizer-params-replaced")["detail"]
+
+
+def test_a_distillation_job_follows_the_student_the_optimizer_trains_not_the_bigger_teacher(tmp_path: Path) -> None:
+    args = ["--nproc-per-node", "2", "--no-verify", "--steps", "4", str(SCRIPTS / "fsdp2_distill.py")]
+    run = check(args, tmp_path, timeout=180)
+    assert run.rc == 0 and run.report["findings"] == [], run.output
+    assert run.report["sharding"]["sharded_modules"] == 3  # the student: 2 blocks and its root
