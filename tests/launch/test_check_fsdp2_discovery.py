@@ -17,6 +17,11 @@ Distillation (tests/scripts/fsdp2_distill.py): a frozen teacher of 4 sharded blo
 optimizer stepping the student. Plain torchrun: exit code 0, the student's head sums 0.011364 on both ranks. The
 check followed the model with the most sharded modules, the teacher, and said `optimizer-params-replaced`: "the
 optimizer steps 6 parameters that are no longer the model's".
+
+Compiled (tests/scripts/fsdp2_compiled.py, `torch.compile(model, backend="eager")` after sharding): plain torchrun,
+exit code 0; the head's weight sums 1.139284 on both ranks, and with the root left unsharded 0.563016 and 1.261763.
+The check named the unsharded head `_orig_mod.2.weight`, and would have called a sharded root unsharded (its
+module is `_orig_mod` under the compiled wrapper).
 """
 
 from __future__ import annotations
@@ -60,3 +65,15 @@ def test_a_distillation_job_follows_the_student_the_optimizer_trains_not_the_big
     run = check(args, tmp_path, timeout=180)
     assert run.rc == 0 and run.report["findings"] == [], run.output
     assert run.report["sharding"]["sharded_modules"] == 3  # the student: 2 blocks and its root
+
+
+@pytest.mark.parametrize("root_unsharded", [False, True])
+def test_a_compiled_sharded_model_is_named_in_the_users_words(tmp_path: Path, root_unsharded: bool) -> None:
+    script = [str(SCRIPTS / "fsdp2_compiled.py"), *(["--root-unsharded"] if root_unsharded else [])]
+    run = check(["--nproc-per-node", "2", "--no-verify", "--steps", "4", *script], tmp_path, timeout=180)
+    assert run.report["sharding"]["root_sharded"] is not root_unsharded, run.output
+    if root_unsharded:
+        assert run.rc == 1 and run.codes == {"unsharded-params-not-synced"}, run.output
+        assert run.params("unsharded-params-not-synced") == {"2.weight", "2.bias"}
+    else:
+        assert run.rc == 0 and run.report["findings"] == [], run.output

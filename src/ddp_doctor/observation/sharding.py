@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_doctor.core.compat import fsdp_module_type, is_dtensor, replicate_module_type
+from ddp_doctor.observation.wrapstate import user_name
 
 __all__ = [
     "GatherCount",
@@ -75,11 +76,12 @@ class ShardedModel:
         return any(name == "" for name, _ in self.sharded)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return list(self.root.named_parameters())
+        """The root's parameters, by the names the user's module gives them (no `torch.compile` `_orig_mod.`)."""
+        return [(user_name(n), p) for n, p in self.root.named_parameters()]
 
     def unsharded(self) -> list[tuple[str, nn.Parameter]]:
         """Trainable parameters that no `fully_shard` group manages: plain tensors, not DTensors."""
-        return [(n, p) for n, p in self.root.named_parameters() if p.requires_grad and not is_dtensor(p)]
+        return [(n, p) for n, p in self.named_parameters() if p.requires_grad and not is_dtensor(p)]
 
     def gradient_sync_on(self) -> bool:
         """Whether every sharded module reduces its gradients now (`set_requires_gradient_sync`; True where the
@@ -191,7 +193,9 @@ def find_sharded_model(frame: Any, wanted: Iterable[torch.Tensor] = ()) -> Shard
             root = heap_root
     if root is None:
         return None
-    return ShardedModel(root=root, sharded=[(n, m) for n, m in root.named_modules() if isinstance(m, fsdp)])
+    # A compiled model's modules are named under `_orig_mod` (its root too): the user's names, with the root as ''.
+    sharded = [(user_name(f"{n}.")[:-1], m) for n, m in root.named_modules() if isinstance(m, fsdp)]
+    return ShardedModel(root=root, sharded=sharded)
 
 
 def _most_sharded(
