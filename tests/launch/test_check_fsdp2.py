@@ -265,8 +265,22 @@ def test_a_transformer_sharded_like_torchtitan_is_clean_past_the_observed_steps(
     rec = run.report["recommendation"]
     assert rec["verified"] and rec["reshard"]["module"] == "layers.2", rec
     assert rec["reshard"]["all_gathers_per_step"] == 7 and rec["reshard"]["verified_all_gathers_per_step"] == 6
-    assert "fsdp2_transformer.py:68" in rec["reshard"]["site"]
+    assert "fsdp2_transformer.py:73" in rec["reshard"]["site"]
     assert (
         "Verified: a second run of the script with it applied made 6 all-gathers per step instead of 7"
         in (rec["reason"])
     )
+
+
+def test_activation_checkpointing_leaves_the_reshard_advice_on_the_last_block(tmp_path: Path) -> None:
+    """The same transformer with each block's forward recomputed in backward (torch.utils.checkpoint, non-reentrant,
+    around each sharded block, as many scripts do). Plain torchrun, 2 ranks, 20 steps: exit code 0, the same losses
+    as without it (4.9256 at step 14, 4.8506 at step 19). The recomputed forwards run in backward, the last block
+    first and the first block last: the check took layers.0 for the last module to run forward and advised
+    reshard_after_forward=False there, "verified" (7 -> 6 all-gathers per step), with the claim that its backward
+    needs the parameters right after, which is true of the last block only."""
+    script = str(SCRIPTS / "fsdp2_transformer.py")
+    run = check(["--nproc-per-node", "2", script, "--activation-checkpointing"], tmp_path, timeout=180)
+    assert run.rc == 0 and run.report["findings"] == [], run.output
+    rec = run.report["recommendation"]
+    assert rec["reshard"]["module"] == "layers.2" and rec["verified"], rec

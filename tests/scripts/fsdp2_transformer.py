@@ -6,6 +6,7 @@ the optimizer built after sharding, gradient clipping, DCP checkpoints on every 
 --steps N            optimizer steps (default 20)
 --mixed-precision    MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 --save-dir DIR       a DCP checkpoint there every 5 steps
+--activation-checkpointing  each block's forward recomputed in backward (torch.utils.checkpoint, non-reentrant)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
 
 VOCAB, DIM, HEADS, LAYERS, SEQ = 128, 64, 4, 3, 16
 
@@ -44,11 +46,12 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
         self.norm = nn.LayerNorm(DIM)
         self.out = nn.Linear(DIM, VOCAB, bias=False)
+        self.checkpointed = False
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
         for layer in self.layers:
-            x = layer(x)
+            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointed else layer(x)
         return self.out(self.norm(x))
 
 
@@ -57,11 +60,13 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--mixed-precision", action="store_true")
     parser.add_argument("--save-dir", default="")
+    parser.add_argument("--activation-checkpointing", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = Transformer()
+    model.checkpointed = args.activation_checkpointing
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kwargs = {"mp_policy": policy} if args.mixed_precision else {}
     for layer in model.layers:

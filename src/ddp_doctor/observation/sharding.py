@@ -312,7 +312,16 @@ class GatherCount:
                 module.register_forward_pre_hook(functools.partial(self._forward, name))
 
     def _forward(self, name: str, _module: Any, _args: Any) -> None:
+        if _in_backward():
+            return  # activation checkpointing recomputes forwards in backward, first block last: not the forward
         self.last_forward = name
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a forward recomputed by activation
+    checkpointing); False where the private call is missing."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
 
 
 class _CountedAllGather(_WrappedComm):
