@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scale import _count_bytes, _kb, _spawn  # noqa: E402  (beside this file, run as a script or a module)
+from scale import _count_bytes, _spawn  # noqa: E402  (beside this file, run as a script or a module)
 
 STEPS = 8
 WORLDS = (2, 8, 64, 1024)
@@ -147,8 +147,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['world']:,} | {r['tensors']:,} | {r['job']} | {r['how']} | {_kb(r['sent'])} | "
-            f"{_kb(r['received'])} | {r['collectives']} | {r['report_s'] * 1e3:.0f} ms | "
+            f"| {r['world']:,} | {r['tensors']:,} | {r['job']} | {r['how']} | {r['sent']:,} B | "
+            f"{r['received']:,} B | {r['collectives']} | {r['report_s'] * 1e3:.0f} ms | "
             f"{', '.join(r['codes']) or 'none'} |"
         )
     return "\n".join(lines)
