@@ -158,10 +158,10 @@ def patch_gradient_sync() -> None:
 
 def patch_fully_shard(reshard_off: list[int]) -> None:
     """Number the script's `fully_shard` calls and remember each call's line on the modules it sharded (the
-    `reshard_after_forward` advice names them) and on the parameters it was told to ignore; the calls listed in `reshard_off` run with
-    `reshard_after_forward=False` (a verification run applying that advice). The public `torch.distributed.fsdp`
-    attribute is replaced, which `from torch.distributed.fsdp import fully_shard` in the script (or in Accelerate)
-    reads after this runs."""
+    `reshard_after_forward` advice names them) and on the parameters it was told to ignore; the calls listed in
+    `reshard_off` run with `reshard_after_forward=False` (a verification run applying that advice). The public
+    `torch.distributed.fsdp` attribute is replaced, which `from torch.distributed.fsdp import fully_shard` in the
+    script (or in Accelerate) reads after this runs."""
     try:
         import torch.distributed.fsdp as fsdp_package
     except ImportError:

@@ -73,9 +73,9 @@ _NOBODY = 2**24
 SHARD_CALL_ATTR = "_ddp_doctor_shard_call"
 """Set on each module the patched `fully_shard` sharded: (which call it was, 0 the first; the call's line)."""
 SYNC_OFF_ATTR = "_ddp_doctor_sync_off_site"
+"""Set on an FSDP2 module by the patched `set_requires_gradient_sync(False)`: where the script called it."""
 IGNORED_ATTR = "_ddp_doctor_ignored_site"
 """Set on each parameter the script passed to the patched `fully_shard` as `ignored_params`: that call's line."""
-"""Set on an FSDP2 module by the patched `set_requires_gradient_sync(False)`: where the script called it."""
 
 
 def _low_reduce(probe: ReducePrecisionProbe | None) -> tuple[str, str] | None:
@@ -186,9 +186,9 @@ class PlainOptimizerWatch:
         """Names from the module that owns the most of the optimizer's params: a local or global of the script's
         frames, else any module of the process (a loop in a class holds `self.model`)."""
         wanted = {id(p) for p in self._params()}
-        for modules in (frame_modules(frame), heap_modules()):
+        for modules in (lambda: frame_modules(frame), heap_modules):  # the heap only where no frame has one
             best: tuple[int, nn.Module | None] = (0, None)
-            for module in modules:
+            for module in modules():
                 n = sum(id(p) in wanted for p in module.parameters())
                 if n > best[0]:
                     best = (n, module)
