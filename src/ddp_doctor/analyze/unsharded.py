@@ -32,32 +32,34 @@ class Api(Protocol):
     after: str
 
 
-def _why(run: ShardedRun, api: Api) -> str:
+def _cause(run: ShardedRun) -> str:
+    """Why the parameters are outside every group: `ignored` (the script's ignored_params), `added` (a module added
+    after the root was sharded), `root` (the root not sharded)."""
     if run.ignored and all(run.ignored):
-        return f"the script passed them to {api.call} as ignored_params at {run.ignored_site or 'its call'}"
-    if bool(run.sharding.get("root_sharded")):
-        return f"a module added after {api.after}"
-    return f"the root module was not {api.done}"
+        return "ignored"
+    return "added" if run.sharding.get("root_sharded") else "root"
+
+
+def _why(run: ShardedRun, api: Api) -> str:
+    return {
+        "ignored": f"the script passed them to {api.call} as ignored_params at {run.ignored_site or 'its call'}",
+        "added": f"a module added after {api.after}",
+        "root": f"the root module was not {api.done}",
+    }[_cause(run)]
 
 
 def _fix(run: ShardedRun, api: Api) -> str:
     call = api.call
-    if run.ignored and all(run.ignored):
-        return (
-            f"{call} leaves ignored_params to the script: average their gradients on every rank before each "
-            "optimizer step (`for p in params: dist.all_reduce(p.grad); p.grad /= dist.get_world_size()`), or "
-            f"leave them out of ignored_params so that the {call} group holds them."
-        )
-    if bool(run.sharding.get("root_sharded")):
-        return (
-            f"build every module before the {call} calls (the root's {call} groups every parameter not "
-            f"in an inner group), or {call} the added module too."
-        )
-    return (
-        f"{call} the root as well, after its blocks: `for block in model.blocks: {call}(block)` then "
+    return {
+        "ignored": f"{call} leaves ignored_params to the script: average their gradients on every rank before each "
+        "optimizer step (`for p in params: dist.all_reduce(p.grad); p.grad /= dist.get_world_size()`), or leave "
+        f"them out of ignored_params so that the {call} group holds them.",
+        "added": f"build every module before the {call} calls (the root's {call} groups every parameter not in an "
+        f"inner group), or {call} the added module too.",
+        "root": f"{call} the root as well, after its blocks: `for block in model.blocks: {call}(block)` then "
         f"`{call}(model)`; the root's group holds every parameter left outside the inner groups (the head, "
-        "embeddings, final norm)."
-    )
+        "embeddings, final norm).",
+    }[_cause(run)]
 
 
 def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding:
