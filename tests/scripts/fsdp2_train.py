@@ -17,6 +17,7 @@
   dcp          torch.distributed.checkpoint.save on every rank
   full         get_model_state_dict(full_state_dict=True, cpu_offload=True) on every rank, rank 0 torch.save's it
   gather-rank0 that full state dict gathered on rank 0 alone (its all-gathers meet rank 1's next forward)
+  tensor-rank0 rank 0 alone: torch.save({k: v.full_tensor() for k, v in model.state_dict().items()}, "ck.pt")
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def save(model: nn.Module, rank: int, how: str, folder: str) -> None:
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             torch.save(state, path)
+    elif how == "tensor-rank0" and rank == 0:
+        torch.save({k: v.full_tensor() for k, v in model.state_dict().items()}, path)
 
 
 if __name__ == "__main__":

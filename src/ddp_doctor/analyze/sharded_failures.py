@@ -27,32 +27,45 @@ _GATHERS = ("get_model_state_dict", "get_state_dict", "get_optimizer_state_dict"
 """The calls that all-gather sharded (DTensor) state, the one a user calls first: every rank must enter them."""
 
 
-def _gather(s: RankState) -> str | None:
-    """The gather of sharded state the rank was in when the run failed: from its traceback, its fault dump or the
-    watchdog's last sample of its innermost frame."""
+def _gather(s: RankState) -> tuple[str, str | None] | None:
+    """(the call, its line) of the gather of sharded state the rank was in when the run failed, where no rank counted
+    one (a gather before the first optimizer step): from its traceback, its fault dump or the watchdog's last sample
+    of its innermost frame, which can be stale by a second or more on a loaded machine."""
     texts = [s.raised.traceback if s.raised else "", s.innermost or ""]
     texts += [fn for _, _, fn in (s.fault.frames if s.fault else [])]
-    return next((g for g in _GATHERS if any(re.search(rf"\b{g}\b", t) for t in texts)), None)
+    call = next((g for g in _GATHERS if any(re.search(rf"\b{g}\b", t) for t in texts)), None)
+    return None if call is None else (call, (s.raised.site if s.raised else None) or s.site or s.user_frame)
+
+
+def _counted_alone(states: dict[int, RankState]) -> dict[int, tuple[str, str | None]]:
+    """rank -> (call, line) of the first gather line it counted that some other rank never counted
+    (`launch/plain_steps.py` counts them once the FSDP2 model has stepped, before their collectives start)."""
+    keys = sorted({k for s in states.values() for k in s.gathers})
+    for key in keys:
+        alone = [r for r, s in states.items() if s.gathers.get(key)]
+        if len(alone) < len(states):
+            call, _, site = key.partition(" at ")
+            return dict.fromkeys(alone, (call, site))
+    return {}
 
 
 def gather_alone(states: dict[int, RankState], native: list[str]) -> Finding | None:
     """Some ranks gathered a full state dict of sharded parameters (`get_model_state_dict(...,
     full_state_dict=True)`, `DTensor.full_tensor()`) while the others did not: their all-gathers met the others'
     next collectives (the forward's all-gathers of the sharded parameters)."""
-    gathering = {r: g for r, s in states.items() if (g := _gather(s)) is not None}
+    gathering = _counted_alone(states) or {r: g for r, s in states.items() if (g := _gather(s)) is not None}
     if not gathering or len(gathering) == len(states):
         return None
     first = min(gathering)
-    s = states[first]
-    site = (s.raised.site if s.raised else None) or s.site or s.user_frame
+    call, site = gathering[first]
     rest = sorted(r for r in states if r not in gathering)
     went = capped([f"rank {r} went on to {where(states[r])}" for r in rest])
     said = f" The communication library said: {native[0]}" if native else ""
     return Finding(
         code=Code.STATE_GATHER_SOME_RANKS,
         severity="error",
-        title=f"{rank_list(sorted(gathering))} gathered the full state dict alone: {gathering[first]} at {short(site)}",
-        detail=f"{gathering[first]} at {site or 'an unknown place'} all-gathers every sharded parameter, a "
+        title=f"{rank_list(sorted(gathering))} gathered the full state dict alone: {call} at {short(site)}",
+        detail=f"{call} at {site or 'an unknown place'} all-gathers every sharded parameter, a "
         f"collective each rank must enter, and {rank_list(rest)} never did: {went}. Their next collectives (a "
         "forward's all-gathers of the sharded parameters) were paired with the gather's, and a mismatched "
         "collective aborts, hangs or exchanges the wrong data, depending on the backend and the sizes." + said,

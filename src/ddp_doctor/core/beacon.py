@@ -82,6 +82,10 @@ class BeaconState:
     """That model's process group backend (the report's header; a DDP model's is in its model record)."""
     forwards: dict[str, int] = field(default_factory=dict)
     """Forwards through that sharded model since its first optimizer step, by the user's line (8 lines at most)."""
+    gathers: dict[str, int] = field(default_factory=dict)
+    """Calls that gathered sharded tensors in full (`DTensor.redistribute` from a sharded placement: `full_tensor`,
+    `get_model_state_dict(..., full_state_dict=True)`) since then, by `call at file:line` (8 at most). Published
+    when a line first gathers, before its collective: a rank that then dies or hangs in it has told where it was."""
     crashed: bool = False
     """The script raised on this rank; set before the crash is recorded (which publishes the failed step as closed),
     so a peer never takes a crashed rank for one that waits in DDP's all-reduce."""

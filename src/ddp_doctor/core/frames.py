@@ -17,6 +17,7 @@ __all__ = [
     "format_site",
     "framework_of_stack",
     "is_user_frame",
+    "user_call",
     "user_frame",
     "user_site",
     "user_site_of",
@@ -109,3 +110,16 @@ def user_site_of(
 def user_site(skip_self: set[int] | None = None) -> str | None:
     """`file:line` of the innermost caller outside torch and ddp_doctor (framework code counts as the user's)."""
     return user_site_of(sys._getframe(1), None, frameworks=False, skip_self=skip_self)
+
+
+def user_call(frame: Any) -> tuple[str | None, str]:
+    """(`file:line` of the innermost caller outside torch and ddp_doctor at or above `frame`, the name of the function
+    that line called): the API the user called (`get_model_state_dict`), whatever torch calls inside it."""
+    called = frame.f_code.co_name if frame is not None else "?"
+    while frame is not None:
+        code = frame.f_code
+        if is_user_frame(code.co_filename, frameworks=False):
+            return format_site(code.co_filename, frame.f_lineno), called
+        called = code.co_name
+        frame = frame.f_back
+    return None, called

@@ -99,6 +99,8 @@ class RankState:
     """The sharding of the FSDP2 model the rank trained (no DDP), from the beacon."""
     forwards: dict[str, int] = field(default_factory=dict)
     """Forwards through that model since its first optimizer step, by the user's line, from the beacon."""
+    gathers: dict[str, int] = field(default_factory=dict)
+    """Gathers of sharded tensors in full since then, by `call at file:line`, from the beacon."""
     backend: str | None = None
     """That model's process group backend, from the beacon."""
 
@@ -146,6 +148,7 @@ def read_rank_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
             state.in_collective, state.collectives = beacon.in_collective, beacon.collectives
             state.collective = beacon.collective
             state.sharding, state.forwards, state.backend = beacon.sharding, beacon.forwards, beacon.backend
+            state.gathers = beacon.gathers
         failure = failures.get(str(rank))
         if failure is not None:
             state.signal = failure.get("signal")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ from torch.optim.optimizer import Optimizer
 
 from ddp_doctor.core.compat import fsdp_module_type
 from ddp_doctor.core.errors import MixedParallelismError
-from ddp_doctor.core.frames import user_frame, user_site
+from ddp_doctor.core.frames import user_call, user_frame, user_site
 from ddp_doctor.core.rankfiles import WrapShapes, write_wrap
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.launch.policy import RunPolicy
@@ -36,6 +37,7 @@ __all__ = [
     "PatchedRun",
     "patch_ddp_init",
     "patch_destroy_process_group",
+    "patch_full_gather",
     "patch_fully_shard",
     "patch_gradient_sync",
     "patch_optimizer_init",
@@ -186,6 +188,37 @@ def patch_fully_shard(reshard_off: list[int]) -> None:
 
     fully_shard._ddp_doctor_patched = True  # type: ignore[attr-defined]
     fsdp_package.fully_shard = fully_shard
+
+
+def patch_full_gather(on_gather: Callable[[str, str], None]) -> None:
+    """Call `on_gather(call, site)` before each `DTensor.redistribute` from a sharded placement to another, with the
+    user's line and the function it called (`full_tensor`, `get_model_state_dict`): a collective every rank of the
+    mesh must enter, which a `full_state_dict=True` save under `if rank == 0:` enters on one rank alone. Patched on
+    the class, so `full_tensor` and torch's state-dict gathering (which call it) pass through it too."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return
+    original = DTensor.redistribute
+    if getattr(original, "_ddp_doctor_patched", False):
+        return
+
+    @functools.wraps(original)
+    def redistribute(self: Any, device_mesh: Any = None, placements: Any = None, **kwargs: Any) -> Any:
+        try:
+            if (
+                placements is not None
+                and tuple(placements) != tuple(self.placements)
+                and any(p.is_shard() for p in self.placements)
+            ):
+                site, call = user_call(sys._getframe(1))
+                on_gather(call, site or "an unknown place")
+        except Exception:  # noqa: BLE001 -- an observation must never break the script's gather
+            pass
+        return original(self, device_mesh, placements, **kwargs)
+
+    redistribute._ddp_doctor_patched = True  # type: ignore[attr-defined]
+    DTensor.redistribute = redistribute  # type: ignore[method-assign]
 
 
 def write_wrap_shapes(outdir: Path, rank: int, module: torch.nn.Module) -> None:

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ddp_doctor.core.errors import DoctorError
-from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame, user_site
+from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import Outcome, write_json
 from ddp_doctor.doctor import Doctor
@@ -43,10 +43,12 @@ from ddp_doctor.launch.inflight import CollectiveRecorder
 from ddp_doctor.launch.patches import (
     patch_ddp_init,
     patch_destroy_process_group,
+    patch_full_gather,
     patch_fully_shard,
     patch_gradient_sync,
     patch_optimizer_init,
 )
+from ddp_doctor.launch.plain_steps import PlainSteps
 from ddp_doctor.launch.policy import CheckPolicy, RunPolicy
 from ddp_doctor.launch.publish import Publisher
 from ddp_doctor.launch.raised import raised_error
@@ -103,6 +105,8 @@ class Session:
             self.beacon, lambda: next((d for d in self.doctors if not d.finished), None)
         )
         self.plain = PlainOptimizerWatch()
+        self.plain_steps = PlainSteps(self)
+        """The callbacks of the path without DDP (`plain_steps.py`)."""
         self.watchdog = Watchdog(self.outdir, self.out.progress, self.ended, config.deadline)
         self.policy: RunPolicy = CheckPolicy()
         """What happens after the report (set in `install`)."""
@@ -120,8 +124,9 @@ class Session:
         patch_optimizer_init()
         patch_gradient_sync()
         patch_fully_shard(self.config.reshard_off)
+        patch_full_gather(self.plain_steps.on_gather)
         saves.listen(self.plain.note_save)
-        self._plain_hook = register_optimizer_step_post_hook(self._on_any_step)
+        self._plain_hook = register_optimizer_step_post_hook(self.plain_steps.on_step)
         # The loader probe first: its pre-step hook counts the step on its pass before ours reads it.
         self.follow.install()
         self._step_pre_hook = register_optimizer_step_pre_hook(self._before_any_step)
@@ -187,28 +192,6 @@ class Session:
 
     # ------------------------------------------------------------------------------------------- no DDP
 
-    def _on_any_step(self, opt: Optimizer, _args: Any, _kwargs: Any) -> None:
-        """With no DDP model, follow the first optimizer that trains on several ranks (`model-not-wrapped`)."""
-        if self.doctors or self._finishing or not self.plain.on_step(opt):
-            return
-        self.beacon.update(step=self.plain.steps, phase=Phase.BETWEEN_STEPS.value)
-        if self.plain.sharded is not None and self.beacon.state.sharding is None:
-            self.beacon.update(sharding=self.plain.sharded.describe(), backend=str(dist.get_backend()))
-            self.plain.sharded.root.register_forward_pre_hook(self._on_sharded_forward)
-        if self.plain.steps >= self.config.steps:
-            self.finish_unwrapped(self._steps_reason)
-
-    def _on_sharded_forward(self, _module: Any, _args: Any) -> None:
-        """Count a forward through the FSDP2 model by the user's line: a forward some ranks run alone (an evaluation
-        on rank 0) pairs its all-gathers with the others' next collectives (`analyze/sharded_failures.py`); and the
-        step clock's first forward after a step."""
-        self.plain.note_forward()
-        site = user_site() or "an unknown place"
-        forwards = self.beacon.state.forwards
-        if site in forwards or len(forwards) < 8:
-            forwards[site] = forwards.get(site, 0) + 1
-            self.beacon.update()
-
     def finish_unwrapped(self, reason: str) -> None:
         """Compare the unwrapped optimizer's parameters across ranks, write the report (local rank 0), exit."""
         self._finishing = True
@@ -241,12 +224,12 @@ class Session:
     # ----------------------------------------------------------------------------------------------- ending
 
     @property
-    def _steps_reason(self) -> str:
+    def steps_reason(self) -> str:
         return f"{self.config.steps} steps observed"
 
     def _on_doctor_done(self, _doctor: Doctor) -> None:
         if all(d.finished for d in self.doctors):
-            self.finish(self._steps_reason)
+            self.finish(self.steps_reason)
 
     def on_exit(self, exc: SystemExit | None) -> None:
         """The script returned (`exc` None) or called `sys.exit` on this rank, whatever the status.
@@ -317,7 +300,7 @@ class Session:
             return
         for doctor in self.doctors:
             doctor.stop()
-        if exit_code is None and reason == self._steps_reason and self.follow.enabled and not self.follow.active:
+        if exit_code is None and reason == self.steps_reason and self.follow.enabled and not self.follow.active:
             # The observed steps' reports first, kept on disk: a failure at the epoch end (a timeout, say) then
             # still reports what the steps showed, beside the failure.
             reports = self._exchange(reason, timeout, exit_code, follow=False)
@@ -333,7 +316,7 @@ class Session:
             return
         self.out.reports(reports, reason, "report.json")
         self.out.end(Outcome.REPORTED, reason=reason)
-        if not exit_code and reason == self._steps_reason and self.policy.reported(self.doctors, reports):
+        if not exit_code and reason == self.steps_reason and self.policy.reported(self.doctors, reports):
             return  # the policy goes on in this process, and leaves when it is done
         self.leave()
 

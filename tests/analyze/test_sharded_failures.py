@@ -1,0 +1,38 @@
+"""The FSDP2 failure findings from rank states alone (`analyze/sharded_failures.py`; the real runs are in
+tests/launch/test_check_fsdp2.py)."""
+
+from __future__ import annotations
+
+from ddp_doctor.analyze.sharded_failures import gather_alone
+from ddp_doctor.core.rankstate import RankState
+
+GATHER = "get_model_state_dict at tests/scripts/fsdp2_train.py:62"
+STALE = "tests/scripts/fsdp2_train.py:102  F.cross_entropy(model(x), y).backward()"
+
+
+def _state(rank: int, gathers: dict[str, int], *, innermost: str = "train.py:99 in backward") -> RankState:
+    return RankState(
+        rank=rank, world_size=2, step=3, phase="between steps", user_frame=STALE, innermost=innermost, gathers=gathers
+    )
+
+
+def test_a_gather_counted_on_rank_0_alone_is_named_whatever_its_stale_sample_says() -> None:
+    """CI, 2026-11-26, a loaded 2-core machine: rank 0's last sample (1.3 s old) showed it in the backward before the
+    gather, and the report had `rank-crashed` alone. The count, published before the gather's collective, names it."""
+    found = gather_alone({0: _state(0, {GATHER: 6}), 1: _state(1, {})}, ["enforce fail at pair.cc:456"])
+    assert found is not None and found.code == "state-gather-some-ranks"
+    assert found.title == "rank 0 gathered the full state dict alone: get_model_state_dict at fsdp2_train.py:62"
+    assert found.detail.startswith(f"{GATHER} all-gathers every sharded parameter")
+    assert "The communication library said: enforce fail at pair.cc:456" in found.detail
+
+
+def test_a_gather_every_rank_counted_is_no_finding_even_with_other_counts() -> None:
+    assert gather_alone({0: _state(0, {GATHER: 6}), 1: _state(1, {GATHER: 5})}, []) is None
+    assert gather_alone({0: _state(0, {}), 1: _state(1, {})}, []) is None
+
+
+def test_without_counts_the_sample_or_traceback_still_names_a_gather() -> None:
+    """A gather before the first optimizer step is not counted: the rank's innermost frame is the evidence."""
+    inside = "torch/distributed/checkpoint/state_dict.py:1210 in get_model_state_dict"
+    found = gather_alone({0: _state(0, {}, innermost=inside), 1: _state(1, {})}, [])
+    assert found is not None and found.title.startswith("rank 0 gathered the full state dict alone: get_model_state")
