@@ -131,7 +131,15 @@ def diagnose_sharded(run: ShardedRun) -> Diagnosis:
 
 
 def diagnose_following(
-    steps: Diagnosis, summary: FollowSummary | None, *, framework: str, epochs: int, limit: int, followed: bool
+    steps: Diagnosis,
+    summary: FollowSummary | None,
+    *,
+    framework: str,
+    epochs: int,
+    limit: int,
+    followed: bool,
+    parallelism: str = "ddp",
+    world: int = 0,
 ) -> Diagnosis:
     """The observed steps' diagnosis with what following the script through its epoch ends found
     (`analyze/following_ends.py`): its section, its findings in severity order, what went unchecked and the files
@@ -144,11 +152,17 @@ def diagnose_following(
         epochs: `--follow-epochs`.
         limit: `--limit-batches`.
         followed: following was on (else only the counted passes' findings count).
+        parallelism: the model's (`fsdp2`, `replicate`: the training loaders are compared here, not in the steps).
+        world: the ranks of the model's group.
     """
     section = following_section(summary, epochs=epochs, limit=limit) if followed else None
     steps_uneven = next((f for f in steps.findings if f.code == Code.UNEVEN_INPUTS), None)
     found = following_findings(
-        summary, framework=framework, lengths_compared=steps_uneven is not None and steps_uneven.severity == "error"
+        summary,
+        framework=framework,
+        lengths_compared=steps_uneven is not None and steps_uneven.severity == "error",
+        parallelism=parallelism,
+        world=world,
     )
     if section is None:  # nothing followed: only the counted passes' findings
         found = [f for f in found if f.code == Code.UNEVEN_INPUTS]

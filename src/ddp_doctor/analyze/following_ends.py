@@ -96,17 +96,56 @@ def timeout_fix(framework: str | None) -> str:
 
 
 def following_findings(
-    summary: FollowSummary | None, *, framework: str = "torch", lengths_compared: bool = False
+    summary: FollowSummary | None,
+    *,
+    framework: str = "torch",
+    lengths_compared: bool = False,
+    parallelism: str = "ddp",
+    world: int = 0,
 ) -> list[Finding]:
     """The findings of following. `uneven-inputs` from the counted passes comes whether or not anything was
     followed (the observed steps may have run a pass to its end); `lengths_compared`: the observed steps already
-    reported the training loader's different `len()` per rank (not said twice)."""
+    reported the training loader's different `len()` per rank (not said twice). Without DDP (`parallelism`), the
+    observed steps compared no loader: the training loaders' `len()` per rank and their samplers' epochs are
+    compared here (over `world` ranks)."""
     if summary is None:
         return []
-    uneven = counted_uneven(summary.loaders, lengths_compared=lengths_compared)
+    own: list[Finding] = []
+    if parallelism != "ddp":
+        own = lengths_uneven(summary.loaders, parallelism, world)
+        lengths_compared = bool(own)
+        if summary.repeated_epoch is not None:
+            r = summary.repeated_epoch
+            site = f"created at {r['site']}" if r["site"] else None
+            own.append(rules.sampler_epoch_repeated(epoch=r["epoch"], ranks=r["ranks"], site=site, seen=r["seen"]))
+    uneven = [*own, *counted_uneven(summary.loaders, lengths_compared=lengths_compared)]
     if not summary.followed:
         return uneven
     return [*uneven, *_mismatch(summary), *_timeout_risk(summary, framework)]
+
+
+def lengths_uneven(loaders: list[dict[str, Any]], parallelism: str, world: int) -> list[Finding]:
+    """`uneven-inputs` for each training loader whose `len()` differs across ranks (the path without DDP, whose
+    observed steps compare none)."""
+    findings = []
+    for d in loaders:
+        b = d.get("batches") or {}
+        if not d.get("training") or b.get("min") is None or b["min"] == b["max"]:
+            continue
+        shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(b["by_rank"]) if n is not None)
+        findings.append(
+            rules.uneven_inputs(
+                title=f"ranks have different numbers of batches per epoch from the DataLoader {loader_name(d)} "
+                f"({shown})",
+                cause=f"len() of the DataLoader differs across ranks, {b['min']} to {b['max']} batches: the ranks "
+                f"with {b['min']} run out while the others still train",
+                note=_sampler(d.get("sampler")),
+                ranks=list(range(max(world, len(b["by_rank"])))),
+                steps=[],
+                parallelism=parallelism,
+            )
+        )
+    return findings
 
 
 def loader_name(d: dict[str, Any]) -> str:

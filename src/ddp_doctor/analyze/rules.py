@@ -145,21 +145,35 @@ def buffer_divergence(
     )
 
 
-def uneven_inputs(*, title: str, cause: str, ranks: list[int], steps: list[int], note: str = "") -> Finding:
+def uneven_inputs(
+    *, title: str, cause: str, ranks: list[int], steps: list[int], note: str = "", parallelism: str = "ddp"
+) -> Finding:
     """Ranks whose training loaders give different numbers of batches per epoch. Always an ``error``: the rank that
-    runs out stops calling DDP's all-reduce while the others wait in it. `cause` ends with "while the others still
-    train"."""
+    runs out stops calling DDP's all-reduce (an FSDP2 model's all-gathers and reduce-scatters) while the others
+    wait in it. `cause` ends with "while the others still train"."""
+    if parallelism == "ddp":
+        waits = "DDP's gradient all-reduce"
+        fix = (
+            "give every rank the same number of batches: shard with DistributedSampler (equal shares), or use "
+            "drop_last=True, or wrap the loop in torch.distributed.algorithms.Join([model]) so ranks that run "
+            "out shadow the others' all-reduces (Accelerate: Accelerator(even_batches=True))."
+        )
+    else:
+        waits = "the sharded model's all-gathers and gradient reduce-scatters"
+        fix = (
+            "give every rank the same number of batches: shard with DistributedSampler (equal shares), or use "
+            "drop_last=True (Join does not cover a sharded model; Accelerate: Accelerator(even_batches=True), its "
+            "default)."
+        )
     return Finding(
         code=Code.UNEVEN_INPUTS,
         severity="error",
         title=title,
-        detail=cause + ": they then wait in DDP's gradient all-reduce for a rank that has stopped, and the job hangs "
-        "or crashes at the end of the epoch." + (f" {note}" if note else ""),
+        detail=cause + f": they then wait in {waits} for a rank that has stopped, and the job hangs or crashes at "
+        "the end of the epoch." + (f" {note}" if note else ""),
         ranks=ranks,
         steps=steps,
-        fix="give every rank the same number of batches: shard with DistributedSampler (equal shares), or use "
-        "drop_last=True, or wrap the loop in torch.distributed.algorithms.Join([model]) so ranks that run "
-        "out shadow the others' all-reduces (Accelerate: Accelerator(even_batches=True)).",
+        fix=fix,
     )
 
 

@@ -270,13 +270,15 @@ TABLE: tuple[CodeInfo, ...] = (
               "(an evaluation); info when they are equal only through `DistributedSampler`'s padding",
          more=": *ranks have different numbers of batches per epoch (rank 0: 13, rank 1: 12)*, from each loader's "
               "`len()` and from the batches every pass really handed out on each rank (an `IterableDataset` without "
-              "`len()` too), naming the loader's line and each rank's count",
+              "`len()` too), naming the loader's line and each rank's count; for an FSDP2 or `replicate` job (no DDP "
+              "step record), the training loaders' `len()` per rank when the run ends, and a fix without `Join`, "
+              "which does not cover a sharded model",
          guard=True),
-    _row(Code.SAMPLER_EPOCH_NOT_SET, Family.LOCKSTEP, "warning", "epochs.py",
+    _row(Code.SAMPLER_EPOCH_NOT_SET, Family.LOCKSTEP, "warning", "epochs.py following_ends.py",
          "a shuffling DistributedSampler starts a new epoch without set_epoch",
          more=", named by the loader's creation line and the epochs seen: *started a new epoch with the same epoch "
               "(0) (the DataLoader created at train.py:19)*; never for a non-shuffling sampler (evaluation) or a "
-              "loader iterated once",
+              "loader iterated once; for an FSDP2 or `replicate` job, at the epoch the check followed",
          guard=True),
     _row(Code.RANK_EXITED, Family.CRASH, "error", "failures.py",
          "a rank left the job early (any exit status) while the others still trained",

@@ -129,6 +129,10 @@ class FollowSummary:
     `more_ranks`."""
     files_unlisted: int = 0
     """Ranks whose files are not listed (beyond the 9 listings exchanged)."""
+    repeated_epoch: dict[str, Any] | None = None
+    """A shuffling DistributedSampler of a training loader that started a pass with the epoch of its last one on
+    some rank (`epoch`, the loader's `site`, the epochs `seen`). Filled on the path without DDP after the exchange
+    (`launch/plain_steps.py`); DDP's observed steps record it themselves (`analyze/epochs.py`)."""
 
 
 @dataclass(kw_only=True)

@@ -57,9 +57,9 @@ def ended_by_our_cap(exc: BaseException) -> bool:
     return last is not None and last.capped
 
 
-def _device(doctors: Sequence[Doctor]) -> torch.device:
+def _device(doctors: Sequence[Doctor], hint: torch.device | None) -> torch.device:
     params = [p for d in doctors for p in d.ddp.parameters()][:1]
-    return comm_device(None, params[0].device if params else None)
+    return comm_device(None, params[0].device if params else hint)
 
 
 class EpochFollowing:
@@ -85,10 +85,11 @@ class EpochFollowing:
     def reason(self) -> str:
         return f"the next epoch's first step, after {self.watch.epoch_ends} epoch end(s)"
 
-    def start(self, doctors: Sequence[Doctor]) -> bool:
+    def start(self, doctors: Sequence[Doctor], hint: torch.device | None = None) -> bool:
         """At the end of the observed steps: end the training pass and cap every later one. Collective (one
-        all_reduce); False when following is off or some rank's steps did not train on an open DataLoader pass."""
-        _, every = minmax(torch.tensor([float(self.watch.can_start())]), None, _device(doctors))
+        all_reduce); False when following is off or some rank's steps did not train on an open DataLoader pass.
+        `hint`: the model's device where no DDP model gives it (an FSDP2 model's, for NCCL)."""
+        _, every = minmax(torch.tensor([float(self.watch.can_start())]), None, _device(doctors, hint))
         models = [d.ddp for d in doctors]
         if not self.watch.start(self.config.follow_epochs, self.config.limit_batches, models, agreed=bool(every[0])):
             return False
@@ -97,27 +98,34 @@ class EpochFollowing:
             doctor.listen_after_steps()
         return True
 
-    def exchange(self, doctors: Sequence[Doctor], reason: str, timeout: float) -> FollowSummary | None:
+    def exchange(
+        self, doctors: Sequence[Doctor], reason: str, timeout: float, hint: torch.device | None = None
+    ) -> FollowSummary | None:
         """Stop following and reduce what it saw over every rank. Collective. Also with following off: the loaders'
         counted passes and the files written are reported all the same."""
         record = self.watch.stop(reason, timeout_s=group_timeout())
         for doctor in doctors:
             doctor.stop_listening()
-        return exchange_follow(record, timeout=timeout, device=_device(doctors))
+        return exchange_follow(record, timeout=timeout, device=_device(doctors, hint))
 
     def annotate(self, doctors: Sequence[Doctor], reports: list[Report], summary: FollowSummary | None) -> None:
         """Put in `reports`, for each model over the whole world, the report of its diagnosis with what following
-        found (`analyze.diagnose_following`: the section, its findings, what went unchecked, the files written).
-        The reports themselves are never edited: each is replaced by a new one."""
+        found (`annotated`)."""
         for i, (doctor, report) in enumerate(zip(doctors, reports)):
-            if not is_world(doctor.ddp.process_group):
-                continue
-            diagnosis = diagnose_following(
-                report.diagnosis,
-                summary,
-                framework=report.framework,
-                epochs=self.config.follow_epochs,
-                limit=self.config.limit_batches,
-                followed=self.enabled,
-            )
-            reports[i] = Report.build(report.facts, diagnosis)
+            if is_world(doctor.ddp.process_group):
+                reports[i] = self.annotated(report, summary)
+
+    def annotated(self, report: Report, summary: FollowSummary | None) -> Report:
+        """A new report of `report`'s diagnosis with what following found (`analyze.diagnose_following`: the
+        section, its findings, what went unchecked, the files written). The report itself is never edited."""
+        diagnosis = diagnose_following(
+            report.diagnosis,
+            summary,
+            framework=report.framework,
+            epochs=self.config.follow_epochs,
+            limit=self.config.limit_batches,
+            followed=self.enabled,
+            parallelism=report.facts.parallelism,
+            world=report.facts.world_size,
+        )
+        return Report.build(report.facts, diagnosis)

@@ -1,23 +1,34 @@
-"""The rank's callbacks on the path without DDP: every optimizer step of the process (the first optimizer that
-trains on several ranks is followed for `model-not-wrapped`, or the FSDP2 model it steps), and, once that model
-has stepped, each forward through it and each gather of its sharded tensors in full, counted by the user's line in
-the beacon: a collective some ranks enter alone (an evaluation or a `full_state_dict=True` save under
-`if rank == 0:`) is named from these counts when the run fails (`analyze/sharded_failures.py`), whether or not
-the watchdog's last sample caught the rank inside it."""
+"""The rank's path without DDP: every optimizer step of the process (the first optimizer that trains on several
+ranks is followed for `model-not-wrapped`, or the FSDP2 model it steps); once that model has stepped, each forward
+through it and each gather of its sharded tensors in full, counted by the user's line in the beacon; and the report
+at the end of the observed steps, after following the script through its epoch ends for a sharded model (as DDP's
+path does: `following_run.py`).
+
+A collective some ranks enter alone (an evaluation or a `full_state_dict=True` save under `if rank == 0:`, in the
+observed steps or at an epoch end) is named from those counts when the run fails (`analyze/sharded_failures.py`),
+whether or not the watchdog's last sample caught the rank inside it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 from torch.optim.optimizer import Optimizer
 
 from ddp_doctor.core.beacon import Beacon
 from ddp_doctor.core.frames import user_site
 from ddp_doctor.core.phase import Phase
+from ddp_doctor.core.rankfiles import write_json
 from ddp_doctor.doctor import Doctor
+from ddp_doctor.exchange.primitives import comm_device, minmax
+from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
+from ddp_doctor.launch.following_run import EpochFollowing
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch
+from ddp_doctor.report.model import Report
 
 __all__ = ["PlainSteps"]
 
@@ -32,6 +43,9 @@ class PlainRun(Protocol):
     doctors: list[Doctor]
     plain: PlainOptimizerWatch
     beacon: Beacon
+    follow: EpochFollowing
+    local_rank: int
+    outdir: Path
 
     @property
     def finishing(self) -> bool: ...
@@ -41,6 +55,8 @@ class PlainRun(Protocol):
 
     def finish_unwrapped(self, reason: str) -> None: ...
 
+    def remaining(self) -> float: ...
+
 
 class PlainSteps:
     """See the module docstring. `on_step` is an optimizer step post-hook, `on_gather` is `patch_full_gather`'s
@@ -48,11 +64,16 @@ class PlainSteps:
 
     def __init__(self, run: PlainRun) -> None:
         self._run = run
+        self._report: Report | None = None
+        """The observed steps' report, kept while the script is followed."""
 
     def on_step(self, opt: Optimizer, _args: Any, _kwargs: Any) -> None:
         """With no DDP model, follow the first optimizer that trains on several ranks (`model-not-wrapped`)."""
         run = self._run
         if run.doctors or run.finishing or not run.plain.on_step(opt):
+            return
+        if run.follow.active:  # past the observed steps: the phase stays "following"
+            run.beacon.update(step=run.plain.steps)
             return
         run.beacon.update(step=run.plain.steps, phase=Phase.BETWEEN_STEPS.value)
         if run.plain.sharded is not None and run.beacon.state.sharding is None:
@@ -82,3 +103,51 @@ class PlainSteps:
         elif len(counts) < _LINES:
             counts[key] = 1
             self._run.beacon.update()
+
+    def conclude(self, reason: str) -> bool:
+        """The path's end: compare the followed optimizer's parameters across ranks and write the report (local
+        rank 0). For a sharded model at the end of its observed steps with `--follow-epochs`, write that report to
+        `report.steps.json` and start following instead (True: the script goes on); at following's end, the report
+        gains what following saw. Collective; raises `DoctorError` when the ranks cannot exchange."""
+        run = self._run
+        sharded = run.plain.sharded
+        if self._report is None:
+            arrive("ddp_doctor/unwrapped", timeout=min(run.config.crash_wait_s, run.remaining()))
+            self._report = run.plain.report()
+            if sharded is not None and reason == run.steps_reason and run.follow.enabled:
+                self._write("report.steps.json", reason)
+                if run.follow.start([], hint=sharded.device):
+                    run.beacon.update(phase=Phase.FOLLOWING.value)
+                    return True
+        if sharded is not None:
+            # Also without following: each loader's counted passes and len() per rank (`uneven-inputs`), whether a
+            # sampler's epoch repeated, and the files written.
+            summary = run.follow.exchange([], reason, run.remaining(), hint=sharded.device)
+            if summary is not None:
+                summary = replace(summary, repeated_epoch=self._repeated_epoch(sharded.device))
+            self._report = run.follow.annotated(self._report, summary)
+        self._write("report.json", reason)
+        return False
+
+    def _repeated_epoch(self, hint: torch.device | None) -> dict[str, Any] | None:
+        """The training sampler's repeated epoch (`FollowWatch.repeated_epoch`) when any rank saw one (every rank
+        runs the same loop: this rank's loader is named, or none when this rank saw no repeat). Collective: one
+        all_reduce of a flag."""
+        mine = self._run.follow.watch.repeated_epoch()
+        top, _ = minmax(torch.tensor([float(mine is not None)]), None, comm_device(None, hint))
+        if not top[0]:
+            return None
+        return {**(mine or {"site": None, "epoch": None, "seen": []}), "ranks": list(range(dist.get_world_size()))}
+
+    def _write(self, name: str, reason: str) -> None:
+        run, report = self._run, self._report
+        assert report is not None
+        opt = run.plain.optimizer
+        model = {
+            "site": getattr(opt, "_ddp_doctor_site", None),
+            "framework": run.plain.framework,
+            "module": run.plain.module or type(opt).__qualname__,
+            "report": report.to_dict(),
+        }
+        if run.local_rank == 0:
+            write_json(run.outdir / name, {"reason": reason, "models": [model]})

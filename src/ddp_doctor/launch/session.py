@@ -34,7 +34,7 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook, 
 from ddp_doctor.core.errors import DoctorError
 from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame
 from ddp_doctor.core.phase import Phase
-from ddp_doctor.core.rankfiles import Outcome, write_json
+from ddp_doctor.core.rankfiles import Outcome
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
@@ -188,30 +188,25 @@ class Session:
     def _before_any_step(self, _opt: Optimizer, _args: Any, _kwargs: Any) -> None:
         """Which loader pass each step trains on; while following, whether the next epoch has begun."""
         if self.follow.before_step() and not self._finishing:
-            self.finish(self.follow.reason)
+            (self.finish if self.doctors else self.finish_unwrapped)(self.follow.reason)
 
     # ------------------------------------------------------------------------------------------- no DDP
 
     def finish_unwrapped(self, reason: str) -> None:
-        """Compare the unwrapped optimizer's parameters across ranks, write the report (local rank 0), exit."""
-        self._finishing = True
+        """The end of the path without DDP (`plain_steps.py`): the report, then exit; or, for a sharded model at
+        its observed steps' end, following the script to its epoch end first."""
+        if self._finishing:
+            return
         try:
-            arrive("ddp_doctor/unwrapped", timeout=min(self.config.crash_wait_s, self.remaining()))
-            report = self.plain.report()
+            if self.plain_steps.conclude(reason):
+                return  # following: the script goes on
         except DoctorError as exc:
+            self._finishing = True
             logger.warning("ddp-doctor: rank %d could not compare the unwrapped model: %s", self.rank, exc)
             self.out.end(Outcome.NO_EXCHANGE, error=str(exc))
             self._exit(1)
             return
-        opt = self.plain.optimizer
-        model = {
-            "site": getattr(opt, "_ddp_doctor_site", None),
-            "framework": self.plain.framework,
-            "module": self.plain.module or type(opt).__qualname__,
-            "report": report.to_dict(),
-        }
-        if self.local_rank == 0:
-            write_json(self.outdir / "report.json", {"reason": reason, "models": [model]})
+        self._finishing = True
         self.out.end(Outcome.REPORTED, reason=reason)
         self.leave()
 

@@ -137,6 +137,28 @@ class FollowWatch:
             self._sync("ddp-step", "DDP's gradient all-reduce after the forward", site, entered, time.perf_counter())
         return self._nth_end is not None and one is not None and one.started > self._nth_end
 
+    def repeated_epoch(self) -> dict[str, Any] | None:
+        """The first training loader with a shuffling DistributedSampler whose counted passes that were epochs
+        started twice in a row with the same sampler epoch (`set_epoch` never called): its `site`, the `epoch` and
+        the epochs `seen`. A pass of one batch dropped before its end is a peek, not an epoch (as the steps' record
+        counts them, `observation/steplog.py`)."""
+        for key, seen in self.loaders.items():
+            first = self._first.get(key, [])
+            if (
+                not seen.training
+                or seen.sampler != "DistributedSampler"
+                or not first
+                or not first[0].info.get("shuffle")
+            ):
+                continue
+            least = min(2, seen.batches or 2)
+            epochs = [p.info.get("epoch") for p in first if p.yielded >= least or p.capped or p.steps]
+            epochs = [e for e in epochs if e is not None]
+            repeat = next((a for a, b in zip(epochs, epochs[1:]) if a == b), None)
+            if repeat is not None:
+                return {"site": seen.site, "epoch": repeat, "seen": epochs}
+        return None
+
     # ------------------------------------------------------------------------------------------- following
 
     def can_start(self) -> bool:

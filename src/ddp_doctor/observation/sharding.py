@@ -75,6 +75,11 @@ class ShardedModel:
     def root_sharded(self) -> bool:
         return any(name == "" for name, _ in self.sharded)
 
+    @property
+    def device(self) -> torch.device | None:
+        """Where the model's (local) parameters live: the device of our small tensors on NCCL."""
+        return next((p.device for p in self.root.parameters()), None)
+
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The root's parameters, by the names the user's module gives them (no `torch.compile` `_orig_mod.`)."""
         return [(user_name(n), p) for n, p in self.root.named_parameters()]

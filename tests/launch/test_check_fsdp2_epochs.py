@@ -1,0 +1,89 @@
+"""`check` follows an FSDP2 job through its epoch end, as it does a DDP job (`--follow-epochs`, on by default):
+tests/scripts/fsdp2_epochs.py, a `fully_shard` loop over a DataLoader that evaluates on every rank and saves with
+torch.distributed.checkpoint at each epoch end, in its variants.
+
+Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 3 epochs of 16 batches:
+- clean: exit code 0, a validation loss per rank and epoch.
+- --eval-rank0 (rank 0 alone evaluates): its first evaluation forward all-gathers on rank 0 alone; gloo aborts
+  rank 1 (*Received data size doesn't match expected size*, 260 vs 4 bytes) at the first epoch end, rank 0 then
+  fails with *Connection reset by peer*. No evaluation loss is printed.
+- --gather-rank0 (a full state dict gathered on rank 0 alone): gloo aborts rank 0 (1088 vs 1024 bytes) after the
+  first epoch's evaluation.
+- --uneven (no DistributedSampler; rank 0 reads 20 batches per epoch, rank 1 12): gloo aborts rank 1 (4160 vs 1088
+  bytes) when it reaches its evaluation while rank 0 still trains.
+- --no-set-epoch: exit code 0, silently; every epoch visits the samples in the same order.
+Before the check followed FSDP2 jobs, it stopped each after its 8 observed steps: none of these was seen, and the
+report said so ("a save after those steps, forwards and full-state-dict gathers on some ranks only").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkrun import SCRIPTS, Run, check
+
+SCRIPT = str(SCRIPTS / "fsdp2_epochs.py")
+
+
+def line_of(text: str) -> str:
+    """`fsdp2_epochs.py:N` of the one line of the script holding `text`."""
+    [n] = [i for i, line in enumerate(Path(SCRIPT).read_text().splitlines(), 1) if text in line]
+    return f"fsdp2_epochs.py:{n}"
+
+
+def _check(tmp_path: Path, *mistake: str) -> Run:
+    args = ["--nproc-per-node", "2", "--no-verify", SCRIPT, "--out", str(tmp_path), *mistake]
+    return check(args, tmp_path, timeout=180)
+
+
+def _serious(run: Run) -> set[str]:
+    assert run.report is not None, run.output
+    return {f["code"] for f in run.report["findings"] if f["severity"] in ("error", "warning")}
+
+
+def test_a_clean_fsdp2_job_is_followed_through_its_epoch_end_and_stays_clean(tmp_path: Path) -> None:
+    run = _check(tmp_path)
+    assert run.rc == 0 and _serious(run) == set(), run.output
+    assert run.report["parallelism"] == "fsdp2" and run.report["steps_observed"] == 8, run.report
+    following = run.report["following"]
+    assert following["epoch_ends"] == 1 and "next epoch's first step" in following["ended_by"], following
+    train = next(d for d in following["loaders"] if d["training"])
+    assert train["batches"]["by_rank"] == [16, 16] and train["site"].endswith(line_of("train = DataLoader(data")), train
+    assert "followed 1 epoch end(s)" in run.output, run.output
+
+
+def test_an_evaluation_on_rank_0_alone_at_the_epoch_end_is_named_with_the_steps_diagnosis(tmp_path: Path) -> None:
+    run = _check(tmp_path, "--eval-rank0")
+    assert run.rc == 1 and run.report["findings"][0]["code"] == "sharded-forward-some-ranks", run.output
+    found = run.report["findings"][0]
+    assert found["title"] == (
+        "rank 0 ran a forward through the sharded model that rank 1 did not: "
+        + line_of("total += float(F.cross_entropy(model(x), y))")
+    ), found
+    assert _serious(run) <= {"sharded-forward-some-ranks", "rank-crashed"}, run.output
+    assert "failed while check followed it" in run.output and run.report["steps_observed"] == 8, run.output
+
+
+def test_a_full_state_dict_gathered_on_rank_0_alone_at_the_epoch_end_is_named(tmp_path: Path) -> None:
+    run = _check(tmp_path, "--gather-rank0")
+    assert run.rc == 1 and run.report["findings"][0]["code"] == "state-gather-some-ranks", run.output
+    assert run.report["findings"][0]["title"] == (
+        "rank 0 gathered the full state dict alone: get_model_state_dict at " + line_of("full = get_model_state_dict(")
+    ), run.report["findings"][0]
+    assert _serious(run) <= {"state-gather-some-ranks", "rank-crashed"}, run.output
+
+
+def test_ranks_with_different_numbers_of_batches_are_uneven_inputs_in_fsdp2_words(tmp_path: Path) -> None:
+    run = _check(tmp_path, "--uneven")
+    assert _serious(run) == {"uneven-inputs"}, run.output
+    found = run.finding("uneven-inputs")
+    assert found["severity"] == "error" and "(rank 0: 20, rank 1: 12)" in found["title"], found
+    assert "the sharded model's all-gathers and gradient reduce-scatters" in found["detail"], found
+    assert "Join does not cover a sharded model" in found["fix"] and "Join([model])" not in found["fix"], found
+
+
+def test_a_sampler_without_set_epoch_is_named_at_the_followed_epoch(tmp_path: Path) -> None:
+    run = _check(tmp_path, "--no-set-epoch")
+    assert run.rc == 0 and _serious(run) == {"sampler-epoch-not-set"}, run.output
+    found = run.finding("sampler-epoch-not-set")
+    assert line_of("train = DataLoader(data") in found["title"] and "[0, 0]" in found["detail"], found
