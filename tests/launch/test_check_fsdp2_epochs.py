@@ -11,6 +11,11 @@ Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 3 epochs of 16 b
   first epoch's evaluation.
 - --uneven (no DistributedSampler; rank 0 reads 20 batches per epoch, rank 1 12): gloo aborts rank 1 (4160 vs 1088
   bytes) when it reaches its evaluation while rank 0 still trains.
+- --save-rank0 (rank 0 alone: `torch.save(model.state_dict(), path)`, after every rank's evaluation): gloo aborts
+  rank 0 at the next epoch's first forward (1088 vs 260 bytes). Not the save: `model.state_dict()` alone on rank 0
+  does the same, and every rank calling it (rank 0 saving) ends with exit code 0. The evaluation's forward, with no
+  backward after it, left the root unsharded; `state_dict()` reshards it on rank 0 only, so rank 0's next forward
+  all-gathers the root's parameters while rank 1 all-gathers the first block's. And the file holds rank 0's shards.
 - --no-set-epoch: exit code 0, silently; every epoch visits the samples in the same order.
 Before the check followed FSDP2 jobs, it stopped each after its 8 observed steps: none of these was seen, and the
 report said so ("a save after those steps, forwards and full-state-dict gathers on some ranks only").
@@ -71,6 +76,22 @@ def test_a_full_state_dict_gathered_on_rank_0_alone_at_the_epoch_end_is_named(tm
         "rank 0 gathered the full state dict alone: get_model_state_dict at " + line_of("full = get_model_state_dict(")
     ), run.report["findings"][0]
     assert _serious(run) <= {"state-gather-some-ranks", "rank-crashed"}, run.output
+
+
+def test_a_state_dict_on_rank_0_alone_after_an_evaluation_is_named_as_the_failure_it_caused(tmp_path: Path) -> None:
+    run = _check(tmp_path, "--save-rank0")
+    assert run.rc == 1 and run.report["findings"][0]["code"] == "sharded-checkpoint-incomplete", run.output
+    found = run.report["findings"][0]
+    assert found["title"] == (
+        f"rank 0 alone took the sharded model's state_dict(), at {line_of('torch.save(model.state_dict(), os.path')}: the "
+        "ranks' next collectives differed"
+    ), found
+    assert "the root stays unsharded after a forward that no backward follows" in found["detail"], found
+    assert "torch.distributed.checkpoint.save" in found["fix"] and "accelerator.save_state" in found["fix"], found
+    assert _serious(run) <= {"sharded-checkpoint-incomplete", "rank-crashed"}, run.output
+    crashed = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
+    # Where rank 0 died, from its fault dump (every thread's: gloo aborts from a thread of its own).
+    assert all(line_of("F.cross_entropy(model(x), y).backward()") in f["title"] for f in crashed), crashed
 
 
 def test_ranks_with_different_numbers_of_batches_are_uneven_inputs_in_fsdp2_words(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ At each epoch end, every rank evaluates on its part of a validation loader and t
 torch.distributed.checkpoint on every rank, unless:
 --eval-rank0        rank 0 alone evaluates (its forwards all-gather the sharded parameters on rank 0 only)
 --gather-rank0      rank 0 alone gathers a full state dict (get_model_state_dict(full_state_dict=True)) to save it
+--save-rank0        rank 0 alone saves torch.save(model.state_dict()) (its own shards only)
 --no-set-epoch      the shuffling DistributedSampler never gets set_epoch
 --uneven            no DistributedSampler: each rank reads its own slice, rank 0's 8 batches longer
 """
@@ -25,6 +26,7 @@ p.add_argument("--epochs", type=int, default=3)
 p.add_argument("--out", default=".")
 p.add_argument("--eval-rank0", action="store_true")
 p.add_argument("--gather-rank0", action="store_true")
+p.add_argument("--save-rank0", action="store_true")
 p.add_argument("--no-set-epoch", action="store_true")
 p.add_argument("--uneven", action="store_true")
 args = p.parse_args()
@@ -39,6 +41,10 @@ def evaluate(model: nn.Module, loader: DataLoader) -> float:
 
 
 def save(model: nn.Module, rank: int, epoch: int) -> None:
+    if args.save_rank0:
+        if rank == 0:
+            torch.save(model.state_dict(), os.path.join(args.out, f"model-{epoch}.pt"))
+        return
     if args.gather_rank0:
         if rank == 0:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -7,6 +7,7 @@ Pure: reads the supervisor's `RankState` per rank (the ranks' own files, merged)
 
 from __future__ import annotations
 
+from ddp_doctor.core.frames import format_site
 from ddp_doctor.core.rankfiles import Outcome
 from ddp_doctor.core.rankstate import RankState
 
@@ -32,6 +33,10 @@ def where(s: RankState) -> str:
     if s.in_collective and s.collective is not None:
         c = s.collective
         return f"step {step}, {s.phase}, inside {c.describe()} called at {c.site or 'an unknown place'}"
+    died_at = _fault_user_site(s)
+    if died_at is not None:
+        # Python's fault dump at the fatal signal (an abort, a segfault): exact, where a sample may be stale.
+        return f"step {step}, {s.phase}, at {died_at} (where it died)"
     waiting = ", in DDP's backward (its gradient all-reduce)" if s.phase == "backward" else ""
     # The watchdog's sample of the user's line is newer than the last phase change only when the rank sat still
     # (a hang); otherwise the line published at the last phase change is the better one.
@@ -62,15 +67,21 @@ def fault_place(s: RankState) -> str:
         place = "in DistributedDataParallel.__init__"
     else:
         place = f"in {inner_fn} ({inner_file.rsplit('/', 1)[-1]})"
-    user = next(
+    user = _fault_user_site(s)
+    return place + (f" at {user}" if user else "")
+
+
+def _fault_user_site(s: RankState) -> str | None:
+    """The user's innermost line in the rank's fault dump (`file:line`, relative to the working folder)."""
+    frames = s.fault.frames if s.fault is not None else []
+    return next(
         (
-            f"{f}:{n}"
-            for f, n, _ in s.fault.frames
+            format_site(f, n)
+            for f, n, _ in frames
             if "/site-packages/" not in f and "/lib/python" not in f and "ddp_doctor" not in f
         ),
         None,
     )
-    return place + (f" at {user}" if user else "")
 
 
 def others(states: dict[int, RankState], culprits: list[int]) -> str:

@@ -197,6 +197,19 @@ def _unused(run: ShardedRun, ranks: list[int], api: _Api) -> Finding:
     )
 
 
+SAVE_FIX = (
+    "let every rank take part in the save: "
+    '`torch.distributed.checkpoint.save({"model": model.state_dict()}, checkpoint_id=ckpt_dir)` on every '
+    "rank (each writes its shards; `torch.distributed.checkpoint.load` reads them back, at any world size), or "
+    "a full state dict gathered on every rank and written by one: `sd = get_model_state_dict(model, "
+    "options=StateDictOptions(full_state_dict=True, cpu_offload=True))` on every rank "
+    "(torch.distributed.checkpoint.state_dict), then `if rank == 0: torch.save(sd, path)`. With Accelerate: "
+    "`accelerator.save_state(ckpt_dir)` on every process, or `sd = accelerator.get_state_dict(model)` on every "
+    "process, then `accelerator.save(sd, path)`."
+)
+"""`sharded-checkpoint-incomplete`'s fix, in plain torch and in Accelerate's words."""
+
+
 def _incomplete_checkpoint(run: ShardedRun) -> Finding:
     save = run.shard_save or {}
     shards = save.get("shards") or {}
@@ -219,17 +232,14 @@ def _incomplete_checkpoint(run: ShardedRun) -> Finding:
         f"({shards.get('example', 'a parameter')} is {local} of {full} in the file). So the file {holds}, "
         "the rest of the model is not in it, and loading it into the unsharded model fails (*aten.copy_.default "
         "got mixed torch.Tensor and DTensor*), typically long after the job ended. Checked: the torch.save calls "
-        "of the observed steps.",
+        + (
+            "of the observed steps and of the epoch end followed after them."
+            if run.followed
+            else "of the observed steps."
+        ),
         # The ranks that saved, as far as they are known: every rank, or the first of those that did.
         ranks=list(range(run.world)) if run.shard_save_one_path else [run.shard_save_first],
-        fix="let every rank take part in the save: "
-        '`torch.distributed.checkpoint.save({"model": model.state_dict()}, checkpoint_id=ckpt_dir)` on every '
-        "rank (each writes its shards; `torch.distributed.checkpoint.load` reads them back, at any world size), or "
-        "a full state dict gathered on every rank and written by one: `sd = get_model_state_dict(model, "
-        "options=StateDictOptions(full_state_dict=True, cpu_offload=True))` on every rank "
-        "(torch.distributed.checkpoint.state_dict), then `if rank == 0: torch.save(sd, path)`. With Accelerate: "
-        "`accelerator.save_state(ckpt_dir)` on every process, or `sd = accelerator.get_state_dict(model)` on every "
-        "process, then `accelerator.save(sd, path)`.",
+        fix=SAVE_FIX,
     )
 
 
@@ -243,6 +253,14 @@ def _untimed(run: ShardedRun) -> str:
     if run.timed_steps < MIN_STEPS:
         return f"the step time (timed on CPU only, over at least {MIN_STEPS} steps after the first)"
     return "a straggler rank (the wait in the sharded model's communication is not timed)"
+
+
+def _saves_checked(run: ShardedRun) -> str:
+    return "in those steps and at the epoch end followed after them" if run.followed else "in those steps"
+
+
+def _saves_unchecked(run: ShardedRun) -> str:
+    return "after the epoch end followed" if run.followed else "after those steps"
 
 
 def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommendation:
@@ -269,9 +287,9 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
     reshard = _reshard_checked(gathers, candidate, errors)
     text = (
         checked
-        + f", that every torch.save of sharded state in those steps wrote all the ranks' shards, and {reshard}. "
-        "Not checked for FSDP2 yet: a save after those steps, forwards and full-state-dict gathers on some ranks "
-        "only that did not break the run (they are named when they do), the mixed-precision policy beyond the "
+        + f", that every torch.save of sharded state {_saves_checked(run)} wrote all the ranks' shards, and {reshard}. "
+        f"Not checked for FSDP2 yet: a save {_saves_unchecked(run)}, forwards and full-state-dict gathers on some "
+        "ranks only that did not break the run (they are named when they do), the mixed-precision policy beyond the "
         "dtype of the gradients' reduce-scatter (seen where FSDP2 has the hook for it, 2.13 and 2.15 here), "
         f"{_untimed(run)}. (Freezing or unfreezing a parameter after fully_shard is no mistake: FSDP2 follows it, "
         "measured on 2.13 and 2.15.)"

@@ -14,12 +14,13 @@ from __future__ import annotations
 import re
 
 from ddp_doctor.analyze.positions import capped, short, where
+from ddp_doctor.analyze.sharded import SAVE_FIX
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 
-__all__ = ["explain_meta_params", "forward_alone", "gather_alone"]
+__all__ = ["explain_meta_params", "forward_alone", "gather_alone", "state_dict_alone"]
 
 _ON_META = re.compile(r"materialized from meta device before training.*still on meta device: \[([^\]]*)\]", re.S)
 
@@ -108,6 +109,37 @@ def forward_alone(states: dict[int, RankState]) -> Finding | None:
             "metric (`dist.all_reduce`); or, for a model that rank 0 alone must run (generation, a sample), gather "
             "a full state dict on every rank (`get_model_state_dict(model, options=StateDictOptions("
             "full_state_dict=True, cpu_offload=True))`) and load it into an unsharded copy on rank 0.",
+        )
+    return None
+
+
+def state_dict_alone(states: dict[int, RankState], native: list[str]) -> Finding | None:
+    """A line that took the FSDP2 model's `state_dict()` on some ranks and not on others (counted from the first
+    optimizer step), in a run that failed: the state dict holds the calling ranks' shards only, and FSDP2 reshards
+    there a module a forward left unsharded (after an evaluation, with no backward), so the ranks' next all-gathers
+    differ."""
+    sharded = {r: s for r, s in states.items() if s.sharded}
+    for site in sorted({site for s in sharded.values() for site in s.state_dicts}):
+        alone = sorted(r for r, s in sharded.items() if s.state_dicts.get(site))
+        if not alone or len(alone) == len(sharded):
+            continue
+        rest = sorted(r for r in sharded if r not in alone)
+        went = capped([f"rank {r} was at {where(states[r])}" for r in rest])
+        said = f" The communication library said: {native[0]}" if native else ""
+        return Finding(
+            code=Code.SHARDED_CHECKPOINT_INCOMPLETE,
+            severity="error",
+            title=f"{rank_list(alone)} alone took the sharded model's state_dict(), at {short(site)}: the ranks' "
+            "next collectives differed",
+            detail=f"state_dict() at {site} ran on {rank_list(alone)} only, not on {rank_list(rest)}. An FSDP2 model's "
+            "state_dict() holds each parameter as a DTensor of the calling rank's shard, so a file saved from it "
+            "holds that rank's shards only; and FSDP2 reshards there any module a forward left unsharded (the root "
+            "stays unsharded after a forward that no backward follows, an evaluation), on the calling ranks only. "
+            "Their next forward all-gathered what the others' did not, and a mismatched collective aborts, hangs or "
+            f"exchanges the wrong data: {went}." + said,
+            ranks=sorted(states),
+            steps=sorted({max(states[r].step, 0) for r in alone}),
+            fix=SAVE_FIX,
         )
     return None
 

@@ -82,6 +82,9 @@ class BeaconState:
     """That model's process group backend (the report's header; a DDP model's is in its model record)."""
     forwards: dict[str, int] = field(default_factory=dict)
     """Forwards through that sharded model since its first optimizer step, by the user's line (8 lines at most)."""
+    state_dicts: dict[str, int] = field(default_factory=dict)
+    """`state_dict()` calls on that sharded model since then, by the user's line (8 at most): FSDP2 reshards a
+    module a forward left unsharded there, on the calling ranks only."""
     gathers: dict[str, int] = field(default_factory=dict)
     """Calls that gathered sharded tensors in full (`DTensor.redistribute` from a sharded placement: `full_tensor`,
     `get_model_state_dict(..., full_state_dict=True)`) since then, by `call at file:line` (8 at most). Published

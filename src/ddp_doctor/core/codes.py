@@ -362,10 +362,12 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.GRADIENT_SYNC_OFF, Family.FSDP2, "error", "sharded.py",
          "gradient sync was off (set_requires_gradient_sync(False)) at every optimizer step",
          more=": *gradient sync was off at all 8 optimizer steps*, with the line of the last call (from `check`)"),
-    _row(Code.SHARDED_CHECKPOINT_INCOMPLETE, Family.FSDP2, "error", "sharded.py",
+    _row(Code.SHARDED_CHECKPOINT_INCOMPLETE, Family.FSDP2, "error", "sharded.py sharded_failures.py",
          "a torch.save of sharded state on some ranks only: the file holds their shards, not the model",
          more=": *rank 0 alone saved the sharded state dict: ck.pt holds 1 of 2 ranks' shards*, with the line, a "
-              "parameter's shard shape against its full shape, and the fix on every rank (from `check`)"),
+              "parameter's shard shape against its full shape, and the fix on every rank (from `check`); when the "
+              "run then fails (`state_dict()` after an evaluation reshards the root on the saving ranks only, and "
+              "the next forward's all-gathers differ), the failure report names the `state_dict()` line"),
     _row(Code.STATE_GATHER_SOME_RANKS, Family.FSDP2, "error", "sharded_failures.py",
          "a full state dict of sharded parameters gathered on some ranks only: a collective the others never enter",
          more=": *rank 0 gathered the full state dict alone: get_model_state_dict at train.py:58*, with where the "

@@ -25,6 +25,10 @@ from ddp_doctor.core.rankfiles import (
 __all__ = ["Fault", "RankState", "read_rank_states"]
 
 
+def _frames(block: str) -> tuple[str, list[tuple[str, int, str]]]:
+    return block, [(f, int(n), fn) for f, n, fn in re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)]
+
+
 @dataclass(kw_only=True)
 class Fault:
     """Python's faulthandler dump: the fatal signal and the stack it hit."""
@@ -50,14 +54,13 @@ class Fault:
             return None
         title = match.group(1).strip()
         name = next((v for k, v in cls._TITLES.items() if title.startswith(k)), title)
-        # The thread that hit the signal is listed first ("Current thread ..."), innermost call first.
-        block = re.split(r"\n\s*\n", text[match.end() :].strip() + "\n\n", maxsplit=2)
-        current = next(
-            (b for b in block if "Current thread" in b or "Stack (most recent call first)" in b),
-            block[0] if block else "",
-        )
-        frames = [(f, int(n), fn) for f, n, fn in re.findall(r'File "([^"]+)", line (\d+) in (\S+)', current)]
-        return cls(signal=name, frames=frames)
+        # Every thread is dumped, innermost call first. The one that hit the signal ("Current thread") when it ran
+        # Python code; else the main thread, the one not started by `threading` (gloo and NCCL abort from threads
+        # of their own, with no Python frame, while the main thread waits in the collective).
+        blocks = [_frames(b) for b in re.split(r"\n\s*\n", text[match.end() :].strip())]
+        current = [f for b, f in blocks if ("Current thread" in b or "Stack (most recent call first)" in b) and f]
+        main = [f for _, f in blocks if f and not any(fn == "_bootstrap" for _, _, fn in f)]
+        return cls(signal=name, frames=(current or main or [[]])[0])
 
 
 @dataclass(kw_only=True)
@@ -99,6 +102,8 @@ class RankState:
     """The sharding of the FSDP2 model the rank trained (no DDP), from the beacon."""
     forwards: dict[str, int] = field(default_factory=dict)
     """Forwards through that model since its first optimizer step, by the user's line, from the beacon."""
+    state_dicts: dict[str, int] = field(default_factory=dict)
+    """`state_dict()` calls on that model since then, by the user's line, from the beacon."""
     gathers: dict[str, int] = field(default_factory=dict)
     """Gathers of sharded tensors in full since then, by `call at file:line`, from the beacon."""
     backend: str | None = None
@@ -148,7 +153,7 @@ def read_rank_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
             state.in_collective, state.collectives = beacon.in_collective, beacon.collectives
             state.collective = beacon.collective
             state.sharding, state.forwards, state.backend = beacon.sharding, beacon.forwards, beacon.backend
-            state.gathers = beacon.gathers
+            state.gathers, state.state_dicts = beacon.gathers, beacon.state_dicts
         failure = failures.get(str(rank))
         if failure is not None:
             state.signal = failure.get("signal")

@@ -63,6 +63,9 @@ class ShardedRun:
     """Where the script last called `set_requires_gradient_sync(False)`."""
     unused: list[ParamRef] = field(default_factory=list)
     """Trainable parameters of the model that got no gradient on any rank in any observed step."""
+    followed: bool = False
+    """The script was followed past the observed steps to its epoch end: its saves there are in `shard_save*` too;
+    everything else is the observed steps'."""
     shard_save: dict[str, Any] | None = None
     """A `torch.save` of DTensor shards to a file that holds some ranks' shards only, as the first rank that made it
     saw it: `shown` (the file), `site` (the line), `shards` (how many DTensors, one's name, local and global shape).

@@ -79,6 +79,7 @@ class PlainSteps:
         if run.plain.sharded is not None and run.beacon.state.sharding is None:
             run.beacon.update(sharding=run.plain.sharded.describe(), backend=str(dist.get_backend()))
             run.plain.sharded.root.register_forward_pre_hook(self._on_forward)
+            run.plain.sharded.root.register_state_dict_pre_hook(self._on_state_dict)
         if run.plain.steps >= run.config.steps:
             run.finish_unwrapped(run.steps_reason)
 
@@ -88,6 +89,12 @@ class PlainSteps:
         a step."""
         self._run.plain.note_forward()
         self._count(self._run.beacon.state.forwards, user_site() or "an unknown place")
+
+    def _on_state_dict(self, _module: Any, _prefix: str, _keep_vars: bool) -> None:
+        """Count a `state_dict()` of the FSDP2 model by the user's line: on some ranks only (a save under
+        `if rank == 0:`), it reshards there what a forward left unsharded, and the ranks' next all-gathers differ."""
+        if not self._run.finishing:
+            self._count(self._run.beacon.state.state_dicts, user_site() or "an unknown place")
 
     def on_gather(self, call: str, site: str) -> None:
         """Count a gather of sharded tensors in full (`call` at the user's `site`), once the FSDP2 model has stepped
@@ -117,6 +124,7 @@ class PlainSteps:
             if sharded is not None and reason == run.steps_reason and run.follow.enabled:
                 self._write("report.steps.json", reason)
                 if run.follow.start([], hint=sharded.device):
+                    run.plain.freeze()
                     run.beacon.update(phase=Phase.FOLLOWING.value)
                     return True
         if sharded is not None:
@@ -125,6 +133,8 @@ class PlainSteps:
             summary = run.follow.exchange([], reason, run.remaining(), hint=sharded.device)
             if summary is not None:
                 summary = replace(summary, repeated_epoch=self._repeated_epoch(sharded.device))
+            if run.plain.frozen:  # followed: the steps' report again, with the saves of the epoch end
+                self._report = run.plain.report()
             self._report = run.follow.annotated(self._report, summary)
         self._write("report.json", reason)
         return False

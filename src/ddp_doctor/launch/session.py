@@ -137,7 +137,7 @@ class Session:
         # A segfault or abort (gloo's on a mismatched collective) leaves no Python exception: faulthandler writes
         # the signal and the stack to a file the supervisor reads. The file object must stay open.
         self._fault_file = open(self.outdir / f"rank{self.rank}.fault", "w")  # noqa: SIM115
-        faulthandler.enable(self._fault_file, all_threads=False)
+        faulthandler.enable(self._fault_file, all_threads=True)
         self.watchdog.start()
 
     @property

@@ -119,10 +119,19 @@ class PlainOptimizerWatch:
         """The step time of a sharded model on CPU (`observation/step_clock.py`); None on CUDA or unsharded."""
         self._solo_declined = False
         """One rank, and the first optimizer to step trains no sharded model: nothing to compare, nothing followed."""
+        self.frozen = False
+        """The observed steps ended and the script is followed to its epoch end: its steps and forwards are no
+        longer counted; its saves still are (`report` then covers them too)."""
+
+    def freeze(self) -> None:
+        """The observed steps' end, when following starts (see `frozen`)."""
+        self.frozen = True
+        if self._gathers is not None:
+            self._gathers.frozen = True
 
     def note_forward(self) -> None:
         """A forward through the sharded model began (the session's pre-hook on its root)."""
-        if self.clock is not None:
+        if self.clock is not None and not self.frozen:
             self.clock.on_forward()
 
     def note_save(self, info: dict[str, Any]) -> None:
@@ -156,6 +165,8 @@ class PlainOptimizerWatch:
                     self.clock = StepClock()
         if optimizer is not self.optimizer:
             return False
+        if self.frozen:
+            return True
         self.steps += 1
         if self.clock is not None:
             self.clock.on_step()
@@ -334,6 +345,7 @@ class PlainOptimizerWatch:
             timed_steps=int(low["timed_steps"]),
             low_reduce_abs=top["low_abs"],
             low_reduce_rel=top["low_rel"],
+            followed=self.frozen,
             **shard_save,
         )
         return Report.build(self._facts(sharding=run.sharding), diagnose_sharded(run))

@@ -307,6 +307,9 @@ class GatherCount:
         self.calls = 0
         self.last_forward: str | None = None
         self.counted = False
+        self.frozen = False
+        """Set at the observed steps' end: the forwards of an epoch end the check follows (an evaluation) do not
+        move `last_forward`."""
         for name, module in model.sharded:
             for group in _groups(module):
                 comm = getattr(group, "_all_gather_comm", None)
@@ -317,7 +320,7 @@ class GatherCount:
                 module.register_forward_pre_hook(functools.partial(self._forward, name))
 
     def _forward(self, name: str, _module: Any, _args: Any) -> None:
-        if _in_backward():
+        if self.frozen or _in_backward():
             return  # activation checkpointing recomputes forwards in backward, first block last: not the forward
         self.last_forward = name
 
