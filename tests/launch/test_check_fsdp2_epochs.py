@@ -16,6 +16,8 @@ Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 3 epochs of 16 b
   does the same, and every rank calling it (rank 0 saving) ends with exit code 0. The evaluation's forward, with no
   backward after it, left the root unsharded; `state_dict()` reshards it on rank 0 only, so rank 0's next forward
   all-gathers the root's parameters while rank 1 all-gathers the first block's. And the file holds rank 0's shards.
+- --save-rank0 --no-eval: exit code 0; each file holds rank 0's shards (0.weight: a DTensor of local shape 32x16,
+  64x16 in full), which load into nothing but the same sharding.
 - --no-set-epoch: exit code 0, silently; every epoch visits the samples in the same order.
 Before the check followed FSDP2 jobs, it stopped each after its 8 observed steps: none of these was seen, and the
 report said so ("a save after those steps, forwards and full-state-dict gathers on some ranks only").
@@ -92,6 +94,20 @@ def test_a_state_dict_on_rank_0_alone_after_an_evaluation_is_named_as_the_failur
     crashed = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
     # Where rank 0 died, from its fault dump (every thread's: gloo aborts from a thread of its own).
     assert all(line_of("F.cross_entropy(model(x), y).backward()") in f["title"] for f in crashed), crashed
+
+
+def test_a_save_of_rank_0s_shards_at_the_epoch_end_is_named_in_the_report_after_following(tmp_path: Path) -> None:
+    run = _check(tmp_path, "--save-rank0", "--no-eval")
+    assert run.rc == 1 and _serious(run) == {"sharded-checkpoint-incomplete"}, run.output
+    found = run.finding("sharded-checkpoint-incomplete")
+    assert found["title"] == (
+        f"rank 0 alone saved the sharded state dict: {tmp_path / 'model-0.pt'} holds 1 of 2 ranks' shards"
+    ), found
+    assert (
+        "Checked: the torch.save calls of the observed steps and of the epoch end followed after them"
+        in (found["detail"])
+    ), found
+    assert run.report["following"]["epoch_ends"] == 1, run.report["following"]
 
 
 def test_ranks_with_different_numbers_of_batches_are_uneven_inputs_in_fsdp2_words(tmp_path: Path) -> None:

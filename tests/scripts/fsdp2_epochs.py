@@ -6,6 +6,7 @@ torch.distributed.checkpoint on every rank, unless:
 --gather-rank0      rank 0 alone gathers a full state dict (get_model_state_dict(full_state_dict=True)) to save it
 --save-rank0        rank 0 alone saves torch.save(model.state_dict()) (its own shards only)
 --no-set-epoch      the shuffling DistributedSampler never gets set_epoch
+--no-eval           no evaluation at the epoch end
 --uneven            no DistributedSampler: each rank reads its own slice, rank 0's 8 batches longer
 """
 
@@ -28,6 +29,7 @@ p.add_argument("--eval-rank0", action="store_true")
 p.add_argument("--gather-rank0", action="store_true")
 p.add_argument("--save-rank0", action="store_true")
 p.add_argument("--no-set-epoch", action="store_true")
+p.add_argument("--no-eval", action="store_true")
 p.add_argument("--uneven", action="store_true")
 args = p.parse_args()
 
@@ -83,7 +85,7 @@ if __name__ == "__main__":
             F.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-        if not args.eval_rank0 or rank == 0:
+        if not args.no_eval and (not args.eval_rank0 or rank == 0):
             loss = evaluate(model, val)
             print(f"rank {rank} epoch {epoch}: validation loss {loss:.4f}", flush=True)
         save(model, rank, epoch)
