@@ -65,7 +65,7 @@ def test_an_evaluation_on_rank_0_alone_at_the_epoch_end_is_named_with_the_steps_
     found = run.report["findings"][0]
     assert found["title"] == (
         "rank 0 ran a forward through the sharded model that rank 1 did not: "
-        + line_of("total += float(F.cross_entropy(model(x), y))")
+        + line_of("total += float(F.cross_entropy(model(x.to(device))")
     ), found
     assert _serious(run) <= {"sharded-forward-some-ranks", "rank-crashed"}, run.output
     assert "failed while check followed it" in run.output and run.report["steps_observed"] == 8, run.output
@@ -93,7 +93,9 @@ def test_a_state_dict_on_rank_0_alone_after_an_evaluation_is_named_as_the_failur
     assert _serious(run) <= {"sharded-checkpoint-incomplete", "rank-crashed"}, run.output
     crashed = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
     # Where rank 0 died, from its fault dump (every thread's: gloo aborts from a thread of its own).
-    assert all(line_of("F.cross_entropy(model(x), y).backward()") in f["title"] for f in crashed), crashed
+    assert all(
+        line_of("F.cross_entropy(model(x.to(device)), y.to(device)).backward()") in f["title"] for f in crashed
+    ), crashed
 
 
 def test_a_save_of_rank_0s_shards_at_the_epoch_end_is_named_in_the_report_after_following(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ Ground truth, plain torchrun, one rank (the GPU run's log in benchmarks/gpu/, wh
 - accelerate_fsdp2.py: none (accumulate, get_state_dict on every process) trains; step-in-sync (the optimizer
   steps inside accelerator.no_sync(model)) moves no weight.
 - trainer_fsdp2.py: the Trainer trains a 2-layer GPT-2 with FSDP2 for 12 steps.
+- fsdp2_epochs.py --cuda: 3 epochs of 16 batches on NCCL, exit code 0 (with --no-set-epoch too, silently).
 """
 
 from __future__ import annotations
@@ -57,3 +58,14 @@ def test_hf_trainer_fsdp_version_2(tmp_path: Path) -> None:
     run = _check(tmp_path, "trainer_fsdp2.py")
     assert run.report["parallelism"] == "fsdp2" and run.report["framework"] == "transformers", run.output
     assert run.report["sharding"]["root_sharded"] and run.codes == set(), run.output
+
+
+@pytest.mark.parametrize(("mistake", "code"), [((), None), (("--no-set-epoch",), "sampler-epoch-not-set")])
+def test_an_fsdp2_job_is_followed_through_its_epoch_end_on_nccl(tmp_path: Path, mistake, code) -> None:
+    """tests/scripts/fsdp2_epochs.py on one NCCL rank: following's exchange and the sampler's epoch flag run on
+    the GPU (their small tensors on `cuda:0`, the sharded model's device)."""
+    run = _check(tmp_path, "fsdp2_epochs.py", "--cuda", "--out", str(tmp_path), *mistake)
+    assert run.report["parallelism"] == "fsdp2" and run.report["backend"] == "nccl", run.output
+    assert run.report["following"]["epoch_ends"] == 1, run.report["following"]
+    serious = {f["code"] for f in run.report["findings"] if f["severity"] in ("error", "warning")}
+    assert serious == ({code} if code else set()), run.output

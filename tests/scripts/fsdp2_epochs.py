@@ -7,6 +7,7 @@ torch.distributed.checkpoint on every rank, unless:
 --save-rank0        rank 0 alone saves torch.save(model.state_dict()) (its own shards only)
 --no-set-epoch      the shuffling DistributedSampler never gets set_epoch
 --no-eval           no evaluation at the epoch end
+--cuda              NCCL and cuda:LOCAL_RANK (one rank per GPU) instead of gloo on the CPU
 --uneven            no DistributedSampler: each rank reads its own slice, rank 0's 8 batches longer
 """
 
@@ -30,15 +31,16 @@ p.add_argument("--gather-rank0", action="store_true")
 p.add_argument("--save-rank0", action="store_true")
 p.add_argument("--no-set-epoch", action="store_true")
 p.add_argument("--no-eval", action="store_true")
+p.add_argument("--cuda", action="store_true")
 p.add_argument("--uneven", action="store_true")
 args = p.parse_args()
 
 
-def evaluate(model: nn.Module, loader: DataLoader) -> float:
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> float:
     total = 0.0
     with torch.no_grad():
         for x, y in loader:
-            total += float(F.cross_entropy(model(x), y))
+            total += float(F.cross_entropy(model(x.to(device)), y.to(device)))
     return total
 
 
@@ -60,7 +62,10 @@ def save(model: nn.Module, rank: int, epoch: int) -> None:
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.cuda else torch.device("cpu")
+    if args.cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if args.cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
@@ -73,7 +78,7 @@ if __name__ == "__main__":
     else:
         train = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, shuffle=True))
     val = DataLoader(held_out, batch_size=8, sampler=DistributedSampler(held_out, shuffle=False))
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)).to(device)
     for layer in (model[0], model[2]):
         fully_shard(layer)
     fully_shard(model)
@@ -82,11 +87,11 @@ if __name__ == "__main__":
         if not args.no_set_epoch and not args.uneven:
             train.sampler.set_epoch(epoch)
         for x, y in train:
-            F.cross_entropy(model(x), y).backward()
+            F.cross_entropy(model(x.to(device)), y.to(device)).backward()
             opt.step()
             opt.zero_grad()
         if not args.no_eval and (not args.eval_rank0 or rank == 0):
-            loss = evaluate(model, val)
+            loss = evaluate(model, val, device)
             print(f"rank {rank} epoch {epoch}: validation loss {loss:.4f}", flush=True)
         save(model, rank, epoch)
     print(f"rank {rank}: done", flush=True)
