@@ -206,6 +206,13 @@ class Session:
             self.out.end(Outcome.NO_EXCHANGE, error=str(exc))
             self._exit(1)
             return
+        except Exception as exc:  # noqa: BLE001  (a bug of ours must never read as the script's crash)
+            self._finishing = True
+            self.out.end(
+                Outcome.INTERNAL_ERROR, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-20000:]
+            )
+            self._exit(1)
+            return
         self._finishing = True
         self.out.end(Outcome.REPORTED, reason=reason)
         self.leave()
