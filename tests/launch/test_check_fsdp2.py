@@ -296,3 +296,18 @@ def test_activation_checkpointing_leaves_the_reshard_advice_on_the_last_block(tm
     assert run.rc == 0 and run.report["findings"] == [], run.output
     rec = run.report["recommendation"]
     assert rec["reshard"]["module"] == "layers.2" and rec["verified"], rec
+
+
+def test_hsdp_on_a_2d_mesh_names_its_dimensions_and_the_unsharded_head(tmp_path: Path) -> None:
+    """tests/scripts/fsdp2_hsdp.py: a [2, 2] mesh ("replicate", "shard"), 4 ranks, the root left unsharded. Ground
+    truth, plain torchrun, torch 2.13.0, gloo, 10 steps: the head's weight sums end at -0.382839, -0.511844,
+    -0.643465 and -0.371040 on ranks 0 to 3 (0.171580 on every rank with the root sharded too)."""
+    run = check(
+        ["--nproc-per-node", "4", "--no-verify", str(SCRIPTS / "fsdp2_hsdp.py"), "--mistake", "root-unsharded"],
+        tmp_path,
+    )
+    assert run.rc == 1 and run.codes == {"unsharded-params-not-synced"}, run.output
+    sharding = run.report["sharding"]
+    assert sharding["mesh"] == [[2, 2]] and sharding["mesh_dims"] == ["replicate", "shard"], sharding
+    assert "mesh [2, 2] (replicate," in run.output, run.output
+    assert run.params("unsharded-params-not-synced") == {"4.weight", "4.bias"}

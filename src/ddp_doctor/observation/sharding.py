@@ -121,6 +121,9 @@ class ShardedModel:
             meshes = {tuple(g.mesh_info.mesh.mesh.shape) for g in groups}
             out["mesh"] = [list(m) for m in sorted(meshes)]
             out["mesh_size"] = max((int(torch.tensor(m).prod()) for m in meshes), default=0)
+            names = {tuple(g.mesh_info.mesh.mesh_dim_names or ()) for g in groups}
+            if len(names) == 1 and (dims := next(iter(names))):
+                out["mesh_dims"] = list(dims)  # an HSDP mesh's: ("replicate", "shard"), say
         except AttributeError:
             pass
         try:

@@ -38,7 +38,8 @@ def _sharding(sharding: dict[str, Any]) -> str:
     root = f"root {done}" if sharding.get("root_sharded") else f"root not {done}"
     parts = [f"{'replicate (FSDP2)' if replicate else 'FSDP2'}: {n} {done} module{'s' if n != 1 else ''} ({root})"]
     if sharding.get("mesh"):
-        parts.append("mesh " + ", ".join(str(m) for m in sharding["mesh"]))
+        dims = f" ({', '.join(sharding['mesh_dims'])})" if sharding.get("mesh_dims") else ""
+        parts.append("mesh " + ", ".join(str(m) for m in sharding["mesh"]) + dims)
     if sharding.get("reshard_after_forward") and not replicate:  # replicate keeps every parameter whole
         parts.append("reshard_after_forward=" + "/".join(str(r) for r in sharding["reshard_after_forward"]))
     dtypes = [f"{k}={'/'.join(sharding[k])}" for k in ("param_dtype", "reduce_dtype") if sharding.get(k)]
