@@ -1,11 +1,13 @@
 """The rank's path without DDP: every optimizer step of the process (the first optimizer that trains on several
 ranks is followed for `model-not-wrapped`, or the FSDP2 model it steps); once that model has stepped, each forward
-through it and each gather of its sharded tensors in full, counted by the user's line in the beacon; and the report
+through it, each `state_dict()` of it and each gather of its sharded tensors in full, counted by the user's line in
+the beacon; and the report
 at the end of the observed steps, after following the script through its epoch ends for a sharded model (as DDP's
 path does: `following_run.py`).
 
 A collective some ranks enter alone (an evaluation or a `full_state_dict=True` save under `if rank == 0:`, in the
-observed steps or at an epoch end) is named from those counts when the run fails (`analyze/sharded_failures.py`),
+observed steps or at an epoch end), or a `state_dict()` that changed FSDP2's state on some ranks only, is named
+from those counts when the run fails (`analyze/sharded_failures.py`),
 whether or not the watchdog's last sample caught the rank inside it."""
 
 from __future__ import annotations
