@@ -55,6 +55,12 @@ class Pass:
     def open(self) -> bool:
         return self.ended is None
 
+    def was_epoch(self, batches: int | None) -> bool:
+        """Whether the pass counts as an epoch of a loader of `batches` batches: it ran into `check`'s cap while
+        following, an optimizer step trained on it (following stops at the next epoch's first step), or it handed
+        out two batches (one when that is all there is). One batch dropped before its cap is a peek at the data."""
+        return self.yielded >= min(2, batches or 2) or self.capped or bool(self.steps)
+
 
 Listener = Callable[[dict[str, Any]], None]
 EndListener = Callable[[Pass], None]

@@ -140,8 +140,7 @@ class FollowWatch:
     def repeated_epoch(self) -> dict[str, Any] | None:
         """The first training loader with a shuffling DistributedSampler whose counted passes that were epochs
         started twice in a row with the same sampler epoch (`set_epoch` never called): its `site`, the `epoch` and
-        the epochs `seen`. A pass of one batch dropped before its end is a peek, not an epoch (as the steps' record
-        counts them, `observation/steplog.py`)."""
+        the epochs `seen`, counting only the passes that were epochs (`Pass.was_epoch`: not a one-batch peek)."""
         for key, seen in self.loaders.items():
             first = self._first.get(key, [])
             if (
@@ -151,8 +150,7 @@ class FollowWatch:
                 or not first[0].info.get("shuffle")
             ):
                 continue
-            least = min(2, seen.batches or 2)
-            epochs = [p.info.get("epoch") for p in first if p.yielded >= least or p.capped or p.steps]
+            epochs = [p.info.get("epoch") for p in first if p.was_epoch(seen.batches)]
             epochs = [e for e in epochs if e is not None]
             repeat = next((a for a, b in zip(epochs, epochs[1:]) if a == b), None)
             if repeat is not None:

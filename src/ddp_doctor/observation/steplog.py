@@ -244,14 +244,10 @@ class StepLog:
         """A loader as the record keeps it: its passes that were epochs (`epochs_started`, `epochs_seen`). A pass that
         yielded one batch of several and was dropped is a peek at the data, not an epoch."""
         out = {k: v for k, v in loader.items() if k not in ("id", "passes")}
-        least = min(2, loader.get("batches") or 2)
         epochs = [
             p["epoch"]
             for p in loader["passes"]
-            # A pass that ran into `check`'s cap while following, or that an optimizer step trained on (following
-            # stops at the next epoch's first step), is an epoch however few batches it handed out; a one-batch peek
-            # dropped before its cap is still a peek.
-            if p["counted"] is None or p["counted"].yielded >= least or p["counted"].capped or p["counted"].steps
+            if p["counted"] is None or p["counted"].was_epoch(loader.get("batches"))
         ]
         out["epochs_started"], out["epochs_seen"] = max(1, len(epochs)), epochs or [loader["passes"][0]["epoch"]]
         out["peeks"] = len(loader["passes"]) - len(epochs)
