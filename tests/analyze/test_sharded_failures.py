@@ -3,7 +3,7 @@ tests/launch/test_check_fsdp2.py)."""
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.sharded_failures import gather_alone
+from ddp_doctor.analyze.sharded_failures import gather_alone, ran_out_alone
 from ddp_doctor.core.rankstate import RankState
 
 GATHER = "get_model_state_dict at tests/scripts/fsdp2_train.py:62"
@@ -36,3 +36,22 @@ def test_without_counts_the_sample_or_traceback_still_names_a_gather() -> None:
     inside = "torch/distributed/checkpoint/state_dict.py:1210 in get_model_state_dict"
     found = gather_alone({0: _state(0, {}, innermost=inside), 1: _state(1, {})}, [])
     assert found is not None and found.title.startswith("rank 0 gathered the full state dict alone: get_model_state")
+
+
+def _loader_state(rank: int, batches: int, step: int) -> RankState:
+    state = _state(rank, {})
+    state.step, state.sharding = step, {"api": "fully_shard"}
+    state.train_loader = {"site": "train.py:30", "batches": batches}
+    return state
+
+
+def test_a_rank_that_ran_out_of_batches_is_the_cause_not_what_it_did_next() -> None:
+    found = ran_out_alone({0: _loader_state(0, 20, 12), 1: _loader_state(1, 12, 12)})
+    assert found is not None and found.code == "uneven-inputs" and found.severity == "error"
+    assert found.title.endswith("built at train.py:30 (rank 0: 20, rank 1: 12)"), found.title
+    assert "Join does not cover a sharded model" in found.fix
+
+
+def test_different_lengths_are_no_cause_of_a_failure_before_any_rank_ran_out() -> None:
+    assert ran_out_alone({0: _loader_state(0, 20, 3), 1: _loader_state(1, 12, 3)}) is None
+    assert ran_out_alone({0: _loader_state(0, 12, 12), 1: _loader_state(1, 12, 12)}) is None

@@ -113,6 +113,18 @@ def test_a_save_of_rank_0s_shards_at_the_epoch_end_is_named_in_the_report_after_
 
 
 def test_ranks_with_different_numbers_of_batches_are_uneven_inputs_in_fsdp2_words(tmp_path: Path) -> None:
+    """Also when the observed steps outlast the shorter rank's loader (`--steps 14`; rank 1 has 12 batches): rank 1
+    evaluates while rank 0 trains, and gloo aborts it, as under plain torchrun. The cause named is the loaders'
+    lengths, not "rank 1 ran a forward that rank 0 did not" (its evaluation runs on every rank, at different
+    times), which the first version said."""
+    longer = tmp_path / "steps14"
+    longer.mkdir()
+    args = ["--nproc-per-node", "2", "--no-verify", "--steps", "14", SCRIPT, "--out", str(longer), "--uneven"]
+    failed = check(args, longer, timeout=180)
+    assert failed.rc == 1 and failed.report["findings"][0]["code"] == "uneven-inputs", failed.output
+    assert "(rank 0: 20, rank 1: 12)" in failed.report["findings"][0]["title"], failed.report["findings"][0]
+    assert "rank 1 ran out after 12 batches" in failed.report["findings"][0]["detail"]
+    assert "sharded-forward-some-ranks" not in failed.codes, failed.output
     run = _check(tmp_path, "--uneven")
     assert _serious(run) == {"uneven-inputs"}, run.output
     found = run.finding("uneven-inputs")

@@ -9,7 +9,7 @@ from ddp_doctor.analyze.crashed_ranks import crash_findings
 from ddp_doctor.analyze.following_ends import timed_out_waiting
 from ddp_doctor.analyze.positions import capped, fault_place, others, short, where
 from ddp_doctor.analyze.shapes import shape_findings
-from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone, state_dict_alone
+from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone, ran_out_alone, state_dict_alone
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.rankfiles import PHASES, Outcome
@@ -111,10 +111,15 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
     killed = {r: s for r, s in states.items() if s.outcome is None and s.signal not in (None, "SIGTERM")}
     findings: list[Finding] = []
 
-    # The forwards before the state_dict() calls: an evaluation on rank 0 alone also keeps rank 0 from the others'
-    # state_dict() (a DCP save on every rank), which then looks taken on some ranks only.
+    # A rank that ran out of batches first: what it did next alone (an evaluation) is not the cause. The forwards
+    # before the state_dict() calls: an evaluation on rank 0 alone also keeps rank 0 from the others' state_dict()
+    # (a DCP save on every rank), which then looks taken on some ranks only.
     mismatch = (
-        _mismatch(states) or gather_alone(states, native) or forward_alone(states) or state_dict_alone(states, native)
+        _mismatch(states)
+        or ran_out_alone(states)
+        or gather_alone(states, native)
+        or forward_alone(states)
+        or state_dict_alone(states, native)
     )
     if mismatch is not None:
         findings.append(mismatch)

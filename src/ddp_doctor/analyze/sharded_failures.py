@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 
+from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.positions import capped, short, where
 from ddp_doctor.analyze.sharded import SAVE_FIX
 from ddp_doctor.core.codes import Code
@@ -20,7 +21,7 @@ from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 
-__all__ = ["explain_meta_params", "forward_alone", "gather_alone", "state_dict_alone"]
+__all__ = ["explain_meta_params", "forward_alone", "gather_alone", "ran_out_alone", "state_dict_alone"]
 
 _ON_META = re.compile(r"materialized from meta device before training.*still on meta device: \[([^\]]*)\]", re.S)
 
@@ -77,6 +78,33 @@ def gather_alone(states: dict[int, RankState], native: list[str]) -> Finding | N
         "`if rank == 0: torch.save(sd, path)`; or save the sharded state with `torch.distributed.checkpoint.save` "
         "on every rank. With Accelerate: `sd = accelerator.get_state_dict(model)` on every process, then "
         "`accelerator.save(sd, path)`.",
+    )
+
+
+def ran_out_alone(states: dict[int, RankState]) -> Finding | None:
+    """The ranks' training loaders have different lengths, and the failure came after the shortest ran out: the
+    rank that ran out went on to what follows its epoch (an evaluation, a save) while the others still trained, and
+    their collectives met. Named before what that rank then did alone (`forward_alone` would blame an evaluation
+    that every rank runs, at different times)."""
+    loaders = {r: s.train_loader for r, s in states.items() if s.sharded and s.train_loader}
+    lengths = {r: d["batches"] for r, d in loaders.items() if d.get("batches") is not None}
+    if len(lengths) < len(states) or len(set(lengths.values())) < 2:
+        return None
+    fewest = min(lengths.values())
+    short_ranks = sorted(r for r, n in lengths.items() if n == fewest)
+    if not any(states[r].step >= fewest for r in short_ranks):
+        return None  # the run failed before any rank ran out: another cause
+    rest = sorted(r for r in states if r not in short_ranks)
+    went = capped([f"rank {r} was at {where(states[r])}" for r in short_ranks + rest])
+    shown = ", ".join(f"rank {r}: {n}" for r, n in sorted(lengths.items())[:8])
+    site = loaders[short_ranks[0]].get("site") or "an unknown line"
+    return rules.uneven_inputs(
+        title=f"ranks have different numbers of batches per epoch from the DataLoader built at {site} ({shown})",
+        cause=f"{rank_list(short_ranks)} ran out after {fewest} batches and went on to what follows the epoch while "
+        f"the others still train ({went})",
+        ranks=sorted(states),
+        steps=[fewest],
+        parallelism="fsdp2",
     )
 
 

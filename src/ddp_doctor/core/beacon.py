@@ -82,6 +82,9 @@ class BeaconState:
     """That model's process group backend (the report's header; a DDP model's is in its model record)."""
     forwards: dict[str, int] = field(default_factory=dict)
     """Forwards through that sharded model since its first optimizer step, by the user's line (8 lines at most)."""
+    train_loader: dict[str, Any] | None = None
+    """The DataLoader the sharded model's last optimizer step trained on: its `site` and `batches` (`len()` on this
+    rank), published when it changes: ranks of different lengths run out at different steps."""
     state_dicts: dict[str, int] = field(default_factory=dict)
     """`state_dict()` calls on that sharded model since then, by the user's line (8 at most): FSDP2 reshards a
     module a forward left unsharded there, on the calling ranks only."""

@@ -264,15 +264,17 @@ TABLE: tuple[CodeInfo, ...] = (
               "at eval.py:30 in step 2; rank 1 did not* (DDP's own buffer broadcast, counted per step); a collective "
               "one rank skips at an epoch end (see [Collectives the ranks do not agree "
               "on](#collectives-the-ranks-do-not-agree-on))"),
-    _row(Code.UNEVEN_INPUTS, Family.LOCKSTEP, "error/warning/info", "epochs.py following_ends.py",
+    _row(Code.UNEVEN_INPUTS, Family.LOCKSTEP, "error/warning/info",
+         "epochs.py following_ends.py sharded_failures.py",
          "ranks have different numbers of batches per epoch",
          when="error when a training loader's batch counts differ; warning for a loader no optimizer step trained on "
               "(an evaluation); info when they are equal only through `DistributedSampler`'s padding",
          more=": *ranks have different numbers of batches per epoch (rank 0: 13, rank 1: 12)*, from each loader's "
               "`len()` and from the batches every pass really handed out on each rank (an `IterableDataset` without "
               "`len()` too), naming the loader's line and each rank's count; for an FSDP2 or `replicate` job (no DDP "
-              "step record), the training loaders' `len()` per rank when the run ends, and a fix without `Join`, "
-              "which does not cover a sharded model",
+              "step record), the training loaders' `len()` per rank when the run ends (or as the cause of a run "
+              "that failed after a rank ran out of batches), and a fix without `Join`, which does not cover a sharded "
+              "model",
          guard=True),
     _row(Code.SAMPLER_EPOCH_NOT_SET, Family.LOCKSTEP, "warning", "epochs.py following_ends.py",
          "a shuffling DistributedSampler starts a new epoch without set_epoch",

@@ -30,6 +30,7 @@ from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.following_run import EpochFollowing
 from ddp_doctor.launch.unwrapped import PlainOptimizerWatch
+from ddp_doctor.observation import dataloaders
 from ddp_doctor.report.model import Report
 
 __all__ = ["PlainSteps"]
@@ -77,7 +78,9 @@ class PlainSteps:
         if run.follow.active:  # past the observed steps: the phase stays "following"
             run.beacon.update(step=run.plain.steps)
             return
-        run.beacon.update(step=run.plain.steps, phase=Phase.BETWEEN_STEPS.value)
+        one = dataloaders.last_pass()  # the loader this step trained on: ranks of different lengths run out apart
+        loader = None if one is None else {"site": one.info.get("site"), "batches": one.info.get("batches")}
+        run.beacon.update(step=run.plain.steps, phase=Phase.BETWEEN_STEPS.value, train_loader=loader)
         if run.plain.sharded is not None and run.beacon.state.sharding is None:
             run.beacon.update(sharding=run.plain.sharded.describe(), backend=str(dist.get_backend()))
             run.plain.sharded.root.register_forward_pre_hook(self._on_forward)
