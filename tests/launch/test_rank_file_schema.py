@@ -84,3 +84,24 @@ def test_a_crashed_peer_is_not_taken_for_one_waiting_in_ddps_all_reduce(tmp_path
     assert peers_wait_in_collective(tmp_path, 0, watch_s=2.0)  # still there after a while: it waits
     peer.update(crashed=True)
     assert not peers_wait_in_collective(tmp_path, 0, watch_s=1.0)
+
+
+def test_an_fsdp2_ranks_fullest_beacon_is_read_back_whole(tmp_path: Path) -> None:
+    """Its three counted maps at their 8 lines each, with a cluster's long paths: about 4.2 KiB of JSON, more than
+    the 4 KiB the beacon had, where the cut JSON read as no beacon at all and the failure report lost the rank."""
+    where = (
+        "/lustre/fsx/users/first.last/experiments/2026-11/llama-style-finetune-with-fsdp2-run-042/"
+        "src/training/train_with_fsdp2_and_evaluation.py"
+    )
+    beacon = Beacon(tmp_path / "rank0.beacon")
+    beacon.update(
+        step=3,
+        sharding={"api": "fully_shard", "sharded_modules": 33, "mesh": [[4, 8]], "mesh_dims": ["replicate", "shard"]},
+        forwards={f"{where}:{i}": i for i in range(8)},
+        state_dicts={f"{where}:{100 + i}": 1 for i in range(8)},
+        gathers={f"get_model_state_dict at {where}:{200 + i}": 1 for i in range(8)},
+        train_loader={"site": f"{where}:50", "batches": 1200},
+    )
+    read = read_beacon(tmp_path / "rank0.beacon")
+    assert read is not None and read.step == 3 and len(read.gathers) == len(read.state_dicts) == 8
+    assert read.train_loader == {"site": f"{where}:50", "batches": 1200}

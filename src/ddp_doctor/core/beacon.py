@@ -5,7 +5,7 @@ into shared memory: no system call, no fsync), so the supervising process can re
 was killed by SIGKILL or aborted by gloo. A sampled position (the watchdog's stack walk) carries its age; these
 fields do not need one: they are exact up to the moment the rank died.
 
-Layout: a fixed 4 KiB file. Byte 0..7 a sequence number (odd while a write is in progress), 8..15 the length of
+Layout: a fixed 16 KiB file. Byte 0..7 a sequence number (odd while a write is in progress), 8..15 the length of
 the JSON that follows from byte 16 (`BeaconState`, schema `BEACON_SCHEMA`). A reader retries while the sequence
 number is odd or changed under it.
 """
@@ -24,7 +24,9 @@ from typing import Any
 __all__ = ["BEACON_SCHEMA", "Beacon", "BeaconState", "ClosedStep", "Collective", "read_beacon"]
 
 BEACON_SCHEMA = "ddp-doctor/beacon@1"
-_SIZE = 4096
+_SIZE = 16384
+"""Room for the longest state: an FSDP2 rank's three counted maps (forwards, state_dict() calls and gathers by line,
+8 lines each) beside the rest, with long paths. 4 KiB could be outgrown there, and a cut JSON reads as no beacon."""
 _HEAD = struct.Struct("<QQ")
 
 
