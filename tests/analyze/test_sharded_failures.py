@@ -11,8 +11,16 @@ STALE = "tests/scripts/fsdp2_train.py:102  F.cross_entropy(model(x), y).backward
 
 
 def _state(rank: int, gathers: dict[str, int], *, innermost: str = "train.py:99 in backward") -> RankState:
+    # Every rank had published its sharding at its first step (the counts start there).
     return RankState(
-        rank=rank, world_size=2, step=3, phase="between steps", user_frame=STALE, innermost=innermost, gathers=gathers
+        rank=rank,
+        world_size=2,
+        step=3,
+        phase="between steps",
+        user_frame=STALE,
+        innermost=innermost,
+        gathers=gathers,
+        sharding={"api": "fully_shard"},
     )
 
 
@@ -40,7 +48,7 @@ def test_without_counts_the_sample_or_traceback_still_names_a_gather() -> None:
 
 def _loader_state(rank: int, batches: int, step: int) -> RankState:
     state = _state(rank, {})
-    state.step, state.sharding = step, {"api": "fully_shard"}
+    state.step = step
     state.train_loader = {"site": "train.py:30", "batches": batches}
     return state
 

@@ -12,6 +12,7 @@ training forward's, of the same sizes), and both ranks then hang until the job i
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.positions import capped, short, where
@@ -39,16 +40,27 @@ def _gather(s: RankState) -> tuple[str, str | None] | None:
     return None if call is None else (call, (s.raised.site if s.raised else None) or s.site or s.user_frame)
 
 
+def _line_alone(
+    states: dict[int, RankState], counted: Callable[[RankState], dict[str, int]]
+) -> tuple[str, list[int], list[int]] | None:
+    """The first line (in order) that some ranks following the sharded model counted and the others never did:
+    (the line, those ranks, the others). `launch/plain_steps.py` counts forwards, `state_dict()` calls and gathers
+    by line once the model has stepped, before their collectives start."""
+    ranks = {r: s for r, s in states.items() if s.sharded}
+    for line in sorted({k for s in ranks.values() for k in counted(s)}):
+        alone = sorted(r for r, s in ranks.items() if counted(s).get(line))
+        if len(alone) < len(ranks):
+            return line, alone, sorted(r for r in ranks if r not in alone)
+    return None
+
+
 def _counted_alone(states: dict[int, RankState]) -> dict[int, tuple[str, str | None]]:
-    """rank -> (call, line) of the first gather line it counted that some other rank never counted
-    (`launch/plain_steps.py` counts them once the FSDP2 model has stepped, before their collectives start)."""
-    keys = sorted({k for s in states.values() for k in s.gathers})
-    for key in keys:
-        alone = [r for r, s in states.items() if s.gathers.get(key)]
-        if len(alone) < len(states):
-            call, _, site = key.partition(" at ")
-            return dict.fromkeys(alone, (call, site))
-    return {}
+    """rank -> (call, line) of the first gather line it counted that some other rank never counted."""
+    found = _line_alone(states, lambda s: s.gathers)
+    if found is None:
+        return {}
+    call, _, site = found[0].partition(" at ")
+    return dict.fromkeys(found[1], (call, site))
 
 
 def gather_alone(states: dict[int, RankState], native: list[str]) -> Finding | None:
@@ -111,13 +123,10 @@ def ran_out_alone(states: dict[int, RankState]) -> Finding | None:
 def forward_alone(states: dict[int, RankState]) -> Finding | None:
     """A line that ran forwards through the FSDP2 model on some ranks and none on others (counted from the first
     optimizer step): each such forward all-gathers the sharded parameters, a collective the others never enter."""
-    sites = sorted({site for s in states.values() for site in s.forwards})
-    for site in sites:
-        counts = {r: s.forwards.get(site, 0) for r, s in states.items() if s.sharded}
-        alone = sorted(r for r, n in counts.items() if n)
-        if not alone or len(alone) == len(counts):
-            continue
-        rest = sorted(r for r in counts if r not in alone)
+    found = _line_alone(states, lambda s: s.forwards)
+    if found is not None:
+        site, alone, rest = found
+        counts = {r: states[r].forwards[site] for r in alone}
         went = capped([f"rank {r} was at {where(states[r])}" for r in rest])
         return Finding(
             code=Code.SHARDED_FORWARD_SOME_RANKS,
@@ -146,12 +155,9 @@ def state_dict_alone(states: dict[int, RankState], native: list[str]) -> Finding
     optimizer step), in a run that failed: the state dict holds the calling ranks' shards only, and FSDP2 reshards
     there a module a forward left unsharded (after an evaluation, with no backward), so the ranks' next all-gathers
     differ."""
-    sharded = {r: s for r, s in states.items() if s.sharded}
-    for site in sorted({site for s in sharded.values() for site in s.state_dicts}):
-        alone = sorted(r for r, s in sharded.items() if s.state_dicts.get(site))
-        if not alone or len(alone) == len(sharded):
-            continue
-        rest = sorted(r for r in sharded if r not in alone)
+    found = _line_alone(states, lambda s: s.state_dicts)
+    if found is not None:
+        site, alone, rest = found
         went = capped([f"rank {r} was at {where(states[r])}" for r in rest])
         said = f" The communication library said: {native[0]}" if native else ""
         return Finding(

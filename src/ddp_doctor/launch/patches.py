@@ -12,6 +12,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any, Protocol
 
 import torch
@@ -21,7 +22,7 @@ from torch.optim.optimizer import Optimizer
 
 from ddp_doctor.core.compat import fsdp_module_type
 from ddp_doctor.core.errors import MixedParallelismError
-from ddp_doctor.core.frames import user_call, user_frame, user_site
+from ddp_doctor.core.frames import user_frame, user_site
 from ddp_doctor.core.rankfiles import WrapShapes, write_wrap
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.launch.policy import RunPolicy
@@ -190,11 +191,12 @@ def patch_fully_shard(reshard_off: list[int]) -> None:
     fsdp_package.fully_shard = fully_shard
 
 
-def patch_full_gather(on_gather: Callable[[str, str], None]) -> None:
-    """Call `on_gather(call, site)` before each `DTensor.redistribute` from a sharded placement to another, with the
-    user's line and the function it called (`full_tensor`, `get_model_state_dict`): a collective every rank of the
-    mesh must enter, which a `full_state_dict=True` save under `if rank == 0:` enters on one rank alone. Patched on
-    the class, so `full_tensor` and torch's state-dict gathering (which call it) pass through it too."""
+def patch_full_gather(on_gather: Callable[[FrameType], None]) -> None:
+    """Call `on_gather(frame)` before each `DTensor.redistribute` from a sharded placement to another, with the
+    caller's frame (the callback walks it to the user's line only when it counts the call: a tensor-parallel
+    forward redistributes at every step): a collective every rank of the mesh must enter, which a
+    `full_state_dict=True` save under `if rank == 0:` enters on one rank alone. Patched on the class, so
+    `full_tensor` and torch's state-dict gathering (which call it) pass through it too."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
@@ -211,8 +213,7 @@ def patch_full_gather(on_gather: Callable[[str, str], None]) -> None:
                 and tuple(placements) != tuple(self.placements)
                 and any(p.is_shard() for p in self.placements)
             ):
-                site, call = user_call(sys._getframe(1))
-                on_gather(call, site or "an unknown place")
+                on_gather(sys._getframe(1))
         except Exception:  # noqa: BLE001 -- an observation must never break the script's gather
             pass
         return original(self, device_mesh, placements, **kwargs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from types import FrameType
 from typing import Any, Protocol
 
 import torch
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import Optimizer
 
 from ddp_doctor.core.beacon import Beacon
-from ddp_doctor.core.frames import user_site
+from ddp_doctor.core.frames import user_call, user_site
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import write_json
 from ddp_doctor.doctor import Doctor
@@ -101,11 +102,13 @@ class PlainSteps:
         if not self._run.finishing:
             self._count(self._run.beacon.state.state_dicts, user_site() or "an unknown place")
 
-    def on_gather(self, call: str, site: str) -> None:
-        """Count a gather of sharded tensors in full (`call` at the user's `site`), once the FSDP2 model has stepped
-        (before that, no count: the path's other evidence, a traceback or the watchdog's sample, still applies)."""
+    def on_gather(self, frame: FrameType) -> None:
+        """Count a gather of sharded tensors in full (called from `frame`) by the function the user's line called
+        and that line, once the FSDP2 model has stepped (before that, no count: the path's other evidence, a
+        traceback or the watchdog's sample, still applies)."""
         if self._run.beacon.state.sharding is not None and not self._run.finishing:
-            self._count(self._run.beacon.state.gathers, f"{call} at {site}")
+            site, call = user_call(frame)
+            self._count(self._run.beacon.state.gathers, f"{call} at {site or 'an unknown place'}")
 
     def _count(self, counts: dict[str, int], key: str) -> None:
         """One more at `key`; the beacon is written when a line is first counted (before its collective starts:

@@ -207,11 +207,7 @@ class Session:
             self._exit(1)
             return
         except Exception as exc:  # noqa: BLE001  (a bug of ours must never read as the script's crash)
-            self._finishing = True
-            self.out.end(
-                Outcome.INTERNAL_ERROR, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-20000:]
-            )
-            self._exit(1)
+            self._internal_error(exc)
             return
         self._finishing = True
         self.out.end(Outcome.REPORTED, reason=reason)
@@ -338,15 +334,19 @@ class Session:
             self._exit(1 if exit_code is None else exit_code)
             return None
         except Exception as exc:  # noqa: BLE001  (a bug of ours must never read as a clean report)
-            self._finishing = True
-            self.out.end(
-                Outcome.INTERNAL_ERROR, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-20000:]
-            )
-            self._exit(1)
+            self._internal_error(exc)
             return None
         if follow:
             self.follow.annotate(self.doctors, reports, followed)
         return reports
+
+    def _internal_error(self, exc: Exception) -> None:
+        """A bug of ours while reporting: the rank ends as `internal-error`, with our traceback, and exits 1."""
+        self._finishing = True
+        self.out.end(
+            Outcome.INTERNAL_ERROR, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-20000:]
+        )
+        self._exit(1)
 
     def leave(self) -> None:
         """Wait (briefly) for every rank to get here, then exit with status 0."""
