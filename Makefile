@@ -25,9 +25,13 @@ lint: $(BIN)/ddp-doctor
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
 
-# Corner A: lint, then the whole suite on the pinned torch 2.13.0 / the machine's Python, integrations included.
+# Corner A: lint, then the whole suite on the pinned torch 2.13.0 / the machine's Python, integrations included:
+# on WORKERS pytest-xdist workers (a check's processes leave a third of 2 cores idle, mostly while one process
+# imports torch), then the tests marked serial alone (their verdicts rest on wall-clock time).
+WORKERS ?= 2
 test: lint browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(WORKERS) -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 # Any torch / Python pair, in .venv-torch$(TORCH)-py$(PYTHON): the core suite (everything but the framework
 # integrations, which pin their own torch-dependent stacks). PYTHON is a version such as 3.13, found on PATH or
@@ -54,9 +58,11 @@ $(TVENV)/.ready: $(TVENV)/.torch pyproject.toml
 
 # TESTS narrows what runs (CI's corner B: the version-dependent tests, listed in .ci/run).
 TESTS ?= --ignore=tests/integrations
+# The serial part may be empty for a narrowed TESTS (pytest's exit code 5); the parallel part may not.
 test-torch: $(TVENV)/.ready browser
 	$(TVENV)/bin/python -c "import sys, torch; print('torch', torch.__version__, 'python', sys.version.split()[0])"
-	$(TVENV)/bin/python -m pytest -q $(TESTS)
+	$(TVENV)/bin/python -m pytest -q -n $(WORKERS) -m "not serial" $(TESTS)
+	$(TVENV)/bin/python -m pytest -q -m serial $(TESTS) || [ $$? = 5 ]
 
 # The integrations on the last transformers 4.x release (4.57.6), which has no ddp_static_graph field.
 HF4VENV := .venv-hf4

@@ -18,6 +18,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ddp_doctor import observe
 
+pytestmark = pytest.mark.serial
+
 TIMING = {"input-bound", "straggler-rank"}
 STEPS = 8
 

@@ -84,6 +84,7 @@ def test_accelerate_loop_is_followed_through_its_epoch_end_and_evaluation(tmp_pa
     assert "epoch 1: accuracy" not in run.output, run.output
 
 
+@pytest.mark.serial
 def test_accelerate_rank_0_evaluating_alone_past_the_timeout_is_timeout_risk(tmp_path: Path) -> None:
     run = follow(tmp_path, "accelerate_epochs.py", "--eval-rank0", "0.1")
     alone_too_long(run, "tests/scripts/accelerate_epochs.py:42", "InitProcessGroupKwargs(timeout=")
@@ -102,6 +103,7 @@ def test_hf_trainer_is_followed_through_its_epoch_end_and_evaluation(tmp_path: P
     assert run.output.count("'eval_accuracy'") == 1, run.output
 
 
+@pytest.mark.serial
 def test_hf_trainer_callback_working_alone_on_the_main_process_is_timeout_risk(tmp_path: Path) -> None:
     run = follow(tmp_path, "hf_epochs.py", str(tmp_path / "out"), "--rank0-samples", "0.1")
     alone_too_long(run, "tests/scripts/hf_epochs.py:56", "ddp_timeout=")
@@ -125,6 +127,7 @@ def test_lightning_fit_is_followed_through_its_epoch_end_and_validation(tmp_path
     assert "epoch 0: val_acc" in run.output and "epoch 1: val_acc" not in run.output, run.output
 
 
+@pytest.mark.serial
 def test_lightning_rank_0_working_alone_after_validation_is_timeout_risk(tmp_path: Path) -> None:
     run = follow(tmp_path, "lightning_epochs.py", str(tmp_path / "root"), "--rank0-export", "0.1")
     alone_too_long(run, "tests/scripts/lightning_epochs.py:52", "DDPStrategy(timeout=")

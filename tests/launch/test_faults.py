@@ -21,7 +21,7 @@ from checkrun import EXAMPLES, REPO, SCRIPTS, Run, assert_no_leftovers
 
 from ddp_doctor.core.compat import TORCH_VERSION
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.serial]
 
 
 def _start(args: list[str], tmp_path: Path, **env: str) -> tuple[subprocess.Popen[str], Path, Path]:

@@ -37,6 +37,7 @@ def loader(run: Run, site: str) -> dict:
     return found[0]
 
 
+@pytest.mark.serial
 def test_rank_0_evaluating_alone_past_the_groups_timeout_is_timeout_risk_in_seconds(tmp_path: Path) -> None:
     # 400 evaluation batches at 0.1 s on rank 0 alone; the group's timeout is 20 s (the plain run dies there).
     run = follow(tmp_path, "--eval-rank0", "0.1", ranks=4)
