@@ -1,11 +1,20 @@
 """Where an FSDP2 job's step time goes: `input-bound` from the host's clock (tests/scripts/fsdp2_slow_loader.py, a
-dataset that sleeps 5 ms per sample, 8 samples per batch, `fully_shard` on the first Linear and the root).
+dataset that sleeps 5 ms per sample, 8 samples per batch, `fully_shard` on the first Linear and the root), and
+`straggler-rank` from the time each rank spends in the sharded model's collectives
+(tests/scripts/fsdp2_straggler.py, rank 1 runs an expensive augmentation before each forward).
 
 Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 24 steps, the script's own clock (median per rank),
 on this 2-core machine while a benchmark ran beside it: with no worker the ranks waited 42.3 and 42.1 ms of a 70.0
 and 69.6 ms step; with 4 workers (prefetch 4) 2.1 and 1.7 ms of 26.8 and 27.5 ms. Both runs end with exit code 0.
 Before the check timed sharded models, neither was named: "the step time" was in the report's list of what it did
 not check for FSDP2.
+
+Straggler ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, the script's own clock (medians, while
+the test suite ran beside it): rank 1 spent 74 ms a step on its augmentation and 38 ms in its forward and backward;
+rank 0's forward and backward took 113 ms, against 21 ms when no rank does the extra work (`--same-work`), so rank 0
+waits about 90 ms a step in FSDP2's all-gathers and reduce-scatters. With `replicate`: 112 ms of augmentation, rank
+0's forward and backward 130 ms (12 ms without). Every run ends with exit code 0. Before the check timed FSDP2's
+collectives, the report listed "a straggler rank" as not checked.
 
 The thresholds are DDP's (`core/steptime.waits_for_data_at`), on every rank; the test asserts no timing, only what
 the thresholds decide (a 5 ms sleep per sample is a wait of at least 40 ms per step without workers; with 2 ms,
@@ -16,9 +25,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from checkrun import SCRIPTS, check
 
+pytestmark = pytest.mark.serial  # verdicts measured on the clock: run alone
+
 SCRIPT = str(SCRIPTS / "fsdp2_slow_loader.py")
+STRAGGLER = str(SCRIPTS / "fsdp2_straggler.py")
 
 
 def _check(tmp_path: Path, workers: int):
@@ -33,10 +46,30 @@ def test_every_rank_waiting_for_its_batches_is_input_bound_with_the_loader_and_i
     assert "the DataLoader over SlowDecode created at tests/scripts/fsdp2_slow_loader.py:34" in finding["detail"]
     assert "num_workers=0" in finding["detail"] and "give it worker processes" in finding["fix"]
     reason = run.report["recommendation"]["reason"]
-    assert "whether the ranks wait for their data (the host's clock over 7 steps)" in reason
-    assert "a straggler rank (the wait in the sharded model's communication is not timed)" in reason
+    assert (
+        "whether the ranks wait for their data and whether one rank is slower than the others (the host's clock "
+        "over 7 steps)" in reason
+    )
+    assert "straggler" not in reason
 
 
 def test_a_loader_with_workers_keeps_up_and_is_clean(tmp_path: Path) -> None:
     run = _check(tmp_path, 4)
     assert run.rc == 0 and run.report["findings"] == [], run.output
+
+
+@pytest.mark.parametrize("api", ["fully_shard", "replicate"])
+def test_a_rank_with_extra_work_before_each_forward_is_named_a_straggler(tmp_path: Path, api: str) -> None:
+    args = ["--replicate"] if api == "replicate" else []
+    run = check(["--nproc-per-node", "2", "--no-verify", STRAGGLER, *args], tmp_path, timeout=180)
+    assert run.rc == 0 and run.codes == {"straggler-rank"}, run.output
+    f = run.finding("straggler-rank")
+    assert f["severity"] == "warning" and f["ranks"] == [1] and f["title"].startswith("rank 1 "), f
+    assert "the other ranks wait" in f["title"] and "Its extra time is spent between steps" in f["detail"], f
+    assert "the sharded model's all-gathers and gradient reductions, waiting for it" in f["detail"]
+    assert "make rank 1 do the same work as the others" in f["fix"]
+
+
+def test_ranks_doing_the_same_work_show_no_straggler(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", "--no-verify", STRAGGLER, "--same-work"], tmp_path, timeout=180)
+    assert run.rc == 0 and not run.codes & {"straggler-rank", "input-bound"}, run.output

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ddp_doctor.analyze.sharded_input import sharded_input_bound
+from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
 from ddp_doctor.analyze.unsharded import unsharded_finding
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
@@ -128,6 +128,8 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         found.append(unsharded_finding(run, ranks, api))
     if run.input_wait:
         found.append(sharded_input_bound(run, ranks))
+    if straggler := sharded_straggler(run):
+        found.append(straggler)
     return found
 
 
@@ -246,13 +248,17 @@ def _incomplete_checkpoint(run: ShardedRun) -> Finding:
 def _timed(run: ShardedRun) -> str:
     if run.timed_steps < MIN_STEPS:
         return ""
-    return f", whether the ranks wait for their data (the host's clock over {run.timed_steps} steps)"
+    slower = " and whether one rank is slower than the others" if run.comm_timed and run.world > 1 else ""
+    return f", whether the ranks wait for their data{slower} (the host's clock over {run.timed_steps} steps)"
 
 
 def _untimed(run: ShardedRun) -> str:
+    """The step-time checks not made, as the end of a list (", ..."); "" when all were."""
     if run.timed_steps < MIN_STEPS:
-        return f"the step time (timed on CPU only, over at least {MIN_STEPS} steps after the first)"
-    return "a straggler rank (the wait in the sharded model's communication is not timed)"
+        return f", the step time (timed on CPU only, over at least {MIN_STEPS} steps after the first)"
+    if not run.comm_timed:
+        return ", a straggler rank (the time in the sharded model's collectives could not be timed)"
+    return ""
 
 
 def _saves_checked(run: ShardedRun) -> str:
@@ -278,7 +284,7 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
     if api is _REPLICATE:
         return Recommendation.unknown(
             checked + ". Not checked for replicate yet: the mixed-precision policy, parameters frozen after "
-            f"replicate, {_untimed(run)}. (Measured, not checked here: an evaluation forward on rank 0 alone runs "
+            f"replicate{_untimed(run)}. (Measured, not checked here: an evaluation forward on rank 0 alone runs "
             "fine; rank 0's torch.save of model.state_dict() holds every value, as DTensors, which load into a "
             "replicated model but not a plain one: save `{k: v.full_tensor() for k, v in sd.items()}` for that.)"
         )
@@ -290,7 +296,7 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
         + f", that every torch.save of sharded state {_saves_checked(run)} wrote all the ranks' shards, and {reshard}. "
         f"Not checked for FSDP2 yet: a save {_saves_unchecked(run)}, forwards and full-state-dict gathers on some "
         "ranks only that did not break the run (they are named when they do), the mixed-precision policy beyond the "
-        "dtype of the gradients' reduce-scatter (seen where FSDP2 has the hook for it, 2.13 and 2.15 here), "
+        "dtype of the gradients' reduce-scatter (seen where FSDP2 has the hook for it, 2.13 and 2.15 here)"
         f"{_untimed(run)}. (Freezing or unfreezing a parameter after fully_shard is no mistake: FSDP2 follows it, "
         "measured on 2.13 and 2.15.)"
     )

@@ -54,6 +54,7 @@ __all__ = [
     "STRAGGLER_RATIO",
     "input_bound",
     "rank_timings",
+    "straggler_fix",
     "straggler_rank",
 ]
 
@@ -181,9 +182,16 @@ def straggler_rank(v: View) -> list[Finding]:
             f"{_ms(lost)} per step waiting for it in DDP's gradient all-reduce.",
             ranks=[slow.rank],
             steps=[],
-            fix=f"make rank {name} do the same work as the others: look for code that runs on that rank only "
-            "(if rank == ..., logging, evaluation or checkpointing inside the step), a data shard with larger "
-            "samples, or a slower or busier device on its machine; do rank-0-only work outside the timed loop "
-            "or asynchronously.",
+            fix=straggler_fix(name),
         )
     ]
+
+
+def straggler_fix(name: object) -> str:
+    """The fix of `straggler-rank` for rank `name` (as users number it)."""
+    return (
+        f"make rank {name} do the same work as the others: look for code that runs on that rank only "
+        "(if rank == ..., logging, evaluation or checkpointing inside the step), a data shard with larger "
+        "samples, or a slower or busier device on its machine; do rank-0-only work outside the timed loop "
+        "or asynchronously."
+    )

@@ -333,13 +333,14 @@ TABLE: tuple[CodeInfo, ...] = (
               "others wait; the process group's timeout is 20 s*, with the line span, the capped passes in it, the "
               "measured and projected seconds (see "
               "[check.md](check.md#following-the-epoch-ends---follow-epochs---limit-batches))"),
-    _row(Code.INPUT_BOUND, Family.TIMING, "warning", "throughput.py sharded_input.py",
+    _row(Code.INPUT_BOUND, Family.TIMING, "warning", "throughput.py sharded_timing.py",
          "the ranks spend a large share of every step waiting for the next batch",
          more=": *the ranks wait for data 80% of each step (17.4 ms of 21.8 ms)*, naming the DataLoader, its "
               "creation line, `num_workers` and `pin_memory` (see [Where the step time "
               "goes](#where-the-step-time-goes))"),
-    _row(Code.STRAGGLER_RANK, Family.TIMING, "warning", "throughput.py",
-         "one rank is consistently slower and the others wait for it in the gradient all-reduce",
+    _row(Code.STRAGGLER_RANK, Family.TIMING, "warning", "throughput.py sharded_timing.py",
+         "one rank is consistently slower and the others wait for it in the gradient all-reduce (or a sharded "
+         "model's collectives)",
          more=": *rank 1 is 20.3x slower; the other ranks wait 30.2 ms per step for it*, naming the phase where its "
               "extra time goes"),
     _row(Code.BACKWARD_PASSES_DIFFER, Family.GRAPH, "error/warning/info", "passes.py crashed_ranks.py",

@@ -90,6 +90,15 @@ class ShardedRun:
     """When every rank waited for its next batch for most of each step (`observation/step_clock.py` on CPU): the
     ranks' median `wait_s` and `step_s` as [lowest, highest], the `steps` timed, and the DataLoader that fed them
     (`dataloaders.describe` with its `site`). None otherwise, and on CUDA."""
+    comm_timed: bool = False
+    """Every rank timed its steps' time in the model's collectives (`observation/step_clock.CommClock`, on CPU)."""
+    slowest: dict[str, Any] | None = None
+    """The rank whose own work per step (its step less its time in the model's collectives and its run-queue
+    delay) is the longest, when every rank timed its collectives on CPU: its `rank`, the `steps` timed, its `own_s`
+    median and quartiles (`own_q1_s`, `own_q3_s`), its median wait between steps (`wait_s`), and over the other
+    ranks the longest median and third quartile of own work and wait between steps (`others_own_s`,
+    `others_own_q3_s`, `others_wait_s`) and the shortest median time in collectives (`others_comm_s`).
+    `observation/step_clock.slowest_rank`; None otherwise."""
     low_reduce_abs: float = 0.0
     """The largest absolute difference of a reduced gradient element, low dtype against float32, on any rank."""
     low_reduce_rel: float = 0.0

@@ -1,17 +1,21 @@
 """Rounds T of the exchange: exact medians of the step timings over every rank's common steps, by a radix select
 on summed histograms (16 rounds of 4-bit digits: more, but tiny, collectives than 8 rounds of bytes, and 8 times
-fewer counts). The volume depends on neither the world size nor the step count."""
+fewer counts). The volume depends on neither the world size nor the step count. And for a sharded model, whose
+steps the exchange does not see, the one round that finds its slowest rank (`slowest_rank`)."""
 
 from __future__ import annotations
 
 from collections.abc import Generator
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ddp_doctor.core.records import RankRecord
 from ddp_doctor.exchange.packing import Op, Reply, SumRound, order_key, unkey
+from ddp_doctor.exchange.primitives import minmax
 
-__all__ = ["medians", "medians_over_ranks"]
+__all__ = ["medians", "medians_over_ranks", "slowest_rank"]
 
 
 def medians(record: RankRecord, s: int, world: int) -> Generator[Op, Reply, list[float | None]]:
@@ -88,3 +92,42 @@ def medians_over_ranks(
         None if not c else (unkey(prefix[0][q]) + unkey(prefix[1][q])) / 2 if c % 2 == 0 else unkey(prefix[0][q])
         for q, c in enumerate(counts)
     ]
+
+
+def slowest_rank(
+    mine: dict[str, Any] | None, top: dict[str, float], low: dict[str, float], device: torch.device
+) -> dict[str, Any] | None:
+    """For a sharded model's steps timed on CPU (`observation/step_clock.py`; `mine`: this rank's `StepClock.stats`,
+    None where no clock ran): when every rank timed its steps and its collectives, and some rank's own work is the
+    longest (from the reduced `StepClock.slots`: MAX in `top`, MIN in `low`), one more fixed-shape min/max that names that rank and gives its
+    own time's median and quartiles and its median wait between steps, and, over the other ranks, the longest
+    median and third quartile of own work and wait between steps, and the shortest median time in collectives (the
+    bounds `straggler-rank` needs, whatever the world size).
+    Collective whenever it does not return None; every rank decides alike from the reduced figures. None also when
+    two ranks tie as the slowest."""
+    if mine is None or low["comm_timed"] < 1 or low["timed_steps"] < 2 or top["own_s"] <= low["own_s"]:
+        return None
+    rank = dist.get_rank()
+    slow = torch.tensor(mine["own_s"], dtype=torch.float32).item() == top["own_s"]  # as the reduction held it
+    far = float(2**24)  # above any rank and any time in seconds, exact in float32
+    values = [
+        rank if slow else far,
+        rank if slow else -1.0,
+        *((mine["own_q1_s"], mine["own_q3_s"], mine["wait_s"]) if slow else (0.0, 0.0, 0.0)),
+        *((0.0, 0.0, 0.0, far) if slow else (mine["own_s"], mine["own_q3_s"], mine["wait_s"], mine["comm_s"])),
+    ]
+    high, least = minmax(torch.tensor(values, dtype=torch.float64), None, device)
+    if least[0] != high[1]:
+        return None  # two ranks tie as the slowest
+    return {
+        "rank": int(least[0]),
+        "steps": int(low["timed_steps"]),
+        "own_s": top["own_s"],
+        "own_q1_s": float(high[2]),
+        "own_q3_s": float(high[3]),
+        "wait_s": float(high[4]),
+        "others_own_s": float(high[5]),
+        "others_own_q3_s": float(high[6]),
+        "others_wait_s": float(high[7]),
+        "others_comm_s": float(least[8]),
+    }

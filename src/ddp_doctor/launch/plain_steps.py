@@ -84,7 +84,9 @@ class PlainSteps:
         run.beacon.update(step=run.plain.steps, phase=Phase.BETWEEN_STEPS.value, train_loader=loader)
         if run.plain.sharded is not None and run.beacon.state.sharding is None:
             run.beacon.update(sharding=run.plain.sharded.describe(), backend=str(dist.get_backend()))
-            run.plain.sharded.root.register_forward_pre_hook(self._on_forward)
+            # First, before FSDP2's own pre-hook all-gathers (and waits for the other ranks): the clock's wait for
+            # data ends where the forward is entered, and a forward that hangs in its all-gather is counted.
+            run.plain.sharded.root.register_forward_pre_hook(self._on_forward, prepend=True)
             run.plain.sharded.root.register_state_dict_pre_hook(self._on_state_dict)
         if run.plain.steps >= run.config.steps:
             run.finish_unwrapped(run.steps_reason)

@@ -33,6 +33,7 @@ from ddp_doctor.core.frames import framework_of_stack, user_site
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.exchange.primitives import comm_device, minmax
+from ddp_doctor.exchange.timing import slowest_rank
 from ddp_doctor.observation.sharding import (
     GatherCount,
     ReducePrecisionProbe,
@@ -42,7 +43,7 @@ from ddp_doctor.observation.sharding import (
     heap_modules,
     reshards_fully,
 )
-from ddp_doctor.observation.step_clock import StepClock, input_wait
+from ddp_doctor.observation.step_clock import CommClock, StepClock, input_wait
 from ddp_doctor.report.model import Report, RunFacts
 
 __all__ = ["PlainOptimizerWatch", "record_creation_site"]
@@ -66,6 +67,8 @@ _SLOTS = (
     "timed_steps",
     "wait_s",
     "step_s",
+    "comm_timed",
+    "own_s",
 )
 """What every rank puts in the sharded report's one min/max reduction, in this order."""
 _NOBODY = 2**24
@@ -162,7 +165,7 @@ class PlainOptimizerWatch:
                 if self.sharded.api == "fully_shard":
                     self._gathers = GatherCount(self.sharded)
                 if all(p.device.type == "cpu" for _, p in self.sharded.named_parameters()):
-                    self.clock = StepClock()
+                    self.clock = StepClock(CommClock(self.sharded.param_groups()))
         if optimizer is not self.optimizer:
             return False
         if self.frozen:
@@ -342,6 +345,8 @@ class PlainOptimizerWatch:
             low_reduce=_low_reduce(probe) if low["low_reduces"] > 0 else None,
             reshard_candidate=self._reshard_candidate(model) if "all_gathers_per_step" in sharding else None,
             input_wait=input_wait(top, low),
+            comm_timed=low["comm_timed"] >= 1,
+            slowest=slowest_rank(self.clock and self.clock.stats(), top, low, device),
             timed_steps=int(low["timed_steps"]),
             low_reduce_abs=top["low_abs"],
             low_reduce_rel=top["low_rel"],

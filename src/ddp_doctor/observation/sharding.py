@@ -88,10 +88,14 @@ class ShardedModel:
         """Trainable parameters that no `fully_shard` group manages: plain tensors, not DTensors."""
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad and not is_dtensor(p)]
 
+    def param_groups(self) -> list[Any]:
+        """FSDP2's parameter groups of every sharded module (private objects: read, never relied on)."""
+        return [g for _, m in self.sharded for g in _groups(m)]
+
     def gradient_sync_on(self) -> bool:
         """Whether every sharded module reduces its gradients now (`set_requires_gradient_sync`; True where the
         flag cannot be read)."""
-        return all(getattr(g, "reduce_grads", True) for _, m in self.sharded for g in _groups(m))
+        return all(getattr(g, "reduce_grads", True) for g in self.param_groups())
 
     def may_reduce_low(self) -> bool:
         """Whether a sharded group's policy names bfloat16 or float16 (`param_dtype` or `reduce_dtype`) while its
@@ -115,7 +119,7 @@ class ShardedModel:
 
         Read from FSDP2's private state, which moves between releases (the mixed-precision policy is the group's
         in 2.13, each parameter's in 2.15): what cannot be read is left out, never raised into the script."""
-        groups = [g for _, m in self.sharded for g in _groups(m)]
+        groups = self.param_groups()
         out: dict[str, Any] = {"api": self.api, "sharded_modules": len(self.sharded), "root_sharded": self.root_sharded}
         try:
             meshes = {tuple(g.mesh_info.mesh.mesh.shape) for g in groups}
@@ -232,7 +236,7 @@ class ReducePrecisionProbe:
     compute dtype is float32) is not in the number."""
 
     def __init__(self, model: ShardedModel) -> None:
-        self._groups = [g for _, m in model.sharded for g in _groups(m) if hasattr(g, "_reduce_scatter_comm")]
+        self._groups = [g for g in model.param_groups() if hasattr(g, "_reduce_scatter_comm")]
         self._saved: list[tuple[Any, Any]] = []
         self.worst_abs = 0.0
         self.diff_sum = 0.0

@@ -1,7 +1,10 @@
 """The host's clock around the optimizer steps of a model that no DDP hook times (FSDP2's `fully_shard`,
 `replicate`): when each step ended, and when the first forward through the model after it began. Between the two
 the loop waited for its next batch (and did whatever else it does between steps); from one step's end to the next
-is the step. Local, one clock read per step and per first forward; the statistics are computed once, at the report.
+is the step. Within the step, the time the training thread spent in the model's collectives (`CommClock`) and
+waiting for a CPU (Linux's run-queue delay): the rest, its wait between steps included, is the rank's own work,
+which `straggler-rank` compares.
+Local, a few clock reads per step and per collective; the statistics are computed once, at the report.
 
 Host times measure the step on CPU only: with CUDA the host runs ahead of the device, so its wait for a batch may
 be time the GPU was busy. The watch does not time a model on CUDA.
@@ -9,27 +12,71 @@ be time the GPU was busy. The watch does not time a model on CUDA.
 
 from __future__ import annotations
 
+import functools
 import statistics
+import threading
 import time
 from typing import Any
 
 from ddp_doctor.core.steptime import waits_for_data_at
 from ddp_doctor.observation import dataloaders
+from ddp_doctor.observation.steplog import runq_seconds
 
-__all__ = ["StepClock", "input_wait"]
+__all__ = ["CommClock", "StepClock", "input_wait"]
 
 MAX_STEPS = 256
 """At most this many steps are timed (the observed steps are far fewer)."""
 
 
-class StepClock:
-    """Per step: the wait from the previous step's end to the first forward, and the whole step."""
+class CommClock:
+    """The seconds the training thread spends in a sharded model's collectives: each FSDP2 parameter group's
+    `unshard` and `wait_for_unshard` (the all-gathers: synchronous with gloo on CPU, or waited for there) and
+    `post_backward` (the reduce-scatter, and the all-reduce of `replicate` or HSDP), wrapped on the group. These are
+    private methods of torch's FSDP2 (2.4 to 2.15); where a group lacks one, nothing is wrapped and `timed` is False.
+    The time includes the copies into and out of the collectives' buffers, small beside a wait for another rank."""
 
-    def __init__(self) -> None:
+    METHODS = ("unshard", "wait_for_unshard", "post_backward")
+
+    def __init__(self, groups: list[Any]) -> None:
+        self.seconds = 0.0
+        self._inside = False
+        self.timed = bool(groups) and all(callable(getattr(g, m, None)) for g in groups for m in self.METHODS)
+        if self.timed:
+            for group in groups:
+                for name in self.METHODS:
+                    setattr(group, name, self._timed(getattr(group, name)))
+
+    def _timed(self, call: Any) -> Any:
+        @functools.wraps(call)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._inside:
+                return call(*args, **kwargs)
+            self._inside, start = True, time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self._inside = False
+
+        return timed
+
+
+class StepClock:
+    """Per step: the wait from the previous step's end to the first forward, the whole step, and the rank's own
+    work in it (the step less the time in the collectives of `comm` and the run-queue delay of the training thread,
+    the one that makes this clock; work a rank does between steps is its own too)."""
+
+    def __init__(self, comm: CommClock | None = None) -> None:
         self._ended: float | None = None
         self._forward: float | None = None
+        self._comm = comm
+        self._schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        self._at_end = (0.0, 0.0)
+        """The collectives' seconds and the run-queue delay when the last step ended."""
         self.waits: list[float] = []
         self.steps: list[float] = []
+        self.owns: list[float] = []
+        self.comms: list[float] = []
 
     def on_forward(self) -> None:
         """A forward through the model began (its root's forward pre-hook)."""
@@ -40,17 +87,25 @@ class StepClock:
         """An optimizer step of the model ended. The first step only starts the clock: no step before it to wait
         from, and FSDP2's lazy initialisation runs in it."""
         now = time.perf_counter()
+        at_end = (self._comm.seconds if self._comm is not None else 0.0, runq_seconds(self._schedstat))
         if self._ended is not None and self._forward is not None and len(self.steps) < MAX_STEPS:
-            self.waits.append(self._forward - self._ended)
-            self.steps.append(now - self._ended)
-        self._ended, self._forward = now, None
+            wait, step = self._forward - self._ended, now - self._ended
+            comm, runq = (a - b for a, b in zip(at_end, self._at_end))
+            self.waits.append(wait)
+            self.steps.append(step)
+            self.comms.append(comm)
+            self.owns.append(max(0.0, step - comm - runq))
+        self._ended, self._forward, self._at_end = now, None, at_end
 
     def stats(self) -> dict[str, Any]:
         """`steps` timed, the medians `wait_s` and `step_s`, `share_q1` (the first quartile of the wait's share of
-        its step), `step_iqr_s`, and `waits` (`waits_for_data_at`). Zeros when fewer than two steps were timed."""
+        its step), `step_iqr_s`, `waits` (`waits_for_data_at`), and the median, first and third quartile of the
+        rank's own work (`own_s`, `own_q1_s`, `own_q3_s`) and the median time in collectives (`comm_s`). Zeros when
+        fewer than two steps were timed."""
         n = len(self.steps)
         if n < 2:
-            return {"steps": n, "wait_s": 0.0, "step_s": 0.0, "share_q1": 0.0, "step_iqr_s": 0.0, "waits": False}
+            zeros = dict.fromkeys(("wait_s", "step_s", "share_q1", "step_iqr_s", "own_s", "own_q1_s", "own_q3_s"), 0.0)
+            return {"steps": n, **zeros, "comm_s": 0.0, "waits": False}
         q1, _, q3 = statistics.quantiles(self.steps, n=4)
         shares = [w / s if s > 0 else 0.0 for w, s in zip(self.waits, self.steps)]
         out = {
@@ -60,14 +115,23 @@ class StepClock:
             "share_q1": statistics.quantiles(shares, n=4)[0],
             "step_iqr_s": q3 - q1,
         }
-        return {**out, "waits": waits_for_data_at(**out)}
+        own_q1, own, own_q3 = statistics.quantiles(self.owns, n=4)
+        timing = {"own_s": own, "own_q1_s": own_q1, "own_q3_s": own_q3}
+        return {**out, "waits": waits_for_data_at(**out), **timing, "comm_s": statistics.median(self.comms)}
 
     @staticmethod
     def slots(clock: StepClock | None) -> dict[str, float]:
         """A rank's figures for the sharded report's reduction: whether it waits for data, over how many steps, its
-        medians (zeros where no clock ran)."""
+        medians, whether its collectives were timed (zeros where no clock ran)."""
         t = clock.stats() if clock is not None else {"waits": False, "steps": 0, "wait_s": 0.0, "step_s": 0.0}
-        return {"waiting": t["waits"], "timed_steps": t["steps"], "wait_s": t["wait_s"], "step_s": t["step_s"]}
+        return {
+            "waiting": t["waits"],
+            "timed_steps": t["steps"],
+            "wait_s": t["wait_s"],
+            "step_s": t["step_s"],
+            "comm_timed": clock is not None and clock._comm is not None and clock._comm.timed,
+            "own_s": t.get("own_s", 0.0),
+        }
 
 
 def input_wait(top: dict[str, float], low: dict[str, float]) -> dict[str, Any] | None:

@@ -12,7 +12,16 @@ from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.records import RankRecord, StepCounters
 from ddp_doctor.observation.collectives import Call, digest
 
-__all__ = ["MAX_COLLECTIVE_LOG", "MAX_LOADERS", "MAX_SAVES", "MAX_SITES", "MAX_STEP_LOG", "StepLog", "StepState"]
+__all__ = [
+    "MAX_COLLECTIVE_LOG",
+    "MAX_LOADERS",
+    "MAX_SAVES",
+    "MAX_SITES",
+    "MAX_STEP_LOG",
+    "StepLog",
+    "StepState",
+    "runq_seconds",
+]
 
 MAX_SITES = 4
 """At most this many call sites of each kind are kept (the first ones)."""
@@ -70,6 +79,16 @@ class StepState:
     def active(self) -> bool:
         """Something of this step happened (a forward started, or a gradient arrived)."""
         return self.started or any(self.used)
+
+
+def runq_seconds(schedstat: str) -> float:
+    """Seconds a thread has waited for a CPU so far, from its `schedstat` file (`/proc/self/task/<tid>/schedstat`,
+    the second field: Linux's run-queue delay); 0.0 where there is none to read."""
+    try:
+        with open(schedstat) as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 class StepLog:
@@ -189,13 +208,7 @@ class StepLog:
         rows["counters"].append(torch.tensor(step.counters.as_list(), dtype=torch.int64))
 
     def _runq_now(self) -> float:
-        """Seconds the training loop's thread has waited for a CPU so far (the second field of Linux's schedstat);
-        0.0 where there is none to read."""
-        try:
-            with open(self._schedstat) as f:
-                return int(f.read().split()[1]) / 1e9
-        except (OSError, IndexError, ValueError):
-            return 0.0
+        return runq_seconds(self._schedstat)
 
     def missing(self, names: list[str], limit: int) -> list[str]:
         """Names of the parameters trainable at the end of the last closed step that got no gradient in it."""

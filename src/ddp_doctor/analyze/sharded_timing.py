@@ -1,0 +1,107 @@
+"""The step-time findings for a sharded model (FSDP2's `fully_shard`, `replicate`): `input-bound` (every rank waits
+for its next batch for most of each step) and `straggler-rank` (one rank's own work is longer, and the others wait
+for it in the model's collectives). Pure: the agreed facts (`ShardedRun.input_wait`, `ShardedRun.slowest`) in.
+
+DDP's rule reads each rank's step phases from DDP's hooks (`analyze/throughput.py`); a sharded model has none, so
+the watch times its steps from the host's clock (`observation/step_clock.py`): from one optimizer step's end to the
+first forward after it (the wait), and to the next step's end (the step), on CPU only. The same thresholds decide
+(`core/steptime.waits_for_data_at`), and on every rank, not on more than half of them: the reduction carries the
+lowest and highest of each rank's figures, not their median.
+
+Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_slow_loader.py`, a dataset
+that sleeps 5 ms per sample, 8 samples per batch): with no worker the ranks waited 42 ms of a 70 ms step (the
+script's own clock); with 4 workers 2 ms of 27 ms. Both end with exit code 0 (tests/launch/test_check_fsdp2_steps.py).
+
+`straggler-rank` is DDP's rule on bounds the reduction can carry: the slowest rank's own work (its step less its
+time in the model's collectives, `observation/step_clock.CommClock`, and its run-queue delay) against the longest
+of the other ranks' (not their median), its first quartile against the highest of their third quartiles, and the
+wait it causes as the shortest of their times in collectives. On CPU only, like the wait for data.
+
+Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_straggler.py`, rank 1 runs
+60 products of 256x256 matrices on each batch before its forward; three sharded Linear layers): rank 1 spent 74 ms
+a step on that and 38 ms in its forward and backward, while rank 0's forward and backward took 113 ms (21 ms when
+no rank does the extra work): rank 0 waits about 90 ms a step in the all-gathers and reduce-scatters. With
+`replicate`, 112 ms of extra work and rank 0's forward and backward at 130 ms (12 ms without). All end with exit
+code 0: nothing says the job runs at the pace of its slowest rank.
+"""
+
+from __future__ import annotations
+
+from ddp_doctor.analyze.throughput import STRAGGLER_RATIO, input_fix, loader_words, straggler_fix
+from ddp_doctor.core.codes import Code
+from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.sharded_run import ShardedRun
+from ddp_doctor.core.steptime import MIN_STEPS, MIN_WAIT_S
+
+__all__ = ["sharded_input_bound", "sharded_straggler"]
+
+
+def _ms(lo: float, hi: float) -> str:
+    return f"{lo * 1e3:.1f} ms" if round(lo * 1e3, 1) == round(hi * 1e3, 1) else f"{lo * 1e3:.1f}-{hi * 1e3:.1f} ms"
+
+
+def sharded_input_bound(run: ShardedRun, ranks: list[int]) -> Finding:
+    """The finding for `run.input_wait` (set)."""
+    w = run.input_wait
+    assert w is not None
+    (wait_lo, wait_hi), (step_lo, step_hi) = w["wait_s"], w["step_s"]
+    share = wait_lo / step_hi if step_hi > 0 else 1.0
+    loader = w["loader"]
+    name, settings = loader_words(loader)
+    return Finding(
+        code=Code.INPUT_BOUND,
+        severity="warning",
+        title=f"every rank waits for data at least {share:.0%} of each step ({_ms(wait_lo, wait_hi)} of "
+        f"{_ms(step_lo, step_hi)})",
+        detail=f"Measured on this machine's clock over {w['steps']} steps (the first observed step left out): each "
+        f"rank's median wait between the end of one optimizer step and the next forward is {_ms(wait_lo, wait_hi)}, "
+        f"of a median step of {_ms(step_lo, step_hi)} (the lowest and highest over the ranks). The input comes from "
+        f"{name}" + (f" ({settings})" if settings else "") + ". That time is spent in the loader's __next__ and "
+        "whatever else the loop does between steps; more GPUs will not make the run faster until it shrinks.",
+        ranks=ranks,
+        steps=[],
+        fix=input_fix(loader.get("num_workers")),
+    )
+
+
+def sharded_straggler(run: ShardedRun) -> Finding | None:
+    """`straggler-rank` when `run.slowest` shows one rank's own work longer than every other's, in most steps, by
+    more than its own spread, and the others losing at least half of the difference in the collectives."""
+    s = run.slowest
+    if s is None or s["steps"] < MIN_STEPS:
+        return None
+    own, others = s["own_s"], s["others_own_s"]
+    extra = own - others
+    if not (
+        own >= STRAGGLER_RATIO * others
+        and extra >= MIN_WAIT_S
+        and s["own_q1_s"] > s["others_own_q3_s"]
+        and extra > s["own_q3_s"] - s["own_q1_s"]
+        and s["others_comm_s"] >= 0.5 * extra
+    ):
+        return None
+    ratio = own / others if others > 0 else float("inf")
+    between = s["wait_s"] - s["others_wait_s"]
+    where = (
+        "between steps (the wait for the next batch and anything else the loop does before the forward: "
+        f"{between * 1e3:.1f} ms more than any other rank)"
+        if between >= 0.5 * extra
+        else "within the step (its forward, backward or optimizer step)"
+    )
+    rank, lost = s["rank"], s["others_comm_s"] * 1e3
+    # A tiny model's own work rounds to nothing on the other ranks: no ratio then, the difference.
+    slower = f"is {ratio:.1f}x slower" if others >= 1e-3 else f"does {extra * 1e3:.1f} ms more work per step"
+    times = f", {ratio:.1f} times as long," if others >= 1e-3 else ""
+    return Finding(
+        code=Code.STRAGGLER_RANK,
+        severity="warning",
+        title=f"rank {rank} {slower}; the other ranks wait {lost:.1f} ms per step for it",
+        detail=f"Measured on this machine over {s['steps']} steps (the first observed step left out): rank {rank} "
+        f"takes {own * 1e3:.1f} ms per step of its own work (median; its time in the sharded model's collectives "
+        f"and its waits for a CPU left out) against at most {others * 1e3:.1f} ms on any other rank{times} in "
+        f"most steps. Its extra time is spent {where}. Every other rank spends at least {lost:.1f} ms per step in "
+        "the sharded model's all-gathers and gradient reductions, waiting for it.",
+        ranks=[rank],
+        steps=[],
+        fix=straggler_fix(rank),
+    )

@@ -1,0 +1,79 @@
+"""`straggler-rank` for a sharded model, from the reduced figures alone (`analyze/sharded_timing.py`). The real
+runs, with their ground truth, are in tests/launch/test_check_fsdp2_steps.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddp_doctor.analyze.sharded import sharded_recommendation
+from ddp_doctor.analyze.sharded_timing import sharded_straggler
+from ddp_doctor.core.sharded_run import ShardedRun
+
+SLOW = {
+    "rank": 1,
+    "steps": 7,
+    "own_s": 0.060,
+    "own_q1_s": 0.058,
+    "own_q3_s": 0.063,
+    "wait_s": 0.055,
+    "others_own_s": 0.010,
+    "others_own_q3_s": 0.012,
+    "others_wait_s": 0.001,
+    "others_comm_s": 0.052,
+}
+
+
+def _run(slowest: dict | None, **facts) -> ShardedRun:
+    return ShardedRun(
+        world=2,
+        optimizer="SGD",
+        optimizer_site=None,
+        sharding={"api": "fully_shard", "root_sharded": True},
+        model_params=6,
+        steps=8,
+        model_params_stepped=6,
+        slowest=slowest,
+        **{"timed_steps": 7, "comm_timed": True, **facts},
+    )
+
+
+def test_a_rank_whose_own_work_is_longest_in_most_steps_with_the_others_waiting_is_named() -> None:
+    f = sharded_straggler(_run(SLOW))
+    assert f is not None and f.ranks == [1] and f.severity == "warning"
+    assert f.title == "rank 1 is 6.0x slower; the other ranks wait 52.0 ms per step for it"
+    assert "between steps" in f.detail and "54.0 ms more than any other rank" in f.detail
+    assert "make rank 1 do the same work as the others" in f.fix
+
+
+def test_other_ranks_with_no_measurable_own_work_get_the_difference_not_a_ratio() -> None:
+    f = sharded_straggler(_run({**SLOW, "others_own_s": 0.0, "others_own_q3_s": 0.0}))
+    assert f is not None and f.title.startswith("rank 1 does 60.0 ms more work per step;")
+    assert "x slower" not in f.title and "times as long" not in f.detail
+
+
+def test_extra_time_inside_the_step_is_said_to_be_there() -> None:
+    f = sharded_straggler(_run({**SLOW, "wait_s": 0.002}))
+    assert f is not None and "within the step (its forward, backward or optimizer step)" in f.detail
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"own_s": 0.014},  # not 1.5 times the others
+        {"own_s": 0.013, "others_own_s": 0.002, "own_q1_s": 0.012, "own_q3_s": 0.013},  # 11 ms: under MIN_WAIT_S
+        {"others_own_q3_s": 0.059},  # some other rank as slow in a quarter of its steps
+        {"own_q1_s": 0.010, "own_q3_s": 0.075},  # spread wider than the difference
+        {"others_comm_s": 0.020},  # the others do not wait for it
+        {"steps": 3},  # too few steps for quartiles
+    ],
+)
+def test_no_straggler_without_a_large_consistent_difference_the_others_wait_for(change: dict) -> None:
+    assert sharded_straggler(_run({**SLOW, **change})) is None
+
+
+def test_the_recommendation_says_whether_a_straggler_was_checked() -> None:
+    checked = sharded_recommendation(_run(None)).reason
+    assert "whether the ranks wait for their data and whether one rank is slower than the others" in checked
+    assert "straggler" not in checked
+    untimed = sharded_recommendation(_run(None, comm_timed=False)).reason
+    assert "a straggler rank (the time in the sharded model's collectives could not be timed)" in untimed
