@@ -23,7 +23,7 @@ from ddp_doctor.analyze.diagnose import (
 from ddp_doctor.analyze.recommend import recommend
 from ddp_doctor.analyze.shapes import explain_shape_error, refused_at_wrap
 from ddp_doctor.analyze.sharded import verified_reshard
-from ddp_doctor.analyze.sharded_failures import explain_meta_params
+from ddp_doctor.analyze.sharded_failures import explain_fsdp2_crash, explain_meta_params
 from ddp_doctor.analyze.snippets import with_code
 from ddp_doctor.analyze.throughput import rank_timings
 from ddp_doctor.analyze.usage import figures
@@ -41,6 +41,7 @@ __all__ = [
     "diagnose_sharded",
     "diagnose_unwrapped",
     "diagnose_verified",
+    "explain_fsdp2_crash",
     "explain_meta_params",
     "explain_shape_error",
     "refused_at_wrap",

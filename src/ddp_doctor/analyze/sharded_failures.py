@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.positions import capped, short, where
@@ -22,9 +23,19 @@ from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 
-__all__ = ["explain_meta_params", "forward_alone", "gather_alone", "ran_out_alone", "state_dict_alone"]
+__all__ = [
+    "explain_fsdp2_crash",
+    "explain_meta_params",
+    "forward_alone",
+    "gather_alone",
+    "ran_out_alone",
+    "state_dict_alone",
+]
 
 _ON_META = re.compile(r"materialized from meta device before training.*still on meta device: \[([^\]]*)\]", re.S)
+
+_DTYPES_MIXED = re.compile(r"same dtype|scalar type|Input type|dtype mismatch", re.I)
+_LOW_NAMES = {"bfloat16": ("BFloat16", "bfloat16"), "float16": ("Half", "float16")}
 
 _GATHERS = ("get_model_state_dict", "get_state_dict", "get_optimizer_state_dict", "full_tensor", "_gather_state_dict")
 """The calls that all-gather sharded (DTensor) state, the one a user calls first: every rank must enter them."""
@@ -192,4 +203,32 @@ def explain_meta_params(message: str) -> str | None:
         f"{shown} (module{'s' if len(modules) > 1 else ''} {', '.join(repr(m) for m in modules[:6])}). Materialize "
         "them after the fully_shard calls and before the first forward: `model.to_empty(device=device)`, then "
         "initialise every module (`module.reset_parameters()`, or load a checkpoint into the sharded model)."
+    )
+
+
+def explain_fsdp2_crash(kind: str, message: str, shard: dict[str, Any]) -> str:
+    """A script's error before its first optimizer step in an FSDP2 job (`shard`: its `fully_shard` calls, from
+    the beacon), in FSDP2's words where it is one: a forward that mixes the dtype a mixed-precision policy runs its
+    modules in with float32 (the policy's inputs left uncast, or a module outside every sharded group getting the
+    low-precision activations). Ground truth in tests/launch/test_check_fsdp2_dtype.py."""
+    calls = shard.get("calls", 0)
+    first = f"an FSDP2 job ({calls} fully_shard call{'s' if calls != 1 else ''}, the first at {shard.get('site')})"
+    policy = shard.get("policy") or {}
+    low = policy.get("param_dtype")
+    if not (low in _LOW_NAMES and _DTYPES_MIXED.search(message) and any(n in message for n in _LOW_NAMES[low])):
+        return f"{first}: {kind}: {message}"
+    given = f"MixedPrecisionPolicy(param_dtype=torch.{low}) given to fully_shard at {policy.get('site')}"
+    if not policy.get("cast_forward_inputs", True):
+        return (
+            f"{first}: the forward mixed float32 and {low} tensors ({kind}: {message}). The {given} runs the module "
+            f"it shards in {low} with cast_forward_inputs=False, so its float32 inputs reach {low} weights uncast. Fix: leave "
+            f"cast_forward_inputs at its default (True), which casts the module's floating-point inputs to {low}, or "
+            f"pass them in {low} yourself (`x.to(torch.{low})`)."
+        )
+    return (
+        f"{first}: the forward mixed float32 and {low} tensors ({kind}: {message}). The {given} runs its modules in "
+        f"{low} and casts their inputs; a module outside every fully_shard group keeps float32 weights and gets "
+        f"their {low} outputs (the root not sharded, say). Fix: shard that module too (fully_shard(model) on the "
+        f"root last, which runs everything left in {low}), or give the policy output_dtype=torch.float32 so the "
+        "sharded modules hand float32 on."
     )

@@ -84,6 +84,10 @@ class BeaconState:
     """That model's process group backend (the report's header; a DDP model's is in its model record)."""
     forwards: dict[str, int] = field(default_factory=dict)
     """Forwards through that sharded model since its first optimizer step, by the user's line (8 lines at most)."""
+    fully_shard: dict[str, Any] | None = None
+    """The script's `fully_shard` calls: how many (`calls`), the first one's line (`site`), and the first
+    mixed-precision policy one was given (`policy`: its `site`, `param_dtype`, `cast_forward_inputs`), published as
+    they are made: a rank that fails before its first optimizer step is known to run an FSDP2 job."""
     train_loader: dict[str, Any] | None = None
     """The DataLoader the sharded model's last optimizer step trained on: its `site` and `batches` (`len()` on this
     rank), published when it changes: ranks of different lengths run out at different steps."""

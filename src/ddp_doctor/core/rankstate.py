@@ -102,6 +102,8 @@ class RankState:
     """The sharding of the FSDP2 model the rank trained (no DDP), from the beacon."""
     forwards: dict[str, int] = field(default_factory=dict)
     """Forwards through that model since its first optimizer step, by the user's line, from the beacon."""
+    fully_shard: dict[str, Any] | None = None
+    """The script's `fully_shard` calls (`calls`, `site`, the first mixed-precision `policy`), from the beacon."""
     train_loader: dict[str, Any] | None = None
     """The loader that model's last step trained on (`site`, `batches`), from the beacon."""
     state_dicts: dict[str, int] = field(default_factory=dict)
@@ -156,7 +158,7 @@ def read_rank_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
             state.collective = beacon.collective
             state.sharding, state.forwards, state.backend = beacon.sharding, beacon.forwards, beacon.backend
             state.gathers, state.state_dicts = beacon.gathers, beacon.state_dicts
-            state.train_loader = beacon.train_loader
+            state.train_loader, state.fully_shard = beacon.train_loader, beacon.fully_shard
         failure = failures.get(str(rank))
         if failure is not None:
             state.signal = failure.get("signal")

@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from ddp_doctor.analyze import diagnose_after_steps, diagnose_failure, explain_meta_params, refused_at_wrap
+from ddp_doctor.analyze import (
+    diagnose_after_steps,
+    diagnose_failure,
+    explain_fsdp2_crash,
+    explain_meta_params,
+    refused_at_wrap,
+)
 from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.findings import finite
 from ddp_doctor.core.rankfiles import Outcome, read_ends
@@ -165,6 +171,13 @@ def collect(
             if meta_params is not None:
                 return CheckResult(
                     error=f"the script failed on rank {crashed[0].rank}: {meta_params}\n{crash.traceback}",
+                    timed_out=timed_out,
+                )
+            shard = next((s.fully_shard for s in crashed if s.fully_shard), None)
+            if shard is not None:  # no DDP to build: the sharded model's first optimizer step was not reached
+                return CheckResult(
+                    error=f"the script failed on rank {crashed[0].rank} before its first optimizer step, in "
+                    f"{explain_fsdp2_crash(crash.type, crash.message, shard)}\n{crash.traceback}",
                     timed_out=timed_out,
                 )
             return CheckResult(

@@ -159,10 +159,11 @@ def patch_gradient_sync() -> None:
     fsdp.set_requires_gradient_sync = set_requires_gradient_sync
 
 
-def patch_fully_shard(reshard_off: list[int]) -> None:
+def patch_fully_shard(reshard_off: list[int], on_shard: Callable[[str | None, Any], None]) -> None:
     """Number the script's `fully_shard` calls and remember each call's line on the modules it sharded (the
     `reshard_after_forward` advice names them) and on the parameters it was told to ignore; the calls listed in
-    `reshard_off` run with `reshard_after_forward=False` (a verification run applying that advice). The public
+    `reshard_off` run with `reshard_after_forward=False` (a verification run applying that advice); after each
+    call, `on_shard(line, mp_policy)` (the policy as given, or None). The public
     `torch.distributed.fsdp` attribute is replaced, which `from torch.distributed.fsdp import fully_shard` in the
     script (or in Accelerate) reads after this runs."""
     try:
@@ -185,6 +186,7 @@ def patch_fully_shard(reshard_off: list[int]) -> None:
             object.__setattr__(m, SHARD_CALL_ATTR, (index, site))
         for p in kwargs.get("ignored_params") or ():
             setattr(p, IGNORED_ATTR, site)  # FSDP2 leaves them to the script: neither sharded nor synced
+        on_shard(site, kwargs.get("mp_policy"))
         return out
 
     fully_shard._ddp_doctor_patched = True  # type: ignore[attr-defined]

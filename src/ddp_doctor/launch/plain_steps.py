@@ -104,6 +104,20 @@ class PlainSteps:
         if not self._run.finishing:
             self._count(self._run.beacon.state.state_dicts, user_site() or "an unknown place")
 
+    def on_shard(self, site: str | None, policy: Any) -> None:
+        """A `fully_shard` call of the script (at `site`, with its `mp_policy`): counted in the beacon, with the
+        first policy that runs a module in another dtype, so a failure before the first step is read as FSDP2's."""
+        shard = dict(self._run.beacon.state.fully_shard or {"calls": 0, "site": site})
+        shard["calls"] += 1
+        dtype = getattr(policy, "param_dtype", None)
+        if dtype is not None and "policy" not in shard:
+            shard["policy"] = {
+                "site": site,
+                "param_dtype": str(dtype).removeprefix("torch."),
+                "cast_forward_inputs": bool(getattr(policy, "cast_forward_inputs", True)),
+            }
+        self._run.beacon.update(fully_shard=shard)
+
     def on_gather(self, frame: FrameType) -> None:
         """Count a gather of sharded tensors in full (called from `frame`) by the function the user's line called
         and that line, once the FSDP2 model has stepped (before that, no count: the path's other evidence, a

@@ -123,7 +123,7 @@ class Session:
         patch_destroy_process_group(self)
         patch_optimizer_init()
         patch_gradient_sync()
-        patch_fully_shard(self.config.reshard_off)
+        patch_fully_shard(self.config.reshard_off, self.plain_steps.on_shard)
         patch_full_gather(self.plain_steps.on_gather)
         saves.listen(self.plain.note_save)
         self._plain_hook = register_optimizer_step_post_hook(self.plain_steps.on_step)
