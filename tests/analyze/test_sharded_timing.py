@@ -1,13 +1,19 @@
-"""`straggler-rank` for a sharded model, from the reduced figures alone (`analyze/sharded_timing.py`). The real
-runs, with their ground truth, are in tests/launch/test_check_fsdp2_steps.py."""
+"""`straggler-rank` for a sharded model, from the reduced figures alone (`analyze/sharded_timing.py`), and the
+round that finds the slowest rank on a real 4-rank gloo group (`exchange/timing.slowest_rank`: at 2 ranks, where
+the check runs it, "the others" is one rank). The real runs, with their ground truth, are in
+tests/launch/test_check_fsdp2_steps.py."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from dist import run_ranks
 
 from ddp_doctor.analyze.sharded import sharded_recommendation
 from ddp_doctor.analyze.sharded_timing import sharded_straggler
 from ddp_doctor.core.sharded_run import ShardedRun
+from ddp_doctor.exchange.primitives import minmax
+from ddp_doctor.exchange.timing import slowest_rank
 
 SLOW = {
     "rank": 1,
@@ -77,3 +83,29 @@ def test_the_recommendation_says_whether_a_straggler_was_checked() -> None:
     assert "straggler" not in checked
     untimed = sharded_recommendation(_run(None, comm_timed=False)).reason
     assert "a straggler rank (the time in the sharded model's collectives could not be timed)" in untimed
+
+
+def _slowest(rank: int, world: int, owns: list[float]) -> dict | None:
+    """One rank of a real gloo group: its clock's figures (own work `owns[rank]`, a third of it in collectives on
+    the others) reduced as the sharded report reduces them, then `slowest_rank`."""
+    own = owns[rank]
+    mine = {"own_s": own, "own_q1_s": own * 0.9, "own_q3_s": own * 1.1, "wait_s": own / 2, "comm_s": 0.3 - own / 3}
+    slots = ("comm_timed", "timed_steps", "own_s")
+    top, low = (dict(zip(slots, r.tolist())) for r in minmax(torch.tensor([1.0, 7.0, own]), None, torch.device("cpu")))
+    return slowest_rank(mine, top, low, torch.device("cpu"))
+
+
+def test_four_ranks_name_the_slowest_and_bound_the_others_by_their_worst(tmp_path) -> None:
+    # Rank 2 is the slowest; the others' bounds are the longest own work (rank 3's) and the shortest wait in
+    # collectives (also rank 3's), whatever rank order they come in. Every rank gets the same answer.
+    got = run_ranks(_slowest, tmp_path, world_size=4, args=([0.010, 0.012, 0.060, 0.020],))
+    assert all(g == got[0] for g in got), got
+    s = got[0]
+    assert s["rank"] == 2 and s["steps"] == 7
+    assert s["others_own_s"] == pytest.approx(0.020) and s["others_own_q3_s"] == pytest.approx(0.022)
+    assert s["own_q1_s"] == pytest.approx(0.054) and s["wait_s"] == pytest.approx(0.030)
+    assert s["others_comm_s"] == pytest.approx(0.3 - 0.020 / 3) and s["others_wait_s"] == pytest.approx(0.010)
+
+
+def test_two_ranks_tied_as_the_slowest_name_nobody(tmp_path) -> None:
+    assert run_ranks(_slowest, tmp_path, world_size=4, args=([0.010, 0.060, 0.060, 0.020],)) == [None] * 4

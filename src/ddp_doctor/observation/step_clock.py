@@ -78,6 +78,11 @@ class StepClock:
         self.owns: list[float] = []
         self.comms: list[float] = []
 
+    @property
+    def comm_timed(self) -> bool:
+        """The time in the model's collectives is in the own-work figures (every group's methods were wrapped)."""
+        return self._comm is not None and self._comm.timed
+
     def on_forward(self) -> None:
         """A forward through the model began (its root's forward pre-hook)."""
         if self._ended is not None and self._forward is None:
@@ -129,7 +134,7 @@ class StepClock:
             "timed_steps": t["steps"],
             "wait_s": t["wait_s"],
             "step_s": t["step_s"],
-            "comm_timed": clock is not None and clock._comm is not None and clock._comm.timed,
+            "comm_timed": clock is not None and clock.comm_timed,
             "own_s": t.get("own_s", 0.0),
         }
 
