@@ -10,7 +10,7 @@ import torch
 from dist import run_ranks
 
 from ddp_doctor.analyze.sharded import sharded_recommendation
-from ddp_doctor.analyze.sharded_timing import sharded_straggler
+from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
 from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.exchange.primitives import minmax
 from ddp_doctor.exchange.timing import slowest_rank
@@ -83,6 +83,25 @@ def test_the_recommendation_says_whether_a_straggler_was_checked() -> None:
     assert "straggler" not in checked
     untimed = sharded_recommendation(_run(None, comm_timed=False)).reason
     assert "a straggler rank (the time in the sharded model's collectives could not be timed)" in untimed
+
+
+def test_on_a_gpu_the_wait_is_the_gpus_and_a_straggler_is_said_to_be_unchecked() -> None:
+    wait = {
+        "wait_s": [0.040, 0.042],
+        "step_s": [0.050, 0.051],
+        "steps": 7,
+        "loader": {"dataset_type": "SlowDecode", "site": "train.py:31", "num_workers": 0},
+        "clock": "gpu",
+    }
+    run = _run(None, comm_timed=False, gpu_timed=True, input_wait=wait)
+    f = sharded_input_bound(run, [0, 1])
+    assert f.detail.startswith("Measured on the GPU's clock (CUDA events on the model's stream: the GPU idle")
+    assert "40.0-42.0 ms" in f.detail and "SlowDecode created at train.py:31" in f.detail
+    reason = sharded_recommendation(run).reason
+    assert "whether the ranks wait for their data (the GPU's clock over 7 steps)" in reason
+    assert "a straggler rank (on a GPU the time in the collectives is not timed" in reason
+    host = sharded_input_bound(_run(None, input_wait={**wait, "clock": "host"}), [0, 1])
+    assert host.detail.startswith("Measured on this machine's clock over 7 steps")
 
 
 def _slowest(rank: int, world: int, owns: list[float]) -> dict | None:

@@ -114,6 +114,50 @@ def test_neither_rule_runs_for_a_ddp_on_gpus_whose_host_times_do_not_tell() -> N
         assert not {f.code for f in analyze(cuda, records).findings} & {"input-bound", "straggler-rank"}
 
 
+def gpu_timed(rank: int, rows: list[tuple[float, ...]], gpu: list[tuple[float, float]], loaders=()) -> RankRecord:
+    """`timed`, with the GPU's clock (the GPU's idle time before the forward, the step on the GPU; ms) in the last
+    two columns, as a DDP on CUDA records them (the first step's NaN: no step end before it)."""
+    r = timed(rank, rows, loaders)
+    device = torch.tensor(gpu, dtype=torch.float64) * MS
+    device[0] = float("nan")
+    r.timing = torch.cat([r.timing, torch.zeros(len(rows), 1, dtype=torch.float64), device], 1)
+    return r
+
+
+def test_on_gpus_input_bound_decides_on_the_gpus_idle_time_not_the_hosts_wait() -> None:
+    """The host's 20 ms between steps is its wait in `loss.item()` for a busy GPU, idle 0.2 ms of a 30 ms step: not
+    input-bound. A GPU idle 20 ms of a 25 ms step is, in the GPU's words; the host's phases do not decide."""
+    cuda = info(ddp_config={"find_unused_parameters": False, "static_graph": False, "device_ids": [0]})
+    busy = [gpu_timed(r, steady(data=20.0), [(0.2, 30.0)] * STEPS, loaders=[LOADER]) for r in range(2)]
+    assert not {f.code for f in analyze(cuda, busy).findings} & {"input-bound", "straggler-rank"}
+    idle = [gpu_timed(r, steady(data=0.1), [(20.0, 25.0)] * STEPS, loaders=[LOADER]) for r in range(2)]
+    d = analyze(cuda, idle)
+    f = next(f for f in d.findings if f.code == "input-bound")
+    assert "20.0 ms of 25.0 ms" in f.title and f.ranks == [0, 1]
+    assert "the GPU's clock" in f.detail and "GPUs sit idle 20.0 ms" in f.detail
+    report = Report.build(RunFacts.of_model(cuda, world_size=2, backend="nccl"), d)
+    data = json.loads(report.to_json())
+    one = data["timing"]["per_rank"][1]
+    assert one["clock"] == "gpu" and one["steps"] == STEPS - 1
+    assert one["data_wait_s"] == pytest.approx(0.020) and one["step_s"] == pytest.approx(0.025)
+    assert Report.from_dict(data).to_dict()["timing"] == data["timing"]
+    text = to_text(report, width=300)
+    assert "on the GPU's clock, ms (GPU idle waiting for data/step): rank 0 20.0/25.0; rank 1 20.0/25.0" in text
+    assert "class='step-time'" not in report.to_html()  # no phases figure: the GPU's phases are not timed
+    # One rank much slower on the GPU: no straggler-rank there (NCCL's waits are not timed).
+    slow = [gpu_timed(0, steady(), [(0.2, 10.0)] * STEPS), gpu_timed(1, steady(), [(0.2, 40.0)] * STEPS)]
+    assert "straggler-rank" not in {f.code for f in analyze(cuda, slow).findings}
+
+
+def test_a_rank_whose_gpu_timed_some_steps_only_is_judged_on_those() -> None:
+    """The events of the last steps not reached when the report read them: those steps are left out."""
+    cuda = info(ddp_config={"find_unused_parameters": False, "static_graph": False, "device_ids": [0]})
+    gpu = [(20.0, 25.0)] * (STEPS - 1) + [(float("nan"), float("nan"))]
+    d = analyze(cuda, [gpu_timed(r, steady(data=0.1), gpu, loaders=[LOADER]) for r in range(2)])
+    assert d.timing.per_rank[0].steps == STEPS - 2 and d.timing.per_rank[0].gpu_clock
+    assert "input-bound" in {f.code for f in d.findings}
+
+
 def test_input_bound_needs_a_dataloader() -> None:
     """Without one the time between steps is the loop's own (observe_overhead times two other models there)."""
     assert "input-bound" not in codes([timed(r, steady(data=20.0)) for r in range(2)])

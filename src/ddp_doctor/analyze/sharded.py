@@ -249,13 +249,16 @@ def _timed(run: ShardedRun) -> str:
     if run.timed_steps < MIN_STEPS:
         return ""
     slower = " and whether one rank is slower than the others" if run.comm_timed and run.world > 1 else ""
-    return f", whether the ranks wait for their data{slower} (the host's clock over {run.timed_steps} steps)"
+    clock = "the GPU's clock" if run.gpu_timed else "the host's clock"
+    return f", whether the ranks wait for their data{slower} ({clock} over {run.timed_steps} steps)"
 
 
 def _untimed(run: ShardedRun) -> str:
     """The step-time checks not made, as the end of a list (", ..."); "" when all were."""
     if run.timed_steps < MIN_STEPS:
-        return f", the step time (timed on CPU only, over at least {MIN_STEPS} steps after the first)"
+        return f", the step time (timed over at least {MIN_STEPS} steps after the first, on CPU or one GPU a rank)"
+    if run.gpu_timed:
+        return ", a straggler rank (on a GPU the time in the collectives is not timed: NCCL runs them on its streams)"
     if not run.comm_timed:
         return ", a straggler rank (the time in the sharded model's collectives could not be timed)"
     return ""

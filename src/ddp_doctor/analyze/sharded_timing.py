@@ -4,7 +4,9 @@ for it in the model's collectives). Pure: the agreed facts (`ShardedRun.input_wa
 
 DDP's rule reads each rank's step phases from DDP's hooks (`analyze/throughput.py`); a sharded model has none, so
 the watch times its steps from the host's clock (`observation/step_clock.py`): from one optimizer step's end to the
-first forward after it (the wait), and to the next step's end (the step), on CPU only. The same thresholds decide
+first forward after it (the wait), and to the next step's end (the step). On CUDA the same marks are events on the
+model's stream, so the wait is the GPU's idle time, not the host's (which, after a `loss.item()`, holds the GPU's
+work). The same thresholds decide
 (`core/steptime.waits_for_data_at`), and on every rank, not on more than half of them: the reduction carries the
 lowest and highest of each rank's figures, not their median.
 
@@ -15,7 +17,8 @@ script's own clock); with 4 workers 2 ms of 27 ms. Both end with exit code 0 (te
 `straggler-rank` is DDP's rule on bounds the reduction can carry: the slowest rank's own work (its step less its
 time in the model's collectives, `observation/step_clock.CommClock`, and its run-queue delay) against the longest
 of the other ranks' (not their median), its first quartile against the highest of their third quartiles, and the
-wait it causes as the shortest of their times in collectives. On CPU only, like the wait for data.
+wait it causes as the shortest of their times in collectives. On CPU only: on CUDA, NCCL's collectives run on
+streams of their own, and the time a rank's work waits for them is not timed.
 
 Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_straggler.py`, rank 1 runs
 60 products of 256x256 matrices on each batch before its forward; three sharded Linear layers): rank 1 spent 74 ms
@@ -36,6 +39,13 @@ from ddp_doctor.core.steptime import MIN_STEPS, MIN_WAIT_S
 __all__ = ["sharded_input_bound", "sharded_straggler"]
 
 
+_CLOCKS = {
+    "host": "this machine's clock",
+    "gpu": "the GPU's clock (CUDA events on the model's stream: the GPU idle from a step's end until the forward's "
+    "work reached it)",
+}
+
+
 def _ms(lo: float, hi: float) -> str:
     return f"{lo * 1e3:.1f} ms" if round(lo * 1e3, 1) == round(hi * 1e3, 1) else f"{lo * 1e3:.1f}-{hi * 1e3:.1f} ms"
 
@@ -53,8 +63,9 @@ def sharded_input_bound(run: ShardedRun, ranks: list[int]) -> Finding:
         severity="warning",
         title=f"every rank waits for data at least {share:.0%} of each step ({_ms(wait_lo, wait_hi)} of "
         f"{_ms(step_lo, step_hi)})",
-        detail=f"Measured on this machine's clock over {w['steps']} steps (the first observed step left out): each "
-        f"rank's median wait between the end of one optimizer step and the next forward is {_ms(wait_lo, wait_hi)}, "
+        detail=f"Measured on {_CLOCKS[w.get('clock', 'host')]} over {w['steps']} steps (the first observed step "
+        f"left out): each rank's median wait between the end of one optimizer step and the next forward is "
+        f"{_ms(wait_lo, wait_hi)}, "
         f"of a median step of {_ms(step_lo, step_hi)} (the lowest and highest over the ranks). The input comes from "
         f"{name}" + (f" ({settings})" if settings else "") + ". That time is spent in the loader's __next__ and "
         "whatever else the loop does between steps; more GPUs will not make the run faster until it shrinks.",

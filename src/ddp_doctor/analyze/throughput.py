@@ -22,9 +22,13 @@ The rules, on each rank's `RankTiming` (medians and quartiles over its common st
 Both need at least `MIN_STEPS` measured steps on every rank compared: with fewer there are no quartiles to tell a
 consistent effect from a few slow steps.
 
-Neither rule runs for a DDP on GPUs (`device_ids` set): the phases are host-side times, and with CUDA the host runs
-ahead of the device, so the time it spends waiting for a batch may be time the GPU was busy, and the all-reduce the
-others wait in does not block the host. The per-rank phases are still reported; the findings would be guesses.
+For a DDP on GPUs (`device_ids` set) the phases are host-side times, and with CUDA the host runs ahead of the device:
+the time it spends waiting for a batch may be time the GPU was busy (a `loss.item()` after the optimizer step waits
+for the GPU there), and the all-reduce the others wait in does not block the host. So there the wait for data and
+the step are taken on the GPU's clock (`observation/device_clock.py`: CUDA events at each step's end and the next
+forward, so the wait is the time the GPU sat idle), and `input-bound` decides on those. `straggler-rank` does not run
+on GPUs: the waits in NCCL's all-reduce, on its own streams, are not timed. Ground truth on one H100, NCCL, one rank
+(tests/scripts/gpu_input.py, tests/launch/test_check_gpu_steps.py; the numbers there).
 
 Every rank's statistics reach the analysis already reduced (`exchange/ranktable.py`): counts, the slowest rank,
 medians over ranks; the rows of a few ranks whole. Nothing here grows with the world size.
@@ -68,6 +72,12 @@ def _host_times_tell(v: View) -> bool:
     return not v.info.ddp_config.get("device_ids")
 
 
+def _gpu_timed(v: View) -> bool:
+    """The ranks' waits for data and steps were taken on the GPU's clock (every rank shown; they run one code)."""
+    shown = v.summary.step_times.shown
+    return bool(shown) and all(t.gpu_clock for t in shown)
+
+
 def rank_timings(v: View) -> list[RankTiming]:
     """The measured ranks among the lowest 8, the slowest and the fastest (copies: the caller may renumber them)."""
     return [dataclasses.replace(t) for t in v.summary.step_times.shown]
@@ -96,7 +106,8 @@ def loader_words(d: dict) -> tuple[str, str]:
 
 @detects(Code.INPUT_BOUND)
 def input_bound(v: View) -> list[Finding]:
-    if not _host_times_tell(v):
+    gpu = _gpu_timed(v)
+    if not (gpu or _host_times_tell(v)):
         return []
     st = v.summary.step_times
     if not st.measured or 2 * st.waiting <= st.measured or not v.meta(0).get("loaders") or st.waiting_median is None:
@@ -112,9 +123,17 @@ def input_bound(v: View) -> list[Finding]:
             code=Code.INPUT_BOUND,
             severity="warning",
             title=f"the ranks wait for data {share:.0%} of each step ({_ms(wait)} of {_ms(step)})",
-            detail=f"{_MEASURED.format(n=n)}: {st.waiting} of {st.measured} ranks spend {_ms(wait)} per step (median, "
-            f"{share:.0%} of the step) between the end of one step and the next forward, against {_ms(compute)} "
-            f"of forward and backward compute. The input comes from {name}"
+            detail=(
+                f"Measured on the GPU's clock over {n} steps (the first observed step left out): {st.waiting} of "
+                f"{st.measured} ranks' GPUs sit idle {_ms(wait)} per step (median, {share:.0%} of the step) from "
+                "the end of one optimizer step until the next forward's work reaches them (CUDA events on the "
+                "model's stream)"
+                if gpu
+                else f"{_MEASURED.format(n=n)}: {st.waiting} of {st.measured} ranks spend {_ms(wait)} per step "
+                f"(median, {share:.0%} of the step) between the end of one step and the next forward, against "
+                f"{_ms(compute)} of forward and backward compute"
+            )
+            + f". The input comes from {name}"
             + (f" ({settings})" if settings else "")
             + ". That time is spent in the loader's __next__ and whatever else the loop does between steps; "
             "adding GPUs will not make the run faster until it shrinks.",

@@ -27,9 +27,11 @@ __all__ = [
     "encode_scale",
 ]
 
-TIMING_COLUMNS = 6
+TIMING_COLUMNS = 8
 """Columns of `RankRecord.timing`: forward, backward, optimizer, input wait, communication wait, CPU wait (the time
-the rank's main thread was ready to run but waited for a CPU: Linux's run-queue delay; 0 where it cannot be read)."""
+the rank's main thread was ready to run but waited for a CPU: Linux's run-queue delay; 0 where it cannot be read),
+and on the GPU's clock (a DDP model on CUDA, `observation/device_clock.py`) the wait from the previous step's end to
+the forward and the step since the previous step's end (NaN where not timed on a GPU)."""
 CRASH_KINDS = ("none", Code.REDUCTION_ERROR.value, "static-graph-changed", "mark-ready-twice", "ddp-other", "other")
 """How a rank's observed loop ended early; index = the number stored in a record. DDP's reduction error is the kind
 named by the code of the finding that explains it (compared as `Code.REDUCTION_ERROR`)."""

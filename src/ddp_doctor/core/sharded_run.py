@@ -85,13 +85,16 @@ class ShardedRun:
     non-root module to run forward (`module`, its `fully_shard` `call` index and `site`); None when there is none or
     the all-gathers were not counted."""
     timed_steps: int = 0
-    """Steps whose time every rank measured (the fewest on a rank; 0 on CUDA, where the host's clock does not tell)."""
+    """Steps whose time every rank measured (the fewest on a rank)."""
+    gpu_timed: bool = False
+    """The steps were timed on the GPU's clock (CUDA events, `observation/step_clock.DeviceClock`), not the host's."""
     input_wait: dict[str, Any] | None = None
     """When every rank waited for its next batch for most of each step (`observation/step_clock.py` on CPU): the
     ranks' median `wait_s` and `step_s` as [lowest, highest], the `steps` timed, and the DataLoader that fed them
-    (`dataloaders.describe` with its `site`). None otherwise, and on CUDA."""
+    (`dataloaders.describe` with its `site`), and the `clock` that timed them (`host` or `gpu`). None otherwise."""
     comm_timed: bool = False
-    """Every rank timed its steps' time in the model's collectives (`observation/step_clock.CommClock`, on CPU)."""
+    """Every rank timed its steps' time in the model's collectives (`observation/step_clock.CommClock`, on CPU
+    only: NCCL runs them on streams of its own)."""
     slowest: dict[str, Any] | None = None
     """The rank whose own work per step (its step less its time in the model's collectives and its run-queue
     delay) is the longest, when every rank timed its collectives on CPU: its `rank`, the `steps` timed, its `own_s`

@@ -41,10 +41,11 @@ PHASE_LABELS = {
     "optimizer_s": "optimizer",
 }
 _STATS = (*PHASES, "step_s")
-ROW_SIZE = 2 * len(_STATS) + 5
+ROW_SIZE = 2 * len(_STATS) + 6
 """Floats per rank in the exchange's per-rank table: the medians and interquartile ranges of the phases and of the
-step, the steps counted, the first quartile of the share of the step spent waiting for data, and the median, first
-and third quartiles of the step less the communication wait and the wait for a CPU (the rank's own time)."""
+step, the steps counted, the first quartile of the share of the step spent waiting for data, the median, first
+and third quartiles of the step less the communication wait and the wait for a CPU (the rank's own time), and 1.0
+when the wait for data and the step were timed on the GPU's clock."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,6 +74,10 @@ class RankTiming:
     """First quartile of the same."""
     own_q3_s: float
     """Third quartile of the same."""
+    gpu_clock: bool = False
+    """The wait for data and the step are the GPU's (a model on CUDA: `observation/device_clock.py`): the time the
+    GPU sat idle from a step's end to the next forward, and the step on the GPU. The other phases are the host's
+    times, and the own time is the whole step (the waits in NCCL's all-reduce are not timed on a GPU)."""
 
     def to_row(self) -> list[float]:
         return [
@@ -83,6 +88,7 @@ class RankTiming:
             self.own_s,
             self.own_q1_s,
             self.own_q3_s,
+            float(self.gpu_clock),
         ]
 
     @staticmethod
@@ -101,6 +107,7 @@ class RankTiming:
             own_s=row[2 * n + 2],
             own_q1_s=row[2 * n + 3],
             own_q3_s=row[2 * n + 4],
+            gpu_clock=row[2 * n + 5] > 0.5,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,6 +120,7 @@ class RankTiming:
             "own_s": self.own_s,
             "own_q1_s": self.own_q1_s,
             "own_q3_s": self.own_q3_s,
+            "clock": "gpu" if self.gpu_clock else "host",
         }
 
     @staticmethod
@@ -126,6 +134,7 @@ class RankTiming:
             own_s=data["own_s"],
             own_q1_s=data["own_q1_s"],
             own_q3_s=data["own_q3_s"],
+            gpu_clock=data.get("clock") == "gpu",
         )
 
 

@@ -41,6 +41,7 @@ from ddp_doctor.exchange.primitives import comm_device
 from ddp_doctor.observation import dataloaders, saves
 from ddp_doctor.observation.backward import BackwardHooks
 from ddp_doctor.observation.crash import OBSERVE_HINT, CrashLog, explain_failure
+from ddp_doctor.observation.device_clock import DeviceClock
 from ddp_doctor.observation.forward import ForwardHooks
 from ddp_doctor.observation.probes import Probes
 from ddp_doctor.observation.steplog import StepLog
@@ -126,6 +127,7 @@ class Doctor:
         self._after: list[Callable[[], None]] = []
         self._crash = CrashLog()
         self._log = StepLog(t.params, t.buffers)
+        self._log.device = DeviceClock.for_devices({p.device for p in t.params})
         self._timeline = Timeline(
             log=self._log,
             params=t.params,

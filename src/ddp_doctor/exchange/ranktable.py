@@ -39,14 +39,18 @@ def _quartiles(x: torch.Tensor) -> tuple[float, float, float]:
 
 def local_timing(record: RankRecord, s: int, rank: int) -> RankTiming | None:
     """This rank's phases over its common steps 1..s-1 (the first has no previous step to wait from, and is
-    warm-up); None when fewer than two common steps were seen."""
+    warm-up); None when fewer than two common steps were seen. On a GPU (the record's last two columns timed: see
+    `TIMING_COLUMNS`) the wait for data and the step are the GPU's, over the steps it timed."""
     rows = record.timing[1:s]
+    gpu = rows.shape[1] > 7 and bool(rows[:, 6:8].isfinite().all(1).any())
+    if gpu:
+        rows = rows[rows[:, 6:8].isfinite().all(1)]
     if rows.shape[0] == 0:
         return None
     forward, backward, optimizer, data, comm = rows[:, :5].unbind(1)
     # The time the loop's thread waited for a CPU (a machine busy with other work) is not the rank's own work.
     cpu_wait = rows[:, 5] if rows.shape[1] > 5 else torch.zeros_like(comm)
-    data = data.nan_to_num(0.0)
+    data = rows[:, 6] if gpu else data.nan_to_num(0.0)
     phases = {
         "data_wait_s": data,
         "forward_s": forward,
@@ -55,13 +59,13 @@ def local_timing(record: RankRecord, s: int, rank: int) -> RankTiming | None:
         "optimizer_s": optimizer,
     }
     assert tuple(phases) == PHASES
-    step = torch.stack(list(phases.values())).sum(0)
+    step = rows[:, 7] if gpu else torch.stack(list(phases.values())).sum(0)
     median, iqr = {}, {}
     for name, values in (*phases.items(), ("step_s", step)):
         q1, q2, q3 = _quartiles(values)
         median[name], iqr[name] = q2, q3 - q1
     share_q1, _, _ = _quartiles(torch.where(step > 0, data / step, torch.zeros_like(step)))
-    own_q1, own, own_q3 = _quartiles((step - comm - cpu_wait).clamp(min=0.0))
+    own_q1, own, own_q3 = _quartiles(step if gpu else (step - comm - cpu_wait).clamp(min=0.0))
     return RankTiming(
         rank=rank,
         steps=int(rows.shape[0]),
@@ -71,6 +75,7 @@ def local_timing(record: RankRecord, s: int, rank: int) -> RankTiming | None:
         own_s=own,
         own_q1_s=own_q1,
         own_q3_s=own_q3,
+        gpu_clock=gpu,
     )
 
 

@@ -43,7 +43,7 @@ from ddp_doctor.observation.sharding import (
     heap_modules,
     reshards_fully,
 )
-from ddp_doctor.observation.step_clock import CommClock, StepClock, input_wait
+from ddp_doctor.observation.step_clock import StepClock, input_wait
 from ddp_doctor.report.model import Report, RunFacts
 
 __all__ = ["PlainOptimizerWatch", "record_creation_site"]
@@ -69,6 +69,7 @@ _SLOTS = (
     "step_s",
     "comm_timed",
     "own_s",
+    "gpu_timed",
 )
 """What every rank puts in the sharded report's one min/max reduction, in this order."""
 _NOBODY = 2**24
@@ -119,7 +120,7 @@ class PlainOptimizerWatch:
         self._probe: ReducePrecisionProbe | None = None
         """Installed after the first step when gradients are reduced in a low dtype: measures one backward's."""
         self.clock: StepClock | None = None
-        """The step time of a sharded model on CPU (`observation/step_clock.py`); None on CUDA or unsharded."""
+        """The step time of a sharded model on CPU or one GPU (`observation/step_clock.py`); None otherwise."""
         self._solo_declined = False
         """One rank, and the first optimizer to step trains no sharded model: nothing to compare, nothing followed."""
         self.frozen = False
@@ -164,8 +165,8 @@ class PlainOptimizerWatch:
                 self._weights_at_first = fingerprints_batched(p for _, p in self.sharded.named_parameters())
                 if self.sharded.api == "fully_shard":
                     self._gathers = GatherCount(self.sharded)
-                if all(p.device.type == "cpu" for _, p in self.sharded.named_parameters()):
-                    self.clock = StepClock(CommClock(self.sharded.param_groups()))
+                devices = {p.device for _, p in self.sharded.named_parameters()}
+                self.clock = StepClock.for_model(devices, self.sharded.param_groups())
         if optimizer is not self.optimizer:
             return False
         if self.frozen:
@@ -348,6 +349,7 @@ class PlainOptimizerWatch:
             comm_timed=low["comm_timed"] >= 1,
             slowest=slowest_rank(self.clock and self.clock.stats(), top, low, device),
             timed_steps=int(low["timed_steps"]),
+            gpu_timed=low["gpu_timed"] >= 1,
             low_reduce_abs=top["low_abs"],
             low_reduce_rel=top["low_rel"],
             followed=self.frozen,

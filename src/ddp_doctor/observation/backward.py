@@ -240,6 +240,8 @@ class BackwardHooks:
             # them, which are those it used unless the optimizer writes them itself (then alike on every rank).
             self._grads_now(tl.state, 2)
         tl.clock.step_end = now
+        if tl.log.device is not None:
+            tl.log.device.on_step(tl.log.steps)
         tl.versions.mark()  # what the optimizer wrote is its own; a write after this, before the next forward, is not
         if tl.inside_forward:
             # Lightning's manual optimization steps inside training_step, which runs inside DDP's forward: one

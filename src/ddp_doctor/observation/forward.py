@@ -97,6 +97,8 @@ class ForwardHooks:
             now = time.perf_counter()
             tl.state.t_input += tl.clock.input_wait(now)
             tl.clock.forward_start = now
+            if self._log.device is not None:
+                self._log.device.on_forward()
         else:
             tl.clock.forward_start = time.perf_counter()
         if self._will_broadcast():

@@ -6,8 +6,10 @@ waiting for a CPU (Linux's run-queue delay): the rest, its wait between steps in
 which `straggler-rank` compares.
 Local, a few clock reads per step and per collective; the statistics are computed once, at the report.
 
-Host times measure the step on CPU only: with CUDA the host runs ahead of the device, so its wait for a batch may
-be time the GPU was busy. The watch does not time a model on CUDA.
+On CUDA the host's clock does not tell: the host runs ahead of the device, and where the loop waits for the GPU
+(a `loss.item()` after the optimizer step) that wait falls between the steps, where the wait for a batch is. There
+the same two marks are CUDA events (`observation/device_clock.py`). The step's time in collectives is not timed on
+CUDA (NCCL runs them on streams of its own), so neither is a rank's own work.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from ddp_doctor.core.steptime import waits_for_data_at
 from ddp_doctor.observation import dataloaders
+from ddp_doctor.observation.device_clock import DeviceClock
 from ddp_doctor.observation.steplog import runq_seconds
 
 __all__ = ["CommClock", "StepClock", "input_wait"]
@@ -64,12 +69,14 @@ class CommClock:
 class StepClock:
     """Per step: the wait from the previous step's end to the first forward, the whole step, and the rank's own
     work in it (the step less the time in the collectives of `comm` and the run-queue delay of the training thread,
-    the one that makes this clock; work a rank does between steps is its own too)."""
+    the one that makes this clock; work a rank does between steps is its own too). With `device` (a model on CUDA)
+    the wait and the step are the GPU's (`DeviceClock`), and the own work is not timed."""
 
-    def __init__(self, comm: CommClock | None = None) -> None:
+    def __init__(self, comm: CommClock | None = None, device: DeviceClock | None = None) -> None:
         self._ended: float | None = None
         self._forward: float | None = None
         self._comm = comm
+        self.device = device
         self._schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
         self._at_end = (0.0, 0.0)
         """The collectives' seconds and the run-queue delay when the last step ended."""
@@ -78,6 +85,15 @@ class StepClock:
         self.owns: list[float] = []
         self.comms: list[float] = []
 
+    @staticmethod
+    def for_model(devices: set[torch.device], groups: list[Any]) -> StepClock | None:
+        """The clock for a sharded model whose parameters are on `devices`, with FSDP2 parameter `groups`: the
+        host's on CPU, the GPU's on one CUDA device, none otherwise (parameters on several devices)."""
+        if {d.type for d in devices} == {"cpu"}:
+            return StepClock(CommClock(groups))
+        device = DeviceClock.for_devices(devices)
+        return StepClock(device=device) if device is not None else None
+
     @property
     def comm_timed(self) -> bool:
         """The time in the model's collectives is in the own-work figures (every group's methods were wrapped)."""
@@ -85,12 +101,17 @@ class StepClock:
 
     def on_forward(self) -> None:
         """A forward through the model began (its root's forward pre-hook)."""
-        if self._ended is not None and self._forward is None:
+        if self.device is not None:
+            self.device.on_forward()
+        elif self._ended is not None and self._forward is None:
             self._forward = time.perf_counter()
 
     def on_step(self) -> None:
         """An optimizer step of the model ended. The first step only starts the clock: no step before it to wait
         from, and FSDP2's lazy initialisation runs in it."""
+        if self.device is not None:
+            self.device.on_step()
+            return
         now = time.perf_counter()
         at_end = (self._comm.seconds if self._comm is not None else 0.0, runq_seconds(self._schedstat))
         if self._ended is not None and self._forward is not None and len(self.steps) < MAX_STEPS:
@@ -106,20 +127,23 @@ class StepClock:
         """`steps` timed, the medians `wait_s` and `step_s`, `share_q1` (the first quartile of the wait's share of
         its step), `step_iqr_s`, `waits` (`waits_for_data_at`), and the median, first and third quartile of the
         rank's own work (`own_s`, `own_q1_s`, `own_q3_s`) and the median time in collectives (`comm_s`). Zeros when
-        fewer than two steps were timed."""
-        n = len(self.steps)
+        fewer than two steps were timed, and for the own work and collectives where they were not (on CUDA)."""
+        waits, steps = self.device.times() if self.device is not None else (self.waits, self.steps)
+        n = len(steps)
+        zeros = dict.fromkeys(("wait_s", "step_s", "share_q1", "step_iqr_s", "own_s", "own_q1_s", "own_q3_s"), 0.0)
         if n < 2:
-            zeros = dict.fromkeys(("wait_s", "step_s", "share_q1", "step_iqr_s", "own_s", "own_q1_s", "own_q3_s"), 0.0)
             return {"steps": n, **zeros, "comm_s": 0.0, "waits": False}
-        q1, _, q3 = statistics.quantiles(self.steps, n=4)
-        shares = [w / s if s > 0 else 0.0 for w, s in zip(self.waits, self.steps)]
+        q1, _, q3 = statistics.quantiles(steps, n=4)
+        shares = [w / s if s > 0 else 0.0 for w, s in zip(waits, steps)]
         out = {
             "steps": n,
-            "wait_s": statistics.median(self.waits),
-            "step_s": statistics.median(self.steps),
+            "wait_s": statistics.median(waits),
+            "step_s": statistics.median(steps),
             "share_q1": statistics.quantiles(shares, n=4)[0],
             "step_iqr_s": q3 - q1,
         }
+        if len(self.owns) < 2:
+            return {**zeros, **out, "waits": waits_for_data_at(**out), "comm_s": 0.0}
         own_q1, own, own_q3 = statistics.quantiles(self.owns, n=4)
         timing = {"own_s": own, "own_q1_s": own_q1, "own_q3_s": own_q3}
         return {**out, "waits": waits_for_data_at(**out), **timing, "comm_s": statistics.median(self.comms)}
@@ -127,7 +151,7 @@ class StepClock:
     @staticmethod
     def slots(clock: StepClock | None) -> dict[str, float]:
         """A rank's figures for the sharded report's reduction: whether it waits for data, over how many steps, its
-        medians, whether its collectives were timed (zeros where no clock ran)."""
+        medians, whether its collectives were timed, whether the GPU's clock timed it (zeros where no clock ran)."""
         t = clock.stats() if clock is not None else {"waits": False, "steps": 0, "wait_s": 0.0, "step_s": 0.0}
         return {
             "waiting": t["waits"],
@@ -136,6 +160,7 @@ class StepClock:
             "step_s": t["step_s"],
             "comm_timed": clock is not None and clock.comm_timed,
             "own_s": t.get("own_s", 0.0),
+            "gpu_timed": clock is not None and clock.device is not None,
         }
 
 
@@ -151,4 +176,5 @@ def input_wait(top: dict[str, float], low: dict[str, float]) -> dict[str, Any] |
         "step_s": [low["step_s"], top["step_s"]],
         "steps": int(low["timed_steps"]),
         "loader": {k: v for k, v in last.info.items() if k != "pass"},
+        "clock": "gpu" if low["gpu_timed"] >= 1 else "host",
     }

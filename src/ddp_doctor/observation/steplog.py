@@ -11,6 +11,7 @@ import torch
 from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.records import RankRecord, StepCounters
 from ddp_doctor.observation.collectives import Call, digest
+from ddp_doctor.observation.device_clock import DeviceClock
 
 __all__ = [
     "MAX_COLLECTIVE_LOG",
@@ -138,6 +139,8 @@ class StepLog:
         """`step N: all_reduce(float32[16, 8], SUM)/2 at file:line` of collectives on already reduced gradients."""
         self.pass_sites: list[str] = []
         """`step N: file:line` of the backward passes of the first step whose passes used different parameters."""
+        self.device: DeviceClock | None = None
+        """The GPU's clock for a model on CUDA (the host's times do not tell there), set by the caller."""
         self.split_params: list[int] = []
         """Positions of the parameters some of those passes did not reach."""
         self.grad_edit_sites: list[str] = []
@@ -201,7 +204,8 @@ class StepLog:
         runq, self._runq = self._runq, self._runq_now()
         rows["timing"].append(
             torch.tensor(
-                [step.t_forward, step.t_backward, step.t_optimizer, step.t_input, step.t_comm, self._runq - runq],
+                [step.t_forward, step.t_backward, step.t_optimizer, step.t_input, step.t_comm, self._runq - runq]
+                + [float("nan")] * 2,
                 dtype=torch.float64,
             )
         )
@@ -307,6 +311,10 @@ class StepLog:
         record.nosync_sites = list(self.nosync_sites)
         if self._edited:
             record.synced_grad_fp = torch.stack(self._synced_rows)
+        if self.device is not None and record.timing.shape[0]:
+            for step, wait, took in self.device.measured():
+                if step is not None and step < record.timing.shape[0]:
+                    record.timing[step, 6:] = torch.tensor([wait, took], dtype=torch.float64)
         record.loaders = [self._epochs(d) for d in self.loaders]
         record.saves = list(self.saves)
         return record

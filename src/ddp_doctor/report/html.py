@@ -12,7 +12,7 @@ from ddp_doctor.core.figures import STATE_HELP, STATES
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_ranges
 from ddp_doctor.report.data import ReportData
-from ddp_doctor.report.text import files_lines, following_lines
+from ddp_doctor.report.text import files_lines, following_lines, phases_line
 
 __all__ = ["CSS", "SCRIPT", "IndexEntry", "check_section", "index_page", "page", "to_html"]
 
@@ -239,7 +239,9 @@ def _figures(report: ReportData, key: str) -> str:
             "the optimizer saw them. 0 means bit-identical on every rank; a dashed line marks the first "
             "step where each differs.</figcaption></figure>"
         )
-    if report.timing.per_rank:
+    if report.timing.per_rank and all(t.gpu_clock for t in report.timing.per_rank):
+        out.append(f"<p class='timing'>{html.escape(phases_line(report.timing.per_rank))}</p>")
+    elif report.timing.per_rank:
         from ddp_doctor.report.plots import shown_ranks, step_time_svg
 
         per_rank = report.timing.per_rank

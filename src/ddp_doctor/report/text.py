@@ -213,17 +213,25 @@ def following_lines(f: Following) -> list[str]:
 
 
 def phases_line(per_rank: list[RankTiming]) -> str:
-    """One line: each rank's median step split into phases (the slowest and the fastest only, beyond 4 ranks)."""
+    """One line: each rank's median step split into phases (the slowest and the fastest only, beyond 4 ranks); on
+    GPUs its wait for data and its step, on the GPU's clock."""
     shown = per_rank
     if len(per_rank) > 4:
         by_own = sorted(per_rank, key=lambda r: r.own_s)
         shown = [by_own[-1], by_own[0]]
+    gpu = all(r.gpu_clock for r in per_rank)
+    phases = ("data_wait_s", "step_s") if gpu else PHASES
     parts = [
         f"rank {r.rank}{' (slowest)' if len(shown) < len(per_rank) and i == 0 else ''}"
         f"{' (fastest)' if len(shown) < len(per_rank) and i == 1 else ''} "
-        + "/".join(f"{r.median[p] * 1e3:.1f}" for p in PHASES)
+        + "/".join(f"{r.median[p] * 1e3:.1f}" for p in phases)
         for i, r in enumerate(shown)
     ]
+    if gpu:
+        return (
+            "step per rank on the GPU's clock, ms (GPU idle waiting for data/step): " + "; ".join(parts) + " (a "
+            "straggler rank is not checked on GPUs: the waits in NCCL's all-reduce are not timed)"
+        )
     return "step per rank, ms (data wait/forward/backward/all-reduce wait/optimizer): " + "; ".join(parts)
 
 
