@@ -59,6 +59,17 @@ def test_a_clean_fsdp2_job_is_followed_through_its_epoch_end_and_stays_clean(tmp
     assert "followed 1 epoch end(s)" in run.output, run.output
 
 
+def test_a_loop_that_calls_next_itself_is_reported_where_following_ended_its_pass(tmp_path: Path) -> None:
+    """`it = iter(loader)` and `next(it)` for len(loader) steps: following caps the pass, so the loop's next()
+    raises StopIteration that plain torchrun never raises (3 epochs, exit code 0 there). The report is the observed
+    steps' with following's end. Before, the path without DDP wrote a report with no model, and the check printed
+    nothing and exited 2 (found on a GPU, tests/scripts/gpu_input.py)."""
+    run = _check(tmp_path, "--next-loop")
+    assert run.rc == 0 and _serious(run) == set(), run.output
+    assert run.report["parallelism"] == "fsdp2", run.report
+    assert "called next() on a DataLoader iterator" in run.report["following"]["ended_by"], run.report["following"]
+
+
 def test_an_evaluation_on_rank_0_alone_at_the_epoch_end_is_named_with_the_steps_diagnosis(tmp_path: Path) -> None:
     run = _check(tmp_path, "--eval-rank0")
     assert run.rc == 1 and run.report["findings"][0]["code"] == "sharded-forward-some-ranks", run.output

@@ -9,6 +9,7 @@ torch.distributed.checkpoint on every rank, unless:
 --no-eval           no evaluation at the epoch end
 --cuda              NCCL and cuda:LOCAL_RANK (one rank per GPU) instead of gloo on the CPU
 --uneven            no DistributedSampler: each rank reads its own slice, rank 0's 8 batches longer
+--next-loop         the loop counts len(loader) steps and takes each batch with next() on the loader's iterator
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ p.add_argument("--no-set-epoch", action="store_true")
 p.add_argument("--no-eval", action="store_true")
 p.add_argument("--cuda", action="store_true")
 p.add_argument("--uneven", action="store_true")
+p.add_argument("--next-loop", action="store_true")
 args = p.parse_args()
 
 
@@ -86,10 +88,18 @@ if __name__ == "__main__":
     for epoch in range(args.epochs):
         if not args.no_set_epoch and not args.uneven:
             train.sampler.set_epoch(epoch)
-        for x, y in train:
-            F.cross_entropy(model(x.to(device)), y.to(device)).backward()
-            opt.step()
-            opt.zero_grad()
+        if args.next_loop:
+            it = iter(train)
+            for _ in range(len(train)):
+                x, y = next(it)
+                F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+                opt.step()
+                opt.zero_grad()
+        else:
+            for x, y in train:
+                F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+                opt.step()
+                opt.zero_grad()
         if not args.no_eval and (not args.eval_rank0 or rank == 0):
             loss = evaluate(model, val, device)
             print(f"rank {rank} epoch {epoch}: validation loss {loss:.4f}", flush=True)

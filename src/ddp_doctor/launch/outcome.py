@@ -131,6 +131,13 @@ def collect(
             for m in d["models"]
         ]
         models = [_model(m) for m in [*full["models"], *extra]]
+        if not models:  # never a silent run: say why there is no report
+            return CheckResult(
+                error=f"no model was reported ({full.get('reason') or 'no reason recorded'}); this is a bug in "
+                "ddp-doctor if the script trains a model, please report it.",
+                timed_out=timed_out,
+                interrupted=interrupted,
+            )
         return CheckResult(models=models, timed_out=timed_out, interrupted=interrupted)
 
     states = read_rank_states(outdir, end_time=time.time())

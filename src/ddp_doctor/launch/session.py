@@ -267,7 +267,8 @@ class Session:
         if self.follow.active and not self._finishing and ended_by_our_cap(exc):
             # The loop called next() on its loader's iterator itself and did not expect the pass to end: the cap
             # that ended it is ours, so this is where following stops, not a crash of the script.
-            self.finish(CAPPED_NEXT)
+            # (The path without DDP, a sharded model followed, has its own end, like following's own end above.)
+            (self.finish if self.doctors else self.finish_unwrapped)(CAPPED_NEXT)
         # First: recording the crash publishes the failed step as closed, and a rank that closed its step in
         # backward looks like one waiting in DDP's all-reduce to a peer that crashed too (peers_wait_in_collective).
         self.beacon.update(crashed=True)

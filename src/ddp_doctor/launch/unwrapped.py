@@ -172,8 +172,6 @@ class PlainOptimizerWatch:
         if self.frozen:
             return True
         self.steps += 1
-        if self.clock is not None:
-            self.clock.on_step()
         if self.sharded is not None and not self.sharded.gradient_sync_on():
             self.sync_off_steps += 1
         elif self.sharded is not None:
@@ -186,6 +184,8 @@ class PlainOptimizerWatch:
             if self.steps > 1:
                 self._gathers_per_step.append(self._gathers.calls - self._gathers_before)
             self._gathers_before = self._gathers.calls
+        if self.clock is not None:
+            self.clock.on_step()  # after this watch's own work on the step (it is not the wait for data)
         return True
 
     def _measure_reduce(self, model: ShardedModel) -> None:

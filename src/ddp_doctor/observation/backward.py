@@ -240,12 +240,23 @@ class BackwardHooks:
             # them, which are those it used unless the optimizer writes them itself (then alike on every rank).
             self._grads_now(tl.state, 2)
         tl.clock.step_end = now
-        if tl.log.device is not None:
-            tl.log.device.on_step(tl.log.steps)
         tl.versions.mark()  # what the optimizer wrote is its own; a write after this, before the next forward, is not
         if tl.inside_forward:
             # Lightning's manual optimization steps inside training_step, which runs inside DDP's forward: one
             # forward is the step (a GAN steps two optimizers in it), closed when the forward returns.
             tl.close_after_forward = True
+            self._mark_device(tl)
             return
+        step, last = tl.log.steps, tl.max_steps is not None and tl.log.steps + 1 >= tl.max_steps
+        if last:
+            self._mark_device(tl)  # this close ends the observed steps and reads the clock
         tl.close()
+        if not last:
+            self._mark_device(tl, step)
+
+    @staticmethod
+    def _mark_device(tl: Timeline, step: int | None = None) -> None:
+        """The step's end on the GPU's clock, after the doctor's own work on it (its fingerprints: not the GPU
+        waiting for data), but before the close that ends the observed steps."""
+        if tl.log.device is not None:
+            tl.log.device.on_step(tl.log.steps if step is None else step)
