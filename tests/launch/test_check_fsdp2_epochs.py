@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from checkrun import SCRIPTS, Run, check
 
 SCRIPT = str(SCRIPTS / "fsdp2_epochs.py")
@@ -68,6 +69,23 @@ def test_a_loop_that_calls_next_itself_is_reported_where_following_ended_its_pas
     assert run.rc == 0 and _serious(run) == set(), run.output
     assert run.report["parallelism"] == "fsdp2", run.report
     assert "called next() on a DataLoader iterator" in run.report["following"]["ended_by"], run.report["following"]
+
+
+@pytest.mark.serial  # the verdict rests on the wall-clock time of rank 0's work
+def test_rank_0_working_alone_past_the_groups_timeout_at_the_epoch_end_is_timeout_risk(tmp_path: Path) -> None:
+    """Rank 0 alone writes samples at the epoch end (400 batches of a loader, 0.1 s each, no sharded model in it)
+    while the others go on to the DCP save's collectives; the group's timeout is 20 s. Ground truth, plain
+    torchrun, torch 2.13.0, CPU, gloo, 2 ranks: exit code 1 after 39 s, rank 1 "Timed out waiting 20000ms for send
+    operation to complete" in dcp.save. The check follows the epoch end with the loaders capped at 2 batches (0.2 s
+    of work) and projects about 40 s at their real lengths."""
+    run = _check(tmp_path, "--samples-rank0", "0.1", "--pg-timeout", "20")
+    assert _serious(run) == {"timeout-risk"}, run.output
+    risk = run.finding("timeout-risk")
+    assert risk["severity"] == "error" and risk["ranks"] == [0], risk
+    assert "about 40 s" in risk["title"] and "the process group's timeout is 20 s" in risk["title"], risk
+    assert line_of("dcp.save(") in risk["detail"] and "2 of 400 batches" in risk["detail"], risk
+    assert run.report["parallelism"] == "fsdp2" and run.report["following"]["epoch_ends"] == 1, run.report
+    assert run.seconds < 60, run.seconds
 
 
 def test_an_evaluation_on_rank_0_alone_at_the_epoch_end_is_named_with_the_steps_diagnosis(tmp_path: Path) -> None:

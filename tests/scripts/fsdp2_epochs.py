@@ -10,12 +10,17 @@ torch.distributed.checkpoint on every rank, unless:
 --cuda              NCCL and cuda:LOCAL_RANK (one rank per GPU) instead of gloo on the CPU
 --uneven            no DistributedSampler: each rank reads its own slice, rank 0's 8 batches longer
 --next-loop         the loop counts len(loader) steps and takes each batch with next() on the loader's iterator
+--samples-rank0 S   at each epoch end rank 0 alone writes samples: 400 batches of a loader, S seconds each, no
+                    sharded model in it (the others go on to the checkpoint's collectives and wait there)
+--pg-timeout T      the process group's timeout in seconds (torch's default otherwise)
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +40,8 @@ p.add_argument("--no-eval", action="store_true")
 p.add_argument("--cuda", action="store_true")
 p.add_argument("--uneven", action="store_true")
 p.add_argument("--next-loop", action="store_true")
+p.add_argument("--samples-rank0", type=float, default=0.0)
+p.add_argument("--pg-timeout", type=float, default=None)
 args = p.parse_args()
 
 
@@ -67,7 +74,8 @@ if __name__ == "__main__":
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.cuda else torch.device("cpu")
     if args.cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if args.cuda else "gloo")
+    timeout = {"timeout": datetime.timedelta(seconds=args.pg_timeout)} if args.pg_timeout else {}
+    dist.init_process_group("nccl" if args.cuda else "gloo", **timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
@@ -80,6 +88,7 @@ if __name__ == "__main__":
     else:
         train = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, shuffle=True))
     val = DataLoader(held_out, batch_size=8, sampler=DistributedSampler(held_out, shuffle=False))
+    samples = DataLoader(TensorDataset(torch.zeros(400, 1)), batch_size=1)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)).to(device)
     for layer in (model[0], model[2]):
         fully_shard(layer)
@@ -103,6 +112,9 @@ if __name__ == "__main__":
         if not args.no_eval and (not args.eval_rank0 or rank == 0):
             loss = evaluate(model, val, device)
             print(f"rank {rank} epoch {epoch}: validation loss {loss:.4f}", flush=True)
+        if args.samples_rank0 and rank == 0:
+            for _ in samples:
+                time.sleep(args.samples_rank0)  # drawing a sample grid, say
         save(model, rank, epoch)
     print(f"rank {rank}: done", flush=True)
     dist.destroy_process_group()
