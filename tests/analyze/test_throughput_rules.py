@@ -144,9 +144,15 @@ def test_on_gpus_input_bound_decides_on_the_gpus_idle_time_not_the_hosts_wait() 
     text = to_text(report, width=300)
     assert "on the GPU's clock, ms (GPU idle waiting for data/step): rank 0 20.0/25.0; rank 1 20.0/25.0" in text
     assert "class='step-time'" not in report.to_html()  # no phases figure: the GPU's phases are not timed
-    # One rank much slower on the GPU: no straggler-rank there (NCCL's waits are not timed).
-    slow = [gpu_timed(0, steady(), [(0.2, 10.0)] * STEPS), gpu_timed(1, steady(), [(0.2, 40.0)] * STEPS)]
+    # One rank much slower on the GPU, with the host's phases of a straggler: no straggler-rank there (NCCL's
+    # waits are not timed), with `device_ids` or without them (a single-device CUDA module wrapped without).
+    slow = [
+        gpu_timed(0, steady(comm=25.0), [(0.2, 30.0)] * STEPS),
+        gpu_timed(1, steady(fwd=26.0), [(0.2, 60.0)] * STEPS),
+    ]
+    assert "straggler-rank" in codes([timed(0, steady(comm=25.0)), timed(1, steady(fwd=26.0))])  # on CPU
     assert "straggler-rank" not in {f.code for f in analyze(cuda, slow).findings}
+    assert "straggler-rank" not in codes(slow)
 
 
 def test_a_rank_whose_gpu_timed_some_steps_only_is_judged_on_those() -> None:

@@ -68,8 +68,9 @@ _MEASURED = "Measured on this machine over {n} steps (the first observed step le
 
 
 def _host_times_tell(v: View) -> bool:
-    """The host's clock measures the step: a CPU model (DDP built without `device_ids`)."""
-    return not v.info.ddp_config.get("device_ids")
+    """The host's clock measures the step: a CPU model (DDP built without `device_ids`, and no rank timed on a GPU:
+    a single-device CUDA module can be wrapped without them)."""
+    return not v.info.ddp_config.get("device_ids") and not any(t.gpu_clock for t in v.summary.step_times.shown)
 
 
 def _gpu_timed(v: View) -> bool:
@@ -107,7 +108,7 @@ def loader_words(d: dict) -> tuple[str, str]:
 @detects(Code.INPUT_BOUND)
 def input_bound(v: View) -> list[Finding]:
     gpu = _gpu_timed(v)
-    if not (gpu or _host_times_tell(v)):
+    if not gpu and not _host_times_tell(v):
         return []
     st = v.summary.step_times
     if not st.measured or 2 * st.waiting <= st.measured or not v.meta(0).get("loaders") or st.waiting_median is None:
