@@ -24,6 +24,9 @@ ends with exit code 0 and prints nothing but its own line per rank:
   loses its peer; exit code 1. On a two-layer model whose groups have the sizes of the training forward's, the same
   evaluation returned on rank 0 (with rank 1's all-gathers) and both ranks hung until killed. eval-every (every
   rank evaluates): exit code 0.
+- log-rank0 (rank 0 alone all_reduces the loss to log it, after the third step): the job hangs, silently (killed
+  after 100 s; gloo's default timeout is 30 minutes): rank 0 waits in its all_reduce, rank 1 in its next forward's
+  all-gathers. log-every (every rank all_reduces it, rank 0 prints it): exit code 0.
 Before the check knew FSDP2, it crashed every one of these jobs in its own fingerprint code ("aten.mul.Tensor got
 mixed torch.Tensor and DTensor") and blamed the script.
 """
@@ -47,10 +50,10 @@ def _check(tmp_path: Path, mistake: str, ranks: int = 2):
     return check(args, tmp_path, timeout=180)
 
 
-@pytest.mark.parametrize("mistake", ["none", "accumulate,eval-every"])
+@pytest.mark.parametrize("mistake", ["none", "accumulate,eval-every,log-every"])
 def test_a_clean_fsdp2_job_is_clean_and_its_sharding_is_named(tmp_path: Path, mistake: str) -> None:
     """The clean job, and the clean job the way a real script runs it: gradient accumulation with sync back on for
-    the last micro-batch, an evaluation forward on every rank, and both right ways to checkpoint sharded state (DCP
+    the last micro-batch, an evaluation forward on every rank, the loss all_reduced on every rank, and both right ways to checkpoint sharded state (DCP
     on every rank, and a full state dict gathered on every rank, written by rank 0: the two fixes that
     sharded-checkpoint-incomplete gives, applied)."""
     saves = ["--save", "dcp,full", "--save-dir", str(tmp_path)] if "accumulate" in mistake else []
@@ -311,3 +314,15 @@ def test_hsdp_on_a_2d_mesh_names_its_dimensions_and_the_unsharded_head(tmp_path:
     assert sharding["mesh"] == [[2, 2]] and sharding["mesh_dims"] == ["replicate", "shard"], sharding
     assert "mesh [2, 2] (replicate," in run.output, run.output
     assert run.params("unsharded-params-not-synced") == {"4.weight", "4.bias"}
+
+
+def test_a_collective_rank_0_calls_alone_is_named_where_the_job_hangs(tmp_path: Path) -> None:
+    """log-rank0: the job hangs; at the check's timeout the beacons name the all_reduce rank 0 called alone, and
+    rank 1's next forward, whose all-gathers wait for it (before: two `rank-hung` findings, the cause unnamed)."""
+    args = ["--timeout", "45", "--nproc-per-node", "2", "--no-verify", SCRIPT, "--mistake", "log-rank0"]
+    run = check(args, tmp_path, timeout=120)
+    assert run.rc == 1 and {f["code"] for f in run.report["findings"]} == {"collective-mismatch"}, run.output
+    mismatch = run.finding("collective-mismatch")
+    assert mismatch["title"] == "rank 1 skipped all_reduce (fsdp2_train.py:110) that rank 0 called", mismatch
+    assert "in step 3" in mismatch["detail"] and "all-gathers of its forward" in mismatch["detail"], mismatch
+    assert mismatch["ranks"] == [0, 1] and "call it on every rank" in mismatch["fix"], mismatch

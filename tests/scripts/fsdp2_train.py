@@ -9,6 +9,8 @@
 --mistake eval-rank0        after the third step, rank 0 alone runs an evaluation forward under no_grad
 --mistake eval-every        clean: every rank runs that evaluation forward
 --mistake unused-aux        an auxiliary head built before sharding that no forward uses (it never gets a gradient)
+--mistake log-rank0         after the third step, rank 0 alone all_reduces the loss to log it
+--mistake log-every         clean: every rank all_reduces the loss, rank 0 logs it
 
 --save (after the third optimizer step, to --save-dir; several at once: "dcp,full"):
   rank0        rank 0 alone: torch.save(model.state_dict(), "ck.pt") (its shards only)
@@ -99,9 +101,15 @@ if __name__ == "__main__":
             if "accumulate" in mistakes:
                 model.set_requires_gradient_sync(micro == 1)
             x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
-            F.cross_entropy(model(x), y).backward()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
         opt.step()
         opt.zero_grad()
+        if _step == 2 and ("log-every" in mistakes or "log-rank0" in mistakes and rank == 0):
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            if rank == 0:
+                print(f"step {_step}: loss {mean.item() / dist.get_world_size():.4f}", flush=True)
         for how in args.save.split(",") if _step == 2 and args.save else []:
             save(model, rank, how, args.save_dir)
         if _step == 2 and ("eval-every" in mistakes or "eval-rank0" in mistakes and rank == 0):

@@ -33,8 +33,9 @@ _SIGNAL_CAUSE = {
 def _mismatch(states: dict[int, RankState]) -> Finding | None:
     """Ranks whose script collectives disagree: one rank waits in a collective another rank never called (or called
     with another op or shape), so the other rank's next collective (often DDP's gradient all-reduce) is paired
-    with it. Judged from each rank's last collective and its count of the script's collectives."""
-    live = [s for s in states.values() if s.built_ddp]
+    with it (or, for a sharded model, its next forward's all-gathers). Judged from each rank's last collective and
+    its count of the script's collectives."""
+    live = [s for s in states.values() if s.trained]
     waiting = [s for s in live if s.in_collective and s.collective is not None]
     if not waiting or len(live) < 2:
         return None
@@ -55,8 +56,10 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
         return None
     parts = [
         (
-            f"rank {first.rank} called {c.describe()} at {c.site or 'an unknown place'} in step {c.step or 0} "
-            f"(its collective #{c.n}) and waited there"
+            f"rank {first.rank} called {c.describe()} at {c.site or 'an unknown place'} in step "
+            # (no doctor counts a sharded model's steps when the collective starts: the rank's own count, where it
+            # still waits)
+            f"{c.step if c.step is not None else max(first.step, 0)} (its collective #{c.n}) and waited there"
         )
     ]
     for s in behind:
@@ -64,7 +67,9 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
             f"rank {s.rank} never called it: it had issued {s.collectives} of the script's collectives and "
             f"went on to {where(s)}"
             + (
-                "; DDP's next gradient all-reduce on that rank was paired with it"
+                "; the sharded model's next collectives on that rank (the all-gathers of its forward) wait for it"
+                if s.sharded and not s.in_collective
+                else "; DDP's next gradient all-reduce on that rank was paired with it"
                 if s.phase in ("backward", "after backward") or not s.in_collective
                 else ""
             )
