@@ -59,7 +59,7 @@ class DeviceClock:
             self._marks[-1][1] = self._event()
 
     def on_step(self, tag: int | None = None) -> None:
-        """An optimizer step ended (`tag`: which one, for `by_tag`)."""
+        """An optimizer step ended (`tag`: which one, for `measured`)."""
         if len(self._marks) < MAX_MARKS and self._recordable():
             self._marks.append([self._event(), None, tag])
 
