@@ -19,12 +19,12 @@ from ddp_doctor.exchange import simulate
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "e0a5e2ba78add02f",
-    "odd-70": "92ce61b89c16efa4",
-    "infos-differ-3": "0d5a199911ea5349",
-    "edited-2": "2bb1823827ac7de8",
-    "inferred-2": "d8ecddf880b98d04",
-    "clean-1": "ee7f4976acae3ab0",
+    "seeded-6": "697d9004643383c6",
+    "odd-70": "fea555329c12b044",
+    "infos-differ-3": "a280da8ebc1062aa",
+    "edited-2": "7b3cdffdd57efcb1",
+    "inferred-2": "b3d9cd9f6e3e8c36",
+    "clean-1": "fd6e7f2b9d118a0d",
 }
 
 

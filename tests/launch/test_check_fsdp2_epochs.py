@@ -61,8 +61,8 @@ def test_a_clean_fsdp2_job_is_followed_through_its_epoch_end_and_stays_clean(tmp
 
 
 def test_a_loop_that_calls_next_itself_is_reported_where_following_ended_its_pass(tmp_path: Path) -> None:
-    """`it = iter(loader)` and `next(it)` for len(loader) steps: following caps the pass, so the loop's next()
-    raises StopIteration that plain torchrun never raises (3 epochs, exit code 0 there). The report is the observed
+    """`it = iter(loader)` and `next(it)` for len(loader) steps (in a generator expression): following caps the
+    pass, so the loop's next() raises StopIteration that plain torchrun never raises (3 epochs, exit code 0 there). The report is the observed
     steps' with following's end. Before, the path without DDP wrote a report with no model, and the check printed
     nothing and exited 2 (found on a GPU, tests/scripts/gpu_input.py)."""
     run = _check(tmp_path, "--next-loop")

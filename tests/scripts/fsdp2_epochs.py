@@ -10,6 +10,7 @@ torch.distributed.checkpoint on every rank, unless:
 --cuda              NCCL and cuda:LOCAL_RANK (one rank per GPU) instead of gloo on the CPU
 --uneven            no DistributedSampler: each rank reads its own slice, rank 0's 8 batches longer
 --next-loop         the loop counts len(loader) steps and takes each batch with next() on the loader's iterator
+                    (in a generator expression: its StopIteration reaches the loop as RuntimeError)
 --samples-rank0 S   at each epoch end rank 0 alone writes samples: 400 batches of a loader, S seconds each, no
                     sharded model in it (the others go on to the checkpoint's collectives and wait there)
 --pg-timeout T      the process group's timeout in seconds (torch's default otherwise)
@@ -97,18 +98,11 @@ if __name__ == "__main__":
     for epoch in range(args.epochs):
         if not args.no_set_epoch and not args.uneven:
             train.sampler.set_epoch(epoch)
-        if args.next_loop:
-            it = iter(train)
-            for _ in range(len(train)):
-                x, y = next(it)
-                F.cross_entropy(model(x.to(device)), y.to(device)).backward()
-                opt.step()
-                opt.zero_grad()
-        else:
-            for x, y in train:
-                F.cross_entropy(model(x.to(device)), y.to(device)).backward()
-                opt.step()
-                opt.zero_grad()
+        it = iter(train)
+        for x, y in (next(it) for _ in range(len(train))) if args.next_loop else train:
+            F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+            opt.step()
+            opt.zero_grad()
         if not args.no_eval and (not args.eval_rank0 or rank == 0):
             loss = evaluate(model, val, device)
             print(f"rank {rank} epoch {epoch}: validation loss {loss:.4f}", flush=True)
