@@ -119,13 +119,16 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
     # A rank that ran out of batches first: what it did next alone (an evaluation) is not the cause. The forwards
     # before the state_dict() calls: an evaluation on rank 0 alone also keeps rank 0 from the others' state_dict()
     # (a DCP save on every rank), which then looks taken on some ranks only.
-    mismatch = (
-        _mismatch(states)
-        or ran_out_alone(states)
+    # For a sharded model the script's collectives come last: a forward, a gather or a state_dict() on some ranks
+    # only is the more exact cause (its all-gathers are what the others' collectives met).
+    sharded = (
+        ran_out_alone(states)
         or gather_alone(states, native)
         or forward_alone(states)
         or state_dict_alone(states, native)
     )
+    is_sharded = any(s.sharded for s in states.values())
+    mismatch = (sharded or _mismatch(states)) if is_sharded else (_mismatch(states) or sharded)
     if mismatch is not None:
         findings.append(mismatch)
     findings.extend(crash_findings(states, causes))

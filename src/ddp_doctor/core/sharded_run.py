@@ -98,7 +98,8 @@ class ShardedRun:
     slowest: dict[str, Any] | None = None
     """The rank whose own work per step (its step less its time in the model's collectives and its run-queue
     delay) is the longest, when every rank timed its collectives on CPU: its `rank`, the `steps` timed, its `own_s`
-    median and quartiles (`own_q1_s`, `own_q3_s`), its median wait between steps (`wait_s`), and over the other
+    median and quartiles (`own_q1_s`, `own_q3_s`), its median wait between steps (`wait_s`) and time in collectives
+    (`comm_s`), and over the other
     ranks the longest median and third quartile of own work and wait between steps (`others_own_s`,
     `others_own_q3_s`, `others_wait_s`) and the shortest median time in collectives (`others_comm_s`).
     `observation/step_clock.slowest_rank`; None otherwise."""

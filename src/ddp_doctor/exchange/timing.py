@@ -100,7 +100,8 @@ def slowest_rank(
     """For a sharded model's steps timed on CPU (`observation/step_clock.py`; `mine`: this rank's `StepClock.stats`,
     None where no clock ran): when every rank timed its steps and its collectives, and some rank's own work is the
     longest (from the reduced `StepClock.slots`: MAX in `top`, MIN in `low`), one more fixed-shape min/max that names that rank and gives its
-    own time's median and quartiles and its median wait between steps, and, over the other ranks, the longest
+    own time's median and quartiles, its median wait between steps and time in collectives, and, over the other
+    ranks, the longest
     median and third quartile of own work and wait between steps, and the shortest median time in collectives (the
     bounds `straggler-rank` needs, whatever the world size).
     Collective whenever it does not return None; every rank decides alike from the reduced figures. None also when
@@ -113,7 +114,7 @@ def slowest_rank(
     values = [
         rank if slow else far,
         rank if slow else -1.0,
-        *((mine["own_q1_s"], mine["own_q3_s"], mine["wait_s"]) if slow else (0.0, 0.0, 0.0)),
+        *((mine["own_q1_s"], mine["own_q3_s"], mine["wait_s"], mine["comm_s"]) if slow else (0.0, 0.0, 0.0, 0.0)),
         *((0.0, 0.0, 0.0, far) if slow else (mine["own_s"], mine["own_q3_s"], mine["wait_s"], mine["comm_s"])),
     ]
     high, least = minmax(torch.tensor(values, dtype=torch.float64), None, device)
@@ -126,8 +127,9 @@ def slowest_rank(
         "own_q1_s": float(high[2]),
         "own_q3_s": float(high[3]),
         "wait_s": float(high[4]),
-        "others_own_s": float(high[5]),
-        "others_own_q3_s": float(high[6]),
-        "others_wait_s": float(high[7]),
-        "others_comm_s": float(least[8]),
+        "comm_s": float(high[5]),
+        "others_own_s": float(high[6]),
+        "others_own_q3_s": float(high[7]),
+        "others_wait_s": float(high[8]),
+        "others_comm_s": float(least[9]),
     }
