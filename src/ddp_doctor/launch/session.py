@@ -188,7 +188,11 @@ class Session:
     def _before_any_step(self, _opt: Optimizer, _args: Any, _kwargs: Any) -> None:
         """Which loader pass each step trains on; while following, whether the next epoch has begun."""
         if self.follow.before_step() and not self._finishing:
-            (self.finish if self.doctors else self.finish_unwrapped)(self.follow.reason)
+            self._end_following(self.follow.reason)
+
+    def _end_following(self, reason: str) -> None:
+        """Following ends (`reason`): through DDP's end, or the path without DDP's (a sharded model followed)."""
+        (self.finish if self.doctors else self.finish_unwrapped)(reason)
 
     # ------------------------------------------------------------------------------------------- no DDP
 
@@ -267,8 +271,7 @@ class Session:
         if self.follow.active and not self._finishing and ended_by_our_cap(exc):
             # The loop called next() on its loader's iterator itself and did not expect the pass to end: the cap
             # that ended it is ours, so this is where following stops, not a crash of the script.
-            # (The path without DDP, a sharded model followed, has its own end, like following's own end above.)
-            (self.finish if self.doctors else self.finish_unwrapped)(CAPPED_NEXT)
+            self._end_following(CAPPED_NEXT)
         # First: recording the crash publishes the failed step as closed, and a rank that closed its step in
         # backward looks like one waiting in DDP's all-reduce to a peer that crashed too (peers_wait_in_collective).
         self.beacon.update(crashed=True)
