@@ -47,6 +47,24 @@ def test_plain_module_is_rejected() -> None:
         observe("model")  # type: ignore[arg-type]
 
 
+def _sharded_model(rank: int, world: int) -> str:
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    with pytest.raises(NotDDPModelError) as info:
+        observe(model)
+    return str(info.value)
+
+
+def test_an_fsdp2_model_is_rejected_without_the_advice_to_wrap_it_in_ddp(tmp_path) -> None:
+    """DDP around a sharded model fails in DDP's constructor: the error points at `ddp-doctor check` instead."""
+    message = run_ranks(_sharded_model, tmp_path, world_size=1)[0]
+    assert "the torch.nn.modules.container.Sequential given is sharded with FSDP2" in message, message
+    assert "ddp-doctor check" in message and "Wrap it first" not in message, message
+
+
 def _no_process_group(rank: int, world: int) -> str:
     ddp, _ = _model()
     dist.destroy_process_group()

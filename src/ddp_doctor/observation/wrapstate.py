@@ -15,7 +15,9 @@ from ddp_doctor.core.compat import (
     HAS_INIT_SYNC,
     ddp_logging_data,
     ddp_syncs_buffers,
+    fsdp_module_type,
     parameters_to_ignore,
+    replicate_module_type,
 )
 from ddp_doctor.core.errors import DoctorError, InvalidArgumentError, NotDDPModelError, ProcessGroupNotInitializedError
 from ddp_doctor.core.records import Flavor, ModelInfo
@@ -161,6 +163,16 @@ def require_ddp(model: Any, caller: str, *, module_hint: str = _WRAP_HINT) -> No
     """
     if isinstance(model, DistributedDataParallel):
         return
+    sharded = [t for t in (fsdp_module_type(), replicate_module_type()) if t is not None]
+    if isinstance(model, torch.nn.Module) and any(isinstance(m, tuple(sharded)) for m in model.modules()):
+        # Never the DDP wrap: DDP around a sharded model fails in its constructor (a bad input `check` names).
+        # fully_shard makes the root an instance of a class of its own (FSDPSequential): the user's is its base.
+        cls = next(c for c in type(model).__mro__ if not issubclass(c, tuple(sharded)))
+        raise NotDDPModelError(
+            f"{caller} watches DistributedDataParallel models; the {cls.__module__}.{cls.__qualname__} given "
+            "is sharded with FSDP2 (fully_shard or replicate), so do not wrap it in DDP as well. Run the script "
+            "under `ddp-doctor check --nproc-per-node N train.py` instead: it follows FSDP2 and replicate jobs."
+        )
     hint = f" {module_hint}" if isinstance(model, torch.nn.Module) else ""
     raise NotDDPModelError(
         f"{caller} needs a torch.nn.parallel.DistributedDataParallel model, got "
