@@ -17,7 +17,6 @@ from ddp_doctor.core.compat import (
     ddp_syncs_buffers,
     fsdp_module_type,
     parameters_to_ignore,
-    replicate_module_type,
 )
 from ddp_doctor.core.errors import DoctorError, InvalidArgumentError, NotDDPModelError, ProcessGroupNotInitializedError
 from ddp_doctor.core.records import Flavor, ModelInfo
@@ -163,11 +162,11 @@ def require_ddp(model: Any, caller: str, *, module_hint: str = _WRAP_HINT) -> No
     """
     if isinstance(model, DistributedDataParallel):
         return
-    sharded = [t for t in (fsdp_module_type(), replicate_module_type()) if t is not None]
-    if isinstance(model, torch.nn.Module) and any(isinstance(m, tuple(sharded)) for m in model.modules()):
+    fsdp = fsdp_module_type()  # replicate's modules are FSDPModules too
+    if fsdp is not None and isinstance(model, torch.nn.Module) and any(isinstance(m, fsdp) for m in model.modules()):
         # Never the DDP wrap: DDP around a sharded model fails in its constructor (a bad input `check` names).
         # fully_shard makes the root an instance of a class of its own (FSDPSequential): the user's is its base.
-        cls = next(c for c in type(model).__mro__ if not issubclass(c, tuple(sharded)))
+        cls = next(c for c in type(model).__mro__ if not issubclass(c, fsdp))
         raise NotDDPModelError(
             f"{caller} watches DistributedDataParallel models; the {cls.__module__}.{cls.__qualname__} given "
             "is sharded with FSDP2 (fully_shard or replicate), so do not wrap it in DDP as well. Run the script "
