@@ -57,6 +57,10 @@ def _child(
             world_size=world,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
+        # Every rank's gloo mesh is connected before `fn` runs: a rank that returns at once (a test's "rank that never
+        # comes") would otherwise close its sockets while a slower peer is still in connectFullMesh, and that peer's
+        # init fails with "Connection closed by peer" (seen once in CI, 8 ranks on 2 busy cores).
+        dist.barrier()
         result = fn(rank, world, *args)
         conn.send(("ok", result))
     except BaseException:  # noqa: BLE001  (every failure of the rank goes back to the test)
