@@ -2,7 +2,7 @@
 
     python -m benchmarks.sharded_scale [--json FILE] [--quick]
 
-The FSDP2 and `replicate` report takes its own road (`launch/unwrapped.py`, `PlainOptimizerWatch._sharded_report`),
+The FSDP2 and `replicate` report takes its own road (`doctor/plain_watch.py`, `PlainOptimizerWatch._sharded_report`),
 not the exchange that `benchmarks/scale.py` measures for DDP. Each row runs the real watch on a real FSDP2 model
 (`fully_shard` on every block, the optimizer built after it, 8 observed steps), then counts the bytes this rank hands
 to every `torch.distributed` collective while `report()` runs (`scale._count_bytes`) and times it.
@@ -53,7 +53,7 @@ def _job(world: int, tensors: int, mistakes: bool, save_dir: str) -> dict[str, A
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ddp_doctor.launch.unwrapped import PlainOptimizerWatch
+    from ddp_doctor.doctor.plain_watch import PlainOptimizerWatch
     from ddp_doctor.observation import saves
 
     mesh = init_device_mesh("cpu", (world,))

@@ -16,7 +16,7 @@ def run_unwrapped(rank: int, world: int, sync: str | None) -> dict[str, Any]:
     """A model trained on every rank with no DDP around it (the watch `ddp-doctor check` uses when a script builds
     no DDP), with no sync or a correct manual one; then the fix (DDP) applied with the reference check."""
     import ddp_doctor
-    from ddp_doctor.launch.unwrapped import PlainOptimizerWatch
+    from ddp_doctor.doctor.plain_watch import PlainOptimizerWatch
 
     torch.manual_seed(0)
     net = Net().to(device())

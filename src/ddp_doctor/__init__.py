@@ -27,7 +27,7 @@ from ddp_doctor.core.errors import (
     StaleModelError,
 )
 from ddp_doctor.core.findings import Finding, ParamRef, Recommendation
-from ddp_doctor.doctor import Doctor, observe
+from ddp_doctor.doctor import Doctor, ShardedDoctor, observe
 from ddp_doctor.fixes.guard import Guard, guard
 from ddp_doctor.fixes.refreeze import ProgressiveFreeze, progressive_freeze, refreeze
 from ddp_doctor.fixes.sync import sync_gradients
@@ -55,6 +55,7 @@ __all__ = [
     "ReplicaDivergenceError",
     "Report",
     "ReportTimeoutError",
+    "ShardedDoctor",
     "StaleModelError",
     "__version__",
     "guard",

@@ -318,7 +318,7 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
     )
 
 
-_NOT_VERIFIED = "Not yet verified: the check applies it in a second run of the script when it can."
+_NOT_VERIFIED = "Not yet verified: `ddp-doctor check` applies it in a second run of the script when it can."
 
 
 def _reshard_checked(gathers: int | None, candidate: dict[str, Any] | None, errors: bool) -> str:
@@ -339,14 +339,18 @@ def _reshard_checked(gathers: int | None, candidate: dict[str, Any] | None, erro
 
 def _reshard_advice(candidate: dict[str, Any], gathers: int) -> str:
     return (
-        f"For speed: `reshard_after_forward=False` on {candidate['module']} (the fully_shard call at "
-        f"{candidate['site']}). It is the last sharded module to run forward, so its backward starts right after "
+        f"For speed: `reshard_after_forward=False` on {candidate['module']} ({_call_at(candidate)}). It is the last sharded module to run forward, so its backward starts right after "
         "its forward: with reshard_after_forward=True FSDP2 frees its parameters after the forward and all-gathers "
         f"them again at once. Kept, each forward and backward make one all-gather fewer ({gathers} per step now) "
         "and the step holds that module's unsharded parameters a moment longer, which its backward needs anyway "
         "(torchtitan does the same for its last block). (Accelerate's FSDP2 plugin sets one reshard_after_forward "
         "for every module it shards; this advice is for one module.) "
     )
+
+
+def _call_at(candidate: dict[str, Any]) -> str:
+    """The fully_shard call that built the advised module, by its line where it was seen (`observe()` sees none)."""
+    return f"the fully_shard call at {candidate['site']}" if candidate.get("site") else "in its fully_shard call"
 
 
 def verified_reshard(

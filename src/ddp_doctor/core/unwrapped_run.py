@@ -1,6 +1,6 @@
 """What a check learns of a job that trains on several ranks with no DDP model and no sharding: the parameters an
 optimizer stepped and whether they differ across ranks, in the one typed record the analysis reads
-(`analyze/not_wrapped.py`). `launch/unwrapped.py` gathers it (one fixed-shape min/max reduction)."""
+(`analyze/not_wrapped.py`). `doctor/plain_watch.py` gathers it (one fixed-shape min/max reduction)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from types import TracebackType
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor.core.codes import Code
@@ -37,6 +38,7 @@ from ddp_doctor.core.frames import user_site_of
 from ddp_doctor.core.records import RankRecord
 from ddp_doctor.doctor.pipeline import diagnose
 from ddp_doctor.doctor.position import Position
+from ddp_doctor.doctor.sharded_doctor import ShardedDoctor
 from ddp_doctor.exchange.primitives import comm_device
 from ddp_doctor.observation import dataloaders, saves
 from ddp_doctor.observation.backward import BackwardHooks
@@ -44,6 +46,7 @@ from ddp_doctor.observation.crash import OBSERVE_HINT, CrashLog, explain_failure
 from ddp_doctor.observation.device_clock import DeviceClock
 from ddp_doctor.observation.forward import ForwardHooks
 from ddp_doctor.observation.probes import Probes
+from ddp_doctor.observation.sharding import is_sharded
 from ddp_doctor.observation.steplog import StepLog
 from ddp_doctor.observation.target import Target
 from ddp_doctor.observation.timeline import Timeline
@@ -54,29 +57,34 @@ __all__ = ["Doctor", "observe"]
 
 
 def observe(
-    ddp_model: DistributedDataParallel,
+    ddp_model: DistributedDataParallel | nn.Module,
     optimizer: torch.optim.Optimizer | str | None = None,
     *,
     steps: int | None = None,
-) -> Doctor:
-    """Watch a DDP model's training steps on this rank and diagnose them.
+) -> Doctor | ShardedDoctor:
+    """Watch a DDP model's training steps on this rank and diagnose them; or those of a model sharded with FSDP2
+    (`fully_shard`, or the FSDP2-based `replicate`).
 
     Use it as a context manager around the first few steps of the user's own loop, on every rank. Then call
     `report()` on every rank: it is collective and every rank gets the same report.
 
     Args:
-        ddp_model: the `DistributedDataParallel` model the loop trains.
+        ddp_model: the `DistributedDataParallel` model the loop trains, or the root of a sharded model (the
+            module the loop calls, sharded itself or holding the sharded modules).
         optimizer: the optimizer the loop steps. A step is then one `optimizer.step()`; without it, a step is
             one backward pass that DDP synchronizes. `"auto"` adopts the first optimizer whose `step()` updates
             the model's parameters (what `ddp-doctor check` uses, since it cannot see the script's variables).
+            For a sharded model a step is always an optimizer step; without one given, or with `"auto"`, the
+            first optimizer to step is followed (an optimizer built before `fully_shard` holds none of the
+            model's parameters, and that is a finding).
         steps: stop observing (and remove every hook) after this many steps; `None` observes until the context
             exits.
 
     Returns:
-        A `Doctor`, the context manager.
+        A `Doctor`, the context manager; a `ShardedDoctor` for a sharded model.
 
     Raises:
-        NotDDPModelError: `ddp_model` is not a `DistributedDataParallel`.
+        NotDDPModelError: `ddp_model` is neither a `DistributedDataParallel` nor a sharded model.
         ProcessGroupNotInitializedError: `torch.distributed` is not initialized.
         NoTrainableParametersError: no parameter of the model requires a gradient.
         InvalidArgumentError: `optimizer` or `steps` has an unusable value.
@@ -87,7 +95,9 @@ def observe(
         ...         loss_fn(ddp_model(batch)).backward(); opt.step(); opt.zero_grad()
         >>> report = doctor.report()
     """
-    return Doctor(ddp_model, optimizer, steps=steps)
+    if is_sharded(ddp_model):
+        return ShardedDoctor(ddp_model, optimizer, steps=steps)
+    return Doctor(ddp_model, optimizer, steps=steps)  # type: ignore[arg-type]  (require_ddp names a wrong type)
 
 
 class Doctor:

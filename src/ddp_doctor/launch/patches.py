@@ -25,14 +25,9 @@ from ddp_doctor.core.errors import MixedParallelismError
 from ddp_doctor.core.frames import user_frame, user_site
 from ddp_doctor.core.rankfiles import WrapShapes, write_wrap
 from ddp_doctor.doctor import Doctor
+from ddp_doctor.doctor.plain_watch import PlainOptimizerWatch
+from ddp_doctor.doctor.sharded_report import IGNORED_ATTR, SHARD_CALL_ATTR, SYNC_OFF_ATTR, record_creation_site
 from ddp_doctor.launch.policy import RunPolicy
-from ddp_doctor.launch.unwrapped import (
-    IGNORED_ATTR,
-    SHARD_CALL_ATTR,
-    SYNC_OFF_ATTR,
-    PlainOptimizerWatch,
-    record_creation_site,
-)
 
 __all__ = [
     "PatchedRun",

@@ -26,11 +26,11 @@ from ddp_doctor.core.frames import user_call, user_site
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import write_json
 from ddp_doctor.doctor import Doctor
+from ddp_doctor.doctor.plain_watch import PlainOptimizerWatch
 from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.following_run import EpochFollowing
-from ddp_doctor.launch.unwrapped import PlainOptimizerWatch
 from ddp_doctor.observation import dataloaders
 from ddp_doctor.report.model import Report
 

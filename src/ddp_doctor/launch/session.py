@@ -36,6 +36,7 @@ from ddp_doctor.core.frames import FRAMEWORKS, framework_of_stack, user_frame
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import Outcome
 from ddp_doctor.doctor import Doctor
+from ddp_doctor.doctor.plain_watch import PlainOptimizerWatch
 from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.following_run import CAPPED_NEXT, EpochFollowing, ended_by_our_cap
@@ -52,7 +53,6 @@ from ddp_doctor.launch.plain_steps import PlainSteps
 from ddp_doctor.launch.policy import CheckPolicy, RunPolicy
 from ddp_doctor.launch.publish import Publisher
 from ddp_doctor.launch.raised import raised_error
-from ddp_doctor.launch.unwrapped import PlainOptimizerWatch
 from ddp_doctor.launch.watchdog import Watchdog, peers_train_on, peers_wait_in_collective
 from ddp_doctor.observation import dataloaders, gradedits, saves
 from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR, freeze_named

@@ -28,8 +28,10 @@ __all__ = [
     "find_sharded_model",
     "frame_modules",
     "heap_modules",
+    "is_sharded",
     "local_tensor",
     "reshards_fully",
+    "sharded_model_of",
 ]
 
 _LOW = (torch.bfloat16, torch.float16)
@@ -203,10 +205,20 @@ def find_sharded_model(frame: Any, wanted: Iterable[torch.Tensor] = ()) -> Shard
         heap_key, heap_root = _most_sharded(heap_modules(), fsdp, want)
         if heap_root is not None and (root is None or heap_key[0]):
             root = heap_root
-    if root is None:
-        return None
+    return None if root is None else sharded_model_of(root)
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether `model` is a module with FSDP2 modules in it (`fully_shard`'s or the FSDP2-based `replicate`'s)."""
+    fsdp = fsdp_module_type()  # replicate's modules are FSDPModules too
+    return fsdp is not None and isinstance(model, nn.Module) and any(isinstance(m, fsdp) for m in model.modules())
+
+
+def sharded_model_of(root: nn.Module) -> ShardedModel:
+    """`root` and the `FSDPModule`s under it (none where FSDP2 is missing)."""
+    fsdp = fsdp_module_type()
     # A compiled model's modules are named under `_orig_mod` (its root too): the user's names, with the root as ''.
-    sharded = [(user_name(f"{n}.")[:-1], m) for n, m in root.named_modules() if isinstance(m, fsdp)]
+    sharded = [(user_name(f"{n}.")[:-1], m) for n, m in root.named_modules() if fsdp and isinstance(m, fsdp)]
     return ShardedModel(root=root, sharded=sharded)
 
 
@@ -317,14 +329,23 @@ class GatherCount:
         self.frozen = False
         """Set at the observed steps' end: the forwards of an epoch end the check follows (an evaluation) do not
         move `last_forward`."""
+        self._undo: list[Any] = []
         for name, module in model.sharded:
             for group in _groups(module):
                 comm = getattr(group, "_all_gather_comm", None)
                 if comm is not None:
                     group._all_gather_comm = _CountedAllGather(comm, self)
+                    self._undo.append(functools.partial(setattr, group, "_all_gather_comm", comm))
                     self.counted = True
             if name:
-                module.register_forward_pre_hook(functools.partial(self._forward, name))
+                self._undo.append(module.register_forward_pre_hook(functools.partial(self._forward, name)).remove)
+
+    def remove(self) -> None:
+        """Put FSDP2's all-gathers back and take the forward hooks off (the counts stay)."""
+        self.frozen = True
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
 
     def _forward(self, name: str, _module: Any, _args: Any) -> None:
         if self.frozen or _in_backward():

@@ -169,8 +169,9 @@ def require_ddp(model: Any, caller: str, *, module_hint: str = _WRAP_HINT) -> No
         cls = next(c for c in type(model).__mro__ if not issubclass(c, fsdp))
         raise NotDDPModelError(
             f"{caller} watches DistributedDataParallel models; the {cls.__module__}.{cls.__qualname__} given "
-            "is sharded with FSDP2 (fully_shard or replicate), so do not wrap it in DDP as well. Run the script "
-            "under `ddp-doctor check --nproc-per-node N train.py` instead: it follows FSDP2 and replicate jobs."
+            "is sharded with FSDP2 (fully_shard or replicate), so do not wrap it in DDP as well. "
+            "`ddp_doctor.observe(model, optimizer=opt)` and `ddp-doctor check --nproc-per-node N train.py` follow "
+            "FSDP2 and replicate jobs."
         )
     hint = f" {module_hint}" if isinstance(model, torch.nn.Module) else ""
     raise NotDDPModelError(

@@ -1,0 +1,232 @@
+"""In a `check` run whose script builds no DDP model: watch the optimizer that trains on several ranks anyway.
+
+A well-known pattern: the script wraps the model in DDP only on its GPU branch, so on CPU every rank trains its own
+copy. The first optimizer that steps while a process group of several ranks exists is followed for K steps (or to
+the end of the script); then every rank compares its parameters' fingerprints with one fixed-shape all_reduce and
+the report says `model-not-wrapped`.
+
+A model sharded with FSDP2 (`fully_shard`, or the FSDP2-based `replicate`) is no unwrapped model: FSDP2 keeps its
+sharded parameters in sync. When the loop's frames hold one, the watch follows it instead (`observation/sharding.py`),
+on one rank too: which parameters the optimizer steps, which stay outside every sharded group, whether gradient sync
+is on at each step, whether any weight changes, the dtype of one backward's reduce-scatters (and what a low one
+costs), the all-gathers per step and the last module to run forward (the `reshard_after_forward` advice); the
+findings are `analyze/sharded.py`'s. DTensor parameters are compared by no one here: their shards differ across
+ranks by design.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_doctor.analyze import diagnose_unwrapped
+from ddp_doctor.core.compat import is_dtensor
+from ddp_doctor.core.findings import ParamRef
+from ddp_doctor.core.fingerprint import fingerprints_batched
+from ddp_doctor.core.frames import framework_of_stack
+from ddp_doctor.core.sharded_run import parallelism_of
+from ddp_doctor.core.unwrapped_run import UnwrappedRun
+from ddp_doctor.doctor.sharded_report import SITE_ATTR, sharded_report
+from ddp_doctor.exchange.primitives import comm_device, minmax
+from ddp_doctor.observation.sharding import (
+    GatherCount,
+    ReducePrecisionProbe,
+    ShardedModel,
+    find_sharded_model,
+    frame_modules,
+    heap_modules,
+    sharded_model_of,
+)
+from ddp_doctor.observation.step_clock import StepClock
+from ddp_doctor.report.model import Report, RunFacts
+
+__all__ = ["PlainOptimizerWatch"]
+
+
+class PlainOptimizerWatch:
+    """The first optimizer stepping on a multi-rank group with no DDP model, and its step count."""
+
+    def __init__(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self._given = (model, optimizer)
+        """`observe()`'s sharded model and its optimizer (either may be None): followed without a search."""
+        self.sees_shard_calls = model is None
+        """The check's watch (no model given) runs under the patched `fully_shard`, which marks each call."""
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.steps = 0
+        self.names: dict[int, str] = {}
+        self.module = ""
+        self.sharded: ShardedModel | None = None
+        self.weights_at_first: torch.Tensor | None = None
+        self.sync_off_steps = 0
+        self.shard_saves: list[dict[str, Any]] = []
+        """`torch.save` calls of this rank that wrote DTensor shards (`observation/saves.py`), the first few."""
+        self.grad_seen: torch.Tensor | None = None
+        """Per parameter of the sharded model: it had a gradient at some observed step with gradient sync on."""
+        self.grad_steps = 0
+        self.framework = "torch"
+        """Who steps the optimizer: `accelerate` or `transformers` when their code is on the first step's stack."""
+        self.gathers: GatherCount | None = None
+        self.gathers_per_step: list[int] = []
+        """All-gathers of each observed step after the first (the first includes FSDP2's lazy init)."""
+        self._gathers_before = 0
+        self.probe: ReducePrecisionProbe | None = None
+        """Installed after the first step when gradients are reduced in a low dtype: measures one backward's."""
+        self.clock: StepClock | None = None
+        """The step time of a sharded model on CPU or one GPU (`observation/step_clock.py`); None otherwise."""
+        self._solo_declined = False
+        """One rank, and the first optimizer to step trains no sharded model: nothing to compare, nothing followed."""
+        self.stopped = False
+        """`observe()`'s context ended (`detach`): nothing more is counted, no script is followed."""
+        self.frozen = False
+        """The observed steps ended and the script is followed to its epoch end: its steps and forwards are no
+        longer counted; its saves still are (`report` then covers them too)."""
+
+    def freeze(self) -> None:
+        """The observed steps' end, when following starts (see `frozen`)."""
+        self.frozen = True
+        if self.gathers is not None:
+            self.gathers.frozen = True
+
+    def detach(self) -> None:
+        """Stop counting and take this watch's wrappers and hooks off the model (`observe()`'s end); what was
+        measured stays for the report."""
+        self.stopped = True
+        if self.gathers is not None:
+            self.gathers.remove()
+        if self.probe is not None:
+            self.probe.remove()
+
+    def note_forward(self) -> None:
+        """A forward through the sharded model began (the session's pre-hook on its root)."""
+        if self.clock is not None and not (self.frozen or self.stopped):
+            self.clock.on_forward()
+
+    def note_save(self, info: dict[str, Any]) -> None:
+        """A `torch.save` to a file (a listener of `observation/saves.py`): kept when it wrote DTensor shards."""
+        if info.get("shards") and len(self.shard_saves) < 4:
+            self.shard_saves.append(info)
+
+    def on_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Count a step; returns True when it was this watch's optimizer. On one rank only a sharded model is
+        followed: its optimizer and gradient sync can be wrong on one GPU too, while an unwrapped model is not."""
+        if not dist.is_initialized() or self._solo_declined:
+            return False
+        if self.optimizer is None:
+            model, wanted = self._given
+            if wanted is not None and optimizer is not wanted:
+                return False
+            stepped = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+            sharded = sharded_model_of(model) if model is not None else find_sharded_model(sys._getframe(2), stepped)
+            if sharded is None and dist.get_world_size() < 2:
+                self._solo_declined = True
+                return False
+            self.optimizer, self.sharded = optimizer, sharded
+            self.framework = framework_of_stack(traceback.extract_stack())
+            if self.sharded is None:
+                self._name_params(sys._getframe(2))
+            else:
+                self.module = type(self.sharded.root).__qualname__
+                self.names = {id(p): n for n, p in self.sharded.named_parameters()}
+                # After the first step: whether any weight changes from here on is what the report measures.
+                self.weights_at_first = fingerprints_batched(p for _, p in self.sharded.named_parameters())
+                if self.sharded.api == "fully_shard":
+                    self.gathers = GatherCount(self.sharded)
+                devices = {p.device for _, p in self.sharded.named_parameters()}
+                self.clock = StepClock.for_model(devices, self.sharded.param_groups())
+        if optimizer is not self.optimizer or self.stopped:
+            return False
+        if self.frozen:
+            return True
+        self.steps += 1
+        if self.sharded is not None and not self.sharded.gradient_sync_on():
+            self.sync_off_steps += 1
+        elif self.sharded is not None:
+            got = torch.tensor([p.grad is not None for _, p in self.sharded.named_parameters()])
+            self.grad_seen = got if self.grad_seen is None else self.grad_seen | got
+            self.grad_steps += 1
+        if self.sharded is not None:
+            self._measure_reduce(self.sharded)
+        if self.gathers is not None:
+            if self.steps > 1:
+                self.gathers_per_step.append(self.gathers.calls - self._gathers_before)
+            self._gathers_before = self.gathers.calls
+        if self.clock is not None:
+            self.clock.on_step()  # after this watch's own work on the step (it is not the wait for data)
+        return True
+
+    def _measure_reduce(self, model: ShardedModel) -> None:
+        """After the first step, when the model reduces gradients in a low dtype: measure the next backward's
+        reductions (`ReducePrecisionProbe`), then take the probe out."""
+        if self.probe is None and self.steps == 1 and model.api == "fully_shard" and model.may_reduce_low():
+            self.probe = ReducePrecisionProbe(model)
+            self.probe.install()
+        elif self.probe is not None and self.probe.calls:
+            self.probe.remove()
+
+    def _name_params(self, frame: Any) -> None:
+        """Names from the module that owns the most of the optimizer's params: a local or global of the script's
+        frames, else any module of the process (a loop in a class holds `self.model`)."""
+        wanted = {id(p) for p in self.stepped_params()}
+        for modules in (lambda: frame_modules(frame), heap_modules):  # the heap only where no frame has one
+            best: tuple[int, nn.Module | None] = (0, None)
+            for module in modules():
+                n = sum(id(p) in wanted for p in module.parameters())
+                if n > best[0]:
+                    best = (n, module)
+            if best[1] is not None:
+                self.names = {id(p): n for n, p in best[1].named_parameters()}
+                self.module = type(best[1]).__qualname__
+                return
+
+    def stepped_params(self) -> list[torch.Tensor]:
+        assert self.optimizer is not None
+        return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+    def report(self) -> Report:
+        """Compare the parameters across ranks and build the report. Collective: every rank calls it."""
+        if self.sharded is not None:
+            return sharded_report(self, self.sharded)
+        # DTensor parameters (tensor parallelism, or a sharded model the frames did not show) belong to a
+        # parallelism that keeps them itself; their local shards differ by design.
+        stepped = self.stepped_params()
+        params = [p for p in stepped if not is_dtensor(p)]
+        device = comm_device(None, stepped[0].device if stepped else None)
+        top, low = minmax(torch.tensor([float(len(params)), float(len(stepped) - len(params))]), None, device)
+        refs = [ParamRef(self.names.get(id(p), f"param[{i}]"), p.numel(), tuple(p.shape)) for i, p in enumerate(params)]
+        world = dist.get_world_size()
+        if top[0].item() != low[0].item():
+            differ, gap = torch.ones(len(params), dtype=torch.bool), torch.full((len(params),), float("inf"))
+        else:
+            fp = fingerprints_batched(params).nan_to_num(0.0)
+            high, lowest = minmax(fp, None, device)
+            differ = (high != lowest).any(-1)
+            gap = (high - lowest).abs().amax(-1)
+        assert self.optimizer is not None
+        run = UnwrappedRun(
+            world=world,
+            steps=self.steps,
+            optimizer=type(self.optimizer).__qualname__,
+            optimizer_site=getattr(self.optimizer, SITE_ATTR, None),
+            params=refs,
+            differ=differ.tolist(),
+            gap=float(gap.max()) if len(params) else 0.0,
+            dtensors=int(top[1].item()),
+        )
+        return Report.build(self.facts(), diagnose_unwrapped(run))
+
+    def facts(self, *, sharding: dict[str, Any] | None = None) -> RunFacts:
+        """The run's facts: no DDP flags; the sharding of an FSDP2 model."""
+        return RunFacts(
+            torch_version=torch.__version__,
+            backend=str(dist.get_backend()),
+            world_size=dist.get_world_size(),
+            ddp_config={},
+            framework=self.framework,
+            parallelism=parallelism_of(sharding),
+            sharding=sharding,
+        )

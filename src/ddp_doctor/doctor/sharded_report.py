@@ -1,0 +1,251 @@
+"""The report of an FSDP2 or `replicate` model that a `PlainOptimizerWatch` followed (`plain_watch.py`): what the
+optimizer steps, the parameters outside every sharded group, gradient sync, unused parameters, checkpoints of
+shards, a low reduce dtype, the all-gathers per step, the step time and whether anything changed, gathered in a few
+fixed-shape collectives and decided by `analyze/sharded.py`. The watch is `ddp-doctor check`'s in a script with no
+DDP model, and `observe()`'s for a sharded model (`sharded_doctor.py`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ddp_doctor.analyze import diagnose_sharded
+from ddp_doctor.core.findings import ParamRef
+from ddp_doctor.core.fingerprint import fingerprints_batched
+from ddp_doctor.core.frames import user_site
+from ddp_doctor.core.sharded_run import ShardedRun
+from ddp_doctor.exchange.primitives import comm_device, minmax
+from ddp_doctor.exchange.timing import slowest_rank
+from ddp_doctor.observation.sharding import GatherCount, ReducePrecisionProbe, ShardedModel, reshards_fully
+from ddp_doctor.observation.step_clock import StepClock, input_wait
+from ddp_doctor.report.model import Report, RunFacts
+
+__all__ = [
+    "IGNORED_ATTR",
+    "SHARD_CALL_ATTR",
+    "SITE_ATTR",
+    "SYNC_OFF_ATTR",
+    "ShardedWatch",
+    "record_creation_site",
+    "sharded_report",
+]
+
+SITE_ATTR = "_ddp_doctor_site"
+"""Set on an optimizer by the patched `Optimizer.__init__` (`record_creation_site`): where the script created it."""
+SHARD_CALL_ATTR = "_ddp_doctor_shard_call"
+"""Set on each module the patched `fully_shard` sharded: (which call it was, 0 the first; the call's line)."""
+SYNC_OFF_ATTR = "_ddp_doctor_sync_off_site"
+"""Set on an FSDP2 module by the patched `set_requires_gradient_sync(False)`: where the script called it."""
+IGNORED_ATTR = "_ddp_doctor_ignored_site"
+"""Set on each parameter the script passed to the patched `fully_shard` as `ignored_params`: that call's line."""
+_SLOTS = (
+    "unsharded",
+    "sync_off",
+    "changed",
+    "saved",
+    "saver",
+    "path",
+    "grad_steps",
+    "params",
+    "low_reduces",
+    "low_abs",
+    "low_rel",
+    "gathers",
+    "unsharded_changed",
+    "waiting",
+    "timed_steps",
+    "wait_s",
+    "step_s",
+    "comm_timed",
+    "own_s",
+    "gpu_timed",
+)
+"""What every rank puts in the sharded report's one min/max reduction, in this order."""
+_NOBODY = 2**24
+"""The `saver` slot of a rank that saved no shards (above any rank, exact in float32)."""
+
+
+def record_creation_site(optimizer: torch.optim.Optimizer) -> None:
+    """Remember where the script created `optimizer` (called from a wrapper of `Optimizer.__init__`)."""
+    if getattr(optimizer, SITE_ATTR, None) is None:
+        setattr(optimizer, SITE_ATTR, user_site())
+
+
+class ShardedWatch(Protocol):
+    """What the report reads of the watch that followed the sharded model's steps (`PlainOptimizerWatch`)."""
+
+    optimizer: torch.optim.Optimizer | None
+    steps: int
+    framework: str
+    frozen: bool
+    sync_off_steps: int
+    shard_saves: list[dict[str, Any]]
+    weights_at_first: torch.Tensor | None
+    grad_seen: torch.Tensor | None
+    grad_steps: int
+    gathers: GatherCount | None
+    gathers_per_step: list[int]
+    probe: ReducePrecisionProbe | None
+    clock: StepClock | None
+    sees_shard_calls: bool
+    """The patched `fully_shard` sees the script's calls (`ddp-doctor check`); False under `observe()`."""
+
+    def stepped_params(self) -> list[torch.Tensor]: ...
+
+    def facts(self, *, sharding: dict[str, Any] | None = None) -> RunFacts: ...
+
+
+def _low_reduce(probe: ReducePrecisionProbe | None) -> tuple[str, str] | None:
+    """(the dtype FSDP2 reduced in, the weights' dtype) from the probe, as the report names them."""
+    if probe is None or probe.low_dtype is None:
+        return None
+    return str(probe.low_dtype).removeprefix("torch."), "float32"
+
+
+def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
+    """The FSDP2 findings: what the optimizer steps, the parameters outside every group, gradient sync, unused
+    parameters, checkpoints of shards, and whether anything changed. Collective, every call decided by values
+    every rank holds alike: one fixed-shape min/max of `_SLOTS`; one over which parameters had a gradient (when
+    every rank saw a step with sync on); one over the unsharded parameters' fingerprints (when every rank has the
+    same number of them); two more when some rank saved shards (`_shard_save`)."""
+    assert w.optimizer is not None
+    named = model.named_parameters()
+    in_model = {id(p) for _, p in named}
+    stepped = w.stepped_params()
+    unsharded = model.unsharded() if dist.get_world_size() > 1 else []  # one rank: nothing to keep in sync
+    now = fingerprints_batched(p for _, p in named)
+    before = w.weights_at_first if w.weights_at_first is not None else now
+    moved = (now.nan_to_num(0.0) != before.nan_to_num(0.0)).any(-1)
+    changed = bool(moved.any())
+    outside = {id(p) for _, p in unsharded}
+    unsharded_changed = bool(moved[[i for i, (_, p) in enumerate(named) if id(p) in outside]].any())
+    device = comm_device(None, named[0][1].device if named else None)
+    saved = w.shard_saves[0] if w.shard_saves else None
+    probe = w.probe
+    if probe is not None:
+        probe.remove()
+    local = {
+        "unsharded": len(unsharded),
+        "sync_off": w.sync_off_steps,
+        "changed": changed,
+        "saved": saved is not None,
+        "saver": dist.get_rank() if saved else _NOBODY,
+        "path": zlib.crc32(saved["path"].encode()) & 0xFFFFFF if saved else -1,  # exact in float32
+        "grad_steps": w.grad_steps,
+        "params": len(named),
+        "low_reduces": probe.low_calls if probe else 0,
+        "low_abs": probe.worst_abs if probe else 0.0,
+        "low_rel": probe.mean_relative if probe else 0.0,
+        "gathers": _steady_gathers(w),
+        "unsharded_changed": unsharded_changed,
+        **StepClock.slots(w.clock),
+    }
+    reduced = minmax(torch.tensor([float(local[k]) for k in _SLOTS]), None, device)
+    top, low = ({k: v.item() for k, v in zip(_SLOTS, r)} for r in reduced)
+    unused: list[ParamRef] = []
+    if low["grad_steps"] > 0 and top["params"] == low["params"] and w.grad_seen is not None:
+        # Every rank saw a step with gradient sync on, and the same parameters: none had a gradient anywhere.
+        seen, _ = minmax(w.grad_seen.float(), None, device)
+        unused = [
+            ParamRef(n, p.numel(), tuple(p.shape))
+            for (n, p), s in zip(named, seen.tolist())
+            if p.requires_grad and not s
+        ]
+    differ = [False] * len(unsharded)
+    gap = 0.0
+    if unsharded and top["unsharded"] == low["unsharded"]:
+        high, lowest = minmax(fingerprints_batched(p for _, p in unsharded).nan_to_num(0.0), None, device)
+        differ = (high != lowest).any(-1).tolist()
+        gap = float((high - lowest).abs().amax()) if differ else 0.0
+    elif unsharded:
+        differ = [True] * len(unsharded)
+        gap = float("inf")
+    shard_save = _shard_save(saved, top, low, device)
+    sync_site = next((getattr(m, SYNC_OFF_ATTR) for _, m in model.sharded if getattr(m, SYNC_OFF_ATTR, None)), None)
+    sharding = model.describe()
+    if top["gathers"] == low["gathers"] >= 0:
+        sharding["all_gathers_per_step"] = int(top["gathers"])
+    run = ShardedRun(
+        world=dist.get_world_size(),
+        steps=w.steps,
+        optimizer=type(w.optimizer).__qualname__,
+        optimizer_site=getattr(w.optimizer, SITE_ATTR, None),
+        framework=w.framework,
+        sharding=sharding,
+        model_params=sum(p.requires_grad for _, p in named),
+        replaced=sum(id(p) not in in_model for p in stepped),
+        model_params_stepped=sum(id(p) in in_model for p in stepped),
+        model_changed=bool(top["changed"]),
+        unsharded=[ParamRef(n, p.numel(), tuple(p.shape)) for n, p in unsharded],
+        unsharded_differ=differ,
+        unsharded_gap=gap,
+        unsharded_changed=bool(top["unsharded_changed"]),
+        ignored_site=next((getattr(p, IGNORED_ATTR) for _, p in unsharded if hasattr(p, IGNORED_ATTR)), None),
+        ignored=[hasattr(p, IGNORED_ATTR) for _, p in unsharded],
+        unused=unused,
+        sync_off_steps=int(top["sync_off"]),
+        sync_off_site=sync_site,
+        low_reduce=_low_reduce(probe) if low["low_reduces"] > 0 else None,
+        reshard_candidate=_reshard_candidate(w, model) if "all_gathers_per_step" in sharding else None,
+        input_wait=input_wait(top, low),
+        comm_timed=low["comm_timed"] >= 1,
+        slowest=slowest_rank(w.clock and w.clock.stats(), top, low, device),
+        timed_steps=int(low["timed_steps"]),
+        gpu_timed=low["gpu_timed"] >= 1,
+        low_reduce_abs=top["low_abs"],
+        low_reduce_rel=top["low_rel"],
+        followed=w.frozen,
+        **shard_save,
+    )
+    return Report.build(w.facts(sharding=run.sharding), diagnose_sharded(run))
+
+
+def _steady_gathers(w: ShardedWatch) -> int:
+    """The all-gathers of an observed step after the first, when every such step made as many; -1 when not
+    counted or when they varied (an evaluation forward in between, say)."""
+    counts = set(w.gathers_per_step)
+    return counts.pop() if w.gathers is not None and w.gathers.counted and len(counts) == 1 else -1
+
+
+def _reshard_candidate(w: ShardedWatch, model: ShardedModel) -> dict[str, Any] | None:
+    """The non-root sharded module that ran its forward last, when it reshards after forward: its backward starts
+    right after that forward, so FSDP2 all-gathers the parameters it just freed again at once. Its name, which
+    `fully_shard` call built it, and that call's line. The check advises only a module the patched `fully_shard`
+    built (its second run applies the advice to that call); `observe()` sees no call, and names the module alone
+    (`ShardedWatch.sees_shard_calls`)."""
+    name = w.gathers.last_forward if w.gathers is not None else None
+    module = dict(model.sharded).get(name) if name else None
+    if module is None or not reshards_fully(module):
+        return None
+    call = getattr(module, SHARD_CALL_ATTR, None)
+    if call is None:
+        return None if w.sees_shard_calls else {"module": name, "call": None, "site": None}
+    return {"module": name, "call": call[0], "site": call[1]}
+
+
+def _shard_save(
+    saved: dict[str, Any] | None, top: dict[str, float], low: dict[str, float], device: torch.device
+) -> dict[str, Any]:
+    """Whether sharded state went to a file that holds some ranks' shards only: saved by some ranks, or by every
+    rank to one path. Then two more collectives every rank makes alike: how many ranks saved, and what the
+    first of them wrote (its line, its file, a parameter's shard shape). `ShardedRun`'s `shard_save*` fields."""
+    if top["saved"] == 0:
+        return {}
+    every, one_path = low["saved"] == 1, top["path"] == low["path"]
+    if every and not one_path:
+        return {}  # each rank its own file of its own shards: a per-rank sharded checkpoint
+    first = int(low["saver"])
+    count = torch.tensor([1.0 if saved else 0.0], device=device)
+    dist.all_reduce(count)
+    shown = [None if saved is None else {k: saved[k] for k in ("shown", "site", "shards")}]
+    dist.broadcast_object_list(shown, src=first)
+    return {
+        "shard_save": shown[0],
+        "shard_save_ranks": int(count.item()),
+        "shard_save_first": first,
+        "shard_save_one_path": every and one_path,
+    }
