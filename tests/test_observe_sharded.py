@@ -240,3 +240,35 @@ def test_steps_end_the_watch_and_every_hook_is_removed(tmp_path) -> None:
     assert r["finished_inside"] and r["steps"] == 2
     assert r["comm_restored"] and r["hooks_kept"]
     assert r["report"]["parallelism"] == "fsdp2"
+
+
+def _accelerate(rank: int, world: int) -> dict[str, Any]:
+    from accelerate import Accelerator
+
+    from ddp_doctor.integrations.accelerate import observe as accelerate_observe
+
+    accelerator = Accelerator(cpu=True)
+    model, opt = _build("none", "fully_shard")
+    opt = accelerator.prepare(opt)  # an AcceleratedOptimizer around the torch one
+    g = torch.Generator().manual_seed(rank)
+    with accelerate_observe(model, opt) as doctor:
+        for _ in range(STEPS):
+            model.set_requires_gradient_sync(False)
+            F.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g)).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"type": type(doctor).__name__, "report": doctor.report().to_dict()}
+
+
+def test_accelerate_integration_follows_a_sharded_model(tmp_path) -> None:
+    """ddp_doctor.integrations.accelerate.observe given a model the script sharded and an optimizer Accelerate
+    prepared (Accelerate's own FSDP2 plugin shards only on GPUs: tests/launch/test_check_fsdp2_gpu.py): the
+    AcceleratedOptimizer is followed through the torch optimizer it steps, and the fix speaks Accelerate."""
+    pytest.importorskip("accelerate")  # not in the core venvs of `make test-torch`
+    results = run_ranks(_accelerate, tmp_path, timeout=120)
+    _same_report_on_every_rank(results)
+    r = results[0]
+    assert r["type"] == "ShardedDoctor" and r["report"]["framework"] == "accelerate"
+    found = _findings(r, "error", "warning")
+    assert list(found) == ["gradient-sync-off"], r["report"]["findings"]
+    assert "accelerator.no_sync(model)" in found["gradient-sync-off"]["fix"]

@@ -51,7 +51,14 @@ __all__ = ["PlainOptimizerWatch"]
 class PlainOptimizerWatch:
     """The first optimizer stepping on a multi-rank group with no DDP model, and its step count."""
 
-    def __init__(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        framework: str | None = None,
+    ) -> None:
+        self._framework = framework
         self._given = (model, optimizer)
         """`observe()`'s sharded model and its optimizer (either may be None): followed without a search."""
         self.sees_shard_calls = model is None
@@ -126,7 +133,7 @@ class PlainOptimizerWatch:
                 self._solo_declined = True
                 return False
             self.optimizer, self.sharded = optimizer, sharded
-            self.framework = framework_of_stack(traceback.extract_stack())
+            self.framework = self._framework or framework_of_stack(traceback.extract_stack())
             if self.sharded is None:
                 self._name_params(sys._getframe(2))
             else:

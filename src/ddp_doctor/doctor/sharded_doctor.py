@@ -37,13 +37,20 @@ __all__ = ["ShardedDoctor"]
 
 class ShardedDoctor:
     """Context manager returned by `observe` for a model with FSDP2 modules in it. See `observe` for the arguments:
-    without an optimizer (or with `"auto"`), the first optimizer that steps while the context is open is followed."""
+    without an optimizer (or with `"auto"`), the first optimizer that steps while the context is open is followed.
+    `framework` (`"accelerate"`, from its integration) words the fixes; by default it is read from the first
+    step's stack."""
 
     _serials = itertools.count()
     """Numbers this process's sharded doctors, so that each one's arrival at `report()` has its own store keys."""
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | str | None = None, *, steps: int | None = None
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | str | None = None,
+        *,
+        steps: int | None = None,
+        framework: str | None = None,
     ) -> None:
         require_process_group("observe()", launchers="torchrun or `ddp-doctor check`")
         if optimizer not in (None, "auto") and not isinstance(optimizer, torch.optim.Optimizer):
@@ -58,7 +65,7 @@ class ShardedDoctor:
             )
         self.model = model
         self._given = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-        self._watch = PlainOptimizerWatch(model, self._given)
+        self._watch = PlainOptimizerWatch(model, self._given, framework=framework)
         self._max_steps = steps
         self._undo: list[Callable[[], None]] = []
         self._started = False

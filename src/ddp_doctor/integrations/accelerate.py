@@ -38,8 +38,9 @@ except ImportError as exc:  # pragma: no cover  (the extra is not installed)
 
 from ddp_doctor.core.errors import InvalidArgumentError, NotDDPModelError
 from ddp_doctor.core.findings import Recommendation
-from ddp_doctor.doctor import Doctor
+from ddp_doctor.doctor import Doctor, ShardedDoctor
 from ddp_doctor.integrations._common import unwrap_ddp
+from ddp_doctor.observation.sharding import is_sharded
 from ddp_doctor.report import Report
 
 __all__ = ["kwargs_handler", "observe"]
@@ -49,22 +50,24 @@ logger = logging.getLogger(__name__)
 
 def observe(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | str | None = "auto", *, steps: int | None = None
-) -> Doctor:
+) -> Doctor | ShardedDoctor:
     """`ddp_doctor.observe` for what `accelerator.prepare` returned; the report speaks Accelerate.
 
     Args:
-        model: the prepared model: a `DistributedDataParallel`, or a `torch.compile` wrapper around one.
+        model: the prepared model: a `DistributedDataParallel`, or a `torch.compile` wrapper around one; or a
+            model sharded with FSDP2 (Accelerate's FSDP2 plugin, on GPUs, or `fully_shard` called by the script).
         optimizer: the prepared optimizer (an `AcceleratedOptimizer` is unwrapped to the torch optimizer it
             steps), a torch optimizer, `"auto"` (default: the first optimizer whose step() updates the model), or
             None (then a step is one synchronized backward).
         steps: stop observing after this many steps; None observes until the `with` block ends.
 
     Returns:
-        A `Doctor`: use it as a context manager, then call `report()` on every process.
+        A `Doctor` (a `ShardedDoctor` for a sharded model): use it as a context manager, then call `report()` on
+        every process.
 
     Raises:
-        NotDDPModelError: `model` is not DDP-wrapped (one process, or a strategy such as FSDP or DeepSpeed); the
-            message names Accelerate's distributed type.
+        NotDDPModelError: `model` is neither DDP-wrapped nor sharded with FSDP2 (one process, or a strategy such as
+            FSDP1 or DeepSpeed); the message names Accelerate's distributed type.
         InvalidArgumentError: `optimizer` or `steps` has an unusable value.
 
     Example:
@@ -72,6 +75,14 @@ def observe(
         ...     train_some_steps()
         >>> accelerator.print(doctor.report())
     """
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        # AcceleratedOptimizer: its step() calls the torch optimizer's (skipped on accumulation micro-steps), and
+        # that one carries the step hooks.
+        optimizer = inner
+    sharded = getattr(model, "_orig_mod", model)  # a torch.compile wrapper around the prepared model
+    if is_sharded(sharded):  # Accelerate's FSDP2 plugin, or a model the script sharded itself
+        return ShardedDoctor(sharded, optimizer, steps=steps, framework="accelerate")
     ddp = unwrap_ddp(model)
     if ddp is None:
         from accelerate.state import PartialState
@@ -84,11 +95,6 @@ def observe(
             "several processes: run the script with `accelerate launch --num_processes 2`, torchrun, or "
             "`ddp-doctor check --nproc-per-node 2`."
         )
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer):
-        # AcceleratedOptimizer: its step() calls the torch optimizer's (skipped on accumulation micro-steps), and
-        # that one carries the step hooks.
-        optimizer = inner
     doctor = Doctor(ddp, optimizer, steps=steps)
     doctor.info.framework = "accelerate"
     return doctor
