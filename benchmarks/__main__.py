@@ -12,7 +12,13 @@ from rich.console import Console
 from rich.table import Table
 
 BENCHMARKS = {
-    "observe_overhead": ["observed", "after_exit"],
+    "observe_overhead": [
+        "observed",
+        "after_exit",
+        "fsdp2 observed",
+        "fsdp2 after_exit",
+        "fsdp2 overhead vs ddp overhead",
+    ],
     "guard_overhead": ["guard every=100", "guard every=10"],
     "sync_gradients": ["sync_gradients", "step with sync_gradients"],
     "refreeze_bytes": ["bytes after refreeze", "step after refreeze"],
