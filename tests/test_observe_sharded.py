@@ -272,3 +272,31 @@ def test_accelerate_integration_follows_a_sharded_model(tmp_path) -> None:
     found = _findings(r, "error", "warning")
     assert list(found) == ["gradient-sync-off"], r["report"]["findings"]
     assert "accelerator.no_sync(model)" in found["gradient-sync-off"]["fix"]
+
+
+def _nested(rank: int, world: int) -> dict[str, Any]:
+    from ddp_doctor.observation.sharding import GatherCount, sharded_model_of
+
+    model, opt = _build("none", "fully_shard")
+    state = model._get_fsdp_state()
+    group = getattr(state, "_fsdp_param_group", None) or state._fsdp_param_groups[0]
+    original = group._all_gather_comm
+    outer = None
+    with observe(model, optimizer=opt):
+        for step in range(3):
+            model(torch.randn(4, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:  # a second watch wraps FSDP2's all-gathers over observe()'s (the check's, in a script)
+                outer = GatherCount(sharded_model_of(model))
+    assert outer is not None
+    before = outer.calls
+    model(torch.randn(4, 16)).square().mean().backward()
+    return {"outer_kept": group._all_gather_comm._inner is original, "outer_counts": outer.calls > before}
+
+
+def test_leaving_the_block_keeps_another_watchs_wrappers(tmp_path) -> None:
+    """observe() inside a script under `ddp-doctor check`: both wrap FSDP2's all-gathers, observe() first. At the
+    block's end it takes out its own wrapper alone; the check's goes on counting."""
+    r = run_ranks(_nested, tmp_path, timeout=120)[0]
+    assert r == {"outer_kept": True, "outer_counts": True}

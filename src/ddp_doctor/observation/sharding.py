@@ -261,12 +261,13 @@ class ReducePrecisionProbe:
 
     def install(self) -> None:
         for group in self._groups:
-            self._saved.append((group, group._reduce_scatter_comm))
-            group._reduce_scatter_comm = _MeasuredReduceScatter(group._reduce_scatter_comm, self)
+            wrapper = _MeasuredReduceScatter(group._reduce_scatter_comm, self)
+            group._reduce_scatter_comm = wrapper
+            self._saved.append((group, wrapper))
 
     def remove(self) -> None:
-        for group, comm in self._saved:
-            group._reduce_scatter_comm = comm
+        for group, wrapper in self._saved:
+            _unwrap(group, "_reduce_scatter_comm", wrapper)
         self._saved.clear()
 
     def note(self, low: torch.Tensor, reference: torch.Tensor) -> None:
@@ -280,6 +281,20 @@ class ReducePrecisionProbe:
     @property
     def mean_relative(self) -> float:
         return self.diff_sum / self.ref_sum if self.ref_sum > 0 else 0.0
+
+
+def _unwrap(group: Any, attr: str, wrapper: _WrappedComm) -> None:
+    """Take `wrapper` out of the group's `attr`, wherever it sits in a chain of wrappers (a check's watch and an
+    `observe()` in its script each wrap FSDP2's comms; the one that leaves first must keep the other's)."""
+    if getattr(group, attr, None) is wrapper:
+        setattr(group, attr, wrapper._inner)
+        return
+    outer = getattr(group, attr, None)
+    while isinstance(outer, _WrappedComm):
+        if outer._inner is wrapper:
+            outer._inner = wrapper._inner
+            return
+        outer = outer._inner
 
 
 class _WrappedComm:
@@ -334,8 +349,8 @@ class GatherCount:
             for group in _groups(module):
                 comm = getattr(group, "_all_gather_comm", None)
                 if comm is not None:
-                    group._all_gather_comm = _CountedAllGather(comm, self)
-                    self._undo.append(functools.partial(setattr, group, "_all_gather_comm", comm))
+                    group._all_gather_comm = wrapper = _CountedAllGather(comm, self)
+                    self._undo.append(functools.partial(_unwrap, group, "_all_gather_comm", wrapper))
                     self.counted = True
             if name:
                 self._undo.append(module.register_forward_pre_hook(functools.partial(self._forward, name)).remove)
