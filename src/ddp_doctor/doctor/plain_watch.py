@@ -10,8 +10,11 @@ sharded parameters in sync. When the loop's frames hold one, the watch follows i
 on one rank too: which parameters the optimizer steps, which stay outside every sharded group, whether gradient sync
 is on at each step, whether any weight changes, the dtype of one backward's reduce-scatters (and what a low one
 costs), the all-gathers per step and the last module to run forward (the `reshard_after_forward` advice); the
-findings are `analyze/sharded.py`'s. DTensor parameters are compared by no one here: their shards differ across
-ranks by design.
+findings are `analyze/sharded.py`'s, the report `sharded_report.py`'s. DTensor parameters are compared by no one
+here: their shards differ across ranks by design.
+
+`observe()` on a sharded model follows it with this watch too (`sharded_doctor.py`): given the model (and its
+optimizer, when the user passes one), it searches no frames.
 """
 
 from __future__ import annotations
