@@ -213,6 +213,9 @@ def test_a_rank_slow_only_while_waiting_for_a_cpu_is_no_straggler() -> None:
         ),
         # The others do not wait for it (they are not in lockstep with it): not this finding.
         pytest.param(steady(comm=0.5), steady(fwd=26.0), id="nobody-waits"),
+        # Every rank waits 25 ms in the all-reduce, the slow one too: that wait is not for it (it reaches the
+        # all-reduce last, so a wait for it is one it does not share).
+        pytest.param(steady(comm=25.0), steady(fwd=26.0, comm=25.0), id="everyone-waits"),
     ],
 )
 def test_straggler_needs_a_large_consistent_gap_that_the_others_pay_for(fast, slow) -> None:

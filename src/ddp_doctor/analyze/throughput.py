@@ -17,7 +17,9 @@ The rules, on each rank's `RankTiming` (medians and quartiles over its common st
   first quartile is above every other rank's third quartile (slower in most steps, not in a few), the difference
   is larger than the step-to-step spread of its own time (the interquartile range: a rank starved of CPU by
   another job on a shared machine is slow by varying amounts), and the other ranks lose at least half of that
-  difference waiting in DDP's all-reduce.
+  difference waiting in DDP's all-reduce, more than the slow rank itself waits there (it reaches the all-reduce
+  last, so it waits least; a wait every rank shares is not a wait for it: the bound the FSDP2 rule has,
+  `analyze/sharded_timing.py`).
 
 Both need at least `MIN_STEPS` measured steps on every rank compared: with fewer there are no quartiles to tell a
 consistent effect from a few slow steps.
@@ -176,7 +178,7 @@ def straggler_rank(v: View) -> list[Finding]:
         and extra >= MIN_WAIT_S
         and slow.own_q1_s > st.others_q3_max
         and extra > slow.own_q3_s - slow.own_q1_s
-        and lost >= 0.5 * extra
+        and lost - slow.median.get("comm_wait_s", 0.0) >= 0.5 * extra
     ):
         return []
     ratio = slow.own_s / others_own if others_own > 0 else float("inf")
