@@ -16,6 +16,9 @@ Ground truth, plain torchrun, one rank (the GPU run's log in benchmarks/gpu/, wh
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,3 +72,21 @@ def test_an_fsdp2_job_is_followed_through_its_epoch_end_on_nccl(tmp_path: Path, 
     assert run.report["following"]["epoch_ends"] == 1, run.report["following"]
     serious = {f["code"] for f in run.report["findings"] if f["severity"] in ("error", "warning")}
     assert serious == ({code} if code else set()), run.output
+
+
+@pytest.mark.parametrize(("mistake", "code"), [("none", None), ("step-in-sync", "gradient-sync-off")])
+def test_accelerate_observe_follows_the_plugins_sharded_model(tmp_path: Path, mistake: str, code: str | None) -> None:
+    """ddp_doctor.integrations.accelerate.observe around the loop of accelerate_fsdp2.py under plain torchrun (one
+    rank): the model Accelerate's FSDP2 plugin sharded is followed by a ShardedDoctor, in Accelerate's words."""
+    out = tmp_path / "report.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    command += ["--master-port", str(free_port()), str(SCRIPTS / "accelerate_fsdp2.py"), "--mistake", mistake]
+    done = subprocess.run([*command, "--observe", str(out)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and out.exists(), done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["parallelism"] == "fsdp2" and report["framework"] == "accelerate", report
+    assert report["sharding"]["sharded_modules"] == 3 and report["sharding"]["root_sharded"]
+    serious = {f["code"] for f in report["findings"] if f["severity"] in ("error", "warning")}
+    assert serious == ({code} if code else set()), report["findings"]
+    if code:
+        assert "accelerator.no_sync(model)" in next(f for f in report["findings"] if f["code"] == code)["fix"]

@@ -89,7 +89,8 @@ def observe(
 
         state = PartialState()
         raise NotDDPModelError(
-            f"observe() needs the model that accelerator.prepare() wrapped in DistributedDataParallel, got "
+            "observe() needs the model that accelerator.prepare() wrapped in DistributedDataParallel or sharded "
+            f"with FSDP2 (its FSDP2 plugin, on GPUs), got "
             f"{type(model).__module__}.{type(model).__qualname__} (Accelerate's distributed_type is "
             f"{state.distributed_type}, {state.num_processes} process(es)). Accelerate wraps in DDP only with "
             "several processes: run the script with `accelerate launch --num_processes 2`, torchrun, or "
