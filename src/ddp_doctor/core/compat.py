@@ -24,6 +24,7 @@ __all__ = [
     "ddp_syncs_buffers",
     "default_store",
     "fsdp_module_type",
+    "is_sharded",
     "is_dtensor",
     "parameters_to_ignore",
     "replicate_module_type",
@@ -93,6 +94,13 @@ def default_store() -> dist.Store | None:
     except Exception:  # noqa: BLE001  (private API, or no default group)
         logger.debug("no default store on torch %s", torch.__version__)
         return None
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether `model` is a module with FSDP2 modules in it (`fully_shard`'s, or the FSDP2-based `replicate`'s,
+    which are `FSDPModule`s too)."""
+    fsdp = fsdp_module_type()
+    return fsdp is not None and isinstance(model, torch.nn.Module) and any(isinstance(m, fsdp) for m in model.modules())
 
 
 def fsdp_module_type() -> type | None:

@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor.core.codes import Code
+from ddp_doctor.core.compat import is_sharded
 from ddp_doctor.core.errors import DDPFailure, InvalidArgumentError, NoTrainableParametersError
 from ddp_doctor.core.frames import user_site_of
 from ddp_doctor.core.records import RankRecord
@@ -46,7 +47,6 @@ from ddp_doctor.observation.crash import OBSERVE_HINT, CrashLog, explain_failure
 from ddp_doctor.observation.device_clock import DeviceClock
 from ddp_doctor.observation.forward import ForwardHooks
 from ddp_doctor.observation.probes import Probes
-from ddp_doctor.observation.sharding import is_sharded
 from ddp_doctor.observation.steplog import StepLog
 from ddp_doctor.observation.target import Target
 from ddp_doctor.observation.timeline import Timeline

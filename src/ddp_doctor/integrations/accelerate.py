@@ -36,11 +36,11 @@ except ImportError as exc:  # pragma: no cover  (the extra is not installed)
         "ddp_doctor.integrations.accelerate needs the accelerate package: pip install 'ddp-doctor[accelerate]'"
     ) from exc
 
+from ddp_doctor.core.compat import is_sharded
 from ddp_doctor.core.errors import InvalidArgumentError, NotDDPModelError
 from ddp_doctor.core.findings import Recommendation
 from ddp_doctor.doctor import Doctor, ShardedDoctor
 from ddp_doctor.integrations._common import unwrap_ddp
-from ddp_doctor.observation.sharding import is_sharded
 from ddp_doctor.report import Report
 
 __all__ = ["kwargs_handler", "observe"]

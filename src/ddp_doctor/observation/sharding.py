@@ -28,7 +28,6 @@ __all__ = [
     "find_sharded_model",
     "frame_modules",
     "heap_modules",
-    "is_sharded",
     "local_tensor",
     "reshards_fully",
     "sharded_model_of",
@@ -206,12 +205,6 @@ def find_sharded_model(frame: Any, wanted: Iterable[torch.Tensor] = ()) -> Shard
         if heap_root is not None and (root is None or heap_key[0]):
             root = heap_root
     return None if root is None else sharded_model_of(root)
-
-
-def is_sharded(model: Any) -> bool:
-    """Whether `model` is a module with FSDP2 modules in it (`fully_shard`'s or the FSDP2-based `replicate`'s)."""
-    fsdp = fsdp_module_type()  # replicate's modules are FSDPModules too
-    return fsdp is not None and isinstance(model, nn.Module) and any(isinstance(m, fsdp) for m in model.modules())
 
 
 def sharded_model_of(root: nn.Module) -> ShardedModel:

@@ -16,6 +16,7 @@ from ddp_doctor.core.compat import (
     ddp_logging_data,
     ddp_syncs_buffers,
     fsdp_module_type,
+    is_sharded,
     parameters_to_ignore,
 )
 from ddp_doctor.core.errors import DoctorError, InvalidArgumentError, NotDDPModelError, ProcessGroupNotInitializedError
@@ -162,11 +163,11 @@ def require_ddp(model: Any, caller: str, *, module_hint: str = _WRAP_HINT) -> No
     """
     if isinstance(model, DistributedDataParallel):
         return
-    fsdp = fsdp_module_type()  # replicate's modules are FSDPModules too
-    if fsdp is not None and isinstance(model, torch.nn.Module) and any(isinstance(m, fsdp) for m in model.modules()):
+    if is_sharded(model):
         # Never the DDP wrap: DDP around a sharded model fails in its constructor (a bad input `check` names).
         # fully_shard makes the root an instance of a class of its own (FSDPSequential): the user's is its base.
-        cls = next(c for c in type(model).__mro__ if not issubclass(c, fsdp))
+        fsdp = fsdp_module_type()
+        cls = next(c for c in type(model).__mro__ if fsdp is None or not issubclass(c, fsdp))
         raise NotDDPModelError(
             f"{caller} watches DistributedDataParallel models; the {cls.__module__}.{cls.__qualname__} given "
             "is sharded with FSDP2 (fully_shard or replicate), so do not wrap it in DDP as well. "
