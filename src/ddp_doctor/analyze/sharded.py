@@ -268,6 +268,12 @@ def _saves_checked(run: ShardedRun) -> str:
     return "in those steps and at the epoch end followed after them" if run.followed else "in those steps"
 
 
+def _when_they_break(run: ShardedRun) -> str:
+    """Who names a forward or a gather on some ranks only that breaks the run: the check; not `observe()`, whose
+    ranks then wait in the collective inside the `with` block."""
+    return "`ddp-doctor check` names them when they do" if run.in_process else "they are named when they do"
+
+
 def _saves_unchecked(run: ShardedRun) -> str:
     return "after the epoch end followed" if run.followed else "after those steps"
 
@@ -298,7 +304,7 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
         checked
         + f", that every torch.save of sharded state {_saves_checked(run)} wrote all the ranks' shards, and {reshard}. "
         f"Not checked for FSDP2 yet: a save {_saves_unchecked(run)}, forwards and full-state-dict gathers on some "
-        "ranks only that did not break the run (they are named when they do), the mixed-precision policy beyond the "
+        f"ranks only that did not break the run ({_when_they_break(run)}), the mixed-precision policy beyond the "
         "dtype of the gradients' reduce-scatter (seen where FSDP2 has the hook for it, 2.13 and 2.15 here)"
         f"{_untimed(run)}. (Freezing or unfreezing a parameter after fully_shard is no mistake: FSDP2 follows it, "
         "measured on 2.13 and 2.15.)"

@@ -66,6 +66,9 @@ class ShardedRun:
     followed: bool = False
     """The script was followed past the observed steps to its epoch end: its saves there are in `shard_save*` too;
     everything else is the observed steps'."""
+    in_process: bool = False
+    """Observed by `observe()` in the script's own process, not by `ddp-doctor check`: no failure of the run is
+    named (a rank that hangs in an all-gather it entered alone stays in the `with` block)."""
     shard_save: dict[str, Any] | None = None
     """A `torch.save` of DTensor shards to a file that holds some ranks' shards only, as the first rank that made it
     saw it: `shown` (the file), `site` (the line), `shards` (how many DTensors, one's name, local and global shape).

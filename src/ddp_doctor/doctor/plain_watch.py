@@ -64,8 +64,9 @@ class PlainOptimizerWatch:
         self._framework = framework
         self._given = (model, optimizer)
         """`observe()`'s sharded model and its optimizer (either may be None): followed without a search."""
-        self.sees_shard_calls = model is None
-        """The check's watch (no model given) runs under the patched `fully_shard`, which marks each call."""
+        self.in_process = model is not None
+        """Following for `observe()` (given its model), not for `ddp-doctor check`, whose patches mark each
+        `fully_shard` call and whose supervisor names a run that fails."""
         self.optimizer: torch.optim.Optimizer | None = None
         self.steps = 0
         self.names: dict[int, str] = {}

@@ -91,8 +91,9 @@ class ShardedWatch(Protocol):
     gathers_per_step: list[int]
     probe: ReducePrecisionProbe | None
     clock: StepClock | None
-    sees_shard_calls: bool
-    """The patched `fully_shard` sees the script's calls (`ddp-doctor check`); False under `observe()`."""
+    in_process: bool
+    """Following for `observe()`, which sees no `fully_shard` call and names no failure of the run; False for
+    `ddp-doctor check`."""
 
     def stepped_params(self) -> list[torch.Tensor]: ...
 
@@ -199,6 +200,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         low_reduce_abs=top["low_abs"],
         low_reduce_rel=top["low_rel"],
         followed=w.frozen,
+        in_process=w.in_process,
         **shard_save,
     )
     return Report.build(w.facts(sharding=run.sharding), diagnose_sharded(run))
@@ -216,14 +218,14 @@ def _reshard_candidate(w: ShardedWatch, model: ShardedModel) -> dict[str, Any] |
     right after that forward, so FSDP2 all-gathers the parameters it just freed again at once. Its name, which
     `fully_shard` call built it, and that call's line. The check advises only a module the patched `fully_shard`
     built (its second run applies the advice to that call); `observe()` sees no call, and names the module alone
-    (`ShardedWatch.sees_shard_calls`)."""
+    (`ShardedWatch.in_process`)."""
     name = w.gathers.last_forward if w.gathers is not None else None
     module = dict(model.sharded).get(name) if name else None
     if module is None or not reshards_fully(module):
         return None
     call = getattr(module, SHARD_CALL_ATTR, None)
     if call is None:
-        return None if w.sees_shard_calls else {"module": name, "call": None, "site": None}
+        return {"module": name, "call": None, "site": None} if w.in_process else None
     return {"module": name, "call": call[0], "site": call[1]}
 
 
