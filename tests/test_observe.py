@@ -234,19 +234,40 @@ def test_without_optimizer_a_step_is_a_synced_backward(tmp_path) -> None:
     assert run_ranks(_no_optimizer, tmp_path) == [{"steps": 3, "codes": []}] * 2
 
 
-def _limited_steps(rank: int, world: int) -> dict:
+def _limited_steps(rank: int, world: int, auto: bool) -> dict:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
     ddp, opt = _model(find_unused_parameters=True)
-    with observe(ddp, optimizer=opt, steps=2) as doctor:
+    theirs = []
+    with observe(ddp, optimizer="auto" if auto else opt, steps=2) as doctor:
+        # A library's own step hooks, registered after observe()'s: the steps end inside observe()'s hook, and
+        # removing it there made torch raise "OrderedDict mutated during iteration" in this loop's opt.step().
+        calls = []
+        theirs.append(opt.register_step_post_hook(lambda *_: calls.append(1)))
+        theirs.append(register_optimizer_step_post_hook(lambda *_: calls.append(1)))
         for step in range(5):
             _step(ddp, opt, rank, step, use_b=step < 2)  # head_b unused after the observed steps: not seen
         finished = doctor.finished
+    hooks_left = len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks)
+    for handle in theirs:
+        handle.remove()
     report = doctor.report(timeout=20)
-    return {"finished": finished, "steps": report.steps_observed, "codes": sorted(report.codes)}
+    return {
+        "finished": finished,
+        "steps": report.steps_observed,
+        "codes": sorted(report.codes),
+        "their_hooks_ran": len(calls),
+        "hooks_left": hooks_left,
+    }
 
 
-def test_steps_limit_detaches_after_k_steps(tmp_path) -> None:
-    expected = {"finished": True, "steps": 2, "codes": ["find-unused-unneeded"]}
-    assert run_ranks(_limited_steps, tmp_path) == [expected] * 2
+@pytest.mark.parametrize("auto", [False, True], ids=["optimizer", "auto"])
+def test_steps_limit_detaches_after_k_steps(tmp_path, auto: bool) -> None:
+    """`steps=2` ends the observed steps inside observe()'s optimizer hook, with another hook after it (ground
+    truth: before the fix, torch raised *OrderedDict mutated during iteration* in the script's opt.step()): the
+    script's steps go on, the other hooks run every step, and at the block's end only the script's hook is left."""
+    expected = {"finished": True, "steps": 2, "codes": ["find-unused-unneeded"], "their_hooks_ran": 10, "hooks_left": 1}
+    assert run_ranks(_limited_steps, tmp_path, args=(auto,)) == [expected] * 2
 
 
 def _reduction_error(rank: int, world: int) -> dict:

@@ -208,13 +208,18 @@ def _lifecycle(rank: int, world: int) -> dict[str, Any]:
     comm = getattr(group, "_all_gather_comm", None)
     hooks = {name: len(m._forward_pre_hooks) for name, m in model.named_modules()}
     out: dict[str, Any] = {}
+    calls = []
     with observe(model, optimizer=opt, steps=2) as doctor:
+        # A hook of the script's after observe()'s: the steps end inside observe()'s (tests/test_observe.py).
+        theirs = opt.register_step_post_hook(lambda *_: calls.append(1))
         for _ in range(4):
             model(torch.randn(4, 16)).square().mean().backward()
             opt.step()
             opt.zero_grad()
         out["finished_inside"] = doctor.finished
     out["steps"] = doctor.steps_observed
+    out["their_hook"] = (len(calls), len(opt._optimizer_step_post_hooks))
+    theirs.remove()
     out["comm_restored"] = getattr(group, "_all_gather_comm", None) is comm
     out["hooks_kept"] = hooks == {name: len(m._forward_pre_hooks) for name, m in model.named_modules()}
     with pytest.raises(InvalidArgumentError, match="already used"):
@@ -239,7 +244,7 @@ def test_steps_end_the_watch_and_every_hook_is_removed(tmp_path) -> None:
     forward hook stays; a used context cannot start again; a report with no step and one inside the block are
     clear errors."""
     r = run_ranks(_lifecycle, tmp_path, timeout=120)[0]
-    assert r["finished_inside"] and r["steps"] == 2
+    assert r["finished_inside"] and r["steps"] == 2 and r["their_hook"] == (4, 1)
     assert r["comm_restored"] and r["hooks_kept"]
     assert r["report"]["parallelism"] == "fsdp2"
 

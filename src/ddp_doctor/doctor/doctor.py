@@ -197,6 +197,7 @@ class Doctor:
         self._timeline.close_pending()
         if self._timeline.attached:
             self._detach()
+        self._backward.release()
         self._finished = True
 
     def _detach(self) -> None:

@@ -29,6 +29,7 @@ from ddp_doctor.core.errors import InvalidArgumentError, NoTrainableParametersEr
 from ddp_doctor.doctor.plain_watch import PlainOptimizerWatch
 from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.observation import saves
+from ddp_doctor.observation.hooks import StepHooks
 from ddp_doctor.observation.wrapstate import require_process_group
 from ddp_doctor.report import Report
 
@@ -68,6 +69,7 @@ class ShardedDoctor:
         self._watch = PlainOptimizerWatch(model, self._given, framework=framework)
         self._max_steps = steps
         self._undo: list[Callable[[], None]] = []
+        self._step_hooks = StepHooks()
         self._started = False
         self._finished = False
         self._serial = next(ShardedDoctor._serials)
@@ -101,27 +103,30 @@ class ShardedDoctor:
         if self._started or self._finished:
             raise InvalidArgumentError("this observe() context was already used; call observe() again.")
         self._started = True
-        hook = (
-            self._given.register_step_post_hook(self._on_step)
-            if self._given is not None
-            else register_optimizer_step_post_hook(self._on_step)
-        )
+        register = self._given.register_step_post_hook if self._given is not None else register_optimizer_step_post_hook
+        self._step_hooks.add(register, self._on_step)
         # First among the forward pre-hooks, before FSDP2's own all-gathers: the step clock's wait for data ends here.
         forward = self.model.register_forward_pre_hook(self._on_forward, prepend=True)
-        self._undo = [hook.remove, forward.remove, saves.listen(self._watch.note_save)]
+        self._undo = [forward.remove, saves.listen(self._watch.note_save)]
         return self
 
     def stop(self) -> None:
         """Remove every hook and wrapper (what leaving the context does); what was measured stays for `report()`."""
+        self._end_steps()
+        self._step_hooks.remove()
+
+    def _end_steps(self) -> None:
+        """Stop observing: the optimizer's step hook is disarmed only, since `steps` ends inside it (`StepHooks`)."""
         for undo in reversed(self._undo):
             undo()
         self._undo = []
+        self._step_hooks.disarm()
         self._watch.detach()
         self._finished = True
 
     def _on_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if self._watch.on_step(optimizer) and self._max_steps is not None and self._watch.steps >= self._max_steps:
-            self.stop()
+            self._end_steps()
 
     def _on_forward(self, _module: nn.Module, _args: Any) -> None:
         self._watch.note_forward()

@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.frames import user_site_of
 from ddp_doctor.core.phase import Phase
-from ddp_doctor.observation.hooks import Hook, tensors_in
+from ddp_doctor.observation.hooks import Hook, StepHooks, tensors_in
 from ddp_doctor.observation.optimizers import describe
 from ddp_doctor.observation.steplog import StepState
 from ddp_doctor.observation.target import Target
@@ -37,6 +37,7 @@ class BackwardHooks:
         self._t = target
         self._timeline = timeline
         self._hooked: set[int] = set()
+        self._steps = StepHooks()
         self._handles: list[Any] = []
         self._backward_pending = False
 
@@ -46,23 +47,25 @@ class BackwardHooks:
         if t.auto_optimizer:
             # The launcher does not know the script's optimizer: adopt the first one whose step() updates this
             # model's parameters (an Accelerate or Lightning wrapper calls the torch optimizer's step inside).
-            self._handles += [
-                register_optimizer_step_pre_hook(self._on_any_optimizer_pre),
-                register_optimizer_step_post_hook(self._on_any_optimizer_post),
-            ]
+            self._steps.add(register_optimizer_step_pre_hook, self._on_any_optimizer_pre)
+            self._steps.add(register_optimizer_step_post_hook, self._on_any_optimizer_post)
         elif t.optimizer is not None:
-            self._handles += [
-                t.optimizer.register_step_pre_hook(Hook(self._on_optimizer_pre)),
-                t.optimizer.register_step_post_hook(Hook(self._on_optimizer_post)),
-            ]
+            self._steps.add(t.optimizer.register_step_pre_hook, self._on_optimizer_pre)
+            self._steps.add(t.optimizer.register_step_post_hook, self._on_optimizer_post)
         self.hook_new_trainable()
 
     def detach(self) -> None:
-        """Remove every hook."""
+        """Remove every hook; the optimizer's step hooks are disarmed only, since the observed steps may end inside
+        one of them (`release` removes them)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._hooked.clear()
+        self._steps.disarm()
+
+    def release(self) -> None:
+        """Remove the optimizer's step hooks too (from outside an optimizer step)."""
+        self._steps.remove()
 
     def hook_new_trainable(self) -> None:
         """Hook every parameter that requires grad now; parameters unfrozen later are hooked at the next step."""
