@@ -104,7 +104,7 @@ class ShardedDoctor:
             raise InvalidArgumentError("this observe() context was already used; call observe() again.")
         self._started = True
         register = self._given.register_step_post_hook if self._given is not None else register_optimizer_step_post_hook
-        self._step_hooks.add(register, self._on_step)
+        self._step_hooks.add("post", register, self._on_step)
         # First among the forward pre-hooks, before FSDP2's own all-gathers: the step clock's wait for data ends here.
         forward = self.model.register_forward_pre_hook(self._on_forward, prepend=True)
         self._undo = [forward.remove, saves.listen(self._watch.note_save)]

@@ -77,18 +77,44 @@ class ListenerList(list[T], Generic[T]):
 
 
 _OPTIMIZER_FILE = os.path.join("torch", "optim", "optimizer.py")
-_pending: list[Any] = []
-"""Handles of disarmed step hooks whose removal waits for a moment outside every optimizer step."""
+_pending: list[tuple[str, Any]] = []
+"""("pre" or "post", handle) of disarmed step hooks whose removal waits until no step runs through that kind."""
 
 
-def _inside_optimizer_step() -> bool:
-    """Whether an `Optimizer.step` is running on this thread (its hook-running `wrapper` is on the stack)."""
+def _busy_kinds() -> set[str]:
+    """The kinds of step hooks ("pre", "post") whose dicts an `Optimizer.step` on this thread is iterating now: the
+    hook-running `wrapper` of torch's optimizer.py on the stack, in its post-hook loop once `post_hook` is bound, and
+    before that in its pre-hooks or its step ("pre", to be sure)."""
+    busy: set[str] = set()
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "wrapper" and frame.f_code.co_filename.endswith(_OPTIMIZER_FILE):
-            return True
+        code = frame.f_code
+        if code.co_name == "wrapper" and code.co_filename.endswith(_OPTIMIZER_FILE):
+            busy.add("post" if "post_hook" in frame.f_locals else "pre")
         frame = frame.f_back
-    return False
+    return busy
+
+
+def _flush() -> None:
+    """Remove the pending step hooks whose kind no running step iterates."""
+    busy = _busy_kinds()
+    keep = [(kind, handle) for kind, handle in _pending if kind in busy]
+    for kind, handle in _pending:
+        if kind not in busy:
+            handle.remove()  # a no-op for a handle already removed
+    _pending[:] = keep
+
+
+class _StepHook(Hook):
+    """A `Hook` that first removes the pending step hooks it may (a pre-hook call runs while the post hooks' dicts
+    are still; a post-hook call while the pre hooks' are)."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _pending:
+            _flush()
+        return self.fn(*args, **kwargs)
 
 
 class StepHooks:
@@ -98,29 +124,26 @@ class StepHooks:
     hook raises *OrderedDict mutated during iteration* in the user's `step()` whenever another hook comes after it
     (measured on torch 2.13: a hook registered after observe()'s, with `steps=1`). The observed steps end inside
     such a hook, and `bench` and the check stop their doctors there too. So `disarm` turns every hook here into a
-    no-op at once, and `remove` takes them out only from outside any optimizer step; called inside one, it leaves
-    them disarmed for the next `remove` of any `StepHooks` outside a step (or the `with` block's end) to take out."""
+    no-op at once, and `remove` takes out those whose dicts no running step iterates (the pre hooks, from a post
+    hook); the others wait, disarmed, for the next step hook of any `StepHooks` or the next `remove` that may (the
+    next step's pre hooks, the `with` block's end)."""
 
     def __init__(self) -> None:
-        self._hooks: list[tuple[Hook, Any]] = []
+        self._hooks: list[tuple[Hook, str, Any]] = []
 
-    def add(self, register: Callable[[Callable[..., Any]], Any], fn: Callable[..., Any]) -> None:
+    def add(self, kind: str, register: Callable[[Callable[..., Any]], Any], fn: Callable[..., Any]) -> None:
         """Register `fn` with `register` (`optimizer.register_step_post_hook`, or torch's global
-        `register_optimizer_step_post_hook`), wrapped in a `Hook`."""
-        hook = Hook(fn)
-        self._hooks.append((hook, register(hook)))
+        `register_optimizer_step_post_hook`, ...); `kind` is "pre" or "post", which of the two it registers."""
+        hook = _StepHook(fn)
+        self._hooks.append((hook, kind, register(hook)))
 
     def disarm(self) -> None:
-        for hook, _ in self._hooks:
+        for hook, _, _ in self._hooks:
             hook.fn = _inert
 
     def remove(self) -> None:
-        """Disarm every hook, and remove them (with any left disarmed before) unless an optimizer step is running."""
+        """Disarm every hook and remove those it may now (see the class)."""
         self.disarm()
-        _pending.extend(handle for _, handle in self._hooks)
+        _pending.extend((kind, handle) for _, kind, handle in self._hooks)
         self._hooks.clear()
-        if _inside_optimizer_step():
-            return
-        for handle in _pending:
-            handle.remove()  # a no-op for a handle already removed
-        _pending.clear()
+        _flush()
