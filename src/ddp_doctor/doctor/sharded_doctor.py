@@ -116,11 +116,12 @@ class ShardedDoctor:
         self._step_hooks.remove()
 
     def _end_steps(self) -> None:
-        """Stop observing: the optimizer's step hook is disarmed only, since `steps` ends inside it (`StepHooks`)."""
+        """Stop observing: the optimizer's step hook is disarmed, and removed once no step runs it (`steps` ends
+        inside it: `StepHooks`)."""
         for undo in reversed(self._undo):
             undo()
         self._undo = []
-        self._step_hooks.disarm()
+        self._step_hooks.remove()
         self._watch.detach()
         self._finished = True
 

@@ -55,16 +55,16 @@ class BackwardHooks:
         self.hook_new_trainable()
 
     def detach(self) -> None:
-        """Remove every hook; the optimizer's step hooks are disarmed only, since the observed steps may end inside
-        one of them (`release` removes them)."""
+        """Remove every hook. The optimizer's step hooks are disarmed, and removed where no running step iterates
+        them (the observed steps end inside one: `StepHooks`); `release` removes what was left."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._hooked.clear()
-        self._steps.disarm()
+        self._steps.remove()
 
     def release(self) -> None:
-        """Remove the optimizer's step hooks too (from outside an optimizer step)."""
+        """Remove the step hooks `detach` had to leave disarmed (call it from outside an optimizer step)."""
         self._steps.remove()
 
     def hook_new_trainable(self) -> None:
