@@ -112,8 +112,7 @@ class ShardedDoctor:
 
     def stop(self) -> None:
         """Remove every hook and wrapper (what leaving the context does); what was measured stays for `report()`."""
-        self._end_steps()
-        self._step_hooks.remove()
+        self._end_steps()  # its `remove` also takes out what a step left disarmed, now that none runs
 
     def _end_steps(self) -> None:
         """Stop observing: the optimizer's step hook is disarmed, and removed once no step runs it (`steps` ends
