@@ -89,3 +89,18 @@ def test_parameters_outside_every_group_are_an_error_an_info_or_a_warning_as_mea
     assert "did not change" in warning.detail and warning.fix.startswith("fully_shard the root as well")
     one_step = finding(unsharded_differ=[False, False], unsharded_changed=True, steps=1)
     assert one_step.severity == "warning", "one step shows no training: nothing is known to sync them"
+
+
+def test_the_fixes_are_in_the_words_of_the_framework_that_runs_the_job() -> None:
+    """Accelerate's plugin note and Accelerate's save route only where Accelerate (or the Trainer) may have built
+    the sharding; Lightning's `ModelParallelStrategy` gets its own words, then plain torch's."""
+    facts = {"replaced": 10, "model_params_stepped": 0, "shard_save": {"shown": "ck.pt"}, "shard_save_ranks": 1}
+    for framework in ("torch", "accelerate", "lightning"):
+        found = {f.code: f.fix for f in diagnose_sharded(_run(framework=framework, **facts)).findings}
+        lightning = framework == "lightning"
+        assert ("`trainer.save_checkpoint(path)` on every rank" in found["sharded-checkpoint-incomplete"]) == lightning
+        assert ("accelerator.save_state" in found["sharded-checkpoint-incomplete"]) != lightning
+        assert ("`configure_optimizers`" in found["optimizer-params-replaced"]) == lightning
+        assert "`optimizer = torch.optim.AdamW(model.parameters(), ...)`" in found["optimizer-params-replaced"]
+        advice = sharded_recommendation(_run(framework=framework)).reason
+        assert ("Accelerate's FSDP2 plugin" in advice) == (framework == "accelerate"), framework

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ddp_doctor.analyze.sharded_fixes import optimizer_fix, reshard_plugin_note, save_fix, sync_fix
 from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
 from ddp_doctor.analyze.unsharded import unsharded_finding
 from ddp_doctor.core.codes import Code
@@ -97,10 +98,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
                 + _unchanged(run),
                 ranks=ranks,
                 steps=_steps(run),
-                fix=f"build the optimizer after every {api.call} call, from the {api.done} model: "
-                f"`for block in model.blocks: {api.call}(block)`, `{api.call}(model)`, then "
-                "`optimizer = torch.optim.AdamW(model.parameters(), ...)`. With Accelerate, build the optimizer "
-                "from the model that accelerator.prepare() returned (or pass both to prepare together).",
+                fix=optimizer_fix(run.framework, api.call, api.done),
             )
         )
     if run.sync_off_steps and run.sync_off_steps >= run.steps:
@@ -115,7 +113,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
                 "get no gradient, and the optimizer skips them. " + _unchanged(run),
                 ranks=ranks,
                 steps=_steps(run),
-                fix=_sync_fix(run),
+                fix=sync_fix(run.framework),
             )
         )
     if run.shard_save:
@@ -160,22 +158,6 @@ def _low_reduce(run: ShardedRun, ranks: list[int]) -> Finding:
     )
 
 
-def _sync_fix(run: ShardedRun) -> str:
-    torch_words = (
-        "switch gradient sync back on for the last micro-batch of each optimizer step: "
-        "`model.set_requires_gradient_sync(micro_step == accumulation_steps - 1)` before each backward "
-        "(the DDP twin is no_sync(), left off for the last micro-batch)."
-    )
-    if run.framework != "accelerate":
-        return torch_words
-    return (
-        "with Accelerate, `accelerator.no_sync(model)` switches sync off until its block ends: call "
-        "optimizer.step() after the block, with the last micro-batch's backward outside it, or let Accelerate do "
-        "it: `Accelerator(gradient_accumulation_steps=N)` and `with accelerator.accumulate(model):` around each "
-        "micro-batch (sync comes back on for the last one). In plain torch: " + torch_words
-    )
-
-
 def _unused(run: ShardedRun, ranks: list[int], api: _Api) -> Finding:
     n = len(run.unused)
     carried = (
@@ -197,19 +179,6 @@ def _unused(run: ShardedRun, ranks: list[int], api: _Api) -> Finding:
         fix=f"remove them from the model if nothing uses them, or set requires_grad=False on them before {api.call} "
         "(and build the optimizer from the trainable parameters) while they are not used.",
     )
-
-
-SAVE_FIX = (
-    "let every rank take part in the save: "
-    '`torch.distributed.checkpoint.save({"model": model.state_dict()}, checkpoint_id=ckpt_dir)` on every '
-    "rank (each writes its shards; `torch.distributed.checkpoint.load` reads them back, at any world size), or "
-    "a full state dict gathered on every rank and written by one: `sd = get_model_state_dict(model, "
-    "options=StateDictOptions(full_state_dict=True, cpu_offload=True))` on every rank "
-    "(torch.distributed.checkpoint.state_dict), then `if rank == 0: torch.save(sd, path)`. With Accelerate: "
-    "`accelerator.save_state(ckpt_dir)` on every process, or `sd = accelerator.get_state_dict(model)` on every "
-    "process, then `accelerator.save(sd, path)`."
-)
-"""`sharded-checkpoint-incomplete`'s fix, in plain torch and in Accelerate's words."""
 
 
 def _incomplete_checkpoint(run: ShardedRun) -> Finding:
@@ -241,7 +210,7 @@ def _incomplete_checkpoint(run: ShardedRun) -> Finding:
         ),
         # The ranks that saved, as far as they are known: every rank, or the first of those that did.
         ranks=list(range(run.world)) if run.shard_save_one_path else [run.shard_save_first],
-        fix=SAVE_FIX,
+        fix=save_fix(run.framework),
     )
 
 
@@ -311,7 +280,7 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
     )
     if not (candidate and gathers):
         return Recommendation.unknown(text)
-    advice = _reshard_advice(candidate, gathers)
+    advice = _reshard_advice(candidate, gathers, run.framework)
     return replace(
         Recommendation.unknown(advice + _NOT_VERIFIED + " " + text),
         reshard={
@@ -343,14 +312,13 @@ def _reshard_checked(gathers: int | None, candidate: dict[str, Any] | None, erro
     return "reshard_after_forward was not examined (FSDP2's all-gathers could not be counted here)"
 
 
-def _reshard_advice(candidate: dict[str, Any], gathers: int) -> str:
+def _reshard_advice(candidate: dict[str, Any], gathers: int, framework: str) -> str:
     return (
         f"For speed: `reshard_after_forward=False` on {candidate['module']} ({_call_at(candidate)}). It is the last sharded module to run forward, so its backward starts right after "
         "its forward: with reshard_after_forward=True FSDP2 frees its parameters after the forward and all-gathers "
         f"them again at once. Kept, each forward and backward make one all-gather fewer ({gathers} per step now) "
         "and the step holds that module's unsharded parameters a moment longer, which its backward needs anyway "
-        "(torchtitan does the same for its last block). (Accelerate's FSDP2 plugin sets one reshard_after_forward "
-        "for every module it shards; this advice is for one module.) "
+        "(torchtitan does the same for its last block). " + reshard_plugin_note(framework)
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.positions import capped, short, where
-from ddp_doctor.analyze.sharded import SAVE_FIX
+from ddp_doctor.analyze.sharded_fixes import save_fix
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list
@@ -184,7 +184,7 @@ def state_dict_alone(states: dict[int, RankState], native: list[str]) -> Finding
             f"exchanges the wrong data: {went}." + said,
             ranks=sorted(states),
             steps=sorted({max(states[r].step, 0) for r in alone}),
-            fix=SAVE_FIX,
+            fix=save_fix(next((s.framework for s in states.values() if s.framework), "torch")),
         )
     return None
 

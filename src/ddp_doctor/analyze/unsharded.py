@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from ddp_doctor.analyze.sharded_fixes import root_fix
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.sharded_run import ShardedRun
@@ -56,9 +57,7 @@ def _fix(run: ShardedRun, api: Api) -> str:
         f"them out of ignored_params so that the {call} group holds them.",
         "added": f"build every module before the {call} calls (the root's {call} groups every parameter not in an "
         f"inner group), or {call} the added module too.",
-        "root": f"{call} the root as well, after its blocks: `for block in model.blocks: {call}(block)` then "
-        f"`{call}(model)`; the root's group holds every parameter left outside the inner groups (the head, "
-        "embeddings, final norm).",
+        "root": root_fix(run.framework, call),
     }[_cause(run)]
 
 

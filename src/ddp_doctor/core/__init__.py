@@ -10,3 +10,6 @@ from __future__ import annotations
 
 VERSION = "0.1.0"
 """The tool's version (`ddp_doctor.__version__`, the report's `tool_version`)."""
+CHECK_ENV_VAR = "DDP_DOCTOR_CHECK"
+"""Set in the environment of every rank that `ddp-doctor check` (or `bench`) starts, to the rank's `RankConfig`:
+a framework callback in such a rank stands by, as the launcher follows the model already."""

@@ -82,6 +82,9 @@ class BeaconState:
     the report's header names (`ShardedModel.describe`)."""
     backend: str | None = None
     """That model's process group backend (the report's header; a DDP model's is in its model record)."""
+    framework: str | None = None
+    """The training framework that steps that model's optimizer (`lightning`, ...; a DDP model's is in its model
+    record): a failed run's report words its fixes that way."""
     forwards: dict[str, int] = field(default_factory=dict)
     """Forwards through that sharded model since its first optimizer step, by the user's line (8 lines at most)."""
     fully_shard: dict[str, Any] | None = None

@@ -107,9 +107,10 @@ def user_site_of(
     return None
 
 
-def user_site(skip_self: set[int] | None = None) -> str | None:
-    """`file:line` of the innermost caller outside torch and ddp_doctor (framework code counts as the user's)."""
-    return user_site_of(sys._getframe(1), None, frameworks=False, skip_self=skip_self)
+def user_site(skip_self: set[int] | None = None, *, frameworks: bool = False) -> str | None:
+    """`file:line` of the innermost caller outside torch and ddp_doctor (framework code counts as the user's unless
+    `frameworks`: then the script's own line that called into the framework)."""
+    return user_site_of(sys._getframe(1), None, frameworks=frameworks, skip_self=skip_self)
 
 
 def user_call(frame: Any) -> tuple[str | None, str]:

@@ -112,6 +112,8 @@ class RankState:
     """Gathers of sharded tensors in full since then, by `call at file:line`, from the beacon."""
     backend: str | None = None
     """That model's process group backend, from the beacon."""
+    framework: str | None = None
+    """The training framework that steps that model's optimizer, from the beacon."""
 
     @property
     def sharded(self) -> bool:
@@ -157,6 +159,7 @@ def read_rank_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
             state.in_collective, state.collectives = beacon.in_collective, beacon.collectives
             state.collective = beacon.collective
             state.sharding, state.forwards, state.backend = beacon.sharding, beacon.forwards, beacon.backend
+            state.framework = beacon.framework
             state.gathers, state.state_dicts = beacon.gathers, beacon.state_dicts
             state.train_loader, state.fully_shard = beacon.train_loader, beacon.fully_shard
         failure = failures.get(str(rank))

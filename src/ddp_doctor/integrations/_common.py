@@ -1,18 +1,21 @@
-"""What the framework integrations share: find the DDP model, start a doctor, publish the report, apply fail_on."""
+"""What the framework integrations share: find the DDP model, start a doctor (a `ShardedDoctor` for a model sharded
+with FSDP2), publish the report, apply fail_on."""
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_doctor.core import CHECK_ENV_VAR
 from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.errors import DoctorError, InvalidArgumentError
-from ddp_doctor.doctor import Doctor
+from ddp_doctor.doctor import Doctor, ShardedDoctor
 from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR
 from ddp_doctor.report import Report
 
@@ -26,6 +29,8 @@ __all__ = [
     "publish",
     "raise_if_failing",
     "start_doctor",
+    "start_sharded_doctor",
+    "under_check",
     "unwrap_ddp",
 ]
 
@@ -109,6 +114,20 @@ def start_doctor(
     """`observe(ddp, optimizer, steps=steps)`, started, with the report phrased for `framework`."""
     doctor = Doctor(ddp, optimizer, steps=steps)
     doctor.info.framework = framework
+    doctor.start()
+    return doctor
+
+
+def under_check() -> bool:
+    """True in a rank that `ddp-doctor check` started: its launcher follows every model of the script already (a
+    sharded one carries no mark of it, unlike a DDP model: `observed_by_check`)."""
+    return CHECK_ENV_VAR in os.environ
+
+
+def start_sharded_doctor(model: torch.nn.Module, *, framework: str, steps: int | None) -> ShardedDoctor:
+    """`observe(model, "auto", steps=steps)` for a model with FSDP2 modules in it, started: it follows the first
+    optimizer that steps, with the report phrased for `framework`."""
+    doctor = ShardedDoctor(model, "auto", steps=steps, framework=framework)
     doctor.start()
     return doctor
 

@@ -8,7 +8,10 @@ trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[Docto
 
 Lightning builds `DistributedDataParallel` in `trainer.fit()` from its strategy: `"ddp"` (find_unused_parameters
 False), `"ddp_find_unused_parameters_true"`, or `DDPStrategy(find_unused_parameters=..., static_graph=...)`. The
-report's fixes are phrased that way. Works with `lightning.pytorch` and with `pytorch_lightning` (the callback
+report's fixes are phrased that way. Under `ModelParallelStrategy`, whose `configure_model` shards the model with
+FSDP2's `fully_shard`, the callback follows the sharded model (`ShardedDoctor`: the optimizer's parameters, the
+parameters outside every sharded group, gradient sync, torch.save of shards) and words the fixes for that
+strategy. Works with `lightning.pytorch` and with `pytorch_lightning` (the callback
 subclasses whichever of the two the process has imported; `lightning.pytorch` when neither is yet).
 
 Unlike a Trainer callback in transformers, a Lightning callback hears about exceptions: when DDP itself fails
@@ -24,8 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ddp_doctor.core.compat import is_sharded
 from ddp_doctor.core.errors import DoctorError
-from ddp_doctor.doctor import Doctor
+from ddp_doctor.doctor import Doctor, ShardedDoctor
 from ddp_doctor.integrations._common import (
     JSON_NAME,
     FindingsError,
@@ -35,6 +39,8 @@ from ddp_doctor.integrations._common import (
     publish,
     raise_if_failing,
     start_doctor,
+    start_sharded_doctor,
+    under_check,
     unwrap_ddp,
 )
 from ddp_doctor.report import Report
@@ -100,16 +106,23 @@ class DoctorCallback(_callback_base()):  # type: ignore[misc]
         self.timeout = timeout
         self.crash_timeout = crash_timeout
         self.report: Report | None = None
-        self._doctor: Doctor | None = None
+        self._doctor: Doctor | ShardedDoctor | None = None
         self._reported = False
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._doctor, self._reported, self.report = None, False, None
+        if is_sharded(pl_module):  # ModelParallelStrategy: configure_model called fully_shard
+            if under_check():
+                logger.info("ddp-doctor: `ddp-doctor check` observes this model already; DoctorCallback stands by.")
+                return
+            self._doctor = start_sharded_doctor(pl_module, framework="lightning", steps=self.steps)
+            return
         ddp = unwrap_ddp(trainer.strategy.model)
         if ddp is None:
             logger.warning(
-                "ddp-doctor: strategy %s did not wrap the model in DistributedDataParallel, so there "
-                'is nothing to observe; DoctorCallback diagnoses DDP only (strategy="ddp").',
+                "ddp-doctor: strategy %s neither wrapped the model in DistributedDataParallel nor sharded it with "
+                'FSDP2, so there is nothing to observe; DoctorCallback diagnoses DDP (strategy="ddp") and FSDP2 '
+                "(ModelParallelStrategy, fully_shard in configure_model).",
                 type(trainer.strategy).__name__,
             )
             return
@@ -125,10 +138,27 @@ class DoctorCallback(_callback_base()):  # type: ignore[misc]
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._doctor is not None and not self._reported:
             self._doctor.stop()
+            if isinstance(self._doctor, ShardedDoctor) and self._doctor.steps_observed == 0:
+                logger.info("ddp-doctor: fit() made no optimizer step, so there is nothing to report.")
+                self._doctor, self._reported = None, True
+                return
             self._report(trainer)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self._doctor is None or self._reported or isinstance(exception, FindingsError):
+            return
+        if isinstance(self._doctor, ShardedDoctor):
+            # A sharded job's failure (a collective some ranks entered alone) leaves the others waiting in it: no
+            # exchange would complete. The check names it from every rank's files.
+            self._doctor.stop()
+            self._doctor, self._reported = None, True
+            logger.warning(
+                "ddp-doctor: rank %d failed with %s: %s. Run `ddp-doctor check` on the script for a per-rank "
+                "account of a sharded job's failure.",
+                trainer.global_rank,
+                type(exception).__name__,
+                str(exception)[:200],
+            )
             return
         self._doctor.record_crash(exception)
         self._doctor.stop()

@@ -10,9 +10,11 @@ import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ddp_doctor.core import CHECK_ENV_VAR
+
 __all__ = ["CLI_PID_VAR", "ENV_VAR", "LAUNCHER_PID_VAR", "RUN_MARKER_VAR", "RankConfig", "die_with_parent"]
 
-ENV_VAR = "DDP_DOCTOR_CHECK"
+ENV_VAR = CHECK_ENV_VAR
 RUN_MARKER_VAR = "DDP_DOCTOR_RUN"
 """Set to a fresh id in the environment of every process a run starts (torchrun, ranks, their children): the
 supervisor finds them by scanning /proc for it, from the first millisecond, without any file the ranks write."""

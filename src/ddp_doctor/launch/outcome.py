@@ -265,7 +265,7 @@ def _failure_report(
         or next((s.backend for s in states.values() if s.backend), ""),
         world_size=max([s.world_size for s in states.values()] + [len(states)]),
         ddp_config=meta.get("ddp_config", {}),
-        framework=meta.get("framework", "torch"),
+        framework=meta.get("framework") or next((s.framework for s in states.values() if s.framework), "torch"),
         ddp_site=meta.get("site") or next((s.wrap.site for s in states.values() if s.wrap and s.wrap.site), None),
         interrupted=interrupted is not None,
         parallelism=parallelism_of(sharding),

@@ -83,7 +83,9 @@ class PlainSteps:
         loader = None if one is None else {"site": one.info.get("site"), "batches": one.info.get("batches")}
         run.beacon.update(step=run.plain.steps, phase=Phase.BETWEEN_STEPS.value, train_loader=loader)
         if run.plain.sharded is not None and run.beacon.state.sharding is None:
-            run.beacon.update(sharding=run.plain.sharded.describe(), backend=str(dist.get_backend()))
+            run.beacon.update(
+                sharding=run.plain.sharded.describe(), backend=str(dist.get_backend()), framework=run.plain.framework
+            )
             # First, before FSDP2's own pre-hook all-gathers (and waits for the other ranks): the clock's wait for
             # data ends where the forward is entered, and a forward that hangs in its all-gather is counted.
             run.plain.sharded.root.register_forward_pre_hook(self._on_forward, prepend=True)
@@ -100,9 +102,11 @@ class PlainSteps:
 
     def _on_state_dict(self, _module: Any, _prefix: str, _keep_vars: bool) -> None:
         """Count a `state_dict()` of the FSDP2 model by the user's line: on some ranks only (a save under
-        `if rank == 0:`), it reshards there what a forward left unsharded, and the ranks' next all-gathers differ."""
+        `if rank == 0:`), it reshards there what a forward left unsharded, and the ranks' next all-gathers differ.
+        The script's own line, past a framework's (`trainer.save_checkpoint(...)` under `if trainer.is_global_zero:`
+        takes it inside Lightning)."""
         if not self._run.finishing:
-            self._count(self._run.beacon.state.state_dicts, user_site() or "an unknown place")
+            self._count(self._run.beacon.state.state_dicts, user_site(frameworks=True) or "an unknown place")
 
     def on_shard(self, site: str | None, policy: Any) -> None:
         """A `fully_shard` call of the script (at `site`, with its `mp_policy`): counted in the beacon, with the
