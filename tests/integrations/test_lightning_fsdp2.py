@@ -10,7 +10,7 @@ Ground truth, plain torchrun, torch 2.13.0, lightning 2.6.6, CPU, gloo, 2 ranks,
 - --save every (`trainer.save_checkpoint` on every rank): a folder of both ranks' shards (`__0_0.distcp`,
   `__1_0.distcp`, `meta.pt`); with `save_distributed_checkpoint=False`, one file of [32, 8] plain tensors.
 - --save rank0-checkpoint (`trainer.save_checkpoint` under `if trainer.is_global_zero:`): the job hangs (killed
-  after 100 s, exit code 124).
+  after 100 s, exit code 124), with a distributed checkpoint and with one file (`--full-checkpoint`) alike.
 """
 
 from __future__ import annotations
@@ -101,17 +101,20 @@ def test_rank_0_saving_its_shards_alone_is_named_with_lightnings_fix(tmp_path: P
     assert (measured["saved_local"], measured["saved_global"]) == ([16, 8], [32, 8])  # what the file holds
 
 
-def test_rank_0_calling_save_checkpoint_alone_is_named_at_the_scripts_line(tmp_path: Path) -> None:
-    """The job hangs: rank 0 takes the state dict inside Lightning's save_checkpoint, rank 1 goes on to its next
-    forward. The check's timeout ends it, and the report names the script's own line, not Lightning's."""
-    run = check(
-        ["--nproc-per-node", "2", "--timeout", "45", SCRIPT, str(tmp_path), "--save", "rank0-checkpoint"],
-        tmp_path,
-        timeout=150,
-    )
+@pytest.mark.parametrize(
+    ("full", "code"),
+    [(False, "sharded-checkpoint-incomplete"), (True, "state-gather-some-ranks")],
+    ids=["distributed", "full-state-dict"],
+)
+def test_rank_0_calling_save_checkpoint_alone_is_named_at_the_scripts_line(tmp_path: Path, full, code) -> None:
+    """The job hangs either way: rank 0 takes the state dict inside Lightning's save_checkpoint (and, saving one
+    file, gathers it in full), while rank 1 goes on to its next forward. The check's timeout ends it, and the report
+    names the script's own line, not Lightning's."""
+    args = [SCRIPT, str(tmp_path), "--save", "rank0-checkpoint", *(["--full-checkpoint"] if full else [])]
+    run = check(["--nproc-per-node", "2", "--timeout", "45", *args], tmp_path, timeout=150)
     assert run.report is not None, run.output[-6000:]
     assert run.report["framework"] == "lightning", run.report["framework"]
-    found = run.finding("sharded-checkpoint-incomplete")
+    found = run.finding(code)
     assert re.search(rf"{_line_of('trainer.save_checkpoint(os.path')}\b", found["title"]), found["title"]
     assert found["ranks"] == [0, 1]
     assert "not under `if trainer.is_global_zero:`" in found["fix"]

@@ -9,6 +9,8 @@ Two ranks (`accelerator="cpu", devices=2`), launched by torchrun, which Lightnin
                           checkpoint folder, each rank writing its shards)
 --save rank0-checkpoint   after the third batch, global rank 0 alone: trainer.save_checkpoint("ck") (it waits for
                           rank 1 in the distributed checkpoint's collectives, and the job hangs)
+--full-checkpoint         ModelParallelStrategy(save_distributed_checkpoint=False): trainer.save_checkpoint gathers
+                          the full state dict on every rank, and rank 0 writes one file
 --callback                DoctorCallback(steps=6, fail_on="never") in the Trainer's callbacks
 --out FOLDER              each rank writes what it measured to FOLDER/rank{r}.json: the head's full weight sum, and
                           the local / global shape of a weight in the file rank 0 saved
@@ -82,6 +84,7 @@ def main() -> None:
     parser.add_argument("root_dir")
     parser.add_argument("--mistake", choices=["none", "root-unsharded"], default="none")
     parser.add_argument("--save", choices=["", "rank0", "every", "rank0-checkpoint"], default="")
+    parser.add_argument("--full-checkpoint", action="store_true")
     parser.add_argument("--callback", action="store_true")
     parser.add_argument("--out", default="")
     opts = parser.parse_args()
@@ -98,7 +101,9 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        strategy=ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=not opts.full_checkpoint
+        ),
         max_epochs=1,
         default_root_dir=opts.root_dir,
         callbacks=callbacks,

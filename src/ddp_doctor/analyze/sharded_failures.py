@@ -17,7 +17,7 @@ from typing import Any
 
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.positions import capped, short, where
-from ddp_doctor.analyze.sharded_fixes import save_fix
+from ddp_doctor.analyze.sharded_fixes import gather_fix, save_fix
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list
@@ -39,6 +39,11 @@ _LOW_NAMES = {"bfloat16": ("BFloat16", "bfloat16"), "float16": ("Half", "float16
 
 _GATHERS = ("get_model_state_dict", "get_state_dict", "get_optimizer_state_dict", "full_tensor", "_gather_state_dict")
 """The calls that all-gather sharded (DTensor) state, the one a user calls first: every rank must enter them."""
+
+
+def _framework(states: dict[int, RankState]) -> str:
+    """The training framework that stepped the sharded model's optimizer (`torch` when none did)."""
+    return next((s.framework for s in states.values() if s.framework), "torch")
 
 
 def _gather(s: RankState) -> tuple[str, str | None] | None:
@@ -96,11 +101,7 @@ def gather_alone(states: dict[int, RankState], native: list[str]) -> Finding | N
         "collective aborts, hangs or exchanges the wrong data, depending on the backend and the sizes." + said,
         ranks=sorted(states),
         steps=sorted({max(states[r].raised.step if states[r].raised else states[r].step, 0) for r in gathering}),
-        fix="gather on every rank, write on one: `sd = get_model_state_dict(model, "
-        "options=StateDictOptions(full_state_dict=True, cpu_offload=True))` outside the `if rank == 0:`, then "
-        "`if rank == 0: torch.save(sd, path)`; or save the sharded state with `torch.distributed.checkpoint.save` "
-        "on every rank. With Accelerate: `sd = accelerator.get_state_dict(model)` on every process, then "
-        "`accelerator.save(sd, path)`.",
+        fix=gather_fix(_framework(states)),
     )
 
 
@@ -184,7 +185,7 @@ def state_dict_alone(states: dict[int, RankState], native: list[str]) -> Finding
             f"exchanges the wrong data: {went}." + said,
             ranks=sorted(states),
             steps=sorted({max(states[r].step, 0) for r in alone}),
-            fix=save_fix(next((s.framework for s in states.values() if s.framework), "torch")),
+            fix=save_fix(_framework(states)),
         )
     return None
 

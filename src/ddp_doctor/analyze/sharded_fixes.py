@@ -12,7 +12,7 @@ Lightning's gradient accumulation (its strategy's hook that blocks sync switches
 
 from __future__ import annotations
 
-__all__ = ["optimizer_fix", "reshard_plugin_note", "root_fix", "save_fix", "sync_fix"]
+__all__ = ["gather_fix", "optimizer_fix", "reshard_plugin_note", "root_fix", "save_fix", "sync_fix"]
 
 _SAVE_TORCH = (
     "let every rank take part in the save: "
@@ -39,6 +39,26 @@ def save_fix(framework: str) -> str:
     if framework == "lightning":
         return _SAVE_LIGHTNING + _SAVE_TORCH
     return _SAVE_TORCH + _SAVE_ACCELERATE
+
+
+def gather_fix(framework: str) -> str:
+    """`state-gather-some-ranks`'s fix: every rank enters the gather, one writes."""
+    torch_words = (
+        "gather on every rank, write on one: `sd = get_model_state_dict(model, "
+        "options=StateDictOptions(full_state_dict=True, cpu_offload=True))` outside the `if rank == 0:`, then "
+        "`if rank == 0: torch.save(sd, path)`; or save the sharded state with `torch.distributed.checkpoint.save` "
+        "on every rank."
+    )
+    if framework == "lightning":
+        return (
+            "with Lightning, `trainer.save_checkpoint(path)` on every rank, not under `if trainer.is_global_zero:`: "
+            "with `ModelParallelStrategy(save_distributed_checkpoint=False)` it gathers the full state dict on "
+            "every rank and writes one file. In plain torch: " + torch_words
+        )
+    return torch_words + (
+        " With Accelerate: `sd = accelerator.get_state_dict(model)` on every process, then "
+        "`accelerator.save(sd, path)`."
+    )
 
 
 def optimizer_fix(framework: str, call: str, done: str) -> str:

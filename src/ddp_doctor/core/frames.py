@@ -114,12 +114,13 @@ def user_site(skip_self: set[int] | None = None, *, frameworks: bool = False) ->
 
 
 def user_call(frame: Any) -> tuple[str | None, str]:
-    """(`file:line` of the innermost caller outside torch and ddp_doctor at or above `frame`, the name of the function
-    that line called): the API the user called (`get_model_state_dict`), whatever torch calls inside it."""
+    """(`file:line` of the innermost caller outside torch, ddp_doctor and the training frameworks at or above `frame`,
+    the name of the function that line called): the API the user called (`get_model_state_dict`, or a framework's
+    `save_checkpoint`), whatever torch or the framework calls inside it."""
     called = frame.f_code.co_name if frame is not None else "?"
     while frame is not None:
         code = frame.f_code
-        if is_user_frame(code.co_filename, frameworks=False):
+        if is_user_frame(code.co_filename):
             return format_site(code.co_filename, frame.f_lineno), called
         called = code.co_name
         frame = frame.f_back
