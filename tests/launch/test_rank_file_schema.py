@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from ddp_doctor.core.beacon import BEACON_SCHEMA, Beacon, ClosedStep, Collective, read_beacon
@@ -78,12 +81,32 @@ def test_a_crashed_peer_is_not_taken_for_one_waiting_in_ddps_all_reduce(tmp_path
     """A rank whose crash closed its step in backward looks, by step and phase alone, like a rank whose backward
     computed every gradient and waits in DDP's all-reduce; its beacon says it crashed, so a peer that crashed too
     waits for it at the exchange (a2719d7 made both leave at once: one box per rank)."""
-    peer = Beacon(tmp_path / "rank1.beacon")
-    peer.update(step=0, phase="backward", closed=ClosedStep(step=0, missing=["head.weight"]))
-    assert not peers_wait_in_collective(tmp_path, 0, watch_s=0.0)  # just got there: it may be passing through
-    assert peers_wait_in_collective(tmp_path, 0, watch_s=2.0)  # still there after a while: it waits
-    peer.update(crashed=True)
-    assert not peers_wait_in_collective(tmp_path, 0, watch_s=1.0)
+    sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.5)  # past its start: its main thread sleeps in the kernel, as one waiting in all-reduce does
+        peer = Beacon(tmp_path / "rank1.beacon")
+        peer.update(step=0, phase="backward", closed=ClosedStep(step=0, missing=["head.weight"]), pid=sleeping.pid)
+        assert not peers_wait_in_collective(tmp_path, 0, watch_s=0.0)  # just got there: it may be passing through
+        assert peers_wait_in_collective(tmp_path, 0, watch_s=2.0)  # still there after a while, blocked: it waits
+        peer.update(crashed=True)
+        assert not peers_wait_in_collective(tmp_path, 0, watch_s=1.0)
+    finally:
+        sleeping.kill()
+        sleeping.wait()
+
+
+def test_a_peer_that_still_runs_is_not_taken_for_one_waiting_in_ddps_all_reduce(tmp_path: Path) -> None:
+    """A peer between two backward passes through one forward (Lightning's GAN: the first pass closed the step in
+    backward, the second is about to fail as this rank's did) shows the same beacon as one waiting in all-reduce,
+    for over a second on a busy machine; its main thread runs, though, where a waiting one sleeps in the kernel."""
+    running = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        peer = Beacon(tmp_path / "rank1.beacon")
+        peer.update(step=0, phase="backward", closed=ClosedStep(step=0, missing=["head.weight"]), pid=running.pid)
+        assert not peers_wait_in_collective(tmp_path, 0, watch_s=2.0)
+    finally:
+        running.kill()
+        running.wait()
 
 
 def test_an_fsdp2_ranks_fullest_beacon_is_read_back_whole(tmp_path: Path) -> None:

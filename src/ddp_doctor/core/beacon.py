@@ -106,6 +106,8 @@ class BeaconState:
     so a peer never takes a crashed rank for one that waits in DDP's all-reduce."""
     time: float = 0.0
     """`time.time()` of the last change."""
+    pid: int = 0
+    """The rank's process id: a peer on the same node reads from /proc whether its main thread is blocked."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,7 +135,7 @@ class Beacon:
         finally:
             os.close(fd)
         self._seq = 0
-        self.state = BeaconState(time=time.time())
+        self.state = BeaconState(time=time.time(), pid=os.getpid())
         self._write()
 
     def update(self, **changes: Any) -> None:

@@ -87,6 +87,26 @@ error at a second manual_backward) still showed the closed step after 0.3 s, bot
 one rank's box instead of the joint finding."""
 
 
+_BLOCKED_S = 0.5
+"""How long a peer's main thread must have slept in the kernel, every time it was looked at, to be taken for one
+that waits in a collective. Its beacon's age alone was not enough: on a 2-core machine running the suite beside
+other work, the Lightning GAN's peer, on its way to the same error at its second manual_backward, showed a closed
+step in backward for over 1 s, both ranks left, and the report lost its joint finding."""
+
+
+def _blocked(pid: int) -> bool:
+    """Whether the process's main thread sleeps in the kernel (state S or D in /proc/PID/stat): a rank that waits in
+    DDP's all-reduce does (measured on gloo: S throughout); one that runs Python on its way to its next pass does
+    not, even a starved one on a busy machine (R). True where it cannot be read (no /proc, a pid not known): then the
+    beacon's age alone decides."""
+    if pid <= 0:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("S", "D")
+    except (OSError, IndexError):
+        return True
+
+
 def _any_peer(outdir: Path, rank: int, test: Callable[[BeaconState], bool], watch_s: float) -> bool:
     """Whether the beacon of some other rank on this node passes `test`, watched for up to `watch_s` seconds."""
     deadline = time.monotonic() + watch_s
@@ -119,18 +139,27 @@ def peers_wait_in_collective(outdir: Path, rank: int, *, watch_s: float = 2.0) -
     come to the exchange, and ranks that failed the same way get one joint report.
     """
 
+    asleep: dict[int, float] = {}
+    """pid -> when its main thread was first seen blocked in this watch, while its beacon showed it reducing."""
+
     def waits(p: BeaconState) -> bool:
         if p.crashed:
             return False  # it raised too (its failed step reads as closed in backward): it comes to the exchange
-        # A rank whose backward computed its gradients and that waits in DDP's all-reduce stays there; one that only
-        # passes through (no bucket to wait for: static_graph=True on a graph that changed) moves on within
-        # milliseconds, to the same error as this rank's, and comes to the exchange.
+        if p.in_collective:
+            return True
+        # A rank whose backward computed its gradients and that waits in DDP's all-reduce stays there, blocked; one
+        # that only passes through (no bucket to wait for: static_graph=True on a graph that changed, or the first
+        # of Lightning's two manual_backward passes) moves on, running, to the same error as this rank's, and comes
+        # to the exchange.
         reducing = (
             p.phase == Phase.BACKWARD.value
             and p.closed is not None
             and p.closed.step == p.step
             and time.time() - p.time >= _SETTLED_S
         )
-        return p.in_collective or reducing
+        if not (reducing and _blocked(p.pid)):
+            asleep.pop(p.pid, None)
+            return False
+        return time.monotonic() - asleep.setdefault(p.pid, time.monotonic()) >= _BLOCKED_S
 
     return _any_peer(outdir, rank, waits, watch_s)
