@@ -88,6 +88,8 @@ def test_a_crashed_peer_is_not_taken_for_one_waiting_in_ddps_all_reduce(tmp_path
         peer.update(step=0, phase="backward", closed=ClosedStep(step=0, missing=["head.weight"]), pid=sleeping.pid)
         assert not peers_wait_in_collective(tmp_path, 0, watch_s=0.0)  # just got there: it may be passing through
         assert peers_wait_in_collective(tmp_path, 0, watch_s=2.0)  # still there after a while, blocked: it waits
+        peer.update(phase="optimizer step", closed=None, in_collective=True)
+        assert peers_wait_in_collective(tmp_path, 0, watch_s=2.0)  # blocked in a collective of the script's
         peer.update(crashed=True)
         assert not peers_wait_in_collective(tmp_path, 0, watch_s=1.0)
     finally:
@@ -103,6 +105,11 @@ def test_a_peer_that_still_runs_is_not_taken_for_one_waiting_in_ddps_all_reduce(
     try:
         peer = Beacon(tmp_path / "rank1.beacon")
         peer.update(step=0, phase="backward", closed=ClosedStep(step=0, missing=["head.weight"]), pid=running.pid)
+        assert not peers_wait_in_collective(tmp_path, 0, watch_s=2.0)
+        # Just out of a collective both ranks entered (Lightning's clean-up after the error), its beacon not yet
+        # updated: it runs on to the exchange. Taken for a waiting one, the GAN's report lost its joint finding in
+        # 3 of 15 runs beside 4 to 6 busy processes on 2 cores (none of 10 after).
+        peer.update(phase="optimizer step", in_collective=True)
         assert not peers_wait_in_collective(tmp_path, 0, watch_s=2.0)
     finally:
         running.kill()
