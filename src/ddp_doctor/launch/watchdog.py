@@ -99,7 +99,8 @@ def _blocked(pid: int) -> bool:
     """Whether the process's main thread sleeps in the kernel (state S or D in /proc/PID/stat): a rank that waits in
     DDP's all-reduce does (measured on gloo: S throughout); one that runs Python on its way to its next pass does
     not, even a starved one on a busy machine (R). True where it cannot be read (no /proc, a pid not known): then the
-    beacon's age alone decides."""
+    beacon alone decides. Not run on CUDA: a host thread that waits for the GPU may spin (R) rather than sleep, and
+    then a crashed rank waits for it at the exchange (`RankConfig.crash_wait_s`) before it leaves."""
     if pid <= 0:
         return True
     try:
@@ -141,7 +142,7 @@ def peers_wait_in_collective(outdir: Path, rank: int, *, watch_s: float = 2.0) -
     """
 
     asleep: dict[int, float] = {}
-    """pid -> when its main thread was first seen blocked in this watch, while its beacon showed it reducing."""
+    """pid -> when its main thread was first seen blocked in this watch, while its beacon showed it waiting."""
 
     def waits(p: BeaconState) -> bool:
         if p.crashed:
