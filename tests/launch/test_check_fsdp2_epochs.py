@@ -25,6 +25,7 @@ report said so ("a save after those steps, forwards and full-state-dict gathers 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,9 @@ def test_rank_0_working_alone_past_the_groups_timeout_at_the_epoch_end_is_timeou
     assert _serious(run) == {"timeout-risk"}, run.output
     risk = run.finding("timeout-risk")
     assert risk["severity"] == "error" and risk["ranks"] == [0], risk
-    assert "about 40 s" in risk["title"] and "the process group's timeout is 20 s" in risk["title"], risk
+    # 400 sleeps of 0.1 s projected from 2 of them: each overshoots its 0.1 s by a few ms (41 s seen here, alone).
+    assert re.search(r"about (39|4[0-4]) s", risk["title"]), risk
+    assert "the process group's timeout is 20 s" in risk["title"], risk
     assert line_of("dcp.save(") in risk["detail"] and "2 of 400 batches" in risk["detail"], risk
     assert run.report["parallelism"] == "fsdp2" and run.report["following"]["epoch_ends"] == 1, run.report
     assert run.seconds < 60, run.seconds
