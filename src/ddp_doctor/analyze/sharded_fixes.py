@@ -26,9 +26,12 @@ _SAVE_ACCELERATE = (
     " With Accelerate: `accelerator.save_state(ckpt_dir)` on every process, or `sd = "
     "accelerator.get_state_dict(model)` on every process, then `accelerator.save(sd, path)`."
 )
+_LIGHTNING_EVERY_RANK = (
+    "with Lightning, `trainer.save_checkpoint(path)` on every rank, not under `if trainer.is_global_zero:`"
+)
 _SAVE_LIGHTNING = (
-    "with Lightning, `trainer.save_checkpoint(path)` on every rank, not under `if trainer.is_global_zero:` (there "
-    "it waits for the other ranks until the job is killed): ModelParallelStrategy writes a folder of every rank's "
+    _LIGHTNING_EVERY_RANK + " (there it waits for the other ranks until the job is killed): ModelParallelStrategy "
+    "writes a folder of every rank's "
     "shards, or one file with the full state dict under `ModelParallelStrategy(save_distributed_checkpoint=False)`; "
     "Lightning's ModelCheckpoint callback saves that way. In plain torch: "
 )
@@ -51,8 +54,8 @@ def gather_fix(framework: str) -> str:
     )
     if framework == "lightning":
         return (
-            "with Lightning, `trainer.save_checkpoint(path)` on every rank, not under `if trainer.is_global_zero:`: "
-            "with `ModelParallelStrategy(save_distributed_checkpoint=False)` it gathers the full state dict on "
+            _LIGHTNING_EVERY_RANK
+            + ": with `ModelParallelStrategy(save_distributed_checkpoint=False)` it gathers the full state dict on "
             "every rank and writes one file. In plain torch: " + torch_words
         )
     return torch_words + (
