@@ -1,42 +1,61 @@
-"""The `ddp-doctor` command. One module per subcommand; each registers itself with the parser."""
+"""The `ddp-doctor` command. One module per subcommand; each registers itself with the parser.
+
+Starting costs no import of torch: the subcommand modules import what they run only when they run it, and
+torchrun's options come from a cache (`torchrun_options.py`), added only to the subcommand being run. So `--help`,
+`codes` and argument errors answer at once, and Ctrl-C or SIGTERM are ours from the first statement on.
+"""
 
 from __future__ import annotations
 
-import argparse
-import signal
-import sys
+from ddp_doctor.launch.interrupt import Interrupted, install_signal_handlers
 
-from ddp_doctor import __version__
-from ddp_doctor.cli import bench, check, demo, list_codes
+install_signal_handlers()  # first: SIGINT / SIGTERM / SIGHUP while the CLI starts exit 128 + the signal, no traceback
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+
+from ddp_doctor import __version__  # noqa: E402
+from ddp_doctor.cli import bench, check, demo, list_codes  # noqa: E402
 
 __all__ = ["build_parser", "main"]
 
+_TORCHRUN_COMMANDS = ("check", "bench")
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; torchrun's options go to `command`'s subparser only (None: to both that take them)."""
     parser = argparse.ArgumentParser(
         prog="ddp-doctor", description="Find, explain and fix misconfigured PyTorch DistributedDataParallel training."
     )
     parser.add_argument("--version", action="version", version=f"ddp-doctor {__version__}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    check.register(sub)
-    bench.register(sub)
+    check.register(sub, with_torchrun=command in (None, "check"))
+    bench.register(sub, with_torchrun=command in (None, "bench"))
     demo.register(sub)
     list_codes.register(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    # First thing: SIGINT, SIGTERM and SIGHUP stop the run cleanly (every process it started, its temp folder)
-    # and exit 128 + the signal, from the first millisecond on.
-    from ddp_doctor.launch.supervise import Interrupted, install_signal_handlers
+def _command(argv: list[str]) -> str | None:
+    """The subcommand on the command line (the top level takes no option with a value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
+
+def main(argv: list[str] | None = None) -> int:
     install_signal_handlers()
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
-        return int(args.func(args) or 0)
+        args = build_parser(_command(argv)).parse_args(argv)
+        code = int(args.func(args) or 0)
     except Interrupted as exc:
-        sys.stderr.write(
-            f"\nddp-doctor: interrupted by {signal.Signals(exc.signum).name} before the run started; "
-            "nothing was left running.\n"
-        )
-        return exc.exit_code
+        sys.stderr.write(f"\nddp-doctor: interrupted by {signal.Signals(exc.signum).name}; nothing was left running.\n")
+        code = exc.exit_code
+    if any(t.name == "ddp-doctor-import" and t.is_alive() for t in threading.enumerate()):
+        # An import still running in the background (torch's) must not meet the interpreter's shutdown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

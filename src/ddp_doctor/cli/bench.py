@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.panel import Panel
@@ -13,11 +15,12 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.syntax import Syntax
 from rich.table import Table
 
-from ddp_doctor.bench import BenchResult, run_bench
-from ddp_doctor.bench.run import Candidate
 from ddp_doctor.cli.check import add_check_arguments, validate
 from ddp_doctor.cli.torchrun_options import torchrun_subparser
-from ddp_doctor.core.findings import finite
+
+if TYPE_CHECKING:
+    from ddp_doctor.bench import BenchResult
+    from ddp_doctor.bench.run import Candidate
 
 __all__ = ["CANDIDATE_NAMES", "register", "render"]
 
@@ -72,7 +75,7 @@ def _add_bench_arguments(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction, *, with_torchrun: bool = True) -> None:
     # Our options first, with the examples; torchrun's launcher options in their own group after them.
     torchrun_subparser(
         sub,
@@ -83,6 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         examples=EXAMPLES,
         add_ours=_add_bench_arguments,
+        with_torchrun=with_torchrun,
     ).set_defaults(func=run)
 
 
@@ -103,6 +107,13 @@ def run(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             args._parser.error("--html needs matplotlib: pip install 'ddp-doctor[html]'.")
+    if args.fresh_interpreters:
+        from ddp_doctor.launch.warm import FRESH_VAR
+
+        os.environ[FRESH_VAR] = "1"  # every launch's ranks start fresh (run_check passes our environment on)
+    from ddp_doctor.bench import run_bench
+    from ddp_doctor.core.findings import finite
+
     console = Console()
     with tempfile.TemporaryDirectory(prefix="ddp-doctor-bench-") as tmp:
         progress = Progress(

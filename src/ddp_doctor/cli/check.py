@@ -9,15 +9,17 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.rule import Rule
 
 from ddp_doctor.cli.torchrun_options import torchrun_parser, torchrun_subparser
 from ddp_doctor.core.codes import Code
-from ddp_doctor.launch.outcome import CheckResult, exit_code
 from ddp_doctor.launch.supervise import check_namespace
+
+if TYPE_CHECKING:
+    from ddp_doctor.launch.outcome import CheckResult
 
 __all__ = ["add_check_arguments", "check", "check_page", "parse_ddp_kwargs", "register", "render_result", "validate"]
 
@@ -60,12 +62,13 @@ _OURS = (
     "follow_epochs",
     "limit_batches",
     "no_verify",
+    "fresh_interpreters",
     "func",
 )
 _BENCH = ("rounds", "configs", "html")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction, *, with_torchrun: bool = True) -> None:
     torchrun_subparser(
         sub,
         "check",
@@ -76,6 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         examples=EXAMPLES,
         add_ours=add_check_arguments,
+        with_torchrun=with_torchrun,
     ).set_defaults(func=run)
 
 
@@ -109,6 +113,12 @@ def add_check_arguments(group: Any, *, bench: bool = False) -> None:
         metavar="S",
         help="stop every rank after S seconds and report what happened (default: 600)"
         + (", per launch of the script (candidates that share a launch share it)" if bench else ""),
+    )
+    group.add_argument(
+        "--fresh-interpreters",
+        action="store_true",
+        help="start every rank in a fresh Python interpreter, as plain torchrun does, instead of forking it from "
+        "one that has torch imported (also: DDP_DOCTOR_FRESH_INTERPRETERS=1); slower, for a script that needs it",
     )
     if bench:
         return
@@ -200,6 +210,7 @@ def check(
     limit_batches: int = 2,
     output: IO[str] | None = None,
     verify: bool = True,
+    fresh: bool = False,
 ) -> CheckResult:
     """Run `check` from Python: `torchrun` holds torchrun's own options, e.g. `["--nproc-per-node", "2"]`."""
     argv = [*torchrun, *(["-m"] if module else []), script, *script_args]
@@ -213,6 +224,7 @@ def check(
         limit_batches=limit_batches,
         output=output,
         verify=verify,
+        fresh=fresh,
     )
 
 
@@ -265,7 +277,10 @@ def run(args: argparse.Namespace) -> int:
         limit_batches=args.limit_batches,
         output=None,
         verify=not args.no_verify,
+        fresh=args.fresh_interpreters,
     )
+    from ddp_doctor.launch.outcome import exit_code
+
     console = Console()
     render_result(result, console)
     if args.json:

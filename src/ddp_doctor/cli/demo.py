@@ -6,6 +6,7 @@ import argparse
 import ast
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -14,8 +15,10 @@ from rich.text import Text
 
 from ddp_doctor.cli.check import check, check_page, render_result
 from ddp_doctor.core.codes import Code
-from ddp_doctor.launch.outcome import CheckResult
-from ddp_doctor.report.model import Report
+
+if TYPE_CHECKING:
+    from ddp_doctor.launch.outcome import CheckResult
+    from ddp_doctor.report.model import Report
 
 __all__ = ["DEMO_ORDER", "register"]
 

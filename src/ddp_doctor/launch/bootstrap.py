@@ -19,7 +19,10 @@ from ddp_doctor.launch.config import RankConfig, die_with_parent
 if TYPE_CHECKING:
     from ddp_doctor.launch.session import PolicyFactory
 
-__all__ = ["main", "run_rank"]
+__all__ = ["WARM_IMPORTS", "main", "run_rank"]
+
+WARM_IMPORTS = ("ddp_doctor.launch.session",)
+"""What the warm launch's server imports before it forks a rank of this entry point (`warm.py`)."""
 
 
 def run_rank(config: RankConfig, policy: PolicyFactory | None = None) -> None:

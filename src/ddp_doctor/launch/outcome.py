@@ -56,6 +56,9 @@ class CheckResult:
     """Whether the script's output ended with a newline (else the report starts with one)."""
     torchrun_log: str | None = None
     """Where torchrun's own log lines were kept, when it wrote any."""
+    launch: str | None = None
+    """How this node's ranks were started: `warm` (forked from a preloaded interpreter), `fresh` (one interpreter
+    each), `mixed`; None when no rank was started."""
 
     @property
     def report(self) -> Report | None:
@@ -71,6 +74,8 @@ class CheckResult:
             extra["interrupted"] = True
         if self.torchrun_log is not None:
             extra["torchrun_log"] = self.torchrun_log
+        if self.launch is not None:
+            extra["launch"] = self.launch
         if not self.models:
             return {"schema": "ddp-doctor/report@1", "error": self.error, "findings": [], **extra}
         first, *rest = self.models

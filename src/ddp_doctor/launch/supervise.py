@@ -23,17 +23,15 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ddp_doctor.core.rankfiles import Outcome, end_path, read_ends
 from ddp_doctor.launch.config import CLI_PID_VAR, ENV_VAR, RUN_MARKER_VAR, RankConfig
-from ddp_doctor.launch.outcome import CheckResult, collect
-from ddp_doctor.launch.verify import (
-    needs_reshard_verification,
-    needs_verification,
-    verify_recommendation,
-    verify_reshard,
-)
+from ddp_doctor.launch.interrupt import Interrupted, install_signal_handlers
+from ddp_doctor.launch.warm import FRESH_VAR
+
+if TYPE_CHECKING:
+    from ddp_doctor.launch.outcome import CheckResult
 
 __all__ = ["BOOTSTRAP", "Interrupted", "check_namespace", "install_signal_handlers", "run_check", "run_processes"]
 
@@ -41,30 +39,6 @@ BOOTSTRAP = "ddp_doctor.launch.bootstrap"
 """The module torchrun starts in every rank under `check` (`run_check(bootstrap=...)` names another)."""
 _POLL_S = 0.1
 _LOG_DIR = Path(tempfile.gettempdir()) / "ddp-doctor-logs"
-
-
-class Interrupted(BaseException):
-    """`ddp-doctor` received SIGINT, SIGTERM or SIGHUP. Raised in the main thread by the handlers below."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(signal.Signals(signum).name)
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
-
-def install_signal_handlers() -> None:
-    """Turn SIGINT, SIGTERM and SIGHUP into `Interrupted` (once: a second signal during clean-up is ignored)."""
-
-    def handler(signum: int, _frame: Any) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
-        raise Interrupted(signum)
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, handler)
 
 
 def _user() -> str:
@@ -250,6 +224,7 @@ def run_check(
                 forwards = [_Forward(proc.stdout, sys.stdout), _Forward(proc.stderr, sys.stderr)]
                 for f in forwards:
                     f.start()
+            _import_behind()
             timed_out = _wait(proc, folder, timeout=timeout, crash_wait=config.crash_wait_s)
         except Interrupted as exc:
             interrupted = exc
@@ -264,6 +239,9 @@ def run_check(
         if output is not None and hasattr(output, "name") and Path(str(output.name)).is_file():
             output.flush()
             native = native_messages(Path(output.name).read_text(errors="replace")[-65536:])
+        from ddp_doctor.launch.outcome import collect
+        from ddp_doctor.launch.warm import read_launch
+
         result = collect(
             folder,
             timed_out=timed_out,
@@ -273,7 +251,23 @@ def run_check(
         )
         result.clean_line = _Forward.clean_line
         result.torchrun_log = _keep_log(folder / "torchrun.log", marker)
+        result.launch = read_launch(folder)
         return result
+
+
+def _import_behind() -> None:
+    """Import what reading the run's result needs (torch among it) while the run goes on, not after it."""
+    if "ddp_doctor.launch.outcome" in sys.modules:
+        return
+
+    def load() -> None:
+        try:
+            import ddp_doctor.launch.outcome  # noqa: F401
+            import ddp_doctor.launch.verify  # noqa: F401
+        except Exception:  # noqa: BLE001  (the main thread imports it again and meets the error itself)
+            pass
+
+    threading.Thread(target=load, name="ddp-doctor-import", daemon=True).start()
 
 
 def _wait(proc: subprocess.Popen[Any], folder: Path, *, timeout: float, crash_wait: float) -> bool:
@@ -317,10 +311,12 @@ def check_namespace(
     follow_epochs: int = 1,
     limit_batches: int = 2,
     verify: bool = True,
+    fresh: bool = False,
 ) -> CheckResult:
     """Run `check` on torchrun's parsed namespace (as a dict); when the observed steps ended early, verify the
     recommendation in a second run (`verify.py`) unless `verify` is false or the job spans several nodes (each
-    node's `check` would have to start its second run in step with the others')."""
+    node's `check` would have to start its second run in step with the others'). `fresh` starts every rank in a
+    fresh interpreter instead of forking it from a preloaded one (`warm.py`)."""
     config = RankConfig(
         target=namespace["training_script"],
         module=bool(namespace["module"]),
@@ -330,13 +326,23 @@ def check_namespace(
         follow_epochs=follow_epochs,
         limit_batches=limit_batches,
     )
-    result = run_check(namespace, config, timeout=timeout, output=output)
+    env = {FRESH_VAR: "1"} if fresh else None
+    result = run_check(namespace, config, timeout=timeout, output=output, env=env)
+    from ddp_doctor.launch.verify import (
+        needs_reshard_verification,
+        needs_verification,
+        verify_recommendation,
+        verify_reshard,
+    )
+
     one_node = str(namespace.get("nnodes", "1")) in ("1", "1:1")
     if verify and one_node and needs_verification(result, steps):
         # The second run's prints are not the user's to read twice: they go to a file that is removed after.
         with tempfile.NamedTemporaryFile("w", prefix="ddp-doctor-verify-", suffix=".log") as sink:
-            verify_recommendation(result, config, lambda c: run_check(namespace, c, timeout=timeout, output=sink))
+            verify_recommendation(
+                result, config, lambda c: run_check(namespace, c, timeout=timeout, output=sink, env=env)
+            )
     elif verify and one_node and needs_reshard_verification(result):
         with tempfile.NamedTemporaryFile("w", prefix="ddp-doctor-verify-", suffix=".log") as sink:
-            verify_reshard(result, config, lambda c: run_check(namespace, c, timeout=timeout, output=sink))
+            verify_reshard(result, config, lambda c: run_check(namespace, c, timeout=timeout, output=sink, env=env))
     return result

@@ -4,6 +4,9 @@ The `check` parent parses the command line with torchrun's own parser (so every 
 for torchrun) and hands the namespace over as JSON. A worker failure is the doctor's to report: torchrun's
 `ChildFailedError` dump would only repeat it, so each failed worker's exit status goes to `torchrun.json` in the
 output folder (the rank files cannot say "killed by SIGKILL"), and torchrun's own log lines go to `torchrun.log`.
+
+Unless fresh interpreters were asked for, the workers are born warm (`warm.py`): the preloading server starts
+before this process imports torch, so the two imports run side by side.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
+from ddp_doctor.launch import warm
 from ddp_doctor.launch.config import LAUNCHER_PID_VAR, RankConfig, die_with_parent
 
 
@@ -31,9 +35,28 @@ def _failures(exc: BaseException) -> dict[str, dict[str, object]]:
     return out
 
 
+def _torch_types(namespace: dict[str, object]) -> dict[str, object]:
+    """The values the CLI's cached options kept as strings (`cli/torchrun_options.py`), converted by torchrun's own
+    parser's types (a comma-separated list, say)."""
+    from torch.distributed.run import get_args_parser
+
+    out = dict(namespace)
+    for action in get_args_parser()._actions:
+        value = out.get(action.dest)
+        if isinstance(value, str) and callable(action.type) and action.type not in (str, int, float):
+            out[action.dest] = action.type(value)
+    return out
+
+
 def main() -> None:
     die_with_parent()
     outdir = Path(RankConfig.from_env().outdir)
+    namespace = json.loads(sys.argv[1])
+    os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
+    entry = str(namespace["training_script"])
+    born_warm = not warm.fresh_requested() and warm.start_forkserver(
+        entry, omp_threads=warm.torchrun_omp_threads(namespace.get("nproc_per_node"))
+    )
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
@@ -46,9 +69,10 @@ def main() -> None:
         log = logging.getLogger(name)
         log.handlers[:] = [handler]
         log.propagate = False
-    os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
+    if born_warm:
+        warm.install(entry, outdir)
     try:
-        run(argparse.Namespace(**json.loads(sys.argv[1])))
+        run(argparse.Namespace(**_torch_types(namespace)))
     except ChildFailedError as exc:
         (outdir / "torchrun.json").write_text(json.dumps({"failures": _failures(exc)}))
         sys.exit(1)

@@ -1,0 +1,365 @@
+"""Ranks born warm: torchrun's workers forked from a server that has already imported torch and ddp-doctor.
+
+A rank under `check` used to be a fresh `python -u -m ddp_doctor.launch.bootstrap SCRIPT` that paid for importing
+torch (2-3 s of CPU) before the script's first line. Here the launcher starts a multiprocessing forkserver first
+thing, in parallel with its own import of torch; the server imports torch, `torch.distributed` and the entry
+module's `WARM_IMPORTS` (`forkserver_preload.py`), and nothing else: no torch op runs there, no CUDA call, no
+thread pool of torch's starts. torchrun's elastic agent then starts each worker through `WarmHandler`, torch's own
+`SubprocessHandler` whose process comes from the server instead of `Popen`. The agent sees a process with a pid, an
+exit status (negative for a signal), its own session and process group: everything else in torchrun (rendezvous,
+restarts, signals, the failure it reports) is unchanged.
+
+In the rank, before the entry module runs, `_rank_main` makes the process what a fresh interpreter under torchrun
+would be: the agent's environment for that worker exactly, a new session, the kernel's death signal tied to the
+server, multiprocessing's state of a main process (so the script may call `set_start_method` and start DataLoader
+workers with fork, spawn or forkserver), numpy's global random state drawn anew, torch's intra-op threads as
+`OMP_NUM_THREADS` says. What cannot be made fresh after a fork: the ranks share Python's string-hash seed (a set of
+strings iterates in the same order on every rank, where separate interpreters may differ) and stdin is /dev/null.
+`--fresh-interpreters` (or `DDP_DOCTOR_FRESH_INTERPRETERS=1`) keeps one plain interpreter per rank.
+
+A worker whose command is not the one the server was warmed for (`PYTHON_EXEC` naming another interpreter, NUMA
+binding wrapping the command) starts fresh, as torchrun would start it; `launch.json` in the run's folder says
+which launch each local rank got.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FRESH_VAR",
+    "LAUNCH_VAR",
+    "PRELOAD_VAR",
+    "fresh_requested",
+    "install",
+    "read_launch",
+    "start_forkserver",
+    "torchrun_omp_threads",
+]
+
+FRESH_VAR = "DDP_DOCTOR_FRESH_INTERPRETERS"
+"""Set to 1 (by `--fresh-interpreters`, or by the user) to start every rank in a fresh interpreter."""
+LAUNCH_VAR = "DDP_DOCTOR_LAUNCH"
+"""In each rank's environment: `warm` (forked from the preloaded server) or absent (a fresh interpreter)."""
+PRELOAD_VAR = "DDP_DOCTOR_WARM_ENTRY"
+"""The entry module whose `WARM_IMPORTS` the server imports (set for the server only)."""
+_LAUNCH_FILE = "launch.json"
+
+
+def fresh_requested(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    return environ.get(FRESH_VAR, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def torchrun_omp_threads(nproc_per_node: Any) -> str | None:
+    """The `OMP_NUM_THREADS` torchrun will give the workers when the user set none: 1 for several processes per
+    node (torch.distributed.run's rule), None where torchrun leaves it unset or the count is not a number yet."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    text = str(nproc_per_node)
+    return "1" if text.isdigit() and int(text) > 1 else None
+
+
+def start_forkserver(entry: str, *, omp_threads: str | None) -> bool:
+    """Start the preloading server now (it imports while the caller imports torch). False where there is none.
+
+    `omp_threads` is set in the server's environment before it starts: OpenMP reads it once, when torch loads.
+    """
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    saved = {k: os.environ.get(k) for k in (PRELOAD_VAR, "OMP_NUM_THREADS")}
+    os.environ[PRELOAD_VAR] = entry
+    if omp_threads is not None:
+        os.environ["OMP_NUM_THREADS"] = omp_threads
+    try:
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["ddp_doctor.launch.forkserver_preload"])
+        _short_socket_dir()
+        forkserver.ensure_running()
+    finally:
+        # The launcher's own environment is torchrun's to change (it sets OMP_NUM_THREADS the same way).
+        for key, value in saved.items():
+            if key == "OMP_NUM_THREADS" and omp_threads is not None:
+                continue
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return True
+
+
+def _short_socket_dir() -> None:
+    """The server listens on a Unix socket in multiprocessing's temporary folder, whose path may hold 107 bytes:
+    the run's own temporary folder where its path is short enough, else the system's."""
+    import tempfile
+    from multiprocessing import util
+
+    if len(tempfile.gettempdir()) <= 60:
+        return
+    saved = tempfile.tempdir
+    tempfile.tempdir = "/tmp" if os.path.isdir("/tmp") else saved
+    try:
+        util.get_temp_dir()  # made now, under the short folder, and removed when the launcher exits
+    finally:
+        tempfile.tempdir = saved
+
+
+def install(entry: str, outdir: Path) -> bool:
+    """Have torchrun's agent start the workers whose command runs `entry` from the server. False where this torch
+    has no subprocess handler to replace (the workers then start fresh)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    if not hasattr(api, "get_subprocess_handler"):
+        return False
+    handler_class = _handler_class(entry, outdir)
+
+    def get_subprocess_handler(**kwargs: Any) -> Any:
+        return handler_class(**kwargs)
+
+    api.get_subprocess_handler = get_subprocess_handler
+    return True
+
+
+def read_launch(outdir: Path) -> str | None:
+    """`warm`, `fresh` or `mixed`: how this node's ranks were started (None: no rank was started)."""
+    try:
+        ranks = json.loads((Path(outdir) / _LAUNCH_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    kinds = set(ranks.values())
+    return kinds.pop() if len(kinds) == 1 else "mixed" if kinds else None
+
+
+def _record(outdir: Path, local_rank: int, kind: str) -> None:
+    path = Path(outdir) / _LAUNCH_FILE
+    try:
+        ranks = json.loads(path.read_text())
+    except (OSError, ValueError):
+        ranks = {}
+    ranks[str(local_rank)] = kind
+    try:
+        path.write_text(json.dumps(ranks))
+    except OSError:
+        pass
+
+
+def _handler_class(entry: str, outdir: Path) -> type:
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+    warm_command = (sys.executable, "-u", "-m", entry)
+
+    class WarmHandler(SubprocessHandler):
+        """torch's handler, with the worker forked from the server when its command is the one it was warmed for."""
+
+        def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+            local_rank = getattr(self, "local_rank_id", 0)
+            if tuple(args[:4]) != warm_command:
+                _record(outdir, local_rank, "fresh")
+                return super()._popen(args, env)
+            out = getattr(self, "_stdout", None)
+            err = getattr(self, "_stderr", None)
+            proc = WarmProcess(
+                list(args), entry, [str(a) for a in args[4:]], env, out.name if out else None, err.name if err else None
+            )
+            _record(outdir, local_rank, "warm")
+            return proc
+
+        def close(self, death_sig: signal.Signals | None = None) -> None:
+            if not isinstance(self.proc, WarmProcess):
+                super().close(death_sig)
+                return
+            self.proc.signal_group(death_sig or signal.SIGTERM)
+            for stream in (getattr(self, "_stdout", None), getattr(self, "_stderr", None)):
+                if stream:
+                    stream.close()
+
+    return WarmHandler
+
+
+class WarmProcess:
+    """A worker forked from the server, with the part of `subprocess.Popen` torchrun's agent uses."""
+
+    def __init__(
+        self, args: list[str], entry: str, argv: list[str], env: dict[str, str], out: str | None, err: str | None
+    ) -> None:
+        import multiprocessing
+        from multiprocessing import forkserver
+
+        self.args = args
+        server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        self._process = multiprocessing.get_context("forkserver").Process(
+            target=_rank_main, args=(entry, argv, env, out, err, server), daemon=True, name="ddp-doctor-rank"
+        )
+        self._process.start()
+        self.pid: int = self._process.pid  # type: ignore[assignment]
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def signal_group(self, sig: int) -> None:
+        """Signal the worker's process group (it leads one, as with `start_new_session`), or the worker alone while
+        it has not made its session yet."""
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            self.send_signal(sig)
+
+
+# ------------------------------------------------------------------------------------------------- in the rank
+
+
+def _rank_main(
+    entry: str, argv: list[str], env: dict[str, str], out: str | None, err: str | None, server: int | None
+) -> None:
+    """The worker's first code after the fork: become a fresh interpreter's rank, then run `python -m entry ARGV`."""
+    os.setsid()
+    _die_with(server)
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ[LAUNCH_VAR] = "warm"
+    if server is not None:
+        # The rank's parent is the server, not torchrun's agent: die_with_parent() checks against it.
+        from ddp_doctor.launch.config import LAUNCHER_PID_VAR
+
+        os.environ[LAUNCHER_PID_VAR] = str(server)
+    _redirect(out, 1)
+    _redirect(err, 2)
+    _fresh_multiprocessing()
+    _fresh_numerics()
+    code = 0
+    try:
+        import runpy
+
+        _set_argv(entry, argv)
+        runpy.run_module(entry, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            sys.stderr.write(f"{exc.code}\n")
+    except BaseException:  # noqa: BLE001  (what python -m would print, then its status)
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _set_argv(entry: str, argv: list[str]) -> None:
+    """`sys.argv` as `python -m entry ARGV` sets it: the module's file first."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(entry)
+    sys.argv = [spec.origin if spec is not None and spec.origin else entry, *argv]
+
+
+def _die_with(server: int | None) -> None:
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if server is not None and os.getppid() != server:
+        os._exit(1)  # the server died before the call: so did the launcher
+
+
+def _redirect(path: str | None, fd: int) -> None:
+    """torchrun's `--redirects` / `--tee`: the file torch's handler opened for this stream."""
+    if not path:
+        return
+    target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(target, fd)
+    os.close(target)
+
+
+def _fresh_multiprocessing() -> None:
+    """multiprocessing's state of a main process: no start method chosen, no parent, a new authentication key.
+
+    The fork carried the server's state (and the launcher's start method, through the child's preparation): the
+    script's `mp.set_start_method(...)` would fail with "context has already been set", DataLoader workers would
+    count as children of a daemon, and processes would be named after the server's.
+    """
+    import multiprocessing.context
+    import multiprocessing.process
+
+    multiprocessing.process._current_process = _main_process()
+    multiprocessing.process._parent_process = None
+    multiprocessing.process._children = set()
+    multiprocessing.process._process_counter = itertools.count(1)
+    multiprocessing.context._default_context._actual_context = None
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker._resource_tracker = resource_tracker.ResourceTracker()
+    except (ImportError, AttributeError):
+        pass
+
+
+def _main_process() -> Any:
+    """What `multiprocessing.current_process()` is in a fresh interpreter (the stdlib's `_MainProcess`, which it
+    deletes after making its one instance): named MainProcess, no parent, not a daemon, a new authentication key."""
+    from multiprocessing import process
+
+    class MainProcess(process.BaseProcess):
+        def __init__(self) -> None:
+            self._identity = ()
+            self._name = "MainProcess"
+            self._parent_pid = None
+            self._popen = None
+            self._closed = False
+            self._config = {"authkey": process.AuthenticationString(os.urandom(32)), "semprefix": "/mp"}
+
+        def _check_closed(self) -> None:
+            pass
+
+    return MainProcess()
+
+
+def _fresh_numerics() -> None:
+    """What a fresh interpreter would draw or read at import: numpy's global random state (seeded from the OS at
+    numpy's import, so every forked rank would draw the same numbers), and torch's intra-op threads from
+    `OMP_NUM_THREADS` (OpenMP read the server's environment when torch loaded). Python's `random` reseeds itself
+    after a fork; torch's default generator starts from its fixed seed either way."""
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
