@@ -69,8 +69,8 @@ def main() -> None:
         log = logging.getLogger(name)
         log.handlers[:] = [handler]
         log.propagate = False
-    if born_warm:
-        warm.install(entry, outdir)
+    if not (born_warm and warm.install(entry, outdir)):
+        warm.record_fresh(outdir)
     try:
         run(argparse.Namespace(**_torch_types(namespace)))
     except ChildFailedError as exc:

@@ -12,8 +12,8 @@ restarts, signals, the failure it reports) is unchanged.
 In the rank, before the entry module runs, `_rank_main` makes the process what a fresh interpreter under torchrun
 would be: the agent's environment for that worker exactly, a new session, the kernel's death signal tied to the
 server, multiprocessing's state of a main process (so the script may call `set_start_method` and start DataLoader
-workers with fork, spawn or forkserver), numpy's global random state drawn anew, torch's intra-op threads as
-`OMP_NUM_THREADS` says. What cannot be made fresh after a fork: the ranks share Python's string-hash seed (a set of
+workers with fork, spawn or forkserver), numpy's and torch's unseeded generators seeded anew, torch's intra-op
+threads as `OMP_NUM_THREADS` says. What cannot be made fresh after a fork: the ranks share Python's string-hash seed (a set of
 strings iterates in the same order on every rank, where separate interpreters may differ) and stdin is /dev/null.
 `--fresh-interpreters` (or `DDP_DOCTOR_FRESH_INTERPRETERS=1`) keeps one plain interpreter per rank.
 
@@ -41,6 +41,7 @@ __all__ = [
     "fresh_requested",
     "install",
     "read_launch",
+    "record_fresh",
     "start_forkserver",
     "torchrun_omp_threads",
 ]
@@ -52,6 +53,8 @@ LAUNCH_VAR = "DDP_DOCTOR_LAUNCH"
 PRELOAD_VAR = "DDP_DOCTOR_WARM_ENTRY"
 """The entry module whose `WARM_IMPORTS` the server imports (set for the server only)."""
 _LAUNCH_FILE = "launch.json"
+_TORCH_FIXED_SEED = 67280421310721
+"""The seed torch's CPU generator started from before torch seeded it from the OS at import."""
 
 
 def fresh_requested(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
@@ -139,7 +142,12 @@ def read_launch(outdir: Path) -> str | None:
     return kinds.pop() if len(kinds) == 1 else "mixed" if kinds else None
 
 
-def _record(outdir: Path, local_rank: int, kind: str) -> None:
+def record_fresh(outdir: Path) -> None:
+    """Every rank of this node starts in a fresh interpreter (asked for, or no server could be used)."""
+    _record(outdir, "*", "fresh")
+
+
+def _record(outdir: Path, local_rank: int | str, kind: str) -> None:
     path = Path(outdir) / _LAUNCH_FILE
     try:
         ranks = json.loads(path.read_text())
@@ -353,13 +361,19 @@ def _main_process() -> Any:
 
 
 def _fresh_numerics() -> None:
-    """What a fresh interpreter would draw or read at import: numpy's global random state (seeded from the OS at
-    numpy's import, so every forked rank would draw the same numbers), and torch's intra-op threads from
+    """What a fresh interpreter would draw or read at import: numpy's global random state and torch's CPU generator
+    (each seeded from the OS at import on this torch, so every forked rank would draw the same numbers; a torch
+    whose generator starts from its fixed default seed is left so), and torch's intra-op threads from
     `OMP_NUM_THREADS` (OpenMP read the server's environment when torch loaded). Python's `random` reseeds itself
-    after a fork; torch's default generator starts from its fixed seed either way."""
+    after a fork."""
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         numpy_random.seed()
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    if torch.initial_seed() != _TORCH_FIXED_SEED:
+        torch.default_generator.seed()
     threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(int(threads))
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
