@@ -66,6 +66,12 @@ _OURS = (
     "func",
 )
 _BENCH = ("rounds", "configs", "html")
+_LAUNCH_WORDS = {
+    "warm": "launch: ranks forked from an interpreter with torch imported (--fresh-interpreters: one interpreter each)",
+    "fresh": "launch: one fresh interpreter per rank",
+    "mixed": "launch: some ranks forked from an interpreter with torch imported, the others fresh (a worker command "
+    "other than the check's, such as PYTHON_EXEC or NUMA binding)",
+}
 
 
 def register(sub: argparse._SubParsersAction, *, with_torchrun: bool = True) -> None:
@@ -344,6 +350,8 @@ def render_result(result: CheckResult, console: Console) -> None:
         if len(result.models) > 1:
             console.print(Rule(f"DDP model {i + 1} of {len(result.models)}: {model.module}"))
         console.print(model.report)
+    if result.launch in _LAUNCH_WORDS:
+        console.print(_LAUNCH_WORDS[result.launch], style="dim", highlight=False)
     failed = (
         result.error is not None
         or result.timed_out
