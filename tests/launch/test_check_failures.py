@@ -76,6 +76,7 @@ def test_two_nodes_of_one_process_give_the_same_report_as_one_node_of_two(tmp_pa
     for run in runs:
         assert run.rc == single.rc == 1, run.output
         assert run.report["world_size"] == 2
+        assert run.report["launch"] == single.report["launch"] == "warm"  # each node's ranks born from its server
         assert essence(run.report) == essence(single.report), run.output
 
 
