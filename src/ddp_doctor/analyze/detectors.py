@@ -13,6 +13,7 @@ from ddp_doctor.analyze import (  # noqa: F401 (imported to register their detec
     frozen_set,
     passes,
     throughput,
+    tree_state,
     used_set,
 )
 from ddp_doctor.analyze.view import Detector, detectors

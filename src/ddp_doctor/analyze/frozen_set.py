@@ -133,6 +133,27 @@ def reduction_error(v: View) -> list[Finding]:
                 "changed').",
             )
         ]
+    left = [i for i in sorted(missing) if v.orphaned[i]]
+    if left and len(left) == len(missing):
+        # A module replaced after DDP was built: its old parameters stay in the reducer and get no gradient. The
+        # names now hold the new module's parameters, which the script trains: freezing them is no fix.
+        return [
+            Finding(
+                code=Code.REDUCTION_ERROR,
+                severity="error",
+                title="DDP failed: 'Expected to have finished reduction in the prior iteration'",
+                detail=f"At the start of step {step}, DDP found that the previous step's gradient reduction never "
+                "finished: these parameters, which DDP registered when it was built, are no longer in the model (a "
+                "module replaced after wrapping left them in DDP's reducer), so they never get a gradient. Until "
+                "it failed, the previous step's gradients were silently not all-reduced.",
+                params=v.params(left),
+                ranks=crashed.ranks,
+                more_ranks=crashed.more,
+                steps=[step],
+                fix="build DDP after the module is replaced (see unregistered-parameters); freezing these names would "
+                "not help: they now hold the new module's parameters, which the script trains.",
+            )
+        ]
     if trained:
         fix = (
             f"do not freeze them: {', '.join(v.info.param_names[i] for i in trained[:4])}"

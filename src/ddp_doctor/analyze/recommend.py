@@ -15,7 +15,8 @@ from typing import Any
 from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.used_set import hidden_params
 from ddp_doctor.analyze.view import View
-from ddp_doctor.core.codes import Code, Family, info
+from ddp_doctor.core.code_table import Family, info
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Diagnosis, Finding, Recommendation
 
 __all__ = ["recommend", "recommend_after_failure", "verified_by_second_run"]
@@ -105,9 +106,13 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
     # Only parameters whose modules never ran may be frozen (../shared/DESIGN.md, 2.3): a module that ran but got no gradient is
     # blocked (no_grad, detach, a reentrant checkpoint), and the script means to train it.
     _, blocked = v.unused_by_cause()
-    freeze_mask = (intended & ~ever & ~blocked) | (frozen_after & ~frozen_later)
+    # What a module replaced after wrap left in the reducer is never frozen by name: the name now holds the new,
+    # trained module's parameter (`unregistered-parameters` says how to fix that).
+    freeze_mask = ((intended & ~ever & ~blocked) | (frozen_after & ~frozen_later)) & ~v.orphaned
     freeze = [names[i] for i in freeze_mask.nonzero().flatten().tolist()]
-    rest = intended & (ever | blocked)
+    # Left behind by a module replaced after wrap: still in DDP's reducer, never used, and not to be frozen by name.
+    left = intended & ~ever & v.orphaned
+    rest = intended & (ever | blocked | left)
     all_used = bool(v.used_all[:, rest].all()) and not dynamic.any()
     stable = not bool(v.summary.varies[rest].any()) and not dynamic.any()  # each rank's set is the same every step
     outside_h, reentrant_h = hidden_params(v)
@@ -126,6 +131,12 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
             + (" or were frozen after wrap" if (frozen_after & ~frozen_later).any() else "")
             + ": freezing them before wrapping removes them from DDP entirely (if some are meant to "
             "train later, use static_graph=True instead)."
+        )
+    if left.any():
+        parts.append(
+            f"{int(left.sum())} parameter(s) that a module replaced after DDP was built left in DDP's reducer get no "
+            "gradient (unregistered-parameters): flags can only tolerate them; building DDP after the replacement "
+            "removes them and syncs the new ones."
         )
     if frozen_later.any():
         find_unused, static = True, False

@@ -34,6 +34,7 @@ def unused_parameters(v: View) -> list[Finding]:
     if not v.steps:
         return []
     never, _ = v.unused_by_cause()  # modules that never ran: the only parameters freezing can be advised for
+    never = never & ~v.orphaned  # what a replaced module left in DDP's reducer: `unregistered-parameters` says so
     if not never.any():
         return []
     n = int(never.sum())

@@ -55,6 +55,12 @@ class View:
         self.used_all = summary.used == self.world  # [S, P]: every rank did
         self.train_any = summary.trainable > 0  # [S, P]
         self.train_all = summary.trainable == self.world  # [S, P]
+        # Parameters a module replaced after DDP was built left behind in the reducer: nothing uses them any more
+        # (`analyze/tree_state.py` says so). DDP still waits for their gradients, so the flags count them as unused;
+        # but they say nothing about what the script trains: no finding of the used set names them, and they are
+        # never advised to freeze.
+        self.orphaned = torch.zeros_like(summary.tracked)
+        self.orphaned[[i for i in summary.metas.get(0, {}).get("orphaned", []) if i < len(summary.tracked)]] = True
         self.tracked = summary.tracked
         self.ignored = torch.tensor(info.ignored, dtype=torch.bool)
         # The step a crash interrupted: what got a gradient, or was reachable from DDP's outputs, before the crash

@@ -9,7 +9,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from ddp_doctor.core.codes import CODES, FAMILY_TITLES, TABLE, CodeInfo, Family
+from ddp_doctor.core.code_table import CODES, FAMILY_TITLES, TABLE, CodeInfo, Family
 
 __all__ = ["BEGIN", "END", "markdown", "register"]
 

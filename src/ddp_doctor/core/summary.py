@@ -47,6 +47,8 @@ PREDICATES = (
     "same-path-save",
     "crash-after-pass",
     "grads-edited",
+    "state-differs",
+    "unregistered",
 )
 """What each rank evaluates on its own record against the group's results (the exchange's round D); the analysis
 reads the ranks for each by name in `Summary.examples`."""
@@ -203,6 +205,11 @@ class Summary:
     curve: Curve
     """The divergence curve's data."""
     volume: Volume | None = None
+    state_step: int | None = None
+    """The first common step at which the module trees held different modes or parameters DDP does not hold
+    (`StepCounters.state_digest`; None: the same on every rank at every step)."""
+    unregistered: list[int] = field(default_factory=list)
+    """Per common step, the most trainable parameters DDP's reducer does not hold that any rank's tree had."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -50,6 +50,7 @@ from ddp_doctor.observation.probes import Probes
 from ddp_doctor.observation.steplog import StepLog
 from ddp_doctor.observation.target import Target
 from ddp_doctor.observation.timeline import Timeline
+from ddp_doctor.observation.tree_scan import StateScan
 from ddp_doctor.observation.wrapstate import model_info, require_ddp, require_process_group
 from ddp_doctor.report import Report
 
@@ -138,6 +139,7 @@ class Doctor:
         self._crash = CrashLog()
         self._log = StepLog(t.params, t.buffers)
         self._log.device = DeviceClock.for_devices({p.device for p in t.params})
+        self._log.state = StateScan(t.module, t.registered, t.params, lambda: t.optimizer)
         self._timeline = Timeline(
             log=self._log,
             params=t.params,
@@ -189,6 +191,8 @@ class Doctor:
         self._forward.attach()
         self._backward.attach()
         self._listeners.start()
+        if self._log.state is not None:
+            self._log.state.listen()
         self._timeline.attached = True
         return self
 
@@ -204,6 +208,8 @@ class Doctor:
         self._forward.detach()
         self._backward.detach()
         self._listeners.stop()
+        if self._log.state is not None:
+            self._log.state.stop()
         self._timeline.attached = False
         self._finished = True
 

@@ -63,6 +63,7 @@ class Mine:
     sched: torch.Tensor
     changed: torch.Tensor
     rereduced: torch.Tensor
+    state: torch.Tensor
     """The per-step counters above: int64[S] each (`bcast`, `coll`: [S, 2]), as put into `Compared`."""
 
 
@@ -126,6 +127,12 @@ class Compared:
     """int64[2]: (largest, smallest) nonzero batch size (MIN: none seen)."""
     save_digest: Pair
     """int64[SAVE_BUCKETS]: the saved paths' digests per bucket."""
+    state: Pair
+    """int64[S]: the digest of what the module tree held when the step closed beyond DDP's own lists (modes,
+    parameters DDP does not hold: `StepCounters.state_digest`)."""
+    state0: torch.Tensor
+    unregistered: Pair
+    """int64[S]: trainable parameters in the tree that DDP's reducer does not hold."""
     unsynced: Pair | None = None
     """int64[P]: unmasked gradient digests (only with `Mine.infer`)."""
 
@@ -147,6 +154,8 @@ class FirstSteps:
     changed: int | None
     rereduced: int | None
     """The first step in which some rank reduced gradients again."""
+    state: int | None = None
+    """The module trees held different modes or unregistered parameters (`Compared.state`)."""
 
     @classmethod
     def of(cls, c: Compared) -> FirstSteps:
@@ -162,6 +171,7 @@ class FirstSteps:
             sched=first_set((c.sched[0] != c.sched[1]).tolist()),
             changed=first_set((c.changed[0] != c.changed[1]).tolist()),
             rereduced=first_set((c.rereduced[0] > 0).tolist()),
+            state=first_set((c.state[0] != c.state[1]).tolist()),
         )
 
 
@@ -253,6 +263,11 @@ def put_compared(
         bool(sizes.numel()),
     )
     m.pair("save_digest", saves[1], saves[0] > 0)
+    # What the module tree held as each step closed, beyond DDP's registered lists (`observation.tree_scan`).
+    state = record.counter("state_digest")[:s]
+    m.pair("state", state)
+    m.slot("state0", state, rank == 0)
+    m.pair("unregistered", record.counter("unregistered")[:s])
     return Mine(
         grad_p=grad_p,
         grad_mask=grad_mask,
@@ -269,4 +284,5 @@ def put_compared(
         sched=sched,
         changed=changed,
         rereduced=rereduced,
+        state=state,
     )

@@ -176,6 +176,8 @@ def evaluate(
             and int(record.counter("split_passes")[record.crash_step]) > 0
         ),
         "grads-edited": bool(synced.my_edits.any()),
+        "state-differs": f.state is not None and int(mine.state[f.state]) != int(c.state0[f.state]),
+        "unregistered": bool((record.counter("unregistered")[:s] > 0).any()),
     }
     assert tuple(flags) == PREDICATES
     meta = rank_strings(

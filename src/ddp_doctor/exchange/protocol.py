@@ -162,4 +162,6 @@ def _summary(
         patterns=list(zip(grids, members)),
         patterns_omitted=omitted,
         curve=named.curve,
+        state_step=first.state,
+        unregistered=c.unregistered[0].tolist(),
     )

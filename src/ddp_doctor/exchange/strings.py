@@ -15,7 +15,7 @@ from ddp_doctor.core.summary import Examples
 from ddp_doctor.exchange.compared import FirstSteps
 from ddp_doctor.exchange.packing import Op, Reply, from_words, to_words
 
-__all__ = ["at_step", "example_metas", "rank_strings"]
+__all__ = ["as_of", "at_step", "example_metas", "rank_strings"]
 
 QUOTED = (
     "crashed",
@@ -32,6 +32,7 @@ QUOTED = (
     "rereduced",
     "scheduler-extra",
     "grads-edited",
+    "state-differs",
 )
 """The predicates whose example ranks send their strings (all of them); `fewest-batches` and `same-path-save` send
 their first example's."""
@@ -43,6 +44,18 @@ def at_step(log: list[str], step: int | None) -> list[str]:
         return []
     prefix = f"step {step}: "
     return [entry.removeprefix(prefix) for entry in log if entry.startswith(prefix)]
+
+
+def as_of(log: list[dict[str, Any]], step: int | None) -> dict[str, Any] | None:
+    """The last entry of a log of changes (each with its `step`) at or before `step`."""
+    if step is None:
+        return None
+    found = None
+    for entry in log:
+        if entry["step"] > step:
+            break
+        found = entry
+    return found
 
 
 def rank_strings(
@@ -88,6 +101,11 @@ def rank_strings(
             "edited_step": edited,
             "nosync_sites": record.nosync_sites,
             "grads_measured": {k: measured.count(i) for i, k in enumerate(("backward", "step", "closure"))},
+            "state": as_of(record.state_log, first.state),
+            "state_log": record.state_log[:4],
+            "unregistered": record.unregistered,
+            "orphaned": record.orphaned,
+            "optimizer_stale": record.optimizer_stale,
         }
     ).encode()
 

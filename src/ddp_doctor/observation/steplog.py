@@ -12,6 +12,7 @@ from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.records import RankRecord, StepCounters
 from ddp_doctor.observation.collectives import Call, digest
 from ddp_doctor.observation.device_clock import DeviceClock
+from ddp_doctor.observation.tree_scan import StateScan
 
 __all__ = [
     "MAX_COLLECTIVE_LOG",
@@ -140,6 +141,8 @@ class StepLog:
         self.pass_sites: list[str] = []
         """`step N: file:line` of the backward passes of the first step whose passes used different parameters."""
         self.device: DeviceClock | None = None
+        self.state: StateScan | None = None
+        """Walks the module tree as each step closes (`tree_scan.py`); None: not scanned."""
         """The GPU's clock for a model on CUDA (the host's times do not tell there), set by the caller."""
         self.split_params: list[int] = []
         """Positions of the parameters some of those passes did not reach."""
@@ -209,6 +212,8 @@ class StepLog:
                 dtype=torch.float64,
             )
         )
+        if self.state is not None:
+            self.state.close_step(step.counters, self.steps - 1)
         rows["counters"].append(torch.tensor(step.counters.as_list(), dtype=torch.int64))
 
     def _runq_now(self) -> float:
@@ -309,6 +314,11 @@ class StepLog:
         record.split_params = list(self.split_params)
         record.grad_edit_sites = list(self.grad_edit_sites)
         record.nosync_sites = list(self.nosync_sites)
+        if self.state is not None:
+            record.state_log = list(self.state.log)
+            record.unregistered = list(self.state.unregistered)
+            record.orphaned = list(self.state.orphaned)
+            record.optimizer_stale = self.state.stale
         if self._edited:
             record.synced_grad_fp = torch.stack(self._synced_rows)
         if self.device is not None and record.timing.shape[0]:

@@ -34,6 +34,9 @@ class Target:
     """Per position: DDP's reducer reduces its gradient (trainable when DDP was built, not ignored)."""
     batchnorm: list[torch.nn.Module] = field(init=False)
     """The BatchNorm layers that normalize over this rank's batch alone (not SyncBatchNorm)."""
+    registered: list[torch.nn.Parameter] = field(init=False)
+    """The parameters DDP's reducer holds, and those it was told to ignore: every other parameter in the module
+    tree was created or replaced after DDP was built (`tree_scan.py`)."""
 
     def __post_init__(self) -> None:
         self.module = self.ddp.module
@@ -44,7 +47,10 @@ class Target:
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.submodules = {id(m) for m in self.module.modules()}
         self.batchnorm = [m for m in self.module.modules() if is_local_batchnorm(m)]
-        reduced = {id(p) for p in getattr(self.ddp, "_module_parameters", None) or self.params}
+        reducer_params = getattr(self.ddp, "_module_parameters", None) or self.params
+        ignored = getattr(self.ddp, "parameters_to_ignore", set())
+        self.registered = [*reducer_params, *(p for n, p in named if n in ignored)]
+        reduced = {id(p) for p in reducer_params}
         self.synced = [id(p) in reduced and p.requires_grad for p in self.params]
         self.owned = {}
         for m in self.module.modules():

@@ -1,0 +1,144 @@
+"""What the module tree held at each step, beyond the lists DDP made when it was built: parameters created or
+replaced after DDP was built (which DDP's reducer never syncs), and modules whose train/eval mode differs across
+ranks. The ranks' trees are compared by a digest per step (`StepCounters.state_digest`,
+`observation.tree_scan`); rank 0 and the example ranks that differ from it say what they held then."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddp_doctor.analyze.common import with_more
+from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.core.codes import Code
+from ddp_doctor.core.findings import Finding, ParamRef
+
+__all__ = ["modes_differ", "unregistered_parameters"]
+
+
+def _modes(entry: dict[str, Any] | None) -> tuple[bool, int, tuple[str, ...]] | None:
+    if entry is None:
+        return None
+    return bool(entry["training"]), int(entry["other_mode_count"]), tuple(entry["other_mode"])
+
+
+def _differing(v: View) -> tuple[list[int], bool, bool]:
+    """(the example ranks whose tree differs from rank 0's at the first differing step, whether their modes differ,
+    whether anything else does: the values of parameters DDP does not hold)."""
+    step = v.summary.state_step
+    if step is None:
+        return [], False, False
+    odd = v.ranks("state-differs").ranks
+    ref = v.meta(0).get("state")
+    modes = any(_modes(v.meta(r).get("state")) != _modes(ref) for r in odd)
+    others = not odd or any(_modes(v.meta(r).get("state")) == _modes(ref) for r in odd)
+    return odd, modes, others
+
+
+def _param(entry: dict[str, Any]) -> ParamRef:
+    shape = tuple(entry["shape"])
+    numel = 1
+    for d in shape:
+        numel *= d
+    return ParamRef(entry["name"], numel, shape)
+
+
+@detects(Code.UNREGISTERED_PARAMETERS)
+def unregistered_parameters(v: View) -> list[Finding]:
+    """Trainable parameters in the module tree that DDP's reducer does not hold: created or replaced after DDP was
+    built. Each rank trains them from its own gradient."""
+    counts = v.summary.unregistered
+    first = next((s for s, n in enumerate(counts) if n), None)
+    if first is None:
+        return []
+    holders = v.ranks("unregistered")
+    entries = next((v.meta(r).get("unregistered") for r in [0, *holders.ranks] if v.meta(r).get("unregistered")), [])
+    params = [_param(e) for e in entries]
+    names = ", ".join(p.name for p in params[:6]) + (f" (+{len(params) - 6} more)" if len(params) > 6 else "")
+    sites = sorted({e["site"] for e in entries if e.get("site")})
+    _, _, values_differ = _differing(v)
+    parted = v.summary.state_step if values_differ else None
+    orphaned = v.orphaned.nonzero().flatten().tolist()
+    left = v.params(orphaned)
+    where = f", attached at {', '.join(sites[:3])} after DDP was built" if sites else ""
+    detail = (
+        f"DDP's reducer all-reduces the gradients of the parameters it registered when it was built"
+        f"{f' ({v.info.ddp_site})' if v.info.ddp_site else ''}. {names} sit in the model's module tree from step "
+        f"{first} on{where}: the forward can use them and the optimizer can step them, but no all-reduce carries "
+        "their gradients, so each rank trains them alone."
+    )
+    if parted is not None:
+        detail += f" They already differ across ranks at step {parted}."
+    else:
+        detail += (
+            " They were equal on every rank in the observed steps (they did not change, or every rank computed the "
+            "same gradients); they part as soon as the ranks' gradients differ."
+        )
+    if left:
+        detail += (
+            f" The module they replaced left {len(left)} parameter(s) in DDP's reducer "
+            f"({', '.join(p.name for p in left[:4])}{', ...' if len(left) > 4 else ''}) that nothing uses any more: "
+            "they get no gradient (with default flags DDP then fails with 'Expected to have finished reduction'), "
+            "which is a consequence of the replacement, not a reason to freeze anything."
+        )
+    fix = (
+        "build DDP after the model is complete: move the code that creates or replaces these parameters"
+        + (f" ({sites[0]})" if sites else "")
+        + " before `DistributedDataParallel(...)`; to change the model after wrapping, wrap the changed model in a "
+        "new DistributedDataParallel and build the optimizer over its parameters."
+    )
+    ranks = holders.ranks if holders.count < v.world else list(range(min(v.world, 8)))
+    return [
+        with_more(
+            Finding(
+                code=Code.UNREGISTERED_PARAMETERS,
+                severity="error" if parted is not None else "warning",
+                title=f"{len(params)} trainable parameter(s) are not in DDP's reducer: created or replaced after "
+                "DDP was built, each rank trains them alone",
+                detail=detail,
+                params=params,
+                ranks=ranks,
+                steps=[first] if parted is None else [first, parted] if parted != first else [first],
+                fix=fix,
+            ),
+            max(0, holders.count - len(ranks)),
+        )
+    ]
+
+
+@detects(Code.REPLICA_DIVERGENCE)
+def modes_differ(v: View) -> list[Finding]:
+    """Modules in train mode on some ranks and in eval mode on others when a step closed: dropout, BatchNorm and
+    any `self.training` branch compute differently there."""
+    step = v.summary.state_step
+    odd, modes, _ = _differing(v)
+    if step is None or not modes:
+        return []
+    ref = v.meta(0).get("state") or {}
+    said = []
+    for r in [0, *odd][:4]:
+        entry = v.meta(r).get("state") or {}
+        mode = "train" if entry.get("training") else "eval"
+        other = entry.get("other_mode") or []
+        more = entry.get("other_mode_count", 0) - len(other)
+        except_ = (
+            f" except {', '.join(other)}{f' (+{more} more)' if more > 0 else ''} ({'eval' if mode == 'train' else 'train'})"
+            if other
+            else ""
+        )
+        said.append(f"rank {r}: the model in {mode} mode{except_}")
+    return [
+        Finding(
+            code=Code.REPLICA_DIVERGENCE,
+            severity="warning",
+            title=f"modules are in train mode on some ranks and in eval mode on others at step {step}",
+            detail=f"When optimizer step {step} ended, the ranks' models were not in the same mode ({'; '.join(said)}"
+            "). Dropout, BatchNorm and any code that reads `self.training` then compute differently on the ranks, "
+            f"so their gradients and buffers part although DDP syncs every gradient. Rank 0's model was in "
+            f"{'train' if ref.get('training') else 'eval'} mode.",
+            params=[],
+            ranks=sorted({0, *odd}),
+            steps=[step],
+            fix="set the mode on every rank alike: after an evaluation that calls `model.eval()` on some ranks, call "
+            "`model.train()` on the same ranks before training resumes (or evaluate on every rank).",
+        )
+    ]

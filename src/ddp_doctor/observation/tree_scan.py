@@ -1,0 +1,149 @@
+"""What the model holds at each step, found by walking its module tree then, not from the list DDP made at wrap.
+
+DDP's reducer synchronizes the parameters it registered when it was built, and compares nothing else. A parameter
+created or replaced after that (`model.module.head = nn.Linear(...)`, `register_parameter` in a later step) sits in
+the module tree, the forward uses it and the optimizer may step it, but each rank trains it from its own gradient:
+the replicas part, silently. A module put in eval mode on some ranks only changes what forward computes there.
+
+`StateScan` walks the tree when each observed step closes (a few microseconds per module, no tensor copied): every
+module's `training` flag, and every parameter DDP's reducer does not hold, with its fingerprint and
+`requires_grad`. The step's counters get a digest of all of it (`StepCounters.state_digest`: equal on ranks whose
+replicas hold the same such state) and the count of trainable parameters DDP does not know
+(`StepCounters.unregistered`); a log entry names them whenever the rank's state changes. Global
+registration hooks (torch's `register_module_*_registration_hook`, while observing) remember the user's line that
+attached a parameter or module to the tree after DDP was built, so the report can name where it was created.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddp_doctor.core.counters import StepCounters
+from ddp_doctor.core.fingerprint import fingerprints
+from ddp_doctor.core.frames import user_site
+
+__all__ = ["MAX_STATE_LOG", "StateScan"]
+
+MAX_STATE_LOG = 16
+"""At most this many entries of the state log (one per change of the rank's state)."""
+_MAX_NAMED = 8
+"""Names listed per kind in one entry."""
+_MAX_SITES = 256
+
+
+class StateScan:
+    """The module tree of the observed model at each step, against what DDP registered.
+
+    Args:
+        module: the module DDP wraps (`ddp.module`).
+        registered: the parameters DDP's reducer holds (or deliberately ignores), by identity.
+        optimizer: called for the observed optimizer (None: not known yet).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        registered: list[torch.Tensor],
+        positions: list[torch.Tensor],
+        optimizer: Callable[[], Any] | None = None,
+    ) -> None:
+        self._module = module
+        self._registered = {id(p) for p in registered}
+        self._positions = list(positions)
+        self._optimizer = optimizer
+        self._tree = {id(m) for m in module.modules()}
+        self._sites: dict[tuple[int, str], str] = {}
+        self._removers: list[Any] = []
+        self._last: dict[str, Any] = {}
+        self.log: list[dict[str, Any]] = []
+        """Whenever the rank's state changed: `step`, `training` (the root module's mode), `other_mode` (modules in
+        the other mode, at most 8 named; `other_mode_count`), `unregistered` (trainable parameters DDP does not
+        hold, at most 8 named)."""
+        self.unregistered: list[dict[str, Any]] = []
+        """The trainable parameters DDP does not hold, at the last step: `name`, `shape`, `site` (where they were
+        attached to the tree, when seen)."""
+        self.orphaned: list[int] = []
+        """Positions (in the observed parameter list) of parameters DDP registered that the tree no longer holds:
+        what a replaced module left behind, at the last step."""
+        self.stale: int = 0
+        """Tensors the optimizer steps that the model no longer holds, at the last step."""
+
+    # ------------------------------------------------------------------------------------------- listening
+
+    def listen(self) -> None:
+        """Remember where parameters and modules are attached to the tree from now on."""
+        from torch.nn.modules import module as torch_module
+
+        for name in (
+            "register_module_parameter_registration_hook",
+            "register_module_module_registration_hook",
+            "register_module_buffer_registration_hook",
+        ):
+            register = getattr(torch_module, name, None)
+            if register is not None:
+                self._removers.append(register(self._on_register))
+
+    def stop(self) -> None:
+        for handle in self._removers:
+            handle.remove()
+        self._removers.clear()
+
+    def _on_register(self, owner: nn.Module, name: str, value: Any) -> None:
+        # Called for every module anywhere; only the ones in the observed tree matter, and that test is a set lookup.
+        if id(owner) in self._tree and len(self._sites) < _MAX_SITES:
+            self._sites[(id(owner), name)] = user_site() or "an unknown place"
+            if isinstance(value, nn.Module):
+                self._tree.update(id(m) for m in value.modules())
+
+    # ------------------------------------------------------------------------------------------- scanning
+
+    def close_step(self, counters: StepCounters, step: int) -> None:
+        """Walk the tree as it is now; fill the step's counters and log what changed."""
+        crc = 0
+        eval_modules: list[str] = []
+        unknown: list[tuple[str, torch.Tensor, str]] = []
+        where: dict[int, str] = {}
+        root_training = self._module.training
+        for path, m in self._module.named_modules(remove_duplicate=False):
+            crc = zlib.crc32(b"%s:%d;" % (path.encode(), m.training), crc)
+            if m.training != root_training and len(eval_modules) < 64:
+                eval_modules.append(path or "(the model)")
+            for child_name, child in m._modules.items():
+                if child is not None:
+                    where.setdefault(id(child), self._sites.get((id(m), child_name), ""))
+            for pname, p in m._parameters.items():
+                if p is None or id(p) in self._registered:
+                    continue
+                site = self._sites.get((id(m), pname)) or where.get(id(m), "")
+                unknown.append((f"{path}.{pname}" if path else pname, p, site))
+        trainable = [(n, p, s) for n, p, s in unknown if p.requires_grad]
+        if unknown:
+            fps = fingerprints([p for _, p, _ in unknown])
+            for (name, p, _), fp in zip(unknown, fps.tolist()):
+                crc = zlib.crc32(f"{name}={p.requires_grad}:{fp[0]!r},{fp[1]!r};".encode(), crc)
+        held = {id(p) for p in self._module.parameters()}
+        self.orphaned = [i for i, p in enumerate(self._positions) if id(p) not in held]
+        self.stale = self._stale(held)
+        counters.state_digest = crc & 0x7FFFFFFF
+        counters.unregistered = len(trainable)
+        self.unregistered = [{"name": n, "shape": list(p.shape), "site": s or None} for n, p, s in trainable][:64]
+        entry = {
+            "training": root_training,
+            "other_mode": eval_modules[:_MAX_NAMED],
+            "other_mode_count": len(eval_modules),
+            "unregistered": [n for n, _, _ in trainable[:_MAX_NAMED]],
+        }
+        if entry != self._last and len(self.log) < MAX_STATE_LOG:
+            self.log.append({"step": step, **entry})
+        self._last = entry
+
+    def _stale(self, held: set[int]) -> int:
+        opt = self._optimizer() if self._optimizer is not None else None
+        if opt is None:
+            return 0
+        return sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in held)
