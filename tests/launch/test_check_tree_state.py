@@ -1,0 +1,87 @@
+"""What the module tree holds at each step, whatever created it (tests/scripts/tree_state.py, 2 ranks, 6 steps).
+
+Ground truth under plain torchrun (torch 2.13.0, gloo, `torchrun --nproc-per-node 2 tests/scripts/tree_state.py
+OUT --case CASE`; the script measures every parameter's largest difference across ranks at the end):
+- replace-head (`model.module.head = nn.Linear(16, 4)` after DDP was built), default flags: exit code 1, both ranks
+  fail at step 1 with *Expected to have finished reduction* (the old head's parameters stay in DDP's reducer and get
+  no gradient). With `find_unused_parameters=True` it runs to the end, exit code 0, silently: head.weight differs by
+  0.032 and head.bias by 0.005 across the ranks, every other parameter is equal. Before the module tree was
+  walked, the check said the head "never reached the loss", advised freezing it before wrapping, and called the
+  recommendation verified.
+- new-param (`model.module.scale = nn.Parameter(torch.ones(4))` after DDP was built; forward multiplies by it):
+  exit code 0 with either flag; scale differs by 0.020 across the ranks.
+- eval-rank0 (rank 0 calls `model.eval()` after step 2 and never `model.train()`): exit code 0, weights equal
+  (DDP averages the gradients), but rank 0 trains without dropout from step 3 on: its gradients come from another
+  function than rank 1's.
+- eval-restored (every rank evaluates through `model.module`, then calls `model.train()`) and ema-inside (an EMA
+  copy attached to the model, not trained): exit code 0, every parameter equal. Both must stay clean.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from checkrun import SCRIPTS, check
+
+SCRIPT = str(SCRIPTS / "tree_state.py")
+HEAD = {"head.weight", "head.bias"}
+
+
+def _site(statement: str) -> str:
+    """`tests/scripts/tree_state.py:N` of the line holding `statement` (found, not pinned)."""
+    lines = (SCRIPTS / "tree_state.py").read_text().splitlines()
+    return f"tests/scripts/tree_state.py:{next(i for i, line in enumerate(lines, 1) if statement in line)}"
+
+
+def _check(tmp_path: Path, case: str, *flags: str):
+    return check(
+        ["--nproc-per-node", "2", "--steps", "6", SCRIPT, str(tmp_path / "out"), "--case", case, *flags], tmp_path
+    )
+
+
+def test_a_head_replaced_after_wrap_trains_apart_silently_and_is_named_with_its_line(tmp_path: Path) -> None:
+    run = _check(tmp_path, "replace-head", "--find-unused")
+    found = run.finding("unregistered-parameters")
+    assert found["severity"] == "error" and run.params("unregistered-parameters") == HEAD
+    assert found["ranks"] == [0, 1] and found["steps"] == [0]  # in the tree from step 0, already apart after it
+    site = _site("model.module.head = nn.Linear(16, 4)")
+    assert site in found["detail"] and site in found["fix"]
+    # The replaced head's old parameters in DDP's reducer are not "unused" parameters to freeze.
+    assert "unused-parameters" not in run.codes and "find-unused-unneeded" not in run.codes
+    rec = run.report["recommendation"]
+    assert rec["freeze_before_wrap"] == [] and rec["verified"] is False
+    assert run.rc == 1
+
+
+def test_a_head_replaced_after_wrap_with_default_flags_explains_the_reduction_error_by_the_replacement(
+    tmp_path: Path,
+) -> None:
+    run = _check(tmp_path, "replace-head")
+    assert run.params("unregistered-parameters") == HEAD
+    crash = run.finding("reduction-error")
+    assert {p["name"] for p in crash["params"]} == HEAD and crash["steps"] == [1]
+    assert "freeze" not in crash["fix"].split(";")[0] and "unregistered-parameters" in crash["fix"]
+    assert run.report["recommendation"]["freeze_before_wrap"] == []
+
+
+def test_a_parameter_created_after_wrap_is_named_with_its_line(tmp_path: Path) -> None:
+    run = _check(tmp_path, "new-param")
+    found = run.finding("unregistered-parameters")
+    assert run.params("unregistered-parameters") == {"scale"} and found["severity"] == "error"
+    assert _site("model.module.scale = nn.Parameter(torch.ones(4))") in found["fix"]
+
+
+def test_a_model_left_in_eval_mode_on_rank_0_is_named_at_the_first_step_it_trained_so(tmp_path: Path) -> None:
+    run = _check(tmp_path, "eval-rank0")
+    found = run.finding("replica-divergence")
+    assert found["severity"] == "warning" and found["ranks"] == [0, 1] and found["steps"] == [3]
+    assert run.codes == {"replica-divergence"}, run.output
+
+
+@pytest.mark.parametrize("case", ["eval-restored", "ema-inside"])
+def test_an_evaluation_that_restores_train_mode_and_an_ema_copy_in_the_model_stay_clean(
+    tmp_path: Path, case: str
+) -> None:
+    run = _check(tmp_path, case)
+    assert run.rc == 0 and run.codes == set(), run.output

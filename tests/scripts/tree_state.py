@@ -1,0 +1,99 @@
+"""State that DDP's lists made at wrap time do not cover: a parameter or module that arrives after DDP was built, a
+module mode that differs across ranks, and clean neighbours. Each rank writes what it measured at the end to
+OUT/rank{RANK}.json: the largest difference across ranks of the model's parameters, by name.
+
+    torchrun --nproc-per-node 2 tests/scripts/tree_state.py OUT --case CASE [--find-unused] [--steps N]
+
+cases:
+  replace-head   model.module.head = nn.Linear(...) after DDP was built (a new task head)
+  new-param      model.module.scale = nn.Parameter(...) after DDP was built; forward multiplies by it
+  eval-rank0     rank 0 evaluates at step 2 with model.eval() and never calls model.train() again
+  eval-restored  every rank evaluates through model.module at step 2, then calls model.train() (clean)
+  ema-inside     an EMA copy kept inside the module tree, not trained, updated from the synced weights (clean)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.head(self.body(x))
+        scale = getattr(self, "scale", None)
+        return out * scale if scale is not None else out
+
+
+def gaps(model: nn.Module) -> dict[str, float]:
+    out = {}
+    for name, p in model.named_parameters():
+        got = [torch.zeros_like(p) for _ in range(dist.get_world_size())]
+        dist.all_gather(got, p.detach().contiguous())
+        out[name] = max(float((g - got[0]).abs().max()) for g in got)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--case", required=True)
+    parser.add_argument("--find-unused", action="store_true")
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = Net()
+    model = DistributedDataParallel(net, find_unused_parameters=args.find_unused)
+    if args.case == "replace-head":
+        torch.manual_seed(1)
+        model.module.head = nn.Linear(16, 4)
+    elif args.case == "new-param":
+        model.module.scale = nn.Parameter(torch.ones(4))
+    elif args.case == "ema-inside":
+        model.module.ema = copy.deepcopy(nn.Sequential(model.module.body, model.module.head)).requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(args.steps):
+        x = torch.randn(16, 8, generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if args.case == "ema-inside":
+            with torch.no_grad():
+                src = [*model.module.body.parameters(), *model.module.head.parameters()]
+                for e, p in zip(model.module.ema.parameters(), src):
+                    e.mul_(0.9).add_(p, alpha=0.1)
+        if step == 2 and args.case == "eval-rank0" and rank == 0:
+            model.eval()
+            with torch.no_grad():
+                model.module(torch.randn(4, 8, generator=g))
+        if step == 2 and args.case == "eval-restored":
+            model.eval()
+            with torch.no_grad():
+                model.module(torch.randn(4, 8, generator=g))
+            model.train()
+    measured = {"gaps": gaps(model.module), "training": model.training}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(measured, f)
+    del model, opt
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
