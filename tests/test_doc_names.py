@@ -24,7 +24,7 @@ FOREIGN = {
     "accelerator", "clip_grad_norm_", "clip_grad_value_", "compute_loss", "d_loss", "ddp_broadcast_buffers",
     "ddp_bucket_cap_mb", "ddp_find_unused_parameters", "ddp_static_graph", "fully_shard", "g_loss", "lightning",
     "loss_fn", "manual_backward", "max_batches", "mul_", "no_sync", "on_epoch_end", "pytorch", "pytorch_lightning",
-    "reshard_after_forward",
+    "reshard_after_forward", "OMP_NUM_THREADS", "PYTHON_EXEC", "register_parameter",
     "train", "training_step", "W",
 }  # fmt: skip
 _CHAIN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")

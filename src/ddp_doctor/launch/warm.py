@@ -9,7 +9,7 @@ thread pool of torch's starts. torchrun's elastic agent then starts each worker 
 exit status (negative for a signal), its own session and process group: everything else in torchrun (rendezvous,
 restarts, signals, the failure it reports) is unchanged.
 
-In the rank, before the entry module runs, `_rank_main` makes the process what a fresh interpreter under torchrun
+In the rank, before the entry module runs, the process is made what a fresh interpreter under torchrun
 would be: the agent's environment for that worker exactly, a new session, the kernel's death signal tied to the
 server, multiprocessing's state of a main process (so the script may call `set_start_method` and start DataLoader
 workers with fork, spawn or forkserver), numpy's and torch's unseeded generators seeded anew, torch's intra-op
