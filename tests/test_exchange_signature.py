@@ -19,12 +19,12 @@ from ddp_doctor.exchange import simulate
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "697d9004643383c6",
-    "odd-70": "fea555329c12b044",
-    "infos-differ-3": "a280da8ebc1062aa",
-    "edited-2": "7b3cdffdd57efcb1",
-    "inferred-2": "b3d9cd9f6e3e8c36",
-    "clean-1": "fd6e7f2b9d118a0d",
+    "seeded-6": "e662b4bd1d7e4a2d",
+    "odd-70": "9608d1bcb347cb9c",
+    "infos-differ-3": "f1357612052a1fe2",
+    "edited-2": "6e5d2e6faf71c3e4",
+    "inferred-2": "9f01271a9900710b",
+    "clean-1": "e26de0078d1bfdc4",
 }
 
 
