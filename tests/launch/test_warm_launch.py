@@ -71,6 +71,7 @@ def test_the_script_sees_what_torchrun_gives_it_warm_or_fresh(tmp_path: Path) ->
     fresh = check(["--fresh-interpreters", *args, str(tmp_path / "fresh"), "--loaders"], tmp_path / "f", timeout=180)
     assert warm.rc == fresh.rc == 0, warm.output + fresh.output
     assert warm.report["launch"] == "warm" and fresh.report["launch"] == "fresh"
+    assert "Warning" not in warm.output and "Warning" not in fresh.output  # nothing of ours on stderr
     assert warm.report["steps_observed"] == fresh.report["steps_observed"] == 4
 
     runs = {"plain": _facts(tmp_path / "plain"), "warm": _facts(tmp_path / "warm"), "fresh": _facts(tmp_path / "fresh")}

@@ -11,6 +11,7 @@ import logging
 
 from ddp_doctor.analyze.agreement import SEE_CAUSES
 from ddp_doctor.analyze.causes import CAUSES
+from ddp_doctor.analyze.coverage import compared
 from ddp_doctor.analyze.detectors import DETECTORS
 from ddp_doctor.analyze.diagnose import (
     diagnose_after_steps,
@@ -109,6 +110,7 @@ def analyze_summary(summary: Summary) -> Diagnosis:
         crashes=crashes,
         usage_map=usage,
         divergence=gap,
+        compared=compared(summary),
     )
 
 

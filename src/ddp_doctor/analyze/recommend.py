@@ -191,7 +191,10 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
     same = find_unused == v.find_unused and static == v.static_graph and not freeze
     verified = same and not errors and v.steps >= 2
     if verified:
-        parts.append("Verified: this run already uses it, and every step synced correctly.")
+        parts.append(
+            "Verified: this run already uses it, and every trainable gradient agreed across the ranks at each "
+            "observed optimizer step."
+        )
     elif errors and same:
         parts.append("The flags are right, but errors remain that flags cannot fix (see the findings).")
     return _rec(v, find_unused=find_unused, static=static, freeze=freeze, reason=" ".join(parts), verified=verified)

@@ -207,6 +207,9 @@ class Diagnosis:
     """Files the script wrote under the check, as following's exchange agreed on them (passed through)."""
     files_unlisted: int = 0
     """Ranks whose written files are not listed."""
+    compared: dict[str, Any] | None = None
+    """What the exchange compared across the ranks, with counts (`analyze/coverage.py`): the whole of what a
+    report without findings may claim."""
 
 
 def finite(obj: Any) -> Any:

@@ -230,6 +230,8 @@ class RankRecord:
     replaced after DDP was built left them behind: they get no gradient, and nothing the script does uses them)."""
     optimizer_stale: int = 0
     """Tensors the observed optimizer steps that the model no longer holds, at the last step."""
+    modules: int = 0
+    """Modules in the tree at the last step, whose train/eval modes `StepCounters.state_digest` covers."""
 
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
         "used",
@@ -323,4 +325,5 @@ class RankRecord:
             "unregistered": self.unregistered,
             "orphaned": self.orphaned,
             "optimizer_stale": self.optimizer_stale,
+            "modules": self.modules,
         }

@@ -106,6 +106,7 @@ def rank_strings(
             "unregistered": record.unregistered,
             "orphaned": record.orphaned,
             "optimizer_stale": record.optimizer_stale,
+            "modules": record.modules,
         }
     ).encode()
 

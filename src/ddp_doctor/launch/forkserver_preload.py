@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 from ddp_doctor.launch.config import die_with_parent
 from ddp_doctor.launch.warm import PRELOAD_VAR
@@ -26,6 +27,8 @@ def _preload() -> None:
         except Exception:  # noqa: BLE001  (see the module docstring)
             module = None
         names += list(getattr(module, "WARM_IMPORTS", ()))
+        # The rank runs the entry module as __main__ (runpy), which warns when it is imported already.
+        sys.modules.pop(entry, None)
     for name in names:
         try:
             importlib.import_module(name)

@@ -319,6 +319,7 @@ class StepLog:
             record.unregistered = list(self.state.unregistered)
             record.orphaned = list(self.state.orphaned)
             record.optimizer_stale = self.state.stale
+            record.modules = self.state.modules
         if self._edited:
             record.synced_grad_fp = torch.stack(self._synced_rows)
         if self.device is not None and record.timing.shape[0]:

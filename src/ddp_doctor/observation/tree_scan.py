@@ -72,6 +72,8 @@ class StateScan:
         what a replaced module left behind, at the last step."""
         self.stale: int = 0
         """Tensors the optimizer steps that the model no longer holds, at the last step."""
+        self.modules = 0
+        """Modules in the tree at the last step (whose modes the digest covers)."""
 
     # ------------------------------------------------------------------------------------------- listening
 
@@ -109,7 +111,9 @@ class StateScan:
         unknown: list[tuple[str, torch.Tensor, str]] = []
         where: dict[int, str] = {}
         root_training = self._module.training
+        self.modules = 0
         for path, m in self._module.named_modules(remove_duplicate=False):
+            self.modules += 1
             crc = zlib.crc32(b"%s:%d;" % (path.encode(), m.training), crc)
             if m.training != root_training and len(eval_modules) < 64:
                 eval_modules.append(path or "(the model)")

@@ -98,6 +98,8 @@ class ReportData:
     """Ranks whose written files are not listed (JSON key `files_unlisted_ranks`, absent when 0)."""
     unchecked: list[str] = field(default_factory=list)
     """What the check did not run or could not see, in sentences (JSON key `unchecked`, absent when empty)."""
+    compared: dict[str, Any] | None = None
+    """What the exchange compared across the ranks, with counts (`analyze/coverage.py`; JSON key `compared`)."""
     schema: str = SCHEMA
 
     @classmethod
@@ -125,6 +127,7 @@ class ReportData:
             files_written=diagnosis.files_written,
             files_unlisted=diagnosis.files_unlisted,
             unchecked=diagnosis.unchecked,
+            compared=diagnosis.compared,
         )
 
     @property
@@ -158,6 +161,7 @@ class ReportData:
             unchecked=list(self.unchecked),
             files_written=list(self.files_written),
             files_unlisted=self.files_unlisted,
+            compared=self.compared,
         )
 
     @classmethod
@@ -193,6 +197,7 @@ class ReportData:
             files_written=list(data.get("files_written", [])),
             files_unlisted=int(data.get("files_unlisted_ranks", 0)),
             unchecked=list(data.get("unchecked", [])),
+            compared=data.get("compared"),
         )
         return cls.build(facts, diagnosis)
 
@@ -200,6 +205,8 @@ class ReportData:
     def clean_line(self) -> str:
         """The sentence of a report without findings: it claims only what was checked, so a sharded model's report
         (checked for some things only) and one with `unchecked` sentences point below."""
+        if self.compared is not None:
+            return "No problems found in what was compared (below)."
         if self.sharding is None and not self.unchecked:
             return "No problems found."
         return "No problems found in what was checked (below)."
@@ -263,6 +270,8 @@ class ReportData:
             out["files_unlisted_ranks"] = self.files_unlisted
         if self.unchecked:
             out["unchecked"] = self.unchecked
+        if self.compared is not None:
+            out["compared"] = self.compared
         return out
 
     def to_json(self, **kwargs: Any) -> str:

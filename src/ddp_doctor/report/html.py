@@ -12,7 +12,7 @@ from ddp_doctor.core.figures import STATE_HELP, STATES
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_ranges
 from ddp_doctor.report.data import ReportData
-from ddp_doctor.report.text import files_lines, following_lines, phases_line
+from ddp_doctor.report.text import compared_line, files_lines, following_lines, phases_line
 
 __all__ = ["CSS", "SCRIPT", "IndexEntry", "check_section", "index_page", "page", "to_html"]
 
@@ -32,6 +32,7 @@ body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 
 .error .sev, .crash { color: #b00020; } .warning .sev { color: #a15c00; } .info .sev { color: #00639b; }
 .finding .fix b { color: #1b5e20; }
 .clean { color: #1b5e20; font-weight: bold; }
+.note { color: #555; }
 figure { margin: 1.5em 0; overflow-x: auto; }
 figure svg { max-width: 100%; height: auto; }
 figcaption { color: #444; font-size: 0.9em; max-width: 70em; }
@@ -176,6 +177,8 @@ def _status(report: ReportData) -> str:
     elif not report.findings:
         clean = report.clean_line
         parts.append(f"<p class='clean'>{clean}</p>")
+    if report.compared is not None:
+        parts.append(f"<p class='note'>{_e(compared_line(report.compared))}</p>")
     return "".join(parts)
 
 

@@ -136,6 +136,8 @@ def render(report: ReportData) -> Iterator[Any]:
         yield _finding(f)
     if report.files_written:
         yield Text("\n".join(files_lines(report)), style="yellow")
+    if report.compared is not None:
+        yield Text(compared_line(report.compared), style="dim")
     for line in report.unchecked:
         yield Text(f"Not checked: {line}", style="yellow")
 
@@ -152,6 +154,37 @@ def render(report: ReportData) -> Iterator[Any]:
         yield Text(phases_line(t.per_rank), style="dim")
     if report.following is not None:
         yield from (Text(line, style="dim") for line in following_lines(report.following))
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def compared_line(c: dict[str, Any]) -> str:
+    """What the exchange compared across the ranks (`ReportData.compared`), with its counts."""
+    steps = c["steps"]
+    if not steps:
+        return f"Compared across {c['ranks']} ranks: no step that every rank completed, so nothing step by step."
+    grads = f", gradients (at {c['gradients_at']})" if c.get("gradients_at") else ""
+    parts = [f"the weights{grads} and requires_grad of {_n(c['parameters'], 'parameter')} DDP syncs"]
+    if c.get("created_after_wrap"):
+        parts[0] += f", and {c['created_after_wrap']} created after wrap"
+    if c.get("buffers"):
+        parts.append(_n(c["buffers"], "buffer"))
+    if c.get("modules"):
+        parts.append(f"the train/eval modes of {_n(c['modules'], 'module')}")
+    if c.get("inputs"):
+        parts.append("the inputs" + ("" if c["inputs"] == steps else f" ({c['inputs']} steps)"))
+    if c.get("optimizer_steps"):
+        parts.append("the optimizer's settings")
+    if c.get("collectives_per_rank_differ"):
+        parts.append("the script's collectives (their counts differ)")
+    elif c.get("collectives"):
+        parts.append(f"{_n(c['collectives'], 'collective')} of the script's, in order")
+    elif c.get("collectives") == 0:
+        parts.append("the script's own collectives (none)")
+    parts.append("DDP's synced backward passes and buffer broadcasts")
+    return f"Compared across {c['ranks']} ranks at each of {_n(steps, 'step')}: {'; '.join(parts)}."
 
 
 def files_lines(report: ReportData) -> list[str]:

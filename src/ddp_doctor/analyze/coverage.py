@@ -1,0 +1,46 @@
+"""What the exchange compared across the ranks, with counts: the claim a report may make, and nothing more.
+
+A report without findings says "No problems found" only about what is listed here (`Diagnosis.compared`, JSON key
+`compared`, drawn by `report/`): the steps every rank completed, the parameters DDP registered (weights before and
+after each step, gradients where the optimizer used them, `requires_grad`), the parameters the module tree held
+beyond them, the buffers DDP registered, every module's train/eval mode, each step's inputs, the optimizer's
+settings at each step it took, the script's own collectives in order, and per step DDP's synced backward passes and
+buffer broadcasts. Anything the check could not compare goes to `unchecked`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddp_doctor.core.summary import Summary
+
+__all__ = ["compared"]
+
+_GRADS_AT = {"step": "optimizer.step()", "closure": "the end of optimizer.step()", "backward": "the synced backward"}
+
+
+def compared(summary: Summary) -> dict[str, Any]:
+    """The counts of what the exchange compared across the ranks (pure: from the `Summary`)."""
+    s, info = summary.steps, summary.info
+    ignored = sum(info.ignored)
+    hi, lo = summary.collectives
+    agreed = bool((hi[:s, 0] == lo[:s, 0]).all()) if s else True
+    measured = {k: n for k, n in summary.grads_measured.items() if n}
+    grads_at = _GRADS_AT[max(measured, key=measured.get)] if measured else None
+    buffers = int(summary.buffer_seen.all(0).sum()) if s and summary.buffer_seen.numel() else 0
+    stepped = sum(1 for v in summary.steps_taken[1][:s] if v)
+    return {
+        "ranks": summary.world,
+        "steps": s,
+        "parameters": len(info.param_names) - ignored,
+        "ignored_by_ddp": ignored,
+        "created_after_wrap": max(summary.unregistered[:s], default=0),
+        "gradients_at": grads_at,
+        "buffers": buffers,
+        "buffers_not_recorded": len(info.buffer_names) - buffers,
+        "modules": int(summary.metas.get(0, {}).get("modules", 0)),
+        "inputs": int(summary.input_present[:s].sum()) if s else 0,
+        "optimizer_steps": stepped,
+        "collectives": int(hi[:s, 0].sum()) if s and agreed else None,
+        "collectives_per_rank_differ": not agreed,
+    }
