@@ -28,10 +28,14 @@ SCRIPT = str(SCRIPTS / "tree_state.py")
 HEAD = {"head.weight", "head.bias"}
 
 
+def _site_of(script: str, statement: str) -> str:
+    """`tests/scripts/SCRIPT:N` of the first line holding `statement` (found, not pinned)."""
+    lines = (SCRIPTS / script).read_text().splitlines()
+    return f"tests/scripts/{script}:{next(i for i, line in enumerate(lines, 1) if statement in line)}"
+
+
 def _site(statement: str) -> str:
-    """`tests/scripts/tree_state.py:N` of the line holding `statement` (found, not pinned)."""
-    lines = (SCRIPTS / "tree_state.py").read_text().splitlines()
-    return f"tests/scripts/tree_state.py:{next(i for i, line in enumerate(lines, 1) if statement in line)}"
+    return _site_of("tree_state.py", statement)
 
 
 def _check(tmp_path: Path, case: str, *flags: str):
@@ -85,3 +89,21 @@ def test_an_evaluation_that_restores_train_mode_and_an_ema_copy_in_the_model_sta
 ) -> None:
     run = _check(tmp_path, case)
     assert run.rc == 0 and run.codes == set(), run.output
+
+
+def test_a_barrier_in_a_rank_0_only_checkpoint_branch_is_named_as_the_first_divergence(tmp_path: Path) -> None:
+    """tests/scripts/ckpt_barrier.py: rank 0 saves at each epoch end and calls `dist.barrier()` inside its
+    rank-0-only branch. Under plain torchrun (group timeout 20 s there) both ranks fail after the timeout with gloo's
+    *Timed out waiting 20000ms for recv*: rank 0 in the barrier, rank 1 in DDP's gradient all-reduce of its next
+    backward; exit code 1, 35 s. The check observes its 8 steps clean and meets the barrier at the epoch end it
+    follows. Before, its report said "No problems found" with a note that the ranks could not exchange records, and
+    exit code 0."""
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "ckpt_barrier.py")], tmp_path, timeout=180)
+    assert run.rc == 1, run.output
+    first = run.report["findings"][0]
+    assert first["code"] == "collective-mismatch" and first["ranks"] == [0, 1], first
+    assert (
+        first["title"].startswith("rank 1 skipped barrier")
+        and _site_of("ckpt_barrier.py", "dist.barrier()") in first["detail"]
+    ), first
+    assert "DDP's next gradient all-reduce" in first["detail"]

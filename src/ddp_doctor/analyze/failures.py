@@ -30,13 +30,22 @@ _SIGNAL_CAUSE = {
 }
 
 
+def _failed_inside(s: RankState) -> bool:
+    """The rank's wait in its last collective ended in an error of the group (a timeout, a closed connection)
+    raised at that collective's line: it waited there as long as the group let it."""
+    c, raised = s.collective, s.raised
+    return bool(
+        raised is not None and raised.peer_lost and c is not None and c.site and (raised.site or "").startswith(c.site)
+    )
+
+
 def _mismatch(states: dict[int, RankState]) -> Finding | None:
     """Ranks whose script collectives disagree: one rank waits in a collective another rank never called (or called
     with another op or shape), so the other rank's next collective (often DDP's gradient all-reduce) is paired
     with it (or, for a sharded model, its next forward's all-gathers). Judged from each rank's last collective and
     its count of the script's collectives."""
     live = [s for s in states.values() if s.trained]
-    waiting = [s for s in live if s.in_collective and s.collective is not None]
+    waiting = [s for s in live if s.collective is not None and (s.in_collective or _failed_inside(s))]
     if not waiting or len(live) < 2:
         return None
     first = min(waiting, key=lambda s: (s.collective.n, s.rank))

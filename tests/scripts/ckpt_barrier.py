@@ -1,0 +1,45 @@
+"""Rank 0 saves a checkpoint at each epoch end and waits at a barrier inside its rank-0-only branch (the group's
+timeout is 10 s): the other ranks go on to the next epoch, where DDP's gradient all-reduce meets it.
+
+    torchrun --nproc-per-node 2 tests/scripts/ckpt_barrier.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def main() -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(96, 8), torch.randint(0, 2, (96,)))
+    sampler = DistributedSampler(data)
+    loader = DataLoader(data, batch_size=4, sampler=sampler)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if rank == 0:
+            torch.save(model.module.state_dict(), os.path.join(tempfile.gettempdir(), "ckpt.pt"))
+            dist.barrier()  # "everyone waits until the checkpoint is written": only rank 0 gets here
+        print(f"rank {rank} epoch {epoch} done", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
