@@ -19,12 +19,12 @@ from ddp_doctor.exchange import simulate
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "e662b4bd1d7e4a2d",
-    "odd-70": "9608d1bcb347cb9c",
-    "infos-differ-3": "f1357612052a1fe2",
-    "edited-2": "6e5d2e6faf71c3e4",
-    "inferred-2": "9f01271a9900710b",
-    "clean-1": "e26de0078d1bfdc4",
+    "seeded-6": "03ea40ace49e174f",
+    "odd-70": "7bccb5342986bc0a",
+    "infos-differ-3": "d9dd4cc06cee59f2",
+    "edited-2": "73454b55451ecbc2",
+    "inferred-2": "619a78616d0de52e",
+    "clean-1": "ac086af82b03cbcf",
 }
 
 

@@ -11,6 +11,7 @@ from ddp_doctor.analyze import (  # noqa: F401 (imported to register their detec
     consistency,
     epochs,
     frozen_set,
+    moves,
     passes,
     throughput,
     tree_state,

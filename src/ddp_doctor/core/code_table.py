@@ -23,6 +23,7 @@ class Family(_Name):
     WRAP_AND_EPOCH_ENDS = "wrap-and-epoch-ends"
     TIMING = "timing"
     FSDP2 = "fsdp2"
+    PROGRESS = "progress"
 
 
 FAMILY_TITLES: dict[Family, str] = {
@@ -35,6 +36,8 @@ FAMILY_TITLES: dict[Family, str] = {
     Family.WRAP_AND_EPOCH_ENDS: "what happens at wrap and at epoch ends",
     Family.TIMING: "where the step time goes (measured on this machine)",
     Family.FSDP2: "FSDP2 (`fully_shard`)",
+    Family.PROGRESS: "whether training moves at all: finite values, gradients that are not all zero, steps that "
+    "change the weights",
 }
 
 
@@ -297,6 +300,15 @@ TABLE: tuple[CodeInfo, ...] = (
          more=": *2 trainable parameters are not in DDP's reducer: head.weight, head.bias, attached at "
               "train.py:31 after DDP was built*, with the step at which they part across ranks, and the parameters "
               "the replaced module left in DDP's reducer (which get no gradient: not a reason to freeze anything)"),
+    _row(Code.NONFINITE_VALUES, Family.PROGRESS, "error", "moves.py",
+         "gradients or weights hold NaN or infinity",
+         more=": *the gradients of 4 parameters are NaN or infinite from step 0; the weights already were before the "
+              "first step*, with the likely cause (a model materialised from the meta device whose parameters were "
+              "never initialised)"),
+    _row(Code.TRAINING_STALLED, Family.PROGRESS, "error", "moves.py",
+         "the optimizer's steps change no weight: every gradient is exactly zero, or the learning rate is 0",
+         more=": *every gradient was exactly zero at all 8 observed steps*, with the likely cause (a loss that does "
+              "not depend on the weights, such as a cross-entropy over a single output column)"),
 )
 # fmt: on
 

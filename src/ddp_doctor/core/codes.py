@@ -84,6 +84,8 @@ class Code(_Name):
     LOW_PRECISION_REDUCE = "low-precision-reduce"
     # The invariants of data parallelism: what the module tree holds, whatever created it.
     UNREGISTERED_PARAMETERS = "unregistered-parameters"
+    NONFINITE_VALUES = "non-finite-values"
+    TRAINING_STALLED = "training-stalled"
 
 
 # fmt: off
@@ -91,7 +93,7 @@ REPORT_ORDER: tuple[Code, ...] = (
     # Where each finding decided from the exchanged `Summary` reads in a report, within its severity: errors that
     # explain others first (DDP's error, then why replicas diverge), the symptoms after them, timing last. A detector
     # (`analyze/view.py`'s `detects`) may only be registered for a code listed here.
-    Code.UNREGISTERED_PARAMETERS, Code.REDUCTION_ERROR, Code.BACKWARD_PASSES_DIFFER, Code.REPLICAS_DIFFER_AT_WRAP,
+    Code.NONFINITE_VALUES, Code.UNREGISTERED_PARAMETERS, Code.REDUCTION_ERROR, Code.BACKWARD_PASSES_DIFFER, Code.REPLICAS_DIFFER_AT_WRAP,
     Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER, Code.OPTIMIZER_STEP_SKIPPED, Code.OPTIMIZER_DIFFERS,
     Code.GRADS_REDUCED_TWICE, Code.GRADS_CHANGED_AFTER_SYNC, Code.STATIC_GRAPH_UNSAFE, Code.WRAPPER_BYPASS,
     Code.UNFROZEN_AFTER_WRAP, Code.FROZEN_AFTER_WRAP, Code.UNUSED_PARAMETERS, Code.GRAD_BLOCKED,
@@ -99,6 +101,6 @@ REPORT_ORDER: tuple[Code, ...] = (
     Code.REENTRANT_CHECKPOINT, Code.GRADS_NOT_SYNCED, Code.REPLICA_DIVERGENCE, Code.BUFFER_DIVERGENCE,
     Code.IDENTICAL_INPUTS_ACROSS_RANKS, Code.NO_TRAINABLE_PARAMETERS, Code.FIND_UNUSED_UNNEEDED, Code.UNEVEN_INPUTS,
     Code.SAMPLER_EPOCH_NOT_SET, Code.CHECKPOINT_SAME_PATH, Code.CHECKPOINT_MODULE_PREFIX, Code.GRAD_SCALER_MISMATCH,
-    Code.BATCHNORM_NOT_SYNCED, Code.INPUT_BOUND, Code.STRAGGLER_RANK,
+    Code.BATCHNORM_NOT_SYNCED, Code.TRAINING_STALLED, Code.INPUT_BOUND, Code.STRAGGLER_RANK,
 )
 # fmt: on

@@ -73,6 +73,16 @@ class StepCounters:
     unregistered: int = 0
     """Trainable parameters in the module tree that DDP's reducer does not hold (created or replaced after DDP was
     built), when the step closed."""
+    grads_present: int = 0
+    """Parameters that got a gradient in the step (as `RankRecord.used`)."""
+    grads_zero: int = 0
+    """Of those, the ones whose gradient the optimizer used was exactly zero."""
+    grads_nonfinite: int = 0
+    """Of those, the ones whose gradient held a NaN or an infinity."""
+    weights_moved: int = 0
+    """Parameters whose values changed between the step's start and its end."""
+    weights_nonfinite: int = 0
+    """Parameters holding a NaN or an infinity when the step ended."""
 
     FIELDS = (
         "micro_steps",
@@ -99,6 +109,11 @@ class StepCounters:
         "grads_measured",
         "state_digest",
         "unregistered",
+        "grads_present",
+        "grads_zero",
+        "grads_nonfinite",
+        "weights_moved",
+        "weights_nonfinite",
     )
 
     def as_list(self) -> list[int]:

@@ -232,6 +232,12 @@ class RankRecord:
     """Tensors the observed optimizer steps that the model no longer holds, at the last step."""
     modules: int = 0
     """Modules in the tree at the last step, whose train/eval modes `StepCounters.state_digest` covers."""
+    to_empty_sites: list[str] = field(default_factory=list)
+    """Where the script materialised a model from the meta device (`nn.Module.to_empty()`), when seen."""
+    learning_rates: list[float] = field(default_factory=list)
+    """The observed optimizer's learning rate per param group at the last step."""
+    nonfinite_params: list[int] = field(default_factory=list)
+    """Positions of the parameters whose gradient held a NaN or an infinity, in the first step where one did."""
 
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
         "used",
@@ -326,4 +332,7 @@ class RankRecord:
             "orphaned": self.orphaned,
             "optimizer_stale": self.optimizer_stale,
             "modules": self.modules,
+            "nonfinite_params": self.nonfinite_params,
+            "learning_rates": self.learning_rates,
+            "to_empty_sites": self.to_empty_sites,
         }

@@ -210,6 +210,12 @@ class Summary:
     (`StepCounters.state_digest`; None: the same on every rank at every step)."""
     unregistered: list[int] = field(default_factory=list)
     """Per common step, the most trainable parameters DDP's reducer does not hold that any rank's tree had."""
+    moves: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(max, min) over the ranks of int64[S, 5]: per common step, the parameters that got a gradient, whose gradient
+    was exactly zero, or not finite; whose weights changed in the step, or are not finite after it (None: not
+    recorded)."""
+    nonfinite_before: int = 0
+    """The most parameters any rank held with a NaN or an infinity before the first common step."""
 
 
 @dataclass(kw_only=True, slots=True)

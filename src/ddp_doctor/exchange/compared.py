@@ -133,6 +133,10 @@ class Compared:
     state0: torch.Tensor
     unregistered: Pair
     """int64[S]: trainable parameters in the tree that DDP's reducer does not hold."""
+    moves: Pair
+    """int64[S, 5]: per step, gradients present, exactly zero, not finite; weights that changed, not finite."""
+    nonfinite_before: Pair
+    """int64[1]: parameters holding a NaN or an infinity before the first step."""
     unsynced: Pair | None = None
     """int64[P]: unmasked gradient digests (only with `Mine.infer`)."""
 
@@ -268,6 +272,10 @@ def put_compared(
     m.pair("state", state)
     m.slot("state0", state, rank == 0)
     m.pair("unregistered", record.counter("unregistered")[:s])
+    # Whether training moves: finite, nonzero gradients, and steps that change the weights.
+    names = ("grads_present", "grads_zero", "grads_nonfinite", "weights_moved", "weights_nonfinite")
+    m.pair("moves", torch.stack([record.counter(n)[:s] for n in names], 1))
+    m.pair("nonfinite_before", (~record.weight_fp[0].isfinite().all(-1)).sum().reshape(1))
     return Mine(
         grad_p=grad_p,
         grad_mask=grad_mask,

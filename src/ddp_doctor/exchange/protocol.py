@@ -164,4 +164,6 @@ def _summary(
         curve=named.curve,
         state_step=first.state,
         unregistered=c.unregistered[0].tolist(),
+        moves=c.moves,
+        nonfinite_before=int(c.nonfinite_before[0][0]),
     )

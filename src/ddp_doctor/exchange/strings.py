@@ -107,6 +107,9 @@ def rank_strings(
             "orphaned": record.orphaned,
             "optimizer_stale": record.optimizer_stale,
             "modules": record.modules,
+            "nonfinite_params": record.nonfinite_params,
+            "learning_rates": record.learning_rates,
+            "to_empty_sites": record.to_empty_sites,
         }
     ).encode()
 

@@ -12,7 +12,7 @@ from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.records import RankRecord, StepCounters
 from ddp_doctor.observation.collectives import Call, digest
 from ddp_doctor.observation.device_clock import DeviceClock
-from ddp_doctor.observation.tree_scan import StateScan
+from ddp_doctor.observation.tree_scan import TO_EMPTY_SITES, StateScan
 
 __all__ = [
     "MAX_COLLECTIVE_LOG",
@@ -141,6 +141,8 @@ class StepLog:
         self.pass_sites: list[str] = []
         """`step N: file:line` of the backward passes of the first step whose passes used different parameters."""
         self.device: DeviceClock | None = None
+        self.nonfinite_params: list[int] = []
+        """Positions of the parameters whose gradient was not finite, in the first step where one was not."""
         self.state: StateScan | None = None
         """Walks the module tree as each step closes (`tree_scan.py`); None: not scanned."""
         """The GPU's clock for a model on CUDA (the host's times do not tell there), set by the caller."""
@@ -197,7 +199,9 @@ class StepLog:
         counters = step.counters
         if counters.optimizer_step and counters.micro_steps and not counters.synced_backwards:
             self.note_site(self.nosync_sites, step.sync_off)
-        rows["weight_fp"].append(fingerprints(self._params))
+        weights = fingerprints(self._params)
+        self._moves(counters, used > 0, grad_fp, rows["weight_fp"][-1], weights)
+        rows["weight_fp"].append(weights)
         rows["buffer_fp"].append(
             step.buffer_fp
             if step.buffer_fp is not None
@@ -215,6 +219,21 @@ class StepLog:
         if self.state is not None:
             self.state.close_step(step.counters, self.steps - 1)
         rows["counters"].append(torch.tensor(step.counters.as_list(), dtype=torch.int64))
+
+    def _moves(
+        self, counters: StepCounters, used: torch.Tensor, grads: torch.Tensor, before: torch.Tensor, after: torch.Tensor
+    ) -> None:
+        """Whether training moves (from the fingerprints already taken): gradients present, exactly zero or not
+        finite; weights that changed in the step, or hold a NaN or an infinity after it."""
+        finite = grads.isfinite().all(-1)
+        counters.grads_present = int(used.sum())
+        counters.grads_zero = int((used & (grads == 0).all(-1)).sum())
+        counters.grads_nonfinite = int((used & ~finite).sum())
+        if counters.grads_nonfinite and not self.nonfinite_params:
+            self.nonfinite_params = (used & ~finite).nonzero().flatten().tolist()[:64]
+        same = (before == after) | (before.isnan() & after.isnan())
+        counters.weights_moved = int((~same.all(-1)).sum())
+        counters.weights_nonfinite = int((~after.isfinite().all(-1)).sum())
 
     def _runq_now(self) -> float:
         return runq_seconds(self._schedstat)
@@ -314,12 +333,15 @@ class StepLog:
         record.split_params = list(self.split_params)
         record.grad_edit_sites = list(self.grad_edit_sites)
         record.nosync_sites = list(self.nosync_sites)
+        record.nonfinite_params = list(self.nonfinite_params)
         if self.state is not None:
             record.state_log = list(self.state.log)
             record.unregistered = list(self.state.unregistered)
             record.orphaned = list(self.state.orphaned)
             record.optimizer_stale = self.state.stale
             record.modules = self.state.modules
+            record.learning_rates = list(self.state.learning_rates)
+        record.to_empty_sites = list(TO_EMPTY_SITES)
         if self._edited:
             record.synced_grad_fp = torch.stack(self._synced_rows)
         if self.device is not None and record.timing.shape[0]:

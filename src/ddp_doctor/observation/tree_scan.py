@@ -27,13 +27,34 @@ from ddp_doctor.core.counters import StepCounters
 from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.frames import user_site
 
-__all__ = ["MAX_STATE_LOG", "StateScan"]
+__all__ = ["MAX_STATE_LOG", "TO_EMPTY_SITES", "StateScan", "listen_to_empty"]
 
 MAX_STATE_LOG = 16
 """At most this many entries of the state log (one per change of the rank's state)."""
 _MAX_NAMED = 8
 """Names listed per kind in one entry."""
 _MAX_SITES = 256
+
+TO_EMPTY_SITES: list[str] = []
+"""Where the script called `nn.Module.to_empty()` (a model built on the meta device materialised with storage that
+holds whatever memory held: its parameters must be initialised after), once `listen_to_empty` ran."""
+
+
+def listen_to_empty() -> None:
+    """Remember the user's line of each `nn.Module.to_empty()` call in this process (once; at most 8)."""
+    if getattr(nn.Module.to_empty, "_ddp_doctor", False):
+        return
+    original = nn.Module.to_empty
+
+    def to_empty(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if len(TO_EMPTY_SITES) < 8:
+            site = user_site() or "an unknown place"
+            if site not in TO_EMPTY_SITES:
+                TO_EMPTY_SITES.append(site)
+        return original(self, *args, **kwargs)
+
+    to_empty._ddp_doctor = True  # type: ignore[attr-defined]
+    nn.Module.to_empty = to_empty  # type: ignore[method-assign]
 
 
 class StateScan:
@@ -74,6 +95,8 @@ class StateScan:
         """Tensors the optimizer steps that the model no longer holds, at the last step."""
         self.modules = 0
         """Modules in the tree at the last step (whose modes the digest covers)."""
+        self.learning_rates: list[float] = []
+        """The observed optimizer's learning rate per param group, at the last step."""
 
     # ------------------------------------------------------------------------------------------- listening
 
@@ -150,4 +173,12 @@ class StateScan:
         opt = self._optimizer() if self._optimizer is not None else None
         if opt is None:
             return 0
+        self.learning_rates = [_number(g.get("lr")) for g in opt.param_groups]
         return sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in held)
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")

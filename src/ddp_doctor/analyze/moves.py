@@ -1,0 +1,149 @@
+"""Whether training moves at all, whatever the parallelism keeps in sync: gradients and weights are finite, the
+gradients are not all exactly zero, and the optimizer's steps change the weights. Every rank counts these per step
+from the fingerprints it already takes (`StepCounters.grads_zero`, ...); the exchange carries the most and the
+fewest over the ranks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ddp_doctor.analyze.common import all_ranks
+from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.core.codes import Code
+from ddp_doctor.core.findings import Finding
+
+__all__ = ["nonfinite_values", "training_stalled"]
+
+_PRESENT, _ZERO, _NONFINITE, _MOVED, _W_NONFINITE = range(5)
+
+
+def _moves(v: View) -> torch.Tensor | None:
+    """int64[S, 5]: the most over the ranks of each count, per common step (None: not recorded)."""
+    moves = v.summary.moves
+    if moves is None or not v.steps:
+        return None
+    return moves[0][: v.steps]
+
+
+def _first(mask: torch.Tensor) -> int | None:
+    hits = mask.nonzero().flatten().tolist()
+    return hits[0] if hits else None
+
+
+@detects(Code.NONFINITE_VALUES)
+def nonfinite_values(v: View) -> list[Finding]:
+    """Gradients or weights that hold NaN or infinity: nothing the optimizer does after that trains the model."""
+    m = _moves(v)
+    before = v.summary.nonfinite_before
+    if m is None:
+        return []
+    scaled = torch.tensor([bool(s) for s in v.summary.scales[0][: v.steps]], dtype=torch.bool)
+    # Under a GradScaler a step with non-finite gradients is skipped by design: only the weights count there.
+    grad_step = _first((m[:, _NONFINITE] > 0) & ~scaled)
+    weight_step = _first(m[:, _W_NONFINITE] > 0)
+    if grad_step is None and weight_step is None and not before:
+        return []
+    positions = v.meta(0).get("nonfinite_params", [])
+    params = v.params([i for i in positions if i < len(v.info.param_names)])
+    parts = []
+    if grad_step is not None:
+        parts.append(
+            f"the gradients of {int(m[grad_step, _NONFINITE])} parameter(s) are NaN or infinite from step {grad_step}"
+        )
+    if weight_step is not None:
+        parts.append(f"{int(m[weight_step, _W_NONFINITE])} parameter(s) hold NaN or infinity after step {weight_step}")
+    cause = ""
+    materialised = v.meta(0).get("to_empty_sites", [])
+    if materialised and not before:
+        cause = (
+            f" The model was materialised from the meta device with `to_empty()` ({', '.join(materialised[:2])}): its "
+            "storage holds whatever the memory held until the parameters are initialised, and no initialisation "
+            "made these finite."
+        )
+    if before:
+        cause = (
+            f" {before} parameter(s) already held NaN or infinity before the first step: the weights were never "
+            "initialised (a model built on the meta device and materialised with `to_empty()`, whose "
+            "`reset_parameters()` or initialisation was not run), or they were loaded so from a checkpoint."
+        )
+    steps = sorted({s for s in (grad_step, weight_step) if s is not None})
+    return [
+        Finding(
+            code=Code.NONFINITE_VALUES,
+            severity="error",
+            title="; ".join(parts) if parts else f"{before} parameter(s) hold NaN or infinity before the first step",
+            detail="A NaN or an infinity in a gradient spreads to the weights at the optimizer's step, and from the "
+            "weights to every later loss: the job runs on and learns nothing." + cause,
+            params=params,
+            ranks=all_ranks(v),
+            steps=steps,
+            fix=(
+                "initialise the parameters after materialising the model (`model.to_empty(device=...)` then "
+                "`model.apply(init)` or each module's `reset_parameters()`), before wrapping it"
+                if before or materialised
+                else "find the first non-finite value: run the step with `torch.autograd.detect_anomaly()`, lower the "
+                "learning rate, or clip the gradients; with float16, use a GradScaler"
+            )
+            + ".",
+        )
+    ]
+
+
+@detects(Code.TRAINING_STALLED)
+def training_stalled(v: View) -> list[Finding]:
+    """At every observed optimizer step the weights stayed as they were: the gradients were all exactly zero, or
+    the step changes nothing (a learning rate of 0). One step like that is a warm-up; all of them are a job that
+    does not train."""
+    m = _moves(v)
+    if m is None:
+        return []
+    stepped = torch.tensor([bool(x) for x in v.summary.steps_taken[0][: v.steps]], dtype=torch.bool)
+    finite = (m[:, _NONFINITE] == 0) & (m[:, _W_NONFINITE] == 0)
+    steps = stepped & finite & (m[:, _PRESENT] > 0)
+    if int(steps.sum()) < 2 or bool((m[steps, _MOVED] > 0).any()):
+        return []
+    all_zero = bool((m[steps, _ZERO] == m[steps, _PRESENT]).all())
+    rates = v.meta(0).get("learning_rates", [])
+    zero_lr = bool(rates) and all(r == 0 or (isinstance(r, float) and math.isnan(r)) for r in rates)
+    n = int(steps.sum())
+    if all_zero:
+        title = f"every gradient was exactly zero at all {n} observed optimizer steps: the weights never changed"
+        detail = (
+            "The loss does not depend on the weights in a way that gives them a gradient: a loss that is constant, "
+            "such as a cross-entropy over a single output column (the softmax of one value is always 1), a loss "
+            "multiplied by 0, or outputs detached from the graph before the loss."
+        )
+        fix = "check the loss: the model's output must have one column per class for cross_entropy, and the loss must be computed from the model's output without .detach()."
+    elif zero_lr:
+        title = f"the optimizer's steps changed no weight at all {n} observed steps: its learning rate is 0"
+        detail = (
+            f"The gradients were not zero, but every param group's learning rate was {rates[0]:g}: each "
+            "optimizer step leaves the weights where they were. A warm-up that starts at 0 moves them from its "
+            "second step; these stayed put at every step observed."
+        )
+        fix = (
+            "set a learning rate above 0 (or let the scheduler's warm-up reach it), and check the scheduler is stepped."
+        )
+    else:
+        title = f"the optimizer's steps changed no weight at all {n} observed steps"
+        detail = (
+            "The gradients were not all zero, yet no parameter's value changed at any observed step: the optimizer "
+            "holds other tensors than the model's, its updates are zero, or the weights are restored after it."
+        )
+        fix = (
+            "check what the optimizer was built over (`model.parameters()` after the model is final) and its settings."
+        )
+    return [
+        Finding(
+            code=Code.TRAINING_STALLED,
+            severity="error",
+            title=title,
+            detail=detail,
+            params=[],
+            ranks=all_ranks(v),
+            steps=steps.nonzero().flatten().tolist(),
+            fix=fix,
+        )
+    ]

@@ -1,0 +1,49 @@
+"""Whether training moves at all (tests/scripts/moves.py, 2 ranks, 5 SGD steps).
+
+Ground truth under plain torchrun (torch 2.13.0, gloo; each case exit code 0, nothing printed but the losses):
+- meta: the model built on the meta device and materialised with `to_empty()`, never initialised: the loss is NaN
+  from step 0, every gradient holds NaN, and after the run every weight holds NaN.
+- one-column: cross_entropy over a model with one output column: the loss is exactly 0 at every step, every gradient
+  is exactly zero, and no weight changes (largest change 0).
+- lr0: SGD with lr=0: the losses vary (1.50, 1.36, 1.41, ...) and the gradients are nonzero, but no weight changes.
+- meta-init (the same meta model, then `reset_parameters()`) and warmup (a LambdaLR whose learning rate is 0 at the
+  first step only) train normally.
+Before, `ddp-doctor check` reported "No problems found" and a verified recommendation for all three failures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from checkrun import SCRIPTS, check
+
+SCRIPT = str(SCRIPTS / "moves.py")
+ALL = {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def _check(tmp_path: Path, case: str):
+    return check(["--nproc-per-node", "2", SCRIPT, "--case", case], tmp_path)
+
+
+def test_a_model_materialised_from_meta_and_never_initialised_is_non_finite_from_step_0(tmp_path: Path) -> None:
+    run = _check(tmp_path, "meta")
+    found = run.finding("non-finite-values")
+    assert found["severity"] == "error" and found["steps"] == [0] and found["ranks"] == [0, 1]
+    assert run.params("non-finite-values") == ALL
+    assert "tests/scripts/moves.py:" in found["detail"] and "reset_parameters" in found["fix"]
+    assert run.report["recommendation"]["verified"] is False and run.rc == 1
+
+
+@pytest.mark.parametrize(("case", "cause"), [("one-column", "exactly zero"), ("lr0", "learning rate is 0")])
+def test_steps_that_change_no_weight_are_training_stalled_with_the_cause(tmp_path: Path, case: str, cause: str) -> None:
+    run = _check(tmp_path, case)
+    found = run.finding("training-stalled")
+    assert found["severity"] == "error" and found["steps"] == [0, 1, 2, 3, 4] and cause in found["title"]
+    assert run.codes == {"training-stalled"} and run.rc == 1
+
+
+@pytest.mark.parametrize("case", ["meta-init", "warmup"])
+def test_an_initialised_meta_model_and_a_warm_up_from_0_stay_clean(tmp_path: Path, case: str) -> None:
+    run = _check(tmp_path, case)
+    assert run.rc == 0 and run.codes == set(), run.output

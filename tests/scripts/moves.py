@@ -1,0 +1,61 @@
+"""Training that does not move, and its clean neighbours (2 ranks, 5 steps of SGD on a small MLP).
+
+    torchrun --nproc-per-node 2 tests/scripts/moves.py --case CASE
+
+cases:
+  meta         the model built on the meta device and materialised with to_empty(), never initialised
+  meta-init    the same, then each module's reset_parameters() (clean)
+  one-column   cross_entropy over a model with a single output column: the loss is always 0
+  lr0          SGD with lr=0
+  warmup       a warm-up whose learning rate is 0 at the first step only (clean)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", default="clean")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    classes = 1 if args.case == "one-column" else 4
+    if args.case.startswith("meta"):
+        with torch.device("meta"):
+            net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, classes))
+        net.to_empty(device="cpu")  # storage allocated, holding whatever the memory held
+        if args.case == "meta-init":
+            for m in net.modules():
+                if isinstance(m, nn.Linear):
+                    m.reset_parameters()
+    else:
+        net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, classes))
+    model = DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0 if args.case == "lr0" else 0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 2)) if args.case == "warmup" else None
+    g = torch.Generator().manual_seed(rank)
+    for step in range(5):
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, classes, (8,), generator=g)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        if rank == 0:
+            print(f"step {step} loss {loss.item():.4g}", flush=True)
+    del model, opt
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
