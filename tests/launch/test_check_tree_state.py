@@ -13,6 +13,9 @@ OUT --case CASE`; the script measures every parameter's largest difference acros
 - eval-rank0 (rank 0 calls `model.eval()` after step 2 and never `model.train()`): exit code 0, weights equal
   (DDP averages the gradients), but rank 0 trains without dropout from step 3 on: its gradients come from another
   function than rank 1's.
+- replace-after-opt (the head replaced after DDP and the optimizer were built): with default flags the reduction
+  error at step 1; with `find_unused_parameters=True`, exit code 0 and the new head never trains: its weights sum
+  to 0.99466 on both ranks at the end, their initial value; the optimizer stepped the old head.
 - eval-restored (every rank evaluates through `model.module`, then calls `model.train()`) and ema-inside (an EMA
   copy attached to the model, not trained): exit code 0, every parameter equal. Both must stay clean.
 """
@@ -81,6 +84,15 @@ def test_a_model_left_in_eval_mode_on_rank_0_is_named_at_the_first_step_it_train
     found = run.finding("replica-divergence")
     assert found["severity"] == "warning" and found["ranks"] == [0, 1] and found["steps"] == [3]
     assert run.codes == {"replica-divergence"}, run.output
+
+
+def test_an_optimizer_built_before_the_head_was_replaced_is_named_and_the_head_said_untrained(tmp_path: Path) -> None:
+    run = _check(tmp_path, "replace-after-opt", "--find-unused")
+    stale = run.finding("optimizer-params-replaced")
+    assert stale["severity"] == "error" and {p["name"] for p in stale["params"]} == HEAD
+    found = run.finding("unregistered-parameters")
+    assert found["severity"] == "warning" and "no optimizer steps them" in found["title"]
+    assert run.rc == 1
 
 
 @pytest.mark.parametrize("case", ["eval-restored", "ema-inside"])

@@ -10,6 +10,7 @@ cases:
   eval-rank0     rank 0 evaluates at step 2 with model.eval() and never calls model.train() again
   eval-restored  every rank evaluates through model.module at step 2, then calls model.train() (clean)
   ema-inside     an EMA copy kept inside the module tree, not trained, updated from the synced weights (clean)
+  replace-after-opt  the head replaced after DDP and the optimizer were built: the optimizer steps the old head
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def main() -> None:
     elif args.case == "ema-inside":
         model.module.ema = copy.deepcopy(nn.Sequential(model.module.body, model.module.head)).requires_grad_(False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if args.case == "replace-after-opt":
+        torch.manual_seed(1)
+        model.module.head = nn.Linear(16, 4)  # after the optimizer was built: it still holds the old head
     g = torch.Generator().manual_seed(rank)
     for step in range(args.steps):
         x = torch.randn(16, 8, generator=g)
@@ -87,7 +91,7 @@ def main() -> None:
             with torch.no_grad():
                 model.module(torch.randn(4, 8, generator=g))
             model.train()
-    measured = {"gaps": gaps(model.module), "training": model.training}
+    measured = {"gaps": gaps(model.module), "training": model.training, "head_sum": float(model.module.head.weight.sum())}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(measured, f)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddp_doctor.analyze.common import with_more
+from ddp_doctor.analyze.common import all_ranks, with_more
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef
 
-__all__ = ["modes_differ", "unregistered_parameters"]
+__all__ = ["modes_differ", "optimizer_holds_replaced", "unregistered_parameters"]
 
 
 def _modes(entry: dict[str, Any] | None) -> tuple[bool, int, tuple[str, ...]] | None:
@@ -60,14 +60,23 @@ def unregistered_parameters(v: View) -> list[Finding]:
     orphaned = v.orphaned.nonzero().flatten().tolist()
     left = v.params(orphaned)
     where = f", attached at {', '.join(sites[:3])} after DDP was built" if sites else ""
+    stepped = [e.get("stepped") for e in entries]
+    never_stepped = bool(stepped) and all(x is False for x in stepped)
     detail = (
         f"DDP's reducer all-reduces the gradients of the parameters it registered when it was built"
         f"{f' ({v.info.ddp_site})' if v.info.ddp_site else ''}. {names} sit in the model's module tree from step "
-        f"{first} on{where}: the forward can use them and the optimizer can step them, but no all-reduce carries "
-        "their gradients, so each rank trains them alone."
+        f"{first} on{where}: the forward uses them, but no all-reduce carries their gradients"
+        + (
+            ", and the optimizer the check observed does not step them (optimizer-params-replaced): they do not "
+            "train at all."
+            if never_stepped
+            else ", so each rank trains them alone."
+        )
     )
     if parted is not None:
         detail += f" They already differ across ranks at step {parted}."
+    elif never_stepped:
+        detail += " They stayed equal on every rank in the observed steps, at their initial values."
     else:
         detail += (
             " They were equal on every rank in the observed steps (they did not change, or every rank computed the "
@@ -86,14 +95,18 @@ def unregistered_parameters(v: View) -> list[Finding]:
         + " before `DistributedDataParallel(...)`; to change the model after wrapping, wrap the changed model in a "
         "new DistributedDataParallel and build the optimizer over its parameters."
     )
-    ranks = holders.ranks if holders.count < v.world else list(range(min(v.world, 8)))
+    ranks = holders.ranks if holders.count < v.world else all_ranks(v)
     return [
         with_more(
             Finding(
                 code=Code.UNREGISTERED_PARAMETERS,
                 severity="error" if parted is not None else "warning",
                 title=f"{len(params)} trainable parameter(s) are not in DDP's reducer: created or replaced after "
-                "DDP was built, each rank trains them alone",
+                + (
+                    "DDP was built, and no optimizer steps them"
+                    if never_stepped
+                    else "DDP was built, each rank trains them alone"
+                ),
                 detail=detail,
                 params=params,
                 ranks=ranks,
@@ -140,5 +153,42 @@ def modes_differ(v: View) -> list[Finding]:
             steps=[step],
             fix="set the mode on every rank alike: after an evaluation that calls `model.eval()` on some ranks, call "
             "`model.train()` on the same ranks before training resumes (or evaluate on every rank).",
+        )
+    ]
+
+
+@detects(Code.OPTIMIZER_PARAMS_REPLACED)
+def optimizer_holds_replaced(v: View) -> list[Finding]:
+    """The optimizer steps tensors the model no longer holds: a module replaced after the optimizer was built.
+    Its replacement's parameters get gradients that no optimizer applies."""
+    stale = int(v.meta(0).get("optimizer_stale", 0) or 0)
+    if not stale or not v.steps:
+        return []
+    left = v.params(v.orphaned)
+    new = [e["name"] for e in v.meta(0).get("unregistered", []) if e.get("stepped") is False]
+    return [
+        Finding(
+            code=Code.OPTIMIZER_PARAMS_REPLACED,
+            severity="error",
+            title=f"the optimizer steps {stale} tensor(s) that are no longer the model's",
+            detail=f"The optimizer holds {stale} tensor(s) that the model's module tree no longer holds"
+            + (
+                f" ({', '.join(p.name for p in left[:4])}{', ...' if len(left) > 4 else ''} of a module replaced after "
+                "it was built)"
+                if left
+                else ""
+            )
+            + ": it updates them, and no forward uses them."
+            + (
+                f" The parameters that replaced them ({', '.join(new[:4])}) get gradients no optimizer applies."
+                if new
+                else ""
+            ),
+            params=left,
+            ranks=all_ranks(v),
+            steps=list(range(v.steps)),
+            fix="build the optimizer after the model is final (after every module replacement), over "
+            "`model.parameters()`; after replacing a module mid-training, build a new optimizer (and DDP) over the "
+            "new parameters.",
         )
     ]

@@ -260,8 +260,9 @@ TABLE: tuple[CodeInfo, ...] = (
          more=": *backward passes through one DDP forward reach different parameters (lightning_gan.py:32, "
               "lightning_gan.py:36)*, naming the parameters some pass leaves out and the line of each backward (see "
               "[Several backward passes through one forward](#several-backward-passes-through-one-forward))"),
-    _row(Code.OPTIMIZER_PARAMS_REPLACED, Family.FSDP2, "error", "sharded.py",
-         "the optimizer holds parameters that fully_shard replaced: it updates none of the model's",
+    _row(Code.OPTIMIZER_PARAMS_REPLACED, Family.FSDP2, "error", "sharded.py tree_state.py",
+         "the optimizer holds parameters that are no longer the model's (fully_shard replaced them, or a module was "
+         "replaced after the optimizer was built): it does not update the ones the model uses",
          more=": *the optimizer steps 6 parameters that are no longer the model's*, with its creation line and "
               "whether any weight changed (from `check`)"),
     _row(Code.UNSHARDED_PARAMS_NOT_SYNCED, Family.FSDP2, "error/warning/info", "unsharded.py",

@@ -155,10 +155,14 @@ class StateScan:
                 crc = zlib.crc32(f"{name}={p.requires_grad}:{fp[0]!r},{fp[1]!r};".encode(), crc)
         held = {id(p) for p in self._module.parameters()}
         self.orphaned = [i for i, p in enumerate(self._positions) if id(p) not in held]
-        self.stale = self._stale(held)
+        stepped = self._stepped()
+        self.stale = sum(1 for i in stepped if i not in held)
         counters.state_digest = crc & 0x7FFFFFFF
         counters.unregistered = len(trainable)
-        self.unregistered = [{"name": n, "shape": list(p.shape), "site": s or None} for n, p, s in trainable][:64]
+        self.unregistered = [
+            {"name": n, "shape": list(p.shape), "site": s or None, "stepped": id(p) in stepped if stepped else None}
+            for n, p, s in trainable
+        ][:64]
         entry = {
             "training": root_training,
             "other_mode": eval_modules[:_MAX_NAMED],
@@ -169,12 +173,13 @@ class StateScan:
             self.log.append({"step": step, **entry})
         self._last = entry
 
-    def _stale(self, held: set[int]) -> int:
+    def _stepped(self) -> set[int]:
+        """The tensors the observed optimizer steps (empty: none known yet); its learning rates noted."""
         opt = self._optimizer() if self._optimizer is not None else None
         if opt is None:
-            return 0
+            return set()
         self.learning_rates = [_number(g.get("lr")) for g in opt.param_groups]
-        return sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in held)
+        return {id(p) for g in opt.param_groups for p in g["params"]}
 
 
 def _number(value: Any) -> float:
