@@ -23,7 +23,7 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bert_trainer_defaults_pay_for_find_unused(tmp_path: Path) -> None:
     run = torchrun("hf_bert.py", [str(tmp_path / "out")], tmp_path)
-    assert run.rc == 0, run.output[-6000:]
+    assert run.finished, run.output[-6000:]
     report = load(tmp_path / "out" / "ddp_doctor.json", run)
     # Measured on the installed transformers: the Trainer turns find_unused_parameters on for a PreTrainedModel
     # without gradient checkpointing, and every parameter of the BERT classifier reaches the loss.
@@ -50,7 +50,7 @@ def test_bert_trainer_defaults_pay_for_find_unused(tmp_path: Path) -> None:
 
 def test_two_heads_seed000_freeze_the_unused_head_and_run_clean(tmp_path: Path) -> None:
     run = torchrun("hf_two_heads.py", [str(tmp_path / "out")], tmp_path)
-    assert run.rc == 0, run.output[-6000:]
+    assert run.finished, run.output[-6000:]
     report = load(tmp_path / "out" / "ddp_doctor.json", run)
     assert codes(report) == {"unused-parameters"}
     unused = finding(report, "unused-parameters")
@@ -79,7 +79,7 @@ def test_two_heads_seed000_freeze_the_unused_head_and_run_clean(tmp_path: Path) 
 
     # The recommendation, applied: the head frozen before train(), ddp_find_unused_parameters=False.
     fixed = torchrun("hf_two_heads.py", [str(tmp_path / "fixed"), "--fix", "freeze"], tmp_path)
-    assert fixed.rc == 0, fixed.output[-6000:]
+    assert fixed.finished, fixed.output[-6000:]
     clean = load(tmp_path / "fixed" / "ddp_doctor.json", fixed)
     assert clean["findings"] == [] and clean["recommendation"]["verified"] is True
     assert clean["ddp_config"]["find_unused_parameters"] is False

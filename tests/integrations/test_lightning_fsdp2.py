@@ -41,7 +41,7 @@ def _measured(folder: Path) -> list[dict]:
 
 def test_a_clean_sharded_lightning_job_is_clean_and_named_fsdp2(tmp_path: Path) -> None:
     run = torchrun("lightning_fsdp2.py", [str(tmp_path), "--callback", "--out", str(tmp_path)], tmp_path)
-    assert run.rc == 0, run.output[-6000:]
+    assert run.finished, run.output[-6000:]
     report = load(tmp_path / "ddp_doctor.json", run)
     assert report["parallelism"] == "fsdp2" and report["framework"] == "lightning", report
     assert report["steps_observed"] == 6 and report["findings"] == [], report["findings"]
@@ -54,7 +54,7 @@ def test_the_lightning_module_left_unsharded_is_named_in_lightnings_words(tmp_pa
     root.mkdir()
     args = [str(root), "--mistake", "root-unsharded", "--callback", "--out", str(root)]
     run = torchrun("lightning_fsdp2.py", args, tmp_path)
-    assert run.rc == 0, run.output[-6000:]  # fail_on="never"
+    assert run.finished, run.output[-6000:]  # fail_on="never"
     report = load(root / "ddp_doctor.json", run)
     assert report["parallelism"] == "fsdp2" and report["framework"] == "lightning"
     assert codes(report) == {"unsharded-params-not-synced"}, report["findings"]
