@@ -26,11 +26,29 @@ class Example:
     """Script arguments that fix what no DDP flag can (the bypass)."""
     detail: dict[str, str] = field(default_factory=dict)
     """Text a finding's detail must contain (where in the user's code it comes from)."""
+    compared: dict[str, object] = field(default_factory=dict)
+    """What the report must say it compared (a subset of its `compared` counts)."""
 
 
 HEAD = {f"regress.{i}.{k}" for i in (0, 2) for k in ("weight", "bias")}
 EXAMPLES_EXPECTED = [
-    Example("clean.py", set(), 0),
+    Example(
+        "clean.py",
+        set(),
+        0,
+        # 3 Linear layers and a LayerNorm: 8 parameters; the Sequential, its 6 children: 7 modules.
+        compared={
+            "ranks": 2,
+            "steps": 8,
+            "parameters": 8,
+            "created_after_wrap": 0,
+            "modules": 7,
+            "inputs": 8,
+            "optimizer_steps": 8,
+            "collectives": 0,
+            "gradients_at": "optimizer.step()",
+        },
+    ),
     Example(
         "unused_head.py",
         {"reduction-error", "unused-parameters", "grads-not-synced", "replica-divergence"},
@@ -87,6 +105,8 @@ def test_check_example_then_apply_the_recommendation(example: Example, tmp_path:
         assert text in first.finding(code)["detail"], (code, first.output)
     assert first.report["world_size"] == 2 and first.report["backend"] == "gloo"
     assert first.report["ddp_site"].startswith(f"examples/{example.script}:"), first.report["ddp_site"]
+    for key, value in example.compared.items():
+        assert first.report["compared"][key] == value, (key, first.report["compared"])
     assert_matches_golden(Path(example.script).stem, first.report)
 
     rec = first.report["recommendation"]
@@ -101,6 +121,8 @@ def test_check_example_then_apply_the_recommendation(example: Example, tmp_path:
         assert second.errors() == [], second.output
         assert second.rc == 0, second.output
         assert second.report["steps_observed"] == 8
+        # The second run's claim rests on what it compared: every step, every parameter DDP syncs.
+        assert second.report["compared"]["steps"] == 8 and second.report["compared"]["parameters"] > 0
         return
     # No flag fixes a bypassed wrapper: the report must keep saying so, and the code fix must be clean.
     assert "wrapper-bypass" in second.errors(), second.output
