@@ -21,6 +21,7 @@ from ddp_doctor.analyze.diagnose import (
     diagnose_unwrapped,
     diagnose_verified,
 )
+from ddp_doctor.analyze.links import link_causes
 from ddp_doctor.analyze.recommend import recommend
 from ddp_doctor.analyze.shapes import explain_shape_error, refused_at_wrap
 from ddp_doctor.analyze.sharded import verified_reshard
@@ -82,6 +83,7 @@ def analyze_summary(summary: Summary) -> Diagnosis:
     findings = [f for detect in DETECTORS for f in detect(view)]
     findings.sort(key=lambda f: _SEVERITY_ORDER[f.severity])
     _consistent_fixes(findings, summary.grads_measured)
+    link_causes(findings)
     crashes = []
     for r in summary.examples["crashed"].ranks:
         meta = summary.metas[r]

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from ddp_doctor.analyze.failures import failure_findings
 from ddp_doctor.analyze.following_ends import following_findings, following_section, unchecked
+from ddp_doctor.analyze.links import link_causes
 from ddp_doctor.analyze.not_wrapped import unwrapped_findings, unwrapped_recommendation, unwrapped_unchecked
 from ddp_doctor.analyze.recommend import recommend_after_failure, verified_by_second_run
 from ddp_doctor.analyze.sharded import sharded_findings, sharded_recommendation
@@ -68,6 +69,7 @@ def diagnose_failure(
         )
     else:
         findings = failure_findings(states, timed_out=timed_out, native=list(native))
+        link_causes(findings)
         sharding = next((s.sharding for s in states.values() if s.sharding is not None), None)
         if not meta and sharding is not None:
             how = "replicates its model with FSDP2's replicate" if sharding.get("api") == "replicate" else ""
@@ -105,7 +107,9 @@ def diagnose_after_steps(
         + (failed[0].title if failed else "the ranks could not exchange records")
         + ".",
     )
-    return dataclasses.replace(steps, findings=[*failed, *steps.findings], following=following)
+    findings = [*failed, *steps.findings]
+    link_causes(findings)
+    return dataclasses.replace(steps, findings=findings, following=following)
 
 
 def diagnose_unwrapped(run: UnwrappedRun) -> Diagnosis:

@@ -12,7 +12,7 @@ from ddp_doctor.core.figures import Divergence, UsageMap
 from ddp_doctor.core.following import Following
 from ddp_doctor.core.steptime import RankTiming
 
-__all__ = ["Crash", "Diagnosis", "Finding", "ParamRef", "Recommendation", "Timing", "finite"]
+__all__ = ["Crash", "Diagnosis", "Finding", "ParamRef", "Recommendation", "Timing", "by_cause", "finite"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,9 @@ class Finding:
     more_ranks: int = 0
     """Ranks that also showed it beyond those in `ranks`: at large world sizes the exchange names only examples
     (`ddp_doctor.exchange.EXAMPLES`) and counts the rest. In the JSON only when nonzero."""
+    caused_by: list[str] = field(default_factory=list)
+    """The codes of the findings of the same report that explain this one (`analyze/links.py`): it is their
+    consequence, and the report shows it under them. In the JSON only when not empty."""
 
     def __post_init__(self) -> None:
         assert self.code in CODES, f"unknown finding code {self.code!r}"
@@ -66,6 +69,8 @@ class Finding:
         }
         if self.more_ranks:
             out["more_ranks"] = self.more_ranks
+        if self.caused_by:
+            out["caused_by"] = self.caused_by
         return out
 
 
@@ -210,6 +215,29 @@ class Diagnosis:
     compared: dict[str, Any] | None = None
     """What the exchange compared across the ranks, with counts (`analyze/coverage.py`): the whole of what a
     report without findings may claim."""
+
+
+def by_cause(findings: list[Finding]) -> list[tuple[Finding, list[Finding]]]:
+    """The findings no other finding of the report explains (`Finding.caused_by`), each with the consequences shown
+    under it (those whose chain of causes leads to it first); the causes most severe first, counting their
+    consequences, in the report's order otherwise."""
+    by_code = {f.code: f for f in findings}
+
+    def root_of(f: Finding, seen: frozenset[str] = frozenset()) -> Finding:
+        causes = [by_code[c] for c in f.caused_by if c in by_code and c not in seen]
+        return root_of(causes[0], seen | {f.code}) if causes else f
+
+    grouped: dict[int, list[Finding]] = {}
+    order: list[Finding] = []
+    for f in findings:
+        root = root_of(f)
+        if root is f:
+            order.append(f)
+        grouped.setdefault(id(root), [])
+        if root is not f:
+            grouped[id(root)].append(f)
+    worst = {id(r): min(SEVERITIES.index(g.severity) for g in [r, *grouped[id(r)]]) for r in order}
+    return [(r, grouped[id(r)]) for r in sorted(order, key=lambda r: worst[id(r)])]
 
 
 def finite(obj: Any) -> Any:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ddp_doctor.core.figures import STATE_HELP, STATES
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, by_cause
 from ddp_doctor.core.ranks import rank_ranges
 from ddp_doctor.report.data import ReportData
 from ddp_doctor.report.text import compared_line, files_lines, following_lines, phases_line
@@ -154,15 +154,23 @@ def _params(f: Finding) -> str:
     return f"<p><b>params:</b> {shown}{more}</p>"
 
 
-def _finding(f: Finding) -> str:
+def _finding(f: Finding, consequences: list[Finding] = ()) -> str:
+    """A finding; the findings that follow from it (`Finding.caused_by`) nested under it."""
     ranks = rank_ranges(f.ranks, more=f.more_ranks) if f.ranks else "none"
     seen = f"<p><b>seen:</b> ranks {_e(ranks)}; steps {_e(f.steps)}</p>" if f.ranks or f.steps else ""
     fix = f"<p class='fix'><b>fix:</b> {_e(f.fix)}</p>" if f.fix else ""
+    followed = (
+        f"<details class='followed'><summary>what followed from it ({len(consequences)})</summary>"
+        + "".join(_finding(c) for c in consequences)
+        + "</details>"
+        if consequences
+        else ""
+    )
     return (
         f"<article class='finding {f.severity}' data-code='{_e(f.code)}'>"
         f"<h3><span class='sev'>{f.severity.upper()}</span><code>{_e(f.code)}</code> "
         f"<span class='title'>{_e(f.title)}</span></h3>"
-        f"<p>{_e(f.detail)}</p>{_params(f)}{seen}{fix}</article>"
+        f"<p>{_e(f.detail)}</p>{_params(f)}{seen}{fix}{followed}</article>"
     )
 
 
@@ -323,7 +331,7 @@ def check_section(report: ReportData, *, key: str = "m0", heading: str | None = 
     left = f"<p class='crash'>{'<br>'.join(_e(x) for x in notes)}</p>" if notes else ""
     return (
         f"<section class='ddp-check' id='{key}'>{title}<p class='version'>ddp-doctor {_e(report.tool_version)}"
-        f"</p>{_head(report)}{_status(report)}{''.join(_finding(f) for f in report.findings)}{left}"
+        f"</p>{_head(report)}{_status(report)}{''.join(_finding(f, c) for f, c in by_cause(report.findings))}{left}"
         f"{_figures(report, key)}{_recommendation(report, key)}{timing}{following}</section>"
     )
 

@@ -12,7 +12,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, by_cause
 from ddp_doctor.core.following import Following
 from ddp_doctor.core.ranks import rank_ranges
 from ddp_doctor.core.steptime import PHASES, RankTiming
@@ -48,7 +48,7 @@ def _sharding(sharding: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _finding(f: Finding) -> Panel:
+def _finding(f: Finding, consequences: list[Finding] = ()) -> Panel:
     # A Panel's title is one line, cut at the terminal's width: the border names the finding (severity and code,
     # short), and the title is the body's first line, where it wraps like the rest.
     body = Text()
@@ -63,10 +63,25 @@ def _finding(f: Finding) -> Panel:
         steps = f"; steps {f.steps}" if f.steps else ""  # none: seen after the observed steps (following)
         body.append("seen: ", style="bold").append(f"ranks {ranks}{steps}\n")
     if f.fix:  # empty when the script's flags already are the fix (an `info` finding): nothing to do
-        body.append("fix: ", style="bold green").append(f.fix)
+        body.append("fix: ", style="bold green").append(f.fix + "\n")
+    if consequences:
+        body.append("what followed from it:\n", style="bold")
+        for c in consequences:
+            seen = _seen(c)
+            body.append(f"  {c.severity} ", style=_STYLE[c.severity]).append(f"{c.code}: ", style="bold")
+            body.append(f"{c.title}{f' ({seen})' if seen else ''}\n")
     body.rstrip()
     title = Text.assemble((f.severity.upper(), _STYLE[f.severity]), " ", (f.code, "bold"))
+    if consequences:
+        title.append(f" (+{len(consequences)} that follow from it)", style="dim")
     return Panel(body, title=title, title_align="left", border_style=_STYLE[f.severity])
+
+
+def _seen(f: Finding) -> str:
+    """`ranks 0, 1; steps [1]`: where a consequence was seen, in one line."""
+    ranks = f"ranks {rank_ranges(f.ranks, more=f.more_ranks)}" if f.ranks else ""
+    steps = f"steps {f.steps}" if f.steps else ""
+    return "; ".join(p for p in (ranks, steps) if p)
 
 
 def _head(report: ReportData) -> Group:
@@ -132,8 +147,8 @@ def render(report: ReportData) -> Iterator[Any]:
     elif not report.findings:
         clean = report.clean_line
         yield Text(clean, style="bold green")
-    for f in report.findings:
-        yield _finding(f)
+    for cause, consequences in by_cause(report.findings):
+        yield _finding(cause, consequences)
     if report.files_written:
         yield Text("\n".join(files_lines(report)), style="yellow")
     if report.compared is not None:

@@ -1,0 +1,72 @@
+"""Which findings of one report are consequences of which: one mistake in a script reads as one problem.
+
+A parameter that never reaches the loss under default flags leaves DDP's reduction unfinished (`reduction-error`),
+so the step's gradients were never all-reduced (`grads-not-synced`), so the replicas drift (`replica-divergence`):
+four findings, one cause. The links are decided from the findings' codes and parameters only (never from their
+words), conservatively: a consequence is linked only to a cause of a kind that produces it and that the report has,
+and a crash only to a cause that names the same parameters. Every finding stays in the report and counts for
+`--fail-on`; the renderers show the consequences under their cause (`Finding.caused_by`, `by_cause`).
+"""
+
+from __future__ import annotations
+
+from ddp_doctor.analyze.causes import CAUSES
+from ddp_doctor.core.codes import Code
+from ddp_doctor.core.findings import Finding
+
+__all__ = ["link_causes"]
+
+_UNSYNCED = (
+    Code.UNREGISTERED_PARAMETERS,
+    Code.WRAPPER_BYPASS,
+    Code.UNUSED_PARAMETERS,
+    Code.GRAD_BLOCKED,
+    Code.REDUCTION_ERROR,
+    Code.FROZEN_AFTER_WRAP,
+    Code.UNFROZEN_AFTER_WRAP,
+    Code.RANK_DEPENDENT_GRAPH,
+    Code.DYNAMIC_GRAPH,
+    Code.STATIC_GRAPH_UNSAFE,
+    Code.COLLECTIVE_MISMATCH,
+    Code.GRAD_SCALER_MISMATCH,
+)
+"""What leaves a step's gradients unreduced (or reduced differently) on some ranks."""
+_MISSING_GRADIENTS = (
+    Code.UNREGISTERED_PARAMETERS,
+    Code.UNUSED_PARAMETERS,
+    Code.GRAD_BLOCKED,
+    Code.FROZEN_AFTER_WRAP,
+    Code.DYNAMIC_GRAPH,
+    Code.RANK_DEPENDENT_GRAPH,
+    Code.STATIC_GRAPH_UNSAFE,
+)
+"""What leaves DDP waiting for gradients that never come: its reduction error names the same parameters."""
+
+
+def _causes_of(f: Finding, by_code: dict[str, list[Finding]]) -> list[str]:
+    names = set(f.param_names)
+    if f.code == Code.REDUCTION_ERROR:
+        return [c for c in _MISSING_GRADIENTS for g in by_code.get(c, [])[:1] if names & set(g.param_names)]
+    if f.code == Code.GRADS_NOT_SYNCED:
+        return [c for c in _UNSYNCED if c in by_code]
+    if f.code == Code.REPLICA_DIVERGENCE and f.params:
+        # The weights that drift (not the modes: those are a cause of their own).
+        return [c for c in (*_UNSYNCED, *CAUSES, Code.GRADS_NOT_SYNCED) if c in by_code]
+    if f.code == Code.RANK_CRASHED and Code.COLLECTIVE_MISMATCH in by_code and not f.params:
+        # A rank aborted by gloo on a mismatched collective (SIGABRT), or one that only lost its peer there.
+        mismatch = by_code[Code.COLLECTIVE_MISMATCH][0]
+        return [Code.COLLECTIVE_MISMATCH] if set(f.ranks) <= set(mismatch.ranks) else []
+    if f.code == Code.UNUSED_PARAMETERS and Code.UNREGISTERED_PARAMETERS in by_code:
+        return (
+            [Code.UNREGISTERED_PARAMETERS] if names & set(by_code[Code.UNREGISTERED_PARAMETERS][0].param_names) else []
+        )
+    return []
+
+
+def link_causes(findings: list[Finding]) -> None:
+    """Set each finding's `caused_by` to the codes of the report's findings that explain it (in place)."""
+    by_code: dict[str, list[Finding]] = {}
+    for f in findings:
+        by_code.setdefault(f.code, []).append(f)
+    for f in findings:
+        f.caused_by = [str(c) for c in dict.fromkeys(_causes_of(f, by_code)) if c != f.code]
