@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from ddp_doctor.analyze.agreement import SEE_CAUSES
+from ddp_doctor.analyze.agreement import unsynced_steps
 from ddp_doctor.analyze.causes import CAUSES
 from ddp_doctor.analyze.coverage import compared
 from ddp_doctor.analyze.detectors import DETECTORS
@@ -82,7 +82,7 @@ def analyze_summary(summary: Summary) -> Diagnosis:
     view = View(summary)
     findings = [f for detect in DETECTORS for f in detect(view)]
     findings.sort(key=lambda f: _SEVERITY_ORDER[f.severity])
-    _consistent_fixes(findings, summary.grads_measured)
+    _consistent_fixes(findings, summary.grads_measured, view)
     link_causes(findings)
     crashes = []
     for r in summary.examples["crashed"].ranks:
@@ -143,7 +143,7 @@ def _agreed(measured: dict[str, int]) -> str:
     return f"the gradients agreed after DDP's all-reduce {at}, at every step observed"
 
 
-def _consistent_fixes(findings: list, measured: dict[str, int]) -> None:
+def _consistent_fixes(findings: list, measured: dict[str, int], view: View) -> None:
     """A fix must not send the user to a finding the report does not have, nor claim more than was measured."""
     codes = {f.code for f in findings}
     agreed = _agreed(measured)
@@ -172,7 +172,8 @@ def _consistent_fixes(findings: list, measured: dict[str, int]) -> None:
                 "a parameter replaced rather than written in place). Restart from a checkpoint saved before the "
                 "divergence, or re-broadcast rank 0's weights knowingly."
             )
-        if f.code == Code.GRADS_NOT_SYNCED and f.fix == SEE_CAUSES and not codes & _EXPLAINS_UNSYNCED:
+        # The sync was on (the detector's own fix names no_sync otherwise) and no finding explains the difference.
+        if f.code == Code.GRADS_NOT_SYNCED and not unsynced_steps(view, f.steps) and not codes & _EXPLAINS_UNSYNCED:
             f.fix = (
                 "gradients must be reduced by DDP before optimizer.step(): check that every rank runs the "
                 "backward pass through the DDP model (not its .module), with the same parameters trainable, "

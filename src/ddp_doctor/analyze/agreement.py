@@ -15,6 +15,7 @@ from ddp_doctor.core.ranks import listed
 
 __all__ = [
     "SEE_CAUSES",
+    "unsynced_steps",
     "buffer_divergence",
     "grads_not_synced",
     "identical_inputs",
@@ -26,7 +27,7 @@ SEE_CAUSES = (
     "see the findings that explain why (a bypassed wrapper, parameters unused with default flags, "
     "requires_grad changed after wrap); gradients must be reduced by DDP before optimizer.step()."
 )
-"""`grads-not-synced`'s fix when it names no cause itself (`analyze._consistent_fixes` may say more)."""
+"""`grads-not-synced`'s fix when its sync was not off (`analyze._consistent_fixes` words it when no cause is there)."""
 
 
 @detects(Code.WRAPPER_BYPASS)
@@ -56,7 +57,7 @@ def wrapper_bypass(v: View) -> list[Finding]:
     ]
 
 
-def _unsynced_steps(v: View, steps: list[int]) -> bool:
+def unsynced_steps(v: View, steps: list[int]) -> bool:
     """Every one of `steps` was an optimizer step on every rank, and no rank's backward in it was synced by DDP
     (every micro-batch ran under `no_sync()` or with `require_backward_grad_sync=False`)."""
     (synced_hi, _), (_, stepped_lo) = v.summary.synced, v.summary.steps_taken
@@ -76,7 +77,7 @@ def grads_not_synced(v: View) -> list[Finding]:
     others = v.ranks("grad-differs")  # ranks whose gradients differ from rank 0's
     ranks = [0] + others.ranks
     why, fix = "", SEE_CAUSES
-    if _unsynced_steps(v, steps):
+    if unsynced_steps(v, steps):
         sites = sorted(v.meta(0).get("nosync_sites", []))  # rank 0 differs too; its strings always travel
         flag = bool(sites) and all(site.startswith("require_backward_grad_sync") for site in sites)
         verb = "set" if flag else "entered"
