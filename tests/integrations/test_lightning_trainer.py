@@ -142,3 +142,22 @@ def _assert_clean_gan(run: Run) -> None:
     assert run.params("backward-passes-differ") == GENERATOR  # the discriminator's pass leaves them out
     rec = run.report["recommendation"]
     assert rec["find_unused_parameters"] is True and rec["static_graph"] is False, rec
+
+
+def test_a_collective_a_callback_issues_on_rank_0_only_is_named_first_with_each_ranks_line(tmp_path: Path) -> None:
+    """tests/scripts/lightning_rank0_collective.py under plain torchrun (group timeout 15 s there): exit code 1 after
+    the timeout; rank 0 fails in the callback's `dist.all_reduce` ("Timed out waiting 15000ms for recv"), rank 1 in
+    `trainer.fit` ("Application timeout caused pair closure"), the first epoch's end. The check observes its 8
+    steps clean and meets it at the epoch end it follows: the first finding is the mismatch, naming rank 0's
+    all_reduce at the callback's line and what rank 1 called at the same position (Lightning's broadcast inside
+    `trainer.fit`); rank 1's lost connection follows from it."""
+    script = SCRIPTS / "lightning_rank0_collective.py"
+    run = check(["--nproc-per-node", "2", str(script), str(tmp_path / "root")], tmp_path, timeout=240)
+    assert run.rc == 1, run.output
+    first = run.report["findings"][0]
+    lines = script.read_text().splitlines()
+    reduce_line = next(i for i, line in enumerate(lines, 1) if "dist.all_reduce(total)" in line)
+    assert first["code"] == "collective-mismatch" and first["ranks"] == [0, 1], first
+    assert f"all_reduce(float32[1]) at tests/scripts/lightning_rank0_collective.py:{reduce_line}" in first["detail"]
+    crashed = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
+    assert all(f.get("caused_by") == ["collective-mismatch"] for f in crashed), crashed
