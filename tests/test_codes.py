@@ -18,8 +18,7 @@ import pytest
 import ddp_doctor
 from ddp_doctor import CODES
 from ddp_doctor.cli.list_codes import BEGIN, END, markdown
-from ddp_doctor.core.code_table import FAMILY_TITLES, TABLE, Family, info
-from ddp_doctor.core.codes import REPORT_ORDER, SEVERITIES, Code
+from ddp_doctor.core.codes import FAMILY_TITLES, REPORT_ORDER, SEVERITIES, TABLE, Code, Family, info
 from ddp_doctor.core.findings import Finding
 
 PACKAGE = Path(ddp_doctor.__file__).parent

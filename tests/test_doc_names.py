@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from test_layers import REPO, ROOT, modules, write_package
 
-from ddp_doctor.core.code_table import CODES
+from ddp_doctor.core.codes import CODES
 
 # ------------------------------------------------------------------------------------------------ names in docs
 

@@ -13,8 +13,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from ddp_doctor.core import VERSION as __version__
-from ddp_doctor.core.code_table import CODES
-from ddp_doctor.core.codes import Code
+from ddp_doctor.core.codes import CODES, Code
 from ddp_doctor.core.errors import (
     DDPFailure,
     DoctorError,

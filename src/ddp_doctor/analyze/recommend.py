@@ -15,8 +15,7 @@ from typing import Any
 from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.used_set import hidden_params
 from ddp_doctor.analyze.view import View
-from ddp_doctor.core.code_table import Family, info
-from ddp_doctor.core.codes import Code
+from ddp_doctor.core.codes import Code, Family, info
 from ddp_doctor.core.findings import Diagnosis, Finding, Recommendation
 
 __all__ = ["recommend", "recommend_after_failure", "verified_by_second_run"]

@@ -9,7 +9,8 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from ddp_doctor.core.code_table import CODES, FAMILY_TITLES, TABLE, CodeInfo, Family
+from ddp_doctor.core.code_notes import NOTES
+from ddp_doctor.core.codes import CODES, FAMILY_TITLES, TABLE, CodeInfo, Family
 
 __all__ = ["BEGIN", "END", "markdown", "register"]
 
@@ -71,7 +72,7 @@ def markdown(target: str) -> str:
         lines += [f"- `{family}`: {title}" for family, title in FAMILY_TITLES.items()]
         lines += ["", "| code | family | severity | meaning | decided in `analyze/` |", "|---|---|---|---|---|"]
         lines += [
-            f"| `{row.code}` | {row.family} | {row.when or row.severity} | {row.summary}{row.more} | {_where(row)} |"
+            f"| `{row.code}` | {row.family} | {row.when or row.severity} | {row.summary}{NOTES.get(row.code, '')} | {_where(row)} |"
             for row in _by_family()
         ]
     else:

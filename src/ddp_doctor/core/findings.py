@@ -6,8 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ddp_doctor.core.code_table import CODES
-from ddp_doctor.core.codes import SEVERITIES
+from ddp_doctor.core.codes import CODES, SEVERITIES
 from ddp_doctor.core.figures import Divergence, UsageMap
 from ddp_doctor.core.following import Following
 from ddp_doctor.core.steptime import RankTiming
