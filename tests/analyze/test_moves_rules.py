@@ -32,6 +32,13 @@ def test_non_finite_gradients_are_named_with_the_first_step_and_the_parameters()
     ]
 
 
+def test_a_model_materialised_with_to_empty_is_named_as_the_likely_cause() -> None:
+    rows = [{"grads_nonfinite": 4, "weights_nonfinite": 4}] * 3
+    f = found(rows, nonfinite_params=[0, 1, 2, 3], to_empty_sites=["train.py:12"])
+    assert "to_empty()" in f["non-finite-values"].detail and "train.py:12" in f["non-finite-values"].detail
+    assert "reset_parameters" in f["non-finite-values"].fix
+
+
 def test_a_grad_scalers_skipped_step_is_not_a_non_finite_finding() -> None:
     scale = encode_scale(65536.0)
     rows = [{"grads_nonfinite": 4, "scaler_scale": scale}] + [{"weights_moved": 4, "scaler_scale": scale}] * 2

@@ -162,9 +162,10 @@ def test_json_round_trip_keeps_the_old_keys_and_carries_the_new_ones() -> None:
     used = [[1, 1, 1, s % 2 == 0] for s in range(3)]
     report = build(info(), [record(0, used), record(1, used)])
     data = json.loads(report.to_json())
-    assert list(data)[-2:] == ["usage_map", "divergence"]  # new keys last, only added
-    old = dataclasses.replace(Report.from_dict(data), usage_map=None, divergence=None)
-    assert {k: v for k, v in data.items() if k not in ("usage_map", "divergence")} == json.loads(old.to_json())
+    assert list(data)[-3:] == ["usage_map", "divergence", "compared"]  # new keys last, only added
+    old = dataclasses.replace(Report.from_dict(data), usage_map=None, divergence=None, compared=None)
+    new = ("usage_map", "divergence", "compared")
+    assert {k: v for k, v in data.items() if k not in new} == json.loads(old.to_json())
     again = Report.from_dict(data)
     assert json.loads(again.to_json()) == data
     assert data["usage_map"]["states"]["B"] == "blocked" and "fingerprint(rank r)" in data["divergence"]["measure"]

@@ -5,6 +5,7 @@
 cases:
   meta         the model built on the meta device and materialised with to_empty(), never initialised
   meta-init    the same, then each module's reset_parameters() (clean)
+  log-softmax  the loss as -log(softmax(logits * 1000)) by hand: the softmax underflows to 0, the loss is infinite
   one-column   cross_entropy over a model with a single output column: the loss is always 0
   lr0          SGD with lr=0
   warmup       a warm-up whose learning rate is 0 at the first step only (clean)
@@ -45,7 +46,11 @@ def main() -> None:
     g = torch.Generator().manual_seed(rank)
     for step in range(5):
         x, y = torch.randn(8, 8, generator=g), torch.randint(0, classes, (8,), generator=g)
-        loss = F.cross_entropy(model(x), y)
+        out = model(x)
+        if args.case == "log-softmax":
+            loss = -torch.log(torch.softmax(out * 1000, -1)[torch.arange(len(y)), y]).mean()
+        else:
+            loss = F.cross_entropy(out, y)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -59,7 +59,12 @@ class Fault:
         # of their own, with no Python frame, while the main thread waits in the collective).
         blocks = [_frames(b) for b in re.split(r"\n\s*\n", text[match.end() :].strip())]
         current = [f for b, f in blocks if ("Current thread" in b or "Stack (most recent call first)" in b) and f]
-        main = [f for _, f in blocks if f and not any(fn == "_bootstrap" for _, _, fn in f)]
+        # (A rank born warm runs its main thread inside multiprocessing's `_bootstrap`: only threading's counts.)
+        main = [
+            f
+            for _, f in blocks
+            if f and not any(fn == "_bootstrap" and path.endswith("threading.py") for path, _, fn in f)
+        ]
         return cls(signal=name, frames=(current or main or [[]])[0])
 
 

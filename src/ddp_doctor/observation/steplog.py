@@ -224,7 +224,10 @@ class StepLog:
         self, counters: StepCounters, used: torch.Tensor, grads: torch.Tensor, before: torch.Tensor, after: torch.Tensor
     ) -> None:
         """Whether training moves (from the fingerprints already taken): gradients present, exactly zero or not
-        finite; weights that changed in the step, or hold a NaN or an infinity after it."""
+        finite; weights that changed in the step, or hold a NaN or an infinity after it. A fingerprint is NaN for a
+        missing gradient too: only the parameters that hold a gradient as the step closes (the optimizer's, not a
+        second optimizer's whose gradients were cleared) count, among those that got one in the step."""
+        used = used & torch.tensor([p.grad is not None for p in self._params], dtype=torch.bool)
         finite = grads.isfinite().all(-1)
         counters.grads_present = int(used.sum())
         counters.grads_zero = int((used & (grads == 0).all(-1)).sum())
