@@ -11,13 +11,7 @@ from ddp_doctor.launch.config import RankConfig, die_with_parent
 
 __all__ = ["WARM_IMPORTS", "main"]
 
-WARM_IMPORTS = (
-    "ddp_doctor.launch.session",
-    "torch.distributed.fsdp",
-    "torch.distributed._composable.fsdp",
-    "ddp_doctor.bench.inrank",
-    "ddp_doctor.bench.plan",
-)
+WARM_IMPORTS = ("ddp_doctor.launch.session", "ddp_doctor.bench.inrank", "ddp_doctor.bench.plan")
 """What the warm launch's server imports before it forks a rank of this entry point (`launch/warm.py`)."""
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
     "DDP_ARGUMENTS",
+    "FSDP2_MODULES",
     "HAS_FORWARD_SYNC_BUFFERS",
     "HAS_INIT_SYNC",
     "TORCH_VERSION",
@@ -103,10 +105,17 @@ def is_sharded(model: Any) -> bool:
     return fsdp is not None and isinstance(model, torch.nn.Module) and any(isinstance(m, fsdp) for m in model.modules())
 
 
+FSDP2_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+"""Where `fully_shard` and `FSDPModule` live (2.6 on; 2.4 and 2.5)."""
+
+
 def fsdp_module_type() -> type | None:
     """The class every module `fully_shard` (FSDP2) sharded becomes an instance of: `FSDPModule`, public in
     `torch.distributed.fsdp` from 2.6 (checked on 2.13.0 and 2.15.0), under `torch.distributed._composable.fsdp` in
-    2.4 and 2.5. None where FSDP2 is missing (a torch built without distributed)."""
+    2.4 and 2.5. None where FSDP2 is missing (a torch built without distributed), or not imported in this process:
+    no module can be an instance of it then, and its import costs about a second that a DDP job never pays."""
+    if not any(name in sys.modules for name in FSDP2_MODULES):
+        return None
     try:
         from torch.distributed.fsdp import FSDPModule
 
@@ -123,7 +132,10 @@ def fsdp_module_type() -> type | None:
 def replicate_module_type() -> type | None:
     """The class every module the FSDP2-based `replicate` (`torch.distributed._composable.replicate_with_fsdp`, a
     subclass of `FSDPModule`) becomes an instance of: `ReplicateModule`, checked on 2.13.0 and 2.15.0. None where that
-    `replicate` is missing (older releases have only the DDP-based one, which the DDP path already follows)."""
+    `replicate` is missing (older releases have only the DDP-based one, which the DDP path already follows), or FSDP2
+    was not imported in this process (it builds on FSDP2)."""
+    if not any(name in sys.modules for name in FSDP2_MODULES):
+        return None
     try:
         from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
 

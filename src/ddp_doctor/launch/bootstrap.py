@@ -21,11 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["WARM_IMPORTS", "main", "run_rank"]
 
-WARM_IMPORTS = (
-    "ddp_doctor.launch.session",
-    "torch.distributed.fsdp",  # the check looks for FSDP2 modules in every rank (2.4 and 2.5: the next one)
-    "torch.distributed._composable.fsdp",
-)
+WARM_IMPORTS = ("ddp_doctor.launch.session",)
 """What the warm launch's server imports before it forks a rank of this entry point (`warm.py`)."""
 
 

@@ -20,13 +20,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import Optimizer
 
-from ddp_doctor.core.compat import fsdp_module_type
+from ddp_doctor.core.compat import FSDP2_MODULES, fsdp_module_type
 from ddp_doctor.core.errors import MixedParallelismError
 from ddp_doctor.core.frames import user_frame, user_site
 from ddp_doctor.core.rankfiles import WrapShapes, write_wrap
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.doctor.plain_watch import PlainOptimizerWatch
 from ddp_doctor.doctor.sharded_report import IGNORED_ATTR, SHARD_CALL_ATTR, SYNC_OFF_ATTR, record_creation_site
+from ddp_doctor.launch.import_hooks import when_imported
 from ddp_doctor.launch.policy import RunPolicy
 
 __all__ = [
@@ -140,9 +141,15 @@ def patch_optimizer_init() -> None:
 
 
 def patch_gradient_sync() -> None:
-    """Remember on each FSDP2 module where the script last switched its gradient sync off (None: back on)."""
+    """Remember on each FSDP2 module where the script last switched its gradient sync off (None: back on). Waits
+    for FSDP2 to be imported."""
+    for name in FSDP2_MODULES:
+        when_imported(name, _patch_gradient_sync)
+
+
+def _patch_gradient_sync() -> None:
     fsdp = fsdp_module_type()
-    if fsdp is None:
+    if fsdp is None or getattr(fsdp.set_requires_gradient_sync, "_ddp_doctor_patched", False):
         return
     original = fsdp.set_requires_gradient_sync
 
@@ -151,6 +158,7 @@ def patch_gradient_sync() -> None:
         original(module, requires_gradient_sync, *args, **kwargs)
         object.__setattr__(module, SYNC_OFF_ATTR, None if requires_gradient_sync else user_site())
 
+    set_requires_gradient_sync._ddp_doctor_patched = True  # type: ignore[attr-defined]
     fsdp.set_requires_gradient_sync = set_requires_gradient_sync
 
 
@@ -159,12 +167,13 @@ def patch_fully_shard(reshard_off: list[int], on_shard: Callable[[str | None, An
     `reshard_after_forward` advice names them) and on the parameters it was told to ignore; the calls listed in
     `reshard_off` run with `reshard_after_forward=False` (a verification run applying that advice); after each
     call, `on_shard(line, mp_policy)` (the policy as given, or None). The public
-    `torch.distributed.fsdp` attribute is replaced, which `from torch.distributed.fsdp import fully_shard` in the
-    script (or in Accelerate) reads after this runs."""
-    try:
-        import torch.distributed.fsdp as fsdp_package
-    except ImportError:
-        return
+    `torch.distributed.fsdp` attribute is replaced as that package is imported, so `from torch.distributed.fsdp
+    import fully_shard` in the script (or in Accelerate) reads the patched one."""
+    when_imported("torch.distributed.fsdp", lambda: _patch_fully_shard(reshard_off, on_shard))
+
+
+def _patch_fully_shard(reshard_off: list[int], on_shard: Callable[[str | None, Any], None]) -> None:
+    fsdp_package = sys.modules.get("torch.distributed.fsdp")
     original = getattr(fsdp_package, "fully_shard", None)
     if original is None or getattr(original, "_ddp_doctor_patched", False):
         return
@@ -193,10 +202,15 @@ def patch_full_gather(on_gather: Callable[[FrameType], None]) -> None:
     caller's frame (the callback walks it to the user's line only when it counts the call: a tensor-parallel
     forward redistributes at every step): a collective every rank of the mesh must enter, which a
     `full_state_dict=True` save under `if rank == 0:` enters on one rank alone. Patched on the class, so
-    `full_tensor` and torch's state-dict gathering (which call it) pass through it too."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
+    `full_tensor` and torch's state-dict gathering (which call it) pass through it too. Waits for DTensor to be
+    imported (`torch.distributed.tensor`, `torch.distributed._tensor` in 2.4)."""
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        when_imported(name, lambda name=name: _patch_full_gather(sys.modules[name], on_gather))
+
+
+def _patch_full_gather(package: Any, on_gather: Callable[[FrameType], None]) -> None:
+    DTensor = getattr(package, "DTensor", None)  # noqa: N806  (the class)
+    if DTensor is None:
         return
     original = DTensor.redistribute
     if getattr(original, "_ddp_doctor_patched", False):

@@ -224,7 +224,6 @@ def run_check(
                 forwards = [_Forward(proc.stdout, sys.stdout), _Forward(proc.stderr, sys.stderr)]
                 for f in forwards:
                     f.start()
-            _import_behind()
             timed_out = _wait(proc, folder, timeout=timeout, crash_wait=config.crash_wait_s)
         except Interrupted as exc:
             interrupted = exc
@@ -276,10 +275,17 @@ def _wait(proc: subprocess.Popen[Any], folder: Path, *, timeout: float, crash_wa
     Also stops waiting when a rank ended on its own (crash or exit) and the others did not follow within
     `crash_wait` seconds plus a margin: they are waiting for it in a collective that may never fail (NCCL).
     """
-    deadline = time.monotonic() + max(0.1, timeout - _grace(timeout))
+    started = time.monotonic()
+    deadline = started + max(0.1, timeout - _grace(timeout))
+    importing = False
     while proc.poll() is None:
         if time.monotonic() > deadline:
             return True
+        if not importing and ((folder / "launch.json").exists() or time.monotonic() - started > 5.0):
+            # The ranks are born (or about to be): import what reading the result needs while they run, not
+            # while the launcher and its server import torch themselves.
+            _import_behind()
+            importing = True
         ended = _ended_ranks(folder)
         if ended and time.time() - min(ended.values()) > crash_wait + 3.0:
             return False
