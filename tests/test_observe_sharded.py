@@ -27,6 +27,13 @@ from ddp_doctor.core.compat import replicate_module_type
 STEPS = 5
 
 
+def _has_replicate() -> type | None:
+    """The FSDP2-based replicate's class, FSDP2 imported first (`replicate_module_type` finds none before)."""
+    import torch.distributed.fsdp  # noqa: F401
+
+    return replicate_module_type()
+
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -183,7 +190,7 @@ def test_four_ranks(tmp_path) -> None:
     assert list(_findings(r, "error", "warning")) == ["unsharded-params-not-synced"]
 
 
-@pytest.mark.skipif(replicate_module_type() is None, reason="this torch has no FSDP2-based replicate")
+@pytest.mark.skipif(_has_replicate() is None, reason="this torch has no FSDP2-based replicate")
 @pytest.mark.parametrize("mistake", ["none", "optimizer-before"])
 def test_replicate(tmp_path, mistake: str) -> None:
     """The FSDP2-based replicate: clean (the weights change, the head agrees), and the optimizer built before it
