@@ -10,7 +10,7 @@ $(BIN)/ddp-doctor: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 
-.PHONY: demo test lint test-torch test-transformers4 bench browser
+.PHONY: demo test lint test-torch test-transformers4 bench browser flaky
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 demo: $(BIN)/ddp-doctor
 	$(BIN)/ddp-doctor demo
@@ -85,3 +85,8 @@ test-transformers4: $(HF4VENV)/.ready
 
 bench: $(BIN)/ddp-doctor
 	$(BIN)/python -m benchmarks
+
+# The tests that start processes, RUNS times beside busy loops on every core: failures per test (tests/flakiness.py).
+RUNS ?= 3
+flaky: $(BIN)/ddp-doctor browser
+	$(BIN)/python tests/flakiness.py --runs $(RUNS)
