@@ -181,6 +181,7 @@ class BackwardHooks:
             grads = [p.grad for p in self._t.params]
             step.synced_fp = fingerprints(grads)
             step.synced_grads = grads
+            step.grad_present = [g is not None for g in grads]
             step.synced_versions = [0 if g is None else g._version for g in grads]
             step.grad_fp = None  # a pre-hook before this backward (a closure's) measured nothing the step uses
             if self._t.optimizer is None and not self._t.auto_optimizer:
@@ -206,6 +207,7 @@ class BackwardHooks:
         params = self._t.params
         if step.synced_fp is None:  # no synced backward in this step (no_sync throughout, a bypassed wrapper)
             step.grad_fp = fingerprints(p.grad for p in params)
+            step.grad_present = [p.grad is not None for p in params]
             return
         changed = [
             i
@@ -220,6 +222,7 @@ class BackwardHooks:
         fp = step.synced_fp.clone()
         fp[changed] = fingerprints(params[i].grad for i in changed)
         step.grad_fp = fp
+        step.grad_present = [p.grad is not None for p in params]
 
     def _on_optimizer_pre(self, opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         tl = self._timeline

@@ -56,6 +56,8 @@ class StepState:
         self.buffer_fp: torch.Tensor | None = None
         self.grad_fp: torch.Tensor | None = None
         """The gradients' fingerprints as the optimizer step used them (see `StepCounters.grads_measured`)."""
+        self.grad_present: list[bool] | None = None
+        """Which of those gradients existed when they were fingerprinted (a NaN fingerprint is a missing one too)."""
         self.synced_fp: torch.Tensor | None = None
         """... when the step's last synced backward ended, after DDP's all-reduce."""
         self.synced_grads: list[torch.Tensor | None] = []
@@ -200,7 +202,7 @@ class StepLog:
         if counters.optimizer_step and counters.micro_steps and not counters.synced_backwards:
             self.note_site(self.nosync_sites, step.sync_off)
         weights = fingerprints(self._params)
-        self._moves(counters, used > 0, grad_fp, rows["weight_fp"][-1], weights)
+        self._moves(counters, used > 0, grad_fp, step.grad_present, rows["weight_fp"][-1], weights)
         rows["weight_fp"].append(weights)
         rows["buffer_fp"].append(
             step.buffer_fp
@@ -221,13 +223,21 @@ class StepLog:
         rows["counters"].append(torch.tensor(step.counters.as_list(), dtype=torch.int64))
 
     def _moves(
-        self, counters: StepCounters, used: torch.Tensor, grads: torch.Tensor, before: torch.Tensor, after: torch.Tensor
+        self,
+        counters: StepCounters,
+        used: torch.Tensor,
+        grads: torch.Tensor,
+        present: list[bool] | None,
+        before: torch.Tensor,
+        after: torch.Tensor,
     ) -> None:
         """Whether training moves (from the fingerprints already taken): gradients present, exactly zero or not
         finite; weights that changed in the step, or hold a NaN or an infinity after it. A fingerprint is NaN for a
-        missing gradient too: only the parameters that hold a gradient as the step closes (the optimizer's, not a
-        second optimizer's whose gradients were cleared) count, among those that got one in the step."""
-        used = used & torch.tensor([p.grad is not None for p in self._params], dtype=torch.bool)
+        missing gradient too: only the gradients that existed when they were fingerprinted count (a second
+        optimizer's, cleared before this one stepped, did not), among the parameters that got one in the step."""
+        if present is None:
+            present = [p.grad is not None for p in self._params]
+        used = used & torch.tensor(present, dtype=torch.bool)
         finite = grads.isfinite().all(-1)
         counters.grads_present = int(used.sum())
         counters.grads_zero = int((used & (grads == 0).all(-1)).sum())
