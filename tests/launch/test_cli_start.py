@@ -122,3 +122,14 @@ def test_a_signal_while_the_cli_starts_exits_128_plus_it_with_one_line(sig: sign
     ours = [line for line in lines if line.startswith("ddp-doctor:")]
     assert len(ours) == 1 and f"interrupted by {sig.name}" in ours[0], lines
     assert_no_leftovers(proc.tag)  # type: ignore[attr-defined]
+
+
+def test_a_clean_check_reads_and_draws_its_report_without_importing_torch(tmp_path: Path) -> None:
+    """torch is imported by the launcher and the ranks; the `ddp-doctor` process itself reads the ranks' joint
+    report and draws it without it (its analysis of a failed run is what imports torch)."""
+    done, imported = _imports(
+        "check", "--nproc-per-node", "2", "--json", str(tmp_path / "r.json"), str(EXAMPLES / "clean.py")
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch" not in imported, sorted(imported)
+    assert "No problems found in what was compared" in done.stdout

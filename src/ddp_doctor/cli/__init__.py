@@ -1,8 +1,9 @@
 """The `ddp-doctor` command. One module per subcommand; each registers itself with the parser.
 
-Starting costs no import of torch: the subcommand modules import what they run only when they run it, and
-torchrun's options come from a cache (`torchrun_options.py`), added only to the subcommand being run. So `--help`,
-`codes` and argument errors answer at once, and Ctrl-C or SIGTERM are ours from the first statement on.
+No import of torch here: the subcommand modules import what they run only when they run it, torchrun's options
+come from a cache (`torchrun_options.py`), added only to the subcommand being run, and a check's result is read
+and drawn without torch when the ranks wrote their joint report (the analysis of a failed run imports it). So
+`--help`, `codes` and argument errors answer at once, and Ctrl-C or SIGTERM are ours from the first statement on.
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ from ddp_doctor.launch.interrupt import Interrupted, install_signal_handlers
 install_signal_handlers()  # first: SIGINT / SIGTERM / SIGHUP while the CLI starts exit 128 + the signal, no traceback
 
 import argparse  # noqa: E402
-import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
-import threading  # noqa: E402
 
 from ddp_doctor import __version__  # noqa: E402
 from ddp_doctor.cli import bench, check, demo, list_codes  # noqa: E402
@@ -53,9 +52,4 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as exc:
         sys.stderr.write(f"\nddp-doctor: interrupted by {signal.Signals(exc.signum).name}; nothing was left running.\n")
         code = exc.exit_code
-    if any(t.name == "ddp-doctor-import" and t.is_alive() for t in threading.enumerate()):
-        # An import still running in the background (torch's) must not meet the interpreter's shutdown.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
     return code

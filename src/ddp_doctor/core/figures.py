@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "MAX_PATTERNS",
@@ -91,6 +92,8 @@ def rows_of(param_names: list[str]) -> tuple[list[str], list[str], torch.Tensor,
     """`group_rows`, with the row of each parameter as a tensor: how the exchange builds each rank's grid and how
     the analysis names its rows. The in-process model hands one ModelInfo to every rank: the last list of names is
     remembered."""
+    import torch  # here, not at the top: the report's renderers read this module without torch
+
     if _rows_memo[0] is not param_names:
         names, modules, row_of, aggregated = group_rows(param_names)
         _rows_memo[:] = [param_names, (names, modules, torch.tensor(row_of, dtype=torch.int64), aggregated)]
@@ -111,6 +114,8 @@ def rank_grid(
     `trainable` and the group's bool[P] `tracked` (trainable at wrap time) and `ignored`. Later rules win: a
     flipped or ignored parameter is shown as such whatever else happened to it. Where a row stands for several
     parameters it shows the first state in `NOTABLE` that any of them has."""
+    import torch
+
     state = torch.full(used.shape, _KEYS.index("N"), dtype=torch.int64)
     state[ran & ~used] = _KEYS.index("B")
     state[used] = _KEYS.index("U")

@@ -13,15 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ddp_doctor.analyze import (
-    diagnose_after_steps,
-    diagnose_failure,
-    explain_fsdp2_crash,
-    explain_meta_params,
-    refused_at_wrap,
-)
 from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.findings import finite
 from ddp_doctor.core.rankfiles import Outcome, read_ends
@@ -145,6 +136,10 @@ def collect(
             )
         return CheckResult(models=models, timed_out=timed_out, interrupted=interrupted)
 
+    # No joint report: the analysis of the ranks' own files (torch comes with it; a run with a report never
+    # imports it in this process).
+    from ddp_doctor.analyze import diagnose_failure, explain_fsdp2_crash, explain_meta_params, refused_at_wrap
+
     states = read_rank_states(outdir, end_time=time.time())
     steps = _read(outdir / "report.steps.json")
     if steps is not None and steps["models"] and states:
@@ -247,6 +242,8 @@ def _after_steps(
 ) -> list[Model]:
     """The observed steps' reports, the first one with what failed while `check` followed the script after them
     (its findings go first: they ended the run)."""
+    from ddp_doctor.analyze import diagnose_after_steps
+
     first, *rest = [Report.from_dict(m["report"]) for m in models]
     failed = diagnose_after_steps(first.diagnosis, states, timed_out=timed_out, native=native)
     reports = [Report.build(first.facts, failed), *rest]
@@ -257,6 +254,10 @@ def _failure_report(
     states: dict[int, RankState], timed_out: bool, interrupted: int | None, native: list[str]
 ) -> Report:
     """A report from the ranks' own files: who failed first, how, and where the others were."""
+    import torch
+
+    from ddp_doctor.analyze import diagnose_failure
+
     meta = next((s.models[0] for s in states.values() if s.models), {})
     wraps = [s.wrap for s in states.values() if s.wrap is not None]
     # A sharded model's ranks publish no DDP model; they run this interpreter's torch.

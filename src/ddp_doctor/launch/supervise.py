@@ -254,38 +254,16 @@ def run_check(
         return result
 
 
-def _import_behind() -> None:
-    """Import what reading the run's result needs (torch among it) while the run goes on, not after it."""
-    if "ddp_doctor.launch.outcome" in sys.modules:
-        return
-
-    def load() -> None:
-        try:
-            import ddp_doctor.launch.outcome  # noqa: F401
-            import ddp_doctor.launch.verify  # noqa: F401
-        except Exception:  # noqa: BLE001  (the main thread imports it again and meets the error itself)
-            pass
-
-    threading.Thread(target=load, name="ddp-doctor-import", daemon=True).start()
-
-
 def _wait(proc: subprocess.Popen[Any], folder: Path, *, timeout: float, crash_wait: float) -> bool:
     """Wait for torchrun to end; True when the run had to be stopped at the timeout.
 
     Also stops waiting when a rank ended on its own (crash or exit) and the others did not follow within
     `crash_wait` seconds plus a margin: they are waiting for it in a collective that may never fail (NCCL).
     """
-    started = time.monotonic()
-    deadline = started + max(0.1, timeout - _grace(timeout))
-    importing = False
+    deadline = time.monotonic() + max(0.1, timeout - _grace(timeout))
     while proc.poll() is None:
         if time.monotonic() > deadline:
             return True
-        if not importing and ((folder / "launch.json").exists() or time.monotonic() - started > 5.0):
-            # The ranks are born (or about to be): import what reading the result needs while they run, not
-            # while the launcher and its server import torch themselves.
-            _import_behind()
-            importing = True
         ended = _ended_ranks(folder)
         if ended and time.time() - min(ended.values()) > crash_wait + 3.0:
             return False

@@ -17,7 +17,6 @@ import json
 from collections.abc import Callable
 from dataclasses import replace
 
-from ddp_doctor.analyze import diagnose_verified, verified_reshard
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.outcome import CheckResult
 from ddp_doctor.report.model import Report
@@ -72,6 +71,8 @@ def verify_recommendation(
         result.interrupted = second.interrupted
         return second
     check = second.report
+    from ddp_doctor.analyze import diagnose_verified  # torch comes with the analysis: only when a run is verified
+
     verified = diagnose_verified(
         report.diagnosis,
         applied=applied,
@@ -111,6 +112,8 @@ def verify_reshard(
     gathers = (check.sharding or {}).get("all_gathers_per_step") if check is not None else None
     same = check is not None and check.codes == report.codes
     error = second.error or (None if check is not None else "no report")
+    from ddp_doctor.analyze import verified_reshard
+
     new = verified_reshard(rec, gathers, same, error)
     diagnosis = replace(report.diagnosis, recommendation=new)
     result.models[0] = replace(result.models[0], report=Report.build(report.facts, diagnosis))

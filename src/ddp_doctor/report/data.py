@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ddp_doctor.core import VERSION
 from ddp_doctor.core.codes import SEVERITIES
@@ -16,13 +14,21 @@ from ddp_doctor.core.figures import Divergence, UsageMap
 from ddp_doctor.core.findings import Crash, Diagnosis, Finding, ParamRef, Recommendation, Timing, finite
 from ddp_doctor.core.following import Following
 from ddp_doctor.core.ranks import rank_list
-from ddp_doctor.core.records import ModelInfo
+
+if TYPE_CHECKING:
+    from ddp_doctor.core.records import ModelInfo
 
 __all__ = ["SCHEMA", "ReportData", "RunFacts"]
 
 SCHEMA = "ddp-doctor/report@1"
 
 _R = TypeVar("_R", bound="ReportData")
+
+
+def _torch_version() -> str:
+    import torch  # the facts of a model observed in this process: torch is imported there already
+
+    return torch.__version__
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -50,7 +56,7 @@ class RunFacts:
     def of_model(cls, info: ModelInfo, *, world_size: int, backend: str) -> RunFacts:
         """The facts of a DDP model observed in this process (its flags, framework and line from `info`)."""
         return cls(
-            torch_version=torch.__version__,
+            torch_version=_torch_version(),
             backend=backend,
             world_size=world_size,
             ddp_config=dict(info.ddp_config),
