@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from checkrun import EXAMPLES, REPO, assert_no_leftovers
 
+from ddp_doctor.cli import torchrun_options
 from ddp_doctor.cli.torchrun_options import torchrun_actions, torchrun_parser
 
 
@@ -90,6 +91,41 @@ def test_the_cached_options_parse_like_torchruns_own(argv: list[str], pet: dict[
     # A value of a type of torch's own stays a string in the CLI; the launcher converts it with torch's parser.
     assert mine.pop("duplicate_stdout_filters") in ("a,b", theirs.pop("duplicate_stdout_filters"))
     assert mine == theirs
+
+
+class _TorchsOwn(argparse.Action):
+    """An action that is torch's own code, as torch 2.15's `--print-completion` (prints a script and exits)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(0, "completion\n")
+
+
+def test_options_of_every_action_kind_parse_like_torchruns_and_torchs_own_commands_are_named(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A newer torch adds options whose action the cache does not know (torch 2.15.0's `--print-completion`
+    stopped every `check` with a ValueError): argparse's own actions parse as torch's parser parses them, and an
+    option that runs torch's own code keeps its default and, when named, is an argument error naming it."""
+
+    def newer_parser() -> argparse.ArgumentParser:
+        parser = torchrun_parser()
+        parser.add_argument("--print-shell", action=_TorchsOwn, choices=["bash", "zsh"])
+        parser.add_argument("--quiet-count", action="count", default=0)
+        parser.add_argument("--fast", action="store_const", const="yes", default="no")
+        parser.add_argument("--tag", action="append")
+        return parser
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(torchrun_options, "torchrun_parser", newer_parser)
+    ours = argparse.ArgumentParser(add_help=False)
+    torchrun_actions(ours)
+    argv = ["--quiet-count", "--quiet-count", "--fast", "--tag", "a", "--tag", "b", "t.py", "--lr", "1"]
+    assert vars(ours.parse_args(argv)) == vars(newer_parser().parse_args(argv))
+    assert vars(ours.parse_args(["t.py"]))["print_shell"] is None
+    with pytest.raises(SystemExit) as exited:
+        ours.parse_args(["--print-shell", "zsh", "t.py"])
+    assert exited.value.code == 2
+    assert "--print-shell" in capsys.readouterr().err
 
 
 def _started_check() -> subprocess.Popen[str]:

@@ -45,6 +45,23 @@ class _Env(argparse._StoreAction):
         super().__init__(option_strings, dest, default=default, required=required and not default, **kw)
 
 
+class _NotPassedOn(argparse.Action):
+    """A torchrun option whose action is torch's own code, not a value torchrun's launch reads: naming it is an
+    argument error that says to run torchrun itself."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{option_string} is torchrun's own command, not a launch option: run `torchrun {option_string}`")
+
+
+# argparse's own actions, by the class name the cache records.
+_PLAIN = {
+    "_StoreConstAction": "store_const",
+    "_AppendAction": "append",
+    "_AppendConstAction": "append_const",
+    "_CountAction": "count",
+}
+
+
 class _EnvFlag(argparse.Action):
     """torch's `check_env` action: a flag whose default is `PET_<DEST>` read as 0 or 1."""
 
@@ -161,8 +178,16 @@ def torchrun_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             kw["default"] = spec["default"]
             store = "store_true" if kind == "_StoreTrueAction" else "store_false"
             action = parser.add_argument(*spec["option_strings"], action=store, **kw)
+        elif kind in _PLAIN and spec["option_strings"]:
+            kw["default"] = spec["default"]
+            if kind in ("_StoreConstAction", "_AppendConstAction"):
+                kw["const"] = spec["const"]
+            action = parser.add_argument(*spec["option_strings"], action=_PLAIN[kind], **kw)
         else:
-            raise ValueError(f"torchrun option {spec['option_strings']} has an action ddp-doctor does not know: {kind}")
+            # An option of torch's own making (torch 2.15's --print-completion prints a shell script and exits):
+            # it keeps its default, and naming it says to run torchrun itself.
+            kw.update(default=spec["default"], nargs=spec["nargs"])
+            action = parser.add_argument(*spec["option_strings"], action=_NotPassedOn, **kw)
         added.append(action)
     return added
 
