@@ -51,6 +51,9 @@ def _imports(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.
         (["check", "--nproc-per-node", "2", "--ddp-kwargs", "static_graph=True", str(EXAMPLES / "clean.py")], 2),
         (["bench", "--nproc-per-node", "2", "--rounds", "0", str(EXAMPLES / "clean.py")], 2),
         (["chekc"], 2),
+        (["watch", "--help"], 0),
+        (["watch", "--nproc-per-node", "2", "--hang-after", "-1", str(EXAMPLES / "clean.py")], 2),
+        (["explain", "no/such/run"], 2),
     ],
 )
 def test_help_codes_and_argument_errors_never_import_torch(args: list[str], code: int) -> None:

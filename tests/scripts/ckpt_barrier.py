@@ -1,5 +1,6 @@
 """Rank 0 saves a checkpoint at each epoch end and waits at a barrier inside its rank-0-only branch (the group's
-timeout is 10 s): the other ranks go on to the next epoch, where DDP's gradient all-reduce meets it.
+timeout is 10 s, or GROUP_TIMEOUT_S): the other ranks go on to the next epoch, where DDP's gradient all-reduce
+meets it.
 
     torchrun --nproc-per-node 2 tests/scripts/ckpt_barrier.py
 """
@@ -19,7 +20,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
 def main() -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))
+    timeout = float(os.environ.get("GROUP_TIMEOUT_S", "10"))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)))

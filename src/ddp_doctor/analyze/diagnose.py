@@ -90,10 +90,16 @@ def diagnose_failure(
 
 
 def diagnose_after_steps(
-    steps: Diagnosis, states: dict[int, RankState], *, timed_out: bool, native: Sequence[str] = ()
+    steps: Diagnosis,
+    states: dict[int, RankState],
+    *,
+    timed_out: bool,
+    native: Sequence[str] = (),
+    watched: bool = False,
 ) -> Diagnosis:
-    """The observed steps' diagnosis with what failed while `check` followed the script after them: the failure's
-    findings first (they ended the run), and a following section that says so."""
+    """The observed steps' diagnosis with what failed while `check` followed the script after them (`watched`: while
+    `watch` let the job train on): the failure's findings first (they ended the run), and a following section that
+    says so."""
     failed = failure_findings(states, timed_out=timed_out, native=list(native))
     following = Following(
         epochs=0,
@@ -102,8 +108,8 @@ def diagnose_after_steps(
         ended_by="a failure (the first finding)",
         seconds=0.0,
         loaders=[],
-        note="The observed steps were diagnosed (the findings after the first); the run then failed while check "
-        "followed it to its epoch end: "
+        note="The observed steps were diagnosed (the findings after the first); the run then failed "
+        + ("while it trained on under watch: " if watched else "while check followed it to its epoch end: ")
         + (failed[0].title if failed else "the ranks could not exchange records")
         + ".",
     )
@@ -144,6 +150,7 @@ def diagnose_following(
     followed: bool,
     parallelism: str = "ddp",
     world: int = 0,
+    watched: bool = False,
 ) -> Diagnosis:
     """The observed steps' diagnosis with what following the script through its epoch ends found
     (`analyze/following_ends.py`): its section, its findings in severity order, what went unchecked and the files
@@ -158,6 +165,7 @@ def diagnose_following(
         followed: following was on (else only the counted passes' findings count).
         parallelism: the model's (`fsdp2`, `replicate`: the training loaders are compared here, not in the steps).
         world: the ranks of the model's group.
+        watched: the job trains on after the observed steps under `watch` (what went unchecked says so).
     """
     section = following_section(summary, epochs=epochs, limit=limit) if followed else None
     steps_uneven = next((f for f in steps.findings if f.code == Code.UNEVEN_INPUTS), None)
@@ -179,7 +187,7 @@ def diagnose_following(
         steps,
         findings=findings,
         following=section,
-        unchecked=unchecked(summary, epochs=epochs, limit=limit, steps=steps.steps_observed),
+        unchecked=unchecked(summary, epochs=epochs, limit=limit, steps=steps.steps_observed, watched=watched),
         files_written=files[0] if files else steps.files_written,
         files_unlisted=files[1] if files else steps.files_unlisted,
     )

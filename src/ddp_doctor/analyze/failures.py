@@ -240,6 +240,12 @@ def _hung(states: dict[int, RankState], timed_out: bool) -> list[Finding]:
     order = {r: (s.step, PHASES.index(s.phase) if s.phase in PHASES else 0) for r, s in waiting.items()}
     behind = min(order.values())
     stuck = sorted(r for r, key in order.items() if key == behind)
+    if len(stuck) == len(order) > 1:
+        # Same step and phase everywhere (past the observed steps, no phase is published): the ranks that sit in the
+        # script's own code are the ones the others, inside torch, wait for.
+        own = [r for r in stuck if _in_own_code(waiting[r])]
+        if 0 < len(own) < len(stuck):
+            stuck = own
     world = max(s.world_size for s in states.values())
     missing = [r for r in range(world) if r not in states]
     return [
@@ -263,3 +269,12 @@ def _hung(states: dict[int, RankState], timed_out: bool) -> list[Finding]:
             "a different number of iterations per rank, or a data source that blocks.",
         )
     ]
+
+
+def _in_own_code(s: RankState) -> bool:
+    """The rank's main thread was in the script's own line (a Python loop, a sleep, a wait of its own), not inside
+    torch (a collective, DDP's backward): its innermost frame is its user frame."""
+    if not s.innermost or not s.user_frame or s.in_collective:
+        return False
+    inner, user = s.innermost.rsplit(" in ", 1)[0], s.user_frame.split("  ", 1)[0].strip()
+    return inner == user or inner.endswith("/" + user) or user.endswith("/" + inner)

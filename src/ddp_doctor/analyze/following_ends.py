@@ -221,11 +221,20 @@ def counted_uneven(loaders: list[dict[str, Any]], *, lengths_compared: bool = Fa
     return findings
 
 
-def unchecked(summary: FollowSummary | None, *, epochs: int, limit: int, steps: int) -> list[str]:
-    """What the check did not run or could not see, in sentences: the epoch end with `--follow-epochs 0`, and the
-    loaders without len() whose passes the check capped (a difference in their batches per rank would not show)."""
+def unchecked(
+    summary: FollowSummary | None, *, epochs: int, limit: int, steps: int, watched: bool = False
+) -> list[str]:
+    """What the check did not run or could not see, in sentences: the epoch end with `--follow-epochs 0` (under
+    `watch`, the rest of the job, which is watched for hangs and failures only), and the loaders without len() whose
+    passes the check capped (a difference in their batches per rank would not show)."""
     out = []
-    if epochs == 0:
+    if watched:
+        out.append(
+            f"After its {steps} observed step(s) the job trained on under watch, which from then on looks for hangs "
+            "and failures only: its epoch ends (evaluation, checkpoint saves, the collectives there) and later steps "
+            "were not compared across the ranks."
+        )
+    elif epochs == 0:
         out.append(
             f"--follow-epochs 0: the script was stopped right after its {steps} observed step(s); its epoch end "
             "(evaluation, checkpoint saves, the collectives there) and every later epoch went unchecked, and a "

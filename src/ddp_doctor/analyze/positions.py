@@ -38,6 +38,8 @@ def where(s: RankState) -> str:
         # Python's fault dump at the fatal signal (an abort, a segfault): exact, where a sample may be stale.
         return f"step {step}, {s.phase}, at {died_at} (where it died)"
     waiting = ", in DDP's backward (its gradient all-reduce)" if s.phase == "backward" else ""
+    if not waiting and s.innermost and "/torch/autograd/" in s.innermost:
+        waiting = ", inside backward (where DDP's gradient all-reduce runs)"
     # The watchdog's sample of the user's line is newer than the last phase change only when the rank sat still
     # (a hang); otherwise the line published at the last phase change is the better one.
     sample_newer = s.user_frame is not None and (

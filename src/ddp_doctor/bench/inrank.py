@@ -75,6 +75,8 @@ class BenchHost(Protocol):
 class InRankBench:
     """The per-rank bench driver. See the module docstring."""
 
+    whole_run = False
+
     def __init__(self, host: BenchHost, plan: BenchPlan) -> None:
         self.host, self.plan = host, plan
         self.log = BenchLog(budget_deadline=plan.budget_deadline)

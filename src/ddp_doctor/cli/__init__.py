@@ -17,11 +17,11 @@ import signal  # noqa: E402
 import sys  # noqa: E402
 
 from ddp_doctor import __version__  # noqa: E402
-from ddp_doctor.cli import bench, check, demo, list_codes  # noqa: E402
+from ddp_doctor.cli import bench, check, demo, explain, list_codes, watch  # noqa: E402
 
 __all__ = ["build_parser", "main"]
 
-_TORCHRUN_COMMANDS = ("check", "bench")
+_TORCHRUN_COMMANDS = ("check", "bench", "watch")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -33,6 +33,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     check.register(sub, with_torchrun=command in (None, "check"))
     bench.register(sub, with_torchrun=command in (None, "bench"))
+    watch.register(sub, with_torchrun=command in (None, "watch"))
+    explain.register(sub)
     demo.register(sub)
     list_codes.register(sub)
     return parser

@@ -104,6 +104,8 @@ class BeaconState:
     crashed: bool = False
     """The script raised on this rank; set before the crash is recorded (which publishes the failed step as closed),
     so a peer never takes a crashed rank for one that waits in DDP's all-reduce."""
+    group_timeout: float | None = None
+    """The default process group's timeout in seconds, once known (`watch` calls a hang before it ends the job)."""
     time: float = 0.0
     """`time.time()` of the last change."""
     pid: int = 0

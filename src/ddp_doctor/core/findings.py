@@ -72,6 +72,12 @@ class Finding:
             out["caused_by"] = self.caused_by
         return out
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Finding:
+        """The inverse of `to_dict`."""
+        params = [ParamRef(p["name"], p["numel"], tuple(p.get("shape", ()))) for p in data["params"]]
+        return cls(**{**data, "params": params})
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Recommendation:

@@ -20,6 +20,8 @@ class Phase(str, Enum):
     OPTIMIZER = "optimizer step"
     FOLLOWING = "after the observed steps, following the epoch end"
     """`check` follows the script past its observed steps (`--follow-epochs`); not a phase of a step."""
+    WATCHED = "after the observed steps, training on under watch"
+    """`watch` lets the script run to its end after the observed steps; not a phase of a step."""
 
     def __str__(self) -> str:
         return self.value

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["WARM_IMPORTS", "main", "run_rank"]
 
-WARM_IMPORTS = ("ddp_doctor.launch.session",)
+WARM_IMPORTS = ("ddp_doctor.launch.session", "ddp_doctor.launch.watch_rank")
 """What the warm launch's server imports before it forks a rank of this entry point (`warm.py`)."""
 
 
@@ -55,7 +55,13 @@ def run_rank(config: RankConfig, policy: PolicyFactory | None = None) -> None:
 
 def main() -> None:
     die_with_parent()
-    run_rank(RankConfig.from_env())
+    config = RankConfig.from_env()
+    if config.whole_run:
+        from ddp_doctor.launch.watch_rank import WatchPolicy
+
+        run_rank(config, WatchPolicy)
+    else:
+        run_rank(config)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,8 @@ class RankConfig:
     reshard_off: list[int] = field(default_factory=list)
     """`fully_shard` calls (0 the first the script makes) to run with `reshard_after_forward=False`: the advice a
     verification run applies to a sharded model (`verify.py`)."""
+    whole_run: bool = False
+    """After the report, let the script train on to its own end, lightly watched (`ddp-doctor watch`)."""
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))

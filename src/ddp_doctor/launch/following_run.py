@@ -127,5 +127,6 @@ class EpochFollowing:
             followed=self.enabled,
             parallelism=report.facts.parallelism,
             world=report.facts.world_size,
+            watched=self.config.whole_run,
         )
         return Report.build(report.facts, diagnosis)

@@ -104,8 +104,10 @@ def collect(
     torchrun_rc: int | None,
     interrupted: int | None = None,
     native: list[str] | None = None,
+    watched: bool = False,
 ) -> CheckResult:
-    """Read the output folder after every rank has ended."""
+    """Read the output folder after every rank has ended (`watched`: a `watch` run's, whose ranks trained on after
+    the observed steps' report, `report.steps.json`)."""
     internal = [e for e in read_ends(outdir).values() if e.outcome is Outcome.INTERNAL_ERROR]
     if internal:
         end = internal[0]
@@ -145,7 +147,7 @@ def collect(
     if steps is not None and steps["models"] and states:
         # The observed steps were diagnosed; the run failed while `check` followed it to its epoch end.
         return CheckResult(
-            models=_after_steps(steps["models"], states, timed_out, native or []),
+            models=_after_steps(steps["models"], states, timed_out, native or [], watched=watched),
             timed_out=timed_out,
             interrupted=interrupted,
         )
@@ -238,14 +240,14 @@ def _model(m: dict[str, Any], report: Report | None = None) -> Model:
 
 
 def _after_steps(
-    models: list[dict[str, Any]], states: dict[int, RankState], timed_out: bool, native: list[str]
+    models: list[dict[str, Any]], states: dict[int, RankState], timed_out: bool, native: list[str], *, watched: bool
 ) -> list[Model]:
     """The observed steps' reports, the first one with what failed while `check` followed the script after them
     (its findings go first: they ended the run)."""
     from ddp_doctor.analyze import diagnose_after_steps
 
     first, *rest = [Report.from_dict(m["report"]) for m in models]
-    failed = diagnose_after_steps(first.diagnosis, states, timed_out=timed_out, native=native)
+    failed = diagnose_after_steps(first.diagnosis, states, timed_out=timed_out, native=native, watched=watched)
     reports = [Report.build(first.facts, failed), *rest]
     return [_model(m, r) for m, r in zip(models, reports)]
 

@@ -23,6 +23,10 @@ __all__ = ["CheckPolicy", "RunPolicy"]
 class RunPolicy(Protocol):
     """The hooks the in-rank run calls. Every method runs on the rank's main thread, inside the script."""
 
+    whole_run: bool
+    """The script runs to its own end after the report (`watch`): the rank then leaves as the script does, with
+    its status and its atexit handlers, not from inside the doctor."""
+
     def wrapped(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
         """The script built a DDP model (before the report); `trainable` is its own `requires_grad` before any
         freezing the launch applied."""
@@ -30,7 +34,8 @@ class RunPolicy(Protocol):
 
     def reported(self, doctors: list[Doctor], reports: list[Report]) -> bool:
         """Every doctor saw its K steps and the report is written (`reports`, one per DDP model, identical on
-        every rank). True: the policy took over and the rank does not leave now (the policy leaves later)."""
+        every rank; none for a model without DDP, whose report the ranks wrote). True: the policy took over and the
+        rank does not leave now (the policy leaves later)."""
         ...
 
     def script_ended(self) -> bool:
@@ -41,6 +46,8 @@ class RunPolicy(Protocol):
 
 class CheckPolicy:
     """`ddp-doctor check`: nothing after the report; the rank leaves."""
+
+    whole_run = False
 
     def wrapped(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
         return None

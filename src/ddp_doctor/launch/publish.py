@@ -28,8 +28,8 @@ __all__ = ["Publisher"]
 
 class Publisher:
     """Writes one rank's files. `doctors` and `models` are the session's lists (one entry per DDP model, in the
-    order the script built them), read when a file is written; `following` tells whether the script is being
-    followed through its epoch ends."""
+    order the script built them), read when a file is written; `beyond_steps` names the phase when the script runs past
+    its observed steps (followed through its epoch ends, or watched to its end), else None."""
 
     def __init__(
         self,
@@ -38,13 +38,13 @@ class Publisher:
         doctors: list[Doctor],
         models: list[dict[str, Any]],
         ended: threading.Event,
-        following: Callable[[], bool],
+        beyond_steps: Callable[[], Phase | None],
     ) -> None:
         self.outdir = outdir
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.doctors, self.models, self.ended, self.following = doctors, models, ended, following
+        self.doctors, self.models, self.ended, self.beyond_steps = doctors, models, ended, beyond_steps
         self.beacon = Beacon(outdir / f"rank{self.rank}.beacon")
 
     def position(self, doctor: Doctor) -> None:
@@ -92,8 +92,9 @@ class Publisher:
         return self.beacon.state.step if self.beacon.state.sharding is not None else -1
 
     def _phase(self, active: Doctor | None) -> str:
-        if self.following():
-            return Phase.FOLLOWING.value
+        beyond = self.beyond_steps()
+        if beyond is not None:
+            return beyond.value
         if active is not None:
             return active.position.phase
         if self.beacon.state.sharding is not None:

@@ -90,14 +90,12 @@ class Session:
         """DDP's own constructor (a policy may rebuild the script's DDP with it, unobserved: `bench`)."""
         self.signature = inspect.signature(self.original_init)
         """DDP's constructor's signature (the patched constructor binds the script's arguments with it)."""
+        self.watching = False
+        """The report is written and the script trains on under `watch` (`watch_rank.py`)."""
         self.follow = EpochFollowing(config)
         """Follows the script through its epoch ends after the observed steps (`--follow-epochs`)."""
         self.out = Publisher(
-            self.outdir,
-            doctors=self.doctors,
-            models=self.models,
-            ended=self.ended,
-            following=lambda: self.follow.active,
+            self.outdir, doctors=self.doctors, models=self.models, ended=self.ended, beyond_steps=self._beyond_steps
         )
         """What the rank leaves for the supervisor (`publish.py`)."""
         self.beacon = self.out.beacon
@@ -140,6 +138,11 @@ class Session:
         self._fault_file = open(self.outdir / f"rank{self.rank}.fault", "w")  # noqa: SIM115
         faulthandler.enable(self._fault_file, all_threads=True)
         self.watchdog.start()
+
+    def _beyond_steps(self) -> Phase | None:
+        if self.follow.active:
+            return Phase.FOLLOWING
+        return Phase.WATCHED if self.watching else None
 
     @property
     def finishing(self) -> bool:
@@ -215,6 +218,8 @@ class Session:
             self._internal_error(exc)
             return
         self._finishing = True
+        if self.policy.whole_run and reason == self.steps_reason and self.policy.reported(self.doctors, []):
+            return  # `watch`: the script trains on, and its end is the rank's (no end record until then)
         self.out.end(Outcome.REPORTED, reason=reason)
         self.leave()
 
@@ -242,6 +247,8 @@ class Session:
         they are still training: the rank leaves with its own status, and the supervisor reports `rank-exited`.
         """
         code = 0 if exc is None or exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        if self._finishing and self.policy.whole_run:
+            self._script_end(exc, code)
         if self.policy.script_ended():  # the script's loop ended while the policy ran (bench's blocks)
             self.leave()
         if exc is None:
@@ -266,6 +273,15 @@ class Session:
                 exit_code=code,
             )
         self._exit(code)
+
+    def _script_end(self, exc: SystemExit | None, code: int) -> None:
+        """Under `watch`, past the report: the script ended as it would without the doctor. The rank records it and
+        leaves the way the script does (its status, its atexit handlers, its threads joined)."""
+        site = "the end of the script" if exc is None else user_frame(traceback.extract_tb(exc.__traceback__))
+        self.out.end(Outcome.EXITED, overwrite=True, status=code, site=site or "sys.exit", step=self.beacon.state.step)
+        self.ended.set()
+        self.watchdog.write()
+        raise exc if exc is not None else SystemExit(code)
 
     def on_crash(self, exc: BaseException) -> None:
         """The script raised on this rank: record it, try to report with the others, and exit."""
@@ -318,8 +334,11 @@ class Session:
         if reports is None:
             return
         self.out.reports(reports, reason, "report.json")
+        goes_on = not exit_code and reason == self.steps_reason
+        if goes_on and self.policy.whole_run and self.policy.reported(self.doctors, reports):
+            return  # `watch`: the script trains on, and its end is the rank's (no end record until then)
         self.out.end(Outcome.REPORTED, reason=reason)
-        if not exit_code and reason == self.steps_reason and self.policy.reported(self.doctors, reports):
+        if goes_on and self.policy.reported(self.doctors, reports):
             return  # the policy goes on in this process, and leaves when it is done
         self.leave()
 

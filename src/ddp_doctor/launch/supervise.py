@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -161,22 +162,26 @@ def run_check(
     torchrun_args: dict[str, Any],
     config: RankConfig,
     *,
-    timeout: float,
+    timeout: float | None,
     output: IO[str] | None = None,
     outdir: Path | None = None,
     bootstrap: str = BOOTSTRAP,
     env: dict[str, str] | None = None,
+    wait: Callable[[subprocess.Popen[Any], Path], bool] | None = None,
 ) -> CheckResult:
     """Run the script under torchrun with the doctor in every rank, and collect the result on this node.
 
     Args:
         torchrun_args: torchrun's parsed namespace (as a dict) for the user's script.
         config: what each rank's doctor does; `outdir` and `deadline` are filled in here.
-        timeout: seconds after which every rank is stopped and the run reported as it stands.
+        timeout: seconds after which every rank is stopped and the run reported as it stands (None: no limit;
+            `wait` decides when the run ends).
         output: where the script's stdout and stderr go (`None`: this process's own).
         outdir: keep the ranks' files here instead of a temporary folder.
         bootstrap: the module torchrun starts in every rank (a later stage's entry point, with its own policy).
         env: more environment variables for the ranks (a later stage's own settings).
+        wait: waits for torchrun to end instead of the check's wait (`watch`'s, which watches the whole run); True
+            when the run had to be stopped (the result is then reported as timed out).
 
     Returns:
         The `CheckResult`; `interrupted` is set (and the result partial) when `Interrupted` stopped the run.
@@ -186,7 +191,7 @@ def run_check(
         folder = Path(outdir) if outdir is not None else Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
         start = time.time()
-        config = replace(config, outdir=str(folder.resolve()), deadline=start + timeout)
+        config = replace(config, outdir=str(folder.resolve()), deadline=start + timeout if timeout else 0.0)
         args = {**torchrun_args, "module": True, "no_python": False, "run_path": False, "training_script": bootstrap}
         # torchrun and the ranks make their temporary files (torchelastic_*, the script's own) inside the run's
         # folder, so they go with it even when a process had to be killed. torch's compile cache stays where
@@ -224,12 +229,15 @@ def run_check(
                 forwards = [_Forward(proc.stdout, sys.stdout), _Forward(proc.stderr, sys.stderr)]
                 for f in forwards:
                     f.start()
-            timed_out = _wait(proc, folder, timeout=timeout, crash_wait=config.crash_wait_s)
+            if wait is not None:
+                timed_out = wait(proc, folder)
+            else:
+                timed_out = _wait(proc, folder, timeout=timeout or float("inf"), crash_wait=config.crash_wait_s)
         except Interrupted as exc:
             interrupted = exc
         finally:
             if proc is not None:
-                _stop_run(proc, marker, grace=_grace(timeout) if interrupted is None else 2.0)
+                _stop_run(proc, marker, grace=_grace(timeout or 50.0) if interrupted is None else 2.0)
             else:
                 _signal_run(marker, signal.SIGKILL)
             for f in forwards:
@@ -247,6 +255,7 @@ def run_check(
             torchrun_rc=proc.returncode if proc is not None else None,
             interrupted=interrupted.signum if interrupted is not None else None,
             native=native,
+            watched=config.whole_run,
         )
         result.clean_line = _Forward.clean_line
         result.torchrun_log = _keep_log(folder / "torchrun.log", marker)

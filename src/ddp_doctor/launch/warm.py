@@ -280,12 +280,26 @@ def _rank_main(
     except BaseException:  # noqa: BLE001  (what python -m would print, then its status)
         traceback.print_exc()
         code = 1
+    _finalize()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def _finalize() -> None:
+    """What an interpreter does at its end before it exits: wait for the script's non-daemon threads, then run the
+    atexit handlers (a script that ran to its end under `watch` flushes its loggers and closes its files there)."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001  (a thread's own error is already printed by threading)
+        pass
+    atexit._run_exitfuncs()
 
 
 def _set_argv(entry: str, argv: list[str]) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ddp_doctor.core import VERSION
 from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.figures import Divergence, UsageMap
-from ddp_doctor.core.findings import Crash, Diagnosis, Finding, ParamRef, Recommendation, Timing, finite
+from ddp_doctor.core.findings import Crash, Diagnosis, Finding, Recommendation, Timing, finite
 from ddp_doctor.core.following import Following
 from ddp_doctor.core.ranks import rank_list
 
@@ -173,12 +173,7 @@ class ReportData:
     @classmethod
     def from_dict(cls: type[_R], data: dict[str, Any]) -> _R:
         """The inverse of `to_dict` (the `check` parent reads the ranks' JSON back with it)."""
-        findings = [
-            Finding(
-                **{**f, "params": [ParamRef(p["name"], p["numel"], tuple(p.get("shape", ()))) for p in f["params"]]}
-            )
-            for f in data["findings"]
-        ]
+        findings = [Finding.from_dict(f) for f in data["findings"]]
         facts = RunFacts(
             tool_version=data["tool_version"],
             torch_version=data["torch_version"],

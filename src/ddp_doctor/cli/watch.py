@@ -1,0 +1,243 @@
+"""`ddp-doctor watch`: run the whole job under torchrun; diagnose its first steps as `check` does, then watch the
+rest lightly and explain a hang while it happens. The run folder survives the job (`ddp-doctor explain DIR`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.rule import Rule
+
+from ddp_doctor.cli.torchrun_options import torchrun_subparser
+from ddp_doctor.core.ranks import rank_list
+
+if TYPE_CHECKING:
+    from ddp_doctor.launch.outcome import CheckResult
+    from ddp_doctor.launch.watch_run import HangVerdict
+
+__all__ = ["default_run_dir", "register", "render_verdict", "verdict_from_dict"]
+
+EXAMPLES = """\
+  # a long job, watched: the first steps diagnosed, a hang explained while it happens
+  ddp-doctor watch --nproc-per-node 8 train.py --epochs 90
+
+  # call a hang after 2 minutes without progress, and stop the job then
+  ddp-doctor watch --nproc-per-node 8 --hang-after 120 --on-hang stop train.py
+
+  # afterwards (the job ended, or the scheduler killed it): the verdict again, from the run folder
+  ddp-doctor explain ddp-doctor-runs/train-20261127-101500
+"""
+
+EPILOG = """\
+Everything torchrun accepts before SCRIPT works the same way. The script runs to its own end: nothing it computes
+changes, and ddp-doctor's exit code is the job's (1 when it failed or hung, or findings at or above --fail-on).
+"""
+
+_OURS = ("steps", "json", "fail_on", "hang_after", "on_hang", "run_dir", "fresh_interpreters", "func")
+
+
+def register(sub: argparse._SubParsersAction, *, with_torchrun: bool = True) -> None:
+    torchrun_subparser(
+        sub,
+        "watch",
+        help="run a whole training job under torchrun, diagnose its first steps and explain a hang as it happens",
+        description="Run SCRIPT under torchrun with ddp-doctor in every rank, to the job's own end. The first "
+        "--steps optimizer steps are diagnosed as `check` diagnoses them, and the report is printed while the job "
+        "goes on; after them only light watching stays on (each rank's step, the script's collectives, the line "
+        "its main thread runs). When no rank moves for --hang-after seconds, every rank's stacks are taken and "
+        "the hang is explained: which ranks wait in which collective at which line, which rank is elsewhere.",
+        epilog=EPILOG,
+        examples=EXAMPLES,
+        add_ours=_add_arguments,
+        with_torchrun=with_torchrun,
+    ).set_defaults(func=run)
+
+
+def _add_arguments(group: Any) -> None:
+    group.add_argument(
+        "--steps", type=int, default=8, metavar="K", help="optimizer steps diagnosed at the start (default: 8)"
+    )
+    group.add_argument(
+        "--hang-after",
+        type=float,
+        default=None,
+        metavar="S",
+        help="call a hang when no rank has moved for S seconds (default: half the process group's timeout, "
+        "300 s until a rank has built its model)",
+    )
+    group.add_argument(
+        "--on-hang",
+        choices=("wait", "stop"),
+        default="wait",
+        help="after a hang is explained: wait (the job stays as it is, for a debugger; Ctrl-C ends it) or stop "
+        "every rank (default: wait)",
+    )
+    group.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        default=None,
+        help="the run folder the ranks' records go to and that outlives the job "
+        "(default: ./ddp-doctor-runs/SCRIPT-DATE-TIME)",
+    )
+    group.add_argument("--json", metavar="FILE", help="write the final result as JSON (schema ddp-doctor/report@1)")
+    group.add_argument(
+        "--fail-on",
+        choices=("error", "warning", "never"),
+        default="error",
+        help="lowest severity of a first-steps finding that makes the exit code 1 (default: error)",
+    )
+    group.add_argument(
+        "--fresh-interpreters",
+        action="store_true",
+        help="start every rank in a fresh Python interpreter instead of forking it from one that has torch imported",
+    )
+
+
+def default_run_dir(script: str) -> Path:
+    """`./ddp-doctor-runs/<script>-<date>-<time>`: under the working directory, never /tmp (it must outlive the
+    machine's cleaning and be found next to the job)."""
+    name = Path(script).stem or "run"
+    return Path.cwd() / "ddp-doctor-runs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _validate(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
+    parser: argparse.ArgumentParser = args._parser
+    if args.no_python:
+        parser.error("--no-python cannot be used with watch: the doctor runs inside the Python process of each rank.")
+    if not args.module and not Path(args.training_script).is_file():
+        parser.error(
+            f"script {args.training_script!r} does not exist (from {Path.cwd()}). Pass the path of the training "
+            "script, or -m MODULE for a module."
+        )
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}.")
+    if args.hang_after is not None and args.hang_after <= 0:
+        parser.error(f"--hang-after must be a positive number of seconds, got {args.hang_after:g}.")
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.training_script)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".writable"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        parser.error(
+            f"the run folder {str(run_dir)!r} cannot be written ({exc.strerror or exc}). Pass --run-dir with a "
+            "folder you can write to."
+        )
+    if any(run_dir.glob("rank*.beacon")):
+        parser.error(f"the run folder {str(run_dir)!r} holds another run's records; pass a new --run-dir.")
+    namespace = {k: v for k, v in vars(args).items() if k not in (*_OURS, "_parser")}
+    return namespace, run_dir
+
+
+def run(args: argparse.Namespace) -> int:
+    namespace, run_dir = _validate(args)
+    from ddp_doctor.launch.watch_run import watch
+
+    console = Console()
+    result = watch(
+        namespace,
+        steps=args.steps,
+        run_dir=run_dir,
+        hang_after=args.hang_after,
+        on_hang=args.on_hang,
+        fresh=args.fresh_interpreters,
+        reported=lambda report: _print_first_report(console, report, run_dir, args.hang_after),
+        hung=lambda verdict: render_verdict(verdict, console),
+        resumed=lambda waited: console.print(
+            f"ddp-doctor: the ranks move again, after {waited:.0f} s; watching on.", highlight=False
+        ),
+        warn=lambda text: console.print(f"ddp-doctor: warning: {text}", highlight=False, soft_wrap=True),
+    )
+    return _finish(result, args, console, run_dir)
+
+
+def _print_first_report(console: Console, result: CheckResult, run_dir: Path, hang_after: float | None) -> None:
+    from ddp_doctor.cli.check import render_result
+
+    render_result(result, console)
+    when = f"{hang_after:g} s" if hang_after else "half the process group's timeout"
+    console.print(
+        f"ddp-doctor: the first steps are diagnosed; the job goes on, watched (a hang is called after {when} "
+        f"without progress). Run folder: {run_dir}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def _finish(result: Any, args: argparse.Namespace, console: Console, run_dir: Path) -> int:
+    from ddp_doctor.cli.check import render_result
+    from ddp_doctor.launch.outcome import exit_code
+
+    if result.failed:
+        console.print(Rule("the job failed"))
+        render_result(result.check, console)
+    code = exit_code(result.check, args.fail_on)
+    if result.failed and code == 0:
+        code = 1
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(result.check.to_json())
+    console.print(
+        f"ddp-doctor: {result.summary}. Run folder: {run_dir} (ddp-doctor explain {run_dir})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return code
+
+
+def verdict_from_dict(d: dict[str, Any]) -> HangVerdict:
+    """A verdict read back from `hang.json`."""
+    from ddp_doctor.core.findings import Finding
+    from ddp_doctor.launch.watch_run import HangVerdict
+
+    return HangVerdict(
+        stalled_s=d["stalled_s"],
+        hang_after_s=d["hang_after_s"],
+        group_timeout_s=d.get("group_timeout_s"),
+        at=d["at"],
+        positions=d["positions"],
+        findings=[Finding.from_dict(f) for f in d["findings"]],
+    )
+
+
+def render_verdict(verdict: HangVerdict, console: Console) -> None:
+    """The hang: how long nothing moved, where every rank is, the cause and the fix, where the stacks are."""
+    when = time.strftime("%H:%M:%S", time.localtime(verdict.at))
+    console.print(Rule(f"hang at {when}: no rank moved for {verdict.stalled_s:.0f} s"))
+    if verdict.group_timeout_s:
+        left = verdict.group_timeout_s - verdict.stalled_s
+        console.print(
+            f"The process group's timeout ({verdict.group_timeout_s:g} s) ends the job in about {max(left, 0):.0f} s "
+            "if nothing moves.",
+            highlight=False,
+        )
+    for p in verdict.positions:
+        where = p.get("line") or p.get("innermost") or "no Python line known"
+        c = p.get("collective")
+        inside = f"; inside {c['op']} from {c['line']}" if c and c.get("inside") else ""
+        last = f"; last collective {c['op']} at {c['line']}" if c and not c.get("inside") else ""
+        ended = f"; ended ({p['ended']})" if p.get("ended") else ""
+        console.print(
+            f"  rank {p['rank']}: step {p['step']}, {p['phase']}, at {where}{inside}{last}{ended}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    for i, f in enumerate(verdict.findings):
+        ranks = f" ({rank_list(f.ranks)})" if f.ranks else ""
+        console.print(f"{'cause' if i == 0 else 'also'}: [bold]{f.code}[/bold]{ranks}: {f.title}", soft_wrap=True)
+        if i == 0:
+            console.print(f"  {f.detail}", highlight=False, soft_wrap=True)
+            if f.fix:
+                console.print(f"  fix: {f.fix}", highlight=False, soft_wrap=True)
+    if not verdict.findings:
+        console.print("No cause could be read from the ranks' positions; their stacks below say where each is.")
+    stacks = [p["stacks"] for p in verdict.positions if p.get("stacks")]
+    if stacks:
+        console.print("every thread's stack: " + ", ".join(stacks), highlight=False, soft_wrap=True)
+    sys.stdout.flush()

@@ -1,0 +1,211 @@
+"""`ddp-doctor watch`: the whole job runs as it would under torchrun, its first steps are diagnosed while it goes on,
+a hang is explained while it happens (before the process group's timeout ends the job), and `ddp-doctor explain`
+says it again from the run folder.
+
+Ground truth under plain torchrun (torch 2.13.0, gloo, this 2-core machine), tests/scripts/watch_job.py:
+- STALL=loop on rank 1 after step 15, group timeout 10 s: rank 0 raised gloo's *Timed out waiting 10000ms for recv
+  operation to complete* from its next backward after 10 s, torchrun sent SIGTERM to rank 1 and exited 1 (15.7 s);
+  torchrun's summary names rank 0 (exit code 1) as the failure, not rank 1, which never left its loop.
+- STALL=exit on rank 1 after step 15: rank 0 raised *Connection closed by peer* at once; exit code 1 (6.2 s).
+- tests/scripts/ckpt_barrier.py (rank 0 calls `dist.barrier()` inside its rank-0-only save): see
+  test_check_tree_state.py; both ranks time out (rank 0 in the barrier, rank 1 in DDP's next all-reduce).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from checkrun import EXAMPLES, REPO, SCRIPTS, assert_no_leftovers
+
+
+@dataclass
+class Watched:
+    rc: int
+    output: str
+    run_dir: Path
+    report: dict[str, Any] | None
+
+    @property
+    def hang(self) -> dict[str, Any] | None:
+        path = self.run_dir / "hang.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    @property
+    def ended(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "watch.json").read_text())
+
+
+def _watch(args: list[str], tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 180) -> Watched:
+    run_dir = tmp_path / "run"
+    out = tmp_path / "result.json"
+    tag = uuid.uuid4().hex
+    done = subprocess.run(
+        [sys.executable, "-m", "ddp_doctor.cli", "watch", "--run-dir", str(run_dir), "--json", str(out), *args],
+        cwd=REPO,
+        env={**os.environ, **(env or {}), "DDP_DOCTOR_TEST_TAG": tag},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    assert_no_leftovers(tag)
+    return Watched(done.returncode, done.stdout, run_dir, json.loads(out.read_text()) if out.exists() else None)
+
+
+def _explain(run_dir: Path, tmp_path: Path) -> tuple[int, str, dict[str, Any] | None]:
+    out = tmp_path / "explained.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "ddp_doctor.cli", "explain", str(run_dir), "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done.returncode, done.stdout + done.stderr, json.loads(out.read_text()) if out.exists() else None
+
+
+def _line(script: str, text: str) -> str:
+    """`script.py:N` of the line of tests/scripts/`script` that contains `text`."""
+    lines = (SCRIPTS / script).read_text().splitlines()
+    return f"{script}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
+
+
+def _checksums(output: str) -> dict[int, str]:
+    return {int(r): c for r, c in re.findall(r"rank (\d) trained 30 steps, checksum (-?\d+\.\d{12})", output)}
+
+
+def test_a_clean_job_runs_to_its_end_computing_what_it_computes_under_torchrun(tmp_path: Path) -> None:
+    """30 steps where the check observes 8: every rank trains all 30, its weights end bit for bit as under plain
+    torchrun, its non-daemon thread is joined and its atexit handler runs, as at any interpreter's end. A
+    --hang-after longer than the group's timeout is warned about with both values."""
+    plain = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPTS / "watch_job.py")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    run = _watch(
+        ["--nproc-per-node", "2", "--hang-after", "90", str(SCRIPTS / "watch_job.py")], tmp_path, env={"STEP_S": "0.15"}
+    )
+    assert run.rc == 0, run.output
+    assert run.report is not None and run.report["findings"] == [], run.output
+    assert _checksums(run.output) == _checksums(plain.stdout) and len(_checksums(plain.stdout)) == 2, run.output
+    for rank in (0, 1):
+        assert f"rank {rank} thread joined" in run.output and f"rank {rank} atexit ran" in run.output, run.output
+    ended = run.ended
+    assert ended["failed"] is False and ended["steps"] == 30, ended
+    assert run.hang is None
+    assert "--hang-after 90 s" in run.output and "(60 s)" in run.output, run.output
+    # The first steps' report came while the job went on (22 steps of 0.15 s at least): before its last lines.
+    assert run.output.index("the first steps are diagnosed") < run.output.index("rank 0 trained 30 steps")
+
+
+def test_a_barrier_in_a_rank_0_only_save_is_explained_before_the_groups_timeout(tmp_path: Path) -> None:
+    """The hang is called while every rank still waits (no rank had ended: the group's 60 s timeout had not
+    fired), with the barrier's line, rank 1's DDP all-reduce, and each rank's stacks; `explain` says the same
+    afterwards."""
+    run = _watch(
+        ["--nproc-per-node", "2", "--hang-after", "3", "--on-hang", "stop", str(SCRIPTS / "ckpt_barrier.py")],
+        tmp_path,
+        env={"GROUP_TIMEOUT_S": "60"},
+    )
+    assert run.rc == 1, run.output
+    hang = run.hang
+    assert hang is not None, run.output
+    assert [p["ended"] for p in hang["positions"]] == [None, None], hang["positions"]
+    assert hang["group_timeout_s"] == 60 and hang["hang_after_s"] == 3, hang
+    cause = hang["findings"][0]
+    barrier = _line("ckpt_barrier.py", "dist.barrier()")
+    assert cause["code"] == "collective-mismatch" and cause["ranks"] == [0, 1], cause
+    assert barrier in cause["title"] and "DDP's next gradient all-reduce" in cause["detail"], cause
+    stacks = [Path(p["stacks"]) for p in hang["positions"]]
+    assert all("Thread" in s.read_text() for s in stacks), stacks
+    assert "ckpt_barrier.py" in stacks[0].read_text()
+    assert run.report["findings"][0]["code"] == "collective-mismatch", run.report["findings"]
+    assert run.ended["failed"] is True
+
+    rc, output, explained = _explain(run.run_dir, tmp_path)
+    assert rc == 1, output
+    assert explained is not None and explained["findings"][0]["code"] == "collective-mismatch", output
+    assert barrier in output
+
+
+@pytest.mark.parametrize(
+    ("stall", "on_hang", "rank", "text"),
+    [("loop", "stop", 1, "while time.monotonic() < until"), ("sleep", "wait", 0, "time.sleep(seconds)")],
+)
+def test_a_rank_in_its_own_code_is_named_while_the_others_wait_in_ddps_all_reduce(
+    tmp_path: Path, stall: str, on_hang: str, rank: int, text: str
+) -> None:
+    """A rank that spins in a Python loop (or sleeps) after step 15 while the other waits in DDP's gradient
+    all-reduce: the verdict names that rank and its line, not the rank that waits. With --on-hang wait, a rank that
+    was only slow (9 s asleep) moves again, and the job finishes."""
+    run = _watch(
+        ["--nproc-per-node", "2", "--hang-after", "3", "--on-hang", on_hang, str(SCRIPTS / "watch_job.py")],
+        tmp_path,
+        env={"GROUP_TIMEOUT_S": "60", "STALL": stall, "STALL_S": "9", "STALL_RANK": str(rank), "STALL_STEP": "15"},
+    )
+    hang = run.hang
+    assert hang is not None, run.output
+    cause = hang["findings"][0]
+    assert cause["code"] == "rank-hung" and cause["ranks"] == [rank], cause
+    assert _line("watch_job.py", text) in cause["detail"], cause
+    if on_hang == "stop":
+        assert run.rc == 1 and run.ended["failed"] is True, run.output
+    else:
+        assert run.rc == 0 and run.ended["failed"] is False, run.output
+        assert "move again" in run.output and len(_checksums(run.output)) == 2, run.output
+
+
+def test_a_rank_that_leaves_the_loop_early_is_named_after_the_job_failed(tmp_path: Path) -> None:
+    """Rank 1 returns from its loop after step 15 (exit status 0); rank 0's next all-reduce fails at once
+    (*Connection closed by peer*): no hang, a failed job whose report names rank 1's exit first, then the first
+    steps' findings."""
+    run = _watch(
+        ["--nproc-per-node", "2", "--hang-after", "30", str(SCRIPTS / "watch_job.py")],
+        tmp_path,
+        env={"STALL": "exit", "STALL_RANK": "1", "STALL_STEP": "15"},
+    )
+    assert run.rc == 1, run.output
+    assert run.hang is None
+    first = run.report["findings"][0]
+    assert first["code"] == "rank-exited" and first["ranks"] == [1] and first["steps"] == [15], first
+    assert run.ended["failed"] is True
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--hang-after", "0"], "--hang-after must be a positive number of seconds, got 0"),
+        (["--run-dir", "/proc/version/run"], "the run folder '/proc/version/run' cannot be written"),
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+    ],
+)
+def test_bad_watch_arguments_are_named_with_the_fix(args: list[str], needle: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ddp_doctor.cli", "watch", "--nproc-per-node", "2", *args, str(EXAMPLES / "clean.py")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and needle in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_explain_names_a_folder_without_records(tmp_path: Path) -> None:
+    rc, output, _ = _explain(tmp_path, tmp_path)
+    assert rc == 2 and "holds no ddp-doctor records" in output and "Traceback" not in output, output
+    rc, output, _ = _explain(tmp_path / "nowhere", tmp_path)
+    assert rc == 2 and "is not a folder" in output, output

@@ -1,0 +1,63 @@
+"""A small DDP job for `ddp-doctor watch`: STEPS optimizer steps (default 30), then each rank prints a checksum of its
+weights; an atexit handler and a non-daemon thread each print a line at the end. STEP_S: a sleep after each step. STALL_RANK / STALL_STEP make one
+rank, after that step, either spin in a Python loop (STALL=loop, at most STALL_S seconds), sleep (STALL=sleep) or
+leave the loop and exit (STALL=exit) while the others go on into DDP's next gradient all-reduce.
+
+    GROUP_TIMEOUT_S=20 torchrun --nproc-per-node 2 tests/scripts/watch_job.py
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def _stall(kind: str, seconds: float) -> None:
+    until = time.monotonic() + seconds
+    if kind == "sleep":
+        time.sleep(seconds)
+    elif kind == "exit":
+        sys.exit(0)
+    else:
+        while time.monotonic() < until:
+            pass  # noqa: E701  (one line: the rank sits on it)
+
+
+def main() -> None:
+    timeout = float(os.environ.get("GROUP_TIMEOUT_S", "60"))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    rank = dist.get_rank()
+    steps = int(os.environ.get("STEPS", "30"))
+    stall_rank, stall_step = int(os.environ.get("STALL_RANK", "-1")), int(os.environ.get("STALL_STEP", "-1"))
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    atexit.register(lambda: print(f"rank {rank} atexit ran", flush=True))
+    for step in range(steps):
+        x, y = torch.randn(4, 8, generator=gen), torch.randint(0, 2, (4,), generator=gen)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(float(os.environ.get("STEP_S", "0")))
+        if rank == stall_rank and step + 1 == stall_step:
+            _stall(os.environ.get("STALL", "loop"), float(os.environ.get("STALL_S", "120")))
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    print(f"rank {rank} trained {steps} steps, checksum {checksum:.12f}", flush=True)
+    threading.Thread(target=lambda: (time.sleep(0.2), print(f"rank {rank} thread joined", flush=True))).start()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
