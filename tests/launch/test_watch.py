@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from checkrun import EXAMPLES, REPO, SCRIPTS, assert_no_leftovers
+from checkrun import EXAMPLES, REPO, SCRIPTS, assert_no_leftovers, free_port
 
 
 @dataclass
@@ -182,6 +183,70 @@ def test_a_rank_that_leaves_the_loop_early_is_named_after_the_job_failed(tmp_pat
     first = run.report["findings"][0]
     assert first["code"] == "rank-exited" and first["ranks"] == [1] and first["steps"] == [15], first
     assert run.ended["failed"] is True
+
+
+def test_two_nodes_each_watched_run_the_job_and_the_node_of_the_stuck_rank_names_it(tmp_path: Path) -> None:
+    """Two torchrun agents on this machine (`--nnodes 2`, c10d rendezvous on 127.0.0.1), one rank each, each under
+    its own `watch`; rank 1 (node 1) spins in a Python loop after step 15. Node 0 calls the hang after 3 s: its
+    verdict names its own rank, waiting in DDP's backward, and says that rank 1 ran on the other node. Node 1 calls
+    it after 8 s, names rank 1 and its line, and stops its rank; rank 0 then loses its peer and node 0's job
+    fails."""
+    port = free_port()
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    rdzv += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"watch-{port}"]
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "GROUP_TIMEOUT_S": "60", "STALL": "loop", "STALL_RANK": "1", "STALL_STEP": "15"}
+    env["DDP_DOCTOR_TEST_TAG"] = tag
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ddp_doctor.cli", "watch", "--run-dir", str(tmp_path / f"node{n}"), "--hang-after"]
+            + [str(3 + 5 * n), "--on-hang", "stop", *rdzv, "--node-rank", str(n), str(SCRIPTS / "watch_job.py")],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
+    outputs = [proc.communicate(timeout=180)[0] for proc in nodes]
+    assert [proc.returncode for proc in nodes] == [1, 1], outputs
+    assert_no_leftovers(tag)
+    hangs = [json.loads((tmp_path / f"node{n}" / "hang.json").read_text()) for n in (0, 1)]
+    stuck = hangs[1]["findings"][0]
+    assert stuck["code"] == "rank-hung" and stuck["ranks"] == [1], stuck
+    assert _line("watch_job.py", "while time.monotonic() < until") in stuck["detail"], stuck
+    waiting = hangs[0]["findings"][0]
+    assert waiting["ranks"] == [0] and "rank 1 ran on another node" in waiting["detail"], waiting
+    assert [p["rank"] for p in hangs[0]["positions"]] == [0] and [p["rank"] for p in hangs[1]["positions"]] == [1]
+
+
+def test_sigterm_to_watch_while_the_job_trains_on_ends_every_process(tmp_path: Path) -> None:
+    """SIGTERM to `watch` after the first steps' report, while the job trains on: exit code 143, the partial report
+    and the run folder's end record, and no process of the job left (a /proc scan)."""
+    tag = uuid.uuid4().hex
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddp_doctor.cli", "watch", "--run-dir", str(run_dir), "--nproc-per-node", "2"]
+        + [str(SCRIPTS / "watch_job.py")],
+        cwd=REPO,
+        env={**os.environ, "STEP_S": "0.5", "DDP_DOCTOR_TEST_TAG": tag},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "the first steps are diagnosed" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=60)
+    output = "".join(lines) + rest
+    assert proc.returncode == 143, output
+    assert "interrupted by SIGTERM" in output and "trained 30 steps" not in output, output
+    assert json.loads((run_dir / "watch.json").read_text())["failed"] is True
+    assert_no_leftovers(tag)
 
 
 @pytest.mark.parametrize(

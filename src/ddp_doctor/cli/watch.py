@@ -174,7 +174,8 @@ def _finish(result: Any, args: argparse.Namespace, console: Console, run_dir: Pa
     from ddp_doctor.launch.outcome import exit_code
 
     if result.failed:
-        console.print(Rule("the job failed"))
+        stopped = result.check.interrupted is not None or result.check.timed_out
+        console.print(Rule("the job was stopped" if stopped else "the job failed"))
         render_result(result.check, console)
     code = exit_code(result.check, args.fail_on)
     if result.failed and code == 0:

@@ -295,6 +295,8 @@ class Session:
         raised = raised_error(exc, self.doctors, phase=str(self.out.progress().phase))
         if not self.doctors and self.plain.sharded is not None:
             raised.step = self.plain.steps  # the FSDP2 model's optimizer steps (no doctor counts them)
+        if self.watching:
+            raised.step = max(raised.step, self.beacon.state.step)  # `watch` counts the steps past the report
         # After finish() the report is written: this crash happened in what the policy ran after it (bench).
         outcome = Outcome.CRASHED_AFTER_REPORT if self._finishing else Outcome.CRASHED
         self.out.end(outcome, raised=raised, overwrite=True)
