@@ -9,9 +9,12 @@ Under plain torchrun: exit code 1, rank 1 `exitcode -6 (SIGABRT)`, rank 0 `-15` 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
-from checkrun import SCRIPTS, check
+from checkrun import REPO, SCRIPTS, check
 from frameworkrun import torchrun
 
 
@@ -32,3 +35,25 @@ def test_under_the_check_the_ranks_never_reach_interpreter_exit(tmp_path: Path) 
     )
     assert run.rc == 0 and run.codes == set(), run.output
     assert "terminate called" not in run.output
+
+
+def test_under_watch_an_abort_at_exit_after_the_last_line_is_said_as_such(tmp_path: Path) -> None:
+    """`watch` lets the script end as it would (its atexit hooks run), so the abort happens there as under plain
+    torchrun: the summary says the script ran to its end and which rank aborted at interpreter exit, the exit code
+    is 0 when every rank had ended its script; a failure before the end (--raise) is a failed job."""
+    for name, extra, rc in (("ended", [], 0), ("failed", ["--raise"], 1)):
+        run_dir = tmp_path / f"run-{name}"
+        done = subprocess.run(
+            [sys.executable, "-m", "ddp_doctor.cli", "watch", "--run-dir", str(run_dir), "--nproc-per-node", "2"]
+            + ["--steps", "2", str(SCRIPTS / "abort_at_exit.py"), str(tmp_path / name), *extra],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        ended = json.loads((run_dir / "watch.json").read_text())
+        assert done.returncode == rc, done.stdout[-3000:] + done.stderr[-3000:]
+        assert ended["failed"] is bool(rc), ended["summary"]
+        if not rc:
+            assert "rank 1 aborted at interpreter exit" in ended["summary"], ended["summary"]
+            assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["rank0.done", "rank1.done"]

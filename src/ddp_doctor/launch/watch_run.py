@@ -309,6 +309,12 @@ def watch(
     elif rc == 0 and first:
         summary, failed = f"the job finished on every rank after {stepped} optimizer steps, in {seconds:.0f} s", False
         result = first[0]
+    elif first and (aborted := aborted_at_exit(run_dir)) is not None:
+        summary, failed = (
+            f"the script ran to its end after {stepped} optimizer steps, in {seconds:.0f} s; {aborted}",
+            False,
+        )
+        result = first[0]
     elif first:
         summary, failed = "the job failed after the first steps", True
     elif rc == 0:
@@ -326,6 +332,35 @@ def watch(
         },
     )
     return WatchResult(check=result, failed=failed, summary=summary, verdicts=loop.verdicts)
+
+
+def aborted_at_exit(folder: Path) -> tuple[str, bool] | None:
+    """When the only failure is a rank that aborted (SIGABRT) after its script had ended with status 0 (its end
+    record says so), and torchrun's SIGTERM to the others: what happened, in words, and whether torchrun stopped a
+    rank before its script had ended (its last work after training, a save, was cut short); else None. torch 2.13's gloo can
+    abort a process at interpreter exit ("terminate called without an active exception", docs/check.md)."""
+    from ddp_doctor.core.rankfiles import Outcome, read_ends
+
+    try:
+        failures = json.loads((folder / "torchrun.json").read_text()).get("failures", {})
+    except (OSError, ValueError):
+        return None
+    ends = read_ends(folder)
+    ended = {r for r, e in ends.items() if e.outcome is Outcome.EXITED and e.status == 0}
+    aborted = sorted(int(r) for r, f in failures.items() if f.get("exitcode") == -6 and int(r) in ended)
+    stopped = sorted(int(r) for r, f in failures.items() if f.get("exitcode") == -15)
+    if not aborted or len(aborted) + len(stopped) != len(failures):
+        return None
+    from ddp_doctor.core.ranks import rank_list
+
+    text = (
+        f"then {rank_list(aborted)} aborted at interpreter exit (SIGABRT, after the script's last line: torch's gloo "
+        "quirk at exit, docs/check.md), which is not a failure of the training"
+    )
+    unfinished = [r for r in stopped if r not in ended]
+    if unfinished:
+        text += f"; torchrun then stopped {rank_list(unfinished)} before its script had ended"
+    return text, bool(unfinished)
 
 
 def _torchrun_rc(folder: Path) -> int:
