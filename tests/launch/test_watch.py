@@ -142,6 +142,32 @@ def test_a_barrier_in_a_rank_0_only_save_is_explained_before_the_groups_timeout(
     assert barrier in output
 
 
+def test_flight_recorder_dumps_of_the_same_hang_name_the_same_collective_and_ranks(tmp_path: Path) -> None:
+    """The rank-0-only barrier under plain torchrun with PyTorch's Flight Recorder on (TORCH_FR_BUFFER_SIZE) and a
+    5 s group timeout; each rank writes its dump when its collective times out (gloo records the entries but, on
+    torch 2.13.0, writes no dump itself; NCCL's watchdog does). On these dumps torch's own analyzer
+    (`python -m torch.distributed.flight_recorder.fr_trace DIR -p rank_`, torch 2.13.0) stops with
+    `KeyError: ('0', 0)`. `explain` names what `watch`'s verdict names: the barrier on rank 0 where rank 1 issued
+    DDP's gradient all-reduce, each with its line."""
+    dumps = tmp_path / "fr"
+    plain = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPTS / "ckpt_barrier.py")],
+        cwd=REPO,
+        env={**os.environ, "GROUP_TIMEOUT_S": "5", "FR_DUMP_DIR": str(dumps), "TORCH_FR_BUFFER_SIZE": "2000"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plain.returncode != 0 and sorted(p.name for p in dumps.iterdir()) == ["rank_0", "rank_1"], plain.stderr
+    rc, output, explained = _explain(dumps, tmp_path)
+    assert rc == 1, output
+    (finding,) = explained["findings"]
+    assert finding["code"] == "collective-mismatch" and finding["ranks"] == [0, 1], finding
+    barrier, backward = _line("ckpt_barrier.py", "dist.barrier()"), _line("ckpt_barrier.py", "loss.backward()")
+    assert f"rank 0 issued barrier at {SCRIPTS.parent.parent / 'tests' / 'scripts' / barrier}" in finding["title"]
+    assert "rank 1 issued all_reduce(float[178]) at" in finding["title"] and backward in finding["title"], finding
+
+
 @pytest.mark.parametrize(
     ("stall", "on_hang", "rank", "text"),
     [("loop", "stop", 1, "while time.monotonic() < until"), ("sleep", "wait", 0, "time.sleep(seconds)")],

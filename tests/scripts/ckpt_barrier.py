@@ -3,6 +3,9 @@ timeout is 10 s, or GROUP_TIMEOUT_S): the other ranks go on to the next epoch, w
 meets it.
 
     torchrun --nproc-per-node 2 tests/scripts/ckpt_barrier.py
+
+With FR_DUMP_DIR set (and TORCH_FR_BUFFER_SIZE), a rank whose collective times out writes PyTorch's Flight Recorder
+dump to FR_DUMP_DIR/rank_R, the file NCCL's watchdog writes on a timeout (gloo writes none itself), then fails.
 """
 
 from __future__ import annotations
@@ -43,5 +46,19 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def _dump_flight_recorder() -> None:
+    folder = os.environ.get("FR_DUMP_DIR")
+    if folder:
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"rank_{dist.get_rank()}"), "wb") as f:
+            f.write(_dump_fr_trace(True, True, False))
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RuntimeError:
+        _dump_flight_recorder()
+        raise

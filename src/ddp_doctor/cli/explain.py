@@ -44,13 +44,21 @@ def run(args: argparse.Namespace) -> int:
     folder = Path(args.run_dir)
     if not folder.is_dir():
         args._parser.error(f"{args.run_dir!r} is not a folder. Pass the run folder `ddp-doctor watch` printed.")
-    if not any(folder.glob("rank*.beacon")) and not (folder / "watch.json").exists():
-        args._parser.error(
-            f"{args.run_dir!r} holds no ddp-doctor records (no rank*.beacon, no watch.json). Pass the run folder "
-            "`ddp-doctor watch` printed."
-        )
     console = Console()
-    result, code = explain(folder, console)
+    if not any(folder.glob("rank*.beacon")) and not (folder / "watch.json").exists():
+        from ddp_doctor.analyze.flight_recorder import read_dumps
+
+        dumps, problems = read_dumps(folder)
+        if not dumps:
+            args._parser.error(
+                f"{args.run_dir!r} holds no ddp-doctor records (no rank*.beacon, no watch.json) and no Flight "
+                "Recorder dumps"
+                + (f" that can be read ({'; '.join(problems)})" if problems else "")
+                + ". Pass the run folder `ddp-doctor watch` printed, or the folder of a job's Flight Recorder dumps."
+            )
+        result, code = explain_flight_recorder(dumps, problems, console)
+    else:
+        result, code = explain(folder, console)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return code
@@ -89,6 +97,29 @@ def explain(folder: Path, console: Console) -> tuple[dict[str, Any], int]:
     last = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(_last_write(folder)))
     console.print(f"ddp-doctor: the last record was written at {last}.", highlight=False)
     return check.to_dict(), 1
+
+
+def explain_flight_recorder(dumps: list[Any], problems: list[str], console: Console) -> tuple[dict[str, Any], int]:
+    """The first collective where the ranks parted, from PyTorch's Flight Recorder dumps (`analyze/flight_recorder`)."""
+    from ddp_doctor.analyze.flight_recorder import first_divergence
+
+    console.print(Rule(f"Flight Recorder dumps of {len(dumps)} rank(s)"))
+    for problem in problems:
+        console.print(f"ddp-doctor: warning: {problem}", highlight=False, soft_wrap=True)
+    findings = first_divergence(dumps)
+    for f in findings:
+        console.print(f"[bold]{f.code}[/bold]: {f.title}", soft_wrap=True)
+        console.print(f"  {f.detail}", highlight=False, soft_wrap=True)
+        console.print(f"  fix: {f.fix}", highlight=False, soft_wrap=True)
+    if not findings:
+        last = max((e.seq for d in dumps for e in d.entries), default=0)
+        console.print(
+            f"The dumps agree: every rank issued the same collectives, in the same order (up to #{last}).",
+            highlight=False,
+        )
+    result = {"schema": "ddp-doctor/flight-recorder@1", "ranks": sorted(d.rank for d in dumps), "problems": problems}
+    result["findings"] = [f.to_dict() for f in findings]
+    return result, int(bool(findings))
 
 
 def _last_write(folder: Path) -> float:
