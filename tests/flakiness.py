@@ -3,8 +3,8 @@ often each test failed: the suite must pass every time, under any load.
 
     python tests/flakiness.py [--runs 3] [--busy 2] [--workers 2] [TEST PATH ...]
 
-By default: the fault suite, the framework integrations, the timing findings, FSDP2, the epoch following and `watch` (the
-tests whose processes, waits and timeouts a loaded machine stresses most). `--busy N` starts N busy loops (default:
+By default: the fault suite, the framework integrations, the timing findings, FSDP2, the epoch following and
+`watch` (the tests whose processes, waits and timeouts a loaded machine stresses most). `--busy N` starts N busy loops (default:
 one per core) for the whole time; each run is one pytest (on `--workers` xdist workers, then its serial tests
 alone, as `make test` runs them). Exit code 1 when any test failed in any run.
 """
