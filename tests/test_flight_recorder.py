@@ -14,7 +14,8 @@ from pathlib import Path
 
 from checkrun import REPO
 
-from ddp_doctor.analyze.flight_recorder import first_divergence, read_dumps
+from ddp_doctor.analyze.flight_recorder import first_divergence
+from ddp_doctor.core.fr_dumps import read_dumps
 
 
 def _entry(seq: int, op: str, size: int, line: int, *, group: str = "0") -> dict:

@@ -130,6 +130,10 @@ def test_a_barrier_in_a_rank_0_only_save_is_explained_before_the_groups_timeout(
     barrier = _line("ckpt_barrier.py", "dist.barrier()")
     assert cause["code"] == "collective-mismatch" and cause["ranks"] == [0, 1], cause
     assert barrier in cause["title"] and "DDP's next gradient all-reduce" in cause["detail"], cause
+    # The ranks' Flight Recorder rings (every collective, DDP's own too) part at the same place.
+    (parted,) = hang["sequences"]
+    assert parted["ranks"] == [0, 1] and hang["sequences_compared"] == 2, parted
+    assert "rank 0 issued barrier" in parted["title"] and "rank 1 issued all_reduce" in parted["title"], parted
     stacks = [Path(p["stacks"]) for p in hang["positions"]]
     assert all("Thread" in s.read_text() for s in stacks), stacks
     assert "ckpt_barrier.py" in stacks[0].read_text()
@@ -188,6 +192,8 @@ def test_a_rank_in_its_own_code_is_named_while_the_others_wait_in_ddps_all_reduc
     cause = hang["findings"][0]
     assert cause["code"] == "rank-hung" and cause["ranks"] == [rank], cause
     assert _line("watch_job.py", text) in cause["detail"], cause
+    (parted,) = hang["sequences"]  # DDP's next all-reduce, issued by the waiting rank only
+    assert f"rank {rank} issued none" in parted["title"] and "all_reduce" in parted["title"], parted
     if on_hang == "stop":
         assert run.rc == 1 and run.ended["failed"] is True, run.output
     else:

@@ -29,8 +29,7 @@ def _stall(kind: str, seconds: float) -> None:
     elif kind == "exit":
         sys.exit(0)
     else:
-        while time.monotonic() < until:
-            pass  # noqa: E701  (one line: the rank sits on it)
+        while time.monotonic() < until: pass  # noqa: E701  # fmt: skip
 
 
 def main() -> None:

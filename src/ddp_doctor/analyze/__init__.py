@@ -21,6 +21,8 @@ from ddp_doctor.analyze.diagnose import (
     diagnose_unwrapped,
     diagnose_verified,
 )
+from ddp_doctor.analyze.failures import failure_findings
+from ddp_doctor.analyze.flight_recorder import first_divergence
 from ddp_doctor.analyze.links import link_causes
 from ddp_doctor.analyze.recommend import recommend
 from ddp_doctor.analyze.shapes import explain_shape_error, refused_at_wrap
@@ -46,6 +48,8 @@ __all__ = [
     "explain_fsdp2_crash",
     "explain_meta_params",
     "explain_shape_error",
+    "failure_findings",
+    "first_divergence",
     "refused_at_wrap",
     "verified_reshard",
     "with_code",

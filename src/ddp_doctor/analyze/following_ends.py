@@ -12,8 +12,6 @@ Without a length (an iterable dataset) the projection is unknown and the measure
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
 from typing import Any
 
 from ddp_doctor.analyze import rules
@@ -21,17 +19,8 @@ from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.following import Following, FollowSummary
 from ddp_doctor.core.ranks import rank_list
-from ddp_doctor.core.rankstate import RankState
 
-__all__ = [
-    "counted_uneven",
-    "following_findings",
-    "following_section",
-    "loader_name",
-    "timed_out_waiting",
-    "timeout_fix",
-    "unchecked",
-]
+__all__ = ["counted_uneven", "following_findings", "following_section", "loader_name", "timeout_fix", "unchecked"]
 
 NO_LOADER = (
     "No epoch end was reached: the observed steps did not train on a DataLoader pass (a step-based loop, like "
@@ -224,16 +213,13 @@ def counted_uneven(loaders: list[dict[str, Any]], *, lengths_compared: bool = Fa
 def unchecked(
     summary: FollowSummary | None, *, epochs: int, limit: int, steps: int, watched: bool = False
 ) -> list[str]:
-    """What the check did not run or could not see, in sentences: the epoch end with `--follow-epochs 0` (under
-    `watch`, the rest of the job, which is watched for hangs and failures only), and the loaders without len() whose
-    passes the check capped (a difference in their batches per rank would not show)."""
+    """What the check did not run or could not see, in sentences: the epoch end with `--follow-epochs 0` (`watched`:
+    the rest of the job), and the loaders without len() whose passes the check capped."""
     out = []
-    if watched:
+    if watched:  # fmt: skip
         out.append(
-            f"After its {steps} observed step(s) the job trained on under watch, which from then on looks for hangs "
-            "and failures only: its epoch ends (evaluation, checkpoint saves, the collectives there) and later steps "
-            "were not compared across the ranks."
-        )
+            f"After its {steps} observed step(s) the job trained on under watch, which from then on looks for hangs and failures only: its epoch ends (evaluation, checkpoint saves, the collectives there) and later steps were not compared across the ranks."
+        )  # noqa: E501
     elif epochs == 0:
         out.append(
             f"--follow-epochs 0: the script was stopped right after its {steps} observed step(s); its epoch end "
@@ -364,40 +350,3 @@ def _timeout_risk(s: FollowSummary, framework: str) -> list[Finding]:
             fix=timeout_fix(framework),
         )
     ]
-
-
-_TIMEOUT_WORDS = ("Timed out waiting", "Watchdog caught collective operation timeout", "timed out")
-_TIMEOUT_MS = re.compile(r"(?:Timed out waiting |Timeout\(ms\)=)(\d+)\s*ms|Timeout\(ms\)=(\d+)")
-
-
-def timed_out_waiting(states: dict[int, RankState], where: Callable[[RankState], str]) -> Finding | None:
-    """A run that died of the process group's timeout: some ranks raised a collective timeout while the others,
-    not in any collective, were working alone (an evaluation on rank 0, say). `timeout-risk` as it happened: the
-    ranks that kept the others waiting, and where they were. `where` words a rank's position."""
-    waited = {
-        r: s
-        for r, s in states.items()
-        if s.raised is not None and s.raised.peer_lost and any(w in s.raised.message for w in _TIMEOUT_WORDS)
-    }
-    away = [r for r, s in sorted(states.items()) if r not in waited and s.raised is None and not s.in_collective]
-    if not waited or not away:
-        return None
-    first = min(waited)
-    crash = waited[first].raised
-    found = _TIMEOUT_MS.search(crash.message)
-    ms = next((g for g in found.groups() if g), None) if found else None
-    after = f" after {int(ms) / 1000:g} s" if ms else ""
-    return Finding(
-        code=Code.TIMEOUT_RISK,
-        severity="error",
-        title=f"{rank_list(sorted(waited))} timed out{after} in a collective, waiting for {rank_list(away)}, which "
-        "worked alone",
-        detail=f"Rank {first} waited in a collective at {crash.site or 'an unknown place'} (step {max(crash.step, 0)}, "
-        f"{crash.phase}) until the process group's timeout ran out{after} ({crash.type}: {crash.message[:160]}). "
-        + "; ".join(f"Rank {r} was not in any collective: {where(states[r])}" for r in away[:4])
-        + ". It worked alone that long while the others waited for it.",
-        params=[],
-        ranks=away,
-        steps=sorted({max(states[r].step, 0) for r in away}),
-        fix=timeout_fix(next((m.get("framework") for st in states.values() for m in st.models), "torch")),
-    )

@@ -155,6 +155,10 @@ class InRankBench:
         self.take_over(doctors, reports)
         return True
 
+    def script_returned(self, exc: SystemExit | None, code: int) -> None:
+        """`RunPolicy.script_returned`: never called (bench does not run the whole job)."""
+        return None
+
     def script_ended(self) -> bool:
         """`RunPolicy.script_ended`: keep what was timed, when the driver had taken over."""
         if not self.took_over:

@@ -12,12 +12,22 @@ from ddp_doctor.launch.interrupt import Interrupted, install_signal_handlers
 
 install_signal_handlers()  # first: SIGINT / SIGTERM / SIGHUP while the CLI starts exit 128 + the signal, no traceback
 
-import argparse  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 
-from ddp_doctor import __version__  # noqa: E402
-from ddp_doctor.cli import bench, check, demo, explain, list_codes, watch  # noqa: E402
+
+def _interrupted(exc: Interrupted) -> int:
+    sys.stderr.write(f"\nddp-doctor: interrupted by {signal.Signals(exc.signum).name}; nothing was left running.\n")
+    return exc.exit_code
+
+
+try:  # a signal while the subcommands are imported is one line too, not a traceback out of an import
+    import argparse
+
+    from ddp_doctor import __version__
+    from ddp_doctor.cli import bench, check, demo, explain, list_codes, watch
+except Interrupted as exc:
+    sys.exit(_interrupted(exc))
 
 __all__ = ["build_parser", "main"]
 
@@ -52,6 +62,5 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser(_command(argv)).parse_args(argv)
         code = int(args.func(args) or 0)
     except Interrupted as exc:
-        sys.stderr.write(f"\nddp-doctor: interrupted by {signal.Signals(exc.signum).name}; nothing was left running.\n")
-        code = exc.exit_code
+        code = _interrupted(exc)
     return code

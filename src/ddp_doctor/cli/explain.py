@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         args._parser.error(f"{args.run_dir!r} is not a folder. Pass the run folder `ddp-doctor watch` printed.")
     console = Console()
     if not any(folder.glob("rank*.beacon")) and not (folder / "watch.json").exists():
-        from ddp_doctor.analyze.flight_recorder import read_dumps
+        from ddp_doctor.core.fr_dumps import read_dumps
 
         dumps, problems = read_dumps(folder)
         if not dumps:
@@ -101,12 +101,12 @@ def explain(folder: Path, console: Console) -> tuple[dict[str, Any], int]:
 
 def explain_flight_recorder(dumps: list[Any], problems: list[str], console: Console) -> tuple[dict[str, Any], int]:
     """The first collective where the ranks parted, from PyTorch's Flight Recorder dumps (`analyze/flight_recorder`)."""
-    from ddp_doctor.analyze.flight_recorder import first_divergence
+    from ddp_doctor.launch.watch_run import parted
 
     console.print(Rule(f"Flight Recorder dumps of {len(dumps)} rank(s)"))
     for problem in problems:
         console.print(f"ddp-doctor: warning: {problem}", highlight=False, soft_wrap=True)
-    findings = first_divergence(dumps)
+    findings = parted(dumps)
     for f in findings:
         console.print(f"[bold]{f.code}[/bold]: {f.title}", soft_wrap=True)
         console.print(f"  {f.detail}", highlight=False, soft_wrap=True)

@@ -136,7 +136,7 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
 
 def run(args: argparse.Namespace) -> int:
     namespace, run_dir = _validate(args)
-    from ddp_doctor.launch.watch_run import watch
+    from ddp_doctor.launch.whole_run import watch
 
     console = Console()
     result = watch(
@@ -204,6 +204,8 @@ def verdict_from_dict(d: dict[str, Any]) -> HangVerdict:
         at=d["at"],
         positions=d["positions"],
         findings=[Finding.from_dict(f) for f in d["findings"]],
+        sequences=[Finding.from_dict(f) for f in d.get("sequences", [])],
+        sequences_compared=d.get("sequences_compared", 0),
     )
 
 
@@ -238,6 +240,14 @@ def render_verdict(verdict: HangVerdict, console: Console) -> None:
                 console.print(f"  fix: {f.fix}", highlight=False, soft_wrap=True)
     if not verdict.findings:
         console.print("No cause could be read from the ranks' positions; their stacks below say where each is.")
+    for f in verdict.sequences:
+        console.print(f"collective sequences (Flight Recorder): {f.title}", highlight=False, soft_wrap=True)
+    if verdict.sequences_compared > 1 and not verdict.sequences:
+        console.print(
+            f"collective sequences (Flight Recorder, {verdict.sequences_compared} ranks): the same on every rank, "
+            "in the same order.",
+            highlight=False,
+        )
     stacks = [p["stacks"] for p in verdict.positions if p.get("stacks")]
     if stacks:
         console.print("every thread's stack: " + ", ".join(stacks), highlight=False, soft_wrap=True)

@@ -43,6 +43,11 @@ class RunPolicy(Protocol):
         leaves with status 0 (the script's end is the policy's end, not a finding)."""
         ...
 
+    def script_returned(self, exc: SystemExit | None, code: int) -> None:
+        """`whole_run` only: the script returned (`exc` None) or called `sys.exit` after the report; the policy ends
+        the rank the way the script would (it raises `SystemExit`)."""
+        ...
+
 
 class CheckPolicy:
     """`ddp-doctor check`: nothing after the report; the rank leaves."""
@@ -57,3 +62,6 @@ class CheckPolicy:
 
     def script_ended(self) -> bool:
         return False
+
+    def script_returned(self, exc: SystemExit | None, code: int) -> None:
+        return None

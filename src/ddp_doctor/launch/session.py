@@ -139,11 +139,6 @@ class Session:
         faulthandler.enable(self._fault_file, all_threads=True)
         self.watchdog.start()
 
-    def _beyond_steps(self) -> Phase | None:
-        if self.follow.active:
-            return Phase.FOLLOWING
-        return Phase.WATCHED if self.watching else None
-
     @property
     def finishing(self) -> bool:
         """The rank is past its observed steps' end (reporting, or the report is written)."""
@@ -248,7 +243,7 @@ class Session:
         """
         code = 0 if exc is None or exc.code is None else exc.code if isinstance(exc.code, int) else 1
         if self._finishing and self.policy.whole_run:
-            self._script_end(exc, code)
+            self.policy.script_returned(exc, code)  # `watch`: the rank leaves as the script does
         if self.policy.script_ended():  # the script's loop ended while the policy ran (bench's blocks)
             self.leave()
         if exc is None:
@@ -273,15 +268,6 @@ class Session:
                 exit_code=code,
             )
         self._exit(code)
-
-    def _script_end(self, exc: SystemExit | None, code: int) -> None:
-        """Under `watch`, past the report: the script ended as it would without the doctor. The rank records it and
-        leaves the way the script does (its status, its atexit handlers, its threads joined)."""
-        site = "the end of the script" if exc is None else user_frame(traceback.extract_tb(exc.__traceback__))
-        self.out.end(Outcome.EXITED, overwrite=True, status=code, site=site or "sys.exit", step=self.beacon.state.step)
-        self.ended.set()
-        self.watchdog.write()
-        raise exc if exc is not None else SystemExit(code)
 
     def on_crash(self, exc: BaseException) -> None:
         """The script raised on this rank: record it, try to report with the others, and exit."""

@@ -11,13 +11,17 @@ the stuck thread).
 from __future__ import annotations
 
 import faulthandler
+import os
+import traceback
 from typing import TYPE_CHECKING, Any
 
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
+from ddp_doctor.core.frames import user_frame
 from ddp_doctor.core.phase import Phase
+from ddp_doctor.core.rankfiles import Outcome
 from ddp_doctor.launch.following_run import group_timeout
-from ddp_doctor.launch.watch_run import STACKS_SIGNAL, stacks_path
+from ddp_doctor.launch.watch_run import STACKS_SIGNAL, dump_request_path, stacks_path
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -40,6 +44,8 @@ class WatchPolicy:
         self._base = 0
         self._stacks = open(stacks_path(session.outdir, session.rank), "a")  # noqa: SIM115  (kept open for the handler)
         faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
+        self._dumped = 0.0
+        session.watchdog.on_tick = self._dump_when_asked
 
     def wrapped(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
         self.session.beacon.update(group_timeout=group_timeout())
@@ -56,8 +62,43 @@ class WatchPolicy:
     def script_ended(self) -> bool:
         return False
 
+    def script_returned(self, exc: SystemExit | None, code: int) -> None:
+        """Past the report, the script returned or called `sys.exit`: record its end (status, line, the watched step),
+        then leave the way the script does (its status; the interpreter joins its threads and runs its atexit
+        handlers)."""
+        session = self.session
+        site = "the end of the script" if exc is None else user_frame(traceback.extract_tb(exc.__traceback__))
+        session.out.end(
+            Outcome.EXITED, overwrite=True, status=code, site=site or "sys.exit", step=session.beacon.state.step
+        )
+        session.ended.set()
+        session.watchdog.write()
+        raise exc if exc is not None else SystemExit(code)
+
     def _stepped(self, opt: Optimizer, _args: Any, _kwargs: Any) -> None:
         n = self._steps[id(opt)] = self._steps.get(id(opt), 0) + 1
         step = self._base + n
         if step > self.session.beacon.state.step:
             self.session.beacon.update(step=step)
+
+    def _dump_when_asked(self) -> None:
+        """From the watchdog's thread: when `watch` asked (a hang), write this rank's Flight Recorder ring, the
+        collectives it issued with their stacks, DDP's own included (torch records them when TORCH_FR_BUFFER_SIZE
+        is set, as `watch` does)."""
+        request = dump_request_path(self.session.outdir)
+        try:
+            asked = request.stat().st_mtime
+        except OSError:
+            return
+        if asked <= self._dumped:
+            return
+        self._dumped = asked
+        try:
+            from torch._C._distributed_c10d import _dump_fr_trace
+        except ImportError:
+            return  # a torch without the Flight Recorder's dump
+        data = _dump_fr_trace(True, True, False)
+        path = self.session.outdir / f"rank{self.session.rank}.fr"
+        tmp = path.with_suffix(".fr.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,8 +32,11 @@ __all__ = [
     "HangVerdict",
     "WatchLoop",
     "beacons",
+    "dump_request_path",
     "hang_verdict",
     "last_progress",
+    "parted",
+    "read_rings",
     "stacks_path",
     "write_json",
 ]
@@ -45,6 +49,7 @@ DEFAULT_HANG_AFTER_S = 300.0
 """`--hang-after` before any rank has published its process group's timeout."""
 _POLL_S = 0.2
 _STACKS_WAIT_S = 1.0
+_RINGS_WAIT_S = 5.0
 
 
 def beacons(folder: Path) -> dict[int, BeaconState]:
@@ -60,6 +65,12 @@ def beacons(folder: Path) -> dict[int, BeaconState]:
 def stacks_path(folder: Path, rank: int) -> Path:
     """Where a watched rank writes its threads' stacks when asked (`STACKS_SIGNAL`)."""
     return folder / f"rank{rank}.stacks"
+
+
+def dump_request_path(folder: Path) -> Path:
+    """Touched by `watch` at a hang: each rank's watchdog thread then writes its Flight Recorder ring to
+    `rank{R}.fr` (the main thread may be stuck in a collective; the watchdog's is not)."""
+    return folder / "flight-recorder.request"
 
 
 def last_progress(folder: Path, states: dict[int, BeaconState]) -> float | None:
@@ -97,6 +108,11 @@ class HangVerdict:
     """`time.time()` when the verdict was made."""
     findings: list[Any] = field(default_factory=list)
     """The failure analysis's findings (`core/findings.Finding`), the first one the cause."""
+    sequences: list[Any] = field(default_factory=list)
+    """From the ranks' Flight Recorder rings (every collective, DDP's own included): the first collective where the
+    ranks' sequences part (`analyze/flight_recorder.py`), per process group."""
+    sequences_compared: int = 0
+    """How many ranks' rings were read (0: the Flight Recorder was off, or no rank wrote its ring)."""
     positions: list[dict[str, Any]] = field(default_factory=list)
     """Per rank: `rank`, `step`, `phase`, `line` (the user's line on its main thread), `collective` (the last
     collective the script entered: op, line, whether the rank is inside it), `stacks` (the file)."""
@@ -110,16 +126,19 @@ class HangVerdict:
             "at": self.at,
             "positions": self.positions,
             "findings": [f.to_dict() for f in self.findings],
+            "sequences": [f.to_dict() for f in self.sequences],
+            "sequences_compared": self.sequences_compared,
         }
 
 
 def hang_verdict(folder: Path, *, stalled_s: float, hang_after_s: float, group_timeout_s: float | None) -> HangVerdict:
-    """Where every rank is now, and the failure analysis's reading of it (imports torch: the analysis needs it)."""
-    from ddp_doctor.analyze.failures import failure_findings
+    """Where every rank is now, and the failure analysis's reading of it. The ranks' files are read first, then the
+    analysis is imported (torch: seconds on a loaded machine, while a rank may move on)."""
     from ddp_doctor.core.rankstate import read_rank_states
 
     now = time.time()
     states = read_rank_states(folder, end_time=now)
+    dumps = read_rings(folder)
     positions = []
     for rank, s in sorted(states.items()):
         c = s.collective
@@ -136,15 +155,45 @@ def hang_verdict(folder: Path, *, stalled_s: float, hang_after_s: float, group_t
                 "stacks": str(stacks) if stacks.exists() and stacks.stat().st_size else None,
             }
         )
-    findings = failure_findings(states, timed_out=True, native=[])
+    from ddp_doctor.analyze import failure_findings
+
     return HangVerdict(
         stalled_s=stalled_s,
         hang_after_s=hang_after_s,
         group_timeout_s=group_timeout_s,
         at=now,
-        findings=findings,
+        findings=failure_findings(states, timed_out=True, native=[]),
+        sequences=parted(dumps),
+        sequences_compared=len(dumps),
         positions=positions,
     )
+
+
+def read_rings(folder: Path, pattern: str = "rank*.fr") -> list[Any]:
+    """The Flight Recorder rings in `folder` (no torch)."""
+    from ddp_doctor.core.fr_dumps import read_dumps
+
+    return read_dumps(folder, pattern)[0]
+
+
+def parted(dumps: list[Any]) -> list[Any]:
+    """The first collective where the ranks' Flight Recorder rings part, per process group (imports torch)."""
+    from ddp_doctor.analyze import first_divergence
+
+    return first_divergence(dumps)
+
+
+def _preload_analysis() -> None:
+    """Import the failure analysis (and torch) in the background once the job runs, so a verdict is not delayed by
+    it."""
+
+    def load() -> None:
+        try:
+            import ddp_doctor.analyze  # noqa: F401
+        except Exception:  # noqa: BLE001  (imported again, with its error, when a verdict needs it)
+            pass
+
+    threading.Thread(target=load, name="ddp-doctor-preload", daemon=True).start()
 
 
 class WatchLoop:
@@ -193,16 +242,15 @@ class WatchLoop:
             if not self._announced and (folder / "report.json").exists():
                 self._announced = True
                 self._reported(folder)
+                _preload_analysis()
             states = beacons(folder)
             if not states:
                 continue
+            if hung_at is not None:
+                hung_at = self._moved_since(hung_at, states)
+                continue
             last = last_progress(folder, states)
             if last is None:
-                continue
-            if hung_at is not None:
-                if last > hung_at:
-                    self._resumed(last - hung_at)
-                    hung_at = None
                 continue
             hang_after, group = self.threshold(states)
             if group is not None and hang_after >= group and not self._warned:
@@ -214,7 +262,10 @@ class WatchLoop:
             stalled = time.time() - last
             if stalled < hang_after:
                 continue
-            _ask_for_stacks(states)
+            _ask_for_stacks(folder, states)
+            now = beacons(folder)
+            if last_progress(folder, now) != last or any(end_path(folder, r).exists() for r in states):
+                continue  # a rank moved or ended while its stacks were taken: not a hang
             verdict = hang_verdict(folder, stalled_s=stalled, hang_after_s=hang_after, group_timeout_s=group)
             self.verdicts.append(verdict)
             write_json(folder / "hang.json", verdict.to_dict())
@@ -222,147 +273,43 @@ class WatchLoop:
             if self.on_hang == "stop":
                 return True
             hung_at = time.time()
+        if hung_at is not None:
+            self._moved_since(hung_at, beacons(folder))  # the ranks moved again and ended between two looks
         return False
 
+    def _moved_since(self, hung_at: float, states: dict[int, BeaconState]) -> float | None:
+        """After a verdict: None (and `resumed` called) once any rank's beacon changed since, else `hung_at`."""
+        moved = max((s.time for s in states.values()), default=0.0)
+        if moved > hung_at:
+            self._resumed(moved - hung_at)
+            return None
+        return hung_at
 
-def _ask_for_stacks(states: dict[int, BeaconState]) -> None:
-    """Every local rank writes all its threads' stacks (`watch_rank.STACKS_SIGNAL`); wait a moment for them."""
+
+def _ask_for_stacks(folder: Path, states: dict[int, BeaconState]) -> None:
+    """Every local rank writes all its threads' stacks (`STACKS_SIGNAL`) and its Flight Recorder ring (from its
+    watchdog's thread, within half a second); wait a moment for them."""
     asked = False
+    requested = time.time()
+    try:
+        dump_request_path(folder).write_text(str(requested))
+        requested = dump_request_path(folder).stat().st_mtime
+    except OSError:
+        pass
     for s in states.values():
         try:
             os.kill(s.pid, STACKS_SIGNAL)
             asked = True
         except (ProcessLookupError, PermissionError):
             continue
-    if asked:
-        time.sleep(_STACKS_WAIT_S)
-
-
-@dataclass(kw_only=True)
-class WatchResult:
-    """What `watch` ends with: the result to report, whether the job failed, one sentence on how it ended."""
-
-    check: Any
-    """The `CheckResult`: the first steps' report, with the failure's findings first when the job failed."""
-    failed: bool
-    summary: str
-    verdicts: list[HangVerdict] = field(default_factory=list)
-
-
-def watch(
-    namespace: dict[str, Any],
-    *,
-    steps: int,
-    run_dir: Path,
-    hang_after: float | None,
-    on_hang: str,
-    fresh: bool,
-    reported: Callable[[Any], None],
-    hung: Callable[[HangVerdict], None],
-    resumed: Callable[[float], None],
-    warn: Callable[[str], None],
-) -> WatchResult:
-    """Run the whole job (torchrun's parsed `namespace`) with its ranks' records in `run_dir`.
-
-    `reported` gets the first steps' `CheckResult` as soon as the ranks wrote it; `hung` each hang's verdict;
-    `resumed` the seconds the ranks stood still, when they move again after a verdict.
-    """
-    from ddp_doctor.launch.config import RankConfig
-    from ddp_doctor.launch.outcome import collect
-    from ddp_doctor.launch.supervise import run_check
-    from ddp_doctor.launch.warm import FRESH_VAR
-
-    first: list[Any] = []
-
-    def on_report(folder: Path) -> None:
-        try:
-            reason = json.loads((folder / "report.json").read_text()).get("reason")
-        except (OSError, ValueError):
-            reason = None
-        if reason != f"{steps} steps observed":
-            return  # the job ended (a crash, the script's end) before its first steps were all observed
-        result = collect(folder, timed_out=False, torchrun_rc=None)
-        first.append(result)
-        # From here on the joint report is the first steps' own: a later failure is read against it.
-        os.replace(folder / "report.json", folder / "report.steps.json")
-        reported(result)
-
-    loop = WatchLoop(hang_after=hang_after, on_hang=on_hang, reported=on_report, hung=hung, resumed=resumed, warn=warn)
-    config = RankConfig(
-        target=namespace["training_script"],
-        module=bool(namespace["module"]),
-        steps=steps,
-        follow_epochs=0,
-        whole_run=True,
-    )
-    env = {FRESH_VAR: "1"} if fresh else None
-    started = time.time()
-    result = run_check(namespace, config, timeout=None, outdir=run_dir, env=env, wait=loop)
-    states = beacons(run_dir)
-    stepped = max((s.step for s in states.values()), default=-1)
-    rc = _torchrun_rc(run_dir)
-    seconds = time.time() - started
-    if result.interrupted is not None:
-        summary, failed = f"the job was stopped by {signal.Signals(result.interrupted).name}", True
-    elif result.timed_out:
-        summary, failed = "the job was stopped after the hang (--on-hang stop)", True
-    elif rc == 0 and first:
-        summary, failed = f"the job finished on every rank after {stepped} optimizer steps, in {seconds:.0f} s", False
-        result = first[0]
-    elif first and (aborted := aborted_at_exit(run_dir)) is not None:
-        summary, failed = (
-            f"the script ran to its end after {stepped} optimizer steps, in {seconds:.0f} s; {aborted}",
-            False,
-        )
-        result = first[0]
-    elif first:
-        summary, failed = "the job failed after the first steps", True
-    elif rc == 0:
-        summary, failed = f"the job ended before {steps} optimizer steps were observed", result.error is not None
-    else:
-        summary, failed = f"the job failed before {steps} optimizer steps were observed", True
-    write_json(
-        run_dir / "watch.json",
-        {
-            "summary": summary,
-            "failed": failed,
-            "steps": stepped,
-            "seconds": round(seconds, 1),
-            "result": result.to_dict(),
-        },
-    )
-    return WatchResult(check=result, failed=failed, summary=summary, verdicts=loop.verdicts)
-
-
-def aborted_at_exit(folder: Path) -> tuple[str, bool] | None:
-    """When the only failure is a rank that aborted (SIGABRT) after its script had ended with status 0 (its end
-    record says so), and torchrun's SIGTERM to the others: what happened, in words, and whether torchrun stopped a
-    rank before its script had ended (its last work after training, a save, was cut short); else None. torch 2.13's gloo can
-    abort a process at interpreter exit ("terminate called without an active exception", docs/check.md)."""
-    from ddp_doctor.core.rankfiles import Outcome, read_ends
-
-    try:
-        failures = json.loads((folder / "torchrun.json").read_text()).get("failures", {})
-    except (OSError, ValueError):
-        return None
-    ends = read_ends(folder)
-    ended = {r for r, e in ends.items() if e.outcome is Outcome.EXITED and e.status == 0}
-    aborted = sorted(int(r) for r, f in failures.items() if f.get("exitcode") == -6 and int(r) in ended)
-    stopped = sorted(int(r) for r, f in failures.items() if f.get("exitcode") == -15)
-    if not aborted or len(aborted) + len(stopped) != len(failures):
-        return None
-    from ddp_doctor.core.ranks import rank_list
-
-    text = (
-        f"then {rank_list(aborted)} aborted at interpreter exit (SIGABRT, after the script's last line: torch's gloo "
-        "quirk at exit, docs/check.md), which is not a failure of the training"
-    )
-    unfinished = [r for r in stopped if r not in ended]
-    if unfinished:
-        text += f"; torchrun then stopped {rank_list(unfinished)} before its script had ended"
-    return text, bool(unfinished)
-
-
-def _torchrun_rc(folder: Path) -> int:
-    """0 when no worker failed (torchrun writes `torchrun.json` only for failed workers)."""
-    return 1 if (folder / "torchrun.json").exists() else 0
+    if not asked:
+        return
+    # The stacks come from a signal handler at once; the rings from each watchdog's next tick (half a second, more
+    # on a loaded machine, or when the main thread holds the interpreter in a Python loop).
+    time.sleep(_STACKS_WAIT_S)
+    deadline = time.monotonic() + _RINGS_WAIT_S
+    while time.monotonic() < deadline:
+        rings = [folder / f"rank{r}.fr" for r, s in states.items() if not end_path(folder, r).exists()]
+        if all(p.exists() and p.stat().st_mtime >= requested for p in rings):
+            return
+        time.sleep(_POLL_S)

@@ -53,6 +53,8 @@ class Watchdog:
         self, folder: Path, sample: Callable[[], ProgressSample], ended: threading.Event, deadline: float
     ) -> None:
         self._folder, self._sample, self._ended, self._deadline = folder, sample, ended, deadline
+        self.on_tick: Callable[[], None] | None = None
+        """Called from the watchdog's thread every half second (`watch`: a Flight Recorder dump when asked)."""
 
     def start(self) -> None:
         """Write a first sample, then sample in a daemon thread until `ended` is set."""
@@ -69,6 +71,11 @@ class Watchdog:
     def _run(self) -> None:
         last: tuple[object, ...] = ()
         while not self._ended.wait(_INTERVAL_S):
+            if self.on_tick is not None:
+                try:
+                    self.on_tick()
+                except Exception as exc:  # noqa: BLE001  (the watchdog must never take the rank down)
+                    logger.debug("ddp-doctor: watchdog tick failed: %s", exc)
             s = self._sample()
             key = (s.step, s.phase, s.user_frame, s.innermost)
             if key != last:

@@ -1,0 +1,154 @@
+"""`ddp-doctor watch`'s run: the whole job under `check`'s launch with `RankConfig.whole_run`, watched by
+`WatchLoop` (`watch_run.py`), and how it ended, in one sentence (`watch.json` in the run folder)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddp_doctor.launch.watch_run import HangVerdict, WatchLoop, beacons, write_json
+
+__all__ = ["WatchResult", "aborted_at_exit", "watch"]
+
+_FR_ENTRIES = 2000
+"""The Flight Recorder's ring per rank under `watch`, unless TORCH_FR_BUFFER_SIZE is set."""
+
+
+@dataclass(kw_only=True)
+class WatchResult:
+    """What `watch` ends with: the result to report, whether the job failed, one sentence on how it ended."""
+
+    check: Any
+    """The `CheckResult`: the first steps' report, with the failure's findings first when the job failed."""
+    failed: bool
+    summary: str
+    verdicts: list[HangVerdict] = field(default_factory=list)
+
+
+def watch(
+    namespace: dict[str, Any],
+    *,
+    steps: int,
+    run_dir: Path,
+    hang_after: float | None,
+    on_hang: str,
+    fresh: bool,
+    reported: Callable[[Any], None],
+    hung: Callable[[HangVerdict], None],
+    resumed: Callable[[float], None],
+    warn: Callable[[str], None],
+) -> WatchResult:
+    """Run the whole job (torchrun's parsed `namespace`) with its ranks' records in `run_dir`.
+
+    `reported` gets the first steps' `CheckResult` as soon as the ranks wrote it; `hung` each hang's verdict;
+    `resumed` the seconds the ranks stood still, when they move again after a verdict.
+    """
+    from ddp_doctor.launch.config import RankConfig
+    from ddp_doctor.launch.outcome import collect
+    from ddp_doctor.launch.supervise import run_check
+    from ddp_doctor.launch.warm import FRESH_VAR
+
+    first: list[Any] = []
+
+    def on_report(folder: Path) -> None:
+        try:
+            reason = json.loads((folder / "report.json").read_text()).get("reason")
+        except (OSError, ValueError):
+            reason = None
+        if reason != f"{steps} steps observed":
+            return  # the job ended (a crash, the script's end) before its first steps were all observed
+        result = collect(folder, timed_out=False, torchrun_rc=None)
+        first.append(result)
+        # From here on the joint report is the first steps' own: a later failure is read against it.
+        os.replace(folder / "report.json", folder / "report.steps.json")
+        reported(result)
+
+    loop = WatchLoop(hang_after=hang_after, on_hang=on_hang, reported=on_report, hung=hung, resumed=resumed, warn=warn)
+    config = RankConfig(
+        target=namespace["training_script"],
+        module=bool(namespace["module"]),
+        steps=steps,
+        follow_epochs=0,
+        whole_run=True,
+    )
+    # PyTorch's Flight Recorder keeps each rank's last collectives (DDP's own included) with their stacks; a hang's
+    # verdict compares the ranks' rings. The user's own setting wins.
+    env = {"TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", str(_FR_ENTRIES))}
+    if fresh:
+        env[FRESH_VAR] = "1"
+    started = time.time()
+    result = run_check(namespace, config, timeout=None, outdir=run_dir, env=env, wait=loop)
+    states = beacons(run_dir)
+    stepped = max((s.step for s in states.values()), default=-1)
+    rc = _torchrun_rc(run_dir)
+    seconds = time.time() - started
+    if result.interrupted is not None:
+        summary, failed = f"the job was stopped by {signal.Signals(result.interrupted).name}", True
+    elif result.timed_out:
+        summary, failed = "the job was stopped after the hang (--on-hang stop)", True
+    elif rc == 0 and first:
+        summary, failed = f"the job finished on every rank after {stepped} optimizer steps, in {seconds:.0f} s", False
+        result = first[0]
+    elif first and (aborted := aborted_at_exit(run_dir)) is not None:
+        summary, failed = (
+            f"the script ran to its end after {stepped} optimizer steps, in {seconds:.0f} s; {aborted}",
+            False,
+        )
+        result = first[0]
+    elif first:
+        summary, failed = "the job failed after the first steps", True
+    elif rc == 0:
+        summary, failed = f"the job ended before {steps} optimizer steps were observed", result.error is not None
+    else:
+        summary, failed = f"the job failed before {steps} optimizer steps were observed", True
+    write_json(
+        run_dir / "watch.json",
+        {
+            "summary": summary,
+            "failed": failed,
+            "steps": stepped,
+            "seconds": round(seconds, 1),
+            "result": result.to_dict(),
+        },
+    )
+    return WatchResult(check=result, failed=failed, summary=summary, verdicts=loop.verdicts)
+
+
+def aborted_at_exit(folder: Path) -> tuple[str, bool] | None:
+    """When the only failure is a rank that aborted (SIGABRT) after its script had ended with status 0 (its end
+    record says so), and torchrun's SIGTERM to the others: what happened, in words, and whether torchrun stopped a
+    rank before its script had ended (its last work after training, a save, was cut short); else None. torch 2.13's gloo can
+    abort a process at interpreter exit ("terminate called without an active exception", docs/check.md)."""
+    from ddp_doctor.core.rankfiles import Outcome, read_ends
+
+    try:
+        failures = json.loads((folder / "torchrun.json").read_text()).get("failures", {})
+    except (OSError, ValueError):
+        return None
+    ends = read_ends(folder)
+    ended = {r for r, e in ends.items() if e.outcome is Outcome.EXITED and e.status == 0}
+    aborted = sorted(int(r) for r, f in failures.items() if f.get("exitcode") == -6 and int(r) in ended)
+    stopped = sorted(int(r) for r, f in failures.items() if f.get("exitcode") == -15)
+    if not aborted or len(aborted) + len(stopped) != len(failures):
+        return None
+    from ddp_doctor.core.ranks import rank_list
+
+    text = (
+        f"then {rank_list(aborted)} aborted at interpreter exit (SIGABRT, after the script's last line: torch's gloo "
+        "quirk at exit, docs/check.md), which is not a failure of the training"
+    )
+    unfinished = [r for r in stopped if r not in ended]
+    if unfinished:
+        text += f"; torchrun then stopped {rank_list(unfinished)} before its script had ended"
+    return text, bool(unfinished)
+
+
+def _torchrun_rc(folder: Path) -> int:
+    """0 when no worker failed (torchrun writes `torchrun.json` only for failed workers)."""
+    return 1 if (folder / "torchrun.json").exists() else 0
