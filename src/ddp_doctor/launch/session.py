@@ -94,8 +94,12 @@ class Session:
         """The report is written and the script trains on under `watch` (`watch_rank.py`)."""
         self.follow = EpochFollowing(config)
         """Follows the script through its epoch ends after the observed steps (`--follow-epochs`)."""
+
+        def beyond() -> Phase | None:  # the phase past the observed steps, if the script runs on
+            return Phase.FOLLOWING if self.follow.active else Phase.WATCHED if self.watching else None
+
         self.out = Publisher(
-            self.outdir, doctors=self.doctors, models=self.models, ended=self.ended, beyond_steps=self._beyond_steps
+            self.outdir, doctors=self.doctors, models=self.models, ended=self.ended, beyond_steps=beyond
         )
         """What the rank leaves for the supervisor (`publish.py`)."""
         self.beacon = self.out.beacon
