@@ -39,12 +39,14 @@ def watch(
     hang_after: float | None,
     on_hang: str,
     fresh: bool,
+    flight_recorder: bool = False,
     reported: Callable[[Any], None],
     hung: Callable[[HangVerdict], None],
     resumed: Callable[[float], None],
     warn: Callable[[str], None],
 ) -> WatchResult:
-    """Run the whole job (torchrun's parsed `namespace`) with its ranks' records in `run_dir`.
+    """Run the whole job (torchrun's parsed `namespace`) with its ranks' records in `run_dir`; `flight_recorder`
+    turns PyTorch's Flight Recorder on for it.
 
     `reported` gets the first steps' `CheckResult` as soon as the ranks wrote it; `hung` each hang's verdict;
     `resumed` the seconds the ranks stood still, when they move again after a verdict.
@@ -78,8 +80,11 @@ def watch(
         whole_run=True,
     )
     # PyTorch's Flight Recorder keeps each rank's last collectives (DDP's own included) with their stacks; a hang's
-    # verdict compares the ranks' rings. The user's own setting wins.
-    env = {"TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", str(_FR_ENTRIES))}
+    # verdict compares the ranks' rings. It costs a stack capture per collective, so it is asked for; a ring the
+    # environment already sets is read too.
+    env: dict[str, str] = {}
+    if flight_recorder and not os.environ.get("TORCH_FR_BUFFER_SIZE"):
+        env["TORCH_FR_BUFFER_SIZE"] = str(_FR_ENTRIES)
     if fresh:
         env[FRESH_VAR] = "1"
     started = time.time()
