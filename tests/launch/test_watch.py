@@ -117,8 +117,7 @@ def test_a_barrier_in_a_rank_0_only_save_is_explained_before_the_groups_timeout(
     fired), with the barrier's line, rank 1's DDP all-reduce, and each rank's stacks; `explain` says the same
     afterwards."""
     run = _watch(
-        ["--nproc-per-node", "2", "--hang-after", "3", "--on-hang", "stop", "--flight-recorder"]
-        + [str(SCRIPTS / "ckpt_barrier.py")],
+        ["--nproc-per-node", "2", "--hang-after", "3", "--on-hang", "stop", str(SCRIPTS / "ckpt_barrier.py")],
         tmp_path,
         env={"GROUP_TIMEOUT_S": "60"},
     )
@@ -184,8 +183,7 @@ def test_a_rank_in_its_own_code_is_named_while_the_others_wait_in_ddps_all_reduc
     all-reduce: the verdict names that rank and its line, not the rank that waits. With --on-hang wait, a rank that
     was only slow (9 s asleep) moves again, and the job finishes."""
     run = _watch(
-        ["--nproc-per-node", "2", "--hang-after", "3", "--on-hang", on_hang, "--flight-recorder"]
-        + [str(SCRIPTS / "watch_job.py")],
+        ["--nproc-per-node", "2", "--hang-after", "3", "--on-hang", on_hang, str(SCRIPTS / "watch_job.py")],
         tmp_path,
         env={"GROUP_TIMEOUT_S": "60", "STALL": stall, "STALL_S": "9", "STALL_RANK": str(rank), "STALL_STEP": "15"},
     )
@@ -253,8 +251,8 @@ def test_two_nodes_each_watched_run_the_job_and_the_node_of_the_stuck_rank_names
     waiting = hangs[0]["findings"][0]
     assert waiting["ranks"] == [0] and "rank 1 ran on another node" in waiting["detail"], waiting
     assert [p["rank"] for p in hangs[0]["positions"]] == [0] and [p["rank"] for p in hangs[1]["positions"]] == [1]
-    # No --flight-recorder: no ring was kept, and the verdict compares none.
-    assert hangs[0]["sequences_compared"] == hangs[1]["sequences_compared"] == 0 and hangs[1]["sequences"] == []
+    # Each node's verdict reads its own ranks' Flight Recorder rings only: one ring, nothing to compare it with.
+    assert hangs[0]["sequences_compared"] == hangs[1]["sequences_compared"] == 1 and hangs[1]["sequences"] == []
 
 
 def test_sigterm_to_watch_while_the_job_trains_on_ends_every_process(tmp_path: Path) -> None:

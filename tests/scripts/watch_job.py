@@ -1,7 +1,9 @@
 """A small DDP job for `ddp-doctor watch`: STEPS optimizer steps (default 30), then each rank prints a checksum of its
 weights; an atexit handler and a non-daemon thread each print a line at the end. STEP_S: a sleep after each step. STALL_RANK / STALL_STEP make one
-rank, after that step, either spin in a Python loop (STALL=loop, at most STALL_S seconds), sleep (STALL=sleep) or
-leave the loop and exit (STALL=exit) while the others go on into DDP's next gradient all-reduce.
+rank, after that step, either spin in a Python loop (STALL=loop, at most STALL_S seconds), sleep (STALL=sleep), leave
+the loop and exit (STALL=exit) or kill itself with SIGKILL (STALL=kill) while the others go on into DDP's next
+gradient all-reduce; STALL=loader draws the batches from a DataLoader with one worker process, whose item for that
+step sleeps STALL_S seconds on that rank.
 
     GROUP_TIMEOUT_S=20 torchrun --nproc-per-node 2 tests/scripts/watch_job.py
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import signal
 import sys
 import threading
 import time
@@ -22,13 +25,31 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 
+class _Batches(torch.utils.data.Dataset):
+    """Step i's batch; item `stall_at` takes `seconds` in the DataLoader's worker."""
+
+    def __init__(self, rank: int, steps: int, stall_at: int, seconds: float) -> None:
+        self.rank, self.steps, self.stall_at, self.seconds = rank, steps, stall_at, seconds
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == self.stall_at:
+            time.sleep(self.seconds)
+        gen = torch.Generator().manual_seed(1000 * self.rank + i)
+        return torch.randn(4, 8, generator=gen), torch.randint(0, 2, (4,), generator=gen)
+
+
 def _stall(kind: str, seconds: float) -> None:
     until = time.monotonic() + seconds
     if kind == "sleep":
         time.sleep(seconds)
     elif kind == "exit":
         sys.exit(0)
-    else:
+    elif kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "loop":
         while time.monotonic() < until: pass  # noqa: E701  # fmt: skip
 
 
@@ -43,15 +64,22 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
     atexit.register(lambda: print(f"rank {rank} atexit ran", flush=True))
+    stall, seconds = os.environ.get("STALL", "loop"), float(os.environ.get("STALL_S", "120"))
+    if stall == "loader":
+        at = stall_step if rank == stall_rank else -1
+        batches = iter(torch.utils.data.DataLoader(_Batches(rank, steps, at, seconds), batch_size=None, num_workers=1))
     for step in range(steps):
-        x, y = torch.randn(4, 8, generator=gen), torch.randint(0, 2, (4,), generator=gen)
+        if stall == "loader":
+            x, y = next(batches)
+        else:
+            x, y = torch.randn(4, 8, generator=gen), torch.randint(0, 2, (4,), generator=gen)
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         time.sleep(float(os.environ.get("STEP_S", "0")))
         if rank == stall_rank and step + 1 == stall_step:
-            _stall(os.environ.get("STALL", "loop"), float(os.environ.get("STALL_S", "120")))
+            _stall(stall, seconds)
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     print(f"rank {rank} trained {steps} steps, checksum {checksum:.12f}", flush=True)
     threading.Thread(target=lambda: (time.sleep(0.2), print(f"rank {rank} thread joined", flush=True))).start()

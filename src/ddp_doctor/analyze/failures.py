@@ -244,11 +244,11 @@ def _hung(states: dict[int, RankState], timed_out: bool) -> list[Finding]:
     behind = min(order.values())
     stuck = sorted(r for r, key in order.items() if key == behind)
     if len(stuck) == len(order) > 1:
-        # Same step and phase everywhere (past the observed steps, no phase is published): the ranks that sit in the
-        # script's own code are the ones the others, inside torch, wait for.
-        own = [r for r in stuck if _in_own_code(waiting[r])]
-        if 0 < len(own) < len(stuck):
-            stuck = own
+        # Same step and phase everywhere (past the observed steps, no phase is published): the ranks that are not in
+        # a collective (their own code, a sleep, a DataLoader's next()) are the ones the others wait for.
+        away = [r for r in stuck if waiting[r].innermost and not _waits_for_peers(waiting[r])]
+        if 0 < len(away) < len(stuck):
+            stuck = away
     world = max(s.world_size for s in states.values())
     missing = [r for r in range(world) if r not in states]
     return [
@@ -274,13 +274,12 @@ def _hung(states: dict[int, RankState], timed_out: bool) -> list[Finding]:
     ]
 
 
-def _in_own_code(s: RankState) -> bool:
-    """The rank's main thread was in the script's own line (a Python loop, a sleep, a wait of its own), not inside
-    torch (a collective, DDP's backward): its innermost frame is its user frame."""
-    if not s.innermost or not s.user_frame or s.in_collective:
-        return False
-    inner, user = s.innermost.rsplit(" in ", 1)[0], s.user_frame.split("  ", 1)[0].strip()
-    return inner == user or inner.endswith("/" + user) or user.endswith("/" + inner)
+def _waits_for_peers(s: RankState) -> bool:
+    """The rank's main thread was inside a collective: one of the script's (its beacon says so), or DDP's gradient
+    all-reduce or another torch.distributed call (its innermost frame), as opposed to its own code, a sleep or a
+    DataLoader's next()."""
+    inner = s.innermost or ""
+    return s.in_collective or any(part in inner for part in ("/torch/autograd/", "/torch/distributed/"))
 
 
 _TIMEOUT_WORDS = ("Timed out waiting", "Watchdog caught collective operation timeout", "timed out")

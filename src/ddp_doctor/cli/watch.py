@@ -37,17 +37,7 @@ Everything torchrun accepts before SCRIPT works the same way. The script runs to
 changes, and ddp-doctor's exit code is the job's (1 when it failed or hung, or findings at or above --fail-on).
 """
 
-_OURS = (
-    "steps",
-    "json",
-    "fail_on",
-    "hang_after",
-    "on_hang",
-    "run_dir",
-    "fresh_interpreters",
-    "flight_recorder",
-    "func",
-)
+_OURS = ("steps", "json", "fail_on", "hang_after", "on_hang", "run_dir", "fresh_interpreters", "func")
 
 
 def register(sub: argparse._SubParsersAction, *, with_torchrun: bool = True) -> None:
@@ -92,13 +82,6 @@ def _add_arguments(group: Any) -> None:
         default=None,
         help="the run folder the ranks' records go to and that outlives the job "
         "(default: ./ddp-doctor-runs/SCRIPT-DATE-TIME)",
-    )
-    group.add_argument(
-        "--flight-recorder",
-        action="store_true",
-        help="keep PyTorch's Flight Recorder ring of each rank's collectives (TORCH_FR_BUFFER_SIZE=2000, unless set): "
-        "a hang's verdict then names the first collective where the ranks' sequences part, DDP's own all-reduces "
-        "included; it costs a stack capture per collective (docs/benchmarks.md)",
     )
     group.add_argument("--json", metavar="FILE", help="write the final result as JSON (schema ddp-doctor/report@1)")
     group.add_argument(
@@ -163,7 +146,6 @@ def run(args: argparse.Namespace) -> int:
         hang_after=args.hang_after,
         on_hang=args.on_hang,
         fresh=args.fresh_interpreters,
-        flight_recorder=args.flight_recorder,
         reported=lambda report: _print_first_report(console, report, run_dir, args.hang_after),
         hung=lambda verdict: render_verdict(verdict, console),
         resumed=lambda waited: console.print(

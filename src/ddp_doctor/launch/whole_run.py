@@ -16,9 +16,6 @@ from ddp_doctor.launch.watch_run import HangVerdict, WatchLoop, beacons, write_j
 
 __all__ = ["WatchResult", "aborted_at_exit", "watch"]
 
-_FR_ENTRIES = 2000
-"""The Flight Recorder's ring per rank under `watch`, unless TORCH_FR_BUFFER_SIZE is set."""
-
 
 @dataclass(kw_only=True)
 class WatchResult:
@@ -39,14 +36,12 @@ def watch(
     hang_after: float | None,
     on_hang: str,
     fresh: bool,
-    flight_recorder: bool = False,
     reported: Callable[[Any], None],
     hung: Callable[[HangVerdict], None],
     resumed: Callable[[float], None],
     warn: Callable[[str], None],
 ) -> WatchResult:
-    """Run the whole job (torchrun's parsed `namespace`) with its ranks' records in `run_dir`; `flight_recorder`
-    turns PyTorch's Flight Recorder on for it.
+    """Run the whole job (torchrun's parsed `namespace`) with its ranks' records in `run_dir`.
 
     `reported` gets the first steps' `CheckResult` as soon as the ranks wrote it; `hung` each hang's verdict;
     `resumed` the seconds the ranks stood still, when they move again after a verdict.
@@ -79,12 +74,7 @@ def watch(
         follow_epochs=0,
         whole_run=True,
     )
-    # PyTorch's Flight Recorder keeps each rank's last collectives (DDP's own included) with their stacks; a hang's
-    # verdict compares the ranks' rings. It costs a stack capture per collective, so it is asked for; a ring the
-    # environment already sets is read too.
     env: dict[str, str] = {}
-    if flight_recorder and not os.environ.get("TORCH_FR_BUFFER_SIZE"):
-        env["TORCH_FR_BUFFER_SIZE"] = str(_FR_ENTRIES)
     if fresh:
         env[FRESH_VAR] = "1"
     started = time.time()
