@@ -174,14 +174,19 @@ def test_flight_recorder_dumps_of_the_same_hang_name_the_same_collective_and_ran
 
 @pytest.mark.parametrize(
     ("stall", "on_hang", "rank", "text"),
-    [("loop", "stop", 1, "while time.monotonic() < until"), ("sleep", "wait", 0, "time.sleep(seconds)")],
+    [
+        ("loop", "stop", 1, "while time.monotonic() < until"),
+        ("sleep", "wait", 0, "time.sleep(seconds)"),
+        ("loader", "stop", 1, "x, y = next(batches)"),
+    ],
 )
 def test_a_rank_in_its_own_code_is_named_while_the_others_wait_in_ddps_all_reduce(
     tmp_path: Path, stall: str, on_hang: str, rank: int, text: str
 ) -> None:
-    """A rank that spins in a Python loop (or sleeps) after step 15 while the other waits in DDP's gradient
-    all-reduce: the verdict names that rank and its line, not the rank that waits. With --on-hang wait, a rank that
-    was only slow (9 s asleep) moves again, and the job finishes."""
+    """A rank that spins in a Python loop, sleeps, or waits for its DataLoader's worker (stuck 9 s on one item) after
+    step 15 while the other waits in DDP's gradient all-reduce: the verdict names that rank and its line, not the rank
+    that waits, and the ranks' Flight Recorder rings part at DDP's next all-reduce, which only the waiting rank
+    issued. With --on-hang wait, a rank that was only slow (9 s asleep) moves again, and the job finishes."""
     run = _watch(
         ["--nproc-per-node", "2", "--hang-after", "3", "--on-hang", on_hang, str(SCRIPTS / "watch_job.py")],
         tmp_path,
@@ -199,6 +204,20 @@ def test_a_rank_in_its_own_code_is_named_while_the_others_wait_in_ddps_all_reduc
     else:
         assert run.rc == 0 and run.ended["failed"] is False, run.output
         assert "move again" in run.output and len(_checksums(run.output)) == 2, run.output
+
+
+def test_a_rank_killed_by_sigkill_is_named_with_its_step_and_no_hang_is_called(tmp_path: Path) -> None:
+    """Rank 1 kills itself with SIGKILL after step 15: torchrun sees its worker die and stops the other at once
+    (under plain torchrun too), so no hang is called; the report names rank 1, SIGKILL and the watched step."""
+    run = _watch(
+        ["--nproc-per-node", "2", "--hang-after", "30", str(SCRIPTS / "watch_job.py")],
+        tmp_path,
+        env={"STALL": "kill", "STALL_RANK": "1", "STALL_STEP": "15"},
+    )
+    assert run.rc == 1 and run.hang is None, run.output
+    first = run.report["findings"][0]
+    assert first["code"] == "rank-crashed" and first["ranks"] == [1] and "SIGKILL" in first["title"], first
+    assert first["steps"] == [15], first
 
 
 def test_a_rank_that_leaves_the_loop_early_is_named_after_the_job_failed(tmp_path: Path) -> None:
