@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +46,8 @@ SIGUSR1 / SIGUSR2 handlers, a scheduler's requeue signal, stay its own)."""
 
 DEFAULT_HANG_AFTER_S = 300.0
 """`--hang-after` before any rank has published its process group's timeout."""
-_POLL_S = 0.2
+_POLL_S = 0.5
+"""How often the parent reads the beacons: it shares the machine with the ranks."""
 _STACKS_WAIT_S = 1.0
 _RINGS_WAIT_S = 5.0
 
@@ -133,7 +133,8 @@ class HangVerdict:
 
 def hang_verdict(folder: Path, *, stalled_s: float, hang_after_s: float, group_timeout_s: float | None) -> HangVerdict:
     """Where every rank is now, and the failure analysis's reading of it. The ranks' files are read first, then the
-    analysis is imported (torch: seconds on a loaded machine, while a rank may move on)."""
+    analysis is imported (torch, seconds on a loaded machine: not before a hang, so that the parent takes no CPU
+    from the ranks while they train)."""
     from ddp_doctor.core.rankstate import read_rank_states
 
     now = time.time()
@@ -183,19 +184,6 @@ def parted(dumps: list[Any]) -> list[Any]:
     return first_divergence(dumps)
 
 
-def _preload_analysis() -> None:
-    """Import the failure analysis (and torch) in the background once the job runs, so a verdict is not delayed by
-    it."""
-
-    def load() -> None:
-        try:
-            import ddp_doctor.analyze  # noqa: F401
-        except Exception:  # noqa: BLE001  (imported again, with its error, when a verdict needs it)
-            pass
-
-    threading.Thread(target=load, name="ddp-doctor-preload", daemon=True).start()
-
-
 class WatchLoop:
     """`run_check`'s `wait` under `watch`: returns when torchrun ends (False), or True after a hang when `on_hang`
     is `stop`.
@@ -242,7 +230,6 @@ class WatchLoop:
             if not self._announced and (folder / "report.json").exists():
                 self._announced = True
                 self._reported(folder)
-                _preload_analysis()
             states = beacons(folder)
             if not states:
                 continue
