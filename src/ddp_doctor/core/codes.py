@@ -236,7 +236,7 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.MODEL_NOT_WRAPPED, Family.SYNC, "error/info", "not_wrapped.py",
          "an optimizer trains parameters on several ranks with no DDP around them",
          when="error; info when a manual sync kept the replicas equal"),
-    _row(Code.COLLECTIVE_MISMATCH, Family.LOCKSTEP, "error/warning", "consistency.py following_ends.py failures.py",
+    _row(Code.COLLECTIVE_MISMATCH, Family.LOCKSTEP, "error/warning", "consistency.py following_ends.py failures.py flight_recorder.py",
          "ranks issued different collectives, or different numbers of synced backward passes",
          when="error; warning for a DDP forward with autograd on and no backward on some ranks that issued no "
               "collective"),
@@ -275,7 +275,7 @@ TABLE: tuple[CodeInfo, ...] = (
          "several ranks wrote the same file with torch.save (no rank guard)"),
     _row(Code.CHECKPOINT_MODULE_PREFIX, Family.WRAP_AND_EPOCH_ENDS, "info", "checkpoints.py",
          "the DDP wrapper's state dict (keys 'module.*') was saved"),
-    _row(Code.TIMEOUT_RISK, Family.WRAP_AND_EPOCH_ENDS, "error/warning", "following_ends.py",
+    _row(Code.TIMEOUT_RISK, Family.WRAP_AND_EPOCH_ENDS, "error/warning", "following_ends.py failures.py",
          "a rank works alone while the others wait in a collective, long enough to reach the timeout",
          when="error when the projection reaches the timeout, warning at half of it"),
     _row(Code.INPUT_BOUND, Family.TIMING, "warning", "throughput.py sharded_timing.py",
