@@ -133,7 +133,8 @@ def test_a_barrier_in_a_rank_0_only_save_is_explained_before_the_groups_timeout(
     # The ranks' Flight Recorder rings (every collective, DDP's own too) part at the same place.
     (parted,) = hang["sequences"]
     assert parted["ranks"] == [0, 1] and hang["sequences_compared"] == 2, parted
-    assert "rank 0 issued barrier" in parted["title"] and "rank 1 issued all_reduce" in parted["title"], parted
+    assert f"rank 0 issued barrier at {SCRIPTS / barrier}" in parted["title"], parted  # the script's line, not ours
+    assert "rank 1 issued all_reduce" in parted["title"], parted
     stacks = [Path(p["stacks"]) for p in hang["positions"]]
     assert all("Thread" in s.read_text() for s in stacks), stacks
     assert "ckpt_barrier.py" in stacks[0].read_text()

@@ -19,7 +19,8 @@ from typing import Any
 __all__ = ["FrDump", "FrEntry", "read_dumps"]
 
 _KNOWN_MAJOR = "2"
-_NOT_USER = ("/site-packages/", "/dist-packages/", "/torch/", "/lib/python3")
+_NOT_USER = ("/site-packages/", "/dist-packages/", "/torch/", "/ddp_doctor/", "/lib/python3")
+"""Frames that are not the script's: torch's, installed packages', the standard library's, ddp-doctor's own probes."""
 
 
 @dataclass(frozen=True, kw_only=True)
