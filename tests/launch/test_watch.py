@@ -311,6 +311,7 @@ def test_sigterm_to_watch_while_the_job_trains_on_ends_every_process(tmp_path: P
         (["--hang-after", "0"], "--hang-after must be a positive number of seconds, got 0"),
         (["--run-dir", "/proc/version/run"], "the run folder '/proc/version/run' cannot be written"),
         (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--nproc-per-node", "0"], "--nproc-per-node must be a positive number of processes"),
     ],
 )
 def test_bad_watch_arguments_are_named_with_the_fix(args: list[str], needle: str) -> None:

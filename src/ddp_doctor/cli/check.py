@@ -21,7 +21,16 @@ from ddp_doctor.launch.supervise import check_namespace
 if TYPE_CHECKING:
     from ddp_doctor.launch.outcome import CheckResult
 
-__all__ = ["add_check_arguments", "check", "check_page", "parse_ddp_kwargs", "register", "render_result", "validate"]
+__all__ = [
+    "add_check_arguments",
+    "check",
+    "check_page",
+    "parse_ddp_kwargs",
+    "register",
+    "render_result",
+    "validate",
+    "validate_launch",
+]
 
 EXAMPLES = """\
   # the two-rank CPU check of a script you normally start with torchrun
@@ -234,11 +243,14 @@ def check(
     )
 
 
-def validate(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """Check the arguments `check` and `bench` share; returns (torchrun namespace, DDP overrides, freeze names)."""
+def validate_launch(args: argparse.Namespace, command: str) -> None:
+    """What every command that launches the script checks (`check`, `bench`, `watch`): --no-python, the script,
+    --nproc-per-node, --steps; a bad value is an argument error that names it."""
     parser: argparse.ArgumentParser = args._parser
     if args.no_python:
-        parser.error("--no-python cannot be used with check: the doctor runs inside the Python process of each rank.")
+        parser.error(
+            f"--no-python cannot be used with {command}: the doctor runs inside the Python process of each rank."
+        )
     if not args.module and not Path(args.training_script).is_file():
         parser.error(
             f"script {args.training_script!r} does not exist (from {os.getcwd()}). Pass the path of the "
@@ -252,6 +264,12 @@ def validate(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], 
         )
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}.")
+
+
+def validate(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """Check the arguments `check` and `bench` share; returns (torchrun namespace, DDP overrides, freeze names)."""
+    parser: argparse.ArgumentParser = args._parser
+    validate_launch(args, "check")
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout}.")
     if getattr(args, "follow_epochs", 0) < 0:

@@ -16,6 +16,8 @@ from typing import Any
 from rich.console import Console
 from rich.rule import Rule
 
+from ddp_doctor.core.rankfiles import read_json
+
 __all__ = ["explain", "register"]
 
 
@@ -31,13 +33,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder `watch` printed (its --run-dir)")
     p.add_argument("--json", metavar="FILE", help="write the result as JSON (schema ddp-doctor/report@1)")
     p.set_defaults(func=run, _parser=p)
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,10 +63,10 @@ def explain(folder: Path, console: Console) -> tuple[dict[str, Any], int]:
     """Print what the run folder says; returns (the result's JSON, the exit code `watch` would have had)."""
     from ddp_doctor.cli.watch import render_verdict, verdict_from_dict
 
-    hang = _read(folder / "hang.json")
+    hang = read_json(folder / "hang.json")
     if hang is not None:
         render_verdict(verdict_from_dict(hang), console)
-    ended = _read(folder / "watch.json")
+    ended = read_json(folder / "watch.json")
     if ended is not None:
         result = ended["result"]
         _render(result, console, failed=ended["failed"])

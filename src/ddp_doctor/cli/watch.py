@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.rule import Rule
 
+from ddp_doctor.cli.check import validate_launch
 from ddp_doctor.cli.torchrun_options import torchrun_subparser
 from ddp_doctor.core.ranks import rank_list
 
@@ -106,15 +107,7 @@ def default_run_dir(script: str) -> Path:
 
 def _validate(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     parser: argparse.ArgumentParser = args._parser
-    if args.no_python:
-        parser.error("--no-python cannot be used with watch: the doctor runs inside the Python process of each rank.")
-    if not args.module and not Path(args.training_script).is_file():
-        parser.error(
-            f"script {args.training_script!r} does not exist (from {Path.cwd()}). Pass the path of the training "
-            "script, or -m MODULE for a module."
-        )
-    if args.steps < 1:
-        parser.error(f"--steps must be at least 1, got {args.steps}.")
+    validate_launch(args, "watch")
     if args.hang_after is not None and args.hang_after <= 0:
         parser.error(f"--hang-after must be a positive number of seconds, got {args.hang_after:g}.")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.training_script)

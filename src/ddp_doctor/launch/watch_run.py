@@ -12,7 +12,6 @@ job; `ddp-doctor explain` reads that folder again later.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_doctor.core.beacon import BeaconState, read_beacon
-from ddp_doctor.core.rankfiles import end_path, progress_path
+from ddp_doctor.core.rankfiles import end_path, progress_path, write_json
 
 __all__ = [
     "DEFAULT_HANG_AFTER_S",
@@ -37,7 +36,6 @@ __all__ = [
     "parted",
     "read_rings",
     "stacks_path",
-    "write_json",
 ]
 
 STACKS_SIGNAL = signal.SIGRTMIN + 6
@@ -89,12 +87,6 @@ def last_progress(folder: Path, states: dict[int, BeaconState]) -> float | None:
             sampled = 0.0
         moved.append(max(state.time, sampled))
     return max(moved) if moved else None
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 @dataclass(kw_only=True)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_doctor.launch.watch_run import HangVerdict, WatchLoop, beacons, write_json
+from ddp_doctor.core.rankfiles import write_json
+from ddp_doctor.launch.watch_run import HangVerdict, WatchLoop, beacons
 
 __all__ = ["WatchResult", "aborted_at_exit", "watch"]
 
