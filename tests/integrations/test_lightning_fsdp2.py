@@ -108,10 +108,11 @@ def test_rank_0_saving_its_shards_alone_is_named_with_lightnings_fix(tmp_path: P
 )
 def test_rank_0_calling_save_checkpoint_alone_is_named_at_the_scripts_line(tmp_path: Path, full, code) -> None:
     """The job hangs either way: rank 0 takes the state dict inside Lightning's save_checkpoint (and, saving one
-    file, gathers it in full), while rank 1 goes on to its next forward. The check's timeout ends it, and the report
-    names the script's own line, not Lightning's."""
+    file, gathers it in full), while rank 1 goes on to its next forward. `--hang-after` ends the check once neither
+    rank has moved for 10 s (the default --timeout of 600 s would outlast this test's own limit), and the report names
+    the script's own line, not Lightning's."""
     args = [SCRIPT, str(tmp_path), "--save", "rank0-checkpoint", *(["--full-checkpoint"] if full else [])]
-    run = check(["--nproc-per-node", "2", "--timeout", "45", *args], tmp_path, timeout=150)
+    run = check(["--nproc-per-node", "2", "--hang-after", "10", *args], tmp_path, timeout=150)
     assert run.report is not None, run.output[-6000:]
     assert run.report["framework"] == "lightning", run.report["framework"]
     found = run.finding(code)

@@ -327,9 +327,10 @@ def test_hsdp_on_a_2d_mesh_names_its_dimensions_and_the_unsharded_head(tmp_path:
 
 
 def test_a_collective_rank_0_calls_alone_is_named_where_the_job_hangs(tmp_path: Path) -> None:
-    """log-rank0: the job hangs; at the check's timeout the beacons name the all_reduce rank 0 called alone, and
-    rank 1's next forward, whose all-gathers wait for it (before: two `rank-hung` findings, the cause unnamed)."""
-    args = ["--timeout", "45", "--nproc-per-node", "2", "--no-verify", SCRIPT, "--mistake", "log-rank0"]
+    """log-rank0: the job hangs; once neither rank has moved for --hang-after's 10 s (the default --timeout of 600 s
+    would outlast this test's own limit) the beacons name the all_reduce rank 0 called alone, and rank 1's next
+    forward, whose all-gathers wait for it (before: two `rank-hung` findings, the cause unnamed)."""
+    args = ["--hang-after", "10", "--nproc-per-node", "2", "--no-verify", SCRIPT, "--mistake", "log-rank0"]
     run = check(args, tmp_path, timeout=120)
     assert run.rc == 1 and {f["code"] for f in run.report["findings"]} == {"collective-mismatch"}, run.output
     mismatch = run.finding("collective-mismatch")

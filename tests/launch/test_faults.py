@@ -231,13 +231,27 @@ def test_gloo_and_nccl_abort_lines_are_read_from_the_output() -> None:
 
 def test_a_barrier_only_rank_0_calls_is_named(tmp_path: Path) -> None:
     """Rank 0 waits at a barrier "before saving" that the other rank never calls: the job hangs, and the report
-    names the barrier, its line and the rank that skipped it."""
-    run = _run(["--nproc-per-node", "2", "--timeout", "20", str(SCRIPTS / "barrier_rank0.py")], tmp_path)
+    names the barrier, its line and the rank that skipped it. `--hang-after` ends the check once neither rank has
+    moved for 8 s, long before its --timeout."""
+    run = _run(
+        ["--nproc-per-node", "2", "--hang-after", "8", "--timeout", "300", str(SCRIPTS / "barrier_rank0.py")], tmp_path
+    )
+    assert run.seconds < 200, run.seconds  # ended by --hang-after (a hang guard, not a speed test)
     assert run.rc == 1, run.output
     mismatch = run.finding("collective-mismatch")
     assert "rank 1 skipped barrier (barrier_rank0.py:12) that rank 0 called" in mismatch["title"], mismatch
     assert "rank 0 called barrier at tests/scripts/barrier_rank0.py:12 in step 3" in mismatch["detail"], mismatch
     assert mismatch["ranks"] == [0, 1] and mismatch["steps"] == [3], mismatch
+
+
+def test_hang_after_is_checked_against_the_timeout(tmp_path: Path) -> None:
+    for i, (args, message) in enumerate((
+        (["--hang-after", "0"], "--hang-after must be a positive number of seconds below --timeout (600), got 0."),
+        (["--timeout", "30", "--hang-after", "30"], "below --timeout (30), got 30."),
+    )):
+        (tmp_path / str(i)).mkdir()
+        run = _run([*args, "--nproc-per-node", "2", str(EXAMPLES / "clean.py")], tmp_path / str(i))
+        assert run.rc == 2 and message in run.output, run.output
 
 
 def test_a_broadcast_of_rank_dependent_shape_is_named(tmp_path: Path) -> None:

@@ -67,6 +67,7 @@ _OURS = (
     "html",
     "fail_on",
     "timeout",
+    "hang_after",
     "ddp_kwargs",
     "follow_epochs",
     "limit_batches",
@@ -137,6 +138,15 @@ def add_check_arguments(group: Any, *, bench: bool = False) -> None:
     )
     if bench:
         return
+    group.add_argument(
+        "--hang-after",
+        type=float,
+        default=None,
+        metavar="S",
+        help="end the check early when no rank has moved for S seconds (no step, no collective entered or left, "
+        "no new line run) and report where each rank is; a rank busy on one long line (a big load, a compile) "
+        "does not move, so keep S above that (default: only --timeout ends a hang)",
+    )
     group.add_argument(
         "--follow-epochs",
         type=int,
@@ -221,6 +231,7 @@ def check(
     ddp_kwargs: dict[str, Any] | None = None,
     freeze_before_wrap: list[str] = (),
     timeout: float = 600.0,
+    hang_after: float | None = None,
     follow_epochs: int = 1,
     limit_batches: int = 2,
     output: IO[str] | None = None,
@@ -235,6 +246,7 @@ def check(
         ddp_kwargs=dict(ddp_kwargs or {}),
         freeze=list(freeze_before_wrap),
         timeout=timeout,
+        hang_after=hang_after,
         follow_epochs=follow_epochs,
         limit_batches=limit_batches,
         output=output,
@@ -272,6 +284,11 @@ def validate(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], 
     validate_launch(args, "check")
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout}.")
+    hang_after = getattr(args, "hang_after", None)
+    if hang_after is not None and not 0 < hang_after < args.timeout:
+        parser.error(
+            f"--hang-after must be a positive number of seconds below --timeout ({args.timeout:g}), got {hang_after:g}."
+        )
     if getattr(args, "follow_epochs", 0) < 0:
         parser.error(f"--follow-epochs must be 0 (off) or more, got {args.follow_epochs}.")
     if getattr(args, "limit_batches", 1) < 1:
@@ -297,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
         ddp_kwargs=ddp_kwargs,
         freeze=freeze,
         timeout=args.timeout,
+        hang_after=args.hang_after,
         follow_epochs=args.follow_epochs,
         limit_batches=args.limit_batches,
         output=None,

@@ -163,6 +163,7 @@ def run_check(
     config: RankConfig,
     *,
     timeout: float | None,
+    hang_after: float | None = None,
     output: IO[str] | None = None,
     outdir: Path | None = None,
     bootstrap: str = BOOTSTRAP,
@@ -176,6 +177,8 @@ def run_check(
         config: what each rank's doctor does; `outdir` and `deadline` are filled in here.
         timeout: seconds after which every rank is stopped and the run reported as it stands (None: no limit;
             `wait` decides when the run ends).
+        hang_after: also stop the run, as at the timeout, when no live rank has moved for this many seconds
+            (`watch_run.last_progress`); None: only the timeout ends a hang.
         output: where the script's stdout and stderr go (`None`: this process's own).
         outdir: keep the ranks' files here instead of a temporary folder.
         bootstrap: the module torchrun starts in every rank (a later stage's entry point, with its own policy).
@@ -232,7 +235,13 @@ def run_check(
             if wait is not None:
                 timed_out = wait(proc, folder)
             else:
-                timed_out = _wait(proc, folder, timeout=timeout or float("inf"), crash_wait=config.crash_wait_s)
+                timed_out = _wait(
+                    proc,
+                    folder,
+                    timeout=timeout or float("inf"),
+                    crash_wait=config.crash_wait_s,
+                    hang_after=hang_after,
+                )
         except Interrupted as exc:
             interrupted = exc
         finally:
@@ -263,12 +272,17 @@ def run_check(
         return result
 
 
-def _wait(proc: subprocess.Popen[Any], folder: Path, *, timeout: float, crash_wait: float) -> bool:
-    """Wait for torchrun to end; True when the run had to be stopped at the timeout.
+def _wait(
+    proc: subprocess.Popen[Any], folder: Path, *, timeout: float, crash_wait: float, hang_after: float | None = None
+) -> bool:
+    """Wait for torchrun to end; True when the run had to be stopped at the timeout, or at `hang_after` seconds
+    without progress on any live rank.
 
     Also stops waiting when a rank ended on its own (crash or exit) and the others did not follow within
     `crash_wait` seconds plus a margin: they are waiting for it in a collective that may never fail (NCCL).
     """
+    from ddp_doctor.launch.watch_run import beacons, last_progress
+
     deadline = time.monotonic() + max(0.1, timeout - _grace(timeout))
     while proc.poll() is None:
         if time.monotonic() > deadline:
@@ -276,6 +290,10 @@ def _wait(proc: subprocess.Popen[Any], folder: Path, *, timeout: float, crash_wa
         ended = _ended_ranks(folder)
         if ended and time.time() - min(ended.values()) > crash_wait + 3.0:
             return False
+        if hang_after is not None:
+            moved = last_progress(folder, beacons(folder))
+            if moved is not None and time.time() - moved > hang_after:
+                return True
         time.sleep(_POLL_S)
     return False
 
@@ -301,6 +319,7 @@ def check_namespace(
     freeze: list[str],
     timeout: float,
     output: IO[str] | None,
+    hang_after: float | None = None,
     follow_epochs: int = 1,
     limit_batches: int = 2,
     verify: bool = True,
@@ -320,7 +339,7 @@ def check_namespace(
         limit_batches=limit_batches,
     )
     env = {FRESH_VAR: "1"} if fresh else None
-    result = run_check(namespace, config, timeout=timeout, output=output, env=env)
+    result = run_check(namespace, config, timeout=timeout, hang_after=hang_after, output=output, env=env)
     from ddp_doctor.launch.verify import (
         needs_reshard_verification,
         needs_verification,
@@ -333,9 +352,9 @@ def check_namespace(
         # The second run's prints are not the user's to read twice: they go to a file that is removed after.
         with tempfile.NamedTemporaryFile("w", prefix="ddp-doctor-verify-", suffix=".log") as sink:
             verify_recommendation(
-                result, config, lambda c: run_check(namespace, c, timeout=timeout, output=sink, env=env)
+                result, config, lambda c: run_check(namespace, c, timeout=timeout, hang_after=hang_after, output=sink, env=env)
             )
     elif verify and one_node and needs_reshard_verification(result):
         with tempfile.NamedTemporaryFile("w", prefix="ddp-doctor-verify-", suffix=".log") as sink:
-            verify_reshard(result, config, lambda c: run_check(namespace, c, timeout=timeout, output=sink, env=env))
+            verify_reshard(result, config, lambda c: run_check(namespace, c, timeout=timeout, hang_after=hang_after, output=sink, env=env))
     return result
