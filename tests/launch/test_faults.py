@@ -245,10 +245,12 @@ def test_a_barrier_only_rank_0_calls_is_named(tmp_path: Path) -> None:
 
 
 def test_hang_after_is_checked_against_the_timeout(tmp_path: Path) -> None:
-    for i, (args, message) in enumerate((
-        (["--hang-after", "0"], "--hang-after must be a positive number of seconds below --timeout (600), got 0."),
-        (["--timeout", "30", "--hang-after", "30"], "below --timeout (30), got 30."),
-    )):
+    for i, (args, message) in enumerate(
+        (
+            (["--hang-after", "0"], "--hang-after must be a positive number of seconds below --timeout (600), got 0."),
+            (["--timeout", "30", "--hang-after", "30"], "below --timeout (30), got 30."),
+        )
+    ):
         (tmp_path / str(i)).mkdir()
         run = _run([*args, "--nproc-per-node", "2", str(EXAMPLES / "clean.py")], tmp_path / str(i))
         assert run.rc == 2 and message in run.output, run.output

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -236,11 +237,7 @@ def run_check(
                 timed_out = wait(proc, folder)
             else:
                 timed_out = _wait(
-                    proc,
-                    folder,
-                    timeout=timeout or float("inf"),
-                    crash_wait=config.crash_wait_s,
-                    hang_after=hang_after,
+                    proc, folder, timeout=timeout or float("inf"), crash_wait=config.crash_wait_s, hang_after=hang_after
                 )
         except Interrupted as exc:
             interrupted = exc
@@ -347,14 +344,13 @@ def check_namespace(
         verify_reshard,
     )
 
+    again = {"timeout": timeout, "hang_after": hang_after, "env": env}
     one_node = str(namespace.get("nnodes", "1")) in ("1", "1:1")
     if verify and one_node and needs_verification(result, steps):
         # The second run's prints are not the user's to read twice: they go to a file that is removed after.
         with tempfile.NamedTemporaryFile("w", prefix="ddp-doctor-verify-", suffix=".log") as sink:
-            verify_recommendation(
-                result, config, lambda c: run_check(namespace, c, timeout=timeout, hang_after=hang_after, output=sink, env=env)
-            )
+            verify_recommendation(result, config, partial(run_check, namespace, output=sink, **again))
     elif verify and one_node and needs_reshard_verification(result):
         with tempfile.NamedTemporaryFile("w", prefix="ddp-doctor-verify-", suffix=".log") as sink:
-            verify_reshard(result, config, lambda c: run_check(namespace, c, timeout=timeout, hang_after=hang_after, output=sink, env=env))
+            verify_reshard(result, config, partial(run_check, namespace, output=sink, **again))
     return result
