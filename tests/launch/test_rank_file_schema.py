@@ -61,6 +61,24 @@ def test_what_a_crashed_rank_writes_is_what_the_supervisor_reads(tmp_path: Path)
     assert state.user_frame == "train.py:40" and 4.0 < state.position_age_s < 6.0
 
 
+def test_a_step_published_alone_is_read_over_the_states_and_never_overwritten_by_it(tmp_path: Path) -> None:
+    """`watch` publishes each step past the first ones in the beacon's step slot, not its JSON; a reader takes the
+    later of the two, with that step's time. The longest JSON stops short of the slot."""
+    path = tmp_path / "rank0.beacon"
+    beacon = Beacon(path)
+    assert read_beacon(path).step == -1  # the slot was never written
+    beacon.update(step=8, phase="watched")
+    at = read_beacon(path).time
+    time.sleep(0.01)
+    beacon.step(40)
+    state = read_beacon(path)
+    assert state.step == 40 and state.phase == "watched" and state.time > at
+    beacon.update(forwards={f"train.py:{i}": i for i in range(5000)})  # longer than the beacon: cut, so not read
+    assert read_beacon(path) is None
+    beacon.update(forwards={})
+    assert read_beacon(path).step == 40
+
+
 def test_the_first_ending_wins_unless_overwritten(tmp_path: Path) -> None:
     assert write_end(tmp_path, EndRecord(rank=0, outcome=Outcome.REPORTED, reason="8 steps observed"))
     assert not write_end(tmp_path, EndRecord(rank=0, outcome=Outcome.EXITED, status=3))

@@ -7,7 +7,8 @@ fields do not need one: they are exact up to the moment the rank died.
 
 Layout: a fixed 16 KiB file. Byte 0..7 a sequence number (odd while a write is in progress), 8..15 the length of
 the JSON that follows from byte 16 (`BeaconState`, schema `BEACON_SCHEMA`). A reader retries while the sequence
-number is odd or changed under it.
+number is odd or changed under it. The last 16 bytes hold a step and its time (`Beacon.step`: under `watch`, past
+the first steps, every optimizer step is published there in about a microsecond, where the JSON takes tens).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ _SIZE = 16384
 """Room for the longest state: an FSDP2 rank's three counted maps (forwards, state_dict() calls and gathers by line,
 8 lines each) beside the rest, with long paths. 4 KiB could be outgrown there, and a cut JSON reads as no beacon."""
 _HEAD = struct.Struct("<QQ")
+_STEP = struct.Struct("<qd")
+"""The step slot at the file's end: a step and the `time.time()` it was taken."""
+_JSON_ROOM = _SIZE - _HEAD.size - _STEP.size
 
 
 def _known(cls: type, d: dict[str, Any]) -> dict[str, Any]:
@@ -152,12 +156,17 @@ class Beacon:
         self._write()
 
     def _write(self) -> None:
-        data = json.dumps(self.state.to_dict(), default=str).encode()[: _SIZE - _HEAD.size]
+        data = json.dumps(self.state.to_dict(), default=str).encode()[:_JSON_ROOM]
         self._seq += 1  # odd: a write is in progress
         _HEAD.pack_into(self._map, 0, self._seq, 0)
         self._map[_HEAD.size : _HEAD.size + len(data)] = data
         self._seq += 1
         _HEAD.pack_into(self._map, 0, self._seq, len(data))
+
+    def step(self, step: int) -> None:
+        """Publish `step` alone, in the step slot (a reader takes it over the JSON's when it is later)."""
+        self.state.step = step
+        _STEP.pack_into(self._map, _SIZE - _STEP.size, step, time.time())
 
 
 def read_beacon(path: Path) -> BeaconState | None:
@@ -174,7 +183,13 @@ def read_beacon(path: Path) -> BeaconState | None:
             time.sleep(0.001)
             continue
         try:
-            return BeaconState.from_dict(json.loads(raw[_HEAD.size : _HEAD.size + length]))
+            state = BeaconState.from_dict(json.loads(raw[_HEAD.size : _HEAD.size + length]))
         except (ValueError, TypeError):
             time.sleep(0.001)
+            continue
+        if len(raw) >= _SIZE:
+            step, at = _STEP.unpack_from(raw, _SIZE - _STEP.size)
+            if at and step > state.step:  # 0.0: never written
+                state.step, state.time = step, max(state.time, at)
+        return state
     return None

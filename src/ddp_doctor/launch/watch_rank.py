@@ -1,6 +1,6 @@
 """`ddp-doctor watch` inside each rank: after the observed steps' report the script trains on to its own end.
 
-What stays on is light: the beacon's step after each optimizer step (one small write to shared memory), the
+What stays on is light: the beacon's step after each optimizer step (16 bytes written to shared memory), the
 script's own collectives in the beacon (`inflight.py`, as under `check`), and the watchdog's sample of the main
 thread's line every half second. The process group's timeout goes into the beacon, so the supervisor can call a
 hang before that timeout ends the job. Every thread's Python stack can be asked for at any moment with
@@ -79,7 +79,7 @@ class WatchPolicy:
         n = self._steps[id(opt)] = self._steps.get(id(opt), 0) + 1
         step = self._base + n
         if step > self.session.beacon.state.step:
-            self.session.beacon.update(step=step)
+            self.session.beacon.step(step)
 
     def _dump_when_asked(self) -> None:
         """From the watchdog's thread: when `watch` asked (a hang), write this rank's Flight Recorder ring, the

@@ -245,13 +245,14 @@ class WatchLoop:
             now = beacons(folder)
             if last_progress(folder, now) != last or any(end_path(folder, r).exists() for r in states):
                 continue  # a rank moved or ended while its stacks were taken: not a hang
+            called = time.time()  # the ranks may move again while the verdict is made (seconds, on a busy machine)
             verdict = hang_verdict(folder, stalled_s=stalled, hang_after_s=hang_after, group_timeout_s=group)
             self.verdicts.append(verdict)
             write_json(folder / "hang.json", verdict.to_dict())
             self._hung(verdict)
             if self.on_hang == "stop":
                 return True
-            hung_at = time.time()
+            hung_at = called
         if hung_at is not None:
             self._moved_since(hung_at, beacons(folder))  # the ranks moved again and ended between two looks
         return False
