@@ -81,7 +81,7 @@ def _line(script: str, text: str) -> str:
 
 
 def _checksums(output: str) -> dict[int, str]:
-    return {int(r): c for r, c in re.findall(r"rank (\d) trained 30 steps, checksum (-?\d+\.\d{12})", output)}
+    return {int(r): c for r, c in re.findall(r"rank (\d) trained \d+ steps, checksum (-?\d+\.\d{12})", output)}
 
 
 def test_a_clean_job_runs_to_its_end_computing_what_it_computes_under_torchrun(tmp_path: Path) -> None:
@@ -106,10 +106,40 @@ def test_a_clean_job_runs_to_its_end_computing_what_it_computes_under_torchrun(t
         assert f"rank {rank} thread joined" in run.output and f"rank {rank} atexit ran" in run.output, run.output
     ended = run.ended
     assert ended["failed"] is False and ended["steps"] == 30, ended
+    assert ended["replicas"] == {
+        "schema": "ddp-doctor/replicas@1",
+        "compared_steps": [16],  # past the 8 observed steps, every 16th (steps of 0.15 s: the fewest allowed)
+        "ranks": [0, 1],
+        "divergence": None,
+    }, ended
     assert run.hang is None
     assert "--hang-after 90 s" in run.output and "(60 s)" in run.output, run.output
     # The first steps' report came while the job went on (22 steps of 0.15 s at least): before its last lines.
     assert run.output.index("the first steps are diagnosed") < run.output.index("rank 0 trained 30 steps")
+
+
+def test_replicas_that_drift_apart_after_the_first_steps_are_named_while_the_job_goes_on(tmp_path: Path) -> None:
+    """Rank 1 alone adds 0.01 to the first layer's bias after step 40, outside DDP's sync. Under plain torchrun
+    (STEPS=200) the job ends with status 0 and nothing said; the ranks' final weights differ (checksums -2.2658 on
+    rank 0, -2.1058 on rank 1: the 16 bias entries' 0.01 each). Under watch, past the first 8 steps the parameters are compared every 16 steps or more: the first
+    compared step after 40 names the bias, both ranks in two groups, and the last step they agreed at; the job runs
+    to its end and watch exits 1."""
+    env = {"STEPS": "200", "STEP_S": "0.03", "DRIFT_RANK": "1", "DRIFT_STEP": "40"}
+    run = _watch(["--nproc-per-node", "2", "--hang-after", "90", str(SCRIPTS / "watch_job.py")], tmp_path, env=env)
+    assert run.rc == 1, run.output
+    sums = _checksums(run.output)
+    assert len(sums) == 2 and sums[0] != sums[1], run.output  # the job ran to its end, apart
+    replicas = run.ended["replicas"]
+    d = replicas["divergence"]
+    assert d is not None and d["params"] == ["0.bias"] and d["differing"] == 1 and d["groups"] == [[0], [1]], d
+    assert d["step"] > 40 and d["step"] % 16 == 0 and (d["agreed_step"] is None or d["agreed_step"] <= 40), d
+    assert replicas["compared_steps"][-1] == d["step"] and replicas["ranks"] == [0, 1], replicas
+    assert run.ended["failed"] is False and "replicas' parameters differed from step" in run.ended["summary"]
+    assert f"replicas differ at step {d['step']}" in run.output, run.output
+    # Said while the job went on: before the ranks' last lines.
+    assert run.output.index(f"replicas differ at step {d['step']}") < run.output.index("rank 0 trained 200 steps")
+    rc, said, _ = _explain(run.run_dir, tmp_path)
+    assert rc == 1 and f"replicas differ at step {d['step']}" in said and "0.bias" in said, said
 
 
 def test_a_barrier_in_a_rank_0_only_save_is_explained_before_the_groups_timeout(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@ weights; an atexit handler and a non-daemon thread each print a line at the end.
 rank, after that step, either spin in a Python loop (STALL=loop, at most STALL_S seconds), sleep (STALL=sleep), leave
 the loop and exit (STALL=exit) or kill itself with SIGKILL (STALL=kill) while the others go on into DDP's next
 gradient all-reduce; STALL=loader draws the batches from a DataLoader with one worker process, whose item for that
-step sleeps STALL_S seconds on that rank.
+step sleeps STALL_S seconds on that rank. DRIFT_RANK / DRIFT_STEP: after that step, that rank alone adds 0.01 to the
+first layer's bias, outside DDP's gradient sync (the replicas then train apart, silently).
 
     GROUP_TIMEOUT_S=20 torchrun --nproc-per-node 2 tests/scripts/watch_job.py
 """
@@ -80,6 +81,9 @@ def main() -> None:
         time.sleep(float(os.environ.get("STEP_S", "0")))
         if rank == stall_rank and step + 1 == stall_step:
             _stall(stall, seconds)
+        if rank == int(os.environ.get("DRIFT_RANK", "-1")) and step + 1 == int(os.environ.get("DRIFT_STEP", "-1")):
+            with torch.no_grad():
+                model.module[0].bias.add_(0.01)
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     print(f"rank {rank} trained {steps} steps, checksum {checksum:.12f}", flush=True)
     threading.Thread(target=lambda: (time.sleep(0.2), print(f"rank {rank} thread joined", flush=True))).start()

@@ -216,10 +216,13 @@ def unchecked(
     """What the check did not run or could not see, in sentences: the epoch end with `--follow-epochs 0` (`watched`:
     the rest of the job), and the loaders without len() whose passes the check capped."""
     out = []
-    if watched:  # fmt: skip
+    if watched:
         out.append(
-            f"After its {steps} observed step(s) the job trained on under watch, which from then on looks for hangs and failures only: its epoch ends (evaluation, checkpoint saves, the collectives there) and later steps were not compared across the ranks."
-        )  # noqa: E501
+            f"After its {steps} observed step(s) the job trained on under watch, which from then on looks for hangs "
+            "and failures, and compares only the parameters of the DDP models across this node's ranks every few "
+            "steps: the gradients, buffers, inputs, optimizer settings and the epoch ends (evaluation, checkpoint "
+            "saves, the collectives there) of the later steps were not compared."
+        )
     elif epochs == 0:
         out.append(
             f"--follow-epochs 0: the script was stopped right after its {steps} observed step(s); its epoch end "

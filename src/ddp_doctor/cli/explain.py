@@ -1,6 +1,7 @@
 """`ddp-doctor explain RUN_DIR`: the verdict on a watched job again, after the fact, from its run folder.
 
-What `watch` wrote at the end (`watch.json`) and at a hang (`hang.json`) is printed again. When `watch` itself
+What `watch` wrote at the end (`watch.json`), at a hang (`hang.json`) and when the replicas' parameters first
+differed (`replicas.json`) is printed again. When `watch` itself
 did not get to write its end (the scheduler killed the job, the node rebooted), the ranks' own records (beacons,
 the watchdog's samples, end records, stacks) are read as `check` reads a failed run's, and the ranks that left no
 record in the folder are named."""
@@ -61,17 +62,21 @@ def run(args: argparse.Namespace) -> int:
 
 def explain(folder: Path, console: Console) -> tuple[dict[str, Any], int]:
     """Print what the run folder says; returns (the result's JSON, the exit code `watch` would have had)."""
-    from ddp_doctor.cli.watch import render_verdict, verdict_from_dict
+    from ddp_doctor.cli.watch import render_divergence, render_verdict, verdict_from_dict
+    from ddp_doctor.launch.watch_replicas import ReplicaDivergence
 
     hang = read_json(folder / "hang.json")
     if hang is not None:
         render_verdict(verdict_from_dict(hang), console)
+    replicas = read_json(folder / "replicas.json") or {}
+    if (diverged := replicas.get("divergence")) is not None:
+        render_divergence(ReplicaDivergence(**diverged, ranks=replicas["ranks"]), console)
     ended = read_json(folder / "watch.json")
     if ended is not None:
         result = ended["result"]
         _render(result, console, failed=ended["failed"])
         console.print(f"ddp-doctor: {ended['summary']}.", highlight=False, soft_wrap=True)
-        return result, int(bool(ended["failed"]) or _has_errors(result))
+        return result, int(bool(ended["failed"]) or _has_errors(result) or diverged is not None)
     # The watcher did not write its end: read the ranks' own records.
     from ddp_doctor.cli.check import render_result
     from ddp_doctor.core.rankstate import read_rank_states

@@ -144,9 +144,37 @@ def run(args: argparse.Namespace) -> int:
         resumed=lambda waited: console.print(
             f"ddp-doctor: the ranks move again, after {waited:.0f} s; watching on.", highlight=False
         ),
+        diverged=lambda divergence: render_divergence(divergence, console),
         warn=lambda text: console.print(f"ddp-doctor: warning: {text}", highlight=False, soft_wrap=True),
     )
     return _finish(result, args, console, run_dir)
+
+
+def render_divergence(d: Any, console: Console) -> None:
+    """The first step at which the ranks' parameters differ (`watch_replicas.ReplicaDivergence`)."""
+    console.print(Rule(f"replicas differ at step {d.step}"))
+    since = (
+        f"they agreed at step {d.agreed_step}, the last one compared before"
+        if d.agreed_step is not None
+        else ("the first step compared past the first steps")
+    )
+    held = ", ".join(
+        f"{rank_list(g)} {'hold' if len(g) > 1 else 'holds'} one value" if i == 0 else f"{rank_list(g)} another"
+        for i, g in enumerate(d.groups)
+    )
+    more = f" and {d.differing - len(d.params)} more" if d.differing > len(d.params) else ""
+    console.print(
+        f"[bold]replica-divergence[/bold] ({rank_list(d.ranks)}): {d.differing} parameter(s) differ across the "
+        f"ranks at step {d.step} ({since}): {', '.join(d.params)}{more}. Of {d.params[0]}, {held}.",
+        soft_wrap=True,
+    )
+    console.print(
+        "  Each rank now trains its own model: something between those steps changed the parameters on some ranks "
+        "only (an update outside DDP's gradient sync: a rank-dependent step, a parameter written or replaced on one "
+        "rank, a load on rank 0 alone). The job goes on, watched.",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _print_first_report(console: Console, result: CheckResult, run_dir: Path, hang_after: float | None) -> None:
@@ -171,7 +199,7 @@ def _finish(result: Any, args: argparse.Namespace, console: Console, run_dir: Pa
         console.print(Rule("the job was stopped" if stopped else "the job failed"))
         render_result(result.check, console)
     code = exit_code(result.check, args.fail_on)
-    if result.failed and code == 0:
+    if code == 0 and (result.failed or (_diverged(result) and args.fail_on != "never")):
         code = 1
     if args.json:
         path = Path(args.json)
@@ -183,6 +211,10 @@ def _finish(result: Any, args: argparse.Namespace, console: Console, run_dir: Pa
         soft_wrap=True,
     )
     return code
+
+
+def _diverged(result: Any) -> bool:
+    return bool(result.replicas and result.replicas.get("divergence"))
 
 
 def verdict_from_dict(d: dict[str, Any]) -> HangVerdict:

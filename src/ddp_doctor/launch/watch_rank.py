@@ -1,8 +1,9 @@
 """`ddp-doctor watch` inside each rank: after the observed steps' report the script trains on to its own end.
 
 What stays on is light: the beacon's step after each optimizer step (16 bytes written to shared memory), the
-script's own collectives in the beacon (`inflight.py`, as under `check`), and the watchdog's sample of the main
-thread's line every half second. The process group's timeout goes into the beacon, so the supervisor can call a
+script's own collectives in the beacon (`inflight.py`, as under `check`), the watchdog's sample of the main
+thread's line every half second, and every few steps the DDP models' parameter fingerprints
+(`watch_replicas.py`, at most half a percent of the time between steps). The process group's timeout goes into the beacon, so the supervisor can call a
 hang before that timeout ends the job. Every thread's Python stack can be asked for at any moment with
 `STACKS_SIGNAL` (faulthandler writes them to `rank{R}.stacks` from inside the signal handler: no ptrace, no help from
 the stuck thread).
@@ -11,6 +12,7 @@ the stuck thread).
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import traceback
 from typing import TYPE_CHECKING, Any
@@ -21,6 +23,7 @@ from ddp_doctor.core.frames import user_frame
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import Outcome
 from ddp_doctor.launch.following_run import group_timeout
+from ddp_doctor.launch.watch_replicas import ReplicaPoints
 from ddp_doctor.launch.watch_run import STACKS_SIGNAL, dump_request_path, stacks_path
 
 if TYPE_CHECKING:
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
     from ddp_doctor.report.model import Report
 
 __all__ = ["WatchPolicy"]
+
+logger = logging.getLogger("ddp_doctor")
 
 
 class WatchPolicy:
@@ -45,10 +50,12 @@ class WatchPolicy:
         self._stacks = open(stacks_path(session.outdir, session.rank), "a")  # noqa: SIM115  (kept open for the handler)
         faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
         self._dumped = 0.0
+        self._replicas = ReplicaPoints(session.outdir, session.rank)
         session.watchdog.on_tick = self._dump_when_asked
 
     def wrapped(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
         self.session.beacon.update(group_timeout=group_timeout())
+        self._replicas.add_model(ddp)
 
     def reported(self, doctors: list[Doctor], reports: list[Report]) -> bool:
         """The first steps are reported: count the optimizer steps from here on, and let the script go on."""
@@ -80,6 +87,10 @@ class WatchPolicy:
         step = self._base + n
         if step > self.session.beacon.state.step:
             self.session.beacon.step(step)
+            try:
+                self._replicas.stepped(step)
+            except Exception as exc:  # noqa: BLE001  (watching must never take the rank down)
+                logger.debug("ddp-doctor: replica fingerprints not written: %s", exc)
 
     def _dump_when_asked(self) -> None:
         """From the watchdog's thread: when `watch` asked (a hang), write this rank's Flight Recorder ring, the

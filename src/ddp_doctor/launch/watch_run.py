@@ -23,6 +23,7 @@ from typing import Any
 
 from ddp_doctor.core.beacon import BeaconState, read_beacon
 from ddp_doctor.core.rankfiles import end_path, progress_path, write_json
+from ddp_doctor.launch.watch_replicas import ReplicaWatch
 
 __all__ = [
     "DEFAULT_HANG_AFTER_S",
@@ -187,6 +188,7 @@ class WatchLoop:
         reported: called once with the run folder when the first steps' report is written.
         hung: called with each verdict.
         resumed: called when the ranks make progress again after a verdict.
+        diverged: called once, when the ranks' parameters first differ (`watch_replicas.py`).
         warn: called once with a sentence when `hang_after` is not shorter than the process group's timeout (the
             timeout would end the job before a hang is called).
     """
@@ -199,10 +201,13 @@ class WatchLoop:
         reported: Callable[[Path], None],
         hung: Callable[[HangVerdict], None],
         resumed: Callable[[float], None],
+        diverged: Callable[[Any], None] = lambda _: None,
         warn: Callable[[str], None] = lambda _: None,
     ) -> None:
         self.hang_after, self.on_hang = hang_after, on_hang
         self._reported, self._hung, self._resumed, self._warn = reported, hung, resumed, warn
+        self._diverged = diverged
+        self.replicas: ReplicaWatch | None = None
         self._warned = False
         self.verdicts: list[HangVerdict] = []
         self._announced = False
@@ -217,14 +222,21 @@ class WatchLoop:
 
     def __call__(self, proc: subprocess.Popen[Any], folder: Path) -> bool:
         hung_at: float | None = None
+        self.replicas = ReplicaWatch(folder=folder)
+        polls = 0
         while proc.poll() is None:
             time.sleep(_POLL_S)
+            polls += 1
             if not self._announced and (folder / "report.json").exists():
                 self._announced = True
                 self._reported(folder)
             states = beacons(folder)
             if not states:
                 continue
+            if self._announced and polls % 4 == 0:
+                live = {r for r in states if not end_path(folder, r).exists()}
+                if (divergence := self.replicas.poll(live)) is not None:
+                    self._diverged(divergence)
             if hung_at is not None:
                 hung_at = self._moved_since(hung_at, states)
                 continue

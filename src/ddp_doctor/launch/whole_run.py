@@ -27,6 +27,9 @@ class WatchResult:
     failed: bool
     summary: str
     verdicts: list[HangVerdict] = field(default_factory=list)
+    replicas: dict[str, Any] | None = None
+    """`ReplicaWatch.to_dict()`: the steps at which the ranks' parameters were compared past the first steps, and
+    the first at which they differed (None: the job ended before its first steps were reported)."""
 
 
 def watch(
@@ -40,12 +43,14 @@ def watch(
     reported: Callable[[Any], None],
     hung: Callable[[HangVerdict], None],
     resumed: Callable[[float], None],
+    diverged: Callable[[Any], None],
     warn: Callable[[str], None],
 ) -> WatchResult:
     """Run the whole job (torchrun's parsed `namespace`) with its ranks' records in `run_dir`.
 
     `reported` gets the first steps' `CheckResult` as soon as the ranks wrote it; `hung` each hang's verdict;
-    `resumed` the seconds the ranks stood still, when they move again after a verdict.
+    `resumed` the seconds the ranks stood still, when they move again after a verdict; `diverged` the first step at
+    which the ranks' parameters differ (`watch_replicas.ReplicaDivergence`).
     """
     from ddp_doctor.launch.config import RankConfig
     from ddp_doctor.launch.outcome import collect
@@ -67,7 +72,15 @@ def watch(
         os.replace(folder / "report.json", folder / "report.steps.json")
         reported(result)
 
-    loop = WatchLoop(hang_after=hang_after, on_hang=on_hang, reported=on_report, hung=hung, resumed=resumed, warn=warn)
+    loop = WatchLoop(
+        hang_after=hang_after,
+        on_hang=on_hang,
+        reported=on_report,
+        hung=hung,
+        resumed=resumed,
+        diverged=diverged,
+        warn=warn,
+    )
     config = RankConfig(
         target=namespace["training_script"],
         module=bool(namespace["module"]),
@@ -82,6 +95,14 @@ def watch(
     result = run_check(namespace, config, timeout=None, outdir=run_dir, env=env, wait=loop)
     states = beacons(run_dir)
     stepped = max((s.step for s in states.values()), default=-1)
+    replicas = None
+    if first and loop.replicas is not None:
+        if loop.replicas.divergence is None:
+            loop.replicas.poll(set(states))  # the last points the ranks wrote before they ended
+            if loop.replicas.divergence is not None:
+                diverged(loop.replicas.divergence)
+        loop.replicas.save()
+        replicas = loop.replicas.to_dict()
     rc = _torchrun_rc(run_dir)
     seconds = time.time() - started
     if result.interrupted is not None:
@@ -103,6 +124,8 @@ def watch(
         summary, failed = f"the job ended before {steps} optimizer steps were observed", result.error is not None
     else:
         summary, failed = f"the job failed before {steps} optimizer steps were observed", True
+    if replicas is not None and not failed:
+        summary += _replicas_words(replicas)
     write_json(
         run_dir / "watch.json",
         {
@@ -110,10 +133,22 @@ def watch(
             "failed": failed,
             "steps": stepped,
             "seconds": round(seconds, 1),
+            "replicas": replicas,
             "result": result.to_dict(),
         },
     )
-    return WatchResult(check=result, failed=failed, summary=summary, verdicts=loop.verdicts)
+    return WatchResult(check=result, failed=failed, summary=summary, verdicts=loop.verdicts, replicas=replicas)
+
+
+def _replicas_words(replicas: dict[str, Any]) -> str:
+    """The end summary's clause on the parameters compared past the first steps."""
+    steps, d = replicas["compared_steps"], replicas["divergence"]
+    if d is not None:
+        return f"; its replicas' parameters differed from step {d['step']} on ({d['differing']} parameter(s))"
+    if not steps:
+        return "; no later step was compared across the ranks (the job ended before the first comparison)"
+    span = f"step {steps[0]}" if len(steps) == 1 else f"{len(steps)} steps, {steps[0]} to {steps[-1]}"
+    return f"; the DDP parameters of this node's {len(replicas['ranks'])} ranks agreed at {span}"
 
 
 def aborted_at_exit(folder: Path) -> tuple[str, bool] | None:

@@ -1,0 +1,227 @@
+"""`ddp-doctor watch` past the first steps: do the replicas still hold the same parameters?
+
+Every few optimizer steps, each rank fingerprints the parameters of every DDP model it trains (walked from the
+module tree at that moment, so a parameter attached after the wrapper was built is in it) and writes them to
+`replicas/rank{R}.{STEP}.json` in the run folder, keeping its last few. The parent (`WatchLoop`) reads the files of
+its node's ranks, and at each step that every live rank has written compares the fingerprints,
+parameter by parameter. The first step at which they differ is said while the job runs, and written to
+`replicas.json`, which outlives the job.
+
+The rank decides how often from what a point costs: at most `BUDGET` of the time between its steps, and never more
+often than every `MIN_EVERY` steps. The interval is a power of two and a point is taken at the steps it divides, so
+ranks that chose different intervals still meet at the multiples of the larger one. Buffers are not compared (BatchNorm's running statistics differ between ranks
+after every forward, by design), nor FSDP2's sharded parameters (each rank holds its own shard). Ranks on other
+nodes are compared by their own node's `watch`.
+
+The parent side imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BUDGET", "MIN_EVERY", "ReplicaDivergence", "ReplicaPoints", "ReplicaWatch", "point_path"]
+
+BUDGET = 0.005
+"""The share of a rank's time between steps that fingerprinting may take."""
+MIN_EVERY = 16
+_KEPT = 8
+"""Points a rank keeps: the parent, which looks every two seconds, finds a step every rank wrote even when the ranks
+run apart by a few points or chose different intervals."""
+SCHEMA = "ddp-doctor/replicas@1"
+
+
+def point_path(folder: Path, rank: int, step: int) -> Path:
+    return folder / "replicas" / f"rank{rank}.{step}.json"
+
+
+def _steps(folder: Path, rank: int) -> set[int]:
+    """The steps of the points `rank` wrote (and still keeps)."""
+    out = set()
+    for path in (folder / "replicas").glob(f"rank{rank}.*.json"):
+        try:
+            out.add(int(path.name.split(".")[1]))
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+class ReplicaPoints:
+    """The rank side: called after each optimizer step past the first ones (`WatchPolicy`)."""
+
+    def __init__(self, folder: Path, rank: int) -> None:
+        self._folder, self._rank = folder, rank
+        self._written: list[Path] = []
+        self._models: list[weakref.ref[Any]] = []
+        self._every = MIN_EVERY
+        self._spent = 0.0
+        self._last_step: tuple[int, float] | None = None
+        self._between: float | None = None
+
+    def add_model(self, ddp: Any) -> None:
+        self._models.append(weakref.ref(ddp))
+
+    def stepped(self, step: int) -> None:
+        """After optimizer step `step`: a point when `step` is a multiple of the rank's interval."""
+        now = time.perf_counter()
+        if self._last_step is not None and step > self._last_step[0]:
+            interval = (now - self._last_step[1]) / (step - self._last_step[0])
+            self._between = interval if self._between is None else 0.9 * self._between + 0.1 * interval
+        self._last_step = (step, now)
+        if step % self._every or not self._models:
+            return
+        self._write(step, {**self._point(step), "every": self._every, "spent_s": self._spent})
+        cost = time.perf_counter() - now
+        self._spent += cost
+        if self._between:
+            self._every = max(MIN_EVERY, 1 << math.ceil(math.log2(max(1.0, cost / (BUDGET * self._between)))))
+        self._last_step = (step, time.perf_counter())  # the point's own time is not a step's
+
+    def _point(self, step: int) -> dict[str, Any]:
+        from ddp_doctor.core.fingerprint import fingerprints_batched
+
+        names: list[str] = []
+        tensors = []
+        for i, ref in enumerate(self._models):
+            ddp = ref()
+            if ddp is None:
+                continue
+            for name, p in ddp.module.named_parameters():
+                names.append(f"{i}:{name}" if len(self._models) > 1 else name)
+                tensors.append(p)
+        prints = fingerprints_batched(tensors).tolist()
+        return {"step": step, "names": names, "fingerprints": prints}
+
+    def _write(self, step: int, point: dict[str, Any]) -> None:
+        path = point_path(self._folder, self._rank, step)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"schema": SCHEMA, **point}))
+        os.replace(tmp, path)
+        self._written.append(path)
+        for old in self._written[:-_KEPT]:
+            old.unlink(missing_ok=True)
+        del self._written[:-_KEPT]
+
+
+@dataclass(kw_only=True)
+class ReplicaDivergence:
+    step: int
+    """The first compared step at which the ranks' parameters differ."""
+    agreed_step: int | None
+    """The last compared step before it at which they agreed (None: none was compared)."""
+    params: list[str]
+    """The parameters that differ (the first 8)."""
+    differing: int
+    """How many differ."""
+    groups: list[list[int]]
+    """The ranks, grouped by the values they hold of the first differing parameter."""
+    ranks: list[int]
+    """The ranks compared (this node's live ranks)."""
+
+
+@dataclass(kw_only=True)
+class ReplicaWatch:
+    """The parent side: compares the ranks' points as they appear."""
+
+    folder: Path
+    compared: list[int] = field(default_factory=list)
+    """The steps compared, in order."""
+    ranks: list[int] = field(default_factory=list)
+    divergence: ReplicaDivergence | None = None
+
+    def poll(self, live: set[int]) -> ReplicaDivergence | None:
+        """Compare, in order, the steps every rank in `live` (at least two) has written since the last compared one;
+        the divergence when it is the first one found."""
+        if self.divergence is not None or len(live) < 2:
+            return None
+        common = set.intersection(*(_steps(self.folder, r) for r in live))
+        for step in sorted(s for s in common if not self.compared or s > self.compared[-1]):
+            at = {r: _read(point_path(self.folder, r, step)) for r in live}
+            if any(p is None for p in at.values()):
+                return None  # removed by its rank meanwhile: the next poll finds newer ones
+            agreed = self.compared[-1] if self.compared else None
+            self.compared.append(step)
+            self.ranks = sorted(live)
+            differ, groups = _differ(at)
+            if differ:
+                self.divergence = ReplicaDivergence(
+                    step=step,
+                    agreed_step=agreed,
+                    params=differ[:8],
+                    differing=len(differ),
+                    groups=groups,
+                    ranks=sorted(live),
+                )
+                self.save()
+                return self.divergence
+        return None
+
+    def save(self) -> None:
+        from ddp_doctor.core.rankfiles import write_json
+
+        write_json(self.folder / "replicas.json", self.to_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.divergence
+        return {
+            "schema": SCHEMA,
+            "compared_steps": self.compared,
+            "ranks": self.ranks,
+            "divergence": None
+            if d is None
+            else {
+                "step": d.step,
+                "agreed_step": d.agreed_step,
+                "params": d.params,
+                "differing": d.differing,
+                "groups": d.groups,
+            },
+        }
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if data.get("schema") == SCHEMA else None
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    return all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+
+
+def _differ(at: dict[int, dict[str, Any]]) -> tuple[list[str], list[list[int]]]:
+    """The parameters whose fingerprints differ across the ranks' points (a parameter some ranks hold and others do
+    not counts), and the ranks grouped by what they hold of the first one."""
+    by_rank = {r: dict(zip(pt["names"], pt["fingerprints"])) for r, pt in at.items()}
+    names: list[str] = []
+    for table in by_rank.values():
+        names += [n for n in table if n not in names]
+    differ = []
+    for name in names:
+        values = [table.get(name) for table in by_rank.values()]
+        first = values[0]
+        if any(v is None for v in values) or not all(_same(first, v) for v in values[1:]):
+            differ.append(name)
+    groups: list[list[int]] = []
+    if differ:
+        kinds: list[tuple[Any, list[int]]] = []
+        for r, table in sorted(by_rank.items()):
+            value = table.get(differ[0])
+            for kind, members in kinds:
+                if (kind is None and value is None) or (kind is not None and value is not None and _same(kind, value)):
+                    members.append(r)
+                    break
+            else:
+                kinds.append((value, [r]))
+        groups = [members for _, members in kinds]
+    return differ, groups
