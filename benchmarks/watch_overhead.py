@@ -10,7 +10,8 @@ Flight Recorder keeps its ring under both (on by default: 2,000 entries on torch
 
 Beside the comparison, which on a shared machine spreads by several percent, `accounted` adds up what watch's own
 code spends, measured where it runs: in each rank, the CPU time of the watchdog thread and the time of ddp-doctor's
-optimizer-step hooks over the steady steps, as a share of their wall time (`rank_share`); in the parent, its CPU time
+optimizer-step hooks over the steady steps, as a share of their wall time, plus the time of the replicas' parameter
+fingerprints over the steps watched (`replicas_share`), together `rank_share`; in the parent, its CPU time
 per second while every rank ran its steady steps (`parent_cpu_share`: a share of one core, taken from the ranks'
 cores on a small machine).
 
@@ -35,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "scripts" / "steady_steps.py"
 
 
-def _run(cmd: list[str], folder: Path) -> tuple[float, dict | None]:
+def _run(cmd: list[str], folder: Path, run_dir: Path | None = None) -> tuple[float, dict | None]:
     """One run of `cmd`: the median steady step (seconds) over both ranks, and, under watch, what ddp-doctor spent
     (the ranks' accounts, and the CPU time of the `watch` process itself per second of the run)."""
     for old in folder.glob("rank*.json"):
@@ -58,18 +59,35 @@ def _run(cmd: list[str], folder: Path) -> tuple[float, dict | None]:
     accounts = [r["account"] for r in ranks if "account" in r]
     if not accounts:
         return steady, None
+    replicas = _replicas_share(run_dir, accounts, ranks)
     per_rank = [
-        (a["watchdog_cpu_s"] + a["hooks_us_per_step"] * 1e-6 * len(r["steps"])) / a["window_s"]
+        (a["watchdog_cpu_s"] + a["hooks_us_per_step"] * 1e-6 * len(r["steps"])) / a["window_s"] + replicas
         for a, r in zip(accounts, ranks)
     ]
     return steady, {
         "rank_share": statistics.mean(per_rank),
+        "replicas_share": replicas,
         "watchdog_cpu_share": statistics.mean(a["watchdog_cpu_s"] / a["window_s"] for a in accounts),
         "hooks_us_per_step": statistics.mean(a["hooks_us_per_step"] for a in accounts),
         "parent_cpu_share": _rate(
             samples, max(a["window"][0] for a in accounts), min(a["window"][1] for a in accounts)
         ),
     }
+
+
+def _replicas_share(run_dir: Path | None, accounts: list[dict], ranks: list[dict]) -> float:
+    """The ranks' time in replica fingerprints (the cumulative `spent_s` of their last point) over the time of the
+    steps watched past the first 8 (the steady steps' time, scaled to that many steps)."""
+    if run_dir is None:
+        return 0.0
+    spent = []
+    for path in sorted((run_dir / "replicas").glob("rank*.json")):
+        rank, step = path.name.split(".")[:2]
+        spent.append((rank, int(step), json.loads(path.read_text())["spent_s"]))
+    last = {rank: s for rank, _, s in sorted(spent, key=lambda x: x[1])}
+    steps = int(os.environ.get("STEPS", "400"))
+    watched_s = statistics.mean(a["window_s"] * (steps - 8) / len(r["steps"]) for a, r in zip(accounts, ranks))
+    return statistics.mean(last.values()) / watched_s if last else 0.0
 
 
 def _rate(samples: list[tuple[float, float]], start: float, end: float) -> float:
@@ -106,7 +124,7 @@ def measure(rounds: int) -> dict:
             for name in names[k:] + names[:k]:
                 if name == "watch":
                     subprocess.run(["rm", "-rf", str(folder / "run")], check=True)
-                step, account = _run(commands[name], folder)
+                step, account = _run(commands[name], folder, folder / "run" if name == "watch" else None)
                 steady[name].append(step)
                 if account is not None:
                     accounts.append(account)
@@ -121,7 +139,7 @@ def measure(rounds: int) -> dict:
     # What watch's own code spent, measured in the ranks and the parent (no comparison between runs).
     out["accounted"] = {
         key: round(statistics.median(a[key] for a in accounts), 5)
-        for key in ("rank_share", "watchdog_cpu_share", "hooks_us_per_step", "parent_cpu_share")
+        for key in ("rank_share", "replicas_share", "watchdog_cpu_share", "hooks_us_per_step", "parent_cpu_share")
     }
     return out
 
