@@ -110,6 +110,31 @@ def test_gradient_sync_never_switched_back_on_is_named_with_its_line(tmp_path: P
 
 
 @pytest.mark.parametrize(
+    ("mistake", "severity", "params", "steps"),
+    [
+        ("buffer-rank", "error", {"mix"}, list(range(8))),
+        ("batchnorm", "warning", {"blocks.0.1.running_mean", "blocks.0.1.running_var"}, [7]),
+        ("buffer-same", None, set(), None),
+    ],
+)
+def test_buffers_that_differ_across_ranks_are_named(tmp_path: Path, mistake, severity, params, steps) -> None:
+    """FSDP2 shards parameters only and never broadcasts a buffer. Ground truth under plain torchrun (12 steps):
+    buffer-rank (a constant buffer scaling the input, drawn from each rank's own seed) exits 0 with equal weights
+    (head.weight sum -1.585440 on both ranks) and outputs on the same input of -0.037012 on rank 0, -0.028478 on
+    rank 1; buffer-same (one seed) gives 0.042000 on both; batchnorm exits 0, its running statistics each rank's.
+    A constant buffer that differs is an error; running statistics, a warning; equal buffers, nothing."""
+    run = _check(tmp_path, mistake)
+    if severity is None:
+        assert run.rc == 0 and run.codes == set(), run.output
+        return
+    assert run.codes == {"buffer-divergence"}, run.output
+    found = run.finding("buffer-divergence")
+    assert found["severity"] == severity and run.params("buffer-divergence") == params, found
+    assert found["ranks"] == [0, 1] and found["steps"] == steps, found
+    assert run.rc == (1 if severity == "error" else 0), run.output
+
+
+@pytest.mark.parametrize(
     "mistake, ranks, params, cause",
     [
         ("root-unsharded", 2, {"head.weight", "head.bias"}, "the root module was not sharded"),

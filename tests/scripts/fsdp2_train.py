@@ -11,6 +11,10 @@
 --mistake unused-aux        an auxiliary head built before sharding that no forward uses (it never gets a gradient)
 --mistake log-rank0         after the third step, rank 0 alone all_reduces the loss to log it
 --mistake log-every         clean: every rank all_reduces the loss, rank 0 logs it
+--mistake buffer-rank       a constant buffer scaling the input, drawn from each rank's own seed (FSDP2 never
+                            broadcasts buffers)
+--mistake buffer-same       clean: that buffer drawn from the same seed on every rank
+--mistake batchnorm         a BatchNorm1d in the first block: its running statistics differ by rank
 
 --save (after the third optimizer step, to --save-dir; several at once: "dcp,full"):
   rank0        rank 0 alone: torch.save(model.state_dict(), "ck.pt") (its shards only)
@@ -43,6 +47,8 @@ class Net(nn.Module):
         self.extra: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "mix"):
+            x = x * (1 + 0.1 * self.mix)
         for block in self.blocks:
             x = block(x)
         if self.extra is not None:
@@ -81,6 +87,11 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     model = Net()
     model.aux = nn.Linear(64, 4) if "unused-aux" in mistakes else None  # in the root's group, never called
+    if "buffer-rank" in mistakes or "buffer-same" in mistakes:
+        seed = rank if "buffer-rank" in mistakes else 0
+        model.register_buffer("mix", torch.randn(16, generator=torch.Generator().manual_seed(seed)), persistent=False)
+    if "batchnorm" in mistakes:
+        model.blocks[0].insert(1, nn.BatchNorm1d(64))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     if "optimizer-before" in mistakes:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -123,5 +134,8 @@ if __name__ == "__main__":
     head = model.head.weight
     head_sum = (head.full_tensor() if hasattr(head, "full_tensor") else head).detach().double().sum().item()
     extra = f", extra.weight sum {model.extra.weight.detach().double().sum().item():.6f}" if model.extra else ""
+    if hasattr(model, "mix"):  # every rank runs it: the forward all-gathers
+        with torch.no_grad():
+            extra += f", output sum on ones {model(torch.ones(2, 16)).double().sum().item():.6f}"
     print(f"rank {rank}: largest weight change {moved:.3g}, head.weight sum {head_sum:.6f}{extra}", flush=True)
     dist.destroy_process_group()

@@ -124,10 +124,61 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         found.append(_low_reduce(run, ranks))
     if run.unsharded:
         found.append(unsharded_finding(run, ranks, api))
+    found += _buffer_divergence(run, ranks)
     if run.input_wait:
         found.append(sharded_input_bound(run, ranks))
     if straggler := sharded_straggler(run):
         found.append(straggler)
+    return found
+
+
+def _buffer_divergence(run: ShardedRun, ranks: list[int]) -> list[Finding]:
+    """Buffers that differ across ranks: FSDP2 shards parameters only, and neither broadcasts nor averages buffers.
+
+    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 steps (`tests/scripts/fsdp2_train.py
+    --mistake buffer-rank`: a constant buffer drawn from each rank's own generator): exit code 0, nothing said, and
+    the ranks' outputs on the same input end apart (sums printed by each rank). With the same seed on every rank
+    (`buffer-same`) they agree.
+    """
+    made = [b for b, d, m in zip(run.buffers, run.buffers_differ, run.buffers_moved) if d and not m]
+    running = [b for b, d, m in zip(run.buffers, run.buffers_differ, run.buffers_moved) if d and m]
+    found = []
+    steps = list(range(run.steps))  # never changed: they differed from the first step on
+    if made:
+        found.append(
+            Finding(
+                code=Code.BUFFER_DIVERGENCE,
+                severity="error",
+                title=f"{len(made)} buffer(s) of the sharded model differ across ranks and never changed",
+                detail="fully_shard shards parameters only: a buffer stays a plain tensor on each rank, and nothing "
+                "broadcasts it, as DDP does at construction. These were made different and stayed so through the "
+                f"{run.steps} observed steps (a per-rank seed when they were drawn, or memory left uninitialised "
+                "after to_empty()): each rank computes a different function of the same shared weights, and the "
+                "gradients FSDP2 averages come from different models.",
+                params=made,
+                ranks=ranks,
+                steps=steps,
+                fix="make them equal on every rank before training: compute them from the same seed or values "
+                "everywhere (after model.to_empty(...), initialise the buffers too, not only the parameters), or "
+                "copy rank 0's once: `for b in model.buffers(): dist.broadcast(b, src=0)`.",
+            )
+        )
+    if running:
+        found.append(
+            Finding(
+                code=Code.BUFFER_DIVERGENCE,
+                severity="warning",
+                title=f"{len(running)} buffer(s) of the sharded model change in training and differ across ranks",
+                detail="These buffers change during the steps (running statistics such as BatchNorm's), each rank "
+                "from its own batches; FSDP2 neither broadcasts nor averages buffers, so evaluation differs by rank "
+                "and a checkpoint holds the saving rank's.",
+                params=running,
+                ranks=ranks,
+                steps=[run.steps - 1],  # compared at the last observed step
+                fix="convert BatchNorm with torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before fully_shard, "
+                "or average the buffers across ranks before evaluating and saving.",
+            )
+        )
     return found
 
 
@@ -271,6 +322,11 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
     reshard = _reshard_checked(gathers, candidate, errors)
     text = (
         checked
+        + (
+            f", that the model's {run.buffers_compared} buffer(s) were the same on every rank at the last step"
+            if run.buffers_compared
+            else ""
+        )
         + f", that every torch.save of sharded state {_saves_checked(run)} wrote all the ranks' shards, and {reshard}. "
         f"Not checked for FSDP2 yet: a save {_saves_unchecked(run)}, forwards and full-state-dict gathers on some "
         f"ranks only that did not break the run ({_when_they_break(run)}), the mixed-precision policy beyond the "

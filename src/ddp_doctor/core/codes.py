@@ -210,8 +210,10 @@ TABLE: tuple[CodeInfo, ...] = (
          when="error; warning when every difference is at float64 rounding level, and for modules whose mode "
               "differs across ranks",
          guard=True),
-    _row(Code.BUFFER_DIVERGENCE, Family.SYNC, "warning", "agreement.py",
+    _row(Code.BUFFER_DIVERGENCE, Family.SYNC, "error/warning", "agreement.py sharded.py",
          "buffers differ across ranks",
+         when="error for an FSDP2 buffer that differs and never changed in training (FSDP2 never broadcasts "
+              "buffers); warning for buffers that change in training (running statistics)",
          guard=True),
     _row(Code.FROZEN_AFTER_WRAP, Family.GRAPH, "error/warning", "frozen_set.py",
          "requires_grad set to False after DDP was built",

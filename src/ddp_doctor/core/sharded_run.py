@@ -52,6 +52,17 @@ class ShardedRun:
     """The largest cross-rank difference of an unsharded parameter's weight fingerprint."""
     unsharded_changed: bool = False
     """Whether any `unsharded` parameter changed on any rank between the first observed step and the last."""
+    buffers_compared: int = 0
+    """How many of the sharded model's buffers were compared across ranks at the last observed step (FSDP2 only;
+    0 when the ranks held different numbers of buffers)."""
+    buffers: list[ParamRef] = field(default_factory=list)
+    """The sharded model's buffers, when some differ across ranks at the end of the observed steps (FSDP2 neither
+    broadcasts nor averages buffers); empty when they agree."""
+    buffers_differ: list[bool] = field(default_factory=list)
+    """Per `buffers` entry: it differs across ranks."""
+    buffers_moved: list[bool] = field(default_factory=list)
+    """Per `buffers` entry: it changed on some rank during the observed steps (running statistics), where a
+    differing buffer that never changed was made different (a per-rank seed, memory left uninitialised)."""
     ignored: list[bool] = field(default_factory=list)
     """Per `unsharded` parameter: the script passed it to `fully_shard` as `ignored_params` (FSDP2 leaves its
     synchronisation to the script)."""

@@ -73,6 +73,8 @@ class PlainOptimizerWatch:
         self.module = ""
         self.sharded: ShardedModel | None = None
         self.weights_at_first: torch.Tensor | None = None
+        self.buffers_at_first: torch.Tensor | None = None
+        """The sharded model's buffers' fingerprints after its first observed step (which of them change)."""
         self.sync_off_steps = 0
         self.shard_saves: list[dict[str, Any]] = []
         """`torch.save` calls of this rank that wrote DTensor shards (`observation/saves.py`), the first few."""
@@ -145,6 +147,7 @@ class PlainOptimizerWatch:
                 self.names = {id(p): n for n, p in self.sharded.named_parameters()}
                 # After the first step: whether any weight changes from here on is what the report measures.
                 self.weights_at_first = fingerprints_batched(p for _, p in self.sharded.named_parameters())
+                self.buffers_at_first = fingerprints_batched(b for _, b in self.sharded.root.named_buffers())
                 if self.sharded.api == "fully_shard":
                     self.gathers = GatherCount(self.sharded)
                 devices = {p.device for _, p in self.sharded.named_parameters()}

@@ -44,6 +44,7 @@ IGNORED_ATTR = "_ddp_doctor_ignored_site"
 """Set on each parameter the script passed to the patched `fully_shard` as `ignored_params`: that call's line."""
 _SLOTS = (
     "unsharded",
+    "buffers",
     "sync_off",
     "changed",
     "saved",
@@ -85,6 +86,7 @@ class ShardedWatch(Protocol):
     sync_off_steps: int
     shard_saves: list[dict[str, Any]]
     weights_at_first: torch.Tensor | None
+    buffers_at_first: torch.Tensor | None
     grad_seen: torch.Tensor | None
     grad_steps: int
     gathers: GatherCount | None
@@ -98,6 +100,25 @@ class ShardedWatch(Protocol):
     def stepped_params(self) -> list[torch.Tensor]: ...
 
     def facts(self, *, sharding: dict[str, Any] | None = None) -> RunFacts: ...
+
+
+def _buffers(
+    w: ShardedWatch, buffers: list[tuple[str, torch.Tensor]], top: dict[str, float], low: dict[str, float], device: Any
+) -> tuple[list[bool], list[bool]]:
+    """Per buffer of the sharded model: (it differs across ranks now, it changed on some rank since the first
+    observed step). One min/max over the buffers' fingerprints and change flags, when every rank holds as many."""
+    if not buffers or top["buffers"] != low["buffers"]:
+        return [], []
+    now = fingerprints_batched(b for _, b in buffers).nan_to_num(0.0)
+    first = w.buffers_at_first
+    moved = (
+        (now != first.nan_to_num(0.0)).any(-1)
+        if first is not None and first.shape == now.shape
+        else torch.zeros(len(buffers), dtype=torch.bool)
+    )
+    high, lowest = minmax(torch.cat([now, moved.double()[:, None]], dim=1), None, device)
+    differ = (high[:, :2] != lowest[:, :2]).any(-1)
+    return differ.tolist(), (high[:, 2] > 0).tolist()
 
 
 def _low_reduce(probe: ReducePrecisionProbe | None) -> tuple[str, str] | None:
@@ -118,6 +139,9 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     in_model = {id(p) for _, p in named}
     stepped = w.stepped_params()
     unsharded = model.unsharded() if dist.get_world_size() > 1 else []  # one rank: nothing to keep in sync
+    # FSDP2 shards parameters only: a buffer stays a plain tensor on each rank, and nothing broadcasts it (DDP and
+    # `replicate` broadcast theirs from rank 0).
+    buffers = list(model.root.named_buffers()) if dist.get_world_size() > 1 and model.api == "fully_shard" else []
     now = fingerprints_batched(p for _, p in named)
     before = w.weights_at_first if w.weights_at_first is not None else now
     moved = (now.nan_to_num(0.0) != before.nan_to_num(0.0)).any(-1)
@@ -131,6 +155,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         probe.remove()
     local = {
         "unsharded": len(unsharded),
+        "buffers": len(buffers),
         "sync_off": w.sync_off_steps,
         "changed": changed,
         "saved": saved is not None,
@@ -165,6 +190,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     elif unsharded:
         differ = [True] * len(unsharded)
         gap = float("inf")
+    buffers_differ, buffers_moved = _buffers(w, buffers, top, low, device)
     shard_save = _shard_save(saved, top, low, device)
     sync_site = next((getattr(m, SYNC_OFF_ATTR) for _, m in model.sharded if getattr(m, SYNC_OFF_ATTR, None)), None)
     sharding = model.describe()
@@ -185,6 +211,10 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         unsharded_differ=differ,
         unsharded_gap=gap,
         unsharded_changed=bool(top["unsharded_changed"]),
+        buffers_compared=len(buffers_differ),
+        buffers=[ParamRef(n, b.numel(), tuple(b.shape)) for n, b in buffers] if any(buffers_differ) else [],
+        buffers_differ=buffers_differ if any(buffers_differ) else [],
+        buffers_moved=buffers_moved if any(buffers_differ) else [],
         ignored_site=next((getattr(p, IGNORED_ATTR) for _, p in unsharded if hasattr(p, IGNORED_ATTR)), None),
         ignored=[hasattr(p, IGNORED_ATTR) for _, p in unsharded],
         unused=unused,
