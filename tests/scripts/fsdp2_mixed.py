@@ -3,6 +3,9 @@
 --policy bf16        MixedPrecisionPolicy(param_dtype=torch.bfloat16): reduce_dtype unset, so FSDP2 reduces the
                      gradients in bfloat16 while the sharded float32 weights train
 --policy bf16-fp32   MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+--policy bf16-weights the bf16 policy on a model cast to bfloat16 first (`model.to(torch.bfloat16)`): the sharded
+                     weights the optimizer steps are bfloat16 too, and updates below their resolution are lost
+--lr                 AdamW's learning rate (default 1e-2)
 """
 
 from __future__ import annotations
@@ -19,24 +22,33 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--policy", default="bf16")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--lr", type=float, default=1e-2)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    if args.policy == "bf16-weights":
+        model.to(torch.bfloat16)
+    first = model[0].weight.detach().clone()
     reduce = torch.float32 if args.policy == "bf16-fp32" else None
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
     for layer in (model[0], model[2]):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(rank)
     for _step in range(args.steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        x, y = torch.randn(8, 16, generator=g, dtype=torch.float32), torch.randint(0, 4, (8,), generator=g)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
     weight = model[0].weight.full_tensor()
-    print(f"rank {rank}: loss {loss.item():.4f}, first weight sum {weight.double().sum().item():.6f}", flush=True)
+    unchanged = (weight == first).double().mean().item()
+    print(
+        f"rank {rank}: loss {loss.item():.4f}, first weight sum {weight.double().sum().item():.6f}, "
+        f"{weight.dtype}, unchanged {unchanged:.1%}",
+        flush=True,
+    )
     dist.destroy_process_group()

@@ -85,6 +85,7 @@ class Code(_Name):
     STATE_GATHER_SOME_RANKS = "state-gather-some-ranks"
     SHARDED_FORWARD_SOME_RANKS = "sharded-forward-some-ranks"
     LOW_PRECISION_REDUCE = "low-precision-reduce"
+    LOW_PRECISION_WEIGHTS = "low-precision-weights"
     # The invariants of data parallelism: what the module tree holds, whatever created it.
     UNREGISTERED_PARAMETERS = "unregistered-parameters"
     NONFINITE_VALUES = "non-finite-values"
@@ -307,6 +308,9 @@ TABLE: tuple[CodeInfo, ...] = (
          "a forward through the sharded model on some ranks only (an evaluation on rank 0): its all-gathers wait"),
     _row(Code.LOW_PRECISION_REDUCE, Family.FSDP2, "info", "sharded.py",
          "gradients reduced in bfloat16 (or float16) while the weights train in float32 (reduce_dtype unset or low)"),
+    _row(Code.LOW_PRECISION_WEIGHTS, Family.FSDP2, "warning", "sharded.py",
+         "a mixed-precision policy computes in bfloat16 (or float16) on weights that are already in it: the optimizer "
+         "steps low-precision weights and loses the updates below their resolution"),
     _row(Code.UNREGISTERED_PARAMETERS, Family.DIVERGENCE, "error/warning", "tree_state.py",
          "parameters in the model that DDP's reducer does not hold (created or replaced after DDP was built): each "
          "rank trains them alone",

@@ -52,6 +52,9 @@ class ShardedRun:
     """The largest cross-rank difference of an unsharded parameter's weight fingerprint."""
     unsharded_changed: bool = False
     """Whether any `unsharded` parameter changed on any rank between the first observed step and the last."""
+    weights_dtype: list[str] = field(default_factory=list)
+    """The dtypes of the sharded parameters, which the optimizer steps (`bfloat16`, ...): FSDP2 keeps each in the
+    dtype it had when `fully_shard` took it, whatever the mixed-precision policy computes in."""
     buffers_compared: int = 0
     """How many of the sharded model's buffers were compared across ranks at the last observed step (FSDP2 only;
     0 when the ranks held different numbers of buffers)."""

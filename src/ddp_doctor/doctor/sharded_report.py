@@ -211,6 +211,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         unsharded_differ=differ,
         unsharded_gap=gap,
         unsharded_changed=bool(top["unsharded_changed"]),
+        weights_dtype=sorted({str(p.dtype).removeprefix("torch.") for _, p in named}),
         buffers_compared=len(buffers_differ),
         buffers=[ParamRef(n, b.numel(), tuple(b.shape)) for n, b in buffers] if any(buffers_differ) else [],
         buffers_differ=buffers_differ if any(buffers_differ) else [],
