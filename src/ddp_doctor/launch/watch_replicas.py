@@ -7,7 +7,8 @@ its node's ranks, and at each step that every live rank has written compares the
 parameter by parameter. The first step at which they differ is said while the job runs, and written to
 `replicas.json`, which outlives the job.
 
-The rank decides how often from what a point costs: at most `BUDGET` of the time between its steps, and never more
+Parameters the script told DDP to ignore (`_set_params_and_buffers_to_ignore_for_model`) are each rank's own and
+are left out. The rank decides how often from what a point costs: at most `BUDGET` of the time between its steps, and never more
 often than every `MIN_EVERY` steps. The interval is a power of two and a point is taken at the steps it divides, so
 ranks that chose different intervals still meet at the multiples of the larger one. Buffers are not compared (BatchNorm's running statistics differ between ranks
 after every forward, by design), nor FSDP2's sharded parameters (each rank holds its own shard). Ranks on other
@@ -93,7 +94,10 @@ class ReplicaPoints:
             ddp = ref()
             if ddp is None:
                 continue
+            ignored = getattr(ddp, "parameters_to_ignore", None) or ()  # DDP leaves these to each rank
             for name, p in ddp.module.named_parameters():
+                if name in ignored:
+                    continue
                 names.append(f"{i}:{name}" if len(self._models) > 1 else name)
                 tensors.append(p)
         prints = fingerprints_batched(tensors).tolist()
