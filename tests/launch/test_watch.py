@@ -267,12 +267,12 @@ def test_a_rank_that_leaves_the_loop_early_is_named_after_the_job_failed(tmp_pat
     assert run.ended["failed"] is True
 
 
-def test_two_nodes_each_watched_run_the_job_and_the_node_of_the_stuck_rank_names_it(tmp_path: Path) -> None:
+def test_two_nodes_each_watched_explain_the_hang_from_both_nodes_ranks(tmp_path: Path) -> None:
     """Two torchrun agents on this machine (`--nnodes 2`, c10d rendezvous on 127.0.0.1), one rank each, each under
-    its own `watch` with `--hang-after 3 --on-hang stop`; rank 1 (node 1) spins in a Python loop after step 15. Both
-    nodes call the hang at once, from their own ranks' records: node 0's verdict names its rank, waiting in DDP's
-    backward, and says that rank 1 ran on the other node; node 1's names rank 1 and its line. (A verdict that
-    crosses nodes through the rendezvous store is not built: each node sees its own ranks.)"""
+    its own `watch` with `--hang-after 3 --on-hang stop` and its own run folder (no shared file system); rank 1 spins
+    in a Python loop after step 15 while rank 0 waits for it in DDP's backward. The nodes share their ranks' records
+    through the rendezvous store: each node's verdict holds both ranks and names rank 1, with its loop's line, as the
+    rank the other waits for."""
     port = free_port()
     rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
     rdzv += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"watch-{port}"]
@@ -294,17 +294,21 @@ def test_two_nodes_each_watched_run_the_job_and_the_node_of_the_stuck_rank_names
     outputs = [proc.communicate(timeout=180)[0] for proc in nodes]
     assert [proc.returncode for proc in nodes] == [1, 1], outputs
     assert_no_leftovers(tag)
-    # c10d's rendezvous hands out the global ranks in the order the agents join: find each rank's node by its records.
-    hangs = [json.loads((tmp_path / f"node{n}" / "hang.json").read_text()) for n in (0, 1)]
-    by_rank = {h["positions"][0]["rank"]: h for h in hangs}
-    assert sorted(by_rank) == [0, 1] and all(len(h["positions"]) == 1 for h in hangs), hangs
-    stuck = by_rank[1]["findings"][0]
-    assert stuck["code"] == "rank-hung" and stuck["ranks"] == [1], stuck
-    assert _line("watch_job.py", "while time.monotonic() < until") in stuck["detail"], stuck
-    waiting = by_rank[0]["findings"][0]
-    assert waiting["ranks"] == [0] and "rank 1 ran on another node" in waiting["detail"], waiting
-    # Each node's verdict reads its own ranks' Flight Recorder rings only: one ring, nothing to compare it with.
-    assert all(h["sequences_compared"] == 1 and h["sequences"] == [] for h in hangs), hangs
+    # c10d's rendezvous hands out the global ranks in the order the agents join: find each node's own rank by its
+    # run folder's records.
+    own = {n: int(next((tmp_path / f"node{n}").glob("rank*.beacon")).name[4:-7]) for n in (0, 1)}
+    assert sorted(own.values()) == [0, 1], own
+    for n in (0, 1):
+        hang = json.loads((tmp_path / f"node{n}" / "hang.json").read_text())
+        assert [p["rank"] for p in hang["positions"]] == [0, 1], (n, hang["positions"])
+        stuck = hang["findings"][0]
+        assert stuck["code"] == "rank-hung" and stuck["ranks"] == [1], (n, stuck)
+        assert _line("watch_job.py", "while time.monotonic() < until") in stuck["detail"], (n, stuck)
+        # The stacks are each node's own ranks'.
+        stacks = {p["rank"]: p["stacks"] for p in hang["positions"]}
+        assert stacks[own[n]] is not None and stacks[1 - own[n]] is None, (n, stacks)
+        # Each node's verdict reads its own ranks' Flight Recorder rings only: one ring, nothing to compare it with.
+        assert hang["sequences_compared"] == 1 and hang["sequences"] == [], hang
 
 
 def test_sigterm_to_watch_while_the_job_trains_on_ends_every_process(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BEACON_SCHEMA", "Beacon", "BeaconState", "ClosedStep", "Collective", "read_beacon"]
+__all__ = ["BEACON_SCHEMA", "Beacon", "BeaconState", "ClosedStep", "Collective", "read_beacon", "write_beacon"]
 
 BEACON_SCHEMA = "ddp-doctor/beacon@1"
 _SIZE = 16384
@@ -167,6 +167,13 @@ class Beacon:
         """Publish `step` alone, in the step slot (a reader takes it over the JSON's when it is later)."""
         self.state.step = step
         _STEP.pack_into(self._map, _SIZE - _STEP.size, step, time.time())
+
+
+def write_beacon(path: Path, state: BeaconState) -> None:
+    """Write `state` as a beacon file at `path` (another node's rank, read back from the rendezvous store)."""
+    beacon = Beacon(path)
+    beacon.state = state
+    beacon._write()
 
 
 def read_beacon(path: Path) -> BeaconState | None:

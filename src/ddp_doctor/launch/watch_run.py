@@ -23,6 +23,7 @@ from typing import Any
 
 from ddp_doctor.core.beacon import BeaconState, read_beacon
 from ddp_doctor.core.rankfiles import end_path, progress_path, write_json
+from ddp_doctor.launch.watch_nodes import NodeShare
 from ddp_doctor.launch.watch_replicas import ReplicaWatch
 
 __all__ = [
@@ -124,14 +125,18 @@ class HangVerdict:
         }
 
 
-def hang_verdict(folder: Path, *, stalled_s: float, hang_after_s: float, group_timeout_s: float | None) -> HangVerdict:
+def hang_verdict(
+    folder: Path, *, stalled_s: float, hang_after_s: float, group_timeout_s: float | None, remote: Path | None = None
+) -> HangVerdict:
     """Where every rank is now, and the failure analysis's reading of it. The ranks' files are read first, then the
     analysis is imported (torch, seconds on a loaded machine: not before a hang, so that the parent takes no CPU
-    from the ranks while they train)."""
+    from the ranks while they train). `remote`: the other nodes' ranks' records (`NodeShare.materialize`)."""
     from ddp_doctor.core.rankstate import read_rank_states
 
     now = time.time()
     states = read_rank_states(folder, end_time=now)
+    if remote is not None:
+        states = {**read_rank_states(remote, end_time=now), **states}
     dumps = read_rings(folder)
     positions = []
     for rank, s in sorted(states.items()):
@@ -191,6 +196,7 @@ class WatchLoop:
         diverged: called once, when the ranks' parameters first differ (`watch_replicas.py`).
         warn: called once with a sentence when `hang_after` is not shorter than the process group's timeout (the
             timeout would end the job before a hang is called).
+        nodes: the other nodes' records through the rendezvous store (`watch_nodes.py`), on a multi-node job.
     """
 
     def __init__(
@@ -203,11 +209,13 @@ class WatchLoop:
         resumed: Callable[[float], None],
         diverged: Callable[[Any], None] = lambda _: None,
         warn: Callable[[str], None] = lambda _: None,
+        nodes: NodeShare | None = None,
     ) -> None:
         self.hang_after, self.on_hang = hang_after, on_hang
         self._reported, self._hung, self._resumed, self._warn = reported, hung, resumed, warn
         self._diverged = diverged
         self.replicas: ReplicaWatch | None = None
+        self.nodes = nodes if nodes is not None and nodes.enabled else None
         self._warned = False
         self.verdicts: list[HangVerdict] = []
         self._announced = False
@@ -238,12 +246,14 @@ class WatchLoop:
                 if (divergence := self.replicas.poll(live)) is not None:
                     self._diverged(divergence)
             if hung_at is not None:
+                if self.nodes is not None:
+                    self.nodes.publish(folder, last_progress(folder, states))
                 hung_at = self._moved_since(hung_at, states)
                 continue
-            last = last_progress(folder, states)
+            hang_after, group = self.threshold(states)
+            last = self._progress(folder, states, hang_after)
             if last is None:
                 continue
-            hang_after, group = self.threshold(states)
             if group is not None and hang_after >= group and not self._warned:
                 self._warned = True
                 self._warn(
@@ -255,10 +265,14 @@ class WatchLoop:
                 continue
             _ask_for_stacks(folder, states)
             now = beacons(folder)
-            if last_progress(folder, now) != last or any(end_path(folder, r).exists() for r in states):
+            again = self._progress(folder, now, hang_after)
+            if again is None or again > last + 1.0 or any(end_path(folder, r).exists() for r in states):
                 continue  # a rank moved or ended while its stacks were taken: not a hang
             called = time.time()  # the ranks may move again while the verdict is made (seconds, on a busy machine)
-            verdict = hang_verdict(folder, stalled_s=stalled, hang_after_s=hang_after, group_timeout_s=group)
+            remote = self.nodes.materialize(folder) if self.nodes is not None else None
+            verdict = hang_verdict(
+                folder, stalled_s=stalled, hang_after_s=hang_after, group_timeout_s=group, remote=remote
+            )
             self.verdicts.append(verdict)
             write_json(folder / "hang.json", verdict.to_dict())
             self._hung(verdict)
@@ -268,6 +282,19 @@ class WatchLoop:
         if hung_at is not None:
             self._moved_since(hung_at, beacons(folder))  # the ranks moved again and ended between two looks
         return False
+
+    def _progress(self, folder: Path, states: dict[int, BeaconState], hang_after: float | None = None) -> float | None:
+        """When a live rank last moved: this node's (`last_progress`); on several nodes (published through the
+        rendezvous store, to which this node publishes its own), another node's when later, looked up only once this
+        node's ranks have stood still for `hang_after` seconds."""
+        last = last_progress(folder, states)
+        if self.nodes is None:
+            return last
+        self.nodes.publish(folder, last)
+        if last is not None and hang_after is not None and time.time() - last < hang_after:
+            return last
+        other = self.nodes.others_moved()
+        return max(t for t in (last, other) if t is not None) if (last, other) != (None, None) else None
 
     def _moved_since(self, hung_at: float, states: dict[int, BeaconState]) -> float | None:
         """After a verdict: None (and `resumed` called) once any rank's beacon changed since, else `hung_at`."""

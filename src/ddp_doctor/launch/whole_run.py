@@ -72,7 +72,10 @@ def watch(
         os.replace(folder / "report.json", folder / "report.steps.json")
         reported(result)
 
+    from ddp_doctor.launch.watch_nodes import NodeShare
+
     loop = WatchLoop(
+        nodes=NodeShare(namespace),
         hang_after=hang_after,
         on_hang=on_hang,
         reported=on_report,

@@ -1,0 +1,159 @@
+"""`ddp-doctor watch` on several nodes: each node's watch shares its ranks' records through torchrun's rendezvous
+store, so that a hang is called, and explained, from every node's ranks, without a shared file system.
+
+Under `--rdzv-backend c10d` the first agent hosts a TCP store at `--rdzv-endpoint` for the whole job. Each node's
+watch connects to it as a client, takes a node number (`add` on a counter), and every two seconds sets a small key
+with how long ago one of its ranks last moved, by its own clock; once its ranks have stood still for a second, a
+second key with their files as they are in its run folder (each rank's beacon, sampled line and end record: a few
+kilobytes a rank). A node reads the other nodes' small keys only while its own ranks stand still past
+`--hang-after` (one request for all of them every two seconds): a node whose ranks moved recently keeps it from
+calling a hang. At a hang it reads their records, writes them under `nodes/` in its run folder and reads them with
+its own (`hang_verdict`). The ranks' stacks stay on their node: each
+node's watch takes its own ranks' at the same hang.
+
+The store is torchrun's: keys live under `ddp-doctor/watch/{rdzv_id}/` and are gone with the job. Anything that
+fails (no store yet, the store gone at the job's end) leaves the node watching its own ranks, as on one node.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from ddp_doctor.core.beacon import BeaconState, read_beacon, write_beacon
+
+__all__ = ["NodeShare"]
+
+logger = logging.getLogger("ddp_doctor")
+
+_PREFIX = "ddp-doctor/watch"
+_CONNECT_EVERY_S = 2.0
+_PUBLISH_EVERY_S = 2.0
+_RECORDS_AFTER_S = 1.0
+"""A node publishes its ranks' records once they have stood still this long (a hang is called much later)."""
+
+
+class NodeShare:
+    """One node's side of the shared records (the parent's `WatchLoop` calls it)."""
+
+    def __init__(self, namespace: dict[str, Any]) -> None:
+        nnodes = str(namespace.get("nnodes", "1"))
+        self.enabled = (
+            namespace.get("rdzv_backend") == "c10d"
+            and bool(namespace.get("rdzv_endpoint"))
+            and nnodes not in ("1", "1:1")
+            and not namespace.get("standalone")
+        )
+        self._endpoint = str(namespace.get("rdzv_endpoint") or "")
+        self._prefix = f"{_PREFIX}/{namespace.get('rdzv_id') or 'none'}"
+        self._store: Any = None
+        self._node = 0
+        self._tried = 0.0
+        self._seen: dict[int, tuple[int, float, dict[str, Any]]] = {}
+        """Per other node: (its publication's sequence number, when this node first read it, the publication)."""
+        self._seq = 0
+        self._published = self._read_at = 0.0
+
+    def _connect(self) -> bool:
+        if self._store is not None:
+            return True
+        if time.monotonic() - self._tried < _CONNECT_EVERY_S:
+            return False
+        self._tried = time.monotonic()
+        try:
+            from datetime import timedelta
+
+            from torch.distributed import TCPStore
+
+            host, port = self._endpoint.rsplit(":", 1)
+            store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False)
+            self._node = int(store.add(f"{self._prefix}/nodes", 1))
+            self._store = store
+        except Exception as exc:  # noqa: BLE001  (the store not up yet, or gone: watch this node's ranks)
+            logger.debug("ddp-doctor: the rendezvous store at %s is not reachable: %s", self._endpoint, exc)
+            return False
+        return True
+
+    def publish(self, folder: Path, last_moved: float | None) -> None:
+        """Every two seconds: how long ago one of this node's ranks last moved (a small key every node reads while
+        its own ranks stand still); and, once they have stood still for a second, their records (read only at a
+        hang)."""
+        now = time.monotonic()
+        if not self.enabled or now - self._published < _PUBLISH_EVERY_S or not self._connect():
+            return
+        self._published = now
+        self._seq += 1
+        still = None if last_moved is None else max(0.0, time.time() - last_moved)
+        try:
+            self._store.set(f"{self._prefix}/node{self._node}/still", json.dumps({"seq": self._seq, "still_s": still}))
+            if still is not None and still >= _RECORDS_AFTER_S:
+                self._store.set(f"{self._prefix}/node{self._node}/records", json.dumps(_records(folder), default=str))
+        except Exception as exc:  # noqa: BLE001  (the job ended: the store went with it)
+            logger.debug("ddp-doctor: could not publish to the rendezvous store: %s", exc)
+            self.enabled = False
+
+    def others_moved(self) -> float | None:
+        """When (this node's clock) a rank on another node last moved, from their newest publications (read at most
+        every two seconds: one request for every node's key); None when no other node has published."""
+        now = time.monotonic()
+        if self.enabled and self._store is not None and now - self._read_at >= _PUBLISH_EVERY_S:
+            self._read_at = now
+            try:
+                count = int(self._store.add(f"{self._prefix}/nodes", 0))
+                keys = [f"{self._prefix}/node{n}/still" for n in range(1, count + 1) if n != self._node]
+                present = [k for k in keys if self._store.check([k])] if keys else []
+                values = self._store.multi_get(present) if present else []
+                for key, raw in zip(present, values):
+                    data = json.loads(bytes(raw))
+                    node = int(key.rsplit("/", 2)[1][len("node") :])
+                    if node not in self._seen or self._seen[node][0] != data["seq"]:
+                        self._seen[node] = (data["seq"], time.time(), data)
+            except Exception as exc:  # noqa: BLE001
+                logger.debug("ddp-doctor: could not read the rendezvous store: %s", exc)
+        moved = [
+            first_read - float(d["still_s"]) for _, first_read, d in self._seen.values() if d["still_s"] is not None
+        ]
+        return max(moved) if moved else None
+
+    def materialize(self, folder: Path) -> Path | None:
+        """Write the other nodes' last published records under `folder/nodes/` (read as a run folder of their own);
+        None when there are none."""
+        if not self.enabled or self._store is None:
+            return None
+        out = folder / "nodes"
+        wrote = False
+        for node in self._seen:
+            key = f"{self._prefix}/node{node}/records"
+            try:
+                if not self._store.check([key]):
+                    continue
+                records = json.loads(self._store.get(key))
+            except Exception as exc:  # noqa: BLE001
+                logger.debug("ddp-doctor: could not read node %d's records: %s", node, exc)
+                continue
+            out.mkdir(exist_ok=True)
+            for name, record in records.items():
+                if name.endswith(".beacon"):
+                    write_beacon(out / name, BeaconState.from_dict(record))
+                else:
+                    (out / name).write_text(record)
+                wrote = True
+        return out if wrote else None
+
+
+def _records(folder: Path) -> dict[str, Any]:
+    """This node's ranks' files, by name: each beacon's state, each sampled line and end record as written."""
+    records: dict[str, Any] = {}
+    for path in folder.glob("rank*.beacon"):
+        state = read_beacon(path)
+        if state is not None:
+            records[path.name] = state.to_dict()
+    for path in folder.glob("rank*.json"):
+        try:
+            records[path.name] = path.read_text()
+        except OSError:
+            continue
+    return records
