@@ -7,9 +7,9 @@ with how long ago one of its ranks last moved, by its own clock; once its ranks 
 second key with their files as they are in its run folder (each rank's beacon, sampled line and end record: a few
 kilobytes a rank). A node reads the other nodes' small keys only while its own ranks stand still past
 `--hang-after` (one request for all of them every two seconds): a node whose ranks moved recently keeps it from
-calling a hang. At a hang it reads their records, writes them under `nodes/` in its run folder and reads them with
-its own (`hang_verdict`). The ranks' stacks stay on their node: each
-node's watch takes its own ranks' at the same hang.
+calling a hang. At a hang it reads their records, writes them in the folder "nodes" of its run folder and reads
+them with its own (`hang_verdict`). The ranks' stacks stay on their node: each node's watch takes its own ranks' at
+the same hang.
 
 The store is torchrun's: keys live under `ddp-doctor/watch/{rdzv_id}/` and are gone with the job. Anything that
 fails (no store yet, the store gone at the job's end) leaves the node watching its own ranks, as on one node.
@@ -119,7 +119,7 @@ class NodeShare:
         return max(moved) if moved else None
 
     def materialize(self, folder: Path) -> Path | None:
-        """Write the other nodes' last published records under `folder/nodes/` (read as a run folder of their own);
+        """Write the other nodes' last published records in `folder`'s "nodes" (read as a run folder of their own);
         None when there are none."""
         if not self.enabled or self._store is None:
             return None

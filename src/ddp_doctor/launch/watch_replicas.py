@@ -7,7 +7,7 @@ its node's ranks, and at each step that every live rank has written compares the
 parameter by parameter. The first step at which they differ is said while the job runs, and written to
 `replicas.json`, which outlives the job.
 
-Parameters the script told DDP to ignore (`_set_params_and_buffers_to_ignore_for_model`) are each rank's own and
+Parameters the script told DDP to ignore (`compat.parameters_to_ignore`) are each rank's own and
 are left out. The rank decides how often from what a point costs: at most `BUDGET` of the time between its steps, and never more
 often than every `MIN_EVERY` steps. The interval is a power of two and a point is taken at the steps it divides, so
 ranks that chose different intervals still meet at the multiples of the larger one. Buffers are not compared (BatchNorm's running statistics differ between ranks
@@ -86,6 +86,7 @@ class ReplicaPoints:
         self._last_step = (step, time.perf_counter())  # the point's own time is not a step's
 
     def _point(self, step: int) -> dict[str, Any]:
+        from ddp_doctor.core.compat import parameters_to_ignore
         from ddp_doctor.core.fingerprint import fingerprints_batched
 
         names: list[str] = []
@@ -94,7 +95,7 @@ class ReplicaPoints:
             ddp = ref()
             if ddp is None:
                 continue
-            ignored = getattr(ddp, "parameters_to_ignore", None) or ()  # DDP leaves these to each rank
+            ignored = parameters_to_ignore(ddp)  # DDP leaves these to each rank
             for name, p in ddp.module.named_parameters():
                 if name in ignored:
                     continue
