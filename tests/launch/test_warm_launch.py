@@ -56,6 +56,7 @@ def _torch_import_threads() -> int:
     return int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout)
 
 
+@pytest.mark.timeout(420)  # three launches and a torch import: past the default 120 s on a loaded machine
 def test_the_script_sees_what_torchrun_gives_it_warm_or_fresh(tmp_path: Path) -> None:
     plain = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", PROBE]
