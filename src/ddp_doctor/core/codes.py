@@ -211,7 +211,7 @@ TABLE: tuple[CodeInfo, ...] = (
          when="error; warning when every difference is at float64 rounding level, and for modules whose mode "
               "differs across ranks",
          guard=True),
-    _row(Code.BUFFER_DIVERGENCE, Family.SYNC, "error/warning", "agreement.py sharded.py",
+    _row(Code.BUFFER_DIVERGENCE, Family.SYNC, "error/warning", "agreement.py sharded_state.py",
          "buffers differ across ranks",
          when="error for an FSDP2 buffer that differs and never changed in training (FSDP2 never broadcasts "
               "buffers); warning for buffers that change in training (running statistics)",
@@ -308,7 +308,7 @@ TABLE: tuple[CodeInfo, ...] = (
          "a forward through the sharded model on some ranks only (an evaluation on rank 0): its all-gathers wait"),
     _row(Code.LOW_PRECISION_REDUCE, Family.FSDP2, "info", "sharded.py",
          "gradients reduced in bfloat16 (or float16) while the weights train in float32 (reduce_dtype unset or low)"),
-    _row(Code.LOW_PRECISION_WEIGHTS, Family.FSDP2, "warning", "sharded.py",
+    _row(Code.LOW_PRECISION_WEIGHTS, Family.FSDP2, "warning", "sharded_state.py",
          "a mixed-precision policy computes in bfloat16 (or float16) on weights that are already in it: the optimizer "
          "steps low-precision weights and loses the updates below their resolution"),
     _row(Code.UNREGISTERED_PARAMETERS, Family.DIVERGENCE, "error/warning", "tree_state.py",
