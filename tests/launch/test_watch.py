@@ -269,20 +269,21 @@ def test_a_rank_that_leaves_the_loop_early_is_named_after_the_job_failed(tmp_pat
 
 def test_two_nodes_each_watched_explain_the_hang_from_both_nodes_ranks(tmp_path: Path) -> None:
     """Two torchrun agents on this machine (`--nnodes 2`, c10d rendezvous on 127.0.0.1), one rank each, each under
-    its own `watch` with `--hang-after 3 --on-hang stop` and its own run folder (no shared file system); rank 1 spins
-    in a Python loop after step 15 while rank 0 waits for it in DDP's backward. The nodes share their ranks' records
-    through the rendezvous store: each node's verdict holds both ranks and names rank 1, with its loop's line, as the
-    rank the other waits for."""
+    its own `watch` with `--hang-after 3` and its own run folder (no shared file system); rank 1 spins in a Python
+    loop for 25 s after step 15 while rank 0 waits for it in DDP's backward, until the group's 20 s timeout. The
+    nodes share their ranks' records through the rendezvous store: each node's verdict holds both ranks and names
+    rank 1, with its loop's line, as the rank the other waits for. (`--on-hang wait`: a node that stopped its own
+    ranks at its verdict would end the other node's job, through the rendezvous, before that node's verdict.)"""
     port = free_port()
     rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
     rdzv += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"watch-{port}"]
     tag = uuid.uuid4().hex
-    env = {**os.environ, "GROUP_TIMEOUT_S": "60", "STALL": "loop", "STALL_RANK": "1", "STALL_STEP": "15"}
-    env["DDP_DOCTOR_TEST_TAG"] = tag
+    env = {**os.environ, "GROUP_TIMEOUT_S": "20", "STALL": "loop", "STALL_RANK": "1", "STALL_STEP": "15"}
+    env.update(STALL_S="25", DDP_DOCTOR_TEST_TAG=tag)
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", "ddp_doctor.cli", "watch", "--run-dir", str(tmp_path / f"node{n}"), "--hang-after"]
-            + ["3", "--on-hang", "stop", *rdzv, "--node-rank", str(n), str(SCRIPTS / "watch_job.py")],
+            + ["3", *rdzv, "--node-rank", str(n), str(SCRIPTS / "watch_job.py")],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,

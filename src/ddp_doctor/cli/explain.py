@@ -70,7 +70,7 @@ def explain(folder: Path, console: Console) -> tuple[dict[str, Any], int]:
         render_verdict(verdict_from_dict(hang), console)
     replicas = read_json(folder / "replicas.json") or {}
     if (diverged := replicas.get("divergence")) is not None:
-        render_divergence(ReplicaDivergence(**diverged, ranks=replicas["ranks"]), console)
+        render_divergence(ReplicaDivergence(**diverged), console)
     ended = read_json(folder / "watch.json")
     if ended is not None:
         result = ended["result"]

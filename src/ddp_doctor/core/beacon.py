@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BEACON_SCHEMA", "Beacon", "BeaconState", "ClosedStep", "Collective", "read_beacon", "write_beacon"]
+__all__ = ["BEACON_SCHEMA", "Beacon", "BeaconState", "ClosedStep", "Collective", "read_beacon"]
 
 BEACON_SCHEMA = "ddp-doctor/beacon@1"
 _SIZE = 16384
@@ -131,9 +131,10 @@ class BeaconState:
 
 
 class Beacon:
-    """The writer side, one per rank."""
+    """The writer side, one per rank; `state` writes a state read elsewhere (another node's rank, from the
+    rendezvous store) instead of a new one of this process."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, state: BeaconState | None = None) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, _SIZE)
@@ -141,7 +142,7 @@ class Beacon:
         finally:
             os.close(fd)
         self._seq = 0
-        self.state = BeaconState(time=time.time(), pid=os.getpid())
+        self.state = state if state is not None else BeaconState(time=time.time(), pid=os.getpid())
         self._write()
 
     def update(self, **changes: Any) -> None:
@@ -167,13 +168,6 @@ class Beacon:
         """Publish `step` alone, in the step slot (a reader takes it over the JSON's when it is later)."""
         self.state.step = step
         _STEP.pack_into(self._map, _SIZE - _STEP.size, step, time.time())
-
-
-def write_beacon(path: Path, state: BeaconState) -> None:
-    """Write `state` as a beacon file at `path` (another node's rank, read back from the rendezvous store)."""
-    beacon = Beacon(path)
-    beacon.state = state
-    beacon._write()
 
 
 def read_beacon(path: Path) -> BeaconState | None:

@@ -50,6 +50,9 @@ class CheckResult:
     launch: str | None = None
     """How this node's ranks were started: `warm` (forked from a preloaded interpreter), `fresh` (one interpreter
     each), `mixed`; None when no rank was started."""
+    torchrun_rc: int | None = None
+    """The exit status of this node's torchrun (None: it never started). Not 0 also when no worker failed but the
+    agent did (another node's agent gone with the rendezvous store)."""
 
     @property
     def report(self) -> Report | None:

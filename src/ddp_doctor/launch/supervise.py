@@ -266,6 +266,7 @@ def run_check(
         result.clean_line = _Forward.clean_line
         result.torchrun_log = _keep_log(folder / "torchrun.log", marker)
         result.launch = read_launch(folder)
+        result.torchrun_rc = proc.returncode if proc is not None else None
         return result
 
 

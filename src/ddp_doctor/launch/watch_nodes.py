@@ -2,12 +2,12 @@
 store, so that a hang is called, and explained, from every node's ranks, without a shared file system.
 
 Under `--rdzv-backend c10d` the first agent hosts a TCP store at `--rdzv-endpoint` for the whole job. Each node's
-watch connects to it as a client, takes a node number (`add` on a counter), and every two seconds sets a small key
-with how long ago one of its ranks last moved, by its own clock; once its ranks have stood still for a second, a
-second key with their files as they are in its run folder (each rank's beacon, sampled line and end record: a few
-kilobytes a rank). A node reads the other nodes' small keys only while its own ranks stand still past
-`--hang-after` (one request for all of them every two seconds): a node whose ranks moved recently keeps it from
-calling a hang. At a hang it reads their records, writes them in the folder "nodes" of its run folder and reads
+watch connects to it as a client, takes a node number (`add` on a counter), and sets a small key with how long ago
+one of its ranks last moved, by its own clock (every two seconds; every half second once its ranks have stood still
+for a second); from then on also a second key, every two seconds, with their files as they are in its run folder
+(each rank's beacon, sampled line and end record: a few kilobytes a rank). A node reads the other nodes' small keys
+only while its own ranks stand still past `--hang-after` (one request for all of them every half second): a node
+whose ranks moved recently keeps it from calling a hang. At a hang it reads their records, writes them in the folder "nodes" of its run folder and reads
 them with its own (`hang_verdict`). The ranks' stacks stay on their node: each node's watch takes its own ranks' at
 the same hang.
 
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddp_doctor.core.beacon import BeaconState, read_beacon, write_beacon
+from ddp_doctor.core.beacon import Beacon, BeaconState, read_beacon
 
 __all__ = ["NodeShare"]
 
@@ -32,6 +32,7 @@ logger = logging.getLogger("ddp_doctor")
 _PREFIX = "ddp-doctor/watch"
 _CONNECT_EVERY_S = 2.0
 _PUBLISH_EVERY_S = 2.0
+_READ_EVERY_S = 0.5
 _RECORDS_AFTER_S = 1.0
 """A node publishes its ranks' records once they have stood still this long (a hang is called much later)."""
 
@@ -55,7 +56,7 @@ class NodeShare:
         self._seen: dict[int, tuple[int, float, dict[str, Any]]] = {}
         """Per other node: (its publication's sequence number, when this node first read it, the publication)."""
         self._seq = 0
-        self._published = self._read_at = 0.0
+        self._published = self._records_at = self._read_at = 0.0
 
     def _connect(self) -> bool:
         if self._store is not None:
@@ -78,18 +79,22 @@ class NodeShare:
         return True
 
     def publish(self, folder: Path, last_moved: float | None) -> None:
-        """Every two seconds: how long ago one of this node's ranks last moved (a small key every node reads while
-        its own ranks stand still); and, once they have stood still for a second, their records (read only at a
-        hang)."""
+        """How long ago one of this node's ranks last moved (a small key the other nodes read while their own ranks
+        stand still): every two seconds while they move, every half second once they have stood still for a second,
+        so that a reader's estimate of when they last moved is at most a second late; and, from then on, their
+        records every two seconds (read only at a hang)."""
         now = time.monotonic()
-        if not self.enabled or now - self._published < _PUBLISH_EVERY_S or not self._connect():
+        still = None if last_moved is None else max(0.0, time.time() - last_moved)
+        waiting = still is not None and still >= _RECORDS_AFTER_S
+        every = _READ_EVERY_S if waiting else _PUBLISH_EVERY_S
+        if not self.enabled or now - self._published < every or not self._connect():
             return
         self._published = now
         self._seq += 1
-        still = None if last_moved is None else max(0.0, time.time() - last_moved)
         try:
             self._store.set(f"{self._prefix}/node{self._node}/still", json.dumps({"seq": self._seq, "still_s": still}))
-            if still is not None and still >= _RECORDS_AFTER_S:
+            if waiting and now - self._records_at >= _PUBLISH_EVERY_S:
+                self._records_at = now
                 self._store.set(f"{self._prefix}/node{self._node}/records", json.dumps(_records(folder), default=str))
         except Exception as exc:  # noqa: BLE001  (the job ended: the store went with it)
             logger.debug("ddp-doctor: could not publish to the rendezvous store: %s", exc)
@@ -97,14 +102,16 @@ class NodeShare:
 
     def others_moved(self) -> float | None:
         """When (this node's clock) a rank on another node last moved, from their newest publications (read at most
-        every two seconds: one request for every node's key); None when no other node has published."""
+        every half second, only while this node's ranks stand still: one request for every node's key); None when no
+        other node has published."""
         now = time.monotonic()
-        if self.enabled and self._store is not None and now - self._read_at >= _PUBLISH_EVERY_S:
+        if self.enabled and self._store is not None and now - self._read_at >= _READ_EVERY_S:
             self._read_at = now
             try:
                 count = int(self._store.add(f"{self._prefix}/nodes", 0))
                 keys = [f"{self._prefix}/node{n}/still" for n in range(1, count + 1) if n != self._node]
-                present = [k for k in keys if self._store.check([k])] if keys else []
+                # One request when every node has published (the usual case); key by key when some has not yet.
+                present = keys if keys and self._store.check(keys) else [k for k in keys if self._store.check([k])]
                 values = self._store.multi_get(present) if present else []
                 for key, raw in zip(present, values):
                     data = json.loads(bytes(raw))
@@ -137,7 +144,7 @@ class NodeShare:
             out.mkdir(exist_ok=True)
             for name, record in records.items():
                 if name.endswith(".beacon"):
-                    write_beacon(out / name, BeaconState.from_dict(record))
+                    Beacon(out / name, BeaconState.from_dict(record))
                 else:
                     (out / name).write_text(record)
                 wrote = True

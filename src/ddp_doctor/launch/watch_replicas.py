@@ -3,30 +3,31 @@
 Every few optimizer steps, each rank fingerprints the parameters of every DDP model it trains (walked from the
 module tree at that moment, so a parameter attached after the wrapper was built is in it) and writes them to
 `replicas/rank{R}.{STEP}.json` in the run folder, keeping its last few. The parent (`WatchLoop`) reads the files of
-its node's ranks, and at each step that every live rank has written compares the fingerprints,
-parameter by parameter. The first step at which they differ is said while the job runs, and written to
+its node's ranks, and at each step that every live rank has written compares the fingerprints, parameter by
+parameter. The first step at which they differ is said while the job runs, and written to
 `replicas.json`, which outlives the job.
 
-Parameters the script told DDP to ignore (`compat.parameters_to_ignore`) are each rank's own and
-are left out. The rank decides how often from what a point costs: at most `BUDGET` of the time between its steps, and never more
-often than every `MIN_EVERY` steps. The interval is a power of two and a point is taken at the steps it divides, so
-ranks that chose different intervals still meet at the multiples of the larger one. Buffers are not compared (BatchNorm's running statistics differ between ranks
-after every forward, by design), nor FSDP2's sharded parameters (each rank holds its own shard). Ranks on other
-nodes are compared by their own node's `watch`.
+Parameters the script told DDP to ignore (`compat.parameters_to_ignore`) are each rank's own and are left out. The
+rank decides how often from what a point costs: at most `BUDGET` of the time between its steps (timed over the steps
+between two points), and never more often than every `MIN_EVERY` steps. The interval is a power of two and a point
+is taken at the steps it divides, so ranks that chose different intervals still meet at the multiples of the larger
+one. Buffers are not compared (BatchNorm's running statistics differ between ranks after every forward, by design),
+nor FSDP2's sharded parameters (each rank holds its own shard). Ranks on other nodes are compared by their own
+node's `watch`.
 
 The parent side imports no torch.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ddp_doctor.core.rankfiles import read_json, write_json
 
 __all__ = ["BUDGET", "MIN_EVERY", "ReplicaDivergence", "ReplicaPoints", "ReplicaWatch", "point_path"]
 
@@ -63,27 +64,26 @@ class ReplicaPoints:
         self._models: list[weakref.ref[Any]] = []
         self._every = MIN_EVERY
         self._spent = 0.0
-        self._last_step: tuple[int, float] | None = None
-        self._between: float | None = None
+        self._since: tuple[int, float] | None = None
+        """(the step of the last point, when it was done): the steps between two points time the interval."""
 
     def add_model(self, ddp: Any) -> None:
         self._models.append(weakref.ref(ddp))
 
     def stepped(self, step: int) -> None:
-        """After optimizer step `step`: a point when `step` is a multiple of the rank's interval."""
-        now = time.perf_counter()
-        if self._last_step is not None and step > self._last_step[0]:
-            interval = (now - self._last_step[1]) / (step - self._last_step[0])
-            self._between = interval if self._between is None else 0.9 * self._between + 0.1 * interval
-        self._last_step = (step, now)
+        """After optimizer step `step`: a point when `step` is a multiple of the rank's interval (every other step
+        costs a modulo)."""
         if step % self._every or not self._models:
             return
+        start = time.perf_counter()
         self._write(step, {**self._point(step), "every": self._every, "spent_s": self._spent})
-        cost = time.perf_counter() - now
+        done = time.perf_counter()
+        cost = done - start
         self._spent += cost
-        if self._between:
-            self._every = max(MIN_EVERY, 1 << math.ceil(math.log2(max(1.0, cost / (BUDGET * self._between)))))
-        self._last_step = (step, time.perf_counter())  # the point's own time is not a step's
+        if self._since is not None and step > self._since[0]:
+            between = (start - self._since[1]) / (step - self._since[0])  # a step's time, the points' left out
+            self._every = max(MIN_EVERY, 1 << math.ceil(math.log2(max(1.0, cost / (BUDGET * between)))))
+        self._since = (step, done)
 
     def _point(self, step: int) -> dict[str, Any]:
         from ddp_doctor.core.compat import parameters_to_ignore
@@ -107,9 +107,7 @@ class ReplicaPoints:
     def _write(self, step: int, point: dict[str, Any]) -> None:
         path = point_path(self._folder, self._rank, step)
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"schema": SCHEMA, **point}))
-        os.replace(tmp, path)
+        write_json(path, {"schema": SCHEMA, **point})
         self._written.append(path)
         for old in self._written[:-_KEPT]:
             old.unlink(missing_ok=True)
@@ -170,34 +168,20 @@ class ReplicaWatch:
         return None
 
     def save(self) -> None:
-        from ddp_doctor.core.rankfiles import write_json
-
         write_json(self.folder / "replicas.json", self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
-        d = self.divergence
         return {
             "schema": SCHEMA,
             "compared_steps": self.compared,
             "ranks": self.ranks,
-            "divergence": None
-            if d is None
-            else {
-                "step": d.step,
-                "agreed_step": d.agreed_step,
-                "params": d.params,
-                "differing": d.differing,
-                "groups": d.groups,
-            },
+            "divergence": asdict(self.divergence) if self.divergence is not None else None,
         }
 
 
 def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if data.get("schema") == SCHEMA else None
+    data = read_json(path)
+    return data if data is not None and data.get("schema") == SCHEMA else None
 
 
 def _same(a: list[float], b: list[float]) -> bool:

@@ -293,8 +293,7 @@ class WatchLoop:
         self.nodes.publish(folder, last)
         if last is not None and hang_after is not None and time.time() - last < hang_after:
             return last
-        other = self.nodes.others_moved()
-        return max(t for t in (last, other) if t is not None) if (last, other) != (None, None) else None
+        return max((t for t in (last, self.nodes.others_moved()) if t is not None), default=None)
 
     def _moved_since(self, hung_at: float, states: dict[int, BeaconState]) -> float | None:
         """After a verdict: None (and `resumed` called) once any rank's beacon changed since, else `hung_at`."""

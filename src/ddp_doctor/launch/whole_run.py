@@ -106,7 +106,7 @@ def watch(
                 diverged(loop.replicas.divergence)
         loop.replicas.save()
         replicas = loop.replicas.to_dict()
-    rc = _torchrun_rc(run_dir)
+    rc = _torchrun_rc(run_dir) or (result.torchrun_rc or 0)
     seconds = time.time() - started
     if result.interrupted is not None:
         summary, failed = f"the job was stopped by {signal.Signals(result.interrupted).name}", True
@@ -184,5 +184,6 @@ def aborted_at_exit(folder: Path) -> tuple[str, bool] | None:
 
 
 def _torchrun_rc(folder: Path) -> int:
-    """0 when no worker failed (torchrun writes `torchrun.json` only for failed workers)."""
+    """0 when no worker failed (torchrun writes `torchrun.json` only for failed workers; its own exit status, in
+    `CheckResult.torchrun_rc`, says whether its agent failed)."""
     return 1 if (folder / "torchrun.json").exists() else 0
