@@ -51,8 +51,7 @@ def buffer_divergence(run: ShardedRun, ranks: list[int]) -> list[Finding]:
     the ranks' outputs on the same input end apart (sums printed by each rank). With the same seed on every rank
     (`buffer-same`) they agree.
     """
-    made = [b for b, d, m in zip(run.buffers, run.buffers_differ, run.buffers_moved) if d and not m]
-    running = [b for b, d, m in zip(run.buffers, run.buffers_differ, run.buffers_moved) if d and m]
+    made, running = run.buffers_made_apart, run.buffers_apart_in_training
     found = []
     steps = list(range(run.steps))  # never changed: they differed from the first step on
     if made:

@@ -58,14 +58,12 @@ class ShardedRun:
     buffers_compared: int = 0
     """How many of the sharded model's buffers were compared across ranks at the last observed step (FSDP2 only;
     0 when the ranks held different numbers of buffers)."""
-    buffers: list[ParamRef] = field(default_factory=list)
-    """The sharded model's buffers, when some differ across ranks at the end of the observed steps (FSDP2 neither
-    broadcasts nor averages buffers); empty when they agree."""
-    buffers_differ: list[bool] = field(default_factory=list)
-    """Per `buffers` entry: it differs across ranks."""
-    buffers_moved: list[bool] = field(default_factory=list)
-    """Per `buffers` entry: it changed on some rank during the observed steps (running statistics), where a
-    differing buffer that never changed was made different (a per-rank seed, memory left uninitialised)."""
+    buffers_made_apart: list[ParamRef] = field(default_factory=list)
+    """Buffers of the sharded model that differ across ranks at the end of the observed steps and never changed in
+    them: made different (a per-rank seed, memory left uninitialised). FSDP2 neither broadcasts nor averages
+    buffers."""
+    buffers_apart_in_training: list[ParamRef] = field(default_factory=list)
+    """Buffers that differ across ranks and changed during the observed steps (running statistics)."""
     ignored: list[bool] = field(default_factory=list)
     """Per `unsharded` parameter: the script passed it to `fully_shard` as `ignored_params` (FSDP2 leaves its
     synchronisation to the script)."""

@@ -213,9 +213,16 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         unsharded_changed=bool(top["unsharded_changed"]),
         weights_dtype=sorted({str(p.dtype).removeprefix("torch.") for _, p in named}),
         buffers_compared=len(buffers_differ),
-        buffers=[ParamRef(n, b.numel(), tuple(b.shape)) for n, b in buffers] if any(buffers_differ) else [],
-        buffers_differ=buffers_differ if any(buffers_differ) else [],
-        buffers_moved=buffers_moved if any(buffers_differ) else [],
+        buffers_made_apart=[
+            ParamRef(n, b.numel(), tuple(b.shape))
+            for (n, b), d, m in zip(buffers, buffers_differ, buffers_moved)
+            if d and not m
+        ],
+        buffers_apart_in_training=[
+            ParamRef(n, b.numel(), tuple(b.shape))
+            for (n, b), d, m in zip(buffers, buffers_differ, buffers_moved)
+            if d and m
+        ],
         ignored_site=next((getattr(p, IGNORED_ATTR) for _, p in unsharded if hasattr(p, IGNORED_ATTR)), None),
         ignored=[hasattr(p, IGNORED_ATTR) for _, p in unsharded],
         unused=unused,
