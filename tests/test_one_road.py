@@ -173,3 +173,28 @@ def test_an_unwrapped_run_is_diagnosed_from_its_typed_record() -> None:
     assert (f.code, f.severity, f.param_names, f.steps) == ("model-not-wrapped", "error", ["w"], [0, 1, 2])
     assert "0.5" in f.detail and not d.recommendation.flags_known and d.steps_observed == 3
     assert diagnose_unwrapped(dataclasses.replace(run, params=[], differ=[])).findings == []
+
+
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
+    "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv",
+    "isend", "monitored_barrier", "recv", "recv_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "scatter", "scatter_object_list", "send", "send_object_list",
+}  # fmt: skip
+
+
+def test_only_the_exchange_and_sync_gradients_communicate() -> None:
+    """Every collective or point-to-point call of `torch.distributed` (or its functional collectives) is in
+    exchange/, or in fixes/sync.py, which is the user's own gradient all-reduce. The observers, the sharded report
+    and the launch reach the other ranks through the exchange's functions only."""
+    calls = [
+        f"{p.relative_to(SRC)}:{n.lineno} {n.func.attr}"
+        for p, tree in _modules()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr in COLLECTIVES
+        and ast.unparse(n.func.value) in ("dist", "torch.distributed", "funcol", "c10d")
+    ]
+    outside = [c for c in calls if not c.startswith(("exchange/", "fixes/sync.py:"))]
+    assert outside == [] and any(c.startswith("exchange/") for c in calls), outside

@@ -36,6 +36,7 @@ from ddp_doctor.core.sharded_run import parallelism_of
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.doctor.sharded_report import SITE_ATTR, sharded_report
 from ddp_doctor.exchange.primitives import comm_device, minmax
+from ddp_doctor.exchange.shard_collectives import reduce_scatter_in_float32
 from ddp_doctor.observation.sharding import (
     GatherCount,
     ReducePrecisionProbe,
@@ -177,7 +178,7 @@ class PlainOptimizerWatch:
         """After the first step, when the model reduces gradients in a low dtype: measure the next backward's
         reductions (`ReducePrecisionProbe`), then take the probe out."""
         if self.probe is None and self.steps == 1 and model.api == "fully_shard" and model.may_reduce_low():
-            self.probe = ReducePrecisionProbe(model)
+            self.probe = ReducePrecisionProbe(model, reduce_scatter_in_float32)
             self.probe.install()
         elif self.probe is not None and self.probe.calls:
             self.probe.remove()

@@ -19,6 +19,7 @@ from ddp_doctor.core.fingerprint import fingerprints_batched
 from ddp_doctor.core.frames import user_site
 from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.exchange.primitives import comm_device, minmax
+from ddp_doctor.exchange.shard_collectives import count_and_first
 from ddp_doctor.exchange.timing import slowest_rank
 from ddp_doctor.observation.sharding import GatherCount, ReducePrecisionProbe, ShardedModel, reshards_fully
 from ddp_doctor.observation.step_clock import StepClock, input_wait
@@ -279,13 +280,11 @@ def _shard_save(
     if every and not one_path:
         return {}  # each rank its own file of its own shards: a per-rank sharded checkpoint
     first = int(low["saver"])
-    count = torch.tensor([1.0 if saved else 0.0], device=device)
-    dist.all_reduce(count)
-    shown = [None if saved is None else {k: saved[k] for k in ("shown", "site", "shards")}]
-    dist.broadcast_object_list(shown, src=first)
+    shown = None if saved is None else {k: saved[k] for k in ("shown", "site", "shards")}
+    count, shown = count_and_first(saved is not None, shown, first, device)
     return {
-        "shard_save": shown[0],
-        "shard_save_ranks": int(count.item()),
+        "shard_save": shown,
+        "shard_save_ranks": count,
         "shard_save_first": first,
         "shard_save_one_path": every and one_path,
     }

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import functools
 import gc
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ddp_doctor.core.compat import fsdp_module_type, is_dtensor, replicate_module_type
@@ -238,9 +237,11 @@ class ReducePrecisionProbe:
     Installed around FSDP2's private `_reduce_scatter_comm` of each parameter group (2.10 and later; the probe
     does nothing where that is missing), on every rank alike, so the extra collective pairs up across ranks. What is
     measured is the reduction's own rounding: the cast of float32 gradients to the reduce dtype before it (where the
-    compute dtype is float32) is not in the number."""
+    compute dtype is float32) is not in the number. The float32 reduce-scatter is `reference`, the exchange's
+    (`ddp_doctor.exchange.shard_collectives.reduce_scatter_in_float32`): observation communicates through it only."""
 
-    def __init__(self, model: ShardedModel) -> None:
+    def __init__(self, model: ShardedModel, reference: Callable[..., torch.Tensor]) -> None:
+        self.reference = reference
         self._groups = [g for g in model.param_groups() if hasattr(g, "_reduce_scatter_comm")]
         self._saved: list[tuple[Any, Any]] = []
         self.worst_abs = 0.0
@@ -318,8 +319,7 @@ class _MeasuredReduceScatter(_WrappedComm):
             if work is not None:
                 work.wait()
                 work = None
-            reference = torch.empty(output_tensor.shape, dtype=torch.float32, device=output_tensor.device)
-            dist.reduce_scatter_tensor(reference, input_tensor.float(), op=op, group=group)
+            reference = self._probe.reference(output_tensor, input_tensor, op, group)
             self._probe.note(output_tensor, reference)
         return work
 
