@@ -149,13 +149,17 @@ def test_verification_gives_a_new_recommendation() -> None:
     first = _diagnosis()
     clean = _diagnosis()
     done = diagnose_verified(first, applied='{"static_graph": true}', needed=2, second=clean)
-    assert done.recommendation.verified and "Verified: a second run with these flags" in done.recommendation.reason
-    assert not first.recommendation.verified and first.recommendation.reason == "R."
+    assert done.recommendation.verified and done.recommendation.verification["outcome"] == "verified"
+    assert done.recommendation.verification["ddp_kwargs"] == '{"static_graph": true}'
+    assert not first.recommendation.verified and first.recommendation.verification is None
     failed = diagnose_verified(first, applied="{}", needed=3, second=_diagnosis([_finding("rank-crashed", "error")]))
-    assert not failed.recommendation.verified and "Refuted" in failed.recommendation.reason
+    assert not failed.recommendation.verified and failed.recommendation.verification["outcome"] == "refuted"
+    assert failed.recommendation.verification["errors"] == ["rank-crashed"]
     assert not failed.recommendation.flags_known  # proven wrong: withdrawn
     none = diagnose_verified(first, applied="{}", needed=2, second=None, error="no rank started")
-    assert none.recommendation.reason.endswith("did not run: no rank started.")
+    assert none.recommendation.verification["outcome"] == "not-run"
+    assert none.recommendation.verification["error"] == "no rank started"
+    assert {d.recommendation.reason for d in (done, failed, none)} == {"R."}  # the analysis' words, never edited
 
 
 def test_an_unwrapped_run_is_diagnosed_from_its_typed_record() -> None:
@@ -198,3 +202,38 @@ def test_only_the_exchange_and_sync_gradients_communicate() -> None:
     ]
     outside = [c for c in calls if not c.startswith(("exchange/", "fixes/sync.py:"))]
     assert outside == [] and any(c.startswith("exchange/") for c in calls), outside
+
+
+_WORDS = {"title", "detail", "fix", "reason"}
+"""A finding's and a recommendation's sentences."""
+
+
+def _reads_or_edits_words(n: ast.AST) -> bool:
+    def words(x: ast.AST) -> bool:
+        return isinstance(x, ast.Attribute) and x.attr in _WORDS
+
+    if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+        return any(words(t) for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+    if isinstance(n, ast.Compare):
+        return any(words(side) for side in (n.left, *n.comparators))
+    if isinstance(n, ast.Call):
+        method_of_words = isinstance(n.func, ast.Attribute) and words(n.func.value)
+        rewords = _called(n) == "replace" and any(k.arg in _WORDS for k in n.keywords)
+        return method_of_words or rewords
+    return False
+
+
+def test_no_analysis_code_reads_or_edits_a_sentence() -> None:
+    """The analysis, the in-process doctor and the launch decide on facts: none of them compares a finding's or a
+    recommendation's words, calls a method of them (`.replace`, `.split`, `startswith`) or sets them after the
+    finding was made (`f.fix = ...`, `replace(rec, reason=...)`). A fix that depends on the other findings is decided
+    by a detector that reads their codes (`detects(..., reads_found=True)`); a verification's outcome is typed
+    (`reshard["verification"]`) and worded by report/."""
+    hits = [
+        f"{p.relative_to(SRC)}:{n.lineno} {ast.unparse(n)[:60]}"
+        for folder in ("analyze", "doctor", "launch", "exchange", "observation")
+        for p, tree in _modules(SRC / folder)
+        for n in ast.walk(tree)
+        if _reads_or_edits_words(n)
+    ]
+    assert hits == [], hits

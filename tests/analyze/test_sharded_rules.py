@@ -27,24 +27,26 @@ def test_the_reshard_advice_names_the_module_and_line_and_waits_for_its_second_r
     assert rec.reason.startswith(
         "For speed: `reshard_after_forward=False` on layers.2 (the fully_shard call at train.py:68)"
     )
-    assert "Not yet verified" in rec.reason
+    assert "verification" not in rec.reshard
 
 
 def test_a_second_run_with_fewer_all_gathers_and_the_same_findings_verifies_it() -> None:
-    rec = verified_reshard(sharded_recommendation(_run()), 6, True, None)
+    first = sharded_recommendation(_run())
+    rec = verified_reshard(first, 6, True, None)
     assert rec.verified and rec.reshard["verified_all_gathers_per_step"] == 6
-    assert "Verified: a second run of the script with it applied made 6 all-gathers per step instead of 7" in rec.reason
-    assert "Not yet verified" not in rec.reason
+    assert rec.reshard["verification"] == {"all_gathers_per_step": 6, "same_findings": True, "error": None}
+    assert rec.reason == first.reason  # the analysis' words are not edited; the report words the verdict
 
 
 def test_a_second_run_that_shows_no_gain_or_other_findings_or_fails_does_not_verify_it() -> None:
     first = sharded_recommendation(_run())
     same = verified_reshard(first, 7, True, None)
-    assert not same.verified and "counted 7 all-gathers per step (the first counted 7)" in same.reason
+    assert not same.verified and same.reshard["verification"]["all_gathers_per_step"] == 7
     other = verified_reshard(first, 6, False, None)
-    assert not other.verified and "found other problems than the first" in other.reason
+    assert not other.verified and other.reshard["verification"]["same_findings"] is False
     failed = verified_reshard(first, None, False, "rank 1 crashed")
-    assert not failed.verified and "failed: rank 1 crashed" in failed.reason
+    assert not failed.verified and failed.reshard["verification"]["error"] == "rank 1 crashed"
+    assert all("verified_all_gathers_per_step" not in r.reshard for r in (same, other, failed))
 
 
 def test_no_advice_while_the_run_has_errors_on_one_rank_or_when_uncounted() -> None:

@@ -64,7 +64,7 @@ def test_a_clean_second_run_on_as_many_steps_verifies_the_recommendation() -> No
                                   "gradient_as_bucket_view": False}  # fmt: skip
     assert applied.follow_epochs == 0 and applied.steps == 8
     rec = first.report.recommendation
-    assert rec.verified and "observed 3 step(s) on every rank with no error" in rec.reason, rec.reason
+    assert rec.verified and rec.verification["outcome"] == "verified" and rec.verification["steps_observed"] == 3
 
 
 def test_a_second_run_that_fails_leaves_it_unverified_and_says_why() -> None:
@@ -74,7 +74,7 @@ def test_a_second_run_that_fails_leaves_it_unverified_and_says_why() -> None:
     verify_recommendation(first, RankConfig(target="train.py"), lambda _c: _result(3, errors=1))
     rec = first.report.recommendation
     assert not rec.verified and not rec.flags_known, rec
-    assert "Refuted: a second run with these flags" in rec.reason and "failed: rank 1 crashed" in rec.reason
+    assert rec.verification["outcome"] == "refuted" and rec.verification["errors"] == ["rank-crashed"], rec
 
     # An error flags cannot fix (gradients clipped on rank 0 only): the flags ran, they stay, unverified.
     other = _result(3)
@@ -83,9 +83,15 @@ def test_a_second_run_that_fails_leaves_it_unverified_and_says_why() -> None:
     )
     rec = other.report.recommendation
     assert not rec.verified and rec.flags_known and rec.find_unused_parameters is False, rec
-    assert "errors that flags cannot fix remain: grads-changed-after-sync on rank 1" in rec.reason, rec.reason
+    assert rec.verification["outcome"] == "unconfirmed", rec
+    assert rec.verification["errors"] == ["grads-changed-after-sync"], rec
 
     crashed = _result(2, errors=1)  # past the step where the first run failed: at least 3 steps
     verify_recommendation(crashed, RankConfig(target="train.py"), lambda _c: _result(2))
     rec = crashed.report.recommendation
-    assert not rec.verified and "observed 2 step(s), fewer than the 3 needed" in rec.reason, rec.reason
+    assert not rec.verified and rec.verification["outcome"] == "unconfirmed", rec
+    assert (rec.verification["steps_observed"], rec.verification["steps_needed"], rec.verification["errors"]) == (
+        2,
+        3,
+        [],
+    )

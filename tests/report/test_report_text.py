@@ -114,3 +114,54 @@ def test_rank_lists_in_words() -> None:
     assert (
         other_ranks(0) == "" and other_ranks(1) == " and 1 other rank" and other_ranks(3, noun=False) == " and 3 others"
     )
+
+
+def test_the_reshard_advice_is_worded_from_what_its_second_run_showed() -> None:
+    """The analysis types the verification (`reshard["verification"]`); the report words it, in text and HTML."""
+    advice = {"module": "layers.2", "site": "train.py:68", "call": 1, "all_gathers_per_step": 7}
+    rec = Recommendation.unknown("For speed: keep layers.2 gathered.")
+    runs = {
+        "not yet verified": None,
+        "Verified: a second run of the script with reshard_after_forward=False on layers.2 made 6 all-gathers per "
+        "step instead of 7, with the same findings.": {"all_gathers_per_step": 6, "same_findings": True, "error": None},
+        "counted 7 all-gathers per step (the first counted 7)": {
+            "all_gathers_per_step": 7,
+            "same_findings": True,
+            "error": None,
+        },
+        "found other problems than the first": {"all_gathers_per_step": 6, "same_findings": False, "error": None},
+        "failed: rank 1 crashed.": {"all_gathers_per_step": None, "same_findings": False, "error": "rank 1 crashed"},
+    }
+    for said, shown in runs.items():
+        reshard = {**advice, **({"verification": shown} if shown else {})}
+        if said.startswith("Verified"):
+            reshard["verified_all_gathers_per_step"] = 6
+        report = _report([], ddp_config={})
+        report = dataclasses.replace(report, recommendation=dataclasses.replace(rec, reshard=reshard))
+        words = _words(to_text(report, width=200))
+        assert "For speed: keep layers.2 gathered." in words and said in words, (said, words)
+        assert said.replace("'", "&#x27;") in check_section(report) or said in check_section(report)
+
+
+def test_a_second_run_of_the_flags_is_worded_from_its_typed_outcome() -> None:
+    kwargs = '{"static_graph": true}'
+    shown = {"ddp_kwargs": kwargs, "steps_needed": 3, "steps_observed": 8, "errors": [], "crashed": False}
+    said = {
+        "verified": f"Verified: a second run with these flags (--ddp-kwargs '{kwargs}') observed 8 step(s) on every "
+        "rank with no error.",
+        "not-run": f"A second run with these flags (--ddp-kwargs '{kwargs}') did not run: no rank started.",
+        "refuted": f"Refuted: a second run with these flags (--ddp-kwargs '{kwargs}') failed: reduction-error (",
+        "unconfirmed": "Not verified: a second run with these flags (--ddp-kwargs '{\"static_graph\": true}') ran "
+        "without DDP's errors, but errors that flags cannot fix remain: grads-changed-after-sync (",
+    }
+    for outcome, words in said.items():
+        errors = {"refuted": ["reduction-error"], "unconfirmed": ["grads-changed-after-sync"]}.get(outcome, [])
+        verification = {**shown, "outcome": outcome, "errors": errors, "error": "no rank started"}
+        rec = dataclasses.replace(_report([]).recommendation, verification=verification)
+        text = _words(to_text(dataclasses.replace(_report([]), recommendation=rec), width=400))
+        assert "each rank used the same parameters on every step" in text and words in text, (outcome, text)
+    few = {**shown, "outcome": "unconfirmed", "steps_observed": 2, "error": None}
+    rec = dataclasses.replace(_report([]).recommendation, verification=few)
+    assert "it observed 2 step(s), fewer than the 3 needed" in _words(
+        to_text(dataclasses.replace(_report([]), recommendation=rec), width=400)
+    )

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 
-from ddp_doctor.analyze.agreement import unsynced_steps
-from ddp_doctor.analyze.causes import CAUSES
 from ddp_doctor.analyze.coverage import compared
 from ddp_doctor.analyze.detectors import DETECTORS
 from ddp_doctor.analyze.diagnose import (
@@ -31,8 +29,7 @@ from ddp_doctor.analyze.sharded_failures import explain_fsdp2_crash, explain_met
 from ddp_doctor.analyze.snippets import with_code
 from ddp_doctor.analyze.throughput import rank_timings
 from ddp_doctor.analyze.usage import figures
-from ddp_doctor.analyze.view import View
-from ddp_doctor.core.codes import Code
+from ddp_doctor.analyze.view import View, run_detectors
 from ddp_doctor.core.findings import Crash, Diagnosis, Timing
 from ddp_doctor.core.records import CRASH_KINDS
 from ddp_doctor.core.summary import Summary
@@ -84,9 +81,8 @@ def analyze_summary(summary: Summary) -> Diagnosis:
     depend on the world size."""
     info = summary.info
     view = View(summary)
-    findings = [f for detect in DETECTORS for f in detect(view)]
+    findings = run_detectors(view, DETECTORS)
     findings.sort(key=lambda f: _SEVERITY_ORDER[f.severity])
-    _consistent_fixes(findings, summary.grads_measured, view)
     link_causes(findings)
     crashes = []
     for r in summary.examples["crashed"].ranks:
@@ -118,68 +114,3 @@ def analyze_summary(summary: Summary) -> Diagnosis:
         divergence=gap,
         compared=compared(summary),
     )
-
-
-_EXPLAINS_UNSYNCED = {
-    Code.WRAPPER_BYPASS,
-    Code.UNUSED_PARAMETERS,
-    Code.GRAD_BLOCKED,
-    Code.REDUCTION_ERROR,
-    Code.FROZEN_AFTER_WRAP,
-    Code.UNFROZEN_AFTER_WRAP,
-    Code.RANK_DEPENDENT_GRAPH,
-    Code.COLLECTIVE_MISMATCH,
-    Code.STATIC_GRAPH_UNSAFE,
-    Code.GRAD_SCALER_MISMATCH,
-}
-
-
-def _agreed(measured: dict[str, int]) -> str:
-    """When the gradients were compared across the ranks, in words: what was measured, no more."""
-    if measured.get("step") and measured.get("closure"):
-        at = "and when optimizer.step() used them (at its start, or when a closure-based step returned)"
-    elif measured.get("step"):
-        at = "and when optimizer.step() began"
-    elif measured.get("closure"):
-        at = "and when optimizer.step() returned (its closure ran the backward inside it)"
-    else:
-        return "the gradients agreed after DDP's all-reduce at every step observed (no optimizer step was seen)"
-    return f"the gradients agreed after DDP's all-reduce {at}, at every step observed"
-
-
-def _consistent_fixes(findings: list, measured: dict[str, int], view: View) -> None:
-    """A fix must not send the user to a finding the report does not have, nor claim more than was measured."""
-    codes = {f.code for f in findings}
-    agreed = _agreed(measured)
-    for f in findings:
-        causes = [c for c in CAUSES if c in codes]
-        if f.code == Code.REPLICA_DIVERGENCE and causes and Code.GRADS_NOT_SYNCED not in codes:
-            f.fix = (
-                f"fix the cause: {', '.join(causes)} (see {'that finding' if len(causes) == 1 else 'those findings'}). "
-                "Then restart from a checkpoint saved before the divergence, or re-broadcast rank 0's weights "
-                "knowingly."
-            )
-        elif f.code == Code.REPLICA_DIVERGENCE and Code.GRADS_NOT_SYNCED not in codes:
-            f.fix = (
-                f"fix the cause named by the other findings; {agreed}, so "
-                "the updates themselves differed (an extra synced pass on one rank, a rank-dependent optimizer "
-                "setting, or weights changed outside the optimizer). Restart from a checkpoint saved before the "
-                "divergence, or re-broadcast rank 0's weights knowingly."
-                if codes & _EXPLAINS_UNSYNCED
-                else f"the cause is unknown. {agreed[0].upper()}{agreed[1:]}, and none of the causes "
-                "ddp-doctor looks for was seen: no gradients changed on some ranks after DDP's all-reduce "
-                "(grads-changed-after-sync), the same optimizer settings on every rank at the steps observed "
-                "(optimizer-differs), the same optimizer steps taken in lockstep (optimizer-step-skipped), "
-                "identical replicas before the first step (replicas-differ-at-wrap), no write to the weights "
-                "outside the optimizer on some ranks only (weights-changed-outside-optimizer). Look for what "
-                "changes the weights per rank that these do not cover (an optimizer the check did not observe, "
-                "a parameter replaced rather than written in place). Restart from a checkpoint saved before the "
-                "divergence, or re-broadcast rank 0's weights knowingly."
-            )
-        # The sync was on (the detector's own fix names no_sync otherwise) and no finding explains the difference.
-        if f.code == Code.GRADS_NOT_SYNCED and not unsynced_steps(view, f.steps) and not codes & _EXPLAINS_UNSYNCED:
-            f.fix = (
-                "gradients must be reduced by DDP before optimizer.step(): check that every rank runs the "
-                "backward pass through the DDP model (not its .module), with the same parameters trainable, "
-                "and that nothing edits .grad between backward and the optimizer step."
-            )

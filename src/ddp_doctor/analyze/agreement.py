@@ -5,6 +5,7 @@ differences come from the exchange's digests, the ranks from its bounded example
 from __future__ import annotations
 
 from ddp_doctor.analyze import rules
+from ddp_doctor.analyze.causes import CAUSES
 from ddp_doctor.analyze.common import all_ranks, steps_of, with_flags, with_more
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.snippets import freeze_point
@@ -14,7 +15,6 @@ from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import listed
 
 __all__ = [
-    "SEE_CAUSES",
     "unsynced_steps",
     "buffer_divergence",
     "grads_not_synced",
@@ -23,11 +23,22 @@ __all__ = [
     "wrapper_bypass",
 ]
 
-SEE_CAUSES = (
-    "see the findings that explain why (a bypassed wrapper, parameters unused with default flags, "
-    "requires_grad changed after wrap); gradients must be reduced by DDP before optimizer.step()."
+_EXPLAINS_UNSYNCED = frozenset(
+    {
+        Code.WRAPPER_BYPASS,
+        Code.UNUSED_PARAMETERS,
+        Code.GRAD_BLOCKED,
+        Code.REDUCTION_ERROR,
+        Code.FROZEN_AFTER_WRAP,
+        Code.UNFROZEN_AFTER_WRAP,
+        Code.RANK_DEPENDENT_GRAPH,
+        Code.COLLECTIVE_MISMATCH,
+        Code.STATIC_GRAPH_UNSAFE,
+        Code.GRAD_SCALER_MISMATCH,
+    }
 )
-"""`grads-not-synced`'s fix when its sync was not off (`analyze._consistent_fixes` words it when no cause is there)."""
+"""The codes of findings that explain gradients that differ at the optimizer step."""
+_RESTART = "Restart from a checkpoint saved before the divergence, or re-broadcast rank 0's weights knowingly."
 
 
 @detects(Code.WRAPPER_BYPASS)
@@ -64,8 +75,8 @@ def unsynced_steps(v: View, steps: list[int]) -> bool:
     return bool(steps) and all(synced_hi[k] == 0 and stepped_lo[k] > 0 for k in steps)
 
 
-@detects(Code.GRADS_NOT_SYNCED)
-def grads_not_synced(v: View) -> list[Finding]:
+@detects(Code.GRADS_NOT_SYNCED, reads_found=True)
+def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
     if v.world < 2 or not v.steps or v.crashed_before_first_step:
         return []  # no optimizer used them; reduction-error says the reduction never finished
     # Differ at the optimizer step where every rank trains them; those that agreed after DDP's all-reduce are
@@ -76,7 +87,17 @@ def grads_not_synced(v: View) -> list[Finding]:
     steps = steps_of(v.summary.grad_steps)
     others = v.ranks("grad-differs")  # ranks whose gradients differ from rank 0's
     ranks = [0] + others.ranks
-    why, fix = "", SEE_CAUSES
+    why, fix = (
+        "",
+        (
+            "see the findings that explain why (a bypassed wrapper, parameters unused with default flags, "
+            "requires_grad changed after wrap); gradients must be reduced by DDP before optimizer.step()."
+            if found & _EXPLAINS_UNSYNCED
+            else "gradients must be reduced by DDP before optimizer.step(): check that every rank runs the backward "
+            "pass through the DDP model (not its .module), with the same parameters trainable, and that nothing edits "
+            ".grad between backward and the optimizer step."
+        ),
+    )
     if unsynced_steps(v, steps):
         sites = sorted(v.meta(0).get("nosync_sites", []))  # rank 0 differs too; its strings always travel
         flag = bool(sites) and all(site.startswith("require_backward_grad_sync") for site in sites)
@@ -111,8 +132,48 @@ def grads_not_synced(v: View) -> list[Finding]:
     ]
 
 
-@detects(Code.REPLICA_DIVERGENCE)
-def replica_divergence(v: View) -> list[Finding]:
+def _agreed(measured: dict[str, int]) -> str:
+    """When the gradients were compared across the ranks, in words: what was measured, no more."""
+    if measured.get("step") and measured.get("closure"):
+        at = "and when optimizer.step() used them (at its start, or when a closure-based step returned)"
+    elif measured.get("step"):
+        at = "and when optimizer.step() began"
+    elif measured.get("closure"):
+        at = "and when optimizer.step() returned (its closure ran the backward inside it)"
+    else:
+        return "the gradients agreed after DDP's all-reduce at every step observed (no optimizer step was seen)"
+    return f"the gradients agreed after DDP's all-reduce {at}, at every step observed"
+
+
+def _divergence_fix(found: frozenset[str], measured: dict[str, int]) -> str:
+    """What to do about replicas that differ: fix what the other findings name; when none of them explains it,
+    say what was measured and which causes were looked for and not seen."""
+    if Code.GRADS_NOT_SYNCED in found:
+        return f"fix the cause (see grads-not-synced and the findings that explain it); {_RESTART[0].lower()}{_RESTART[1:]}"
+    causes = [c for c in CAUSES if c in found]
+    if causes:
+        those = "that finding" if len(causes) == 1 else "those findings"
+        return f"fix the cause: {', '.join(causes)} (see {those}). Then {_RESTART[0].lower()}{_RESTART[1:]}"
+    agreed = _agreed(measured)
+    if found & _EXPLAINS_UNSYNCED:
+        return (
+            f"fix the cause named by the other findings; {agreed}, so the updates themselves differed (an extra "
+            "synced pass on one rank, a rank-dependent optimizer setting, or weights changed outside the "
+            f"optimizer). {_RESTART}"
+        )
+    return (
+        f"the cause is unknown. {agreed[0].upper()}{agreed[1:]}, and none of the causes ddp-doctor looks for was "
+        "seen: no gradients changed on some ranks after DDP's all-reduce (grads-changed-after-sync), the same "
+        "optimizer settings on every rank at the steps observed (optimizer-differs), the same optimizer steps "
+        "taken in lockstep (optimizer-step-skipped), identical replicas before the first step "
+        "(replicas-differ-at-wrap), no write to the weights outside the optimizer on some ranks only "
+        "(weights-changed-outside-optimizer). Look for what changes the weights per rank that these do not cover "
+        f"(an optimizer the check did not observe, a parameter replaced rather than written in place). {_RESTART}"
+    )
+
+
+@detects(Code.REPLICA_DIVERGENCE, reads_found=True)
+def replica_divergence(v: View, found: frozenset[str]) -> list[Finding]:
     if v.world < 2:
         return []
     params = v.summary.weight_params
@@ -135,8 +196,7 @@ def replica_divergence(v: View) -> list[Finding]:
                 params=v.params(params),
                 ranks=ranks,
                 steps=after,
-                fix="fix the cause (see grads-not-synced and the findings that explain it); restart from a checkpoint "
-                "saved before the divergence, or re-broadcast rank 0's weights knowingly.",
+                fix=_divergence_fix(found, v.summary.grads_measured),
             ),
             others.more,
         )

@@ -229,14 +229,12 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
             )
         )
     if not findings or (timed_out and mismatch is None and not causes and not killed and not exited):
-        hung = _hung(states, timed_out)
-        if hung and native:
-            hung[0].detail += f" The communication library said: {native[0]}"
-        findings.extend(hung)
+        findings.extend(_hung(states, timed_out, native[0] if native else None))
     return findings
 
 
-def _hung(states: dict[int, RankState], timed_out: bool) -> list[Finding]:
+def _hung(states: dict[int, RankState], timed_out: bool, native: str | None) -> list[Finding]:
+    """`rank-hung` for the ranks furthest behind; `native` is what the communication library said, when it did."""
     waiting = {r: s for r, s in states.items() if s.outcome is None and not s.ended}
     if not waiting:
         return []
@@ -265,6 +263,7 @@ def _hung(states: dict[int, RankState], timed_out: bool) -> list[Finding]:
                     else ""
                 )
                 + (f" {rank_list(missing)} ran on another node; that node's report covers them." if missing else "")
+                + (f" The communication library said: {native}" if native else "")
             ),
             ranks=stuck,
             steps=sorted({max(states[r].step, 0) for r in stuck}),

@@ -289,7 +289,9 @@ def verified_by_second_run(
     rec: Recommendation, *, applied: str, needed: int, second: Diagnosis | None, error: str | None = None
 ) -> Recommendation:
     """`rec` after a second run with its flags applied (`launch/verify.py`): verified when that run saw `needed`
-    steps on every rank with no error and no crash; its reason says what the second run showed either way.
+    steps on every rank with no error and no crash; refuted (no flags known) when the flags themselves failed there
+    (a crash, DDP's error again, a used set they do not cope with); what the second run showed goes into
+    `verification` either way, and the report words it.
 
     Args:
         rec: the first run's recommendation.
@@ -298,33 +300,24 @@ def verified_by_second_run(
         second: the second run's diagnosis; None when it produced no report.
         error: why the second run produced no report.
     """
-    tried = f"second run with these flags (--ddp-kwargs '{applied}')"
+    errors = [f for f in second.findings if f.severity == "error"] if second is not None else []
+    shown: dict[str, Any] = {
+        "ddp_kwargs": applied,
+        "steps_needed": needed,
+        "steps_observed": second.steps_observed if second is not None else 0,
+        "errors": [f.code for f in errors],
+        "crashed": bool(second is not None and second.crashes),
+        "error": error if second is None else None,
+    }
     if second is None:
-        return dataclasses.replace(rec, reason=rec.reason + f" A {tried} did not run: {error}.")
-    errors = [f for f in second.findings if f.severity == "error"]
+        return dataclasses.replace(rec, verification={**shown, "outcome": "not-run"})
     if not errors and not second.crashes and second.steps_observed >= needed:
-        return dataclasses.replace(
-            rec,
-            verified=True,
-            reason=rec.reason + f" Verified: a {tried} observed {second.steps_observed} step(s) on every rank with no "
-            "error.",
-        )
+        return dataclasses.replace(rec, verified=True, verification={**shown, "outcome": "verified"})
     flag_errors = [f for f in errors if info(f.code).family in (Family.GRAPH, Family.CRASH)]
     if second.crashes or flag_errors:
-        # The flags themselves failed (DDP's error again, or a used set they do not cope with): advice proven wrong
-        # is not advice. What was tried stays in the reason; the flags become unknown (null in the JSON).
-        why = flag_errors[0].title if flag_errors else (errors[0].title if errors else "it crashed")
-        return Recommendation.unknown(
-            rec.reason + f" Refuted: a {tried} failed: {why}. No DDP flags can be recommended from these runs; "
-            "fix the findings above and run the check again."
-        )
-    why = errors[0].title if errors else f"it observed {second.steps_observed} step(s), fewer than the {needed} needed"
-    return dataclasses.replace(
-        rec,
-        reason=rec.reason
-        + (
-            f" Not verified: a {tried} ran without DDP's errors, but errors that flags cannot fix remain: {why}."
-            if errors
-            else f" Not verified: a {tried} did not confirm them: {why}."
-        ),
-    )
+        # The flags themselves failed: advice proven wrong is not advice. What was tried stays in the reason; the
+        # flags become unknown (null in the JSON).
+        first = [f.code for f in flag_errors] + [c for c in shown["errors"] if c not in {f.code for f in flag_errors}]
+        refuted = Recommendation.unknown(rec.reason)
+        return dataclasses.replace(refuted, verification={**shown, "errors": first, "outcome": "refuted"})
+    return dataclasses.replace(rec, verification={**shown, "outcome": "unconfirmed"})

@@ -291,7 +291,7 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
         return Recommendation.unknown(text)
     advice = _reshard_advice(candidate, gathers, run.framework)
     return replace(
-        Recommendation.unknown(advice + _NOT_VERIFIED + " " + text),
+        Recommendation.unknown(advice + " " + text),
         reshard={
             "module": candidate["module"],
             "site": candidate["site"],
@@ -300,9 +300,6 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
             "reshard_after_forward": False,
         },
     )
-
-
-_NOT_VERIFIED = "Not yet verified: `ddp-doctor check` applies it in a second run of the script when it can."
 
 
 def _reshard_checked(gathers: int | None, candidate: dict[str, Any] | None, errors: bool) -> str:
@@ -340,24 +337,15 @@ def verified_reshard(
     rec: Recommendation, gathers: int | None, same_findings: bool, error: str | None
 ) -> Recommendation:
     """The reshard advice after a second run applied it: verified when that run counted fewer all-gathers per step
-    (one per forward and backward) and found what the first found; else what it showed."""
+    (one per forward and backward) and found what the first found. What the second run showed goes into
+    `reshard["verification"]` (`all_gathers_per_step`, `same_findings`, `error`); the report words it
+    (`ddp_doctor.report.data.reshard_verdict`)."""
     advice = rec.reshard or {}
     before = advice.get("all_gathers_per_step")
-    if error is None and same_findings and gathers is not None and before is not None and gathers < before:
-        said = (
-            f"Verified: a second run of the script with it applied made {gathers} all-gathers per step instead of "
-            f"{before}, with the same findings."
-        )
-        return replace(
-            rec,
-            reason=rec.reason.replace(_NOT_VERIFIED, said),
-            verified=True,
-            reshard={**advice, "verified_all_gathers_per_step": gathers},
-        )
-    if error is not None:
-        shown = f"the second run with it applied failed: {error}"
-    elif not same_findings:
-        shown = "the second run with it applied found other problems than the first"
-    else:
-        shown = f"the second run with it applied counted {gathers} all-gathers per step (the first counted {before})"
-    return replace(rec, reason=rec.reason.replace(_NOT_VERIFIED, f"Not verified: {shown}."))
+    verified = error is None and same_findings and gathers is not None and before is not None and gathers < before
+    shown = {"all_gathers_per_step": gathers, "same_findings": same_findings, "error": error}
+    return replace(
+        rec,
+        verified=verified,
+        reshard={**advice, **({"verified_all_gathers_per_step": gathers} if verified else {}), "verification": shown},
+    )

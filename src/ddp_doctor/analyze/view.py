@@ -17,21 +17,31 @@ from ddp_doctor.core.findings import Finding, ParamRef
 from ddp_doctor.core.records import CRASH_KINDS
 from ddp_doctor.core.summary import Examples, Summary
 
-__all__ = ["Detector", "View", "detects", "detectors"]
+__all__ = ["Detector", "View", "detects", "detectors", "run_detectors"]
 
-Detector = Callable[["View"], list[Finding]]
+Detector = Callable[..., list[Finding]]
+"""A function of a `View` that returns findings of one code; one registered with ``reads_found=True`` also takes the
+codes the detectors before it found (a `frozenset`)."""
 _DETECTORS: list[tuple[Code, Detector]] = []
+_READS_FOUND: set[Detector] = set()
 
 
-def detects(code: Code) -> Callable[[Detector], Detector]:
+def detects(code: Code, *, reads_found: bool = False) -> Callable[[Detector], Detector]:
     """Register a detector of the `Summary`: a function of a `View` that returns findings of `code` only.
-    `analyze_summary` runs every registered detector; the report reads them in `REPORT_ORDER` (core/codes.py)."""
+    `analyze_summary` runs every registered detector; the report reads them in `REPORT_ORDER` (core/codes.py).
+
+    A finding whose fix depends on which other findings the report has (`replica-divergence`: fix the cause the
+    other findings name, or say that none was seen) is decided by a detector with ``reads_found=True``: it runs
+    after every other detector, in `REPORT_ORDER`, and gets the codes found so far. No code edits a finding after
+    it is made."""
 
     if code not in REPORT_ORDER:
         raise ValueError(f"{code}: add it to core/codes.py's REPORT_ORDER, where its findings read in the report")
 
     def register(fn: Detector) -> Detector:
         _DETECTORS.append((code, fn))
+        if reads_found:
+            _READS_FOUND.add(fn)
         return fn
 
     return register
@@ -41,6 +51,16 @@ def detectors() -> list[tuple[Code, Detector]]:
     """The registered detectors with their codes, in the report's reading order: by `REPORT_ORDER`, then in the
     order they were registered (several detectors of one code: `analyze/consistency.py`)."""
     return sorted(_DETECTORS, key=lambda d: REPORT_ORDER.index(d[0]))
+
+
+def run_detectors(view: View, registered: tuple[Detector, ...]) -> list[Finding]:
+    """Every detector's findings, in the order of `registered`: those that read the other findings run last and get
+    the codes of every finding made before them."""
+    found: list[list[Finding]] = [[] if d in _READS_FOUND else d(view) for d in registered]
+    for i, d in enumerate(registered):
+        if d in _READS_FOUND:
+            found[i] = d(view, frozenset(f.code for fs in found for f in fs))
+    return [f for fs in found for f in fs]
 
 
 class View:

@@ -102,6 +102,11 @@ class Recommendation:
     """For a model sharded with FSDP2: `reshard_after_forward=False` advised for one module (`module`, its
     `fully_shard` call's `site` and index `call`, the `all_gathers_per_step` it was counted at, and once a second run
     applied it, `verified_all_gathers_per_step`). In the JSON only when present."""
+    verification: dict[str, Any] | None = None
+    """What a second run with the recommended DDP flags showed (`analyze/recommend.py`, `verified_by_second_run`):
+    `outcome` (`"verified"`, `"refuted"`, `"unconfirmed"` or `"not-run"`), the `ddp_kwargs` it applied (JSON),
+    `steps_observed` and `steps_needed`, `errors` (the codes of its error findings), `crashed`, and `error` (why it
+    made no report). The report words it after `reason`. In the JSON only when present."""
 
     @classmethod
     def unknown(cls, reason: str) -> Recommendation:
@@ -133,8 +138,9 @@ class Recommendation:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        if out["reshard"] is None:
-            del out["reshard"]
+        for key in ("reshard", "verification"):
+            if out[key] is None:
+                del out[key]
         if not self.flags_known:
             out["flags_known"] = False  # the flags are null; kept for readers of the older key
         return out

@@ -42,6 +42,7 @@ from ddp_doctor.core.findings import Recommendation
 from ddp_doctor.doctor import Doctor, ShardedDoctor
 from ddp_doctor.integrations._common import unwrap_ddp
 from ddp_doctor.report import Report
+from ddp_doctor.report.data import recommendation_words
 
 __all__ = ["kwargs_handler", "observe"]
 
@@ -137,7 +138,7 @@ def kwargs_handler(report: Report | Recommendation | dict[str, Any], **overrides
         )
     if not rec.flags_known:
         raise InvalidArgumentError(
-            f"kwargs_handler(): the report recommends no DDP flags, so there is nothing to apply: {rec.reason}"
+            f"kwargs_handler(): the report recommends no DDP flags, so there is nothing to apply: {recommendation_words(rec)}"
         )
     fields = set(DistributedDataParallelKwargs.__dataclass_fields__)
     unknown = sorted(set(overrides) - fields)

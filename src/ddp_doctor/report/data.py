@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ddp_doctor.core import VERSION
-from ddp_doctor.core.codes import SEVERITIES
+from ddp_doctor.core.codes import CODES, SEVERITIES
 from ddp_doctor.core.figures import Divergence, UsageMap
 from ddp_doctor.core.findings import Crash, Diagnosis, Finding, Recommendation, Timing, finite
 from ddp_doctor.core.following import Following
@@ -18,11 +18,64 @@ from ddp_doctor.core.ranks import rank_list
 if TYPE_CHECKING:
     from ddp_doctor.core.records import ModelInfo
 
-__all__ = ["SCHEMA", "ReportData", "RunFacts"]
+__all__ = ["SCHEMA", "ReportData", "RunFacts", "recommendation_words"]
 
 SCHEMA = "ddp-doctor/report@1"
 
 _R = TypeVar("_R", bound="ReportData")
+
+
+def _reshard_verdict(reshard: dict[str, Any]) -> str:
+    """What became of the reshard advice, from `reshard["verification"]` (absent until a second run applied it)."""
+    shown = reshard.get("verification")
+    if shown is None:
+        return (
+            "The reshard_after_forward advice is not yet verified: `ddp-doctor check` applies it in a second run of "
+            "the script when it can."
+        )
+    gathers, before = shown.get("all_gathers_per_step"), reshard.get("all_gathers_per_step")
+    applied = f"a second run of the script with reshard_after_forward=False on {reshard.get('module')}"
+    if "verified_all_gathers_per_step" in reshard:
+        return f"Verified: {applied} made {gathers} all-gathers per step instead of {before}, with the same findings."
+    if shown.get("error") is not None:
+        return f"Not verified: {applied} failed: {shown['error']}."
+    if not shown.get("same_findings"):
+        return f"Not verified: {applied} found other problems than the first."
+    return f"Not verified: {applied} counted {gathers} all-gathers per step (the first counted {before})."
+
+
+def _flags_verdict(shown: dict[str, Any]) -> str:
+    """What a second run with the recommended DDP flags showed, from `Recommendation.verification`."""
+    tried = f"a second run with these flags (--ddp-kwargs '{shown['ddp_kwargs']}')"
+    found = [f"{code} ({CODES.get(code, code)})" for code in shown.get("errors", [])]
+    outcome, steps = shown["outcome"], shown.get("steps_observed", 0)
+    if outcome == "verified":
+        return f"Verified: {tried} observed {steps} step(s) on every rank with no error."
+    if outcome == "not-run":
+        return f"{tried[0].upper()}{tried[1:]} did not run: {shown.get('error')}."
+    if outcome == "refuted":
+        why = found[0] if found else "it crashed"
+        return (
+            f"Refuted: {tried} failed: {why}. No DDP flags can be recommended from these runs; fix the findings "
+            "above and run the check again."
+        )
+    if found:
+        return f"Not verified: {tried} ran without DDP's errors, but errors that flags cannot fix remain: {found[0]}."
+    return (
+        f"Not verified: {tried} did not confirm them: it observed {steps} step(s), fewer than the "
+        f"{shown.get('steps_needed')} needed."
+    )
+
+
+def recommendation_words(rec: Recommendation) -> str:
+    """The recommendation's reason as the report prints it: the analysis' reason, then what a second run showed
+    (typed in `verification` for DDP flags and in `reshard` for FSDP2's advice, worded here)."""
+    said = [rec.reason]
+    if rec.verification is not None:
+        said.append(_flags_verdict(rec.verification))
+    if rec.reshard is not None:
+        said.append(_reshard_verdict(rec.reshard))
+    return " ".join(said)
 
 
 def _torch_version() -> str:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ddp_doctor.core.figures import STATE_HELP, STATES
 from ddp_doctor.core.findings import Finding, by_cause
 from ddp_doctor.core.ranks import rank_ranges
-from ddp_doctor.report.data import ReportData
+from ddp_doctor.report.data import ReportData, recommendation_words
 from ddp_doctor.report.text import compared_line, files_lines, following_lines, phases_line
 
 __all__ = ["CSS", "SCRIPT", "IndexEntry", "check_section", "index_page", "page", "to_html"]
@@ -301,10 +301,10 @@ def _recommendation(report: ReportData, key: str) -> str:
     tabs = f"<div class='tabs'>{inputs}{panels}</div>" if order else ""
     if not report.ddp_built or not rec.flags_known:
         # No DDP model, or nothing observed supports flags (they are None): only the reason applies.
-        return f"<div class='recommendation'><h3>No DDP flags to recommend</h3><p>{_e(rec.reason)}</p></div>"
+        return f"<div class='recommendation'><h3>No DDP flags to recommend</h3><p>{_e(recommendation_words(rec))}</p></div>"
     return (
         f"<div class='recommendation'><h3>Recommendation ({verdict})</h3><p><b>{_e(flags)}</b></p>{freeze}"
-        f"<p>{_e(rec.reason)}</p>{tabs}</div>"
+        f"<p>{_e(recommendation_words(rec))}</p>{tabs}</div>"
     )
 
 

@@ -16,7 +16,7 @@ from ddp_doctor.core.findings import Finding, by_cause
 from ddp_doctor.core.following import Following
 from ddp_doctor.core.ranks import rank_ranges
 from ddp_doctor.core.steptime import PHASES, RankTiming
-from ddp_doctor.report.data import ReportData
+from ddp_doctor.report.data import ReportData, recommendation_words
 
 __all__ = ["phases_line", "render", "to_text"]
 
@@ -116,7 +116,7 @@ def _recommendation(report: ReportData) -> Panel:
     if not report.ddp_built or not rec.flags_known:
         # No DDP model, or nothing observed supports flags (they are None): only the reason applies.
         title = "No DDP flags to recommend" if report.sharding is None else "Recommendation"
-        return Panel(Text(rec.reason), title=title, title_align="left", border_style="green")
+        return Panel(Text(recommendation_words(rec)), title=title, title_align="left", border_style="green")
     summary = Text()
     summary.append(
         f"find_unused_parameters={rec.find_unused_parameters}, static_graph={rec.static_graph}, "
@@ -125,7 +125,7 @@ def _recommendation(report: ReportData) -> Panel:
     )
     if rec.freeze_before_wrap:
         summary.append(f"\nfreeze before wrap: {', '.join(rec.freeze_before_wrap)}")
-    summary.append(f"\n{rec.reason}")
+    summary.append(f"\n{recommendation_words(rec)}")
     first = "torch" if report.framework not in rec.render else report.framework
     parts: list[Any] = [summary]
     if first in rec.render:
