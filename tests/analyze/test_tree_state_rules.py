@@ -76,3 +76,5 @@ def test_a_module_in_eval_mode_on_one_rank_is_named_with_the_step_and_both_modes
     d = f["replica-divergence"]
     assert d.severity == "warning" and d.ranks == [0, 1] and d.steps == [1]
     assert "unregistered-parameters" not in f
+    # Its fix is its own (the modes), not the one of diverged weights whose cause is unknown.
+    assert "model.train()" in d.fix and "cause is unknown" not in d.fix
