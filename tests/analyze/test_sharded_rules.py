@@ -6,6 +6,7 @@ from __future__ import annotations
 from ddp_doctor.analyze.diagnose import diagnose_sharded
 from ddp_doctor.analyze.sharded import sharded_recommendation, verified_reshard
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
+from ddp_doctor.report.data import recommendation_words
 
 CANDIDATE = {"module": "layers.2", "call": 2, "site": "train.py:68"}
 
@@ -24,10 +25,7 @@ def test_the_reshard_advice_names_the_module_and_line_and_waits_for_its_second_r
     rec = sharded_recommendation(_run())
     assert rec.reshard == {**CANDIDATE, "all_gathers_per_step": 7, "reshard_after_forward": False}
     assert not rec.verified and not rec.flags_known
-    assert rec.reason.startswith(
-        "For speed: `reshard_after_forward=False` on layers.2 (the fully_shard call at train.py:68)"
-    )
-    assert "verification" not in rec.reshard
+    assert "verification" not in rec.reshard and "withdrawn" not in rec.reshard
 
 
 def test_a_second_run_with_fewer_all_gathers_and_the_same_findings_verifies_it() -> None:
@@ -47,6 +45,7 @@ def test_a_second_run_that_shows_no_gain_or_other_findings_or_fails_does_not_ver
     failed = verified_reshard(first, None, False, "rank 1 crashed")
     assert not failed.verified and failed.reshard["verification"]["error"] == "rank 1 crashed"
     assert all("verified_all_gathers_per_step" not in r.reshard for r in (same, other, failed))
+    assert all(r.reshard["withdrawn"] for r in (same, other, failed))  # advice its second run did not prove
 
 
 def test_no_advice_while_the_run_has_errors_on_one_rank_or_when_uncounted() -> None:
@@ -104,5 +103,5 @@ def test_the_fixes_are_in_the_words_of_the_framework_that_runs_the_job() -> None
         assert ("accelerator.save_state" in found["sharded-checkpoint-incomplete"]) != lightning
         assert ("`configure_optimizers`" in found["optimizer-params-replaced"]) == lightning
         assert "`optimizer = torch.optim.AdamW(model.parameters(), ...)`" in found["optimizer-params-replaced"]
-        advice = sharded_recommendation(_run(framework=framework)).reason
+        advice = recommendation_words(sharded_recommendation(_run(framework=framework)), framework)
         assert ("Accelerate's FSDP2 plugin" in advice) == (framework == "accelerate"), framework

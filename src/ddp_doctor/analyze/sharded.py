@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ddp_doctor.analyze.sharded_fixes import optimizer_fix, reshard_plugin_note, save_fix, sync_fix
+from ddp_doctor.analyze.sharded_fixes import optimizer_fix, save_fix, sync_fix
 from ddp_doctor.analyze.sharded_state import buffer_divergence, low_precision_weights
 from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
 from ddp_doctor.analyze.unsharded import unsharded_finding
@@ -289,9 +289,8 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
     )
     if not (candidate and gathers):
         return Recommendation.unknown(text)
-    advice = _reshard_advice(candidate, gathers, run.framework)
     return replace(
-        Recommendation.unknown(advice + " " + text),
+        Recommendation.unknown(text),
         reshard={
             "module": candidate["module"],
             "site": candidate["site"],
@@ -318,34 +317,17 @@ def _reshard_checked(gathers: int | None, candidate: dict[str, Any] | None, erro
     return "reshard_after_forward was not examined (FSDP2's all-gathers could not be counted here)"
 
 
-def _reshard_advice(candidate: dict[str, Any], gathers: int, framework: str) -> str:
-    return (
-        f"For speed: `reshard_after_forward=False` on {candidate['module']} ({_call_at(candidate)}). It is the last sharded module to run forward, so its backward starts right after "
-        "its forward: with reshard_after_forward=True FSDP2 frees its parameters after the forward and all-gathers "
-        f"them again at once. Kept, each forward and backward make one all-gather fewer ({gathers} per step now) "
-        "and the step holds that module's unsharded parameters a moment longer, which its backward needs anyway "
-        "(torchtitan does the same for its last block). " + reshard_plugin_note(framework)
-    )
-
-
-def _call_at(candidate: dict[str, Any]) -> str:
-    """The fully_shard call that built the advised module, by its line where it was seen (`observe()` sees none)."""
-    return f"the fully_shard call at {candidate['site']}" if candidate.get("site") else "in its fully_shard call"
-
-
 def verified_reshard(
     rec: Recommendation, gathers: int | None, same_findings: bool, error: str | None
 ) -> Recommendation:
     """The reshard advice after a second run applied it: verified when that run counted fewer all-gathers per step
-    (one per forward and backward) and found what the first found. What the second run showed goes into
-    `reshard["verification"]` (`all_gathers_per_step`, `same_findings`, `error`); the report words it
-    (`ddp_doctor.report.data.reshard_verdict`)."""
+    (one per forward and backward) and found what the first found; withdrawn otherwise (`reshard["withdrawn"]`):
+    advice whose second run did not show its gain is not advice. What the second run showed goes into
+    `reshard["verification"]` (`all_gathers_per_step`, `same_findings`, `error`); the report words the advice and
+    the verdict (`ddp_doctor.report.data.recommendation_words`)."""
     advice = rec.reshard or {}
     before = advice.get("all_gathers_per_step")
     verified = error is None and same_findings and gathers is not None and before is not None and gathers < before
     shown = {"all_gathers_per_step": gathers, "same_findings": same_findings, "error": error}
-    return replace(
-        rec,
-        verified=verified,
-        reshard={**advice, **({"verified_all_gathers_per_step": gathers} if verified else {}), "verification": shown},
-    )
+    outcome = {"verified_all_gathers_per_step": gathers} if verified else {"withdrawn": True}
+    return replace(rec, verified=verified, reshard={**advice, **outcome, "verification": shown})

@@ -12,7 +12,7 @@ Lightning's gradient accumulation (its strategy's hook that blocks sync switches
 
 from __future__ import annotations
 
-__all__ = ["gather_fix", "optimizer_fix", "reshard_plugin_note", "root_fix", "save_fix", "sync_fix"]
+__all__ = ["gather_fix", "optimizer_fix", "root_fix", "save_fix", "sync_fix"]
 
 _SAVE_TORCH = (
     "let every rank take part in the save: "
@@ -119,13 +119,3 @@ def root_fix(framework: str, call: str) -> str:
             f"after the blocks' {call} calls. In plain torch: " + torch_words
         )
     return torch_words
-
-
-def reshard_plugin_note(framework: str) -> str:
-    """What the `reshard_after_forward` advice adds for a job whose sharding Accelerate's plugin may have done."""
-    if framework in ("accelerate", "transformers"):
-        return (
-            "(Accelerate's FSDP2 plugin sets one reshard_after_forward for every module it shards; this advice is "
-            "for one module.) "
-        )
-    return ""

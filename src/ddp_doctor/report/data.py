@@ -25,23 +25,41 @@ SCHEMA = "ddp-doctor/report@1"
 _R = TypeVar("_R", bound="ReportData")
 
 
-def _reshard_verdict(reshard: dict[str, Any]) -> str:
-    """What became of the reshard advice, from `reshard["verification"]` (absent until a second run applied it)."""
+def _reshard_words(reshard: dict[str, Any], framework: str) -> str:
+    """The `reshard_after_forward` advice of a sharded model and what its second run showed, from `reshard`."""
+    call = f"the fully_shard call at {reshard['site']}" if reshard.get("site") else "in its fully_shard call"
+    module, before = reshard.get("module"), reshard.get("all_gathers_per_step")
     shown = reshard.get("verification")
-    if shown is None:
+    if reshard.get("withdrawn"):
+        if shown.get("error") is not None:
+            why = f"failed: {shown['error']}"
+        elif not shown.get("same_findings"):
+            why = "found other problems than the first"
+        else:
+            why = f"counted {shown.get('all_gathers_per_step')} all-gathers per step (the first counted {before})"
         return (
-            "The reshard_after_forward advice is not yet verified: `ddp-doctor check` applies it in a second run of "
-            "the script when it can."
+            f"Tried and withdrawn: `reshard_after_forward=False` on {module} ({call}); a second run of the script "
+            f"with it {why}."
         )
-    gathers, before = shown.get("all_gathers_per_step"), reshard.get("all_gathers_per_step")
-    applied = f"a second run of the script with reshard_after_forward=False on {reshard.get('module')}"
-    if "verified_all_gathers_per_step" in reshard:
-        return f"Verified: {applied} made {gathers} all-gathers per step instead of {before}, with the same findings."
-    if shown.get("error") is not None:
-        return f"Not verified: {applied} failed: {shown['error']}."
-    if not shown.get("same_findings"):
-        return f"Not verified: {applied} found other problems than the first."
-    return f"Not verified: {applied} counted {gathers} all-gathers per step (the first counted {before})."
+    plugin = (
+        " (Accelerate's FSDP2 plugin sets one reshard_after_forward for every module it shards; this advice is for "
+        "one module.)"
+        if framework in ("accelerate", "transformers")
+        else ""
+    )
+    advice = (
+        f"For speed: `reshard_after_forward=False` on {module} ({call}). It is the last sharded module to run "
+        "forward, so its backward starts right after its forward: with reshard_after_forward=True FSDP2 frees its "
+        f"parameters after the forward and all-gathers them again at once. Kept, each forward and backward make one "
+        f"all-gather fewer ({before} per step now) and the step holds that module's unsharded parameters a moment "
+        f"longer, which its backward needs anyway (torchtitan does the same for its last block).{plugin}"
+    )
+    if shown is None:
+        return f"{advice} Not yet verified: `ddp-doctor check` applies it in a second run of the script when it can."
+    return (
+        f"{advice} Verified: a second run of the script with it applied made {shown.get('all_gathers_per_step')} "
+        f"all-gathers per step instead of {before}, with the same findings."
+    )
 
 
 def _flags_verdict(shown: dict[str, Any]) -> str:
@@ -67,14 +85,15 @@ def _flags_verdict(shown: dict[str, Any]) -> str:
     )
 
 
-def recommendation_words(rec: Recommendation) -> str:
-    """The recommendation's reason as the report prints it: the analysis' reason, then what a second run showed
-    (typed in `verification` for DDP flags and in `reshard` for FSDP2's advice, worded here)."""
+def recommendation_words(rec: Recommendation, framework: str = "torch") -> str:
+    """The recommendation as the report prints it: for a sharded model the `reshard_after_forward` advice first
+    (typed in `reshard`), then the analysis' reason, then what a second run with DDP flags showed (typed in
+    `verification`). `framework` built the model (Accelerate's plugin gets a note)."""
     said = [rec.reason]
+    if rec.reshard is not None:
+        said.insert(0, _reshard_words(rec.reshard, framework))
     if rec.verification is not None:
         said.append(_flags_verdict(rec.verification))
-    if rec.reshard is not None:
-        said.append(_reshard_verdict(rec.reshard))
     return " ".join(said)
 
 

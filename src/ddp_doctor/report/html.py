@@ -301,10 +301,10 @@ def _recommendation(report: ReportData, key: str) -> str:
     tabs = f"<div class='tabs'>{inputs}{panels}</div>" if order else ""
     if not report.ddp_built or not rec.flags_known:
         # No DDP model, or nothing observed supports flags (they are None): only the reason applies.
-        return f"<div class='recommendation'><h3>No DDP flags to recommend</h3><p>{_e(recommendation_words(rec))}</p></div>"
+        return f"<div class='recommendation'><h3>No DDP flags to recommend</h3><p>{_e(recommendation_words(rec, report.framework))}</p></div>"
     return (
         f"<div class='recommendation'><h3>Recommendation ({verdict})</h3><p><b>{_e(flags)}</b></p>{freeze}"
-        f"<p>{_e(recommendation_words(rec))}</p>{tabs}</div>"
+        f"<p>{_e(recommendation_words(rec, report.framework))}</p>{tabs}</div>"
     )
 
 

@@ -116,7 +116,9 @@ def _recommendation(report: ReportData) -> Panel:
     if not report.ddp_built or not rec.flags_known:
         # No DDP model, or nothing observed supports flags (they are None): only the reason applies.
         title = "No DDP flags to recommend" if report.sharding is None else "Recommendation"
-        return Panel(Text(recommendation_words(rec)), title=title, title_align="left", border_style="green")
+        return Panel(
+            Text(recommendation_words(rec, report.framework)), title=title, title_align="left", border_style="green"
+        )
     summary = Text()
     summary.append(
         f"find_unused_parameters={rec.find_unused_parameters}, static_graph={rec.static_graph}, "
@@ -125,7 +127,7 @@ def _recommendation(report: ReportData) -> Panel:
     )
     if rec.freeze_before_wrap:
         summary.append(f"\nfreeze before wrap: {', '.join(rec.freeze_before_wrap)}")
-    summary.append(f"\n{recommendation_words(rec)}")
+    summary.append(f"\n{recommendation_words(rec, report.framework)}")
     first = "torch" if report.framework not in rec.render else report.framework
     parts: list[Any] = [summary]
     if first in rec.render:
