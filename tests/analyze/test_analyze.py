@@ -257,7 +257,7 @@ def test_bypass_is_reported_with_call_site() -> None:
     records[0].bypass_sites = ["train.py:42"]
     d = analyze(info(), records)
     f = next(f for f in d.findings if f.code == "wrapper-bypass")
-    assert f.severity == "error" and "train.py:42" in f.detail and f.steps == [0, 1, 2]
+    assert f.severity == "error" and f.sites == ["train.py:42"] and f.steps == [0, 1, 2]
 
 
 def test_reduction_error_names_the_params_without_grad_in_the_last_step() -> None:
@@ -281,7 +281,7 @@ def test_json_round_trip_of_the_report_shape() -> None:
     d = analyze(info(), [record(0, [[1, 1, 1, 0]] * 2), record(1, [[1, 1, 1, 0]] * 2)])
     report = Report.build(RunFacts.of_model(info(), world_size=2, backend="gloo"), d)
     data = report.to_dict()
-    assert data["schema"] == "ddp-doctor/report@1"
+    assert data["schema"] == "ddp-doctor/report@2"
     assert set(data) >= {
         "schema",
         "tool_version",
@@ -294,7 +294,10 @@ def test_json_round_trip_of_the_report_shape() -> None:
         "recommendation",
         "timing",
     }
-    assert set(data["findings"][0]) == {"code", "severity", "title", "detail", "params", "ranks", "steps", "fix"}
+    assert set(data["findings"][0]) == {
+        *("code", "severity", "title", "detail", "params", "ranks", "steps", "fix"),  # the @1 keys, kept
+        *("caused_by", "explains", "sites", "measured"),  # @2's evidence
+    }
     assert set(data["recommendation"]) == {
         "find_unused_parameters",
         "static_graph",

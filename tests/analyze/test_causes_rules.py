@@ -142,10 +142,14 @@ def test_gradients_edited_on_one_rank_after_the_all_reduce_name_the_rank_the_par
     f = found([_edited(0, True, sites=sites), _edited(1, False)])
     g = f["grads-changed-after-sync"]
     assert (g.ranks, g.steps, g.param_names) == ([0], [0, 1, 2], ["head_a.weight"]), g
-    assert "clip_grad_norm_(max_norm=0.5) at train.py:30" in g.detail and "train.py:30" in g.fix
+    assert g.sites == ["train.py:30"] and "train.py:30" in g.fix
     assert "when optimizer.step() began" in g.detail
     assert "grads-not-synced" not in f  # they agreed after DDP's all-reduce: not a sync problem
-    assert "fix the cause: grads-changed-after-sync" in f["replica-divergence"].fix
+    d = f["replica-divergence"]
+    assert "fix the cause: grads-changed-after-sync" in d.fix
+    # The evidence links them, both ways; the drift is measured.
+    assert d.caused_by == ["grads-changed-after-sync"] and g.explains == ["replica-divergence"]
+    assert [(m.name, m.unit) for m in d.measured] == [("largest_sum_difference", "abs")] and d.measured[0].value > 0
 
 
 def test_a_closure_based_step_says_where_its_gradients_were_measured() -> None:

@@ -127,7 +127,7 @@ def test_the_files_written_and_what_went_unchecked_are_in_json_and_text() -> Non
         unchecked=["--follow-epochs 0: the script was stopped right after its 8 observed step(s)."],
     )
     data = json.loads(report.to_json())
-    assert data["schema"] == "ddp-doctor/report@1" and list(data)[-2:] == ["files_written", "unchecked"], list(data)
+    assert data["schema"] == "ddp-doctor/report@2" and list(data)[-2:] == ["files_written", "unchecked"], list(data)
     again = Report.from_dict(data)
     assert again.files_written == report.files_written and again.unchecked == report.unchecked
     text = " ".join(str(report).split())

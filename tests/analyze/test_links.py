@@ -32,7 +32,9 @@ def test_a_head_that_never_reaches_the_loss_explains_the_crash_and_the_drift() -
     assert [(c.code, [x.code for x in rest]) for c, rest in grouped] == [
         ("unused-parameters", ["reduction-error", "grads-not-synced", "replica-divergence"])
     ]
-    assert found[0].to_dict()["caused_by"] == ["unused-parameters"] and "caused_by" not in found[1].to_dict()
+    assert found[0].to_dict()["caused_by"] == ["unused-parameters"] and found[1].to_dict()["caused_by"] == []
+    assert found[1].explains == ["reduction-error", "grads-not-synced", "replica-divergence"]
+    assert found[0].explains == ["grads-not-synced", "replica-divergence"] and found[3].explains == []
 
 
 def test_a_crash_naming_other_parameters_and_a_mode_difference_stay_causes_of_their_own() -> None:

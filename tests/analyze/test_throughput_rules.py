@@ -67,6 +67,13 @@ def test_input_bound_names_the_loader_its_settings_the_share_and_the_millisecond
     assert "num_workers=0" in f.detail and "pin_memory=False" in f.detail
     assert "Measured on this machine" in f.detail
     assert "ms" in f.title and "%" in f.title
+    got = {m.name: (m.value, m.unit) for m in f.measured}
+    assert got["data_wait"][1] == got["step"][1] == "s" and got["data_wait_share"][1] == "fraction"
+    assert (
+        0.5 < got["data_wait_share"][0] < 1
+        and abs(got["data_wait"][0] / got["step"][0] - got["data_wait_share"][0]) < 1e-9
+    )
+    assert f.sites == ["train.py:31"]  # the loader's line
     assert "num_workers" in f.fix and "persistent_workers" in f.fix and "pin_memory" in f.fix
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.causes import CAUSES
-from ddp_doctor.analyze.common import all_ranks, steps_of, with_flags, with_more
+from ddp_doctor.analyze.common import all_ranks, steps_of, with_evidence, with_flags, with_more
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.snippets import freeze_point
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.ranks import listed
 
 __all__ = [
@@ -52,16 +52,19 @@ def wrapper_bypass(v: View) -> list[Finding]:
     where = f" Called from {', '.join(sites)}." if sites else ""
     return [
         with_more(
-            rules.wrapper_bypass(
-                title="the wrapped module is called directly, so DDP never synchronizes it",
-                detail="The module inside DDP ran forward in grad mode without DDP's forward around it (for example "
-                "loss = ddp_model.module(x) or a helper that unwraps the model). DDP's reducer only fires after its "
-                "own forward, so each rank trains its own replica." + where,
-                params=v.params(v.summary.bypass_used),
-                ranks=hits.ranks,
-                steps=steps_of(v.summary.bypass_steps),
-                fix="call the DDP wrapper (ddp_model(x)); if the loss needs other outputs, return them from forward. "
-                "ddp_doctor.sync_gradients is the fallback when that is impossible.",
+            with_evidence(
+                rules.wrapper_bypass(
+                    title="the wrapped module is called directly, so DDP never synchronizes it",
+                    detail="The module inside DDP ran forward in grad mode without DDP's forward around it (for example "
+                    "loss = ddp_model.module(x) or a helper that unwraps the model). DDP's reducer only fires after its "
+                    "own forward, so each rank trains its own replica." + where,
+                    params=v.params(v.summary.bypass_used),
+                    ranks=hits.ranks,
+                    steps=steps_of(v.summary.bypass_steps),
+                    fix="call the DDP wrapper (ddp_model(x)); if the loss needs other outputs, return them from forward. "
+                    "ddp_doctor.sync_gradients is the fallback when that is impossible.",
+                ),
+                sites=sites,
             ),
             hits.more,
         )
@@ -87,6 +90,7 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
     steps = steps_of(v.summary.grad_steps)
     others = v.ranks("grad-differs")  # ranks whose gradients differ from rank 0's
     ranks = [0] + others.ranks
+    sites: list[str] = []  # where DDP's sync was turned off, when it was off for every backward
     why, fix = (
         "",
         (
@@ -128,6 +132,7 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
             steps=steps,
             more_ranks=others.more,
             fix=fix,
+            sites=lines_of(*sites),
         )
     ]
 
@@ -188,15 +193,18 @@ def replica_divergence(v: View, found: frozenset[str]) -> list[Finding]:
     when = "already when observe() started" if at_entry else f"after step {after[0]}"
     return [
         with_more(
-            rules.replica_divergence(
-                title=f"weights of {_count(int(params.sum()), 'parameter')} differ across ranks",
-                detail=f"The replicas are no longer identical, {when}; the largest difference of a parameter's sum "
-                f"between rank 0 and another rank is {gap:.3g}. Whatever rank 0 saves is not what the other ranks "
-                "trained.",
-                params=v.params(params),
-                ranks=ranks,
-                steps=after,
-                fix=_divergence_fix(found, v.summary.grads_measured),
+            with_evidence(
+                rules.replica_divergence(
+                    title=f"weights of {_count(int(params.sum()), 'parameter')} differ across ranks",
+                    detail=f"The replicas are no longer identical, {when}; the largest difference of a parameter's sum "
+                    f"between rank 0 and another rank is {gap:.3g}. Whatever rank 0 saves is not what the other ranks "
+                    "trained.",
+                    params=v.params(params),
+                    ranks=ranks,
+                    steps=after,
+                    fix=_divergence_fix(found, v.summary.grads_measured),
+                ),
+                measured=[Measure("largest_sum_difference", gap, "abs")],
             ),
             others.more,
         )
@@ -247,6 +255,7 @@ def identical_inputs(v: View) -> list[Finding]:
             "the ranks do the same work and the job trains no faster than one rank.",
             ranks=all_ranks(v),
             steps=steps_of(has_input),
+            measured=[Measure("steps_with_identical_inputs", int(has_input.sum()), "count")],
             fix="shard the data: DataLoader(dataset, sampler=DistributedSampler(dataset)), and call "
             "sampler.set_epoch(epoch) every epoch.",
         )

@@ -17,7 +17,7 @@ import torch
 from ddp_doctor.analyze.common import steps_of, with_more
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, lines_of
 from ddp_doctor.core.ranks import rank_list
 
 __all__ = [
@@ -72,6 +72,7 @@ def optimizer_step_skipped(v: View) -> list[Finding]:
         with_more(
             Finding(
                 code=Code.OPTIMIZER_STEP_SKIPPED,
+                sites=lines_of(*sites),
                 severity="error",
                 title=f"{rank_list(skipped.ranks, more=skipped.more)} did not call optimizer.step() in iteration "
                 f"{first}; the other ranks did",
@@ -158,6 +159,7 @@ def optimizer_differs(v: View) -> list[Finding]:
         with_more(
             Finding(
                 code=Code.OPTIMIZER_DIFFERS,
+                sites=lines_of(*sites),
                 severity="error",
                 title=f"the optimizer's {names} {'differs' if len(fields) == 1 else 'differ'} across ranks from step "
                 f"{step}",
@@ -218,6 +220,7 @@ def grads_reduced_twice(v: View) -> list[Finding]:
         with_more(
             Finding(
                 code=Code.GRADS_REDUCED_TWICE,
+                sites=lines_of(*sites),
                 severity=severity,
                 title=f"gradients reduced again after DDP reduced them ({signature or 'a collective'} at {line})",
                 detail=f"DDP averaged the gradients across the ranks during the backward pass; then the script ran "
@@ -276,6 +279,7 @@ def grads_changed_after_sync(v: View) -> list[Finding]:
         with_more(
             Finding(
                 code=Code.GRADS_CHANGED_AFTER_SYNC,
+                sites=lines_of(*sites),
                 severity="error",
                 title=f"gradients changed on {editors} after DDP synchronized them ({v.params(mask)[0].name}"
                 + (" and others)" if int(mask.sum()) > 1 else ")"),
@@ -361,6 +365,7 @@ def weights_changed_outside_optimizer(v: View) -> list[Finding]:
         with_more(
             Finding(
                 code=Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER,
+                sites=lines_of(*sites),
                 severity="error",
                 title=f"{rank_list(who.ranks, more=who.more)} changed the weights {when}; the other ranks did not",
                 detail=f"On {rank_list(who.ranks, more=who.more)}, parameters were written {when}{how}, where only "

@@ -8,7 +8,7 @@ from typing import Any
 from ddp_doctor.analyze.common import with_more
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, lines_of
 from ddp_doctor.core.ranks import rank_list
 
 __all__ = ["checkpoint_module_prefix", "checkpoint_same_path"]
@@ -54,6 +54,7 @@ def checkpoint_same_path(v: View) -> list[Finding]:
                 "replicas are equal, so one write is enough.",
                 ranks=who.ranks,
                 steps=_steps(first),
+                sites=lines_of(first.get("site") or ""),
                 fix="write on one rank, then a barrier: `if dist.get_rank() == 0: torch.save(...)`, then "
                 "`dist.barrier()` on every rank before anyone reads the file (Accelerate: `accelerator.save(...)`; "
                 "the HF Trainer and Lightning already save on one rank).",
@@ -80,6 +81,7 @@ def checkpoint_module_prefix(v: View) -> list[Finding]:
             "inference, or a run with another world size) fails with unexpected and missing keys.",
             ranks=[0],
             steps=_steps(first),
+            sites=lines_of(first.get("site") or ""),
             fix="save model.module.state_dict() instead, or strip the prefix when loading "
             "(torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, 'module.')).",
         )

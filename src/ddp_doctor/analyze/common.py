@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from ddp_doctor.analyze.snippets import flags_fix, freeze_point
 from ddp_doctor.analyze.view import View
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, Measure, lines_of
 
-__all__ = ["all_ranks", "freeze_fix", "has_flags", "steps_of", "with_flags", "with_more"]
+__all__ = ["all_ranks", "freeze_fix", "has_flags", "steps_of", "with_evidence", "with_flags", "with_more"]
 
 
 def with_flags(v: View, **flags: bool) -> str:
@@ -40,6 +42,14 @@ def steps_of(mask: torch.Tensor) -> list[int]:
 def all_ranks(v: View) -> list[int]:
     """Every rank of the group (a finding every rank shows)."""
     return list(range(v.world))
+
+
+def with_evidence(finding: Finding, *, sites: Iterable[str] = (), measured: Iterable[Measure] = ()) -> Finding:
+    """`finding`, with the script lines of the recorded `sites` (`lines_of`) and the quantities it was decided on:
+    for the finding builders shared with `guard` (`rules.py`), which take no evidence."""
+    finding.sites = lines_of(*sites)
+    finding.measured = list(measured)
+    return finding
 
 
 def with_more(finding: Finding, more: int) -> Finding:

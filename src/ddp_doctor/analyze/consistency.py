@@ -9,7 +9,7 @@ from ddp_doctor.analyze.common import all_ranks
 from ddp_doctor.analyze.rules import count
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, lines_of
 from ddp_doctor.core.ranks import other_ranks, rank_list
 from ddp_doctor.core.records import decode_scale
 
@@ -77,6 +77,7 @@ def collective_sequence_mismatch(v: View) -> list[Finding]:
             "meant to, silently, or waits for a peer that never comes."
             + (f" Also in step(s) {bad[1:]}." if len(bad) > 1 else ""),
             params=[],
+            sites=lines_of(*(log[position] for log in logs if position is not None and position < len(log))),
             ranks=sorted({0, *odd.ranks}),
             steps=bad,
             more_ranks=odd.more,
@@ -110,6 +111,7 @@ def synced_pass_mismatch(v: View) -> list[Finding]:
     return [
         Finding(
             code=Code.COLLECTIVE_MISMATCH,
+            sites=lines_of(*sites),
             severity="error",
             title=f"{rank_list(extra.ranks, more=extra.more)} ran {most} synced backward passes in optimizer step {first}, {rank_list(rest.ranks, more=rest.more)} "
             f"{least}",
@@ -156,6 +158,7 @@ def unpaired_forward_mismatch(v: View) -> list[Finding]:
     return [
         Finding(
             code=Code.COLLECTIVE_MISMATCH,
+            sites=lines_of(*sites),
             severity="error" if broadcasts else "warning",
             title=f"{rank_list(extra.ranks, more=extra.more)} ran DDP's forward with autograd on and no backward{where} in step {first}; "
             f"{rank_list(rest.ranks, more=rest.more)} did not",
@@ -202,6 +205,7 @@ def eval_broadcast_mismatch(v: View) -> list[Finding]:
     return [
         Finding(
             code=Code.COLLECTIVE_MISMATCH,
+            sites=lines_of(*sites),
             severity="error",
             title=f"{who} broadcast DDP's buffers from a forward without grad{where} in step {first}; {others} did not",
             detail=f"In step {first}, {who} called the DDP model without grad{where} (an evaluation through the DDP "

@@ -14,7 +14,7 @@ from ddp_doctor.analyze.positions import capped, fault_place, others, short, whe
 from ddp_doctor.analyze.shapes import shape_findings
 from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone, ran_out_alone, state_dict_alone
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, lines_of
 from ddp_doctor.core.rankfiles import PHASES, Outcome
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
@@ -104,6 +104,9 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
         + (f" {capped(signals)} (gloo aborts a process whose peer issued a different collective)." if signals else ""),
         ranks=sorted({first.rank, *culprits}),
         steps=sorted({max(s.step, 0) for s in (first, *behind, *different)}),
+        sites=lines_of(
+            c.site or "", *(s.collective.site or "" for s in different), *(s.user_frame or "" for s in behind)
+        ),
         fix=(
             f"give {c.op} at {c.site or 'that line'} the same dtype and shape on every rank: agree on the size "
             "first (all_reduce the length, or broadcast_object_list), then pad or slice to it."
@@ -267,6 +270,7 @@ def _hung(states: dict[int, RankState], timed_out: bool, native: str | None) -> 
             ),
             ranks=stuck,
             steps=sorted({max(states[r].step, 0) for r in stuck}),
+            sites=lines_of(*(states[r].user_frame or states[r].site or "" for r in stuck)),
             fix="look at what the stuck rank does at that line: a collective that only some ranks call, a loop with "
             "a different number of iterations per rank, or a data source that blocks.",
         )
@@ -314,5 +318,6 @@ def timed_out_waiting(states: dict[int, RankState], where: Callable[[RankState],
         params=[],
         ranks=away,
         steps=sorted({max(states[r].step, 0) for r in away}),
+        sites=lines_of(crash.site or "", *(states[r].user_frame or states[r].site or "" for r in away)),
         fix=timeout_fix(next((m.get("framework") for st in states.values() for m in st.models), "torch")),
     )

@@ -64,9 +64,12 @@ def _causes_of(f: Finding, by_code: dict[str, list[Finding]]) -> list[str]:
 
 
 def link_causes(findings: list[Finding]) -> None:
-    """Set each finding's `caused_by` to the codes of the report's findings that explain it (in place)."""
+    """Set each finding's `caused_by` to the codes of the report's findings that explain it, and its `explains` to
+    the codes of those it explains (in place)."""
     by_code: dict[str, list[Finding]] = {}
     for f in findings:
         by_code.setdefault(f.code, []).append(f)
     for f in findings:
         f.caused_by = [str(c) for c in dict.fromkeys(_causes_of(f, by_code)) if c != f.code]
+    for f in findings:
+        f.explains = list(dict.fromkeys(g.code for g in findings if f.code in g.caused_by))

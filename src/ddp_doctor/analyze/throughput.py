@@ -42,7 +42,7 @@ import dataclasses
 
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.steptime import (
     INPUT_SHARE,
     INPUT_SHARE_Q1,
@@ -144,6 +144,13 @@ def input_bound(v: View) -> list[Finding]:
             more_ranks=st.waiting - len(st.waiting_ranks or []),
             steps=[],
             fix=input_fix(workers),
+            sites=lines_of(*(d.get("site") or "" for d in v.meta(0).get("loaders", []))),
+            measured=[
+                Measure("data_wait", wait, "s"),
+                Measure("step", step, "s"),
+                Measure("data_wait_share", share, "fraction"),
+                Measure("steps_timed", n, "count"),
+            ],
         )
     ]
 
@@ -205,6 +212,12 @@ def straggler_rank(v: View) -> list[Finding]:
             ranks=[slow.rank],
             steps=[],
             fix=straggler_fix(name),
+            measured=[
+                Measure("own_work_slowest", slow.own_s, "s"),
+                Measure("own_work_others", others_own, "s"),
+                Measure("others_wait", lost, "s"),
+                Measure("steps_timed", n, "count"),
+            ],
         )
     ]
 

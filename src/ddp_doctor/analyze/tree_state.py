@@ -10,7 +10,7 @@ from typing import Any
 from ddp_doctor.analyze.common import all_ranks, with_more
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, ParamRef
+from ddp_doctor.core.findings import Finding, ParamRef, lines_of
 
 __all__ = ["modes_differ", "optimizer_holds_replaced", "unregistered_parameters"]
 
@@ -100,6 +100,7 @@ def unregistered_parameters(v: View) -> list[Finding]:
         with_more(
             Finding(
                 code=Code.UNREGISTERED_PARAMETERS,
+                sites=lines_of(*sites),
                 severity="error" if parted is not None else "warning",
                 title=f"{len(params)} trainable parameter(s) are not in DDP's reducer: created or replaced after "
                 + (

@@ -13,7 +13,7 @@ from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, lines_of
 from ddp_doctor.core.ranks import listed
 
 __all__ = [
@@ -88,6 +88,7 @@ def grad_blocked(v: View) -> list[Finding]:
     return [
         Finding(
             code=Code.GRAD_BLOCKED,
+            sites=lines_of(*sites),
             severity="error",
             title=f"{_count(int(blocked.sum()), 'parameter')} ran in forward but never got a gradient",
             detail=f"On every rank and every one of the {v.steps} observed steps these parameters' modules ran, yet "
@@ -270,6 +271,7 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
         return [
             Finding(
                 code=Code.REENTRANT_CHECKPOINT,
+                sites=lines_of(*sites),
                 severity="error",
                 title=f"reentrant checkpoint without grad-requiring inputs at {', '.join(sites)}",
                 detail="torch.utils.checkpoint with use_reentrant=True gives the checkpointed block no gradient at all "
@@ -306,6 +308,7 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
     return [
         Finding(
             code=Code.REENTRANT_CHECKPOINT,
+            sites=lines_of(*sites),
             severity=severity,
             title="reentrant activation checkpointing inside DDP",
             detail="torch.utils.checkpoint with use_reentrant=True runs a nested backward for the checkpointed "

@@ -113,7 +113,7 @@ def add_check_arguments(group: Any, *, bench: bool = False) -> None:
     group.add_argument(
         "--json",
         metavar="FILE",
-        help=f"write the result as JSON (schema ddp-doctor/{'bench' if bench else 'report'}@1)",
+        help=f"write the result as JSON (schema ddp-doctor/{'bench@1' if bench else 'report@2'})",
     )
     if not bench:
         group.add_argument(

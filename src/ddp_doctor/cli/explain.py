@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder `watch` printed (its --run-dir)")
-    p.add_argument("--json", metavar="FILE", help="write the result as JSON (schema ddp-doctor/report@1)")
+    p.add_argument("--json", metavar="FILE", help="write the result as JSON (schema ddp-doctor/report@2)")
     p.set_defaults(func=run, _parser=p)
 
 

@@ -84,7 +84,7 @@ def _add_arguments(group: Any) -> None:
         help="the run folder the ranks' records go to and that outlives the job "
         "(default: ./ddp-doctor-runs/SCRIPT-DATE-TIME)",
     )
-    group.add_argument("--json", metavar="FILE", help="write the final result as JSON (schema ddp-doctor/report@1)")
+    group.add_argument("--json", metavar="FILE", help="write the final result as JSON (schema ddp-doctor/report@2)")
     group.add_argument(
         "--fail-on",
         choices=("error", "warning", "never"),

@@ -1,7 +1,7 @@
 """The data behind the report's two figures: the usage map and the divergence curve.
 
 Plain data, computed by `ddp_doctor.analyze.usage` from the records the report is built from, and carried in the
-JSON report under the top-level keys `usage_map` and `divergence` (added to schema `ddp-doctor/report@1`; no
+JSON report under the top-level keys `usage_map` and `divergence` (schema `ddp-doctor/report@1` onward; no
 existing key changes). Bounded for big jobs: ranks that saw the same thing share one pattern, and parameters are
 aggregated by module above `MAX_ROWS` rows.
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -11,7 +12,26 @@ from ddp_doctor.core.figures import Divergence, UsageMap
 from ddp_doctor.core.following import Following
 from ddp_doctor.core.steptime import RankTiming
 
-__all__ = ["Crash", "Diagnosis", "Finding", "ParamRef", "Recommendation", "Timing", "by_cause", "finite"]
+__all__ = [
+    "Crash",
+    "Diagnosis",
+    "Finding",
+    "Measure",
+    "ParamRef",
+    "Recommendation",
+    "Timing",
+    "by_cause",
+    "finite",
+    "lines_of",
+]
+
+_LINE = re.compile(r"([^\s(),;:'\"`]+\.py):(\d+)")
+
+
+def lines_of(*sites: str) -> list[str]:
+    """The script lines (`file:line`) in recorded sites such as ``"no_sync() at train.py:12"`` or
+    ``"train.py:40 (in step)"``, each once, in order: a finding's `sites`."""
+    return list(dict.fromkeys(f"{m[1]}:{m[2]}" for site in sites for m in _LINE.finditer(site or "")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +44,16 @@ class ParamRef:
 
     def __str__(self) -> str:
         return f"{self.name} ({self.numel:,})"
+
+
+@dataclass(frozen=True, slots=True)
+class Measure:
+    """A quantity a finding was decided on, with its unit (`"s"`, `"fraction"`, `"count"`, `"abs"` for a difference
+    of values in the tensors' own unit)."""
+
+    name: str
+    value: float
+    unit: str
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,7 +74,13 @@ class Finding:
     (`ddp_doctor.exchange.EXAMPLES`) and counts the rest. In the JSON only when nonzero."""
     caused_by: list[str] = field(default_factory=list)
     """The codes of the findings of the same report that explain this one (`analyze/links.py`): it is their
-    consequence, and the report shows it under them. In the JSON only when not empty."""
+    consequence, and the report shows it under them."""
+    explains: list[str] = field(default_factory=list)
+    """The codes of the findings of the same report that this one explains (the other end of `caused_by`)."""
+    sites: list[str] = field(default_factory=list)
+    """The script's lines (`file:line`) the finding is about, as the ranks recorded them (`lines_of`)."""
+    measured: list[Measure] = field(default_factory=list)
+    """The quantities the finding was decided on."""
 
     def __post_init__(self) -> None:
         assert self.code in CODES, f"unknown finding code {self.code!r}"
@@ -68,15 +104,21 @@ class Finding:
         }
         if self.more_ranks:
             out["more_ranks"] = self.more_ranks
-        if self.caused_by:
-            out["caused_by"] = self.caused_by
+        out["caused_by"] = self.caused_by
+        out["explains"] = self.explains
+        out["sites"] = self.sites
+        out["measured"] = [{"name": m.name, "value": finite(m.value), "unit": m.unit} for m in self.measured]
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Finding:
         """The inverse of `to_dict`."""
         params = [ParamRef(p["name"], p["numel"], tuple(p.get("shape", ()))) for p in data["params"]]
-        return cls(**{**data, "params": params})
+        measured = [
+            Measure(m["name"], math.nan if m["value"] is None else m["value"], m["unit"])
+            for m in data.get("measured", [])
+        ]
+        return cls(**{**data, "params": params, "measured": measured})
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -68,7 +68,7 @@ class DoctorCallback(_callback_base()):  # type: ignore[misc]
     """Observe the first `steps` optimizer steps of `trainer.fit()` on every rank, then report once.
 
     The report is identical on every rank. Global rank 0 logs it (WARNING when it has findings, INFO when clean)
-    and writes it as JSON (schema `ddp-doctor/report@1`) to `json_path`. Hooks are removed after the K steps.
+    and writes it as JSON (schema `ddp-doctor/report@2`) to `json_path`. Hooks are removed after the K steps.
 
     Args:
         steps: optimizer steps to observe (with `accumulate_grad_batches`, one step is all its micro-batches).

@@ -56,7 +56,7 @@ class DoctorCallback(TrainerCallback):
     """Observe the first `steps` optimizer steps of `Trainer.train()` on every rank, then report once.
 
     The report is identical on every rank. The main process logs it (WARNING when it has findings, INFO when
-    clean) and writes it as JSON (schema `ddp-doctor/report@1`) to `output_dir/ddp_doctor.json`. Hooks are removed
+    clean) and writes it as JSON (schema `ddp-doctor/report@2`) to `output_dir/ddp_doctor.json`. Hooks are removed
     after the K steps, so the rest of training runs at full speed.
 
     Args:

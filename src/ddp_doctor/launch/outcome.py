@@ -62,7 +62,7 @@ class CheckResult:
         return json.dumps(finite(self.to_dict()), indent=2)
 
     def to_dict(self) -> dict[str, Any]:
-        """The first model's report (schema `ddp-doctor/report@1`); further models go under `other_models`."""
+        """The first model's report (schema `ddp-doctor/report@2`); further models go under `other_models`."""
         extra: dict[str, Any] = {}
         if self.interrupted is not None:
             extra["interrupted"] = True
@@ -71,7 +71,7 @@ class CheckResult:
         if self.launch is not None:
             extra["launch"] = self.launch
         if not self.models:
-            return {"schema": "ddp-doctor/report@1", "error": self.error, "findings": [], **extra}
+            return {"schema": "ddp-doctor/report@2", "error": self.error, "findings": [], **extra}
         first, *rest = self.models
         out = {**first.report.to_dict(), "model": first.module}
         if rest:

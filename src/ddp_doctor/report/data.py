@@ -1,5 +1,5 @@
 """The report as data: the diagnosis of one DDP model with the run's facts around it. `ReportData.build` is the one
-constructor of a report; `to_dict()` is the JSON schema (`ddp-doctor/report@1`) and `from_dict` reads it back. The
+constructor of a report; `to_dict()` is the JSON schema (`ddp-doctor/report@2`) and `from_dict` reads it back. The
 renderers (`text.py`, `html.py`) read this type; `model.py`'s `Report` draws itself with them."""
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 
 __all__ = ["SCHEMA", "ReportData", "RunFacts", "recommendation_words"]
 
-SCHEMA = "ddp-doctor/report@1"
+SCHEMA = "ddp-doctor/report@2"
+"""`@2` is `@1` with each finding's evidence (`sites`, `measured`, `caused_by`, `explains`) always present; a
+reader of `@1` reads it unchanged (docs/json-schema.md)."""
 
 _R = TypeVar("_R", bound="ReportData")
 
