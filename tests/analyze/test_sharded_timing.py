@@ -9,7 +9,7 @@ import pytest
 import torch
 from dist import run_ranks
 
-from ddp_doctor.analyze.sharded import sharded_recommendation
+from ddp_doctor.analyze.sharded import sharded_compared, sharded_unchecked
 from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
 from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.exchange.primitives import minmax
@@ -90,12 +90,15 @@ def test_no_straggler_without_a_large_consistent_difference_the_others_wait_for(
     assert sharded_straggler(_run({**SLOW, **change})) is None
 
 
-def test_the_recommendation_says_whether_a_straggler_was_checked() -> None:
-    checked = sharded_recommendation(_run(None)).reason
-    assert "whether the ranks wait for their data and whether one rank is slower than the others" in checked
-    assert "straggler" not in checked
-    untimed = sharded_recommendation(_run(None, comm_timed=False)).reason
-    assert "a straggler rank (the time in the sharded model's collectives could not be timed)" in untimed
+def test_the_report_says_whether_a_straggler_was_checked() -> None:
+    checked = _run(None)
+    assert sharded_compared(checked)["straggler"] and sharded_compared(checked)["timed_steps"] == 7
+    assert not any("straggler" in u for u in sharded_unchecked(checked))
+    untimed = _run(None, comm_timed=False)
+    assert not sharded_compared(untimed)["straggler"]
+    assert "a straggler rank (the time in the sharded model's collectives could not be timed)" in sharded_unchecked(
+        untimed
+    )
 
 
 def test_on_a_gpu_the_wait_is_the_gpus_and_a_straggler_is_said_to_be_unchecked() -> None:
@@ -110,9 +113,9 @@ def test_on_a_gpu_the_wait_is_the_gpus_and_a_straggler_is_said_to_be_unchecked()
     f = sharded_input_bound(run, [0, 1])
     assert f.detail.startswith("Measured on the GPU's clock (CUDA events on the model's stream: the GPU idle")
     assert "40.0-42.0 ms" in f.detail and "SlowDecode created at train.py:31" in f.detail
-    reason = sharded_recommendation(run).reason
-    assert "whether the ranks wait for their data (the GPU's clock over 7 steps)" in reason
-    assert "a straggler rank (on a GPU the time in the collectives is not timed" in reason
+    compared = sharded_compared(run)
+    assert (compared["timed_steps"], compared["clock"], compared["straggler"]) == (7, "gpu", False)
+    assert any(u.startswith("a straggler rank (on a GPU the time in the collectives") for u in sharded_unchecked(run))
     host = sharded_input_bound(_run(None, input_wait={**wait, "clock": "host"}), [0, 1])
     assert host.detail.startswith("Measured on this machine's clock over 7 steps")
 

@@ -75,11 +75,15 @@ def test_a_clean_fsdp2_job_is_clean_and_its_sharding_is_named(tmp_path: Path, mi
     assert run.report["parallelism"] == "fsdp2"
     sharding = run.report["sharding"]
     assert sharding["sharded_modules"] == 3 and sharding["root_sharded"] and sharding["mesh"] == [[2]]
-    assert "FSDP2: 3 sharded modules" in run.output and "No problems found in what was checked" in run.output
-    assert (
-        "Not checked for FSDP2 yet: a save after those steps, forwards and full-state-dict gathers"
-        in (run.report["recommendation"]["reason"])
-    )
+    assert "FSDP2: 3 sharded modules" in run.output and "No problems found in what was compared" in run.output
+    compared = run.report["compared"]
+    assert (compared["parallelism"], compared["ranks"], compared["steps"], compared["outside_groups"]) == (
+        "fsdp2",
+        2,
+        8,
+        0,
+    ), compared
+    assert len(run.report["unchecked"]) == 3 and all(u.startswith("FSDP2: ") for u in run.report["unchecked"])
     assert run.report["steps_observed"] == 8  # the script trains 12 steps; the check stops it after --steps
     assert run.report["recommendation"]["flags_known"] is False and run.report["recommendation"]["static_graph"] is None
     if saves:

@@ -174,3 +174,26 @@ def test_a_second_run_of_the_flags_is_worded_from_its_typed_outcome() -> None:
     assert "it observed 2 step(s), fewer than the 3 needed" in _words(
         to_text(dataclasses.replace(_report([]), recommendation=rec), width=400)
     )
+
+
+def test_a_sharded_report_says_what_it_compared_with_counts_and_what_it_did_not() -> None:
+    compared = {
+        "parallelism": "fsdp2", "api": "fully_shard", "ranks": 4, "steps": 8, "parameters": 14, "outside_groups": 2,
+        "buffers": 6, "saves": "the observed steps", "timed_steps": 7, "clock": "host", "straggler": True,
+        "all_gathers_per_step": 10,
+    }  # fmt: skip
+    report = dataclasses.replace(
+        _report([], ddp_config={}), compared=compared, unchecked=["FSDP2: a save of sharded state after the steps"]
+    )
+    words = _words(to_text(report, width=200))
+    assert "No problems found in what was compared (below)." in words
+    for said in (
+        "Compared across 4 ranks over 8 optimizer steps (FSDP2)",
+        "the model's 14 trainable parameters",
+        "outside every fully_shard group (2, their weights compared)",
+        "6 buffers at the last step",
+        "the wait for data and a straggler rank (the host's clock, 7 steps)",
+        "FSDP2's all-gathers per step (10)",
+        "Not checked: FSDP2: a save of sharded state after the steps",
+    ):
+        assert said in words, (said, words)

@@ -25,7 +25,7 @@ from ddp_doctor.analyze.following_ends import following_findings, following_sect
 from ddp_doctor.analyze.links import link_causes
 from ddp_doctor.analyze.not_wrapped import unwrapped_findings, unwrapped_recommendation, unwrapped_unchecked
 from ddp_doctor.analyze.recommend import recommend_after_failure, verified_by_second_run
-from ddp_doctor.analyze.sharded import sharded_findings, sharded_recommendation
+from ddp_doctor.analyze.sharded import sharded_compared, sharded_findings, sharded_recommendation, sharded_unchecked
 from ddp_doctor.analyze.snippets import with_code
 from ddp_doctor.core.codes import SEVERITIES, Code
 from ddp_doctor.core.findings import Diagnosis, Recommendation, Timing
@@ -137,6 +137,8 @@ def diagnose_sharded(run: ShardedRun) -> Diagnosis:
         recommendation=sharded_recommendation(run, errors=any(f.severity == "error" for f in findings)),
         timing=Timing(),
         steps_observed=run.steps,
+        compared=sharded_compared(run),
+        unchecked=sharded_unchecked(run),
     )
 
 
@@ -187,7 +189,10 @@ def diagnose_following(
         steps,
         findings=findings,
         following=section,
-        unchecked=unchecked(summary, epochs=epochs, limit=limit, steps=steps.steps_observed, watched=watched),
+        unchecked=[
+            *steps.unchecked,
+            *unchecked(summary, epochs=epochs, limit=limit, steps=steps.steps_observed, watched=watched),
+        ],
         files_written=files[0] if files else steps.files_written,
         files_unlisted=files[1] if files else steps.files_unlisted,
     )

@@ -218,75 +218,75 @@ def _incomplete_checkpoint(run: ShardedRun) -> Finding:
     )
 
 
-def _timed(run: ShardedRun) -> str:
+def _untimed(run: ShardedRun) -> list[str]:
+    """The step-time checks not made."""
     if run.timed_steps < MIN_STEPS:
-        return ""
-    slower = " and whether one rank is slower than the others" if run.comm_timed and run.world > 1 else ""
-    clock = "the GPU's clock" if run.gpu_timed else "the host's clock"
-    return f", whether the ranks wait for their data{slower} ({clock} over {run.timed_steps} steps)"
-
-
-def _untimed(run: ShardedRun) -> str:
-    """The step-time checks not made, as the end of a list (", ..."); "" when all were."""
-    if run.timed_steps < MIN_STEPS:
-        return f", the step time (timed over at least {MIN_STEPS} steps after the first, on CPU or one GPU a rank)"
+        return [f"the step time (timed over at least {MIN_STEPS} steps after the first, on CPU or one GPU a rank)"]
     if run.gpu_timed:
-        return ", a straggler rank (on a GPU the time in the collectives is not timed: NCCL runs them on its streams)"
+        return ["a straggler rank (on a GPU the time in the collectives is not timed: NCCL runs them on its streams)"]
     if not run.comm_timed:
-        return ", a straggler rank (the time in the sharded model's collectives could not be timed)"
-    return ""
+        return ["a straggler rank (the time in the sharded model's collectives could not be timed)"]
+    return []
 
 
-def _saves_checked(run: ShardedRun) -> str:
-    return "in those steps and at the epoch end followed after them" if run.followed else "in those steps"
+def sharded_compared(run: ShardedRun) -> dict[str, Any]:
+    """What the sharded report compared across the ranks, with counts (`Diagnosis.compared`, drawn by report/):
+    every item is a value reduced over every rank (`doctor/sharded_report.py`), nothing more."""
+    timed = run.timed_steps >= MIN_STEPS
+    fully_shard = _api(run) is _FULLY_SHARD
+    return {
+        "parallelism": "fsdp2" if fully_shard else "replicate",
+        "api": _api(run).call,
+        "ranks": run.world,
+        "steps": run.steps,
+        "parameters": run.model_params,
+        "outside_groups": len(run.unsharded),
+        "buffers": run.buffers_compared if fully_shard else 0,
+        "saves": ("the observed steps and the epoch end followed" if run.followed else "the observed steps")
+        if fully_shard
+        else None,
+        "timed_steps": run.timed_steps if timed else 0,
+        "clock": ("gpu" if run.gpu_timed else "host") if timed else None,
+        "straggler": timed and run.comm_timed and not run.gpu_timed and run.world > 1,
+        "all_gathers_per_step": run.sharding.get("all_gathers_per_step") if fully_shard else None,
+    }
 
 
-def _when_they_break(run: ShardedRun) -> str:
-    """Who names a forward or a gather on some ranks only that breaks the run: the check; not `observe()`, whose
-    ranks then wait in the collective inside the `with` block."""
-    return "`ddp-doctor check` names them when they do" if run.in_process else "they are named when they do"
-
-
-def _saves_unchecked(run: ShardedRun) -> str:
-    return "after the epoch end followed" if run.followed else "after those steps"
+def sharded_unchecked(run: ShardedRun) -> list[str]:
+    """What the sharded report did not check (`Diagnosis.unchecked`)."""
+    if _api(run) is _REPLICATE:
+        return ["the mixed-precision policy of replicate", "parameters frozen after replicate", *_untimed(run)]
+    after = "after the epoch end followed" if run.followed else "after the observed steps"
+    who = "`ddp-doctor check` names them when they do" if run.in_process else "they are named when they do"
+    return [
+        f"FSDP2: a save of sharded state {after}",
+        f"FSDP2: forwards and full-state-dict gathers on some ranks only that did not break the run ({who})",
+        "FSDP2: the mixed-precision policy beyond the dtype of the gradients' reduce-scatter and of the weights the "
+        "optimizer steps",
+        *_untimed(run),
+    ]
 
 
 def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommendation:
     """No DDP flags for a sharded model: what the check can say about the sharding instead, and the one
     `reshard_after_forward` change that saves an all-gather per step, when there is one (verified by the check in a
-    second run: `launch/verify.py`). No such advice while the run has errors (`errors`): they come first."""
+    second run: `launch/verify.py`). No such advice while the run has errors (`errors`): they come first. What was
+    compared and what was not are `sharded_compared` and `sharded_unchecked`."""
     api = _api(run)
-    checked = (
-        f"This job {api.job}, not DDP: there are no DDP flags to recommend. "
-        f"Checked on every rank over {run.steps} optimizer steps: that the optimizer steps the model's own "
-        f"parameters, that every trainable parameter is in a {api.call} group (those outside it compared across "
-        "ranks), that gradient sync was on when the optimizer stepped, that every trainable parameter got a gradient, "
-        "whether the weights changed" + _timed(run)
-    )
+    job = f"This job {api.job}, not DDP: there are no DDP flags to recommend."
     if api is _REPLICATE:
         return Recommendation.unknown(
-            checked + ". Not checked for replicate yet: the mixed-precision policy, parameters frozen after "
-            f"replicate{_untimed(run)}. (Measured, not checked here: an evaluation forward on rank 0 alone runs "
-            "fine; rank 0's torch.save of model.state_dict() holds every value, as DTensors, which load into a "
-            "replicated model but not a plain one: save `{k: v.full_tensor() for k, v in sd.items()}` for that.)"
+            job + " (Measured, not checked here: an evaluation forward on rank 0 alone runs fine; rank 0's "
+            "torch.save of model.state_dict() holds every value, as DTensors, which load into a replicated model but "
+            "not a plain one: save `{k: v.full_tensor() for k, v in sd.items()}` for that.)"
         )
     gathers = run.sharding.get("all_gathers_per_step")
     candidate = None if errors else run.reshard_candidate
-    reshard = _reshard_checked(gathers, candidate, errors)
     text = (
-        checked
-        + (
-            f", that the model's {run.buffers_compared} buffer(s) were the same on every rank at the last step"
-            if run.buffers_compared
-            else ""
-        )
-        + f", that every torch.save of sharded state {_saves_checked(run)} wrote all the ranks' shards, and {reshard}. "
-        f"Not checked for FSDP2 yet: a save {_saves_unchecked(run)}, forwards and full-state-dict gathers on some "
-        f"ranks only that did not break the run ({_when_they_break(run)}), the mixed-precision policy beyond the "
-        "dtype of the gradients' reduce-scatter (seen where FSDP2 has the hook for it, 2.13 and 2.15 here)"
-        f"{_untimed(run)}. (Freezing or unfreezing a parameter after fully_shard is no mistake: FSDP2 follows it, "
-        "measured on 2.13 and 2.15.)"
+        f"{job} Looked at: {_reshard_checked(gathers, candidate, errors)}. (Freezing or unfreezing a parameter after "
+        "fully_shard is no mistake: FSDP2 follows it, measured on 2.13 and 2.15.)"
     )
+
     if not (candidate and gathers):
         return Recommendation.unknown(text)
     return replace(

@@ -177,8 +177,35 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
+def _sharded_compared_line(c: dict[str, Any]) -> str:
+    """What a sharded model's report compared across the ranks (`analyze/sharded.py`'s `sharded_compared`)."""
+    api, steps = c["api"], c["steps"]
+    parts = [
+        f"the optimizer's parameters against the model's {_n(c['parameters'], 'trainable parameter')}",
+        f"which of them sit outside every {api} group ({c['outside_groups']}, their weights compared)",
+        "gradient sync at each optimizer step",
+        "a gradient for every trainable parameter",
+        "whether the weights changed",
+    ]
+    if c.get("buffers"):
+        parts.append(f"{_n(c['buffers'], 'buffer')} at the last step")
+    if c.get("saves"):
+        parts.append(f"every torch.save of sharded state in {c['saves']}")
+    if c.get("timed_steps"):
+        who = "the wait for data and a straggler rank" if c.get("straggler") else "the wait for data"
+        parts.append(
+            f"{who} ({'the GPU' if c.get('clock') == 'gpu' else 'the host'}'s clock, {c['timed_steps']} steps)"
+        )
+    if c.get("all_gathers_per_step") is not None:
+        parts.append(f"FSDP2's all-gathers per step ({c['all_gathers_per_step']})")
+    name = "FSDP2" if c["parallelism"] == "fsdp2" else "replicate"
+    return f"Compared across {c['ranks']} ranks over {_n(steps, 'optimizer step')} ({name}): {'; '.join(parts)}."
+
+
 def compared_line(c: dict[str, Any]) -> str:
     """What the exchange compared across the ranks (`ReportData.compared`), with its counts."""
+    if c.get("parallelism") in ("fsdp2", "replicate"):
+        return _sharded_compared_line(c)
     steps = c["steps"]
     if not steps:
         return f"Compared across {c['ranks']} ranks: no step that every rank completed, so nothing step by step."
