@@ -3,6 +3,7 @@ over "replicate", as torchtitan builds it for data parallelism across nodes. 4 r
 
 --mistake none           every block and the root sharded over the mesh
 --mistake root-unsharded the root (its head) left out: nothing syncs the head's gradients
+--mistake same-data      every rank draws its batches from the same seed
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ if __name__ == "__main__":
     if args.mistake != "root-unsharded":
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(0 if args.mistake == "same-data" else rank)
     for _ in range(args.steps):
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
         F.cross_entropy(model(x), y).backward()

@@ -15,6 +15,7 @@
                             broadcasts buffers)
 --mistake buffer-same       clean: that buffer drawn from the same seed on every rank
 --mistake batchnorm         a BatchNorm1d in the first block: its running statistics differ by rank
+--mistake same-data         every rank draws its batches from the same seed: the ranks train on the same samples
 
 --save (after the third optimizer step, to --save-dir; several at once: "dcp,full"):
   rank0        rank 0 alone: torch.save(model.state_dict(), "ck.pt") (its shards only)
@@ -104,7 +105,9 @@ if __name__ == "__main__":
         before.update({f"extra.{n}": p.detach().clone() for n, p in model.extra.named_parameters()})
     if "optimizer-before" not in mistakes:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(0 if "same-data" in mistakes else rank)
+    first_batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(0 if "same-data" in mistakes else rank))
+    print(f"rank {rank}: first batch sum {first_batch.double().sum().item():.6f}", flush=True)
     for _step in range(args.steps):
         for micro in range(2):
             if "sync-off" in mistakes:

@@ -6,6 +6,7 @@ Replicate placement) and all-reduces gradients, like DDP, on FSDP2's machinery.
 --mistake optimizer-before   the optimizer is built before replicate: it holds the replaced parameters
 --mistake root-unreplicated  the blocks are replicated, the root (with its head) is not
 --mistake sync-off           set_requires_gradient_sync(False) on every micro-batch, never switched back on
+--mistake same-data          every rank draws its batches from the same seed: the ranks train on the same samples
 --mistake eval-rank0         clean: rank 0 alone runs an evaluation forward after the third step
 --save rank0                 clean: rank 0 alone torch.save's the state dict after the third step (every value, as
                              DTensors)
@@ -57,7 +58,7 @@ if __name__ == "__main__":
         replicate(model)
     if "optimizer-before" not in mistakes:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(0 if args.mistake == "same-data" else rank)
     for _step in range(args.steps):
         for _micro in range(2):
             if "sync-off" in mistakes:

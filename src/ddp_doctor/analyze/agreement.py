@@ -246,17 +246,22 @@ def identical_inputs(v: View) -> list[Finding]:
     same = ~v.summary.input_differs[has_input]
     if not bool(same.all()):
         return []
-    return [
-        Finding(
-            code=Code.IDENTICAL_INPUTS_ACROSS_RANKS,
-            severity="warning",
-            title="every rank got the same batch",
-            detail=f"In all {int(has_input.sum())} observed steps the inputs were identical on all {v.world} ranks, so "
-            "the ranks do the same work and the job trains no faster than one rank.",
-            ranks=all_ranks(v),
-            steps=steps_of(has_input),
-            measured=[Measure("steps_with_identical_inputs", int(has_input.sum()), "count")],
-            fix="shard the data: DataLoader(dataset, sampler=DistributedSampler(dataset)), and call "
-            "sampler.set_epoch(epoch) every epoch.",
-        )
-    ]
+    return [same_inputs(world=v.world, steps=steps_of(has_input))]
+
+
+def same_inputs(*, world: int, steps: list[int]) -> Finding:
+    """`identical-inputs-across-ranks`: at every one of `steps` (those whose inputs every rank saw) the inputs were
+    the same on all `world` ranks. One rule for every parallelism: DDP's exchange and a sharded model's report
+    (`analyze/sharded.py`) both decide it here."""
+    return Finding(
+        code=Code.IDENTICAL_INPUTS_ACROSS_RANKS,
+        severity="warning",
+        title="every rank got the same batch",
+        detail=f"In all {len(steps)} observed steps the inputs were identical on all {world} ranks, so "
+        "the ranks do the same work and the job trains no faster than one rank.",
+        ranks=list(range(world)),
+        steps=steps,
+        measured=[Measure("steps_with_identical_inputs", len(steps), "count")],
+        fix="shard the data: DataLoader(dataset, sampler=DistributedSampler(dataset)), and call "
+        "sampler.set_epoch(epoch) every epoch.",
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ddp_doctor.analyze.agreement import same_inputs
 from ddp_doctor.analyze.sharded_fixes import optimizer_fix, save_fix, sync_fix
 from ddp_doctor.analyze.sharded_state import buffer_divergence, low_precision_weights
 from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
@@ -128,6 +129,8 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
     if run.unsharded:
         found.append(unsharded_finding(run, ranks, api))
     found += buffer_divergence(run, ranks)
+    if run.world > 1 and run.inputs_compared and run.inputs_identical:
+        found.append(same_inputs(world=run.world, steps=run.inputs_compared))
     if run.input_wait:
         found.append(sharded_input_bound(run, ranks))
     if straggler := sharded_straggler(run):
@@ -242,6 +245,7 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
         "parameters": run.model_params,
         "outside_groups": len(run.unsharded),
         "buffers": run.buffers_compared if fully_shard else 0,
+        "inputs": len(run.inputs_compared),
         "saves": ("the observed steps and the epoch end followed" if run.followed else "the observed steps")
         if fully_shard
         else None,

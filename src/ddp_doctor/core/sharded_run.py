@@ -8,7 +8,7 @@ from typing import Any
 
 from ddp_doctor.core.findings import ParamRef
 
-__all__ = ["PARALLELISMS", "ShardedRun", "parallelism_of"]
+__all__ = ["INPUT_STEPS", "PARALLELISMS", "ShardedRun", "parallelism_of"]
 
 PARALLELISMS = ("ddp", "fsdp2", "replicate")
 """The JSON's `parallelism`: what keeps the ranks' parameters in sync in the observed model: DDP, FSDP2's
@@ -20,6 +20,11 @@ def parallelism_of(sharding: dict[str, Any] | None) -> str:
     if sharding is None:
         return "ddp"
     return "replicate" if sharding.get("api") == "replicate" else "fsdp2"
+
+
+INPUT_STEPS = 16
+"""The observed steps whose training inputs a sharded model's report compares across ranks (a fixed shape for the
+exchange)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -64,6 +69,11 @@ class ShardedRun:
     buffers."""
     buffers_apart_in_training: list[ParamRef] = field(default_factory=list)
     """Buffers that differ across ranks and changed during the observed steps (running statistics)."""
+    inputs_compared: list[int] = field(default_factory=list)
+    """The observed steps whose training forwards every rank saw (the first forward of the root module and those
+    after, in grad mode), with their inputs compared across ranks by fingerprint."""
+    inputs_identical: bool = False
+    """Every one of `inputs_compared` had the same inputs on every rank."""
     ignored: list[bool] = field(default_factory=list)
     """Per `unsharded` parameter: the script passed it to `fully_shard` as `ignored_params` (FSDP2 leaves its
     synchronisation to the script)."""

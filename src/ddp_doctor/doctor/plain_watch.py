@@ -30,13 +30,14 @@ from torch import nn
 from ddp_doctor.analyze import diagnose_unwrapped
 from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.findings import ParamRef
-from ddp_doctor.core.fingerprint import fingerprints_batched
+from ddp_doctor.core.fingerprint import fingerprints, fingerprints_batched
 from ddp_doctor.core.frames import framework_of_stack
-from ddp_doctor.core.sharded_run import parallelism_of
+from ddp_doctor.core.sharded_run import INPUT_STEPS, parallelism_of
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.doctor.sharded_report import SITE_ATTR, sharded_report
 from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.exchange.shard_collectives import reduce_scatter_in_float32
+from ddp_doctor.observation.hooks import tensors_in
 from ddp_doctor.observation.sharding import (
     GatherCount,
     ReducePrecisionProbe,
@@ -96,6 +97,10 @@ class PlainOptimizerWatch:
         """One rank, and the first optimizer to step trains no sharded model: nothing to compare, nothing followed."""
         self.stopped = False
         """`observe()`'s context ended (`detach`): nothing more is counted, no script is followed."""
+        self.input_fps: list[torch.Tensor | None] = []
+        """Per observed step (the first `INPUT_STEPS`): the fingerprint of its training forwards' inputs; None for a
+        step whose forward the root's pre-hook did not see (the first: the model is found at its optimizer step)."""
+        self._step_input: torch.Tensor | None = None
         self.frozen = False
         """The observed steps ended and the script is followed to its epoch end: its steps and forwards are no
         longer counted; its saves still are (`report` then covers them too)."""
@@ -115,10 +120,20 @@ class PlainOptimizerWatch:
         if self.probe is not None:
             self.probe.remove()
 
-    def note_forward(self) -> None:
-        """A forward through the sharded model began (the session's pre-hook on its root)."""
-        if self.clock is not None and not (self.frozen or self.stopped):
+    def note_forward(self, args: Any = ()) -> None:
+        """A forward through the sharded model began (the session's pre-hook on its root, with the forward's
+        positional `args`): the step clock's mark, and the training inputs' fingerprint of this step."""
+        if self.frozen or self.stopped:
+            return
+        if self.clock is not None:
             self.clock.on_forward()
+        # Plain tensors only: a DTensor input is sharded on purpose, and fingerprinting it would communicate.
+        inputs = (
+            [t for t in tensors_in(args) if not t.is_complex() and not is_dtensor(t)] if torch.is_grad_enabled() else []
+        )
+        if inputs and len(self.input_fps) < INPUT_STEPS:
+            digest = fingerprints(inputs).nan_to_num(0.0).sum(0)
+            self._step_input = digest if self._step_input is None else self._step_input + digest
 
     def note_save(self, info: dict[str, Any]) -> None:
         """A `torch.save` to a file (a listener of `observation/saves.py`): kept when it wrote DTensor shards."""
@@ -158,6 +173,9 @@ class PlainOptimizerWatch:
         if self.frozen:
             return True
         self.steps += 1
+        if len(self.input_fps) < INPUT_STEPS:
+            self.input_fps.append(self._step_input)
+        self._step_input = None
         if self.sharded is not None and not self.sharded.gradient_sync_on():
             self.sync_off_steps += 1
         elif self.sharded is not None:

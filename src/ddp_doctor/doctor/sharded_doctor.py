@@ -128,8 +128,8 @@ class ShardedDoctor:
         if self._watch.on_step(optimizer) and self._max_steps is not None and self._watch.steps >= self._max_steps:
             self._end_steps()
 
-    def _on_forward(self, _module: nn.Module, _args: Any) -> None:
-        self._watch.note_forward()
+    def _on_forward(self, _module: nn.Module, args: Any) -> None:
+        self._watch.note_forward(args)
 
     def report(self, *, timeout: float = 300.0) -> Report:
         """Gather every rank's observations and diagnose them. Collective: every rank must call it.

@@ -17,7 +17,7 @@ from ddp_doctor.analyze import diagnose_sharded
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.fingerprint import fingerprints_batched
 from ddp_doctor.core.frames import user_site
-from ddp_doctor.core.sharded_run import ShardedRun
+from ddp_doctor.core.sharded_run import INPUT_STEPS, ShardedRun
 from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.exchange.shard_collectives import count_and_first
 from ddp_doctor.exchange.timing import slowest_rank
@@ -92,6 +92,7 @@ class ShardedWatch(Protocol):
     grad_steps: int
     gathers: GatherCount | None
     gathers_per_step: list[int]
+    input_fps: list[torch.Tensor | None]
     probe: ReducePrecisionProbe | None
     clock: StepClock | None
     in_process: bool
@@ -192,6 +193,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         differ = [True] * len(unsharded)
         gap = float("inf")
     buffers_differ, buffers_moved = _buffers(w, buffers, top, low, device)
+    inputs_compared, inputs_identical = _inputs(w, device)
     shard_save = _shard_save(saved, top, low, device)
     sync_site = next((getattr(m, SYNC_OFF_ATTR) for _, m in model.sharded if getattr(m, SYNC_OFF_ATTR, None)), None)
     sharding = model.describe()
@@ -224,6 +226,8 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
             for (n, b), d, m in zip(buffers, buffers_differ, buffers_moved)
             if d and m
         ],
+        inputs_compared=inputs_compared,
+        inputs_identical=inputs_identical,
         ignored_site=next((getattr(p, IGNORED_ATTR) for _, p in unsharded if hasattr(p, IGNORED_ATTR)), None),
         ignored=[hasattr(p, IGNORED_ATTR) for _, p in unsharded],
         unused=unused,
@@ -243,6 +247,18 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         **shard_save,
     )
     return Report.build(w.facts(sharding=run.sharding), diagnose_sharded(run))
+
+
+def _inputs(w: ShardedWatch, device: torch.device) -> tuple[list[int], bool]:
+    """The observed steps whose training inputs every rank fingerprinted (the first `INPUT_STEPS`), and whether
+    they were the same on every rank at each of them. One fixed-shape collective."""
+    digests = torch.zeros(INPUT_STEPS, 3, dtype=torch.float64)
+    for k, fp in enumerate(w.input_fps[:INPUT_STEPS]):
+        if fp is not None:
+            digests[k] = torch.cat([fp.double(), torch.ones(1, dtype=torch.float64)])
+    high, low = minmax(digests.nan_to_num(0.0, 0.0, 0.0), None, device)
+    seen = [k for k in range(INPUT_STEPS) if low[k, 2] == 1]  # every rank saw that step's forward
+    return seen, bool(seen) and all(bool((high[k, :2] == low[k, :2]).all()) for k in seen)
 
 
 def _steady_gathers(w: ShardedWatch) -> int:

@@ -93,11 +93,11 @@ class PlainSteps:
         if run.plain.steps >= run.config.steps:
             run.finish_unwrapped(run.steps_reason)
 
-    def _on_forward(self, _module: Any, _args: Any) -> None:
+    def _on_forward(self, _module: Any, args: Any) -> None:
         """Count a forward through the FSDP2 model by the user's line: a forward some ranks run alone (an evaluation
         on rank 0) pairs its all-gathers with the others' next collectives; and the step clock's first forward after
         a step."""
-        self._run.plain.note_forward()
+        self._run.plain.note_forward(args)
         self._count(self._run.beacon.state.forwards, user_site() or "an unknown place")
 
     def _on_state_dict(self, _module: Any, _prefix: str, _keep_vars: bool) -> None:

@@ -189,6 +189,8 @@ def _sharded_compared_line(c: dict[str, Any]) -> str:
     ]
     if c.get("buffers"):
         parts.append(f"{_n(c['buffers'], 'buffer')} at the last step")
+    if c.get("inputs"):
+        parts.append(f"the inputs ({_n(c['inputs'], 'step')})")
     if c.get("saves"):
         parts.append(f"every torch.save of sharded state in {c['saves']}")
     if c.get("timed_steps"):
