@@ -30,11 +30,11 @@ code 0: nothing says the job runs at the pace of its slowest rank.
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.throughput import STRAGGLER_RATIO, input_fix, loader_words, straggler_fix
+from ddp_doctor.analyze.throughput import input_fix, loader_words, straggler_fix, straggles
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.sharded_run import ShardedRun
-from ddp_doctor.core.steptime import MIN_STEPS, MIN_WAIT_S
+from ddp_doctor.core.steptime import MIN_STEPS
 
 __all__ = ["sharded_input_bound", "sharded_straggler"]
 
@@ -87,12 +87,13 @@ def sharded_straggler(run: ShardedRun) -> Finding | None:
         return None
     own, others = s["own_s"], s["others_own_s"]
     extra = own - others
-    if not (
-        own >= STRAGGLER_RATIO * others
-        and extra >= MIN_WAIT_S
-        and s["own_q1_s"] > s["others_own_q3_s"]
-        and extra > s["own_q3_s"] - s["own_q1_s"]
-        and s["others_comm_s"] - s.get("comm_s", 0.0) >= 0.5 * extra
+    if not straggles(
+        own=own,
+        others_own=others,
+        own_quartiles=(s["own_q1_s"], s["own_q3_s"]),
+        others_q3=s["others_own_q3_s"],  # the highest of the other ranks' third quartiles
+        others_comm=s["others_comm_s"],  # the shortest of the other ranks' times in the collectives
+        own_comm=s.get("comm_s", 0.0),
     ):
         return None
     ratio = own / others if others > 0 else float("inf")

@@ -61,6 +61,7 @@ __all__ = [
     "input_bound",
     "rank_timings",
     "straggler_fix",
+    "straggles",
     "straggler_rank",
 ]
 
@@ -169,6 +170,31 @@ def input_fix(workers: int | None) -> str:
     )
 
 
+def straggles(
+    *,
+    own: float,
+    others_own: float,
+    own_quartiles: tuple[float, float],
+    others_q3: float,
+    others_comm: float,
+    own_comm: float,
+) -> bool:
+    """The straggler rule, for every parallelism (DDP here, a sharded model in `analyze/sharded_timing.py`): one
+    rank's own work per step (its time in the collectives and its waits for a CPU left out) is `STRAGGLER_RATIO`
+    times the others' and `MIN_WAIT_S` longer, in most steps (its first quartile above the others' third) and by
+    more than its own spread, and the others lose at least half of the difference in the collectives: that much
+    longer there than the slow rank itself, which reaches each collective last and so waits least."""
+    extra = own - others_own
+    q1, q3 = own_quartiles
+    return (
+        own >= STRAGGLER_RATIO * others_own
+        and extra >= MIN_WAIT_S
+        and q1 > others_q3
+        and extra > q3 - q1
+        and others_comm - own_comm >= 0.5 * extra
+    )
+
+
 @detects(Code.STRAGGLER_RANK)
 def straggler_rank(v: View) -> list[Finding]:
     if not _host_times_tell(v):
@@ -179,13 +205,13 @@ def straggler_rank(v: View) -> list[Finding]:
     if st.measured < 2 or st.steps < MIN_STEPS or slow is None or others is None or st.others_q3_max is None:
         return []
     others_own, lost = others["own_s"], others["comm_wait_s"]
-    extra = slow.own_s - others_own
-    if not (
-        slow.own_s >= STRAGGLER_RATIO * others_own
-        and extra >= MIN_WAIT_S
-        and slow.own_q1_s > st.others_q3_max
-        and extra > slow.own_q3_s - slow.own_q1_s
-        and lost - slow.median.get("comm_wait_s", 0.0) >= 0.5 * extra
+    if not straggles(
+        own=slow.own_s,
+        others_own=others_own,
+        own_quartiles=(slow.own_q1_s, slow.own_q3_s),
+        others_q3=st.others_q3_max,
+        others_comm=lost,
+        own_comm=slow.median.get("comm_wait_s", 0.0),
     ):
         return []
     ratio = slow.own_s / others_own if others_own > 0 else float("inf")
