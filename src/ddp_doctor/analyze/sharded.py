@@ -256,10 +256,24 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
     }
 
 
+_DDP_ONLY = (
+    "what a DDP check compares and a sharded one does not yet: the modules' train/eval modes, each rank's "
+    "optimizer settings, the script's own collectives in order, gradients changed between their reduction and the "
+    "optimizer step (a clip on some ranks, a norm from the local shards), optimizer steps skipped on some ranks, "
+    "and writes to the weights outside the optimizer"
+)
+
+
 def sharded_unchecked(run: ShardedRun) -> list[str]:
-    """What the sharded report did not check (`Diagnosis.unchecked`)."""
+    """What the sharded report did not check (`Diagnosis.unchecked`): its own gaps, and DDP's checks it has no
+    counterpart of yet, said rather than left out."""
     if _api(run) is _REPLICATE:
-        return ["the mixed-precision policy of replicate", "parameters frozen after replicate", *_untimed(run)]
+        return [
+            "the mixed-precision policy of replicate",
+            "parameters frozen after replicate",
+            *_untimed(run),
+            f"replicate: {_DDP_ONLY}",
+        ]
     after = "after the epoch end followed" if run.followed else "after the observed steps"
     who = "`ddp-doctor check` names them when they do" if run.in_process else "they are named when they do"
     return [
@@ -268,6 +282,7 @@ def sharded_unchecked(run: ShardedRun) -> list[str]:
         "FSDP2: the mixed-precision policy beyond the dtype of the gradients' reduce-scatter and of the weights the "
         "optimizer steps",
         *_untimed(run),
+        f"FSDP2: {_DDP_ONLY}",
     ]
 
 
