@@ -105,3 +105,13 @@ def test_the_fixes_are_in_the_words_of_the_framework_that_runs_the_job() -> None
         assert "`optimizer = torch.optim.AdamW(model.parameters(), ...)`" in found["optimizer-params-replaced"]
         advice = recommendation_words(sharded_recommendation(_run(framework=framework)), framework)
         assert ("Accelerate's FSDP2 plugin" in advice) == (framework == "accelerate"), framework
+
+
+def test_shards_scaled_by_factors_of_their_own_are_grads_changed_after_sync_with_the_steps_and_spread() -> None:
+    scaled = _run(scale_steps=[1, 2, 3], scale_differ_steps=[2, 3], scale_spread=1.25)
+    (f,) = [f for f in diagnose_sharded(scaled).findings if f.code == "grads-changed-after-sync"]
+    assert (f.severity, f.ranks, f.steps) == ("error", [0, 1], [2, 3])
+    assert {m.name: m.value for m in f.measured} == {"largest_scale_ratio": 1.25, "steps_measured": 3}
+    alike = diagnose_sharded(_run(scale_steps=[1, 2, 3]))
+    assert "grads-changed-after-sync" not in {f.code for f in alike.findings}
+    assert alike.compared["gradient_scale_steps"] == 3

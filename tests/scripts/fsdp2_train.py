@@ -15,6 +15,11 @@
                             broadcasts buffers)
 --mistake buffer-same       clean: that buffer drawn from the same seed on every rank
 --mistake batchnorm         a BatchNorm1d in the first block: its running statistics differ by rank
+--mistake clip              clean: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05) before each step (a global
+                            norm: DTensor gradients reduce their norm across the ranks)
+--mistake local-clip        the gradient norm taken from each rank's own shards (`.to_local()`), each rank scaling
+                            its shards by its own coefficient
+--mistake clip-rank0        clip_grad_norm_ called on rank 0 alone: only its shards are scaled
 --mistake same-data         every rank draws its batches from the same seed: the ranks train on the same samples
 
 --save (after the third optimizer step, to --save-dir; several at once: "dcp,full"):
@@ -117,6 +122,13 @@ if __name__ == "__main__":
             x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
+        if "clip" in mistakes or "clip-rank0" in mistakes and rank == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        if "local-clip" in mistakes:
+            local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(shard) for shard in local]))
+            for shard in local:
+                shard.mul_((0.05 / (norm + 1e-6)).clamp(max=1.0))
         opt.step()
         opt.zero_grad()
         if _step == 2 and ("log-every" in mistakes or "log-rank0" in mistakes and rank == 0):

@@ -17,7 +17,7 @@ from typing import Any
 
 from ddp_doctor.analyze.agreement import same_inputs
 from ddp_doctor.analyze.sharded_fixes import optimizer_fix, save_fix, sync_fix
-from ddp_doctor.analyze.sharded_state import buffer_divergence, low_precision_weights
+from ddp_doctor.analyze.sharded_state import buffer_divergence, low_precision_weights, shards_scaled_apart
 from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
 from ddp_doctor.analyze.unsharded import unsharded_finding
 from ddp_doctor.core.codes import Code
@@ -126,6 +126,8 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         found.append(_low_reduce(run, ranks))
     if low_weights := low_precision_weights(run, ranks):
         found.append(low_weights)
+    if scaled := shards_scaled_apart(run, ranks):
+        found.append(scaled)
     if run.unsharded:
         found.append(unsharded_finding(run, ranks, api))
     found += buffer_divergence(run, ranks)
@@ -246,6 +248,7 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
         "outside_groups": len(run.unsharded),
         "buffers": run.buffers_compared if fully_shard else 0,
         "inputs": len(run.inputs_compared),
+        "gradient_scale_steps": len(run.scale_steps),
         "saves": ("the observed steps and the epoch end followed" if run.followed else "the observed steps")
         if fully_shard
         else None,
@@ -258,9 +261,8 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
 
 _DDP_ONLY = (
     "what a DDP check compares and a sharded one does not yet: the modules' train/eval modes, each rank's "
-    "optimizer settings, the script's own collectives in order, gradients changed between their reduction and the "
-    "optimizer step (a clip on some ranks, a norm from the local shards), optimizer steps skipped on some ranks, "
-    "and writes to the weights outside the optimizer"
+    "optimizer settings, the script's own collectives in order, optimizer steps skipped on some ranks, and writes to "
+    "the weights outside the optimizer"
 )
 
 
@@ -302,7 +304,7 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
     gathers = run.sharding.get("all_gathers_per_step")
     candidate = None if errors else run.reshard_candidate
     text = (
-        f"{job} Looked at: {_reshard_checked(gathers, candidate, errors)}. (Freezing or unfreezing a parameter after "
+        f"{job} {_reshard_checked(gathers, candidate, errors)} (Freezing or unfreezing a parameter after "
         "fully_shard is no mistake: FSDP2 follows it, measured on 2.13 and 2.15.)"
     )
 
@@ -321,19 +323,19 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
 
 
 def _reshard_checked(gathers: int | None, candidate: dict[str, Any] | None, errors: bool) -> str:
-    """What the recommendation says it looked at for reshard_after_forward."""
+    """What the recommendation says of reshard_after_forward, as a sentence."""
     if errors:
-        return "reshard_after_forward: looked at once the errors above are fixed"
+        return "reshard_after_forward is looked at once the errors above are fixed."
     if candidate and gathers:
-        return f"the reshard_after_forward advice above ({gathers} all-gathers per step counted)"
+        return f"The reshard_after_forward advice above counted {gathers} all-gathers per step."
     if gathers == 0:
-        return "reshard_after_forward (no all-gathers were counted: one rank holds every shard)"
+        return "reshard_after_forward: no all-gathers were counted (one rank holds every shard)."
     if gathers is not None:
         return (
-            f"reshard_after_forward ({gathers} all-gathers per step counted; no change is advised: the last module "
-            "to run forward keeps its parameters for its backward already, or its fully_shard call was not seen)"
+            f"reshard_after_forward: {gathers} all-gathers per step counted; no change is advised (the last module "
+            "to run forward keeps its parameters for its backward already, or its fully_shard call was not seen)."
         )
-    return "reshard_after_forward was not examined (FSDP2's all-gathers could not be counted here)"
+    return "reshard_after_forward was not examined (FSDP2's all-gathers could not be counted here)."
 
 
 def verified_reshard(

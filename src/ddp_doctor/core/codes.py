@@ -269,9 +269,9 @@ TABLE: tuple[CodeInfo, ...] = (
          "the replicas differ before the first step (init_sync=False, a per-rank seed)"),
     _row(Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER, Family.DIVERGENCE, "error", "causes.py",
          "parameters changed on some ranks only, outside the optimizer"),
-    _row(Code.GRADS_CHANGED_AFTER_SYNC, Family.DIVERGENCE, "error", "causes.py",
+    _row(Code.GRADS_CHANGED_AFTER_SYNC, Family.DIVERGENCE, "error", "causes.py sharded_state.py",
          "gradients agreed after DDP's all-reduce but differ at optimizer.step() (edited on some ranks only, e.g. "
-         "clip_grad_norm_ under if rank == 0)"),
+         "clip_grad_norm_ under if rank == 0); under FSDP2, shards scaled by a factor of each rank's own"),
     _row(Code.PARAM_SHAPES_DIFFER, Family.WRAP_AND_EPOCH_ENDS, "error", "shapes.py",
          "parameters have different shapes on different ranks when DDP is built"),
     _row(Code.CHECKPOINT_SAME_PATH, Family.WRAP_AND_EPOCH_ENDS, "warning", "checkpoints.py",

@@ -8,7 +8,7 @@ from typing import Any
 
 from ddp_doctor.core.findings import ParamRef
 
-__all__ = ["INPUT_STEPS", "PARALLELISMS", "ShardedRun", "parallelism_of"]
+__all__ = ["INPUT_STEPS", "PARALLELISMS", "SCALE_TOLERANCE", "ShardedRun", "parallelism_of"]
 
 PARALLELISMS = ("ddp", "fsdp2", "replicate")
 """The JSON's `parallelism`: what keeps the ranks' parameters in sync in the observed model: DDP, FSDP2's
@@ -22,6 +22,9 @@ def parallelism_of(sharding: dict[str, Any] | None) -> str:
     return "replicate" if sharding.get("api") == "replicate" else "fsdp2"
 
 
+SCALE_TOLERANCE = 0.01
+"""The relative difference of two ranks' gradient-shard scales that counts as a different factor: far above the
+rounding of a float32 or bfloat16 reduction, far below a clipping coefficient of its own."""
 INPUT_STEPS = 16
 """The observed steps whose training inputs a sharded model's report compares across ranks (a fixed shape for the
 exchange)."""
@@ -72,6 +75,15 @@ class ShardedRun:
     inputs_compared: list[int] = field(default_factory=list)
     """The observed steps whose training forwards every rank saw (the first forward of the root module and those
     after, in grad mode), with their inputs compared across ranks by fingerprint."""
+    scale_steps: list[int] = field(default_factory=list)
+    """The observed steps at which every rank measured the ratio of its gradient shards at the optimizer step to the
+    same at the end of the step's last backward (`observation/grad_scale.py`)."""
+    scale_differ_steps: list[int] = field(default_factory=list)
+    """Those of `scale_steps` at which the ratio differed across ranks (by more than 1%): the ranks scaled their
+    shards by different factors between the end of the backward and the step."""
+    scale_spread: float = 1.0
+    """At the first of `scale_differ_steps`: the largest rank's scale over the smallest's (of the norms, not the
+    squares)."""
     inputs_identical: bool = False
     """Every one of `inputs_compared` had the same inputs on every rank."""
     ignored: list[bool] = field(default_factory=list)

@@ -37,6 +37,7 @@ from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.doctor.sharded_report import SITE_ATTR, sharded_report
 from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.exchange.shard_collectives import reduce_scatter_in_float32
+from ddp_doctor.observation.grad_scale import GradScale
 from ddp_doctor.observation.hooks import tensors_in
 from ddp_doctor.observation.sharding import (
     GatherCount,
@@ -89,6 +90,9 @@ class PlainOptimizerWatch:
         self.gathers_per_step: list[int] = []
         """All-gathers of each observed step after the first (the first includes FSDP2's lazy init)."""
         self._gathers_before = 0
+        self.grad_scale: GradScale | None = None
+        """The ratio of each observed step's gradient shards at the optimizer step to the same at the end of its last
+        backward (`observation/grad_scale.py`): compared across ranks, it shows shards scaled by different factors."""
         self.probe: ReducePrecisionProbe | None = None
         """Installed after the first step when gradients are reduced in a low dtype: measures one backward's."""
         self.clock: StepClock | None = None
@@ -110,6 +114,8 @@ class PlainOptimizerWatch:
         self.frozen = True
         if self.gathers is not None:
             self.gathers.frozen = True
+        if self.grad_scale is not None:
+            self.grad_scale.remove()
 
     def detach(self) -> None:
         """Stop counting and take this watch's wrappers and hooks off the model (`observe()`'s end); what was
@@ -119,6 +125,8 @@ class PlainOptimizerWatch:
             self.gathers.remove()
         if self.probe is not None:
             self.probe.remove()
+        if self.grad_scale is not None:
+            self.grad_scale.remove()
 
     def note_forward(self, args: Any = ()) -> None:
         """A forward through the sharded model began (the session's pre-hook on its root, with the forward's
@@ -166,6 +174,8 @@ class PlainOptimizerWatch:
                 self.buffers_at_first = fingerprints_batched(b for _, b in self.sharded.root.named_buffers())
                 if self.sharded.api == "fully_shard":
                     self.gathers = GatherCount(self.sharded)
+                self.grad_scale = GradScale(self.sharded)
+                self.grad_scale.install()
                 devices = {p.device for _, p in self.sharded.named_parameters()}
                 self.clock = StepClock.for_model(devices, self.sharded.param_groups())
         if optimizer is not self.optimizer or self.stopped:
@@ -182,6 +192,8 @@ class PlainOptimizerWatch:
             got = torch.tensor([p.grad is not None for _, p in self.sharded.named_parameters()])
             self.grad_seen = got if self.grad_seen is None else self.grad_seen | got
             self.grad_steps += 1
+        if self.grad_scale is not None:
+            self.grad_scale.on_step()
         if self.sharded is not None:
             self._measure_reduce(self.sharded)
         if self.gathers is not None:

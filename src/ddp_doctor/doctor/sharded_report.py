@@ -7,6 +7,7 @@ DDP model, and `observe()`'s for a sharded model (`sharded_doctor.py`).
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any, Protocol
 
@@ -17,10 +18,11 @@ from ddp_doctor.analyze import diagnose_sharded
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.fingerprint import fingerprints_batched
 from ddp_doctor.core.frames import user_site
-from ddp_doctor.core.sharded_run import INPUT_STEPS, ShardedRun
+from ddp_doctor.core.sharded_run import INPUT_STEPS, SCALE_TOLERANCE, ShardedRun
 from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.exchange.shard_collectives import count_and_first
 from ddp_doctor.exchange.timing import slowest_rank
+from ddp_doctor.observation.grad_scale import GradScale
 from ddp_doctor.observation.sharding import GatherCount, ReducePrecisionProbe, ShardedModel, reshards_fully
 from ddp_doctor.observation.step_clock import StepClock, input_wait
 from ddp_doctor.report.model import Report, RunFacts
@@ -93,6 +95,7 @@ class ShardedWatch(Protocol):
     gathers: GatherCount | None
     gathers_per_step: list[int]
     input_fps: list[torch.Tensor | None]
+    grad_scale: GradScale | None
     probe: ReducePrecisionProbe | None
     clock: StepClock | None
     in_process: bool
@@ -194,6 +197,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         gap = float("inf")
     buffers_differ, buffers_moved = _buffers(w, buffers, top, low, device)
     inputs_compared, inputs_identical = _inputs(w, device)
+    scale = _scales(w, device)
     shard_save = _shard_save(saved, top, low, device)
     sync_site = next((getattr(m, SYNC_OFF_ATTR) for _, m in model.sharded if getattr(m, SYNC_OFF_ATTR, None)), None)
     sharding = model.describe()
@@ -226,6 +230,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
             for (n, b), d, m in zip(buffers, buffers_differ, buffers_moved)
             if d and m
         ],
+        **scale,
         inputs_compared=inputs_compared,
         inputs_identical=inputs_identical,
         ignored_site=next((getattr(p, IGNORED_ATTR) for _, p in unsharded if hasattr(p, IGNORED_ATTR)), None),
@@ -259,6 +264,22 @@ def _inputs(w: ShardedWatch, device: torch.device) -> tuple[list[int], bool]:
     high, low = minmax(digests.nan_to_num(0.0, 0.0, 0.0), None, device)
     seen = [k for k in range(INPUT_STEPS) if low[k, 2] == 1]  # every rank saw that step's forward
     return seen, bool(seen) and all(bool((high[k, :2] == low[k, :2]).all()) for k in seen)
+
+
+def _scales(w: ShardedWatch, device: torch.device) -> dict[str, Any]:
+    """`ShardedRun`'s `scale_*` fields: per observed step (the first `INPUT_STEPS`), the ratio of the gradient
+    shards at the step to the same at the end of its last backward (`GradScale.ratios`), compared across ranks in one
+    min/max."""
+    ratios = w.grad_scale.ratios if w.grad_scale is not None else []
+    slots = torch.zeros(INPUT_STEPS, 2, dtype=torch.float64)
+    for k, ratio in enumerate(ratios[:INPUT_STEPS]):
+        if ratio is not None and math.isfinite(ratio) and ratio > 0:
+            slots[k] = torch.tensor([ratio, 1.0], dtype=torch.float64)
+    high, low = minmax(slots, None, device)
+    steps = [k for k in range(INPUT_STEPS) if low[k, 1] == 1]
+    differ = [k for k in steps if float(high[k, 0]) > float(low[k, 0]) * (1 + SCALE_TOLERANCE)]
+    spread = math.sqrt(float(high[differ[0], 0]) / float(low[differ[0], 0])) if differ else 1.0
+    return {"scale_steps": steps, "scale_differ_steps": differ, "scale_spread": spread}
 
 
 def _steady_gathers(w: ShardedWatch) -> int:

@@ -191,6 +191,10 @@ def _sharded_compared_line(c: dict[str, Any]) -> str:
         parts.append(f"{_n(c['buffers'], 'buffer')} at the last step")
     if c.get("inputs"):
         parts.append(f"the inputs ({_n(c['inputs'], 'step')})")
+    if c.get("gradient_scale_steps"):
+        parts.append(
+            f"the scale of the gradient shards from the backward's end to the step ({_n(c['gradient_scale_steps'], 'step')})"
+        )
     if c.get("saves"):
         parts.append(f"every torch.save of sharded state in {c['saves']}")
     if c.get("timed_steps"):
