@@ -7,6 +7,7 @@ from __future__ import annotations
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.causes import CAUSES
 from ddp_doctor.analyze.common import all_ranks, steps_of, with_evidence, with_flags, with_more
+from ddp_doctor.analyze.links import UNSYNCED
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.snippets import freeze_point
 from ddp_doctor.analyze.view import View, detects
@@ -23,21 +24,7 @@ __all__ = [
     "wrapper_bypass",
 ]
 
-_EXPLAINS_UNSYNCED = frozenset(
-    {
-        Code.WRAPPER_BYPASS,
-        Code.UNUSED_PARAMETERS,
-        Code.GRAD_BLOCKED,
-        Code.REDUCTION_ERROR,
-        Code.FROZEN_AFTER_WRAP,
-        Code.UNFROZEN_AFTER_WRAP,
-        Code.RANK_DEPENDENT_GRAPH,
-        Code.COLLECTIVE_MISMATCH,
-        Code.STATIC_GRAPH_UNSAFE,
-        Code.GRAD_SCALER_MISMATCH,
-    }
-)
-"""The codes of findings that explain gradients that differ at the optimizer step."""
+_EXPLAINS_UNSYNCED = frozenset(UNSYNCED)
 _RESTART = "Restart from a checkpoint saved before the divergence, or re-broadcast rank 0's weights knowingly."
 
 

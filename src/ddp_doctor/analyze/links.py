@@ -14,9 +14,9 @@ from ddp_doctor.analyze.causes import CAUSES
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 
-__all__ = ["link_causes"]
+__all__ = ["UNSYNCED", "link_causes"]
 
-_UNSYNCED = (
+UNSYNCED = (
     Code.UNREGISTERED_PARAMETERS,
     Code.WRAPPER_BYPASS,
     Code.UNUSED_PARAMETERS,
@@ -30,7 +30,8 @@ _UNSYNCED = (
     Code.COLLECTIVE_MISMATCH,
     Code.GRAD_SCALER_MISMATCH,
 )
-"""What leaves a step's gradients unreduced (or reduced differently) on some ranks."""
+"""What leaves a step's gradients unreduced (or reduced differently) on some ranks: the causes a `grads-not-synced`
+is linked to, and whose presence its fix and `replica-divergence`'s point to (`analyze/agreement.py`)."""
 _MISSING_GRADIENTS = (
     Code.UNREGISTERED_PARAMETERS,
     Code.UNUSED_PARAMETERS,
@@ -48,10 +49,10 @@ def _causes_of(f: Finding, by_code: dict[str, list[Finding]]) -> list[str]:
     if f.code == Code.REDUCTION_ERROR:
         return [c for c in _MISSING_GRADIENTS for g in by_code.get(c, [])[:1] if names & set(g.param_names)]
     if f.code == Code.GRADS_NOT_SYNCED:
-        return [c for c in _UNSYNCED if c in by_code]
+        return [c for c in UNSYNCED if c in by_code]
     if f.code == Code.REPLICA_DIVERGENCE and f.params:
         # The weights that drift (not the modes: those are a cause of their own).
-        return [c for c in (*_UNSYNCED, *CAUSES, Code.GRADS_NOT_SYNCED) if c in by_code]
+        return [c for c in (*UNSYNCED, *CAUSES, Code.GRADS_NOT_SYNCED) if c in by_code]
     if f.code == Code.RANK_CRASHED and Code.COLLECTIVE_MISMATCH in by_code and not f.params:
         # A rank aborted by gloo on a mismatched collective (SIGABRT), or one that only lost its peer there.
         mismatch = by_code[Code.COLLECTIVE_MISMATCH][0]
