@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -219,6 +220,10 @@ class WatchLoop:
         self._warned = False
         self.verdicts: list[HangVerdict] = []
         self._announced = False
+        self._printing = threading.Lock()
+        """Held while one of the callbacks prints: the first steps' report (a thread of its own, so that reading
+        and drawing it, with the analysis imported, never delays a hang's verdict) and a verdict never interleave."""
+        self._reporter: threading.Thread | None = None
 
     def threshold(self, states: dict[int, BeaconState]) -> tuple[float, float | None]:
         """(seconds without progress that make a hang, the process group's timeout when a rank published it)."""
@@ -237,14 +242,17 @@ class WatchLoop:
             polls += 1
             if not self._announced and (folder / "report.json").exists():
                 self._announced = True
-                self._reported(folder)
+                self._reporter = threading.Thread(
+                    target=self._report, args=(folder,), name="ddp-doctor-report", daemon=True
+                )
+                self._reporter.start()
             states = beacons(folder)
             if not states:
                 continue
             if self._announced and polls % 4 == 0:
                 live = {r for r in states if not end_path(folder, r).exists()}
                 if (divergence := self.replicas.poll(live)) is not None:
-                    self._diverged(divergence)
+                    self._say(self._diverged, divergence)
             if hung_at is not None:
                 if self.nodes is not None:
                     self.nodes.publish(folder, last_progress(folder, states))
@@ -256,9 +264,10 @@ class WatchLoop:
                 continue
             if group is not None and hang_after >= group and not self._warned:
                 self._warned = True
-                self._warn(
+                self._say(
+                    self._warn,
                     f"--hang-after {hang_after:g} s is not shorter than the process group's timeout ({group:g} s): "
-                    "the timeout ends the job before a hang can be called. Pass a --hang-after below it."
+                    "the timeout ends the job before a hang can be called. Pass a --hang-after below it.",
                 )
             stalled = time.time() - last
             if stalled < hang_after:
@@ -275,13 +284,30 @@ class WatchLoop:
             )
             self.verdicts.append(verdict)
             write_json(folder / "hang.json", verdict.to_dict())
-            self._hung(verdict)
+            self._say(self._hung, verdict)
             if self.on_hang == "stop":
+                self.join_report()
                 return True
             hung_at = called
         if hung_at is not None:
             self._moved_since(hung_at, beacons(folder))  # the ranks moved again and ended between two looks
+        self.join_report()
         return False
+
+    def join_report(self) -> None:
+        """Wait for the first steps' report to be printed (the job's end is read against it)."""
+        if self._reporter is not None:
+            self._reporter.join()
+
+    def _report(self, folder: Path) -> None:
+        try:
+            self._say(self._reported, folder)
+        except Exception as exc:  # a thread's traceback would reach the user raw: one line instead
+            self._say(self._warn, f"the first steps' report could not be read: {type(exc).__name__}: {exc}")
+
+    def _say(self, callback: Callable[[Any], None], arg: Any) -> None:
+        with self._printing:
+            callback(arg)
 
     def _progress(self, folder: Path, states: dict[int, BeaconState], hang_after: float | None = None) -> float | None:
         """When a live rank last moved: this node's (`last_progress`); on several nodes (published through the
@@ -299,7 +325,7 @@ class WatchLoop:
         """After a verdict: None (and `resumed` called) once any rank's beacon changed since, else `hung_at`."""
         moved = max((s.time for s in states.values()), default=0.0)
         if moved > hung_at:
-            self._resumed(moved - hung_at)
+            self._say(self._resumed, moved - hung_at)
             return None
         return hung_at
 
