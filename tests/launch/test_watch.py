@@ -142,6 +142,21 @@ def test_replicas_that_drift_apart_after_the_first_steps_are_named_while_the_job
     assert rc == 1 and f"replicas differ at step {d['step']}" in said and "0.bias" in said, said
 
 
+@pytest.mark.parametrize("drift_at", [40, -1])
+def test_a_replicate_model_that_drifts_apart_past_the_first_steps_is_named(tmp_path: Path, drift_at: int) -> None:
+    """FSDP2's `replicate`, rank 1 alone adding 0.01 to the head's bias after step 40. Plain torchrun, 120 steps:
+    exit 0, head.weight -2.186211 on both ranks (gradients are still all-reduced), head.bias 0.018098 on rank 0 and
+    0.057783 on rank 1. Watched, its parameters are compared past the first steps as a DDP model's are."""
+    args = ["--nproc-per-node", "2", "--hang-after", "90", str(SCRIPTS / "replicate_train.py"), "--steps", "120"]
+    run = _watch([*args, "--drift-at", str(drift_at)], tmp_path)
+    d, compared = run.ended["replicas"]["divergence"], run.ended["replicas"]["compared_steps"]
+    if drift_at < 0:  # equal replicas, compared
+        assert run.rc == 0 and d is None and compared, (run.output, compared)
+        return
+    assert run.rc == 1, run.output
+    assert d is not None and d["params"] == ["head.bias"] and d["groups"] == [[0], [1]] and d["step"] > 40, d
+
+
 def test_a_barrier_in_a_rank_0_only_save_is_explained_before_the_groups_timeout(tmp_path: Path) -> None:
     """The hang is called while every rank still waits (no rank had ended: the group's 60 s timeout had not
     fired), with the barrier's line, rank 1's DDP all-reduce, and each rank's stacks; `explain` says the same

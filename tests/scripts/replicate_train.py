@@ -8,6 +8,8 @@ Replicate placement) and all-reduces gradients, like DDP, on FSDP2's machinery.
 --mistake sync-off           set_requires_gradient_sync(False) on every micro-batch, never switched back on
 --mistake same-data          every rank draws its batches from the same seed: the ranks train on the same samples
 --mistake eval-rank0         clean: rank 0 alone runs an evaluation forward after the third step
+--drift-at N                 rank 1 alone adds 0.01 to the head's bias after step N, outside any sync (a long job
+                             watched past its first steps)
 --save rank0                 clean: rank 0 alone torch.save's the state dict after the third step (every value, as
                              DTensors)
 """
@@ -43,6 +45,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--save", default="")
     parser.add_argument("--save-dir", default=".")
+    parser.add_argument("--drift-at", type=int, default=-1)
     args = parser.parse_args()
     mistakes = set(args.mistake.split(","))
     dist.init_process_group("gloo")
@@ -67,6 +70,10 @@ if __name__ == "__main__":
             F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+        if _step == args.drift_at and rank == 1:
+            with torch.no_grad():
+                bias = model.head.bias
+                (bias.to_local() if hasattr(bias, "to_local") else bias).add_(0.01)
         if _step == 2 and args.save == "rank0" and rank == 0:
             torch.save(model.state_dict(), os.path.join(args.save_dir, "ck.pt"))
         if _step == 2 and "eval-rank0" in mistakes and rank == 0:
@@ -79,5 +86,11 @@ if __name__ == "__main__":
     )
     head = model.head.weight
     head_sum = (head.full_tensor() if hasattr(head, "full_tensor") else head).detach().double().sum().item()
-    print(f"rank {rank}: largest weight change {moved:.3g}, head.weight sum {head_sum:.6f}", flush=True)
+    bias = model.head.bias
+    bias_sum = (bias.to_local() if hasattr(bias, "to_local") else bias).detach().double().sum().item()
+    print(
+        f"rank {rank}: largest weight change {moved:.3g}, head.weight sum {head_sum:.6f}, "
+        f"this rank's head.bias sum {bias_sum:.6f}",
+        flush=True,
+    )
     dist.destroy_process_group()

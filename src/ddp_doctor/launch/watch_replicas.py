@@ -12,7 +12,8 @@ rank decides how often from what a point costs: at most `BUDGET` of the time bet
 between two points), and never more often than every `MIN_EVERY` steps. The interval is a power of two and a point
 is taken at the steps it divides, so ranks that chose different intervals still meet at the multiples of the larger
 one. Buffers are not compared (BatchNorm's running statistics differ between ranks after every forward, by design),
-nor FSDP2's sharded parameters (each rank holds its own shard). Ranks on other nodes are compared by their own
+nor FSDP2's sharded parameters (each rank holds its own shard); a model built with FSDP2's `replicate` is compared
+as a DDP model is (each rank's local tensor is the whole parameter). Ranks on other nodes are compared by their own
 node's `watch`.
 
 The parent side imports no torch.
@@ -67,8 +68,9 @@ class ReplicaPoints:
         self._since: tuple[int, float] | None = None
         """(the step of the last point, when it was done): the steps between two points time the interval."""
 
-    def add_model(self, ddp: Any) -> None:
-        self._models.append(weakref.ref(ddp))
+    def add_model(self, model: Any) -> None:
+        """A DDP model, or the root of a `replicate` model."""
+        self._models.append(weakref.ref(model))
 
     def stepped(self, step: int) -> None:
         """After optimizer step `step`: a point when `step` is a multiple of the rank's interval (every other step
@@ -86,21 +88,24 @@ class ReplicaPoints:
         self._since = (step, done)
 
     def _point(self, step: int) -> dict[str, Any]:
-        from ddp_doctor.core.compat import parameters_to_ignore
+        from ddp_doctor.core.compat import is_dtensor, parameters_to_ignore
         from ddp_doctor.core.fingerprint import fingerprints_batched
 
         names: list[str] = []
         tensors = []
         for i, ref in enumerate(self._models):
-            ddp = ref()
-            if ddp is None:
+            model = ref()
+            if model is None:
                 continue
-            ignored = parameters_to_ignore(ddp)  # DDP leaves these to each rank
-            for name, p in ddp.module.named_parameters():
+            # A DDP model: its module's parameters, less those DDP leaves to each rank. A `replicate` model: its
+            # own, each a DTensor whose local tensor is the whole parameter.
+            ddp = hasattr(model, "module") and hasattr(model, "reducer")
+            ignored = parameters_to_ignore(model) if ddp else set()
+            for name, p in (model.module if ddp else model).named_parameters():
                 if name in ignored:
                     continue
                 names.append(f"{i}:{name}" if len(self._models) > 1 else name)
-                tensors.append(p)
+                tensors.append(p.to_local() if is_dtensor(p) else p)
         prints = fingerprints_batched(tensors).tolist()
         return {"step": step, "names": names, "fingerprints": prints}
 
