@@ -107,10 +107,6 @@ class InRankBench:
 
     # ------------------------------------------------------------------------------------------- the script
 
-    def sharded(self, model: Any) -> None:
-        """A sharded model: bench times DDP's flags only."""
-        return None
-
     def wrapped(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
         """The script built a DDP model; `trainable` is its own `requires_grad` before any freezing."""
         if self.ddp is not None:

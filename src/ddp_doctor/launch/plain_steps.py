@@ -31,7 +31,6 @@ from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.following_run import EpochFollowing
-from ddp_doctor.launch.policy import RunPolicy
 from ddp_doctor.observation import dataloaders
 from ddp_doctor.report.model import Report
 
@@ -47,7 +46,6 @@ class PlainRun(Protocol):
     config: RankConfig
     doctors: list[Doctor]
     plain: PlainOptimizerWatch
-    policy: RunPolicy
     beacon: Beacon
     follow: EpochFollowing
     local_rank: int
@@ -92,7 +90,6 @@ class PlainSteps:
             # data ends where the forward is entered, and a forward that hangs in its all-gather is counted.
             run.plain.sharded.root.register_forward_pre_hook(self._on_forward, prepend=True)
             run.plain.sharded.root.register_state_dict_pre_hook(self._on_state_dict)
-            run.policy.sharded(run.plain.sharded)
         if run.plain.steps >= run.config.steps:
             run.finish_unwrapped(run.steps_reason)
 

@@ -8,7 +8,7 @@ its own entry point, so launch never names bench).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch.nn.parallel import DistributedDataParallel
 
@@ -30,11 +30,6 @@ class RunPolicy(Protocol):
     def wrapped(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
         """The script built a DDP model (before the report); `trainable` is its own `requires_grad` before any
         freezing the launch applied."""
-        ...
-
-    def sharded(self, model: Any) -> None:
-        """The first optimizer step found the script's model sharded or replicated with FSDP2 (a
-        `observation.sharding.ShardedModel`), with no DDP model."""
         ...
 
     def reported(self, doctors: list[Doctor], reports: list[Report]) -> bool:
@@ -60,9 +55,6 @@ class CheckPolicy:
     whole_run = False
 
     def wrapped(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
-        return None
-
-    def sharded(self, model: Any) -> None:
         return None
 
     def reported(self, doctors: list[Doctor], reports: list[Report]) -> bool:

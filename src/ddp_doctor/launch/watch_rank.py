@@ -57,16 +57,15 @@ class WatchPolicy:
         self.session.beacon.update(group_timeout=group_timeout())
         self._replicas.add_model(ddp)
 
-    def sharded(self, model: Any) -> None:
-        """A model built with FSDP2's `replicate` holds a whole copy on every rank: its parameters are compared
-        past the first steps as a DDP model's are. `fully_shard`'s shards differ by design and are not."""
-        if model.api == "replicate":
-            self._replicas.add_model(model.root)
-
     def reported(self, doctors: list[Doctor], reports: list[Report]) -> bool:
         """The first steps are reported: count the optimizer steps from here on, and let the script go on."""
         beacon = self.session.beacon
         self._base = max(beacon.state.step, 0)
+        sharded = self.session.plain.sharded
+        if sharded is not None and sharded.api == "replicate":
+            # A whole copy on every rank: compared past the first steps as a DDP model is (`fully_shard`'s shards
+            # differ by design and are not).
+            self._replicas.add_model(sharded.root)
         self.session.watching = True
         beacon.update(phase=Phase.WATCHED.value, group_timeout=group_timeout())
         register_optimizer_step_post_hook(self._stepped)
