@@ -1,9 +1,9 @@
 """By how much each rank's gradient shards change between the end of the backward and the optimizer step: the
 invariant that gradient clipping scales every rank's shards of a sharded model by the same coefficient.
 
-At the end of each backward through the model (a callback queued on autograd's engine when the backward reaches
-the model's output, so that it runs after FSDP2's own end-of-backward callback, which waits for the reduce-scatters
-and sets the sharded gradients), this rank's gradient shards' squared norm is taken; at the optimizer step it is
+At the end of each backward through the model (a callback on autograd's engine, queued again from the end of the
+engine's queue so that it runs after FSDP2's own end-of-backward callbacks, which wait for the reduce-scatters and
+set the sharded gradients), this rank's gradient shards' squared norm is taken; at the optimizer step it is
 taken again. Their ratio is this rank's scale: the same on every rank for any clipping of the global norm
 (`clip_grad_norm_` on DTensor gradients, or none), different where each rank scaled its shards by a coefficient of
 its own (a norm from `.to_local()`). With gradient accumulation the last backward before the step counts. Local;
@@ -12,6 +12,7 @@ nothing here communicates: the ranks' scales are compared by the sharded report.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,8 +50,18 @@ class GradScale:
             out.register_hook(self._on_backward_start)
 
     def _on_backward_start(self, _grad: torch.Tensor) -> None:
+        self._queue(self._queue_last)
+
+    def _queue_last(self) -> None:
+        # Run again from the end of the queue: by now every callback the backward queued is ahead of this one,
+        # FSDP2's included (each sharded module that is a root of its own, under an unsharded root, queues one
+        # when the backward reaches it, after this model's output), and the engine runs callbacks queued while
+        # it runs them.
+        self._queue(self._on_backward_end)
+
+    def _queue(self, callback: Callable[[], None]) -> None:
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            torch.autograd.Variable._execution_engine.queue_callback(callback)
         except Exception:  # a private API: without it this step is not measured
             self._after_backward = None
 
