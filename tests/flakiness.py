@@ -31,6 +31,8 @@ DEFAULT = [
     "tests/launch/test_check_fsdp2.py",
     "tests/launch/test_check_fsdp2_epochs.py",
     "tests/launch/test_check_fsdp2_steps.py",
+    "tests/launch/test_check_fsdp2_inputs.py",
+    "tests/launch/test_check_fsdp2_clip.py",
     "tests/launch/test_follow.py",
     "tests/launch/test_check_failures.py",
     "tests/launch/test_watch.py",
