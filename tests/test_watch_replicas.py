@@ -26,10 +26,12 @@ def one_rank_group(monkeypatch: pytest.MonkeyPatch):
     dist.destroy_process_group()
 
 
-def _write(folder: Path, rank: int, step: int, prints: dict[str, list[float]]) -> None:
+def _write(folder: Path, rank: int, step: int, prints: dict[str, list[float]], group: str | None = None) -> None:
     path = point_path(folder, rank, step)
     path.parent.mkdir(exist_ok=True)
     point = {"schema": SCHEMA, "step": step, "names": list(prints), "fingerprints": list(prints.values())}
+    if group is not None:
+        point["group"] = group
     path.write_text(json.dumps(point))
 
 
@@ -80,3 +82,15 @@ def test_one_live_rank_is_not_compared(tmp_path: Path) -> None:
     _write(tmp_path, 0, 16, {"w": [1.0, 2.0]})
     watch = ReplicaWatch(folder=tmp_path)
     assert watch.poll({0}) is None and watch.compared == []
+
+
+def test_hsdp_shards_are_compared_among_the_ranks_that_hold_the_same_one(tmp_path: Path) -> None:
+    """Ranks 0 and 2 hold shard "0", ranks 1 and 3 shard "1" (a [2, 2] mesh): different values across shards are
+    the design; a difference within one shard's replicas is a divergence, named with those ranks."""
+    for rank in range(4):
+        shard = str(rank % 2)
+        _write(tmp_path, rank, 16, {"w": [float(rank % 2), 1.0]}, group=shard)
+        _write(tmp_path, rank, 32, {"w": [float(rank % 2) + (0.5 if rank == 3 else 0.0), 1.0]}, group=shard)
+    watch = ReplicaWatch(folder=tmp_path)
+    d = watch.poll({0, 1, 2, 3})
+    assert d is not None and d.step == 32 and d.agreed_step == 16 and d.params == ["w"] and d.groups == [[1], [3]]

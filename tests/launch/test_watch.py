@@ -157,6 +157,16 @@ def test_a_replicate_model_that_drifts_apart_past_the_first_steps_is_named(tmp_p
     assert d is not None and d["params"] == ["head.bias"] and d["groups"] == [[0], [1]] and d["step"] > 40, d
 
 
+def test_an_hsdp_shard_that_drifts_from_its_replica_is_named(tmp_path: Path) -> None:
+    """HSDP on a [2, 2] mesh (4 ranks), rank 1 adding 0.01 to its shard of the first bias after step 40. Plain
+    torchrun, 120 steps: exit 0; that shard sums -2.106096 on rank 1 and -2.264837 on rank 3, its replica (ranks 0
+    and 2, the other shard: -2.051094 both). Watched: compared among the ranks holding the same shard."""
+    args = ["--nproc-per-node", "4", "--hang-after", "90", str(SCRIPTS / "fsdp2_hsdp.py"), "--steps", "120"]
+    run = _watch([*args, "--drift-at", "40"], tmp_path, timeout=300)
+    d = run.ended["replicas"]["divergence"]
+    assert run.rc == 1 and d is not None and d["params"] == ["0.bias"] and d["groups"] == [[1], [3]], run.output
+
+
 def test_a_barrier_in_a_rank_0_only_save_is_explained_before_the_groups_timeout(tmp_path: Path) -> None:
     """The hang is called while every rank still waits (no rank had ended: the group's 60 s timeout had not
     fired), with the barrier's line, rank 1's DDP all-reduce, and each rank's stacks; `explain` says the same

@@ -4,6 +4,8 @@ over "replicate", as torchtitan builds it for data parallelism across nodes. 4 r
 --mistake none           every block and the root sharded over the mesh
 --mistake root-unsharded the root (its head) left out: nothing syncs the head's gradients
 --mistake same-data      every rank draws its batches from the same seed
+--drift-at N             rank 1 alone adds 0.01 to its shard of the first layer's bias after step N (its replica,
+                         rank 3, holds the same shard): a long job watched past its first steps
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 p = argparse.ArgumentParser()
 p.add_argument("--mistake", default="none")
 p.add_argument("--steps", type=int, default=10)
+p.add_argument("--drift-at", type=int, default=-1)
 args = p.parse_args()
 
 if __name__ == "__main__":
@@ -34,11 +37,15 @@ if __name__ == "__main__":
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0 if args.mistake == "same-data" else rank)
-    for _ in range(args.steps):
+    for step in range(args.steps):
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+        if step == args.drift_at and rank == 1:
+            with torch.no_grad():
+                model[0].bias.to_local().add_(0.01)
     head = model[4].weight
     print(f"rank {rank}: head sum {float(head.full_tensor().sum() if hasattr(head, 'full_tensor') else head.sum()):.6f}")
+    print(f"rank {rank}: its shard of the first bias sums {float(model[0].bias.to_local().sum()):.6f}")
     dist.destroy_process_group()

@@ -12,8 +12,9 @@ rank decides how often from what a point costs: at most `BUDGET` of the time bet
 between two points), and never more often than every `MIN_EVERY` steps. The interval is a power of two and a point
 is taken at the steps it divides, so ranks that chose different intervals still meet at the multiples of the larger
 one. Buffers are not compared (BatchNorm's running statistics differ between ranks after every forward, by design),
-nor FSDP2's sharded parameters (each rank holds its own shard); a model built with FSDP2's `replicate` is compared
-as a DDP model is (each rank's local tensor is the whole parameter). Ranks on other nodes are compared by their own
+nor the shards of `fully_shard` on a 1-D mesh (each is held once). A model built with FSDP2's `replicate` is compared
+as a DDP model is (each rank's local tensor is the whole parameter), and an HSDP model's shards among the ranks that
+hold the same one (`replica_group`: the ranks along the mesh's replicate dimension). Ranks on other nodes are compared by their own
 node's `watch`.
 
 The parent side imports no torch.
@@ -30,7 +31,7 @@ from typing import Any
 
 from ddp_doctor.core.rankfiles import read_json, write_json
 
-__all__ = ["BUDGET", "MIN_EVERY", "ReplicaDivergence", "ReplicaPoints", "ReplicaWatch", "point_path"]
+__all__ = ["BUDGET", "MIN_EVERY", "ReplicaDivergence", "ReplicaPoints", "ReplicaWatch", "point_path", "replica_group"]
 
 BUDGET = 0.005
 """The share of a rank's time between steps that fingerprinting may take."""
@@ -39,6 +40,17 @@ _KEPT = 8
 """Points a rank keeps: the parent, which looks every two seconds, finds a step every rank wrote even when the ranks
 run apart by a few points or chose different intervals."""
 SCHEMA = "ddp-doctor/replicas@1"
+
+
+def replica_group(params: Any) -> str | None:
+    """For a model built with FSDP2 (DTensor parameters): the coordinates of this rank's shard on the mesh, which
+    the ranks holding a replica of it share ("" under `replicate`: every rank holds the whole); None when the mesh
+    has no replicate dimension (`fully_shard` on a 1-D mesh: every shard is held once)."""
+    first = next((p for p in params if hasattr(p, "placements") and hasattr(p, "device_mesh")), None)
+    if first is None or not any(pl.is_replicate() for pl in first.placements):
+        return None
+    coordinate = first.device_mesh.get_coordinate() or []
+    return ",".join(str(coordinate[i]) for i, pl in enumerate(first.placements) if pl.is_shard())
 
 
 def point_path(folder: Path, rank: int, step: int) -> Path:
@@ -64,13 +76,16 @@ class ReplicaPoints:
         self._written: list[Path] = []
         self._models: list[weakref.ref[Any]] = []
         self._every = MIN_EVERY
+        self._group = ""
         self._spent = 0.0
         self._since: tuple[int, float] | None = None
         """(the step of the last point, when it was done): the steps between two points time the interval."""
 
-    def add_model(self, model: Any) -> None:
-        """A DDP model, or the root of a `replicate` model."""
+    def add_model(self, model: Any, group: str = "") -> None:
+        """A DDP model, or the root of a model built with FSDP2 whose parameters have replicas (`replica_group`):
+        `group` names the ranks that must hold the same values (its shard's coordinates; "" for every rank)."""
         self._models.append(weakref.ref(model))
+        self._group = group
 
     def stepped(self, step: int) -> None:
         """After optimizer step `step`: a point when `step` is a multiple of the rank's interval (every other step
@@ -107,7 +122,7 @@ class ReplicaPoints:
                 names.append(f"{i}:{name}" if len(self._models) > 1 else name)
                 tensors.append(p.to_local() if is_dtensor(p) else p)
         prints = fingerprints_batched(tensors).tolist()
-        return {"step": step, "names": names, "fingerprints": prints}
+        return {"step": step, "names": names, "fingerprints": prints, "group": self._group}
 
     def _write(self, step: int, point: dict[str, Any]) -> None:
         path = point_path(self._folder, self._rank, step)
@@ -194,6 +209,19 @@ def _same(a: list[float], b: list[float]) -> bool:
 
 
 def _differ(at: dict[int, dict[str, Any]]) -> tuple[list[str], list[list[int]]]:
+    """The parameters whose fingerprints differ across ranks that must hold the same values (those of one `group`:
+    every rank of a DDP or `replicate` model, the ranks holding the same shard of an HSDP model), and the ranks of
+    the first such group, grouped by what they hold of the first one."""
+    by_group: dict[str, dict[int, dict[str, Any]]] = {}
+    for r, pt in sorted(at.items()):
+        by_group.setdefault(pt.get("group", ""), {})[r] = pt
+    for _, members in sorted(by_group.items()):
+        if len(members) > 1 and (found := _differ_among(members))[0]:
+            return found
+    return [], []
+
+
+def _differ_among(at: dict[int, dict[str, Any]]) -> tuple[list[str], list[list[int]]]:
     """The parameters whose fingerprints differ across the ranks' points (a parameter some ranks hold and others do
     not counts), and the ranks grouped by what they hold of the first one."""
     by_rank = {r: dict(zip(pt["names"], pt["fingerprints"])) for r, pt in at.items()}
