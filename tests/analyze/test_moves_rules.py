@@ -50,6 +50,13 @@ def test_all_zero_gradients_at_every_step_are_training_stalled() -> None:
     assert f["training-stalled"].steps == [0, 1, 2] and "exactly zero" in f["training-stalled"].title
 
 
+def test_all_zero_gradients_are_training_stalled_even_when_weight_decay_moves_the_weights() -> None:
+    """AdamW's decoupled weight decay moves every weight at each step whatever the gradient: zero gradients at every
+    step are still a job that does not train (tests/launch/test_check_fsdp2_moves.py: largest change 0.0003)."""
+    f = found([{"grads_zero": 4, "weights_moved": 4}] * 3)["training-stalled"]
+    assert f.steps == [0, 1, 2] and "exactly zero" in f.title and "weight decay" in f.title
+
+
 def test_a_learning_rate_of_0_at_every_step_is_named_and_one_warm_up_step_is_not() -> None:
     f = found([{}] * 3, learning_rates=[0.0])
     assert "learning rate is 0" in f["training-stalled"].title

@@ -20,6 +20,8 @@
 --mistake local-clip        the gradient norm taken from each rank's own shards (`.to_local()`), each rank scaling
                             its shards by its own coefficient
 --mistake clip-rank0        clip_grad_norm_ called on rank 0 alone: only its shards are scaled
+--mistake lr-zero           the optimizer's learning rate is 0: its steps change nothing
+--mistake zero-loss         the loss is multiplied by 0: every gradient is exactly zero
 --mistake same-data         every rank draws its batches from the same seed: the ranks train on the same samples
 
 --save (after the third optimizer step, to --save-dir; several at once: "dcp,full"):
@@ -109,7 +111,7 @@ if __name__ == "__main__":
         model.extra = nn.Linear(64, 64)
         before.update({f"extra.{n}": p.detach().clone() for n, p in model.extra.named_parameters()})
     if "optimizer-before" not in mistakes:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0 if "lr-zero" in mistakes else 1e-2)
     g = torch.Generator().manual_seed(0 if "same-data" in mistakes else rank)
     first_batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(0 if "same-data" in mistakes else rank))
     print(f"rank {rank}: first batch sum {first_batch.double().sum().item():.6f}", flush=True)
@@ -120,7 +122,7 @@ if __name__ == "__main__":
             if "accumulate" in mistakes:
                 model.set_requires_gradient_sync(micro == 1)
             x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(model(x), y) * (0.0 if "zero-loss" in mistakes else 1.0)
             loss.backward()
         if "clip" in mistakes or "clip-rank0" in mistakes and rank == 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)

@@ -14,7 +14,7 @@ from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 
-__all__ = ["nonfinite_values", "training_stalled"]
+__all__ = ["nonfinite_values", "stalled", "training_stalled"]
 
 _PRESENT, _ZERO, _NONFINITE, _MOVED, _W_NONFINITE = range(5)
 
@@ -93,29 +93,45 @@ def nonfinite_values(v: View) -> list[Finding]:
 
 @detects(Code.TRAINING_STALLED)
 def training_stalled(v: View) -> list[Finding]:
-    """At every observed optimizer step the weights stayed as they were: the gradients were all exactly zero, or
-    the step changes nothing (a learning rate of 0). One step like that is a warm-up; all of them are a job that
-    does not train."""
+    """At every observed optimizer step the gradients were all exactly zero, or the weights stayed as they were
+    (a learning rate of 0). One step like that is a warm-up; all of them are a job that does not train."""
     m = _moves(v)
     if m is None:
         return []
     stepped = torch.tensor([bool(x) for x in v.summary.steps_taken[0][: v.steps]], dtype=torch.bool)
     finite = (m[:, _NONFINITE] == 0) & (m[:, _W_NONFINITE] == 0)
     steps = stepped & finite & (m[:, _PRESENT] > 0)
-    if int(steps.sum()) < 2 or bool((m[steps, _MOVED] > 0).any()):
+    if int(steps.sum()) < 2:
         return []
-    all_zero = bool((m[steps, _ZERO] == m[steps, _PRESENT]).all())
-    rates = v.meta(0).get("learning_rates", [])
+    found = stalled(
+        all_zero=bool((m[steps, _ZERO] == m[steps, _PRESENT]).all()),
+        moved=bool((m[steps, _MOVED] > 0).any()),
+        rates=v.meta(0).get("learning_rates", []),
+        ranks=all_ranks(v),
+        steps=steps.nonzero().flatten().tolist(),
+    )
+    return [found] if found is not None else []
+
+
+def stalled(*, all_zero: bool, moved: bool, rates: list[float], ranks: list[int], steps: list[int]) -> Finding | None:
+    """`training-stalled`, for every parallelism (DDP's exchange here; a sharded model's report in
+    `analyze/sharded.py`): at every one of `steps` every gradient was exactly zero (whether or not weight decay
+    moved the weights), or no weight moved. `rates` are the optimizer's learning rates."""
     zero_lr = bool(rates) and all(r == 0 or (isinstance(r, float) and math.isnan(r)) for r in rates)
-    n = int(steps.sum())
+    n = len(steps)
     if all_zero:
-        title = f"every gradient was exactly zero at all {n} observed optimizer steps: the weights never changed"
+        title = f"every gradient was exactly zero at all {n} observed optimizer steps: " + (
+            "only weight decay moved the weights" if moved else "the weights never changed"
+        )
         detail = (
             "The loss does not depend on the weights in a way that gives them a gradient: a loss that is constant, "
             "such as a cross-entropy over a single output column (the softmax of one value is always 1), a loss "
             "multiplied by 0, or outputs detached from the graph before the loss."
+            + (" The optimizer's weight decay still shrinks the weights at each step, towards 0." if moved else "")
         )
         fix = "check the loss: the model's output must have one column per class for cross_entropy, and the loss must be computed from the model's output without .detach()."
+    elif moved:
+        return None
     elif zero_lr:
         title = f"the optimizer's steps changed no weight at all {n} observed steps: its learning rate is 0"
         detail = (
@@ -135,15 +151,13 @@ def training_stalled(v: View) -> list[Finding]:
         fix = (
             "check what the optimizer was built over (`model.parameters()` after the model is final) and its settings."
         )
-    return [
-        Finding(
-            code=Code.TRAINING_STALLED,
-            severity="error",
-            title=title,
-            detail=detail,
-            params=[],
-            ranks=all_ranks(v),
-            steps=steps.nonzero().flatten().tolist(),
-            fix=fix,
-        )
-    ]
+    return Finding(
+        code=Code.TRAINING_STALLED,
+        severity="error",
+        title=title,
+        detail=detail,
+        params=[],
+        ranks=ranks,
+        steps=steps,
+        fix=fix,
+    )

@@ -17,7 +17,12 @@ from typing import Any
 
 from ddp_doctor.analyze.agreement import same_inputs
 from ddp_doctor.analyze.sharded_fixes import optimizer_fix, save_fix, sync_fix
-from ddp_doctor.analyze.sharded_state import buffer_divergence, low_precision_weights, shards_scaled_apart
+from ddp_doctor.analyze.sharded_state import (
+    buffer_divergence,
+    low_precision_weights,
+    shards_scaled_apart,
+    training_moves,
+)
 from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
 from ddp_doctor.analyze.unsharded import unsharded_finding
 from ddp_doctor.core.codes import Code
@@ -128,6 +133,9 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         found.append(low_weights)
     if scaled := shards_scaled_apart(run, ranks):
         found.append(scaled)
+    explained = any(f.code in (Code.OPTIMIZER_PARAMS_REPLACED, Code.GRADIENT_SYNC_OFF) for f in found)
+    if not explained and (moves := training_moves(run, ranks)):
+        found.append(moves)
     if run.unsharded:
         found.append(unsharded_finding(run, ranks, api))
     found += buffer_divergence(run, ranks)

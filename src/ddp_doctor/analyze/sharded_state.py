@@ -5,11 +5,12 @@ the optimizer step (`grads-changed-after-sync`). Pure: the agreed facts (`Sharde
 
 from __future__ import annotations
 
+from ddp_doctor.analyze.moves import stalled
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure
 from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = ["buffer_divergence", "low_precision_weights", "shards_scaled_apart"]
+__all__ = ["buffer_divergence", "low_precision_weights", "shards_scaled_apart", "training_moves"]
 
 _LOW = ("bfloat16", "float16")
 
@@ -127,4 +128,40 @@ def shards_scaled_apart(run: ShardedRun, ranks: list[int]) -> Finding | None:
         fix="clip on every rank with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm): with FSDP2's "
         "DTensor gradients it reduces the norm over every rank's shards and scales all of them by one coefficient. "
         "Never compute the norm from p.grad.to_local().",
+    )
+
+
+def training_moves(run: ShardedRun, ranks: list[int]) -> Finding | None:
+    """Whether a sharded model trains at all (DDP's rule, `analyze/moves.py`): its gradient shards held NaN or
+    infinity at a step; or at every measured step every gradient was exactly zero, or no weight moved.
+
+    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps (`tests/scripts/fsdp2_train.py`):
+    a learning rate of 0 (`--mistake lr-zero`) leaves every weight where it was (largest change 0, head.weight
+    -0.703294 on both ranks), exit 0; the loss multiplied by 0 (`--mistake zero-loss`) gives zero gradients, and
+    only AdamW's weight decay moves the weights (largest change 0.0003), exit 0. Nothing said by torch either way.
+    """
+    if run.grads_nonfinite_steps:
+        steps = run.grads_nonfinite_steps
+        return Finding(
+            code=Code.NONFINITE_VALUES,
+            severity="error",
+            title=f"the gradients held NaN or infinity at optimizer step {steps[0]}",
+            detail=f"At the optimizer steps {steps}, some rank's gradient shards held NaN or infinity (measured at "
+            "optimizer.step(), every rank's shards). The optimizer then writes NaN into the weights it steps, and "
+            "nothing trains after that.",
+            ranks=ranks,
+            steps=steps,
+            fix="find the first non-finite value: a loss that overflows (lower the learning rate, clip the gradients "
+            "with clip_grad_norm_), a log or a division by zero in the loss, or a low-precision policy that "
+            "overflows (reduce_dtype=torch.float32).",
+        )
+    measured = run.grads_measured_steps
+    if len(measured) < 2 or run.steps < 2 or not run.model_params_stepped:
+        return None
+    return stalled(
+        all_zero=measured == run.grads_zero_steps,
+        moved=run.model_changed,
+        rates=run.learning_rates,
+        ranks=ranks,
+        steps=measured,
     )

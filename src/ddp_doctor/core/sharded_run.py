@@ -84,6 +84,15 @@ class ShardedRun:
     scale_spread: float = 1.0
     """At the first of `scale_differ_steps`: the largest rank's scale over the smallest's (of the norms, not the
     squares)."""
+    grads_measured_steps: list[int] = field(default_factory=list)
+    """The observed steps (the first `INPUT_STEPS`) at which every rank measured its gradient shards' norm at the
+    optimizer step."""
+    grads_zero_steps: list[int] = field(default_factory=list)
+    """Those of `grads_measured_steps` at which every rank's gradient shards were exactly zero."""
+    grads_nonfinite_steps: list[int] = field(default_factory=list)
+    """The observed steps at which some rank's gradient shards held NaN or infinity."""
+    learning_rates: list[float] = field(default_factory=list)
+    """The optimizer's learning rate per param group, at the last observed step (rank 0's)."""
     inputs_identical: bool = False
     """Every one of `inputs_compared` had the same inputs on every rank."""
     ignored: list[bool] = field(default_factory=list)

@@ -198,6 +198,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     buffers_differ, buffers_moved = _buffers(w, buffers, top, low, device)
     inputs_compared, inputs_identical = _inputs(w, device)
     scale = _scales(w, device)
+    moves = _grad_norms(w, device)
     shard_save = _shard_save(saved, top, low, device)
     sync_site = next((getattr(m, SYNC_OFF_ATTR) for _, m in model.sharded if getattr(m, SYNC_OFF_ATTR, None)), None)
     sharding = model.describe()
@@ -231,6 +232,8 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
             if d and m
         ],
         **scale,
+        **moves,
+        learning_rates=[float(g.get("lr", float("nan"))) for g in w.optimizer.param_groups] if w.optimizer else [],
         inputs_compared=inputs_compared,
         inputs_identical=inputs_identical,
         ignored_site=next((getattr(p, IGNORED_ATTR) for _, p in unsharded if hasattr(p, IGNORED_ATTR)), None),
@@ -280,6 +283,25 @@ def _scales(w: ShardedWatch, device: torch.device) -> dict[str, Any]:
     differ = [k for k in steps if float(high[k, 0]) > float(low[k, 0]) * (1 + SCALE_TOLERANCE)]
     spread = math.sqrt(float(high[differ[0], 0]) / float(low[differ[0], 0])) if differ else 1.0
     return {"scale_steps": steps, "scale_differ_steps": differ, "scale_spread": spread}
+
+
+def _grad_norms(w: ShardedWatch, device: torch.device) -> dict[str, Any]:
+    """`ShardedRun`'s `grads_*` fields: per observed step (the first `INPUT_STEPS`), whether every rank measured
+    its gradient shards' norm at the step, whether all of them were exactly zero, whether any held NaN or infinity.
+    One min/max."""
+    norms = w.grad_scale.norms if w.grad_scale is not None else []
+    slots = torch.zeros(INPUT_STEPS, 3, dtype=torch.float64)
+    for k, sq in enumerate(norms[:INPUT_STEPS]):
+        if sq is not None:
+            finite = math.isfinite(sq)
+            slots[k] = torch.tensor([sq if finite else 0.0, 0.0 if finite else 1.0, 1.0], dtype=torch.float64)
+    high, low = minmax(slots, None, device)
+    measured = [k for k in range(INPUT_STEPS) if low[k, 2] == 1 and high[k, 1] == 0]
+    return {
+        "grads_measured_steps": measured,
+        "grads_zero_steps": [k for k in measured if high[k, 0] == 0],
+        "grads_nonfinite_steps": [k for k in range(INPUT_STEPS) if high[k, 1] == 1],
+    }
 
 
 def _steady_gathers(w: ShardedWatch) -> int:

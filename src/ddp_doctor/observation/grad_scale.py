@@ -33,6 +33,9 @@ class GradScale:
         self._handle: Any = None
         self._after_backward: float | None = None
         self.ratios: list[float | None] = []
+        self.norms: list[float | None] = []
+        """Per observed step, the squared norm of this rank's gradient shards at the optimizer step (None: no
+        sharded gradient): zero everywhere is a loss that gives no gradient; NaN or infinity, a broken step."""
 
     def install(self) -> None:
         self._handle = self._model.root.register_forward_hook(self._on_forward)
@@ -80,4 +83,5 @@ class GradScale:
         """The optimizer is about to step: this step's ratio, when its last backward was measured."""
         after, at_step = self._after_backward, self._shards_squared()
         self.ratios.append(at_step / after if after and at_step is not None else None)
+        self.norms.append(at_step)
         self._after_backward = None

@@ -1,0 +1,26 @@
+"""Whether an FSDP2 job trains at all, by DDP's rule (`analyze/moves.stalled`): every gradient exactly zero at every
+measured step (whatever weight decay does to the weights), or no weight moved (a learning rate of 0).
+
+Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps (tests/scripts/fsdp2_train.py):
+`--mistake lr-zero` leaves every weight where it was (largest change 0, head.weight -0.703294 on both ranks), exit 0;
+`--mistake zero-loss` (the loss multiplied by 0) gives zero gradients and only AdamW's weight decay moves the
+weights (largest change 0.0003), exit 0. The clean job moves every weight (largest change 0.109).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from checkrun import SCRIPTS, check
+
+
+@pytest.mark.parametrize("mistake, zero", [("lr-zero", False), ("zero-loss", True)])
+def test_a_sharded_job_that_does_not_train_is_training_stalled(tmp_path: Path, mistake: str, zero: bool) -> None:
+    args = ["--nproc-per-node", "2", "--no-verify", str(SCRIPTS / "fsdp2_train.py"), "--mistake", mistake]
+    run = check(args, tmp_path, timeout=240)
+    assert run.rc == 1 and run.codes == {"training-stalled"}, run.output
+    f = run.finding("training-stalled")
+    assert f["ranks"] == [0, 1] and len(f["steps"]) >= 7, f
+    # the cause said in the title: zero gradients (and weight decay), or the learning rate
+    assert ("exactly zero" in f["title"]) is zero and ("learning rate is 0" in f["title"]) is not zero, f
