@@ -4,7 +4,8 @@ measured step (whatever weight decay does to the weights), or no weight moved (a
 Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps (tests/scripts/fsdp2_train.py):
 `--mistake lr-zero` leaves every weight where it was (largest change 0, head.weight -0.703294 on both ranks), exit 0;
 `--mistake zero-loss` (the loss multiplied by 0) gives zero gradients and only AdamW's weight decay moves the
-weights (largest change 0.0003), exit 0. The clean job moves every weight (largest change 0.109).
+weights (largest change 0.0003), exit 0; `--mistake nan-loss` (the loss NaN from the fourth step) ends with every
+weight NaN (head.weight sums nan on both ranks), exit 0. The clean job moves every weight (largest change 0.109).
 """
 
 from __future__ import annotations
@@ -24,3 +25,11 @@ def test_a_sharded_job_that_does_not_train_is_training_stalled(tmp_path: Path, m
     assert f["ranks"] == [0, 1] and len(f["steps"]) >= 7, f
     # the cause said in the title: zero gradients (and weight decay), or the learning rate
     assert ("exactly zero" in f["title"]) is zero and ("learning rate is 0" in f["title"]) is not zero, f
+
+
+def test_nan_in_the_gradient_shards_is_named_with_its_first_step(tmp_path: Path) -> None:
+    args = ["--nproc-per-node", "2", "--no-verify", str(SCRIPTS / "fsdp2_train.py"), "--mistake", "nan-loss"]
+    run = check(args, tmp_path, timeout=240)
+    assert run.rc == 1 and "non-finite-values" in run.codes and "training-stalled" not in run.codes, run.output
+    f = run.finding("non-finite-values")
+    assert f["steps"][0] == 3 and f["ranks"] == [0, 1], f

@@ -21,6 +21,7 @@
                             its shards by its own coefficient
 --mistake clip-rank0        clip_grad_norm_ called on rank 0 alone: only its shards are scaled
 --mistake lr-zero           the optimizer's learning rate is 0: its steps change nothing
+--mistake nan-loss          the loss is NaN from the fourth step on (a log of a negative number, say)
 --mistake zero-loss         the loss is multiplied by 0: every gradient is exactly zero
 --mistake same-data         every rank draws its batches from the same seed: the ranks train on the same samples
 
@@ -123,6 +124,8 @@ if __name__ == "__main__":
                 model.set_requires_gradient_sync(micro == 1)
             x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
             loss = F.cross_entropy(model(x), y) * (0.0 if "zero-loss" in mistakes else 1.0)
+            if "nan-loss" in mistakes and _step >= 3:
+                loss = loss * float("nan")
             loss.backward()
         if "clip" in mistakes or "clip-rank0" in mistakes and rank == 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
