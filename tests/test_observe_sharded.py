@@ -213,7 +213,7 @@ def _lifecycle(rank: int, world: int) -> dict[str, Any]:
     state = model._get_fsdp_state()  # FSDP2's private state, to see it restored (one group or a list, by release)
     group = getattr(state, "_fsdp_param_group", None) or state._fsdp_param_groups[0]
     comm = getattr(group, "_all_gather_comm", None)
-    hooks = {name: len(m._forward_pre_hooks) for name, m in model.named_modules()}
+    hooks = {name: (len(m._forward_pre_hooks), len(m._forward_hooks)) for name, m in model.named_modules()}
     out: dict[str, Any] = {}
     calls = []
     with observe(model, optimizer=opt, steps=2) as doctor:
@@ -228,7 +228,9 @@ def _lifecycle(rank: int, world: int) -> dict[str, Any]:
     out["their_hook"] = (len(calls), len(opt._optimizer_step_post_hooks))
     theirs.remove()
     out["comm_restored"] = getattr(group, "_all_gather_comm", None) is comm
-    out["hooks_kept"] = hooks == {name: len(m._forward_pre_hooks) for name, m in model.named_modules()}
+    out["hooks_kept"] = hooks == {
+        name: (len(m._forward_pre_hooks), len(m._forward_hooks)) for name, m in model.named_modules()
+    }
     with pytest.raises(InvalidArgumentError, match="already used"):
         doctor.start()
     empty = observe(model, optimizer=opt)
@@ -248,7 +250,7 @@ def _lifecycle(rank: int, world: int) -> dict[str, Any]:
 
 def test_steps_end_the_watch_and_every_hook_is_removed(tmp_path) -> None:
     """`steps=2` stops counting after two steps (inside the block), FSDP2's all-gather is its own again, no
-    forward hook stays; a used context cannot start again; a report with no step and one inside the block are
+    forward hook or forward pre-hook stays (the gradient-shard scale's included); a used context cannot start again; a report with no step and one inside the block are
     clear errors."""
     r = run_ranks(_lifecycle, tmp_path, timeout=120)[0]
     assert r["finished_inside"] and r["steps"] == 2 and r["their_hook"] == (4, 1)

@@ -24,7 +24,6 @@ __all__ = [
     "wrapper_bypass",
 ]
 
-_EXPLAINS_UNSYNCED = frozenset(UNSYNCED)
 _RESTART = "Restart from a checkpoint saved before the divergence, or re-broadcast rank 0's weights knowingly."
 
 
@@ -83,7 +82,7 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
         (
             "see the findings that explain why (a bypassed wrapper, parameters unused with default flags, "
             "requires_grad changed after wrap); gradients must be reduced by DDP before optimizer.step()."
-            if found & _EXPLAINS_UNSYNCED
+            if found.intersection(UNSYNCED)
             else "gradients must be reduced by DDP before optimizer.step(): check that every rank runs the backward "
             "pass through the DDP model (not its .module), with the same parameters trainable, and that nothing edits "
             ".grad between backward and the optimizer step."
@@ -147,7 +146,7 @@ def _divergence_fix(found: frozenset[str], measured: dict[str, int]) -> str:
         those = "that finding" if len(causes) == 1 else "those findings"
         return f"fix the cause: {', '.join(causes)} (see {those}). Then {_RESTART[0].lower()}{_RESTART[1:]}"
     agreed = _agreed(measured)
-    if found & _EXPLAINS_UNSYNCED:
+    if found.intersection(UNSYNCED):
         return (
             f"fix the cause named by the other findings; {agreed}, so the updates themselves differed (an extra "
             "synced pass on one rank, a rank-dependent optimizer setting, or weights changed outside the "

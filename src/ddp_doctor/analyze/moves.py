@@ -12,7 +12,7 @@ import torch
 from ddp_doctor.analyze.common import all_ranks
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, Measure
 
 __all__ = ["nonfinite_values", "stalled", "training_stalled"]
 
@@ -151,6 +151,9 @@ def stalled(*, all_zero: bool, moved: bool, rates: list[float], ranks: list[int]
         fix = (
             "check what the optimizer was built over (`model.parameters()` after the model is final) and its settings."
         )
+    measured = [Measure("steps_with_all_gradients_zero", n if all_zero else 0, "count")]
+    if rates:
+        measured.append(Measure("largest_learning_rate", max(rates), "value"))
     return Finding(
         code=Code.TRAINING_STALLED,
         severity="error",
@@ -160,4 +163,5 @@ def stalled(*, all_zero: bool, moved: bool, rates: list[float], ranks: list[int]
         ranks=ranks,
         steps=steps,
         fix=fix,
+        measured=measured,
     )

@@ -48,8 +48,8 @@ class ParamRef:
 
 @dataclass(frozen=True, slots=True)
 class Measure:
-    """A quantity a finding was decided on, with its unit (`"s"`, `"fraction"`, `"count"`, `"abs"` for a difference
-    of values in the tensors' own unit)."""
+    """A quantity a finding was decided on, with its unit (`"s"`, `"fraction"`, `"count"`, `"ratio"`, `"abs"` for a
+    difference of values in the tensors' own unit, `"value"` for a setting read as it is)."""
 
     name: str
     value: float

@@ -105,6 +105,8 @@ class PlainOptimizerWatch:
         """Per observed step (the first `INPUT_STEPS`): the fingerprint of its training forwards' inputs; None for a
         step whose forward the root's pre-hook did not see (the first: the model is found at its optimizer step)."""
         self._step_input: torch.Tensor | None = None
+        self.measuring = True
+        """Until the observed steps are over (`end_per_step`)."""
         self.frozen = False
         """The observed steps ended and the script is followed to its epoch end: its steps and forwards are no
         longer counted; its saves still are (`report` then covers them too)."""
@@ -114,8 +116,7 @@ class PlainOptimizerWatch:
         self.frozen = True
         if self.gathers is not None:
             self.gathers.frozen = True
-        if self.grad_scale is not None:
-            self.grad_scale.remove()
+        self.end_per_step()
 
     def detach(self) -> None:
         """Stop counting and take this watch's wrappers and hooks off the model (`observe()`'s end); what was
@@ -125,6 +126,12 @@ class PlainOptimizerWatch:
             self.gathers.remove()
         if self.probe is not None:
             self.probe.remove()
+        self.end_per_step()
+
+    def end_per_step(self) -> None:
+        """The observed steps are over (their report, following, `observe()`'s end): the per-forward and
+        per-backward measures stop, so that a job that trains on (`watch`) pays nothing more for them."""
+        self.measuring = False
         if self.grad_scale is not None:
             self.grad_scale.remove()
 
@@ -136,10 +143,10 @@ class PlainOptimizerWatch:
         if self.clock is not None:
             self.clock.on_forward()
         # Plain tensors only: a DTensor input is sharded on purpose, and fingerprinting it would communicate.
-        inputs = (
-            [t for t in tensors_in(args) if not t.is_complex() and not is_dtensor(t)] if torch.is_grad_enabled() else []
-        )
-        if inputs and len(self.input_fps) < INPUT_STEPS:
+        if not self.measuring or len(self.input_fps) >= INPUT_STEPS or not torch.is_grad_enabled():
+            return
+        inputs = [t for t in tensors_in(args) if not t.is_complex() and not is_dtensor(t)]
+        if inputs:
             digest = fingerprints(inputs).nan_to_num(0.0).sum(0)
             self._step_input = digest if self._step_input is None else self._step_input + digest
 
@@ -174,7 +181,7 @@ class PlainOptimizerWatch:
                 self.buffers_at_first = fingerprints_batched(b for _, b in self.sharded.root.named_buffers())
                 if self.sharded.api == "fully_shard":
                     self.gathers = GatherCount(self.sharded)
-                self.grad_scale = GradScale(self.sharded)
+                self.grad_scale = GradScale(self.sharded, INPUT_STEPS)
                 self.grad_scale.install()
                 devices = {p.device for _, p in self.sharded.named_parameters()}
                 self.clock = StepClock.for_model(devices, self.sharded.param_groups())
@@ -235,6 +242,7 @@ class PlainOptimizerWatch:
     def report(self) -> Report:
         """Compare the parameters across ranks and build the report. Collective: every rank calls it."""
         if self.sharded is not None:
+            self.end_per_step()  # what the report compares is measured; the script may train on (`watch`)
             return sharded_report(self, self.sharded)
         # DTensor parameters (tensor parallelism, or a sharded model the frames did not show) belong to a
         # parallelism that keeps them itself; their local shards differ by design.

@@ -196,9 +196,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         differ = [True] * len(unsharded)
         gap = float("inf")
     buffers_differ, buffers_moved = _buffers(w, buffers, top, low, device)
-    inputs_compared, inputs_identical = _inputs(w, device)
-    scale = _scales(w, device)
-    moves = _grad_norms(w, device)
+    per_step = _per_step(w, device)
     shard_save = _shard_save(saved, top, low, device)
     sync_site = next((getattr(m, SYNC_OFF_ATTR) for _, m in model.sharded if getattr(m, SYNC_OFF_ATTR, None)), None)
     sharding = model.describe()
@@ -231,11 +229,8 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
             for (n, b), d, m in zip(buffers, buffers_differ, buffers_moved)
             if d and m
         ],
-        **scale,
-        **moves,
+        **per_step,
         learning_rates=[float(g.get("lr", float("nan"))) for g in w.optimizer.param_groups] if w.optimizer else [],
-        inputs_compared=inputs_compared,
-        inputs_identical=inputs_identical,
         ignored_site=next((getattr(p, IGNORED_ATTR) for _, p in unsharded if hasattr(p, IGNORED_ATTR)), None),
         ignored=[hasattr(p, IGNORED_ATTR) for _, p in unsharded],
         unused=unused,
@@ -257,50 +252,37 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     return Report.build(w.facts(sharding=run.sharding), diagnose_sharded(run))
 
 
-def _inputs(w: ShardedWatch, device: torch.device) -> tuple[list[int], bool]:
-    """The observed steps whose training inputs every rank fingerprinted (the first `INPUT_STEPS`), and whether
-    they were the same on every rank at each of them. One fixed-shape collective."""
-    digests = torch.zeros(INPUT_STEPS, 3, dtype=torch.float64)
+def _per_step(w: ShardedWatch, device: torch.device) -> dict[str, Any]:
+    """`ShardedRun`'s per-step fields, from the first `INPUT_STEPS` observed steps, in one fixed-shape min/max: the
+    training inputs' fingerprints (`inputs_*`), the gradient shards' scale from the backward's end to the step
+    (`scale_*`, `GradScale.ratios`) and their norm at the step (`grads_*`, `GradScale.norms`). Each measure has a
+    presence column: a step counts where every rank measured it."""
+    table = torch.zeros(INPUT_STEPS, 8, dtype=torch.float64)  # fp, fp, seen | ratio, seen | norm, nonfinite, seen
     for k, fp in enumerate(w.input_fps[:INPUT_STEPS]):
         if fp is not None:
-            digests[k] = torch.cat([fp.double(), torch.ones(1, dtype=torch.float64)])
-    high, low = minmax(digests.nan_to_num(0.0, 0.0, 0.0), None, device)
-    seen = [k for k in range(INPUT_STEPS) if low[k, 2] == 1]  # every rank saw that step's forward
-    return seen, bool(seen) and all(bool((high[k, :2] == low[k, :2]).all()) for k in seen)
-
-
-def _scales(w: ShardedWatch, device: torch.device) -> dict[str, Any]:
-    """`ShardedRun`'s `scale_*` fields: per observed step (the first `INPUT_STEPS`), the ratio of the gradient
-    shards at the step to the same at the end of its last backward (`GradScale.ratios`), compared across ranks in one
-    min/max."""
-    ratios = w.grad_scale.ratios if w.grad_scale is not None else []
-    slots = torch.zeros(INPUT_STEPS, 2, dtype=torch.float64)
-    for k, ratio in enumerate(ratios[:INPUT_STEPS]):
+            table[k, 0:3] = torch.tensor([*fp.double().nan_to_num(0.0, 0.0, 0.0).tolist(), 1.0])
+    scale = w.grad_scale
+    for k, ratio in enumerate(scale.ratios[:INPUT_STEPS] if scale is not None else []):
         if ratio is not None and math.isfinite(ratio) and ratio > 0:
-            slots[k] = torch.tensor([ratio, 1.0], dtype=torch.float64)
-    high, low = minmax(slots, None, device)
-    steps = [k for k in range(INPUT_STEPS) if low[k, 1] == 1]
-    differ = [k for k in steps if float(high[k, 0]) > float(low[k, 0]) * (1 + SCALE_TOLERANCE)]
-    spread = math.sqrt(float(high[differ[0], 0]) / float(low[differ[0], 0])) if differ else 1.0
-    return {"scale_steps": steps, "scale_differ_steps": differ, "scale_spread": spread}
-
-
-def _grad_norms(w: ShardedWatch, device: torch.device) -> dict[str, Any]:
-    """`ShardedRun`'s `grads_*` fields: per observed step (the first `INPUT_STEPS`), whether every rank measured
-    its gradient shards' norm at the step, whether all of them were exactly zero, whether any held NaN or infinity.
-    One min/max."""
-    norms = w.grad_scale.norms if w.grad_scale is not None else []
-    slots = torch.zeros(INPUT_STEPS, 3, dtype=torch.float64)
-    for k, sq in enumerate(norms[:INPUT_STEPS]):
+            table[k, 3:5] = torch.tensor([ratio, 1.0])
+    for k, sq in enumerate(scale.norms[:INPUT_STEPS] if scale is not None else []):
         if sq is not None:
-            finite = math.isfinite(sq)
-            slots[k] = torch.tensor([sq if finite else 0.0, 0.0 if finite else 1.0, 1.0], dtype=torch.float64)
-    high, low = minmax(slots, None, device)
-    measured = [k for k in range(INPUT_STEPS) if low[k, 2] == 1 and high[k, 1] == 0]
+            table[k, 5:8] = torch.tensor([sq, 0.0, 1.0] if math.isfinite(sq) else [0.0, 1.0, 1.0])
+    high, low = minmax(table, None, device)
+    every = range(INPUT_STEPS)
+    seen = [k for k in every if low[k, 2] == 1]
+    scaled = [k for k in every if low[k, 4] == 1]
+    differ = [k for k in scaled if float(high[k, 3]) > float(low[k, 3]) * (1 + SCALE_TOLERANCE)]
+    measured = [k for k in every if low[k, 7] == 1 and high[k, 6] == 0]
     return {
+        "inputs_compared": seen,
+        "inputs_identical": bool(seen) and all(bool((high[k, :2] == low[k, :2]).all()) for k in seen),
+        "scale_steps": scaled,
+        "scale_differ_steps": differ,
+        "scale_spread": math.sqrt(float(high[differ[0], 3]) / float(low[differ[0], 3])) if differ else 1.0,
         "grads_measured_steps": measured,
-        "grads_zero_steps": [k for k in measured if high[k, 0] == 0],
-        "grads_nonfinite_steps": [k for k in range(INPUT_STEPS) if high[k, 1] == 1],
+        "grads_zero_steps": [k for k in measured if high[k, 5] == 0],
+        "grads_nonfinite_steps": [k for k in every if high[k, 6] == 1],
     }
 
 

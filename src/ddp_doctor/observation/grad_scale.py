@@ -28,8 +28,10 @@ class GradScale:
     """Per observed step, the squared norm of this rank's gradient shards at the optimizer step over the same at the
     end of the step's last backward (`ratios`: None for a step it could not measure)."""
 
-    def __init__(self, model: ShardedModel) -> None:
+    def __init__(self, model: ShardedModel, steps: int) -> None:
         self._model = model
+        self._steps = steps
+        """The steps it measures; then it takes its hook off (nothing more is compared)."""
         self._handle: Any = None
         self._after_backward: float | None = None
         self.ratios: list[float | None] = []
@@ -77,11 +79,17 @@ class GradScale:
         local = [p.grad.to_local() for _, p in self._model.named_parameters() if is_dtensor(p.grad)]
         if not local:
             return None
-        return float(torch.stack([g.detach().float().pow(2).sum() for g in local]).sum())
+        norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in local])
+        return float(torch.linalg.vector_norm(norms)) ** 2
 
     def on_step(self) -> None:
-        """The optimizer is about to step: this step's ratio, when its last backward was measured."""
+        """The optimizer is about to step: this step's ratio, when its last backward was measured. After `steps`
+        steps the hook comes off and nothing more is measured."""
+        if len(self.ratios) >= self._steps:
+            return
         after, at_step = self._after_backward, self._shards_squared()
         self.ratios.append(at_step / after if after and at_step is not None else None)
         self.norms.append(at_step)
         self._after_backward = None
+        if len(self.ratios) >= self._steps:
+            self.remove()
