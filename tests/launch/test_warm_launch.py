@@ -99,15 +99,20 @@ def test_the_script_sees_what_torchrun_gives_it_warm_or_fresh(tmp_path: Path) ->
     warm_env, fresh_env = set(runs["warm"][0]["env"]), set(runs["fresh"][0]["env"])
     assert warm_env - fresh_env == {"DDP_DOCTOR_LAUNCH"}, warm_env ^ fresh_env
     assert fresh_env - warm_env == {"DDP_DOCTOR_FRESH_INTERPRETERS"}, warm_env ^ fresh_env
-    # The warm ranks' parent is the server, which runs no thread beyond those importing torch starts.
+    # The warm ranks' parent is the server, forked from torchrun's agent (the same command line, one level up), and
+    # it runs no thread beyond those importing torch starts.
     for facts in runs["warm"]:
-        assert "multiprocessing.forkserver" in facts["parent_cmdline"], facts["parent_cmdline"]
-        assert facts["parent_tasks"] == _torch_import_threads()
+        assert "ddp_doctor.launch.torchrun" in facts["grandparent_cmdline"], facts["grandparent_cmdline"]
+        assert facts["parent_cmdline"] == facts["grandparent_cmdline"]
+        assert facts["parent_tasks"] <= _torch_import_threads()
+    for facts in runs["fresh"]:
+        assert "ddp_doctor.launch.torchrun" in facts["parent_cmdline"], facts["parent_cmdline"]
 
 
 def test_the_servers_imports_never_call_into_cuda(tmp_path: Path) -> None:
-    """What the server runs before it forks (`forkserver_preload`, for check's and bench's entry points), in a
-    process where every torch.cuda entry point that could initialise CUDA counts its calls."""
+    """What the launcher imports before it forks the server (torch) and what the server imports then
+    (`warm.warm_imports`, for check's and bench's entry points), in a process where every torch.cuda entry point that
+    could initialise CUDA counts its calls."""
     code = """
 import json, os, torch, torch.cuda
 calls = []
@@ -124,14 +129,17 @@ for name in ("_lazy_init", "init", "is_available", "device_count", "current_devi
     counting(torch.cuda, name)
 for name in ("_cuda_init", "_cuda_getDeviceCount", "_cuda_getDevice", "_cuda_setDevice"):
     counting(torch._C, name)
-import ddp_doctor.launch.forkserver_preload, ddp_doctor.bench.start, ddp_doctor.bench.inrank, ddp_doctor.bench.plan
 import sys
+import importlib, torch.distributed
+from ddp_doctor.launch.warm import warm_imports
+for name in warm_imports(sys.argv[1]):
+    importlib.import_module(name)
 print(json.dumps({"calls": calls, "initialized": torch.cuda.is_initialized(),
                   "session": "ddp_doctor.launch.session" in sys.modules}))
 """
     for entry in ("ddp_doctor.launch.bootstrap", "ddp_doctor.bench.start"):
-        env = {**os.environ, "DDP_DOCTOR_WARM_ENTRY": entry, "OMP_NUM_THREADS": "1"}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run([sys.executable, "-c", code, entry], env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         audit = json.loads(out.stdout.strip().splitlines()[-1])
         assert audit == {"calls": [], "initialized": False, "session": True}, (entry, audit)

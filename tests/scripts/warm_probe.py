@@ -29,6 +29,14 @@ class Squares(Dataset):
         return torch.tensor([float(i * i)])
 
 
+def _cmdline(pid: int) -> str:
+    return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:300]
+
+
+def _parent_of(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+
 def probe(out: str, loaders: bool) -> dict:
     facts = {
         "name": __name__,
@@ -47,7 +55,8 @@ def probe(out: str, loaders: bool) -> dict:
         "threads": torch.get_num_threads(),
         "cuda_initialized": torch.cuda.is_initialized(),
         "parent_tasks": len(os.listdir(f"/proc/{os.getppid()}/task")),
-        "parent_cmdline": open(f"/proc/{os.getppid()}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:300],
+        "parent_cmdline": _cmdline(os.getppid()),
+        "grandparent_cmdline": _cmdline(_parent_of(os.getppid())),
     }
     if loaders:
         mp.set_start_method("spawn")

@@ -5,8 +5,8 @@ for torchrun) and hands the namespace over as JSON. A worker failure is the doct
 `ChildFailedError` dump would only repeat it, so each failed worker's exit status goes to `torchrun.json` in the
 output folder (the rank files cannot say "killed by SIGKILL"), and torchrun's own log lines go to `torchrun.log`.
 
-Unless fresh interpreters were asked for, the workers are born warm (`warm.py`): the preloading server starts
-before this process imports torch, so the two imports run side by side.
+Unless fresh interpreters were asked for, the workers are born warm (`warm.py`): this process imports torch, then
+forks the server that forks the ranks.
 """
 
 from __future__ import annotations

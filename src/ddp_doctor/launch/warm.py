@@ -1,13 +1,13 @@
 """Ranks born warm: torchrun's workers forked from a server that has already imported torch and ddp-doctor.
 
 A rank under `check` used to be a fresh `python -u -m ddp_doctor.launch.bootstrap SCRIPT` that paid for importing
-torch (2-3 s of CPU) before the script's first line. Here the launcher starts a multiprocessing forkserver first
-thing, in parallel with its own import of torch; the server imports torch, `torch.distributed` and the entry
-module's `WARM_IMPORTS` (`forkserver_preload.py`), and nothing else: no torch op runs there, no CUDA call, no
-thread pool of torch's starts. torchrun's elastic agent then starts each worker through `WarmHandler`, torch's own
-`SubprocessHandler` whose process comes from the server instead of `Popen`. The agent sees a process with a pid, an
-exit status (negative for a signal), its own session and process group: everything else in torchrun (rendezvous,
-restarts, signals, the failure it reports) is unchanged.
+torch (2-3 s of CPU) before the script's first line. Here the launcher imports torch first thing (it needs it for
+torchrun anyway), then forks a multiprocessing forkserver from itself, which imports the entry module's
+`WARM_IMPORTS` while the launcher imports torchrun: each node pays for one torch import, and the server has nothing
+but imports done (no torch op, no CUDA call, no thread of torch's started). torchrun's elastic agent then starts each
+worker through `WarmHandler`, torch's own `SubprocessHandler` whose process comes from the server instead of
+`Popen`. The agent sees a process with a pid, an exit status (negative for a signal), its own session and process
+group: everything else in torchrun (rendezvous, restarts, signals, the failure it reports) is unchanged.
 
 In the rank, before the entry module runs, the process is made what a fresh interpreter under torchrun
 would be: the agent's environment for that worker exactly, a new session, the kernel's death signal tied to the
@@ -37,21 +37,19 @@ from typing import Any
 __all__ = [
     "FRESH_VAR",
     "LAUNCH_VAR",
-    "PRELOAD_VAR",
     "fresh_requested",
     "install",
     "read_launch",
     "record_fresh",
     "start_forkserver",
     "torchrun_omp_threads",
+    "warm_imports",
 ]
 
 FRESH_VAR = "DDP_DOCTOR_FRESH_INTERPRETERS"
 """Set to 1 (by `--fresh-interpreters`, or by the user) to start every rank in a fresh interpreter."""
 LAUNCH_VAR = "DDP_DOCTOR_LAUNCH"
 """In each rank's environment: `warm` (forked from the preloaded server) or absent (a fresh interpreter)."""
-PRELOAD_VAR = "DDP_DOCTOR_WARM_ENTRY"
-"""The entry module whose `WARM_IMPORTS` the server imports (set for the server only)."""
 _LAUNCH_FILE = "launch.json"
 _TORCH_FIXED_SEED = 67280421310721
 """The seed torch's CPU generator started from before torch seeded it from the OS at import."""
@@ -71,33 +69,88 @@ def torchrun_omp_threads(nproc_per_node: Any) -> str | None:
 
 
 def start_forkserver(entry: str, *, omp_threads: str | None) -> bool:
-    """Start the preloading server now (it imports while the caller imports torch). False where there is none.
+    """Import torch here, then fork the server from this process; the server imports what the ranks of `entry` need
+    (its `WARM_IMPORTS`) while this process imports torchrun. False where there is no forkserver.
 
-    `omp_threads` is set in the server's environment before it starts: OpenMP reads it once, when torch loads.
+    The launcher needs torch itself, so the server is forked from it instead of starting a second interpreter that
+    imports torch again: one torch import per node instead of two. Nothing has started a thread or touched a tensor
+    when it forks. `omp_threads` is set in the environment before torch loads: OpenMP reads it once, then.
     """
+    import importlib
     import multiprocessing
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, util
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
-    saved = {k: os.environ.get(k) for k in (PRELOAD_VAR, "OMP_NUM_THREADS")}
-    os.environ[PRELOAD_VAR] = entry
     if omp_threads is not None:
+        # The launcher's environment is torchrun's to change, and torchrun sets OMP_NUM_THREADS the same way.
         os.environ["OMP_NUM_THREADS"] = omp_threads
+    importlib.import_module("torch")
+    importlib.import_module("torch.distributed")
+    multiprocessing.get_context("forkserver").set_forkserver_preload(warm_imports(entry))
+    _short_socket_dir()
+    launcher = os.getpid()
+    spawn = util.spawnv_passfds
+    util.spawnv_passfds = lambda path, args, fds: _fork_server(args, fds, launcher, spawn)
     try:
-        multiprocessing.get_context("forkserver").set_forkserver_preload(["ddp_doctor.launch.forkserver_preload"])
-        _short_socket_dir()
         forkserver.ensure_running()
     finally:
-        # The launcher's own environment is torchrun's to change (it sets OMP_NUM_THREADS the same way).
-        for key, value in saved.items():
-            if key == "OMP_NUM_THREADS" and omp_threads is not None:
-                continue
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        util.spawnv_passfds = spawn
     return True
+
+
+def warm_imports(entry: str) -> list[str]:
+    """What the server imports beside torch before it forks a rank of `entry`: the modules `entry` lists in
+    `WARM_IMPORTS`. Importing is all the server does: no tensor is made, CUDA is never asked about, no thread pool of
+    torch's starts. A module that fails to import is left for the rank to meet (and report) as it would in a fresh
+    interpreter."""
+    import importlib
+
+    try:
+        module = importlib.import_module(entry)
+    except Exception:  # noqa: BLE001  (see above)
+        return []
+    # The rank runs the entry module as __main__ (runpy), which warns when it is imported already.
+    sys.modules.pop(entry, None)
+    return list(getattr(module, "WARM_IMPORTS", ()))
+
+
+def _fork_server(args: list[str], keep: list[int], launcher: int, spawn: Any) -> int:
+    """What `multiprocessing.util.spawnv_passfds` (`spawn`) does for the forkserver (run `python -c CODE` with the
+    fds `keep` open), by a fork of this process: CODE runs in the child, which has every module of the launcher
+    imported."""
+    from multiprocessing import forkserver, util
+
+    code = args[args.index("-c") + 1]
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        # The child is forked inside `ensure_running`: the client's lock is held and the spawn patched. The ranks'
+        # own forkservers and spawns (a DataLoader's workers) must find them as a fresh interpreter has them.
+        forkserver._forkserver.__init__()  # type: ignore[attr-defined, misc]
+        util.spawnv_passfds = spawn
+        _die_with(launcher)
+        _close_fds_except({0, 1, 2, *keep})
+        exec(code, {"__name__": "__ddp_doctor_forkserver__"})  # noqa: S102  (multiprocessing's own server code)
+    except BaseException:  # noqa: BLE001  (the server ends: at its clients' exit, or at a signal)
+        pass
+    os._exit(0)
+
+
+def _close_fds_except(keep: set[int]) -> None:
+    """What exec with `close_fds` would do: the launcher's pipes and sockets stay out of the server (its own end of
+    the server's alive pipe above all, or the server would never see its last client leave)."""
+    try:
+        open_fds = sorted(int(name) for name in os.listdir("/proc/self/fd"))
+    except OSError:
+        open_fds = list(range(3, 1024))
+    for fd in open_fds:
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _short_socket_dir() -> None:
