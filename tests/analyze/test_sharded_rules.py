@@ -115,3 +115,37 @@ def test_shards_scaled_by_factors_of_their_own_are_grads_changed_after_sync_with
     alike = diagnose_sharded(_run(scale_steps=[1, 2, 3]))
     assert "grads-changed-after-sync" not in {f.code for f in alike.findings}
     assert alike.compared["gradient_scale_steps"] == 3
+
+
+def test_optimizer_settings_and_modes_apart_are_named_at_their_first_step_with_the_ranks() -> None:
+    settings = {
+        "step": 3,
+        "reference": 0,
+        "ranks": [2, 3],
+        "more": 1,
+        "held": {
+            0: "group 0 (6 tensors) lr=0.005, weight_decay=0.01",
+            2: "group 0 (6 tensors) lr=0.01, weight_decay=0.01",
+        },
+    }
+    modes = {
+        "step": 5,
+        "reference": 1,
+        "ranks": [0],
+        "more": 0,
+        "held": {
+            1: {"training": True, "other_mode": [], "other_mode_count": 0},
+            0: {"training": False, "other_mode": [], "other_mode_count": 0},
+        },
+    }
+    for api in ("fully_shard", "replicate"):
+        run = _run(settings_apart=settings, modes_apart=modes, state_steps=8, modules=9, sharding={"api": api})
+        found = {f.code: f for f in diagnose_sharded(run).findings}
+        differs, parted = found["optimizer-differs"], found["replica-divergence"]
+        assert (differs.severity, differs.ranks, differs.steps, differs.more_ranks) == ("error", [0, 2, 3], [3], 1)
+        assert differs.title.startswith("the optimizer's lr differs"), differs.title  # the one field that differs
+        assert (parted.severity, parted.ranks, parted.steps, parted.more_ranks) == ("warning", [0, 1], [5], 0)
+        compared = diagnose_sharded(run).compared
+        assert (compared["state_steps"], compared["modules"]) == (8, 9)
+    alike = diagnose_sharded(_run(state_steps=8, modules=9))
+    assert not {"optimizer-differs", "replica-divergence"} & {f.code for f in alike.findings}

@@ -24,6 +24,11 @@
 --mistake nan-loss          the loss is NaN from the fourth step on (a log of a negative number, say)
 --mistake zero-loss         the loss is multiplied by 0: every gradient is exactly zero
 --mistake same-data         every rank draws its batches from the same seed: the ranks train on the same samples
+--mistake sched-rank0       an LR scheduler (StepLR, gamma 0.5) stepped on rank 0 alone from the third step on
+--mistake sched-every       clean: that scheduler stepped on every rank
+--mistake train-rank0       a Dropout in the first block; after the third step every rank evaluates in eval mode,
+                            and rank 0 alone switches back to train mode
+--mistake train-every       clean: that evaluation, every rank back in train mode
 
 --save (after the third optimizer step, to --save-dir; several at once: "dcp,full"):
   rank0        rank 0 alone: torch.save(model.state_dict(), "ck.pt") (its shards only)
@@ -101,6 +106,8 @@ if __name__ == "__main__":
         model.register_buffer("mix", torch.randn(16, generator=torch.Generator().manual_seed(seed)), persistent=False)
     if "batchnorm" in mistakes:
         model.blocks[0].insert(1, nn.BatchNorm1d(64))
+    if "train-rank0" in mistakes or "train-every" in mistakes:
+        model.blocks[0].append(nn.Dropout(0.2))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     if "optimizer-before" in mistakes:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -113,6 +120,7 @@ if __name__ == "__main__":
         before.update({f"extra.{n}": p.detach().clone() for n, p in model.extra.named_parameters()})
     if "optimizer-before" not in mistakes:
         opt = torch.optim.AdamW(model.parameters(), lr=0.0 if "lr-zero" in mistakes else 1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     g = torch.Generator().manual_seed(0 if "same-data" in mistakes else rank)
     first_batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(0 if "same-data" in mistakes else rank))
     print(f"rank {rank}: first batch sum {first_batch.double().sum().item():.6f}", flush=True)
@@ -136,6 +144,8 @@ if __name__ == "__main__":
                 shard.mul_((0.05 / (norm + 1e-6)).clamp(max=1.0))
         opt.step()
         opt.zero_grad()
+        if _step >= 2 and ("sched-every" in mistakes or "sched-rank0" in mistakes and rank == 0):
+            sched.step()
         if _step == 2 and ("log-every" in mistakes or "log-rank0" in mistakes and rank == 0):
             mean = loss.detach().clone()
             dist.all_reduce(mean)
@@ -146,6 +156,12 @@ if __name__ == "__main__":
         if _step == 2 and ("eval-every" in mistakes or "eval-rank0" in mistakes and rank == 0):
             with torch.no_grad():
                 model(torch.randn(4, 16, generator=g))
+        if _step == 2 and ("train-rank0" in mistakes or "train-every" in mistakes):
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(4, 16, generator=g))
+            if rank == 0 or "train-every" in mistakes:
+                model.train()
     # The ground truth, printed by each rank: how far each parameter moved, and its head's sum (compare across ranks).
     moved = max(
         (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().sub(before[n]).abs().max().item()
@@ -157,5 +173,9 @@ if __name__ == "__main__":
     if hasattr(model, "mix"):  # every rank runs it: the forward all-gathers
         with torch.no_grad():
             extra += f", output sum on ones {model(torch.ones(2, 16)).double().sum().item():.6f}"
+    if "sched-rank0" in mistakes or "sched-every" in mistakes:
+        extra += f", lr {opt.param_groups[0]['lr']:.3g}"
+    if "train-rank0" in mistakes or "train-every" in mistakes:
+        extra += f", training {model.blocks[0].training}"
     print(f"rank {rank}: largest weight change {moved:.3g}, head.weight sum {head_sum:.6f}{extra}", flush=True)
     dist.destroy_process_group()

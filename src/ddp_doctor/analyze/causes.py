@@ -10,11 +10,10 @@ collective ahead.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from ddp_doctor.analyze.common import steps_of, with_more
+from ddp_doctor.analyze.replica_state import settings_finding
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, lines_of
@@ -96,47 +95,19 @@ def optimizer_step_skipped(v: View) -> list[Finding]:
     ]
 
 
-_FIELD = re.compile(r"(\w+)=([^,;]+)")
-
-
-def _settings(text: str) -> dict[str, str]:
-    """`group 0 (4 tensors) lr=0.1, momentum=0.9; group 1 ...` -> {"group 0 lr": "0.1", ...}."""
-    out = {}
-    for part in text.split("; "):
-        head = part.split(" (", 1)[0]
-        count = re.search(r"\((\d+) tensors\)", part)
-        if count:
-            out[f"{head} size"] = count.group(1)
-        for key, value in _FIELD.findall(part.split(") ", 1)[-1]):
-            out[f"{head} {key}"] = value.strip()
-    return out
-
-
 @detects(Code.OPTIMIZER_DIFFERS)
 def optimizer_differs(v: View) -> list[Finding]:
     """At a step that every rank took, the optimizers' settings differ: a hyperparameter, the groups, or what an
-    LR scheduler stepped on some ranks only set."""
+    LR scheduler stepped on some ranks only set. The rule and words are every parallelism's
+    (`replica_state.settings_finding`)."""
     step = v.summary.optimizer_differs
     if v.world < 2 or step is None:
         return []
     odd = v.ranks(Code.OPTIMIZER_DIFFERS)
-    mine = v.meta(0).get("optimizer", [])
-    ref = _settings(mine[0]) if mine else {}
-    values: dict[str, dict[int, str]] = {}
-    for r in odd.ranks:
-        theirs = v.meta(r).get("optimizer", [])
-        other = _settings(theirs[0]) if theirs else {}
-        for key in sorted(set(ref) | set(other)):
-            if ref.get(key) != other.get(key):
-                values.setdefault(key, {0: ref.get(key, "absent")})[r] = other.get(key, "absent")
-    fields = [k for k in values if not k.endswith("initial_lr")] or list(values)
-    said = "; ".join(
-        f"{key}: " + ", ".join(f"{value} on rank {r}" for r, value in by_rank.items())
-        for key, by_rank in ((k, values[k]) for k in fields[:4])
-    )
+    held = {r: (v.meta(r).get("optimizer") or [""])[0] for r in [0, *odd.ranks]}
     # Where it changed: a scheduler stepped on some ranks only, at or before this step.
     changed = [k for k in _first_differing(v.summary.scheduler_steps) if k <= step]
-    where, fix = "", "set every optimizer hyperparameter identically on every rank."
+    where, fix, sites = "", "set every optimizer hyperparameter identically on every rank.", []
     if changed:
         extra = v.ranks("scheduler-extra")
         sites = _sites(v, extra.ranks, "scheduler_sites")
@@ -154,26 +125,17 @@ def optimizer_differs(v: View) -> list[Finding]:
             )
             + "; change any optimizer setting on every rank alike."
         )
-    names = ", ".join(k.split(" ", 2)[-1] for k in fields[:4]) or "settings"
-    return [
-        with_more(
-            Finding(
-                code=Code.OPTIMIZER_DIFFERS,
-                sites=lines_of(*sites),
-                severity="error",
-                title=f"the optimizer's {names} {'differs' if len(fields) == 1 else 'differ'} across ranks from step "
-                f"{step}",
-                detail=f"At optimizer step {step}, which every rank took, the optimizers' settings were not the same "
-                f"({said or 'the groups differ'}). Identical gradients then give different updates, so the replicas "
-                f"drift apart.{where}",
-                params=[],
-                ranks=sorted({0, *odd.ranks}),
-                steps=[step],
-                fix=fix,
-            ),
-            odd.more,
-        )
-    ]
+    finding = settings_finding(
+        step=step,
+        held=held,
+        reference=0,
+        ranks=sorted({0, *odd.ranks}),
+        parallelism="ddp",
+        where=where,
+        fix=fix,
+        sites=tuple(sites),
+    )
+    return [with_more(finding, odd.more)]
 
 
 def _factor(signature: str) -> tuple[str, int | None]:

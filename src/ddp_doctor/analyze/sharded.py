@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ddp_doctor.analyze.agreement import same_inputs
+from ddp_doctor.analyze.replica_state import sharded_replica_state
 from ddp_doctor.analyze.sharded_fixes import optimizer_fix, save_fix, sync_fix
 from ddp_doctor.analyze.sharded_state import (
     buffer_divergence,
@@ -133,6 +134,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         found.append(low_weights)
     if scaled := shards_scaled_apart(run, ranks):
         found.append(scaled)
+    found += sharded_replica_state(run)
     explained = any(f.code in (Code.OPTIMIZER_PARAMS_REPLACED, Code.GRADIENT_SYNC_OFF) for f in found)
     if not explained and (moves := training_moves(run, ranks)):
         found.append(moves)
@@ -256,6 +258,8 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
         "outside_groups": len(run.unsharded),
         "buffers": run.buffers_compared if fully_shard else 0,
         "inputs": len(run.inputs_compared),
+        "state_steps": run.state_steps,
+        "modules": run.modules if run.state_steps else 0,
         "gradient_scale_steps": len(run.scale_steps),
         "saves": ("the observed steps and the epoch end followed" if run.followed else "the observed steps")
         if fully_shard
@@ -268,9 +272,8 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
 
 
 _DDP_ONLY = (
-    "what a DDP check compares and a sharded one does not yet: the modules' train/eval modes, each rank's "
-    "optimizer settings, the script's own collectives in order, optimizer steps skipped on some ranks, and writes to "
-    "the weights outside the optimizer"
+    "what a DDP check compares and a sharded one does not yet: the script's own collectives in order, optimizer "
+    "steps skipped on some ranks, and writes to the weights outside the optimizer"
 )
 
 

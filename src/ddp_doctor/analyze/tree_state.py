@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddp_doctor.analyze.common import all_ranks, with_more
+from ddp_doctor.analyze.replica_state import modes_finding
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef, lines_of
@@ -122,40 +123,14 @@ def unregistered_parameters(v: View) -> list[Finding]:
 @detects(Code.REPLICA_DIVERGENCE)
 def modes_differ(v: View) -> list[Finding]:
     """Modules in train mode on some ranks and in eval mode on others when a step closed: dropout, BatchNorm and
-    any `self.training` branch compute differently there."""
+    any `self.training` branch compute differently there. The rule and words are every parallelism's
+    (`replica_state.modes_finding`)."""
     step = v.summary.state_step
     odd, modes, _ = _differing(v)
     if step is None or not modes:
         return []
-    ref = v.meta(0).get("state") or {}
-    said = []
-    for r in [0, *odd][:4]:
-        entry = v.meta(r).get("state") or {}
-        mode = "train" if entry.get("training") else "eval"
-        other = entry.get("other_mode") or []
-        more = entry.get("other_mode_count", 0) - len(other)
-        except_ = (
-            f" except {', '.join(other)}{f' (+{more} more)' if more > 0 else ''} ({'eval' if mode == 'train' else 'train'})"
-            if other
-            else ""
-        )
-        said.append(f"rank {r}: the model in {mode} mode{except_}")
-    return [
-        Finding(
-            code=Code.REPLICA_DIVERGENCE,
-            severity="warning",
-            title=f"modules are in train mode on some ranks and in eval mode on others at step {step}",
-            detail=f"When optimizer step {step} ended, the ranks' models were not in the same mode ({'; '.join(said)}"
-            "). Dropout, BatchNorm and any code that reads `self.training` then compute differently on the ranks, "
-            f"so their gradients and buffers part although DDP syncs every gradient. Rank 0's model was in "
-            f"{'train' if ref.get('training') else 'eval'} mode.",
-            params=[],
-            ranks=sorted({0, *odd}),
-            steps=[step],
-            fix="set the mode on every rank alike: after an evaluation that calls `model.eval()` on some ranks, call "
-            "`model.train()` on the same ranks before training resumes (or evaluate on every rank).",
-        )
-    ]
+    held = {r: v.meta(r).get("state") or {} for r in [0, *odd]}
+    return [modes_finding(step=step, held=held, reference=0, ranks=sorted({0, *odd}), parallelism="ddp")]
 
 
 @detects(Code.OPTIMIZER_PARAMS_REPLACED)

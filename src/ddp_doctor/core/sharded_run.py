@@ -93,6 +93,17 @@ class ShardedRun:
     """The observed steps at which some rank's gradient shards held NaN or infinity."""
     learning_rates: list[float] = field(default_factory=list)
     """The optimizer's learning rate per param group, at the last observed step (rank 0's)."""
+    state_steps: int = 0
+    """The observed steps (the first `INPUT_STEPS`) at which every rank recorded its optimizer's settings and its
+    modules' train/eval modes, compared across ranks by digest."""
+    modules: int = 0
+    """Modules in the model's tree (whose modes were compared)."""
+    settings_apart: dict[str, Any] | None = None
+    """The first of those steps at which the optimizer's settings differed across ranks: `step`, `reference` (the
+    rank holding the most common settings), `ranks` (ranks holding others, the lowest few), `more` (others not
+    named), `held` ({rank: settings text} for the reference and the first other rank). None when they agreed."""
+    modes_apart: dict[str, Any] | None = None
+    """The same for the modules' modes; `held` maps a rank to its modes entry (`tree_scan.modes_of`)."""
     inputs_identical: bool = False
     """Every one of `inputs_compared` had the same inputs on every rank."""
     ignored: list[bool] = field(default_factory=list)

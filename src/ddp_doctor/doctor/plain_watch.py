@@ -39,6 +39,7 @@ from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.exchange.shard_collectives import reduce_scatter_in_float32
 from ddp_doctor.observation.grad_scale import GradScale
 from ddp_doctor.observation.hooks import tensors_in
+from ddp_doctor.observation.optimizers import describe
 from ddp_doctor.observation.sharding import (
     GatherCount,
     ReducePrecisionProbe,
@@ -49,6 +50,7 @@ from ddp_doctor.observation.sharding import (
     sharded_model_of,
 )
 from ddp_doctor.observation.step_clock import StepClock
+from ddp_doctor.observation.tree_scan import modes_of
 from ddp_doctor.report.model import Report, RunFacts
 
 __all__ = ["PlainOptimizerWatch"]
@@ -105,6 +107,10 @@ class PlainOptimizerWatch:
         """Per observed step (the first `INPUT_STEPS`): the fingerprint of its training forwards' inputs; None for a
         step whose forward the root's pre-hook did not see (the first: the model is found at its optimizer step)."""
         self._step_input: torch.Tensor | None = None
+        self.replica_state: list[tuple[int, str, int, dict[str, Any]]] = []
+        """Per observed step (the first `INPUT_STEPS`), what each rank's copy holds beside its weights: (digest,
+        text) of the optimizer's settings (`optimizers.describe`) and (digest, entry) of the modules' train/eval
+        modes (`tree_scan.modes_of`), when the step's `optimizer.step()` returned."""
         self.measuring = True
         """Until the observed steps are over (`end_per_step`)."""
         self.frozen = False
@@ -193,6 +199,8 @@ class PlainOptimizerWatch:
         if len(self.input_fps) < INPUT_STEPS:
             self.input_fps.append(self._step_input)
         self._step_input = None
+        if self.sharded is not None and self.measuring and len(self.replica_state) < INPUT_STEPS:
+            self.replica_state.append((*describe(optimizer), *modes_of(self.sharded.root)))
         if self.sharded is not None and not self.sharded.gradient_sync_on():
             self.sync_off_steps += 1
         elif self.sharded is not None:

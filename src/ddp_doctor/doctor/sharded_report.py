@@ -20,7 +20,7 @@ from ddp_doctor.core.fingerprint import fingerprints_batched
 from ddp_doctor.core.frames import user_site
 from ddp_doctor.core.sharded_run import INPUT_STEPS, SCALE_TOLERANCE, ShardedRun
 from ddp_doctor.exchange.primitives import comm_device, minmax
-from ddp_doctor.exchange.shard_collectives import count_and_first
+from ddp_doctor.exchange.shard_collectives import count_and_first, held_apart
 from ddp_doctor.exchange.timing import slowest_rank
 from ddp_doctor.observation.grad_scale import GradScale
 from ddp_doctor.observation.sharding import GatherCount, ReducePrecisionProbe, ShardedModel, reshards_fully
@@ -95,6 +95,7 @@ class ShardedWatch(Protocol):
     gathers: GatherCount | None
     gathers_per_step: list[int]
     input_fps: list[torch.Tensor | None]
+    replica_state: list[tuple[int, str, int, dict[str, Any]]]
     grad_scale: GradScale | None
     probe: ReducePrecisionProbe | None
     clock: StepClock | None
@@ -230,6 +231,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
             if d and m
         ],
         **per_step,
+        modules=sum(1 for _ in model.root.named_modules(remove_duplicate=False)),
         learning_rates=[float(g.get("lr", float("nan"))) for g in w.optimizer.param_groups] if w.optimizer else [],
         ignored_site=next((getattr(p, IGNORED_ATTR) for _, p in unsharded if hasattr(p, IGNORED_ATTR)), None),
         ignored=[hasattr(p, IGNORED_ATTR) for _, p in unsharded],
@@ -255,9 +257,11 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
 def _per_step(w: ShardedWatch, device: torch.device) -> dict[str, Any]:
     """`ShardedRun`'s per-step fields, from the first `INPUT_STEPS` observed steps, in one fixed-shape min/max: the
     training inputs' fingerprints (`inputs_*`), the gradient shards' scale from the backward's end to the step
-    (`scale_*`, `GradScale.ratios`) and their norm at the step (`grads_*`, `GradScale.norms`). Each measure has a
-    presence column: a step counts where every rank measured it."""
-    table = torch.zeros(INPUT_STEPS, 8, dtype=torch.float64)  # fp, fp, seen | ratio, seen | norm, nonfinite, seen
+    (`scale_*`, `GradScale.ratios`), their norm at the step (`grads_*`, `GradScale.norms`), and the digests of the
+    optimizer's settings and of the modules' modes (`settings_apart`, `modes_apart`). Each measure has a presence
+    column: a step counts where every rank measured it."""
+    # fp, fp, seen | ratio, seen | norm, nonfinite, seen | settings, modes, seen
+    table = torch.zeros(INPUT_STEPS, 11, dtype=torch.float64)
     for k, fp in enumerate(w.input_fps[:INPUT_STEPS]):
         if fp is not None:
             table[k, 0:3] = torch.tensor([*fp.double().nan_to_num(0.0, 0.0, 0.0).tolist(), 1.0])
@@ -268,12 +272,15 @@ def _per_step(w: ShardedWatch, device: torch.device) -> dict[str, Any]:
     for k, sq in enumerate(scale.norms[:INPUT_STEPS] if scale is not None else []):
         if sq is not None:
             table[k, 5:8] = torch.tensor([sq, 0.0, 1.0] if math.isfinite(sq) else [0.0, 1.0, 1.0])
+    for k, (settings, _, modes, _) in enumerate(w.replica_state[:INPUT_STEPS]):
+        table[k, 8:11] = torch.tensor([float(settings), float(modes), 1.0])
     high, low = minmax(table, None, device)
     every = range(INPUT_STEPS)
     seen = [k for k in every if low[k, 2] == 1]
     scaled = [k for k in every if low[k, 4] == 1]
     differ = [k for k in scaled if float(high[k, 3]) > float(low[k, 3]) * (1 + SCALE_TOLERANCE)]
     measured = [k for k in every if low[k, 7] == 1 and high[k, 6] == 0]
+    held = [k for k in every if low[k, 10] == 1]
     return {
         "inputs_compared": seen,
         "inputs_identical": bool(seen) and all(bool((high[k, :2] == low[k, :2]).all()) for k in seen),
@@ -283,7 +290,24 @@ def _per_step(w: ShardedWatch, device: torch.device) -> dict[str, Any]:
         "grads_measured_steps": measured,
         "grads_zero_steps": [k for k in measured if high[k, 5] == 0],
         "grads_nonfinite_steps": [k for k in every if high[k, 6] == 1],
+        "state_steps": len(held),
+        "settings_apart": _apart(w, held, high, low, column=8, device=device),
+        "modes_apart": _apart(w, held, high, low, column=9, device=device),
     }
+
+
+def _apart(
+    w: ShardedWatch, held: list[int], high: torch.Tensor, low: torch.Tensor, *, column: int, device: torch.device
+) -> dict[str, Any] | None:
+    """The first of the steps `held` at which the ranks' digests in `column` differ: that step, the ranks that hold
+    another copy than the most common one, and what the reference rank and the first other rank held (the settings'
+    text, or the modes' entry). None when they agreed at every step."""
+    step = next((k for k in held if high[k, column] != low[k, column]), None)
+    if step is None:
+        return None
+    digest, text, modes, entry = w.replica_state[step]
+    mine = (digest, text) if column == 8 else (modes, entry)
+    return {"step": step, **held_apart(float(mine[0]), mine[1], device)}
 
 
 def _steady_gathers(w: ShardedWatch) -> int:

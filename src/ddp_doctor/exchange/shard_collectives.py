@@ -10,7 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["count_and_first", "reduce_scatter_in_float32"]
+from ddp_doctor.exchange.oddranks import odd_ranks
+
+__all__ = ["count_and_first", "held_apart", "reduce_scatter_in_float32"]
 
 
 def count_and_first(flag: bool, shown: Any, first: int, device: torch.device) -> tuple[int, Any]:
@@ -22,6 +24,25 @@ def count_and_first(flag: bool, shown: Any, first: int, device: torch.device) ->
     box = [shown]
     dist.broadcast_object_list(box, src=first)
     return int(count.item()), box[0]
+
+
+def held_apart(digest: float, held: Any, device: torch.device) -> dict[str, Any]:
+    """Once a min/max showed that the ranks' `digest`s differ: the reference copy (the most common digest, the
+    lowest rank on a tie), the ranks holding another one (`oddranks.odd_ranks`: the lowest few named, the rest
+    counted), and `held` (a small picklable value: a text, an entry) as the reference rank and the first other rank
+    hold it. Collective on the default group; its volume does not grow with the world size.
+
+    Returns:
+        `reference` (its rank), `ranks` (the named other ranks), `more` (how many others are not named), `held`
+        ({rank: value} for the reference rank and the first other rank).
+    """
+    [odd] = odd_ranks(torch.tensor([[digest]], dtype=torch.float64), group=None, device=device)
+    shown = {}
+    for rank in (odd.reference, odd.odd.examples[0]):
+        box = [held]
+        dist.broadcast_object_list(box, src=rank)
+        shown[rank] = box[0]
+    return {"reference": odd.reference, "ranks": odd.odd.examples, "more": odd.odd.more, "held": shown}
 
 
 def reduce_scatter_in_float32(

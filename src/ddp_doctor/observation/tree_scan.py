@@ -27,7 +27,7 @@ from ddp_doctor.core.counters import StepCounters
 from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.frames import user_site
 
-__all__ = ["MAX_STATE_LOG", "TO_EMPTY_SITES", "StateScan", "listen_to_empty"]
+__all__ = ["MAX_STATE_LOG", "TO_EMPTY_SITES", "StateScan", "listen_to_empty", "modes_of"]
 
 MAX_STATE_LOG = 16
 """At most this many entries of the state log (one per change of the rank's state)."""
@@ -38,6 +38,22 @@ _MAX_SITES = 256
 TO_EMPTY_SITES: list[str] = []
 """Where the script called `nn.Module.to_empty()` (a model built on the meta device materialised with storage that
 holds whatever memory held: its parameters must be initialised after), once `listen_to_empty` ran."""
+
+
+def modes_of(module: nn.Module) -> tuple[int, dict[str, Any]]:
+    """(digest, entry) of the train/eval modes of `module`'s tree: the digest covers every module's flag, the entry
+    is the state log's (`training`, the root's mode; `other_mode`, at most 8 modules in the other mode, and
+    `other_mode_count`)."""
+    crc = 0
+    other: list[str] = []
+    count = 0
+    for path, m in module.named_modules(remove_duplicate=False):
+        crc = zlib.crc32(b"%s:%d;" % (path.encode(), m.training), crc)
+        if m.training != module.training:
+            count += 1
+            if len(other) < _MAX_NAMED:
+                other.append(path)
+    return crc & 0x7FFFFFFF, {"training": module.training, "other_mode": other, "other_mode_count": count}
 
 
 def listen_to_empty() -> None:

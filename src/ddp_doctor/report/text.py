@@ -191,6 +191,11 @@ def _sharded_compared_line(c: dict[str, Any]) -> str:
         parts.append(f"{_n(c['buffers'], 'buffer')} at the last step")
     if c.get("inputs"):
         parts.append(f"the inputs ({_n(c['inputs'], 'step')})")
+    if c.get("state_steps"):
+        parts.append(
+            f"the optimizer's settings and the train/eval modes of {_n(c['modules'], 'module')} "
+            f"({_n(c['state_steps'], 'step')})"
+        )
     if c.get("gradient_scale_steps"):
         parts.append(
             f"the scale of the gradient shards from the backward's end to the step ({_n(c['gradient_scale_steps'], 'step')})"

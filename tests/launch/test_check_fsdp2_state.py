@@ -1,0 +1,47 @@
+"""FSDP2: the optimizer's settings and the modules' train/eval modes compared across ranks at each observed step
+(`PlainOptimizerWatch.replica_state`, one min/max of digests; `analyze/replica_state.py`, DDP's rule).
+
+Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps of tests/scripts/fsdp2_train.py:
+- `--mistake sched-rank0` (StepLR, gamma 0.5, stepped on rank 0 alone from the third step): exit code 0, nothing
+  said; the last learning rate is 9.77e-06 on rank 0 and 0.01 on rank 1; the gathered head.weight sums to -0.952121
+  on both ranks, against -1.060282 with the scheduler stepped on every rank (`sched-every`).
+- `--mistake train-rank0` (a Dropout in the first block; every rank evaluates in eval mode after the third step,
+  rank 0 alone calls `model.train()` after): exit code 0, nothing said; rank 1 ends with `training` False and
+  head.weight sums to -1.407930, against -1.468885 with every rank back in train mode (`train-every`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkrun import SCRIPTS, check
+
+SCRIPT = str(SCRIPTS / "fsdp2_train.py")
+
+
+def _check(tmp_path: Path, mistake: str):
+    return check(["--nproc-per-node", "2", "--no-verify", SCRIPT, "--mistake", mistake], tmp_path, timeout=240)
+
+
+def test_a_scheduler_stepped_on_rank_0_alone_is_optimizer_differs_at_the_first_step_it_shows(tmp_path: Path) -> None:
+    run = _check(tmp_path, "sched-rank0")
+    assert run.rc == 1 and run.codes == {"optimizer-differs"}, run.output
+    f = run.finding("optimizer-differs")
+    # the scheduler first stepped after step 2 (0-based) on rank 0: step 3 ran at two learning rates
+    assert (f["severity"], f["ranks"], f["steps"]) == ("error", [0, 1], [3]), f
+    assert run.report["compared"]["state_steps"] == 8, run.report["compared"]
+
+
+def test_a_model_left_in_eval_mode_on_rank_1_is_named_at_the_first_step_it_trained_so(tmp_path: Path) -> None:
+    run = _check(tmp_path, "train-rank0")
+    assert run.rc == 0 and run.codes == {"replica-divergence"}, run.output
+    f = run.finding("replica-divergence")
+    assert (f["severity"], f["ranks"], f["steps"]) == ("warning", [0, 1], [3]), f
+
+
+def test_a_scheduler_and_an_evaluation_on_every_rank_are_clean_and_counted(tmp_path: Path) -> None:
+    run = _check(tmp_path, "sched-every,train-every")
+    assert run.rc == 0 and run.codes == set(), run.output
+    compared = run.report["compared"]
+    # 8 observed steps; the root, two blocks of Linear/ReLU (and the first block's Dropout), the head
+    assert (compared["state_steps"], compared["modules"]) == (8, 10), compared
