@@ -33,6 +33,7 @@ DEFAULT = [
     "tests/launch/test_check_fsdp2_steps.py",
     "tests/launch/test_check_fsdp2_inputs.py",
     "tests/launch/test_check_fsdp2_clip.py",
+    "tests/launch/test_check_fsdp2_state.py",
     "tests/launch/test_follow.py",
     "tests/launch/test_check_failures.py",
     "tests/launch/test_watch.py",
