@@ -149,3 +149,20 @@ def test_optimizer_settings_and_modes_apart_are_named_at_their_first_step_with_t
         assert (compared["state_steps"], compared["modules"]) == (8, 9)
     alike = diagnose_sharded(_run(state_steps=8, modules=9))
     assert not {"optimizer-differs", "replica-divergence"} & {f.code for f in alike.findings}
+
+
+def test_parameters_that_never_change_while_the_rest_train_are_a_warning_only_then() -> None:
+    from ddp_doctor.core.findings import ParamRef
+
+    head = [ParamRef("head.weight", 256, (4, 64)), ParamRef("head.bias", 4, (4,))]
+    moving = {"grads_measured_steps": list(range(1, 8)), "model_changed": True}
+    (f,) = [f for f in diagnose_sharded(_run(never_updated=head, **moving)).findings if f.code == "training-stalled"]
+    assert (f.severity, [p.name for p in f.params], f.steps) == (
+        "warning",
+        ["head.weight", "head.bias"],
+        list(range(1, 8)),
+    )
+    assert {m.name: m.value for m in f.measured}["held_by_the_optimizer"] == 0
+    # nothing moved at all: the whole job is stalled (an error), not these parameters
+    (g,) = [g for g in diagnose_sharded(_run(never_updated=head, **{**moving, "model_changed": False})).findings]
+    assert (g.code, g.severity, g.params) == ("training-stalled", "error", [])

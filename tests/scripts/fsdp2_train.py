@@ -24,6 +24,10 @@
 --mistake nan-loss          the loss is NaN from the fourth step on (a log of a negative number, say)
 --mistake zero-loss         the loss is multiplied by 0: every gradient is exactly zero
 --mistake same-data         every rank draws its batches from the same seed: the ranks train on the same samples
+--mistake head-not-stepped  the optimizer is built over every parameter but the head's: the head gets gradients and
+                            never changes
+--mistake head-lr-zero      the head in a param group of its own whose learning rate is 0
+--mistake head-second-opt   clean: the head in a second optimizer (SGD) of its own, stepped after the first
 --mistake sched-rank0       an LR scheduler (StepLR, gamma 0.5) stepped on rank 0 alone from the third step on
 --mistake sched-every       clean: that scheduler stepped on every rank
 --mistake train-rank0       a Dropout in the first block; after the third step every rank evaluates in eval mode,
@@ -118,8 +122,18 @@ if __name__ == "__main__":
     if "added-after" in mistakes:
         model.extra = nn.Linear(64, 64)
         before.update({f"extra.{n}": p.detach().clone() for n, p in model.extra.named_parameters()})
+    head_opt = None
     if "optimizer-before" not in mistakes:
-        opt = torch.optim.AdamW(model.parameters(), lr=0.0 if "lr-zero" in mistakes else 1e-2)
+        params = list(model.parameters())
+        head = [p for n, p in model.named_parameters() if n.startswith("head.")]
+        rest = [p for p in params if all(p is not h for h in head)]
+        if "head-not-stepped" in mistakes:
+            params = rest
+        elif "head-lr-zero" in mistakes:
+            params = [{"params": rest}, {"params": head, "lr": 0.0}]
+        elif "head-second-opt" in mistakes:
+            params, head_opt = rest, torch.optim.SGD(head, lr=0.1)
+        opt = torch.optim.AdamW(params, lr=0.0 if "lr-zero" in mistakes else 1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     g = torch.Generator().manual_seed(0 if "same-data" in mistakes else rank)
     first_batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(0 if "same-data" in mistakes else rank))
@@ -144,6 +158,9 @@ if __name__ == "__main__":
                 shard.mul_((0.05 / (norm + 1e-6)).clamp(max=1.0))
         opt.step()
         opt.zero_grad()
+        if head_opt is not None:
+            head_opt.step()
+            head_opt.zero_grad()
         if _step >= 2 and ("sched-every" in mistakes or "sched-rank0" in mistakes and rank == 0):
             sched.step()
         if _step == 2 and ("log-every" in mistakes or "log-rank0" in mistakes and rank == 0):
@@ -170,6 +187,10 @@ if __name__ == "__main__":
     head = model.head.weight
     head_sum = (head.full_tensor() if hasattr(head, "full_tensor") else head).detach().double().sum().item()
     extra = f", extra.weight sum {model.extra.weight.detach().double().sum().item():.6f}" if model.extra else ""
+    if {"head-not-stepped", "head-lr-zero", "head-second-opt"} & mistakes:
+        weight = model.head.weight
+        change = (weight.full_tensor() if hasattr(weight, "full_tensor") else weight).detach() - before["head.weight"]
+        extra += f", head.weight change {change.abs().max().item():.3g}"
     if hasattr(model, "mix"):  # every rank runs it: the forward all-gathers
         with torch.no_grad():
             extra += f", output sum on ones {model(torch.ones(2, 16)).double().sum().item():.6f}"

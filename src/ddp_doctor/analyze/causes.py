@@ -1,7 +1,7 @@
 """Why replicas diverge when the gradients agree after DDP's all-reduce: the script changes them on some ranks
-before the optimizer step, the optimizers disagree, some ranks skip a step, the script reduces DDP's gradients
-again, the replicas differed from the start, or something other than the optimizer wrote the weights on some
-ranks. Pure functions of the `View`.
+before the optimizer step, some ranks skip a step, the script reduces DDP's gradients again, the replicas differed
+from the start, or something other than the optimizer wrote the weights on some ranks (the optimizers' settings
+that disagree are `optimizer_settings.py`'s). Pure functions of the `View`.
 
 Iterations are aligned by what the ranks do in lockstep, DDP's synced backward passes (`Summary.synced`), never by
 each rank's own count of optimizer steps: a rank that skips `optimizer.step()` is one update behind, not one
@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ddp_doctor.analyze.common import steps_of, with_more
-from ddp_doctor.analyze.replica_state import settings_finding
+from ddp_doctor.analyze.common import first_differing, meta_sites, steps_of, with_more
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, lines_of
@@ -23,7 +22,6 @@ __all__ = [
     "CAUSES",
     "grads_changed_after_sync",
     "grads_reduced_twice",
-    "optimizer_differs",
     "optimizer_step_skipped",
     "replicas_differ_at_wrap",
     "weights_changed_outside_optimizer",
@@ -39,15 +37,6 @@ CAUSES = (
 """The codes that explain a `replica-divergence` whose gradients agreed after DDP's all-reduce."""
 
 
-def _first_differing(pair: tuple[list[int], list[int]]) -> list[int]:
-    hi, lo = pair
-    return [k for k in range(len(hi)) if hi[k] != lo[k]]
-
-
-def _sites(v: View, ranks: list[int], key: str) -> list[str]:
-    return sorted({s for r in ranks for s in v.meta(r).get(key, [])})
-
-
 @detects(Code.OPTIMIZER_STEP_SKIPPED)
 def optimizer_step_skipped(v: View) -> list[Finding]:
     """In one lockstep iteration some ranks called `optimizer.step()` and the others did not."""
@@ -61,7 +50,7 @@ def optimizer_step_skipped(v: View) -> list[Finding]:
     skipped = v.ranks("skipped-step")
     scaler = any(v.summary.scales[0])
     who = "their GradScaler skipped it, or the script did" if scaler else "the script skipped it"
-    sites = _sites(v, skipped.ranks, "skip_sites")
+    sites = meta_sites(v, skipped.ranks, "skip_sites")
     if sites:
         who += (
             f"; their next synced forward, at {', '.join(sites)}, came without a step: a skipped update, or a "
@@ -95,49 +84,6 @@ def optimizer_step_skipped(v: View) -> list[Finding]:
     ]
 
 
-@detects(Code.OPTIMIZER_DIFFERS)
-def optimizer_differs(v: View) -> list[Finding]:
-    """At a step that every rank took, the optimizers' settings differ: a hyperparameter, the groups, or what an
-    LR scheduler stepped on some ranks only set. The rule and words are every parallelism's
-    (`replica_state.settings_finding`)."""
-    step = v.summary.optimizer_differs
-    if v.world < 2 or step is None:
-        return []
-    odd = v.ranks(Code.OPTIMIZER_DIFFERS)
-    held = {r: (v.meta(r).get("optimizer") or [""])[0] for r in [0, *odd.ranks]}
-    # Where it changed: a scheduler stepped on some ranks only, at or before this step.
-    changed = [k for k in _first_differing(v.summary.scheduler_steps) if k <= step]
-    where, fix, sites = "", "set every optimizer hyperparameter identically on every rank.", []
-    if changed:
-        extra = v.ranks("scheduler-extra")
-        sites = _sites(v, extra.ranks, "scheduler_sites")
-        where = (
-            f" An LR scheduler was stepped on {rank_list(extra.ranks, more=extra.more)} only, in step {changed[0]}"
-            + (f" ({', '.join(sites)})" if sites else "")
-            + ": the other ranks' learning rate stayed where it was."
-        )
-        fix = (
-            "step the LR scheduler on every rank"
-            + (
-                f" (move the call at {sites[0].rsplit(' at ', 1)[-1]} out of its rank-dependent branch)"
-                if sites
-                else ""
-            )
-            + "; change any optimizer setting on every rank alike."
-        )
-    finding = settings_finding(
-        step=step,
-        held=held,
-        reference=0,
-        ranks=sorted({0, *odd.ranks}),
-        parallelism="ddp",
-        where=where,
-        fix=fix,
-        sites=tuple(sites),
-    )
-    return [with_more(finding, odd.more)]
-
-
 def _factor(signature: str) -> tuple[str, int | None]:
     """(`SUM`, 2) from `all_reduce(float32[16, 8], SUM)/2`; the reduction defaults to SUM for a reducing op."""
     op = signature.split("(", 1)[0]
@@ -162,7 +108,7 @@ def grads_reduced_twice(v: View) -> list[Finding]:
     if not bad:
         return []
     who = v.ranks("rereduced")
-    sites = _sites(v, who.ranks, "rereduce_sites")
+    sites = meta_sites(v, who.ranks, "rereduce_sites")
     signature = sites[0].split(" at ", 1)[0] if sites else ""
     line = sites[0].split(" at ", 1)[1] if sites and " at " in sites[0] else "an unknown place"
     reduction, factor = _factor(signature)
@@ -209,7 +155,7 @@ def grads_changed_after_sync(v: View) -> list[Finding]:
         return []
     steps = [k for k, e in enumerate(s.edited_steps.tolist()) if e] or steps_of(s.grad_steps)
     who = v.ranks("grads-edited")
-    sites = _sites(v, who.ranks, "grad_edit_sites")
+    sites = meta_sites(v, who.ranks, "grad_edit_sites")
     closure = s.grads_measured.get("closure", 0) and not s.grads_measured.get("step", 0)
     when = (
         "when optimizer.step() returned (its closure ran the backward inside it)"
@@ -308,12 +254,12 @@ def weights_changed_outside_optimizer(v: View) -> list[Finding]:
     only the optimizer should write them, and the other ranks' were not."""
     if v.world < 2 or not v.steps:
         return []
-    bad = _first_differing(v.summary.changed)
+    bad = first_differing(v.summary.changed)
     if not bad:
         return []
     first = bad[0]
     who = v.ranks("changed-outside")
-    sites = _sites(v, who.ranks, "changed_sites")
+    sites = meta_sites(v, who.ranks, "changed_sites")
     changed = sorted({i for r in who.ranks for i in v.meta(r).get("changed_params", [])})
     mask = torch.zeros(len(v.info.param_names), dtype=torch.bool)
     mask[[i for i in changed if i < len(mask)]] = True

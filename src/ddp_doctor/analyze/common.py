@@ -56,3 +56,14 @@ def with_more(finding: Finding, more: int) -> Finding:
     """`finding`, with `more` ranks counted beyond those it lists (the exchange names only examples)."""
     finding.more_ranks = more
     return finding
+
+
+def first_differing(pair: tuple[list[int], list[int]]) -> list[int]:
+    """The positions where a (most, fewest) pair over the ranks differs: where the ranks did not agree."""
+    hi, lo = pair
+    return [k for k in range(len(hi)) if hi[k] != lo[k]]
+
+
+def meta_sites(v: View, ranks: list[int], key: str) -> list[str]:
+    """The sites the given ranks recorded under `key` in their metadata, sorted, once each."""
+    return sorted({s for r in ranks for s in v.meta(r).get(key, [])})

@@ -12,6 +12,7 @@ from ddp_doctor.analyze import (  # noqa: F401 (imported to register their detec
     epochs,
     frozen_set,
     moves,
+    optimizer_settings,
     passes,
     throughput,
     tree_state,

@@ -12,9 +12,9 @@ import torch
 from ddp_doctor.analyze.common import all_ranks
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, Measure
+from ddp_doctor.core.findings import Finding, Measure, ParamRef
 
-__all__ = ["nonfinite_values", "stalled", "training_stalled"]
+__all__ = ["never_updated", "nonfinite_values", "stalled", "training_stalled"]
 
 _PRESENT, _ZERO, _NONFINITE, _MOVED, _W_NONFINITE = range(5)
 
@@ -164,4 +164,48 @@ def stalled(*, all_zero: bool, moved: bool, rates: list[float], ranks: list[int]
         steps=steps,
         fix=fix,
         measured=measured,
+    )
+
+
+def never_updated(
+    *, params: list[ParamRef], held: int, zero_lr: int, optimizer: str, ranks: list[int], steps: int
+) -> Finding:
+    """`training-stalled` (a warning) for some parameters only, for every parallelism: `params` had gradients other
+    than 0 and their weights never changed over `steps` observed steps while the others trained. `held`: how many of
+    them the followed optimizer (`optimizer`, named with its line) holds; `zero_lr`: how many it holds in a param group
+    whose learning rate is 0."""
+    names = ", ".join(p.name for p in params[:6]) + (f" (+{len(params) - 6} more)" if len(params) > 6 else "")
+    if not held:
+        cause = (
+            f"The optimizer ({optimizer}) does not hold them, and no other optimizer moved them: the script built it "
+            "over a subset of the model's parameters."
+        )
+        fix = (
+            "build the optimizer over every parameter that should train (`model.parameters()`), or set "
+            "`requires_grad=False` on the ones meant to stay fixed (they then cost no gradient either)."
+        )
+    elif zero_lr == len(params):
+        cause = f"The optimizer ({optimizer}) holds them in a param group whose learning rate is 0."
+        fix = "give their param group a learning rate above 0, or set `requires_grad=False` on them if they are meant to stay fixed."
+    else:
+        cause = (
+            f"The optimizer ({optimizer}) holds {held} of them, and its steps left them where they were: updates "
+            "below the weights' resolution, or weights restored after each step."
+        )
+        fix = "check the optimizer's settings for these parameters and what writes them after the step."
+    return Finding(
+        code=Code.TRAINING_STALLED,
+        severity="warning",
+        title=f"{len(params)} parameter(s) got gradients and never changed in {steps} observed steps",
+        detail=f"{names} had gradients other than 0 at the observed steps, and their weights did not change on any "
+        f"rank while the rest of the model trained. {cause}",
+        params=params,
+        ranks=ranks,
+        steps=list(range(1, steps)),
+        fix=fix,
+        measured=[
+            Measure("parameters_never_updated", len(params), "count"),
+            Measure("held_by_the_optimizer", held, "count"),
+            Measure("held_at_learning_rate_0", zero_lr, "count"),
+        ],
     )

@@ -16,11 +16,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ddp_doctor.analyze.agreement import same_inputs
-from ddp_doctor.analyze.replica_state import sharded_replica_state
 from ddp_doctor.analyze.sharded_fixes import optimizer_fix, save_fix, sync_fix
 from ddp_doctor.analyze.sharded_state import (
     buffer_divergence,
     low_precision_weights,
+    replica_state,
     shards_scaled_apart,
     training_moves,
 )
@@ -134,7 +134,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         found.append(low_weights)
     if scaled := shards_scaled_apart(run, ranks):
         found.append(scaled)
-    found += sharded_replica_state(run)
+    found += replica_state(run)
     explained = any(f.code in (Code.OPTIMIZER_PARAMS_REPLACED, Code.GRADIENT_SYNC_OFF) for f in found)
     if not explained and (moves := training_moves(run, ranks)):
         found.append(moves)

@@ -5,12 +5,15 @@ the optimizer step (`grads-changed-after-sync`). Pure: the agreed facts (`Sharde
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.moves import stalled
+from ddp_doctor.analyze.common import with_more
+from ddp_doctor.analyze.moves import never_updated, stalled
+from ddp_doctor.analyze.optimizer_settings import settings_apart
+from ddp_doctor.analyze.tree_state import modes_apart
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure
-from ddp_doctor.core.sharded_run import ShardedRun
+from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
-__all__ = ["buffer_divergence", "low_precision_weights", "shards_scaled_apart", "training_moves"]
+__all__ = ["buffer_divergence", "low_precision_weights", "replica_state", "shards_scaled_apart", "training_moves"]
 
 _LOW = ("bfloat16", "float16")
 
@@ -158,6 +161,16 @@ def training_moves(run: ShardedRun, ranks: list[int]) -> Finding | None:
     measured = run.grads_measured_steps
     if len(measured) < 2 or run.steps < 2 or not run.model_params_stepped:
         return None
+    if run.never_updated and run.model_changed and measured != run.grads_zero_steps:
+        where = f"{run.optimizer} created at {run.optimizer_site}" if run.optimizer_site else run.optimizer
+        return never_updated(
+            params=run.never_updated,
+            held=run.never_updated_held,
+            zero_lr=run.never_updated_zero_lr,
+            optimizer=where,
+            ranks=ranks,
+            steps=run.steps,
+        )
     return stalled(
         all_zero=measured == run.grads_zero_steps,
         moved=run.model_changed,
@@ -165,3 +178,44 @@ def training_moves(run: ShardedRun, ranks: list[int]) -> Finding | None:
         ranks=ranks,
         steps=measured,
     )
+
+
+def replica_state(run: ShardedRun) -> list[Finding]:
+    """The optimizer's settings and the modules' modes of an FSDP2 or `replicate` job, compared across ranks at the
+    first `INPUT_STEPS` observed steps (`ShardedRun.settings_apart`, `modes_apart`), by DDP's rules
+    (`optimizer_settings.settings_apart`, `tree_state.modes_apart`).
+
+    Ground truth for the sharded road, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps
+    (`tests/scripts/fsdp2_train.py`):
+    - `--mistake sched-rank0` (a StepLR with gamma 0.5 stepped on rank 0 alone from the third step): exit 0, nothing
+      said; the last learning rate is 9.77e-06 on rank 0 and 0.01 on rank 1, and the gathered head.weight sums to
+      -0.952121 (-1.060282 with the scheduler stepped on every rank): each rank stepped its own shard of every
+      parameter at its own rate.
+    - `--mistake train-rank0` (a Dropout in the first block; an evaluation in eval mode on every rank after the third
+      step, then `model.train()` on rank 0 alone): exit 0, nothing said; rank 1 trains on in eval mode (dropout off),
+      head.weight sums to -1.407930 (-1.468885 with every rank back in train mode).
+    """
+    parallelism = parallelism_of(run.sharding)
+    found = []
+    if (apart := run.settings_apart) is not None:
+        held = {int(r): v for r, v in apart["held"].items()}
+        finding = settings_apart(
+            step=apart["step"],
+            held=held,
+            reference=apart["reference"],
+            ranks=sorted({apart["reference"], *apart["ranks"]}),
+            parallelism=parallelism,
+            fix="set every optimizer hyperparameter identically on every rank (an LR scheduler stepped on some "
+            "ranks only does this: step it on every rank).",
+        )
+        found.append(with_more(finding, apart["more"]))
+    if (apart := run.modes_apart) is not None:
+        finding = modes_apart(
+            step=apart["step"],
+            held={int(r): v for r, v in apart["held"].items()},
+            reference=apart["reference"],
+            ranks=sorted({apart["reference"], *apart["ranks"]}),
+            parallelism=parallelism,
+        )
+        found.append(with_more(finding, apart["more"]))
+    return found

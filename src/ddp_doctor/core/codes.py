@@ -258,7 +258,7 @@ TABLE: tuple[CodeInfo, ...] = (
          "BatchNorm layers train on each rank's batch alone (no SyncBatchNorm)"),
     _row(Code.GRAD_SCALER_MISMATCH, Family.HELPERS, "warning", "consistency.py",
          "AMP GradScaler's scale differs across ranks at an optimizer step"),
-    _row(Code.OPTIMIZER_DIFFERS, Family.DIVERGENCE, "error", "causes.py",
+    _row(Code.OPTIMIZER_DIFFERS, Family.DIVERGENCE, "error", "optimizer_settings.py",
          "the optimizers' settings (a hyperparameter, the groups, a scheduler's lr) differ across ranks"),
     _row(Code.OPTIMIZER_STEP_SKIPPED, Family.DIVERGENCE, "error", "causes.py",
          "in one lockstep iteration some ranks called optimizer.step() and others did not"),
@@ -317,8 +317,10 @@ TABLE: tuple[CodeInfo, ...] = (
          when="error when they differ across ranks in the observed steps; warning while they still agree"),
     _row(Code.NONFINITE_VALUES, Family.PROGRESS, "error", "moves.py sharded_state.py",
          "gradients or weights hold NaN or infinity"),
-    _row(Code.TRAINING_STALLED, Family.PROGRESS, "error", "moves.py",
-         "the optimizer's steps change no weight: every gradient is exactly zero, or the learning rate is 0"),
+    _row(Code.TRAINING_STALLED, Family.PROGRESS, "error/warning", "moves.py",
+         "the optimizer's steps change no weight: every gradient is exactly zero, or the learning rate is 0; or some "
+         "parameters get gradients and never change",
+         when="error when no weight trains; warning when some parameters never change while the rest train"),
 )
 # fmt: on
 

@@ -117,6 +117,14 @@ class ShardedRun:
     """Where the script last called `set_requires_gradient_sync(False)`."""
     unused: list[ParamRef] = field(default_factory=list)
     """Trainable parameters of the model that got no gradient on any rank in any observed step."""
+    never_updated: list[ParamRef] = field(default_factory=list)
+    """Trainable parameters whose gradient held a value other than 0 on some rank at some observed step, and whose
+    weights changed on no rank from the first observed step to the last."""
+    never_updated_held: int = 0
+    """How many of `never_updated` the followed optimizer holds (the others no optimizer the check saw steps)."""
+    never_updated_zero_lr: int = 0
+    """How many of `never_updated` the followed optimizer holds in a param group whose learning rate is 0 at the
+    last observed step."""
     followed: bool = False
     """The script was followed past the observed steps to its epoch end: its saves there are in `shard_save*` too;
     everything else is the observed steps'."""

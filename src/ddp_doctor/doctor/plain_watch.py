@@ -56,6 +56,22 @@ from ddp_doctor.report.model import Report, RunFacts
 __all__ = ["PlainOptimizerWatch"]
 
 
+def _nonzero_grads(model: ShardedModel) -> torch.Tensor:
+    """bool[P]: per parameter of `model`, this rank's shard of its gradient holds a value other than 0 (one copy to
+    the host for all of them)."""
+    peaks = []
+    for _, p in model.named_parameters():
+        grad = p.grad
+        local = grad.to_local() if grad is not None and is_dtensor(grad) else grad
+        if local is None or local.numel() == 0:
+            peaks.append(torch.zeros((), device=p.device))
+        else:
+            peaks.append(local.detach().abs().amax().float())
+    return (
+        (torch.stack([t.to(peaks[0].device) for t in peaks]).cpu() > 0) if peaks else torch.zeros(0, dtype=torch.bool)
+    )
+
+
 class PlainOptimizerWatch:
     """The first optimizer stepping on a multi-rank group with no DDP model, and its step count."""
 
@@ -85,6 +101,9 @@ class PlainOptimizerWatch:
         """`torch.save` calls of this rank that wrote DTensor shards (`observation/saves.py`), the first few."""
         self.grad_seen: torch.Tensor | None = None
         """Per parameter of the sharded model: it had a gradient at some observed step with gradient sync on."""
+        self.grad_nonzero: torch.Tensor | None = None
+        """Per parameter of the sharded model: this rank's shard of its gradient held a value other than 0 at some
+        observed step after the first (while the per-step measures are on)."""
         self.grad_steps = 0
         self.framework = "torch"
         """Who steps the optimizer: `accelerate` or `transformers` when their code is on the first step's stack."""
@@ -207,6 +226,9 @@ class PlainOptimizerWatch:
             got = torch.tensor([p.grad is not None for _, p in self.sharded.named_parameters()])
             self.grad_seen = got if self.grad_seen is None else self.grad_seen | got
             self.grad_steps += 1
+            if self.measuring and self.steps > 1:  # the weights' moves are measured from the first step's end
+                nonzero = _nonzero_grads(self.sharded)
+                self.grad_nonzero = nonzero if self.grad_nonzero is None else self.grad_nonzero | nonzero
         if self.grad_scale is not None:
             self.grad_scale.on_step()
         if self.sharded is not None:

@@ -91,6 +91,7 @@ class ShardedWatch(Protocol):
     weights_at_first: torch.Tensor | None
     buffers_at_first: torch.Tensor | None
     grad_seen: torch.Tensor | None
+    grad_nonzero: torch.Tensor | None
     grad_steps: int
     gathers: GatherCount | None
     gathers_per_step: list[int]
@@ -179,14 +180,20 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     reduced = minmax(torch.tensor([float(local[k]) for k in _SLOTS]), None, device)
     top, low = ({k: v.item() for k, v in zip(_SLOTS, r)} for r in reduced)
     unused: list[ParamRef] = []
+    never_updated: list[tuple[ParamRef, bool, bool]] = []  # (the parameter, the optimizer holds it, at lr 0)
     if low["grad_steps"] > 0 and top["params"] == low["params"] and w.grad_seen is not None:
-        # Every rank saw a step with gradient sync on, and the same parameters: none had a gradient anywhere.
-        seen, _ = minmax(w.grad_seen.float(), None, device)
-        unused = [
-            ParamRef(n, p.numel(), tuple(p.shape))
-            for (n, p), s in zip(named, seen.tolist())
-            if p.requires_grad and not s
-        ]
+        # Every rank saw a step with gradient sync on, and the same parameters: per parameter, over the ranks,
+        # whether it had a gradient, a gradient other than 0, and whether its weights moved.
+        nonzero = w.grad_nonzero if w.grad_nonzero is not None else torch.zeros_like(w.grad_seen)
+        table = torch.stack([w.grad_seen.float(), nonzero.float(), moved.float()], dim=1)
+        seen, _ = minmax(table, None, device)
+        rates = {id(p): g.get("lr") for g in w.optimizer.param_groups for p in g["params"]}
+        for (n, p), (had, nonzero_any, moved_any) in zip(named, seen.tolist()):
+            ref = ParamRef(n, p.numel(), tuple(p.shape))
+            if p.requires_grad and not had:
+                unused.append(ref)
+            elif p.requires_grad and nonzero_any and not moved_any:
+                never_updated.append((ref, id(p) in rates, rates.get(id(p)) == 0))
     differ = [False] * len(unsharded)
     gap = 0.0
     if unsharded and top["unsharded"] == low["unsharded"]:
@@ -236,6 +243,9 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         ignored_site=next((getattr(p, IGNORED_ATTR) for _, p in unsharded if hasattr(p, IGNORED_ATTR)), None),
         ignored=[hasattr(p, IGNORED_ATTR) for _, p in unsharded],
         unused=unused,
+        never_updated=[ref for ref, _, _ in never_updated],
+        never_updated_held=sum(held for _, held, _ in never_updated),
+        never_updated_zero_lr=sum(zero for _, _, zero in never_updated),
         sync_off_steps=int(top["sync_off"]),
         sync_off_site=sync_site,
         low_reduce=_low_reduce(probe) if low["low_reduces"] > 0 else None,

@@ -1,0 +1,123 @@
+"""The optimizers' settings compared across ranks (`optimizer-differs`), one rule for every parallelism: DDP's
+exchange hands in the settings of rank 0 and the ranks that differ from it (`optimizer_differs`); a sharded model's
+report the settings of the rank holding the most common ones and of the first other rank
+(`sharded_state.replica_state`). The parallelism changes the consequence the finding states, not the rule."""
+
+from __future__ import annotations
+
+import re
+
+from ddp_doctor.analyze.common import first_differing, meta_sites, with_more
+from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.core.codes import Code
+from ddp_doctor.core.findings import Finding, lines_of
+from ddp_doctor.core.ranks import rank_list
+
+__all__ = ["optimizer_differs", "settings_apart"]
+
+_FIELD = re.compile(r"(\w+)=([^,;]+)")
+
+_SETTINGS_APART = {
+    "ddp": "Identical gradients then give different updates, so the replicas drift apart.",
+    "replicate": "Identical gradients then give different updates, so the replicas drift apart.",
+    "fsdp2": "Each rank steps its own shard of every parameter, so the shards of one parameter were updated with "
+    "different settings: no one setting trains this model.",
+}
+
+
+def _settings(text: str) -> dict[str, str]:
+    """`group 0 (4 tensors) lr=0.1, momentum=0.9; group 1 ...` -> {"group 0 lr": "0.1", ...}."""
+    out = {}
+    for part in text.split("; "):
+        head = part.split(" (", 1)[0]
+        count = re.search(r"\((\d+) tensors\)", part)
+        if count:
+            out[f"{head} size"] = count.group(1)
+        for key, value in _FIELD.findall(part.split(") ", 1)[-1]):
+            out[f"{head} {key}"] = value.strip()
+    return out
+
+
+def settings_apart(
+    *,
+    step: int,
+    held: dict[int, str],
+    reference: int,
+    ranks: list[int],
+    parallelism: str,
+    where: str = "",
+    fix: str = "set every optimizer hyperparameter identically on every rank.",
+    sites: tuple[str, ...] = (),
+) -> Finding:
+    """`optimizer-differs` at `step`, for every parallelism (the consequence it states is `parallelism`'s): `held` maps ranks to their optimizer's settings (`optimizers.describe`'s
+    text), `reference` first; `ranks` are the ranks the finding names."""
+    ref = _settings(held.get(reference, ""))
+    values: dict[str, dict[int, str]] = {}
+    for r, text in held.items():
+        if r == reference:
+            continue
+        other = _settings(text)
+        for key in sorted(set(ref) | set(other)):
+            if ref.get(key) != other.get(key):
+                values.setdefault(key, {reference: ref.get(key, "absent")})[r] = other.get(key, "absent")
+    fields = [k for k in values if not k.endswith("initial_lr")] or list(values)
+    said = "; ".join(
+        f"{key}: " + ", ".join(f"{value} on rank {r}" for r, value in by_rank.items())
+        for key, by_rank in ((k, values[k]) for k in fields[:4])
+    )
+    names = ", ".join(k.split(" ", 2)[-1] for k in fields[:4]) or "settings"
+    return Finding(
+        code=Code.OPTIMIZER_DIFFERS,
+        sites=lines_of(*sites),
+        severity="error",
+        title=f"the optimizer's {names} {'differs' if len(fields) == 1 else 'differ'} across ranks from step {step}",
+        detail=f"At optimizer step {step}, which every rank took, the optimizers' settings were not the same "
+        f"({said or 'the groups differ'}). {_SETTINGS_APART[parallelism]}{where}",
+        params=[],
+        ranks=ranks,
+        steps=[step],
+        fix=fix,
+    )
+
+
+@detects(Code.OPTIMIZER_DIFFERS)
+def optimizer_differs(v: View) -> list[Finding]:
+    """At a step that every rank took, the optimizers' settings differ: a hyperparameter, the groups, or what an
+    LR scheduler stepped on some ranks only set. The rule and words are every parallelism's
+    (`settings_apart`)."""
+    step = v.summary.optimizer_differs
+    if v.world < 2 or step is None:
+        return []
+    odd = v.ranks(Code.OPTIMIZER_DIFFERS)
+    held = {r: (v.meta(r).get("optimizer") or [""])[0] for r in [0, *odd.ranks]}
+    # Where it changed: a scheduler stepped on some ranks only, at or before this step.
+    changed = [k for k in first_differing(v.summary.scheduler_steps) if k <= step]
+    where, fix, sites = "", "set every optimizer hyperparameter identically on every rank.", []
+    if changed:
+        extra = v.ranks("scheduler-extra")
+        sites = meta_sites(v, extra.ranks, "scheduler_sites")
+        where = (
+            f" An LR scheduler was stepped on {rank_list(extra.ranks, more=extra.more)} only, in step {changed[0]}"
+            + (f" ({', '.join(sites)})" if sites else "")
+            + ": the other ranks' learning rate stayed where it was."
+        )
+        fix = (
+            "step the LR scheduler on every rank"
+            + (
+                f" (move the call at {sites[0].rsplit(' at ', 1)[-1]} out of its rank-dependent branch)"
+                if sites
+                else ""
+            )
+            + "; change any optimizer setting on every rank alike."
+        )
+    finding = settings_apart(
+        step=step,
+        held=held,
+        reference=0,
+        ranks=sorted({0, *odd.ranks}),
+        parallelism="ddp",
+        where=where,
+        fix=fix,
+        sites=tuple(sites),
+    )
+    return [with_more(finding, odd.more)]
