@@ -166,3 +166,6 @@ def test_parameters_that_never_change_while_the_rest_train_are_a_warning_only_th
     # nothing moved at all: the whole job is stalled (an error), not these parameters
     (g,) = [g for g in diagnose_sharded(_run(never_updated=head, **{**moving, "model_changed": False})).findings]
     assert (g.code, g.severity, g.params) == ("training-stalled", "error", [])
+    # weights in the low dtype the policy computes in: low-precision-weights explains them, said once
+    low = _run(never_updated=head, weights_dtype=["bfloat16"], sharding={"param_dtype": ["bfloat16"]}, **moving)
+    assert {f.code for f in diagnose_sharded(low).findings} == {"low-precision-weights"}

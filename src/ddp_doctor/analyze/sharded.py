@@ -136,7 +136,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         found.append(scaled)
     found += replica_state(run)
     explained = any(f.code in (Code.OPTIMIZER_PARAMS_REPLACED, Code.GRADIENT_SYNC_OFF) for f in found)
-    if not explained and (moves := training_moves(run, ranks)):
+    if not explained and (moves := training_moves(run, ranks, low_weights=low_weights is not None)):
         found.append(moves)
     if run.unsharded:
         found.append(unsharded_finding(run, ranks, api))

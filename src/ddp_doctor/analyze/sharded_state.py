@@ -134,7 +134,7 @@ def shards_scaled_apart(run: ShardedRun, ranks: list[int]) -> Finding | None:
     )
 
 
-def training_moves(run: ShardedRun, ranks: list[int]) -> Finding | None:
+def training_moves(run: ShardedRun, ranks: list[int], *, low_weights: bool = False) -> Finding | None:
     """Whether a sharded model trains at all (DDP's rule, `analyze/moves.py`): its gradient shards held NaN or
     infinity at a step; or at every measured step every gradient was exactly zero, or no weight moved.
 
@@ -161,7 +161,8 @@ def training_moves(run: ShardedRun, ranks: list[int]) -> Finding | None:
     measured = run.grads_measured_steps
     if len(measured) < 2 or run.steps < 2 or not run.model_params_stepped:
         return None
-    if run.never_updated and run.model_changed and measured != run.grads_zero_steps:
+    # Weights in a low dtype lose updates below their resolution: `low-precision-weights` says so, and why.
+    if run.never_updated and run.model_changed and measured != run.grads_zero_steps and not low_weights:
         where = f"{run.optimizer} created at {run.optimizer_site}" if run.optimizer_site else run.optimizer
         return never_updated(
             params=run.never_updated,
