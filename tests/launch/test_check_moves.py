@@ -11,6 +11,9 @@ Ground truth under plain torchrun (torch 2.13.0, gloo; each case exit code 0, no
 - lr0: SGD with lr=0: the losses vary (1.50, 1.36, 1.41, ...) and the gradients are nonzero, but no weight changes.
 - meta-init (the same meta model, then `reset_parameters()`) and warmup (a LambdaLR whose learning rate is 0 at the
   first step only) train normally.
+- head-not-stepped (the optimizer built over the first layer only) and head-lr0 (the head in a param group at lr 0):
+  the head gets gradients and never changes (largest change 0), the first layer trains; head-second-opt (the head
+  stepped by an SGD of its own) moves it by 0.0256 and is clean.
 Before, `ddp-doctor check` reported "No problems found" and a verified recommendation for all three failures.
 """
 
@@ -48,4 +51,26 @@ def test_steps_that_change_no_weight_are_training_stalled_with_the_cause(tmp_pat
 @pytest.mark.parametrize("case", ["meta-init", "warmup"])
 def test_an_initialised_meta_model_and_a_warm_up_from_0_stay_clean(tmp_path: Path, case: str) -> None:
     run = _check(tmp_path, case)
+    assert run.rc == 0 and run.codes == set(), run.output
+
+
+@pytest.mark.parametrize(("case", "held", "zero_lr"), [("head-not-stepped", 0, 0), ("head-lr0", 2, 2)])
+def test_parameters_with_gradients_that_never_change_are_named_with_their_cause(
+    tmp_path: Path, case: str, held: int, zero_lr: int
+) -> None:
+    run = _check(tmp_path, case)
+    assert run.rc == 0 and run.codes == {"training-stalled"}, run.output
+    f = run.finding("training-stalled")
+    assert f["severity"] == "warning" and f["ranks"] == [0, 1], f
+    assert run.params("training-stalled") == {"2.weight", "2.bias"}, f
+    # the cause, from what the optimizer holds: not the head, or the head at a learning rate of 0
+    assert {m["name"]: m["value"] for m in f["measured"]} == {
+        "parameters_never_updated": 2,
+        "held_by_the_optimizer": held,
+        "held_at_learning_rate_0": zero_lr,
+    }, f
+
+
+def test_a_head_trained_by_a_second_optimizer_stays_clean(tmp_path: Path) -> None:
+    run = _check(tmp_path, "head-second-opt")
     assert run.rc == 0 and run.codes == set(), run.output

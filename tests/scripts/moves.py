@@ -9,6 +9,9 @@ cases:
   one-column   cross_entropy over a model with a single output column: the loss is always 0
   lr0          SGD with lr=0
   warmup       a warm-up whose learning rate is 0 at the first step only (clean)
+  head-not-stepped  the optimizer built over the first layer only: the head gets gradients and never changes
+  head-lr0     the head in a param group of its own at lr 0
+  head-second-opt   the head stepped by a second optimizer of its own (clean)
 """
 
 from __future__ import annotations
@@ -41,7 +44,16 @@ def main() -> None:
     else:
         net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, classes))
     model = DistributedDataParallel(net)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0 if args.case == "lr0" else 0.1)
+    params: list = list(net.parameters())
+    head, second = list(net[2].parameters()), None
+    if args.case == "head-not-stepped":
+        params = list(net[0].parameters())
+    elif args.case == "head-lr0":
+        params = [{"params": list(net[0].parameters())}, {"params": head, "lr": 0.0}]
+    elif args.case == "head-second-opt":
+        params, second = list(net[0].parameters()), torch.optim.SGD(head, lr=0.1)
+    head_before = net[2].weight.detach().clone()
+    opt = torch.optim.SGD(params, lr=0.0 if args.case == "lr0" else 0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 2)) if args.case == "warmup" else None
     g = torch.Generator().manual_seed(rank)
     for step in range(5):
@@ -54,10 +66,15 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if second is not None:
+            second.step()
+            second.zero_grad()
         if sched is not None:
             sched.step()
         if rank == 0:
             print(f"step {step} loss {loss.item():.4g}", flush=True)
+    if args.case.startswith("head-"):
+        print(f"rank {rank}: head change {(net[2].weight - head_before).abs().max().item():.3g}", flush=True)
     del model, opt
     dist.destroy_process_group()
 

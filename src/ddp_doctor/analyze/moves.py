@@ -103,13 +103,24 @@ def training_stalled(v: View) -> list[Finding]:
     steps = stepped & finite & (m[:, _PRESENT] > 0)
     if int(steps.sum()) < 2:
         return []
+    all_zero = bool((m[steps, _ZERO] == m[steps, _PRESENT]).all())
+    moved = bool((m[steps, _MOVED] > 0).any())
     found = stalled(
-        all_zero=bool((m[steps, _ZERO] == m[steps, _PRESENT]).all()),
-        moved=bool((m[steps, _MOVED] > 0).any()),
+        all_zero=all_zero,
+        moved=moved,
         rates=v.meta(0).get("learning_rates", []),
         ranks=all_ranks(v),
         steps=steps.nonzero().flatten().tolist(),
     )
+    if found is None and moved and not all_zero and (never := v.meta(0).get("never_updated", [])):
+        found = never_updated(
+            params=v.params([i for i in never if i < len(v.info.param_names)]),
+            held=int(v.meta(0).get("never_updated_held", 0)),
+            zero_lr=int(v.meta(0).get("never_updated_zero_lr", 0)),
+            optimizer=None,
+            ranks=all_ranks(v),
+            steps=steps.nonzero().flatten().tolist(),
+        )
     return [found] if found is not None else []
 
 
@@ -168,16 +179,17 @@ def stalled(*, all_zero: bool, moved: bool, rates: list[float], ranks: list[int]
 
 
 def never_updated(
-    *, params: list[ParamRef], held: int, zero_lr: int, optimizer: str, ranks: list[int], steps: int
+    *, params: list[ParamRef], held: int, zero_lr: int, optimizer: str | None, ranks: list[int], steps: list[int]
 ) -> Finding:
     """`training-stalled` (a warning) for some parameters only, for every parallelism: `params` had gradients other
-    than 0 and their weights never changed over `steps` observed steps while the others trained. `held`: how many of
+    than 0 and their weights never changed over the observed `steps` while the others trained. `held`: how many of
     them the followed optimizer (`optimizer`, named with its line) holds; `zero_lr`: how many it holds in a param group
     whose learning rate is 0."""
+    opt = f"The optimizer ({optimizer})" if optimizer else "The optimizer"
     names = ", ".join(p.name for p in params[:6]) + (f" (+{len(params) - 6} more)" if len(params) > 6 else "")
     if not held:
         cause = (
-            f"The optimizer ({optimizer}) does not hold them, and no other optimizer moved them: the script built it "
+            f"{opt} does not hold them, and no other optimizer moved them: the script built it "
             "over a subset of the model's parameters."
         )
         fix = (
@@ -185,23 +197,23 @@ def never_updated(
             "`requires_grad=False` on the ones meant to stay fixed (they then cost no gradient either)."
         )
     elif zero_lr == len(params):
-        cause = f"The optimizer ({optimizer}) holds them in a param group whose learning rate is 0."
+        cause = f"{opt} holds them in a param group whose learning rate is 0."
         fix = "give their param group a learning rate above 0, or set `requires_grad=False` on them if they are meant to stay fixed."
     else:
         cause = (
-            f"The optimizer ({optimizer}) holds {held} of them, and its steps left them where they were: updates "
+            f"{opt} holds {held} of them, and its steps left them where they were: updates "
             "below the weights' resolution, or weights restored after each step."
         )
         fix = "check the optimizer's settings for these parameters and what writes them after the step."
     return Finding(
         code=Code.TRAINING_STALLED,
         severity="warning",
-        title=f"{len(params)} parameter(s) got gradients and never changed in {steps} observed steps",
+        title=f"{len(params)} parameter(s) got gradients and never changed in {len(steps)} observed steps",
         detail=f"{names} had gradients other than 0 at the observed steps, and their weights did not change on any "
         f"rank while the rest of the model trained. {cause}",
         params=params,
         ranks=ranks,
-        steps=list(range(1, steps)),
+        steps=steps,
         fix=fix,
         measured=[
             Measure("parameters_never_updated", len(params), "count"),

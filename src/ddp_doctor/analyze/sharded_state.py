@@ -170,7 +170,7 @@ def training_moves(run: ShardedRun, ranks: list[int], *, low_weights: bool = Fal
             zero_lr=run.never_updated_zero_lr,
             optimizer=where,
             ranks=ranks,
-            steps=run.steps,
+            steps=list(range(1, run.steps)),  # the weights' moves are measured from the first step's end
         )
     return stalled(
         all_zero=measured == run.grads_zero_steps,

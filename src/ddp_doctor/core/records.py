@@ -238,6 +238,13 @@ class RankRecord:
     """The observed optimizer's learning rate per param group at the last step."""
     nonfinite_params: list[int] = field(default_factory=list)
     """Positions of the parameters whose gradient held a NaN or an infinity, in the first step where one did."""
+    never_updated: list[int] = field(default_factory=list)
+    """Positions of the parameters whose gradient held a finite value other than 0 at some observed step and whose
+    weights changed at none (the first 64)."""
+    never_updated_held: int = 0
+    """How many of `never_updated` the observed optimizer holds."""
+    never_updated_zero_lr: int = 0
+    """How many of `never_updated` it holds in a param group whose learning rate is 0."""
 
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
         "used",
@@ -333,6 +340,9 @@ class RankRecord:
             "optimizer_stale": self.optimizer_stale,
             "modules": self.modules,
             "nonfinite_params": self.nonfinite_params,
+            "never_updated": self.never_updated,
+            "never_updated_held": self.never_updated_held,
+            "never_updated_zero_lr": self.never_updated_zero_lr,
             "learning_rates": self.learning_rates,
             "to_empty_sites": self.to_empty_sites,
         }

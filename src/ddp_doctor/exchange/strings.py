@@ -108,6 +108,9 @@ def rank_strings(
             "optimizer_stale": record.optimizer_stale,
             "modules": record.modules,
             "nonfinite_params": record.nonfinite_params,
+            "never_updated": record.never_updated,
+            "never_updated_held": record.never_updated_held,
+            "never_updated_zero_lr": record.never_updated_zero_lr,
             "learning_rates": record.learning_rates,
             "to_empty_sites": record.to_empty_sites,
         }

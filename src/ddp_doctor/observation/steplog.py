@@ -145,6 +145,9 @@ class StepLog:
         self.device: DeviceClock | None = None
         self.nonfinite_params: list[int] = []
         """Positions of the parameters whose gradient was not finite, in the first step where one was not."""
+        self._grad_nonzero: torch.Tensor | None = None
+        self._weights_moved: torch.Tensor | None = None
+        """Per parameter, over the observed steps: it had a finite gradient other than 0; its weights changed."""
         self.state: StateScan | None = None
         """Walks the module tree as each step closes (`tree_scan.py`); None: not scanned."""
         """The GPU's clock for a model on CUDA (the host's times do not tell there), set by the caller."""
@@ -246,6 +249,9 @@ class StepLog:
             self.nonfinite_params = (used & ~finite).nonzero().flatten().tolist()[:64]
         same = (before == after) | (before.isnan() & after.isnan())
         counters.weights_moved = int((~same.all(-1)).sum())
+        nonzero, moved = used & finite & ~(grads == 0).all(-1), ~same.all(-1)
+        self._grad_nonzero = nonzero if self._grad_nonzero is None else self._grad_nonzero | nonzero
+        self._weights_moved = moved if self._weights_moved is None else self._weights_moved | moved
         counters.weights_nonfinite = int((~after.isfinite().all(-1)).sum())
 
     def _runq_now(self) -> float:
@@ -347,6 +353,13 @@ class StepLog:
         record.grad_edit_sites = list(self.grad_edit_sites)
         record.nosync_sites = list(self.nosync_sites)
         record.nonfinite_params = list(self.nonfinite_params)
+        if self._grad_nonzero is not None and self._weights_moved is not None:
+            never = (self._grad_nonzero & ~self._weights_moved).nonzero().flatten().tolist()[:64]
+            record.never_updated = never
+            if self.state is not None and never:
+                held = self.state.optimizer_holds([self._params[i] for i in never])
+                record.never_updated_held = sum(h for h, _ in held)
+                record.never_updated_zero_lr = sum(z for _, z in held)
         if self.state is not None:
             record.state_log = list(self.state.log)
             record.unregistered = list(self.state.unregistered)

@@ -189,6 +189,12 @@ class StateScan:
             self.log.append({"step": step, **entry})
         self._last = entry
 
+    def optimizer_holds(self, tensors: list[torch.Tensor]) -> list[tuple[bool, bool]]:
+        """Per tensor: (the observed optimizer holds it, in a param group whose learning rate is 0 now)."""
+        opt = self._optimizer() if self._optimizer is not None else None
+        rates = {id(p): g.get("lr") for g in opt.param_groups for p in g["params"]} if opt is not None else {}
+        return [(id(t) in rates, id(t) in rates and rates[id(t)] == 0) for t in tensors]
+
     def _stepped(self) -> set[int]:
         """The tensors the observed optimizer steps (empty: none known yet); its learning rates noted."""
         opt = self._optimizer() if self._optimizer is not None else None
