@@ -190,7 +190,8 @@ def never_updated(
     if not held:
         cause = (
             f"{opt} does not hold them, and no other optimizer moved them: the script built it "
-            "over a subset of the model's parameters."
+            "over a subset of the model's parameters. If a later phase adds them to an optimizer (a curriculum, "
+            "`add_param_group`), nothing is wrong; until then they cost a gradient at every step."
         )
         fix = (
             "build the optimizer over every parameter that should train (`model.parameters()`), or set "
