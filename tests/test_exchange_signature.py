@@ -19,12 +19,12 @@ from ddp_doctor.exchange import simulate
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "03ea40ace49e174f",
-    "odd-70": "7bccb5342986bc0a",
-    "infos-differ-3": "d9dd4cc06cee59f2",
-    "edited-2": "73454b55451ecbc2",
-    "inferred-2": "619a78616d0de52e",
-    "clean-1": "ac086af82b03cbcf",
+    "seeded-6": "ea17772c9b360170",
+    "odd-70": "c7f70f976dba9556",
+    "infos-differ-3": "d7461217227238d0",
+    "edited-2": "9acfc4a7badd33fd",
+    "inferred-2": "040bec29e789adb3",
+    "clean-1": "42ca35e7c396cd8f",
 }
 
 

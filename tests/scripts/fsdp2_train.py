@@ -98,6 +98,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--save", default="")
     parser.add_argument("--save-dir", default=".")
+    parser.add_argument("--hooks-file", default="", help="rank 0 writes the root's forward hooks at each step here")
     args = parser.parse_args()
     mistakes = set(args.mistake.split(","))  # several at once: "accumulate,eval-every"
     dist.init_process_group("gloo")
@@ -161,6 +162,9 @@ if __name__ == "__main__":
         if head_opt is not None:
             head_opt.step()
             head_opt.zero_grad()
+        if args.hooks_file and rank == 0:
+            with open(args.hooks_file, "a") as f:
+                f.write(f"{_step} {len(model._forward_hooks)}\n")
         if _step >= 2 and ("sched-every" in mistakes or "sched-rank0" in mistakes and rank == 0):
             sched.step()
         if _step == 2 and ("log-every" in mistakes or "log-rank0" in mistakes and rank == 0):
