@@ -166,11 +166,15 @@ def measure(quick: bool = False) -> tuple[list[dict[str, Any]], list[str]]:
                 fake = {**base, "how": "fake group", **fake_row(world, n, mistakes)}
                 if world in REAL:
                     real = {**base, "how": "real gloo", **real_row(world, n, mistakes)}
-                    same = ("sent", "received", "collectives", "codes")
+                    same = ("sent", "received", "collectives")
                     assert all(real[k] == fake[k] for k in same), (real, fake)
+                    # The fake backend moves no values (FSDP2's reduce-scatter leaves its output as it found it):
+                    # whether weights moved is not a fact there, so training-stalled may differ; nothing else may.
+                    valued = {"training-stalled"}
+                    assert set(real["codes"]) - valued == set(fake["codes"]) - valued, (real, fake)
                     checks.append(
                         f"W={world}, {n} tensors, {job}: the fake group moved the same bytes in the same "
-                        f"{real['collectives']} collectives as the gloo group, and found the same codes"
+                        f"{real['collectives']} collectives as the gloo group, and found the same codes but training-stalled (a fact of values, which the fake backend does not move)"
                     )
                     if world in WORLDS:
                         rows.append(real)
