@@ -1,5 +1,5 @@
 """Overhead of observe(): observed steps and steps after the context exited, against unobserved DDP; and the same
-for a model sharded with FSDP2 (`--parallelism both`, the default: issue 34 asks FSDP2's within 1.2x of DDP's).
+for a model sharded with FSDP2 (`--parallelism both`, the default; the goal: FSDP2's within 1.2x of DDP's).
 
 Run under torchrun (``python -m benchmarks`` does that). Three identical models of each kind train side by side in
 one process per rank (DDP; with FSDP2, `fully_shard` on every block and the root); every round times one step of

@@ -1,4 +1,4 @@
-"""What `ddp-doctor check` costs an FSDP2 job, against what it costs a DDP job (issue 34: within 1.2x).
+"""What `ddp-doctor check` costs an FSDP2 job, against what it costs a DDP job (the goal: within 1.2x).
 
 Four commands, interleaved in rounds so that machine drift hits them alike: plain `torchrun` and `check` on
 examples/clean.py (DDP), and plain `torchrun` and `check` on tests/scripts/fsdp2_train.py (FSDP2, every block and

@@ -65,9 +65,9 @@ class Code(_Name):
     GRADS_REDUCED_TWICE = "grads-reduced-twice"
     REPLICAS_DIFFER_AT_WRAP = "replicas-differ-at-wrap"
     WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER = "weights-changed-outside-optimizer"
-    # The fourth round (issue #32): gradients that DDP synchronized, changed on some ranks before the step.
+    # Gradients that DDP synchronized, changed on some ranks before the step.
     GRADS_CHANGED_AFTER_SYNC = "grads-changed-after-sync"
-    # Issue #27 (what happens at wrap and at epoch ends):
+    # What happens at wrap and at epoch ends:
     PARAM_SHAPES_DIFFER = "param-shapes-differ"
     CHECKPOINT_SAME_PATH = "checkpoint-same-path"
     CHECKPOINT_MODULE_PREFIX = "checkpoint-module-prefix"
@@ -75,7 +75,7 @@ class Code(_Name):
     # Where the step time goes (measurements on this machine):
     INPUT_BOUND = "input-bound"
     STRAGGLER_RANK = "straggler-rank"
-    # Issue #32 (never confidently wrong):
+    # Backward passes that differ across ranks:
     BACKWARD_PASSES_DIFFER = "backward-passes-differ"
     # Data parallelism beyond DDP: FSDP2 (`fully_shard`).
     OPTIMIZER_PARAMS_REPLACED = "optimizer-params-replaced"
