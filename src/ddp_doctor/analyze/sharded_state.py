@@ -5,6 +5,8 @@ the optimizer step (`grads-changed-after-sync`). Pure: the agreed facts (`Sharde
 
 from __future__ import annotations
 
+from functools import partial
+
 from ddp_doctor.analyze.common import with_more
 from ddp_doctor.analyze.moves import never_updated, stalled
 from ddp_doctor.analyze.optimizer_settings import settings_apart
@@ -197,26 +199,19 @@ def replica_state(run: ShardedRun) -> list[Finding]:
       head.weight sums to -1.407930 (-1.468885 with every rank back in train mode).
     """
     parallelism = parallelism_of(run.sharding)
+    fix = (
+        "set every optimizer hyperparameter identically on every rank (an LR scheduler stepped on some ranks only "
+        "does this: step it on every rank)."
+    )
     found = []
-    if (apart := run.settings_apart) is not None:
-        held = {int(r): v for r, v in apart["held"].items()}
-        finding = settings_apart(
-            step=apart["step"],
-            held=held,
-            reference=apart["reference"],
-            ranks=sorted({apart["reference"], *apart["ranks"]}),
-            parallelism=parallelism,
-            fix="set every optimizer hyperparameter identically on every rank (an LR scheduler stepped on some "
-            "ranks only does this: step it on every rank).",
-        )
-        found.append(with_more(finding, apart["more"]))
-    if (apart := run.modes_apart) is not None:
-        finding = modes_apart(
-            step=apart["step"],
-            held={int(r): v for r, v in apart["held"].items()},
-            reference=apart["reference"],
-            ranks=sorted({apart["reference"], *apart["ranks"]}),
-            parallelism=parallelism,
-        )
-        found.append(with_more(finding, apart["more"]))
+    for apart, build in ((run.settings_apart, partial(settings_apart, fix=fix)), (run.modes_apart, modes_apart)):
+        if apart is not None:
+            finding = build(
+                step=apart["step"],
+                held={int(r): v for r, v in apart["held"].items()},
+                reference=apart["reference"],
+                ranks=sorted({apart["reference"], *apart["ranks"]}),
+                parallelism=parallelism,
+            )
+            found.append(with_more(finding, apart["more"]))
     return found

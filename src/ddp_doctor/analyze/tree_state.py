@@ -130,15 +130,15 @@ _MODES_APART = {
 def modes_apart(
     *, step: int, held: dict[int, dict[str, Any]], reference: int, ranks: list[int], parallelism: str
 ) -> Finding:
-    """`replica-divergence` (a warning) from train/eval modes at `step`, for every parallelism: `held` maps ranks to their modes entry (`training`,
-    `other_mode`, `other_mode_count`), `reference` first."""
+    """`replica-divergence` (a warning) from train/eval modes at `step`, for every parallelism: `held` maps ranks
+    to their modes entry (`training`, `other_mode`, `other_mode_count`), `reference` first."""
     said = []
     for r, entry in list(held.items())[:4]:
         mode = "train" if entry.get("training") else "eval"
         other = entry.get("other_mode") or []
         more = entry.get("other_mode_count", 0) - len(other)
         except_ = (
-            f" except {', '.join(o or '(the model)' for o in other)}{f' (+{more} more)' if more > 0 else ''} "
+            f" except {', '.join(other)}{f' (+{more} more)' if more > 0 else ''} "
             f"({'eval' if mode == 'train' else 'train'})"
             if other
             else ""
