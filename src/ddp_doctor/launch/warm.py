@@ -49,6 +49,10 @@ __all__ = [
 FRESH_VAR = "DDP_DOCTOR_FRESH_INTERPRETERS"
 """Set to 1 (by `--fresh-interpreters`, or by the user) to start every rank in a fresh interpreter."""
 _LAUNCH_FILE = "launch.json"
+TORCH_IMPORTS = ("torch._dynamo", "torch.nn.parallel", "torch.distributed.fsdp", "torch.distributed.tensor")
+"""What every data-parallel rank imports after torch: DDP's constructor imports `torch._dynamo` (with sympy, about 1 s
+of CPU), FSDP2 and `replicate` import DTensor. The server imports them once per node instead of once per rank. None
+of them starts a thread, reads a rank's environment variable or touches CUDA when imported."""
 
 
 def fresh_requested(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
@@ -96,8 +100,8 @@ def start_forkserver(entry: str, *, omp_threads: str | None) -> bool:
 
 
 def warm_imports(entry: str) -> list[str]:
-    """What the server imports beside torch before it forks a rank of `entry`: the modules `entry` lists in
-    `WARM_IMPORTS`. Importing is all the server does: no tensor is made, CUDA is never asked about, no thread pool of
+    """What the server imports beside torch before it forks a rank of `entry`: `TORCH_IMPORTS`, then the modules
+    `entry` lists in `WARM_IMPORTS`. Importing is all the server does: no tensor is made, CUDA is never asked about, no thread pool of
     torch's starts. A module that fails to import is left for the rank to meet (and report) as it would in a fresh
     interpreter."""
     import importlib
@@ -105,10 +109,10 @@ def warm_imports(entry: str) -> list[str]:
     try:
         module = importlib.import_module(entry)
     except Exception:  # noqa: BLE001  (see above)
-        return []
+        return list(TORCH_IMPORTS)
     # The rank runs the entry module as __main__ (runpy), which warns when it is imported already.
     sys.modules.pop(entry, None)
-    return list(getattr(module, "WARM_IMPORTS", ()))
+    return [*TORCH_IMPORTS, *getattr(module, "WARM_IMPORTS", ())]
 
 
 def _fork_server(args: list[str], keep: list[int], launcher: int, spawn: Any) -> int:
