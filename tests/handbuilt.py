@@ -1,9 +1,14 @@
-"""The small model the exchange's tests build records for by hand: five parameters (the last ignored by DDP) and a
-BatchNorm buffer, so every round of the exchange has something to carry."""
+"""The small models the exchange's tests build records for by hand. DDP's: five parameters (the last ignored by DDP)
+and a BatchNorm buffer, so every round of the exchange has something to carry. A sharded job's (`sharded_record`):
+six parameters, two of them outside every sharded group, and three buffers."""
 
 from __future__ import annotations
 
+import torch
+
 from ddp_doctor.core.records import ModelInfo
+from ddp_doctor.core.sharded_run import INPUT_STEPS
+from ddp_doctor.exchange.sharded_protocol import NOBODY, SLOTS, ShardedRecord
 
 NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight", "norm.weight"]
 P = len(NAMES)
@@ -23,3 +28,56 @@ def model_info(**overrides) -> ModelInfo:
     }
     base.update(overrides)
     return ModelInfo(**base)
+
+
+PARAMS, UNSHARDED, BUFFERS, STEPS = 6, 2, 3, 8
+
+
+def sharded_record(
+    rank: int,
+    *,
+    settings_odd: tuple[int, ...] = (),
+    saver: int | None = None,
+    unsharded_odd: tuple[int, ...] = (),
+    own_s: float = 0.010,
+) -> ShardedRecord:
+    """A rank of a sharded job with 6 parameters (2 outside every sharded group) and 3 buffers, 8 observed steps:
+    the ranks in `settings_odd` hold other optimizer settings from step 2 on, `saver` alone saves shards, the
+    ranks in `unsharded_odd` hold another copy of the first unsharded parameter, each rank reads its own batches."""
+    slots: dict[str, float] = dict.fromkeys(SLOTS, 0.0)
+    saved = rank == saver
+    slots.update(
+        unsharded=UNSHARDED,
+        buffers=BUFFERS,
+        changed=1,
+        saved=saved,
+        saver=rank if saved else NOBODY,
+        path=1234 if saved else -1,
+        grad_steps=STEPS,
+        params=PARAMS,
+        gathers=4,
+        timed_steps=STEPS,
+        comm_timed=1,
+        own_s=own_s,
+    )
+    grads = torch.ones(PARAMS, 3)
+    grads[5] = 0.0  # the last parameter never gets a gradient
+    unsharded = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
+    if rank in unsharded_odd:
+        unsharded[0, 1] += 0.5
+    steps = torch.zeros(INPUT_STEPS, 11, dtype=torch.float64)
+    held = []
+    for k in range(STEPS):
+        apart = rank in settings_odd and k >= 2
+        steps[k] = torch.tensor([rank + k, 1.0, 1.0, 1.0, 1.0, 4.0, 0.0, 1.0, 99.0 if apart else 7.0, 5.0, 1.0])
+        held.append((99.0 if apart else 7.0, f"lr={0.5 if apart else 0.1}", 5.0, "model: train"))
+    return ShardedRecord(
+        slots=slots,
+        grads=grads,
+        unsharded=unsharded,
+        buffers=torch.zeros(BUFFERS, 3, dtype=torch.float64),
+        steps=steps,
+        held=held,
+        saved={"shown": "model.state_dict()", "site": "train.py:40", "shards": [4, 8]} if saved else None,
+        clock={"own_s": own_s, "own_q1_s": own_s, "own_q3_s": own_s, "wait_s": 0.001, "comm_s": 0.002},
+    )

@@ -11,10 +11,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from handbuilt import P, model_info
+from handbuilt import P, model_info, sharded_record
 
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
 from ddp_doctor.exchange import simulate
+from ddp_doctor.exchange.sharded_protocol import sharded_protocol
 
 STEPS = 4
 
@@ -128,10 +129,49 @@ def signature(name: str) -> str:
     return hashlib.sha256(json.dumps(sent).encode()).hexdigest()[:16]
 
 
+SHARDED = {
+    "sharded-clean-3": ({}, "c069fe5c604a70aa"),
+    "sharded-mistakes-6": (
+        {"settings_odd": (2, 5), "saver": 4, "unsharded_odd": (1,), "own_s": 0.02},
+        "da43b971a937f9f9",
+    ),
+}
+"""A sharded job's exchange (FSDP2, `replicate`): each scenario's mistakes (`handbuilt.sharded_record`) and the
+signature recorded for it."""
+
+
+def _traced(gen, sent: list):
+    reply = None
+    while True:
+        try:
+            op, t = gen.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        sent.append((op, str(t.dtype), tuple(t.shape), hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()))
+        reply = yield op, t
+
+
+def sharded_signature(name: str) -> str:
+    """sha256 over the sequence of (op, dtype, shape) and every rank's bytes of the sharded exchange."""
+    mistakes, _ = SHARDED[name]
+    world = int(name.rsplit("-", 1)[1])
+    sent: list[list] = [[] for _ in range(world)]
+    simulate.lockstep(
+        [_traced(sharded_protocol(sharded_record(w, **mistakes), rank=w, world=world), sent[w]) for w in range(world)]
+    )
+    return hashlib.sha256(json.dumps(sent).encode()).hexdigest()[:16]
+
+
 @pytest.mark.parametrize("name", list(RECORDED))
 def test_every_rank_sends_the_recorded_bytes(name: str) -> None:
     assert signature(name) == RECORDED[name]
 
 
+@pytest.mark.parametrize("name", list(SHARDED))
+def test_every_rank_of_a_sharded_job_sends_the_recorded_bytes(name: str) -> None:
+    assert sharded_signature(name) == SHARDED[name][1]
+
+
 if __name__ == "__main__":
     print({name: signature(name) for name in RECORDED})
+    print({name: sharded_signature(name) for name in SHARDED})

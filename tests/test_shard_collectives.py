@@ -1,4 +1,4 @@
-"""The sharded report's naming of ranks whose copy differs (`exchange/shard_collectives.held_apart`), on real gloo
+"""The sharded report's naming of ranks whose copy differs (`exchange/sharded_protocol.held_apart`), on real gloo
 groups of 4 ranks: the most common copy is the reference (the lowest rank on a tie), the others are named, and what
 the reference rank and the first other rank hold reaches every rank."""
 
@@ -12,9 +12,11 @@ from dist import run_ranks
 def _apart(rank: int, world: int, digests: list[int]) -> dict:
     import torch
 
-    from ddp_doctor.exchange.shard_collectives import held_apart
+    from ddp_doctor.exchange.drive import drive
+    from ddp_doctor.exchange.sharded_protocol import held_apart
 
-    return held_apart(float(digests[rank]), f"copy {digests[rank]} of rank {rank}", torch.device("cpu"))
+    steps = held_apart(float(digests[rank]), f"copy {digests[rank]} of rank {rank}", rank=rank, world=world)
+    return drive(steps, group=None, device=torch.device("cpu"))
 
 
 def test_the_most_common_copy_is_the_reference_and_the_others_are_named(tmp_path: Path) -> None:

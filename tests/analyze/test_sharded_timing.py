@@ -12,6 +12,7 @@ from dist import run_ranks
 from ddp_doctor.analyze.sharded import sharded_compared, sharded_unchecked
 from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
 from ddp_doctor.core.sharded_run import ShardedRun
+from ddp_doctor.exchange.drive import drive
 from ddp_doctor.exchange.primitives import minmax
 from ddp_doctor.exchange.timing import slowest_rank
 
@@ -127,7 +128,7 @@ def _slowest(rank: int, world: int, owns: list[float]) -> dict | None:
     mine = {"own_s": own, "own_q1_s": own * 0.9, "own_q3_s": own * 1.1, "wait_s": own / 2, "comm_s": 0.3 - own / 3}
     slots = ("comm_timed", "timed_steps", "own_s")
     top, low = (dict(zip(slots, r.tolist())) for r in minmax(torch.tensor([1.0, 7.0, own]), None, torch.device("cpu")))
-    return slowest_rank(mine, top, low, torch.device("cpu"))
+    return drive(slowest_rank(mine, top, low, rank=rank), group=None, device=torch.device("cpu"))
 
 
 def test_four_ranks_name_the_slowest_and_bound_the_others_by_their_worst(tmp_path) -> None:

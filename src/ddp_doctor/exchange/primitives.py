@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +21,11 @@ import torch.distributed as dist
 from ddp_doctor.core.compat import default_store
 from ddp_doctor.core.errors import RankMismatchError, ReportTimeoutError
 from ddp_doctor.core.ranks import named_ranks
+from ddp_doctor.exchange.drive import drive
 from ddp_doctor.exchange.oddranks import CANDIDATES, EXAMPLES, name_flagged, odd_ranks, pick
+from ddp_doctor.exchange.packing import Op, Reply
 
-__all__ = ["Headers", "agree", "arrive", "comm_device", "global_ranks", "layout_hash", "minmax"]
+__all__ = ["Headers", "agree", "arrive", "comm_device", "global_ranks", "layout_hash", "minmax", "minmax_rounds"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +46,24 @@ def comm_device(group: dist.ProcessGroup | None, hint: torch.device | None = Non
     return torch.device("cpu")
 
 
-def minmax(
-    values: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Element-wise maximum and minimum of `values` over the ranks of `group`, in one all_reduce. Collective.
+def minmax_rounds(values: torch.Tensor) -> Generator[Op, Reply, tuple[torch.Tensor, torch.Tensor]]:
+    """Element-wise maximum and minimum of `values` over the ranks, in one MAX of ``[values, -values]``.
 
     `values` must have the same shape and dtype on every rank, and be finite (map NaN/inf first).
 
     Returns:
         ``(max, min)``, CPU tensors shaped like `values`, identical on every rank.
     """
-    both = torch.cat([values.reshape(-1), -values.reshape(-1)]).to(device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    both = both.cpu()
+    got = yield ("max", torch.cat([values.reshape(-1), -values.reshape(-1)]))
     n = values.numel()
-    return both[:n].reshape(values.shape), (-both[n:]).reshape(values.shape)
+    return got.tensor[:n].reshape(values.shape), (-got.tensor[n:]).reshape(values.shape)
+
+
+def minmax(
+    values: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`minmax_rounds` over `group`: one all_reduce. Collective."""
+    return drive(minmax_rounds(values), group=group, device=device)
 
 
 def global_ranks(group: dist.ProcessGroup | None, group_ranks: Iterable[int]) -> list[int]:

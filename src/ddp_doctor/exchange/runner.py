@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ddp_doctor.core.records import ModelInfo, RankRecord
 from ddp_doctor.core.summary import Summary, Volume
-from ddp_doctor.exchange.packing import Reply
+from ddp_doctor.exchange.drive import drive
 from ddp_doctor.exchange.primitives import agree, global_ranks
 from ddp_doctor.exchange.primitives import arrive as group_arrive
 from ddp_doctor.exchange.protocol import protocol
@@ -84,17 +84,7 @@ def exchange(
     world = dist.get_world_size(group)
     volume = Volume()
     steps = protocol(record, info, rank=dist.get_rank(group), world=world)
-    request = next(steps)
-    while True:
-        op, local = request
-        volume.add(op, local)
-        buf = local.to(device)
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
-        try:
-            request = steps.send(Reply(buf.cpu()))
-        except StopIteration as stop:
-            summary: Summary = stop.value
-            break
+    summary = drive(steps, group=group, device=device, volume=volume)
     summary.volume = volume
     if not whole:  # a copy: the caller's ModelInfo may be the summary's
         ranks = global_ranks(group, range(world))

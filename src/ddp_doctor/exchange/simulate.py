@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import gc
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from typing import TypeVar
 
 import torch
 
 from ddp_doctor.core.records import ModelInfo, RankRecord
 from ddp_doctor.core.summary import Summary, Volume
 from ddp_doctor.exchange import packing
-from ddp_doctor.exchange.packing import Reply
+from ddp_doctor.exchange.packing import Op, Reply
 from ddp_doctor.exchange.protocol import protocol
 
-__all__ = ["summarize"]
+__all__ = ["lockstep", "summarize"]
+
+T = TypeVar("T")
 
 
 def summarize(info: ModelInfo, records: Sequence[RankRecord], *, infos: Sequence[ModelInfo] | None = None) -> Summary:
@@ -50,14 +53,24 @@ def summarize(info: ModelInfo, records: Sequence[RankRecord], *, infos: Sequence
 
 def _run(info: ModelInfo, records: Sequence[RankRecord], infos: Sequence[ModelInfo] | None) -> Summary:
     world = len(records)
-    gens = [protocol(r, infos[w] if infos else info, rank=w, world=world) for w, r in enumerate(records)]
+    result, volume = lockstep(
+        [protocol(r, infos[w] if infos else info, rank=w, world=world) for w, r in enumerate(records)]
+    )
+    result.volume = volume
+    return result
+
+
+def lockstep(gens: Sequence[Generator[Op, Reply, T]]) -> tuple[T, Volume]:
+    """Run every rank's rounds (`gens[w]` is group rank w's) in lockstep, each collective's result computed as the
+    reduction computes it, and return what rank 0's returns, with the bytes one rank sent. Every collective is
+    checked to have the same op and shape on every rank, and every rank to end at the same one."""
+    world = len(gens)
     volume = Volume()
     reply: Reply | None = None
     while True:
         acc: torch.Tensor | None = None
         op0: str | None = None
-        result: Summary | None = None
-        ended = 0
+        ended, result = 0, None
         for w, g in enumerate(gens):
             try:
                 op, t = next(g) if reply is None else g.send(reply)
@@ -69,7 +82,7 @@ def _run(info: ModelInfo, records: Sequence[RankRecord], infos: Sequence[ModelIn
             if acc is None:
                 op0, acc = op, t.clone()
             else:
-                assert op == op0 and t.shape == acc.shape, (
+                assert op == op0 and t.shape == acc.shape and t.dtype == acc.dtype, (
                     f"rank {w} issued {op} {tuple(t.shape)} where rank 0 issued {op0} {tuple(acc.shape)}"
                 )
                 if op == "sum":
@@ -78,9 +91,7 @@ def _run(info: ModelInfo, records: Sequence[RankRecord], infos: Sequence[ModelIn
                     torch.maximum(acc, t, out=acc)
         if ended:
             assert ended == world, "ranks ended the exchange at different collectives"
-            assert result is not None
-            result.volume = volume
-            return result
+            return result, volume  # type: ignore[return-value]
         assert op0 is not None and acc is not None
         volume.add(op0, acc)
         reply = Reply(acc)

@@ -9,11 +9,10 @@ from collections.abc import Generator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ddp_doctor.core.records import RankRecord
 from ddp_doctor.exchange.packing import Op, Reply, SumRound, order_key, unkey
-from ddp_doctor.exchange.primitives import minmax
+from ddp_doctor.exchange.primitives import minmax_rounds
 
 __all__ = ["medians", "medians_over_ranks", "slowest_rank"]
 
@@ -95,8 +94,8 @@ def medians_over_ranks(
 
 
 def slowest_rank(
-    mine: dict[str, Any] | None, top: dict[str, float], low: dict[str, float], device: torch.device
-) -> dict[str, Any] | None:
+    mine: dict[str, Any] | None, top: dict[str, float], low: dict[str, float], *, rank: int
+) -> Generator[Op, Reply, dict[str, Any] | None]:
     """For a sharded model's steps timed on CPU (`observation/step_clock.py`; `mine`: this rank's `StepClock.stats`,
     None where no clock ran): when every rank timed its steps and its collectives, and some rank's own work is the
     longest (from the reduced `StepClock.slots`: MAX in `top`, MIN in `low`), one more fixed-shape min/max that names that rank and gives its
@@ -104,11 +103,10 @@ def slowest_rank(
     ranks, the longest
     median and third quartile of own work and wait between steps, and the shortest median time in collectives (the
     bounds `straggler-rank` needs, whatever the world size).
-    Collective whenever it does not return None; every rank decides alike from the reduced figures. None also when
-    two ranks tie as the slowest."""
+    Yields one collective whenever it does not return None; every rank decides alike from the reduced figures. None
+    also when two ranks tie as the slowest."""
     if mine is None or low["comm_timed"] < 1 or low["timed_steps"] < 2 or top["own_s"] <= low["own_s"]:
         return None
-    rank = dist.get_rank()
     slow = torch.tensor(mine["own_s"], dtype=torch.float32).item() == top["own_s"]  # as the reduction held it
     far = float(2**24)  # above any rank and any time in seconds, exact in float32
     values = [
@@ -117,7 +115,7 @@ def slowest_rank(
         *((mine["own_q1_s"], mine["own_q3_s"], mine["wait_s"], mine["comm_s"]) if slow else (0.0, 0.0, 0.0, 0.0)),
         *((0.0, 0.0, 0.0, far) if slow else (mine["own_s"], mine["own_q3_s"], mine["wait_s"], mine["comm_s"])),
     ]
-    high, least = minmax(torch.tensor(values, dtype=torch.float64), None, device)
+    high, least = yield from minmax_rounds(torch.tensor(values, dtype=torch.float64))
     if least[0] != high[1]:
         return None  # two ranks tie as the slowest
     return {

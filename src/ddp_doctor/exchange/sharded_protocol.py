@@ -1,0 +1,250 @@
+"""One rank's side of a sharded model's exchange (FSDP2, `replicate`): the rounds in order, what each puts in and
+reads back, from the rank's `ShardedRecord`. `drive` runs them over the process group, `simulate.lockstep` for every
+rank in one process.
+
+| round | collectives | puts | reads back |
+|---|---|---|---|
+| slots | MAX | `SLOTS`: counts, flags, a saved file's path digest, the step clock's figures | `top`, `low` |
+| gradients | MAX, when every rank saw a step with sync on and as many parameters | per parameter: a gradient, a nonzero one, moved | `grads` |
+| unsharded | MAX, when every rank has as many | the unsharded parameters' fingerprints | `unsharded_differ` |
+| buffers | MAX, when every rank has as many | the buffers' fingerprints, changed since the first step | `buffers_*` |
+| steps | MAX | per observed step: inputs, gradient scale and norm, settings and modes digests | `per_step` |
+| apart | `oddranks` rounds, 2 SUMs, per digest that differs | the settings' or modes' digest, then what two ranks hold | `settings_apart`, `modes_apart` |
+| saves | SUM, SUM, SUM, when some rank saved shards | who saved, then what the first saver wrote | `shard_save` |
+| slowest | MAX, when a rank's own work is the longest | the step clock's quartiles | `slowest` |
+
+Every collective's op and shape depend on the slots' reduced values and earlier results only, never on local data.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddp_doctor.core.sharded_run import INPUT_STEPS, SCALE_TOLERANCE
+from ddp_doctor.exchange.oddranks import odd_ranks_rounds
+from ddp_doctor.exchange.packing import Op, Reply, from_words, to_words
+from ddp_doctor.exchange.primitives import minmax_rounds
+from ddp_doctor.exchange.timing import slowest_rank
+
+__all__ = [
+    "NOBODY",
+    "SLOTS",
+    "STEP_COLUMNS",
+    "ShardedRecord",
+    "ShardedReduced",
+    "count_and_first",
+    "held_apart",
+    "sharded_protocol",
+]
+
+SLOTS = (
+    "unsharded",
+    "buffers",
+    "sync_off",
+    "changed",
+    "saved",
+    "saver",
+    "path",
+    "grad_steps",
+    "params",
+    "low_reduces",
+    "low_abs",
+    "low_rel",
+    "gathers",
+    "unsharded_changed",
+    "waiting",
+    "timed_steps",
+    "wait_s",
+    "step_s",
+    "comm_timed",
+    "own_s",
+    "gpu_timed",
+)
+"""What every rank puts in the first MAX, in this order (float32: each value exact in it)."""
+NOBODY = 2**24
+"""The `saver` slot of a rank that saved no shards (above any rank, exact in float32)."""
+STEP_COLUMNS = 11
+"""The per-step table's columns: inputs (fingerprint, fingerprint, seen), gradient scale (ratio, seen), gradient norm
+(squared, nonfinite, seen), settings digest, modes digest, seen."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardedRecord:
+    """What one rank of a sharded model puts into the exchange, measured on that rank (`sharded_report.py`)."""
+
+    slots: dict[str, float]
+    """Its figures, by `SLOTS` name."""
+    grads: torch.Tensor | None = None
+    """float32[P, 3], per parameter of the model: it had a gradient at a step with sync on, a nonzero one, its
+    weights moved since the first observed step. None where no such step was seen."""
+    unsharded: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.float64))
+    """float64[U, 2]: the fingerprints of the parameters outside every sharded group (NaN as 0)."""
+    buffers: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 3, dtype=torch.float64))
+    """float64[B, 3]: each buffer's fingerprint (NaN as 0) and whether it changed since the first observed step."""
+    steps: torch.Tensor = field(default_factory=lambda: torch.zeros(INPUT_STEPS, STEP_COLUMNS, dtype=torch.float64))
+    """float64[INPUT_STEPS, STEP_COLUMNS]: the first observed steps' measures (`STEP_COLUMNS`)."""
+    held: list[tuple[float, Any, float, Any]] = field(default_factory=list)
+    """Per observed step: the optimizer settings' digest and text, the modules' modes digest and first entry."""
+    saved: dict[str, Any] | None = None
+    """What this rank's first save of shards wrote (`shown`, `site`, `shards`); None where it saved none."""
+    clock: dict[str, Any] | None = None
+    """Its step clock's figures (`StepClock.stats`); None where no clock ran."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardedReduced:
+    """What every rank reads back from `sharded_protocol`, identical on every rank."""
+
+    top: dict[str, float]
+    low: dict[str, float]
+    grads: torch.Tensor | None
+    """The MAX of every rank's `ShardedRecord.grads`; None when some rank saw no step with sync on, or the ranks
+    hold different numbers of parameters."""
+    unsharded_differ: list[bool]
+    unsharded_gap: float
+    buffers_differ: list[bool]
+    buffers_moved: list[bool]
+    per_step: dict[str, Any]
+    """`ShardedRun`'s per-step fields."""
+    shard_save: dict[str, Any]
+    """`ShardedRun`'s `shard_save*` fields ({} where no file holds some ranks' shards only)."""
+    slowest: dict[str, Any] | None
+
+
+def sharded_protocol(record: ShardedRecord, *, rank: int, world: int) -> Generator[Op, Reply, ShardedReduced]:
+    """One rank's side of a sharded model's exchange (group ranks of the default group). Yields collectives,
+    returns the `ShardedReduced`."""
+    high, lowest = yield from minmax_rounds(torch.tensor([float(record.slots[k]) for k in SLOTS]))
+    top, low = ({k: v.item() for k, v in zip(SLOTS, r)} for r in (high, lowest))
+    grads = None
+    if low["grad_steps"] > 0 and top["params"] == low["params"]:
+        mine = record.grads if record.grads is not None else torch.zeros(int(top["params"]), 3)
+        grads, _ = yield from minmax_rounds(mine)
+    differ, gap = [True] * len(record.unsharded), float("inf") if len(record.unsharded) else 0.0
+    if top["unsharded"] == low["unsharded"]:
+        differ, gap = [], 0.0
+        if top["unsharded"] > 0:
+            high, lowest = yield from minmax_rounds(record.unsharded)
+            differ = (high != lowest).any(-1).tolist()
+            gap = float((high - lowest).abs().amax()) if any(differ) else 0.0
+    buffers_differ: list[bool] = []
+    buffers_moved: list[bool] = []
+    if top["buffers"] == low["buffers"] > 0:
+        high, lowest = yield from minmax_rounds(record.buffers)
+        buffers_differ, buffers_moved = (high[:, :2] != lowest[:, :2]).any(-1).tolist(), (high[:, 2] > 0).tolist()
+    per_step = yield from _per_step(record, rank=rank, world=world)
+    shard_save = yield from _shard_save(record.saved, top, low, rank=rank)
+    slowest = yield from slowest_rank(record.clock, top, low, rank=rank)
+    return ShardedReduced(
+        top=top,
+        low=low,
+        grads=grads,
+        unsharded_differ=differ,
+        unsharded_gap=gap,
+        buffers_differ=buffers_differ,
+        buffers_moved=buffers_moved,
+        per_step=per_step,
+        shard_save=shard_save,
+        slowest=slowest,
+    )
+
+
+def _per_step(record: ShardedRecord, *, rank: int, world: int) -> Generator[Op, Reply, dict[str, Any]]:
+    """`ShardedRun`'s per-step fields, from the first `INPUT_STEPS` observed steps, in one MAX: the training inputs'
+    fingerprints (`inputs_*`), the gradient shards' scale from the backward's end to the step (`scale_*`), their
+    norm at the step (`grads_*`), and the digests of the optimizer's settings and of the modules' modes
+    (`settings_apart`, `modes_apart`). Each measure has a presence column: a step counts where every rank measured
+    it."""
+    high, low = yield from minmax_rounds(record.steps)
+    every = range(INPUT_STEPS)
+    seen = [k for k in every if low[k, 2] == 1]
+    scaled = [k for k in every if low[k, 4] == 1]
+    differ = [k for k in scaled if float(high[k, 3]) > float(low[k, 3]) * (1 + SCALE_TOLERANCE)]
+    measured = [k for k in every if low[k, 7] == 1 and high[k, 6] == 0]
+    held = [k for k in every if low[k, 10] == 1]
+    apart = {}
+    for name, column in (("settings_apart", 8), ("modes_apart", 9)):
+        step = next((k for k in held if high[k, column] != low[k, column]), None)
+        apart[name] = None
+        if step is not None:
+            digest, text, modes, entry = record.held[step]
+            digest, shown = (digest, text) if column == 8 else (modes, entry)
+            apart[name] = {"step": step, **(yield from held_apart(float(digest), shown, rank=rank, world=world))}
+    return {
+        "inputs_compared": seen,
+        "inputs_identical": bool(seen) and all(bool((high[k, :2] == low[k, :2]).all()) for k in seen),
+        "scale_steps": scaled,
+        "scale_differ_steps": differ,
+        "scale_spread": math.sqrt(float(high[differ[0], 3]) / float(low[differ[0], 3])) if differ else 1.0,
+        "grads_measured_steps": measured,
+        "grads_zero_steps": [k for k in measured if high[k, 5] == 0],
+        "grads_nonfinite_steps": [k for k in every if high[k, 6] == 1],
+        "state_steps": len(held),
+        **apart,
+    }
+
+
+def held_apart(digest: float, held: Any, *, rank: int, world: int) -> Generator[Op, Reply, dict[str, Any]]:
+    """Once a MAX showed that the ranks' `digest`s differ: the reference copy (the most common digest, the lowest
+    rank on a tie), the ranks holding another one (`oddranks.odd_ranks_rounds`: the lowest few named, the rest
+    counted), and `held` (a small picklable value: a text, an entry) as the reference rank and the first other rank
+    hold it. Its volume does not grow with the world size.
+
+    Returns:
+        `reference` (its rank), `ranks` (the named other ranks), `more` (how many others are not named), `held`
+        ({rank: value} for the reference rank and the first other rank).
+    """
+    [odd] = yield from odd_ranks_rounds(torch.tensor([[digest]], dtype=torch.float64), rank=rank, world=world)
+    shown = yield from _values_of(held, [odd.reference, odd.odd.examples[0]], rank=rank)
+    return {"reference": odd.reference, "ranks": odd.odd.examples, "more": odd.odd.more, "held": shown}
+
+
+def count_and_first(flag: bool, shown: Any, first: int, *, rank: int) -> Generator[Op, Reply, tuple[int, Any]]:
+    """How many ranks set `flag`, and `shown` as rank `first` holds it (a small picklable value: a site, a path,
+    a shape). One SUM of one number, then `_values_of`: the volume does not grow with the world size."""
+    count = yield ("sum", torch.tensor([1.0 if flag else 0.0]))
+    shown_by = yield from _values_of(shown, [first], rank=rank)
+    return int(count.tensor.item()), shown_by[first]
+
+
+def _values_of(value: Any, sources: list[int], *, rank: int) -> Generator[Op, Reply, dict[int, Any]]:
+    """`value` as each rank of `sources` holds it (a small picklable value), on every rank: one SUM of the sources'
+    lengths, one SUM of their bytes (the other ranks add zeros)."""
+    data = pickle.dumps(value)
+    lengths = torch.tensor([len(data) if rank == s else 0 for s in sources], dtype=torch.int64)
+    sizes = (yield ("sum", lengths)).tensor.tolist()
+    words = -(-max(sizes) // 8)
+    rows = torch.zeros(len(sources), words, dtype=torch.int64)
+    for i, s in enumerate(sources):
+        if rank == s:
+            rows[i] = to_words(data, words)
+    got = (yield ("sum", rows)).tensor
+    return {s: pickle.loads(from_words(got[i], sizes[i])) for i, s in enumerate(sources)}  # noqa: S301  (the ranks' own bytes)
+
+
+def _shard_save(
+    saved: dict[str, Any] | None, top: dict[str, float], low: dict[str, float], *, rank: int
+) -> Generator[Op, Reply, dict[str, Any]]:
+    """Whether sharded state went to a file that holds some ranks' shards only: saved by some ranks, or by every
+    rank to one path. Then how many ranks saved, and what the first of them wrote (its line, its file, a
+    parameter's shard shape). `ShardedRun`'s `shard_save*` fields."""
+    if top["saved"] == 0:
+        return {}
+    every, one_path = low["saved"] == 1, top["path"] == low["path"]
+    if every and not one_path:
+        return {}  # each rank its own file of its own shards: a per-rank sharded checkpoint
+    first = int(low["saver"])
+    shown = None if saved is None else {k: saved[k] for k in ("shown", "site", "shards")}
+    count, shown = yield from count_and_first(saved is not None, shown, first, rank=rank)
+    return {
+        "shard_save": shown,
+        "shard_save_ranks": count,
+        "shard_save_first": first,
+        "shard_save_one_path": every and one_path,
+    }

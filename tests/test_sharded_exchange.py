@@ -1,0 +1,82 @@
+"""The sharded model's exchange (FSDP2, `replicate`: `exchange/sharded_protocol.py`) run for every rank at once by
+the in-process model (`simulate.lockstep`) up to 1,024 ranks, and over a real 4-rank gloo group: the same answers
+both ways, the ranks that differ named whatever the world size, and a volume per rank that does not grow with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist import run_ranks
+from handbuilt import BUFFERS, STEPS, sharded_record
+
+from ddp_doctor.exchange.sharded_protocol import sharded_protocol
+from ddp_doctor.exchange.simulate import lockstep
+
+
+def simulated(world: int, **mistakes: Any) -> tuple[Any, Any]:
+    return lockstep([sharded_protocol(sharded_record(w, **mistakes), rank=w, world=world) for w in range(world)])
+
+
+def test_a_clean_jobs_exchange_costs_each_rank_the_same_from_2_to_1024_ranks() -> None:
+    volumes = {}
+    for world in (2, 64, 1024):
+        got, volume = simulated(world)
+        assert got.grads is not None and got.grads[:, 0].tolist() == [1.0] * 5 + [0.0]
+        assert got.unsharded_differ == [False, False] and got.buffers_differ == [False] * BUFFERS
+        assert got.per_step["inputs_compared"] == list(range(STEPS)) and not got.per_step["inputs_identical"]
+        assert got.per_step["settings_apart"] is None and got.shard_save == {} and got.slowest is None
+        volumes[world] = (volume.sent, volume.collectives)
+    assert volumes[2] == volumes[64] == volumes[1024], volumes
+    assert volumes[1024][0] < 4096  # per rank: the slots, gradient flags, fingerprints and the 16-step table
+
+
+def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
+    mistakes = {"settings_odd": (3, 700), "saver": 5, "unsharded_odd": (1000,)}
+    got, big = simulated(1024, **mistakes)
+    apart = got.per_step["settings_apart"]
+    assert apart == {"step": 2, "reference": 0, "ranks": [3, 700], "more": 0, "held": {0: "lr=0.1", 3: "lr=0.5"}}
+    assert got.per_step["modes_apart"] is None
+    assert got.unsharded_differ == [True, False] and got.unsharded_gap == pytest.approx(0.5)
+    assert got.shard_save == {
+        "shard_save": {"shown": "model.state_dict()", "site": "train.py:40", "shards": [4, 8]},
+        "shard_save_ranks": 1,
+        "shard_save_first": 5,
+        "shard_save_one_path": False,
+    }
+    _, small = simulated(64, settings_odd=(3, 60), saver=5, unsharded_odd=(63,))
+    assert (big.sent, big.collectives) == (small.sent, small.collectives)
+
+
+def test_the_slowest_rank_is_named_among_1024() -> None:
+    world = 1024
+    gens = [
+        sharded_protocol(sharded_record(w, own_s=0.050 if w == 777 else 0.010), rank=w, world=world)
+        for w in range(world)
+    ]
+    got, _ = lockstep(gens)
+    assert got.slowest is not None
+    assert (got.slowest["rank"], got.slowest["steps"]) == (777, STEPS)
+    assert got.slowest["own_s"] == pytest.approx(0.050) and got.slowest["others_own_s"] == pytest.approx(0.010)
+
+
+def _real(rank: int, world: int, mistakes: dict[str, Any]) -> Any:
+    from ddp_doctor.exchange.drive import drive
+
+    got = drive(
+        sharded_protocol(sharded_record(rank, **mistakes), rank=rank, world=world),
+        group=None,
+        device=torch.device("cpu"),
+    )
+    return {k: getattr(got, k) for k in got.__slots__ if k != "grads"}, got.grads.tolist()
+
+
+def test_a_real_gloo_group_reads_back_what_the_model_computes(tmp_path: Path) -> None:
+    mistakes = {"settings_odd": (2,), "saver": 3, "unsharded_odd": (1,)}
+    real = run_ranks(_real, tmp_path, world_size=4, args=(mistakes,), timeout=120)
+    model, _ = simulated(4, **mistakes)
+    expected = ({k: getattr(model, k) for k in model.__slots__ if k != "grads"}, model.grads.tolist())
+    assert all(r == expected for r in real), (real[0], expected)
+    assert expected[0]["per_step"]["settings_apart"]["ranks"] == [2]
