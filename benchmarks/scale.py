@@ -16,7 +16,7 @@ MoE-like (``layers.12.experts.3.w1.weight``). "before" is the all_gather exchang
 packing (`RankRecord.packed_size`): every rank received every rank's record and metadata.
 
 Also measured on real groups: `guard` (creation, a replica comparison, one that finds a divergence) and
-`refreeze`, bytes per rank through every torch.distributed collective they call. And the FSDP2 report's own road
+`refreeze`, bytes per rank through every torch.distributed collective they call. And the FSDP2 report's exchange
 (`benchmarks/sharded_scale.py`, which this runs too): real gloo groups up to 8 ranks, torch's `fake` backend up to
 1,024.
 """

@@ -2,8 +2,8 @@
 
     python -m benchmarks.sharded_scale [--json FILE] [--quick]
 
-The FSDP2 and `replicate` report takes its own road (`doctor/plain_watch.py`, `PlainOptimizerWatch._sharded_report`),
-not the exchange that `benchmarks/scale.py` measures for DDP. Each row runs the real watch on a real FSDP2 model
+The FSDP2 and `replicate` report exchanges its rounds (`exchange/sharded_protocol.py`) over the group; this measures
+them inside a real job, where `benchmarks/scale.py` measures DDP's protocol. Each row runs the real watch on a real FSDP2 model
 (`fully_shard` on every block, the optimizer built after it, 8 observed steps), then counts the bytes this rank hands
 to every `torch.distributed` collective while `report()` runs (`scale._count_bytes`) and times it.
 
@@ -11,7 +11,8 @@ Rows marked *real gloo* ran one process per rank over a real gloo group (a FileS
 are shown. Rows marked *fake group* ran rank 0 alone in a group of W ranks on torch's `fake` backend
 (`torch.testing._internal.distributed.fake_pg`): the same FSDP2 model sharded W ways, the same watch and the same
 collectives, each returning this rank's own values (so every rank "agrees"). At 2, 4 and 8 ranks both ran and are
-compared collective for collective, byte for byte.
+compared collective for collective, byte for byte. The rounds that name ranks apart run at 1,024 ranks in the
+in-process model (`tests/test_sharded_exchange.py`).
 
 Two jobs per size: *clean* (every block and the root sharded, nobody saves shards) and *mistakes* (the head left
 outside every sharded group, and rank 0 alone saving `model.state_dict()`): the second takes every optional round

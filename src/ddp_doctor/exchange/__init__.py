@@ -1,11 +1,15 @@
-"""The check's exchange: what every rank contributes, reduced across the DDP group into one `Summary`.
+"""The check's exchange: what every rank contributes, reduced across the group into one `Summary` (DDP) or one
+`ShardedReduced` (FSDP2, `replicate`).
 
-Every rank runs the same `protocol`, a generator that yields collectives (``("sum" | "max", int64 tensor)``) and
-receives their results; it lists the rounds in order, each in its own module (the table in `protocol.py`). Two
-drivers run it: `runner.exchange` over a real process group (one rank per process), and `summarize`
-(`simulate.py`), which runs every rank's generator in lockstep in one process and computes each collective's result
-as the reduction would (`ddp_doctor.doctor.pipeline.analyze(info, records)` and the scale benchmark use it). Both
-drivers therefore run the same packing and the same local computations. The `Summary` is core's
+Every rank runs the same protocol, a generator that yields collectives (``("sum" | "max", tensor)``) and receives
+their results: `protocol` for a DDP model, whose rounds each have their own module (the table in `protocol.py`), and
+`sharded_protocol.sharded_protocol` for a sharded one (its table is in that module). Two drivers run either:
+`drive.drive` over a real process group (one rank per process; `runner.exchange` for DDP's), and `simulate.lockstep`,
+which runs every rank's generator in one process and computes each collective's result as the reduction would
+(`summarize`, `ddp_doctor.doctor.pipeline.analyze(info, records)`, the scale benchmark and the tests up to 1,024
+ranks use it). Both drivers therefore run the same packing and the same local computations. The small rounds that
+name ranks (`oddranks.py`) and the min/max (`primitives.minmax_rounds`) are written once, as rounds, and driven
+over a group for guard, refreeze and the header checks. The `Summary` is core's
 (`ddp_doctor.core.summary`): the analysis reads it without importing the exchange.
 
 Why the volume does not grow with the world size W: the exchange is made of reductions, never gathers.
