@@ -8,6 +8,11 @@ Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps o
 - `--mistake train-rank0` (a Dropout in the first block; every rank evaluates in eval mode after the third step,
   rank 0 alone calls `model.train()` after): exit code 0, nothing said; rank 1 ends with `training` False and
   head.weight sums to -1.407930, against -1.468885 with every rank back in train mode (`train-every`).
+- `--mistake skip-rank1` (rank 1 alone skips `optimizer.step()` at the third step, as a skip decided from its own
+  loss would): exit code 0, nothing said; the gathered head.weight sums to -1.745120 on both ranks, against
+  -1.496532 when every rank steps (the shards rank 1 holds are one update behind). Under the check, rank 0 reaches
+  the 8th observed step first and waits in the report while rank 1, at its 7th, waits in its next forward's
+  all-gather: the check cannot compare, and names the skip from the counts each rank left.
 """
 
 from __future__ import annotations
@@ -45,3 +50,19 @@ def test_a_scheduler_and_an_evaluation_on_every_rank_are_clean_and_counted(tmp_p
     compared = run.report["compared"]
     # 8 observed steps; the root, two blocks of Linear/ReLU (and the first block's Dropout), the head
     assert (compared["state_steps"], compared["modules"]) == (8, 10), compared
+
+
+def test_a_step_rank_1_alone_skips_is_optimizer_step_skipped_from_the_counts_each_rank_left(tmp_path: Path) -> None:
+    run = _check(tmp_path, "skip-rank1")
+    assert run.rc == 1 and run.codes == {"optimizer-step-skipped"}, run.output
+    f = run.finding("optimizer-step-skipped")
+    assert (f["severity"], f["ranks"]) == ("error", [0, 1]), f
+    measured = {m["name"]: m["value"] for m in f["measured"]}
+    # 8 steps of 2 micro-batches (forwards counted from each rank's first step on): rank 1 skipped one step and
+    # entered one more forward, where it waited for rank 0
+    assert measured == {
+        "optimizer_steps_rank_0": 8,
+        "forwards_rank_0": 14,
+        "optimizer_steps_rank_1": 7,
+        "forwards_rank_1": 15,
+    }, measured

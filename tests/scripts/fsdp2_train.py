@@ -33,6 +33,7 @@
 --mistake train-rank0       a Dropout in the first block; after the third step every rank evaluates in eval mode,
                             and rank 0 alone switches back to train mode
 --mistake train-every       clean: that evaluation, every rank back in train mode
+--mistake skip-rank1        rank 1 alone skips optimizer.step() at the third step (a skip decided from its own loss)
 
 --save (after the third optimizer step, to --save-dir; several at once: "dcp,full"):
   rank0        rank 0 alone: torch.save(model.state_dict(), "ck.pt") (its shards only)
@@ -157,7 +158,8 @@ if __name__ == "__main__":
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(shard) for shard in local]))
             for shard in local:
                 shard.mul_((0.05 / (norm + 1e-6)).clamp(max=1.0))
-        opt.step()
+        if not ("skip-rank1" in mistakes and rank == 1 and _step == 2):
+            opt.step()
         opt.zero_grad()
         if head_opt is not None:
             head_opt.step()

@@ -15,17 +15,25 @@ import torch
 from ddp_doctor.analyze.common import first_differing, meta_sites, steps_of, with_more
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, lines_of
+from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.ranks import rank_list
 
 __all__ = [
     "CAUSES",
+    "SKIP_FIX",
     "grads_changed_after_sync",
     "grads_reduced_twice",
     "optimizer_step_skipped",
+    "sharded_step_skipped",
     "replicas_differ_at_wrap",
     "weights_changed_outside_optimizer",
 ]
+
+SKIP_FIX = (
+    "decide the skip (or the retry) from a value all-reduced across ranks, so every rank takes the same decision: "
+    "flag = torch.tensor(float(skip)); dist.all_reduce(flag, op=dist.ReduceOp.MAX); skip = flag.item() > 0."
+)
+"""The fix of `optimizer-step-skipped`, whatever the parallelism."""
 
 CAUSES = (
     Code.GRADS_CHANGED_AFTER_SYNC,
@@ -73,11 +81,8 @@ def optimizer_step_skipped(v: View) -> list[Finding]:
                 params=[],
                 ranks=skipped.ranks,
                 steps=bad,
-                fix="decide the skip (or the retry) from a value all-reduced across ranks, so every rank takes the "
-                "same decision: "
-                "flag = torch.tensor(float(skip)); dist.all_reduce(flag, op=dist.ReduceOp.MAX); skip = "
-                "flag.item() > 0. (A GradScaler decides from DDP's reduced gradients, alike on every rank, "
-                "unless something edits the gradients per rank after the backward.)",
+                fix=SKIP_FIX + " (A GradScaler decides from DDP's reduced gradients, alike on every rank, unless "
+                "something edits the gradients per rank after the backward.)",
             ),
             skipped.more,
         )
@@ -290,3 +295,41 @@ def weights_changed_outside_optimizer(v: View) -> list[Finding]:
             who.more,
         )
     ]
+
+
+def sharded_step_skipped(
+    skipped: dict[int, tuple[int, int]], ahead: tuple[int, int, int], *, ranks: list[int]
+) -> Finding:
+    """`optimizer-step-skipped` of a sharded model (FSDP2, `replicate`), from each rank's counts when the run
+    failed: `skipped` maps a rank to (its optimizer steps, its forwards through the model), `ahead` is (a rank that
+    took the most steps, its steps, its forwards), all counted from each rank's first step. A rank that ran more
+    forwards (collectives every rank enters in lockstep) and took fewer steps did not call `optimizer.step()` in an
+    iteration where the others did."""
+    first, most, forwards = ahead
+    names = sorted(skipped)
+    counts = "; ".join(f"rank {r}: {n} steps over {f} forwards" for r, (n, f) in sorted(skipped.items())[:4])
+    return Finding(
+        code=Code.OPTIMIZER_STEP_SKIPPED,
+        severity="error",
+        title=f"{rank_list(names)} took fewer optimizer steps than rank {first} over more forwards "
+        f"({most} steps and {forwards} forwards on rank {first})",
+        detail=f"Counted from each rank's first optimizer step, rank {first} took {most} optimizer steps over "
+        f"{forwards} forwards through the sharded model, and {counts}. The forwards all-gather the parameters, so "
+        f"the ranks run them in lockstep: {rank_list(names)} skipped optimizer.step() in an iteration where the "
+        "others stepped (a skip decided from its own loss or gradients), or ran a forward the others did not. "
+        "After a skipped step, the shards those ranks hold missed an update the others' got (each rank's optimizer "
+        "updates its own shards), and the model's parameters mix weights one update apart. The check ends at a "
+        f"count of optimizer steps, which rank {first} reached first: the ranks could not compare what they saw.",
+        ranks=ranks,
+        steps=[],
+        measured=[
+            Measure(f"optimizer_steps_rank_{first}", most, "count"),
+            Measure(f"forwards_rank_{first}", forwards, "count"),
+            *(m for r, (n, f) in sorted(skipped.items())[:4] for m in _rank_counts(r, n, f)),
+        ],
+        fix=SKIP_FIX,
+    )
+
+
+def _rank_counts(rank: int, steps: int, forwards: int) -> tuple[Measure, Measure]:
+    return Measure(f"optimizer_steps_rank_{rank}", steps, "count"), Measure(f"forwards_rank_{rank}", forwards, "count")

@@ -12,7 +12,13 @@ from ddp_doctor.analyze.crashed_ranks import crash_findings
 from ddp_doctor.analyze.following_ends import timeout_fix
 from ddp_doctor.analyze.positions import capped, fault_place, others, short, where
 from ddp_doctor.analyze.shapes import shape_findings
-from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone, ran_out_alone, state_dict_alone
+from ddp_doctor.analyze.sharded_failures import (
+    forward_alone,
+    gather_alone,
+    ran_out_alone,
+    state_dict_alone,
+    step_skipped_alone,
+)
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, lines_of
 from ddp_doctor.core.rankfiles import PHASES, Outcome
@@ -141,6 +147,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
         or gather_alone(states, native)
         or forward_alone(states)
         or state_dict_alone(states, native)
+        or step_skipped_alone(states)
     )
     is_sharded = any(s.sharded for s in states.values())
     mismatch = (sharded or _mismatch(states)) if is_sharded else (_mismatch(states) or sharded)

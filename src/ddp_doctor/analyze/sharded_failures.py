@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddp_doctor.analyze import rules
+from ddp_doctor.analyze.causes import sharded_step_skipped
 from ddp_doctor.analyze.positions import capped, short, where
 from ddp_doctor.analyze.sharded_fixes import gather_fix, save_fix
 from ddp_doctor.core.codes import Code
@@ -30,6 +31,7 @@ __all__ = [
     "gather_alone",
     "ran_out_alone",
     "state_dict_alone",
+    "step_skipped_alone",
 ]
 
 _ON_META = re.compile(r"materialized from meta device before training.*still on meta device: \[([^\]]*)\]", re.S)
@@ -160,6 +162,34 @@ def forward_alone(states: dict[int, RankState]) -> Finding | None:
             "full_state_dict=True, cpu_offload=True))`) and load it into an unsharded copy on rank 0.",
         )
     return None
+
+
+def step_skipped_alone(states: dict[int, RankState]) -> Finding | None:
+    """Some ranks of an FSDP2 model (`fully_shard`) took fewer optimizer steps than others while running more forwards through it
+    (each forward's all-gathers keep the ranks in lockstep): they skipped `optimizer.step()` in some iteration, and
+    the rank with the most steps reached the check's count first. Only when no rank crashed of its own and every
+    rank followed the sharded model (`causes.sharded_step_skipped` says the rest).
+
+    Ground truth, plain torchrun, torch 2.13.0, 2 ranks, 12 AdamW steps (`tests/scripts/fsdp2_train.py --mistake
+    skip-rank1`: rank 1 alone skips the third step): exit 0, nothing said; head.weight (its full tensor) sums to
+    -1.745120 where every rank stepping gives -1.496532. Under the check, rank 0 reaches the 8th step and waits in
+    the report while rank 1, at its 7th, waits in its next forward's all-gather."""
+    # A rank that lost its peer (the others left the run) is no cause of its own. `replicate`'s forward makes no
+    # collective (every rank holds whole parameters): its forwards do not keep the ranks in lockstep.
+    ranks = {
+        r: s
+        for r, s in states.items()
+        if s.sharded and (s.sharding or {}).get("api") == "fully_shard" and (s.raised is None or s.raised.peer_lost)
+    }
+    if len(ranks) < 2 or len(ranks) < len(states):
+        return None
+    most = max(s.step for s in ranks.values())
+    ran = {r: sum(s.forwards.values()) for r, s in ranks.items()}
+    first = min((r for r, s in ranks.items() if s.step == most), key=lambda r: (-ran[r], r))
+    skipped = {r: (s.step, ran[r]) for r, s in ranks.items() if 0 < s.step < most and ran[r] > ran[first]}
+    if not skipped:
+        return None
+    return sharded_step_skipped(skipped, (first, most, ran[first]), ranks=sorted(states))
 
 
 def state_dict_alone(states: dict[int, RankState], native: list[str]) -> Finding | None:
