@@ -55,6 +55,7 @@ def test_a_scheduler_and_an_evaluation_on_every_rank_are_clean_and_counted(tmp_p
 def test_a_step_rank_1_alone_skips_is_optimizer_step_skipped_from_the_counts_each_rank_left(tmp_path: Path) -> None:
     run = _check(tmp_path, "skip-rank1")
     assert run.rc == 1 and run.codes == {"optimizer-step-skipped"}, run.output
+    assert run.report["failed"] is True  # a report from each rank's files: nothing compared across ranks
     f = run.finding("optimizer-step-skipped")
     assert (f["severity"], f["ranks"]) == ("error", [0, 1]), f
     measured = {m["name"]: m["value"] for m in f["measured"]}

@@ -197,3 +197,13 @@ def test_a_sharded_report_says_what_it_compared_with_counts_and_what_it_did_not(
         "Not checked: FSDP2: a save of sharded state after the steps",
     ):
         assert said in words, (said, words)
+
+
+def test_a_failed_run_without_findings_says_nothing_was_compared_in_text_html_and_json() -> None:
+    report = dataclasses.replace(_report([], ddp_config={}), failed=True)
+    words = _words(to_text(report, width=200))
+    assert "No problems found" not in words
+    assert "The run failed before the ranks could compare what they saw: nothing was compared across ranks." in words
+    assert "No problems found" not in check_section(report)
+    data = report.to_dict()
+    assert data["failed"] is True and Report.from_dict(data).failed

@@ -279,6 +279,7 @@ def _failure_report(
         framework=meta.get("framework") or next((s.framework for s in states.values() if s.framework), "torch"),
         ddp_site=meta.get("site") or next((s.wrap.site for s in states.values() if s.wrap and s.wrap.site), None),
         interrupted=interrupted is not None,
+        failed=True,
         parallelism=parallelism_of(sharding),
         sharding=sharding,
     )

@@ -119,6 +119,8 @@ class RunFacts:
     ddp_site: str | None = None
     interrupted: bool = False
     """`ddp-doctor` was stopped by SIGINT / SIGTERM / SIGHUP before the observed steps ended: a partial report."""
+    failed: bool = False
+    """The run failed before the ranks could exchange what they saw: a report from each rank's own files."""
     parallelism: str = "ddp"
     """What keeps the replicas in sync in the observed model: `ddp`, `fsdp2` (`fully_shard`) or `replicate` (the
     FSDP2-based one)."""
@@ -160,6 +162,8 @@ class ReportData:
     ddp_site: str | None = None
     interrupted: bool = False
     """`ddp-doctor` was stopped by SIGINT / SIGTERM / SIGHUP before the observed steps ended: a partial report."""
+    failed: bool = False
+    """The run failed before the ranks could exchange what they saw: a report from each rank's own files."""
     usage_map: UsageMap | None = None
     """Which parameter got a gradient on which rank at which step (JSON key `usage_map`, absent when None)."""
     divergence: Divergence | None = None
@@ -199,6 +203,7 @@ class ReportData:
             framework=facts.framework,
             ddp_site=facts.ddp_site,
             interrupted=facts.interrupted,
+            failed=facts.failed,
             usage_map=diagnosis.usage_map,
             divergence=diagnosis.divergence,
             following=diagnosis.following,
@@ -222,6 +227,7 @@ class ReportData:
             framework=self.framework,
             ddp_site=self.ddp_site,
             interrupted=self.interrupted,
+            failed=self.failed,
             parallelism=self.parallelism,
             sharding=self.sharding,
         )
@@ -257,6 +263,7 @@ class ReportData:
             framework=data.get("framework", "torch"),
             ddp_site=data.get("ddp_site"),
             interrupted=bool(data.get("interrupted", False)),
+            failed=bool(data.get("failed", False)),
             parallelism=data.get("parallelism", "ddp"),
             sharding=data.get("sharding"),
         )
@@ -279,7 +286,10 @@ class ReportData:
     @property
     def clean_line(self) -> str:
         """The sentence of a report without findings: it claims only what was checked, so a sharded model's report
-        (checked for some things only) and one with `unchecked` sentences point below."""
+        (checked for some things only) and one with `unchecked` sentences point below; a failed run compared
+        nothing."""
+        if self.failed:
+            return "The run failed before the ranks could compare what they saw: nothing was compared across ranks."
         if self.compared is not None:
             return "No problems found in what was compared (below)."
         if self.sharding is None and not self.unchecked:
@@ -347,6 +357,8 @@ class ReportData:
             out["unchecked"] = self.unchecked
         if self.compared is not None:
             out["compared"] = self.compared
+        if self.failed:
+            out["failed"] = True
         return out
 
     def to_json(self, **kwargs: Any) -> str:
