@@ -141,7 +141,9 @@ def test_on_gpus_input_bound_decides_on_the_gpus_idle_time_not_the_hosts_wait() 
     d = analyze(cuda, idle)
     f = next(f for f in d.findings if f.code == "input-bound")
     assert "20.0 ms of 25.0 ms" in f.title and f.ranks == [0, 1]
-    assert "the GPU's clock" in f.detail and "GPUs sit idle 20.0 ms" in f.detail
+    measured = {m.name: m.value for m in f.measured}
+    assert measured["data_wait"] == pytest.approx(0.020) and measured["step"] == pytest.approx(0.025)
+    assert "the GPU's clock" in f.detail
     report = Report.build(RunFacts.of_model(cuda, world_size=2, backend="nccl"), d)
     data = json.loads(report.to_json())
     one = data["timing"]["per_rank"][1]

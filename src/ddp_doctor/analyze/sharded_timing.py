@@ -30,7 +30,7 @@ code 0: nothing says the job runs at the pace of its slowest rank.
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.throughput import input_fix, loader_words, straggler_fix, straggles
+from ddp_doctor.analyze.throughput import input_bound_finding, straggler_fix, straggles
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.sharded_run import ShardedRun
@@ -39,39 +39,19 @@ from ddp_doctor.core.steptime import MIN_STEPS
 __all__ = ["sharded_input_bound", "sharded_straggler"]
 
 
-_CLOCKS = {
-    "host": "this machine's clock",
-    "gpu": "the GPU's clock (CUDA events on the model's stream: the GPU idle from a step's end until the forward's "
-    "work reached it)",
-}
-
-
-def _ms(lo: float, hi: float) -> str:
-    return f"{lo * 1e3:.1f} ms" if round(lo * 1e3, 1) == round(hi * 1e3, 1) else f"{lo * 1e3:.1f}-{hi * 1e3:.1f} ms"
-
-
 def sharded_input_bound(run: ShardedRun, ranks: list[int]) -> Finding:
-    """The finding for `run.input_wait` (set)."""
+    """The finding for `run.input_wait` (set): every rank waits, by DDP's words (`throughput.input_bound_finding`)."""
     w = run.input_wait
     assert w is not None
-    (wait_lo, wait_hi), (step_lo, step_hi) = w["wait_s"], w["step_s"]
-    share = wait_lo / step_hi if step_hi > 0 else 1.0
-    loader = w["loader"]
-    name, settings = loader_words(loader)
-    return Finding(
-        code=Code.INPUT_BOUND,
-        severity="warning",
-        title=f"every rank waits for data at least {share:.0%} of each step ({_ms(wait_lo, wait_hi)} of "
-        f"{_ms(step_lo, step_hi)})",
-        detail=f"Measured on {_CLOCKS[w.get('clock', 'host')]} over {w['steps']} steps (the first observed step "
-        f"left out): each rank's median wait between the end of one optimizer step and the next forward is "
-        f"{_ms(wait_lo, wait_hi)}, "
-        f"of a median step of {_ms(step_lo, step_hi)} (the lowest and highest over the ranks). The input comes from "
-        f"{name}" + (f" ({settings})" if settings else "") + ". That time is spent in the loader's __next__ and "
-        "whatever else the loop does between steps; more GPUs will not make the run faster until it shrinks.",
+    return input_bound_finding(
+        who="every rank",
+        clock=w.get("clock", "host"),
+        steps=w["steps"],
+        wait=tuple(w["wait_s"]),
+        step=tuple(w["step_s"]),
+        loader=w["loader"],
+        sites=[w["loader"].get("site") or ""],
         ranks=ranks,
-        steps=[],
-        fix=input_fix(loader.get("num_workers")),
     )
 
 

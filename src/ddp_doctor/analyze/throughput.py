@@ -59,6 +59,7 @@ __all__ = [
     "MIN_WAIT_S",
     "STRAGGLER_RATIO",
     "input_bound",
+    "input_bound_finding",
     "rank_timings",
     "straggler_fix",
     "straggles",
@@ -117,43 +118,80 @@ def input_bound(v: View) -> list[Finding]:
     if not st.measured or 2 * st.waiting <= st.measured or not v.meta(0).get("loaders") or st.waiting_median is None:
         return []
     wait, step = st.waiting_median["data_wait_s"], st.waiting_median["step_s"]
-    share = wait / step if step > 0 else 1.0
-    compute = st.waiting_median["compute_s"]
-    name, settings = _loader_phrase(v)
-    n = st.waiting_steps
-    workers = next((d.get("num_workers") for d in v.meta(0).get("loaders", []) if "num_workers" in d), None)
+    loaders = v.meta(0).get("loaders", [])
     return [
-        Finding(
-            code=Code.INPUT_BOUND,
-            severity="warning",
-            title=f"the ranks wait for data {share:.0%} of each step ({_ms(wait)} of {_ms(step)})",
-            detail=(
-                f"Measured on the GPU's clock over {n} steps (the first observed step left out): {st.waiting} of "
-                f"{st.measured} ranks' GPUs sit idle {_ms(wait)} per step (median, {share:.0%} of the step) from "
-                "the end of one optimizer step until the next forward's work reaches them (CUDA events on the "
-                "model's stream)"
-                if gpu
-                else f"{_MEASURED.format(n=n)}: {st.waiting} of {st.measured} ranks spend {_ms(wait)} per step "
-                f"(median, {share:.0%} of the step) between the end of one step and the next forward, against "
-                f"{_ms(compute)} of forward and backward compute"
-            )
-            + f". The input comes from {name}"
-            + (f" ({settings})" if settings else "")
-            + ". That time is spent in the loader's __next__ and whatever else the loop does between steps; "
-            "adding GPUs will not make the run faster until it shrinks.",
+        input_bound_finding(
+            who=f"{st.waiting} of {st.measured} ranks",
+            clock="gpu" if gpu else "host",
+            steps=st.waiting_steps,
+            wait=(wait, wait),
+            step=(step, step),
+            compute=st.waiting_median["compute_s"],
+            loader=next((x for x in loaders if x.get("batches") is not None), loaders[0]),
+            sites=[d.get("site") or "" for d in loaders],
             ranks=list(st.waiting_ranks or []),
             more_ranks=st.waiting - len(st.waiting_ranks or []),
-            steps=[],
-            fix=input_fix(workers),
-            sites=lines_of(*(d.get("site") or "" for d in v.meta(0).get("loaders", []))),
-            measured=[
-                Measure("data_wait", wait, "s"),
-                Measure("step", step, "s"),
-                Measure("data_wait_share", share, "fraction"),
-                Measure("steps_timed", n, "count"),
-            ],
         )
     ]
+
+
+_CLOCKS = {
+    "host": "this machine's clock",
+    "gpu": "the GPU's clock (CUDA events on the model's stream: the GPU idle from a step's end until the forward's "
+    "work reached it)",
+}
+
+
+def _span(lo: float, hi: float) -> str:
+    """`42.0 ms`, or `40.0-42.0 ms` for the lowest and highest over the ranks."""
+    return _ms(lo) if round(lo * 1e3, 1) == round(hi * 1e3, 1) else f"{lo * 1e3:.1f}-{hi * 1e3:.1f} ms"
+
+
+def input_bound_finding(
+    *,
+    who: str,
+    clock: str,
+    steps: int,
+    wait: tuple[float, float],
+    step: tuple[float, float],
+    loader: dict,
+    sites: list[str],
+    ranks: list[int],
+    more_ranks: int = 0,
+    compute: float | None = None,
+) -> Finding:
+    """`input-bound`, for every parallelism: `who` waits for data (`"every rank"`, `"3 of 4 ranks"`), measured on
+    `clock` (`host` or `gpu`) over `steps` steps; `wait` and `step` are the waiting ranks' median wait and step,
+    as (lowest, highest) over them; `compute` the median forward and backward where DDP's hooks timed it; `loader`
+    the training DataLoader (`dataloaders.describe`), `sites` every loader's line."""
+    (wait_lo, wait_hi), (step_lo, step_hi) = wait, step
+    share = wait_lo / step_hi if step_hi > 0 else 1.0
+    ranged = (wait_lo, step_lo) != (wait_hi, step_hi)
+    name, settings = loader_words(loader)
+    against = f", against {_ms(compute)} of forward and backward compute" if compute is not None else ""
+    return Finding(
+        code=Code.INPUT_BOUND,
+        severity="warning",
+        title=f"{who} wait for data {'at least ' if ranged else ''}{share:.0%} of each step ({_span(wait_lo, wait_hi)} "
+        f"of {_span(step_lo, step_hi)})",
+        detail=f"Measured on {_CLOCKS[clock]} over {steps} steps (the first observed step left out): {who} wait "
+        f"{_span(wait_lo, wait_hi)} per step (median{', the lowest and highest over the ranks' if ranged else ''}) "
+        f"between the end of one optimizer step and the next forward, of a median step of {_span(step_lo, step_hi)}"
+        f"{against}. The input comes from {name}" + (f" ({settings})" if settings else "") + ". That time is spent "
+        "in the loader's __next__ and whatever else the loop does between steps; more GPUs will not make the run "
+        "faster until it shrinks.",
+        ranks=ranks,
+        more_ranks=more_ranks,
+        steps=[],
+        fix=input_fix(loader.get("num_workers")),
+        sites=lines_of(*sites),
+        measured=[
+            Measure("data_wait", wait_lo, "s"),
+            Measure("step", step_hi, "s"),
+            Measure("data_wait_share", share, "fraction"),
+            Measure("steps_timed", steps, "count"),
+        ],
+    )
 
 
 def input_fix(workers: int | None) -> str:

@@ -281,7 +281,7 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.TIMEOUT_RISK, Family.WRAP_AND_EPOCH_ENDS, "error/warning", "following_ends.py failures.py",
          "a rank works alone while the others wait in a collective, long enough to reach the timeout",
          when="error when the projection reaches the timeout, warning at half of it"),
-    _row(Code.INPUT_BOUND, Family.TIMING, "warning", "throughput.py sharded_timing.py",
+    _row(Code.INPUT_BOUND, Family.TIMING, "warning", "throughput.py",
          "the ranks spend a large share of every step waiting for the next batch"),
     _row(Code.STRAGGLER_RANK, Family.TIMING, "warning", "throughput.py sharded_timing.py",
          "one rank is consistently slower and the others wait for it in the gradient all-reduce (or a sharded "
