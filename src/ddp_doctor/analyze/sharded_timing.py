@@ -40,11 +40,11 @@ __all__ = ["sharded_input_bound", "sharded_straggler"]
 
 
 def sharded_input_bound(run: ShardedRun, ranks: list[int]) -> Finding:
-    """The finding for `run.input_wait` (set): every rank waits, by DDP's words (`throughput.input_bound_finding`)."""
+    """The finding for `run.input_wait` (set): all ranks wait, in DDP's words (`throughput.input_bound_finding`)."""
     w = run.input_wait
     assert w is not None
     return input_bound_finding(
-        who="every rank",
+        who="all ranks",
         clock=w.get("clock", "host"),
         steps=w["steps"],
         wait=tuple(w["wait_s"]),

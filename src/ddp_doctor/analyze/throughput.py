@@ -160,7 +160,7 @@ def input_bound_finding(
     more_ranks: int = 0,
     compute: float | None = None,
 ) -> Finding:
-    """`input-bound`, for every parallelism: `who` waits for data (`"every rank"`, `"3 of 4 ranks"`), measured on
+    """`input-bound`, for every parallelism: `who` wait for data (`"all ranks"`, `"3 of 4 ranks"`), measured on
     `clock` (`host` or `gpu`) over `steps` steps; `wait` and `step` are the waiting ranks' median wait and step,
     as (lowest, highest) over them; `compute` the median forward and backward where DDP's hooks timed it; `loader`
     the training DataLoader (`dataloaders.describe`), `sites` every loader's line."""
