@@ -30,8 +30,7 @@ code 0: nothing says the job runs at the pace of its slowest rank.
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.throughput import input_bound_finding, straggler_fix, straggles
-from ddp_doctor.core.codes import Code
+from ddp_doctor.analyze.throughput import input_bound_finding, straggler_finding, straggles
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.core.steptime import MIN_STEPS
@@ -76,7 +75,6 @@ def sharded_straggler(run: ShardedRun) -> Finding | None:
         own_comm=s.get("comm_s", 0.0),
     ):
         return None
-    ratio = own / others if others > 0 else float("inf")
     between = s["wait_s"] - s["others_wait_s"]
     where = (
         "between steps (the wait for the next batch and anything else the loop does before the forward: "
@@ -84,20 +82,14 @@ def sharded_straggler(run: ShardedRun) -> Finding | None:
         if between >= 0.5 * extra
         else "within the step (its forward, backward or optimizer step)"
     )
-    rank, lost = s["rank"], s["others_comm_s"] * 1e3
-    # A tiny model's own work rounds to nothing on the other ranks: no ratio then, the difference.
-    slower = f"is {ratio:.1f}x slower" if others >= 1e-3 else f"does {extra * 1e3:.1f} ms more work per step"
-    times = f", {ratio:.1f} times as long," if others >= 1e-3 else ""
-    return Finding(
-        code=Code.STRAGGLER_RANK,
-        severity="warning",
-        title=f"rank {rank} {slower}; the other ranks wait {lost:.1f} ms per step for it",
-        detail=f"Measured on this machine over {s['steps']} steps (the first observed step left out): rank {rank} "
-        f"takes {own * 1e3:.1f} ms per step of its own work (median; its time in the sharded model's collectives "
-        f"and its waits for a CPU left out) against at most {others * 1e3:.1f} ms on any other rank{times} in "
-        f"most steps. Its extra time is spent {where}. Every other rank spends at least {lost:.1f} ms per step in "
-        "the sharded model's all-gathers and gradient reductions, waiting for it.",
-        ranks=[rank],
-        steps=[],
-        fix=straggler_fix(rank),
+    return straggler_finding(
+        rank=s["rank"],
+        name=s["rank"],
+        own=own,
+        others=others,
+        lost=s["others_comm_s"],
+        where=where,
+        steps=s["steps"],
+        collectives="the sharded model's all-gathers and gradient reductions",
+        bounds=True,
     )

@@ -61,6 +61,7 @@ __all__ = [
     "input_bound",
     "input_bound_finding",
     "rank_timings",
+    "straggler_finding",
     "straggler_fix",
     "straggles",
     "straggler_rank",
@@ -252,7 +253,6 @@ def straggler_rank(v: View) -> list[Finding]:
         own_comm=slow.median.get("comm_wait_s", 0.0),
     ):
         return []
-    ratio = slow.own_s / others_own if others_own > 0 else float("inf")
     gaps = {p: slow.median[p] - others[p] for p in PHASES if p != "comm_wait_s"}
     phase = max(gaps, key=lambda p: gaps[p])
     where = (
@@ -261,29 +261,66 @@ def straggler_rank(v: View) -> list[Finding]:
         if phase == "data_wait_s"
         else f"in its {PHASE_LABELS[phase]} ({_ms(gaps[phase])} more than the others)"
     )
-    n = st.steps
     group = v.info.group_ranks
     name = group[slow.rank] if group and slow.rank < len(group) else slow.rank  # as users number them
     return [
-        Finding(
-            code=Code.STRAGGLER_RANK,
-            severity="warning",
-            title=f"rank {name} is {ratio:.1f}x slower; the other ranks wait {_ms(lost)} per step for it",
-            detail=f"{_MEASURED.format(n=n)}: rank {name} takes {_ms(slow.own_s)} per step of its own work "
-            f"(median, its waits in DDP's all-reduce and for a CPU left out) against {_ms(others_own)} on the other ranks, "
-            f"{ratio:.1f} times as long, in most steps. Its extra time is spent {where}. The other ranks lose "
-            f"{_ms(lost)} per step waiting for it in DDP's gradient all-reduce.",
-            ranks=[slow.rank],
-            steps=[],
-            fix=straggler_fix(name),
-            measured=[
-                Measure("own_work_slowest", slow.own_s, "s"),
-                Measure("own_work_others", others_own, "s"),
-                Measure("others_wait", lost, "s"),
-                Measure("steps_timed", n, "count"),
-            ],
+        straggler_finding(
+            rank=slow.rank,
+            name=name,
+            own=slow.own_s,
+            others=others_own,
+            lost=lost,
+            where=where,
+            steps=st.steps,
+            collectives="DDP's gradient all-reduce",
         )
     ]
+
+
+def straggler_finding(
+    *,
+    rank: int,
+    name: object,
+    own: float,
+    others: float,
+    lost: float,
+    where: str,
+    steps: int,
+    collectives: str,
+    bounds: bool = False,
+) -> Finding:
+    """`straggler-rank`, for every parallelism: group rank `rank` (`name` as users number it) does `own` seconds of
+    its own work per step against `others` on the other ranks (their median; with `bounds`, the longest of them),
+    and the others wait `lost` per step in `collectives` (with `bounds`, the shortest of their waits); `where` says
+    where its extra time goes, over `steps` timed steps."""
+    ratio = own / others if others > 0 else float("inf")
+    # A tiny model's own work rounds to nothing on the other ranks: no ratio then, the difference.
+    tiny = others < 1e-3
+    slower = f"does {_ms(own - others)} more work per step" if tiny else f"is {ratio:.1f}x slower"
+    against = f"at most {_ms(others)} on any other rank" if bounds else f"{_ms(others)} on the other ranks"
+    lose = (
+        f"Every other rank spends at least {_ms(lost)} per step in {collectives}, waiting for it."
+        if bounds
+        else f"The other ranks lose {_ms(lost)} per step waiting for it in {collectives}."
+    )
+    return Finding(
+        code=Code.STRAGGLER_RANK,
+        severity="warning",
+        title=f"rank {name} {slower}; the other ranks wait {_ms(lost)} per step for it",
+        detail=f"{_MEASURED.format(n=steps)}: rank {name} takes {_ms(own)} per step of its own work (median, its "
+        f"time in {collectives} and its waits for a CPU left out) against {against}"
+        + ("" if tiny else f", {ratio:.1f} times as long,")
+        + f" in most steps. Its extra time is spent {where}. {lose}",
+        ranks=[rank],
+        steps=[],
+        fix=straggler_fix(name),
+        measured=[
+            Measure("own_work_slowest", own, "s"),
+            Measure("own_work_others", others, "s"),
+            Measure("others_wait", lost, "s"),
+            Measure("steps_timed", steps, "count"),
+        ],
+    )
 
 
 def straggler_fix(name: object) -> str:
