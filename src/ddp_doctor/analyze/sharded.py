@@ -26,6 +26,7 @@ from ddp_doctor.analyze.sharded_state import (
 )
 from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
 from ddp_doctor.analyze.unsharded import unsharded_finding
+from ddp_doctor.analyze.used_set import unused_finding
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
 from ddp_doctor.core.sharded_run import ShardedRun
@@ -178,23 +179,21 @@ def _low_reduce(run: ShardedRun, ranks: list[int]) -> Finding:
 
 
 def _unused(run: ShardedRun, ranks: list[int], api: _Api) -> Finding:
-    n = len(run.unused)
     carried = (
         "the all-gathers of their fully_shard group still carry them in every forward"
         if api is _FULLY_SHARD
         else "every rank still holds a whole copy of them"
     )
-    return Finding(
-        code=Code.UNUSED_PARAMETERS,
+    return unused_finding(
+        list(run.unused),
+        steps=f"every one of the {run.steps} observed optimizer steps with gradient sync on",
+        seen=": nothing in the loss reaches them",
+        effect=f"{api.name} raises no error for them, unlike DDP with default flags; they do not train, and "
+        f"{carried}. If a later phase of the script uses them (a curriculum, an auxiliary loss switched on later), "
+        "nothing is wrong.",
         severity="warning",
-        title=f"{n} trainable parameter{'s' if n != 1 else ''} never got a gradient",
-        detail=f"On no rank, in none of the {run.steps} observed optimizer steps with gradient sync on, did these "
-        f"parameters get a gradient: nothing in the loss reaches them. {api.name} raises no error for them, unlike "
-        f"DDP with default flags; they do not train, and {carried}. If a later phase of the script uses them (a "
-        "curriculum, an auxiliary loss switched on later), nothing is wrong.",
-        params=list(run.unused),
         ranks=ranks,
-        steps=_steps(run),
+        step_list=_steps(run),
         fix=f"remove them from the model if nothing uses them, or set requires_grad=False on them before {api.call} "
         "(and build the optimizer from the trainable parameters) while they are not used.",
     )

@@ -13,7 +13,7 @@ from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, lines_of
+from ddp_doctor.core.findings import Finding, ParamRef, lines_of
 from ddp_doctor.core.ranks import listed
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "rank_dependent_graph",
     "reentrant_checkpoint",
     "static_graph_unsafe",
+    "unused_finding",
     "unused_parameters",
     "used_outside_forward",
 ]
@@ -37,7 +38,6 @@ def unused_parameters(v: View) -> list[Finding]:
     never = never & ~v.orphaned  # what a replaced module left in DDP's reducer: `unregistered-parameters` says so
     if not never.any():
         return []
-    n = int(never.sum())
     if v.default_flags:
         severity, effect = (
             "error",
@@ -56,18 +56,42 @@ def unused_parameters(v: View) -> list[Finding]:
             ),
         )
     return [
-        Finding(
-            code=Code.UNUSED_PARAMETERS,
+        unused_finding(
+            v.params(never),
+            steps=f"every one of the {v.steps} observed steps",
+            seen=" and their modules never ran in a training forward",
+            effect=effect,
             severity=severity,
-            title=f"{_count(n, 'trainable parameter')} never reached the loss",
-            detail=f"On every rank and every one of the {v.steps} observed steps, these parameters got no gradient and "
-            "their modules never ran in a training forward. " + effect,
-            params=v.params(never),
             ranks=all_ranks(v),
-            steps=list(range(v.steps)),
+            step_list=list(range(v.steps)),
             fix=freeze_fix(v) + ".",
         )
     ]
+
+
+def unused_finding(
+    params: list[ParamRef],
+    *,
+    steps: str,
+    seen: str,
+    effect: str,
+    severity: str,
+    ranks: list[int],
+    step_list: list[int],
+    fix: str,
+) -> Finding:
+    """`unused-parameters`, for every parallelism: `params` got no gradient on any rank in `steps` (what was
+    observed, in words), `seen` what else shows they never ran, `effect` what that costs under this parallelism."""
+    return Finding(
+        code=Code.UNUSED_PARAMETERS,
+        severity=severity,
+        title=f"{_count(len(params), 'trainable parameter')} never reached the loss",
+        detail=f"On every rank and {steps}, these parameters got no gradient{seen}. {effect}",
+        params=params,
+        ranks=ranks,
+        steps=step_list,
+        fix=fix,
+    )
 
 
 @detects(Code.GRAD_BLOCKED)

@@ -180,7 +180,7 @@ def _row(
 # One row a code, in `Code`'s order. Laid out by hand, as a table reads (the formatter would give each argument a line).
 # fmt: off
 TABLE: tuple[CodeInfo, ...] = (
-    _row(Code.UNUSED_PARAMETERS, Family.GRAPH, "error/warning", "used_set.py sharded.py",
+    _row(Code.UNUSED_PARAMETERS, Family.GRAPH, "error/warning", "used_set.py",
          "trainable parameters that never reach the loss",
          when="error with default flags (DDP will fail); warning when the flags cope, and in a model sharded with "
               "FSDP2 (no error: they never train, and their group's all-gathers carry them)"),
