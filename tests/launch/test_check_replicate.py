@@ -15,6 +15,10 @@ whole tensor.
   (head.weight local [4, 64] = global); loading it into the plain Net raises "aten.copy_.default got mixed
   torch.Tensor and DTensor", `.to_local()` on every value loads, and loading it into a replicated Net on both ranks
   works. Not an incomplete checkpoint.
+- skip-rank1 (rank 1 alone skips optimizer.step() at the third step): the replicas differ (head.weight -1.458571 on
+  rank 0, -1.529048 on rank 1). Under the check, rank 0 reaches the 8th step first and waits in the report while
+  rank 1 waits in its next backward's all-reduce; the failure report named a collective-mismatch ("rank 0 skipped
+  all_reduce") before it read the steps and forwards each rank counted.
 Before the check knew replicate, it reported these jobs as fully_shard ones ("FSDP2: 3 sharded modules").
 """
 
@@ -67,3 +71,13 @@ def test_a_replicate_mistake_gets_its_code_in_replicate_words(
         lines = Path(SCRIPT).read_text().splitlines()
         line = next(i for i, text in enumerate(lines, 1) if "opt = torch.optim.AdamW" in text)  # the first: before
         assert f"AdamW created at tests/scripts/replicate_train.py:{line}" in finding["detail"]
+
+
+def test_a_step_rank_1_alone_skips_is_optimizer_step_skipped_not_a_collective_rank_0_skipped(tmp_path: Path) -> None:
+    run = check(["--nproc-per-node", "2", "--no-verify", SCRIPT, "--mistake", "skip-rank1"], tmp_path, timeout=180)
+    assert run.rc == 1 and run.codes == {"optimizer-step-skipped"}, run.output
+    f = run.finding("optimizer-step-skipped")
+    measured = {m["name"]: m["value"] for m in f["measured"]}
+    assert (measured["optimizer_steps_rank_0"], measured["optimizer_steps_rank_1"]) == (8, 7), measured
+    assert measured["forwards_rank_1"] > measured["forwards_rank_0"], measured
+    assert run.report["parallelism"] == "replicate" and run.report["failed"] is True

@@ -8,6 +8,7 @@ Replicate placement) and all-reduces gradients, like DDP, on FSDP2's machinery.
 --mistake sync-off           set_requires_gradient_sync(False) on every micro-batch, never switched back on
 --mistake same-data          every rank draws its batches from the same seed: the ranks train on the same samples
 --mistake eval-rank0         clean: rank 0 alone runs an evaluation forward after the third step
+--mistake skip-rank1         rank 1 alone skips optimizer.step() at the third step (a skip decided from its own loss)
 --drift-at N                 rank 1 alone adds 0.01 to the head's bias after step N, outside any sync (a long job
                              watched past its first steps)
 --save rank0                 clean: rank 0 alone torch.save's the state dict after the third step (every value, as
@@ -68,7 +69,8 @@ if __name__ == "__main__":
                 model.set_requires_gradient_sync(False)
             x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
             F.cross_entropy(model(x), y).backward()
-        opt.step()
+        if not ("skip-rank1" in mistakes and rank == 1 and _step == 2):
+            opt.step()
         opt.zero_grad()
         if _step == args.drift_at and rank == 1:
             with torch.no_grad():

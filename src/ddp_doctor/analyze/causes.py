@@ -298,28 +298,40 @@ def weights_changed_outside_optimizer(v: View) -> list[Finding]:
 
 
 def sharded_step_skipped(
-    skipped: dict[int, tuple[int, int]], ahead: tuple[int, int, int], *, ranks: list[int]
+    skipped: dict[int, tuple[int, int]], ahead: tuple[int, int, int], *, ranks: list[int], api: str
 ) -> Finding:
-    """`optimizer-step-skipped` of a sharded model (FSDP2, `replicate`), from each rank's counts when the run
-    failed: `skipped` maps a rank to (its optimizer steps, its forwards through the model), `ahead` is (a rank that
-    took the most steps, its steps, its forwards), all counted from each rank's first step. A rank that ran more
-    forwards (collectives every rank enters in lockstep) and took fewer steps did not call `optimizer.step()` in an
-    iteration where the others did."""
+    """`optimizer-step-skipped` of a sharded model (`api`: `fully_shard` or `replicate`), from each rank's counts
+    when the run failed: `skipped` maps a rank to (its optimizer steps, its forwards through the model), `ahead` is
+    (a rank that took the most steps, its steps, its forwards), all counted from each rank's first step. A rank that
+    ran more forwards and took fewer steps, where the model's collectives keep the iterations in lockstep, did not
+    call `optimizer.step()` in an iteration where the others did."""
     first, most, forwards = ahead
     names = sorted(skipped)
     counts = "; ".join(f"rank {r}: {n} steps over {f} forwards" for r, (n, f) in sorted(skipped.items())[:4])
+    if api == "replicate":
+        lockstep = "The backward passes all-reduce the gradients, so the ranks run their iterations in lockstep"
+        cause = ""
+        after = (
+            "After a skipped step, the whole copy of the model those ranks hold is one update behind the others': "
+            "the replicas differ from then on."
+        )
+    else:
+        lockstep = "The forwards all-gather the parameters, so the ranks run them in lockstep"
+        cause = ", or ran a forward the others did not"
+        after = (
+            "After a skipped step, the shards those ranks hold missed an update the others' got (each rank's "
+            "optimizer updates its own shards), and the model's parameters mix weights one update apart."
+        )
     return Finding(
         code=Code.OPTIMIZER_STEP_SKIPPED,
         severity="error",
         title=f"{rank_list(names)} took fewer optimizer steps than rank {first} over more forwards "
         f"({most} steps and {forwards} forwards on rank {first})",
         detail=f"Counted from each rank's first optimizer step, rank {first} took {most} optimizer steps over "
-        f"{forwards} forwards through the sharded model, and {counts}. The forwards all-gather the parameters, so "
-        f"the ranks run them in lockstep: {rank_list(names)} skipped optimizer.step() in an iteration where the "
-        "others stepped (a skip decided from its own loss or gradients), or ran a forward the others did not. "
-        "After a skipped step, the shards those ranks hold missed an update the others' got (each rank's optimizer "
-        "updates its own shards), and the model's parameters mix weights one update apart. The check ends at a "
-        f"count of optimizer steps, which rank {first} reached first: the ranks could not compare what they saw.",
+        f"{forwards} forwards through the model, and {counts}. {lockstep}: {rank_list(names)} skipped "
+        f"optimizer.step() in an iteration where the others stepped (a skip decided from its own loss or "
+        f"gradients){cause}. {after} The check ends at a count of optimizer steps, which rank {first} reached "
+        "first: the ranks could not compare what they saw.",
         ranks=ranks,
         steps=[],
         measured=[

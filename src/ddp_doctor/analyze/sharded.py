@@ -284,7 +284,8 @@ def sharded_unchecked(run: ShardedRun) -> list[str]:
             "the mixed-precision policy of replicate",
             "parameters frozen after replicate",
             *_untimed(run),
-            "replicate: " + _DDP_ONLY.format(skips="optimizer steps skipped on some ranks"),
+            # A step some ranks skip within the observed steps stops the check there (`optimizer-step-skipped`).
+            "replicate: " + _DDP_ONLY.format(skips="optimizer steps skipped on some ranks after the observed steps"),
         ]
     after = "after the epoch end followed" if run.followed else "after the observed steps"
     who = "`ddp-doctor check` names them when they do" if run.in_process else "they are named when they do"

@@ -165,22 +165,21 @@ def forward_alone(states: dict[int, RankState]) -> Finding | None:
 
 
 def step_skipped_alone(states: dict[int, RankState]) -> Finding | None:
-    """Some ranks of an FSDP2 model (`fully_shard`) took fewer optimizer steps than others while running more forwards through it
-    (each forward's all-gathers keep the ranks in lockstep): they skipped `optimizer.step()` in some iteration, and
-    the rank with the most steps reached the check's count first. Only when no rank crashed of its own and every
+    """Some ranks of a sharded model took fewer optimizer steps than others while running more forwards through it
+    (the model's collectives, FSDP2's all-gathers or `replicate`'s gradient all-reduce, keep the ranks' iterations in
+    lockstep): they skipped `optimizer.step()` in some iteration, and the rank with the most steps reached the
+    check's count first. Only when no rank crashed of its own and every
     rank followed the sharded model (`causes.sharded_step_skipped` says the rest).
 
     Ground truth, plain torchrun, torch 2.13.0, 2 ranks, 12 AdamW steps (`tests/scripts/fsdp2_train.py --mistake
     skip-rank1`: rank 1 alone skips the third step): exit 0, nothing said; head.weight (its full tensor) sums to
     -1.745120 where every rank stepping gives -1.496532. Under the check, rank 0 reaches the 8th step and waits in
-    the report while rank 1, at its 7th, waits in its next forward's all-gather."""
-    # A rank that lost its peer (the others left the run) is no cause of its own. `replicate`'s forward makes no
-    # collective (every rank holds whole parameters): its forwards do not keep the ranks in lockstep.
-    ranks = {
-        r: s
-        for r, s in states.items()
-        if s.sharded and (s.sharding or {}).get("api") == "fully_shard" and (s.raised is None or s.raised.peer_lost)
-    }
+    the report while rank 1, at its 7th, waits in its next forward's all-gather. With `replicate`
+    (`tests/scripts/replicate_train.py --mistake skip-rank1`): exit 0, nothing said, and the replicas differ
+    (head.weight -1.458571 on rank 0, -1.529048 on rank 1; -1.496532 on both when every rank steps); under the check
+    rank 1 waits in its next backward's all-reduce, which the failure report took for a collective rank 0 skipped."""
+    # A rank that lost its peer (the others left the run) is no cause of its own.
+    ranks = {r: s for r, s in states.items() if s.sharded and (s.raised is None or s.raised.peer_lost)}
     if len(ranks) < 2 or len(ranks) < len(states):
         return None
     most = max(s.step for s in ranks.values())
@@ -189,7 +188,8 @@ def step_skipped_alone(states: dict[int, RankState]) -> Finding | None:
     skipped = {r: (s.step, ran[r]) for r, s in ranks.items() if 0 < s.step < most and ran[r] > ran[first]}
     if not skipped:
         return None
-    return sharded_step_skipped(skipped, (first, most, ran[first]), ranks=sorted(states))
+    api = next((s.sharding or {}).get("api", "fully_shard") for s in ranks.values())
+    return sharded_step_skipped(skipped, (first, most, ran[first]), ranks=sorted(states), api=api)
 
 
 def state_dict_alone(states: dict[int, RankState], native: list[str]) -> Finding | None:
