@@ -34,6 +34,7 @@ DEFAULT = [
     "tests/launch/test_check_fsdp2_inputs.py",
     "tests/launch/test_check_fsdp2_clip.py",
     "tests/launch/test_check_fsdp2_state.py",
+    "tests/launch/test_check_replicate.py",
     "tests/launch/test_watch_light.py",
     "tests/test_sharded_exchange.py",
     "tests/launch/test_check_fsdp2_moves.py",
