@@ -6,6 +6,7 @@ fewest over the ranks."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -14,7 +15,7 @@ from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef
 
-__all__ = ["never_updated", "nonfinite_values", "stalled", "training_stalled"]
+__all__ = ["never_updated", "nonfinite_finding", "nonfinite_values", "stalled", "training_stalled"]
 
 _PRESENT, _ZERO, _NONFINITE, _MOVED, _W_NONFINITE = range(5)
 
@@ -46,49 +47,73 @@ def nonfinite_values(v: View) -> list[Finding]:
     if grad_step is None and weight_step is None and not before:
         return []
     positions = v.meta(0).get("nonfinite_params", [])
-    params = v.params([i for i in positions if i < len(v.info.param_names)])
-    parts = []
-    if grad_step is not None:
-        parts.append(
-            f"the gradients of {int(m[grad_step, _NONFINITE])} parameter(s) are NaN or infinite from step {grad_step}"
+    return [
+        nonfinite_finding(
+            grads=None if grad_step is None else (grad_step, int(m[grad_step, _NONFINITE])),
+            weights=None if weight_step is None else (weight_step, int(m[weight_step, _W_NONFINITE])),
+            before=before,
+            materialised=v.meta(0).get("to_empty_sites", []),
+            params=v.params([i for i in positions if i < len(v.info.param_names)]),
+            ranks=all_ranks(v),
         )
-    if weight_step is not None:
-        parts.append(f"{int(m[weight_step, _W_NONFINITE])} parameter(s) hold NaN or infinity after step {weight_step}")
-    cause = ""
-    materialised = v.meta(0).get("to_empty_sites", [])
+    ]
+
+
+def nonfinite_finding(
+    *,
+    grads: tuple[int, int | None] | None,
+    ranks: list[int],
+    weights: tuple[int, int] | None = None,
+    before: int = 0,
+    materialised: Sequence[str] = (),
+    params: Sequence[ParamRef] = (),
+    sharded: bool = False,
+    steps: list[int] | None = None,
+) -> Finding:
+    """`non-finite-values`, for every parallelism: the first step whose gradients held NaN or infinity and how many
+    parameters' (`grads`: the step, the count where it was counted), the first step after which weights did
+    (`weights`), parameters non-finite before the first step (`before`), the lines that materialised the model
+    with `to_empty()`. `sharded`: measured on FSDP2's gradient shards at optimizer.step(), and the fix names its
+    reduce dtype. `steps`: the steps to list, when not the first ones of `grads` and `weights`."""
+    parts = []
+    if grads is not None:
+        step, count = grads
+        held = f"the gradients of {count} parameter(s) are" if count is not None else "the gradients are"
+        parts.append(f"{held} NaN or infinite from step {step}")
+    if weights is not None:
+        parts.append(f"{weights[1]} parameter(s) hold NaN or infinity after step {weights[0]}")
+    cause = " (measured at optimizer.step(), on every rank's gradient shards)" if sharded else ""
     if materialised and not before:
-        cause = (
+        cause += (
             f" The model was materialised from the meta device with `to_empty()` ({', '.join(materialised[:2])}): its "
             "storage holds whatever the memory held until the parameters are initialised, and no initialisation "
             "made these finite."
         )
     if before:
-        cause = (
+        cause += (
             f" {before} parameter(s) already held NaN or infinity before the first step: the weights were never "
             "initialised (a model built on the meta device and materialised with `to_empty()`, whose "
             "`reset_parameters()` or initialisation was not run), or they were loaded so from a checkpoint."
         )
-    steps = sorted({s for s in (grad_step, weight_step) if s is not None})
-    return [
-        Finding(
-            code=Code.NONFINITE_VALUES,
-            severity="error",
-            title="; ".join(parts) if parts else f"{before} parameter(s) hold NaN or infinity before the first step",
-            detail="A NaN or an infinity in a gradient spreads to the weights at the optimizer's step, and from the "
-            "weights to every later loss: the job runs on and learns nothing." + cause,
-            params=params,
-            ranks=all_ranks(v),
-            steps=steps,
-            fix=(
-                "initialise the parameters after materialising the model (`model.to_empty(device=...)` then "
-                "`model.apply(init)` or each module's `reset_parameters()`), before wrapping it"
-                if before or materialised
-                else "find the first non-finite value: run the step with `torch.autograd.detect_anomaly()`, lower the "
-                "learning rate, or clip the gradients; with float16, use a GradScaler"
-            )
-            + ".",
+    overflow = ", or a low-precision policy that overflows (reduce_dtype=torch.float32)" if sharded else ""
+    return Finding(
+        code=Code.NONFINITE_VALUES,
+        severity="error",
+        title="; ".join(parts) if parts else f"{before} parameter(s) hold NaN or infinity before the first step",
+        detail="A NaN or an infinity in a gradient spreads to the weights at the optimizer's step, and from the "
+        "weights to every later loss: the job runs on and learns nothing." + cause,
+        params=list(params),
+        ranks=ranks,
+        steps=steps or sorted({s for s in (grads and grads[0], weights and weights[0]) if s is not None}),
+        fix=(
+            "initialise the parameters after materialising the model (`model.to_empty(device=...)` then "
+            "`model.apply(init)` or each module's `reset_parameters()`), before wrapping it"
+            if before or materialised
+            else "find the first non-finite value: run the step with `torch.autograd.detect_anomaly()`, lower the "
+            f"learning rate, or clip the gradients; with float16, use a GradScaler{overflow}"
         )
-    ]
+        + ".",
+    )
 
 
 @detects(Code.TRAINING_STALLED)

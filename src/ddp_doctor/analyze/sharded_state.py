@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import partial
 
 from ddp_doctor.analyze.common import with_more
-from ddp_doctor.analyze.moves import never_updated, stalled
+from ddp_doctor.analyze.moves import never_updated, nonfinite_finding, stalled
 from ddp_doctor.analyze.optimizer_settings import settings_apart
 from ddp_doctor.analyze.tree_state import modes_apart
 from ddp_doctor.core.codes import Code
@@ -147,19 +147,7 @@ def training_moves(run: ShardedRun, ranks: list[int], *, low_weights: bool = Fal
     """
     if run.grads_nonfinite_steps:
         steps = run.grads_nonfinite_steps
-        return Finding(
-            code=Code.NONFINITE_VALUES,
-            severity="error",
-            title=f"the gradients held NaN or infinity at optimizer step {steps[0]}",
-            detail=f"At the optimizer steps {steps}, some rank's gradient shards held NaN or infinity (measured at "
-            "optimizer.step(), every rank's shards). The optimizer then writes NaN into the weights it steps, and "
-            "nothing trains after that.",
-            ranks=ranks,
-            steps=steps,
-            fix="find the first non-finite value: a loss that overflows (lower the learning rate, clip the gradients "
-            "with clip_grad_norm_), a log or a division by zero in the loss, or a low-precision policy that "
-            "overflows (reduce_dtype=torch.float32).",
-        )
+        return nonfinite_finding(grads=(steps[0], None), ranks=ranks, sharded=True, steps=steps)
     measured = run.grads_measured_steps
     if len(measured) < 2 or run.steps < 2 or not run.model_params_stepped:
         return None

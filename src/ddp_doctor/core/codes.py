@@ -315,7 +315,7 @@ TABLE: tuple[CodeInfo, ...] = (
          "parameters in the model that DDP's reducer does not hold (created or replaced after DDP was built): each "
          "rank trains them alone",
          when="error when they differ across ranks in the observed steps; warning while they still agree"),
-    _row(Code.NONFINITE_VALUES, Family.PROGRESS, "error", "moves.py sharded_state.py",
+    _row(Code.NONFINITE_VALUES, Family.PROGRESS, "error", "moves.py",
          "gradients or weights hold NaN or infinity"),
     _row(Code.TRAINING_STALLED, Family.PROGRESS, "error/warning", "moves.py",
          "the optimizer's steps change no weight: every gradient is exactly zero, or the learning rate is 0; or some "
