@@ -3,7 +3,7 @@ tests/launch/test_check_fsdp2.py)."""
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.sharded_failures import gather_alone, ran_out_alone
+from ddp_doctor.analyze.sharded_failures import gather_alone, ran_out_alone, step_skipped_alone
 from ddp_doctor.core.rankstate import RankState
 
 GATHER = "get_model_state_dict at tests/scripts/fsdp2_train.py:62"
@@ -63,3 +63,44 @@ def test_a_rank_that_ran_out_of_batches_is_the_cause_not_what_it_did_next() -> N
 def test_different_lengths_are_no_cause_of_a_failure_before_any_rank_ran_out() -> None:
     assert ran_out_alone({0: _loader_state(0, 20, 3), 1: _loader_state(1, 12, 3)}) is None
     assert ran_out_alone({0: _loader_state(0, 12, 12), 1: _loader_state(1, 12, 12)}) is None
+
+
+def _steps_state(rank: int, step: int, forwards: int, *, api: str = "fully_shard", raised: str | None = None):
+    from ddp_doctor.core.rankfiles import RaisedError
+
+    state = _state(rank, {})
+    state.step, state.forwards, state.sharding = step, {"train.py:50": forwards}, {"api": api}
+    if raised is not None:
+        state.raised = RaisedError(type="RuntimeError", message=raised, peer_lost=raised == "Connection closed by peer")
+    return state
+
+
+def test_a_rank_with_fewer_steps_over_more_forwards_skipped_a_step() -> None:
+    """tests/launch/test_check_fsdp2_state.py and test_check_replicate.py have the real runs: rank 0 at its 8th step
+    after 14 forwards, rank 1 at its 7th inside its 15th forward (or the backward after it), which then lost its peer."""
+    for api in ("fully_shard", "replicate"):
+        states = {
+            0: _steps_state(0, 8, 14, api=api),
+            1: _steps_state(1, 7, 15, api=api, raised="Connection closed by peer"),
+        }
+        found = step_skipped_alone(states)
+        assert found is not None and found.code == "optimizer-step-skipped" and found.ranks == [0, 1], api
+        measured = {m.name: m.value for m in found.measured}
+        assert measured == {
+            "optimizer_steps_rank_0": 8,
+            "forwards_rank_0": 14,
+            "optimizer_steps_rank_1": 7,
+            "forwards_rank_1": 15,
+        }
+
+
+def test_a_rank_behind_in_steps_and_forwards_or_crashed_of_its_own_is_no_skip() -> None:
+    # Behind in both counts: slower, or stopped elsewhere; not a skip.
+    assert step_skipped_alone({0: _steps_state(0, 8, 14), 1: _steps_state(1, 7, 13)}) is None
+    # As many steps: nothing skipped, whatever the forwards (an evaluation on rank 1).
+    assert step_skipped_alone({0: _steps_state(0, 8, 14), 1: _steps_state(1, 8, 15)}) is None
+    # A rank that raised an error of its own: that error is the cause.
+    crashed = {0: _steps_state(0, 8, 14), 1: _steps_state(1, 7, 15, raised="ValueError: bad batch")}
+    assert step_skipped_alone(crashed) is None
+    # One rank: nothing to compare.
+    assert step_skipped_alone({0: _steps_state(0, 8, 14)}) is None
