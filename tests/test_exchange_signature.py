@@ -103,6 +103,18 @@ def _scenario(name: str) -> tuple[ModelInfo, list[RankRecord], list[ModelInfo] |
     return model_info(), [_rank(0, seed=None)], None
 
 
+def _traced(gen, sent: list):
+    """Run `gen` (one rank's rounds), appending (op, dtype, shape, sha256 of the bytes) of each collective to `sent`."""
+    reply = None
+    while True:
+        try:
+            op, t = gen.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        sent.append((op, str(t.dtype), tuple(t.shape), hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()))
+        reply = yield op, t
+
+
 def signature(name: str) -> str:
     """sha256 over the sequence of (op, dtype, shape) and every rank's bytes, collective by collective."""
     info, records, infos = _scenario(name)
@@ -110,16 +122,7 @@ def signature(name: str) -> str:
     protocol = simulate.protocol
 
     def traced(record, info, *, rank, world):
-        gen = protocol(record, info, rank=rank, world=world)
-        reply = None
-        while True:
-            try:
-                op, t = gen.send(reply)
-            except StopIteration as stop:
-                return stop.value
-            data = hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
-            sent[rank].append((op, str(t.dtype), tuple(t.shape), data))
-            reply = yield op, t
+        return _traced(protocol(record, info, rank=rank, world=world), sent[rank])
 
     simulate.protocol = traced
     try:
@@ -138,17 +141,6 @@ SHARDED = {
 }
 """A sharded job's exchange (FSDP2, `replicate`): each scenario's mistakes (`handbuilt.sharded_record`) and the
 signature recorded for it."""
-
-
-def _traced(gen, sent: list):
-    reply = None
-    while True:
-        try:
-            op, t = gen.send(reply)
-        except StopIteration as stop:
-            return stop.value
-        sent.append((op, str(t.dtype), tuple(t.shape), hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()))
-        reply = yield op, t
 
 
 def sharded_signature(name: str) -> str:
