@@ -126,13 +126,15 @@ def sharded_protocol(record: ShardedRecord, *, rank: int, world: int) -> Generat
     if low["grad_steps"] > 0 and top["params"] == low["params"]:
         mine = record.grads if record.grads is not None else torch.zeros(int(top["params"]), 3)
         grads, _ = yield from minmax_rounds(mine)
-    differ, gap = [True] * len(record.unsharded), float("inf") if len(record.unsharded) else 0.0
-    if top["unsharded"] == low["unsharded"]:
+    n = len(record.unsharded)
+    if top["unsharded"] != low["unsharded"]:  # the ranks hold different ones: none can be compared
+        differ, gap = [True] * n, float("inf") if n else 0.0
+    elif n:
+        high, lowest = yield from minmax_rounds(record.unsharded)
+        differ = (high != lowest).any(-1).tolist()
+        gap = float((high - lowest).abs().amax()) if any(differ) else 0.0
+    else:
         differ, gap = [], 0.0
-        if top["unsharded"] > 0:
-            high, lowest = yield from minmax_rounds(record.unsharded)
-            differ = (high != lowest).any(-1).tolist()
-            gap = float((high - lowest).abs().amax()) if any(differ) else 0.0
     buffers_differ: list[bool] = []
     buffers_moved: list[bool] = []
     if top["buffers"] == low["buffers"] > 0:
