@@ -18,6 +18,13 @@ EXAMPLES = REPO / "examples"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
+def line_of(script: str | Path, text: str) -> int:
+    """The 1-based number of the one line of `script` that holds `text` (so tests name a line without pinning it)."""
+    found = [n for n, line in enumerate(Path(script).read_text().splitlines(), 1) if text in line]
+    assert len(found) == 1, (script, text, found)
+    return found[0]
+
+
 @dataclass
 class Run:
     rc: int

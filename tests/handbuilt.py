@@ -8,7 +8,7 @@ import torch
 
 from ddp_doctor.core.records import ModelInfo
 from ddp_doctor.core.sharded_run import INPUT_STEPS
-from ddp_doctor.exchange.sharded_protocol import NOBODY, SLOTS, ShardedRecord
+from ddp_doctor.exchange.sharded_protocol import NOBODY, SLOTS, STEP_COLUMNS, ShardedRecord
 
 NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight", "norm.weight"]
 P = len(NAMES)
@@ -39,11 +39,14 @@ def sharded_record(
     settings_odd: tuple[int, ...] = (),
     saver: int | None = None,
     unsharded_odd: tuple[int, ...] = (),
+    collectives_odd: tuple[int, ...] = (),
     own_s: float = 0.010,
 ) -> ShardedRecord:
     """A rank of a sharded job with 6 parameters (2 outside every sharded group) and 3 buffers, 8 observed steps:
     the ranks in `settings_odd` hold other optimizer settings from step 2 on, `saver` alone saves shards, the
-    ranks in `unsharded_odd` hold another copy of the first unsharded parameter, each rank reads its own batches."""
+    ranks in `unsharded_odd` hold another copy of the first unsharded parameter, the ranks in `collectives_odd`
+    reduce their step's one collective with MAX from step 3 on (the others with the default SUM), each rank reads its
+    own batches."""
     slots: dict[str, float] = dict.fromkeys(SLOTS, 0.0)
     saved = rank == saver
     slots.update(
@@ -56,6 +59,7 @@ def sharded_record(
         grad_steps=STEPS,
         params=PARAMS,
         gathers=4,
+        collectives=STEPS,
         timed_steps=STEPS,
         comm_timed=1,
         own_s=own_s,
@@ -65,12 +69,15 @@ def sharded_record(
     unsharded = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
     if rank in unsharded_odd:
         unsharded[0, 1] += 0.5
-    steps = torch.zeros(INPUT_STEPS, 11, dtype=torch.float64)
+    steps = torch.zeros(INPUT_STEPS, STEP_COLUMNS, dtype=torch.float64)
     held = []
     for k in range(STEPS):
         apart = rank in settings_odd and k >= 2
-        steps[k] = torch.tensor([rank + k, 1.0, 1.0, 1.0, 1.0, 4.0, 0.0, 1.0, 99.0 if apart else 7.0, 5.0, 1.0])
-        held.append((99.0 if apart else 7.0, f"lr={0.5 if apart else 0.1}", 5.0, "model: train"))
+        calls = rank in collectives_odd and k >= 3
+        digest = 77.0 if calls else 3.0
+        steps[k] = torch.tensor([rank + k, 1.0, 1.0, 1.0, 1.0, 4.0, 0.0, 1.0, 99.0 if apart else 7.0, 5.0, 1.0, digest])
+        shown = ["all_reduce(float32[1], MAX)/4 at train.py:60" if calls else "all_reduce(float32[1])/4 at train.py:60"]
+        held.append((99.0 if apart else 7.0, f"lr={0.5 if apart else 0.1}", 5.0, "model: train", digest, shown))
     return ShardedRecord(
         slots=slots,
         grads=grads,

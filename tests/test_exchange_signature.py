@@ -133,10 +133,10 @@ def signature(name: str) -> str:
 
 
 SHARDED = {
-    "sharded-clean-3": ({}, "c069fe5c604a70aa"),
+    "sharded-clean-3": ({}, "b1ba06045e0ffd46"),
     "sharded-mistakes-6": (
-        {"settings_odd": (2, 5), "saver": 4, "unsharded_odd": (1,), "own_s": 0.02},
-        "da43b971a937f9f9",
+        {"settings_odd": (2, 5), "saver": 4, "unsharded_odd": (1,), "collectives_odd": (3,), "own_s": 0.02},
+        "8a49fe5faeb377e0",
     ),
 }
 """A sharded job's exchange (FSDP2, `replicate`): each scenario's mistakes (`handbuilt.sharded_record`) and the

@@ -28,17 +28,28 @@ def test_a_clean_jobs_exchange_costs_each_rank_the_same_from_2_to_1024_ranks() -
         assert got.unsharded_differ == [False, False] and got.buffers_differ == [False] * BUFFERS
         assert got.per_step["inputs_compared"] == list(range(STEPS)) and not got.per_step["inputs_identical"]
         assert got.per_step["settings_apart"] is None and got.shard_save == {} and got.slowest is None
+        assert got.per_step["collectives_apart"] is None and got.top["collectives"] == got.low["collectives"] == STEPS
         volumes[world] = (volume.sent, volume.collectives)
     assert volumes[2] == volumes[64] == volumes[1024], volumes
     assert volumes[1024][0] < 4096  # per rank: the slots, gradient flags, fingerprints and the 16-step table
 
 
 def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
-    mistakes = {"settings_odd": (3, 700), "saver": 5, "unsharded_odd": (1000,)}
+    mistakes = {"settings_odd": (3, 700), "saver": 5, "unsharded_odd": (1000,), "collectives_odd": (9, 10, 1023)}
     got, big = simulated(1024, **mistakes)
     apart = got.per_step["settings_apart"]
     assert apart == {"step": 2, "reference": 0, "ranks": [3, 700], "more": 0, "held": {0: "lr=0.1", 3: "lr=0.5"}}
     assert got.per_step["modes_apart"] is None
+    assert got.per_step["collectives_apart"] == {
+        "step": 3,
+        "reference": 0,
+        "ranks": [9, 10, 1023],
+        "more": 0,
+        "held": {
+            0: ["all_reduce(float32[1])/4 at train.py:60"],
+            9: ["all_reduce(float32[1], MAX)/4 at train.py:60"],
+        },
+    }
     assert got.unsharded_differ == [True, False] and got.unsharded_gap == pytest.approx(0.5)
     assert got.shard_save == {
         "shard_save": {"shown": "model.state_dict()", "site": "train.py:40", "shards": [4, 8]},
@@ -46,7 +57,7 @@ def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
         "shard_save_first": 5,
         "shard_save_one_path": False,
     }
-    _, small = simulated(64, settings_odd=(3, 60), saver=5, unsharded_odd=(63,))
+    _, small = simulated(64, settings_odd=(3, 60), saver=5, unsharded_odd=(63,), collectives_odd=(9, 10, 63))
     assert (big.sent, big.collectives) == (small.sent, small.collectives)
 
 
@@ -74,9 +85,10 @@ def _real(rank: int, world: int, mistakes: dict[str, Any]) -> Any:
 
 
 def test_a_real_gloo_group_reads_back_what_the_model_computes(tmp_path: Path) -> None:
-    mistakes = {"settings_odd": (2,), "saver": 3, "unsharded_odd": (1,)}
+    mistakes = {"settings_odd": (2,), "saver": 3, "unsharded_odd": (1,), "collectives_odd": (3,)}
     real = run_ranks(_real, tmp_path, world_size=4, args=(mistakes,), timeout=120)
     model, _ = simulated(4, **mistakes)
     expected = ({k: getattr(model, k) for k in model.__slots__ if k != "grads"}, model.grads.tolist())
     assert all(r == expected for r in real), (real[0], expected)
     assert expected[0]["per_step"]["settings_apart"]["ranks"] == [2]
+    assert expected[0]["per_step"]["collectives_apart"]["ranks"] == [3]

@@ -13,13 +13,18 @@ Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps o
   -1.496532 when every rank steps (the shards rank 1 holds are one update behind). Under the check, rank 0 reaches
   the 8th observed step first and waits in the report while rank 1, at its 7th, waits in its next forward's
   all-gather: the check cannot compare, and names the skip from the counts each rank left.
+- `--mistake log-op-rank0` (every rank all_reduces its loss after each step to log it, rank 0 with op=MAX, the
+  others with the default SUM): exit code 0, nothing said; at the last step rank 1's loss is 1.445838 and the SUM it
+  asked for came back as 1.461524, rank 0's loss (the MAX): gloo applied one rank's reduction for both.
+- `--mistake log-dtype-rank0` (the same all_reduce, rank 0's in float64): rank 1 dies of SIGABRT in gloo at the
+  first step (exit code -6), and torchrun ends the job.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from checkrun import SCRIPTS, check
+from checkrun import SCRIPTS, check, line_of
 
 SCRIPT = str(SCRIPTS / "fsdp2_train.py")
 
@@ -67,3 +72,34 @@ def test_a_step_rank_1_alone_skips_is_optimizer_step_skipped_from_the_counts_eac
         "optimizer_steps_rank_1": 7,
         "forwards_rank_1": 15,
     }, measured
+
+
+def test_a_loss_reduced_with_max_on_rank_0_and_sum_elsewhere_is_named_at_its_first_step_with_its_line(
+    tmp_path: Path,
+) -> None:
+    run = _check(tmp_path, "log-op-rank0")
+    assert run.rc == 1 and run.codes == {"collective-mismatch"}, run.output
+    f = run.finding("collective-mismatch")
+    # The logging all_reduce follows the optimizer step: the first is in the second observed step's window.
+    assert (f["severity"], f["ranks"], f["steps"], f.get("more_ranks", 0)) == ("error", [0, 1], [1], 0), f
+    line = line_of(SCRIPT, "dist.all_reduce(total, op=")
+    assert {site.rsplit("/", 1)[-1] for site in f["sites"]} == {f"fsdp2_train.py:{line}"}, f
+    assert run.report["compared"]["collectives"] == 7  # as many on each rank (after steps 0-6), compared in order
+
+
+def test_the_same_logging_all_reduce_on_every_rank_is_clean_and_its_collectives_counted(tmp_path: Path) -> None:
+    run = _check(tmp_path, "log-every")
+    assert run.rc == 0 and run.codes == set(), run.output
+    # one all_reduce after the third step, counted in the fourth step's window, on both ranks
+    assert (run.report["compared"]["collectives"], run.report["compared"]["state_steps"]) == (1, 8)
+
+
+def test_a_logging_all_reduce_in_float64_on_rank_0_alone_names_the_collective_the_ranks_parted_at(
+    tmp_path: Path,
+) -> None:
+    run = _check(tmp_path, "log-dtype-rank0")
+    assert run.rc == 1 and "collective-mismatch" in run.codes, run.output
+    f = run.finding("collective-mismatch")
+    assert set(f["ranks"]) == {0, 1}, f
+    line = line_of(SCRIPT, "dist.all_reduce(total, op=")
+    assert f"fsdp2_train.py:{line}" in {site.rsplit("/", 1)[-1] for site in f["sites"]}, f

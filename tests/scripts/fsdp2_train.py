@@ -11,6 +11,9 @@
 --mistake unused-aux        an auxiliary head built before sharding that no forward uses (it never gets a gradient)
 --mistake log-rank0         after the third step, rank 0 alone all_reduces the loss to log it
 --mistake log-every         clean: every rank all_reduces the loss, rank 0 logs it
+--mistake log-op-rank0      every step, every rank all_reduces its loss to log it: rank 0 with op=MAX, the others SUM
+--mistake log-dtype-rank0   every step, every rank all_reduces its loss to log it: rank 0 as float64, the others
+                            float32
 --mistake buffer-rank       a constant buffer scaling the input, drawn from each rank's own seed (FSDP2 never
                             broadcasts buffers)
 --mistake buffer-same       clean: that buffer drawn from the same seed on every rank
@@ -174,6 +177,11 @@ if __name__ == "__main__":
             dist.all_reduce(mean)
             if rank == 0:
                 print(f"step {_step}: loss {mean.item() / dist.get_world_size():.4f}", flush=True)
+        if {"log-op-rank0", "log-dtype-rank0"} & mistakes:  # the loss reduced for logging, rank 0 differently
+            total = loss.detach().clone().to(torch.float64 if "log-dtype-rank0" in mistakes and rank == 0 else None)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if "log-op-rank0" in mistakes and rank == 0 else dist.ReduceOp.SUM)
+            if _step == args.steps - 1:
+                print(f"rank {rank}: loss {loss.item():.6f}, logged {total.item():.6f}", flush=True)
         for how in args.save.split(",") if _step == 2 and args.save else []:
             save(model, rank, how, args.save_dir)
         if _step == 2 and ("eval-every" in mistakes or "eval-rank0" in mistakes and rank == 0):

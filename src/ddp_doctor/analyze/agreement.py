@@ -12,12 +12,13 @@ from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.snippets import freeze_point
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, Measure, lines_of
+from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
 from ddp_doctor.core.ranks import listed
 
 __all__ = [
     "unsynced_steps",
     "buffer_divergence",
+    "buffers_apart",
     "grads_not_synced",
     "identical_inputs",
     "replica_divergence",
@@ -205,21 +206,88 @@ def buffer_divergence(v: View) -> list[Finding]:
     differ = v.summary.buffer_differs & seen
     if not differ.any():
         return []
-    buffers = differ.any(0)
     broadcast = bool(v.info.ddp_config.get("broadcast_buffers", True))
     return [
-        rules.buffer_divergence(
-            title=f"{_count(int(buffers.sum()), 'buffer')} differ across ranks during training",
+        buffers_apart(
+            buffers=v.buffers(differ.any(0)),
+            ranks=all_ranks(v),
+            steps=steps_of(differ.any(1)),
+            changing=True,
+            parallelism="ddp",
+            fix_ddp=with_flags(v, broadcast_buffers=True) + " (the default), or convert BatchNorm with "
+            f"torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) {freeze_point(v.info.framework)}.",
+            broadcast=broadcast,
+        )
+    ]
+
+
+def buffers_apart(
+    *,
+    buffers: list[ParamRef],
+    ranks: list[int],
+    steps: list[int],
+    changing: bool,
+    parallelism: str,
+    fix_ddp: str = "",
+    broadcast: bool = True,
+) -> Finding:
+    """`buffer-divergence`, for every parallelism: `buffers` differ across `ranks` at `steps`.
+
+    `changing`: they change during the steps (running statistics such as BatchNorm's, each rank from its own
+    batches): a ``warning``, training stays correct while evaluation and the saved buffers depend on the rank.
+    Otherwise they were made different and never changed (a per-rank seed, memory left uninitialised after
+    `to_empty()`): an ``error``, each rank computes a different function of the same weights. DDP broadcasts rank 0's
+    buffers at construction and, with broadcast_buffers=True, before every forward (`fix_ddp` is then the fix in the
+    script's framework's words); FSDP2's `fully_shard` and `replicate` take parameters only and never touch buffers.
+    """
+    n = len(buffers)
+    if parallelism == "ddp":
+        return Finding(
+            code=Code.BUFFER_DIVERGENCE,
+            severity="warning",
+            title=f"{_count(n, 'buffer')} differ across ranks during training",
             detail="Buffers such as BatchNorm running statistics differ between ranks when the forward pass runs"
             + (" because DDP was built with broadcast_buffers=False" if not broadcast else "")
             + ". Evaluation then differs by rank, and only rank 0's are saved.",
-            params=v.buffers(buffers),
-            ranks=all_ranks(v),
-            steps=steps_of(differ.any(1)),
-            fix=with_flags(v, broadcast_buffers=True) + " (the default), or convert BatchNorm with "
-            f"torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) {freeze_point(v.info.framework)}.",
+            params=buffers,
+            ranks=ranks,
+            steps=steps,
+            fix=fix_ddp,
         )
-    ]
+    call = "replicate" if parallelism == "replicate" else "fully_shard"
+    if changing:
+        return Finding(
+            code=Code.BUFFER_DIVERGENCE,
+            severity="warning",
+            title=f"{n} buffer(s) of the {_MODEL[parallelism]} change in training and differ across ranks",
+            detail="These buffers change during the steps (running statistics such as BatchNorm's), each rank "
+            f"from its own batches; {call} neither broadcasts nor averages buffers, so evaluation differs by rank "
+            "and a checkpoint holds the saving rank's.",
+            params=buffers,
+            ranks=ranks,
+            steps=steps,
+            fix=f"convert BatchNorm with torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before {call}, "
+            "or average the buffers across ranks before evaluating and saving.",
+        )
+    return Finding(
+        code=Code.BUFFER_DIVERGENCE,
+        severity="error",
+        title=f"{n} buffer(s) of the {_MODEL[parallelism]} differ across ranks and never changed",
+        detail=f"{call} takes parameters only: a buffer stays a plain tensor on each rank, and nothing "
+        "broadcasts it, as DDP does at construction. These were made different and stayed so through the "
+        f"{len(steps)} observed steps (a per-rank seed when they were drawn, or memory left uninitialised "
+        "after to_empty()): each rank computes a different function of the same shared weights, and the "
+        "gradients averaged across ranks come from different models.",
+        params=buffers,
+        ranks=ranks,
+        steps=steps,
+        fix="make them equal on every rank before training: compute them from the same seed or values "
+        "everywhere (after model.to_empty(...), initialise the buffers too, not only the parameters), or "
+        "copy rank 0's once: `for b in model.buffers(): dist.broadcast(b, src=0)`.",
+    )
+
+
+_MODEL = {"fsdp2": "sharded model", "replicate": "replicated model"}
 
 
 @detects(Code.IDENTICAL_INPUTS_ACROSS_RANKS)

@@ -17,12 +17,14 @@ from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.sharded_run import ShardedRun
 
 __all__ = [
     "CAUSES",
     "SKIP_FIX",
     "grads_changed_after_sync",
     "grads_reduced_twice",
+    "shards_scaled_apart",
     "optimizer_step_skipped",
     "sharded_step_skipped",
     "replicas_differ_at_wrap",
@@ -207,6 +209,43 @@ def grads_changed_after_sync(v: View) -> list[Finding]:
             who.more,
         )
     ]
+
+
+def shards_scaled_apart(run: ShardedRun, ranks: list[int]) -> Finding | None:
+    """The ranks scaled their gradient shards by different factors between the end of the backward (FSDP2's
+    reduce-scatter done) and the optimizer step: a clipping coefficient computed from each rank's own shards.
+
+    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps (`tests/scripts/fsdp2_train.py`):
+    `clip_grad_norm_(model.parameters(), 0.05)` on every rank (a global norm) ends with head.weight summing
+    -1.439474 on both ranks; the same clip from each rank's `.to_local()` shards (`--mistake local-clip`) ends at
+    -1.573953, exit code 0, nothing said; `clip_grad_norm_` on rank 0 alone (`--mistake clip-rank0`) hangs (its
+    norm is a collective over the DTensor gradients).
+    """
+    if not run.scale_differ_steps:
+        return None
+    steps = run.scale_differ_steps
+    return Finding(
+        code=Code.GRADS_CHANGED_AFTER_SYNC,
+        severity="error",
+        title=f"the ranks scaled their gradient shards by different factors before the optimizer step (steps {steps})",
+        detail="Between the end of the backward (the gradients reduced) and optimizer.step(), the ranks changed their "
+        "gradient shards by "
+        f"factors of their own: at step {steps[0]} one rank's shards were scaled {run.scale_spread:.3g} times as "
+        f"much as another's (measured in {len(run.scale_steps)} steps: the norm of each rank's shards at the step "
+        "against the same at the end of the backward). Each rank owns a different part of every parameter, so the "
+        "model takes an update in which each part was clipped or scaled differently: training goes on, silently "
+        "not the update the script means. A clipping coefficient computed from each rank's own shards "
+        "(`p.grad.to_local()`) or a clip on some ranks only does this.",
+        ranks=ranks,
+        steps=steps,
+        measured=[
+            Measure("largest_scale_ratio", run.scale_spread, "ratio"),
+            Measure("steps_measured", len(run.scale_steps), "count"),
+        ],
+        fix="clip on every rank with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm): with FSDP2's "
+        "DTensor gradients it reduces the norm over every rank's shards and scales all of them by one coefficient. "
+        "Never compute the norm from p.grad.to_local().",
+    )
 
 
 @detects(Code.REPLICAS_DIFFER_AT_WRAP)

@@ -18,6 +18,7 @@ __all__ = [
     "collective_sequence_mismatch",
     "eval_broadcast_mismatch",
     "grad_scaler_mismatch",
+    "sequences_apart",
     "synced_pass_mismatch",
     "unpaired_forward_mismatch",
 ]
@@ -38,13 +39,32 @@ def collective_sequence_mismatch(v: View) -> list[Finding]:
         return []
     first = bad[0]
     odd = v.ranks("collective-differs")
-    shown_ranks = [0, *odd.ranks]
-    logs = [v.meta(r)["collective_log"] for r in shown_ranks]
+    calls = {r: v.meta(r)["collective_log"] for r in [0, *odd.ranks]}  # the exchange kept that step's calls
+    counts = sorted({int(lo[first][0]), int(hi[first][0])})
+    return [sequences_apart(step=first, calls=calls, odd=odd.ranks, more=odd.more, counts=counts, also=bad[1:])]
+
+
+def sequences_apart(
+    *,
+    step: int,
+    calls: dict[int, list[str]],
+    odd: list[int],
+    more: int = 0,
+    counts: list[int] = (),
+    also: list[int] = (),
+) -> Finding:
+    """`collective-mismatch` in a step that completed, for every parallelism: the script's own collectives of `step`
+    were not the same sequence on every rank. `odd` are the ranks whose sequence differs from the reference rank's
+    (the lowest few; `more` others); `calls` maps the reference rank (first) and some of `odd` to their calls of the
+    step, in order (`all_reduce(float32[1], MAX)/2 at train.py:118`, the first few); `counts` the lowest and highest
+    number of calls, `also` later steps that differed too."""
+    reference = next(iter(calls))
+    signatures = [[c.rsplit(" at ", 1)[0] for c in log] for log in calls.values()]
     position = next(
         (
             i
-            for i in range(max(len(log) for log in logs))
-            if len({log[i] if i < len(log) else None for log in logs}) > 1
+            for i in range(max((len(s) for s in signatures), default=0))
+            if len({s[i] if i < len(s) else None for s in signatures}) > 1
         ),
         None,
     )
@@ -52,7 +72,7 @@ def collective_sequence_mismatch(v: View) -> list[Finding]:
         where = "the calls beyond the logged ones differ"
     else:
         shown = []
-        for r, log in list(zip(shown_ranks, logs))[:4]:
+        for r, log in list(calls.items())[:4]:
             call = log[position] if position < len(log) else None
             shown.append(
                 f"rank {r} called {call.replace('/', ' over a group of ', 1)}"
@@ -60,32 +80,26 @@ def collective_sequence_mismatch(v: View) -> list[Finding]:
                 else f"rank {r} called nothing more"
             )
         where = f"at its collective #{position + 1} of the step, " + "; ".join(shown)
-    counts = sorted({int(lo[first][0]), int(hi[first][0])})
-    return [
-        Finding(
-            code=Code.COLLECTIVE_MISMATCH,
-            severity="error",
-            title=f"the ranks issued different collectives in step {first} ({rank_list(odd.ranks, more=odd.more)} "
-            f"differ{'s' if odd.count == 1 else ''} from rank 0)",
-            detail=f"In step {first} the script's own collectives were not the same on every rank: {where}. "
-            + (
-                f"The ranks issued {' to '.join(map(str, counts))} collectives in that step. "
-                if len(counts) > 1
-                else ""
-            )
-            + "Collectives pair up by position, so each rank combined a different tensor or reduction than it "
-            "meant to, silently, or waits for a peer that never comes."
-            + (f" Also in step(s) {bad[1:]}." if len(bad) > 1 else ""),
-            params=[],
-            sites=lines_of(*(log[position] for log in logs if position is not None and position < len(log))),
-            ranks=sorted({0, *odd.ranks}),
-            steps=bad,
-            more_ranks=odd.more,
-            fix="make every rank of the group call the same collectives, in the same order, with the same dtype, shape "
-            "and reduction: compute rank-dependent choices (which metric, which op) from values agreed across ranks "
-            "first.",
-        )
-    ]
+    differ = len(odd) + more
+    return Finding(
+        code=Code.COLLECTIVE_MISMATCH,
+        severity="error",
+        title=f"the ranks issued different collectives in step {step} ({rank_list(odd, more=more)} "
+        f"differ{'s' if differ == 1 else ''} from rank {reference})",
+        detail=f"In step {step} the script's own collectives were not the same on every rank: {where}. "
+        + (f"The ranks issued {' to '.join(map(str, counts))} collectives in that step. " if len(counts) > 1 else "")
+        + "Collectives pair up by position, so each rank combined a different tensor or reduction than it "
+        "meant to, silently, or waits for a peer that never comes."
+        + (f" Also in step(s) {list(also)}." if also else ""),
+        params=[],
+        sites=lines_of(*(log[position] for log in calls.values() if position is not None and position < len(log))),
+        ranks=sorted({reference, *odd}),
+        steps=[step, *also],
+        more_ranks=more,
+        fix="make every rank of the group call the same collectives, in the same order, with the same dtype, shape "
+        "and reduction: compute rank-dependent choices (which metric, which op) from values agreed across ranks "
+        "first.",
+    )
 
 
 @detects(Code.COLLECTIVE_MISMATCH)

@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ddp_doctor.analyze.crashed_ranks import crash_findings
 from ddp_doctor.analyze.following_ends import timeout_fix
 from ddp_doctor.analyze.positions import capped, fault_place, others, short, where
 from ddp_doctor.analyze.shapes import shape_findings
-from ddp_doctor.analyze.sharded_failures import (
-    forward_alone,
-    gather_alone,
-    ran_out_alone,
-    state_dict_alone,
-    step_skipped_alone,
-)
+from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone, ran_out_alone, step_skipped_alone
+from ddp_doctor.analyze.sharded_saves import state_dict_alone
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, lines_of
 from ddp_doctor.core.rankfiles import PHASES, Outcome
@@ -48,9 +44,20 @@ def _failed_inside(s: RankState) -> bool:
     )
 
 
-def _mismatch(states: dict[int, RankState]) -> Finding | None:
-    """Ranks whose script collectives disagree: one rank waits in a collective another rank never called (or called
-    with another op or shape), so the other rank's next collective (often DDP's gradient all-reduce) is paired
+@dataclass(frozen=True, slots=True)
+class _Parting:
+    """Where the ranks' own collective sequences parted, from their beacons: `first` waited (or failed) in its
+    collective `first.collective`; `behind` never called one at that position; `different` called another op or
+    shape there."""
+
+    first: RankState
+    behind: list[RankState]
+    different: list[RankState]
+
+
+def _parting(states: dict[int, RankState]) -> _Parting | None:
+    """The ranks whose script collectives disagree: one rank waits in a collective another rank never called (or
+    called with another op or shape), so the other rank's next collective (often DDP's gradient all-reduce) is paired
     with it (or, for a sharded model, its next forward's all-gathers). Judged from each rank's last collective and
     its count of the script's collectives."""
     live = [s for s in states.values() if s.trained]
@@ -72,6 +79,13 @@ def _mismatch(states: dict[int, RankState]) -> Finding | None:
     ]
     if not behind and not different:
         return None
+    return _Parting(first, behind, different)
+
+
+def _mismatch(states: dict[int, RankState], parting: _Parting) -> Finding:
+    """`collective-mismatch` of a failed run, at `parting`."""
+    first, behind, different = parting.first, parting.behind, parting.different
+    c = first.collective
     parts = [
         (
             f"rank {first.rank} called {c.describe()} at {c.site or 'an unknown place'} in step "
@@ -149,8 +163,20 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
         or state_dict_alone(states, native)
         or step_skipped_alone(states)
     )
-    is_sharded = any(s.sharded for s in states.values())
-    mismatch = (sharded or _mismatch(states)) if is_sharded else (_mismatch(states) or sharded)
+    parting = _parting(states)
+    script = _mismatch(states, parting) if parting is not None else None
+    if any(s.sharded for s in states.values()):
+        # Ranks that each issued their n-th collective of the script, different ones, parted there, unless a rank
+        # had already done something alone in an earlier step: what one rank did after it (a forward the other,
+        # aborted in that collective, never reached) is a consequence.
+        parted_first = (
+            parting is not None
+            and parting.different
+            and (sharded is None or min(script.steps, default=0) <= min(sharded.steps, default=0))
+        )
+        mismatch = script if parted_first else (sharded or script)
+    else:
+        mismatch = script or sharded
     if mismatch is not None:
         findings.append(mismatch)
     findings.extend(crash_findings(states, causes))

@@ -16,15 +16,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ddp_doctor.analyze.agreement import same_inputs
-from ddp_doctor.analyze.sharded_fixes import optimizer_fix, save_fix, sync_fix
-from ddp_doctor.analyze.sharded_state import (
-    buffer_divergence,
-    low_precision_weights,
-    replica_state,
-    shards_scaled_apart,
-    training_moves,
-)
+from ddp_doctor.analyze.causes import shards_scaled_apart
+from ddp_doctor.analyze.sharded_fixes import optimizer_fix, sync_fix
+from ddp_doctor.analyze.sharded_saves import incomplete_checkpoint
+from ddp_doctor.analyze.sharded_state import buffer_divergence, low_precision_weights, replica_state, training_moves
 from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
+from ddp_doctor.analyze.tree_state import stale_optimizer
 from ddp_doctor.analyze.unsharded import unsharded_finding
 from ddp_doctor.analyze.used_set import unused_finding
 from ddp_doctor.core.codes import Code
@@ -96,17 +93,15 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
     found: list[Finding] = []
     if run.replaced and not run.model_params_stepped:
         found.append(
-            Finding(
-                code=Code.OPTIMIZER_PARAMS_REPLACED,
-                severity="error",
-                title=f"the optimizer steps {run.replaced} parameters that are no longer the model's",
-                detail=f"The optimizer ({where}) was built before {api.call}. {api.call} replaces every parameter "
-                f"of the modules it takes with a new DTensor parameter {api.holds}, so the "
-                "optimizer holds the old tensors, which no forward uses and no gradient reaches, and none of the "
-                f"model's {run.model_params} parameters. Training runs, the loss is computed, and nothing learns. "
-                + _unchanged(run),
+            stale_optimizer(
+                stale=run.replaced,
+                params=[],
                 ranks=ranks,
                 steps=_steps(run),
+                wrapper=(api.call, api.holds),
+                optimizer=where,
+                model_params=run.model_params,
+                measured=_unchanged(run),
                 fix=optimizer_fix(run.framework, api.call, api.done),
             )
         )
@@ -126,7 +121,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
             )
         )
     if run.shard_save:
-        found.append(_incomplete_checkpoint(run))
+        found.append(incomplete_checkpoint(run))
     if run.unused and run.model_params_stepped:
         found.append(_unused(run, ranks, api))
     if run.low_reduce and run.model_params_stepped:
@@ -199,39 +194,6 @@ def _unused(run: ShardedRun, ranks: list[int], api: _Api) -> Finding:
     )
 
 
-def _incomplete_checkpoint(run: ShardedRun) -> Finding:
-    save = run.shard_save or {}
-    shards = save.get("shards") or {}
-    file, site = save.get("shown", "a file"), save.get("site")
-    at = f" at {site}" if site else ""
-    local, full = ("x".join(map(str, shards.get(k, []))) for k in ("local", "global"))
-    if run.shard_save_one_path:
-        title = f"every rank saved its shards of the model to the same file: {file} holds one rank's shards"
-        holds = "holds the shards of whichever rank wrote last"
-    else:
-        savers = f"rank {run.shard_save_first}" if run.shard_save_ranks == 1 else f"{run.shard_save_ranks} ranks"
-        holds = f"holds {run.shard_save_ranks} of {run.world} ranks' shards"
-        title = f"{savers} alone saved the sharded state dict: {file} {holds}"
-    return Finding(
-        code=Code.SHARDED_CHECKPOINT_INCOMPLETE,
-        severity="error",
-        title=title,
-        detail=f"torch.save{at} wrote a state dict of {shards.get('tensors', 'its')} DTensors: an FSDP2 model's "
-        "state_dict() returns each parameter as a DTensor holding this rank's shard only "
-        f"({shards.get('example', 'a parameter')} is {local} of {full} in the file). So the file {holds}, "
-        "the rest of the model is not in it, and loading it into the unsharded model fails (*aten.copy_.default "
-        "got mixed torch.Tensor and DTensor*), typically long after the job ended. Checked: the torch.save calls "
-        + (
-            "of the observed steps and of the epoch end followed after them."
-            if run.followed
-            else "of the observed steps."
-        ),
-        # The ranks that saved, as far as they are known: every rank, or the first of those that did.
-        ranks=list(range(run.world)) if run.shard_save_one_path else [run.shard_save_first],
-        fix=save_fix(run.framework),
-    )
-
-
 def _untimed(run: ShardedRun) -> list[str]:
     """The step-time checks not made."""
     if run.timed_steps < MIN_STEPS:
@@ -259,6 +221,7 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
         "inputs": len(run.inputs_compared),
         "state_steps": run.state_steps,
         "modules": run.modules if run.state_steps else 0,
+        "collectives": run.script_collectives if run.state_steps else None,
         "gradient_scale_steps": len(run.scale_steps),
         "saves": ("the observed steps and the epoch end followed" if run.followed else "the observed steps")
         if fully_shard
@@ -271,8 +234,7 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
 
 
 _DDP_ONLY = (
-    "what a DDP check compares and a sharded one does not yet: the script's own collectives in order, {skips}, "
-    "and writes to the weights outside the optimizer"
+    "what a DDP check compares and a sharded one does not yet: {skips}, and writes to the weights outside the optimizer"
 )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.causes import sharded_step_skipped
 from ddp_doctor.analyze.positions import capped, short, where
-from ddp_doctor.analyze.sharded_fixes import gather_fix, save_fix
+from ddp_doctor.analyze.sharded_fixes import gather_fix
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list
@@ -30,7 +30,8 @@ __all__ = [
     "forward_alone",
     "gather_alone",
     "ran_out_alone",
-    "state_dict_alone",
+    "line_alone",
+    "framework_of",
     "step_skipped_alone",
 ]
 
@@ -43,7 +44,7 @@ _GATHERS = ("get_model_state_dict", "get_state_dict", "get_optimizer_state_dict"
 """The calls that all-gather sharded (DTensor) state, the one a user calls first: every rank must enter them."""
 
 
-def _framework(states: dict[int, RankState]) -> str:
+def framework_of(states: dict[int, RankState]) -> str:
     """The training framework that stepped the sharded model's optimizer (`torch` when none did)."""
     return next((s.framework for s in states.values() if s.framework), "torch")
 
@@ -58,7 +59,7 @@ def _gather(s: RankState) -> tuple[str, str | None] | None:
     return None if call is None else (call, (s.raised.site if s.raised else None) or s.site or s.user_frame)
 
 
-def _line_alone(
+def line_alone(
     states: dict[int, RankState], counted: Callable[[RankState], dict[str, int]]
 ) -> tuple[str, list[int], list[int]] | None:
     """The first line (in order) that some ranks following the sharded model counted and the others never did:
@@ -74,7 +75,7 @@ def _line_alone(
 
 def _counted_alone(states: dict[int, RankState]) -> dict[int, tuple[str, str | None]]:
     """rank -> (call, line) of the first gather line it counted that some other rank never counted."""
-    found = _line_alone(states, lambda s: s.gathers)
+    found = line_alone(states, lambda s: s.gathers)
     if found is None:
         return {}
     call, _, site = found[0].partition(" at ")
@@ -103,7 +104,7 @@ def gather_alone(states: dict[int, RankState], native: list[str]) -> Finding | N
         "collective aborts, hangs or exchanges the wrong data, depending on the backend and the sizes." + said,
         ranks=sorted(states),
         steps=sorted({max(states[r].raised.step if states[r].raised else states[r].step, 0) for r in gathering}),
-        fix=gather_fix(_framework(states)),
+        fix=gather_fix(framework_of(states)),
     )
 
 
@@ -137,7 +138,7 @@ def ran_out_alone(states: dict[int, RankState]) -> Finding | None:
 def forward_alone(states: dict[int, RankState]) -> Finding | None:
     """A line that ran forwards through the FSDP2 model on some ranks and none on others (counted from the first
     optimizer step): each such forward all-gathers the sharded parameters, a collective the others never enter."""
-    found = _line_alone(states, lambda s: s.forwards)
+    found = line_alone(states, lambda s: s.forwards)
     if found is not None:
         site, alone, rest = found
         counts = {r: states[r].forwards[site] for r in alone}
@@ -190,34 +191,6 @@ def step_skipped_alone(states: dict[int, RankState]) -> Finding | None:
         return None
     api = next((s.sharding or {}).get("api", "fully_shard") for s in ranks.values())
     return sharded_step_skipped(skipped, (first, most, ran[first]), ranks=sorted(states), api=api)
-
-
-def state_dict_alone(states: dict[int, RankState], native: list[str]) -> Finding | None:
-    """A line that took the FSDP2 model's `state_dict()` on some ranks and not on others (counted from the first
-    optimizer step), in a run that failed: the state dict holds the calling ranks' shards only, and FSDP2 reshards
-    there a module a forward left unsharded (after an evaluation, with no backward), so the ranks' next all-gathers
-    differ."""
-    found = _line_alone(states, lambda s: s.state_dicts)
-    if found is not None:
-        site, alone, rest = found
-        went = capped([f"rank {r} was at {where(states[r])}" for r in rest])
-        said = f" The communication library said: {native[0]}" if native else ""
-        return Finding(
-            code=Code.SHARDED_CHECKPOINT_INCOMPLETE,
-            severity="error",
-            title=f"{rank_list(alone)} alone took the sharded model's state_dict(), at {short(site)}: the ranks' "
-            "next collectives differed",
-            detail=f"state_dict() at {site} ran on {rank_list(alone)} only, not on {rank_list(rest)}. An FSDP2 model's "
-            "state_dict() holds each parameter as a DTensor of the calling rank's shard, so a file saved from it "
-            "holds that rank's shards only; and FSDP2 reshards there any module a forward left unsharded (the root "
-            "stays unsharded after a forward that no backward follows, an evaluation), on the calling ranks only. "
-            "Their next forward all-gathered what the others' did not, and a mismatched collective aborts, hangs or "
-            f"exchanges the wrong data: {went}." + said,
-            ranks=sorted(states),
-            steps=sorted({max(states[r].step, 0) for r in alone}),
-            fix=save_fix(_framework(states)),
-        )
-    return None
 
 
 def explain_meta_params(message: str) -> str | None:

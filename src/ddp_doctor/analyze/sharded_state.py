@@ -1,21 +1,22 @@
 """What a sharded model holds, compared across ranks or against its mixed-precision policy: its buffers, which
 `fully_shard` neither shards nor broadcasts (`buffer-divergence`), the dtype of the weights its optimizer steps
-(`low-precision-weights`), and its gradient shards scaled by one factor on every rank between the reduce-scatter and
-the optimizer step (`grads-changed-after-sync`). Pure: the agreed facts (`ShardedRun`) in."""
+(`low-precision-weights`). Pure: the agreed facts (`ShardedRun`) in."""
 
 from __future__ import annotations
 
 from functools import partial
 
+from ddp_doctor.analyze.agreement import buffers_apart
 from ddp_doctor.analyze.common import with_more
+from ddp_doctor.analyze.consistency import sequences_apart
 from ddp_doctor.analyze.moves import never_updated, nonfinite_finding, stalled
 from ddp_doctor.analyze.optimizer_settings import settings_apart
 from ddp_doctor.analyze.tree_state import modes_apart
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, Measure
+from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
-__all__ = ["buffer_divergence", "low_precision_weights", "replica_state", "shards_scaled_apart", "training_moves"]
+__all__ = ["buffer_divergence", "low_precision_weights", "replica_state", "training_moves"]
 
 _LOW = ("bfloat16", "float16")
 
@@ -51,89 +52,37 @@ def low_precision_weights(run: ShardedRun, ranks: list[int]) -> Finding | None:
 
 
 def buffer_divergence(run: ShardedRun, ranks: list[int]) -> list[Finding]:
-    """Buffers that differ across ranks: FSDP2 shards parameters only, and neither broadcasts nor averages buffers.
+    """Buffers that differ across ranks: FSDP2 shards parameters only, and neither broadcasts nor averages buffers
+    (`agreement.buffers_apart` words it, for every parallelism).
 
     Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 steps (`tests/scripts/fsdp2_train.py
     --mistake buffer-rank`: a constant buffer drawn from each rank's own generator): exit code 0, nothing said, and
     the ranks' outputs on the same input end apart (sums printed by each rank). With the same seed on every rank
     (`buffer-same`) they agree.
     """
-    made, running = run.buffers_made_apart, run.buffers_apart_in_training
+    parallelism = parallelism_of(run.sharding)
     found = []
-    steps = list(range(run.steps))  # never changed: they differed from the first step on
-    if made:
+    if run.buffers_made_apart:  # never changed: they differed from the first step on
         found.append(
-            Finding(
-                code=Code.BUFFER_DIVERGENCE,
-                severity="error",
-                title=f"{len(made)} buffer(s) of the sharded model differ across ranks and never changed",
-                detail="fully_shard shards parameters only: a buffer stays a plain tensor on each rank, and nothing "
-                "broadcasts it, as DDP does at construction. These were made different and stayed so through the "
-                f"{run.steps} observed steps (a per-rank seed when they were drawn, or memory left uninitialised "
-                "after to_empty()): each rank computes a different function of the same shared weights, and the "
-                "gradients FSDP2 averages come from different models.",
-                params=made,
+            buffers_apart(
+                buffers=run.buffers_made_apart,
                 ranks=ranks,
-                steps=steps,
-                fix="make them equal on every rank before training: compute them from the same seed or values "
-                "everywhere (after model.to_empty(...), initialise the buffers too, not only the parameters), or "
-                "copy rank 0's once: `for b in model.buffers(): dist.broadcast(b, src=0)`.",
+                steps=list(range(run.steps)),
+                changing=False,
+                parallelism=parallelism,
             )
         )
-    if running:
+    if run.buffers_apart_in_training:  # compared at the last observed step
         found.append(
-            Finding(
-                code=Code.BUFFER_DIVERGENCE,
-                severity="warning",
-                title=f"{len(running)} buffer(s) of the sharded model change in training and differ across ranks",
-                detail="These buffers change during the steps (running statistics such as BatchNorm's), each rank "
-                "from its own batches; FSDP2 neither broadcasts nor averages buffers, so evaluation differs by rank "
-                "and a checkpoint holds the saving rank's.",
-                params=running,
+            buffers_apart(
+                buffers=run.buffers_apart_in_training,
                 ranks=ranks,
-                steps=[run.steps - 1],  # compared at the last observed step
-                fix="convert BatchNorm with torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before fully_shard, "
-                "or average the buffers across ranks before evaluating and saving.",
+                steps=[run.steps - 1],
+                changing=True,
+                parallelism=parallelism,
             )
         )
     return found
-
-
-def shards_scaled_apart(run: ShardedRun, ranks: list[int]) -> Finding | None:
-    """The ranks scaled their gradient shards by different factors between the end of the backward (FSDP2's
-    reduce-scatter done) and the optimizer step: a clipping coefficient computed from each rank's own shards.
-
-    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps (`tests/scripts/fsdp2_train.py`):
-    `clip_grad_norm_(model.parameters(), 0.05)` on every rank (a global norm) ends with head.weight summing
-    -1.439474 on both ranks; the same clip from each rank's `.to_local()` shards (`--mistake local-clip`) ends at
-    -1.573953, exit code 0, nothing said; `clip_grad_norm_` on rank 0 alone (`--mistake clip-rank0`) hangs (its
-    norm is a collective over the DTensor gradients).
-    """
-    if not run.scale_differ_steps:
-        return None
-    steps = run.scale_differ_steps
-    return Finding(
-        code=Code.GRADS_CHANGED_AFTER_SYNC,
-        severity="error",
-        title=f"the ranks scaled their gradient shards by different factors before the optimizer step (steps {steps})",
-        detail="Between the end of the backward (the gradients reduced) and optimizer.step(), the ranks changed their "
-        "gradient shards by "
-        f"factors of their own: at step {steps[0]} one rank's shards were scaled {run.scale_spread:.3g} times as "
-        f"much as another's (measured in {len(run.scale_steps)} steps: the norm of each rank's shards at the step "
-        "against the same at the end of the backward). Each rank owns a different part of every parameter, so the "
-        "model takes an update in which each part was clipped or scaled differently: training goes on, silently "
-        "not the update the script means. A clipping coefficient computed from each rank's own shards "
-        "(`p.grad.to_local()`) or a clip on some ranks only does this.",
-        ranks=ranks,
-        steps=steps,
-        measured=[
-            Measure("largest_scale_ratio", run.scale_spread, "ratio"),
-            Measure("steps_measured", len(run.scale_steps), "count"),
-        ],
-        fix="clip on every rank with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm): with FSDP2's "
-        "DTensor gradients it reduces the norm over every rank's shards and scales all of them by one coefficient. "
-        "Never compute the norm from p.grad.to_local().",
-    )
 
 
 def training_moves(run: ShardedRun, ranks: list[int], *, low_weights: bool = False) -> Finding | None:
@@ -202,4 +151,8 @@ def replica_state(run: ShardedRun) -> list[Finding]:
                 parallelism=parallelism,
             )
             found.append(with_more(finding, apart["more"]))
+    if (apart := run.collectives_apart) is not None:
+        held = {int(r): calls for r, calls in apart["held"].items()}
+        calls = {r: held[r] for r in (apart["reference"], *apart["ranks"]) if r in held}
+        found.append(sequences_apart(step=apart["step"], calls=calls, odd=apart["ranks"], more=apart["more"]))
     return found

@@ -12,7 +12,7 @@ from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef, lines_of
 
-__all__ = ["modes_apart", "modes_differ", "optimizer_holds_replaced", "unregistered_parameters"]
+__all__ = ["modes_apart", "modes_differ", "optimizer_holds_replaced", "stale_optimizer", "unregistered_parameters"]
 
 
 def _modes(entry: dict[str, Any] | None) -> tuple[bool, int, tuple[str, ...]] | None:
@@ -182,29 +182,63 @@ def optimizer_holds_replaced(v: View) -> list[Finding]:
         return []
     left = v.params(v.orphaned)
     new = [e["name"] for e in v.meta(0).get("unregistered", []) if e.get("stepped") is False]
-    return [
-        Finding(
+    return [stale_optimizer(stale=stale, params=left, replacements=new, ranks=all_ranks(v), steps=list(range(v.steps)))]
+
+
+def stale_optimizer(
+    *,
+    stale: int,
+    params: list[ParamRef],
+    ranks: list[int],
+    steps: list[int],
+    replacements: list[str] = (),
+    wrapper: tuple[str, str] | None = None,
+    optimizer: str = "",
+    model_params: int = 0,
+    measured: str = "",
+    fix: str = "",
+) -> Finding:
+    """`optimizer-params-replaced`, for every parallelism: the optimizer steps `stale` tensors the model no longer
+    holds. Under DDP a module replaced after the optimizer was built (`params` its old parameters, `replacements` the
+    names of the new ones no optimizer steps). Under FSDP2 or `replicate`, `wrapper` is (the call, what each new
+    parameter holds): the optimizer was built before that call replaced every parameter of the modules it took, so
+    it steps none of the model's `model_params`; `measured` says whether any weight moved."""
+    if wrapper is None:
+        return Finding(
             code=Code.OPTIMIZER_PARAMS_REPLACED,
             severity="error",
             title=f"the optimizer steps {stale} tensor(s) that are no longer the model's",
             detail=f"The optimizer holds {stale} tensor(s) that the model's module tree no longer holds"
             + (
-                f" ({', '.join(p.name for p in left[:4])}{', ...' if len(left) > 4 else ''} of a module replaced after "
-                "it was built)"
-                if left
+                f" ({', '.join(p.name for p in params[:4])}{', ...' if len(params) > 4 else ''} of a module replaced "
+                "after it was built)"
+                if params
                 else ""
             )
             + ": it updates them, and no forward uses them."
             + (
-                f" The parameters that replaced them ({', '.join(new[:4])}) get gradients no optimizer applies."
-                if new
+                f" The parameters that replaced them ({', '.join(replacements[:4])}) get gradients no optimizer "
+                "applies."
+                if replacements
                 else ""
             ),
-            params=left,
-            ranks=all_ranks(v),
-            steps=list(range(v.steps)),
+            params=params,
+            ranks=ranks,
+            steps=steps,
             fix="build the optimizer after the model is final (after every module replacement), over "
             "`model.parameters()`; after replacing a module mid-training, build a new optimizer (and DDP) over the "
             "new parameters.",
         )
-    ]
+    call, holds = wrapper
+    return Finding(
+        code=Code.OPTIMIZER_PARAMS_REPLACED,
+        severity="error",
+        title=f"the optimizer steps {stale} parameters that are no longer the model's",
+        detail=f"The optimizer ({optimizer}) was built before {call}. {call} replaces every parameter "
+        f"of the modules it takes with a new DTensor parameter {holds}, so the "
+        "optimizer holds the old tensors, which no forward uses and no gradient reaches, and none of the "
+        f"model's {model_params} parameters. Training runs, the loss is computed, and nothing learns. " + measured,
+        ranks=ranks,
+        steps=steps,
+        fix=fix,
+    )

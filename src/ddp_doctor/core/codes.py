@@ -211,7 +211,7 @@ TABLE: tuple[CodeInfo, ...] = (
          when="error; warning when every difference is at float64 rounding level, and for modules whose mode "
               "differs across ranks",
          guard=True),
-    _row(Code.BUFFER_DIVERGENCE, Family.SYNC, "error/warning", "agreement.py sharded_state.py",
+    _row(Code.BUFFER_DIVERGENCE, Family.SYNC, "error/warning", "agreement.py",
          "buffers differ across ranks",
          when="error for an FSDP2 buffer that differs and never changed in training (FSDP2 never broadcasts "
               "buffers); warning for buffers that change in training (running statistics)",
@@ -269,7 +269,7 @@ TABLE: tuple[CodeInfo, ...] = (
          "the replicas differ before the first step (init_sync=False, a per-rank seed)"),
     _row(Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER, Family.DIVERGENCE, "error", "causes.py",
          "parameters changed on some ranks only, outside the optimizer"),
-    _row(Code.GRADS_CHANGED_AFTER_SYNC, Family.DIVERGENCE, "error", "causes.py sharded_state.py",
+    _row(Code.GRADS_CHANGED_AFTER_SYNC, Family.DIVERGENCE, "error", "causes.py",
          "gradients agreed after DDP's all-reduce but differ at optimizer.step() (edited on some ranks only, e.g. "
          "clip_grad_norm_ under if rank == 0); under FSDP2, shards scaled by a factor of each rank's own"),
     _row(Code.PARAM_SHAPES_DIFFER, Family.WRAP_AND_EPOCH_ENDS, "error", "shapes.py",
@@ -290,7 +290,7 @@ TABLE: tuple[CodeInfo, ...] = (
          "two backward passes through one DDP forward reach different parameters (a GAN)",
          when="error; warning in a plain loop when every parameter gets its gradient in exactly one pass (the "
               "default flags then reduce correctly); info under Lightning with `find_unused_parameters=True`"),
-    _row(Code.OPTIMIZER_PARAMS_REPLACED, Family.FSDP2, "error", "sharded.py tree_state.py",
+    _row(Code.OPTIMIZER_PARAMS_REPLACED, Family.FSDP2, "error", "tree_state.py",
          "the optimizer holds parameters that are no longer the model's (fully_shard replaced them, or a module was "
          "replaced after the optimizer was built): it does not update the ones the model uses"),
     _row(Code.UNSHARDED_PARAMS_NOT_SYNCED, Family.FSDP2, "error/warning/info", "unsharded.py",
@@ -300,7 +300,7 @@ TABLE: tuple[CodeInfo, ...] = (
               "change"),
     _row(Code.GRADIENT_SYNC_OFF, Family.FSDP2, "error", "sharded.py",
          "gradient sync was off (set_requires_gradient_sync(False)) at every optimizer step"),
-    _row(Code.SHARDED_CHECKPOINT_INCOMPLETE, Family.FSDP2, "error", "sharded.py sharded_failures.py",
+    _row(Code.SHARDED_CHECKPOINT_INCOMPLETE, Family.FSDP2, "error", "sharded_saves.py",
          "a torch.save of sharded state on some ranks only: the file holds their shards, not the model"),
     _row(Code.STATE_GATHER_SOME_RANKS, Family.FSDP2, "error", "sharded_failures.py",
          "a full state dict of sharded parameters gathered on some ranks only: a collective the others never enter"),

@@ -104,6 +104,11 @@ class ShardedRun:
     named), `held` ({rank: settings text} for the reference and the first other rank). None when they agreed."""
     modes_apart: dict[str, Any] | None = None
     """The same for the modules' modes; `held` maps a rank to its modes entry (`tree_scan.modes_of`)."""
+    script_collectives: int | None = None
+    """The script's own collectives in those steps, as many on every rank; None where the counts differ."""
+    collectives_apart: dict[str, Any] | None = None
+    """The same for the script's own collectives of the step (op, dtype, shape, reduction, group size, in order);
+    `held` maps a rank to its first calls of the step, with their lines."""
     inputs_identical: bool = False
     """Every one of `inputs_compared` had the same inputs on every rank."""
     ignored: list[bool] = field(default_factory=list)

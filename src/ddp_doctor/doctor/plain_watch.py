@@ -31,12 +31,13 @@ from ddp_doctor.analyze import diagnose_unwrapped
 from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.fingerprint import fingerprints, fingerprints_batched
-from ddp_doctor.core.frames import framework_of_stack
+from ddp_doctor.core.frames import framework_of_stack, user_site_of
 from ddp_doctor.core.sharded_run import INPUT_STEPS, parallelism_of
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.doctor.sharded_report import SITE_ATTR, sharded_report
 from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.exchange.shard_collectives import reduce_scatter_in_float32
+from ddp_doctor.observation.collectives import Call, digest
 from ddp_doctor.observation.grad_scale import GradScale
 from ddp_doctor.observation.hooks import tensors_in
 from ddp_doctor.observation.optimizers import describe
@@ -54,6 +55,10 @@ from ddp_doctor.observation.tree_scan import modes_of
 from ddp_doctor.report.model import Report, RunFacts
 
 __all__ = ["PlainOptimizerWatch"]
+
+
+CALLS_SHOWN = 6
+"""The script's collectives of an observed step shown by their lines when the ranks' sequences differ."""
 
 
 def _nonzero_grads(model: ShardedModel) -> torch.Tensor:
@@ -130,6 +135,12 @@ class PlainOptimizerWatch:
         """Per observed step (the first `INPUT_STEPS`), what each rank's copy holds beside its weights: (digest,
         text) of the optimizer's settings (`optimizers.describe`) and (digest, entry) of the modules' train/eval
         modes (`tree_scan.modes_of`), when the step's `optimizer.step()` returned."""
+        self.step_collectives: list[tuple[int, list[str], int]] = []
+        """Per observed step (the first `INPUT_STEPS`, beside `replica_state`): the digest of the script's own
+        collectives in it, in order (`collectives.digest`: op, dtype, shape, reduction, group size), and the first
+        `CALLS_SHOWN` of them (`all_reduce(float32[1], MAX)/2 at train.py:118`), and how many there were."""
+        self._calls: tuple[int, list[str], int] = (0, [], 0)
+        """The current step's (digest, first calls, count) so far."""
         self.measuring = True
         """Until the observed steps are over (`end_per_step`)."""
         self.frozen = False
@@ -174,6 +185,16 @@ class PlainOptimizerWatch:
         if inputs:
             digest = fingerprints(inputs).nan_to_num(0.0).sum(0)
             self._step_input = digest if self._step_input is None else self._step_input + digest
+
+    def note_collective(self, call: Call) -> None:
+        """The script entered a collective (a listener of `observation/collectives.py`): folded into the current
+        step's digest, and shown by its line among the step's first few."""
+        if self.frozen or self.stopped or not self.measuring or len(self.step_collectives) >= INPUT_STEPS:
+            return
+        running, shown, count = self._calls
+        if len(shown) < CALLS_SHOWN:
+            shown.append(f"{call.signature()} at {user_site_of(call.caller, None) or 'an unknown place'}")
+        self._calls = (digest(running, call), shown, count + 1)
 
     def note_save(self, info: dict[str, Any]) -> None:
         """A `torch.save` to a file (a listener of `observation/saves.py`): kept when it wrote DTensor shards."""
@@ -220,6 +241,8 @@ class PlainOptimizerWatch:
         self._step_input = None
         if self.sharded is not None and self.measuring and len(self.replica_state) < INPUT_STEPS:
             self.replica_state.append((*describe(optimizer), *modes_of(self.sharded.root)))
+            self.step_collectives.append(self._calls)
+        self._calls = (0, [], 0)
         if self.sharded is not None and not self.sharded.gradient_sync_on():
             self.sync_off_steps += 1
         elif self.sharded is not None:

@@ -28,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ddp_doctor.core.errors import InvalidArgumentError, NoTrainableParametersError
 from ddp_doctor.doctor.plain_watch import PlainOptimizerWatch
 from ddp_doctor.exchange.runner import arrive
-from ddp_doctor.observation import saves
+from ddp_doctor.observation import collectives, saves
 from ddp_doctor.observation.hooks import StepHooks
 from ddp_doctor.observation.wrapstate import require_process_group
 from ddp_doctor.report import Report
@@ -107,7 +107,11 @@ class ShardedDoctor:
         self._step_hooks.add("post", register, self._on_step)
         # First among the forward pre-hooks, before FSDP2's own all-gathers: the step clock's wait for data ends here.
         forward = self.model.register_forward_pre_hook(self._on_forward, prepend=True)
-        self._undo = [forward.remove, saves.listen(self._watch.note_save)]
+        self._undo = [
+            forward.remove,
+            saves.listen(self._watch.note_save),
+            collectives.listen(self._watch.note_collective),
+        ]
         return self
 
     def stop(self) -> None:

@@ -143,6 +143,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         "low_rel": probe.mean_relative if probe else 0.0,
         "gathers": _steady_gathers(w),
         "unsharded_changed": unsharded_changed,
+        "collectives": sum(count for _, _, count in w.step_collectives[:INPUT_STEPS]),
         **StepClock.slots(w.clock),
     }
     grads = None
@@ -157,7 +158,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         else torch.zeros(0, 2, dtype=torch.float64),
         buffers=_buffer_table(w, buffers),
         steps=_step_table(w),
-        held=list(w.replica_state[:INPUT_STEPS]),
+        held=[(*state, *calls[:2]) for state, calls in zip(w.replica_state[:INPUT_STEPS], w.step_collectives)],
         saved=None if saved is None else {k: saved[k] for k in ("shown", "site", "shards")},
         clock=w.clock and w.clock.stats(),
     )
@@ -195,6 +196,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         unsharded_differ=got.unsharded_differ,
         unsharded_gap=got.unsharded_gap,
         unsharded_changed=bool(top["unsharded_changed"]),
+        script_collectives=int(top["collectives"]) if top["collectives"] == low["collectives"] else None,
         weights_dtype=sorted({str(p.dtype).removeprefix("torch.") for _, p in named}),
         buffers_compared=len(buffers_differ),
         buffers_made_apart=[
@@ -237,8 +239,8 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
 def _step_table(w: ShardedWatch) -> torch.Tensor:
     """The first `INPUT_STEPS` observed steps' measures, as `sharded_protocol.STEP_COLUMNS` says: the training
     inputs' fingerprints, the gradient shards' scale from the backward's end to the step (`GradScale.ratios`), their
-    norm at the step (`GradScale.norms`), the digests of the optimizer's settings and of the modules' modes, each
-    measure with a presence column."""
+    norm at the step (`GradScale.norms`), the digests of the optimizer's settings, of the modules' modes and of the
+    script's collectives, each measure with a presence column."""
     table = torch.zeros(INPUT_STEPS, STEP_COLUMNS, dtype=torch.float64)
     for k, fp in enumerate(w.input_fps[:INPUT_STEPS]):
         if fp is not None:
@@ -252,6 +254,8 @@ def _step_table(w: ShardedWatch) -> torch.Tensor:
             table[k, 5:8] = torch.tensor([sq, 0.0, 1.0] if math.isfinite(sq) else [0.0, 1.0, 1.0])
     for k, (settings, _, modes, _) in enumerate(w.replica_state[:INPUT_STEPS]):
         table[k, 8:11] = torch.tensor([float(settings), float(modes), 1.0])
+    for k, (calls, _, _) in enumerate(w.step_collectives[:INPUT_STEPS]):
+        table[k, 11] = float(calls)
     return table
 
 

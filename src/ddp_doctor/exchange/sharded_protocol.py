@@ -8,8 +8,8 @@ rank in one process.
 | gradients | MAX, when every rank saw a step with sync on and as many parameters | per parameter: a gradient, a nonzero one, moved | `grads` |
 | unsharded | MAX, when every rank has as many | the unsharded parameters' fingerprints | `unsharded_differ` |
 | buffers | MAX, when every rank has as many | the buffers' fingerprints, changed since the first step | `buffers_*` |
-| steps | MAX | per observed step: inputs, gradient scale and norm, settings and modes digests | `per_step` |
-| apart | `oddranks` rounds, 2 SUMs, per digest that differs | the settings' or modes' digest, then what two ranks hold | `settings_apart`, `modes_apart` |
+| steps | MAX | per observed step: inputs, gradient scale and norm, settings, modes and collectives digests | `per_step` |
+| apart | `oddranks` rounds, 2 SUMs, per digest that differs | the settings', modes' or collectives' digest, then what two ranks hold | `settings_apart`, `modes_apart`, `collectives_apart` |
 | saves | SUM, SUM, SUM, when some rank saved shards | who saved, then what the first saver wrote | `shard_save` |
 | slowest | MAX, when a rank's own work is the longest | the step clock's quartiles | `slowest` |
 
@@ -58,6 +58,7 @@ SLOTS = (
     "low_rel",
     "gathers",
     "unsharded_changed",
+    "collectives",
     "waiting",
     "timed_steps",
     "wait_s",
@@ -69,9 +70,10 @@ SLOTS = (
 """What every rank puts in the first MAX, in this order (float32: each value exact in it)."""
 NOBODY = 2**24
 """The `saver` slot of a rank that saved no shards (above any rank, exact in float32)."""
-STEP_COLUMNS = 11
+STEP_COLUMNS = 12
 """The per-step table's columns: inputs (fingerprint, fingerprint, seen), gradient scale (ratio, seen), gradient norm
-(squared, nonfinite, seen), settings digest, modes digest, seen."""
+(squared, nonfinite, seen), settings digest, modes digest, seen, the script's collectives' digest (seen with the
+settings)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,8 +91,9 @@ class ShardedRecord:
     """float64[B, 3]: each buffer's fingerprint (NaN as 0) and whether it changed since the first observed step."""
     steps: torch.Tensor = field(default_factory=lambda: torch.zeros(INPUT_STEPS, STEP_COLUMNS, dtype=torch.float64))
     """float64[INPUT_STEPS, STEP_COLUMNS]: the first observed steps' measures (`STEP_COLUMNS`)."""
-    held: list[tuple[float, Any, float, Any]] = field(default_factory=list)
-    """Per observed step: the optimizer settings' digest and text, the modules' modes digest and first entry."""
+    held: list[tuple[float, Any, float, Any, float, Any]] = field(default_factory=list)
+    """Per observed step: the optimizer settings' digest and text, the modules' modes digest and first entry, the
+    script's collectives' digest and first calls (`plain_watch.PlainOptimizerWatch.step_collectives`)."""
     saved: dict[str, Any] | None = None
     """What this rank's first save of shards wrote (`shown`, `site`, `shards`); None where it saved none."""
     clock: dict[str, Any] | None = None
@@ -160,8 +163,8 @@ def sharded_protocol(record: ShardedRecord, *, rank: int, world: int) -> Generat
 def _per_step(record: ShardedRecord, *, rank: int, world: int) -> Generator[Op, Reply, dict[str, Any]]:
     """`ShardedRun`'s per-step fields, from the first `INPUT_STEPS` observed steps, in one MAX: the training inputs'
     fingerprints (`inputs_*`), the gradient shards' scale from the backward's end to the step (`scale_*`), their
-    norm at the step (`grads_*`), and the digests of the optimizer's settings and of the modules' modes
-    (`settings_apart`, `modes_apart`). Each measure has a presence column: a step counts where every rank measured
+    norm at the step (`grads_*`), and the digests of the optimizer's settings, of the modules' modes and of the
+    script's collectives (`settings_apart`, `modes_apart`, `collectives_apart`). Each measure has a presence column: a step counts where every rank measured
     it."""
     high, low = yield from minmax_rounds(record.steps)
     every = range(INPUT_STEPS)
@@ -171,12 +174,11 @@ def _per_step(record: ShardedRecord, *, rank: int, world: int) -> Generator[Op, 
     measured = [k for k in every if low[k, 7] == 1 and high[k, 6] == 0]
     held = [k for k in every if low[k, 10] == 1]
     apart = {}
-    for name, column in (("settings_apart", 8), ("modes_apart", 9)):
+    for name, column, at in (("settings_apart", 8, 0), ("modes_apart", 9, 2), ("collectives_apart", 11, 4)):
         step = next((k for k in held if high[k, column] != low[k, column]), None)
         apart[name] = None
         if step is not None:
-            digest, text, modes, entry = record.held[step]
-            digest, shown = (digest, text) if column == 8 else (modes, entry)
+            digest, shown = record.held[step][at : at + 2]
             apart[name] = {"step": step, **(yield from held_apart(float(digest), shown, rank=rank, world=world))}
     return {
         "inputs_compared": seen,

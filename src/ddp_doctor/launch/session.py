@@ -54,7 +54,7 @@ from ddp_doctor.launch.policy import CheckPolicy, RunPolicy
 from ddp_doctor.launch.publish import Publisher
 from ddp_doctor.launch.raised import raised_error
 from ddp_doctor.launch.watchdog import Watchdog, peers_train_on, peers_wait_in_collective
-from ddp_doctor.observation import dataloaders, gradedits, saves, tree_scan
+from ddp_doctor.observation import collectives, dataloaders, gradedits, saves, tree_scan
 from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR, freeze_named
 from ddp_doctor.report.model import Report
 
@@ -133,6 +133,7 @@ class Session:
         self.follow.install()
         self._step_pre_hook = register_optimizer_step_pre_hook(self._before_any_step)
         self.collectives.install()
+        collectives.listen(self.plain.note_collective)
         dataloaders.install()
         saves.install()
         gradedits.install()

@@ -196,6 +196,16 @@ def _sharded_compared_line(c: dict[str, Any]) -> str:
             f"the optimizer's settings and the train/eval modes of {_n(c['modules'], 'module')} "
             f"({_n(c['state_steps'], 'step')})"
         )
+        if c.get("collectives") is None:
+            parts.append(
+                f"the script's own collectives, in order (their counts differ; {_n(c['state_steps'], 'step')})"
+            )
+        elif c["collectives"]:
+            parts.append(
+                f"{_n(c['collectives'], 'collective')} of the script's, in order ({_n(c['state_steps'], 'step')})"
+            )
+        else:
+            parts.append(f"the script's own collectives (none in {_n(c['state_steps'], 'step')})")
     if c.get("gradient_scale_steps"):
         parts.append(
             f"the scale of the gradient shards from the backward's end to the step ({_n(c['gradient_scale_steps'], 'step')})"
