@@ -45,10 +45,7 @@ def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
         "reference": 0,
         "ranks": [9, 10, 1023],
         "more": 0,
-        "held": {
-            0: ["all_reduce(float32[1])/4 at train.py:60"],
-            9: ["all_reduce(float32[1], MAX)/4 at train.py:60"],
-        },
+        "held": {0: ["all_reduce(float32[1])/4 at train.py:60"], 9: ["all_reduce(float32[1], MAX)/4 at train.py:60"]},
     }
     assert got.unsharded_differ == [True, False] and got.unsharded_gap == pytest.approx(0.5)
     assert got.shard_save == {
