@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from dist import run_ranks
 
-from ddp_doctor.analyze.following_ends import counted_uneven, following_findings, unchecked
+from ddp_doctor.analyze.epochs import counted_uneven
+from ddp_doctor.analyze.following_ends import following_findings, unchecked
 from ddp_doctor.core.findings import Recommendation, Timing
 from ddp_doctor.core.following import FollowRecord, FollowSummary, LoaderSeen
 from ddp_doctor.exchange.following_rounds import exchange_follow

@@ -3,7 +3,8 @@ tests/launch/test_check_fsdp2.py)."""
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.sharded_failures import gather_alone, ran_out_alone, step_skipped_alone
+from ddp_doctor.analyze.epochs import ran_out_alone
+from ddp_doctor.analyze.sharded_failures import gather_alone, step_skipped_alone
 from ddp_doctor.core.rankstate import RankState
 
 GATHER = "get_model_state_dict at tests/scripts/fsdp2_train.py:62"

@@ -4,12 +4,15 @@ differences come from the exchange's digests, the ranks from its bounded example
 
 from __future__ import annotations
 
+from typing import Any
+
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.causes import CAUSES
 from ddp_doctor.analyze.common import all_ranks, steps_of, with_evidence, with_flags, with_more
 from ddp_doctor.analyze.links import UNSYNCED
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.snippets import freeze_point
+from ddp_doctor.analyze.tree_state import differing
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
@@ -21,6 +24,8 @@ __all__ = [
     "buffers_apart",
     "grads_not_synced",
     "identical_inputs",
+    "modes_apart",
+    "modes_differ",
     "replica_divergence",
     "wrapper_bypass",
 ]
@@ -196,6 +201,60 @@ def replica_divergence(v: View, found: frozenset[str]) -> list[Finding]:
             others.more,
         )
     ]
+
+
+_MODES_APART = {
+    "ddp": "so their gradients and buffers part although DDP syncs every gradient.",
+    "replicate": "so their gradients and buffers part although replicate syncs every gradient.",
+    "fsdp2": "so the gradients FSDP2 averages come from different computations, and buffers such as BatchNorm's "
+    "running statistics part.",
+}
+
+
+def modes_apart(
+    *, step: int, held: dict[int, dict[str, Any]], reference: int, ranks: list[int], parallelism: str
+) -> Finding:
+    """`replica-divergence` (a warning) from train/eval modes at `step`, for every parallelism: `held` maps ranks
+    to their modes entry (`training`, `other_mode`, `other_mode_count`), `reference` first."""
+    said = []
+    for r, entry in list(held.items())[:4]:
+        mode = "train" if entry.get("training") else "eval"
+        other = entry.get("other_mode") or []
+        more = entry.get("other_mode_count", 0) - len(other)
+        except_ = (
+            f" except {', '.join(other)}{f' (+{more} more)' if more > 0 else ''} "
+            f"({'eval' if mode == 'train' else 'train'})"
+            if other
+            else ""
+        )
+        said.append(f"rank {r}: the model in {mode} mode{except_}")
+    return Finding(
+        code=Code.REPLICA_DIVERGENCE,
+        severity="warning",
+        title=f"modules are in train mode on some ranks and in eval mode on others at step {step}",
+        detail=f"When optimizer step {step} ended, the ranks' models were not in the same mode ({'; '.join(said)}"
+        f"). Dropout, BatchNorm and any code that reads `self.training` then compute differently on the ranks, "
+        f"{_MODES_APART[parallelism]} Rank {reference}'s model was in "
+        f"{'train' if held.get(reference, {}).get('training') else 'eval'} mode.",
+        params=[],
+        ranks=ranks,
+        steps=[step],
+        fix="set the mode on every rank alike: after an evaluation that calls `model.eval()` on some ranks, call "
+        "`model.train()` on the same ranks before training resumes (or evaluate on every rank).",
+    )
+
+
+@detects(Code.REPLICA_DIVERGENCE)
+def modes_differ(v: View) -> list[Finding]:
+    """Modules in train mode on some ranks and in eval mode on others when a step closed: dropout, BatchNorm and
+    any `self.training` branch compute differently there. The rule and words are every parallelism's
+    (`modes_apart`)."""
+    step = v.summary.state_step
+    odd, modes, _ = differing(v)
+    if step is None or not modes:
+        return []
+    held = {r: v.meta(r).get("state") or {} for r in [0, *odd]}
+    return [modes_apart(step=step, held=held, reference=0, ranks=sorted({0, *odd}), parallelism="ddp")]
 
 
 @detects(Code.BUFFER_DIVERGENCE)

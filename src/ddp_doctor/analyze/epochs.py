@@ -1,4 +1,7 @@
-"""Data-sharding findings: `uneven-inputs` and `sampler-epoch-not-set`. Pure: reads the ranks' loader facts."""
+"""Data-sharding findings, decided here for every parallelism and every source of facts: `uneven-inputs` (the
+observed steps' loaders, the `len()` per rank and the batches counted per pass while following the epoch end, and a
+failed sharded run whose shortest loader ran out) and `sampler-epoch-not-set` (observed steps, or followed). Pure:
+reads the ranks' loader facts."""
 
 from __future__ import annotations
 
@@ -6,12 +9,22 @@ import itertools
 from typing import Any
 
 from ddp_doctor.analyze import rules
+from ddp_doctor.analyze.positions import capped, where
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.core.ranks import rank_ranges
+from ddp_doctor.core.ranks import rank_list, rank_ranges
+from ddp_doctor.core.rankstate import RankState
 
-__all__ = ["sampler_epoch_not_set", "uneven_inputs"]
+__all__ = [
+    "counted_uneven",
+    "followed_epoch_repeated",
+    "lengths_uneven",
+    "loader_name",
+    "ran_out_alone",
+    "sampler_epoch_not_set",
+    "uneven_inputs",
+]
 
 
 def _training_loader(meta: dict[str, Any]) -> dict[str, Any]:
@@ -89,3 +102,133 @@ def sampler_epoch_not_set(v: View) -> list[Finding]:
                     )
                 )
     return findings
+
+
+def followed_epoch_repeated(r: dict[str, Any]) -> Finding:
+    """`sampler-epoch-not-set` from following (the path without DDP): `FollowSummary.repeated_epoch`."""
+    site = f"created at {r['site']}" if r["site"] else None
+    return rules.sampler_epoch_repeated(epoch=r["epoch"], ranks=r["ranks"], site=site, seen=r["seen"])
+
+
+def lengths_uneven(loaders: list[dict[str, Any]], parallelism: str, world: int) -> list[Finding]:
+    """`uneven-inputs` for each training loader whose `len()` differs across ranks (the path without DDP, whose
+    observed steps compare none)."""
+    findings = []
+    for d in loaders:
+        b = d.get("batches") or {}
+        if not d.get("training") or b.get("min") is None or b["min"] == b["max"]:
+            continue
+        shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(b["by_rank"]) if n is not None)
+        findings.append(
+            rules.uneven_inputs(
+                title=f"ranks have different numbers of batches per epoch from the DataLoader {loader_name(d)} "
+                f"({shown})",
+                cause=f"len() of the DataLoader differs across ranks, {b['min']} to {b['max']} batches: the ranks "
+                f"with {b['min']} run out while the others still train",
+                note=_sampler(d.get("sampler")),
+                ranks=list(range(max(world, len(b["by_rank"])))),
+                steps=[],
+                parallelism=parallelism,
+            )
+        )
+    return findings
+
+
+def loader_name(d: dict[str, Any]) -> str:
+    """`built at file:line`, or `#2 built at file:line` for the second of the loaders built together there."""
+    site = d.get("site") or "at an unknown line"
+    return f"#{d['ordinal']} built at {site}" if d.get("ordinal", 1) > 1 else f"built at {site}"
+
+
+def _per_rank(c: dict[str, Any]) -> str:
+    """`rank 0: 5, rank 1: 4` for the first ranks (`at least 3` where the check ended that rank's pass)."""
+    shown = []
+    for r, (n, floor) in enumerate(zip(c["by_rank"], c["at_least_by_rank"])):
+        shown.append(f"rank {r}: {n}" if n is not None else f"rank {r}: at least {floor}" if floor else "")
+    return ", ".join(x for x in shown if x)
+
+
+def _sampler(sampler: str | None) -> str:
+    if not sampler:
+        return ""
+    if sampler.startswith("_Infinite"):  # the placeholder DataLoader gives an IterableDataset
+        return "It streams an IterableDataset (no sampler): each rank's share is whatever its __iter__ yields there."
+    return f"Its sampler: {sampler}."
+
+
+def counted_uneven(loaders: list[dict[str, Any]], *, lengths_compared: bool = False) -> list[Finding]:
+    """`uneven-inputs` for each loader whose ranks handed out different numbers of batches in one pass, counted as
+    the passes ran (with or without `len()`): an error for a training loader, a warning for another one."""
+    findings = []
+    for d in loaders:
+        c = d.get("counted") or {}
+        if not c.get("uneven"):
+            continue
+        b = d["batches"]
+        if lengths_compared and d["training"] and b["min"] is not None and b["min"] != b["max"]:
+            continue  # the observed steps' finding already compares its len() per rank
+        name = f"the DataLoader {loader_name(d)}"
+        ranks, more = c.get("fewest_ranks", []), c.get("more_fewest", 0)
+        who = rank_list(ranks, more=more) if ranks else "some ranks"
+        counted = (
+            "Counted as the passes ran (the loader has no len(); ddp-doctor counts each rank's batches per pass): "
+            if d.get("no_len")
+            else "Counted as the passes ran: "
+        )
+        per_rank = _per_rank(c)
+        epoch = f"pass {c['pass']} of {name}"
+        if d["training"]:
+            finding = rules.uneven_inputs(
+                title=f"ranks have different numbers of batches per epoch from {name} ({per_rank})",
+                cause=f"{counted}in {epoch}, {who} ran out after {c['min']} batches, while the others still train",
+                note=f"{_sampler(d.get('sampler'))} Batches per rank in that pass: {per_rank}.".strip(),
+                ranks=ranks,
+                steps=[],
+            )
+        else:
+            finding = Finding(
+                code=Code.UNEVEN_INPUTS,
+                severity="warning",
+                title=f"ranks get different numbers of batches from {name}, which no optimizer step trained on "
+                f"({per_rank})",
+                detail=f"{counted}in {epoch}, {who} ran out after {c['min']} batches while the others went on (up "
+                f"to {c['max']}). A loop over it (an evaluation, say) ends at a different batch on each rank: "
+                "harmless while it issues no collective per batch, but a forward through the DDP wrapper (a buffer "
+                "broadcast) or an all_reduce of a metric per batch then pairs with the wrong batch on the other "
+                "ranks and hangs at the end; a metric averaged per rank weighs the ranks unequally.",
+                ranks=ranks,
+                steps=[],
+                fix="give every rank the same number of batches (a DistributedSampler, or shards of equal size), or "
+                "keep the loop free of collectives and all_reduce the summed metric and the sample count once, after "
+                "it.",
+            )
+        finding.more_ranks = more
+        findings.append(finding)
+    return findings
+
+
+def ran_out_alone(states: dict[int, RankState]) -> Finding | None:
+    """The ranks' training loaders have different lengths, and the failure came after the shortest ran out: the
+    rank that ran out went on to what follows its epoch (an evaluation, a save) while the others still trained, and
+    their collectives met. Named before what that rank then did alone (`forward_alone` would blame an evaluation
+    that every rank runs, at different times)."""
+    loaders = {r: s.train_loader for r, s in states.items() if s.sharded and s.train_loader}
+    lengths = {r: d["batches"] for r, d in loaders.items() if d.get("batches") is not None}
+    if len(lengths) < len(states) or len(set(lengths.values())) < 2:
+        return None
+    fewest = min(lengths.values())
+    short_ranks = sorted(r for r, n in lengths.items() if n == fewest)
+    if not any(states[r].step >= fewest for r in short_ranks):
+        return None  # the run failed before any rank ran out: another cause
+    rest = sorted(r for r in states if r not in short_ranks)
+    went = capped([f"rank {r} was at {where(states[r])}" for r in short_ranks + rest])
+    shown = ", ".join(f"rank {r}: {n}" for r, n in sorted(lengths.items())[:8])
+    site = loaders[short_ranks[0]].get("site") or "an unknown line"
+    return rules.uneven_inputs(
+        title=f"ranks have different numbers of batches per epoch from the DataLoader built at {site} ({shown})",
+        cause=f"{rank_list(short_ranks)} ran out after {fewest} batches and went on to what follows the epoch while "
+        f"the others still train ({went})",
+        ranks=sorted(states),
+        steps=[fewest],
+        parallelism="fsdp2",
+    )

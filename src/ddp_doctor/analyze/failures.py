@@ -5,16 +5,15 @@ Pure: the input is the supervisor's `RankState` per rank (the ranks' own files, 
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddp_doctor.analyze.crashed_ranks import crash_findings
-from ddp_doctor.analyze.following_ends import timeout_fix
+from ddp_doctor.analyze.epochs import ran_out_alone
 from ddp_doctor.analyze.positions import capped, fault_place, others, short, where
 from ddp_doctor.analyze.shapes import shape_findings
-from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone, ran_out_alone, step_skipped_alone
+from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone, step_skipped_alone
 from ddp_doctor.analyze.sharded_saves import state_dict_alone
+from ddp_doctor.analyze.timeouts import timed_out_waiting
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, lines_of
 from ddp_doctor.core.rankfiles import PHASES, Outcome
@@ -316,41 +315,3 @@ def _waits_for_peers(s: RankState) -> bool:
     DataLoader's next()."""
     inner = s.innermost or ""
     return s.in_collective or any(part in inner for part in ("/torch/autograd/", "/torch/distributed/"))
-
-
-_TIMEOUT_WORDS = ("Timed out waiting", "Watchdog caught collective operation timeout", "timed out")
-_TIMEOUT_MS = re.compile(r"(?:Timed out waiting |Timeout\(ms\)=)(\d+)\s*ms|Timeout\(ms\)=(\d+)")
-
-
-def timed_out_waiting(states: dict[int, RankState], where: Callable[[RankState], str]) -> Finding | None:
-    """A run that died of the process group's timeout: some ranks raised a collective timeout while the others,
-    not in any collective, were working alone (an evaluation on rank 0, say). `timeout-risk` as it happened: the
-    ranks that kept the others waiting, and where they were. `where` words a rank's position."""
-    waited = {
-        r: s
-        for r, s in states.items()
-        if s.raised is not None and s.raised.peer_lost and any(w in s.raised.message for w in _TIMEOUT_WORDS)
-    }
-    away = [r for r, s in sorted(states.items()) if r not in waited and s.raised is None and not s.in_collective]
-    if not waited or not away:
-        return None
-    first = min(waited)
-    crash = waited[first].raised
-    found = _TIMEOUT_MS.search(crash.message)
-    ms = next((g for g in found.groups() if g), None) if found else None
-    after = f" after {int(ms) / 1000:g} s" if ms else ""
-    return Finding(
-        code=Code.TIMEOUT_RISK,
-        severity="error",
-        title=f"{rank_list(sorted(waited))} timed out{after} in a collective, waiting for {rank_list(away)}, which "
-        "worked alone",
-        detail=f"Rank {first} waited in a collective at {crash.site or 'an unknown place'} (step {max(crash.step, 0)}, "
-        f"{crash.phase}) until the process group's timeout ran out{after} ({crash.type}: {crash.message[:160]}). "
-        + "; ".join(f"Rank {r} was not in any collective: {where(states[r])}" for r in away[:4])
-        + ". It worked alone that long while the others waited for it.",
-        params=[],
-        ranks=away,
-        steps=sorted({max(states[r].step, 0) for r in away}),
-        sites=lines_of(crash.site or "", *(states[r].user_frame or states[r].site or "" for r in away)),
-        fix=timeout_fix(next((m.get("framework") for st in states.values() for m in st.models), "torch")),
-    )

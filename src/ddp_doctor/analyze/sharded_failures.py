@@ -15,7 +15,6 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.causes import sharded_step_skipped
 from ddp_doctor.analyze.positions import capped, short, where
 from ddp_doctor.analyze.sharded_fixes import gather_fix
@@ -29,7 +28,6 @@ __all__ = [
     "explain_meta_params",
     "forward_alone",
     "gather_alone",
-    "ran_out_alone",
     "line_alone",
     "framework_of",
     "step_skipped_alone",
@@ -105,33 +103,6 @@ def gather_alone(states: dict[int, RankState], native: list[str]) -> Finding | N
         ranks=sorted(states),
         steps=sorted({max(states[r].raised.step if states[r].raised else states[r].step, 0) for r in gathering}),
         fix=gather_fix(framework_of(states)),
-    )
-
-
-def ran_out_alone(states: dict[int, RankState]) -> Finding | None:
-    """The ranks' training loaders have different lengths, and the failure came after the shortest ran out: the
-    rank that ran out went on to what follows its epoch (an evaluation, a save) while the others still trained, and
-    their collectives met. Named before what that rank then did alone (`forward_alone` would blame an evaluation
-    that every rank runs, at different times)."""
-    loaders = {r: s.train_loader for r, s in states.items() if s.sharded and s.train_loader}
-    lengths = {r: d["batches"] for r, d in loaders.items() if d.get("batches") is not None}
-    if len(lengths) < len(states) or len(set(lengths.values())) < 2:
-        return None
-    fewest = min(lengths.values())
-    short_ranks = sorted(r for r, n in lengths.items() if n == fewest)
-    if not any(states[r].step >= fewest for r in short_ranks):
-        return None  # the run failed before any rank ran out: another cause
-    rest = sorted(r for r in states if r not in short_ranks)
-    went = capped([f"rank {r} was at {where(states[r])}" for r in short_ranks + rest])
-    shown = ", ".join(f"rank {r}: {n}" for r, n in sorted(lengths.items())[:8])
-    site = loaders[short_ranks[0]].get("site") or "an unknown line"
-    return rules.uneven_inputs(
-        title=f"ranks have different numbers of batches per epoch from the DataLoader built at {site} ({shown})",
-        cause=f"{rank_list(short_ranks)} ran out after {fewest} batches and went on to what follows the epoch while "
-        f"the others still train ({went})",
-        ranks=sorted(states),
-        steps=[fewest],
-        parallelism="fsdp2",
     )
 
 

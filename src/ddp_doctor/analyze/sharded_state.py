@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from functools import partial
 
-from ddp_doctor.analyze.agreement import buffers_apart
+from ddp_doctor.analyze.agreement import buffers_apart, modes_apart
 from ddp_doctor.analyze.common import with_more
 from ddp_doctor.analyze.consistency import sequences_apart
 from ddp_doctor.analyze.moves import never_updated, nonfinite_finding, stalled
 from ddp_doctor.analyze.optimizer_settings import settings_apart
-from ddp_doctor.analyze.tree_state import modes_apart
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
@@ -123,7 +122,7 @@ def training_moves(run: ShardedRun, ranks: list[int], *, low_weights: bool = Fal
 def replica_state(run: ShardedRun) -> list[Finding]:
     """The optimizer's settings and the modules' modes of an FSDP2 or `replicate` job, compared across ranks at the
     first `INPUT_STEPS` observed steps (`ShardedRun.settings_apart`, `modes_apart`), by DDP's rules
-    (`optimizer_settings.settings_apart`, `tree_state.modes_apart`).
+    (`optimizer_settings.settings_apart`, `agreement.modes_apart`).
 
     Ground truth for the sharded road, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps
     (`tests/scripts/fsdp2_train.py`):

@@ -1,6 +1,6 @@
 """What the module tree held at each step, beyond the lists DDP made when it was built: parameters created or
-replaced after DDP was built (which DDP's reducer never syncs), and modules whose train/eval mode differs across
-ranks. The ranks' trees are compared by a digest per step (`StepCounters.state_digest`,
+replaced after DDP was built (which DDP's reducer never syncs), and an optimizer that steps tensors the tree no longer
+holds (the modules' train/eval modes apart are `agreement.py`'s `replica-divergence`). The ranks' trees are compared by a digest per step (`StepCounters.state_digest`,
 `observation.tree_scan`); rank 0 and the example ranks that differ from it say what they held then."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef, lines_of
 
-__all__ = ["modes_apart", "modes_differ", "optimizer_holds_replaced", "stale_optimizer", "unregistered_parameters"]
+__all__ = ["differing", "optimizer_holds_replaced", "stale_optimizer", "unregistered_parameters"]
 
 
 def _modes(entry: dict[str, Any] | None) -> tuple[bool, int, tuple[str, ...]] | None:
@@ -21,7 +21,7 @@ def _modes(entry: dict[str, Any] | None) -> tuple[bool, int, tuple[str, ...]] | 
     return bool(entry["training"]), int(entry["other_mode_count"]), tuple(entry["other_mode"])
 
 
-def _differing(v: View) -> tuple[list[int], bool, bool]:
+def differing(v: View) -> tuple[list[int], bool, bool]:
     """(the example ranks whose tree differs from rank 0's at the first differing step, whether their modes differ,
     whether anything else does: the values of parameters DDP does not hold)."""
     step = v.summary.state_step
@@ -55,7 +55,7 @@ def unregistered_parameters(v: View) -> list[Finding]:
     params = [_param(e) for e in entries]
     names = ", ".join(p.name for p in params[:6]) + (f" (+{len(params) - 6} more)" if len(params) > 6 else "")
     sites = sorted({e["site"] for e in entries if e.get("site")})
-    _, _, values_differ = _differing(v)
+    _, _, values_differ = differing(v)
     parted = v.summary.state_step if values_differ else None
     orphaned = v.orphaned.nonzero().flatten().tolist()
     left = v.params(orphaned)
@@ -117,60 +117,6 @@ def unregistered_parameters(v: View) -> list[Finding]:
             max(0, holders.count - len(ranks)),
         )
     ]
-
-
-_MODES_APART = {
-    "ddp": "so their gradients and buffers part although DDP syncs every gradient.",
-    "replicate": "so their gradients and buffers part although replicate syncs every gradient.",
-    "fsdp2": "so the gradients FSDP2 averages come from different computations, and buffers such as BatchNorm's "
-    "running statistics part.",
-}
-
-
-def modes_apart(
-    *, step: int, held: dict[int, dict[str, Any]], reference: int, ranks: list[int], parallelism: str
-) -> Finding:
-    """`replica-divergence` (a warning) from train/eval modes at `step`, for every parallelism: `held` maps ranks
-    to their modes entry (`training`, `other_mode`, `other_mode_count`), `reference` first."""
-    said = []
-    for r, entry in list(held.items())[:4]:
-        mode = "train" if entry.get("training") else "eval"
-        other = entry.get("other_mode") or []
-        more = entry.get("other_mode_count", 0) - len(other)
-        except_ = (
-            f" except {', '.join(other)}{f' (+{more} more)' if more > 0 else ''} "
-            f"({'eval' if mode == 'train' else 'train'})"
-            if other
-            else ""
-        )
-        said.append(f"rank {r}: the model in {mode} mode{except_}")
-    return Finding(
-        code=Code.REPLICA_DIVERGENCE,
-        severity="warning",
-        title=f"modules are in train mode on some ranks and in eval mode on others at step {step}",
-        detail=f"When optimizer step {step} ended, the ranks' models were not in the same mode ({'; '.join(said)}"
-        f"). Dropout, BatchNorm and any code that reads `self.training` then compute differently on the ranks, "
-        f"{_MODES_APART[parallelism]} Rank {reference}'s model was in "
-        f"{'train' if held.get(reference, {}).get('training') else 'eval'} mode.",
-        params=[],
-        ranks=ranks,
-        steps=[step],
-        fix="set the mode on every rank alike: after an evaluation that calls `model.eval()` on some ranks, call "
-        "`model.train()` on the same ranks before training resumes (or evaluate on every rank).",
-    )
-
-
-@detects(Code.REPLICA_DIVERGENCE)
-def modes_differ(v: View) -> list[Finding]:
-    """Modules in train mode on some ranks and in eval mode on others when a step closed: dropout, BatchNorm and
-    any `self.training` branch compute differently there. The rule and words are every parallelism's
-    (`modes_apart`)."""
-    step = v.summary.state_step
-    odd, modes, _ = _differing(v)
-    if step is None or not modes:
-        return []
-    held = {r: v.meta(r).get("state") or {} for r in [0, *odd]}
-    return [modes_apart(step=step, held=held, reference=0, ranks=sorted({0, *odd}), parallelism="ddp")]
 
 
 @detects(Code.OPTIMIZER_PARAMS_REPLACED)

@@ -206,7 +206,7 @@ TABLE: tuple[CodeInfo, ...] = (
          guard=True),
     _row(Code.GRADS_NOT_SYNCED, Family.SYNC, "error", "agreement.py",
          "gradients differ across ranks when the optimizer steps"),
-    _row(Code.REPLICA_DIVERGENCE, Family.SYNC, "error/warning", "agreement.py tree_state.py",
+    _row(Code.REPLICA_DIVERGENCE, Family.SYNC, "error/warning", "agreement.py",
          "weights differ across ranks (or, from the module tree, the modules' train/eval modes)",
          when="error; warning when every difference is at float64 rounding level, and for modules whose mode "
               "differs across ranks",
@@ -244,12 +244,12 @@ TABLE: tuple[CodeInfo, ...] = (
          when="error; warning for a DDP forward with autograd on and no backward on some ranks that issued no "
               "collective"),
     _row(Code.UNEVEN_INPUTS, Family.LOCKSTEP, "error/warning/info",
-         "epochs.py following_ends.py sharded_failures.py",
+         "epochs.py",
          "ranks have different numbers of batches per epoch",
          when="error when a training loader's batch counts differ; warning for a loader no optimizer step trained on "
               "(an evaluation); info when they are equal only through `DistributedSampler`'s padding",
          guard=True),
-    _row(Code.SAMPLER_EPOCH_NOT_SET, Family.LOCKSTEP, "warning", "epochs.py following_ends.py",
+    _row(Code.SAMPLER_EPOCH_NOT_SET, Family.LOCKSTEP, "warning", "epochs.py",
          "a shuffling DistributedSampler starts a new epoch without set_epoch",
          guard=True),
     _row(Code.RANK_EXITED, Family.CRASH, "error", "failures.py",
@@ -278,7 +278,7 @@ TABLE: tuple[CodeInfo, ...] = (
          "several ranks wrote the same file with torch.save (no rank guard)"),
     _row(Code.CHECKPOINT_MODULE_PREFIX, Family.WRAP_AND_EPOCH_ENDS, "info", "checkpoints.py",
          "the DDP wrapper's state dict (keys 'module.*') was saved"),
-    _row(Code.TIMEOUT_RISK, Family.WRAP_AND_EPOCH_ENDS, "error/warning", "following_ends.py failures.py",
+    _row(Code.TIMEOUT_RISK, Family.WRAP_AND_EPOCH_ENDS, "error/warning", "timeouts.py",
          "a rank works alone while the others wait in a collective, long enough to reach the timeout",
          when="error when the projection reaches the timeout, warning at half of it"),
     _row(Code.INPUT_BOUND, Family.TIMING, "warning", "throughput.py",
