@@ -173,6 +173,21 @@ def test_the_table_says_where_each_code_is_decided() -> None:
         assert row.guard == (row.code.name in rules), f"{row.code}: guard={row.guard}, but rules.py disagrees"
 
 
+SEVERAL_SOURCES = {"COLLECTIVE_MISMATCH": 4}
+"""Codes still decided in more than one module, each where its facts arrive: `collective-mismatch` from a step that
+completed (consistency.py), the epoch end followed (following_ends.py), a failed run's beacons (failures.py) and
+Flight Recorder dumps (flight_recorder.py). The count may only go down."""
+
+
+def test_each_concept_is_decided_in_one_module() -> None:
+    """One module decides each code, whatever the parallelism or the source of its facts (a run that completed,
+    one that failed, one followed). crashed_ranks.py does not count: it passes on DDP's own error as the failed rank
+    explained it, with the code that rank's rules gave."""
+    for row in TABLE:
+        modules = set(row.decided_in) - {"crashed_ranks.py"} or set(row.decided_in)
+        assert len(modules) <= SEVERAL_SOURCES.get(row.code.name, 1), f"{row.code}: decided in {sorted(modules)}"
+
+
 def _built_by(tree: ast.Module, name: str, rules: dict[str, set[str]], seen: set[str]) -> set[str]:
     """The codes function `name` of a module builds: itself, through rules.py, or through the module's helpers."""
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}

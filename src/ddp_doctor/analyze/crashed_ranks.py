@@ -1,6 +1,7 @@
 """Ranks that raised in a run whose ranks could not exchange records: DDP's own errors explained (one finding for
 the ranks that failed alike, as the exchanged report gives), `rank-dependent-graph` when a rank's reduction error
-names parameters another rank trained, and `rank-crashed` for the script's own errors.
+names parameters another rank trained, and `rank-crashed` for the script's own errors, for a rank a signal ended
+and for one that ended with no record at all.
 
 Pure: reads the supervisor's `RankState` per rank; `analyze/failures.py` puts these findings in order.
 """
@@ -9,14 +10,25 @@ from __future__ import annotations
 
 import re
 
-from ddp_doctor.analyze.positions import others
+from ddp_doctor.analyze.positions import capped, fault_place, others, where
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef
 from ddp_doctor.core.rankfiles import ExplainedError, RaisedError
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 
-__all__ = ["crash_findings", "trained_elsewhere"]
+__all__ = ["crash_findings", "died_silently", "killed_findings", "trained_elsewhere"]
+
+_SIGNAL_CAUSE = {
+    "SIGKILL": "SIGKILL can only come from outside the process: the kernel's out-of-memory killer, a scheduler, "
+    "or a person",
+    "SIGSEGV": "a segmentation fault inside native code (torch, a CUDA or communication library, or an extension)",
+    "SIGABRT": "an abort from native code (gloo and NCCL abort the process on a broken collective)",
+    "SIGBUS": "a bus error, usually shared memory (/dev/shm) running out under DataLoader workers",
+    "SIGFPE": "a floating-point exception in native code",
+    "SIGILL": "an illegal instruction in native code (a build for another CPU)",
+    "SIGTERM": "SIGTERM from outside the run",
+}
 
 _RANK_IN_MESSAGE = re.compile(r"^DDP failed on rank \d+:")
 _RUN_AGAIN = (
@@ -150,3 +162,68 @@ def crash_findings(states: dict[int, RankState], causes: dict[int, RankState]) -
             )
         )
     return findings
+
+
+def killed_findings(
+    states: dict[int, RankState], killed: dict[int, RankState], mismatch: Finding | None, native: list[str]
+) -> list[Finding]:
+    """`rank-crashed` for each rank a signal ended (`killed`), with the cause the signal tells; `mismatch` (the
+    collective the ranks parted at, if named) is what an abort points to, `native` the communication library's own
+    error lines."""
+    findings = []
+    for rank, s in sorted(killed.items()):
+        cause = _SIGNAL_CAUSE.get(s.signal or "", f"signal {s.signal}")
+        place = fault_place(s)
+        exact = (
+            ""
+            if s.position_age_s is None
+            else f" (its last published position, {s.position_age_s:.1f} s before the end)"
+        )
+        rest = others(states, [rank, *(mismatch.ranks if mismatch else [])])
+        findings.append(
+            Finding(
+                code=Code.RANK_CRASHED,
+                severity="error",
+                title=f"rank {rank} died of {s.signal}" + (f" {place}" if place else f" at step {max(s.step, 0)}"),
+                detail=(
+                    f"It was at {where(s)}{exact}. Cause: {cause}."
+                    + (
+                        f" The communication library said: {native[0]}"
+                        if native and s.signal in ("SIGABRT", "SIGSEGV")
+                        else ""
+                    )
+                    + (f" The others: {rest}." if rest else "")
+                ),
+                ranks=[rank],
+                steps=[max(s.step, 0)],
+                fix=(
+                    "run the same script without ddp-doctor to confirm; a segfault in DDP's constructor is known with "
+                    "TORCH_DISTRIBUTED_DEBUG=DETAIL on some torch builds: unset it."
+                    if s.signal == "SIGSEGV"
+                    else f"see the {mismatch.code} finding."
+                    if mismatch is not None and s.signal == "SIGABRT"
+                    else "check the system log (dmesg) and the memory use of that rank."
+                    if s.signal == "SIGKILL"
+                    else "run that rank's command alone to see the native error."
+                ),
+            )
+        )
+
+    return findings
+
+
+def died_silently(states: dict[int, RankState], silent: list[int]) -> Finding:
+    """`rank-crashed` for ranks that ended with no exception, exit status or fault record."""
+    return Finding(
+        code=Code.RANK_CRASHED,
+        severity="error",
+        title=f"{rank_list(silent)} died without a Python error",
+        detail=(
+            "It ended without an exception, exit status or fault record, at "
+            + capped([f"rank {r}: {where(states[r])}" for r in silent])
+            + (f". The others: {others(states, silent)}." if others(states, silent) else ".")
+        ),
+        ranks=silent,
+        steps=sorted({max(states[r].step, 0) for r in silent}),
+        fix="check the system log (dmesg) and the memory use of that rank.",
+    )

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddp_doctor.analyze.crashed_ranks import crash_findings
+from ddp_doctor.analyze.crashed_ranks import crash_findings, died_silently, killed_findings
 from ddp_doctor.analyze.epochs import ran_out_alone
-from ddp_doctor.analyze.positions import capped, fault_place, others, short, where
+from ddp_doctor.analyze.positions import capped, others, short, where
 from ddp_doctor.analyze.shapes import shape_findings
 from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone, step_skipped_alone
 from ddp_doctor.analyze.sharded_saves import state_dict_alone
@@ -21,17 +21,6 @@ from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 
 __all__ = ["failure_findings"]
-
-_SIGNAL_CAUSE = {
-    "SIGKILL": "SIGKILL can only come from outside the process: the kernel's out-of-memory killer, a scheduler, "
-    "or a person",
-    "SIGSEGV": "a segmentation fault inside native code (torch, a CUDA or communication library, or an extension)",
-    "SIGABRT": "an abort from native code (gloo and NCCL abort the process on a broken collective)",
-    "SIGBUS": "a bus error, usually shared memory (/dev/shm) running out under DataLoader workers",
-    "SIGFPE": "a floating-point exception in native code",
-    "SIGILL": "an illegal instruction in native code (a build for another CPU)",
-    "SIGTERM": "SIGTERM from outside the run",
-}
 
 
 def _failed_inside(s: RankState) -> bool:
@@ -180,43 +169,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
         findings.append(mismatch)
     findings.extend(crash_findings(states, causes))
 
-    for rank, s in sorted(killed.items()):
-        cause = _SIGNAL_CAUSE.get(s.signal or "", f"signal {s.signal}")
-        place = fault_place(s)
-        exact = (
-            ""
-            if s.position_age_s is None
-            else f" (its last published position, {s.position_age_s:.1f} s before the end)"
-        )
-        rest = others(states, [rank, *(mismatch.ranks if mismatch else [])])
-        findings.append(
-            Finding(
-                code=Code.RANK_CRASHED,
-                severity="error",
-                title=f"rank {rank} died of {s.signal}" + (f" {place}" if place else f" at step {max(s.step, 0)}"),
-                detail=(
-                    f"It was at {where(s)}{exact}. Cause: {cause}."
-                    + (
-                        f" The communication library said: {native[0]}"
-                        if native and s.signal in ("SIGABRT", "SIGSEGV")
-                        else ""
-                    )
-                    + (f" The others: {rest}." if rest else "")
-                ),
-                ranks=[rank],
-                steps=[max(s.step, 0)],
-                fix=(
-                    "run the same script without ddp-doctor to confirm; a segfault in DDP's constructor is known with "
-                    "TORCH_DISTRIBUTED_DEBUG=DETAIL on some torch builds: unset it."
-                    if s.signal == "SIGSEGV"
-                    else f"see the {mismatch.code} finding."
-                    if mismatch is not None and s.signal == "SIGABRT"
-                    else "check the system log (dmesg) and the memory use of that rank."
-                    if s.signal == "SIGKILL"
-                    else "run that rank's command alone to see the native error."
-                ),
-            )
-        )
+    findings.extend(killed_findings(states, killed, mismatch, native))
 
     if exited and not causes:
         steps_by_rank = {r: max(s.step, 0) for r, s in states.items()}
@@ -248,21 +201,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
     accounted = set(causes) | set(killed) | set(exited) | set(mismatch.ranks if mismatch else [])
     silent = [r for r in ranks if states[r].outcome is None and r not in accounted and not states[r].ended]
     if not findings and silent and not timed_out:
-        findings.append(
-            Finding(
-                code=Code.RANK_CRASHED,
-                severity="error",
-                title=f"{rank_list(silent)} died without a Python error",
-                detail=(
-                    "It ended without an exception, exit status or fault record, at "
-                    + capped([f"rank {r}: {where(states[r])}" for r in silent])
-                    + (f". The others: {others(states, silent)}." if others(states, silent) else ".")
-                ),
-                ranks=silent,
-                steps=sorted({max(states[r].step, 0) for r in silent}),
-                fix="check the system log (dmesg) and the memory use of that rank.",
-            )
-        )
+        findings.append(died_silently(states, silent))
     if not findings or (timed_out and mismatch is None and not causes and not killed and not exited):
         findings.extend(_hung(states, timed_out, native[0] if native else None))
     return findings

@@ -230,7 +230,7 @@ TABLE: tuple[CodeInfo, ...] = (
          "DDP crashed with 'Expected to have finished reduction', explained"),
     _row(Code.NO_TRAINABLE_PARAMETERS, Family.GRAPH, "error", "frozen_set.py",
          "no parameter requires a gradient"),
-    _row(Code.RANK_CRASHED, Family.CRASH, "error", "failures.py crashed_ranks.py",
+    _row(Code.RANK_CRASHED, Family.CRASH, "error", "crashed_ranks.py",
          "a rank died with an error that is not DDP's; the others were stopped"),
     _row(Code.RANK_HUNG, Family.CRASH, "error", "failures.py",
          "a rank stopped making progress and the others waited for it"),
