@@ -4,6 +4,7 @@ over "replicate", as torchtitan builds it for data parallelism across nodes. 4 r
 --mistake none           every block and the root sharded over the mesh
 --mistake root-unsharded the root (its head) left out: nothing syncs the head's gradients
 --mistake same-data      every rank draws its batches from the same seed
+--mistake seed-rank      the model built after torch.manual_seed(rank): each rank starts from its own weights
 --drift-at N             rank 1 alone adds 0.01 to its shard of the first layer's bias after step N (its replica,
                          rank 3, holds the same shard): a long job watched past its first steps
 """
@@ -29,7 +30,7 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
+    torch.manual_seed(rank if args.mistake == "seed-rank" else 0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)

@@ -9,6 +9,9 @@ Replicate placement) and all-reduces gradients, like DDP, on FSDP2's machinery.
 --mistake same-data          every rank draws its batches from the same seed: the ranks train on the same samples
 --mistake eval-rank0         clean: rank 0 alone runs an evaluation forward after the third step
 --mistake skip-rank1         rank 1 alone skips optimizer.step() at the third step (a skip decided from its own loss)
+--mistake seed-rank          the model built after torch.manual_seed(rank): each rank starts from its own weights
+--mistake clamp-rank0        after each step rank 0 alone clamps the head's weights to [-0.1, 0.1] (a constraint
+                             applied in a rank-0-only logging branch)
 --drift-at N                 rank 1 alone adds 0.01 to the head's bias after step N, outside any sync (a long job
                              watched past its first steps)
 --save rank0                 clean: rank 0 alone torch.save's the state dict after the third step (every value, as
@@ -51,7 +54,7 @@ if __name__ == "__main__":
     mistakes = set(args.mistake.split(","))
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    torch.manual_seed(0)
+    torch.manual_seed(rank if "seed-rank" in mistakes else 0)
     model = Net()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     if "optimizer-before" in mistakes:
@@ -72,6 +75,10 @@ if __name__ == "__main__":
         if not ("skip-rank1" in mistakes and rank == 1 and _step == 2):
             opt.step()
         opt.zero_grad()
+        if "clamp-rank0" in mistakes and rank == 0:
+            with torch.no_grad():
+                weight = model.head.weight
+                (weight.to_local() if hasattr(weight, "to_local") else weight).clamp_(-0.1, 0.1)
         if _step == args.drift_at and rank == 1:
             with torch.no_grad():
                 bias = model.head.bias
