@@ -40,13 +40,16 @@ def sharded_record(
     saver: int | None = None,
     unsharded_odd: tuple[int, ...] = (),
     collectives_odd: tuple[int, ...] = (),
+    replica_rows: int = 0,
+    replicas_odd: tuple[int, ...] = (),
     own_s: float = 0.010,
 ) -> ShardedRecord:
     """A rank of a sharded job with 6 parameters (2 outside every sharded group) and 3 buffers, 8 observed steps:
     the ranks in `settings_odd` hold other optimizer settings from step 2 on, `saver` alone saves shards, the
     ranks in `unsharded_odd` hold another copy of the first unsharded parameter, the ranks in `collectives_odd`
     reduce their step's one collective with MAX from step 3 on (the others with the default SUM), each rank reads its
-    own batches."""
+    own batches; with `replica_rows` the parameters are replicated over that many rows (rank % rows), and the ranks
+    in `replicas_odd` hold another copy of parameter 3 after the last step."""
     slots: dict[str, float] = dict.fromkeys(SLOTS, 0.0)
     saved = rank == saver
     slots.update(
@@ -60,6 +63,7 @@ def sharded_record(
         params=PARAMS,
         gathers=4,
         collectives=STEPS,
+        replica_rows=replica_rows,
         timed_steps=STEPS,
         comm_timed=1,
         own_s=own_s,
@@ -78,8 +82,16 @@ def sharded_record(
         steps[k] = torch.tensor([rank + k, 1.0, 1.0, 1.0, 1.0, 4.0, 0.0, 1.0, 99.0 if apart else 7.0, 5.0, 1.0, digest])
         shown = ["all_reduce(float32[1], MAX)/4 at train.py:60" if calls else "all_reduce(float32[1])/4 at train.py:60"]
         held.append((99.0 if apart else 7.0, f"lr={0.5 if apart else 0.1}", 5.0, "model: train", digest, shown))
+    replicas = None
+    if replica_rows:
+        row = rank % replica_rows
+        replicas = torch.arange(PARAMS * 4, dtype=torch.float64).reshape(PARAMS, 4) + 100.0 * row
+        if rank in replicas_odd:
+            replicas[3, 3] += 0.5
     return ShardedRecord(
         slots=slots,
+        replicas=replicas,
+        replica_row=rank % replica_rows if replica_rows else 0,
         grads=grads,
         unsharded=unsharded,
         buffers=torch.zeros(BUFFERS, 3, dtype=torch.float64),

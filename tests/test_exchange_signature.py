@@ -133,10 +133,18 @@ def signature(name: str) -> str:
 
 
 SHARDED = {
-    "sharded-clean-3": ({}, "b1ba06045e0ffd46"),
+    "sharded-clean-3": ({}, "2d9fe2e451e6344f"),
     "sharded-mistakes-6": (
-        {"settings_odd": (2, 5), "saver": 4, "unsharded_odd": (1,), "collectives_odd": (3,), "own_s": 0.02},
-        "8a49fe5faeb377e0",
+        {
+            "settings_odd": (2, 5),
+            "saver": 4,
+            "unsharded_odd": (1,),
+            "collectives_odd": (3,),
+            "replica_rows": 2,
+            "replicas_odd": (5,),
+            "own_s": 0.02,
+        },
+        "76cb45ceded7fa64",
     ),
 }
 """A sharded job's exchange (FSDP2, `replicate`): each scenario's mistakes (`handbuilt.sharded_record`) and the

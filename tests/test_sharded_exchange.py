@@ -58,6 +58,31 @@ def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
     assert (big.sent, big.collectives) == (small.sent, small.collectives)
 
 
+@pytest.mark.parametrize(
+    ("rows", "odd", "reference", "named"),
+    [
+        (1, (5, 600), 0, [5, 600]),  # replicate: every rank holds the whole; the most common copy is the reference
+        (8, (13,), 5, [13]),  # HSDP, 8 shards: ranks 5, 13, 21, ... hold shard 5; the lowest holds the reference
+    ],
+)
+def test_replicas_apart_are_named_at_1024_ranks_in_the_volume_of_64(
+    rows: int, odd: tuple[int, ...], reference: int, named: list[int]
+) -> None:
+    got, big = simulated(1024, replica_rows=rows, replicas_odd=odd)
+    assert got.replicas["replicas_apart"] == {
+        "at_first": False,
+        "row": odd[0] % rows,
+        "params": [3],
+        "reference": reference,
+        "ranks": named,
+        "more": 0,
+    }
+    _, small = simulated(64, replica_rows=rows, replicas_odd=tuple(r % 64 for r in odd))
+    assert (big.sent, big.collectives) == (small.sent, small.collectives)
+    clean, _ = simulated(1024, replica_rows=rows)
+    assert clean.replicas == {"replica_rows": rows, "replicas_compared": 6}
+
+
 def test_the_slowest_rank_is_named_among_1024() -> None:
     world = 1024
     gens = [
@@ -82,10 +107,18 @@ def _real(rank: int, world: int, mistakes: dict[str, Any]) -> Any:
 
 
 def test_a_real_gloo_group_reads_back_what_the_model_computes(tmp_path: Path) -> None:
-    mistakes = {"settings_odd": (2,), "saver": 3, "unsharded_odd": (1,), "collectives_odd": (3,)}
+    mistakes = {
+        "settings_odd": (2,),
+        "saver": 3,
+        "unsharded_odd": (1,),
+        "collectives_odd": (3,),
+        "replica_rows": 2,
+        "replicas_odd": (3,),
+    }
     real = run_ranks(_real, tmp_path, world_size=4, args=(mistakes,), timeout=120)
     model, _ = simulated(4, **mistakes)
     expected = ({k: getattr(model, k) for k in model.__slots__ if k != "grads"}, model.grads.tolist())
     assert all(r == expected for r in real), (real[0], expected)
     assert expected[0]["per_step"]["settings_apart"]["ranks"] == [2]
     assert expected[0]["per_step"]["collectives_apart"]["ranks"] == [3]
+    assert expected[0]["replicas"]["replicas_apart"]["ranks"] == [3]  # against rank 1, which holds shard 1 too

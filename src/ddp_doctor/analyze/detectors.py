@@ -14,6 +14,7 @@ from ddp_doctor.analyze import (  # noqa: F401 (imported to register their detec
     moves,
     optimizer_settings,
     passes,
+    replica_state,
     throughput,
     tree_state,
     used_set,

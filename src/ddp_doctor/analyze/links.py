@@ -31,7 +31,7 @@ UNSYNCED = (
     Code.GRAD_SCALER_MISMATCH,
 )
 """What leaves a step's gradients unreduced (or reduced differently) on some ranks: the causes a `grads-not-synced`
-is linked to, and whose presence its fix and `replica-divergence`'s point to (`analyze/agreement.py`)."""
+is linked to, and whose presence its fix and `replica-divergence`'s point to (`analyze/agreement.py`, `analyze/replica_state.py`)."""
 _MISSING_GRADIENTS = (
     Code.UNREGISTERED_PARAMETERS,
     Code.UNUSED_PARAMETERS,

@@ -217,6 +217,8 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
         "steps": run.steps,
         "parameters": run.model_params,
         "outside_groups": len(run.unsharded),
+        "replicas": run.replicas_compared,
+        "replica_rows": run.replica_rows,
         "buffers": run.buffers_compared if fully_shard else 0,
         "inputs": len(run.inputs_compared),
         "state_steps": run.state_steps,

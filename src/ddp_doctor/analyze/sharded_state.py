@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from functools import partial
 
-from ddp_doctor.analyze.agreement import buffers_apart, modes_apart
 from ddp_doctor.analyze.common import with_more
 from ddp_doctor.analyze.consistency import sequences_apart
 from ddp_doctor.analyze.moves import never_updated, nonfinite_finding, stalled
 from ddp_doctor.analyze.optimizer_settings import settings_apart
+from ddp_doctor.analyze.replica_state import buffers_apart, modes_apart, replicas_parted
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
@@ -52,7 +52,7 @@ def low_precision_weights(run: ShardedRun, ranks: list[int]) -> Finding | None:
 
 def buffer_divergence(run: ShardedRun, ranks: list[int]) -> list[Finding]:
     """Buffers that differ across ranks: FSDP2 shards parameters only, and neither broadcasts nor averages buffers
-    (`agreement.buffers_apart` words it, for every parallelism).
+    (`replica_state.buffers_apart` words it, for every parallelism).
 
     Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 steps (`tests/scripts/fsdp2_train.py
     --mistake buffer-rank`: a constant buffer drawn from each rank's own generator): exit code 0, nothing said, and
@@ -122,7 +122,7 @@ def training_moves(run: ShardedRun, ranks: list[int], *, low_weights: bool = Fal
 def replica_state(run: ShardedRun) -> list[Finding]:
     """The optimizer's settings and the modules' modes of an FSDP2 or `replicate` job, compared across ranks at the
     first `INPUT_STEPS` observed steps (`ShardedRun.settings_apart`, `modes_apart`), by DDP's rules
-    (`optimizer_settings.settings_apart`, `agreement.modes_apart`).
+    (`optimizer_settings.settings_apart`, `replica_state.modes_apart`).
 
     Ground truth for the sharded road, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps
     (`tests/scripts/fsdp2_train.py`):
@@ -150,6 +150,19 @@ def replica_state(run: ShardedRun) -> list[Finding]:
                 parallelism=parallelism,
             )
             found.append(with_more(finding, apart["more"]))
+    if (apart := run.replicas_apart) is not None:
+        mesh_dims = run.sharding.get("mesh_dims") or []
+        found.append(
+            replicas_parted(
+                params=apart["params"],
+                at_first=apart["at_first"],
+                steps=run.steps,
+                ranks=sorted({apart["reference"], *apart["ranks"]}),
+                more=apart["more"],
+                parallelism=parallelism,
+                hsdp_row=apart["row"] if run.replica_rows > 1 or len(mesh_dims) > 1 else None,
+            )
+        )
     if (apart := run.collectives_apart) is not None:
         held = {int(r): calls for r, calls in apart["held"].items()}
         calls = {r: held[r] for r in (apart["reference"], *apart["ranks"]) if r in held}

@@ -1,6 +1,6 @@
 """What the module tree held at each step, beyond the lists DDP made when it was built: parameters created or
 replaced after DDP was built (which DDP's reducer never syncs), and an optimizer that steps tensors the tree no longer
-holds (the modules' train/eval modes apart are `agreement.py`'s `replica-divergence`). The ranks' trees are compared by a digest per step (`StepCounters.state_digest`,
+holds (the modules' train/eval modes apart are `replica_state.py`'s `replica-divergence`). The ranks' trees are compared by a digest per step (`StepCounters.state_digest`,
 `observation.tree_scan`); rank 0 and the example ranks that differ from it say what they held then."""
 
 from __future__ import annotations

@@ -206,12 +206,12 @@ TABLE: tuple[CodeInfo, ...] = (
          guard=True),
     _row(Code.GRADS_NOT_SYNCED, Family.SYNC, "error", "agreement.py",
          "gradients differ across ranks when the optimizer steps"),
-    _row(Code.REPLICA_DIVERGENCE, Family.SYNC, "error/warning", "agreement.py",
+    _row(Code.REPLICA_DIVERGENCE, Family.SYNC, "error/warning", "replica_state.py",
          "weights differ across ranks (or, from the module tree, the modules' train/eval modes)",
          when="error; warning when every difference is at float64 rounding level, and for modules whose mode "
               "differs across ranks",
          guard=True),
-    _row(Code.BUFFER_DIVERGENCE, Family.SYNC, "error/warning", "agreement.py",
+    _row(Code.BUFFER_DIVERGENCE, Family.SYNC, "error/warning", "replica_state.py",
          "buffers differ across ranks",
          when="error for an FSDP2 buffer that differs and never changed in training (FSDP2 never broadcasts "
               "buffers); warning for buffers that change in training (running statistics)",

@@ -104,6 +104,16 @@ class ShardedRun:
     named), `held` ({rank: settings text} for the reference and the first other rank). None when they agreed."""
     modes_apart: dict[str, Any] | None = None
     """The same for the modules' modes; `held` maps a rank to its modes entry (`tree_scan.modes_of`)."""
+    replica_rows: int = 0
+    """The model's replica rows (1 under `replicate`, the shard dimension's size under HSDP); 0 where nothing is
+    replicated, or the ranks disagree."""
+    replicas_compared: int = 0
+    """The parameters whose replicas were compared across the ranks that hold them, after the first observed step
+    and after the last."""
+    replicas_apart: dict[str, Any] | None = None
+    """Where the replicas first differed: `at_first` (already after the first observed step), `row` (the replica
+    row), `params` (the parameters that differ there), `reference` (the rank holding the reference copy), `ranks`
+    (those that differ from it, the lowest few) and `more`. None where they agreed."""
     script_collectives: int | None = None
     """The script's own collectives in those steps, as many on every rank; None where the counts differ."""
     collectives_apart: dict[str, Any] | None = None

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_doctor.analyze import diagnose_sharded
+from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.fingerprint import fingerprints_batched
 from ddp_doctor.core.frames import user_site
@@ -128,6 +129,12 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     probe = w.probe
     if probe is not None:
         probe.remove()
+    # The replicas' weights (`replicate`, HSDP): this rank's local tensors after the first step and now.
+    slot = model.replica_row() if dist.get_world_size() > 1 and w.weights_at_first is not None else None
+    replicas = None
+    if slot is not None and w.weights_at_first.shape == now.shape:
+        replicas = torch.cat([w.weights_at_first, now], 1).nan_to_num(0.0)
+        replicas[~torch.tensor([is_dtensor(p) for _, p in named], dtype=torch.bool)] = 0.0
     local = {
         "unsharded": len(unsharded),
         "buffers": len(buffers),
@@ -143,6 +150,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         "low_rel": probe.mean_relative if probe else 0.0,
         "gathers": _steady_gathers(w),
         "unsharded_changed": unsharded_changed,
+        "replica_rows": slot[1] if replicas is not None else 0,
         "collectives": sum(count for _, _, count in w.step_collectives[:INPUT_STEPS]),
         **StepClock.slots(w.clock),
     }
@@ -159,6 +167,8 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         buffers=_buffer_table(w, buffers),
         steps=_step_table(w),
         held=[(*state, *calls[:2]) for state, calls in zip(w.replica_state[:INPUT_STEPS], w.step_collectives)],
+        replicas=replicas,
+        replica_row=slot[0] if replicas is not None else 0,
         saved=None if saved is None else {k: saved[k] for k in ("shown", "site", "shards")},
         clock=w.clock and w.clock.stats(),
     )
@@ -196,6 +206,9 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         unsharded_differ=got.unsharded_differ,
         unsharded_gap=got.unsharded_gap,
         unsharded_changed=bool(top["unsharded_changed"]),
+        replica_rows=got.replicas["replica_rows"],
+        replicas_compared=got.replicas["replicas_compared"],
+        replicas_apart=_replicas_apart(got.replicas.get("replicas_apart"), named),
         script_collectives=int(top["collectives"]) if top["collectives"] == low["collectives"] else None,
         weights_dtype=sorted({str(p.dtype).removeprefix("torch.") for _, p in named}),
         buffers_compared=len(buffers_differ),
@@ -234,6 +247,14 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         **got.shard_save,
     )
     return Report.build(w.facts(sharding=run.sharding), diagnose_sharded(run))
+
+
+def _replicas_apart(apart: dict[str, Any] | None, named: list[tuple[str, Any]]) -> dict[str, Any] | None:
+    """`ShardedRun.replicas_apart`, its parameters named."""
+    if apart is None:
+        return None
+    refs = [ParamRef(named[i][0], named[i][1].numel(), tuple(named[i][1].shape)) for i in apart["params"]]
+    return {**apart, "params": refs}
 
 
 def _step_table(w: ShardedWatch) -> torch.Tensor:

@@ -9,6 +9,7 @@ rank in one process.
 | unsharded | MAX, when every rank has as many | the unsharded parameters' fingerprints | `unsharded_differ` |
 | buffers | MAX, when every rank has as many | the buffers' fingerprints, changed since the first step | `buffers_*` |
 | steps | MAX | per observed step: inputs, gradient scale and norm, settings, modes and collectives digests | `per_step` |
+| replicas | MAX, when the model is replicated (`replicate`, HSDP); MAX, `oddranks` rounds where rows differ | the replicas' fingerprints, per replica row | `replicas` |
 | apart | `oddranks` rounds, 2 SUMs, per digest that differs | the settings', modes' or collectives' digest, then what two ranks hold | `settings_apart`, `modes_apart`, `collectives_apart` |
 | saves | SUM, SUM, SUM, when some rank saved shards | who saved, then what the first saver wrote | `shard_save` |
 | slowest | MAX, when a rank's own work is the longest | the step clock's quartiles | `slowest` |
@@ -30,6 +31,7 @@ from ddp_doctor.core.sharded_run import INPUT_STEPS, SCALE_TOLERANCE
 from ddp_doctor.exchange.oddranks import odd_ranks_rounds
 from ddp_doctor.exchange.packing import Op, Reply, from_words, to_words
 from ddp_doctor.exchange.primitives import minmax_rounds
+from ddp_doctor.exchange.sharded_replicas import replicas_rounds
 from ddp_doctor.exchange.timing import slowest_rank
 
 __all__ = [
@@ -59,6 +61,7 @@ SLOTS = (
     "gathers",
     "unsharded_changed",
     "collectives",
+    "replica_rows",
     "waiting",
     "timed_steps",
     "wait_s",
@@ -94,6 +97,11 @@ class ShardedRecord:
     held: list[tuple[float, Any, float, Any, float, Any]] = field(default_factory=list)
     """Per observed step: the optimizer settings' digest and text, the modules' modes digest and first entry, the
     script's collectives' digest and first calls (`plain_watch.PlainOptimizerWatch.step_collectives`)."""
+    replicas: torch.Tensor | None = None
+    """float64[P, 4]: per parameter, its local tensor's fingerprints after the first observed step and after the
+    last, zeros where it is not replicated (`sharded_replicas.py`); None where nothing is."""
+    replica_row: int = 0
+    """This rank's replica row (`ShardedModel.replica_row`)."""
     saved: dict[str, Any] | None = None
     """What this rank's first save of shards wrote (`shown`, `site`, `shards`); None where it saved none."""
     clock: dict[str, Any] | None = None
@@ -115,6 +123,8 @@ class ShardedReduced:
     buffers_moved: list[bool]
     per_step: dict[str, Any]
     """`ShardedRun`'s per-step fields."""
+    replicas: dict[str, Any]
+    """`ShardedRun`'s `replica*` fields."""
     shard_save: dict[str, Any]
     """`ShardedRun`'s `shard_save*` fields ({} where no file holds some ranks' shards only)."""
     slowest: dict[str, Any] | None
@@ -144,6 +154,7 @@ def sharded_protocol(record: ShardedRecord, *, rank: int, world: int) -> Generat
         high, lowest = yield from minmax_rounds(record.buffers)
         buffers_differ, buffers_moved = (high[:, :2] != lowest[:, :2]).any(-1).tolist(), (high[:, 2] > 0).tolist()
     per_step = yield from _per_step(record, rank=rank, world=world)
+    replicas = yield from replicas_rounds(record.replicas, record.replica_row, top, low, rank=rank, world=world)
     shard_save = yield from _shard_save(record.saved, top, low, rank=rank)
     slowest = yield from slowest_rank(record.clock, top, low, rank=rank)
     return ShardedReduced(
@@ -155,6 +166,7 @@ def sharded_protocol(record: ShardedRecord, *, rank: int, world: int) -> Generat
         buffers_differ=buffers_differ,
         buffers_moved=buffers_moved,
         per_step=per_step,
+        replicas=replicas,
         shard_save=shard_save,
         slowest=slowest,
     )

@@ -28,7 +28,9 @@ _FAR = 1e300
 """Below every fingerprint: a row a rank does not hold takes no part in the MAX."""
 
 
-def _masked_minmax(values: torch.Tensor, row: int, rows: int) -> Generator[Op, Reply, tuple[torch.Tensor, torch.Tensor]]:
+def _masked_minmax(
+    values: torch.Tensor, row: int, rows: int
+) -> Generator[Op, Reply, tuple[torch.Tensor, torch.Tensor]]:
     """Per row, the element-wise maximum and minimum of `values` over the ranks of that row. One MAX."""
     table = torch.full((2, rows, *values.shape), -_FAR, dtype=torch.float64)
     table[0, row], table[1, row] = values, -values

@@ -89,20 +89,14 @@ class ShardedModel:
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad and not is_dtensor(p)]
 
     def replica_row(self) -> tuple[int, int] | None:
-        """(this rank's row, the rows): the ranks that hold the same local tensor of every parameter share a row,
-        the flattened coordinate along the mesh's shard dimensions (one row under `replicate`, every rank holding
-        the whole; a row per shard under HSDP). None where nothing is replicated (`fully_shard` on a 1-D mesh: each
-        shard is held once), where the parameters sit on different meshes or placements, or none is a DTensor."""
+        """(this rank's row, the rows): ranks holding the same local tensors share a row, their coordinate along the
+        mesh's shard dimensions (one row under `replicate`, one per shard under HSDP). None where nothing is
+        replicated (`fully_shard` on a 1-D mesh), or the parameters sit on different meshes or placements."""
         params = [q for _, q in self.named_parameters() if is_dtensor(q)]
-        if not params:
-            return None
-        mesh, placements = params[0].device_mesh, tuple(params[0].placements)
-        if not any(pl.is_replicate() for pl in placements):
+        mesh, placements = (params[0].device_mesh, tuple(params[0].placements)) if params else (None, ())
+        if not any(pl.is_replicate() for pl in placements) or (coordinate := mesh.get_coordinate()) is None:
             return None
         if any(q.device_mesh != mesh or tuple(q.placements) != placements for q in params):
-            return None
-        coordinate = mesh.get_coordinate()
-        if coordinate is None:
             return None
         row, rows = 0, 1
         for dim, pl in enumerate(placements):

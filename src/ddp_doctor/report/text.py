@@ -187,6 +187,11 @@ def _sharded_compared_line(c: dict[str, Any]) -> str:
         "a gradient for every trainable parameter",
         "whether the weights changed",
     ]
+    if c.get("replicas"):
+        among = "every rank" if c.get("replica_rows") == 1 else "the ranks holding the same shard"
+        parts.append(
+            f"the weights of {_n(c['replicas'], 'parameter')} across {among}, after the first and the last step"
+        )
     if c.get("buffers"):
         parts.append(f"{_n(c['buffers'], 'buffer')} at the last step")
     if c.get("inputs"):
@@ -198,14 +203,16 @@ def _sharded_compared_line(c: dict[str, Any]) -> str:
         )
         if c.get("collectives") is None:
             parts.append(
-                f"the script's own collectives, in order (their counts differ; {_n(c['state_steps'], 'step')})"
+                f"the collectives called through torch.distributed, the script's and FSDP2's, in order (their counts "
+                f"differ; {_n(c['state_steps'], 'step')})"
             )
         elif c["collectives"]:
             parts.append(
-                f"{_n(c['collectives'], 'collective')} of the script's, in order ({_n(c['state_steps'], 'step')})"
+                f"{_n(c['collectives'], 'collective')} called through torch.distributed, the script's and FSDP2's, "
+                f"in order ({_n(c['state_steps'], 'step')})"
             )
         else:
-            parts.append(f"the script's own collectives (none in {_n(c['state_steps'], 'step')})")
+            parts.append(f"the collectives called through torch.distributed (none in {_n(c['state_steps'], 'step')})")
     if c.get("gradient_scale_steps"):
         parts.append(
             f"the scale of the gradient shards from the backward's end to the step ({_n(c['gradient_scale_steps'], 'step')})"
