@@ -235,23 +235,38 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
     }
 
 
-_DDP_ONLY = (
-    "what a DDP check compares and a sharded one does not yet: {skips}, and writes to the weights outside the optimizer"
-)
+def _replicas_unchecked(run: ShardedRun, name: str) -> list[str]:
+    """What the replicas' comparison (`replicas_compared`) left out: a write to the weights on some ranks is seen
+    only where a copy to compare with exists, and only as of the last observed step."""
+    if run.world < 2:
+        return []
+    if run.replicas_compared:
+        return [
+            f"{name}: the step between the first and the last observed one at which the replicas' weights parted "
+            "(they are compared at those two)"
+        ]
+    if run.replica_rows > 0:  # the ranks hold more replica rows than the exchange compares
+        return [f"{name}: the replicas' weights ({run.replica_rows} shards each held by several ranks)"]
+    return [
+        f"{name}: writes to the weights outside the optimizer on some ranks (each shard is held once: there is "
+        "no copy to compare it with)"
+    ]
 
 
 def sharded_unchecked(run: ShardedRun) -> list[str]:
     """What the sharded report did not check (`Diagnosis.unchecked`): its own gaps, and DDP's checks it has no
     counterpart of yet, said rather than left out."""
+    after = "after the epoch end followed" if run.followed else "after the observed steps"
+    # A step some ranks skip within the observed steps stops the check there (`optimizer-step-skipped`).
+    skipped = f"optimizer steps skipped on some ranks {after}"
     if _api(run) is _REPLICATE:
         return [
             "the mixed-precision policy of replicate",
             "parameters frozen after replicate",
             *_untimed(run),
-            # A step some ranks skip within the observed steps stops the check there (`optimizer-step-skipped`).
-            "replicate: " + _DDP_ONLY.format(skips="optimizer steps skipped on some ranks after the observed steps"),
+            f"replicate: {skipped}",
+            *_replicas_unchecked(run, "replicate"),
         ]
-    after = "after the epoch end followed" if run.followed else "after the observed steps"
     who = "`ddp-doctor check` names them when they do" if run.in_process else "they are named when they do"
     return [
         f"FSDP2: a save of sharded state {after}",
@@ -259,8 +274,8 @@ def sharded_unchecked(run: ShardedRun) -> list[str]:
         "FSDP2: the mixed-precision policy beyond the dtype of the gradients' reduce-scatter and of the weights the "
         "optimizer steps",
         *_untimed(run),
-        # A step some ranks skip within the observed steps stops the check there (`optimizer-step-skipped`).
-        "FSDP2: " + _DDP_ONLY.format(skips=f"optimizer steps skipped on some ranks {after}"),
+        f"FSDP2: {skipped}",
+        *_replicas_unchecked(run, "FSDP2"),
     ]
 
 
