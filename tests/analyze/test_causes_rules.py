@@ -4,7 +4,7 @@ the ranks and steps, and stays quiet on the evidence of the legitimate patterns 
 from __future__ import annotations
 
 import torch
-from test_analyze import ALL, info, record
+from purerecords import ALL, info, record
 
 from ddp_doctor.core.records import StepCounters
 from ddp_doctor.doctor.pipeline import analyze

@@ -4,7 +4,7 @@ weight, and the neighbours that must stay quiet (a GradScaler's skipped step, on
 from __future__ import annotations
 
 import torch
-from test_analyze import ALL, info, record
+from purerecords import ALL, info, record
 
 from ddp_doctor.core.records import StepCounters, encode_scale
 from ddp_doctor.doctor.pipeline import analyze

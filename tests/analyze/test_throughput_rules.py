@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from test_analyze import info, no_distributed, record  # noqa: F401 (the fixture: no collective in analyze)
+from purerecords import info, no_distributed, record  # noqa: F401 (the fixture: no collective in analyze)
 
 from ddp_doctor.analyze.throughput import MIN_WAIT_S
 from ddp_doctor.core.records import RankRecord

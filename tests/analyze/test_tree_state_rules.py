@@ -5,7 +5,7 @@ and modules whose mode differs across ranks (`replica-divergence`)."""
 from __future__ import annotations
 
 import torch
-from test_analyze import ALL, info, record
+from purerecords import ALL, info, record
 
 from ddp_doctor.core.records import StepCounters
 from ddp_doctor.doctor.pipeline import analyze
