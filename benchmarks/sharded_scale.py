@@ -12,7 +12,7 @@ are shown. Rows marked *fake group* ran rank 0 alone in a group of W ranks on to
 (`torch.testing._internal.distributed.fake_pg`): the same FSDP2 model sharded W ways, the same watch and the same
 collectives, each returning this rank's own values (so every rank "agrees"). At 2, 4 and 8 ranks both ran and are
 compared collective for collective, byte for byte. The rounds that name ranks apart run at 1,024 ranks in the
-in-process model (`tests/test_sharded_exchange.py`).
+in-process model (`tests/exchange/test_sharded_exchange.py`).
 
 Two jobs per size: *clean* (every block and the root sharded, nobody saves shards) and *mistakes* (the head left
 outside every sharded group, and rank 0 alone saving `model.state_dict()`): the second takes every optional round

@@ -293,7 +293,7 @@ CASES: dict[str, Case] = {
             fixed={"after_wrap": None},
         ),
         # Frozen after wrap but before the first step, static_graph=True records them as unused: wasted communication
-        # (a warning); once a step has trained them, the same freeze fails like default flags (tests/test_guard.py).
+        # (a warning); once a step has trained them, the same freeze fails like default flags (tests/fixes/test_guard.py).
         Case(
             name="freeze-after-wrap-static-graph",
             after_wrap=freeze("trunk.weight", "trunk.bias"),

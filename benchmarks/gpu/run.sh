@@ -10,7 +10,7 @@ python3 -c "import sys, torch; print('torch', torch.__version__, 'nccl', torch.c
 git log --oneline -1 2>/dev/null || true
 
 echo "=== the scenario matrix on CUDA (gloo, 2 ranks on one GPU) and NCCL (1 rank) against gloo on the CPU"
-timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_scenarios.py -k "cuda or nccl" 2>&1 \
+timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 tests/graph/test_scenarios.py -k "cuda or nccl" 2>&1 \
   | tee "$OUT/scenarios.log" | tail -8
 
 check() {  # NAME NPROC ARGS...: one check run, its codes and following section

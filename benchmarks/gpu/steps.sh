@@ -25,5 +25,5 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider tests/launch/test_check_gpu
 echo "=== the FSDP2 checks on the GPU and the scenario matrix on CUDA"
 timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 tests/launch/test_check_fsdp2_gpu.py 2>&1 \
   | tee "$OUT/fsdp2_gpu_tests.log" | tail -6
-timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_scenarios.py -k "cuda or nccl" 2>&1 \
+timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 tests/graph/test_scenarios.py -k "cuda or nccl" 2>&1 \
   | tee "$OUT/scenarios.log" | tail -6

@@ -1,5 +1,5 @@
 """FSDP2 (`fully_shard`) on a GPU: the model of fsdp2_train.py on `cuda:LOCAL_RANK` (modulo the GPUs there), with
-NCCL or gloo, clean or with one of the silent mistakes. For the GPU-only tests (tests/launch/test_check_fsdp2_gpu.py).
+NCCL or gloo, clean or with one of the silent mistakes. For the GPU-only tests (tests/fsdp2/test_check_fsdp2_gpu.py).
 
 --mistake none | optimizer-before | sync-off
 --backend nccl | gloo

@@ -1,6 +1,6 @@
 """Where a GPU job's step time goes, from the script's own clocks: a model on `cuda:LOCAL_RANK` (modulo the GPUs
 there) wrapped in DDP (`device_ids`) or sharded with FSDP2, fed by a DataLoader, logging `loss.item()` after every
-optimizer step (which makes the host wait for the GPU there). For the GPU-only tests (tests/launch/test_check_gpu_steps.py).
+optimizer step (which makes the host wait for the GPU there). For the GPU-only tests (tests/timing/test_check_gpu_steps.py).
 
 --api ddp | fsdp2
 --loader slow: a dataset that decodes each sample in about 5 ms, no worker process, a small model: the GPU waits for

@@ -185,7 +185,7 @@ def explain_fsdp2_crash(kind: str, message: str, shard: dict[str, Any]) -> str:
     """A script's error before its first optimizer step in an FSDP2 job (`shard`: its `fully_shard` calls, from
     the beacon), in FSDP2's words where it is one: a forward that mixes the dtype a mixed-precision policy runs its
     modules in with float32 (the policy's inputs left uncast, or a module outside every sharded group getting the
-    low-precision activations). Ground truth in tests/launch/test_check_fsdp2_dtype.py."""
+    low-precision activations). Ground truth in tests/fsdp2/test_check_fsdp2_dtype.py."""
     calls = shard.get("calls", 0)
     first = f"an FSDP2 job ({calls} fully_shard call{'s' if calls != 1 else ''}, the first at {shard.get('site')})"
     policy = shard.get("policy") or {}

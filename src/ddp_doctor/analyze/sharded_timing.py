@@ -12,7 +12,7 @@ lowest and highest of each rank's figures, not their median.
 
 Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_slow_loader.py`, a dataset
 that sleeps 5 ms per sample, 8 samples per batch): with no worker the ranks waited 42 ms of a 70 ms step (the
-script's own clock); with 4 workers 2 ms of 27 ms. Both end with exit code 0 (tests/launch/test_check_fsdp2_steps.py).
+script's own clock); with 4 workers 2 ms of 27 ms. Both end with exit code 0 (tests/timing/test_check_fsdp2_steps.py).
 
 `straggler-rank` is DDP's rule on bounds the reduction can carry: the slowest rank's own work (its step less its
 time in the model's collectives, `observation/step_clock.CommClock`, and its run-queue delay) against the longest

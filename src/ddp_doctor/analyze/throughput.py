@@ -30,7 +30,7 @@ for the GPU there), and the all-reduce the others wait in does not block the hos
 the step are taken on the GPU's clock (`observation/device_clock.py`: CUDA events at each step's end and the next
 forward, so the wait is the time the GPU sat idle), and `input-bound` decides on those. `straggler-rank` does not run
 on GPUs: the waits in NCCL's all-reduce, on its own streams, are not timed. Ground truth on one H100, NCCL, one rank
-(tests/scripts/gpu_input.py, tests/launch/test_check_gpu_steps.py; the numbers there).
+(tests/scripts/gpu_input.py, tests/timing/test_check_gpu_steps.py; the numbers there).
 
 Every rank's statistics reach the analysis already reduced (`exchange/ranktable.py`): counts, the slowest rank,
 medians over ranks; the rows of a few ranks whole. Nothing here grows with the world size.

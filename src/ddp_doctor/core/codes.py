@@ -1,6 +1,6 @@
 """The finding codes: one table, the JSON contract. A code may be added; none may be renamed.
 
-Every module names a code through `Code` (`Code.UNUSED_PARAMETERS`, never the bare string: `tests/test_codes.py`
+Every module names a code through `Code` (`Code.UNUSED_PARAMETERS`, never the bare string: `tests/design/test_codes.py`
 scans the package), so a typo is an `AttributeError`, not a finding with an unknown code. A `Code` is its string: it
 compares, hashes, formats and serializes to JSON as the stable name, so the reports are byte for byte what they were.
 

@@ -2,7 +2,7 @@
 
 DDP's reducer fixes the set of parameters it all-reduces when DDP is built. Setting `requires_grad` afterwards
 either keeps communicating frozen parameters, leaves a step's reduction unfinished (and the next forward raises),
-or never synchronizes an unfrozen parameter (measured on torch 2.13: `tests/test_refreeze.py`). The fix is to build
+or never synchronizes an unfrozen parameter (measured on torch 2.13: `tests/fixes/test_refreeze.py`). The fix is to build
 a new DDP over the same module; `refreeze` does that with the same constructor arguments, keeps the parameters
 (so the optimizer and its state are untouched) and first checks, across ranks, that the replicas are still
 identical (`preflight`), since a rebuild is where a divergence would otherwise be papered over.

@@ -1,6 +1,6 @@
 """Every module, file, finding code, class or function of ours named in backquotes in docs/architecture.md,
 ARCHITECTURE.md and the module docstrings exists (`stale_names`): a house rule of docs/architecture.md, beside those
-of tests/test_layers.py. The checker is tested on a small package written to `tmp_path`, so it is known to fail
+of tests/design/test_layers.py. The checker is tested on a small package written to `tmp_path`, so it is known to fail
 when it should."""
 
 from __future__ import annotations

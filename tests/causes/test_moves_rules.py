@@ -52,7 +52,7 @@ def test_all_zero_gradients_at_every_step_are_training_stalled() -> None:
 
 def test_all_zero_gradients_are_training_stalled_even_when_weight_decay_moves_the_weights() -> None:
     """AdamW's decoupled weight decay moves every weight at each step whatever the gradient: zero gradients at every
-    step are still a job that does not train (tests/launch/test_check_fsdp2_moves.py: largest change 0.0003)."""
+    step are still a job that does not train (tests/causes/test_check_fsdp2_moves.py: largest change 0.0003)."""
     f = found([{"grads_zero": 4, "weights_moved": 4}] * 3)["training-stalled"]
     assert f.steps == [0, 1, 2] and {m.name: m.value for m in f.measured}["steps_with_all_gradients_zero"] == 3
 

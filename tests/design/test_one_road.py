@@ -18,7 +18,7 @@ from ddp_doctor.core.following import FollowSummary
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.report import Report, RunFacts
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "ddp_doctor"
+SRC = Path(__file__).resolve().parents[2] / "src" / "ddp_doctor"
 
 
 def _modules(folder: Path = SRC) -> list[tuple[Path, ast.Module]]:

@@ -1,7 +1,7 @@
 """The exchange sends the same bytes: every collective's op, shape and each rank's tensor, for a few simulated groups
 that take every conditional round (B2, B3, C, ModelInfos that differ, more ranks than example slots), against
 signatures recorded before the protocol was cut into rounds. A change here changes what ranks send: re-record only
-on purpose (`python tests/test_exchange_signature.py` prints the current ones), and say why in the commit."""
+on purpose (`python tests/exchange/test_exchange_signature.py` prints the current ones), and say why in the commit."""
 
 from __future__ import annotations
 

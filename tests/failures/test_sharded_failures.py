@@ -1,5 +1,5 @@
 """The FSDP2 failure findings from rank states alone (`analyze/sharded_failures.py`; the real runs are in
-tests/launch/test_check_fsdp2.py)."""
+tests/fsdp2/test_check_fsdp2.py)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _steps_state(rank: int, step: int, forwards: int, *, api: str = "fully_shard
 
 
 def test_a_rank_with_fewer_steps_over_more_forwards_skipped_a_step() -> None:
-    """tests/launch/test_check_fsdp2_state.py and test_check_replicate.py have the real runs: rank 0 at its 8th step
+    """tests/sync/test_check_fsdp2_state.py and test_check_replicate.py have the real runs: rank 0 at its 8th step
     after 14 forwards, rank 1 at its 7th inside its 15th forward (or the backward after it), which then lost its peer."""
     for api in ("fully_shard", "replicate"):
         states = {

@@ -5,7 +5,7 @@
 - no import circles, `TYPE_CHECKING` ones included (a type a lower module needs is a `Protocol` it states itself);
 - every module sits in a package of the table, and no two modules share a file name;
 - no source file over `MAX_LINES` lines, no class over `MAX_METHODS` methods (one concept per file, STYLE.md);
-- (in tests/test_doc_names.py) every module, file, finding code, class or function of ours named in backquotes in
+- (in tests/design/test_doc_names.py) every module, file, finding code, class or function of ours named in backquotes in
   docs/architecture.md, ARCHITECTURE.md and the module docstrings exists.
 
 Each checker is tested on a small package written to `tmp_path`, so it is known to fail when it should."""

@@ -1,5 +1,5 @@
 """The FSDP2 recommendation's decisions, from facts alone (`analyze/sharded.py`; the real runs that produce these
-facts are in tests/launch/test_check_fsdp2.py and test_check_replicate.py)."""
+facts are in tests/fsdp2/test_check_fsdp2.py and test_check_replicate.py)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ def test_every_rank_saving_one_file_is_named_with_the_path_the_ranks_and_the_lin
         assert len(same) == 1, findings
         f = same[0]
         assert f["severity"] == "warning" and f["ranks"] == [0, 1] and f["steps"] == [1], f
-        assert f"{tmp_path}/last.pt" in f["title"] and "at tests/test_checkpoints.py:32" in f["detail"], f
+        assert f"{tmp_path}/last.pt" in f["title"] and "at tests/lockstep/test_checkpoints.py:32" in f["detail"], f
         assert "dist.barrier()" in f["fix"] and "get_rank() == 0" in f["fix"], f
         prefix = [f for f in findings if f["code"] == "checkpoint-module-prefix"]
         assert len(prefix) == 1 and prefix[0]["severity"] == "info", findings

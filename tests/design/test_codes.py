@@ -2,7 +2,7 @@
 severities each code is built, and the README's and docs/codes.md's tables are drawn from it.
 
 The scanner of bare code strings is tested on a file written to `tmp_path`, so it is known to fail when it should.
-`python tests/test_codes.py` rewrites the two drawn tables after a change to the table."""
+`python tests/design/test_codes.py` rewrites the two drawn tables after a change to the table."""
 
 from __future__ import annotations
 
@@ -251,7 +251,7 @@ def test_the_drawn_tables_are_the_table(target: str) -> None:
     text = DRAWN[target].read_text()
     assert text.count(END) == 1, f"{DRAWN[target]}: one table between the markers"
     assert _block(text, target) == markdown(target), (
-        f"{DRAWN[target].relative_to(REPO)} is not drawn from core/codes.py: run `python tests/test_codes.py`"
+        f"{DRAWN[target].relative_to(REPO)} is not drawn from core/codes.py: run `python tests/design/test_codes.py`"
     )
 
 

@@ -1,7 +1,7 @@
 """`straggler-rank` for a sharded model, from the reduced figures alone (`analyze/sharded_timing.py`), and the
 round that finds the slowest rank on a real 4-rank gloo group (`exchange/timing.slowest_rank`: at 2 ranks, where
 the check runs it, "the others" is one rank). The real runs, with their ground truth, are in
-tests/launch/test_check_fsdp2_steps.py."""
+tests/timing/test_check_fsdp2_steps.py."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ def _sharded_model(rank: int, world: int) -> str:
 
 def test_guard_rejects_an_fsdp2_model_without_the_advice_to_wrap_it_in_ddp(tmp_path) -> None:
     """guard() watches DDP models; DDP around a sharded model fails in DDP's constructor: the error points at
-    `ddp-doctor check` instead (observe() follows sharded models: tests/test_observe_sharded.py)."""
+    `ddp-doctor check` instead (observe() follows sharded models: tests/fsdp2/test_observe_sharded.py)."""
     message = run_ranks(_sharded_model, tmp_path, world_size=1)[0]
     assert "the torch.nn.modules.container.Sequential given is sharded with FSDP2" in message, message
     assert "ddp-doctor check" in message and "Wrap it first" not in message, message

@@ -3,7 +3,7 @@
 
 Each rank also measures what the report speaks of, directly, in the same run (whether any weight changed, whether
 the head differs across ranks), so a test holds the report to what happened. The ground truth under plain torchrun
-(the same patterns, no doctor) is in tests/launch/test_check_fsdp2.py's docstrings: an optimizer built before
+(the same patterns, no doctor) is in tests/fsdp2/test_check_fsdp2.py's docstrings: an optimizer built before
 `fully_shard` changes no weight in 5 steps; an unsharded root's head differs across ranks by about 5e-3 after 5
 steps; sync switched off on every micro-batch changes no weight; rank 0's `torch.save(model.state_dict())` holds
 rank 0's half of each parameter.
@@ -217,7 +217,7 @@ def _lifecycle(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     calls = []
     with observe(model, optimizer=opt, steps=2) as doctor:
-        # A hook of the script's after observe()'s: the steps end inside observe()'s (tests/test_observe.py).
+        # A hook of the script's after observe()'s: the steps end inside observe()'s (tests/observe/test_observe.py).
         theirs = opt.register_step_post_hook(lambda *_: calls.append(1))
         for _ in range(4):
             model(torch.randn(4, 16)).square().mean().backward()
@@ -278,7 +278,7 @@ def _accelerate(rank: int, world: int) -> dict[str, Any]:
 
 def test_accelerate_integration_follows_a_sharded_model(tmp_path) -> None:
     """ddp_doctor.integrations.accelerate.observe given a model the script sharded and an optimizer Accelerate
-    prepared (Accelerate's own FSDP2 plugin shards only on GPUs: tests/launch/test_check_fsdp2_gpu.py): the
+    prepared (Accelerate's own FSDP2 plugin shards only on GPUs: tests/fsdp2/test_check_fsdp2_gpu.py): the
     AcceleratedOptimizer is followed through the torch optimizer it steps, and the fix speaks Accelerate."""
     pytest.importorskip("accelerate")  # not in the core venvs of `make test-torch`
     results = run_ranks(_accelerate, tmp_path, timeout=120)

@@ -53,7 +53,7 @@ def test_a_shuffling_sampler_without_set_epoch_is_named_by_its_loader_and_epochs
         assert len(found) == 1, findings  # the training loader only, never the evaluation one
         f = found[0]
         assert f["severity"] == "warning" and f["ranks"] == [0, 1], f
-        assert "created at tests/test_sampler_epochs.py:24" in f["title"], f
+        assert "created at tests/lockstep/test_sampler_epochs.py:24" in f["title"], f
         assert "started 3 passes with the sampler's epoch at [0, 0, 0]" in f["detail"], f
 
 
