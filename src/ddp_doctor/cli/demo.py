@@ -172,9 +172,8 @@ def _index(folder: Path, results: list[tuple[str, CheckResult]]) -> str:
 
 
 def _recommended(report: Report) -> Text:
-    if report.sharding is not None:  # FSDP2: no DDP flags; the first finding's fix, up to its first colon
-        fix = report.findings[0].fix.split(":")[0] if report.findings else "keep the sharding"
-        return Text(fix)
+    if report.sharding is not None:  # FSDP2: no DDP flags; the first finding's fix, whole (never cut at a colon)
+        return Text(report.findings[0].fix if report.findings else "keep the sharding")
     rec, used = report.recommendation, report.ddp_config
     parts = [f"{k}={v}" for k, v in rec.ddp_kwargs.items() if bool(used.get(k, False)) != v]
     if rec.freeze_before_wrap:
