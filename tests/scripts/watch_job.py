@@ -4,7 +4,9 @@ rank, after that step, either spin in a Python loop (STALL=loop, at most STALL_S
 the loop and exit (STALL=exit) or kill itself with SIGKILL (STALL=kill) while the others go on into DDP's next
 gradient all-reduce; STALL=loader draws the batches from a DataLoader with one worker process, whose item for that
 step sleeps STALL_S seconds on that rank. DRIFT_RANK / DRIFT_STEP: after that step, that rank alone adds 0.01 to the
-first layer's bias, outside DDP's gradient sync (the replicas then train apart, silently).
+first layer's bias, outside DDP's gradient sync (the replicas then train apart, silently). SLOW_FROM / SLOW_S: the
+batches come from a DataLoader without workers whose items from that step on take SLOW_S seconds to read, on every
+rank (a job that becomes input-bound past its first steps).
 
     GROUP_TIMEOUT_S=20 torchrun --nproc-per-node 2 tests/scripts/watch_job.py
 """
@@ -29,8 +31,11 @@ from torch.nn.parallel import DistributedDataParallel
 class _Batches(torch.utils.data.Dataset):
     """Step i's batch; item `stall_at` takes `seconds` in the DataLoader's worker."""
 
-    def __init__(self, rank: int, steps: int, stall_at: int, seconds: float) -> None:
+    def __init__(
+        self, rank: int, steps: int, stall_at: int, seconds: float, slow_from: int = -1, slow_s: float = 0.0
+    ) -> None:
         self.rank, self.steps, self.stall_at, self.seconds = rank, steps, stall_at, seconds
+        self.slow_from, self.slow_s = slow_from, slow_s
 
     def __len__(self) -> int:
         return self.steps
@@ -38,6 +43,8 @@ class _Batches(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if i == self.stall_at:
             time.sleep(self.seconds)
+        if 0 <= self.slow_from <= i:
+            time.sleep(self.slow_s)
         gen = torch.Generator().manual_seed(1000 * self.rank + i)
         return torch.randn(4, 8, generator=gen), torch.randint(0, 2, (4,), generator=gen)
 
@@ -66,11 +73,15 @@ def main() -> None:
     gen = torch.Generator().manual_seed(rank)
     atexit.register(lambda: print(f"rank {rank} atexit ran", flush=True))
     stall, seconds = os.environ.get("STALL", "loop"), float(os.environ.get("STALL_S", "120"))
+    slow_from = int(os.environ.get("SLOW_FROM", "-1"))
     if stall == "loader":
         at = stall_step if rank == stall_rank else -1
         batches = iter(torch.utils.data.DataLoader(_Batches(rank, steps, at, seconds), batch_size=None, num_workers=1))
+    elif slow_from >= 0:
+        slow = _Batches(rank, steps, -1, 0.0, slow_from, float(os.environ.get("SLOW_S", "0.05")))
+        batches = iter(torch.utils.data.DataLoader(slow, batch_size=None))
     for step in range(steps):
-        if stall == "loader":
+        if stall == "loader" or slow_from >= 0:
             x, y = next(batches)
         else:
             x, y = torch.randn(4, 8, generator=gen), torch.randint(0, 2, (4,), generator=gen)

@@ -112,10 +112,34 @@ def test_a_clean_job_runs_to_its_end_computing_what_it_computes_under_torchrun(t
         "ranks": [0, 1],
         "divergence": None,
     }, ended
+    assert ended["windows"]["windows"] == [], ended  # 22 watched steps: no window of 32 closed
     assert run.hang is None
     assert "--hang-after 90 s" in run.output and "(60 s)" in run.output, run.output
     # The first steps' report came while the job went on (22 steps of 0.15 s at least): before its last lines.
     assert run.output.index("the first steps are diagnosed") < run.output.index("rank 0 trained 30 steps")
+
+
+def test_a_job_that_becomes_input_bound_past_its_first_steps_is_named_from_its_first_slow_window(
+    tmp_path: Path,
+) -> None:
+    """200 steps whose batches come from a DataLoader without workers; from step 100 on each item takes 40 ms to
+    read (SLOW_FROM=100, SLOW_S=0.04), on both ranks. Under plain torchrun the job ends with status 0 and nothing
+    said (both ranks' weights end with checksum -2.635275349603, as under watch). Under watch, past the 8 observed
+    steps each rank writes a window of 32 steps at a time: the windows before
+    step 100 are not input-bound, the first window that lies wholly past it is, for both ranks, and the job goes on
+    to its end (exit 0: a window's finding is said, not failed on)."""
+    env = {"STEPS": "200", "SLOW_FROM": "100", "SLOW_S": "0.04"}
+    run = _watch(["--nproc-per-node", "2", str(SCRIPTS / "watch_job.py")], tmp_path, env=env)
+    assert run.rc == 0, run.output
+    windows = run.ended["windows"]
+    assert windows["schema"] == "ddp-doctor/windows@1" and windows["window"] == 32, windows
+    judged = windows["windows"]
+    assert all(w["ranks"] == [0, 1] for w in judged) and len(judged) >= 4, judged
+    before = [w for w in judged if w["last"] < 100]
+    after = [w for w in judged if w["first"] > 101]  # step 101 is the first whose batch (item 100) was slow
+    assert before and not any(w["input_bound"] for w in before), judged
+    assert after and all(w["input_bound"] and w["waiting"] == [0, 1] for w in after), judged
+    assert all(w["wait_s"][0] >= 0.03 for w in after), after  # the 40 ms read, measured on each rank
 
 
 def test_replicas_that_drift_apart_after_the_first_steps_are_named_while_the_job_goes_on(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from rich.rule import Rule
 
 from ddp_doctor.cli.check import validate_launch
 from ddp_doctor.cli.torchrun_options import torchrun_subparser
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.ranks import rank_list
 
 if TYPE_CHECKING:
@@ -145,9 +146,51 @@ def run(args: argparse.Namespace) -> int:
             f"ddp-doctor: the ranks move again, after {waited:.0f} s; watching on.", highlight=False
         ),
         diverged=lambda divergence: render_divergence(divergence, console),
+        window=lambda event: render_window(event, console),
         warn=lambda text: console.print(f"ddp-doctor: warning: {text}", highlight=False, soft_wrap=True),
     )
     return _finish(result, args, console, run_dir)
+
+
+def _ms_span(lo: float, hi: float) -> str:
+    """`12.3 ms`, or `12.3-14.0 ms` over the ranks."""
+    low, high = f"{lo * 1e3:.1f}", f"{hi * 1e3:.1f}"
+    return f"{low} ms" if low == high else f"{low}-{high} ms"
+
+
+def render_window(e: Any, console: Console) -> None:
+    """A change in a window of steps past the first ones (`watch_windows.WindowEvent`)."""
+    span = f"steps {e.first}-{e.last}"
+    step_lo = e.step_s[0]
+    steps, waits = _ms_span(*e.step_s), _ms_span(*e.wait_s)
+    if e.kind == Code.INPUT_BOUND.value:
+        loader = e.loader or {}
+        named = f"the DataLoader over {loader.get('dataset_type') or 'its dataset'}" + (
+            f" created at {loader['site']}" if loader.get("site") else ""
+        )
+        workers = f", num_workers={loader['num_workers']}" if "num_workers" in loader else ""
+        console.print(Rule(f"input-bound from {span}"))
+        console.print(
+            f"[bold]input-bound[/bold] ({rank_list(e.ranks)}): in {span} these ranks waited a median {waits} per "
+            f"step between the optimizer step and the next forward, of a median step of {steps} (the first steps' "
+            f"rule, applied to this window). The input comes from {named}{workers}. The job goes on, watched; more "
+            "GPUs will not make it faster until the wait shrinks (more DataLoader workers, pin_memory, a faster "
+            "read).",
+            soft_wrap=True,
+        )
+    elif e.kind == "input-ok":
+        console.print(
+            f"ddp-doctor: {span}: the ranks no longer wait for data (a median {waits} of a {steps} step).",
+            highlight=False,
+            soft_wrap=True,
+        )
+    else:
+        console.print(
+            f"ddp-doctor: {span}: the median step is {steps}, {step_lo / e.baseline_step_s:.1f}x the first watched "
+            f"window's {e.baseline_step_s * 1e3:.1f} ms (the wait for data: {waits}).",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def render_divergence(d: Any, console: Console) -> None:

@@ -2,8 +2,9 @@
 
 What stays on is light: the beacon's step after each optimizer step (16 bytes written to shared memory), the
 script's own collectives in the beacon (`inflight.py`, as under `check`), the watchdog's sample of the main
-thread's line every half second, and every few steps the DDP models' parameter fingerprints
-(`watch_replicas.py`, at most half a percent of the time between steps). The process group's timeout goes into the beacon, so the supervisor can call a
+thread's line every half second, a clock read per step and per first forward after it (`watch_windows.py`, the step
+time window by window), and every few steps the DDP models' parameter fingerprints (`watch_replicas.py`, at most
+half a percent of the time between steps). The process group's timeout goes into the beacon, so the supervisor can call a
 hang before that timeout ends the job. Every thread's Python stack can be asked for at any moment with
 `STACKS_SIGNAL` (faulthandler writes them to `rank{R}.stacks` from inside the signal handler: no ptrace, no help from
 the stuck thread).
@@ -25,6 +26,8 @@ from ddp_doctor.core.rankfiles import Outcome
 from ddp_doctor.launch.following_run import group_timeout
 from ddp_doctor.launch.watch_replicas import ReplicaPoints, replica_group
 from ddp_doctor.launch.watch_run import STACKS_SIGNAL, dump_request_path, stacks_path
+from ddp_doctor.launch.watch_windows import StepWindows
+from ddp_doctor.observation import dataloaders
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -51,17 +54,22 @@ class WatchPolicy:
         faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
         self._dumped = 0.0
         self._replicas = ReplicaPoints(session.outdir, session.rank)
+        self._windows = StepWindows(session.outdir, session.rank)
+        dataloaders.listen(self._windows.loader_started)
         session.watchdog.on_tick = self._dump_when_asked
 
     def wrapped(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
         self.session.beacon.update(group_timeout=group_timeout())
         self._replicas.add_model(ddp)
+        self._windows.add_model(ddp)
 
     def reported(self, doctors: list[Doctor], reports: list[Report]) -> bool:
         """The first steps are reported: count the optimizer steps from here on, and let the script go on."""
         beacon = self.session.beacon
         self._base = max(beacon.state.step, 0)
         sharded = self.session.plain.sharded
+        if sharded is not None:
+            self._windows.add_model(sharded.root)
         group = replica_group(p for _, p in sharded.named_parameters()) if sharded is not None else None
         if group is not None:
             # `replicate` (a whole copy on every rank) or HSDP (a shard held by every rank along the replicate
@@ -94,9 +102,10 @@ class WatchPolicy:
         if step > self.session.beacon.state.step:
             self.session.beacon.step(step)
             try:
+                self._windows.stepped(step)
                 self._replicas.stepped(step)
             except Exception as exc:  # noqa: BLE001  (watching must never take the rank down)
-                logger.debug("ddp-doctor: replica fingerprints not written: %s", exc)
+                logger.debug("ddp-doctor: a watched step's records not written: %s", exc)
 
     def _dump_when_asked(self) -> None:
         """From the watchdog's thread: when `watch` asked (a hang), write this rank's Flight Recorder ring, the

@@ -26,6 +26,7 @@ from ddp_doctor.core.beacon import BeaconState, read_beacon
 from ddp_doctor.core.rankfiles import end_path, progress_path, write_json
 from ddp_doctor.launch.watch_nodes import NodeShare
 from ddp_doctor.launch.watch_replicas import ReplicaWatch
+from ddp_doctor.launch.watch_windows import WindowEvent, WindowWatch
 
 __all__ = [
     "DEFAULT_HANG_AFTER_S",
@@ -195,6 +196,8 @@ class WatchLoop:
         hung: called with each verdict.
         resumed: called when the ranks make progress again after a verdict.
         diverged: called once, when the ranks' parameters first differ (`watch_replicas.py`).
+        window: called with each change in a window of steps (`watch_windows.WindowEvent`: input-bound, no longer,
+            a slower step).
         warn: called once with a sentence when `hang_after` is not shorter than the process group's timeout (the
             timeout would end the job before a hang is called).
         nodes: the other nodes' records through the rendezvous store (`watch_nodes.py`), on a multi-node job.
@@ -209,13 +212,15 @@ class WatchLoop:
         hung: Callable[[HangVerdict], None],
         resumed: Callable[[float], None],
         diverged: Callable[[Any], None] = lambda _: None,
+        window: Callable[[WindowEvent], None] = lambda _: None,
         warn: Callable[[str], None] = lambda _: None,
         nodes: NodeShare | None = None,
     ) -> None:
         self.hang_after, self.on_hang = hang_after, on_hang
         self._reported, self._hung, self._resumed, self._warn = reported, hung, resumed, warn
-        self._diverged = diverged
+        self._diverged, self._window = diverged, window
         self.replicas: ReplicaWatch | None = None
+        self.windows: WindowWatch | None = None
         self.nodes = nodes if nodes is not None and nodes.enabled else None
         self._warned = False
         self.verdicts: list[HangVerdict] = []
@@ -236,6 +241,7 @@ class WatchLoop:
     def __call__(self, proc: subprocess.Popen[Any], folder: Path) -> bool:
         hung_at: float | None = None
         self.replicas = ReplicaWatch(folder=folder)
+        self.windows = WindowWatch(folder=folder)
         polls = 0
         while proc.poll() is None:
             time.sleep(_POLL_S)
@@ -253,6 +259,8 @@ class WatchLoop:
                 live = {r for r in states if not end_path(folder, r).exists()}
                 if (divergence := self.replicas.poll(live)) is not None:
                     self._say(self._diverged, divergence)
+                for event in self.windows.poll(live):
+                    self._say(self._window, event)
             if hung_at is not None:
                 if self.nodes is not None:
                     self.nodes.publish(folder, last_progress(folder, states))

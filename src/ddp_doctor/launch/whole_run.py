@@ -30,6 +30,8 @@ class WatchResult:
     replicas: dict[str, Any] | None = None
     """`ReplicaWatch.to_dict()`: the steps at which the ranks' parameters were compared past the first steps, and
     the first at which they differed (None: the job ended before its first steps were reported)."""
+    windows: dict[str, Any] | None = None
+    """`WindowWatch.to_dict()`: the windows of steps past the first ones, each judged (None: as for `replicas`)."""
 
 
 def watch(
@@ -45,12 +47,14 @@ def watch(
     resumed: Callable[[float], None],
     diverged: Callable[[Any], None],
     warn: Callable[[str], None],
+    window: Callable[[Any], None] = lambda _: None,
 ) -> WatchResult:
     """Run the whole job (torchrun's parsed `namespace`) with its ranks' records in `run_dir`.
 
     `reported` gets the first steps' `CheckResult` as soon as the ranks wrote it; `hung` each hang's verdict;
     `resumed` the seconds the ranks stood still, when they move again after a verdict; `diverged` the first step at
-    which the ranks' parameters differ (`watch_replicas.ReplicaDivergence`).
+    which the ranks' parameters differ (`watch_replicas.ReplicaDivergence`); `window` each change in a window of
+    steps (`watch_windows.WindowEvent`).
     """
     from ddp_doctor.launch.config import RankConfig
     from ddp_doctor.launch.outcome import collect
@@ -82,6 +86,7 @@ def watch(
         hung=hung,
         resumed=resumed,
         diverged=diverged,
+        window=window,
         warn=warn,
     )
     config = RankConfig(
@@ -98,7 +103,12 @@ def watch(
     result = run_check(namespace, config, timeout=None, outdir=run_dir, env=env, wait=loop)
     states = beacons(run_dir)
     stepped = max((s.step for s in states.values()), default=-1)
-    replicas = None
+    replicas = windows = None
+    if first and loop.windows is not None:
+        for event in loop.windows.poll(set(states)):  # the last windows the ranks wrote before they ended
+            window(event)
+        loop.windows.save()
+        windows = loop.windows.to_dict()
     if first and loop.replicas is not None:
         if loop.replicas.divergence is None:
             loop.replicas.poll(set(states))  # the last points the ranks wrote before they ended
@@ -129,6 +139,8 @@ def watch(
         summary, failed = f"the job failed before {steps} optimizer steps were observed", True
     if replicas is not None and not failed:
         summary += _replicas_words(replicas)
+    if windows is not None and not failed:
+        summary += _windows_words(windows)
     write_json(
         run_dir / "watch.json",
         {
@@ -137,10 +149,22 @@ def watch(
             "steps": stepped,
             "seconds": round(seconds, 1),
             "replicas": replicas,
+            "windows": windows,
             "result": result.to_dict(),
         },
     )
-    return WatchResult(check=result, failed=failed, summary=summary, verdicts=loop.verdicts, replicas=replicas)
+    return WatchResult(
+        check=result, failed=failed, summary=summary, verdicts=loop.verdicts, replicas=replicas, windows=windows
+    )
+
+
+def _windows_words(windows: dict[str, Any]) -> str:
+    """The end summary's clause on the windows of steps judged past the first steps."""
+    judged = windows["windows"]
+    bound = [w for w in judged if w["input_bound"]]
+    if bound:
+        return f"; input-bound in {len(bound)} of {len(judged)} windows of {windows['window']} steps, from step {bound[0]['first']}"
+    return f"; not input-bound in {len(judged)} windows of {windows['window']} steps" if judged else ""
 
 
 def _replicas_words(replicas: dict[str, Any]) -> str:

@@ -1,0 +1,229 @@
+"""`ddp-doctor watch` past the first steps: where the step time goes, window by window.
+
+Each rank times its optimizer steps past the first ones (one clock read per step) and the wait for data (from a
+step's end to the first forward through its model after it: one clock read per forward, from a forward pre-hook),
+and keeps the settings of the first DataLoader with a length it iterated (the rule holds only where one fed the
+steps, as under `check`).
+Every `WINDOW` steps it writes that window's figures to `windows/rank{R}.json` in the run folder, keeping its last
+few: the steps, the median step and wait, the first quartile of the wait's share of the step, and the steps'
+interquartile range. The parent (`WatchLoop`) reads its node's ranks' files, and for each window that every live
+rank wrote applies the first steps' rule (`core/steptime.waits_for_data_at`, per rank; `input-bound` when more than
+half of the ranks wait): a job that becomes input-bound past its first steps (a slower file system, a dataset whose
+later items cost more) is said while it runs, and again when it stops being so; so is a median step that grew to
+`SLOWER` times the first window's (and by at least `MIN_WAIT_S`). Everything is written to `windows.json`, which
+outlives the job.
+
+The parent side imports no torch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddp_doctor.core.codes import Code
+from ddp_doctor.core.rankfiles import read_json, write_json
+from ddp_doctor.core.steptime import MIN_WAIT_S, waits_for_data_at
+
+__all__ = ["SLOWER", "WINDOW", "StepWindows", "WindowEvent", "WindowWatch"]
+
+WINDOW = 32
+"""Optimizer steps per window."""
+SLOWER = 1.5
+"""A window's median step over the first window's, at least, to be said as a slowdown (and `MIN_WAIT_S` longer)."""
+_KEPT = 8
+_LOADER_KEYS = ("dataset_type", "site", "num_workers", "pin_memory", "persistent_workers", "batch_size")
+
+
+def _path(folder: Path, rank: int) -> Path:
+    return folder / "windows" / f"rank{rank}.json"
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4)
+    return q1, q2, q3
+
+
+class StepWindows:
+    """The rank side: `stepped` after each optimizer step past the first ones (`WatchPolicy`), `add_model` for each
+    model whose forwards end the wait for data."""
+
+    def __init__(self, folder: Path, rank: int) -> None:
+        self._folder, self._rank = folder, rank
+        self._last: float | None = None
+        """When the last optimizer step ended (None until the first watched one)."""
+        self._wait: float | None = None
+        self._rows: list[tuple[float, float]] = []
+        self._written: list[dict[str, Any]] = []
+        self._hooks: list[Any] = []
+        self.loader: dict[str, Any] | None = None
+        """The first DataLoader with a length the script iterated (its settings): the rule holds only where one
+        fed the steps, as the first steps' does."""
+
+    def loader_started(self, info: dict[str, Any]) -> None:
+        """A DataLoader pass began (a listener of `observation/dataloaders.py`)."""
+        if self.loader is None and info.get("batches") is not None:
+            self.loader = {k: info[k] for k in _LOADER_KEYS if info.get(k) is not None}
+
+    def add_model(self, module: Any) -> None:
+        ref = weakref.ref(self)
+
+        def on_forward(*_: Any) -> None:
+            windows = ref()
+            if windows is not None and windows._last is not None and windows._wait is None:
+                windows._wait = time.perf_counter() - windows._last
+
+        self._hooks.append(module.register_forward_pre_hook(on_forward, prepend=True))
+
+    def stepped(self, step: int) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self._rows.append((now - self._last, self._wait or 0.0))
+        self._last, self._wait = now, None
+        if len(self._rows) >= WINDOW:
+            self._write(step)
+
+    def _write(self, step: int) -> None:
+        rows, self._rows = self._rows, []
+        steps = [s for s, _ in rows]
+        waits = [w for _, w in rows]
+        shares = [w / s if s > 0 else 0.0 for s, w in rows]
+        q1, median, q3 = _quartiles(steps)
+        self._written.append(
+            {
+                "first": step - len(rows) + 1,
+                "last": step,
+                "steps": len(rows),
+                "step_s": median,
+                "wait_s": statistics.median(waits),
+                "share_q1": _quartiles(shares)[0],
+                "step_iqr_s": q3 - q1,
+                "loader": self.loader,
+            }
+        )
+        self._written = self._written[-_KEPT:]
+        path = _path(self._folder, self._rank)
+        path.parent.mkdir(exist_ok=True)
+        write_json(path, {"windows": self._written})
+
+
+@dataclass(frozen=True, slots=True)
+class WindowEvent:
+    """A change the parent saw in one window: `kind` is `input-bound` (most ranks wait for data), `input-ok` (they
+    no longer do) or `slower` (the median step grew to `SLOWER` times the first window's)."""
+
+    kind: str
+    first: int
+    last: int
+    ranks: list[int]
+    """The ranks compared; for `input-bound`, those that waited."""
+    step_s: tuple[float, float]
+    """The ranks' median steps in the window, lowest and highest."""
+    wait_s: tuple[float, float]
+    """The ranks' median waits for data in the window, lowest and highest (of the waiting ranks for `input-bound`)."""
+    baseline_step_s: float | None = None
+    """For `slower`: the first window's highest median step."""
+    loader: dict[str, Any] | None = None
+    """For `input-bound`: the training DataLoader's settings, as the lowest waiting rank described it."""
+
+
+@dataclass
+class WindowWatch:
+    """The parent side: `poll` every few seconds with the live ranks."""
+
+    folder: Path
+    judged: list[dict[str, Any]] = field(default_factory=list)
+    _input_bound: bool = False
+    _slower: bool = False
+
+    def poll(self, live: set[int]) -> list[WindowEvent]:
+        if not live:
+            return []
+        by_rank: dict[int, dict[tuple[int, int], dict[str, Any]]] = {}
+        for r in live:
+            data = read_json(_path(self.folder, r)) or {}
+            by_rank[r] = {(w["first"], w["last"]): w for w in data.get("windows", [])}
+        done = {(w["first"], w["last"]) for w in self.judged}
+        common = sorted(set.intersection(*(set(k) for k in by_rank.values())) - done)
+        events = []
+        for key in common:
+            events += self._judge(key, {r: by_rank[r][key] for r in sorted(live)})
+        if common:
+            self.save()
+        return events
+
+    def _judge(self, key: tuple[int, int], rows: dict[int, dict[str, Any]]) -> list[WindowEvent]:
+        waiting = [
+            r
+            for r, w in rows.items()
+            if w.get("loader") is not None
+            and waits_for_data_at(
+                steps=w["steps"],
+                wait_s=w["wait_s"],
+                step_s=w["step_s"],
+                share_q1=w["share_q1"],
+                step_iqr_s=w["step_iqr_s"],
+            )
+        ]
+        steps = [w["step_s"] for w in rows.values()]
+        bound = 2 * len(waiting) > len(rows)
+        entry = {
+            "first": key[0],
+            "last": key[1],
+            "ranks": sorted(rows),
+            "step_s": [min(steps), max(steps)],
+            "wait_s": [min(w["wait_s"] for w in rows.values()), max(w["wait_s"] for w in rows.values())],
+            "waiting": waiting,
+            "input_bound": bound,
+        }
+        baseline = self.judged[0]["step_s"][1] if self.judged else None
+        self.judged.append(entry)
+        events = []
+        if bound != self._input_bound:
+            self._input_bound = bound
+            who = waiting if bound else sorted(rows)
+            waits = [rows[r]["wait_s"] for r in who]
+            events.append(
+                WindowEvent(
+                    kind=Code.INPUT_BOUND.value if bound else "input-ok",
+                    first=key[0],
+                    last=key[1],
+                    ranks=who,
+                    step_s=(min(steps), max(steps)),
+                    wait_s=(min(waits), max(waits)),
+                    loader=rows[who[0]].get("loader") if bound else None,
+                )
+            )
+        # A step grown by a few milliseconds on a tiny model is the machine's noise, not the job's: at least
+        # `MIN_WAIT_S` more per step as well.
+        slower = baseline is not None and min(steps) >= max(SLOWER * baseline, baseline + MIN_WAIT_S)
+        if slower and not self._slower:
+            events.append(
+                WindowEvent(
+                    kind="slower",
+                    first=key[0],
+                    last=key[1],
+                    ranks=sorted(rows),
+                    step_s=(min(steps), max(steps)),
+                    wait_s=tuple(entry["wait_s"]),
+                    baseline_step_s=baseline,
+                )
+            )
+        self._slower = slower
+        return events
+
+    def save(self) -> None:
+        write_json(self.folder / "windows.json", self.to_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": "ddp-doctor/windows@1", "window": WINDOW, "windows": self.judged}
+
+
+def event_dict(event: WindowEvent) -> dict[str, Any]:
+    return asdict(event)
