@@ -32,6 +32,12 @@ def _failed_inside(s: RankState) -> bool:
     )
 
 
+def _died_inside(s: RankState) -> bool:
+    """The rank ended inside its last collective: its group raised there, or native code aborted it there (gloo
+    aborts a rank that received another size than it expected)."""
+    return _failed_inside(s) or (s.in_collective and s.signal in ("SIGABRT", "SIGSEGV"))
+
+
 @dataclass(frozen=True, slots=True)
 class _Parting:
     """Where the ranks' own collective sequences parted, from their beacons: `first` waited (or failed) in its
@@ -154,12 +160,15 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
     parting = _parting(states)
     script = _mismatch(states, parting) if parting is not None else None
     if any(s.sharded for s in states.values()):
-        # Ranks that each issued their n-th collective of the script, different ones, parted there, unless a rank
-        # had already done something alone in an earlier step: what one rank did after it (a forward the other,
-        # aborted in that collective, never reached) is a consequence.
+        # Ranks that each issued their n-th collective, different ones, and one of them died inside it (gloo aborts
+        # a rank whose peer sent another size): they parted there, unless a rank had already done something alone
+        # in an earlier step; what the other did after it (a forward the aborted rank never reached) is a
+        # consequence. A rank still waiting inside it (a hang) waits for what another rank did alone before it:
+        # the sharded cause (a state_dict() on rank 0 alone, before Lightning's broadcast in save_checkpoint).
         parted_first = (
             parting is not None
             and parting.different
+            and _died_inside(parting.first)
             and (sharded is None or min(script.steps, default=0) <= min(sharded.steps, default=0))
         )
         mismatch = script if parted_first else (sharded or script)
