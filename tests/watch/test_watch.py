@@ -140,6 +140,10 @@ def test_a_job_that_becomes_input_bound_past_its_first_steps_is_named_from_its_f
     assert before and not any(w["input_bound"] for w in before), judged
     assert after and all(w["input_bound"] and w["waiting"] == [0, 1] for w in after), judged
     assert all(w["wait_s"][0] >= 0.03 for w in after), after  # the 40 ms read, measured on each rank
+    # `explain` says the same change again from the run folder: the same window, in the same words.
+    said = next(line for line in run.output.splitlines() if "input-bound from steps" in line)
+    rc, explained, _ = _explain(run.run_dir, tmp_path)
+    assert rc == 0 and said in explained, explained
 
 
 def test_replicas_that_drift_apart_after_the_first_steps_are_named_while_the_job_goes_on(tmp_path: Path) -> None:

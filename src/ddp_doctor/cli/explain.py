@@ -1,8 +1,8 @@
 """`ddp-doctor explain RUN_DIR`: the verdict on a watched job again, after the fact, from its run folder.
 
-What `watch` wrote at the end (`watch.json`), at a hang (`hang.json`) and when the replicas' parameters first
-differed (`replicas.json`) is printed again. When `watch` itself
-did not get to write its end (the scheduler killed the job, the node rebooted), the ranks' own records (beacons,
+What `watch` wrote at the end (`watch.json`), at a hang (`hang.json`), when the replicas' parameters first
+differed (`replicas.json`) and at each change in a window of steps (`windows.json`) is printed again. When `watch`
+itself did not get to write its end (the scheduler killed the job, the node rebooted), the ranks' own records (beacons,
 the watchdog's samples, end records, stacks) are read as `check` reads a failed run's, and the ranks that left no
 record in the folder are named."""
 
@@ -62,8 +62,9 @@ def run(args: argparse.Namespace) -> int:
 
 def explain(folder: Path, console: Console) -> tuple[dict[str, Any], int]:
     """Print what the run folder says; returns (the result's JSON, the exit code `watch` would have had)."""
-    from ddp_doctor.cli.watch import render_divergence, render_verdict, verdict_from_dict
+    from ddp_doctor.cli.watch import render_divergence, render_verdict, render_window, verdict_from_dict
     from ddp_doctor.launch.watch_replicas import ReplicaDivergence
+    from ddp_doctor.launch.watch_windows import replay
 
     hang = read_json(folder / "hang.json")
     if hang is not None:
@@ -71,6 +72,8 @@ def explain(folder: Path, console: Console) -> tuple[dict[str, Any], int]:
     replicas = read_json(folder / "replicas.json") or {}
     if (diverged := replicas.get("divergence")) is not None:
         render_divergence(ReplicaDivergence(**diverged), console)
+    for event in replay(read_json(folder / "windows.json") or {}):
+        render_window(event, console)
     ended = read_json(folder / "watch.json")
     if ended is not None:
         result = ended["result"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from ddp_doctor.core.codes import Code
 from ddp_doctor.core.rankfiles import read_json, write_json
 from ddp_doctor.core.steptime import MIN_WAIT_S, waits_for_data_at
 
-__all__ = ["SLOWER", "WINDOW", "StepWindows", "WindowEvent", "WindowWatch"]
+__all__ = ["SLOWER", "WINDOW", "StepWindows", "WindowEvent", "WindowWatch", "replay"]
 
 WINDOW = 32
 """Optimizer steps per window."""
@@ -172,7 +172,7 @@ class WindowWatch:
             )
         ]
         steps = [w["step_s"] for w in rows.values()]
-        bound = 2 * len(waiting) > len(rows)
+        waits = [rows[r]["wait_s"] for r in waiting]
         entry = {
             "first": key[0],
             "last": key[1],
@@ -180,37 +180,42 @@ class WindowWatch:
             "step_s": [min(steps), max(steps)],
             "wait_s": [min(w["wait_s"] for w in rows.values()), max(w["wait_s"] for w in rows.values())],
             "waiting": waiting,
-            "input_bound": bound,
+            "waiting_wait_s": [min(waits), max(waits)] if waits else None,
+            "loader": rows[waiting[0]].get("loader") if waiting else None,
+            "input_bound": 2 * len(waiting) > len(rows),
         }
+        return self._events(entry)
+
+    def _events(self, entry: dict[str, Any]) -> list[WindowEvent]:
+        """The changes `entry` (a judged window) shows after the windows judged before it; judged from here on."""
         baseline = self.judged[0]["step_s"][1] if self.judged else None
         self.judged.append(entry)
+        bound, steps = entry["input_bound"], tuple(entry["step_s"])
         events = []
         if bound != self._input_bound:
             self._input_bound = bound
-            who = waiting if bound else sorted(rows)
-            waits = [rows[r]["wait_s"] for r in who]
             events.append(
                 WindowEvent(
                     kind=Code.INPUT_BOUND.value if bound else "input-ok",
-                    first=key[0],
-                    last=key[1],
-                    ranks=who,
-                    step_s=(min(steps), max(steps)),
-                    wait_s=(min(waits), max(waits)),
-                    loader=rows[who[0]].get("loader") if bound else None,
+                    first=entry["first"],
+                    last=entry["last"],
+                    ranks=entry["waiting"] if bound else entry["ranks"],
+                    step_s=steps,
+                    wait_s=tuple(entry["waiting_wait_s"] if bound else entry["wait_s"]),
+                    loader=entry.get("loader") if bound else None,
                 )
             )
         # A step grown by a few milliseconds on a tiny model is the machine's noise, not the job's: at least
         # `MIN_WAIT_S` more per step as well.
-        slower = baseline is not None and min(steps) >= max(SLOWER * baseline, baseline + MIN_WAIT_S)
+        slower = baseline is not None and steps[0] >= max(SLOWER * baseline, baseline + MIN_WAIT_S)
         if slower and not self._slower:
             events.append(
                 WindowEvent(
                     kind="slower",
-                    first=key[0],
-                    last=key[1],
-                    ranks=sorted(rows),
-                    step_s=(min(steps), max(steps)),
+                    first=entry["first"],
+                    last=entry["last"],
+                    ranks=entry["ranks"],
+                    step_s=steps,
                     wait_s=tuple(entry["wait_s"]),
                     baseline_step_s=baseline,
                 )
@@ -225,5 +230,7 @@ class WindowWatch:
         return {"schema": "ddp-doctor/windows@1", "window": WINDOW, "windows": self.judged}
 
 
-def event_dict(event: WindowEvent) -> dict[str, Any]:
-    return asdict(event)
+def replay(windows: dict[str, Any]) -> list[WindowEvent]:
+    """The changes a run's `windows.json` shows, in order, as `watch` said them while the job ran (`explain`)."""
+    again = WindowWatch(folder=Path("."))
+    return [event for entry in windows.get("windows", []) for event in again._events(dict(entry))]
