@@ -24,7 +24,7 @@ from ddp_doctor.core.frames import user_frame
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import Outcome
 from ddp_doctor.launch.following_run import group_timeout
-from ddp_doctor.launch.watch_replicas import ReplicaPoints, replica_group
+from ddp_doctor.launch.watch_replicas import ReplicaPoints
 from ddp_doctor.launch.watch_run import STACKS_SIGNAL, dump_request_path, stacks_path
 from ddp_doctor.launch.watch_windows import StepWindows
 from ddp_doctor.observation import dataloaders
@@ -70,11 +70,11 @@ class WatchPolicy:
         sharded = self.session.plain.sharded
         if sharded is not None:
             self._windows.add_model(sharded.root)
-        group = replica_group(p for _, p in sharded.named_parameters()) if sharded is not None else None
-        if group is not None:
+        if sharded is not None and (slot := sharded.replica_row()) is not None:
             # `replicate` (a whole copy on every rank) or HSDP (a shard held by every rank along the replicate
-            # dimension): compared past the first steps among the ranks that hold the same values.
-            self._replicas.add_model(sharded.root, group)
+            # dimension): compared past the first steps among the ranks that hold the same values (one replica row).
+            row, rows = slot
+            self._replicas.add_model(sharded.root, "" if rows == 1 else str(row))
         self.session.watching = True
         beacon.update(phase=Phase.WATCHED.value, group_timeout=group_timeout())
         register_optimizer_step_post_hook(self._stepped)

@@ -14,7 +14,7 @@ is taken at the steps it divides, so ranks that chose different intervals still 
 one. Buffers are not compared (BatchNorm's running statistics differ between ranks after every forward, by design),
 nor the shards of `fully_shard` on a 1-D mesh (each is held once). A model built with FSDP2's `replicate` is compared
 as a DDP model is (each rank's local tensor is the whole parameter), and an HSDP model's shards among the ranks that
-hold the same one (`replica_group`: the ranks along the mesh's replicate dimension). Ranks on other nodes are compared by their own
+hold the same one (`ShardedModel.replica_row`: the ranks along the mesh's replicate dimension). Ranks on other nodes are compared by their own
 node's `watch`.
 
 The parent side imports no torch.
@@ -31,7 +31,7 @@ from typing import Any
 
 from ddp_doctor.core.rankfiles import read_json, write_json
 
-__all__ = ["BUDGET", "MIN_EVERY", "ReplicaDivergence", "ReplicaPoints", "ReplicaWatch", "point_path", "replica_group"]
+__all__ = ["BUDGET", "MIN_EVERY", "ReplicaDivergence", "ReplicaPoints", "ReplicaWatch", "point_path"]
 
 BUDGET = 0.005
 """The share of a rank's time between steps that fingerprinting may take."""
@@ -40,17 +40,6 @@ _KEPT = 8
 """Points a rank keeps: the parent, which looks every two seconds, finds a step every rank wrote even when the ranks
 run apart by a few points or chose different intervals."""
 SCHEMA = "ddp-doctor/replicas@1"
-
-
-def replica_group(params: Any) -> str | None:
-    """For a model built with FSDP2 (DTensor parameters): the coordinates of this rank's shard on the mesh, which
-    the ranks holding a replica of it share ("" under `replicate`: every rank holds the whole); None when the mesh
-    has no replicate dimension (`fully_shard` on a 1-D mesh: every shard is held once)."""
-    first = next((p for p in params if hasattr(p, "placements") and hasattr(p, "device_mesh")), None)
-    if first is None or not any(pl.is_replicate() for pl in first.placements):
-        return None
-    coordinate = first.device_mesh.get_coordinate() or []
-    return ",".join(str(coordinate[i]) for i, pl in enumerate(first.placements) if pl.is_shard())
 
 
 def point_path(folder: Path, rank: int, step: int) -> Path:
@@ -82,8 +71,8 @@ class ReplicaPoints:
         """(the step of the last point, when it was done): the steps between two points time the interval."""
 
     def add_model(self, model: Any, group: str = "") -> None:
-        """A DDP model, or the root of a model built with FSDP2 whose parameters have replicas (`replica_group`):
-        `group` names the ranks that must hold the same values (its shard's coordinates; "" for every rank)."""
+        """A DDP model, or the root of a model built with FSDP2 whose parameters have replicas (`ShardedModel.replica_row`):
+        `group` names the ranks that must hold the same values (its replica row; "" for every rank)."""
         self._models.append(weakref.ref(model))
         self._group = group
 
