@@ -39,9 +39,12 @@ class Launch:
         """A rank died of SIGABRT with the native "terminate called without an active exception", and no rank
         failed otherwise (torchrun's own SIGTERM to the others aside): torch 2.13's gloo quirk at interpreter exit
         (a ProcessGroupGloo worker thread cancelled during finalization, docs/fixes.md), after the script's last
-        line. What the script wrote (its reports, its measurements) is there; the test asserts on those."""
+        line. What the script wrote (its reports, its measurements) is there; the test asserts on those. A rank that
+        raised first and then aborted the same way while its interpreter exited (seen in CI) failed: its traceback,
+        which torch prints with the rank's prefix, says so."""
         codes = {int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", self.output)}
-        return self.rc != 0 and _ABORT_AT_EXIT in self.output and -6 in codes and codes <= {-6, -15}
+        raised = re.search(r"^\[rank\d+\]: Traceback \(most recent call last\)", self.output, re.MULTILINE)
+        return self.rc != 0 and not raised and _ABORT_AT_EXIT in self.output and -6 in codes and codes <= {-6, -15}
 
     @property
     def finished(self) -> bool:
