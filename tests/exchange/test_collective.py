@@ -162,3 +162,37 @@ def _seen_by_the_listeners(rank: int, world: int) -> list[str]:
 def test_only_the_scripts_collectives_reach_the_listeners(tmp_path) -> None:
     # The doctor's exchange once reached them too, and a hung rank's beacon named it as the script's collective.
     assert run_ranks(_seen_by_the_listeners, tmp_path) == [["all_reduce"]] * 2
+
+
+def _fsdp2_calls_seen(rank: int, world: int) -> tuple[list[str], list[tuple[str, bool]]]:
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from ddp_doctor.observation import collectives
+
+    script: list[str] = []
+    every: list[tuple[str, bool]] = []
+    stops = [
+        collectives.listen(lambda call: script.append(call.op)),
+        collectives.listen(lambda call: every.append((call.op, call.fsdp)), fsdp=True),
+    ]
+    try:
+        model = fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+        model(torch.ones(2, 4)).sum().backward()
+        dist.all_reduce(torch.ones(1))
+    finally:
+        for stop in stops:
+            stop()
+    return script, every
+
+
+def test_fsdp2s_own_collectives_reach_only_the_listeners_that_ask_for_them(tmp_path) -> None:
+    """FSDP2's all-gather (forward) and reduce-scatter (backward) of one step on a root-only sharded model, then the
+    script's all_reduce: the per-step digest sees all three in order; the beacon's and the epoch end's listeners see
+    the script's alone."""
+    for script, every in run_ranks(_fsdp2_calls_seen, tmp_path):
+        assert script == ["all_reduce"]
+        ops = [op for op, _ in every]
+        assert ops[-1] == "all_reduce" and not every[-1][1], every
+        assert {"all_gather_single", "reduce_scatter_single"} <= set(ops[:-1]), every
+        assert all(fsdp for _, fsdp in every[:-1]), every

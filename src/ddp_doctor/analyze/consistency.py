@@ -53,8 +53,8 @@ def sequences_apart(
     counts: list[int] = (),
     also: list[int] = (),
 ) -> Finding:
-    """`collective-mismatch` in a step that completed, for every parallelism: the script's own collectives of `step`
-    were not the same sequence on every rank. `odd` are the ranks whose sequence differs from the reference rank's
+    """`collective-mismatch` in a step that completed, for every parallelism: the collectives of `step` called through
+    torch.distributed (the script's; FSDP2's and `replicate`'s too) were not the same sequence on every rank. `odd` are the ranks whose sequence differs from the reference rank's
     (the lowest few; `more` others); `calls` maps the reference rank (first) and some of `odd` to their calls of the
     step, in order (`all_reduce(float32[1], MAX)/2 at train.py:118`, the first few); `counts` the lowest and highest
     number of calls, `also` later steps that differed too."""
@@ -86,7 +86,8 @@ def sequences_apart(
         severity="error",
         title=f"the ranks issued different collectives in step {step} ({rank_list(odd, more=more)} "
         f"differ{'s' if differ == 1 else ''} from rank {reference})",
-        detail=f"In step {step} the script's own collectives were not the same on every rank: {where}. "
+        detail=f"In step {step} the collectives called through torch.distributed (the script's, and FSDP2's for a "
+        f"sharded model) were not the same on every rank: {where}. "
         + (f"The ranks issued {' to '.join(map(str, counts))} collectives in that step. " if len(counts) > 1 else "")
         + "Collectives pair up by position, so each rank combined a different tensor or reduction than it "
         "meant to, silently, or waits for a peer that never comes."

@@ -57,8 +57,10 @@ from ddp_doctor.report.model import Report, RunFacts
 __all__ = ["PlainOptimizerWatch"]
 
 
-CALLS_SHOWN = 6
-"""The script's collectives of an observed step shown by their lines when the ranks' sequences differ."""
+CALLS_KEPT = 256
+"""The collectives of an observed step kept with their lines (the script's, FSDP2's and `replicate`'s, in order),
+so that where the ranks' sequences part is named even after the dozens of all-gathers and reduce-scatters FSDP2
+issues in a step. Only the reference rank's and one differing rank's are ever sent (`held_apart`)."""
 
 
 def _nonzero_grads(model: ShardedModel) -> torch.Tensor:
@@ -138,7 +140,7 @@ class PlainOptimizerWatch:
         self.step_collectives: list[tuple[int, list[str], int]] = []
         """Per observed step (the first `INPUT_STEPS`, beside `replica_state`): the digest of the script's own
         collectives in it, in order (`collectives.digest`: op, dtype, shape, reduction, group size), and the first
-        `CALLS_SHOWN` of them (`all_reduce(float32[1], MAX)/2 at train.py:118`), and how many there were."""
+        `CALLS_KEPT` of them (`all_reduce(float32[1], MAX)/2 at train.py:118`), and how many there were."""
         self._calls: tuple[int, list[str], int] = (0, [], 0)
         """The current step's (digest, first calls, count) so far."""
         self.measuring = True
@@ -187,13 +189,14 @@ class PlainOptimizerWatch:
             self._step_input = digest if self._step_input is None else self._step_input + digest
 
     def note_collective(self, call: Call) -> None:
-        """The script entered a collective (a listener of `observation/collectives.py`): folded into the current
-        step's digest, and shown by its line among the step's first few."""
+        """The script or FSDP2 entered a collective (a listener of `observation/collectives.py`): folded into the
+        current step's digest, and kept by its line among the step's first `CALLS_KEPT`."""
         if self.frozen or self.stopped or not self.measuring or len(self.step_collectives) >= INPUT_STEPS:
             return
         running, shown, count = self._calls
-        if len(shown) < CALLS_SHOWN:
-            shown.append(f"{call.signature()} at {user_site_of(call.caller, None) or 'an unknown place'}")
+        if len(shown) < CALLS_KEPT:
+            by = " from FSDP2" if call.fsdp else ""
+            shown.append(f"{call.signature()}{by} at {user_site_of(call.caller, None) or 'an unknown place'}")
         self._calls = (digest(running, call), shown, count + 1)
 
     def note_save(self, info: dict[str, Any]) -> None:

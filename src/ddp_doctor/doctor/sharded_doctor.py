@@ -110,7 +110,7 @@ class ShardedDoctor:
         self._undo = [
             forward.remove,
             saves.listen(self._watch.note_save),
-            collectives.listen(self._watch.note_collective),
+            collectives.listen(self._watch.note_collective, fsdp=True),
         ]
         return self
 

@@ -133,7 +133,7 @@ class Session:
         self.follow.install()
         self._step_pre_hook = register_optimizer_step_pre_hook(self._before_any_step)
         self.collectives.install()
-        collectives.listen(self.plain.note_collective)
+        collectives.listen(self.plain.note_collective, fsdp=True)
         dataloaders.install()
         saves.install()
         gradedits.install()

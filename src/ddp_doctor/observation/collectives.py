@@ -1,7 +1,9 @@
 """The script's own collectives: `torch.distributed` calls, passed to whoever listens (local, no communication).
 
 `listen` wraps the collective functions of `torch.distributed` (and of `distributed_c10d`, through which torch's own
-helpers call them) once per process, and passes each call the script makes to the listeners: the launcher's beacon
+helpers call them) once per process, and passes each call the script makes to the listeners (and, to a listener
+that asks for them, the calls FSDP2 and `replicate` make for the model: their all-gathers, reduce-scatters and
+all-reduces, dozens a step, which the per-step digest compares but the beacon and the epoch-end timeline skip): the launcher's beacon
 (where each rank is, for a hang or an abort) and the observed steps' per-step digest (compared across ranks at the
 exchange). Calls from inside ddp_doctor, and calls nested in another collective (all_gather_object -> all_gather),
 are not the script's and are not passed on. DDP's own gradient all-reduces run in C++ and never come through here.
@@ -44,12 +46,22 @@ COLLECTIVES = (
     "scatter_object_list",
     "all_to_all",
     "all_to_all_single",
+    # FSDP2's own all-gathers and reduce-scatters (torch 2.13 on; before, it called the two above), and the older
+    # names torch's helpers may still call
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_gather_coalesced",
+    "all_reduce_coalesced",
+    "_all_gather_base",
+    "_reduce_scatter_base",
 )
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OWN_DIRS = tuple(os.path.join(_PACKAGE, stage) + os.sep for stage in ("observation", "exchange"))
 """The doctor's own collectives (the exchange, the agreement to follow) are not the script's. Those of the fixes
 (`sync_gradients`) are: the user calls them as part of the training step."""
+_FSDP_DIR = os.path.join("torch", "distributed", "fsdp") + os.sep
+"""FSDP2's (and `replicate`'s) own collectives are called from its modules here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +77,8 @@ class Call:
     caller: FrameType
     first: torch.Tensor | None = None
     """The first tensor it was given (the one reduced in place, for an all_reduce)."""
+    fsdp: bool = False
+    """Issued by FSDP2 (or `replicate`) for the model, not by the script."""
 
     def describe(self) -> str:
         """`all_reduce(float32[1])`, `all_reduce(float32[1], MAX)`."""
@@ -76,7 +90,8 @@ class Call:
         return f"{self.describe()}/{self.group_size}"
 
 
-Listener = tuple[Callable[[Call], None], Callable[[], None] | None]
+Listener = tuple[Callable[[Call], None], Callable[[], None] | None, bool]
+"""(on_enter, on_exit, whether it wants FSDP2's own calls too)."""
 _listeners: ListenerList[Listener] = ListenerList()
 _state = {"inside": False, "installed": False}
 
@@ -86,7 +101,7 @@ def digest(previous: int, call: Call) -> int:
     return zlib.crc32(call.signature().encode(), previous) & 0x7FFFFFFF
 
 
-def _describe(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType) -> Call:
+def _describe(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], caller: FrameType, fsdp: bool) -> Call:
     values = (*args, *kwargs.values())
     tensor = next((a for a in values if isinstance(a, torch.Tensor)), None)
     if tensor is None:
@@ -98,13 +113,17 @@ def _describe(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], caller: 
         if hasattr(dist.ReduceOp, "RedOpType")
         else kwargs.get("op")
     )
+    # a ReduceOp object (NCCL's pre-multiplied sum, which FSDP2 uses) prints with its address: its type is equal
+    # on every rank, the address is not
+    reduction = None if op is None else str(op) if " at 0x" not in str(op) else type(op).__name__
     return Call(
         op=name,
         tensor=f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}" if tensor is not None else None,
         group_size=dist.get_world_size(group) if dist.is_initialized() else None,
-        reduce_op=str(op).rsplit(".", 1)[-1] if op is not None else None,
+        reduce_op=reduction.rsplit(".", 1)[-1] if reduction is not None else None,
         caller=caller,
         first=tensor,
+        fsdp=fsdp,
     )
 
 
@@ -114,17 +133,22 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if not _listeners or _state["inside"]:
             return original(*args, **kwargs)
         caller = sys._getframe(1)
-        if caller.f_code.co_filename.startswith(_OWN_DIRS):
+        filename = caller.f_code.co_filename
+        if filename.startswith(_OWN_DIRS):
+            return original(*args, **kwargs)
+        fsdp = _FSDP_DIR in filename
+        listeners = [one for one in _listeners if one[2] or not fsdp]
+        if not listeners:
             return original(*args, **kwargs)
         _state["inside"] = True
         try:
-            call = _describe(name, args, kwargs, caller)
-            for on_enter, _ in _listeners:
+            call = _describe(name, args, kwargs, caller, fsdp)
+            for on_enter, _, _ in listeners:
                 on_enter(call)
             return original(*args, **kwargs)
         finally:
             _state["inside"] = False
-            for _, on_exit in _listeners:
+            for _, on_exit, _ in listeners:
                 if on_exit is not None:
                     on_exit()
 
@@ -147,9 +171,12 @@ def _install() -> None:
         setattr(c10d, name, wrapped)
 
 
-def listen(on_enter: Callable[[Call], None], on_exit: Callable[[], None] | None = None) -> Callable[[], None]:
-    """Pass each collective the script enters to `on_enter` (and its return to `on_exit`); returns the function
-    that stops it. The first listener installs the wrappers, which stay (inert) for the life of the process."""
+def listen(
+    on_enter: Callable[[Call], None], on_exit: Callable[[], None] | None = None, *, fsdp: bool = False
+) -> Callable[[], None]:
+    """Pass each collective the script enters to `on_enter` (and its return to `on_exit`), and with `fsdp` those
+    FSDP2 and `replicate` issue for the model too (`Call.fsdp`); returns the function that stops it. The first
+    listener installs the wrappers, which stay (inert) for the life of the process."""
     _install()
-    listener = (on_enter, on_exit)
+    listener = (on_enter, on_exit, fsdp)
     return _listeners.add(listener)
