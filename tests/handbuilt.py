@@ -31,6 +31,8 @@ def model_info(**overrides) -> ModelInfo:
 
 
 PARAMS, UNSHARDED, BUFFERS, STEPS = 6, 2, 3, 8
+REPLICAS_PART_AT = 5
+"""The observed step from which the odd replicas differ (`sharded_record`)."""
 
 
 def sharded_record(
@@ -49,7 +51,7 @@ def sharded_record(
     ranks in `unsharded_odd` hold another copy of the first unsharded parameter, the ranks in `collectives_odd`
     reduce their step's one collective with MAX from step 3 on (the others with the default SUM), each rank reads its
     own batches; with `replica_rows` the parameters are replicated over that many rows (rank % rows), and the ranks
-    in `replicas_odd` hold another copy of parameter 3 after the last step."""
+    in `replicas_odd` hold another copy of parameter 3 from step `REPLICAS_PART_AT` on."""
     slots: dict[str, float] = dict.fromkeys(SLOTS, 0.0)
     saved = rank == saver
     slots.update(
@@ -82,15 +84,20 @@ def sharded_record(
         steps[k] = torch.tensor([rank + k, 1.0, 1.0, 1.0, 1.0, 4.0, 0.0, 1.0, 99.0 if apart else 7.0, 5.0, 1.0, digest])
         shown = ["all_reduce(float32[1], MAX)/4 at train.py:60" if calls else "all_reduce(float32[1])/4 at train.py:60"]
         held.append((99.0 if apart else 7.0, f"lr={0.5 if apart else 0.1}", 5.0, "model: train", digest, shown))
-    replicas = None
+    replicas = replica_steps = None
     if replica_rows:
         row = rank % replica_rows
         replicas = torch.arange(PARAMS * 4, dtype=torch.float64).reshape(PARAMS, 4) + 100.0 * row
+        replica_steps = torch.zeros(INPUT_STEPS, 2, dtype=torch.float64)
+        replica_steps[:STEPS, 0] = torch.arange(STEPS, dtype=torch.float64) + 1000.0 * row
+        replica_steps[:STEPS, 1] = 1.0
         if rank in replicas_odd:
             replicas[3, 3] += 0.5
+            replica_steps[REPLICAS_PART_AT:STEPS, 0] += 0.5
     return ShardedRecord(
         slots=slots,
         replicas=replicas,
+        replica_steps=replica_steps,
         replica_row=rank % replica_rows if replica_rows else 0,
         grads=grads,
         unsharded=unsharded,

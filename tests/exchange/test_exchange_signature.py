@@ -144,7 +144,7 @@ SHARDED = {
             "replicas_odd": (5,),
             "own_s": 0.02,
         },
-        "76cb45ceded7fa64",
+        "e1588b598d7b63e4",
     ),
 }
 """A sharded job's exchange (FSDP2, `replicate`): each scenario's mistakes (`handbuilt.sharded_record`) and the

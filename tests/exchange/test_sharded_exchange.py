@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from dist import run_ranks
-from handbuilt import BUFFERS, STEPS, sharded_record
+from handbuilt import BUFFERS, REPLICAS_PART_AT, STEPS, sharded_record
 
 from ddp_doctor.exchange.sharded_protocol import sharded_protocol
 from ddp_doctor.exchange.simulate import lockstep
@@ -71,6 +71,7 @@ def test_replicas_apart_are_named_at_1024_ranks_in_the_volume_of_64(
     got, big = simulated(1024, replica_rows=rows, replicas_odd=odd)
     assert got.replicas["replicas_apart"] == {
         "at_first": False,
+        "first_step": REPLICAS_PART_AT,
         "row": odd[0] % rows,
         "params": [3],
         "reference": reference,

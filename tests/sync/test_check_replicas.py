@@ -1,6 +1,7 @@
 """The replicas of a model FSDP2 replicates hold the same weights: `replicate` (every rank holds every parameter) and
 HSDP (`fully_shard` on a [replicate, shard] mesh: the ranks along the replicate dimension hold the same shard),
-compared after the first observed step and after the last (`exchange/sharded_replicas.py`).
+compared after the first observed step and after the last, and named at the first step whose copies differ
+(`exchange/sharded_replicas.py`).
 
 Ground truth, plain torchrun, torch 2.13.0, CPU, gloo; every run ends with exit code 0 and nothing said:
 - tests/scripts/replicate_train.py, 2 ranks, 12 steps. `--mistake seed-rank` (the model built after
@@ -42,8 +43,9 @@ def test_replicate_weights_clamped_on_rank_0_alone_part_after_the_first_step(tmp
     run = _check(tmp_path, 2, REPLICATE, "--mistake", "clamp-rank0")
     assert run.rc == 1 and run.codes == {"replica-divergence"}, run.output
     f = run.finding("replica-divergence")
-    # the clamp follows every step, the first too: equal copies are compared from the first step's end on
-    assert (f["severity"], f["ranks"]) == ("error", [0, 1]), f
+    # the clamp follows every step, the first too, after its optimizer step: the copies agree at the first step's
+    # end and differ from the second's on
+    assert (f["severity"], f["ranks"], f["steps"]) == ("error", [0, 1], [1]), f
     assert run.params("replica-divergence") == {"head.weight"}
 
 
@@ -58,7 +60,9 @@ def test_clean_replicate_replicas_are_compared_and_counted(tmp_path: Path) -> No
     ("args", "step", "ranks"),
     [
         (["--mistake", "seed-rank"], 0, [0, 2]),  # every shard differs; the first row (shard 0): ranks 0 and 2
-        (["--drift-at", "3"], 7, [1, 3]),  # rank 1's shard of the first bias, against its replica on rank 3
+        # rank 1's shard of the first bias, against its replica on rank 3: written after step 3's optimizer step,
+        # so the copies agree at step 3's end and differ at step 4's (not only at the last observed step, 7)
+        (["--drift-at", "3"], 4, [1, 3]),
     ],
 )
 def test_hsdp_replicas_that_differ_are_named_by_the_ranks_holding_the_shard(

@@ -156,13 +156,15 @@ def replicas_parted(
     at_first: bool,
     steps: int,
     ranks: list[int],
+    first_step: int | None = None,
     more: int,
     parallelism: str,
     hsdp_row: int | None = None,
 ) -> Finding:
     """`replica-divergence` of a model whose parameters FSDP2 replicates (`replicate`, HSDP's replicate dimension):
     the local tensors of `params` differ across the ranks that hold the same one (`ranks`: the reference rank first;
-    `more` others), `at_first` already after the first of the `steps` observed steps, else only after the last.
+    `more` others), `at_first` already after the first of the `steps` observed steps, else only after the last;
+    `first_step`: the first observed step after which the copies' sums differed, where the ranks measured it.
     Neither `replicate` nor `fully_shard` broadcasts rank 0's weights when it wraps the model, as DDP does."""
     call = "replicate" if parallelism == "replicate" else "fully_shard"
     holders = (
@@ -184,7 +186,11 @@ def replicas_parted(
             "dist.broadcast(t.data, src=0)`, or load the same checkpoint on every rank."
         )
     else:
-        when = f"after the last of the {steps} observed steps, though they agreed after the first"
+        when = (
+            f"from step {first_step} on (they agreed after step {first_step - 1})"
+            if first_step
+            else f"after the last of the {steps} observed steps, though they agreed after the first"
+        )
         cause = (
             "something other than the synced update changed the weights on some ranks only: a write in a "
             "rank-dependent branch (a clamp, a re-initialisation, a weight copied in on rank 0), or an optimizer "
@@ -204,7 +210,7 @@ def replicas_parted(
         params=params,
         ranks=ranks,
         more_ranks=more,
-        steps=[0] if at_first else [steps - 1],
+        steps=[0] if at_first else [first_step or steps - 1],
         fix=fix,
     )
 

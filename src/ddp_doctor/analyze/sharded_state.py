@@ -156,6 +156,7 @@ def replica_state(run: ShardedRun) -> list[Finding]:
             replicas_parted(
                 params=apart["params"],
                 at_first=apart["at_first"],
+                first_step=apart.get("first_step"),
                 steps=run.steps,
                 ranks=sorted({apart["reference"], *apart["ranks"]}),
                 more=apart["more"],

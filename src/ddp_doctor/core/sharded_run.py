@@ -114,7 +114,8 @@ class ShardedRun:
     """The parameters whose replicas were compared across the ranks that hold them, after the first observed step
     and after the last."""
     replicas_apart: dict[str, Any] | None = None
-    """Where the replicas first differed: `at_first` (already after the first observed step), `row` (the replica
+    """Where the replicas first differed: `at_first` (already after the first observed step), `first_step` (the
+    first observed step after which their sums differed; None where not measured), `row` (the replica
     row), `params` (the parameters that differ there), `reference` (the rank holding the reference copy), `ranks`
     (those that differ from it, the lowest few) and `more`. None where they agreed."""
     script_collectives: int | None = None

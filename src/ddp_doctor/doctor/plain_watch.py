@@ -63,6 +63,12 @@ so that where the ranks' sequences part is named even after the dozens of all-ga
 issues in a step. Only the reference rank's and one differing rank's are ever sent (`held_apart`)."""
 
 
+def _replica_sum(model: ShardedModel) -> float:
+    """The sum of the fingerprints of this rank's local tensors of the model's replicated (DTensor) parameters."""
+    local = [p for _, p in model.named_parameters() if is_dtensor(p)]
+    return float(fingerprints_batched(local).nan_to_num(0.0).sum()) if local else 0.0
+
+
 def _nonzero_grads(model: ShardedModel) -> torch.Tensor:
     """bool[P]: per parameter of `model`, this rank's shard of its gradient holds a value other than 0 (one copy to
     the host for all of them)."""
@@ -103,6 +109,12 @@ class PlainOptimizerWatch:
         self.weights_at_first: torch.Tensor | None = None
         self.buffers_at_first: torch.Tensor | None = None
         """The sharded model's buffers' fingerprints after its first observed step (which of them change)."""
+        self.replicated = False
+        """Its parameters are replicated across ranks (`replicate`, HSDP): copies compared at each step."""
+        self.replica_sums: list[float] = []
+        """Per observed step (the first `INPUT_STEPS`, beside `replica_state`): the sum of the fingerprints of this
+        rank's local replicated tensors after its `optimizer.step()`: equal on ranks whose copies are equal, so
+        the step at which copies part is named, not only the step they were compared at."""
         self.sync_off_steps = 0
         self.shard_saves: list[dict[str, Any]] = []
         """`torch.save` calls of this rank that wrote DTensor shards (`observation/saves.py`), the first few."""
@@ -228,6 +240,7 @@ class PlainOptimizerWatch:
                 # After the first step: whether any weight changes from here on is what the report measures.
                 self.weights_at_first = fingerprints_batched(p for _, p in self.sharded.named_parameters())
                 self.buffers_at_first = fingerprints_batched(b for _, b in self.sharded.root.named_buffers())
+                self.replicated = dist.get_world_size() > 1 and self.sharded.replica_row() is not None
                 if self.sharded.api == "fully_shard":
                     self.gathers = GatherCount(self.sharded)
                 self.grad_scale = GradScale(self.sharded, INPUT_STEPS)
@@ -245,6 +258,8 @@ class PlainOptimizerWatch:
         if self.sharded is not None and self.measuring and len(self.replica_state) < INPUT_STEPS:
             self.replica_state.append((*describe(optimizer), *modes_of(self.sharded.root)))
             self.step_collectives.append(self._calls)
+            if self.replicated:
+                self.replica_sums.append(_replica_sum(self.sharded))
         self._calls = (0, [], 0)
         if self.sharded is not None and not self.sharded.gradient_sync_on():
             self.sync_off_steps += 1

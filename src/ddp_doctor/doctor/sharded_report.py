@@ -72,6 +72,7 @@ class ShardedWatch(Protocol):
     gathers_per_step: list[int]
     input_fps: list[torch.Tensor | None]
     replica_state: list[tuple[int, str, int, dict[str, Any]]]
+    replica_sums: list[float]
     grad_scale: GradScale | None
     probe: ReducePrecisionProbe | None
     clock: StepClock | None
@@ -168,6 +169,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         steps=_step_table(w),
         held=[(*state, *calls[:2]) for state, calls in zip(w.replica_state[:INPUT_STEPS], w.step_collectives)],
         replicas=replicas,
+        replica_steps=_replica_steps(w.replica_sums) if replicas is not None else None,
         replica_row=slot[0] if replicas is not None else 0,
         saved=None if saved is None else {k: saved[k] for k in ("shown", "site", "shards")},
         clock=w.clock and w.clock.stats(),
@@ -255,6 +257,15 @@ def _replicas_apart(apart: dict[str, Any] | None, named: list[tuple[str, Any]]) 
         return None
     refs = [ParamRef(named[i][0], named[i][1].numel(), tuple(named[i][1].shape)) for i in apart["params"]]
     return {**apart, "params": refs}
+
+
+def _replica_steps(sums: list[float]) -> torch.Tensor:
+    """`ShardedRecord.replica_steps`: per observed step, the replicated tensors' fingerprint sum and 1 where the
+    step was measured."""
+    table = torch.zeros(INPUT_STEPS, 2, dtype=torch.float64)
+    for k, total in enumerate(sums[:INPUT_STEPS]):
+        table[k] = torch.tensor([total, 1.0], dtype=torch.float64)
+    return table
 
 
 def _step_table(w: ShardedWatch) -> torch.Tensor:

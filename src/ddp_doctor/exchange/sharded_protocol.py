@@ -9,7 +9,7 @@ rank in one process.
 | unsharded | MAX, when every rank has as many | the unsharded parameters' fingerprints | `unsharded_differ` |
 | buffers | MAX, when every rank has as many | the buffers' fingerprints, changed since the first step | `buffers_*` |
 | steps | MAX | per observed step: inputs, gradient scale and norm, settings, modes and collectives digests | `per_step` |
-| replicas | MAX, when the model is replicated (`replicate`, HSDP); MAX, `oddranks` rounds where rows differ | the replicas' fingerprints, per replica row | `replicas` |
+| replicas | MAX, when the model is replicated (`replicate`, HSDP); MAX, `oddranks` rounds where rows differ | the replicas' fingerprints and their sum at each observed step, per replica row | `replicas` |
 | apart | `oddranks` rounds, 2 SUMs, per digest that differs | the settings', modes' or collectives' digest, then what two ranks hold | `settings_apart`, `modes_apart`, `collectives_apart` |
 | saves | SUM, SUM, SUM, when some rank saved shards | who saved, then what the first saver wrote | `shard_save` |
 | slowest | MAX, when a rank's own work is the longest | the step clock's quartiles | `slowest` |
@@ -100,6 +100,10 @@ class ShardedRecord:
     replicas: torch.Tensor | None = None
     """float64[P, 4]: per parameter, its local tensor's fingerprints after the first observed step and after the
     last, zeros where it is not replicated (`sharded_replicas.py`); None where nothing is."""
+    replica_steps: torch.Tensor | None = None
+    """float64[INPUT_STEPS, 2]: per observed step, the sum of the fingerprints of this rank's local replicated
+    tensors after its optimizer step, and 1 where the step was measured (the step at which copies part); None where
+    nothing is replicated."""
     replica_row: int = 0
     """This rank's replica row (`ShardedModel.replica_row`)."""
     saved: dict[str, Any] | None = None
@@ -154,7 +158,9 @@ def sharded_protocol(record: ShardedRecord, *, rank: int, world: int) -> Generat
         high, lowest = yield from minmax_rounds(record.buffers)
         buffers_differ, buffers_moved = (high[:, :2] != lowest[:, :2]).any(-1).tolist(), (high[:, 2] > 0).tolist()
     per_step = yield from _per_step(record, rank=rank, world=world)
-    replicas = yield from replicas_rounds(record.replicas, record.replica_row, top, low, rank=rank, world=world)
+    replicas = yield from replicas_rounds(
+        record.replicas, record.replica_steps, record.replica_row, top, low, rank=rank, world=world
+    )
     shard_save = yield from _shard_save(record.saved, top, low, rank=rank)
     slowest = yield from slowest_rank(record.clock, top, low, rank=rank)
     return ShardedReduced(

@@ -4,8 +4,9 @@ of each parameter) and HSDP (`fully_shard` on a 2-D mesh: the ranks along the re
 shard). Neither broadcasts rank 0's weights when it wraps the model, as DDP does, and nothing compares them after.
 
 Each rank puts the fingerprints of its local tensors, after the first observed step and after the last, in its
-replica row (`ShardedModel.replica_row`: the ranks holding the same shard share a row). One MAX compares each row's
-sums; only where they differ, one MAX compares every parameter, then the ranks that differ are named (the most common
+replica row (`ShardedModel.replica_row`: the ranks holding the same shard share a row), beside one sum of them per
+observed step. One MAX compares each row's sums (the step at which copies part is the first whose sums differ);
+only where they differ, one MAX compares every parameter, then the ranks that differ are named (the most common
 copy is the reference under `replicate`; the lowest rank of the row holds it under HSDP, where a row often has two
 ranks). The shapes depend on the rows and parameters every rank counted alike, and on values already reduced.
 """
@@ -39,25 +40,35 @@ def _masked_minmax(
 
 
 def replicas_rounds(
-    fingerprints: torch.Tensor | None, row: int, top: dict[str, float], low: dict[str, float], *, rank: int, world: int
+    fingerprints: torch.Tensor | None,
+    steps: torch.Tensor | None,
+    row: int,
+    top: dict[str, float],
+    low: dict[str, float],
+    *,
+    rank: int,
+    world: int,
 ) -> Generator[Op, Reply, dict[str, Any]]:
     """`ShardedRun`'s `replica*` fields: how many parameters were compared, and, where replicas differ, where first.
 
     Args:
         fingerprints: float64[P, 4], this rank's local tensors' fingerprints after the first observed step and after
             the last (zeros for a parameter that is not replicated); None where the rank compares none.
+        steps: float64[S, 2], per observed step the sum of those fingerprints after its optimizer step and 1 where
+            it was measured (`ShardedRecord.replica_steps`); S is `INPUT_STEPS` on every rank.
         row: this rank's replica row.
         top, low: the reduced slots; `replica_rows` (0 where none) and `params` must agree on every rank.
     """
     rows, params = int(top["replica_rows"]), int(top["params"])
     if not 0 < rows <= MAX_REPLICA_ROWS or rows != low["replica_rows"] or params != low["params"]:
         return {"replica_rows": rows if rows == low["replica_rows"] else 0, "replicas_compared": 0}
-    assert fingerprints is not None
+    assert fingerprints is not None and steps is not None
     compared = {"replica_rows": rows, "replicas_compared": params}
-    sums = fingerprints.sum(0)
+    sums = torch.cat([fingerprints.sum(0), steps.flatten()])
     high, lowest = yield from _masked_minmax(sums, row, rows)
     if bool((high == lowest).all()):
         return compared
+    per_step = (high[:, 4:].reshape(rows, -1, 2), lowest[:, 4:].reshape(rows, -1, 2))
     high, lowest = yield from _masked_minmax(fingerprints, row, rows)  # [rows, P, 4]
     apart_first = (high[..., :2] != lowest[..., :2]).any(-1)
     at_first = bool(apart_first.any())
@@ -66,6 +77,10 @@ def replicas_rounds(
         return compared
     parted = int(apart.any(1).nonzero()[0])
     differ = apart[parted].nonzero().flatten().tolist()
+    step_high, step_low = per_step[0][parted], per_step[1][parted]
+    first_step = next(
+        (k for k in range(len(step_low)) if step_low[k, 1] == 1 and step_high[k, 0] != step_low[k, 0]), None
+    )
     cols = slice(0, 2) if at_first else slice(2, 4)
     copy = fingerprints[differ[0], cols].reshape(1, 2).to(torch.float64)
     if rows == 1:
@@ -82,6 +97,7 @@ def replicas_rounds(
         **compared,
         "replicas_apart": {
             "at_first": at_first,
+            "first_step": first_step,
             "row": parted,
             "params": differ,
             "reference": reference,
