@@ -52,6 +52,12 @@ class Launch:
         return self.rc == 0 or self.aborted_at_exit
 
 
+def ran_to_end(done: subprocess.CompletedProcess[str]) -> bool:
+    """A plain torchrun baseline ran its script to the end: exit code 0, or torch 2.13's abort at interpreter exit
+    after the script's last line (`Launch.finished`)."""
+    return Launch(rc=done.returncode, output=(done.stdout or "") + (done.stderr or ""), seconds=0.0).finished
+
+
 def torchrun(script: str, args: list[str], cwd: Path, *, timeout: float = 180.0) -> Launch:
     """`torchrun --standalone --nproc-per-node 2 tests/scripts/SCRIPT ARGS` (torchrun picks a free port)."""
     tag = uuid.uuid4().hex

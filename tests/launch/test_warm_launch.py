@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from checkrun import REPO, SCRIPTS, check
+from frameworkrun import ran_to_end
 
 PROBE = str(SCRIPTS / "warm_probe.py")
 _SAME = (
@@ -66,7 +67,7 @@ def test_the_script_sees_what_torchrun_gives_it_warm_or_fresh(tmp_path: Path) ->
         text=True,
         timeout=180,
     )
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert ran_to_end(plain), plain.stderr[-3000:]  # torch 2.13's abort at exit aside
     args = ["--nproc-per-node", "2", "--steps", "4", PROBE]
     warm = check([*args, str(tmp_path / "warm"), "--loaders"], tmp_path / "w", timeout=180)
     fresh = check(["--fresh-interpreters", *args, str(tmp_path / "fresh"), "--loaders"], tmp_path / "f", timeout=180)

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 from checkrun import REPO, SCRIPTS, assert_no_leftovers
+from frameworkrun import ran_to_end
 
 
 def _hooks(path: Path) -> dict[int, int]:
@@ -32,7 +33,7 @@ def test_a_watched_fsdp2_job_sheds_the_per_step_hooks_after_its_first_steps(tmp_
         text=True,
         timeout=180,
     )
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert ran_to_end(plain), plain.stderr[-3000:]  # torch 2.13's abort at exit aside
     tag = uuid.uuid4().hex
     watched = subprocess.run(
         [sys.executable, "-m", "ddp_doctor.cli", "watch", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "2"]

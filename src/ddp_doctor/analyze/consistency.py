@@ -1,5 +1,5 @@
-"""Cross-rank consistency of what each rank did in a step: the same collectives in the same order, the same number
-of synced passes through DDP, no DDP forward in grad mode that only some ranks run without a backward, and no
+"""Cross-rank consistency of what each rank did in a step, DDP's own collectives counted by their mechanism (the
+ranks' sequences of collectives are `collective_order.py`'s): the same number of synced passes through DDP, no DDP forward in grad mode that only some ranks run without a backward, and no
 buffer broadcast of DDP's from a forward without grad that only some ranks run. Pure:
 the exchange's per-step maxima and minima show where the ranks differ, its bounded examples name them."""
 
@@ -15,92 +15,11 @@ from ddp_doctor.core.records import decode_scale
 
 __all__ = [
     "batchnorm_not_synced",
-    "collective_sequence_mismatch",
     "eval_broadcast_mismatch",
     "grad_scaler_mismatch",
-    "sequences_apart",
     "synced_pass_mismatch",
     "unpaired_forward_mismatch",
 ]
-
-
-@detects(Code.COLLECTIVE_MISMATCH)
-def collective_sequence_mismatch(v: View) -> list[Finding]:
-    """Ranks whose own collectives (the script's `torch.distributed` calls) differed in a step that still completed:
-    a different op, shape or reduction at the same position, or a different count. Compared through each step's
-    count and running digest; the logged calls of group rank 0 and of the example ranks that differ from it name
-    the first difference. (A mismatch that aborts or hangs the job is named from the ranks' beacons instead, in
-    `failures.py`.)"""
-    if v.world < 2 or not v.steps:
-        return []
-    hi, lo = v.summary.collectives
-    bad = [s for s in range(v.steps) if bool((hi[s] != lo[s]).any())]
-    if not bad:
-        return []
-    first = bad[0]
-    odd = v.ranks("collective-differs")
-    calls = {r: v.meta(r)["collective_log"] for r in [0, *odd.ranks]}  # the exchange kept that step's calls
-    counts = sorted({int(lo[first][0]), int(hi[first][0])})
-    return [sequences_apart(step=first, calls=calls, odd=odd.ranks, more=odd.more, counts=counts, also=bad[1:])]
-
-
-def sequences_apart(
-    *,
-    step: int,
-    calls: dict[int, list[str]],
-    odd: list[int],
-    more: int = 0,
-    counts: list[int] = (),
-    also: list[int] = (),
-) -> Finding:
-    """`collective-mismatch` in a step that completed, for every parallelism: the collectives of `step` called through
-    torch.distributed (the script's; FSDP2's and `replicate`'s too) were not the same sequence on every rank. `odd` are the ranks whose sequence differs from the reference rank's
-    (the lowest few; `more` others); `calls` maps the reference rank (first) and some of `odd` to their calls of the
-    step, in order (`all_reduce(float32[1], MAX)/2 at train.py:118`, the first few); `counts` the lowest and highest
-    number of calls, `also` later steps that differed too."""
-    reference = next(iter(calls))
-    signatures = [[c.rsplit(" at ", 1)[0] for c in log] for log in calls.values()]
-    position = next(
-        (
-            i
-            for i in range(max((len(s) for s in signatures), default=0))
-            if len({s[i] if i < len(s) else None for s in signatures}) > 1
-        ),
-        None,
-    )
-    if position is None:
-        where = "the calls beyond the logged ones differ"
-    else:
-        shown = []
-        for r, log in list(calls.items())[:4]:
-            call = log[position] if position < len(log) else None
-            shown.append(
-                f"rank {r} called {call.replace('/', ' over a group of ', 1)}"
-                if call
-                else f"rank {r} called nothing more"
-            )
-        where = f"at its collective #{position + 1} of the step, " + "; ".join(shown)
-    differ = len(odd) + more
-    return Finding(
-        code=Code.COLLECTIVE_MISMATCH,
-        severity="error",
-        title=f"the ranks issued different collectives in step {step} ({rank_list(odd, more=more)} "
-        f"differ{'s' if differ == 1 else ''} from rank {reference})",
-        detail=f"In step {step} the collectives called through torch.distributed (the script's, and FSDP2's for a "
-        f"sharded model) were not the same on every rank: {where}. "
-        + (f"The ranks issued {' to '.join(map(str, counts))} collectives in that step. " if len(counts) > 1 else "")
-        + "Collectives pair up by position, so each rank combined a different tensor or reduction than it "
-        "meant to, silently, or waits for a peer that never comes."
-        + (f" Also in step(s) {list(also)}." if also else ""),
-        params=[],
-        sites=lines_of(*(log[position] for log in calls.values() if position is not None and position < len(log))),
-        ranks=sorted({reference, *odd}),
-        steps=[step, *also],
-        more_ranks=more,
-        fix="make every rank of the group call the same collectives, in the same order, with the same dtype, shape "
-        "and reduction: compute rank-dependent choices (which metric, which op) from values agreed across ranks "
-        "first.",
-    )
 
 
 @detects(Code.COLLECTIVE_MISMATCH)

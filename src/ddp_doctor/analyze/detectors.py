@@ -8,6 +8,7 @@ from ddp_doctor.analyze import (  # noqa: F401 (imported to register their detec
     agreement,
     causes,
     checkpoints,
+    collective_order,
     consistency,
     epochs,
     frozen_set,

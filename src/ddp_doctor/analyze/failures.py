@@ -5,11 +5,10 @@ Pure: the input is the supervisor's `RankState` per rank (the ranks' own files, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from ddp_doctor.analyze.collective_order import beacons_apart, beacons_parting, failed_inside
 from ddp_doctor.analyze.crashed_ranks import crash_findings, died_silently, killed_findings
 from ddp_doctor.analyze.epochs import ran_out_alone
-from ddp_doctor.analyze.positions import capped, others, short, where
+from ddp_doctor.analyze.positions import capped, others, where
 from ddp_doctor.analyze.shapes import shape_findings
 from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone, step_skipped_alone
 from ddp_doctor.analyze.sharded_saves import state_dict_alone
@@ -23,113 +22,10 @@ from ddp_doctor.core.rankstate import RankState
 __all__ = ["failure_findings"]
 
 
-def _failed_inside(s: RankState) -> bool:
-    """The rank's wait in its last collective ended in an error of the group (a timeout, a closed connection)
-    raised at that collective's line: it waited there as long as the group let it."""
-    c, raised = s.collective, s.raised
-    return bool(
-        raised is not None and raised.peer_lost and c is not None and c.site and (raised.site or "").startswith(c.site)
-    )
-
-
 def _died_inside(s: RankState) -> bool:
     """The rank ended inside its last collective: its group raised there, or native code aborted it there (gloo
     aborts a rank that received another size than it expected)."""
-    return _failed_inside(s) or (s.in_collective and s.signal in ("SIGABRT", "SIGSEGV"))
-
-
-@dataclass(frozen=True, slots=True)
-class _Parting:
-    """Where the ranks' own collective sequences parted, from their beacons: `first` waited (or failed) in its
-    collective `first.collective`; `behind` never called one at that position; `different` called another op or
-    shape there."""
-
-    first: RankState
-    behind: list[RankState]
-    different: list[RankState]
-
-
-def _parting(states: dict[int, RankState]) -> _Parting | None:
-    """The ranks whose script collectives disagree: one rank waits in a collective another rank never called (or
-    called with another op or shape), so the other rank's next collective (often DDP's gradient all-reduce) is paired
-    with it (or, for a sharded model, its next forward's all-gathers). Judged from each rank's last collective and
-    its count of the script's collectives."""
-    live = [s for s in states.values() if s.trained]
-    waiting = [s for s in live if s.collective is not None and (s.in_collective or _failed_inside(s))]
-    if not waiting or len(live) < 2:
-        return None
-    first = min(waiting, key=lambda s: (s.collective.n, s.rank))
-    c = first.collective
-    peers = [s for s in live if s.rank != first.rank]
-    behind = [s for s in peers if s.collectives < c.n]
-    # A rank still waiting in, or already past, its collective at the same position with another op or shape
-    # (the sender of a broadcast returns at once; the receiver of the wrong size aborts).
-    different = [
-        s
-        for s in peers
-        if s.collective is not None
-        and s.collective.n == c.n
-        and (s.collective.op, s.collective.tensor) != (c.op, c.tensor)
-    ]
-    if not behind and not different:
-        return None
-    return _Parting(first, behind, different)
-
-
-def _mismatch(states: dict[int, RankState], parting: _Parting) -> Finding:
-    """`collective-mismatch` of a failed run, at `parting`."""
-    first, behind, different = parting.first, parting.behind, parting.different
-    c = first.collective
-    parts = [
-        (
-            f"rank {first.rank} called {c.describe()} at {c.site or 'an unknown place'} in step "
-            # (no doctor counts a sharded model's steps when the collective starts: the rank's own count, where it
-            # still waits)
-            f"{c.step if c.step is not None else max(first.step, 0)} (its collective #{c.n}) and waited there"
-        )
-    ]
-    for s in behind:
-        parts.append(
-            f"rank {s.rank} never called it: it had issued {s.collectives} of the script's collectives and "
-            f"went on to {where(s)}"
-            + (
-                "; the sharded model's next collectives on that rank (the all-gathers of its forward) wait for it"
-                if s.sharded and not s.in_collective
-                else "; DDP's next gradient all-reduce on that rank was paired with it"
-                if s.phase in ("backward", "after backward") or not s.in_collective
-                else ""
-            )
-        )
-    for s in different:
-        o = s.collective
-        parts.append(f"rank {s.rank} called {o.describe()} at {o.site or 'an unknown place'} at the same position")
-    culprits = sorted({s.rank for s in (*behind, *different)})
-    signals = [f"rank {s.rank} died of {s.signal}" for s in states.values() if s.signal in ("SIGABRT", "SIGSEGV")]
-    return Finding(
-        code=Code.COLLECTIVE_MISMATCH,
-        severity="error",
-        title=(
-            f"{rank_list(culprits)} skipped {c.op} ({short(c.site)}) that rank {first.rank} called"
-            if behind and not different
-            else f"ranks called different collectives at position {c.n}: {c.describe()} on rank {first.rank}"
-        ),
-        detail=capped(parts)
-        + "."
-        + (f" {capped(signals)} (gloo aborts a process whose peer issued a different collective)." if signals else ""),
-        ranks=sorted({first.rank, *culprits}),
-        steps=sorted({max(s.step, 0) for s in (first, *behind, *different)}),
-        sites=lines_of(
-            c.site or "", *(s.collective.site or "" for s in different), *(s.user_frame or "" for s in behind)
-        ),
-        fix=(
-            f"give {c.op} at {c.site or 'that line'} the same dtype and shape on every rank: agree on the size "
-            "first (all_reduce the length, or broadcast_object_list), then pad or slice to it."
-            if different and all(s.collective.op == c.op for s in different) and not behind
-            else f"make every rank of the group call the same collectives in the same order: move {c.op} at "
-            f"{c.site or 'that line'} out of the rank-dependent branch (compute the condition on every rank, "
-            f"or all_reduce a flag first), or call it on every rank."
-        ),
-    )
+    return failed_inside(s) or (s.in_collective and s.signal in ("SIGABRT", "SIGSEGV"))
 
 
 def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: list[str] = ()) -> list[Finding]:
@@ -157,8 +53,8 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
         or state_dict_alone(states, native)
         or step_skipped_alone(states)
     )
-    parting = _parting(states)
-    script = _mismatch(states, parting) if parting is not None else None
+    parting = beacons_parting(states)
+    script = beacons_apart(states, parting) if parting is not None else None
     if any(s.sharded for s in states.values()):
         # Ranks that each issued their n-th collective, different ones, and one of them died inside it (gloo aborts
         # a rank whose peer sent another size): they parted there, unless a rank had already done something alone

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddp_doctor.core.codes import Code
+from ddp_doctor.analyze.collective_order import dumps_apart
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.core.fr_dumps import FrDump, FrEntry
-from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.fr_dumps import FrDump
 
 __all__ = ["first_divergence"]
 
@@ -40,42 +39,6 @@ def first_divergence(dumps: list[FrDump]) -> list[Finding]:
                 key = (e.op, e.sizes) if e is not None else ("none", None)
                 kinds.setdefault(key, []).append(r)
             if len(kinds) > 1:
-                findings.append(_mismatch(group, seq, kinds, seqs, by_rank))
+                findings.append(dumps_apart(group, seq, kinds, seqs, by_rank))
                 break
     return findings
-
-
-def _mismatch(
-    group: str,
-    seq: int,
-    kinds: dict[tuple[str, Any], list[int]],
-    seqs: dict[int, dict[int, FrEntry]],
-    dumps: dict[int, FrDump],
-) -> Finding:
-    sides = []
-    for (op, _), ranks in sorted(kinds.items(), key=lambda kv: (kv[0][0] == "none", kv[1])):
-        if op == "none":
-            last = [max(seqs[r]) for r in ranks]
-            sides.append(f"{rank_list(ranks)} issued none (its last was #{max(last)})")
-        else:
-            e = seqs[ranks[0]][seq]
-            sides.append(f"{rank_list(ranks)} issued {e.describe()} at {e.line or 'an unknown line'}")
-    named = sorted(r for ranks in kinds.values() for r in ranks)
-    name = "the default group" if group == "0" else f"process group {group}"
-    members = next((d.group_ranks.get(group) for d in dumps.values() if d.group_ranks.get(group)), [])
-    missing = [r for r in members if r not in dumps]
-    start = max(min(s) for s in seqs.values())
-    return Finding(
-        code=Code.COLLECTIVE_MISMATCH,
-        severity="error",
-        title=f"at collective #{seq} of {name}, " + " where ".join(sides),
-        detail=(
-            f"Flight Recorder dumps of {rank_list(sorted(dumps))}: at collective #{seq} of {name}, "
-            + "; ".join(sides)
-            + f". Every earlier collective of the group in the dumps (from #{start}) matched on every rank."
-            + (f" {rank_list(missing)} left no dump." if missing else "")
-        ),
-        ranks=named,
-        fix="make every rank of the group call the same collectives in the same order: a collective inside a "
-        "rank-dependent branch (a save or an evaluation on rank 0) must move out of it, or be called on every rank.",
-    )

@@ -5,12 +5,11 @@ loader without `len()`, `--follow-epochs 0`). Pure: reads the `FollowSummary` ev
 
 from __future__ import annotations
 
+from ddp_doctor.analyze.collective_order import followed_apart
 from ddp_doctor.analyze.epochs import counted_uneven, followed_epoch_repeated, lengths_uneven, loader_name
 from ddp_doctor.analyze.timeouts import followed_timeout_risk
-from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.following import Following, FollowSummary
-from ddp_doctor.core.ranks import rank_list
 
 __all__ = ["following_findings", "following_section", "unchecked"]
 
@@ -77,7 +76,7 @@ def following_findings(
     uneven = [*own, *counted_uneven(summary.loaders, lengths_compared=lengths_compared)]
     if not summary.followed:
         return uneven
-    return [*uneven, *_mismatch(summary), *followed_timeout_risk(summary, framework)]
+    return [*uneven, *followed_apart(summary), *followed_timeout_risk(summary, framework)]
 
 
 def unchecked(
@@ -121,67 +120,3 @@ def unchecked(
                 "per epoch to count a whole pass."
             )
     return out
-
-
-def _mismatch(s: FollowSummary) -> list[Finding]:
-    differ = {k: v for k, v in s.counts.items() if v[0] != v[1]}
-    if s.lone_broadcasts and s.more_ranks:
-        return [_lone_broadcast(s)]
-    if not differ:
-        return []
-    words = {
-        "collective": "the script's collectives",
-        "ddp-broadcast": "DDP's buffer broadcasts (one per forward through the wrapper that syncs buffers)",
-        "ddp-step": "DDP's gradient all-reduces (synced backward passes)",
-    }
-    counted = "; ".join(f"{words[k]}: {lo} to {hi} per rank" for k, (hi, lo) in differ.items())
-    sites = f" The extra forward through the DDP wrapper is at {', '.join(s.extra_sites)}." if s.extra_sites else ""
-    ranks = s.more_ranks
-    broadcast = "ddp-broadcast" in differ
-    return [
-        Finding(
-            code=Code.COLLECTIVE_MISMATCH,
-            severity="error",
-            title=f"after the observed steps, {rank_list(ranks) if ranks else 'some ranks'} issued more collectives "
-            "than the others (at the epoch end)",
-            detail=f"While following the script through its epoch end, the ranks did not issue the same collectives: "
-            f"{counted}.{sites} Collectives pair up by position, so the ranks with more pair theirs with the others' "
-            "next ones: tensors of different meaning get combined silently, and the job hangs or crashes when the "
-            "counts no longer line up (at the end of training, at the latest)."
-            + (
-                " A forward through the DDP wrapper broadcasts rank 0's buffers (broadcast_buffers=True and the model "
-                "has buffers, BatchNorm say), even under torch.no_grad() in eval mode, right after a training step."
-                if broadcast
-                else ""
-            ),
-            params=[],
-            ranks=ranks,
-            steps=[],
-            fix="evaluate through the inner module (ddp_model.module(x)) under torch.no_grad(), or run the evaluation "
-            "on every rank (each on its shard)."
-            if broadcast
-            else "issue the same collectives on every rank: run the code that calls them on every rank.",
-        )
-    ]
-
-
-def _lone_broadcast(s: FollowSummary) -> Finding:
-    who = rank_list(s.more_ranks)
-    where = f" at {', '.join(s.extra_sites)}" if s.extra_sites else ""
-    return Finding(
-        code=Code.COLLECTIVE_MISMATCH,
-        severity="error",
-        title=f"{who} called the DDP model without autograd{where} after the observed steps; the other ranks did not",
-        detail=f"At the epoch end the check followed, {who} ran a forward through the DDP wrapper under "
-        f"torch.no_grad(){where} (an evaluation, say) that the other ranks did not run. With broadcast_buffers=True "
-        "and a model with buffers (BatchNorm), DDP broadcasts rank 0's buffers at the first such forward after a "
-        "training step: a collective the other ranks pair with the broadcast of their next training forward (DDP "
-        "then skips that rank's next one, so the counts can still agree). The pairing is silently wrong, and when "
-        "no training forward follows (an evaluation after the last epoch) the broadcast is never matched and the "
-        "job hangs or dies at its end.",
-        params=[],
-        ranks=s.more_ranks,
-        steps=[],
-        fix="evaluate through the inner module (ddp_model.module(x)) under torch.no_grad(), or run the evaluation "
-        "on every rank (each on its shard).",
-    )

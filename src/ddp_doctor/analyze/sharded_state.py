@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from functools import partial
 
+from ddp_doctor.analyze.collective_order import sequences_apart
 from ddp_doctor.analyze.common import with_more
-from ddp_doctor.analyze.consistency import sequences_apart
 from ddp_doctor.analyze.moves import never_updated, nonfinite_finding, stalled
 from ddp_doctor.analyze.optimizer_settings import settings_apart
 from ddp_doctor.analyze.replica_state import buffers_apart, modes_apart, replicas_parted
