@@ -97,3 +97,40 @@ def test_the_same_dataset_with_enough_workers_is_not(tmp_path) -> None:
     run = check(["--nproc-per-node", "2", str(SCRIPTS / "slow_loader.py"), "--workers", "8"], tmp_path)
     assert not run.codes & TIMING, run.output
     assert run.rc == 0, run.output
+
+
+def _comm_seconds(rank: int, world: int) -> tuple[float, float]:
+    """Rank 1 sleeps 0.3 s before a DTensor's `full_tensor()` (a functional all-reduce, as a clip's norm) and again
+    before the script's `dist.all_reduce`: rank 0 waits in each, and its clock counts both waits."""
+    import time
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Partial
+
+    from ddp_doctor.observation.sharding import sharded_model_of
+    from ddp_doctor.observation.step_clock import CommClock
+
+    model = fully_shard(nn.Linear(4, 4))
+    clock = CommClock(sharded_model_of(model).param_groups())
+    assert clock.timed
+    mesh = init_device_mesh("cpu", (world,))
+    seen = []
+    for collective in ("functional", "script"):
+        before = clock.seconds
+        if rank == 1:
+            time.sleep(0.3)
+        if collective == "functional":
+            DTensor.from_local(torch.ones(2), mesh, [Partial()]).full_tensor()
+        else:
+            dist.all_reduce(torch.ones(1))
+        seen.append(clock.seconds - before)
+    return seen[0], seen[1]
+
+
+def test_the_comm_clock_counts_a_functional_collectives_wait_and_the_scripts_own(tmp_path) -> None:
+    waited = run_ranks(_comm_seconds, tmp_path)
+    # rank 0 waited for rank 1's sleep of 0.3 s in both; rank 1 came last and waited less
+    assert all(first >= 0.25 and last < first for first, last in zip(waited[0], waited[1])), waited

@@ -202,11 +202,6 @@ def _untimed(run: ShardedRun) -> list[str]:
         return ["a straggler rank (on a GPU the time in the collectives is not timed: NCCL runs them on its streams)"]
     if not run.comm_timed:
         return ["a straggler rank (the time in the sharded model's collectives could not be timed)"]
-    if run.scale_down_steps:
-        return [
-            "a straggler rank whose extra work is within the step (the gradients were clipped: the clip's norm is a "
-            "collective the step clock does not time, so a rank's wait there reads as its own work)"
-        ]
     return []
 
 

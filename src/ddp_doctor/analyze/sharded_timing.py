@@ -82,10 +82,6 @@ def sharded_straggler(run: ShardedRun) -> Finding | None:
         if between >= 0.5 * extra
         else "within the step (its forward, backward or optimizer step)"
     )
-    if between < 0.5 * extra and run.scale_down_steps:
-        # The step held a collective the clock does not time (a clip's norm over the DTensor gradients): a rank's
-        # wait there reads as its own work within the step (`sharded.py` lists the check as not made).
-        return None
     return straggler_finding(
         rank=s["rank"],
         name=s["rank"],

@@ -78,9 +78,6 @@ class ShardedRun:
     scale_steps: list[int] = field(default_factory=list)
     """The observed steps at which every rank measured the ratio of its gradient shards at the optimizer step to the
     same at the end of the step's last backward (`observation/grad_scale.py`)."""
-    scale_down_steps: list[int] = field(default_factory=list)
-    """The measured steps at which some rank's gradient shards were scaled below 1 between the backward's end and
-    the step (a clip): its norm is a collective over the DTensor gradients, outside the groups the step clock times."""
     scale_differ_steps: list[int] = field(default_factory=list)
     """Those of `scale_steps` at which the ratio differed across ranks (by more than 1%): the ranks scaled their
     shards by different factors between the end of the backward and the step."""

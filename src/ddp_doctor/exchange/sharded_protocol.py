@@ -202,8 +202,6 @@ def _per_step(record: ShardedRecord, *, rank: int, world: int) -> Generator[Op, 
         "inputs_compared": seen,
         "inputs_identical": bool(seen) and all(bool((high[k, :2] == low[k, :2]).all()) for k in seen),
         "scale_steps": scaled,
-        # a clip (or another scale below 1) on some rank: its norm is a collective over DTensor gradients
-        "scale_down_steps": [k for k in scaled if float(low[k, 3]) < 1 - SCALE_TOLERANCE],
         "scale_differ_steps": differ,
         "scale_spread": math.sqrt(float(high[differ[0], 3]) / float(low[differ[0], 3])) if differ else 1.0,
         "grads_measured_steps": measured,

@@ -1,9 +1,9 @@
 """The host's clock around the optimizer steps of a model that no DDP hook times (FSDP2's `fully_shard`,
 `replicate`): when each step ended, and when the first forward through the model after it began. Between the two
 the loop waited for its next batch (and did whatever else it does between steps); from one step's end to the next
-is the step. Within the step, the time the training thread spent in the model's collectives (`CommClock`) and
-waiting for a CPU (Linux's run-queue delay): the rest, its wait between steps included, is the rank's own work,
-which `straggler-rank` compares.
+is the step. Within the step, the time the training thread spent in collectives (`CommClock`: the model's, the
+script's, a clip's norm) and waiting for a CPU (Linux's run-queue delay): the rest, its wait between steps
+included, is the rank's own work, which `straggler-rank` compares.
 Local, a few clock reads per step and per collective; the statistics are computed once, at the report.
 
 On CUDA the host's clock does not tell: the host runs ahead of the device, and where the loop waits for the GPU
@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from ddp_doctor.core.steptime import waits_for_data_at
-from ddp_doctor.observation import dataloaders
+from ddp_doctor.observation import collectives, dataloaders
 from ddp_doctor.observation.device_clock import DeviceClock
+from ddp_doctor.observation.hooks import ListenerList
 from ddp_doctor.observation.steplog import runq_seconds
 
 __all__ = ["CommClock", "StepClock", "input_wait"]
@@ -34,36 +35,88 @@ MAX_STEPS = 256
 
 
 class CommClock:
-    """The seconds the training thread spends in a sharded model's collectives: each FSDP2 parameter group's
-    `unshard` and `wait_for_unshard` (the all-gathers: synchronous with gloo on CPU, or waited for there) and
-    `post_backward` (the reduce-scatter, and the all-reduce of `replicate` or HSDP), wrapped on the group. These are
-    private methods of torch's FSDP2 (2.4 to 2.15); where a group lacks one, nothing is wrapped and `timed` is False.
-    The time includes the copies into and out of the collectives' buffers, small beside a wait for another rank."""
+    """The seconds the training thread spends in collectives: each FSDP2 parameter group's `unshard` and
+    `wait_for_unshard` (the all-gathers: synchronous with gloo on CPU, or waited for there) and `post_backward` (the
+    reduce-scatter, and the all-reduce of `replicate` or HSDP), wrapped on the group; the script's own calls through
+    torch.distributed (a logged loss's all_reduce); and every wait for a functional collective (`wait_tensor` of
+    `torch.distributed._functional_collectives`: the all-reduce of a DTensor's norm, as in a global gradient clip,
+    or a `full_tensor()`). The group methods are private methods of torch's FSDP2 (2.4 to 2.15); where a group lacks
+    one, nothing is wrapped and `timed` is False. The time includes the copies into and out of the collectives'
+    buffers, small beside a wait for another rank."""
 
     METHODS = ("unshard", "wait_for_unshard", "post_backward")
 
     def __init__(self, groups: list[Any]) -> None:
         self.seconds = 0.0
-        self._inside = False
+        self._depth = 0
+        self._start = 0.0
+        self._thread = threading.get_ident()
         self.timed = bool(groups) and all(callable(getattr(g, m, None)) for g in groups for m in self.METHODS)
         if self.timed:
             for group in groups:
                 for name in self.METHODS:
                     setattr(group, name, self._timed(getattr(group, name)))
+            collectives.listen(lambda _call: self.enter(), self.leave)
+            _functional_waits().add(self)
+
+    def enter(self) -> bool:
+        """The training thread entered a collective (False on another thread: not timed, and no `leave` follows).
+        Nested entries (a collective inside a group's method) count once, from the outermost."""
+        if threading.get_ident() != self._thread:
+            return False
+        if not self._depth:
+            self._start = time.perf_counter()
+        self._depth += 1
+        return True
+
+    def leave(self) -> None:
+        """The training thread left the collective it entered last (on another thread: nothing)."""
+        if self._depth and threading.get_ident() == self._thread:
+            self._depth -= 1
+            if not self._depth:
+                self.seconds += time.perf_counter() - self._start
 
     def _timed(self, call: Any) -> Any:
         @functools.wraps(call)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._inside:
+            if not self.enter():
                 return call(*args, **kwargs)
-            self._inside, start = True, time.perf_counter()
             try:
                 return call(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
-                self._inside = False
+                self.leave()
 
         return timed
+
+
+_clocks: ListenerList[CommClock] = ListenerList()
+
+
+def _functional_waits() -> ListenerList[CommClock]:
+    """The clocks that time the waits for functional collectives: `wait_tensor` of
+    `torch.distributed._functional_collectives` wrapped once per process (a module attribute, which its own
+    `AsyncCollectiveTensor` and DTensor's redistribution look up at each call; measured on torch 2.13 and 2.15).
+    With no clock, a wrapped wait costs one list check."""
+    try:
+        import torch.distributed._functional_collectives as funcol
+    except ImportError:
+        return _clocks
+    original = getattr(funcol, "wait_tensor", None)
+    if original is None or hasattr(original, "__ddp_doctor_wrapped__"):
+        return _clocks
+
+    @functools.wraps(original)
+    def wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        entered = [clock for clock in _clocks if clock.enter()]
+        try:
+            return original(tensor)
+        finally:
+            for clock in entered:
+                clock.leave()
+
+    wait_tensor.__ddp_doctor_wrapped__ = original  # type: ignore[attr-defined]
+    funcol.wait_tensor = wait_tensor
+    return _clocks
 
 
 class StepClock:
