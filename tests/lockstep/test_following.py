@@ -14,7 +14,8 @@ from dist import run_ranks
 from ddp_doctor.analyze.following_ends import NO_LOADER, following_findings, following_section
 from ddp_doctor.core.findings import Recommendation, Timing
 from ddp_doctor.core.following import AloneSpan, FollowRecord, FollowSummary, LoaderSeen, SyncPoint
-from ddp_doctor.exchange.following_rounds import exchange_follow, projected_gaps
+from ddp_doctor.exchange.following_rounds import exchange_follow, follow_rounds, projected_gaps
+from ddp_doctor.exchange.simulate import lockstep
 from ddp_doctor.report.model import Report
 
 
@@ -61,7 +62,9 @@ def test_a_capped_pass_inside_a_gap_is_projected_to_its_real_length() -> None:
     assert projected_gaps(no_len)[2] == [True, False]
 
 
-def _exchange(rank: int, world: int, case: str) -> dict:
+def _case(rank: int, case: str, odd: int) -> FollowRecord:
+    """Rank `odd` evaluated alone on a loader of its own ("alone") or issued one collective more ("counts");
+    each rank's training loader has 30 + rank batches."""
     train = LoaderSeen(
         key="train.py:10|DistributedSampler|True",
         site="train.py:10",
@@ -82,10 +85,16 @@ def _exchange(rank: int, world: int, case: str) -> dict:
         sampler="SequentialSampler",
     )
     if case == "alone":
-        mine = record(rank, alone=rank == 2, loaders=[train, evaluation] if rank == 2 else [train])
-    else:  # rank 3 issued one collective more
-        mine = record(rank, alone=False, loaders=[train], extra=int(rank == 3))
-    s = exchange_follow(mine, timeout=30.0, device=torch.device("cpu"))
+        return record(rank, alone=rank == odd, loaders=[train, evaluation] if rank == odd else [train])
+    return record(rank, alone=False, loaders=[train], extra=int(rank == odd))
+
+
+def _exchange(rank: int, world: int, case: str) -> dict:
+    s = exchange_follow(_case(rank, case, 2 if case == "alone" else 3), timeout=30.0, device=torch.device("cpu"))
+    return _said(s)
+
+
+def _said(s: FollowSummary) -> dict:
     a = s.alone
     return {
         "alone": None
@@ -114,6 +123,23 @@ def test_the_exchange_names_the_ranks_with_more_collectives(tmp_path: Path) -> N
     results = run_ranks(_exchange, tmp_path, world_size=4, args=("counts",), timeout=120)
     assert results[0]["more"] == [3] and results[0]["counts"]["collective"] == (1, 0), results[0]
     assert results[0]["alone"] is None
+
+
+def test_the_followings_rounds_name_the_same_ranks_among_1024_in_the_volume_of_64() -> None:
+    """`follow_rounds` run for every rank at once (`simulate.lockstep`): rank 700 alone in an evaluation, then rank
+    1000 with one collective more; what each rank sends does not grow with the world size."""
+    said, volumes = {}, {}
+    for world, odd in ((64, 40), (1024, 700)):
+        got, volume = lockstep([follow_rounds(_case(w, "alone", odd), rank=w, world=world) for w in range(world)])
+        said[world], volumes[world] = _said(got), (volume.sent, volume.collectives)
+    alone = said[1024]["alone"]
+    assert alone["rank"] == 700 and abs(alone["measured"] - 0.55) < 1e-6, alone
+    train, evaluation = said[1024]["loaders"]
+    assert train["batches"] == {"min": 30, "max": 1053, "by_rank": list(range(30, 38))}, train
+    assert evaluation["batches"]["by_rank"] == [None] * 8, evaluation  # held by rank 700 alone, past the first 8
+    assert volumes[64] == volumes[1024], volumes
+    counts, _ = lockstep([follow_rounds(_case(w, "counts", 1000), rank=w, world=1024) for w in range(1024)])
+    assert counts.more_ranks == [1000] and counts.counts["collective"] == (1, 0), counts
 
 
 def summary(alone: AloneSpan | None, timeout: float | None = 60.0, **kw) -> FollowSummary:

@@ -15,28 +15,30 @@ from __future__ import annotations
 import json
 import math
 import zlib
+from collections.abc import Generator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ddp_doctor.core.following import COUNTED_PASSES, AloneSpan, FollowRecord, FollowSummary, SyncPoint
-from ddp_doctor.exchange.oddranks import all_reduced, name_flagged, pick
-from ddp_doctor.exchange.packing import from_words, to_words
-from ddp_doctor.exchange.primitives import arrive, minmax
+from ddp_doctor.exchange.drive import drive
+from ddp_doctor.exchange.oddranks import name_flagged_rounds, pick_rounds
+from ddp_doctor.exchange.packing import Op, Reply, from_words, to_words
+from ddp_doctor.exchange.primitives import arrive, minmax_rounds
 
-__all__ = ["KINDS", "exchange_follow", "projected_gaps"]
+__all__ = ["KINDS", "exchange_follow", "follow_rounds", "projected_gaps"]
 
 KINDS = ("collective", "ddp-broadcast", "ddp-step")
 _FIRST = 8
 """Ranks whose real loader lengths are listed one by one."""
 
 
-def _share_texts(texts: list[str | None], device: torch.device) -> list[str]:
+def _share_texts(texts: list[str | None]) -> Generator[Op, Reply, list[str]]:
     """Entry i of `texts` as held by the rank that passes a string there (exactly one rank per entry)."""
     data = [(t or "").encode() for t in texts]
     mine = torch.tensor([float(len(d)) if t is not None else 0.0 for d, t in zip(data, texts)], dtype=torch.float64)
-    sizes = all_reduced(mine, dist.ReduceOp.MAX, None, device).to(torch.int64).tolist()
+    sizes = (yield ("max", mine)).tensor.to(torch.int64).tolist()
     n_words = -(-max(sizes, default=0) // 8)
     if not n_words:
         return ["" for _ in texts]
@@ -44,7 +46,7 @@ def _share_texts(texts: list[str | None], device: torch.device) -> list[str]:
     for i, (d, t) in enumerate(zip(data, texts)):
         if t is not None:
             rows[i] = to_words(d, n_words)
-    summed = all_reduced(rows, dist.ReduceOp.SUM, None, device)
+    summed = (yield ("sum", rows)).tensor
     return [from_words(summed[i], sizes[i]).decode(errors="replace") for i in range(len(texts))]
 
 
@@ -86,7 +88,7 @@ def _site(sync: SyncPoint | None, fallback: str) -> str:
 
 
 def exchange_follow(record: FollowRecord, *, timeout: float, device: torch.device) -> FollowSummary:
-    """Reduce every rank's `record` into the `FollowSummary`. Collective over the world.
+    """Reduce every rank's `record` into the `FollowSummary` (`follow_rounds`). Collective over the world.
 
     Raises:
         ReportTimeoutError: a rank did not arrive within `timeout` seconds.
@@ -98,15 +100,21 @@ def exchange_follow(record: FollowRecord, *, timeout: float, device: torch.devic
         call="the end of following",
         fix="every rank ends following at the same epoch end, or at the script's end.",
     )
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rounds = follow_rounds(record, rank=dist.get_rank(), world=dist.get_world_size())
+    return drive(rounds, group=None, device=device)
+
+
+def follow_rounds(record: FollowRecord, *, rank: int, world: int) -> Generator[Op, Reply, FollowSummary]:
+    """Group rank `rank`'s side of the rounds that reduce every rank's `record` into the `FollowSummary`, every
+    shape decided by values already reduced (`simulate.lockstep` runs them for 1,024 ranks at once)."""
     counts = [record.counts.get(k, 0) for k in KINDS]
     header = torch.tensor(
         [*counts, len(record.syncs), record.epoch_ends, int(record.followed), record.seconds, int(record.declined)],
         dtype=torch.float64,
     )
-    hi, lo = minmax(header, None, device)
-    loaders = _loaders(record, device)
-    files, unlisted = _files(record, device)
+    hi, lo = yield from minmax_rounds(header)
+    loaders = yield from _loaders(record, rank, world)
+    files, unlisted = yield from _files(record, rank, world)
     summary = FollowSummary(
         followed=bool(lo[5] > 0),
         declined=bool(hi[7] > 0),
@@ -125,45 +133,46 @@ def exchange_follow(record: FollowRecord, *, timeout: float, device: torch.devic
     # counts agree (DDP then skips the broadcast of that rank's next forward), its broadcast pairs with a training
     # forward's on the others, and one such forward after the last training step leaves a collective unmatched.
     lone = torch.tensor([bool(record.extra_broadcast_sites)])
-    n_lone = int(all_reduced(lone.to(torch.float64), dist.ReduceOp.SUM, None, device)[0])
+    n_lone = int((yield ("sum", lone.to(torch.float64))).tensor[0])
     counts_differ = any(hi[i] != lo[i] for i in range(len(KINDS)))
     if counts_differ or 0 < n_lone < world:
         total = sum(counts)
         fewest = int(sum(lo[i] for i in range(len(KINDS))))
         flags = torch.tensor([total > fewest]) if counts_differ else lone
-        named = name_flagged(flags, group=None, device=device)[0]
+        [named] = yield from name_flagged_rounds(flags, rank=rank, world=world)
         summary.more_ranks = named.examples
         summary.lone_broadcasts = not counts_differ
         if named.examples:
             first = named.examples[0]
-            text = _share_texts([json.dumps(record.extra_broadcast_sites) if rank == first else None], device)[0]
+            [text] = yield from _share_texts([json.dumps(record.extra_broadcast_sites) if rank == first else None])
             summary.extra_sites = json.loads(text) if text else []
         return summary
     if hi[3] != lo[3] or not record.syncs:
         return summary
-    summary.alone = _alone(record, rank, world, device)
+    summary.alone = yield from _alone(record, rank, world)
     return summary
 
 
-def _longest(values: list[float], rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _longest(
+    values: list[float], rank: int, world: int
+) -> Generator[Op, Reply, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per entry: the lowest rank holding the largest value, that value, and the largest among the other ranks."""
     mine = torch.tensor(values, dtype=torch.float64)
-    longest, _ = minmax(mine, None, device)
-    owners = torch.tensor(
-        [n.examples[0] for n in name_flagged(mine >= longest, group=None, device=device, limit=1)], dtype=torch.int64
-    )
+    longest, _ = yield from minmax_rounds(mine)
+    named = yield from name_flagged_rounds(mine >= longest, rank=rank, world=world, limit=1)
+    owners = torch.tensor([n.examples[0] for n in named], dtype=torch.int64)
     others = torch.where(owners == rank, torch.full_like(mine, -math.inf), mine)
-    return owners, longest, all_reduced(others, dist.ReduceOp.MAX, None, device)
+    return owners, longest, (yield ("max", others)).tensor
 
 
-def _alone(record: FollowRecord, rank: int, world: int, device: torch.device) -> AloneSpan | None:
+def _alone(record: FollowRecord, rank: int, world: int) -> Generator[Op, Reply, AloneSpan | None]:
     """The sync point at which one rank kept the others waiting longest (see the module docstring)."""
     if world < 2:
         return None
     gaps, projected, known, shown = projected_gaps(record)
-    m_owner, m_long, m_second = _longest(gaps, rank, device)
-    p_owner, p_long, p_second = _longest(projected, rank, device)
-    _, all_known = minmax(torch.tensor(known, dtype=torch.float64), None, device)
+    m_owner, m_long, m_second = yield from _longest(gaps, rank, world)
+    p_owner, p_long, p_second = yield from _longest(projected, rank, world)
+    _, all_known = yield from minmax_rounds(torch.tensor(known, dtype=torch.float64))
     measured, project = m_long - m_second, p_long - p_second
     score = torch.where(all_known > 0, project, measured)
     at = int(score.argmax())
@@ -178,7 +187,8 @@ def _alone(record: FollowRecord, rank: int, world: int, device: torch.device) ->
                 "passes": shown[at],
             }
         )
-    detail: dict[str, Any] = json.loads(_share_texts([text], device)[0])
+    [shared] = yield from _share_texts([text])
+    detail: dict[str, Any] = json.loads(shared)
     return AloneSpan(
         rank=owner,
         measured_s=max(0.0, float(measured[at])),
@@ -189,20 +199,19 @@ def _alone(record: FollowRecord, rank: int, world: int, device: torch.device) ->
     )
 
 
-def _loaders(record: FollowRecord, device: torch.device) -> list[dict[str, Any]]:
+def _loaders(record: FollowRecord, rank: int, world: int) -> Generator[Op, Reply, list[dict[str, Any]]]:
     """The union of the loaders of rank 0 and of the lowest ranks whose list differs, with the real length on each
     rank: `min`, `max` and `by_rank` (the first ranks)."""
-    rank = dist.get_rank()
     mine = {seen.key: seen for seen in record.loaders}
     listing = json.dumps([[s.key, s.site, s.sampler] for s in record.loaders])
     digest = float(zlib.crc32(listing.encode()))
-    hi, lo = minmax(torch.tensor([digest], dtype=torch.float64), None, device)
+    hi, lo = yield from minmax_rounds(torch.tensor([digest], dtype=torch.float64))
     owners = [0]
     if hi[0] != lo[0]:
-        ref = pick(torch.tensor([[digest]], dtype=torch.float64), torch.tensor([0]), group=None, device=device)[0]
-        named = name_flagged(torch.tensor([digest != float(ref[0])]), group=None, device=device)[0]
+        ref = (yield from pick_rounds(torch.tensor([[digest]], dtype=torch.float64), torch.tensor([0]), rank=rank))[0]
+        [named] = yield from name_flagged_rounds(torch.tensor([digest != float(ref[0])]), rank=rank, world=world)
         owners += named.examples
-    texts = _share_texts([listing if rank == o else None for o in owners], device)
+    texts = yield from _share_texts([listing if rank == o else None for o in owners])
     union: list[list[Any]] = []
     for text in texts:
         for key, site, sampler in json.loads(text):
@@ -228,8 +237,8 @@ def _loaders(record: FollowRecord, device: torch.device) -> list[dict[str, Any]]
         ],
         dtype=torch.float64,
     )
-    l_hi, l_lo = minmax(lengths, None, device)
-    f_hi, _ = minmax(facts, None, device)
+    l_hi, l_lo = yield from minmax_rounds(lengths)
+    f_hi, _ = yield from minmax_rounds(facts)
     # The batches of each loader's first passes, counted where a pass ran to its end (-1: capped, left early or
     # never started), and the batches each handed out at all (a lower bound).
     counted = torch.full((n, COUNTED_PASSES), -1.0, dtype=torch.float64)
@@ -239,20 +248,16 @@ def _loaders(record: FollowRecord, device: torch.device) -> list[dict[str, Any]]
             for i, (c, f) in enumerate(zip(mine[k].counted, mine[k].floors)):
                 counted[j, i], floors[j, i] = float(c), float(f)
     big = float(2**50)
-    c_hi, _ = minmax(torch.stack([counted, floors]), None, device)
-    _, c_lo = minmax(torch.where(counted >= 0, counted, torch.full_like(counted, big)), None, device)
-    sums = all_reduced(
-        torch.cat([(counted >= 0).to(torch.float64).reshape(-1), (lengths != -1).to(torch.float64)]),
-        dist.ReduceOp.SUM,
-        None,
-        device,
-    )
+    c_hi, _ = yield from minmax_rounds(torch.stack([counted, floors]))
+    _, c_lo = yield from minmax_rounds(torch.where(counted >= 0, counted, torch.full_like(counted, big)))
+    present = torch.cat([(counted >= 0).to(torch.float64).reshape(-1), (lengths != -1).to(torch.float64)])
+    sums = (yield ("sum", present)).tensor
     n_counted, iterated = sums[: n * COUNTED_PASSES].reshape(n, COUNTED_PASSES), sums[n * COUNTED_PASSES :]
-    first = min(dist.get_world_size(), _FIRST)
+    first = min(world, _FIRST)
     rows = torch.zeros(first, n, 1 + 2 * COUNTED_PASSES, dtype=torch.float64)
     if rank < first:
         rows[rank] = torch.cat([lengths.unsqueeze(1), counted, floors], 1)
-    by_rank = pick(rows.reshape(first, -1), torch.arange(first), group=None, device=device).reshape(rows.shape)
+    by_rank = (yield from pick_rounds(rows.reshape(first, -1), torch.arange(first), rank=rank)).reshape(rows.shape)
     # Per loader, the first pass whose counts differ: two ranks ran it to different ends, or one rank handed out
     # more batches than another's whole pass.
     uneven: dict[int, int] = {}
@@ -265,7 +270,7 @@ def _loaders(record: FollowRecord, device: torch.device) -> list[dict[str, Any]]
     fewest = {}
     if uneven:
         flags = torch.tensor([float(counted[j, i]) == float(c_lo[j, i]) for j, i in uneven.items()])
-        fewest = dict(zip(uneven, name_flagged(flags, group=None, device=device)))
+        fewest = dict(zip(uneven, (yield from name_flagged_rounds(flags, rank=rank, world=world))))
     out = []
     for j, (_key, site, sampler) in enumerate(union):
         at = uneven.get(j)
@@ -317,20 +322,19 @@ def _ordinal(key: str) -> int:
     return int(tail) if tail.isdigit() else 1
 
 
-def _files(record: FollowRecord, device: torch.device) -> tuple[list[dict[str, Any]], int]:
+def _files(record: FollowRecord, rank: int, world: int) -> Generator[Op, Reply, tuple[list[dict[str, Any]], int]]:
     """The union of the files written by rank 0 and by the lowest ranks whose list differs (up to 8), each with the
     ranks that wrote it; and how many ranks' differing lists were left out."""
-    rank = dist.get_rank()
     listing = json.dumps(sorted([f["path"], f["shown"], f["site"], f["how"], f["existed"]] for f in record.files))
     digest = float(zlib.crc32(listing.encode()))
-    hi, lo = minmax(torch.tensor([digest], dtype=torch.float64), None, device)
+    hi, lo = yield from minmax_rounds(torch.tensor([digest], dtype=torch.float64))
     owners, unlisted = [0], 0
     if hi[0] != lo[0]:
-        ref = pick(torch.tensor([[digest]], dtype=torch.float64), torch.tensor([0]), group=None, device=device)[0]
-        named = name_flagged(torch.tensor([digest != float(ref[0])]), group=None, device=device)[0]
+        ref = (yield from pick_rounds(torch.tensor([[digest]], dtype=torch.float64), torch.tensor([0]), rank=rank))[0]
+        [named] = yield from name_flagged_rounds(torch.tensor([digest != float(ref[0])]), rank=rank, world=world)
         owners += named.examples
         unlisted = named.more
-    texts = _share_texts([listing if rank == o else None for o in owners], device)
+    texts = yield from _share_texts([listing if rank == o else None for o in owners])
     union: list[list[Any]] = []
     for text in texts:
         for entry in json.loads(text) if text else []:
@@ -339,7 +343,7 @@ def _files(record: FollowRecord, device: torch.device) -> tuple[list[dict[str, A
     if not union:
         return [], unlisted
     mine = {f["path"] for f in record.files}
-    wrote = name_flagged(torch.tensor([u[0] in mine for u in union]), group=None, device=device)
+    wrote = yield from name_flagged_rounds(torch.tensor([u[0] in mine for u in union]), rank=rank, world=world)
     return [
         {"path": path, "shown": shown_, "site": site, "how": how, "existed": existed, "ranks": w.examples}
         | ({"more_ranks": w.more} if w.more else {})
