@@ -6,7 +6,8 @@ gradient all-reduce; STALL=loader draws the batches from a DataLoader with one w
 step sleeps STALL_S seconds on that rank. DRIFT_RANK / DRIFT_STEP: after that step, that rank alone adds 0.01 to the
 first layer's bias, outside DDP's gradient sync (the replicas then train apart, silently). SLOW_FROM / SLOW_S: the
 batches come from a DataLoader without workers whose items from that step on take SLOW_S seconds to read, on every
-rank (a job that becomes input-bound past its first steps).
+rank (a job that becomes input-bound past its first steps), or on rank SLOW_RANK alone (a rank whose reads become
+slow: the others wait for it in DDP's all-reduce).
 
     GROUP_TIMEOUT_S=20 torchrun --nproc-per-node 2 tests/scripts/watch_job.py
 """
@@ -78,7 +79,9 @@ def main() -> None:
         at = stall_step if rank == stall_rank else -1
         batches = iter(torch.utils.data.DataLoader(_Batches(rank, steps, at, seconds), batch_size=None, num_workers=1))
     elif slow_from >= 0:
-        slow = _Batches(rank, steps, -1, 0.0, slow_from, float(os.environ.get("SLOW_S", "0.05")))
+        slow_rank = int(os.environ.get("SLOW_RANK", "-1"))  # -1: every rank
+        slow_s = float(os.environ.get("SLOW_S", "0.05")) if slow_rank in (-1, rank) else 0.0
+        slow = _Batches(rank, steps, -1, 0.0, slow_from, slow_s)
         batches = iter(torch.utils.data.DataLoader(slow, batch_size=None))
     for step in range(steps):
         if stall == "loader" or slow_from >= 0:

@@ -147,6 +147,28 @@ def test_a_job_that_becomes_input_bound_past_its_first_steps_is_named_from_its_f
     assert rc == 0 and said in explained, explained
 
 
+def test_a_rank_whose_reads_become_slow_past_its_first_steps_is_named_a_straggler_from_its_first_slow_window(
+    tmp_path: Path,
+) -> None:
+    """As above, but only rank 1's items take 40 ms to read from step 100 on (SLOW_RANK=1). Under plain torchrun the
+    job ends with status 0 and nothing said, in 9.3 s against 5.4 s with no slow read: rank 0 waits for rank 1 in
+    DDP's all-reduce at every step. Under watch the windows before step 100 are clean; each window wholly past it
+    names rank 1 a straggler (it waits for its data, rank 0 does not), not the job input-bound; the job runs to its
+    end (exit 0)."""
+    env = {"STEPS": "200", "SLOW_FROM": "100", "SLOW_S": "0.04", "SLOW_RANK": "1"}
+    run = _watch(["--nproc-per-node", "2", str(SCRIPTS / "watch_job.py")], tmp_path, env=env)
+    assert run.rc == 0, run.output
+    judged = run.ended["windows"]["windows"]
+    before = [w for w in judged if w["last"] < 100]
+    after = [w for w in judged if w["first"] > 101]
+    assert before and not any(w["lagging"] or w["input_bound"] for w in before), judged
+    assert after and all(w["lagging"] == [1] and not w["input_bound"] for w in after), judged
+    assert all(w["waiting_wait_s"][0] >= 0.03 and w["others_wait_s"] < 0.02 for w in after), after
+    said = next(line for line in run.output.splitlines() if "straggler-rank (rank 1)" in line)
+    rc, explained, _ = _explain(run.run_dir, tmp_path)
+    assert rc == 0 and said in explained, explained
+
+
 def test_replicas_that_drift_apart_after_the_first_steps_are_named_while_the_job_goes_on(tmp_path: Path) -> None:
     """Rank 1 alone adds 0.01 to the first layer's bias after step 40, outside DDP's sync. Under plain torchrun
     (STEPS=200) the job ends with status 0 and nothing said; the ranks' final weights differ (checksums -2.2658 on

@@ -178,6 +178,27 @@ def render_window(e: Any, console: Console) -> None:
             "read).",
             soft_wrap=True,
         )
+    elif e.kind == Code.STRAGGLER_RANK.value:
+        loader = e.loader or {}
+        where = f" from the DataLoader created at {loader['site']}" if loader.get("site") else ""
+        console.print(Rule(f"straggler-rank from {span}"))
+        one = len(e.ranks) == 1
+        who, its, them = ("this rank", "its", "it") if one else ("these ranks", "their", "them")
+        console.print(
+            f"[bold]straggler-rank[/bold] ({rank_list(e.ranks)}): in {span} {who} waited a median {waits} per step "
+            f"for {its} data{where}, the other ranks at most {e.others_wait_s * 1e3:.1f} ms; the others wait for "
+            f"{them} in their next collective, so every rank's step is {steps}. Look at what {who} read"
+            f"{'s' if one else ''} from ({its} node's disk or network, {its} shard of the data) or give {its} "
+            "DataLoader more workers. The job goes on, watched.",
+            soft_wrap=True,
+        )
+    elif e.kind == "straggler-ok":
+        console.print(
+            f"ddp-doctor: {span}: no rank waits for its data longer than the others any more (a median {waits} of "
+            f"a {steps} step).",
+            highlight=False,
+            soft_wrap=True,
+        )
     elif e.kind == "input-ok":
         console.print(
             f"ddp-doctor: {span}: the ranks no longer wait for data (a median {waits} of a {steps} step).",

@@ -10,7 +10,9 @@ interquartile range. The parent (`WatchLoop`) reads its node's ranks' files, and
 rank wrote applies the first steps' rule (`core/steptime.waits_for_data_at`, per rank; `input-bound` when more than
 half of the ranks wait): a job that becomes input-bound past its first steps (a slower file system, a dataset whose
 later items cost more) is said while it runs, and again when it stops being so; so is a median step that grew to
-`SLOWER` times the first window's (and by at least `MIN_WAIT_S`). Everything is written to `windows.json`, which
+`SLOWER` times the first window's (and by at least `MIN_WAIT_S`), and a minority of ranks that wait for their data
+where the others do not (`straggler-rank`: each of them waits at least `MIN_WAIT_S` longer than any other rank, a
+wait the others spend in their next collective; a slow disk on one node). Everything is written to `windows.json`, which
 outlives the job.
 
 The parent side imports no torch.
@@ -116,17 +118,21 @@ class StepWindows:
 @dataclass(frozen=True, slots=True)
 class WindowEvent:
     """A change the parent saw in one window: `kind` is `input-bound` (most ranks wait for data), `input-ok` (they
-    no longer do) or `slower` (the median step grew to `SLOWER` times the first window's)."""
+    no longer do), `slower` (the median step grew to `SLOWER` times the first window's), `straggler-rank` (some
+    ranks, fewer than half, wait for their data and the others for them) or `straggler-ok` (no longer)."""
 
     kind: str
     first: int
     last: int
     ranks: list[int]
-    """The ranks compared; for `input-bound`, those that waited."""
+    """The ranks compared; for `input-bound` and `straggler-rank`, those that waited for their data."""
     step_s: tuple[float, float]
     """The ranks' median steps in the window, lowest and highest."""
     wait_s: tuple[float, float]
-    """The ranks' median waits for data in the window, lowest and highest (of the waiting ranks for `input-bound`)."""
+    """The ranks' median waits for data in the window, lowest and highest (of the waiting ranks for `input-bound`
+    and `straggler-rank`)."""
+    others_wait_s: float | None = None
+    """For `straggler-rank`: the longest median wait for data among the other ranks."""
     baseline_step_s: float | None = None
     """For `slower`: the first window's highest median step."""
     loader: dict[str, Any] | None = None
@@ -141,6 +147,7 @@ class WindowWatch:
     judged: list[dict[str, Any]] = field(default_factory=list)
     _input_bound: bool = False
     _slower: bool = False
+    _lagging: tuple[int, ...] = ()
 
     def poll(self, live: set[int]) -> list[WindowEvent]:
         if not live:
@@ -184,6 +191,12 @@ class WindowWatch:
             "loader": rows[waiting[0]].get("loader") if waiting else None,
             "input_bound": 2 * len(waiting) > len(rows),
         }
+        others = [w["wait_s"] for r, w in rows.items() if r not in waiting]
+        entry["others_wait_s"] = max(others) if others else None
+        # A minority waits for its data, each at least `MIN_WAIT_S` longer than any other rank: the others wait
+        # for them in their next collective (DDP's all-reduce), whatever their own reads cost.
+        apart = bool(waits and others) and min(waits) >= max(others) + MIN_WAIT_S
+        entry["lagging"] = waiting if apart and not entry["input_bound"] else []
         return self._events(entry)
 
     def _events(self, entry: dict[str, Any]) -> list[WindowEvent]:
@@ -221,6 +234,21 @@ class WindowWatch:
                 )
             )
         self._slower = slower
+        lagging = tuple(entry.get("lagging") or ())
+        if lagging != self._lagging:
+            self._lagging = lagging
+            events.append(
+                WindowEvent(
+                    kind=Code.STRAGGLER_RANK.value if lagging else "straggler-ok",
+                    first=entry["first"],
+                    last=entry["last"],
+                    ranks=list(lagging) if lagging else entry["ranks"],
+                    step_s=steps,
+                    wait_s=tuple(entry["waiting_wait_s"] if lagging else entry["wait_s"]),
+                    others_wait_s=entry.get("others_wait_s") if lagging else None,
+                    loader=entry.get("loader") if lagging else None,
+                )
+            )
         return events
 
     def save(self) -> None:

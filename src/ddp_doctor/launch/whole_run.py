@@ -161,10 +161,23 @@ def watch(
 def _windows_words(windows: dict[str, Any]) -> str:
     """The end summary's clause on the windows of steps judged past the first steps."""
     judged = windows["windows"]
+    if not judged:
+        return ""
+    of = f"{len(judged)} windows of {windows['window']} steps"
     bound = [w for w in judged if w["input_bound"]]
-    if bound:
-        return f"; input-bound in {len(bound)} of {len(judged)} windows of {windows['window']} steps, from step {bound[0]['first']}"
-    return f"; not input-bound in {len(judged)} windows of {windows['window']} steps" if judged else ""
+    said = (
+        f"; input-bound in {len(bound)} of {of}, from step {bound[0]['first']}"
+        if bound
+        else f"; not input-bound in {of}"
+    )
+    lagging = [w for w in judged if w.get("lagging")]
+    if lagging:
+        from ddp_doctor.core.ranks import rank_list
+
+        ranks = sorted({r for w in lagging for r in w["lagging"]})
+        its = "its" if len(ranks) == 1 else "their"
+        said += f"; {rank_list(ranks)} waited for {its} data alone in {len(lagging)} of them, from step {lagging[0]['first']}"
+    return said
 
 
 def _replicas_words(replicas: dict[str, Any]) -> str:
