@@ -1,6 +1,7 @@
 """The ranks issue the same collectives in the same order: every `collective-mismatch` whose evidence is the ranks'
-sequences of collectives, whatever the source of the facts. Where each source finds the parting stays with it; the
-finding and its words are made here:
+sequences of collectives, whatever the source of the facts. The finding and its words are made here, from what each
+source found where its facts are reduced (the exchange's per-step digests, the following's counts, the dumps), and
+from a failed run's beacons, whose parting (`Parting`) is found here too:
 
 - a step that completed: each step's count and running digest of the calls through torch.distributed, DDP's and a
   sharded model's alike (`collective_sequence_mismatch`, `sequences_apart`);
