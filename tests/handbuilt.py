@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ddp_doctor.core.following import FollowRecord, LoaderSeen, SyncPoint
 from ddp_doctor.core.records import ModelInfo
 from ddp_doctor.core.sharded_run import INPUT_STEPS
 from ddp_doctor.exchange.sharded_protocol import NOBODY, SLOTS, STEP_COLUMNS, ShardedRecord
@@ -107,3 +108,66 @@ def sharded_record(
         saved={"shown": "model.state_dict()", "site": "train.py:40", "shards": [4, 8]} if saved else None,
         clock={"own_s": own_s, "own_q1_s": own_s, "own_q3_s": own_s, "wait_s": 0.001, "comm_s": 0.002},
     )
+
+
+# ---------------------------------------------------------------- epoch following (`following_rounds.py`)
+
+
+def follow_sync(kind: str, at: float, site: str = "train.py:20") -> SyncPoint:
+    return SyncPoint(kind=kind, what="DDP's gradient all-reduce after the forward", site=site, enter=at, exit=at + 0.01)
+
+
+def follow_record(rank: int, *, alone: bool, loaders: list[LoaderSeen] | None = None, extra: int = 0) -> FollowRecord:
+    """Two sync points; on a rank `alone`, an evaluation pass of 2 of 400 batches (0.5 s) before the second."""
+    passes = (
+        [{"site": "train.py:40", "started": 10.1, "ended": 10.6, "yielded": 2, "capped": True, "batches": 400}]
+        if alone
+        else []
+    )
+    second = 10.7 if alone else 10.15
+    syncs = [
+        follow_sync("ddp-step", 10.05),
+        *[follow_sync("collective", 10.06 + i * 0.001) for i in range(extra)],
+        follow_sync("ddp-step", second),
+    ]
+    return FollowRecord(
+        requested=1,
+        limit=2,
+        followed=True,
+        epoch_ends=1,
+        ended_by="the next epoch's first step, after 1 epoch end(s)",
+        seconds=0.7,
+        syncs=syncs,
+        counts={"ddp-step": 2, **({"collective": extra} if extra else {})},
+        passes=passes,
+        loaders=loaders or [],
+        timeout_s=60.0,
+        started_at=10.0,
+    )
+
+
+def follow_case(rank: int, case: str, odd: int) -> FollowRecord:
+    """Rank `odd` evaluated alone on a loader of its own ("alone") or issued one collective more ("counts");
+    each rank's training loader has 30 + rank batches."""
+    train = LoaderSeen(
+        key="train.py:10|DistributedSampler|True",
+        site="train.py:10",
+        batches=30 + rank,
+        passes=2,
+        most=8,
+        capped=1,
+        training=True,
+        sampler="DistributedSampler",
+    )
+    evaluation = LoaderSeen(
+        key="train.py:40|SequentialSampler|None",
+        site="train.py:40",
+        batches=400,
+        passes=1,
+        most=2,
+        capped=1,
+        sampler="SequentialSampler",
+    )
+    if case == "alone":
+        return follow_record(rank, alone=rank == odd, loaders=[train, evaluation] if rank == odd else [train])
+    return follow_record(rank, alone=False, loaders=[train], extra=int(rank == odd))

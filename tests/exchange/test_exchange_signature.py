@@ -1,7 +1,9 @@
 """The exchange sends the same bytes: every collective's op, shape and each rank's tensor, for a few simulated groups
 that take every conditional round (B2, B3, C, ModelInfos that differ, more ranks than example slots), against
-signatures recorded before the protocol was cut into rounds. A change here changes what ranks send: re-record only
-on purpose (`python tests/exchange/test_exchange_signature.py` prints the current ones), and say why in the commit."""
+signatures recorded before the protocol was cut into rounds; and the same for a sharded job's exchange and for the
+epoch end's (`follow_rounds`). A change here changes what ranks send: re-record only on purpose
+(`PYTHONPATH=tests python tests/exchange/test_exchange_signature.py` prints the current ones), and say why in the
+commit."""
 
 from __future__ import annotations
 
@@ -11,10 +13,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from handbuilt import P, model_info, sharded_record
+from handbuilt import P, follow_case, model_info, sharded_record
 
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
 from ddp_doctor.exchange import simulate
+from ddp_doctor.exchange.following_rounds import follow_rounds
 from ddp_doctor.exchange.sharded_protocol import sharded_protocol
 
 STEPS = 4
@@ -162,6 +165,22 @@ def sharded_signature(name: str) -> str:
     return hashlib.sha256(json.dumps(sent).encode()).hexdigest()[:16]
 
 
+FOLLOWED = {"follow-alone-6": ("alone", 4, "d27abb860d7bceb9"), "follow-counts-5": ("counts", 2, "afca4ed890509640")}
+"""The epoch end's exchange (`follow_rounds`): each scenario's case and odd rank (`handbuilt.follow_case`) and the
+signature recorded for it."""
+
+
+def follow_signature(name: str) -> str:
+    """sha256 over the sequence of (op, dtype, shape) and every rank's bytes of the epoch end's exchange."""
+    case, odd, _ = FOLLOWED[name]
+    world = int(name.rsplit("-", 1)[1])
+    sent: list[list] = [[] for _ in range(world)]
+    simulate.lockstep(
+        [_traced(follow_rounds(follow_case(w, case, odd), rank=w, world=world), sent[w]) for w in range(world)]
+    )
+    return hashlib.sha256(json.dumps(sent).encode()).hexdigest()[:16]
+
+
 @pytest.mark.parametrize("name", list(RECORDED))
 def test_every_rank_sends_the_recorded_bytes(name: str) -> None:
     assert signature(name) == RECORDED[name]
@@ -172,6 +191,12 @@ def test_every_rank_of_a_sharded_job_sends_the_recorded_bytes(name: str) -> None
     assert sharded_signature(name) == SHARDED[name][1]
 
 
+@pytest.mark.parametrize("name", list(FOLLOWED))
+def test_every_rank_of_the_epoch_ends_exchange_sends_the_recorded_bytes(name: str) -> None:
+    assert follow_signature(name) == FOLLOWED[name][2]
+
+
 if __name__ == "__main__":
     print({name: signature(name) for name in RECORDED})
     print({name: sharded_signature(name) for name in SHARDED})
+    print({name: follow_signature(name) for name in FOLLOWED})

@@ -10,46 +10,15 @@ from pathlib import Path
 
 import torch
 from dist import run_ranks
+from handbuilt import follow_case
+from handbuilt import follow_record as record
 
 from ddp_doctor.analyze.following_ends import NO_LOADER, following_findings, following_section
 from ddp_doctor.core.findings import Recommendation, Timing
-from ddp_doctor.core.following import AloneSpan, FollowRecord, FollowSummary, LoaderSeen, SyncPoint
+from ddp_doctor.core.following import AloneSpan, FollowSummary
 from ddp_doctor.exchange.following_rounds import exchange_follow, follow_rounds, projected_gaps
 from ddp_doctor.exchange.simulate import lockstep
 from ddp_doctor.report.model import Report
-
-
-def sync(kind: str, at: float, site: str = "train.py:20") -> SyncPoint:
-    return SyncPoint(kind=kind, what="DDP's gradient all-reduce after the forward", site=site, enter=at, exit=at + 0.01)
-
-
-def record(rank: int, *, alone: bool, loaders: list[LoaderSeen] | None = None, extra: int = 0) -> FollowRecord:
-    """Two sync points; on a rank `alone`, an evaluation pass of 2 of 400 batches (0.5 s) before the second."""
-    passes = (
-        [{"site": "train.py:40", "started": 10.1, "ended": 10.6, "yielded": 2, "capped": True, "batches": 400}]
-        if alone
-        else []
-    )
-    second = 10.7 if alone else 10.15
-    syncs = [
-        sync("ddp-step", 10.05),
-        *[sync("collective", 10.06 + i * 0.001) for i in range(extra)],
-        sync("ddp-step", second),
-    ]
-    return FollowRecord(
-        requested=1,
-        limit=2,
-        followed=True,
-        epoch_ends=1,
-        ended_by="the next epoch's first step, after 1 epoch end(s)",
-        seconds=0.7,
-        syncs=syncs,
-        counts={"ddp-step": 2, **({"collective": extra} if extra else {})},
-        passes=passes,
-        loaders=loaders or [],
-        timeout_s=60.0,
-        started_at=10.0,
-    )
 
 
 def test_a_capped_pass_inside_a_gap_is_projected_to_its_real_length() -> None:
@@ -62,35 +31,8 @@ def test_a_capped_pass_inside_a_gap_is_projected_to_its_real_length() -> None:
     assert projected_gaps(no_len)[2] == [True, False]
 
 
-def _case(rank: int, case: str, odd: int) -> FollowRecord:
-    """Rank `odd` evaluated alone on a loader of its own ("alone") or issued one collective more ("counts");
-    each rank's training loader has 30 + rank batches."""
-    train = LoaderSeen(
-        key="train.py:10|DistributedSampler|True",
-        site="train.py:10",
-        batches=30 + rank,
-        passes=2,
-        most=8,
-        capped=1,
-        training=True,
-        sampler="DistributedSampler",
-    )
-    evaluation = LoaderSeen(
-        key="train.py:40|SequentialSampler|None",
-        site="train.py:40",
-        batches=400,
-        passes=1,
-        most=2,
-        capped=1,
-        sampler="SequentialSampler",
-    )
-    if case == "alone":
-        return record(rank, alone=rank == odd, loaders=[train, evaluation] if rank == odd else [train])
-    return record(rank, alone=False, loaders=[train], extra=int(rank == odd))
-
-
 def _exchange(rank: int, world: int, case: str) -> dict:
-    s = exchange_follow(_case(rank, case, 2 if case == "alone" else 3), timeout=30.0, device=torch.device("cpu"))
+    s = exchange_follow(follow_case(rank, case, 2 if case == "alone" else 3), timeout=30.0, device=torch.device("cpu"))
     return _said(s)
 
 
@@ -130,7 +72,7 @@ def test_the_followings_rounds_name_the_same_ranks_among_1024_in_the_volume_of_6
     1000 with one collective more; what each rank sends does not grow with the world size."""
     said, volumes = {}, {}
     for world, odd in ((64, 40), (1024, 700)):
-        got, volume = lockstep([follow_rounds(_case(w, "alone", odd), rank=w, world=world) for w in range(world)])
+        got, volume = lockstep([follow_rounds(follow_case(w, "alone", odd), rank=w, world=world) for w in range(world)])
         said[world], volumes[world] = _said(got), (volume.sent, volume.collectives)
     alone = said[1024]["alone"]
     assert alone["rank"] == 700 and abs(alone["measured"] - 0.55) < 1e-6, alone
@@ -138,7 +80,7 @@ def test_the_followings_rounds_name_the_same_ranks_among_1024_in_the_volume_of_6
     assert train["batches"] == {"min": 30, "max": 1053, "by_rank": list(range(30, 38))}, train
     assert evaluation["batches"]["by_rank"] == [None] * 8, evaluation  # held by rank 700 alone, past the first 8
     assert volumes[64] == volumes[1024], volumes
-    counts, _ = lockstep([follow_rounds(_case(w, "counts", 1000), rank=w, world=1024) for w in range(1024)])
+    counts, _ = lockstep([follow_rounds(follow_case(w, "counts", 1000), rank=w, world=1024) for w in range(1024)])
     assert counts.more_ranks == [1000] and counts.counts["collective"] == (1, 0), counts
 
 
