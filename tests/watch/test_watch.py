@@ -162,8 +162,12 @@ def test_a_rank_whose_reads_become_slow_past_its_first_steps_is_named_a_straggle
     before = [w for w in judged if w["last"] < 100]
     after = [w for w in judged if w["first"] > 101]
     assert before and not any(w["lagging"] or w["input_bound"] for w in before), judged
-    assert after and all(w["lagging"] == [1] and not w["input_bound"] for w in after), judged
-    assert all(w["waiting_wait_s"][0] >= 0.03 and w["others_wait_s"] < 0.02 for w in after), after
+    # (a window where a busy machine scattered rank 1's steps by more than its wait is not judged waiting: the first
+    # steps' rule; seen once in five windows under pytest-xdist)
+    lagging = [w for w in after if w["lagging"]]
+    assert 2 * len(lagging) > len(after) and all(w["lagging"] == [1] for w in lagging), judged
+    assert not any(w["input_bound"] for w in after), judged
+    assert all(w["waiting_wait_s"][0] >= 0.03 and w["others_wait_s"] < 0.02 for w in lagging), lagging
     said = next(line for line in run.output.splitlines() if "straggler-rank (rank 1)" in line)
     rc, explained, _ = _explain(run.run_dir, tmp_path)
     assert rc == 0 and said in explained, explained
@@ -386,6 +390,42 @@ def test_two_nodes_each_watched_explain_the_hang_from_both_nodes_ranks(tmp_path:
         assert stacks[own[n]] is not None and stacks[1 - own[n]] is None, (n, stacks)
         # Each node's verdict reads its own ranks' Flight Recorder rings only: one ring, nothing to compare it with.
         assert hang["sequences_compared"] == 1 and hang["sequences"] == [], hang
+
+
+def test_two_nodes_judge_each_window_over_both_nodes_ranks(tmp_path: Path) -> None:
+    """Two torchrun agents on this machine, one rank each, each under its own `watch` and run folder; rank 1's reads
+    take 40 ms from step 100 on (SLOW_RANK=1; under plain torchrun on one node the job ends with status 0, nothing
+    said, rank 0 waiting for rank 1 in DDP's all-reduce). Judged on its own, the node of rank 1 would call its one
+    rank input-bound; through the rendezvous store each node judges the windows past step 100 over both ranks:
+    rank 1 waits for its data alone, a straggler, and the job is not input-bound."""
+    port = free_port()
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    rdzv += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"windows-{port}"]
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "STEPS": "300", "SLOW_FROM": "100", "SLOW_S": "0.04", "SLOW_RANK": "1"}
+    env.update(DDP_DOCTOR_TEST_TAG=tag)
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ddp_doctor.cli", "watch", "--run-dir", str(tmp_path / f"node{n}"), *rdzv]
+            + ["--node-rank", str(n), str(SCRIPTS / "watch_job.py")],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
+    outputs = [proc.communicate(timeout=240)[0] for proc in nodes]
+    assert [proc.returncode for proc in nodes] == [0, 0], outputs
+    assert_no_leftovers(tag)
+    for n in (0, 1):
+        judged = json.loads((tmp_path / f"node{n}" / "windows.json").read_text())["windows"]
+        after = [w for w in judged if w["first"] > 101]
+        assert judged and all(w["ranks"] == [0, 1] for w in judged), (n, judged)
+        lagging = [w for w in after if w["lagging"]]  # a busy machine may leave a window unjudged, as above
+        assert 2 * len(lagging) > len(after) and all(w["lagging"] == [1] for w in lagging), (n, judged)
+        assert not any(w["input_bound"] for w in after), (n, judged)
 
 
 def test_sigterm_to_watch_while_the_job_trains_on_ends_every_process(tmp_path: Path) -> None:

@@ -9,7 +9,9 @@ for a second); from then on also a second key, every two seconds, with their fil
 only while its own ranks stand still past `--hang-after` (one request for all of them every half second): a node
 whose ranks moved recently keeps it from calling a hang. At a hang it reads their records, writes them in the folder "nodes" of its run folder and reads
 them with its own (`hang_verdict`). The ranks' stacks stay on their node: each node's watch takes its own ranks' at
-the same hang.
+the same hang. Every two seconds each node also sets its ranks' windows of steps (`watch_windows.py`: a few hundred
+bytes a rank) and reads the other nodes', so that a window is judged over every rank of the job: a node whose ranks
+alone wait for their data is a straggler, not input-bound.
 
 The store is torchrun's: keys live under `ddp-doctor/watch/{rdzv_id}/` and are gone with the job. Anything that
 fails (no store yet, the store gone at the job's end) leaves the node watching its own ranks, as on one node.
@@ -48,6 +50,8 @@ class NodeShare:
             and nnodes not in ("1", "1:1")
             and not namespace.get("standalone")
         )
+        self.several = self.enabled
+        """A multi-node job: its windows are judged over every node's ranks, even once the store is gone."""
         self._endpoint = str(namespace.get("rdzv_endpoint") or "")
         self._prefix = f"{_PREFIX}/{namespace.get('rdzv_id') or 'none'}"
         self._store: Any = None
@@ -57,6 +61,10 @@ class NodeShare:
         """Per other node: (its publication's sequence number, when this node first read it, the publication)."""
         self._seq = 0
         self._published = self._records_at = self._read_at = 0.0
+        self._windows_at = 0.0
+        self._windows_sent = ""
+        self._windows: dict[int, list[dict[str, Any]]] = {}
+        """The other nodes' ranks' windows, as last read."""
 
     def _connect(self) -> bool:
         if self._store is not None:
@@ -149,6 +157,36 @@ class NodeShare:
                     (out / name).write_text(record)
                 wrote = True
         return out if wrote else None
+
+    def windows(self, folder: Path) -> dict[int, list[dict[str, Any]]] | None:
+        """Set this node's ranks' windows of steps (when they changed) and read the other nodes' (every two seconds):
+        {rank: its windows}, as last read (also once the store went with the job's end); None on one node."""
+        now = time.monotonic()
+        if not self.several:
+            return None
+        if self.enabled and now - self._windows_at >= _PUBLISH_EVERY_S and self._connect():
+            self._windows_at = now
+            mine = {}
+            for path in sorted((folder / "windows").glob("rank*.json")):
+                try:
+                    mine[path.stem[len("rank") :]] = json.loads(path.read_text()).get("windows", [])
+                except (OSError, ValueError):
+                    continue
+            text = json.dumps(mine)
+            try:
+                if text != self._windows_sent:
+                    self._store.set(f"{self._prefix}/node{self._node}/windows", text)
+                    self._windows_sent = text
+                count = int(self._store.add(f"{self._prefix}/nodes", 0))
+                for n in range(1, count + 1):
+                    key = f"{self._prefix}/node{n}/windows"
+                    if n != self._node and self._store.check([key]):
+                        for rank, rows in json.loads(self._store.get(key)).items():
+                            self._windows[int(rank)] = rows
+            except Exception as exc:  # noqa: BLE001  (the job ended: the store went with it)
+                logger.debug("ddp-doctor: could not share the windows through the rendezvous store: %s", exc)
+                self.enabled = False
+        return dict(self._windows)
 
 
 def _records(folder: Path) -> dict[str, Any]:

@@ -259,7 +259,8 @@ class WatchLoop:
                 live = {r for r in states if not end_path(folder, r).exists()}
                 if (divergence := self.replicas.poll(live)) is not None:
                     self._say(self._diverged, divergence)
-                for event in self.windows.poll(live):
+                remote = self.nodes.windows(folder) if self.nodes is not None else None
+                for event in self.windows.poll(live, remote):
                     self._say(self._window, event)
             if hung_at is not None:
                 if self.nodes is not None:

@@ -149,18 +149,26 @@ class WindowWatch:
     _slower: bool = False
     _lagging: tuple[int, ...] = ()
 
-    def poll(self, live: set[int]) -> list[WindowEvent]:
+    def poll(self, live: set[int], remote: dict[int, list[dict[str, Any]]] | None = None) -> list[WindowEvent]:
+        """Judge each window every live rank of this node wrote, and, on several nodes (`remote`: the other nodes'
+        ranks' windows, `NodeShare.windows`), every rank of the job: a window waits until another node's rows for it
+        have come."""
         if not live:
             return []
         by_rank: dict[int, dict[tuple[int, int], dict[str, Any]]] = {}
         for r in live:
             data = read_json(_path(self.folder, r)) or {}
             by_rank[r] = {(w["first"], w["last"]): w for w in data.get("windows", [])}
+        if remote is not None:
+            if not remote:
+                return []
+            for r, rows in remote.items():
+                by_rank.setdefault(r, {(w["first"], w["last"]): w for w in rows})
         done = {(w["first"], w["last"]) for w in self.judged}
         common = sorted(set.intersection(*(set(k) for k in by_rank.values())) - done)
         events = []
         for key in common:
-            events += self._judge(key, {r: by_rank[r][key] for r in sorted(live)})
+            events += self._judge(key, {r: by_rank[r][key] for r in sorted(by_rank)})
         if common:
             self.save()
         return events

@@ -105,7 +105,10 @@ def watch(
     stepped = max((s.step for s in states.values()), default=-1)
     replicas = windows = None
     if first and loop.windows is not None:
-        for event in loop.windows.poll(set(states)):  # the last windows the ranks wrote before they ended
+        # the last windows the ranks wrote before they ended (on several nodes, with the others' as last read: a
+        # window one node's rows alone would judge waits)
+        remote = loop.nodes.windows(run_dir) if loop.nodes is not None else None
+        for event in loop.windows.poll(set(states), remote):
             window(event)
         loop.windows.save()
         windows = loop.windows.to_dict()
