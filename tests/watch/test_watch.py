@@ -347,6 +347,33 @@ def test_a_rank_that_leaves_the_loop_early_is_named_after_the_job_failed(tmp_pat
     assert run.ended["failed"] is True
 
 
+def _two_nodes(
+    tmp_path: Path, env: dict[str, str], options: list[str], *, timeout: float
+) -> tuple[list[int], list[str]]:
+    """Two torchrun agents on this machine (`--nnodes 2`, c10d rendezvous on 127.0.0.1), one rank each, each under
+    its own `watch` with `options` and its own run folder `node{N}`: their exit codes and outputs, once both ended
+    and nothing of the job is left."""
+    port = free_port()
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    rdzv += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"watch-{port}"]
+    tag = uuid.uuid4().hex
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ddp_doctor.cli", "watch", "--run-dir", str(tmp_path / f"node{n}"), *options]
+            + [*rdzv, "--node-rank", str(n), str(SCRIPTS / "watch_job.py")],
+            cwd=REPO,
+            env={**os.environ, **env, "DDP_DOCTOR_TEST_TAG": tag},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
+    outputs = [proc.communicate(timeout=timeout)[0] for proc in nodes]
+    assert_no_leftovers(tag)
+    return [proc.returncode for proc in nodes], outputs
+
+
 def test_two_nodes_each_watched_explain_the_hang_from_both_nodes_ranks(tmp_path: Path) -> None:
     """Two torchrun agents on this machine (`--nnodes 2`, c10d rendezvous on 127.0.0.1), one rank each, each under
     its own `watch` with `--hang-after 3` and its own run folder (no shared file system); rank 1 spins in a Python
@@ -354,27 +381,9 @@ def test_two_nodes_each_watched_explain_the_hang_from_both_nodes_ranks(tmp_path:
     nodes share their ranks' records through the rendezvous store: each node's verdict holds both ranks and names
     rank 1, with its loop's line, as the rank the other waits for. (`--on-hang wait`: a node that stopped its own
     ranks at its verdict would end the other node's job, through the rendezvous, before that node's verdict.)"""
-    port = free_port()
-    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
-    rdzv += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"watch-{port}"]
-    tag = uuid.uuid4().hex
-    env = {**os.environ, "GROUP_TIMEOUT_S": "20", "STALL": "loop", "STALL_RANK": "1", "STALL_STEP": "15"}
-    env.update(STALL_S="25", DDP_DOCTOR_TEST_TAG=tag)
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "ddp_doctor.cli", "watch", "--run-dir", str(tmp_path / f"node{n}"), "--hang-after"]
-            + ["3", *rdzv, "--node-rank", str(n), str(SCRIPTS / "watch_job.py")],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for n in (0, 1)
-    ]
-    outputs = [proc.communicate(timeout=180)[0] for proc in nodes]
-    assert [proc.returncode for proc in nodes] == [1, 1], outputs
-    assert_no_leftovers(tag)
+    env = {"GROUP_TIMEOUT_S": "20", "STALL": "loop", "STALL_RANK": "1", "STALL_STEP": "15", "STALL_S": "25"}
+    codes, outputs = _two_nodes(tmp_path, env, ["--hang-after", "3"], timeout=180)
+    assert codes == [1, 1], outputs
     # c10d's rendezvous hands out the global ranks in the order the agents join: find each node's own rank by its
     # run folder's records.
     own = {n: int(next((tmp_path / f"node{n}").glob("rank*.beacon")).name[4:-7]) for n in (0, 1)}
@@ -392,33 +401,16 @@ def test_two_nodes_each_watched_explain_the_hang_from_both_nodes_ranks(tmp_path:
         assert hang["sequences_compared"] == 1 and hang["sequences"] == [], hang
 
 
+@pytest.mark.serial  # the windows' verdict rests on each rank's wall-clock waits; two agents at once
 def test_two_nodes_judge_each_window_over_both_nodes_ranks(tmp_path: Path) -> None:
     """Two torchrun agents on this machine, one rank each, each under its own `watch` and run folder; rank 1's reads
     take 40 ms from step 100 on (SLOW_RANK=1; under plain torchrun on one node the job ends with status 0, nothing
     said, rank 0 waiting for rank 1 in DDP's all-reduce). Judged on its own, the node of rank 1 would call its one
     rank input-bound; through the rendezvous store each node judges the windows past step 100 over both ranks:
     rank 1 waits for its data alone, a straggler, and the job is not input-bound."""
-    port = free_port()
-    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
-    rdzv += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"windows-{port}"]
-    tag = uuid.uuid4().hex
-    env = {**os.environ, "STEPS": "300", "SLOW_FROM": "100", "SLOW_S": "0.04", "SLOW_RANK": "1"}
-    env.update(DDP_DOCTOR_TEST_TAG=tag)
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "ddp_doctor.cli", "watch", "--run-dir", str(tmp_path / f"node{n}"), *rdzv]
-            + ["--node-rank", str(n), str(SCRIPTS / "watch_job.py")],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for n in (0, 1)
-    ]
-    outputs = [proc.communicate(timeout=240)[0] for proc in nodes]
-    assert [proc.returncode for proc in nodes] == [0, 0], outputs
-    assert_no_leftovers(tag)
+    env = {"STEPS": "300", "SLOW_FROM": "100", "SLOW_S": "0.04", "SLOW_RANK": "1"}
+    codes, outputs = _two_nodes(tmp_path, env, [], timeout=240)
+    assert codes == [0, 0], outputs
     for n in (0, 1):
         judged = json.loads((tmp_path / f"node{n}" / "windows.json").read_text())["windows"]
         after = [w for w in judged if w["first"] > 101]
