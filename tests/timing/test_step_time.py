@@ -99,9 +99,10 @@ def test_the_same_dataset_with_enough_workers_is_not(tmp_path) -> None:
     assert run.rc == 0, run.output
 
 
-def _comm_seconds(rank: int, world: int) -> tuple[float, float]:
+def _comm_seconds(rank: int, world: int) -> tuple[float, float, float, float]:
     """Rank 1 sleeps 0.3 s before a DTensor's `full_tensor()` (a functional all-reduce, as a clip's norm) and again
-    before the script's `dist.all_reduce`: rank 0 waits in each, and its clock counts both waits."""
+    before the script's `dist.all_reduce`: rank 0 waits in each, and its clock counts both waits. Once stopped, the
+    clock counts no more waits and leaves the FSDP2 groups as they were."""
     import time
 
     import torch.distributed as dist
@@ -127,10 +128,20 @@ def _comm_seconds(rank: int, world: int) -> tuple[float, float]:
         else:
             dist.all_reduce(torch.ones(1))
         seen.append(clock.seconds - before)
-    return seen[0], seen[1]
+    clock.stop()
+    stopped = clock.seconds
+    if rank == 1:
+        time.sleep(0.3)
+    dist.all_reduce(torch.ones(1))
+    DTensor.from_local(torch.ones(2), mesh, [Partial()]).full_tensor()
+    groups = sharded_model_of(model).param_groups()
+    unwrapped = all(name not in vars(g) for g in groups for name in CommClock.METHODS)
+    return seen[0], seen[1], clock.seconds - stopped, float(unwrapped)
 
 
 def test_the_comm_clock_counts_a_functional_collectives_wait_and_the_scripts_own(tmp_path) -> None:
     waited = run_ranks(_comm_seconds, tmp_path)
     # rank 0 waited for rank 1's sleep of 0.3 s in both; rank 1 came last and waited less
-    assert all(first >= 0.25 and last < first for first, last in zip(waited[0], waited[1])), waited
+    assert all(first >= 0.25 and last < first for first, last in zip(waited[0][:2], waited[1][:2])), waited
+    # stopped: the same waits count nothing, and the groups' methods are their class's again
+    assert [w[2:] for w in waited] == [(0.0, 1.0), (0.0, 1.0)], waited

@@ -184,6 +184,8 @@ class PlainOptimizerWatch:
         self.measuring = False
         if self.grad_scale is not None:
             self.grad_scale.remove()
+        if self.clock is not None:
+            self.clock.stop()
 
     def note_forward(self, args: Any = ()) -> None:
         """A forward through the sharded model began (the session's pre-hook on its root, with the forward's

@@ -52,12 +52,21 @@ class CommClock:
         self._start = 0.0
         self._thread = threading.get_ident()
         self.timed = bool(groups) and all(callable(getattr(g, m, None)) for g in groups for m in self.METHODS)
+        self._undo: list[Any] = []
         if self.timed:
             for group in groups:
                 for name in self.METHODS:
+                    self._undo.append(functools.partial(_restore, group, name, group.__dict__.get(name)))
                     setattr(group, name, self._timed(getattr(group, name)))
-            collectives.listen(lambda _call: self.enter(), self.leave)
-            _functional_waits().add(self)
+            self._undo.append(collectives.listen(lambda _call: self.enter(), self.leave))
+            self._undo.append(_functional_waits().add(self))
+
+    def stop(self) -> None:
+        """Take this clock off the groups, the collectives and the functional waits (idempotent): a job that trains
+        on past the observed steps, or calls `observe()` again, pays nothing more for it."""
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
 
     def enter(self) -> bool:
         """The training thread entered a collective (False on another thread: not timed, and no `leave` follows).
@@ -87,6 +96,15 @@ class CommClock:
                 self.leave()
 
         return timed
+
+
+def _restore(group: Any, name: str, before: Any) -> None:
+    """Put back what the group's instance held under `name` before a clock wrapped it (nothing: its class's method
+    is looked up again)."""
+    if before is None:
+        group.__dict__.pop(name, None)
+    else:
+        setattr(group, name, before)
 
 
 _clocks: ListenerList[CommClock] = ListenerList()
@@ -137,6 +155,14 @@ class StepClock:
         self.steps: list[float] = []
         self.owns: list[float] = []
         self.comms: list[float] = []
+        self._stopped = False
+
+    def stop(self) -> None:
+        """The observed steps are over: the figures stay, nothing more is timed, and the collectives' clock comes off
+        (idempotent)."""
+        self._stopped = True
+        if self._comm is not None:
+            self._comm.stop()
 
     @staticmethod
     def for_model(devices: set[torch.device], groups: list[Any]) -> StepClock | None:
@@ -154,6 +180,8 @@ class StepClock:
 
     def on_forward(self) -> None:
         """A forward through the model began (its root's forward pre-hook)."""
+        if self._stopped:
+            return
         if self.device is not None:
             self.device.on_forward()
         elif self._ended is not None and self._forward is None:
@@ -162,6 +190,8 @@ class StepClock:
     def on_step(self) -> None:
         """An optimizer step of the model ended. The first step only starts the clock: no step before it to wait
         from, and FSDP2's lazy initialisation runs in it."""
+        if self._stopped:
+            return
         if self.device is not None:
             self.device.on_step()
             return
