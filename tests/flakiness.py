@@ -42,6 +42,9 @@ DEFAULT = [
     "tests/lockstep/test_follow.py",
     "tests/failures/test_check_failures.py",
     "tests/watch/test_watch.py",
+    "tests/watch/test_watch_windows.py",
+    "tests/watch/test_watch_drift.py",
+    "tests/watch/test_watch_hangs.py",
     "tests/failures/test_abort_at_exit.py",
 ]
 

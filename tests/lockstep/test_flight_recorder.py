@@ -2,7 +2,7 @@
 each side's ranks, op and the user's line; dumps it cannot read are named, never a traceback.
 
 The entries below have the fields torch 2.13.0 writes (format version 2.10, from gloo and NCCL alike): checked
-against a real dump in tests/watch/test_watch.py."""
+against a real dump in tests/watch/test_watch_hangs.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`watch`'s replica comparison past the first steps: what a rank writes, and what the parent compares.
 
-The whole road (a real 2-rank job whose rank 1 drifts) is in tests/watch/test_watch.py; here the parts: the points a
+The whole road (a real 2-rank job whose rank 1 drifts) is in tests/watch/test_watch_drift.py; here the parts: the points a
 rank writes from a real DDP model, and the parent's reading of points written by hand."""
 
 from __future__ import annotations
