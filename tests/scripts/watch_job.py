@@ -7,7 +7,9 @@ step sleeps STALL_S seconds on that rank. DRIFT_RANK / DRIFT_STEP: after that st
 first layer's bias, outside DDP's gradient sync (the replicas then train apart, silently). SLOW_FROM / SLOW_S: the
 batches come from a DataLoader without workers whose items from that step on take SLOW_S seconds to read, on every
 rank (a job that becomes input-bound past its first steps), or on rank SLOW_RANK alone (a rank whose reads become
-slow: the others wait for it in DDP's all-reduce).
+slow: the others wait for it in DDP's all-reduce). WORK_RANKS / WORK_FROM / WORK_S: from that step on, those ranks (comma-separated)
+spin WORK_S seconds between the forward and the backward (a slower device, or work of their own in the loss): the
+others wait for them in DDP's all-reduce.
 
     GROUP_TIMEOUT_S=20 torchrun --nproc-per-node 2 tests/scripts/watch_job.py
 """
@@ -89,6 +91,8 @@ def main() -> None:
         else:
             x, y = torch.randn(4, 8, generator=gen), torch.randint(0, 2, (4,), generator=gen)
         loss = F.cross_entropy(model(x), y)
+        if str(rank) in os.environ.get("WORK_RANKS", "").split(",") and step >= int(os.environ.get("WORK_FROM", "0")):
+            _stall("loop", float(os.environ.get("WORK_S", "0.04")))
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -50,6 +50,7 @@ from ddp_doctor.core.steptime import (
     MIN_WAIT_S,
     PHASE_LABELS,
     PHASES,
+    STRAGGLER_RATIO,
     RankTiming,
 )
 
@@ -67,8 +68,6 @@ __all__ = [
     "straggler_rank",
 ]
 
-STRAGGLER_RATIO = 1.5
-"""The slow rank's own time over the others' median, at least."""
 _MEASURED = "Measured on this machine over {n} steps (the first observed step left out)"
 
 

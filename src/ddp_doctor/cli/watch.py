@@ -178,6 +178,20 @@ def render_window(e: Any, console: Console) -> None:
             "read).",
             soft_wrap=True,
         )
+    elif e.kind == Code.STRAGGLER_RANK.value and e.lag == "work":
+        console.print(Rule(f"straggler-rank from {span}"))
+        one = len(e.ranks) == 1
+        who, its = ("this rank", "its") if one else ("these ranks", "their")
+        console.print(
+            f"[bold]straggler-rank[/bold] ({rank_list(e.ranks)}): in {span} {who} took a median "
+            f"{_ms_span(*e.own_s)} per step from {its} optimizer step to {its} next backward (the wait for the "
+            f"batch, the forward, the loss and what the loop does before backward()), the other ranks at most "
+            f"{e.others_own_s * 1e3:.1f} ms; the others spend at least {e.others_waited_s * 1e3:.1f} ms longer in "
+            f"the rest of their step, waiting for {'it' if one else 'them'} in DDP's all-reduce, so every rank's "
+            f"step is {steps}. Look at what runs on {who} alone (other processes on {its} device or CPU, a slower "
+            f"device, work the script does there only). The job goes on, watched.",
+            soft_wrap=True,
+        )
     elif e.kind == Code.STRAGGLER_RANK.value:
         loader = e.loader or {}
         where = f" from the DataLoader created at {loader['site']}" if loader.get("site") else ""
@@ -194,8 +208,8 @@ def render_window(e: Any, console: Console) -> None:
         )
     elif e.kind == "straggler-ok":
         console.print(
-            f"ddp-doctor: {span}: no rank waits for its data longer than the others any more (a median {waits} of "
-            f"a {steps} step).",
+            f"ddp-doctor: {span}: no rank lags behind the others any more, in its data or its own work (a median "
+            f"{waits} of a {steps} step waiting for data).",
             highlight=False,
             soft_wrap=True,
         )

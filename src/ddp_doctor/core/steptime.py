@@ -20,6 +20,7 @@ __all__ = [
     "PHASE_LABELS",
     "ROW_SIZE",
     "SHOWN_LOWEST",
+    "STRAGGLER_RATIO",
     "WAITING",
     "EXAMPLE_SLOTS",
     "RankTiming",
@@ -140,6 +141,9 @@ class RankTiming:
 
 MIN_WAIT_S = 0.010
 """Seconds per step below which neither step-time finding is reported, whatever the share."""
+STRAGGLER_RATIO = 1.5
+"""A slow rank's own time over the others', at least (`straggler-rank`, in the first steps and in `watch`'s
+windows)."""
 MIN_STEPS = 6
 """Measured steps (the first observed step left out) below which neither step-time finding is reported: fewer give
 no quartiles to tell a consistent effect from a few slow steps. Three were too few: on a machine shared with other

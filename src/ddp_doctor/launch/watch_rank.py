@@ -61,7 +61,7 @@ class WatchPolicy:
     def wrapped(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
         self.session.beacon.update(group_timeout=group_timeout())
         self._replicas.add_model(ddp)
-        self._windows.add_model(ddp)
+        self._windows.add_model(ddp, lead=True)
 
     def reported(self, doctors: list[Doctor], reports: list[Report]) -> bool:
         """The first steps are reported: count the optimizer steps from here on, and let the script go on."""

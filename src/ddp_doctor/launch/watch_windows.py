@@ -12,8 +12,12 @@ half of the ranks wait): a job that becomes input-bound past its first steps (a 
 later items cost more) is said while it runs, and again when it stops being so; so is a median step that grew to
 `SLOWER` times the first window's (and by at least `MIN_WAIT_S`), and a minority of ranks that wait for their data
 where the others do not (`straggler-rank`: each of them waits at least `MIN_WAIT_S` longer than any other rank, a
-wait the others spend in their next collective; a slow disk on one node). Everything is written to `windows.json`, which
-outlives the job.
+wait the others spend in their next collective; a slow disk on one node). On a DDP model each rank also times its
+lead, from the step's first forward to the first gradient of its output (one clock read in a forward hook, one in a
+gradient hook on that output): ranks, half of them at most, whose work before the backward (the wait and the lead)
+lags behind every other rank's by the first steps' straggler rule, while the others spend that time longer in the
+rest of their step (DDP's all-reduce), are `straggler-rank` too (a slower device, other work on one rank's CPU).
+Everything is written to `windows.json`, which outlives the job.
 
 The parent side imports no torch.
 """
@@ -29,7 +33,7 @@ from typing import Any
 
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.rankfiles import read_json, write_json
-from ddp_doctor.core.steptime import MIN_WAIT_S, waits_for_data_at
+from ddp_doctor.core.steptime import MIN_WAIT_S, STRAGGLER_RATIO, waits_for_data_at
 
 __all__ = ["SLOWER", "WINDOW", "StepWindows", "WindowEvent", "WindowWatch", "replay"]
 
@@ -39,6 +43,15 @@ SLOWER = 1.5
 """A window's median step over the first window's, at least, to be said as a slowdown (and `MIN_WAIT_S` longer)."""
 _KEPT = 8
 _LOADER_KEYS = ("dataset_type", "site", "num_workers", "pin_memory", "persistent_workers", "batch_size")
+
+
+def _first_grad_tensor(output: Any) -> Any:
+    """The first tensor of a forward's output that autograd will reach (a tensor, or one in a tuple, list or dict,
+    one level down: a model's logits, a `ModelOutput`'s loss); None when there is none."""
+    import torch  # the rank side only: the parent imports no torch
+
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
+    return next((v for v in values if isinstance(v, torch.Tensor) and v.requires_grad), None)
 
 
 def _path(folder: Path, rank: int) -> Path:
@@ -61,7 +74,12 @@ class StepWindows:
         self._last: float | None = None
         """When the last optimizer step ended (None until the first watched one)."""
         self._wait: float | None = None
-        self._rows: list[tuple[float, float]] = []
+        self._began: float | None = None
+        """When the step's first forward began."""
+        self._lead: float | None = None
+        """From that forward to its output's first gradient (`add_model`'s `lead`)."""
+        self._armed = False
+        self._rows: list[tuple[float, float, float | None]] = []
         self._written: list[dict[str, Any]] = []
         self._hooks: list[Any] = []
         self.loader: dict[str, Any] | None = None
@@ -73,32 +91,69 @@ class StepWindows:
         if self.loader is None and info.get("batches") is not None:
             self.loader = {k: info[k] for k in _LOADER_KEYS if info.get(k) is not None}
 
-    def add_model(self, module: Any) -> None:
+    def add_model(self, module: Any, *, lead: bool = False) -> None:
+        """Time the wait for data to the first forward through `module` after each step; with `lead` (a DDP model,
+        whose forward issues no collective a rank waits in for another's work) also the rank's lead: from that
+        forward to the first gradient of its output in the backward (the forward, the loss and whatever the loop
+        does before `backward()`), a rank's own work. The rest of the step (the backward with DDP's all-reduce, the
+        optimizer step) is where the other ranks wait for a slow one."""
+        import torch  # the rank side only: the parent imports no torch
+
         ref = weakref.ref(self)
+
+        def on_backward(_grad: Any) -> None:
+            windows = ref()
+            if windows is not None and windows._began is not None and windows._lead is None:
+                windows._lead = time.perf_counter() - windows._began
 
         def on_forward(*_: Any) -> None:
             windows = ref()
             if windows is not None and windows._last is not None and windows._wait is None:
-                windows._wait = time.perf_counter() - windows._last
+                windows._began = time.perf_counter()
+                windows._wait = windows._began - windows._last
+
+        def after_forward(_module: Any, _args: Any, output: Any) -> None:
+            windows = ref()
+            if windows is None or windows._began is None or windows._armed or not torch.is_grad_enabled():
+                return
+            tensor = _first_grad_tensor(output)
+            if tensor is not None:
+                windows._armed = True
+                tensor.register_hook(on_backward)
 
         self._hooks.append(module.register_forward_pre_hook(on_forward, prepend=True))
+        if lead:
+            self._hooks.append(module.register_forward_hook(after_forward))
 
     def stepped(self, step: int) -> None:
         now = time.perf_counter()
         if self._last is not None:
-            self._rows.append((now - self._last, self._wait or 0.0))
-        self._last, self._wait = now, None
+            self._rows.append((now - self._last, self._wait or 0.0, self._lead))
+        self._last, self._wait, self._began, self._lead, self._armed = now, None, None, None, False
         if len(self._rows) >= WINDOW:
             self._write(step)
 
     def _write(self, step: int) -> None:
         rows, self._rows = self._rows, []
-        steps = [s for s, _ in rows]
-        waits = [w for _, w in rows]
-        shares = [w / s if s > 0 else 0.0 for s, w in rows]
+        steps = [s for s, _, _ in rows]
+        waits = [w for _, w, _ in rows]
+        shares = [w / s if s > 0 else 0.0 for s, w, _ in rows]
         q1, median, q3 = _quartiles(steps)
+        # The rank's own work before the backward (its wait between steps and its lead) and the rest of the step,
+        # over the steps whose lead was timed (most of them, or none said).
+        led = [(w + lead, s - w - lead) for s, w, lead in rows if lead is not None]
+        own = {}
+        if 2 * len(led) > len(rows):
+            own_q1, own_s, own_q3 = _quartiles([o for o, _ in led])
+            own = {
+                "own_s": own_s,
+                "own_q1_s": own_q1,
+                "own_q3_s": own_q3,
+                "rest_s": statistics.median(r for _, r in led),
+            }
         self._written.append(
             {
+                **own,
                 "first": step - len(rows) + 1,
                 "last": step,
                 "steps": len(rows),
@@ -113,6 +168,37 @@ class StepWindows:
         path = _path(self._folder, self._rank)
         path.parent.mkdir(exist_ok=True)
         write_json(path, {"windows": self._written})
+
+
+def _ahead_of_backward(rows: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The ranks, half of them at most, whose own work before the backward (their wait between steps and their lead:
+    `StepWindows.add_model`) lagged behind every other rank's in the window: the first steps' straggler rule
+    (`analyze/throughput.straggles`) on the window's figures. Each is `STRAGGLER_RATIO` times the slowest other and
+    `MIN_WAIT_S` longer, in most steps (its first quartile above every other's third), and every other rank spends
+    at least half that difference longer in the rest of its step, waiting for them in DDP's all-reduce. Empty
+    when no such ranks, or when some rank's lead was not timed."""
+    if len(rows) < 2 or not all("own_s" in w for w in rows.values()):
+        return {}
+    order = sorted(rows, key=lambda r: rows[r]["own_s"], reverse=True)
+    for k in range(1, len(order) // 2 + 1):
+        slow, others = order[:k], order[k:]
+        own, others_own = min(rows[r]["own_s"] for r in slow), max(rows[r]["own_s"] for r in others)
+        extra = own - others_own
+        waited = min(rows[r]["rest_s"] for r in others) - max(rows[r]["rest_s"] for r in slow)
+        if (
+            own >= STRAGGLER_RATIO * others_own
+            and extra >= MIN_WAIT_S
+            and min(rows[r]["own_q1_s"] for r in slow) > max(rows[r]["own_q3_s"] for r in others)
+            and waited >= 0.5 * extra
+        ):
+            return {
+                "lagging": sorted(slow),
+                "lagging_in": "work",
+                "own_s": [own, max(rows[r]["own_s"] for r in slow)],
+                "others_own_s": others_own,
+                "others_waited_s": waited,
+            }
+    return {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +218,17 @@ class WindowEvent:
     """The ranks' median waits for data in the window, lowest and highest (of the waiting ranks for `input-bound`
     and `straggler-rank`)."""
     others_wait_s: float | None = None
-    """For `straggler-rank`: the longest median wait for data among the other ranks."""
+    """For `straggler-rank` in their data: the longest median wait for data among the other ranks."""
+    lag: str | None = None
+    """For `straggler-rank`: `data` (these ranks waited for their data where the others did not) or `work` (their
+    own work before the backward took longer: `own_s`, `others_own_s`, `others_waited_s`)."""
+    own_s: tuple[float, float] | None = None
+    """For a `work` lag: the lagging ranks' median own work before the backward, lowest and highest."""
+    others_own_s: float | None = None
+    """For a `work` lag: the longest median own work before the backward among the other ranks."""
+    others_waited_s: float | None = None
+    """For a `work` lag: how much longer, at least, every other rank's rest of the step took (its wait in DDP's
+    all-reduce for them)."""
     baseline_step_s: float | None = None
     """For `slower`: the first window's highest median step."""
     loader: dict[str, Any] | None = None
@@ -205,6 +301,9 @@ class WindowWatch:
         # for them in their next collective (DDP's all-reduce), whatever their own reads cost.
         apart = bool(waits and others) and min(waits) >= max(others) + MIN_WAIT_S
         entry["lagging"] = waiting if apart and not entry["input_bound"] else []
+        entry["lagging_in"] = "data" if entry["lagging"] else None
+        if not entry["lagging"] and not entry["input_bound"]:
+            entry.update(_ahead_of_backward(rows))
         return self._events(entry)
 
     def _events(self, entry: dict[str, Any]) -> list[WindowEvent]:
@@ -243,6 +342,8 @@ class WindowWatch:
             )
         self._slower = slower
         lagging = tuple(entry.get("lagging") or ())
+        work = bool(lagging) and entry.get("lagging_in") == "work"
+        data = bool(lagging) and not work
         if lagging != self._lagging:
             self._lagging = lagging
             events.append(
@@ -252,9 +353,13 @@ class WindowWatch:
                     last=entry["last"],
                     ranks=list(lagging) if lagging else entry["ranks"],
                     step_s=steps,
-                    wait_s=tuple(entry["waiting_wait_s"] if lagging else entry["wait_s"]),
-                    others_wait_s=entry.get("others_wait_s") if lagging else None,
-                    loader=entry.get("loader") if lagging else None,
+                    wait_s=tuple(entry["waiting_wait_s"] if data else entry["wait_s"]),
+                    others_wait_s=entry.get("others_wait_s") if data else None,
+                    loader=entry.get("loader") if data else None,
+                    lag=entry.get("lagging_in", "data") if lagging else None,
+                    own_s=tuple(entry["own_s"]) if work else None,
+                    others_own_s=entry.get("others_own_s") if work else None,
+                    others_waited_s=entry.get("others_waited_s") if work else None,
                 )
             )
         return events

@@ -179,7 +179,14 @@ def _windows_words(windows: dict[str, Any]) -> str:
 
         ranks = sorted({r for w in lagging for r in w["lagging"]})
         its = "its" if len(ranks) == 1 else "their"
-        said += f"; {rank_list(ranks)} waited for {its} data alone in {len(lagging)} of them, from step {lagging[0]['first']}"
+        what = (
+            f"waited for {its} data alone"
+            if all(w.get("lagging_in", "data") == "data" for w in lagging)
+            else f"lagged behind the others (in {its} data or {its} own work before the backward)"
+            if any(w.get("lagging_in", "data") == "data" for w in lagging)
+            else f"lagged behind the others in {its} own work before the backward"
+        )
+        said += f"; {rank_list(ranks)} {what} in {len(lagging)} of them, from step {lagging[0]['first']}"
     return said
 
 
