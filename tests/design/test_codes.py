@@ -173,11 +173,9 @@ def test_the_table_says_where_each_code_is_decided() -> None:
         assert row.guard == (row.code.name in rules), f"{row.code}: guard={row.guard}, but rules.py disagrees"
 
 
-SEVERAL_SOURCES = {"COLLECTIVE_MISMATCH": 2}
-"""Codes still decided in more than one module: `collective-mismatch` from the ranks' sequences of collectives
-(collective_order.py: a completed step, the epoch end, a failed run's beacons, Flight Recorder dumps) and from DDP's
-own collectives counted by their mechanism (consistency.py: extra synced passes, a forward without backward, a
-buffer broadcast without grad). The count may only go down."""
+SEVERAL_SOURCES: dict[str, int] = {}
+"""Codes still decided in more than one module (none: `collective-mismatch`, the last, is decided in
+collective_order.py from every source). The count may only go down."""
 
 
 def test_each_concept_is_decided_in_one_module() -> None:

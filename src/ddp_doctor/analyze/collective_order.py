@@ -8,10 +8,12 @@ from a failed run's beacons, whose parting (`Parting`) is found here too:
 - the epoch end the check followed: the ranks' counts of collectives there (`followed_apart`);
 - a run that failed or hung: each rank's beacon, its last collective and how many it had issued (`beacons_parting`,
   `beacons_apart`);
-- PyTorch's Flight Recorder dumps of a job that never ran under the doctor (`dumps_apart`).
+- PyTorch's Flight Recorder dumps of a job that never ran under the doctor (`dumps_apart`);
+- DDP's own collectives in a step, counted by their mechanism where the digests cannot tell them apart: extra synced
+  backward passes (`synced_pass_mismatch`), a forward in grad mode without a backward (`unpaired_forward_mismatch`),
+  a buffer broadcast from a forward without grad (`eval_broadcast_mismatch`).
 
-DDP's own collectives counted by their mechanism (extra synced passes, a forward in grad mode without a backward, a
-buffer broadcast from a forward without grad) are `consistency.py`'s. Pure: plain data in, `Finding`s out.
+The words are `collective_words.py`'s, from the evidence found here. Pure: plain data in, `Finding`s out.
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddp_doctor.analyze.positions import capped, short, where
+from ddp_doctor.analyze.collective_words import (
+    beacons_words,
+    broadcast_words,
+    dumps_words,
+    followed_words,
+    lone_broadcast_words,
+    sequence_words,
+    synced_passes_words,
+    unpaired_words,
+)
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, lines_of
@@ -34,9 +45,12 @@ __all__ = [
     "beacons_parting",
     "collective_sequence_mismatch",
     "dumps_apart",
+    "eval_broadcast_mismatch",
     "failed_inside",
     "followed_apart",
     "sequences_apart",
+    "synced_pass_mismatch",
+    "unpaired_forward_mismatch",
 ]
 
 
@@ -70,10 +84,11 @@ def sequences_apart(
     also: list[int] = (),
 ) -> Finding:
     """`collective-mismatch` in a step that completed, for every parallelism: the collectives of `step` called through
-    torch.distributed (the script's; FSDP2's and `replicate`'s too) were not the same sequence on every rank. `odd` are the ranks whose sequence differs from the reference rank's
-    (the lowest few; `more` others); `calls` maps the reference rank (first) and some of `odd` to their calls of the
-    step, in order (`all_reduce(float32[1], MAX)/2 at train.py:118`, the first few); `counts` the lowest and highest
-    number of calls, `also` later steps that differed too."""
+    torch.distributed (the script's; FSDP2's and `replicate`'s too) were not the same sequence on every rank. `odd` are
+    the ranks whose sequence differs from the reference rank's (the lowest few; `more` others); `calls` maps the
+    reference rank (first) and some of `odd` to their calls of the step, in order (`all_reduce(float32[1], MAX)/2 at
+    train.py:118`, the first few); `counts` the lowest and highest number of calls, `also` later steps that differed
+    too."""
     reference = next(iter(calls))
     signatures = [[c.rsplit(" at ", 1)[0] for c in log] for log in calls.values()]
     position = next(
@@ -84,106 +99,164 @@ def sequences_apart(
         ),
         None,
     )
-    if position is None:
-        where = "the calls beyond the logged ones differ"
-    else:
-        shown = []
-        for r, log in list(calls.items())[:4]:
-            call = log[position] if position < len(log) else None
-            shown.append(
-                f"rank {r} called {call.replace('/', ' over a group of ', 1)}"
-                if call
-                else f"rank {r} called nothing more"
-            )
-        where = f"at its collective #{position + 1} of the step, " + "; ".join(shown)
-    differ = len(odd) + more
+    shown = [
+        (r, log[position] if position is not None and position < len(log) else None)
+        for r, log in list(calls.items())[:4]
+    ]
+    words = sequence_words(
+        step=step,
+        reference=reference,
+        shown=shown,
+        position=position,
+        odd=rank_list(odd, more=more),
+        differ=len(odd) + more,
+        counts=list(counts),
+        also=list(also),
+    )
     return Finding(
         code=Code.COLLECTIVE_MISMATCH,
         severity="error",
-        title=f"the ranks issued different collectives in step {step} ({rank_list(odd, more=more)} "
-        f"differ{'s' if differ == 1 else ''} from rank {reference})",
-        detail=f"In step {step} the collectives called through torch.distributed (the script's, and FSDP2's for a "
-        f"sharded model) were not the same on every rank: {where}. "
-        + (f"The ranks issued {' to '.join(map(str, counts))} collectives in that step. " if len(counts) > 1 else "")
-        + "Collectives pair up by position, so each rank combined a different tensor or reduction than it "
-        "meant to, silently, or waits for a peer that never comes."
-        + (f" Also in step(s) {list(also)}." if also else ""),
+        **words,
         params=[],
         sites=lines_of(*(log[position] for log in calls.values() if position is not None and position < len(log))),
         ranks=sorted({reference, *odd}),
         steps=[step, *also],
         more_ranks=more,
-        fix="make every rank of the group call the same collectives, in the same order, with the same dtype, shape "
-        "and reduction: compute rank-dependent choices (which metric, which op) from values agreed across ranks "
-        "first.",
     )
+
+
+@detects(Code.COLLECTIVE_MISMATCH)
+def synced_pass_mismatch(v: View) -> list[Finding]:
+    """Ranks that ran different numbers of synced backward passes through DDP in one optimizer step: each extra
+    backward issues DDP's gradient all-reduces once more, which the other ranks pair with their next ones."""
+    if v.world < 2:
+        return []
+    (stepped_hi, stepped_lo), (synced_hi, synced_lo) = v.summary.steps_taken, v.summary.synced
+    if synced_hi == synced_lo and stepped_hi != stepped_lo:
+        # Every rank ran its synced passes in lockstep: counted per rank's own optimizer steps they look uneven
+        # only because some rank skipped a step (`optimizer-step-skipped`), not because collectives were extra.
+        return []
+    most_by, least_by = v.summary.window_passes
+    bad = [k for k in range(v.summary.windows) if most_by[k] != least_by[k]]
+    if not bad:
+        return []
+    first = bad[0]
+    extra, rest = v.ranks("extra-passes"), v.ranks("fewer-passes")
+    sites = sorted({site for r in extra.ranks for site in v.meta(r)["window_sites"]})
+    words = synced_passes_words(
+        extra=rank_list(extra.ranks, more=extra.more),
+        rest=rank_list(rest.ranks, more=rest.more),
+        first=first,
+        most=most_by[first],
+        least=least_by[first],
+        sites=sites,
+        also=bad[1:],
+    )
+    return [
+        Finding(
+            code=Code.COLLECTIVE_MISMATCH,
+            sites=lines_of(*sites),
+            severity="error",
+            **words,
+            params=[],
+            ranks=extra.ranks,
+            steps=bad,
+            more_ranks=extra.more,
+        )
+    ]
+
+
+@detects(Code.COLLECTIVE_MISMATCH)
+def unpaired_forward_mismatch(v: View) -> list[Finding]:
+    """Ranks that ran DDP's forward in grad mode (gradient sync on) without a backward where other ranks did not:
+    typically a rank-0-only evaluation through the DDP wrapper with autograd on. DDP prepares a reduction in such a
+    forward and, when it broadcasts buffers, issues a collective the other ranks never issue."""
+    if v.world < 2 or not v.steps:
+        return []
+    most_by, least_by = v.summary.unpaired
+    bad = [s for s in range(v.steps) if most_by[s] != least_by[s]]
+    if not bad:
+        return []
+    first = bad[0]
+    extra, rest = v.ranks("unpaired-extra"), v.ranks("unpaired-fewer")
+    sites = sorted({site for r in extra.ranks for site in v.meta(r)["unpaired_sites"]})
+    broadcasts = bool(v.info.buffer_names) and bool(v.info.ddp_config.get("broadcast_buffers", True))
+    words = unpaired_words(
+        extra=rank_list(extra.ranks, more=extra.more),
+        rest=rank_list(rest.ranks, more=rest.more),
+        first=first,
+        more_forwards=most_by[first],
+        sites=sites,
+        broadcasts=broadcasts,
+        also=bad[1:],
+    )
+    return [
+        Finding(
+            code=Code.COLLECTIVE_MISMATCH,
+            sites=lines_of(*sites),
+            severity="error" if broadcasts else "warning",
+            **words,
+            params=[],
+            ranks=extra.ranks,
+            steps=bad,
+            more_ranks=extra.more,
+        )
+    ]
+
+
+@detects(Code.COLLECTIVE_MISMATCH)
+def eval_broadcast_mismatch(v: View) -> list[Finding]:
+    """Ranks whose DDP forwards without grad broadcast the buffers where the other ranks' did not: typically a
+    rank-0-only evaluation through the DDP wrapper under torch.no_grad() of a model with buffers (BatchNorm).
+
+    DDP broadcasts at every forward that follows a synced forward in grad mode, whatever the grad mode of its own,
+    and skips the broadcast at the forward after one without grad: the evaluation takes over rank 0's broadcast
+    from its next training forward, and the other ranks pair it with whatever collective they issue next. Steps
+    where `unpaired_forward_mismatch` fires are its to explain (the exchange leaves them out).
+    """
+    if v.world < 2 or not v.steps:
+        return []
+    (hi, lo), (u_hi, u_lo) = v.summary.broadcasts, v.summary.unpaired
+    bad = [s for s in range(v.steps) if int(hi[s, 1]) != int(lo[s, 1]) and u_hi[s] == u_lo[s]]
+    if not bad:
+        return []
+    first = bad[0]
+    extra, rest = v.ranks("broadcast-extra"), v.ranks("broadcast-fewer")
+    sites = sorted({site for r in extra.ranks for site in v.meta(r)["broadcast_sites"]})
+    words = broadcast_words(
+        extra=rank_list(extra.ranks, more=extra.more),
+        rest=rank_list(rest.ranks, more=rest.more),
+        first=first,
+        sites=sites,
+        uneven=[s for s in bad if int(hi[s, 0]) != int(lo[s, 0])],
+        also=bad[1:],
+    )
+    return [
+        Finding(
+            code=Code.COLLECTIVE_MISMATCH,
+            sites=lines_of(*sites),
+            severity="error",
+            **words,
+            params=[],
+            ranks=extra.ranks,
+            steps=bad,
+            more_ranks=extra.more,
+        )
+    ]
 
 
 def followed_apart(s: FollowSummary) -> list[Finding]:
     """`collective-mismatch` at the epoch end the check followed: the ranks' counts of the script's collectives,
     DDP's buffer broadcasts or its synced backward passes differed, or some ranks broadcast DDP's buffers from a
-    forward without grad that the others did not run."""
-    differ = {k: v for k, v in s.counts.items() if v[0] != v[1]}
+    forward without grad that the others did not run (the counts alike: DDP then skips that rank's next one)."""
     if s.lone_broadcasts and s.more_ranks:
-        return [_lone_broadcast(s)]
+        words = lone_broadcast_words(ranks=s.more_ranks, extra_sites=s.extra_sites)
+        return [Finding(code=Code.COLLECTIVE_MISMATCH, severity="error", **words, ranks=s.more_ranks)]
+    differ = {k: v for k, v in s.counts.items() if v[0] != v[1]}
     if not differ:
         return []
-    words = {
-        "collective": "the script's collectives",
-        "ddp-broadcast": "DDP's buffer broadcasts (one per forward through the wrapper that syncs buffers)",
-        "ddp-step": "DDP's gradient all-reduces (synced backward passes)",
-    }
-    counted = "; ".join(f"{words[k]}: {lo} to {hi} per rank" for k, (hi, lo) in differ.items())
-    sites = f" The extra forward through the DDP wrapper is at {', '.join(s.extra_sites)}." if s.extra_sites else ""
-    ranks = s.more_ranks
-    broadcast = "ddp-broadcast" in differ
-    return [
-        Finding(
-            code=Code.COLLECTIVE_MISMATCH,
-            severity="error",
-            title=f"after the observed steps, {rank_list(ranks) if ranks else 'some ranks'} issued more collectives "
-            "than the others (at the epoch end)",
-            detail=f"While following the script through its epoch end, the ranks did not issue the same collectives: "
-            f"{counted}.{sites} Collectives pair up by position, so the ranks with more pair theirs with the others' "
-            "next ones: tensors of different meaning get combined silently, and the job hangs or crashes when the "
-            "counts no longer line up (at the end of training, at the latest)."
-            + (
-                " A forward through the DDP wrapper broadcasts rank 0's buffers (broadcast_buffers=True and the model "
-                "has buffers, BatchNorm say), even under torch.no_grad() in eval mode, right after a training step."
-                if broadcast
-                else ""
-            ),
-            params=[],
-            ranks=ranks,
-            steps=[],
-            fix="evaluate through the inner module (ddp_model.module(x)) under torch.no_grad(), or run the evaluation "
-            "on every rank (each on its shard)."
-            if broadcast
-            else "issue the same collectives on every rank: run the code that calls them on every rank.",
-        )
-    ]
-
-
-def _lone_broadcast(s: FollowSummary) -> Finding:
-    who = rank_list(s.more_ranks)
-    where = f" at {', '.join(s.extra_sites)}" if s.extra_sites else ""
-    return Finding(
-        code=Code.COLLECTIVE_MISMATCH,
-        severity="error",
-        title=f"{who} called the DDP model without autograd{where} after the observed steps; the other ranks did not",
-        detail=f"At the epoch end the check followed, {who} ran a forward through the DDP wrapper under "
-        f"torch.no_grad(){where} (an evaluation, say) that the other ranks did not run. With broadcast_buffers=True "
-        "and a model with buffers (BatchNorm), DDP broadcasts rank 0's buffers at the first such forward after a "
-        "training step: a collective the other ranks pair with the broadcast of their next training forward (DDP "
-        "then skips that rank's next one, so the counts can still agree). The pairing is silently wrong, and when "
-        "no training forward follows (an evaluation after the last epoch) the broadcast is never matched and the "
-        "job hangs or dies at its end.",
-        params=[],
-        ranks=s.more_ranks,
-        steps=[],
-        fix="evaluate through the inner module (ddp_model.module(x)) under torch.no_grad(), or run the evaluation "
-        "on every rank (each on its shard).",
-    )
+    words = followed_words(differ=differ, ranks=s.more_ranks, extra_sites=s.extra_sites)
+    return [Finding(code=Code.COLLECTIVE_MISMATCH, severity="error", **words, params=[], ranks=s.more_ranks)]
 
 
 def dumps_apart(
@@ -195,32 +268,25 @@ def dumps_apart(
 ) -> Finding:
     """`collective-mismatch` from Flight Recorder dumps: at sequence number `seq` of `group`, the ranks in each of
     `kinds` issued that op and size (or none)."""
-    sides = []
-    for (op, _), ranks in sorted(kinds.items(), key=lambda kv: (kv[0][0] == "none", kv[1])):
-        if op == "none":
-            last = [max(seqs[r]) for r in ranks]
-            sides.append(f"{rank_list(ranks)} issued none (its last was #{max(last)})")
-        else:
-            e = seqs[ranks[0]][seq]
-            sides.append(f"{rank_list(ranks)} issued {e.describe()} at {e.line or 'an unknown line'}")
-    named = sorted(r for ranks in kinds.values() for r in ranks)
+    sides = [
+        (ranks, None, max(max(seqs[r]) for r in ranks)) if op == "none" else (ranks, seqs[ranks[0]][seq], 0)
+        for (op, _), ranks in sorted(kinds.items(), key=lambda kv: (kv[0][0] == "none", kv[1]))
+    ]
     name = "the default group" if group == "0" else f"process group {group}"
     members = next((d.group_ranks.get(group) for d in dumps.values() if d.group_ranks.get(group)), [])
-    missing = [r for r in members if r not in dumps]
-    start = max(min(s) for s in seqs.values())
+    words = dumps_words(
+        name=name,
+        seq=seq,
+        sides=sides,
+        dumped=sorted(dumps),
+        missing=[r for r in members if r not in dumps],
+        start=max(min(s) for s in seqs.values()),
+    )
     return Finding(
         code=Code.COLLECTIVE_MISMATCH,
         severity="error",
-        title=f"at collective #{seq} of {name}, " + " where ".join(sides),
-        detail=(
-            f"Flight Recorder dumps of {rank_list(sorted(dumps))}: at collective #{seq} of {name}, "
-            + "; ".join(sides)
-            + f". Every earlier collective of the group in the dumps (from #{start}) matched on every rank."
-            + (f" {rank_list(missing)} left no dump." if missing else "")
-        ),
-        ranks=named,
-        fix="make every rank of the group call the same collectives in the same order: a collective inside a "
-        "rank-dependent branch (a save or an evaluation on rank 0) must move out of it, or be called on every rank.",
+        **words,
+        ranks=sorted(r for ranks in kinds.values() for r in ranks),
     )
 
 
@@ -275,53 +341,16 @@ def beacons_apart(states: dict[int, RankState], parting: Parting) -> Finding:
     """`collective-mismatch` of a failed run, at `parting`."""
     first, behind, different = parting.first, parting.behind, parting.different
     c = first.collective
-    parts = [
-        (
-            f"rank {first.rank} called {c.describe()} at {c.site or 'an unknown place'} in step "
-            # (no doctor counts a sharded model's steps when the collective starts: the rank's own count, where it
-            # still waits)
-            f"{c.step if c.step is not None else max(first.step, 0)} (its collective #{c.n}) and waited there"
-        )
-    ]
-    for s in behind:
-        parts.append(
-            f"rank {s.rank} never called it: it had issued {s.collectives} of the script's collectives and "
-            f"went on to {where(s)}"
-            + (
-                "; the sharded model's next collectives on that rank (the all-gathers of its forward) wait for it"
-                if s.sharded and not s.in_collective
-                else "; DDP's next gradient all-reduce on that rank was paired with it"
-                if s.phase in ("backward", "after backward") or not s.in_collective
-                else ""
-            )
-        )
-    for s in different:
-        o = s.collective
-        parts.append(f"rank {s.rank} called {o.describe()} at {o.site or 'an unknown place'} at the same position")
     culprits = sorted({s.rank for s in (*behind, *different)})
     signals = [f"rank {s.rank} died of {s.signal}" for s in states.values() if s.signal in ("SIGABRT", "SIGSEGV")]
+    words = beacons_words(first=first, behind=behind, different=different, culprits=culprits, signals=signals)
     return Finding(
         code=Code.COLLECTIVE_MISMATCH,
         severity="error",
-        title=(
-            f"{rank_list(culprits)} skipped {c.op} ({short(c.site)}) that rank {first.rank} called"
-            if behind and not different
-            else f"ranks called different collectives at position {c.n}: {c.describe()} on rank {first.rank}"
-        ),
-        detail=capped(parts)
-        + "."
-        + (f" {capped(signals)} (gloo aborts a process whose peer issued a different collective)." if signals else ""),
+        **words,
         ranks=sorted({first.rank, *culprits}),
         steps=sorted({max(s.step, 0) for s in (first, *behind, *different)}),
         sites=lines_of(
             c.site or "", *(s.collective.site or "" for s in different), *(s.user_frame or "" for s in behind)
-        ),
-        fix=(
-            f"give {c.op} at {c.site or 'that line'} the same dtype and shape on every rank: agree on the size "
-            "first (all_reduce the length, or broadcast_object_list), then pad or slice to it."
-            if different and all(s.collective.op == c.op for s in different) and not behind
-            else f"make every rank of the group call the same collectives in the same order: move {c.op} at "
-            f"{c.site or 'that line'} out of the rank-dependent branch (compute the condition on every rank, "
-            f"or all_reduce a flag first), or call it on every rank."
         ),
     )

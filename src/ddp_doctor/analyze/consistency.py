@@ -1,7 +1,7 @@
-"""Cross-rank consistency of what each rank did in a step, DDP's own collectives counted by their mechanism (the
-ranks' sequences of collectives are `collective_order.py`'s): the same number of synced passes through DDP, no DDP forward in grad mode that only some ranks run without a backward, and no
-buffer broadcast of DDP's from a forward without grad that only some ranks run. Pure:
-the exchange's per-step maxima and minima show where the ranks differ, its bounded examples name them."""
+"""Cross-rank consistency of the training helpers in a step: AMP GradScaler's scale at each optimizer step
+(`grad-scaler-mismatch`) and BatchNorm layers that normalize over each rank's own batch (`batchnorm-not-synced`).
+The ranks' collectives, DDP's own counted by their mechanism included, are `collective_order.py`'s. Pure: the
+exchange's per-step maxima and minima show where the ranks differ, its bounded examples name them."""
 
 from __future__ import annotations
 
@@ -9,159 +9,11 @@ from ddp_doctor.analyze.common import all_ranks
 from ddp_doctor.analyze.rules import count
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, lines_of
-from ddp_doctor.core.ranks import other_ranks, rank_list
+from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.ranks import other_ranks
 from ddp_doctor.core.records import decode_scale
 
-__all__ = [
-    "batchnorm_not_synced",
-    "eval_broadcast_mismatch",
-    "grad_scaler_mismatch",
-    "synced_pass_mismatch",
-    "unpaired_forward_mismatch",
-]
-
-
-@detects(Code.COLLECTIVE_MISMATCH)
-def synced_pass_mismatch(v: View) -> list[Finding]:
-    """Ranks that ran different numbers of synced backward passes through DDP in one optimizer step: each extra
-    backward issues DDP's gradient all-reduces once more, which the other ranks pair with their next ones."""
-    if v.world < 2:
-        return []
-    (stepped_hi, stepped_lo), (synced_hi, synced_lo) = v.summary.steps_taken, v.summary.synced
-    if synced_hi == synced_lo and stepped_hi != stepped_lo:
-        # Every rank ran its synced passes in lockstep: counted per rank's own optimizer steps they look uneven
-        # only because some rank skipped a step (`optimizer-step-skipped`), not because collectives were extra.
-        return []
-    most_by, least_by = v.summary.window_passes
-    bad = [k for k in range(v.summary.windows) if most_by[k] != least_by[k]]
-    if not bad:
-        return []
-    first = bad[0]
-    most, least = most_by[first], least_by[first]
-    extra, rest = v.ranks("extra-passes"), v.ranks("fewer-passes")
-    sites = sorted({site for r in extra.ranks for site in v.meta(r)["window_sites"]})
-    where = f" (the extra pass starts at {', '.join(sites)})" if sites else ""
-    return [
-        Finding(
-            code=Code.COLLECTIVE_MISMATCH,
-            sites=lines_of(*sites),
-            severity="error",
-            title=f"{rank_list(extra.ranks, more=extra.more)} ran {most} synced backward passes in optimizer step {first}, {rank_list(rest.ranks, more=rest.more)} "
-            f"{least}",
-            detail=f"In optimizer step {first}{where}, the ranks ran different numbers of backward passes through DDP "
-            "with gradient sync on. Each synced backward issues DDP's gradient all-reduces, so the extra ones on "
-            "one rank are paired with the other ranks' next ones: gradients of different steps get averaged, "
-            "and the job hangs or crashes when the counts no longer line up."
-            + (f" It happened again in optimizer step(s) {bad[1:]}." if len(bad) > 1 else ""),
-            params=[],
-            ranks=extra.ranks,
-            steps=bad,
-            more_ranks=extra.more,
-            fix="run the same number of synced forward/backward passes on every rank in each step: decide the retry "
-            "from a value all-reduced across ranks, or run the extra pass under ddp.no_sync().",
-        )
-    ]
-
-
-@detects(Code.COLLECTIVE_MISMATCH)
-def unpaired_forward_mismatch(v: View) -> list[Finding]:
-    """Ranks that ran DDP's forward in grad mode (gradient sync on) without a backward where other ranks did not:
-    typically a rank-0-only evaluation through the DDP wrapper with autograd on. DDP prepares a reduction in such a
-    forward and, when it broadcasts buffers, issues a collective the other ranks never issue."""
-    if v.world < 2 or not v.steps:
-        return []
-    most_by, least_by = v.summary.unpaired
-    bad = [s for s in range(v.steps) if most_by[s] != least_by[s]]
-    if not bad:
-        return []
-    first = bad[0]
-    extra, rest = v.ranks("unpaired-extra"), v.ranks("unpaired-fewer")
-    sites = sorted({site for r in extra.ranks for site in v.meta(r)["unpaired_sites"]})
-    where = f" at {', '.join(sites)}" if sites else ""
-    broadcasts = bool(v.info.buffer_names) and bool(v.info.ddp_config.get("broadcast_buffers", True))
-    consequence = (
-        "DDP's forward broadcasts rank 0's buffers (broadcast_buffers=True and the model has buffers), a collective "
-        "the other ranks do not issue at that point: their next collectives are paired with it, and the job hangs "
-        "or averages the wrong tensors."
-        if broadcasts
-        else "This run went on because the model has no buffers for DDP to broadcast in that forward, so it issued no "
-        "collective there; with buffers (BatchNorm, say) and broadcast_buffers=True the same line broadcasts them on "
-        "these ranks alone, a collective the other ranks never join, and the job hangs (measured on torch 2.13)."
-    )
-    return [
-        Finding(
-            code=Code.COLLECTIVE_MISMATCH,
-            sites=lines_of(*sites),
-            severity="error" if broadcasts else "warning",
-            title=f"{rank_list(extra.ranks, more=extra.more)} ran DDP's forward with autograd on and no backward{where} in step {first}; "
-            f"{rank_list(rest.ranks, more=rest.more)} did not",
-            detail=f"In step {first}, {rank_list(extra.ranks, more=extra.more)} called the DDP model in grad mode {most_by[first]} "
-            f"more time(s) than {rank_list(rest.ranks, more=rest.more)}, and no backward followed{where} (an evaluation through the DDP "
-            "wrapper, say). " + consequence + (f" Also in step(s) {bad[1:]}." if len(bad) > 1 else ""),
-            params=[],
-            ranks=extra.ranks,
-            steps=bad,
-            more_ranks=extra.more,
-            fix="evaluate on one rank under torch.no_grad() through the inner module (ddp_model.module(x)), or run the "
-            "evaluation on every rank.",
-        )
-    ]
-
-
-@detects(Code.COLLECTIVE_MISMATCH)
-def eval_broadcast_mismatch(v: View) -> list[Finding]:
-    """Ranks whose DDP forwards without grad broadcast the buffers where the other ranks' did not: typically a
-    rank-0-only evaluation through the DDP wrapper under torch.no_grad() of a model with buffers (BatchNorm).
-
-    DDP broadcasts at every forward that follows a synced forward in grad mode, whatever the grad mode of its own,
-    and skips the broadcast at the forward after one without grad: the evaluation takes over rank 0's broadcast
-    from its next training forward, and the other ranks pair it with whatever collective they issue next. Steps
-    where `unpaired_forward_mismatch` fires are its to explain (the exchange leaves them out).
-    """
-    if v.world < 2 or not v.steps:
-        return []
-    (hi, lo), (u_hi, u_lo) = v.summary.broadcasts, v.summary.unpaired
-    bad = [s for s in range(v.steps) if int(hi[s, 1]) != int(lo[s, 1]) and u_hi[s] == u_lo[s]]
-    if not bad:
-        return []
-    first = bad[0]
-    extra, rest = v.ranks("broadcast-extra"), v.ranks("broadcast-fewer")
-    sites = sorted({site for r in extra.ranks for site in v.meta(r)["broadcast_sites"]})
-    where = f" at {', '.join(sites)}" if sites else ""
-    uneven = [s for s in bad if int(hi[s, 0]) != int(lo[s, 0])]
-    counts = (
-        f" Counted by optimizer step, the ranks also issued different numbers of buffer broadcasts in step(s) {uneven}."
-        if uneven
-        else ""
-    )
-    who, others = rank_list(extra.ranks, more=extra.more), rank_list(rest.ranks, more=rest.more)
-    return [
-        Finding(
-            code=Code.COLLECTIVE_MISMATCH,
-            sites=lines_of(*sites),
-            severity="error",
-            title=f"{who} broadcast DDP's buffers from a forward without grad{where} in step {first}; {others} did not",
-            detail=f"In step {first}, {who} called the DDP model without grad{where} (an evaluation through the DDP "
-            "wrapper, say), and DDP's forward broadcast rank 0's buffers there: it does at every forward that "
-            "follows a synced training forward when broadcast_buffers=True and the model has buffers (BatchNorm), "
-            f"in eval mode and under torch.no_grad() too. {others} issued no broadcast at that point. A forward "
-            "without grad also makes DDP skip the broadcast of the next forward, so on those ranks the broadcast moved "
-            "from their next training forward to the evaluation, and the other ranks pair it with the next "
-            "collective they issue. The observed steps got through because that was their next forward's broadcast; when something "
-            "else comes first on them (a dist.barrier() or an all_reduce of metrics after the evaluation, DDP's "
-            "gradient all-reduce when the evaluation runs between forward and backward, the end of training), the "
-            "collectives pair with the wrong ones and the job hangs (measured with gloo on torch 2.13)."
-            + counts
-            + (f" Also in step(s) {bad[1:]}." if len(bad) > 1 else ""),
-            params=[],
-            ranks=extra.ranks,
-            steps=bad,
-            more_ranks=extra.more,
-            fix="evaluate through the inner module (ddp_model.module(x)) under torch.no_grad(), or run the evaluation "
-            "on every rank.",
-        )
-    ]
+__all__ = ["batchnorm_not_synced", "grad_scaler_mismatch"]
 
 
 @detects(Code.GRAD_SCALER_MISMATCH)

@@ -239,7 +239,7 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.MODEL_NOT_WRAPPED, Family.SYNC, "error/info", "not_wrapped.py",
          "an optimizer trains parameters on several ranks with no DDP around them",
          when="error; info when a manual sync kept the replicas equal"),
-    _row(Code.COLLECTIVE_MISMATCH, Family.LOCKSTEP, "error/warning", "collective_order.py consistency.py",
+    _row(Code.COLLECTIVE_MISMATCH, Family.LOCKSTEP, "error/warning", "collective_order.py",
          "ranks issued different collectives, or different numbers of synced backward passes",
          when="error; warning for a DDP forward with autograd on and no backward on some ranks that issued no "
               "collective"),
