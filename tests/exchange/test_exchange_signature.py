@@ -1,7 +1,7 @@
 """The exchange sends the same bytes: every collective's op, shape and each rank's tensor, for a few simulated groups
 that take every conditional round (B2, B3, C, ModelInfos that differ, more ranks than example slots), against
 signatures recorded before the protocol was cut into rounds; and the same for a sharded job's exchange and for the
-epoch end's (`follow_rounds`). A change here changes what ranks send: re-record only on purpose
+epoch end's (`follow_rounds`) and a run without a wrapper's (`unwrapped_rounds`). A change here changes what ranks send: re-record only on purpose
 (`PYTHONPATH=tests python tests/exchange/test_exchange_signature.py` prints the current ones), and say why in the
 commit."""
 
@@ -15,10 +15,12 @@ import pytest
 import torch
 from handbuilt import P, follow_case, model_info, sharded_record
 
+from ddp_doctor.core.fingerprint import fingerprints_batched
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
 from ddp_doctor.exchange import simulate
 from ddp_doctor.exchange.following_rounds import follow_rounds
 from ddp_doctor.exchange.sharded_protocol import sharded_protocol
+from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 
 STEPS = 4
 
@@ -181,6 +183,30 @@ def follow_signature(name: str) -> str:
     return hashlib.sha256(json.dumps(sent).encode()).hexdigest()[:16]
 
 
+UNWRAPPED = {"unwrapped-odd-5": "81339489416ca6d6", "unwrapped-extra-3": "4af32c4fb4255cce"}
+"""The exchange of a run without a wrapper (`unwrapped_rounds`): rank 1 holds one parameter apart (`odd`) or steps
+one more (`extra`); the signature recorded for each."""
+
+
+def unwrapped_signature(name: str) -> str:
+    """sha256 over the sequence of (op, dtype, shape) and every rank's bytes of the unwrapped run's exchange."""
+    world = int(name.rsplit("-", 1)[1])
+    sent: list[list] = [[] for _ in range(world)]
+    ranks = []
+    for w in range(world):
+        params = [torch.arange(12.0).reshape(3, 4) + (0.5 if w == 1 else 0.0), torch.ones(5)]
+        if w == 1 and "extra" in name:
+            params.append(torch.ones(1))
+        ranks.append(params)
+    simulate.lockstep(
+        [
+            _traced(unwrapped_rounds(len(p), 0, lambda p=p: fingerprints_batched(p)), sent[w])
+            for w, p in enumerate(ranks)
+        ]
+    )
+    return hashlib.sha256(json.dumps(sent).encode()).hexdigest()[:16]
+
+
 @pytest.mark.parametrize("name", list(RECORDED))
 def test_every_rank_sends_the_recorded_bytes(name: str) -> None:
     assert signature(name) == RECORDED[name]
@@ -196,7 +222,13 @@ def test_every_rank_of_the_epoch_ends_exchange_sends_the_recorded_bytes(name: st
     assert follow_signature(name) == FOLLOWED[name][2]
 
 
+@pytest.mark.parametrize("name", list(UNWRAPPED))
+def test_every_rank_of_an_unwrapped_run_sends_the_recorded_bytes(name: str) -> None:
+    assert unwrapped_signature(name) == UNWRAPPED[name]
+
+
 if __name__ == "__main__":
     print({name: signature(name) for name in RECORDED})
     print({name: sharded_signature(name) for name in SHARDED})
     print({name: follow_signature(name) for name in FOLLOWED})
+    print({name: unwrapped_signature(name) for name in UNWRAPPED})

@@ -35,8 +35,10 @@ from ddp_doctor.core.frames import framework_of_stack, user_site_of
 from ddp_doctor.core.sharded_run import INPUT_STEPS, parallelism_of
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.doctor.sharded_report import SITE_ATTR, sharded_report
-from ddp_doctor.exchange.primitives import comm_device, minmax
+from ddp_doctor.exchange.drive import drive
+from ddp_doctor.exchange.primitives import comm_device
 from ddp_doctor.exchange.shard_collectives import reduce_scatter_in_float32
+from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 from ddp_doctor.observation.collectives import Call, digest
 from ddp_doctor.observation.grad_scale import GradScale
 from ddp_doctor.observation.hooks import tensors_in
@@ -322,16 +324,10 @@ class PlainOptimizerWatch:
         stepped = self.stepped_params()
         params = [p for p in stepped if not is_dtensor(p)]
         device = comm_device(None, stepped[0].device if stepped else None)
-        top, low = minmax(torch.tensor([float(len(params)), float(len(stepped) - len(params))]), None, device)
         refs = [ParamRef(self.names.get(id(p), f"param[{i}]"), p.numel(), tuple(p.shape)) for i, p in enumerate(params)]
         world = dist.get_world_size()
-        if top[0].item() != low[0].item():
-            differ, gap = torch.ones(len(params), dtype=torch.bool), torch.full((len(params),), float("inf"))
-        else:
-            fp = fingerprints_batched(params).nan_to_num(0.0)
-            high, lowest = minmax(fp, None, device)
-            differ = (high != lowest).any(-1)
-            gap = (high - lowest).abs().amax(-1)
+        rounds = unwrapped_rounds(len(params), len(stepped) - len(params), lambda: fingerprints_batched(params))
+        compared = drive(rounds, group=None, device=device)
         assert self.optimizer is not None
         run = UnwrappedRun(
             world=world,
@@ -339,9 +335,9 @@ class PlainOptimizerWatch:
             optimizer=type(self.optimizer).__qualname__,
             optimizer_site=getattr(self.optimizer, SITE_ATTR, None),
             params=refs,
-            differ=differ.tolist(),
-            gap=float(gap.max()) if len(params) else 0.0,
-            dtensors=int(top[1].item()),
+            differ=compared.differ,
+            gap=compared.gap,
+            dtensors=compared.dtensors,
         )
         return Report.build(self.facts(), diagnose_unwrapped(run))
 
