@@ -73,14 +73,18 @@ def checksums(output: str) -> dict[int, str]:
 
 
 def two_nodes(
-    tmp_path: Path, env: dict[str, str], options: list[str], *, timeout: float
+    tmp_path: Path, env: dict[str, str], options: list[str], *, timeout: float, static: bool = False
 ) -> tuple[list[int], list[str]]:
-    """Two torchrun agents on this machine (`--nnodes 2`, c10d rendezvous on 127.0.0.1), one rank each, each under
-    its own `watch` with `options` and its own run folder `node{N}`: their exit codes and outputs, once both ended
-    and nothing of the job is left."""
+    """Two torchrun agents on this machine (`--nnodes 2`, c10d rendezvous on 127.0.0.1; with `static`, torchrun's
+    static rendezvous: `--master-addr 127.0.0.1 --master-port P` and each agent's `--node-rank`), one rank each, each
+    under its own `watch` with `options` and its own run folder `node{N}`: their exit codes and outputs, once both
+    ended and nothing of the job is left."""
     port = free_port()
-    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
-    rdzv += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"watch-{port}"]
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1"]
+    if static:
+        rdzv += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    else:
+        rdzv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"watch-{port}"]
     tag = uuid.uuid4().hex
     nodes = [
         subprocess.Popen(

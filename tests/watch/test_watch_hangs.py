@@ -149,15 +149,17 @@ def test_a_rank_that_leaves_the_loop_early_is_named_after_the_job_failed(tmp_pat
     assert run.ended["failed"] is True
 
 
-def test_two_nodes_each_watched_explain_the_hang_from_both_nodes_ranks(tmp_path: Path) -> None:
-    """Two torchrun agents on this machine (`--nnodes 2`, c10d rendezvous on 127.0.0.1), one rank each, each under
-    its own `watch` with `--hang-after 3` and its own run folder (no shared file system); rank 1 spins in a Python
+@pytest.mark.parametrize("rdzv", ["c10d", "static"])
+def test_two_nodes_each_watched_explain_the_hang_from_both_nodes_ranks(tmp_path: Path, rdzv: str) -> None:
+    """Two torchrun agents on this machine (`--nnodes 2`, c10d rendezvous on 127.0.0.1, or the static one with
+    `--master-addr` and `--node-rank`), one rank each, each under its own `watch` with `--hang-after 3` and its own
+    run folder (no shared file system); rank 1 spins in a Python
     loop for 25 s after step 15 while rank 0 waits for it in DDP's backward, until the group's 20 s timeout. The
     nodes share their ranks' records through the rendezvous store: each node's verdict holds both ranks and names
     rank 1, with its loop's line, as the rank the other waits for. (`--on-hang wait`: a node that stopped its own
     ranks at its verdict would end the other node's job, through the rendezvous, before that node's verdict.)"""
     env = {"GROUP_TIMEOUT_S": "20", "STALL": "loop", "STALL_RANK": "1", "STALL_STEP": "15", "STALL_S": "25"}
-    codes, outputs = two_nodes(tmp_path, env, ["--hang-after", "3"], timeout=180)
+    codes, outputs = two_nodes(tmp_path, env, ["--hang-after", "3"], timeout=180, static=rdzv == "static")
     assert codes == [1, 1], outputs
     # c10d's rendezvous hands out the global ranks in the order the agents join: find each node's own rank by its
     # run folder's records.

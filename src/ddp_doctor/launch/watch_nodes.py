@@ -1,7 +1,8 @@
 """`ddp-doctor watch` on several nodes: each node's watch shares its ranks' records through torchrun's rendezvous
 store, so that a hang is called, and explained, from every node's ranks, without a shared file system.
 
-Under `--rdzv-backend c10d` the first agent hosts a TCP store at `--rdzv-endpoint` for the whole job. Each node's
+Under `--rdzv-backend c10d` the first agent hosts a TCP store at `--rdzv-endpoint` for the whole job; under the
+static rendezvous (`--master-addr`, `--master-port`, `--node-rank`) node 0's agent hosts it at the master's port. Each node's
 watch connects to it as a client, takes a node number (`add` on a counter), and sets a small key with how long ago
 one of its ranks last moved, by its own clock (every two seconds; every half second once its ranks have stood still
 for a second); from then on also a second key, every two seconds, with their files as they are in its run folder
@@ -39,20 +40,28 @@ _RECORDS_AFTER_S = 1.0
 """A node publishes its ranks' records once they have stood still this long (a hang is called much later)."""
 
 
+def _store_endpoint(namespace: dict[str, Any]) -> str:
+    """`host:port` of the job's store: the c10d rendezvous' endpoint, or, under the static rendezvous (torchrun's
+    default, `--master-addr`/`--master-port` with `--node-rank`), the store node 0's agent hosts at the master's
+    address; "" for another backend (etcd: no TCP store to join)."""
+    backend = namespace.get("rdzv_backend") or "static"
+    if backend == "c10d":
+        return str(namespace.get("rdzv_endpoint") or "")
+    if backend == "static":
+        host = namespace.get("master_addr") or "127.0.0.1"
+        return f"{host}:{namespace.get('master_port') or 29500}"
+    return ""
+
+
 class NodeShare:
     """One node's side of the shared records (the parent's `WatchLoop` calls it)."""
 
     def __init__(self, namespace: dict[str, Any]) -> None:
         nnodes = str(namespace.get("nnodes", "1"))
-        self.enabled = (
-            namespace.get("rdzv_backend") == "c10d"
-            and bool(namespace.get("rdzv_endpoint"))
-            and nnodes not in ("1", "1:1")
-            and not namespace.get("standalone")
-        )
+        self._endpoint = _store_endpoint(namespace)
+        self.enabled = bool(self._endpoint) and nnodes not in ("1", "1:1") and not namespace.get("standalone")
         self.several = self.enabled
         """A multi-node job: its windows are judged over every node's ranks, even once the store is gone."""
-        self._endpoint = str(namespace.get("rdzv_endpoint") or "")
         self._prefix = f"{_PREFIX}/{namespace.get('rdzv_id') or 'none'}"
         self._store: Any = None
         self._node = 0
