@@ -176,3 +176,18 @@ def test_two_nodes_each_watched_explain_the_hang_from_both_nodes_ranks(tmp_path:
         assert stacks[own[n]] is not None and stacks[1 - own[n]] is None, (n, stacks)
         # Each node's verdict reads its own ranks' Flight Recorder rings only: one ring, nothing to compare it with.
         assert hang["sequences_compared"] == 1 and hang["sequences"] == [], hang
+
+
+def test_two_nodes_a_rank_that_leaves_early_on_one_node_is_not_a_finished_job_on_the_other(tmp_path: Path) -> None:
+    """Two agents under the static rendezvous, one rank each; rank 1 (node 1) leaves its loop and exits with status 0
+    after step 15. Under plain torchrun rank 0 raises *Connection closed by peer* at once and node 0's torchrun exits
+    1; node 1's exits 0. Each node's watch sees its own ranks only: node 1 says its ranks finished (not the job's),
+    node 0 that its rank failed after the first steps, with no record of rank 1 in its run folder, and both print
+    the first steps' report before the end (the job ends a few seconds after it)."""
+    env = {"STALL": "exit", "STALL_RANK": "1", "STALL_STEP": "15"}
+    codes, outputs = two_nodes(tmp_path, env, [], timeout=180, static=True)
+    assert codes == [1, 0], outputs
+    ended = [json.loads((tmp_path / f"node{n}" / "watch.json").read_text()) for n in (0, 1)]
+    assert [(e["failed"], e["ranks"]) for e in ended] == [(True, [0]), (False, [1])], ended
+    assert all((tmp_path / f"node{n}" / "report.steps.json").exists() for n in (0, 1))  # the first steps' report
+    assert ended[1]["steps"] == 15 and ended[0]["result"]["steps_observed"] == 8, ended

@@ -30,6 +30,7 @@ from ddp_doctor.analyze.snippets import with_code
 from ddp_doctor.core.codes import SEVERITIES, Code
 from ddp_doctor.core.findings import Diagnosis, Recommendation, Timing
 from ddp_doctor.core.following import Following, FollowSummary
+from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
@@ -101,6 +102,16 @@ def diagnose_after_steps(
     `watch` let the job train on): the failure's findings first (they ended the run), and a following section that
     says so."""
     failed = failure_findings(states, timed_out=timed_out, native=list(native))
+    world = max((s.world_size for s in states.values()), default=1)
+    absent = sorted(set(range(world)) - set(states))
+    cause = (
+        failed[0].title
+        if failed
+        else f"no rank here failed first, and this run folder holds no records of {rank_list(absent)} (ranks of "
+        "another node: its own run folder, or its watch's output, says what happened to them)"
+        if absent
+        else "the ranks could not exchange records"
+    )
     following = Following(
         epochs=0,
         limit_batches=0,
@@ -110,7 +121,7 @@ def diagnose_after_steps(
         loaders=[],
         note="The observed steps were diagnosed (the findings after the first); the run then failed "
         + ("while it trained on under watch: " if watched else "while check followed it to its epoch end: ")
-        + (failed[0].title if failed else "the ranks could not exchange records")
+        + cause
         + ".",
     )
     findings = [*failed, *steps.findings]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,19 @@ _PUBLISH_EVERY_S = 2.0
 _READ_EVERY_S = 0.5
 _RECORDS_AFTER_S = 1.0
 """A node publishes its ranks' records once they have stood still this long (a hang is called much later)."""
+
+
+def _store_endpoint(namespace: dict[str, Any]) -> str:
+    """`host:port` of the job's store: the c10d rendezvous' endpoint, or, under the static rendezvous (torchrun's
+    default, `--master-addr`/`--master-port` with `--node-rank`), the store node 0's agent hosts at the master's
+    address; "" for another backend (etcd: no TCP store to join)."""
+    backend = namespace.get("rdzv_backend") or "static"
+    if backend == "c10d":
+        return str(namespace.get("rdzv_endpoint") or "")
+    if backend == "static":
+        host = namespace.get("master_addr") or "127.0.0.1"
+        return f"{host}:{namespace.get('master_port') or 29500}"
+    return ""
 
 
 def _store_endpoint(namespace: dict[str, Any]) -> str:
@@ -76,17 +90,22 @@ class NodeShare:
         """The other nodes' ranks' windows, as last read."""
 
     def _connect(self) -> bool:
+        """Whether this node is connected to the job's store, trying at most every two seconds. The store's port is
+        asked first with a plain socket (half a second at most): a store not up yet, or gone at the job's end, costs
+        the watch no longer wait and prints none of c10d's retries."""
         if self._store is not None:
             return True
         if time.monotonic() - self._tried < _CONNECT_EVERY_S:
             return False
         self._tried = time.monotonic()
         try:
+            host, port = self._endpoint.rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=0.5):
+                pass
             from datetime import timedelta
 
             from torch.distributed import TCPStore
 
-            host, port = self._endpoint.rsplit(":", 1)
             store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False)
             self._node = int(store.add(f"{self._prefix}/nodes", 1))
             self._store = store
@@ -137,6 +156,7 @@ class NodeShare:
                         self._seen[node] = (data["seq"], time.time(), data)
             except Exception as exc:  # noqa: BLE001
                 logger.debug("ddp-doctor: could not read the rendezvous store: %s", exc)
+                self.enabled = not _gone(exc)
         moved = [
             first_read - float(d["still_s"]) for _, first_read, d in self._seen.values() if d["still_s"] is not None
         ]
@@ -196,6 +216,12 @@ class NodeShare:
                 logger.debug("ddp-doctor: could not share the windows through the rendezvous store: %s", exc)
                 self.enabled = False
         return dict(self._windows)
+
+
+def _gone(exc: Exception) -> bool:
+    """The store's host went away (its agent ended with its node's job): talk to it no more, so that c10d's
+    warning of a closed connection is printed once, not at every look."""
+    return type(exc).__name__ == "DistNetworkError" or isinstance(exc, (ConnectionError, OSError))
 
 
 def _records(folder: Path) -> dict[str, Any]:

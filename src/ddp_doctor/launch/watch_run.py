@@ -300,6 +300,9 @@ class WatchLoop:
             hung_at = called
         if hung_at is not None:
             self._moved_since(hung_at, beacons(folder))  # the ranks moved again and ended between two looks
+        if not self._announced and (folder / "report.json").exists():
+            self._announced = True  # written just before the job ended, between two looks
+            self._report(folder)
         self.join_report()
         return False
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_doctor.core.rankfiles import write_json
+from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.launch.watch_run import HangVerdict, WatchLoop, beacons
 
 __all__ = ["WatchResult", "aborted_at_exit", "watch"]
@@ -126,7 +127,10 @@ def watch(
     elif result.timed_out:
         summary, failed = "the job was stopped after the hang (--on-hang stop)", True
     elif rc == 0 and first:
-        summary, failed = f"the job finished on every rank after {stepped} optimizer steps, in {seconds:.0f} s", False
+        several = loop.nodes is not None and loop.nodes.several
+        # On several nodes this node sees its own ranks' ends only: another node's may have failed.
+        who = f"every rank of this node ({rank_list(sorted(states))})" if several else "every rank"
+        summary, failed = f"the job finished on {who} after {stepped} optimizer steps, in {seconds:.0f} s", False
         result = first[0]
     elif first and (aborted := aborted_at_exit(run_dir)) is not None:
         summary, failed = (
@@ -150,6 +154,7 @@ def watch(
             "summary": summary,
             "failed": failed,
             "steps": stepped,
+            "ranks": sorted(states),
             "seconds": round(seconds, 1),
             "replicas": replicas,
             "windows": windows,
@@ -175,8 +180,6 @@ def _windows_words(windows: dict[str, Any]) -> str:
     )
     lagging = [w for w in judged if w.get("lagging")]
     if lagging:
-        from ddp_doctor.core.ranks import rank_list
-
         ranks = sorted({r for w in lagging for r in w["lagging"]})
         its = "its" if len(ranks) == 1 else "their"
         what = (
@@ -218,8 +221,6 @@ def aborted_at_exit(folder: Path) -> tuple[str, bool] | None:
     stopped = sorted(int(r) for r, f in failures.items() if f.get("exitcode") == -15)
     if not aborted or len(aborted) + len(stopped) != len(failures):
         return None
-    from ddp_doctor.core.ranks import rank_list
-
     text = (
         f"then {rank_list(aborted)} aborted at interpreter exit (SIGABRT, after the script's last line: torch's gloo "
         "quirk at exit, docs/check.md), which is not a failure of the training"
