@@ -10,7 +10,7 @@ import pytest
 from checkrun import SCRIPTS
 from watchrun import checksums, explain, two_nodes, watch
 
-from ddp_doctor.launch.watch_windows import WindowWatch
+from ddp_doctor.launch.watch_windows import CLEAR_AFTER, WindowWatch, replay
 
 
 def test_a_job_that_becomes_input_bound_past_its_first_steps_is_named_from_its_first_slow_window(
@@ -138,6 +138,38 @@ def test_the_window_rule_names_the_ranks_whose_own_work_lags_and_only_when_the_o
         e = stragglers[0]
         assert e.lag == "work" and e.others_own_s == pytest.approx(0.010), e
         assert e.own_s == pytest.approx((min(slow.values()), max(slow.values())))
+
+
+def _judged(first: int, lagging: list[int], bound: bool) -> dict:
+    """A judged window as windows.json keeps it: 2 ranks, rank `lagging` waiting for its data, or both (`bound`)."""
+    waiting = [0, 1] if bound else lagging
+    return {
+        "first": first,
+        "last": first + 31,
+        "ranks": [0, 1],
+        "step_s": [0.05, 0.05],
+        "wait_s": [0.001, 0.04],
+        "waiting": waiting,
+        "waiting_wait_s": [0.04, 0.04] if waiting else None,
+        "loader": None,
+        "input_bound": bound,
+        "others_wait_s": 0.001,
+        "lagging": lagging,
+        "lagging_in": "data" if lagging else None,
+    }
+
+
+@pytest.mark.parametrize("bound", [False, True])
+def test_one_quiet_window_neither_ends_a_condition_nor_starts_it_again(bound: bool) -> None:
+    """A straggler (or an input-bound job) whose condition a busy machine hid in one window: said once, not ended
+    and started again; its end is said after `CLEAR_AFTER` quiet windows in a row."""
+    on = ([] if bound else [1], bound)
+    off = ([], False)
+    kinds = ("input-bound", "input-ok") if bound else ("straggler-rank", "straggler-ok")
+    seen = [on, off, on, on, *[off] * CLEAR_AFTER]
+    events = replay({"windows": [_judged(10 + 32 * i, *w) for i, w in enumerate(seen)]})
+    said = [(e.kind, e.first) for e in events if e.kind in kinds]
+    assert said == [(kinds[0], 10), (kinds[1], 10 + 32 * (len(seen) - 1))], said
 
 
 @pytest.mark.serial  # the windows' verdict rests on each rank's wall-clock waits; two agents at once

@@ -9,7 +9,7 @@ few: the steps, the median step and wait, the first quartile of the wait's share
 interquartile range. The parent (`WatchLoop`) reads its node's ranks' files, and for each window that every live
 rank wrote applies the first steps' rule (`core/steptime.waits_for_data_at`, per rank; `input-bound` when more than
 half of the ranks wait): a job that becomes input-bound past its first steps (a slower file system, a dataset whose
-later items cost more) is said while it runs, and again when it stops being so; so is a median step that grew to
+later items cost more) is said while it runs, and again when it stops being so (`CLEAR_AFTER` windows in a row); so is a median step that grew to
 `SLOWER` times the first window's (and by at least `MIN_WAIT_S`), and a minority of ranks that wait for their data
 where the others do not (`straggler-rank`: each of them waits at least `MIN_WAIT_S` longer than any other rank, a
 wait the others spend in their next collective; a slow disk on one node). On a DDP model each rank also times its
@@ -35,12 +35,15 @@ from ddp_doctor.core.codes import Code
 from ddp_doctor.core.rankfiles import read_json, write_json
 from ddp_doctor.core.steptime import MIN_WAIT_S, STRAGGLER_RATIO, waits_for_data_at
 
-__all__ = ["SLOWER", "WINDOW", "StepWindows", "WindowEvent", "WindowWatch", "replay"]
+__all__ = ["CLEAR_AFTER", "SLOWER", "WINDOW", "StepWindows", "WindowEvent", "WindowWatch", "replay"]
 
 WINDOW = 32
 """Optimizer steps per window."""
 SLOWER = 1.5
 """A window's median step over the first window's, at least, to be said as a slowdown (and `MIN_WAIT_S` longer)."""
+CLEAR_AFTER = 2
+"""Windows in a row without a condition (input-bound, a straggler) before its end is said: one window a busy machine
+scattered neither ends it nor, a window later, starts it again."""
 _KEPT = 8
 _LOADER_KEYS = ("dataset_type", "site", "num_workers", "pin_memory", "persistent_workers", "batch_size")
 
@@ -244,6 +247,10 @@ class WindowWatch:
     _input_bound: bool = False
     _slower: bool = False
     _lagging: tuple[int, ...] = ()
+    _input_quiet: int = 0
+    """Windows in a row judged not input-bound."""
+    _lagging_quiet: int = 0
+    """Windows in a row where no rank lagged."""
 
     def poll(self, live: set[int], remote: dict[int, list[dict[str, Any]]] | None = None) -> list[WindowEvent]:
         """Judge each window every live rank of this node wrote, and, on several nodes (`remote`: the other nodes'
@@ -312,7 +319,8 @@ class WindowWatch:
         self.judged.append(entry)
         bound, steps = entry["input_bound"], tuple(entry["step_s"])
         events = []
-        if bound != self._input_bound:
+        self._input_quiet = 0 if bound else self._input_quiet + 1
+        if bound != self._input_bound and (bound or self._input_quiet >= CLEAR_AFTER):
             self._input_bound = bound
             events.append(
                 WindowEvent(
@@ -344,7 +352,8 @@ class WindowWatch:
         lagging = tuple(entry.get("lagging") or ())
         work = bool(lagging) and entry.get("lagging_in") == "work"
         data = bool(lagging) and not work
-        if lagging != self._lagging:
+        self._lagging_quiet = 0 if lagging else self._lagging_quiet + 1
+        if lagging != self._lagging and (lagging or self._lagging_quiet >= CLEAR_AFTER):
             self._lagging = lagging
             events.append(
                 WindowEvent(
