@@ -46,6 +46,7 @@ DEFAULT = [
     "tests/watch/test_watch_drift.py",
     "tests/watch/test_watch_hangs.py",
     "tests/failures/test_abort_at_exit.py",
+    "tests/failures/test_init_failures.py",
 ]
 
 

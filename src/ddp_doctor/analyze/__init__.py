@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from ddp_doctor.analyze.coverage import compared
+from ddp_doctor.analyze.crashed_ranks import init_waited_for
 from ddp_doctor.analyze.detectors import DETECTORS
 from ddp_doctor.analyze.diagnose import (
     diagnose_after_steps,
@@ -47,6 +48,7 @@ __all__ = [
     "explain_shape_error",
     "failure_findings",
     "first_divergence",
+    "init_waited_for",
     "refused_at_wrap",
     "verified_reshard",
     "with_code",

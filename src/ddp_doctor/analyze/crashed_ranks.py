@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import re
 
-from ddp_doctor.analyze.positions import capped, fault_place, others, where
+from ddp_doctor.analyze.positions import capped, fault_place, others, short, where
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef
 from ddp_doctor.core.rankfiles import ExplainedError, RaisedError
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 
-__all__ = ["crash_findings", "died_silently", "killed_findings", "trained_elsewhere"]
+__all__ = ["crash_findings", "died_silently", "init_waited_for", "killed_findings", "trained_elsewhere"]
 
 _SIGNAL_CAUSE = {
     "SIGKILL": "SIGKILL can only come from outside the process: the kernel's out-of-memory killer, a scheduler, "
@@ -226,4 +226,38 @@ def died_silently(states: dict[int, RankState], silent: list[int]) -> Finding:
         ranks=silent,
         steps=sorted({max(states[r].step, 0) for r in silent}),
         fix="check the system log (dmesg) and the memory use of that rank.",
+    )
+
+
+_STORE_KEYS = re.compile(r"keys: (.+)$")
+
+
+def init_waited_for(crashed: RankState, states: dict[int, RankState]) -> str | None:
+    """A rank whose `init_process_group` timed out waiting in the store for the other ranks to register (gloo's
+    DistStoreError, `keys: /default_pg/0//cpu//0/1`: the last part of each key is the rank it waited for), in the
+    words of the ranks that never joined and where they were; None for any other error. The rank that timed out
+    only noticed: torchrun names it the root cause. Ground truth in tests/failures/test_init_failures.py."""
+    raised = crashed.raised
+    if raised is None or raised.type != "DistStoreError" or "init_process_group" not in raised.traceback:
+        return None
+    match = _STORE_KEYS.search(raised.message)
+    missing = sorted(
+        {
+            int(key.rsplit("/", 1)[1])
+            for key in (match.group(1).split(",") if match else [])
+            if key.strip()[-1:].isdigit()
+        }
+    )
+    missing = [r for r in missing if r != crashed.rank]
+    if not missing:
+        return None
+    seen = [f"rank {r} was at {where(states[r])}" for r in missing if r in states]
+    return (
+        f"rank {crashed.rank} timed out in init_process_group at {short(raised.site)} waiting for "
+        f"{rank_list(missing)} to join the process group ({raised.type}: {raised.message}), and "
+        f"{'it' if len(missing) == 1 else 'they'} never registered with the job's store"
+        + (f": {capped(seen)}" if seen else "")
+        + ". Look at why: a MASTER_ADDR or MASTER_PORT that differs on that rank, a firewall between the nodes, or "
+        "a rank that failed or stalled before init_process_group (its own output says which). The rank that timed "
+        "out only noticed; torchrun names it the root cause."
     )

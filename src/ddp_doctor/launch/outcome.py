@@ -143,7 +143,13 @@ def collect(
 
     # No joint report: the analysis of the ranks' own files (torch comes with it; a run with a report never
     # imports it in this process).
-    from ddp_doctor.analyze import diagnose_failure, explain_fsdp2_crash, explain_meta_params, refused_at_wrap
+    from ddp_doctor.analyze import (
+        diagnose_failure,
+        explain_fsdp2_crash,
+        explain_meta_params,
+        init_waited_for,
+        refused_at_wrap,
+    )
 
     states = read_rank_states(outdir, end_time=time.time())
     steps = _read(outdir / "report.steps.json")
@@ -179,6 +185,9 @@ def collect(
         )
         if crashed:
             crash = crashed[0].raised
+            never_joined = init_waited_for(crashed[0], states)
+            if never_joined is not None:
+                return CheckResult(error=never_joined, timed_out=timed_out)
             meta_params = explain_meta_params(crash.message)
             if meta_params is not None:
                 return CheckResult(
