@@ -38,6 +38,7 @@ from ddp_doctor.core.following import FollowSummary
 from ddp_doctor.core.fr_dumps import FrDump, FrEntry
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
+from ddp_doctor.core.summary import Examples
 
 __all__ = [
     "Parting",
@@ -125,6 +126,32 @@ def sequences_apart(
     )
 
 
+def _apart(v: View, extra: str, fewer: str, sites: str) -> tuple[Examples, Examples, list[str]]:
+    """The ranks with more of a DDP mechanism's collectives (predicate `extra`), those with fewer (`fewer`), and the
+    lines where the first have them (each example rank's meta `sites`)."""
+    more, rest = v.ranks(extra), v.ranks(fewer)
+    return more, rest, sorted({site for r in more.ranks for site in v.meta(r)[sites]})
+
+
+def _by_mechanism(
+    words: dict[str, str], *, extra: Examples, sites: list[str], steps: list[int], severity: str = "error"
+) -> list[Finding]:
+    """The finding of DDP's collectives counted by a mechanism: the `extra` ranks issued more of them, at `sites`,
+    in `steps`."""
+    return [
+        Finding(
+            code=Code.COLLECTIVE_MISMATCH,
+            severity=severity,
+            **words,
+            params=[],
+            sites=lines_of(*sites),
+            ranks=extra.ranks,
+            steps=steps,
+            more_ranks=extra.more,
+        )
+    ]
+
+
 @detects(Code.COLLECTIVE_MISMATCH)
 def synced_pass_mismatch(v: View) -> list[Finding]:
     """Ranks that ran different numbers of synced backward passes through DDP in one optimizer step: each extra
@@ -141,8 +168,7 @@ def synced_pass_mismatch(v: View) -> list[Finding]:
     if not bad:
         return []
     first = bad[0]
-    extra, rest = v.ranks("extra-passes"), v.ranks("fewer-passes")
-    sites = sorted({site for r in extra.ranks for site in v.meta(r)["window_sites"]})
+    extra, rest, sites = _apart(v, "extra-passes", "fewer-passes", "window_sites")
     words = synced_passes_words(
         extra=rank_list(extra.ranks, more=extra.more),
         rest=rank_list(rest.ranks, more=rest.more),
@@ -152,18 +178,7 @@ def synced_pass_mismatch(v: View) -> list[Finding]:
         sites=sites,
         also=bad[1:],
     )
-    return [
-        Finding(
-            code=Code.COLLECTIVE_MISMATCH,
-            sites=lines_of(*sites),
-            severity="error",
-            **words,
-            params=[],
-            ranks=extra.ranks,
-            steps=bad,
-            more_ranks=extra.more,
-        )
-    ]
+    return _by_mechanism(words, extra=extra, sites=sites, steps=bad)
 
 
 @detects(Code.COLLECTIVE_MISMATCH)
@@ -178,8 +193,7 @@ def unpaired_forward_mismatch(v: View) -> list[Finding]:
     if not bad:
         return []
     first = bad[0]
-    extra, rest = v.ranks("unpaired-extra"), v.ranks("unpaired-fewer")
-    sites = sorted({site for r in extra.ranks for site in v.meta(r)["unpaired_sites"]})
+    extra, rest, sites = _apart(v, "unpaired-extra", "unpaired-fewer", "unpaired_sites")
     broadcasts = bool(v.info.buffer_names) and bool(v.info.ddp_config.get("broadcast_buffers", True))
     words = unpaired_words(
         extra=rank_list(extra.ranks, more=extra.more),
@@ -190,18 +204,7 @@ def unpaired_forward_mismatch(v: View) -> list[Finding]:
         broadcasts=broadcasts,
         also=bad[1:],
     )
-    return [
-        Finding(
-            code=Code.COLLECTIVE_MISMATCH,
-            sites=lines_of(*sites),
-            severity="error" if broadcasts else "warning",
-            **words,
-            params=[],
-            ranks=extra.ranks,
-            steps=bad,
-            more_ranks=extra.more,
-        )
-    ]
+    return _by_mechanism(words, extra=extra, sites=sites, steps=bad, severity="error" if broadcasts else "warning")
 
 
 @detects(Code.COLLECTIVE_MISMATCH)
@@ -221,8 +224,7 @@ def eval_broadcast_mismatch(v: View) -> list[Finding]:
     if not bad:
         return []
     first = bad[0]
-    extra, rest = v.ranks("broadcast-extra"), v.ranks("broadcast-fewer")
-    sites = sorted({site for r in extra.ranks for site in v.meta(r)["broadcast_sites"]})
+    extra, rest, sites = _apart(v, "broadcast-extra", "broadcast-fewer", "broadcast_sites")
     words = broadcast_words(
         extra=rank_list(extra.ranks, more=extra.more),
         rest=rank_list(rest.ranks, more=rest.more),
@@ -231,18 +233,7 @@ def eval_broadcast_mismatch(v: View) -> list[Finding]:
         uneven=[s for s in bad if int(hi[s, 0]) != int(lo[s, 0])],
         also=bad[1:],
     )
-    return [
-        Finding(
-            code=Code.COLLECTIVE_MISMATCH,
-            sites=lines_of(*sites),
-            severity="error",
-            **words,
-            params=[],
-            ranks=extra.ranks,
-            steps=bad,
-            more_ranks=extra.more,
-        )
-    ]
+    return _by_mechanism(words, extra=extra, sites=sites, steps=bad)
 
 
 def followed_apart(s: FollowSummary) -> list[Finding]:

@@ -30,10 +30,10 @@ code 0: nothing says the job runs at the pace of its slowest rank.
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.throughput import input_bound_finding, straggler_finding, straggles
+from ddp_doctor.analyze.throughput import input_bound_finding, straggler_finding
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.sharded_run import ShardedRun
-from ddp_doctor.core.steptime import MIN_STEPS
+from ddp_doctor.core.steptime import MIN_STEPS, straggles
 
 __all__ = ["sharded_input_bound", "sharded_straggler"]
 

@@ -52,6 +52,7 @@ from ddp_doctor.core.steptime import (
     PHASES,
     STRAGGLER_RATIO,
     RankTiming,
+    straggles,
 )
 
 __all__ = [
@@ -64,7 +65,6 @@ __all__ = [
     "rank_timings",
     "straggler_finding",
     "straggler_fix",
-    "straggles",
     "straggler_rank",
 ]
 
@@ -205,31 +205,6 @@ def input_fix(workers: int | None) -> str:
         f"{first}; persistent_workers=True keeps them between epochs; pin_memory=True speeds the copy to the GPU; "
         "move decoding and augmentation out of the training loop (into the Dataset run by the workers, or done "
         "once beforehand)."
-    )
-
-
-def straggles(
-    *,
-    own: float,
-    others_own: float,
-    own_quartiles: tuple[float, float],
-    others_q3: float,
-    others_comm: float,
-    own_comm: float,
-) -> bool:
-    """The straggler rule, for every parallelism (DDP here, a sharded model in `analyze/sharded_timing.py`): one
-    rank's own work per step (its time in the collectives and its waits for a CPU left out) is `STRAGGLER_RATIO`
-    times the others' and `MIN_WAIT_S` longer, in most steps (its first quartile above the others' third) and by
-    more than its own spread, and the others lose at least half of the difference in the collectives: that much
-    longer there than the slow rank itself, which reaches each collective last and so waits least."""
-    extra = own - others_own
-    q1, q3 = own_quartiles
-    return (
-        own >= STRAGGLER_RATIO * others_own
-        and extra >= MIN_WAIT_S
-        and q1 > others_q3
-        and extra > q3 - q1
-        and others_comm - own_comm >= 0.5 * extra
     )
 
 

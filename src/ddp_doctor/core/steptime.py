@@ -27,6 +27,7 @@ __all__ = [
     "StepTimes",
     "statistic",
     "step_times",
+    "straggles",
     "waits_for_data",
     "waits_for_data_at",
 ]
@@ -255,4 +256,29 @@ def step_times(timings: list[RankTiming | None]) -> StepTimes:
         waiting_median={k: _median([statistic(t, k) for t in waiting]) for k in WAITING} if waiting else None,
         others_median={k: _median([statistic(t, k) for t in others]) for k in OTHERS} if others else None,
         others_q3_max=max((t.own_q3_s for t in others), default=None),
+    )
+
+
+def straggles(
+    *,
+    own: float,
+    others_own: float,
+    own_quartiles: tuple[float, float],
+    others_q3: float,
+    others_comm: float,
+    own_comm: float,
+) -> bool:
+    """The straggler rule, for every parallelism (DDP's first steps in `analyze/throughput.py`, a sharded model's in `analyze/sharded_timing.py`, `watch`'s windows in `launch/watch_windows.py`): one
+    rank's own work per step (its time in the collectives and its waits for a CPU left out) is `STRAGGLER_RATIO`
+    times the others' and `MIN_WAIT_S` longer, in most steps (its first quartile above the others' third) and by
+    more than its own spread, and the others lose at least half of the difference in the collectives: that much
+    longer there than the slow rank itself, which reaches each collective last and so waits least."""
+    extra = own - others_own
+    q1, q3 = own_quartiles
+    return (
+        own >= STRAGGLER_RATIO * others_own
+        and extra >= MIN_WAIT_S
+        and q1 > others_q3
+        and extra > q3 - q1
+        and others_comm - own_comm >= 0.5 * extra
     )

@@ -54,19 +54,6 @@ def _store_endpoint(namespace: dict[str, Any]) -> str:
     return ""
 
 
-def _store_endpoint(namespace: dict[str, Any]) -> str:
-    """`host:port` of the job's store: the c10d rendezvous' endpoint, or, under the static rendezvous (torchrun's
-    default, `--master-addr`/`--master-port` with `--node-rank`), the store node 0's agent hosts at the master's
-    address; "" for another backend (etcd: no TCP store to join)."""
-    backend = namespace.get("rdzv_backend") or "static"
-    if backend == "c10d":
-        return str(namespace.get("rdzv_endpoint") or "")
-    if backend == "static":
-        host = namespace.get("master_addr") or "127.0.0.1"
-        return f"{host}:{namespace.get('master_port') or 29500}"
-    return ""
-
-
 class NodeShare:
     """One node's side of the shared records (the parent's `WatchLoop` calls it)."""
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.rankfiles import read_json, write_json
-from ddp_doctor.core.steptime import MIN_WAIT_S, STRAGGLER_RATIO, waits_for_data_at
+from ddp_doctor.core.steptime import MIN_WAIT_S, straggles, waits_for_data_at
 
 __all__ = ["CLEAR_AFTER", "SLOWER", "WINDOW", "StepWindows", "WindowEvent", "WindowWatch", "replay"]
 
@@ -175,24 +175,24 @@ class StepWindows:
 
 def _ahead_of_backward(rows: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The ranks, half of them at most, whose own work before the backward (their wait between steps and their lead:
-    `StepWindows.add_model`) lagged behind every other rank's in the window: the first steps' straggler rule
-    (`analyze/throughput.straggles`) on the window's figures. Each is `STRAGGLER_RATIO` times the slowest other and
-    `MIN_WAIT_S` longer, in most steps (its first quartile above every other's third), and every other rank spends
-    at least half that difference longer in the rest of its step, waiting for them in DDP's all-reduce. Empty
-    when no such ranks, or when some rank's lead was not timed."""
+    `StepWindows.add_model`) lagged behind every other rank's in the window, by the first steps' straggler rule
+    (`core/steptime.straggles`) on the window's figures: the slow ranks' least own work against the others' most,
+    and the others' shortest rest of the step (their wait in DDP's all-reduce) against the slow ranks' longest.
+    Empty when no such ranks, or when some rank's lead was not timed."""
     if len(rows) < 2 or not all("own_s" in w for w in rows.values()):
         return {}
     order = sorted(rows, key=lambda r: rows[r]["own_s"], reverse=True)
     for k in range(1, len(order) // 2 + 1):
         slow, others = order[:k], order[k:]
         own, others_own = min(rows[r]["own_s"] for r in slow), max(rows[r]["own_s"] for r in others)
-        extra = own - others_own
         waited = min(rows[r]["rest_s"] for r in others) - max(rows[r]["rest_s"] for r in slow)
-        if (
-            own >= STRAGGLER_RATIO * others_own
-            and extra >= MIN_WAIT_S
-            and min(rows[r]["own_q1_s"] for r in slow) > max(rows[r]["own_q3_s"] for r in others)
-            and waited >= 0.5 * extra
+        if straggles(
+            own=own,
+            others_own=others_own,
+            own_quartiles=(min(rows[r]["own_q1_s"] for r in slow), max(rows[r]["own_q3_s"] for r in slow)),
+            others_q3=max(rows[r]["own_q3_s"] for r in others),
+            others_comm=waited,
+            own_comm=0.0,
         ):
             return {
                 "lagging": sorted(slow),
@@ -236,6 +236,20 @@ class WindowEvent:
     """For `slower`: the first window's highest median step."""
     loader: dict[str, Any] | None = None
     """For `input-bound`: the training DataLoader's settings, as the lowest waiting rank described it."""
+
+
+def _event(kind: str, entry: dict[str, Any], *, ranks: list[int], wait_s: list[float], **fields: Any) -> WindowEvent:
+    """A `WindowEvent` of `kind` over the judged window `entry`: its steps and step times, `ranks` and their waits
+    for data, and the kind's own `fields`."""
+    return WindowEvent(
+        kind=kind,
+        first=entry["first"],
+        last=entry["last"],
+        ranks=ranks,
+        step_s=tuple(entry["step_s"]),
+        wait_s=tuple(wait_s),
+        **fields,
+    )
 
 
 @dataclass
@@ -323,13 +337,11 @@ class WindowWatch:
         if bound != self._input_bound and (bound or self._input_quiet >= CLEAR_AFTER):
             self._input_bound = bound
             events.append(
-                WindowEvent(
-                    kind=Code.INPUT_BOUND.value if bound else "input-ok",
-                    first=entry["first"],
-                    last=entry["last"],
+                _event(
+                    Code.INPUT_BOUND.value if bound else "input-ok",
+                    entry,
                     ranks=entry["waiting"] if bound else entry["ranks"],
-                    step_s=steps,
-                    wait_s=tuple(entry["waiting_wait_s"] if bound else entry["wait_s"]),
+                    wait_s=entry["waiting_wait_s"] if bound else entry["wait_s"],
                     loader=entry.get("loader") if bound else None,
                 )
             )
@@ -338,15 +350,7 @@ class WindowWatch:
         slower = baseline is not None and steps[0] >= max(SLOWER * baseline, baseline + MIN_WAIT_S)
         if slower and not self._slower:
             events.append(
-                WindowEvent(
-                    kind="slower",
-                    first=entry["first"],
-                    last=entry["last"],
-                    ranks=entry["ranks"],
-                    step_s=steps,
-                    wait_s=tuple(entry["wait_s"]),
-                    baseline_step_s=baseline,
-                )
+                _event("slower", entry, ranks=entry["ranks"], wait_s=entry["wait_s"], baseline_step_s=baseline)
             )
         self._slower = slower
         lagging = tuple(entry.get("lagging") or ())
@@ -356,13 +360,11 @@ class WindowWatch:
         if lagging != self._lagging and (lagging or self._lagging_quiet >= CLEAR_AFTER):
             self._lagging = lagging
             events.append(
-                WindowEvent(
-                    kind=Code.STRAGGLER_RANK.value if lagging else "straggler-ok",
-                    first=entry["first"],
-                    last=entry["last"],
+                _event(
+                    Code.STRAGGLER_RANK.value if lagging else "straggler-ok",
+                    entry,
                     ranks=list(lagging) if lagging else entry["ranks"],
-                    step_s=steps,
-                    wait_s=tuple(entry["waiting_wait_s"] if data else entry["wait_s"]),
+                    wait_s=entry["waiting_wait_s"] if data else entry["wait_s"],
                     others_wait_s=entry.get("others_wait_s") if data else None,
                     loader=entry.get("loader") if data else None,
                     lag=entry.get("lagging_in", "data") if lagging else None,
