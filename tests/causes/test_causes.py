@@ -46,6 +46,13 @@ def _train(rank: int, world: int, pattern: str) -> dict:
             with torch.no_grad():
                 ddp.module[0].weight.add_(1.0)  # stands for a checkpoint loaded on rank 0 alone
         for step in range(STEPS):
+            if pattern.startswith("reinit") and step == (2 if pattern.endswith("step2") else 0):
+                # Every rank re-initialises the last layer after DDP was built: from its own random state, or
+                # (the neighbour) from one seed every rank shares.
+                torch.manual_seed(7 if pattern == "reinit_same_seed" else 100 + rank)
+                ddp.module[2].reset_parameters()
+            if pattern == "load_everywhere_step2" and step == 2:
+                ddp.module.load_state_dict({k: v * 0.5 for k, v in ddp.module.state_dict().items()})
             if pattern == "load_state_dict_rank1_step2" and rank == 1 and step == 2:
                 ddp.module.load_state_dict({k: v * 0.5 for k, v in ddp.module.state_dict().items()})
             micro = 2 if pattern == "no_sync_accumulation" else 1
@@ -95,6 +102,8 @@ def _train(rank: int, world: int, pattern: str) -> dict:
         ("init_sync_false", "replicas-differ-at-wrap", [0, 1], [0]),
         ("load_on_rank0", "weights-changed-outside-optimizer", [0], [0]),
         ("load_state_dict_rank1_step2", "weights-changed-outside-optimizer", [1], [2]),
+        ("reinit_per_rank_seed", "weights-changed-outside-optimizer", [0, 1], [0]),
+        ("reinit_per_rank_seed_step2", "weights-changed-outside-optimizer", [0, 1], [2]),
     ],
 )
 def test_each_cause_is_named_and_replica_divergence_says_so(tmp_path, pattern, code, ranks, steps) -> None:
@@ -112,6 +121,9 @@ def test_each_cause_is_named_and_replica_divergence_says_so(tmp_path, pattern, c
             assert "lr" in detail and "on rank 0" in detail and "LinearLR.step()" in detail and "test_causes.py" in fix
         if pattern == "load_state_dict_rank1_step2":
             assert "load_state_dict at" in detail and "test_causes.py" in detail
+        if pattern.startswith("reinit"):
+            # Only the re-initialised layer is named: the others were not written, and they agree.
+            assert result["findings"][code][4] == ["2.weight", "2.bias"], result["findings"][code]
 
 
 @pytest.mark.parametrize(
@@ -125,12 +137,29 @@ def test_each_cause_is_named_and_replica_divergence_says_so(tmp_path, pattern, c
         "no_sync_accumulation",
         "log_loss",
         "padded_sampler",
+        "reinit_same_seed",
+        "load_everywhere_step2",
     ],
 )
 def test_legitimate_patterns_raise_none_of_the_causes(tmp_path, pattern) -> None:
     for result in run_ranks(_train, tmp_path, args=(pattern,)):
         assert result["loud"] == [], result["findings"]
         assert not set(result["codes"]) & CAUSES
+
+
+def test_a_re_initialisation_on_every_rank_with_per_rank_seeds_is_named_at_four_ranks(tmp_path) -> None:
+    """Every rank writes the last layer between DDP's wrap and the first forward, each from its own random state.
+
+    Ground truth under plain torchrun (2 ranks, `model.module[4].reset_parameters()` after DDP's constructor under
+    `torch.manual_seed(100 + rank)`, 16 SGD steps): exit 0, nothing printed; the head's weights differ by up to
+    0.227 between the ranks at the end while every other layer agrees (DDP syncs the gradients, not the weights).
+    Before, the check said `replica-divergence` with "the cause is unknown": no rank wrote where the others did not.
+    """
+    for result in run_ranks(_train, tmp_path, world_size=4, args=("reinit_per_rank_seed",)):
+        assert result["loud"] == ["replica-divergence", "weights-changed-outside-optimizer"], result["codes"]
+        ranks, steps, _, _, params = result["findings"]["weights-changed-outside-optimizer"]
+        assert (ranks, steps, params) == ([0, 1, 2, 3], [0], ["2.weight", "2.bias"])
+        assert "fix the cause: weights-changed-outside-optimizer" in result["findings"]["replica-divergence"][3]
 
 
 def test_a_skipped_step_at_four_ranks_names_the_rank_and_is_no_collective_mismatch(tmp_path) -> None:

@@ -1,7 +1,7 @@
 """Why replicas diverge when the gradients agree after DDP's all-reduce: the script changes them on some ranks
-before the optimizer step, some ranks skip a step, the script reduces DDP's gradients again, the replicas differed
-from the start, or something other than the optimizer wrote the weights on some ranks (the optimizers' settings
-that disagree are `optimizer_settings.py`'s). Pure functions of the `View`.
+before the optimizer step, some ranks skip a step, the script reduces DDP's gradients again (the optimizers' settings
+that disagree are `optimizer_settings.py`'s; weights written other than by the optimizer, `weight_writes.py`'s).
+Pure functions of the `View`.
 
 Iterations are aligned by what the ranks do in lockstep, DDP's synced backward passes (`Summary.synced`), never by
 each rank's own count of optimizer steps: a rank that skips `optimizer.step()` is one update behind, not one
@@ -10,9 +10,7 @@ collective ahead.
 
 from __future__ import annotations
 
-import torch
-
-from ddp_doctor.analyze.common import first_differing, meta_sites, steps_of, with_more
+from ddp_doctor.analyze.common import meta_sites, steps_of, with_more
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
@@ -27,8 +25,6 @@ __all__ = [
     "shards_scaled_apart",
     "optimizer_step_skipped",
     "sharded_step_skipped",
-    "replicas_differ_at_wrap",
-    "weights_changed_outside_optimizer",
 ]
 
 SKIP_FIX = (
@@ -246,94 +242,6 @@ def shards_scaled_apart(run: ShardedRun, ranks: list[int]) -> Finding | None:
         "DTensor gradients it reduces the norm over every rank's shards and scales all of them by one coefficient. "
         "Never compute the norm from p.grad.to_local().",
     )
-
-
-@detects(Code.REPLICAS_DIFFER_AT_WRAP)
-def replicas_differ_at_wrap(v: View) -> list[Finding]:
-    """The replicas differed before any optimizer step: right after DDP was built (or when observing started)."""
-    s = v.summary
-    if v.world < 2 or not bool(s.weight_steps[0]) or not s.weight_params.any():
-        return []
-    others = v.ranks("weight-differs")
-    init_sync = v.info.ddp_config.get("init_sync")
-    exact = v.info.wrap_state_exact
-    if init_sync is False:
-        why = (
-            "DDP was built with init_sync=False, so its constructor did not broadcast rank 0's weights and each "
-            "rank kept the weights it built"
-        )
-    elif exact:
-        why = (
-            "they differed right after DDP's constructor returned, which broadcasts rank 0's weights unless "
-            "init_sync=False: each rank kept the weights it built"
-        )
-    else:
-        why = "they differed when observing started, before any step"
-    return [
-        with_more(
-            Finding(
-                code=Code.REPLICAS_DIFFER_AT_WRAP,
-                severity="error",
-                title=f"the replicas already differ before the first step ({v.params(s.weight_params)[0].name}"
-                + (" and others)" if int(s.weight_params.sum()) > 1 else ")"),
-                detail=f"Before any optimizer step the weights of {int(s.weight_params.sum())} parameter tensor(s) "
-                f"were not the same on every rank: {why}. What makes them differ is rank-dependent construction: a "
-                "per-rank seed (torch.manual_seed(rank)) before the model is built, or a model built from "
-                "rank-local data.",
-                params=v.params(s.weight_params),
-                ranks=[0, *others.ranks],
-                steps=[0],
-                fix="build DDP with the default init_sync=True (its constructor broadcasts rank 0's weights), or "
-                "seed every rank alike before building the model (a per-rank seed belongs after DDP is built, for "
-                "data order and dropout).",
-            ),
-            others.more,
-        )
-    ]
-
-
-@detects(Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER)
-def weights_changed_outside_optimizer(v: View) -> list[Finding]:
-    """Some ranks' parameters were written between DDP's wrap (or an optimizer step) and the next forward, where
-    only the optimizer should write them, and the other ranks' were not."""
-    if v.world < 2 or not v.steps:
-        return []
-    bad = first_differing(v.summary.changed)
-    if not bad:
-        return []
-    first = bad[0]
-    who = v.ranks("changed-outside")
-    sites = meta_sites(v, who.ranks, "changed_sites")
-    changed = sorted({i for r in who.ranks for i in v.meta(r).get("changed_params", [])})
-    mask = torch.zeros(len(v.info.param_names), dtype=torch.bool)
-    mask[[i for i in changed if i < len(mask)]] = True
-    when = (
-        "between DDP's wrap and the first forward"
-        if first == 0
-        else f"between optimizer step {first - 1} and the next forward"
-    )
-    how = f" ({'; '.join(sites)})" if sites else ""
-    return [
-        with_more(
-            Finding(
-                code=Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER,
-                sites=lines_of(*sites),
-                severity="error",
-                title=f"{rank_list(who.ranks, more=who.more)} changed the weights {when}; the other ranks did not",
-                detail=f"On {rank_list(who.ranks, more=who.more)}, parameters were written {when}{how}, where only "
-                "the optimizer should write them, and the other ranks' were not. DDP synchronizes the weights only "
-                "in its constructor, so from here the replicas differ."
-                + (f" Again in step(s) {bad[1:]}." if len(bad) > 1 else ""),
-                params=v.params(mask),
-                ranks=who.ranks,
-                steps=[first],
-                fix="make the change on every rank: load a checkpoint on every rank before wrapping the model in "
-                "DDP (its constructor then broadcasts rank 0's copy), copy an EMA back on every rank, or broadcast "
-                "rank 0's weights after the change on purpose.",
-            ),
-            who.more,
-        )
-    ]
 
 
 def sharded_step_skipped(

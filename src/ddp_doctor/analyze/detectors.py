@@ -19,6 +19,7 @@ from ddp_doctor.analyze import (  # noqa: F401 (imported to register their detec
     throughput,
     tree_state,
     used_set,
+    weight_writes,
 )
 from ddp_doctor.analyze.view import Detector, detectors
 

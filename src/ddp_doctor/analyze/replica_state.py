@@ -56,8 +56,8 @@ def _divergence_fix(found: frozenset[str], measured: dict[str, int]) -> str:
         "seen: no gradients changed on some ranks after DDP's all-reduce (grads-changed-after-sync), the same "
         "optimizer settings on every rank at the steps observed (optimizer-differs), the same optimizer steps "
         "taken in lockstep (optimizer-step-skipped), identical replicas before the first step "
-        "(replicas-differ-at-wrap), no write to the weights outside the optimizer on some ranks only "
-        "(weights-changed-outside-optimizer). Look for what changes the weights per rank that these do not cover "
+        "(replicas-differ-at-wrap), no write to the weights outside the optimizer on some ranks only, nor one on "
+        "every rank after which they parted (weights-changed-outside-optimizer). Look for what changes the weights per rank that these do not cover "
         f"(an optimizer the check did not observe, a parameter replaced rather than written in place). {_RESTART}"
     )
 

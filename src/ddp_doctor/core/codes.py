@@ -265,9 +265,9 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.GRADS_REDUCED_TWICE, Family.DIVERGENCE, "error/warning", "causes.py",
          "the script reduces gradients that DDP has already reduced",
          when="error; warning when the second reduction is an AVG (it changes nothing, it only costs)"),
-    _row(Code.REPLICAS_DIFFER_AT_WRAP, Family.DIVERGENCE, "error", "causes.py",
+    _row(Code.REPLICAS_DIFFER_AT_WRAP, Family.DIVERGENCE, "error", "weight_writes.py",
          "the replicas differ before the first step (init_sync=False, a per-rank seed)"),
-    _row(Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER, Family.DIVERGENCE, "error", "causes.py",
+    _row(Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER, Family.DIVERGENCE, "error", "weight_writes.py",
          "parameters changed on some ranks only, outside the optimizer"),
     _row(Code.GRADS_CHANGED_AFTER_SYNC, Family.DIVERGENCE, "error", "causes.py",
          "gradients agreed after DDP's all-reduce but differ at optimizer.step() (edited on some ranks only, e.g. "

@@ -156,6 +156,8 @@ class FirstSteps:
     """Optimizer settings differ in a step every rank took."""
     sched: int | None
     changed: int | None
+    """The first step in which the ranks differ in writing parameters outside the optimizer; where none differ, the
+    first in which every rank wrote them (the ranks may have written different values)."""
     rereduced: int | None
     """The first step in which some rank reduced gradients again."""
     state: int | None = None
@@ -173,10 +175,16 @@ class FirstSteps:
             skip=first_set(((st_hi != st_lo) & (sy_hi == sy_lo) & (sy_lo > 0)).tolist()),
             settings=first_set(((st_lo > 0) & (c.settings[0] != c.settings[1])).tolist()),
             sched=first_set((c.sched[0] != c.sched[1]).tolist()),
-            changed=first_set((c.changed[0] != c.changed[1]).tolist()),
+            changed=_first_changed(c.changed),
             rereduced=first_set((c.rereduced[0] > 0).tolist()),
             state=first_set((c.state[0] != c.state[1]).tolist()),
         )
+
+
+def _first_changed(changed: Pair) -> int | None:
+    """`FirstSteps.changed`."""
+    apart = first_set((changed[0] != changed[1]).tolist())
+    return apart if apart is not None else first_set((changed[1] > 0).tolist())
 
 
 def put_compared(
