@@ -268,7 +268,7 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.REPLICAS_DIFFER_AT_WRAP, Family.DIVERGENCE, "error", "weight_writes.py",
          "the replicas differ before the first step (init_sync=False, a per-rank seed)"),
     _row(Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER, Family.DIVERGENCE, "error", "weight_writes.py",
-         "parameters changed on some ranks only, outside the optimizer"),
+         "parameters changed outside the optimizer on some ranks only, or with different values on every rank"),
     _row(Code.GRADS_CHANGED_AFTER_SYNC, Family.DIVERGENCE, "error", "causes.py",
          "gradients agreed after DDP's all-reduce but differ at optimizer.step() (edited on some ranks only, e.g. "
          "clip_grad_norm_ under if rank == 0); under FSDP2, shards scaled by a factor of each rank's own"),
