@@ -41,6 +41,16 @@ def _train(rank: int, world: int, pattern: str) -> dict:
     data = TensorDataset(torch.randn(9, 8, generator=torch.Generator().manual_seed(0)), torch.randint(0, 2, (9,)))
     loader = DataLoader(data, batch_size=1, sampler=DistributedSampler(data, shuffle=True))
     batches = iter(loader)
+    if pattern == "resume_rank0" and rank == 0 or pattern == "resume_everywhere":
+        # A resumed run: the optimizer's state (momentum buffers) loaded on rank 0 alone, or (the neighbour) on
+        # every rank from the same checkpoint.
+        saved = torch.optim.SGD([nn.Parameter(p.detach().clone()) for p in ddp.parameters()], lr=0.1, momentum=0.9)
+        for q in saved.param_groups[0]["params"]:
+            q.grad = torch.ones_like(q)
+        saved.step()
+        state = saved.state_dict()
+        state["param_groups"] = opt.state_dict()["param_groups"]  # the same settings: only the state differs
+        opt.load_state_dict(state)
     with observe(ddp, optimizer=opt, steps=STEPS) as doctor:
         if pattern == "load_on_rank0" and rank == 0:
             with torch.no_grad():
@@ -102,6 +112,7 @@ def _train(rank: int, world: int, pattern: str) -> dict:
         ("init_sync_false", "replicas-differ-at-wrap", [0, 1], [0]),
         ("load_on_rank0", "weights-changed-outside-optimizer", [0], [0]),
         ("load_state_dict_rank1_step2", "weights-changed-outside-optimizer", [1], [2]),
+        ("resume_rank0", "optimizer-differs", [0, 1], [0]),
         ("reinit_per_rank_seed", "weights-changed-outside-optimizer", [0, 1], [0]),
         ("reinit_per_rank_seed_step2", "weights-changed-outside-optimizer", [0, 1], [2]),
     ],
@@ -117,7 +128,11 @@ def test_each_cause_is_named_and_replica_divergence_says_so(tmp_path, pattern, c
         else:
             assert result["loud"] == sorted({code, "replica-divergence"}), result["codes"]
             assert f"fix the cause: {code}" in result["findings"]["replica-divergence"][3]
-        if code == "optimizer-differs":
+        if pattern == "resume_rank0":
+            # Rank 0 holds 4 tensors of momentum from the start, the others none: the state, not a setting.
+            assert "4 on rank 0, 0 on rank 1" in detail, detail
+            assert fix.startswith("load the optimizer's state on every rank"), (fix, detail)
+        elif code == "optimizer-differs":
             assert "lr" in detail and "on rank 0" in detail and "LinearLR.step()" in detail and "test_causes.py" in fix
         if pattern == "load_state_dict_rank1_step2":
             assert "load_state_dict at" in detail and "test_causes.py" in detail
@@ -138,6 +153,7 @@ def test_each_cause_is_named_and_replica_divergence_says_so(tmp_path, pattern, c
         "log_loss",
         "padded_sampler",
         "reinit_same_seed",
+        "resume_everywhere",
         "load_everywhere_step2",
     ],
 )

@@ -25,6 +25,20 @@ _SETTINGS_APART = {
 }
 
 
+_LABELS = {
+    "state size": "tensors with optimizer state",
+    "state step": "the first one's step count",
+    "state loaded": "state loaded by load_state_dict at",
+}
+"""The fields of the optimizer's state (`optimizers.describe`), in words."""
+_SAME_SETTINGS = "set every optimizer hyperparameter identically on every rank."
+_SAME_STATE = (
+    "load the optimizer's state on every rank alike: every rank reads the checkpoint (torch.load with map_location) "
+    "and calls optimizer.load_state_dict, or none does; DDP's constructor broadcasts the model's weights, never the "
+    "optimizer's state."
+)
+
+
 def _settings(text: str) -> dict[str, str]:
     """`group 0 (4 tensors) lr=0.1, momentum=0.9; group 1 ...` -> {"group 0 lr": "0.1", ...}."""
     out = {}
@@ -46,7 +60,7 @@ def settings_apart(
     ranks: list[int],
     parallelism: str,
     where: str = "",
-    fix: str = "set every optimizer hyperparameter identically on every rank.",
+    fix: str = _SAME_SETTINGS,
     sites: tuple[str, ...] = (),
 ) -> Finding:
     """`optimizer-differs` at `step`, for every parallelism (the consequence it states is `parallelism`'s): `held` maps ranks to their optimizer's settings (`optimizers.describe`'s
@@ -62,16 +76,22 @@ def settings_apart(
                 values.setdefault(key, {reference: ref.get(key, "absent")})[r] = other.get(key, "absent")
     fields = [k for k in values if not k.endswith("initial_lr")] or list(values)
     said = "; ".join(
-        f"{key}: " + ", ".join(f"{value} on rank {r}" for r, value in by_rank.items())
+        f"{_LABELS.get(key, key)}: " + ", ".join(f"{value} on rank {r}" for r, value in by_rank.items())
         for key, by_rank in ((k, values[k]) for k in fields[:4])
     )
-    names = ", ".join(k.split(" ", 2)[-1] for k in fields[:4]) or "settings"
+    names = list(dict.fromkeys("state" if k in _LABELS else k.split(" ", 2)[-1] for k in fields[:4]))
+    state_only = bool(fields) and all(k in _LABELS for k in fields)
+    if state_only and fix == _SAME_SETTINGS:
+        fix = _SAME_STATE
+    loaded = [v for v in values.get("state loaded", {}).values() if v != "absent"]
     return Finding(
         code=Code.OPTIMIZER_DIFFERS,
-        sites=lines_of(*sites),
+        sites=lines_of(*sites, *loaded),
         severity="error",
-        title=f"the optimizer's {names} {'differs' if len(fields) == 1 else 'differ'} across ranks from step {step}",
-        detail=f"At optimizer step {step}, which every rank took, the optimizers' settings were not the same "
+        title=f"the optimizer's {', '.join(names) or 'settings'} {'differs' if len(names) == 1 else 'differ'} "
+        f"across ranks from step {step}",
+        detail=f"At optimizer step {step}, which every rank took, the optimizers' "
+        f"{'state was' if state_only else 'settings were'} not the same "
         f"({said or 'the groups differ'}). {_SETTINGS_APART[parallelism]}{where}",
         params=[],
         ranks=ranks,
@@ -92,7 +112,7 @@ def optimizer_differs(v: View) -> list[Finding]:
     held = {r: (v.meta(r).get("optimizer") or [""])[0] for r in [0, *odd.ranks]}
     # Where it changed: a scheduler stepped on some ranks only, at or before this step.
     changed = [k for k in first_differing(v.summary.scheduler_steps) if k <= step]
-    where, fix, sites = "", "set every optimizer hyperparameter identically on every rank.", []
+    where, fix, sites = "", _SAME_SETTINGS, []
     if changed:
         extra = v.ranks("scheduler-extra")
         sites = meta_sites(v, extra.ranks, "scheduler_sites")

@@ -1,7 +1,8 @@
 """What `Session.install()` patches before any user code runs, in place (the classes stay, so `isinstance` and
 pickling behave as before): DDP's constructor (the `--ddp-kwargs` overrides, the shapes DDP is about to compare, a
 `Doctor` on the model it built), `destroy_process_group` (the report is made while the group still exists) and
-`Optimizer.__init__` (each optimizer's creation line, for `model-not-wrapped`), and FSDP2's
+`Optimizer.__init__` (each optimizer's creation line, for `model-not-wrapped`, and a hook that keeps the line of its
+`load_state_dict`), and FSDP2's
 `set_requires_gradient_sync` (where gradient sync was switched off, for `gradient-sync-off`)."""
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ddp_doctor.doctor.plain_watch import PlainOptimizerWatch
 from ddp_doctor.doctor.sharded_report import IGNORED_ATTR, SHARD_CALL_ATTR, SYNC_OFF_ATTR, record_creation_site
 from ddp_doctor.launch.import_hooks import when_imported
 from ddp_doctor.launch.policy import RunPolicy
+from ddp_doctor.observation.optimizers import note_loads
 
 __all__ = [
     "PatchedRun",
@@ -136,6 +138,7 @@ def patch_optimizer_init() -> None:
     def optimizer_init(opt: Optimizer, *args: Any, **kwargs: Any) -> None:
         original_opt_init(opt, *args, **kwargs)
         record_creation_site(opt)
+        note_loads(opt)
 
     Optimizer.__init__ = optimizer_init
 

@@ -198,7 +198,7 @@ def _sharded_compared_line(c: dict[str, Any]) -> str:
         parts.append(f"the inputs ({_n(c['inputs'], 'step')})")
     if c.get("state_steps"):
         parts.append(
-            f"the optimizer's settings and the train/eval modes of {_n(c['modules'], 'module')} "
+            f"the optimizer's settings and state and the train/eval modes of {_n(c['modules'], 'module')} "
             f"({_n(c['state_steps'], 'step')})"
         )
         if c.get("collectives") is None:
@@ -248,7 +248,7 @@ def compared_line(c: dict[str, Any]) -> str:
     if c.get("inputs"):
         parts.append("the inputs" + ("" if c["inputs"] == steps else f" ({c['inputs']} steps)"))
     if c.get("optimizer_steps"):
-        parts.append("the optimizer's settings")
+        parts.append("the optimizer's settings and state (its tensors with state, their step count)")
     if c.get("collectives_per_rank_differ"):
         parts.append("the script's collectives (their counts differ)")
     elif c.get("collectives"):
