@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "ea17772c9b360170",
-    "odd-70": "c7f70f976dba9556",
-    "infos-differ-3": "d7461217227238d0",
-    "edited-2": "9acfc4a7badd33fd",
-    "inferred-2": "040bec29e789adb3",
-    "clean-1": "42ca35e7c396cd8f",
+    "seeded-6": "c4b777afad66ecec",
+    "odd-70": "6b8a16a02e7ce702",
+    "infos-differ-3": "f22ef549e383d384",
+    "edited-2": "7152d401a4fa12cd",
+    "inferred-2": "3f40373cbae1e4de",
+    "clean-1": "bf6ba5bd2b8193ac",
 }
 
 

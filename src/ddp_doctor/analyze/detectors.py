@@ -16,6 +16,7 @@ from ddp_doctor.analyze import (  # noqa: F401 (imported to register their detec
     optimizer_settings,
     passes,
     replica_state,
+    shards,
     throughput,
     tree_state,
     used_set,

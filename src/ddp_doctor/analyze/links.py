@@ -57,6 +57,9 @@ def _causes_of(f: Finding, by_code: dict[str, list[Finding]]) -> list[str]:
         # A rank aborted by gloo on a mismatched collective (SIGABRT), or one that only lost its peer there.
         mismatch = by_code[Code.COLLECTIVE_MISMATCH][0]
         return [Code.COLLECTIVE_MISMATCH] if set(f.ranks) <= set(mismatch.ranks) else []
+    if f.code == Code.IDENTICAL_INPUTS_ACROSS_RANKS and Code.SHARDS_OVERLAP in by_code:
+        # Samplers that all read the same share (num_replicas=1, or one rank for all) hand out the same batches.
+        return [Code.SHARDS_OVERLAP]
     if f.code == Code.UNUSED_PARAMETERS and Code.UNREGISTERED_PARAMETERS in by_code:
         return (
             [Code.UNREGISTERED_PARAMETERS] if names & set(by_code[Code.UNREGISTERED_PARAMETERS][0].param_names) else []

@@ -49,6 +49,11 @@ NOTES: dict[Code, str] = {
         "(0) (the DataLoader created at train.py:19)*; never for a non-shuffling sampler (evaluation) or a "
         "loader iterated once; for an FSDP2 or `replicate` job, at the epoch the check followed"
     ),
+    Code.SHARDS_OVERLAP: (
+        ": *the ranks' DistributedSamplers disagree (seed: 0 on rank 0, 1 on rank 1)*, with the loader's line and, "
+        "for datasets up to 2,000,000 samples, how many indices rank 0 and the named rank both read in the epoch "
+        "and how many none of the compared ranks read (computed with torch's own DistributedSampler)"
+    ),
     Code.RANK_EXITED: (
         ": *rank 1 exited (status 0) at step 3; rank 0 trained on* (from `check`)"
     ),

@@ -90,6 +90,7 @@ class Code(_Name):
     UNREGISTERED_PARAMETERS = "unregistered-parameters"
     NONFINITE_VALUES = "non-finite-values"
     TRAINING_STALLED = "training-stalled"
+    SHARDS_OVERLAP = "shards-overlap"
 
 
 # fmt: off
@@ -104,7 +105,7 @@ REPORT_ORDER: tuple[Code, ...] = (
     Code.COLLECTIVE_MISMATCH, Code.DYNAMIC_GRAPH, Code.RANK_DEPENDENT_GRAPH, Code.USED_OUTSIDE_FORWARD,
     Code.REENTRANT_CHECKPOINT, Code.GRADS_NOT_SYNCED, Code.REPLICA_DIVERGENCE, Code.BUFFER_DIVERGENCE,
     Code.IDENTICAL_INPUTS_ACROSS_RANKS, Code.NO_TRAINABLE_PARAMETERS, Code.FIND_UNUSED_UNNEEDED, Code.UNEVEN_INPUTS,
-    Code.SAMPLER_EPOCH_NOT_SET, Code.CHECKPOINT_SAME_PATH, Code.CHECKPOINT_MODULE_PREFIX, Code.GRAD_SCALER_MISMATCH,
+    Code.SAMPLER_EPOCH_NOT_SET, Code.SHARDS_OVERLAP, Code.CHECKPOINT_SAME_PATH, Code.CHECKPOINT_MODULE_PREFIX, Code.GRAD_SCALER_MISMATCH,
     Code.BATCHNORM_NOT_SYNCED, Code.TRAINING_STALLED, Code.INPUT_BOUND, Code.STRAGGLER_RANK,
 )
 # fmt: on
@@ -321,6 +322,8 @@ TABLE: tuple[CodeInfo, ...] = (
          "the optimizer's steps change no weight: every gradient is exactly zero, or the learning rate is 0; or some "
          "parameters get gradients and never change",
          when="error when no weight trains; warning when some parameters never change while the rest train"),
+    _row(Code.SHARDS_OVERLAP, Family.LOCKSTEP, "warning", "shards.py",
+         "the ranks' DistributedSamplers disagree (a seed, num_replicas, rank): their shares of the data overlap"),
 )
 # fmt: on
 

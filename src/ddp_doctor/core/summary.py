@@ -31,6 +31,7 @@ PREDICATES = (
     "extra-passes",
     "fewer-passes",
     "fewest-batches",
+    "sampler-apart",
     "bypass-sites",
     "blocked-sites",
     "unpaired-extra",

@@ -52,6 +52,9 @@ class Mine:
     """`windows`: the synced passes in each optimizer step, and its steps."""
     batches: int
     """Batches per epoch of the training loader (0: none)."""
+    sampler: torch.Tensor
+    """int64[2]: the training loader's DistributedSampler: the digest of what every rank's must share, and 1 where
+    it is not this rank's (its rank or num_replicas is not the group's); zeros without one."""
     sites: list[int]
     """Digests of the bypass sites and of the blocked checkpoints."""
     unpaired: torch.Tensor
@@ -96,6 +99,10 @@ class Compared:
     """int64[1]: the most padded samples any rank's sampler added."""
     first_batches: torch.Tensor
     """int64[min(W, 8)]: batches per epoch of group ranks 0.. (-1: unknown)."""
+    sampler: Pair
+    """int64[2]: `Mine.sampler` over the ranks whose training loader has a DistributedSampler."""
+    sampler0: torch.Tensor
+    """int64[1]: group rank 0's sampler digest."""
     sites0: torch.Tensor
     """int64[2]: group rank 0's digests of its bypass sites and blocked checkpoints."""
     unpaired: Pair
@@ -181,6 +188,15 @@ class FirstSteps:
         )
 
 
+def sampler_facts(loader: dict[str, Any] | None, rank: int, world: int) -> tuple[torch.Tensor, bool]:
+    """(`Mine.sampler`, whether the training loader has a DistributedSampler)."""
+    if loader is None or loader.get("sampler") != "DistributedSampler" or "seed" not in loader:
+        return torch.zeros(2, dtype=torch.int64), False
+    shared = [loader.get(k) for k in ("seed", "shuffle", "drop_last", "num_replicas", "dataset")]
+    own = loader["rank"] == rank and loader["num_replicas"] == world
+    return torch.tensor([text_digest(shared), int(not own)]), True
+
+
 def _first_changed(changed: Pair) -> int | None:
     """`FirstSteps.changed`."""
     apart = first_set((changed[0] != changed[1]).tolist())
@@ -232,6 +248,9 @@ def put_compared(
     if rank < len(first):
         first[rank] = batches if loader is not None else -1
     m.slot("first_batches", first, torch.arange(len(first)) == rank)
+    sampler, distributed = sampler_facts(loader, rank, world)
+    m.pair("sampler", sampler, distributed)
+    m.slot("sampler0", sampler[:1], rank == 0)
     sites = [text_digest(sorted(set(record.bypass_sites))), text_digest(sorted(set(record.blocked_checkpoints)))]
     m.slot("sites0", torch.tensor(sites), rank == 0)
     # Per common step: DDP forwards in grad mode without a backward, DDP's buffer broadcasts (all, and those of
@@ -290,6 +309,7 @@ def put_compared(
         infer=infer,
         wins=wins,
         batches=batches,
+        sampler=sampler,
         sites=sites,
         unpaired=unpaired,
         bcast=bcast,

@@ -154,6 +154,11 @@ def evaluate(
         "extra-passes": first_window is not None and my_passes == int(w_hi[first_window]),
         "fewer-passes": first_window is not None and my_passes != int(w_hi[first_window]),
         "fewest-batches": bool(all_loaders and b_hi != b_lo and local.loader is not None and mine.batches == b_lo),
+        "sampler-apart": bool(
+            local.loader is not None
+            and local.loader.get("seed") is not None
+            and (int(c.sampler0[0]) not in (MIN, int(mine.sampler[0])) or bool(mine.sampler[1]))
+        ),
         "bypass-sites": mine.sites[0] != int(c.sites0[0]),
         "blocked-sites": mine.sites[1] != int(c.sites0[1]),
         "unpaired-extra": f.unpaired is not None and int(mine.unpaired[f.unpaired]) == int(u_hi[f.unpaired]),

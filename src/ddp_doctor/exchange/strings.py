@@ -34,8 +34,8 @@ QUOTED = (
     "grads-edited",
     "state-differs",
 )
-"""The predicates whose example ranks send their strings (all of them); `fewest-batches` and `same-path-save` send
-their first example's."""
+"""The predicates whose example ranks send their strings (all of them); `fewest-batches`, `same-path-save` and
+`sampler-apart` send their first example's (other than rank 0, for `sampler-apart`)."""
 
 
 def at_step(log: list[str], step: int | None) -> list[str]:
@@ -126,7 +126,8 @@ def example_metas(
         wanted.update(examples[name].ranks)
     wanted.update(examples["fewest-batches"].ranks[:1])
     wanted.update(examples["same-path-save"].ranks[:1])
-    chosen = sorted(wanted)  # at most 3 + 14 * EXAMPLES ranks
+    wanted.update([r for r in examples["sampler-apart"].ranks if r][:1])
+    chosen = sorted(wanted)  # at most 4 + 15 * EXAMPLES ranks
     words = -(-n_meta // 8)
     e = torch.zeros(len(chosen), words, dtype=torch.int64)
     if rank in chosen:

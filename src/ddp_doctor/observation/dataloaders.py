@@ -119,6 +119,12 @@ def describe(loader: tud.DataLoader) -> dict[str, Any]:
             info["padded"] = int(sampler.total_size - size)
         info["epoch"] = int(sampler.epoch)
         info["shuffle"] = bool(sampler.shuffle)
+        # What decides which indices this rank reads (`shards-overlap`): the same on every rank but the rank.
+        info["seed"] = int(sampler.seed)
+        info["drop_last"] = bool(sampler.drop_last)
+        info["num_replicas"] = int(sampler.num_replicas)
+        info["rank"] = int(sampler.rank)
+        info["exact"] = type(sampler) is tud.distributed.DistributedSampler
         info["set_epoch_called"] = id(sampler) in _set_epoch_called
     return info
 

@@ -1,0 +1,129 @@
+"""The ranks' shares of the data (`shards-overlap`): every rank's training loader splits one dataset with a
+DistributedSampler, and the samplers must agree on everything but the rank (seed, shuffle, drop_last,
+num_replicas, the dataset's length) and each must be its own rank's. Decided from the exchange's predicate
+"sampler-apart"; the overlap is computed from the samplers' settings with torch's own DistributedSampler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.utils.data as tud
+
+from ddp_doctor.analyze.common import with_more
+from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.core.codes import Code
+from ddp_doctor.core.findings import Finding, Measure, lines_of
+
+__all__ = ["shards_overlap"]
+
+_SHARED = ("seed", "shuffle", "drop_last", "num_replicas", "dataset")
+"""What every rank's sampler must hold alike (`dataset`: the dataset's length)."""
+MAX_COMPUTED = 2_000_000
+"""The largest dataset whose shares are computed index by index."""
+
+
+def _sampler(meta: dict[str, Any]) -> dict[str, Any]:
+    """The training loader's record (the first with a length), when its sampler is a DistributedSampler."""
+    loader = next((d for d in meta.get("loaders", []) if d.get("batches") is not None), {})
+    return loader if loader.get("sampler") == "DistributedSampler" and "seed" in loader else {}
+
+
+def _indices(d: dict[str, Any]) -> set[int]:
+    """The indices this sampler hands out in its epoch (torch's own DistributedSampler, on a range)."""
+    sampler = tud.DistributedSampler(
+        range(d["dataset"]),
+        num_replicas=d["num_replicas"],
+        rank=d["rank"],
+        shuffle=d["shuffle"],
+        seed=d["seed"],
+        drop_last=d["drop_last"],
+    )
+    sampler.set_epoch(d["epoch"])
+    return set(sampler)
+
+
+def _overlap(held: dict[int, dict[str, Any]]) -> tuple[int, int, int] | None:
+    """(indices rank 0 and the first other rank both read, indices none of these ranks read, the dataset's
+    length), when every one is torch's DistributedSampler over one dataset length that is small enough."""
+    lengths = {d.get("dataset") for d in held.values()}
+    if len(lengths) != 1 or not all(d.get("exact") for d in held.values()):
+        return None
+    n = lengths.pop()
+    if not isinstance(n, int) or not 0 < n <= MAX_COMPUTED:
+        return None
+    shares = {r: _indices(d) for r, d in held.items()}
+    first, *others = shares
+    both = len(shares[first] & shares[others[0]]) if others else 0
+    read = set().union(*shares.values())
+    return both, n - len(read), n
+
+
+@detects(Code.SHARDS_OVERLAP)
+def shards_overlap(v: View) -> list[Finding]:
+    if v.world < 2:
+        return []
+    odd = v.ranks("sampler-apart")
+    if not odd.count:
+        return []
+    # Rank 0 and the first other rank the exchange named (the only others whose loaders it sent).
+    held = {r: _sampler(v.meta(r)) for r in [0, *[r for r in odd.ranks if r != 0][:1]] if r in v.summary.metas}
+    held = {r: d for r, d in held.items() if d}
+    if not held:
+        return []
+    ref = held.get(0) or next(iter(held.values()))
+    apart = [k for k in _SHARED if len({str(d.get(k)) for d in held.values()}) > 1]
+    wrong = [r for r, d in held.items() if d.get("rank") != r or d.get("num_replicas") != v.world]
+    said = [
+        f"{'dataset length' if k == 'dataset' else k}: " + ", ".join(f"{d.get(k)} on rank {r}" for r, d in held.items())
+        for k in apart
+    ]
+    said += [
+        f"rank {r}'s sampler has rank={held[r].get('rank')}, num_replicas={held[r].get('num_replicas')} (it is rank "
+        f"{r} of {v.world})"
+        for r in wrong
+    ]
+    overlap = _overlap(held) if len(held) >= 2 or wrong else None
+    measured: list[Measure] = []
+    consequence = "so the ranks' shares of the data are not the disjoint parts of one split"
+    after = "Training still runs, on a different mix of the data than one split gives."
+    if overlap is not None:
+        both, unread, n = overlap
+        pair = sorted(held)[:2]
+        consequence = (
+            f"so their shares overlap: in epoch {ref.get('epoch', 0)} rank {pair[0]} and rank {pair[-1]} both read "
+            f"{both} of the {n} samples' indices"
+        )
+        measured = [Measure("indices_read_twice", both, "count")]
+        if len(held) == v.world:  # every rank's share is known: what none of them reads, too
+            consequence += f", and {unread} are read by no rank"
+            measured.append(Measure("indices_unread", unread, "count"))
+        after = (
+            "Training still runs, these ranks on the same samples."
+            if both == n
+            else "Training still runs: some samples count twice per epoch and others never."
+        )
+    site = ref.get("site")
+    ranks = sorted({*held, *odd.ranks})
+    return [
+        with_more(
+            Finding(
+                code=Code.SHARDS_OVERLAP,
+                sites=lines_of(site or ""),
+                severity="warning",
+                title=f"the ranks' DistributedSamplers {'disagree' if apart else 'do not split the data over the group'} "
+                f"({'; '.join(said[:2])})",
+                detail=f"Each rank's DistributedSampler{f' (the DataLoader at {site})' if site else ''} shuffles "
+                "the indices of the dataset from its seed and takes every num_replicas-th from its rank on; that "
+                f"splits the data only when every rank's sampler holds the same settings but its rank. Here "
+                f"{'; '.join(said)}: {consequence}. {after}",
+                params=[],
+                ranks=ranks,
+                steps=[],
+                fix="build the sampler alike on every rank: DistributedSampler(dataset, shuffle=True, seed=args.seed) "
+                "with one seed for all ranks, and num_replicas and rank left to the process group (a per-rank seed "
+                "belongs in torch.manual_seed, for dropout and augmentation, not in the sampler).",
+                measured=measured,
+            ),
+            odd.more,
+        )
+    ]

@@ -1,0 +1,78 @@
+"""`shards-overlap` on real gloo ranks: the training loader's DistributedSampler must hold the same settings on every
+rank but its rank, and be its own rank's. Ground truth under plain torchrun (2 ranks, 512 samples, batch 16,
+`DistributedSampler(ds, shuffle=True, seed=rank)`): exit 0, nothing printed, loss falling; each rank reads 256
+indices per epoch, 125 of them the other rank's too, and 125 indices are read by neither rank. Before, `check`
+said "No problems found"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from ddp_doctor import observe
+from ddp_doctor.observation import dataloaders
+
+STEPS = 4
+
+
+def _train(rank: int, world: int, pattern: str) -> dict:
+    dataloaders.install()  # as the launcher does before the script: loaders get their creation line
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(512, 8), torch.randint(0, 2, (512,)))
+    kwargs = {
+        "seed_per_rank": {"seed": rank},
+        "one_replica": {"num_replicas": 1, "rank": 0},
+        "same_seed": {"seed": 1234},
+        "default": {},
+    }[pattern]
+    sampler = DistributedSampler(data, shuffle=True, **kwargs)
+    sampler.set_epoch(0)
+    loader = DataLoader(data, batch_size=16, sampler=sampler)
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with observe(ddp, optimizer=opt, steps=STEPS) as doctor:
+        for step, (x, y) in enumerate(loader):
+            if step == STEPS:
+                break
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    report = doctor.report()
+    return {f.code: f.to_dict() for f in report.findings}
+
+
+def _measured(f: dict) -> dict[str, float]:
+    return {m["name"]: m["value"] for m in f["measured"]}
+
+
+def test_a_seed_per_rank_in_the_sampler_is_named_with_the_overlap_at_four_ranks(tmp_path) -> None:
+    for found in run_ranks(_train, tmp_path, world_size=4, args=("seed_per_rank",)):
+        assert set(found) == {"shards-overlap"}, found
+        f = found["shards-overlap"]
+        assert f["severity"] == "warning" and f["ranks"] == [0, 1, 2, 3], f
+        assert f["sites"] == ["tests/lockstep/test_shards.py:35"], f
+        # Rank 0's and rank 1's shares of 128 indices each, from seeds 0 and 1: computed with torch's own sampler.
+        expected = set(DistributedSampler(range(512), num_replicas=4, rank=0, seed=0)) & set(
+            DistributedSampler(range(512), num_replicas=4, rank=1, seed=1)
+        )
+        # Rank 0's and rank 1's shares are all that is compared: what no rank reads is not claimed.
+        assert _measured(f) == {"indices_read_twice": len(expected)} and len(expected) > 0, f
+
+
+def test_samplers_built_for_one_replica_explain_the_identical_inputs(tmp_path) -> None:
+    for found in run_ranks(_train, tmp_path, args=("one_replica",)):
+        assert set(found) == {"shards-overlap", "identical-inputs-across-ranks"}, found
+        f = found["shards-overlap"]
+        assert f["ranks"] == [0, 1] and _measured(f) == {"indices_read_twice": 512, "indices_unread": 0}, f
+        assert found["identical-inputs-across-ranks"]["caused_by"] == ["shards-overlap"]
+
+
+@pytest.mark.parametrize("pattern", ["same_seed", "default"])
+def test_samplers_that_agree_say_nothing(tmp_path, pattern) -> None:
+    for found in run_ranks(_train, tmp_path, args=(pattern,)):
+        assert found == {}, found
