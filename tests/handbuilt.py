@@ -46,13 +46,15 @@ def sharded_record(
     replica_rows: int = 0,
     replicas_odd: tuple[int, ...] = (),
     own_s: float = 0.010,
+    sampler_odd: tuple[int, ...] = (),
 ) -> ShardedRecord:
     """A rank of a sharded job with 6 parameters (2 outside every sharded group) and 3 buffers, 8 observed steps:
     the ranks in `settings_odd` hold other optimizer settings from step 2 on, `saver` alone saves shards, the
     ranks in `unsharded_odd` hold another copy of the first unsharded parameter, the ranks in `collectives_odd`
     reduce their step's one collective with MAX from step 3 on (the others with the default SUM), each rank reads its
     own batches; with `replica_rows` the parameters are replicated over that many rows (rank % rows), and the ranks
-    in `replicas_odd` hold another copy of parameter 3 from step `REPLICAS_PART_AT` on."""
+    in `replicas_odd` hold another copy of parameter 3 from step `REPLICAS_PART_AT` on; the training loader's
+    DistributedSampler is seeded 0, 7 on the ranks in `sampler_odd`."""
     slots: dict[str, float] = dict.fromkeys(SLOTS, 0.0)
     saved = rank == saver
     slots.update(
@@ -70,7 +72,10 @@ def sharded_record(
         timed_steps=STEPS,
         comm_timed=1,
         own_s=own_s,
+        sampler=7.0 if rank in sampler_odd else 3.0,
+        sampler_has=1,
     )
+    loader = {"sampler": "DistributedSampler", "seed": 7 if rank in sampler_odd else 0, "rank": rank, "epoch": 0}
     grads = torch.ones(PARAMS, 3)
     grads[5] = 0.0  # the last parameter never gets a gradient
     unsharded = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
@@ -107,6 +112,7 @@ def sharded_record(
         held=held,
         saved={"shown": "model.state_dict()", "site": "train.py:40", "shards": [4, 8]} if saved else None,
         clock={"own_s": own_s, "own_q1_s": own_s, "own_q3_s": own_s, "wait_s": 0.001, "comm_s": 0.002},
+        loader=loader,
     )
 
 

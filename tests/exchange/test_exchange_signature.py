@@ -138,7 +138,7 @@ def signature(name: str) -> str:
 
 
 SHARDED = {
-    "sharded-clean-3": ({}, "2d9fe2e451e6344f"),
+    "sharded-clean-3": ({}, "30cbccc255c5dd32"),
     "sharded-mistakes-6": (
         {
             "settings_odd": (2, 5),
@@ -148,8 +148,9 @@ SHARDED = {
             "replica_rows": 2,
             "replicas_odd": (5,),
             "own_s": 0.02,
+            "sampler_odd": (4,),
         },
-        "e1588b598d7b63e4",
+        "d3b13ac214276049",
     ),
 }
 """A sharded job's exchange (FSDP2, `replicate`): each scenario's mistakes (`handbuilt.sharded_record`) and the

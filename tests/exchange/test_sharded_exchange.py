@@ -29,13 +29,20 @@ def test_a_clean_jobs_exchange_costs_each_rank_the_same_from_2_to_1024_ranks() -
         assert got.per_step["inputs_compared"] == list(range(STEPS)) and not got.per_step["inputs_identical"]
         assert got.per_step["settings_apart"] is None and got.shard_save == {} and got.slowest is None
         assert got.per_step["collectives_apart"] is None and got.top["collectives"] == got.low["collectives"] == STEPS
+        assert got.samplers is None
         volumes[world] = (volume.sent, volume.collectives)
     assert volumes[2] == volumes[64] == volumes[1024], volumes
     assert volumes[1024][0] < 4096  # per rank: the slots, gradient flags, fingerprints and the 16-step table
 
 
 def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
-    mistakes = {"settings_odd": (3, 700), "saver": 5, "unsharded_odd": (1000,), "collectives_odd": (9, 10, 1023)}
+    mistakes = {
+        "settings_odd": (3, 700),
+        "saver": 5,
+        "unsharded_odd": (1000,),
+        "collectives_odd": (9, 10, 1023),
+        "sampler_odd": (2, 999),
+    }
     got, big = simulated(1024, **mistakes)
     apart = got.per_step["settings_apart"]
     assert apart == {"step": 2, "reference": 0, "ranks": [3, 700], "more": 0, "held": {0: "lr=0.1", 3: "lr=0.5"}}
@@ -47,6 +54,14 @@ def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
         "more": 0,
         "held": {0: ["all_reduce(float32[1])/4 at train.py:60"], 9: ["all_reduce(float32[1], MAX)/4 at train.py:60"]},
     }
+    assert got.samplers == {
+        "held": {
+            0: {"sampler": "DistributedSampler", "seed": 0, "rank": 0, "epoch": 0},
+            2: {"sampler": "DistributedSampler", "seed": 7, "rank": 2, "epoch": 0},
+        },
+        "ranks": [2, 999],
+        "more": 0,
+    }
     assert got.unsharded_differ == [True, False] and got.unsharded_gap == pytest.approx(0.5)
     assert got.shard_save == {
         "shard_save": {"shown": "model.state_dict()", "site": "train.py:40", "shards": [4, 8]},
@@ -54,7 +69,9 @@ def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
         "shard_save_first": 5,
         "shard_save_one_path": False,
     }
-    _, small = simulated(64, settings_odd=(3, 60), saver=5, unsharded_odd=(63,), collectives_odd=(9, 10, 63))
+    _, small = simulated(
+        64, settings_odd=(3, 60), saver=5, unsharded_odd=(63,), collectives_odd=(9, 10, 63), sampler_odd=(2, 63)
+    )
     assert (big.sent, big.collectives) == (small.sent, small.collectives)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from checkrun import SCRIPTS, check, line_of
 from dist import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -32,7 +33,7 @@ def _train(rank: int, world: int, pattern: str) -> dict:
     }[pattern]
     sampler = DistributedSampler(data, shuffle=True, **kwargs)
     sampler.set_epoch(0)
-    loader = DataLoader(data, batch_size=16, sampler=sampler)
+    loader = DataLoader(data, batch_size=16, sampler=sampler)  # named in the finding
     ddp = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     with observe(ddp, optimizer=opt, steps=STEPS) as doctor:
@@ -55,20 +56,21 @@ def test_a_seed_per_rank_in_the_sampler_is_named_with_the_overlap_at_four_ranks(
         assert set(found) == {"shards-overlap"}, found
         f = found["shards-overlap"]
         assert f["severity"] == "warning" and f["ranks"] == [0, 1, 2, 3], f
-        assert f["sites"] == ["tests/lockstep/test_shards.py:35"], f
+        assert f["sites"] == [f"tests/lockstep/test_shards.py:{line_of(__file__, '# named in ' + 'the finding')}"], f
         # Rank 0's and rank 1's shares of 128 indices each, from seeds 0 and 1: computed with torch's own sampler.
         expected = set(DistributedSampler(range(512), num_replicas=4, rank=0, seed=0)) & set(
             DistributedSampler(range(512), num_replicas=4, rank=1, seed=1)
         )
         # Rank 0's and rank 1's shares are all that is compared: what no rank reads is not claimed.
-        assert _measured(f) == {"indices_read_twice": len(expected)} and len(expected) > 0, f
+        assert _measured(f) == {"indices_read_twice": len(expected), "epoch": 0} and len(expected) > 0, f
 
 
 def test_samplers_built_for_one_replica_explain_the_identical_inputs(tmp_path) -> None:
     for found in run_ranks(_train, tmp_path, args=("one_replica",)):
         assert set(found) == {"shards-overlap", "identical-inputs-across-ranks"}, found
         f = found["shards-overlap"]
-        assert f["ranks"] == [0, 1] and _measured(f) == {"indices_read_twice": 512, "indices_unread": 0}, f
+        assert f["ranks"] == [0, 1], f
+        assert _measured(f) == {"indices_read_twice": 512, "epoch": 0, "indices_unread": 0}, f
         assert found["identical-inputs-across-ranks"]["caused_by"] == ["shards-overlap"]
 
 
@@ -76,3 +78,26 @@ def test_samplers_built_for_one_replica_explain_the_identical_inputs(tmp_path) -
 def test_samplers_that_agree_say_nothing(tmp_path, pattern) -> None:
     for found in run_ranks(_train, tmp_path, args=(pattern,)):
         assert found == {}, found
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_check_names_the_samplers_under_ddp_and_fsdp2_alike(tmp_path, wrap) -> None:
+    """Through `ddp-doctor check`, the same rule on both roads: a seed per rank at 4 ranks (rank 0 and the first
+    other rank compared), and a clean neighbour."""
+    script = SCRIPTS / "shards_sampler.py"
+    run = check(["--nproc-per-node", "4", str(script), "--wrap", wrap, "--sampler", "seed-per-rank"], tmp_path)
+    f = run.finding("shards-overlap")
+    assert f["ranks"] == [0, 1, 2, 3] and f["sites"] == [
+        f"tests/scripts/shards_sampler.py:{line_of(script, 'DataLoader(data')}"
+    ], f
+    # The epoch the report read the samplers in: the first (DDP's observed steps) or the second (FSDP2's report
+    # comes after the epoch end it followed).
+    epoch = int(_measured(f)["epoch"])
+    shares = []
+    for rank in (0, 1):
+        sampler = DistributedSampler(range(512), num_replicas=4, rank=rank, seed=rank)
+        sampler.set_epoch(epoch)
+        shares.append(set(sampler))
+    assert _measured(f)["indices_read_twice"] == len(shares[0] & shares[1]) > 0, f
+    clean = check(["--nproc-per-node", "2", str(script), "--wrap", wrap, "--sampler", "same"], tmp_path / "clean")
+    assert "shards-overlap" not in clean.codes and clean.errors() == [], clean.output

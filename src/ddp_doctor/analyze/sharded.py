@@ -17,10 +17,12 @@ from typing import Any
 
 from ddp_doctor.analyze.agreement import same_inputs
 from ddp_doctor.analyze.causes import shards_scaled_apart
+from ddp_doctor.analyze.common import with_more
 from ddp_doctor.analyze.sharded_fixes import optimizer_fix, sync_fix
 from ddp_doctor.analyze.sharded_saves import incomplete_checkpoint
 from ddp_doctor.analyze.sharded_state import buffer_divergence, low_precision_weights, replica_state, training_moves
 from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
+from ddp_doctor.analyze.shards import samplers_apart
 from ddp_doctor.analyze.tree_state import stale_optimizer
 from ddp_doctor.analyze.unsharded import unsharded_finding
 from ddp_doctor.analyze.used_set import unused_finding
@@ -139,6 +141,11 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
     found += buffer_divergence(run, ranks)
     if run.world > 1 and run.inputs_compared and run.inputs_identical:
         found.append(same_inputs(world=run.world, steps=run.inputs_compared))
+    if run.samplers_apart:
+        held = {int(r): d for r, d in run.samplers_apart["held"].items() if d}
+        overlap = samplers_apart(held, world=run.world, ranks=run.samplers_apart["ranks"])
+        if overlap is not None:
+            found.append(with_more(overlap, run.samplers_apart["more"]))
     if run.input_wait:
         found.append(sharded_input_bound(run, ranks))
     if straggler := sharded_straggler(run):

@@ -14,7 +14,7 @@ from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
 
-__all__ = ["shards_overlap"]
+__all__ = ["samplers_apart", "shards_overlap"]
 
 _SHARED = ("seed", "shuffle", "drop_last", "num_replicas", "dataset")
 """What every rank's sampler must hold alike (`dataset`: the dataset's length)."""
@@ -23,9 +23,8 @@ MAX_COMPUTED = 2_000_000
 
 
 def _sampler(meta: dict[str, Any]) -> dict[str, Any]:
-    """The training loader's record (the first with a length), when its sampler is a DistributedSampler."""
-    loader = next((d for d in meta.get("loaders", []) if d.get("batches") is not None), {})
-    return loader if loader.get("sampler") == "DistributedSampler" and "seed" in loader else {}
+    """The training loader's record (the first with a length)."""
+    return next((d for d in meta.get("loaders", []) if d.get("batches") is not None), {})
 
 
 def _indices(d: dict[str, Any]) -> set[int]:
@@ -60,29 +59,41 @@ def _overlap(held: dict[int, dict[str, Any]]) -> tuple[int, int, int] | None:
 
 @detects(Code.SHARDS_OVERLAP)
 def shards_overlap(v: View) -> list[Finding]:
+    """DDP's exchange: the ranks named by its predicate "sampler-apart"."""
     if v.world < 2:
         return []
     odd = v.ranks("sampler-apart")
     if not odd.count:
         return []
     # Rank 0 and the first other rank the exchange named (the only others whose loaders it sent).
-    held = {r: _sampler(v.meta(r)) for r in [0, *[r for r in odd.ranks if r != 0][:1]] if r in v.summary.metas}
-    held = {r: d for r, d in held.items() if d}
+    chosen = [0, *[r for r in odd.ranks if r != 0][:1]]
+    held = {r: _sampler(v.meta(r)) for r in chosen if r in v.summary.metas}
+    found = samplers_apart(held, world=v.world, ranks=odd.ranks)
+    return [with_more(found, odd.more)] if found else []
+
+
+def samplers_apart(held: dict[int, dict[str, Any]], *, world: int, ranks: list[int]) -> Finding | None:
+    """`shards-overlap` for every parallelism: `held` maps ranks (the reference first) to their training loader's
+    record (`dataloaders.describe`, with the sampler's settings), `ranks` are the other ranks the exchange named.
+    None when no record holds a DistributedSampler's settings."""
+    held = {r: d for r, d in held.items() if d.get("sampler") == "DistributedSampler" and "seed" in d}
     if not held:
-        return []
-    ref = held.get(0) or next(iter(held.values()))
+        return None
+    ref = next(iter(held.values()))
     apart = [k for k in _SHARED if len({str(d.get(k)) for d in held.values()}) > 1]
-    wrong = [r for r, d in held.items() if d.get("rank") != r or d.get("num_replicas") != v.world]
+    wrong = [r for r, d in held.items() if d.get("rank") != r or d.get("num_replicas") != world]
     said = [
         f"{'dataset length' if k == 'dataset' else k}: " + ", ".join(f"{d.get(k)} on rank {r}" for r, d in held.items())
         for k in apart
     ]
     said += [
         f"rank {r}'s sampler has rank={held[r].get('rank')}, num_replicas={held[r].get('num_replicas')} (it is rank "
-        f"{r} of {v.world})"
+        f"{r} of {world})"
         for r in wrong
     ]
-    overlap = _overlap(held) if len(held) >= 2 or wrong else None
+    if not said:
+        return None
+    overlap = _overlap(held)
     measured: list[Measure] = []
     consequence = "so the ranks' shares of the data are not the disjoint parts of one split"
     after = "Training still runs, on a different mix of the data than one split gives."
@@ -93,8 +104,8 @@ def shards_overlap(v: View) -> list[Finding]:
             f"so their shares overlap: in epoch {ref.get('epoch', 0)} rank {pair[0]} and rank {pair[-1]} both read "
             f"{both} of the {n} samples' indices"
         )
-        measured = [Measure("indices_read_twice", both, "count")]
-        if len(held) == v.world:  # every rank's share is known: what none of them reads, too
+        measured = [Measure("indices_read_twice", both, "count"), Measure("epoch", ref.get("epoch", 0), "count")]
+        if len(held) == world:  # every rank's share is known: what none of them reads, too
             consequence += f", and {unread} are read by no rank"
             measured.append(Measure("indices_unread", unread, "count"))
         after = (
@@ -103,27 +114,21 @@ def shards_overlap(v: View) -> list[Finding]:
             else "Training still runs: some samples count twice per epoch and others never."
         )
     site = ref.get("site")
-    ranks = sorted({*held, *odd.ranks})
-    return [
-        with_more(
-            Finding(
-                code=Code.SHARDS_OVERLAP,
-                sites=lines_of(site or ""),
-                severity="warning",
-                title=f"the ranks' DistributedSamplers {'disagree' if apart else 'do not split the data over the group'} "
-                f"({'; '.join(said[:2])})",
-                detail=f"Each rank's DistributedSampler{f' (the DataLoader at {site})' if site else ''} shuffles "
-                "the indices of the dataset from its seed and takes every num_replicas-th from its rank on; that "
-                f"splits the data only when every rank's sampler holds the same settings but its rank. Here "
-                f"{'; '.join(said)}: {consequence}. {after}",
-                params=[],
-                ranks=ranks,
-                steps=[],
-                fix="build the sampler alike on every rank: DistributedSampler(dataset, shuffle=True, seed=args.seed) "
-                "with one seed for all ranks, and num_replicas and rank left to the process group (a per-rank seed "
-                "belongs in torch.manual_seed, for dropout and augmentation, not in the sampler).",
-                measured=measured,
-            ),
-            odd.more,
-        )
-    ]
+    return Finding(
+        code=Code.SHARDS_OVERLAP,
+        sites=lines_of(site or ""),
+        severity="warning",
+        title=f"the ranks' DistributedSamplers {'disagree' if apart else 'do not split the data over the group'} "
+        f"({'; '.join(said[:2])})",
+        detail=f"Each rank's DistributedSampler{f' (the DataLoader at {site})' if site else ''} shuffles "
+        "the indices of the dataset from its seed and takes every num_replicas-th from its rank on; that "
+        f"splits the data only when every rank's sampler holds the same settings but its rank. Here "
+        f"{'; '.join(said)}: {consequence}. {after}",
+        params=[],
+        ranks=sorted({*held, *ranks}),
+        steps=[],
+        fix="build the sampler alike on every rank: DistributedSampler(dataset, shuffle=True, seed=args.seed) "
+        "with one seed for all ranks, and num_replicas and rank left to the process group (a per-rank seed "
+        "belongs in torch.manual_seed, for dropout and augmentation, not in the sampler).",
+        measured=measured,
+    )

@@ -184,6 +184,9 @@ class ShardedRun:
     ranks the longest median and third quartile of own work and wait between steps (`others_own_s`,
     `others_own_q3_s`, `others_wait_s`) and the shortest median time in collectives (`others_comm_s`).
     `observation/step_clock.slowest_rank`; None otherwise."""
+    samplers_apart: dict[str, Any] | None = None
+    """When the training loaders' DistributedSamplers differ across ranks, or some rank's is not its own: two
+    ranks' loader records, the reference first (`held`), and the other ranks named (`ranks`, `more`)."""
     low_reduce_abs: float = 0.0
     """The largest absolute difference of a reduced gradient element, low dtype against float32, on any rank."""
     low_reduce_rel: float = 0.0

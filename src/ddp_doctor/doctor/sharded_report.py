@@ -20,9 +20,11 @@ from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.fingerprint import fingerprints_batched
 from ddp_doctor.core.frames import user_site
 from ddp_doctor.core.sharded_run import INPUT_STEPS, ShardedRun
+from ddp_doctor.exchange.compared import sampler_facts
 from ddp_doctor.exchange.drive import drive
 from ddp_doctor.exchange.primitives import comm_device
 from ddp_doctor.exchange.sharded_protocol import NOBODY, STEP_COLUMNS, ShardedRecord, sharded_protocol
+from ddp_doctor.observation import dataloaders
 from ddp_doctor.observation.grad_scale import GradScale
 from ddp_doctor.observation.sharding import GatherCount, ReducePrecisionProbe, ShardedModel, reshards_fully
 from ddp_doctor.observation.step_clock import StepClock, input_wait
@@ -127,6 +129,8 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     unsharded_changed = bool(moved[[i for i, (_, p) in enumerate(named) if id(p) in outside]].any())
     device = comm_device(None, named[0][1].device if named else None)
     saved = w.shard_saves[0] if w.shard_saves else None
+    last = dataloaders.last_pass()
+    loader = {k: v for k, v in last.info.items() if k != "pass"} if last is not None and last.steps else None
     probe = w.probe
     if probe is not None:
         probe.remove()
@@ -154,12 +158,14 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         "replica_rows": slot[1] if replicas is not None else 0,
         "collectives": sum(count for _, _, count in w.step_collectives[:INPUT_STEPS]),
         **StepClock.slots(w.clock),
+        **_sampler_slots(loader),
     }
     grads = None
     if w.grad_seen is not None:
         nonzero = w.grad_nonzero if w.grad_nonzero is not None else torch.zeros_like(w.grad_seen)
         grads = torch.stack([w.grad_seen.float(), nonzero.float(), moved.float()], dim=1)
     record = ShardedRecord(
+        loader=loader,
         slots=local,
         grads=grads,
         unsharded=fingerprints_batched(p for _, p in unsharded).nan_to_num(0.0)
@@ -247,8 +253,15 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         followed=w.frozen,
         in_process=w.in_process,
         **got.shard_save,
+        samplers_apart=got.samplers,
     )
     return Report.build(w.facts(sharding=run.sharding), diagnose_sharded(run))
+
+
+def _sampler_slots(loader: dict[str, Any] | None) -> dict[str, float]:
+    """The `sampler*` slots: the training loader's DistributedSampler (`exchange/compared.sampler_facts`)."""
+    facts, has = sampler_facts(loader, dist.get_rank(), dist.get_world_size())
+    return {"sampler": float(int(facts[0]) & 0xFFFFFF), "sampler_wrong": float(facts[1]), "sampler_has": float(has)}
 
 
 def _replicas_apart(apart: dict[str, Any] | None, named: list[tuple[str, Any]]) -> dict[str, Any] | None:

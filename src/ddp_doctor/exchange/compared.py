@@ -189,7 +189,8 @@ class FirstSteps:
 
 
 def sampler_facts(loader: dict[str, Any] | None, rank: int, world: int) -> tuple[torch.Tensor, bool]:
-    """(`Mine.sampler`, whether the training loader has a DistributedSampler)."""
+    """(`Mine.sampler`, whether the training loader has a DistributedSampler); for every parallelism (a sharded
+    model's exchange puts the digest's low 24 bits in its float32 slots)."""
     if loader is None or loader.get("sampler") != "DistributedSampler" or "seed" not in loader:
         return torch.zeros(2, dtype=torch.int64), False
     shared = [loader.get(k) for k in ("seed", "shuffle", "drop_last", "num_replicas", "dataset")]

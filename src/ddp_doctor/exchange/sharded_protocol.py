@@ -13,6 +13,7 @@ rank in one process.
 | apart | `oddranks` rounds, 2 SUMs, per digest that differs | the settings', modes' or collectives' digest, then what two ranks hold | `settings_apart`, `modes_apart`, `collectives_apart` |
 | saves | SUM, SUM, SUM, when some rank saved shards | who saved, then what the first saver wrote | `shard_save` |
 | slowest | MAX, when a rank's own work is the longest | the step clock's quartiles | `slowest` |
+| samplers | `oddranks` rounds and 2 SUMs, or 3 SUMs, when the training loaders' DistributedSamplers differ or one is not its rank's | the sampler's digest, then two ranks' loader records | `samplers` |
 
 Every collective's op and shape depend on the slots' reduced values and earlier results only, never on local data.
 """
@@ -69,6 +70,9 @@ SLOTS = (
     "comm_timed",
     "own_s",
     "gpu_timed",
+    "sampler",
+    "sampler_wrong",
+    "sampler_has",
 )
 """What every rank puts in the first MAX, in this order (float32: each value exact in it)."""
 NOBODY = 2**24
@@ -110,6 +114,9 @@ class ShardedRecord:
     """What this rank's first save of shards wrote (`shown`, `site`, `shards`); None where it saved none."""
     clock: dict[str, Any] | None = None
     """Its step clock's figures (`StepClock.stats`); None where no clock ran."""
+    loader: dict[str, Any] | None = None
+    """The training loader's record (`dataloaders.describe`, with its sampler's settings); None where none fed the
+    observed steps."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -132,6 +139,8 @@ class ShardedReduced:
     shard_save: dict[str, Any]
     """`ShardedRun`'s `shard_save*` fields ({} where no file holds some ranks' shards only)."""
     slowest: dict[str, Any] | None
+    samplers: dict[str, Any] | None = None
+    """`ShardedRun.samplers_apart`."""
 
 
 def sharded_protocol(record: ShardedRecord, *, rank: int, world: int) -> Generator[Op, Reply, ShardedReduced]:
@@ -163,6 +172,7 @@ def sharded_protocol(record: ShardedRecord, *, rank: int, world: int) -> Generat
     )
     shard_save = yield from _shard_save(record.saved, top, low, rank=rank)
     slowest = yield from slowest_rank(record.clock, top, low, rank=rank)
+    samplers = yield from _samplers(record, top, low, rank=rank, world=world)
     return ShardedReduced(
         top=top,
         low=low,
@@ -175,6 +185,7 @@ def sharded_protocol(record: ShardedRecord, *, rank: int, world: int) -> Generat
         replicas=replicas,
         shard_save=shard_save,
         slowest=slowest,
+        samplers=samplers,
     )
 
 
@@ -270,3 +281,20 @@ def _shard_save(
         "shard_save_first": first,
         "shard_save_one_path": every and one_path,
     }
+
+
+def _samplers(
+    record: ShardedRecord, top: dict[str, float], low: dict[str, float], *, rank: int, world: int
+) -> Generator[Op, Reply, dict[str, Any] | None]:
+    """When every rank's training loader has a DistributedSampler and their shared settings differ
+    (`held_apart` on the digest), or some rank's is not its own (a SUM counts them, then ranks 0 and 1 send
+    theirs): the loader records of two ranks, reference first (`held`), the other ranks named (`ranks`, `more`)."""
+    if world < 2 or low["sampler_has"] < 1 or (top["sampler"] == low["sampler"] and top["sampler_wrong"] < 1):
+        return None
+    if top["sampler"] != low["sampler"]:
+        apart = yield from held_apart(record.slots["sampler"], record.loader, rank=rank, world=world)
+        return {"held": apart["held"], "ranks": apart["ranks"], "more": apart["more"]}
+    count = yield ("sum", torch.tensor([float(record.slots["sampler_wrong"])]))
+    shown = yield from _values_of(record.loader, [0, 1], rank=rank)
+    wrong = int(count.tensor.item())
+    return {"held": shown, "ranks": [1], "more": max(0, wrong - 2)}
