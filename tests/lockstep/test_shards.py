@@ -25,15 +25,22 @@ def _train(rank: int, world: int, pattern: str) -> dict:
     dataloaders.install()  # as the launcher does before the script: loaders get their creation line
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(512, 8), torch.randint(0, 2, (512,)))
-    kwargs = {
-        "seed_per_rank": {"seed": rank},
-        "one_replica": {"num_replicas": 1, "rank": 0},
-        "same_seed": {"seed": 1234},
-        "default": {},
-    }[pattern]
-    sampler = DistributedSampler(data, shuffle=True, **kwargs)
-    sampler.set_epoch(0)
-    loader = DataLoader(data, batch_size=16, sampler=sampler)  # named in the finding
+    if pattern in ("whole_random", "whole_sequential", "own_data"):
+        # No DistributedSampler: every rank orders its whole dataset (the same one, or with `own_data` its own).
+        if pattern == "own_data":
+            data = TensorDataset(torch.randn(512, 8, generator=torch.Generator().manual_seed(rank)), data.tensors[1])
+        torch.manual_seed(100 + rank)  # a per-rank seed: the random orders, and the batches, differ
+        loader = DataLoader(data, batch_size=16, shuffle=pattern != "whole_sequential")
+    else:
+        kwargs = {
+            "seed_per_rank": {"seed": rank},
+            "one_replica": {"num_replicas": 1, "rank": 0},
+            "same_seed": {"seed": 1234},
+            "default": {},
+        }[pattern]
+        sampler = DistributedSampler(data, shuffle=True, **kwargs)
+        sampler.set_epoch(0)
+        loader = DataLoader(data, batch_size=16, sampler=sampler)  # named in the finding
     ddp = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     with observe(ddp, optimizer=opt, steps=STEPS) as doctor:
@@ -74,7 +81,24 @@ def test_samplers_built_for_one_replica_explain_the_identical_inputs(tmp_path) -
         assert found["identical-inputs-across-ranks"]["caused_by"] == ["shards-overlap"]
 
 
-@pytest.mark.parametrize("pattern", ["same_seed", "default"])
+def test_a_loader_without_a_distributed_sampler_over_one_dataset_is_named(tmp_path) -> None:
+    """Ground truth under plain torchrun (2 ranks, `DataLoader(ds, batch_size=16, shuffle=True)` over one 512-sample
+    TensorDataset after `torch.manual_seed(1234 + rank)`): exit 0, nothing printed; each rank runs 32 steps per epoch
+    over all 512 samples in its own order, so the ranks' batches differ and `identical-inputs-across-ranks` cannot
+    see it. Before, `check` said "No problems found"."""
+    for found in run_ranks(_train, tmp_path, world_size=4, args=("whole_random",)):
+        assert set(found) == {"shards-overlap"}, found
+        f = found["shards-overlap"]
+        assert f["ranks"] == [0, 1, 2, 3] and _measured(f) == {}, f  # two ranks' datasets compared, not all four
+        assert "RandomSampler" in f["title"], f
+    for found in run_ranks(_train, tmp_path, args=("whole_sequential",)):
+        # In one order on every rank: the same batches, explained by the whole dataset on every rank.
+        assert set(found) == {"shards-overlap", "identical-inputs-across-ranks"}, found
+        assert _measured(found["shards-overlap"]) == {"ranks_reading_whole_dataset": 2}
+        assert found["identical-inputs-across-ranks"]["caused_by"] == ["shards-overlap"]
+
+
+@pytest.mark.parametrize("pattern", ["same_seed", "default", "own_data"])
 def test_samplers_that_agree_say_nothing(tmp_path, pattern) -> None:
     for found in run_ranks(_train, tmp_path, args=(pattern,)):
         assert found == {}, found
@@ -88,7 +112,7 @@ def test_check_names_the_samplers_under_ddp_and_fsdp2_alike(tmp_path, wrap) -> N
     run = check(["--nproc-per-node", "4", str(script), "--wrap", wrap, "--sampler", "seed-per-rank"], tmp_path)
     f = run.finding("shards-overlap")
     assert f["ranks"] == [0, 1, 2, 3] and f["sites"] == [
-        f"tests/scripts/shards_sampler.py:{line_of(script, 'DataLoader(data')}"
+        f"tests/scripts/shards_sampler.py:{line_of(script, 'sampler=sampler)')}"
     ], f
     # The epoch the report read the samplers in: the first (DDP's observed steps) or the second (FSDP2's report
     # comes after the epoch end it followed).
@@ -99,5 +123,9 @@ def test_check_names_the_samplers_under_ddp_and_fsdp2_alike(tmp_path, wrap) -> N
         sampler.set_epoch(epoch)
         shares.append(set(sampler))
     assert _measured(f)["indices_read_twice"] == len(shares[0] & shares[1]) > 0, f
+    whole = check(["--nproc-per-node", "2", str(script), "--wrap", wrap, "--sampler", "whole"], tmp_path / "whole")
+    f = whole.finding("shards-overlap")
+    assert f["ranks"] == [0, 1] and _measured(f) == {"ranks_reading_whole_dataset": 2}, f
+    assert f["sites"] == [f"tests/scripts/shards_sampler.py:{line_of(script, 'batch_size=16, shuffle=True)')}"], f
     clean = check(["--nproc-per-node", "2", str(script), "--wrap", wrap, "--sampler", "same"], tmp_path / "clean")
     assert "shards-overlap" not in clean.codes and clean.errors() == [], clean.output

@@ -4,6 +4,8 @@ loader's DistributedSampler is built one of three ways (`--sampler`):
   seed-per-rank  DistributedSampler(ds, seed=rank): each rank shuffles its own way, the shares overlap
   one-replica    DistributedSampler(ds, num_replicas=1, rank=0): every rank reads the whole dataset, in one order
   same           clean: DistributedSampler(ds, seed=1234) on every rank
+  whole          no DistributedSampler: DataLoader(ds, shuffle=True) after torch.manual_seed(100 + rank), every rank
+                 reads all 512 samples in its own order
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--wrap", choices=["ddp", "fsdp2"], default="ddp")
-    parser.add_argument("--sampler", choices=["seed-per-rank", "one-replica", "same"], default="same")
+    parser.add_argument("--sampler", choices=["seed-per-rank", "one-replica", "same", "whole"], default="same")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(512, 16), torch.randint(0, 4, (512,)))
     kwargs = {"seed-per-rank": {"seed": rank}, "one-replica": {"num_replicas": 1, "rank": 0}, "same": {"seed": 1234}}
-    sampler = DistributedSampler(data, shuffle=True, **kwargs[args.sampler])
+    sampler = DistributedSampler(data, shuffle=True, **kwargs.get(args.sampler, {}))
     loader = DataLoader(data, batch_size=16, sampler=sampler)
+    if args.sampler == "whole":
+        torch.manual_seed(100 + rank)
+        loader = DataLoader(data, batch_size=16, shuffle=True)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
     if args.wrap == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -40,7 +45,7 @@ if __name__ == "__main__":
         model = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for epoch in range(2):
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)  # (unused by the "whole" loader)
         for x, y in loader:
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()

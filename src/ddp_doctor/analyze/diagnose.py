@@ -143,6 +143,7 @@ def diagnose_unwrapped(run: UnwrappedRun) -> Diagnosis:
 def diagnose_sharded(run: ShardedRun) -> Diagnosis:
     """A model sharded with FSDP2: the findings of `analyze/sharded.py`, and what the check says instead of flags."""
     findings = sharded_findings(run)
+    link_causes(findings)
     return Diagnosis(
         findings=findings,
         recommendation=sharded_recommendation(run, errors=any(f.severity == "error" for f in findings)),

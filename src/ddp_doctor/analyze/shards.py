@@ -1,6 +1,7 @@
 """The ranks' shares of the data (`shards-overlap`): every rank's training loader splits one dataset with a
 DistributedSampler, and the samplers must agree on everything but the rank (seed, shuffle, drop_last,
-num_replicas, the dataset's length) and each must be its own rank's. Decided from the exchange's predicate
+num_replicas, the dataset's length) and each must be its own rank's; a loader with no DistributedSampler over a
+dataset that is the same on every rank (`observation/datasets.py`) hands every rank all of it. Decided from the exchange's predicate
 "sampler-apart"; the overlap is computed from the samplers' settings with torch's own DistributedSampler."""
 
 from __future__ import annotations
@@ -75,7 +76,10 @@ def shards_overlap(v: View) -> list[Finding]:
 def samplers_apart(held: dict[int, dict[str, Any]], *, world: int, ranks: list[int]) -> Finding | None:
     """`shards-overlap` for every parallelism: `held` maps ranks (the reference first) to their training loader's
     record (`dataloaders.describe`, with the sampler's settings), `ranks` are the other ranks the exchange named.
-    None when no record holds a DistributedSampler's settings."""
+    None when no record holds a DistributedSampler's settings, or the ranks' datasets differ."""
+    whole = {r: d for r, d in held.items() if d.get("dataset_digest")}
+    if whole:
+        return _whole(whole, world=world, ranks=ranks) if len(whole) == len(held) else None
     held = {r: d for r, d in held.items() if d.get("sampler") == "DistributedSampler" and "seed" in d}
     if not held:
         return None
@@ -131,4 +135,35 @@ def samplers_apart(held: dict[int, dict[str, Any]], *, world: int, ranks: list[i
         "with one seed for all ranks, and num_replicas and rank left to the process group (a per-rank seed "
         "belongs in torch.manual_seed, for dropout and augmentation, not in the sampler).",
         measured=measured,
+    )
+
+
+def _whole(held: dict[int, dict[str, Any]], *, world: int, ranks: list[int]) -> Finding | None:
+    """Every compared rank's training loader orders its whole dataset (a RandomSampler or SequentialSampler, no
+    DistributedSampler), and the datasets' digests agree: one dataset, read whole by every rank. Ranks whose
+    datasets differ (each loaded its own part) are not named."""
+    if len({d["dataset_digest"] for d in held.values()}) != 1 or len(held) < 2:
+        return None
+    ref = next(iter(held.values()))
+    site = ref.get("site")
+    kinds = sorted({str(d.get("sampler")) for d in held.values()})
+    n = ref.get("dataset")
+    size = f"{n} samples, " if isinstance(n, int) else ""
+    return Finding(
+        code=Code.SHARDS_OVERLAP,
+        sites=lines_of(site or ""),
+        severity="warning",
+        title=f"every rank reads the whole dataset: its DataLoader has no DistributedSampler ({', '.join(kinds)})",
+        detail=f"The training loader{f' (the DataLoader at {site})' if site else ''} orders the whole dataset "
+        f"({size}{ref.get('batches')} batches per epoch) on every rank with {' and '.join(kinds)}, and the dataset "
+        f"is the same on rank {' and rank '.join(map(str, held))} (what it holds has the same digest): nothing splits "
+        "it, so an epoch reads every sample once per rank, in each rank's own order, and the ranks' batches overlap. "
+        "Training still runs, on many more samples per epoch than one split gives.",
+        params=[],
+        ranks=sorted({*held, *ranks}),
+        steps=[],
+        fix="shard it: DataLoader(dataset, batch_size=..., sampler=DistributedSampler(dataset, shuffle=True)) "
+        "without shuffle=True on the DataLoader, and call sampler.set_epoch(epoch) at the start of every epoch "
+        "(Accelerate's prepare() and Lightning's Trainer add the sampler themselves).",
+        measured=[Measure("ranks_reading_whole_dataset", world, "count")] if len(held) == world else [],
     )

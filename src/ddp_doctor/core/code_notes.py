@@ -52,7 +52,10 @@ NOTES: dict[Code, str] = {
     Code.SHARDS_OVERLAP: (
         ": *the ranks' DistributedSamplers disagree (seed: 0 on rank 0, 1 on rank 1)*, with the loader's line and, "
         "for datasets up to 2,000,000 samples, how many indices rank 0 and the named rank both read in the epoch "
-        "and how many none of the compared ranks read (computed with torch's own DistributedSampler)"
+        "and how many no rank reads (computed with torch's own DistributedSampler); or *every rank reads the "
+        "whole dataset: its DataLoader has no DistributedSampler (RandomSampler)* when the ranks' datasets "
+        "have one digest (a `TensorDataset`'s tensors, a Hugging Face dataset's fingerprint, a torchvision "
+        "dataset's root; an unknown dataset is never assumed the same)"
     ),
     Code.RANK_EXITED: (
         ": *rank 1 exited (status 0) at step 3; rank 0 trained on* (from `check`)"

@@ -323,7 +323,8 @@ TABLE: tuple[CodeInfo, ...] = (
          "parameters get gradients and never change",
          when="error when no weight trains; warning when some parameters never change while the rest train"),
     _row(Code.SHARDS_OVERLAP, Family.LOCKSTEP, "warning", "shards.py",
-         "the ranks' DistributedSamplers disagree (a seed, num_replicas, rank): their shares of the data overlap"),
+         "the ranks' shares of the data overlap: their DistributedSamplers disagree (a seed, num_replicas, rank), "
+         "or a loader with no DistributedSampler reads one dataset whole on every rank"),
 )
 # fmt: on
 

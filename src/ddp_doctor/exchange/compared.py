@@ -189,8 +189,12 @@ class FirstSteps:
 
 
 def sampler_facts(loader: dict[str, Any] | None, rank: int, world: int) -> tuple[torch.Tensor, bool]:
-    """(`Mine.sampler`, whether the training loader has a DistributedSampler); for every parallelism (a sharded
-    model's exchange puts the digest's low 24 bits in its float32 slots)."""
+    """(`Mine.sampler`, whether the training loader has a DistributedSampler, or a sampler over a dataset whose
+    digest is known (`observation/datasets.py`)); for every parallelism (a sharded model's exchange puts the
+    digest's low 24 bits in its float32 slots)."""
+    if loader is not None and loader.get("dataset_digest"):
+        # A sampler over the whole dataset (RandomSampler, SequentialSampler): never this rank's own share.
+        return torch.tensor([text_digest(["whole", loader["sampler"], loader["dataset_digest"]]), 1]), True
     if loader is None or loader.get("sampler") != "DistributedSampler" or "seed" not in loader:
         return torch.zeros(2, dtype=torch.int64), False
     shared = [loader.get(k) for k in ("seed", "shuffle", "drop_last", "num_replicas", "dataset")]

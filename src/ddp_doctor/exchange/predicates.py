@@ -156,7 +156,7 @@ def evaluate(
         "fewest-batches": bool(all_loaders and b_hi != b_lo and local.loader is not None and mine.batches == b_lo),
         "sampler-apart": bool(
             local.loader is not None
-            and local.loader.get("seed") is not None
+            and (local.loader.get("seed") is not None or bool(local.loader.get("dataset_digest")))
             and (int(c.sampler0[0]) not in (MIN, int(mine.sampler[0])) or bool(mine.sampler[1]))
         ),
         "bypass-sites": mine.sites[0] != int(c.sites0[0]),

@@ -26,6 +26,7 @@ import torch.utils.data as tud
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ddp_doctor.core.frames import format_site, is_user_frame, user_site
+from ddp_doctor.observation.datasets import dataset_digest
 from ddp_doctor.observation.hooks import ListenerList
 
 __all__ = ["Pass", "cap_later_passes", "describe", "end_open_passes", "install", "last_pass", "listen", "listen_ends"]
@@ -109,6 +110,10 @@ def describe(loader: tud.DataLoader) -> dict[str, Any]:
     }
     if getattr(loader, _SITE, None) is not None:
         info["site"] = getattr(loader, _SITE)
+    if isinstance(sampler, (tud.RandomSampler, tud.SequentialSampler)) and batches is not None:
+        # It orders the whole dataset on this rank: whether that is one dataset for every rank (`shards-overlap`).
+        info["dataset"] = len(sampler.data_source) if hasattr(sampler.data_source, "__len__") else None
+        info["dataset_digest"] = dataset_digest(loader.dataset)
     if isinstance(sampler, tud.distributed.DistributedSampler):
         try:
             size = len(sampler.dataset)  # type: ignore[arg-type]
