@@ -110,7 +110,7 @@ def describe(loader: tud.DataLoader) -> dict[str, Any]:
     }
     if getattr(loader, _SITE, None) is not None:
         info["site"] = getattr(loader, _SITE)
-    if isinstance(sampler, (tud.RandomSampler, tud.SequentialSampler)) and batches is not None:
+    if _reads_whole(loader, sampler) and batches is not None:
         # It orders the whole dataset on this rank: whether that is one dataset for every rank (`shards-overlap`).
         info["dataset"] = len(sampler.data_source) if hasattr(sampler.data_source, "__len__") else None
         info["dataset_digest"] = dataset_digest(loader.dataset)
@@ -132,6 +132,20 @@ def describe(loader: tud.DataLoader) -> dict[str, Any]:
         info["exact"] = type(sampler) is tud.distributed.DistributedSampler
         info["set_epoch_called"] = id(sampler) in _set_epoch_called
     return info
+
+
+def _reads_whole(loader: tud.DataLoader, sampler: Any) -> bool:
+    """The loader hands this rank every sample its sampler orders, and that sampler orders the whole dataset: a
+    plain DataLoader whose plain BatchSampler holds a RandomSampler or SequentialSampler. Not a loader that shards
+    its batches itself (Accelerate's BatchSamplerShard, or its DataLoaderDispatcher, which reads on rank 0 and
+    hands each rank a slice)."""
+    batches = getattr(loader, "batch_sampler", None)
+    return (
+        type(loader) is tud.DataLoader
+        and type(batches) is tud.BatchSampler
+        and batches.sampler is sampler
+        and type(sampler) in (tud.RandomSampler, tud.SequentialSampler)
+    )
 
 
 def _ordering_sampler(loader: tud.DataLoader) -> Any:
