@@ -158,7 +158,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         "replica_rows": slot[1] if replicas is not None else 0,
         "collectives": sum(count for _, _, count in w.step_collectives[:INPUT_STEPS]),
         **StepClock.slots(w.clock),
-        **_sampler_slots(loader),
+        **_sampler_slots(loader, model.describe().get("mesh_size")),
     }
     grads = None
     if w.grad_seen is not None:
@@ -258,10 +258,16 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     return Report.build(w.facts(sharding=run.sharding), diagnose_sharded(run))
 
 
-def _sampler_slots(loader: dict[str, Any] | None) -> dict[str, float]:
-    """The `sampler*` slots: the training loader's DistributedSampler (`exchange/compared.sampler_facts`)."""
-    facts, has = sampler_facts(loader, dist.get_rank(), dist.get_world_size())
-    return {"sampler": float(int(facts[0]) & 0xFFFFFF), "sampler_wrong": float(facts[1]), "sampler_has": float(has)}
+def _sampler_slots(loader: dict[str, Any] | None, mesh_size: int | None) -> dict[str, float]:
+    """The `sampler*` slots: the training loader's DistributedSampler (`exchange/compared.sampler_facts`). Whether
+    the sampler is this rank's own is judged only when the model's mesh spans the whole world: on a smaller mesh (a
+    tensor-parallel dimension beside it) the data-parallel rank and degree are not the world's, and a sampler built
+    with them is right."""
+    world = dist.get_world_size()
+    facts, has = sampler_facts(loader, dist.get_rank(), world)
+    own_known = mesh_size == world or not has or loader is None or bool(loader.get("dataset_digest"))
+    wrong = float(facts[1]) if own_known else 0.0
+    return {"sampler": float(int(facts[0]) & 0xFFFFFF), "sampler_wrong": wrong, "sampler_has": float(has)}
 
 
 def _replicas_apart(apart: dict[str, Any] | None, named: list[tuple[str, Any]]) -> dict[str, Any] | None:
