@@ -23,11 +23,12 @@ __all__ = [
     "loader_name",
     "ran_out_alone",
     "sampler_epoch_not_set",
+    "training_loader",
     "uneven_inputs",
 ]
 
 
-def _training_loader(meta: dict[str, Any]) -> dict[str, Any]:
+def training_loader(meta: dict[str, Any]) -> dict[str, Any]:
     """The first loader the rank iterated while observed that has a length (the training loop's, in practice)."""
     return next((d for d in meta["loaders"] if d.get("batches") is not None), {})
 
@@ -42,7 +43,7 @@ def uneven_inputs(v: View) -> list[Finding]:
         short = v.ranks("fewest-batches")
         shown = ", ".join(f"rank {r}: {c}" for r, c in enumerate(s.first_batches[:8]))
         names = rank_ranges(short.ranks, more=short.more)
-        sampler = _training_loader(v.meta(short.ranks[0])).get("sampler")
+        sampler = training_loader(v.meta(short.ranks[0])).get("sampler")
         return [
             rules.uneven_inputs(
                 title=f"ranks have different numbers of batches per epoch ({shown})",
@@ -54,7 +55,7 @@ def uneven_inputs(v: View) -> list[Finding]:
             )
         ]
     if s.padded:
-        d = _training_loader(v.meta(0))
+        d = training_loader(v.meta(0))
         pad = s.padded
         return [
             Finding(

@@ -11,6 +11,7 @@ from typing import Any
 import torch.utils.data as tud
 
 from ddp_doctor.analyze.common import with_more
+from ddp_doctor.analyze.epochs import training_loader
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
@@ -21,11 +22,6 @@ _SHARED = ("seed", "shuffle", "drop_last", "num_replicas", "dataset")
 """What every rank's sampler must hold alike (`dataset`: the dataset's length)."""
 MAX_COMPUTED = 2_000_000
 """The largest dataset whose shares are computed index by index."""
-
-
-def _sampler(meta: dict[str, Any]) -> dict[str, Any]:
-    """The training loader's record (the first with a length)."""
-    return next((d for d in meta.get("loaders", []) if d.get("batches") is not None), {})
 
 
 def _indices(d: dict[str, Any]) -> set[int]:
@@ -68,7 +64,7 @@ def shards_overlap(v: View) -> list[Finding]:
         return []
     # Rank 0 and the first other rank the exchange named (the only others whose loaders it sent).
     chosen = [0, *[r for r in odd.ranks if r != 0][:1]]
-    held = {r: _sampler(v.meta(r)) for r in chosen if r in v.summary.metas}
+    held = {r: training_loader(v.meta(r)) for r in chosen if r in v.summary.metas}
     found = samplers_apart(held, world=v.world, ranks=odd.ranks)
     return [with_more(found, odd.more)] if found else []
 
