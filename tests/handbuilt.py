@@ -47,6 +47,7 @@ def sharded_record(
     replicas_odd: tuple[int, ...] = (),
     own_s: float = 0.010,
     sampler_odd: tuple[int, ...] = (),
+    drawn_odd: tuple[int, ...] = (),
 ) -> ShardedRecord:
     """A rank of a sharded job with 6 parameters (2 outside every sharded group) and 3 buffers, 8 observed steps:
     the ranks in `settings_odd` hold other optimizer settings from step 2 on, `saver` alone saves shards, the
@@ -54,7 +55,8 @@ def sharded_record(
     reduce their step's one collective with MAX from step 3 on (the others with the default SUM), each rank reads its
     own batches; with `replica_rows` the parameters are replicated over that many rows (rank % rows), and the ranks
     in `replicas_odd` hold another copy of parameter 3 from step `REPLICAS_PART_AT` on; the training loader's
-    DistributedSampler is seeded 0, 7 on the ranks in `sampler_odd`."""
+    DistributedSampler is seeded 0, 7 on the ranks in `sampler_odd`; each step draws one batch from it, two at step
+    1 on the ranks in `drawn_odd`."""
     slots: dict[str, float] = dict.fromkeys(SLOTS, 0.0)
     saved = rank == saver
     slots.update(
@@ -75,7 +77,13 @@ def sharded_record(
         sampler=7.0 if rank in sampler_odd else 3.0,
         sampler_has=1,
     )
-    loader = {"sampler": "DistributedSampler", "seed": 7 if rank in sampler_odd else 0, "rank": rank, "epoch": 0}
+    loader = {
+        "sampler": "DistributedSampler",
+        "seed": 7 if rank in sampler_odd else 0,
+        "rank": rank,
+        "epoch": 0,
+        "site": "train.py:30",
+    }
     grads = torch.ones(PARAMS, 3)
     grads[5] = 0.0  # the last parameter never gets a gradient
     unsharded = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
@@ -87,7 +95,9 @@ def sharded_record(
         apart = rank in settings_odd and k >= 2
         calls = rank in collectives_odd and k >= 3
         digest = 77.0 if calls else 3.0
-        steps[k] = torch.tensor([rank + k, 1.0, 1.0, 1.0, 1.0, 4.0, 0.0, 1.0, 99.0 if apart else 7.0, 5.0, 1.0, digest])
+        drawn = 2.0 if rank in drawn_odd and k == 1 else 1.0
+        measures = [rank + k, 1.0, 1.0, 1.0, 1.0, 4.0, 0.0, 1.0, 99.0 if apart else 7.0, 5.0, 1.0, digest, drawn]
+        steps[k] = torch.tensor(measures)
         shown = ["all_reduce(float32[1], MAX)/4 at train.py:60" if calls else "all_reduce(float32[1])/4 at train.py:60"]
         held.append((99.0 if apart else 7.0, f"lr={0.5 if apart else 0.1}", 5.0, "model: train", digest, shown))
     replicas = replica_steps = None

@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "c4b777afad66ecec",
-    "odd-70": "6b8a16a02e7ce702",
-    "infos-differ-3": "f22ef549e383d384",
-    "edited-2": "7152d401a4fa12cd",
-    "inferred-2": "3f40373cbae1e4de",
-    "clean-1": "bf6ba5bd2b8193ac",
+    "seeded-6": "a9346b5f1daea4c3",
+    "odd-70": "fea4962318165aa2",
+    "infos-differ-3": "31495ea7f8162e28",
+    "edited-2": "73067fc7881b5465",
+    "inferred-2": "6dc3d769bb115661",
+    "clean-1": "b7c5f63f53200528",
 }
 
 
@@ -55,7 +55,8 @@ def _rank(rank: int, *, seed: int | None, edited: bool = False, crashed: bool = 
         weight = weight + (torch.rand(STEPS + 1, P, 2, generator=g) < 0.2) * torch.rand(STEPS + 1, P, 2, generator=g)
         grad[torch.rand(STEPS, P, 2, generator=g) < 0.05] = float("nan")
         timing = torch.rand(STEPS, 5, generator=g, dtype=torch.float64)
-        for name in ("unpaired_forwards", "collectives", "collective_digest", "optimizer_digest", "scheduler_steps"):
+        names = ("unpaired_forwards", "collectives", "collective_digest", "optimizer_digest", "scheduler_steps")
+        for name in (*names, "batches_drawn"):
             table[:, StepCounters.FIELDS.index(name)] = torch.randint(0, 2, (STEPS,), generator=g)
     synced = None
     if edited:
@@ -138,7 +139,7 @@ def signature(name: str) -> str:
 
 
 SHARDED = {
-    "sharded-clean-3": ({}, "30cbccc255c5dd32"),
+    "sharded-clean-3": ({}, "a2e727254f755fc0"),
     "sharded-mistakes-6": (
         {
             "settings_odd": (2, 5),
@@ -149,8 +150,9 @@ SHARDED = {
             "replicas_odd": (5,),
             "own_s": 0.02,
             "sampler_odd": (4,),
+            "drawn_odd": (1,),
         },
-        "d3b13ac214276049",
+        "ce8fd6574a7160e4",
     ),
 }
 """A sharded job's exchange (FSDP2, `replicate`): each scenario's mistakes (`handbuilt.sharded_record`) and the

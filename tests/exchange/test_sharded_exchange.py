@@ -29,7 +29,7 @@ def test_a_clean_jobs_exchange_costs_each_rank_the_same_from_2_to_1024_ranks() -
         assert got.per_step["inputs_compared"] == list(range(STEPS)) and not got.per_step["inputs_identical"]
         assert got.per_step["settings_apart"] is None and got.shard_save == {} and got.slowest is None
         assert got.per_step["collectives_apart"] is None and got.top["collectives"] == got.low["collectives"] == STEPS
-        assert got.samplers is None
+        assert got.samplers is None and got.per_step["drawn_apart"] is None
         volumes[world] = (volume.sent, volume.collectives)
     assert volumes[2] == volumes[64] == volumes[1024], volumes
     assert volumes[1024][0] < 4096  # per rank: the slots, gradient flags, fingerprints and the 16-step table
@@ -42,6 +42,7 @@ def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
         "unsharded_odd": (1000,),
         "collectives_odd": (9, 10, 1023),
         "sampler_odd": (2, 999),
+        "drawn_odd": (6, 1001),
     }
     got, big = simulated(1024, **mistakes)
     apart = got.per_step["settings_apart"]
@@ -56,11 +57,18 @@ def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
     }
     assert got.samplers == {
         "held": {
-            0: {"sampler": "DistributedSampler", "seed": 0, "rank": 0, "epoch": 0},
-            2: {"sampler": "DistributedSampler", "seed": 7, "rank": 2, "epoch": 0},
+            0: {"sampler": "DistributedSampler", "seed": 0, "rank": 0, "epoch": 0, "site": "train.py:30"},
+            2: {"sampler": "DistributedSampler", "seed": 7, "rank": 2, "epoch": 0, "site": "train.py:30"},
         },
         "ranks": [2, 999],
         "more": 0,
+    }
+    assert got.per_step["drawn_apart"] == {
+        "step": 1,
+        "reference": 0,
+        "ranks": [6, 1001],
+        "more": 0,
+        "held": {0: (1, "train.py:30"), 6: (2, "train.py:30")},
     }
     assert got.unsharded_differ == [True, False] and got.unsharded_gap == pytest.approx(0.5)
     assert got.shard_save == {
@@ -70,7 +78,13 @@ def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
         "shard_save_one_path": False,
     }
     _, small = simulated(
-        64, settings_odd=(3, 60), saver=5, unsharded_odd=(63,), collectives_odd=(9, 10, 63), sampler_odd=(2, 63)
+        64,
+        settings_odd=(3, 60),
+        saver=5,
+        unsharded_odd=(63,),
+        collectives_odd=(9, 10, 63),
+        sampler_odd=(2, 63),
+        drawn_odd=(6, 63),
     )
     assert (big.sent, big.collectives) == (small.sent, small.collectives)
 

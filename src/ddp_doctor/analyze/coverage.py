@@ -4,7 +4,8 @@ A report without findings says "No problems found" only about what is listed her
 `compared`, drawn by `report/`): the steps every rank completed, the parameters DDP registered (weights before and
 after each step, gradients where the optimizer used them, `requires_grad`), the parameters the module tree held
 beyond them, the buffers DDP registered, every module's train/eval mode, each step's inputs, the optimizer's
-settings at each step it took, the script's own collectives in order, and per step DDP's synced backward passes and
+settings at each step it took, the batches each step drew from the training loader and the ranks' samplers, the
+script's own collectives in order, and per step DDP's synced backward passes and
 buffer broadcasts. Anything the check could not compare goes to `unchecked`.
 """
 
@@ -40,6 +41,8 @@ def compared(summary: Summary) -> dict[str, Any]:
         "buffers_not_recorded": len(info.buffer_names) - buffers,
         "modules": int(summary.metas.get(0, {}).get("modules", 0)),
         "inputs": int(summary.input_present[:s].sum()) if s else 0,
+        "batches_drawn": sum(1 for k, v in enumerate(summary.drawn[1][:s]) if v > 0 and summary.steps_taken[1][k]),
+        "samplers": summary.sampler_compared,
         "optimizer_steps": stepped,
         "collectives": int(hi[:s, 0].sum()) if s and agreed else None,
         "collectives_per_rank_differ": not agreed,

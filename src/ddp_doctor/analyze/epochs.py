@@ -12,12 +12,13 @@ from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.positions import capped, where
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, Measure
 from ddp_doctor.core.ranks import rank_list, rank_ranges
 from ddp_doctor.core.rankstate import RankState
 
 __all__ = [
     "counted_uneven",
+    "drawn_apart",
     "followed_epoch_repeated",
     "lengths_uneven",
     "loader_name",
@@ -36,7 +37,11 @@ def training_loader(meta: dict[str, Any]) -> dict[str, Any]:
 @detects(Code.UNEVEN_INPUTS)
 def uneven_inputs(v: View) -> list[Finding]:
     s = v.summary
-    if v.world < 2 or s.loader_ranks < v.world:
+    if v.world < 2:
+        return []
+    if s.drawn_step is not None:
+        return [_drawn_apart(v)]
+    if s.loader_ranks < v.world:
         return []
     most, fewest = s.batches
     if most != fewest:
@@ -72,6 +77,58 @@ def uneven_inputs(v: View) -> list[Finding]:
             )
         ]
     return []
+
+
+def _drawn_apart(v: View) -> Finding:
+    """`drawn_apart` from DDP's observed steps: the ranks at the step's MAX are named."""
+    s = v.summary
+    k = s.drawn_step
+    assert k is not None
+    more = v.ranks("drew-more")
+    loader = training_loader(v.meta(0))
+    return drawn_apart(
+        step=k,
+        ranks=more.ranks,
+        more=more.more,
+        drew=s.drawn[0][k],
+        others=s.drawn[1][k],
+        site=loader.get("site") or loader.get("iterated_at"),
+        parallelism="ddp",
+    )
+
+
+def drawn_apart(
+    *, step: int, ranks: list[int], more: int, drew: int, others: int, site: str | None, parallelism: str
+) -> Finding:
+    """`uneven-inputs` for every parallelism: `ranks` (and `more` others) drew `drew` batches from the training
+    loader (created at `site`) for optimizer step `step` where other ranks drew `others` (a batch skipped on some
+    ranks with `continue`): the ranks take different numbers of steps per epoch.
+
+    Ground truth (tests/lockstep/test_drawn.py): under plain torchrun, rank 1 skipping one batch of 16 finished its
+    epoch after 15 steps while rank 0 took 16; the ranks' all-reduces paired steps of different batches from then
+    on, and at the end rank 0 crashed in its last backward ("Connection closed by peer") when rank 1 left."""
+    names = rank_ranges(ranks, more=more)
+    many = len(ranks) + more > 1
+    finding = rules.uneven_inputs(
+        title=f"{'ranks' if many else 'rank'} {names} drew {drew} batch{'es' if drew != 1 else ''} from the "
+        f"training loader for step {step} where other ranks drew {others}: the ranks take different numbers of "
+        "optimizer steps per epoch",
+        cause=f"A batch drawn without an optimizer step on some ranks only (a `continue` past a bad sample, a "
+        f"rank-local condition) moves their epoch's end a step: from step {step} on, each gradient reduction "
+        "averages batches from different positions of the epoch, and the ranks that drew more run out while the "
+        "others still train",
+        note="",
+        ranks=ranks,
+        steps=[step],
+        parallelism=parallelism,
+        fix="decide the skip together: flag = torch.tensor(float(bad), device=device); dist.all_reduce(flag, "
+        "op=dist.ReduceOp.MAX); if flag: continue (every rank skips the batch), or keep the step on every rank and "
+        "drop the batch's contribution (loss = loss * 0).",
+    )
+    finding.more_ranks = more
+    finding.measured = [Measure("batches_drawn", drew, "count"), Measure("batches_drawn_by_others", others, "count")]
+    finding.sites = [site] if site else []
+    return finding
 
 
 def _loader_site(d: dict[str, Any]) -> str | None:

@@ -146,21 +146,28 @@ def buffer_divergence(
 
 
 def uneven_inputs(
-    *, title: str, cause: str, ranks: list[int], steps: list[int], note: str = "", parallelism: str = "ddp"
+    *,
+    title: str,
+    cause: str,
+    ranks: list[int],
+    steps: list[int],
+    note: str = "",
+    parallelism: str = "ddp",
+    fix: str | None = None,
 ) -> Finding:
     """Ranks whose training loaders give different numbers of batches per epoch. Always an ``error``: the rank that
     runs out stops calling DDP's all-reduce (an FSDP2 model's all-gathers and reduce-scatters) while the others
-    wait in it. `cause` ends with "while the others still train"."""
+    wait in it. `cause` ends with "while the others still train"; `fix` replaces the fix for unequal shares."""
     if parallelism == "ddp":
         waits = "DDP's gradient all-reduce"
-        fix = (
+        shares = (
             "give every rank the same number of batches: shard with DistributedSampler (equal shares), or use "
             "drop_last=True, or wrap the loop in torch.distributed.algorithms.Join([model]) so ranks that run "
             "out shadow the others' all-reduces (Accelerate: Accelerator(even_batches=True))."
         )
     else:
         waits = "the sharded model's all-gathers and gradient reduce-scatters"
-        fix = (
+        shares = (
             "give every rank the same number of batches: shard with DistributedSampler (equal shares), or use "
             "drop_last=True (Join does not cover a sharded model; Accelerate: Accelerator(even_batches=True), its "
             "default)."
@@ -173,7 +180,7 @@ def uneven_inputs(
         "the end of the epoch." + (f" {note}" if note else ""),
         ranks=ranks,
         steps=steps,
-        fix=fix,
+        fix=fix or shares,
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from ddp_doctor.analyze.agreement import same_inputs
 from ddp_doctor.analyze.causes import shards_scaled_apart
 from ddp_doctor.analyze.common import with_more
+from ddp_doctor.analyze.epochs import drawn_apart
 from ddp_doctor.analyze.sharded_fixes import optimizer_fix, sync_fix
 from ddp_doctor.analyze.sharded_saves import incomplete_checkpoint
 from ddp_doctor.analyze.sharded_state import buffer_divergence, low_precision_weights, replica_state, training_moves
@@ -28,7 +29,7 @@ from ddp_doctor.analyze.unsharded import unsharded_finding
 from ddp_doctor.analyze.used_set import unused_finding
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
-from ddp_doctor.core.sharded_run import ShardedRun
+from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 from ddp_doctor.core.steptime import MIN_STEPS
 
 __all__ = ["sharded_findings", "sharded_recommendation", "verified_reshard"]
@@ -146,6 +147,22 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         overlap = samplers_apart(held, world=run.world, ranks=run.samplers_apart["ranks"])
         if overlap is not None:
             found.append(with_more(overlap, run.samplers_apart["more"]))
+    if (apart := run.drawn_apart) is not None:
+        held = {int(r): tuple(v) for r, v in apart["held"].items()}
+        odd, reference = apart["ranks"], apart["reference"]
+        drew, site = held.get(odd[0], (0, None)) if odd else (0, None)
+        others, site0 = held[reference]
+        found.append(
+            drawn_apart(
+                step=apart["step"],
+                ranks=odd,
+                more=apart["more"],
+                drew=drew,
+                others=others,
+                site=site0 or site,
+                parallelism=parallelism_of(run.sharding),
+            )
+        )
     if run.input_wait:
         found.append(sharded_input_bound(run, ranks))
     if straggler := sharded_straggler(run):

@@ -83,6 +83,9 @@ class StepCounters:
     """Parameters whose values changed between the step's start and its end."""
     weights_nonfinite: int = 0
     """Parameters holding a NaN or an infinity when the step ended."""
+    batches_drawn: int = 0
+    """Batches the DataLoader pass the step trained on handed out since the previous optimizer step (its
+    `optimizer.step()`'s pre-hook: the accumulation's micro-batches, and any batch the loop skipped)."""
 
     FIELDS = (
         "micro_steps",
@@ -114,6 +117,7 @@ class StepCounters:
         "grads_nonfinite",
         "weights_moved",
         "weights_nonfinite",
+        "batches_drawn",
     )
 
     def as_list(self) -> list[int]:

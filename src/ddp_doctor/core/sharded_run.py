@@ -120,6 +120,9 @@ class ShardedRun:
     collectives_apart: dict[str, Any] | None = None
     """The same for the script's own collectives of the step (op, dtype, shape, reduction, group size, in order);
     `held` maps a rank to its first calls of the step, with their lines."""
+    drawn_apart: dict[str, Any] | None = None
+    """The first of those steps for which the ranks drew different numbers of batches from the training loader:
+    `held` maps a rank to (its batches, the loader's line)."""
     inputs_identical: bool = False
     """Every one of `inputs_compared` had the same inputs on every rank."""
     ignored: list[bool] = field(default_factory=list)

@@ -50,6 +50,7 @@ PREDICATES = (
     "grads-edited",
     "state-differs",
     "unregistered",
+    "drew-more",
 )
 """What each rank evaluates on its own record against the group's results (the exchange's round D); the analysis
 reads the ranks for each by name in `Summary.examples`."""
@@ -217,6 +218,13 @@ class Summary:
     recorded)."""
     nonfinite_before: int = 0
     """The most parameters any rank held with a NaN or an infinity before the first common step."""
+    drawn: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    """(max, min) over the ranks of the batches the training loader handed out for each common step."""
+    drawn_step: int | None = None
+    """The first common step every rank took whose ranks drew different numbers of batches for it."""
+    sampler_compared: bool = False
+    """Some rank's training loader has a DistributedSampler, or a sampler over a dataset whose digest is known: the
+    ranks' shares of the data were compared (`shards-overlap`)."""
 
 
 @dataclass(kw_only=True, slots=True)

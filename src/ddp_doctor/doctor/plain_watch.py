@@ -40,6 +40,7 @@ from ddp_doctor.exchange.primitives import comm_device
 from ddp_doctor.exchange.shard_collectives import reduce_scatter_in_float32
 from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 from ddp_doctor.observation.collectives import Call, digest
+from ddp_doctor.observation.dataloaders import Mark, drawn_since
 from ddp_doctor.observation.grad_scale import GradScale
 from ddp_doctor.observation.hooks import tensors_in
 from ddp_doctor.observation.optimizers import describe
@@ -117,6 +118,9 @@ class PlainOptimizerWatch:
         """Per observed step (the first `INPUT_STEPS`, beside `replica_state`): the sum of the fingerprints of this
         rank's local replicated tensors after its `optimizer.step()`: equal on ranks whose copies are equal, so
         the step at which copies part is named, not only the step they were compared at."""
+        self.drawn: list[int] = []
+        """Per observed step (beside `replica_state`): the batches the training loader handed out for it."""
+        self._drawn_mark: Mark = (None, 0)
         self.sync_off_steps = 0
         self.shard_saves: list[dict[str, Any]] = []
         """`torch.save` calls of this rank that wrote DTensor shards (`observation/saves.py`), the first few."""
@@ -259,8 +263,10 @@ class PlainOptimizerWatch:
         if len(self.input_fps) < INPUT_STEPS:
             self.input_fps.append(self._step_input)
         self._step_input = None
+        drawn, self._drawn_mark = drawn_since(self._drawn_mark)
         if self.sharded is not None and self.measuring and len(self.replica_state) < INPUT_STEPS:
             self.replica_state.append((*describe(optimizer), *modes_of(self.sharded.root)))
+            self.drawn.append(drawn)
             self.step_collectives.append(self._calls)
             if self.replicated:
                 self.replica_sums.append(_replica_sum(self.sharded))

@@ -75,6 +75,7 @@ class ShardedWatch(Protocol):
     input_fps: list[torch.Tensor | None]
     replica_state: list[tuple[int, str, int, dict[str, Any]]]
     replica_sums: list[float]
+    drawn: list[int]
     grad_scale: GradScale | None
     probe: ReducePrecisionProbe | None
     clock: StepClock | None
@@ -291,7 +292,7 @@ def _step_table(w: ShardedWatch) -> torch.Tensor:
     """The first `INPUT_STEPS` observed steps' measures, as `sharded_protocol.STEP_COLUMNS` says: the training
     inputs' fingerprints, the gradient shards' scale from the backward's end to the step (`GradScale.ratios`), their
     norm at the step (`GradScale.norms`), the digests of the optimizer's settings, of the modules' modes and of the
-    script's collectives, each measure with a presence column."""
+    script's collectives, and the batches the training loader handed out, each measure with a presence column."""
     table = torch.zeros(INPUT_STEPS, STEP_COLUMNS, dtype=torch.float64)
     for k, fp in enumerate(w.input_fps[:INPUT_STEPS]):
         if fp is not None:
@@ -307,6 +308,8 @@ def _step_table(w: ShardedWatch) -> torch.Tensor:
         table[k, 8:11] = torch.tensor([float(settings), float(modes), 1.0])
     for k, (calls, _, _) in enumerate(w.step_collectives[:INPUT_STEPS]):
         table[k, 11] = float(calls)
+    for k, drawn in enumerate(w.drawn[:INPUT_STEPS]):
+        table[k, 12] = float(drawn)
     return table
 
 

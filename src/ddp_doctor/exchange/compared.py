@@ -67,6 +67,7 @@ class Mine:
     changed: torch.Tensor
     rereduced: torch.Tensor
     state: torch.Tensor
+    drawn: torch.Tensor
     """The per-step counters above: int64[S] each (`bcast`, `coll`: [S, 2]), as put into `Compared`."""
 
 
@@ -144,6 +145,8 @@ class Compared:
     """int64[S, 5]: per step, gradients present, exactly zero, not finite; weights that changed, not finite."""
     nonfinite_before: Pair
     """int64[1]: parameters holding a NaN or an infinity before the first step."""
+    drawn: Pair
+    """int64[S]: batches the training loader handed out for the step (`StepCounters.batches_drawn`)."""
     unsynced: Pair | None = None
     """int64[P]: unmasked gradient digests (only with `Mine.infer`)."""
 
@@ -169,6 +172,8 @@ class FirstSteps:
     """The first step in which some rank reduced gradients again."""
     state: int | None = None
     """The module trees held different modes or unregistered parameters (`Compared.state`)."""
+    drawn: int | None = None
+    """The first step every rank took in which the ranks drew different numbers of batches for it."""
 
     @classmethod
     def of(cls, c: Compared) -> FirstSteps:
@@ -185,6 +190,7 @@ class FirstSteps:
             changed=_first_changed(c.changed),
             rereduced=first_set((c.rereduced[0] > 0).tolist()),
             state=first_set((c.state[0] != c.state[1]).tolist()),
+            drawn=first_set(((st_lo > 0) & (c.drawn[0] != c.drawn[1])).tolist()),
         )
 
 
@@ -308,6 +314,9 @@ def put_compared(
     names = ("grads_present", "grads_zero", "grads_nonfinite", "weights_moved", "weights_nonfinite")
     m.pair("moves", torch.stack([record.counter(n)[:s] for n in names], 1))
     m.pair("nonfinite_before", (~record.weight_fp[0].isfinite().all(-1)).sum().reshape(1))
+    # The batches each step drew from the training loader: equal on ranks that take a step per batch alike.
+    drawn = record.counter("batches_drawn")[:s]
+    m.pair("drawn", drawn)
     return Mine(
         grad_p=grad_p,
         grad_mask=grad_mask,
@@ -326,4 +335,5 @@ def put_compared(
         changed=changed,
         rereduced=rereduced,
         state=state,
+        drawn=drawn,
     )

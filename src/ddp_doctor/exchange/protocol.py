@@ -166,4 +166,7 @@ def _summary(
         unregistered=c.unregistered[0].tolist(),
         moves=c.moves,
         nonfinite_before=int(c.nonfinite_before[0][0]),
+        drawn=(c.drawn[0].tolist(), c.drawn[1].tolist()),
+        drawn_step=first.drawn,
+        sampler_compared=int(c.sampler[0][0]) != MIN,
     )

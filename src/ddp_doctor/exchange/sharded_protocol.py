@@ -8,7 +8,7 @@ rank in one process.
 | gradients | MAX, when every rank saw a step with sync on and as many parameters | per parameter: a gradient, a nonzero one, moved | `grads` |
 | unsharded | MAX, when every rank has as many | the unsharded parameters' fingerprints | `unsharded_differ` |
 | buffers | MAX, when every rank has as many | the buffers' fingerprints, changed since the first step | `buffers_*` |
-| steps | MAX | per observed step: inputs, gradient scale and norm, settings, modes and collectives digests | `per_step` |
+| steps | MAX | per observed step: inputs, gradient scale and norm, settings, modes and collectives digests, batches drawn | `per_step` |
 | replicas | MAX, when the model is replicated (`replicate`, HSDP); MAX, `oddranks` rounds where rows differ | the replicas' fingerprints and their sum at each observed step, per replica row | `replicas` |
 | apart | `oddranks` rounds, 2 SUMs, per digest that differs | the settings', modes' or collectives' digest, then what two ranks hold | `settings_apart`, `modes_apart`, `collectives_apart` |
 | saves | SUM, SUM, SUM, when some rank saved shards | who saved, then what the first saver wrote | `shard_save` |
@@ -77,10 +77,10 @@ SLOTS = (
 """What every rank puts in the first MAX, in this order (float32: each value exact in it)."""
 NOBODY = 2**24
 """The `saver` slot of a rank that saved no shards (above any rank, exact in float32)."""
-STEP_COLUMNS = 12
+STEP_COLUMNS = 13
 """The per-step table's columns: inputs (fingerprint, fingerprint, seen), gradient scale (ratio, seen), gradient norm
-(squared, nonfinite, seen), settings digest, modes digest, seen, the script's collectives' digest (seen with the
-settings)."""
+(squared, nonfinite, seen), settings digest, modes digest, seen, the script's collectives' digest and the batches
+the training loader handed out for the step (both seen with the settings)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -193,7 +193,8 @@ def _per_step(record: ShardedRecord, *, rank: int, world: int) -> Generator[Op, 
     """`ShardedRun`'s per-step fields, from the first `INPUT_STEPS` observed steps, in one MAX: the training inputs'
     fingerprints (`inputs_*`), the gradient shards' scale from the backward's end to the step (`scale_*`), their
     norm at the step (`grads_*`), and the digests of the optimizer's settings, of the modules' modes and of the
-    script's collectives (`settings_apart`, `modes_apart`, `collectives_apart`). Each measure has a presence column: a step counts where every rank measured
+    script's collectives (`settings_apart`, `modes_apart`, `collectives_apart`), and the batches the training loader
+    handed out for each step (`drawn_apart`). Each measure has a presence column: a step counts where every rank measured
     it."""
     high, low = yield from minmax_rounds(record.steps)
     every = range(INPUT_STEPS)
@@ -209,6 +210,15 @@ def _per_step(record: ShardedRecord, *, rank: int, world: int) -> Generator[Op, 
         if step is not None:
             digest, shown = record.held[step][at : at + 2]
             apart[name] = {"step": step, **(yield from held_apart(float(digest), shown, rank=rank, world=world))}
+    step = next((k for k in held if high[k, 12] != low[k, 12]), None)
+    apart["drawn_apart"] = None
+    if step is not None:
+        drawn = float(record.steps[step, 12])
+        site = (record.loader or {}).get("site")
+        apart["drawn_apart"] = {
+            "step": step,
+            **(yield from held_apart(drawn, (int(drawn), site), rank=rank, world=world)),
+        }
     return {
         "inputs_compared": seen,
         "inputs_identical": bool(seen) and all(bool((high[k, :2] == low[k, :2]).all()) for k in seen),

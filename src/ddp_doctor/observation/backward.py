@@ -16,6 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.frames import user_site_of
 from ddp_doctor.core.phase import Phase
+from ddp_doctor.observation import dataloaders
 from ddp_doctor.observation.hooks import Hook, StepHooks, tensors_in
 from ddp_doctor.observation.optimizers import describe
 from ddp_doctor.observation.steplog import StepState
@@ -232,6 +233,10 @@ class BackwardHooks:
         # hook; the gradients it used are fingerprinted when it returns (`_on_optimizer_post`).
         # The settings this step is taken with: ranks whose settings differ update identical replicas differently.
         tl.state.counters.optimizer_digest, settings = describe(opt)
+        # The batches the training loader handed out since the last step: ranks that draw different numbers per
+        # step (a batch skipped on one rank) run out at different steps.
+        drawn, tl.drawn_from = dataloaders.drawn_since(tl.drawn_from)
+        tl.state.counters.batches_drawn += drawn
         tl.log.note_step(tl.log.optimizer_log, settings)
         tl.clock.optimizer_start = time.perf_counter()
         tl.phase = Phase.OPTIMIZER

@@ -29,7 +29,18 @@ from ddp_doctor.core.frames import format_site, is_user_frame, user_site
 from ddp_doctor.observation.datasets import dataset_digest
 from ddp_doctor.observation.hooks import ListenerList
 
-__all__ = ["Pass", "cap_later_passes", "describe", "end_open_passes", "install", "last_pass", "listen", "listen_ends"]
+__all__ = [
+    "Mark",
+    "Pass",
+    "cap_later_passes",
+    "describe",
+    "drawn_since",
+    "end_open_passes",
+    "install",
+    "last_pass",
+    "listen",
+    "listen_ends",
+]
 
 
 @dataclass(eq=False, slots=True)
@@ -303,6 +314,20 @@ def _ended(one: Pass) -> None:
 def last_pass() -> Pass | None:
     """The pass whose batch was handed out last (the training loop's, at an optimizer step)."""
     return _state["last"]
+
+
+Mark = tuple[Pass | None, int]
+"""A pass and how many batches it had handed out (`drawn_since`)."""
+
+
+def drawn_since(mark: Mark) -> tuple[int, Mark]:
+    """The batches the pass handed out last (the training loop's, at an optimizer step) gave since `mark` (all of
+    its batches when it is a pass other than `mark`'s), and the mark to count the next step from."""
+    one = _state["last"]
+    if one is None:
+        return 0, mark
+    before, at = mark
+    return one.yielded - (at if before is one else 0), (one, one.yielded)
 
 
 def end_open_passes() -> list[Pass]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddp_doctor.core.phase import Phase
+from ddp_doctor.observation.dataloaders import Mark
 from ddp_doctor.observation.steplog import StepLog, StepState
 from ddp_doctor.observation.weights import VersionWatch
 
@@ -76,6 +77,8 @@ class Timeline:
     """The optimizer stepped inside DDP's forward: the step closes when that forward returns."""
     pending_load: str | None = None
     """Where `load_state_dict` was last called on the model since the optimizer's step (None: not called)."""
+    drawn_from: Mark = (None, 0)
+    """The DataLoader pass the last optimizer step trained on, and how many batches it had handed out then."""
     _phase: Phase = Phase.BEFORE_FIRST_STEP
 
     def __post_init__(self) -> None:

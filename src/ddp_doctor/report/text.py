@@ -247,6 +247,11 @@ def compared_line(c: dict[str, Any]) -> str:
         parts.append(f"the train/eval modes of {_n(c['modules'], 'module')}")
     if c.get("inputs"):
         parts.append("the inputs" + ("" if c["inputs"] == steps else f" ({c['inputs']} steps)"))
+    if c.get("batches_drawn"):
+        drawn = "" if c["batches_drawn"] == steps else f" ({_n(c['batches_drawn'], 'step')})"
+        parts.append(f"the batches each step drew from the training loader{drawn}")
+    if c.get("samplers"):
+        parts.append("the samplers' seeds and shares of the dataset")
     if c.get("optimizer_steps"):
         parts.append("the optimizer's settings and state (its tensors with state, their step count)")
     if c.get("collectives_per_rank_differ"):
