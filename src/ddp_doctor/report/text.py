@@ -60,8 +60,9 @@ def _finding(f: Finding, consequences: list[Finding] = ()) -> Panel:
         body.append("params: ", style="bold").append(shown + more + "\n")
     if f.ranks or f.steps:
         ranks = rank_ranges(f.ranks, more=f.more_ranks) if f.ranks else "none"
+        label = "rank" if len(f.ranks) == 1 and not f.more_ranks else "ranks"
         steps = f"; steps {f.steps}" if f.steps else ""  # none: seen after the observed steps (following)
-        body.append("seen: ", style="bold").append(f"ranks {ranks}{steps}\n")
+        body.append("seen: ", style="bold").append(f"{label} {ranks}{steps}\n")
     if f.fix:  # empty when the script's flags already are the fix (an `info` finding): nothing to do
         body.append("fix: ", style="bold green").append(f.fix + "\n")
     if consequences:
