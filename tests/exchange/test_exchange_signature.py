@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "a9346b5f1daea4c3",
-    "odd-70": "fea4962318165aa2",
-    "infos-differ-3": "31495ea7f8162e28",
-    "edited-2": "73067fc7881b5465",
-    "inferred-2": "6dc3d769bb115661",
-    "clean-1": "b7c5f63f53200528",
+    "seeded-6": "681127c11c90af56",
+    "odd-70": "be1c87968bb7aab8",
+    "infos-differ-3": "a618c7c201400bff",
+    "edited-2": "26821cf52b2bd9a8",
+    "inferred-2": "905d0177af9df632",
+    "clean-1": "aec99550e6b6601c",
 }
 
 

@@ -11,6 +11,8 @@ cases:
   eval-restored  every rank evaluates through model.module at step 2, then calls model.train() (clean)
   ema-inside     an EMA copy kept inside the module tree, not trained, updated from the synced weights (clean)
   replace-after-opt  the head replaced after DDP and the optimizer were built: the optimizer steps the old head
+  tie-after-wrap  a model of two heads, head.weight tied to aux.weight after DDP was built
+  tie-before-wrap the same tie made before DDP was built (clean)
 """
 
 from __future__ import annotations
@@ -38,6 +40,20 @@ class Net(nn.Module):
         return out * scale if scale is not None else out
 
 
+class TwoHeads(nn.Module):
+    """Two heads over one body, summed: their weights can be tied (`head.weight = aux.weight`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.head = nn.Linear(16, 4, bias=False)
+        self.aux = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        return self.head(h) + self.aux(h)
+
+
 def gaps(model: nn.Module) -> dict[str, float]:
     out = {}
     for name, p in model.named_parameters():
@@ -57,8 +73,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    net = Net()
+    net = TwoHeads() if args.case.startswith("tie-") else Net()
+    if args.case == "tie-before-wrap":
+        net.head.weight = net.aux.weight
     model = DistributedDataParallel(net, find_unused_parameters=args.find_unused)
+    if args.case == "tie-after-wrap":
+        model.module.head.weight = model.module.aux.weight  # tied after the wrap
     if args.case == "replace-head":
         torch.manual_seed(1)
         model.module.head = nn.Linear(16, 4)

@@ -49,7 +49,7 @@ def unregistered_parameters(v: View) -> list[Finding]:
     counts = v.summary.unregistered
     first = next((s for s, n in enumerate(counts) if n), None)
     if first is None:
-        return []
+        return _retied(v)
     holders = v.ranks("unregistered")
     entries = next((v.meta(r).get("unregistered") for r in [0, *holders.ranks] if v.meta(r).get("unregistered")), [])
     params = [_param(e) for e in entries]
@@ -115,6 +115,49 @@ def unregistered_parameters(v: View) -> list[Finding]:
                 fix=fix,
             ),
             max(0, holders.count - len(ranks)),
+        )
+    ]
+
+
+def _retied(v: View) -> list[Finding]:
+    """Names that held a parameter DDP registered and now hold another one it registered: a weight tied after DDP
+    was built (`model.module.head.weight = model.module.embed.weight`). DDP syncs the shared parameter under its own
+    name, while its reducer still waits for the tensor the re-tied name held, which nothing uses any more.
+
+    Ground truth (tests/sync/test_check_tree_state.py): under plain torchrun such a job fails at its second step
+    with 'Expected to have finished reduction in the prior iteration' (default flags); its first step's gradients
+    were not all-reduced. With find_unused_parameters=True it trains, the shared weight in sync."""
+    entries = v.meta(0).get("retied") or []
+    if not entries or not v.orphaned.any():
+        return []
+    index = {n: i for i, n in enumerate(v.info.param_names)}
+    left = [index[e["name"]] for e in entries if e["name"] in index]
+    sites = sorted({e["site"] for e in entries if e.get("site")})
+    pairs = ", ".join(f"{e['name']} = {e['now']}" for e in entries[:4])
+    where = f" at {', '.join(sites[:3])}" if sites else ""
+    effect = (
+        ": it never gets a gradient, so with find_unused_parameters=False DDP's reduction never finishes (the "
+        "step's gradients in its bucket are not all-reduced), and the next step fails with 'Expected to have "
+        "finished reduction'."
+        if not v.find_unused
+        else ": it never gets a gradient, which find_unused_parameters=True tolerates (the shared weight trains "
+        "in sync, at the cost of DDP's search of the graph every step)."
+    )
+    return [
+        Finding(
+            code=Code.UNREGISTERED_PARAMETERS,
+            sites=lines_of(*sites),
+            severity="error" if not v.find_unused else "info",
+            title=f"a weight was tied after DDP was built ({pairs}): DDP's reducer still holds the old tensor",
+            detail=f"DDP registered the model's parameters when it was built"
+            f"{f' ({v.info.ddp_site})' if v.info.ddp_site else ''}. After that, {pairs}{where}: the forward uses "
+            "the shared parameter through both names, and DDP syncs it under the name it registered, but its "
+            f"reducer still holds the tensor {entries[0]['name']} held before, which nothing uses any more" + effect,
+            params=v.params(left),
+            ranks=all_ranks(v),
+            steps=[0],
+            fix="tie the weights before wrapping (model.head.weight = model.embed.weight, then "
+            "DistributedDataParallel(model)): DDP registers the shared tensor once; build the optimizer after.",
         )
     ]
 

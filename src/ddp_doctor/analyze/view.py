@@ -116,7 +116,8 @@ class View:
         Only the dead ones may ever be advised to freeze."""
         never = self.usage()[0]
         ran = self.summary.ran
-        return never & ~ran, never & ran
+        # A name re-pointed after the wrap (a module replaced, a weight re-tied) ran; the tensor DDP holds did not.
+        return never & ~ran, never & ran & ~self.orphaned
 
     def _union(self, key: str) -> list[str]:
         return sorted({site for meta in self.summary.metas.values() for site in meta[key]})

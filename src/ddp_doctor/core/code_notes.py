@@ -42,7 +42,8 @@ NOTES: dict[Code, str] = {
         " `len()` too), naming the loader's line and each rank's count; for an FSDP2 or `replicate` job (no "
         "DDP step record), the training loaders' `len()` per rank when the run ends (or as the cause of a run"
         " that failed after a rank ran out of batches), and a fix without `Join`, which does not cover a "
-        "sharded model"
+        "sharded model; and the ranks that drew more batches than the others for one optimizer step (a "
+        "`continue` past a batch on some ranks only: they take a step fewer per epoch), for every parallelism"
     ),
     Code.SAMPLER_EPOCH_NOT_SET: (
         ", named by the loader's creation line and the epochs seen: *started a new epoch with the same epoch "
@@ -149,7 +150,9 @@ NOTES: dict[Code, str] = {
     Code.UNREGISTERED_PARAMETERS: (
         ": *2 trainable parameters are not in DDP's reducer: head.weight, head.bias, attached at train.py:31 "
         "after DDP was built*, with the step at which they part across ranks, and the parameters the replaced"
-        " module left in DDP's reducer (which get no gradient: not a reason to freeze anything)"
+        " module left in DDP's reducer (which get no gradient: not a reason to freeze anything); a weight tied "
+        "after DDP was built (`model.module.head.weight = model.module.embed.weight`) is named with its line, as "
+        "the reason DDP's reducer waits for the tensor the name held before"
     ),
     Code.NONFINITE_VALUES: (
         ": *the gradients of 4 parameters are NaN or infinite from step 0; the weights already were before "

@@ -312,10 +312,11 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.LOW_PRECISION_WEIGHTS, Family.FSDP2, "warning", "sharded_state.py",
          "a mixed-precision policy computes in bfloat16 (or float16) on weights that are already in it: the optimizer "
          "steps low-precision weights and loses the updates below their resolution"),
-    _row(Code.UNREGISTERED_PARAMETERS, Family.DIVERGENCE, "error/warning", "tree_state.py",
+    _row(Code.UNREGISTERED_PARAMETERS, Family.DIVERGENCE, "error/warning/info", "tree_state.py",
          "parameters in the model that DDP's reducer does not hold (created or replaced after DDP was built): each "
          "rank trains them alone",
-         when="error when they differ across ranks in the observed steps; warning while they still agree"),
+         when="error when they differ across ranks in the observed steps; warning while they still agree; for a "
+         "weight tied after DDP was built, error with find_unused_parameters=False, info with True"),
     _row(Code.NONFINITE_VALUES, Family.PROGRESS, "error", "moves.py",
          "gradients or weights hold NaN or infinity"),
     _row(Code.TRAINING_STALLED, Family.PROGRESS, "error/warning", "moves.py",

@@ -228,6 +228,9 @@ class RankRecord:
     orphaned: list[int] = field(default_factory=list)
     """Positions of parameters DDP registered that the module tree no longer holds at the last step (a module
     replaced after DDP was built left them behind: they get no gradient, and nothing the script does uses them)."""
+    retied: list[dict[str, Any]] = field(default_factory=list)
+    """Names that held one of `orphaned` and now hold another parameter DDP registered (a weight tied after DDP was
+    built): `name`, `now`, `site` (`observation.tree_scan.StateScan.retied`)."""
     optimizer_stale: int = 0
     """Tensors the observed optimizer steps that the model no longer holds, at the last step."""
     modules: int = 0
@@ -337,6 +340,7 @@ class RankRecord:
             "state_log": self.state_log,
             "unregistered": self.unregistered,
             "orphaned": self.orphaned,
+            "retied": self.retied,
             "optimizer_stale": self.optimizer_stale,
             "modules": self.modules,
             "nonfinite_params": self.nonfinite_params,

@@ -105,6 +105,7 @@ def rank_strings(
             "state_log": record.state_log[:4],
             "unregistered": record.unregistered,
             "orphaned": record.orphaned,
+            "retied": record.retied,
             "optimizer_stale": record.optimizer_stale,
             "modules": record.modules,
             "nonfinite_params": record.nonfinite_params,

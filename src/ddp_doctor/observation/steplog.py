@@ -364,6 +364,7 @@ class StepLog:
             record.state_log = list(self.state.log)
             record.unregistered = list(self.state.unregistered)
             record.orphaned = list(self.state.orphaned)
+            record.retied = list(self.state.retied)
             record.optimizer_stale = self.state.stale
             record.modules = self.state.modules
             record.learning_rates = list(self.state.learning_rates)

@@ -92,6 +92,8 @@ class StateScan:
         self._module = module
         self._registered = {id(p) for p in registered}
         self._positions = list(positions)
+        self._names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        """Each parameter's name in the tree as DDP found it (a weight re-tied after the wrap is named by both)."""
         self._optimizer = optimizer
         self._tree = {id(m) for m in module.modules()}
         self._sites: dict[tuple[int, str], str] = {}
@@ -107,6 +109,9 @@ class StateScan:
         self.orphaned: list[int] = []
         """Positions (in the observed parameter list) of parameters DDP registered that the tree no longer holds:
         what a replaced module left behind, at the last step."""
+        self.retied: list[dict[str, Any]] = []
+        """Names that held one of those and now hold another parameter DDP registered (a weight tied after the
+        wrap): `name`, `now` (the registered parameter's name), `site` (where it was attached, when seen)."""
         self.stale: int = 0
         """Tensors the optimizer steps that the model no longer holds, at the last step."""
         self.modules = 0
@@ -171,6 +176,8 @@ class StateScan:
                 crc = zlib.crc32(f"{name}={p.requires_grad}:{fp[0]!r},{fp[1]!r};".encode(), crc)
         held = {id(p) for p in self._module.parameters()}
         self.orphaned = [i for i, p in enumerate(self._positions) if id(p) not in held]
+        if self.orphaned:
+            self.retied = self._retied({self._names.get(id(self._positions[i])) for i in self.orphaned})
         stepped = self._stepped()
         self.stale = sum(1 for i in stepped if i not in held)
         counters.state_digest = crc & 0x7FFFFFFF
@@ -188,6 +195,18 @@ class StateScan:
         if entry != self._last and len(self.log) < MAX_STATE_LOG:
             self.log.append({"step": step, **entry})
         self._last = entry
+
+    def _retied(self, left: set[str | None]) -> list[dict[str, Any]]:
+        """The names in `left` (those of parameters DDP registered that the tree no longer holds) that now hold
+        another parameter DDP registered."""
+        found = []
+        for path, m in self._module.named_modules(remove_duplicate=False):
+            for pname, p in m._parameters.items():
+                name = f"{path}.{pname}" if path else pname
+                if p is not None and id(p) in self._registered and name in left and self._names.get(id(p)) != name:
+                    site = self._sites.get((id(m), pname))
+                    found.append({"name": name, "now": self._names.get(id(p)), "site": site})
+        return found[:8]
 
     def optimizer_holds(self, tensors: list[torch.Tensor]) -> list[tuple[bool, bool]]:
         """Per tensor: (the observed optimizer holds it, in a param group whose learning rate is 0 now)."""
