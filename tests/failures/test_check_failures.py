@@ -224,6 +224,17 @@ def test_a_model_sized_from_rank_local_data_names_each_parameter_and_its_shape_p
     assert run.report["backend"] == "gloo" and run.report["torch_version"], run.report  # the header is whole
 
 
+def test_a_layer_frozen_on_rank_0_alone_before_the_wrap_names_its_parameters(tmp_path: Path) -> None:
+    """Ground truth under plain torchrun: both ranks fail in DDP's constructor, 'DDP expects same model across all
+    ranks, but Rank 0 has 2 params, while rank 1 has inconsistent 4 params' (exit 1). The check names the frozen
+    layer's parameters and the ranks that train them, not 'failed before it built a DDP model' and a traceback."""
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "freeze_rank0.py")], tmp_path)
+    assert run.rc == 1 and run.codes == {"param-shapes-differ"}, run.output
+    assert run.params("param-shapes-differ") == {"0.weight", "0.bias"}
+    assert run.finding("param-shapes-differ")["ranks"] == [0, 1]
+    assert "Traceback" not in run.output, run.output
+
+
 def test_every_rank_saving_one_checkpoint_then_ending_early_is_named(tmp_path: Path) -> None:
     """Every rank torch.saves the wrapper's state dict to one file after 3 steps, then destroys its group: the check
     (torch.save wrapped before the script) names the path, both ranks and the line, and the 'module.' keys."""

@@ -42,3 +42,16 @@ def test_without_wrap_records_the_error_itself_is_named() -> None:
     states = {0: _state(0, LOST, None), 1: _state(1, REFUSED, None)}
     f = failure_findings(states, timed_out=False)[0]
     assert f.code == "param-shapes-differ" and "params[0] is [11, 16] on rank 1" in f.detail, f.detail
+
+
+COUNTED = "DDP expects same model across all ranks, but Rank 0 has 1 params, while rank 1 has inconsistent 3 params."
+
+
+def test_parameters_trainable_on_some_ranks_only_are_named_with_their_ranks() -> None:
+    frozen = WrapShapes(rank=0, site="train.py:38", names=["head.weight"], shapes=[[2, 16]])
+    states = {0: _state(0, COUNTED, frozen), 1: _state(1, COUNTED.replace("Rank 0 has 1", "Rank 1 has 3"), _wrap(1, 9))}
+    findings = failure_findings(states, timed_out=False)
+    assert [f.code for f in findings] == ["param-shapes-differ"], findings
+    f = findings[0]
+    assert [(p.name, p.shape) for p in f.params] == [("embed.weight", (9, 16)), ("head.bias", (2,))]
+    assert f.ranks == [0, 1] and f.severity == "error"

@@ -20,13 +20,20 @@ SHAPE_ERROR = re.compile(
     r"process (\d+)"
 )
 """DDP's constructor (`_verify_param_shape_across_processes`) refusing a model whose shapes differ by rank."""
+COUNT_ERROR = re.compile(r"DDP expects same model across all ranks, but Rank (\d+) has (\d+) params, while rank (\d+)")
+"""The same constructor refusing a model with another number of trainable parameters on some rank (a parameter
+frozen, or added, on some ranks only)."""
+
+
+def _refusal(message: str) -> re.Match[str] | None:
+    return SHAPE_ERROR.search(message) or COUNT_ERROR.search(message)
 
 
 def explain_shape_error(message: str) -> ExplainedError | None:
     """What a rank's end record says of an error `message` that is DDP's constructor refusing shapes that differ by
     rank (None for any other error): the report names the parameters from every rank's wrap record
     (`shape_findings`), so the traceback adds nothing."""
-    if not SHAPE_ERROR.search(message):
+    if not _refusal(message):
         return None
     return ExplainedError(
         code=Code.PARAM_SHAPES_DIFFER, message="DDP's constructor found parameter shapes that differ between ranks."
@@ -47,9 +54,7 @@ def shape_findings(states: dict[int, RankState]) -> list[Finding]:
     """`param-shapes-differ` when DDP's constructor refused the model on some rank because a parameter's shape
     differs from rank 0's: each differing parameter by name with its shape on each rank (from the ranks' wrap
     records), else what the error itself says."""
-    refused = {
-        r: m for r, s in sorted(states.items()) if s.raised is not None and (m := SHAPE_ERROR.search(s.raised.message))
-    }
+    refused = {r: m for r, s in sorted(states.items()) if s.raised is not None and (m := _refusal(s.raised.message))}
     if not refused:
         return []
     wraps = {r: s.wrap for r, s in sorted(states.items()) if s.wrap is not None}
@@ -59,6 +64,8 @@ def shape_findings(states: dict[int, RankState]) -> list[Finding]:
             per_name.setdefault(name, {})[r] = tuple(shape)
     differing = {n: by_rank for n, by_rank in per_name.items() if len(set(by_rank.values())) > 1}
     counts = {r: len(w.names) for r, w in wraps.items()}
+    # Trainable on some ranks only: frozen (requires_grad=False) or absent on the others.
+    some = {n: sorted(by_rank) for n, by_rank in per_name.items() if len(by_rank) < len(wraps)}
     lines, params = [], []
     for name, by_rank in differing.items():
         groups: dict[tuple[int, ...], list[int]] = {}
@@ -66,13 +73,21 @@ def shape_findings(states: dict[int, RankState]) -> list[Finding]:
             groups.setdefault(shape, []).append(r)
         lines.append(f"{name} is " + ", ".join(f"{_shape(sh)} on {rank_list(rs)}" for sh, rs in groups.items()))
         first = by_rank[min(by_rank)]
-        numel = 1
-        for d in first:
-            numel *= d
-        params.append(ParamRef(name, numel, first))
-    if not differing:
+        params.append(ParamRef(name, _numel(first), first))
+    if some:
+        lines.append(
+            "; ".join(f"{name} is trainable on {rank_list(rs)} only" for name, rs in list(some.items())[:_NAMED])
+            + (f" (+{len(some) - _NAMED} more)" if len(some) > _NAMED else "")
+        )
+        for name, rs in some.items():
+            shape = tuple(wraps[rs[0]].shapes[wraps[rs[0]].names.index(name)])
+            params.append(ParamRef(name, _numel(shape), shape))
+    if not differing and not some:
         # No wrap records (or the same names and shapes, with parameters missing on some rank): DDP's words.
         for r, m in refused.items():
+            if m.re is COUNT_ERROR:
+                lines.append(f"rank {r} has {m.group(2)} trainable parameters, not as many as rank {m.group(3)}")
+                continue
             index, sizes, other = int(m.group(1)), m.group(2), int(m.group(3))
             name = wraps[r].names[index] if r in wraps and index < len(wraps[r].names) else f"params[{index}]"
             lines.append(f"{name} is [{sizes}] on rank {r}, not the shape it has on rank {other}")
@@ -85,6 +100,8 @@ def shape_findings(states: dict[int, RankState]) -> list[Finding]:
         (states[r].raised.site for r in refused if states[r].raised.site), None
     )
     ranks = sorted({r for by_rank in differing.values() for r in by_rank} | set(refused) | {0})
+    if some and not differing:
+        return [_trainable_apart(some, lines, params, ranks, site)]
     return [
         Finding(
             code=Code.PARAM_SHAPES_DIFFER,
@@ -103,3 +120,38 @@ def shape_findings(states: dict[int, RankState]) -> list[Finding]:
             "file every rank loads whole.",
         )
     ]
+
+
+_NAMED = 6
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel
+
+
+def _trainable_apart(
+    some: dict[str, list[int]], lines: list[str], params: list[ParamRef], ranks: list[int], site: str | None
+) -> Finding:
+    """`param-shapes-differ` for a model whose trainable parameters differ by rank, shapes alike: a layer frozen on
+    some ranks only before the wrap (a rank-local config).
+
+    Ground truth (tests/failures/test_check_failures.py): under plain torchrun, `requires_grad_(False)` on rank 0's first layer
+    before `DistributedDataParallel(model)`: both ranks fail in DDP's constructor with 'DDP expects same model across
+    all ranks, but Rank 0 has 4 params, while rank 1 has inconsistent 6 params' (exit 1)."""
+    return Finding(
+        code=Code.PARAM_SHAPES_DIFFER,
+        severity="error",
+        title=f"{len(some)} parameter(s) are trainable on some ranks only when DDP is built",
+        detail=f"DDP's constructor{f' at {site}' if site else ''} verifies that every rank hands it the same "
+        f"trainable parameters (those with requires_grad=True) and refused the model: {'; '.join(lines)}. They "
+        "were frozen (requires_grad=False), or are absent, on the other ranks: a freeze decided from rank-local "
+        "state (a config read on one rank, a rank-dependent branch).",
+        params=params,
+        ranks=ranks,
+        steps=[],
+        fix="decide what to freeze identically on every rank before wrapping (from arguments or a file every rank "
+        "reads, or broadcast rank 0's choice with dist.broadcast_object_list), then build DDP.",
+    )

@@ -89,7 +89,8 @@ NOTES: dict[Code, str] = {
         "`.grad` was written in place or replaced, when no clipping call was seen)"
     ),
     Code.PARAM_SHAPES_DIFFER: (
-        ": *embed.weight is [9, 16] on rank 0, [11, 16] on rank 1* (from `check`; see [At wrap](#at-wrap))"
+        ": *embed.weight is [9, 16] on rank 0, [11, 16] on rank 1* (from `check`; see [At wrap](#at-wrap)); a layer "
+        "frozen on some ranks only before the wrap: *0.weight is trainable on rank 1 only*"
     ),
     Code.CHECKPOINT_SAME_PATH: (
         ": *2 ranks wrote the same file checkpoints/last.pt with torch.save*, with the ranks and the line "

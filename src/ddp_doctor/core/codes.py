@@ -274,7 +274,8 @@ TABLE: tuple[CodeInfo, ...] = (
          "gradients agreed after DDP's all-reduce but differ at optimizer.step() (edited on some ranks only, e.g. "
          "clip_grad_norm_ under if rank == 0); under FSDP2, shards scaled by a factor of each rank's own"),
     _row(Code.PARAM_SHAPES_DIFFER, Family.WRAP_AND_EPOCH_ENDS, "error", "shapes.py",
-         "parameters have different shapes on different ranks when DDP is built"),
+         "parameters have different shapes on different ranks when DDP is built, or are trainable on some ranks "
+         "only"),
     _row(Code.CHECKPOINT_SAME_PATH, Family.WRAP_AND_EPOCH_ENDS, "warning", "checkpoints.py",
          "several ranks wrote the same file with torch.save (no rank guard)"),
     _row(Code.CHECKPOINT_MODULE_PREFIX, Family.WRAP_AND_EPOCH_ENDS, "info", "checkpoints.py",
