@@ -18,7 +18,7 @@ The words are `collective_words.py`'s, from the evidence found here. Pure: plain
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ddp_doctor.analyze.collective_words import (
@@ -299,6 +299,9 @@ class Parting:
     first: RankState
     behind: list[RankState]
     different: list[RankState]
+    earlier: bool = False
+    """Found in the ranks' last collectives before the ones they were in (`RankState.recent`): the ranks went on
+    past it, paired with each other's next collectives."""
 
 
 def beacons_parting(states: dict[int, RankState]) -> Parting | None:
@@ -310,6 +313,9 @@ def beacons_parting(states: dict[int, RankState]) -> Parting | None:
     waiting = [s for s in live if s.collective is not None and (s.in_collective or failed_inside(s))]
     if not waiting or len(live) < 2:
         return None
+    parted = _recent_parting(live)
+    if parted is not None:
+        return parted
     first = min(waiting, key=lambda s: (s.collective.n, s.rank))
     c = first.collective
     peers = [s for s in live if s.rank != first.rank]
@@ -328,13 +334,37 @@ def beacons_parting(states: dict[int, RankState]) -> Parting | None:
     return Parting(first, behind, different)
 
 
+def _recent_parting(live: list[RankState]) -> Parting | None:
+    """The first position at which two ranks' last collectives (`RankState.recent`) hold different ones, before
+    the last of either: the ranks paired them and went on. Each rank's state there is its entry at that position."""
+    held = {s.rank: {c.n: c for c in s.recent} for s in live}
+    last = min((max(h) for h in held.values() if h), default=0)
+    for n in sorted({n for h in held.values() for n in h if n < last}):
+        at = {s.rank: held[s.rank][n] for s in live if n in held[s.rank]}
+        if len(at) < len(live):
+            continue
+        first = min(at)
+        odd = [r for r, c in at.items() if (c.op, c.tensor) != (at[first].op, at[first].tensor)]
+        if odd:
+            by_rank = {s.rank: s for s in live}
+            return Parting(
+                first=replace(by_rank[first], collective=at[first]),
+                behind=[],
+                different=[replace(by_rank[r], collective=at[r]) for r in odd],
+                earlier=True,
+            )
+    return None
+
+
 def beacons_apart(states: dict[int, RankState], parting: Parting) -> Finding:
     """`collective-mismatch` of a failed run, at `parting`."""
     first, behind, different = parting.first, parting.behind, parting.different
     c = first.collective
     culprits = sorted({s.rank for s in (*behind, *different)})
     signals = [f"rank {s.rank} died of {s.signal}" for s in states.values() if s.signal in ("SIGABRT", "SIGSEGV")]
-    words = beacons_words(first=first, behind=behind, different=different, culprits=culprits, signals=signals)
+    words = beacons_words(
+        first=first, behind=behind, different=different, culprits=culprits, signals=signals, earlier=parting.earlier
+    )
     return Finding(
         code=Code.COLLECTIVE_MISMATCH,
         severity="error",

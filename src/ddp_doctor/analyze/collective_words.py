@@ -227,24 +227,35 @@ def dumps_words(
 
 
 def beacons_words(
-    *, first: RankState, behind: list[RankState], different: list[RankState], culprits: list[int], signals: list[str]
+    *,
+    first: RankState,
+    behind: list[RankState],
+    different: list[RankState],
+    culprits: list[int],
+    signals: list[str],
+    earlier: bool = False,
 ) -> Words:
-    """A failed run's parting: `first` waited in its collective, `behind` never called one at that position,
-    `different` called another there; `signals` say which ranks died of an abort or a segfault."""
+    """A failed run's parting: `first` waited in its collective (`earlier`: called it, and went on past it),
+    `behind` never called one at that position, `different` called another there; `signals` say which ranks died
+    of an abort or a segfault."""
     c: Any = first.collective
     parts = [
         f"rank {first.rank} called {c.describe()} at {c.site or 'an unknown place'} in step "
         # (no doctor counts a sharded model's steps when the collective starts: the rank's own count, where it
         # still waits)
-        f"{c.step if c.step is not None else max(first.step, 0)} (its collective #{c.n}) and waited there"
+        f"{c.step if c.step is not None else max(first.step, 0)} (its collective #{c.n})"
+        + (", and the ranks went on, each next collective paired with another" if earlier else " and waited there")
     ]
     for s in behind:
         parts.append(
-            f"rank {s.rank} never called it: it had issued {s.collectives} of the script's collectives and "
-            f"went on to {where(s)}"
+            f"rank {s.rank} never called it: it had issued {s.collectives} collective(s) (the script's and DDP's "
+            f"buffer broadcasts) and went on to {where(s)}"
             + (
                 "; the sharded model's next collectives on that rank (the all-gathers of its forward) wait for it"
                 if s.sharded and not s.in_collective
+                else "; the collectives of DDP's next forward on that rank (its buffer broadcast, its rebuild of the "
+                "gradient buckets after the first step) were paired with it"
+                if s.phase == "forward" and not s.in_collective
                 else "; DDP's next gradient all-reduce on that rank was paired with it"
                 if s.phase in ("backward", "after backward") or not s.in_collective
                 else ""
@@ -263,7 +274,11 @@ def beacons_words(
         + "."
         + (f" {capped(signals)} (gloo aborts a process whose peer issued a different collective)." if signals else ""),
         "fix": (
-            f"give {c.op} at {c.site or 'that line'} the same dtype and shape on every rank: agree on the size "
+            f"a forward through a DDP model broadcasts its buffers from rank 0 (broadcast_buffers=True): run the "
+            f"forward at {c.site or 'that line'} on every rank, or on one rank through the wrapped module "
+            "(ddp_model.module(x)) under torch.no_grad(), which issues no collective."
+            if c.ddp_buffers
+            else f"give {c.op} at {c.site or 'that line'} the same dtype and shape on every rank: agree on the size "
             "first (all_reduce the length, or broadcast_object_list), then pad or slice to it."
             if different and all(s.collective.op == c.op for s in different) and not behind
             else f"make every rank of the group call the same collectives in the same order: move {c.op} at "

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BEACON_SCHEMA", "Beacon", "BeaconState", "ClosedStep", "Collective", "read_beacon"]
+__all__ = ["BEACON_SCHEMA", "RECENT", "Beacon", "BeaconState", "ClosedStep", "Collective", "read_beacon"]
 
 BEACON_SCHEMA = "ddp-doctor/beacon@1"
 _SIZE = 16384
@@ -39,9 +39,14 @@ def _known(cls: type, d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k in names}
 
 
+RECENT = 8
+"""Collectives a beacon keeps (`BeaconState.recent`)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class Collective:
-    """The last collective the script entered on a rank (DDP's own gradient all-reduces are not among them)."""
+    """A collective the script entered on a rank, or a DDP model's broadcast of its buffers at a forward (DDP's
+    gradient all-reduces are not among them)."""
 
     op: str
     n: int
@@ -51,6 +56,8 @@ class Collective:
     step: int | None = None
     phase: str | None = None
     group_size: int | None = None
+    ddp_buffers: bool = False
+    """A DDP model's broadcast of its buffers at a forward (`tensor` names the model), not a call of the script."""
 
     def describe(self) -> str:
         return f"{self.op}({self.tensor})" if self.tensor else self.op
@@ -79,6 +86,8 @@ class BeaconState:
     collective: Collective | None = None
     collectives: int = 0
     """How many of the script's collectives the rank entered."""
+    recent: list[Collective] = field(default_factory=list)
+    """The last `RECENT` of them, oldest first (`collective` is the last): where two ranks' sequences part."""
     in_collective: bool = False
     closed: ClosedStep | None = None
     sharding: dict[str, Any] | None = None
@@ -122,9 +131,10 @@ class BeaconState:
     def from_dict(cls, d: dict[str, Any]) -> BeaconState:
         if d.get("schema", BEACON_SCHEMA) != BEACON_SCHEMA:
             raise ValueError(f"beacon schema {d.get('schema')!r}, expected {BEACON_SCHEMA!r}")
-        out = cls(**_known(cls, {k: v for k, v in d.items() if k not in ("collective", "closed")}))
+        out = cls(**_known(cls, {k: v for k, v in d.items() if k not in ("collective", "closed", "recent")}))
         if d.get("collective"):
             out.collective = Collective(**_known(Collective, d["collective"]))
+        out.recent = [Collective(**_known(Collective, c)) for c in d.get("recent") or []]
         if d.get("closed"):
             out.closed = ClosedStep(**_known(ClosedStep, d["closed"]))
         return out

@@ -93,6 +93,8 @@ class RankState:
     collective: Collective | None = None
     in_collective: bool = False
     collectives: int = 0
+    recent: list[Collective] = field(default_factory=list)
+    """Its last collectives, oldest first (`BeaconState.recent`)."""
     signal: str | None = None
     """The signal that ended it, from torchrun's view of the worker (SIGKILL included), when known."""
     fault: Fault | None = None
@@ -163,6 +165,7 @@ def read_rank_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
             state.position_age_s = max(0.0, end_time - (beacon.time or end_time))
             state.in_collective, state.collectives = beacon.in_collective, beacon.collectives
             state.collective = beacon.collective
+            state.recent = list(beacon.recent)
             state.sharding, state.forwards, state.backend = beacon.sharding, beacon.forwards, beacon.backend
             state.framework = beacon.framework
             state.gathers, state.state_dicts = beacon.gathers, beacon.state_dicts

@@ -29,6 +29,7 @@ from ddp_doctor.doctor import Doctor
 from ddp_doctor.doctor.plain_watch import PlainOptimizerWatch
 from ddp_doctor.doctor.sharded_report import IGNORED_ATTR, SHARD_CALL_ATTR, SYNC_OFF_ATTR, record_creation_site
 from ddp_doctor.launch.import_hooks import when_imported
+from ddp_doctor.launch.inflight import BUILT_AT
 from ddp_doctor.launch.policy import RunPolicy
 from ddp_doctor.observation.optimizers import note_loads
 
@@ -86,6 +87,7 @@ def patch_ddp_init(session: PatchedRun) -> None:
         except Exception as exc:
             _refuse_sharded(module, exc)
             raise
+        object.__setattr__(ddp, BUILT_AT, user_site())  # names its buffer broadcasts (`inflight.py`)
         if not session.finishing:
             session.policy.wrapped(ddp, own)
         # DDP keeps no trace of init_sync=False (its constructor then skips broadcasting rank 0's weights).
