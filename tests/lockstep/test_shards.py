@@ -129,3 +129,12 @@ def test_check_names_the_samplers_under_ddp_and_fsdp2_alike(tmp_path, wrap) -> N
     assert f["sites"] == [f"tests/scripts/shards_sampler.py:{line_of(script, 'batch_size=16, shuffle=True)')}"], f
     clean = check(["--nproc-per-node", "2", str(script), "--wrap", wrap, "--sampler", "same"], tmp_path / "clean")
     assert "shards-overlap" not in clean.codes and clean.errors() == [], clean.output
+
+
+def test_a_sampler_built_from_the_data_parallel_mesh_beside_tensor_parallelism_says_nothing(tmp_path) -> None:
+    """FSDP2 over tensor parallelism on a [2, 2] mesh: each sampler holds the data-parallel rank and degree (2), not
+    the world's (4). Whether a sampler is its rank's own is not judged on a mesh smaller than the world; its
+    settings are still compared."""
+    run = check(["--nproc-per-node", "4", str(SCRIPTS / "fsdp2_tp_sampler.py")], tmp_path)
+    assert run.codes == set(), run.output
+    assert run.report["compared"]["samplers"] is True and run.report["compared"]["batches_drawn"] > 0, run.report

@@ -245,6 +245,8 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
         "replica_rows": run.replica_rows,
         "buffers": run.buffers_compared if fully_shard else 0,
         "inputs": len(run.inputs_compared),
+        "batches_drawn": run.state_steps if run.loader_compared else 0,
+        "samplers": run.samplers_compared,
         "state_steps": run.state_steps,
         "modules": run.modules if run.state_steps else 0,
         "collectives": run.script_collectives if run.state_steps else None,

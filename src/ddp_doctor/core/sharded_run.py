@@ -187,6 +187,10 @@ class ShardedRun:
     ranks the longest median and third quartile of own work and wait between steps (`others_own_s`,
     `others_own_q3_s`, `others_wait_s`) and the shortest median time in collectives (`others_comm_s`).
     `observation/step_clock.slowest_rank`; None otherwise."""
+    samplers_compared: bool = False
+    """Some rank's training loader has a DistributedSampler, or a sampler over a dataset whose digest is known."""
+    loader_compared: bool = False
+    """Some rank's observed steps trained on a DataLoader: the batches each step drew were compared."""
     samplers_apart: dict[str, Any] | None = None
     """When the training loaders' DistributedSamplers differ across ranks, or some rank's is not its own: two
     ranks' loader records, the reference first (`held`), and the other ranks named (`ranks`, `more`)."""

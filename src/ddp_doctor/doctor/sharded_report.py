@@ -255,6 +255,8 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         in_process=w.in_process,
         **got.shard_save,
         samplers_apart=got.samplers,
+        samplers_compared=top["sampler_has"] >= 1,
+        loader_compared=top["loader_has"] >= 1,
     )
     return Report.build(w.facts(sharding=run.sharding), diagnose_sharded(run))
 
@@ -268,7 +270,12 @@ def _sampler_slots(loader: dict[str, Any] | None, mesh_size: int | None) -> dict
     facts, has = sampler_facts(loader, dist.get_rank(), world)
     own_known = mesh_size == world or not has or loader is None or bool(loader.get("dataset_digest"))
     wrong = float(facts[1]) if own_known else 0.0
-    return {"sampler": float(int(facts[0]) & 0xFFFFFF), "sampler_wrong": wrong, "sampler_has": float(has)}
+    return {
+        "sampler": float(int(facts[0]) & 0xFFFFFF),
+        "sampler_wrong": wrong,
+        "sampler_has": float(has),
+        "loader_has": float(loader is not None),
+    }
 
 
 def _replicas_apart(apart: dict[str, Any] | None, named: list[tuple[str, Any]]) -> dict[str, Any] | None:

@@ -73,6 +73,7 @@ SLOTS = (
     "sampler",
     "sampler_wrong",
     "sampler_has",
+    "loader_has",
 )
 """What every rank puts in the first MAX, in this order (float32: each value exact in it)."""
 NOBODY = 2**24

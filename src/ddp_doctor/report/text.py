@@ -178,6 +178,10 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
+_DRAWN = "the batches each step drew from the training loader"
+_SAMPLERS = "the samplers' settings (seed, shuffle, replicas, dataset length)"
+
+
 def _sharded_compared_line(c: dict[str, Any]) -> str:
     """What a sharded model's report compared across the ranks (`analyze/sharded.py`'s `sharded_compared`)."""
     api, steps = c["api"], c["steps"]
@@ -197,6 +201,10 @@ def _sharded_compared_line(c: dict[str, Any]) -> str:
         parts.append(f"{_n(c['buffers'], 'buffer')} at the last step")
     if c.get("inputs"):
         parts.append(f"the inputs ({_n(c['inputs'], 'step')})")
+    if c.get("batches_drawn"):
+        parts.append(f"{_DRAWN} ({_n(c['batches_drawn'], 'step')})")
+    if c.get("samplers"):
+        parts.append(_SAMPLERS)
     if c.get("state_steps"):
         parts.append(
             f"the optimizer's settings and state and the train/eval modes of {_n(c['modules'], 'module')} "
@@ -250,9 +258,9 @@ def compared_line(c: dict[str, Any]) -> str:
         parts.append("the inputs" + ("" if c["inputs"] == steps else f" ({c['inputs']} steps)"))
     if c.get("batches_drawn"):
         drawn = "" if c["batches_drawn"] == steps else f" ({_n(c['batches_drawn'], 'step')})"
-        parts.append(f"the batches each step drew from the training loader{drawn}")
+        parts.append(f"{_DRAWN}{drawn}")
     if c.get("samplers"):
-        parts.append("the samplers' seeds and shares of the dataset")
+        parts.append(_SAMPLERS)
     if c.get("optimizer_steps"):
         parts.append("the optimizer's settings and state (its tensors with state, their step count)")
     if c.get("collectives_per_rank_differ"):
