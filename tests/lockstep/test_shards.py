@@ -138,3 +138,5 @@ def test_a_sampler_built_from_the_data_parallel_mesh_beside_tensor_parallelism_s
     run = check(["--nproc-per-node", "4", str(SCRIPTS / "fsdp2_tp_sampler.py")], tmp_path)
     assert run.codes == set(), run.output
     assert run.report["compared"]["samplers"] is True and run.report["compared"]["batches_drawn"] > 0, run.report
+    # What is not compared on such a mesh is said: the inputs within each tensor-parallel pair.
+    assert any("2-rank mesh" in line for line in run.report["unchecked"]), run.report["unchecked"]

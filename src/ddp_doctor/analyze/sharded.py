@@ -302,6 +302,20 @@ def sharded_unchecked(run: ShardedRun) -> list[str]:
         *_untimed(run),
         f"FSDP2: {skipped}",
         *_replicas_unchecked(run, "FSDP2"),
+        *_beside_mesh(run),
+    ]
+
+
+def _beside_mesh(run: ShardedRun) -> list[str]:
+    """A mesh smaller than the world (tensor parallelism beside FSDP2): the ranks of one tensor-parallel group must
+    read the same batches, and their inputs are compared only across every rank, not within those groups."""
+    size = run.sharding.get("mesh_size")
+    if not size or size >= run.world:
+        return []
+    return [
+        f"FSDP2 on a {size}-rank mesh beside another dimension of the {run.world}-rank world (tensor parallelism, "
+        "say): whether the ranks that differ only along that dimension read the same batches, and whether each "
+        "rank's sampler holds its own data-parallel rank"
     ]
 
 
