@@ -28,11 +28,14 @@ from ddp_doctor.launch.watchdog import peers_wait_in_collective
 
 def test_what_a_crashed_rank_writes_is_what_the_supervisor_reads(tmp_path: Path) -> None:
     beacon = Beacon(tmp_path / "rank1.beacon")
+    buffers = Collective(op="broadcast", n=1, tensor="2 buffers of the DDP model built at train.py:9", ddp_buffers=True)
+    last = Collective(op="all_reduce", n=2, tensor="float32[4]", site="train.py:41")
     beacon.update(
         step=3,
         phase="backward",
         site="train.py:40",
-        collective=Collective(op="all_reduce", n=2, tensor="float32[4]", site="train.py:41"),
+        collective=last,
+        recent=[buffers, last],
         in_collective=True,
         collectives=2,
         closed=ClosedStep(step=2, missing=["head.weight"]),
@@ -59,6 +62,7 @@ def test_what_a_crashed_rank_writes_is_what_the_supervisor_reads(tmp_path: Path)
     )
     assert state.closed == ClosedStep(step=2, missing=["head.weight"])
     assert state.user_frame == "train.py:40" and 4.0 < state.position_age_s < 6.0
+    assert state.recent == [buffers, last]  # the ring, DDP's buffer broadcast marked as such
 
 
 def test_a_step_published_alone_is_read_over_the_states_and_never_overwritten_by_it(tmp_path: Path) -> None:

@@ -117,7 +117,6 @@ def drawn_apart(
         f"rank-local condition) moves their epoch's end a step: from step {step} on, each gradient reduction "
         "averages batches from different positions of the epoch, and the ranks that drew more run out while the "
         "others still train",
-        note="",
         ranks=ranks,
         steps=[step],
         parallelism=parallelism,

@@ -4,6 +4,7 @@ names each differing parameter with its shape on each rank. Pure: rank states in
 
 from __future__ import annotations
 
+import math
 import re
 
 from ddp_doctor.core.codes import Code
@@ -20,6 +21,8 @@ SHAPE_ERROR = re.compile(
     r"process (\d+)"
 )
 """DDP's constructor (`_verify_param_shape_across_processes`) refusing a model whose shapes differ by rank."""
+_NAMED = 6
+"""Parameters trainable on some ranks only that a finding names one by one (the rest are counted)."""
 COUNT_ERROR = re.compile(r"DDP expects same model across all ranks, but Rank (\d+) has (\d+) params, while rank (\d+)")
 """The same constructor refusing a model with another number of trainable parameters on some rank (a parameter
 frozen, or added, on some ranks only)."""
@@ -73,7 +76,7 @@ def shape_findings(states: dict[int, RankState]) -> list[Finding]:
             groups.setdefault(shape, []).append(r)
         lines.append(f"{name} is " + ", ".join(f"{_shape(sh)} on {rank_list(rs)}" for sh, rs in groups.items()))
         first = by_rank[min(by_rank)]
-        params.append(ParamRef(name, _numel(first), first))
+        params.append(ParamRef(name, math.prod(first), first))
     if some:
         lines.append(
             "; ".join(f"{name} is trainable on {rank_list(rs)} only" for name, rs in list(some.items())[:_NAMED])
@@ -81,7 +84,7 @@ def shape_findings(states: dict[int, RankState]) -> list[Finding]:
         )
         for name, rs in some.items():
             shape = tuple(wraps[rs[0]].shapes[wraps[rs[0]].names.index(name)])
-            params.append(ParamRef(name, _numel(shape), shape))
+            params.append(ParamRef(name, math.prod(shape), shape))
     if not differing and not some:
         # No wrap records (or the same names and shapes, with parameters missing on some rank): DDP's words.
         for r, m in refused.items():
@@ -120,16 +123,6 @@ def shape_findings(states: dict[int, RankState]) -> list[Finding]:
             "file every rank loads whole.",
         )
     ]
-
-
-_NAMED = 6
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    numel = 1
-    for d in shape:
-        numel *= d
-    return numel
 
 
 def _trainable_apart(

@@ -148,10 +148,9 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         if overlap is not None:
             found.append(with_more(overlap, run.samplers_apart["more"]))
     if (apart := run.drawn_apart) is not None:
-        held = {int(r): tuple(v) for r, v in apart["held"].items()}
-        odd, reference = apart["ranks"], apart["reference"]
-        drew, site = held.get(odd[0], (0, None)) if odd else (0, None)
-        others, site0 = held[reference]
+        held = {int(r): v for r, v in apart["held"].items()}  # rank -> (batches drawn, the loader's line)
+        odd = apart["ranks"]  # never empty: the ranks whose count is not the reference rank's
+        (others, site), (drew, _) = held[apart["reference"]], held[odd[0]]
         found.append(
             drawn_apart(
                 step=apart["step"],
@@ -159,7 +158,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
                 more=apart["more"],
                 drew=drew,
                 others=others,
-                site=site0 or site,
+                site=site,
                 parallelism=parallelism_of(run.sharding),
             )
         )
