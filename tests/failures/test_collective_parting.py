@@ -66,6 +66,23 @@ def test_sequences_that_agree_up_to_the_last_collective_part_there() -> None:
     assert parting.first.rank == 0 and [s.rank for s in parting.behind] == [1]
 
 
+def test_a_broadcast_rank_0_sent_and_left_is_the_parting_when_a_peer_aborts() -> None:
+    """The race in the script below: rank 0, the root, sent the EMA's buffers and returned at once, and was inside
+    the next forward's rebuild of the gradient buckets (a collective the beacon does not record) when rank 1 aborted
+    on the size. No rank is in a recorded collective; the broadcast rank 0 left unmatched is still the parting."""
+    rank0 = [_broadcast(1, MODEL, "train.py:20"), _broadcast(2, EMA, "train.py:25")]
+    rank1 = [_broadcast(1, MODEL, "train.py:20")]
+    states = {0: _waiting(0, rank0), 1: _waiting(1, rank1)}
+    for s in states.values():
+        s.in_collective = False
+    parting = beacons_parting(states)
+    assert parting is None  # no rank aborted: nothing says the sequences parted
+    states[1].signal = "SIGABRT"
+    parting = beacons_parting(states)
+    assert parting is not None and (parting.first.rank, parting.first.collective.tensor) == (0, EMA)
+    assert [s.rank for s in parting.behind] == [1] and parting.sent
+
+
 def test_a_forward_through_a_second_ddp_model_on_rank_0_alone_leads_the_report(tmp_path: Path) -> None:
     """Ground truth under plain torchrun (tests/scripts/second_ddp_rank0.py): rank 0's EMA forward broadcasts the
     EMA's buffers, which rank 1's next forward meets; rank 1 aborts ("512 vs 28. Received data size doesn't match",

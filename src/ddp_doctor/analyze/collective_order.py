@@ -302,6 +302,8 @@ class Parting:
     earlier: bool = False
     """Found in the ranks' last collectives before the ones they were in (`RankState.recent`): the ranks went on
     past it, paired with each other's next collectives."""
+    sent: bool = False
+    """`first` sent a DDP buffer broadcast as its root and went on (`_sent_unmatched`): it did not wait there."""
 
 
 def beacons_parting(states: dict[int, RankState]) -> Parting | None:
@@ -310,7 +312,12 @@ def beacons_parting(states: dict[int, RankState]) -> Parting | None:
     with it (or, for a sharded model, its next forward's all-gathers). Judged from each rank's last collective and
     its count of the script's collectives."""
     live = [s for s in states.values() if s.trained]
-    waiting = [s for s in live if s.collective is not None and (s.in_collective or failed_inside(s))]
+    aborted = any(s.signal == "SIGABRT" for s in states.values())
+    waiting = [
+        s
+        for s in live
+        if s.collective is not None and (s.in_collective or failed_inside(s) or (aborted and _sent_unmatched(s)))
+    ]
     if not waiting or len(live) < 2:
         return None
     parted = _recent_parting(live)
@@ -331,7 +338,16 @@ def beacons_parting(states: dict[int, RankState]) -> Parting | None:
     ]
     if not behind and not different:
         return None
-    return Parting(first, behind, different)
+    sent = not first.in_collective and not failed_inside(first)
+    return Parting(first, behind, different, sent=sent)
+
+
+def _sent_unmatched(s: RankState) -> bool:
+    """The rank's last collective is a DDP buffer broadcast it sent (rank 0, the root, returns as soon as the data
+    is out): when a peer then aborts on a collective of the wrong size, the broadcast it went on from is the one
+    that was never matched, whichever unrecorded collective (a gradient bucket's all-reduce, the buckets' rebuild)
+    it was in when the group fell apart."""
+    return bool(s.collective.ddp_buffers and s.rank == 0 and not s.in_collective)
 
 
 def _recent_parting(live: list[RankState]) -> Parting | None:
@@ -363,7 +379,13 @@ def beacons_apart(states: dict[int, RankState], parting: Parting) -> Finding:
     culprits = sorted({s.rank for s in (*behind, *different)})
     signals = [f"rank {s.rank} died of {s.signal}" for s in states.values() if s.signal in ("SIGABRT", "SIGSEGV")]
     words = beacons_words(
-        first=first, behind=behind, different=different, culprits=culprits, signals=signals, earlier=parting.earlier
+        first=first,
+        behind=behind,
+        different=different,
+        culprits=culprits,
+        signals=signals,
+        earlier=parting.earlier,
+        sent=parting.sent,
     )
     return Finding(
         code=Code.COLLECTIVE_MISMATCH,

@@ -234,8 +234,10 @@ def beacons_words(
     culprits: list[int],
     signals: list[str],
     earlier: bool = False,
+    sent: bool = False,
 ) -> Words:
-    """A failed run's parting: `first` waited in its collective (`earlier`: called it, and went on past it),
+    """A failed run's parting: `first` waited in its collective (`earlier`: called it, and went on past it; `sent`:
+    sent it as a broadcast's root and went on),
     `behind` never called one at that position, `different` called another there; `signals` say which ranks died
     of an abort or a segfault."""
     c: Any = first.collective
@@ -244,7 +246,13 @@ def beacons_words(
         # (no doctor counts a sharded model's steps when the collective starts: the rank's own count, where it
         # still waits)
         f"{c.step if c.step is not None else max(first.step, 0)} (its collective #{c.n})"
-        + (", and the ranks went on, each next collective paired with another" if earlier else " and waited there")
+        + (
+            ", and the ranks went on, each next collective paired with another"
+            if earlier
+            else ", sent it as the root and went on (a broadcast's root does not wait for its receivers)"
+            if sent
+            else " and waited there"
+        )
     ]
     for s in behind:
         parts.append(
