@@ -4,7 +4,7 @@
 
 The FSDP2 and `replicate` report exchanges its rounds (`exchange/sharded_protocol.py`) over the group; this measures
 them inside a real job, where `benchmarks/scale.py` measures DDP's protocol. Each row runs the real watch on a real FSDP2 model
-(`fully_shard` on every block, the optimizer built after it, 8 observed steps), then counts the bytes this rank hands
+(`fully_shard` on every residual block, the optimizer built after it, 8 observed steps), then counts the bytes this rank hands
 to every `torch.distributed` collective while `report()` runs (`scale._count_bytes`) and times it.
 
 Rows marked *real gloo* ran one process per rank over a real gloo group (a FileStore rendezvous); rank 0's figures
@@ -47,6 +47,18 @@ REPEATS = 5
 """`report()` runs this many times on the same watch; its time is the median (the bytes are the same each time)."""
 
 
+class _Residual(torch.nn.Module):
+    """A Linear and a LayerNorm (4 tensors) around a skip: a plain stack of 750 of them passes no gradient to its
+    first blocks (their updates fall below float32's resolution), and the report rightly says `training-stalled`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(self.norm(x))
+
+
 def _job(world: int, tensors: int, mistakes: bool, save_dir: str) -> dict[str, Any]:
     """Build, train and report on one FSDP2 model in this process (its group already initialised)."""
     import torch.distributed as dist
@@ -59,13 +71,13 @@ def _job(world: int, tensors: int, mistakes: bool, save_dir: str) -> dict[str, A
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)) for _ in range((tensors - 2) // 4)]
+    blocks = [_Residual() for _ in range((tensors - 2) // 4)]
     model = nn.Sequential(*blocks, nn.Linear(16, 4))
     for block in blocks:
         fully_shard(block, mesh=mesh)
     if not mistakes:
         fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)  # 750 blocks: larger steps overflow
     watch = PlainOptimizerWatch()
     optimizer.register_step_post_hook(lambda opt, _args, _kwargs: watch.on_step(opt))
     for step in range(STEPS):
