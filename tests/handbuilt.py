@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ddp_doctor.core.beside import BesideGroup
 from ddp_doctor.core.following import FollowRecord, LoaderSeen, SyncPoint
 from ddp_doctor.core.records import ModelInfo
 from ddp_doctor.core.sharded_run import INPUT_STEPS
@@ -48,6 +49,9 @@ def sharded_record(
     own_s: float = 0.010,
     sampler_odd: tuple[int, ...] = (),
     drawn_odd: tuple[int, ...] = (),
+    tp: int = 0,
+    tp_odd: tuple[int, ...] = (),
+    world: int = 0,
 ) -> ShardedRecord:
     """A rank of a sharded job with 6 parameters (2 outside every sharded group) and 3 buffers, 8 observed steps:
     the ranks in `settings_odd` hold other optimizer settings from step 2 on, `saver` alone saves shards, the
@@ -56,7 +60,8 @@ def sharded_record(
     own batches; with `replica_rows` the parameters are replicated over that many rows (rank % rows), and the ranks
     in `replicas_odd` hold another copy of parameter 3 from step `REPLICAS_PART_AT` on; the training loader's
     DistributedSampler is seeded 0, 7 on the ranks in `sampler_odd`; each step draws one batch from it, two at step
-    1 on the ranks in `drawn_odd`."""
+    1 on the ranks in `drawn_odd`. With `tp`, the `world`'s groups of `tp` consecutive ranks beside the data-parallel mesh (tensor
+    parallelism) each read one batch per step, the ranks in `tp_odd` another one from step 2 on."""
     slots: dict[str, float] = dict.fromkeys(SLOTS, 0.0)
     saved = rank == saver
     slots.update(
@@ -76,6 +81,7 @@ def sharded_record(
         own_s=own_s,
         sampler=7.0 if rank in sampler_odd else 3.0,
         sampler_has=1,
+        beside_groups=world // tp if tp else 0,
     )
     loader = {
         "sampler": "DistributedSampler",
@@ -96,7 +102,8 @@ def sharded_record(
         calls = rank in collectives_odd and k >= 3
         digest = 77.0 if calls else 3.0
         drawn = 2.0 if rank in drawn_odd and k == 1 else 1.0
-        measures = [rank + k, 1.0, 1.0, 1.0, 1.0, 4.0, 0.0, 1.0, 99.0 if apart else 7.0, 5.0, 1.0, digest, drawn]
+        batch = (rank // tp + k + (0.5 if rank in tp_odd and k >= 2 else 0.0)) if tp else rank + k
+        measures = [batch, 1.0, 1.0, 1.0, 1.0, 4.0, 0.0, 1.0, 99.0 if apart else 7.0, 5.0, 1.0, digest, drawn]
         steps[k] = torch.tensor(measures)
         shown = ["all_reduce(float32[1], MAX)/4 at train.py:60" if calls else "all_reduce(float32[1])/4 at train.py:60"]
         held.append((99.0 if apart else 7.0, f"lr={0.5 if apart else 0.1}", 5.0, "model: train", digest, shown))
@@ -123,7 +130,13 @@ def sharded_record(
         saved={"shown": "model.state_dict()", "site": "train.py:40", "shards": [4, 8]} if saved else None,
         clock={"own_s": own_s, "own_q1_s": own_s, "own_q3_s": own_s, "wait_s": 0.001, "comm_s": 0.002},
         loader=loader,
+        beside=_beside(rank, tp, world) if tp else None,
     )
+
+
+def _beside(rank: int, tp: int, world: int) -> BesideGroup:
+    members = [list(range(g * tp, g * tp + tp)) for g in range(world // tp)]
+    return BesideGroup(rank=rank, index=rank // tp, groups=len(members), members=members, dims=["tp"])
 
 
 # ---------------------------------------------------------------- epoch following (`following_rounds.py`)

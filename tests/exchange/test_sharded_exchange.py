@@ -17,6 +17,8 @@ from ddp_doctor.exchange.simulate import lockstep
 
 
 def simulated(world: int, **mistakes: Any) -> tuple[Any, Any]:
+    if "tp" in mistakes:
+        mistakes["world"] = world
     return lockstep([sharded_protocol(sharded_record(w, **mistakes), rank=w, world=world) for w in range(world)])
 
 
@@ -87,6 +89,39 @@ def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
         drawn_odd=(6, 63),
     )
     assert (big.sent, big.collectives) == (small.sent, small.collectives)
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "odd", "groups", "exact"),
+    [
+        (1024, 2, (), [], True),  # every tensor-parallel pair reads one batch: nothing apart
+        (4, 2, (3,), [[2, 3]], True),
+        (
+            128,
+            16,
+            (17, 100),
+            [[16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31], list(range(96, 112))],
+            True,
+        ),
+        (1024, 2, (5, 800), [], False),  # 512 groups in 64 slots: slots 2 and 16 (400 % 64), no group named
+    ],
+)
+def test_inputs_within_tensor_parallel_groups_are_compared_in_a_fixed_volume(
+    world: int, tp: int, odd: tuple[int, ...], groups: list[list[int]], exact: bool
+) -> None:
+    """FSDP2 over tensor parallelism: the groups of `tp` ranks beside the data-parallel mesh must read one batch;
+    the ranks in `odd` read another from step 2 on. One SUM when they agree, two when not, at any world size."""
+    got, volume = simulated(world, tp=tp, tp_odd=odd)
+    assert got.beside["beside_compared"] == list(range(STEPS)) and got.beside["beside_groups"] == world // tp
+    if not odd:
+        assert got.beside["beside_apart"] is None
+        return
+    apart = got.beside["beside_apart"]
+    assert (apart["step"], apart["steps"], apart["groups"], apart["exact"]) == (2, list(range(2, STEPS)), groups, exact)
+    assert apart["count"] == len(odd) and apart["slots"] == [r // tp % 64 for r in odd] and apart["dims"] == ["tp"]
+    _, clean = simulated(world, tp=tp)
+    assert volume.collectives == clean.collectives + 1
+    assert volume.sent - clean.sent == 64 * 2 * 8  # the slots' round: 64 groups' two hashes, float64
 
 
 @pytest.mark.parametrize(

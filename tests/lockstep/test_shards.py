@@ -138,5 +138,21 @@ def test_a_sampler_built_from_the_data_parallel_mesh_beside_tensor_parallelism_s
     run = check(["--nproc-per-node", "4", str(SCRIPTS / "fsdp2_tp_sampler.py")], tmp_path)
     assert run.codes == set(), run.output
     assert run.report["compared"]["samplers"] is True and run.report["compared"]["batches_drawn"] > 0, run.report
-    # What is not compared on such a mesh is said: the inputs within each tensor-parallel pair.
+    # The inputs within each tensor-parallel pair were compared; what is not compared on such a mesh is said.
+    assert run.report["compared"]["inputs_within_groups"] > 0 and run.report["compared"]["group_dims"] == ["tp"]
     assert any("2-rank mesh" in line for line in run.report["unchecked"]), run.report["unchecked"]
+
+
+def test_tensor_parallel_pairs_reading_different_batches_are_named(tmp_path) -> None:
+    """The same job with its DistributedSampler built from the world (4 replicas), not the data-parallel mesh (2).
+    Ground truth under plain torchrun: ranks 0 and 1 start on different batches (first inputs 0.85 and -0.87),
+    report different losses for the one forward they compute together (1.445 and 1.319 at the first step), and
+    take 8 steps per epoch instead of 16; exit 0, no warning."""
+    script = SCRIPTS / "fsdp2_tp_sampler.py"
+    run = check(["--nproc-per-node", "4", str(script), "--sampler", "world"], tmp_path)
+    f = run.finding("tp-inputs-differ")
+    assert f["severity"] == "error" and f["ranks"] == [0, 1, 2, 3] and f["steps"], f
+    assert f["sites"] == [f"tests/scripts/fsdp2_tp_sampler.py:{line_of(script, 'loader = DataLoader(')}"], f
+    measured = {m["name"]: m["value"] for m in f["measured"]}
+    assert measured["groups_with_different_inputs"] == 2 and measured["steps_with_different_inputs"] == len(f["steps"])
+    assert run.errors() == ["tp-inputs-differ"], run.codes

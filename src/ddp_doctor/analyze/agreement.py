@@ -4,6 +4,8 @@ differences come from the exchange's digests, the ranks from its bounded example
 
 from __future__ import annotations
 
+from typing import Any
+
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.common import steps_of, with_evidence, with_more
 from ddp_doctor.analyze.links import UNSYNCED
@@ -11,9 +13,9 @@ from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
-from ddp_doctor.core.ranks import listed
+from ddp_doctor.core.ranks import listed, rank_list
 
-__all__ = ["unsynced_steps", "grads_not_synced", "identical_inputs", "wrapper_bypass"]
+__all__ = ["beside_inputs_apart", "unsynced_steps", "grads_not_synced", "identical_inputs", "wrapper_bypass"]
 
 
 @detects(Code.WRAPPER_BYPASS)
@@ -140,4 +142,57 @@ def same_inputs(*, world: int, steps: list[int]) -> Finding:
         measured=[Measure("steps_with_identical_inputs", len(steps), "count")],
         fix="shard the data: DataLoader(dataset, sampler=DistributedSampler(dataset)), and call "
         "sampler.set_epoch(epoch) every epoch.",
+    )
+
+
+def beside_inputs_apart(apart: dict[str, Any], *, groups: int, compared: int) -> Finding:
+    """`tp-inputs-differ`: the ranks of some group beside the data-parallel mesh (a tensor-parallel group, which
+    computes one forward together) fed different inputs at `apart["step"]` (`ShardedRun.beside_apart`); `groups` of
+    them, compared at `compared` steps.
+
+    Ground truth (tests/scripts/fsdp2_tp_sampler.py --sampler world, FSDP2 over a [2, 2] ("dp", "tp") mesh, plain
+    torchrun): with the DistributedSampler built from the world (4 replicas) instead of the data-parallel mesh (2),
+    ranks 0 and 1 start on different batches (first inputs 0.85 and -0.87), report different losses for what is one
+    forward (1.445 and 1.319 at the first step), and each rank takes 8 steps per epoch instead of 16. Exit 0, no
+    warning: the row-parallel layer sums partial products of different batches."""
+    dims = "/".join(apart.get("dims") or ["tensor-parallel"])
+    named = [g for g in apart["groups"] if g]
+    first = named[0] if named else []
+    exact = apart.get("exact", True)
+    which = (
+        f"{apart['count']} of the {groups} {dims} groups"
+        if exact
+        else f"some of the {groups} {dims} groups, those whose data-parallel index is "
+        + " or ".join(str(s) for s in apart.get("slots", []))
+        + " modulo 64 (the check tells 64 groups apart)"
+    )
+    site = apart.get("site")
+    cause = (
+        " The training loader's DistributedSampler holds the world's size, not the data-parallel degree: each rank "
+        "reads its own share of the data, where the ranks of one group must read the same."
+        if apart.get("sampler_world")
+        else ""
+    )
+    return Finding(
+        code=Code.TP_INPUTS_DIFFER,
+        severity="error",
+        title=f"{rank_list(first)} of one {dims} group fed different batches at step {apart['step']}"
+        if first
+        else f"the ranks of some {dims} groups fed different batches at step {apart['step']}",
+        detail=f"FSDP2 shards this model over the data-parallel mesh; the ranks that differ only along {dims} compute "
+        "each forward together (each holds a slice of the layers and their partial results are summed), so they "
+        f"must feed it the same batch. At step {apart['step']}, in {which}, they did not (their inputs' "
+        f"fingerprints differ; compared at {compared} step(s), differing at {len(apart['steps'])}): the layers "
+        f"combine partial results of different batches, silently.{cause}",
+        ranks=sorted({r for g in named for r in g}),
+        steps=list(apart["steps"]),
+        sites=lines_of(*([site] if site else [])),
+        measured=[
+            Measure("groups_with_different_inputs", apart["count"], "count"),
+            Measure("steps_with_different_inputs", len(apart["steps"]), "count"),
+        ],
+        fix="give every rank of a group the same batches: build the DistributedSampler from the data-parallel mesh, "
+        "DistributedSampler(dataset, num_replicas=mesh['dp'].size(), rank=mesh['dp'].get_local_rank()) "
+        "(torchtitan's way), and seed any per-rank randomness of the data (augmentation, masking) by the "
+        "data-parallel rank.",
     )

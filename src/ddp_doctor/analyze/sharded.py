@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ddp_doctor.analyze.agreement import same_inputs
+from ddp_doctor.analyze.agreement import beside_inputs_apart, same_inputs
 from ddp_doctor.analyze.causes import shards_scaled_apart
 from ddp_doctor.analyze.common import with_more
 from ddp_doctor.analyze.epochs import drawn_apart
@@ -140,8 +140,11 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
     if run.unsharded:
         found.append(unsharded_finding(run, ranks, api))
     found += buffer_divergence(run, ranks)
-    if run.world > 1 and run.inputs_compared and run.inputs_identical:
+    if run.world > 1 and run.inputs_compared and run.inputs_identical and run.beside_groups != 1:
+        # (one data-parallel group beside tensor parallelism: every rank rightly reads the same batches)
         found.append(same_inputs(world=run.world, steps=run.inputs_compared))
+    if run.beside_apart is not None:
+        found.append(beside_inputs_apart(run.beside_apart, groups=run.beside_groups, compared=len(run.beside_compared)))
     if run.samplers_apart:
         held = {int(r): d for r, d in run.samplers_apart["held"].items() if d}
         overlap = samplers_apart(held, world=run.world, ranks=run.samplers_apart["ranks"])
@@ -244,6 +247,8 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
         "replica_rows": run.replica_rows,
         "buffers": run.buffers_compared if fully_shard else 0,
         "inputs": len(run.inputs_compared),
+        "inputs_within_groups": len(run.beside_compared),
+        "group_dims": run.beside_dims,
         "batches_drawn": run.state_steps if run.loader_compared else 0,
         "samplers": run.samplers_compared,
         "state_steps": run.state_steps,
@@ -311,10 +316,13 @@ def _beside_mesh(run: ShardedRun) -> list[str]:
     size = run.sharding.get("mesh_size")
     if not size or size >= run.world:
         return []
+    where = f"FSDP2 on a {size}-rank mesh beside another dimension of the {run.world}-rank world"
+    if run.beside_compared:  # the groups' inputs were compared (`beside_inputs`): the samplers' own ranks are not
+        return [f"{where}: whether each rank's sampler holds its own data-parallel rank"]
     return [
-        f"FSDP2 on a {size}-rank mesh beside another dimension of the {run.world}-rank world (tensor parallelism, "
-        "say): whether the ranks that differ only along that dimension read the same batches, and whether each "
-        "rank's sampler holds its own data-parallel rank"
+        f"{where} (tensor parallelism, say): whether the ranks that differ only along that dimension read the same "
+        "batches (their parameters are not on one mesh of both), and whether each rank's sampler holds its own "
+        "data-parallel rank"
     ]
 
 

@@ -58,6 +58,11 @@ NOTES: dict[Code, str] = {
         "have one digest (a `TensorDataset`'s tensors, a Hugging Face dataset's fingerprint, a torchvision "
         "dataset's root; an unknown dataset is never assumed the same)"
     ),
+    Code.TP_INPUTS_DIFFER: (
+        ": *ranks 0 and 1 of one tp group fed different batches at step 0*, with the groups (up to 64 told apart "
+        "exactly), the loader's line, and, when the training loader's DistributedSampler holds the world's size, "
+        "that as the likely cause"
+    ),
     Code.RANK_EXITED: (
         ": *rank 1 exited (status 0) at step 3; rank 0 trained on* (from `check`)"
     ),

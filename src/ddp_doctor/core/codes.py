@@ -91,6 +91,7 @@ class Code(_Name):
     NONFINITE_VALUES = "non-finite-values"
     TRAINING_STALLED = "training-stalled"
     SHARDS_OVERLAP = "shards-overlap"
+    TP_INPUTS_DIFFER = "tp-inputs-differ"
 
 
 # fmt: off
@@ -327,6 +328,9 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.SHARDS_OVERLAP, Family.LOCKSTEP, "warning", "shards.py",
          "the ranks' shares of the data overlap: their DistributedSamplers disagree (a seed, num_replicas, rank), "
          "or a loader with no DistributedSampler reads one dataset whole on every rank"),
+    _row(Code.TP_INPUTS_DIFFER, Family.LOCKSTEP, "error", "agreement.py",
+         "the ranks of a tensor-parallel group fed different batches to the forward they compute together (FSDP2 "
+         "over tensor parallelism)"),
 )
 # fmt: on
 

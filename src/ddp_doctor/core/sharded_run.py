@@ -125,6 +125,19 @@ class ShardedRun:
     `held` maps a rank to (its batches, the loader's line)."""
     inputs_identical: bool = False
     """Every one of `inputs_compared` had the same inputs on every rank."""
+    beside_compared: list[int] = field(default_factory=list)
+    """The observed steps whose inputs were compared within each group of ranks beside the data-parallel mesh (the
+    tensor-parallel groups of FSDP2 over tensor parallelism: `core/beside.py`); empty where there is none."""
+    beside_groups: int = 0
+    """How many such groups (the data-parallel degree) where their inputs were compared."""
+    beside_dims: list[str] = field(default_factory=list)
+    """The names of the mesh's dimensions along which a group's ranks differ (`["tp"]`)."""
+    beside_apart: dict[str, Any] | None = None
+    """The first of those steps at which some group's members fed different inputs: `step`, `steps` (every such
+    step), `groups` (the first few such groups' ranks), `count` (how many group slots differ), `slots` (the first
+    few), `exact` (False past 64 groups: a slot then stands for every group whose index is the same modulo 64, and
+    no group is named), `dims` (the dimensions' names
+    beside the data-parallel ones). None where they agreed or were not compared."""
     ignored: list[bool] = field(default_factory=list)
     """Per `unsharded` parameter: the script passed it to `fully_shard` as `ignored_params` (FSDP2 leaves its
     synchronisation to the script)."""

@@ -26,6 +26,7 @@ from ddp_doctor.exchange.primitives import comm_device
 from ddp_doctor.exchange.sharded_protocol import NOBODY, STEP_COLUMNS, ShardedRecord, sharded_protocol
 from ddp_doctor.observation import dataloaders
 from ddp_doctor.observation.grad_scale import GradScale
+from ddp_doctor.observation.mesh_groups import beside_group
 from ddp_doctor.observation.sharding import GatherCount, ReducePrecisionProbe, ShardedModel, reshards_fully
 from ddp_doctor.observation.step_clock import StepClock, input_wait
 from ddp_doctor.report.model import Report, RunFacts
@@ -141,6 +142,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     if slot is not None and w.weights_at_first.shape == now.shape:
         replicas = torch.cat([w.weights_at_first, now], 1).nan_to_num(0.0)
         replicas[~torch.tensor([is_dtensor(p) for _, p in named], dtype=torch.bool)] = 0.0
+    beside = beside_group([p for _, p in named], _data_mesh(model), dist.get_rank())
     local = {
         "unsharded": len(unsharded),
         "buffers": len(buffers),
@@ -160,6 +162,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         "collectives": sum(count for _, _, count in w.step_collectives[:INPUT_STEPS]),
         **StepClock.slots(w.clock),
         **_sampler_slots(loader, model.describe().get("mesh_size")),
+        "beside_groups": beside.groups if beside is not None else 0,
     }
     grads = None
     if w.grad_seen is not None:
@@ -180,6 +183,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         replica_row=slot[0] if replicas is not None else 0,
         saved=None if saved is None else {k: saved[k] for k in ("shown", "site", "shards")},
         clock=w.clock and w.clock.stats(),
+        beside=beside,
     )
     got = drive(sharded_protocol(record, rank=dist.get_rank(), world=dist.get_world_size()), group=None, device=device)
     top, low = got.top, got.low
@@ -257,6 +261,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         samplers_apart=got.samplers,
         samplers_compared=top["sampler_has"] >= 1,
         loader_compared=top["loader_has"] >= 1,
+        **_beside(got.beside, top, loader),
     )
     return Report.build(w.facts(sharding=run.sharding), diagnose_sharded(run))
 
@@ -275,7 +280,28 @@ def _sampler_slots(loader: dict[str, Any] | None, mesh_size: int | None) -> dict
         "sampler_wrong": wrong,
         "sampler_has": float(has),
         "loader_has": float(loader is not None),
+        # a DistributedSampler of the world's size on a smaller mesh: the likely cause of a tensor-parallel group's
+        # ranks reading different batches (`beside_inputs`)
+        "sampler_world": float(bool(has and mesh_size and mesh_size < world and loader.get("num_replicas") == world)),
     }
+
+
+def _beside(found: dict[str, Any], top: dict[str, float], loader: dict[str, Any] | None) -> dict[str, Any]:
+    """`ShardedRun.beside_*`, with the training loader's line and whether some rank's DistributedSampler held the
+    world's size (`sampler_world`) where some group's inputs differ."""
+    apart = found.get("beside_apart")
+    if apart is None:
+        return found
+    return {
+        **found,
+        "beside_apart": {**apart, "sampler_world": top["sampler_world"] >= 1, "site": (loader or {}).get("site")},
+    }
+
+
+def _data_mesh(model: ShardedModel) -> Any:
+    """The mesh `fully_shard` was given (FSDP2's private state; None where it cannot be read)."""
+    groups = model.param_groups()
+    return getattr(getattr(groups[0], "mesh_info", None), "mesh", None) if groups else None
 
 
 def _replicas_apart(apart: dict[str, Any] | None, named: list[tuple[str, Any]]) -> dict[str, Any] | None:

@@ -14,6 +14,7 @@ rank in one process.
 | saves | SUM, SUM, SUM, when some rank saved shards | who saved, then what the first saver wrote | `shard_save` |
 | slowest | MAX, when a rank's own work is the longest | the step clock's quartiles | `slowest` |
 | samplers | `oddranks` rounds and 2 SUMs, or 3 SUMs, when the training loaders' DistributedSamplers differ or one is not its rank's | the sampler's digest, then two ranks' loader records | `samplers` |
+| beside | SUM, when every rank found its group beside the data-parallel mesh (tensor parallelism); SUM where some group's inputs differ (`beside_inputs.py`) | per observed step, the inputs' digest weighted to cancel within each group; then by group slot | `beside` |
 
 Every collective's op and shape depend on the slots' reduced values and earlier results only, never on local data.
 """
@@ -28,7 +29,9 @@ from typing import Any
 
 import torch
 
+from ddp_doctor.core.beside import BesideGroup
 from ddp_doctor.core.sharded_run import INPUT_STEPS, SCALE_TOLERANCE
+from ddp_doctor.exchange.beside_inputs import beside_inputs_rounds
 from ddp_doctor.exchange.oddranks import odd_ranks_rounds
 from ddp_doctor.exchange.packing import Op, Reply, from_words, to_words
 from ddp_doctor.exchange.primitives import minmax_rounds
@@ -74,6 +77,8 @@ SLOTS = (
     "sampler_wrong",
     "sampler_has",
     "loader_has",
+    "beside_groups",
+    "sampler_world",
 )
 """What every rank puts in the first MAX, in this order (float32: each value exact in it)."""
 NOBODY = 2**24
@@ -118,6 +123,8 @@ class ShardedRecord:
     loader: dict[str, Any] | None = None
     """The training loader's record (`dataloaders.describe`, with its sampler's settings); None where none fed the
     observed steps."""
+    beside: BesideGroup | None = None
+    """This rank's group beside the data-parallel mesh (tensor parallelism); None where there is none."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -142,6 +149,8 @@ class ShardedReduced:
     slowest: dict[str, Any] | None
     samplers: dict[str, Any] | None = None
     """`ShardedRun.samplers_apart`."""
+    beside: dict[str, Any] = field(default_factory=dict)
+    """`ShardedRun`'s `beside_*` fields."""
 
 
 def sharded_protocol(record: ShardedRecord, *, rank: int, world: int) -> Generator[Op, Reply, ShardedReduced]:
@@ -174,6 +183,8 @@ def sharded_protocol(record: ShardedRecord, *, rank: int, world: int) -> Generat
     shard_save = yield from _shard_save(record.saved, top, low, rank=rank)
     slowest = yield from slowest_rank(record.clock, top, low, rank=rank)
     samplers = yield from _samplers(record, top, low, rank=rank, world=world)
+    groups = int(top["beside_groups"]) if top["beside_groups"] == low["beside_groups"] else 0
+    beside = yield from beside_inputs_rounds(record.steps, record.beside, per_step["inputs_compared"], groups)
     return ShardedReduced(
         top=top,
         low=low,
@@ -187,6 +198,7 @@ def sharded_protocol(record: ShardedRecord, *, rank: int, world: int) -> Generat
         shard_save=shard_save,
         slowest=slowest,
         samplers=samplers,
+        beside=beside,
     )
 
 

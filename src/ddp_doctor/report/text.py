@@ -201,6 +201,9 @@ def _sharded_compared_line(c: dict[str, Any]) -> str:
         parts.append(f"{_n(c['buffers'], 'buffer')} at the last step")
     if c.get("inputs"):
         parts.append(f"the inputs ({_n(c['inputs'], 'step')})")
+    if c.get("inputs_within_groups"):
+        dims = "/".join(c.get("group_dims") or ["tensor-parallel"])
+        parts.append(f"the inputs within each {dims} group ({_n(c['inputs_within_groups'], 'step')})")
     if c.get("batches_drawn"):
         parts.append(f"{_DRAWN} ({_n(c['batches_drawn'], 'step')})")
     if c.get("samplers"):
