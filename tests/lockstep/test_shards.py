@@ -131,16 +131,18 @@ def test_check_names_the_samplers_under_ddp_and_fsdp2_alike(tmp_path, wrap) -> N
     assert "shards-overlap" not in clean.codes and clean.errors() == [], clean.output
 
 
-def test_a_sampler_built_from_the_data_parallel_mesh_beside_tensor_parallelism_says_nothing(tmp_path) -> None:
+@pytest.mark.parametrize("ranks", [4, 2])
+def test_a_sampler_built_from_the_data_parallel_mesh_beside_tensor_parallelism_says_nothing(tmp_path, ranks) -> None:
     """FSDP2 over tensor parallelism on a [2, 2] mesh: each sampler holds the data-parallel rank and degree (2), not
     the world's (4). Whether a sampler is its rank's own is not judged on a mesh smaller than the world; its
-    settings are still compared."""
-    run = check(["--nproc-per-node", "4", str(SCRIPTS / "fsdp2_tp_sampler.py")], tmp_path)
+    settings are still compared. On 2 ranks the mesh is [1, 2]: one tensor-parallel pair, whose ranks rightly read
+    the same batches (not `identical-inputs-across-ranks`)."""
+    run = check(["--nproc-per-node", str(ranks), str(SCRIPTS / "fsdp2_tp_sampler.py")], tmp_path)
     assert run.codes == set(), run.output
     assert run.report["compared"]["samplers"] is True and run.report["compared"]["batches_drawn"] > 0, run.report
     # The inputs within each tensor-parallel pair were compared; what is not compared on such a mesh is said.
     assert run.report["compared"]["inputs_within_groups"] > 0 and run.report["compared"]["group_dims"] == ["tp"]
-    assert any("2-rank mesh" in line for line in run.report["unchecked"]), run.report["unchecked"]
+    assert any(f"{ranks // 2}-rank mesh" in line for line in run.report["unchecked"]), run.report["unchecked"]
 
 
 def test_tensor_parallel_pairs_reading_different_batches_are_named(tmp_path) -> None:
