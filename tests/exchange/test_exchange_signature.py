@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "681127c11c90af56",
-    "odd-70": "be1c87968bb7aab8",
-    "infos-differ-3": "a618c7c201400bff",
-    "edited-2": "26821cf52b2bd9a8",
-    "inferred-2": "905d0177af9df632",
-    "clean-1": "aec99550e6b6601c",
+    "seeded-6": "651edfabc8d0c481",
+    "odd-70": "254ac5562f4ea7d3",
+    "infos-differ-3": "c410ff2035b537eb",
+    "edited-2": "58635e644d9dea3d",
+    "inferred-2": "60d3bbc4675db9eb",
+    "clean-1": "04065a2bed1cfad4",
 }
 
 

@@ -13,6 +13,8 @@ cases:
   replace-after-opt  the head replaced after DDP and the optimizer were built: the optimizer steps the old head
   tie-after-wrap  a model of two heads, head.weight tied to aux.weight after DDP was built
   tie-before-wrap the same tie made before DDP was built (clean)
+  cast-after-wrap  model.to(torch.bfloat16) after DDP was built
+  cast-before-wrap the same cast before DDP was built (clean)
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ class TwoHeads(nn.Module):
 def gaps(model: nn.Module) -> dict[str, float]:
     out = {}
     for name, p in model.named_parameters():
-        got = [torch.zeros_like(p) for _ in range(dist.get_world_size())]
-        dist.all_gather(got, p.detach().contiguous())
+        mine = p.detach().float().contiguous()
+        got = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(got, mine)
         out[name] = max(float((g - got[0]).abs().max()) for g in got)
     return out
 
@@ -76,7 +79,11 @@ def main() -> None:
     net = TwoHeads() if args.case.startswith("tie-") else Net()
     if args.case == "tie-before-wrap":
         net.head.weight = net.aux.weight
+    if args.case == "cast-before-wrap":
+        net = net.to(torch.bfloat16)
     model = DistributedDataParallel(net, find_unused_parameters=args.find_unused)
+    if args.case == "cast-after-wrap":
+        model = model.to(torch.bfloat16)  # cast after the wrap
     if args.case == "tie-after-wrap":
         model.module.head.weight = model.module.aux.weight  # tied after the wrap
     if args.case == "replace-head":
@@ -92,8 +99,8 @@ def main() -> None:
         model.module.head = nn.Linear(16, 4)  # after the optimizer was built: it still holds the old head
     g = torch.Generator().manual_seed(rank)
     for step in range(args.steps):
-        x = torch.randn(16, 8, generator=g)
-        loss = model(x).pow(2).mean()
+        x = torch.randn(16, 8, generator=g).to(next(model.parameters()).dtype)
+        loss = model(x).float().pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -111,7 +118,11 @@ def main() -> None:
             with torch.no_grad():
                 model.module(torch.randn(4, 8, generator=g))
             model.train()
-    measured = {"gaps": gaps(model.module), "training": model.training, "head_sum": float(model.module.head.weight.sum())}
+    measured = {
+        "gaps": gaps(model.module),
+        "training": model.training,
+        "head_sum": float(model.module.head.weight.sum()),
+    }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(measured, f)

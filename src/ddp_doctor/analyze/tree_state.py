@@ -10,7 +10,7 @@ from typing import Any
 from ddp_doctor.analyze.common import all_ranks, with_more
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, ParamRef, lines_of
+from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
 
 __all__ = ["differing", "optimizer_holds_replaced", "stale_optimizer", "unregistered_parameters"]
 
@@ -46,10 +46,11 @@ def _param(entry: dict[str, Any]) -> ParamRef:
 def unregistered_parameters(v: View) -> list[Finding]:
     """Trainable parameters in the module tree that DDP's reducer does not hold: created or replaced after DDP was
     built. Each rank trains them from its own gradient."""
+    recast = _recast(v)
     counts = v.summary.unregistered
     first = next((s for s, n in enumerate(counts) if n), None)
     if first is None:
-        return _retied(v)
+        return recast + _retied(v)
     holders = v.ranks("unregistered")
     entries = next((v.meta(r).get("unregistered") for r in [0, *holders.ranks] if v.meta(r).get("unregistered")), [])
     params = [_param(e) for e in entries]
@@ -96,7 +97,7 @@ def unregistered_parameters(v: View) -> list[Finding]:
         "new DistributedDataParallel and build the optimizer over its parameters."
     )
     ranks = holders.ranks if holders.count < v.world else all_ranks(v)
-    return [
+    return recast + [
         with_more(
             Finding(
                 code=Code.UNREGISTERED_PARAMETERS,
@@ -115,6 +116,46 @@ def unregistered_parameters(v: View) -> list[Finding]:
                 fix=fix,
             ),
             max(0, holders.count - len(ranks)),
+        )
+    ]
+
+
+def _recast(v: View) -> list[Finding]:
+    """Parameters DDP registered whose dtype or device changed after it was built (`model.to(torch.bfloat16)`
+    after the wrap). The tensor keeps its identity, but a parameter whose dtype or device changes gets a new gradient
+    accumulator, and DDP's reducer hooked the old one: no gradient of theirs is all-reduced, and DDP raises nothing.
+
+    Ground truth (tests/sync/test_check_tree_state.py, plain torchrun, 2 ranks, 8 SGD steps): after
+    `model = model.to(torch.bfloat16)` following the wrap, the ranks' weights differ by 0.034, exit 0, with
+    find_unused_parameters False or True; the same cast before the wrap keeps them equal."""
+    meta = v.meta(0)
+    entries, count = meta.get("recast") or [], int(meta.get("recast_count") or 0)
+    if not entries:
+        return []
+    index = {n: i for i, n in enumerate(v.info.param_names)}
+    params = v.params([index[e["name"]] for e in entries if e.get("name") in index])
+    site = next((e["site"] for e in entries if e.get("site")), None)
+    was, now = entries[0]["was"], entries[0]["now"]
+    where = f" at {site}" if site else ""
+    return [
+        Finding(
+            code=Code.UNREGISTERED_PARAMETERS,
+            sites=lines_of(*([site] if site else [])),
+            severity="error",
+            title=f"{count} parameter(s) were converted from {was} to {now} after DDP was built: DDP no longer "
+            "syncs their gradients",
+            detail=f"DDP registered the model's parameters when it was built"
+            f"{f' ({v.info.ddp_site})' if v.info.ddp_site else ''} and hooked each one's gradient accumulator. The "
+            f"script then converted {count} of them{where} ({was} to {now}): a parameter whose dtype or device "
+            "changes gets a new gradient accumulator, so DDP's hooks never fire, no gradient of theirs is "
+            "all-reduced, and each rank trains them alone. DDP raises no error.",
+            params=params,
+            ranks=all_ranks(v),
+            steps=[0],
+            measured=[Measure("parameters_converted_after_wrap", count, "count")],
+            fix="convert the model before wrapping it: model.to(dtype or device), then DistributedDataParallel(model)"
+            " and the optimizer; to compute in bfloat16 with float32 weights, keep the model as it is and run the "
+            "forward under torch.autocast(device_type, dtype=torch.bfloat16).",
         )
     ]
 

@@ -158,7 +158,9 @@ NOTES: dict[Code, str] = {
         "after DDP was built*, with the step at which they part across ranks, and the parameters the replaced"
         " module left in DDP's reducer (which get no gradient: not a reason to freeze anything); a weight tied "
         "after DDP was built (`model.module.head.weight = model.module.embed.weight`) is named with its line, as "
-        "the reason DDP's reducer waits for the tensor the name held before"
+        "the reason DDP's reducer waits for the tensor the name held before; a model converted after DDP was "
+        "built (`model.to(torch.bfloat16)`) is named with that line: *4 parameter(s) were converted from float32 on "
+        "cpu to bfloat16 on cpu after DDP was built: DDP no longer syncs their gradients*"
     ),
     Code.NONFINITE_VALUES: (
         ": *the gradients of 4 parameters are NaN or infinite from step 0; the weights already were before "

@@ -231,6 +231,10 @@ class RankRecord:
     retied: list[dict[str, Any]] = field(default_factory=list)
     """Names that held one of `orphaned` and now hold another parameter DDP registered (a weight tied after DDP was
     built): `name`, `now`, `site` (`observation.tree_scan.StateScan.retied`)."""
+    recast: list[dict[str, Any]] = field(default_factory=list)
+    """Parameters DDP registered whose dtype or device changed after it was built: `name`, `was`, `now`, `site`
+    (`observation.tree_scan.StateScan.recast`); `recast_count` of them in all."""
+    recast_count: int = 0
     optimizer_stale: int = 0
     """Tensors the observed optimizer steps that the model no longer holds, at the last step."""
     modules: int = 0
@@ -341,6 +345,8 @@ class RankRecord:
             "unregistered": self.unregistered,
             "orphaned": self.orphaned,
             "retied": self.retied,
+            "recast": self.recast,
+            "recast_count": self.recast_count,
             "optimizer_stale": self.optimizer_stale,
             "modules": self.modules,
             "nonfinite_params": self.nonfinite_params,

@@ -106,6 +106,8 @@ def rank_strings(
             "unregistered": record.unregistered,
             "orphaned": record.orphaned,
             "retied": record.retied,
+            "recast": record.recast,
+            "recast_count": record.recast_count,
             "optimizer_stale": record.optimizer_stale,
             "modules": record.modules,
             "nonfinite_params": record.nonfinite_params,

@@ -138,6 +138,7 @@ class Session:
         saves.install()
         gradedits.install()
         tree_scan.listen_to_empty()
+        tree_scan.listen_casts()
         # A segfault or abort (gloo's on a mismatched collective) leaves no Python exception: faulthandler writes
         # the signal and the stack to a file the supervisor reads. The file object must stay open.
         self._fault_file = open(self.outdir / f"rank{self.rank}.fault", "w")  # noqa: SIM115

@@ -365,6 +365,8 @@ class StepLog:
             record.unregistered = list(self.state.unregistered)
             record.orphaned = list(self.state.orphaned)
             record.retied = list(self.state.retied)
+            record.recast = list(self.state.recast)
+            record.recast_count = self.state.recast_count
             record.optimizer_stale = self.state.stale
             record.modules = self.state.modules
             record.learning_rates = list(self.state.learning_rates)

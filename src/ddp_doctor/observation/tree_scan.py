@@ -27,7 +27,7 @@ from ddp_doctor.core.counters import StepCounters
 from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.frames import user_site
 
-__all__ = ["MAX_STATE_LOG", "TO_EMPTY_SITES", "StateScan", "listen_to_empty", "modes_of"]
+__all__ = ["CAST_SITES", "MAX_STATE_LOG", "TO_EMPTY_SITES", "StateScan", "listen_casts", "listen_to_empty", "modes_of"]
 
 MAX_STATE_LOG = 16
 """At most this many entries of the state log (one per change of the rank's state)."""
@@ -38,6 +38,32 @@ _MAX_SITES = 256
 TO_EMPTY_SITES: list[str] = []
 """Where the script called `nn.Module.to_empty()` (a model built on the meta device materialised with storage that
 holds whatever memory held: its parameters must be initialised after), once `listen_to_empty` ran."""
+
+
+CAST_SITES: list[str] = []
+"""Where the script converted a module's tensors (`nn.Module._apply`: `.to(dtype)`, `.half()`, `.bfloat16()`,
+`.cuda()`), outermost calls only, in order (at most 64), once `listen_casts` ran."""
+_CASTING = [0]
+
+
+def listen_casts() -> None:
+    """Remember the user's line of each conversion of a module's tensors in this process (once). A parameter whose
+    dtype or device changes gets a new gradient accumulator, and DDP's hooks stay on the old one."""
+    if getattr(nn.Module._apply, "_ddp_doctor", False):
+        return
+    original = nn.Module._apply
+
+    def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not _CASTING[0] and len(CAST_SITES) < 64:
+            CAST_SITES.append(user_site() or "an unknown place")
+        _CASTING[0] += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _CASTING[0] -= 1
+
+    _apply._ddp_doctor = True  # type: ignore[attr-defined]
+    nn.Module._apply = _apply  # type: ignore[method-assign]
 
 
 def modes_of(module: nn.Module) -> tuple[int, dict[str, Any]]:
@@ -95,6 +121,9 @@ class StateScan:
         self._names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
         """Each parameter's name in the tree as DDP found it (a weight re-tied after the wrap is named by both)."""
         self._optimizer = optimizer
+        self._kinds = [(p.dtype, p.device) for p in self._positions]
+        """Each registered parameter's dtype and device when DDP was built."""
+        self._casts_before = len(CAST_SITES)
         self._tree = {id(m) for m in module.modules()}
         self._sites: dict[tuple[int, str], str] = {}
         self._removers: list[Any] = []
@@ -112,6 +141,12 @@ class StateScan:
         self.retied: list[dict[str, Any]] = []
         """Names that held one of those and now hold another parameter DDP registered (a weight tied after the
         wrap): `name`, `now` (the registered parameter's name), `site` (where it was attached, when seen)."""
+        self.recast: list[dict[str, Any]] = []
+        """Parameters DDP registered whose dtype or device changed since (a `model.to(torch.bfloat16)` after the
+        wrap): their gradients go to a new accumulator that DDP's hooks are not on, so none is all-reduced. `name`,
+        `was`, `now` (dtype and device, as text), at most 8, at the last step; `site`: where the script converted the
+        module after DDP was built, when seen."""
+        self.recast_count = 0
         self.stale: int = 0
         """Tensors the optimizer steps that the model no longer holds, at the last step."""
         self.modules = 0
@@ -178,6 +213,7 @@ class StateScan:
         self.orphaned = [i for i, p in enumerate(self._positions) if id(p) not in held]
         if self.orphaned:
             self.retied = self._retied({self._names.get(id(self._positions[i])) for i in self.orphaned})
+        self._find_recast()
         stepped = self._stepped()
         self.stale = sum(1 for i in stepped if i not in held)
         counters.state_digest = crc & 0x7FFFFFFF
@@ -195,6 +231,24 @@ class StateScan:
         if entry != self._last and len(self.log) < MAX_STATE_LOG:
             self.log.append({"step": step, **entry})
         self._last = entry
+
+    def _find_recast(self) -> None:
+        changed = [
+            (i, p)
+            for i, (p, (dtype, device)) in enumerate(zip(self._positions, self._kinds))
+            if p.dtype != dtype or p.device != device
+        ]
+        self.recast_count = len(changed)
+        after = CAST_SITES[self._casts_before :]
+        self.recast = [
+            {
+                "name": self._names.get(id(p)),
+                "was": f"{str(self._kinds[i][0]).removeprefix('torch.')} on {self._kinds[i][1]}",
+                "now": f"{str(p.dtype).removeprefix('torch.')} on {p.device}",
+                "site": after[-1] if after else None,
+            }
+            for i, p in changed[:8]
+        ]
 
     def _retied(self, left: set[str | None]) -> list[dict[str, Any]]:
         """The names in `left` (those of parameters DDP registered that the tree no longer holds) that now hold
