@@ -142,6 +142,7 @@ def test_a_sampler_built_from_the_data_parallel_mesh_beside_tensor_parallelism_s
     assert run.report["compared"]["samplers"] is True and run.report["compared"]["batches_drawn"] > 0, run.report
     # The inputs within each tensor-parallel pair were compared; what is not compared on such a mesh is said.
     assert run.report["compared"]["inputs_within_groups"] > 0 and run.report["compared"]["group_dims"] == ["tp"]
+    assert run.report["sharding"]["beside"] == {"dims": ["tp"], "size": 2}, run.report["sharding"]
     assert any(f"{ranks // 2}-rank mesh" in line for line in run.report["unchecked"]), run.report["unchecked"]
 
 

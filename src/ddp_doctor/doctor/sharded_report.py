@@ -202,6 +202,8 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     buffers_differ, buffers_moved = got.buffers_differ, got.buffers_moved
     sync_site = next((getattr(m, SYNC_OFF_ATTR) for _, m in model.sharded if getattr(m, SYNC_OFF_ATTR, None)), None)
     sharding = model.describe()
+    if beside is not None:
+        sharding["beside"] = {"dims": beside.dims, "size": len(beside.members[beside.index])}
     if top["gathers"] == low["gathers"] >= 0:
         sharding["all_gathers_per_step"] = int(top["gathers"])
     run = ShardedRun(

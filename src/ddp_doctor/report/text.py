@@ -40,6 +40,8 @@ def _sharding(sharding: dict[str, Any]) -> str:
     if sharding.get("mesh"):
         dims = f" ({', '.join(sharding['mesh_dims'])})" if sharding.get("mesh_dims") else ""
         parts.append("mesh " + ", ".join(str(m) for m in sharding["mesh"]) + dims)
+    if beside := sharding.get("beside"):  # tensor parallelism: groups of ranks beside the data-parallel mesh
+        parts.append(f"beside it {'/'.join(beside['dims'])} groups of {beside['size']} ranks")
     if sharding.get("reshard_after_forward") and not replicate:  # replicate keeps every parameter whole
         parts.append("reshard_after_forward=" + "/".join(str(r) for r in sharding["reshard_after_forward"]))
     dtypes = [f"{k}={'/'.join(sharding[k])}" for k in ("param_dtype", "reduce_dtype") if sharding.get(k)]
