@@ -131,6 +131,24 @@ def test_check_names_the_samplers_under_ddp_and_fsdp2_alike(tmp_path, wrap) -> N
     assert "shards-overlap" not in clean.codes and clean.errors() == [], clean.output
 
 
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_a_random_split_drawn_per_rank_is_named_and_a_seeded_one_is_clean(tmp_path, wrap) -> None:
+    """`torch.manual_seed(rank)` at the start, then `random_split(ds, [0.8, 0.2])` from the global generator: each
+    rank's DistributedSampler samples its own 410-sample train split. Ground truth under plain torchrun (2 ranks):
+    exit 0, the two ranks' train splits share 329 of their 410 indices, so some samples train twice per epoch,
+    others never, and each rank's validation split holds samples the other trains on. The samplers' settings agree;
+    the datasets they sample do not. Before, "No problems found"."""
+    script = SCRIPTS / "shards_sampler.py"
+    run = check(["--nproc-per-node", "2", str(script), "--wrap", wrap, "--sampler", "split-per-rank"], tmp_path)
+    f = run.finding("shards-overlap")
+    assert f["ranks"] == [0, 1] and f["sites"] == [
+        f"tests/scripts/shards_sampler.py:{line_of(script, 'sampler=sampler)')}"
+    ]
+    assert "indices_read_twice" not in _measured(f), f  # no index overlap to compute over two different subsets
+    clean = check(["--nproc-per-node", "2", str(script), "--wrap", wrap, "--sampler", "split-seeded"], tmp_path / "c")
+    assert "shards-overlap" not in clean.codes and clean.errors() == [], clean.output
+
+
 @pytest.mark.parametrize("ranks", [4, 2])
 def test_a_sampler_built_from_the_data_parallel_mesh_beside_tensor_parallelism_says_nothing(tmp_path, ranks) -> None:
     """FSDP2 over tensor parallelism on a [2, 2] mesh: each sampler holds the data-parallel rank and degree (2), not

@@ -6,6 +6,8 @@ loader's DistributedSampler is built one of three ways (`--sampler`):
   same           clean: DistributedSampler(ds, seed=1234) on every rank
   whole          no DistributedSampler: DataLoader(ds, shuffle=True) after torch.manual_seed(100 + rank), every rank
                  reads all 512 samples in its own order
+  split-per-rank torch.manual_seed(rank), then random_split(ds, [0.8, 0.2]): each rank samples its own train split
+  split-seeded   clean: the same split drawn from a generator seeded alike on every rank
 """
 
 from __future__ import annotations
@@ -17,18 +19,26 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, random_split
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--wrap", choices=["ddp", "fsdp2"], default="ddp")
-    parser.add_argument("--sampler", choices=["seed-per-rank", "one-replica", "same", "whole"], default="same")
+    parser.add_argument(
+        "--sampler",
+        choices=["seed-per-rank", "one-replica", "same", "whole", "split-per-rank", "split-seeded"],
+        default="same",
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(512, 16), torch.randint(0, 4, (512,)))
     kwargs = {"seed-per-rank": {"seed": rank}, "one-replica": {"num_replicas": 1, "rank": 0}, "same": {"seed": 1234}}
+    if args.sampler.startswith("split-"):
+        torch.manual_seed(rank)  # a per-rank seed, for augmentation
+        seeded = torch.Generator().manual_seed(0) if args.sampler == "split-seeded" else None
+        data, _ = random_split(data, [0.8, 0.2], generator=seeded) if seeded else random_split(data, [0.8, 0.2])
     sampler = DistributedSampler(data, shuffle=True, **kwargs.get(args.sampler, {}))
     loader = DataLoader(data, batch_size=16, sampler=sampler)
     if args.sampler == "whole":

@@ -18,7 +18,7 @@ from ddp_doctor.core.findings import Finding, Measure, lines_of
 
 __all__ = ["samplers_apart", "shards_overlap"]
 
-_SHARED = ("seed", "shuffle", "drop_last", "num_replicas", "dataset")
+_SHARED = ("seed", "shuffle", "drop_last", "num_replicas", "dataset", "sampled_digest")
 """What every rank's sampler must hold alike (`dataset`: the dataset's length)."""
 MAX_COMPUTED = 2_000_000
 """The largest dataset whose shares are computed index by index."""
@@ -85,7 +85,11 @@ def samplers_apart(held: dict[int, dict[str, Any]], *, world: int, ranks: list[i
     said = [
         f"{'dataset length' if k == 'dataset' else k}: " + ", ".join(f"{d.get(k)} on rank {r}" for r, d in held.items())
         for k in apart
+        if k != "sampled_digest"
     ]
+    subsets = "sampled_digest" in apart  # the same settings over different datasets: no overlap to compute
+    if subsets:
+        said.append(_sampled_words(held))
     said += [
         f"rank {r}'s sampler has rank={held[r].get('rank')}, num_replicas={held[r].get('num_replicas')} (it is rank "
         f"{r} of {world})"
@@ -93,7 +97,7 @@ def samplers_apart(held: dict[int, dict[str, Any]], *, world: int, ranks: list[i
     ]
     if not said:
         return None
-    overlap = _overlap(held)
+    overlap = None if subsets else _overlap(held)
     measured: list[Measure] = []
     consequence = "so the ranks' shares of the data are not the disjoint parts of one split"
     after = "Training still runs, on a different mix of the data than one split gives."
@@ -127,11 +131,25 @@ def samplers_apart(held: dict[int, dict[str, Any]], *, world: int, ranks: list[i
         params=[],
         ranks=sorted({*held, *ranks}),
         steps=[],
-        fix="build the sampler alike on every rank: DistributedSampler(dataset, shuffle=True, seed=args.seed) "
+        fix="split the dataset alike on every rank: random_split(dataset, lengths, "
+        "generator=torch.Generator().manual_seed(seed)) with one seed for all ranks (random_split draws from the "
+        "global generator otherwise, which a per-rank torch.manual_seed makes each rank's own), then "
+        "DistributedSampler over that split."
+        if subsets and len(apart) == 1
+        else "build the sampler alike on every rank: DistributedSampler(dataset, shuffle=True, seed=args.seed) "
         "with one seed for all ranks, and num_replicas and rank left to the process group (a per-rank seed "
         "belongs in torch.manual_seed, for dropout and augmentation, not in the sampler).",
         measured=measured,
     )
+
+
+def _sampled_words(held: dict[int, dict[str, Any]]) -> str:
+    """What differs between the datasets the ranks' samplers sample (their digests, `observation/datasets.py`)."""
+    ranks = " and ".join(f"rank {r}" for r in held)
+    digests = [str(d.get("sampled_digest")) for d in held.values()]
+    if all(x.startswith("subset ") for x in digests) and len({x.split(" of ", 1)[-1] for x in digests}) == 1:
+        return f"the dataset each samples: another subset of one dataset on {ranks} (a random_split per rank)"
+    return f"the dataset each samples: other contents on {ranks}"
 
 
 def _whole(held: dict[int, dict[str, Any]], *, world: int, ranks: list[int]) -> Finding | None:

@@ -56,7 +56,9 @@ NOTES: dict[Code, str] = {
         "and how many no rank reads (computed with torch's own DistributedSampler); or *every rank reads the "
         "whole dataset: its DataLoader has no DistributedSampler (RandomSampler)* when the ranks' datasets "
         "have one digest (a `TensorDataset`'s tensors, a Hugging Face dataset's fingerprint, a torchvision "
-        "dataset's root; an unknown dataset is never assumed the same)"
+        "dataset's root; an unknown dataset is never assumed the same); or samplers of one setting over "
+        "different datasets: *the dataset each samples: another subset of one dataset on rank 0 and rank 1 (a "
+        "random_split per rank)*"
     ),
     Code.TP_INPUTS_DIFFER: (
         ": *ranks 0 and 1 of one tp group fed different batches at step 0*, with the groups (up to 64 told apart "

@@ -203,7 +203,7 @@ def sampler_facts(loader: dict[str, Any] | None, rank: int, world: int) -> tuple
         return torch.tensor([text_digest(["whole", loader["sampler"], loader["dataset_digest"]]), 1]), True
     if loader is None or loader.get("sampler") != "DistributedSampler" or "seed" not in loader:
         return torch.zeros(2, dtype=torch.int64), False
-    shared = [loader.get(k) for k in ("seed", "shuffle", "drop_last", "num_replicas", "dataset")]
+    shared = [loader.get(k) for k in ("seed", "shuffle", "drop_last", "num_replicas", "dataset", "sampled_digest")]
     own = loader["rank"] == rank and loader["num_replicas"] == world
     return torch.tensor([text_digest(shared), int(not own)]), True
 

@@ -140,6 +140,8 @@ def describe(loader: tud.DataLoader) -> dict[str, Any]:
         info["drop_last"] = bool(sampler.drop_last)
         info["num_replicas"] = int(sampler.num_replicas)
         info["rank"] = int(sampler.rank)
+        # What it samples: one dataset on every rank, or each rank its own (a `random_split` under a per-rank seed).
+        info["sampled_digest"] = dataset_digest(sampler.dataset)
         info["exact"] = type(sampler) is tud.distributed.DistributedSampler
         info["set_epoch_called"] = id(sampler) in _set_epoch_called
     return info
