@@ -136,7 +136,7 @@ def sharded_record(
 
 def _beside(rank: int, tp: int, world: int) -> BesideGroup:
     members = [list(range(g * tp, g * tp + tp)) for g in range(world // tp)]
-    return BesideGroup(rank=rank, index=rank // tp, groups=len(members), members=members, dims=["tp"])
+    return BesideGroup(rank=rank, index=rank // tp, members=members, dims=["tp"])
 
 
 # ---------------------------------------------------------------- epoch following (`following_rounds.py`)

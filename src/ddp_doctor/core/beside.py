@@ -16,8 +16,11 @@ class BesideGroup:
     """This rank (in the world)."""
     index: int
     """The group's data-parallel coordinate (flattened): one per group, 0 to `groups` - 1."""
-    groups: int
     members: list[list[int]]
     """Every group's ranks, by `index` (world ranks, lowest first)."""
     dims: list[str]
     """The names of the dimensions beside the data-parallel ones."""
+
+    @property
+    def groups(self) -> int:
+        return len(self.members)

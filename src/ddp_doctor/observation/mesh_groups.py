@@ -36,4 +36,4 @@ def beside_group(params: list[torch.Tensor], data_mesh: object, rank: int) -> Be
         index = next(i for i, row in enumerate(rows) if rank in row)
     except (AttributeError, RuntimeError, TypeError, ValueError, StopIteration):
         return None
-    return BesideGroup(rank=rank, index=index, groups=len(rows), members=rows, dims=[names[d] for d in beside])
+    return BesideGroup(rank=rank, index=index, members=rows, dims=[names[d] for d in beside])
