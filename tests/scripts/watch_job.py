@@ -9,7 +9,8 @@ batches come from a DataLoader without workers whose items from that step on tak
 rank (a job that becomes input-bound past its first steps), or on rank SLOW_RANK alone (a rank whose reads become
 slow: the others wait for it in DDP's all-reduce). WORK_RANKS / WORK_FROM / WORK_S: from that step on, those ranks (comma-separated)
 spin WORK_S seconds between the forward and the backward (a slower device, or work of their own in the loss): the
-others wait for them in DDP's all-reduce.
+others wait for them in DDP's all-reduce. After `destroy_process_group()` each rank prints a line; TEARDOWN_ABORT_RANK:
+that rank then aborts (SIGABRT, as gloo's teardown can), with no collective left to break.
 
     GROUP_TIMEOUT_S=20 torchrun --nproc-per-node 2 tests/scripts/watch_job.py
 """
@@ -106,6 +107,10 @@ def main() -> None:
     print(f"rank {rank} trained {steps} steps, checksum {checksum:.12f}", flush=True)
     threading.Thread(target=lambda: (time.sleep(0.2), print(f"rank {rank} thread joined", flush=True))).start()
     dist.destroy_process_group()
+    print(f"rank {rank} ran past its process group", flush=True)
+    if rank == int(os.environ.get("TEARDOWN_ABORT_RANK", "-1")):
+        time.sleep(0.5)  # the other ranks end first, as when gloo aborts one process at its teardown
+        os.abort()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import re
 from ddp_doctor.analyze.positions import capped, fault_place, others, short, where
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef
+from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import ExplainedError, RaisedError
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
@@ -173,6 +174,13 @@ def killed_findings(
     findings = []
     for rank, s in sorted(killed.items()):
         cause = _SIGNAL_CAUSE.get(s.signal or "", f"signal {s.signal}")
+        torn = s.phase == Phase.TORN_DOWN.value and s.signal in ("SIGABRT", "SIGSEGV")
+        if torn:
+            cause = (
+                "native code failed after the script had destroyed its process group, with no collective left to "
+                "break: in the teardown, not in training (torch's gloo can abort a process there: terminate called "
+                "without an active exception)"
+            )
         place = fault_place(s)
         exact = (
             ""
@@ -197,7 +205,11 @@ def killed_findings(
                 ranks=[rank],
                 steps=[max(s.step, 0)],
                 fix=(
-                    "run the same script without ddp-doctor to confirm; a segfault in DDP's constructor is known with "
+                    "the steps before destroy_process_group() are not affected; check that what the script does "
+                    "after it (a final save, an upload) completed, and run the same script without ddp-doctor to see "
+                    "the native error."
+                    if torn
+                    else "run the same script without ddp-doctor to confirm; a segfault in DDP's constructor is known with "
                     "TORCH_DISTRIBUTED_DEBUG=DETAIL on some torch builds: unset it."
                     if s.signal == "SIGSEGV"
                     else f"see the {mismatch.code} finding."

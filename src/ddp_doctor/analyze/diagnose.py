@@ -30,6 +30,7 @@ from ddp_doctor.analyze.snippets import with_code
 from ddp_doctor.core.codes import SEVERITIES, Code
 from ddp_doctor.core.findings import Diagnosis, Recommendation, Timing
 from ddp_doctor.core.following import Following, FollowSummary
+from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 from ddp_doctor.core.sharded_run import ShardedRun
@@ -120,7 +121,13 @@ def diagnose_after_steps(
         seconds=0.0,
         loaders=[],
         note="The observed steps were diagnosed (the findings after the first); the run then failed "
-        + ("while it trained on under watch: " if watched else "while check followed it to its epoch end: ")
+        + (
+            "after the script had destroyed its process group on every rank: "
+            if states and all(s.phase == Phase.TORN_DOWN.value for s in states.values())
+            else "while it trained on under watch: "
+            if watched
+            else "while check followed it to its epoch end: "
+        )
         + cause
         + ".",
     )
@@ -164,6 +171,7 @@ def diagnose_following(
     followed: bool,
     parallelism: str = "ddp",
     world: int = 0,
+    stopped: bool = True,
     watched: bool = False,
 ) -> Diagnosis:
     """The observed steps' diagnosis with what following the script through its epoch ends found
@@ -179,6 +187,8 @@ def diagnose_following(
         followed: following was on (else only the counted passes' findings count).
         parallelism: the model's (`fsdp2`, `replicate`: the training loaders are compared here, not in the steps).
         world: the ranks of the model's group.
+        stopped: the records were exchanged at the end of the observed steps (not at the script's own end, a
+            crash or a destroyed process group before them: then nothing after them went unseen).
         watched: the job trains on after the observed steps under `watch` (what went unchecked says so).
     """
     section = following_section(summary, epochs=epochs, limit=limit) if followed else None
@@ -203,7 +213,13 @@ def diagnose_following(
         following=section,
         unchecked=[
             *steps.unchecked,
-            *unchecked(summary, epochs=epochs, limit=limit, steps=steps.steps_observed, watched=watched),
+            *unchecked(
+                summary,
+                epochs=epochs if stopped else None,
+                limit=limit,
+                steps=steps.steps_observed,
+                watched=watched and stopped,
+            ),
         ],
         files_written=files[0] if files else steps.files_written,
         files_unlisted=files[1] if files else steps.files_unlisted,

@@ -15,6 +15,7 @@ from ddp_doctor.analyze.sharded_saves import state_dict_alone
 from ddp_doctor.analyze.timeouts import timed_out_waiting
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, lines_of
+from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import PHASES, Outcome
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
@@ -79,6 +80,8 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
     if exited and not causes:
         steps_by_rank = {r: max(s.step, 0) for r, s in states.items()}
         for rank, s in sorted(exited.items()):
+            if s.phase == Phase.TORN_DOWN.value:
+                continue  # it ended after destroying its process group: no collective is left to wait in for it
             still = [r for r in ranks if r not in exited and (states[r].outcome is not Outcome.REPORTED)]
             if not still and len({steps_by_rank[r] for r in exited}) == 1:
                 continue  # every rank ended at the same step: the script is just short

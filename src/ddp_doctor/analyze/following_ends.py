@@ -80,10 +80,11 @@ def following_findings(
 
 
 def unchecked(
-    summary: FollowSummary | None, *, epochs: int, limit: int, steps: int, watched: bool = False
+    summary: FollowSummary | None, *, epochs: int | None, limit: int, steps: int, watched: bool = False
 ) -> list[str]:
     """What the check did not run or could not see, in sentences: the epoch end with `--follow-epochs 0` (`watched`:
-    the rest of the job), and the loaders without len() whose passes the check capped."""
+    the rest of the job; `epochs` None: the script was not stopped after its observed steps, it ended or failed
+    before them), and the loaders without len() whose passes the check capped."""
     out = []
     if watched:
         out.append(
@@ -92,7 +93,7 @@ def unchecked(
             "steps: the gradients, buffers, inputs, optimizer settings and the epoch ends (evaluation, checkpoint "
             "saves, the collectives there) of the later steps were not compared."
         )
-    elif epochs == 0:
+    elif epochs == 0:  # (None: nothing came after the observed steps)
         out.append(
             f"--follow-epochs 0: the script was stopped right after its {steps} observed step(s); its epoch end "
             "(evaluation, checkpoint saves, the collectives there) and every later epoch went unchecked, and a "

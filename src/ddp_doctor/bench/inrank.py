@@ -159,6 +159,14 @@ class InRankBench:
         """`RunPolicy.script_returned`: never called (bench does not run the whole job)."""
         return None
 
+    def runs_on(self, reason: str, exit_code: int | None, doctors: list[Doctor], reports: list[Report]) -> bool:
+        """`RunPolicy.runs_on`: never called (as `script_returned`)."""
+        return False
+
+    def torn_down(self, site: str | None) -> None:
+        """`RunPolicy.torn_down`: nothing to do (the rank left at the report, or bench's blocks run on)."""
+        return None
+
     def script_ended(self) -> bool:
         """`RunPolicy.script_ended`: keep what was timed, when the driver had taken over."""
         if not self.took_over:

@@ -22,6 +22,9 @@ class Phase(str, Enum):
     """`check` follows the script past its observed steps (`--follow-epochs`); not a phase of a step."""
     WATCHED = "after the observed steps, training on under watch"
     """`watch` lets the script run to its end after the observed steps; not a phase of a step."""
+    TORN_DOWN = "after the script destroyed its process group"
+    """`watch` only: the script called `destroy_process_group()` and runs on without collectives (a final save, an
+    upload, the interpreter's exit); a rank that fails here failed in the teardown, not in training."""
 
     def __str__(self) -> str:
         return self.value

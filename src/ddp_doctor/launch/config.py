@@ -12,7 +12,17 @@ from typing import Any
 
 from ddp_doctor.core import CHECK_ENV_VAR
 
-__all__ = ["CLI_PID_VAR", "ENV_VAR", "LAUNCHER_PID_VAR", "RUN_MARKER_VAR", "RankConfig", "die_with_parent"]
+__all__ = [
+    "CLI_PID_VAR",
+    "DESTROYED",
+    "ENV_VAR",
+    "LAUNCHER_PID_VAR",
+    "RUN_MARKER_VAR",
+    "SCRIPT_ENDED",
+    "RankConfig",
+    "die_with_parent",
+    "steps_reason",
+]
 
 ENV_VAR = CHECK_ENV_VAR
 RUN_MARKER_VAR = "DDP_DOCTOR_RUN"
@@ -21,6 +31,18 @@ supervisor finds them by scanning /proc for it, from the first millisecond, with
 CLI_PID_VAR = "DDP_DOCTOR_CLI_PID"
 LAUNCHER_PID_VAR = "DDP_DOCTOR_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
+
+# Why the ranks wrote their report (`reason` in report.json): `watch` reads what the script does next from it.
+DESTROYED = "the script destroyed its process group"
+"""Before its observed steps were done: the report is made while the group exists (under `watch` the script goes
+on past it, without collectives)."""
+SCRIPT_ENDED = "the script ended"
+"""Before its observed steps were done, on every rank (it returned, or called `sys.exit(0)`)."""
+
+
+def steps_reason(steps: int) -> str:
+    """The observed steps were all seen (under `check` the script is stopped there; under `watch` it trains on)."""
+    return f"{steps} steps observed"
 
 
 def die_with_parent() -> None:

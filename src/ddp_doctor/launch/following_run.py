@@ -20,7 +20,7 @@ from ddp_doctor.core.following import FollowSummary
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.following_rounds import exchange_follow
 from ddp_doctor.exchange.primitives import comm_device, minmax
-from ddp_doctor.launch.config import RankConfig
+from ddp_doctor.launch.config import RankConfig, steps_reason
 from ddp_doctor.observation import dataloaders
 from ddp_doctor.observation.following_watch import FollowWatch
 from ddp_doctor.report.model import Report
@@ -69,6 +69,8 @@ class EpochFollowing:
         self.config = config
         self.watch = FollowWatch()
         self.active = False
+        self.stopped_by = ""
+        """Why the rank's records were last exchanged (`launch/config.py`'s reasons, or following's own)."""
 
     @property
     def enabled(self) -> bool:
@@ -103,6 +105,7 @@ class EpochFollowing:
     ) -> FollowSummary | None:
         """Stop following and reduce what it saw over every rank. Collective. Also with following off: the loaders'
         counted passes and the files written are reported all the same."""
+        self.stopped_by = reason
         record = self.watch.stop(reason, timeout_s=group_timeout())
         for doctor in doctors:
             doctor.stop_listening()
@@ -127,6 +130,7 @@ class EpochFollowing:
             followed=self.enabled,
             parallelism=report.facts.parallelism,
             world=report.facts.world_size,
+            stopped=self.stopped_by == steps_reason(self.config.steps),
             watched=self.config.whole_run,
         )
         return Report.build(report.facts, diagnosis)

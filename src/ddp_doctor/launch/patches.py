@@ -28,6 +28,7 @@ from ddp_doctor.core.rankfiles import WrapShapes, write_wrap
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.doctor.plain_watch import PlainOptimizerWatch
 from ddp_doctor.doctor.sharded_report import IGNORED_ATTR, SHARD_CALL_ATTR, SYNC_OFF_ATTR, record_creation_site
+from ddp_doctor.launch.config import DESTROYED
 from ddp_doctor.launch.import_hooks import when_imported
 from ddp_doctor.launch.inflight import BUILT_AT
 from ddp_doctor.launch.policy import RunPolicy
@@ -125,9 +126,10 @@ def patch_destroy_process_group(session: PatchedRun) -> None:
         group = args[0] if args else kwargs.get("group")
         if group is None or group is dist.group.WORLD:
             if session.doctors and not session.finishing:
-                session.finish("the script destroyed its process group")
+                session.finish(DESTROYED)
             if session.plain.steps and not session.doctors and not session.finishing:
-                session.finish_unwrapped("the script destroyed its process group")
+                session.finish_unwrapped(DESTROYED)
+            session.policy.torn_down(user_site())  # under `watch` the script runs on, without collectives
         return original_destroy(*args, **kwargs)
 
     dist.destroy_process_group = destroy_process_group

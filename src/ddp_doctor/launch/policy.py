@@ -48,6 +48,16 @@ class RunPolicy(Protocol):
         the rank the way the script would (it raises `SystemExit`)."""
         ...
 
+    def runs_on(self, reason: str, exit_code: int | None, doctors: list[Doctor], reports: list[Report]) -> bool:
+        """`whole_run` only: the report is written at `reason` (`launch/config.py`); True: the rank does not leave
+        now (the script runs on, or it ends the way it ends, in `Session.on_exit`)."""
+        ...
+
+    def torn_down(self, site: str | None) -> None:
+        """The script destroyed its default process group at `site` (under `whole_run` it runs on, without
+        collectives; elsewhere the rank has left before)."""
+        ...
+
 
 class CheckPolicy:
     """`ddp-doctor check`: nothing after the report; the rank leaves."""
@@ -64,4 +74,10 @@ class CheckPolicy:
         return False
 
     def script_returned(self, exc: SystemExit | None, code: int) -> None:
+        return None
+
+    def runs_on(self, reason: str, exit_code: int | None, doctors: list[Doctor], reports: list[Report]) -> bool:
+        return False
+
+    def torn_down(self, site: str | None) -> None:
         return None

@@ -38,7 +38,7 @@ from ddp_doctor.core.rankfiles import Outcome
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.doctor.plain_watch import PlainOptimizerWatch
 from ddp_doctor.exchange.runner import arrive
-from ddp_doctor.launch.config import RankConfig
+from ddp_doctor.launch.config import SCRIPT_ENDED, RankConfig, steps_reason
 from ddp_doctor.launch.following_run import CAPPED_NEXT, EpochFollowing, ended_by_our_cap
 from ddp_doctor.launch.inflight import CollectiveRecorder
 from ddp_doctor.launch.patches import (
@@ -92,10 +92,14 @@ class Session:
         """DDP's constructor's signature (the patched constructor binds the script's arguments with it)."""
         self.watching = False
         """The report is written and the script trains on under `watch` (`watch_rank.py`)."""
+        self.teardown = False
+        """Under `watch`: the script destroyed its process group and runs on to its end (`WatchPolicy.torn_down`)."""
         self.follow = EpochFollowing(config)
         """Follows the script through its epoch ends after the observed steps (`--follow-epochs`)."""
 
         def beyond() -> Phase | None:  # the phase past the observed steps, if the script runs on
+            if self.teardown:
+                return Phase.TORN_DOWN
             return Phase.FOLLOWING if self.follow.active else Phase.WATCHED if self.watching else None
 
         self.out = Publisher(
@@ -219,8 +223,8 @@ class Session:
             self._internal_error(exc)
             return
         self._finishing = True
-        if self.policy.whole_run and reason == self.steps_reason and self.policy.reported(self.doctors, []):
-            return  # `watch`: the script trains on, and its end is the rank's (no end record until then)
+        if self.policy.whole_run and self.policy.runs_on(reason, None, self.doctors, []):
+            return  # `watch`: the script runs on, and its end is the rank's (no end record until then)
         self.out.end(Outcome.REPORTED, reason=reason)
         self.leave()
 
@@ -234,7 +238,7 @@ class Session:
 
     @property
     def steps_reason(self) -> str:
-        return f"{self.config.steps} steps observed"
+        return steps_reason(self.config.steps)
 
     def _on_doctor_done(self, _doctor: Doctor) -> None:
         if all(d.finished for d in self.doctors):
@@ -258,7 +262,7 @@ class Session:
             site = user_frame(traceback.extract_tb(exc.__traceback__)) or "sys.exit"
         step = max((d.steps_observed for d in self.doctors), default=-1)
         if not self.doctors and self.plain.steps and not self._finishing and code == 0:
-            self.finish_unwrapped("the script ended")
+            self.finish_unwrapped(SCRIPT_ENDED)
         self.out.end(Outcome.EXITED, status=code, site=site, step=step, phase=str(self.out.progress().phase))
         if (
             self.doctors
@@ -269,10 +273,12 @@ class Session:
             # the script's end, after whatever they run alone (capped), so they are waited for longer.
             wait = max(0.5, min(self.config.crash_wait_s * (6 if self.follow.active else 1), self.remaining()))
             self.finish(
-                "the script ended" if exc is None else f"rank {self.rank} exited with status {code}",
+                SCRIPT_ENDED if code == 0 else f"rank {self.rank} exited with status {code}",
                 timeout=wait,
                 exit_code=code,
             )
+        if self._finishing and self.policy.whole_run:
+            self.policy.script_returned(exc, code)  # `watch`: its atexit handlers run, as without the doctor
         self._exit(code)
 
     def on_crash(self, exc: BaseException) -> None:
@@ -328,11 +334,10 @@ class Session:
         if reports is None:
             return
         self.out.reports(reports, reason, "report.json")
-        goes_on = not exit_code and reason == self.steps_reason
-        if goes_on and self.policy.whole_run and self.policy.reported(self.doctors, reports):
-            return  # `watch`: the script trains on, and its end is the rank's (no end record until then)
+        if self.policy.whole_run and self.policy.runs_on(reason, exit_code, self.doctors, reports):
+            return  # `watch`: the script runs on, and its end is the rank's (no end record until then)
         self.out.end(Outcome.REPORTED, reason=reason)
-        if goes_on and self.policy.reported(self.doctors, reports):
+        if not exit_code and reason == self.steps_reason and self.policy.reported(self.doctors, reports):
             return  # the policy goes on in this process, and leaves when it is done
         self.leave()
 

@@ -23,6 +23,7 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 from ddp_doctor.core.frames import user_frame
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import Outcome
+from ddp_doctor.launch.config import DESTROYED, SCRIPT_ENDED
 from ddp_doctor.launch.following_run import group_timeout
 from ddp_doctor.launch.watch_replicas import ReplicaPoints
 from ddp_doctor.launch.watch_run import STACKS_SIGNAL, dump_request_path, stacks_path
@@ -82,6 +83,21 @@ class WatchPolicy:
 
     def script_ended(self) -> bool:
         return False
+
+    def runs_on(self, reason: str, exit_code: int | None, doctors: list[Doctor], reports: list[Report]) -> bool:
+        """The script runs on past its observed steps and past a process group it destroyed before them (a short
+        job's final save, upload, atexit handlers): the policy takes over. A script that ended before them leaves
+        the way it ends (`Session.on_exit`), not from inside the doctor."""
+        if reason == SCRIPT_ENDED:
+            return True
+        runs = reason in (self.session.steps_reason, DESTROYED)
+        return not exit_code and runs and self.reported(doctors, reports)
+
+    def torn_down(self, site: str | None) -> None:
+        """Past `destroy_process_group()` no collective is left: the beacon says so, and a rank that fails from
+        here on (gloo aborting at teardown, a final save) failed after its training, not in it."""
+        self.session.teardown = True
+        self.session.beacon.update(phase=Phase.TORN_DOWN.value, site=site)
 
     def script_returned(self, exc: SystemExit | None, code: int) -> None:
         """Past the report, the script returned or called `sys.exit`: record its end (status, line, the watched step),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import write_json
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.launch.watch_run import HangVerdict, WatchLoop, beacons
@@ -43,7 +44,7 @@ def watch(
     hang_after: float | None,
     on_hang: str,
     fresh: bool,
-    reported: Callable[[Any], None],
+    reported: Callable[[Any, bool], None],
     hung: Callable[[HangVerdict], None],
     resumed: Callable[[float], None],
     diverged: Callable[[Any], None],
@@ -52,12 +53,13 @@ def watch(
 ) -> WatchResult:
     """Run the whole job (torchrun's parsed `namespace`) with its ranks' records in `run_dir`.
 
-    `reported` gets the first steps' `CheckResult` as soon as the ranks wrote it; `hung` each hang's verdict;
+    `reported` gets the first steps' `CheckResult` as soon as the ranks wrote it, and whether the script runs on
+    after it (False: it ended before its `steps` steps, on every rank); `hung` each hang's verdict;
     `resumed` the seconds the ranks stood still, when they move again after a verdict; `diverged` the first step at
     which the ranks' parameters differ (`watch_replicas.ReplicaDivergence`); `window` each change in a window of
     steps (`watch_windows.WindowEvent`).
     """
-    from ddp_doctor.launch.config import RankConfig
+    from ddp_doctor.launch.config import DESTROYED, SCRIPT_ENDED, RankConfig, steps_reason
     from ddp_doctor.launch.outcome import collect
     from ddp_doctor.launch.supervise import run_check
     from ddp_doctor.launch.warm import FRESH_VAR
@@ -69,13 +71,15 @@ def watch(
             reason = json.loads((folder / "report.json").read_text()).get("reason")
         except (OSError, ValueError):
             reason = None
-        if reason != f"{steps} steps observed":
-            return  # the job ended (a crash, the script's end) before its first steps were all observed
+        runs_on = reason in (steps_reason(steps), DESTROYED)
+        if not runs_on and reason != SCRIPT_ENDED:
+            return  # a rank crashed or exited with a status before the first steps were all observed: a failure
         result = collect(folder, timed_out=False, torchrun_rc=None)
         first.append(result)
-        # From here on the joint report is the first steps' own: a later failure is read against it.
-        os.replace(folder / "report.json", folder / "report.steps.json")
-        reported(result)
+        if runs_on:
+            # From here on the joint report is the first steps' own: a later failure is read against it.
+            os.replace(folder / "report.json", folder / "report.steps.json")
+        reported(result, runs_on)
 
     from ddp_doctor.launch.watch_nodes import NodeShare
 
@@ -138,6 +142,12 @@ def watch(
             False,
         )
         result = first[0]
+    elif first and states and all(s.phase == Phase.TORN_DOWN.value for s in states.values()):
+        summary, failed = (
+            f"the job failed after {stepped} optimizer steps, once its script had destroyed the process group on "
+            "every rank (in the teardown, not in training)",
+            True,
+        )
     elif first:
         summary, failed = "the job failed after the first steps", True
     elif rc == 0:
