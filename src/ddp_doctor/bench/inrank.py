@@ -49,6 +49,7 @@ from ddp_doctor.core.rankfiles import write_json
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.oddranks import pick
 from ddp_doctor.exchange.primitives import comm_device
+from ddp_doctor.launch.policy import StopsAtReport
 from ddp_doctor.report.model import Report
 
 __all__ = ["BenchHost", "InRankBench"]
@@ -72,10 +73,8 @@ class BenchHost(Protocol):
     def on_phase(self, doctor: Doctor) -> None: ...
 
 
-class InRankBench:
-    """The per-rank bench driver. See the module docstring."""
-
-    whole_run = False
+class InRankBench(StopsAtReport):
+    """The per-rank bench driver. See the module docstring. Its run is not the whole job (`StopsAtReport`)."""
 
     def __init__(self, host: BenchHost, plan: BenchPlan) -> None:
         self.host, self.plan = host, plan
@@ -154,18 +153,6 @@ class InRankBench:
         """`RunPolicy.reported`: take over (always)."""
         self.take_over(doctors, reports)
         return True
-
-    def script_returned(self, exc: SystemExit | None, code: int) -> None:
-        """`RunPolicy.script_returned`: never called (bench does not run the whole job)."""
-        return None
-
-    def runs_on(self, reason: str, exit_code: int | None, doctors: list[Doctor], reports: list[Report]) -> bool:
-        """`RunPolicy.runs_on`: never called (as `script_returned`)."""
-        return False
-
-    def torn_down(self, site: str | None) -> None:
-        """`RunPolicy.torn_down`: nothing to do (the rank left at the report, or bench's blocks run on)."""
-        return None
 
     def script_ended(self) -> bool:
         """`RunPolicy.script_ended`: keep what was timed, when the driver had taken over."""

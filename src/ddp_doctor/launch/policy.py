@@ -17,7 +17,7 @@ from ddp_doctor.doctor import Doctor
 if TYPE_CHECKING:
     from ddp_doctor.report.model import Report
 
-__all__ = ["CheckPolicy", "RunPolicy"]
+__all__ = ["CheckPolicy", "RunPolicy", "StopsAtReport"]
 
 
 class RunPolicy(Protocol):
@@ -59,19 +59,10 @@ class RunPolicy(Protocol):
         ...
 
 
-class CheckPolicy:
-    """`ddp-doctor check`: nothing after the report; the rank leaves."""
+class StopsAtReport:
+    """The hooks of a policy that does not run the whole job (`whole_run` False): never called, or nothing to do."""
 
     whole_run = False
-
-    def wrapped(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
-        return None
-
-    def reported(self, doctors: list[Doctor], reports: list[Report]) -> bool:
-        return False
-
-    def script_ended(self) -> bool:
-        return False
 
     def script_returned(self, exc: SystemExit | None, code: int) -> None:
         return None
@@ -81,3 +72,16 @@ class CheckPolicy:
 
     def torn_down(self, site: str | None) -> None:
         return None
+
+
+class CheckPolicy(StopsAtReport):
+    """`ddp-doctor check`: nothing after the report; the rank leaves."""
+
+    def wrapped(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
+        return None
+
+    def reported(self, doctors: list[Doctor], reports: list[Report]) -> bool:
+        return False
+
+    def script_ended(self) -> bool:
+        return False
