@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "651edfabc8d0c481",
-    "odd-70": "254ac5562f4ea7d3",
-    "infos-differ-3": "c410ff2035b537eb",
-    "edited-2": "58635e644d9dea3d",
-    "inferred-2": "60d3bbc4675db9eb",
-    "clean-1": "04065a2bed1cfad4",
+    "seeded-6": "e40e379a96d7a83f",
+    "odd-70": "afed04bc50ca40ce",
+    "infos-differ-3": "37382481ac84ed0d",
+    "edited-2": "eec4f18728bdf005",
+    "inferred-2": "eddb4effac3ac78e",
+    "clean-1": "ec0108c0df5fdf02",
 }
 
 

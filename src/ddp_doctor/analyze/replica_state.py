@@ -12,10 +12,10 @@ from ddp_doctor.analyze.common import all_ranks, steps_of, with_evidence, with_f
 from ddp_doctor.analyze.links import UNSYNCED
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.snippets import freeze_point
-from ddp_doctor.analyze.tree_state import differing
+from ddp_doctor.analyze.tree_state import differing, param_entry
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, Measure, ParamRef
+from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
 
 __all__ = ["buffer_divergence", "buffers_apart", "modes_apart", "modes_differ", "replica_divergence", "replicas_parted"]
 
@@ -217,25 +217,71 @@ def replicas_parted(
 
 @detects(Code.BUFFER_DIVERGENCE)
 def buffer_divergence(v: View) -> list[Finding]:
-    if v.world < 2 or not v.steps or not v.info.buffer_names:
-        return []
-    seen = v.summary.buffer_seen  # [S, B]: every rank recorded it
-    differ = v.summary.buffer_differs & seen
-    if not differ.any():
+    """Buffers that differ across ranks at a forward: those DDP was built with (`buffer_fp`, each step), and those
+    registered after it under `broadcast_buffers=False` (the module tree's walk, `late_apart`).
+
+    Ground truth (tests/sync/test_check_rank_buffers.py): a buffer drawn from each rank's seed, before or after the
+    wrap, with broadcast_buffers=False: exit 0, weights equal, and the ranks' outputs on one input apart."""
+    if v.world < 2 or not v.steps:
         return []
     broadcast = bool(v.info.ddp_config.get("broadcast_buffers", True))
-    return [
-        buffers_apart(
-            buffers=v.buffers(differ.any(0)),
-            ranks=all_ranks(v),
-            steps=steps_of(differ.any(1)),
-            changing=True,
-            parallelism="ddp",
-            fix_ddp=with_flags(v, broadcast_buffers=True) + " (the default), or convert BatchNorm with "
-            f"torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) {freeze_point(v.info.framework)}.",
-            broadcast=broadcast,
+    found = []
+    differ = v.summary.buffer_differs & v.summary.buffer_seen  # [S, B]: every rank recorded it, and they differ
+    changing = set(v.meta(0).get("buffers_changing") or [])
+    apart = differ.any(0) if v.info.buffer_names else differ.new_zeros(0, dtype=bool)
+    moving = apart & differ.new_tensor([i in changing for i in range(len(apart))], dtype=bool)
+    made = apart & ~moving
+    fix_made = (
+        with_flags(v, broadcast_buffers=True) + " (the default: rank 0's buffers are then broadcast before every "
+        "forward), or make the buffers equal on every rank (the same seed or values everywhere) before training."
+    )
+    for mask, running in ((made, False), (moving, True)):
+        if mask.any():
+            found.append(
+                buffers_apart(
+                    buffers=v.buffers(mask),
+                    ranks=all_ranks(v),
+                    steps=steps_of(differ[:, mask].any(1)),
+                    changing=running,
+                    parallelism="ddp",
+                    fix_ddp=fix_made
+                    if not running
+                    else with_flags(v, broadcast_buffers=True) + " (the default), or convert BatchNorm with "
+                    f"torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) {freeze_point(v.info.framework)}.",
+                    broadcast=broadcast,
+                )
+            )
+    late = late_apart(v)
+    if late:
+        entries, running = late
+        found.append(
+            buffers_apart(
+                buffers=[param_entry(e) for e in entries],
+                ranks=sorted({0, *v.ranks("state-differs").ranks}),
+                steps=[v.summary.state_step],
+                changing=running,
+                parallelism="ddp",
+                fix_ddp=fix_made,
+                broadcast=broadcast,
+                late=True,
+                registered_at=sorted({e["site"] for e in entries if e.get("site")}),
+            )
         )
-    ]
+    return found
+
+
+def late_apart(v: View) -> tuple[list[dict[str, Any]], bool] | None:
+    """The buffers registered after DDP was built (broadcast_buffers=False) whose values differ between rank 0 and
+    the example ranks whose module tree differs from its, and whether any of them changed between two steps."""
+    mine = {e["name"]: e for e in v.meta(0).get("late_buffers") or []}
+    odd = v.ranks("state-differs").ranks
+    if not mine or not odd or v.summary.state_step is None:
+        return None
+    theirs = [{e["name"]: e for e in v.meta(r).get("late_buffers") or []} for r in odd]
+    apart = [e for n, e in mine.items() if any(n not in t or t[n]["fp"] != e["fp"] for t in theirs)]
+    if not apart:
+        return None
+    return apart, any(e["changing"] or any(t.get(e["name"], {}).get("changing") for t in theirs) for e in apart)
 
 
 def buffers_apart(
@@ -247,6 +293,8 @@ def buffers_apart(
     parallelism: str,
     fix_ddp: str = "",
     broadcast: bool = True,
+    late: bool = False,
+    registered_at: list[str] = (),
 ) -> Finding:
     """`buffer-divergence`, for every parallelism: `buffers` differ across `ranks` at `steps`.
 
@@ -254,18 +302,48 @@ def buffers_apart(
     batches): a ``warning``, training stays correct while evaluation and the saved buffers depend on the rank.
     Otherwise they were made different and never changed (a per-rank seed, memory left uninitialised after
     `to_empty()`): an ``error``, each rank computes a different function of the same weights. DDP broadcasts rank 0's
-    buffers at construction and, with broadcast_buffers=True, before every forward (`fix_ddp` is then the fix in the
-    script's framework's words); FSDP2's `fully_shard` and `replicate` take parameters only and never touch buffers.
+    buffers at construction and before every forward, or never with broadcast_buffers=False (`fix_ddp` is then the
+    fix in the script's framework's words); FSDP2's `fully_shard` and `replicate` take parameters only and never
+    touch buffers. `late`: a DDP model's buffers registered after it was built (`registered_at`: their lines).
     """
     n = len(buffers)
+    after = (
+        " They were registered after DDP was built"
+        + (f", at {', '.join(registered_at[:3])}." if registered_at else ".")
+        if late
+        else ""
+    )
+    if parallelism == "ddp" and not changing:
+        return Finding(
+            code=Code.BUFFER_DIVERGENCE,
+            severity="error",
+            title=f"{_count(n, 'buffer')} {'differs' if n == 1 else 'differ'} across ranks and never changed in training",
+            detail=(
+                "DDP was built with broadcast_buffers=False, so it never broadcasts rank 0's buffers, not even at "
+                "construction. "
+                if not broadcast
+                else "DDP broadcasts rank 0's buffers before each forward, yet these differed at the forward. "
+            )
+            + f"These were made different (a per-rank seed when they were drawn, or a value assigned on each rank) "
+            f"and rank 0's copy did not change through the {len(steps)} observed step(s) where they differ: each rank "
+            "computes a different function of the same synced weights, and the gradients averaged across ranks "
+            "come from different models. DDP raises nothing." + after,
+            sites=lines_of(*registered_at),
+            params=buffers,
+            ranks=ranks,
+            steps=steps,
+            fix=fix_ddp,
+        )
     if parallelism == "ddp":
         return Finding(
             code=Code.BUFFER_DIVERGENCE,
             severity="warning",
-            title=f"{_count(n, 'buffer')} differ across ranks during training",
+            title=f"{_count(n, 'buffer')} {'differs' if n == 1 else 'differ'} across ranks during training",
             detail="Buffers such as BatchNorm running statistics differ between ranks when the forward pass runs"
             + (" because DDP was built with broadcast_buffers=False" if not broadcast else "")
-            + ". Evaluation then differs by rank, and only rank 0's are saved.",
+            + ". Evaluation then differs by rank, and only rank 0's are saved."
+            + after,
+            sites=lines_of(*registered_at),
             params=buffers,
             ranks=ranks,
             steps=steps,

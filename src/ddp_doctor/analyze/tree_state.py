@@ -12,7 +12,7 @@ from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
 
-__all__ = ["differing", "optimizer_holds_replaced", "stale_optimizer", "unregistered_parameters"]
+__all__ = ["differing", "optimizer_holds_replaced", "param_entry", "stale_optimizer", "unregistered_parameters"]
 
 
 def _modes(entry: dict[str, Any] | None) -> tuple[bool, int, tuple[str, ...]] | None:
@@ -34,7 +34,8 @@ def differing(v: View) -> tuple[list[int], bool, bool]:
     return odd, modes, others
 
 
-def _param(entry: dict[str, Any]) -> ParamRef:
+def param_entry(entry: dict[str, Any]) -> ParamRef:
+    """A `ParamRef` of a logged tensor's `name` and `shape`."""
     shape = tuple(entry["shape"])
     numel = 1
     for d in shape:
@@ -53,7 +54,7 @@ def unregistered_parameters(v: View) -> list[Finding]:
         return recast + _retied(v)
     holders = v.ranks("unregistered")
     entries = next((v.meta(r).get("unregistered") for r in [0, *holders.ranks] if v.meta(r).get("unregistered")), [])
-    params = [_param(e) for e in entries]
+    params = [param_entry(e) for e in entries]
     names = ", ".join(p.name for p in params[:6]) + (f" (+{len(params) - 6} more)" if len(params) > 6 else "")
     sites = sorted({e["site"] for e in entries if e.get("site")})
     _, _, values_differ = differing(v)

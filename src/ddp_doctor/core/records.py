@@ -235,6 +235,9 @@ class RankRecord:
     """Parameters DDP registered whose dtype or device changed after it was built: `name`, `was`, `now`, `site`
     (`observation.tree_scan.StateScan.recast`); `recast_count` of them in all."""
     recast_count: int = 0
+    late_buffers: list[dict[str, Any]] = field(default_factory=list)
+    """With broadcast_buffers=False, the buffers registered under a new name after DDP was built: `name`, `shape`,
+    `fp`, `changing`, `site` (`observation.tree_scan.StateScan.late_buffers`)."""
     optimizer_stale: int = 0
     """Tensors the observed optimizer steps that the model no longer holds, at the last step."""
     modules: int = 0
@@ -347,6 +350,7 @@ class RankRecord:
             "retied": self.retied,
             "recast": self.recast,
             "recast_count": self.recast_count,
+            "late_buffers": self.late_buffers,
             "optimizer_stale": self.optimizer_stale,
             "modules": self.modules,
             "nonfinite_params": self.nonfinite_params,

@@ -139,7 +139,14 @@ class Doctor:
         self._crash = CrashLog()
         self._log = StepLog(t.params, t.buffers)
         self._log.device = DeviceClock.for_devices({p.device for p in t.params})
-        self._log.state = StateScan(t.module, t.registered, t.params, lambda: t.optimizer)
+        self._log.state = StateScan(
+            t.module,
+            t.registered,
+            t.params,
+            lambda: t.optimizer,
+            buffer_slots=t.buffer_slots,
+            broadcast_buffers=bool(self.info.ddp_config.get("broadcast_buffers", True)),
+        )
         self._timeline = Timeline(
             log=self._log,
             params=t.params,

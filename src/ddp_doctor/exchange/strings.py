@@ -15,7 +15,7 @@ from ddp_doctor.core.summary import Examples
 from ddp_doctor.exchange.compared import FirstSteps
 from ddp_doctor.exchange.packing import Op, Reply, from_words, to_words
 
-__all__ = ["as_of", "at_step", "example_metas", "rank_strings"]
+__all__ = ["as_of", "at_step", "changing_buffers", "example_metas", "rank_strings"]
 
 QUOTED = (
     "crashed",
@@ -108,6 +108,7 @@ def rank_strings(
             "retied": record.retied,
             "recast": record.recast,
             "recast_count": record.recast_count,
+            "late_buffers": record.late_buffers,
             "optimizer_stale": record.optimizer_stale,
             "modules": record.modules,
             "nonfinite_params": record.nonfinite_params,
@@ -116,8 +117,18 @@ def rank_strings(
             "never_updated_zero_lr": record.never_updated_zero_lr,
             "learning_rates": record.learning_rates,
             "to_empty_sites": record.to_empty_sites,
+            "buffers_changing": changing_buffers(record.buffer_fp),
         }
     ).encode()
+
+
+def changing_buffers(buffer_fp: torch.Tensor) -> list[int]:
+    """Positions of the buffers whose fingerprint changed between this rank's observed steps (`[S, B, 2]`; steps
+    without a training forward are NaN): running statistics, not values made once (at most 64)."""
+    seen = buffer_fp[~buffer_fp.isnan().any(-1).any(-1)]
+    if seen.shape[0] < 2:
+        return []
+    return (seen != seen[:1]).any(-1).any(0).nonzero().flatten().tolist()[:64]
 
 
 def example_metas(

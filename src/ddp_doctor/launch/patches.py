@@ -11,6 +11,7 @@ import functools
 import inspect
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -84,10 +85,14 @@ def patch_ddp_init(session: PatchedRun) -> None:
         if not session.finishing:
             write_wrap_shapes(session.outdir, session.rank, module)
         try:
-            original_init(*bound.args, **bound.kwargs)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                original_init(*bound.args, **bound.kwargs)
         except Exception as exc:
             _refuse_sharded(module, exc)
             raise
+        finally:
+            _warn_at_caller(caught, sys._getframe(1))
         object.__setattr__(ddp, BUILT_AT, user_site())  # names its buffer broadcasts (`inflight.py`)
         if not session.finishing:
             session.policy.wrapped(ddp, own)
@@ -95,6 +100,22 @@ def patch_ddp_init(session: PatchedRun) -> None:
         session.after_wrap(ddp, trainable, init_sync=bool(bound.arguments.get("init_sync", True)))
 
     DistributedDataParallel.__init__ = __init__
+
+
+def _warn_at_caller(caught: list[warnings.WarningMessage], caller: FrameType) -> None:
+    """Re-issue DDP's constructor's warnings; one that torch pointed at its caller (this wrapper, `stacklevel=2`:
+    *`broadcast_buffers` is deprecated*) points at the script's line that built DDP, as without the doctor."""
+    here = __file__.removesuffix("c")
+    for w in caught:
+        ours = w.filename.removesuffix("c") == here
+        warnings.warn_explicit(
+            w.message,
+            w.category,
+            caller.f_code.co_filename if ours else w.filename,
+            caller.f_lineno if ours else w.lineno,
+            module=caller.f_globals.get("__name__") if ours else None,
+            registry=caller.f_globals.setdefault("__warningregistry__", {}) if ours else None,
+        )
 
 
 def _refuse_sharded(module: torch.nn.Module, exc: Exception) -> None:

@@ -178,7 +178,7 @@ class ForwardHooks:
         step = tl.state
         if step.buffer_fp is None:
             # DDP broadcasts rank 0's buffers inside its forward, before this hook: what we see is what trains.
-            step.buffer_fp = fingerprints(self._t.buffers)
+            step.buffer_fp = fingerprints(self._t.current_buffers())
         inputs = [t for t in tensors_in((args, kwargs)) if not t.is_complex()]
         if inputs:
             step.input_fp += fingerprints(inputs).nan_to_num(0.0).sum(0)

@@ -367,6 +367,7 @@ class StepLog:
             record.retied = list(self.state.retied)
             record.recast = list(self.state.recast)
             record.recast_count = self.state.recast_count
+            record.late_buffers = list(self.state.late_buffers)
             record.optimizer_stale = self.state.stale
             record.modules = self.state.modules
             record.learning_rates = list(self.state.learning_rates)

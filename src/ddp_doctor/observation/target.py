@@ -24,6 +24,9 @@ class Target:
     names: list[str] = field(init=False)
     params: list[torch.nn.Parameter] = field(init=False)
     buffers: list[torch.Tensor] = field(init=False)
+    """The buffers DDP was built with, in `named_buffers()` order."""
+    buffer_slots: list[tuple[torch.nn.Module, str]] = field(init=False)
+    """Per buffer: the module that holds it and its name there (`current_buffers`)."""
     index: dict[int, int] = field(init=False)
     """`id(parameter)` -> its position."""
     owned: dict[int, list[int]] = field(init=False)
@@ -43,7 +46,13 @@ class Target:
         named = list(self.module.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.buffers = [b for _, b in self.module.named_buffers()]
+        self.buffers, self.buffer_slots, seen = [], [], set()
+        for m in self.module.modules():  # named_buffers()'s order: modules, then each one's own, each tensor once
+            for name, b in m._buffers.items():
+                if b is not None and id(b) not in seen:
+                    seen.add(id(b))
+                    self.buffers.append(b)
+                    self.buffer_slots.append((m, name))
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.submodules = {id(m) for m in self.module.modules()}
         self.batchnorm = [m for m in self.module.modules() if is_local_batchnorm(m)]
@@ -57,6 +66,14 @@ class Target:
             owned = [self.index[id(q)] for q in m.parameters(recurse=False) if id(q) in self.index]
             if owned:
                 self.owned[id(m)] = owned
+
+    def current_buffers(self) -> list[torch.Tensor]:
+        """The tensors the buffers' names hold now: a buffer reassigned after DDP was built
+        (`model.module.scale = torch.rand(8)`) is the one the forward uses, not the one DDP saw."""
+        return [
+            now if (now := m._buffers.get(name)) is not None else was
+            for (m, name), was in zip(self.buffer_slots, self.buffers)
+        ]
 
     def steps_params(self, opt: torch.optim.Optimizer) -> bool:
         """Whether `opt` updates any of the model's parameters."""

@@ -114,8 +114,16 @@ class StateScan:
         registered: list[torch.Tensor],
         positions: list[torch.Tensor],
         optimizer: Callable[[], Any] | None = None,
+        *,
+        buffer_slots: list[tuple[nn.Module, str]] = (),
+        broadcast_buffers: bool = True,
     ) -> None:
         self._module = module
+        self._slots = {(id(m), name) for m, name in buffer_slots}
+        """Where the buffers DDP was built with live (a module and a name): the others were registered after."""
+        self._late_buffers = not broadcast_buffers
+        """DDP does not broadcast buffers: one registered after it was built stays each rank's own."""
+        self._late_fp: dict[str, tuple[float, float]] = {}
         self._registered = {id(p) for p in registered}
         self._positions = list(positions)
         self._names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
@@ -147,6 +155,10 @@ class StateScan:
         `was`, `now` (dtype and device, as text), at most 8, at the last step; `site`: where the script converted the
         module after DDP was built, when seen."""
         self.recast_count = 0
+        self.late_buffers: list[dict[str, Any]] = []
+        """With broadcast_buffers=False: the buffers registered under a new name after DDP was built, at the last
+        step: `name`, `shape`, `fp` (their fingerprint: the ranks' are compared), `changing` (it changed between two
+        steps on this rank: a running statistic), `site` (where it was registered, when seen); at most 8."""
         self.stale: int = 0
         """Tensors the optimizer steps that the model no longer holds, at the last step."""
         self.modules = 0
@@ -188,6 +200,7 @@ class StateScan:
         crc = 0
         eval_modules: list[str] = []
         unknown: list[tuple[str, torch.Tensor, str]] = []
+        late: list[tuple[str, torch.Tensor, str]] = []
         where: dict[int, str] = {}
         root_training = self._module.training
         self.modules = 0
@@ -204,11 +217,19 @@ class StateScan:
                     continue
                 site = self._sites.get((id(m), pname)) or where.get(id(m), "")
                 unknown.append((f"{path}.{pname}" if path else pname, p, site))
+            if self._late_buffers:
+                late.extend(
+                    (f"{path}.{bname}" if path else bname, b, self._sites.get((id(m), bname)) or where.get(id(m), ""))
+                    for bname, b in m._buffers.items()
+                    if b is not None and (id(m), bname) not in self._slots
+                )
         trainable = [(n, p, s) for n, p, s in unknown if p.requires_grad]
         if unknown:
             fps = fingerprints([p for _, p, _ in unknown])
             for (name, p, _), fp in zip(unknown, fps.tolist()):
                 crc = zlib.crc32(f"{name}={p.requires_grad}:{fp[0]!r},{fp[1]!r};".encode(), crc)
+        if late:
+            crc = self._scan_late(late, crc)
         held = {id(p) for p in self._module.parameters()}
         self.orphaned = [i for i, p in enumerate(self._positions) if id(p) not in held]
         if self.orphaned:
@@ -231,6 +252,22 @@ class StateScan:
         if entry != self._last and len(self.log) < MAX_STATE_LOG:
             self.log.append({"step": step, **entry})
         self._last = entry
+
+    def _scan_late(self, late: list[tuple[str, torch.Tensor, str]], crc: int) -> int:
+        """Fold the buffers registered after the wrap into the digest `crc`, and remember them (`late_buffers`)."""
+        fps = fingerprints([b for _, b, _ in late]).tolist()
+        entries = []
+        for (name, b, site), fp in zip(late, fps):
+            crc = zlib.crc32(f"buffer {name}:{fp[0]!r},{fp[1]!r};".encode(), crc)
+            was = self._late_fp.get(name)
+            changing = was is not None and (was != tuple(fp) or self._late_changing(name))
+            self._late_fp[name] = tuple(fp)
+            entries.append({"name": name, "shape": list(b.shape), "fp": fp, "changing": changing, "site": site or None})
+        self.late_buffers = entries[:8]
+        return crc
+
+    def _late_changing(self, name: str) -> bool:
+        return any(e["name"] == name and e["changing"] for e in self.late_buffers)
 
     def _find_recast(self) -> None:
         changed = [

@@ -1,0 +1,78 @@
+"""A buffer that differs across ranks (a per-rank seed) in a DDP model: made before the wrap, reassigned or
+registered after it, with DDP's buffer broadcast on or off. Each rank writes OUT/rank{RANK}.json at the end: its
+model's output on a fixed input (`probe`) and the largest difference across ranks of the weights (`weights_gap`).
+
+    torchrun --nproc-per-node 2 tests/scripts/rank_buffers.py OUT --case CASE [--broadcast-buffers]
+
+cases:
+  drawn-per-rank   `scale` drawn from each rank's own seed in the model's constructor, before the wrap
+  reassigned       `model.module.scale = ...` from each rank's own seed after the wrap
+  registered       `model.module.register_buffer("shift", ...)` from each rank's own seed after the wrap
+  same-seed        `scale` drawn from one seed on every rank (clean)
+  batchnorm        a BatchNorm1d whose running statistics each rank updates from its own batches
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+class Net(nn.Module):
+    def __init__(self, seed: int, batchnorm: bool) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8) if batchnorm else nn.Identity()
+        self.head = nn.Linear(8, 4)
+        self.register_buffer("scale", torch.rand(8, generator=torch.Generator().manual_seed(seed)) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shift = getattr(self, "shift", None)
+        x = x * self.scale + (shift if shift is not None else 0.0)
+        return self.head(torch.relu(self.norm(self.body(x))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--case", required=True)
+    parser.add_argument("--broadcast-buffers", action="store_true")
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = Net(seed=rank if args.case == "drawn-per-rank" else 0, batchnorm=args.case == "batchnorm")
+    model = DistributedDataParallel(net, broadcast_buffers=args.broadcast_buffers)
+    own = torch.Generator().manual_seed(100 + rank)
+    if args.case == "reassigned":
+        model.module.scale = torch.rand(8, generator=own) + 0.5  # after the wrap, each rank its own
+    elif args.case == "registered":
+        model.module.register_buffer("shift", torch.rand(8, generator=own))  # after the wrap, each rank its own
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(args.steps):
+        loss = model(torch.randn(16, 8, generator=gen)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        model.eval()
+        probe = float(model(torch.ones(2, 8)).sum())
+        weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+        got = [torch.zeros_like(weights) for _ in range(dist.get_world_size())]
+        dist.all_gather(got, weights)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"probe": probe, "weights_gap": max(float((g - got[0]).abs().max()) for g in got)}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

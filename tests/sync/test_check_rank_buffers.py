@@ -1,0 +1,108 @@
+"""A DDP model's buffer that differs across ranks (tests/scripts/rank_buffers.py, 2 ranks, 8 steps), whether it was
+made before the wrap, reassigned after it, or registered after it.
+
+Ground truth under plain torchrun (torch 2.13.0, gloo; each rank prints its model's output on one input, `probe`):
+- drawn-per-rank (`scale` drawn from each rank's seed in the constructor), broadcast_buffers=False: exit 0, the
+  weights equal on both ranks, the probes -0.555 and -1.064. DDP built with broadcast_buffers=False skips its
+  broadcast of rank 0's buffers at construction too (torch's `_sync_module_states(..., broadcast_buffers=...)`).
+  With broadcast_buffers=True (the fix): both probes -0.560.
+- reassigned (`model.module.scale = ...` from each rank's seed after the wrap): probes -1.192 and -1.561; DDP's
+  list of buffers made at wrap time still held the old tensor, which the check compared: "No problems found".
+- registered (`register_buffer("shift", ...)` after the wrap): probes -0.397 and -0.763; "No problems found".
+- with broadcast_buffers=True the reassigned and registered buffers are broadcast before each forward: the probes
+  agree. same-seed: the probes agree. batchnorm (running statistics, broadcast_buffers=False): -0.484 and -0.495.
+Before, the first case was a warning about running statistics ("Evaluation then differs by rank"), and the other two
+said nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from checkrun import REPO, SCRIPTS, check
+
+from ddp_doctor.core.compat import HAS_FORWARD_SYNC_BUFFERS
+
+SCRIPT = str(SCRIPTS / "rank_buffers.py")
+
+
+def _check(tmp_path: Path, case: str, *flags: str):
+    return check(["--nproc-per-node", "2", SCRIPT, str(tmp_path / "out"), "--case", case, *flags], tmp_path)
+
+
+def _probes(tmp_path: Path, case: str, *flags: str) -> list[float]:
+    out = tmp_path / "plain"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            SCRIPT,
+            str(out),
+            "--case",
+            case,
+            *flags,
+        ],  # fmt: skip
+        cwd=REPO,
+        env=os.environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (out / "rank1.json").exists(), done.stderr[-3000:]  # torch 2.13's abort at exit aside
+    return [json.loads((out / f"rank{r}.json").read_text())["probe"] for r in (0, 1)]
+
+
+def test_a_buffer_drawn_per_rank_without_broadcast_is_an_error_and_the_fix_makes_the_replicas_agree(
+    tmp_path: Path,
+) -> None:
+    apart = _probes(tmp_path / "apart", "drawn-per-rank")
+    assert abs(apart[0] - apart[1]) > 0.1, apart
+    run = _check(tmp_path / "check", "drawn-per-rank")
+    found = run.finding("buffer-divergence")
+    assert found["severity"] == "error" and run.params("buffer-divergence") == {"scale"}, run.output
+    assert found["ranks"] == [0, 1] and found["steps"] == list(range(8)), found
+    assert "broadcast_buffers=True" in found["fix"], found
+    assert run.rc == 1
+    if HAS_FORWARD_SYNC_BUFFERS:  # torch's deprecation warning points at the script's line, as without the doctor
+        lines = (SCRIPTS / "rank_buffers.py").read_text().splitlines()
+        at = next(i for i, text in enumerate(lines, 1) if "DistributedDataParallel(net" in text)
+        assert f"rank_buffers.py:{at}: FutureWarning" in run.output and "patches.py" not in run.output, run.output
+    fixed = _probes(tmp_path / "fixed", "drawn-per-rank", "--broadcast-buffers")
+    assert fixed[0] == pytest.approx(fixed[1], abs=1e-6), fixed
+    assert _check(tmp_path / "check-fixed", "drawn-per-rank", "--broadcast-buffers").codes == set()
+
+
+@pytest.mark.parametrize(
+    "case, name, line", [("reassigned", "scale", None), ("registered", "shift", 'register_buffer("shift", torch.rand')]
+)
+def test_a_buffer_set_per_rank_after_the_wrap_is_an_error(tmp_path: Path, case: str, name: str, line: str) -> None:
+    run = _check(tmp_path, case)
+    found = run.finding("buffer-divergence")
+    assert found["severity"] == "error" and run.params("buffer-divergence") == {name}, run.output
+    assert found["ranks"] == [0, 1] and found["steps"][0] == 0, found
+    if line is not None:
+        lines = (SCRIPTS / "rank_buffers.py").read_text().splitlines()
+        at = f"rank_buffers.py:{next(i for i, text in enumerate(lines, 1) if line in text)}"
+        assert any(site.endswith(at) for site in found["sites"]), found
+    assert run.rc == 1
+
+
+@pytest.mark.parametrize("case, flags", [("same-seed", ()), ("registered", ("--broadcast-buffers",))])
+def test_buffers_equal_on_every_rank_stay_clean(tmp_path: Path, case: str, flags: tuple[str, ...]) -> None:
+    run = _check(tmp_path, case, *flags)
+    assert run.rc == 0 and run.codes == set(), run.output
+
+
+def test_running_statistics_without_broadcast_stay_a_warning(tmp_path: Path) -> None:
+    run = _check(tmp_path, "batchnorm")
+    found = run.finding("buffer-divergence")
+    assert found["severity"] == "warning", found
+    assert run.params("buffer-divergence") == {"norm.running_mean", "norm.running_var"}, run.output
