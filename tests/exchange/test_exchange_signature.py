@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "e40e379a96d7a83f",
-    "odd-70": "afed04bc50ca40ce",
-    "infos-differ-3": "37382481ac84ed0d",
-    "edited-2": "eec4f18728bdf005",
-    "inferred-2": "eddb4effac3ac78e",
-    "clean-1": "ec0108c0df5fdf02",
+    "seeded-6": "2d2ba32e8f56d879",
+    "odd-70": "a70d08eece86df4d",
+    "infos-differ-3": "b102fde2f483d3bb",
+    "edited-2": "6bc055509253a2da",
+    "inferred-2": "96f8ece18a8e5607",
+    "clean-1": "4433944f38f5aac9",
 }
 
 

@@ -173,6 +173,7 @@ def diagnose_following(
     world: int = 0,
     stopped: bool = True,
     watched: bool = False,
+    joined: str | None = None,
 ) -> Diagnosis:
     """The observed steps' diagnosis with what following the script through its epoch ends found
     (`analyze/following_ends.py`): its section, its findings in severity order, what went unchecked and the files
@@ -190,15 +191,17 @@ def diagnose_following(
         stopped: the records were exchanged at the end of the observed steps (not at the script's own end, a
             crash or a destroyed process group before them: then nothing after them went unseen).
         watched: the job trains on after the observed steps under `watch` (what went unchecked says so).
+        joined: where the script entered a Join over its DDP model (its uneven inputs are handled).
     """
     section = following_section(summary, epochs=epochs, limit=limit) if followed else None
     steps_uneven = next((f for f in steps.findings if f.code == Code.UNEVEN_INPUTS), None)
     found = following_findings(
         summary,
         framework=framework,
-        lengths_compared=steps_uneven is not None and steps_uneven.severity == "error",
+        lengths_compared=steps_uneven is not None and (steps_uneven.severity == "error" or joined is not None),
         parallelism=parallelism,
         world=world,
+        joined=joined,
     )
     if section is None:  # nothing followed: only the counted passes' findings
         found = [f for f in found if f.code == Code.UNEVEN_INPUTS]

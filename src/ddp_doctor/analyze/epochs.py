@@ -29,6 +29,25 @@ __all__ = [
 ]
 
 
+def joined_uneven(shown: str, out: str, ranks: list[int], steps: list[int], site: str) -> Finding:
+    """Uneven batch counts (`shown` per rank; `out`: who runs out after how many) inside the script's `Join` at
+    `site`: handled, so an ``info``. Ground truth (tests/lockstep/test_joined.py, plain torchrun): 5 and 8 batches
+    per rank under `Join([model])`, exit 0, the weights equal."""
+    return Finding(
+        code=Code.UNEVEN_INPUTS,
+        severity="info",
+        title=f"ranks have different numbers of batches per epoch ({shown}), handled by Join",
+        detail=f"{out} batches; "
+        f"the loop runs inside Join ({site}), so a rank that runs out shadows the others' collectives until every "
+        "rank has joined, and nothing hangs. In the shadowed steps DDP averages the gradients of fewer ranks "
+        "(divided by the initial world size, by default: smaller steps).",
+        ranks=ranks,
+        steps=steps,
+        fix="nothing is required; to train every rank on the same number of batches instead, shard with "
+        "DistributedSampler (equal shares) or use drop_last=True.",
+    )
+
+
 def training_loader(meta: dict[str, Any]) -> dict[str, Any]:
     """The first loader the rank iterated while observed that has a length (the training loop's, in practice)."""
     return next((d for d in meta["loaders"] if d.get("batches") is not None), {})
@@ -49,6 +68,9 @@ def uneven_inputs(v: View) -> list[Finding]:
         shown = ", ".join(f"rank {r}: {c}" for r, c in enumerate(s.first_batches[:8]))
         names = rank_ranges(short.ranks, more=short.more)
         sampler = training_loader(v.meta(short.ranks[0])).get("sampler")
+        if joins := v.meta(0).get("join_sites"):
+            out = f"{'Ranks' if short.count > 1 else 'Rank'} {names} run{'' if short.count > 1 else 's'} out after {fewest}"
+            return [joined_uneven(shown, out, list(range(v.world)), [fewest], joins[0])]
         return [
             rules.uneven_inputs(
                 title=f"ranks have different numbers of batches per epoch ({shown})",
@@ -213,9 +235,12 @@ def _sampler(sampler: str | None) -> str:
     return f"Its sampler: {sampler}."
 
 
-def counted_uneven(loaders: list[dict[str, Any]], *, lengths_compared: bool = False) -> list[Finding]:
+def counted_uneven(
+    loaders: list[dict[str, Any]], *, lengths_compared: bool = False, joined: str | None = None
+) -> list[Finding]:
     """`uneven-inputs` for each loader whose ranks handed out different numbers of batches in one pass, counted as
-    the passes ran (with or without `len()`): an error for a training loader, a warning for another one."""
+    the passes ran (with or without `len()`): an error for a training loader (an info when the script trains inside
+    a Join, at `joined`), a warning for another one."""
     findings = []
     for d in loaders:
         c = d.get("counted") or {}
@@ -234,7 +259,9 @@ def counted_uneven(loaders: list[dict[str, Any]], *, lengths_compared: bool = Fa
         )
         per_rank = _per_rank(c)
         epoch = f"pass {c['pass']} of {name}"
-        if d["training"]:
+        if d["training"] and joined:
+            finding = joined_uneven(per_rank, f"{counted}in {epoch}, {who} ran out after {c['min']}", ranks, [], joined)
+        elif d["training"]:
             finding = rules.uneven_inputs(
                 title=f"ranks have different numbers of batches per epoch from {name} ({per_rank})",
                 cause=f"{counted}in {epoch}, {who} ran out after {c['min']} batches, while the others still train",

@@ -59,8 +59,9 @@ def following_findings(
     lengths_compared: bool = False,
     parallelism: str = "ddp",
     world: int = 0,
+    joined: str | None = None,
 ) -> list[Finding]:
-    """The findings of following. `uneven-inputs` from the counted passes comes whether or not anything was
+    """The findings of following (`joined`: where the script entered a Join over its DDP model). `uneven-inputs` from the counted passes comes whether or not anything was
     followed (the observed steps may have run a pass to its end); `lengths_compared`: the observed steps already
     reported the training loader's different `len()` per rank (not said twice). Without DDP (`parallelism`), the
     observed steps compared no loader: the training loaders' `len()` per rank and their samplers' epochs are
@@ -73,7 +74,7 @@ def following_findings(
         lengths_compared = bool(own)
         if summary.repeated_epoch is not None:
             own.append(followed_epoch_repeated(summary.repeated_epoch))
-    uneven = [*own, *counted_uneven(summary.loaders, lengths_compared=lengths_compared)]
+    uneven = [*own, *counted_uneven(summary.loaders, lengths_compared=lengths_compared, joined=joined)]
     if not summary.followed:
         return uneven
     return [*uneven, *followed_apart(summary), *followed_timeout_risk(summary, framework)]

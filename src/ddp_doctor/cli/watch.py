@@ -140,9 +140,7 @@ def run(args: argparse.Namespace) -> int:
         hang_after=args.hang_after,
         on_hang=args.on_hang,
         fresh=args.fresh_interpreters,
-        reported=lambda report, runs_on: _print_first_report(
-            console, report, run_dir, args.hang_after, runs_on, args.steps
-        ),
+        reported=lambda report, why: _print_first_report(console, report, run_dir, args.hang_after, why),
         hung=lambda verdict: render_verdict(verdict, console),
         resumed=lambda waited: console.print(
             f"ddp-doctor: the ranks move again, after {waited:.0f} s; watching on.", highlight=False
@@ -258,20 +256,24 @@ def render_divergence(d: Any, console: Console) -> None:
 
 
 def _print_first_report(
-    console: Console, result: CheckResult, run_dir: Path, hang_after: float | None, runs_on: bool, steps: int
+    console: Console, result: CheckResult, run_dir: Path, hang_after: float | None, why: str
 ) -> None:
     from ddp_doctor.cli.check import render_result
 
     render_result(result, console)
-    if not runs_on:
+    from ddp_doctor.launch.config import DESTROYED, SCRIPT_ENDED
+
+    if why == SCRIPT_ENDED:
         return  # the script ended before its first steps were all observed: the end's own line follows
     when = f"{hang_after:g} s" if hang_after else "half the process group's timeout"
-    report = result.models[0].report if result.models else None
-    torn = report is not None and report.steps_observed < steps
     console.print(
-        f"ddp-doctor: {f'its {report.steps_observed} steps' if torn else 'the first steps'} are diagnosed"
-        f"{' (the script destroyed its process group)' if torn else ''}; the job goes on, watched (a hang is "
-        f"called after {when} without progress). Run folder: {run_dir}",
+        "ddp-doctor: "
+        + (
+            "its steps are diagnosed (the script destroyed its process group)"
+            if why == DESTROYED
+            else "the first steps are diagnosed"
+        )
+        + f"; the job goes on, watched (a hang is called after {when} without progress). Run folder: {run_dir}",
         highlight=False,
         soft_wrap=True,
     )

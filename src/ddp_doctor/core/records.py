@@ -235,6 +235,9 @@ class RankRecord:
     """Parameters DDP registered whose dtype or device changed after it was built: `name`, `was`, `now`, `site`
     (`observation.tree_scan.StateScan.recast`); `recast_count` of them in all."""
     recast_count: int = 0
+    join_sites: list[str] = field(default_factory=list)
+    """Where the script entered a `Join` over a DDP model (`observation.joins.JOIN_SITES`): ranks that run out of
+    batches there shadow the others' collectives."""
     late_buffers: list[dict[str, Any]] = field(default_factory=list)
     """With broadcast_buffers=False, the buffers registered under a new name after DDP was built: `name`, `shape`,
     `fp`, `changing`, `site` (`observation.tree_scan.StateScan.late_buffers`)."""
@@ -351,6 +354,7 @@ class RankRecord:
             "recast": self.recast,
             "recast_count": self.recast_count,
             "late_buffers": self.late_buffers,
+            "join_sites": self.join_sites,
             "optimizer_stale": self.optimizer_stale,
             "modules": self.modules,
             "nonfinite_params": self.nonfinite_params,

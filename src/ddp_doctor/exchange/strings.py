@@ -109,6 +109,7 @@ def rank_strings(
             "recast": record.recast,
             "recast_count": record.recast_count,
             "late_buffers": record.late_buffers,
+            "join_sites": record.join_sites,
             "optimizer_stale": record.optimizer_stale,
             "modules": record.modules,
             "nonfinite_params": record.nonfinite_params,

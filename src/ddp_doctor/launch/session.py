@@ -1,15 +1,13 @@
 """The doctor inside each rank of a script launched by `ddp-doctor check`.
 
-`Session.install()` runs before any user code and patches DDP's constructor in place (`patches.py`), so every DDP
-model the script builds, directly or inside HF Trainer, Accelerate or Lightning, gets the `--ddp-kwargs` overrides
-and a `Doctor` with `optimizer="auto"`. When every doctor has seen its K steps, all ranks exchange their records and
-the node's local rank 0 writes the report; then the script is followed through its epoch ends (`following_run.py`)
-and the report is written again, or every rank exits right there (the rest of the script never runs).
-
-A rank that crashed alone cannot count on the others to join a collective, so each rank also leaves files in the
-node's output folder for the supervisor: its live position (`core/beacon.py`), the watchdog's samples, the fault
-dump, how it ended (`core/rankfiles.py` lists them with their schema). What happens after the report is the run's
-`RunPolicy` (`policy.py`): under `check` the rank exits; under `ddp-doctor bench` it goes on in the same processes.
+`Session.install()` runs before any user code and patches DDP's constructor (`patches.py`): every DDP model the
+script builds, directly or inside HF Trainer, Accelerate or Lightning, gets the `--ddp-kwargs` overrides and a
+`Doctor`. When every doctor has seen its K steps (or, inside a `Join`, where it ends: `joined.py`), all ranks
+exchange their records and the node's local rank 0 writes the report; then the script is followed through its epoch
+ends (`following_run.py`), or every rank exits there. Each rank also leaves files for the supervisor (its position,
+the watchdog's samples, the fault dump, how it ended: `core/rankfiles.py`), since a rank that crashed alone cannot
+count on a collective. After the report, the run's `RunPolicy` (`policy.py`) decides: `check` exits, `bench` and
+`watch` go on in the same processes.
 """
 
 from __future__ import annotations
@@ -41,6 +39,7 @@ from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import SCRIPT_ENDED, RankConfig, steps_reason
 from ddp_doctor.launch.following_run import CAPPED_NEXT, EpochFollowing, ended_by_our_cap
 from ddp_doctor.launch.inflight import CollectiveRecorder
+from ddp_doctor.launch.joined import JoinedReport
 from ddp_doctor.launch.patches import (
     patch_ddp_init,
     patch_destroy_process_group,
@@ -96,6 +95,7 @@ class Session:
         """Under `watch`: the script destroyed its process group and runs on to its end (`WatchPolicy.torn_down`)."""
         self.follow = EpochFollowing(config)
         """Follows the script through its epoch ends after the observed steps (`--follow-epochs`)."""
+        self.joined = JoinedReport(self)
 
         def beyond() -> Phase | None:  # the phase past the observed steps, if the script runs on
             if self.teardown:
@@ -135,6 +135,7 @@ class Session:
         self._plain_hook = register_optimizer_step_post_hook(self.plain_steps.on_step)
         # The loader probe first: its pre-step hook counts the step on its pass before ours reads it.
         self.follow.install()
+        self.joined.install()
         self._step_pre_hook = register_optimizer_step_pre_hook(self._before_any_step)
         self.collectives.install()
         collectives.listen(self.plain.note_collective, fsdp=True)
@@ -241,7 +242,7 @@ class Session:
         return steps_reason(self.config.steps)
 
     def _on_doctor_done(self, _doctor: Doctor) -> None:
-        if all(d.finished for d in self.doctors):
+        if all(d.finished for d in self.doctors) and not self.joined.defer():  # inside a Join: at its end
             self.finish(self.steps_reason)
 
     def on_exit(self, exc: SystemExit | None) -> None:

@@ -44,7 +44,7 @@ def watch(
     hang_after: float | None,
     on_hang: str,
     fresh: bool,
-    reported: Callable[[Any, bool], None],
+    reported: Callable[[Any, str], None],
     hung: Callable[[HangVerdict], None],
     resumed: Callable[[float], None],
     diverged: Callable[[Any], None],
@@ -53,8 +53,8 @@ def watch(
 ) -> WatchResult:
     """Run the whole job (torchrun's parsed `namespace`) with its ranks' records in `run_dir`.
 
-    `reported` gets the first steps' `CheckResult` as soon as the ranks wrote it, and whether the script runs on
-    after it (False: it ended before its `steps` steps, on every rank); `hung` each hang's verdict;
+    `reported` gets the first steps' `CheckResult` as soon as the ranks wrote it, and why they wrote it then (the
+    reasons of `launch/config.py`: the script runs on after all but `SCRIPT_ENDED`); `hung` each hang's verdict;
     `resumed` the seconds the ranks stood still, when they move again after a verdict; `diverged` the first step at
     which the ranks' parameters differ (`watch_replicas.ReplicaDivergence`); `window` each change in a window of
     steps (`watch_windows.WindowEvent`).
@@ -79,7 +79,7 @@ def watch(
         if runs_on:
             # From here on the joint report is the first steps' own: a later failure is read against it.
             os.replace(folder / "report.json", folder / "report.steps.json")
-        reported(result, runs_on)
+        reported(result, reason)
 
     from ddp_doctor.launch.watch_nodes import NodeShare
 
