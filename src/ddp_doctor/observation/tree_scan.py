@@ -124,6 +124,8 @@ class StateScan:
         self._late_buffers = not broadcast_buffers
         """DDP does not broadcast buffers: one registered after it was built stays each rank's own."""
         self._late_fp: dict[str, tuple[float, float]] = {}
+        """Each such buffer's fingerprint at the first step it was seen."""
+        self._late_moved: set[str] = set()
         self._registered = {id(p) for p in registered}
         self._positions = list(positions)
         self._names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
@@ -259,15 +261,12 @@ class StateScan:
         entries = []
         for (name, b, site), fp in zip(late, fps):
             crc = zlib.crc32(f"buffer {name}:{fp[0]!r},{fp[1]!r};".encode(), crc)
-            was = self._late_fp.get(name)
-            changing = was is not None and (was != tuple(fp) or self._late_changing(name))
-            self._late_fp[name] = tuple(fp)
-            entries.append({"name": name, "shape": list(b.shape), "fp": fp, "changing": changing, "site": site or None})
+            if self._late_fp.setdefault(name, tuple(fp)) != tuple(fp):
+                self._late_moved.add(name)  # it changed since its first step: a running statistic
+            moved = name in self._late_moved
+            entries.append({"name": name, "shape": list(b.shape), "fp": fp, "changing": moved, "site": site or None})
         self.late_buffers = entries[:8]
         return crc
-
-    def _late_changing(self, name: str) -> bool:
-        return any(e["name"] == name and e["changing"] for e in self.late_buffers)
 
     def _find_recast(self) -> None:
         changed = [
