@@ -18,13 +18,11 @@ said nothing.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from checkrun import REPO, SCRIPTS, check
+from frameworkrun import torchrun
 
 from ddp_doctor.core.compat import HAS_FORWARD_SYNC_BUFFERS
 
@@ -37,26 +35,8 @@ def _check(tmp_path: Path, case: str, *flags: str):
 
 def _probes(tmp_path: Path, case: str, *flags: str) -> list[float]:
     out = tmp_path / "plain"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            SCRIPT,
-            str(out),
-            "--case",
-            case,
-            *flags,
-        ],  # fmt: skip
-        cwd=REPO,
-        env=os.environ,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert (out / "rank1.json").exists(), done.stderr[-3000:]  # torch 2.13's abort at exit aside
+    done = torchrun("rank_buffers.py", [str(out), "--case", case, *flags], REPO, timeout=120)
+    assert done.rc == 0 or done.aborted_at_exit, done.output[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text())["probe"] for r in (0, 1)]
 
 

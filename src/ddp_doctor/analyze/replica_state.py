@@ -228,7 +228,7 @@ def buffer_divergence(v: View) -> list[Finding]:
     found = []
     differ = v.summary.buffer_differs & v.summary.buffer_seen  # [S, B]: every rank recorded it, and they differ
     changing = set(v.meta(0).get("buffers_changing") or [])
-    apart = differ.any(0) if v.info.buffer_names else differ.new_zeros(0, dtype=bool)
+    apart = differ.any(0)
     moving = apart & differ.new_tensor([i in changing for i in range(len(apart))], dtype=bool)
     made = apart & ~moving
     fix_made = (

@@ -259,10 +259,9 @@ def _print_first_report(
     console: Console, result: CheckResult, run_dir: Path, hang_after: float | None, why: str
 ) -> None:
     from ddp_doctor.cli.check import render_result
-
-    render_result(result, console)
     from ddp_doctor.launch.config import DESTROYED, SCRIPT_ENDED
 
+    render_result(result, console)
     if why == SCRIPT_ENDED:
         return  # the script ended before its first steps were all observed: the end's own line follows
     when = f"{hang_after:g} s" if hang_after else "half the process group's timeout"
