@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "2d2ba32e8f56d879",
-    "odd-70": "a70d08eece86df4d",
-    "infos-differ-3": "b102fde2f483d3bb",
-    "edited-2": "6bc055509253a2da",
-    "inferred-2": "96f8ece18a8e5607",
-    "clean-1": "4433944f38f5aac9",
+    "seeded-6": "ec62715ddcd28cb2",
+    "odd-70": "d07a09a76b17c024",
+    "infos-differ-3": "783d9264bb6e4e9a",
+    "edited-2": "cf61ea22c94f1bba",
+    "inferred-2": "f13a2ab4b18c059f",
+    "clean-1": "c5c146b96d6d1f72",
 }
 
 

@@ -181,4 +181,4 @@ def test_scenario_two_models_each_report_is_its_own(tmp_path) -> None:
         ]
         assert critic["reduction-error"] == critic["unused-parameters"] == {"head_b.weight", "head_b.bias"}
         assert r["generator"]["findings"] == [], r["generator"]["findings"]
-        assert r["generator"]["crashes"][0]["kind"] == "other"  # what ended its loop, not its own failure
+        assert r["generator"]["crashes"][0]["kind"] == "other-model"  # what ended its loop, not its own failure

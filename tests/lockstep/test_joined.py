@@ -55,3 +55,36 @@ def test_watch_runs_a_joined_job_to_its_end(tmp_path: Path) -> None:
     assert [(f["code"], f["severity"]) for f in run.report["findings"]] == [("uneven-inputs", "info")], run.output
     ended = run.ended
     assert ended["failed"] is False and ended["steps"] == 16, ended
+
+
+@pytest.mark.parametrize("batches", [5, 12])
+def test_a_join_that_throws_when_a_rank_runs_out_is_an_info_too(tmp_path: Path, batches: int) -> None:
+    """`Join(..., throw_on_early_termination=True)`, the script catching the Join's error around each epoch (plain
+    torchrun: exit 0, weights equal, every rank trains as many batches as the rank with the fewest). Before, the
+    forward that raised the Join's error on rank 1 counted as a forward with no backward: a `collective-mismatch`
+    warning for an evaluation that never happened, and the report said the rank that ran out shadows the others."""
+    run = check(
+        ["--nproc-per-node", "2", "--timeout", "100", SCRIPT, "--batches", str(batches), "--throw"],
+        tmp_path,
+        timeout=150,
+    )
+    assert run.rc == 0, run.output
+    assert [(f["code"], f["severity"]) for f in run.report["findings"]] == [("uneven-inputs", "info")], run.output
+    found = run.finding("uneven-inputs")
+    assert found["steps"] == [batches] and found["sites"] == [_join_line()], found
+    assert run.report["steps_observed"] == 8, run.output
+
+
+def test_watch_runs_a_job_whose_join_throws_to_its_end(tmp_path: Path) -> None:
+    """Every rank trains 5 batches in each of the 2 epochs (the Join ends each epoch when rank 0 runs out)."""
+    run = watch(["--nproc-per-node", "2", "--steps", "4", SCRIPT, "--throw"], tmp_path)
+    assert run.rc == 0, run.output
+    assert "weights gap 0.000e+00" in run.output, run.output
+    assert [f["code"] for f in run.report["findings"]] == ["uneven-inputs"], run.output
+    ended = run.ended
+    assert ended["failed"] is False and ended["steps"] == 10, ended
+
+
+def _join_line() -> str:
+    lines = Path(SCRIPT).read_text().splitlines()
+    return f"tests/scripts/joined.py:{next(i for i, line in enumerate(lines, 1) if 'with Join(' in line)}"

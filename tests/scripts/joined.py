@@ -3,6 +3,10 @@
 largest difference across ranks of the weights at the end.
 
     torchrun --nproc-per-node 2 tests/scripts/joined.py [--batches 5] [--api join|model-join] [--loader list]
+        [--throw]
+
+--throw: Join(..., throw_on_early_termination=True): once a rank runs out, every rank raises at its next join hook,
+and the script catches it and ends the epoch there (every rank trains the same number of batches).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--api", default="join", choices=["join", "model-join"])
     parser.add_argument("--loader", default="dataloader", choices=["dataloader", "list"])
+    parser.add_argument("--throw", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -31,13 +36,19 @@ def main() -> None:
     data = torch.randn(16 * (args.batches + 3 * rank), 8, generator=torch.Generator().manual_seed(rank))
     loader = DataLoader(TensorDataset(data), batch_size=16) if args.loader == "dataloader" else data.split(16)
     for _epoch in range(2):
-        with Join([model]) if args.api == "join" else model.join():
-            for batch in loader:
-                x = batch[0] if isinstance(batch, list) else batch
-                loss = model(x).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+        try:
+            with Join([model], throw_on_early_termination=args.throw) if args.api == "join" else model.join(
+                throw_on_early_termination=args.throw
+            ):
+                for batch in loader:
+                    x = batch[0] if isinstance(batch, list) else batch
+                    loss = model(x).pow(2).mean()
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+        except RuntimeError as exc:
+            if not args.throw or "exhausted" not in str(exc):
+                raise
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     got = [torch.zeros_like(weights) for _ in range(dist.get_world_size())]
     dist.all_gather(got, weights)

@@ -90,7 +90,13 @@ def analyze_summary(summary: Summary) -> Diagnosis:
     for r in summary.examples["crashed"].ranks:
         meta = summary.metas[r]
         crashes.append(
-            Crash(rank=r, step=meta["crash_step"], kind=CRASH_KINDS[meta["crash_kind"]], message=meta["crash_message"])
+            Crash(
+                rank=r,
+                step=meta["crash_step"],
+                kind=CRASH_KINDS[meta["crash_kind"]],
+                message=meta["crash_message"],
+                site=meta.get("crash_site", ""),
+            )
         )
     if info.group_ranks:
         # A DDP model over a subgroup: analysis ran in group ranks; users read global ranks.

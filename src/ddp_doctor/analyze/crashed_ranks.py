@@ -1,9 +1,9 @@
-"""Ranks that raised in a run whose ranks could not exchange records: DDP's own errors explained (one finding for
+"""Ranks that raised. In a run whose ranks could not exchange records: DDP's own errors explained (one finding for
 the ranks that failed alike, as the exchanged report gives), `rank-dependent-graph` when a rank's reduction error
 names parameters another rank trained, and `rank-crashed` for the script's own errors, for a rank a signal ended
-and for one that ended with no record at all.
-
-Pure: reads the supervisor's `RankState` per rank; `analyze/failures.py` puts these findings in order.
+and for one that ended with no record at all (pure: reads the supervisor's `RankState` per rank;
+`analyze/failures.py` puts these findings in order). In one whose ranks exchanged them after the script's own
+error ended every rank's loop in the same step: `rank-crashed` too (`script_raised`, a detector of the `Summary`).
 """
 
 from __future__ import annotations
@@ -11,14 +11,23 @@ from __future__ import annotations
 import re
 
 from ddp_doctor.analyze.positions import capped, fault_place, others, short, where
+from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, ParamRef
+from ddp_doctor.core.findings import Finding, ParamRef, lines_of
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import ExplainedError, RaisedError
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 
-__all__ = ["crash_findings", "died_silently", "init_waited_for", "killed_findings", "trained_elsewhere"]
+__all__ = [
+    "crash_findings",
+    "died_silently",
+    "exited_failing",
+    "init_waited_for",
+    "killed_findings",
+    "script_raised",
+    "trained_elsewhere",
+]
 
 _SIGNAL_CAUSE = {
     "SIGKILL": "SIGKILL can only come from outside the process: the kernel's out-of-memory killer, a scheduler, "
@@ -30,6 +39,9 @@ _SIGNAL_CAUSE = {
     "SIGILL": "an illegal instruction in native code (a build for another CPU)",
     "SIGTERM": "SIGTERM from outside the run",
 }
+
+_AFTER_STEPS = (Phase.FOLLOWING.value, Phase.WATCHED.value, Phase.TORN_DOWN.value)
+"""Where a rank is once its observed steps were diagnosed."""
 
 _RANK_IN_MESSAGE = re.compile(r"^DDP failed on rank \d+:")
 _RUN_AGAIN = (
@@ -119,6 +131,8 @@ def crash_findings(states: dict[int, RankState], causes: dict[int, RankState]) -
             )
         )
     alike = {r for ranks_alike, _ in joint for r in ranks_alike}
+    # The script's own errors: one finding for the ranks that raised the same error at the same line and step.
+    own: dict[tuple[int, str, str, str, str], list[int]] = {}
     for rank, s in sorted(causes.items()):
         if rank in alike:
             continue
@@ -147,19 +161,27 @@ def crash_findings(states: dict[int, RankState], causes: dict[int, RankState]) -
                 )
             )
             continue
-        waiting = others(states, list(causes))
+        own.setdefault((step, crash.type, crash.message, crash.site or "", crash.phase), []).append(rank)
+    waiting = others(states, list(causes))
+    for (step, type_, message, site, phase), ranks in own.items():
         findings.append(
             Finding(
                 code=Code.RANK_CRASHED,
                 severity="error",
-                title=f"rank {rank} crashed at step {step}: {crash.type}: {crash.message[:200]}",
+                title=f"{rank_list(ranks)} crashed at step {step}: {type_}: {message[:200]}",
                 detail=(
-                    f"Raised at {crash.site or 'an unknown place'} ({crash.phase}); its traceback was printed "
-                    "above." + (f" The other ranks were stopped while waiting for it: {waiting}." if waiting else "")
+                    f"Raised at {site or 'an unknown place'} ({phase}); its traceback was printed above."
+                    + (f" The other ranks were stopped while waiting for it: {waiting}." if waiting else "")
                 ),
-                ranks=[rank],
+                ranks=ranks,
                 steps=[step],
-                fix="fix the error on that rank; the rest of the diagnosis needs every rank to finish its steps.",
+                sites=lines_of(site),
+                fix="fix the error at that line"
+                + (
+                    "."
+                    if phase in _AFTER_STEPS
+                    else "; the rest of the diagnosis needs every rank to finish its steps."
+                ),
             )
         )
     return findings
@@ -224,6 +246,31 @@ def killed_findings(
     return findings
 
 
+def exited_failing(states: dict[int, RankState], exited: dict[int, RankState]) -> list[Finding]:
+    """`rank-crashed` for ranks that all left at the same step with a failure status (`sys.exit(1)` on every rank
+    after a check of their own): one finding per status and line. Ranks that left with status 0 ended a short
+    script."""
+    groups: dict[tuple[int, int, str, str], list[int]] = {}
+    for rank, s in sorted(exited.items()):
+        if s.exit_status and s.phase != Phase.TORN_DOWN.value:
+            groups.setdefault((s.exit_status, max(s.step, 0), s.exit_site or "", s.phase), []).append(rank)
+    return [
+        Finding(
+            code=Code.RANK_CRASHED,
+            severity="error",
+            title=f"{rank_list(ranks)} exited with status {status} at step {step}",
+            detail=f"The script's own exit with a failure status, at {site or 'an unknown place'} ({phase})"
+            + (" on every rank" if len(ranks) == len(states) else "")
+            + ": torchrun reports the job as failed.",
+            ranks=ranks,
+            steps=[step],
+            sites=lines_of(site),
+            fix="if the job should go on, find why the script exits there (the condition before that line).",
+        )
+        for (status, step, site, phase), ranks in groups.items()
+    ]
+
+
 def died_silently(states: dict[int, RankState], silent: list[int]) -> Finding:
     """`rank-crashed` for ranks that ended with no exception, exit status or fault record."""
     return Finding(
@@ -273,3 +320,64 @@ def init_waited_for(crashed: RankState, states: dict[int, RankState]) -> str | N
         "a rank that failed or stalled before init_process_group (its own output says which). The rank that timed "
         "out only noticed; torchrun names it the root cause."
     )
+
+
+_OWN = ("other", "ddp-other", "exit")
+"""The crash kinds that are the script's (or DDP's unexplained) error on this model's loop, or its sys.exit with a
+failure status."""
+
+
+@detects(Code.RANK_CRASHED)
+def script_raised(v: View) -> list[Finding]:
+    """One finding per distinct error (message and line) the ranks' loops ended with."""
+    groups: dict[tuple[str, int, str, str], list[int]] = {}
+    counts = 0
+    for kind in _OWN:
+        examples = v.crashed(kind)
+        counts += examples.count
+        for r in examples.ranks:
+            meta = v.meta(r)
+            key = (kind, max(int(meta["crash_step"]), 0), meta["crash_message"], meta.get("crash_site", ""))
+            groups.setdefault(key, []).append(r)
+    findings = []
+    named = sum(len(ranks) for ranks in groups.values())
+    for (kind, step, message, site), ranks in groups.items():
+        first_line = message.splitlines()[0][:200] if message else "an exception"
+        exited = kind == "exit"
+        findings.append(
+            Finding(
+                code=Code.RANK_CRASHED,
+                severity="error",
+                title=f"{rank_list(sorted(ranks))} {'exited' if exited else 'raised'} at step {step}: {first_line}",
+                detail=(
+                    (
+                        "The script's own sys.exit with a failure status ended the loop at "
+                        if exited
+                        else "The script's own error ended the loop at "
+                    )
+                    + (site or "an unknown place")
+                    + (" on every rank" if counts == v.world else "")
+                    + (
+                        f"; the comparisons below cover the {step} step(s) before it."
+                        if step
+                        else ", before any step closed: no step was compared."
+                    )
+                    + (
+                        " torchrun reports the job as failed."
+                        if exited
+                        else " The job fails here without the doctor too."
+                    )
+                ),
+                ranks=sorted(ranks),
+                more_ranks=max(counts - named, 0) if len(groups) == 1 else 0,
+                steps=[step],
+                sites=lines_of(site),
+                fix=(
+                    "if the job should go on, find why the script exits there (the condition before that line); "
+                    if exited
+                    else "fix the error at that line; "
+                )
+                + "then run the check again to observe the steps after it.",
+            )
+        )
+    return findings

@@ -10,6 +10,7 @@ from ddp_doctor.analyze import (  # noqa: F401 (imported to register their detec
     checkpoints,
     collective_order,
     consistency,
+    crashed_ranks,
     epochs,
     frozen_set,
     moves,

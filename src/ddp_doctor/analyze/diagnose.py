@@ -29,7 +29,7 @@ from ddp_doctor.analyze.sharded import sharded_compared, sharded_findings, shard
 from ddp_doctor.analyze.snippets import with_code
 from ddp_doctor.core.codes import SEVERITIES, Code
 from ddp_doctor.core.findings import Diagnosis, Recommendation, Timing
-from ddp_doctor.core.following import Following, FollowSummary
+from ddp_doctor.core.following import Following, FollowSummary, JoinedLoop
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
@@ -173,7 +173,7 @@ def diagnose_following(
     world: int = 0,
     stopped: bool = True,
     watched: bool = False,
-    joined: str | None = None,
+    joined: JoinedLoop | None = None,
 ) -> Diagnosis:
     """The observed steps' diagnosis with what following the script through its epoch ends found
     (`analyze/following_ends.py`): its section, its findings in severity order, what went unchecked and the files
@@ -191,7 +191,7 @@ def diagnose_following(
         stopped: the records were exchanged at the end of the observed steps (not at the script's own end, a
             crash or a destroyed process group before them: then nothing after them went unseen).
         watched: the job trains on after the observed steps under `watch` (what went unchecked says so).
-        joined: where the script entered a Join over its DDP model (its uneven inputs are handled).
+        joined: the Join over its DDP model the script's loop runs in (its uneven inputs are handled).
     """
     section = following_section(summary, epochs=epochs, limit=limit) if followed else None
     steps_uneven = next((f for f in steps.findings if f.code == Code.UNEVEN_INPUTS), None)

@@ -12,7 +12,8 @@ from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.positions import capped, where
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, Measure
+from ddp_doctor.core.findings import Finding, Measure, lines_of
+from ddp_doctor.core.following import JoinedLoop
 from ddp_doctor.core.ranks import rank_list, rank_ranges
 from ddp_doctor.core.rankstate import RankState
 
@@ -29,22 +30,40 @@ __all__ = [
 ]
 
 
-def joined_uneven(shown: str, out: str, ranks: list[int], steps: list[int], site: str) -> Finding:
-    """Uneven batch counts (`shown` per rank; `out`: who runs out after how many) inside the script's `Join` at
-    `site`: handled, so an ``info``. Ground truth (tests/lockstep/test_joined.py, plain torchrun): 5 and 8 batches
-    per rank under `Join([model])`, exit 0, the weights equal."""
+def joined_uneven(shown: str, out: str, ranks: list[int], steps: list[int], joined: JoinedLoop) -> Finding:
+    """Uneven batch counts (`shown` per rank; `out`: who runs out after how many) inside the script's `Join`:
+    handled, so an ``info``. Ground truth (tests/lockstep/test_joined.py, plain torchrun): 5 and 8 batches per rank
+    under `Join([model])`, exit 0, the weights equal; under `throw_on_early_termination=True` (the script catching
+    the Join's error) exit 0, the weights equal, and every rank trains 5 batches per epoch."""
+    if joined.throws:
+        detail = (
+            f"{out} batches; the loop runs inside Join with throw_on_early_termination=True ({joined.site}), so "
+            "once a rank runs out every rank raises at that point and the epoch ends there, and nothing hangs: the "
+            "batches the other ranks hold beyond the fewest are not trained in that epoch."
+        )
+        fix = (
+            "nothing is required; to train every batch, give every rank the same number (shard with "
+            "DistributedSampler, equal shares)."
+        )
+    else:
+        detail = (
+            f"{out} batches; the loop runs inside Join ({joined.site}), so a rank that runs out shadows the others' "
+            "collectives until every rank has joined, and nothing hangs. In the shadowed steps DDP averages the "
+            "gradients of fewer ranks (divided by the initial world size, by default: smaller steps)."
+        )
+        fix = (
+            "nothing is required; to train every rank on the same number of batches instead, shard with "
+            "DistributedSampler (equal shares) or use drop_last=True."
+        )
     return Finding(
         code=Code.UNEVEN_INPUTS,
         severity="info",
         title=f"ranks have different numbers of batches per epoch ({shown}), handled by Join",
-        detail=f"{out} batches; "
-        f"the loop runs inside Join ({site}), so a rank that runs out shadows the others' collectives until every "
-        "rank has joined, and nothing hangs. In the shadowed steps DDP averages the gradients of fewer ranks "
-        "(divided by the initial world size, by default: smaller steps).",
+        detail=detail,
         ranks=ranks,
         steps=steps,
-        fix="nothing is required; to train every rank on the same number of batches instead, shard with "
-        "DistributedSampler (equal shares) or use drop_last=True.",
+        sites=lines_of(joined.site),
+        fix=fix,
     )
 
 
@@ -70,7 +89,8 @@ def uneven_inputs(v: View) -> list[Finding]:
         sampler = training_loader(v.meta(short.ranks[0])).get("sampler")
         if joins := v.meta(0).get("join_sites"):
             out = f"{'Ranks' if short.count > 1 else 'Rank'} {names} run{'' if short.count > 1 else 's'} out after {fewest}"
-            return [joined_uneven(shown, out, list(range(v.world)), [fewest], joins[0])]
+            joined = JoinedLoop(joins[0], throws=joins[0] in v.meta(0).get("join_throws", []))
+            return [joined_uneven(shown, out, list(range(v.world)), [fewest], joined)]
         return [
             rules.uneven_inputs(
                 title=f"ranks have different numbers of batches per epoch ({shown})",
@@ -236,11 +256,11 @@ def _sampler(sampler: str | None) -> str:
 
 
 def counted_uneven(
-    loaders: list[dict[str, Any]], *, lengths_compared: bool = False, joined: str | None = None
+    loaders: list[dict[str, Any]], *, lengths_compared: bool = False, joined: JoinedLoop | None = None
 ) -> list[Finding]:
     """`uneven-inputs` for each loader whose ranks handed out different numbers of batches in one pass, counted as
     the passes ran (with or without `len()`): an error for a training loader (an info when the script trains inside
-    a Join, at `joined`), a warning for another one."""
+    a Join, `joined`), a warning for another one."""
     findings = []
     for d in loaders:
         c = d.get("counted") or {}

@@ -6,7 +6,7 @@ Pure: the input is the supervisor's `RankState` per rank (the ranks' own files, 
 from __future__ import annotations
 
 from ddp_doctor.analyze.collective_order import beacons_apart, beacons_parting, failed_inside
-from ddp_doctor.analyze.crashed_ranks import crash_findings, died_silently, killed_findings
+from ddp_doctor.analyze.crashed_ranks import crash_findings, died_silently, exited_failing, killed_findings
 from ddp_doctor.analyze.epochs import ran_out_alone
 from ddp_doctor.analyze.positions import capped, others, where
 from ddp_doctor.analyze.shapes import shape_findings
@@ -36,7 +36,7 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
     if shapes:
         return shapes  # the refusing rank's error and its peers' lost connections are all this one cause
     ranks = sorted(states)
-    crashed = {r: s for r, s in states.items() if s.outcome is Outcome.CRASHED and s.raised is not None}
+    crashed = {r: s for r, s in states.items() if s.crashed}
     causes = {r: s for r, s in crashed.items() if not s.raised.peer_lost}
     exited = {r: s for r, s in states.items() if s.outcome is Outcome.EXITED}
     killed = {r: s for r, s in states.items() if s.outcome is None and s.signal not in (None, "SIGTERM")}
@@ -79,12 +79,14 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
 
     if exited and not causes:
         steps_by_rank = {r: max(s.step, 0) for r, s in states.items()}
-        for rank, s in sorted(exited.items()):
+        still = [r for r in ranks if r not in exited and (states[r].outcome is not Outcome.REPORTED)]
+        together = not still and len({steps_by_rank[r] for r in exited}) == 1
+        if together:
+            # Every rank ended at the same step: the script is just short, or it stopped with a failure status.
+            findings.extend(exited_failing(states, exited))
+        for rank, s in sorted(exited.items()) if not together else ():
             if s.phase == Phase.TORN_DOWN.value:
                 continue  # it ended after destroying its process group: no collective is left to wait in for it
-            still = [r for r in ranks if r not in exited and (states[r].outcome is not Outcome.REPORTED)]
-            if not still and len({steps_by_rank[r] for r in exited}) == 1:
-                continue  # every rank ended at the same step: the script is just short
             waiting = others(states, [*exited])
             findings.append(
                 Finding(

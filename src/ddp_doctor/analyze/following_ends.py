@@ -9,7 +9,7 @@ from ddp_doctor.analyze.collective_order import followed_apart
 from ddp_doctor.analyze.epochs import counted_uneven, followed_epoch_repeated, lengths_uneven, loader_name
 from ddp_doctor.analyze.timeouts import followed_timeout_risk
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.core.following import Following, FollowSummary
+from ddp_doctor.core.following import Following, FollowSummary, JoinedLoop
 
 __all__ = ["following_findings", "following_section", "unchecked"]
 
@@ -59,9 +59,9 @@ def following_findings(
     lengths_compared: bool = False,
     parallelism: str = "ddp",
     world: int = 0,
-    joined: str | None = None,
+    joined: JoinedLoop | None = None,
 ) -> list[Finding]:
-    """The findings of following (`joined`: where the script entered a Join over its DDP model). `uneven-inputs` from the counted passes comes whether or not anything was
+    """The findings of following (`joined`: the Join over its DDP model the loop runs in). `uneven-inputs` from the counted passes comes whether or not anything was
     followed (the observed steps may have run a pass to its end); `lengths_compared`: the observed steps already
     reported the training loader's different `len()` per rank (not said twice). Without DDP (`parallelism`), the
     observed steps compared no loader: the training loaders' `len()` per rank and their samplers' epochs are

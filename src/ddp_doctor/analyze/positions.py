@@ -8,7 +8,6 @@ Pure: reads the supervisor's `RankState` per rank (the ranks' own files, merged)
 from __future__ import annotations
 
 from ddp_doctor.core.frames import format_site
-from ddp_doctor.core.rankfiles import Outcome
 from ddp_doctor.core.rankstate import RankState
 
 __all__ = ["SHOWN", "capped", "fault_place", "others", "short", "where"]
@@ -93,7 +92,7 @@ def others(states: dict[int, RankState], culprits: list[int]) -> str:
         if r in culprits:
             continue
         s = states[r]
-        if s.outcome is Outcome.CRASHED and s.raised is not None:
+        if s.crashed:
             c = s.raised
             parts.append(
                 f"rank {r} lost its peer at step {max(c.step, 0)}, {c.phase}, at {c.site or 'an unknown place'}"

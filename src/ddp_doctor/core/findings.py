@@ -238,6 +238,8 @@ class Crash:
     step: int
     kind: str
     message: str
+    site: str = ""
+    """`file:line  code` of the script's line that raised ("" when unknown)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -7,12 +7,22 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["AloneSpan", "FollowRecord", "FollowSummary", "Following", "LoaderSeen", "SyncPoint"]
+__all__ = ["AloneSpan", "FollowRecord", "FollowSummary", "Following", "JoinedLoop", "LoaderSeen", "SyncPoint"]
 
 MAX_SYNC_POINTS = 1024
 """Sync points a rank keeps while following; later ones are counted, not timed."""
 COUNTED_PASSES = 4
 """Passes of each loader whose batches are counted per rank and compared across ranks."""
+
+
+@dataclass(frozen=True, slots=True)
+class JoinedLoop:
+    """The script's training loop runs inside a `Join` over its DDP model: its uneven inputs are handled."""
+
+    site: str
+    """Where the script entered the Join."""
+    throws: bool = False
+    """throw_on_early_termination=True: once a rank runs out, every rank ends the loop there (no shadowing)."""
 
 
 @dataclass(kw_only=True, slots=True)

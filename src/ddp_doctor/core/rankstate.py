@@ -127,6 +127,11 @@ class RankState:
         return self.sharding is not None
 
     @property
+    def crashed(self) -> bool:
+        """The script raised on this rank (before the observed steps' report, or after it, as under `watch`)."""
+        return self.outcome in (Outcome.CRASHED, Outcome.CRASHED_AFTER_REPORT) and self.raised is not None
+
+    @property
     def built_ddp(self) -> bool:
         return self.ddp_models > 0
 

@@ -33,7 +33,16 @@ TIMING_COLUMNS = 8
 the rank's main thread was ready to run but waited for a CPU: Linux's run-queue delay; 0 where it cannot be read),
 and on the GPU's clock (a DDP model on CUDA, `observation/device_clock.py`) the wait from the previous step's end to
 the forward and the step since the previous step's end (NaN where not timed on a GPU)."""
-CRASH_KINDS = ("none", Code.REDUCTION_ERROR.value, "static-graph-changed", "mark-ready-twice", "ddp-other", "other")
+CRASH_KINDS = (
+    "none",
+    Code.REDUCTION_ERROR.value,
+    "static-graph-changed",
+    "mark-ready-twice",
+    "ddp-other",
+    "other",
+    "other-model",
+    "exit",
+)
 """How a rank's observed loop ended early; index = the number stored in a record. DDP's reduction error is the kind
 named by the code of the finding that explains it (compared as `Code.REDUCTION_ERROR`)."""
 
@@ -175,6 +184,8 @@ class RankRecord:
     """Index into `CRASH_KINDS`."""
     crash_step: int = -1
     crash_message: str = ""
+    crash_site: str = ""
+    """`file:line  code` of the user's innermost frame on the crash's traceback ("" when none is the user's)."""
     bypass_sites: list[str] = field(default_factory=list)
     """`file:line` of user code that called the wrapped module directly."""
     blocked_checkpoints: list[str] = field(default_factory=list)
@@ -238,6 +249,9 @@ class RankRecord:
     join_sites: list[str] = field(default_factory=list)
     """Where the script entered a `Join` over a DDP model (`observation.joins.JOIN_SITES`): ranks that run out of
     batches there shadow the others' collectives."""
+    join_throws: list[str] = field(default_factory=list)
+    """Those of `join_sites` whose Join throws when a rank runs out (throw_on_early_termination=True): every rank
+    ends the loop there instead."""
     late_buffers: list[dict[str, Any]] = field(default_factory=list)
     """With broadcast_buffers=False, the buffers registered under a new name after DDP was built: `name`, `shape`,
     `fp`, `changing`, `site` (`observation.tree_scan.StateScan.late_buffers`)."""
@@ -330,6 +344,7 @@ class RankRecord:
             "crash_kind": self.crash_kind,
             "crash_step": self.crash_step,
             "crash_message": self.crash_message,
+            "crash_site": self.crash_site,
             "bypass_sites": self.bypass_sites,
             "blocked_checkpoints": self.blocked_checkpoints,
             "repeat_sites": self.repeat_sites,
@@ -355,6 +370,7 @@ class RankRecord:
             "recast_count": self.recast_count,
             "late_buffers": self.late_buffers,
             "join_sites": self.join_sites,
+            "join_throws": self.join_throws,
             "optimizer_stale": self.optimizer_stale,
             "modules": self.modules,
             "nonfinite_params": self.nonfinite_params,

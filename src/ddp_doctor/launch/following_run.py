@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 from ddp_doctor.analyze import diagnose_following
-from ddp_doctor.core.following import FollowSummary
+from ddp_doctor.core.following import FollowSummary, JoinedLoop
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.following_rounds import exchange_follow
 from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.launch.config import RankConfig, steps_reason
 from ddp_doctor.observation import dataloaders
 from ddp_doctor.observation.following_watch import FollowWatch
-from ddp_doctor.observation.joins import JOIN_SITES
+from ddp_doctor.observation.joins import JOIN_SITES, JOIN_THROWS
 from ddp_doctor.report.model import Report
 
 __all__ = ["CAPPED_NEXT", "EpochFollowing", "ended_by_our_cap", "group_timeout", "is_world"]
@@ -133,6 +133,6 @@ class EpochFollowing:
             world=report.facts.world_size,
             stopped=self.stopped_by == steps_reason(self.config.steps),
             watched=self.config.whole_run,
-            joined=JOIN_SITES[0] if JOIN_SITES else None,
+            joined=JoinedLoop(JOIN_SITES[0], throws=JOIN_SITES[0] in JOIN_THROWS) if JOIN_SITES else None,
         )
         return Report.build(report.facts, diagnosis)

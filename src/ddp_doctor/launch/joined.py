@@ -2,9 +2,10 @@
 
 A rank that ran out of batches inside a Join shadows the others' collectives until every rank has joined; the check's
 own exchange, started by the ranks that reached their observed steps, would meet those shadowing all-reduces and
-hang. So at the end of the observed steps inside a Join the doctors stop observing and the report waits; where the
-Join ends (on every rank together), one all-reduce tells whether any rank waits to report, and then every rank
-reports there, the ranks that ran out with the steps they had.
+hang. So at the end of the observed steps inside a Join the doctors stop observing and the report waits (the
+beacon still counts the optimizer's steps, as watch does after a report); where the Join ends (on every rank
+together), one all-reduce tells whether any rank waits to report, and then every rank reports there, the ranks that
+ran out with the steps they had.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
+from ddp_doctor.core.beacon import Beacon
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.observation.joins import ACTIVE, listen_joins, over_ddp
@@ -24,6 +27,7 @@ class JoiningRun(Protocol):
     """What the deferred report calls back: the in-rank run (`session.py`'s `Session`)."""
 
     doctors: list[Doctor]
+    beacon: Beacon
 
     @property
     def finishing(self) -> bool: ...
@@ -41,6 +45,8 @@ class JoinedReport:
         self.session = session
         self.waiting = False
         """This rank's observed steps ended inside a Join: it reports where the Join ends."""
+        self._steps: dict[int, int] = {}
+        self._counting: Any = None
 
     def install(self) -> None:
         listen_joins(self._left)
@@ -53,10 +59,21 @@ class JoinedReport:
         self.waiting = True
         for doctor in self.session.doctors:
             doctor.stop()
+        base = max(self.session.beacon.state.step, 0)
+
+        def stepped(opt: Optimizer, _args: Any, _kwargs: Any) -> None:
+            n = self._steps[id(opt)] = self._steps.get(id(opt), 0) + 1
+            if base + n > self.session.beacon.state.step:
+                self.session.beacon.step(base + n)
+
+        self._counting = register_optimizer_step_post_hook(stepped)
         return True
 
     def _left(self, join: Any) -> None:
         session = self.session
+        if self._counting is not None:
+            self._counting.remove()
+            self._counting = None
         ddp = over_ddp(join)
         if session.finishing or not any(d.ddp is ddp for d in session.doctors):
             return

@@ -257,10 +257,10 @@ class Session:
             self.policy.script_returned(exc, code)  # `watch`: the rank leaves as the script does
         if self.policy.script_ended():  # the script's loop ended while the policy ran (bench's blocks)
             self.leave()
-        if exc is None:
-            site = "the end of the script"
-        else:
-            site = user_frame(traceback.extract_tb(exc.__traceback__)) or "sys.exit"
+        tb = traceback.extract_tb(exc.__traceback__) if exc is not None else None
+        site = "the end of the script" if tb is None else user_frame(tb) or "sys.exit"
+        for doctor in self.doctors if code and exc is not None and not self._finishing else ():
+            doctor.record_crash(exc)  # a failure status: the job fails, as a crash does
         step = max((d.steps_observed for d in self.doctors), default=-1)
         if not self.doctors and self.plain.steps and not self._finishing and code == 0:
             self.finish_unwrapped(SCRIPT_ENDED)

@@ -151,7 +151,7 @@ def _ended_ranks(folder: Path) -> dict[int, float]:
     """rank -> when it wrote its end record, for ranks that ended without a report (crashed or exited)."""
     out = {}
     for rank, end in read_ends(folder).items():
-        if end.outcome in (Outcome.CRASHED, Outcome.EXITED, Outcome.NO_EXCHANGE):
+        if end.outcome in (Outcome.CRASHED, Outcome.CRASHED_AFTER_REPORT, Outcome.EXITED, Outcome.NO_EXCHANGE):
             try:
                 out[rank] = end_path(folder, rank).stat().st_mtime
             except OSError:

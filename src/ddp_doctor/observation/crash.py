@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.errors import DDPFailure, ReductionError
+from ddp_doctor.core.frames import user_frame
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord
 
 __all__ = ["OBSERVE_HINT", "CrashLog", "classify", "explain_failure", "raising_ddp"]
@@ -31,6 +33,8 @@ def raising_ddp(exc: BaseException) -> DistributedDataParallel | None:
 
 def classify(exc: BaseException) -> str:
     """The kind of a crash, one of `records.CRASH_KINDS` (but "none"), from DDP's error text."""
+    if isinstance(exc, SystemExit):
+        return "exit"  # the script's sys.exit with a failure status
     text = str(exc)
     if "graph has changed" in text:
         return "static-graph-changed"
@@ -214,6 +218,8 @@ class CrashLog:
     step: int = -1
     """The step the crash interrupted (the number of steps closed before it)."""
     message: str = ""
+    site: str = ""
+    """`file:line  code` of the user's innermost frame on the traceback."""
     in_window: bool = False
     """The crash came while steps were still observed (the hooks were attached)."""
 
@@ -227,7 +233,7 @@ class CrashLog:
         """Record `exc` unless a crash is already recorded. Returns whether it was recorded.
 
         A DDP error raised by another DDP model than `ddp` (a GAN's critic failing while its generator is observed
-        too) ended this model's loop, but is not this model's failure: it is recorded as "other".
+        too) ended this model's loop, but is not this model's failure: it is recorded as "other-model".
         """
         if self.kind:
             return False
@@ -235,13 +241,15 @@ class CrashLog:
         if kind != "other" and ddp is not None:
             raiser = raising_ddp(exc)
             if raiser is not None and raiser is not ddp:
-                kind = "other"
+                kind = "other-model"
         self.kind = CRASH_KINDS.index(kind)
         self.step = step
         self.in_window = in_window
         self.message = f"{type(exc).__name__}: {exc}"[:4000]
+        self.site = user_frame(traceback.extract_tb(exc.__traceback__)) or ""
         return True
 
     def stamp(self, record: RankRecord) -> None:
         """Copy the crash into `record`."""
         record.crash_kind, record.crash_step, record.crash_message = self.kind, self.step, self.message
+        record.crash_site = self.site

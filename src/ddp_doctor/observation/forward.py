@@ -37,6 +37,8 @@ class ForwardHooks:
         self._log = log
         self._hook_outputs = hook_outputs
         self._ddp_depth = 0
+        self._ddp_returned = False
+        """DDP's forward hook ran for the call that is ending (False in `_on_ddp_forward_end`: the call raised)."""
         self._ddp_grad = False
         self._outside: list[bool] = []
         self._handles: list[Any] = []
@@ -52,6 +54,7 @@ class ForwardHooks:
         self._handles += [
             ddp.register_forward_pre_hook(Hook(self._on_ddp_forward_pre)),
             ddp.register_forward_hook(Hook(self._on_ddp_forward)),
+            ddp.register_forward_hook(Hook(self._on_ddp_forward_end), always_call=True),
             module.register_forward_pre_hook(Hook(self._on_module_forward_pre), with_kwargs=True),
             module.register_forward_hook(Hook(self._on_module_forward)),
             # Global module hooks catch a bypass through any submodule too: a loss computed by a method of the
@@ -150,6 +153,7 @@ class ForwardHooks:
             self._log.changed_params = moved[:64]
 
     def _on_ddp_forward(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
+        self._ddp_returned = True
         self._ddp_depth -= 1
         if not torch.is_grad_enabled():
             return
@@ -167,6 +171,18 @@ class ForwardHooks:
         if tl.close_after_forward and tl.attached:
             tl.close_after_forward = False
             tl.close()
+
+    def _on_ddp_forward_end(self, _module: torch.nn.Module, _args: Any, _output: Any) -> None:
+        """After every DDP forward, one that raised too (`Join(throw_on_early_termination=True)` raises in DDP's
+        pre-forward on every rank once one ran out, and the script catches it): a forward that raised prepared no
+        reduction, so it is not a forward without backward, and the next call is not inside it."""
+        if self._ddp_returned:
+            self._ddp_returned = False
+            return
+        self._ddp_depth = max(self._ddp_depth - 1, 0)
+        tl = self._timeline
+        tl.inside_forward = False
+        tl.open_forward = None
 
     def _on_module_forward_pre(self, _module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if not torch.is_grad_enabled():

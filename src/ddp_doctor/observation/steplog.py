@@ -12,7 +12,7 @@ from ddp_doctor.core.fingerprint import fingerprints
 from ddp_doctor.core.records import RankRecord, StepCounters
 from ddp_doctor.observation.collectives import Call, digest
 from ddp_doctor.observation.device_clock import DeviceClock
-from ddp_doctor.observation.joins import JOIN_SITES
+from ddp_doctor.observation.joins import JOIN_SITES, JOIN_THROWS
 from ddp_doctor.observation.tree_scan import TO_EMPTY_SITES, StateScan
 
 __all__ = [
@@ -374,6 +374,7 @@ class StepLog:
             record.learning_rates = list(self.state.learning_rates)
         record.to_empty_sites = list(TO_EMPTY_SITES)
         record.join_sites = list(JOIN_SITES)
+        record.join_throws = list(JOIN_THROWS)
         if self._edited:
             record.synced_grad_fp = torch.stack(self._synced_rows)
         if self.device is not None and record.timing.shape[0]:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ddp_doctor.core import VERSION
-from ddp_doctor.core.codes import CODES, SEVERITIES
+from ddp_doctor.core.codes import CODES, SEVERITIES, Code
 from ddp_doctor.core.figures import Divergence, UsageMap
 from ddp_doctor.core.findings import Crash, Diagnosis, Finding, Recommendation, Timing, finite
 from ddp_doctor.core.following import Following
@@ -312,7 +312,11 @@ class ReportData:
     def crash_lines(self) -> list[str]:
         """One line per distinct crash, ranks grouped: `ranks 0, 1 stopped at step 1: RuntimeError: ....`"""
         by_message: dict[tuple[int, str], list[int]] = {}
+        # A crash a `rank-crashed` finding names is said there, with its line.
+        named = {(r, s) for f in self.findings if f.code == Code.RANK_CRASHED for r in f.ranks for s in f.steps}
         for crash in self.crashes:
+            if (crash.rank, max(crash.step, 0)) in named:
+                continue
             first = crash.message.split(". ", 1)[0].splitlines()[0][:200]
             by_message.setdefault((crash.step, first), []).append(crash.rank)
         return [f"{rank_list(ranks)} stopped at step {step}: {first}." for (step, first), ranks in by_message.items()]
