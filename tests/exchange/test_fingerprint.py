@@ -1,11 +1,12 @@
-"""fingerprints_batched(): the same numbers as fingerprints() up to float64 rounding, for any batching."""
+"""fingerprints_batched(): the same numbers as fingerprints() up to float64 rounding, for any batching; and which
+gradients are more than round-off (`significant`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ddp_doctor.core.fingerprint import fingerprints, fingerprints_batched
+from ddp_doctor.core.fingerprint import fingerprints, fingerprints_batched, significant
 
 
 def _tensors() -> list[torch.Tensor | None]:
@@ -51,3 +52,17 @@ def test_batched_sees_a_one_ulp_change_and_a_swap() -> None:
             again = fingerprints_batched(ts[:i] + [changed] + ts[i + 1 :], chunk_elements=100)
             assert not torch.equal(again[i], base[i]), (i, changed)
             assert torch.equal(torch.cat([again[:i], again[i + 1 :]]), torch.cat([base[:i], base[i + 1 :]]))
+
+
+def test_a_gradient_of_round_off_only_is_not_significant() -> None:
+    """Linear then BatchNorm: the Linear's bias gets about 1e-8 (zero in exact arithmetic) where the rest get about
+    1e-2; an absent gradient (NaN) and an exact zero are not significant either."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+    )
+    torch.nn.functional.cross_entropy(model(torch.randn(8, 8)), torch.randint(0, 2, (8,))).backward()
+    grads = [p.grad for p in model.parameters()] + [None, torch.zeros(3)]
+    peaks = fingerprints(grads).abs().amax(-1)
+    assert significant(peaks).tolist() == [True, False, True, True, True, True, False, False]
+    assert significant(torch.tensor([float("nan")])).tolist() == [False]

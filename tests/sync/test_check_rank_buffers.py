@@ -72,6 +72,7 @@ def test_a_buffer_set_per_rank_after_the_wrap_is_an_error(tmp_path: Path, case: 
         lines = (SCRIPTS / "rank_buffers.py").read_text().splitlines()
         at = f"rank_buffers.py:{next(i for i, text in enumerate(lines, 1) if line in text)}"
         assert any(site.endswith(at) for site in found["sites"]), found
+    assert run.report["compared"]["buffers_after_wrap"] == (1 if case == "registered" else 0), run.report["compared"]
     assert run.rc == 1
 
 

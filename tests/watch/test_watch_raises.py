@@ -23,9 +23,11 @@ SCRIPT = SCRIPTS / "script_raises.py"
 RAISE_LINE = next(i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if "raise ValueError" in line)
 
 
-@pytest.mark.parametrize(("only", "ranks"), [("1", [1]), (None, [0, 1])])
-def test_an_error_after_the_report_is_the_job_failure(tmp_path: Path, only: str | None, ranks: list[int]) -> None:
-    args = ["--nproc-per-node", "2", "--steps", "4", str(SCRIPT), "--at", "9"] + (["--rank", only] if only else [])
+def test_an_error_after_the_report_is_the_job_failure(tmp_path: Path) -> None:
+    """On rank 1 alone. (Every rank raising is grouped into one finding by the same failure analysis, tested under
+    `check` on an FSDP2 job, which ends the same way.)"""
+    ranks = [1]
+    args = ["--nproc-per-node", "2", "--steps", "4", str(SCRIPT), "--at", "9", "--rank", "1"]
     run = watch(args, tmp_path)
     assert run.rc == 1, run.output
     findings = run.report["findings"]

@@ -282,7 +282,11 @@ def beacons_words(
         + "."
         + (f" {capped(signals)} (gloo aborts a process whose peer issued a different collective)." if signals else ""),
         "fix": (
-            f"a forward through a DDP model broadcasts its buffers from rank 0 (broadcast_buffers=True): run the "
+            f"the model at {c.site or 'that line'} is a copy of a DDP model (made at {c.copied_at}), and like the "
+            "original it broadcasts its buffers from rank 0 at each forward: copy the inner module instead "
+            "(AveragedModel(ddp_model.module), copy.deepcopy(ddp_model.module)), or run that forward on every rank."
+            if c.ddp_buffers and c.copied_at
+            else f"a forward through a DDP model broadcasts its buffers from rank 0 (broadcast_buffers=True): run the "
             f"forward at {c.site or 'that line'} on every rank, or on one rank through the wrapped module "
             "(ddp_model.module(x)) under torch.no_grad(), which issues no collective."
             if c.ddp_buffers

@@ -39,6 +39,8 @@ def compared(summary: Summary) -> dict[str, Any]:
         "gradients_at": grads_at,
         "buffers": buffers,
         "buffers_not_recorded": len(info.buffer_names) - buffers,
+        # Under broadcast_buffers=False, those registered under a new name after the wrap (at most 8 are named).
+        "buffers_after_wrap": len(summary.metas.get(0, {}).get("late_buffers") or []),
         "modules": int(summary.metas.get(0, {}).get("modules", 0)),
         "inputs": int(summary.input_present[:s].sum()) if s else 0,
         "batches_drawn": sum(1 for k, v in enumerate(summary.drawn[1][:s]) if v > 0 and summary.steps_taken[1][k]),

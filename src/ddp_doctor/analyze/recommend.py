@@ -70,14 +70,8 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
                 "find_unused_parameters=True; static_graph=True handles that. Re-run the check with "
                 "it to see the full used set.",
             )
-        return _rec(
-            v,
-            find_unused=v.find_unused,
-            static=v.static_graph,
-            freeze=[],
-            verified=False,
-            reason="No complete step was observed, so there is nothing to base a change on. Observe from "
-            "the first training step.",
+        return Recommendation.unknown(
+            "No complete step was observed, so nothing supports any flags: the script's own stay as they are."
         )
 
     if v.crashed_before_first_step:

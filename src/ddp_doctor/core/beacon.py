@@ -58,6 +58,9 @@ class Collective:
     group_size: int | None = None
     ddp_buffers: bool = False
     """A DDP model's broadcast of its buffers at a forward (`tensor` names the model), not a call of the script."""
+    copied_at: str | None = None
+    """For `ddp_buffers`: the user's line that copied the DDP model it broadcast from (an EMA made with
+    `copy.deepcopy` or `AveragedModel`), None for a model its constructor built."""
 
     def describe(self) -> str:
         return f"{self.op}({self.tensor})" if self.tensor else self.op

@@ -13,10 +13,12 @@ import torch
 
 from ddp_doctor.core.compat import is_dtensor
 
-__all__ = ["MISSING", "fingerprint", "fingerprints", "fingerprints_batched"]
+__all__ = ["MISSING", "NEGLIGIBLE", "fingerprint", "fingerprints", "fingerprints_batched", "significant"]
 
 MISSING = float("nan")
 """The fingerprint of an absent tensor (a `None` grad)."""
+NEGLIGIBLE = 1e-5
+"""A gradient this many times smaller than the median of the model's is numerically zero (`significant`)."""
 
 # Golden-ratio weights: frac(i * phi) is equidistributed and needs no random generator or cached storage.
 _PHI = 0.6180339887498949
@@ -123,3 +125,14 @@ def _chunk(device: torch.device, chunk_elements: int | None) -> int:
     if chunk_elements is not None:
         return chunk_elements
     return 1 << 16 if device.type == "cpu" else 1 << 24
+
+
+def significant(magnitudes: torch.Tensor) -> torch.Tensor:
+    """bool[N]: which of `magnitudes` (one per tensor: a fingerprint's largest absolute value, or the tensor's;
+    NaN for an absent tensor) exceed `NEGLIGIBLE` times the median of the finite ones above 0. A bias followed by a
+    normalization layer (Linear then BatchNorm) gets a gradient of float round-off only, about 1e-8 where the
+    others' are about 1e-2: it is zero in exact arithmetic, and an optimizer step with it changes nothing."""
+    live = magnitudes.isfinite() & (magnitudes > 0)
+    if not bool(live.any()):
+        return live
+    return live & (magnitudes > magnitudes[live].median() * NEGLIGIBLE)

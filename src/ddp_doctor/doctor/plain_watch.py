@@ -30,7 +30,7 @@ from torch import nn
 from ddp_doctor.analyze import diagnose_unwrapped
 from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.findings import ParamRef
-from ddp_doctor.core.fingerprint import fingerprints, fingerprints_batched
+from ddp_doctor.core.fingerprint import fingerprints, fingerprints_batched, significant
 from ddp_doctor.core.frames import framework_of_stack, user_site_of
 from ddp_doctor.core.sharded_run import INPUT_STEPS, parallelism_of
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
@@ -73,8 +73,8 @@ def _replica_sum(model: ShardedModel) -> float:
 
 
 def _nonzero_grads(model: ShardedModel) -> torch.Tensor:
-    """bool[P]: per parameter of `model`, this rank's shard of its gradient holds a value other than 0 (one copy to
-    the host for all of them)."""
+    """bool[P]: per parameter of `model`, this rank's shard of its gradient holds a value other than 0, beyond
+    round-off (`significant`; one copy to the host for all of them)."""
     peaks = []
     for _, p in model.named_parameters():
         grad = p.grad
@@ -84,7 +84,9 @@ def _nonzero_grads(model: ShardedModel) -> torch.Tensor:
         else:
             peaks.append(local.detach().abs().amax().float())
     return (
-        (torch.stack([t.to(peaks[0].device) for t in peaks]).cpu() > 0) if peaks else torch.zeros(0, dtype=torch.bool)
+        significant(torch.stack([t.to(peaks[0].device) for t in peaks]).cpu())
+        if peaks
+        else torch.zeros(0, dtype=torch.bool)
     )
 
 

@@ -5,7 +5,10 @@ and where the ranks' last collectives part.
 
 The script's calls come from the process-wide probe `ddp_doctor.observation.collectives` (which also feeds the
 observed steps' per-step digests); this module only publishes them. DDP's broadcasts are seen by wrapping
-`DistributedDataParallel._sync_buffers` (a private method, called by DDP's forward only when it broadcasts)."""
+`DistributedDataParallel._sync_buffers` (a private method, called by DDP's forward only when it broadcasts). A copy
+of a DDP model (`copy.deepcopy`, `AveragedModel(ddp_model)` for an EMA) is a DDP model of its own, which the
+constructor never saw: DDP's `__setstate__` is wrapped to name it with the line that copied it, so its broadcasts are
+not taken for the original's."""
 
 from __future__ import annotations
 
@@ -22,10 +25,12 @@ from ddp_doctor.doctor import Doctor
 from ddp_doctor.observation import collectives
 from ddp_doctor.observation.collectives import Call
 
-__all__ = ["BUILT_AT", "CollectiveRecorder"]
+__all__ = ["BUILT_AT", "COPIED_AT", "CollectiveRecorder"]
 
 BUILT_AT = "_ddp_doctor_built_at"
 """The attribute of a DDP model that holds the user's line that built it (set by the patched constructor)."""
+COPIED_AT = "_ddp_doctor_copied_at"
+"""The attribute of a copy of a DDP model that holds the user's line that copied it."""
 
 
 class CollectiveRecorder:
@@ -46,7 +51,14 @@ class CollectiveRecorder:
         self._publish(op=call.op, site=user_site_of(call.caller), tensor=call.tensor, group_size=call.group_size)
 
     def _publish(
-        self, *, op: str, site: str | None, tensor: str | None, group_size: int | None, ddp_buffers: bool = False
+        self,
+        *,
+        op: str,
+        site: str | None,
+        tensor: str | None,
+        group_size: int | None,
+        ddp_buffers: bool = False,
+        copied_at: str | None = None,
     ) -> None:
         self.count += 1
         active = self.active()
@@ -57,6 +69,7 @@ class CollectiveRecorder:
             tensor=tensor,
             group_size=group_size,
             ddp_buffers=ddp_buffers,
+            copied_at=copied_at,
             step=active.steps_observed if active is not None else None,
             phase=active.position.phase if active is not None else None,
         )
@@ -77,13 +90,16 @@ class CollectiveRecorder:
 
         @functools.wraps(original)
         def _sync_buffers(ddp: DistributedDataParallel, *args: Any, **kwargs: Any) -> Any:
-            built = getattr(ddp, BUILT_AT, None)
+            built = f"the DDP model built at {getattr(ddp, BUILT_AT, None) or 'an unknown line'}"
+            copied = getattr(ddp, COPIED_AT, None)
             recorder._publish(
                 op="broadcast",
                 site=user_site({id(ddp)}),
-                tensor=f"{len(ddp.modules_buffers)} buffers of the DDP model built at {built or 'an unknown line'}",
+                tensor=f"{len(ddp.modules_buffers)} buffers of "
+                + (f"a copy (made at {copied}) of {built}" if copied else built),
                 group_size=ddp.process_group.size() if ddp.process_group is not None else None,
                 ddp_buffers=True,
+                copied_at=copied,
             )
             try:
                 return original(ddp, *args, **kwargs)
@@ -92,3 +108,11 @@ class CollectiveRecorder:
 
         _sync_buffers._ddp_doctor = True  # type: ignore[attr-defined]
         DistributedDataParallel._sync_buffers = _sync_buffers  # type: ignore[method-assign]
+        restore = DistributedDataParallel.__setstate__
+
+        @functools.wraps(restore)
+        def __setstate__(ddp: DistributedDataParallel, state: dict[str, Any]) -> None:
+            restore(ddp, state)
+            setattr(ddp, COPIED_AT, user_site() or "an unknown line")
+
+        DistributedDataParallel.__setstate__ = __setstate__  # type: ignore[method-assign]

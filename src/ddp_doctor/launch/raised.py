@@ -18,6 +18,7 @@ PEER_LOST = (
     "Connection reset by peer",
     "Broken pipe",
     "Timed out waiting",
+    "Application timeout caused pair closure",  # gloo, on the rank whose peer timed out first
     "communicator was aborted",
     "remote process exited",
     "NCCL error",

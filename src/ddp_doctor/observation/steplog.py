@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ddp_doctor.core.fingerprint import fingerprints
+from ddp_doctor.core.fingerprint import fingerprints, significant
 from ddp_doctor.core.records import RankRecord, StepCounters
 from ddp_doctor.observation.collectives import Call, digest
 from ddp_doctor.observation.device_clock import DeviceClock
@@ -250,7 +250,8 @@ class StepLog:
             self.nonfinite_params = (used & ~finite).nonzero().flatten().tolist()[:64]
         same = (before == after) | (before.isnan() & after.isnan())
         counters.weights_moved = int((~same.all(-1)).sum())
-        nonzero, moved = used & finite & ~(grads == 0).all(-1), ~same.all(-1)
+        # A gradient of round-off only (a bias before a BatchNorm) is no gradient an optimizer step could apply.
+        nonzero, moved = used & finite & significant(grads.abs().amax(-1)), ~same.all(-1)
         self._grad_nonzero = nonzero if self._grad_nonzero is None else self._grad_nonzero | nonzero
         self._weights_moved = moved if self._weights_moved is None else self._weights_moved | moved
         counters.weights_nonfinite = int((~after.isfinite().all(-1)).sum())

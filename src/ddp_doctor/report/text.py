@@ -255,8 +255,9 @@ def compared_line(c: dict[str, Any]) -> str:
     parts = [f"the weights{grads} and requires_grad of {_n(c['parameters'], 'parameter')} DDP syncs"]
     if c.get("created_after_wrap"):
         parts[0] += f", and {c['created_after_wrap']} created after wrap"
-    if c.get("buffers"):
-        parts.append(_n(c["buffers"], "buffer"))
+    if c.get("buffers") or c.get("buffers_after_wrap"):
+        late = c.get("buffers_after_wrap", 0)
+        parts.append(_n(c.get("buffers", 0), "buffer") + (f", and {late} registered after wrap" if late else ""))
     if c.get("modules"):
         parts.append(f"the train/eval modes of {_n(c['modules'], 'module')}")
     if c.get("inputs"):
