@@ -5,13 +5,16 @@ than `replica-divergence` pointing to it."""
 from __future__ import annotations
 
 import pytest
-from checkrun import SCRIPTS, check
+from checkrun import SCRIPTS, check, line_of
+
+PLATEAU = f"cause_plateau_local.py:{line_of(SCRIPTS / 'cause_plateau_local.py', 'sched.step(')}"
 
 
 @pytest.mark.parametrize(
     "script, nproc, code, ranks, steps, where",
     [
         ("cause_scheduler_rank0.py", 2, "optimizer-differs", [0, 1], [1], "cause_scheduler_rank0.py:27"),
+        ("cause_plateau_local.py", 2, "optimizer-differs", [0, 1], [3], PLATEAU),
         ("cause_skip_step.py", 4, "optimizer-step-skipped", [1], [2], None),
         ("cause_reduce_twice.py", 2, "grads-reduced-twice", [0, 1], list(range(8)), "cause_reduce_twice.py:24"),
         ("cause_init_sync_false.py", 2, "replicas-differ-at-wrap", [0, 1], [0], None),
@@ -36,6 +39,11 @@ def test_check_names_the_cause(tmp_path, script, nproc, code, ranks, steps, wher
         assert loud == {code, "replica-divergence"}, run.output
         assert f"fix the cause: {code}" in run.finding("replica-divergence")["fix"]
     assert "collective-mismatch" not in run.codes
+
+
+def test_a_plateau_scheduler_given_a_metric_reduced_across_the_ranks_is_clean(tmp_path) -> None:
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "cause_plateau_local.py"), "--reduced"], tmp_path)
+    assert run.rc == 0 and run.codes == set(), run.output
 
 
 def test_zero_redundancy_optimizer_shards_are_not_optimizer_differs(tmp_path) -> None:

@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "ec62715ddcd28cb2",
-    "odd-70": "d07a09a76b17c024",
-    "infos-differ-3": "783d9264bb6e4e9a",
-    "edited-2": "cf61ea22c94f1bba",
-    "inferred-2": "f13a2ab4b18c059f",
-    "clean-1": "c5c146b96d6d1f72",
+    "seeded-6": "ebf72c3ee81726ae",
+    "odd-70": "8453cf98e0ea2e9a",
+    "infos-differ-3": "f8f62d154fa94e54",
+    "edited-2": "6edcc13f687a58fc",
+    "inferred-2": "52fc14a724aafad9",
+    "clean-1": "050295cb6f977582",
 }
 
 

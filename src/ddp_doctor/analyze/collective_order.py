@@ -352,19 +352,16 @@ def _sent_unmatched(s: RankState) -> bool:
 
 def _recent_parting(live: list[RankState]) -> Parting | None:
     """The first position at which two ranks' last collectives (`RankState.recent`) hold different ones, before
-    the last of either, or at it when every rank whose last it is has left it: the ranks paired them and went on
-    (rank 0's forward through an EMA copy of a DDP model sent its buffers, and rank 1's next training forward took
-    them). Each rank's state there is its entry at that position."""
+    the last of either, or at it when every rank whose last it is has left it (an EMA copy's broadcast that a peer's
+    training forward took): the ranks paired them and went on. Each rank's state there is its entry there."""
     held = {s.rank: {c.n: c for c in s.recent} for s in live}
     last = min((max(h) for h in held.values() if h), default=0)
     left = all(not s.in_collective for s in live if held[s.rank] and max(held[s.rank]) == last)
     for n in sorted({n for h in held.values() for n in h if n < last or (n == last and left)}):
         at = {s.rank: held[s.rank][n] for s in live if n in held[s.rank]}
-        if len(at) < len(live):
-            continue
         first = min(at)
         odd = [r for r, c in at.items() if (c.op, c.tensor) != (at[first].op, at[first].tensor)]
-        if odd:
+        if odd and len(at) == len(live):
             by_rank = {s.rank: s for s in live}
             return Parting(
                 first=replace(by_rank[first], collective=at[first]),

@@ -130,6 +130,18 @@ def optimizer_differs(v: View) -> list[Finding]:
             )
             + "; change any optimizer setting on every rank alike."
         )
+    elif plateau := v.meta(0).get("metric_schedulers"):
+        # Stepped alike on every rank, but it reads a metric: each rank's own (its loss) cuts the rate at its own step.
+        sites = list(plateau)
+        where = (
+            f" A scheduler that reads a metric (ReduceLROnPlateau, stepped at {', '.join(plateau)}) sets the "
+            "learning rate from the value each rank passes it: a rank's own value (its own loss) cuts the rate on "
+            "some ranks first."
+        )
+        fix = (
+            f"pass the scheduler at {plateau[0]} a metric reduced across the ranks (dist.all_reduce(metric); "
+            "metric /= world_size) so every rank cuts the rate at the same step."
+        )
     finding = settings_apart(
         step=step,
         held=held,

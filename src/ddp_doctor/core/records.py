@@ -207,6 +207,8 @@ class RankRecord:
     that `optimizer_digest` shows to differ (at most `MAX_STEP_LOG` steps)."""
     scheduler_sites: list[str] = field(default_factory=list)
     """`step N: file:line` of the LR scheduler's `step()` calls."""
+    metric_schedulers: list[str] = field(default_factory=list)
+    """`file:line` of the `step(metric)` calls of a scheduler that reads a metric (ReduceLROnPlateau)."""
     changed_sites: list[str] = field(default_factory=list)
     """`step N: <how> at file:line` of changes to the parameters outside the optimizer (`changed_outside`)."""
     changed_params: list[int] = field(default_factory=list)
@@ -354,6 +356,7 @@ class RankRecord:
             "loaders": self.loaders,
             "optimizer_log": self.optimizer_log,
             "scheduler_sites": self.scheduler_sites,
+            "metric_schedulers": self.metric_schedulers,
             "changed_sites": self.changed_sites,
             "changed_params": self.changed_params,
             "rereduce_sites": self.rereduce_sites,

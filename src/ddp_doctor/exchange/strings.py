@@ -89,6 +89,7 @@ def rank_strings(
             "scale": scale,
             "optimizer": at_step(record.optimizer_log, settings),
             "scheduler_sites": at_step(record.scheduler_sites, sched),
+            "metric_schedulers": record.metric_schedulers,
             "changed_sites": at_step(record.changed_sites, changed),
             # A skipped step shows at the next one: the forward that came without a step.
             "skip_sites": at_step(record.repeat_sites, skip + 1) if skip is not None else [],

@@ -9,6 +9,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ddp_doctor.core.frames import user_site
 from ddp_doctor.observation import (
     collectives,
@@ -92,7 +94,11 @@ class Probes:
         tl = self._timeline
         if tl.attached and getattr(scheduler, "optimizer", None) is self._target.optimizer:
             tl.state.counters.scheduler_steps += 1
-            self._log.note_step(self._log.scheduler_sites, f"{type(scheduler).__name__}.step() at {user_site()}")
+            site = user_site()
+            self._log.note_step(self._log.scheduler_sites, f"{type(scheduler).__name__}.step() at {site}")
+            metric = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+            if metric and site and site not in self._log.metric_schedulers and len(self._log.metric_schedulers) < 4:
+                self._log.metric_schedulers.append(site)
 
     def on_load_state_dict(self, module: Any, site: str | None) -> None:
         """`load_state_dict` on the model (the DDP wrapper, the module inside or a submodule)."""

@@ -135,6 +135,8 @@ class StepLog:
         """`step N: group 0 (4 tensors) lr=0.1, ...` at each optimizer step."""
         self.scheduler_sites: list[str] = []
         """`step N: file:line` of each LR scheduler step()."""
+        self.metric_schedulers: list[str] = []
+        """`file:line` of each step(metric) of a scheduler that reads a metric (ReduceLROnPlateau), each once."""
         self.changed_sites: list[str] = []
         """`step N: <how>` of each change to the parameters outside the optimizer."""
         self.changed_params: list[int] = []
@@ -347,6 +349,7 @@ class StepLog:
         record.collective_log = list(self.collective_log)
         record.optimizer_log = list(self.optimizer_log)
         record.scheduler_sites = list(self.scheduler_sites)
+        record.metric_schedulers = list(self.metric_schedulers)
         record.changed_sites = list(self.changed_sites)
         record.changed_params = list(self.changed_params)
         record.rereduce_sites = list(self.rereduce_sites)
