@@ -33,6 +33,7 @@
 --mistake head-second-opt   clean: the head in a second optimizer (SGD) of its own, stepped after the first
 --mistake sched-rank0       an LR scheduler (StepLR, gamma 0.5) stepped on rank 0 alone from the third step on
 --mistake sched-every       clean: that scheduler stepped on every rank
+--mistake plateau-local     a ReduceLROnPlateau (patience 1, factor 0.5) stepped on every rank with the rank's own loss
 --mistake train-rank0       a Dropout in the first block; after the third step every rank evaluates in eval mode,
                             and rank 0 alone switches back to train mode
 --mistake train-every       clean: that evaluation, every rank back in train mode
@@ -140,6 +141,7 @@ if __name__ == "__main__":
             params, head_opt = rest, torch.optim.SGD(head, lr=0.1)
         opt = torch.optim.AdamW(params, lr=0.0 if "lr-zero" in mistakes else 1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=1, factor=0.5)
     g = torch.Generator().manual_seed(0 if "same-data" in mistakes else rank)
     first_batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(0 if "same-data" in mistakes else rank))
     print(f"rank {rank}: first batch sum {first_batch.double().sum().item():.6f}", flush=True)
@@ -172,6 +174,8 @@ if __name__ == "__main__":
                 f.write(f"{_step} {len(model._forward_hooks)}\n")
         if _step >= 2 and ("sched-every" in mistakes or "sched-rank0" in mistakes and rank == 0):
             sched.step()
+        if "plateau-local" in mistakes:
+            plateau.step(loss.item())
         if _step == 2 and ("log-every" in mistakes or "log-rank0" in mistakes and rank == 0):
             mean = loss.detach().clone()
             dist.all_reduce(mean)
@@ -179,7 +183,9 @@ if __name__ == "__main__":
                 print(f"step {_step}: loss {mean.item() / dist.get_world_size():.4f}", flush=True)
         if {"log-op-rank0", "log-dtype-rank0"} & mistakes:  # the loss reduced for logging, rank 0 differently
             total = loss.detach().clone().to(torch.float64 if "log-dtype-rank0" in mistakes and rank == 0 else None)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX if "log-op-rank0" in mistakes and rank == 0 else dist.ReduceOp.SUM)
+            dist.all_reduce(
+                total, op=dist.ReduceOp.MAX if "log-op-rank0" in mistakes and rank == 0 else dist.ReduceOp.SUM
+            )
             if _step == args.steps - 1:
                 print(f"rank {rank}: loss {loss.item():.6f}, logged {total.item():.6f}", flush=True)
         for how in args.save.split(",") if _step == 2 and args.save else []:
@@ -208,7 +214,7 @@ if __name__ == "__main__":
     if hasattr(model, "mix"):  # every rank runs it: the forward all-gathers
         with torch.no_grad():
             extra += f", output sum on ones {model(torch.ones(2, 16)).double().sum().item():.6f}"
-    if "sched-rank0" in mistakes or "sched-every" in mistakes:
+    if {"sched-rank0", "sched-every", "plateau-local"} & mistakes:
         extra += f", lr {opt.param_groups[0]['lr']:.3g}"
     if "train-rank0" in mistakes or "train-every" in mistakes:
         extra += f", training {model.blocks[0].training}"

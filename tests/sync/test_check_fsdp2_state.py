@@ -5,6 +5,9 @@ Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps o
 - `--mistake sched-rank0` (StepLR, gamma 0.5, stepped on rank 0 alone from the third step): exit code 0, nothing
   said; the last learning rate is 9.77e-06 on rank 0 and 0.01 on rank 1; the gathered head.weight sums to -0.952121
   on both ranks, against -1.060282 with the scheduler stepped on every rank (`sched-every`).
+- `--mistake plateau-local` (ReduceLROnPlateau stepped on every rank with the rank's own loss): exit code 0,
+  nothing said; the learning rates part at the sixth step (0.0025 on rank 0, 0.005 on rank 1) and meet again at
+  0.000313 by the twelfth: in between each rank stepped its own shards at its own rate.
 - `--mistake train-rank0` (a Dropout in the first block; every rank evaluates in eval mode after the third step,
   rank 0 alone calls `model.train()` after): exit code 0, nothing said; rank 1 ends with `training` False and
   head.weight sums to -1.407930, against -1.468885 with every rank back in train mode (`train-every`).
@@ -43,6 +46,13 @@ def test_a_scheduler_stepped_on_rank_0_alone_is_optimizer_differs_at_the_first_s
     # the scheduler first stepped after step 2 (0-based) on rank 0: step 3 ran at two learning rates
     assert (f["severity"], f["ranks"], f["steps"]) == ("error", [0, 1], [3]), f
     assert run.report["compared"]["state_steps"] == 8, run.report["compared"]
+
+
+def test_a_plateau_scheduler_given_each_ranks_own_loss_is_named_with_its_line_and_fix(tmp_path: Path) -> None:
+    run = _check(tmp_path, "plateau-local")
+    assert run.rc == 1 and run.codes == {"optimizer-differs"}, run.output
+    f = run.finding("optimizer-differs")
+    assert f["sites"] == [f"tests/scripts/fsdp2_train.py:{line_of(SCRIPT, 'plateau.step(loss.item())')}"], f
 
 
 def test_a_model_left_in_eval_mode_on_rank_1_is_named_at_the_first_step_it_trained_so(tmp_path: Path) -> None:

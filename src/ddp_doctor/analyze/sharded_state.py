@@ -9,7 +9,7 @@ from functools import partial
 from ddp_doctor.analyze.collective_order import sequences_apart
 from ddp_doctor.analyze.common import with_more
 from ddp_doctor.analyze.moves import never_updated, nonfinite_finding, stalled
-from ddp_doctor.analyze.optimizer_settings import settings_apart
+from ddp_doctor.analyze.optimizer_settings import metric_scheduler_words, settings_apart
 from ddp_doctor.analyze.replica_state import buffers_apart, modes_apart, replicas_parted
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
@@ -139,8 +139,12 @@ def replica_state(run: ShardedRun) -> list[Finding]:
         "set every optimizer hyperparameter identically on every rank (an LR scheduler stepped on some ranks only "
         "does this: step it on every rank)."
     )
+    settings = partial(settings_apart, fix=fix)
+    if run.metric_schedulers:
+        where, fix = metric_scheduler_words(run.metric_schedulers)
+        settings = partial(settings_apart, where=where, fix=fix, sites=tuple(run.metric_schedulers))
     found = []
-    for apart, build in ((run.settings_apart, partial(settings_apart, fix=fix)), (run.modes_apart, modes_apart)):
+    for apart, build in ((run.settings_apart, settings), (run.modes_apart, modes_apart)):
         if apart is not None:
             finding = build(
                 step=apart["step"],

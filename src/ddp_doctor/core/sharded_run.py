@@ -102,6 +102,8 @@ class ShardedRun:
     """The first of those steps at which the optimizer's settings differed across ranks: `step`, `reference` (the
     rank holding the most common settings), `ranks` (ranks holding others, the lowest few), `more` (others not
     named), `held` ({rank: settings text} for the reference and the first other rank). None when they agreed."""
+    metric_schedulers: list[str] = field(default_factory=list)
+    """Where rank 0 stepped a scheduler of its optimizer that reads a metric (ReduceLROnPlateau), `file:line`."""
     modes_apart: dict[str, Any] | None = None
     """The same for the modules' modes; `held` maps a rank to its modes entry (`tree_scan.modes_of`)."""
     replica_rows: int = 0

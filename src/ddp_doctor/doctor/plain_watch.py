@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from ddp_doctor.analyze import diagnose_unwrapped
 from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.fingerprint import fingerprints, fingerprints_batched, significant
-from ddp_doctor.core.frames import framework_of_stack, user_site_of
+from ddp_doctor.core.frames import framework_of_stack, user_site, user_site_of
 from ddp_doctor.core.sharded_run import INPUT_STEPS, parallelism_of
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.doctor.sharded_report import SITE_ATTR, sharded_report
@@ -44,6 +45,7 @@ from ddp_doctor.observation.dataloaders import Mark, drawn_since
 from ddp_doctor.observation.grad_scale import GradScale
 from ddp_doctor.observation.hooks import tensors_in
 from ddp_doctor.observation.optimizers import describe
+from ddp_doctor.observation.optimizers import listen as listen_schedulers
 from ddp_doctor.observation.sharding import (
     GatherCount,
     ReducePrecisionProbe,
@@ -149,6 +151,10 @@ class PlainOptimizerWatch:
         """One rank, and the first optimizer to step trains no sharded model: nothing to compare, nothing followed."""
         self.stopped = False
         """`observe()`'s context ended (`detach`): nothing more is counted, no script is followed."""
+        self.metric_schedulers: list[str] = []
+        """`file:line` of the `step(metric)` calls of a scheduler of this optimizer that reads a metric
+        (ReduceLROnPlateau), each once."""
+        self._unlisten: Callable[[], None] | None = None
         self.input_fps: list[torch.Tensor | None] = []
         """Per observed step (the first `INPUT_STEPS`): the fingerprint of its training forwards' inputs; None for a
         step whose forward the root's pre-hook did not see (the first: the model is found at its optimizer step)."""
@@ -180,6 +186,8 @@ class PlainOptimizerWatch:
         """Stop counting and take this watch's wrappers and hooks off the model (`observe()`'s end); what was
         measured stays for the report."""
         self.stopped = True
+        if self._unlisten is not None:
+            self._unlisten()
         if self.gathers is not None:
             self.gathers.remove()
         if self.probe is not None:
@@ -226,6 +234,15 @@ class PlainOptimizerWatch:
         if info.get("shards") and len(self.shard_saves) < 4:
             self.shard_saves.append(info)
 
+    def _note_scheduler(self, scheduler: Any) -> None:
+        """An LR scheduler's `step()`: where one of this optimizer that reads a metric was stepped."""
+        if self.stopped or getattr(scheduler, "optimizer", None) is not self.optimizer:
+            return
+        site = user_site()
+        plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        if plateau and site and site not in self.metric_schedulers and len(self.metric_schedulers) < 4:
+            self.metric_schedulers.append(site)
+
     def on_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Count a step; returns True when it was this watch's optimizer. On one rank only a sharded model is
         followed: its optimizer and gradient sync can be wrong on one GPU too, while an unwrapped model is not."""
@@ -241,6 +258,7 @@ class PlainOptimizerWatch:
                 self._solo_declined = True
                 return False
             self.optimizer, self.sharded = optimizer, sharded
+            self._unlisten = listen_schedulers(self._note_scheduler)
             self.framework = self._framework or framework_of_stack(traceback.extract_stack())
             if self.sharded is None:
                 self._name_params(sys._getframe(2))

@@ -211,6 +211,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         steps=w.steps,
         optimizer=type(w.optimizer).__qualname__,
         optimizer_site=getattr(w.optimizer, SITE_ATTR, None),
+        metric_schedulers=list(w.metric_schedulers),
         framework=w.framework,
         sharding=sharding,
         model_params=sum(p.requires_grad for _, p in named),
