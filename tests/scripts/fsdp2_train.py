@@ -183,9 +183,7 @@ if __name__ == "__main__":
                 print(f"step {_step}: loss {mean.item() / dist.get_world_size():.4f}", flush=True)
         if {"log-op-rank0", "log-dtype-rank0"} & mistakes:  # the loss reduced for logging, rank 0 differently
             total = loss.detach().clone().to(torch.float64 if "log-dtype-rank0" in mistakes and rank == 0 else None)
-            dist.all_reduce(
-                total, op=dist.ReduceOp.MAX if "log-op-rank0" in mistakes and rank == 0 else dist.ReduceOp.SUM
-            )
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if "log-op-rank0" in mistakes and rank == 0 else dist.ReduceOp.SUM)
             if _step == args.steps - 1:
                 print(f"rank {rank}: loss {loss.item():.6f}, logged {total.item():.6f}", flush=True)
         for how in args.save.split(",") if _step == 2 and args.save else []:
