@@ -84,27 +84,28 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
         if together:
             # Every rank ended at the same step: the script is just short, or it stopped with a failure status.
             findings.extend(exited_failing(states, exited))
-        for rank, s in sorted(exited.items()) if not together else ():
-            if s.phase == Phase.TORN_DOWN.value:
-                continue  # it ended after destroying its process group: no collective is left to wait in for it
-            waiting = others(states, [*exited])
-            findings.append(
-                Finding(
-                    code=Code.RANK_EXITED,
-                    severity="error",
-                    title=f"rank {rank} exited (status {s.exit_status}) at step {steps_by_rank[rank]}; "
-                    f"{rank_list(still) if still else 'the others'} trained on",
-                    detail=(
-                        f"It left from {s.exit_site or 'an unknown place'} ({s.phase}). A rank that leaves early makes "
-                        "the others wait for it in their next collective (DDP's gradient all-reduce) until it fails "
-                        "or times out." + (f" The others: {waiting}." if waiting else "")
-                    ),
-                    ranks=[rank],
-                    steps=[steps_by_rank[rank]],
-                    fix="make every rank take the same decision to stop: compute the stopping condition from values "
-                    "reduced across ranks (all_reduce a flag), and give every rank the same number of batches.",
+        else:
+            for rank, s in sorted(exited.items()):
+                if s.phase == Phase.TORN_DOWN.value:
+                    continue  # it ended after destroying its process group: no collective is left to wait in for it
+                waiting = others(states, [*exited])
+                findings.append(
+                    Finding(
+                        code=Code.RANK_EXITED,
+                        severity="error",
+                        title=f"rank {rank} exited (status {s.exit_status}) at step {steps_by_rank[rank]}; "
+                        f"{rank_list(still) if still else 'the others'} trained on",
+                        detail=(
+                            f"It left from {s.exit_site or 'an unknown place'} ({s.phase}). A rank that leaves early makes "
+                            "the others wait for it in their next collective (DDP's gradient all-reduce) until it fails "
+                            "or times out." + (f" The others: {waiting}." if waiting else "")
+                        ),
+                        ranks=[rank],
+                        steps=[steps_by_rank[rank]],
+                        fix="make every rank take the same decision to stop: compute the stopping condition from values "
+                        "reduced across ranks (all_reduce a flag), and give every rank the same number of batches.",
+                    )
                 )
-            )
 
     if not findings and (timeout := timed_out_waiting(states, where)) is not None:
         findings.append(timeout)

@@ -22,7 +22,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BEACON_SCHEMA", "RECENT", "Beacon", "BeaconState", "ClosedStep", "Collective", "read_beacon"]
+__all__ = [
+    "BEACON_SCHEMA",
+    "RECENT",
+    "Beacon",
+    "BeaconState",
+    "ClosedStep",
+    "Collective",
+    "OptimizerSteps",
+    "read_beacon",
+]
 
 BEACON_SCHEMA = "ddp-doctor/beacon@1"
 _SIZE = 16384
@@ -221,3 +230,22 @@ def read_beacon(path: Path) -> BeaconState | None:
                 state.step, state.time = step, max(state.time, at)
         return state
     return None
+
+
+class OptimizerSteps:
+    """The steps a rank trains once no doctor counts them (`watch` past its report, a report waiting for a Join's
+    end), published in `beacon`: each optimizer's own count of `step()` calls past `base`, the most of them (a GAN's
+    two optimizers step once each per training step)."""
+
+    def __init__(self, beacon: Beacon, base: int) -> None:
+        self.beacon = beacon
+        self.base = base
+        self._counts: dict[int, int] = {}
+
+    def stepped(self, optimizer: object) -> int | None:
+        """Count one `step()` of `optimizer`; returns the new step when the count moved the rank's step, else None."""
+        n = self._counts[id(optimizer)] = self._counts.get(id(optimizer), 0) + 1
+        if self.base + n <= self.beacon.state.step:
+            return None
+        self.beacon.step(self.base + n)
+        return self.base + n

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ddp_doctor.core.beacon import Beacon
+from ddp_doctor.core.beacon import Beacon, OptimizerSteps
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.exchange.primitives import comm_device, minmax
 from ddp_doctor.observation.joins import ACTIVE, listen_joins, over_ddp
@@ -45,8 +45,8 @@ class JoinedReport:
         self.session = session
         self.waiting = False
         """This rank's observed steps ended inside a Join: it reports where the Join ends."""
-        self._steps: dict[int, int] = {}
         self._counting: Any = None
+        """The hook that counts the steps trained while the report waits (removed at the Join's end)."""
 
     def install(self) -> None:
         listen_joins(self._left)
@@ -59,14 +59,8 @@ class JoinedReport:
         self.waiting = True
         for doctor in self.session.doctors:
             doctor.stop()
-        base = max(self.session.beacon.state.step, 0)
-
-        def stepped(opt: Optimizer, _args: Any, _kwargs: Any) -> None:
-            n = self._steps[id(opt)] = self._steps.get(id(opt), 0) + 1
-            if base + n > self.session.beacon.state.step:
-                self.session.beacon.step(base + n)
-
-        self._counting = register_optimizer_step_post_hook(stepped)
+        steps = OptimizerSteps(self.session.beacon, max(self.session.beacon.state.step, 0))
+        self._counting = register_optimizer_step_post_hook(lambda opt, _args, _kwargs: steps.stepped(opt))
         return True
 
     def _left(self, join: Any) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
 
+from ddp_doctor.core.beacon import OptimizerSteps
 from ddp_doctor.core.frames import user_frame
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import Outcome
@@ -49,8 +50,8 @@ class WatchPolicy:
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        self._steps: dict[int, int] = {}
-        self._base = 0
+        self._steps: OptimizerSteps | None = None
+        """The optimizer steps counted from the report on (`reported`)."""
         self._stacks = open(stacks_path(session.outdir, session.rank), "a")  # noqa: SIM115  (kept open for the handler)
         faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
         self._dumped = 0.0
@@ -67,7 +68,7 @@ class WatchPolicy:
     def reported(self, doctors: list[Doctor], reports: list[Report]) -> bool:
         """The first steps are reported: count the optimizer steps from here on, and let the script go on."""
         beacon = self.session.beacon
-        self._base = max(beacon.state.step, 0)
+        self._steps = OptimizerSteps(beacon, max(beacon.state.step, 0))
         sharded = self.session.plain.sharded
         if sharded is not None:
             self._windows.add_model(sharded.root)
@@ -113,10 +114,8 @@ class WatchPolicy:
         raise exc if exc is not None else SystemExit(code)
 
     def _stepped(self, opt: Optimizer, _args: Any, _kwargs: Any) -> None:
-        n = self._steps[id(opt)] = self._steps.get(id(opt), 0) + 1
-        step = self._base + n
-        if step > self.session.beacon.state.step:
-            self.session.beacon.step(step)
+        step = self._steps.stepped(opt) if self._steps is not None else None
+        if step is not None:
             try:
                 self._windows.stepped(step)
                 self._replicas.stepped(step)
