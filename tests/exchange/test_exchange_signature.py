@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "ebf72c3ee81726ae",
-    "odd-70": "8453cf98e0ea2e9a",
-    "infos-differ-3": "f8f62d154fa94e54",
-    "edited-2": "6edcc13f687a58fc",
-    "inferred-2": "52fc14a724aafad9",
-    "clean-1": "050295cb6f977582",
+    "seeded-6": "7315821909d5cfaf",
+    "odd-70": "f9ac4040f0cc3069",
+    "infos-differ-3": "5161b1b338450a00",
+    "edited-2": "474f2c69cc6ec7e1",
+    "inferred-2": "f637dad669ebb6e5",
+    "clean-1": "aee005c78d7993b7",
 }
 
 

@@ -38,6 +38,8 @@
                             and rank 0 alone switches back to train mode
 --mistake train-every       clean: that evaluation, every rank back in train mode
 --mistake skip-rank1        rank 1 alone skips optimizer.step() at the third step (a skip decided from its own loss)
+--mistake temperature       a learnable loss temperature kept beside the model, stepped by the same optimizer
+--mistake temperature-synced clean: that temperature, its gradient averaged by the script before each step
 
 --save (after the third optimizer step, to --save-dir; several at once: "dcp,full"):
   rank0        rank 0 alone: torch.save(model.state_dict(), "ck.pt") (its shards only)
@@ -128,7 +130,7 @@ if __name__ == "__main__":
     if "added-after" in mistakes:
         model.extra = nn.Linear(64, 64)
         before.update({f"extra.{n}": p.detach().clone() for n, p in model.extra.named_parameters()})
-    head_opt = None
+    head_opt = temp = None
     if "optimizer-before" not in mistakes:
         params = list(model.parameters())
         head = [p for n, p in model.named_parameters() if n.startswith("head.")]
@@ -139,6 +141,8 @@ if __name__ == "__main__":
             params = [{"params": rest}, {"params": head, "lr": 0.0}]
         elif "head-second-opt" in mistakes:
             params, head_opt = rest, torch.optim.SGD(head, lr=0.1)
+        temp = nn.Parameter(torch.zeros(())) if {"temperature", "temperature-synced"} & mistakes else None
+        params = params + [temp] if temp is not None else params
         opt = torch.optim.AdamW(params, lr=0.0 if "lr-zero" in mistakes else 1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=1, factor=0.5)
@@ -152,7 +156,7 @@ if __name__ == "__main__":
             if "accumulate" in mistakes:
                 model.set_requires_gradient_sync(micro == 1)
             x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
-            loss = F.cross_entropy(model(x), y) * (0.0 if "zero-loss" in mistakes else 1.0)
+            loss = F.cross_entropy(model(x) / (temp.exp() if temp is not None else 1.0), y) * (0.0 if "zero-loss" in mistakes else 1.0)
             if "nan-loss" in mistakes and _step >= 3:
                 loss = loss * float("nan")
             loss.backward()
@@ -163,6 +167,9 @@ if __name__ == "__main__":
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(shard) for shard in local]))
             for shard in local:
                 shard.mul_((0.05 / (norm + 1e-6)).clamp(max=1.0))
+        if "temperature-synced" in mistakes:
+            dist.all_reduce(temp.grad)
+            temp.grad /= dist.get_world_size()
         if not ("skip-rank1" in mistakes and rank == 1 and _step == 2):
             opt.step()
         opt.zero_grad()
@@ -216,5 +223,7 @@ if __name__ == "__main__":
         extra += f", lr {opt.param_groups[0]['lr']:.3g}"
     if "train-rank0" in mistakes or "train-every" in mistakes:
         extra += f", training {model.blocks[0].training}"
+    if {"temperature", "temperature-synced"} & mistakes:
+        extra += f", temperature {temp.item():.6f}"
     print(f"rank {rank}: largest weight change {moved:.3g}, head.weight sum {head_sum:.6f}{extra}", flush=True)
     dist.destroy_process_group()

@@ -15,6 +15,9 @@ cases:
   tie-before-wrap the same tie made before DDP was built (clean)
   cast-after-wrap  model.to(torch.bfloat16) after DDP was built
   cast-before-wrap the same cast before DDP was built (clean)
+  outside-param  a learnable loss temperature kept beside the model, stepped by the same optimizer
+  outside-synced the same temperature, its gradient all-reduced by the script before the step (clean)
+  outside-registered the temperature registered on the model before DDP was built, read through .module (clean)
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ def main() -> None:
         net.head.weight = net.aux.weight
     if args.case == "cast-before-wrap":
         net = net.to(torch.bfloat16)
+    if args.case == "outside-registered":
+        net.temp = nn.Parameter(torch.zeros(()))
     model = DistributedDataParallel(net, find_unused_parameters=args.find_unused)
     if args.case == "cast-after-wrap":
         model = model.to(torch.bfloat16)  # cast after the wrap
@@ -93,16 +98,24 @@ def main() -> None:
         model.module.scale = nn.Parameter(torch.ones(4))
     elif args.case == "ema-inside":
         model.module.ema = copy.deepcopy(nn.Sequential(model.module.body, model.module.head)).requires_grad_(False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    temp = model.module.temp if args.case == "outside-registered" else None
+    if args.case in ("outside-param", "outside-synced"):
+        temp = nn.Parameter(torch.zeros(()))  # a learnable loss temperature beside the model
+    extra = [temp] if temp is not None and args.case != "outside-registered" else []
+    opt = torch.optim.SGD([*model.parameters(), *extra], lr=0.1)
     if args.case == "replace-after-opt":
         torch.manual_seed(1)
         model.module.head = nn.Linear(16, 4)  # after the optimizer was built: it still holds the old head
     g = torch.Generator().manual_seed(rank)
     for step in range(args.steps):
         x = torch.randn(16, 8, generator=g).to(next(model.parameters()).dtype)
-        loss = model(x).float().pow(2).mean()
+        out = model(x).float()
+        loss = (out / temp.exp() if temp is not None else out).pow(2).mean()
         opt.zero_grad()
         loss.backward()
+        if args.case == "outside-synced":
+            dist.all_reduce(temp.grad)
+            temp.grad /= dist.get_world_size()
         opt.step()
         if args.case == "ema-inside":
             with torch.no_grad():
@@ -119,7 +132,7 @@ def main() -> None:
                 model.module(torch.randn(4, 8, generator=g))
             model.train()
     measured = {
-        "gaps": gaps(model.module),
+        "gaps": gaps(model.module) | ({"temp": gaps(nn.ParameterList([temp]))["0"]} if extra else {}),
         "training": model.training,
         "head_sum": float(model.module.head.weight.sum()),
     }

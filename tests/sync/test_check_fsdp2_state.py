@@ -21,6 +21,11 @@ Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps o
   asked for came back as 1.461524, rank 0's loss (the MAX): gloo applied one rank's reduction for both.
 - `--mistake log-dtype-rank0` (the same all_reduce, rank 0's in float64): rank 1 dies of SIGABRT in gloo at the
   first step (exit code -6), and torchrun ends the job.
+- `--mistake temperature` (a learnable loss temperature `temp = nn.Parameter(...)` kept beside the model and stepped
+  by the same AdamW): exit code 0, nothing said; head.weight is equal on both ranks, the temperature ends at
+  0.071670 on rank 0 and 0.038691 on rank 1. Before, the check said "No problems found" and claimed to have compared
+  "the optimizer's parameters against the model's". With the script averaging `temp.grad` before each step
+  (`temperature-synced`): 0.073942 on both ranks.
 """
 
 from __future__ import annotations
@@ -120,3 +125,15 @@ def test_a_logging_all_reduce_in_float64_on_rank_0_alone_names_the_collective_th
     assert set(f["ranks"]) == {0, 1}, f
     line = line_of(SCRIPT, "dist.all_reduce(total, op=")
     assert f"fsdp2_train.py:{line}" in {site.rsplit("/", 1)[-1] for site in f["sites"]}, f
+
+
+def test_a_temperature_the_optimizer_trains_beside_the_model_is_named_and_a_synced_one_is_compared_clean(
+    tmp_path: Path,
+) -> None:
+    run = _check(tmp_path / "apart", "temperature")
+    found = run.finding("unsharded-params-not-synced")
+    assert found["severity"] == "error" and run.params("unsharded-params-not-synced") == {"temp"}
+    assert run.report["compared"]["outside_model"] == 1 and run.report["compared"]["outside_groups"] == 0
+    synced = _check(tmp_path / "synced", "temperature-synced")
+    assert synced.rc == 0 and synced.errors() == [], synced.output
+    assert "unsharded-params-not-synced" not in synced.codes and synced.report["compared"]["outside_model"] == 1

@@ -29,6 +29,12 @@ OUT --case CASE`; the script measures every parameter's largest difference acros
   6 steps head.weight differs by 0.036 and body.0.weight by 0.023 across the ranks. The same cast before the wrap
   (cast-before-wrap): exit code 0, every parameter equal. Before, the check said `grads-not-synced` with a fix about
   backward passes through `.module` and edits of `.grad`, none of which the script does.
+- outside-param (a learnable loss temperature `temp = nn.Parameter(...)` kept beside the model, stepped by the same
+  optimizer: `SGD([*model.parameters(), temp])`): exit code 0, every model weight equal, `temp` 0.0099 apart after
+  6 steps (each rank steps it from its own gradient). Before, the check called it `optimizer-params-replaced`, "a
+  tensor no forward uses", and told the user to build the optimizer after the model. Its neighbours stay equal
+  (exit 0, every tensor 0.0 apart): outside-synced (the script all-reduces `temp.grad` before the step) and
+  outside-registered (the fix: `temp` registered on the model before DDP was built, read through `.module`).
 """
 
 from __future__ import annotations
@@ -132,6 +138,19 @@ def test_an_optimizer_built_before_the_head_was_replaced_is_named_and_the_head_s
     found = run.finding("unregistered-parameters")
     assert found["severity"] == "warning" and "no optimizer steps them" in found["title"]
     assert run.rc == 1
+
+
+def test_a_tensor_the_optimizer_trains_beside_the_model_is_named_and_its_neighbours_stay_clean(tmp_path: Path) -> None:
+    run = _check(tmp_path / "apart", "outside-param")
+    found = run.finding("unregistered-parameters")
+    assert found["severity"] == "error" and found["steps"] == [0] and found["ranks"] == [0, 1]
+    assert run.params("unregistered-parameters") == {"temp"}  # the script's variable, found by identity
+    assert run.codes == {"unregistered-parameters"}, run.output  # not "a replaced module's" tensor
+    synced = _check(tmp_path / "synced", "outside-synced")
+    assert synced.rc == 0 and synced.codes == set(), synced.output
+    assert synced.report["compared"]["outside_model"] == 1  # compared, found equal
+    fixed = _check(tmp_path / "fixed", "outside-registered")
+    assert fixed.rc == 0 and fixed.errors() == [] and fixed.report["compared"]["outside_model"] == 0, fixed.output
 
 
 @pytest.mark.parametrize("case", ["eval-restored", "ema-inside"])

@@ -36,6 +36,8 @@ def compared(summary: Summary) -> dict[str, Any]:
         "parameters": len(info.param_names) - ignored,
         "ignored_by_ddp": ignored,
         "created_after_wrap": max(summary.unregistered[:s], default=0),
+        # Trainable tensors the optimizer steps beside the model (a loss temperature), values and gradients.
+        "outside_model": len(summary.metas.get(0, {}).get("outside") or []),
         "gradients_at": grads_at,
         "buffers": buffers,
         "buffers_not_recorded": len(info.buffer_names) - buffers,

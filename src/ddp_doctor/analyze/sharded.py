@@ -137,8 +137,8 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
     explained = any(f.code in (Code.OPTIMIZER_PARAMS_REPLACED, Code.GRADIENT_SYNC_OFF) for f in found)
     if not explained and (moves := training_moves(run, ranks, low_weights=low_weights is not None)):
         found.append(moves)
-    if run.unsharded:
-        found.append(unsharded_finding(run, ranks, api))
+    if run.unsharded and (outside := unsharded_finding(run, ranks, api)):
+        found.append(outside)
     found += buffer_divergence(run, ranks)
     if run.world > 1 and run.inputs_compared and run.inputs_identical and run.beside_groups != 1:
         # (one data-parallel group beside tensor parallelism: every rank rightly reads the same batches)
@@ -242,7 +242,8 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
         "ranks": run.world,
         "steps": run.steps,
         "parameters": run.model_params,
-        "outside_groups": len(run.unsharded),
+        "outside_groups": len(run.unsharded) - sum(run.outside_model),
+        "outside_model": sum(run.outside_model),
         "replicas": run.replicas_compared,
         "replica_rows": run.replica_rows,
         "buffers": run.buffers_compared if fully_shard else 0,

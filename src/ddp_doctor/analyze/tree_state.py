@@ -51,7 +51,7 @@ def unregistered_parameters(v: View) -> list[Finding]:
     counts = v.summary.unregistered
     first = next((s for s, n in enumerate(counts) if n), None)
     if first is None:
-        return recast + _retied(v)
+        return recast + _retied(v) + _outside(v)
     holders = v.ranks("unregistered")
     entries = next((v.meta(r).get("unregistered") for r in [0, *holders.ranks] if v.meta(r).get("unregistered")), [])
     params = [param_entry(e) for e in entries]
@@ -98,25 +98,70 @@ def unregistered_parameters(v: View) -> list[Finding]:
         "new DistributedDataParallel and build the optimizer over its parameters."
     )
     ranks = holders.ranks if holders.count < v.world else all_ranks(v)
-    return recast + [
-        with_more(
-            Finding(
-                code=Code.UNREGISTERED_PARAMETERS,
-                sites=lines_of(*sites),
-                severity="error" if parted is not None else "warning",
-                title=f"{len(params)} trainable parameter(s) are not in DDP's reducer: created or replaced after "
-                + (
-                    "DDP was built, and no optimizer steps them"
-                    if never_stepped
-                    else "DDP was built, each rank trains them alone"
+    return (
+        recast
+        + _outside(v)
+        + [
+            with_more(
+                Finding(
+                    code=Code.UNREGISTERED_PARAMETERS,
+                    sites=lines_of(*sites),
+                    severity="error" if parted is not None else "warning",
+                    title=f"{len(params)} trainable parameter(s) are not in DDP's reducer: created or replaced after "
+                    + (
+                        "DDP was built, and no optimizer steps them"
+                        if never_stepped
+                        else "DDP was built, each rank trains them alone"
+                    ),
+                    detail=detail,
+                    params=params,
+                    ranks=ranks,
+                    steps=[first] if parted is None else [first, parted] if parted != first else [first],
+                    fix=fix,
                 ),
-                detail=detail,
-                params=params,
-                ranks=ranks,
-                steps=[first] if parted is None else [first, parted] if parted != first else [first],
-                fix=fix,
-            ),
-            max(0, holders.count - len(ranks)),
+                max(0, holders.count - len(ranks)),
+            )
+        ]
+    )
+
+
+def _outside(v: View) -> list[Finding]:
+    """Trainable tensors the optimizer steps that the model never held (a learnable loss temperature kept beside the
+    model: `SGD([*model.parameters(), temp])`), whose values or gradients differ across ranks: DDP syncs no gradient
+    of theirs, so each rank trains them from its own. Tensors the script keeps equal itself (it all-reduces their
+    gradients) are compared and not named.
+
+    Ground truth (tests/sync/test_check_tree_state.py, plain torchrun, 2 ranks, 6 SGD steps): the temperature
+    differs by 0.0099 across the ranks at the end, every model weight equal, exit 0. The check named it as a tensor
+    of "a module replaced" that "no forward uses", with a fix about building the optimizer after the model."""
+    mine = [e for e in v.meta(0).get("outside") or [] if e.get("grad")]
+    odd, _, _ = differing(v)
+    if not mine or not odd:
+        return []
+    theirs = [{e["name"]: e["fp"] for e in v.meta(r).get("outside") or []} for r in odd]
+    apart = [e for e in mine if any(t.get(e["name"]) != e["fp"] for t in theirs)]
+    if not apart:
+        return []
+    params = [param_entry(e) for e in apart]
+    names = ", ".join(p.name for p in params[:4]) + (f" (+{len(params) - 4} more)" if len(params) > 4 else "")
+    return [
+        Finding(
+            code=Code.UNREGISTERED_PARAMETERS,
+            severity="error",
+            title=f"the optimizer trains {len(params)} tensor(s) held outside the DDP model ({names}): each rank "
+            "trains them alone",
+            detail=f"The optimizer steps {names} beside the model's parameters, and the loss gives them a gradient, "
+            f"but no module DDP wraps{f' ({v.info.ddp_site})' if v.info.ddp_site else ''} holds them, so DDP "
+            "all-reduces no gradient of theirs: each rank steps them from its own batch's gradient. They differ "
+            f"across ranks from step {v.summary.state_step} on (values or gradients at the optimizer step), while "
+            "DDP keeps the model's own weights equal.",
+            params=params,
+            ranks=all_ranks(v),
+            steps=[v.summary.state_step],
+            fix=f"register them on the model before DDP is built (`model.{params[0].name.split('.')[-1]} = "
+            "nn.Parameter(...)`, used through `ddp_model.module`, or better inside the model's forward), so DDP "
+            "averages their gradients with the others'; or all-reduce their gradients before optimizer.step(): "
+            "`dist.all_reduce(t.grad); t.grad /= dist.get_world_size()`.",
         )
     ]
 

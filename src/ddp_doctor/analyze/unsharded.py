@@ -34,8 +34,11 @@ class Api(Protocol):
 
 
 def _cause(run: ShardedRun) -> str:
-    """Why the parameters are outside every group: `ignored` (the script's ignored_params), `added` (a module added
-    after the root was sharded), `root` (the root not sharded)."""
+    """Why the parameters are outside every group: `beside` (tensors the optimizer steps that the model never held),
+    `ignored` (the script's ignored_params), `added` (a module added after the root was sharded), `root` (the root
+    not sharded)."""
+    if run.outside_model and all(run.outside_model):
+        return "beside"
     if run.ignored and all(run.ignored):
         return "ignored"
     return "added" if run.sharding.get("root_sharded") else "root"
@@ -43,6 +46,7 @@ def _cause(run: ShardedRun) -> str:
 
 def _why(run: ShardedRun, api: Api) -> str:
     return {
+        "beside": "the optimizer steps them beside the model, which does not hold them",
         "ignored": f"the script passed them to {api.call} as ignored_params at {run.ignored_site or 'its call'}",
         "added": f"a module added after {api.after}",
         "root": f"the root module was not {api.done}",
@@ -52,6 +56,9 @@ def _why(run: ShardedRun, api: Api) -> str:
 def _fix(run: ShardedRun, api: Api) -> str:
     call = api.call
     return {
+        "beside": f"register them on the model before {call} (used inside its forward), so that a {call} group "
+        "holds them; or average their gradients on every rank before each optimizer step (`dist.all_reduce(t.grad); "
+        "t.grad /= dist.get_world_size()`).",
         "ignored": f"{call} leaves ignored_params to the script: average their gradients on every rank before each "
         "optimizer step (`for p in params: dist.all_reduce(p.grad); p.grad /= dist.get_world_size()`), or leave "
         f"them out of ignored_params so that the {call} group holds them.",
@@ -61,20 +68,31 @@ def _fix(run: ShardedRun, api: Api) -> str:
     }[_cause(run)]
 
 
-def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding:
-    """The finding for `run.unsharded` (not empty): error, info or warning, as the docstring above says."""
+def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding | None:
+    """The finding for `run.unsharded` (not empty): error, info or warning, as the docstring above says. Tensors
+    the optimizer steps beside the model are named only when they differ across ranks (ground truth:
+    tests/fsdp2/test_check_fsdp2_state.py)."""
     steps = list(range(run.steps))
     differ = [p for p, d in zip(run.unsharded, run.unsharded_differ) if d]
+    if not differ and run.outside_model and all(run.outside_model):
+        return None  # compared, and equal on every rank
     why = _why(run, api)
     if differ:
         return Finding(
             code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
             severity="error",
-            title=f"{len(differ)} parameters outside every {api.call} group differ across ranks",
+            title=f"{len(differ)} "
+            + (
+                f"tensor(s) the optimizer steps beside the model ({', '.join(p.name for p in differ[:4])})"
+                if _cause(run) == "beside"
+                else f"parameters outside every {api.call} group"
+            )
+            + " differ across ranks",
             detail=f"These trainable parameters belong to no {api.call} group ({why}), so they stay plain tensors "
             "and nothing reduces their gradients: each rank trains its own copy on its own batches. After "
             f"{run.steps} steps they differ (the largest difference of a weight's sum between ranks is "
-            f"{run.unsharded_gap:.3g}); whatever rank 0 saves is one rank's copy.",
+            f"{run.unsharded_gap:.3g})"
+            + ("." if _cause(run) == "beside" else "; whatever rank 0 saves is one rank's copy."),
             params=differ,
             ranks=ranks,
             steps=steps,

@@ -21,6 +21,7 @@ __all__ = [
     "user_frame",
     "user_site",
     "user_site_of",
+    "variable_names",
 ]
 
 FRAMEWORKS = {
@@ -125,3 +126,23 @@ def user_call(frame: Any) -> tuple[str | None, str]:
         called = code.co_name
         frame = frame.f_back
     return None, called
+
+
+def variable_names(values: list[Any], frame: Any) -> dict[int, str]:
+    """By identity, the name under which the script's innermost user frame at or above `frame` holds each of
+    `values`: a local or global variable, or an attribute of `self` (`self.log_temp`)."""
+    wanted = {id(v) for v in values}
+    while frame is not None and not is_user_frame(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return {}
+    found: dict[int, str] = {}
+    owner = frame.f_locals.get("self")
+    places = [("", frame.f_globals), ("", frame.f_locals)]
+    if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
+        places.append(("self.", vars(owner)))
+    for prefix, names in places:
+        for name, value in names.items():
+            if id(value) in wanted and not name.startswith("_"):
+                found[id(value)] = prefix + name
+    return found

@@ -259,6 +259,9 @@ class RankRecord:
     `fp`, `changing`, `site` (`observation.tree_scan.StateScan.late_buffers`)."""
     optimizer_stale: int = 0
     """Tensors the observed optimizer steps that the model no longer holds, at the last step."""
+    outside: list[dict[str, Any]] = field(default_factory=list)
+    """Trainable tensors the observed optimizer steps that the model never held: `name`, `shape`, `grad`, `fp`
+    (`observation.tree_scan.StateScan.outside`)."""
     modules: int = 0
     """Modules in the tree at the last step, whose train/eval modes `StepCounters.state_digest` covers."""
     to_empty_sites: list[str] = field(default_factory=list)
@@ -375,6 +378,7 @@ class RankRecord:
             "join_sites": self.join_sites,
             "join_throws": self.join_throws,
             "optimizer_stale": self.optimizer_stale,
+            "outside": self.outside,
             "modules": self.modules,
             "nonfinite_params": self.nonfinite_params,
             "never_updated": self.never_updated,

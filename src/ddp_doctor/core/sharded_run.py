@@ -143,6 +143,9 @@ class ShardedRun:
     ignored: list[bool] = field(default_factory=list)
     """Per `unsharded` parameter: the script passed it to `fully_shard` as `ignored_params` (FSDP2 leaves its
     synchronisation to the script)."""
+    outside_model: list[bool] = field(default_factory=list)
+    """Per `unsharded` parameter: a tensor the optimizer steps that the model never held (a learnable loss
+    temperature kept beside it), compared like the others."""
     ignored_site: str | None = None
     """The line of the `fully_shard` call that named the first of them."""
     sync_off_steps: int = 0

@@ -8,6 +8,7 @@ DDP model, and `observe()`'s for a sharded model (`sharded_doctor.py`).
 from __future__ import annotations
 
 import math
+import sys
 import zlib
 from typing import Any, Protocol
 
@@ -18,7 +19,7 @@ from ddp_doctor.analyze import diagnose_sharded
 from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.fingerprint import fingerprints_batched
-from ddp_doctor.core.frames import user_site
+from ddp_doctor.core.frames import user_site, variable_names
 from ddp_doctor.core.sharded_run import INPUT_STEPS, ShardedRun
 from ddp_doctor.exchange.compared import sampler_facts
 from ddp_doctor.exchange.drive import drive
@@ -103,6 +104,19 @@ def _buffer_table(w: ShardedWatch, buffers: list[tuple[str, torch.Tensor]]) -> t
     return torch.cat([now, moved.double()[:, None]], dim=1)
 
 
+def _beside_model(optimizer: torch.optim.Optimizer, in_model: set[int]) -> list[tuple[str, torch.Tensor]]:
+    """The plain trainable tensors `optimizer` steps that the model does not hold (a learnable loss temperature),
+    each named by the script's variable holding it, or by its place in the param groups."""
+    found = [
+        (f"param_groups[{g}]['params'][{i}]", p)
+        for g, group in enumerate(optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+        if p.requires_grad and id(p) not in in_model and not is_dtensor(p)
+    ]
+    names = variable_names([p for _, p in found], sys._getframe(1)) if found else {}
+    return [(names.get(id(p), place), p) for place, p in found]
+
+
 def _low_reduce(probe: ReducePrecisionProbe | None) -> tuple[str, str] | None:
     """(the dtype FSDP2 reduced in, the weights' dtype) from the probe, as the report names them."""
     if probe is None or probe.low_dtype is None:
@@ -120,6 +134,8 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     in_model = {id(p) for _, p in named}
     stepped = w.stepped_params()
     unsharded = model.unsharded() if dist.get_world_size() > 1 else []  # one rank: nothing to keep in sync
+    beside_model = _beside_model(w.optimizer, in_model) if dist.get_world_size() > 1 else []
+    unsharded += beside_model
     # FSDP2 shards parameters only: a buffer stays a plain tensor on each rank, and nothing broadcasts it (DDP and
     # `replicate` broadcast theirs from rank 0).
     buffers = list(model.root.named_buffers()) if dist.get_world_size() > 1 and model.api == "fully_shard" else []
@@ -243,6 +259,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         learning_rates=[float(g.get("lr", float("nan"))) for g in w.optimizer.param_groups] if w.optimizer else [],
         ignored_site=next((getattr(p, IGNORED_ATTR) for _, p in unsharded if hasattr(p, IGNORED_ATTR)), None),
         ignored=[hasattr(p, IGNORED_ATTR) for _, p in unsharded],
+        outside_model=[i >= len(unsharded) - len(beside_model) for i in range(len(unsharded))],
         unused=unused,
         never_updated=[ref for ref, _, _ in never_updated],
         never_updated_held=sum(held for _, held, _ in never_updated),

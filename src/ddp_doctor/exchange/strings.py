@@ -114,6 +114,7 @@ def rank_strings(
             "join_sites": record.join_sites,
             "join_throws": record.join_throws,
             "optimizer_stale": record.optimizer_stale,
+            "outside": record.outside,
             "modules": record.modules,
             "nonfinite_params": record.nonfinite_params,
             "never_updated": record.never_updated,

@@ -374,6 +374,7 @@ class StepLog:
             record.recast_count = self.state.recast_count
             record.late_buffers = list(self.state.late_buffers)
             record.optimizer_stale = self.state.stale
+            record.outside = list(self.state.outside)
             record.modules = self.state.modules
             record.learning_rates = list(self.state.learning_rates)
         record.to_empty_sites = list(TO_EMPTY_SITES)

@@ -16,6 +16,7 @@ attached a parameter or module to the tree after DDP was built, so the report ca
 
 from __future__ import annotations
 
+import sys
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,7 @@ from torch import nn
 
 from ddp_doctor.core.counters import StepCounters
 from ddp_doctor.core.fingerprint import fingerprints
-from ddp_doctor.core.frames import user_site
+from ddp_doctor.core.frames import user_site, variable_names
 
 __all__ = ["CAST_SITES", "MAX_STATE_LOG", "TO_EMPTY_SITES", "StateScan", "listen_casts", "listen_to_empty", "modes_of"]
 
@@ -162,7 +163,14 @@ class StateScan:
         step: `name`, `shape`, `fp` (their fingerprint: the ranks' are compared), `changing` (it changed between two
         steps on this rank: a running statistic), `site` (where it was registered, when seen); at most 8."""
         self.stale: int = 0
-        """Tensors the optimizer steps that the model no longer holds, at the last step."""
+        """Tensors the optimizer steps that the model no longer holds (DDP registered them), at the last step."""
+        self.outside: list[dict[str, Any]] = []
+        """Trainable tensors the optimizer steps that neither the module tree nor DDP's reducer ever held (a
+        learnable loss temperature kept beside the model), at the last step: `name` (the script's variable holding
+        it, when found, else its place in the optimizer's param groups), `shape`, `grad` (it had a gradient when
+        the step closed), `fp` (its fingerprint and its gradient's: the ranks' are compared); at most 8. The
+        digest covers every one."""
+        self._outside_names: dict[int, str] = {}
         self.modules = 0
         """Modules in the tree at the last step (whose modes the digest covers)."""
         self.learning_rates: list[float] = []
@@ -238,7 +246,12 @@ class StateScan:
             self.retied = self._retied({self._names.get(id(self._positions[i])) for i in self.orphaned})
         self._find_recast()
         stepped = self._stepped()
-        self.stale = sum(1 for i in stepped if i not in held)
+        outside = [(t, where) for i, (t, where) in stepped.items() if i not in held and i not in self._registered]
+        self.stale = sum(1 for i in stepped if i not in held) - len(outside)
+        if outside:
+            crc = self._scan_outside(outside, crc)
+        else:
+            self.outside = []
         counters.state_digest = crc & 0x7FFFFFFF
         counters.unregistered = len(trainable)
         self.unregistered = [
@@ -254,6 +267,22 @@ class StateScan:
         if entry != self._last and len(self.log) < MAX_STATE_LOG:
             self.log.append({"step": step, **entry})
         self._last = entry
+
+    def _scan_outside(self, outside: list[tuple[torch.Tensor, str]], crc: int) -> int:
+        """Fold the trainable tensors the optimizer steps beside the model, and their gradients, into the digest
+        `crc`, and remember them (`outside`)."""
+        trained = [(t, where) for t, where in outside if t.requires_grad]
+        fps = fingerprints([t for t, _ in trained]).tolist()
+        grads = fingerprints([t.grad for t, _ in trained]).tolist()
+        if any(id(t) not in self._outside_names for t, _ in trained):
+            self._outside_names.update(variable_names([t for t, _ in trained], sys._getframe(1)))
+        entries = []
+        for (t, where), fp, grad in zip(trained, fps, grads):
+            crc = zlib.crc32(f"outside {where}:{fp[0]!r},{fp[1]!r},{grad[0]!r},{grad[1]!r};".encode(), crc)
+            name = self._outside_names.get(id(t)) or where
+            entries.append({"name": name, "shape": list(t.shape), "grad": t.grad is not None, "fp": fp + grad})
+        self.outside = entries[:8]
+        return crc
 
     def _scan_late(self, late: list[tuple[str, torch.Tensor, str]], crc: int) -> int:
         """Fold the buffers registered after the wrap into the digest `crc`, and remember them (`late_buffers`)."""
@@ -304,13 +333,18 @@ class StateScan:
         rates = {id(p): g.get("lr") for g in opt.param_groups for p in g["params"]} if opt is not None else {}
         return [(id(t) in rates, id(t) in rates and rates[id(t)] == 0) for t in tensors]
 
-    def _stepped(self) -> set[int]:
-        """The tensors the observed optimizer steps (empty: none known yet); its learning rates noted."""
+    def _stepped(self) -> dict[int, tuple[torch.Tensor, str]]:
+        """The tensors the observed optimizer steps, by identity, each with its place in the param groups (empty:
+        none known yet); its learning rates noted."""
         opt = self._optimizer() if self._optimizer is not None else None
         if opt is None:
-            return set()
+            return {}
         self.learning_rates = [_number(g.get("lr")) for g in opt.param_groups]
-        return {id(p) for g in opt.param_groups for p in g["params"]}
+        return {
+            id(p): (p, f"param_groups[{g}]['params'][{i}]")
+            for g, group in enumerate(opt.param_groups)
+            for i, p in enumerate(group["params"])
+        }
 
 
 def _number(value: Any) -> float:

@@ -189,7 +189,12 @@ def _sharded_compared_line(c: dict[str, Any]) -> str:
     api, steps = c["api"], c["steps"]
     parts = [
         f"the optimizer's parameters against the model's {_n(c['parameters'], 'trainable parameter')}",
-        f"which of them sit outside every {api} group ({c['outside_groups']}, their weights compared)",
+        f"which of them sit outside every {api} group ({c['outside_groups']}, their weights compared)"
+        + (
+            f"; {_n(c['outside_model'], 'tensor')} the optimizer steps outside the model (weights compared)"
+            if c.get("outside_model")
+            else ""
+        ),
         "gradient sync at each optimizer step",
         "a gradient for every trainable parameter",
         "whether the weights changed",
@@ -255,6 +260,8 @@ def compared_line(c: dict[str, Any]) -> str:
     parts = [f"the weights{grads} and requires_grad of {_n(c['parameters'], 'parameter')} DDP syncs"]
     if c.get("created_after_wrap"):
         parts[0] += f", and {c['created_after_wrap']} created after wrap"
+    if c.get("outside_model"):
+        parts[0] += f"; {_n(c['outside_model'], 'tensor')} the optimizer steps outside the model"
     if c.get("buffers") or c.get("buffers_after_wrap"):
         late = c.get("buffers_after_wrap", 0)
         parts.append(_n(c.get("buffers", 0), "buffer") + (f", and {late} registered after wrap" if late else ""))
