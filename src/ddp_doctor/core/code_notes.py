@@ -131,8 +131,8 @@ NOTES: dict[Code, str] = {
         "whether any weight changed (from `check`)"
     ),
     Code.UNSHARDED_PARAMS_NOT_SYNCED: (
-        " (the root not sharded, a module added after sharding, `ignored_params`): *2 parameters outside "
-        "every fully_shard group differ across ranks* (from `check`)"
+        " (the root not sharded, a module added after sharding, `ignored_params`, a tensor the optimizer trains "
+        "beside the model): *2 parameters outside every fully_shard group differ across ranks* (from `check`)"
     ),
     Code.GRADIENT_SYNC_OFF: (
         ": *gradient sync was off at all 8 optimizer steps*, with the line of the last call (from `check`)"
@@ -162,7 +162,9 @@ NOTES: dict[Code, str] = {
         "after DDP was built (`model.module.head.weight = model.module.embed.weight`) is named with its line, as "
         "the reason DDP's reducer waits for the tensor the name held before; a model converted after DDP was "
         "built (`model.to(torch.bfloat16)`) is named with that line: *4 parameter(s) were converted from float32 on "
-        "cpu to bfloat16 on cpu after DDP was built: DDP no longer syncs their gradients*"
+        "cpu to bfloat16 on cpu after DDP was built: DDP no longer syncs their gradients*; a tensor the optimizer "
+        "trains beside the model (`SGD([*model.parameters(), temp])`) is named by the script's variable when it "
+        "differs across ranks: *the optimizer trains 1 tensor(s) held outside the DDP model (temp)*"
     ),
     Code.NONFINITE_VALUES: (
         ": *the gradients of 4 parameters are NaN or infinite from step 0; the weights already were before "

@@ -317,8 +317,8 @@ TABLE: tuple[CodeInfo, ...] = (
          "a mixed-precision policy computes in bfloat16 (or float16) on weights that are already in it: the optimizer "
          "steps low-precision weights and loses the updates below their resolution"),
     _row(Code.UNREGISTERED_PARAMETERS, Family.DIVERGENCE, "error/warning/info", "tree_state.py",
-         "parameters in the model that DDP's reducer does not hold (created or replaced after DDP was built): each "
-         "rank trains them alone",
+         "parameters in the model that DDP's reducer does not hold (created or replaced after DDP was built), or "
+         "tensors the optimizer trains beside the model (a loss temperature): each rank trains them alone",
          when="error when they differ across ranks in the observed steps; warning while they still agree; for a "
          "weight tied after DDP was built, error with find_unused_parameters=False, info with True"),
     _row(Code.NONFINITE_VALUES, Family.PROGRESS, "error", "moves.py",
