@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "7315821909d5cfaf",
-    "odd-70": "f9ac4040f0cc3069",
-    "infos-differ-3": "5161b1b338450a00",
-    "edited-2": "474f2c69cc6ec7e1",
-    "inferred-2": "f637dad669ebb6e5",
-    "clean-1": "aee005c78d7993b7",
+    "seeded-6": "ad3171d8339069d6",
+    "odd-70": "436c73141458c235",
+    "infos-differ-3": "36c62ef0ccba389b",
+    "edited-2": "ea65a53f835594e9",
+    "inferred-2": "d48fa33004e25b5e",
+    "clean-1": "a1f2bb7d9abb5d63",
 }
 
 

@@ -5,7 +5,7 @@ is in each test's docstring."""
 from __future__ import annotations
 
 import pytest
-from checkrun import SCRIPTS, check
+from checkrun import SCRIPTS, check, line_of
 
 TIMING = {"input-bound", "straggler-rank"}
 """Measurements of where the step time goes on this machine, which other jobs share: not about the gradients."""
@@ -83,3 +83,18 @@ def test_legitimate_neighbours_stay_clean(tmp_path, script: str) -> None:
     run = check(["--nproc-per-node", "2", str(SCRIPTS / script)], tmp_path)
     assert _loud(run) == set(), run.output
     assert run.rc == 0 or {f["code"] for f in run.report["findings"] if f["severity"] == "error"} <= TIMING
+
+
+def test_a_comm_hook_that_never_all_reduces_is_named_and_its_fix_applied_is_clean(tmp_path) -> None:
+    """comm_hook.py: `register_comm_hook(None, local_only)`, a hook that returns each bucket as it is (a compression
+    hook whose all-reduce was left out). Plain torchrun: exit 0, no warning; after 10 steps the weights are 0.0696
+    apart across the ranks. With the fix the report gives (the hook all-reduces the bucket divided by the world
+    size, `--hook fixed`) and with torch's fp16_compress_hook: 0.0 apart. Before, the report's fix spoke of
+    backward passes through `.module` and edits of `.grad`, none of which the script does."""
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "comm_hook.py"), "--hook", "local"], tmp_path / "local")
+    f = run.finding("grads-not-synced")
+    assert f["ranks"] == [0, 1] and f["steps"] == list(range(8)), f
+    assert f["sites"] == [f"tests/scripts/comm_hook.py:{line_of(SCRIPTS / 'comm_hook.py', 'def local_only(')}"], f
+    assert _loud(run) == {"grads-not-synced", "replica-divergence"} and run.rc == 1, run.output
+    fixed = check(["--nproc-per-node", "2", str(SCRIPTS / "comm_hook.py"), "--hook", "fixed"], tmp_path / "fixed")
+    assert _loud(fixed) == set() and fixed.report["compared"]["collectives"] == 8, fixed.output

@@ -79,7 +79,22 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
             ".grad between backward and the optimizer step."
         ),
     )
-    if unsynced_steps(v, steps):
+    hook = v.meta(0).get("comm_hook")
+    if hook and not found.intersection(UNSYNCED) and not unsynced_steps(v, steps):
+        where = f" (defined at {hook['site']})" if hook.get("site") else ""
+        sites = [hook["site"]] if hook.get("site") else []
+        why = (
+            f" DDP hands each gradient bucket to the comm hook {hook['name']}{where}, registered with "
+            "register_comm_hook, instead of all-reducing it itself; the gradients the hook handed back differ "
+            "across ranks, so it does not all-reduce (and average) every bucket alike on every rank."
+        )
+        fix = (
+            f"make {hook['name']} all-reduce each bucket and divide by the world size before returning it, as "
+            "torch's allreduce_hook does (torch.distributed.algorithms.ddp_comm_hooks.default_hooks): "
+            "`dist.all_reduce(bucket.buffer().div_(world_size), async_op=True).get_future().then(lambda f: "
+            "f.value()[0])`; or remove the hook."
+        )
+    elif unsynced_steps(v, steps):
         sites = sorted(v.meta(0).get("nosync_sites", []))  # rank 0 differs too; its strings always travel
         flag = bool(sites) and all(site.startswith("require_backward_grad_sync") for site in sites)
         verb = "set" if flag else "entered"
@@ -101,7 +116,11 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
             code=Code.GRADS_NOT_SYNCED,
             severity="error",
             title=f"gradients of {_count(int(params.sum()), 'parameter')} differ across ranks at the optimizer step"
-            + (f" (DDP's sync was off for every backward: {sites[0].split(' at ', 1)[0]})" if why and sites else ""),
+            + (
+                f" (DDP's sync was off for every backward: {sites[0].split(' at ', 1)[0]})"
+                if why and sites and not hook
+                else ""
+            ),
             detail="When the optimizer stepped, these gradients were not the same on every rank, so the replicas "
             f"take different updates. Ranks {listed(ranks, others.more)} disagree in steps {steps}.{why}",
             params=v.params(params),

@@ -259,6 +259,9 @@ class RankRecord:
     `fp`, `changing`, `site` (`observation.tree_scan.StateScan.late_buffers`)."""
     optimizer_stale: int = 0
     """Tensors the observed optimizer steps that the model no longer holds, at the last step."""
+    comm_hook: dict[str, Any] | None = None
+    """The comm hook registered on the DDP model when the report was made: `name`, `site` where the script defines
+    it (`observation.wrapstate.comm_hook_of`); None: DDP's own all-reduce."""
     outside: list[dict[str, Any]] = field(default_factory=list)
     """Trainable tensors the observed optimizer steps that the model never held: `name`, `shape`, `grad`, `fp`
     (`observation.tree_scan.StateScan.outside`)."""
@@ -379,6 +382,7 @@ class RankRecord:
             "join_throws": self.join_throws,
             "optimizer_stale": self.optimizer_stale,
             "outside": self.outside,
+            "comm_hook": self.comm_hook,
             "modules": self.modules,
             "nonfinite_params": self.nonfinite_params,
             "never_updated": self.never_updated,

@@ -51,7 +51,7 @@ from ddp_doctor.observation.steplog import StepLog
 from ddp_doctor.observation.target import Target
 from ddp_doctor.observation.timeline import Timeline
 from ddp_doctor.observation.tree_scan import StateScan
-from ddp_doctor.observation.wrapstate import model_info, require_ddp, require_process_group
+from ddp_doctor.observation.wrapstate import comm_hook_of, model_info, require_ddp, require_process_group
 from ddp_doctor.report import Report
 
 __all__ = ["Doctor", "observe"]
@@ -293,6 +293,7 @@ class Doctor:
     def record(self) -> RankRecord:
         """This rank's observations so far, as plain data."""
         record = self._log.record(self.rank)
+        record.comm_hook = comm_hook_of(self.ddp)
         self._crash.stamp(record)
         return record
 

@@ -115,6 +115,7 @@ def rank_strings(
             "join_throws": record.join_throws,
             "optimizer_stale": record.optimizer_stale,
             "outside": record.outside,
+            "comm_hook": record.comm_hook,
             "modules": record.modules,
             "nonfinite_params": record.nonfinite_params,
             "never_updated": record.never_updated,

@@ -20,10 +20,12 @@ from ddp_doctor.core.compat import (
     parameters_to_ignore,
 )
 from ddp_doctor.core.errors import DoctorError, InvalidArgumentError, NotDDPModelError, ProcessGroupNotInitializedError
+from ddp_doctor.core.frames import format_site, is_user_frame
 from ddp_doctor.core.records import Flavor, ModelInfo
 
 __all__ = [
     "WRAP_STATE_ATTR",
+    "comm_hook_of",
     "constructor_kwargs",
     "current_flavor",
     "ddp_config_of",
@@ -134,6 +136,22 @@ def model_info(
         batchnorm=[user_name(n) for n, m in module.named_modules() if is_local_batchnorm(m)],
         flavor=current_flavor(),
     )
+
+
+def comm_hook_of(ddp: DistributedDataParallel) -> dict[str, str | None] | None:
+    """The comm hook registered on `ddp` (`register_comm_hook`, or a built-in one): `name`, and `site` where the
+    script defines it (None for torch's own hooks). None: DDP all-reduces its buckets itself."""
+    hooks = getattr(ddp, "_comm_hooks", None) or []
+    if not hooks:
+        name = str((ddp_logging_data(ddp) or {}).get("comm_hook", "") or "")
+        return {"name": name, "site": None} if name else None
+    hook = hooks[-1][0]
+    func = getattr(hook, "func", hook)  # a functools.partial
+    code = getattr(func, "__code__", None)
+    site = None
+    if code is not None and is_user_frame(code.co_filename):
+        site = format_site(code.co_filename, code.co_firstlineno)
+    return {"name": getattr(func, "__qualname__", type(hook).__name__), "site": site}
 
 
 def is_local_batchnorm(module: torch.nn.Module) -> bool:
