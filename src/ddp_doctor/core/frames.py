@@ -11,6 +11,8 @@ import traceback
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
     "FRAMEWORKS",
@@ -130,7 +132,8 @@ def user_call(frame: Any) -> tuple[str | None, str]:
 
 def variable_names(values: list[Any], frame: Any) -> dict[int, str]:
     """By identity, the name under which the script's innermost user frame at or above `frame` holds each of
-    `values`: a local or global variable, or an attribute of `self` (`self.log_temp`)."""
+    `values`: a local or global variable, an attribute of `self` (`self.log_temp`), or a parameter of a module one
+    of them holds (`disc.0.weight`)."""
     wanted = {id(v) for v in values}
     while frame is not None and not is_user_frame(frame.f_code.co_filename):
         frame = frame.f_back
@@ -142,7 +145,21 @@ def variable_names(values: list[Any], frame: Any) -> dict[int, str]:
     if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
         places.append(("self.", vars(owner)))
     for prefix, names in places:
-        for name, value in names.items():
-            if id(value) in wanted and not name.startswith("_"):
+        for name, value in list(names.items()):
+            if name.startswith("_"):
+                continue
+            if id(value) in wanted:
                 found[id(value)] = prefix + name
+            elif isinstance(value, nn.Module) and not isinstance(value, DistributedDataParallel):
+                # a module the script holds (not a DDP wrapper): its parameters by their names there
+                for pname, p in _named(value):
+                    if id(p) in wanted:
+                        found.setdefault(id(p), f"{prefix}{name}.{pname}")
     return found
+
+
+def _named(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    try:
+        return list(module.named_parameters())
+    except Exception:  # a module of the script's whose attributes cannot be walked: it names nothing
+        return []

@@ -146,6 +146,7 @@ class Doctor:
             lambda: t.optimizer,
             buffer_slots=t.buffer_slots,
             broadcast_buffers=bool(self.info.ddp_config.get("broadcast_buffers", True)),
+            beside=t.beside,
         )
         self._timeline = Timeline(
             log=self._log,

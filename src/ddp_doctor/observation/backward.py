@@ -197,6 +197,8 @@ class BackwardHooks:
             self._t.optimizer = opt
         if opt is self._t.optimizer:
             self._on_optimizer_pre(opt, args, kwargs)
+        elif self._t.optimizer is not None:
+            self._t.note_other(opt)
 
     def _on_any_optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if opt is self._t.optimizer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -9,7 +10,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor.observation.wrapstate import is_local_batchnorm
 
-__all__ = ["Target"]
+__all__ = ["WRAPPED", "Target"]
+
+WRAPPED: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+"""Every DDP model a `Target` was made for: what another DDP model holds is not beside this one."""
 
 
 @dataclass(kw_only=True)
@@ -37,12 +41,17 @@ class Target:
     """Per position: DDP's reducer reduces its gradient (trainable when DDP was built, not ignored)."""
     batchnorm: list[torch.nn.Module] = field(init=False)
     """The BatchNorm layers that normalize over this rank's batch alone (not SyncBatchNorm)."""
+    others: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = field(init=False)
+    """The other optimizers seen stepping (adopting the optimizer: `auto_optimizer`), each with whether it steps
+    none of this model's parameters (a second optimizer for a tensor kept beside the model)."""
     registered: list[torch.nn.Parameter] = field(init=False)
     """The parameters DDP's reducer holds, and those it was told to ignore: every other parameter in the module
     tree was created or replaced after DDP was built (`tree_scan.py`)."""
 
     def __post_init__(self) -> None:
         self.module = self.ddp.module
+        WRAPPED.add(self.ddp)
+        self.others = weakref.WeakKeyDictionary()
         named = list(self.module.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -73,6 +82,26 @@ class Target:
         return [
             now if (now := m._buffers.get(name)) is not None else was
             for (m, name), was in zip(self.buffer_slots, self.buffers)
+        ]
+
+    def note_other(self, opt: torch.optim.Optimizer) -> None:
+        """`opt` stepped, and it is not the observed optimizer."""
+        if opt not in self.others:
+            self.others[opt] = not self.steps_params(opt)
+
+    def beside(self) -> list[tuple[torch.Tensor, str]]:
+        """The trainable tensors that the other optimizers stepping none of this model's parameters step, and that
+        no DDP model holds, each with its place (`param_groups[0]['params'][1] of Adam`)."""
+        apart = [opt for opt, alone in list(self.others.items()) if alone]
+        if not apart:
+            return []
+        wrapped = {id(p) for ddp in list(WRAPPED) for p in ddp.module.parameters()}
+        return [
+            (p, f"param_groups[{g}]['params'][{i}] of {type(opt).__name__}")
+            for opt in apart
+            for g, group in enumerate(opt.param_groups)
+            for i, p in enumerate(group["params"])
+            if p.requires_grad and id(p) not in wrapped
         ]
 
     def steps_params(self, opt: torch.optim.Optimizer) -> bool:

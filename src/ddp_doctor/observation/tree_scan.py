@@ -118,8 +118,11 @@ class StateScan:
         *,
         buffer_slots: list[tuple[nn.Module, str]] = (),
         broadcast_buffers: bool = True,
+        beside: Callable[[], list[tuple[torch.Tensor, str]]] | None = None,
     ) -> None:
         self._module = module
+        self._beside = beside
+        """The tensors other optimizers step beside the model (`Target.beside`), with their places."""
         self._slots = {(id(m), name) for m, name in buffer_slots}
         """Where the buffers DDP was built with live (a module and a name): the others were registered after."""
         self._late_buffers = not broadcast_buffers
@@ -248,6 +251,8 @@ class StateScan:
         stepped = self._stepped()
         outside = [(t, where) for i, (t, where) in stepped.items() if i not in held and i not in self._registered]
         self.stale = sum(1 for i in stepped if i not in held) - len(outside)
+        if self._beside is not None:
+            outside += [(t, where) for t, where in self._beside() if id(t) not in stepped]
         if outside:
             crc = self._scan_outside(outside, crc)
         else:
