@@ -40,6 +40,7 @@
 --mistake skip-rank1        rank 1 alone skips optimizer.step() at the third step (a skip decided from its own loss)
 --mistake temperature       a learnable loss temperature kept beside the model, stepped by the same optimizer
 --mistake temperature-synced clean: that temperature, its gradient averaged by the script before each step
+--mistake temperature-own-opt that temperature stepped by an optimizer of its own (SGD), not the model's
 
 --save (after the third optimizer step, to --save-dir; several at once: "dcp,full"):
   rank0        rank 0 alone: torch.save(model.state_dict(), "ck.pt") (its shards only)
@@ -141,8 +142,11 @@ if __name__ == "__main__":
             params = [{"params": rest}, {"params": head, "lr": 0.0}]
         elif "head-second-opt" in mistakes:
             params, head_opt = rest, torch.optim.SGD(head, lr=0.1)
-        temp = nn.Parameter(torch.zeros(())) if {"temperature", "temperature-synced"} & mistakes else None
-        params = params + [temp] if temp is not None else params
+        temp = nn.Parameter(torch.zeros(())) if {"temperature", "temperature-synced", "temperature-own-opt"} & mistakes else None
+        if "temperature-own-opt" in mistakes:
+            head_opt = torch.optim.SGD([temp], lr=0.1)
+        elif temp is not None:
+            params = params + [temp]
         opt = torch.optim.AdamW(params, lr=0.0 if "lr-zero" in mistakes else 1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=1, factor=0.5)
@@ -223,7 +227,7 @@ if __name__ == "__main__":
         extra += f", lr {opt.param_groups[0]['lr']:.3g}"
     if "train-rank0" in mistakes or "train-every" in mistakes:
         extra += f", training {model.blocks[0].training}"
-    if {"temperature", "temperature-synced"} & mistakes:
+    if temp is not None:
         extra += f", temperature {temp.item():.6f}"
     print(f"rank {rank}: largest weight change {moved:.3g}, head.weight sum {head_sum:.6f}{extra}", flush=True)
     dist.destroy_process_group()

@@ -17,6 +17,7 @@ cases:
   cast-before-wrap the same cast before DDP was built (clean)
   outside-param  a learnable loss temperature kept beside the model, stepped by the same optimizer
   outside-synced the same temperature, its gradient all-reduced by the script before the step (clean)
+  outside-own-opt the temperature stepped by an optimizer of its own (Adam), not the model's
   outside-registered the temperature registered on the model before DDP was built, read through .module (clean)
 """
 
@@ -99,10 +100,11 @@ def main() -> None:
     elif args.case == "ema-inside":
         model.module.ema = copy.deepcopy(nn.Sequential(model.module.body, model.module.head)).requires_grad_(False)
     temp = model.module.temp if args.case == "outside-registered" else None
-    if args.case in ("outside-param", "outside-synced"):
+    if args.case in ("outside-param", "outside-synced", "outside-own-opt"):
         temp = nn.Parameter(torch.zeros(()))  # a learnable loss temperature beside the model
     extra = [temp] if temp is not None and args.case != "outside-registered" else []
-    opt = torch.optim.SGD([*model.parameters(), *extra], lr=0.1)
+    own = torch.optim.Adam(extra, lr=0.01) if args.case == "outside-own-opt" else None
+    opt = torch.optim.SGD([*model.parameters(), *(extra if own is None else [])], lr=0.1)
     if args.case == "replace-after-opt":
         torch.manual_seed(1)
         model.module.head = nn.Linear(16, 4)  # after the optimizer was built: it still holds the old head
@@ -117,6 +119,9 @@ def main() -> None:
             dist.all_reduce(temp.grad)
             temp.grad /= dist.get_world_size()
         opt.step()
+        if own is not None:
+            own.step()
+            own.zero_grad()
         if args.case == "ema-inside":
             with torch.no_grad():
                 src = [*model.module.body.parameters(), *model.module.head.parameters()]

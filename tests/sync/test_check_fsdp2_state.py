@@ -25,7 +25,8 @@ Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps o
   by the same AdamW): exit code 0, nothing said; head.weight is equal on both ranks, the temperature ends at
   0.071670 on rank 0 and 0.038691 on rank 1. Before, the check said "No problems found" and claimed to have compared
   "the optimizer's parameters against the model's". With the script averaging `temp.grad` before each step
-  (`temperature-synced`): 0.073942 on both ranks.
+  (`temperature-synced`): 0.073942 on both ranks. Stepped by an SGD of its own (`temperature-own-opt`): 0.121164 on
+  rank 0, 0.086329 on rank 1.
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def test_a_temperature_the_optimizer_trains_beside_the_model_is_named_and_a_sync
     found = run.finding("unsharded-params-not-synced")
     assert found["severity"] == "error" and run.params("unsharded-params-not-synced") == {"temp"}
     assert run.report["compared"]["outside_model"] == 1 and run.report["compared"]["outside_groups"] == 0
+    own = _check(tmp_path / "own", "temperature-own-opt")
+    assert own.params("unsharded-params-not-synced") == {"temp"}, own.output
     synced = _check(tmp_path / "synced", "temperature-synced")
     assert synced.rc == 0 and synced.errors() == [], synced.output
     assert "unsharded-params-not-synced" not in synced.codes and synced.report["compared"]["outside_model"] == 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -109,6 +110,9 @@ class PlainOptimizerWatch:
         """Following for `observe()` (given its model), not for `ddp-doctor check`, whose patches mark each
         `fully_shard` call and whose supervisor names a run that fails."""
         self.optimizer: torch.optim.Optimizer | None = None
+        self.others: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
+        """The other optimizers seen stepping, each with whether it steps none of the sharded model's parameters
+        (a second optimizer for a tensor kept beside the model)."""
         self.steps = 0
         self.names: dict[int, str] = {}
         self.module = ""
@@ -275,6 +279,9 @@ class PlainOptimizerWatch:
                 self.grad_scale.install()
                 devices = {p.device for _, p in self.sharded.named_parameters()}
                 self.clock = StepClock.for_model(devices, self.sharded.param_groups())
+        if optimizer is not self.optimizer and self.sharded is not None and optimizer not in self.others:
+            held = {id(p) for _, p in self.sharded.named_parameters()}
+            self.others[optimizer] = not any(id(p) in held for g in optimizer.param_groups for p in g["params"])
         if optimizer is not self.optimizer or self.stopped:
             return False
         if self.frozen:

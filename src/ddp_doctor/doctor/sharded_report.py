@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import sys
 import zlib
+from collections.abc import MutableMapping
 from typing import Any, Protocol
 
 import torch
@@ -62,6 +63,7 @@ class ShardedWatch(Protocol):
     """What the report reads of the watch that followed the sharded model's steps (`PlainOptimizerWatch`)."""
 
     optimizer: torch.optim.Optimizer | None
+    others: MutableMapping[torch.optim.Optimizer, bool]
     steps: int
     framework: str
     frozen: bool
@@ -104,12 +106,13 @@ def _buffer_table(w: ShardedWatch, buffers: list[tuple[str, torch.Tensor]]) -> t
     return torch.cat([now, moved.double()[:, None]], dim=1)
 
 
-def _beside_model(optimizer: torch.optim.Optimizer, in_model: set[int]) -> list[tuple[str, torch.Tensor]]:
-    """The plain trainable tensors `optimizer` steps that the model does not hold (a learnable loss temperature),
-    each named by the script's variable holding it, or by its place in the param groups."""
+def _beside_model(optimizers: list[torch.optim.Optimizer], in_model: set[int]) -> list[tuple[str, torch.Tensor]]:
+    """The plain trainable tensors the `optimizers` step that the model does not hold (a learnable loss
+    temperature), each named by the script's variable holding it, or by its place in the param groups."""
     found = [
-        (f"param_groups[{g}]['params'][{i}]", p)
-        for g, group in enumerate(optimizer.param_groups)
+        (f"param_groups[{g}]['params'][{i}]" + (f" of {type(opt).__name__}" if k else ""), p)
+        for k, opt in enumerate(optimizers)
+        for g, group in enumerate(opt.param_groups)
         for i, p in enumerate(group["params"])
         if p.requires_grad and id(p) not in in_model and not is_dtensor(p)
     ]
@@ -134,7 +137,8 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     in_model = {id(p) for _, p in named}
     stepped = w.stepped_params()
     unsharded = model.unsharded() if dist.get_world_size() > 1 else []  # one rank: nothing to keep in sync
-    beside_model = _beside_model(w.optimizer, in_model) if dist.get_world_size() > 1 else []
+    optimizers = [w.optimizer, *(opt for opt, alone in list(w.others.items()) if alone)]
+    beside_model = _beside_model(optimizers, in_model) if dist.get_world_size() > 1 else []
     unsharded += beside_model
     # FSDP2 shards parameters only: a buffer stays a plain tensor on each rank, and nothing broadcasts it (DDP and
     # `replicate` broadcast theirs from rank 0).
