@@ -32,6 +32,7 @@ def test_uneven_inputs_inside_join_are_reported_where_the_join_ends_as_an_info(
     assert [(f["code"], f["severity"]) for f in run.report["findings"]] == [("uneven-inputs", "info")], run.output
     found = run.finding("uneven-inputs")
     assert found["ranks"] == [0, 1] and found["steps"] == [batches], found
+    assert found["measured"][0]["name"] == "epoch_ends_after_batches" and found["measured"][0]["value"] > batches
     assert run.report["steps_observed"] == observed, run.output
     assert run.report["recommendation"]["verified"] is True, run.output
 
@@ -73,6 +74,7 @@ def test_a_join_that_throws_when_a_rank_runs_out_is_an_info_too(tmp_path: Path) 
     assert [(f["code"], f["severity"]) for f in run.report["findings"]] == [("uneven-inputs", "info")], run.output
     found = run.finding("uneven-inputs")
     assert found["steps"] == [batches] and found["sites"] == [_join_line()], found
+    assert {m["name"]: m["value"] for m in found["measured"]} == {"epoch_ends_after_batches": batches}, found
     assert run.report["steps_observed"] == 8, run.output
 
 

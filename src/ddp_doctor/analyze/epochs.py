@@ -30,9 +30,12 @@ __all__ = [
 ]
 
 
-def joined_uneven(shown: str, out: str, ranks: list[int], steps: list[int], joined: JoinedLoop) -> Finding:
-    """Uneven batch counts (`shown` per rank; `out`: who runs out after how many) inside the script's `Join`:
-    handled, so an ``info``. Ground truth (tests/lockstep/test_joined.py, plain torchrun): 5 and 8 batches per rank
+def joined_uneven(
+    shown: str, out: str, ranks: list[int], steps: list[int], joined: JoinedLoop, counts: tuple[int, int]
+) -> Finding:
+    """Uneven batch counts (`shown` per rank; `out`: who runs out after how many; `counts`: the most and the fewest)
+    inside the script's `Join`: handled, so an ``info``, measured with the batches after which the epoch ends (the
+    most, while the ranks that ran out shadow the others; the fewest, when the Join throws). Ground truth (tests/lockstep/test_joined.py, plain torchrun): 5 and 8 batches per rank
     under `Join([model])`, exit 0, the weights equal; under `throw_on_early_termination=True` (the script catching
     the Join's error) exit 0, the weights equal, and every rank trains 5 batches per epoch."""
     if joined.throws:
@@ -55,9 +58,11 @@ def joined_uneven(shown: str, out: str, ranks: list[int], steps: list[int], join
             "nothing is required; to train every rank on the same number of batches instead, shard with "
             "DistributedSampler (equal shares) or use drop_last=True."
         )
+    most, fewest = counts
     return Finding(
         code=Code.UNEVEN_INPUTS,
         severity="info",
+        measured=[Measure("epoch_ends_after_batches", fewest if joined.throws else most, "count")],
         title=f"ranks have different numbers of batches per epoch ({shown}), handled by Join",
         detail=detail,
         ranks=ranks,
@@ -90,7 +95,7 @@ def uneven_inputs(v: View) -> list[Finding]:
         if joins := v.meta(0).get("join_sites"):
             out = f"{'Ranks' if short.count > 1 else 'Rank'} {names} run{'' if short.count > 1 else 's'} out after {fewest}"
             joined = JoinedLoop(joins[0], throws=joins[0] in v.meta(0).get("join_throws", []))
-            return [joined_uneven(shown, out, list(range(v.world)), [fewest], joined)]
+            return [joined_uneven(shown, out, list(range(v.world)), [fewest], joined, (most, fewest))]
         return [
             rules.uneven_inputs(
                 title=f"ranks have different numbers of batches per epoch ({shown})",
@@ -280,7 +285,9 @@ def counted_uneven(
         per_rank = _per_rank(c)
         epoch = f"pass {c['pass']} of {name}"
         if d["training"] and joined:
-            finding = joined_uneven(per_rank, f"{counted}in {epoch}, {who} ran out after {c['min']}", ranks, [], joined)
+            finding = joined_uneven(
+                per_rank, f"{counted}in {epoch}, {who} ran out after {c['min']}", ranks, [], joined, (c["max"], c["min"])
+            )
         elif d["training"]:
             finding = rules.uneven_inputs(
                 title=f"ranks have different numbers of batches per epoch from {name} ({per_rank})",
