@@ -286,7 +286,12 @@ def counted_uneven(
         epoch = f"pass {c['pass']} of {name}"
         if d["training"] and joined:
             finding = joined_uneven(
-                per_rank, f"{counted}in {epoch}, {who} ran out after {c['min']}", ranks, [], joined, (c["max"], c["min"])
+                per_rank,
+                f"{counted}in {epoch}, {who} ran out after {c['min']}",
+                ranks,
+                [],
+                joined,
+                (c["max"], c["min"]),
             )
         elif d["training"]:
             finding = rules.uneven_inputs(
