@@ -23,6 +23,7 @@ def _tensors() -> list[torch.Tensor | None]:
         torch.tensor(float("nan")),
         torch.tensor([float("inf"), 1.0]),
         torch.randn(4, 4, generator=g).t(),
+        torch.randn(5, dtype=torch.complex64, generator=g),
     ]
 
 
@@ -52,6 +53,18 @@ def test_batched_sees_a_one_ulp_change_and_a_swap() -> None:
             again = fingerprints_batched(ts[:i] + [changed] + ts[i + 1 :], chunk_elements=100)
             assert not torch.equal(again[i], base[i]), (i, changed)
             assert torch.equal(torch.cat([again[:i], again[i + 1 :]]), torch.cat([base[:i], base[i + 1 :]]))
+
+
+def test_a_complex_tensor_differing_in_its_imaginary_part_only_differs() -> None:
+    """A complex parameter (a spectral filter) whose imaginary part alone differs across ranks: a cast to float64
+    dropped that part, and the ranks' weights compared equal while 0.5 apart (and torch warned from our code)."""
+    a = torch.randn(9, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    b = a.clone()
+    b.imag.add_(0.5)
+    for fp in (fingerprints, fingerprints_batched):
+        assert not torch.equal(fp([a]), fp([b]))
+        assert torch.equal(fp([a]), fp([a.clone()]))
+    assert torch.equal(fingerprints([a.conj()]), fingerprints([a.conj().resolve_conj()]))
 
 
 def test_a_gradient_of_round_off_only_is_not_significant() -> None:

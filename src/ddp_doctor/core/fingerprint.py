@@ -43,8 +43,14 @@ def _fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
         flat = flat.to_local()
     if flat.is_sparse:
         flat = flat.to_dense()
-    flat = flat.reshape(-1).to(torch.float64)
+    flat = _real(flat).reshape(-1).to(torch.float64)
     return torch.stack([flat.sum(), (flat * _weights(flat.numel(), flat.device)).sum()])
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real and imaginary parts side by side (a cast to float64 would drop the imaginary
+    part, and a difference across ranks there with it); any other tensor as it is."""
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
 
 
 def fingerprints(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
@@ -93,7 +99,7 @@ def fingerprints_batched(tensors: Iterable[torch.Tensor | None], *, chunk_elemen
             flat = flat.to_local()  # this rank's shard, as in `fingerprints`
         if flat.is_sparse:
             flat = flat.to_dense()
-        flat = flat.reshape(-1)
+        flat = _real(flat).reshape(-1)
         if flat.numel() > _chunk(flat.device, chunk_elements):
             big.append((row, flat))
         else:
