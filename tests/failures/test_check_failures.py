@@ -224,6 +224,16 @@ def test_a_model_sized_from_rank_local_data_names_each_parameter_and_its_shape_p
     assert run.report["backend"] == "gloo" and run.report["torch_version"], run.report  # the header is whole
 
 
+def test_a_lazy_layer_wrapped_before_its_first_forward_gets_ddps_own_error(tmp_path: Path) -> None:
+    """lazy_module.py (its docstring has the ground truth). The check's own step before DDP's constructor read the
+    shapes of the uninitialised parameters and failed inside ddp_doctor with torch's *Can't access the shape of an
+    uninitialized parameter*; DDP's constructor now raises its own error, as under torchrun."""
+    run = check(["--nproc-per-node", "2", str(SCRIPTS / "lazy_module.py")], tmp_path)
+    assert run.rc == 2 and run.report is not None and run.report["findings"] == [], run.output
+    said = run.report["error"]
+    assert "Modules with uninitialized parameters" in said and "Can't access the shape" not in run.output, said
+
+
 def test_a_layer_frozen_on_rank_0_alone_before_the_wrap_names_its_parameters(tmp_path: Path) -> None:
     """Ground truth under plain torchrun: both ranks fail in DDP's constructor, 'DDP expects same model across all
     ranks, but Rank 0 has 2 params, while rank 1 has inconsistent 4 params' (exit 1). The check names the frozen

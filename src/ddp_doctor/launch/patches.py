@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import Optimizer
 
 from ddp_doctor.core.compat import FSDP2_MODULES, fsdp_module_type
@@ -79,6 +80,9 @@ def patch_ddp_init(session: PatchedRun) -> None:
     def __init__(ddp: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
         bound = session.signature.bind(ddp, *args, **kwargs)
         module = bound.arguments["module"]
+        if any(is_lazy(p) for p in module.parameters()):
+            # DDP refuses uninitialised (lazy) parameters with its own clear error; nothing to observe before it
+            return original_init(*bound.args, **bound.kwargs)
         own = [p.requires_grad for _, p in module.named_parameters()]
         session.before_wrap(module, bound.arguments)
         trainable = [p.requires_grad for _, p in module.named_parameters()]
