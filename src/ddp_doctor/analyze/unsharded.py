@@ -71,11 +71,13 @@ def _fix(run: ShardedRun, api: Api) -> str:
 def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding | None:
     """The finding for `run.unsharded` (not empty): error, info or warning, as the docstring above says. Tensors
     the optimizer steps beside the model are named only when they differ across ranks (ground truth:
-    tests/fsdp2/test_check_fsdp2_state.py)."""
+    tests/sync/test_check_fsdp2_state.py)."""
     steps = list(range(run.steps))
     differ = [p for p, d in zip(run.unsharded, run.unsharded_differ) if d]
-    if not differ and run.outside_model and all(run.outside_model):
-        return None  # compared, and equal on every rank
+    beside = run.outside_model or [False] * len(run.unsharded)
+    kept = [p for p, b in zip(run.unsharded, beside) if not b]  # beside the model and equal: compared, not named
+    if not differ and not kept:
+        return None
     why = _why(run, api)
     if differ:
         return Finding(
@@ -102,13 +104,12 @@ def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding | 
         return Finding(
             code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
             severity="info",
-            title=f"{len(run.unsharded)} parameters outside every {api.call} group trained and stayed equal across "
-            "ranks",
+            title=f"{len(kept)} parameters outside every {api.call} group trained and stayed equal across ranks",
             detail=f"These trainable parameters belong to no {api.call} group ({why}), so {api.call} does not "
             f"reduce their gradients. Over {run.steps} steps they changed and are still the same on every rank: "
             "something keeps them in sync, the script's own all-reduce of their gradients, or the same batches on "
             "every rank.",
-            params=list(run.unsharded),
+            params=kept,
             ranks=ranks,
             steps=steps,
             fix=f"nothing, if the script averages their gradients itself; if every rank trains on the same batches "
@@ -117,12 +118,12 @@ def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding | 
     return Finding(
         code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
         severity="warning",
-        title=f"{len(run.unsharded)} parameters outside every {api.call} group have nothing syncing them",
+        title=f"{len(kept)} parameters outside every {api.call} group have nothing syncing them",
         detail=f"These trainable parameters belong to no {api.call} group ({why}), so {api.call} does not reduce "
         f"their gradients. After {run.steps} steps they are still the same on every rank, and did not change "
         "(they got no gradient, or only one step was observed); they drift apart once they train on different "
         "batches, unless the script averages their gradients itself.",
-        params=list(run.unsharded),
+        params=kept,
         ranks=ranks,
         steps=steps,
         fix=_fix(run, api),
