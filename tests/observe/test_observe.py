@@ -270,6 +270,37 @@ def test_steps_limit_detaches_after_k_steps(tmp_path, auto: bool) -> None:
     assert run_ranks(_limited_steps, tmp_path, args=(auto,)) == [expected] * 2
 
 
+def _beside_own_optimizer(rank: int, world: int) -> dict:
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    ddp, opt = _model()
+    temp = nn.Parameter(torch.zeros(()))  # a learnable loss temperature beside the model, under an Adam of its own
+    own = torch.optim.Adam([temp], lr=0.01)
+    with observe(ddp, optimizer=opt, steps=4) as doctor:
+        for step in range(4):
+            x, y = batch(rank, step)
+            F.mse_loss(ddp(x, use_b=True) / temp.exp(), y).backward()
+            opt.step()
+            own.step()
+            opt.zero_grad()
+            own.zero_grad()
+    report = doctor.report(timeout=20)
+    found = [f for f in report.findings if f.code == "unregistered-parameters"]
+    return {
+        "found": [(f.severity, [p.name for p in f.params], f.steps) for f in found],
+        # (the DataLoader listener's global hook stays for the process's life, by design: not a step hook)
+        "global_hooks_left": sum(type(h).__name__ == "_StepHook" for h in _global_optimizer_pre_hooks.values()),
+    }
+
+
+def test_a_tensor_under_an_optimizer_of_its_own_is_compared_with_the_optimizer_given(tmp_path) -> None:
+    """observe(model, optimizer) follows the given optimizer's steps, and notes the others: `temp`, stepped by its
+    own Adam from each rank's gradient, differs across ranks (from step 1: the Adam is known from its first step,
+    after step 0 closed), and the global hook that noted it is gone after the block."""
+    expected = {"found": [("error", ["temp"], [1])], "global_hooks_left": 0}
+    assert run_ranks(_beside_own_optimizer, tmp_path) == [expected] * 2
+
+
 def _reduction_error(rank: int, world: int) -> dict:
     ddp, opt = _model()
     doctor = observe(ddp, optimizer=opt)

@@ -48,11 +48,13 @@ class BackwardHooks:
         if t.auto_optimizer:
             # The launcher does not know the script's optimizer: adopt the first one whose step() updates this
             # model's parameters (an Accelerate or Lightning wrapper calls the torch optimizer's step inside).
-            self._steps.add("pre", register_optimizer_step_pre_hook, self._on_any_optimizer_pre)
+            self._steps.add("pre", register_optimizer_step_pre_hook, self._on_other_optimizer_pre)
             self._steps.add("post", register_optimizer_step_post_hook, self._on_any_optimizer_post)
         elif t.optimizer is not None:
             self._steps.add("pre", t.optimizer.register_step_pre_hook, self._on_optimizer_pre)
             self._steps.add("post", t.optimizer.register_step_post_hook, self._on_optimizer_post)
+            # The other optimizers: one that steps a tensor beside the model is compared too (`Target.beside`).
+            self._steps.add("pre", register_optimizer_step_pre_hook, self._on_other_optimizer_pre)
         self.hook_new_trainable()
 
     def detach(self) -> None:
@@ -198,6 +200,10 @@ class BackwardHooks:
         if opt is self._t.optimizer:
             self._on_optimizer_pre(opt, args, kwargs)
         elif self._t.optimizer is not None:
+            self._t.note_other(opt)
+
+    def _on_other_optimizer_pre(self, opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if opt is not self._t.optimizer:
             self._t.note_other(opt)
 
     def _on_any_optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

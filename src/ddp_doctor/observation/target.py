@@ -42,8 +42,8 @@ class Target:
     batchnorm: list[torch.nn.Module] = field(init=False)
     """The BatchNorm layers that normalize over this rank's batch alone (not SyncBatchNorm)."""
     others: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = field(init=False)
-    """The other optimizers seen stepping (adopting the optimizer: `auto_optimizer`), each with whether it steps
-    none of this model's parameters (a second optimizer for a tensor kept beside the model)."""
+    """The other optimizers seen stepping, each with whether it steps none of this model's parameters (a second
+    optimizer for a tensor kept beside the model)."""
     registered: list[torch.nn.Parameter] = field(init=False)
     """The parameters DDP's reducer holds, and those it was told to ignore: every other parameter in the module
     tree was created or replaced after DDP was built (`tree_scan.py`)."""
