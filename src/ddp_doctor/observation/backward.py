@@ -48,7 +48,7 @@ class BackwardHooks:
         if t.auto_optimizer:
             # The launcher does not know the script's optimizer: adopt the first one whose step() updates this
             # model's parameters (an Accelerate or Lightning wrapper calls the torch optimizer's step inside).
-            self._steps.add("pre", register_optimizer_step_pre_hook, self._on_other_optimizer_pre)
+            self._steps.add("pre", register_optimizer_step_pre_hook, self._on_any_optimizer_pre)
             self._steps.add("post", register_optimizer_step_post_hook, self._on_any_optimizer_post)
         elif t.optimizer is not None:
             self._steps.add("pre", t.optimizer.register_step_pre_hook, self._on_optimizer_pre)
