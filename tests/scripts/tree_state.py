@@ -18,6 +18,7 @@ cases:
   outside-param  a learnable loss temperature kept beside the model, stepped by the same optimizer
   outside-synced the same temperature, its gradient all-reduced by the script before the step (clean)
   outside-own-opt the temperature stepped by an optimizer of its own (Adam), not the model's
+  outside-seeded the temperature drawn from each rank's own seed, its gradient all-reduced by the script
   outside-registered the temperature registered on the model before DDP was built, read through .module (clean)
 """
 
@@ -102,6 +103,8 @@ def main() -> None:
     temp = model.module.temp if args.case == "outside-registered" else None
     if args.case in ("outside-param", "outside-synced", "outside-own-opt"):
         temp = nn.Parameter(torch.zeros(()))  # a learnable loss temperature beside the model
+    if args.case == "outside-seeded":
+        temp = nn.Parameter(torch.rand((), generator=torch.Generator().manual_seed(rank)))
     extra = [temp] if temp is not None and args.case != "outside-registered" else []
     own = torch.optim.Adam(extra, lr=0.01) if args.case == "outside-own-opt" else None
     opt = torch.optim.SGD([*model.parameters(), *(extra if own is None else [])], lr=0.1)
@@ -115,7 +118,7 @@ def main() -> None:
         loss = (out / temp.exp() if temp is not None else out).pow(2).mean()
         opt.zero_grad()
         loss.backward()
-        if args.case == "outside-synced":
+        if args.case in ("outside-synced", "outside-seeded"):
             dist.all_reduce(temp.grad)
             temp.grad /= dist.get_world_size()
         opt.step()

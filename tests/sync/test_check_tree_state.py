@@ -36,7 +36,11 @@ OUT --case CASE`; the script measures every parameter's largest difference acros
   (exit 0, every tensor 0.0 apart): outside-synced (the script all-reduces `temp.grad` before the step) and
   outside-registered (the fix: `temp` registered on the model before DDP was built, read through `.module`).
   outside-own-opt (the temperature stepped by an Adam of its own, the model by SGD): exit code 0, `temp` 0.00059
-  apart after 6 steps; the check said nothing (it followed the model's optimizer only).
+  apart after 6 steps; the check said nothing (it followed the model's optimizer only). outside-seeded (the
+  temperature drawn from each rank's own seed, its gradient averaged by the script): exit code 0 (1 run in 5 ends
+  with gloo's abort at the teardown, as every script here can), `temp` 0.261 apart at the end, the model's weights
+  equal. Its finding measures `gradients_apart` (0: the values started apart), so its fix is not to average the
+  gradient, which the script already does.
 """
 
 from __future__ import annotations
@@ -148,12 +152,15 @@ def test_a_tensor_the_optimizer_trains_beside_the_model_is_named_and_its_neighbo
     assert found["severity"] == "error" and found["steps"] == [0] and found["ranks"] == [0, 1]
     assert run.params("unregistered-parameters") == {"temp"}  # the script's variable, found by identity
     assert run.codes == {"unregistered-parameters"}, run.output  # not "a replaced module's" tensor
+    assert found["measured"] == [{"name": "gradients_apart", "value": 1, "unit": "count"}], found
     synced = _check(tmp_path / "synced", "outside-synced")
     assert synced.rc == 0 and synced.codes == set(), synced.output
     assert synced.report["compared"]["outside_model"] == 1  # compared, found equal
     own = _check(tmp_path / "own", "outside-own-opt")
     # The Adam is known from its first step, which comes after the model's step 0 closed: compared from step 1 on.
     assert own.params("unregistered-parameters") == {"temp"} and own.finding("unregistered-parameters")["steps"] == [1]
+    seeded = _check(tmp_path / "seeded", "outside-seeded").finding("unregistered-parameters")
+    assert seeded["steps"] == [0] and seeded["measured"][0]["value"] == 0, seeded  # apart, gradients equal
     fixed = _check(tmp_path / "fixed", "outside-registered")
     assert fixed.rc == 0 and fixed.errors() == [] and fixed.report["compared"]["outside_model"] == 0, fixed.output
 
