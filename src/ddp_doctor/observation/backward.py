@@ -54,7 +54,7 @@ class BackwardHooks:
             self._steps.add("pre", t.optimizer.register_step_pre_hook, self._on_optimizer_pre)
             self._steps.add("post", t.optimizer.register_step_post_hook, self._on_optimizer_post)
             # The other optimizers: one that steps a tensor beside the model is compared too (`Target.beside`).
-            self._steps.add("pre", register_optimizer_step_pre_hook, self._on_other_optimizer_pre)
+            self._steps.add("pre", register_optimizer_step_pre_hook, t.note_other)
         self.hook_new_trainable()
 
     def detach(self) -> None:
@@ -200,10 +200,6 @@ class BackwardHooks:
         if opt is self._t.optimizer:
             self._on_optimizer_pre(opt, args, kwargs)
         elif self._t.optimizer is not None:
-            self._t.note_other(opt)
-
-    def _on_other_optimizer_pre(self, opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        if opt is not self._t.optimizer:
             self._t.note_other(opt)
 
     def _on_any_optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

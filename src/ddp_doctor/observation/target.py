@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -84,9 +85,9 @@ class Target:
             for (m, name), was in zip(self.buffer_slots, self.buffers)
         ]
 
-    def note_other(self, opt: torch.optim.Optimizer) -> None:
-        """`opt` stepped, and it is not the observed optimizer."""
-        if opt not in self.others:
+    def note_other(self, opt: torch.optim.Optimizer, *_hook_args: Any) -> None:
+        """`opt` is about to step (a global step pre-hook's call): remember it if it is not the observed one."""
+        if opt is not self.optimizer and opt not in self.others:
             self.others[opt] = not self.steps_params(opt)
 
     def beside(self) -> list[tuple[torch.Tensor, str]]:

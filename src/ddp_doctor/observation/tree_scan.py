@@ -249,7 +249,11 @@ class StateScan:
             self.retied = self._retied({self._names.get(id(self._positions[i])) for i in self.orphaned})
         self._find_recast()
         stepped = self._stepped()
-        outside = [(t, where) for i, (t, where) in stepped.items() if i not in held and i not in self._registered]
+        outside = [
+            (t, f"param_groups[{g}]['params'][{k}]")
+            for i, (t, g, k) in stepped.items()
+            if i not in held and i not in self._registered
+        ]
         self.stale = sum(1 for i in stepped if i not in held) - len(outside)
         if self._beside is not None:
             outside += [(t, where) for t, where in self._beside() if id(t) not in stepped]
@@ -338,18 +342,14 @@ class StateScan:
         rates = {id(p): g.get("lr") for g in opt.param_groups for p in g["params"]} if opt is not None else {}
         return [(id(t) in rates, id(t) in rates and rates[id(t)] == 0) for t in tensors]
 
-    def _stepped(self) -> dict[int, tuple[torch.Tensor, str]]:
-        """The tensors the observed optimizer steps, by identity, each with its place in the param groups (empty:
-        none known yet); its learning rates noted."""
+    def _stepped(self) -> dict[int, tuple[torch.Tensor, int, int]]:
+        """The tensors the observed optimizer steps, by identity, each with its place in the param groups (group,
+        position; empty: none known yet); its learning rates noted."""
         opt = self._optimizer() if self._optimizer is not None else None
         if opt is None:
             return {}
         self.learning_rates = [_number(g.get("lr")) for g in opt.param_groups]
-        return {
-            id(p): (p, f"param_groups[{g}]['params'][{i}]")
-            for g, group in enumerate(opt.param_groups)
-            for i, p in enumerate(group["params"])
-        }
+        return {id(p): (p, g, i) for g, group in enumerate(opt.param_groups) for i, p in enumerate(group["params"])}
 
 
 def _number(value: Any) -> float:
