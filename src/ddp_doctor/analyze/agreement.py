@@ -67,7 +67,8 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
     steps = steps_of(v.summary.grad_steps)
     others = v.ranks("grad-differs")  # ranks whose gradients differ from rank 0's
     ranks = [0] + others.ranks
-    sites: list[str] = []  # where DDP's sync was turned off, when it was off for every backward
+    sites: list[str] = []  # the lines the cause names: the comm hook's, or where DDP's sync was turned off
+    off = ""  # the title's note when DDP's sync was off for every backward
     why, fix = (
         "",
         (
@@ -100,6 +101,7 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
         verb = "set" if flag else "entered"
         where = f" ({verb} at {'; '.join(site.split(' at ', 1)[-1] for site in sites)})" if sites else ""
         how = "with require_backward_grad_sync=False" if flag else "under no_sync()"
+        off = f" (DDP's sync was off for every backward: {sites[0].split(' at ', 1)[0]})" if sites else ""
         why = (
             f" Every backward pass of these optimizer steps ran {how}{where}, the last micro-batch included, so "
             "DDP never reduced the gradients: each rank stepped on its own."
@@ -115,12 +117,7 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
         Finding(
             code=Code.GRADS_NOT_SYNCED,
             severity="error",
-            title=f"gradients of {_count(int(params.sum()), 'parameter')} differ across ranks at the optimizer step"
-            + (
-                f" (DDP's sync was off for every backward: {sites[0].split(' at ', 1)[0]})"
-                if why and sites and not hook
-                else ""
-            ),
+            title=f"gradients of {_count(int(params.sum()), 'parameter')} differ across ranks at the optimizer step{off}",
             detail="When the optimizer stepped, these gradients were not the same on every rank, so the replicas "
             f"take different updates. Ranks {listed(ranks, others.more)} disagree in steps {steps}.{why}",
             params=v.params(params),

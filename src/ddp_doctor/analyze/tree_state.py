@@ -146,47 +146,49 @@ def _outside(v: View) -> list[Finding]:
     names = ", ".join(p.name for p in params[:4]) + (f" (+{len(params) - 4} more)" if len(params) > 4 else "")
     # Their gradients agree on every rank (the script averages them) while their values differ: they started apart.
     grads_apart = sum(any(t.get(e["name"], [])[2:] != e["fp"][2:] for t in theirs) for e in apart)
-    synced = grads_apart == 0
-    measured = [Measure("gradients_apart", grads_apart, "count")]
     held = f"no module DDP wraps{f' ({v.info.ddp_site})' if v.info.ddp_site else ''} holds them"
-    if synced:
-        return [
-            Finding(
-                code=Code.UNREGISTERED_PARAMETERS,
-                severity="error",
-                title=f"{len(params)} tensor(s) the optimizer trains outside the DDP model ({names}) differ across "
-                "ranks, though their gradients agree",
-                detail=f"The optimizer steps {names} beside the model's parameters and the script averages their "
-                f"gradients, but {held}, so nothing made their values equal: they differ across ranks from step "
-                f"{v.summary.state_step} on (created from each rank's own random state, or changed on some ranks), "
-                "and equal updates keep them apart. DDP broadcasts rank 0's weights of the model it wraps only.",
-                params=params,
-                ranks=all_ranks(v),
-                steps=[v.summary.state_step],
-                measured=measured,
-                fix="create them alike on every rank (one seed for all ranks), or broadcast rank 0's once before "
-                "training (`dist.broadcast(t.data, src=0)`); or register them on the model before DDP is built, "
-                "which broadcasts them with the rest.",
-            )
-        ]
+    step = v.summary.state_step
+    attr = params[0].name.split(".")[-1]
+    if grads_apart == 0:
+        title = f"{len(params)} tensor(s) the optimizer trains outside the DDP model ({names}) differ across ranks, "
+        title += "though their gradients agree"
+        detail = (
+            f"The optimizer steps {names} beside the model's parameters and the script averages their gradients, "
+            f"but {held}, so nothing made their values equal: they differ across ranks from step {step} on (created "
+            "from each rank's own random state, or changed on some ranks), and equal updates keep them apart. DDP "
+            "broadcasts rank 0's weights of the model it wraps only."
+        )
+        fix = (
+            "create them alike on every rank (one seed for all ranks), or broadcast rank 0's once before training "
+            "(`dist.broadcast(t.data, src=0)`); or register them on the model before DDP is built, which broadcasts "
+            "them with the rest."
+        )
+    else:
+        title = f"the optimizer trains {len(params)} tensor(s) held outside the DDP model ({names}): each rank "
+        title += "trains them alone"
+        detail = (
+            f"The optimizer steps {names} beside the model's parameters, and the loss gives them a gradient, but "
+            f"{held}, so DDP all-reduces no gradient of theirs: each rank steps them from its own batch's gradient. "
+            f"They differ across ranks from step {step} on (values or gradients at the optimizer step), while DDP "
+            "keeps the model's own weights equal."
+        )
+        fix = (
+            f"register them on the model before DDP is built (`model.{attr if attr.isidentifier() else 'scale'} = "
+            "nn.Parameter(...)`, used through `ddp_model.module`, or better inside the model's forward), so DDP "
+            "averages their gradients with the others'; or all-reduce their gradients before optimizer.step(): "
+            "`dist.all_reduce(t.grad); t.grad /= dist.get_world_size()`."
+        )
     return [
         Finding(
             code=Code.UNREGISTERED_PARAMETERS,
             severity="error",
-            title=f"the optimizer trains {len(params)} tensor(s) held outside the DDP model ({names}): each rank "
-            "trains them alone",
-            detail=f"The optimizer steps {names} beside the model's parameters, and the loss gives them a gradient, "
-            f"but {held}, so DDP all-reduces no gradient of theirs: each rank steps them from its own batch's "
-            f"gradient. They differ across ranks from step {v.summary.state_step} on (values or gradients at the "
-            "optimizer step), while DDP keeps the model's own weights equal.",
+            title=title,
+            detail=detail,
             params=params,
             ranks=all_ranks(v),
-            steps=[v.summary.state_step],
-            measured=measured,
-            fix=f"register them on the model before DDP is built (`model.{params[0].name.split('.')[-1]} = "
-            "nn.Parameter(...)`, used through `ddp_model.module`, or better inside the model's forward), so DDP "
-            "averages their gradients with the others'; or all-reduce their gradients before optimizer.step(): "
-            "`dist.all_reduce(t.grad); t.grad /= dist.get_world_size()`.",
+            steps=[step],
+            measured=[Measure("gradients_apart", grads_apart, "count")],
+            fix=fix,
         )
     ]
 
