@@ -10,7 +10,8 @@ rank (a job that becomes input-bound past its first steps), or on rank SLOW_RANK
 slow: the others wait for it in DDP's all-reduce). WORK_RANKS / WORK_FROM / WORK_S: from that step on, those ranks (comma-separated)
 spin WORK_S seconds between the forward and the backward (a slower device, or work of their own in the loss): the
 others wait for them in DDP's all-reduce. After `destroy_process_group()` each rank prints a line; TEARDOWN_ABORT_RANK:
-that rank then aborts (SIGABRT, as gloo's teardown can), with no collective left to break.
+that rank then aborts (SIGABRT, as gloo's teardown can), with no collective left to break. FR_DUMP_DIR: each rank
+writes its Flight Recorder dump there when a collective fails or torchrun stops it (`_dump_flight_recorder`).
 
     GROUP_TIMEOUT_S=20 torchrun --nproc-per-node 2 tests/scripts/watch_job.py
 """
@@ -113,5 +114,28 @@ def main() -> None:
         os.abort()
 
 
+def _dump_flight_recorder(*_: object) -> None:
+    """With FR_DUMP_DIR set (and TORCH_FR_BUFFER_SIZE), write PyTorch's Flight Recorder dump to FR_DUMP_DIR/rank_R
+    when a collective fails or torchrun stops the rank (SIGTERM), as NCCL's watchdog dumps every rank on a timeout
+    (gloo writes none itself)."""
+    folder = os.environ.get("FR_DUMP_DIR")
+    if folder and dist.is_initialized():
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"rank_{dist.get_rank()}"), "wb") as f:
+            f.write(_dump_fr_trace(True, True, False))
+    if _:  # the signal
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    main()
+    if os.environ.get("FR_DUMP_DIR"):
+        signal.signal(signal.SIGTERM, _dump_flight_recorder)
+        try:
+            main()
+        except RuntimeError:
+            _dump_flight_recorder()
+            raise
+    else:
+        main()

@@ -85,6 +85,37 @@ def test_flight_recorder_dumps_of_the_same_hang_name_the_same_collective_and_ran
     assert "rank 1 issued all_reduce(float[178]) at" in finding["title"] and backward in finding["title"], finding
 
 
+@pytest.mark.parametrize("stall", ["loop", "loader"])
+def test_flight_recorder_dumps_of_a_rank_held_in_its_own_code_name_the_all_reduce_it_never_issued(
+    tmp_path: Path, stall: str
+) -> None:
+    """tests/scripts/watch_job.py under plain torchrun, Flight Recorder on, 5 s group timeout: rank 1 spins in a
+    Python loop (or waits for its DataLoader's worker) for 30 s after step 15. Rank 0 times out in DDP's next gradient
+    all-reduce after 5 s and dumps its ring; torchrun names rank 0 as the root cause (exit code 1) and stops rank 1
+    with SIGTERM, at which rank 1 dumps its own (as NCCL's watchdog dumps every rank at a timeout). `explain` on the
+    dumps names what `watch`'s verdict names for the same hang (test below): the all-reduce from rank 0's backward,
+    which rank 1 never issued."""
+    dumps = tmp_path / "fr"
+    env = {"GROUP_TIMEOUT_S": "5", "FR_DUMP_DIR": str(dumps), "TORCH_FR_BUFFER_SIZE": "2000"}
+    env |= {"STALL": stall, "STALL_RANK": "1", "STALL_STEP": "15", "STALL_S": "30"}
+    plain = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPTS / "watch_job.py")],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plain.returncode != 0 and sorted(p.name for p in dumps.iterdir()) == ["rank_0", "rank_1"], plain.stderr
+    rc, output, explained = explain(dumps, tmp_path)
+    assert rc == 1, output
+    (finding,) = explained["findings"]
+    assert finding["code"] == "collective-mismatch" and finding["ranks"] == [0, 1], finding
+    backward = line("watch_job.py", "loss.backward()")
+    assert "rank 0 issued all_reduce(float[178]) at" in finding["title"] and backward in finding["title"], finding
+    assert "rank 1 issued none" in finding["title"], finding
+
+
 @pytest.mark.parametrize(
     ("stall", "on_hang", "rank", "text"),
     [
@@ -114,6 +145,12 @@ def test_a_rank_in_its_own_code_is_named_while_the_others_wait_in_ddps_all_reduc
     assert f"rank {rank} issued none" in parted["title"] and "all_reduce" in parted["title"], parted
     if on_hang == "stop":
         assert run.rc == 1 and run.ended["failed"] is True, run.output
+        rc, output, explained = explain(run.run_dir, tmp_path)  # afterwards, from the run folder: the same verdict
+        assert rc == 1 and explained is not None, output
+        again = explained["findings"][0]
+        assert (again["code"], again["ranks"]) == ("rank-hung", [rank]) and line("watch_job.py", text) in again[
+            "detail"
+        ]
     else:
         assert run.rc == 0 and run.ended["failed"] is False, run.output
         assert "move again" in run.output and len(checksums(run.output)) == 2, run.output
@@ -178,16 +215,29 @@ def test_two_nodes_each_watched_explain_the_hang_from_both_nodes_ranks(tmp_path:
         assert hang["sequences_compared"] == 1 and hang["sequences"] == [], hang
 
 
-def test_two_nodes_a_rank_that_leaves_early_on_one_node_is_not_a_finished_job_on_the_other(tmp_path: Path) -> None:
-    """Two agents under the static rendezvous, one rank each; rank 1 (node 1) leaves its loop and exits with status 0
-    after step 15. Under plain torchrun rank 0 raises *Connection closed by peer* at once and node 0's torchrun exits
-    1; node 1's exits 0. Each node's watch sees its own ranks only: node 1 says its ranks finished (not the job's),
-    node 0 that its rank failed after the first steps, with no record of rank 1 in its run folder, and both print
-    the first steps' report before the end (the job ends a few seconds after it)."""
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_two_nodes_a_rank_that_leaves_early_on_one_node_is_named_on_the_other(tmp_path: Path, rdzv: str) -> None:
+    """Two agents, one rank each; rank 1 (node 1) leaves its loop and exits with status 0 after step 15. Under plain
+    torchrun rank 0 raises *Connection closed by peer* at once and node 0's torchrun exits 1; node 1's exits 0, and
+    neither says which rank left. Under watch, rank 1 sets its end record in the job's store before it exits, and
+    rank 0, losing its peer, writes it in its run folder's "nodes": node 0's report leads with rank 1's exit at step
+    15 and its line (not with rank 0's lost connection), and `explain` on node 0's folder says the same; node 1 says
+    its own ranks finished (not the job). Both print the first steps' report before the end."""
     env = {"STALL": "exit", "STALL_RANK": "1", "STALL_STEP": "15"}
-    codes, outputs = two_nodes(tmp_path, env, [], timeout=180, static=True)
+    codes, outputs = two_nodes(tmp_path, env, [], timeout=180, static=rdzv == "static")
     assert codes == [1, 0], outputs
     ended = [json.loads((tmp_path / f"node{n}" / "watch.json").read_text()) for n in (0, 1)]
-    assert [(e["failed"], e["ranks"]) for e in ended] == [(True, [0]), (False, [1])], ended
+    node = {own: n for n in (0, 1) for own in ended[n]["ranks"]}  # c10d hands out the ranks in joining order
+    failed, finished = ended[node[0]], ended[node[1]]
+    assert (failed["failed"], finished["failed"]) == (True, False), ended
+    assert finished["steps"] == 15 and failed["result"]["steps_observed"] == 8, ended
     assert all((tmp_path / f"node{n}" / "report.steps.json").exists() for n in (0, 1))  # the first steps' report
-    assert ended[1]["steps"] == 15 and ended[0]["result"]["steps_observed"] == 8, ended
+    exited = line("watch_job.py", "sys.exit(0)")
+    first = failed["result"]["findings"][0]
+    assert (first["code"], first["ranks"], first["steps"]) == ("rank-exited", [1], [15]), first
+    assert exited in first["detail"], first
+    rc, output, explained = explain(tmp_path / f"node{node[0]}", tmp_path)
+    assert rc == 1 and explained is not None, output
+    again = explained["findings"][0]
+    assert (again["code"], again["ranks"], again["steps"]) == ("rank-exited", [1], [15]), again
+    assert "Traceback" not in outputs[node[0]] and "frame #" not in outputs[node[0]], outputs[node[0]]

@@ -142,7 +142,17 @@ class RankState:
 
 
 def read_rank_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
-    """Merge each rank's files (end record, beacon, sampled progress, fault dump, torchrun's exit statuses)."""
+    """Merge each rank's files (end record, beacon, sampled progress, fault dump, torchrun's exit statuses), with
+    the other nodes' ranks' records in the folder's "nodes" (`launch/peer_ends.py`, `launch/watch_nodes.py`) for
+    the ranks the folder has no files of."""
+    own = _read_states(folder, end_time=end_time)
+    others = folder / "nodes"
+    if not others.is_dir():
+        return own
+    return dict(sorted({**_read_states(others, end_time=end_time), **own}.items()))
+
+
+def _read_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
     ends = read_ends(folder)
     progress = {s.rank: s for p in folder.glob("rank*.progress.json") if (s := read_progress(p)) is not None}
     beacons: dict[int, BeaconState] = {

@@ -20,6 +20,7 @@ from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import EndRecord, Outcome, ProgressSample, write_end, write_json
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.launch.following_run import is_world
+from ddp_doctor.launch.peer_ends import receive, share
 from ddp_doctor.launch.watchdog import main_thread_position
 from ddp_doctor.report.model import Report
 
@@ -113,7 +114,13 @@ class Publisher:
             ddp_models=len(self.doctors),
             **fields,
         )
-        write_end(self.outdir, record, overwrite=overwrite)
+        if not write_end(self.outdir, record, overwrite=overwrite):
+            return
+        if outcome in (Outcome.EXITED, Outcome.CRASHED, Outcome.CRASHED_AFTER_REPORT):
+            raised = fields.get("raised")
+            if raised is not None and raised.peer_lost:
+                receive(self.outdir, self.rank)  # a peer left: which, when another node's (`peer_ends.py`)
+            share(self.rank, record.to_dict(), self.beacon.state)
 
     def reports(self, reports: list[Report], reason: str, name: str) -> None:
         """A model over the whole world is written to `name` by each node's local rank 0; a model over a subgroup

@@ -264,7 +264,9 @@ def run_check(
             watched=config.whole_run,
         )
         result.clean_line = _Forward.clean_line
-        result.torchrun_log = _keep_log(folder / "torchrun.log", marker)
+        log = folder / "torchrun.log"
+        kept = outdir is not None and log.exists() and log.stat().st_size > 0  # the user's run folder: it stays
+        result.torchrun_log = str(log) if kept else _keep_log(log, marker)
         result.launch = read_launch(folder)
         result.torchrun_rc = proc.returncode if proc is not None else None
         return result

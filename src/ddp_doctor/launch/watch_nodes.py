@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -86,12 +88,11 @@ class NodeShare:
             return False
         self._tried = time.monotonic()
         try:
+            TCPStore = _tcp_store()
             host, port = self._endpoint.rsplit(":", 1)
             with socket.create_connection((host, int(port)), timeout=0.5):
                 pass
             from datetime import timedelta
-
-            from torch.distributed import TCPStore
 
             store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False)
             self._node = int(store.add(f"{self._prefix}/nodes", 1))
@@ -203,6 +204,27 @@ class NodeShare:
                 logger.debug("ddp-doctor: could not share the windows through the rendezvous store: %s", exc)
                 self.enabled = False
         return dict(self._windows)
+
+
+def _tcp_store() -> Any:
+    """torch's `TCPStore`, imported before the store's port is asked (the first import takes seconds, in which a
+    short job's store can go). Where this process imports torch here first, c10's C++ log level is set to FATAL for
+    it alone (read once, at the import; the job's processes are started with the environment as it was): a client
+    whose store went with the job's end would print a wall of connection retries with C++ frames otherwise."""
+    if "torch" in sys.modules:
+        from torch.distributed import TCPStore
+
+        return TCPStore
+    before = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        from torch.distributed import TCPStore
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+        else:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = before
+    return TCPStore
 
 
 def _gone(exc: Exception) -> bool:

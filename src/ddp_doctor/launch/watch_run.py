@@ -127,18 +127,15 @@ class HangVerdict:
         }
 
 
-def hang_verdict(
-    folder: Path, *, stalled_s: float, hang_after_s: float, group_timeout_s: float | None, remote: Path | None = None
-) -> HangVerdict:
+def hang_verdict(folder: Path, *, stalled_s: float, hang_after_s: float, group_timeout_s: float | None) -> HangVerdict:
     """Where every rank is now, and the failure analysis's reading of it. The ranks' files are read first, then the
     analysis is imported (torch, seconds on a loaded machine: not before a hang, so that the parent takes no CPU
-    from the ranks while they train). `remote`: the other nodes' ranks' records (`NodeShare.materialize`)."""
+    from the ranks while they train). The other nodes' ranks' records are the folder's "nodes"
+    (`NodeShare.materialize`)."""
     from ddp_doctor.core.rankstate import read_rank_states
 
     now = time.time()
     states = read_rank_states(folder, end_time=now)
-    if remote is not None:
-        states = {**read_rank_states(remote, end_time=now), **states}
     dumps = read_rings(folder)
     positions = []
     for rank, s in sorted(states.items()):
@@ -287,10 +284,9 @@ class WatchLoop:
             if again is None or again > last + 1.0 or any(end_path(folder, r).exists() for r in states):
                 continue  # a rank moved or ended while its stacks were taken: not a hang
             called = time.time()  # the ranks may move again while the verdict is made (seconds, on a busy machine)
-            remote = self.nodes.materialize(folder) if self.nodes is not None else None
-            verdict = hang_verdict(
-                folder, stalled_s=stalled, hang_after_s=hang_after, group_timeout_s=group, remote=remote
-            )
+            if self.nodes is not None:
+                self.nodes.materialize(folder)
+            verdict = hang_verdict(folder, stalled_s=stalled, hang_after_s=hang_after, group_timeout_s=group)
             self.verdicts.append(verdict)
             write_json(folder / "hang.json", verdict.to_dict())
             self._say(self._hung, verdict)
