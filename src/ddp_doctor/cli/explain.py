@@ -99,7 +99,7 @@ def explain(folder: Path, console: Console) -> tuple[dict[str, Any], int]:
         )
     last = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(_last_write(folder)))
     console.print(f"ddp-doctor: the last record was written at {last}.", highlight=False)
-    return check.to_dict(), 1
+    return {**check.to_dict(), "ranks_without_records": silent}, 1
 
 
 def explain_flight_recorder(dumps: list[Any], problems: list[str], console: Console) -> tuple[dict[str, Any], int]:
