@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "ad3171d8339069d6",
-    "odd-70": "436c73141458c235",
-    "infos-differ-3": "36c62ef0ccba389b",
-    "edited-2": "ea65a53f835594e9",
-    "inferred-2": "d48fa33004e25b5e",
-    "clean-1": "a1f2bb7d9abb5d63",
+    "seeded-6": "9f90dd75c2d17ef3",
+    "odd-70": "821b06100dd5fc59",
+    "infos-differ-3": "c418cacc9fafcadf",
+    "edited-2": "2f87e27005c2d278",
+    "inferred-2": "6b7efd300ae85026",
+    "clean-1": "09e5689cb1fddd26",
 }
 
 

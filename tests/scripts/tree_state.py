@@ -16,7 +16,8 @@ cases:
   cast-after-wrap  model.to(torch.bfloat16) after DDP was built
   cast-before-wrap the same cast before DDP was built (clean)
   outside-param  a learnable loss temperature kept beside the model, stepped by the same optimizer
-  outside-synced the same temperature, its gradient all-reduced by the script before the step (clean)
+  outside-synced the same temperature and nine offsets beside it, their gradients all-reduced by the script
+                 before the step (clean)
   outside-own-opt the temperature stepped by an optimizer of its own (Adam), not the model's
   outside-seeded the temperature drawn from each rank's own seed, its gradient all-reduced by the script
   outside-registered the temperature registered on the model before DDP was built, read through .module (clean)
@@ -106,6 +107,8 @@ def main() -> None:
     if args.case == "outside-seeded":
         temp = nn.Parameter(torch.rand((), generator=torch.Generator().manual_seed(rank)))
     extra = [temp] if temp is not None and args.case != "outside-registered" else []
+    offsets = [nn.Parameter(torch.zeros(())) for _ in range(9)] if args.case == "outside-synced" else []
+    extra += offsets
     own = torch.optim.Adam(extra, lr=0.01) if args.case == "outside-own-opt" else None
     opt = torch.optim.SGD([*model.parameters(), *(extra if own is None else [])], lr=0.1)
     if args.case == "replace-after-opt":
@@ -115,12 +118,13 @@ def main() -> None:
     for step in range(args.steps):
         x = torch.randn(16, 8, generator=g).to(next(model.parameters()).dtype)
         out = model(x).float()
-        loss = (out / temp.exp() if temp is not None else out).pow(2).mean()
+        loss = (out / temp.exp() + sum(offsets) if temp is not None else out).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         if args.case in ("outside-synced", "outside-seeded"):
-            dist.all_reduce(temp.grad)
-            temp.grad /= dist.get_world_size()
+            for t in [temp, *offsets]:
+                dist.all_reduce(t.grad)
+                t.grad /= dist.get_world_size()
         opt.step()
         if own is not None:
             own.step()
@@ -140,7 +144,9 @@ def main() -> None:
                 model.module(torch.randn(4, 8, generator=g))
             model.train()
     measured = {
-        "gaps": gaps(model.module) | ({"temp": gaps(nn.ParameterList([temp]))["0"]} if extra else {}),
+        "gaps": gaps(model.module)
+        | ({"temp": gaps(nn.ParameterList([temp]))["0"]} if extra else {})
+        | ({f"offset{i}": v for i, v in gaps(nn.ParameterList(offsets)).items()} if offsets else {}),
         "training": model.training,
         "head_sum": float(model.module.head.weight.sum()),
     }

@@ -33,7 +33,8 @@ OUT --case CASE`; the script measures every parameter's largest difference acros
   optimizer: `SGD([*model.parameters(), temp])`): exit code 0, every model weight equal, `temp` 0.0099 apart after
   6 steps (each rank steps it from its own gradient). Before, the check called it `optimizer-params-replaced`, "a
   tensor no forward uses", and told the user to build the optimizer after the model. Its neighbours stay equal
-  (exit 0, every tensor 0.0 apart): outside-synced (the script all-reduces `temp.grad` before the step) and
+  (exit 0, every tensor 0.0 apart): outside-synced (the script all-reduces the gradients of `temp` and of nine
+  offsets beside it before the step: ten tensors, counted in full though the record names eight) and
   outside-registered (the fix: `temp` registered on the model before DDP was built, read through `.module`).
   outside-own-opt (the temperature stepped by an Adam of its own, the model by SGD): exit code 0, `temp` 0.00059
   apart after 6 steps; the check said nothing (it followed the model's optimizer only). outside-seeded (the
@@ -155,7 +156,7 @@ def test_a_tensor_the_optimizer_trains_beside_the_model_is_named_and_its_neighbo
     assert found["measured"] == [{"name": "gradients_apart", "value": 1, "unit": "count"}], found
     synced = _check(tmp_path / "synced", "outside-synced")
     assert synced.rc == 0 and synced.codes == set(), synced.output
-    assert synced.report["compared"]["outside_model"] == 1  # compared, found equal
+    assert synced.report["compared"]["outside_model"] == 10  # compared, found equal (8 are named in the record)
     own = _check(tmp_path / "own", "outside-own-opt")
     # The Adam is known from its first step, which comes after the model's step 0 closed: compared from step 1 on.
     assert own.params("unregistered-parameters") == {"temp"} and own.finding("unregistered-parameters")["steps"] == [1]

@@ -30,6 +30,7 @@ def compared(summary: Summary) -> dict[str, Any]:
     grads_at = _GRADS_AT[max(measured, key=measured.get)] if measured else None
     buffers = int(summary.buffer_seen.all(0).sum()) if s and summary.buffer_seen.numel() else 0
     stepped = sum(1 for v in summary.steps_taken[1][:s] if v)
+    meta = summary.metas.get(0, {})
     return {
         "ranks": summary.world,
         "steps": s,
@@ -37,12 +38,12 @@ def compared(summary: Summary) -> dict[str, Any]:
         "ignored_by_ddp": ignored,
         "created_after_wrap": max(summary.unregistered[:s], default=0),
         # Trainable tensors the optimizer steps beside the model (a loss temperature), values and gradients.
-        "outside_model": len(summary.metas.get(0, {}).get("outside") or []),
+        "outside_model": int(meta.get("outside_count") or len(meta.get("outside") or [])),
         "gradients_at": grads_at,
         "buffers": buffers,
         "buffers_not_recorded": len(info.buffer_names) - buffers,
         # Under broadcast_buffers=False, those registered under a new name after the wrap (at most 8 are named).
-        "buffers_after_wrap": len(summary.metas.get(0, {}).get("late_buffers") or []),
+        "buffers_after_wrap": int(meta.get("late_count") or len(meta.get("late_buffers") or [])),
         "modules": int(summary.metas.get(0, {}).get("modules", 0)),
         "inputs": int(summary.input_present[:s].sum()) if s else 0,
         "batches_drawn": sum(1 for k, v in enumerate(summary.drawn[1][:s]) if v > 0 and summary.steps_taken[1][k]),

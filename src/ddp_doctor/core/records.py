@@ -257,6 +257,8 @@ class RankRecord:
     late_buffers: list[dict[str, Any]] = field(default_factory=list)
     """With broadcast_buffers=False, the buffers registered under a new name after DDP was built: `name`, `shape`,
     `fp`, `changing`, `site` (`observation.tree_scan.StateScan.late_buffers`)."""
+    late_count: int = 0
+    """How many buffers were registered after the wrap (`late_buffers` names at most 8)."""
     optimizer_stale: int = 0
     """Tensors the observed optimizer steps that the model no longer holds, at the last step."""
     comm_hook: dict[str, Any] | None = None
@@ -265,6 +267,8 @@ class RankRecord:
     outside: list[dict[str, Any]] = field(default_factory=list)
     """Trainable tensors the observed optimizer steps that the model never held: `name`, `shape`, `grad`, `fp`
     (`observation.tree_scan.StateScan.outside`)."""
+    outside_count: int = 0
+    """How many such tensors there are (`outside` lists at most 8)."""
     modules: int = 0
     """Modules in the tree at the last step, whose train/eval modes `StepCounters.state_digest` covers."""
     to_empty_sites: list[str] = field(default_factory=list)
@@ -378,10 +382,12 @@ class RankRecord:
             "recast": self.recast,
             "recast_count": self.recast_count,
             "late_buffers": self.late_buffers,
+            "late_count": self.late_count,
             "join_sites": self.join_sites,
             "join_throws": self.join_throws,
             "optimizer_stale": self.optimizer_stale,
             "outside": self.outside,
+            "outside_count": self.outside_count,
             "comm_hook": self.comm_hook,
             "modules": self.modules,
             "nonfinite_params": self.nonfinite_params,

@@ -373,8 +373,10 @@ class StepLog:
             record.recast = list(self.state.recast)
             record.recast_count = self.state.recast_count
             record.late_buffers = list(self.state.late_buffers)
+            record.late_count = self.state.late_count
             record.optimizer_stale = self.state.stale
             record.outside = list(self.state.outside)
+            record.outside_count = self.state.outside_count
             record.modules = self.state.modules
             record.learning_rates = list(self.state.learning_rates)
         record.to_empty_sites = list(TO_EMPTY_SITES)

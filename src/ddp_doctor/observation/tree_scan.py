@@ -162,12 +162,14 @@ class StateScan:
         module after DDP was built, when seen."""
         self.recast_count = 0
         self.late_buffers: list[dict[str, Any]] = []
+        self.late_count = 0
         """With broadcast_buffers=False: the buffers registered under a new name after DDP was built, at the last
         step: `name`, `shape`, `fp` (their fingerprint: the ranks' are compared), `changing` (it changed between two
         steps on this rank: a running statistic), `site` (where it was registered, when seen); at most 8."""
         self.stale: int = 0
         """Tensors the optimizer steps that the model no longer holds (DDP registered them), at the last step."""
         self.outside: list[dict[str, Any]] = []
+        self.outside_count = 0
         """Trainable tensors the optimizer steps that neither the module tree nor DDP's reducer ever held (a
         learnable loss temperature kept beside the model), at the last step: `name` (the script's variable holding
         it, when found, else its place in the optimizer's param groups), `shape`, `grad` (it had a gradient when
@@ -260,7 +262,7 @@ class StateScan:
         if outside:
             crc = self._scan_outside(outside, crc)
         else:
-            self.outside = []
+            self.outside, self.outside_count = [], 0
         counters.state_digest = crc & 0x7FFFFFFF
         counters.unregistered = len(trainable)
         self.unregistered = [
@@ -290,7 +292,7 @@ class StateScan:
             crc = zlib.crc32(f"outside {where}:{fp[0]!r},{fp[1]!r},{grad[0]!r},{grad[1]!r};".encode(), crc)
             name = self._outside_names.get(id(t)) or where
             entries.append({"name": name, "shape": list(t.shape), "grad": t.grad is not None, "fp": fp + grad})
-        self.outside = entries[:8]
+        self.outside, self.outside_count = entries[:8], len(entries)
         return crc
 
     def _scan_late(self, late: list[tuple[str, torch.Tensor, str]], crc: int) -> int:
@@ -303,7 +305,7 @@ class StateScan:
                 self._late_moved.add(name)  # it changed since its first step: a running statistic
             moved = name in self._late_moved
             entries.append({"name": name, "shape": list(b.shape), "fp": fp, "changing": moved, "site": site or None})
-        self.late_buffers = entries[:8]
+        self.late_buffers, self.late_count = entries[:8], len(entries)
         return crc
 
     def _find_recast(self) -> None:
