@@ -243,6 +243,27 @@ def test_rank_zeros_model_info_speaks_for_the_group_when_the_ranks_differ() -> N
     assert mixed.volume.collectives == small.volume.collectives + 1
 
 
+@pytest.mark.parametrize("world", [4, 1024])
+def test_trainable_sets_that_differ_at_the_wrap_are_counted_per_parameter_with_a_rank_on_each_side(world: int) -> None:
+    """Ranks 1 and `world - 1` hand DDP head_b instead of head_a (the same shape): a count and two ranks per
+    parameter, in one SUM and one MAX whose shapes do not depend on the world size."""
+    from dataclasses import replace
+
+    swapped = replace(_info(), trainable_at_wrap=[True, True, False, True])
+    infos = [_info() if r not in (1, world - 1) else swapped for r in range(world)]
+    infos[0] = replace(_info(), trainable_at_wrap=[True, True, True, False])
+    infos = [infos[0] if i is not swapped else swapped for i in infos]
+    records = [_record(r) for r in range(world)]
+    same = summarize(infos[0], records)
+    apart = summarize(infos[0], records, infos=infos)
+    assert same.wrap_trainable is None
+    assert apart.wrap_trainable.tolist() == [[world, 0, -1], [world, 0, -1], [world - 2, 0, 1], [2, 1, 0]]
+    # Rank 0's ModelInfo travels too (its trainable set is part of it), then the counts and the lowest ranks.
+    assert apart.volume.collectives == same.volume.collectives + 3
+    findings = [f for f in analyze_summary(apart).findings if f.code == "param-shapes-differ"]
+    assert [(f.param_names, f.ranks) for f in findings] == [(["head_a.weight", "head_b.weight"], [0, 1])]
+
+
 def test_a_1024_rank_hang_names_a_handful_of_ranks_per_line() -> None:
     """The findings of a run whose ranks could not exchange (built from the ranks' files) stay short too."""
     from ddp_doctor.analyze.failures import failure_findings

@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "9f90dd75c2d17ef3",
-    "odd-70": "821b06100dd5fc59",
-    "infos-differ-3": "c418cacc9fafcadf",
-    "edited-2": "2f87e27005c2d278",
-    "inferred-2": "6b7efd300ae85026",
-    "clean-1": "09e5689cb1fddd26",
+    "seeded-6": "63289a310d2b09dd",
+    "odd-70": "2417aaf4c589f76d",
+    "infos-differ-3": "58f7ddd1cb0b26fb",
+    "edited-2": "f52656ec3e40fdd5",
+    "inferred-2": "5d2ed30fc0590ef2",
+    "clean-1": "d2562e9c9ff95dd3",
 }
 
 

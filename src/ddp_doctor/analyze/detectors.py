@@ -17,6 +17,7 @@ from ddp_doctor.analyze import (  # noqa: F401 (imported to register their detec
     optimizer_settings,
     passes,
     replica_state,
+    shapes,
     shards,
     throughput,
     tree_state,

@@ -40,7 +40,7 @@ def _midway(v: View, change: str) -> str:
 
 @detects(Code.FROZEN_AFTER_WRAP)
 def frozen_after_wrap(v: View) -> list[Finding]:
-    frozen = v.tracked & ~v.live if v.steps else torch.zeros_like(v.tracked)
+    frozen = v.tracked & ~v.live & ~v.wrap_apart if v.steps else torch.zeros_like(v.tracked)
     inferred = not v.info.wrap_state_exact and (v.info.wrap_trainable_count or 0) > int(v.tracked.sum())
     if not frozen.any() and not inferred:
         return []
@@ -69,7 +69,7 @@ def frozen_after_wrap(v: View) -> list[Finding]:
 def unfrozen_after_wrap(v: View) -> list[Finding]:
     if not v.steps:
         return []
-    unfrozen = ~v.tracked & ~v.ignored & v.train_any.any(0)
+    unfrozen = ~v.tracked & ~v.ignored & ~v.wrap_apart & v.train_any.any(0)
     if not unfrozen.any():
         return []
     return [

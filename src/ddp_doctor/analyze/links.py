@@ -17,6 +17,7 @@ from ddp_doctor.core.findings import Finding
 __all__ = ["UNSYNCED", "link_causes"]
 
 UNSYNCED = (
+    Code.PARAM_SHAPES_DIFFER,
     Code.UNREGISTERED_PARAMETERS,
     Code.WRAPPER_BYPASS,
     Code.UNUSED_PARAMETERS,

@@ -35,6 +35,12 @@ def _rec(v: View, *, find_unused: bool, static: bool, freeze: list[str], reason:
 
 def recommend(v: View, findings: list[Finding]) -> Recommendation:
     """Pick flags from what was observed, never from what the script currently uses."""
+    if v.wrap_apart.any():
+        return Recommendation.unknown(
+            "No DDP flags can be recommended: the ranks handed DDP different trainable parameters when it was built "
+            "(param-shapes-differ above), so what DDP reduces differs by rank whatever its flags. Freeze the same "
+            "parameters on every rank before wrapping, then check again."
+        )
     passes = passes_of(v)
     if (passes.steps and not passes.inner) or passes.crashed_twice:
         return Recommendation.unknown(

@@ -1,19 +1,23 @@
-"""`param-shapes-differ`: DDP's constructor refused a model whose parameter shapes differ by rank. Each rank wrote
-the names and shapes it handed to DDP just before the constructor ran (`core/rankfiles.py`, `WrapShapes`); this
-names each differing parameter with its shape on each rank. Pure: rank states in, findings out."""
+"""`param-shapes-differ`: the ranks handed DDP's constructor different parameters. When the shapes differ, DDP
+refused the model: each rank wrote the names and shapes it handed to DDP just before the constructor ran
+(`core/rankfiles.py`, `WrapShapes`), and `shape_findings` names each differing parameter with its shape on each rank
+(rank states in, findings out). When only which parameters are trainable differs, in a way whose shapes line up,
+DDP accepted the model and pairs different parameters in its all-reduce: `trainable_apart_at_wrap` names them from
+the exchange's `Summary.wrap_trainable`."""
 
 from __future__ import annotations
 
 import math
 import re
 
+from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, ParamRef
+from ddp_doctor.core.findings import Finding, ParamRef, lines_of
 from ddp_doctor.core.rankfiles import ExplainedError
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 
-__all__ = ["SHAPE_ERROR", "explain_shape_error", "refused_at_wrap", "shape_findings"]
+__all__ = ["SHAPE_ERROR", "explain_shape_error", "refused_at_wrap", "shape_findings", "trainable_apart_at_wrap"]
 
 
 SHAPE_ERROR = re.compile(
@@ -148,3 +152,44 @@ def _trainable_apart(
         fix="decide what to freeze identically on every rank before wrapping (from arguments or a file every rank "
         "reads, or broadcast rank 0's choice with dist.broadcast_object_list), then build DDP.",
     )
+
+
+@detects(Code.PARAM_SHAPES_DIFFER)
+def trainable_apart_at_wrap(v: View) -> list[Finding]:
+    """Parameters trainable on some ranks and frozen on others when DDP was built, with the trainable shapes in the
+    same order on every rank, so that DDP's constructor (which compares shapes) accepted the model.
+
+    Ground truth (tests/sync/test_check_frozen_apart.py): under plain torchrun, a five-layer model whose rank 0
+    freezes its first Linear(8, 8) and rank 1 its second before `DistributedDataParallel(model)` (each rank fine-tunes
+    "its" block): exit 0, 12 steps, the two blocks 0.016 (weights) and 0.033 (biases) apart, the head equal: DDP
+    averaged rank 0's gradient of the second block with rank 1's gradient of the first, bucket slot by slot."""
+    wrap = v.summary.wrap_trainable
+    if wrap is None or not v.wrap_apart.any():
+        return []
+    apart = [int(i) for i in v.wrap_apart.nonzero().flatten()]
+    lines = [
+        f"{v.info.param_names[i]} on {int(wrap[i, 0])} of {v.world} ranks (rank {int(wrap[i, 1])} trainable, rank "
+        f"{int(wrap[i, 2])} frozen)"
+        for i in apart[:_NAMED]
+    ]
+    more = f" (+{len(apart) - _NAMED} more)" if len(apart) > _NAMED else ""
+    ranks = sorted({int(r) for i in apart for r in wrap[i, 1:].tolist() if r >= 0})
+    site = f" at {v.info.ddp_site}" if v.info.ddp_site else ""
+    return [
+        Finding(
+            code=Code.PARAM_SHAPES_DIFFER,
+            severity="error",
+            title=f"{len(apart)} parameter(s) were trainable on some ranks only when DDP was built",
+            detail=f"The ranks handed DDP's constructor{site} different trainable parameters (requires_grad=True): "
+            f"{'; '.join(lines)}{more}. Their shapes line up, so the constructor, which compares shapes, accepted "
+            "the model, and DDP's all-reduce pairs different parameters bucket slot by slot: each rank steps its "
+            "trainable parameters with the average of its own gradients and other parameters' gradients from the "
+            "other ranks. A freeze decided from rank-local state (a config read on one rank, a rank-dependent branch).",
+            params=v.params(v.wrap_apart),
+            ranks=ranks,
+            steps=[],
+            fix="decide what to freeze identically on every rank before wrapping (from arguments or a file every rank "
+            "reads, or broadcast rank 0's choice with dist.broadcast_object_list), then build DDP.",
+            sites=lines_of(v.info.ddp_site or ""),
+        )
+    ]

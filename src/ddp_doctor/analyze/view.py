@@ -82,6 +82,12 @@ class View:
         self.orphaned = torch.zeros_like(summary.tracked)
         self.orphaned[[i for i in summary.metas.get(0, {}).get("orphaned", []) if i < len(summary.tracked)]] = True
         self.tracked = summary.tracked
+        # Parameters some ranks handed DDP as trainable and others as frozen (same names and shapes: DDP's
+        # constructor accepted them): `param-shapes-differ`, not a freeze after the wrap.
+        wrap = summary.wrap_trainable
+        self.wrap_apart = (
+            (wrap[:, 0] > 0) & (wrap[:, 0] < self.world) if wrap is not None else torch.zeros_like(self.tracked)
+        )
         self.ignored = torch.tensor(info.ignored, dtype=torch.bool)
         # The step a crash interrupted: what got a gradient, or was reachable from DDP's outputs, before the crash
         # is evidence of use. What was not is unknown, not unused.

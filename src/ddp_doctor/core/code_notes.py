@@ -97,7 +97,10 @@ NOTES: dict[Code, str] = {
     ),
     Code.PARAM_SHAPES_DIFFER: (
         ": *embed.weight is [9, 16] on rank 0, [11, 16] on rank 1* (from `check`; see [At wrap](#at-wrap)); a layer "
-        "frozen on some ranks only before the wrap: *0.weight is trainable on rank 1 only*"
+        "frozen on some ranks only before the wrap: *0.weight is trainable on rank 1 only*; when the trainable "
+        "shapes line up (each rank freezes another block of the same shape), DDP accepts the model and pairs "
+        "different parameters in its all-reduce: *0.weight on 1 of 2 ranks (rank 1 trainable, rank 0 frozen)*, "
+        "with the replicas' drift as its consequence"
     ),
     Code.CHECKPOINT_SAME_PATH: (
         ": *2 ranks wrote the same file checkpoints/last.pt with torch.save*, with the ranks and the line "

@@ -99,7 +99,7 @@ REPORT_ORDER: tuple[Code, ...] = (
     # Where each finding decided from the exchanged `Summary` reads in a report, within its severity: errors that
     # explain others first (DDP's error, then why replicas diverge), the symptoms after them, timing last. A detector
     # (`analyze/view.py`'s `detects`) may only be registered for a code listed here.
-    Code.RANK_CRASHED, Code.NONFINITE_VALUES, Code.OPTIMIZER_PARAMS_REPLACED, Code.UNREGISTERED_PARAMETERS, Code.REDUCTION_ERROR, Code.BACKWARD_PASSES_DIFFER, Code.REPLICAS_DIFFER_AT_WRAP,
+    Code.RANK_CRASHED, Code.NONFINITE_VALUES, Code.PARAM_SHAPES_DIFFER, Code.OPTIMIZER_PARAMS_REPLACED, Code.UNREGISTERED_PARAMETERS, Code.REDUCTION_ERROR, Code.BACKWARD_PASSES_DIFFER, Code.REPLICAS_DIFFER_AT_WRAP,
     Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER, Code.OPTIMIZER_STEP_SKIPPED, Code.OPTIMIZER_DIFFERS,
     Code.GRADS_REDUCED_TWICE, Code.GRADS_CHANGED_AFTER_SYNC, Code.STATIC_GRAPH_UNSAFE, Code.WRAPPER_BYPASS,
     Code.UNFROZEN_AFTER_WRAP, Code.FROZEN_AFTER_WRAP, Code.UNUSED_PARAMETERS, Code.GRAD_BLOCKED,

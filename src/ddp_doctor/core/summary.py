@@ -225,6 +225,10 @@ class Summary:
     sampler_compared: bool = False
     """Some rank's training loader has a DistributedSampler, or a sampler over a dataset whose digest is known: the
     ranks' shares of the data were compared (`shards-overlap`)."""
+    wrap_trainable: torch.Tensor | None = None
+    """int64[P, 3] when the ranks handed DDP different trainable sets (None: the same on every rank): per
+    parameter, how many ranks had it trainable at the wrap, the lowest rank that had it trainable and the lowest
+    that had it frozen (-1: none)."""
 
 
 @dataclass(kw_only=True, slots=True)

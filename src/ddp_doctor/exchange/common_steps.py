@@ -1,5 +1,6 @@
 """Round A of the check's exchange: the common and padded step counts, and group rank 0's `ModelInfo` when the
-ranks' differ. One MAX, then one SUM only when the ModelInfos differ."""
+ranks' differ. One MAX, then one SUM only when the ModelInfos differ, and a SUM and a MAX of one row per parameter
+only when the ranks handed DDP different trainable sets."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class Agreed:
     """The most steps any rank recorded (the padded shapes)."""
     lead: int
     """This rank's own leading complete steps (local: the step a crash interrupted is `lead`)."""
+    wrap_trainable: torch.Tensor | None = None
+    """int64[P, 3] when the ranks handed DDP different trainable sets (None: the same): per parameter, how many
+    ranks had it trainable at the wrap, and the lowest rank that had it trainable and that had it not (-1: none)."""
 
 
 def leading_complete(record: RankRecord) -> int:
@@ -56,6 +60,8 @@ def agree_steps(record: RankRecord, info: ModelInfo, *, rank: int) -> Generator[
     a = MaxRound()
     a.pair("steps", torch.tensor([record.steps, lead]))
     a.pair("info", torch.tensor([info_digest]))
+    trainable = torch.tensor(info.trainable_at_wrap, dtype=torch.bool)
+    a.pair("trainable", torch.tensor([text_digest(bytes(trainable.to(torch.uint8).tolist()))]))
     a.slot("info_len", torch.tensor([len(info_bytes)]), rank == 0)
     ra = a.read((yield ("max", a.tensor())))
     pad_steps, s = int(ra["steps"][0][0]), int(ra["steps"][1][1])
@@ -66,4 +72,14 @@ def agree_steps(record: RankRecord, info: ModelInfo, *, rank: int) -> Generator[
         words = to_words(info_bytes if rank == 0 else b"", -(-n // 8))
         got = yield ("sum", words if rank == 0 else torch.zeros_like(words))
         info = ModelInfo.from_dict(json.loads(from_words(got.tensor, n).decode()))
-    return Agreed(info=info, steps=s, pad_steps=pad_steps, lead=lead)
+    wrap_trainable = None
+    if bool(differs(ra["trainable"]).any()):
+        # The ranks handed DDP different trainable parameters of the same names and shapes (its constructor checks
+        # the shapes only): how many had each trainable, and the lowest rank on each side.
+        big = 1 << 30
+        counts = yield ("sum", trainable.long())
+        sides = [[big - rank if t else -1, -1 if t else big - rank] for t in trainable.tolist()]
+        lowest = yield ("max", torch.tensor(sides, dtype=torch.long).reshape(-1, 2))
+        low = torch.where(lowest.tensor >= 0, big - lowest.tensor, torch.full_like(lowest.tensor, -1))
+        wrap_trainable = torch.cat([counts.tensor.reshape(-1, 1), low], dim=1)
+    return Agreed(info=info, steps=s, pad_steps=pad_steps, lead=lead, wrap_trainable=wrap_trainable)

@@ -3,7 +3,7 @@ what it reads back, and the `Summary` assembled from their results.
 
 | round | module | collectives | puts | reads back |
 |---|---|---|---|---|
-| A | common_steps.py | MAX (+ SUM when the ModelInfos differ) | step counts, ModelInfo digest | `Agreed` |
+| A | common_steps.py | MAX (+ SUM when the ModelInfos differ, + SUM and MAX when the trainable sets at the wrap differ) | step counts, ModelInfo and trainable-set digests | `Agreed` |
 | B | facts.py, compared.py | MAX, SUM | digests and per-step counters; bit planes | `Compared`, `Counted` |
 | B2 | step_grads.py | MAX, if requires_grad differs by rank | grad digests, masked by what all train | `GradDigests` |
 | B3 | step_grads.py | MAX, when some gradient differs at the step | digests after DDP's all-reduce | `Synced` |
@@ -101,6 +101,7 @@ def _summary(
     grids, members, omitted = usage
     return Summary(
         info=agreed.info,
+        wrap_trainable=agreed.wrap_trainable,
         world=world,
         steps=s,
         pad_steps=agreed.pad_steps,
