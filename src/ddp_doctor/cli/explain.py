@@ -76,8 +76,10 @@ def explain(folder: Path, console: Console) -> tuple[dict[str, Any], int]:
         render_window(event, console)
     ended = read_json(folder / "watch.json")
     if ended is not None:
-        result = ended["result"]
-        _render(result, console, failed=ended["failed"])
+        # The last hang's verdict travels with the job's report: a job stopped at its hang may leave ranks whose
+        # own records no longer tell where they waited (stopped mid-write), and the verdict is what was seen then.
+        result = {**ended["result"], **({"hang": hang} if hang is not None else {})}
+        _render(ended["result"], console, failed=ended["failed"])
         console.print(f"ddp-doctor: {ended['summary']}.", highlight=False, soft_wrap=True)
         return result, int(bool(ended["failed"]) or _has_errors(result) or diverged is not None)
     # The watcher did not write its end: read the ranks' own records.
