@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
@@ -17,7 +18,14 @@ from ddp_doctor.core.rankfiles import ExplainedError
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 
-__all__ = ["SHAPE_ERROR", "explain_shape_error", "refused_at_wrap", "shape_findings", "trainable_apart_at_wrap"]
+__all__ = [
+    "SHAPE_ERROR",
+    "explain_shape_error",
+    "refused_at_wrap",
+    "shape_findings",
+    "trainable_apart_at_step",
+    "trainable_apart_at_wrap",
+]
 
 
 SHAPE_ERROR = re.compile(
@@ -193,3 +201,50 @@ def trainable_apart_at_wrap(v: View) -> list[Finding]:
             sites=lines_of(v.info.ddp_site or ""),
         )
     ]
+
+
+_TRAINABLE_APART = {
+    "fsdp2": "FSDP2 reduce-scatters the gradients of the groups each rank trains: groups of the same size pair up "
+    "across ranks and mix their gradients, so each shard steps with another layer's gradient from the other ranks "
+    "(groups of different sizes make the job hang instead)",
+    "replicate": "replicate all-reduces the gradients each rank trains, bucket by bucket: parameters of the same "
+    "shapes pair up across ranks and mix their gradients",
+}
+
+
+def trainable_apart_at_step(
+    *, step: int, held: dict[int, dict[str, Any]], reference: int, ranks: list[int], parallelism: str
+) -> Finding:
+    """`param-shapes-differ` for an FSDP2 or `replicate` model whose parameters' `requires_grad` differ across ranks
+    when optimizer step `step` ended: `held` maps ranks to their modes entry (`frozen`, `frozen_count`:
+    `observation.tree_scan.modes_of`), `reference` first.
+
+    Ground truth (tests/sync/test_check_frozen_apart.py): under plain torchrun, FSDP2 on every Linear of a
+    five-layer MLP, rank 0 freezing its first Linear(8, 8) and rank 1 its second before `fully_shard`: exit 0 after 12
+    steps, nothing said; both blocks moved (each rank's shard of the block it trains) and the gathered weights match
+    neither run that freezes the same block on every rank (the first block's weights sum to -1.26177, against
+    -1.34581 frozen and -1.36232 trained everywhere). With a Linear(8, 8) frozen on rank 0 and the Linear(8, 4) head on
+    rank 1 (groups of different sizes) the job hangs (killed after 60 s)."""
+    said = []
+    for r, entry in list(held.items())[:4]:
+        frozen = entry.get("frozen") or []
+        more = int(entry.get("frozen_count", len(frozen))) - len(frozen)
+        said.append(
+            f"rank {r} froze {', '.join(frozen)}{f' (+{more} more)' if more > 0 else ''}"
+            if frozen
+            else f"rank {r} trains every parameter"
+        )
+    numels = {n: k for e in held.values() for n, k in zip(e.get("frozen") or [], e.get("frozen_numels") or [])}
+    return Finding(
+        code=Code.PARAM_SHAPES_DIFFER,
+        severity="error",
+        title=f"parameters are trainable on some ranks only at step {step}",
+        detail=f"When optimizer step {step} ended, the ranks' parameters did not require a gradient alike "
+        f"({'; '.join(said)}). {_TRAINABLE_APART.get(parallelism, _TRAINABLE_APART['fsdp2'])}. A freeze decided from "
+        "rank-local state (a config read on one rank, a rank-dependent branch).",
+        params=[ParamRef(n, numels[n]) for n in sorted(numels)],
+        ranks=ranks,
+        steps=[step],
+        fix="decide what to freeze identically on every rank (from arguments or a file every rank reads, or "
+        "broadcast rank 0's choice with dist.broadcast_object_list).",
+    )

@@ -5,12 +5,14 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from ddp_doctor.analyze.collective_order import sequences_apart
 from ddp_doctor.analyze.common import with_more
 from ddp_doctor.analyze.moves import never_updated, nonfinite_finding, stalled
 from ddp_doctor.analyze.optimizer_settings import metric_scheduler_words, settings_apart
 from ddp_doctor.analyze.replica_state import buffers_apart, modes_apart, replicas_parted
+from ddp_doctor.analyze.shapes import trainable_apart_at_step
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
@@ -119,6 +121,27 @@ def training_moves(run: ShardedRun, ranks: list[int], *, low_weights: bool = Fal
     )
 
 
+def _build(build: Any, apart: dict[str, Any], parallelism: str) -> Finding:
+    """`build`'s finding from what `ShardedRun.settings_apart` / `modes_apart` holds."""
+    return build(
+        step=apart["step"],
+        held={int(r): v for r, v in apart["held"].items()},
+        reference=apart["reference"],
+        ranks=sorted({apart["reference"], *apart["ranks"]}),
+        parallelism=parallelism,
+    )
+
+
+def _frozen_apart(entries: Any) -> bool:
+    """Whether the ranks' modes entries (`tree_scan.modes_of`) differ in which parameters require a gradient."""
+    return len({(tuple(e.get("frozen") or []), e.get("frozen_count", 0)) for e in entries}) > 1
+
+
+def _modes_apart(entries: Any) -> bool:
+    """Whether they differ in the modules' train/eval modes."""
+    return len({(e.get("training"), tuple(e.get("other_mode") or []), e.get("other_mode_count")) for e in entries}) > 1
+
+
 def replica_state(run: ShardedRun) -> list[Finding]:
     """The optimizer's settings and the modules' modes of an FSDP2 or `replicate` job, compared across ranks at the
     first `INPUT_STEPS` observed steps (`ShardedRun.settings_apart`, `modes_apart`), by DDP's rules
@@ -144,16 +167,14 @@ def replica_state(run: ShardedRun) -> list[Finding]:
         where, fix = metric_scheduler_words(run.metric_schedulers)
         settings = partial(settings_apart, where=where, fix=fix, sites=tuple(run.metric_schedulers))
     found = []
-    for apart, build in ((run.settings_apart, settings), (run.modes_apart, modes_apart)):
+    modes = run.modes_apart
+    if modes is not None and _frozen_apart(modes["held"].values()):
+        found.append(with_more(_build(trainable_apart_at_step, modes, parallelism), modes["more"]))
+        if not _modes_apart(modes["held"].values()):
+            modes = None  # only which parameters train differs, not the modules' modes
+    for apart, build in ((run.settings_apart, settings), (modes, modes_apart)):
         if apart is not None:
-            finding = build(
-                step=apart["step"],
-                held={int(r): v for r, v in apart["held"].items()},
-                reference=apart["reference"],
-                ranks=sorted({apart["reference"], *apart["ranks"]}),
-                parallelism=parallelism,
-            )
-            found.append(with_more(finding, apart["more"]))
+            found.append(with_more(_build(build, apart, parallelism), apart["more"]))
     if (apart := run.replicas_apart) is not None:
         mesh_dims = run.sharding.get("mesh_dims") or []
         found.append(

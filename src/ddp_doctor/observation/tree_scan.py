@@ -68,9 +68,10 @@ def listen_casts() -> None:
 
 
 def modes_of(module: nn.Module) -> tuple[int, dict[str, Any]]:
-    """(digest, entry) of the train/eval modes of `module`'s tree: the digest covers every module's flag, the entry
-    is the state log's (`training`, the root's mode; `other_mode`, at most 8 modules in the other mode, and
-    `other_mode_count`)."""
+    """(digest, entry) of the train/eval modes of `module`'s tree and of its parameters' `requires_grad`: the digest
+    covers every module's flag and every parameter's, the entry is the state log's (`training`, the root's mode;
+    `other_mode`, at most 8 modules in the other mode, and `other_mode_count`), with `frozen`, at most 8 parameters
+    that do not require a gradient, their `frozen_numels`, and `frozen_count`."""
     crc = 0
     other: list[str] = []
     count = 0
@@ -80,7 +81,11 @@ def modes_of(module: nn.Module) -> tuple[int, dict[str, Any]]:
             count += 1
             if len(other) < _MAX_NAMED:
                 other.append(path)
-    return crc & 0x7FFFFFFF, {"training": module.training, "other_mode": other, "other_mode_count": count}
+    frozen = [(name, p.numel()) for name, p in module.named_parameters() if not p.requires_grad]
+    crc = zlib.crc32(("frozen:" + ",".join(n for n, _ in frozen)).encode(), crc)
+    entry = {"training": module.training, "other_mode": other, "other_mode_count": count}
+    named = {"frozen": [n for n, _ in frozen[:_MAX_NAMED]], "frozen_numels": [k for _, k in frozen[:_MAX_NAMED]]}
+    return crc & 0x7FFFFFFF, {**entry, **named, "frozen_count": len(frozen)}
 
 
 def listen_to_empty() -> None:

@@ -217,8 +217,8 @@ def _sharded_compared_line(c: dict[str, Any]) -> str:
         parts.append(_SAMPLERS)
     if c.get("state_steps"):
         parts.append(
-            f"the optimizer's settings and state and the train/eval modes of {_n(c['modules'], 'module')} "
-            f"({_n(c['state_steps'], 'step')})"
+            f"the optimizer's settings and state, the train/eval modes of {_n(c['modules'], 'module')} and "
+            f"which parameters require a gradient ({_n(c['state_steps'], 'step')})"
         )
         if c.get("collectives") is None:
             parts.append(
