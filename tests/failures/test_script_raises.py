@@ -25,7 +25,11 @@ def test_every_rank_raising_is_one_crash_finding_and_exit_1(tmp_path: Path, wrap
     assert run.rc == 1, run.output
     assert [f["code"] for f in run.report["findings"]] == ["rank-crashed"], run.output
     finding = run.finding("rank-crashed")
-    assert finding["ranks"] == [0, 1] and finding["steps"] == [3], finding
+    # torchrun stops the other ranks as soon as one fails (under plain torchrun too): on a loaded machine an FSDP2
+    # rank, which has no exchange to wait in, can be stopped before it reaches the raise (seen once in CI: rank 0
+    # stopped at step 2). The crash is still one finding; DDP's ranks wait in the exchange and both are named.
+    assert finding["ranks"] in ([0, 1], [0], [1]) and finding["steps"] == [3], finding
+    assert wrap != "ddp" or finding["ranks"] == [0, 1], finding
     assert finding["sites"] == [f"tests/scripts/script_raises.py:{RAISE_LINE}"], finding
     assert "ValueError" in finding["title"]
     if wrap == "ddp":
