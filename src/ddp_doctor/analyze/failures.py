@@ -128,8 +128,9 @@ def _hung(states: dict[int, RankState], timed_out: bool, native: str | None) -> 
     stuck = sorted(r for r, key in order.items() if key == behind)
     if len(stuck) == len(order) > 1:
         # Same step and phase everywhere (past the observed steps, no phase is published): the ranks that are not in
-        # a collective (their own code, a sleep, a DataLoader's next()) are the ones the others wait for.
-        away = [r for r in stuck if waiting[r].innermost and not _waits_for_peers(waiting[r])]
+        # a collective (their own code, a sleep, a DataLoader's next()) are the ones the others wait for; a rank
+        # whose position was not sampled (another node's record, published before its sample) is not known to wait.
+        away = [r for r in stuck if not _waits_for_peers(waiting[r])]
         if 0 < len(away) < len(stuck):
             stuck = away
     world = max(s.world_size for s in states.values())
