@@ -101,3 +101,15 @@ def two_nodes(
     outputs = [proc.communicate(timeout=timeout)[0] for proc in nodes]
     assert_no_leftovers(tag)
     return [proc.returncode for proc in nodes], outputs
+
+
+def plain(script: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`torchrun --nproc-per-node 2 tests/scripts/SCRIPT` with `env` added, without the doctor: the ground truth."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPTS / script)],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )

@@ -4,25 +4,10 @@ no other rank is said to have left early."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-from checkrun import REPO, SCRIPTS
-from watchrun import checksums, explain, watch
-
-
-def _plain(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    import os
-
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPTS / "watch_job.py")],
-        cwd=REPO,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+from checkrun import SCRIPTS
+from watchrun import checksums, explain, plain, watch
 
 
 def test_a_job_shorter_than_the_observed_steps_is_diagnosed_and_runs_past_its_process_group(tmp_path: Path) -> None:
@@ -32,11 +17,11 @@ def test_a_job_shorter_than_the_observed_steps_is_diagnosed_and_runs_past_its_pr
     Under `watch` (8 observed steps by default) the same: every line past the process group runs (the report is made
     while the group exists, and the script goes on), the checksums are torchrun's, and the 5 steps' report is
     printed and written, with nothing said to be unchecked after them (there was no later step)."""
-    plain = _plain({"STEPS": "5"})
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    torchrun = plain("watch_job.py", {"STEPS": "5"})
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
     run = watch(["--nproc-per-node", "2", str(SCRIPTS / "watch_job.py")], tmp_path, env={"STEPS": "5"})
     assert run.rc == 0, run.output
-    assert checksums(run.output) == checksums(plain.stdout) and len(checksums(plain.stdout)) == 2, run.output
+    assert checksums(run.output) == checksums(torchrun.stdout) and len(checksums(torchrun.stdout)) == 2, run.output
     for rank in (0, 1):
         for what in ("ran past its process group", "thread joined", "atexit ran"):
             assert f"rank {rank} {what}" in run.output, run.output
@@ -55,8 +40,8 @@ def test_a_rank_that_aborts_after_destroying_its_process_group_failed_in_the_tea
     Under `watch`: exit 1 and one `rank-crashed` for rank 1, whose phase is the teardown; rank 0, which ended
     normally after its own teardown, is not `rank-exited` (no collective was left for anyone to wait in). The same
     past the observed steps (STEPS=12), and `explain` on the run folder says the same afterwards."""
-    plain = _plain({"STEPS": "5", "TEARDOWN_ABORT_RANK": "1"})
-    assert plain.returncode == 1 and "exitcode: -6" in plain.stderr, plain.stderr[-3000:]
+    torchrun = plain("watch_job.py", {"STEPS": "5", "TEARDOWN_ABORT_RANK": "1"})
+    assert torchrun.returncode == 1 and "exitcode: -6" in torchrun.stderr, torchrun.stderr[-3000:]
     for steps in (5, 12):
         run = watch(
             ["--nproc-per-node", "2", str(SCRIPTS / "watch_job.py")],

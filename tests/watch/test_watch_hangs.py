@@ -14,14 +14,11 @@ Ground truth under plain torchrun (torch 2.13.0, gloo, this 2-core machine), tes
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from checkrun import REPO, SCRIPTS
-from watchrun import checksums, explain, line, two_nodes, watch
+from checkrun import SCRIPTS
+from watchrun import checksums, explain, line, plain, two_nodes, watch
 
 
 def test_a_barrier_in_a_rank_0_only_save_is_explained_before_the_groups_timeout(tmp_path: Path) -> None:
@@ -59,6 +56,20 @@ def test_a_barrier_in_a_rank_0_only_save_is_explained_before_the_groups_timeout(
     assert barrier in output
 
 
+def _explained_dumps(script: str, env: dict[str, str], tmp_path: Path) -> dict:
+    """`script` under plain torchrun with the Flight Recorder on and a 5 s group timeout, each rank dumping its ring
+    (`FR_DUMP_DIR`); then `explain` on the dumps: its one finding, which names ranks 0 and 1 as parting."""
+    dumps = tmp_path / "fr"
+    env = {**env, "GROUP_TIMEOUT_S": "5", "FR_DUMP_DIR": str(dumps), "TORCH_FR_BUFFER_SIZE": "2000"}
+    done = plain(script, env)
+    assert done.returncode != 0 and sorted(p.name for p in dumps.iterdir()) == ["rank_0", "rank_1"], done.stderr
+    rc, output, explained = explain(dumps, tmp_path)
+    assert rc == 1, output
+    (finding,) = explained["findings"]
+    assert finding["code"] == "collective-mismatch" and finding["ranks"] == [0, 1], finding
+    return finding
+
+
 def test_flight_recorder_dumps_of_the_same_hang_name_the_same_collective_and_ranks(tmp_path: Path) -> None:
     """The rank-0-only barrier under plain torchrun with PyTorch's Flight Recorder on (TORCH_FR_BUFFER_SIZE) and a
     5 s group timeout; each rank writes its dump when its collective times out (gloo records the entries but, on
@@ -66,20 +77,7 @@ def test_flight_recorder_dumps_of_the_same_hang_name_the_same_collective_and_ran
     (`python -m torch.distributed.flight_recorder.fr_trace DIR -p rank_`, torch 2.13.0) stops with
     `KeyError: ('0', 0)`. `explain` names what `watch`'s verdict names: the barrier on rank 0 where rank 1 issued
     DDP's gradient all-reduce, each with its line."""
-    dumps = tmp_path / "fr"
-    plain = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPTS / "ckpt_barrier.py")],
-        cwd=REPO,
-        env={**os.environ, "GROUP_TIMEOUT_S": "5", "FR_DUMP_DIR": str(dumps), "TORCH_FR_BUFFER_SIZE": "2000"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert plain.returncode != 0 and sorted(p.name for p in dumps.iterdir()) == ["rank_0", "rank_1"], plain.stderr
-    rc, output, explained = explain(dumps, tmp_path)
-    assert rc == 1, output
-    (finding,) = explained["findings"]
-    assert finding["code"] == "collective-mismatch" and finding["ranks"] == [0, 1], finding
+    finding = _explained_dumps("ckpt_barrier.py", {}, tmp_path)
     barrier, backward = line("ckpt_barrier.py", "dist.barrier()"), line("ckpt_barrier.py", "loss.backward()")
     assert f"rank 0 issued barrier at {SCRIPTS.parent.parent / 'tests' / 'scripts' / barrier}" in finding["title"]
     assert "rank 1 issued all_reduce(float[178]) at" in finding["title"] and backward in finding["title"], finding
@@ -95,22 +93,8 @@ def test_flight_recorder_dumps_of_a_rank_held_in_its_own_code_name_the_all_reduc
     with SIGTERM, at which rank 1 dumps its own (as NCCL's watchdog dumps every rank at a timeout). `explain` on the
     dumps names what `watch`'s verdict names for the same hang (test below): the all-reduce from rank 0's backward,
     which rank 1 never issued."""
-    dumps = tmp_path / "fr"
-    env = {"GROUP_TIMEOUT_S": "5", "FR_DUMP_DIR": str(dumps), "TORCH_FR_BUFFER_SIZE": "2000"}
-    env |= {"STALL": stall, "STALL_RANK": "1", "STALL_STEP": "15", "STALL_S": "30"}
-    plain = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPTS / "watch_job.py")],
-        cwd=REPO,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert plain.returncode != 0 and sorted(p.name for p in dumps.iterdir()) == ["rank_0", "rank_1"], plain.stderr
-    rc, output, explained = explain(dumps, tmp_path)
-    assert rc == 1, output
-    (finding,) = explained["findings"]
-    assert finding["code"] == "collective-mismatch" and finding["ranks"] == [0, 1], finding
+    env = {"STALL": stall, "STALL_RANK": "1", "STALL_STEP": "15", "STALL_S": "30"}
+    finding = _explained_dumps("watch_job.py", env, tmp_path)
     backward = line("watch_job.py", "loss.backward()")
     assert "rank 0 issued all_reduce(float[178]) at" in finding["title"] and backward in finding["title"], finding
     assert "rank 1 issued none" in finding["title"], finding
