@@ -129,6 +129,9 @@ def test_a_rank_in_its_own_code_is_named_while_the_others_wait_in_ddps_all_reduc
     assert f"rank {rank} issued none" in parted["title"] and "all_reduce" in parted["title"], parted
     if on_hang == "stop":
         assert run.rc == 1 and run.ended["failed"] is True, run.output
+        # The job's report leads with the hang too, even when the ranks' files, read after the stop, no longer tell.
+        first = run.report["findings"][0]
+        assert (first["code"], first["ranks"]) == ("rank-hung", [rank]), run.report["findings"]
         rc, output, explained = explain(run.run_dir, tmp_path)  # afterwards, from the run folder: the same verdict
         assert rc == 1 and explained is not None, output
         again = explained["hang"]["findings"][0]  # the verdict, as watch printed it

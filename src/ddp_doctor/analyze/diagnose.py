@@ -28,7 +28,7 @@ from ddp_doctor.analyze.recommend import recommend_after_failure, verified_by_se
 from ddp_doctor.analyze.sharded import sharded_compared, sharded_findings, sharded_recommendation, sharded_unchecked
 from ddp_doctor.analyze.snippets import with_code
 from ddp_doctor.core.codes import SEVERITIES, Code
-from ddp_doctor.core.findings import Diagnosis, Recommendation, Timing
+from ddp_doctor.core.findings import Diagnosis, Finding, Recommendation, Timing
 from ddp_doctor.core.following import Following, FollowSummary, JoinedLoop
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.ranks import rank_list
@@ -98,11 +98,13 @@ def diagnose_after_steps(
     timed_out: bool,
     native: Sequence[str] = (),
     watched: bool = False,
+    hung: Sequence[Finding] = (),
 ) -> Diagnosis:
     """The observed steps' diagnosis with what failed while `check` followed the script after them (`watched`: while
     `watch` let the job train on): the failure's findings first (they ended the run), and a following section that
-    says so."""
-    failed = failure_findings(states, timed_out=timed_out, native=list(native))
+    says so. `hung`: the findings of the hang `watch` called before it stopped the job, which lead when the ranks'
+    files, read after the stop, no longer tell who waited."""
+    failed = failure_findings(states, timed_out=timed_out, native=list(native)) or list(hung)
     world = max((s.world_size for s in states.values()), default=1)
     absent = sorted(set(range(world)) - set(states))
     cause = (

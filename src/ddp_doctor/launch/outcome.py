@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_doctor.core.codes import SEVERITIES
-from ddp_doctor.core.findings import finite
+from ddp_doctor.core.findings import Finding, finite
 from ddp_doctor.core.rankfiles import Outcome, read_ends
 from ddp_doctor.core.rankstate import RankState, read_rank_states
 from ddp_doctor.core.sharded_run import parallelism_of
@@ -156,7 +156,14 @@ def collect(
     if steps is not None and steps["models"] and states:
         # The observed steps were diagnosed; the run failed while `check` followed it to its epoch end.
         return CheckResult(
-            models=_after_steps(steps["models"], states, timed_out, native or [], watched=watched),
+            models=_after_steps(
+                steps["models"],
+                states,
+                timed_out,
+                native or [],
+                watched=watched,
+                hung=_hung(outdir) if timed_out else [],
+            ),
             timed_out=timed_out,
             interrupted=interrupted,
         )
@@ -251,15 +258,29 @@ def _model(m: dict[str, Any], report: Report | None = None) -> Model:
     )
 
 
+def _hung(folder: Path) -> list[Finding]:
+    """The findings of the hang `watch` called before it stopped the job (`--on-hang stop`), from `hang.json`."""
+    verdict = _read(folder / "hang.json") or {}
+    return [Finding.from_dict(f) for f in verdict.get("findings") or []]
+
+
 def _after_steps(
-    models: list[dict[str, Any]], states: dict[int, RankState], timed_out: bool, native: list[str], *, watched: bool
+    models: list[dict[str, Any]],
+    states: dict[int, RankState],
+    timed_out: bool,
+    native: list[str],
+    *,
+    watched: bool,
+    hung: list[Finding],
 ) -> list[Model]:
     """The observed steps' reports, the first one with what failed while `check` followed the script after them
-    (its findings go first: they ended the run)."""
+    (its findings go first: they ended the run; `hung`: a hang's verdict, when the ranks' files no longer tell)."""
     from ddp_doctor.analyze import diagnose_after_steps
 
     first, *rest = [Report.from_dict(m["report"]) for m in models]
-    failed = diagnose_after_steps(first.diagnosis, states, timed_out=timed_out, native=native, watched=watched)
+    failed = diagnose_after_steps(
+        first.diagnosis, states, timed_out=timed_out, native=native, watched=watched, hung=hung
+    )
     reports = [Report.build(first.facts, failed), *rest]
     return [_model(m, r) for m, r in zip(models, reports)]
 
