@@ -135,6 +135,7 @@ def test_a_rank_in_its_own_code_is_named_while_the_others_wait_in_ddps_all_reduc
         rc, output, explained = explain(run.run_dir, tmp_path)  # afterwards, from the run folder: the same verdict
         assert rc == 1 and explained is not None, output
         again = explained["hang"]["findings"][0]  # the verdict, as watch printed it
+        assert explained["findings"][0]["code"] == "rank-hung", explained["findings"]  # and the report it leads
         assert (again["code"], again["ranks"]) == ("rank-hung", [rank]) and line("watch_job.py", text) in again[
             "detail"
         ]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ddp_doctor.core.beacon import BeaconState, ClosedStep, Collective, read_beacon
+from ddp_doctor.core.beacon import Beacon, BeaconState, ClosedStep, Collective, read_beacon
 from ddp_doctor.core.rankfiles import (
     Outcome,
     RaisedError,
@@ -20,9 +20,10 @@ from ddp_doctor.core.rankfiles import (
     read_progress,
     read_wrap,
     wrap_path,
+    write_json,
 )
 
-__all__ = ["Fault", "RankState", "read_rank_states"]
+__all__ = ["Fault", "RankState", "read_rank_states", "write_other_nodes"]
 
 
 def _frames(block: str) -> tuple[str, list[tuple[str, int, str]]]:
@@ -139,6 +140,20 @@ class RankState:
     def trained(self) -> bool:
         """The rank built a DDP model or trains a sharded one: a run whose failure gets a report."""
         return self.built_ddp or self.sharded
+
+
+def write_other_nodes(folder: Path, records: dict[str, Any]) -> None:
+    """Write other nodes' ranks' records, by file name, in `folder`'s "nodes" (read by `read_rank_states`): a
+    beacon's state (`rank{R}.beacon`), or an end record or sample as a dict or as the JSON text it was written as."""
+    out = folder / "nodes"
+    out.mkdir(exist_ok=True)
+    for name, record in records.items():
+        if name.endswith(".beacon"):
+            Beacon(out / name, BeaconState.from_dict(record))
+        elif isinstance(record, str):
+            (out / name).write_text(record)
+        else:
+            write_json(out / name, record)
 
 
 def read_rank_states(folder: Path, *, end_time: float) -> dict[int, RankState]:

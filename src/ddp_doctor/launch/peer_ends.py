@@ -22,7 +22,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ddp_doctor.core.beacon import Beacon, BeaconState
+from ddp_doctor.core.beacon import BeaconState
+from ddp_doctor.core.rankstate import write_other_nodes
 
 __all__ = ["receive", "share", "several_nodes"]
 
@@ -97,13 +98,6 @@ def receive(folder: Path, rank: int) -> list[int]:
         return {r: json.loads(bytes(v)) for r, v in zip(ranks, values)}
 
     records = _within(_WAIT_S, get) or {}
-    if not records:
-        return []
-    out = folder / "nodes"
-    out.mkdir(exist_ok=True)
-    from ddp_doctor.core.rankfiles import write_json
-
     for r, record in records.items():
-        write_json(out / f"rank{r}.json", record["end"])
-        Beacon(out / f"rank{r}.beacon", BeaconState.from_dict(record["beacon"]))
+        write_other_nodes(folder, {f"rank{r}.json": record["end"], f"rank{r}.beacon": record["beacon"]})
     return sorted(records)

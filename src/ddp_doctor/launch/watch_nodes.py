@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddp_doctor.core.beacon import Beacon, BeaconState, read_beacon
+from ddp_doctor.core.beacon import read_beacon
+from ddp_doctor.core.rankstate import write_other_nodes
 
 __all__ = ["NodeShare"]
 
@@ -155,7 +156,6 @@ class NodeShare:
         None when there are none."""
         if not self.enabled or self._store is None:
             return None
-        out = folder / "nodes"
         wrote = False
         for node in self._seen:
             key = f"{self._prefix}/node{node}/records"
@@ -166,14 +166,9 @@ class NodeShare:
             except Exception as exc:  # noqa: BLE001
                 logger.debug("ddp-doctor: could not read node %d's records: %s", node, exc)
                 continue
-            out.mkdir(exist_ok=True)
-            for name, record in records.items():
-                if name.endswith(".beacon"):
-                    Beacon(out / name, BeaconState.from_dict(record))
-                else:
-                    (out / name).write_text(record)
-                wrote = True
-        return out if wrote else None
+            write_other_nodes(folder, records)
+            wrote = wrote or bool(records)
+        return folder / "nodes" if wrote else None
 
     def windows(self, folder: Path) -> dict[int, list[dict[str, Any]]] | None:
         """Set this node's ranks' windows of steps (when they changed) and read the other nodes' (every two seconds):

@@ -167,19 +167,21 @@ class StateScan:
         module after DDP was built, when seen."""
         self.recast_count = 0
         self.late_buffers: list[dict[str, Any]] = []
-        self.late_count = 0
         """With broadcast_buffers=False: the buffers registered under a new name after DDP was built, at the last
         step: `name`, `shape`, `fp` (their fingerprint: the ranks' are compared), `changing` (it changed between two
         steps on this rank: a running statistic), `site` (where it was registered, when seen); at most 8."""
+        self.late_count = 0
+        """How many such buffers there are (the digest covers every one)."""
         self.stale: int = 0
         """Tensors the optimizer steps that the model no longer holds (DDP registered them), at the last step."""
         self.outside: list[dict[str, Any]] = []
-        self.outside_count = 0
         """Trainable tensors the optimizer steps that neither the module tree nor DDP's reducer ever held (a
         learnable loss temperature kept beside the model), at the last step: `name` (the script's variable holding
         it, when found, else its place in the optimizer's param groups), `shape`, `grad` (it had a gradient when
         the step closed), `fp` (its fingerprint and its gradient's: the ranks' are compared); at most 8. The
         digest covers every one."""
+        self.outside_count = 0
+        """How many such tensors there are."""
         self._outside_names: dict[int, str] = {}
         self.modules = 0
         """Modules in the tree at the last step (whose modes the digest covers)."""
