@@ -220,13 +220,24 @@ def _reads_or_edits_words(n: ast.AST) -> bool:
         method_of_words = isinstance(n.func, ast.Attribute) and words(n.func.value)
         rewords = _called(n) == "replace" and any(k.arg in _WORDS for k in n.keywords)
         return method_of_words or rewords
+    if isinstance(n, ast.JoinedStr) or isinstance(n, ast.BinOp) and isinstance(n.op, ast.Add):
+        # a finding's words pasted into other words (`f"...{failed[0].title}"`, `x.detail + " "`)
+        parts = (
+            [v.value for v in n.values if isinstance(v, ast.FormattedValue)]
+            if isinstance(n, ast.JoinedStr)
+            else [n.left, n.right]
+        )
+        return any(words(p) and p.attr != "reason" for p in parts)
+    if isinstance(n, ast.IfExp):  # a finding's words chosen as other words (`what = f.title if f else ...`)
+        return any(words(side) and side.attr != "reason" for side in (n.body, n.orelse))
     return False
 
 
 def test_no_analysis_code_reads_or_edits_a_sentence() -> None:
     """The analysis, the in-process doctor and the launch decide on facts: none of them compares a finding's or a
     recommendation's words, calls a method of them (`.replace`, `.split`, `startswith`) or sets them after the
-    finding was made (`f.fix = ...`, `replace(rec, reason=...)`). A fix that depends on the other findings is decided
+    finding was made (`f.fix = ...`, `replace(rec, reason=...)`), or pastes them into other words (an error, a note:
+    report/ writes a finding into sentences, `report.text.finding_sentences`). A fix that depends on the other findings is decided
     by a detector that reads their codes (`detects(..., reads_found=True)`); a verification's outcome is typed
     (`reshard["verification"]`) and worded by report/."""
     hits = [

@@ -71,3 +71,29 @@ def test_a_recommendation_without_flags_writes_nulls_never_the_scripts_flags() -
     # A report written before the flags could be null carried the script's flags as placeholders: read as unknown.
     old = {**data, "find_unused_parameters": True, "static_graph": True, "gradient_as_bucket_view": False}
     assert Recommendation.from_dict(old).static_graph is None
+
+
+def _held(rank: int, *, innermost: str | None, in_collective: bool = False) -> RankState:
+    """A rank of a job that hangs past its observed steps (step 20, no phase), its main thread sampled at
+    `innermost` (None: not sampled, as another node's record published before its sample)."""
+    state = RankState(rank=rank, world_size=3, step=20, phase="", innermost=innermost)
+    state.in_collective = in_collective
+    return state
+
+
+def test_the_rank_held_in_its_own_code_is_named_whatever_the_others_records_lack() -> None:
+    """Every rank at the same step: the ranks whose sampled main thread is not in a collective are the ones the
+    others wait for; a rank whose position was not sampled is named only when every sampled rank waits."""
+    ddp_wait = "/torch/autograd/graph.py:_engine_run_backward"
+    loop = "train.py:99 main"
+    cases = [
+        ({0: ddp_wait, 1: loop, 2: None}, [1]),  # rank 2 unsampled: not assumed to be held
+        ({0: ddp_wait, 1: None, 2: ddp_wait}, [1]),  # the sampled ranks all wait: for the unsampled one
+        ({0: loop, 1: ddp_wait, 2: ddp_wait}, [0]),
+        ({0: None, 1: None, 2: ddp_wait}, [0, 1]),
+        ({0: ddp_wait, 1: ddp_wait, 2: ddp_wait}, [0, 1, 2]),  # nothing tells: every rank
+    ]
+    for frames, stuck in cases:
+        states = {r: _held(r, innermost=f) for r, f in frames.items()}
+        (finding,) = failure_findings(states, timed_out=True)
+        assert (finding.code, finding.ranks) == ("rank-hung", stuck), (frames, finding.ranks)

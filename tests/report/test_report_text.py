@@ -199,6 +199,14 @@ def test_a_sharded_report_says_what_it_compared_with_counts_and_what_it_did_not(
         assert said in words, (said, words)
 
 
+def test_a_clean_report_that_lists_nothing_compared_never_says_no_problems_found_alone() -> None:
+    """A report read from JSON written before reports listed what they compared: the clean line says so."""
+    report = dataclasses.replace(_report([]), compared=None, unchecked=[])
+    words = _words(to_text(report, width=200))
+    assert "No problems found; this report does not list what was compared." in words, words
+    assert "No problems found." not in words
+
+
 def test_a_failed_run_without_findings_says_nothing_was_compared_in_text_html_and_json() -> None:
     report = dataclasses.replace(_report([], ddp_config={}), failed=True)
     words = _words(to_text(report, width=200))

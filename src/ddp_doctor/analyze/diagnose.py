@@ -107,8 +107,11 @@ def diagnose_after_steps(
     failed = failure_findings(states, timed_out=timed_out, native=list(native)) or list(hung)
     world = max((s.world_size for s in states.values()), default=1)
     absent = sorted(set(range(world)) - set(states))
+    failed_ranks = sorted({r for f in failed for r in f.ranks})
     cause = (
-        failed[0].title
+        (f"{rank_list(failed_ranks)}: " if failed_ranks else "")
+        + ", ".join(dict.fromkeys(f.code for f in failed))
+        + (" (the first findings)" if len(failed) > 1 else " (the first finding)")
         if failed
         else f"no rank here failed first, and this run folder holds no records of {rank_list(absent)} (ranks of "
         "another node: its own run folder, or its watch's output, says what happened to them)"
@@ -122,7 +125,9 @@ def diagnose_after_steps(
         ended_by="a failure (the first finding)",
         seconds=0.0,
         loaders=[],
-        note="The observed steps were diagnosed (the findings after the first); the run then failed "
+        note="The observed steps were diagnosed (the findings after the "
+        + (f"first {len(failed)}" if len(failed) > 1 else "first")
+        + "); the run then failed "
         + (
             "after the script had destroyed its process group on every rank: "
             if states and all(s.phase == Phase.TORN_DOWN.value for s in states.values())

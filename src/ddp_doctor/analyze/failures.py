@@ -129,10 +129,15 @@ def _hung(states: dict[int, RankState], timed_out: bool, native: str | None) -> 
     if len(stuck) == len(order) > 1:
         # Same step and phase everywhere (past the observed steps, no phase is published): the ranks that are not in
         # a collective (their own code, a sleep, a DataLoader's next()) are the ones the others wait for; a rank
-        # whose position was not sampled (another node's record, published before its sample) is not known to wait.
-        away = [r for r in stuck if not _waits_for_peers(waiting[r])]
+        # whose position was not sampled (another node's record, published before its sample) is neither, and is
+        # named when every sampled rank waits.
+        sampled = [r for r in stuck if waiting[r].in_collective or waiting[r].innermost]
+        away = [r for r in sampled if not _waits_for_peers(waiting[r])]
+        unknown = [r for r in stuck if r not in sampled]
         if 0 < len(away) < len(stuck):
             stuck = away
+        elif not away and 0 < len(unknown) < len(stuck):  # the sampled ranks all wait: for the others
+            stuck = unknown
     world = max(s.world_size for s in states.values())
     missing = [r for r in range(world) if r not in states]
     return [

@@ -19,6 +19,7 @@ from ddp_doctor.core.rankfiles import Outcome, read_ends
 from ddp_doctor.core.rankstate import RankState, read_rank_states
 from ddp_doctor.core.sharded_run import parallelism_of
 from ddp_doctor.report.model import Report, RunFacts
+from ddp_doctor.report.text import finding_sentences
 
 __all__ = ["CheckResult", "Model", "collect", "exit_code"]
 
@@ -221,10 +222,9 @@ def collect(
             s = died[0]
             diagnosis = diagnose_failure(states, timed_out=timed_out, native=native or [])
             findings = [f for f in diagnosis.findings if s.rank in f.ranks]
-            what = findings[0].title if findings else f"rank {s.rank} died of {s.signal}"
             return CheckResult(
-                error=f"{what}, before the script built a DDP model. "
-                + (findings[0].detail + " " + findings[0].fix if findings else ""),
+                error="before the script built a DDP model, "
+                + (finding_sentences(findings[0]) if findings else f"rank {s.rank} died of {s.signal}."),
                 timed_out=timed_out,
             )
         if timed_out:

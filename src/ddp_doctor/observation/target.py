@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,12 +10,14 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.observation.wrapstate import is_local_batchnorm
 
 __all__ = ["WRAPPED", "Target"]
 
 WRAPPED: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
-"""Every DDP model a `Target` was made for: what another DDP model holds is not beside this one."""
+"""Every DDP model a `Target` was made for, and the process's other DDP models once an optimizer stepping none of
+the observed model's parameters appears: what another DDP model holds is not beside this one."""
 
 
 @dataclass(kw_only=True)
@@ -88,22 +91,28 @@ class Target:
     def note_other(self, opt: torch.optim.Optimizer, *_hook_args: Any) -> None:
         """`opt` is about to step (a global step pre-hook's call): remember it if it is not the observed one."""
         if opt is not self.optimizer and opt not in self.others:
-            self.others[opt] = not self.steps_params(opt)
+            self.others[opt] = alone = not self.steps_params(opt)
+            if alone:  # its parameters may be another DDP model's, one nobody observes: DDP syncs those
+                WRAPPED.update(o for o in gc.get_objects() if isinstance(o, DistributedDataParallel))
 
     def beside(self) -> list[tuple[torch.Tensor, str]]:
-        """The trainable tensors that the other optimizers stepping none of this model's parameters step, and that
-        no DDP model holds, each with its place (`param_groups[0]['params'][1] of Adam`)."""
+        """The trainable tensors that the other optimizers stepping none of this model's parameters step, that no DDP
+        model holds and that are not DTensors (sharded or laid out by FSDP2 or tensor parallelism), each with its
+        place (`param_groups[0]['params'][1] of Adam`)."""
         apart = [opt for opt, alone in list(self.others.items()) if alone]
         if not apart:
             return []
-        wrapped = {id(p) for ddp in list(WRAPPED) for p in ddp.module.parameters()}
-        return [
+        candidates = [
             (p, f"param_groups[{g}]['params'][{i}] of {type(opt).__name__}")
             for opt in apart
             for g, group in enumerate(opt.param_groups)
             for i, p in enumerate(group["params"])
-            if p.requires_grad and id(p) not in wrapped
+            if p.requires_grad and not is_dtensor(p)  # a DTensor's shards differ by design: FSDP2's, TP's
         ]
+        if not candidates:
+            return []
+        wrapped = {id(p) for ddp in list(WRAPPED) for p in ddp.module.parameters()}
+        return [(p, where) for p, where in candidates if id(p) not in wrapped]
 
     def steps_params(self, opt: torch.optim.Optimizer) -> bool:
         """Whether `opt` updates any of the model's parameters."""

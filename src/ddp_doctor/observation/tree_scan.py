@@ -252,6 +252,8 @@ class StateScan:
                 crc = zlib.crc32(f"{name}={p.requires_grad}:{fp[0]!r},{fp[1]!r};".encode(), crc)
         if late:
             crc = self._scan_late(late, crc)
+        else:
+            self.late_buffers, self.late_count = [], 0
         held = {id(p) for p in self._module.parameters()}
         self.orphaned = [i for i, p in enumerate(self._positions) if id(p) not in held]
         if self.orphaned:

@@ -287,13 +287,13 @@ class ReportData:
     def clean_line(self) -> str:
         """The sentence of a report without findings: it claims only what was checked, so a sharded model's report
         (checked for some things only) and one with `unchecked` sentences point below; a failed run compared
-        nothing."""
+        nothing; it is never "No problems found" alone."""
         if self.failed:
             return "The run failed before the ranks could compare what they saw: nothing was compared across ranks."
         if self.compared is not None:
             return "No problems found in what was compared (below)."
-        if self.sharding is None and not self.unchecked:
-            return "No problems found."
+        if self.sharding is None and not self.unchecked:  # a report written before reports listed what they compared
+            return "No problems found; this report does not list what was compared."
         return "No problems found in what was checked (below)."
 
     @property

@@ -80,6 +80,11 @@ def _finding(f: Finding, consequences: list[Finding] = ()) -> Panel:
     return Panel(body, title=title, title_align="left", border_style=_STYLE[f.severity])
 
 
+def finding_sentences(f: Finding) -> str:
+    """One finding as plain sentences (its title, detail and fix), for an error message that carries it."""
+    return " ".join(part.rstrip(".") + "." for part in (f.title, f.detail, f.fix) if part)
+
+
 def _seen(f: Finding) -> str:
     """`ranks 0, 1; steps [1]`: where a consequence was seen, in one line."""
     ranks = f"ranks {rank_ranges(f.ranks, more=f.more_ranks)}" if f.ranks else ""
