@@ -271,9 +271,8 @@ def test_steps_limit_detaches_after_k_steps(tmp_path, auto: bool) -> None:
 
 
 def _beside_own_optimizer(rank: int, world: int) -> dict:
-    from torch.optim.optimizer import _global_optimizer_pre_hooks
-
     from torch.distributed.fsdp import fully_shard
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
 
     ddp, opt = _model()
     temp = nn.Parameter(torch.zeros(()))  # a learnable loss temperature beside the model, under an Adam of its own
