@@ -70,7 +70,20 @@ def finish(proc: Any, out: Path, *, timeout: float = 120.0, started: float | Non
     seconds = time.monotonic() - started
     assert_no_leftovers(proc.tag)
     report = json.loads(out.read_text()) if out.exists() else None
+    assert_clean_reports_say_what_they_compared(report, output)
     return Run(rc=proc.returncode, output=output, report=report, seconds=seconds)
+
+
+def assert_clean_reports_say_what_they_compared(report: dict[str, Any] | None, output: str) -> None:
+    """Every report of a run without findings that observed steps states what it compared across the ranks, with
+    counts (its `compared`: ranks, steps, parameters), and the output never says "No problems found." alone: so no
+    test of a clean run passes on the absence of findings alone."""
+    reports = [report, *(m.get("report") or {} for m in report.get("models") or [])] if report else []
+    for r in reports:
+        if r.get("findings") == [] and not r.get("failed") and r.get("steps_observed", 0) > 0:
+            c = r.get("compared") or {}
+            assert min(c.get("ranks", 0), c.get("steps", 0), c.get("parameters", 0)) >= 1, (c, output)
+    assert "No problems found." not in output, output
 
 
 def check(args: list[str], tmp_path: Path, *, timeout: float = 120.0) -> Run:

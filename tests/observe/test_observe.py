@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -283,7 +284,8 @@ def _beside_own_optimizer(rank: int, world: int) -> dict:
     other = DDP(nn.Linear(8, 8))
     sharded = fully_shard(nn.Linear(8, 8))
     others = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (other, sharded)]
-    with observe(ddp, optimizer=opt, steps=4) as doctor:
+    with warnings.catch_warnings(record=True) as caught, observe(ddp, optimizer=opt, steps=4) as doctor:
+        warnings.simplefilter("always")
         for step in range(4):
             x, y = batch(rank, step)
             F.mse_loss(ddp(x, use_b=True) / temp.exp(), y).backward()
@@ -296,6 +298,7 @@ def _beside_own_optimizer(rank: int, world: int) -> dict:
     return {
         "found": [(f.severity, [p.name for p in f.params], f.steps) for f in found],
         "outside_model": report.compared["outside_model"],
+        "warned": [f"{w.category.__name__}: {w.message}"[:80] for w in caught],
         # (the DataLoader listener's global hook stays for the process's life, by design: not a step hook)
         "global_hooks_left": sum(type(h).__name__ == "_StepHook" for h in _global_optimizer_pre_hooks.values()),
     }
@@ -309,7 +312,7 @@ def test_a_tensor_under_an_optimizer_of_its_own_is_compared_with_the_optimizer_g
     named. Before: `unregistered-parameters` named `sharded.weight` and `sharded.bias` beside `temp` (the FSDP2
     model's local shards, which differ across ranks by design), 5 tensors compared beside the model instead of 1,
     and observe_overhead's DDP ratio went from 1.8x to 4.1x with such models in the process."""
-    expected = {"found": [("error", ["temp"], [1])], "outside_model": 1, "global_hooks_left": 0}
+    expected = {"found": [("error", ["temp"], [1])], "outside_model": 1, "warned": [], "global_hooks_left": 0}
     assert run_ranks(_beside_own_optimizer, tmp_path) == [expected] * 2
 
 

@@ -93,7 +93,8 @@ class Target:
         if opt is not self.optimizer and opt not in self.others:
             self.others[opt] = alone = not self.steps_params(opt)
             if alone:  # its parameters may be another DDP model's, one nobody observes: DDP syncs those
-                WRAPPED.update(o for o in gc.get_objects() if isinstance(o, DistributedDataParallel))
+                # (`type(o)`, not isinstance: an object's `__class__` can warn, as torch's deprecated `reduce_op`)
+                WRAPPED.update(o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel))
 
     def beside(self) -> list[tuple[torch.Tensor, str]]:
         """The trainable tensors that the other optimizers stepping none of this model's parameters step, that no DDP
