@@ -8,7 +8,10 @@ micro-batches a step, sync on for both): no clip, head.weight ends summing -1.49
 gradients) -1.439474; the same clip from each rank's own shards (`--mistake local-clip`: the norm of
 `p.grad.to_local()`, each rank scaling its shards by its own coefficient) -1.573953, exit code 0, nothing said.
 `clip_grad_norm_` on rank 0 alone (`--mistake clip-rank0`) hangs: the norm of DTensor gradients is a collective,
-which only rank 0 calls (ended by torchrun's timeout here; the hang tests cover that kind).
+which only rank 0 calls (ended by torchrun's timeout here; the hang tests cover that kind). Its silent neighbours,
+exit code 0: `clip_grad_value_(model.parameters(), 0.01)` on rank 0 alone (`--mistake value-clip-rank0`: elementwise,
+no collective) -1.661447; each rank dividing its gradient shards by its own batch's count of non-zero labels
+(`--mistake token-norm`, a per-token mean from the rank's own batch) -1.578808.
 """
 
 from __future__ import annotations
@@ -26,14 +29,23 @@ def _check(tmp_path: Path, mistake: str, *more: str):
     return check(args, tmp_path, timeout=240)
 
 
-def test_a_clip_from_each_ranks_own_shards_is_named_with_the_steps(tmp_path: Path) -> None:
-    run = _check(tmp_path, "local-clip")
+@pytest.mark.parametrize(
+    "mistake, steps",
+    [
+        # every measured step (the first is before the model is found) clips on both ranks, each by its own norm
+        ("local-clip", list(range(1, 8))),
+        ("value-clip-rank0", list(range(1, 8))),
+        # the steps whose batches hold different counts of non-zero labels on the two ranks
+        ("token-norm", [2, 3, 6, 7]),
+    ],
+)
+def test_shards_scaled_by_each_ranks_own_factor_are_named_with_the_steps(tmp_path: Path, mistake, steps) -> None:
+    run = _check(tmp_path, mistake)
     assert run.rc == 1 and run.codes == {"grads-changed-after-sync"}, run.output
     f = run.finding("grads-changed-after-sync")
     assert f["severity"] == "error" and f["ranks"] == [0, 1], f
     measured = {m["name"]: m["value"] for m in f["measured"]}
-    # every measured step (the first is before the model is found) clips on both ranks, each by its own norm
-    assert f["steps"] == list(range(1, 8)) and measured["steps_measured"] == 7, f
+    assert f["steps"] == steps and measured["steps_measured"] == 7, f
     assert measured["largest_scale_ratio"] > 1.01, measured
 
 

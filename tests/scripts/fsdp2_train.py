@@ -23,6 +23,9 @@
 --mistake local-clip        the gradient norm taken from each rank's own shards (`.to_local()`), each rank scaling
                             its shards by its own coefficient
 --mistake clip-rank0        clip_grad_norm_ called on rank 0 alone: only its shards are scaled
+--mistake value-clip-rank0  clip_grad_value_(model.parameters(), 0.01) on rank 0 alone (elementwise: no collective)
+--mistake token-norm        each rank divides its gradient shards by its own batch's count of labels that are not 0
+                            (a per-token mean taken after the reduce-scatter, from the rank's own batch)
 --mistake lr-zero           the optimizer's learning rate is 0: its steps change nothing
 --mistake nan-loss          the loss is NaN from the fourth step on (a log of a negative number, say)
 --mistake zero-loss         the loss is multiplied by 0: every gradient is exactly zero
@@ -166,6 +169,12 @@ if __name__ == "__main__":
             loss.backward()
         if "clip" in mistakes or "clip-rank0" in mistakes and rank == 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        if "value-clip-rank0" in mistakes and rank == 0:
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        if "token-norm" in mistakes:
+            tokens = max(int((y != 0).sum()), 1)
+            for p in model.parameters():
+                (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).div_(tokens)
         if "local-clip" in mistakes:
             local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(shard) for shard in local]))

@@ -215,7 +215,10 @@ def shards_scaled_apart(run: ShardedRun, ranks: list[int]) -> Finding | None:
     `clip_grad_norm_(model.parameters(), 0.05)` on every rank (a global norm) ends with head.weight summing
     -1.439474 on both ranks; the same clip from each rank's `.to_local()` shards (`--mistake local-clip`) ends at
     -1.573953, exit code 0, nothing said; `clip_grad_norm_` on rank 0 alone (`--mistake clip-rank0`) hangs (its
-    norm is a collective over the DTensor gradients).
+    norm is a collective over the DTensor gradients). Its neighbours, exit code 0 and nothing said: `clip_grad_value_(
+    model.parameters(), 0.01)` on rank 0 alone (`--mistake value-clip-rank0`, elementwise, no collective) -1.661447;
+    each rank dividing its shards by its own batch's count of non-zero labels (`--mistake token-norm`) -1.578808,
+    against -1.496532 without either.
     """
     if not run.scale_differ_steps:
         return None
@@ -231,16 +234,18 @@ def shards_scaled_apart(run: ShardedRun, ranks: list[int]) -> Finding | None:
         "against the same at the end of the backward). Each rank owns a different part of every parameter, so the "
         "model takes an update in which each part was clipped or scaled differently: training goes on, silently "
         "not the update the script means. A clipping coefficient computed from each rank's own shards "
-        "(`p.grad.to_local()`) or a clip on some ranks only does this.",
+        "(`p.grad.to_local()`), a clip on some ranks only (clip_grad_value_ has no collective to hang on), or a "
+        "normalisation by a count or a loss of the rank's own batch (tokens per rank) does this.",
         ranks=ranks,
         steps=steps,
         measured=[
             Measure("largest_scale_ratio", run.scale_spread, "ratio"),
             Measure("steps_measured", len(run.scale_steps), "count"),
         ],
-        fix="clip on every rank with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm): with FSDP2's "
-        "DTensor gradients it reduces the norm over every rank's shards and scales all of them by one coefficient. "
-        "Never compute the norm from p.grad.to_local().",
+        fix="scale every rank's shards by one factor: clip on every rank with "
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) (with FSDP2's DTensor gradients it reduces the "
+        "norm over every rank's shards), never from p.grad.to_local(); divide by a count or a loss all-reduced "
+        "across the ranks (or scale the loss before backward), not by the rank's own.",
     )
 
 
