@@ -8,6 +8,8 @@ cases:
   replace-head   model.module.head = nn.Linear(...) after DDP was built (a new task head)
   new-param      model.module.scale = nn.Parameter(...) after DDP was built; forward multiplies by it
   eval-rank0     rank 0 evaluates at step 2 with model.eval() and never calls model.train() again
+  dropout-off-rank0  rank 0 alone switches its Dropout layers to eval mode after step 2 (a callback of the main
+                 process that turns dropout off late in training); the model itself stays in train mode
   eval-restored  every rank evaluates through model.module at step 2, then calls model.train() (clean)
   ema-inside     an EMA copy kept inside the module tree, not trained, updated from the synced weights (clean)
   replace-after-opt  the head replaced after DDP and the optimizer were built: the optimizer steps the old head
@@ -138,6 +140,10 @@ def main() -> None:
             model.eval()
             with torch.no_grad():
                 model.module(torch.randn(4, 8, generator=g))
+        if step == 2 and args.case == "dropout-off-rank0" and rank == 0:
+            for m in model.modules():
+                if isinstance(m, nn.Dropout):
+                    m.eval()
         if step == 2 and args.case == "eval-restored":
             model.eval()
             with torch.no_grad():
@@ -148,6 +154,7 @@ def main() -> None:
         | ({"temp": gaps(nn.ParameterList([temp]))["0"]} if extra else {})
         | ({f"offset{i}": v for i, v in gaps(nn.ParameterList(offsets)).items()} if offsets else {}),
         "training": model.training,
+        "dropout_training": [m.training for m in model.modules() if isinstance(m, nn.Dropout)],
         "head_sum": float(model.module.head.weight.sum()),
     }
     os.makedirs(args.out, exist_ok=True)

@@ -13,6 +13,9 @@ OUT --case CASE`; the script measures every parameter's largest difference acros
 - eval-rank0 (rank 0 calls `model.eval()` after step 2 and never `model.train()`): exit code 0, weights equal
   (DDP averages the gradients), but rank 0 trains without dropout from step 3 on: its gradients come from another
   function than rank 1's.
+- dropout-off-rank0 (rank 0 alone switches its Dropout layers to eval mode after step 2, the model itself staying
+  in train mode: a main-process callback that turns dropout off late): exit code 0, weights equal, rank 0's Dropout
+  in eval mode and rank 1's in train mode at the end.
 - replace-after-opt (the head replaced after DDP and the optimizer were built): with default flags the reduction
   error at step 1; with `find_unused_parameters=True`, exit code 0 and the new head never trains: its weights sum
   to 0.99466 on both ranks at the end, their initial value; the optimizer stepped the old head.
@@ -131,11 +134,12 @@ def test_a_parameter_created_after_wrap_is_named_with_its_line(tmp_path: Path) -
     assert _site("model.module.scale = nn.Parameter(torch.ones(4))") in found["fix"]
 
 
-def test_a_model_left_in_eval_mode_on_rank_0_is_named_at_the_first_step_it_trained_so(tmp_path: Path) -> None:
-    run = _check(tmp_path, "eval-rank0")
+@pytest.mark.parametrize("case, module", [("eval-rank0", "model"), ("dropout-off-rank0", "body.2")])
+def test_a_model_left_in_eval_mode_on_rank_0_is_named_at_the_first_step_it_trained_so(tmp_path, case, module) -> None:
+    run = _check(tmp_path, case)
     found = run.finding("replica-divergence")
     assert found["severity"] == "warning" and found["ranks"] == [0, 1] and found["steps"] == [3]
-    assert run.codes == {"replica-divergence"}, run.output
+    assert module in found["detail"] and run.codes == {"replica-divergence"}, run.output
 
 
 def test_an_optimizer_built_before_the_head_was_replaced_is_named_and_the_head_said_untrained(tmp_path: Path) -> None:
