@@ -60,9 +60,10 @@ def test_a_copys_broadcast_paired_with_a_peers_last_collective_is_where_the_rank
     assert [(s.rank, s.collective.tensor) for s in parting.different] == [(1, MODEL)]
 
 
-def test_an_ema_copy_of_the_ddp_model_evaluated_on_rank_0_alone_is_named_at_its_forward(tmp_path: Path) -> None:
-    """`AveragedModel(model)` (`--copy deepcopy` goes the same way: both copy through DDP's `__setstate__`)."""
-    run = check(["--nproc-per-node", "2", str(SCRIPT), "--copy", "averaged"], tmp_path)
+@pytest.mark.parametrize("copy", ["averaged", "deepcopy"])
+def test_an_ema_copy_of_the_ddp_model_evaluated_on_rank_0_alone_is_named_at_its_forward(tmp_path, copy) -> None:
+    """`AveragedModel(model)` and `copy.deepcopy(model)`: both copy through DDP's `__setstate__`."""
+    run = check(["--nproc-per-node", "2", str(SCRIPT), "--copy", copy], tmp_path)
     assert run.rc == 1, run.output
     f = run.report["findings"][0]
     assert f["code"] == "collective-mismatch" and f["ranks"] == [0, 1], run.output
