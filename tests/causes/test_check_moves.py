@@ -8,13 +8,19 @@ Ground truth under plain torchrun (torch 2.13.0, gloo; each case exit code 0, no
   step 0 and NaN from step 1, every gradient NaN from step 0.
 - one-column: cross_entropy over a model with one output column: the loss is exactly 0 at every step, every gradient
   is exactly zero, and no weight changes (largest change 0).
+- nan-rank1: rank 1's batch holds one NaN at step 2 (a corrupt sample): rank 0's own loss at step 2 is finite
+  (1.40), DDP's all-reduce carries rank 1's NaN gradients to both ranks, every weight is NaN on both ranks at the
+  end and every loss NaN from step 3.
+- dead-output: the head's output through a ReLU whose bias starts at -100: every output is 0, the loss is 1.386 (log
+  4) at every step, every gradient exactly zero, no weight changes.
 - lr0: SGD with lr=0: the losses vary (1.50, 1.36, 1.41, ...) and the gradients are nonzero, but no weight changes.
 - meta-init (the same meta model, then `reset_parameters()`) and warmup (a LambdaLR whose learning rate is 0 at the
   first step only) train normally.
 - head-not-stepped (the optimizer built over the first layer only) and head-lr0 (the head in a param group at lr 0):
   the head gets gradients and never changes (largest change 0), the first layer trains; head-second-opt (the head
   stepped by an SGD of its own) moves it by 0.0256 and is clean.
-Before, `ddp-doctor check` reported "No problems found" and a verified recommendation for all three failures.
+Before, `ddp-doctor check` reported "No problems found" and a verified recommendation for log-softmax, one-column
+and lr0.
 """
 
 from __future__ import annotations
@@ -32,15 +38,19 @@ def _check(tmp_path: Path, case: str):
     return check(["--nproc-per-node", "2", SCRIPT, "--case", case], tmp_path)
 
 
-def test_a_loss_that_overflows_is_non_finite_from_step_0_naming_every_parameter(tmp_path: Path) -> None:
-    run = _check(tmp_path, "log-softmax")
+@pytest.mark.parametrize(("case", "step"), [("log-softmax", 0), ("nan-rank1", 2)])
+def test_non_finite_values_are_named_at_their_first_step_with_every_parameter(tmp_path, case, step) -> None:
+    run = _check(tmp_path, case)
     found = run.finding("non-finite-values")
-    assert found["severity"] == "error" and found["steps"] == [0] and found["ranks"] == [0, 1]
+    assert found["severity"] == "error" and found["steps"] == [step] and found["ranks"] == [0, 1]
     assert run.params("non-finite-values") == ALL and "detect_anomaly" in found["fix"]
     assert run.report["recommendation"]["verified"] is False and run.rc == 1
 
 
-@pytest.mark.parametrize(("case", "cause"), [("one-column", "exactly zero"), ("lr0", "learning rate is 0")])
+@pytest.mark.parametrize(
+    ("case", "cause"),
+    [("one-column", "exactly zero"), ("dead-output", "exactly zero"), ("lr0", "learning rate is 0")],
+)
 def test_steps_that_change_no_weight_are_training_stalled_with_the_cause(tmp_path: Path, case: str, cause: str) -> None:
     run = _check(tmp_path, case)
     found = run.finding("training-stalled")

@@ -6,6 +6,9 @@ cases:
   meta         the model built on the meta device and materialised with to_empty(), never initialised
   meta-init    the same, then each module's reset_parameters() (clean)
   log-softmax  the loss as -log(softmax(logits * 1000)) by hand: the softmax underflows to 0, the loss is infinite
+  nan-rank1    rank 1's batch holds a NaN at step 2 (a corrupt sample): DDP averages its NaN gradients into every rank's
+               gradients
+  dead-output  the head's output through a ReLU whose bias starts at -100: every output is 0, every gradient exactly 0
   one-column   cross_entropy over a model with a single output column: the loss is always 0
   lr0          SGD with lr=0
   warmup       a warm-up whose learning rate is 0 at the first step only (clean)
@@ -43,6 +46,10 @@ def main() -> None:
                     m.reset_parameters()
     else:
         net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, classes))
+    if args.case == "dead-output":
+        with torch.no_grad():
+            net[2].bias.fill_(-100.0)
+        net.append(nn.ReLU())
     model = DistributedDataParallel(net)
     params: list = list(net.parameters())
     head, second = list(net[2].parameters()), None
@@ -58,6 +65,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(rank)
     for step in range(5):
         x, y = torch.randn(8, 8, generator=g), torch.randint(0, classes, (8,), generator=g)
+        if args.case == "nan-rank1" and rank == 1 and step == 2:
+            x[3, 5] = float("nan")
         out = model(x)
         if args.case == "log-softmax":
             loss = -torch.log(torch.softmax(out * 1000, -1)[torch.arange(len(y)), y]).mean()
@@ -73,6 +82,9 @@ def main() -> None:
             sched.step()
         if rank == 0:
             print(f"step {step} loss {loss.item():.4g}", flush=True)
+    if args.case in ("nan-rank1", "dead-output"):
+        print(f"rank {rank}: weights finite {all(bool(p.isfinite().all()) for p in net.parameters())}, "
+              f"head sum {net[2].weight.sum().item():.6f}", flush=True)
     if args.case.startswith("head-"):
         print(f"rank {rank}: head change {(net[2].weight - head_before).abs().max().item():.3g}", flush=True)
     del model, opt

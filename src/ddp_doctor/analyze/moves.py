@@ -162,10 +162,15 @@ def stalled(*, all_zero: bool, moved: bool, rates: list[float], ranks: list[int]
         detail = (
             "The loss does not depend on the weights in a way that gives them a gradient: a loss that is constant, "
             "such as a cross-entropy over a single output column (the softmax of one value is always 1), a loss "
-            "multiplied by 0, or outputs detached from the graph before the loss."
+            "multiplied by 0, outputs detached from the graph before the loss, or an activation at the output "
+            "that is flat for every input (a ReLU or a clamp whose input is always below its threshold)."
             + (" The optimizer's weight decay still shrinks the weights at each step, towards 0." if moved else "")
         )
-        fix = "check the loss: the model's output must have one column per class for cross_entropy, and the loss must be computed from the model's output without .detach()."
+        fix = (
+            "check what the loss is computed from: the model's output must change with its weights (one column per "
+            "class for cross_entropy, no .detach() before the loss, no output activation that is flat for every "
+            "input), and the loss must not be scaled by 0."
+        )
     elif moved:
         return None
     elif zero_lr:
