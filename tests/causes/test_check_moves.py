@@ -48,8 +48,7 @@ def test_non_finite_values_are_named_at_their_first_step_with_every_parameter(tm
 
 
 @pytest.mark.parametrize(
-    ("case", "cause"),
-    [("one-column", "exactly zero"), ("dead-output", "exactly zero"), ("lr0", "learning rate is 0")],
+    ("case", "cause"), [("one-column", "exactly zero"), ("dead-output", "exactly zero"), ("lr0", "learning rate is 0")]
 )
 def test_steps_that_change_no_weight_are_training_stalled_with_the_cause(tmp_path: Path, case: str, cause: str) -> None:
     run = _check(tmp_path, case)
