@@ -116,6 +116,22 @@ def test_gradient_sync_never_switched_back_on_is_named_with_its_line(tmp_path: P
     assert "set_requires_gradient_sync(micro_step == accumulation_steps - 1)" in finding["fix"]
 
 
+def test_hsdp_all_reduce_never_switched_back_on_is_gradient_sync_off_not_unused_parameters(tmp_path: Path) -> None:
+    """HSDP on 4 ranks ([2, 2] mesh, tests/scripts/fsdp2_hsdp.py) with `set_requires_all_reduce(False)` on every
+    sharded module, never switched back on. Ground truth, plain torchrun, 10 AdamW steps: exit code 0, nothing
+    trains: FSDP2 keeps the reduce-scattered gradients aside for the all-reduce across the replicas and gives the
+    parameters none (the head sums 0.553585 on every rank, its initial value; 0.171580 without the switch). Before,
+    the check called all six parameters `unused-parameters` ("nothing in the loss reaches them") and advised removing
+    them or setting requires_grad=False."""
+    hsdp = SCRIPTS / "fsdp2_hsdp.py"
+    run = check(["--nproc-per-node", "4", "--no-verify", str(hsdp), "--mistake", "all-reduce-off"], tmp_path)
+    assert run.rc == 1 and run.codes == {"gradient-sync-off"}, run.output
+    finding = run.finding("gradient-sync-off")
+    switched = [i for i, line in enumerate(hsdp.read_text().splitlines(), 1) if "set_requires_all_reduce(False)" in line]
+    assert finding["sites"] == [f"tests/scripts/fsdp2_hsdp.py:{switched[-1]}"], finding
+    assert finding["ranks"] == [0, 1, 2, 3] and "set_requires_all_reduce(micro_step" in finding["fix"], finding
+
+
 @pytest.mark.parametrize(
     ("mistake", "severity", "params", "steps"),
     [

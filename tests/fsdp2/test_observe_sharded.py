@@ -291,7 +291,8 @@ def test_accelerate_integration_follows_a_sharded_model(tmp_path) -> None:
 
 
 def _nested(rank: int, world: int) -> dict[str, Any]:
-    from ddp_doctor.observation.sharding import GatherCount, sharded_model_of
+    from ddp_doctor.observation.shard_comms import GatherCount
+    from ddp_doctor.observation.sharding import sharded_model_of
 
     model, opt = _build("none", "fully_shard")
     state = model._get_fsdp_state()

@@ -5,6 +5,9 @@ over "replicate", as torchtitan builds it for data parallelism across nodes. 4 r
 --mistake root-unsharded the root (its head) left out: nothing syncs the head's gradients
 --mistake same-data      every rank draws its batches from the same seed
 --mistake seed-rank      the model built after torch.manual_seed(rank): each rank starts from its own weights
+--mistake all-reduce-off set_requires_all_reduce(False) on the root and every block (HSDP's switch for accumulating
+                         across the replicas), never switched back on: the shards' gradients are reduce-scattered
+                         within each replica and never all-reduced across the replicas
 --drift-at N             rank 1 alone adds 0.01 to its shard of the first layer's bias after step N (its replica,
                          rank 3, holds the same shard): a long job watched past its first steps
 """
@@ -36,6 +39,9 @@ if __name__ == "__main__":
         fully_shard(layer, mesh=mesh)
     if args.mistake != "root-unsharded":
         fully_shard(model, mesh=mesh)
+    if args.mistake == "all-reduce-off":
+        for m in (model[0], model[2], model):
+            m.set_requires_all_reduce(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0 if args.mistake == "same-data" else rank)
     for step in range(args.steps):

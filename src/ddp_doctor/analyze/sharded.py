@@ -28,7 +28,7 @@ from ddp_doctor.analyze.tree_state import stale_optimizer
 from ddp_doctor.analyze.unsharded import unsharded_finding
 from ddp_doctor.analyze.used_set import unused_finding
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, Recommendation
+from ddp_doctor.core.findings import Finding, Recommendation, lines_of
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 from ddp_doctor.core.steptime import MIN_STEPS
 
@@ -110,17 +110,24 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
         )
     if run.sync_off_steps and run.sync_off_steps >= run.steps:
         site = f" (last switched off at {run.sync_off_site})" if run.sync_off_site else ""
+        what = (  # set_requires_all_reduce: HSDP's switch for the replicas
+            f"{api.name} then reduce-scatters the gradients within each replica and keeps them aside for the "
+            "all-reduce across the replicas that never comes"
+            if run.sync_off_call == "set_requires_all_reduce"
+            else f"{api.name} then {api.reduces} no gradient"
+        )
         found.append(
             Finding(
                 code=Code.GRADIENT_SYNC_OFF,
                 severity="error",
                 title=f"gradient sync was off at all {run.steps} optimizer steps",
-                detail=f"set_requires_gradient_sync(False){site} was in force every time the optimizer stepped, and "
-                f"it was never switched back on: {api.name} then {api.reduces} no gradient, the {api.done} parameters "
-                "get no gradient, and the optimizer skips them. " + _unchanged(run),
+                detail=f"{run.sync_off_call}(False){site} was in force every time the optimizer stepped, and it was "
+                f"never switched back on: {what}, the {api.done} parameters get no gradient, and the optimizer skips "
+                "them. " + _unchanged(run),
                 ranks=ranks,
                 steps=_steps(run),
-                fix=sync_fix(run.framework),
+                sites=lines_of(run.sync_off_site or ""),
+                fix=sync_fix(run.framework, run.sync_off_call),
             )
         )
     if run.shard_save:

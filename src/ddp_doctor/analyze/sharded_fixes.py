@@ -83,12 +83,18 @@ def optimizer_fix(framework: str, call: str, done: str) -> str:
     )
 
 
-def sync_fix(framework: str) -> str:
-    """`gradient-sync-off`'s fix: sync back on for the last micro-batch of each optimizer step."""
+def sync_fix(framework: str, call: str = "set_requires_gradient_sync") -> str:
+    """`gradient-sync-off`'s fix: sync back on for the last micro-batch of each optimizer step (`call`: the switch the
+    script left off)."""
     torch_words = (
         "switch gradient sync back on for the last micro-batch of each optimizer step: "
-        "`model.set_requires_gradient_sync(micro_step == accumulation_steps - 1)` before each backward "
-        "(the DDP twin is no_sync(), left off for the last micro-batch)."
+        f"`model.{call}(micro_step == accumulation_steps - 1)` before each backward "
+        + (
+            "(with it off, HSDP accumulates the reduce-scattered gradients across micro-batches; the last one's "
+            "all-reduce gives the parameters their gradients)."
+            if call == "set_requires_all_reduce"
+            else "(the DDP twin is no_sync(), left off for the last micro-batch)."
+        )
     )
     if framework == "accelerate":
         return (

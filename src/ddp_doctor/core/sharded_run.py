@@ -151,7 +151,10 @@ class ShardedRun:
     sync_off_steps: int = 0
     """Observed optimizer steps taken while some sharded module had gradient sync off (on the rank with the most)."""
     sync_off_site: str | None = None
-    """Where the script last called `set_requires_gradient_sync(False)`."""
+    """Where the script last switched gradient sync off (`sync_off_call`)."""
+    sync_off_call: str = "set_requires_gradient_sync"
+    """Which call switched it off: `set_requires_gradient_sync` (no reduce-scatter, no all-reduce) or, on an HSDP
+    or `replicate` mesh, `set_requires_all_reduce` (no all-reduce across the replicas)."""
     unused: list[ParamRef] = field(default_factory=list)
     """Trainable parameters of the model that got no gradient on any rank in any observed step."""
     never_updated: list[ParamRef] = field(default_factory=list)

@@ -47,9 +47,8 @@ from ddp_doctor.observation.grad_scale import GradScale
 from ddp_doctor.observation.hooks import tensors_in
 from ddp_doctor.observation.optimizers import describe
 from ddp_doctor.observation.optimizers import listen as listen_schedulers
+from ddp_doctor.observation.shard_comms import GatherCount, ReducePrecisionProbe
 from ddp_doctor.observation.sharding import (
-    GatherCount,
-    ReducePrecisionProbe,
     ShardedModel,
     find_sharded_model,
     frame_modules,

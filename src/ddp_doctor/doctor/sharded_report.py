@@ -29,7 +29,8 @@ from ddp_doctor.exchange.sharded_protocol import NOBODY, STEP_COLUMNS, ShardedRe
 from ddp_doctor.observation import dataloaders
 from ddp_doctor.observation.grad_scale import GradScale
 from ddp_doctor.observation.mesh_groups import beside_group
-from ddp_doctor.observation.sharding import GatherCount, ReducePrecisionProbe, ShardedModel, reshards_fully
+from ddp_doctor.observation.shard_comms import GatherCount, ReducePrecisionProbe
+from ddp_doctor.observation.sharding import ShardedModel, reshards_fully
 from ddp_doctor.observation.step_clock import StepClock, input_wait
 from ddp_doctor.report.model import Report, RunFacts
 
@@ -48,7 +49,8 @@ SITE_ATTR = "_ddp_doctor_site"
 SHARD_CALL_ATTR = "_ddp_doctor_shard_call"
 """Set on each module the patched `fully_shard` sharded: (which call it was, 0 the first; the call's line)."""
 SYNC_OFF_ATTR = "_ddp_doctor_sync_off_site"
-"""Set on an FSDP2 module by the patched `set_requires_gradient_sync(False)`: where the script called it."""
+"""Set on an FSDP2 module by the patched `set_requires_gradient_sync(False)` and `set_requires_all_reduce(False)`:
+(which of them, where the script called it)."""
 IGNORED_ATTR = "_ddp_doctor_ignored_site"
 """Set on each parameter the script passed to the patched `fully_shard` as `ignored_params`: that call's line."""
 
@@ -220,7 +222,9 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
             elif p.requires_grad and nonzero_any and not moved_any:
                 never_updated.append((ref, id(p) in rates, rates.get(id(p)) == 0))
     buffers_differ, buffers_moved = got.buffers_differ, got.buffers_moved
-    sync_site = next((getattr(m, SYNC_OFF_ATTR) for _, m in model.sharded if getattr(m, SYNC_OFF_ATTR, None)), None)
+    sync_call, sync_site = next(
+        (getattr(m, SYNC_OFF_ATTR) for _, m in model.sharded if getattr(m, SYNC_OFF_ATTR, None)), (None, None)
+    )
     sharding = model.describe()
     if beside is not None:
         sharding["beside"] = {"dims": beside.dims, "size": len(beside.members[beside.index])}
@@ -270,6 +274,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         never_updated_zero_lr=sum(zero for _, _, zero in never_updated),
         sync_off_steps=int(top["sync_off"]),
         sync_off_site=sync_site,
+        sync_off_call=sync_call or "set_requires_gradient_sync",
         low_reduce=_low_reduce(probe) if low["low_reduces"] > 0 else None,
         reshard_candidate=_reshard_candidate(w, model) if "all_gathers_per_step" in sharding else None,
         input_wait=input_wait(top, low),

@@ -181,17 +181,25 @@ def patch_gradient_sync() -> None:
 
 def _patch_gradient_sync() -> None:
     fsdp = fsdp_module_type()
-    if fsdp is None or getattr(fsdp.set_requires_gradient_sync, "_ddp_doctor_patched", False):
+    if fsdp is None:
         return
-    original = fsdp.set_requires_gradient_sync
+    for name in ("set_requires_gradient_sync", "set_requires_all_reduce"):
+        original = getattr(fsdp, name, None)
+        if original is None or getattr(original, "_ddp_doctor_patched", False):
+            continue
+        setattr(fsdp, name, _noting_sync_off(original, name))
+
+
+def _noting_sync_off(original: Callable[..., None], name: str) -> Callable[..., None]:
+    """`original` (a switch of FSDP2's gradient sync), noting on the module which call switched it off, and where."""
 
     @functools.wraps(original)
-    def set_requires_gradient_sync(module: Any, requires_gradient_sync: bool, *args: Any, **kwargs: Any) -> None:
-        original(module, requires_gradient_sync, *args, **kwargs)
-        object.__setattr__(module, SYNC_OFF_ATTR, None if requires_gradient_sync else user_site())
+    def switch(module: Any, on: bool, *args: Any, **kwargs: Any) -> None:
+        original(module, on, *args, **kwargs)
+        object.__setattr__(module, SYNC_OFF_ATTR, None if on else (name, user_site()))
 
-    set_requires_gradient_sync._ddp_doctor_patched = True  # type: ignore[attr-defined]
-    fsdp.set_requires_gradient_sync = set_requires_gradient_sync
+    switch._ddp_doctor_patched = True  # type: ignore[attr-defined]
+    return switch
 
 
 def patch_fully_shard(reshard_off: list[int], on_shard: Callable[[str | None, Any], None]) -> None:
