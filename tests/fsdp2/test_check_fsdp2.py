@@ -289,17 +289,20 @@ def test_a_parameter_no_loss_reaches_is_unused_parameters_at_warning(tmp_path: P
     assert "FSDP2 raises no error for them" in finding["detail"] and "before fully_shard" in finding["fix"]
 
 
+@pytest.mark.parametrize("policy", ["bf16-weights", "default-bf16", "assign-bf16"])
 def test_a_model_cast_to_bfloat16_before_sharding_under_a_bfloat16_policy_steps_bfloat16_weights(
-    tmp_path: Path,
+    tmp_path: Path, policy: str
 ) -> None:
-    """tests/scripts/fsdp2_mixed.py --lr 1e-4, plain torchrun, 2 ranks, 12 AdamW steps, exit code 0 both ways: with
+    """tests/scripts/fsdp2_mixed.py --lr 1e-4, plain torchrun, 2 ranks, 12 AdamW steps, exit code 0 every way: with
     the bfloat16 policy on a float32 model every weight of the first layer changed; with the model cast to bfloat16
     before fully_shard (`--policy bf16-weights`) the optimizer steps bfloat16 weights and 89.3% of that layer's
-    weights never changed. The check names it (a warning); its neighbour, the policy on float32 weights, is tested
+    weights never changed; 89.2% with the model built under `torch.set_default_dtype(torch.bfloat16)`
+    (`default-bf16`), 89.3% with a bfloat16 checkpoint loaded by `load_state_dict(..., assign=True)`
+    (`assign-bf16`). The check names each (a warning); its neighbour, the policy on float32 weights, is tested
     above as clean (or low-precision-reduce on 2.13)."""
     script = str(SCRIPTS / "fsdp2_mixed.py")
     run = check(
-        ["--nproc-per-node", "2", "--no-verify", script, "--policy", "bf16-weights", "--lr", "1e-4"],
+        ["--nproc-per-node", "2", "--no-verify", script, "--policy", policy, "--lr", "1e-4"],
         tmp_path,
         timeout=180,
     )

@@ -5,6 +5,10 @@
 --policy bf16-fp32   MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 --policy bf16-weights the bf16 policy on a model cast to bfloat16 first (`model.to(torch.bfloat16)`): the sharded
                      weights the optimizer steps are bfloat16 too, and updates below their resolution are lost
+--policy default-bf16 the bf16 policy on a model built after torch.set_default_dtype(torch.bfloat16) (a script that
+                     saves memory so): its weights are bfloat16 from the start
+--policy assign-bf16 the bf16 policy on a model that loads a bfloat16 checkpoint with load_state_dict(..., assign=True)
+                     (the checkpoint's tensors replace the float32 ones, dtype included)
 --lr                 AdamW's learning rate (default 1e-2)
 """
 
@@ -27,9 +31,15 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
+    if args.policy == "default-bf16":
+        torch.set_default_dtype(torch.bfloat16)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    torch.set_default_dtype(torch.float32)
     if args.policy == "bf16-weights":
         model.to(torch.bfloat16)
+    if args.policy == "assign-bf16":  # a checkpoint saved in bfloat16, as many published ones are
+        checkpoint = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+        model.load_state_dict(checkpoint, assign=True)
     first = model[0].weight.detach().clone()
     reduce = torch.float32 if args.policy == "bf16-fp32" else None
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
