@@ -127,7 +127,9 @@ def test_hsdp_all_reduce_never_switched_back_on_is_gradient_sync_off_not_unused_
     run = check(["--nproc-per-node", "4", "--no-verify", str(hsdp), "--mistake", "all-reduce-off"], tmp_path)
     assert run.rc == 1 and run.codes == {"gradient-sync-off"}, run.output
     finding = run.finding("gradient-sync-off")
-    switched = [i for i, line in enumerate(hsdp.read_text().splitlines(), 1) if "set_requires_all_reduce(False)" in line]
+    switched = [
+        i for i, line in enumerate(hsdp.read_text().splitlines(), 1) if "set_requires_all_reduce(False)" in line
+    ]
     assert finding["sites"] == [f"tests/scripts/fsdp2_hsdp.py:{switched[-1]}"], finding
     assert finding["ranks"] == [0, 1, 2, 3] and "set_requires_all_reduce(micro_step" in finding["fix"], finding
 
@@ -302,9 +304,7 @@ def test_a_model_cast_to_bfloat16_before_sharding_under_a_bfloat16_policy_steps_
     above as clean (or low-precision-reduce on 2.13)."""
     script = str(SCRIPTS / "fsdp2_mixed.py")
     run = check(
-        ["--nproc-per-node", "2", "--no-verify", script, "--policy", policy, "--lr", "1e-4"],
-        tmp_path,
-        timeout=180,
+        ["--nproc-per-node", "2", "--no-verify", script, "--policy", policy, "--lr", "1e-4"], tmp_path, timeout=180
     )
     assert run.rc == 0 and run.codes == {"low-precision-weights"}, run.output
     finding = run.finding("low-precision-weights")
