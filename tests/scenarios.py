@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from checkrun import assert_clean_reports_say_what_they_compared
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
@@ -486,6 +487,7 @@ def run_observed(case: Case, rank: int) -> dict[str, Any]:
     except DDPFailure as exc:
         raised = exc.code
     report = doctor.report(timeout=20)
+    assert_clean_reports_say_what_they_compared(report.to_dict(), str(report))
     return {"report": report.to_dict(), "raised": raised, "text": str(report)}
 
 
