@@ -10,6 +10,8 @@ cases:
   eval-rank0     rank 0 evaluates at step 2 with model.eval() and never calls model.train() again
   dropout-off-rank0  rank 0 alone switches its Dropout layers to eval mode after step 2 (a callback of the main
                  process that turns dropout off late in training); the model itself stays in train mode
+  lazy-after-wrap  a LazyLinear added to the model after DDP was built, never run (its parameters hold no data)
+  meta-after-wrap  a Linear on the meta device added after DDP was built, never run (no data either)
   eval-restored  every rank evaluates through model.module at step 2, then calls model.train() (clean)
   ema-inside     an EMA copy kept inside the module tree, not trained, updated from the synced weights (clean)
   replace-after-opt  the head replaced after DDP and the optimizer were built: the optimizer steps the old head
@@ -67,6 +69,8 @@ class TwoHeads(nn.Module):
 def gaps(model: nn.Module) -> dict[str, float]:
     out = {}
     for name, p in model.named_parameters():
+        if p.is_meta or nn.parameter.is_lazy(p):  # no data to compare
+            continue
         mine = p.detach().float().contiguous()
         got = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(got, mine)
@@ -101,6 +105,10 @@ def main() -> None:
         model.module.head = nn.Linear(16, 4)
     elif args.case == "new-param":
         model.module.scale = nn.Parameter(torch.ones(4))
+    elif args.case == "lazy-after-wrap":
+        model.module.probe = nn.LazyLinear(4)  # for a later phase; the forward never calls it
+    elif args.case == "meta-after-wrap":
+        model.module.probe = nn.Linear(16, 4, device="meta")
     elif args.case == "ema-inside":
         model.module.ema = copy.deepcopy(nn.Sequential(model.module.body, model.module.head)).requires_grad_(False)
     temp = model.module.temp if args.case == "outside-registered" else None

@@ -16,6 +16,8 @@ OUT --case CASE`; the script measures every parameter's largest difference acros
 - dropout-off-rank0 (rank 0 alone switches its Dropout layers to eval mode after step 2, the model itself staying
   in train mode: a main-process callback that turns dropout off late): exit code 0, weights equal, rank 0's Dropout
   in eval mode and rank 1's in train mode at the end.
+- lazy-after-wrap / meta-after-wrap (a `LazyLinear` that never runs, or a `Linear` on the meta device, attached
+  after the wrap for a later phase): exit code 0, every parameter equal.
 - replace-after-opt (the head replaced after DDP and the optimizer were built): with default flags the reduction
   error at step 1; with `find_unused_parameters=True`, exit code 0 and the new head never trains: its weights sum
   to 0.99466 on both ranks at the end, their initial value; the optimizer stepped the old head.
@@ -132,6 +134,23 @@ def test_a_parameter_created_after_wrap_is_named_with_its_line(tmp_path: Path) -
     found = run.finding("unregistered-parameters")
     assert run.params("unregistered-parameters") == {"scale"} and found["severity"] == "error"
     assert _site("model.module.scale = nn.Parameter(torch.ones(4))") in found["fix"]
+
+
+@pytest.mark.parametrize(
+    "case, statement", [("lazy-after-wrap", "nn.LazyLinear(4)"), ("meta-after-wrap", 'nn.Linear(16, 4, device="meta")')]
+)
+def test_a_layer_without_data_added_after_wrap_is_named_unused_and_the_job_runs(tmp_path, case, statement) -> None:
+    """State the check cannot fingerprint (a LazyLinear never run, a Linear on the meta device) is named, never a
+    crash of the job. Before, both jobs died inside the check's scan ("ranks 0, 1 died without a Python error":
+    reading the lazy parameter's shape, copying the meta tensor's values), and the finding said "the forward uses
+    them" of parameters no gradient ever reached."""
+    run = _check(tmp_path, case)
+    assert run.rc == 0 and run.codes == {"unregistered-parameters"}, run.output
+    found = run.finding("unregistered-parameters")
+    assert found["severity"] == "warning" and run.params("unregistered-parameters") == {"probe.weight", "probe.bias"}
+    measured = {m["name"]: m["value"] for m in found["measured"]}
+    assert measured == {"with_gradient": 0, "holding_data": 0}, found
+    assert found["sites"] == [_site(statement)], found
 
 
 @pytest.mark.parametrize("case, module", [("eval-rank0", "model"), ("dropout-off-rank0", "body.2")])

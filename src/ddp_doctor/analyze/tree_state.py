@@ -64,22 +64,35 @@ def unregistered_parameters(v: View) -> list[Finding]:
     where = f", attached at {', '.join(sites[:3])} after DDP was built" if sites else ""
     stepped = [e.get("stepped") for e in entries]
     never_stepped = bool(stepped) and all(x is False for x in stepped)
+    unused = all(e.get("used") is False for e in entries)  # (records without the key: assumed used)
+    empty = (
+        " (they hold no data yet: on the meta device, or a lazy module's before its first forward)"
+        if all(e.get("data") is False for e in entries)
+        else ""
+    )
     detail = (
         f"DDP's reducer all-reduces the gradients of the parameters it registered when it was built"
         f"{f' ({v.info.ddp_site})' if v.info.ddp_site else ''}. {names} sit in the model's module tree from step "
-        f"{first} on{where}: the forward uses them, but no all-reduce carries their gradients"
+        f"{first} on{where}"
         + (
-            ", and the optimizer the check observed does not step them (optimizer-params-replaced): they do not "
-            "train at all."
-            if never_stepped
-            else ", so each rank trains them alone."
+            f", and no gradient reached them in the observed steps{empty}: "
+            "the forward does not use them yet. If a later phase of the script uses them, no all-reduce will carry "
+            "their gradients, and each rank will train them alone."
+            if unused
+            else ": the forward uses them, but no all-reduce carries their gradients"
+            + (
+                ", and the optimizer the check observed does not step them (optimizer-params-replaced): they do "
+                "not train at all."
+                if never_stepped
+                else ", so each rank trains them alone."
+            )
         )
     )
     if parted is not None:
         detail += f" They already differ across ranks at step {parted}."
-    elif never_stepped:
+    elif never_stepped and not unused:
         detail += " They stayed equal on every rank in the observed steps, at their initial values."
-    else:
+    elif not unused:
         detail += (
             " They were equal on every rank in the observed steps (they did not change, or every rank computed the "
             "same gradients); they part as soon as the ranks' gradients differ."
@@ -109,7 +122,9 @@ def unregistered_parameters(v: View) -> list[Finding]:
                     severity="error" if parted is not None else "warning",
                     title=f"{len(params)} trainable parameter(s) are not in DDP's reducer: created or replaced after "
                     + (
-                        "DDP was built, and no optimizer steps them"
+                        "DDP was built, unused so far"
+                        if unused
+                        else "DDP was built, and no optimizer steps them"
                         if never_stepped
                         else "DDP was built, each rank trains them alone"
                     ),
@@ -117,6 +132,11 @@ def unregistered_parameters(v: View) -> list[Finding]:
                     params=params,
                     ranks=ranks,
                     steps=[first] if parted is None else [first, parted] if parted != first else [first],
+                    # how many of the named a gradient reached, and how many hold values (a lazy or meta one: none)
+                    measured=[
+                        Measure("with_gradient", sum(1 for e in entries if e.get("used", True)), "count"),
+                        Measure("holding_data", sum(1 for e in entries if e.get("data", True)), "count"),
+                    ],
                     fix=fix,
                 ),
                 max(0, holders.count - len(ranks)),

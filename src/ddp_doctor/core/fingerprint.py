@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ddp_doctor.core.compat import is_dtensor
 
-__all__ = ["MISSING", "NEGLIGIBLE", "fingerprint", "fingerprints", "fingerprints_batched", "significant"]
+__all__ = ["MISSING", "NEGLIGIBLE", "fingerprint", "fingerprints", "fingerprints_batched", "holds_data", "significant"]
 
 MISSING = float("nan")
 """The fingerprint of an absent tensor (a `None` grad)."""
@@ -28,11 +29,16 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
     return torch.frac(torch.arange(1, n + 1, dtype=torch.float64, device=device) * _PHI) + 0.5
 
 
+def holds_data(t: torch.Tensor) -> bool:
+    """Whether `t` has values to fingerprint: not on the meta device, not a lazy module's uninitialised parameter or
+    buffer. A tensor without data fingerprints as absent (NaN), never an error in the user's job."""
+    return not (t.is_meta or is_lazy(t))
+
+
 def fingerprint(t: torch.Tensor | None) -> tuple[float, float]:
-    """Fingerprint one tensor; `(nan, nan)` for `None`."""
-    if t is None:
-        return (MISSING, MISSING)
-    return tuple(_fingerprint_tensor(t).tolist())  # type: ignore[return-value]
+    """Fingerprint one tensor; `(nan, nan)` for `None` or a tensor without data."""
+    row = _or_none(t)
+    return (MISSING, MISSING) if row is None else tuple(row.tolist())  # type: ignore[return-value]
 
 
 def _fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -58,7 +64,7 @@ def fingerprints(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
 
     One device-to-host copy for the whole batch, so it costs one sync on GPU.
     """
-    rows: list[torch.Tensor | None] = [None if t is None else _fingerprint_tensor(t) for t in tensors]
+    rows: list[torch.Tensor | None] = [_or_none(t) for t in tensors]
     present = [r for r in rows if r is not None]
     out = torch.full((len(rows), 2), MISSING, dtype=torch.float64)
     if present:
@@ -66,6 +72,17 @@ def fingerprints(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
         idx = [i for i, r in enumerate(rows) if r is not None]
         out[idx] = host
     return out
+
+
+def _or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t`'s fingerprint, or None for no tensor, one without data, or a tensor subclass whose values cannot be
+    summed (its row is NaN, as an absent tensor's)."""
+    if t is None or not holds_data(t):
+        return None
+    try:
+        return _fingerprint_tensor(t)
+    except Exception:  # a tensor subclass without the ops: state the check cannot read, not a crash of the job
+        return None
 
 
 def fingerprints_batched(tensors: Iterable[torch.Tensor | None], *, chunk_elements: int | None = None) -> torch.Tensor:
@@ -92,7 +109,7 @@ def fingerprints_batched(tensors: Iterable[torch.Tensor | None], *, chunk_elemen
     groups: dict[tuple[torch.device, int, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
     big: list[tuple[int, torch.Tensor]] = []
     for row, t in enumerate(items):
-        if t is None:
+        if t is None or not holds_data(t):
             continue
         flat = t.detach()
         if is_dtensor(flat):

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ddp_doctor.core.counters import StepCounters
-from ddp_doctor.core.fingerprint import fingerprints
+from ddp_doctor.core.fingerprint import fingerprints, holds_data
 from ddp_doctor.core.frames import user_site, variable_names
 
 __all__ = ["CAST_SITES", "MAX_STATE_LOG", "TO_EMPTY_SITES", "StateScan", "listen_casts", "listen_to_empty", "modes_of"]
@@ -153,7 +154,9 @@ class StateScan:
         hold, at most 8 named)."""
         self.unregistered: list[dict[str, Any]] = []
         """The trainable parameters DDP does not hold, at the last step: `name`, `shape`, `site` (where they were
-        attached to the tree, when seen)."""
+        attached to the tree, when seen), `used` (a gradient reached it at some observed step's end), `data` (it
+        holds values: not on the meta device, not a lazy module's before its first forward)."""
+        self._used: set[int] = set()
         self.orphaned: list[int] = []
         """Positions (in the observed parameter list) of parameters DDP registered that the tree no longer holds:
         what a replaced module left behind, at the last step."""
@@ -246,6 +249,7 @@ class StateScan:
                     if b is not None and (id(m), bname) not in self._slots
                 )
         trainable = [(n, p, s) for n, p, s in unknown if p.requires_grad]
+        self._used.update(id(p) for _, p, _ in trainable if p.grad is not None)
         if unknown:
             fps = fingerprints([p for _, p, _ in unknown])
             for (name, p, _), fp in zip(unknown, fps.tolist()):
@@ -275,7 +279,14 @@ class StateScan:
         counters.state_digest = crc & 0x7FFFFFFF
         counters.unregistered = len(trainable)
         self.unregistered = [
-            {"name": n, "shape": list(p.shape), "site": s or None, "stepped": id(p) in stepped if stepped else None}
+            {
+                "name": n,
+                "shape": _shape(p),
+                "site": s or None,
+                "stepped": id(p) in stepped if stepped else None,
+                "used": id(p) in self._used,
+                "data": holds_data(p),
+            }
             for n, p, s in trainable
         ][:64]
         entry = {
@@ -300,7 +311,7 @@ class StateScan:
         for (t, where), fp, grad in zip(trained, fps, grads):
             crc = zlib.crc32(f"outside {where}:{fp[0]!r},{fp[1]!r},{grad[0]!r},{grad[1]!r};".encode(), crc)
             name = self._outside_names.get(id(t)) or where
-            entries.append({"name": name, "shape": list(t.shape), "grad": t.grad is not None, "fp": fp + grad})
+            entries.append({"name": name, "shape": _shape(t), "grad": t.grad is not None, "fp": fp + grad})
         self.outside, self.outside_count = entries[:8], len(entries)
         return crc
 
@@ -313,7 +324,7 @@ class StateScan:
             if self._late_fp.setdefault(name, tuple(fp)) != tuple(fp):
                 self._late_moved.add(name)  # it changed since its first step: a running statistic
             moved = name in self._late_moved
-            entries.append({"name": name, "shape": list(b.shape), "fp": fp, "changing": moved, "site": site or None})
+            entries.append({"name": name, "shape": _shape(b), "fp": fp, "changing": moved, "site": site or None})
         self.late_buffers, self.late_count = entries[:8], len(entries)
         return crc
 
@@ -368,3 +379,8 @@ def _number(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         return float("nan")
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    """`t`'s shape; none for a lazy module's parameter before its first forward (reading it raises)."""
+    return [] if is_lazy(t) else list(t.shape)
