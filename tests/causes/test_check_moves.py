@@ -38,12 +38,22 @@ def _check(tmp_path: Path, case: str):
     return check(["--nproc-per-node", "2", SCRIPT, "--case", case], tmp_path)
 
 
-@pytest.mark.parametrize(("case", "step"), [("log-softmax", 0), ("nan-rank1", 2)])
-def test_non_finite_values_are_named_at_their_first_step_with_every_parameter(tmp_path, case, step) -> None:
+@pytest.mark.parametrize(
+    ("case", "step", "fed"),
+    [
+        ("log-softmax", 0, {}),
+        # the rank whose own batch held the NaN, measured before DDP's all-reduce spread it
+        ("nan-rank1", 2, {"ranks_with_nonfinite_inputs": 1, "first_rank_with_nonfinite_inputs": 1,
+                          "step_of_nonfinite_inputs": 2}),
+    ],
+)  # fmt: skip
+def test_non_finite_values_are_named_at_their_first_step_with_every_parameter(tmp_path, case, step, fed) -> None:
     run = _check(tmp_path, case)
     found = run.finding("non-finite-values")
     assert found["severity"] == "error" and found["steps"] == [step] and found["ranks"] == [0, 1]
-    assert run.params("non-finite-values") == ALL and "detect_anomaly" in found["fix"]
+    assert {m["name"]: m["value"] for m in found.get("measured", [])} == fed, found
+    assert run.params("non-finite-values") == ALL
+    assert ("detect_anomaly" in found["fix"]) == (not fed), found["fix"]  # else: find that rank's sample
     assert run.report["recommendation"]["verified"] is False and run.rc == 1
 
 

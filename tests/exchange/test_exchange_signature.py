@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "63289a310d2b09dd",
-    "odd-70": "2417aaf4c589f76d",
-    "infos-differ-3": "58f7ddd1cb0b26fb",
-    "edited-2": "f52656ec3e40fdd5",
-    "inferred-2": "5d2ed30fc0590ef2",
-    "clean-1": "d2562e9c9ff95dd3",
+    "seeded-6": "643f3f6ec5115666",
+    "odd-70": "d6d1ca4a1c8bc6e6",
+    "infos-differ-3": "ebcafa0286bd866f",
+    "edited-2": "d7c57f6fa4236e29",
+    "inferred-2": "a2e752e4e4a9531f",
+    "clean-1": "1f875f7083e33e20",
 }
 
 

@@ -14,14 +14,15 @@ from ddp_doctor.analyze.common import all_ranks
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef
+from ddp_doctor.core.ranks import rank_list
 
 __all__ = ["never_updated", "nonfinite_finding", "nonfinite_values", "stalled", "training_stalled"]
 
-_PRESENT, _ZERO, _NONFINITE, _MOVED, _W_NONFINITE = range(5)
+_PRESENT, _ZERO, _NONFINITE, _MOVED, _W_NONFINITE, _INPUTS = range(6)
 
 
 def _moves(v: View) -> torch.Tensor | None:
-    """int64[S, 5]: the most over the ranks of each count, per common step (None: not recorded)."""
+    """int64[S, 6]: the most over the ranks of each count, per common step (None: not recorded)."""
     moves = v.summary.moves
     if moves is None or not v.steps:
         return None
@@ -47,6 +48,10 @@ def nonfinite_values(v: View) -> list[Finding]:
     if grad_step is None and weight_step is None and not before:
         return []
     positions = v.meta(0).get("nonfinite_params", [])
+    # The ranks whose own batches held NaN or infinity, at or before that step: where it came from.
+    input_step = _first(m[:, _INPUTS] > 0) if m.shape[1] > _INPUTS else None
+    broke = min((s for s in (grad_step, weight_step) if s is not None), default=v.steps)
+    fed = v.ranks("inputs-nonfinite") if input_step is not None and input_step <= broke else None
     return [
         nonfinite_finding(
             grads=None if grad_step is None else (grad_step, int(m[grad_step, _NONFINITE])),
@@ -55,6 +60,9 @@ def nonfinite_values(v: View) -> list[Finding]:
             materialised=v.meta(0).get("to_empty_sites", []),
             params=v.params([i for i in positions if i < len(v.info.param_names)]),
             ranks=all_ranks(v),
+            inputs=None
+            if fed is None or not fed.count
+            else (input_step, rank_list(fed.ranks, more=fed.more), fed.count, fed.ranks[0]),
         )
     ]
 
@@ -69,12 +77,14 @@ def nonfinite_finding(
     params: Sequence[ParamRef] = (),
     sharded: bool = False,
     steps: list[int] | None = None,
+    inputs: tuple[int, str, int, int] | None = None,
 ) -> Finding:
     """`non-finite-values`, for every parallelism: the first step whose gradients held NaN or infinity and how many
     parameters' (`grads`: the step, the count where it was counted), the first step after which weights did
     (`weights`), parameters non-finite before the first step (`before`), the lines that materialised the model
     with `to_empty()`. `sharded`: measured on FSDP2's gradient shards at optimizer.step(), and the fix names its
-    reduce dtype. `steps`: the steps to list, when not the first ones of `grads` and `weights`."""
+    reduce dtype. `steps`: the steps to list, when not the first ones of `grads` and `weights`. `inputs`: the first
+    step at which some ranks' training inputs held NaN or infinity, those ranks (named), how many, the first."""
     parts = []
     if grads is not None:
         step, count = grads
@@ -95,6 +105,12 @@ def nonfinite_finding(
             "initialised (a model built on the meta device and materialised with `to_empty()`, whose "
             "`reset_parameters()` or initialisation was not run), or they were loaded so from a checkpoint."
         )
+    if inputs is not None:
+        cause += (
+            f" The training inputs of {inputs[1]} held NaN or infinity at step {inputs[0]} (a corrupt sample or a "
+            "transform that divides by zero, in that rank's data): the gradients DDP averages carried them to every "
+            "rank."
+        )
     overflow = ", or a low-precision policy that overflows (reduce_dtype=torch.float32)" if sharded else ""
     return Finding(
         code=Code.NONFINITE_VALUES,
@@ -105,8 +121,18 @@ def nonfinite_finding(
         params=list(params),
         ranks=ranks,
         steps=steps or sorted({s for s in (grads and grads[0], weights and weights[0]) if s is not None}),
+        measured=[
+            Measure("ranks_with_nonfinite_inputs", inputs[2], "count"),
+            Measure("first_rank_with_nonfinite_inputs", inputs[3], "value"),
+            Measure("step_of_nonfinite_inputs", inputs[0], "value"),
+        ]
+        if inputs is not None
+        else [],
         fix=(
-            "initialise the parameters after materialising the model (`model.to_empty(device=...)` then "
+            f"find the sample in the data of {inputs[1]} at step {inputs[0]} (`torch.isfinite(x).all()` on each "
+            "batch), and drop or repair it before the forward; one bad batch on one rank stops every rank's training"
+            if inputs is not None
+            else "initialise the parameters after materialising the model (`model.to_empty(device=...)` then "
             "`model.apply(init)` or each module's `reset_parameters()`), before wrapping it"
             if before or materialised
             else "find the first non-finite value: run the step with `torch.autograd.detect_anomaly()`, lower the "

@@ -83,6 +83,9 @@ class StepCounters:
     """Parameters whose values changed between the step's start and its end."""
     weights_nonfinite: int = 0
     """Parameters holding a NaN or an infinity when the step ended."""
+    inputs_nonfinite: int = 0
+    """Floating-point input tensors of the step's training forwards that held a NaN or an infinity (a corrupt
+    sample on this rank: DDP's all-reduce then carries it to every rank's gradients)."""
     batches_drawn: int = 0
     """Batches the DataLoader pass the step trained on handed out since the previous optimizer step (its
     `optimizer.step()`'s pre-hook: the accumulation's micro-batches, and any batch the loop skipped)."""
@@ -118,6 +121,7 @@ class StepCounters:
         "weights_moved",
         "weights_nonfinite",
         "batches_drawn",
+        "inputs_nonfinite",
     )
 
     def as_list(self) -> list[int]:

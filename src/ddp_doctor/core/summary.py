@@ -51,6 +51,7 @@ PREDICATES = (
     "state-differs",
     "unregistered",
     "drew-more",
+    "inputs-nonfinite",
 )
 """What each rank evaluates on its own record against the group's results (the exchange's round D); the analysis
 reads the ranks for each by name in `Summary.examples`."""
@@ -213,9 +214,9 @@ class Summary:
     unregistered: list[int] = field(default_factory=list)
     """Per common step, the most trainable parameters DDP's reducer does not hold that any rank's tree had."""
     moves: tuple[torch.Tensor, torch.Tensor] | None = None
-    """(max, min) over the ranks of int64[S, 5]: per common step, the parameters that got a gradient, whose gradient
-    was exactly zero, or not finite; whose weights changed in the step, or are not finite after it (None: not
-    recorded)."""
+    """(max, min) over the ranks of int64[S, 6]: per common step, the parameters that got a gradient, whose gradient
+    was exactly zero, or not finite; whose weights changed in the step, or are not finite after it; the training
+    inputs that held NaN or infinity (None: not recorded)."""
     nonfinite_before: int = 0
     """The most parameters any rank held with a NaN or an infinity before the first common step."""
     drawn: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))

@@ -311,7 +311,7 @@ def put_compared(
     m.slot("state0", state, rank == 0)
     m.pair("unregistered", record.counter("unregistered")[:s])
     # Whether training moves: finite, nonzero gradients, and steps that change the weights.
-    names = ("grads_present", "grads_zero", "grads_nonfinite", "weights_moved", "weights_nonfinite")
+    names = ("grads_present", "grads_zero", "grads_nonfinite", "weights_moved", "weights_nonfinite", "inputs_nonfinite")
     m.pair("moves", torch.stack([record.counter(n)[:s] for n in names], 1))
     m.pair("nonfinite_before", (~record.weight_fp[0].isfinite().all(-1)).sum().reshape(1))
     # The batches each step drew from the training loader: equal on ranks that take a step per batch alike.

@@ -184,6 +184,7 @@ def evaluate(
         "state-differs": f.state is not None and int(mine.state[f.state]) != int(c.state0[f.state]),
         "unregistered": bool((record.counter("unregistered")[:s] > 0).any()),
         "drew-more": f.drawn is not None and int(mine.drawn[f.drawn]) == int(c.drawn[0][f.drawn]),
+        "inputs-nonfinite": bool((record.counter("inputs_nonfinite")[:s] > 0).any()),
     }
     assert tuple(flags) == PREDICATES
     meta = rank_strings(

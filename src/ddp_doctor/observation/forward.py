@@ -197,7 +197,13 @@ class ForwardHooks:
             step.buffer_fp = fingerprints(self._t.current_buffers())
         inputs = [t for t in tensors_in((args, kwargs)) if not t.is_complex()]
         if inputs:
-            step.input_fp += fingerprints(inputs).nan_to_num(0.0).sum(0)
+            fps = fingerprints(inputs)
+            # (a row is NaN for a tensor without data too: count plain floating-point tensors only)
+            plain = torch.tensor(
+                [type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_floating_point() for t in inputs]
+            )
+            step.counters.inputs_nonfinite += int((plain & ~fps.isfinite().all(-1)).sum())
+            step.input_fp += fps.nan_to_num(0.0).sum(0)
         if not step.counters.batch_size:
             step.counters.batch_size = next((int(t.shape[0]) for t in inputs if t.dim()), 0)
             step.counters.batchnorm_training = sum(m.training for m in self._t.batchnorm)
