@@ -54,10 +54,12 @@ def test_a_correct_manual_sync_without_ddp_is_info_only(tmp_path: Path) -> None:
 def test_a_tensor_parallel_model_is_no_unwrapped_model_and_says_what_was_not_compared(tmp_path: Path) -> None:
     """tests/scripts/tensor_parallel.py, plain torchrun, torch 2.13.0, gloo, 2 ranks: exit code 0, the head's bias
     sums 0.024975 on both ranks. Before, the check compared none of its parameters (all DTensors) and said "No
-    problems found." with the advice to wrap the model in DDP."""
+    problems found." with the advice to wrap the model in DDP, then "No problems found in what was checked" above a
+    note that nothing was compared."""
     run = check(["--nproc-per-node", "2", str(SCRIPTS / "tensor_parallel.py")], tmp_path, timeout=180)
     assert run.rc == 0 and run.report["findings"] == [], run.output
-    assert "No problems found in what was checked (below)." in run.output
+    assert run.report["compared"] == {"parallelism": "none", "ranks": 2, "steps": 8, "parameters": 0, "dtensors": 4}
+    assert "No problems found" not in run.output
     (unchecked,) = run.report["unchecked"]
     assert "4 of the parameters the optimizer (SGD created at tests/scripts/tensor_parallel.py:18)" in unchecked
     assert "none of them was compared; it steps no other" in unchecked

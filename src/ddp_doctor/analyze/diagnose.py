@@ -23,7 +23,12 @@ from collections.abc import Sequence
 from ddp_doctor.analyze.failures import failure_findings
 from ddp_doctor.analyze.following_ends import following_findings, following_section, unchecked
 from ddp_doctor.analyze.links import link_causes
-from ddp_doctor.analyze.not_wrapped import unwrapped_findings, unwrapped_recommendation, unwrapped_unchecked
+from ddp_doctor.analyze.not_wrapped import (
+    unwrapped_compared,
+    unwrapped_findings,
+    unwrapped_recommendation,
+    unwrapped_unchecked,
+)
 from ddp_doctor.analyze.recommend import recommend_after_failure, verified_by_second_run
 from ddp_doctor.analyze.sharded import sharded_compared, sharded_findings, sharded_recommendation, sharded_unchecked
 from ddp_doctor.analyze.snippets import with_code
@@ -151,6 +156,7 @@ def diagnose_unwrapped(run: UnwrappedRun) -> Diagnosis:
         timing=Timing(),
         steps_observed=run.steps,
         unchecked=unwrapped_unchecked(run),
+        compared=unwrapped_compared(run),
     )
 
 

@@ -6,7 +6,7 @@ from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 
-__all__ = ["unwrapped_findings", "unwrapped_recommendation", "unwrapped_unchecked"]
+__all__ = ["unwrapped_compared", "unwrapped_findings", "unwrapped_recommendation", "unwrapped_unchecked"]
 
 
 def unwrapped_recommendation(run: UnwrappedRun) -> Recommendation:
@@ -21,6 +21,18 @@ def unwrapped_recommendation(run: UnwrappedRun) -> Recommendation:
         "No DDP model was built, so there are no DDP flags to recommend: wrap the model first, then run the check "
         "again."
     )
+
+
+def unwrapped_compared(run: UnwrappedRun) -> dict[str, int | str]:
+    """What the check compared across the ranks of a run without a wrapper: the weights of the plain parameters
+    the optimizer stepped (`parameters`: 0 when it stepped only DTensors of a parallelism without rules here)."""
+    return {
+        "parallelism": "none",
+        "ranks": run.world,
+        "steps": run.steps,
+        "parameters": len(run.params),
+        "dtensors": run.dtensors,
+    }
 
 
 def unwrapped_unchecked(run: UnwrappedRun) -> list[str]:

@@ -290,6 +290,8 @@ class ReportData:
         nothing; it is never "No problems found" alone."""
         if self.failed:
             return "The run failed before the ranks could compare what they saw: nothing was compared across ranks."
+        if self.compared is not None and not self.compared.get("parameters", 1):
+            return "Nothing was compared across ranks, so nothing is claimed (below)."
         if self.compared is not None:
             return "No problems found in what was compared (below)."
         if self.sharding is None and not self.unchecked:  # a report written before reports listed what they compared

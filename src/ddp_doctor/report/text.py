@@ -258,6 +258,13 @@ def compared_line(c: dict[str, Any]) -> str:
     """What the exchange compared across the ranks (`ReportData.compared`), with its counts."""
     if c.get("parallelism") in ("fsdp2", "replicate"):
         return _sharded_compared_line(c)
+    if c.get("parallelism") == "none":  # no wrapper: the weights of the plain parameters the optimizer stepped
+        if not c["parameters"]:
+            return f"Compared across {c['ranks']} ranks: nothing (every parameter the optimizer steps is named below)."
+        return (
+            f"Compared across {c['ranks']} ranks after {_n(c['steps'], 'optimizer step')} (no DDP): the weights of "
+            f"{_n(c['parameters'], 'parameter')} the optimizer steps."
+        )
     steps = c["steps"]
     if not steps:
         return f"Compared across {c['ranks']} ranks: no step that every rank completed, so nothing step by step."
