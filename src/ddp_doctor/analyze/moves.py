@@ -107,7 +107,7 @@ def nonfinite_finding(
         )
     if inputs is not None:
         cause += (
-            f" The training inputs of {inputs[1]} held NaN or infinity at step {inputs[0]} (a corrupt sample or a "
+            f" The training inputs of {inputs[1]} held NaN or infinity, first at step {inputs[0]} (a corrupt sample or a "
             "transform that divides by zero, in that rank's data): the gradients DDP averages carried them to every "
             "rank."
         )
@@ -129,7 +129,7 @@ def nonfinite_finding(
         if inputs is not None
         else [],
         fix=(
-            f"find the sample in the data of {inputs[1]} at step {inputs[0]} (`torch.isfinite(x).all()` on each "
+            f"find the sample in the data of {inputs[1]} from step {inputs[0]} (`torch.isfinite(x).all()` on each "
             "batch), and drop or repair it before the forward; one bad batch on one rank stops every rank's training"
             if inputs is not None
             else "initialise the parameters after materialising the model (`model.to_empty(device=...)` then "
