@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from checkrun import assert_clean_reports_say_what_they_compared
 from dist import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -96,6 +97,7 @@ def _train(rank: int, world: int, pattern: str) -> dict:
             if pattern != "scheduler_rank0" or rank == 0:
                 sched.step()
     report = doctor.report()
+    assert_clean_reports_say_what_they_compared(report.to_dict(), str(report))
     return {
         "codes": sorted(report.codes),
         "loud": sorted(f.code for f in report.findings if f.severity in ("error", "warning")),
