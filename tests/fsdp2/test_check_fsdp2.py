@@ -138,6 +138,7 @@ def test_hsdp_all_reduce_never_switched_back_on_is_gradient_sync_off_not_unused_
     ("mistake", "severity", "params", "steps"),
     [
         ("buffer-rank", "error", {"mix"}, list(range(8))),
+        ("buffer-stats-rank0", "error", {"mix"}, list(range(8))),
         ("batchnorm", "warning", {"blocks.0.1.running_mean", "blocks.0.1.running_var"}, [7]),
         ("buffer-same", None, set(), None),
     ],
@@ -146,7 +147,9 @@ def test_buffers_that_differ_across_ranks_are_named(tmp_path: Path, mistake, sev
     """FSDP2 shards parameters only and never broadcasts a buffer. Ground truth under plain torchrun (12 steps):
     buffer-rank (a constant buffer scaling the input, drawn from each rank's own seed) exits 0 with equal weights
     (head.weight sum -1.585440 on both ranks) and outputs on the same input of -0.037012 on rank 0, -0.028478 on
-    rank 1; buffer-same (one seed) gives 0.042000 on both; batchnorm exits 0, its running statistics each rank's.
+    rank 1; buffer-same (one seed) gives 0.042000 on both; buffer-stats-rank0 (the buffer zero everywhere, then
+    filled on rank 0 alone with its first batch's mean) exits 0 with equal weights (head.weight sum -1.503748) and
+    outputs 0.106216 on rank 0, 0.091269 on rank 1; batchnorm exits 0, its running statistics each rank's.
     A constant buffer that differs is an error; running statistics, a warning; equal buffers, nothing."""
     run = _check(tmp_path, mistake)
     if severity is None:

@@ -17,6 +17,8 @@
 --mistake buffer-rank       a constant buffer scaling the input, drawn from each rank's own seed (FSDP2 never
                             broadcasts buffers)
 --mistake buffer-same       clean: that buffer drawn from the same seed on every rank
+--mistake buffer-stats-rank0 that buffer zero on every rank, then filled on rank 0 alone with the mean of its first
+                            batch (input statistics computed on one rank and never broadcast)
 --mistake batchnorm         a BatchNorm1d in the first block: its running statistics differ by rank
 --mistake clip              clean: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05) before each step (a global
                             norm: DTensor gradients reduce their norm across the ranks)
@@ -120,6 +122,8 @@ if __name__ == "__main__":
     if "buffer-rank" in mistakes or "buffer-same" in mistakes:
         seed = rank if "buffer-rank" in mistakes else 0
         model.register_buffer("mix", torch.randn(16, generator=torch.Generator().manual_seed(seed)), persistent=False)
+    if "buffer-stats-rank0" in mistakes:
+        model.register_buffer("mix", torch.zeros(16), persistent=False)
     if "batchnorm" in mistakes:
         model.blocks[0].insert(1, nn.BatchNorm1d(64))
     if "train-rank0" in mistakes or "train-every" in mistakes:
@@ -155,6 +159,8 @@ if __name__ == "__main__":
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=1, factor=0.5)
     g = torch.Generator().manual_seed(0 if "same-data" in mistakes else rank)
     first_batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(0 if "same-data" in mistakes else rank))
+    if "buffer-stats-rank0" in mistakes and rank == 0:
+        model.mix.copy_(first_batch.mean(0))  # the input statistics, computed where the data was read
     print(f"rank {rank}: first batch sum {first_batch.double().sum().item():.6f}", flush=True)
     for _step in range(args.steps):
         for micro in range(2):
