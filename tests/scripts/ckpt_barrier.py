@@ -2,7 +2,10 @@
 timeout is 10 s, or GROUP_TIMEOUT_S): the other ranks go on to the next epoch, where DDP's gradient all-reduce
 meets it.
 
-    torchrun --nproc-per-node 2 tests/scripts/ckpt_barrier.py
+    torchrun --nproc-per-node 2 tests/scripts/ckpt_barrier.py [--sync barrier|all-reduce]
+
+`--sync all-reduce`: instead of the barrier, rank 0 averages its validation loss across the ranks inside the same
+branch (`dist.all_reduce` of one float), which meets the other ranks' next gradient all-reduce.
 
 With FR_DUMP_DIR set (and TORCH_FR_BUFFER_SIZE), a rank whose collective times out writes PyTorch's Flight Recorder
 dump to FR_DUMP_DIR/rank_R, the file NCCL's watchdog writes on a timeout (gloo writes none itself), then fails.
@@ -10,6 +13,7 @@ dump to FR_DUMP_DIR/rank_R, the file NCCL's watchdog writes on a timeout (gloo w
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import tempfile
@@ -23,6 +27,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sync", choices=("barrier", "all-reduce"), default="barrier")
+    args = parser.parse_args()
     timeout = float(os.environ.get("GROUP_TIMEOUT_S", "10"))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
     rank = dist.get_rank()
@@ -41,7 +48,11 @@ def main() -> None:
             opt.step()
         if rank == 0:
             torch.save(model.module.state_dict(), os.path.join(tempfile.gettempdir(), "ckpt.pt"))
-            dist.barrier()  # "everyone waits until the checkpoint is written": only rank 0 gets here
+            if args.sync == "barrier":
+                dist.barrier()  # "everyone waits until the checkpoint is written": only rank 0 gets here
+            else:
+                val = F.cross_entropy(model.module(data.tensors[0][:8]), data.tensors[1][:8]).detach()
+                dist.all_reduce(val)  # "the validation loss averaged across ranks": only rank 0 gets here
         print(f"rank {rank} epoch {epoch} done", flush=True)
     dist.destroy_process_group()
 
