@@ -53,3 +53,21 @@ def test_zero_redundancy_optimizer_shards_are_not_optimizer_differs(tmp_path) ->
     # rank steps a shard of its own size, and a loaded machine once made one rank 1.7x slower in its optimizer).
     assert not run.codes - {"input-bound", "straggler-rank"} and (run.rc == 0 or run.codes), run.output
     assert run.report["recommendation"]["verified"], run.report["recommendation"]
+
+
+def test_an_extra_synced_pass_on_one_rank_is_a_collective_mismatch_not_a_skipped_step(tmp_path) -> None:
+    """tests/scripts/cause_skip_step.py --extra-pass, 4 ranks: rank 1 runs a second backward in step 2 (an auxiliary
+    objective, for its logs) and then steps. Ground truth under plain torchrun: exit code 1 after 14 s, rank 1 fails
+    at the end (*Connection closed by peer*: its extra gradient all-reduce waits for ranks that finished), and
+    torchrun names rank 1's failure. Before, the check called it `optimizer-step-skipped` ("the script skipped it")
+    with the fix to all-reduce a skip flag: counted by synced passes, the extra pass looks like a step without an
+    update. The pass that came without a step ran at a line where no step begins: an extra pass."""
+    run = check(["--nproc-per-node", "4", str(SCRIPTS / "cause_skip_step.py"), "--extra-pass"], tmp_path)
+    assert run.rc == 1, run.output
+    first = run.report["findings"][0]
+    assert (first["code"], first["ranks"], first["steps"]) == ("collective-mismatch", [1], [2]), first
+    assert first["sites"] == [
+        f"tests/scripts/cause_skip_step.py:{line_of(SCRIPTS / 'cause_skip_step.py', 'ddp(x).pow(2)')}"
+    ]
+    assert "optimizer-step-skipped" not in run.codes, run.output
+    assert run.finding("replica-divergence")["caused_by"] == ["collective-mismatch"]

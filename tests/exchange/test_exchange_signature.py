@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "643f3f6ec5115666",
-    "odd-70": "d6d1ca4a1c8bc6e6",
-    "infos-differ-3": "ebcafa0286bd866f",
-    "edited-2": "d7c57f6fa4236e29",
-    "inferred-2": "a2e752e4e4a9531f",
-    "clean-1": "1f875f7083e33e20",
+    "seeded-6": "bd2ece35e82e58bb",
+    "odd-70": "decf98aebd99a3cc",
+    "infos-differ-3": "9e6bd7fa221f29f1",
+    "edited-2": "9627e9a0093f4cd5",
+    "inferred-2": "9484bf8335177ce0",
+    "clean-1": "45d8444fad2d905f",
 }
 
 

@@ -1,7 +1,12 @@
 """"Skip the update when the loss spikes", decided from each rank's own loss: rank 1 skips optimizer.step() in
-iteration 2 while rank 0 steps. DDP's all-reduces stay in lockstep; the replicas diverge."""
+iteration 2 while rank 0 steps. DDP's all-reduces stay in lockstep; the replicas diverge.
+
+`--extra-pass`: instead, rank 1 runs a second backward in step 2 through an auxiliary objective (for its logs),
+then steps: one synced pass more than the other ranks in that step."""
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -21,5 +26,8 @@ if __name__ == "__main__":
         opt.zero_grad()
         loss.backward()
         spike = rank == 1 and step == 2  # stands for `loss.item() > 3 * running_mean` on this rank's own loss
+        if spike and "--extra-pass" in sys.argv:
+            ddp(x).pow(2).mean().backward()  # the auxiliary objective's gradient norm, for the logs
+            spike = False
         if not spike:
             opt.step()

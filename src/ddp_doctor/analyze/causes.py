@@ -43,6 +43,16 @@ CAUSES = (
 """The codes that explain a `replica-divergence` whose gradients agreed after DDP's all-reduce."""
 
 
+def extra_pass(v: View) -> bool:
+    """The ranks that ran a synced pass without an optimizer step before their next one ran that next pass through
+    a forward at a line where none of their steps began (an auxiliary objective's backward on some ranks): an extra
+    pass in the same optimizer step, not a step skipped and the next batch's forward (which runs at a line where
+    steps begin). Decided from the example ranks' strings."""
+    skipped = v.ranks("skipped-step").ranks
+    repeats, firsts = meta_sites(v, skipped, "skip_sites"), meta_sites(v, skipped, "step_sites")
+    return bool(repeats and firsts) and not set(repeats) & set(firsts)
+
+
 @detects(Code.OPTIMIZER_STEP_SKIPPED)
 def optimizer_step_skipped(v: View) -> list[Finding]:
     """In one lockstep iteration some ranks called `optimizer.step()` and the others did not."""
@@ -50,7 +60,7 @@ def optimizer_step_skipped(v: View) -> list[Finding]:
         return []
     (hi, lo), (shi, slo) = v.summary.steps_taken, v.summary.synced
     bad = [k for k in range(len(hi)) if hi[k] != lo[k] and shi[k] == slo[k] and slo[k] > 0]
-    if not bad:
+    if not bad or extra_pass(v):  # an extra synced pass in the step: `collective-mismatch` (collective_order.py)
         return []
     first = bad[0]
     skipped = v.ranks("skipped-step")

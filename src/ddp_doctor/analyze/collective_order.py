@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ddp_doctor.analyze.causes import extra_pass
 from ddp_doctor.analyze.collective_words import (
     beacons_words,
     broadcast_words,
@@ -159,7 +160,7 @@ def synced_pass_mismatch(v: View) -> list[Finding]:
     if v.world < 2:
         return []
     (stepped_hi, stepped_lo), (synced_hi, synced_lo) = v.summary.steps_taken, v.summary.synced
-    if synced_hi == synced_lo and stepped_hi != stepped_lo:
+    if synced_hi == synced_lo and stepped_hi != stepped_lo and not extra_pass(v):
         # Every rank ran its synced passes in lockstep: counted per rank's own optimizer steps they look uneven
         # only because some rank skipped a step (`optimizer-step-skipped`), not because collectives were extra.
         return []

@@ -189,12 +189,13 @@ class RankRecord:
     bypass_sites: list[str] = field(default_factory=list)
     """`file:line` of user code that called the wrapped module directly."""
     blocked_checkpoints: list[str] = field(default_factory=list)
-    """`file:line` of reentrant checkpoint calls (use_reentrant=True) none of whose inputs required grad: their
-    blocks get no gradient at all."""
+    """`file:line` of reentrant checkpoint calls none of whose inputs required grad (no gradient reaches them)."""
     loaders: list[dict[str, Any]] = field(default_factory=list)
     """The DataLoaders iterated while observed (at most 4): batches per epoch, sampler kind, padding, epochs."""
     repeat_sites: list[str] = field(default_factory=list)
     """`step N: file:line` of each synced DDP forward after the first in a step."""
+    step_sites: list[str] = field(default_factory=list)
+    """`file:line` of the synced DDP forwards that began a step's synced passes, each once."""
     unpaired_sites: list[str] = field(default_factory=list)
     """`step N: file:line` of synced DDP forwards in grad mode that no backward followed (see `unpaired_forwards`)."""
     broadcast_sites: list[str] = field(default_factory=list)
@@ -236,8 +237,8 @@ class RankRecord:
     """Whenever what the module tree held changed (`StepCounters.state_digest`): `step`, `training`, `other_mode`
     (modules in the other mode than the model's), `other_mode_count`, `unregistered` (`observation.tree_scan`)."""
     unregistered: list[dict[str, Any]] = field(default_factory=list)
-    """The trainable parameters DDP's reducer does not hold at the last step: `name`, `shape`, `site` (the line that
-    attached them to the module tree after DDP was built, or None)."""
+    """The trainable parameters DDP's reducer does not hold at the last step: `name`, `shape`, `site`, `stepped`,
+    `used`, `data` (`observation.tree_scan.StateScan.unregistered`)."""
     orphaned: list[int] = field(default_factory=list)
     """Positions of parameters DDP registered that the module tree no longer holds at the last step (a module
     replaced after DDP was built left them behind: they get no gradient, and nothing the script does uses them)."""
@@ -252,8 +253,7 @@ class RankRecord:
     """Where the script entered a `Join` over a DDP model (`observation.joins.JOIN_SITES`): ranks that run out of
     batches there shadow the others' collectives."""
     join_throws: list[str] = field(default_factory=list)
-    """Those of `join_sites` whose Join throws when a rank runs out (throw_on_early_termination=True): every rank
-    ends the loop there instead."""
+    """Those of `join_sites` whose Join throws when a rank runs out (throw_on_early_termination=True)."""
     late_buffers: list[dict[str, Any]] = field(default_factory=list)
     """With broadcast_buffers=False, the buffers registered under a new name after DDP was built: `name`, `shape`,
     `fp`, `changing`, `site` (`observation.tree_scan.StateScan.late_buffers`)."""
@@ -360,6 +360,7 @@ class RankRecord:
             "bypass_sites": self.bypass_sites,
             "blocked_checkpoints": self.blocked_checkpoints,
             "repeat_sites": self.repeat_sites,
+            "step_sites": self.step_sites,
             "unpaired_sites": self.unpaired_sites,
             "broadcast_sites": self.broadcast_sites,
             "collective_log": self.collective_log,

@@ -93,6 +93,7 @@ def rank_strings(
             "changed_sites": at_step(record.changed_sites, changed),
             # A skipped step shows at the next one: the forward that came without a step.
             "skip_sites": at_step(record.repeat_sites, skip + 1) if skip is not None else [],
+            "step_sites": record.step_sites if skip is not None else [],
             "changed_params": record.changed_params if changed is not None else [],
             "rereduce_sites": at_step(record.rereduce_sites, rereduced),
             "pass_sites": record.pass_sites,

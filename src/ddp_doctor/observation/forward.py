@@ -88,15 +88,18 @@ class ForwardHooks:
             tl.in_pass = False  # a pass that raised never ran its end callback
             if not tl.sync_forward:
                 tl.state.sync_off = gradedits.sync_off_site(self._t.ddp)
+            site = user_site({id(self._t.ddp)}) if tl.sync_forward else None
             if unstepped and tl.sync_forward and len(self._log.repeat_sites) < MAX_SITES:
-                self._log.repeat_sites.append(f"step {self._log.steps}: {user_site({id(self._t.ddp)})}")
+                self._log.repeat_sites.append(f"step {self._log.steps}: {site}")
+            elif site and site not in self._log.step_sites and len(self._log.step_sites) < MAX_SITES:
+                self._log.step_sites.append(site)
             if tl.open_forward is not None:
                 # The previous synced forward in grad mode got no backward (an evaluation through DDP with autograd
                 # on): DDP prepared a reduction for it that nothing finishes. Harmless only if every rank does it.
                 tl.state.counters.unpaired_forwards += 1
                 if len(self._log.unpaired_sites) < MAX_SITES:
                     self._log.unpaired_sites.append(f"step {self._log.steps}: {tl.open_forward}")
-            tl.open_forward = user_site({id(self._t.ddp)}) if tl.sync_forward else None
+            tl.open_forward = site
             now = time.perf_counter()
             tl.state.t_input += tl.clock.input_wait(now)
             tl.clock.forward_start = now

@@ -119,6 +119,8 @@ class StepLog:
         """`file:line` of reentrant checkpoint calls with no grad-requiring input."""
         self.repeat_sites: list[str] = []
         """`step N: file:line` of each synced DDP forward after the first in a step."""
+        self.step_sites: list[str] = []
+        """`file:line` of the synced DDP forwards that began a step's synced passes, each once."""
         self.unpaired_sites: list[str] = []
         """`step N: file:line` of synced DDP forwards in grad mode that no backward followed."""
         self.broadcast_sites: list[str] = []
@@ -344,6 +346,7 @@ class StepLog:
         record.bypass_sites = list(self.bypass_sites)
         record.blocked_checkpoints = list(self.blocked_checkpoints)
         record.repeat_sites = list(self.repeat_sites)
+        record.step_sites = list(self.step_sites)
         record.unpaired_sites = list(self.unpaired_sites)
         record.broadcast_sites = list(self.broadcast_sites)
         record.collective_log = list(self.collective_log)
