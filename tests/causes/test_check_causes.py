@@ -55,19 +55,25 @@ def test_zero_redundancy_optimizer_shards_are_not_optimizer_differs(tmp_path) ->
     assert run.report["recommendation"]["verified"], run.report["recommendation"]
 
 
-def test_an_extra_synced_pass_on_one_rank_is_a_collective_mismatch_not_a_skipped_step(tmp_path) -> None:
-    """tests/scripts/cause_skip_step.py --extra-pass, 4 ranks: rank 1 runs a second backward in step 2 (an auxiliary
-    objective, for its logs) and then steps. Ground truth under plain torchrun: exit code 1 after 14 s, rank 1 fails
-    at the end (*Connection closed by peer*: its extra gradient all-reduce waits for ranks that finished), and
-    torchrun names rank 1's failure. Before, the check called it `optimizer-step-skipped` ("the script skipped it")
-    with the fix to all-reduce a skip flag: counted by synced passes, the extra pass looks like a step without an
-    update. The pass that came without a step ran at a line where no step begins: an extra pass."""
-    run = check(["--nproc-per-node", "4", str(SCRIPTS / "cause_skip_step.py"), "--extra-pass"], tmp_path)
+@pytest.mark.parametrize(
+    "flag, rank, steps, statement", [("--extra-pass", 1, [2], "ddp(x).pow(2)"), ("--accumulate", 0, [0, 1, 2, 3], None)]
+)
+def test_an_extra_synced_pass_on_one_rank_is_a_collective_mismatch_not_a_skipped_step(
+    tmp_path, flag, rank, steps, statement
+) -> None:
+    """tests/scripts/cause_skip_step.py on 4 ranks. `--extra-pass`: rank 1 runs a second backward in step 2 (an
+    auxiliary objective, for its logs) and then steps. `--accumulate`: rank 0 accumulates two micro-batches per step
+    with sync on for both, the others one. Ground truth under plain torchrun, both: exit code 1 (after 14 s), the
+    rank with the extra all-reduce fails at the end (*Connection closed by peer*: it waits for ranks that finished),
+    and torchrun names that rank's failure. Before, the check called both `optimizer-step-skipped` ("the script
+    skipped it") with the fix to all-reduce a skip flag: counted by synced passes, an extra pass looks like a step
+    without an update. The extra pass ran at a line where no step begins, or in every step: not a skip."""
+    run = check(["--nproc-per-node", "4", str(SCRIPTS / "cause_skip_step.py"), flag], tmp_path)
     assert run.rc == 1, run.output
     first = run.report["findings"][0]
-    assert (first["code"], first["ranks"], first["steps"]) == ("collective-mismatch", [1], [2]), first
-    assert first["sites"] == [
-        f"tests/scripts/cause_skip_step.py:{line_of(SCRIPTS / 'cause_skip_step.py', 'ddp(x).pow(2)')}"
-    ]
+    assert (first["code"], first["ranks"], first["steps"]) == ("collective-mismatch", [rank], steps), first
+    if statement:
+        line = line_of(SCRIPTS / "cause_skip_step.py", statement)
+        assert first["sites"] == [f"tests/scripts/cause_skip_step.py:{line}"], first
     assert "optimizer-step-skipped" not in run.codes, run.output
     assert run.finding("replica-divergence")["caused_by"] == ["collective-mismatch"]

@@ -2,7 +2,8 @@
 iteration 2 while rank 0 steps. DDP's all-reduces stay in lockstep; the replicas diverge.
 
 `--extra-pass`: instead, rank 1 runs a second backward in step 2 through an auxiliary objective (for its logs),
-then steps: one synced pass more than the other ranks in that step."""
+then steps: one synced pass more than the other ranks in that step. `--accumulate`: rank 0 accumulates two
+micro-batches per step, both with sync on, the others one (micro-batches sized from each rank's own free memory)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ if __name__ == "__main__":
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
     for step in range(10):
-        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
-        loss = F.cross_entropy(ddp(x), y)
         opt.zero_grad()
-        loss.backward()
-        spike = rank == 1 and step == 2  # stands for `loss.item() > 3 * running_mean` on this rank's own loss
+        for _micro in range(2 if rank == 0 and "--accumulate" in sys.argv else 1):
+            x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
+            loss = F.cross_entropy(ddp(x), y)
+            loss.backward()
+        # stands for `loss.item() > 3 * running_mean` on this rank's own loss
+        spike = rank == 1 and step == 2 and "--accumulate" not in sys.argv
         if spike and "--extra-pass" in sys.argv:
             ddp(x).pow(2).mean().backward()  # the auxiliary objective's gradient norm, for the logs
             spike = False

@@ -44,10 +44,14 @@ CAUSES = (
 
 
 def extra_pass(v: View) -> bool:
-    """The ranks that ran a synced pass without an optimizer step before their next one ran that next pass through
-    a forward at a line where none of their steps began (an auxiliary objective's backward on some ranks): an extra
-    pass in the same optimizer step, not a step skipped and the next batch's forward (which runs at a line where
-    steps begin). Decided from the example ranks' strings."""
+    """Ranks that ran more synced passes than the others in an optimizer step did so by design, not by skipping a
+    step: in every observed step (micro-batches accumulated with sync on, more of them on some ranks), or through a
+    forward at a line where none of their steps began (an auxiliary objective's backward on some ranks; a skipped
+    step's next forward runs where steps begin: the example ranks' strings say). `collective-mismatch` then, not
+    `optimizer-step-skipped`."""
+    most_by, least_by = v.summary.window_passes
+    if v.summary.windows >= 2 and all(most_by[k] != least_by[k] for k in range(v.summary.windows)):
+        return True
     skipped = v.ranks("skipped-step").ranks
     repeats, firsts = meta_sites(v, skipped, "skip_sites"), meta_sites(v, skipped, "step_sites")
     return bool(repeats and firsts) and not set(repeats) & set(firsts)

@@ -161,8 +161,7 @@ def synced_pass_mismatch(v: View) -> list[Finding]:
         return []
     (stepped_hi, stepped_lo), (synced_hi, synced_lo) = v.summary.steps_taken, v.summary.synced
     if synced_hi == synced_lo and stepped_hi != stepped_lo and not extra_pass(v):
-        # Every rank ran its synced passes in lockstep: counted per rank's own optimizer steps they look uneven
-        # only because some rank skipped a step (`optimizer-step-skipped`), not because collectives were extra.
+        # Synced passes in lockstep, uneven per rank's own steps only because one skipped (`optimizer-step-skipped`).
         return []
     most_by, least_by = v.summary.window_passes
     bad = [k for k in range(v.summary.windows) if most_by[k] != least_by[k]]
@@ -178,6 +177,7 @@ def synced_pass_mismatch(v: View) -> list[Finding]:
         least=least_by[first],
         sites=sites,
         also=bad[1:],
+        every=len(bad) == v.summary.windows >= 2,
     )
     return _by_mechanism(words, extra=extra, sites=sites, steps=bad)
 

@@ -76,9 +76,10 @@ def sequence_words(
 
 
 def synced_passes_words(
-    *, extra: str, rest: str, first: int, most: int, least: int, sites: list[str], also: list[int]
+    *, extra: str, rest: str, first: int, most: int, least: int, sites: list[str], also: list[int], every: bool
 ) -> Words:
-    """`extra` ranks ran `most` synced backward passes through DDP in optimizer step `first`, `rest` `least`."""
+    """`extra` ranks ran `most` synced backward passes through DDP in optimizer step `first`, `rest` `least`;
+    `every`: in every observed step (micro-batches accumulated with sync on, more of them on some ranks)."""
     at = f" (the extra pass starts at {', '.join(sites)})" if sites else ""
     return {
         "title": f"{extra} ran {most} synced backward passes in optimizer step {first}, {rest} {least}",
@@ -87,8 +88,13 @@ def synced_passes_words(
         "one rank are paired with the other ranks' next ones: gradients of different steps get averaged, "
         "and the job hangs or crashes when the counts no longer line up."
         + (f" It happened again in optimizer step(s) {also}." if also else ""),
-        "fix": "run the same number of synced forward/backward passes on every rank in each step: decide the retry "
-        "from a value all-reduced across ranks, or run the extra pass under ddp.no_sync().",
+        "fix": "run the same number of synced forward/backward passes on every rank in each step: "
+        + (
+            "accumulate the same number of micro-batches on every rank (computed from values every rank holds), "
+            "with all but the last under ddp.no_sync()."
+            if every
+            else "decide the retry from a value all-reduced across ranks, or run the extra pass under ddp.no_sync()."
+        ),
     }
 
 
