@@ -116,6 +116,27 @@ def test_gradient_sync_never_switched_back_on_is_named_with_its_line(tmp_path: P
     assert "set_requires_gradient_sync(micro_step == accumulation_steps - 1)" in finding["fix"]
 
 
+def test_the_sync_switches_note_which_call_turned_sync_off_whatever_the_arguments_form() -> None:
+    """The patched `set_requires_gradient_sync` / `set_requires_all_reduce` pass every argument on (the flag
+    positional or by keyword, `recurse`) and note on the module which call switched sync off, and where."""
+    from ddp_doctor.doctor.sharded_report import SYNC_OFF_ATTR
+    from ddp_doctor.launch.patches import _noting_sync_off
+
+    calls = []
+
+    class Module:
+        pass
+
+    def original(module, requires_all_reduce, *, recurse=True):
+        calls.append((requires_all_reduce, recurse))
+
+    switch, module = _noting_sync_off(original, "set_requires_all_reduce"), Module()
+    switch(module, requires_all_reduce=False, recurse=False)
+    assert getattr(module, SYNC_OFF_ATTR)[0] == "set_requires_all_reduce" and calls == [(False, False)]
+    switch(module, True)
+    assert getattr(module, SYNC_OFF_ATTR) is None and calls[-1] == (True, True)
+
+
 def test_hsdp_all_reduce_never_switched_back_on_is_gradient_sync_off_not_unused_parameters(tmp_path: Path) -> None:
     """HSDP on 4 ranks ([2, 2] mesh, tests/scripts/fsdp2_hsdp.py) with `set_requires_all_reduce(False)` on every
     sharded module, never switched back on. Ground truth, plain torchrun, 10 AdamW steps: exit code 0, nothing

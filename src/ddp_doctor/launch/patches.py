@@ -193,9 +193,12 @@ def _patch_gradient_sync() -> None:
 def _noting_sync_off(original: Callable[..., None], name: str) -> Callable[..., None]:
     """`original` (a switch of FSDP2's gradient sync), noting on the module which call switched it off, and where."""
 
+    keyword = name.removeprefix("set_")  # the flag's parameter: requires_gradient_sync, requires_all_reduce
+
     @functools.wraps(original)
-    def switch(module: Any, on: bool, *args: Any, **kwargs: Any) -> None:
-        original(module, on, *args, **kwargs)
+    def switch(module: Any, *args: Any, **kwargs: Any) -> None:
+        original(module, *args, **kwargs)
+        on = args[0] if args else kwargs.get(keyword, True)
         object.__setattr__(module, SYNC_OFF_ATTR, None if on else (name, user_site()))
 
     switch._ddp_doctor_patched = True  # type: ignore[attr-defined]
