@@ -28,7 +28,8 @@ def test_demo_on_three_examples_prints_the_summary() -> None:
     lines = out.stdout.splitlines()
     assert any("ddp-doctor demo: 2 ranks, gloo, CPU" in line for line in lines), out.stdout
     clean = next(line for line in lines if line.startswith("│ clean "))
-    assert "│ none " in clean and "keep the script's flags" in clean, out.stdout
+    # a clean report states what it compared, with counts (clean.py: 8 parameters, 8 steps, 2 ranks)
+    assert "│ none (compared 8 params, 8 steps, 2 ranks)" in clean and "keep the script's flags" in clean, out.stdout
     row = next(line for line in lines if line.startswith("│ find_unused_all_used "))
     assert "find-unused-unneeded" in row and "find_unused_parameters=" in row, out.stdout
     fsdp2 = out.stdout[out.stdout.index("│ fsdp2_optimizer_before_shard ") :]

@@ -188,6 +188,16 @@ def _recommended(report: Report) -> Text:
     return text
 
 
+def _coverage(compared: dict | None) -> str:
+    """What a clean example's report compared, in a few words (its report's coverage line says it whole)."""
+    if not compared:
+        return ""
+    if not compared.get("parameters"):
+        return " (nothing compared)"
+    steps = compared.get("steps") or compared.get("state_steps") or 0
+    return f" (compared {compared['parameters']} params, {steps} steps, {compared['ranks']} ranks)"
+
+
 def _table(results: list[tuple[str, CheckResult]]) -> Table:
     table = Table(title="ddp-doctor demo: 2 ranks, gloo, CPU", title_justify="left")
     table.add_column("example", no_wrap=True)
@@ -203,7 +213,7 @@ def _table(results: list[tuple[str, CheckResult]]) -> Table:
             findings.append(", " if i else "").append(f.code, style=_STYLE[f.severity])
         worst = report.worst_severity()
         if worst is None:
-            findings.append("none", style="green")
+            findings.append("none", style="green").append(_coverage(report.compared), style="dim")
         else:
             findings.append(f" ({worst})")
         table.add_row(name.removesuffix(".py"), findings, _recommended(report))
