@@ -202,10 +202,11 @@ class ForwardHooks:
         if inputs:
             fps = fingerprints(inputs)
             # (a row is NaN for a tensor without data too: count plain floating-point tensors only)
-            plain = torch.tensor(
-                [type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_floating_point() for t in inputs]
+            step.counters.inputs_nonfinite += sum(
+                1
+                for t, finite in zip(inputs, fps.isfinite().all(-1).tolist())
+                if not finite and type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_floating_point()
             )
-            step.counters.inputs_nonfinite += int((plain & ~fps.isfinite().all(-1)).sum())
             step.input_fp += fps.nan_to_num(0.0).sum(0)
         if not step.counters.batch_size:
             step.counters.batch_size = next((int(t.shape[0]) for t in inputs if t.dim()), 0)
