@@ -93,6 +93,25 @@ def test_a_clean_fsdp2_job_is_clean_and_its_sharding_is_named(tmp_path: Path, mi
         assert (tmp_path / "dcp").is_dir() and (tmp_path / "ck.pt").is_file()
 
 
+@pytest.mark.parametrize("mistake", ["final-eval", "opaque-buffer"])
+def test_state_read_after_an_evaluation_or_unreadable_is_not_taken_for_a_mistake(tmp_path: Path, mistake: str) -> None:
+    """final-eval: every rank evaluates once under no_grad after the last of 4 steps (plain torchrun: exit 0, both
+    ranks print the same output sum, 0.437783). FSDP2 leaves the root's parameters unsharded after a forward that
+    no backward follows: plain tensors registered on the modules in place of the DTensors the optimizer holds. The
+    report, read at the script's end, named head.weight and head.bias `unsharded-params-not-synced` ("outside every
+    fully_shard group"), and a model with only a root group `optimizer-params-replaced` at error. opaque-buffer: a
+    buffer in a tensor subclass without the fingerprint's operations crashed both ranks inside the check (its
+    fingerprint of the buffers at the first step); plain torchrun: exit 0."""
+    run = check(
+        ["--nproc-per-node", "2", "--no-verify", SCRIPT, "--mistake", mistake, "--steps", "4"], tmp_path, timeout=180
+    )
+    assert run.rc == 0 and run.report["findings"] == [], run.output
+    compared = run.report["compared"]
+    assert (compared["parameters"], compared["outside_groups"], compared["buffers"]) == (6, 0, 0), compared
+    unread = [line for line in run.report["unchecked"] if "mix (Opaque)" in line]
+    assert len(unread) == (mistake == "opaque-buffer"), run.report["unchecked"]
+
+
 @pytest.mark.parametrize("ranks", [2, 1])
 def test_an_optimizer_built_before_fully_shard_is_named_with_its_line(tmp_path: Path, ranks: int) -> None:
     """On one rank too (one GPU, before the job scales out): plain torchrun moves no weight either."""

@@ -46,6 +46,10 @@
 --mistake temperature       a learnable loss temperature kept beside the model, stepped by the same optimizer
 --mistake temperature-synced clean: that temperature, its gradient averaged by the script before each step
 --mistake temperature-own-opt that temperature stepped by an optimizer of its own (SGD), not the model's
+--mistake final-eval        clean: after the last step every rank evaluates once under no_grad (FSDP2 leaves the
+                            root's parameters unsharded after a forward no backward follows)
+--mistake opaque-buffer     a constant buffer held in a tensor subclass whose operations only its own dequantize()
+                            supports (rank_buffers.Opaque, as a quantized weight's), equal on every rank
 
 --save (after the third optimizer step, to --save-dir; several at once: "dcp,full"):
   rank0        rank 0 alone: torch.save(model.state_dict(), "ck.pt") (its shards only)
@@ -79,7 +83,8 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "mix"):
-            x = x * (1 + 0.1 * self.mix)
+            mix = self.mix.dequantize() if hasattr(self.mix, "dequantize") else self.mix
+            x = x * (1 + 0.1 * mix)
         for block in self.blocks:
             x = block(x)
         if self.extra is not None:
@@ -122,6 +127,10 @@ if __name__ == "__main__":
     if "buffer-rank" in mistakes or "buffer-same" in mistakes:
         seed = rank if "buffer-rank" in mistakes else 0
         model.register_buffer("mix", torch.randn(16, generator=torch.Generator().manual_seed(seed)), persistent=False)
+    if "opaque-buffer" in mistakes:
+        from rank_buffers import Opaque
+
+        model.register_buffer("mix", Opaque(torch.ones(16)), persistent=False)
     if "buffer-stats-rank0" in mistakes:
         model.register_buffer("mix", torch.zeros(16), persistent=False)
     if "batchnorm" in mistakes:
@@ -235,6 +244,9 @@ if __name__ == "__main__":
         weight = model.head.weight
         change = (weight.full_tensor() if hasattr(weight, "full_tensor") else weight).detach() - before["head.weight"]
         extra += f", head.weight change {change.abs().max().item():.3g}"
+    if "final-eval" in mistakes:
+        with torch.no_grad():
+            extra += f", evaluated {model(torch.ones(2, 16)).double().sum().item():.6f}"
     if hasattr(model, "mix"):  # every rank runs it: the forward all-gathers
         with torch.no_grad():
             extra += f", output sum on ones {model(torch.ones(2, 16)).double().sum().item():.6f}"

@@ -10,6 +10,11 @@ cases:
   registered       `model.module.register_buffer("shift", ...)` from each rank's own seed after the wrap
   same-seed        `scale` drawn from one seed on every rank (clean)
   batchnorm        a BatchNorm1d whose running statistics each rank updates from its own batches
+  bufferless       no buffer when DDP is built; `shift` registered from each rank's own seed after the wrap
+                   (DDP syncs buffers only when the model had some when it was built: never, even with
+                   --broadcast-buffers)
+  opaque           as bufferless, with `shift` held in a tensor subclass whose operations only its own
+                   `dequantize()` supports (as a quantized weight's): the check cannot read it
 """
 
 from __future__ import annotations
@@ -24,16 +29,43 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 
+class Opaque(torch.Tensor):
+    """A tensor subclass that supports only detach and its own `dequantize()`: no sum, no conversion."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor) -> Opaque:
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=data.device)
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self._data = data
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            return Opaque(args[0]._data)
+        raise NotImplementedError(f"Opaque does not support {func}")
+
+    def dequantize(self) -> torch.Tensor:
+        return self._data
+
+
 class Net(nn.Module):
-    def __init__(self, seed: int, batchnorm: bool) -> None:
+    def __init__(self, seed: int, batchnorm: bool, scale: bool = True) -> None:
         super().__init__()
         self.body = nn.Linear(8, 8)
         self.norm = nn.BatchNorm1d(8) if batchnorm else nn.Identity()
         self.head = nn.Linear(8, 4)
-        self.register_buffer("scale", torch.rand(8, generator=torch.Generator().manual_seed(seed)) + 0.5)
+        if scale:
+            self.register_buffer("scale", torch.rand(8, generator=torch.Generator().manual_seed(seed)) + 0.5)
+        else:
+            self.scale = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shift = getattr(self, "shift", None)
+        if isinstance(shift, Opaque):
+            shift = shift.dequantize()
         x = x * self.scale + (shift if shift is not None else 0.0)
         return self.head(torch.relu(self.norm(self.body(x))))
 
@@ -48,13 +80,16 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    net = Net(seed=rank if args.case == "drawn-per-rank" else 0, batchnorm=args.case == "batchnorm")
+    bufferless = args.case in ("bufferless", "opaque")
+    net = Net(seed=rank if args.case == "drawn-per-rank" else 0, batchnorm=args.case == "batchnorm", scale=not bufferless)
     model = DistributedDataParallel(net, broadcast_buffers=args.broadcast_buffers)
     own = torch.Generator().manual_seed(100 + rank)
     if args.case == "reassigned":
         model.module.scale = torch.rand(8, generator=own) + 0.5  # after the wrap, each rank its own
-    elif args.case == "registered":
+    elif args.case in ("registered", "bufferless"):
         model.module.register_buffer("shift", torch.rand(8, generator=own))  # after the wrap, each rank its own
+    elif args.case == "opaque":
+        model.module.register_buffer("shift", Opaque(torch.rand(8, generator=own)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(args.steps):

@@ -13,6 +13,12 @@ Ground truth under plain torchrun (torch 2.13.0, gloo; each rank prints its mode
   agree. same-seed: the probes agree. batchnorm (running statistics, broadcast_buffers=False): -0.484 and -0.495.
 Before, the first case was a warning about running statistics ("Evaluation then differs by rank"), and the other two
 said nothing.
+- bufferless (no buffer when DDP is built, `shift` registered per rank after it), even with broadcast_buffers=True:
+  probes -0.946 and -1.307, weights equal, exit 0. DDP syncs buffers only when its list of buffers made at
+  construction is not empty (`will_sync_module_buffers`); with one buffer at the wrap, the late `shift` is broadcast
+  (probes equal). The check said "No problems found" and listed no buffer among what it compared.
+- opaque (as bufferless, `shift` in a tensor subclass supporting only its own `dequantize()`, as a quantized
+  weight's): the same probes; the check cannot read it and lists it as not compared.
 """
 
 from __future__ import annotations
@@ -87,3 +93,26 @@ def test_running_statistics_without_broadcast_stay_a_warning(tmp_path: Path) -> 
     found = run.finding("buffer-divergence")
     assert found["severity"] == "warning", found
     assert run.params("buffer-divergence") == {"norm.running_mean", "norm.running_var"}, run.output
+
+
+def test_a_buffer_registered_after_wrapping_a_model_without_buffers_is_never_broadcast(tmp_path: Path) -> None:
+    apart = _probes(tmp_path / "apart", "bufferless", "--broadcast-buffers")
+    assert abs(apart[0] - apart[1]) > 0.1, apart
+    run = _check(tmp_path / "check", "bufferless", "--broadcast-buffers")
+    found = run.finding("buffer-divergence")
+    assert found["severity"] == "error" and run.params("buffer-divergence") == {"shift"}, run.output
+    assert found["ranks"] == [0, 1], found
+    lines = (SCRIPTS / "rank_buffers.py").read_text().splitlines()
+    at = next(i for i, text in enumerate(lines, 1) if 'in ("registered", "bufferless")' in text) + 1
+    assert any(site.endswith(f"rank_buffers.py:{at}") for site in found["sites"]), found
+    assert "broadcast_buffers=True" not in found["fix"], found  # it is on already: the fix is where it is registered
+    assert run.report["compared"]["buffers"] == 0 and run.report["compared"]["buffers_after_wrap"] == 1
+    assert run.rc == 1
+
+
+def test_a_buffer_the_check_cannot_read_is_listed_as_not_compared(tmp_path: Path) -> None:
+    run = _check(tmp_path, "opaque", "--broadcast-buffers")
+    assert run.codes == set(), run.output
+    compared = run.report["compared"]
+    assert compared["unreadable"] == 1 and compared["buffers_after_wrap"] == 0, compared
+    assert [line for line in run.report["unchecked"] if "shift" in line and "Opaque" in line], run.report["unchecked"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from dist import run_ranks
 
-from ddp_doctor.analyze.sharded import sharded_compared, sharded_unchecked
+from ddp_doctor.analyze.sharded_coverage import sharded_compared, sharded_unchecked
 from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
 from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.exchange.drive import drive

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from ddp_doctor.analyze.coverage import compared
+from ddp_doctor.analyze.coverage import compared, unreadable
 from ddp_doctor.analyze.crashed_ranks import init_waited_for
 from ddp_doctor.analyze.detectors import DETECTORS
 from ddp_doctor.analyze.diagnose import (
@@ -121,4 +121,5 @@ def analyze_summary(summary: Summary) -> Diagnosis:
         usage_map=usage,
         divergence=gap,
         compared=compared(summary),
+        unchecked=unreadable(summary),
     )

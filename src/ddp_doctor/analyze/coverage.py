@@ -15,7 +15,7 @@ from typing import Any
 
 from ddp_doctor.core.summary import Summary
 
-__all__ = ["compared"]
+__all__ = ["compared", "unreadable"]
 
 _GRADS_AT = {"step": "optimizer.step()", "closure": "the end of optimizer.step()", "backward": "the synced backward"}
 
@@ -31,6 +31,7 @@ def compared(summary: Summary) -> dict[str, Any]:
     buffers = int(summary.buffer_seen.all(0).sum()) if s and summary.buffer_seen.numel() else 0
     stepped = sum(1 for v in summary.steps_taken[1][:s] if v)
     meta = summary.metas.get(0, {})
+    unread = [e for e in meta.get("late_buffers") or [] if e.get("readable", True) is False]
     return {
         "ranks": summary.world,
         "steps": s,
@@ -42,8 +43,9 @@ def compared(summary: Summary) -> dict[str, Any]:
         "gradients_at": grads_at,
         "buffers": buffers,
         "buffers_not_recorded": len(info.buffer_names) - buffers,
-        # Under broadcast_buffers=False, those registered under a new name after the wrap (at most 8 are named).
-        "buffers_after_wrap": int(meta.get("late_count") or len(meta.get("late_buffers") or [])),
+        # When DDP does not broadcast buffers, those registered under a new name after the wrap (8 are named).
+        "buffers_after_wrap": int(meta.get("late_count") or len(meta.get("late_buffers") or [])) - len(unread),
+        "unreadable": len(unread),
         "modules": int(summary.metas.get(0, {}).get("modules", 0)),
         "inputs": int(summary.input_present[:s].sum()) if s else 0,
         "batches_drawn": sum(1 for k, v in enumerate(summary.drawn[1][:s]) if v > 0 and summary.steps_taken[1][k]),
@@ -52,3 +54,28 @@ def compared(summary: Summary) -> dict[str, Any]:
         "collectives": int(hi[:s, 0].sum()) if s and agreed else None,
         "collectives_per_rank_differ": not agreed,
     }
+
+
+def unreadable(summary: Summary) -> list[str]:
+    """The tensors in the module tree, beyond what DDP registered, whose values the check cannot read (a tensor
+    subclass whose ops the fingerprint cannot run, as a quantized weight's; on the meta device; a lazy module's before
+    its first forward), as rank 0 saw them at the last step: their copies were not compared across the ranks."""
+    meta = summary.metas.get(0, {})
+    held = [
+        (f"parameter {e['name']}", e)
+        for e in meta.get("unregistered") or []
+        if e.get("readable", True) is False and e.get("data", True)
+    ] + [(f"buffer {e['name']}", e) for e in meta.get("late_buffers") or [] if e.get("readable", True) is False]
+    if not held:
+        return []
+    names = ", ".join(
+        f"{what} ({e.get('type') or 'a tensor subclass'}"
+        + ("" if e.get("data", True) else ", no values yet: on the meta device or lazy")
+        + ")"
+        for what, e in held[:4]
+    )
+    more = f" and {len(held) - 4} more" if len(held) > 4 else ""
+    return [
+        f"the values of {names}{more}: the check cannot read them (a tensor subclass whose operations it cannot "
+        "run, or a tensor without values), so whether the ranks' copies are equal was not compared."
+    ]

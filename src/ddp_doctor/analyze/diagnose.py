@@ -30,7 +30,8 @@ from ddp_doctor.analyze.not_wrapped import (
     unwrapped_unchecked,
 )
 from ddp_doctor.analyze.recommend import recommend_after_failure, verified_by_second_run
-from ddp_doctor.analyze.sharded import sharded_compared, sharded_findings, sharded_recommendation, sharded_unchecked
+from ddp_doctor.analyze.sharded import sharded_findings, sharded_recommendation
+from ddp_doctor.analyze.sharded_coverage import sharded_compared, sharded_unchecked
 from ddp_doctor.analyze.snippets import with_code
 from ddp_doctor.core.codes import SEVERITIES, Code
 from ddp_doctor.core.findings import Diagnosis, Finding, Recommendation, Timing

@@ -218,10 +218,7 @@ def replicas_parted(
 @detects(Code.BUFFER_DIVERGENCE)
 def buffer_divergence(v: View) -> list[Finding]:
     """Buffers that differ across ranks at a forward: those DDP was built with (`buffer_fp`, each step), and those
-    registered after it under `broadcast_buffers=False` (the module tree's walk, `late_apart`).
-
-    Ground truth (tests/sync/test_check_rank_buffers.py): a buffer drawn from each rank's seed, before or after the
-    wrap, with broadcast_buffers=False: exit 0, weights equal, and the ranks' outputs on one input apart."""
+    registered after it that DDP does not broadcast (`late_apart`). Ground truth: tests/sync/test_check_rank_buffers.py."""
     if v.world < 2 or not v.steps:
         return []
     broadcast = bool(v.info.ddp_config.get("broadcast_buffers", True))
@@ -254,6 +251,7 @@ def buffer_divergence(v: View) -> list[Finding]:
     late = late_apart(v)
     if late:
         entries, running = late
+        never = broadcast and not v.info.buffer_names  # DDP syncs buffers only if the model had some when built
         found.append(
             buffers_apart(
                 buffers=[param_entry(e) for e in entries],
@@ -261,8 +259,12 @@ def buffer_divergence(v: View) -> list[Finding]:
                 steps=[v.summary.state_step],
                 changing=running,
                 parallelism="ddp",
-                fix_ddp=fix_made,
+                fix_ddp="register these buffers before DDP is built (DDP then broadcasts rank 0's before every "
+                "forward), or make them equal on every rank (the same seed or values everywhere) before training."
+                if never
+                else fix_made,
                 broadcast=broadcast,
+                none_at_wrap=never,
                 late=True,
                 registered_at=sorted({e["site"] for e in entries if e.get("site")}),
             )
@@ -271,9 +273,11 @@ def buffer_divergence(v: View) -> list[Finding]:
 
 
 def late_apart(v: View) -> tuple[list[dict[str, Any]], bool] | None:
-    """The buffers registered after DDP was built (broadcast_buffers=False) whose values differ between rank 0 and
-    the example ranks whose module tree differs from its, and whether any of them changed between two steps."""
-    mine = {e["name"]: e for e in v.meta(0).get("late_buffers") or []}
+    """The buffers registered after DDP was built, when it does not broadcast them (broadcast_buffers=False, or no
+    buffers when it was built), whose values differ between rank 0 and the example ranks whose module tree differs
+    from its, and whether any of them changed between two steps. Buffers the check cannot read are left out
+    (`unreadable`)."""
+    mine = {e["name"]: e for e in v.meta(0).get("late_buffers") or [] if e.get("readable", True)}
     odd = v.ranks("state-differs").ranks
     if not mine or not odd or v.summary.state_step is None:
         return None
@@ -295,6 +299,7 @@ def buffers_apart(
     broadcast: bool = True,
     late: bool = False,
     registered_at: list[str] = (),
+    none_at_wrap: bool = False,
 ) -> Finding:
     """`buffer-divergence`, for every parallelism: `buffers` differ across `ranks` at `steps`.
 
@@ -304,7 +309,8 @@ def buffers_apart(
     `to_empty()`): an ``error``, each rank computes a different function of the same weights. DDP broadcasts rank 0's
     buffers at construction and before every forward, or never with broadcast_buffers=False (`fix_ddp` is then the
     fix in the script's framework's words); FSDP2's `fully_shard` and `replicate` take parameters only and never
-    touch buffers. `late`: a DDP model's buffers registered after it was built (`registered_at`: their lines).
+    touch buffers. `late`: a DDP model's buffers registered after it was built (`registered_at`: their lines);
+    `none_at_wrap`: the model had no buffers then, so DDP never syncs any (`will_sync_module_buffers`).
     """
     n = len(buffers)
     after = (
@@ -322,6 +328,9 @@ def buffers_apart(
                 "DDP was built with broadcast_buffers=False, so it never broadcasts rank 0's buffers, not even at "
                 "construction. "
                 if not broadcast
+                else "DDP was built from a model without buffers, and DDP syncs buffers only when the model had some "
+                "at construction: it never broadcasts these. "
+                if none_at_wrap
                 else "DDP broadcasts rank 0's buffers before each forward, yet these differed at the forward. "
             )
             + f"These were made different (a per-rank seed when they were drawn, or a value assigned on each rank) "
@@ -340,7 +349,13 @@ def buffers_apart(
             severity="warning",
             title=f"{_count(n, 'buffer')} {'differs' if n == 1 else 'differ'} across ranks during training",
             detail="Buffers such as BatchNorm running statistics differ between ranks when the forward pass runs"
-            + (" because DDP was built with broadcast_buffers=False" if not broadcast else "")
+            + (
+                " because DDP was built with broadcast_buffers=False"
+                if not broadcast
+                else " because DDP was built from a model without buffers (it then never syncs any)"
+                if none_at_wrap
+                else ""
+            )
             + ". Evaluation then differs by rank, and only rank 0's are saved."
             + after,
             sites=lines_of(*registered_at),

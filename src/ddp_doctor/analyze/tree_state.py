@@ -90,6 +90,8 @@ def unregistered_parameters(v: View) -> list[Finding]:
     )
     if parted is not None:
         detail += f" They already differ across ranks at step {parted}."
+    elif not unused and any(e.get("readable", True) is False for e in entries):
+        detail += " The check cannot read their values (a tensor subclass), so it did not compare them across ranks."
     elif never_stepped and not unused:
         detail += " They stayed equal on every rank in the observed steps, at their initial values."
     elif not unused:

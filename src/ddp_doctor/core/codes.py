@@ -216,8 +216,8 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.BUFFER_DIVERGENCE, Family.SYNC, "error/warning", "replica_state.py",
          "buffers differ across ranks",
          when="error for a buffer that differs and never changed in training (FSDP2 never broadcasts buffers, "
-              "DDP not with broadcast_buffers=False); warning for buffers that change in training (running "
-              "statistics)",
+              "DDP not with broadcast_buffers=False, nor when the model had no buffers when it was built); "
+              "warning for buffers that change in training (running statistics)",
          guard=True),
     _row(Code.FROZEN_AFTER_WRAP, Family.GRAPH, "error/warning", "frozen_set.py",
          "requires_grad set to False after DDP was built",

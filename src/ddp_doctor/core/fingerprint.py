@@ -14,7 +14,16 @@ from torch.nn.parameter import is_lazy
 
 from ddp_doctor.core.compat import is_dtensor
 
-__all__ = ["MISSING", "NEGLIGIBLE", "fingerprint", "fingerprints", "fingerprints_batched", "holds_data", "significant"]
+__all__ = [
+    "MISSING",
+    "NEGLIGIBLE",
+    "fingerprint",
+    "fingerprints",
+    "fingerprints_batched",
+    "holds_data",
+    "readable",
+    "significant",
+]
 
 MISSING = float("nan")
 """The fingerprint of an absent tensor (a `None` grad)."""
@@ -33,6 +42,18 @@ def holds_data(t: torch.Tensor) -> bool:
     """Whether `t` has values to fingerprint: not on the meta device, not a lazy module's uninitialised parameter or
     buffer. A tensor without data fingerprints as absent (NaN), never an error in the user's job."""
     return not (t.is_meta or is_lazy(t))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def readable(t: torch.Tensor) -> bool:
+    """Whether `t`'s values can be fingerprinted: it holds data (`holds_data`) and is a plain tensor, a DTensor, or
+    a tensor subclass whose ops the fingerprint can run (a quantized weight's subclass often cannot). Its
+    fingerprint is then a value, never the NaN row of state the check cannot read."""
+    if not holds_data(t):
+        return False
+    return type(t) in _PLAIN or is_dtensor(t) or _or_none(t) is not None
 
 
 def fingerprint(t: torch.Tensor | None) -> tuple[float, float]:
@@ -108,8 +129,14 @@ def fingerprints_batched(tensors: Iterable[torch.Tensor | None], *, chunk_elemen
     out = torch.full((len(items), 2), MISSING, dtype=torch.float64)
     groups: dict[tuple[torch.device, int, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
     big: list[tuple[int, torch.Tensor]] = []
+    results: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
     for row, t in enumerate(items):
         if t is None or not holds_data(t):
+            continue
+        if type(t) not in _PLAIN and not is_dtensor(t):  # a tensor subclass: guarded, one at a time
+            one = _or_none(t)
+            if one is not None:
+                results.setdefault(one.device, []).append(([row], one[None]))
             continue
         flat = t.detach()
         if is_dtensor(flat):
@@ -121,7 +148,6 @@ def fingerprints_batched(tensors: Iterable[torch.Tensor | None], *, chunk_elemen
             big.append((row, flat))
         else:
             groups.setdefault((flat.device, flat.numel(), flat.dtype), []).append((row, flat))
-    results: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
     for (device, n, _), members in groups.items():
         weights = _weights(n, device)
         per_chunk = max(1, _chunk(device, chunk_elements) // max(n, 1))

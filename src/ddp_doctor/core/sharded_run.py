@@ -72,6 +72,9 @@ class ShardedRun:
     buffers."""
     buffers_apart_in_training: list[ParamRef] = field(default_factory=list)
     """Buffers that differ across ranks and changed during the observed steps (running statistics)."""
+    buffers_unreadable: list[str] = field(default_factory=list)
+    """Rank 0's buffers whose values the check cannot read (`fingerprint.readable`: a tensor subclass whose ops it
+    cannot run), as `name (type)`: not compared, and not counted in `buffers_compared`."""
     inputs_compared: list[int] = field(default_factory=list)
     """The observed steps whose training forwards every rank saw (the first forward of the root module and those
     after, in grad mode), with their inputs compared across ranks by fingerprint."""

@@ -145,7 +145,8 @@ class Doctor:
             t.params,
             lambda: t.optimizer,
             buffer_slots=t.buffer_slots,
-            broadcast_buffers=bool(self.info.ddp_config.get("broadcast_buffers", True)),
+            # DDP syncs buffers only when the model had some when it was built (`will_sync_module_buffers`).
+            broadcast_buffers=bool(self.info.ddp_config.get("broadcast_buffers", True)) and bool(t.buffers),
             beside=t.beside,
         )
         self._timeline = Timeline(

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ddp_doctor.analyze import diagnose_sharded
 from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.findings import ParamRef
-from ddp_doctor.core.fingerprint import fingerprints_batched
+from ddp_doctor.core.fingerprint import fingerprints_batched, readable
 from ddp_doctor.core.frames import user_site, variable_names
 from ddp_doctor.core.sharded_run import INPUT_STEPS, ShardedRun
 from ddp_doctor.exchange.compared import sampler_facts
@@ -145,6 +145,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     # FSDP2 shards parameters only: a buffer stays a plain tensor on each rank, and nothing broadcasts it (DDP and
     # `replicate` broadcast theirs from rank 0).
     buffers = list(model.root.named_buffers()) if dist.get_world_size() > 1 and model.api == "fully_shard" else []
+    unread = [(n, b) for n, b in buffers if not readable(b)]  # their rows are 0 on every rank: not compared
     now = fingerprints_batched(p for _, p in named)
     before = w.weights_at_first if w.weights_at_first is not None else now
     moved = (now.nan_to_num(0.0) != before.nan_to_num(0.0)).any(-1)
@@ -251,7 +252,8 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         replicas_apart=_replicas_apart(got.replicas.get("replicas_apart"), named),
         script_collectives=int(top["collectives"]) if top["collectives"] == low["collectives"] else None,
         weights_dtype=sorted({str(p.dtype).removeprefix("torch.") for _, p in named}),
-        buffers_compared=len(buffers_differ),
+        buffers_compared=len(buffers_differ) - len(unread),
+        buffers_unreadable=[f"{n} ({type(b).__name__})" for n, b in unread],
         buffers_made_apart=[
             ParamRef(n, b.numel(), tuple(b.shape))
             for (n, b), d, m in zip(buffers, buffers_differ, buffers_moved)

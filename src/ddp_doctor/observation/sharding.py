@@ -88,8 +88,17 @@ class ShardedModel:
         return next((p.device for p in self.root.parameters()), None)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The root's parameters, by the names the user's module gives them (no `torch.compile` `_orig_mod.`)."""
-        return [(user_name(n), p) for n, p in self.root.named_parameters()]
+        """The root's parameters, by the names the user's module gives them (no `torch.compile` `_orig_mod.`), each
+        as its sharded DTensor: after a forward that no backward followed (an evaluation, a print of the output),
+        FSDP2 leaves the root's parameters unsharded, registered on the modules as plain tensors the optimizer does
+        not hold until the next backward reshards them."""
+        sharded = {}
+        for group in self.param_groups():
+            for fp in getattr(group, "fsdp_params", ()):
+                for held in (getattr(fp, "_unsharded_param", None), getattr(fp, "_sharded_post_forward_param", None)):
+                    if held is not None:
+                        sharded[id(held)] = fp.sharded_param
+        return [(user_name(n), sharded.get(id(p), p)) for n, p in self.root.named_parameters()]
 
     def unsharded(self) -> list[tuple[str, nn.Parameter]]:
         """Trainable parameters that no `fully_shard` group manages: plain tensors, not DTensors."""

@@ -6,12 +6,11 @@ the module tree, the forward uses it and the optimizer may step it, but each ran
 the replicas part, silently. A module put in eval mode on some ranks only changes what forward computes there.
 
 `StateScan` walks the tree when each observed step closes (a few microseconds per module, no tensor copied): every
-module's `training` flag, and every parameter DDP's reducer does not hold, with its fingerprint and
-`requires_grad`. The step's counters get a digest of all of it (`StepCounters.state_digest`: equal on ranks whose
-replicas hold the same such state) and the count of trainable parameters DDP does not know
-(`StepCounters.unregistered`); a log entry names them whenever the rank's state changes. Global
-registration hooks (torch's `register_module_*_registration_hook`, while observing) remember the user's line that
-attached a parameter or module to the tree after DDP was built, so the report can name where it was created.
+module's `training` flag, every parameter DDP's reducer does not hold, with its fingerprint and `requires_grad`. The
+step's counters get a digest of it (`state_digest`: equal on ranks whose replicas hold the same such state) and the
+count of trainable parameters DDP does not know (`unregistered`); a log entry names them when the state changes. Global registration hooks (torch's
+`register_module_*_registration_hook`, while observing) remember the user's line that attached a parameter or module
+to the tree after DDP was built, so the report can name where it was created.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from ddp_doctor.core.counters import StepCounters
-from ddp_doctor.core.fingerprint import fingerprints, holds_data
+from ddp_doctor.core.fingerprint import fingerprints, holds_data, readable
 from ddp_doctor.core.frames import user_site, variable_names
 
 __all__ = ["CAST_SITES", "MAX_STATE_LOG", "TO_EMPTY_SITES", "StateScan", "listen_casts", "listen_to_empty", "modes_of"]
@@ -132,7 +131,8 @@ class StateScan:
         self._slots = {(id(m), name) for m, name in buffer_slots}
         """Where the buffers DDP was built with live (a module and a name): the others were registered after."""
         self._late_buffers = not broadcast_buffers
-        """DDP does not broadcast buffers: one registered after it was built stays each rank's own."""
+        """DDP does not broadcast buffers (broadcast_buffers=False, or the model had none when DDP was built: DDP
+        then never syncs any, not even ones registered later): one registered after the wrap stays each rank's own."""
         self._late_fp: dict[str, tuple[float, float]] = {}
         """Each such buffer's fingerprint at the first step it was seen."""
         self._late_moved: set[str] = set()
@@ -155,7 +155,8 @@ class StateScan:
         self.unregistered: list[dict[str, Any]] = []
         """The trainable parameters DDP does not hold, at the last step: `name`, `shape`, `site` (where they were
         attached to the tree, when seen), `used` (a gradient reached it at some observed step's end), `data` (it
-        holds values: not on the meta device, not a lazy module's before its first forward)."""
+        holds values: not on the meta device, not a lazy module's before its first forward), `readable` (its values
+        can be fingerprinted: `fingerprint.readable`), `type` (its class)."""
         self._used: set[int] = set()
         self.orphaned: list[int] = []
         """Positions (in the observed parameter list) of parameters DDP registered that the tree no longer holds:
@@ -170,9 +171,9 @@ class StateScan:
         module after DDP was built, when seen."""
         self.recast_count = 0
         self.late_buffers: list[dict[str, Any]] = []
-        """With broadcast_buffers=False: the buffers registered under a new name after DDP was built, at the last
-        step: `name`, `shape`, `fp` (their fingerprint: the ranks' are compared), `changing` (it changed between two
-        steps on this rank: a running statistic), `site` (where it was registered, when seen); at most 8."""
+        """When DDP does not broadcast buffers: those registered under a new name after the wrap, at the last step:
+        `name`, `shape`, `fp` (their fingerprint: the ranks' are compared), `changing` (it changed between two steps
+        on this rank), `site` (where it was registered), `data`, `readable`, `type` (as `unregistered`'s); at most 8."""
         self.late_count = 0
         """How many such buffers there are (the digest covers every one)."""
         self.stale: int = 0
@@ -286,6 +287,8 @@ class StateScan:
                 "stepped": id(p) in stepped if stepped else None,
                 "used": id(p) in self._used,
                 "data": holds_data(p),
+                "readable": readable(p),
+                "type": type(p).__name__,
             }
             for n, p, s in trainable
         ][:64]
@@ -324,7 +327,18 @@ class StateScan:
             if self._late_fp.setdefault(name, tuple(fp)) != tuple(fp):
                 self._late_moved.add(name)  # it changed since its first step: a running statistic
             moved = name in self._late_moved
-            entries.append({"name": name, "shape": _shape(b), "fp": fp, "changing": moved, "site": site or None})
+            entries.append(
+                {
+                    "name": name,
+                    "shape": _shape(b),
+                    "fp": fp,
+                    "changing": moved,
+                    "site": site or None,
+                    "data": holds_data(b),
+                    "readable": readable(b),
+                    "type": type(b).__name__,
+                }
+            )
         self.late_buffers, self.late_count = entries[:8], len(entries)
         return crc
 

@@ -275,8 +275,9 @@ def compared_line(c: dict[str, Any]) -> str:
     if c.get("outside_model"):
         parts[0] += f"; {_n(c['outside_model'], 'tensor')} the optimizer steps outside the model"
     if c.get("buffers") or c.get("buffers_after_wrap"):
-        late = c.get("buffers_after_wrap", 0)
-        parts.append(_n(c.get("buffers", 0), "buffer") + (f", and {late} registered after wrap" if late else ""))
+        late, held = c.get("buffers_after_wrap", 0), c.get("buffers", 0)
+        after = f"{_n(late, 'buffer') if not held else f'and {late}'} registered after wrap" if late else ""
+        parts.append(", ".join(x for x in (_n(held, "buffer") if held else "", after) if x))
     if c.get("modules"):
         parts.append(f"the train/eval modes of {_n(c['modules'], 'module')}")
     if c.get("inputs"):
