@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "bd2ece35e82e58bb",
-    "odd-70": "decf98aebd99a3cc",
-    "infos-differ-3": "9e6bd7fa221f29f1",
-    "edited-2": "9627e9a0093f4cd5",
-    "inferred-2": "9484bf8335177ce0",
-    "clean-1": "45d8444fad2d905f",
+    "seeded-6": "9b5813ded3a3268e",
+    "odd-70": "4ba959022ee9287e",
+    "infos-differ-3": "3dac9aaeb96cbbab",
+    "edited-2": "27d3b6924d69c82d",
+    "inferred-2": "4b86b69017afbdcf",
+    "clean-1": "839b791ba61de9ab",
 }
 
 

@@ -11,6 +11,8 @@
 --mistake unused-aux        an auxiliary head built before sharding that no forward uses (it never gets a gradient)
 --mistake log-rank0         after the third step, rank 0 alone all_reduces the loss to log it
 --mistake log-every         clean: every rank all_reduces the loss, rank 0 logs it
+--mistake loss-avg-inplace  every step, every rank all_reduces its loss in place and divides it by the world size
+                            before backward (autograd passes through the all_reduce: gradients halved)
 --mistake log-op-rank0      every step, every rank all_reduces its loss to log it: rank 0 with op=MAX, the others SUM
 --mistake log-dtype-rank0   every step, every rank all_reduces its loss to log it: rank 0 as float64, the others
                             float32
@@ -181,6 +183,9 @@ if __name__ == "__main__":
             loss = F.cross_entropy(model(x) / (temp.exp() if temp is not None else 1.0), y) * (0.0 if "zero-loss" in mistakes else 1.0)
             if "nan-loss" in mistakes and _step >= 3:
                 loss = loss * float("nan")
+            if "loss-avg-inplace" in mistakes:  # averaged across ranks in place before backward
+                dist.all_reduce(loss)
+                loss = loss / dist.get_world_size()
             loss.backward()
         if "clip" in mistakes or "clip-rank0" in mistakes and rank == 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)

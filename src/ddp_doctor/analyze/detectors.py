@@ -13,6 +13,7 @@ from ddp_doctor.analyze import (  # noqa: F401 (imported to register their detec
     crashed_ranks,
     epochs,
     frozen_set,
+    in_graph,
     moves,
     optimizer_settings,
     passes,

@@ -19,6 +19,7 @@ from ddp_doctor.analyze.agreement import beside_inputs_apart, same_inputs
 from ddp_doctor.analyze.causes import shards_scaled_apart
 from ddp_doctor.analyze.common import with_more
 from ddp_doctor.analyze.epochs import drawn_apart
+from ddp_doctor.analyze.in_graph import in_graph_findings
 from ddp_doctor.analyze.sharded_fixes import optimizer_fix, sync_fix
 from ddp_doctor.analyze.sharded_saves import incomplete_checkpoint
 from ddp_doctor.analyze.sharded_state import buffer_divergence, low_precision_weights, replica_state, training_moves
@@ -146,6 +147,7 @@ def sharded_findings(run: ShardedRun) -> list[Finding]:
     if run.unsharded and (outside := unsharded_finding(run, ranks, api)):
         found.append(outside)
     found += buffer_divergence(run, ranks)
+    found += in_graph_findings(run.graph_collectives, ranks=[0], wrapper=api.name)
     if run.world > 1 and run.inputs_compared and run.inputs_identical and run.beside_groups != 1:
         # (one data-parallel group beside tensor parallelism: every rank rightly reads the same batches)
         found.append(same_inputs(world=run.world, steps=run.inputs_compared))

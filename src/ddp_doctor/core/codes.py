@@ -92,6 +92,7 @@ class Code(_Name):
     TRAINING_STALLED = "training-stalled"
     SHARDS_OVERLAP = "shards-overlap"
     TP_INPUTS_DIFFER = "tp-inputs-differ"
+    COLLECTIVE_IN_GRAPH = "collective-in-graph"
 
 
 # fmt: off
@@ -107,7 +108,7 @@ REPORT_ORDER: tuple[Code, ...] = (
     Code.REENTRANT_CHECKPOINT, Code.GRADS_NOT_SYNCED, Code.REPLICA_DIVERGENCE, Code.BUFFER_DIVERGENCE,
     Code.IDENTICAL_INPUTS_ACROSS_RANKS, Code.NO_TRAINABLE_PARAMETERS, Code.FIND_UNUSED_UNNEEDED, Code.UNEVEN_INPUTS,
     Code.SAMPLER_EPOCH_NOT_SET, Code.SHARDS_OVERLAP, Code.CHECKPOINT_SAME_PATH, Code.CHECKPOINT_MODULE_PREFIX, Code.GRAD_SCALER_MISMATCH,
-    Code.BATCHNORM_NOT_SYNCED, Code.TRAINING_STALLED, Code.INPUT_BOUND, Code.STRAGGLER_RANK,
+    Code.BATCHNORM_NOT_SYNCED, Code.TRAINING_STALLED, Code.COLLECTIVE_IN_GRAPH, Code.INPUT_BOUND, Code.STRAGGLER_RANK,
 )
 # fmt: on
 
@@ -333,6 +334,11 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.TP_INPUTS_DIFFER, Family.LOCKSTEP, "error", "agreement.py",
          "the ranks of a tensor-parallel group fed different batches to the forward they compute together (FSDP2 "
          "over tensor parallelism)"),
+    _row(Code.COLLECTIVE_IN_GRAPH, Family.PROGRESS, "warning/info", "in_graph.py",
+         "a backward went through the script's in-place dist.all_reduce of a tensor autograd tracks (the loss, "
+         "averaged across ranks before backward): autograd passes through it as the identity",
+         when="warning when the script divided the summed value by the world size (every gradient that many "
+              "times smaller); info for another factor"),
 )
 # fmt: on
 

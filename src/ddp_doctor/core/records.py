@@ -284,6 +284,9 @@ class RankRecord:
     """How many of `never_updated` the observed optimizer holds."""
     never_updated_zero_lr: int = 0
     """How many of `never_updated` it holds in a param group whose learning rate is 0."""
+    graph_collectives: list[dict[str, Any]] = field(default_factory=list)
+    """The script's in-place reductions of a tensor autograd tracks that a backward went through, per line
+    (`observation.graph_collectives.GraphCollectives.found`)."""
 
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
         "used",
@@ -349,52 +352,3 @@ class RankRecord:
         """float64 numbers in a record of `steps` steps: what the all_gather exchange that the reductions of
         `ddp_doctor.exchange` replaced sent from every rank to every rank (the scale benchmark's "before")."""
         return sum(math.prod(s) for s in RankRecord._shapes(steps, n_params, n_buffers).values())
-
-    def meta(self) -> dict[str, Any]:
-        """The non-tensor part, exchanged as JSON."""
-        return {
-            "crash_kind": self.crash_kind,
-            "crash_step": self.crash_step,
-            "crash_message": self.crash_message,
-            "crash_site": self.crash_site,
-            "bypass_sites": self.bypass_sites,
-            "blocked_checkpoints": self.blocked_checkpoints,
-            "repeat_sites": self.repeat_sites,
-            "step_sites": self.step_sites,
-            "unpaired_sites": self.unpaired_sites,
-            "broadcast_sites": self.broadcast_sites,
-            "collective_log": self.collective_log,
-            "loaders": self.loaders,
-            "optimizer_log": self.optimizer_log,
-            "scheduler_sites": self.scheduler_sites,
-            "metric_schedulers": self.metric_schedulers,
-            "changed_sites": self.changed_sites,
-            "changed_params": self.changed_params,
-            "rereduce_sites": self.rereduce_sites,
-            "pass_sites": self.pass_sites,
-            "split_params": self.split_params,
-            "saves": self.saves,
-            "grad_edit_sites": self.grad_edit_sites,
-            "nosync_sites": self.nosync_sites,
-            "state_log": self.state_log,
-            "unregistered": self.unregistered,
-            "orphaned": self.orphaned,
-            "retied": self.retied,
-            "recast": self.recast,
-            "recast_count": self.recast_count,
-            "late_buffers": self.late_buffers,
-            "late_count": self.late_count,
-            "join_sites": self.join_sites,
-            "join_throws": self.join_throws,
-            "optimizer_stale": self.optimizer_stale,
-            "outside": self.outside,
-            "outside_count": self.outside_count,
-            "comm_hook": self.comm_hook,
-            "modules": self.modules,
-            "nonfinite_params": self.nonfinite_params,
-            "never_updated": self.never_updated,
-            "never_updated_held": self.never_updated_held,
-            "never_updated_zero_lr": self.never_updated_zero_lr,
-            "learning_rates": self.learning_rates,
-            "to_empty_sites": self.to_empty_sites,
-        }

@@ -72,6 +72,9 @@ class ShardedRun:
     buffers."""
     buffers_apart_in_training: list[ParamRef] = field(default_factory=list)
     """Buffers that differ across ranks and changed during the observed steps (running statistics)."""
+    graph_collectives: list[dict[str, Any]] = field(default_factory=list)
+    """Rank 0's in-place reductions of tensors autograd tracks that a backward went through
+    (`observation.graph_collectives.GraphCollectives.found`)."""
     buffers_unreadable: list[str] = field(default_factory=list)
     """Rank 0's buffers whose values the check cannot read (`fingerprint.readable`: a tensor subclass whose ops it
     cannot run), as `name (type)`: not compared, and not counted in `buffers_compared`."""

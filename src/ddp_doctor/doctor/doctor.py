@@ -296,6 +296,7 @@ class Doctor:
         """This rank's observations so far, as plain data."""
         record = self._log.record(self.rank)
         record.comm_hook = comm_hook_of(self.ddp)
+        record.graph_collectives = self._listeners.graph.found
         self._crash.stamp(record)
         return record
 

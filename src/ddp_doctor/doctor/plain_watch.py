@@ -44,6 +44,7 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 from ddp_doctor.observation.collectives import Call, digest
 from ddp_doctor.observation.dataloaders import Mark, drawn_since
 from ddp_doctor.observation.grad_scale import GradScale
+from ddp_doctor.observation.graph_collectives import GraphCollectives
 from ddp_doctor.observation.hooks import tensors_in
 from ddp_doctor.observation.optimizers import describe
 from ddp_doctor.observation.optimizers import listen as listen_schedulers
@@ -113,6 +114,8 @@ class PlainOptimizerWatch:
         """The other optimizers seen stepping, each with whether it steps none of the sharded model's parameters
         (a second optimizer for a tensor kept beside the model)."""
         self.steps = 0
+        self.graph = GraphCollectives(lambda: self.steps)
+        """The script's in-place reductions of tensors autograd tracks (`ShardedRun.graph_collectives`)."""
         self.names: dict[int, str] = {}
         self.module = ""
         self.sharded: ShardedModel | None = None
@@ -224,7 +227,11 @@ class PlainOptimizerWatch:
     def note_collective(self, call: Call) -> None:
         """The script or FSDP2 entered a collective (a listener of `observation/collectives.py`): folded into the
         current step's digest, and kept by its line among the step's first `CALLS_KEPT`."""
-        if self.frozen or self.stopped or not self.measuring or len(self.step_collectives) >= INPUT_STEPS:
+        if self.frozen or self.stopped or not self.measuring:
+            return
+        if not call.fsdp:
+            self.graph.note(call)
+        if len(self.step_collectives) >= INPUT_STEPS:
             return
         running, shown, count = self._calls
         if len(shown) < CALLS_KEPT:

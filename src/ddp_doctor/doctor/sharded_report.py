@@ -1,9 +1,6 @@
-"""The report of an FSDP2 or `replicate` model that a `PlainOptimizerWatch` followed (`plain_watch.py`): what the
-optimizer steps, the parameters outside every sharded group, gradient sync, unused parameters, checkpoints of
-shards, a low reduce dtype, the all-gathers per step, the step time and whether anything changed, gathered in a few
-fixed-shape collectives and decided by `analyze/sharded.py`. The watch is `ddp-doctor check`'s in a script with no
-DDP model, and `observe()`'s for a sharded model (`sharded_doctor.py`).
-"""
+"""The report of an FSDP2 or `replicate` model that a `PlainOptimizerWatch` followed (`plain_watch.py`): each rank's
+facts, gathered in a few fixed-shape collectives and decided by `analyze/sharded.py`. The watch is `ddp-doctor
+check`'s in a script with no DDP model, and `observe()`'s for a sharded model (`sharded_doctor.py`)."""
 
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ from ddp_doctor.exchange.primitives import comm_device
 from ddp_doctor.exchange.sharded_protocol import NOBODY, STEP_COLUMNS, ShardedRecord, sharded_protocol
 from ddp_doctor.observation import dataloaders
 from ddp_doctor.observation.grad_scale import GradScale
+from ddp_doctor.observation.graph_collectives import GraphCollectives
 from ddp_doctor.observation.mesh_groups import beside_group
 from ddp_doctor.observation.shard_comms import GatherCount, ReducePrecisionProbe
 from ddp_doctor.observation.sharding import ShardedModel, reshards_fully
@@ -83,6 +81,7 @@ class ShardedWatch(Protocol):
     replica_sums: list[float]
     drawn: list[int]
     grad_scale: GradScale | None
+    graph: GraphCollectives
     probe: ReducePrecisionProbe | None
     clock: StepClock | None
     in_process: bool
@@ -254,6 +253,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         weights_dtype=sorted({str(p.dtype).removeprefix("torch.") for _, p in named}),
         buffers_compared=len(buffers_differ) - len(unread),
         buffers_unreadable=[f"{n} ({type(b).__name__})" for n, b in unread],
+        graph_collectives=w.graph.found,
         buffers_made_apart=[
             ParamRef(n, b.numel(), tuple(b.shape))
             for (n, b), d, m in zip(buffers, buffers_differ, buffers_moved)

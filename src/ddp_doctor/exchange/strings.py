@@ -126,6 +126,7 @@ def rank_strings(
             "never_updated_zero_lr": record.never_updated_zero_lr,
             "learning_rates": record.learning_rates,
             "to_empty_sites": record.to_empty_sites,
+            "graph_collectives": record.graph_collectives,
             "buffers_changing": changing_buffers(record.buffer_fp),
         }
     ).encode()

@@ -24,6 +24,7 @@ from ddp_doctor.observation import (
 )
 from ddp_doctor.observation.collectives import Call
 from ddp_doctor.observation.forward import ForwardHooks
+from ddp_doctor.observation.graph_collectives import GraphCollectives
 from ddp_doctor.observation.steplog import StepLog
 from ddp_doctor.observation.target import Target
 from ddp_doctor.observation.timeline import Timeline
@@ -42,6 +43,8 @@ class Probes:
         self._log = log
         self._forward = forward
         self._stops: list[Callable[[], None]] = []
+        self.graph = GraphCollectives(lambda: log.steps)
+        """The script's in-place reductions of tensors in the autograd graph (`RankRecord.graph_collectives`)."""
         self._warning_filter: tuple[Any, ...] | None = None
 
     def start(self) -> None:
@@ -75,6 +78,7 @@ class Probes:
         if self._timeline.attached:
             site = user_site()
             self._log.note_collective(self._timeline.state, call, site)
+            self.graph.note(call)
             if self._rereduced(call):
                 self._timeline.state.counters.grads_rereduced += 1
                 self._log.note_step(self._log.rereduce_sites, f"{call.signature()} at {site or 'an unknown place'}")
