@@ -34,8 +34,9 @@ SCRIPT = str(SCRIPTS / "replicate_train.py")
 
 def test_a_clean_replicate_job_is_clean_and_named_replicate(tmp_path: Path) -> None:
     """The clean job with what would be mistakes under fully_shard but are not under replicate: an evaluation
-    forward on rank 0 alone, and rank 0 alone saving the state dict (every value is in it)."""
-    args = ["--mistake", "eval-rank0", "--save", "rank0", "--save-dir", str(tmp_path)]
+    forward on rank 0 alone, and rank 0 alone saving the state dict (every value is in it); and an evaluation on
+    every rank after the last of 6 steps, which leaves the root's parameters unsharded when the report reads them."""
+    args = ["--mistake", "eval-rank0,final-eval", "--steps", "6", "--save", "rank0", "--save-dir", str(tmp_path)]
     run = check(["--nproc-per-node", "2", SCRIPT, *args], tmp_path, timeout=180)
     assert run.rc == 0 and run.report["findings"] == [], run.output
     assert run.report["parallelism"] == "replicate"

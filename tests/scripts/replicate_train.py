@@ -10,6 +10,8 @@ Replicate placement) and all-reduces gradients, like DDP, on FSDP2's machinery.
 --mistake eval-rank0         clean: rank 0 alone runs an evaluation forward after the third step
 --mistake skip-rank1         rank 1 alone skips optimizer.step() at the third step (a skip decided from its own loss)
 --mistake seed-rank          the model built after torch.manual_seed(rank): each rank starts from its own weights
+--mistake final-eval         clean: after the last step every rank evaluates once under no_grad (the root's
+                             parameters stay unsharded after a forward no backward follows)
 --mistake clamp-rank0        after each step rank 0 alone clamps the head's weights to [-0.1, 0.1] (a constraint
                              applied in a rank-0-only logging branch)
 --drift-at N                 rank 1 alone adds 0.01 to the head's bias after step N, outside any sync (a long job
@@ -88,6 +90,9 @@ if __name__ == "__main__":
         if _step == 2 and "eval-rank0" in mistakes and rank == 0:
             with torch.no_grad():
                 model(torch.randn(4, 16, generator=g))
+    if "final-eval" in mistakes:
+        with torch.no_grad():
+            model(torch.randn(4, 16, generator=g))
     # The ground truth, printed by each rank: how far each parameter moved, and its head's sum (compare across ranks).
     moved = max(
         (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().sub(before[n]).abs().max().item()
