@@ -151,6 +151,11 @@ def test_a_layer_without_data_added_after_wrap_is_named_unused_and_the_job_runs(
     measured = {m["name"]: m["value"] for m in found["measured"]}
     assert measured == {"with_gradient": 0, "holding_data": 0}, found
     assert found["sites"] == [_site(statement)], found
+    sizes = {p["name"]: (p["numel"], p["shape"]) for p in found["params"]}
+    if case == "lazy-after-wrap":  # no shape yet: no size either (the product of no dimensions read 1)
+        assert sizes == {"probe.weight": (0, []), "probe.bias": (0, [])}, sizes
+    else:
+        assert sizes == {"probe.weight": (64, [4, 16]), "probe.bias": (4, [4])}, sizes
 
 
 @pytest.mark.parametrize("case, module", [("eval-rank0", "model"), ("dropout-off-rank0", "body.2")])

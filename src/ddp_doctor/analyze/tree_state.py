@@ -35,7 +35,9 @@ def differing(v: View) -> tuple[list[int], bool, bool]:
 
 
 def param_entry(entry: dict[str, Any]) -> ParamRef:
-    """A `ParamRef` of a logged tensor's `name` and `shape`."""
+    """A `ParamRef` of a logged tensor's `name` and `shape` (None for a lazy module's parameter: size 0, no shape)."""
+    if entry["shape"] is None:
+        return ParamRef(entry["name"], 0, ())
     shape = tuple(entry["shape"])
     numel = 1
     for d in shape:

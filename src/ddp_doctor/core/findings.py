@@ -42,8 +42,13 @@ class ParamRef:
     numel: int
     shape: tuple[int, ...] = ()
 
+    @property
+    def size(self) -> str:
+        """Its element count as the report writes it (a lazy module's parameter has none yet; a scalar has 1)."""
+        return "size not known yet" if self.numel == 0 and not self.shape else f"{self.numel:,}"
+
     def __str__(self) -> str:
-        return f"{self.name} ({self.numel:,})"
+        return f"{self.name} ({self.size})"
 
 
 @dataclass(frozen=True, slots=True)

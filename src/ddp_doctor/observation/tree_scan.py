@@ -395,6 +395,6 @@ def _number(value: Any) -> float:
         return float("nan")
 
 
-def _shape(t: torch.Tensor) -> list[int]:
-    """`t`'s shape; none for a lazy module's parameter before its first forward (reading it raises)."""
-    return [] if is_lazy(t) else list(t.shape)
+def _shape(t: torch.Tensor) -> list[int] | None:
+    """`t`'s shape; None for a lazy module's parameter before its first forward (reading it raises)."""
+    return None if is_lazy(t) else list(t.shape)

@@ -140,12 +140,12 @@ def _head(report: ReportData) -> str:
 def _params(f: Finding) -> str:
     if not f.params:
         return ""
-    shown = ", ".join(f"<code>{_e(p.name)}</code> ({p.numel:,})" for p in f.params[:_MAX_PARAMS])
+    shown = ", ".join(f"<code>{_e(p.name)}</code> ({p.size})" for p in f.params[:_MAX_PARAMS])
     rest = f.params[_MAX_PARAMS:]
     more = (
         (
             f"<details><summary>and {len(rest)} more</summary>"
-            + ", ".join(f"<code>{_e(p.name)}</code> ({p.numel:,})" for p in rest)
+            + ", ".join(f"<code>{_e(p.name)}</code> ({p.size})" for p in rest)
             + "</details>"
         )
         if rest
