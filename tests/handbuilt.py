@@ -10,7 +10,7 @@ from ddp_doctor.core.beside import BesideGroup
 from ddp_doctor.core.following import FollowRecord, LoaderSeen, SyncPoint
 from ddp_doctor.core.records import ModelInfo
 from ddp_doctor.core.sharded_run import INPUT_STEPS
-from ddp_doctor.exchange.sharded_protocol import NOBODY, SLOTS, STEP_COLUMNS, ShardedRecord
+from ddp_doctor.exchange.sharded_protocol import NOBODY, SLOTS, STEP_COLUMNS, STEP_SHIFT, ShardedRecord
 
 NAMES = ["trunk.weight", "trunk.bias", "head_a.weight", "head_b.weight", "norm.weight"]
 P = len(NAMES)
@@ -52,6 +52,7 @@ def sharded_record(
     tp: int = 0,
     tp_odd: tuple[int, ...] = (),
     world: int = 0,
+    nonfinite_odd: tuple[int, ...] = (),
 ) -> ShardedRecord:
     """A rank of a sharded job with 6 parameters (2 outside every sharded group) and 3 buffers, 8 observed steps:
     the ranks in `settings_odd` hold other optimizer settings from step 2 on, `saver` alone saves shards, the
@@ -61,7 +62,8 @@ def sharded_record(
     in `replicas_odd` hold another copy of parameter 3 from step `REPLICAS_PART_AT` on; the training loader's
     DistributedSampler is seeded 0, 7 on the ranks in `sampler_odd`; each step draws one batch from it, two at step
     1 on the ranks in `drawn_odd`. With `tp`, the `world`'s groups of `tp` consecutive ranks beside the data-parallel mesh (tensor
-    parallelism) each read one batch per step, the ranks in `tp_odd` another one from step 2 on."""
+    parallelism) each read one batch per step, the ranks in `tp_odd` another one from step 2 on. The ranks in
+    `nonfinite_odd` read one input tensor holding NaN at step 4."""
     slots: dict[str, float] = dict.fromkeys(SLOTS, 0.0)
     saved = rank == saver
     slots.update(
@@ -82,6 +84,7 @@ def sharded_record(
         sampler=7.0 if rank in sampler_odd else 3.0,
         sampler_has=1,
         beside_groups=world // tp if tp else 0,
+        inputs_nonfinite=4 * STEP_SHIFT + rank if rank in nonfinite_odd else NOBODY,
     )
     loader = {
         "sampler": "DistributedSampler",

@@ -40,6 +40,20 @@ def test_nan_in_the_gradient_shards_is_named_with_its_first_step(tmp_path: Path)
     assert run.rc == 1 and "non-finite-values" in run.codes and "training-stalled" not in run.codes, run.output
     f = run.finding("non-finite-values")
     assert f["steps"][0] == 3 and f["ranks"] == [0, 1], f
+    assert not any(m["name"].endswith("nonfinite_inputs") for m in f["measured"]), f  # every input was finite
+
+
+def test_nan_in_one_ranks_batch_is_named_with_that_rank(tmp_path: Path) -> None:
+    """`--mistake nan-rank1` (one NaN in rank 1's batch at step 2, of 4 ranks; plain torchrun: exit 0, every weight
+    NaN on every rank at the end, head.weight sum nan): FSDP2's reduce-scatter spreads it to every rank's gradient
+    shards. Before, the report named the step and not the rank whose data held it."""
+    args = ["--nproc-per-node", "4", "--no-verify", str(SCRIPTS / "fsdp2_train.py"), "--mistake", "nan-rank1"]
+    run = check([*args, "--steps", "6"], tmp_path, timeout=240)
+    f = run.finding("non-finite-values")
+    assert f["steps"][0] == 2 and f["ranks"] == [0, 1, 2, 3], f
+    measured = {m["name"]: m["value"] for m in f["measured"]}
+    assert measured == {"first_rank_with_nonfinite_inputs": 1, "step_of_nonfinite_inputs": 2}, measured
+    assert "rank 1" in f["fix"], f
 
 
 @pytest.mark.parametrize(

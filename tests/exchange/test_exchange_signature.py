@@ -139,7 +139,7 @@ def signature(name: str) -> str:
 
 
 SHARDED = {
-    "sharded-clean-3": ({}, "8ff1683b71fd0208"),
+    "sharded-clean-3": ({}, "6360905b88b6b599"),
     "sharded-mistakes-6": (
         {
             "settings_odd": (2, 5),
@@ -152,7 +152,7 @@ SHARDED = {
             "sampler_odd": (4,),
             "drawn_odd": (1,),
         },
-        "ee3970c03e9a4e91",
+        "41691f26f62564a0",
     ),
 }
 """A sharded job's exchange (FSDP2, `replicate`): each scenario's mistakes (`handbuilt.sharded_record`) and the

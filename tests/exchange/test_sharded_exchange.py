@@ -12,7 +12,7 @@ import torch
 from dist import run_ranks
 from handbuilt import BUFFERS, REPLICAS_PART_AT, STEPS, sharded_record
 
-from ddp_doctor.exchange.sharded_protocol import sharded_protocol
+from ddp_doctor.exchange.sharded_protocol import STEP_SHIFT, sharded_protocol
 from ddp_doctor.exchange.simulate import lockstep
 
 
@@ -45,8 +45,10 @@ def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
         "collectives_odd": (9, 10, 1023),
         "sampler_odd": (2, 999),
         "drawn_odd": (6, 1001),
+        "nonfinite_odd": (900, 601),
     }
     got, big = simulated(1024, **mistakes)
+    assert divmod(int(got.low["inputs_nonfinite"]), STEP_SHIFT) == (4, 601)  # the step, the lowest such rank
     apart = got.per_step["settings_apart"]
     assert apart == {"step": 2, "reference": 0, "ranks": [3, 700], "more": 0, "held": {0: "lr=0.1", 3: "lr=0.5"}}
     assert got.per_step["modes_apart"] is None

@@ -316,12 +316,28 @@ def test_a_forward_through_the_sharded_model_on_rank_0_alone_is_named_with_its_l
     ), finding["title"]
     assert "(1 time on rank 0, none on rank 1, counted from the first optimizer step)" in finding["detail"]
     assert "evaluate on every rank" in finding["fix"]
+    assert finding["steps"] == [3] and finding["sites"][0].endswith(line_of("model(torch.randn(4, 16")), finding
     assert run.codes <= {"sharded-forward-some-ranks", "rank-crashed"}, run.output
     assert all(
         f["fix"] == "see the sharded-forward-some-ranks finding."
         for f in run.report["findings"]
         if f["code"] == "rank-crashed"
     )
+
+
+def test_a_training_pass_on_one_rank_alone_is_named_at_its_step_as_a_training_pass(tmp_path: Path) -> None:
+    """`--mistake aux-rank1`: at step 2 rank 1 alone runs one more forward and backward (an auxiliary objective's
+    pass). Plain torchrun: exit 1 after 10 s; 12 steps run, then at the end rank 1 aborts in gloo ("Received data size
+    doesn't match expected size. Is there a distributed collective mismatch") and rank 0 fails in `full_tensor()`.
+    Before, the finding named step 7 (where rank 0 was when the check noticed) and advised evaluating on every
+    rank."""
+    run = check(["--nproc-per-node", "2", "--timeout", "40", SCRIPT, "--mistake", "aux-rank1"], tmp_path)
+    assert run.rc == 1 and run.report is not None, run.output
+    finding = run.finding("sharded-forward-some-ranks")
+    assert finding["ranks"] == [0, 1] and finding["steps"] == [2], finding
+    at = line_of("F.cross_entropy(model(torch.randn(8, 16, generator=g)), y).backward()")
+    assert finding["sites"][0].endswith(at), finding
+    assert "evaluate" not in finding["fix"] and "backward" in finding["fix"], finding
 
 
 def test_a_parameter_no_loss_reaches_is_unused_parameters_at_warning(tmp_path: Path) -> None:

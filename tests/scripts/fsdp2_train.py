@@ -32,6 +32,9 @@
                             (a per-token mean taken after the reduce-scatter, from the rank's own batch)
 --mistake lr-zero           the optimizer's learning rate is 0: its steps change nothing
 --mistake nan-loss          the loss is NaN from the fourth step on (a log of a negative number, say)
+--mistake aux-rank1         at the third step rank 1 alone runs one more forward and backward (an auxiliary
+                            objective's pass) before its optimizer step
+--mistake nan-rank1         rank 1's batch holds one NaN at the third step (a corrupt sample on one rank)
 --mistake zero-loss         the loss is multiplied by 0: every gradient is exactly zero
 --mistake same-data         every rank draws its batches from the same seed: the ranks train on the same samples
 --mistake head-not-stepped  the optimizer is built over every parameter but the head's: the head gets gradients and
@@ -180,6 +183,8 @@ if __name__ == "__main__":
             if "accumulate" in mistakes:
                 model.set_requires_gradient_sync(micro == 1)
             x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            if "nan-rank1" in mistakes and rank == 1 and _step == 2 and micro == 0:
+                x[0, 0] = float("nan")  # one corrupt sample in rank 1's data
             loss = F.cross_entropy(model(x) / (temp.exp() if temp is not None else 1.0), y) * (0.0 if "zero-loss" in mistakes else 1.0)
             if "nan-loss" in mistakes and _step >= 3:
                 loss = loss * float("nan")
@@ -187,6 +192,8 @@ if __name__ == "__main__":
                 dist.all_reduce(loss)
                 loss = loss / dist.get_world_size()
             loss.backward()
+        if "aux-rank1" in mistakes and rank == 1 and _step == 2:  # an auxiliary objective's pass, on rank 1 alone
+            F.cross_entropy(model(torch.randn(8, 16, generator=g)), y).backward()
         if "clip" in mistakes or "clip-rank0" in mistakes and rank == 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         if "value-clip-rank0" in mistakes and rank == 0:

@@ -77,14 +77,15 @@ def nonfinite_finding(
     params: Sequence[ParamRef] = (),
     sharded: bool = False,
     steps: list[int] | None = None,
-    inputs: tuple[int, str, int, int] | None = None,
+    inputs: tuple[int, str, int | None, int] | None = None,
 ) -> Finding:
     """`non-finite-values`, for every parallelism: the first step whose gradients held NaN or infinity and how many
     parameters' (`grads`: the step, the count where it was counted), the first step after which weights did
     (`weights`), parameters non-finite before the first step (`before`), the lines that materialised the model
     with `to_empty()`. `sharded`: measured on FSDP2's gradient shards at optimizer.step(), and the fix names its
     reduce dtype. `steps`: the steps to list, when not the first ones of `grads` and `weights`. `inputs`: the first
-    step at which some ranks' training inputs held NaN or infinity, those ranks (named), how many, the first."""
+    step at which some ranks' training inputs held NaN or infinity, those ranks (named), how many (None: not
+    counted), the first."""
     parts = []
     if grads is not None:
         step, count = grads
@@ -108,8 +109,8 @@ def nonfinite_finding(
     if inputs is not None:
         cause += (
             f" The training inputs of {inputs[1]} held NaN or infinity, first at step {inputs[0]} (a corrupt sample or a "
-            "transform that divides by zero, in that rank's data): the gradients DDP averages carried them to every "
-            "rank."
+            f"transform that divides by zero, in that rank's data): the gradients {'FSDP2 reduces' if sharded else 'DDP averages'} "
+            "carried them to every rank."
         )
     overflow = ", or a low-precision policy that overflows (reduce_dtype=torch.float32)" if sharded else ""
     return Finding(
@@ -122,7 +123,7 @@ def nonfinite_finding(
         ranks=ranks,
         steps=steps or sorted({s for s in (grads and grads[0], weights and weights[0]) if s is not None}),
         measured=[
-            Measure("ranks_with_nonfinite_inputs", inputs[2], "count"),
+            *([Measure("ranks_with_nonfinite_inputs", inputs[2], "count")] if inputs[2] is not None else []),
             Measure("first_rank_with_nonfinite_inputs", inputs[3], "value"),
             Measure("step_of_nonfinite_inputs", inputs[0], "value"),
         ]

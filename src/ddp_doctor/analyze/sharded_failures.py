@@ -19,7 +19,7 @@ from ddp_doctor.analyze.causes import sharded_step_skipped
 from ddp_doctor.analyze.positions import capped, short, where
 from ddp_doctor.analyze.sharded_fixes import gather_fix
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, lines_of
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 
@@ -114,23 +114,37 @@ def forward_alone(states: dict[int, RankState]) -> Finding | None:
         site, alone, rest = found
         counts = {r: states[r].forwards[site] for r in alone}
         went = capped([f"rank {r} was at {where(states[r])}" for r in rest])
+        # the step each rank first ran it in, and whether in grad mode (a training pass: a backward follows)
+        firsts = {r: states[r].forward_first.get(site) or [max(states[r].step, 0), False] for r in alone}
+        training = any(grad for _, grad in firsts.values())
         return Finding(
             code=Code.SHARDED_FORWARD_SOME_RANKS,
             severity="error",
-            title=f"{rank_list(alone)} ran a forward through the sharded model that {rank_list(rest)} did not: "
-            f"{short(site)}",
+            title=f"{rank_list(alone)} ran a {'training pass' if training else 'forward'} through the sharded model "
+            f"that {rank_list(rest)} did not: {short(site)}",
             detail=f"The forward at {site} ran on {rank_list(alone)} only ("
             + ", ".join(f"{counts[r]} time{'s' if counts[r] != 1 else ''} on rank {r}" for r in alone)
-            + f", none on {rank_list(rest)}, counted from the first optimizer step). FSDP2's forward all-gathers "
-            "the parameters of every sharded module, a collective each rank must enter, so its all-gathers were "
-            f"paired with the other ranks' next collectives: {went}. A mismatched collective aborts, hangs or "
-            "exchanges the wrong data (with gloo here, an evaluation on rank 0 alone returned, computed with the "
-            "other ranks' all-gathers, and both ranks hung a step later).",
+            + f", none on {rank_list(rest)}, counted from the first optimizer step"
+            + (", in grad mode: a training pass, whose backward reduce-scatters gradients too" if training else "")
+            + "). FSDP2's forward all-gathers the parameters of every sharded module, a collective each rank must "
+            f"enter, so its all-gathers were paired with the other ranks' next collectives: {went}. A mismatched "
+            "collective aborts, hangs or exchanges the wrong data"
+            + (
+                "."
+                if training
+                else " (with gloo here, an evaluation on rank 0 alone returned, computed with the other ranks' "
+                "all-gathers, and both ranks hung a step later)."
+            ),
+            sites=lines_of(site),
             ranks=sorted(states),
-            steps=sorted({max(states[r].step, 0) for r in alone}),
-            fix="run the forward on every rank: evaluate on every rank, each on its part of the data, and reduce the "
-            "metric (`dist.all_reduce`); or, for a model that rank 0 alone must run (generation, a sample), gather "
-            "a full state dict on every rank (`get_model_state_dict(model, options=StateDictOptions("
+            steps=sorted({step for step, _ in firsts.values()}),
+            fix="run the same training passes on every rank: an extra objective's forward and backward on every "
+            "rank, each on its own data (a zero-weighted loss where a rank has nothing for it), never under a "
+            "condition one rank decides alone."
+            if training
+            else "run the forward on every rank: evaluate on every rank, each on its part of the data, and reduce "
+            "the metric (`dist.all_reduce`); or, for a model that rank 0 alone must run (generation, a sample), "
+            "gather a full state dict on every rank (`get_model_state_dict(model, options=StateDictOptions("
             "full_state_dict=True, cpu_offload=True))`) and load it into an unsharded copy on rank 0.",
         )
     return None

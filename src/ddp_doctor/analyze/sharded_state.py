@@ -97,7 +97,9 @@ def training_moves(run: ShardedRun, ranks: list[int], *, low_weights: bool = Fal
     """
     if run.grads_nonfinite_steps:
         steps = run.grads_nonfinite_steps
-        return nonfinite_finding(grads=(steps[0], None), ranks=ranks, sharded=True, steps=steps)
+        bad = run.inputs_nonfinite  # (the step, the lowest rank whose inputs held NaN or infinity)
+        inputs = (bad[0], f"rank {bad[1]}", None, bad[1]) if bad is not None else None
+        return nonfinite_finding(grads=(steps[0], None), ranks=ranks, sharded=True, steps=steps, inputs=inputs)
     measured = run.grads_measured_steps
     if len(measured) < 2 or run.steps < 2 or not run.model_params_stepped:
         return None

@@ -112,6 +112,9 @@ class BeaconState:
     record): a failed run's report words its fixes that way."""
     forwards: dict[str, int] = field(default_factory=dict)
     """Forwards through that sharded model since its first optimizer step, by the user's line (8 lines at most)."""
+    forward_first: dict[str, list[Any]] = field(default_factory=dict)
+    """For each line of `forwards`: the optimizer step in progress when it first ran a forward, and whether in grad
+    mode (a training pass, whose backward follows)."""
     fully_shard: dict[str, Any] | None = None
     """The script's `fully_shard` calls: how many (`calls`), the first one's line (`site`), and the first
     mixed-precision policy one was given (`policy`: its `site`, `param_dtype`, `cast_forward_inputs`), published as

@@ -311,7 +311,8 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.STATE_GATHER_SOME_RANKS, Family.FSDP2, "error", "sharded_failures.py",
          "a full state dict of sharded parameters gathered on some ranks only: a collective the others never enter"),
     _row(Code.SHARDED_FORWARD_SOME_RANKS, Family.FSDP2, "error", "sharded_failures.py",
-         "a forward through the sharded model on some ranks only (an evaluation on rank 0): its all-gathers wait"),
+         "a forward through the sharded model on some ranks only (an evaluation on rank 0, an extra training "
+         "pass): its all-gathers wait"),
     _row(Code.LOW_PRECISION_REDUCE, Family.FSDP2, "info", "sharded.py",
          "gradients reduced in bfloat16 (or float16) while the weights train in float32 (reduce_dtype unset or low)"),
     _row(Code.LOW_PRECISION_WEIGHTS, Family.FSDP2, "warning", "sharded_state.py",

@@ -110,6 +110,8 @@ class RankState:
     """The sharding of the FSDP2 model the rank trained (no DDP), from the beacon."""
     forwards: dict[str, int] = field(default_factory=dict)
     """Forwards through that model since its first optimizer step, by the user's line, from the beacon."""
+    forward_first: dict[str, list[Any]] = field(default_factory=dict)
+    """Each such line's first step and grad mode (`BeaconState.forward_first`), from the beacon."""
     fully_shard: dict[str, Any] | None = None
     """The script's `fully_shard` calls (`calls`, `site`, the first mixed-precision `policy`), from the beacon."""
     train_loader: dict[str, Any] | None = None
@@ -197,6 +199,7 @@ def _read_states(folder: Path, *, end_time: float) -> dict[int, RankState]:
             state.collective = beacon.collective
             state.recent = list(beacon.recent)
             state.sharding, state.forwards, state.backend = beacon.sharding, beacon.forwards, beacon.backend
+            state.forward_first = beacon.forward_first
             state.framework = beacon.framework
             state.gathers, state.state_dicts = beacon.gathers, beacon.state_dicts
             state.train_loader, state.fully_shard = beacon.train_loader, beacon.fully_shard

@@ -97,6 +97,8 @@ class ShardedRun:
     """Those of `grads_measured_steps` at which every rank's gradient shards were exactly zero."""
     grads_nonfinite_steps: list[int] = field(default_factory=list)
     """The observed steps at which some rank's gradient shards held NaN or infinity."""
+    inputs_nonfinite: tuple[int, int] | None = None
+    """The first observed step at which some rank's training inputs held NaN or infinity, and the lowest such rank."""
     learning_rates: list[float] = field(default_factory=list)
     """The optimizer's learning rate per param group, at the last observed step (rank 0's)."""
     state_steps: int = 0

@@ -221,7 +221,9 @@ class PlainOptimizerWatch:
             return
         inputs = [t for t in tensors_in(args) if not t.is_complex() and not is_dtensor(t)]
         if inputs:
-            digest = fingerprints(inputs).nan_to_num(0.0).sum(0)
+            rows = fingerprints(inputs)
+            nonfinite = (~rows.isfinite()).any(1).sum(0, keepdim=True).to(rows.dtype)  # tensors holding NaN or inf
+            digest = torch.cat([rows.nan_to_num(0.0).sum(0), nonfinite])
             self._step_input = digest if self._step_input is None else self._step_input + digest
 
     def note_collective(self, call: Call) -> None:

@@ -4,11 +4,9 @@ check`'s in a script with no DDP model, and `observe()`'s for a sharded model (`
 
 from __future__ import annotations
 
-import math
 import sys
 import zlib
-from collections.abc import MutableMapping
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,18 +17,23 @@ from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.fingerprint import fingerprints_batched, readable
 from ddp_doctor.core.frames import user_site, variable_names
 from ddp_doctor.core.sharded_run import INPUT_STEPS, ShardedRun
+from ddp_doctor.doctor.sharded_tables import (
+    ShardedWatch,
+    buffer_table,
+    first_nonfinite_input,
+    replica_steps,
+    step_table,
+)
 from ddp_doctor.exchange.compared import sampler_facts
 from ddp_doctor.exchange.drive import drive
 from ddp_doctor.exchange.primitives import comm_device
-from ddp_doctor.exchange.sharded_protocol import NOBODY, STEP_COLUMNS, ShardedRecord, sharded_protocol
+from ddp_doctor.exchange.sharded_protocol import NOBODY, STEP_SHIFT, ShardedRecord, sharded_protocol
 from ddp_doctor.observation import dataloaders
-from ddp_doctor.observation.grad_scale import GradScale
-from ddp_doctor.observation.graph_collectives import GraphCollectives
 from ddp_doctor.observation.mesh_groups import beside_group
-from ddp_doctor.observation.shard_comms import GatherCount, ReducePrecisionProbe
+from ddp_doctor.observation.shard_comms import ReducePrecisionProbe
 from ddp_doctor.observation.sharding import ShardedModel, reshards_fully
 from ddp_doctor.observation.step_clock import StepClock, input_wait
-from ddp_doctor.report.model import Report, RunFacts
+from ddp_doctor.report.model import Report
 
 __all__ = [
     "IGNORED_ATTR",
@@ -57,54 +60,6 @@ def record_creation_site(optimizer: torch.optim.Optimizer) -> None:
     """Remember where the script created `optimizer` (called from a wrapper of `Optimizer.__init__`)."""
     if getattr(optimizer, SITE_ATTR, None) is None:
         setattr(optimizer, SITE_ATTR, user_site())
-
-
-class ShardedWatch(Protocol):
-    """What the report reads of the watch that followed the sharded model's steps (`PlainOptimizerWatch`)."""
-
-    optimizer: torch.optim.Optimizer | None
-    others: MutableMapping[torch.optim.Optimizer, bool]
-    steps: int
-    framework: str
-    frozen: bool
-    sync_off_steps: int
-    shard_saves: list[dict[str, Any]]
-    weights_at_first: torch.Tensor | None
-    buffers_at_first: torch.Tensor | None
-    grad_seen: torch.Tensor | None
-    grad_nonzero: torch.Tensor | None
-    grad_steps: int
-    gathers: GatherCount | None
-    gathers_per_step: list[int]
-    input_fps: list[torch.Tensor | None]
-    replica_state: list[tuple[int, str, int, dict[str, Any]]]
-    replica_sums: list[float]
-    drawn: list[int]
-    grad_scale: GradScale | None
-    graph: GraphCollectives
-    probe: ReducePrecisionProbe | None
-    clock: StepClock | None
-    in_process: bool
-    """Following for `observe()`, which sees no `fully_shard` call and names no failure of the run; False for
-    `ddp-doctor check`."""
-
-    def stepped_params(self) -> list[torch.Tensor]: ...
-
-    def facts(self, *, sharding: dict[str, Any] | None = None) -> RunFacts: ...
-
-
-def _buffer_table(w: ShardedWatch, buffers: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-    """float64[B, 3]: each buffer's fingerprint and whether it changed since the first observed step."""
-    if not buffers:
-        return torch.zeros(0, 3, dtype=torch.float64)
-    now = fingerprints_batched(b for _, b in buffers).nan_to_num(0.0)
-    first = w.buffers_at_first
-    moved = (
-        (now != first.nan_to_num(0.0)).any(-1)
-        if first is not None and first.shape == now.shape
-        else torch.zeros(len(buffers), dtype=torch.bool)
-    )
-    return torch.cat([now, moved.double()[:, None]], dim=1)
 
 
 def _beside_model(optimizers: list[torch.optim.Optimizer], in_model: set[int]) -> list[tuple[str, torch.Tensor]]:
@@ -182,6 +137,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         "unsharded_changed": unsharded_changed,
         "replica_rows": slot[1] if replicas is not None else 0,
         "collectives": sum(count for _, _, count in w.step_collectives[:INPUT_STEPS]),
+        "inputs_nonfinite": first_nonfinite_input(w),
         **StepClock.slots(w.clock),
         **_sampler_slots(loader, model.describe().get("mesh_size")),
         "beside_groups": beside.groups if beside is not None else 0,
@@ -197,11 +153,11 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         unsharded=fingerprints_batched(p for _, p in unsharded).nan_to_num(0.0)
         if unsharded
         else torch.zeros(0, 2, dtype=torch.float64),
-        buffers=_buffer_table(w, buffers),
-        steps=_step_table(w),
+        buffers=buffer_table(w, buffers),
+        steps=step_table(w),
         held=[(*state, *calls[:2]) for state, calls in zip(w.replica_state[:INPUT_STEPS], w.step_collectives)],
         replicas=replicas,
-        replica_steps=_replica_steps(w.replica_sums) if replicas is not None else None,
+        replica_steps=replica_steps(w.replica_sums) if replicas is not None else None,
         replica_row=slot[0] if replicas is not None else 0,
         saved=None if saved is None else {k: saved[k] for k in ("shown", "site", "shards")},
         clock=w.clock and w.clock.stats(),
@@ -254,6 +210,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         buffers_compared=len(buffers_differ) - len(unread),
         buffers_unreadable=[f"{n} ({type(b).__name__})" for n, b in unread],
         graph_collectives=w.graph.found,
+        inputs_nonfinite=divmod(int(low["inputs_nonfinite"]), STEP_SHIFT) if low["inputs_nonfinite"] < NOBODY else None,
         buffers_made_apart=[
             ParamRef(n, b.numel(), tuple(b.shape))
             for (n, b), d, m in zip(buffers, buffers_differ, buffers_moved)
@@ -341,40 +298,6 @@ def _replicas_apart(apart: dict[str, Any] | None, named: list[tuple[str, Any]]) 
         return None
     refs = [ParamRef(named[i][0], named[i][1].numel(), tuple(named[i][1].shape)) for i in apart["params"]]
     return {**apart, "params": refs}
-
-
-def _replica_steps(sums: list[float]) -> torch.Tensor:
-    """`ShardedRecord.replica_steps`: per observed step, the replicated tensors' fingerprint sum and 1 where the
-    step was measured."""
-    table = torch.zeros(INPUT_STEPS, 2, dtype=torch.float64)
-    for k, total in enumerate(sums[:INPUT_STEPS]):
-        table[k] = torch.tensor([total, 1.0], dtype=torch.float64)
-    return table
-
-
-def _step_table(w: ShardedWatch) -> torch.Tensor:
-    """The first `INPUT_STEPS` observed steps' measures, as `sharded_protocol.STEP_COLUMNS` says: the training
-    inputs' fingerprints, the gradient shards' scale from the backward's end to the step (`GradScale.ratios`), their
-    norm at the step (`GradScale.norms`), the digests of the optimizer's settings, of the modules' modes and of the
-    script's collectives, and the batches the training loader handed out, each measure with a presence column."""
-    table = torch.zeros(INPUT_STEPS, STEP_COLUMNS, dtype=torch.float64)
-    for k, fp in enumerate(w.input_fps[:INPUT_STEPS]):
-        if fp is not None:
-            table[k, 0:3] = torch.tensor([*fp.double().nan_to_num(0.0, 0.0, 0.0).tolist(), 1.0])
-    scale = w.grad_scale
-    for k, ratio in enumerate(scale.ratios[:INPUT_STEPS] if scale is not None else []):
-        if ratio is not None and math.isfinite(ratio) and ratio > 0:
-            table[k, 3:5] = torch.tensor([ratio, 1.0])
-    for k, sq in enumerate(scale.norms[:INPUT_STEPS] if scale is not None else []):
-        if sq is not None:
-            table[k, 5:8] = torch.tensor([sq, 0.0, 1.0] if math.isfinite(sq) else [0.0, 1.0, 1.0])
-    for k, (settings, _, modes, _) in enumerate(w.replica_state[:INPUT_STEPS]):
-        table[k, 8:11] = torch.tensor([float(settings), float(modes), 1.0])
-    for k, (calls, _, _) in enumerate(w.step_collectives[:INPUT_STEPS]):
-        table[k, 11] = float(calls)
-    for k, drawn in enumerate(w.drawn[:INPUT_STEPS]):
-        table[k, 12] = float(drawn)
-    return table
 
 
 def _steady_gathers(w: ShardedWatch) -> int:

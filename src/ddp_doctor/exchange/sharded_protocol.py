@@ -42,6 +42,7 @@ __all__ = [
     "NOBODY",
     "SLOTS",
     "STEP_COLUMNS",
+    "STEP_SHIFT",
     "ShardedRecord",
     "ShardedReduced",
     "count_and_first",
@@ -79,8 +80,13 @@ SLOTS = (
     "loader_has",
     "beside_groups",
     "sampler_world",
+    "inputs_nonfinite",
 )
 """What every rank puts in the first MAX, in this order (float32: each value exact in it)."""
+STEP_SHIFT = 2**20
+"""`inputs_nonfinite` is step * STEP_SHIFT + rank for the first observed step whose training inputs held NaN or
+infinity on this rank (else `NOBODY`): the MIN over the ranks is the first such step and its lowest rank (steps below
+`INPUT_STEPS` = 16 and ranks below 2**20 stay exact in float32)."""
 NOBODY = 2**24
 """The `saver` slot of a rank that saved no shards (above any rank, exact in float32)."""
 STEP_COLUMNS = 13

@@ -98,7 +98,10 @@ class PlainSteps:
         on rank 0) pairs its all-gathers with the others' next collectives; and the step clock's first forward after
         a step."""
         self._run.plain.note_forward(args)
-        self._count(self._run.beacon.state.forwards, user_site() or "an unknown place")
+        site, first = user_site() or "an unknown place", self._run.beacon.state.forward_first
+        if site not in first and len(first) < _LINES:  # (published with the line's first count, just below)
+            first[site] = [self._run.plain.steps, torch.is_grad_enabled()]
+        self._count(self._run.beacon.state.forwards, site)
 
     def _on_state_dict(self, _module: Any, _prefix: str, _keep_vars: bool) -> None:
         """Count a `state_dict()` of the FSDP2 model by the user's line: on some ranks only (a save under
