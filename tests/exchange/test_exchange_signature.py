@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "9b5813ded3a3268e",
-    "odd-70": "4ba959022ee9287e",
-    "infos-differ-3": "3dac9aaeb96cbbab",
-    "edited-2": "27d3b6924d69c82d",
-    "inferred-2": "4b86b69017afbdcf",
-    "clean-1": "839b791ba61de9ab",
+    "seeded-6": "9984ec58294d6f2e",
+    "odd-70": "754145e4993b2f47",
+    "infos-differ-3": "5af3c9759a8e5138",
+    "edited-2": "67112d99994d7dc2",
+    "inferred-2": "6c7d9f2e30224467",
+    "clean-1": "69a0dccf3e7f1488",
 }
 
 

@@ -14,7 +14,8 @@ cases:
                    (DDP syncs buffers only when the model had some when it was built: never, even with
                    --broadcast-buffers)
   opaque           as bufferless, with `shift` held in a tensor subclass whose operations only its own
-                   `dequantize()` supports (as a quantized weight's): the check cannot read it
+                   `dequantize()` supports (as a quantized weight's), and a frozen parameter `codebook` of that
+                   subclass attached after the wrap: the check cannot read either
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def main() -> None:
         model.module.register_buffer("shift", torch.rand(8, generator=own))  # after the wrap, each rank its own
     elif args.case == "opaque":
         model.module.register_buffer("shift", Opaque(torch.rand(8, generator=own)))
+        model.module.codebook = nn.Parameter(Opaque(torch.ones(4)), requires_grad=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(args.steps):

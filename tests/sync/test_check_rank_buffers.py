@@ -18,7 +18,8 @@ said nothing.
   construction is not empty (`will_sync_module_buffers`); with one buffer at the wrap, the late `shift` is broadcast
   (probes equal). The check said "No problems found" and listed no buffer among what it compared.
 - opaque (as bufferless, `shift` in a tensor subclass supporting only its own `dequantize()`, as a quantized
-  weight's): the same probes; the check cannot read it and lists it as not compared.
+  weight's, and a frozen parameter of that subclass attached after the wrap): the same probes; the check cannot
+  read them and lists both as not compared.
 """
 
 from __future__ import annotations
@@ -114,5 +115,6 @@ def test_a_buffer_the_check_cannot_read_is_listed_as_not_compared(tmp_path: Path
     run = _check(tmp_path, "opaque", "--broadcast-buffers")
     assert run.codes == set(), run.output
     compared = run.report["compared"]
-    assert compared["unreadable"] == 1 and compared["buffers_after_wrap"] == 0, compared
-    assert [line for line in run.report["unchecked"] if "shift" in line and "Opaque" in line], run.report["unchecked"]
+    assert compared["unreadable"] == 2 and compared["buffers_after_wrap"] == 0, compared
+    named = [line for line in run.report["unchecked"] if "buffer shift (Opaque)" in line]
+    assert named and "parameter codebook (Opaque)" in named[0], run.report["unchecked"]

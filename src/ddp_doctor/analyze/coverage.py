@@ -31,7 +31,7 @@ def compared(summary: Summary) -> dict[str, Any]:
     buffers = int(summary.buffer_seen.all(0).sum()) if s and summary.buffer_seen.numel() else 0
     stepped = sum(1 for v in summary.steps_taken[1][:s] if v)
     meta = summary.metas.get(0, {})
-    unread = [e for e in meta.get("late_buffers") or [] if e.get("readable", True) is False]
+    unread = meta.get("unreadable") or []
     return {
         "ranks": summary.world,
         "steps": s,
@@ -44,7 +44,8 @@ def compared(summary: Summary) -> dict[str, Any]:
         "buffers": buffers,
         "buffers_not_recorded": len(info.buffer_names) - buffers,
         # When DDP does not broadcast buffers, those registered under a new name after the wrap (8 are named).
-        "buffers_after_wrap": int(meta.get("late_count") or len(meta.get("late_buffers") or [])) - len(unread),
+        "buffers_after_wrap": int(meta.get("late_count") or len(meta.get("late_buffers") or []))
+        - sum(1 for e in unread if e["kind"] == "buffer"),
         "unreadable": len(unread),
         "modules": int(summary.metas.get(0, {}).get("modules", 0)),
         "inputs": int(summary.input_present[:s].sum()) if s else 0,
@@ -60,19 +61,14 @@ def unreadable(summary: Summary) -> list[str]:
     """The tensors in the module tree, beyond what DDP registered, whose values the check cannot read (a tensor
     subclass whose ops the fingerprint cannot run, as a quantized weight's; on the meta device; a lazy module's before
     its first forward), as rank 0 saw them at the last step: their copies were not compared across the ranks."""
-    meta = summary.metas.get(0, {})
-    held = [
-        (f"parameter {e['name']}", e)
-        for e in meta.get("unregistered") or []
-        if e.get("readable", True) is False and e.get("data", True)
-    ] + [(f"buffer {e['name']}", e) for e in meta.get("late_buffers") or [] if e.get("readable", True) is False]
+    held = summary.metas.get(0, {}).get("unreadable") or []
     if not held:
         return []
     names = ", ".join(
-        f"{what} ({e.get('type') or 'a tensor subclass'}"
-        + ("" if e.get("data", True) else ", no values yet: on the meta device or lazy")
+        f"{e['kind']} {e['name']} ({e['type']}"
+        + ("" if e["data"] else ", no values yet: on the meta device or lazy")
         + ")"
-        for what, e in held[:4]
+        for e in held[:4]
     )
     more = f" and {len(held) - 4} more" if len(held) > 4 else ""
     return [

@@ -255,10 +255,13 @@ class RankRecord:
     join_throws: list[str] = field(default_factory=list)
     """Those of `join_sites` whose Join throws when a rank runs out (throw_on_early_termination=True)."""
     late_buffers: list[dict[str, Any]] = field(default_factory=list)
-    """With broadcast_buffers=False, the buffers registered under a new name after DDP was built: `name`, `shape`,
+    """When DDP does not broadcast them, the buffers registered under a new name after DDP was built: `name`, `shape`,
     `fp`, `changing`, `site` (`observation.tree_scan.StateScan.late_buffers`)."""
     late_count: int = 0
     """How many buffers were registered after the wrap (`late_buffers` names at most 8)."""
+    unreadable: list[dict[str, Any]] = field(default_factory=list)
+    """Tensors in the module tree beyond DDP's whose values the check cannot read: `name`, `kind` (`parameter`,
+    `buffer`), `type`, `data` (`observation.tree_scan.StateScan.unreadable`)."""
     optimizer_stale: int = 0
     """Tensors the observed optimizer steps that the model no longer holds, at the last step."""
     comm_hook: dict[str, Any] | None = None

@@ -113,6 +113,7 @@ def rank_strings(
             "recast_count": record.recast_count,
             "late_buffers": record.late_buffers,
             "late_count": record.late_count,
+            "unreadable": record.unreadable,
             "join_sites": record.join_sites,
             "join_throws": record.join_throws,
             "optimizer_stale": record.optimizer_stale,

@@ -53,7 +53,7 @@ from ddp_doctor.launch.policy import CheckPolicy, RunPolicy
 from ddp_doctor.launch.publish import Publisher
 from ddp_doctor.launch.raised import raised_error
 from ddp_doctor.launch.watchdog import Watchdog, peers_train_on, peers_wait_in_collective
-from ddp_doctor.observation import collectives, dataloaders, gradedits, saves, tree_scan
+from ddp_doctor.observation import collectives, dataloaders, gradedits, module_calls, saves
 from ddp_doctor.observation.wrapstate import WRAP_STATE_ATTR, freeze_named
 from ddp_doctor.report.model import Report
 
@@ -142,8 +142,8 @@ class Session:
         dataloaders.install()
         saves.install()
         gradedits.install()
-        tree_scan.listen_to_empty()
-        tree_scan.listen_casts()
+        module_calls.listen_to_empty()
+        module_calls.listen_casts()
         # A segfault or abort (gloo's on a mismatched collective) leaves no Python exception: faulthandler writes
         # the signal and the stack to a file the supervisor reads. The file object must stay open.
         self._fault_file = open(self.outdir / f"rank{self.rank}.fault", "w")  # noqa: SIM115

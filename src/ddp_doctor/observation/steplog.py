@@ -13,7 +13,8 @@ from ddp_doctor.core.records import RankRecord, StepCounters
 from ddp_doctor.observation.collectives import Call, digest
 from ddp_doctor.observation.device_clock import DeviceClock
 from ddp_doctor.observation.joins import JOIN_SITES, JOIN_THROWS
-from ddp_doctor.observation.tree_scan import TO_EMPTY_SITES, StateScan
+from ddp_doctor.observation.module_calls import TO_EMPTY_SITES
+from ddp_doctor.observation.tree_scan import StateScan
 
 __all__ = [
     "MAX_COLLECTIVE_LOG",
@@ -377,6 +378,7 @@ class StepLog:
             record.recast_count = self.state.recast_count
             record.late_buffers = list(self.state.late_buffers)
             record.late_count = self.state.late_count
+            record.unreadable = list(self.state.unreadable)
             record.optimizer_stale = self.state.stale
             record.outside = list(self.state.outside)
             record.outside_count = self.state.outside_count

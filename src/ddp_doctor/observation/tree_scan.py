@@ -27,44 +27,15 @@ from torch.nn.parameter import is_lazy
 from ddp_doctor.core.counters import StepCounters
 from ddp_doctor.core.fingerprint import fingerprints, holds_data, readable
 from ddp_doctor.core.frames import user_site, variable_names
+from ddp_doctor.observation.module_calls import CAST_SITES
 
-__all__ = ["CAST_SITES", "MAX_STATE_LOG", "TO_EMPTY_SITES", "StateScan", "listen_casts", "listen_to_empty", "modes_of"]
+__all__ = ["MAX_STATE_LOG", "StateScan", "modes_of"]
 
 MAX_STATE_LOG = 16
 """At most this many entries of the state log (one per change of the rank's state)."""
 _MAX_NAMED = 8
 """Names listed per kind in one entry."""
 _MAX_SITES = 256
-
-TO_EMPTY_SITES: list[str] = []
-"""Where the script called `nn.Module.to_empty()` (a model built on the meta device materialised with storage that
-holds whatever memory held: its parameters must be initialised after), once `listen_to_empty` ran."""
-
-
-CAST_SITES: list[str] = []
-"""Where the script converted a module's tensors (`nn.Module._apply`: `.to(dtype)`, `.half()`, `.bfloat16()`,
-`.cuda()`), outermost calls only, in order (at most 64), once `listen_casts` ran."""
-_CASTING = [0]
-
-
-def listen_casts() -> None:
-    """Remember the user's line of each conversion of a module's tensors in this process (once). A parameter whose
-    dtype or device changes gets a new gradient accumulator, and DDP's hooks stay on the old one."""
-    if getattr(nn.Module._apply, "_ddp_doctor", False):
-        return
-    original = nn.Module._apply
-
-    def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if not _CASTING[0] and len(CAST_SITES) < 64:
-            CAST_SITES.append(user_site() or "an unknown place")
-        _CASTING[0] += 1
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _CASTING[0] -= 1
-
-    _apply._ddp_doctor = True  # type: ignore[attr-defined]
-    nn.Module._apply = _apply  # type: ignore[method-assign]
 
 
 def modes_of(module: nn.Module) -> tuple[int, dict[str, Any]]:
@@ -86,23 +57,6 @@ def modes_of(module: nn.Module) -> tuple[int, dict[str, Any]]:
     entry = {"training": module.training, "other_mode": other, "other_mode_count": count}
     named = {"frozen": [n for n, _ in frozen[:_MAX_NAMED]], "frozen_numels": [k for _, k in frozen[:_MAX_NAMED]]}
     return crc & 0x7FFFFFFF, {**entry, **named, "frozen_count": len(frozen)}
-
-
-def listen_to_empty() -> None:
-    """Remember the user's line of each `nn.Module.to_empty()` call in this process (once; at most 8)."""
-    if getattr(nn.Module.to_empty, "_ddp_doctor", False):
-        return
-    original = nn.Module.to_empty
-
-    def to_empty(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if len(TO_EMPTY_SITES) < 8:
-            site = user_site() or "an unknown place"
-            if site not in TO_EMPTY_SITES:
-                TO_EMPTY_SITES.append(site)
-        return original(self, *args, **kwargs)
-
-    to_empty._ddp_doctor = True  # type: ignore[attr-defined]
-    nn.Module.to_empty = to_empty  # type: ignore[method-assign]
 
 
 class StateScan:
@@ -176,6 +130,9 @@ class StateScan:
         on this rank), `site` (where it was registered), `data`, `readable`, `type` (as `unregistered`'s); at most 8."""
         self.late_count = 0
         """How many such buffers there are (the digest covers every one)."""
+        self.unreadable: list[dict[str, Any]] = []
+        """Those parameters (`unregistered`'s, and the frozen ones) and buffers (`late_buffers`) whose values the
+        check cannot read (`fingerprint.readable`), at the last step: `name`, `kind`, `type`, `data`; at most 8."""
         self.stale: int = 0
         """Tensors the optimizer steps that the model no longer holds (DDP registered them), at the last step."""
         self.outside: list[dict[str, Any]] = []
@@ -259,6 +216,12 @@ class StateScan:
             crc = self._scan_late(late, crc)
         else:
             self.late_buffers, self.late_count = [], 0
+        self.unreadable = [
+            {"name": name, "kind": kind, "type": type(t).__name__, "data": holds_data(t)}
+            for kind, held in (("parameter", unknown), ("buffer", late))
+            for name, t, _ in held
+            if not readable(t)
+        ][:8]
         held = {id(p) for p in self._module.parameters()}
         self.orphaned = [i for i, p in enumerate(self._positions) if id(p) not in held]
         if self.orphaned:
