@@ -7,7 +7,8 @@ not registered ... This may lead to silently incorrect behavior" and trains with
 first weight's gradient at step 0 is -0.0798 against -0.1597 for detached (a detached copy reduced for logging), and
 the weights end apart (sum -0.1182 against -0.0879). quarter-inplace (`loss * 0.25` after the SUM): the same
 gradient scaled by 0.25. sum-inplace (backward on the sum itself) and after (the reduction after the backward)
-compute the fix's gradients. Under FSDP2 (Adam) the heads end at -1.061453 against -1.061475. Before, the check
+compute the fix's gradients. activation (the output all-reduced before the loss, a tensor) is out of scope: tensor
+parallelism's row-parallel layer reduces its output so, and its gradient rightly passes through. Under FSDP2 (Adam) the heads end at -1.061453 against -1.061475. Before, the check
 reported each of them clean.
 """
 
@@ -63,7 +64,7 @@ def test_another_factor_after_the_sum_is_an_info_with_the_factor(tmp_path: Path)
     assert any(site.endswith(at) for site in found["sites"]), found["sites"]
 
 
-@pytest.mark.parametrize("case", ["sum-inplace", "after", "detached"])
+@pytest.mark.parametrize("case", ["sum-inplace", "after", "detached", "activation"])
 def test_a_reduction_that_changes_no_gradient_is_not_reported(tmp_path: Path, case: str) -> None:
     run = _check(tmp_path, case)
     assert "collective-in-graph" not in run.codes, run.output

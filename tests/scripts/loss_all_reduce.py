@@ -9,6 +9,8 @@ cases:
   sum-inplace    dist.all_reduce(loss) and backward on the sum itself (the gradient is unchanged)
   after          loss.backward(), then dist.all_reduce(loss) to log it
   detached       a detached copy reduced to log it (the fix)
+  activation     the model's output all-reduced in place before the loss (a tensor, not the loss: as tensor
+                 parallelism's row-parallel layer does, whose backward rightly passes the gradient through)
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ def main() -> None:
     first_grad = None
     for step in range(args.steps):
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
-        loss = model(x).pow(2).mean()
+        out = model(x)
+        if args.case == "activation":
+            dist.all_reduce(out)
+        loss = out.pow(2).mean()
         if args.case == "avg-inplace":
             dist.all_reduce(loss)
             loss = loss / world

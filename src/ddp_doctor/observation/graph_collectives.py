@@ -6,7 +6,9 @@ c10d collectives have no autograd formula: backward passes through them as if th
 own loss's, times whatever the script did to the reduced value afterwards: `loss /= world_size` after a SUM makes
 every gradient `world_size` times smaller than DDP's average of the ranks' own. A hook on the reduced tensor measures
 that factor when a backward goes through it (`scale`: the gradient arriving there, 1/world_size for that division);
-a reduction after the backward, or of a detached copy, never fires it and is not kept.
+a reduction after the backward, or of a detached copy, never fires it and is not kept. Only scalars are watched:
+an activation all-reduced in the forward (tensor parallelism's row-parallel layer) rightly passes its gradient
+through unchanged.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ class GraphCollectives:
     def note(self, call: Call) -> None:
         """The script entered `call` (a listener of `observation/collectives.py` passes it on)."""
         t = call.first
-        if call.op not in _REDUCTIONS or t is None or t.grad_fn is None or not t.requires_grad:
+        # A scalar only (a loss): an activation reduced in place in the forward (a row-parallel layer's all_reduce)
+        # rightly passes its gradient through unchanged, and has no single factor.
+        if call.op not in _REDUCTIONS or t is None or t.grad_fn is None or not t.requires_grad or t.numel() != 1:
             return
         site = user_site_of(call.caller, None) or "an unknown place"
         entry = self._sites.get(site)
