@@ -93,13 +93,17 @@ def test_a_clean_fsdp2_job_is_clean_and_its_sharding_is_named(tmp_path: Path, mi
         assert (tmp_path / "dcp").is_dir() and (tmp_path / "ck.pt").is_file()
 
 
-@pytest.mark.parametrize("mistake", ["final-eval", "opaque-buffer"])
+@pytest.mark.parametrize("mistake", ["final-eval", "keep-unsharded", "opaque-buffer"])
 def test_state_read_after_an_evaluation_or_unreadable_is_not_taken_for_a_mistake(tmp_path: Path, mistake: str) -> None:
     """final-eval: every rank evaluates once under no_grad after the last of 4 steps (plain torchrun: exit 0, both
     ranks print the same output sum, 0.437783). FSDP2 leaves the root's parameters unsharded after a forward that
     no backward follows: plain tensors registered on the modules in place of the DTensors the optimizer holds. The
     report, read at the script's end, named head.weight and head.bias `unsharded-params-not-synced` ("outside every
-    fully_shard group"), and a model with only a root group `optimizer-params-replaced` at error. opaque-buffer: a
+    fully_shard group"), and a model with only a root group `optimizer-params-replaced` at error. keep-unsharded
+    (`set_reshard_after_backward(False)`, ZeRO-2 style: every parameter stays unsharded from the backward on; plain
+    torchrun: exit 0; in a trial with SGD the training losses were the default's at every step, while an evaluation
+    right after each optimizer step saw the step before's weights, FSDP2 re-gathering them only at the next training
+    forward) read so at every step: `optimizer-params-replaced` at error for a small model in three groups. opaque-buffer: a
     buffer in a tensor subclass without the fingerprint's operations crashed both ranks inside the check (its
     fingerprint of the buffers at the first step); plain torchrun: exit 0."""
     run = check(

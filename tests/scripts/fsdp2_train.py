@@ -51,6 +51,8 @@
 --mistake temperature       a learnable loss temperature kept beside the model, stepped by the same optimizer
 --mistake temperature-synced clean: that temperature, its gradient averaged by the script before each step
 --mistake temperature-own-opt that temperature stepped by an optimizer of its own (SGD), not the model's
+--mistake keep-unsharded    clean: set_reshard_after_backward(False) on every sharded module (the parameters stay
+                            unsharded from the backward to the next forward, the optimizer steps the shards)
 --mistake final-eval        clean: after the last step every rank evaluates once under no_grad (FSDP2 leaves the
                             root's parameters unsharded after a forward no backward follows)
 --mistake opaque-buffer     a constant buffer held in a tensor subclass whose operations only its own dequantize()
@@ -149,6 +151,8 @@ if __name__ == "__main__":
         fully_shard(block)
     if "root-unsharded" not in mistakes:
         fully_shard(model)
+    if "keep-unsharded" in mistakes:  # ZeRO-2 style: the parameters stay gathered from backward to the next forward
+        model.set_reshard_after_backward(False)
     if "added-after" in mistakes:
         model.extra = nn.Linear(64, 64)
         before.update({f"extra.{n}": p.detach().clone() for n, p in model.extra.named_parameters()})
