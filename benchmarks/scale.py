@@ -24,6 +24,7 @@ Also measured on real groups: `guard` (creation, a replica comparison, one that 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -115,7 +116,13 @@ def before_bytes(world: int, params: int) -> dict[str, int]:
 
     info = make_info(params)
     rec = make_record(0, world, params)
-    meta = len(json.dumps({"record": rec.meta(), "info": info.to_dict()}).encode())
+    # the record's plain fields (not its per-step tensors), as the replaced exchange sent them
+    plain = {
+        f.name: getattr(rec, f.name)
+        for f in dataclasses.fields(rec)
+        if f.name not in (*RankRecord.TENSOR_FIELDS, "rank", "synced_grad_fp")
+    }
+    meta = len(json.dumps({"record": plain, "info": info.to_dict()}).encode())
     per_rank = 6 * 8 + RankRecord.packed_size(STEPS, params, 0) * 8 + meta
     return {"sent": per_rank, "received": world * per_rank}
 
