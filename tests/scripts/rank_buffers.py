@@ -16,6 +16,8 @@ cases:
   opaque           as bufferless, with `shift` held in a tensor subclass whose operations only its own
                    `dequantize()` supports (as a quantized weight's), and a frozen parameter `codebook` of that
                    subclass attached after the wrap: the check cannot read either
+  opaque-at-wrap   that `shift` registered before the wrap, from each rank's own seed (with broadcast_buffers=False
+                   DDP takes it, and never broadcasts it)
 """
 
 from __future__ import annotations
@@ -83,8 +85,10 @@ def main() -> None:
     torch.manual_seed(0)
     bufferless = args.case in ("bufferless", "opaque")
     net = Net(seed=rank if args.case == "drawn-per-rank" else 0, batchnorm=args.case == "batchnorm", scale=not bufferless)
-    model = DistributedDataParallel(net, broadcast_buffers=args.broadcast_buffers)
     own = torch.Generator().manual_seed(100 + rank)
+    if args.case == "opaque-at-wrap":  # (DDP cannot broadcast it: broadcast_buffers=False only)
+        net.register_buffer("shift", Opaque(torch.rand(8, generator=own)))
+    model = DistributedDataParallel(net, broadcast_buffers=args.broadcast_buffers)
     if args.case == "reassigned":
         model.module.scale = torch.rand(8, generator=own) + 0.5  # after the wrap, each rank its own
     elif args.case in ("registered", "bufferless"):

@@ -111,6 +111,15 @@ def test_a_buffer_registered_after_wrapping_a_model_without_buffers_is_never_bro
     assert run.rc == 1
 
 
+def test_a_buffer_ddp_holds_that_the_check_cannot_read_is_listed_as_not_compared(tmp_path: Path) -> None:
+    """opaque-at-wrap: plain torchrun exit 0, the probes -0.397 and -0.763 (the buffer is each rank's own); the
+    report said "No problems found" and named nothing."""
+    run = _check(tmp_path, "opaque-at-wrap")
+    assert run.codes == set(), run.output
+    assert run.report["compared"]["buffers"] == 1 and run.report["compared"]["buffers_not_recorded"] == 1  # scale, shift
+    assert [line for line in run.report["unchecked"] if "buffer shift" in line], run.report["unchecked"]
+
+
 def test_a_buffer_the_check_cannot_read_is_listed_as_not_compared(tmp_path: Path) -> None:
     run = _check(tmp_path, "opaque", "--broadcast-buffers")
     assert run.codes == set(), run.output

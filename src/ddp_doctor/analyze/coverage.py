@@ -58,18 +58,25 @@ def compared(summary: Summary) -> dict[str, Any]:
 
 
 def unreadable(summary: Summary) -> list[str]:
-    """The tensors in the module tree, beyond what DDP registered, whose values the check cannot read (a tensor
-    subclass whose ops the fingerprint cannot run, as a quantized weight's; on the meta device; a lazy module's before
-    its first forward), as rank 0 saw them at the last step: their copies were not compared across the ranks."""
-    held = summary.metas.get(0, {}).get("unreadable") or []
-    if not held:
-        return []
-    names = ", ".join(
+    """The tensors in the module tree whose values the check cannot read (a tensor subclass whose ops the fingerprint
+    cannot run, as a quantized weight's; on the meta device; a lazy module's before its first forward): those beyond
+    what DDP registered as rank 0 saw them at the last step, and DDP's buffers no rank recorded at any step. Their
+    copies were not compared across the ranks."""
+    held = [
         f"{e['kind']} {e['name']} ({e['type']}"
         + ("" if e["data"] else ", no values yet: on the meta device or lazy")
         + ")"
-        for e in held[:4]
-    )
+        for e in summary.metas.get(0, {}).get("unreadable") or []
+    ]
+    # The buffers DDP was built with that no rank could fingerprint at a step whose training forward the check saw
+    # (DDP built with broadcast_buffers=False takes one of a subclass it could not broadcast, or holding NaN).
+    s, seen = summary.steps, summary.buffer_seen
+    if s and seen.numel() and bool(summary.input_present[:s].any()):
+        never = (~seen[:s].any(0)).nonzero().flatten().tolist()
+        held += [f"buffer {summary.info.buffer_names[i]} (no value read: a tensor subclass, or NaN)" for i in never]
+    if not held:
+        return []
+    names = ", ".join(held[:4])
     more = f" and {len(held) - 4} more" if len(held) > 4 else ""
     return [
         f"the values of {names}{more}: the check cannot read them (a tensor subclass whose operations it cannot "
