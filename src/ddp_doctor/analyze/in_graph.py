@@ -50,8 +50,8 @@ def _finding(e: dict[str, Any], scale: float, world: int, averaged: bool, ranks:
     passes = (
         f"dist.{e['call']} at {site} reduces a tensor the backward goes through (the loss, reduced before "
         "backward). The c10d collectives have no autograd formula, so backward passes through the all_reduce as "
-        f"if it were not there: each rank's gradient is its own loss's times {scale:.4g}, the factor the script "
-        "applied to the reduced value before the backward"
+        f"if it were not there: each rank's gradient is its own loss's times {scale:.4g}, the factor applied to the "
+        "reduced value before the backward"
     )
     if averaged:
         title = (
@@ -69,8 +69,8 @@ def _finding(e: dict[str, Any], scale: float, world: int, averaged: bool, ranks:
             f"backward goes through an in-place dist.all_reduce as if it were not there (gradients times {scale:.4g})"
         )
         detail = (
-            f"{passes}. The gradient of the reduced value would sum the ranks' gradients; this one is the rank's "
-            "own, scaled."
+            f"{passes} (the script's weight or division, or a GradScaler's scale). The gradient of the reduced value "
+            "would sum the ranks' gradients; this one is the rank's own, scaled."
         )
     return Finding(
         code=Code.COLLECTIVE_IN_GRAPH,
