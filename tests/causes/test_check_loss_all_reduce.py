@@ -7,7 +7,8 @@ not registered ... This may lead to silently incorrect behavior" and trains with
 first weight's gradient at step 0 is -0.0798 against -0.1597 for detached (a detached copy reduced for logging), and
 the weights end apart (sum -0.1182 against -0.0879). quarter-inplace (`loss * 0.25` after the SUM): the same
 gradient scaled by 0.25. sum-inplace (backward on the sum itself) and after (the reduction after the backward)
-compute the fix's gradients. activation (the output all-reduced before the loss, a tensor) is out of scope: tensor
+compute the fix's gradients. With AMP's GradScaler (`scaler.scale(loss).backward()`, amp-avg-inplace against
+amp-detached) the same halving, -0.0798 against -0.1597 after `unscale_`. activation (the output all-reduced before the loss, a tensor) is out of scope: tensor
 parallelism's row-parallel layer reduces its output so, and its gradient rightly passes through. Under FSDP2 (Adam) the heads end at -1.061453 against -1.061475. Before, the check
 reported each of them clean.
 """
@@ -39,19 +40,22 @@ def _measured(found: dict) -> dict[str, float]:
     return {m["name"]: m["value"] for m in found["measured"]}
 
 
+@pytest.mark.parametrize("amp", ["", "amp-"])
 def test_a_loss_averaged_in_place_before_backward_halves_every_gradient_and_is_named_at_its_line(
-    tmp_path: Path,
+    tmp_path: Path, amp: str
 ) -> None:
-    halved, fixed = _grad(tmp_path, "avg-inplace"), _grad(tmp_path, "detached")
+    halved, fixed = _grad(tmp_path, f"{amp}avg-inplace"), _grad(tmp_path, f"{amp}detached")
     assert halved == pytest.approx(fixed / 2, rel=1e-5), (halved, fixed)
-    run = _check(tmp_path / "check", "avg-inplace")
+    run = _check(tmp_path / "check", f"{amp}avg-inplace")
     found = run.finding("collective-in-graph")
     assert found["severity"] == "warning" and found["ranks"] == [0] and found["steps"] == [0], found
-    where = line_of(SCRIPT, 'args.case == "avg-inplace"') + 1
+    where = line_of(SCRIPT, '("avg-inplace", "amp-avg-inplace")') + 1
     at = f"loss_all_reduce.py:{where}"
     assert any(site.endswith(at) for site in found["sites"]), (found["sites"], at)
     measured = _measured(found)
     assert measured["gradient_factor"] == pytest.approx(0.5, rel=1e-6) and measured["group_size"] == 2, measured
+    # AMP's GradScaler multiplies the gradient by its loss scale (65536 at the start), which it divides out later
+    assert measured.get("loss_scale") == (65536.0 if amp else None), measured
     assert "detach()" in found["fix"], found
 
 
@@ -64,7 +68,7 @@ def test_another_factor_after_the_sum_is_an_info_with_the_factor(tmp_path: Path)
     assert any(site.endswith(at) for site in found["sites"]), found["sites"]
 
 
-@pytest.mark.parametrize("case", ["sum-inplace", "after", "detached", "activation"])
+@pytest.mark.parametrize("case", ["sum-inplace", "after", "detached", "amp-detached", "activation"])
 def test_a_reduction_that_changes_no_gradient_is_not_reported(tmp_path: Path, case: str) -> None:
     run = _check(tmp_path, case)
     assert "collective-in-graph" not in run.codes, run.output

@@ -9,6 +9,8 @@ cases:
   sum-inplace    dist.all_reduce(loss) and backward on the sum itself (the gradient is unchanged)
   after          loss.backward(), then dist.all_reduce(loss) to log it
   detached       a detached copy reduced to log it (the fix)
+  amp-avg-inplace as avg-inplace, the backward through AMP's GradScaler (`scaler.scale(loss).backward()`)
+  amp-detached   the fix, with that GradScaler
   activation     the model's output all-reduced in place before the loss (a tensor, not the loss: as tensor
                  parallelism's row-parallel layer does, whose backward rightly passes the gradient through)
 """
@@ -35,6 +37,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu") if args.case.startswith("amp-") else None
     first_grad = None
     for step in range(args.steps):
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
@@ -42,7 +45,7 @@ def main() -> None:
         if args.case == "activation":
             dist.all_reduce(out)
         loss = out.pow(2).mean()
-        if args.case == "avg-inplace":
+        if args.case in ("avg-inplace", "amp-avg-inplace"):
             dist.all_reduce(loss)
             loss = loss / world
         elif args.case == "quarter-inplace":
@@ -50,16 +53,22 @@ def main() -> None:
             loss = loss * 0.25
         elif args.case == "sum-inplace":
             dist.all_reduce(loss)
-        elif args.case == "detached":
+        elif args.case in ("detached", "amp-detached"):
             logged = loss.detach().clone()
             dist.all_reduce(logged)
         opt.zero_grad()
-        loss.backward()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         if args.case == "after":
             dist.all_reduce(loss)
+        if scaler is not None:
+            scaler.unscale_(opt)
         if first_grad is None:
             first_grad = model.module.weight.grad[0, 0].item()
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         weights = sum(p.detach().double().sum().item() for p in model.parameters())

@@ -82,5 +82,9 @@ def _finding(e: dict[str, Any], scale: float, world: int, averaged: bool, ranks:
         steps=[e["step"]] if e.get("step") is not None else [],
         fix=f"reduce a detached copy for logging and call backward on this rank's own loss ({wrapper} averages the "
         "gradients): `logged = loss.detach().clone(); dist.all_reduce(logged); logged /= world_size`.",
-        measured=[Measure("gradient_factor", scale, "ratio"), Measure("group_size", world, "count")],
+        measured=[
+            Measure("gradient_factor", scale, "ratio"),
+            Measure("group_size", world, "count"),
+            *([Measure("loss_scale", e["loss_scale"], "ratio")] if e.get("loss_scale", 1.0) != 1.0 else []),
+        ],
     )

@@ -16,11 +16,19 @@ import torch
 from ddp_doctor.core.records import decode_scale, encode_scale
 from ddp_doctor.observation.hooks import ListenerList
 
-__all__ = ["decode", "encode", "listen"]
+__all__ = ["decode", "encode", "listen", "scaled"]
 
 Listener = Callable[[float], None]
 _listeners: ListenerList[Listener] = ListenerList()
 _installed = False
+_scaled: list[Any] = [0, None]
+"""How many `GradScaler.scale(outputs)` calls this process made since the probe was installed, and the last one's
+scale tensor: a backward from a scaled loss carries that factor."""
+
+
+def scaled() -> tuple[int, torch.Tensor | None]:
+    """(the count of `GradScaler.scale` calls so far, the last one's scale tensor)."""
+    return _scaled[0], _scaled[1]
 
 
 encode = encode_scale
@@ -57,6 +65,18 @@ def _install() -> None:
             return __original(self, *args, **kwargs)
 
         cls.step = step
+        original_scale = cls.__dict__.get("scale")
+        if original_scale is None:
+            continue
+
+        @functools.wraps(original_scale)
+        def scale(self: Any, outputs: Any, __original: Any = original_scale) -> Any:
+            out = __original(self, outputs)
+            if self.is_enabled() and getattr(self, "_scale", None) is not None:
+                _scaled[0], _scaled[1] = _scaled[0] + 1, self._scale
+            return out
+
+        cls.scale = scale
 
 
 def listen(listener: Listener) -> Callable[[], None]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ddp_doctor.core.frames import user_site_of
+from ddp_doctor.observation import gradscaler
 from ddp_doctor.observation.collectives import Call
 
 __all__ = ["GraphCollectives"]
@@ -43,7 +44,8 @@ class GraphCollectives:
     def found(self) -> list[dict[str, Any]]:
         """Per line of the script, the first time a backward went through it: `call` (`all_reduce(float32[])`),
         `reduce_op` (`SUM` when none was passed), `group_size`, `site`, `step`, `scale` (the mean gradient that
-        arrived at the reduced tensor: the factor the script applied to it before the backward)."""
+        arrived at the reduced tensor over a GradScaler's `loss_scale`, 1 without one: the factor the script applied
+        to it before the backward)."""
         return [dict(e) for e in self._sites.values() if e["scale"] is not None]
 
     def note(self, call: Call) -> None:
@@ -67,12 +69,17 @@ class GraphCollectives:
                 "scale": None,
             }
         if entry["scale"] is None:  # one hook per call until a backward has gone through one
-            t.register_hook(self._through(entry, self._step()))
+            t.register_hook(self._through(entry, self._step(), gradscaler.scaled()[0]))
 
     @staticmethod
-    def _through(entry: dict[str, Any], step: int) -> Callable[[torch.Tensor], None]:
+    def _through(entry: dict[str, Any], step: int, scaler_calls: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if entry["scale"] is None:
-                entry["scale"], entry["step"] = float(grad.detach().double().mean()), step
+                # A GradScaler that scaled a loss since the reduction multiplied this gradient by its loss scale,
+                # which it divides out before the step: the script's own factor is what is left.
+                calls, loss_scale = gradscaler.scaled()
+                divide = float(loss_scale) if calls > scaler_calls and loss_scale is not None else 1.0
+                entry["scale"], entry["step"] = float(grad.detach().double().mean()) / divide, step
+                entry["loss_scale"] = divide
 
         return hook
