@@ -15,7 +15,7 @@ from typing import Any
 
 from ddp_doctor.core.summary import Summary
 
-__all__ = ["compared", "unreadable"]
+__all__ = ["compared", "not_read", "unreadable"]
 
 _GRADS_AT = {"step": "optimizer.step()", "closure": "the end of optimizer.step()", "backward": "the synced backward"}
 
@@ -74,11 +74,14 @@ def unreadable(summary: Summary) -> list[str]:
     if s and seen.numel() and bool(summary.input_present[:s].any()):
         never = (~seen[:s].any(0)).nonzero().flatten().tolist()
         held += [f"buffer {summary.info.buffer_names[i]} (no value read: a tensor subclass, or NaN)" for i in never]
-    if not held:
-        return []
-    names = ", ".join(held[:4])
+    return [not_read(held)] if held else []
+
+
+def not_read(held: list[str]) -> str:
+    """The "Not checked" sentence for tensors the check cannot read, named (with their types) in `held`; for every
+    parallelism."""
     more = f" and {len(held) - 4} more" if len(held) > 4 else ""
-    return [
-        f"the values of {names}{more}: the check cannot read them (a tensor subclass whose operations it cannot "
-        "run, or a tensor without values), so whether the ranks' copies are equal was not compared."
-    ]
+    return (
+        f"the values of {', '.join(held[:4])}{more}: the check cannot read them (a tensor subclass whose operations "
+        "it cannot run, or a tensor without values), so whether the ranks' copies are equal was not compared."
+    )

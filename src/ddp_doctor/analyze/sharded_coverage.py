@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ddp_doctor.analyze.coverage import not_read
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 from ddp_doctor.core.steptime import MIN_STEPS
 
@@ -100,11 +101,7 @@ def sharded_unchecked(run: ShardedRun) -> list[str]:
         f"FSDP2: {skipped}",
         *_replicas_unchecked(run, "FSDP2"),
         *_beside_mesh(run),
-        *(
-            [f"FSDP2: the values of buffer(s) {', '.join(run.buffers_unreadable[:4])}: the check cannot read them"]
-            if run.buffers_unreadable
-            else []
-        ),
+        *(["FSDP2: " + not_read([f"buffer {b}" for b in run.buffers_unreadable])] if run.buffers_unreadable else []),
     ]
 
 

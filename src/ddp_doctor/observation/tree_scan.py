@@ -110,7 +110,7 @@ class StateScan:
         """The trainable parameters DDP does not hold, at the last step: `name`, `shape`, `site` (where they were
         attached to the tree, when seen), `used` (a gradient reached it at some observed step's end), `data` (it
         holds values: not on the meta device, not a lazy module's before its first forward), `readable` (its values
-        can be fingerprinted: `fingerprint.readable`), `type` (its class)."""
+        can be fingerprinted: `fingerprint.readable`)."""
         self._used: set[int] = set()
         self.orphaned: list[int] = []
         """Positions (in the observed parameter list) of parameters DDP registered that the tree no longer holds:
@@ -127,7 +127,7 @@ class StateScan:
         self.late_buffers: list[dict[str, Any]] = []
         """When DDP does not broadcast buffers: those registered under a new name after the wrap, at the last step:
         `name`, `shape`, `fp` (their fingerprint: the ranks' are compared), `changing` (it changed between two steps
-        on this rank), `site` (where it was registered), `data`, `readable`, `type` (as `unregistered`'s); at most 8."""
+        on this rank), `site` (where it was registered), `readable` (as `unregistered`'s); at most 8."""
         self.late_count = 0
         """How many such buffers there are (the digest covers every one)."""
         self.unreadable: list[dict[str, Any]] = []
@@ -251,7 +251,6 @@ class StateScan:
                 "used": id(p) in self._used,
                 "data": holds_data(p),
                 "readable": readable(p),
-                "type": type(p).__name__,
             }
             for n, p, s in trainable
         ][:64]
@@ -297,9 +296,7 @@ class StateScan:
                     "fp": fp,
                     "changing": moved,
                     "site": site or None,
-                    "data": holds_data(b),
                     "readable": readable(b),
-                    "type": type(b).__name__,
                 }
             )
         self.late_buffers, self.late_count = entries[:8], len(entries)
