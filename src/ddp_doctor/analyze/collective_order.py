@@ -195,7 +195,7 @@ def unpaired_forward_mismatch(v: View) -> list[Finding]:
         return []
     first = bad[0]
     extra, rest, sites = _apart(v, "unpaired-extra", "unpaired-fewer", "unpaired_sites")
-    broadcasts = bool(v.info.buffer_names) and bool(v.info.ddp_config.get("broadcast_buffers", True))
+    broadcasts = v.info.buffers_synced
     words = unpaired_words(
         extra=rank_list(extra.ranks, more=extra.more),
         rest=rank_list(rest.ranks, more=rest.more),

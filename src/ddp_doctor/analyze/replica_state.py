@@ -251,7 +251,7 @@ def buffer_divergence(v: View) -> list[Finding]:
     late = late_apart(v)
     if late:
         entries, running = late
-        never = broadcast and not v.info.buffer_names  # DDP syncs buffers only if the model had some when built
+        never = broadcast and not v.info.buffers_synced  # the flag is on, yet DDP had no buffers when built
         found.append(
             buffers_apart(
                 buffers=[param_entry(e) for e in entries],

@@ -22,6 +22,7 @@ __all__ = [
     "HAS_FORWARD_SYNC_BUFFERS",
     "HAS_INIT_SYNC",
     "TORCH_VERSION",
+    "ddp_broadcasts_buffers",
     "ddp_logging_data",
     "ddp_syncs_buffers",
     "default_store",
@@ -64,6 +65,14 @@ def ddp_syncs_buffers(ddp: DistributedDataParallel) -> bool:
     if HAS_FORWARD_SYNC_BUFFERS and hasattr(ddp, "forward_sync_buffers"):
         return bool(ddp.forward_sync_buffers)
     return bool(getattr(ddp, "broadcast_buffers", True))
+
+
+def ddp_broadcasts_buffers(ddp: DistributedDataParallel) -> bool:
+    """Whether DDP broadcasts rank 0's buffers before its forwards at all: the flag, and buffers in the list DDP
+    made at construction (`will_sync_module_buffers` reads it; DDP refreshes the list only while it is not empty, so
+    a buffer registered after wrapping a model that had none is never broadcast)."""
+    held = getattr(ddp, "modules_buffers", None)
+    return ddp_syncs_buffers(ddp) and (held is None or len(held) > 0)
 
 
 def ddp_logging_data(ddp: DistributedDataParallel) -> dict[str, Any] | None:

@@ -89,6 +89,10 @@ class ModelInfo:
     buffer_shapes: list[tuple[int, ...]]
     ddp_config: dict[str, Any]
     """The flags the script built DDP with (`find_unused_parameters`, `static_graph`, ...)."""
+    buffers_synced: bool | None = None
+    """DDP broadcasts rank 0's buffers before each forward: built with `broadcast_buffers=True` and holding buffers
+    then (read from DDP by `ddp_broadcasts_buffers`; a record built without a DDP instance derives it from the flag
+    and `buffer_names`). The one place the analysis and the observation learn it."""
     wrap_state_exact: bool = True
     """False when the trainable set at wrap time had to be inferred from the state at `observe()` entry."""
     wrap_trainable_count: int | None = None
@@ -106,6 +110,8 @@ class ModelInfo:
     """The framework versions installed where the model was built (how fixes and snippets are phrased)."""
 
     def __post_init__(self) -> None:
+        if self.buffers_synced is None:
+            self.buffers_synced = bool(self.buffer_names) and bool(self.ddp_config.get("broadcast_buffers", True))
         n = len(self.param_names)
         if not (len(self.param_shapes) == len(self.trainable_at_wrap) == len(self.ignored) == n):
             raise ValueError(

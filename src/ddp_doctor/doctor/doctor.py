@@ -145,8 +145,7 @@ class Doctor:
             t.params,
             lambda: t.optimizer,
             buffer_slots=t.buffer_slots,
-            # DDP syncs buffers only when the model had some when it was built (`will_sync_module_buffers`).
-            broadcast_buffers=bool(self.info.ddp_config.get("broadcast_buffers", True)) and bool(t.buffers),
+            broadcast_buffers=self.info.buffers_synced,
             beside=t.beside,
         )
         self._timeline = Timeline(
