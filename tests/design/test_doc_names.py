@@ -20,7 +20,7 @@ from ddp_doctor.core.codes import CODES
 
 FOREIGN = {
     # torch's, the frameworks' and a user script's names the docs quote (ours are checked, these are not)
-    "Accelerator", "DDPStrategy", "GradScaler", "PreTrainedModel", "SequentialLR", "Trainer", "TrainingArguments",
+    "Accelerator", "HierarchicalModelAverager", "DDPStrategy", "GradScaler", "PreTrainedModel", "SequentialLR", "Trainer", "TrainingArguments",
     "accelerator", "clip_grad_norm_", "clip_grad_value_", "compute_loss", "d_loss", "ddp_broadcast_buffers",
     "ddp_bucket_cap_mb", "ddp_find_unused_parameters", "ddp_static_graph", "fully_shard", "g_loss", "lightning",
     "loss_fn", "manual_backward", "max_batches", "mul_", "no_sync", "on_epoch_end", "pytorch", "pytorch_lightning",

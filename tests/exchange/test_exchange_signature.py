@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "9984ec58294d6f2e",
-    "odd-70": "754145e4993b2f47",
-    "infos-differ-3": "5af3c9759a8e5138",
-    "edited-2": "67112d99994d7dc2",
-    "inferred-2": "6c7d9f2e30224467",
-    "clean-1": "69a0dccf3e7f1488",
+    "seeded-6": "046c3887ae0adcbf",
+    "odd-70": "3ec8a28315c2c4aa",
+    "infos-differ-3": "b9fbcc42323ead67",
+    "edited-2": "bb834dfc8f597679",
+    "inferred-2": "962eda91aebdc90d",
+    "clean-1": "8caf12badac9ee5d",
 }
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.common import steps_of, with_evidence, with_more
 from ddp_doctor.analyze.links import UNSYNCED
+from ddp_doctor.analyze.local_sgd import local_sgd
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
@@ -80,6 +81,22 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
             ".grad between backward and the optimizer step."
         ),
     )
+    local = local_sgd(v)
+    if local is not None and local.explains(steps) and not found.intersection(UNSYNCED):
+        title, detail = local.grads_words()
+        return [
+            Finding(
+                code=Code.GRADS_NOT_SYNCED,
+                severity="info",
+                title=title,
+                detail=detail,
+                params=v.params(params),
+                ranks=ranks,
+                steps=steps,
+                more_ranks=others.more,
+                measured=local.measured[:1],
+            )
+        ]
     hook = v.meta(0).get("comm_hook")
     if hook and not found.intersection(UNSYNCED) and not unsynced_steps(v, steps):
         where = f" (defined at {hook['site']})" if hook.get("site") else ""

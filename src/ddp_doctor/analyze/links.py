@@ -14,7 +14,7 @@ from ddp_doctor.analyze.causes import CAUSES
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 
-__all__ = ["UNSYNCED", "link_causes"]
+__all__ = ["UNSYNCED", "divergence_fix", "link_causes"]
 
 UNSYNCED = (
     Code.PARAM_SHAPES_DIFFER,
@@ -74,7 +74,54 @@ def link_causes(findings: list[Finding]) -> None:
     by_code: dict[str, list[Finding]] = {}
     for f in findings:
         by_code.setdefault(f.code, []).append(f)
+    # A problem is never shown under a cause that is only an info (a warning that post-local SGD's replicas are
+    # never averaged reads on its own, not under the info that says its gradients differ by design).
+    info_only = {code for code, found in by_code.items() if all(g.severity == "info" for g in found)}
     for f in findings:
-        f.caused_by = [str(c) for c in dict.fromkeys(_causes_of(f, by_code)) if c != f.code]
+        causes = dict.fromkeys(_causes_of(f, by_code))
+        f.caused_by = [str(c) for c in causes if c != f.code and (c not in info_only or f.severity == "info")]
     for f in findings:
         f.explains = list(dict.fromkeys(g.code for g in findings if f.code in g.caused_by))
+
+
+_RESTART = "Restart from a checkpoint saved before the divergence, or re-broadcast rank 0's weights knowingly."
+
+
+def _agreed(measured: dict[str, int]) -> str:
+    """When the gradients were compared across the ranks, in words: what was measured, no more."""
+    if measured.get("step") and measured.get("closure"):
+        at = "and when optimizer.step() used them (at its start, or when a closure-based step returned)"
+    elif measured.get("step"):
+        at = "and when optimizer.step() began"
+    elif measured.get("closure"):
+        at = "and when optimizer.step() returned (its closure ran the backward inside it)"
+    else:
+        return "the gradients agreed after DDP's all-reduce at every step observed (no optimizer step was seen)"
+    return f"the gradients agreed after DDP's all-reduce {at}, at every step observed"
+
+
+def divergence_fix(found: frozenset[str], measured: dict[str, int]) -> str:
+    """What to do about replicas that differ: fix what the other findings name; when none of them explains it,
+    say what was measured and which causes were looked for and not seen."""
+    if Code.GRADS_NOT_SYNCED in found:
+        return f"fix the cause (see grads-not-synced and the findings that explain it); {_RESTART[0].lower()}{_RESTART[1:]}"
+    causes = [c for c in CAUSES if c in found]
+    if causes:
+        those = "that finding" if len(causes) == 1 else "those findings"
+        return f"fix the cause: {', '.join(causes)} (see {those}). Then {_RESTART[0].lower()}{_RESTART[1:]}"
+    agreed = _agreed(measured)
+    if found.intersection(UNSYNCED):
+        return (
+            f"fix the cause named by the other findings; {agreed}, so the updates themselves differed (an extra "
+            "synced pass on one rank, a rank-dependent optimizer setting, or weights changed outside the "
+            f"optimizer). {_RESTART}"
+        )
+    return (
+        f"the cause is unknown. {agreed[0].upper()}{agreed[1:]}, and none of the causes ddp-doctor looks for was "
+        "seen: no gradients changed on some ranks after DDP's all-reduce (grads-changed-after-sync), the same "
+        "optimizer settings on every rank at the steps observed (optimizer-differs), the same optimizer steps "
+        "taken in lockstep (optimizer-step-skipped), identical replicas before the first step "
+        "(replicas-differ-at-wrap), no write to the weights outside the optimizer on some ranks only, nor one on "
+        "every rank after which they parted (weights-changed-outside-optimizer). Look for what changes the weights per rank that these do not cover "
+        f"(an optimizer the check did not observe, a parameter replaced rather than written in place). {_RESTART}"
+    )

@@ -190,9 +190,11 @@ def recommend(v: View, findings: list[Finding]) -> Recommendation:
     same = find_unused == v.find_unused and static == v.static_graph and not freeze
     verified = same and not errors and v.steps >= 2
     if verified:
+        # gradients that differ by design (post-local SGD, at info) agreed only before they began to
+        apart = min((s for f in findings if f.code == Code.GRADS_NOT_SYNCED for s in f.steps), default=None)
         parts.append(
             "Verified: this run already uses it, and every trainable gradient agreed across the ranks at each "
-            "observed optimizer step."
+            + ("observed optimizer step." if apart is None else f"observed optimizer step before step {apart}.")
         )
     elif errors and same:
         parts.append("The flags are right, but errors remain that flags cannot fix (see the findings).")

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from ddp_doctor.analyze import rules
-from ddp_doctor.analyze.causes import CAUSES
 from ddp_doctor.analyze.common import all_ranks, steps_of, with_evidence, with_flags, with_more
-from ddp_doctor.analyze.links import UNSYNCED
+from ddp_doctor.analyze.links import UNSYNCED, divergence_fix
+from ddp_doctor.analyze.local_sgd import local_sgd
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.snippets import freeze_point
 from ddp_doctor.analyze.tree_state import differing, param_entry
@@ -18,48 +18,6 @@ from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
 
 __all__ = ["buffer_divergence", "buffers_apart", "modes_apart", "modes_differ", "replica_divergence", "replicas_parted"]
-
-_RESTART = "Restart from a checkpoint saved before the divergence, or re-broadcast rank 0's weights knowingly."
-
-
-def _agreed(measured: dict[str, int]) -> str:
-    """When the gradients were compared across the ranks, in words: what was measured, no more."""
-    if measured.get("step") and measured.get("closure"):
-        at = "and when optimizer.step() used them (at its start, or when a closure-based step returned)"
-    elif measured.get("step"):
-        at = "and when optimizer.step() began"
-    elif measured.get("closure"):
-        at = "and when optimizer.step() returned (its closure ran the backward inside it)"
-    else:
-        return "the gradients agreed after DDP's all-reduce at every step observed (no optimizer step was seen)"
-    return f"the gradients agreed after DDP's all-reduce {at}, at every step observed"
-
-
-def _divergence_fix(found: frozenset[str], measured: dict[str, int]) -> str:
-    """What to do about replicas that differ: fix what the other findings name; when none of them explains it,
-    say what was measured and which causes were looked for and not seen."""
-    if Code.GRADS_NOT_SYNCED in found:
-        return f"fix the cause (see grads-not-synced and the findings that explain it); {_RESTART[0].lower()}{_RESTART[1:]}"
-    causes = [c for c in CAUSES if c in found]
-    if causes:
-        those = "that finding" if len(causes) == 1 else "those findings"
-        return f"fix the cause: {', '.join(causes)} (see {those}). Then {_RESTART[0].lower()}{_RESTART[1:]}"
-    agreed = _agreed(measured)
-    if found.intersection(UNSYNCED):
-        return (
-            f"fix the cause named by the other findings; {agreed}, so the updates themselves differed (an extra "
-            "synced pass on one rank, a rank-dependent optimizer setting, or weights changed outside the "
-            f"optimizer). {_RESTART}"
-        )
-    return (
-        f"the cause is unknown. {agreed[0].upper()}{agreed[1:]}, and none of the causes ddp-doctor looks for was "
-        "seen: no gradients changed on some ranks after DDP's all-reduce (grads-changed-after-sync), the same "
-        "optimizer settings on every rank at the steps observed (optimizer-differs), the same optimizer steps "
-        "taken in lockstep (optimizer-step-skipped), identical replicas before the first step "
-        "(replicas-differ-at-wrap), no write to the weights outside the optimizer on some ranks only, nor one on "
-        "every rank after which they parted (weights-changed-outside-optimizer). Look for what changes the weights per rank that these do not cover "
-        f"(an optimizer the check did not observe, a parameter replaced rather than written in place). {_RESTART}"
-    )
 
 
 @detects(Code.REPLICA_DIVERGENCE, reads_found=True)
@@ -76,6 +34,24 @@ def replica_divergence(v: View, found: frozenset[str]) -> list[Finding]:
     others = v.ranks("weight-differs")
     ranks = [0] + others.ranks
     when = "already when observe() started" if at_entry else f"after step {after[0]}"
+    local = local_sgd(v)
+    if local is not None and local.explains(after) and not found.intersection(UNSYNCED):
+        severity, title, detail, fix = local.weights_words()
+        return [
+            Finding(
+                code=Code.REPLICA_DIVERGENCE,
+                severity=severity,
+                title=title,
+                detail=detail,
+                fix=fix,
+                params=v.params(params),
+                ranks=ranks,
+                steps=after,
+                more_ranks=others.more,
+                sites=lines_of(local.averager_site or ""),
+                measured=[Measure("largest_sum_difference", gap, "abs"), *local.measured],
+            )
+        ]
     return [
         with_more(
             with_evidence(
@@ -87,7 +63,7 @@ def replica_divergence(v: View, found: frozenset[str]) -> list[Finding]:
                     params=v.params(params),
                     ranks=ranks,
                     steps=after,
-                    fix=_divergence_fix(found, v.summary.grads_measured),
+                    fix=divergence_fix(found, v.summary.grads_measured),
                 ),
                 measured=[Measure("largest_sum_difference", gap, "abs")],
             ),

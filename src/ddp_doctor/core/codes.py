@@ -207,12 +207,14 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.WRAPPER_BYPASS, Family.SYNC, "error", "agreement.py",
          "the wrapped module is called directly, so DDP never syncs",
          guard=True),
-    _row(Code.GRADS_NOT_SYNCED, Family.SYNC, "error", "agreement.py",
-         "gradients differ across ranks when the optimizer steps"),
-    _row(Code.REPLICA_DIVERGENCE, Family.SYNC, "error/warning", "replica_state.py",
+    _row(Code.GRADS_NOT_SYNCED, Family.SYNC, "error/info", "agreement.py",
+         "gradients differ across ranks when the optimizer steps",
+         when="error; info under post-local SGD from the step its comm hook stops averaging over every rank"),
+    _row(Code.REPLICA_DIVERGENCE, Family.SYNC, "error/warning/info", "replica_state.py",
          "weights differ across ranks (or, from the module tree, the modules' train/eval modes)",
-         when="error; warning when every difference is at float64 rounding level, and for modules whose mode "
-              "differs across ranks",
+         when="error; warning when every difference is at float64 rounding level, for modules whose mode "
+              "differs across ranks, and under post-local SGD with no model averaging seen; info between its "
+              "model averagings",
          guard=True),
     _row(Code.BUFFER_DIVERGENCE, Family.SYNC, "error/warning", "replica_state.py",
          "buffers differ across ranks",

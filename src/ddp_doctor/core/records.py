@@ -296,6 +296,9 @@ class RankRecord:
     graph_collectives: list[dict[str, Any]] = field(default_factory=list)
     """The script's in-place reductions of a tensor autograd tracks that a backward went through, per line
     (`observation.graph_collectives.GraphCollectives.found`)."""
+    model_averaging: dict[str, Any] | None = None
+    """When a model averager (post-local SGD) averaged the parameters: after which steps, over how many ranks, from
+    which line (`observation.model_averaging.Averagings.found`)."""
 
     TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
         "used",

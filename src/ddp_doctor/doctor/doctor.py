@@ -135,6 +135,8 @@ class Doctor:
         self._serial = next(Doctor._serials)
         self._reports = 0
         self._finished = False
+        self._hook_iteration = 0
+        """post-local SGD hook's iteration when observing began (`comm_hook_of`)."""
         self._after: list[Callable[[], None]] = []
         self._crash = CrashLog()
         self._log = StepLog(t.params, t.buffers)
@@ -196,6 +198,8 @@ class Doctor:
         """Attach the hooks (what entering the context does). Returns the doctor."""
         if self._timeline.attached or self._finished:
             raise InvalidArgumentError("this observe() context was already used; call observe() again.")
+        # post-local SGD's hook counts DDP's iterations: the one the first observed step is (0 under the launcher)
+        self._hook_iteration = ((comm_hook_of(self.ddp) or {}).get("local_sgd") or {}).get("iteration", 0)
         self._forward.attach()
         self._backward.attach()
         self._listeners.start()
@@ -295,6 +299,9 @@ class Doctor:
         """This rank's observations so far, as plain data."""
         record = self._log.record(self.rank)
         record.comm_hook = comm_hook_of(self.ddp)
+        if record.comm_hook and "local_sgd" in record.comm_hook:
+            record.comm_hook["local_sgd"]["observed_from"] = self._hook_iteration
+        record.model_averaging = self._listeners.averagings.found
         record.graph_collectives = self._listeners.graph.found
         self._crash.stamp(record)
         return record

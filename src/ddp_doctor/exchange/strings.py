@@ -128,6 +128,7 @@ def rank_strings(
             "learning_rates": record.learning_rates,
             "to_empty_sites": record.to_empty_sites,
             "graph_collectives": record.graph_collectives,
+            "model_averaging": record.model_averaging,
             "buffers_changing": changing_buffers(record.buffer_fp),
         }
     ).encode()

@@ -25,6 +25,7 @@ from ddp_doctor.observation import (
 from ddp_doctor.observation.collectives import Call
 from ddp_doctor.observation.forward import ForwardHooks
 from ddp_doctor.observation.graph_collectives import GraphCollectives
+from ddp_doctor.observation.model_averaging import Averagings
 from ddp_doctor.observation.steplog import StepLog
 from ddp_doctor.observation.target import Target
 from ddp_doctor.observation.timeline import Timeline
@@ -45,6 +46,8 @@ class Probes:
         self._stops: list[Callable[[], None]] = []
         self.graph = GraphCollectives(lambda: log.steps)
         """The script's in-place reductions of tensors in the autograd graph (`RankRecord.graph_collectives`)."""
+        self.averagings = Averagings(lambda: log.steps if timeline.state.started else log.steps - 1)
+        """The steps after which a model averager averaged the parameters (`RankRecord.model_averaging`)."""
         self._warning_filter: tuple[Any, ...] | None = None
 
     def start(self) -> None:
@@ -79,6 +82,7 @@ class Probes:
             site = user_site()
             self._log.note_collective(self._timeline.state, call, site)
             self.graph.note(call)
+            self.averagings.note(call)
             if self._rereduced(call):
                 self._timeline.state.counters.grads_rereduced += 1
                 self._log.note_step(self._log.rereduce_sites, f"{call.signature()} at {site or 'an unknown place'}")

@@ -23,6 +23,7 @@ from ddp_doctor.core.compat import (
 from ddp_doctor.core.errors import DoctorError, InvalidArgumentError, NotDDPModelError, ProcessGroupNotInitializedError
 from ddp_doctor.core.frames import format_site, is_user_frame
 from ddp_doctor.core.records import Flavor, ModelInfo
+from ddp_doctor.observation.model_averaging import local_sgd_of
 
 __all__ = [
     "WRAP_STATE_ATTR",
@@ -140,20 +141,25 @@ def model_info(
     )
 
 
-def comm_hook_of(ddp: DistributedDataParallel) -> dict[str, str | None] | None:
-    """The comm hook registered on `ddp` (`register_comm_hook`, or a built-in one): `name`, and `site` where the
-    script defines it (None for torch's own hooks). None: DDP all-reduces its buckets itself."""
+def comm_hook_of(ddp: DistributedDataParallel) -> dict[str, Any] | None:
+    """The comm hook registered on `ddp` (`register_comm_hook`, or a built-in one): `name`, `site` where the
+    script defines it (None for torch's own hooks), and for torch's `post_localSGD_hook` its `local_sgd` state
+    (`observation/model_averaging.py`). None: DDP all-reduces its buckets itself."""
     hooks = getattr(ddp, "_comm_hooks", None) or []
     if not hooks:
         name = str((ddp_logging_data(ddp) or {}).get("comm_hook", "") or "")
         return {"name": name, "site": None} if name else None
-    hook = hooks[-1][0]
+    hook, state = hooks[-1]
     func = getattr(hook, "func", hook)  # a functools.partial
     code = getattr(func, "__code__", None)
     site = None
     if code is not None and is_user_frame(code.co_filename):
         site = format_site(code.co_filename, code.co_firstlineno)
-    return {"name": getattr(func, "__qualname__", type(hook).__name__), "site": site}
+    found: dict[str, Any] = {"name": getattr(func, "__qualname__", type(hook).__name__), "site": site}
+    local = local_sgd_of(hook, state)
+    if local is not None:
+        found["local_sgd"] = local
+    return found
 
 
 def is_local_batchnorm(module: torch.nn.Module) -> bool:

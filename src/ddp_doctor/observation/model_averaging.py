@@ -1,0 +1,86 @@
+"""Post-local SGD: DDP's gradient all-reduce turned off on purpose, and the model averaging that replaces it.
+
+PyTorch's `post_localSGD_hook` (`torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook`) all-reduces the
+gradients over every rank for the first `start_localSGD_iter` iterations, then over a subgroup only (of one rank
+when `post_local_gradient_allreduce=False`): each rank, or each subgroup, steps on its own gradients and the
+replicas part by design. A model averager (`PeriodicModelAverager`, `HierarchicalModelAverager`, or
+`PostLocalSGDOptimizer` around the optimizer) then averages the parameters after the optimizer step every `period`
+steps. `local_sgd_of` reads the hook's state; `Averagings` notes the averagers' all-reduces among the script's
+collectives (they run inside torch's `model_averaging` package), after which step and over how many ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ddp_doctor.core.frames import user_site_of
+from ddp_doctor.observation.collectives import Call
+
+__all__ = ["Averagings", "local_sgd_of"]
+
+_HOOK_MODULE = "torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook"
+_AVERAGING = "model_averaging"
+"""The folder of torch's averagers (`torch/distributed/algorithms/model_averaging/`): an all-reduce called from a
+frame there averages parameters."""
+MAX_STEPS = 64
+
+
+def local_sgd_of(hook: Any, state: Any) -> dict[str, Any] | None:
+    """The state of a registered `post_localSGD_hook`: `from_iteration` (`start_localSGD_iter`), `iteration` (DDP
+    iterations the hook has counted, which stops at `from_iteration`) and `subgroup_size` (the ranks each gradient
+    is still averaged over once local SGD began: 1 without `post_local_gradient_allreduce`, None while the
+    subgroup is not made yet). None for any other hook."""
+    func = getattr(hook, "func", hook)
+    if getattr(func, "__module__", None) != _HOOK_MODULE or getattr(func, "__name__", "") != "post_localSGD_hook":
+        return None
+    subgroup = getattr(state, "subgroup", None)
+    reduces = bool(getattr(state, "post_local_gradient_allreduce", True))
+    return {
+        "from_iteration": int(getattr(state, "start_localSGD_iter", 0)),
+        "iteration": int(getattr(state, "iter", 0)),
+        "subgroup_size": (subgroup.size() if subgroup is not None else None) if reduces else 1,
+    }
+
+
+class Averagings:
+    """The steps after which torch's model averagers all-reduced the parameters.
+
+    Args:
+        step: the observed step an averaging belongs to: the one in progress when it runs inside it
+            (`PostLocalSGDOptimizer.step`), else the last closed one (an averager called after `optimizer.step()`).
+    """
+
+    def __init__(self, step: Callable[[], int]) -> None:
+        self._step = step
+        self._after: list[int] = []
+        self._group_size: int | None = None
+        self._site: str | None = None
+
+    @property
+    def found(self) -> dict[str, Any] | None:
+        """`after_steps` (the observed steps after whose optimizer step the parameters were averaged, the first
+        64), `group_size` (the ranks averaged over, the largest seen) and `site` (the script's line that called
+        the averager); None when no averager ran."""
+        if not self._after:
+            return None
+        return {"after_steps": list(self._after), "group_size": self._group_size, "site": self._site}
+
+    def note(self, call: Call) -> None:
+        """The script entered `call` (a listener of `observation/collectives.py` passes it on)."""
+        if call.op != "all_reduce" or not _from_averager(call.caller):
+            return
+        after = self._step()
+        if after >= 0 and after not in self._after and len(self._after) < MAX_STEPS:
+            self._after.append(after)
+        self._group_size = max(self._group_size or 0, call.group_size or 0) or None
+        self._site = self._site or user_site_of(call.caller, None)
+
+
+def _from_averager(frame: Any, limit: int = 6) -> bool:
+    """`frame`, or one of the few above it, runs in torch's `model_averaging` package."""
+    while frame is not None and limit:
+        if _AVERAGING in frame.f_code.co_filename:
+            return True
+        frame, limit = frame.f_back, limit - 1
+    return False
