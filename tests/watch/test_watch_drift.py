@@ -58,3 +58,21 @@ def test_an_hsdp_shard_that_drifts_from_its_replica_is_named(tmp_path: Path) -> 
     run = watch([*args, "--drift-at", "40"], tmp_path, timeout=300)
     d = run.ended["replicas"]["divergence"]
     assert run.rc == 1 and d is not None and d["params"] == ["0.bias"] and d["groups"] == [[1], [3]], run.output
+
+
+@pytest.mark.parametrize("case", ["averaged", "no-averager"])
+def test_post_local_sgd_replicas_are_compared_right_after_each_model_averaging(tmp_path: Path, case: str) -> None:
+    """tests/scripts/local_sgd.py, 64 steps (ground truth in tests/sync/test_check_local_sgd.py): under post-local SGD
+    the replicas differ after every optimizer step by design and are equal right after each model averaging (every
+    4 steps). watch compares them there, not at its usual steps: averaged ends clean with the points taken after
+    averagings; no-averager (the replicas never meet again) has no point to compare, and says why."""
+    script = str(SCRIPTS / "local_sgd.py")
+    run = watch(["--nproc-per-node", "2", script, str(tmp_path / "out"), "--case", case, "--steps", "64"], tmp_path)
+    assert run.rc == 0, run.output
+    replicas = run.ended["replicas"]
+    assert replicas["divergence"] is None and replicas["local_sgd"] is True, replicas
+    if case == "averaged":
+        steps = replicas["compared_steps"]
+        assert steps and all(s % 4 == 0 for s in steps) and replicas["after_averaging"] is True, replicas
+    else:
+        assert replicas["compared_steps"] == [] and "model averaging" in run.ended["summary"], run.ended

@@ -40,6 +40,8 @@ _KEPT = 8
 """Points a rank keeps: the parent, which looks every two seconds, finds a step every rank wrote even when the ranks
 run apart by a few points or chose different intervals."""
 SCHEMA = "ddp-doctor/replicas@1"
+LOCAL_SGD = "local_sgd.json"
+"""Written by a rank whose DDP model began post-local SGD: its points come after model averagings only."""
 
 
 def point_path(folder: Path, rank: int, step: int) -> Path:
@@ -69,6 +71,8 @@ class ReplicaPoints:
         self._spent = 0.0
         self._since: tuple[int, float] | None = None
         """(the step of the last point, when it was done): the steps between two points time the interval."""
+        self._averaged_only = False
+        """Post-local SGD began: points only after a model averaging over every rank."""
 
     def add_model(self, model: Any, group: str = "") -> None:
         """A DDP model, or the root of a model built with FSDP2 whose parameters have replicas (`ShardedModel.replica_row`):
@@ -78,8 +82,9 @@ class ReplicaPoints:
 
     def stepped(self, step: int) -> None:
         """After optimizer step `step`: a point when `step` is a multiple of the rank's interval (every other step
-        costs a modulo)."""
-        if step % self._every or not self._models:
+        costs a modulo). Under post-local SGD, once it began, the replicas part between model averagings by design:
+        points are then taken after each averaging instead (`averaged`)."""
+        if step % self._every or not self._models or self._local_sgd():
             return
         start = time.perf_counter()
         self._write(step, {**self._point(step), "every": self._every, "spent_s": self._spent})
@@ -90,6 +95,32 @@ class ReplicaPoints:
             between = (start - self._since[1]) / (step - self._since[0])  # a step's time, the points' left out
             self._every = max(MIN_EVERY, 1 << math.ceil(math.log2(max(1.0, cost / (BUDGET * between)))))
         self._since = (step, done)
+
+    def averaged(self, step: int, group_size: int | None) -> None:
+        """A model averager averaged the parameters over `group_size` ranks after optimizer step `step`: under
+        post-local SGD the replicas are equal now, and a point is taken (after an averaging over the DDP model's whole
+        process group only)."""
+        group = getattr(self._models[0](), "process_group", None) if self._models else None
+        if group is not None and group_size == group.size() and self._local_sgd():
+            self._write(step, {**self._point(step), "every": 0, "spent_s": self._spent, "after": "averaging"})
+
+    def _local_sgd(self) -> bool:
+        """A DDP model's comm hook is torch's `post_localSGD_hook`, past its start and averaging over fewer ranks
+        than all (`observation/model_averaging.py`); once true it stays true."""
+        if not self._averaged_only:
+            from ddp_doctor.observation.model_averaging import local_sgd_of
+
+            for ref in self._models:
+                for hook, state in getattr(ref(), "_comm_hooks", None) or []:
+                    found = local_sgd_of(hook, state)
+                    world = getattr(ref(), "process_group", None)
+                    size = world.size() if world is not None else None
+                    if found and found["iteration"] >= found["from_iteration"] and found["subgroup_size"] != size:
+                        self._averaged_only = True
+            if self._averaged_only:
+                (self._folder / "replicas").mkdir(exist_ok=True)
+                write_json(self._folder / "replicas" / LOCAL_SGD, {"schema": SCHEMA, "rank": self._rank})
+        return self._averaged_only
 
     def _point(self, step: int) -> dict[str, Any]:
         from ddp_doctor.core.compat import is_dtensor, parameters_to_ignore
@@ -146,6 +177,8 @@ class ReplicaWatch:
     folder: Path
     compared: list[int] = field(default_factory=list)
     """The steps compared, in order."""
+    after_averaging: bool = False
+    """The points compared were taken after a model averaging (post-local SGD)."""
     ranks: list[int] = field(default_factory=list)
     divergence: ReplicaDivergence | None = None
 
@@ -161,6 +194,7 @@ class ReplicaWatch:
                 return None  # removed by its rank meanwhile: the next poll finds newer ones
             agreed = self.compared[-1] if self.compared else None
             self.compared.append(step)
+            self.after_averaging = self.after_averaging or any(p.get("after") == "averaging" for p in at.values())
             self.ranks = sorted(live)
             differ, groups = _differ(at)
             if differ:
@@ -180,9 +214,12 @@ class ReplicaWatch:
         write_json(self.folder / "replicas.json", self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
+        """The record `replicas.json` holds; `after_averaging` and `local_sgd` only under post-local SGD."""
+        local_sgd = (self.folder / "replicas" / LOCAL_SGD).exists()
         return {
             "schema": SCHEMA,
             "compared_steps": self.compared,
+            **({"after_averaging": self.after_averaging, "local_sgd": True} if local_sgd else {}),
             "ranks": self.ranks,
             "divergence": asdict(self.divergence) if self.divergence is not None else None,
         }

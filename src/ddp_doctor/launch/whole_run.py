@@ -208,10 +208,16 @@ def _replicas_words(replicas: dict[str, Any]) -> str:
     steps, d = replicas["compared_steps"], replicas["divergence"]
     if d is not None:
         return f"; its replicas' parameters differed from step {d['step']} on ({d['differing']} parameter(s))"
+    if not steps and replicas.get("local_sgd"):
+        return (
+            "; no later step was compared across the ranks: under post-local SGD they are compared right after a "
+            "model averaging over every rank, and none came"
+        )
     if not steps:
         return "; no later step was compared across the ranks (the job ended before the first comparison)"
     span = f"step {steps[0]}" if len(steps) == 1 else f"{len(steps)} steps, {steps[0]} to {steps[-1]}"
-    return f"; the DDP parameters of this node's {len(replicas['ranks'])} ranks agreed at {span}"
+    after = " (right after its model averagings: post-local SGD)" if replicas.get("after_averaging") else ""
+    return f"; the DDP parameters of this node's {len(replicas['ranks'])} ranks agreed at {span}{after}"
 
 
 def aborted_at_exit(folder: Path) -> tuple[str, bool] | None:

@@ -17,7 +17,7 @@ from typing import Any
 from ddp_doctor.core.frames import user_site_of
 from ddp_doctor.observation.collectives import Call
 
-__all__ = ["Averagings", "local_sgd_of"]
+__all__ = ["Averagings", "from_averager", "local_sgd_of"]
 
 _HOOK_MODULE = "torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook"
 _AVERAGING = "model_averaging"
@@ -68,7 +68,7 @@ class Averagings:
 
     def note(self, call: Call) -> None:
         """The script entered `call` (a listener of `observation/collectives.py` passes it on)."""
-        if call.op != "all_reduce" or not _from_averager(call.caller):
+        if call.op != "all_reduce" or not from_averager(call.caller):
             return
         after = self._step()
         if after >= 0 and after not in self._after and len(self._after) < MAX_STEPS:
@@ -77,7 +77,7 @@ class Averagings:
         self._site = self._site or user_site_of(call.caller, None)
 
 
-def _from_averager(frame: Any, limit: int = 6) -> bool:
+def from_averager(frame: Any, limit: int = 6) -> bool:
     """`frame`, or one of the few above it, runs in torch's `model_averaging` package."""
     while frame is not None and limit:
         if _AVERAGING in frame.f_code.co_filename:
