@@ -108,15 +108,9 @@ class ReplicaPoints:
         """A DDP model's comm hook is torch's `post_localSGD_hook`, past its start and averaging over fewer ranks
         than all (`observation/model_averaging.py`); once true it stays true."""
         if not self._averaged_only:
-            from ddp_doctor.observation.model_averaging import local_sgd_of
+            from ddp_doctor.observation.model_averaging import local_sgd_began
 
-            for ref in self._models:
-                for hook, state in getattr(ref(), "_comm_hooks", None) or []:
-                    found = local_sgd_of(hook, state)
-                    world = getattr(ref(), "process_group", None)
-                    size = world.size() if world is not None else None
-                    if found and found["iteration"] >= found["from_iteration"] and found["subgroup_size"] != size:
-                        self._averaged_only = True
+            self._averaged_only = any(local_sgd_began(ref()) for ref in self._models)
             if self._averaged_only:
                 (self._folder / "replicas").mkdir(exist_ok=True)
                 write_json(self._folder / "replicas" / LOCAL_SGD, {"schema": SCHEMA, "rank": self._rank})

@@ -17,7 +17,7 @@ from typing import Any
 from ddp_doctor.core.frames import user_site_of
 from ddp_doctor.observation.collectives import Call
 
-__all__ = ["Averagings", "from_averager", "local_sgd_of"]
+__all__ = ["Averagings", "from_averager", "local_sgd_began", "local_sgd_of"]
 
 _HOOK_MODULE = "torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook"
 _AVERAGING = "model_averaging"
@@ -41,6 +41,17 @@ def local_sgd_of(hook: Any, state: Any) -> dict[str, Any] | None:
         "iteration": int(getattr(state, "iter", 0)),
         "subgroup_size": (subgroup.size() if subgroup is not None else None) if reduces else 1,
     }
+
+
+def local_sgd_began(ddp: Any) -> bool:
+    """`ddp` (a DDP model) runs post-local SGD and it began: its gradients are averaged over fewer ranks than its
+    process group from here on, and its replicas are equal only right after a model averaging."""
+    group = getattr(ddp, "process_group", None)
+    for hook, state in getattr(ddp, "_comm_hooks", None) or []:
+        found = local_sgd_of(hook, state)
+        if found and found["iteration"] >= found["from_iteration"]:
+            return group is None or found["subgroup_size"] != group.size()
+    return False
 
 
 class Averagings:
