@@ -100,7 +100,7 @@ def local_sgd(v: View) -> LocalSGD | None:
     """Post-local SGD that began within or before the observed steps, with gradients averaged over fewer ranks
     than the group; None otherwise (any difference in gradients or weights is then a fault)."""
     state = (v.meta(0).get("comm_hook") or {}).get("local_sgd")
-    if not state or state["iteration"] < state["from_iteration"] or state.get("subgroup_size") == v.world:
+    if not state or not state.get("began"):
         return None
     averaging = v.meta(0).get("model_averaging") or {}
     return LocalSGD(

@@ -26,32 +26,33 @@ frame there averages parameters."""
 MAX_STEPS = 64
 
 
-def local_sgd_of(hook: Any, state: Any) -> dict[str, Any] | None:
-    """The state of a registered `post_localSGD_hook`: `from_iteration` (`start_localSGD_iter`), `iteration` (DDP
-    iterations the hook has counted, which stops at `from_iteration`) and `subgroup_size` (the ranks each gradient
-    is still averaged over once local SGD began: 1 without `post_local_gradient_allreduce`, None while the
-    subgroup is not made yet). None for any other hook."""
+def local_sgd_of(hook: Any, state: Any, group_size: int | None) -> dict[str, Any] | None:
+    """The state of a registered `post_localSGD_hook` on a DDP model whose process group has `group_size` ranks:
+    `from_iteration` (`start_localSGD_iter`), `iteration` (DDP iterations the hook has counted, which stops at
+    `from_iteration`), `subgroup_size` (the ranks each gradient is still averaged over once local SGD began: 1
+    without `post_local_gradient_allreduce`, None while the subgroup is not made yet) and `began` (it began, over
+    fewer ranks than the group: the replicas now part between model averagings). None for any other hook."""
     func = getattr(hook, "func", hook)
     if getattr(func, "__module__", None) != _HOOK_MODULE or getattr(func, "__name__", "") != "post_localSGD_hook":
         return None
     subgroup = getattr(state, "subgroup", None)
     reduces = bool(getattr(state, "post_local_gradient_allreduce", True))
-    return {
+    found = {
         "from_iteration": int(getattr(state, "start_localSGD_iter", 0)),
         "iteration": int(getattr(state, "iter", 0)),
         "subgroup_size": (subgroup.size() if subgroup is not None else None) if reduces else 1,
     }
+    found["began"] = found["iteration"] >= found["from_iteration"] and found["subgroup_size"] != group_size
+    return found
 
 
 def local_sgd_began(ddp: Any) -> bool:
-    """`ddp` (a DDP model) runs post-local SGD and it began: its gradients are averaged over fewer ranks than its
-    process group from here on, and its replicas are equal only right after a model averaging."""
+    """`ddp` (a DDP model) runs post-local SGD and it began (`local_sgd_of`'s `began`)."""
     group = getattr(ddp, "process_group", None)
-    for hook, state in getattr(ddp, "_comm_hooks", None) or []:
-        found = local_sgd_of(hook, state)
-        if found and found["iteration"] >= found["from_iteration"]:
-            return group is None or found["subgroup_size"] != group.size()
-    return False
+    size = group.size() if group is not None else None
+    return any(
+        (local_sgd_of(hook, state, size) or {}).get("began") for hook, state in getattr(ddp, "_comm_hooks", None) or []
+    )
 
 
 class Averagings:

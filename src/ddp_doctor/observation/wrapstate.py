@@ -156,7 +156,7 @@ def comm_hook_of(ddp: DistributedDataParallel) -> dict[str, Any] | None:
     if code is not None and is_user_frame(code.co_filename):
         site = format_site(code.co_filename, code.co_firstlineno)
     found: dict[str, Any] = {"name": getattr(func, "__qualname__", type(hook).__name__), "site": site}
-    local = local_sgd_of(hook, state)
+    local = local_sgd_of(hook, state, ddp.process_group.size() if ddp.process_group is not None else None)
     if local is not None:
         found["local_sgd"] = local
     return found
