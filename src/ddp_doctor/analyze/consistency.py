@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ddp_doctor.analyze.common import all_ranks
 from ddp_doctor.analyze.rules import count
+from ddp_doctor.analyze.snippets import sync_batchnorm
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
@@ -96,6 +97,10 @@ def batchnorm_not_synced(v: View) -> list[Finding]:
             ranks=all_ranks(v),
             steps=steps,
             fix="if the per-rank batch is small, convert before wrapping: "
-            "model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model); otherwise nothing to do.",
+            "model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model); otherwise nothing to do."
+            if sync_batchnorm(v.info.device_type, "")
+            else "nothing to do when the per-rank batch is large. SyncBatchNorm is not available here: it runs on GPU "
+            "modules only (DDP refuses it on CPU: 'SyncBatchNorm layers only work with GPU modules'); with a small "
+            "per-rank batch, give each rank more samples, or train on GPUs with SyncBatchNorm.",
         )
     ]

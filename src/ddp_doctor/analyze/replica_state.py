@@ -11,7 +11,7 @@ from ddp_doctor.analyze.common import all_ranks, steps_of, with_evidence, with_f
 from ddp_doctor.analyze.links import UNSYNCED, divergence_fix
 from ddp_doctor.analyze.local_sgd import local_sgd
 from ddp_doctor.analyze.rules import count as _count
-from ddp_doctor.analyze.snippets import freeze_point
+from ddp_doctor.analyze.snippets import freeze_point, sync_batchnorm
 from ddp_doctor.analyze.tree_state import differing, param_entry
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
@@ -219,8 +219,14 @@ def buffer_divergence(v: View) -> list[Finding]:
                     parallelism="ddp",
                     fix_ddp=fix_made
                     if not running
-                    else with_flags(v, broadcast_buffers=True) + " (the default), or convert BatchNorm with "
-                    f"torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) {freeze_point(v.info.framework)}.",
+                    else with_flags(v, broadcast_buffers=True)
+                    + " (the default)"
+                    + (
+                        f", or {sync} "
+                        if (sync := sync_batchnorm(v.info.device_type, freeze_point(v.info.framework)))
+                        else ""
+                    )
+                    + ".",
                     broadcast=broadcast,
                 )
             )
@@ -276,8 +282,10 @@ def buffers_apart(
     late: bool = False,
     registered_at: list[str] = (),
     none_at_wrap: bool = False,
+    device_type: str = "",
 ) -> Finding:
-    """`buffer-divergence`, for every parallelism: `buffers` differ across `ranks` at `steps`.
+    """`buffer-divergence`, for every parallelism: `buffers` differ across `ranks` at `steps` (`device_type`: where
+    the model runs, for a sharded model's fix: SyncBatchNorm runs on GPU modules only).
 
     `changing`: they change during the steps (running statistics such as BatchNorm's, each rank from its own
     batches): a ``warning``, training stays correct while evaluation and the saved buffers depend on the rank.
@@ -352,8 +360,10 @@ def buffers_apart(
             params=buffers,
             ranks=ranks,
             steps=steps,
-            fix=f"convert BatchNorm with torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before {call}, "
-            "or average the buffers across ranks before evaluating and saving.",
+            fix=f"{sync}, or average the buffers across ranks before evaluating and saving."
+            if (sync := sync_batchnorm(device_type, f"before {call}"))
+            else "average the buffers across ranks before evaluating and saving (SyncBatchNorm runs on GPU modules "
+            "only).",
         )
     return Finding(
         code=Code.BUFFER_DIVERGENCE,

@@ -81,6 +81,7 @@ def buffer_divergence(run: ShardedRun, ranks: list[int]) -> list[Finding]:
                 steps=[run.steps - 1],
                 changing=True,
                 parallelism=parallelism,
+                device_type=(run.sharding or {}).get("device_type", ""),
             )
         )
     return found

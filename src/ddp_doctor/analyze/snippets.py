@@ -13,7 +13,7 @@ from typing import Any
 from ddp_doctor.core.findings import Recommendation
 from ddp_doctor.core.records import Flavor
 
-__all__ = ["TRAINING_ARGUMENTS_FIELDS", "flags_fix", "freeze_point", "render_snippets", "with_code"]
+__all__ = ["TRAINING_ARGUMENTS_FIELDS", "flags_fix", "freeze_point", "render_snippets", "sync_batchnorm", "with_code"]
 
 TRAINING_ARGUMENTS_FIELDS = {
     "find_unused_parameters": "ddp_find_unused_parameters",
@@ -80,6 +80,15 @@ def flags_fix(framework: str, flags: dict[str, Any], flavor: Flavor = _ANY) -> s
     if framework == "lightning":
         return f"use Trainer(strategy={_lightning_strategy(flags)})"
     return "build DDP with " + " and ".join(f"{k}={v!r}" for k, v in flags.items())
+
+
+def sync_batchnorm(device_type: str, when: str) -> str | None:
+    """The fix that converts BatchNorm to SyncBatchNorm `when` ("before wrapping the model in DDP"); None on CPU,
+    where SyncBatchNorm does not run (DDP refuses it on a CPU module, "SyncBatchNorm layers only work with GPU
+    modules", and its forward needs a GPU): no report advises a fix that cannot run."""
+    if device_type == "cpu":
+        return None
+    return f"convert BatchNorm with torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) {when}"
 
 
 def freeze_point(framework: str) -> str:

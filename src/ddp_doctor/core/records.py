@@ -89,6 +89,8 @@ class ModelInfo:
     buffer_shapes: list[tuple[int, ...]]
     ddp_config: dict[str, Any]
     """The flags the script built DDP with (`find_unused_parameters`, `static_graph`, ...)."""
+    device_type: str = ""
+    """The device type DDP runs the model on (`ddp.device_type`: `cpu`, `cuda`, ...; empty when not known)."""
     buffers_synced: bool | None = None
     """DDP broadcasts rank 0's buffers before each forward: built with `broadcast_buffers=True` and holding buffers
     then (read from DDP by `ddp_broadcasts_buffers`; a record built without a DDP instance derives it from the flag

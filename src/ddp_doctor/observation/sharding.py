@@ -162,6 +162,7 @@ class ShardedModel:
             meshes = {tuple(g.mesh_info.mesh.mesh.shape) for g in groups}
             out["mesh"] = [list(m) for m in sorted(meshes)]
             out["mesh_size"] = max((int(torch.tensor(m).prod()) for m in meshes), default=0)
+            out["device_type"] = next(iter({g.mesh_info.mesh.device_type for g in groups}), "")
             names = {tuple(g.mesh_info.mesh.mesh_dim_names or ()) for g in groups}
             if len(names) == 1 and (dims := next(iter(names))):
                 out["mesh_dims"] = list(dims)  # an HSDP mesh's: ("replicate", "shard"), say

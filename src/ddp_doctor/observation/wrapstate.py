@@ -132,6 +132,7 @@ def model_info(
         buffer_shapes=[tuple(b.shape) for b in buffers],
         ddp_config=config,
         buffers_synced=ddp_broadcasts_buffers(ddp),
+        device_type=str(getattr(ddp, "device_type", "") or ""),
         wrap_state_exact=exact,
         wrap_trainable_count=wrap_count if wrap_count is not None and wrap_count >= 0 else None,
         ddp_site=state.get("site") if state else None,

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_doctor.analyze import rules
+from ddp_doctor.analyze.snippets import sync_batchnorm
 from ddp_doctor.core.compat import ddp_syncs_buffers
 from ddp_doctor.core.findings import Finding, ParamRef
 from ddp_doctor.exchange.replicas import Comparison, Entry, compare_replicas, describe, local_rows, report_failure
@@ -125,8 +126,8 @@ class ReplicaCheck:
                     params=[ParamRef(d.name, d.numel) for d in buffers],
                     ranks=sorted({r for d in buffers for r in d.ranks} | {buffers[0].reference_rank}),
                     steps=[step],
-                    fix="build DDP with broadcast_buffers=True (the default), or convert BatchNorm with "
-                    "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before wrapping.",
+                    fix="build DDP with broadcast_buffers=True (the default)"
+                    + (f", or {sync}." if (sync := sync_batchnorm(self._ddp.device_type, "before wrapping")) else "."),
                 )
             )
         findings += self._data.findings(comparison.of_kind("data"), step)
