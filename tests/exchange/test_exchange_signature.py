@@ -25,12 +25,12 @@ from ddp_doctor.exchange.unwrapped import unwrapped_rounds
 STEPS = 4
 
 RECORDED = {
-    "seeded-6": "046c3887ae0adcbf",
-    "odd-70": "3ec8a28315c2c4aa",
-    "infos-differ-3": "b9fbcc42323ead67",
-    "edited-2": "bb834dfc8f597679",
-    "inferred-2": "962eda91aebdc90d",
-    "clean-1": "8caf12badac9ee5d",
+    "seeded-6": "a591fc1c38bcb2d2",
+    "odd-70": "65b0764637e774ef",
+    "infos-differ-3": "7913e799469a188f",
+    "edited-2": "7edfde28b50054b3",
+    "inferred-2": "f036ff9bf8a56054",
+    "clean-1": "6220116b2d12dd1c",
 }
 
 

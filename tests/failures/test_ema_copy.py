@@ -78,3 +78,4 @@ def test_an_ema_of_the_inner_module_evaluated_on_rank_0_alone_is_clean(tmp_path:
     gradient of round-off only, about 1e-8, and never moves under SGD: no `training-stalled` either.)"""
     run = check(["--nproc-per-node", "2", str(SCRIPT), "--copy", "inner"], tmp_path)
     assert run.rc == 0 and run.codes == {"batchnorm-not-synced"}, run.output
+    assert run.report["compared"]["modules_beside"] == 0  # rank 1 never runs the EMA: not compared

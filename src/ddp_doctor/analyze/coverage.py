@@ -48,6 +48,7 @@ def compared(summary: Summary) -> dict[str, Any]:
         - sum(1 for e in unread if e["kind"] == "buffer"),
         "unreadable": len(unread),
         "modules": int(summary.metas.get(0, {}).get("modules", 0)),
+        "modules_beside": _beside(summary),
         "inputs": int(summary.input_present[:s].sum()) if s else 0,
         "batches_drawn": sum(1 for k, v in enumerate(summary.drawn[1][:s]) if v > 0 and summary.steps_taken[1][k]),
         "samplers": summary.sampler_compared,
@@ -55,6 +56,15 @@ def compared(summary: Summary) -> dict[str, Any]:
         "collectives": int(hi[:s, 0].sum()) if s and agreed else None,
         "collectives_per_rank_differ": not agreed,
     }
+
+
+def _beside(summary: Summary) -> int:
+    """Modules the script calls outside DDP's forward (a distillation teacher) whose weights and buffers were
+    compared: those every rank called (when the ranks' module state differs, the example ranks tell which)."""
+    mine = [e["name"] for e in summary.metas.get(0, {}).get("beside_modules") or []]
+    odd = summary.examples["state-differs"].ranks
+    held = [{e["name"] for e in summary.metas.get(r, {}).get("beside_modules") or []} for r in odd]
+    return sum(all(name in h for h in held) for name in mine)
 
 
 def unreadable(summary: Summary) -> list[str]:

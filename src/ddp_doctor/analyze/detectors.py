@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ddp_doctor.analyze import (  # noqa: F401 (imported to register their detectors)
     agreement,
+    buffer_state,
     causes,
     checkpoints,
     collective_order,

@@ -1,23 +1,23 @@
-"""Replicas that hold different state, decided here for every parallelism: weights (`replica-divergence`: DDP's
-per-step digests, the modules' train/eval modes, the replicas of a model FSDP2 replicates) and buffers
-(`buffer-divergence`). Pure functions of the `View`, or of the facts a sharded report agreed on."""
+"""Replicas that hold different weights (`replica-divergence`), decided here for every parallelism: DDP's per-step
+digests, modules the script runs beside the DDP model, the modules' train/eval modes, the replicas of a model FSDP2
+replicates. Their buffers are `analyze/buffer_state.py`'s. Pure functions of the `View`, or of the facts a sharded
+report agreed on."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ddp_doctor.analyze import rules
-from ddp_doctor.analyze.common import all_ranks, steps_of, with_evidence, with_flags, with_more
+from ddp_doctor.analyze.common import steps_of, with_evidence, with_more
 from ddp_doctor.analyze.links import UNSYNCED, divergence_fix
 from ddp_doctor.analyze.local_sgd import local_sgd
 from ddp_doctor.analyze.rules import count as _count
-from ddp_doctor.analyze.snippets import freeze_point, sync_batchnorm
-from ddp_doctor.analyze.tree_state import differing, param_entry
+from ddp_doctor.analyze.tree_state import differing
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
 
-__all__ = ["buffer_divergence", "buffers_apart", "modes_apart", "modes_differ", "replica_divergence", "replicas_parted"]
+__all__ = ["modes_apart", "modes_differ", "modules_beside_apart", "replica_divergence", "replicas_parted"]
 
 
 @detects(Code.REPLICA_DIVERGENCE, reads_found=True)
@@ -70,6 +70,47 @@ def replica_divergence(v: View, found: frozenset[str]) -> list[Finding]:
             others.more,
         )
     ]
+
+
+@detects(Code.REPLICA_DIVERGENCE)
+def modules_beside_apart(v: View) -> list[Finding]:
+    """Modules the script calls outside DDP's forward (a distillation teacher, a frozen encoder) whose parameters or
+    buffers differ across ranks: DDP broadcasts only the model it wraps, so each rank computes its loss with its own
+    copy. Ground truth: tests/sync/test_check_beside_modules.py."""
+    odd, _, _ = differing(v)
+    mine = v.meta(0).get("beside_modules") or []
+    if not odd or not mine:
+        return []
+    theirs = [{e["name"]: e["fp"] for e in v.meta(r).get("beside_modules") or []} for r in odd]
+    # A module some ranks never called (an EMA evaluated on rank 0 alone) is not compared.
+    apart = [e for e in mine if any(e["name"] in t and not _same(t[e["name"]], e["fp"]) for t in theirs)]
+    if not apart:
+        return []
+    names = ", ".join(e["name"] for e in apart)
+    called = "; ".join(f"{e['name']} at {e['site']}" for e in apart if e.get("site"))
+    return [
+        Finding(
+            code=Code.REPLICA_DIVERGENCE,
+            severity="error",
+            title=f"{names}, run beside the DDP model, holds different weights on different ranks",
+            detail=f"The script calls {names} outside DDP's forward{f' ({called})' if called else ''}. DDP broadcasts "
+            "rank 0's weights of the model it wraps only, so nothing made this module's equal: its parameters or "
+            "buffers differ across ranks (built from each rank's own seed, or loaded on some ranks only), and each "
+            "rank computes its loss with a different function.",
+            params=[ParamRef(e["name"], e["numel"]) for e in apart],
+            ranks=[0, *odd],
+            steps=[v.summary.state_step],
+            fix="build it alike on every rank (the same seed before creating it, or the same checkpoint loaded on "
+            "every rank), or copy rank 0's once before training: `for t in [*module.parameters(), "
+            "*module.buffers()]: dist.broadcast(t.data, src=0)`.",
+            sites=lines_of(*(e.get("site") or "" for e in apart)),
+            measured=[Measure("modules_apart", len(apart), "count")],
+        )
+    ]
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    return all(x == y or (x != x and y != y) for x, y in zip(a, b))
 
 
 _MODES_APART = {
@@ -189,198 +230,3 @@ def replicas_parted(
         steps=[0] if at_first else [first_step or steps - 1],
         fix=fix,
     )
-
-
-@detects(Code.BUFFER_DIVERGENCE)
-def buffer_divergence(v: View) -> list[Finding]:
-    """Buffers that differ across ranks at a forward: those DDP was built with (`buffer_fp`, each step), and those
-    registered after it that DDP does not broadcast (`late_apart`). Ground truth: tests/sync/test_check_rank_buffers.py."""
-    if v.world < 2 or not v.steps:
-        return []
-    broadcast = bool(v.info.ddp_config.get("broadcast_buffers", True))
-    found = []
-    differ = v.summary.buffer_differs & v.summary.buffer_seen  # [S, B]: every rank recorded it, and they differ
-    changing = set(v.meta(0).get("buffers_changing") or [])
-    apart = differ.any(0)
-    moving = apart & differ.new_tensor([i in changing for i in range(len(apart))], dtype=bool)
-    made = apart & ~moving
-    fix_made = (
-        with_flags(v, broadcast_buffers=True) + " (the default: rank 0's buffers are then broadcast before every "
-        "forward), or make the buffers equal on every rank (the same seed or values everywhere) before training."
-    )
-    for mask, running in ((made, False), (moving, True)):
-        if mask.any():
-            found.append(
-                buffers_apart(
-                    buffers=v.buffers(mask),
-                    ranks=all_ranks(v),
-                    steps=steps_of(differ[:, mask].any(1)),
-                    changing=running,
-                    parallelism="ddp",
-                    fix_ddp=fix_made
-                    if not running
-                    else with_flags(v, broadcast_buffers=True)
-                    + " (the default)"
-                    + (
-                        f", or {sync} "
-                        if (sync := sync_batchnorm(v.info.device_type, freeze_point(v.info.framework)))
-                        else ""
-                    )
-                    + ".",
-                    broadcast=broadcast,
-                )
-            )
-    late = late_apart(v)
-    if late:
-        entries, running = late
-        never = broadcast and not v.info.buffers_synced  # the flag is on, yet DDP had no buffers when built
-        found.append(
-            buffers_apart(
-                buffers=[param_entry(e) for e in entries],
-                ranks=sorted({0, *v.ranks("state-differs").ranks}),
-                steps=[v.summary.state_step],
-                changing=running,
-                parallelism="ddp",
-                fix_ddp="register these buffers before DDP is built (DDP then broadcasts rank 0's before every "
-                "forward), or make them equal on every rank (the same seed or values everywhere) before training."
-                if never
-                else fix_made,
-                broadcast=broadcast,
-                none_at_wrap=never,
-                late=True,
-                registered_at=sorted({e["site"] for e in entries if e.get("site")}),
-            )
-        )
-    return found
-
-
-def late_apart(v: View) -> tuple[list[dict[str, Any]], bool] | None:
-    """The buffers registered after DDP was built, when it does not broadcast them (broadcast_buffers=False, or no
-    buffers when it was built), whose values differ between rank 0 and the example ranks whose module tree differs
-    from its, and whether any of them changed between two steps. Buffers the check cannot read are left out
-    (`unreadable`)."""
-    mine = {e["name"]: e for e in v.meta(0).get("late_buffers") or [] if e.get("readable", True)}
-    odd = v.ranks("state-differs").ranks
-    if not mine or not odd or v.summary.state_step is None:
-        return None
-    theirs = [{e["name"]: e for e in v.meta(r).get("late_buffers") or []} for r in odd]
-    apart = [e for n, e in mine.items() if any(n not in t or t[n]["fp"] != e["fp"] for t in theirs)]
-    if not apart:
-        return None
-    return apart, any(e["changing"] or any(t.get(e["name"], {}).get("changing") for t in theirs) for e in apart)
-
-
-def buffers_apart(
-    *,
-    buffers: list[ParamRef],
-    ranks: list[int],
-    steps: list[int],
-    changing: bool,
-    parallelism: str,
-    fix_ddp: str = "",
-    broadcast: bool = True,
-    late: bool = False,
-    registered_at: list[str] = (),
-    none_at_wrap: bool = False,
-    device_type: str = "",
-) -> Finding:
-    """`buffer-divergence`, for every parallelism: `buffers` differ across `ranks` at `steps` (`device_type`: where
-    the model runs, for a sharded model's fix: SyncBatchNorm runs on GPU modules only).
-
-    `changing`: they change during the steps (running statistics such as BatchNorm's, each rank from its own
-    batches): a ``warning``, training stays correct while evaluation and the saved buffers depend on the rank.
-    Otherwise they were made different and never changed (a per-rank seed, memory left uninitialised after
-    `to_empty()`): an ``error``, each rank computes a different function of the same weights. DDP broadcasts rank 0's
-    buffers at construction and before every forward, or never with broadcast_buffers=False (`fix_ddp` is then the
-    fix in the script's framework's words); FSDP2's `fully_shard` and `replicate` take parameters only and never
-    touch buffers. `late`: a DDP model's buffers registered after it was built (`registered_at`: their lines);
-    `none_at_wrap`: the model had no buffers then, so DDP never syncs any (`will_sync_module_buffers`).
-    """
-    n = len(buffers)
-    after = (
-        " They were registered after DDP was built"
-        + (f", at {', '.join(registered_at[:3])}." if registered_at else ".")
-        if late
-        else ""
-    )
-    if parallelism == "ddp" and not changing:
-        return Finding(
-            code=Code.BUFFER_DIVERGENCE,
-            severity="error",
-            title=f"{_count(n, 'buffer')} {'differs' if n == 1 else 'differ'} across ranks and never changed in training",
-            detail=(
-                "DDP was built with broadcast_buffers=False, so it never broadcasts rank 0's buffers, not even at "
-                "construction. "
-                if not broadcast
-                else "DDP was built from a model without buffers, and DDP syncs buffers only when the model had some "
-                "at construction: it never broadcasts these. "
-                if none_at_wrap
-                else "DDP broadcasts rank 0's buffers before each forward, yet these differed at the forward. "
-            )
-            + f"These were made different (a per-rank seed when they were drawn, or a value assigned on each rank) "
-            f"and rank 0's copy did not change through the {len(steps)} observed step(s) where they differ: each rank "
-            "computes a different function of the same synced weights, and the gradients averaged across ranks "
-            "come from different models. DDP raises nothing." + after,
-            sites=lines_of(*registered_at),
-            params=buffers,
-            ranks=ranks,
-            steps=steps,
-            fix=fix_ddp,
-        )
-    if parallelism == "ddp":
-        return Finding(
-            code=Code.BUFFER_DIVERGENCE,
-            severity="warning",
-            title=f"{_count(n, 'buffer')} {'differs' if n == 1 else 'differ'} across ranks during training",
-            detail="Buffers such as BatchNorm running statistics differ between ranks when the forward pass runs"
-            + (
-                " because DDP was built with broadcast_buffers=False"
-                if not broadcast
-                else " because DDP was built from a model without buffers (it then never syncs any)"
-                if none_at_wrap
-                else ""
-            )
-            + ". Evaluation then differs by rank, and only rank 0's are saved."
-            + after,
-            sites=lines_of(*registered_at),
-            params=buffers,
-            ranks=ranks,
-            steps=steps,
-            fix=fix_ddp,
-        )
-    call = "replicate" if parallelism == "replicate" else "fully_shard"
-    if changing:
-        return Finding(
-            code=Code.BUFFER_DIVERGENCE,
-            severity="warning",
-            title=f"{n} buffer(s) of the {_MODEL[parallelism]} change in training and differ across ranks",
-            detail="These buffers change during the steps (running statistics such as BatchNorm's), each rank "
-            f"from its own batches; {call} neither broadcasts nor averages buffers, so evaluation differs by rank "
-            "and a checkpoint holds the saving rank's.",
-            params=buffers,
-            ranks=ranks,
-            steps=steps,
-            fix=f"{sync}, or average the buffers across ranks before evaluating and saving."
-            if (sync := sync_batchnorm(device_type, f"before {call}"))
-            else "average the buffers across ranks before evaluating and saving (SyncBatchNorm runs on GPU modules "
-            "only).",
-        )
-    return Finding(
-        code=Code.BUFFER_DIVERGENCE,
-        severity="error",
-        title=f"{n} buffer(s) of the {_MODEL[parallelism]} differ across ranks and never changed",
-        detail=f"{call} takes parameters only: a buffer stays a plain tensor on each rank, and nothing "
-        "broadcasts it, as DDP does at construction. These were made different and stayed so through the "
-        f"{len(steps)} observed steps (a per-rank seed when they were drawn, or memory left uninitialised "
-        "after to_empty()): each rank computes a different function of the same shared weights, and the "
-        "gradients averaged across ranks come from different models.",
-        params=buffers,
-        ranks=ranks,
-        steps=steps,
-        fix="make them equal on every rank before training: compute them from the same seed or values "
-        "everywhere (after model.to_empty(...), initialise the buffers too, not only the parameters), or "
-        "copy rank 0's once: `for b in model.buffers(): dist.broadcast(b, src=0)`.",
-    )
-
-
-_MODEL = {"fsdp2": "sharded model", "replicate": "replicated model"}

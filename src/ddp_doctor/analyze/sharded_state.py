@@ -7,11 +7,12 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from ddp_doctor.analyze.buffer_state import buffers_apart
 from ddp_doctor.analyze.collective_order import sequences_apart
 from ddp_doctor.analyze.common import with_more
 from ddp_doctor.analyze.moves import never_updated, nonfinite_finding, stalled
 from ddp_doctor.analyze.optimizer_settings import metric_scheduler_words, settings_apart
-from ddp_doctor.analyze.replica_state import buffers_apart, modes_apart, replicas_parted
+from ddp_doctor.analyze.replica_state import modes_apart, replicas_parted
 from ddp_doctor.analyze.shapes import trainable_apart_at_step
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
@@ -54,7 +55,7 @@ def low_precision_weights(run: ShardedRun, ranks: list[int]) -> Finding | None:
 
 def buffer_divergence(run: ShardedRun, ranks: list[int]) -> list[Finding]:
     """Buffers that differ across ranks: FSDP2 shards parameters only, and neither broadcasts nor averages buffers
-    (`replica_state.buffers_apart` words it, for every parallelism).
+    (`buffer_state.buffers_apart` words it, for every parallelism).
 
     Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 steps (`tests/scripts/fsdp2_train.py
     --mistake buffer-rank`: a constant buffer drawn from each rank's own generator): exit code 0, nothing said, and

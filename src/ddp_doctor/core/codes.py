@@ -211,12 +211,13 @@ TABLE: tuple[CodeInfo, ...] = (
          "gradients differ across ranks when the optimizer steps",
          when="error; info under post-local SGD from the step its comm hook stops averaging over every rank"),
     _row(Code.REPLICA_DIVERGENCE, Family.SYNC, "error/warning/info", "replica_state.py",
-         "weights differ across ranks (or, from the module tree, the modules' train/eval modes)",
+         "weights differ across ranks (the DDP model's, or a module's run beside it; or, from the module tree, the "
+         "modules' train/eval modes)",
          when="error; warning when every difference is at float64 rounding level, for modules whose mode "
               "differs across ranks, and under post-local SGD with no model averaging seen; info between its "
               "model averagings",
          guard=True),
-    _row(Code.BUFFER_DIVERGENCE, Family.SYNC, "error/warning", "replica_state.py",
+    _row(Code.BUFFER_DIVERGENCE, Family.SYNC, "error/warning", "buffer_state.py",
          "buffers differ across ranks",
          when="error for a buffer that differs and never changed in training (FSDP2 never broadcasts buffers, "
               "DDP not with broadcast_buffers=False, nor when the model had no buffers when it was built); "

@@ -298,6 +298,9 @@ class RankRecord:
     graph_collectives: list[dict[str, Any]] = field(default_factory=list)
     """The script's in-place reductions of a tensor autograd tracks that a backward went through, per line
     (`observation.graph_collectives.GraphCollectives.found`)."""
+    beside_modules: list[dict[str, Any]] = field(default_factory=list)
+    """The modules the script called outside DDP's forward (a distillation teacher), at the last step: `name`,
+    `site`, `tensors`, `numel`, `fp` (`observation.beside_modules.BesideModules.entries`)."""
     model_averaging: dict[str, Any] | None = None
     """When a model averager (post-local SGD) averaged the parameters: after which steps, over how many ranks, from
     which line (`observation.model_averaging.Averagings.found`)."""

@@ -302,6 +302,8 @@ class Doctor:
         if record.comm_hook and "local_sgd" in record.comm_hook:
             record.comm_hook["local_sgd"]["observed_from"] = self._hook_iteration
         record.model_averaging = self._listeners.averagings.found
+        if self._log.state is not None:
+            record.beside_modules = list(self._log.state.beside_modules.entries)
         record.graph_collectives = self._listeners.graph.found
         self._crash.stamp(record)
         return record

@@ -129,6 +129,7 @@ def rank_strings(
             "to_empty_sites": record.to_empty_sites,
             "graph_collectives": record.graph_collectives,
             "model_averaging": record.model_averaging,
+            "beside_modules": record.beside_modules,
             "buffers_changing": changing_buffers(record.buffer_fp),
         }
     ).encode()

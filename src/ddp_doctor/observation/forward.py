@@ -217,6 +217,14 @@ class ForwardHooks:
             self._hook_outputs(output)
 
     def _on_any_module_forward_pre(self, module: torch.nn.Module, _args: Any) -> None:
+        scan = self._log.state
+        if (
+            not self._ddp_depth
+            and scan is not None
+            and module is not self._t.ddp
+            and id(module) not in self._t.submodules
+        ):
+            scan.beside_modules.enter(module)
         owned = self._t.owned.get(id(module))
         # Inside a training forward through DDP (even under no_grad or a checkpoint there), or a grad-mode call
         # outside it: the module runs as part of training. A no_grad evaluation outside DDP does not count.
@@ -242,6 +250,8 @@ class ForwardHooks:
             self._log.note_site(self._log.bypass_sites, user_site(self._t.submodules))
 
     def _on_any_module_forward(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
+        if self._log.state is not None:
+            self._log.state.beside_modules.exit(module)
         if self._ddp_depth or id(module) not in self._t.submodules or not self._outside:
             return
         if self._outside.pop() and output is not None:

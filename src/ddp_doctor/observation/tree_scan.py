@@ -27,6 +27,7 @@ from torch.nn.parameter import is_lazy
 from ddp_doctor.core.counters import StepCounters
 from ddp_doctor.core.fingerprint import fingerprints, holds_data, readable
 from ddp_doctor.core.frames import user_site, variable_names
+from ddp_doctor.observation.beside_modules import BesideModules
 from ddp_doctor.observation.module_calls import CAST_SITES
 
 __all__ = ["MAX_STATE_LOG", "StateScan", "modes_of"]
@@ -99,6 +100,8 @@ class StateScan:
         """Each registered parameter's dtype and device when DDP was built."""
         self._casts_before = len(CAST_SITES)
         self._tree = {id(m) for m in module.modules()}
+        self.beside_modules = BesideModules(self._tree)
+        """The modules the script calls outside DDP's forward (a teacher): their state joins the digest."""
         self._sites: dict[tuple[int, str], str] = {}
         self._removers: list[Any] = []
         self._last: dict[str, Any] = {}
@@ -240,6 +243,7 @@ class StateScan:
             crc = self._scan_outside(outside, crc)
         else:
             self.outside, self.outside_count = [], 0
+        crc = self.beside_modules.scan(crc)
         counters.state_digest = crc & 0x7FFFFFFF
         counters.unregistered = len(trainable)
         self.unregistered = [

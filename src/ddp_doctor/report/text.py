@@ -274,6 +274,8 @@ def compared_line(c: dict[str, Any]) -> str:
         parts[0] += f", and {c['created_after_wrap']} created after wrap"
     if c.get("outside_model"):
         parts[0] += f"; {_n(c['outside_model'], 'tensor')} the optimizer steps outside the model"
+    if c.get("modules_beside"):
+        parts.append(f"the weights and buffers of {_n(c['modules_beside'], 'module')} run beside the DDP model")
     if c.get("buffers") or c.get("buffers_after_wrap"):
         late, held = c.get("buffers_after_wrap", 0), c.get("buffers", 0)
         after = f"{_n(late, 'buffer') if not held else f'and {late}'} registered after wrap" if late else ""
