@@ -83,9 +83,10 @@ def test_a_clean_fsdp2_job_is_clean_and_its_sharding_is_named(tmp_path: Path, mi
         8,
         0,
     ), compared
-    # a save after the observed steps, forwards on some ranks, the policy, skipped steps after them, and a write to
-    # the weights on some ranks (a 1-D mesh holds each shard once: no replica to compare, `replicas` 0)
-    assert len(run.report["unchecked"]) == 5 and all(u.startswith("FSDP2: ") for u in run.report["unchecked"])
+    # a save after the observed steps, forwards on some ranks, the policy, skipped steps after them, a write to
+    # the weights on some ranks (a 1-D mesh holds each shard once: no replica to compare, `replicas` 0), and modules
+    # run beside the model
+    assert len(run.report["unchecked"]) == 6 and all(u.startswith("FSDP2: ") for u in run.report["unchecked"])
     assert (compared["replicas"], compared["replica_rows"]) == (0, 0), compared
     assert run.report["steps_observed"] == 8  # the script trains 12 steps; the check stops it after --steps
     assert run.report["recommendation"]["flags_known"] is False and run.report["recommendation"]["static_graph"] is None

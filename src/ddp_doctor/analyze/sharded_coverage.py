@@ -77,6 +77,12 @@ def _replicas_unchecked(run: ShardedRun, name: str) -> list[str]:
     ]
 
 
+_BESIDE = (
+    "the weights of modules the script runs beside the model (a distillation teacher, a frozen encoder): DDP's "
+    "check compares them across the ranks, this one does not yet"
+)
+
+
 def sharded_unchecked(run: ShardedRun) -> list[str]:
     """What the sharded report did not check (`Diagnosis.unchecked`): its own gaps, and DDP's checks it has no
     counterpart of yet, said rather than left out."""
@@ -90,6 +96,7 @@ def sharded_unchecked(run: ShardedRun) -> list[str]:
             *_untimed(run),
             f"replicate: {skipped}",
             *_replicas_unchecked(run, "replicate"),
+            f"replicate: {_BESIDE}",
         ]
     who = "`ddp-doctor check` names them when they do" if run.in_process else "they are named when they do"
     return [
@@ -100,6 +107,7 @@ def sharded_unchecked(run: ShardedRun) -> list[str]:
         *_untimed(run),
         f"FSDP2: {skipped}",
         *_replicas_unchecked(run, "FSDP2"),
+        f"FSDP2: {_BESIDE}",
         *_beside_mesh(run),
         *(["FSDP2: " + not_read([f"buffer {b}" for b in run.buffers_unreadable])] if run.buffers_unreadable else []),
     ]
