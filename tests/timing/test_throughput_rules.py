@@ -75,6 +75,9 @@ def test_input_bound_names_the_loader_its_settings_the_share_and_the_millisecond
     )
     assert f.sites == ["train.py:31"]  # the loader's line
     assert "num_workers" in f.fix and "persistent_workers" in f.fix and "pin_memory" in f.fix
+    # pinned memory helps a copy to a GPU only: not advised for a model on CPU
+    cpu = next(f for f in analyze(info(device_type="cpu"), records).findings if f.code == "input-bound")
+    assert "persistent_workers" in cpu.fix and "pin_memory" not in cpu.fix, cpu.fix
 
 
 @pytest.mark.parametrize(

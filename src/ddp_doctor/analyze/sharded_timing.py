@@ -51,6 +51,7 @@ def sharded_input_bound(run: ShardedRun, ranks: list[int]) -> Finding:
         loader=w["loader"],
         sites=[w["loader"].get("site") or ""],
         ranks=ranks,
+        device_type=(run.sharding or {}).get("device_type", ""),
     )
 
 

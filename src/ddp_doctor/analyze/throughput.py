@@ -131,6 +131,7 @@ def input_bound(v: View) -> list[Finding]:
             sites=[d.get("site") or "" for d in loaders],
             ranks=list(st.waiting_ranks or []),
             more_ranks=st.waiting - len(st.waiting_ranks or []),
+            device_type=v.info.device_type,
         )
     ]
 
@@ -159,11 +160,13 @@ def input_bound_finding(
     ranks: list[int],
     more_ranks: int = 0,
     compute: float | None = None,
+    device_type: str = "",
 ) -> Finding:
     """`input-bound`, for every parallelism: `who` wait for data (`"all ranks"`, `"3 of 4 ranks"`), measured on
     `clock` (`host` or `gpu`) over `steps` steps; `wait` and `step` are the waiting ranks' median wait and step,
     as (lowest, highest) over them; `compute` the median forward and backward where DDP's hooks timed it; `loader`
-    the training DataLoader (`dataloaders.describe`), `sites` every loader's line."""
+    the training DataLoader (`dataloaders.describe`), `sites` every loader's line; `device_type` where the model
+    runs (pinned memory helps a copy to a GPU only)."""
     (wait_lo, wait_hi), (step_lo, step_hi) = wait, step
     share = wait_lo / step_hi if step_hi > 0 else 1.0
     ranged = (wait_lo, step_lo) != (wait_hi, step_hi)
@@ -183,7 +186,7 @@ def input_bound_finding(
         ranks=ranks,
         more_ranks=more_ranks,
         steps=[],
-        fix=input_fix(loader.get("num_workers")),
+        fix=input_fix(loader.get("num_workers"), gpu=device_type != "cpu"),
         sites=lines_of(*sites),
         measured=[
             Measure("data_wait", wait_lo, "s"),
@@ -194,16 +197,18 @@ def input_bound_finding(
     )
 
 
-def input_fix(workers: int | None) -> str:
-    """The fix of `input-bound` for a loader with `workers` worker processes (None: not known)."""
+def input_fix(workers: int | None, *, gpu: bool = True) -> str:
+    """The fix of `input-bound` for a loader with `workers` worker processes (None: not known), for a model on a GPU
+    (pinned memory speeds the copy there) or not."""
     first = (
         "give it worker processes (num_workers=4 or more, so that decoding runs beside the step)"
         if workers == 0
         else "give it more worker processes (num_workers) or a larger prefetch_factor"
     )
     return (
-        f"{first}; persistent_workers=True keeps them between epochs; pin_memory=True speeds the copy to the GPU; "
-        "move decoding and augmentation out of the training loop (into the Dataset run by the workers, or done "
+        f"{first}; persistent_workers=True keeps them between epochs; "
+        + ("pin_memory=True speeds the copy to the GPU; " if gpu else "")
+        + "move decoding and augmentation out of the training loop (into the Dataset run by the workers, or done "
         "once beforehand)."
     )
 
