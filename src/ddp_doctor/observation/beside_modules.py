@@ -17,7 +17,9 @@ import zlib
 from typing import Any
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.fingerprint import fingerprints_batched, readable
 from ddp_doctor.core.frames import user_site, variable_names
 from ddp_doctor.observation.target import WRAPPED
@@ -62,7 +64,10 @@ class BesideModules:
             self._calls.pop()
 
     def _beside(self, module: nn.Module) -> bool:
-        if id(module) in self._tree or not any(True for _ in _tensors(module)):
+        # Another DDP model (nobody observes it: DDP keeps its replicas equal itself) is not beside this one.
+        if isinstance(module, DistributedDataParallel) or id(module) in self._tree:
+            return False
+        if not any(True for _ in _tensors(module)):
             return False
         return not any(module is ddp or module in ddp.module.modules() for ddp in list(WRAPPED))
 
@@ -86,5 +91,8 @@ class BesideModules:
 
 
 def _tensors(module: nn.Module) -> Any:
-    yield from module.named_parameters()
-    yield from ((n, b) for n, b in module.named_buffers() if b is not None)
+    """Its parameters and buffers, less DTensors (FSDP2's and tensor parallelism's shards differ across ranks by
+    design)."""
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        if t is not None and not is_dtensor(t):
+            yield name, t
