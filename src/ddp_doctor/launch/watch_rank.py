@@ -29,9 +29,8 @@ from ddp_doctor.launch.following_run import group_timeout
 from ddp_doctor.launch.watch_replicas import ReplicaPoints
 from ddp_doctor.launch.watch_run import STACKS_SIGNAL, dump_request_path, stacks_path
 from ddp_doctor.launch.watch_windows import StepWindows
-from ddp_doctor.observation import collectives, dataloaders
-from ddp_doctor.observation.collectives import Call
-from ddp_doctor.observation.model_averaging import from_averager
+from ddp_doctor.observation import dataloaders
+from ddp_doctor.observation.model_averaging import AveragingsDone
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -60,12 +59,9 @@ class WatchPolicy:
         self._replicas = ReplicaPoints(session.outdir, session.rank)
         self._windows = StepWindows(session.outdir, session.rank)
         dataloaders.listen(self._windows.loader_started)
-        self._averaging: int | None = None
-        """The group size of a model averager's all-reduce in progress (post-local SGD)."""
         self._last_step = 0
-        self._averaged: tuple[int, int | None] | None = None
-        """(the step after which a model averager ran, the ranks it averaged over), until the next step begins."""
-        collectives.listen(self._collective, self._collective_done)
+        self._averagings = AveragingsDone()
+        """Model averagings (post-local SGD): the replicas are compared right after one."""
         session.watchdog.on_tick = self._dump_when_asked
 
     def wrapped(self, ddp: DistributedDataParallel, trainable: list[bool]) -> None:
@@ -89,6 +85,7 @@ class WatchPolicy:
         beacon.update(phase=Phase.WATCHED.value, group_timeout=group_timeout())
         register_optimizer_step_post_hook(self._stepped)
         register_optimizer_step_pre_hook(self._stepping)
+        self._averagings.start()  # for the job's life, as the step hooks
         return True
 
     def script_ended(self) -> bool:
@@ -122,21 +119,12 @@ class WatchPolicy:
         session.watchdog.write()
         raise exc if exc is not None else SystemExit(code)
 
-    def _collective(self, call: Call) -> None:
-        if self.session.watching and call.op == "all_reduce" and from_averager(call.caller):
-            self._averaging = call.group_size
-
-    def _collective_done(self) -> None:
-        """After a model averager's all-reduce: it copies the averages into the parameters after it returns, so the
-        point is taken when the next optimizer step begins (`_stepping`), labelled with the step it followed."""
-        if self._averaging is not None:
-            self._averaged, self._averaging = (self._last_step, self._averaging), None
-
     def _stepping(self, opt: Optimizer, _args: Any, _kwargs: Any) -> None:
-        if self._averaged is not None:
-            (step, size), self._averaged = self._averaged, None
+        """A point after a model averaging, labelled with the step it followed."""
+        size = self._averagings.take()
+        if size is not None:
             try:
-                self._replicas.averaged(step, size)
+                self._replicas.averaged(self._last_step, size)
             except Exception as exc:  # noqa: BLE001  (watching must never take the rank down)
                 logger.debug("ddp-doctor: a point after a model averaging not written: %s", exc)
 

@@ -15,9 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ddp_doctor.core.frames import user_site_of
+from ddp_doctor.observation import collectives
 from ddp_doctor.observation.collectives import Call
 
-__all__ = ["Averagings", "from_averager", "local_sgd_began", "local_sgd_of"]
+__all__ = ["Averagings", "AveragingsDone", "from_averager", "local_sgd_began", "local_sgd_of"]
 
 _HOOK_MODULE = "torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook"
 _AVERAGING = "model_averaging"
@@ -87,6 +88,33 @@ class Averagings:
             self._after.append(after)
         self._group_size = max(self._group_size or 0, call.group_size or 0) or None
         self._site = self._site or user_site_of(call.caller, None)
+
+
+class AveragingsDone:
+    """Whether a model averager averaged the parameters since `take` was last called, for `watch` and `guard`, which
+    compare the replicas right after an averaging under post-local SGD. The averager copies the averages into the
+    parameters after its all-reduce returns: read them when the next optimizer step begins. Listens to the script's
+    collectives from `start` to the stop function it returns."""
+
+    def __init__(self) -> None:
+        self._running: int | None = None
+        self._done: int | None = None
+
+    def start(self) -> Callable[[], None]:
+        return collectives.listen(self._entered, self._returned)
+
+    def take(self) -> int | None:
+        """The number of ranks the latest averaging since the last call averaged over (None: there was none)."""
+        done, self._done = self._done, None
+        return done
+
+    def _entered(self, call: Call) -> None:
+        if call.op == "all_reduce" and from_averager(call.caller):
+            self._running = call.group_size or 0
+
+    def _returned(self) -> None:
+        if self._running is not None:
+            self._done, self._running = self._running, None
 
 
 def from_averager(frame: Any, limit: int = 6) -> bool:

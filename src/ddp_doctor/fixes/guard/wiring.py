@@ -18,10 +18,8 @@ from ddp_doctor.core.errors import GuardError
 from ddp_doctor.core.frames import user_site
 from ddp_doctor.fixes.guard.compare import due
 from ddp_doctor.fixes.guard.problems import LOGGER_NAME
-from ddp_doctor.observation import collectives
-from ddp_doctor.observation.collectives import Call
 from ddp_doctor.observation.hooks import Hook
-from ddp_doctor.observation.model_averaging import from_averager, local_sgd_began
+from ddp_doctor.observation.model_averaging import AveragingsDone, local_sgd_began
 
 if TYPE_CHECKING:
     from ddp_doctor.fixes.guard.bypass import BypassWatch
@@ -74,11 +72,9 @@ class Hooks:
         """Grad-mode DDP forwards since the last optimizer step."""
         self._handles: list[Any] = []
         self._ddp_handles: list[Any] = []
+        self._averagings: AveragingsDone | None = None
+        """Model averagings, listened to once post-local SGD began (no cost to a job without it)."""
         self._stop_listening: Callable[[], None] | None = None
-        self._averaging = False
-        """A model averager's all-reduce over the DDP model's whole group is running (post-local SGD)."""
-        self._averaged = False
-        """A model averager averaged the parameters since the last optimizer step."""
         self._waiting = False
         """A comparison is due under post-local SGD: it waits for the next model averaging to be done."""
 
@@ -94,7 +90,6 @@ class Hooks:
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(Hook(self.on_optimizer_pre)))
             self._handles.append(optimizer.register_step_post_hook(Hook(self.on_optimizer_step)))
-            self._stop_listening = collectives.listen(self.on_collective, self.on_collective_done)
         self._bypass.arm(self.on_any_module_forward_pre)
 
     def attach_ddp(self, ddp: DistributedDataParallel) -> None:
@@ -165,9 +160,10 @@ class Hooks:
         g = self._g
         if self.ddp_forwards == 0:
             self._safely(self._bypass.unsynced_step, self._params, self._flips.wrap_trainable, g.steps)
-        if self._waiting and self._averaged and g.active:
-            # the averager copies its averages in after its all-reduce returns: they are in place by now
-            self._waiting = self._averaged = False
+        size = self._averagings.take() if self._averagings is not None else None
+        group = getattr(self._ddp, "process_group", None)
+        if self._waiting and g.active and size is not None and group is not None and size == group.size():
+            self._waiting = False
             self._check(f"step {g.steps}, after the model averaging")
 
     def on_optimizer_step(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
@@ -176,10 +172,14 @@ class Hooks:
         if self.ddp_forwards and self._bypass.armed:
             self._bypass.disarm()  # a healthy step: from here the O(1) check suffices
         self.ddp_forwards = 0
-        self._averaged = False
+        if self._averagings is not None:
+            self._averagings.take()  # an averaging before this step's update is not one after it
         if g.active and due(g.steps, g.every):
             if self._ddp is not None and local_sgd_began(self._ddp):
                 self._waiting = True  # the replicas differ between model averagings by design
+                if self._averagings is None:
+                    self._averagings = AveragingsDone()
+                    self._stop_listening = self._averagings.start()
                 _log.log_once(
                     logger,
                     logging.INFO,
@@ -188,14 +188,6 @@ class Hooks:
                 )
             else:
                 self._check(f"step {g.steps}")
-
-    def on_collective(self, call: Call) -> None:
-        group = getattr(self._ddp, "process_group", None)
-        if call.op == "all_reduce" and group is not None and call.group_size == group.size():
-            self._averaging = from_averager(call.caller)
-
-    def on_collective_done(self) -> None:
-        self._averaged, self._averaging = self._averaged or self._averaging, False
 
     def _count_step(self) -> None:
         # Without an optimizer a step is a synchronizing forward; compare before the forward that starts step
