@@ -250,7 +250,7 @@ class ForwardHooks:
             self._log.note_site(self._log.bypass_sites, user_site(self._t.submodules))
 
     def _on_any_module_forward(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
-        if self._log.state is not None:
+        if not self._ddp_depth and self._log.state is not None:  # nothing inside DDP's forward was entered
             self._log.state.beside_modules.exit(module)
         if self._ddp_depth or id(module) not in self._t.submodules or not self._outside:
             return
