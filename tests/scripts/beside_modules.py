@@ -10,6 +10,9 @@ cases:
   broadcast    rank-seed, then rank 0's teacher broadcast to every rank before training (the fix)
   ema          the same teacher, and an EMA of the student (torch.optim.swa_utils.AveragedModel) updated and
                evaluated after each step
+  rank-seed-slot   rank-seed, and a parameter attached to the student after DDP was built (`student.module[0].slot`,
+               all ones on every rank, used by no forward yet). Each rank also writes `slot`, that parameter's sum
+  rank-seed-slot-apart   the same, the parameter filled with rank + 1 (it differs across ranks)
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     student = DistributedDataParallel(net())
-    torch.manual_seed(rank + 1 if args.case in ("rank-seed", "broadcast") else 1)
+    slot = args.case.startswith("rank-seed-slot")
+    if slot:
+        student.module[0].slot = nn.Parameter(torch.full((3,), rank + 1.0 if args.case.endswith("apart") else 1.0))
+    torch.manual_seed(rank + 1 if args.case in ("rank-seed", "broadcast") or slot else 1)
     teacher = net().eval().requires_grad_(False)
     if args.case == "rank0-load" and rank == 0:
         teacher.load_state_dict({k: v * 1.5 for k, v in teacher.state_dict().items()})
@@ -64,6 +70,7 @@ def main() -> None:
             {
                 "teacher": float(sum(p.sum() for p in teacher.parameters())),
                 "student": float(sum(p.detach().sum() for p in student.parameters())),
+                "slot": float(student.module[0].slot.detach().sum()) if slot else None,
             },
             f,
         )

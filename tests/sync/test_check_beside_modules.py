@@ -10,6 +10,13 @@ rank 0's teacher broadcast: the fix) and ema (an EMA of the student, `AveragedMo
 step): equal everywhere, and the students end as in `same`.
 
 Before, the check compared the DDP model alone and said nothing of the teacher in any case.
+
+rank-seed-slot (rank-seed, and a parameter attached to the student after the wrap, all ones on every rank and used by
+no forward): its sums agree (3.0 on both ranks) while the teachers differ as in rank-seed. The ranks compare one
+digest of everything their trees hold beyond DDP's lists, the teacher included, and the check read "the digest
+differs" as "these parameters differ": `unregistered-parameters` at error, "They already differ across ranks at step
+0". rank-seed-slot-apart (the parameter filled with rank + 1: sums 3.0 and 6.0): both differ, and the digest cannot
+say which parted first.
 """
 
 from __future__ import annotations
@@ -28,11 +35,11 @@ def _check(tmp_path: Path, case: str):
     return check(["--nproc-per-node", "2", SCRIPT, str(tmp_path / "out"), "--case", case], tmp_path)
 
 
-def _teachers(tmp_path: Path, case: str) -> list[float]:
+def _teachers(tmp_path: Path, case: str, key: str = "teacher") -> list[float]:
     out = tmp_path / case
     done = torchrun("beside_modules.py", [str(out), "--case", case], REPO, timeout=120)
     assert done.rc == 0 or done.aborted_at_exit, done.output[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text())["teacher"] for r in (0, 1)]
+    return [json.loads((out / f"rank{r}.json").read_text())[key] for r in (0, 1)]
 
 
 @pytest.mark.parametrize("case", ["rank-seed", "rank0-load"])
@@ -57,3 +64,21 @@ def test_modules_beside_the_model_that_agree_are_compared_and_clean(tmp_path: Pa
     run = _check(tmp_path / "check", case)
     assert run.rc == 0 and run.codes == set(), run.output
     assert run.report["compared"]["modules_beside"] == beside, run.report["compared"]
+
+
+@pytest.mark.parametrize(("case", "apart"), [("rank-seed-slot", False), ("rank-seed-slot-apart", True)])
+def test_a_teacher_apart_is_not_taken_for_parameters_added_after_the_wrap_apart(
+    tmp_path: Path, case: str, apart: bool
+) -> None:
+    a, b = _teachers(tmp_path, case, "slot")
+    assert (a != b) == apart, (a, b)
+    run = _check(tmp_path / "check", case)
+    assert run.rc == 1, run.output
+    teacher = run.finding("replica-divergence")
+    assert [p["name"] for p in teacher["params"]] == ["teacher"] and teacher["severity"] == "error", teacher
+    slot = run.finding("unregistered-parameters")
+    assert [p["name"] for p in slot["params"]] == ["0.slot"], slot
+    if apart:  # both parts of the digest differ: the step the parameter parted is not claimed, the last one is
+        assert slot["severity"] == "error" and slot["steps"] == [0, 7] and teacher["steps"] == [7], (slot, teacher)
+    else:  # the teacher alone differs: its first step is the digest's
+        assert slot["severity"] == "warning" and slot["steps"] == [0] and teacher["steps"] == [0], (slot, teacher)

@@ -23,15 +23,16 @@ def found(records) -> dict:
     return {f.code: f for f in d.findings}, d.recommendation
 
 
-def _unregistered(rank: int, digests: list[int]):
+def _unregistered(rank: int, digests: list[int], fp: list[float] = (1.0, 2.0)):
+    """`fp`: the parameter's fingerprints at the last step, which the digests fold in."""
     r = record(rank, ALL, counters=counters([{"unregistered": 1, "state_digest": d} for d in digests]))
-    r.unregistered = NEW_HEAD
+    r.unregistered = [{**NEW_HEAD[0], "fp": list(fp)}]
     r.state_log = [{"step": 0, "training": True, "other_mode": [], "other_mode_count": 0, "unregistered": ["x"]}]
     return r
 
 
 def test_parameters_the_reducer_does_not_hold_that_part_across_ranks_are_an_error_naming_them() -> None:
-    f, _ = found([_unregistered(0, [5, 6, 7]), _unregistered(1, [5, 9, 11])])
+    f, _ = found([_unregistered(0, [5, 6, 7]), _unregistered(1, [5, 9, 11], fp=[1.0, 3.0])])
     u = f["unregistered-parameters"]
     assert u.severity == "error" and [p.name for p in u.params] == ["head_c.weight"] and u.params[0].numel == 8
     assert u.ranks == [0, 1] and u.steps == [0, 1]  # attached from step 0, parted at step 1
@@ -41,6 +42,21 @@ def test_parameters_the_reducer_does_not_hold_that_part_across_ranks_are_an_erro
 def test_parameters_the_reducer_does_not_hold_that_still_agree_are_a_warning() -> None:
     f, _ = found([_unregistered(0, [5, 6, 7]), _unregistered(1, [5, 6, 7])])
     assert f["unregistered-parameters"].severity == "warning" and f["unregistered-parameters"].steps == [0]
+
+
+def test_parameters_that_agree_stay_a_warning_when_something_else_the_digest_covers_differs() -> None:
+    """The digests part at step 1 for a teacher run beside the model; the parameters' own fingerprints agree."""
+    recs = [_unregistered(0, [5, 6, 7]), _unregistered(1, [5, 9, 11])]
+    for r, fp in zip(recs, ([1.0, 1.0], [2.0, 2.0])):
+        r.beside_modules = [{"name": "teacher", "site": "t.py:9", "tensors": 2, "numel": 8, "fp": fp}]
+    f, _ = found(recs)
+    u = f["unregistered-parameters"]
+    assert u.severity == "warning" and u.steps == [0], u
+    assert f["replica-divergence"].param_names == ["teacher"] and f["replica-divergence"].steps == [1]
+    # both differ: the parameters are an error, at the last step (which part parted first is not known)
+    recs[1].unregistered[0]["fp"] = [1.0, 3.0]
+    f, _ = found(recs)
+    assert f["unregistered-parameters"].severity == "error" and f["unregistered-parameters"].steps == [0, 2]
 
 
 def test_what_a_replaced_module_left_in_the_reducer_is_never_named_unused_nor_frozen() -> None:

@@ -12,7 +12,7 @@ from ddp_doctor.analyze.common import steps_of, with_evidence, with_more
 from ddp_doctor.analyze.links import UNSYNCED, divergence_fix
 from ddp_doctor.analyze.local_sgd import local_sgd
 from ddp_doctor.analyze.rules import count as _count
-from ddp_doctor.analyze.tree_state import differing
+from ddp_doctor.analyze.tree_digest import differing, parted_at, same_fingerprint
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
@@ -77,13 +77,13 @@ def modules_beside_apart(v: View) -> list[Finding]:
     """Modules the script calls outside DDP's forward (a distillation teacher, a frozen encoder) whose parameters or
     buffers differ across ranks: DDP broadcasts only the model it wraps, so each rank computes its loss with its own
     copy. Ground truth: tests/sync/test_check_beside_modules.py."""
-    odd, _, _ = differing(v)
+    odd, _ = differing(v)
     mine = v.meta(0).get("beside_modules") or []
     if not odd or not mine:
         return []
     theirs = [{e["name"]: e["fp"] for e in v.meta(r).get("beside_modules") or []} for r in odd]
     # A module some ranks never called (an EMA evaluated on rank 0 alone) is not compared.
-    apart = [e for e in mine if any(e["name"] in t and not _same(t[e["name"]], e["fp"]) for t in theirs)]
+    apart = [e for e in mine if any(e["name"] in t and not same_fingerprint(t[e["name"]], e["fp"]) for t in theirs)]
     if not apart:
         return []
     names = ", ".join(e["name"] for e in apart)
@@ -99,7 +99,7 @@ def modules_beside_apart(v: View) -> list[Finding]:
             "rank computes its loss with a different function.",
             params=[ParamRef(e["name"], e["numel"]) for e in apart],
             ranks=[0, *odd],
-            steps=[v.summary.state_step],
+            steps=[v.steps - 1 if (parted := parted_at(v, "beside_modules")) is None else parted],
             fix="build it alike on every rank (the same seed before creating it, or the same checkpoint loaded on "
             "every rank), or copy rank 0's once before training: `for t in [*module.parameters(), "
             "*module.buffers()]: dist.broadcast(t.data, src=0)`.",
@@ -107,10 +107,6 @@ def modules_beside_apart(v: View) -> list[Finding]:
             measured=[Measure("modules_apart", len(apart), "count")],
         )
     ]
-
-
-def _same(a: list[float], b: list[float]) -> bool:
-    return all(x == y or (x != x and y != y) for x, y in zip(a, b))
 
 
 _MODES_APART = {
@@ -160,7 +156,7 @@ def modes_differ(v: View) -> list[Finding]:
     any `self.training` branch compute differently there. The rule and words are every parallelism's
     (`modes_apart`)."""
     step = v.summary.state_step
-    odd, modes, _ = differing(v)
+    odd, modes = differing(v)
     if step is None or not modes:
         return []
     held = {r: v.meta(r).get("state") or {} for r in [0, *odd]}

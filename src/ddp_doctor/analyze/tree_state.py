@@ -5,44 +5,13 @@ holds (the modules' train/eval modes apart are `replica_state.py`'s `replica-div
 
 from __future__ import annotations
 
-from typing import Any
-
 from ddp_doctor.analyze.common import all_ranks, with_more
+from ddp_doctor.analyze.tree_digest import differing, param_entry, parted_at, parts_apart
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
 
-__all__ = ["differing", "optimizer_holds_replaced", "param_entry", "stale_optimizer", "unregistered_parameters"]
-
-
-def _modes(entry: dict[str, Any] | None) -> tuple[bool, int, tuple[str, ...]] | None:
-    if entry is None:
-        return None
-    return bool(entry["training"]), int(entry["other_mode_count"]), tuple(entry["other_mode"])
-
-
-def differing(v: View) -> tuple[list[int], bool, bool]:
-    """(the example ranks whose tree differs from rank 0's at the first differing step, whether their modes differ,
-    whether anything else does: the values of parameters DDP does not hold)."""
-    step = v.summary.state_step
-    if step is None:
-        return [], False, False
-    odd = v.ranks("state-differs").ranks
-    ref = v.meta(0).get("state")
-    modes = any(_modes(v.meta(r).get("state")) != _modes(ref) for r in odd)
-    others = not odd or any(_modes(v.meta(r).get("state")) == _modes(ref) for r in odd)
-    return odd, modes, others
-
-
-def param_entry(entry: dict[str, Any]) -> ParamRef:
-    """A `ParamRef` of a logged tensor's `name` and `shape` (None for a lazy module's parameter: size 0, no shape)."""
-    if entry["shape"] is None:
-        return ParamRef(entry["name"], 0, ())
-    shape = tuple(entry["shape"])
-    numel = 1
-    for d in shape:
-        numel *= d
-    return ParamRef(entry["name"], numel, shape)
+__all__ = ["optimizer_holds_replaced", "stale_optimizer", "unregistered_parameters"]
 
 
 @detects(Code.UNREGISTERED_PARAMETERS)
@@ -59,8 +28,9 @@ def unregistered_parameters(v: View) -> list[Finding]:
     params = [param_entry(e) for e in entries]
     names = ", ".join(p.name for p in params[:6]) + (f" (+{len(params) - 6} more)" if len(params) > 6 else "")
     sites = sorted({e["site"] for e in entries if e.get("site")})
-    _, _, values_differ = differing(v)
-    parted = v.summary.state_step if values_differ else None
+    apart = "unregistered" in parts_apart(v)
+    parted = parted_at(v, "unregistered") if apart else None
+    last = v.steps - 1
     orphaned = v.orphaned.nonzero().flatten().tolist()
     left = v.params(orphaned)
     where = f", attached at {', '.join(sites[:3])} after DDP was built" if sites else ""
@@ -92,6 +62,11 @@ def unregistered_parameters(v: View) -> list[Finding]:
     )
     if parted is not None:
         detail += f" They already differ across ranks at step {parted}."
+    elif apart:
+        detail += (
+            f" They differ across ranks at the last observed step ({last}); the ranks' trees differ in other state "
+            "too, so the step at which these parted is not known."
+        )
     elif not unused and any(e.get("readable", True) is False for e in entries):
         detail += " The check cannot read their values (a tensor subclass), so it did not compare them across ranks."
     elif never_stepped and not unused:
@@ -123,7 +98,7 @@ def unregistered_parameters(v: View) -> list[Finding]:
                 Finding(
                     code=Code.UNREGISTERED_PARAMETERS,
                     sites=lines_of(*sites),
-                    severity="error" if parted is not None else "warning",
+                    severity="error" if apart else "warning",
                     title=f"{len(params)} trainable parameter(s) are not in DDP's reducer: created or replaced after "
                     + (
                         "DDP was built, unused so far"
@@ -135,7 +110,7 @@ def unregistered_parameters(v: View) -> list[Finding]:
                     detail=detail,
                     params=params,
                     ranks=ranks,
-                    steps=[first] if parted is None else [first, parted] if parted != first else [first],
+                    steps=sorted({first, parted if parted is not None else last}) if apart else [first],
                     # how many of the named a gradient reached, and how many hold values (a lazy or meta one: none)
                     measured=[
                         Measure("with_gradient", sum(1 for e in entries if e.get("used", True)), "count"),
@@ -159,7 +134,7 @@ def _outside(v: View) -> list[Finding]:
     differs by 0.0099 across the ranks at the end, every model weight equal, exit 0. The check named it as a tensor
     of "a module replaced" that "no forward uses", with a fix about building the optimizer after the model."""
     mine = [e for e in v.meta(0).get("outside") or [] if e.get("grad")]
-    odd, _, _ = differing(v)
+    odd, _ = differing(v)
     if not mine or not odd:
         return []
     theirs = [{e["name"]: e["fp"] for e in v.meta(r).get("outside") or []} for r in odd]
@@ -171,14 +146,16 @@ def _outside(v: View) -> list[Finding]:
     # Their gradients agree on every rank (the script averages them) while their values differ: they started apart.
     grads_apart = sum(any(t.get(e["name"], [])[2:] != e["fp"][2:] for t in theirs) for e in apart)
     held = f"no module DDP wraps{f' ({v.info.ddp_site})' if v.info.ddp_site else ''} holds them"
-    step = v.summary.state_step
+    parted = parted_at(v, "outside")
+    step = v.steps - 1 if parted is None else parted
+    since = f"from step {step} on" if parted is not None else f"at the last observed step ({step})"
     attr = params[0].name.split(".")[-1]
     if grads_apart == 0:
         title = f"{len(params)} tensor(s) the optimizer trains outside the DDP model ({names}) differ across ranks, "
         title += "though their gradients agree"
         detail = (
             f"The optimizer steps {names} beside the model's parameters and the script averages their gradients, "
-            f"but {held}, so nothing made their values equal: they differ across ranks from step {step} on (created "
+            f"but {held}, so nothing made their values equal: they differ across ranks {since} (created "
             "from each rank's own random state, or changed on some ranks), and equal updates keep them apart. DDP "
             "broadcasts rank 0's weights of the model it wraps only."
         )
@@ -193,7 +170,7 @@ def _outside(v: View) -> list[Finding]:
         detail = (
             f"The optimizer steps {names} beside the model's parameters, and the loss gives them a gradient, but "
             f"{held}, so DDP all-reduces no gradient of theirs: each rank steps them from its own batch's gradient. "
-            f"They differ across ranks from step {step} on (values or gradients at the optimizer step), while DDP "
+            f"They differ across ranks {since} (values or gradients at the optimizer step), while DDP "
             "keeps the model's own weights equal."
         )
         fix = (

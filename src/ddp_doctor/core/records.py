@@ -246,7 +246,7 @@ class RankRecord:
     (modules in the other mode than the model's), `other_mode_count`, `unregistered` (`observation.tree_scan`)."""
     unregistered: list[dict[str, Any]] = field(default_factory=list)
     """The trainable parameters DDP's reducer does not hold at the last step: `name`, `shape`, `site`, `stepped`,
-    `used`, `data` (`observation.tree_scan.StateScan.unregistered`)."""
+    `used`, `data`, `readable`, `fp` (`observation.tree_scan.StateScan.unregistered`)."""
     orphaned: list[int] = field(default_factory=list)
     """Positions of parameters DDP registered that the module tree no longer holds at the last step (a module
     replaced after DDP was built left them behind: they get no gradient, and nothing the script does uses them)."""

@@ -113,7 +113,7 @@ class StateScan:
         """The trainable parameters DDP does not hold, at the last step: `name`, `shape`, `site` (where they were
         attached to the tree, when seen), `used` (a gradient reached it at some observed step's end), `data` (it
         holds values: not on the meta device, not a lazy module's before its first forward), `readable` (its values
-        can be fingerprinted: `fingerprint.readable`)."""
+        can be fingerprinted: `fingerprint.readable`), `fp` (its fingerprints, which the digest folds in)."""
         self._used: set[int] = set()
         self.orphaned: list[int] = []
         """Positions (in the observed parameter list) of parameters DDP registered that the tree no longer holds:
@@ -211,10 +211,12 @@ class StateScan:
                 )
         trainable = [(n, p, s) for n, p, s in unknown if p.requires_grad]
         self._used.update(id(p) for _, p, _ in trainable if p.grad is not None)
+        fp_of: dict[int, list[float]] = {}
         if unknown:
             fps = fingerprints([p for _, p, _ in unknown])
             for (name, p, _), fp in zip(unknown, fps.tolist()):
                 crc = zlib.crc32(f"{name}={p.requires_grad}:{fp[0]!r},{fp[1]!r};".encode(), crc)
+                fp_of[id(p)] = fp
         if late:
             crc = self._scan_late(late, crc)
         else:
@@ -255,6 +257,7 @@ class StateScan:
                 "used": id(p) in self._used,
                 "data": holds_data(p),
                 "readable": readable(p),
+                "fp": fp_of[id(p)],
             }
             for n, p, s in trainable
         ][:64]
