@@ -13,6 +13,7 @@ cases:
   rank-seed-slot   rank-seed, and a parameter attached to the student after DDP was built (`student.module[0].slot`,
                all ones on every rank, used by no forward yet). Each rank also writes `slot`, that parameter's sum
   rank-seed-slot-apart   the same, the parameter filled with rank + 1 (it differs across ranks)
+  rank-seed-eval   rank-seed, and rank 0 alone puts the student in eval mode from step 4 on
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main() -> None:
     slot = args.case.startswith("rank-seed-slot")
     if slot:
         student.module[0].slot = nn.Parameter(torch.full((3,), rank + 1.0 if args.case.endswith("apart") else 1.0))
-    torch.manual_seed(rank + 1 if args.case in ("rank-seed", "broadcast") or slot else 1)
+    torch.manual_seed(rank + 1 if args.case in ("rank-seed", "broadcast", "rank-seed-eval") or slot else 1)
     teacher = net().eval().requires_grad_(False)
     if args.case == "rank0-load" and rank == 0:
         teacher.load_state_dict({k: v * 1.5 for k, v in teacher.state_dict().items()})
@@ -53,6 +54,8 @@ def main() -> None:
     ema = torch.optim.swa_utils.AveragedModel(student.module) if args.case == "ema" else None
     opt = torch.optim.SGD(student.parameters(), lr=0.05)
     for step in range(10):
+        if args.case == "rank-seed-eval" and rank == 0 and step == 4:
+            student.eval()
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
         with torch.no_grad():
             target = teacher(x)

@@ -16,7 +16,9 @@ no forward): its sums agree (3.0 on both ranks) while the teachers differ as in 
 digest of everything their trees hold beyond DDP's lists, the teacher included, and the check read "the digest
 differs" as "these parameters differ": `unregistered-parameters` at error, "They already differ across ranks at step
 0". rank-seed-slot-apart (the parameter filled with rank + 1: sums 3.0 and 6.0): both differ, and the digest cannot
-say which parted first.
+say which parted first. rank-seed-eval (rank-seed, and rank 0 alone puts the student in eval mode from step 4):
+exit 0, nothing said by torch; the check compared the modes at the digest's first differing step only (step 0,
+where the teacher parted) and said nothing of the modes.
 """
 
 from __future__ import annotations
@@ -82,3 +84,14 @@ def test_a_teacher_apart_is_not_taken_for_parameters_added_after_the_wrap_apart(
         assert slot["severity"] == "error" and slot["steps"] == [0, 7] and teacher["steps"] == [7], (slot, teacher)
     else:  # the teacher alone differs: its first step is the digest's
         assert slot["severity"] == "warning" and slot["steps"] == [0] and teacher["steps"] == [0], (slot, teacher)
+
+
+def test_modes_that_part_after_a_teacher_already_differs_are_named_at_their_own_step(tmp_path: Path) -> None:
+    run = _check(tmp_path, "rank-seed-eval")
+    assert run.rc == 1, run.output
+    apart = {
+        tuple(p["name"] for p in f["params"]): f for f in run.report["findings"] if f["code"] == "replica-divergence"
+    }
+    assert apart.keys() == {("teacher",), ()}, apart
+    assert apart[("teacher",)]["steps"] == [0] and apart[("teacher",)]["severity"] == "error", apart
+    assert apart[()]["steps"] == [4] and apart[()]["severity"] == "warning" and apart[()]["ranks"] == [0, 1], apart

@@ -12,7 +12,7 @@ from ddp_doctor.analyze.common import steps_of, with_evidence, with_more
 from ddp_doctor.analyze.links import UNSYNCED, divergence_fix
 from ddp_doctor.analyze.local_sgd import local_sgd
 from ddp_doctor.analyze.rules import count as _count
-from ddp_doctor.analyze.tree_digest import differing, parted_at, same_fingerprint
+from ddp_doctor.analyze.tree_digest import differing, modes_parted, parted_at, same_fingerprint
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
@@ -155,12 +155,11 @@ def modes_differ(v: View) -> list[Finding]:
     """Modules in train mode on some ranks and in eval mode on others when a step closed: dropout, BatchNorm and
     any `self.training` branch compute differently there. The rule and words are every parallelism's
     (`modes_apart`)."""
-    step = v.summary.state_step
-    odd, modes = differing(v)
-    if step is None or not modes:
+    parted = modes_parted(v)
+    if parted is None:
         return []
-    held = {r: v.meta(r).get("state") or {} for r in [0, *odd]}
-    return [modes_apart(step=step, held=held, reference=0, ranks=sorted({0, *odd}), parallelism="ddp")]
+    step, held = parted
+    return [modes_apart(step=step, held=held, reference=0, ranks=sorted(held), parallelism="ddp")]
 
 
 def replicas_parted(

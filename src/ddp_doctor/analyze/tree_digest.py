@@ -12,7 +12,7 @@ from typing import Any
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import ParamRef
 
-__all__ = ["differing", "param_entry", "parted_at", "parts_apart", "same_fingerprint"]
+__all__ = ["differing", "modes_parted", "param_entry", "parted_at", "parts_apart", "same_fingerprint"]
 
 
 def _modes(entry: dict[str, Any] | None) -> tuple[bool, int, tuple[str, ...]] | None:
@@ -23,12 +23,27 @@ def _modes(entry: dict[str, Any] | None) -> tuple[bool, int, tuple[str, ...]] | 
 
 def differing(v: View) -> tuple[list[int], bool]:
     """(the example ranks whose tree differs from rank 0's at some step, whether their modes differ from its at the
-    last step)."""
+    first step the trees differ: then the modes parted there)."""
     if v.summary.state_step is None:
         return [], False
     odd = v.ranks("state-differs").ranks
     ref = v.meta(0).get("state")
     return odd, any(_modes(v.meta(r).get("state")) != _modes(ref) for r in odd)
+
+
+def modes_parted(v: View) -> tuple[int, dict[int, dict[str, Any]]] | None:
+    """The first step at which the example ranks' train/eval modes differ from rank 0's, with the state entry each
+    held then: the trees' first differing step when the modes differ there, else the first later change the ranks'
+    state logs show (their first entries) after which they differ; None when they agree throughout."""
+    odd, modes = differing(v)
+    if modes:
+        return v.summary.state_step, {r: v.meta(r).get("state") or {} for r in [0, *odd]}
+    logs = {r: v.meta(r).get("state_log") or [] for r in [0, *odd]}
+    for step in sorted({e["step"] for log in logs.values() for e in log}):
+        held = {r: next((e for e in reversed(log) if e["step"] <= step), None) for r, log in logs.items()}
+        if any(_modes(held[r]) != _modes(held[0]) for r in odd):
+            return step, {r: e or {} for r, e in held.items()}
+    return None
 
 
 _FINGERPRINTED = ("unregistered", "late_buffers", "outside", "beside_modules")
@@ -38,9 +53,9 @@ outside the model, the modules run beside it."""
 
 
 def parts_apart(v: View) -> set[str]:
-    """Which parts of the tree's state digest differ between rank 0 and the example ranks whose digest differs, as
-    they held them at the last observed step: `"modes"`, or a name of `_FINGERPRINTED` (an entry one rank has and
-    another lacks counts as apart)."""
+    """Which parts of the tree's state digest may explain its first difference between rank 0 and the example
+    ranks whose digest differs: `"modes"` when the modes differ at that step, and each part of `_FINGERPRINTED`
+    whose fingerprints differ at the last observed step (an entry one rank has and another lacks counts as apart)."""
     odd, modes = differing(v)
     apart = {"modes"} if modes else set()
     for part in _FINGERPRINTED:
