@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ddp_doctor.core.codes import not_checked_for
 from ddp_doctor.core.summary import Summary
 
 __all__ = ["compared", "not_read", "unreadable"]
@@ -55,6 +56,7 @@ def compared(summary: Summary) -> dict[str, Any]:
         "optimizer_steps": stepped,
         "collectives": int(hi[:s, 0].sum()) if s and agreed else None,
         "collectives_per_rank_differ": not agreed,
+        "codes_not_checked": [str(c) for c in not_checked_for("ddp")],
     }
 
 

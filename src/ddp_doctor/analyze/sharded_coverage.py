@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddp_doctor.analyze.coverage import not_read
+from ddp_doctor.core.codes import not_checked_for
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 from ddp_doctor.core.steptime import MIN_STEPS
 
@@ -56,6 +57,7 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
         "clock": ("gpu" if run.gpu_timed else "host") if timed else None,
         "straggler": timed and run.comm_timed and not run.gpu_timed and run.world > 1,
         "all_gathers_per_step": run.sharding.get("all_gathers_per_step") if fully_shard else None,
+        "codes_not_checked": [str(c) for c in not_checked_for(parallelism_of(run.sharding))],
     }
 
 
@@ -92,7 +94,6 @@ def sharded_unchecked(run: ShardedRun) -> list[str]:
     if parallelism_of(run.sharding) == "replicate":
         return [
             "the mixed-precision policy of replicate",
-            "parameters frozen after replicate",
             *_untimed(run),
             f"replicate: {skipped}",
             *_replicas_unchecked(run, "replicate"),

@@ -61,6 +61,17 @@ def _where(row: CodeInfo) -> str:
     return where + " (built by rules.py, shared with guard)" if row.guard else where
 
 
+_NAMES = {"ddp": "DDP", "fsdp2": "FSDP2", "replicate": "replicate"}
+
+
+def _checked(row: CodeInfo) -> str:
+    """The parallelisms whose check decides the code, and those it applies to that do not yet."""
+    said = ", ".join(_NAMES[p] for p in row.checked_for)
+    if row.not_checked_for:
+        said += f" (not yet: {', '.join(_NAMES[p] for p in row.not_checked_for)})"
+    return said
+
+
 def markdown(target: str) -> str:
     """The code table of the README (`target="readme"`: one line a code) or of docs/codes.md (`"docs"`: the severity
     rule, an example and the module that decides it), between its marker lines, grouped by family."""
@@ -72,9 +83,14 @@ def markdown(target: str) -> str:
         ]
     elif target == "docs":
         lines += [f"- `{family}`: {title}" for family, title in FAMILY_TITLES.items()]
-        lines += ["", "| code | family | severity | meaning | decided in `analyze/` |", "|---|---|---|---|---|"]
         lines += [
-            f"| `{row.code}` | {row.family} | {row.when or row.severity} | {row.summary}{NOTES.get(row.code, '')} | {_where(row)} |"
+            "",
+            "| code | family | severity | meaning | checked for | decided in `analyze/` |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| `{row.code}` | {row.family} | {row.when or row.severity} | {row.summary}{NOTES.get(row.code, '')} "
+            f"| {_checked(row)} | {_where(row)} |"
             for row in _by_family()
         ]
     else:

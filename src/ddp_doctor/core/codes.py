@@ -14,10 +14,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["CODES", "FAMILY_TITLES", "REPORT_ORDER", "SEVERITIES", "TABLE", "Code", "CodeInfo", "Family", "info"]
+__all__ = [
+    "CODES",
+    "FAMILY_TITLES",
+    "PARALLELISMS",
+    "REPORT_ORDER",
+    "SEVERITIES",
+    "TABLE",
+    "Code",
+    "CodeInfo",
+    "Family",
+    "info",
+    "not_checked_for",
+]
 
 SEVERITIES = ("error", "warning", "info")
 """Most severe first."""
+PARALLELISMS = ("ddp", "fsdp2", "replicate")
+"""The kinds of data parallelism the check knows: DDP, and FSDP2's `fully_shard` and `replicate`."""
 
 
 class _Name(str, Enum):
@@ -160,10 +174,17 @@ class CodeInfo:
     """What decides the severity, when there is more than one (docs/codes.md)."""
     guard: bool = False
     """Built by `analyze/rules.py`, whose severity rule `guard` shares."""
+    checked_for: tuple[str, ...] = ("ddp",)
+    """The parallelisms (`PARALLELISMS`) whose check decides it: a DDP model's, and a model's that FSDP2 shards
+    (`fully_shard`) or replicates (`replicate`)."""
+    not_checked_for: tuple[str, ...] = ()
+    """The parallelisms it applies to whose check does not decide it yet: their reports say so
+    (`not_checked_for`), rather than stay silent about it."""
 
     def __post_init__(self) -> None:
         assert self.severities and self.severities == tuple(s for s in SEVERITIES if s in self.severities), self
         assert (len(self.severities) > 1) == bool(self.when), f"{self.code}: a `when` for each code with several"
+        assert not set(self.checked_for) & set(self.not_checked_for), f"{self.code}: checked and not"
 
     @property
     def severity(self) -> str:
@@ -171,13 +192,28 @@ class CodeInfo:
         return self.severities[0]
 
 
-def _row(
-    code: Code, family: Family, severities: str, decided_in: str, summary: str, *, when: str = "", guard: bool = False
-) -> CodeInfo:
-    """A row from its short spelling: `severities` as "error/warning", `decided_in` as "used_set.py crashed_ranks.py"."""
-    return CodeInfo(
-        code, family, tuple(severities.split("/")), tuple(decided_in.split()), summary, when=when, guard=guard
-    )
+# fmt: off
+def _row(code: Code, family: Family, severities: str, decided_in: str, summary: str, *, when: str = "",
+         guard: bool = False, on: str = "ddp", gap: str = "") -> CodeInfo:
+    """A row from its short spelling: `severities` as "error/warning", `decided_in` as "used_set.py crashed_ranks.py",
+    `on` (the parallelisms whose check decides it) and `gap` (those it applies to whose check does not) as
+    "ddp fsdp2", with "all" for every parallelism and "sharded" for FSDP2's two (`fully_shard`, `replicate`)."""
+    return CodeInfo(code, family, tuple(severities.split("/")), tuple(decided_in.split()), summary, when=when,
+                    guard=guard, checked_for=_parallelisms(on), not_checked_for=_parallelisms(gap))
+# fmt: on
+
+
+def _parallelisms(spelled: str) -> tuple[str, ...]:
+    words = {"all": PARALLELISMS, "sharded": ("fsdp2", "replicate")}
+    named = {p for word in spelled.split() for p in words.get(word, (word,))}
+    assert named <= set(PARALLELISMS), spelled
+    return tuple(p for p in PARALLELISMS if p in named)
+
+
+def not_checked_for(parallelism: str) -> list[Code]:
+    """The codes that apply to a model of `parallelism` (`PARALLELISMS`) whose check does not decide them yet, in
+    `Code`'s order: a report of that parallelism names them."""
+    return [row.code for row in TABLE if parallelism in row.not_checked_for]
 
 
 # One row a code, in `Code`'s order. Laid out by hand, as a table reads (the formatter would give each argument a line).
@@ -186,7 +222,7 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.UNUSED_PARAMETERS, Family.GRAPH, "error/warning", "used_set.py",
          "trainable parameters that never reach the loss",
          when="error with default flags (DDP will fail); warning when the flags cope, and in a model sharded with "
-              "FSDP2 (no error: they never train, and their group's all-gathers carry them)"),
+              "FSDP2 (no error: they never train, and their group's all-gathers carry them)", on="all"),
     _row(Code.DYNAMIC_GRAPH, Family.GRAPH, "error/info", "used_set.py",
          "the set of parameters that reach the loss changes between steps",
          when="error with default flags or `static_graph=True`; info with `find_unused_parameters=True`"),
@@ -216,32 +252,32 @@ TABLE: tuple[CodeInfo, ...] = (
          when="error; warning when every difference is at float64 rounding level, for modules whose mode "
               "differs across ranks, and under post-local SGD with no model averaging seen; info between its "
               "model averagings",
-         guard=True),
+         guard=True, on="all"),
     _row(Code.BUFFER_DIVERGENCE, Family.SYNC, "error/warning", "buffer_state.py",
          "buffers differ across ranks",
          when="error for a buffer that differs and never changed in training (FSDP2 never broadcasts buffers, "
               "DDP not with broadcast_buffers=False, nor when the model had no buffers when it was built); "
               "warning for buffers that change in training (running statistics)",
-         guard=True),
+         guard=True, on="all"),
     _row(Code.FROZEN_AFTER_WRAP, Family.GRAPH, "error/warning", "frozen_set.py",
          "requires_grad set to False after DDP was built",
          when="error; warning when harmless (`find_unused_parameters=True`, or `static_graph=True` before the first "
               "step)",
-         guard=True),
+         guard=True, gap="replicate"),
     _row(Code.UNFROZEN_AFTER_WRAP, Family.GRAPH, "error", "frozen_set.py",
          "requires_grad set to True after DDP was built",
          guard=True),
     _row(Code.IDENTICAL_INPUTS_ACROSS_RANKS, Family.SYNC, "warning", "agreement.py",
-         "every rank got the same batch"),
+         "every rank got the same batch", on="all"),
     _row(Code.REDUCTION_ERROR, Family.CRASH, "error", "frozen_set.py crashed_ranks.py",
          "DDP crashed with 'Expected to have finished reduction', explained"),
     _row(Code.NO_TRAINABLE_PARAMETERS, Family.GRAPH, "error", "frozen_set.py",
-         "no parameter requires a gradient"),
+         "no parameter requires a gradient", gap="sharded"),
     _row(Code.RANK_CRASHED, Family.CRASH, "error", "crashed_ranks.py",
          "a rank, or every rank at once, died with an error that is not DDP's (or of a signal); the others were "
-         "stopped"),
+         "stopped", on="all"),
     _row(Code.RANK_HUNG, Family.CRASH, "error", "failures.py",
-         "a rank stopped making progress and the others waited for it"),
+         "a rank stopped making progress and the others waited for it", on="all"),
     _row(Code.GRAD_BLOCKED, Family.GRAPH, "error", "used_set.py",
          "a module ran in forward but no gradient reaches its parameters (no_grad, detach, checkpoint)"),
     _row(Code.MODEL_NOT_WRAPPED, Family.SYNC, "error/info", "not_wrapped.py",
@@ -250,99 +286,102 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.COLLECTIVE_MISMATCH, Family.LOCKSTEP, "error/warning", "collective_order.py",
          "ranks issued different collectives, or different numbers of synced backward passes",
          when="error; warning for a DDP forward with autograd on and no backward on some ranks that issued no "
-              "collective"),
+              "collective", on="all"),
     _row(Code.UNEVEN_INPUTS, Family.LOCKSTEP, "error/warning/info",
          "epochs.py",
          "ranks have different numbers of batches per epoch",
          when="error when a training loader's batch counts differ; warning for a loader no optimizer step trained on "
               "(an evaluation); info when they are equal only through `DistributedSampler`'s padding",
-         guard=True),
+         guard=True, on="all"),
     _row(Code.SAMPLER_EPOCH_NOT_SET, Family.LOCKSTEP, "warning", "epochs.py",
          "a shuffling DistributedSampler starts a new epoch without set_epoch",
-         guard=True),
+         guard=True, gap="sharded"),
     _row(Code.RANK_EXITED, Family.CRASH, "error", "failures.py",
-         "a rank left the job early (any exit status) while the others still trained"),
+         "a rank left the job early (any exit status) while the others still trained", on="all"),
     _row(Code.BATCHNORM_NOT_SYNCED, Family.HELPERS, "info", "consistency.py",
-         "BatchNorm layers train on each rank's batch alone (no SyncBatchNorm)"),
+         "BatchNorm layers train on each rank's batch alone (no SyncBatchNorm)", gap="sharded"),
     _row(Code.GRAD_SCALER_MISMATCH, Family.HELPERS, "warning", "consistency.py",
-         "AMP GradScaler's scale differs across ranks at an optimizer step"),
+         "AMP GradScaler's scale differs across ranks at an optimizer step", gap="sharded"),
     _row(Code.OPTIMIZER_DIFFERS, Family.DIVERGENCE, "error", "optimizer_settings.py",
-         "the optimizers' settings (a hyperparameter, the groups, a scheduler's lr) differ across ranks"),
+         "the optimizers' settings (a hyperparameter, the groups, a scheduler's lr) differ across ranks", on="all"),
     _row(Code.OPTIMIZER_STEP_SKIPPED, Family.DIVERGENCE, "error", "causes.py",
-         "in one lockstep iteration some ranks called optimizer.step() and others did not"),
+         "in one lockstep iteration some ranks called optimizer.step() and others did not", on="all"),
     _row(Code.GRADS_REDUCED_TWICE, Family.DIVERGENCE, "error/warning", "causes.py",
          "the script reduces gradients that DDP has already reduced",
-         when="error; warning when the second reduction is an AVG (it changes nothing, it only costs)"),
+         when="error; warning when the second reduction is an AVG (it changes nothing, it only costs)", gap="sharded"),
     _row(Code.REPLICAS_DIFFER_AT_WRAP, Family.DIVERGENCE, "error", "weight_writes.py",
          "the replicas differ before the first step (init_sync=False, a per-rank seed)"),
     _row(Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER, Family.DIVERGENCE, "error", "weight_writes.py",
-         "parameters changed outside the optimizer on some ranks only, or with different values on every rank"),
+         "parameters changed outside the optimizer on some ranks only, or with different values on every rank",
+         gap="sharded"),
     _row(Code.GRADS_CHANGED_AFTER_SYNC, Family.DIVERGENCE, "error", "causes.py",
          "gradients agreed after DDP's all-reduce but differ at optimizer.step() (edited on some ranks only, e.g. "
-         "clip_grad_norm_ under if rank == 0); under FSDP2, shards scaled by a factor of each rank's own"),
+         "clip_grad_norm_ under if rank == 0); under FSDP2, shards scaled by a factor of each rank's own", on="all"),
     _row(Code.PARAM_SHAPES_DIFFER, Family.WRAP_AND_EPOCH_ENDS, "error", "shapes.py",
          "parameters have different shapes on different ranks when DDP is built, or are trainable on some ranks "
-         "only"),
+         "only", on="all"),
     _row(Code.CHECKPOINT_SAME_PATH, Family.WRAP_AND_EPOCH_ENDS, "warning", "checkpoints.py",
-         "several ranks wrote the same file with torch.save (no rank guard)"),
+         "several ranks wrote the same file with torch.save (no rank guard)", gap="sharded"),
     _row(Code.CHECKPOINT_MODULE_PREFIX, Family.WRAP_AND_EPOCH_ENDS, "info", "checkpoints.py",
          "the DDP wrapper's state dict (keys 'module.*') was saved"),
     _row(Code.TIMEOUT_RISK, Family.WRAP_AND_EPOCH_ENDS, "error/warning", "timeouts.py",
          "a rank works alone while the others wait in a collective, long enough to reach the timeout",
-         when="error when the projection reaches the timeout, warning at half of it"),
+         when="error when the projection reaches the timeout, warning at half of it", on="all"),
     _row(Code.INPUT_BOUND, Family.TIMING, "warning", "throughput.py",
-         "the ranks spend a large share of every step waiting for the next batch"),
+         "the ranks spend a large share of every step waiting for the next batch", on="all"),
     _row(Code.STRAGGLER_RANK, Family.TIMING, "warning", "throughput.py",
          "one rank is consistently slower and the others wait for it in the gradient all-reduce (or a sharded "
-         "model's collectives)"),
+         "model's collectives)", on="all"),
     _row(Code.BACKWARD_PASSES_DIFFER, Family.GRAPH, "error/warning/info", "passes.py crashed_ranks.py",
          "two backward passes through one DDP forward reach different parameters (a GAN)",
          when="error; warning in a plain loop when every parameter gets its gradient in exactly one pass (the "
               "default flags then reduce correctly); info under Lightning with `find_unused_parameters=True`"),
     _row(Code.OPTIMIZER_PARAMS_REPLACED, Family.FSDP2, "error", "tree_state.py",
          "the optimizer holds parameters that are no longer the model's (fully_shard replaced them, or a module was "
-         "replaced after the optimizer was built): it does not update the ones the model uses"),
+         "replaced after the optimizer was built): it does not update the ones the model uses", on="all"),
     _row(Code.UNSHARDED_PARAMS_NOT_SYNCED, Family.FSDP2, "error/warning/info", "unsharded.py",
          "parameters outside every fully_shard group train on each rank with nothing to sync them",
          when="error when they already differ across ranks; info when they trained and stayed equal (the script "
               "syncs them, as `ignored_params` asks, or every rank saw the same batches); warning when they did not "
-              "change"),
+              "change", on="sharded"),
     _row(Code.GRADIENT_SYNC_OFF, Family.FSDP2, "error", "sharded.py",
-         "gradient sync was off (set_requires_gradient_sync(False)) at every optimizer step"),
+         "gradient sync was off (set_requires_gradient_sync(False)) at every optimizer step", on="sharded"),
     _row(Code.SHARDED_CHECKPOINT_INCOMPLETE, Family.FSDP2, "error", "sharded_saves.py",
-         "a torch.save of sharded state on some ranks only: the file holds their shards, not the model"),
+         "a torch.save of sharded state on some ranks only: the file holds their shards, not the model", on="sharded"),
     _row(Code.STATE_GATHER_SOME_RANKS, Family.FSDP2, "error", "sharded_failures.py",
-         "a full state dict of sharded parameters gathered on some ranks only: a collective the others never enter"),
+         "a full state dict of sharded parameters gathered on some ranks only: a collective the others never enter",
+         on="sharded"),
     _row(Code.SHARDED_FORWARD_SOME_RANKS, Family.FSDP2, "error", "sharded_failures.py",
          "a forward through the sharded model on some ranks only (an evaluation on rank 0, an extra training "
-         "pass): its all-gathers wait"),
+         "pass): its all-gathers wait", on="sharded"),
     _row(Code.LOW_PRECISION_REDUCE, Family.FSDP2, "info", "sharded.py",
-         "gradients reduced in bfloat16 (or float16) while the weights train in float32 (reduce_dtype unset or low)"),
+         "gradients reduced in bfloat16 (or float16) while the weights train in float32 (reduce_dtype unset or low)",
+         on="sharded"),
     _row(Code.LOW_PRECISION_WEIGHTS, Family.FSDP2, "warning", "sharded_state.py",
          "a mixed-precision policy computes in bfloat16 (or float16) on weights that are already in it: the optimizer "
-         "steps low-precision weights and loses the updates below their resolution"),
+         "steps low-precision weights and loses the updates below their resolution", on="sharded", gap="ddp"),
     _row(Code.UNREGISTERED_PARAMETERS, Family.DIVERGENCE, "error/warning/info", "tree_state.py",
          "parameters in the model that DDP's reducer does not hold (created or replaced after DDP was built), or "
          "tensors the optimizer trains beside the model (a loss temperature): each rank trains them alone",
          when="error when they differ across ranks in the observed steps; warning while they still agree; for a "
          "weight tied after DDP was built, error with find_unused_parameters=False, info with True"),
     _row(Code.NONFINITE_VALUES, Family.PROGRESS, "error", "moves.py",
-         "gradients or weights hold NaN or infinity"),
+         "gradients or weights hold NaN or infinity", on="all"),
     _row(Code.TRAINING_STALLED, Family.PROGRESS, "error/warning", "moves.py",
          "the optimizer's steps change no weight: every gradient is exactly zero, or the learning rate is 0; or some "
          "parameters get gradients and never change",
-         when="error when no weight trains; warning when some parameters never change while the rest train"),
+         when="error when no weight trains; warning when some parameters never change while the rest train", on="all"),
     _row(Code.SHARDS_OVERLAP, Family.LOCKSTEP, "warning", "shards.py",
          "the ranks' shares of the data overlap: their DistributedSamplers disagree (a seed, num_replicas, rank), "
-         "or a loader with no DistributedSampler reads one dataset whole on every rank"),
+         "or a loader with no DistributedSampler reads one dataset whole on every rank", on="all"),
     _row(Code.TP_INPUTS_DIFFER, Family.LOCKSTEP, "error", "agreement.py",
          "the ranks of a tensor-parallel group fed different batches to the forward they compute together (FSDP2 "
-         "over tensor parallelism)"),
+         "over tensor parallelism)", on="sharded", gap="ddp"),
     _row(Code.COLLECTIVE_IN_GRAPH, Family.PROGRESS, "warning/info", "in_graph.py",
          "a backward went through the script's in-place dist.all_reduce of a tensor autograd tracks (the loss, "
          "averaged across ranks before backward): autograd passes through it as the identity",
          when="warning when the script divided the summed value by the world size (every gradient that many "
-              "times smaller); info for another factor"),
+              "times smaller); info for another factor", on="all"),
 )
 # fmt: on
 

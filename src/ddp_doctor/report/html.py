@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from ddp_doctor.core.figures import STATE_HELP, STATES
 from ddp_doctor.core.findings import Finding, by_cause
 from ddp_doctor.core.ranks import rank_ranges
+from ddp_doctor.report.claims import compared_line
 from ddp_doctor.report.data import ReportData, recommendation_words
-from ddp_doctor.report.text import compared_line, files_lines, following_lines, phases_line
+from ddp_doctor.report.text import files_lines, following_lines, phases_line
 
 __all__ = ["CSS", "SCRIPT", "IndexEntry", "check_section", "index_page", "page", "to_html"]
 
