@@ -19,6 +19,11 @@ whole tensor.
   rank 0, -1.529048 on rank 1). Under the check, rank 0 reaches the 8th step first and waits in the report while
   rank 1 waits in its next backward's all-reduce; the failure report named a collective-mismatch ("rank 0 skipped
   all_reduce") before it read the steps and forwards each rank counted.
+- buffer-rank (a constant buffer scaling the head's input, drawn from each rank's own seed): the weights agree
+  (head.weight sums -1.917412 on both ranks) while the buffer stays each rank's (sums 30.096731 and 33.989311 at the
+  end): replicate takes parameters only and broadcasts no buffer, so each rank computes another function. The
+  check compared buffers for fully_shard only (its note said replicate broadcasts them), and called this job clean.
+  buffer-same (one seed): 30.096731 on both ranks.
 Before the check knew replicate, it reported these jobs as fully_shard ones ("FSDP2: 3 sharded modules").
 """
 
@@ -82,3 +87,16 @@ def test_a_step_rank_1_alone_skips_is_optimizer_step_skipped_not_a_collective_ra
     assert (measured["optimizer_steps_rank_0"], measured["optimizer_steps_rank_1"]) == (8, 7), measured
     assert measured["forwards_rank_1"] > measured["forwards_rank_0"], measured
     assert run.report["parallelism"] == "replicate" and run.report["failed"] is True
+
+
+@pytest.mark.parametrize("mistake", ["buffer-rank", "buffer-same"])
+def test_a_buffer_that_differs_across_replicas_is_named(tmp_path: Path, mistake: str) -> None:
+    run = check(["--nproc-per-node", "2", SCRIPT, "--mistake", mistake], tmp_path, timeout=180)
+    assert run.report["compared"]["buffers"] == 1, run.report["compared"]
+    if mistake == "buffer-same":
+        assert run.rc == 0 and run.codes == set(), run.output
+        return
+    assert run.rc == 1 and run.codes == {"buffer-divergence"}, run.output
+    found = run.finding("buffer-divergence")
+    assert found["severity"] == "error" and run.params("buffer-divergence") == {"mix"}, found
+    assert found["ranks"] == [0, 1] and found["steps"] == list(range(8)), found

@@ -14,6 +14,9 @@ Replicate placement) and all-reduces gradients, like DDP, on FSDP2's machinery.
                              parameters stay unsharded after a forward no backward follows)
 --mistake clamp-rank0        after each step rank 0 alone clamps the head's weights to [-0.1, 0.1] (a constraint
                              applied in a rank-0-only logging branch)
+--mistake buffer-rank        a constant buffer scaling the head's input, drawn from each rank's own seed (replicate
+                             takes parameters only and never broadcasts a buffer)
+--mistake buffer-same        clean: that buffer drawn from the same seed on every rank
 --drift-at N                 rank 1 alone adds 0.01 to the head's bias after step N, outside any sync (a long job
                              watched past its first steps)
 --save rank0                 clean: rank 0 alone torch.save's the state dict after the third step (every value, as
@@ -42,7 +45,7 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
-        return self.head(x)
+        return self.head(x * self.mix if hasattr(self, "mix") else x)
 
 
 if __name__ == "__main__":
@@ -58,6 +61,9 @@ if __name__ == "__main__":
     rank = dist.get_rank()
     torch.manual_seed(rank if "seed-rank" in mistakes else 0)
     model = Net()
+    if mistakes & {"buffer-rank", "buffer-same"}:
+        seed = rank if "buffer-rank" in mistakes else 0
+        model.register_buffer("mix", torch.rand(64, generator=torch.Generator().manual_seed(seed)), persistent=False)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     if "optimizer-before" in mistakes:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -102,9 +108,10 @@ if __name__ == "__main__":
     head_sum = (head.full_tensor() if hasattr(head, "full_tensor") else head).detach().double().sum().item()
     bias = model.head.bias
     bias_sum = (bias.to_local() if hasattr(bias, "to_local") else bias).detach().double().sum().item()
+    mix = f", mix sum {model.mix.sum().item():.6f}" if hasattr(model, "mix") else ""
     print(
         f"rank {rank}: largest weight change {moved:.3g}, head.weight sum {head_sum:.6f}, "
-        f"this rank's head.bias sum {bias_sum:.6f}",
+        f"this rank's head.bias sum {bias_sum:.6f}{mix}",
         flush=True,
     )
     dist.destroy_process_group()

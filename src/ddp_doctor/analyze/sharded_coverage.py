@@ -40,7 +40,7 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
         "outside_model": sum(run.outside_model),
         "replicas": run.replicas_compared,
         "replica_rows": run.replica_rows,
-        "buffers": run.buffers_compared if fully_shard else 0,
+        "buffers": run.buffers_compared,
         "inputs": len(run.inputs_compared),
         "inputs_within_groups": len(run.beside_compared),
         "group_dims": run.beside_dims,

@@ -96,9 +96,9 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     optimizers = [w.optimizer, *(opt for opt, alone in list(w.others.items()) if alone)]
     beside_model = _beside_model(optimizers, in_model) if dist.get_world_size() > 1 else []
     unsharded += beside_model
-    # FSDP2 shards parameters only: a buffer stays a plain tensor on each rank, and nothing broadcasts it (DDP and
-    # `replicate` broadcast theirs from rank 0).
-    buffers = list(model.root.named_buffers()) if dist.get_world_size() > 1 and model.api == "fully_shard" else []
+    # FSDP2's fully_shard and replicate take parameters only: a buffer stays a plain tensor on each rank, and nothing
+    # broadcasts it (DDP broadcasts rank 0's).
+    buffers = list(model.root.named_buffers()) if dist.get_world_size() > 1 else []
     unread = [(n, b) for n, b in buffers if not readable(b)]  # their rows are 0 on every rank: not compared
     now = fingerprints_batched(p for _, p in named)
     before = w.weights_at_first if w.weights_at_first is not None else now
