@@ -23,13 +23,17 @@ _TREES = {p.stem: ast.parse(p.read_text()) for p in ANALYZE.glob("*.py")}
 _FUNCTIONS = {(m, n.name): n for m, tree in _TREES.items() for n in tree.body if isinstance(n, ast.FunctionDef)}
 
 
-def _imported(module: str) -> dict[str, tuple[str, str]]:
-    return {
-        alias.asname or alias.name: (node.module.rsplit(".", 1)[-1], alias.name)
-        for node in _TREES[module].body
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddp_doctor.analyze.")
-        for alias in node.names
-    }
+def _imported(module: str) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    """The functions of analyze/ that `module` imports by name, and the modules of analyze/ it imports whole
+    (`from ddp_doctor.analyze import rules`), by the names it binds them to."""
+    functions, modules = {}, {}
+    for node in _TREES[module].body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddp_doctor.analyze."):
+            for alias in node.names:
+                functions[alias.asname or alias.name] = (node.module.rsplit(".", 1)[-1], alias.name)
+        if isinstance(node, ast.ImportFrom) and node.module == "ddp_doctor.analyze":
+            modules.update({alias.asname or alias.name: alias.name for alias in node.names if alias.name in _TREES})
+    return functions, modules
 
 
 def built_from(*entries: tuple[str, str]) -> set[str]:
@@ -43,7 +47,7 @@ def built_from(*entries: tuple[str, str]) -> set[str]:
         if key in seen or key[0] == "links":
             continue
         seen.add(key)
-        fn, imported = _FUNCTIONS[key], _imported(key[0])
+        fn, (imported, whole) = _FUNCTIONS[key], _imported(key[0])
         if any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Finding" for n in ast.walk(fn)):
             codes |= {
                 n.attr
@@ -53,8 +57,12 @@ def built_from(*entries: tuple[str, str]) -> set[str]:
         for n in ast.walk(fn):
             if isinstance(n, ast.Name):
                 target = (key[0], n.id) if (key[0], n.id) in _FUNCTIONS else imported.get(n.id)
-                if target in _FUNCTIONS:
-                    todo.append(target)
+            elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in whole:
+                target = (whole[n.value.id], n.attr)  # `rules.sampler_epoch_repeated(...)`
+            else:
+                continue
+            if target in _FUNCTIONS:
+                todo.append(target)
     return {str(getattr(Code, name)) for name in codes}
 
 
@@ -94,6 +102,7 @@ def test_the_tracer_finds_a_code_built_two_calls_down() -> None:
     `buffer_state.buffers_apart`, which `sharded_state.buffer_divergence` calls, which `sharded.py` calls."""
     assert "buffer-divergence" in SHARDED and "gradient-sync-off" in SHARDED and "dynamic-graph" not in SHARDED
     assert "rank-hung" in SHARED and "uneven-inputs" in SHARED
+    assert "sampler-epoch-not-set" in SHARED  # `epochs.followed_epoch_repeated` -> `rules.sampler_epoch_repeated`
 
 
 def test_the_report_names_the_checks_not_made_for_its_parallelism() -> None:

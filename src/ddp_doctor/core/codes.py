@@ -295,7 +295,7 @@ TABLE: tuple[CodeInfo, ...] = (
          guard=True, on="all"),
     _row(Code.SAMPLER_EPOCH_NOT_SET, Family.LOCKSTEP, "warning", "epochs.py",
          "a shuffling DistributedSampler starts a new epoch without set_epoch",
-         guard=True, gap="sharded"),
+         guard=True, on="all"),
     _row(Code.RANK_EXITED, Family.CRASH, "error", "failures.py",
          "a rank left the job early (any exit status) while the others still trained", on="all"),
     _row(Code.BATCHNORM_NOT_SYNCED, Family.HELPERS, "info", "consistency.py",
