@@ -74,7 +74,8 @@ def test_a_join_that_throws_when_a_rank_runs_out_is_an_info_too(tmp_path: Path) 
     assert [(f["code"], f["severity"]) for f in run.report["findings"]] == [("uneven-inputs", "info")], run.output
     found = run.finding("uneven-inputs")
     assert found["steps"] == [batches] and found["sites"] == [_join_line()], found
-    assert {m["name"]: m["value"] for m in found["measured"]} == {"epoch_ends_after_batches": batches}, found
+    measured = {m["name"]: m["value"] for m in found["measured"]}
+    assert measured == {"epoch_ends_after_batches": batches, "batches_most": 8, "batches_fewest": batches}, found
     assert run.report["steps_observed"] == 8, run.output
 
 

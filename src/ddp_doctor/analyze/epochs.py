@@ -9,6 +9,7 @@ import itertools
 from typing import Any
 
 from ddp_doctor.analyze import rules
+from ddp_doctor.analyze.common import with_evidence
 from ddp_doctor.analyze.positions import capped, where
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
@@ -28,6 +29,11 @@ __all__ = [
     "training_loader",
     "uneven_inputs",
 ]
+
+
+def batches(most: int, fewest: int) -> list[Measure]:
+    """The evidence of batch counts that differ across ranks: the most and the fewest any rank got."""
+    return [Measure("batches_most", most, "count"), Measure("batches_fewest", fewest, "count")]
 
 
 def joined_uneven(
@@ -62,7 +68,10 @@ def joined_uneven(
     return Finding(
         code=Code.UNEVEN_INPUTS,
         severity="info",
-        measured=[Measure("epoch_ends_after_batches", fewest if joined.throws else most, "count")],
+        measured=[
+            Measure("epoch_ends_after_batches", fewest if joined.throws else most, "count"),
+            *batches(most, fewest),
+        ],
         title=f"ranks have different numbers of batches per epoch ({shown}), handled by Join",
         detail=detail,
         ranks=ranks,
@@ -96,16 +105,15 @@ def uneven_inputs(v: View) -> list[Finding]:
             out = f"{'Ranks' if short.count > 1 else 'Rank'} {names} run{'' if short.count > 1 else 's'} out after {fewest}"
             joined = JoinedLoop(joins[0], throws=joins[0] in v.meta(0).get("join_throws", []))
             return [joined_uneven(shown, out, list(range(v.world)), [fewest], joined, (most, fewest))]
-        return [
-            rules.uneven_inputs(
-                title=f"ranks have different numbers of batches per epoch ({shown})",
-                cause=f"{'Ranks' if short.count > 1 else 'Rank'} {names} run{'' if short.count > 1 else 's'} out after "
-                f"{fewest} batches, at batch {fewest} of the first epoch, while the others still train",
-                note=f"Sampler: {sampler}.",
-                ranks=list(range(v.world)),
-                steps=[fewest],
-            )
-        ]
+        finding = rules.uneven_inputs(
+            title=f"ranks have different numbers of batches per epoch ({shown})",
+            cause=f"{'Ranks' if short.count > 1 else 'Rank'} {names} run{'' if short.count > 1 else 's'} out after "
+            f"{fewest} batches, at batch {fewest} of the first epoch, while the others still train",
+            note=f"Sampler: {sampler}.",
+            ranks=list(range(v.world)),
+            steps=[fewest],
+        )
+        return [with_evidence(finding, measured=batches(most, fewest))]
     if s.padded:
         d = training_loader(v.meta(0))
         pad = s.padded
@@ -223,18 +231,16 @@ def lengths_uneven(loaders: list[dict[str, Any]], parallelism: str, world: int) 
         if not d.get("training") or b.get("min") is None or b["min"] == b["max"]:
             continue
         shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(b["by_rank"]) if n is not None)
-        findings.append(
-            rules.uneven_inputs(
-                title=f"ranks have different numbers of batches per epoch from the DataLoader {loader_name(d)} "
-                f"({shown})",
-                cause=f"len() of the DataLoader differs across ranks, {b['min']} to {b['max']} batches: the ranks "
-                f"with {b['min']} run out while the others still train",
-                note=_sampler(d.get("sampler")),
-                ranks=list(range(max(world, len(b["by_rank"])))),
-                steps=[],
-                parallelism=parallelism,
-            )
+        finding = rules.uneven_inputs(
+            title=f"ranks have different numbers of batches per epoch from the DataLoader {loader_name(d)} ({shown})",
+            cause=f"len() of the DataLoader differs across ranks, {b['min']} to {b['max']} batches: the ranks "
+            f"with {b['min']} run out while the others still train",
+            note=_sampler(d.get("sampler")),
+            ranks=list(range(max(world, len(b["by_rank"])))),
+            steps=[],
+            parallelism=parallelism,
         )
+        findings.append(with_evidence(finding, measured=batches(b["max"], b["min"])))
     return findings
 
 
@@ -301,6 +307,7 @@ def counted_uneven(
                 ranks=ranks,
                 steps=[],
             )
+            finding = with_evidence(finding, measured=batches(c["max"], c["min"]))
         else:
             finding = Finding(
                 code=Code.UNEVEN_INPUTS,
@@ -314,6 +321,7 @@ def counted_uneven(
                 "ranks and hangs at the end; a metric averaged per rank weighs the ranks unequally.",
                 ranks=ranks,
                 steps=[],
+                measured=batches(c["max"], c["min"]),
                 fix="give every rank the same number of batches (a DistributedSampler, or shards of equal size), or "
                 "keep the loop free of collectives and all_reduce the summed metric and the sample count once, after "
                 "it.",
@@ -340,7 +348,7 @@ def ran_out_alone(states: dict[int, RankState]) -> Finding | None:
     went = capped([f"rank {r} was at {where(states[r])}" for r in short_ranks + rest])
     shown = ", ".join(f"rank {r}: {n}" for r, n in sorted(lengths.items())[:8])
     site = loaders[short_ranks[0]].get("site") or "an unknown line"
-    return rules.uneven_inputs(
+    finding = rules.uneven_inputs(
         title=f"ranks have different numbers of batches per epoch from the DataLoader built at {site} ({shown})",
         cause=f"{rank_list(short_ranks)} ran out after {fewest} batches and went on to what follows the epoch while "
         f"the others still train ({went})",
@@ -348,3 +356,4 @@ def ran_out_alone(states: dict[int, RankState]) -> Finding | None:
         steps=[fewest],
         parallelism="fsdp2",
     )
+    return with_evidence(finding, measured=batches(max(lengths.values()), fewest))

@@ -13,7 +13,7 @@ from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, ParamRef, lines_of
+from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
 from ddp_doctor.core.ranks import listed
 
 __all__ = [
@@ -373,6 +373,7 @@ def find_unused_unneeded(v: View) -> list[Finding]:
             "graph after every forward and delays communication, for nothing.",
             ranks=all_ranks(v),
             steps=list(range(v.steps)),
+            measured=[Measure("parameters_used", int(v.live.sum()), "count")],
             fix=with_flags(v, find_unused_parameters=False) + ".",
         )
     ]
