@@ -28,6 +28,9 @@ def test_check_names_the_cause(tmp_path, script, nproc, code, ranks, steps, wher
     assert (finding["ranks"], finding["steps"]) == (ranks, steps), finding
     if where:
         assert where in finding["detail"] + finding["fix"] + finding["title"], finding
+    if script == "cause_scheduler_rank0.py":  # rank 0's scheduler alone: the rates the ranks held at that step
+        measured = {m["name"]: m["value"] for m in finding["measured"]}
+        assert measured == {"group 0 lr (rank 0)": pytest.approx(0.05), "group 0 lr (rank 1)": pytest.approx(0.1)}
     if code == "replicas-differ-at-wrap":
         assert (
             "DDP was built with init_sync=False" in finding["detail"] and run.report["ddp_config"]["init_sync"] is False

@@ -169,4 +169,5 @@ def test_a_sampler_without_set_epoch_is_named_at_the_followed_epoch(tmp_path: Pa
     run = _check(tmp_path, "--no-set-epoch")
     assert run.rc == 0 and _serious(run) == {"sampler-epoch-not-set"}, run.output
     found = run.finding("sampler-epoch-not-set")
-    assert line_of("train = DataLoader(data") in found["title"] and "[0, 0]" in found["detail"], found
+    assert found["sites"] == [f"tests/scripts/{line_of('train = DataLoader(data')}"], found
+    assert {m["name"]: m["value"] for m in found["measured"]} == {"passes": 2, "epoch": 0}, found

@@ -208,18 +208,22 @@ def sampler_epoch_not_set(v: View) -> list[Finding]:
                 continue
             seen = [e for e in d.get("epochs_seen", []) if e is not None]
             if any(a == b for a, b in itertools.pairwise(seen)):
-                findings.append(
-                    rules.sampler_epoch_repeated(
-                        epoch=seen[-1], ranks=list(range(v.world)), site=_loader_site(d), seen=seen
-                    )
-                )
+                site = _loader_site(d)
+                found = rules.sampler_epoch_repeated(epoch=seen[-1], ranks=list(range(v.world)), site=site, seen=seen)
+                findings.append(with_evidence(found, sites=[site or ""], measured=_epochs_seen(seen[-1], seen)))
     return findings
+
+
+def _epochs_seen(epoch: int | None, seen: list[int]) -> list[Measure]:
+    """The evidence of a sampler's epoch that repeated: the passes counted, and the epoch they started with."""
+    return [Measure("passes", len(seen), "count")] + ([Measure("epoch", epoch, "value")] if epoch is not None else [])
 
 
 def followed_epoch_repeated(r: dict[str, Any]) -> Finding:
     """`sampler-epoch-not-set` from following (the path without DDP): `FollowSummary.repeated_epoch`."""
     site = f"created at {r['site']}" if r["site"] else None
-    return rules.sampler_epoch_repeated(epoch=r["epoch"], ranks=r["ranks"], site=site, seen=r["seen"])
+    found = rules.sampler_epoch_repeated(epoch=r["epoch"], ranks=r["ranks"], site=site, seen=r["seen"])
+    return with_evidence(found, sites=[site or ""], measured=_epochs_seen(r["epoch"], r["seen"] or []))
 
 
 def lengths_uneven(loaders: list[dict[str, Any]], parallelism: str, world: int) -> list[Finding]:

@@ -10,7 +10,7 @@ import re
 from ddp_doctor.analyze.common import first_differing, meta_sites, with_more
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, lines_of
+from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.ranks import rank_list
 
 __all__ = ["metric_scheduler_words", "optimizer_differs", "settings_apart"]
@@ -84,6 +84,12 @@ def settings_apart(
     if state_only and fix == _SAME_SETTINGS:
         fix = _SAME_STATE
     loaded = [v for v in values.get("state loaded", {}).values() if v != "absent"]
+    measured = [
+        Measure(f"{key} (rank {r})", float(value), "value")
+        for key in fields[:4]
+        for r, value in values[key].items()
+        if _number(value)
+    ]
     return Finding(
         code=Code.OPTIMIZER_DIFFERS,
         sites=lines_of(*sites, *loaded),
@@ -96,8 +102,17 @@ def settings_apart(
         params=[],
         ranks=ranks,
         steps=[step],
+        measured=measured,
         fix=fix,
     )
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def metric_scheduler_words(sites: list[str]) -> tuple[str, str]:
