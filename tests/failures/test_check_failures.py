@@ -241,7 +241,10 @@ def test_a_layer_frozen_on_rank_0_alone_before_the_wrap_names_its_parameters(tmp
     run = check(["--nproc-per-node", "2", str(SCRIPTS / "freeze_rank0.py")], tmp_path)
     assert run.rc == 1 and run.codes == {"param-shapes-differ"}, run.output
     assert run.params("param-shapes-differ") == {"0.weight", "0.bias"}
-    assert run.finding("param-shapes-differ")["ranks"] == [0, 1]
+    found = run.finding("param-shapes-differ")
+    assert found["ranks"] == [0, 1], found
+    trainable = {m["name"]: m["value"] for m in found["measured"]}
+    assert trainable == {"trainable_parameters (rank 0)": 2, "trainable_parameters (rank 1)": 4}, found
     assert "Traceback" not in run.output, run.output
 
 

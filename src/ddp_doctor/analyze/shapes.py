@@ -13,7 +13,7 @@ from typing import Any
 
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, ParamRef, lines_of
+from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
 from ddp_doctor.core.rankfiles import ExplainedError
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
@@ -106,20 +106,23 @@ def shape_findings(states: dict[int, RankState]) -> list[Finding]:
             index, sizes, other = int(m.group(1)), m.group(2), int(m.group(3))
             name = wraps[r].names[index] if r in wraps and index < len(wraps[r].names) else f"params[{index}]"
             lines.append(f"{name} is [{sizes}] on rank {r}, not the shape it has on rank {other}")
+    measured = []
     if len(set(counts.values())) > 1:
         lines.append(
             "the number of trainable parameters differs too: "
             + ", ".join(f"{n} on rank {r}" for r, n in sorted(counts.items()))
         )
+        measured = [Measure(f"trainable_parameters (rank {r})", n, "count") for r, n in sorted(counts.items())]
     site = next((w.site for w in wraps.values() if w.site), None) or next(
         (states[r].raised.site for r in refused if states[r].raised.site), None
     )
     ranks = sorted({r for by_rank in differing.values() for r in by_rank} | set(refused) | {0})
     if some and not differing:
-        return [_trainable_apart(some, lines, params, ranks, site)]
+        return [_trainable_apart(some, lines, params, ranks, site, measured)]
     return [
         Finding(
             code=Code.PARAM_SHAPES_DIFFER,
+            measured=measured,
             severity="error",
             title=f"{len(differing) or len(refused)} parameter(s) have different shapes on different ranks when DDP "
             "is built",
@@ -138,7 +141,12 @@ def shape_findings(states: dict[int, RankState]) -> list[Finding]:
 
 
 def _trainable_apart(
-    some: dict[str, list[int]], lines: list[str], params: list[ParamRef], ranks: list[int], site: str | None
+    some: dict[str, list[int]],
+    lines: list[str],
+    params: list[ParamRef],
+    ranks: list[int],
+    site: str | None,
+    measured: list[Measure],
 ) -> Finding:
     """`param-shapes-differ` for a model whose trainable parameters differ by rank, shapes alike: a layer frozen on
     some ranks only before the wrap (a rank-local config).
@@ -150,6 +158,7 @@ def _trainable_apart(
         code=Code.PARAM_SHAPES_DIFFER,
         severity="error",
         title=f"{len(some)} parameter(s) are trainable on some ranks only when DDP is built",
+        measured=measured,
         detail=f"DDP's constructor{f' at {site}' if site else ''} verifies that every rank hands it the same "
         f"trainable parameters (those with requires_grad=True) and refused the model: {'; '.join(lines)}. They "
         "were frozen (requires_grad=False), or are absent, on the other ranks: a freeze decided from rank-local "
