@@ -74,18 +74,27 @@ DDP = {str(code) for code, _ in detectors()} | built_from(("diagnose", "diagnose
 """DDP's detectors of the exchanged records, and a run without any wrapper."""
 
 
-@pytest.mark.parametrize("parallelism", PARALLELISMS)
+@pytest.mark.parametrize("parallelism", list(PARALLELISMS))
 def test_a_code_said_checked_for_a_parallelism_is_built_on_its_road(parallelism: str) -> None:
     road = (DDP if parallelism == "ddp" else SHARDED) | SHARED
     said = {str(row.code) for row in TABLE if parallelism in row.checked_for}
     assert said - road == set(), f"said checked for {parallelism}, built nowhere on its road: {sorted(said - road)}"
 
 
-@pytest.mark.parametrize("parallelism", PARALLELISMS)
+@pytest.mark.parametrize("parallelism", list(PARALLELISMS))
 def test_a_check_said_not_made_for_a_parallelism_is_not_built_on_its_road(parallelism: str) -> None:
     road = (DDP if parallelism == "ddp" else SHARDED) | SHARED
     said = {str(code) for code in not_checked_for(parallelism)}
     assert said & road == set(), f"said not checked for {parallelism}, but built on its road: {sorted(said & road)}"
+
+
+def test_a_check_not_made_for_a_parallelism_is_made_by_the_one_its_report_names() -> None:
+    """The report says "Not checked for FSDP2 (DDP's check makes them)", and for DDP, "FSDP2's": true of each code
+    it lists."""
+    for row in TABLE:
+        for parallelism in row.not_checked_for:
+            maker = "fsdp2" if parallelism == "ddp" else "ddp"
+            assert maker in row.checked_for, (row.code, parallelism, row.checked_for)
 
 
 def test_every_code_built_on_a_road_is_said_checked_for_it() -> None:

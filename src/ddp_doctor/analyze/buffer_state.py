@@ -10,7 +10,7 @@ from typing import Any
 from ddp_doctor.analyze.common import all_ranks, steps_of, with_flags
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.snippets import freeze_point, sync_batchnorm
-from ddp_doctor.analyze.tree_digest import param_entry, parted_at
+from ddp_doctor.analyze.tree_digest import param_entry, step_apart
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef, lines_of
@@ -65,7 +65,7 @@ def buffer_divergence(v: View) -> list[Finding]:
             buffers_apart(
                 buffers=[param_entry(e) for e in entries],
                 ranks=sorted({0, *v.ranks("state-differs").ranks}),
-                steps=[v.steps - 1 if (parted := parted_at(v, "late_buffers")) is None else parted],
+                steps=[step_apart(v, "late_buffers")[0]],
                 changing=running,
                 parallelism="ddp",
                 fix_ddp="register these buffers before DDP is built (DDP then broadcasts rank 0's before every "

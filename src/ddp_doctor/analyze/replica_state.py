@@ -12,7 +12,7 @@ from ddp_doctor.analyze.common import steps_of, with_evidence, with_more
 from ddp_doctor.analyze.links import UNSYNCED, divergence_fix
 from ddp_doctor.analyze.local_sgd import local_sgd
 from ddp_doctor.analyze.rules import count as _count
-from ddp_doctor.analyze.tree_digest import differing, modes_parted, parted_at, same_fingerprint
+from ddp_doctor.analyze.tree_digest import differing, modes_parted, same_fingerprint, step_apart
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
@@ -99,7 +99,7 @@ def modules_beside_apart(v: View) -> list[Finding]:
             "rank computes its loss with a different function.",
             params=[ParamRef(e["name"], e["numel"]) for e in apart],
             ranks=[0, *odd],
-            steps=[v.steps - 1 if (parted := parted_at(v, "beside_modules")) is None else parted],
+            steps=[step_apart(v, "beside_modules")[0]],
             fix="build it alike on every rank (the same seed before creating it, or the same checkpoint loaded on "
             "every rank), or copy rank 0's once before training: `for t in [*module.parameters(), "
             "*module.buffers()]: dist.broadcast(t.data, src=0)`.",

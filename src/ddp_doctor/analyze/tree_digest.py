@@ -12,7 +12,7 @@ from typing import Any
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import ParamRef
 
-__all__ = ["differing", "modes_parted", "param_entry", "parted_at", "parts_apart", "same_fingerprint"]
+__all__ = ["differing", "modes_parted", "param_entry", "parted_at", "parts_apart", "same_fingerprint", "step_apart"]
 
 
 def _modes(entry: dict[str, Any] | None) -> tuple[bool, int, tuple[str, ...]] | None:
@@ -72,6 +72,13 @@ def parted_at(v: View, part: str) -> int | None:
     that is known: the digest's first differing step, when nothing else it covers differs (at the last step). None
     when other parts differ too: the digest cannot tell which parted first."""
     return v.summary.state_step if parts_apart(v) == {part} else None
+
+
+def step_apart(v: View, part: str) -> tuple[int, bool]:
+    """The step to name for `part` of the tree's state differing across ranks, and whether it is the first: the
+    first step where that is known (`parted_at`), else the last observed step."""
+    parted = parted_at(v, part)
+    return (v.steps - 1, False) if parted is None else (parted, True)
 
 
 def same_fingerprint(a: list[float] | None, b: list[float] | None) -> bool:

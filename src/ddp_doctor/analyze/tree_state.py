@@ -6,7 +6,7 @@ holds (the modules' train/eval modes apart are `replica_state.py`'s `replica-div
 from __future__ import annotations
 
 from ddp_doctor.analyze.common import all_ranks, with_more
-from ddp_doctor.analyze.tree_digest import differing, param_entry, parted_at, parts_apart
+from ddp_doctor.analyze.tree_digest import differing, param_entry, parts_apart, step_apart
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
@@ -29,8 +29,7 @@ def unregistered_parameters(v: View) -> list[Finding]:
     names = ", ".join(p.name for p in params[:6]) + (f" (+{len(params) - 6} more)" if len(params) > 6 else "")
     sites = sorted({e["site"] for e in entries if e.get("site")})
     apart = "unregistered" in parts_apart(v)
-    parted = parted_at(v, "unregistered") if apart else None
-    last = v.steps - 1
+    step, first_apart = step_apart(v, "unregistered")
     orphaned = v.orphaned.nonzero().flatten().tolist()
     left = v.params(orphaned)
     where = f", attached at {', '.join(sites[:3])} after DDP was built" if sites else ""
@@ -60,11 +59,11 @@ def unregistered_parameters(v: View) -> list[Finding]:
             )
         )
     )
-    if parted is not None:
-        detail += f" They already differ across ranks at step {parted}."
+    if apart and first_apart:
+        detail += f" They already differ across ranks at step {step}."
     elif apart:
         detail += (
-            f" They differ across ranks at the last observed step ({last}); the ranks' trees differ in other state "
+            f" They differ across ranks at the last observed step ({step}); the ranks' trees differ in other state "
             "too, so the step at which these parted is not known."
         )
     elif not unused and any(e.get("readable", True) is False for e in entries):
@@ -110,7 +109,7 @@ def unregistered_parameters(v: View) -> list[Finding]:
                     detail=detail,
                     params=params,
                     ranks=ranks,
-                    steps=sorted({first, parted if parted is not None else last}) if apart else [first],
+                    steps=sorted({first, step}) if apart else [first],
                     # how many of the named a gradient reached, and how many hold values (a lazy or meta one: none)
                     measured=[
                         Measure("with_gradient", sum(1 for e in entries if e.get("used", True)), "count"),
@@ -146,9 +145,8 @@ def _outside(v: View) -> list[Finding]:
     # Their gradients agree on every rank (the script averages them) while their values differ: they started apart.
     grads_apart = sum(any(t.get(e["name"], [])[2:] != e["fp"][2:] for t in theirs) for e in apart)
     held = f"no module DDP wraps{f' ({v.info.ddp_site})' if v.info.ddp_site else ''} holds them"
-    parted = parted_at(v, "outside")
-    step = v.steps - 1 if parted is None else parted
-    since = f"from step {step} on" if parted is not None else f"at the last observed step ({step})"
+    step, first = step_apart(v, "outside")
+    since = f"from step {step} on" if first else f"at the last observed step ({step})"
     attr = params[0].name.split(".")[-1]
     if grads_apart == 0:
         title = f"{len(params)} tensor(s) the optimizer trains outside the DDP model ({names}) differ across ranks, "

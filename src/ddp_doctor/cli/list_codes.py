@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ddp_doctor.core.code_notes import NOTES
-from ddp_doctor.core.codes import CODES, FAMILY_TITLES, TABLE, CodeInfo, Family
+from ddp_doctor.core.codes import CODES, FAMILY_TITLES, PARALLELISMS, TABLE, CodeInfo, Family
 
 __all__ = ["BEGIN", "END", "markdown", "register"]
 
@@ -61,14 +61,11 @@ def _where(row: CodeInfo) -> str:
     return where + " (built by rules.py, shared with guard)" if row.guard else where
 
 
-_NAMES = {"ddp": "DDP", "fsdp2": "FSDP2", "replicate": "replicate"}
-
-
 def _checked(row: CodeInfo) -> str:
     """The parallelisms whose check decides the code, and those it applies to that do not yet."""
-    said = ", ".join(_NAMES[p] for p in row.checked_for)
+    said = ", ".join(PARALLELISMS[p] for p in row.checked_for)
     if row.not_checked_for:
-        said += f" (not yet: {', '.join(_NAMES[p] for p in row.not_checked_for)})"
+        said += f" (not yet: {', '.join(PARALLELISMS[p] for p in row.not_checked_for)})"
     return said
 
 

@@ -30,8 +30,9 @@ __all__ = [
 
 SEVERITIES = ("error", "warning", "info")
 """Most severe first."""
-PARALLELISMS = ("ddp", "fsdp2", "replicate")
-"""The kinds of data parallelism the check knows: DDP, and FSDP2's `fully_shard` and `replicate`."""
+PARALLELISMS = {"ddp": "DDP", "fsdp2": "FSDP2", "replicate": "replicate"}
+"""The kinds of data parallelism the check knows, with the name a report gives them: DDP, and FSDP2's `fully_shard`
+and `replicate`."""
 
 
 class _Name(str, Enum):

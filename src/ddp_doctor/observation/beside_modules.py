@@ -11,6 +11,7 @@ analysis to name (`analyze/replica_state.py`).
 
 from __future__ import annotations
 
+import itertools
 import sys
 import weakref
 import zlib
@@ -93,6 +94,6 @@ class BesideModules:
 def _tensors(module: nn.Module) -> Any:
     """Its parameters and buffers, less DTensors (FSDP2's and tensor parallelism's shards differ across ranks by
     design)."""
-    for name, t in (*module.named_parameters(), *module.named_buffers()):
+    for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
         if t is not None and not is_dtensor(t):
             yield name, t

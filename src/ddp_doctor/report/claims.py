@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["compared_line"]
+from ddp_doctor.core.codes import PARALLELISMS
 
-_NAMES = {"ddp": "DDP", "fsdp2": "FSDP2", "replicate": "replicate"}
+__all__ = ["compared_line"]
 
 
 def _n(count: int, noun: str) -> str:
@@ -137,7 +137,7 @@ def compared_line(c: dict[str, Any]) -> str:
     codes = c.get("codes_not_checked") or []
     if not codes:
         return _line(c)
-    name = _NAMES.get(c.get("parallelism", "ddp"), "this parallelism")
+    name = PARALLELISMS.get(c.get("parallelism", "ddp"), "this parallelism")
     others = "FSDP2's" if name == "DDP" else "DDP's"
     listed = ", ".join(f"`{code}`" for code in codes)
     return f"{_line(c)} Not checked for {name} ({others} check makes them): {listed}."
