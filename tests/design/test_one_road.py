@@ -204,6 +204,41 @@ def test_only_the_exchange_and_sync_gradients_communicate() -> None:
     assert outside == [] and any(c.startswith("exchange/") for c in calls), outside
 
 
+CHECK_ENTRIES = {"sharded_protocol", "unwrapped_rounds"}
+"""The exchanges that launch and doctor drive themselves (DDP's `protocol` and the epoch end's `follow_rounds` are
+driven inside exchange/, by `runner.exchange` and `exchange_follow`)."""
+PRIMITIVES = {"minmax", "agree", "name_flagged", "odd_ranks", "pick"}
+"""exchange/'s functions that make a collective of their own, for guard, refreeze and `sync_gradients`."""
+
+
+def test_every_collective_of_the_check_is_a_listed_round() -> None:
+    """The check's own code (launch/, doctor/, observation/) reaches the other ranks only by driving a listed round
+    (`exchange/control.py`'s `ROUNDS`, a sharded model's or an unwrapped run's exchange), never through a primitive
+    that makes a collective of its own; and every control round is in that module's table."""
+    from ddp_doctor.exchange import control
+
+    listed = CHECK_ENTRIES | set(control.ROUNDS)
+    found, driven = [], set()
+    for folder in ("launch", "doctor", "observation"):
+        for p, tree in _modules(SRC / folder):
+            for n in ast.walk(tree):
+                if not isinstance(n, ast.Call):
+                    continue
+                where = f"{p.relative_to(SRC)}:{n.lineno}"
+                if _called(n) in PRIMITIVES:
+                    found.append(f"{where} {_called(n)}")
+                if _called(n) == "drive":
+                    first = n.args[0] if n.args else None
+                    name = _called(first) if isinstance(first, ast.Call) else ""
+                    driven.add(name)
+                    if name not in listed:
+                        found.append(f"{where} drive({ast.unparse(first) if first else ''})")
+    assert found == [], found
+    assert set(control.ROUNDS) <= driven, driven  # each control round is one the check makes
+    table = control.__doc__ or ""
+    assert all(f"| `{name}` |" in table for name in control.ROUNDS), table
+
+
 _WORDS = {"title", "detail", "fix", "reason"}
 """A finding's and a recommendation's sentences."""
 

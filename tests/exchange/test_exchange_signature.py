@@ -1,7 +1,8 @@
 """The exchange sends the same bytes: every collective's op, shape and each rank's tensor, for a few simulated groups
 that take every conditional round (B2, B3, C, ModelInfos that differ, more ranks than example slots), against
 signatures recorded before the protocol was cut into rounds; and the same for a sharded job's exchange and for the
-epoch end's (`follow_rounds`) and a run without a wrapper's (`unwrapped_rounds`). A change here changes what ranks send: re-record only on purpose
+epoch end's (`follow_rounds`), a run without a wrapper's (`unwrapped_rounds`) and the control rounds
+(`exchange/control.py`). A change here changes what ranks send: re-record only on purpose
 (`PYTHONPATH=tests python tests/exchange/test_exchange_signature.py` prints the current ones), and say why in the
 commit."""
 
@@ -18,6 +19,7 @@ from handbuilt import P, follow_case, model_info, sharded_record
 from ddp_doctor.core.fingerprint import fingerprints_batched
 from ddp_doctor.core.records import CRASH_KINDS, ModelInfo, RankRecord, StepCounters
 from ddp_doctor.exchange import simulate
+from ddp_doctor.exchange.control import ROUNDS
 from ddp_doctor.exchange.following_rounds import follow_rounds
 from ddp_doctor.exchange.sharded_protocol import sharded_protocol
 from ddp_doctor.exchange.unwrapped import unwrapped_rounds
@@ -210,6 +212,25 @@ def unwrapped_signature(name: str) -> str:
     return hashlib.sha256(json.dumps(sent).encode()).hexdigest()[:16]
 
 
+CONTROL = {"control-flag-3-of-5": "ed8eec3cbeaae4a5", "control-flags-none-of-4": "a5d565ec95abd3b9"}
+"""The control rounds (`control.ROUNDS`, each in turn): rank 3 of 5 sets its flag, or no rank of 4; the signature
+recorded for each."""
+
+
+def control_signature(name: str) -> str:
+    """sha256 over the sequence of (op, dtype, shape) and every rank's bytes of each control round, in turn."""
+    world = int(name.rsplit("-", 1)[1])
+    sent: list[list] = [[] for _ in range(world)]
+    for rounds in ROUNDS.values():
+        simulate.lockstep([_traced(rounds("3-of" in name and w == 3), sent[w]) for w in range(world)])
+    return hashlib.sha256(json.dumps(sent).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("name", list(CONTROL))
+def test_every_rank_of_a_control_round_sends_the_recorded_bytes(name: str) -> None:
+    assert control_signature(name) == CONTROL[name]
+
+
 @pytest.mark.parametrize("name", list(RECORDED))
 def test_every_rank_sends_the_recorded_bytes(name: str) -> None:
     assert signature(name) == RECORDED[name]
@@ -235,3 +256,4 @@ if __name__ == "__main__":
     print({name: sharded_signature(name) for name in SHARDED})
     print({name: follow_signature(name) for name in FOLLOWED})
     print({name: unwrapped_signature(name) for name in UNWRAPPED})
+    print({name: control_signature(name) for name in CONTROL})

@@ -367,8 +367,11 @@ class PlainOptimizerWatch:
         device = comm_device(None, stepped[0].device if stepped else None)
         refs = [ParamRef(self.names.get(id(p), f"param[{i}]"), p.numel(), tuple(p.shape)) for i, p in enumerate(params)]
         world = dist.get_world_size()
-        rounds = unwrapped_rounds(len(params), len(stepped) - len(params), lambda: fingerprints_batched(params))
-        compared = drive(rounds, group=None, device=device)
+        compared = drive(
+            unwrapped_rounds(len(params), len(stepped) - len(params), lambda: fingerprints_batched(params)),
+            group=None,
+            device=device,
+        )
         assert self.optimizer is not None
         run = UnwrappedRun(
             world=world,

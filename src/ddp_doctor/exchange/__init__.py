@@ -3,7 +3,9 @@
 
 Every rank runs the same protocol, a generator that yields collectives (``("sum" | "max", tensor)``) and receives
 their results: `protocol` for a DDP model, whose rounds each have their own module (the table in `protocol.py`), and
-`sharded_protocol.sharded_protocol` for a sharded one (its table is in that module). Two drivers run either:
+`sharded_protocol.sharded_protocol` for a sharded one (its table is in that module); the epoch end's rounds
+(`following_rounds.py`), a run without a wrapper's (`unwrapped.py`), and the control rounds, one flag each, that
+launch drives where the ranks must all go the same way (`control.py`). Two drivers run either:
 `drive.drive` over a real process group (one rank per process; `runner.exchange` for DDP's), and `simulate.lockstep`,
 which runs every rank's generator in one process and computes each collective's result as the reduction would
 (`summarize`, `ddp_doctor.doctor.pipeline.analyze(info, records)`, the scale benchmark and the tests up to 1,024

@@ -18,8 +18,10 @@ import torch.distributed as dist
 from ddp_doctor.analyze import diagnose_following
 from ddp_doctor.core.following import FollowSummary, JoinedLoop
 from ddp_doctor.doctor import Doctor
+from ddp_doctor.exchange.control import following_agreed
+from ddp_doctor.exchange.drive import drive
 from ddp_doctor.exchange.following_rounds import exchange_follow
-from ddp_doctor.exchange.primitives import comm_device, minmax
+from ddp_doctor.exchange.primitives import comm_device
 from ddp_doctor.launch.config import RankConfig, steps_reason
 from ddp_doctor.observation import dataloaders
 from ddp_doctor.observation.following_watch import FollowWatch
@@ -89,12 +91,12 @@ class EpochFollowing:
         return f"the next epoch's first step, after {self.watch.epoch_ends} epoch end(s)"
 
     def start(self, doctors: Sequence[Doctor], hint: torch.device | None = None) -> bool:
-        """At the end of the observed steps: end the training pass and cap every later one. Collective (one
-        all_reduce); False when following is off or some rank's steps did not train on an open DataLoader pass.
-        `hint`: the model's device where no DDP model gives it (an FSDP2 model's, for NCCL)."""
-        _, every = minmax(torch.tensor([float(self.watch.can_start())]), None, _device(doctors, hint))
+        """At the end of the observed steps: end the training pass and cap every later one. Collective (the
+        control round `following_agreed`); False when following is off or some rank's steps did not train on an
+        open DataLoader pass. `hint`: the model's device where no DDP model gives it (an FSDP2 model's, for NCCL)."""
+        every = drive(following_agreed(self.watch.can_start()), group=None, device=_device(doctors, hint))
         models = [d.ddp for d in doctors]
-        if not self.watch.start(self.config.follow_epochs, self.config.limit_batches, models, agreed=bool(every[0])):
+        if not self.watch.start(self.config.follow_epochs, self.config.limit_batches, models, agreed=every):
             return False
         self.active = True
         for doctor in doctors:

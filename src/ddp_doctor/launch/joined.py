@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ddp_doctor.core.beacon import Beacon, OptimizerSteps
 from ddp_doctor.doctor import Doctor
-from ddp_doctor.exchange.primitives import comm_device, minmax
+from ddp_doctor.exchange.control import join_waits
+from ddp_doctor.exchange.drive import drive
+from ddp_doctor.exchange.primitives import comm_device
 from ddp_doctor.observation.joins import ACTIVE, listen_joins, over_ddp
 
 __all__ = ["JoinedReport"]
@@ -72,6 +73,5 @@ class JoinedReport:
         if session.finishing or not any(d.ddp is ddp for d in session.doctors):
             return
         device = comm_device(None, next(ddp.parameters()).device)
-        waits, _ = minmax(torch.tensor([float(self.waiting)]), ddp.process_group, device)
-        if waits[0]:
+        if drive(join_waits(self.waiting), group=ddp.process_group, device=device):
             session.finish(session.steps_reason)

@@ -27,7 +27,9 @@ from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import write_json
 from ddp_doctor.doctor import Doctor
 from ddp_doctor.doctor.plain_watch import PlainOptimizerWatch
-from ddp_doctor.exchange.primitives import comm_device, minmax
+from ddp_doctor.exchange.control import epoch_repeated
+from ddp_doctor.exchange.drive import drive
+from ddp_doctor.exchange.primitives import comm_device
 from ddp_doctor.exchange.runner import arrive
 from ddp_doctor.launch.config import RankConfig
 from ddp_doctor.launch.following_run import EpochFollowing
@@ -172,11 +174,10 @@ class PlainSteps:
 
     def _repeated_epoch(self, hint: torch.device | None) -> dict[str, Any] | None:
         """The training sampler's repeated epoch (`FollowWatch.repeated_epoch`) when any rank saw one (every rank
-        runs the same loop: this rank's loader is named, or none when this rank saw no repeat). Collective: one
-        all_reduce of a flag."""
+        runs the same loop: this rank's loader is named, or none when this rank saw no repeat). Collective: the
+        control round `epoch_repeated`."""
         mine = self._run.follow.watch.repeated_epoch()
-        top, _ = minmax(torch.tensor([float(mine is not None)]), None, comm_device(None, hint))
-        if not top[0]:
+        if not drive(epoch_repeated(mine is not None), group=None, device=comm_device(None, hint)):
             return None
         return {**(mine or {"site": None, "epoch": None, "seen": []}), "ranks": list(range(dist.get_world_size()))}
 
