@@ -69,15 +69,18 @@ def test_a_rank_whose_reads_become_slow_past_its_first_steps_is_named_a_straggle
 def test_a_rank_whose_own_work_becomes_slow_past_its_first_steps_is_named_a_straggler(tmp_path: Path) -> None:
     """From step 100 on rank 1 spins 40 ms between its forward and its backward (WORK_RANKS=1: a slower device, or
     work of its own in the loss). Under plain torchrun (STEPS=200) the job ends with status 0 and nothing said, in
-    12.8 s against 8.7 s without the spin (both ranks' checksums -2.279683708330 either way): rank 0 waits for rank
-    1 in DDP's all-reduce at every step. No rank waits for data, so the data rule names nobody; under watch each
+    12.8 s against 8.7 s without the spin (both ranks' checksums -2.279683708330 either way on one Intel Xeon,
+    -2.279683619738 on another: float32's last digits differ by CPU): rank 0 waits for rank 1 in DDP's all-reduce
+    at every step. No rank waits for data, so the data rule names nobody; under watch each
     window wholly past step 100 (most of them, on a busy machine) names rank 1 a straggler in its own work before
     the backward, about 40 ms longer than rank 0's, which spends about that much longer in the rest of its step. The
     job computes what it computes under torchrun, and `explain` says the same afterwards."""
     env = {"STEPS": "200", "WORK_RANKS": "1", "WORK_FROM": "100", "WORK_S": "0.04"}
     run = watch(["--nproc-per-node", "2", str(SCRIPTS / "watch_job.py")], tmp_path, env=env)
     assert run.rc == 0, run.output
-    assert set(checksums(run.output).values()) == {"-2.279683708330"}, run.output
+    sums = checksums(run.output)
+    assert len(set(sums.values())) == 1 and len(sums) == 2, run.output  # the replicas agree
+    assert abs(float(sums[0]) - -2.2796837) < 1e-6, sums  # what plain torchrun computes, to float32's rounding
     judged = run.ended["windows"]["windows"]
     before = [w for w in judged if w["last"] < 100]
     after = [w for w in judged if w["first"] > 100]
