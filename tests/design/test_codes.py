@@ -204,16 +204,36 @@ def _built_by(tree: ast.Module, name: str, rules: dict[str, set[str]], seen: set
 
 
 def test_each_detector_builds_the_code_it_is_registered_for() -> None:
-    from ddp_doctor.analyze.detectors import DETECTORS
-    from ddp_doctor.analyze.view import detectors
+    from ddp_doctor.analyze.detectors import DETECTORS, SHARDED_DETECTORS
+    from ddp_doctor.analyze.view import ROADS, detectors
 
-    registered = detectors()
-    assert [fn for _, fn in registered] == list(DETECTORS) and len(DETECTORS) > 30
-    assert [code for code, _ in registered] == sorted((c for c, _ in registered), key=REPORT_ORDER.index)
+    assert [fn for _, fn in detectors("ddp")] == list(DETECTORS) and len(DETECTORS) > 30
+    assert [fn for _, fn in detectors("sharded")] == list(SHARDED_DETECTORS) and len(SHARDED_DETECTORS) > 20
     rules = _rule_codes()
-    for code, fn in registered:
-        tree = ast.parse(Path(sys.modules[fn.__module__].__file__).read_text())
-        assert _built_by(tree, fn.__name__, rules, set()) == {code.name}, f"{fn.__name__} is registered for {code}"
+    for road in ROADS:
+        registered = detectors(road)
+        assert [code for code, _ in registered] == sorted((c for c, _ in registered), key=REPORT_ORDER.index)
+        for code, fn in registered:
+            tree = ast.parse(Path(sys.modules[fn.__module__].__file__).read_text())
+            assert _built_by(tree, fn.__name__, rules, set()) == {code.name}, f"{fn.__name__} is registered for {code}"
+
+
+def test_each_code_is_detected_in_its_own_module_on_every_road() -> None:
+    """A code checked for DDP and for a sharded model has a detector on each road, and both live in the module its
+    row names: one module decides each concept, the parallelism an input to it (no `sharded_*` copy of a rule)."""
+    from ddp_doctor.analyze.view import ROADS, detectors
+
+    for road in ROADS:
+        for code, fn in detectors(road):
+            module = fn.__module__.rsplit(".", 1)[-1] + ".py"
+            assert module in info(code).decided_in, f"{road}: {fn.__name__} ({module}) decides {code}"
+
+
+def test_a_detector_of_an_unknown_road_is_refused() -> None:
+    from ddp_doctor.analyze.view import detects
+
+    with pytest.raises(ValueError, match="road='fsdp'"):
+        detects(Code.UNUSED_PARAMETERS, road="fsdp")
 
 
 def test_a_detector_of_a_code_outside_the_report_order_is_refused() -> None:

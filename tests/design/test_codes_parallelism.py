@@ -68,8 +68,8 @@ def built_from(*entries: tuple[str, str]) -> set[str]:
 
 SHARED = built_from(("failures", "failure_findings"), ("following_ends", "following_findings"))
 """A failed run's findings and the epoch ends followed: one road whatever the parallelism."""
-SHARDED = built_from(("diagnose", "diagnose_sharded"))
-"""The sharded model's own findings (FSDP2 and `replicate`)."""
+SHARDED = {str(code) for code, _ in detectors("sharded")} | built_from(("diagnose", "diagnose_sharded"))
+"""The sharded model's detectors (FSDP2 and `replicate`), and whatever `diagnose_sharded` builds itself."""
 DDP = {str(code) for code, _ in detectors()} | built_from(("diagnose", "diagnose_unwrapped"))
 """DDP's detectors of the exchanged records, and a run without any wrapper."""
 
@@ -107,8 +107,9 @@ def test_every_code_built_on_a_road_is_said_checked_for_it() -> None:
 
 
 def test_the_tracer_finds_a_code_built_two_calls_down() -> None:
-    """The road is read through the functions `diagnose_sharded` calls: `buffer-divergence` is built by
-    `buffer_state.buffers_apart`, which `sharded_state.buffer_divergence` calls, which `sharded.py` calls."""
+    """A road is read from its registered detectors and through the functions its entries call: the epoch ends'
+    `sampler-epoch-not-set` is built by `rules.sampler_epoch_repeated`, which `epochs.followed_epoch_repeated`
+    calls."""
     assert "buffer-divergence" in SHARDED and "gradient-sync-off" in SHARDED and "dynamic-graph" not in SHARDED
     assert "rank-hung" in SHARED and "uneven-inputs" in SHARED
     assert "sampler-epoch-not-set" in SHARED  # `epochs.followed_epoch_repeated` -> `rules.sampler_epoch_repeated`

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from checkrun import SCRIPTS, check, line_of
 
-from ddp_doctor.analyze.collective_order import beacons_apart, beacons_parting
+from ddp_doctor.analyze.collective_order import beacons_apart
+from ddp_doctor.analyze.parting import beacons_parting
 from ddp_doctor.core.beacon import Collective
 from ddp_doctor.core.rankstate import RankState
 

@@ -1,4 +1,5 @@
-"""`straggler-rank` for a sharded model, from the reduced figures alone (`analyze/sharded_timing.py`), and the
+"""`straggler-rank` and `input-bound` for a sharded model, from the reduced figures alone (the detectors of a
+`ShardedRun` in `analyze/throughput.py`, beside DDP's), and the
 round that finds the slowest rank on a real 4-rank gloo group (`exchange/timing.slowest_rank`: at 2 ranks, where
 the check runs it, "the others" is one rank). The real runs, with their ground truth, are in
 tests/timing/test_check_fsdp2_steps.py."""
@@ -10,7 +11,7 @@ import torch
 from dist import run_ranks
 
 from ddp_doctor.analyze.sharded_coverage import sharded_compared, sharded_unchecked
-from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
+from ddp_doctor.analyze.throughput import input_bound_sharded, straggler_sharded
 from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.exchange.drive import drive
 from ddp_doctor.exchange.primitives import minmax
@@ -45,23 +46,27 @@ def _run(slowest: dict | None, **facts) -> ShardedRun:
     )
 
 
+def _measured(f) -> dict[str, float]:
+    return {m.name: m.value for m in f.measured}
+
+
 def test_a_rank_whose_own_work_is_longest_in_most_steps_with_the_others_waiting_is_named() -> None:
-    f = sharded_straggler(_run(SLOW))
-    assert f is not None and f.ranks == [1] and f.severity == "warning"
-    assert f.title == "rank 1 is 6.0x slower; the other ranks wait 52.0 ms per step for it"
-    assert "between steps" in f.detail and "54.0 ms more than any other rank" in f.detail
-    assert "make rank 1 do the same work as the others" in f.fix
+    (f,) = straggler_sharded(_run(SLOW))
+    assert (f.code, f.ranks, f.severity) == ("straggler-rank", [1], "warning")
+    m = _measured(f)
+    assert m["own_work_slowest"] == pytest.approx(0.060) and m["own_work_others"] == pytest.approx(0.010)
+    assert m["others_wait"] == pytest.approx(0.052) and m["steps_timed"] == 7
+    assert "between steps" in f.detail  # most of its extra time is before the forward (54 ms more waiting)
 
 
 def test_other_ranks_with_no_measurable_own_work_get_the_difference_not_a_ratio() -> None:
-    f = sharded_straggler(_run({**SLOW, "others_own_s": 0.0, "others_own_q3_s": 0.0}))
-    assert f is not None and f.title.startswith("rank 1 does 60.0 ms more work per step;")
-    assert "x slower" not in f.title and "times as long" not in f.detail
+    (f,) = straggler_sharded(_run({**SLOW, "others_own_s": 0.0, "others_own_q3_s": 0.0}))
+    assert _measured(f)["own_work_others"] == 0.0 and "x slower" not in f.title
 
 
 def test_extra_time_inside_the_step_is_said_to_be_there() -> None:
-    f = sharded_straggler(_run({**SLOW, "wait_s": 0.002}))
-    assert f is not None and "within the step (its forward, backward or optimizer step)" in f.detail
+    (f,) = straggler_sharded(_run({**SLOW, "wait_s": 0.002}))
+    assert "within the step" in f.detail and "between steps" not in f.detail
 
 
 @pytest.mark.parametrize(
@@ -88,7 +93,7 @@ def test_extra_time_inside_the_step_is_said_to_be_there() -> None:
     ],
 )
 def test_no_straggler_without_a_large_consistent_difference_the_others_wait_for(change: dict) -> None:
-    assert sharded_straggler(_run({**SLOW, **change})) is None
+    assert straggler_sharded(_run({**SLOW, **change})) == []
 
 
 def test_the_report_says_whether_a_straggler_was_checked() -> None:
@@ -111,14 +116,16 @@ def test_on_a_gpu_the_wait_is_the_gpus_and_a_straggler_is_said_to_be_unchecked()
         "clock": "gpu",
     }
     run = _run(None, comm_timed=False, gpu_timed=True, input_wait=wait)
-    f = sharded_input_bound(run, [0, 1])
-    assert f.detail.startswith("Measured on the GPU's clock (CUDA events on the model's stream: the GPU idle")
-    assert "40.0-42.0 ms" in f.detail and "SlowDecode created at train.py:31" in f.detail
+    (f,) = input_bound_sharded(run)
+    assert (f.code, f.ranks, f.sites) == ("input-bound", [0, 1], ["train.py:31"])
+    m = _measured(f)
+    assert m["data_wait"] == pytest.approx(0.040) and m["step"] == pytest.approx(0.051) and m["steps_timed"] == 7
+    assert f.detail.startswith("Measured on the GPU's clock")
     compared = sharded_compared(run)
     assert (compared["timed_steps"], compared["clock"], compared["straggler"]) == (7, "gpu", False)
     assert any(u.startswith("a straggler rank (on a GPU the time in the collectives") for u in sharded_unchecked(run))
-    host = sharded_input_bound(_run(None, input_wait={**wait, "clock": "host"}), [0, 1])
-    assert host.detail.startswith("Measured on this machine's clock over 7 steps")
+    (host,) = input_bound_sharded(_run(None, input_wait={**wait, "clock": "host"}))
+    assert host.detail.startswith("Measured on this machine's clock")
 
 
 def _slowest(rank: int, world: int, owns: list[float]) -> dict | None:

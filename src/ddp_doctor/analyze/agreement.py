@@ -15,8 +15,17 @@ from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.ranks import listed, rank_list
+from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = ["beside_inputs_apart", "unsynced_steps", "grads_not_synced", "identical_inputs", "wrapper_bypass"]
+__all__ = [
+    "beside_inputs_apart",
+    "grads_not_synced",
+    "identical_inputs",
+    "identical_inputs_sharded",
+    "tp_inputs_sharded",
+    "unsynced_steps",
+    "wrapper_bypass",
+]
 
 
 @detects(Code.WRAPPER_BYPASS)
@@ -160,10 +169,27 @@ def identical_inputs(v: View) -> list[Finding]:
     return [same_inputs(world=v.world, steps=steps_of(has_input))]
 
 
+@detects(Code.IDENTICAL_INPUTS_ACROSS_RANKS, road="sharded")
+def identical_inputs_sharded(run: ShardedRun) -> list[Finding]:
+    """A sharded model's ranks that fed the same inputs at every compared step, unless the job has one
+    data-parallel group beside tensor parallelism (every rank then rightly reads the same batches)."""
+    if run.world < 2 or not run.inputs_compared or not run.inputs_identical or run.beside_groups == 1:
+        return []
+    return [same_inputs(world=run.world, steps=run.inputs_compared)]
+
+
+@detects(Code.TP_INPUTS_DIFFER, road="sharded")
+def tp_inputs_sharded(run: ShardedRun) -> list[Finding]:
+    """A tensor-parallel group beside the data-parallel mesh whose ranks fed different inputs."""
+    if run.beside_apart is None:
+        return []
+    return [beside_inputs_apart(run.beside_apart, groups=run.beside_groups, compared=len(run.beside_compared))]
+
+
 def same_inputs(*, world: int, steps: list[int]) -> Finding:
     """`identical-inputs-across-ranks`: at every one of `steps` (those whose inputs every rank saw) the inputs were
     the same on all `world` ranks. One rule for every parallelism: DDP's exchange and a sharded model's report
-    (`analyze/sharded.py`) both decide it here."""
+    (`identical_inputs_sharded`) both decide it here."""
     return Finding(
         code=Code.IDENTICAL_INPUTS_ACROSS_RANKS,
         severity="warning",

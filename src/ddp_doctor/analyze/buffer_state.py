@@ -8,14 +8,16 @@ from __future__ import annotations
 from typing import Any
 
 from ddp_doctor.analyze.common import all_ranks, steps_of, with_flags
+from ddp_doctor.analyze.parallelism import every_rank
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.snippets import freeze_point, sync_batchnorm
 from ddp_doctor.analyze.tree_digest import param_entry, step_apart
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, ParamRef, lines_of
+from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
-__all__ = ["buffer_divergence", "buffers_apart", "late_apart"]
+__all__ = ["buffer_divergence", "buffers_apart", "buffers_apart_sharded", "late_apart"]
 
 
 @detects(Code.BUFFER_DIVERGENCE)
@@ -95,6 +97,42 @@ def late_apart(v: View) -> tuple[list[dict[str, Any]], bool] | None:
     if not apart:
         return None
     return apart, any(e["changing"] or any(t.get(e["name"], {}).get("changing") for t in theirs) for e in apart)
+
+
+@detects(Code.BUFFER_DIVERGENCE, road="sharded")
+def buffers_apart_sharded(run: ShardedRun) -> list[Finding]:
+    """Buffers that differ across ranks: FSDP2 shards parameters only, and neither broadcasts nor averages buffers
+    (`buffer_state.buffers_apart` words it, for every parallelism).
+
+    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 steps (`tests/scripts/fsdp2_train.py
+    --mistake buffer-rank`: a constant buffer drawn from each rank's own generator): exit code 0, nothing said, and
+    the ranks' outputs on the same input end apart (sums printed by each rank). With the same seed on every rank
+    (`buffer-same`) they agree.
+    """
+    parallelism, ranks = parallelism_of(run.sharding), every_rank(run)
+    found = []
+    if run.buffers_made_apart:  # never changed: they differed from the first step on
+        found.append(
+            buffers_apart(
+                buffers=run.buffers_made_apart,
+                ranks=ranks,
+                steps=list(range(run.steps)),
+                changing=False,
+                parallelism=parallelism,
+            )
+        )
+    if run.buffers_apart_in_training:  # compared at the last observed step
+        found.append(
+            buffers_apart(
+                buffers=run.buffers_apart_in_training,
+                ranks=ranks,
+                steps=[run.steps - 1],
+                changing=True,
+                parallelism=parallelism,
+                device_type=(run.sharding or {}).get("device_type", ""),
+            )
+        )
+    return found
 
 
 def buffers_apart(

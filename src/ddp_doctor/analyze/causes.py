@@ -11,6 +11,7 @@ collective ahead.
 from __future__ import annotations
 
 from ddp_doctor.analyze.common import meta_sites, steps_of, with_more
+from ddp_doctor.analyze.parallelism import every_rank
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
@@ -221,7 +222,8 @@ def grads_changed_after_sync(v: View) -> list[Finding]:
     ]
 
 
-def shards_scaled_apart(run: ShardedRun, ranks: list[int]) -> Finding | None:
+@detects(Code.GRADS_CHANGED_AFTER_SYNC, road="sharded")
+def shards_scaled_apart(run: ShardedRun) -> list[Finding]:
     """The ranks scaled their gradient shards by different factors between the end of the backward (FSDP2's
     reduce-scatter done) and the optimizer step: a clipping coefficient computed from each rank's own shards.
 
@@ -235,9 +237,9 @@ def shards_scaled_apart(run: ShardedRun, ranks: list[int]) -> Finding | None:
     against -1.496532 without either.
     """
     if not run.scale_differ_steps:
-        return None
+        return []
     steps = run.scale_differ_steps
-    return Finding(
+    finding = Finding(
         code=Code.GRADS_CHANGED_AFTER_SYNC,
         severity="error",
         title=f"the ranks scaled their gradient shards by different factors before the optimizer step (steps {steps})",
@@ -250,7 +252,7 @@ def shards_scaled_apart(run: ShardedRun, ranks: list[int]) -> Finding | None:
         "not the update the script means. A clipping coefficient computed from each rank's own shards "
         "(`p.grad.to_local()`), a clip on some ranks only (clip_grad_value_ has no collective to hang on), or a "
         "normalisation by a count or a loss of the rank's own batch (tokens per rank) does this.",
-        ranks=ranks,
+        ranks=every_rank(run),
         steps=steps,
         measured=[
             Measure("largest_scale_ratio", run.scale_spread, "ratio"),
@@ -261,6 +263,7 @@ def shards_scaled_apart(run: ShardedRun, ranks: list[int]) -> Finding | None:
         "norm over every rank's shards), never from p.grad.to_local(); divide by a count or a loss all-reduced "
         "across the ranks (or scale the loss before backward), not by the rank's own.",
     )
+    return [finding]
 
 
 def sharded_step_skipped(

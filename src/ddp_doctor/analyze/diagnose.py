@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from ddp_doctor.analyze.detectors import SHARDED_DETECTORS
 from ddp_doctor.analyze.failures import failure_findings
 from ddp_doctor.analyze.following_ends import following_findings, following_section, unchecked
 from ddp_doctor.analyze.links import link_causes
@@ -30,9 +31,10 @@ from ddp_doctor.analyze.not_wrapped import (
     unwrapped_unchecked,
 )
 from ddp_doctor.analyze.recommend import recommend_after_failure, verified_by_second_run
-from ddp_doctor.analyze.sharded import sharded_findings, sharded_recommendation
+from ddp_doctor.analyze.sharded import sharded_recommendation
 from ddp_doctor.analyze.sharded_coverage import sharded_compared, sharded_unchecked
 from ddp_doctor.analyze.snippets import with_code
+from ddp_doctor.analyze.view import run_detectors
 from ddp_doctor.core.codes import SEVERITIES, Code
 from ddp_doctor.core.findings import Diagnosis, Finding, Recommendation, Timing
 from ddp_doctor.core.following import Following, FollowSummary, JoinedLoop
@@ -162,8 +164,11 @@ def diagnose_unwrapped(run: UnwrappedRun) -> Diagnosis:
 
 
 def diagnose_sharded(run: ShardedRun) -> Diagnosis:
-    """A model sharded with FSDP2: the findings of `analyze/sharded.py`, and what the check says instead of flags."""
-    findings = sharded_findings(run)
+    """A model sharded with FSDP2 (`fully_shard`, or `replicate`): the findings of every detector registered for a
+    sharded model's facts (`detectors.SHARDED_DETECTORS`), most severe first, and what the check says instead of
+    flags."""
+    findings = run_detectors(run, SHARDED_DETECTORS)
+    findings.sort(key=lambda f: SEVERITIES.index(f.severity))
     link_causes(findings)
     return Diagnosis(
         findings=findings,

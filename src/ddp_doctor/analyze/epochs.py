@@ -17,10 +17,12 @@ from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.following import JoinedLoop
 from ddp_doctor.core.ranks import rank_list, rank_ranges
 from ddp_doctor.core.rankstate import RankState
+from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
 __all__ = [
     "counted_uneven",
     "drawn_apart",
+    "drawn_apart_sharded",
     "followed_epoch_repeated",
     "lengths_uneven",
     "loader_name",
@@ -150,6 +152,26 @@ def _drawn_apart(v: View) -> Finding:
         site=loader.get("site") or loader.get("iterated_at"),
         parallelism="ddp",
     )
+
+
+@detects(Code.UNEVEN_INPUTS, road="sharded")
+def drawn_apart_sharded(run: ShardedRun) -> list[Finding]:
+    """A sharded model's ranks that drew different numbers of batches from the training loader for a step."""
+    if (apart := run.drawn_apart) is None:
+        return []
+    held = {int(r): v for r, v in apart["held"].items()}  # rank -> (batches drawn, the loader's line)
+    odd = apart["ranks"]  # never empty: the ranks whose count is not the reference rank's
+    (others, site), (drew, _) = held[apart["reference"]], held[odd[0]]
+    found = drawn_apart(
+        step=apart["step"],
+        ranks=odd,
+        more=apart["more"],
+        drew=drew,
+        others=others,
+        site=site,
+        parallelism=parallelism_of(run.sharding),
+    )
+    return [found]
 
 
 def drawn_apart(

@@ -5,9 +5,10 @@ Pure: the input is the supervisor's `RankState` per rank (the ranks' own files, 
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.collective_order import beacons_apart, beacons_parting, failed_inside
+from ddp_doctor.analyze.collective_order import beacons_apart
 from ddp_doctor.analyze.crashed_ranks import crash_findings, died_silently, exited_failing, killed_findings
 from ddp_doctor.analyze.epochs import ran_out_alone
+from ddp_doctor.analyze.parting import beacons_parting, failed_inside
 from ddp_doctor.analyze.positions import capped, others, where
 from ddp_doctor.analyze.shapes import shape_findings
 from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone, step_skipped_alone

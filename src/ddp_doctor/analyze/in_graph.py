@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ddp_doctor.analyze.parallelism import api_of
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
+from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = ["collectives_in_graph", "in_graph_findings"]
+__all__ = ["collectives_in_graph", "in_graph_findings", "in_graph_sharded"]
 
 _TOLERANCE = 1e-3
 """How far a measured factor may be from 1 or 1/world_size and still count as it (float32 rounding)."""
@@ -28,6 +30,12 @@ _TOLERANCE = 1e-3
 def collectives_in_graph(v: View) -> list[Finding]:
     """From rank 0's record (every rank runs the script's line; the factor is rank 0's)."""
     return in_graph_findings(v.meta(0).get("graph_collectives") or [], ranks=[0])
+
+
+@detects(Code.COLLECTIVE_IN_GRAPH, road="sharded")
+def in_graph_sharded(run: ShardedRun) -> list[Finding]:
+    """Rank 0's in-place reductions of a tensor autograd tracks that a sharded model's backward went through."""
+    return in_graph_findings(run.graph_collectives, ranks=[0], wrapper=api_of(run).name)
 
 
 def in_graph_findings(entries: list[dict[str, Any]], *, ranks: list[int], wrapper: str = "DDP") -> list[Finding]:

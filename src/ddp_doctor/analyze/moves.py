@@ -11,12 +11,26 @@ from collections.abc import Sequence
 import torch
 
 from ddp_doctor.analyze.common import all_ranks
+from ddp_doctor.analyze.parallelism import every_rank
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef
 from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = ["never_updated", "nonfinite_finding", "nonfinite_values", "stalled", "training_stalled"]
+__all__ = [
+    "never_updated",
+    "nonfinite_finding",
+    "nonfinite_sharded",
+    "nonfinite_values",
+    "stalled",
+    "stalled_sharded",
+    "training_stalled",
+]
+
+_EXPLAINED = frozenset({Code.OPTIMIZER_PARAMS_REPLACED, Code.GRADIENT_SYNC_OFF})
+"""A sharded model's findings that already say why its weights do not move (the optimizer steps other tensors,
+gradient sync is off): what its moves show is theirs."""
 
 _PRESENT, _ZERO, _NONFINITE, _MOVED, _W_NONFINITE, _INPUTS = range(6)
 
@@ -174,6 +188,56 @@ def training_stalled(v: View) -> list[Finding]:
             steps=steps.nonzero().flatten().tolist(),
         )
     return [found] if found is not None else []
+
+
+@detects(Code.NONFINITE_VALUES, reads_found=True, road="sharded")
+def nonfinite_sharded(run: ShardedRun, found: frozenset[str]) -> list[Finding]:
+    """A sharded model's gradient shards that held NaN or infinity at an observed step, with the first step and
+    lowest rank whose training inputs did."""
+    if not run.grads_nonfinite_steps or found & _EXPLAINED:
+        return []
+    steps = run.grads_nonfinite_steps
+    bad = run.inputs_nonfinite  # (the step, the lowest rank whose inputs held NaN or infinity)
+    inputs = (bad[0], f"rank {bad[1]}", None, bad[1]) if bad is not None else None
+    return [nonfinite_finding(grads=(steps[0], None), ranks=every_rank(run), sharded=True, steps=steps, inputs=inputs)]
+
+
+@detects(Code.TRAINING_STALLED, reads_found=True, road="sharded")
+def stalled_sharded(run: ShardedRun, found: frozenset[str]) -> list[Finding]:
+    """Whether a sharded model trains (DDP's rule): at every measured step every gradient was exactly zero, or no
+    weight moved; or some parameters got gradients and never moved while the rest trained (unless its weights are
+    in a low dtype: `low-precision-weights` says why those lose their updates).
+
+    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps (`tests/scripts/fsdp2_train.py`):
+    a learning rate of 0 (`--mistake lr-zero`) leaves every weight where it was (largest change 0, head.weight
+    -0.703294 on both ranks), exit 0; the loss multiplied by 0 (`--mistake zero-loss`) gives zero gradients, and
+    only AdamW's weight decay moves the weights (largest change 0.0003), exit 0. Nothing said by torch either way.
+    """
+    measured = run.grads_measured_steps
+    if found & _EXPLAINED or run.grads_nonfinite_steps:
+        return []
+    if len(measured) < 2 or run.steps < 2 or not run.model_params_stepped:
+        return []
+    low_weights = Code.LOW_PRECISION_WEIGHTS in found
+    if run.never_updated and run.model_changed and measured != run.grads_zero_steps and not low_weights:
+        where = f"{run.optimizer} created at {run.optimizer_site}" if run.optimizer_site else run.optimizer
+        never = never_updated(
+            params=run.never_updated,
+            held=run.never_updated_held,
+            zero_lr=run.never_updated_zero_lr,
+            optimizer=where,
+            ranks=every_rank(run),
+            steps=list(range(1, run.steps)),  # the weights' moves are measured from the first step's end
+        )
+        return [never]
+    found_stalled = stalled(
+        all_zero=measured == run.grads_zero_steps,
+        moved=run.model_changed,
+        rates=run.learning_rates,
+        ranks=every_rank(run),
+        steps=measured,
+    )
+    return [found_stalled] if found_stalled is not None else []
 
 
 def stalled(*, all_zero: bool, moved: bool, rates: list[float], ranks: list[int], steps: list[int]) -> Finding | None:

@@ -1,20 +1,26 @@
 """The optimizers' settings compared across ranks (`optimizer-differs`), one rule for every parallelism: DDP's
 exchange hands in the settings of rank 0 and the ranks that differ from it (`optimizer_differs`); a sharded model's
 report the settings of the rank holding the most common ones and of the first other rank
-(`sharded_state.replica_state`). The parallelism changes the consequence the finding states, not the rule."""
+(`optimizer_apart_sharded`). The parallelism changes the consequence the finding states, not the rule."""
 
 from __future__ import annotations
 
 import re
 
 from ddp_doctor.analyze.common import first_differing, meta_sites, with_more
+from ddp_doctor.analyze.parallelism import apart_args
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
-__all__ = ["metric_scheduler_words", "optimizer_differs", "settings_apart"]
+__all__ = ["metric_scheduler_words", "optimizer_apart_sharded", "optimizer_differs", "settings_apart"]
 
+_SAME_SETTINGS_SHARDED = (
+    "set every optimizer hyperparameter identically on every rank (an LR scheduler stepped on some ranks only "
+    "does this: step it on every rank)."
+)
 _FIELD = re.compile(r"(\w+)=([^,;]+)")
 
 _SETTINGS_APART = {
@@ -50,6 +56,27 @@ def _settings(text: str) -> dict[str, str]:
         for key, value in _FIELD.findall(part.split(") ", 1)[-1]):
             out[f"{head} {key}"] = value.strip()
     return out
+
+
+@detects(Code.OPTIMIZER_DIFFERS, road="sharded")
+def optimizer_apart_sharded(run: ShardedRun) -> list[Finding]:
+    """A sharded model's optimizer settings, compared across ranks at its first observed steps, apart at a step.
+
+    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps (`tests/scripts/fsdp2_train.py
+    --mistake sched-rank0`, a StepLR with gamma 0.5 stepped on rank 0 alone from the third step): exit 0, nothing
+    said; the last learning rate is 9.77e-06 on rank 0 and 0.01 on rank 1, and the gathered head.weight sums to
+    -0.952121 (-1.060282 with the scheduler stepped on every rank): each rank stepped its own shard of every
+    parameter at its own rate."""
+    apart = run.settings_apart
+    if apart is None:
+        return []
+    where, fix, sites = "", _SAME_SETTINGS_SHARDED, ()
+    if run.metric_schedulers:
+        (where, fix), sites = metric_scheduler_words(run.metric_schedulers), tuple(run.metric_schedulers)
+    found = settings_apart(
+        **apart_args(apart), parallelism=parallelism_of(run.sharding), where=where, fix=fix, sites=sites
+    )
+    return [with_more(found, apart["more"])]
 
 
 def settings_apart(

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ddp_doctor.analyze.hidden_use import hidden_params
 from ddp_doctor.analyze.passes import passes_of
-from ddp_doctor.analyze.used_set import hidden_params
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.codes import Code, Family, info
 from ddp_doctor.core.findings import Diagnosis, Finding, Recommendation

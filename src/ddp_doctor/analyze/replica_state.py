@@ -11,13 +11,22 @@ from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.common import steps_of, with_evidence, with_more
 from ddp_doctor.analyze.links import UNSYNCED, divergence_fix
 from ddp_doctor.analyze.local_sgd import local_sgd
+from ddp_doctor.analyze.parallelism import apart_args, train_modes_apart
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.tree_digest import differing, modes_parted, same_fingerprint, step_apart
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
+from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
-__all__ = ["modes_apart", "modes_differ", "modules_beside_apart", "replica_divergence", "replicas_parted"]
+__all__ = [
+    "modes_apart",
+    "modes_differ",
+    "modules_beside_apart",
+    "replica_divergence",
+    "replicas_apart_sharded",
+    "replicas_parted",
+]
 
 
 @detects(Code.REPLICA_DIVERGENCE, reads_found=True)
@@ -160,6 +169,36 @@ def modes_differ(v: View) -> list[Finding]:
         return []
     step, held = parted
     return [modes_apart(step=step, held=held, reference=0, ranks=sorted(held), parallelism="ddp")]
+
+
+@detects(Code.REPLICA_DIVERGENCE, road="sharded")
+def replicas_apart_sharded(run: ShardedRun) -> list[Finding]:
+    """A sharded model's replicas apart: its modules' train/eval modes at an observed step (`ShardedRun.modes_apart`),
+    or the local tensors of the parameters FSDP2 replicates (`replicate`, HSDP's replicate dimension).
+
+    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps (`tests/scripts/fsdp2_train.py
+    --mistake train-rank0`: a Dropout in the first block; an evaluation in eval mode on every rank after the third
+    step, then `model.train()` on rank 0 alone): exit 0, nothing said; rank 1 trains on in eval mode (dropout off),
+    head.weight sums to -1.407930 (-1.468885 with every rank back in train mode)."""
+    parallelism = parallelism_of(run.sharding)
+    found = []
+    if (modes := run.modes_apart) is not None and train_modes_apart(modes):
+        found.append(with_more(modes_apart(**apart_args(modes), parallelism=parallelism), modes["more"]))
+    if (apart := run.replicas_apart) is not None:
+        mesh_dims = run.sharding.get("mesh_dims") or []
+        found.append(
+            replicas_parted(
+                params=apart["params"],
+                at_first=apart["at_first"],
+                first_step=apart.get("first_step"),
+                steps=run.steps,
+                ranks=sorted({apart["reference"], *apart["ranks"]}),
+                more=apart["more"],
+                parallelism=parallelism,
+                hsdp_row=apart["row"] if run.replica_rows > 1 or len(mesh_dims) > 1 else None,
+            )
+        )
+    return found
 
 
 def replicas_parted(

@@ -3,7 +3,8 @@ refused the model: each rank wrote the names and shapes it handed to DDP just be
 (`core/rankfiles.py`, `WrapShapes`), and `shape_findings` names each differing parameter with its shape on each rank
 (rank states in, findings out). When only which parameters are trainable differs, in a way whose shapes line up,
 DDP accepted the model and pairs different parameters in its all-reduce: `trainable_apart_at_wrap` names them from
-the exchange's `Summary.wrap_trainable`."""
+the exchange's `Summary.wrap_trainable`; for a sharded model, `trainable_apart_sharded` from the modes the ranks
+held apart at a step (`ShardedRun.modes_apart`)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import math
 import re
 from typing import Any
 
+from ddp_doctor.analyze.common import with_more
+from ddp_doctor.analyze.parallelism import apart_args, frozen_apart
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
 from ddp_doctor.core.rankfiles import ExplainedError
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
+from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
 __all__ = [
     "SHAPE_ERROR",
@@ -219,6 +223,16 @@ _TRAINABLE_APART = {
     "replicate": "replicate all-reduces the gradients of the groups each rank trains: groups of the same size pair "
     "up across ranks and mix their gradients, and the replicas drift apart",
 }
+
+
+@detects(Code.PARAM_SHAPES_DIFFER, road="sharded")
+def trainable_apart_sharded(run: ShardedRun) -> list[Finding]:
+    """A sharded model whose ranks' parameters differ in `requires_grad` at an observed step."""
+    modes = run.modes_apart
+    if modes is None or not frozen_apart(modes):
+        return []
+    found = trainable_apart_at_step(**apart_args(modes), parallelism=parallelism_of(run.sharding))
+    return [with_more(found, modes["more"])]
 
 
 def trainable_apart_at_step(

@@ -1,6 +1,8 @@
-"""Findings of a job that shards with FSDP2 (`fully_shard`): `optimizer-params-replaced`,
-`unsharded-params-not-synced`, `gradient-sync-off`, `sharded-checkpoint-incomplete`, and DDP's `unused-parameters`. Pure: the agreed facts
-(`ShardedRun`) in, findings out.
+"""The findings only a job that shards with FSDP2 (`fully_shard`, or the FSDP2-based `replicate`) can have, beside
+the codes it shares with DDP (each decided, for both, in the module its row in core/codes.py names):
+`gradient-sync-off`, `low-precision-reduce`, `low-precision-weights`; and what the check recommends instead of DDP's
+flags. Pure: the agreed facts (`ShardedRun`) in, findings out; each detector registered with ``road="sharded"``
+(`analyze/view.py`'s `detects`).
 
 Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_train.py`, 12 steps): each of
 the three mistakes runs to the end with exit code 0 and prints nothing. The optimizer built before `fully_shard`,
@@ -12,179 +14,66 @@ weight), and loading it into the unsharded model raises *aten.copy_.default got 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from ddp_doctor.analyze.agreement import beside_inputs_apart, same_inputs
-from ddp_doctor.analyze.causes import shards_scaled_apart
-from ddp_doctor.analyze.common import with_more
-from ddp_doctor.analyze.epochs import drawn_apart
-from ddp_doctor.analyze.in_graph import in_graph_findings
-from ddp_doctor.analyze.sharded_fixes import optimizer_fix, sync_fix
-from ddp_doctor.analyze.sharded_saves import incomplete_checkpoint
-from ddp_doctor.analyze.sharded_state import buffer_divergence, low_precision_weights, replica_state, training_moves
-from ddp_doctor.analyze.sharded_timing import sharded_input_bound, sharded_straggler
-from ddp_doctor.analyze.shards import samplers_apart
-from ddp_doctor.analyze.tree_state import stale_optimizer
-from ddp_doctor.analyze.unsharded import unsharded_finding
-from ddp_doctor.analyze.used_set import unused_finding
+from ddp_doctor.analyze.parallelism import REPLICATE, api_of, every_rank, observed_steps, unchanged
+from ddp_doctor.analyze.sharded_fixes import sync_fix
+from ddp_doctor.analyze.view import detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Recommendation, lines_of
-from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
+from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = ["sharded_findings", "sharded_recommendation", "verified_reshard"]
+__all__ = [
+    "gradient_sync_off",
+    "low_precision_reduce",
+    "low_precision_weights",
+    "sharded_recommendation",
+    "verified_reshard",
+]
 
-
-@dataclass(frozen=True, slots=True)
-class _Api:
-    """How a finding names the call that built the model: FSDP2's `fully_shard`, or the FSDP2-based `replicate`
-    (the same replaced parameters and groups, each rank holding whole parameters and all-reducing gradients)."""
-
-    call: str
-    done: str
-    holds: str
-    reduces: str
-    job: str
-    name: str
-    after: str
+_LOW = ("bfloat16", "float16")
 
 
-_FULLY_SHARD = _Api(
-    "fully_shard",
-    "sharded",
-    "holding this rank's shard",
-    "reduce-scatters",
-    "shards its model with FSDP2 (fully_shard)",
-    "FSDP2",
-    "sharding",
-)
-_REPLICATE = _Api(
-    "replicate",
-    "replicated",
-    "(a whole copy on every rank)",
-    "all-reduces",
-    "replicates its model with FSDP2's replicate",
-    "replicate",
-    "replicate",
-)
-
-
-def _api(run: ShardedRun) -> _Api:
-    return _REPLICATE if run.sharding.get("api") == "replicate" else _FULLY_SHARD
-
-
-def _steps(run: ShardedRun) -> list[int]:
-    return list(range(run.steps))
-
-
-def _unchanged(run: ShardedRun) -> str:
-    if run.steps < 2:
-        return "Only one optimizer step was observed, so whether the weights change was not measured."
-    if run.model_changed:
-        return f"Some of the model's weights did change between the first and the last of the {run.steps} steps."
-    return (
-        f"Measured: between the first and the last of the {run.steps} observed optimizer steps, not one of the "
-        f"model's {run.model_params} trainable parameters changed on any rank."
+@detects(Code.GRADIENT_SYNC_OFF, road="sharded")
+def gradient_sync_off(run: ShardedRun) -> list[Finding]:
+    """Gradient sync switched off (`set_requires_gradient_sync(False)`, or HSDP's `set_requires_all_reduce(False)`)
+    at every observed optimizer step."""
+    if not run.sync_off_steps or run.sync_off_steps < run.steps:
+        return []
+    api = api_of(run)
+    site = f" (last switched off at {run.sync_off_site})" if run.sync_off_site else ""
+    what = (  # set_requires_all_reduce: HSDP's switch for the replicas
+        f"{api.name} then reduce-scatters the gradients within each replica and keeps them aside for the "
+        "all-reduce across the replicas that never comes"
+        if run.sync_off_call == "set_requires_all_reduce"
+        else f"{api.name} then {api.reduces} no gradient"
     )
+    return [
+        Finding(
+            code=Code.GRADIENT_SYNC_OFF,
+            severity="error",
+            title=f"gradient sync was off at all {run.steps} optimizer steps",
+            detail=f"{run.sync_off_call}(False){site} was in force every time the optimizer stepped, and it was "
+            f"never switched back on: {what}, the {api.done} parameters get no gradient, and the optimizer skips "
+            "them. " + unchanged(run),
+            ranks=every_rank(run),
+            steps=observed_steps(run),
+            sites=lines_of(run.sync_off_site or ""),
+            fix=sync_fix(run.framework, run.sync_off_call),
+        )
+    ]
 
 
-def sharded_findings(run: ShardedRun) -> list[Finding]:
-    """Every FSDP2 finding the facts support, errors first."""
-    ranks = list(range(run.world))
-    where = f"{run.optimizer} created at {run.optimizer_site}" if run.optimizer_site else run.optimizer
-    api = _api(run)
-    found: list[Finding] = []
-    if run.replaced and not run.model_params_stepped:
-        found.append(
-            stale_optimizer(
-                stale=run.replaced,
-                params=[],
-                ranks=ranks,
-                steps=_steps(run),
-                wrapper=(api.call, api.holds),
-                optimizer=where,
-                model_params=run.model_params,
-                measured=_unchanged(run),
-                fix=optimizer_fix(run.framework, api.call, api.done),
-            )
-        )
-    if run.sync_off_steps and run.sync_off_steps >= run.steps:
-        site = f" (last switched off at {run.sync_off_site})" if run.sync_off_site else ""
-        what = (  # set_requires_all_reduce: HSDP's switch for the replicas
-            f"{api.name} then reduce-scatters the gradients within each replica and keeps them aside for the "
-            "all-reduce across the replicas that never comes"
-            if run.sync_off_call == "set_requires_all_reduce"
-            else f"{api.name} then {api.reduces} no gradient"
-        )
-        found.append(
-            Finding(
-                code=Code.GRADIENT_SYNC_OFF,
-                severity="error",
-                title=f"gradient sync was off at all {run.steps} optimizer steps",
-                detail=f"{run.sync_off_call}(False){site} was in force every time the optimizer stepped, and it was "
-                f"never switched back on: {what}, the {api.done} parameters get no gradient, and the optimizer skips "
-                "them. " + _unchanged(run),
-                ranks=ranks,
-                steps=_steps(run),
-                sites=lines_of(run.sync_off_site or ""),
-                fix=sync_fix(run.framework, run.sync_off_call),
-            )
-        )
-    if run.shard_save:
-        found.append(incomplete_checkpoint(run))
-    if run.unused and run.model_params_stepped:
-        found.append(_unused(run, ranks, api))
-    if run.low_reduce and run.model_params_stepped:
-        found.append(_low_reduce(run, ranks))
-    if low_weights := low_precision_weights(run, ranks):
-        found.append(low_weights)
-    if scaled := shards_scaled_apart(run, ranks):
-        found.append(scaled)
-    found += replica_state(run)
-    explained = any(f.code in (Code.OPTIMIZER_PARAMS_REPLACED, Code.GRADIENT_SYNC_OFF) for f in found)
-    if not explained and (moves := training_moves(run, ranks, low_weights=low_weights is not None)):
-        found.append(moves)
-    if run.unsharded and (outside := unsharded_finding(run, ranks, api)):
-        found.append(outside)
-    found += buffer_divergence(run, ranks)
-    found += in_graph_findings(run.graph_collectives, ranks=[0], wrapper=api.name)
-    if run.world > 1 and run.inputs_compared and run.inputs_identical and run.beside_groups != 1:
-        # (one data-parallel group beside tensor parallelism: every rank rightly reads the same batches)
-        found.append(same_inputs(world=run.world, steps=run.inputs_compared))
-    if run.beside_apart is not None:
-        found.append(beside_inputs_apart(run.beside_apart, groups=run.beside_groups, compared=len(run.beside_compared)))
-    if run.samplers_apart:
-        held = {int(r): d for r, d in run.samplers_apart["held"].items() if d}
-        overlap = samplers_apart(held, world=run.world, ranks=run.samplers_apart["ranks"])
-        if overlap is not None:
-            found.append(with_more(overlap, run.samplers_apart["more"]))
-    if (apart := run.drawn_apart) is not None:
-        held = {int(r): v for r, v in apart["held"].items()}  # rank -> (batches drawn, the loader's line)
-        odd = apart["ranks"]  # never empty: the ranks whose count is not the reference rank's
-        (others, site), (drew, _) = held[apart["reference"]], held[odd[0]]
-        found.append(
-            drawn_apart(
-                step=apart["step"],
-                ranks=odd,
-                more=apart["more"],
-                drew=drew,
-                others=others,
-                site=site,
-                parallelism=parallelism_of(run.sharding),
-            )
-        )
-    if run.input_wait:
-        found.append(sharded_input_bound(run, ranks))
-    if straggler := sharded_straggler(run):
-        found.append(straggler)
-    return found
-
-
-def _low_reduce(run: ShardedRun, ranks: list[int]) -> Finding:
-    low, weights = run.low_reduce or ("bfloat16", "float32")
+@detects(Code.LOW_PRECISION_REDUCE, road="sharded")
+def low_precision_reduce(run: ShardedRun) -> list[Finding]:
+    """FSDP2 reduce-scattered the gradients in a low dtype while the weights it steps are float32."""
+    if not run.low_reduce or not run.model_params_stepped:
+        return []
+    low, weights = run.low_reduce
     step = {"bfloat16": "0.0039 (2^-8)", "float16": "0.00049 (2^-11)"}.get(low, "")
     policy = ", ".join(f"{k}={'/'.join(run.sharding.get(k) or []) or 'unset'}" for k in ("param_dtype", "reduce_dtype"))
-    return Finding(
+    finding = Finding(
         code=Code.LOW_PRECISION_REDUCE,
         severity="info",
         title=f"gradients are reduced in {low} while the weights train in {weights}",
@@ -198,34 +87,46 @@ def _low_reduce(run: ShardedRun, ranks: list[int]) -> Finding:
         f"the summation's own rounding on {run.world} ranks, and it grows with the number of ranks. It may be what "
         f"you meant (it halves the reduce-scatter's bytes); recipes that compute in {low} usually reduce in float32 "
         "(torchtitan's default).",
-        ranks=ranks,
+        ranks=every_rank(run),
         fix="reduce in float32 and keep computing in the low dtype: `MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
         "reduce_dtype=torch.float32)` in every fully_shard call (the reduce-scatter then moves twice the bytes). "
         'With Accelerate (whose mixed_precision="bf16" sets both to bfloat16): '
         "`FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=MixedPrecisionPolicy("
         "param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`.",
     )
+    return [finding]
 
 
-def _unused(run: ShardedRun, ranks: list[int], api: _Api) -> Finding:
-    carried = (
-        "the all-gathers of their fully_shard group still carry them in every forward"
-        if api is _FULLY_SHARD
-        else "every rank still holds a whole copy of them"
-    )
-    return unused_finding(
-        list(run.unused),
-        steps=f"every one of the {run.steps} observed optimizer steps with gradient sync on",
-        seen=": nothing in the loss reaches them",
-        effect=f"{api.name} raises no error for them, unlike DDP with default flags; they do not train, and "
-        f"{carried}. If a later phase of the script uses them (a curriculum, an auxiliary loss switched on later), "
-        "nothing is wrong.",
+@detects(Code.LOW_PRECISION_WEIGHTS, road="sharded")
+def low_precision_weights(run: ShardedRun) -> list[Finding]:
+    """A policy whose param_dtype is the low dtype the sharded weights already have: the model was cast before
+    `fully_shard`, so the optimizer steps low-precision weights (FSDP2 keeps a sharded parameter in its own dtype).
+
+    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps at lr 1e-4
+    (`tests/scripts/fsdp2_mixed.py`): with the policy on a float32 model (`--policy bf16`) every weight of the first
+    layer changed; with the model cast to bfloat16 first (`--policy bf16-weights`) 89.3% of them never changed (the
+    updates were below bfloat16's resolution). Both exit 0.
+    """
+    policy = run.sharding.get("param_dtype") or []
+    if not policy or not run.weights_dtype or not set(run.weights_dtype) <= set(policy) & set(_LOW):
+        return []
+    dtype = "/".join(run.weights_dtype)
+    finding = Finding(
+        code=Code.LOW_PRECISION_WEIGHTS,
         severity="warning",
-        ranks=ranks,
-        step_list=_steps(run),
-        fix=f"remove them from the model if nothing uses them, or set requires_grad=False on them before {api.call} "
-        "(and build the optimizer from the trainable parameters) while they are not used.",
+        title=f"the optimizer steps {dtype} weights, the dtype the mixed-precision policy computes in",
+        detail=f"The mixed-precision policy (param_dtype={'/'.join(policy)}) computes in {dtype}, and the sharded "
+        f"weights the optimizer steps are {dtype} as well: fully_shard keeps each parameter in the dtype it had "
+        "when it took it, and the policy only casts copies for forward and backward. An update smaller than a "
+        f"weight's resolution in {dtype} (about 1/{256 if dtype == 'bfloat16' else 2048} of its size) is lost; "
+        "with a small learning rate or late in training, most weights stop moving.",
+        ranks=every_rank(run),
+        steps=observed_steps(run),
+        fix=f"keep the model in float32 until fully_shard (drop the cast to {dtype} before it): the policy's "
+        f"param_dtype={dtype} still computes in {dtype}, and the optimizer steps float32 weights. If training in "
+        f"pure {dtype} is meant, use an optimizer made for it (stochastic rounding or Kahan summation).",
     )
+    return [finding]
 
 
 def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommendation:
@@ -233,9 +134,9 @@ def sharded_recommendation(run: ShardedRun, *, errors: bool = False) -> Recommen
     `reshard_after_forward` change that saves an all-gather per step, when there is one (verified by the check in a
     second run: `launch/verify.py`). No such advice while the run has errors (`errors`): they come first. What was
     compared and what was not are `sharded_compared` and `sharded_unchecked`."""
-    api = _api(run)
+    api = api_of(run)
     job = f"This job {api.job}, not DDP: there are no DDP flags to recommend."
-    if api is _REPLICATE:
+    if api is REPLICATE:
         return Recommendation.unknown(
             job + " (Measured, not checked here: an evaluation forward on rank 0 alone runs fine; rank 0's "
             "torch.save of model.state_dict() holds every value, as DTensors, which load into a replicated model but "

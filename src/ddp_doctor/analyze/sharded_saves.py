@@ -14,6 +14,7 @@ from __future__ import annotations
 from ddp_doctor.analyze.positions import capped, short, where
 from ddp_doctor.analyze.sharded_failures import framework_of, line_alone
 from ddp_doctor.analyze.sharded_fixes import save_fix
+from ddp_doctor.analyze.view import detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list
@@ -23,10 +24,13 @@ from ddp_doctor.core.sharded_run import ShardedRun
 __all__ = ["incomplete_checkpoint", "state_dict_alone"]
 
 
-def incomplete_checkpoint(run: ShardedRun) -> Finding:
+@detects(Code.SHARDED_CHECKPOINT_INCOMPLETE, road="sharded")
+def incomplete_checkpoint(run: ShardedRun) -> list[Finding]:
     """A `torch.save` of the sharded state dict, in a run that ended: on some ranks only, or on every rank to one
     path (`ShardedRun.shard_save`)."""
-    save = run.shard_save or {}
+    if not run.shard_save:
+        return []
+    save = run.shard_save
     shards = save.get("shards") or {}
     file, site = save.get("shown", "a file"), save.get("site")
     at = f" at {site}" if site else ""
@@ -38,7 +42,7 @@ def incomplete_checkpoint(run: ShardedRun) -> Finding:
         savers = f"rank {run.shard_save_first}" if run.shard_save_ranks == 1 else f"{run.shard_save_ranks} ranks"
         holds = f"holds {run.shard_save_ranks} of {run.world} ranks' shards"
         title = f"{savers} alone saved the sharded state dict: {file} {holds}"
-    return Finding(
+    finding = Finding(
         code=Code.SHARDED_CHECKPOINT_INCOMPLETE,
         severity="error",
         title=title,
@@ -56,6 +60,7 @@ def incomplete_checkpoint(run: ShardedRun) -> Finding:
         ranks=list(range(run.world)) if run.shard_save_one_path else [run.shard_save_first],
         fix=save_fix(run.framework),
     )
+    return [finding]
 
 
 def state_dict_alone(states: dict[int, RankState], native: list[str]) -> Finding | None:

@@ -15,8 +15,9 @@ from ddp_doctor.analyze.epochs import training_loader
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
+from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = ["samplers_apart", "shards_overlap"]
+__all__ = ["samplers_apart", "shards_overlap", "shards_overlap_sharded"]
 
 _SHARED = ("seed", "shuffle", "drop_last", "num_replicas", "dataset", "sampled_digest")
 """What every rank's sampler must hold alike (`dataset`: the dataset's length)."""
@@ -67,6 +68,16 @@ def shards_overlap(v: View) -> list[Finding]:
     held = {r: training_loader(v.meta(r)) for r in chosen if r in v.summary.metas}
     found = samplers_apart(held, world=v.world, ranks=odd.ranks)
     return [with_more(found, odd.more)] if found else []
+
+
+@detects(Code.SHARDS_OVERLAP, road="sharded")
+def shards_overlap_sharded(run: ShardedRun) -> list[Finding]:
+    """A sharded model's training loaders whose DistributedSamplers disagree, or read one dataset whole."""
+    if not run.samplers_apart:
+        return []
+    held = {int(r): d for r, d in run.samplers_apart["held"].items() if d}
+    overlap = samplers_apart(held, world=run.world, ranks=run.samplers_apart["ranks"])
+    return [with_more(overlap, run.samplers_apart["more"])] if overlap is not None else []
 
 
 def samplers_apart(held: dict[int, dict[str, Any]], *, world: int, ranks: list[int]) -> Finding | None:

@@ -18,8 +18,8 @@ The rules, on each rank's `RankTiming` (medians and quartiles over its common st
   is larger than the step-to-step spread of its own time (the interquartile range: a rank starved of CPU by
   another job on a shared machine is slow by varying amounts), and the other ranks lose at least half of that
   difference waiting in DDP's all-reduce, more than the slow rank itself waits there (it reaches the all-reduce
-  last, so it waits least; a wait every rank shares is not a wait for it: the bound the FSDP2 rule has,
-  `analyze/sharded_timing.py`).
+  last, so it waits least; a wait every rank shares is not a wait for it: the bound the sharded model's rule has,
+  `straggler_sharded`).
 
 Both need at least `MIN_STEPS` measured steps on every rank compared: with fewer there are no quartiles to tell a
 consistent effect from a few slow steps.
@@ -40,9 +40,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from ddp_doctor.analyze.parallelism import every_rank
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
+from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.core.steptime import (
     INPUT_SHARE,
     INPUT_SHARE_Q1,
@@ -62,10 +64,12 @@ __all__ = [
     "STRAGGLER_RATIO",
     "input_bound",
     "input_bound_finding",
+    "input_bound_sharded",
     "rank_timings",
     "straggler_finding",
     "straggler_fix",
     "straggler_rank",
+    "straggler_sharded",
 ]
 
 _MEASURED = "Measured on this machine over {n} steps (the first observed step left out)"
@@ -146,6 +150,32 @@ _CLOCKS = {
 def _span(lo: float, hi: float) -> str:
     """`42.0 ms`, or `40.0-42.0 ms` for the lowest and highest over the ranks."""
     return _ms(lo) if round(lo * 1e3, 1) == round(hi * 1e3, 1) else f"{lo * 1e3:.1f}-{hi * 1e3:.1f} ms"
+
+
+@detects(Code.INPUT_BOUND, road="sharded")
+def input_bound_sharded(run: ShardedRun) -> list[Finding]:
+    """A sharded model has no DDP hooks to split its steps: the watch times them from the host's clock
+    (`observation/step_clock.py`; on CUDA from events on the model's stream, the GPU's idle time), and the same
+    thresholds decide (`core/steptime.waits_for_data_at`) on every rank, the reduction carrying the lowest and
+    highest of each rank's figures (`ShardedRun.input_wait`, set when every rank waits).
+
+    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_slow_loader.py`, a dataset
+    that sleeps 5 ms per sample, 8 samples per batch): with no worker the ranks waited 42 ms of a 70 ms step (the
+    script's own clock); with 4 workers 2 ms of 27 ms. Both end with exit code 0 (tests/timing/test_check_fsdp2_steps.py)."""
+    if not (w := run.input_wait):
+        return []
+    found = input_bound_finding(
+        who="all ranks",
+        clock=w.get("clock", "host"),
+        steps=w["steps"],
+        wait=tuple(w["wait_s"]),
+        step=tuple(w["step_s"]),
+        loader=w["loader"],
+        sites=[w["loader"].get("site") or ""],
+        ranks=every_rank(run),
+        device_type=(run.sharding or {}).get("device_type", ""),
+    )
+    return [found]
 
 
 def input_bound_finding(
@@ -254,6 +284,57 @@ def straggler_rank(v: View) -> list[Finding]:
             collectives="DDP's gradient all-reduce",
         )
     ]
+
+
+@detects(Code.STRAGGLER_RANK, road="sharded")
+def straggler_sharded(run: ShardedRun) -> list[Finding]:
+    """DDP's rule on the bounds the reduction carries (`ShardedRun.slowest`): the slowest rank's own work (its step
+    less its time in the model's collectives, `observation/step_clock.CommClock`, and its run-queue delay) against
+    the longest of the other ranks' (not their median), its first quartile against the highest of their third
+    quartiles, and the wait it causes as the shortest of their times in collectives, less the slow rank's own. On a
+    machine whose cores are oversubscribed, gloo's collectives take most of a tiny model's step on every rank, and
+    one rank's own work reads about 12 ms longer in most steps from noise: the others then spend no longer in the
+    collectives than it does. On CPU only: on CUDA, NCCL's collectives run on streams of their own, untimed.
+
+    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_straggler.py`, rank 1 runs
+    60 products of 256x256 matrices on each batch before its forward; three sharded Linear layers): rank 1 spent 74
+    ms a step on that and 38 ms in its forward and backward, while rank 0's forward and backward took 113 ms (21 ms
+    when no rank does the extra work): rank 0 waits about 90 ms a step in the all-gathers and reduce-scatters. With
+    `replicate`, 112 ms of extra work and rank 0's forward and backward at 130 ms (12 ms without). All end with exit
+    code 0: nothing says the job runs at the pace of its slowest rank."""
+    s = run.slowest
+    if s is None or s["steps"] < MIN_STEPS:
+        return []
+    own, others = s["own_s"], s["others_own_s"]
+    extra = own - others
+    if not straggles(
+        own=own,
+        others_own=others,
+        own_quartiles=(s["own_q1_s"], s["own_q3_s"]),
+        others_q3=s["others_own_q3_s"],  # the highest of the other ranks' third quartiles
+        others_comm=s["others_comm_s"],  # the shortest of the other ranks' times in the collectives
+        own_comm=s.get("comm_s", 0.0),
+    ):
+        return []
+    between = s["wait_s"] - s["others_wait_s"]
+    where = (
+        "between steps (the wait for the next batch and anything else the loop does before the forward: "
+        f"{between * 1e3:.1f} ms more than any other rank)"
+        if between >= 0.5 * extra
+        else "within the step (its forward, backward or optimizer step)"
+    )
+    found = straggler_finding(
+        rank=s["rank"],
+        name=s["rank"],
+        own=own,
+        others=others,
+        lost=s["others_comm_s"],
+        where=where,
+        steps=s["steps"],
+        collectives="the sharded model's all-gathers and gradient reductions",
+        bounds=True,
+    )
+    return [found]
 
 
 def straggler_finding(

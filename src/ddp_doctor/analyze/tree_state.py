@@ -6,12 +6,15 @@ holds (the modules' train/eval modes apart are `replica_state.py`'s `replica-div
 from __future__ import annotations
 
 from ddp_doctor.analyze.common import all_ranks, with_more
+from ddp_doctor.analyze.parallelism import api_of, every_rank, observed_steps, unchanged
+from ddp_doctor.analyze.sharded_fixes import optimizer_fix
 from ddp_doctor.analyze.tree_digest import differing, param_entry, parts_apart, step_apart
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
+from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = ["optimizer_holds_replaced", "stale_optimizer", "unregistered_parameters"]
+__all__ = ["optimizer_holds_replaced", "optimizer_holds_unsharded", "stale_optimizer", "unregistered_parameters"]
 
 
 @detects(Code.UNREGISTERED_PARAMETERS)
@@ -285,6 +288,28 @@ def optimizer_holds_replaced(v: View) -> list[Finding]:
     left = v.params(v.orphaned)
     new = [e["name"] for e in v.meta(0).get("unregistered", []) if e.get("stepped") is False]
     return [stale_optimizer(stale=stale, params=left, replacements=new, ranks=all_ranks(v), steps=list(range(v.steps)))]
+
+
+@detects(Code.OPTIMIZER_PARAMS_REPLACED, road="sharded")
+def optimizer_holds_unsharded(run: ShardedRun) -> list[Finding]:
+    """A sharded model whose optimizer steps none of the parameters `fully_shard` (or `replicate`) put in place of
+    those it was built with."""
+    if not run.replaced or run.model_params_stepped:
+        return []
+    api = api_of(run)
+    return [
+        stale_optimizer(
+            stale=run.replaced,
+            params=[],
+            ranks=every_rank(run),
+            steps=observed_steps(run),
+            wrapper=(api.call, api.holds),
+            optimizer=f"{run.optimizer} created at {run.optimizer_site}" if run.optimizer_site else run.optimizer,
+            model_params=run.model_params,
+            measured=unchanged(run),
+            fix=optimizer_fix(run.framework, api.call, api.done),
+        )
+    ]
 
 
 def stale_optimizer(

@@ -15,22 +15,14 @@ step they are equal, 0.115566 on both ranks. Both end with exit code 0.
 
 from __future__ import annotations
 
-from typing import Protocol
-
+from ddp_doctor.analyze.parallelism import Api, api_of, every_rank
 from ddp_doctor.analyze.sharded_fixes import root_fix
+from ddp_doctor.analyze.view import detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = ["unsharded_finding"]
-
-
-class Api(Protocol):
-    """The words of the call that built the model (`analyze/sharded.py`'s `_Api`)."""
-
-    call: str
-    done: str
-    after: str
+__all__ = ["unsharded_finding", "unsharded_params"]
 
 
 def _cause(run: ShardedRun) -> str:
@@ -66,6 +58,15 @@ def _fix(run: ShardedRun, api: Api) -> str:
         f"inner group), or {call} the added module too.",
         "root": root_fix(run.framework, call),
     }[_cause(run)]
+
+
+@detects(Code.UNSHARDED_PARAMS_NOT_SYNCED, road="sharded")
+def unsharded_params(run: ShardedRun) -> list[Finding]:
+    """The trainable parameters outside every group, when there are any."""
+    if not run.unsharded:
+        return []
+    found = unsharded_finding(run, every_rank(run), api_of(run))
+    return [found] if found is not None else []
 
 
 def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding | None:

@@ -1,32 +1,31 @@
 """Detectors of the used set: which parameters reach the loss, on which ranks and steps, and what the DDP flags make
 of it. Each reads the `View` and returns findings; pure functions, no communication (the frozen set and DDP's own
-errors are in `frozen_set.py`, the agreement of grads, weights, buffers and inputs in `agreement.py`, the
+errors are in `frozen_set.py`, gradients DDP's forward did not see coming in `hidden_use.py`, the agreement of grads, weights, buffers and inputs in `agreement.py`, the
 consistency of collectives and passes in `consistency.py`, why replicas diverge in `causes.py`; each detector
 registers itself with `@detects`, and `core/codes.py`'s `REPORT_ORDER` places its findings in the report)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from ddp_doctor.analyze.common import all_ranks, freeze_fix, has_flags, steps_of, with_flags
+from ddp_doctor.analyze.common import all_ranks, freeze_fix, steps_of, with_flags
+from ddp_doctor.analyze.hidden_use import hidden_params
+from ddp_doctor.analyze.parallelism import FULLY_SHARD, api_of, every_rank, observed_steps
 from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
 from ddp_doctor.core.ranks import listed
+from ddp_doctor.core.sharded_run import ShardedRun
 
 __all__ = [
     "dynamic_graph",
     "find_unused_unneeded",
     "grad_blocked",
-    "hidden_params",
     "rank_dependent_graph",
-    "reentrant_checkpoint",
     "static_graph_unsafe",
     "unused_finding",
     "unused_parameters",
-    "used_outside_forward",
+    "unused_sharded",
 ]
 
 
@@ -65,6 +64,41 @@ def unused_parameters(v: View) -> list[Finding]:
             ranks=all_ranks(v),
             step_list=list(range(v.steps)),
             fix=freeze_fix(v) + ".",
+        )
+    ]
+
+
+@detects(Code.UNUSED_PARAMETERS, road="sharded")
+def unused_sharded(run: ShardedRun) -> list[Finding]:
+    """A sharded model's trainable parameters that got no gradient on any rank at any observed step with sync on:
+    FSDP2 raises no error for them (they never train, and their group still carries them)."""
+    if not run.unused or not run.model_params_stepped:
+        return []
+    api = api_of(run)
+    carried = (
+        "the all-gathers of their fully_shard group still carry them in every forward"
+        if api is FULLY_SHARD
+        else "every rank still holds a whole copy of them"
+    )
+    effect = (
+        f"{api.name} raises no error for them, unlike DDP with default flags; they do not train, and {carried}. If "
+        "a later phase of the script uses them (a curriculum, an auxiliary loss switched on later), nothing is wrong."
+    )
+    fix = (
+        f"remove them from the model if nothing uses them, or set requires_grad=False on them before {api.call} "
+        "(and build the optimizer from the trainable parameters) while they are not used."
+    )
+    steps = f"every one of the {run.steps} observed optimizer steps with gradient sync on"
+    return [
+        unused_finding(
+            list(run.unused),
+            steps=steps,
+            seen=": nothing in the loss reaches them",
+            effect=effect,
+            severity="warning",
+            ranks=every_rank(run),
+            step_list=observed_steps(run),
+            fix=fix,
         )
     ]
 
@@ -214,139 +248,6 @@ def static_graph_unsafe(v: View) -> list[Finding]:
             more_ranks=crashed.more,
             steps=v.crash_steps("static-graph-changed"),
             fix=with_flags(v, static_graph=False, find_unused_parameters=True) + ".",
-        )
-    ]
-
-
-@dataclass
-class Hidden:
-    """Parameters that got a gradient but are not in the graph of DDP's forward outputs."""
-
-    params: set[int] = field(default_factory=set)
-    ranks: list[int] = field(default_factory=list)
-    more_ranks: int = 0
-    steps: set[int] = field(default_factory=set)
-    crashed: int = 0
-    """Ranks where DDP failed with 'mark a variable ready only once' because of them."""
-
-
-def hidden_params(v: View) -> tuple[Hidden, Hidden]:
-    """(used outside forward, used under reentrant checkpoints), from every step including a crashed one."""
-    out = []
-    for k, predicate in enumerate(("hidden-outside", "hidden-reentrant")):
-        ex = v.ranks(predicate)
-        out.append(
-            Hidden(
-                params=set(steps_of(v.summary.hidden[k])),
-                ranks=ex.ranks,
-                more_ranks=ex.more,
-                steps=set(steps_of(v.summary.hidden_steps[k])),
-                crashed=v.summary.hidden_crashed[k],
-            )
-        )
-    return out[0], out[1]
-
-
-@detects(Code.USED_OUTSIDE_FORWARD)
-def used_outside_forward(v: View) -> list[Finding]:
-    outside, _ = hidden_params(v)
-    if not outside.params and not outside.crashed:
-        return []
-    broken = v.find_unused and not v.static_graph
-    detail = (
-        "These parameters got a gradient, but they are not part of the autograd graph of DDP's forward "
-        "outputs: the loss uses them after forward (for example ddp.module.head(features)). "
-    )
-    detail += (
-        "With find_unused_parameters=True DDP marks them unused after forward and then their gradient "
-        "arrives anyway: 'Expected to mark a variable ready only once'."
-        if broken
-        else "The current flags cope, but find_unused_parameters=True would crash with 'Expected to mark a "
-        "variable ready only once'."
-    )
-    return [
-        Finding(
-            code=Code.USED_OUTSIDE_FORWARD,
-            severity="error" if broken else "info",
-            title=f"{_count(len(outside.params), 'parameter')} used outside DDP's forward",
-            detail=detail,
-            params=v.params(sorted(outside.params)),
-            ranks=outside.ranks,
-            more_ranks=outside.more_ranks,
-            steps=sorted(outside.steps),
-            fix="compute them inside the wrapped module's forward"
-            + (
-                "."
-                if has_flags(v, static_graph=True, find_unused_parameters=False)
-                else "; or, if the used set is stable, "
-                + with_flags(v, static_graph=True, find_unused_parameters=False)
-                + "."
-            ),
-        )
-    ]
-
-
-@detects(Code.REENTRANT_CHECKPOINT)
-def reentrant_checkpoint(v: View) -> list[Finding]:
-    _, reentrant = hidden_params(v)
-    sites = v.blocked_checkpoints
-    if sites and v.steps:
-        _, blocked = v.unused_by_cause()
-        return [
-            Finding(
-                code=Code.REENTRANT_CHECKPOINT,
-                sites=lines_of(*sites),
-                severity="error",
-                title=f"reentrant checkpoint without grad-requiring inputs at {', '.join(sites)}",
-                detail="torch.utils.checkpoint with use_reentrant=True gives the checkpointed block no gradient at all "
-                "when none of the call's tensor inputs requires grad (PyTorch only warns). Its parameters look "
-                "unused, but freezing them would be the wrong fix: the script means to train them.",
-                params=v.params(blocked),
-                ranks=all_ranks(v),
-                steps=list(range(v.steps)),
-                fix="pass use_reentrant=False to the checkpoint call at " + ", ".join(sites) + ".",
-            )
-        ]
-    if not reentrant.ranks:
-        return []
-    broken = v.find_unused and not v.static_graph
-    if broken:
-        severity, effect = (
-            "error",
-            (
-                "With find_unused_parameters=True DDP marks them unused after forward, then "
-                "the nested backward produces their gradient: 'Expected to mark a variable "
-                "ready only once'."
-            ),
-        )
-    elif v.static_graph:
-        severity, effect = "info", "static_graph=True handles it."
-    else:
-        severity, effect = (
-            "warning",
-            (
-                "Default flags happened to reduce correctly here, but correctness then "
-                "depends on the order gradients become ready; static_graph=True does not."
-            ),
-        )
-    return [
-        Finding(
-            code=Code.REENTRANT_CHECKPOINT,
-            sites=lines_of(*sites),
-            severity=severity,
-            title="reentrant activation checkpointing inside DDP",
-            detail="torch.utils.checkpoint with use_reentrant=True runs a nested backward for the checkpointed "
-            "segment, so its parameters are invisible in the graph of DDP's forward outputs. " + effect,
-            params=v.params(sorted(reentrant.params)),
-            ranks=reentrant.ranks,
-            more_ranks=reentrant.more_ranks,
-            steps=sorted(reentrant.steps),
-            fix="pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it composes with DDP)"
-            + (
-                "."
-                if has_flags(v, static_graph=True, find_unused_parameters=False)
-                else ", or " + with_flags(v, static_graph=True, find_unused_parameters=False) + "."
-            ),
         )
     ]
 

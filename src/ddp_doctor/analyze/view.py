@@ -17,29 +17,37 @@ from ddp_doctor.core.findings import Finding, ParamRef
 from ddp_doctor.core.records import CRASH_KINDS
 from ddp_doctor.core.summary import Examples, Summary
 
-__all__ = ["Detector", "View", "detects", "detectors", "run_detectors"]
+__all__ = ["ROADS", "Detector", "View", "detects", "detectors", "run_detectors"]
 
 Detector = Callable[..., list[Finding]]
-"""A function of a `View` that returns findings of one code; one registered with ``reads_found=True`` also takes the
-codes the detectors before it found (a `frozenset`)."""
-_DETECTORS: list[tuple[Code, Detector]] = []
+"""A function of the facts every rank agreed on that returns findings of one code: of a `View` (DDP's exchanged
+`Summary`), or of a `ShardedRun` (a model sharded with FSDP2's `fully_shard` or `replicate`). One registered with
+``reads_found=True`` also takes the codes the detectors before it found (a `frozenset`)."""
+ROADS = ("ddp", "sharded")
+"""What a detector reads: DDP's `View`, or a sharded model's `ShardedRun`."""
+_DETECTORS: list[tuple[Code, Detector, str]] = []
 _READS_FOUND: set[Detector] = set()
 
 
-def detects(code: Code, *, reads_found: bool = False) -> Callable[[Detector], Detector]:
-    """Register a detector of the `Summary`: a function of a `View` that returns findings of `code` only.
-    `analyze_summary` runs every registered detector; the report reads them in `REPORT_ORDER` (core/codes.py).
+def detects(code: Code, *, reads_found: bool = False, road: str = "ddp") -> Callable[[Detector], Detector]:
+    """Register a detector of `code`: a function of the agreed facts of its `road` (``"ddp"``: a `View` of the
+    exchanged `Summary`; ``"sharded"``: a `ShardedRun`) that returns findings of `code` only. The analysis of each
+    road runs every detector registered for it (`analyze_summary`, `diagnose_sharded`); the report reads them in
+    `REPORT_ORDER` (core/codes.py). A code checked on both roads has a detector for each, side by side in the module
+    its row in core/codes.py names: one module decides each concept, the parallelism an input to it.
 
     A finding whose fix depends on which other findings the report has (`replica-divergence`: fix the cause the
     other findings name, or say that none was seen) is decided by a detector with ``reads_found=True``: it runs
-    after every other detector, in `REPORT_ORDER`, and gets the codes found so far. No code edits a finding after
-    it is made."""
+    after every other detector of its road, in `REPORT_ORDER`, and gets the codes found so far. No code edits a
+    finding after it is made."""
 
     if code not in REPORT_ORDER:
         raise ValueError(f"{code}: add it to core/codes.py's REPORT_ORDER, where its findings read in the report")
+    if road not in ROADS:
+        raise ValueError(f"road={road!r}: a detector reads one of {', '.join(ROADS)}")
 
     def register(fn: Detector) -> Detector:
-        _DETECTORS.append((code, fn))
+        _DETECTORS.append((code, fn, road))
         if reads_found:
             _READS_FOUND.add(fn)
         return fn
@@ -47,19 +55,20 @@ def detects(code: Code, *, reads_found: bool = False) -> Callable[[Detector], De
     return register
 
 
-def detectors() -> list[tuple[Code, Detector]]:
-    """The registered detectors with their codes, in the report's reading order: by `REPORT_ORDER`, then in the
-    order they were registered (several detectors of one code: `analyze/consistency.py`)."""
-    return sorted(_DETECTORS, key=lambda d: REPORT_ORDER.index(d[0]))
+def detectors(road: str = "ddp") -> list[tuple[Code, Detector]]:
+    """The detectors registered for `road` with their codes, in the report's reading order: by `REPORT_ORDER`, then
+    in the order they were registered (several detectors of one code: `analyze/consistency.py`)."""
+    mine = [(code, fn) for code, fn, r in _DETECTORS if r == road]
+    return sorted(mine, key=lambda d: REPORT_ORDER.index(d[0]))
 
 
-def run_detectors(view: View, registered: tuple[Detector, ...]) -> list[Finding]:
-    """Every detector's findings, in the order of `registered`: those that read the other findings run last and get
-    the codes of every finding made before them."""
-    found: list[list[Finding]] = [[] if d in _READS_FOUND else d(view) for d in registered]
+def run_detectors(facts: Any, registered: tuple[Detector, ...]) -> list[Finding]:
+    """Every detector's findings on `facts` (a `View`, or a `ShardedRun`), in the order of `registered`: those that
+    read the other findings run last and get the codes of every finding made before them."""
+    found: list[list[Finding]] = [[] if d in _READS_FOUND else d(facts) for d in registered]
     for i, d in enumerate(registered):
         if d in _READS_FOUND:
-            found[i] = d(view, frozenset(f.code for fs in found for f in fs))
+            found[i] = d(facts, frozenset(f.code for fs in found for f in fs))
     return [f for fs in found for f in fs]
 
 

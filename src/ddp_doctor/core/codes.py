@@ -112,18 +112,19 @@ class Code(_Name):
 
 # fmt: off
 REPORT_ORDER: tuple[Code, ...] = (
-    # Where each finding decided from the exchanged `Summary` reads in a report, within its severity: errors that
-    # explain others first (DDP's error, then why replicas diverge), the symptoms after them, timing last. A detector
-    # (`analyze/view.py`'s `detects`) may only be registered for a code listed here.
-    Code.RANK_CRASHED, Code.NONFINITE_VALUES, Code.PARAM_SHAPES_DIFFER, Code.OPTIMIZER_PARAMS_REPLACED, Code.UNREGISTERED_PARAMETERS, Code.REDUCTION_ERROR, Code.BACKWARD_PASSES_DIFFER, Code.REPLICAS_DIFFER_AT_WRAP,
+    # Where each finding a detector decides (from DDP's exchanged `Summary` or a sharded model's `ShardedRun`) reads
+    # in a report, within its severity: errors that explain others first (DDP's error, then why replicas diverge),
+    # the symptoms after them, timing last. A detector (`analyze/view.py`'s `detects`) may only be registered for a
+    # code listed here.
+    Code.RANK_CRASHED, Code.NONFINITE_VALUES, Code.PARAM_SHAPES_DIFFER, Code.OPTIMIZER_PARAMS_REPLACED, Code.GRADIENT_SYNC_OFF, Code.UNSHARDED_PARAMS_NOT_SYNCED, Code.UNREGISTERED_PARAMETERS, Code.REDUCTION_ERROR, Code.BACKWARD_PASSES_DIFFER, Code.REPLICAS_DIFFER_AT_WRAP,
     Code.WEIGHTS_CHANGED_OUTSIDE_OPTIMIZER, Code.OPTIMIZER_STEP_SKIPPED, Code.OPTIMIZER_DIFFERS,
     Code.GRADS_REDUCED_TWICE, Code.GRADS_CHANGED_AFTER_SYNC, Code.STATIC_GRAPH_UNSAFE, Code.WRAPPER_BYPASS,
     Code.UNFROZEN_AFTER_WRAP, Code.FROZEN_AFTER_WRAP, Code.UNUSED_PARAMETERS, Code.GRAD_BLOCKED,
     Code.COLLECTIVE_MISMATCH, Code.DYNAMIC_GRAPH, Code.RANK_DEPENDENT_GRAPH, Code.USED_OUTSIDE_FORWARD,
     Code.REENTRANT_CHECKPOINT, Code.GRADS_NOT_SYNCED, Code.REPLICA_DIVERGENCE, Code.BUFFER_DIVERGENCE,
-    Code.IDENTICAL_INPUTS_ACROSS_RANKS, Code.NO_TRAINABLE_PARAMETERS, Code.FIND_UNUSED_UNNEEDED, Code.UNEVEN_INPUTS,
-    Code.SAMPLER_EPOCH_NOT_SET, Code.SHARDS_OVERLAP, Code.CHECKPOINT_SAME_PATH, Code.CHECKPOINT_MODULE_PREFIX, Code.GRAD_SCALER_MISMATCH,
-    Code.BATCHNORM_NOT_SYNCED, Code.TRAINING_STALLED, Code.COLLECTIVE_IN_GRAPH, Code.INPUT_BOUND, Code.STRAGGLER_RANK,
+    Code.IDENTICAL_INPUTS_ACROSS_RANKS, Code.TP_INPUTS_DIFFER, Code.NO_TRAINABLE_PARAMETERS, Code.FIND_UNUSED_UNNEEDED, Code.UNEVEN_INPUTS,
+    Code.SAMPLER_EPOCH_NOT_SET, Code.SHARDS_OVERLAP, Code.SHARDED_CHECKPOINT_INCOMPLETE, Code.CHECKPOINT_SAME_PATH, Code.CHECKPOINT_MODULE_PREFIX, Code.GRAD_SCALER_MISMATCH,
+    Code.BATCHNORM_NOT_SYNCED, Code.LOW_PRECISION_WEIGHTS, Code.LOW_PRECISION_REDUCE, Code.TRAINING_STALLED, Code.COLLECTIVE_IN_GRAPH, Code.INPUT_BOUND, Code.STRAGGLER_RANK,
 )
 # fmt: on
 
@@ -230,14 +231,14 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.RANK_DEPENDENT_GRAPH, Family.GRAPH, "error/info", "used_set.py crashed_ranks.py",
          "the set of parameters that reach the loss differs between ranks",
          when="error with default flags; info when the flags cope; error when the job died before the exchange"),
-    _row(Code.USED_OUTSIDE_FORWARD, Family.GRAPH, "error/info", "used_set.py crashed_ranks.py",
+    _row(Code.USED_OUTSIDE_FORWARD, Family.GRAPH, "error/info", "hidden_use.py crashed_ranks.py",
          "parameters used in the loss outside DDP's forward",
          when="error with `find_unused_parameters=True` (without `static_graph`); info when the flags cope"),
     _row(Code.FIND_UNUSED_UNNEEDED, Family.GRAPH, "warning", "used_set.py",
          "find_unused_parameters=True while every parameter is used"),
     _row(Code.STATIC_GRAPH_UNSAFE, Family.GRAPH, "error", "used_set.py crashed_ranks.py",
          "static_graph=True while the graph changes between steps"),
-    _row(Code.REENTRANT_CHECKPOINT, Family.GRAPH, "error/warning/info", "used_set.py crashed_ranks.py",
+    _row(Code.REENTRANT_CHECKPOINT, Family.GRAPH, "error/warning/info", "hidden_use.py crashed_ranks.py",
          "reentrant activation checkpointing inside DDP",
          when="error with `find_unused_parameters=True` (without `static_graph`) or when no input of the call "
               "requires grad; warning with default flags; info with `static_graph=True`"),
@@ -358,7 +359,7 @@ TABLE: tuple[CodeInfo, ...] = (
     _row(Code.LOW_PRECISION_REDUCE, Family.FSDP2, "info", "sharded.py",
          "gradients reduced in bfloat16 (or float16) while the weights train in float32 (reduce_dtype unset or low)",
          on="sharded"),
-    _row(Code.LOW_PRECISION_WEIGHTS, Family.FSDP2, "warning", "sharded_state.py",
+    _row(Code.LOW_PRECISION_WEIGHTS, Family.FSDP2, "warning", "sharded.py",
          "a mixed-precision policy computes in bfloat16 (or float16) on weights that are already in it: the optimizer "
          "steps low-precision weights and loses the updates below their resolution", on="sharded", gap="ddp"),
     _row(Code.UNREGISTERED_PARAMETERS, Family.DIVERGENCE, "error/warning/info", "tree_state.py",

@@ -1,0 +1,111 @@
+"""The parallelism as an input to the rules of a sharded model's facts (`ShardedRun`): how a finding names the call
+that built the model (FSDP2's `fully_shard`, or the FSDP2-based `replicate`), the ranks and the observed steps a
+finding covers, and what was measured of the weights' moves. Every detector registered with ``road="sharded"``
+(`analyze/view.py`'s `detects`) reads them here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ddp_doctor.core.sharded_run import ShardedRun
+
+__all__ = [
+    "FULLY_SHARD",
+    "REPLICATE",
+    "Api",
+    "api_of",
+    "apart_args",
+    "every_rank",
+    "frozen_apart",
+    "train_modes_apart",
+    "observed_steps",
+    "unchanged",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Api:
+    """How a finding names the call that built the model: FSDP2's `fully_shard`, or the FSDP2-based `replicate`
+    (the same replaced parameters and groups, each rank holding whole parameters and all-reducing gradients)."""
+
+    call: str
+    done: str
+    holds: str
+    reduces: str
+    job: str
+    name: str
+    after: str
+
+
+FULLY_SHARD = Api(
+    "fully_shard",
+    "sharded",
+    "holding this rank's shard",
+    "reduce-scatters",
+    "shards its model with FSDP2 (fully_shard)",
+    "FSDP2",
+    "sharding",
+)
+REPLICATE = Api(
+    "replicate",
+    "replicated",
+    "(a whole copy on every rank)",
+    "all-reduces",
+    "replicates its model with FSDP2's replicate",
+    "replicate",
+    "replicate",
+)
+
+
+def api_of(run: ShardedRun) -> Api:
+    """The call that built `run`'s model."""
+    return REPLICATE if run.sharding.get("api") == "replicate" else FULLY_SHARD
+
+
+def every_rank(run: ShardedRun) -> list[int]:
+    """The ranks a finding of the whole job names: all of them (the facts were reduced over every rank)."""
+    return list(range(run.world))
+
+
+def observed_steps(run: ShardedRun) -> list[int]:
+    """The observed optimizer steps."""
+    return list(range(run.steps))
+
+
+def unchanged(run: ShardedRun) -> str:
+    """What was measured of the model's weights between the first observed step and the last, as a sentence."""
+    if run.steps < 2:
+        return "Only one optimizer step was observed, so whether the weights change was not measured."
+    if run.model_changed:
+        return f"Some of the model's weights did change between the first and the last of the {run.steps} steps."
+    return (
+        f"Measured: between the first and the last of the {run.steps} observed optimizer steps, not one of the "
+        f"model's {run.model_params} trainable parameters changed on any rank."
+    )
+
+
+def apart_args(apart: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a rule over what the ranks held apart at a step (the exchange's `held_apart`: the
+    optimizer's settings, the modules' modes): the step, each shown rank's value, the reference rank, and the
+    ranks named (the reference among them)."""
+    return {
+        "step": apart["step"],
+        "held": {int(r): v for r, v in apart["held"].items()},
+        "reference": apart["reference"],
+        "ranks": sorted({apart["reference"], *apart["ranks"]}),
+    }
+
+
+def frozen_apart(modes: dict[str, Any] | None) -> bool:
+    """Whether the ranks' modes entries (`tree_scan.modes_of`, as `ShardedRun.modes_apart` holds them) differ in
+    which parameters require a gradient."""
+    entries = (modes or {}).get("held", {}).values()
+    return len({(tuple(e.get("frozen") or []), e.get("frozen_count", 0)) for e in entries}) > 1
+
+
+def train_modes_apart(modes: dict[str, Any] | None) -> bool:
+    """Whether they differ in the modules' train/eval modes."""
+    entries = (modes or {}).get("held", {}).values()
+    keys = {(e.get("training"), tuple(e.get("other_mode") or []), e.get("other_mode_count")) for e in entries}
+    return len(keys) > 1
