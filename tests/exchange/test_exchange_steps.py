@@ -156,28 +156,32 @@ def _odd(
 
 
 def _by_title(d, code: str, words: str):
+    """The finding of `code` whose title has `words`: the kind of a `collective-mismatch` (no backward, different
+    collectives, without grad) is in its words only."""
     return next(f for f in d.findings if f.code == code and words in f.title)
 
 
 def test_unpaired_forwards_collectives_and_scales_name_the_ranks() -> None:
     d = analyze(model_info(), _odd(8, extra={2, 5}, colls={3}, scales={6}))
     unpaired = _by_title(d, "collective-mismatch", "no backward")
-    assert unpaired.ranks == [2, 5] and unpaired.steps == [1] and "train.py:55" in unpaired.title
+    assert (unpaired.ranks, unpaired.steps, unpaired.sites) == ([2, 5], [1], ["train.py:55"])
     assert unpaired.severity == "error"  # the model has buffers and broadcasts them
     coll = _by_title(d, "collective-mismatch", "different collectives")
-    assert coll.ranks == [0, 3] and coll.steps == [2] and "rank 3 differs from rank 0" in coll.title
-    assert "rank 3 called broadcast(int64[3]) over a group of 2 at train.py:41" in coll.detail
+    assert (coll.ranks, coll.steps, coll.sites) == ([0, 3], [2], ["train.py:41"])  # rank 3 against rank 0
+    # What rank 3 called there: not in the evidence.
+    assert "rank 3 called broadcast(int64[3]) over a group of 2" in coll.detail
     scaler = next(f for f in d.findings if f.code == "grad-scaler-mismatch")
-    assert scaler.ranks == [0, 6] and "rank 0: 1024, rank 6: 512" in scaler.title
+    assert scaler.ranks == [0, 6] and "rank 0: 1024, rank 6: 512" in scaler.title  # the scales: not in the evidence
     bn = next(f for f in d.findings if f.code == "batchnorm-not-synced")
-    assert "8 samples per rank" in bn.title and bn.ranks == list(range(8))
+    assert "8 samples per rank" in bn.title and bn.ranks == list(range(8))  # the batch size: not in the evidence
 
 
 def test_a_buffer_broadcast_from_a_forward_without_grad_on_some_ranks_names_them_and_the_line() -> None:
     d = analyze(model_info(), _odd(8, extra=set(), colls=set(), scales=set(), evals=frozenset({0, 4})))
     found = _by_title(d, "collective-mismatch", "without grad")
-    assert found.severity == "error" and found.ranks == [0, 4] and found.steps == [2], found
-    assert "at eval.py:30 in step 2" in found.title and "ranks 1-3, 5-7 did not" in found.title, found
+    # Ranks 0 and 4 and no others (ranks 1-3, 5-7 did not), at eval.py:30 in step 2.
+    assert found.severity == "error" and (found.ranks, found.more_ranks) == ([0, 4], 0), found
+    assert (found.steps, found.sites) == ([2], ["eval.py:30"]), found
     assert "ddp_model.module(x)" in found.fix and "every rank" in found.fix
     # Every rank broadcast once per step (the evaluation took over the next forward's): no count sentence.
     assert "different numbers of buffer broadcasts" not in found.detail
@@ -185,9 +189,11 @@ def test_a_buffer_broadcast_from_a_forward_without_grad_on_some_ranks_names_them
 
 def test_a_step_whose_grad_mode_forwards_without_backward_differ_is_reported_once() -> None:
     d = analyze(model_info(), _odd(4, extra={2}, colls=set(), scales=set(), evals=frozenset({2}), eval_step=1))
-    assert [f.title for f in d.findings if f.code == "collective-mismatch"] == [
-        _by_title(d, "collective-mismatch", "no backward").title
+    # One finding, the forward without backward's (at train.py:55), not also the broadcast's (at eval.py:30).
+    assert [(f.ranks, f.steps, f.sites) for f in d.findings if f.code == "collective-mismatch"] == [
+        ([2], [1], ["train.py:55"])
     ]
+    assert _by_title(d, "collective-mismatch", "no backward").sites == ["train.py:55"]
 
 
 def test_the_same_evaluation_on_every_rank_is_no_finding() -> None:
@@ -205,7 +211,9 @@ def test_many_odd_ranks_are_named_by_examples_and_counted() -> None:
     coll = _by_title(d, "collective-mismatch", "different collectives")
     assert coll.more_ranks == len(extra) - EXAMPLES
     scaler = next(f for f in d.findings if f.code == "grad-scaler-mismatch")
-    assert f"and {len(extra) - 7} other ranks" in scaler.title
+    # Rank 0 and examples of the others, the rest counted: every odd rank is accounted for.
+    assert scaler.ranks[0] == 0 and set(scaler.ranks[1:]) <= extra
+    assert len(scaler.ranks[1:]) + scaler.more_ranks == len(extra), (scaler.ranks, scaler.more_ranks)
 
 
 def _real(rank: int, world: int) -> dict:
@@ -227,4 +235,8 @@ def test_a_real_group_of_8_agrees_with_the_model(tmp_path) -> None:
         assert r["real"] == results[0]["real"] == r["model"]
         assert r["usage"] == r["model_usage"]
     assert {f["code"] for f in results[0]["real"]} >= {"collective-mismatch", "grad-scaler-mismatch"}
-    assert any("rank 4 broadcast DDP's buffers" in f["title"] for f in results[0]["real"]), results[0]["real"]
+    # Rank 4's broadcast of DDP's buffers from its evaluation at eval.py:30 in step 2.
+    assert any(
+        (f["code"], f["ranks"], f["steps"], f["sites"]) == ("collective-mismatch", [4], [2], ["eval.py:30"])
+        for f in results[0]["real"]
+    ), results[0]["real"]

@@ -3,6 +3,8 @@ facts are in tests/fsdp2/test_check_fsdp2.py and test_check_replicate.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from ddp_doctor.analyze.diagnose import diagnose_sharded
 from ddp_doctor.analyze.sharded import sharded_recommendation, verified_reshard
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
@@ -154,9 +156,19 @@ def test_optimizer_settings_and_modes_apart_are_named_at_their_first_step_with_t
 def test_parameters_that_never_change_while_the_rest_train_are_a_warning_only_then() -> None:
     from ddp_doctor.core.findings import ParamRef
 
+    body = ParamRef("body.weight", 4096, (64, 64))
     head = [ParamRef("head.weight", 256, (4, 64)), ParamRef("head.bias", 4, (4,))]
-    moving = {"grads_measured_steps": list(range(1, 8)), "model_changed": True}
-    (f,) = [f for f in diagnose_sharded(_run(never_updated=head, **moving)).findings if f.code == "training-stalled"]
+    # per parameter over the ranks: (a gradient, one other than 0, the weights moved); the optimizer holds the body
+    moving = {
+        "grads_measured_steps": list(range(1, 8)),
+        "model_changed": True,
+        "params": [body, *head],
+        "params_trainable": [True, True, True],
+        "params_grads": [(True, True, True), (True, True, False), (True, True, False)],
+        "params_held": [True, False, False],
+        "params_zero_lr": [False, False, False],
+    }
+    (f,) = [f for f in diagnose_sharded(_run(**moving)).findings if f.code == "training-stalled"]
     assert (f.severity, [p.name for p in f.params], f.steps) == (
         "warning",
         ["head.weight", "head.bias"],
@@ -164,8 +176,38 @@ def test_parameters_that_never_change_while_the_rest_train_are_a_warning_only_th
     )
     assert {m.name: m.value for m in f.measured}["held_by_the_optimizer"] == 0
     # nothing moved at all: the whole job is stalled (an error), not these parameters
-    (g,) = [g for g in diagnose_sharded(_run(never_updated=head, **{**moving, "model_changed": False})).findings]
+    (g,) = [g for g in diagnose_sharded(_run(**{**moving, "model_changed": False})).findings]
     assert (g.code, g.severity, g.params) == ("training-stalled", "error", [])
     # weights in the low dtype the policy computes in: low-precision-weights explains them, said once
-    low = _run(never_updated=head, weights_dtype=["bfloat16"], sharding={"param_dtype": ["bfloat16"]}, **moving)
+    low = _run(weights_dtype=["bfloat16"], sharding={"param_dtype": ["bfloat16"]}, **moving)
     assert {f.code for f in diagnose_sharded(low).findings} == {"low-precision-weights"}
+
+
+def test_unused_parameters_and_buffers_apart_are_decided_from_the_agreed_per_tensor_facts() -> None:
+    """A trainable parameter no rank got a gradient for is unused (a frozen one is not); a buffer apart that never
+    changed was made apart (an error), one that changed in training is running statistics (a warning)."""
+    from ddp_doctor.core.findings import ParamRef
+
+    params = [
+        ParamRef("body.weight", 64, (8, 8)),
+        ParamRef("aux.weight", 8, (1, 8)),
+        ParamRef("frozen.weight", 8, (1, 8)),
+    ]
+    buffers = [ParamRef("mask", 16, (4, 4)), ParamRef("bn.running_mean", 8, (8,)), ParamRef("scale", 1, ())]
+    run = _run(
+        params=params,
+        params_trainable=[True, True, False],
+        params_grads=[(True, True, True), (False, False, False), (False, False, False)],
+        params_held=[True, True, False],
+        params_zero_lr=[False, False, False],
+        buffers=buffers,
+        buffers_differ=[True, True, False],
+        buffers_moved=[False, True, False],
+    )
+    found = {(f.code, f.severity): f for f in diagnose_sharded(run).findings}
+    assert [p.name for p in found["unused-parameters", "warning"].params] == ["aux.weight"]
+    assert [p.name for p in found["buffer-divergence", "error"].params] == ["mask"]
+    assert [p.name for p in found["buffer-divergence", "warning"].params] == ["bn.running_mean"]
+    # not every rank saw a step with gradient sync on: no parameter is called unused
+    blind = dataclasses.replace(run, params_grads=None)
+    assert "unused-parameters" not in {f.code for f in diagnose_sharded(blind).findings}

@@ -67,8 +67,13 @@ def test_the_exchange_counts_each_ranks_batches_and_lists_the_files_written(tmp_
     assert results[0]["unlisted"] == 0
 
     [error] = counted_uneven(results[0]["loaders"])
-    assert error.severity == "error" and error.ranks == [2], error
-    assert "built at make.py:5 (rank 0: 3, rank 1: 3, rank 2: 2, rank 3: 3)" in error.title, error.title
+    # Rank 2 alone got the fewest, 2 batches; the others 3 (rank 0: 3, rank 1: 3, rank 2: 2, rank 3: 3).
+    assert error.severity == "error" and (error.ranks, error.more_ranks) == ([2], 0), error
+    assert {m.name: (m.value, m.unit) for m in error.measured} == {
+        "batches_most": (3, "count"),
+        "batches_fewest": (2, "count"),
+    }, error.measured
+    assert "built at make.py:5" in error.title, error.title  # the loader's line: not in the evidence (no sites)
     s = FollowSummary(
         followed=True, declined=False, epoch_ends=1, ended_by="", seconds=0.1, loaders=results[0]["loaders"], counts={}
     )
@@ -91,6 +96,8 @@ def test_a_pass_that_handed_out_more_than_another_ranks_whole_pass_is_uneven_tho
         "counted": {"pass": 1, "uneven": True, "min": 5, "max": 6, "by_rank": [5, None], "at_least_by_rank": [5, 6]},
     }
     [f] = counted_uneven([loader])
+    assert [(m.name, m.value) for m in f.measured] == [("batches_most", 6), ("batches_fewest", 5)], f.measured
+    # Which rank got which count, and that rank 1's is a lower bound: not in the evidence.
     assert "(rank 0: 5, rank 1: at least 6)" in f.title, f.title
     # Not followed (the script ended in the observed steps): the counted passes are still compared.
     s = FollowSummary(followed=False, declined=False, epoch_ends=0, ended_by="", seconds=0, loaders=[loader], counts={})

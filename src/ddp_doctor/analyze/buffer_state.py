@@ -110,21 +110,20 @@ def buffers_apart_sharded(run: ShardedRun) -> list[Finding]:
     (`buffer-same`) they agree.
     """
     parallelism, ranks = parallelism_of(run.sharding), every_rank(run)
+    apart = [(ref, moved) for ref, differ, moved in zip(run.buffers, run.buffers_differ, run.buffers_moved) if differ]
+    made = [ref for ref, moved in apart if not moved]  # never changed: they differed from the first step on
+    training = [ref for ref, moved in apart if moved]  # running statistics: compared at the last observed step
     found = []
-    if run.buffers_made_apart:  # never changed: they differed from the first step on
+    if made:
         found.append(
             buffers_apart(
-                buffers=run.buffers_made_apart,
-                ranks=ranks,
-                steps=list(range(run.steps)),
-                changing=False,
-                parallelism=parallelism,
+                buffers=made, ranks=ranks, steps=list(range(run.steps)), changing=False, parallelism=parallelism
             )
         )
-    if run.buffers_apart_in_training:  # compared at the last observed step
+    if training:
         found.append(
             buffers_apart(
-                buffers=run.buffers_apart_in_training,
+                buffers=training,
                 ranks=ranks,
                 steps=[run.steps - 1],
                 changing=True,

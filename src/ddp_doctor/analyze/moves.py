@@ -219,17 +219,22 @@ def stalled_sharded(run: ShardedRun, found: frozenset[str]) -> list[Finding]:
     if len(measured) < 2 or run.steps < 2 or not run.model_params_stepped:
         return []
     low_weights = Code.LOW_PRECISION_WEIGHTS in found
-    if run.never_updated and run.model_changed and measured != run.grads_zero_steps and not low_weights:
+    # trainable, a gradient other than 0 on some rank at some step, and weights that moved on no rank
+    facts = zip(run.params, run.params_trainable, run.params_grads or [], run.params_held, run.params_zero_lr)
+    never = [
+        (ref, held, zero) for ref, trains, (_, nonzero, moved), held, zero in facts if trains and nonzero and not moved
+    ]
+    if never and run.model_changed and measured != run.grads_zero_steps and not low_weights:
         where = f"{run.optimizer} created at {run.optimizer_site}" if run.optimizer_site else run.optimizer
-        never = never_updated(
-            params=run.never_updated,
-            held=run.never_updated_held,
-            zero_lr=run.never_updated_zero_lr,
+        stuck = never_updated(
+            params=[ref for ref, _, _ in never],
+            held=sum(held for _, held, _ in never),
+            zero_lr=sum(zero for _, _, zero in never),
             optimizer=where,
             ranks=every_rank(run),
             steps=list(range(1, run.steps)),  # the weights' moves are measured from the first step's end
         )
-        return [never]
+        return [stuck]
     found_stalled = stalled(
         all_zero=measured == run.grads_zero_steps,
         moved=run.model_changed,

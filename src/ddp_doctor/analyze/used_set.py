@@ -72,7 +72,9 @@ def unused_parameters(v: View) -> list[Finding]:
 def unused_sharded(run: ShardedRun) -> list[Finding]:
     """A sharded model's trainable parameters that got no gradient on any rank at any observed step with sync on:
     FSDP2 raises no error for them (they never train, and their group still carries them)."""
-    if not run.unused or not run.model_params_stepped:
+    grads = run.params_grads or []
+    unused = [ref for ref, trains, (had, _, _) in zip(run.params, run.params_trainable, grads) if trains and not had]
+    if not unused or not run.model_params_stepped:
         return []
     api = api_of(run)
     carried = (
@@ -91,7 +93,7 @@ def unused_sharded(run: ShardedRun) -> list[Finding]:
     steps = f"every one of the {run.steps} observed optimizer steps with gradient sync on"
     return [
         unused_finding(
-            list(run.unused),
+            unused,
             steps=steps,
             seen=": nothing in the loss reaches them",
             effect=effect,

@@ -66,12 +66,13 @@ class ShardedRun:
     buffers_compared: int = 0
     """How many of the sharded model's buffers were compared across ranks at the last observed step (FSDP2 only;
     0 when the ranks held different numbers of buffers)."""
-    buffers_made_apart: list[ParamRef] = field(default_factory=list)
-    """Buffers of the sharded model that differ across ranks at the end of the observed steps and never changed in
-    them: made different (a per-rank seed, memory left uninitialised). FSDP2 neither broadcasts nor averages
-    buffers."""
-    buffers_apart_in_training: list[ParamRef] = field(default_factory=list)
-    """Buffers that differ across ranks and changed during the observed steps (running statistics)."""
+    buffers: list[ParamRef] = field(default_factory=list)
+    """The sharded model's buffers, in the order of `buffers_differ` and `buffers_moved`; empty when the ranks held
+    different numbers of them (nothing compared). FSDP2 neither broadcasts nor averages buffers."""
+    buffers_differ: list[bool] = field(default_factory=list)
+    """Per buffer: its fingerprints differ across ranks at the last observed step."""
+    buffers_moved: list[bool] = field(default_factory=list)
+    """Per buffer: it changed on some rank during the observed steps (running statistics do)."""
     graph_collectives: list[dict[str, Any]] = field(default_factory=list)
     """Rank 0's in-place reductions of tensors autograd tracks that a backward went through
     (`observation.graph_collectives.GraphCollectives.found`)."""
@@ -163,16 +164,20 @@ class ShardedRun:
     sync_off_call: str = "set_requires_gradient_sync"
     """Which call switched it off: `set_requires_gradient_sync` (no reduce-scatter, no all-reduce) or, on an HSDP
     or `replicate` mesh, `set_requires_all_reduce` (no all-reduce across the replicas)."""
-    unused: list[ParamRef] = field(default_factory=list)
-    """Trainable parameters of the model that got no gradient on any rank in any observed step."""
-    never_updated: list[ParamRef] = field(default_factory=list)
-    """Trainable parameters whose gradient held a value other than 0 on some rank at some observed step, and whose
-    weights changed on no rank from the first observed step to the last."""
-    never_updated_held: int = 0
-    """How many of `never_updated` the followed optimizer holds (the others no optimizer the check saw steps)."""
-    never_updated_zero_lr: int = 0
-    """How many of `never_updated` the followed optimizer holds in a param group whose learning rate is 0 at the
-    last observed step."""
+    params: list[ParamRef] = field(default_factory=list)
+    """The model's parameters, in the order of the per-parameter facts below."""
+    params_trainable: list[bool] = field(default_factory=list)
+    """Per parameter: it requires a gradient (as this rank holds it; a frozen set that differs across ranks is
+    `modes_apart`'s)."""
+    params_grads: list[tuple[bool, bool, bool]] | None = None
+    """Per parameter, over every rank and every observed step with gradient sync on: it had a gradient, one that
+    held a value other than 0, and its weights moved from the first observed step to the last. None where some rank
+    saw no such step, or the ranks hold different numbers of parameters."""
+    params_held: list[bool] = field(default_factory=list)
+    """Per parameter: the followed optimizer holds it."""
+    params_zero_lr: list[bool] = field(default_factory=list)
+    """Per parameter: the followed optimizer holds it in a param group whose learning rate is 0 at the last
+    observed step."""
     followed: bool = False
     """The script was followed past the observed steps to its epoch end: its saves there are in `shard_save*` too;
     everything else is the observed steps'."""

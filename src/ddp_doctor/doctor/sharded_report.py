@@ -165,18 +165,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
     )
     got = drive(sharded_protocol(record, rank=dist.get_rank(), world=dist.get_world_size()), group=None, device=device)
     top, low = got.top, got.low
-    unused: list[ParamRef] = []
-    never_updated: list[tuple[ParamRef, bool, bool]] = []  # (the parameter, the optimizer holds it, at lr 0)
-    if got.grads is not None:
-        # Every rank saw a step with gradient sync on, and the same parameters: per parameter, over the ranks,
-        # whether it had a gradient, a gradient other than 0, and whether its weights moved.
-        rates = {id(p): g.get("lr") for g in w.optimizer.param_groups for p in g["params"]}
-        for (n, p), (had, nonzero_any, moved_any) in zip(named, got.grads.tolist()):
-            ref = ParamRef(n, p.numel(), tuple(p.shape))
-            if p.requires_grad and not had:
-                unused.append(ref)
-            elif p.requires_grad and nonzero_any and not moved_any:
-                never_updated.append((ref, id(p) in rates, rates.get(id(p)) == 0))
+    rates = {id(p): g.get("lr") for g in w.optimizer.param_groups for p in g["params"]}
     buffers_differ, buffers_moved = got.buffers_differ, got.buffers_moved
     sync_call, sync_site = next(
         (getattr(m, SYNC_OFF_ATTR) for _, m in model.sharded if getattr(m, SYNC_OFF_ATTR, None)), (None, None)
@@ -211,26 +200,20 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         buffers_unreadable=[f"{n} ({type(b).__name__})" for n, b in unread],
         graph_collectives=w.graph.found,
         inputs_nonfinite=divmod(int(low["inputs_nonfinite"]), STEP_SHIFT) if low["inputs_nonfinite"] < NOBODY else None,
-        buffers_made_apart=[
-            ParamRef(n, b.numel(), tuple(b.shape))
-            for (n, b), d, m in zip(buffers, buffers_differ, buffers_moved)
-            if d and not m
-        ],
-        buffers_apart_in_training=[
-            ParamRef(n, b.numel(), tuple(b.shape))
-            for (n, b), d, m in zip(buffers, buffers_differ, buffers_moved)
-            if d and m
-        ],
+        buffers=[ParamRef(n, b.numel(), tuple(b.shape)) for n, b in buffers] if buffers_differ else [],
+        buffers_differ=buffers_differ,
+        buffers_moved=buffers_moved,
         **got.per_step,
         modules=sum(1 for _ in model.root.named_modules(remove_duplicate=False)),
         learning_rates=[float(g.get("lr", float("nan"))) for g in w.optimizer.param_groups] if w.optimizer else [],
         ignored_site=next((getattr(p, IGNORED_ATTR) for _, p in unsharded if hasattr(p, IGNORED_ATTR)), None),
         ignored=[hasattr(p, IGNORED_ATTR) for _, p in unsharded],
         outside_model=[i >= len(unsharded) - len(beside_model) for i in range(len(unsharded))],
-        unused=unused,
-        never_updated=[ref for ref, _, _ in never_updated],
-        never_updated_held=sum(held for _, held, _ in never_updated),
-        never_updated_zero_lr=sum(zero for _, _, zero in never_updated),
+        params=[ParamRef(n, p.numel(), tuple(p.shape)) for n, p in named],
+        params_trainable=[p.requires_grad for _, p in named],
+        params_grads=[(bool(a), bool(b), bool(c)) for a, b, c in got.grads.tolist()] if got.grads is not None else None,
+        params_held=[id(p) in rates for _, p in named],
+        params_zero_lr=[rates.get(id(p)) == 0 for _, p in named],
         sync_off_steps=int(top["sync_off"]),
         sync_off_site=sync_site,
         sync_off_call=sync_call or "set_requires_gradient_sync",
