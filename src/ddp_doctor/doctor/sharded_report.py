@@ -1,11 +1,12 @@
 """The report of an FSDP2 or `replicate` model that a `PlainOptimizerWatch` followed (`plain_watch.py`): each rank's
-facts, gathered in a few fixed-shape collectives and decided by `analyze/sharded.py`. The watch is `ddp-doctor
+facts, gathered in a few fixed-shape collectives and decided by the sharded model's detectors (`diagnose_sharded`). The watch is `ddp-doctor
 check`'s in a script with no DDP model, and `observe()`'s for a sharded model (`sharded_doctor.py`)."""
 
 from __future__ import annotations
 
 import sys
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from ddp_doctor.doctor.sharded_tables import (
 from ddp_doctor.exchange.compared import sampler_facts
 from ddp_doctor.exchange.drive import drive
 from ddp_doctor.exchange.primitives import comm_device
-from ddp_doctor.exchange.sharded_protocol import NOBODY, STEP_SHIFT, ShardedRecord, sharded_protocol
+from ddp_doctor.exchange.sharded_protocol import NOBODY, STEP_SHIFT, ShardedRecord, ShardedReduced, sharded_protocol
 from ddp_doctor.observation import dataloaders
 from ddp_doctor.observation.mesh_groups import beside_group
 from ddp_doctor.observation.shard_comms import ReducePrecisionProbe
@@ -83,48 +84,74 @@ def _low_reduce(probe: ReducePrecisionProbe | None) -> tuple[str, str] | None:
     return str(probe.low_dtype).removeprefix("torch."), "float32"
 
 
-def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
-    """The FSDP2 findings: what the optimizer steps, the parameters outside every group, gradient sync, unused
-    parameters, checkpoints of shards, and whether anything changed. Collective: this rank's `ShardedRecord`
-    goes through `exchange/sharded_protocol.py`'s rounds, whose every collective is decided by values every rank
-    holds alike."""
+@dataclass(frozen=True, slots=True)
+class _Looked:
+    """What this rank looked at for its report, before any collective: the model's parameters and buffers, those
+    outside every group, what moved since the first observed step, the training loader, its group beside the
+    data-parallel mesh, its first save of shards."""
+
+    named: list[tuple[str, torch.Tensor]]
+    stepped: list[torch.Tensor]
+    unsharded: list[tuple[str, torch.Tensor]]
+    """Trainable tensors no group holds: the model's, then `beside_model`'s."""
+    beside_model: list[tuple[str, torch.Tensor]]
+    buffers: list[tuple[str, torch.Tensor]]
+    unread: list[tuple[str, torch.Tensor]]
+    now: torch.Tensor
+    moved: torch.Tensor
+    loader: dict[str, Any] | None
+    beside: Any
+    saved: dict[str, Any] | None
+    probe: ReducePrecisionProbe | None
+
+
+def _look(w: ShardedWatch, model: ShardedModel) -> _Looked:
+    """This rank's side, local: no collective."""
     assert w.optimizer is not None
+    many = dist.get_world_size() > 1  # one rank: nothing to keep in sync
     named = model.named_parameters()
     in_model = {id(p) for _, p in named}
-    stepped = w.stepped_params()
-    unsharded = model.unsharded() if dist.get_world_size() > 1 else []  # one rank: nothing to keep in sync
     optimizers = [w.optimizer, *(opt for opt, alone in list(w.others.items()) if alone)]
-    beside_model = _beside_model(optimizers, in_model) if dist.get_world_size() > 1 else []
-    unsharded += beside_model
+    beside_model = _beside_model(optimizers, in_model) if many else []
     # FSDP2's fully_shard and replicate take parameters only: a buffer stays a plain tensor on each rank, and nothing
     # broadcasts it (DDP broadcasts rank 0's).
-    buffers = list(model.root.named_buffers()) if dist.get_world_size() > 1 else []
-    unread = [(n, b) for n, b in buffers if not readable(b)]  # their rows are 0 on every rank: not compared
+    buffers = list(model.root.named_buffers()) if many else []
     now = fingerprints_batched(p for _, p in named)
     before = w.weights_at_first if w.weights_at_first is not None else now
-    moved = (now.nan_to_num(0.0) != before.nan_to_num(0.0)).any(-1)
-    changed = bool(moved.any())
-    outside = {id(p) for _, p in unsharded}
-    unsharded_changed = bool(moved[[i for i, (_, p) in enumerate(named) if id(p) in outside]].any())
-    device = comm_device(None, named[0][1].device if named else None)
-    saved = w.shard_saves[0] if w.shard_saves else None
     last = dataloaders.last_pass()
-    loader = {k: v for k, v in last.info.items() if k != "pass"} if last is not None and last.steps else None
-    probe = w.probe
-    if probe is not None:
-        probe.remove()
+    if w.probe is not None:
+        w.probe.remove()
+    return _Looked(
+        named=named,
+        stepped=w.stepped_params(),
+        unsharded=(model.unsharded() if many else []) + beside_model,
+        beside_model=beside_model,
+        buffers=buffers,
+        unread=[(n, b) for n, b in buffers if not readable(b)],  # their rows are 0 on every rank: not compared
+        now=now,
+        moved=(now.nan_to_num(0.0) != before.nan_to_num(0.0)).any(-1),
+        loader={k: v for k, v in last.info.items() if k != "pass"} if last is not None and last.steps else None,
+        beside=beside_group([p for _, p in named], _data_mesh(model), dist.get_rank()),
+        saved=w.shard_saves[0] if w.shard_saves else None,
+        probe=w.probe,
+    )
+
+
+def _record(w: ShardedWatch, model: ShardedModel, seen: _Looked) -> ShardedRecord:
+    """What this rank puts into the exchange (`exchange/sharded_protocol.py`)."""
+    named, unsharded, saved, probe, beside = seen.named, seen.unsharded, seen.saved, seen.probe, seen.beside
+    outside = {id(p) for _, p in unsharded}
     # The replicas' weights (`replicate`, HSDP): this rank's local tensors after the first step and now.
     slot = model.replica_row() if dist.get_world_size() > 1 and w.weights_at_first is not None else None
     replicas = None
-    if slot is not None and w.weights_at_first.shape == now.shape:
-        replicas = torch.cat([w.weights_at_first, now], 1).nan_to_num(0.0)
+    if slot is not None and w.weights_at_first.shape == seen.now.shape:
+        replicas = torch.cat([w.weights_at_first, seen.now], 1).nan_to_num(0.0)
         replicas[~torch.tensor([is_dtensor(p) for _, p in named], dtype=torch.bool)] = 0.0
-    beside = beside_group([p for _, p in named], _data_mesh(model), dist.get_rank())
     local = {
         "unsharded": len(unsharded),
-        "buffers": len(buffers),
+        "buffers": len(seen.buffers),
         "sync_off": w.sync_off_steps,
-        "changed": changed,
+        "changed": bool(seen.moved.any()),
         "saved": saved is not None,
         "saver": dist.get_rank() if saved else NOBODY,
         "path": zlib.crc32(saved["path"].encode()) & 0xFFFFFF if saved else -1,  # exact in float32
@@ -134,26 +161,26 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         "low_abs": probe.worst_abs if probe else 0.0,
         "low_rel": probe.mean_relative if probe else 0.0,
         "gathers": _steady_gathers(w),
-        "unsharded_changed": unsharded_changed,
+        "unsharded_changed": bool(seen.moved[[i for i, (_, p) in enumerate(named) if id(p) in outside]].any()),
         "replica_rows": slot[1] if replicas is not None else 0,
         "collectives": sum(count for _, _, count in w.step_collectives[:INPUT_STEPS]),
         "inputs_nonfinite": first_nonfinite_input(w),
         **StepClock.slots(w.clock),
-        **_sampler_slots(loader, model.describe().get("mesh_size")),
+        **_sampler_slots(seen.loader, model.describe().get("mesh_size")),
         "beside_groups": beside.groups if beside is not None else 0,
     }
     grads = None
     if w.grad_seen is not None:
         nonzero = w.grad_nonzero if w.grad_nonzero is not None else torch.zeros_like(w.grad_seen)
-        grads = torch.stack([w.grad_seen.float(), nonzero.float(), moved.float()], dim=1)
-    record = ShardedRecord(
-        loader=loader,
+        grads = torch.stack([w.grad_seen.float(), nonzero.float(), seen.moved.float()], dim=1)
+    return ShardedRecord(
+        loader=seen.loader,
         slots=local,
         grads=grads,
         unsharded=fingerprints_batched(p for _, p in unsharded).nan_to_num(0.0)
         if unsharded
         else torch.zeros(0, 2, dtype=torch.float64),
-        buffers=buffer_table(w, buffers),
+        buffers=buffer_table(w, seen.buffers),
         steps=step_table(w),
         held=[(*state, *calls[:2]) for state, calls in zip(w.replica_state[:INPUT_STEPS], w.step_collectives)],
         replicas=replicas,
@@ -163,7 +190,25 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         clock=w.clock and w.clock.stats(),
         beside=beside,
     )
+
+
+def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
+    """The report of a sharded model: this rank's `ShardedRecord` goes through `exchange/sharded_protocol.py`'s
+    rounds, whose every collective is decided by values every rank holds alike; the facts they agree on
+    (`ShardedRun`) are decided by the sharded model's detectors (`diagnose_sharded`). Collective."""
+    seen = _look(w, model)
+    device = comm_device(None, seen.named[0][1].device if seen.named else None)
+    record = _record(w, model, seen)
     got = drive(sharded_protocol(record, rank=dist.get_rank(), world=dist.get_world_size()), group=None, device=device)
+    run = _agreed(w, model, seen, got)
+    return Report.build(w.facts(sharding=run.sharding), diagnose_sharded(run))
+
+
+def _agreed(w: ShardedWatch, model: ShardedModel, seen: _Looked, got: ShardedReduced) -> ShardedRun:
+    """The facts every rank agreed on, named by this rank's parameters and buffers."""
+    assert w.optimizer is not None
+    named, unsharded, unread, probe = seen.named, seen.unsharded, seen.unread, seen.probe
+    in_model = {id(p) for _, p in named}
     top, low = got.top, got.low
     rates = {id(p): g.get("lr") for g in w.optimizer.param_groups for p in g["params"]}
     buffers_differ, buffers_moved = got.buffers_differ, got.buffers_moved
@@ -171,11 +216,11 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         (getattr(m, SYNC_OFF_ATTR) for _, m in model.sharded if getattr(m, SYNC_OFF_ATTR, None)), (None, None)
     )
     sharding = model.describe()
-    if beside is not None:
-        sharding["beside"] = {"dims": beside.dims, "size": len(beside.members[beside.index])}
+    if seen.beside is not None:
+        sharding["beside"] = {"dims": seen.beside.dims, "size": len(seen.beside.members[seen.beside.index])}
     if top["gathers"] == low["gathers"] >= 0:
         sharding["all_gathers_per_step"] = int(top["gathers"])
-    run = ShardedRun(
+    return ShardedRun(
         world=dist.get_world_size(),
         steps=w.steps,
         optimizer=type(w.optimizer).__qualname__,
@@ -184,8 +229,8 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         framework=w.framework,
         sharding=sharding,
         model_params=sum(p.requires_grad for _, p in named),
-        replaced=sum(id(p) not in in_model for p in stepped),
-        model_params_stepped=sum(id(p) in in_model for p in stepped),
+        replaced=sum(id(p) not in in_model for p in seen.stepped),
+        model_params_stepped=sum(id(p) in in_model for p in seen.stepped),
         model_changed=bool(top["changed"]),
         unsharded=[ParamRef(n, p.numel(), tuple(p.shape)) for n, p in unsharded],
         unsharded_differ=got.unsharded_differ,
@@ -200,7 +245,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         buffers_unreadable=[f"{n} ({type(b).__name__})" for n, b in unread],
         graph_collectives=w.graph.found,
         inputs_nonfinite=divmod(int(low["inputs_nonfinite"]), STEP_SHIFT) if low["inputs_nonfinite"] < NOBODY else None,
-        buffers=[ParamRef(n, b.numel(), tuple(b.shape)) for n, b in buffers] if buffers_differ else [],
+        buffers=[ParamRef(n, b.numel(), tuple(b.shape)) for n, b in seen.buffers] if buffers_differ else [],
         buffers_differ=buffers_differ,
         buffers_moved=buffers_moved,
         **got.per_step,
@@ -208,7 +253,7 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         learning_rates=[float(g.get("lr", float("nan"))) for g in w.optimizer.param_groups] if w.optimizer else [],
         ignored_site=next((getattr(p, IGNORED_ATTR) for _, p in unsharded if hasattr(p, IGNORED_ATTR)), None),
         ignored=[hasattr(p, IGNORED_ATTR) for _, p in unsharded],
-        outside_model=[i >= len(unsharded) - len(beside_model) for i in range(len(unsharded))],
+        outside_model=[i >= len(unsharded) - len(seen.beside_model) for i in range(len(unsharded))],
         params=[ParamRef(n, p.numel(), tuple(p.shape)) for n, p in named],
         params_trainable=[p.requires_grad for _, p in named],
         params_grads=[(bool(a), bool(b), bool(c)) for a, b, c in got.grads.tolist()] if got.grads is not None else None,
@@ -232,9 +277,8 @@ def sharded_report(w: ShardedWatch, model: ShardedModel) -> Report:
         samplers_apart=got.samplers,
         samplers_compared=top["sampler_has"] >= 1,
         loader_compared=top["loader_has"] >= 1,
-        **_beside(got.beside, top, loader),
+        **_beside(got.beside, top, seen.loader),
     )
-    return Report.build(w.facts(sharding=run.sharding), diagnose_sharded(run))
 
 
 def _sampler_slots(loader: dict[str, Any] | None, mesh_size: int | None) -> dict[str, float]:
