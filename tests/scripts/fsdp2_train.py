@@ -51,6 +51,8 @@
 --mistake temperature       a learnable loss temperature kept beside the model, stepped by the same optimizer
 --mistake temperature-synced clean: that temperature, its gradient averaged by the script before each step
 --mistake temperature-own-opt that temperature stepped by an optimizer of its own (SGD), not the model's
+--mistake frozen-model      every parameter of the model frozen before the optimizer is built (with temperature or
+                            temperature-synced: the temperature is all it trains, as a prompt tuned on a frozen model)
 --mistake keep-unsharded    clean: set_reshard_after_backward(False) on every sharded module (the parameters stay
                             unsharded from the backward to the next forward, the optimizer steps the shards)
 --mistake final-eval        clean: after the last step every rank evaluates once under no_grad (FSDP2 leaves the
@@ -167,6 +169,8 @@ if __name__ == "__main__":
             params = [{"params": rest}, {"params": head, "lr": 0.0}]
         elif "head-second-opt" in mistakes:
             params, head_opt = rest, torch.optim.SGD(head, lr=0.1)
+        if "frozen-model" in mistakes:
+            model.requires_grad_(False)
         temp = nn.Parameter(torch.zeros(())) if {"temperature", "temperature-synced", "temperature-own-opt"} & mistakes else None
         if "temperature-own-opt" in mistakes:
             head_opt = torch.optim.SGD([temp], lr=0.1)

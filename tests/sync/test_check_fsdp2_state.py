@@ -27,12 +27,19 @@ Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps o
   "the optimizer's parameters against the model's". With the script averaging `temp.grad` before each step
   (`temperature-synced`): 0.073942 on both ranks. Stepped by an SGD of its own (`temperature-own-opt`): 0.121164 on
   rank 0, 0.086329 on rank 1.
+- `--mistake frozen-model,temperature` (every parameter of the model frozen, the temperature the only tensor the
+  optimizer steps: a prompt tuned on a frozen model): exit code 0, nothing said; the model's weights do not move
+  (head.weight -0.703294 on both ranks), the temperature ends at 0.052637 on rank 0 and -0.021144 on rank 1; with its
+  gradient averaged (`frozen-model,temperature-synced`) at 0.015132 on both. The check called both a stale
+  optimizer (`optimizer-params-replaced` at error: "the optimizer steps 1 parameters that are no longer the
+  model's"), the synced one included.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from checkrun import SCRIPTS, check, line_of
 
 SCRIPT = str(SCRIPTS / "fsdp2_train.py")
@@ -126,6 +133,18 @@ def test_a_logging_all_reduce_in_float64_on_rank_0_alone_names_the_collective_th
     assert set(f["ranks"]) == {0, 1}, f
     line = line_of(SCRIPT, "dist.all_reduce(total, op=")
     assert f"fsdp2_train.py:{line}" in {site.rsplit("/", 1)[-1] for site in f["sites"]}, f
+
+
+@pytest.mark.parametrize("synced", [False, True])
+def test_a_prompt_tuned_beside_a_frozen_sharded_model_is_no_stale_optimizer(tmp_path: Path, synced: bool) -> None:
+    run = _check(tmp_path, "frozen-model,temperature" + ("-synced" if synced else ""))
+    assert "optimizer-params-replaced" not in run.codes, run.output
+    if synced:
+        assert run.rc == 0 and run.errors() == [], run.output
+        assert run.report["compared"]["outside_model"] == 1
+    else:  # each rank trains its own temperature: that is the error, and the only one
+        assert run.errors() == ["unsharded-params-not-synced"], run.output
+        assert run.params("unsharded-params-not-synced") == {"temp"}
 
 
 def test_a_temperature_the_optimizer_trains_beside_the_model_is_named_and_a_synced_one_is_compared_clean(

@@ -47,7 +47,9 @@ class ShardedRun:
     framework: str = "torch"
     """Who stepped the optimizer: `torch` (the script), `accelerate` or `transformers` (HF Trainer)."""
     replaced: int = 0
-    """Parameters the optimizer steps that are not the model's (built before `fully_shard` replaced them)."""
+    """Parameters the optimizer steps that are not the model's and that no observed step gave a gradient (built
+    before `fully_shard` replaced them). A tensor beside the model that gets gradients (a prompt tuned on a frozen
+    model, a loss temperature) is in use: it is among `unsharded`, not here."""
     model_params_stepped: int = 0
     """Parameters of the model that the optimizer steps."""
     model_changed: bool = True

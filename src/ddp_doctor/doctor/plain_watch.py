@@ -140,6 +140,10 @@ class PlainOptimizerWatch:
         """Per parameter of the sharded model: this rank's shard of its gradient held a value other than 0 at some
         observed step after the first (while the per-step measures are on)."""
         self.grad_steps = 0
+        self.graded_outside: set[int] = set()
+        """The tensors the optimizer steps that the sharded model does not hold and that had a gradient at some
+        observed step: in use (a prompt tuned beside a frozen model), not the old parameters `fully_shard`
+        replaced, which no backward reaches."""
         self.framework = "torch"
         """Who steps the optimizer: `accelerate` or `transformers` when their code is on the first step's stack."""
         self.gathers: GatherCount | None = None
@@ -309,6 +313,9 @@ class PlainOptimizerWatch:
         if self.sharded is not None and not self.sharded.gradient_sync_on():
             self.sync_off_steps += 1
         elif self.sharded is not None:
+            self.graded_outside.update(
+                id(p) for p in self.stepped_params() if id(p) not in self.names and p.grad is not None
+            )
             got = torch.tensor([p.grad is not None for _, p in self.sharded.named_parameters()])
             self.grad_seen = got if self.grad_seen is None else self.grad_seen | got
             self.grad_steps += 1

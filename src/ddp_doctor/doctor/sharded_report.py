@@ -229,7 +229,7 @@ def _agreed(w: ShardedWatch, model: ShardedModel, seen: _Looked, got: ShardedRed
         framework=w.framework,
         sharding=sharding,
         model_params=sum(p.requires_grad for _, p in named),
-        replaced=sum(id(p) not in in_model for p in seen.stepped),
+        replaced=sum(id(p) not in in_model and id(p) not in w.graded_outside for p in seen.stepped),
         model_params_stepped=sum(id(p) in in_model for p in seen.stepped),
         model_changed=bool(top["changed"]),
         unsharded=[ParamRef(n, p.numel(), tuple(p.shape)) for n, p in unsharded],

@@ -38,6 +38,7 @@ class ShardedWatch(Protocol):
     grad_seen: torch.Tensor | None
     grad_nonzero: torch.Tensor | None
     grad_steps: int
+    graded_outside: set[int]
     gathers: GatherCount | None
     gathers_per_step: list[int]
     input_fps: list[torch.Tensor | None]
