@@ -91,11 +91,19 @@ def test_gradients_reduced_again_give_the_line_the_op_and_the_factor() -> None:
         r.rereduce_sites = [f"step {s}: all_reduce(float32[4, 3])/2 at train.py:40" for s in range(3)]
     f = found(records)
     assert set(f) == {"grads-reduced-twice"} and f["grads-reduced-twice"].severity == "error"
-    assert f["grads-reduced-twice"].sites == ["train.py:40"]
-    assert "2 times" in f["grads-reduced-twice"].detail  # the factor: not in the evidence
+    twice = f["grads-reduced-twice"]
+    assert (twice.sites, twice.steps) == (["train.py:40"], [0, 1, 2])
+    # A SUM over a group of 2: each gradient 2 times what DDP computed.
+    assert {m.name: (m.value, m.unit) for m in twice.measured} == {
+        "gradient_factor": (2, "ratio"),
+        "group_size": (2, "count"),
+    }, twice.measured
+    assert "all_reduce(float32[4, 3])" in twice.title  # the op and its tensor: not in the evidence
     for r in records:
         r.rereduce_sites = [f"step {s}: all_reduce(float32[4, 3], AVG)/2 at train.py:40" for s in range(3)]
-    assert found(records)["grads-reduced-twice"].severity == "warning"
+    averaged = found(records)["grads-reduced-twice"]
+    assert averaged.severity == "warning"
+    assert {m.name: m.value for m in averaged.measured} == {"gradient_factor": 1, "group_size": 2}  # unchanged
 
 
 def test_replicas_that_differ_before_the_first_step_say_init_sync() -> None:

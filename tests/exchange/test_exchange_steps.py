@@ -171,9 +171,18 @@ def test_unpaired_forwards_collectives_and_scales_name_the_ranks() -> None:
     # What rank 3 called there: not in the evidence.
     assert "rank 3 called broadcast(int64[3]) over a group of 2" in coll.detail
     scaler = next(f for f in d.findings if f.code == "grad-scaler-mismatch")
-    assert scaler.ranks == [0, 6] and "rank 0: 1024, rank 6: 512" in scaler.title  # the scales: not in the evidence
+    # Rank 6's scale against rank 0's at step 1, the first step they differ.
+    assert (scaler.ranks, scaler.steps) == ([0, 6], [1]), scaler
+    assert {m.name: (m.value, m.unit) for m in scaler.measured} == {
+        "scale (rank 0)": (1024.0, "ratio"),
+        "scale (rank 6)": (512.0, "ratio"),
+    }, scaler.measured
     bn = next(f for f in d.findings if f.code == "batchnorm-not-synced")
-    assert "8 samples per rank" in bn.title and bn.ranks == list(range(8))  # the batch size: not in the evidence
+    assert bn.ranks == list(range(8)), bn
+    assert {m.name: (m.value, m.unit) for m in bn.measured} == {
+        "samples_per_rank": (8, "count"),
+        "batchnorm_layers": (1, "count"),
+    }, bn.measured
 
 
 def test_a_buffer_broadcast_from_a_forward_without_grad_on_some_ranks_names_them_and_the_line() -> None:

@@ -72,8 +72,10 @@ def test_the_exchange_counts_each_ranks_batches_and_lists_the_files_written(tmp_
     assert {m.name: (m.value, m.unit) for m in error.measured} == {
         "batches_most": (3, "count"),
         "batches_fewest": (2, "count"),
+        "pass": (1, "value"),
+        **{f"batches (rank {r})": (n, "count") for r, n in enumerate([3, 3, 2, 3])},
     }, error.measured
-    assert "built at make.py:5" in error.title, error.title  # the loader's line: not in the evidence (no sites)
+    assert error.sites == ["make.py:5"], error.sites  # the loader's line, which the title names
     s = FollowSummary(
         followed=True, declined=False, epoch_ends=1, ended_by="", seconds=0.1, loaders=results[0]["loaders"], counts={}
     )
@@ -96,9 +98,15 @@ def test_a_pass_that_handed_out_more_than_another_ranks_whole_pass_is_uneven_tho
         "counted": {"pass": 1, "uneven": True, "min": 5, "max": 6, "by_rank": [5, None], "at_least_by_rank": [5, 6]},
     }
     [f] = counted_uneven([loader])
-    assert [(m.name, m.value) for m in f.measured] == [("batches_most", 6), ("batches_fewest", 5)], f.measured
-    # Which rank got which count, and that rank 1's is a lower bound: not in the evidence.
-    assert "(rank 0: 5, rank 1: at least 6)" in f.title, f.title
+    # Rank 0's whole pass, and rank 1's count as a lower bound (its pass capped), each by name.
+    assert [(m.name, m.value, m.unit) for m in f.measured] == [
+        ("batches_most", 6, "count"),
+        ("batches_fewest", 5, "count"),
+        ("pass", 1, "value"),
+        ("batches (rank 0)", 5, "count"),
+        ("batches at least (rank 1)", 6, "count"),
+    ], f.measured
+    assert f.sites == ["t.py:3"], f.sites
     # Not followed (the script ended in the observed steps): the counted passes are still compared.
     s = FollowSummary(followed=False, declined=False, epoch_ends=0, ended_by="", seconds=0, loaders=[loader], counts={})
     assert [x.code for x in following_findings(s)] == ["uneven-inputs"]

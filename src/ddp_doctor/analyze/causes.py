@@ -102,12 +102,17 @@ def optimizer_step_skipped(v: View) -> list[Finding]:
     ]
 
 
+def _group_size(signature: str) -> int | None:
+    """2 from `all_reduce(float32[16, 8], SUM)/2`: the size of the group the collective ran over, if recorded."""
+    group = signature.rsplit("/", 1)[-1]
+    return int(group) if group.isdigit() else None
+
+
 def _factor(signature: str) -> tuple[str, int | None]:
     """(`SUM`, 2) from `all_reduce(float32[16, 8], SUM)/2`; the reduction defaults to SUM for a reducing op."""
     op = signature.split("(", 1)[0]
     inner = signature[signature.find("(") + 1 : signature.rfind(")")] if "(" in signature else ""
-    group = signature.rsplit("/", 1)[-1]
-    size = int(group) if group.isdigit() else None
+    size = _group_size(signature)
     reduction = inner.rsplit(", ", 1)[-1] if ", " in inner and not inner.rsplit(", ", 1)[-1][0].isdigit() else ""
     if op in ("all_reduce", "reduce"):
         reduction = reduction or "SUM"
@@ -116,6 +121,16 @@ def _factor(signature: str) -> tuple[str, int | None]:
         if reduction == "AVG":
             return reduction, 1
     return reduction or op, None
+
+
+def _rereduced(signature: str, factor: int | None) -> list[Measure]:
+    """The evidence of gradients reduced again: the factor they were multiplied by (1 for an average; none when the
+    collective replaces or changes them in a way not known), and the size of the group it ran over."""
+    size = _group_size(signature)
+    return [
+        *([Measure("gradient_factor", factor, "ratio")] if factor is not None else []),
+        *([Measure("group_size", size, "count")] if size is not None else []),
+    ]
 
 
 @detects(Code.GRADS_REDUCED_TWICE)
@@ -157,6 +172,7 @@ def grads_reduced_twice(v: View) -> list[Finding]:
                 steps=bad,
                 fix="drop the manual reduction: DDP already averages the gradients. If it is meant to replace DDP's, "
                 "run the backward under ddp.no_sync(), or register a comm hook (ddp.register_comm_hook) instead.",
+                measured=_rereduced(signature, factor),
             ),
             who.more,
         )

@@ -10,7 +10,7 @@ from ddp_doctor.analyze.rules import count
 from ddp_doctor.analyze.snippets import sync_batchnorm
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, Measure
 from ddp_doctor.core.ranks import other_ranks
 from ddp_doctor.core.records import decode_scale
 
@@ -33,12 +33,8 @@ def grad_scaler_mismatch(v: View) -> list[Finding]:
     def scale(value: int) -> str:
         return f"{decode_scale(value):g}" if value else "no scaler.step()"
 
-    shown = ", ".join(
-        [
-            f"rank 0: {scale(v.summary.scales0[first])}",
-            *(f"rank {r}: {scale(v.meta(r)['scale'])}" for r in odd.ranks[:7]),
-        ]
-    )
+    named = [(0, v.summary.scales0[first]), *((r, v.meta(r)["scale"]) for r in odd.ranks[:7])]
+    shown = ", ".join(f"rank {r}: {scale(value)}" for r, value in named)
     more = odd.count - min(len(odd.ranks), 7)
     return [
         Finding(
@@ -58,6 +54,8 @@ def grad_scaler_mismatch(v: View) -> list[Finding]:
             more_ranks=odd.more,
             fix="build the GradScaler with the same arguments on every rank and call scaler.scale(loss).backward(), "
             "scaler.step(optimizer) and scaler.update() on every rank in every step.",
+            # Each named rank's scale at the first step they differ (none for a rank that called no scaler.step()).
+            measured=[Measure(f"scale (rank {r})", decode_scale(value), "ratio") for r, value in named if value],
         )
     ]
 
@@ -96,6 +94,7 @@ def batchnorm_not_synced(v: View) -> list[Finding]:
             params=[],
             ranks=all_ranks(v),
             steps=steps,
+            measured=_batchnorm_measured(sizes, len(names), listed=min(len(names), 6)),
             fix="if the per-rank batch is small, convert before wrapping: "
             "model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model); otherwise nothing to do."
             if sync_batchnorm(v.info.device_type, "")
@@ -104,3 +103,17 @@ def batchnorm_not_synced(v: View) -> list[Finding]:
             "per-rank batch, give each rank more samples, or train on GPUs with SyncBatchNorm.",
         )
     ]
+
+
+def _batchnorm_measured(sizes: list[int], layers: int, *, listed: int) -> list[Measure]:
+    """The evidence of BatchNorm that normalizes per rank: the samples per rank (the fewest and the most when the
+    ranks' batches differ; none when not known), the layers, and those beyond the `listed` names."""
+    if len(sizes) == 1:
+        samples = [Measure("samples_per_rank", sizes[0], "count")]
+    elif sizes:
+        samples = [Measure("samples_per_rank_fewest", sizes[0], "count")]
+        samples.append(Measure("samples_per_rank_most", sizes[-1], "count"))
+    else:
+        samples = []
+    unlisted = [Measure("batchnorm_layers_not_named", layers - listed, "count")] if layers > listed else []
+    return [*samples, Measure("batchnorm_layers", layers, "count"), *unlisted]

@@ -276,12 +276,16 @@ def loader_name(d: dict[str, Any]) -> str:
     return f"#{d['ordinal']} built at {site}" if d.get("ordinal", 1) > 1 else f"built at {site}"
 
 
-def _per_rank(c: dict[str, Any]) -> str:
-    """`rank 0: 5, rank 1: 4` for the first ranks (`at least 3` where the check ended that rank's pass)."""
-    shown = []
+def _per_rank(c: dict[str, Any]) -> tuple[str, list[Measure]]:
+    """`rank 0: 5, rank 1: at least 3` for the first ranks (`at least` where the check ended that rank's pass), and
+    the same counts as evidence (`batches at least (rank 1)` for such a lower bound, not a rank's count)."""
+    shown, measured = [], []
     for r, (n, floor) in enumerate(zip(c["by_rank"], c["at_least_by_rank"])):
-        shown.append(f"rank {r}: {n}" if n is not None else f"rank {r}: at least {floor}" if floor else "")
-    return ", ".join(x for x in shown if x)
+        if n is not None or floor:
+            shown.append(f"rank {r}: {n}" if n is not None else f"rank {r}: at least {floor}")
+            name = f"batches (rank {r})" if n is not None else f"batches at least (rank {r})"
+            measured.append(Measure(name, n if n is not None else floor, "count"))
+    return ", ".join(shown), measured
 
 
 def _sampler(sampler: str | None) -> str:
@@ -314,7 +318,7 @@ def counted_uneven(
             if d.get("no_len")
             else "Counted as the passes ran: "
         )
-        per_rank = _per_rank(c)
+        per_rank, counts = _per_rank(c)
         epoch = f"pass {c['pass']} of {name}"
         if d["training"] and joined:
             finding = joined_uneven(
@@ -353,6 +357,10 @@ def counted_uneven(
                 "it.",
             )
         finding.more_ranks = more
+        # The loader's line and counts, beside what each branch measured (a Join's line first, where it has one).
+        finding.sites = lines_of(*finding.sites, d.get("site") or "")
+        ordinal = [Measure("loader_ordinal", d["ordinal"], "value")] if d.get("ordinal", 1) > 1 else []
+        finding.measured = [*finding.measured, Measure("pass", c["pass"], "value"), *counts, *ordinal]
         findings.append(finding)
     return findings
 

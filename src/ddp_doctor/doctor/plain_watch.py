@@ -32,11 +32,12 @@ from torch import nn
 from ddp_doctor.analyze import diagnose_unwrapped
 from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.findings import ParamRef
-from ddp_doctor.core.fingerprint import fingerprints, fingerprints_batched, significant
+from ddp_doctor.core.fingerprint import fingerprints, fingerprints_batched
 from ddp_doctor.core.frames import framework_of_stack, user_site, user_site_of
 from ddp_doctor.core.sharded_run import INPUT_STEPS, parallelism_of
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.doctor.sharded_report import SITE_ATTR, sharded_report
+from ddp_doctor.doctor.sharded_tables import nonzero_grads, replica_sum
 from ddp_doctor.exchange.drive import drive
 from ddp_doctor.exchange.primitives import comm_device
 from ddp_doctor.exchange.shard_collectives import reduce_scatter_in_float32
@@ -67,30 +68,6 @@ CALLS_KEPT = 256
 """The collectives of an observed step kept with their lines (the script's, FSDP2's and `replicate`'s, in order),
 so that where the ranks' sequences part is named even after the dozens of all-gathers and reduce-scatters FSDP2
 issues in a step. Only the reference rank's and one differing rank's are ever sent (`held_apart`)."""
-
-
-def _replica_sum(model: ShardedModel) -> float:
-    """The sum of the fingerprints of this rank's local tensors of the model's replicated (DTensor) parameters."""
-    local = [p for _, p in model.named_parameters() if is_dtensor(p)]
-    return float(fingerprints_batched(local).nan_to_num(0.0).sum()) if local else 0.0
-
-
-def _nonzero_grads(model: ShardedModel) -> torch.Tensor:
-    """bool[P]: per parameter of `model`, this rank's shard of its gradient holds a value other than 0, beyond
-    round-off (`significant`; one copy to the host for all of them)."""
-    peaks = []
-    for _, p in model.named_parameters():
-        grad = p.grad
-        local = grad.to_local() if grad is not None and is_dtensor(grad) else grad
-        if local is None or local.numel() == 0:
-            peaks.append(torch.zeros((), device=p.device))
-        else:
-            peaks.append(local.detach().abs().amax().float())
-    return (
-        significant(torch.stack([t.to(peaks[0].device) for t in peaks]).cpu())
-        if peaks
-        else torch.zeros(0, dtype=torch.bool)
-    )
 
 
 class PlainOptimizerWatch:
@@ -308,7 +285,7 @@ class PlainOptimizerWatch:
             self.drawn.append(drawn)
             self.step_collectives.append(self._calls)
             if self.replicated:
-                self.replica_sums.append(_replica_sum(self.sharded))
+                self.replica_sums.append(replica_sum(self.sharded))
         self._calls = (0, [], 0)
         if self.sharded is not None and not self.sharded.gradient_sync_on():
             self.sync_off_steps += 1
@@ -320,7 +297,7 @@ class PlainOptimizerWatch:
             self.grad_seen = got if self.grad_seen is None else self.grad_seen | got
             self.grad_steps += 1
             if self.measuring and self.steps > 1:  # the weights' moves are measured from the first step's end
-                nonzero = _nonzero_grads(self.sharded)
+                nonzero = nonzero_grads(self.sharded)
                 self.grad_nonzero = nonzero if self.grad_nonzero is None else self.grad_nonzero | nonzero
         if self.grad_scale is not None:
             self.grad_scale.on_step()

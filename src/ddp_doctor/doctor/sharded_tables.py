@@ -1,6 +1,7 @@
 """What the sharded report reads of the watch of the model's steps (`ShardedWatch`), and this rank's tables for the
 sharded exchange (`exchange/sharded_protocol.py`'s `ShardedRecord`) from it: its buffers, its replicated tensors per
-step, the first observed steps' measures."""
+step, the first observed steps' measures; and the per-step measures the watch takes of the model (`replica_sum`,
+`nonzero_grads`)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,26 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ddp_doctor.core.fingerprint import fingerprints_batched
+from ddp_doctor.core.compat import is_dtensor
+from ddp_doctor.core.fingerprint import fingerprints_batched, significant
 from ddp_doctor.core.sharded_run import INPUT_STEPS
 from ddp_doctor.exchange.sharded_protocol import NOBODY, STEP_COLUMNS, STEP_SHIFT
 from ddp_doctor.observation.grad_scale import GradScale
 from ddp_doctor.observation.graph_collectives import GraphCollectives
 from ddp_doctor.observation.shard_comms import GatherCount, ReducePrecisionProbe
+from ddp_doctor.observation.sharding import ShardedModel
 from ddp_doctor.observation.step_clock import StepClock
 from ddp_doctor.report.model import RunFacts
 
-__all__ = ["ShardedWatch", "buffer_table", "first_nonfinite_input", "replica_steps", "step_table"]
+__all__ = [
+    "ShardedWatch",
+    "buffer_table",
+    "first_nonfinite_input",
+    "nonzero_grads",
+    "replica_steps",
+    "replica_sum",
+    "step_table",
+]
 
 
 class ShardedWatch(Protocol):
@@ -111,3 +122,27 @@ def first_nonfinite_input(w: ShardedWatch) -> float:
     with the rank (`sharded_protocol.STEP_SHIFT`), or `NOBODY`."""
     step = next((k for k, fp in enumerate(w.input_fps[:INPUT_STEPS]) if fp is not None and fp[2] > 0), None)
     return NOBODY if step is None else float(step * STEP_SHIFT + dist.get_rank())
+
+
+def replica_sum(model: ShardedModel) -> float:
+    """The sum of the fingerprints of this rank's local tensors of the model's replicated (DTensor) parameters."""
+    local = [p for _, p in model.named_parameters() if is_dtensor(p)]
+    return float(fingerprints_batched(local).nan_to_num(0.0).sum()) if local else 0.0
+
+
+def nonzero_grads(model: ShardedModel) -> torch.Tensor:
+    """bool[P]: per parameter of `model`, this rank's shard of its gradient holds a value other than 0, beyond
+    round-off (`significant`; one copy to the host for all of them)."""
+    peaks = []
+    for _, p in model.named_parameters():
+        grad = p.grad
+        local = grad.to_local() if grad is not None and is_dtensor(grad) else grad
+        if local is None or local.numel() == 0:
+            peaks.append(torch.zeros((), device=p.device))
+        else:
+            peaks.append(local.detach().abs().amax().float())
+    return (
+        significant(torch.stack([t.to(peaks[0].device) for t in peaks]).cpu())
+        if peaks
+        else torch.zeros(0, dtype=torch.bool)
+    )
