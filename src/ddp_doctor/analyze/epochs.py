@@ -9,7 +9,7 @@ import itertools
 from typing import Any
 
 from ddp_doctor.analyze import rules
-from ddp_doctor.analyze.common import with_evidence
+from ddp_doctor.analyze.common import with_evidence, with_more
 from ddp_doctor.analyze.positions import capped, where
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
@@ -337,7 +337,6 @@ def counted_uneven(
                 ranks=ranks,
                 steps=[],
             )
-            finding = with_evidence(finding, measured=batches(c["max"], c["min"]))
         else:
             finding = Finding(
                 code=Code.UNEVEN_INPUTS,
@@ -351,17 +350,16 @@ def counted_uneven(
                 "ranks and hangs at the end; a metric averaged per rank weighs the ranks unequally.",
                 ranks=ranks,
                 steps=[],
-                measured=batches(c["max"], c["min"]),
                 fix="give every rank the same number of batches (a DistributedSampler, or shards of equal size), or "
                 "keep the loop free of collectives and all_reduce the summed metric and the sample count once, after "
                 "it.",
             )
-        finding.more_ranks = more
-        # The loader's line and counts, beside what each branch measured (a Join's line first, where it has one).
-        finding.sites = lines_of(*finding.sites, d.get("site") or "")
+        # The loader's line and counts (after a Join's line and the counts its finding measures itself).
         ordinal = [Measure("loader_ordinal", d["ordinal"], "value")] if d.get("ordinal", 1) > 1 else []
-        finding.measured = [*finding.measured, Measure("pass", c["pass"], "value"), *counts, *ordinal]
-        findings.append(finding)
+        own = finding.measured or batches(c["max"], c["min"])
+        measured = [*own, Measure("pass", c["pass"], "value"), *counts, *ordinal]
+        finding = with_evidence(finding, sites=[*finding.sites, d.get("site") or ""], measured=measured)
+        findings.append(with_more(finding, more))
     return findings
 
 

@@ -6,6 +6,7 @@ the `View` and returns findings; the rest of the used set is `used_set.py`'s."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ddp_doctor.analyze.common import all_ranks, has_flags, steps_of, with_flags
 from ddp_doctor.analyze.rules import count as _count
@@ -26,6 +27,15 @@ class Hidden:
     steps: set[int] = field(default_factory=set)
     crashed: int = 0
     """Ranks where DDP failed with 'mark a variable ready only once' because of them."""
+
+    def seen(self, v: View) -> dict[str, Any]:
+        """A finding's evidence of them: the parameters, the ranks (and how many more) and the steps."""
+        return {
+            "params": v.params(sorted(self.params)),
+            "ranks": self.ranks,
+            "more_ranks": self.more_ranks,
+            "steps": sorted(self.steps),
+        }
 
 
 def hidden_params(v: View) -> tuple[Hidden, Hidden]:
@@ -68,10 +78,7 @@ def used_outside_forward(v: View) -> list[Finding]:
             severity="error" if broken else "info",
             title=f"{_count(len(outside.params), 'parameter')} used outside DDP's forward",
             detail=detail,
-            params=v.params(sorted(outside.params)),
-            ranks=outside.ranks,
-            more_ranks=outside.more_ranks,
-            steps=sorted(outside.steps),
+            **outside.seen(v),
             fix="compute them inside the wrapped module's forward"
             + (
                 "."
@@ -135,10 +142,7 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
             title="reentrant activation checkpointing inside DDP",
             detail="torch.utils.checkpoint with use_reentrant=True runs a nested backward for the checkpointed "
             "segment, so its parameters are invisible in the graph of DDP's forward outputs. " + effect,
-            params=v.params(sorted(reentrant.params)),
-            ranks=reentrant.ranks,
-            more_ranks=reentrant.more_ranks,
-            steps=sorted(reentrant.steps),
+            **reentrant.seen(v),
             fix="pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it composes with DDP)"
             + (
                 "."

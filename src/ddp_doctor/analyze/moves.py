@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ddp_doctor.analyze.common import all_ranks
-from ddp_doctor.analyze.parallelism import every_rank
+from ddp_doctor.analyze.parallelism import every_rank, optimizer_named
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef
@@ -225,12 +225,11 @@ def stalled_sharded(run: ShardedRun, found: frozenset[str]) -> list[Finding]:
         (ref, held, zero) for ref, trains, (_, nonzero, moved), held, zero in facts if trains and nonzero and not moved
     ]
     if never and run.model_changed and measured != run.grads_zero_steps and not low_weights:
-        where = f"{run.optimizer} created at {run.optimizer_site}" if run.optimizer_site else run.optimizer
         stuck = never_updated(
             params=[ref for ref, _, _ in never],
             held=sum(held for _, held, _ in never),
             zero_lr=sum(zero for _, _, zero in never),
-            optimizer=where,
+            optimizer=optimizer_named(run),
             ranks=every_rank(run),
             steps=list(range(1, run.steps)),  # the weights' moves are measured from the first step's end
         )

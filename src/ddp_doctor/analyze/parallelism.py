@@ -20,6 +20,7 @@ __all__ = [
     "frozen_apart",
     "train_modes_apart",
     "observed_steps",
+    "optimizer_named",
     "unchanged",
 ]
 
@@ -71,6 +72,11 @@ def every_rank(run: ShardedRun) -> list[int]:
 def observed_steps(run: ShardedRun) -> list[int]:
     """The observed optimizer steps."""
     return list(range(run.steps))
+
+
+def optimizer_named(run: ShardedRun) -> str:
+    """The followed optimizer, with the line that created it where it is known."""
+    return f"{run.optimizer} created at {run.optimizer_site}" if run.optimizer_site else run.optimizer
 
 
 def unchanged(run: ShardedRun) -> str:

@@ -6,7 +6,7 @@ holds (the modules' train/eval modes apart are `replica_state.py`'s `replica-div
 from __future__ import annotations
 
 from ddp_doctor.analyze.common import all_ranks, with_more
-from ddp_doctor.analyze.parallelism import api_of, every_rank, observed_steps, unchanged
+from ddp_doctor.analyze.parallelism import api_of, every_rank, observed_steps, optimizer_named, unchanged
 from ddp_doctor.analyze.sharded_fixes import optimizer_fix
 from ddp_doctor.analyze.tree_digest import differing, param_entry, parts_apart, step_apart
 from ddp_doctor.analyze.view import View, detects
@@ -311,7 +311,7 @@ def optimizer_holds_unsharded(run: ShardedRun) -> list[Finding]:
             ranks=every_rank(run),
             steps=observed_steps(run),
             wrapper=(api.call, api.holds),
-            optimizer=f"{run.optimizer} created at {run.optimizer_site}" if run.optimizer_site else run.optimizer,
+            optimizer=optimizer_named(run),
             model_params=run.model_params,
             measured=unchanged(run),
             fix=optimizer_fix(run.framework, api.call, api.done),

@@ -1,6 +1,7 @@
 """The report of an FSDP2 or `replicate` model that a `PlainOptimizerWatch` followed (`plain_watch.py`): each rank's
-facts, gathered in a few fixed-shape collectives and decided by the sharded model's detectors (`diagnose_sharded`). The watch is `ddp-doctor
-check`'s in a script with no DDP model, and `observe()`'s for a sharded model (`sharded_doctor.py`)."""
+facts, gathered in a few fixed-shape collectives and decided by the sharded model's detectors (`diagnose_sharded`).
+The watch is `ddp-doctor check`'s in a script with no DDP model, and `observe()`'s for a sharded model
+(`sharded_doctor.py`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_doctor.analyze import diagnose_sharded
+from ddp_doctor.core.beside import BesideGroup
 from ddp_doctor.core.compat import is_dtensor
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.fingerprint import fingerprints_batched, readable
@@ -100,7 +102,7 @@ class _Looked:
     now: torch.Tensor
     moved: torch.Tensor
     loader: dict[str, Any] | None
-    beside: Any
+    beside: BesideGroup | None
     saved: dict[str, Any] | None
     probe: ReducePrecisionProbe | None
 
