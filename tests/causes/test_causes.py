@@ -102,6 +102,15 @@ def _train(rank: int, world: int, pattern: str) -> dict:
         "codes": sorted(report.codes),
         "loud": sorted(f.code for f in report.findings if f.severity in ("error", "warning")),
         "findings": {f.code: (f.ranks, f.steps, f.detail, f.fix, [p.name for p in f.params]) for f in report.findings},
+        "evidence": {
+            f.code: {
+                "caused_by": f.caused_by,
+                "sites": [s.rsplit("/", 1)[-1] for s in f.sites],
+                "measured": {m.name: m.value for m in f.measured},
+                "labels": f.labels,
+            }
+            for f in report.findings
+        },
     }
 
 
@@ -124,20 +133,26 @@ def test_each_cause_is_named_and_replica_divergence_says_so(tmp_path, pattern, c
         assert set(result["codes"]) & CAUSES == {code}, result["codes"]
         got_ranks, got_steps, detail, fix, _ = result["findings"][code]
         assert (got_ranks, got_steps) == (ranks, steps), result["findings"][code]
+        evidence = result["evidence"][code]
         if code == "grads-reduced-twice":
             # Nothing diverges: every rank's update is world-size times too large, alike.
-            assert result["codes"] == [code] and "2 times" in detail and "test_causes.py" in result["findings"][code][2]
+            assert result["codes"] == [code] and evidence["measured"]["gradient_factor"] == pytest.approx(2)
+            assert any(s.startswith("test_causes.py:") for s in evidence["sites"]), evidence
         else:
             assert result["loud"] == sorted({code, "replica-divergence"}), result["codes"]
-            assert f"fix the cause: {code}" in result["findings"]["replica-divergence"][3]
+            assert code in result["evidence"]["replica-divergence"]["caused_by"]
         if pattern == "resume_rank0":
             # Rank 0 holds 4 tensors of momentum from the start, the others none: the state, not a setting.
-            assert "4 on rank 0, 0 on rank 1" in detail, detail
-            assert fix.startswith("load the optimizer's state on every rank"), (fix, detail)
+            measured = evidence["measured"]
+            assert (measured["state size (rank 0)"], measured["state size (rank 1)"]) == (4, 0), measured
+            assert fix.startswith("load the optimizer's state on every rank"), (fix, detail)  # not the settings' fix
         elif code == "optimizer-differs":
-            assert "lr" in detail and "on rank 0" in detail and "LinearLR.step()" in detail and "test_causes.py" in fix
+            assert {"group 0 lr (rank 0)", "group 0 lr (rank 1)"} <= set(evidence["measured"]), evidence
+            assert evidence["labels"] == {"call": "LinearLR.step()"}
+            assert any(s.startswith("test_causes.py:") for s in evidence["sites"]), evidence
         if pattern == "load_state_dict_rank1_step2":
-            assert "load_state_dict at" in detail and "test_causes.py" in detail
+            assert evidence["labels"] == {"call": "load_state_dict"}
+            assert any(s.startswith("test_causes.py:") for s in evidence["sites"]), evidence
         if pattern.startswith("reinit"):
             # Only the re-initialised layer is named: the others were not written, and they agree.
             assert result["findings"][code][4] == ["2.weight", "2.bias"], result["findings"][code]
@@ -177,7 +192,7 @@ def test_a_re_initialisation_on_every_rank_with_per_rank_seeds_is_named_at_four_
         assert result["loud"] == ["replica-divergence", "weights-changed-outside-optimizer"], result["codes"]
         ranks, steps, _, _, params = result["findings"]["weights-changed-outside-optimizer"]
         assert (ranks, steps, params) == ([0, 1, 2, 3], [0], ["2.weight", "2.bias"])
-        assert "fix the cause: weights-changed-outside-optimizer" in result["findings"]["replica-divergence"][3]
+        assert "weights-changed-outside-optimizer" in result["evidence"]["replica-divergence"]["caused_by"]
 
 
 def test_a_skipped_step_at_four_ranks_names_the_rank_and_is_no_collective_mismatch(tmp_path) -> None:

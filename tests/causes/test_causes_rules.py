@@ -74,7 +74,7 @@ def test_optimizer_settings_that_differ_at_a_step_every_rank_took() -> None:
         "group 0 lr (rank 0)": (pytest.approx(0.05), "value"),
         "group 0 lr (rank 1)": (pytest.approx(0.1), "value"),
     }
-    assert "StepLR.step()" in d.detail  # the scheduler's call: not in the evidence
+    assert d.labels == {"call": "StepLR.step()"}  # the scheduler's call
     assert "train.py:31" in d.fix
 
 
@@ -110,7 +110,7 @@ def test_replicas_that_differ_before_the_first_step_say_init_sync() -> None:
     records = [record(r, ALL, weights=weights(0, r)) for r in range(2)]
     f = found(records, ddp_config={"find_unused_parameters": False, "static_graph": False, "init_sync": False})
     assert (f["replicas-differ-at-wrap"].ranks, f["replicas-differ-at-wrap"].steps) == ([0, 1], [0])
-    assert "init_sync=False" in f["replicas-differ-at-wrap"].detail  # the flag that explains it: not in the evidence
+    assert f["replicas-differ-at-wrap"].labels == {"init_sync": "False"}  # the flag that explains it
     assert f["replica-divergence"].caused_by == ["replicas-differ-at-wrap"]
 
 
@@ -123,7 +123,7 @@ def test_weights_written_outside_the_optimizer_on_one_rank_name_the_rank_the_lin
     w = f["weights-changed-outside-optimizer"]
     # Step 0: between DDP's wrap and the first forward.
     assert (w.ranks, w.steps, w.param_names, w.sites) == ([0], [0], ["head_a.weight"], ["resume.py:12"])
-    assert "load_state_dict" in w.detail  # the call that wrote them: not in the evidence
+    assert w.labels == {"call": "load_state_dict"}  # the call that wrote them
 
 
 def test_a_write_on_every_rank_alike_is_no_cause() -> None:
@@ -134,7 +134,13 @@ def test_a_write_on_every_rank_alike_is_no_cause() -> None:
 def test_a_divergence_no_cause_explains_says_it_is_unknown_and_what_was_ruled_out() -> None:
     f = found([record(r, ALL, weights=weights(2, r)) for r in range(2)])
     assert not set(f) & CAUSES and f["replica-divergence"].caused_by == []  # unknown: no finding explains it
-    assert "optimizer-step-skipped" in f["replica-divergence"].fix  # what was ruled out: not in the evidence
+    assert f["replica-divergence"].ruled_out == [  # what was looked for and not seen
+        "grads-changed-after-sync",
+        "optimizer-differs",
+        "optimizer-step-skipped",
+        "replicas-differ-at-wrap",
+        "weights-changed-outside-optimizer",
+    ]
 
 
 def _edited(rank: int, changed: bool, *, measured: int = 1, sites: tuple[str, ...] = ()) -> object:

@@ -223,7 +223,7 @@ def test_json_round_trip_of_the_report_shape() -> None:
     }
     assert set(data["findings"][0]) == {
         *("code", "severity", "title", "detail", "params", "ranks", "steps", "fix"),  # the @1 keys, kept
-        *("caused_by", "explains", "sites", "measured"),  # @2's evidence
+        *("caused_by", "explains", "sites", "measured", "labels", "ruled_out"),  # @2's evidence
     }
     assert set(data["recommendation"]) == {
         "find_unused_parameters",

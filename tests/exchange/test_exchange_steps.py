@@ -155,18 +155,17 @@ def _odd(
     return out
 
 
-def _by_title(d, code: str, words: str):
-    """The finding of `code` whose title has `words`: the kind of a `collective-mismatch` (no backward, different
-    collectives, without grad) is in its words only."""
-    return next(f for f in d.findings if f.code == code and words in f.title)
+def _by_kind(d, code: str, kind: str):
+    """The finding of `code` of `kind` (its `labels`): a `collective-mismatch`'s mechanism."""
+    return next(f for f in d.findings if f.code == code and f.labels.get("kind") == kind)
 
 
 def test_unpaired_forwards_collectives_and_scales_name_the_ranks() -> None:
     d = analyze(model_info(), _odd(8, extra={2, 5}, colls={3}, scales={6}))
-    unpaired = _by_title(d, "collective-mismatch", "no backward")
+    unpaired = _by_kind(d, "collective-mismatch", "forward-without-backward")
     assert (unpaired.ranks, unpaired.steps, unpaired.sites) == ([2, 5], [1], ["train.py:55"])
     assert unpaired.severity == "error"  # the model has buffers and broadcasts them
-    coll = _by_title(d, "collective-mismatch", "different collectives")
+    coll = _by_kind(d, "collective-mismatch", "sequence")
     assert (coll.ranks, coll.steps, coll.sites) == ([0, 3], [2], ["train.py:41"])  # rank 3 against rank 0
     # What rank 3 called there: not in the evidence.
     assert "rank 3 called broadcast(int64[3]) over a group of 2" in coll.detail
@@ -187,7 +186,7 @@ def test_unpaired_forwards_collectives_and_scales_name_the_ranks() -> None:
 
 def test_a_buffer_broadcast_from_a_forward_without_grad_on_some_ranks_names_them_and_the_line() -> None:
     d = analyze(model_info(), _odd(8, extra=set(), colls=set(), scales=set(), evals=frozenset({0, 4})))
-    found = _by_title(d, "collective-mismatch", "without grad")
+    found = _by_kind(d, "collective-mismatch", "broadcast-without-grad")
     # Ranks 0 and 4 and no others (ranks 1-3, 5-7 did not), at eval.py:30 in step 2.
     assert found.severity == "error" and (found.ranks, found.more_ranks) == ([0, 4], 0), found
     assert (found.steps, found.sites) == ([2], ["eval.py:30"]), found
@@ -202,7 +201,7 @@ def test_a_step_whose_grad_mode_forwards_without_backward_differ_is_reported_onc
     assert [(f.ranks, f.steps, f.sites) for f in d.findings if f.code == "collective-mismatch"] == [
         ([2], [1], ["train.py:55"])
     ]
-    assert _by_title(d, "collective-mismatch", "no backward").sites == ["train.py:55"]
+    assert _by_kind(d, "collective-mismatch", "forward-without-backward").sites == ["train.py:55"]
 
 
 def test_the_same_evaluation_on_every_rank_is_no_finding() -> None:
@@ -214,10 +213,10 @@ def test_many_odd_ranks_are_named_by_examples_and_counted() -> None:
     world = 40
     extra = set(range(1, world, 2))
     d = analyze(model_info(), _odd(world, extra=extra, colls=extra, scales=extra))
-    unpaired = _by_title(d, "collective-mismatch", "no backward")
+    unpaired = _by_kind(d, "collective-mismatch", "forward-without-backward")
     assert len(unpaired.ranks) == EXAMPLES and set(unpaired.ranks) <= extra
     assert unpaired.more_ranks == len(extra) - EXAMPLES
-    coll = _by_title(d, "collective-mismatch", "different collectives")
+    coll = _by_kind(d, "collective-mismatch", "sequence")
     assert coll.more_ranks == len(extra) - EXAMPLES
     scaler = next(f for f in d.findings if f.code == "grad-scaler-mismatch")
     # Rank 0 and examples of the others, the rest counted: every odd rank is accounted for.

@@ -1,5 +1,5 @@
 """Every number a finding's title or detail states is in its typed evidence (JSON `params`, `ranks`, `steps`,
-`sites`, `measured`), so that a reader of the JSON gets it as a fact, not only inside a sentence. Checked on the
+`more_ranks`, `sites`, `measured`), so that a reader of the JSON gets it as a fact, not only inside a sentence. Checked on the
 golden reports of the bundled examples (tests/golden/, real `check` runs); the checker is tested on hand-built
 findings."""
 
@@ -19,7 +19,7 @@ _NUMBER = re.compile(r"(?<![\w.:/-])(\d+(?:,\d{3})*(?:\.\d+)?(?:e-?\d+)?)(?![\w/
 
 def evidence(f: dict[str, Any]) -> set[float]:
     """The numbers a finding's JSON carries as evidence, counts of its lists included."""
-    found: set[float] = {len(f["params"]), len(f["ranks"]), len(f["steps"])}
+    found: set[float] = {len(f["params"]), len(f["ranks"]), len(f["steps"]), f.get("more_ranks", 0)}
     for p in f["params"]:
         found |= {p["numel"], *p["shape"]}
     found |= {*f["ranks"], *f["steps"], *(int(s.rsplit(":", 1)[1]) for s in f.get("sites", []))}

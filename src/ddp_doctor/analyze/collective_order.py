@@ -134,6 +134,7 @@ def sequences_apart(
         ranks=sorted({reference, *odd}),
         steps=[step, *also],
         more_ranks=more,
+        labels={"kind": "sequence"},
     )
 
 
@@ -145,10 +146,10 @@ def _apart(v: View, extra: str, fewer: str, sites: str) -> tuple[Examples, Examp
 
 
 def _by_mechanism(
-    words: dict[str, str], *, extra: Examples, sites: list[str], steps: list[int], severity: str = "error"
+    words: dict[str, str], *, kind: str, extra: Examples, sites: list[str], steps: list[int], severity: str = "error"
 ) -> list[Finding]:
-    """The finding of DDP's collectives counted by a mechanism: the `extra` ranks issued more of them, at `sites`,
-    in `steps`."""
+    """The finding of DDP's collectives counted by a mechanism (`kind`: `synced-passes`, `forward-without-backward`,
+    `broadcast-without-grad`): the `extra` ranks issued more of them, at `sites`, in `steps`."""
     return [
         Finding(
             code=Code.COLLECTIVE_MISMATCH,
@@ -159,6 +160,7 @@ def _by_mechanism(
             ranks=extra.ranks,
             steps=steps,
             more_ranks=extra.more,
+            labels={"kind": kind},
         )
     ]
 
@@ -189,7 +191,7 @@ def synced_pass_mismatch(v: View) -> list[Finding]:
         also=bad[1:],
         every=len(bad) == v.summary.windows >= 2,
     )
-    return _by_mechanism(words, extra=extra, sites=sites, steps=bad)
+    return _by_mechanism(words, kind="synced-passes", extra=extra, sites=sites, steps=bad)
 
 
 @detects(Code.COLLECTIVE_MISMATCH)
@@ -215,7 +217,8 @@ def unpaired_forward_mismatch(v: View) -> list[Finding]:
         broadcasts=broadcasts,
         also=bad[1:],
     )
-    return _by_mechanism(words, extra=extra, sites=sites, steps=bad, severity="error" if broadcasts else "warning")
+    severity = "error" if broadcasts else "warning"
+    return _by_mechanism(words, kind="forward-without-backward", extra=extra, sites=sites, steps=bad, severity=severity)
 
 
 @detects(Code.COLLECTIVE_MISMATCH)
@@ -244,7 +247,7 @@ def eval_broadcast_mismatch(v: View) -> list[Finding]:
         uneven=[s for s in bad if int(hi[s, 0]) != int(lo[s, 0])],
         also=bad[1:],
     )
-    return _by_mechanism(words, extra=extra, sites=sites, steps=bad)
+    return _by_mechanism(words, kind="broadcast-without-grad", extra=extra, sites=sites, steps=bad)
 
 
 def followed_apart(s: FollowSummary) -> list[Finding]:
@@ -253,12 +256,14 @@ def followed_apart(s: FollowSummary) -> list[Finding]:
     forward without grad that the others did not run (the counts alike: DDP then skips that rank's next one)."""
     if s.lone_broadcasts and s.more_ranks:
         words = lone_broadcast_words(ranks=s.more_ranks, extra_sites=s.extra_sites)
-        return [Finding(code=Code.COLLECTIVE_MISMATCH, severity="error", **words, ranks=s.more_ranks)]
+        kind = {"kind": "broadcast-without-grad"}
+        return [Finding(code=Code.COLLECTIVE_MISMATCH, severity="error", **words, ranks=s.more_ranks, labels=kind)]
     differ = {k: v for k, v in s.counts.items() if v[0] != v[1]}
     if not differ:
         return []
     words = followed_words(differ=differ, ranks=s.more_ranks, extra_sites=s.extra_sites)
-    return [Finding(code=Code.COLLECTIVE_MISMATCH, severity="error", **words, params=[], ranks=s.more_ranks)]
+    kind = {"kind": "epoch-end-counts"}
+    return [Finding(code=Code.COLLECTIVE_MISMATCH, severity="error", **words, ranks=s.more_ranks, labels=kind)]
 
 
 def dumps_apart(
@@ -289,6 +294,7 @@ def dumps_apart(
         severity="error",
         **words,
         ranks=sorted(r for ranks in kinds.values() for r in ranks),
+        labels={"kind": "sequence", "source": "flight-recorder"},
     )
 
 
@@ -316,4 +322,5 @@ def beacons_apart(states: dict[int, RankState], parting: Parting) -> Finding:
         sites=lines_of(
             c.site or "", *(s.collective.site or "" for s in different), *(s.user_frame or "" for s in behind)
         ),
+        labels={"kind": "sequence", "source": "beacons"},
     )

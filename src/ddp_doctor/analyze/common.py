@@ -44,11 +44,14 @@ def all_ranks(v: View) -> list[int]:
     return list(range(v.world))
 
 
-def with_evidence(finding: Finding, *, sites: Iterable[str] = (), measured: Iterable[Measure] = ()) -> Finding:
-    """`finding`, with the script lines of the recorded `sites` (`lines_of`) and the quantities it was decided on:
-    for the finding builders shared with `guard` (`rules.py`), which take no evidence."""
+def with_evidence(
+    finding: Finding, *, sites: Iterable[str] = (), measured: Iterable[Measure] = (), ruled_out: Iterable[str] = ()
+) -> Finding:
+    """`finding`, with the script lines of the recorded `sites` (`lines_of`), the quantities it was decided on and
+    the causes ruled out: for the finding builders shared with `guard` (`rules.py`), which take no evidence."""
     finding.sites = lines_of(*sites)
     finding.measured = list(measured)
+    finding.ruled_out = list(ruled_out)
     return finding
 
 

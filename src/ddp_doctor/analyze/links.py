@@ -14,7 +14,7 @@ from ddp_doctor.analyze.causes import CAUSES
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 
-__all__ = ["UNSYNCED", "divergence_fix", "link_causes"]
+__all__ = ["UNSYNCED", "divergence_fix", "link_causes", "ruled_out"]
 
 UNSYNCED = (
     Code.PARAM_SHAPES_DIFFER,
@@ -98,6 +98,14 @@ def _agreed(measured: dict[str, int]) -> str:
     else:
         return "the gradients agreed after DDP's all-reduce at every step observed (no optimizer step was seen)"
     return f"the gradients agreed after DDP's all-reduce {at}, at every step observed"
+
+
+def ruled_out(found: frozenset[str]) -> list[str]:
+    """The causes of a `replica-divergence` the check looked for and did not see, when nothing found explains it
+    (`divergence_fix` says the same in words): the finding's `ruled_out`."""
+    if Code.GRADS_NOT_SYNCED in found or found.intersection(CAUSES) or found.intersection(UNSYNCED):
+        return []
+    return [str(c) for c in CAUSES]
 
 
 def divergence_fix(found: frozenset[str], measured: dict[str, int]) -> str:

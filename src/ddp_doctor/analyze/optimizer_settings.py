@@ -11,7 +11,7 @@ from ddp_doctor.analyze.common import first_differing, meta_sites, with_more
 from ddp_doctor.analyze.parallelism import apart_args
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, Measure, lines_of
+from ddp_doctor.core.findings import Finding, Measure, calls_of, lines_of
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
@@ -22,6 +22,8 @@ _SAME_SETTINGS_SHARDED = (
     "does this: step it on every rank)."
 )
 _FIELD = re.compile(r"(\w+)=([^,;]+)")
+_PLATEAU = "ReduceLROnPlateau.step()"
+"""The call of a scheduler that reads a metric, as `calls_of` names a scheduler's call."""
 
 _SETTINGS_APART = {
     "ddp": "Identical gradients then give different updates, so the replicas drift apart.",
@@ -70,12 +72,12 @@ def optimizer_apart_sharded(run: ShardedRun) -> list[Finding]:
     apart = run.settings_apart
     if apart is None:
         return []
-    where, fix, sites = "", _SAME_SETTINGS_SHARDED, ()
+    where, fix, sites, call = "", _SAME_SETTINGS_SHARDED, (), None
     if run.metric_schedulers:
         (where, fix), sites = metric_scheduler_words(run.metric_schedulers), tuple(run.metric_schedulers)
-    found = settings_apart(
-        **apart_args(apart), parallelism=parallelism_of(run.sharding), where=where, fix=fix, sites=sites
-    )
+        call = _PLATEAU
+    parallelism = parallelism_of(run.sharding)
+    found = settings_apart(**apart_args(apart), parallelism=parallelism, where=where, fix=fix, sites=sites, call=call)
     return [with_more(found, apart["more"])]
 
 
@@ -89,9 +91,11 @@ def settings_apart(
     where: str = "",
     fix: str = _SAME_SETTINGS,
     sites: tuple[str, ...] = (),
+    call: str | None = None,
 ) -> Finding:
     """`optimizer-differs` at `step`, for every parallelism (the consequence it states is `parallelism`'s): `held` maps ranks to their optimizer's settings (`optimizers.describe`'s
-    text), `reference` first; `ranks` are the ranks the finding names."""
+    text), `reference` first; `ranks` are the ranks the finding names; `call` the call that set them apart (an LR
+    scheduler's `StepLR.step()`), where one is known."""
     ref = _settings(held.get(reference, ""))
     values: dict[str, dict[int, str]] = {}
     for r, text in held.items():
@@ -131,6 +135,7 @@ def settings_apart(
         steps=[step],
         measured=measured,
         fix=fix,
+        labels={"call": call} if call else {},
     )
 
 
@@ -170,7 +175,7 @@ def optimizer_differs(v: View) -> list[Finding]:
     held = {r: (v.meta(r).get("optimizer") or [""])[0] for r in [0, *odd.ranks]}
     # Where it changed: a scheduler stepped on some ranks only, at or before this step.
     changed = [k for k in first_differing(v.summary.scheduler_steps) if k <= step]
-    where, fix, sites = "", _SAME_SETTINGS, []
+    where, fix, sites, call = "", _SAME_SETTINGS, [], None
     if changed:
         extra = v.ranks("scheduler-extra")
         sites = meta_sites(v, extra.ranks, "scheduler_sites")
@@ -188,8 +193,9 @@ def optimizer_differs(v: View) -> list[Finding]:
             )
             + "; change any optimizer setting on every rank alike."
         )
+        call = next(iter(calls_of(*sites)), None)
     elif plateau := v.meta(0).get("metric_schedulers"):
-        sites = list(plateau)
+        sites, call = list(plateau), _PLATEAU
         where, fix = metric_scheduler_words(sites)
     finding = settings_apart(
         step=step,
@@ -200,5 +206,6 @@ def optimizer_differs(v: View) -> list[Finding]:
         where=where,
         fix=fix,
         sites=tuple(sites),
+        call=call,
     )
     return [with_more(finding, odd.more)]

@@ -9,7 +9,7 @@ from typing import Any
 
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.common import steps_of, with_evidence, with_more
-from ddp_doctor.analyze.links import UNSYNCED, divergence_fix
+from ddp_doctor.analyze.links import UNSYNCED, divergence_fix, ruled_out
 from ddp_doctor.analyze.local_sgd import local_sgd
 from ddp_doctor.analyze.parallelism import apart_args, train_modes_apart
 from ddp_doctor.analyze.rules import count as _count
@@ -75,6 +75,7 @@ def replica_divergence(v: View, found: frozenset[str]) -> list[Finding]:
                     fix=divergence_fix(found, v.summary.grads_measured),
                 ),
                 measured=[Measure("largest_sum_difference", gap, "abs")],
+                ruled_out=ruled_out(found),
             ),
             others.more,
         )

@@ -224,6 +224,7 @@ def input_bound_finding(
             Measure("data_wait_share", share, "fraction"),
             Measure("steps_timed", steps, "count"),
         ],
+        labels={"clock": clock},
     )
 
 
@@ -380,6 +381,7 @@ def straggler_finding(
             Measure("others_wait", lost, "s"),
             Measure("steps_timed", steps, "count"),
         ],
+        labels={"clock": "host"},
     )
 
 

@@ -10,7 +10,7 @@ import torch
 from ddp_doctor.analyze.common import all_ranks, first_differing, meta_sites, steps_of, with_more
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, lines_of
+from ddp_doctor.core.findings import Finding, calls_of, lines_of
 from ddp_doctor.core.ranks import rank_list
 
 __all__ = ["replicas_differ_at_wrap", "weights_changed_outside_optimizer"]
@@ -36,6 +36,12 @@ def _mask(v: View, ranks: list[int]) -> torch.Tensor:
     mask = torch.zeros(len(v.info.param_names), dtype=torch.bool)
     mask[[i for i in changed if i < len(mask)]] = True
     return mask
+
+
+def _call(sites: list[str]) -> dict[str, str]:
+    """The call that wrote the weights (`load_state_dict`), where the ranks recorded one: a finding's `labels`."""
+    calls = calls_of(*sites)
+    return {"call": calls[0]} if calls else {}
 
 
 @detects(Code.REPLICAS_DIFFER_AT_WRAP)
@@ -73,6 +79,7 @@ def replicas_differ_at_wrap(v: View) -> list[Finding]:
                 params=v.params(s.weight_params),
                 ranks=[0, *others.ranks],
                 steps=[0],
+                labels={"init_sync": "False"} if init_sync is False else {},
                 fix="build DDP with the default init_sync=True (its constructor broadcasts rank 0's weights), or "
                 "seed every rank alike before building the model (a per-rank seed belongs after DDP is built, for "
                 "data order and dropout).",
@@ -112,6 +119,7 @@ def weights_changed_outside_optimizer(v: View) -> list[Finding]:
                 ranks=who.ranks,
                 steps=[first],
                 fix=_FIX,
+                labels=_call(sites),
             ),
             who.more,
         )
@@ -156,6 +164,7 @@ def _written_apart(v: View) -> list[Finding]:
             params=v.params(written),
             ranks=all_ranks(v),
             steps=[step],
+            labels=_call(sites),
             fix="initialise (or load) the weights before wrapping the model in DDP, whose constructor broadcasts "
             "rank 0's copy; or seed every rank alike before the re-initialisation; or broadcast rank 0's weights "
             "after it on purpose (for p in model.module.parameters(): dist.broadcast(p.data, src=0)).",

@@ -21,17 +21,25 @@ __all__ = [
     "Recommendation",
     "Timing",
     "by_cause",
+    "calls_of",
     "finite",
     "lines_of",
 ]
 
 _LINE = re.compile(r"([^\s(),;:'\"`]+\.py):(\d+)")
+_CALL = re.compile(r"([\w.]+(?:\(\))?) at [^\s(),;:'\"`]+\.py:\d+")
 
 
 def lines_of(*sites: str) -> list[str]:
     """The script lines (`file:line`) in recorded sites such as ``"no_sync() at train.py:12"`` or
     ``"train.py:40 (in step)"``, each once, in order: a finding's `sites`."""
     return list(dict.fromkeys(f"{m[1]}:{m[2]}" for site in sites for m in _LINE.finditer(site or "")))
+
+
+def calls_of(*sites: str) -> list[str]:
+    """The calls named in recorded sites such as ``"step 1: StepLR.step() at train.py:31"`` or
+    ``"load_state_dict at resume.py:12"`` (the name before `at file:line`), each once, in order."""
+    return list(dict.fromkeys(m[1] for site in sites for m in _CALL.finditer(site or "")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +94,12 @@ class Finding:
     """The script's lines (`file:line`) the finding is about, as the ranks recorded them (`lines_of`)."""
     measured: list[Measure] = field(default_factory=list)
     """The quantities the finding was decided on."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Evidence that is a name, not a number: which of a code's mechanisms this is (`kind`), the clock that timed
+    the steps (`clock`), the call that wrote the weights (`call`), a DDP flag that explains it (`init_sync`), ...;
+    docs/json-schema.md lists each code's keys."""
+    ruled_out: list[str] = field(default_factory=list)
+    """For a finding whose cause was not seen: the codes of the causes the check looked for and ruled out."""
 
     def __post_init__(self) -> None:
         assert self.code in CODES, f"unknown finding code {self.code!r}"
@@ -113,6 +127,8 @@ class Finding:
         out["explains"] = self.explains
         out["sites"] = self.sites
         out["measured"] = [{"name": m.name, "value": finite(m.value), "unit": m.unit} for m in self.measured]
+        out["labels"] = self.labels
+        out["ruled_out"] = self.ruled_out
         return out
 
     @classmethod
