@@ -24,6 +24,7 @@ from ddp_doctor.analyze.failures import failure_findings
 from ddp_doctor.analyze.flight_recorder import first_divergence
 from ddp_doctor.analyze.links import link_causes
 from ddp_doctor.analyze.recommend import recommend
+from ddp_doctor.analyze.roads import from_view
 from ddp_doctor.analyze.shapes import explain_shape_error, refused_at_wrap
 from ddp_doctor.analyze.sharded import verified_reshard
 from ddp_doctor.analyze.sharded_failures import explain_fsdp2_crash, explain_meta_params
@@ -83,7 +84,7 @@ def analyze_summary(summary: Summary) -> Diagnosis:
     depend on the world size."""
     info = summary.info
     view = View(summary)
-    findings = run_detectors(view, DETECTORS)
+    findings = run_detectors(view, DETECTORS, from_view(view))
     findings.sort(key=lambda f: _SEVERITY_ORDER[f.severity])
     link_causes(findings)
     crashes = []

@@ -12,6 +12,7 @@ from ddp_doctor.analyze.links import UNSYNCED
 from ddp_doctor.analyze.local_sgd import local_sgd
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.core.agreed import Agreed
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.ranks import listed, rank_list
@@ -21,7 +22,6 @@ __all__ = [
     "beside_inputs_apart",
     "grads_not_synced",
     "identical_inputs",
-    "identical_inputs_sharded",
     "tp_inputs_sharded",
     "unsynced_steps",
     "wrapper_bypass",
@@ -156,26 +156,13 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
     ]
 
 
-@detects(Code.IDENTICAL_INPUTS_ACROSS_RANKS)
-def identical_inputs(v: View) -> list[Finding]:
-    if v.world < 2 or not v.steps:
-        return []
-    has_input = v.summary.input_present  # [S]: every rank saw an input
-    if not has_input.any():
-        return []
-    same = ~v.summary.input_differs[has_input]
-    if not bool(same.all()):
-        return []
-    return [same_inputs(world=v.world, steps=steps_of(has_input))]
-
-
-@detects(Code.IDENTICAL_INPUTS_ACROSS_RANKS, road="sharded")
-def identical_inputs_sharded(run: ShardedRun) -> list[Finding]:
-    """A sharded model's ranks that fed the same inputs at every compared step, unless the job has one
+@detects(Code.IDENTICAL_INPUTS_ACROSS_RANKS, road="every")
+def identical_inputs(a: Agreed) -> list[Finding]:
+    """Ranks that fed the same inputs at every compared step, whatever the parallelism, unless the job has one
     data-parallel group beside tensor parallelism (every rank then rightly reads the same batches)."""
-    if run.world < 2 or not run.inputs_compared or not run.inputs_identical or run.beside_groups == 1:
+    if a.world < 2 or not a.inputs_compared or not a.inputs_identical or a.one_data_group:
         return []
-    return [same_inputs(world=run.world, steps=run.inputs_compared)]
+    return [same_inputs(world=a.world, steps=a.inputs_compared)]
 
 
 @detects(Code.TP_INPUTS_DIFFER, road="sharded")
@@ -188,8 +175,7 @@ def tp_inputs_sharded(run: ShardedRun) -> list[Finding]:
 
 def same_inputs(*, world: int, steps: list[int]) -> Finding:
     """`identical-inputs-across-ranks`: at every one of `steps` (those whose inputs every rank saw) the inputs were
-    the same on all `world` ranks. One rule for every parallelism: DDP's exchange and a sharded model's report
-    (`identical_inputs_sharded`) both decide it here."""
+    the same on all `world` ranks."""
     return Finding(
         code=Code.IDENTICAL_INPUTS_ACROSS_RANKS,
         severity="warning",

@@ -33,13 +33,13 @@ from ddp_doctor.analyze.collective_words import (
 )
 from ddp_doctor.analyze.parting import Parting
 from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.core.agreed import Agreed
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, lines_of
 from ddp_doctor.core.following import FollowSummary
 from ddp_doctor.core.fr_dumps import FrDump, FrEntry
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
-from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.core.summary import Examples
 
 __all__ = [
@@ -49,41 +49,30 @@ __all__ = [
     "eval_broadcast_mismatch",
     "followed_apart",
     "sequences_apart",
-    "sharded_sequences_apart",
     "synced_pass_mismatch",
     "unpaired_forward_mismatch",
 ]
 
 
-@detects(Code.COLLECTIVE_MISMATCH)
-def collective_sequence_mismatch(v: View) -> list[Finding]:
-    """Ranks whose own collectives (the script's `torch.distributed` calls) differed in a step that still completed:
-    a different op, shape or reduction at the same position, or a different count. Compared through each step's
-    count and running digest; the logged calls of group rank 0 and of the example ranks that differ from it name
-    the first difference. (A mismatch that aborts or hangs the job is named from the ranks' beacons instead:
-    `beacons_apart`.)"""
-    if v.world < 2 or not v.steps:
+@detects(Code.COLLECTIVE_MISMATCH, road="every")
+def collective_sequence_mismatch(a: Agreed) -> list[Finding]:
+    """Ranks whose collectives differed in a step that still completed, whatever the parallelism (the script's
+    `torch.distributed` calls; a sharded model's FSDP2 and `replicate` calls too, in order): a different op, shape
+    or reduction at the same position, or a different count. The calls of the reference rank and of the ranks that
+    differ from it name the first difference. (A mismatch that aborts or hangs the job is named from the ranks'
+    beacons instead: `beacons_apart`.)"""
+    if a.world < 2 or (apart := a.collectives_apart) is None:
         return []
-    hi, lo = v.summary.collectives
-    bad = [s for s in range(v.steps) if bool((hi[s] != lo[s]).any())]
-    if not bad:
-        return []
-    first = bad[0]
-    odd = v.ranks("collective-differs")
-    calls = {r: v.meta(r)["collective_log"] for r in [0, *odd.ranks]}  # the exchange kept that step's calls
-    counts = sorted({int(lo[first][0]), int(hi[first][0])})
-    return [sequences_apart(step=first, calls=calls, odd=odd.ranks, more=odd.more, counts=counts, also=bad[1:])]
-
-
-@detects(Code.COLLECTIVE_MISMATCH, road="sharded")
-def sharded_sequences_apart(run: ShardedRun) -> list[Finding]:
-    """A sharded model's ranks whose collectives of an observed step (the script's, FSDP2's and `replicate`'s, in
-    order) part: `ShardedRun.collectives_apart`, the reference rank's and the first other rank's calls."""
-    if (apart := run.collectives_apart) is None:
-        return []
-    held = {int(r): calls for r, calls in apart["held"].items()}
-    calls = {r: held[r] for r in (apart["reference"], *apart["ranks"]) if r in held}
-    return [sequences_apart(step=apart["step"], calls=calls, odd=apart["ranks"], more=apart["more"])]
+    calls = {r: apart.held[r] for r in (apart.reference, *apart.ranks) if r in apart.held}
+    found = sequences_apart(
+        step=apart.step,
+        calls=calls,
+        odd=apart.ranks,
+        more=apart.more,
+        counts=a.collectives_counts,
+        also=a.collectives_also,
+    )
+    return [found]
 
 
 def sequences_apart(

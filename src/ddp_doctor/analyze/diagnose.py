@@ -31,6 +31,7 @@ from ddp_doctor.analyze.not_wrapped import (
     unwrapped_unchecked,
 )
 from ddp_doctor.analyze.recommend import recommend_after_failure, verified_by_second_run
+from ddp_doctor.analyze.roads import from_run
 from ddp_doctor.analyze.sharded import sharded_recommendation
 from ddp_doctor.analyze.sharded_coverage import sharded_compared, sharded_unchecked
 from ddp_doctor.analyze.snippets import with_code
@@ -167,7 +168,7 @@ def diagnose_sharded(run: ShardedRun) -> Diagnosis:
     """A model sharded with FSDP2 (`fully_shard`, or `replicate`): the findings of every detector registered for a
     sharded model's facts (`detectors.SHARDED_DETECTORS`), most severe first, and what the check says instead of
     flags."""
-    findings = run_detectors(run, SHARDED_DETECTORS)
+    findings = run_detectors(run, SHARDED_DETECTORS, from_run(run))
     findings.sort(key=lambda f: SEVERITIES.index(f.severity))
     link_causes(findings)
     return Diagnosis(

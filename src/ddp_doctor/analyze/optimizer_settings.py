@@ -1,21 +1,20 @@
-"""The optimizers' settings compared across ranks (`optimizer-differs`), one rule for every parallelism: DDP's
-exchange hands in the settings of rank 0 and the ranks that differ from it (`optimizer_differs`); a sharded model's
-report the settings of the rank holding the most common ones and of the first other rank
-(`optimizer_apart_sharded`). The parallelism changes the consequence the finding states, not the rule."""
+"""The optimizers' settings compared across ranks (`optimizer-differs`), one detector for every parallelism
+(`optimizer_differs`, of the `Agreed` facts): DDP's exchange hands in the settings of rank 0 and the ranks that
+differ from it, a sharded model's the settings of the rank holding the most common ones and of the first other
+rank. The parallelism changes the consequence the finding states, not the rule."""
 
 from __future__ import annotations
 
 import re
 
-from ddp_doctor.analyze.common import first_differing, meta_sites, with_more
-from ddp_doctor.analyze.parallelism import apart_args
-from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.analyze.common import with_more
+from ddp_doctor.analyze.view import detects
+from ddp_doctor.core.agreed import Agreed
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, calls_of, lines_of
 from ddp_doctor.core.ranks import rank_list
-from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
-__all__ = ["metric_scheduler_words", "optimizer_apart_sharded", "optimizer_differs", "settings_apart"]
+__all__ = ["metric_scheduler_words", "optimizer_differs", "settings_apart"]
 
 _SAME_SETTINGS_SHARDED = (
     "set every optimizer hyperparameter identically on every rank (an LR scheduler stepped on some ranks only "
@@ -58,27 +57,6 @@ def _settings(text: str) -> dict[str, str]:
         for key, value in _FIELD.findall(part.split(") ", 1)[-1]):
             out[f"{head} {key}"] = value.strip()
     return out
-
-
-@detects(Code.OPTIMIZER_DIFFERS, road="sharded")
-def optimizer_apart_sharded(run: ShardedRun) -> list[Finding]:
-    """A sharded model's optimizer settings, compared across ranks at its first observed steps, apart at a step.
-
-    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps (`tests/scripts/fsdp2_train.py
-    --mistake sched-rank0`, a StepLR with gamma 0.5 stepped on rank 0 alone from the third step): exit 0, nothing
-    said; the last learning rate is 9.77e-06 on rank 0 and 0.01 on rank 1, and the gathered head.weight sums to
-    -0.952121 (-1.060282 with the scheduler stepped on every rank): each rank stepped its own shard of every
-    parameter at its own rate."""
-    apart = run.settings_apart
-    if apart is None:
-        return []
-    where, fix, sites, call = "", _SAME_SETTINGS_SHARDED, (), None
-    if run.metric_schedulers:
-        (where, fix), sites = metric_scheduler_words(run.metric_schedulers), tuple(run.metric_schedulers)
-        call = _PLATEAU
-    parallelism = parallelism_of(run.sharding)
-    found = settings_apart(**apart_args(apart), parallelism=parallelism, where=where, fix=fix, sites=sites, call=call)
-    return [with_more(found, apart["more"])]
 
 
 def settings_apart(
@@ -163,24 +141,27 @@ def metric_scheduler_words(sites: list[str]) -> tuple[str, str]:
     return where, fix
 
 
-@detects(Code.OPTIMIZER_DIFFERS)
-def optimizer_differs(v: View) -> list[Finding]:
+@detects(Code.OPTIMIZER_DIFFERS, road="every")
+def optimizer_differs(a: Agreed) -> list[Finding]:
     """At a step that every rank took, the optimizers' settings differ: a hyperparameter, the groups, or what an
-    LR scheduler stepped on some ranks only set. The rule and words are every parallelism's
-    (`settings_apart`)."""
-    step = v.summary.optimizer_differs
-    if v.world < 2 or step is None:
+    LR scheduler stepped on some ranks only set, whatever the parallelism (`settings_apart` words its
+    consequence for it).
+
+    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps (`tests/scripts/fsdp2_train.py
+    --mistake sched-rank0`, a StepLR with gamma 0.5 stepped on rank 0 alone from the third step): exit 0, nothing
+    said; the last learning rate is 9.77e-06 on rank 0 and 0.01 on rank 1, and the gathered head.weight sums to
+    -0.952121 (-1.060282 with the scheduler stepped on every rank): each rank stepped its own shard of every
+    parameter at its own rate. DDP: tests/causes/test_causes.py."""
+    apart = a.settings_apart
+    if a.world < 2 or apart is None:
         return []
-    odd = v.ranks(Code.OPTIMIZER_DIFFERS)
-    held = {r: (v.meta(r).get("optimizer") or [""])[0] for r in [0, *odd.ranks]}
-    # Where it changed: a scheduler stepped on some ranks only, at or before this step.
-    changed = [k for k in first_differing(v.summary.scheduler_steps) if k <= step]
-    where, fix, sites, call = "", _SAME_SETTINGS, [], None
-    if changed:
-        extra = v.ranks("scheduler-extra")
-        sites = meta_sites(v, extra.ranks, "scheduler_sites")
+    # Where a sharded model's exchange does not count the scheduler's steps, the fix names that cause too.
+    where, fix, sites, call = "", _SAME_SETTINGS if a.schedulers_counted else _SAME_SETTINGS_SHARDED, [], None
+    if (stepped := a.scheduler_apart) is not None:
+        sites = stepped.sites
         where = (
-            f" An LR scheduler was stepped on {rank_list(extra.ranks, more=extra.more)} only, in step {changed[0]}"
+            f" An LR scheduler was stepped on {rank_list(stepped.ranks, more=stepped.more)} only, in step "
+            f"{stepped.step}"
             + (f" ({', '.join(sites)})" if sites else "")
             + ": the other ranks' learning rate stayed where it was."
         )
@@ -194,18 +175,18 @@ def optimizer_differs(v: View) -> list[Finding]:
             + "; change any optimizer setting on every rank alike."
         )
         call = next(iter(calls_of(*sites)), None)
-    elif plateau := v.meta(0).get("metric_schedulers"):
-        sites, call = list(plateau), _PLATEAU
+    elif a.metric_schedulers:
+        sites, call = list(a.metric_schedulers), _PLATEAU
         where, fix = metric_scheduler_words(sites)
     finding = settings_apart(
-        step=step,
-        held=held,
-        reference=0,
-        ranks=sorted({0, *odd.ranks}),
-        parallelism="ddp",
+        step=apart.step,
+        held=apart.held,
+        reference=apart.reference,
+        ranks=apart.named,
+        parallelism=a.parallelism,
         where=where,
         fix=fix,
         sites=tuple(sites),
         call=call,
     )
-    return [with_more(finding, odd.more)]
+    return [with_more(finding, apart.more)]

@@ -11,10 +11,10 @@ from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.common import steps_of, with_evidence, with_more
 from ddp_doctor.analyze.links import UNSYNCED, divergence_fix, ruled_out
 from ddp_doctor.analyze.local_sgd import local_sgd
-from ddp_doctor.analyze.parallelism import apart_args, train_modes_apart
 from ddp_doctor.analyze.rules import count as _count
-from ddp_doctor.analyze.tree_digest import differing, modes_parted, same_fingerprint, step_apart
+from ddp_doctor.analyze.tree_digest import differing, same_fingerprint, step_apart
 from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.core.agreed import Agreed
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
@@ -160,31 +160,27 @@ def modes_apart(
     )
 
 
-@detects(Code.REPLICA_DIVERGENCE)
-def modes_differ(v: View) -> list[Finding]:
-    """Modules in train mode on some ranks and in eval mode on others when a step closed: dropout, BatchNorm and
-    any `self.training` branch compute differently there. The rule and words are every parallelism's
-    (`modes_apart`)."""
-    parted = modes_parted(v)
-    if parted is None:
-        return []
-    step, held = parted
-    return [modes_apart(step=step, held=held, reference=0, ranks=sorted(held), parallelism="ddp")]
-
-
-@detects(Code.REPLICA_DIVERGENCE, road="sharded")
-def replicas_apart_sharded(run: ShardedRun) -> list[Finding]:
-    """A sharded model's replicas apart: its modules' train/eval modes at an observed step (`ShardedRun.modes_apart`),
-    or the local tensors of the parameters FSDP2 replicates (`replicate`, HSDP's replicate dimension).
+@detects(Code.REPLICA_DIVERGENCE, road="every")
+def modes_differ(a: Agreed) -> list[Finding]:
+    """Modules in train mode on some ranks and in eval mode on others when a step closed, whatever the
+    parallelism: dropout, BatchNorm and any `self.training` branch compute differently there (`modes_apart`).
 
     Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps (`tests/scripts/fsdp2_train.py
     --mistake train-rank0`: a Dropout in the first block; an evaluation in eval mode on every rank after the third
     step, then `model.train()` on rank 0 alone): exit 0, nothing said; rank 1 trains on in eval mode (dropout off),
     head.weight sums to -1.407930 (-1.468885 with every rank back in train mode)."""
+    if (m := a.modes_apart) is None:
+        return []
+    found = modes_apart(step=m.step, held=m.held, reference=m.reference, ranks=m.named, parallelism=a.parallelism)
+    return [with_more(found, m.more)]
+
+
+@detects(Code.REPLICA_DIVERGENCE, road="sharded")
+def replicas_apart_sharded(run: ShardedRun) -> list[Finding]:
+    """A sharded model's replicas apart: the local tensors of the parameters FSDP2 replicates (`replicate`, HSDP's
+    replicate dimension)."""
     parallelism = parallelism_of(run.sharding)
     found = []
-    if (modes := run.modes_apart) is not None and train_modes_apart(modes):
-        found.append(with_more(modes_apart(**apart_args(modes), parallelism=parallelism), modes["more"]))
     if (apart := run.replicas_apart) is not None:
         mesh_dims = run.sharding.get("mesh_dims") or []
         found.append(

@@ -21,20 +21,25 @@ __all__ = ["ROADS", "Detector", "View", "detects", "detectors", "run_detectors"]
 
 Detector = Callable[..., list[Finding]]
 """A function of the facts every rank agreed on that returns findings of one code: of a `View` (DDP's exchanged
-`Summary`), or of a `ShardedRun` (a model sharded with FSDP2's `fully_shard` or `replicate`). One registered with
-``reads_found=True`` also takes the codes the detectors before it found (a `frozenset`)."""
-ROADS = ("ddp", "sharded")
-"""What a detector reads: DDP's `View`, or a sharded model's `ShardedRun`."""
+`Summary`), of a `ShardedRun` (a model sharded with FSDP2's `fully_shard` or `replicate`), or of the `Agreed` facts
+both give. One registered with ``reads_found=True`` also takes the codes the detectors before it found (a
+`frozenset`)."""
+ROADS = ("ddp", "sharded", "every")
+"""What a detector reads: DDP's `View`, a sharded model's `ShardedRun`, or (``"every"``) the `Agreed` facts every
+parallelism gives (`core/agreed.py`), on both roads."""
 _DETECTORS: list[tuple[Code, Detector, str]] = []
 _READS_FOUND: set[Detector] = set()
+_EVERY: set[Detector] = set()
 
 
 def detects(code: Code, *, reads_found: bool = False, road: str = "ddp") -> Callable[[Detector], Detector]:
     """Register a detector of `code`: a function of the agreed facts of its `road` (``"ddp"``: a `View` of the
-    exchanged `Summary`; ``"sharded"``: a `ShardedRun`) that returns findings of `code` only. The analysis of each
-    road runs every detector registered for it (`analyze_summary`, `diagnose_sharded`); the report reads them in
-    `REPORT_ORDER` (core/codes.py). A code checked on both roads has a detector for each, side by side in the module
-    its row in core/codes.py names: one module decides each concept, the parallelism an input to it.
+    exchanged `Summary`; ``"sharded"``: a `ShardedRun`; ``"every"``: the `Agreed` facts both give) that returns
+    findings of `code` only. The analysis of each road runs every detector registered for it and for every road
+    (`analyze_summary`, `diagnose_sharded`); the report reads them in `REPORT_ORDER` (core/codes.py). A concept both
+    roads check is decided once, on ``"every"``, where its facts have the shared shape; where they do not yet, a
+    detector for each road sits side by side in the module its row in core/codes.py names, the parallelism an input
+    to it.
 
     A finding whose fix depends on which other findings the report has (`replica-divergence`: fix the cause the
     other findings name, or say that none was seen) is decided by a detector with ``reads_found=True``: it runs
@@ -50,25 +55,33 @@ def detects(code: Code, *, reads_found: bool = False, road: str = "ddp") -> Call
         _DETECTORS.append((code, fn, road))
         if reads_found:
             _READS_FOUND.add(fn)
+        if road == "every":
+            _EVERY.add(fn)
         return fn
 
     return register
 
 
 def detectors(road: str = "ddp") -> list[tuple[Code, Detector]]:
-    """The detectors registered for `road` with their codes, in the report's reading order: by `REPORT_ORDER`, then
-    in the order they were registered (several detectors of one code: `analyze/consistency.py`)."""
-    mine = [(code, fn) for code, fn, r in _DETECTORS if r == road]
+    """The detectors `road` runs with their codes (its own and those registered for every road), in the report's
+    reading order: by `REPORT_ORDER`, then in the order they were registered (several detectors of one code:
+    `analyze/consistency.py`)."""
+    mine = [(code, fn) for code, fn, r in _DETECTORS if r == road or (r == "every" and road in ROADS)]
     return sorted(mine, key=lambda d: REPORT_ORDER.index(d[0]))
 
 
-def run_detectors(facts: Any, registered: tuple[Detector, ...]) -> list[Finding]:
-    """Every detector's findings on `facts` (a `View`, or a `ShardedRun`), in the order of `registered`: those that
-    read the other findings run last and get the codes of every finding made before them."""
-    found: list[list[Finding]] = [[] if d in _READS_FOUND else d(facts) for d in registered]
+def run_detectors(facts: Any, registered: tuple[Detector, ...], agreed: Any) -> list[Finding]:
+    """Every detector's findings on `facts` (a `View`, or a `ShardedRun`), or on `agreed` (the `Agreed` facts they
+    give) for a detector of every road, in the order of `registered`: those that read the other findings run last
+    and get the codes of every finding made before them."""
+
+    def read(d: Detector) -> Any:
+        return agreed if d in _EVERY else facts
+
+    found: list[list[Finding]] = [[] if d in _READS_FOUND else d(read(d)) for d in registered]
     for i, d in enumerate(registered):
         if d in _READS_FOUND:
-            found[i] = d(facts, frozenset(f.code for fs in found for f in fs))
+            found[i] = d(read(d), frozenset(f.code for fs in found for f in fs))
     return [f for fs in found for f in fs]
 
 

@@ -1,0 +1,95 @@
+"""Each road's facts in the shape every parallelism shares (`core/agreed.Agreed`): DDP's `View` of the exchanged
+`Summary` (`from_view`) and a sharded model's `ShardedRun` (`from_run`). The detectors registered for every road
+read only that shape, so what they decide is decided once. Pure."""
+
+from __future__ import annotations
+
+from ddp_doctor.analyze.common import first_differing, meta_sites, steps_of
+from ddp_doctor.analyze.parallelism import train_modes_apart
+from ddp_doctor.analyze.tree_digest import modes_parted
+from ddp_doctor.analyze.view import View
+from ddp_doctor.core.agreed import Agreed, HeldApart, SteppedApart
+from ddp_doctor.core.codes import Code
+from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
+
+__all__ = ["from_run", "from_view"]
+
+
+def from_view(v: View) -> Agreed:
+    """DDP's: the ranks named are group rank 0 and the example ranks the exchange kept for each difference."""
+    s = v.summary
+    compared = steps_of(s.input_present) if v.steps else []
+    identical = bool(compared) and not bool(s.input_differs[s.input_present].any())
+    return Agreed(
+        parallelism="ddp",
+        world=v.world,
+        inputs_compared=compared,
+        inputs_identical=identical,
+        settings_apart=_settings_apart(v),
+        scheduler_apart=_scheduler_apart(v),
+        schedulers_counted=True,
+        metric_schedulers=list(v.meta(0).get("metric_schedulers") or []),
+        modes_apart=_modes_apart(v),
+        **_collectives_apart(v),
+    )
+
+
+def _settings_apart(v: View) -> HeldApart | None:
+    step = v.summary.optimizer_differs
+    if step is None:
+        return None
+    odd = v.ranks(Code.OPTIMIZER_DIFFERS)
+    held = {r: (v.meta(r).get("optimizer") or [""])[0] for r in [0, *odd.ranks]}
+    return HeldApart(step, 0, held, odd.ranks, odd.more)
+
+
+def _scheduler_apart(v: View) -> SteppedApart | None:
+    """An LR scheduler stepped on some ranks only, at or before the step whose optimizer settings differ."""
+    step = v.summary.optimizer_differs
+    changed = [k for k in first_differing(v.summary.scheduler_steps) if step is not None and k <= step]
+    if not changed:
+        return None
+    extra = v.ranks("scheduler-extra")
+    return SteppedApart(changed[0], extra.ranks, extra.more, meta_sites(v, extra.ranks, "scheduler_sites"))
+
+
+def _modes_apart(v: View) -> HeldApart | None:
+    parted = modes_parted(v)
+    if parted is None:
+        return None
+    step, held = parted
+    return HeldApart(step, 0, held, sorted(r for r in held if r != 0))
+
+
+def _collectives_apart(v: View) -> dict:
+    """The first step whose script collectives differed (their count and running digest), the calls of rank 0 and
+    of the example ranks that differ, the fewest and most calls then, and the later steps that differed too."""
+    if v.world < 2 or not v.steps:
+        return {}
+    hi, lo = v.summary.collectives
+    bad = [s for s in range(v.steps) if bool((hi[s] != lo[s]).any())]
+    if not bad:
+        return {}
+    first, odd = bad[0], v.ranks("collective-differs")
+    calls = {r: v.meta(r)["collective_log"] for r in [0, *odd.ranks]}  # the exchange kept that step's calls
+    return {
+        "collectives_apart": HeldApart(first, 0, calls, odd.ranks, odd.more),
+        "collectives_counts": sorted({int(lo[first][0]), int(hi[first][0])}),
+        "collectives_also": bad[1:],
+    }
+
+
+def from_run(run: ShardedRun) -> Agreed:
+    """A sharded model's: the exchange's reference rank holds the most common value (`exchange/oddranks.py`)."""
+    modes = run.modes_apart if run.modes_apart is not None and train_modes_apart(run.modes_apart) else None
+    return Agreed(
+        parallelism=parallelism_of(run.sharding),
+        world=run.world,
+        inputs_compared=list(run.inputs_compared),
+        inputs_identical=bool(run.inputs_identical),
+        one_data_group=run.beside_groups == 1,
+        settings_apart=HeldApart.of(run.settings_apart) if run.settings_apart is not None else None,
+        metric_schedulers=list(run.metric_schedulers),
+        modes_apart=HeldApart.of(modes) if modes is not None else None,
+        collectives_apart=HeldApart.of(run.collectives_apart) if run.collectives_apart is not None else None,
+    )

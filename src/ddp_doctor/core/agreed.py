@@ -1,0 +1,85 @@
+"""The facts of one observed model that every parallelism's check establishes in the same shape: what the ranks'
+inputs showed, and what they held apart at a step (the optimizer's settings, the modules' modes, the script's
+collectives). DDP's exchanged `Summary` and a sharded model's `ShardedRun` each give an `Agreed`
+(`analyze/roads.py`), and a detector registered for every road reads it (`detects(..., road="every")`,
+`analyze/view.py`): such a concept is decided once, with the parallelism an input to the rule and its words."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Agreed", "HeldApart", "SteppedApart"]
+
+
+@dataclass(frozen=True, slots=True)
+class HeldApart:
+    """What the ranks held apart at observed step `step`: the value of the `reference` rank and of some of the
+    ranks whose value is another (`held`, the reference first), `ranks` those ranks (the lowest few named; `more`
+    others counted). The value is what the ranks recorded: an optimizer's settings as text, a modes entry, the list
+    of a step's collective calls."""
+
+    step: int
+    reference: int
+    held: dict[int, Any]
+    ranks: list[int]
+    more: int = 0
+
+    @property
+    def named(self) -> list[int]:
+        """The ranks a finding names: the reference and the ranks that differ from it."""
+        return sorted({self.reference, *self.ranks})
+
+    @classmethod
+    def of(cls, apart: dict[str, Any]) -> HeldApart:
+        """From the sharded exchange's `held_apart` dict (`step`, `reference`, `held`, `ranks`, `more`)."""
+        held = {int(r): v for r, v in apart["held"].items()}
+        return cls(apart["step"], apart["reference"], held, list(apart["ranks"]), apart.get("more", 0))
+
+
+@dataclass(frozen=True, slots=True)
+class SteppedApart:
+    """An LR scheduler stepped on some ranks only, in observed step `step`: `ranks` stepped it (the lowest few;
+    `more` others), at their recorded `sites` (`StepLR.step() at train.py:31`)."""
+
+    step: int
+    ranks: list[int]
+    more: int
+    sites: list[str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Agreed:
+    """One model's shared facts, as every rank agreed on them."""
+
+    parallelism: str
+    """`ddp`, `fsdp2` or `replicate` (`core/sharded_run.PARALLELISMS`)."""
+    world: int
+    """The ranks compared: DDP's process group, the sharded model's world."""
+    inputs_compared: list[int] = field(default_factory=list)
+    """The observed steps whose training inputs every rank fingerprinted."""
+    inputs_identical: bool = False
+    """At every one of `inputs_compared`, the inputs were the same on every rank."""
+    one_data_group: bool = False
+    """Every rank reads the same batches by design: the ranks form one data-parallel group beside tensor
+    parallelism (the group computes one forward together)."""
+    settings_apart: HeldApart | None = None
+    """The first step at which the optimizers' settings (`optimizers.describe`'s text) differed across ranks."""
+    scheduler_apart: SteppedApart | None = None
+    """Where an LR scheduler of that optimizer was stepped on some ranks only, at or before that step. DDP's
+    exchange counts scheduler steps per rank; a sharded model's does not (None there)."""
+    schedulers_counted: bool = False
+    """Whether the exchange counted each rank's LR scheduler steps (DDP's does), so that `scheduler_apart` is None
+    because none was stepped apart, not because it was not looked for."""
+    metric_schedulers: list[str] = field(default_factory=list)
+    """The lines where a scheduler that reads a metric (ReduceLROnPlateau) was stepped."""
+    modes_apart: HeldApart | None = None
+    """The first step at which the modules' train/eval modes differed across ranks (modes entries: `training`,
+    `other_mode`, `other_mode_count`); None when only other parts of the ranks' state differed."""
+    collectives_apart: HeldApart | None = None
+    """The first completed step whose collectives (the script's; FSDP2's and `replicate`'s too) were not the same
+    sequence on every rank; `held`: each shown rank's calls of the step, in order."""
+    collectives_counts: list[int] = field(default_factory=list)
+    """The fewest and most collectives a rank issued in that step, where the exchange counted them (DDP's)."""
+    collectives_also: list[int] = field(default_factory=list)
+    """Later steps whose collectives differed too, where the exchange compared every step (DDP's)."""
