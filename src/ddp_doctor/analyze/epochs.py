@@ -12,17 +12,17 @@ from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.common import with_evidence, with_more
 from ddp_doctor.analyze.positions import capped, where
 from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.core.agreed import Agreed
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.following import JoinedLoop
 from ddp_doctor.core.ranks import rank_list, rank_ranges
 from ddp_doctor.core.rankstate import RankState
-from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
 __all__ = [
     "counted_uneven",
     "drawn_apart",
-    "drawn_apart_sharded",
+    "drawn_apart_at_step",
     "followed_epoch_repeated",
     "lengths_uneven",
     "loader_name",
@@ -94,7 +94,7 @@ def uneven_inputs(v: View) -> list[Finding]:
     if v.world < 2:
         return []
     if s.drawn_step is not None:
-        return [_drawn_apart(v)]
+        return []  # a step's batches drawn apart: `drawn_apart_at_step` says so, for every parallelism
     if s.loader_ranks < v.world:
         return []
     most, fewest = s.batches
@@ -136,40 +136,14 @@ def uneven_inputs(v: View) -> list[Finding]:
     return []
 
 
-def _drawn_apart(v: View) -> Finding:
-    """`drawn_apart` from DDP's observed steps: the ranks at the step's MAX are named."""
-    s = v.summary
-    k = s.drawn_step
-    assert k is not None
-    more = v.ranks("drew-more")
-    loader = training_loader(v.meta(0))
-    return drawn_apart(
-        step=k,
-        ranks=more.ranks,
-        more=more.more,
-        drew=s.drawn[0][k],
-        others=s.drawn[1][k],
-        site=loader.get("site") or loader.get("iterated_at"),
-        parallelism="ddp",
-    )
-
-
-@detects(Code.UNEVEN_INPUTS, road="sharded")
-def drawn_apart_sharded(run: ShardedRun) -> list[Finding]:
-    """A sharded model's ranks that drew different numbers of batches from the training loader for a step."""
-    if (apart := run.drawn_apart) is None:
+@detects(Code.UNEVEN_INPUTS, road="every")
+def drawn_apart_at_step(a: Agreed) -> list[Finding]:
+    """Ranks that drew different numbers of batches from the training loader for one observed step, whatever the
+    parallelism (a batch skipped on some ranks with `continue`)."""
+    if (d := a.drawn_apart) is None:
         return []
-    held = {int(r): v for r, v in apart["held"].items()}  # rank -> (batches drawn, the loader's line)
-    odd = apart["ranks"]  # never empty: the ranks whose count is not the reference rank's
-    (others, site), (drew, _) = held[apart["reference"]], held[odd[0]]
     found = drawn_apart(
-        step=apart["step"],
-        ranks=odd,
-        more=apart["more"],
-        drew=drew,
-        others=others,
-        site=site,
-        parallelism=parallelism_of(run.sharding),
+        step=d.step, ranks=d.ranks, more=d.more, drew=d.drew, others=d.others, site=d.site, parallelism=a.parallelism
     )
     return [found]
 

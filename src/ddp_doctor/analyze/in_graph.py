@@ -14,28 +14,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddp_doctor.analyze.parallelism import api_of
-from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.analyze.view import detects
+from ddp_doctor.core.agreed import Agreed
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
-from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = ["collectives_in_graph", "in_graph_findings", "in_graph_sharded"]
+__all__ = ["collectives_in_graph", "in_graph_findings"]
 
 _TOLERANCE = 1e-3
 """How far a measured factor may be from 1 or 1/world_size and still count as it (float32 rounding)."""
 
 
-@detects(Code.COLLECTIVE_IN_GRAPH)
-def collectives_in_graph(v: View) -> list[Finding]:
-    """From rank 0's record (every rank runs the script's line; the factor is rank 0's)."""
-    return in_graph_findings(v.meta(0).get("graph_collectives") or [], ranks=[0])
+_WRAPPERS = {"ddp": "DDP", "fsdp2": "FSDP2", "replicate": "replicate"}
+"""What averages the gradients, by parallelism, as a finding names it."""
 
 
-@detects(Code.COLLECTIVE_IN_GRAPH, road="sharded")
-def in_graph_sharded(run: ShardedRun) -> list[Finding]:
-    """Rank 0's in-place reductions of a tensor autograd tracks that a sharded model's backward went through."""
-    return in_graph_findings(run.graph_collectives, ranks=[0], wrapper=api_of(run).name)
+@detects(Code.COLLECTIVE_IN_GRAPH, road="every")
+def collectives_in_graph(a: Agreed) -> list[Finding]:
+    """From rank 0's record (every rank runs the script's line; the factor is rank 0's), whatever the
+    parallelism."""
+    return in_graph_findings(a.graph_collectives, ranks=[0], wrapper=_WRAPPERS[a.parallelism])
 
 
 def in_graph_findings(entries: list[dict[str, Any]], *, ranks: list[int], wrapper: str = "DDP") -> list[Finding]:

@@ -5,10 +5,11 @@ read only that shape, so what they decide is decided once. Pure."""
 from __future__ import annotations
 
 from ddp_doctor.analyze.common import first_differing, meta_sites, steps_of
+from ddp_doctor.analyze.epochs import training_loader
 from ddp_doctor.analyze.parallelism import train_modes_apart
 from ddp_doctor.analyze.tree_digest import modes_parted
 from ddp_doctor.analyze.view import View
-from ddp_doctor.core.agreed import Agreed, HeldApart, SteppedApart
+from ddp_doctor.core.agreed import Agreed, DrawnApart, HeldApart, SteppedApart
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
@@ -31,6 +32,8 @@ def from_view(v: View) -> Agreed:
         metric_schedulers=list(v.meta(0).get("metric_schedulers") or []),
         modes_apart=_modes_apart(v),
         **_collectives_apart(v),
+        drawn_apart=_drawn_apart(v),
+        graph_collectives=list(v.meta(0).get("graph_collectives") or []),
     )
 
 
@@ -79,6 +82,26 @@ def _collectives_apart(v: View) -> dict:
     }
 
 
+def _drawn_apart(v: View) -> DrawnApart | None:
+    """The ranks at the MAX of the first step whose batches drawn differ are named."""
+    k = v.summary.drawn_step
+    if v.world < 2 or k is None:
+        return None
+    more, loader = v.ranks("drew-more"), training_loader(v.meta(0))
+    drew, others = v.summary.drawn[0][k], v.summary.drawn[1][k]
+    return DrawnApart(k, more.ranks, more.more, drew, others, loader.get("site") or loader.get("iterated_at"))
+
+
+def _drawn_apart_run(apart: dict | None) -> DrawnApart | None:
+    """The ranks whose count is not the reference rank's are named (never none of them)."""
+    if apart is None:
+        return None
+    held = {int(r): v for r, v in apart["held"].items()}  # rank -> (batches drawn, the loader's line)
+    odd = apart["ranks"]
+    (others, site), (drew, _) = held[apart["reference"]], held[odd[0]]
+    return DrawnApart(apart["step"], odd, apart["more"], drew, others, site)
+
+
 def from_run(run: ShardedRun) -> Agreed:
     """A sharded model's: the exchange's reference rank holds the most common value (`exchange/oddranks.py`)."""
     modes = run.modes_apart if run.modes_apart is not None and train_modes_apart(run.modes_apart) else None
@@ -92,4 +115,6 @@ def from_run(run: ShardedRun) -> Agreed:
         metric_schedulers=list(run.metric_schedulers),
         modes_apart=HeldApart.of(modes) if modes is not None else None,
         collectives_apart=HeldApart.of(run.collectives_apart) if run.collectives_apart is not None else None,
+        drawn_apart=_drawn_apart_run(run.drawn_apart),
+        graph_collectives=list(run.graph_collectives),
     )

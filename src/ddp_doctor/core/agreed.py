@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Agreed", "HeldApart", "SteppedApart"]
+__all__ = ["Agreed", "DrawnApart", "HeldApart", "SteppedApart"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +48,19 @@ class SteppedApart:
     sites: list[str]
 
 
+@dataclass(frozen=True, slots=True)
+class DrawnApart:
+    """The ranks drew different numbers of batches from the training loader (created at `site`) for observed step
+    `step`: `ranks` (the lowest few; `more` others) drew `drew` where other ranks drew `others`."""
+
+    step: int
+    ranks: list[int]
+    more: int
+    drew: int
+    others: int
+    site: str | None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Agreed:
     """One model's shared facts, as every rank agreed on them."""
@@ -83,3 +96,8 @@ class Agreed:
     """The fewest and most collectives a rank issued in that step, where the exchange counted them (DDP's)."""
     collectives_also: list[int] = field(default_factory=list)
     """Later steps whose collectives differed too, where the exchange compared every step (DDP's)."""
+    drawn_apart: DrawnApart | None = None
+    """The first observed step for which the ranks drew different numbers of batches from the training loader."""
+    graph_collectives: list[dict[str, Any]] = field(default_factory=list)
+    """Rank 0's in-place reductions of a tensor autograd tracks that a backward went through, with the factor a hook
+    measured (`observation.graph_collectives.GraphCollectives.found`); every rank runs the script's line."""
