@@ -1,0 +1,98 @@
+"""The concepts DDP, FSDP2 and `replicate` share are decided once, from the same typed facts (`core/agreed.py`):
+DDP's exchanged `Summary` and a sharded model's `ShardedRun` give equal `Agreed` facts for the same evidence, and one
+detector (`road="every"`) makes the same finding of them, its parallelism changing only the consequence it words."""
+
+from __future__ import annotations
+
+import torch
+from purerecords import ALL, info, record
+
+from ddp_doctor.analyze.collective_order import collective_sequence_mismatch
+from ddp_doctor.analyze.optimizer_settings import optimizer_differs
+from ddp_doctor.analyze.replica_state import modes_differ
+from ddp_doctor.analyze.roads import from_run, from_view
+from ddp_doctor.analyze.view import View
+from ddp_doctor.core.agreed import Agreed, HeldApart
+from ddp_doctor.core.records import StepCounters
+from ddp_doctor.core.sharded_run import ShardedRun
+from ddp_doctor.exchange import summarize
+
+_SETTINGS = {0: "group 0 (4 tensors) lr=0.05, momentum=0.9", 1: "group 0 (4 tensors) lr=0.1, momentum=0.9"}
+
+
+def _counters(rows: list[dict]) -> torch.Tensor:
+    base = {"ddp_forwards": 1, "micro_steps": 1, "synced_backwards": 1, "optimizer_step": 1, "optimizer_digest": 7}
+    return torch.tensor([StepCounters(**{**base, **row}).as_list() for row in rows])
+
+
+def _ddp_view() -> View:
+    """Two ranks whose optimizer's learning rate parts at step 1, after rank 0 alone stepped a StepLR."""
+    rows0, rows1 = _counters([{}, {"scheduler_steps": 1}, {}]), _counters([{}, {"optimizer_digest": 9}, {}])
+    r0, r1 = record(0, ALL, counters=rows0), record(1, ALL, counters=rows1)
+    r0.optimizer_log = [f"step {s}: {_SETTINGS[0] if s else _SETTINGS[1]}" for s in range(3)]
+    r1.optimizer_log = [f"step {s}: {_SETTINGS[1]}" for s in range(3)]
+    r0.scheduler_sites = ["step 1: StepLR.step() at train.py:31"]
+    return View(summarize(info(), [r0, r1]))
+
+
+def _sharded_run(api: str, **facts) -> ShardedRun:
+    sharding = {"api": api, "root_sharded": True}
+    return ShardedRun(
+        world=2, steps=3, optimizer="SGD", optimizer_site=None, sharding=sharding, model_params=4, **facts
+    )
+
+
+def test_settings_apart_reach_the_detector_in_one_shape_from_either_road() -> None:
+    ddp = from_view(_ddp_view())
+    assert ddp.settings_apart == HeldApart(step=1, reference=0, held=_SETTINGS, ranks=[1], more=0)
+    assert (ddp.scheduler_apart.step, ddp.scheduler_apart.ranks) == (1, [0])
+    assert ddp.scheduler_apart.sites == ["StepLR.step() at train.py:31"] and ddp.schedulers_counted
+    apart = {"step": 1, "reference": 0, "ranks": [1], "more": 0, "held": dict(_SETTINGS)}
+    sharded = from_run(_sharded_run("fully_shard", settings_apart=apart))
+    assert (sharded.parallelism, sharded.settings_apart) == ("fsdp2", ddp.settings_apart)
+    assert sharded.scheduler_apart is None and not sharded.schedulers_counted  # not counted there, not "none"
+
+
+def test_one_detector_names_settings_apart_alike_for_every_parallelism() -> None:
+    apart = HeldApart(step=1, reference=0, held=_SETTINGS, ranks=[1], more=3)
+    found = {}
+    for parallelism in ("ddp", "fsdp2", "replicate"):
+        (f,) = optimizer_differs(Agreed(parallelism=parallelism, world=8, settings_apart=apart))
+        found[parallelism] = f
+        measured = {m.name: m.value for m in f.measured}
+        assert (f.code, f.severity, f.ranks, f.steps, f.more_ranks) == ("optimizer-differs", "error", [0, 1], [1], 3)
+        assert measured == {"group 0 lr (rank 0)": 0.05, "group 0 lr (rank 1)": 0.1}
+    assert found["ddp"].detail != found["fsdp2"].detail  # the consequence is the parallelism's: a shard apart
+    assert optimizer_differs(Agreed(parallelism="ddp", world=1, settings_apart=apart)) == []
+
+
+def test_a_scheduler_stepped_on_some_ranks_only_is_the_cause_it_names_with_its_call_and_line() -> None:
+    (f,) = optimizer_differs(from_view(_ddp_view()))
+    assert (f.ranks, f.steps, f.sites, f.labels) == ([0, 1], [1], ["train.py:31"], {"call": "StepLR.step()"})
+    metric = Agreed(
+        parallelism="fsdp2", world=2, settings_apart=HeldApart(1, 0, _SETTINGS, [1]), metric_schedulers=["train.py:40"]
+    )
+    (f,) = optimizer_differs(metric)
+    assert (f.sites, f.labels) == (["train.py:40"], {"call": "ReduceLROnPlateau.step()"})
+
+
+def test_modes_apart_name_the_reference_and_the_ranks_apart_with_the_count_beyond() -> None:
+    held = {1: {"training": True}, 0: {"training": False}}
+    for parallelism in ("ddp", "fsdp2"):
+        agreed = Agreed(parallelism=parallelism, world=6, modes_apart=HeldApart(5, 1, held, [0], 2))
+        (f,) = modes_differ(agreed)
+        assert (f.code, f.severity, f.ranks, f.steps, f.more_ranks) == ("replica-divergence", "warning", [0, 1], [5], 2)
+    # Only the frozen set apart (`param-shapes-differ`'s), not the train/eval modes: nothing here.
+    frozen = {"step": 5, "reference": 0, "ranks": [1], "more": 0, "held": {0: {"frozen": []}, 1: {"frozen": ["a"]}}}
+    assert from_run(_sharded_run("replicate", modes_apart=frozen)).modes_apart is None
+
+
+def test_a_steps_collectives_apart_name_the_first_step_and_for_ddp_the_later_ones() -> None:
+    calls = {0: ["all_reduce(float32[1], SUM)/2 at train.py:50"], 1: ["broadcast(float32[4])/2 at train.py:52"]}
+    apart = HeldApart(2, 0, calls, [1])
+    (sharded,) = collective_sequence_mismatch(Agreed(parallelism="replicate", world=2, collectives_apart=apart))
+    assert (sharded.ranks, sharded.steps, sharded.labels["kind"]) == ([0, 1], [2], "sequence")
+    assert sharded.sites == ["train.py:50", "train.py:52"]
+    ddp = Agreed(parallelism="ddp", world=2, collectives_apart=apart, collectives_counts=[1], collectives_also=[3])
+    (f,) = collective_sequence_mismatch(ddp)
+    assert (f.ranks, f.steps, f.sites) == ([0, 1], [2, 3], sharded.sites)
