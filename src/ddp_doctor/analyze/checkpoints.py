@@ -8,7 +8,7 @@ from typing import Any
 from ddp_doctor.analyze.common import with_more
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, lines_of
+from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.ranks import rank_list
 
 __all__ = ["checkpoint_module_prefix", "checkpoint_same_path"]
@@ -31,7 +31,13 @@ def _when(save: dict[str, Any]) -> str:
 
 @detects(Code.CHECKPOINT_SAME_PATH)
 def checkpoint_same_path(v: View) -> list[Finding]:
-    """Several ranks wrote the same file with `torch.save` while observed: no rank guard around the save."""
+    """Several ranks wrote the same path with `torch.save` while observed: no rank guard around the save, or one
+    that lets several ranks through (a guard on the local rank lets one per node through).
+
+    Ground truth (tests/lockstep/test_checkpoints.py, pytorch/examples' minGPT-ddp loop, which saves its snapshot
+    under `if self.local_rank == 0`): two torchrun nodes of one rank each on one machine, plain torchrun: both ranks
+    write snapshot.pt at every epoch end, exit 0, nothing said. On machines of their own the path names one file
+    only where it is on a filesystem they share."""
     who = v.ranks("same-path-save")
     if v.world < 2 or who.count < 2 or not who.ranks:
         return []
@@ -39,25 +45,62 @@ def checkpoint_same_path(v: View) -> list[Finding]:
     if not saves:
         return []
     first = saves[0]
+    # The first few writers' saves (`exchange/strings.SAVERS_QUOTED`): their machines and local ranks.
+    writers = [
+        next((d for d in v.summary.metas[r].get("shared_saves", []) if d["path"] == first["path"]), {})
+        for r in who.ranks
+        if r in v.summary.metas
+    ]
+    hosts = sorted({d["host"] for d in writers if d.get("host")})
+    local_guard = all(d.get("local_rank") == 0 for d in writers)
     others = f" ({len(saves) - 1} more file(s) likewise)" if len(saves) > 1 else ""
     site = first.get("site") or "an unknown place"
+    if local_guard:
+        guard = (
+            f" {'Each of them' if len(writers) == who.count else 'Each of the first ' + str(len(writers))} is local "
+            "rank 0 of its node (torchrun's LOCAL_RANK): a guard on the local rank "
+            "(`if local_rank == 0`) lets one rank per node through, not one per job."
+        )
+    elif who.count == v.world:
+        guard = " Every rank wrote it: no rank guard kept the others from it."
+    else:
+        guard = " A rank guard let several ranks through, not one."
+    race = (
+        "the writes race, and the file may end up torn, or written by whichever rank finished last, while another "
+        "rank (or the next run) reads it"
+    )
+    if len(hosts) > 1:
+        where = (
+            f" They run on {'at least ' if len(writers) < who.count else ''}{len(hosts)} machines "
+            f"({', '.join(hosts)}), so the path is one file only where it is "
+            f"on a filesystem the machines share (NFS, Lustre, a mounted bucket): there {race}; on each machine's "
+            "local disk, each keeps a copy of its own."
+        )
+    else:
+        where = f" On one machine, {race}."
+    fix = (
+        "write on one rank, then a barrier: `if dist.get_rank() == 0: torch.save(...)`, then `dist.barrier()` on "
+        "every rank before anyone reads the file (Accelerate: `accelerator.save(...)`; the HF Trainer and Lightning "
+        "already save on one rank)."
+    )
+    if local_guard:
+        fix = "guard the save with the global rank, not the local one: " + fix
     return [
         with_more(
             Finding(
                 code=Code.CHECKPOINT_SAME_PATH,
                 severity="warning",
-                title=f"{who.count} ranks wrote the same file {first['shown']} with torch.save",
-                detail=f"{rank_list(who.ranks, more=who.more).capitalize()} each called torch.save "
-                f"on {first['shown']} at {site} ({_when(first)}){others}. With no rank guard "
-                "every rank writes the same file at once: the writes race, and the file may end up torn, or written "
-                "by whichever rank finished last, while another rank (or the next run) reads it. Under DDP the "
-                "replicas are equal, so one write is enough.",
+                title=f"{who.count} ranks wrote the same {'path' if len(hosts) > 1 else 'file'} {first['shown']} "
+                "with torch.save",
+                detail=f"{rank_list(who.ranks, more=who.more).capitalize()} each called torch.save on "
+                f"{first['shown']} at {site} ({_when(first)}){others}.{guard}{where} Under DDP the replicas are "
+                "equal, so one write is enough.",
                 ranks=who.ranks,
                 steps=_steps(first),
                 sites=lines_of(first.get("site") or ""),
-                fix="write on one rank, then a barrier: `if dist.get_rank() == 0: torch.save(...)`, then "
-                "`dist.barrier()` on every rank before anyone reads the file (Accelerate: `accelerator.save(...)`; "
-                "the HF Trainer and Lightning already save on one rank).",
+                measured=[Measure("machines", len(hosts), "count")] if hosts else [],
+                labels={"guard": "local-rank"} if local_guard else {},
+                fix=fix,
             ),
             who.more,
         )

@@ -323,7 +323,7 @@ TABLE: tuple[CodeInfo, ...] = (
          "parameters have different shapes on different ranks when DDP is built, or are trainable on some ranks "
          "only", on="all"),
     _row(Code.CHECKPOINT_SAME_PATH, Family.WRAP_AND_EPOCH_ENDS, "warning", "checkpoints.py",
-         "several ranks wrote the same file with torch.save (no rank guard)", gap="sharded"),
+         "several ranks wrote one path with torch.save (no rank guard, or a local-rank one)", gap="sharded"),
     _row(Code.CHECKPOINT_MODULE_PREFIX, Family.WRAP_AND_EPOCH_ENDS, "info", "checkpoints.py",
          "the DDP wrapper's state dict (keys 'module.*') was saved"),
     _row(Code.TIMEOUT_RISK, Family.WRAP_AND_EPOCH_ENDS, "error/warning", "timeouts.py",

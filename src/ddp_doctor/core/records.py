@@ -231,7 +231,8 @@ class RankRecord:
     in the first step where the passes differed (see `StepCounters.split_passes`)."""
     saves: list[dict[str, Any]] = field(default_factory=list)
     """The files written with `torch.save` while observed (at most `MAX_SAVES`): `path`, `site`, `step`,
-    `module_prefix` (the DDP wrapper's state dict)."""
+    `module_prefix` (the DDP wrapper's state dict), `host` and `local_rank` (the writer's machine and its rank
+    there)."""
     synced_grad_fp: torch.Tensor | None = None
     """float64[S, P, 2]: the gradient fingerprints when the step's last synced backward ended (DDP's all-reduce
     done), where they differ from `grad_fp` in some step: something changed `.grad` between the backward and

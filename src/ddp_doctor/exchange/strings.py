@@ -34,8 +34,11 @@ QUOTED = (
     "grads-edited",
     "state-differs",
 )
-"""The predicates whose example ranks send their strings (all of them); `fewest-batches`, `same-path-save` and
-`sampler-apart` send their first example's (other than rank 0, for `sampler-apart`)."""
+"""The predicates whose example ranks send their strings (all of them); `fewest-batches` and `sampler-apart` send
+their first example's (other than rank 0, for `sampler-apart`), `same-path-save` its first `SAVERS_QUOTED`'."""
+SAVERS_QUOTED = 4
+"""The ranks that wrote a path other ranks wrote too whose strings (each save's machine and local rank) are sent:
+enough to tell one machine from several and a guard on the local rank from none."""
 
 
 def at_step(log: list[str], step: int | None) -> list[str]:
@@ -152,9 +155,9 @@ def example_metas(
     for name in QUOTED:
         wanted.update(examples[name].ranks)
     wanted.update(examples["fewest-batches"].ranks[:1])
-    wanted.update(examples["same-path-save"].ranks[:1])
+    wanted.update(examples["same-path-save"].ranks[:SAVERS_QUOTED])
     wanted.update([r for r in examples["sampler-apart"].ranks if r][:1])
-    chosen = sorted(wanted)  # at most 4 + 15 * EXAMPLES ranks
+    chosen = sorted(wanted)  # at most 2 + SAVERS_QUOTED + 15 * EXAMPLES ranks
     words = -(-n_meta // 8)
     e = torch.zeros(len(chosen), words, dtype=torch.int64)
     if rank in chosen:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import builtins
 import functools
 import os
+import socket
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -77,8 +78,9 @@ def _shards(obj: Any) -> dict[str, Any] | None:
 
 def describe(obj: Any, f: Any) -> dict[str, Any] | None:
     """What a `torch.save(obj, f)` call writes: `path` (absolute), `shown` (relative to the working folder when
-    inside it), `site`, `module_prefix`, and `shards` when it holds
-    DTensor shards (`_shards`); None when `f` names no file."""
+    inside it), `site`, `module_prefix`, `host` and `local_rank` (the machine that wrote it and the writer's rank on
+    its node, torchrun's LOCAL_RANK: -1 when not set), and `shards` when it holds DTensor shards (`_shards`); None
+    when `f` names no file."""
     path = _path(f)
     if path is None:
         return None
@@ -90,6 +92,8 @@ def describe(obj: Any, f: Any) -> dict[str, Any] | None:
         "site": user_site(),
         "module_prefix": _module_prefixed(obj),
         "existed": os.path.exists(path),
+        "host": socket.gethostname(),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "-1") or -1),
     }
     shards = _shards(obj)
     if shards is not None:
