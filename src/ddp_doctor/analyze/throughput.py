@@ -223,9 +223,21 @@ def input_bound_finding(
             Measure("step", step_hi, "s"),
             Measure("data_wait_share", share, "fraction"),
             Measure("steps_timed", steps, "count"),
+            *(Measure(k, loader[k], "count") for k in ("num_workers", "batch_size") if loader.get(k) is not None),
         ],
-        labels={"clock": clock},
+        labels=_loader_labels(clock, loader),
     )
+
+
+def _loader_labels(clock: str, loader: dict) -> dict[str, str]:
+    """`input-bound`'s named evidence: the clock, the loader's dataset type and its memory settings."""
+    named = {"clock": clock}
+    if loader.get("dataset_type"):
+        named["dataset"] = str(loader["dataset_type"])
+    for key in ("pin_memory", "persistent_workers"):
+        if key in loader:
+            named[key] = str(loader[key])
+    return named
 
 
 def input_fix(workers: int | None, *, gpu: bool = True) -> str:
@@ -281,6 +293,7 @@ def straggler_rank(v: View) -> list[Finding]:
             others=others_own,
             lost=lost,
             where=where,
+            phase=phase.removesuffix("_s"),
             steps=st.steps,
             collectives="DDP's gradient all-reduce",
         )
@@ -318,10 +331,11 @@ def straggler_sharded(run: ShardedRun) -> list[Finding]:
     ):
         return []
     between = s["wait_s"] - s["others_wait_s"]
+    outside = between >= 0.5 * extra
     where = (
         "between steps (the wait for the next batch and anything else the loop does before the forward: "
         f"{between * 1e3:.1f} ms more than any other rank)"
-        if between >= 0.5 * extra
+        if outside
         else "within the step (its forward, backward or optimizer step)"
     )
     found = straggler_finding(
@@ -331,6 +345,7 @@ def straggler_sharded(run: ShardedRun) -> list[Finding]:
         others=others,
         lost=s["others_comm_s"],
         where=where,
+        phase="data_wait" if outside else "step",
         steps=s["steps"],
         collectives="the sharded model's all-gathers and gradient reductions",
         bounds=True,
@@ -346,6 +361,7 @@ def straggler_finding(
     others: float,
     lost: float,
     where: str,
+    phase: str,
     steps: int,
     collectives: str,
     bounds: bool = False,
@@ -353,7 +369,8 @@ def straggler_finding(
     """`straggler-rank`, for every parallelism: group rank `rank` (`name` as users number it) does `own` seconds of
     its own work per step against `others` on the other ranks (their median; with `bounds`, the longest of them),
     and the others wait `lost` per step in `collectives` (with `bounds`, the shortest of their waits); `where` says
-    where its extra time goes, over `steps` timed steps."""
+    where its extra time goes, over `steps` timed steps, and `phase` names it (`data_wait`, `forward`, `backward`,
+    `optimizer`; `step` where only the step as a whole was timed)."""
     ratio = own / others if others > 0 else float("inf")
     # A tiny model's own work rounds to nothing on the other ranks: no ratio then, the difference.
     tiny = others < 1e-3
@@ -381,7 +398,7 @@ def straggler_finding(
             Measure("others_wait", lost, "s"),
             Measure("steps_timed", steps, "count"),
         ],
-        labels={"clock": "host"},
+        labels={"clock": "host", "phase": phase},
     )
 
 
