@@ -47,8 +47,7 @@ def test_settings_apart_reach_the_detector_in_one_shape_from_either_road() -> No
     assert ddp.settings_apart == HeldApart(step=1, reference=0, held=_SETTINGS, ranks=[1], more=0)
     assert (ddp.scheduler_apart.step, ddp.scheduler_apart.ranks) == (1, [0])
     assert ddp.scheduler_apart.sites == ["StepLR.step() at train.py:31"] and ddp.schedulers_counted
-    apart = {"step": 1, "reference": 0, "ranks": [1], "more": 0, "held": dict(_SETTINGS)}
-    sharded = from_run(_sharded_run("fully_shard", settings_apart=apart))
+    sharded = from_run(_sharded_run("fully_shard", settings_apart=HeldApart(1, 0, dict(_SETTINGS), [1])))
     assert (sharded.parallelism, sharded.settings_apart) == ("fsdp2", ddp.settings_apart)
     assert sharded.scheduler_apart is None and not sharded.schedulers_counted  # not counted there, not "none"
 
@@ -83,7 +82,7 @@ def test_modes_apart_name_the_reference_and_the_ranks_apart_with_the_count_beyon
         (f,) = modes_differ(agreed)
         assert (f.code, f.severity, f.ranks, f.steps, f.more_ranks) == ("replica-divergence", "warning", [0, 1], [5], 2)
     # Only the frozen set apart (`param-shapes-differ`'s), not the train/eval modes: nothing here.
-    frozen = {"step": 5, "reference": 0, "ranks": [1], "more": 0, "held": {0: {"frozen": []}, 1: {"frozen": ["a"]}}}
+    frozen = HeldApart(5, 0, {0: {"frozen": []}, 1: {"frozen": ["a"]}}, [1])
     assert from_run(_sharded_run("replicate", modes_apart=frozen)).modes_apart is None
 
 

@@ -12,6 +12,7 @@ import torch
 from dist import run_ranks
 from handbuilt import BUFFERS, REPLICAS_PART_AT, STEPS, sharded_record
 
+from ddp_doctor.core.agreed import HeldApart
 from ddp_doctor.exchange.sharded_protocol import STEP_SHIFT, sharded_protocol
 from ddp_doctor.exchange.simulate import lockstep
 
@@ -50,15 +51,14 @@ def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
     got, big = simulated(1024, **mistakes)
     assert divmod(int(got.low["inputs_nonfinite"]), STEP_SHIFT) == (4, 601)  # the step, the lowest such rank
     apart = got.per_step["settings_apart"]
-    assert apart == {"step": 2, "reference": 0, "ranks": [3, 700], "more": 0, "held": {0: "lr=0.1", 3: "lr=0.5"}}
+    assert apart == HeldApart(step=2, reference=0, held={0: "lr=0.1", 3: "lr=0.5"}, ranks=[3, 700], more=0)
     assert got.per_step["modes_apart"] is None
-    assert got.per_step["collectives_apart"] == {
-        "step": 3,
-        "reference": 0,
-        "ranks": [9, 10, 1023],
-        "more": 0,
-        "held": {0: ["all_reduce(float32[1])/4 at train.py:60"], 9: ["all_reduce(float32[1], MAX)/4 at train.py:60"]},
-    }
+    assert got.per_step["collectives_apart"] == HeldApart(
+        step=3,
+        reference=0,
+        held={0: ["all_reduce(float32[1])/4 at train.py:60"], 9: ["all_reduce(float32[1], MAX)/4 at train.py:60"]},
+        ranks=[9, 10, 1023],
+    )
     assert got.samplers == {
         "held": {
             0: {"sampler": "DistributedSampler", "seed": 0, "rank": 0, "epoch": 0, "site": "train.py:30"},
@@ -67,13 +67,9 @@ def test_ranks_apart_are_named_at_1024_ranks_in_the_volume_of_64() -> None:
         "ranks": [2, 999],
         "more": 0,
     }
-    assert got.per_step["drawn_apart"] == {
-        "step": 1,
-        "reference": 0,
-        "ranks": [6, 1001],
-        "more": 0,
-        "held": {0: (1, "train.py:30"), 6: (2, "train.py:30")},
-    }
+    assert got.per_step["drawn_apart"] == HeldApart(
+        step=1, reference=0, held={0: (1, "train.py:30"), 6: (2, "train.py:30")}, ranks=[6, 1001]
+    )
     assert got.unsharded_differ == [True, False] and got.unsharded_gap == pytest.approx(0.5)
     assert got.shard_save == {
         "shard_save": {"shown": "model.state_dict()", "site": "train.py:40", "shards": [4, 8]},
@@ -188,6 +184,6 @@ def test_a_real_gloo_group_reads_back_what_the_model_computes(tmp_path: Path) ->
     model, _ = simulated(4, **mistakes)
     expected = ({k: getattr(model, k) for k in model.__slots__ if k != "grads"}, model.grads.tolist())
     assert all(r == expected for r in real), (real[0], expected)
-    assert expected[0]["per_step"]["settings_apart"]["ranks"] == [2]
-    assert expected[0]["per_step"]["collectives_apart"]["ranks"] == [3]
+    assert expected[0]["per_step"]["settings_apart"].ranks == [2]
+    assert expected[0]["per_step"]["collectives_apart"].ranks == [3]
     assert expected[0]["replicas"]["replicas_apart"]["ranks"] == [3]  # against rank 1, which holds shard 1 too

@@ -7,6 +7,7 @@ import dataclasses
 
 from ddp_doctor.analyze.diagnose import diagnose_sharded
 from ddp_doctor.analyze.sharded import sharded_recommendation, verified_reshard
+from ddp_doctor.core.agreed import HeldApart
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 from ddp_doctor.report.data import recommendation_words
 
@@ -120,26 +121,25 @@ def test_shards_scaled_by_factors_of_their_own_are_grads_changed_after_sync_with
 
 
 def test_optimizer_settings_and_modes_apart_are_named_at_their_first_step_with_the_ranks() -> None:
-    settings = {
-        "step": 3,
-        "reference": 0,
-        "ranks": [2, 3],
-        "more": 1,
-        "held": {
+    settings = HeldApart(
+        step=3,
+        reference=0,
+        held={
             0: "group 0 (6 tensors) lr=0.005, weight_decay=0.01",
             2: "group 0 (6 tensors) lr=0.01, weight_decay=0.01",
         },
-    }
-    modes = {
-        "step": 5,
-        "reference": 1,
-        "ranks": [0],
-        "more": 0,
-        "held": {
+        ranks=[2, 3],
+        more=1,
+    )
+    modes = HeldApart(
+        step=5,
+        reference=1,
+        held={
             1: {"training": True, "other_mode": [], "other_mode_count": 0},
             0: {"training": False, "other_mode": [], "other_mode_count": 0},
         },
-    }
+        ranks=[0],
+    )
     for api in ("fully_shard", "replicate"):
         run = _run(settings_apart=settings, modes_apart=modes, state_steps=8, modules=9, sharding={"api": api})
         found = {f.code: f for f in diagnose_sharded(run).findings}

@@ -1,5 +1,5 @@
 """`straggler-rank` and `input-bound` for a sharded model, from the reduced figures alone (the detectors of a
-`ShardedRun` in `analyze/throughput.py`, beside DDP's), and the
+`ShardedRun` in `analyze/throughput.py` and `analyze/stragglers.py`, beside DDP's), and the
 round that finds the slowest rank on a real 4-rank gloo group (`exchange/timing.slowest_rank`: at 2 ranks, where
 the check runs it, "the others" is one rank). The real runs, with their ground truth, are in
 tests/timing/test_check_fsdp2_steps.py."""
@@ -11,7 +11,8 @@ import torch
 from dist import run_ranks
 
 from ddp_doctor.analyze.sharded_coverage import sharded_compared, sharded_unchecked
-from ddp_doctor.analyze.throughput import input_bound_sharded, straggler_sharded
+from ddp_doctor.analyze.stragglers import straggler_sharded
+from ddp_doctor.analyze.throughput import input_bound_sharded
 from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.exchange.drive import drive
 from ddp_doctor.exchange.primitives import minmax

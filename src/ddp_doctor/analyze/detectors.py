@@ -26,6 +26,7 @@ from ddp_doctor.analyze import (  # noqa: F401 (imported to register their detec
     sharded,
     sharded_saves,
     shards,
+    stragglers,
     throughput,
     tree_state,
     unsharded,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ddp_doctor.core.agreed import HeldApart
 from ddp_doctor.core.sharded_run import ShardedRun
 
 __all__ = [
@@ -91,27 +92,22 @@ def unchanged(run: ShardedRun) -> str:
     )
 
 
-def apart_args(apart: dict[str, Any]) -> dict[str, Any]:
-    """The arguments of a rule over what the ranks held apart at a step (the exchange's `held_apart`: the
-    optimizer's settings, the modules' modes): the step, each shown rank's value, the reference rank, and the
-    ranks named (the reference among them)."""
-    return {
-        "step": apart["step"],
-        "held": {int(r): v for r, v in apart["held"].items()},
-        "reference": apart["reference"],
-        "ranks": sorted({apart["reference"], *apart["ranks"]}),
-    }
+def apart_args(apart: HeldApart) -> dict[str, Any]:
+    """The arguments of a rule over what the ranks held apart at a step (the optimizer's settings, the modules'
+    modes): the step, each shown rank's value, the reference rank, and the ranks named (the reference among
+    them)."""
+    return {"step": apart.step, "held": apart.held, "reference": apart.reference, "ranks": apart.named}
 
 
-def frozen_apart(modes: dict[str, Any] | None) -> bool:
+def frozen_apart(modes: HeldApart | None) -> bool:
     """Whether the ranks' modes entries (`tree_scan.modes_of`, as `ShardedRun.modes_apart` holds them) differ in
     which parameters require a gradient."""
-    entries = (modes or {}).get("held", {}).values()
+    entries = modes.held.values() if modes is not None else ()
     return len({(tuple(e.get("frozen") or []), e.get("frozen_count", 0)) for e in entries}) > 1
 
 
-def train_modes_apart(modes: dict[str, Any] | None) -> bool:
+def train_modes_apart(modes: HeldApart | None) -> bool:
     """Whether they differ in the modules' train/eval modes."""
-    entries = (modes or {}).get("held", {}).values()
+    entries = modes.held.values() if modes is not None else ()
     keys = {(e.get("training"), tuple(e.get("other_mode") or []), e.get("other_mode_count")) for e in entries}
     return len(keys) > 1

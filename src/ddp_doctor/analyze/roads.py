@@ -92,14 +92,13 @@ def _drawn_apart(v: View) -> DrawnApart | None:
     return DrawnApart(k, more.ranks, more.more, drew, others, loader.get("site") or loader.get("iterated_at"))
 
 
-def _drawn_apart_run(apart: dict | None) -> DrawnApart | None:
-    """The ranks whose count is not the reference rank's are named (never none of them)."""
+def _drawn_apart_run(apart: HeldApart | None) -> DrawnApart | None:
+    """The ranks whose count is not the reference rank's are named (never none of them); `held` maps a rank to
+    (its batches drawn, the loader's line)."""
     if apart is None:
         return None
-    held = {int(r): v for r, v in apart["held"].items()}  # rank -> (batches drawn, the loader's line)
-    odd = apart["ranks"]
-    (others, site), (drew, _) = held[apart["reference"]], held[odd[0]]
-    return DrawnApart(apart["step"], odd, apart["more"], drew, others, site)
+    (others, site), (drew, _) = apart.held[apart.reference], apart.held[apart.ranks[0]]
+    return DrawnApart(apart.step, apart.ranks, apart.more, drew, others, site)
 
 
 def from_run(run: ShardedRun) -> Agreed:
@@ -111,10 +110,10 @@ def from_run(run: ShardedRun) -> Agreed:
         inputs_compared=list(run.inputs_compared),
         inputs_identical=bool(run.inputs_identical),
         one_data_group=run.beside_groups == 1,
-        settings_apart=HeldApart.of(run.settings_apart) if run.settings_apart is not None else None,
+        settings_apart=run.settings_apart,
         metric_schedulers=list(run.metric_schedulers),
-        modes_apart=HeldApart.of(modes) if modes is not None else None,
-        collectives_apart=HeldApart.of(run.collectives_apart) if run.collectives_apart is not None else None,
+        modes_apart=modes,
+        collectives_apart=run.collectives_apart,
         drawn_apart=_drawn_apart_run(run.drawn_apart),
         graph_collectives=list(run.graph_collectives),
     )

@@ -232,7 +232,7 @@ def trainable_apart_sharded(run: ShardedRun) -> list[Finding]:
     if modes is None or not frozen_apart(modes):
         return []
     found = trainable_apart_at_step(**apart_args(modes), parallelism=parallelism_of(run.sharding))
-    return [with_more(found, modes["more"])]
+    return [with_more(found, modes.more)]
 
 
 def trainable_apart_at_step(

@@ -1,7 +1,7 @@
-"""Where the step time goes: `input-bound` (the ranks wait for their data) and `straggler-rank` (one rank is slower
-and the others wait for it in the gradient all-reduce). Measurements on this machine, so both rules ask for an
-effect that is large in milliseconds, large in share, and consistent over the observed steps; a noisy shared
-machine, or a tiny model whose steps take a millisecond, shows neither.
+"""Where the step time goes: `input-bound` (the ranks wait for their data), and how the step is measured, which
+`straggler-rank` (`analyze/stragglers.py`: one rank is slower and the others wait for it) shares. Measurements on
+this machine, so both rules ask for an effect that is large in milliseconds, large in share, and consistent over
+the observed steps; a noisy shared machine, or a tiny model whose steps take a millisecond, shows neither.
 
 The rules, on each rank's `RankTiming` (medians and quartiles over its common steps, the first left out):
 
@@ -10,17 +10,6 @@ The rules, on each rank's `RankTiming` (medians and quartiles over its common st
   step, and the wait is longer than the step-to-step spread of its steps (their interquartile range). The finding needs more than half of the measured ranks waiting, and a DataLoader iterated while
   observed: without one, the time between steps is the loop's own (a benchmark timing other models in between, an
   evaluation), not evidence of waiting for data.
-- **straggler-rank**: the rank with the longest own time (step less its communication wait, and less the time its
-  training thread was ready to run but waited for a CPU: Linux's run-queue delay, so a rank starved by other jobs
-  on a shared machine is not called slow at its own work) is a straggler when
-  its median own time is at least `STRAGGLER_RATIO` times the other ranks' median and `MIN_WAIT_S` longer, its
-  first quartile is above every other rank's third quartile (slower in most steps, not in a few), the difference
-  is larger than the step-to-step spread of its own time (the interquartile range: a rank starved of CPU by
-  another job on a shared machine is slow by varying amounts), and the other ranks lose at least half of that
-  difference waiting in DDP's all-reduce, more than the slow rank itself waits there (it reaches the all-reduce
-  last, so it waits least; a wait every rank shares is not a wait for it: the bound the sharded model's rule has,
-  `straggler_sharded`).
-
 Both need at least `MIN_STEPS` measured steps on every rank compared: with fewer there are no quartiles to tell a
 consistent effect from a few slow steps.
 
@@ -45,37 +34,22 @@ from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.sharded_run import ShardedRun
-from ddp_doctor.core.steptime import (
-    INPUT_SHARE,
-    INPUT_SHARE_Q1,
-    MIN_STEPS,
-    MIN_WAIT_S,
-    PHASE_LABELS,
-    PHASES,
-    STRAGGLER_RATIO,
-    RankTiming,
-    straggles,
-)
+from ddp_doctor.core.steptime import INPUT_SHARE, INPUT_SHARE_Q1, MIN_WAIT_S, RankTiming
 
 __all__ = [
     "INPUT_SHARE",
     "INPUT_SHARE_Q1",
     "MIN_WAIT_S",
-    "STRAGGLER_RATIO",
+    "host_times_tell",
     "input_bound",
     "input_bound_finding",
     "input_bound_sharded",
+    "ms",
     "rank_timings",
-    "straggler_finding",
-    "straggler_fix",
-    "straggler_rank",
-    "straggler_sharded",
 ]
 
-_MEASURED = "Measured on this machine over {n} steps (the first observed step left out)"
 
-
-def _host_times_tell(v: View) -> bool:
+def host_times_tell(v: View) -> bool:
     """The host's clock measures the step: a CPU model (DDP built without `device_ids`, and no rank timed on a GPU:
     a single-device CUDA module can be wrapped without them)."""
     return not v.info.ddp_config.get("device_ids") and not any(t.gpu_clock for t in v.summary.step_times.shown)
@@ -92,14 +66,8 @@ def rank_timings(v: View) -> list[RankTiming]:
     return [dataclasses.replace(t) for t in v.summary.step_times.shown]
 
 
-def _ms(seconds: float) -> str:
+def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
-
-
-def _loader_phrase(v: View) -> tuple[str, str]:
-    """How the training loader is named, and its settings, from group rank 0's loaders (what the fix acts on)."""
-    loaders = v.meta(0).get("loaders", [])
-    return loader_words(next((x for x in loaders if x.get("batches") is not None), loaders[0]))
 
 
 def loader_words(d: dict) -> tuple[str, str]:
@@ -116,7 +84,7 @@ def loader_words(d: dict) -> tuple[str, str]:
 @detects(Code.INPUT_BOUND)
 def input_bound(v: View) -> list[Finding]:
     gpu = _gpu_timed(v)
-    if not gpu and not _host_times_tell(v):
+    if not gpu and not host_times_tell(v):
         return []
     st = v.summary.step_times
     if not st.measured or 2 * st.waiting <= st.measured or not v.meta(0).get("loaders") or st.waiting_median is None:
@@ -149,7 +117,7 @@ _CLOCKS = {
 
 def _span(lo: float, hi: float) -> str:
     """`42.0 ms`, or `40.0-42.0 ms` for the lowest and highest over the ranks."""
-    return _ms(lo) if round(lo * 1e3, 1) == round(hi * 1e3, 1) else f"{lo * 1e3:.1f}-{hi * 1e3:.1f} ms"
+    return ms(lo) if round(lo * 1e3, 1) == round(hi * 1e3, 1) else f"{lo * 1e3:.1f}-{hi * 1e3:.1f} ms"
 
 
 @detects(Code.INPUT_BOUND, road="sharded")
@@ -201,7 +169,7 @@ def input_bound_finding(
     share = wait_lo / step_hi if step_hi > 0 else 1.0
     ranged = (wait_lo, step_lo) != (wait_hi, step_hi)
     name, settings = loader_words(loader)
-    against = f", against {_ms(compute)} of forward and backward compute" if compute is not None else ""
+    against = f", against {ms(compute)} of forward and backward compute" if compute is not None else ""
     return Finding(
         code=Code.INPUT_BOUND,
         severity="warning",
@@ -253,160 +221,4 @@ def input_fix(workers: int | None, *, gpu: bool = True) -> str:
         + ("pin_memory=True speeds the copy to the GPU; " if gpu else "")
         + "move decoding and augmentation out of the training loop (into the Dataset run by the workers, or done "
         "once beforehand)."
-    )
-
-
-@detects(Code.STRAGGLER_RANK)
-def straggler_rank(v: View) -> list[Finding]:
-    if not _host_times_tell(v):
-        return []
-    st = v.summary.step_times
-    others = st.others_median
-    slow = next((t for t in st.shown if t.rank == st.slowest), None)
-    if st.measured < 2 or st.steps < MIN_STEPS or slow is None or others is None or st.others_q3_max is None:
-        return []
-    others_own, lost = others["own_s"], others["comm_wait_s"]
-    if not straggles(
-        own=slow.own_s,
-        others_own=others_own,
-        own_quartiles=(slow.own_q1_s, slow.own_q3_s),
-        others_q3=st.others_q3_max,
-        others_comm=lost,
-        own_comm=slow.median.get("comm_wait_s", 0.0),
-    ):
-        return []
-    gaps = {p: slow.median[p] - others[p] for p in PHASES if p != "comm_wait_s"}
-    phase = max(gaps, key=lambda p: gaps[p])
-    where = (
-        f"between steps (the wait for the next batch and anything else the loop does before the forward: "
-        f"{_ms(gaps[phase])} more than the others)"
-        if phase == "data_wait_s"
-        else f"in its {PHASE_LABELS[phase]} ({_ms(gaps[phase])} more than the others)"
-    )
-    group = v.info.group_ranks
-    name = group[slow.rank] if group and slow.rank < len(group) else slow.rank  # as users number them
-    return [
-        straggler_finding(
-            rank=slow.rank,
-            name=name,
-            own=slow.own_s,
-            others=others_own,
-            lost=lost,
-            where=where,
-            phase=phase.removesuffix("_s"),
-            steps=st.steps,
-            collectives="DDP's gradient all-reduce",
-        )
-    ]
-
-
-@detects(Code.STRAGGLER_RANK, road="sharded")
-def straggler_sharded(run: ShardedRun) -> list[Finding]:
-    """DDP's rule on the bounds the reduction carries (`ShardedRun.slowest`): the slowest rank's own work (its step
-    less its time in the model's collectives, `observation/step_clock.CommClock`, and its run-queue delay) against
-    the longest of the other ranks' (not their median), its first quartile against the highest of their third
-    quartiles, and the wait it causes as the shortest of their times in collectives, less the slow rank's own. On a
-    machine whose cores are oversubscribed, gloo's collectives take most of a tiny model's step on every rank, and
-    one rank's own work reads about 12 ms longer in most steps from noise: the others then spend no longer in the
-    collectives than it does. On CPU only: on CUDA, NCCL's collectives run on streams of their own, untimed.
-
-    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_straggler.py`, rank 1 runs
-    60 products of 256x256 matrices on each batch before its forward; three sharded Linear layers): rank 1 spent 74
-    ms a step on that and 38 ms in its forward and backward, while rank 0's forward and backward took 113 ms (21 ms
-    when no rank does the extra work): rank 0 waits about 90 ms a step in the all-gathers and reduce-scatters. With
-    `replicate`, 112 ms of extra work and rank 0's forward and backward at 130 ms (12 ms without). All end with exit
-    code 0: nothing says the job runs at the pace of its slowest rank."""
-    s = run.slowest
-    if s is None or s["steps"] < MIN_STEPS:
-        return []
-    own, others = s["own_s"], s["others_own_s"]
-    extra = own - others
-    if not straggles(
-        own=own,
-        others_own=others,
-        own_quartiles=(s["own_q1_s"], s["own_q3_s"]),
-        others_q3=s["others_own_q3_s"],  # the highest of the other ranks' third quartiles
-        others_comm=s["others_comm_s"],  # the shortest of the other ranks' times in the collectives
-        own_comm=s.get("comm_s", 0.0),
-    ):
-        return []
-    between = s["wait_s"] - s["others_wait_s"]
-    outside = between >= 0.5 * extra
-    where = (
-        "between steps (the wait for the next batch and anything else the loop does before the forward: "
-        f"{between * 1e3:.1f} ms more than any other rank)"
-        if outside
-        else "within the step (its forward, backward or optimizer step)"
-    )
-    found = straggler_finding(
-        rank=s["rank"],
-        name=s["rank"],
-        own=own,
-        others=others,
-        lost=s["others_comm_s"],
-        where=where,
-        phase="data_wait" if outside else "step",
-        steps=s["steps"],
-        collectives="the sharded model's all-gathers and gradient reductions",
-        bounds=True,
-    )
-    return [found]
-
-
-def straggler_finding(
-    *,
-    rank: int,
-    name: object,
-    own: float,
-    others: float,
-    lost: float,
-    where: str,
-    phase: str,
-    steps: int,
-    collectives: str,
-    bounds: bool = False,
-) -> Finding:
-    """`straggler-rank`, for every parallelism: group rank `rank` (`name` as users number it) does `own` seconds of
-    its own work per step against `others` on the other ranks (their median; with `bounds`, the longest of them),
-    and the others wait `lost` per step in `collectives` (with `bounds`, the shortest of their waits); `where` says
-    where its extra time goes, over `steps` timed steps, and `phase` names it (`data_wait`, `forward`, `backward`,
-    `optimizer`; `step` where only the step as a whole was timed)."""
-    ratio = own / others if others > 0 else float("inf")
-    # A tiny model's own work rounds to nothing on the other ranks: no ratio then, the difference.
-    tiny = others < 1e-3
-    slower = f"does {_ms(own - others)} more work per step" if tiny else f"is {ratio:.1f}x slower"
-    against = f"at most {_ms(others)} on any other rank" if bounds else f"{_ms(others)} on the other ranks"
-    lose = (
-        f"Every other rank spends at least {_ms(lost)} per step in {collectives}, waiting for it."
-        if bounds
-        else f"The other ranks lose {_ms(lost)} per step waiting for it in {collectives}."
-    )
-    return Finding(
-        code=Code.STRAGGLER_RANK,
-        severity="warning",
-        title=f"rank {name} {slower}; the other ranks wait {_ms(lost)} per step for it",
-        detail=f"{_MEASURED.format(n=steps)}: rank {name} takes {_ms(own)} per step of its own work (median, its "
-        f"time in {collectives} and its waits for a CPU left out) against {against}"
-        + ("" if tiny else f", {ratio:.1f} times as long,")
-        + f" in most steps. Its extra time is spent {where}. {lose}",
-        ranks=[rank],
-        steps=[],
-        fix=straggler_fix(name),
-        measured=[
-            Measure("own_work_slowest", own, "s"),
-            Measure("own_work_others", others, "s"),
-            Measure("others_wait", lost, "s"),
-            Measure("steps_timed", steps, "count"),
-        ],
-        labels={"clock": "host", "phase": phase},
-    )
-
-
-def straggler_fix(name: object) -> str:
-    """The fix of `straggler-rank` for rank `name` (as users number it)."""
-    return (
-        f"make rank {name} do the same work as the others: look for code that runs on that rank only "
-        "(if rank == ..., logging, evaluation or checkpointing inside the step), a data shard with larger "
-        "samples, or a slower or busier device on its machine; do rank-0-only work outside the timed loop "
-        "or asynchronously."
     )

@@ -30,12 +30,6 @@ class HeldApart:
         """The ranks a finding names: the reference and the ranks that differ from it."""
         return sorted({self.reference, *self.ranks})
 
-    @classmethod
-    def of(cls, apart: dict[str, Any]) -> HeldApart:
-        """From the sharded exchange's `held_apart` dict (`step`, `reference`, `held`, `ranks`, `more`)."""
-        held = {int(r): v for r, v in apart["held"].items()}
-        return cls(apart["step"], apart["reference"], held, list(apart["ranks"]), apart.get("more", 0))
-
 
 @dataclass(frozen=True, slots=True)
 class SteppedApart:

@@ -331,7 +331,7 @@ TABLE: tuple[CodeInfo, ...] = (
          when="error when the projection reaches the timeout, warning at half of it", on="all"),
     _row(Code.INPUT_BOUND, Family.TIMING, "warning", "throughput.py",
          "the ranks spend a large share of every step waiting for the next batch", on="all"),
-    _row(Code.STRAGGLER_RANK, Family.TIMING, "warning", "throughput.py",
+    _row(Code.STRAGGLER_RANK, Family.TIMING, "warning", "stragglers.py",
          "one rank is consistently slower and the others wait for it in the gradient all-reduce (or a sharded "
          "model's collectives)", on="all"),
     _row(Code.BACKWARD_PASSES_DIFFER, Family.GRAPH, "error/warning/info", "passes.py crashed_ranks.py",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddp_doctor.core.agreed import HeldApart
 from ddp_doctor.core.findings import ParamRef
 
 __all__ = ["INPUT_STEPS", "PARALLELISMS", "SCALE_TOLERANCE", "ShardedRun", "parallelism_of"]
@@ -109,13 +110,13 @@ class ShardedRun:
     modules' train/eval modes, compared across ranks by digest."""
     modules: int = 0
     """Modules in the model's tree (whose modes were compared)."""
-    settings_apart: dict[str, Any] | None = None
-    """The first of those steps at which the optimizer's settings differed across ranks: `step`, `reference` (the
-    rank holding the most common settings), `ranks` (ranks holding others, the lowest few), `more` (others not
-    named), `held` ({rank: settings text} for the reference and the first other rank). None when they agreed."""
+    settings_apart: HeldApart | None = None
+    """The first of those steps at which the optimizer's settings differed across ranks: the reference rank holds
+    the most common settings; `held` maps it and the first other rank to their settings text. None when they
+    agreed."""
     metric_schedulers: list[str] = field(default_factory=list)
     """Where rank 0 stepped a scheduler of its optimizer that reads a metric (ReduceLROnPlateau), `file:line`."""
-    modes_apart: dict[str, Any] | None = None
+    modes_apart: HeldApart | None = None
     """The same for the modules' modes; `held` maps a rank to its modes entry (`tree_scan.modes_of`)."""
     replica_rows: int = 0
     """The model's replica rows (1 under `replicate`, the shard dimension's size under HSDP); 0 where nothing is
@@ -130,10 +131,10 @@ class ShardedRun:
     (those that differ from it, the lowest few) and `more`. None where they agreed."""
     script_collectives: int | None = None
     """The script's own collectives in those steps, as many on every rank; None where the counts differ."""
-    collectives_apart: dict[str, Any] | None = None
+    collectives_apart: HeldApart | None = None
     """The same for the script's own collectives of the step (op, dtype, shape, reduction, group size, in order);
     `held` maps a rank to its first calls of the step, with their lines."""
-    drawn_apart: dict[str, Any] | None = None
+    drawn_apart: HeldApart | None = None
     """The first of those steps for which the ranks drew different numbers of batches from the training loader:
     `held` maps a rank to (its batches, the loader's line)."""
     inputs_identical: bool = False

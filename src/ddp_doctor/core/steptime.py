@@ -268,7 +268,7 @@ def straggles(
     others_comm: float,
     own_comm: float,
 ) -> bool:
-    """The straggler rule, for every parallelism (DDP's first steps in `analyze/throughput.py`, a sharded model's in `analyze/sharded_timing.py`, `watch`'s windows in `launch/watch_windows.py`): one
+    """The straggler rule, for every parallelism (DDP's first steps and a sharded model's in `analyze/stragglers.py`, `watch`'s windows in `launch/watch_windows.py`): one
     rank's own work per step (its time in the collectives and its waits for a CPU left out) is `STRAGGLER_RATIO`
     times the others' and `MIN_WAIT_S` longer, in most steps (its first quartile above the others' third) and by
     more than its own spread, and the others lose at least half of the difference in the collectives: that much

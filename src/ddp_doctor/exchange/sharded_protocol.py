@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ddp_doctor.core.agreed import HeldApart
 from ddp_doctor.core.beside import BesideGroup
 from ddp_doctor.core.sharded_run import INPUT_STEPS, SCALE_TOLERANCE
 from ddp_doctor.exchange.beside_inputs import beside_inputs_rounds
@@ -228,16 +229,15 @@ def _per_step(record: ShardedRecord, *, rank: int, world: int) -> Generator[Op, 
         apart[name] = None
         if step is not None:
             digest, shown = record.held[step][at : at + 2]
-            apart[name] = {"step": step, **(yield from held_apart(float(digest), shown, rank=rank, world=world))}
+            apart[name] = HeldApart(step=step, **(yield from held_apart(float(digest), shown, rank=rank, world=world)))
     step = next((k for k in held if high[k, 12] != low[k, 12]), None)
     apart["drawn_apart"] = None
     if step is not None:
         drawn = float(record.steps[step, 12])
         site = (record.loader or {}).get("site")
-        apart["drawn_apart"] = {
-            "step": step,
-            **(yield from held_apart(drawn, (int(drawn), site), rank=rank, world=world)),
-        }
+        apart["drawn_apart"] = HeldApart(
+            step=step, **(yield from held_apart(drawn, (int(drawn), site), rank=rank, world=world))
+        )
     return {
         "inputs_compared": seen,
         "inputs_identical": bool(seen) and all(bool((high[k, :2] == low[k, :2]).all()) for k in seen),
