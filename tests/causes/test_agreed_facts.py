@@ -11,8 +11,10 @@ from ddp_doctor.analyze.collective_order import collective_sequence_mismatch
 from ddp_doctor.analyze.optimizer_settings import optimizer_differs
 from ddp_doctor.analyze.replica_state import modes_differ
 from ddp_doctor.analyze.roads import from_run, from_view
+from ddp_doctor.analyze.used_set import unused_parameters
 from ddp_doctor.analyze.view import View
-from ddp_doctor.core.agreed import Agreed, HeldApart
+from ddp_doctor.core.agreed import Agreed, HeldApart, NeverReached
+from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.records import StepCounters
 from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.exchange import summarize
@@ -95,3 +97,39 @@ def test_a_steps_collectives_apart_name_the_first_step_and_for_ddp_the_later_one
     ddp = Agreed(parallelism="ddp", world=2, collectives_apart=apart, collectives_counts=[1], collectives_also=[3])
     (f,) = collective_sequence_mismatch(ddp)
     assert (f.ranks, f.steps, f.sites) == ([0, 1], [2, 3], sharded.sites)
+
+
+def test_parameters_nothing_reaches_are_an_error_only_where_ddp_waits_for_them() -> None:
+    """The parallelism and DDP's flags decide the verdict; the parameters, ranks and steps are the same."""
+    head = NeverReached([ParamRef("head.weight", 8, (2, 4))], steps=3, modules_ran=False)
+    verdicts = {}
+    for parallelism, flags in (("ddp", {}), ("ddp", {"static_graph": True}), ("fsdp2", {}), ("replicate", {})):
+        agreed = Agreed(parallelism=parallelism, world=4, ddp_flags=flags, never_reached=head)
+        (f,) = unused_parameters(agreed)
+        assert (f.code, f.param_names, f.ranks, f.steps) == (
+            "unused-parameters",
+            ["head.weight"],
+            [0, 1, 2, 3],
+            [0, 1, 2],
+        )
+        verdicts[parallelism, bool(flags)] = f.severity
+    assert verdicts == {
+        ("ddp", False): "error",  # DDP waits for their gradients: the next step fails
+        ("ddp", True): "warning",
+        ("fsdp2", False): "warning",
+        ("replicate", False): "warning",
+    }
+    assert unused_parameters(Agreed(parallelism="fsdp2", world=4)) == []
+
+
+def test_a_sharded_models_parameters_no_step_gave_a_gradient_are_never_reached_only_if_the_model_is_stepped() -> None:
+    refs = [ParamRef("a", 4), ParamRef("b", 4)]
+    facts = {
+        "params": refs,
+        "params_trainable": [True, True],
+        "params_grads": [(True, True, True), (False, False, False)],
+    }
+    assert from_run(_sharded_run("fully_shard", model_params_stepped=2, **facts)).never_reached == NeverReached(
+        [refs[1]], steps=3, modules_ran=None
+    )
+    assert from_run(_sharded_run("fully_shard", model_params_stepped=0, **facts)).never_reached is None

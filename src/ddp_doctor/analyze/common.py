@@ -9,8 +9,18 @@ import torch
 from ddp_doctor.analyze.snippets import flags_fix, freeze_point
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.findings import Finding, Measure, lines_of
+from ddp_doctor.core.records import Flavor
 
-__all__ = ["all_ranks", "freeze_fix", "has_flags", "steps_of", "with_evidence", "with_flags", "with_more"]
+__all__ = [
+    "all_ranks",
+    "freeze_fix",
+    "freeze_fix_in",
+    "has_flags",
+    "steps_of",
+    "with_evidence",
+    "with_flags",
+    "with_more",
+]
 
 
 def with_flags(v: View, **flags: bool) -> str:
@@ -27,10 +37,15 @@ def has_flags(v: View, **flags: bool) -> bool:
 
 def freeze_fix(v: View) -> str:
     """Freeze before wrapping, or the flags that cope with a changing set, in the framework's words."""
+    return freeze_fix_in(v.info.framework, v.info.flavor)
+
+
+def freeze_fix_in(framework: str, flavor: Flavor) -> str:
+    """`freeze_fix` for the DDP model `framework` (at `flavor`'s versions) built."""
     return (
-        f"set requires_grad=False on them {freeze_point(v.info.framework)}; if they must train on some steps, "
-        f"{with_flags(v, static_graph=True)} (same params unused every step) or "
-        f"{with_flags(v, find_unused_parameters=True)} (the set changes)"
+        f"set requires_grad=False on them {freeze_point(framework)}; if they must train on some steps, "
+        f"{flags_fix(framework, {'static_graph': True}, flavor)} (same params unused every step) or "
+        f"{flags_fix(framework, {'find_unused_parameters': True}, flavor)} (the set changes)"
     )
 
 

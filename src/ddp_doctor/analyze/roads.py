@@ -9,7 +9,7 @@ from ddp_doctor.analyze.epochs import training_loader
 from ddp_doctor.analyze.parallelism import train_modes_apart
 from ddp_doctor.analyze.tree_digest import modes_parted
 from ddp_doctor.analyze.view import View
-from ddp_doctor.core.agreed import Agreed, DrawnApart, HeldApart, SteppedApart
+from ddp_doctor.core.agreed import Agreed, DrawnApart, HeldApart, NeverReached, SteppedApart
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
@@ -24,6 +24,10 @@ def from_view(v: View) -> Agreed:
     return Agreed(
         parallelism="ddp",
         world=v.world,
+        framework=v.info.framework,
+        flavor=v.info.flavor,
+        ddp_flags=dict(v.info.ddp_config),
+        never_reached=_never_reached(v),
         inputs_compared=compared,
         inputs_identical=identical,
         settings_apart=_settings_apart(v),
@@ -35,6 +39,16 @@ def from_view(v: View) -> Agreed:
         drawn_apart=_drawn_apart(v),
         graph_collectives=list(v.meta(0).get("graph_collectives") or []),
     )
+
+
+def _never_reached(v: View) -> NeverReached | None:
+    """Parameters whose modules never ran in a training forward and that got no gradient (a module that ran is
+    `grad-blocked`'s); not those a replaced module left in DDP's reducer (`unregistered-parameters` says so)."""
+    if not v.steps:
+        return None
+    never, _ = v.unused_by_cause()
+    never = never & ~v.orphaned
+    return NeverReached(v.params(never), v.steps, modules_ran=False) if never.any() else None
 
 
 def _settings_apart(v: View) -> HeldApart | None:
@@ -104,9 +118,14 @@ def _drawn_apart_run(apart: HeldApart | None) -> DrawnApart | None:
 def from_run(run: ShardedRun) -> Agreed:
     """A sharded model's: the exchange's reference rank holds the most common value (`exchange/oddranks.py`)."""
     modes = run.modes_apart if run.modes_apart is not None and train_modes_apart(run.modes_apart) else None
+    grads = run.params_grads or []
+    never = [ref for ref, trains, (had, _, _) in zip(run.params, run.params_trainable, grads) if trains and not had]
     return Agreed(
         parallelism=parallelism_of(run.sharding),
         world=run.world,
+        framework=run.framework,
+        # Only where the optimizer steps the model's parameters: otherwise nothing is meant to train.
+        never_reached=NeverReached(never, run.steps, None) if never and run.model_params_stepped else None,
         inputs_compared=list(run.inputs_compared),
         inputs_identical=bool(run.inputs_identical),
         one_data_group=run.beside_groups == 1,

@@ -1,21 +1,21 @@
 """Detectors of the used set: which parameters reach the loss, on which ranks and steps, and what the DDP flags make
-of it. Each reads the `View` and returns findings; pure functions, no communication (the frozen set and DDP's own
+of it. Each reads the `View` (or the `Agreed` facts every parallelism gives) and returns findings; pure functions, no communication (the frozen set and DDP's own
 errors are in `frozen_set.py`, gradients DDP's forward did not see coming in `hidden_use.py`, the agreement of grads, weights, buffers and inputs in `agreement.py`, the
 consistency of collectives and passes in `consistency.py`, why replicas diverge in `causes.py`; each detector
 registers itself with `@detects`, and `core/codes.py`'s `REPORT_ORDER` places its findings in the report)."""
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.common import all_ranks, freeze_fix, steps_of, with_flags
+from ddp_doctor.analyze.common import all_ranks, freeze_fix_in, steps_of, with_flags
 from ddp_doctor.analyze.hidden_use import hidden_params
-from ddp_doctor.analyze.parallelism import FULLY_SHARD, api_of, every_rank, observed_steps
+from ddp_doctor.analyze.parallelism import FULLY_SHARD, REPLICATE
 from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.core.agreed import Agreed, NeverReached
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
 from ddp_doctor.core.ranks import listed
-from ddp_doctor.core.sharded_run import ShardedRun
 
 __all__ = [
     "dynamic_graph",
@@ -25,58 +25,20 @@ __all__ = [
     "static_graph_unsafe",
     "unused_finding",
     "unused_parameters",
-    "unused_sharded",
 ]
 
 
-@detects(Code.UNUSED_PARAMETERS)
-def unused_parameters(v: View) -> list[Finding]:
-    if not v.steps:
+@detects(Code.UNUSED_PARAMETERS, road="every")
+def unused_parameters(a: Agreed) -> list[Finding]:
+    """Trainable parameters that nothing in the loss reached on any rank at any observed step, whatever the
+    parallelism, which decides the verdict: DDP with default flags waits for their gradients (its reduction
+    never finishes, then the next step fails); with its flags set, or under FSDP2 or `replicate`, they cost
+    communication or memory and do not train. Freezing is advised for DDP's only where their modules never ran."""
+    if (never := a.never_reached) is None or not never.params:
         return []
-    never, _ = v.unused_by_cause()  # modules that never ran: the only parameters freezing can be advised for
-    never = never & ~v.orphaned  # what a replaced module left in DDP's reducer: `unregistered-parameters` says so
-    if not never.any():
-        return []
-    if v.default_flags:
-        severity, effect = (
-            "error",
-            (
-                "With find_unused_parameters=False and static_graph=False DDP waits for their "
-                "gradients: the step's gradients are never all-reduced, then the next step "
-                "fails with 'Expected to have finished reduction'."
-            ),
-        )
-    else:
-        severity, effect = (
-            "warning",
-            (
-                "The current flags cope, but DDP still all-reduces zeros for them every step"
-                + (" and walks the autograd graph to find them." if v.find_unused else ".")
-            ),
-        )
-    return [
-        unused_finding(
-            v.params(never),
-            steps=f"every one of the {v.steps} observed steps",
-            seen=" and their modules never ran in a training forward",
-            effect=effect,
-            severity=severity,
-            ranks=all_ranks(v),
-            step_list=list(range(v.steps)),
-            fix=freeze_fix(v) + ".",
-        )
-    ]
-
-
-@detects(Code.UNUSED_PARAMETERS, road="sharded")
-def unused_sharded(run: ShardedRun) -> list[Finding]:
-    """A sharded model's trainable parameters that got no gradient on any rank at any observed step with sync on:
-    FSDP2 raises no error for them (they never train, and their group still carries them)."""
-    grads = run.params_grads or []
-    unused = [ref for ref, trains, (had, _, _) in zip(run.params, run.params_trainable, grads) if trains and not had]
-    if not unused or not run.model_params_stepped:
-        return []
-    api = api_of(run)
+    if a.parallelism == "ddp":
+        return [_unused_ddp(a, never)]
+    api = REPLICATE if a.parallelism == "replicate" else FULLY_SHARD
     carried = (
         "the all-gathers of their fully_shard group still carry them in every forward"
         if api is FULLY_SHARD
@@ -90,19 +52,43 @@ def unused_sharded(run: ShardedRun) -> list[Finding]:
         f"remove them from the model if nothing uses them, or set requires_grad=False on them before {api.call} "
         "(and build the optimizer from the trainable parameters) while they are not used."
     )
-    steps = f"every one of the {run.steps} observed optimizer steps with gradient sync on"
-    return [
-        unused_finding(
-            unused,
-            steps=steps,
-            seen=": nothing in the loss reaches them",
-            effect=effect,
-            severity="warning",
-            ranks=every_rank(run),
-            step_list=observed_steps(run),
-            fix=fix,
+    found = unused_finding(
+        never.params,
+        steps=f"every one of the {never.steps} observed optimizer steps with gradient sync on",
+        seen=": nothing in the loss reaches them",
+        effect=effect,
+        severity="warning",
+        ranks=list(range(a.world)),
+        step_list=list(range(never.steps)),
+        fix=fix,
+    )
+    return [found]
+
+
+def _unused_ddp(a: Agreed, never: NeverReached) -> Finding:
+    find_unused, static = bool(a.ddp_flags.get("find_unused_parameters")), bool(a.ddp_flags.get("static_graph"))
+    if not find_unused and not static:
+        severity, effect = (
+            "error",
+            "With find_unused_parameters=False and static_graph=False DDP waits for their gradients: the step's "
+            "gradients are never all-reduced, then the next step fails with 'Expected to have finished reduction'.",
         )
-    ]
+    else:
+        severity, effect = (
+            "warning",
+            "The current flags cope, but DDP still all-reduces zeros for them every step"
+            + (" and walks the autograd graph to find them." if find_unused else "."),
+        )
+    return unused_finding(
+        never.params,
+        steps=f"every one of the {never.steps} observed steps",
+        seen=" and their modules never ran in a training forward",
+        effect=effect,
+        severity=severity,
+        ranks=list(range(a.world)),
+        step_list=list(range(never.steps)),
+        fix=freeze_fix_in(a.framework, a.flavor) + ".",
+    )
 
 
 def unused_finding(

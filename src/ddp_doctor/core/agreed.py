@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Agreed", "DrawnApart", "HeldApart", "SteppedApart"]
+from ddp_doctor.core.findings import ParamRef
+from ddp_doctor.core.records import Flavor
+
+__all__ = ["Agreed", "DrawnApart", "HeldApart", "NeverReached", "SteppedApart"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,18 @@ class DrawnApart:
     site: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class NeverReached:
+    """Trainable parameters that got no gradient on any rank in any of the `steps` observed steps (a sharded
+    model's: those with gradient sync on), and whether their modules ran in a training forward: False for DDP's
+    (a module that ran and gave no gradient is `grad-blocked`'s), None where it was not recorded (FSDP2,
+    `replicate`)."""
+
+    params: list[ParamRef]
+    steps: int
+    modules_ran: bool | None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Agreed:
     """One model's shared facts, as every rank agreed on them."""
@@ -63,6 +78,15 @@ class Agreed:
     """`ddp`, `fsdp2` or `replicate` (`core/sharded_run.PARALLELISMS`)."""
     world: int
     """The ranks compared: DDP's process group, the sharded model's world."""
+    framework: str = "torch"
+    """Who built the model's wrapper or stepped its optimizer (`torch`, `transformers`, `accelerate`, `lightning`):
+    the words a fix is given in."""
+    flavor: Flavor = field(default_factory=Flavor)
+    """The framework's versions, where a fix's words depend on them."""
+    ddp_flags: dict[str, Any] = field(default_factory=dict)
+    """The flags DDP was built with (`find_unused_parameters`, `static_graph`, ...); empty for a sharded model."""
+    never_reached: NeverReached | None = None
+    """Trainable parameters no gradient reached anywhere in the observed steps."""
     inputs_compared: list[int] = field(default_factory=list)
     """The observed steps whose training inputs every rank fingerprinted."""
     inputs_identical: bool = False
