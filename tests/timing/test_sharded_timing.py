@@ -10,9 +10,10 @@ import pytest
 import torch
 from dist import run_ranks
 
+from ddp_doctor.analyze.roads import from_run
 from ddp_doctor.analyze.sharded_coverage import sharded_compared, sharded_unchecked
 from ddp_doctor.analyze.stragglers import straggler_sharded
-from ddp_doctor.analyze.throughput import input_bound_sharded
+from ddp_doctor.analyze.throughput import input_bound
 from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.exchange.drive import drive
 from ddp_doctor.exchange.primitives import minmax
@@ -117,7 +118,7 @@ def test_on_a_gpu_the_wait_is_the_gpus_and_a_straggler_is_said_to_be_unchecked()
         "clock": "gpu",
     }
     run = _run(None, comm_timed=False, gpu_timed=True, input_wait=wait)
-    (f,) = input_bound_sharded(run)
+    (f,) = input_bound(from_run(run))
     assert (f.code, f.ranks, f.sites) == ("input-bound", [0, 1], ["train.py:31"])
     m = _measured(f)
     assert m["data_wait"] == pytest.approx(0.040) and m["step"] == pytest.approx(0.051) and m["steps_timed"] == 7
@@ -125,7 +126,7 @@ def test_on_a_gpu_the_wait_is_the_gpus_and_a_straggler_is_said_to_be_unchecked()
     compared = sharded_compared(run)
     assert (compared["timed_steps"], compared["clock"], compared["straggler"]) == (7, "gpu", False)
     assert any(u.startswith("a straggler rank (on a GPU the time in the collectives") for u in sharded_unchecked(run))
-    (host,) = input_bound_sharded(_run(None, input_wait={**wait, "clock": "host"}))
+    (host,) = input_bound(from_run(_run(None, input_wait={**wait, "clock": "host"})))
     assert host.labels["clock"] == "host"
 
 

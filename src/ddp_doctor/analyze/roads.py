@@ -7,9 +7,10 @@ from __future__ import annotations
 from ddp_doctor.analyze.common import first_differing, meta_sites, steps_of
 from ddp_doctor.analyze.epochs import training_loader
 from ddp_doctor.analyze.parallelism import train_modes_apart
+from ddp_doctor.analyze.throughput import gpu_timed, host_times_tell
 from ddp_doctor.analyze.tree_digest import modes_parted
 from ddp_doctor.analyze.view import View
-from ddp_doctor.core.agreed import Agreed, DrawnApart, HeldApart, NeverReached, SteppedApart
+from ddp_doctor.core.agreed import Agreed, DrawnApart, HeldApart, InputWait, NeverReached, SteppedApart
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
@@ -28,6 +29,8 @@ def from_view(v: View) -> Agreed:
         flavor=v.info.flavor,
         ddp_flags=dict(v.info.ddp_config),
         never_reached=_never_reached(v),
+        device_type=v.info.device_type,
+        input_wait=_input_wait(v),
         inputs_compared=compared,
         inputs_identical=identical,
         settings_apart=_settings_apart(v),
@@ -38,6 +41,30 @@ def from_view(v: View) -> Agreed:
         **_collectives_apart(v),
         drawn_apart=_drawn_apart(v),
         graph_collectives=list(v.meta(0).get("graph_collectives") or []),
+    )
+
+
+def _input_wait(v: View) -> InputWait | None:
+    """The waits the ranks' step tables show, on the GPU's clock where every rank timed one, else on the host's
+    where it tells them (a CPU model); None without a DataLoader iterated while observed (the time between steps
+    is then the loop's own, not a wait for data)."""
+    gpu = gpu_timed(v)
+    st, loaders = v.summary.step_times, v.meta(0).get("loaders", [])
+    if (not gpu and not host_times_tell(v)) or not st.measured or not loaders or st.waiting_median is None:
+        return None
+    wait, step, named = st.waiting_median["data_wait_s"], st.waiting_median["step_s"], list(st.waiting_ranks or [])
+    return InputWait(
+        waiting=st.waiting,
+        measured=st.measured,
+        clock="gpu" if gpu else "host",
+        steps=st.waiting_steps,
+        wait_s=(wait, wait),
+        step_s=(step, step),
+        compute_s=st.waiting_median["compute_s"],
+        loader=next((x for x in loaders if x.get("batches") is not None), loaders[0]),
+        sites=[d.get("site") or "" for d in loaders],
+        ranks=named,
+        more=st.waiting - len(named),
     )
 
 
@@ -115,6 +142,24 @@ def _drawn_apart_run(apart: HeldApart | None) -> DrawnApart | None:
     return DrawnApart(apart.step, apart.ranks, apart.more, drew, others, site)
 
 
+def _input_wait_run(run: ShardedRun) -> InputWait | None:
+    """The sharded exchange sets `input_wait` only where every rank waited (`core/steptime.waits_for_data_at`)."""
+    if not (w := run.input_wait):
+        return None
+    loader = w["loader"]
+    return InputWait(
+        waiting=run.world,
+        measured=run.world,
+        clock=w.get("clock", "host"),
+        steps=w["steps"],
+        wait_s=tuple(w["wait_s"]),
+        step_s=tuple(w["step_s"]),
+        loader=loader,
+        sites=[loader.get("site") or ""],
+        ranks=list(range(run.world)),
+    )
+
+
 def from_run(run: ShardedRun) -> Agreed:
     """A sharded model's: the exchange's reference rank holds the most common value (`exchange/oddranks.py`)."""
     modes = run.modes_apart if run.modes_apart is not None and train_modes_apart(run.modes_apart) else None
@@ -126,6 +171,8 @@ def from_run(run: ShardedRun) -> Agreed:
         framework=run.framework,
         # Only where the optimizer steps the model's parameters: otherwise nothing is meant to train.
         never_reached=NeverReached(never, run.steps, None) if never and run.model_params_stepped else None,
+        device_type=(run.sharding or {}).get("device_type", ""),
+        input_wait=_input_wait_run(run),
         inputs_compared=list(run.inputs_compared),
         inputs_identical=bool(run.inputs_identical),
         one_data_group=run.beside_groups == 1,

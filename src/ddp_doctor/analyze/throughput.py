@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddp_doctor.analyze.parallelism import every_rank
 from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.core.agreed import Agreed
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
-from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.core.steptime import INPUT_SHARE, INPUT_SHARE_Q1, MIN_WAIT_S, RankTiming
 
 __all__ = [
@@ -43,7 +42,7 @@ __all__ = [
     "host_times_tell",
     "input_bound",
     "input_bound_finding",
-    "input_bound_sharded",
+    "gpu_timed",
     "ms",
     "rank_timings",
 ]
@@ -55,7 +54,7 @@ def host_times_tell(v: View) -> bool:
     return not v.info.ddp_config.get("device_ids") and not any(t.gpu_clock for t in v.summary.step_times.shown)
 
 
-def _gpu_timed(v: View) -> bool:
+def gpu_timed(v: View) -> bool:
     """The ranks' waits for data and steps were taken on the GPU's clock (every rank shown; they run one code)."""
     shown = v.summary.step_times.shown
     return bool(shown) and all(t.gpu_clock for t in shown)
@@ -81,31 +80,35 @@ def loader_words(d: dict) -> tuple[str, str]:
     return name, settings
 
 
-@detects(Code.INPUT_BOUND)
-def input_bound(v: View) -> list[Finding]:
-    gpu = _gpu_timed(v)
-    if not gpu and not host_times_tell(v):
+@detects(Code.INPUT_BOUND, road="every")
+def input_bound(a: Agreed) -> list[Finding]:
+    """More than half of the measured ranks wait for data, whatever the parallelism. A sharded model has no DDP
+    hooks to split its steps: the watch times them from the host's clock (`observation/step_clock.py`; on CUDA
+    from events on the model's stream, the GPU's idle time), and the same thresholds decide
+    (`core/steptime.waits_for_data_at`) on every rank, the reduction carrying the lowest and highest of each rank's
+    figures.
+
+    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_slow_loader.py`, a dataset
+    that sleeps 5 ms per sample, 8 samples per batch): with no worker the ranks waited 42 ms of a 70 ms step (the
+    script's own clock); with 4 workers 2 ms of 27 ms. Both end with exit code 0 (tests/timing/test_check_fsdp2_steps.py).
+    DDP: tests/timing/test_step_time.py."""
+    w = a.input_wait
+    if w is None or 2 * w.waiting <= w.measured:
         return []
-    st = v.summary.step_times
-    if not st.measured or 2 * st.waiting <= st.measured or not v.meta(0).get("loaders") or st.waiting_median is None:
-        return []
-    wait, step = st.waiting_median["data_wait_s"], st.waiting_median["step_s"]
-    loaders = v.meta(0).get("loaders", [])
-    return [
-        input_bound_finding(
-            who=f"{st.waiting} of {st.measured} ranks",
-            clock="gpu" if gpu else "host",
-            steps=st.waiting_steps,
-            wait=(wait, wait),
-            step=(step, step),
-            compute=st.waiting_median["compute_s"],
-            loader=next((x for x in loaders if x.get("batches") is not None), loaders[0]),
-            sites=[d.get("site") or "" for d in loaders],
-            ranks=list(st.waiting_ranks or []),
-            more_ranks=st.waiting - len(st.waiting_ranks or []),
-            device_type=v.info.device_type,
-        )
-    ]
+    found = input_bound_finding(
+        who="all ranks" if w.waiting == w.measured == a.world else f"{w.waiting} of {w.measured} ranks",
+        clock=w.clock,
+        steps=w.steps,
+        wait=w.wait_s,
+        step=w.step_s,
+        compute=w.compute_s,
+        loader=w.loader,
+        sites=w.sites,
+        ranks=w.ranks,
+        more_ranks=w.more,
+        device_type=a.device_type,
+    )
+    return [found]
 
 
 _CLOCKS = {
@@ -118,32 +121,6 @@ _CLOCKS = {
 def _span(lo: float, hi: float) -> str:
     """`42.0 ms`, or `40.0-42.0 ms` for the lowest and highest over the ranks."""
     return ms(lo) if round(lo * 1e3, 1) == round(hi * 1e3, 1) else f"{lo * 1e3:.1f}-{hi * 1e3:.1f} ms"
-
-
-@detects(Code.INPUT_BOUND, road="sharded")
-def input_bound_sharded(run: ShardedRun) -> list[Finding]:
-    """A sharded model has no DDP hooks to split its steps: the watch times them from the host's clock
-    (`observation/step_clock.py`; on CUDA from events on the model's stream, the GPU's idle time), and the same
-    thresholds decide (`core/steptime.waits_for_data_at`) on every rank, the reduction carrying the lowest and
-    highest of each rank's figures (`ShardedRun.input_wait`, set when every rank waits).
-
-    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_slow_loader.py`, a dataset
-    that sleeps 5 ms per sample, 8 samples per batch): with no worker the ranks waited 42 ms of a 70 ms step (the
-    script's own clock); with 4 workers 2 ms of 27 ms. Both end with exit code 0 (tests/timing/test_check_fsdp2_steps.py)."""
-    if not (w := run.input_wait):
-        return []
-    found = input_bound_finding(
-        who="all ranks",
-        clock=w.get("clock", "host"),
-        steps=w["steps"],
-        wait=tuple(w["wait_s"]),
-        step=tuple(w["step_s"]),
-        loader=w["loader"],
-        sites=[w["loader"].get("site") or ""],
-        ranks=every_rank(run),
-        device_type=(run.sharding or {}).get("device_type", ""),
-    )
-    return [found]
 
 
 def input_bound_finding(

@@ -12,7 +12,7 @@ from typing import Any
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.records import Flavor
 
-__all__ = ["Agreed", "DrawnApart", "HeldApart", "NeverReached", "SteppedApart"]
+__all__ = ["Agreed", "DrawnApart", "HeldApart", "InputWait", "NeverReached", "SteppedApart"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +71,27 @@ class NeverReached:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class InputWait:
+    """The ranks' waits for data between steps, on `clock` (`host` or `gpu`) over `steps` timed steps: `waiting`
+    of the `measured` ranks waited by `core/steptime`'s thresholds; `wait_s` and `step_s` are their median wait
+    and step as (lowest, highest) over them, `compute_s` their median forward and backward where DDP's hooks
+    timed it; `loader` the training DataLoader (`dataloaders.describe`), `sites` every loader's line; `ranks` the
+    waiting ranks named (the lowest few; `more` others)."""
+
+    waiting: int
+    measured: int
+    clock: str
+    steps: int
+    wait_s: tuple[float, float]
+    step_s: tuple[float, float]
+    loader: dict[str, Any]
+    sites: list[str]
+    ranks: list[int]
+    more: int = 0
+    compute_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Agreed:
     """One model's shared facts, as every rank agreed on them."""
 
@@ -87,6 +108,11 @@ class Agreed:
     """The flags DDP was built with (`find_unused_parameters`, `static_graph`, ...); empty for a sharded model."""
     never_reached: NeverReached | None = None
     """Trainable parameters no gradient reached anywhere in the observed steps."""
+    device_type: str = ""
+    """Where the model runs (`cpu`, `cuda`)."""
+    input_wait: InputWait | None = None
+    """The ranks' waits for data, where the steps were timed on a clock that tells them and a DataLoader was
+    iterated."""
     inputs_compared: list[int] = field(default_factory=list)
     """The observed steps whose training inputs every rank fingerprinted."""
     inputs_identical: bool = False
