@@ -40,8 +40,9 @@ def freeze_fix(v: View) -> str:
     return freeze_fix_in(v.info.framework, v.info.flavor)
 
 
-def freeze_fix_in(framework: str, flavor: Flavor) -> str:
-    """`freeze_fix` for the DDP model `framework` (at `flavor`'s versions) built."""
+def freeze_fix_in(framework: str, flavor: Flavor | None) -> str:
+    """`freeze_fix` for the DDP model `framework` (at `flavor`'s versions, where known) built."""
+    flavor = flavor if flavor is not None else Flavor()
     return (
         f"set requires_grad=False on them {freeze_point(framework)}; if they must train on some steps, "
         f"{flags_fix(framework, {'static_graph': True}, flavor)} (same params unused every step) or "

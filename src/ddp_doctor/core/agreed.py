@@ -7,10 +7,12 @@ collectives). DDP's exchanged `Summary` and a sharded model's `ShardedRun` each 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddp_doctor.core.findings import ParamRef
-from ddp_doctor.core.records import Flavor
+
+if TYPE_CHECKING:  # core/records.py imports torch; the report's reader (core/sharded_run.py) must not
+    from ddp_doctor.core.records import Flavor
 
 __all__ = ["Agreed", "DrawnApart", "HeldApart", "InputWait", "NeverReached", "SteppedApart"]
 
@@ -102,8 +104,8 @@ class Agreed:
     framework: str = "torch"
     """Who built the model's wrapper or stepped its optimizer (`torch`, `transformers`, `accelerate`, `lightning`):
     the words a fix is given in."""
-    flavor: Flavor = field(default_factory=Flavor)
-    """The framework's versions, where a fix's words depend on them."""
+    flavor: Flavor | None = None
+    """The framework's versions, where a fix's words depend on them (None: not known)."""
     ddp_flags: dict[str, Any] = field(default_factory=dict)
     """The flags DDP was built with (`find_unused_parameters`, `static_graph`, ...); empty for a sharded model."""
     never_reached: NeverReached | None = None
