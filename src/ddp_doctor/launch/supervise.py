@@ -90,11 +90,30 @@ def _stop_run(proc: subprocess.Popen[Any], marker: str, grace: float) -> None:
     while time.monotonic() < deadline and run_processes(marker):
         time.sleep(_POLL_S)
     _signal_run(marker, signal.SIGKILL)
-    proc.wait()
+    _reap(proc)
     deadline = time.monotonic() + 5.0
     while run_processes(marker) and time.monotonic() < deadline:
         _signal_run(marker, signal.SIGKILL)
         time.sleep(_POLL_S)
+
+
+def _reap(proc: subprocess.Popen[Any]) -> None:
+    """Wait for the killed launcher. Not `proc.wait()` alone: a signal whose handler raised inside an earlier
+    `poll()` right after it took Popen's internal lock can leave that lock held for good (the with-statement is not
+    safe against an exception a signal handler raises there), and a `wait()` without a timeout then blocks on it
+    forever (seen once under load: Ctrl-C 1.5 s into a check). With a timeout it only tries the lock; after that the
+    child is reaped directly."""
+    try:
+        proc.wait(timeout=2.0)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        _, status = os.waitpid(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    except ChildProcessError:  # reaped already
+        if proc.returncode is None:
+            proc.returncode = -signal.SIGKILL
 
 
 class _Forward(threading.Thread):
