@@ -263,3 +263,15 @@ def test_the_size_checker_fails_on_a_long_file_and_a_big_class(tmp_path):
         "a.py has 6 lines (at most 5: split it by concept)",
         "b.py: class Big has 3 methods (at most 2)",
     ]
+
+
+def test_the_modules_a_report_is_read_and_drawn_with_import_no_torch() -> None:
+    """The `ddp-doctor` process reads the ranks' joint report and draws it without torch (torch's import costs
+    seconds, and a C++ log level is set only where this process imports torch itself: launch/watch_nodes.py)."""
+    import subprocess
+    import sys
+
+    modules = ["ddp_doctor.core.agreed", "ddp_doctor.core.findings", "ddp_doctor.core.sharded_run"]
+    code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "False", done.stdout
