@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ddp_doctor.analyze.parallelism import api_for
 from ddp_doctor.analyze.view import detects
 from ddp_doctor.core.agreed import Agreed
 from ddp_doctor.core.codes import Code
@@ -25,15 +26,12 @@ _TOLERANCE = 1e-3
 """How far a measured factor may be from 1 or 1/world_size and still count as it (float32 rounding)."""
 
 
-_WRAPPERS = {"ddp": "DDP", "fsdp2": "FSDP2", "replicate": "replicate"}
-"""What averages the gradients, by parallelism, as a finding names it."""
-
-
 @detects(Code.COLLECTIVE_IN_GRAPH, road="every")
 def collectives_in_graph(a: Agreed) -> list[Finding]:
     """From rank 0's record (every rank runs the script's line; the factor is rank 0's), whatever the
     parallelism."""
-    return in_graph_findings(a.graph_collectives, ranks=[0], wrapper=_WRAPPERS[a.parallelism])
+    wrapper = "DDP" if a.parallelism == "ddp" else api_for(a.parallelism).name
+    return in_graph_findings(a.graph_collectives, ranks=[0], wrapper=wrapper)
 
 
 def in_graph_findings(entries: list[dict[str, Any]], *, ranks: list[int], wrapper: str = "DDP") -> list[Finding]:

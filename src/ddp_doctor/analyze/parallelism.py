@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddp_doctor.core.agreed import HeldApart
-from ddp_doctor.core.sharded_run import ShardedRun
+from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
 __all__ = [
     "FULLY_SHARD",
     "REPLICATE",
     "Api",
+    "api_for",
     "api_of",
     "apart_args",
     "every_rank",
@@ -62,7 +63,12 @@ REPLICATE = Api(
 
 def api_of(run: ShardedRun) -> Api:
     """The call that built `run`'s model."""
-    return REPLICATE if run.sharding.get("api") == "replicate" else FULLY_SHARD
+    return api_for(parallelism_of(run.sharding))
+
+
+def api_for(parallelism: str) -> Api:
+    """The call that built a sharded model of `parallelism` (`fsdp2` or `replicate`)."""
+    return REPLICATE if parallelism == "replicate" else FULLY_SHARD
 
 
 def every_rank(run: ShardedRun) -> list[int]:

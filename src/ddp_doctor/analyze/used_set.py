@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ddp_doctor.analyze.common import all_ranks, freeze_fix_in, steps_of, with_flags
 from ddp_doctor.analyze.hidden_use import hidden_params
-from ddp_doctor.analyze.parallelism import FULLY_SHARD, REPLICATE
+from ddp_doctor.analyze.parallelism import FULLY_SHARD, api_for
 from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View, detects
@@ -38,7 +38,7 @@ def unused_parameters(a: Agreed) -> list[Finding]:
         return []
     if a.parallelism == "ddp":
         return [_unused_ddp(a, never)]
-    api = REPLICATE if a.parallelism == "replicate" else FULLY_SHARD
+    api = api_for(a.parallelism)
     carried = (
         "the all-gathers of their fully_shard group still carry them in every forward"
         if api is FULLY_SHARD
@@ -55,7 +55,7 @@ def unused_parameters(a: Agreed) -> list[Finding]:
     found = unused_finding(
         never.params,
         steps=f"every one of the {never.steps} observed optimizer steps with gradient sync on",
-        seen=": nothing in the loss reaches them",
+        seen=_seen(never),
         effect=effect,
         severity="warning",
         ranks=list(range(a.world)),
@@ -63,6 +63,13 @@ def unused_parameters(a: Agreed) -> list[Finding]:
         fix=fix,
     )
     return [found]
+
+
+def _seen(never: NeverReached) -> str:
+    """What else shows the parameters never trained: their modules never ran, where that was recorded."""
+    if never.modules_ran is False:
+        return " and their modules never ran in a training forward"
+    return ": nothing in the loss reaches them"
 
 
 def _unused_ddp(a: Agreed, never: NeverReached) -> Finding:
@@ -82,7 +89,7 @@ def _unused_ddp(a: Agreed, never: NeverReached) -> Finding:
     return unused_finding(
         never.params,
         steps=f"every one of the {never.steps} observed steps",
-        seen=" and their modules never ran in a training forward",
+        seen=_seen(never),
         effect=effect,
         severity=severity,
         ranks=list(range(a.world)),

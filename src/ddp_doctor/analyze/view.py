@@ -66,7 +66,7 @@ def detectors(road: str = "ddp") -> list[tuple[Code, Detector]]:
     """The detectors `road` runs with their codes (its own and those registered for every road), in the report's
     reading order: by `REPORT_ORDER`, then in the order they were registered (several detectors of one code:
     `analyze/consistency.py`)."""
-    mine = [(code, fn) for code, fn, r in _DETECTORS if r == road or (r == "every" and road in ROADS)]
+    mine = [(code, fn) for code, fn, r in _DETECTORS if r in (road, "every")]
     return sorted(mine, key=lambda d: REPORT_ORDER.index(d[0]))
 
 

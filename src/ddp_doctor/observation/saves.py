@@ -76,6 +76,14 @@ def _shards(obj: Any) -> dict[str, Any] | None:
     }
 
 
+def _local_rank() -> int:
+    """torchrun's LOCAL_RANK; -1 when not set or not a number (a save must never fail over it)."""
+    try:
+        return int(os.environ.get("LOCAL_RANK", "-1"))
+    except ValueError:
+        return -1
+
+
 def describe(obj: Any, f: Any) -> dict[str, Any] | None:
     """What a `torch.save(obj, f)` call writes: `path` (absolute), `shown` (relative to the working folder when
     inside it), `site`, `module_prefix`, `host` and `local_rank` (the machine that wrote it and the writer's rank on
@@ -92,8 +100,8 @@ def describe(obj: Any, f: Any) -> dict[str, Any] | None:
         "site": user_site(),
         "module_prefix": _module_prefixed(obj),
         "existed": os.path.exists(path),
-        "host": socket.gethostname(),
-        "local_rank": int(os.environ.get("LOCAL_RANK", "-1") or -1),
+        "host": socket.gethostname(),  # one uname(2): a save or an open for writing, not a training step
+        "local_rank": _local_rank(),
     }
     shards = _shards(obj)
     if shards is not None:
