@@ -8,12 +8,13 @@ import torch
 from purerecords import ALL, info, record
 
 from ddp_doctor.analyze.collective_order import collective_sequence_mismatch
+from ddp_doctor.analyze.moves import nonfinite_values, training_stalled
 from ddp_doctor.analyze.optimizer_settings import optimizer_differs
 from ddp_doctor.analyze.replica_state import modes_differ
 from ddp_doctor.analyze.roads import from_run, from_view
 from ddp_doctor.analyze.used_set import unused_parameters
 from ddp_doctor.analyze.view import View
-from ddp_doctor.core.agreed import Agreed, HeldApart, NeverReached
+from ddp_doctor.core.agreed import Agreed, HeldApart, Moves, NeverReached, NonFinite
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.records import StepCounters
 from ddp_doctor.core.sharded_run import ShardedRun
@@ -133,3 +134,68 @@ def test_a_sharded_models_parameters_no_step_gave_a_gradient_are_never_reached_o
         [refs[1]], steps=3, modules_ran=None
     )
     assert from_run(_sharded_run("fully_shard", model_params_stepped=0, **facts)).never_reached is None
+
+
+def test_gradients_of_nan_are_seen_at_their_first_step_alike_by_every_road() -> None:
+    """DDP counts the parameters per step; a sharded model measures one norm per rank, so it gives the steps and the
+    lowest rank whose inputs held NaN, not how many parameters or ranks."""
+    nan = {"grads_present": 4, "grads_nonfinite": 2, "weights_nonfinite": 2, "inputs_nonfinite": 1}
+    fine = {"grads_present": 4, "weights_moved": 4}
+    r0 = record(0, ALL, counters=_counters([fine, {**nan, "inputs_nonfinite": 0}, {**nan, "inputs_nonfinite": 0}]))
+    r1 = record(1, ALL, counters=_counters([fine, nan, nan]))
+    for r in (r0, r1):
+        r.nonfinite_params = [0, 1]
+    ddp = from_view(View(summarize(info(), [r0, r1]))).nonfinite
+    assert (ddp.grads_step, ddp.grads_count, ddp.weights_step, ddp.weights_count, ddp.steps) == (1, 2, 1, 2, [1])
+    assert (ddp.inputs_step, ddp.inputs_ranks, ddp.inputs_count) == (1, [1], 1)
+    assert [p.name for p in ddp.params] == [info().param_names[0], info().param_names[1]]
+    sharded = from_run(_sharded_run("fully_shard", grads_nonfinite_steps=[1, 2], inputs_nonfinite=(1, 1)))
+    assert sharded.nonfinite == NonFinite(grads_step=1, steps=[1, 2], inputs_step=1, inputs_ranks=[1])
+    for parallelism in ("ddp", "fsdp2", "replicate"):
+        agreed = Agreed(parallelism=parallelism, world=4, nonfinite=sharded.nonfinite)
+        (f,) = nonfinite_values(agreed, frozenset())
+        measured = {m.name: m.value for m in f.measured}
+        assert (f.code, f.severity, f.ranks, f.steps) == ("non-finite-values", "error", [0, 1, 2, 3], [1, 2])
+        assert measured == {"first_rank_with_nonfinite_inputs": 1, "step_of_nonfinite_inputs": 1}
+    # A sharded optimizer that steps other tensors than the model's measures those: that finding says why.
+    replaced = Agreed(parallelism="fsdp2", world=4, nonfinite=sharded.nonfinite)
+    assert nonfinite_values(replaced, frozenset({"optimizer-params-replaced"})) == []
+
+
+def test_weights_that_never_move_are_one_verdict_whatever_the_parallelism() -> None:
+    zero = Moves(steps=[0, 1, 2], all_zero=True, moved=False, rates=[0.1])
+    lr0 = Moves(steps=[0, 1, 2], all_zero=False, moved=False, rates=[0.0])
+    head = [ParamRef("head.weight", 8, (2, 4))]
+    some = Moves(steps=[0, 1, 2], all_zero=False, moved=True, never=head, never_held=0, never_steps=[1, 2])
+    for parallelism in ("ddp", "fsdp2", "replicate"):
+        for moves, severity, measured in (
+            (zero, "error", {"steps_with_all_gradients_zero": 3, "largest_learning_rate": 0.1}),
+            (lr0, "error", {"steps_with_all_gradients_zero": 0, "largest_learning_rate": 0.0}),
+        ):
+            (f,) = training_stalled(Agreed(parallelism=parallelism, world=2, moves=moves), frozenset())
+            assert (f.code, f.severity, f.ranks, f.steps) == ("training-stalled", severity, [0, 1], [0, 1, 2])
+            assert {m.name: m.value for m in f.measured} == measured
+        (f,) = training_stalled(Agreed(parallelism=parallelism, world=2, moves=some), frozenset())
+        assert (f.severity, f.param_names, f.steps) == ("warning", ["head.weight"], [1, 2])
+        assert {m.name: m.value for m in f.measured}["held_by_the_optimizer"] == 0
+        # One warm-up step is not a stall; the cause another finding names is its own.
+        one = Agreed(parallelism=parallelism, world=2, moves=Moves(steps=[0], all_zero=True, moved=False))
+        assert training_stalled(one, frozenset()) == []
+        explained = Agreed(parallelism=parallelism, world=2, moves=zero)
+        assert training_stalled(explained, frozenset({"optimizer-params-replaced"})) == []
+    low = Agreed(parallelism="fsdp2", world=2, moves=some)
+    assert training_stalled(low, frozenset({"low-precision-weights"})) == []
+
+
+def test_a_sharded_models_moves_are_measured_only_where_its_optimizer_steps_the_model_and_nothing_was_nan() -> None:
+    facts = {
+        "grads_measured_steps": [0, 1, 2],
+        "grads_zero_steps": [0, 1, 2],
+        "model_changed": False,
+        "learning_rates": [0.1],
+        "model_params_stepped": 4,
+    }
+    moves = from_run(_sharded_run("replicate", **facts)).moves
+    assert (moves.steps, moves.all_zero, moves.moved, moves.rates) == ([0, 1, 2], True, False, [0.1])
+    assert from_run(_sharded_run("replicate", **{**facts, "model_params_stepped": 0})).moves is None
+    assert from_run(_sharded_run("replicate", **{**facts, "grads_nonfinite_steps": [2]})).moves is None

@@ -6,100 +6,40 @@ fewest over the ranks."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
-import torch
-
-from ddp_doctor.analyze.common import all_ranks
-from ddp_doctor.analyze.parallelism import every_rank, optimizer_named
-from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.analyze.view import detects
+from ddp_doctor.core.agreed import Agreed, NonFinite
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef
 from ddp_doctor.core.ranks import rank_list
-from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = [
-    "never_updated",
-    "nonfinite_finding",
-    "nonfinite_sharded",
-    "nonfinite_values",
-    "stalled",
-    "stalled_sharded",
-    "training_stalled",
-]
+__all__ = ["never_updated", "nonfinite_finding", "nonfinite_values", "stalled", "training_stalled"]
 
 _EXPLAINED = frozenset({Code.OPTIMIZER_PARAMS_REPLACED, Code.GRADIENT_SYNC_OFF})
-"""A sharded model's findings that already say why its weights do not move (the optimizer steps other tensors,
-gradient sync is off): what its moves show is theirs."""
-
-_PRESENT, _ZERO, _NONFINITE, _MOVED, _W_NONFINITE, _INPUTS = range(6)
+"""Findings that already say why the weights do not move (the optimizer steps other tensors, gradient sync is
+off): what the moves show is theirs."""
 
 
-def _moves(v: View) -> torch.Tensor | None:
-    """int64[S, 6]: the most over the ranks of each count, per common step (None: not recorded)."""
-    moves = v.summary.moves
-    if moves is None or not v.steps:
-        return None
-    return moves[0][: v.steps]
+@detects(Code.NONFINITE_VALUES, reads_found=True, road="every")
+def nonfinite_values(a: Agreed, found: frozenset[str]) -> list[Finding]:
+    """Gradients or weights that hold NaN or infinity: nothing the optimizer does after that trains the model.
 
-
-def _first(mask: torch.Tensor) -> int | None:
-    hits = mask.nonzero().flatten().tolist()
-    return hits[0] if hits else None
-
-
-@detects(Code.NONFINITE_VALUES)
-def nonfinite_values(v: View) -> list[Finding]:
-    """Gradients or weights that hold NaN or infinity: nothing the optimizer does after that trains the model."""
-    m = _moves(v)
-    before = v.summary.nonfinite_before
-    if m is None:
+    A sharded model's gradients are measured at optimizer.step() on the tensors its optimizer holds: where those
+    are not the model's, or sync is off, what they show is the finding that says so."""
+    bad = a.nonfinite
+    if bad is None or (a.parallelism != "ddp" and found & _EXPLAINED):
         return []
-    scaled = torch.tensor([bool(s) for s in v.summary.scales[0][: v.steps]], dtype=torch.bool)
-    # Under a GradScaler a step with non-finite gradients is skipped by design: only the weights count there.
-    grad_step = _first((m[:, _NONFINITE] > 0) & ~scaled)
-    weight_step = _first(m[:, _W_NONFINITE] > 0)
-    if grad_step is None and weight_step is None and not before:
-        return []
-    positions = v.meta(0).get("nonfinite_params", [])
-    # The ranks whose own batches held NaN or infinity, at or before that step: where it came from.
-    input_step = _first(m[:, _INPUTS] > 0) if m.shape[1] > _INPUTS else None
-    broke = min((s for s in (grad_step, weight_step) if s is not None), default=v.steps)
-    fed = v.ranks("inputs-nonfinite") if input_step is not None and input_step <= broke else None
-    return [
-        nonfinite_finding(
-            grads=None if grad_step is None else (grad_step, int(m[grad_step, _NONFINITE])),
-            weights=None if weight_step is None else (weight_step, int(m[weight_step, _W_NONFINITE])),
-            before=before,
-            materialised=v.meta(0).get("to_empty_sites", []),
-            params=v.params([i for i in positions if i < len(v.info.param_names)]),
-            ranks=all_ranks(v),
-            inputs=None
-            if fed is None or not fed.count
-            else (input_step, rank_list(fed.ranks, more=fed.more), fed.count, fed.ranks[0]),
-        )
-    ]
+    return [nonfinite_finding(bad, ranks=list(range(a.world)), sharded=a.parallelism != "ddp")]
 
 
-def nonfinite_finding(
-    *,
-    grads: tuple[int, int | None] | None,
-    ranks: list[int],
-    weights: tuple[int, int] | None = None,
-    before: int = 0,
-    materialised: Sequence[str] = (),
-    params: Sequence[ParamRef] = (),
-    sharded: bool = False,
-    steps: list[int] | None = None,
-    inputs: tuple[int, str, int | None, int] | None = None,
-) -> Finding:
-    """`non-finite-values`, for every parallelism: the first step whose gradients held NaN or infinity and how many
-    parameters' (`grads`: the step, the count where it was counted), the first step after which weights did
-    (`weights`), parameters non-finite before the first step (`before`), the lines that materialised the model
-    with `to_empty()`. `sharded`: measured on FSDP2's gradient shards at optimizer.step(), and the fix names its
-    reduce dtype. `steps`: the steps to list, when not the first ones of `grads` and `weights`. `inputs`: the first
-    step at which some ranks' training inputs held NaN or infinity, those ranks (named), how many (None: not
-    counted), the first."""
+def nonfinite_finding(bad: NonFinite, *, ranks: list[int], sharded: bool) -> Finding:
+    """`non-finite-values` from what was seen (`bad`). `sharded`: measured on the gradient shards at
+    optimizer.step() (FSDP2's, `replicate`'s), and the fix names the reduce dtype."""
+    grads = None if bad.grads_step is None else (bad.grads_step, bad.grads_count)
+    weights = None if bad.weights_step is None else (bad.weights_step, bad.weights_count)
+    before, materialised = bad.before, bad.materialised
+    fed_at = bad.inputs_step
+    fed = rank_list(bad.inputs_ranks, more=bad.inputs_more) if fed_at is not None else ""
     parts = []
     if grads is not None:
         step, count = grads
@@ -120,9 +60,9 @@ def nonfinite_finding(
             "initialised (a model built on the meta device and materialised with `to_empty()`, whose "
             "`reset_parameters()` or initialisation was not run), or they were loaded so from a checkpoint."
         )
-    if inputs is not None:
+    if fed_at is not None:
         cause += (
-            f" The training inputs of {inputs[1]} held NaN or infinity, first at step {inputs[0]} (a corrupt sample or a "
+            f" The training inputs of {fed} held NaN or infinity, first at step {fed_at} (a corrupt sample or a "
             f"transform that divides by zero, in that rank's data): the gradients {'FSDP2 reduces' if sharded else 'DDP averages'} "
             "carried them to every rank."
         )
@@ -133,20 +73,24 @@ def nonfinite_finding(
         title="; ".join(parts) if parts else f"{before} parameter(s) hold NaN or infinity before the first step",
         detail="A NaN or an infinity in a gradient spreads to the weights at the optimizer's step, and from the "
         "weights to every later loss: the job runs on and learns nothing." + cause,
-        params=list(params),
+        params=list(bad.params),
         ranks=ranks,
-        steps=steps or sorted({s for s in (grads and grads[0], weights and weights[0]) if s is not None}),
+        steps=bad.steps,
         measured=[
-            *([Measure("ranks_with_nonfinite_inputs", inputs[2], "count")] if inputs[2] is not None else []),
-            Measure("first_rank_with_nonfinite_inputs", inputs[3], "value"),
-            Measure("step_of_nonfinite_inputs", inputs[0], "value"),
+            *(
+                [Measure("ranks_with_nonfinite_inputs", bad.inputs_count, "count")]
+                if bad.inputs_count is not None
+                else []
+            ),
+            Measure("first_rank_with_nonfinite_inputs", bad.inputs_ranks[0], "value"),
+            Measure("step_of_nonfinite_inputs", fed_at, "value"),
         ]
-        if inputs is not None
+        if fed_at is not None
         else [],
         fix=(
-            f"find the sample in the data of {inputs[1]} from step {inputs[0]} (`torch.isfinite(x).all()` on each "
+            f"find the sample in the data of {fed} from step {fed_at} (`torch.isfinite(x).all()` on each "
             "batch), and drop or repair it before the forward; one bad batch on one rank stops every rank's training"
-            if inputs is not None
+            if fed_at is not None
             else "initialise the parameters after materialising the model (`model.to_empty(device=...)` then "
             "`model.apply(init)` or each module's `reset_parameters()`), before wrapping it"
             if before or materialised
@@ -157,96 +101,41 @@ def nonfinite_finding(
     )
 
 
-@detects(Code.TRAINING_STALLED)
-def training_stalled(v: View) -> list[Finding]:
+@detects(Code.TRAINING_STALLED, reads_found=True, road="every")
+def training_stalled(a: Agreed, found: frozenset[str]) -> list[Finding]:
     """At every observed optimizer step the gradients were all exactly zero, or the weights stayed as they were
-    (a learning rate of 0). One step like that is a warm-up; all of them are a job that does not train."""
-    m = _moves(v)
-    if m is None:
-        return []
-    stepped = torch.tensor([bool(x) for x in v.summary.steps_taken[0][: v.steps]], dtype=torch.bool)
-    finite = (m[:, _NONFINITE] == 0) & (m[:, _W_NONFINITE] == 0)
-    steps = stepped & finite & (m[:, _PRESENT] > 0)
-    if int(steps.sum()) < 2:
-        return []
-    all_zero = bool((m[steps, _ZERO] == m[steps, _PRESENT]).all())
-    moved = bool((m[steps, _MOVED] > 0).any())
-    found = stalled(
-        all_zero=all_zero,
-        moved=moved,
-        rates=v.meta(0).get("learning_rates", []),
-        ranks=all_ranks(v),
-        steps=steps.nonzero().flatten().tolist(),
-    )
-    if found is None and moved and not all_zero and (never := v.meta(0).get("never_updated", [])):
-        found = never_updated(
-            params=v.params([i for i in never if i < len(v.info.param_names)]),
-            held=int(v.meta(0).get("never_updated_held", 0)),
-            zero_lr=int(v.meta(0).get("never_updated_zero_lr", 0)),
-            optimizer=None,
-            ranks=all_ranks(v),
-            steps=steps.nonzero().flatten().tolist(),
-        )
-    return [found] if found is not None else []
-
-
-@detects(Code.NONFINITE_VALUES, reads_found=True, road="sharded")
-def nonfinite_sharded(run: ShardedRun, found: frozenset[str]) -> list[Finding]:
-    """A sharded model's gradient shards that held NaN or infinity at an observed step, with the first step and
-    lowest rank whose training inputs did."""
-    if not run.grads_nonfinite_steps or found & _EXPLAINED:
-        return []
-    steps = run.grads_nonfinite_steps
-    bad = run.inputs_nonfinite  # (the step, the lowest rank whose inputs held NaN or infinity)
-    inputs = (bad[0], f"rank {bad[1]}", None, bad[1]) if bad is not None else None
-    return [nonfinite_finding(grads=(steps[0], None), ranks=every_rank(run), sharded=True, steps=steps, inputs=inputs)]
-
-
-@detects(Code.TRAINING_STALLED, reads_found=True, road="sharded")
-def stalled_sharded(run: ShardedRun, found: frozenset[str]) -> list[Finding]:
-    """Whether a sharded model trains (DDP's rule): at every measured step every gradient was exactly zero, or no
-    weight moved; or some parameters got gradients and never moved while the rest trained (unless its weights are
-    in a low dtype: `low-precision-weights` says why those lose their updates).
+    (a learning rate of 0): one step like that is a warm-up, all of them are a job that does not train. Or some
+    parameters got gradients and never moved while the rest trained (unless the weights are in a low dtype:
+    `low-precision-weights` says why those lose their updates).
 
     Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps (`tests/scripts/fsdp2_train.py`):
     a learning rate of 0 (`--mistake lr-zero`) leaves every weight where it was (largest change 0, head.weight
     -0.703294 on both ranks), exit 0; the loss multiplied by 0 (`--mistake zero-loss`) gives zero gradients, and
     only AdamW's weight decay moves the weights (largest change 0.0003), exit 0. Nothing said by torch either way.
     """
-    measured = run.grads_measured_steps
-    if found & _EXPLAINED or run.grads_nonfinite_steps:
+    m = a.moves
+    if m is None or len(m.steps) < 2 or found & _EXPLAINED:
         return []
-    if len(measured) < 2 or run.steps < 2 or not run.model_params_stepped:
-        return []
-    low_weights = Code.LOW_PRECISION_WEIGHTS in found
-    # trainable, a gradient other than 0 on some rank at some step, and weights that moved on no rank
-    facts = zip(run.params, run.params_trainable, run.params_grads or [], run.params_held, run.params_zero_lr)
-    never = [
-        (ref, held, zero) for ref, trains, (_, nonzero, moved), held, zero in facts if trains and nonzero and not moved
-    ]
-    if never and run.model_changed and measured != run.grads_zero_steps and not low_weights:
-        stuck = never_updated(
-            params=[ref for ref, _, _ in never],
-            held=sum(held for _, held, _ in never),
-            zero_lr=sum(zero for _, _, zero in never),
-            optimizer=optimizer_named(run),
-            ranks=every_rank(run),
-            steps=list(range(1, run.steps)),  # the weights' moves are measured from the first step's end
-        )
-        return [stuck]
-    found_stalled = stalled(
-        all_zero=measured == run.grads_zero_steps,
-        moved=run.model_changed,
-        rates=run.learning_rates,
-        ranks=every_rank(run),
-        steps=measured,
-    )
+    ranks = list(range(a.world))
+    if m.moved and not m.all_zero:
+        if not m.never or Code.LOW_PRECISION_WEIGHTS in found:
+            return []
+        return [
+            never_updated(
+                params=m.never,
+                held=m.never_held,
+                zero_lr=m.never_zero_lr,
+                optimizer=m.optimizer,
+                ranks=ranks,
+                steps=m.never_steps,
+            )
+        ]
+    found_stalled = stalled(all_zero=m.all_zero, moved=m.moved, rates=m.rates, ranks=ranks, steps=m.steps)
     return [found_stalled] if found_stalled is not None else []
 
 
 def stalled(*, all_zero: bool, moved: bool, rates: list[float], ranks: list[int], steps: list[int]) -> Finding | None:
-    """`training-stalled`, for every parallelism (DDP's exchange here; a sharded model's report in
-    `analyze/sharded.py`): at every one of `steps` every gradient was exactly zero (whether or not weight decay
+    """`training-stalled`: at every one of `steps` every gradient was exactly zero (whether or not weight decay
     moved the weights), or no weight moved. `rates` are the optimizer's learning rates."""
     zero_lr = bool(rates) and all(r == 0 or (isinstance(r, float) and math.isnan(r)) for r in rates)
     n = len(steps)

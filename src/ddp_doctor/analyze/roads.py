@@ -4,13 +4,24 @@ read only that shape, so what they decide is decided once. Pure."""
 
 from __future__ import annotations
 
+import torch
+
 from ddp_doctor.analyze.common import first_differing, meta_sites, steps_of
 from ddp_doctor.analyze.epochs import training_loader
-from ddp_doctor.analyze.parallelism import train_modes_apart
+from ddp_doctor.analyze.parallelism import optimizer_named, train_modes_apart
 from ddp_doctor.analyze.throughput import gpu_timed, host_times_tell
 from ddp_doctor.analyze.tree_digest import modes_parted
 from ddp_doctor.analyze.view import View
-from ddp_doctor.core.agreed import Agreed, DrawnApart, HeldApart, InputWait, NeverReached, SteppedApart
+from ddp_doctor.core.agreed import (
+    Agreed,
+    DrawnApart,
+    HeldApart,
+    InputWait,
+    Moves,
+    NeverReached,
+    NonFinite,
+    SteppedApart,
+)
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
@@ -41,6 +52,78 @@ def from_view(v: View) -> Agreed:
         **_collectives_apart(v),
         drawn_apart=_drawn_apart(v),
         graph_collectives=list(v.meta(0).get("graph_collectives") or []),
+        nonfinite=_nonfinite(v),
+        moves=_moves(v),
+    )
+
+
+_PRESENT, _ZERO, _NONFINITE, _MOVED, _W_NONFINITE, _INPUTS = range(6)
+"""The columns of DDP's exchanged `Summary.moves` (`StepCounters`): per step, the most over the ranks of the
+parameters with a gradient, with an all-zero one, with a non-finite one, whose weights moved, whose weights are
+non-finite, and whether the rank's inputs were."""
+
+
+def _first(mask: torch.Tensor) -> int | None:
+    hits = mask.nonzero().flatten().tolist()
+    return hits[0] if hits else None
+
+
+def _nonfinite(v: View) -> NonFinite | None:
+    """The steps' most non-finite gradients and weights over the ranks; under a GradScaler a step with non-finite
+    gradients is skipped by design, so only the weights count there. The ranks whose own batches held NaN or
+    infinity at or before the first bad step are where it came from."""
+    moves, before = v.summary.moves, v.summary.nonfinite_before
+    if moves is None or not v.steps:
+        return None
+    m = moves[0][: v.steps]
+    scaled = torch.tensor([bool(s) for s in v.summary.scales[0][: v.steps]], dtype=torch.bool)
+    grad_step = _first((m[:, _NONFINITE] > 0) & ~scaled)
+    weight_step = _first(m[:, _W_NONFINITE] > 0)
+    if grad_step is None and weight_step is None and not before:
+        return None
+    input_step = _first(m[:, _INPUTS] > 0) if m.shape[1] > _INPUTS else None
+    broke = min((s for s in (grad_step, weight_step) if s is not None), default=v.steps)
+    fed = v.ranks("inputs-nonfinite") if input_step is not None and input_step <= broke else None
+    fed = fed if fed is not None and fed.count else None
+    positions = v.meta(0).get("nonfinite_params", [])
+    return NonFinite(
+        grads_step=grad_step,
+        grads_count=None if grad_step is None else int(m[grad_step, _NONFINITE]),
+        weights_step=weight_step,
+        weights_count=0 if weight_step is None else int(m[weight_step, _W_NONFINITE]),
+        before=before,
+        steps=sorted({s for s in (grad_step, weight_step) if s is not None}),
+        params=v.params([i for i in positions if i < len(v.info.param_names)]),
+        materialised=list(v.meta(0).get("to_empty_sites", [])),
+        inputs_step=input_step if fed is not None else None,
+        inputs_ranks=list(fed.ranks) if fed is not None else [],
+        inputs_more=fed.more if fed is not None else 0,
+        inputs_count=fed.count if fed is not None else None,
+    )
+
+
+def _moves(v: View) -> Moves | None:
+    """The optimizer steps taken whose gradients and weights were finite on every rank."""
+    moves = v.summary.moves
+    if moves is None or not v.steps:
+        return None
+    m = moves[0][: v.steps]
+    stepped = torch.tensor([bool(x) for x in v.summary.steps_taken[0][: v.steps]], dtype=torch.bool)
+    finite = (m[:, _NONFINITE] == 0) & (m[:, _W_NONFINITE] == 0)
+    measured = stepped & finite & (m[:, _PRESENT] > 0)
+    if not measured.any():
+        return None
+    steps = measured.nonzero().flatten().tolist()
+    meta = v.meta(0)
+    return Moves(
+        steps=steps,
+        all_zero=bool((m[measured, _ZERO] == m[measured, _PRESENT]).all()),
+        moved=bool((m[measured, _MOVED] > 0).any()),
+        rates=list(meta.get("learning_rates", [])),
+        never=v.params([i for i in meta.get("never_updated", []) if i < len(v.info.param_names)]),
+        never_held=int(meta.get("never_updated_held", 0)),
+        never_zero_lr=int(meta.get("never_updated_zero_lr", 0)),
+        never_steps=steps,
     )
 
 
@@ -182,4 +265,44 @@ def from_run(run: ShardedRun) -> Agreed:
         collectives_apart=run.collectives_apart,
         drawn_apart=_drawn_apart_run(run.drawn_apart),
         graph_collectives=list(run.graph_collectives),
+        nonfinite=_nonfinite_run(run),
+        moves=_moves_run(run),
+    )
+
+
+def _nonfinite_run(run: ShardedRun) -> NonFinite | None:
+    """A sharded model's gradient shards are measured as one norm per rank and step: the steps they held NaN or
+    infinity at, not in how many parameters; the lowest rank whose inputs did, not how many."""
+    if not (steps := run.grads_nonfinite_steps):
+        return None
+    bad = run.inputs_nonfinite  # (the step, the lowest rank whose inputs held NaN or infinity)
+    return NonFinite(
+        grads_step=steps[0],
+        steps=list(steps),
+        inputs_step=bad[0] if bad is not None else None,
+        inputs_ranks=[bad[1]] if bad is not None else [],
+    )
+
+
+def _moves_run(run: ShardedRun) -> Moves | None:
+    """Measured only where the optimizer steps the model's parameters (else nothing it does moves them:
+    `optimizer-params-replaced`'s) and no gradient shard held NaN or infinity (the weights' moves are measured over
+    the whole run, not per step). The weights' moves are measured from the first step's end."""
+    measured = run.grads_measured_steps
+    if not measured or run.grads_nonfinite_steps or run.steps < 2 or not run.model_params_stepped:
+        return None
+    facts = zip(run.params, run.params_trainable, run.params_grads or [], run.params_held, run.params_zero_lr)
+    never = [
+        (ref, held, zero) for ref, trains, (_, nonzero, moved), held, zero in facts if trains and nonzero and not moved
+    ]
+    return Moves(
+        steps=list(measured),
+        all_zero=measured == run.grads_zero_steps,
+        moved=run.model_changed,
+        rates=list(run.learning_rates),
+        never=[ref for ref, _, _ in never],
+        never_held=sum(held for _, held, _ in never),
+        never_zero_lr=sum(zero for _, _, zero in never),
+        never_steps=list(range(1, run.steps)),
+        optimizer=optimizer_named(run),
     )

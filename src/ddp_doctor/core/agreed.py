@@ -14,7 +14,7 @@ from ddp_doctor.core.findings import ParamRef
 if TYPE_CHECKING:  # core/records.py imports torch; the report's reader (core/sharded_run.py) must not
     from ddp_doctor.core.records import Flavor
 
-__all__ = ["Agreed", "DrawnApart", "HeldApart", "InputWait", "NeverReached", "SteppedApart"]
+__all__ = ["Agreed", "DrawnApart", "HeldApart", "InputWait", "Moves", "NeverReached", "NonFinite", "SteppedApart"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +94,50 @@ class InputWait:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NonFinite:
+    """NaN or infinity in the observed steps: the first step whose gradients held it (`grads_step`; a GradScaler's
+    skipped step is not counted) and in how many parameters (`grads_count`; None: not counted, a sharded model's
+    shards are measured as one norm), the first step after which weights did (`weights_step`, `weights_count`),
+    the parameters that held it before the first step (`before`), `steps` the steps it was seen at, `params` the
+    parameters named, `materialised` the lines that built the model with `to_empty()`. `inputs_step`: the first
+    step, at or before the gradients', at which some ranks' training inputs held it: `inputs_ranks` (the lowest
+    few; `inputs_more` others) of `inputs_count` ranks (None: not counted)."""
+
+    grads_step: int | None = None
+    grads_count: int | None = None
+    weights_step: int | None = None
+    weights_count: int = 0
+    before: int = 0
+    steps: list[int] = field(default_factory=list)
+    params: list[ParamRef] = field(default_factory=list)
+    materialised: list[str] = field(default_factory=list)
+    inputs_step: int | None = None
+    inputs_ranks: list[int] = field(default_factory=list)
+    inputs_more: int = 0
+    inputs_count: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Moves:
+    """What the optimizer's steps did to the weights over `steps`, the observed optimizer steps whose gradients
+    were measured and finite: at every one every gradient was exactly zero (`all_zero`), some weight changed
+    (`moved`); `rates` the optimizer's learning rates. `never`: trainable parameters whose gradients held a value
+    other than 0 and whose weights changed on no rank over `never_steps`; `never_held` of them the followed
+    optimizer (`optimizer`, named with its line where known) holds, `never_zero_lr` in a param group whose
+    learning rate is 0."""
+
+    steps: list[int]
+    all_zero: bool
+    moved: bool
+    rates: list[float] = field(default_factory=list)
+    never: list[ParamRef] = field(default_factory=list)
+    never_held: int = 0
+    never_zero_lr: int = 0
+    never_steps: list[int] = field(default_factory=list)
+    optimizer: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Agreed:
     """One model's shared facts, as every rank agreed on them."""
 
@@ -147,3 +191,8 @@ class Agreed:
     graph_collectives: list[dict[str, Any]] = field(default_factory=list)
     """Rank 0's in-place reductions of a tensor autograd tracks that a backward went through, with the factor a hook
     measured (`observation.graph_collectives.GraphCollectives.found`); every rank runs the script's line."""
+    nonfinite: NonFinite | None = None
+    """NaN or infinity in the gradients, the weights or the training inputs of the observed steps."""
+    moves: Moves | None = None
+    """What the optimizer's steps did to the weights, where at least one step's gradients were measured and finite
+    (a sharded model's: where its optimizer steps the model's parameters and no gradient held NaN or infinity)."""
