@@ -12,9 +12,10 @@ from ddp_doctor.analyze.moves import nonfinite_values, training_stalled
 from ddp_doctor.analyze.optimizer_settings import optimizer_differs
 from ddp_doctor.analyze.replica_state import modes_differ
 from ddp_doctor.analyze.roads import from_run, from_view
+from ddp_doctor.analyze.stragglers import straggler_rank
 from ddp_doctor.analyze.used_set import unused_parameters
 from ddp_doctor.analyze.view import View
-from ddp_doctor.core.agreed import Agreed, HeldApart, Moves, NeverReached, NonFinite
+from ddp_doctor.core.agreed import Agreed, HeldApart, Moves, NeverReached, NonFinite, Slowest
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.records import StepCounters
 from ddp_doctor.core.sharded_run import ShardedRun
@@ -199,3 +200,25 @@ def test_a_sharded_models_moves_are_measured_only_where_its_optimizer_steps_the_
     assert (moves.steps, moves.all_zero, moves.moved, moves.rates) == ([0, 1, 2], True, False, [0.1])
     assert from_run(_sharded_run("replicate", **{**facts, "model_params_stepped": 0})).moves is None
     assert from_run(_sharded_run("replicate", **{**facts, "grads_nonfinite_steps": [2]})).moves is None
+
+
+def test_a_straggler_is_one_rule_on_medians_or_on_bounds() -> None:
+    """DDP's exchange carries the other ranks' medians; a sharded model's their bounds. The rule and the evidence
+    are the same; `bounds` changes only what the words say the figures are."""
+    slow = {
+        "rank": 1, "name": 1, "steps": 7, "own_s": 0.060, "own_q": (0.058, 0.063), "own_comm_s": 0.001,
+        "others_s": 0.010, "others_q3_s": 0.012, "lost_s": 0.052, "phase": "forward", "phase_extra_s": 0.049,
+    }  # fmt: skip
+    for parallelism, bounds in (("ddp", False), ("fsdp2", True), ("replicate", True)):
+        (f,) = straggler_rank(Agreed(parallelism=parallelism, world=4, slowest=Slowest(**slow, bounds=bounds)))
+        measured = {m.name: m.value for m in f.measured}
+        assert (f.code, f.severity, f.ranks, f.labels) == (
+            "straggler-rank",
+            "warning",
+            [1],
+            {"clock": "host", "phase": "forward"},
+        )
+        assert measured == {"own_work_slowest": 0.060, "own_work_others": 0.010, "others_wait": 0.052, "steps_timed": 7}
+    # The others do not wait for it (a wait every rank shares), or too few steps: nothing.
+    assert straggler_rank(Agreed(parallelism="ddp", world=4, slowest=Slowest(**{**slow, "lost_s": 0.001}))) == []
+    assert straggler_rank(Agreed(parallelism="fsdp2", world=4, slowest=Slowest(**{**slow, "steps": 3}))) == []

@@ -1,5 +1,5 @@
-"""`straggler-rank` and `input-bound` for a sharded model, from the reduced figures alone (the detectors of a
-`ShardedRun` in `analyze/throughput.py` and `analyze/stragglers.py`, beside DDP's), and the
+"""`straggler-rank` and `input-bound` for a sharded model, from the reduced figures alone (the detectors every
+road shares, in `analyze/throughput.py` and `analyze/stragglers.py`, on the facts of a `ShardedRun`), and the
 round that finds the slowest rank on a real 4-rank gloo group (`exchange/timing.slowest_rank`: at 2 ranks, where
 the check runs it, "the others" is one rank). The real runs, with their ground truth, are in
 tests/timing/test_check_fsdp2_steps.py."""
@@ -12,7 +12,7 @@ from dist import run_ranks
 
 from ddp_doctor.analyze.roads import from_run
 from ddp_doctor.analyze.sharded_coverage import sharded_compared, sharded_unchecked
-from ddp_doctor.analyze.stragglers import straggler_sharded
+from ddp_doctor.analyze.stragglers import straggler_rank
 from ddp_doctor.analyze.throughput import input_bound
 from ddp_doctor.core.sharded_run import ShardedRun
 from ddp_doctor.exchange.drive import drive
@@ -48,6 +48,10 @@ def _run(slowest: dict | None, **facts) -> ShardedRun:
     )
 
 
+def straggler_sharded(run: ShardedRun) -> list:
+    return straggler_rank(from_run(run))
+
+
 def _measured(f) -> dict[str, float]:
     return {m.name: m.value for m in f.measured}
 
@@ -58,7 +62,7 @@ def test_a_rank_whose_own_work_is_longest_in_most_steps_with_the_others_waiting_
     m = _measured(f)
     assert m["own_work_slowest"] == pytest.approx(0.060) and m["own_work_others"] == pytest.approx(0.010)
     assert m["others_wait"] == pytest.approx(0.052) and m["steps_timed"] == 7
-    assert "between steps" in f.detail  # most of its extra time is before the forward (54 ms more waiting)
+    assert f.labels == {"clock": "host", "phase": "data_wait"}  # most of its extra time is before the forward
 
 
 def test_other_ranks_with_no_measurable_own_work_get_the_difference_not_a_ratio() -> None:
@@ -68,7 +72,7 @@ def test_other_ranks_with_no_measurable_own_work_get_the_difference_not_a_ratio(
 
 def test_extra_time_inside_the_step_is_said_to_be_there() -> None:
     (f,) = straggler_sharded(_run({**SLOW, "wait_s": 0.002}))
-    assert "within the step" in f.detail and "between steps" not in f.detail
+    assert f.labels == {"clock": "host", "phase": "step"}
 
 
 @pytest.mark.parametrize(

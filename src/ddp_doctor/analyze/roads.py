@@ -20,10 +20,12 @@ from ddp_doctor.core.agreed import (
     Moves,
     NeverReached,
     NonFinite,
+    Slowest,
     SteppedApart,
 )
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
+from ddp_doctor.core.steptime import PHASES
 
 __all__ = ["from_run", "from_view"]
 
@@ -54,6 +56,7 @@ def from_view(v: View) -> Agreed:
         graph_collectives=list(v.meta(0).get("graph_collectives") or []),
         nonfinite=_nonfinite(v),
         moves=_moves(v),
+        slowest=_slowest(v),
     )
 
 
@@ -124,6 +127,32 @@ def _moves(v: View) -> Moves | None:
         never_held=int(meta.get("never_updated_held", 0)),
         never_zero_lr=int(meta.get("never_updated_zero_lr", 0)),
         never_steps=steps,
+    )
+
+
+def _slowest(v: View) -> Slowest | None:
+    """DDP's exchange carries the slowest rank's phases whole and the other ranks' medians; its extra time goes
+    to the phase it is longest in against them."""
+    st = v.summary.step_times
+    if not host_times_tell(v) or st.measured < 2 or (others := st.others_median) is None or st.others_q3_max is None:
+        return None
+    if (slow := next((t for t in st.shown if t.rank == st.slowest), None)) is None:
+        return None
+    gaps = {p: slow.median[p] - others[p] for p in PHASES if p != "comm_wait_s"}
+    phase = max(gaps, key=lambda p: gaps[p])
+    group = v.info.group_ranks
+    return Slowest(
+        rank=slow.rank,
+        name=group[slow.rank] if group and slow.rank < len(group) else slow.rank,  # as users number them
+        steps=st.steps,
+        own_s=slow.own_s,
+        own_q=(slow.own_q1_s, slow.own_q3_s),
+        own_comm_s=slow.median.get("comm_wait_s", 0.0),
+        others_s=others["own_s"],
+        others_q3_s=st.others_q3_max,
+        lost_s=others["comm_wait_s"],
+        phase=phase.removesuffix("_s"),
+        phase_extra_s=gaps[phase],
     )
 
 
@@ -267,6 +296,30 @@ def from_run(run: ShardedRun) -> Agreed:
         graph_collectives=list(run.graph_collectives),
         nonfinite=_nonfinite_run(run),
         moves=_moves_run(run),
+        slowest=_slowest_run(run),
+    )
+
+
+def _slowest_run(run: ShardedRun) -> Slowest | None:
+    """The reduction carries bounds, not medians (`ShardedRun.slowest`): the longest of the other ranks' own work,
+    the shortest of their times in collectives. Its extra time is between steps when at least half of it is."""
+    if (s := run.slowest) is None:
+        return None
+    between = s["wait_s"] - s["others_wait_s"]
+    outside = between >= 0.5 * (s["own_s"] - s["others_own_s"])
+    return Slowest(
+        rank=s["rank"],
+        name=s["rank"],
+        steps=s["steps"],
+        own_s=s["own_s"],
+        own_q=(s["own_q1_s"], s["own_q3_s"]),
+        own_comm_s=s.get("comm_s", 0.0),
+        others_s=s["others_own_s"],
+        others_q3_s=s["others_own_q3_s"],
+        lost_s=s["others_comm_s"],
+        phase="data_wait" if outside else "step",
+        phase_extra_s=between if outside else None,
+        bounds=True,
     )
 
 

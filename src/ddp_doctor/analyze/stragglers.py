@@ -11,8 +11,7 @@ first quartile is above every other rank's third quartile (slower in most steps,
 is larger than the step-to-step spread of its own time (the interquartile range: a rank starved of CPU by
 another job on a shared machine is slow by varying amounts), and the other ranks lose at least half of that
 difference waiting in DDP's all-reduce, more than the slow rank itself waits there (it reaches the all-reduce
-last, so it waits least; a wait every rank shares is not a wait for it: the bound the sharded model's rule has,
-`straggler_sharded`).
+last, so it waits least; a wait every rank shares is not a wait for it).
 
 It needs at least `MIN_STEPS` measured steps on every rank compared. On GPUs it does not run: the waits in NCCL's
 collectives, on streams of their own, are not timed.
@@ -20,111 +19,70 @@ collectives, on streams of their own, are not timed.
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.throughput import host_times_tell, ms
-from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.analyze.throughput import ms
+from ddp_doctor.analyze.view import detects
+from ddp_doctor.core.agreed import Agreed
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure
-from ddp_doctor.core.sharded_run import ShardedRun
-from ddp_doctor.core.steptime import MIN_STEPS, PHASE_LABELS, PHASES, straggles
+from ddp_doctor.core.steptime import MIN_STEPS, PHASE_LABELS, straggles
 
-__all__ = ["straggler_finding", "straggler_fix", "straggler_rank", "straggler_sharded"]
+__all__ = ["straggler_finding", "straggler_fix", "straggler_rank"]
 
 _MEASURED = "Measured on this machine over {n} steps (the first observed step left out)"
 
 
-@detects(Code.STRAGGLER_RANK)
-def straggler_rank(v: View) -> list[Finding]:
-    if not host_times_tell(v):
-        return []
-    st = v.summary.step_times
-    others = st.others_median
-    slow = next((t for t in st.shown if t.rank == st.slowest), None)
-    if st.measured < 2 or st.steps < MIN_STEPS or slow is None or others is None or st.others_q3_max is None:
-        return []
-    others_own, lost = others["own_s"], others["comm_wait_s"]
-    if not straggles(
-        own=slow.own_s,
-        others_own=others_own,
-        own_quartiles=(slow.own_q1_s, slow.own_q3_s),
-        others_q3=st.others_q3_max,
-        others_comm=lost,
-        own_comm=slow.median.get("comm_wait_s", 0.0),
-    ):
-        return []
-    gaps = {p: slow.median[p] - others[p] for p in PHASES if p != "comm_wait_s"}
-    phase = max(gaps, key=lambda p: gaps[p])
-    where = (
-        f"between steps (the wait for the next batch and anything else the loop does before the forward: "
-        f"{ms(gaps[phase])} more than the others)"
-        if phase == "data_wait_s"
-        else f"in its {PHASE_LABELS[phase]} ({ms(gaps[phase])} more than the others)"
-    )
-    group = v.info.group_ranks
-    name = group[slow.rank] if group and slow.rank < len(group) else slow.rank  # as users number them
-    return [
-        straggler_finding(
-            rank=slow.rank,
-            name=name,
-            own=slow.own_s,
-            others=others_own,
-            lost=lost,
-            where=where,
-            phase=phase.removesuffix("_s"),
-            steps=st.steps,
-            collectives="DDP's gradient all-reduce",
-        )
-    ]
-
-
-@detects(Code.STRAGGLER_RANK, road="sharded")
-def straggler_sharded(run: ShardedRun) -> list[Finding]:
-    """DDP's rule on the bounds the reduction carries (`ShardedRun.slowest`): the slowest rank's own work (its step
-    less its time in the model's collectives, `observation/step_clock.CommClock`, and its run-queue delay) against
-    the longest of the other ranks' (not their median), its first quartile against the highest of their third
-    quartiles, and the wait it causes as the shortest of their times in collectives, less the slow rank's own. On a
-    machine whose cores are oversubscribed, gloo's collectives take most of a tiny model's step on every rank, and
-    one rank's own work reads about 12 ms longer in most steps from noise: the others then spend no longer in the
-    collectives than it does. On CPU only: on CUDA, NCCL's collectives run on streams of their own, untimed.
+@detects(Code.STRAGGLER_RANK, road="every")
+def straggler_rank(a: Agreed) -> list[Finding]:
+    """The rule above, on the figures the exchange carries: DDP's the other ranks' medians, a sharded model's their
+    bounds (`Slowest.bounds`).
 
     Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks (`tests/scripts/fsdp2_straggler.py`, rank 1 runs
     60 products of 256x256 matrices on each batch before its forward; three sharded Linear layers): rank 1 spent 74
     ms a step on that and 38 ms in its forward and backward, while rank 0's forward and backward took 113 ms (21 ms
     when no rank does the extra work): rank 0 waits about 90 ms a step in the all-gathers and reduce-scatters. With
     `replicate`, 112 ms of extra work and rank 0's forward and backward at 130 ms (12 ms without). All end with exit
-    code 0: nothing says the job runs at the pace of its slowest rank."""
-    s = run.slowest
-    if s is None or s["steps"] < MIN_STEPS:
+    code 0: nothing says the job runs at the pace of its slowest rank. On a machine whose cores are
+    oversubscribed, gloo's collectives take most of a tiny model's step on every rank, and one rank's own work
+    reads about 12 ms longer in most steps from noise: the others then spend no longer in the collectives than it
+    does (the last bound of `straggles`)."""
+    s = a.slowest
+    if s is None or s.steps < MIN_STEPS:
         return []
-    own, others = s["own_s"], s["others_own_s"]
-    extra = own - others
     if not straggles(
-        own=own,
-        others_own=others,
-        own_quartiles=(s["own_q1_s"], s["own_q3_s"]),
-        others_q3=s["others_own_q3_s"],  # the highest of the other ranks' third quartiles
-        others_comm=s["others_comm_s"],  # the shortest of the other ranks' times in the collectives
-        own_comm=s.get("comm_s", 0.0),
+        own=s.own_s,
+        others_own=s.others_s,
+        own_quartiles=s.own_q,
+        others_q3=s.others_q3_s,
+        others_comm=s.lost_s,
+        own_comm=s.own_comm_s,
     ):
         return []
-    between = s["wait_s"] - s["others_wait_s"]
-    outside = between >= 0.5 * extra
-    where = (
-        "between steps (the wait for the next batch and anything else the loop does before the forward: "
-        f"{between * 1e3:.1f} ms more than any other rank)"
-        if outside
-        else "within the step (its forward, backward or optimizer step)"
+    than = "any other rank" if s.bounds else "the others"
+    if s.phase == "data_wait":
+        where = (
+            "between steps (the wait for the next batch and anything else the loop does before the forward: "
+            f"{ms(s.phase_extra_s or 0.0)} more than {than})"
+        )
+    elif s.phase == "step":
+        where = "within the step (its forward, backward or optimizer step)"
+    else:
+        where = f"in its {PHASE_LABELS[s.phase + '_s']} ({ms(s.phase_extra_s or 0.0)} more than {than})"
+    collectives = (
+        "DDP's gradient all-reduce"
+        if a.parallelism == "ddp"
+        else "the sharded model's all-gathers and gradient reductions"
     )
     found = straggler_finding(
-        rank=s["rank"],
-        name=s["rank"],
-        own=own,
-        others=others,
-        lost=s["others_comm_s"],
+        rank=s.rank,
+        name=s.name,
+        own=s.own_s,
+        others=s.others_s,
+        lost=s.lost_s,
         where=where,
-        phase="data_wait" if outside else "step",
-        steps=s["steps"],
-        collectives="the sharded model's all-gathers and gradient reductions",
-        bounds=True,
+        phase=s.phase,
+        steps=s.steps,
+        collectives=collectives,
+        bounds=s.bounds,
     )
     return [found]
 

@@ -14,7 +14,17 @@ from ddp_doctor.core.findings import ParamRef
 if TYPE_CHECKING:  # core/records.py imports torch; the report's reader (core/sharded_run.py) must not
     from ddp_doctor.core.records import Flavor
 
-__all__ = ["Agreed", "DrawnApart", "HeldApart", "InputWait", "Moves", "NeverReached", "NonFinite", "SteppedApart"]
+__all__ = [
+    "Agreed",
+    "DrawnApart",
+    "HeldApart",
+    "InputWait",
+    "Moves",
+    "NeverReached",
+    "NonFinite",
+    "Slowest",
+    "SteppedApart",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +148,30 @@ class Moves:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Slowest:
+    """The rank whose own work per step (its step less its time in the model's collectives and its waits for a
+    CPU) is the longest, on the host's clock over `steps` timed steps: group rank `rank` (`name` as users number
+    it), its median `own_s` and quartiles `own_q`, its own time in collectives `own_comm_s`; over the other ranks
+    `others_s` (their median own work; with `bounds`, the longest of their medians), `others_q3_s` (the highest of
+    their third quartiles) and `lost_s` (their median time in collectives; with `bounds`, the shortest). `phase`:
+    where its extra time goes (`data_wait`, `forward`, `backward`, `optimizer`; `step` where only the step as a
+    whole was timed), `phase_extra_s` how much longer than the others it is there (None: not measured)."""
+
+    rank: int
+    name: int
+    steps: int
+    own_s: float
+    own_q: tuple[float, float]
+    own_comm_s: float
+    others_s: float
+    others_q3_s: float
+    lost_s: float
+    phase: str
+    phase_extra_s: float | None = None
+    bounds: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Agreed:
     """One model's shared facts, as every rank agreed on them."""
 
@@ -196,3 +230,6 @@ class Agreed:
     moves: Moves | None = None
     """What the optimizer's steps did to the weights, where at least one step's gradients were measured and finite
     (a sharded model's: where its optimizer steps the model's parameters and no gradient held NaN or infinity)."""
+    slowest: Slowest | None = None
+    """The rank with the longest own work per step, where every rank's step and time in collectives were timed on
+    the host's clock (on CPU: NCCL's collectives run on streams of their own, untimed)."""
