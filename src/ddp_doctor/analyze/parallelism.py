@@ -19,6 +19,7 @@ __all__ = [
     "api_of",
     "apart_args",
     "every_rank",
+    "moved_words",
     "frozen_apart",
     "train_modes_apart",
     "observed_steps",
@@ -88,13 +89,19 @@ def optimizer_named(run: ShardedRun) -> str:
 
 def unchanged(run: ShardedRun) -> str:
     """What was measured of the model's weights between the first observed step and the last, as a sentence."""
-    if run.steps < 2:
+    return moved_words(steps=run.steps, moved=run.model_changed, model_params=run.model_params)
+
+
+def moved_words(*, steps: int, moved: bool, model_params: int) -> str:
+    """Whether any of the model's `model_params` trainable parameters `moved` over `steps` observed optimizer
+    steps, as a sentence."""
+    if steps < 2:
         return "Only one optimizer step was observed, so whether the weights change was not measured."
-    if run.model_changed:
-        return f"Some of the model's weights did change between the first and the last of the {run.steps} steps."
+    if moved:
+        return f"Some of the model's weights did change between the first and the last of the {steps} steps."
     return (
-        f"Measured: between the first and the last of the {run.steps} observed optimizer steps, not one of the "
-        f"model's {run.model_params} trainable parameters changed on any rank."
+        f"Measured: between the first and the last of the {steps} observed optimizer steps, not one of the "
+        f"model's {model_params} trainable parameters changed on any rank."
     )
 
 

@@ -21,6 +21,7 @@ from ddp_doctor.core.agreed import (
     NeverReached,
     NonFinite,
     Slowest,
+    StaleOptimizer,
     SteppedApart,
 )
 from ddp_doctor.core.codes import Code
@@ -57,6 +58,7 @@ def from_view(v: View) -> Agreed:
         nonfinite=_nonfinite(v),
         moves=_moves(v),
         slowest=_slowest(v),
+        stale_optimizer=_stale_optimizer(v),
     )
 
 
@@ -127,6 +129,20 @@ def _moves(v: View) -> Moves | None:
         never_held=int(meta.get("never_updated_held", 0)),
         never_zero_lr=int(meta.get("never_updated_zero_lr", 0)),
         never_steps=steps,
+    )
+
+
+def _stale_optimizer(v: View) -> StaleOptimizer | None:
+    """Rank 0's optimizer holds tensors the module tree no longer does: the old parameters a replaced module left
+    in DDP's reducer, and the replacements no optimizer steps."""
+    stale = int(v.meta(0).get("optimizer_stale", 0) or 0)
+    if not stale or not v.steps:
+        return None
+    return StaleOptimizer(
+        stale=stale,
+        steps=v.steps,
+        params=v.params(v.orphaned),
+        replacements=[e["name"] for e in v.meta(0).get("unregistered", []) if e.get("stepped") is False],
     )
 
 
@@ -297,6 +313,17 @@ def from_run(run: ShardedRun) -> Agreed:
         nonfinite=_nonfinite_run(run),
         moves=_moves_run(run),
         slowest=_slowest_run(run),
+        # Only tensors no observed step gave a gradient: a tensor beside the model that gets them is in use.
+        stale_optimizer=StaleOptimizer(
+            stale=run.replaced,
+            steps=run.steps,
+            wholesale=True,
+            optimizer=optimizer_named(run),
+            model_params=run.model_params,
+            moved=run.model_changed,
+        )
+        if run.replaced and not run.model_params_stepped
+        else None,
     )
 
 

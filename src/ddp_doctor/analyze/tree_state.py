@@ -6,15 +6,15 @@ holds (the modules' train/eval modes apart are `replica_state.py`'s `replica-div
 from __future__ import annotations
 
 from ddp_doctor.analyze.common import all_ranks, with_more
-from ddp_doctor.analyze.parallelism import api_of, every_rank, observed_steps, optimizer_named, unchanged
+from ddp_doctor.analyze.parallelism import api_for, moved_words
 from ddp_doctor.analyze.sharded_fixes import optimizer_fix
 from ddp_doctor.analyze.tree_digest import differing, param_entry, parts_apart, step_apart
 from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.core.agreed import Agreed
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
-from ddp_doctor.core.sharded_run import ShardedRun
+from ddp_doctor.core.findings import Finding, Measure, lines_of
 
-__all__ = ["optimizer_holds_replaced", "optimizer_holds_unsharded", "stale_optimizer", "unregistered_parameters"]
+__all__ = ["optimizer_params_replaced", "unregistered_parameters"]
 
 
 @detects(Code.UNREGISTERED_PARAMETERS)
@@ -278,22 +278,12 @@ def _retied(v: View) -> list[Finding]:
     ]
 
 
-@detects(Code.OPTIMIZER_PARAMS_REPLACED)
-def optimizer_holds_replaced(v: View) -> list[Finding]:
-    """The optimizer steps tensors the model no longer holds: a module replaced after the optimizer was built.
-    Its replacement's parameters get gradients that no optimizer applies."""
-    stale = int(v.meta(0).get("optimizer_stale", 0) or 0)
-    if not stale or not v.steps:
-        return []
-    left = v.params(v.orphaned)
-    new = [e["name"] for e in v.meta(0).get("unregistered", []) if e.get("stepped") is False]
-    return [stale_optimizer(stale=stale, params=left, replacements=new, ranks=all_ranks(v), steps=list(range(v.steps)))]
-
-
-@detects(Code.OPTIMIZER_PARAMS_REPLACED, road="sharded")
-def optimizer_holds_unsharded(run: ShardedRun) -> list[Finding]:
-    """A sharded model whose optimizer steps none of the parameters `fully_shard` (or `replicate`) put in place of
-    those it was built with, and only tensors no observed step gave a gradient.
+@detects(Code.OPTIMIZER_PARAMS_REPLACED, road="every")
+def optimizer_params_replaced(a: Agreed) -> list[Finding]:
+    """The optimizer steps tensors the model no longer holds: a module replaced after the optimizer was built (its
+    replacement's parameters get gradients that no optimizer applies), or, for a sharded model, the optimizer built
+    before `fully_shard` (or `replicate`) replaced every parameter, so that it steps none of the model's and only
+    tensors no observed step gave a gradient.
 
     Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 AdamW steps (`tests/scripts/fsdp2_train.py`):
     the optimizer built before `fully_shard` (`--mistake optimizer-before`) changes no weight, exit 0. Its neighbour,
@@ -301,78 +291,45 @@ def optimizer_holds_unsharded(run: ShardedRun) -> list[Finding]:
     (`--mistake frozen-model,temperature-synced`, a prompt tuned on a frozen model), trains the temperature
     (0.015132 on both ranks) and leaves the model as it was, as meant: no stale optimizer (the check called it one,
     at error)."""
-    if not run.replaced or run.model_params_stepped:
+    if (s := a.stale_optimizer) is None:
         return []
-    api = api_of(run)
-    return [
-        stale_optimizer(
-            stale=run.replaced,
-            params=[],
-            ranks=every_rank(run),
-            steps=observed_steps(run),
-            wrapper=(api.call, api.holds),
-            optimizer=optimizer_named(run),
-            model_params=run.model_params,
-            measured=unchanged(run),
-            fix=optimizer_fix(run.framework, api.call, api.done),
+    ranks, steps = list(range(a.world)), list(range(s.steps))
+    if not s.wholesale:
+        old = f" ({', '.join(p.name for p in s.params[:4])}{', ...' if len(s.params) > 4 else ''} of a module replaced after it was built)"
+        new = (
+            f" The parameters that replaced them ({', '.join(s.replacements[:4])}) get gradients no optimizer applies."
         )
-    ]
-
-
-def stale_optimizer(
-    *,
-    stale: int,
-    params: list[ParamRef],
-    ranks: list[int],
-    steps: list[int],
-    replacements: list[str] = (),
-    wrapper: tuple[str, str] | None = None,
-    optimizer: str = "",
-    model_params: int = 0,
-    measured: str = "",
-    fix: str = "",
-) -> Finding:
-    """`optimizer-params-replaced`, for every parallelism: the optimizer steps `stale` tensors the model no longer
-    holds. Under DDP a module replaced after the optimizer was built (`params` its old parameters, `replacements` the
-    names of the new ones no optimizer steps). Under FSDP2 or `replicate`, `wrapper` is (the call, what each new
-    parameter holds): the optimizer was built before that call replaced every parameter of the modules it took, so
-    it steps none of the model's `model_params`; `measured` says whether any weight moved."""
-    if wrapper is None:
-        return Finding(
+        return [
+            Finding(
+                code=Code.OPTIMIZER_PARAMS_REPLACED,
+                severity="error",
+                title=f"the optimizer steps {s.stale} tensor(s) that are no longer the model's",
+                detail=f"The optimizer holds {s.stale} tensor(s) that the model's module tree no longer holds"
+                + (old if s.params else "")
+                + ": it updates them, and no forward uses them."
+                + (new if s.replacements else ""),
+                params=s.params,
+                ranks=ranks,
+                steps=steps,
+                fix="build the optimizer after the model is final (after every module replacement), over "
+                "`model.parameters()`; after replacing a module mid-training, build a new optimizer (and DDP) over "
+                "the new parameters.",
+            )
+        ]
+    api = api_for(a.parallelism)
+    measured = moved_words(steps=s.steps, moved=s.moved, model_params=s.model_params)
+    return [
+        Finding(
             code=Code.OPTIMIZER_PARAMS_REPLACED,
             severity="error",
-            title=f"the optimizer steps {stale} tensor(s) that are no longer the model's",
-            detail=f"The optimizer holds {stale} tensor(s) that the model's module tree no longer holds"
-            + (
-                f" ({', '.join(p.name for p in params[:4])}{', ...' if len(params) > 4 else ''} of a module replaced "
-                "after it was built)"
-                if params
-                else ""
-            )
-            + ": it updates them, and no forward uses them."
-            + (
-                f" The parameters that replaced them ({', '.join(replacements[:4])}) get gradients no optimizer "
-                "applies."
-                if replacements
-                else ""
-            ),
-            params=params,
+            title=f"the optimizer steps {s.stale} parameters that are no longer the model's",
+            detail=f"The optimizer ({s.optimizer}) was built before {api.call}. {api.call} replaces every parameter "
+            f"of the modules it takes with a new DTensor parameter {api.holds}, so the "
+            "optimizer holds the old tensors, which no forward uses and no gradient reaches, and none of the "
+            f"model's {s.model_params} parameters. Training runs, the loss is computed, and nothing learns. "
+            + measured,
             ranks=ranks,
             steps=steps,
-            fix="build the optimizer after the model is final (after every module replacement), over "
-            "`model.parameters()`; after replacing a module mid-training, build a new optimizer (and DDP) over the "
-            "new parameters.",
+            fix=optimizer_fix(a.framework, api.call, api.done),
         )
-    call, holds = wrapper
-    return Finding(
-        code=Code.OPTIMIZER_PARAMS_REPLACED,
-        severity="error",
-        title=f"the optimizer steps {stale} parameters that are no longer the model's",
-        detail=f"The optimizer ({optimizer}) was built before {call}. {call} replaces every parameter "
-        f"of the modules it takes with a new DTensor parameter {holds}, so the "
-        "optimizer holds the old tensors, which no forward uses and no gradient reaches, and none of the "
-        f"model's {model_params} parameters. Training runs, the loss is computed, and nothing learns. " + measured,
-        ranks=ranks,
-        steps=steps,
-        fix=fix,
-    )
+    ]

@@ -172,6 +172,25 @@ class Slowest:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StaleOptimizer:
+    """The optimizer steps `stale` tensors the model no longer holds, over `steps` observed steps. `wholesale`:
+    the wrapper's call replaced every parameter of the modules it took after the optimizer was built, so it steps
+    none of the model's `model_params` (FSDP2's `fully_shard`, `replicate`); else a module replaced after the
+    optimizer was built, `params` its old parameters and `replacements` the names of the new ones no optimizer
+    steps. `optimizer`: the followed optimizer, with its line where known; `moved`: some of the model's weights
+    changed between the first observed step and the last."""
+
+    stale: int
+    steps: int
+    wholesale: bool = False
+    params: list[ParamRef] = field(default_factory=list)
+    replacements: list[str] = field(default_factory=list)
+    optimizer: str = ""
+    model_params: int = 0
+    moved: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Agreed:
     """One model's shared facts, as every rank agreed on them."""
 
@@ -233,3 +252,5 @@ class Agreed:
     slowest: Slowest | None = None
     """The rank with the longest own work per step, where every rank's step and time in collectives were timed on
     the host's clock (on CPU: NCCL's collectives run on streams of their own, untimed)."""
+    stale_optimizer: StaleOptimizer | None = None
+    """Tensors the optimizer steps that are no longer the model's."""
