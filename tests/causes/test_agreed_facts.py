@@ -7,15 +7,17 @@ from __future__ import annotations
 import torch
 from purerecords import ALL, info, record
 
+from ddp_doctor.analyze.buffer_state import buffer_divergence
 from ddp_doctor.analyze.collective_order import collective_sequence_mismatch
 from ddp_doctor.analyze.moves import nonfinite_values, training_stalled
 from ddp_doctor.analyze.optimizer_settings import optimizer_differs
 from ddp_doctor.analyze.replica_state import modes_differ
-from ddp_doctor.analyze.roads import from_run, from_view
+from ddp_doctor.analyze.run_facts import from_run
 from ddp_doctor.analyze.stragglers import straggler_rank
 from ddp_doctor.analyze.used_set import unused_parameters
 from ddp_doctor.analyze.view import View
-from ddp_doctor.core.agreed import Agreed, HeldApart, Moves, NeverReached, NonFinite, Slowest
+from ddp_doctor.analyze.view_facts import from_view
+from ddp_doctor.core.agreed import Agreed, BuffersApart, HeldApart, Moves, NeverReached, NonFinite, Slowest
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.records import StepCounters
 from ddp_doctor.core.sharded_run import ShardedRun
@@ -222,3 +224,36 @@ def test_a_straggler_is_one_rule_on_medians_or_on_bounds() -> None:
     # The others do not wait for it (a wait every rank shares), or too few steps: nothing.
     assert straggler_rank(Agreed(parallelism="ddp", world=4, slowest=Slowest(**{**slow, "lost_s": 0.001}))) == []
     assert straggler_rank(Agreed(parallelism="fsdp2", world=4, slowest=Slowest(**{**slow, "steps": 3}))) == []
+
+
+def test_buffers_apart_are_one_verdict_the_parallelism_words_the_fix_of() -> None:
+    """Made apart and never changed: an error everywhere; changed apart in training (running statistics): a
+    warning. DDP's fix turns its broadcast on; FSDP2 and `replicate` broadcast no buffer, so theirs copies rank 0's."""
+    made = BuffersApart(buffers=[ParamRef("mask", 16, (4, 4))], steps=[0, 1, 2], changing=False, ranks=[0, 1])
+    stats = BuffersApart(buffers=[ParamRef("bn.running_mean", 4, (4,))], steps=[2], changing=True, ranks=[0, 1])
+    fixes = {}
+    for parallelism in ("ddp", "fsdp2", "replicate"):
+        flags = {"broadcast_buffers": False} if parallelism == "ddp" else {}
+        agreed = Agreed(
+            parallelism=parallelism, world=2, ddp_flags=flags, buffers_apart=[made, stats], device_type="cpu"
+        )
+        error, warning = buffer_divergence(agreed)
+        assert (error.code, error.severity, error.param_names, error.steps) == (
+            "buffer-divergence",
+            "error",
+            ["mask"],
+            [0, 1, 2],
+        )
+        assert (warning.severity, warning.param_names, warning.steps) == ("warning", ["bn.running_mean"], [2])
+        fixes[parallelism] = error.fix
+    assert "broadcast_buffers=True" in fixes["ddp"] and "dist.broadcast(b, src=0)" in fixes["fsdp2"]
+    sharded = _sharded_run(
+        "replicate",
+        buffers=[ParamRef("mask", 16), ParamRef("bn.running_mean", 4)],
+        buffers_differ=[True, True],
+        buffers_moved=[False, True],
+    )
+    assert [(b.changing, b.steps, [p.name for p in b.buffers]) for b in from_run(sharded).buffers_apart] == [
+        (False, [0, 1, 2], ["mask"]),
+        (True, [2], ["bn.running_mean"]),
+    ]

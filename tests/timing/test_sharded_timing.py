@@ -10,7 +10,7 @@ import pytest
 import torch
 from dist import run_ranks
 
-from ddp_doctor.analyze.roads import from_run
+from ddp_doctor.analyze.run_facts import from_run
 from ddp_doctor.analyze.sharded_coverage import sharded_compared, sharded_unchecked
 from ddp_doctor.analyze.stragglers import straggler_rank
 from ddp_doctor.analyze.throughput import input_bound

@@ -24,7 +24,6 @@ from ddp_doctor.analyze.failures import failure_findings
 from ddp_doctor.analyze.flight_recorder import first_divergence
 from ddp_doctor.analyze.links import link_causes
 from ddp_doctor.analyze.recommend import recommend
-from ddp_doctor.analyze.roads import from_view
 from ddp_doctor.analyze.shapes import explain_shape_error, refused_at_wrap
 from ddp_doctor.analyze.sharded import verified_reshard
 from ddp_doctor.analyze.sharded_failures import explain_fsdp2_crash, explain_meta_params
@@ -32,6 +31,7 @@ from ddp_doctor.analyze.snippets import with_code
 from ddp_doctor.analyze.throughput import rank_timings
 from ddp_doctor.analyze.usage import figures
 from ddp_doctor.analyze.view import View, run_detectors
+from ddp_doctor.analyze.view_facts import from_view
 from ddp_doctor.core.findings import Crash, Diagnosis, Timing
 from ddp_doctor.core.records import CRASH_KINDS
 from ddp_doctor.core.summary import Summary

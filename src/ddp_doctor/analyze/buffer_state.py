@@ -7,80 +7,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddp_doctor.analyze.common import all_ranks, steps_of, with_flags
-from ddp_doctor.analyze.parallelism import every_rank
 from ddp_doctor.analyze.rules import count as _count
-from ddp_doctor.analyze.snippets import freeze_point, sync_batchnorm
-from ddp_doctor.analyze.tree_digest import param_entry, step_apart
+from ddp_doctor.analyze.snippets import flags_fix, freeze_point, sync_batchnorm
 from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.core.agreed import Agreed, BuffersApart
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, ParamRef, lines_of
-from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
+from ddp_doctor.core.findings import Finding, lines_of
 
-__all__ = ["buffer_divergence", "buffers_apart", "buffers_apart_sharded", "late_apart"]
+__all__ = ["buffer_divergence", "buffers_apart", "late_apart"]
 
 
-@detects(Code.BUFFER_DIVERGENCE)
-def buffer_divergence(v: View) -> list[Finding]:
-    """Buffers that differ across ranks at a forward: those DDP was built with (`buffer_fp`, each step), and those
-    registered after it that DDP does not broadcast (`late_apart`). Ground truth: tests/sync/test_check_rank_buffers.py."""
-    if v.world < 2 or not v.steps:
-        return []
-    broadcast = bool(v.info.ddp_config.get("broadcast_buffers", True))
-    found = []
-    differ = v.summary.buffer_differs & v.summary.buffer_seen  # [S, B]: every rank recorded it, and they differ
-    changing = set(v.meta(0).get("buffers_changing") or [])
-    apart = differ.any(0)
-    moving = apart & differ.new_tensor([i in changing for i in range(len(apart))], dtype=bool)
-    made = apart & ~moving
-    fix_made = (
-        with_flags(v, broadcast_buffers=True) + " (the default: rank 0's buffers are then broadcast before every "
-        "forward), or make the buffers equal on every rank (the same seed or values everywhere) before training."
-    )
-    for mask, running in ((made, False), (moving, True)):
-        if mask.any():
-            found.append(
-                buffers_apart(
-                    buffers=v.buffers(mask),
-                    ranks=all_ranks(v),
-                    steps=steps_of(differ[:, mask].any(1)),
-                    changing=running,
-                    parallelism="ddp",
-                    fix_ddp=fix_made
-                    if not running
-                    else with_flags(v, broadcast_buffers=True)
-                    + " (the default)"
-                    + (
-                        f", or {sync} "
-                        if (sync := sync_batchnorm(v.info.device_type, freeze_point(v.info.framework)))
-                        else ""
-                    )
-                    + ".",
-                    broadcast=broadcast,
-                )
-            )
-    late = late_apart(v)
-    if late:
-        entries, running = late
-        never = broadcast and not v.info.buffers_synced  # the flag is on, yet DDP had no buffers when built
-        found.append(
-            buffers_apart(
-                buffers=[param_entry(e) for e in entries],
-                ranks=sorted({0, *v.ranks("state-differs").ranks}),
-                steps=[step_apart(v, "late_buffers")[0]],
-                changing=running,
-                parallelism="ddp",
-                fix_ddp="register these buffers before DDP is built (DDP then broadcasts rank 0's before every "
-                "forward), or make them equal on every rank (the same seed or values everywhere) before training."
-                if never
-                else fix_made,
-                broadcast=broadcast,
-                none_at_wrap=never,
-                late=True,
-                registered_at=sorted({e["site"] for e in entries if e.get("site")}),
-            )
-        )
-    return found
+@detects(Code.BUFFER_DIVERGENCE, road="every")
+def buffer_divergence(a: Agreed) -> list[Finding]:
+    """Buffers that differ across ranks at a forward: a DDP model's that it was built with (each step), those
+    registered after it that DDP does not broadcast, and a sharded model's, which FSDP2 and `replicate` never
+    touch. Ground truth: tests/sync/test_check_rank_buffers.py, and `tests/scripts/fsdp2_train.py --mistake
+    buffer-rank` (a constant buffer drawn from each rank's own generator): exit code 0, nothing said, and the
+    ranks' outputs on the same input end apart (sums printed by each rank); with the same seed on every rank
+    (`buffer-same`) they agree."""
+    return [buffers_apart(b, a) for b in a.buffers_apart]
 
 
 def late_apart(v: View) -> tuple[list[dict[str, Any]], bool] | None:
@@ -99,72 +44,31 @@ def late_apart(v: View) -> tuple[list[dict[str, Any]], bool] | None:
     return apart, any(e["changing"] or any(t.get(e["name"], {}).get("changing") for t in theirs) for e in apart)
 
 
-@detects(Code.BUFFER_DIVERGENCE, road="sharded")
-def buffers_apart_sharded(run: ShardedRun) -> list[Finding]:
-    """Buffers that differ across ranks: FSDP2 shards parameters only, and neither broadcasts nor averages buffers
-    (`buffer_state.buffers_apart` words it, for every parallelism).
+def buffers_apart(b: BuffersApart, a: Agreed) -> Finding:
+    """`buffer-divergence` of the buffers `b` of the model `a` describes (its parallelism, DDP's flags, the framework
+    and device a fix is worded for).
 
-    Ground truth, plain torchrun, torch 2.13.0, CPU, gloo, 2 ranks, 12 steps (`tests/scripts/fsdp2_train.py
-    --mistake buffer-rank`: a constant buffer drawn from each rank's own generator): exit code 0, nothing said, and
-    the ranks' outputs on the same input end apart (sums printed by each rank). With the same seed on every rank
-    (`buffer-same`) they agree.
+    Buffers that change during the steps (running statistics such as BatchNorm's, each rank from its own batches)
+    are a ``warning``: training stays correct while evaluation and the saved buffers depend on the rank. Buffers
+    made different that never changed (a per-rank seed, memory left uninitialised after `to_empty()`) are an
+    ``error``: each rank computes a different function of the same weights. DDP broadcasts rank 0's buffers at
+    construction and before every forward, or never with broadcast_buffers=False; FSDP2's `fully_shard` and
+    `replicate` take parameters only and never touch buffers (SyncBatchNorm, the fix for running statistics, runs
+    on GPU modules only).
     """
-    parallelism, ranks = parallelism_of(run.sharding), every_rank(run)
-    apart = [(ref, moved) for ref, differ, moved in zip(run.buffers, run.buffers_differ, run.buffers_moved) if differ]
-    made = [ref for ref, moved in apart if not moved]  # never changed: they differed from the first step on
-    training = [ref for ref, moved in apart if moved]  # running statistics: compared at the last observed step
-    found = []
-    if made:
-        found.append(
-            buffers_apart(
-                buffers=made, ranks=ranks, steps=list(range(run.steps)), changing=False, parallelism=parallelism
-            )
-        )
-    if training:
-        found.append(
-            buffers_apart(
-                buffers=training,
-                ranks=ranks,
-                steps=[run.steps - 1],
-                changing=True,
-                parallelism=parallelism,
-                device_type=(run.sharding or {}).get("device_type", ""),
-            )
-        )
-    return found
-
-
-def buffers_apart(
-    *,
-    buffers: list[ParamRef],
-    ranks: list[int],
-    steps: list[int],
-    changing: bool,
-    parallelism: str,
-    fix_ddp: str = "",
-    broadcast: bool = True,
-    late: bool = False,
-    registered_at: list[str] = (),
-    none_at_wrap: bool = False,
-    device_type: str = "",
-) -> Finding:
-    """`buffer-divergence`, for every parallelism: `buffers` differ across `ranks` at `steps` (`device_type`: where
-    the model runs, for a sharded model's fix: SyncBatchNorm runs on GPU modules only).
-
-    `changing`: they change during the steps (running statistics such as BatchNorm's, each rank from its own
-    batches): a ``warning``, training stays correct while evaluation and the saved buffers depend on the rank.
-    Otherwise they were made different and never changed (a per-rank seed, memory left uninitialised after
-    `to_empty()`): an ``error``, each rank computes a different function of the same weights. DDP broadcasts rank 0's
-    buffers at construction and before every forward, or never with broadcast_buffers=False (`fix_ddp` is then the
-    fix in the script's framework's words); FSDP2's `fully_shard` and `replicate` take parameters only and never
-    touch buffers. `late`: a DDP model's buffers registered after it was built (`registered_at`: their lines);
-    `none_at_wrap`: the model had no buffers then, so DDP never syncs any (`will_sync_module_buffers`).
-    """
+    buffers, ranks, steps, changing, parallelism = b.buffers, b.ranks, b.steps, b.changing, a.parallelism
+    broadcast, none_at_wrap, registered_at = (
+        bool(a.ddp_flags.get("broadcast_buffers", True)),
+        b.none_at_wrap,
+        b.registered_at,
+    )
+    fix_ddp = _ddp_fix(b, a) if parallelism == "ddp" else ""
+    device_type = a.device_type
     n = len(buffers)
     after = (
         " They were registered after DDP was built"
         + (f", at {', '.join(registered_at[:3])}." if registered_at else ".")
-        if late
+        if b.late
         else ""
     )
     if parallelism == "ddp" and not changing:
@@ -248,3 +152,22 @@ def buffers_apart(
 
 
 _MODEL = {"fsdp2": "sharded model", "replicate": "replicated model"}
+
+
+def _ddp_fix(b: BuffersApart, a: Agreed) -> str:
+    """DDP's fix, in the script's framework's words: its broadcast on (the default), or the buffers made equal;
+    SyncBatchNorm for running statistics where the model runs on a GPU; the buffers registered before DDP is
+    built, where DDP had none when it was built."""
+    on = flags_fix(a.framework, {"broadcast_buffers": True}, a.flavor)
+    if b.late and b.none_at_wrap:
+        return (
+            "register these buffers before DDP is built (DDP then broadcasts rank 0's before every forward), or "
+            "make them equal on every rank (the same seed or values everywhere) before training."
+        )
+    if b.changing and not b.late:
+        sync = sync_batchnorm(a.device_type, freeze_point(a.framework))
+        return on + " (the default)" + (f", or {sync} " if sync else "") + "."
+    return (
+        on + " (the default: rank 0's buffers are then broadcast before every forward), or make the buffers equal "
+        "on every rank (the same seed or values everywhere) before training."
+    )

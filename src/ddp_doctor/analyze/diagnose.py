@@ -31,7 +31,7 @@ from ddp_doctor.analyze.not_wrapped import (
     unwrapped_unchecked,
 )
 from ddp_doctor.analyze.recommend import recommend_after_failure, verified_by_second_run
-from ddp_doctor.analyze.roads import from_run
+from ddp_doctor.analyze.run_facts import from_run
 from ddp_doctor.analyze.sharded import sharded_recommendation
 from ddp_doctor.analyze.sharded_coverage import sharded_compared, sharded_unchecked
 from ddp_doctor.analyze.snippets import with_code

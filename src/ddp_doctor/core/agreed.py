@@ -1,7 +1,7 @@
 """The facts of one observed model that every parallelism's check establishes in the same shape: what the ranks'
 inputs showed, and what they held apart at a step (the optimizer's settings, the modules' modes, the script's
 collectives). DDP's exchanged `Summary` and a sharded model's `ShardedRun` each give an `Agreed`
-(`analyze/roads.py`), and a detector registered for every road reads it (`detects(..., road="every")`,
+(`analyze/view_facts.py`, `analyze/run_facts.py`), and a detector registered for every road reads it (`detects(..., road="every")`,
 `analyze/view.py`): such a concept is decided once, with the parallelism an input to the rule and its words."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # core/records.py imports torch; the report's reader (core/sh
 
 __all__ = [
     "Agreed",
+    "BuffersApart",
     "DrawnApart",
     "HeldApart",
     "InputWait",
@@ -23,6 +24,7 @@ __all__ = [
     "NeverReached",
     "NonFinite",
     "Slowest",
+    "StaleOptimizer",
     "SteppedApart",
 ]
 
@@ -191,6 +193,23 @@ class StaleOptimizer:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BuffersApart:
+    """Buffers that held different values across ranks at a forward: `buffers`, at `steps`, the `ranks` named.
+    `changing`: they changed during the steps (running statistics such as BatchNorm's, each rank from its own
+    batches); else they were made different and never changed. `late`: a DDP model's buffers registered after DDP
+    was built, at `registered_at`; `none_at_wrap`: the model had no buffers then, so DDP syncs none
+    (`will_sync_module_buffers`)."""
+
+    buffers: list[ParamRef]
+    steps: list[int]
+    changing: bool
+    ranks: list[int]
+    late: bool = False
+    registered_at: list[str] = field(default_factory=list)
+    none_at_wrap: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Agreed:
     """One model's shared facts, as every rank agreed on them."""
 
@@ -254,3 +273,6 @@ class Agreed:
     the host's clock (on CPU: NCCL's collectives run on streams of their own, untimed)."""
     stale_optimizer: StaleOptimizer | None = None
     """Tensors the optimizer steps that are no longer the model's."""
+    buffers_apart: list[BuffersApart] = field(default_factory=list)
+    """Buffers that differed across ranks: those made different, those that changed apart in training, and a DDP
+    model's registered after it was built, each their own."""

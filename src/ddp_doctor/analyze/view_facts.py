@@ -1,19 +1,20 @@
-"""Each road's facts in the shape every parallelism shares (`core/agreed.Agreed`): DDP's `View` of the exchanged
-`Summary` (`from_view`) and a sharded model's `ShardedRun` (`from_run`). The detectors registered for every road
+"""DDP's facts in the shape every parallelism shares (`core/agreed.Agreed`), from its `View` of the exchanged
+`Summary` (`from_view`; a sharded model's are `analyze/run_facts.py`'s). The detectors registered for every road
 read only that shape, so what they decide is decided once. Pure."""
 
 from __future__ import annotations
 
 import torch
 
-from ddp_doctor.analyze.common import first_differing, meta_sites, steps_of
+from ddp_doctor.analyze.buffer_state import late_apart
+from ddp_doctor.analyze.common import all_ranks, first_differing, meta_sites, steps_of
 from ddp_doctor.analyze.epochs import training_loader
-from ddp_doctor.analyze.parallelism import optimizer_named, train_modes_apart
 from ddp_doctor.analyze.throughput import gpu_timed, host_times_tell
-from ddp_doctor.analyze.tree_digest import modes_parted
+from ddp_doctor.analyze.tree_digest import modes_parted, param_entry, step_apart
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.agreed import (
     Agreed,
+    BuffersApart,
     DrawnApart,
     HeldApart,
     InputWait,
@@ -25,10 +26,9 @@ from ddp_doctor.core.agreed import (
     SteppedApart,
 )
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 from ddp_doctor.core.steptime import PHASES
 
-__all__ = ["from_run", "from_view"]
+__all__ = ["from_view"]
 
 
 def from_view(v: View) -> Agreed:
@@ -59,6 +59,7 @@ def from_view(v: View) -> Agreed:
         moves=_moves(v),
         slowest=_slowest(v),
         stale_optimizer=_stale_optimizer(v),
+        buffers_apart=_buffers_apart(v),
     )
 
 
@@ -130,6 +131,40 @@ def _moves(v: View) -> Moves | None:
         never_zero_lr=int(meta.get("never_updated_zero_lr", 0)),
         never_steps=steps,
     )
+
+
+def _buffers_apart(v: View) -> list[BuffersApart]:
+    """The buffers DDP was built with that differed at some step's forward (`buffer_fp`), split into those made
+    different and those that change in training; and those registered after DDP was built that it does not
+    broadcast (`late_apart`), with the ranks whose module tree differs from rank 0's."""
+    if v.world < 2 or not v.steps:
+        return []
+    differ = v.summary.buffer_differs & v.summary.buffer_seen  # [S, B]: every rank recorded it, and they differ
+    changing = set(v.meta(0).get("buffers_changing") or [])
+    apart = differ.any(0)
+    moving = apart & differ.new_tensor([i in changing for i in range(len(apart))], dtype=torch.bool)
+    found = [
+        BuffersApart(
+            buffers=v.buffers(mask), steps=steps_of(differ[:, mask].any(1)), changing=running, ranks=all_ranks(v)
+        )
+        for mask, running in ((apart & ~moving, False), (moving, True))
+        if mask.any()
+    ]
+    if late := late_apart(v):
+        entries, running = late
+        found.append(
+            BuffersApart(
+                buffers=[param_entry(e) for e in entries],
+                steps=[step_apart(v, "late_buffers")[0]],
+                changing=running,
+                ranks=sorted({0, *v.ranks("state-differs").ranks}),
+                late=True,
+                registered_at=sorted({e["site"] for e in entries if e.get("site")}),
+                # The flag is on, yet DDP had no buffers when it was built: it syncs none.
+                none_at_wrap=bool(v.info.ddp_config.get("broadcast_buffers", True)) and not v.info.buffers_synced,
+            )
+        )
+    return found
 
 
 def _stale_optimizer(v: View) -> StaleOptimizer | None:
@@ -259,130 +294,3 @@ def _drawn_apart(v: View) -> DrawnApart | None:
     more, loader = v.ranks("drew-more"), training_loader(v.meta(0))
     drew, others = v.summary.drawn[0][k], v.summary.drawn[1][k]
     return DrawnApart(k, more.ranks, more.more, drew, others, loader.get("site") or loader.get("iterated_at"))
-
-
-def _drawn_apart_run(apart: HeldApart | None) -> DrawnApart | None:
-    """The ranks whose count is not the reference rank's are named (never none of them); `held` maps a rank to
-    (its batches drawn, the loader's line)."""
-    if apart is None:
-        return None
-    (others, site), (drew, _) = apart.held[apart.reference], apart.held[apart.ranks[0]]
-    return DrawnApart(apart.step, apart.ranks, apart.more, drew, others, site)
-
-
-def _input_wait_run(run: ShardedRun) -> InputWait | None:
-    """The sharded exchange sets `input_wait` only where every rank waited (`core/steptime.waits_for_data_at`)."""
-    if not (w := run.input_wait):
-        return None
-    loader = w["loader"]
-    return InputWait(
-        waiting=run.world,
-        measured=run.world,
-        clock=w.get("clock", "host"),
-        steps=w["steps"],
-        wait_s=tuple(w["wait_s"]),
-        step_s=tuple(w["step_s"]),
-        loader=loader,
-        sites=[loader.get("site") or ""],
-        ranks=list(range(run.world)),
-    )
-
-
-def from_run(run: ShardedRun) -> Agreed:
-    """A sharded model's: the exchange's reference rank holds the most common value (`exchange/oddranks.py`)."""
-    modes = run.modes_apart if run.modes_apart is not None and train_modes_apart(run.modes_apart) else None
-    grads = run.params_grads or []
-    never = [ref for ref, trains, (had, _, _) in zip(run.params, run.params_trainable, grads) if trains and not had]
-    return Agreed(
-        parallelism=parallelism_of(run.sharding),
-        world=run.world,
-        framework=run.framework,
-        # Only where the optimizer steps the model's parameters: otherwise nothing is meant to train.
-        never_reached=NeverReached(never, run.steps, None) if never and run.model_params_stepped else None,
-        device_type=(run.sharding or {}).get("device_type", ""),
-        input_wait=_input_wait_run(run),
-        inputs_compared=list(run.inputs_compared),
-        inputs_identical=bool(run.inputs_identical),
-        one_data_group=run.beside_groups == 1,
-        settings_apart=run.settings_apart,
-        metric_schedulers=list(run.metric_schedulers),
-        modes_apart=modes,
-        collectives_apart=run.collectives_apart,
-        drawn_apart=_drawn_apart_run(run.drawn_apart),
-        graph_collectives=list(run.graph_collectives),
-        nonfinite=_nonfinite_run(run),
-        moves=_moves_run(run),
-        slowest=_slowest_run(run),
-        # Only tensors no observed step gave a gradient: a tensor beside the model that gets them is in use.
-        stale_optimizer=StaleOptimizer(
-            stale=run.replaced,
-            steps=run.steps,
-            wholesale=True,
-            optimizer=optimizer_named(run),
-            model_params=run.model_params,
-            moved=run.model_changed,
-        )
-        if run.replaced and not run.model_params_stepped
-        else None,
-    )
-
-
-def _slowest_run(run: ShardedRun) -> Slowest | None:
-    """The reduction carries bounds, not medians (`ShardedRun.slowest`): the longest of the other ranks' own work,
-    the shortest of their times in collectives. Its extra time is between steps when at least half of it is."""
-    if (s := run.slowest) is None:
-        return None
-    between = s["wait_s"] - s["others_wait_s"]
-    outside = between >= 0.5 * (s["own_s"] - s["others_own_s"])
-    return Slowest(
-        rank=s["rank"],
-        name=s["rank"],
-        steps=s["steps"],
-        own_s=s["own_s"],
-        own_q=(s["own_q1_s"], s["own_q3_s"]),
-        own_comm_s=s.get("comm_s", 0.0),
-        others_s=s["others_own_s"],
-        others_q3_s=s["others_own_q3_s"],
-        lost_s=s["others_comm_s"],
-        phase="data_wait" if outside else "step",
-        phase_extra_s=between if outside else None,
-        bounds=True,
-    )
-
-
-def _nonfinite_run(run: ShardedRun) -> NonFinite | None:
-    """A sharded model's gradient shards are measured as one norm per rank and step: the steps they held NaN or
-    infinity at, not in how many parameters; the lowest rank whose inputs did, not how many."""
-    if not (steps := run.grads_nonfinite_steps):
-        return None
-    bad = run.inputs_nonfinite  # (the step, the lowest rank whose inputs held NaN or infinity)
-    return NonFinite(
-        grads_step=steps[0],
-        steps=list(steps),
-        inputs_step=bad[0] if bad is not None else None,
-        inputs_ranks=[bad[1]] if bad is not None else [],
-    )
-
-
-def _moves_run(run: ShardedRun) -> Moves | None:
-    """Measured only where the optimizer steps the model's parameters (else nothing it does moves them:
-    `optimizer-params-replaced`'s) and no gradient shard held NaN or infinity (the weights' moves are measured over
-    the whole run, not per step). The weights' moves are measured from the first step's end."""
-    measured = run.grads_measured_steps
-    if not measured or run.grads_nonfinite_steps or run.steps < 2 or not run.model_params_stepped:
-        return None
-    facts = zip(run.params, run.params_trainable, run.params_grads or [], run.params_held, run.params_zero_lr)
-    never = [
-        (ref, held, zero) for ref, trains, (_, nonzero, moved), held, zero in facts if trains and nonzero and not moved
-    ]
-    return Moves(
-        steps=list(measured),
-        all_zero=measured == run.grads_zero_steps,
-        moved=run.model_changed,
-        rates=list(run.learning_rates),
-        never=[ref for ref, _, _ in never],
-        never_held=sum(held for _, held, _ in never),
-        never_zero_lr=sum(zero for _, _, zero in never),
-        never_steps=list(range(1, run.steps)),
-        optimizer=optimizer_named(run),
-    )
