@@ -13,11 +13,21 @@ from ddp_doctor.analyze.moves import nonfinite_values, training_stalled
 from ddp_doctor.analyze.optimizer_settings import optimizer_differs
 from ddp_doctor.analyze.replica_state import modes_differ
 from ddp_doctor.analyze.run_facts import from_run
+from ddp_doctor.analyze.shards import shards_overlap
 from ddp_doctor.analyze.stragglers import straggler_rank
 from ddp_doctor.analyze.used_set import unused_parameters
 from ddp_doctor.analyze.view import View
 from ddp_doctor.analyze.view_facts import from_view
-from ddp_doctor.core.agreed import Agreed, BuffersApart, HeldApart, Moves, NeverReached, NonFinite, Slowest
+from ddp_doctor.core.agreed import (
+    Agreed,
+    BuffersApart,
+    HeldApart,
+    Moves,
+    NeverReached,
+    NonFinite,
+    SamplersApart,
+    Slowest,
+)
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.records import StepCounters
 from ddp_doctor.core.sharded_run import ShardedRun
@@ -257,3 +267,17 @@ def test_buffers_apart_are_one_verdict_the_parallelism_words_the_fix_of() -> Non
         (False, [0, 1, 2], ["mask"]),
         (True, [2], ["bn.running_mean"]),
     ]
+
+
+def test_samplers_seeded_apart_overlap_alike_whatever_the_parallelism() -> None:
+    """Two ranks' DistributedSamplers over 64 samples, seeded 0 and 1: the overlap is computed with torch's own
+    sampler, the same for every parallelism."""
+    loader = {"sampler": "DistributedSampler", "dataset": 64, "num_replicas": 2, "shuffle": True, "drop_last": False}
+    held = {r: {**loader, "rank": r, "seed": r, "epoch": 0, "exact": True, "site": "train.py:20"} for r in (0, 1)}
+    found = []
+    for parallelism in ("ddp", "fsdp2", "replicate"):
+        (f,) = shards_overlap(Agreed(parallelism=parallelism, world=2, samplers_apart=SamplersApart(held, [1])))
+        measured = {m.name: m.value for m in f.measured}
+        assert (f.code, f.severity, f.ranks, f.sites) == ("shards-overlap", "warning", [0, 1], ["train.py:20"])
+        found.append((measured["indices_read_twice"], measured["indices_unread"]))
+    assert len(set(found)) == 1 and 0 < found[0][0] < 32 and found[0][0] == found[0][1]  # read twice = unread

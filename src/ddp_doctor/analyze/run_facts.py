@@ -14,6 +14,7 @@ from ddp_doctor.core.agreed import (
     Moves,
     NeverReached,
     NonFinite,
+    SamplersApart,
     Slowest,
     StaleOptimizer,
 )
@@ -86,6 +87,13 @@ def from_run(run: ShardedRun) -> Agreed:
         if run.replaced and not run.model_params_stepped
         else None,
         buffers_apart=_buffers_apart_run(run),
+        samplers_apart=SamplersApart(
+            {int(r): d for r, d in run.samplers_apart["held"].items() if d},
+            list(run.samplers_apart["ranks"]),
+            run.samplers_apart["more"],
+        )
+        if run.samplers_apart
+        else None,
     )
 
 

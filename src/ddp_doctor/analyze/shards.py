@@ -1,8 +1,8 @@
 """The ranks' shares of the data (`shards-overlap`): every rank's training loader splits one dataset with a
 DistributedSampler, and the samplers must agree on everything but the rank (seed, shuffle, drop_last,
 num_replicas, the dataset's length) and each must be its own rank's; a loader with no DistributedSampler over a
-dataset that is the same on every rank (`observation/datasets.py`) hands every rank all of it. Decided from the exchange's predicate
-"sampler-apart"; the overlap is computed from the samplers' settings with torch's own DistributedSampler."""
+dataset that is the same on every rank (`observation/datasets.py`) hands every rank all of it. Decided from the loaders the exchange held apart
+(DDP's predicate "sampler-apart", the sharded exchange's `samplers_apart`); the overlap is computed from the samplers' settings with torch's own DistributedSampler."""
 
 from __future__ import annotations
 
@@ -11,13 +11,12 @@ from typing import Any
 import torch.utils.data as tud
 
 from ddp_doctor.analyze.common import with_more
-from ddp_doctor.analyze.epochs import training_loader
-from ddp_doctor.analyze.view import View, detects
+from ddp_doctor.analyze.view import detects
+from ddp_doctor.core.agreed import Agreed
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
-from ddp_doctor.core.sharded_run import ShardedRun
 
-__all__ = ["samplers_apart", "shards_overlap", "shards_overlap_sharded"]
+__all__ = ["samplers_apart", "shards_overlap"]
 
 _SHARED = ("seed", "shuffle", "drop_last", "num_replicas", "dataset", "sampled_digest")
 """What every rank's sampler must hold alike (`dataset`: the dataset's length)."""
@@ -55,29 +54,13 @@ def _overlap(held: dict[int, dict[str, Any]]) -> tuple[int, int, int] | None:
     return both, n - len(read), n
 
 
-@detects(Code.SHARDS_OVERLAP)
-def shards_overlap(v: View) -> list[Finding]:
-    """DDP's exchange: the ranks named by its predicate "sampler-apart"."""
-    if v.world < 2:
+@detects(Code.SHARDS_OVERLAP, road="every")
+def shards_overlap(a: Agreed) -> list[Finding]:
+    """The training loaders the exchange held apart, for every parallelism."""
+    if (apart := a.samplers_apart) is None:
         return []
-    odd = v.ranks("sampler-apart")
-    if not odd.count:
-        return []
-    # Rank 0 and the first other rank the exchange named (the only others whose loaders it sent).
-    chosen = [0, *[r for r in odd.ranks if r != 0][:1]]
-    held = {r: training_loader(v.meta(r)) for r in chosen if r in v.summary.metas}
-    found = samplers_apart(held, world=v.world, ranks=odd.ranks)
-    return [with_more(found, odd.more)] if found else []
-
-
-@detects(Code.SHARDS_OVERLAP, road="sharded")
-def shards_overlap_sharded(run: ShardedRun) -> list[Finding]:
-    """A sharded model's training loaders whose DistributedSamplers disagree, or read one dataset whole."""
-    if not run.samplers_apart:
-        return []
-    held = {int(r): d for r, d in run.samplers_apart["held"].items() if d}
-    overlap = samplers_apart(held, world=run.world, ranks=run.samplers_apart["ranks"])
-    return [with_more(overlap, run.samplers_apart["more"])] if overlap is not None else []
+    found = samplers_apart(apart.held, world=a.world, ranks=apart.ranks)
+    return [with_more(found, apart.more)] if found is not None else []
 
 
 def samplers_apart(held: dict[int, dict[str, Any]], *, world: int, ranks: list[int]) -> Finding | None:

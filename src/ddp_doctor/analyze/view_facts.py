@@ -21,6 +21,7 @@ from ddp_doctor.core.agreed import (
     Moves,
     NeverReached,
     NonFinite,
+    SamplersApart,
     Slowest,
     StaleOptimizer,
     SteppedApart,
@@ -60,7 +61,19 @@ def from_view(v: View) -> Agreed:
         slowest=_slowest(v),
         stale_optimizer=_stale_optimizer(v),
         buffers_apart=_buffers_apart(v),
+        samplers_apart=_samplers_apart(v),
     )
+
+
+def _samplers_apart(v: View) -> SamplersApart | None:
+    """The ranks DDP's exchange named by its predicate "sampler-apart"; rank 0 and the first other rank named are
+    the only ones whose loaders it sent."""
+    odd = v.ranks("sampler-apart")
+    if v.world < 2 or not odd.count:
+        return None
+    chosen = [0, *[r for r in odd.ranks if r != 0][:1]]
+    held = {r: training_loader(v.meta(r)) for r in chosen if r in v.summary.metas}
+    return SamplersApart(held, odd.ranks, odd.more)
 
 
 _PRESENT, _ZERO, _NONFINITE, _MOVED, _W_NONFINITE, _INPUTS = range(6)

@@ -23,6 +23,7 @@ __all__ = [
     "Moves",
     "NeverReached",
     "NonFinite",
+    "SamplersApart",
     "Slowest",
     "StaleOptimizer",
     "SteppedApart",
@@ -209,6 +210,17 @@ class BuffersApart:
     none_at_wrap: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class SamplersApart:
+    """The ranks' training loaders do not split the data: `held` maps the ranks compared (the reference first) to
+    their loader's record (`dataloaders.describe`, with the sampler's settings and the dataset's digest); `ranks`
+    are the ranks the exchange named apart (the lowest few; `more` others)."""
+
+    held: dict[int, dict[str, Any]]
+    ranks: list[int]
+    more: int = 0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Agreed:
     """One model's shared facts, as every rank agreed on them."""
@@ -276,3 +288,5 @@ class Agreed:
     buffers_apart: list[BuffersApart] = field(default_factory=list)
     """Buffers that differed across ranks: those made different, those that changed apart in training, and a DDP
     model's registered after it was built, each their own."""
+    samplers_apart: SamplersApart | None = None
+    """Training loaders whose DistributedSamplers disagree, or that read one dataset whole on every rank."""
