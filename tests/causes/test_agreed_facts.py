@@ -11,7 +11,7 @@ from ddp_doctor.analyze.buffer_state import buffer_divergence
 from ddp_doctor.analyze.collective_order import collective_sequence_mismatch
 from ddp_doctor.analyze.moves import nonfinite_values, training_stalled
 from ddp_doctor.analyze.optimizer_settings import optimizer_differs
-from ddp_doctor.analyze.replica_state import modes_differ
+from ddp_doctor.analyze.replica_state import modes_differ, replica_divergence
 from ddp_doctor.analyze.run_facts import from_run
 from ddp_doctor.analyze.shards import shards_overlap
 from ddp_doctor.analyze.stragglers import straggler_rank
@@ -27,6 +27,7 @@ from ddp_doctor.core.agreed import (
     NonFinite,
     SamplersApart,
     Slowest,
+    WeightsApart,
 )
 from ddp_doctor.core.findings import ParamRef
 from ddp_doctor.core.records import StepCounters
@@ -281,3 +282,30 @@ def test_samplers_seeded_apart_overlap_alike_whatever_the_parallelism() -> None:
         assert (f.code, f.severity, f.ranks, f.sites) == ("shards-overlap", "warning", [0, 1], ["train.py:20"])
         found.append((measured["indices_read_twice"], measured["indices_unread"]))
     assert len(set(found)) == 1 and 0 < found[0][0] < 32 and found[0][0] == found[0][1]  # read twice = unread
+
+
+def test_replicas_apart_are_put_under_the_cause_another_finding_names_whatever_the_parallelism() -> None:
+    """The weights apart name the same parameters, ranks and steps on every road; a cause found (the learning
+    rate apart) is their fix on every road; without one, DDP says what it ruled out and a replicated model that
+    was apart at its first comparison most likely started apart (replicate broadcasts nothing at the wrap)."""
+    head = [ParamRef("head.weight", 8, (2, 4))]
+    apart = WeightsApart(
+        params=head, reference=0, ranks=[1], at_start=False, steps=[2], first_step=2, observed=8, gap=0.5
+    )
+    for parallelism in ("ddp", "fsdp2", "replicate"):
+        agreed = Agreed(parallelism=parallelism, world=2, weights_apart=apart)
+        (f,) = replica_divergence(agreed, frozenset({"optimizer-differs"}))
+        assert (f.code, f.severity, f.param_names, f.ranks, f.steps) == (
+            "replica-divergence",
+            "error",
+            ["head.weight"],
+            [0, 1],
+            [2],
+        )
+        assert f.fix.startswith("fix the cause: optimizer-differs") and f.ruled_out == []
+    (ddp,) = replica_divergence(Agreed(parallelism="ddp", world=2, weights_apart=apart), frozenset())
+    assert "optimizer-differs" in ddp.ruled_out and "grads-changed-after-sync" in ddp.ruled_out
+    first = WeightsApart(params=head, reference=0, ranks=[1], at_start=True, steps=[0], observed=8)
+    (seeded,) = replica_divergence(Agreed(parallelism="replicate", world=2, weights_apart=first), frozenset())
+    assert seeded.steps == [0] and "manual_seed" in seeded.fix
+    assert replica_divergence(Agreed(parallelism="replicate", world=1, weights_apart=first), frozenset()) == []

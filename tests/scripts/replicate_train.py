@@ -17,6 +17,7 @@ Replicate placement) and all-reduces gradients, like DDP, on FSDP2's machinery.
 --mistake buffer-rank        a constant buffer scaling the head's input, drawn from each rank's own seed (replicate
                              takes parameters only and never broadcasts a buffer)
 --mistake buffer-same        clean: that buffer drawn from the same seed on every rank
+--mistake lr-rank0           rank 0's optimizer at twice the others' learning rate (a per-rank config)
 --drift-at N                 rank 1 alone adds 0.01 to the head's bias after step N, outside any sync (a long job
                              watched past its first steps)
 --save rank0                 clean: rank 0 alone torch.save's the state dict after the third step (every value, as
@@ -72,7 +73,7 @@ if __name__ == "__main__":
     if "root-unreplicated" not in mistakes:
         replicate(model)
     if "optimizer-before" not in mistakes:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-2 if "lr-rank0" in mistakes and rank == 0 else 1e-2)
     g = torch.Generator().manual_seed(0 if args.mistake == "same-data" else rank)
     for _step in range(args.steps):
         for _micro in range(2):

@@ -49,6 +49,19 @@ def test_replicate_weights_clamped_on_rank_0_alone_part_after_the_first_step(tmp
     assert run.params("replica-divergence") == {"head.weight"}
 
 
+def test_replicate_replicas_parted_by_a_learning_rate_apart_are_put_under_that_cause(tmp_path: Path) -> None:
+    """tests/scripts/replicate_train.py --mistake lr-rank0: rank 0's AdamW at twice the others' learning rate,
+    every rank seeded alike. Plain torchrun: exit 0, nothing said, head.weight sums -1.833269 on rank 0 and -1.268686
+    on rank 1 after 12 steps. The replicas part at the first step, when they are first compared; the cause is the
+    learning rate, not weights that started apart (the check once said to seed alike)."""
+    run = _check(tmp_path, 2, REPLICATE, "--mistake", "lr-rank0")
+    assert run.rc == 1 and run.codes == {"optimizer-differs", "replica-divergence"}, run.output
+    f = run.finding("replica-divergence")
+    assert (f["severity"], f["ranks"], f["steps"], f["caused_by"]) == ("error", [0, 1], [0], ["optimizer-differs"]), f
+    assert run.params("replica-divergence") == ALL_SIX
+    assert "manual_seed" not in f["fix"] and "optimizer-differs" in f["fix"], f  # its cause's fix, not a seed
+
+
 def test_clean_replicate_replicas_are_compared_and_counted(tmp_path: Path) -> None:
     run = _check(tmp_path, 2, REPLICATE)
     assert run.rc == 0 and run.codes == set(), run.output

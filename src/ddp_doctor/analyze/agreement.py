@@ -9,7 +9,7 @@ from typing import Any
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.common import steps_of, with_evidence, with_more
 from ddp_doctor.analyze.links import UNSYNCED
-from ddp_doctor.analyze.local_sgd import local_sgd
+from ddp_doctor.analyze.local_sgd import grads_words, local_sgd
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.agreed import Agreed
@@ -92,7 +92,7 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
     )
     local = local_sgd(v)
     if local is not None and local.explains(steps) and not found.intersection(UNSYNCED):
-        title, detail = local.grads_words()
+        title, detail = grads_words(local)
         return [
             Finding(
                 code=Code.GRADS_NOT_SYNCED,

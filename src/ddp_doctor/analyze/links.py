@@ -14,7 +14,7 @@ from ddp_doctor.analyze.causes import CAUSES
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 
-__all__ = ["UNSYNCED", "divergence_fix", "link_causes", "ruled_out"]
+__all__ = ["DIVERGENCE_CAUSES", "UNSYNCED", "cause_fix", "divergence_fix", "link_causes", "ruled_out"]
 
 UNSYNCED = (
     Code.PARAM_SHAPES_DIFFER,
@@ -33,6 +33,9 @@ UNSYNCED = (
 )
 """What leaves a step's gradients unreduced (or reduced differently) on some ranks: the causes a `grads-not-synced`
 is linked to, and whose presence its fix and `replica-divergence`'s point to (`analyze/agreement.py`, `analyze/replica_state.py`)."""
+DIVERGENCE_CAUSES = (*UNSYNCED, *CAUSES, Code.GRADS_NOT_SYNCED)
+"""What explains replicas whose weights drift: the codes a weights' `replica-divergence` is linked to, whichever the
+parallelism (the modes apart are a cause of their own)."""
 _MISSING_GRADIENTS = (
     Code.UNREGISTERED_PARAMETERS,
     Code.UNUSED_PARAMETERS,
@@ -53,7 +56,7 @@ def _causes_of(f: Finding, by_code: dict[str, list[Finding]]) -> list[str]:
         return [c for c in UNSYNCED if c in by_code]
     if f.code == Code.REPLICA_DIVERGENCE and f.params:
         # The weights that drift (not the modes: those are a cause of their own).
-        return [c for c in (*UNSYNCED, *CAUSES, Code.GRADS_NOT_SYNCED) if c in by_code]
+        return [c for c in DIVERGENCE_CAUSES if c in by_code]
     if f.code == Code.RANK_CRASHED and Code.COLLECTIVE_MISMATCH in by_code and not f.params:
         # A rank aborted by gloo on a mismatched collective (SIGABRT), or one that only lost its peer there.
         mismatch = by_code[Code.COLLECTIVE_MISMATCH][0]
@@ -108,6 +111,12 @@ def ruled_out(found: frozenset[str]) -> list[str]:
     return [str(c) for c in CAUSES]
 
 
+def cause_fix(causes: list[str]) -> str:
+    """The fix of replicas apart that the findings of `causes` explain: theirs, then a restart."""
+    those = "that finding" if len(causes) == 1 else "those findings"
+    return f"fix the cause: {', '.join(causes)} (see {those}). Then {_RESTART[0].lower()}{_RESTART[1:]}"
+
+
 def divergence_fix(found: frozenset[str], measured: dict[str, int]) -> str:
     """What to do about replicas that differ: fix what the other findings name; when none of them explains it,
     say what was measured and which causes were looked for and not seen."""
@@ -115,8 +124,7 @@ def divergence_fix(found: frozenset[str], measured: dict[str, int]) -> str:
         return f"fix the cause (see grads-not-synced and the findings that explain it); {_RESTART[0].lower()}{_RESTART[1:]}"
     causes = [c for c in CAUSES if c in found]
     if causes:
-        those = "that finding" if len(causes) == 1 else "those findings"
-        return f"fix the cause: {', '.join(causes)} (see {those}). Then {_RESTART[0].lower()}{_RESTART[1:]}"
+        return cause_fix(causes)
     agreed = _agreed(measured)
     if found.intersection(UNSYNCED):
         return (

@@ -12,98 +12,68 @@ averager the replicas stay apart to the end (the sums differ by 0.028 after 16 s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ddp_doctor.analyze.view import View
-from ddp_doctor.core.findings import Measure
+from ddp_doctor.core.agreed import LocalAveraging
 
-__all__ = ["LocalSGD", "local_sgd"]
+__all__ = ["grads_words", "local_sgd", "weights_words"]
 
 
-@dataclass(frozen=True, slots=True)
-class LocalSGD:
-    """Post-local SGD as one rank saw it (rank 0: the hook and the averager are the same on every rank)."""
+def grads_words(local: LocalAveraging) -> tuple[str, str]:
+    """`grads-not-synced`'s title and detail, at info, under `local`."""
+    alone = local.subgroup == 1
+    over = "one rank" if alone else f"subgroups of {local.subgroup} ranks" if local.subgroup else "subgroups"
+    before = (
+        f" The gradients agreed across the ranks at step{'s 0-' if local.first_step > 1 else ' '}{local.first_step - 1}."
+        if local.first_step
+        else ""
+    )
+    return (
+        f"post-local SGD: from step {local.first_step} the gradients are averaged over {over}, not all ranks",
+        "DDP hands each gradient bucket to torch's post_localSGD_hook, which all-reduces it over every rank for "
+        f"the first {local.from_iteration} iterations (start_localSGD_iter={local.from_iteration}) and over {over} "
+        f"after: each {'rank' if alone else 'subgroup'} steps on its own gradients and the replicas part until a "
+        f"model averager averages the parameters. That is the algorithm, not a fault.{before}",
+    )
 
-    first_step: int
-    """The first observed step whose gradients the hook no longer all-reduced over every rank."""
-    from_iteration: int
-    """The hook's `start_localSGD_iter`."""
-    subgroup: int | None
-    """The ranks each gradient is still averaged over after it (1: none; None: not known)."""
-    averaged_after: list[int]
-    """The observed steps after whose optimizer step a model averager averaged the parameters."""
-    averaged_over: int | None
-    averager_site: str | None
-    world: int
-    steps: int
 
-    @property
-    def measured(self) -> list[Measure]:
-        """The step local SGD began at, and the averagings seen."""
-        return [
-            Measure("first_local_step", self.first_step, "count"),
-            Measure("averagings", len(self.averaged_after), "count"),
-        ]
-
-    def explains(self, steps: list[int]) -> bool:
-        """Every step in `steps` is one where the ranks step on their own gradients by design."""
-        return bool(steps) and min(steps) >= self.first_step
-
-    def grads_words(self) -> tuple[str, str]:
-        """`grads-not-synced`'s title and detail, at info."""
-        alone = self.subgroup == 1
-        over = "one rank" if alone else f"subgroups of {self.subgroup} ranks" if self.subgroup else "subgroups"
-        before = (
-            f" The gradients agreed across the ranks at step{'s 0-' if self.first_step > 1 else ' '}{self.first_step - 1}."
-            if self.first_step
-            else ""
-        )
+def weights_words(local: LocalAveraging) -> tuple[str, str, str, str]:
+    """`replica-divergence`'s severity, title, detail and fix under `local`: info when a model averager ran in
+    the steps observed since local SGD began, a warning when none did."""
+    since = local.steps - local.first_step
+    if local.averaged_after:
+        over = f"{local.averaged_over} of {local.world} ranks" if local.averaged_over != local.world else "every rank"
+        where = f" ({local.averager_site})" if local.averager_site else ""
         return (
-            f"post-local SGD: from step {self.first_step} the gradients are averaged over {over}, not all ranks",
-            "DDP hands each gradient bucket to torch's post_localSGD_hook, which all-reduces it over every rank for "
-            f"the first {self.from_iteration} iterations (start_localSGD_iter={self.from_iteration}) and over {over} "
-            f"after: each {'rank' if alone else 'subgroup'} steps on its own gradients and the replicas part until a "
-            f"model averager averages the parameters. That is the algorithm, not a fault.{before}",
+            "info",
+            f"post-local SGD: the replicas part between model averagings (averaged after {_steps(local.averaged_after)})",
+            f"From step {local.first_step} each replica steps on its own gradients, and a model averager{where} "
+            f"averaged the parameters over {over} after {_steps(local.averaged_after)}. The weights are "
+            "compared after each optimizer step, before an averaging: that the replicas agree right after one "
+            "was not compared.",
+            "",
         )
-
-    def weights_words(self) -> tuple[str, str, str, str]:
-        """`replica-divergence`'s severity, title, detail and fix: info when a model averager ran in the steps
-        observed since local SGD began, a warning when none did."""
-        since = self.steps - self.first_step
-        if self.averaged_after:
-            over = f"{self.averaged_over} of {self.world} ranks" if self.averaged_over != self.world else "every rank"
-            where = f" ({self.averager_site})" if self.averager_site else ""
-            return (
-                "info",
-                f"post-local SGD: the replicas part between model averagings (averaged after {_steps(self.averaged_after)})",
-                f"From step {self.first_step} each replica steps on its own gradients, and a model averager{where} "
-                f"averaged the parameters over {over} after {_steps(self.averaged_after)}. The weights are "
-                "compared after each optimizer step, before an averaging: that the replicas agree right after one "
-                "was not compared.",
-                "",
-            )
-        return (
-            "warning",
-            f"post-local SGD: the replicas part from step {self.first_step} and no model averaging was seen",
-            f"From step {self.first_step} each replica steps on its own gradients (post_localSGD_hook), and no model "
-            f"averager averaged the parameters in the {since} observed step{'s' if since != 1 else ''} since: "
-            "without one the replicas never meet again. If the averager's period is longer than that, this is "
-            "expected.",
-            "average the parameters after optimizer.step() every few steps: `averager = torch.distributed.algorithms."
-            "model_averaging.averagers.PeriodicModelAverager(period=4, warmup_steps=start_localSGD_iter)` and "
-            "`averager.average_parameters(model.parameters())` after each step (or wrap the optimizer in "
-            "torch.distributed.optim.PostLocalSGDOptimizer).",
-        )
+    return (
+        "warning",
+        f"post-local SGD: the replicas part from step {local.first_step} and no model averaging was seen",
+        f"From step {local.first_step} each replica steps on its own gradients (post_localSGD_hook), and no model "
+        f"averager averaged the parameters in the {since} observed step{'s' if since != 1 else ''} since: "
+        "without one the replicas never meet again. If the averager's period is longer than that, this is "
+        "expected.",
+        "average the parameters after optimizer.step() every few steps: `averager = torch.distributed.algorithms."
+        "model_averaging.averagers.PeriodicModelAverager(period=4, warmup_steps=start_localSGD_iter)` and "
+        "`averager.average_parameters(model.parameters())` after each step (or wrap the optimizer in "
+        "torch.distributed.optim.PostLocalSGDOptimizer).",
+    )
 
 
-def local_sgd(v: View) -> LocalSGD | None:
+def local_sgd(v: View) -> LocalAveraging | None:
     """Post-local SGD that began within or before the observed steps, with gradients averaged over fewer ranks
     than the group; None otherwise (any difference in gradients or weights is then a fault)."""
     state = (v.meta(0).get("comm_hook") or {}).get("local_sgd")
     if not state or not state.get("began"):
         return None
     averaging = v.meta(0).get("model_averaging") or {}
-    return LocalSGD(
+    return LocalAveraging(
         first_step=max(0, state["from_iteration"] - state.get("observed_from", 0)),
         from_iteration=state["from_iteration"],
         subgroup=state.get("subgroup_size"),

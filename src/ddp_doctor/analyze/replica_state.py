@@ -1,51 +1,41 @@
 """Replicas that hold different weights (`replica-divergence`), decided here for every parallelism: DDP's per-step
-digests, modules the script runs beside the DDP model, the modules' train/eval modes, the replicas of a model FSDP2
-replicates. Their buffers are `analyze/buffer_state.py`'s. Pure functions of the `View`, or of the facts a sharded
-report agreed on."""
+digests or the replicas of a model FSDP2 replicates (one rule, on the `Agreed` facts), modules the script runs
+beside the DDP model, the modules' train/eval modes. Their buffers are `analyze/buffer_state.py`'s. Pure."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ddp_doctor.analyze import rules
-from ddp_doctor.analyze.common import steps_of, with_evidence, with_more
-from ddp_doctor.analyze.links import UNSYNCED, divergence_fix, ruled_out
-from ddp_doctor.analyze.local_sgd import local_sgd
+from ddp_doctor.analyze.common import with_evidence, with_more
+from ddp_doctor.analyze.links import DIVERGENCE_CAUSES, UNSYNCED, cause_fix, divergence_fix, ruled_out
+from ddp_doctor.analyze.local_sgd import weights_words
 from ddp_doctor.analyze.rules import count as _count
 from ddp_doctor.analyze.tree_digest import differing, same_fingerprint, step_apart
 from ddp_doctor.analyze.view import View, detects
-from ddp_doctor.core.agreed import Agreed
+from ddp_doctor.core.agreed import Agreed, WeightsApart
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
-from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
-__all__ = [
-    "modes_apart",
-    "modes_differ",
-    "modules_beside_apart",
-    "replica_divergence",
-    "replicas_apart_sharded",
-    "replicas_parted",
-]
+__all__ = ["modes_apart", "modes_differ", "modules_beside_apart", "replica_divergence", "replicas_parted"]
 
 
-@detects(Code.REPLICA_DIVERGENCE, reads_found=True)
-def replica_divergence(v: View, found: frozenset[str]) -> list[Finding]:
-    if v.world < 2:
+@detects(Code.REPLICA_DIVERGENCE, reads_found=True, road="every")
+def replica_divergence(a: Agreed, found: frozenset[str]) -> list[Finding]:
+    """The replicas' weights apart, for every parallelism: what the other findings say caused it decides the fix
+    (`links.DIVERGENCE_CAUSES`); post-local SGD's replicas part by design. Ground truth:
+    tests/sync/test_check_replicas.py, and for a cause the check names: `tests/scripts/replicate_train.py
+    --mistake lr-rank0` (rank 0's AdamW at twice the others' learning rate, every rank seeded alike) under plain
+    torchrun: exit 0, nothing said, head.weight sums -1.833269 on rank 0 and -1.268686 on rank 1 after 12 steps.
+    The check said `optimizer-differs` and, under it, that the replicas had started apart (replicate does not
+    broadcast the initial weights) and to seed alike: they had been seeded alike."""
+    w = a.weights_apart
+    if w is None or a.world < 2:
         return []
-    params = v.summary.weight_params
-    if not params.any():
-        return []
-    differ_steps = steps_of(v.summary.weight_steps)
-    at_entry = bool(v.summary.weight_steps[0])
-    after = [s - 1 for s in differ_steps if s > 0]
-    gap = v.summary.weight_gap
-    others = v.ranks("weight-differs")
-    ranks = [0] + others.ranks
-    when = "already when observe() started" if at_entry else f"after step {after[0]}"
-    local = local_sgd(v)
-    if local is not None and local.explains(after) and not found.intersection(UNSYNCED):
-        severity, title, detail, fix = local.weights_words()
+    ranks = sorted({w.reference, *w.ranks})
+    local = a.local_averaging
+    if local is not None and local.explains(w.steps) and not found.intersection(UNSYNCED):
+        severity, title, detail, fix = weights_words(local)
         return [
             Finding(
                 code=Code.REPLICA_DIVERGENCE,
@@ -53,31 +43,35 @@ def replica_divergence(v: View, found: frozenset[str]) -> list[Finding]:
                 title=title,
                 detail=detail,
                 fix=fix,
-                params=v.params(params),
+                params=w.params,
                 ranks=ranks,
-                steps=after,
-                more_ranks=others.more,
+                steps=w.steps,
+                more_ranks=w.more,
                 sites=lines_of(local.averager_site or ""),
-                measured=[Measure("largest_sum_difference", gap, "abs"), *local.measured],
+                measured=[Measure("largest_sum_difference", w.gap or 0.0, "abs"), *local.measured],
             )
         ]
+    if a.parallelism != "ddp":
+        causes = [c for c in DIVERGENCE_CAUSES if c in found]
+        return [replicas_parted(w, parallelism=a.parallelism, causes=causes)]
+    when = "already when observe() started" if w.at_start else f"after step {w.steps[0]}"
     return [
         with_more(
             with_evidence(
                 rules.replica_divergence(
-                    title=f"weights of {_count(int(params.sum()), 'parameter')} differ across ranks",
+                    title=f"weights of {_count(len(w.params), 'parameter')} differ across ranks",
                     detail=f"The replicas are no longer identical, {when}; the largest difference of a parameter's sum "
-                    f"between rank 0 and another rank is {gap:.3g}. Whatever rank 0 saves is not what the other ranks "
+                    f"between rank 0 and another rank is {w.gap:.3g}. Whatever rank 0 saves is not what the other ranks "
                     "trained.",
-                    params=v.params(params),
+                    params=w.params,
                     ranks=ranks,
-                    steps=after,
-                    fix=divergence_fix(found, v.summary.grads_measured),
+                    steps=w.steps,
+                    fix=divergence_fix(found, a.grads_measured),
                 ),
-                measured=[Measure("largest_sum_difference", gap, "abs")],
+                measured=[Measure("largest_sum_difference", w.gap, "abs")],
                 ruled_out=ruled_out(found),
             ),
-            others.more,
+            w.more,
         )
     ]
 
@@ -175,45 +169,14 @@ def modes_differ(a: Agreed) -> list[Finding]:
     return [with_more(found, m.more)]
 
 
-@detects(Code.REPLICA_DIVERGENCE, road="sharded")
-def replicas_apart_sharded(run: ShardedRun) -> list[Finding]:
-    """A sharded model's replicas apart: the local tensors of the parameters FSDP2 replicates (`replicate`, HSDP's
-    replicate dimension)."""
-    parallelism = parallelism_of(run.sharding)
-    found = []
-    if (apart := run.replicas_apart) is not None:
-        mesh_dims = run.sharding.get("mesh_dims") or []
-        found.append(
-            replicas_parted(
-                params=apart["params"],
-                at_first=apart["at_first"],
-                first_step=apart.get("first_step"),
-                steps=run.steps,
-                ranks=sorted({apart["reference"], *apart["ranks"]}),
-                more=apart["more"],
-                parallelism=parallelism,
-                hsdp_row=apart["row"] if run.replica_rows > 1 or len(mesh_dims) > 1 else None,
-            )
-        )
-    return found
-
-
-def replicas_parted(
-    *,
-    params: list[ParamRef],
-    at_first: bool,
-    steps: int,
-    ranks: list[int],
-    first_step: int | None = None,
-    more: int,
-    parallelism: str,
-    hsdp_row: int | None = None,
-) -> Finding:
+def replicas_parted(w: WeightsApart, *, parallelism: str, causes: list[str]) -> Finding:
     """`replica-divergence` of a model whose parameters FSDP2 replicates (`replicate`, HSDP's replicate dimension):
-    the local tensors of `params` differ across the ranks that hold the same one (`ranks`: the reference rank first;
-    `more` others), `at_first` already after the first of the `steps` observed steps, else only after the last;
-    `first_step`: the first observed step after which the copies' sums differed, where the ranks measured it.
-    Neither `replicate` nor `fully_shard` broadcasts rank 0's weights when it wraps the model, as DDP does."""
+    the local tensors of `w.params` differ across the ranks that hold the same one, already after the first
+    observed step, or first after `w.first_step`. `causes`: the codes of the report's findings that explain it
+    (their fix is this one's). Without one: neither `replicate` nor `fully_shard` broadcasts rank 0's weights when
+    it wraps the model, as DDP does, so copies apart at the first comparison most likely started apart; copies
+    that agreed then were changed outside the synced update."""
+    params, at_first, first_step, steps, hsdp_row = w.params, w.at_start, w.first_step, w.observed, w.row
     call = "replicate" if parallelism == "replicate" else "fully_shard"
     holders = (
         "every rank holds the whole of each parameter"
@@ -224,9 +187,10 @@ def replicas_parted(
     if at_first:
         when = "already when the first observed optimizer step ended"
         cause = (
-            f"{call} does not broadcast rank 0's weights when it takes the model, as DDP does: a model built on each "
-            "rank from its own random seed (or loaded differently) starts from different weights, and the synced "
-            "gradients move every copy by the same update, so they never meet"
+            f"they are not compared before it, and most likely started apart: {call} does not broadcast rank 0's "
+            "weights when it takes the model, as DDP does, so a model built on each rank from its own random seed "
+            "(or loaded differently) starts from different weights, and the synced gradients move every copy by "
+            "the same update, so they never meet"
         )
         fix = (
             f"give every rank the same initial weights before {call}: seed alike (torch.manual_seed(0) before "
@@ -248,6 +212,9 @@ def replicas_parted(
             "make every change to the weights outside optimizer.step() run on every rank alike (move it out of the "
             "`if rank == 0` branch), from values every rank holds."
         )
+    if causes:
+        cause = f"{' and '.join(causes)} {'says' if len(causes) == 1 else 'say'} why"
+        fix = cause_fix(causes)
     return Finding(
         code=Code.REPLICA_DIVERGENCE,
         severity="error",
@@ -256,8 +223,8 @@ def replicas_parted(
         f"between the ranks that hold them, {when}: {cause}. Each rank then trains a different model, and what one "
         "rank saves is not what the others trained.",
         params=params,
-        ranks=ranks,
-        more_ranks=more,
-        steps=[0] if at_first else [first_step or steps - 1],
+        ranks=sorted({w.reference, *w.ranks}),
+        more_ranks=w.more,
+        steps=w.steps,
         fix=fix,
     )

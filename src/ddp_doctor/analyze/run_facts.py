@@ -17,6 +17,7 @@ from ddp_doctor.core.agreed import (
     SamplersApart,
     Slowest,
     StaleOptimizer,
+    WeightsApart,
 )
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 
@@ -94,6 +95,27 @@ def from_run(run: ShardedRun) -> Agreed:
         )
         if run.samplers_apart
         else None,
+        weights_apart=_weights_apart_run(run),
+    )
+
+
+def _weights_apart_run(run: ShardedRun) -> WeightsApart | None:
+    """The sharded exchange compares the replicas' local tensors after the first observed step and the last, and
+    their sums after each step where the ranks measured them (`first_step`)."""
+    if (apart := run.replicas_apart) is None:
+        return None
+    first = apart.get("first_step")
+    hsdp = run.replica_rows > 1 or len((run.sharding or {}).get("mesh_dims") or []) > 1
+    return WeightsApart(
+        params=list(apart["params"]),
+        reference=apart["reference"],
+        ranks=list(apart["ranks"]),
+        more=apart["more"],
+        at_start=bool(apart["at_first"]),
+        steps=[0] if apart["at_first"] else [first or run.steps - 1],
+        first_step=first,
+        observed=run.steps,
+        row=apart["row"] if hsdp else None,
     )
 
 

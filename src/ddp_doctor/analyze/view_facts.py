@@ -9,6 +9,7 @@ import torch
 from ddp_doctor.analyze.buffer_state import late_apart
 from ddp_doctor.analyze.common import all_ranks, first_differing, meta_sites, steps_of
 from ddp_doctor.analyze.epochs import training_loader
+from ddp_doctor.analyze.local_sgd import local_sgd
 from ddp_doctor.analyze.throughput import gpu_timed, host_times_tell
 from ddp_doctor.analyze.tree_digest import modes_parted, param_entry, step_apart
 from ddp_doctor.analyze.view import View
@@ -25,6 +26,7 @@ from ddp_doctor.core.agreed import (
     Slowest,
     StaleOptimizer,
     SteppedApart,
+    WeightsApart,
 )
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.steptime import PHASES
@@ -62,6 +64,30 @@ def from_view(v: View) -> Agreed:
         stale_optimizer=_stale_optimizer(v),
         buffers_apart=_buffers_apart(v),
         samplers_apart=_samplers_apart(v),
+        weights_apart=_weights_apart(v),
+        local_averaging=local_sgd(v),
+        grads_measured=dict(s.grads_measured),
+    )
+
+
+def _weights_apart(v: View) -> WeightsApart | None:
+    """DDP's exchange compares the weights' digests before every step (`weight_steps`, [S + 1]: the first at
+    the observation's start): apart at step k is apart after step k - 1."""
+    params = v.summary.weight_params
+    if v.world < 2 or not params.any():
+        return None
+    after = [s - 1 for s in steps_of(v.summary.weight_steps) if s > 0]
+    others = v.ranks("weight-differs")
+    return WeightsApart(
+        params=v.params(params),
+        reference=0,
+        ranks=others.ranks,
+        more=others.more,
+        at_start=bool(v.summary.weight_steps[0]),
+        steps=after,
+        first_step=after[0] if after else None,
+        observed=v.steps,
+        gap=v.summary.weight_gap,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ddp_doctor.core.findings import ParamRef
+from ddp_doctor.core.findings import Measure, ParamRef
 
 if TYPE_CHECKING:  # core/records.py imports torch; the report's reader (core/sharded_run.py) must not
     from ddp_doctor.core.records import Flavor
@@ -20,6 +20,7 @@ __all__ = [
     "DrawnApart",
     "HeldApart",
     "InputWait",
+    "LocalAveraging",
     "Moves",
     "NeverReached",
     "NonFinite",
@@ -27,6 +28,7 @@ __all__ = [
     "Slowest",
     "StaleOptimizer",
     "SteppedApart",
+    "WeightsApart",
 ]
 
 
@@ -222,6 +224,57 @@ class SamplersApart:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class WeightsApart:
+    """The replicas' weights apart: `params` whose copies differ between the `reference` rank and `ranks` (the
+    lowest few; `more` others). `at_start`: already at the first comparison (DDP's: when the observation began,
+    before the first step; a sharded model's: when the first observed optimizer step ended, they are not compared
+    before it); `steps`: the observed steps after which they differed, where each step was compared (DDP's),
+    else the first (a sharded model's; `first_step` None: not measured, found after the last of `observed`).
+    `gap`: the largest difference of a parameter's sum between the reference and another rank (None: not
+    measured); `row`: the HSDP replica row of the shard that differs (None: every rank holds whole parameters)."""
+
+    params: list[ParamRef]
+    reference: int
+    ranks: list[int]
+    more: int = 0
+    at_start: bool
+    steps: list[int]
+    first_step: int | None = None
+    observed: int = 0
+    gap: float | None = None
+    row: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LocalAveraging:
+    """Post-local SGD as rank 0 saw it (the hook and the averager are the same on every rank): from observed step
+    `first_step` the hook (`start_localSGD_iter`, `from_iteration`) averages each gradient over `subgroup` ranks
+    (1: none; None: not known), not the group, and a model averager (at `averager_site`) averaged the parameters
+    over `averaged_over` ranks after the observed steps `averaged_after`; `world` ranks, `steps` observed."""
+
+    first_step: int
+    from_iteration: int
+    subgroup: int | None
+    averaged_after: list[int]
+    averaged_over: int | None
+    averager_site: str | None
+    world: int
+    steps: int
+
+    @property
+    def measured(self) -> list[Measure]:
+        """The step local SGD began at, and the averagings seen."""
+        return [
+            Measure("first_local_step", self.first_step, "count"),
+            Measure("averagings", len(self.averaged_after), "count"),
+        ]
+
+    def explains(self, steps: list[int]) -> bool:
+        """Every step in `steps` is one where the ranks step on their own gradients by design."""
+        return bool(steps) and min(steps) >= self.first_step
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Agreed:
     """One model's shared facts, as every rank agreed on them."""
 
@@ -290,3 +343,11 @@ class Agreed:
     model's registered after it was built, each their own."""
     samplers_apart: SamplersApart | None = None
     """Training loaders whose DistributedSamplers disagree, or that read one dataset whole on every rank."""
+    weights_apart: WeightsApart | None = None
+    """The replicas' weights apart at the first step they were compared apart."""
+    local_averaging: LocalAveraging | None = None
+    """Post-local SGD that began within or before the observed steps (DDP's `post_localSGD_hook`): gradients and
+    replicas that differ by design."""
+    grads_measured: dict[str, int] = field(default_factory=dict)
+    """Where DDP's exchange compared the gradients across ranks besides after its all-reduce (`step`: when
+    optimizer.step() began; `closure`: when a closure-based step returned), with the steps counted."""
