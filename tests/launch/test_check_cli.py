@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from checkrun import EXAMPLES, REPO, SCRIPTS, check
+from checkrun import EXAMPLES, REPO, SCRIPTS, check, line_of
 
 
 def test_a_script_that_never_builds_ddp_is_a_clear_exit_2(tmp_path: Path) -> None:
@@ -19,6 +19,18 @@ def test_a_script_that_never_builds_ddp_is_a_clear_exit_2(tmp_path: Path) -> Non
     assert run.rc == 2, run.output
     assert "without building a torch.nn.parallel.DistributedDataParallel model" in run.output
     assert "Traceback" not in run.output
+
+
+def test_a_script_that_exits_before_building_ddp_is_named_with_its_status_and_line(tmp_path: Path) -> None:
+    """Plain torchrun, an argument the script's argparse does not accept: both ranks print the usage and exit with
+    status 2 at `parser.parse_args()`, torchrun fails. The check said the script "ran to the end without building"
+    a DDP model."""
+    script = SCRIPTS / "replicate_train.py"
+    run = check(["--nproc-per-node", "2", str(script), "--no-such-flag"], tmp_path)
+    assert run.rc == 2, run.output
+    line = f"tests/scripts/replicate_train.py:{line_of(script, 'args = parser.parse_args()')}"
+    assert f"exited with status 2 at {line}" in run.output and "on ranks 0, 1" in run.output, run.output
+    assert "ran to the end" not in run.output and "Traceback" not in run.output, run.output
 
 
 def test_freeze_before_wrap_with_an_unknown_name_is_exit_2_naming_it(tmp_path: Path) -> None:

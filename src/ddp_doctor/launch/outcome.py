@@ -16,6 +16,7 @@ from typing import Any
 from ddp_doctor.core.codes import SEVERITIES
 from ddp_doctor.core.findings import Finding, finite
 from ddp_doctor.core.rankfiles import Outcome, read_ends
+from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState, read_rank_states
 from ddp_doctor.core.sharded_run import parallelism_of
 from ddp_doctor.report.model import Report, RunFacts
@@ -233,6 +234,18 @@ def collect(
                 f"(ranks {sorted(states)} were still running). Raise --timeout if its start-up "
                 "is slow.",
                 timed_out=True,
+            )
+        exited = [s for _, s in sorted(states.items()) if s.exit_status]
+        if exited:  # sys.exit(2) from argparse, a script's own check of its arguments or environment
+            first = exited[0]
+            alike = [s.rank for s in exited if s.exit_status == first.exit_status]
+            line, _, code = (first.exit_site or "").partition("  ")
+            where = (f" at {line}" if line else "") + (f" (`{code.strip()}`)" if code.strip() else "")
+            return CheckResult(
+                error=f"the script exited with status {first.exit_status}{where} on {rank_list(alike)} before it "
+                "built a DDP model, so there was nothing to observe; its own output above says why (an argument "
+                "it did not accept, a file or a setting it did not find).",
+                timed_out=timed_out,
             )
         return CheckResult(
             error="the script ran to the end without building a "
