@@ -283,3 +283,56 @@ def test_no_analysis_code_reads_or_edits_a_sentence() -> None:
         if _reads_or_edits_words(n)
     ]
     assert hits == [], hits
+
+
+_COLLECTIVES = {
+    *("all_reduce", "allreduce", "all_gather", "allgather", "all_gather_object", "all_gather_into_tensor"),
+    *("broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter"),
+    *("reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "gather_object", "scatter"),
+    *("scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list"),
+    "recv_object_list",
+}
+"""The functions of `torch.distributed` that communicate (and a process group's own methods of those names)."""
+
+_MAY_COMMUNICATE = ("exchange/", "fixes/sync.py")
+"""Where the check's own collectives live: the exchange's rounds, and the fix that syncs replicas on request."""
+
+
+def _collective_calls(folder: Path) -> list[str]:
+    """Each call of a communicating function under `folder`, as `file:line call`: `dist.all_reduce(...)`,
+    `pg.allreduce(...)`, or a name imported from `torch.distributed` (`from torch.distributed import barrier`)."""
+    hits = []
+    for p, tree in _modules(folder):
+        imported = {
+            a.asname or a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("torch.distributed")
+            for a in n.names
+            if a.name in _COLLECTIVES
+        }
+        for n in ast.walk(tree):
+            if not isinstance(n, ast.Call):
+                continue
+            f = n.func
+            if isinstance(f, ast.Attribute) and f.attr in _COLLECTIVES or isinstance(f, ast.Name) and f.id in imported:
+                hits.append(f"{p.relative_to(folder).as_posix()}:{n.lineno} {ast.unparse(f)}")
+    return hits
+
+
+def test_only_the_exchange_and_the_sync_fix_communicate() -> None:
+    """Every collective the check makes is a round of exchange/ (listed, simulated at 1,024 ranks, covered by the
+    signature test), for DDP, FSDP2 and `replicate` alike; the one other caller is fixes/sync.py, which syncs a
+    user's replicas when asked. Observation wraps the user's collectives and calls the originals it saved, never a
+    collective of its own."""
+    outside = [hit for hit in _collective_calls(SRC) if not hit.startswith(_MAY_COMMUNICATE)]
+    assert outside == [], outside
+    assert any(hit.startswith("exchange/") for hit in _collective_calls(SRC))  # the scan sees the exchange's own
+
+
+def test_the_collective_scan_finds_each_way_of_calling_one(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text(
+        "import torch.distributed as dist\nfrom torch.distributed import barrier as wait\n"
+        "def f(t, pg):\n    dist.all_reduce(t)\n    pg.allgather([t], [t])\n    wait()\n"
+        "    s = f'dist.broadcast(t, 0)'\n"
+    )
+    assert _collective_calls(tmp_path) == ["a.py:4 dist.all_reduce", "a.py:5 pg.allgather", "a.py:6 wait"]
