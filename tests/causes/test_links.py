@@ -10,8 +10,10 @@ HEAD = [ParamRef("regress.0.weight", 8), ParamRef("regress.0.bias", 2)]
 BODY = [ParamRef("encoder.weight", 16)]
 
 
-def _f(code: str, severity: str = "error", params=(), ranks=(0, 1)) -> Finding:
-    return Finding(code=code, severity=severity, title=code, detail="", params=list(params), ranks=list(ranks))
+def _f(code: str, severity: str = "error", params=(), ranks=(0, 1), **labels: str) -> Finding:
+    return Finding(
+        code=code, severity=severity, title=code, detail="", params=list(params), ranks=list(ranks), labels=labels
+    )
 
 
 def test_a_head_that_never_reaches_the_loss_explains_the_crash_and_the_drift() -> None:
@@ -49,9 +51,29 @@ def test_a_crash_naming_other_parameters_and_a_mode_difference_stay_causes_of_th
 
 
 def test_a_rank_aborted_by_a_mismatched_collective_follows_from_the_mismatch() -> None:
-    found = [_f("collective-mismatch"), _f("rank-crashed", ranks=[1]), _f("rank-crashed", ranks=[2])]
+    found = [
+        _f("collective-mismatch"),
+        _f("rank-crashed", ranks=[1], kind="signal", signal="SIGABRT"),
+        _f("rank-crashed", ranks=[2], kind="signal", signal="SIGABRT"),
+    ]
     link_causes(found)
     assert [f.caused_by for f in found] == [[], ["collective-mismatch"], []]
+
+
+def test_a_rank_aborted_after_a_sharded_collective_some_ranks_ran_follows_from_it() -> None:
+    """A gather, a forward or a state_dict() on some ranks only puts FSDP2's all-gathers out of step; gloo aborts
+    the rank that meets the wrong size. A rank killed (out of memory) or one that raised its own error is not
+    explained by it."""
+    for cause in ("state-gather-some-ranks", "sharded-forward-some-ranks", "sharded-checkpoint-incomplete"):
+        found = [
+            _f(cause),
+            _f("rank-crashed", ranks=[1], kind="signal", signal="SIGABRT"),
+            _f("rank-crashed", ranks=[0], kind="signal", signal="SIGKILL"),
+            _f("rank-crashed", ranks=[0], kind="raised", exception="ValueError"),
+        ]
+        link_causes(found)
+        assert [f.caused_by for f in found] == [[], [cause], [], []], cause
+        assert [c.code for c, _ in by_cause(found)] == [cause, "rank-crashed", "rank-crashed"]
 
 
 def test_a_warning_cause_of_an_error_reads_before_an_error_with_no_consequence() -> None:

@@ -238,36 +238,34 @@ def test_ignored_params_are_named_as_the_scripts_to_sync_and_an_info_when_it_doe
     assert "added after" not in finding["detail"]
 
 
-@pytest.mark.parametrize(
-    "save, title",
-    [
-        ("rank0", "rank 0 alone saved the sharded state dict: {} holds 1 of 2 ranks' shards"),
-        ("every-same", "every rank saved its shards of the model to the same file: {} holds one rank's shards"),
-    ],
-    ids=["rank0", "every-same"],
-)
-def test_a_checkpoint_of_some_ranks_shards_is_named_with_its_line(tmp_path: Path, save: str, title: str) -> None:
+@pytest.mark.parametrize("save, kind", [("rank0", "some-ranks"), ("every-same", "one-path")])
+def test_a_checkpoint_of_some_ranks_shards_is_named_with_its_line(tmp_path: Path, save: str, kind: str) -> None:
     run = check(["--nproc-per-node", "2", SCRIPT, "--save", save, "--save-dir", str(tmp_path)], tmp_path, timeout=180)
     assert run.rc == 1 and run.codes == {"sharded-checkpoint-incomplete"}, run.output
     finding = run.finding("sharded-checkpoint-incomplete")
-    assert finding["severity"] == "error" and finding["title"] == title.format(tmp_path / "ck.pt")
-    assert finding["ranks"] == ([0] if save == "rank0" else [0, 1])
-    assert (
-        f"tests/scripts/{line_of('torch.save(model.state_dict(), path)')}" in finding["detail"]
-        and "blocks.0.0.weight is 32x16 of 64x16" in (finding["detail"])
-    )
+    assert finding["severity"] == "error" and finding["ranks"] == ([0] if save == "rank0" else [0, 1])
+    assert finding["sites"] == [f"tests/scripts/{line_of('torch.save(model.state_dict(), path)')}"]
+    assert finding["labels"] == {
+        "kind": kind,
+        "file": str(tmp_path / "ck.pt"),
+        "example": "blocks.0.0.weight",
+        "local_shape": "32x16",
+        "global_shape": "64x16",
+    }
+    saving = {"saving_ranks": 1} if save == "rank0" else {}
+    assert {m["name"]: m["value"] for m in finding["measured"]} == {"sharded_tensors": 6, **saving}
     assert "torch.distributed.checkpoint.save" in finding["fix"] and "full_state_dict=True" in finding["fix"]
 
 
 @pytest.mark.parametrize(
-    "save, called",
+    "save, call, line",
     [
-        ("gather-rank0", f"get_model_state_dict at {line_of('state = get_model_state_dict(')}"),
-        ("tensor-rank0", f"full_tensor at {line_of('items()}, path)')}"),
+        ("gather-rank0", "get_model_state_dict", line_of("state = get_model_state_dict(")),
+        ("tensor-rank0", "full_tensor", line_of("items()}, path)")),
     ],
     ids=["gather-rank0", "tensor-rank0"],
 )
-def test_a_full_state_dict_gathered_on_rank_0_alone_is_named_with_its_line(tmp_path: Path, save, called) -> None:
+def test_a_full_state_dict_gathered_on_rank_0_alone_is_named_with_its_line(tmp_path: Path, save, call, line) -> None:
     """`get_model_state_dict(..., full_state_dict=True)`, or `.full_tensor()` of each value of the sharded state
     dict, under `if rank == 0` (ground truth, plain torchrun, torch 2.13.0, gloo, 2 ranks, both: gloo aborts rank 1
     at its next forward, *Received data size doesn't match expected size*). The report is an FSDP2 failure report,
@@ -281,13 +279,13 @@ def test_a_full_state_dict_gathered_on_rank_0_alone_is_named_with_its_line(tmp_p
     assert run.report["parallelism"] == "fsdp2" and run.report["sharding"]["sharded_modules"] == 3
     assert run.report["backend"] == "gloo" and run.report["torch_version"].startswith("2.")
     finding = run.finding("state-gather-some-ranks")
-    assert finding["title"] == f"rank 0 gathered the full state dict alone: {called}"
-    assert "rank 1 never did: rank 1 went on to step 3" in finding["detail"], finding["detail"]
-    assert "outside the `if rank == 0:`" in finding["fix"]
-    # What the mismatch did to rank 1 is said, and pointed at the cause; nothing else is reported.
+    assert (finding["ranks"], finding["steps"], finding["sites"]) == ([0, 1], [3], [f"tests/scripts/{line}"])
+    assert finding["labels"] == {"call": call, "ranks_alone": "0"}, finding
+    # What the mismatch did to rank 1 is shown under the cause; nothing else is reported.
     assert run.codes <= {"state-gather-some-ranks", "rank-crashed"}, run.output
     crashed = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
-    assert all(f["fix"] == "see the state-gather-some-ranks finding." for f in crashed)
+    assert all(f["caused_by"] == ["state-gather-some-ranks"] for f in crashed), crashed
+    assert finding["explains"] == (["rank-crashed"] if crashed else [])
     assert "FSDP2" in run.report["recommendation"]["reason"]
 
 
@@ -316,18 +314,13 @@ def test_a_forward_through_the_sharded_model_on_rank_0_alone_is_named_with_its_l
     run = check(["--nproc-per-node", "2", "--timeout", "40", SCRIPT, "--mistake", "eval-rank0"], tmp_path)
     assert run.rc == 1 and run.report is not None and run.report["parallelism"] == "fsdp2", run.output
     finding = run.finding("sharded-forward-some-ranks")
-    assert finding["title"] == (
-        f"rank 0 ran a forward through the sharded model that rank 1 did not: {line_of('model(torch.randn(4, 16')}"
-    ), finding["title"]
-    assert "(1 time on rank 0, none on rank 1, counted from the first optimizer step)" in finding["detail"]
-    assert "evaluate on every rank" in finding["fix"]
-    assert finding["steps"] == [3] and finding["sites"][0].endswith(line_of("model(torch.randn(4, 16")), finding
+    assert (finding["ranks"], finding["steps"]) == ([0, 1], [3])
+    assert finding["sites"] == [f"tests/scripts/{line_of('model(torch.randn(4, 16')}"], finding
+    assert finding["labels"] == {"kind": "forward", "ranks_alone": "0"}
+    assert [(m["name"], m["value"]) for m in finding["measured"]] == [("forwards_alone", 1)]
     assert run.codes <= {"sharded-forward-some-ranks", "rank-crashed"}, run.output
-    assert all(
-        f["fix"] == "see the sharded-forward-some-ranks finding."
-        for f in run.report["findings"]
-        if f["code"] == "rank-crashed"
-    )
+    crashed = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
+    assert all(f["caused_by"] == ["sharded-forward-some-ranks"] for f in crashed), crashed
 
 
 def test_a_training_pass_on_one_rank_alone_is_named_at_its_step_as_a_training_pass(tmp_path: Path) -> None:

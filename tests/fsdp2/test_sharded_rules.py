@@ -83,14 +83,15 @@ def test_parameters_outside_every_group_are_an_error_an_info_or_a_warning_as_mea
     ignored = {"ignored": [True, True], "ignored_site": "train.py:42"}
     error = finding(unsharded_differ=[True, False], unsharded_gap=0.166, **ignored)
     assert error.severity == "error" and [p.name for p in error.params] == ["head.weight"]
-    assert "passed them to fully_shard as ignored_params at train.py:42" in error.detail
-    assert error.fix.startswith("fully_shard leaves ignored_params to the script: average their gradients")
+    assert (error.labels, error.sites) == ({"kind": "ignored"}, ["train.py:42"])
+    assert {m.name: m.value for m in error.measured} == {"largest_sum_gap": 0.166, "steps_observed": 8}
     info = finding(unsharded_differ=[False, False], unsharded_changed=True, **ignored)
-    assert info.severity == "info" and "something keeps them in sync" in info.detail
-    assert info.fix.startswith("nothing, if the script averages their gradients itself")
+    assert (info.severity, info.labels, info.sites) == ("info", {"kind": "ignored"}, ["train.py:42"])
+    assert [p.name for p in info.params] == ["head.weight", "head.bias"]
     warning = finding(unsharded_differ=[False, False], sharding={"root_sharded": False})
-    assert warning.severity == "warning" and "the root module was not sharded" in warning.detail
-    assert "did not change" in warning.detail and warning.fix.startswith("fully_shard the root as well")
+    assert (warning.severity, warning.labels, warning.sites) == ("warning", {"kind": "root"}, [])
+    added = finding(unsharded_differ=[False, True])
+    assert (added.severity, added.labels, [p.name for p in added.params]) == ("error", {"kind": "added"}, ["head.bias"])
     one_step = finding(unsharded_differ=[False, False], unsharded_changed=True, steps=1)
     assert one_step.severity == "warning", "one step shows no training: nothing is known to sync them"
 

@@ -13,7 +13,7 @@ import re
 from ddp_doctor.analyze.positions import capped, fault_place, others, short, where
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, ParamRef, lines_of
+from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import ExplainedError, RaisedError
 from ddp_doctor.core.ranks import rank_list
@@ -176,6 +176,7 @@ def crash_findings(states: dict[int, RankState], causes: dict[int, RankState]) -
                 ranks=ranks,
                 steps=[step],
                 sites=lines_of(site),
+                labels={"kind": "raised", "exception": type_},
                 fix="fix the error at that line"
                 + (
                     "."
@@ -226,6 +227,7 @@ def killed_findings(
                 ),
                 ranks=[rank],
                 steps=[max(s.step, 0)],
+                labels={"kind": "teardown" if torn else "signal", "signal": s.signal or ""},
                 fix=(
                     "the steps before destroy_process_group() are not affected; check that what the script does "
                     "after it (a final save, an upload) completed, and run the same script without ddp-doctor to see "
@@ -265,6 +267,8 @@ def exited_failing(states: dict[int, RankState], exited: dict[int, RankState]) -
             ranks=ranks,
             steps=[step],
             sites=lines_of(site),
+            labels={"kind": "exited"},
+            measured=[Measure("exit_status", status, "value")],
             fix="if the job should go on, find why the script exits there (the condition before that line).",
         )
         for (status, step, site, phase), ranks in groups.items()
@@ -284,6 +288,7 @@ def died_silently(states: dict[int, RankState], silent: list[int]) -> Finding:
         ),
         ranks=silent,
         steps=sorted({max(states[r].step, 0) for r in silent}),
+        labels={"kind": "silent"},
         fix="check the system log (dmesg) and the memory use of that rank.",
     )
 
@@ -372,6 +377,7 @@ def script_raised(v: View) -> list[Finding]:
                 more_ranks=max(counts - named, 0) if len(groups) == 1 else 0,
                 steps=[step],
                 sites=lines_of(site),
+                labels={"kind": "exited" if exited else "raised"},
                 fix=(
                     "if the job should go on, find why the script exits there (the condition before that line); "
                     if exited

@@ -46,6 +46,16 @@ _MISSING_GRADIENTS = (
     Code.STATIC_GRAPH_UNSAFE,
 )
 """What leaves DDP waiting for gradients that never come: its reduction error names the same parameters."""
+_PARTED = (
+    Code.COLLECTIVE_MISMATCH,
+    Code.UNEVEN_INPUTS,
+    Code.STATE_GATHER_SOME_RANKS,
+    Code.SHARDED_FORWARD_SOME_RANKS,
+    Code.SHARDED_CHECKPOINT_INCOMPLETE,
+    Code.OPTIMIZER_STEP_SKIPPED,
+)
+"""What puts the ranks' collectives out of step in a run that failed (`analyze/failures.py` names the one that came
+first): a rank aborted by the communication library there, or one that lost its peer, is its consequence."""
 
 
 def _causes_of(f: Finding, by_code: dict[str, list[Finding]]) -> list[str]:
@@ -57,10 +67,10 @@ def _causes_of(f: Finding, by_code: dict[str, list[Finding]]) -> list[str]:
     if f.code == Code.REPLICA_DIVERGENCE and f.params:
         # The weights that drift (not the modes: those are a cause of their own).
         return [c for c in DIVERGENCE_CAUSES if c in by_code]
-    if f.code == Code.RANK_CRASHED and Code.COLLECTIVE_MISMATCH in by_code and not f.params:
-        # A rank aborted by gloo on a mismatched collective (SIGABRT), or one that only lost its peer there.
-        mismatch = by_code[Code.COLLECTIVE_MISMATCH][0]
-        return [Code.COLLECTIVE_MISMATCH] if set(f.ranks) <= set(mismatch.ranks) else []
+    if f.code == Code.RANK_CRASHED and f.labels.get("signal") in ("SIGABRT", "SIGSEGV"):
+        # A rank the communication library aborted on collectives out of step (gloo: SIGABRT).
+        parted = next((by_code[c][0] for c in _PARTED if c in by_code), None)
+        return [parted.code] if parted is not None and set(f.ranks) <= set(parted.ranks) else []
     if f.code == Code.IDENTICAL_INPUTS_ACROSS_RANKS and Code.SHARDS_OVERLAP in by_code:
         # Samplers that all read the same share (num_replicas=1, or one rank for all) hand out the same batches.
         return [Code.SHARDS_OVERLAP]

@@ -19,7 +19,7 @@ from ddp_doctor.analyze.causes import sharded_step_skipped
 from ddp_doctor.analyze.positions import capped, short, where
 from ddp_doctor.analyze.sharded_fixes import gather_fix
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, lines_of
+from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 
@@ -28,8 +28,9 @@ __all__ = [
     "explain_meta_params",
     "forward_alone",
     "gather_alone",
-    "line_alone",
     "framework_of",
+    "line_alone",
+    "ranks_label",
     "step_skipped_alone",
 ]
 
@@ -71,6 +72,11 @@ def line_alone(
     return None
 
 
+def ranks_label(ranks: list[int]) -> str:
+    """Ranks as a label: `"0,3"`."""
+    return ",".join(map(str, ranks))
+
+
 def _counted_alone(states: dict[int, RankState]) -> dict[int, tuple[str, str | None]]:
     """rank -> (call, line) of the first gather line it counted that some other rank never counted."""
     found = line_alone(states, lambda s: s.gathers)
@@ -102,6 +108,8 @@ def gather_alone(states: dict[int, RankState], native: list[str]) -> Finding | N
         "collective aborts, hangs or exchanges the wrong data, depending on the backend and the sizes." + said,
         ranks=sorted(states),
         steps=sorted({max(states[r].raised.step if states[r].raised else states[r].step, 0) for r in gathering}),
+        sites=lines_of(site or ""),
+        labels={"call": call, "ranks_alone": ranks_label(sorted(gathering))},
         fix=gather_fix(framework_of(states)),
     )
 
@@ -138,6 +146,8 @@ def forward_alone(states: dict[int, RankState]) -> Finding | None:
             sites=lines_of(site),
             ranks=sorted(states),
             steps=sorted({step for step, _ in firsts.values()}),
+            labels={"kind": "training" if training else "forward", "ranks_alone": ranks_label(alone)},
+            measured=[Measure("forwards_alone", sum(counts.values()), "count")],
             fix="run the same training passes on every rank: an extra objective's forward and backward on every "
             "rank, each on its own data (a zero-weighted loss where a rank has nothing for it), never under a "
             "condition one rank decides alone."

@@ -12,11 +12,11 @@ shard (a [32, 16] local tensor of a [64, 16] weight), and loading it into the un
 from __future__ import annotations
 
 from ddp_doctor.analyze.positions import capped, short, where
-from ddp_doctor.analyze.sharded_failures import framework_of, line_alone
+from ddp_doctor.analyze.sharded_failures import framework_of, line_alone, ranks_label
 from ddp_doctor.analyze.sharded_fixes import save_fix
 from ddp_doctor.analyze.view import detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
 from ddp_doctor.core.sharded_run import ShardedRun
@@ -35,6 +35,9 @@ def incomplete_checkpoint(run: ShardedRun) -> list[Finding]:
     file, site = save.get("shown", "a file"), save.get("site")
     at = f" at {site}" if site else ""
     local, full = ("x".join(map(str, shards.get(k, []))) for k in ("local", "global"))
+    measured = [Measure("sharded_tensors", shards["tensors"], "count")] if shards.get("tensors") else []
+    if not run.shard_save_one_path:
+        measured.append(Measure("saving_ranks", run.shard_save_ranks, "count"))
     if run.shard_save_one_path:
         title = f"every rank saved its shards of the model to the same file: {file} holds one rank's shards"
         holds = "holds the shards of whichever rank wrote last"
@@ -59,8 +62,23 @@ def incomplete_checkpoint(run: ShardedRun) -> list[Finding]:
         # The ranks that saved, as far as they are known: every rank, or the first of those that did.
         ranks=list(range(run.world)) if run.shard_save_one_path else [run.shard_save_first],
         fix=save_fix(run.framework),
+        sites=lines_of(site or ""),
+        measured=measured,
+        labels=_shard_labels(shards, file, "one-path" if run.shard_save_one_path else "some-ranks"),
     )
     return [finding]
+
+
+def _shard_labels(shards: dict, file: str, kind: str) -> dict[str, str]:
+    """The file and the example parameter with its shard's and the whole weight's shapes (`"32x16"`), as far as
+    the saving rank recorded them."""
+    labels = {"kind": kind, "file": file}
+    if shards.get("example"):
+        labels["example"] = shards["example"]
+    for key, name in (("local", "local_shape"), ("global", "global_shape")):
+        if shards.get(key):
+            labels[name] = "x".join(map(str, shards[key]))
+    return labels
 
 
 def state_dict_alone(states: dict[int, RankState], native: list[str]) -> Finding | None:
@@ -87,5 +105,7 @@ def state_dict_alone(states: dict[int, RankState], native: list[str]) -> Finding
             ranks=sorted(states),
             steps=sorted({max(states[r].step, 0) for r in alone}),
             fix=save_fix(framework_of(states)),
+            sites=lines_of(site),
+            labels={"kind": "state-dict-some-ranks", "ranks_alone": ranks_label(alone)},
         )
     return None

@@ -19,7 +19,7 @@ from ddp_doctor.analyze.parallelism import Api, api_of, every_rank
 from ddp_doctor.analyze.sharded_fixes import root_fix
 from ddp_doctor.analyze.view import detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, Measure
 from ddp_doctor.core.sharded_run import ShardedRun
 
 __all__ = ["unsharded_finding", "unsharded_params"]
@@ -80,6 +80,14 @@ def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding | 
     if not differ and not kept:
         return None
     why = _why(run, api)
+    evidence = {
+        "ranks": ranks,
+        "steps": steps,
+        "fix": _fix(run, api),
+        "labels": {"kind": _cause(run)},
+        "sites": [run.ignored_site] if _cause(run) == "ignored" and run.ignored_site else [],
+    }
+    observed = Measure("steps_observed", run.steps, "count")
     if differ:
         return Finding(
             code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
@@ -97,9 +105,8 @@ def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding | 
             f"{run.unsharded_gap:.3g})"
             + ("." if _cause(run) == "beside" else "; whatever rank 0 saves is one rank's copy."),
             params=differ,
-            ranks=ranks,
-            steps=steps,
-            fix=_fix(run, api),
+            measured=[Measure("largest_sum_gap", run.unsharded_gap, "abs"), observed],
+            **evidence,
         )
     if run.unsharded_changed and run.steps >= 2:
         return Finding(
@@ -111,10 +118,12 @@ def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding | 
             "something keeps them in sync, the script's own all-reduce of their gradients, or the same batches on "
             "every rank.",
             params=kept,
-            ranks=ranks,
-            steps=steps,
-            fix=f"nothing, if the script averages their gradients itself; if every rank trains on the same batches "
-            f"instead, that stops holding with a distributed sampler: then {_fix(run, api)}",
+            measured=[observed],
+            **{
+                **evidence,
+                "fix": "nothing, if the script averages their gradients itself; if every rank trains on the same "
+                f"batches instead, that stops holding with a distributed sampler: then {_fix(run, api)}",
+            },
         )
     return Finding(
         code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
@@ -125,7 +134,6 @@ def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding | 
         "(they got no gradient, or only one step was observed); they drift apart once they train on different "
         "batches, unless the script averages their gradients itself.",
         params=kept,
-        ranks=ranks,
-        steps=steps,
-        fix=_fix(run, api),
+        measured=[observed],
+        **evidence,
     )
