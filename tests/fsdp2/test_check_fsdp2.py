@@ -251,6 +251,7 @@ def test_a_checkpoint_of_some_ranks_shards_is_named_with_its_line(tmp_path: Path
         "example": "blocks.0.0.weight",
         "local_shape": "32x16",
         "global_shape": "64x16",
+        "saves_checked": "observed-steps",
     }
     saving = {"saving_ranks": 1} if save == "rank0" else {}
     assert {m["name"]: m["value"] for m in finding["measured"]} == {"sharded_tensors": 6, **saving}

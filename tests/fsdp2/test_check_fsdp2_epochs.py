@@ -95,10 +95,8 @@ def test_an_evaluation_on_rank_0_alone_at_the_epoch_end_is_named_with_the_steps_
     run = _check(tmp_path, "--eval-rank0")
     assert run.rc == 1 and run.report["findings"][0]["code"] == "sharded-forward-some-ranks", run.output
     found = run.report["findings"][0]
-    assert found["title"] == (
-        "rank 0 ran a forward through the sharded model that rank 1 did not: "
-        + line_of("total += float(F.cross_entropy(model(x.to(device))")
-    ), found
+    assert found["sites"] == [f"tests/scripts/{line_of('total += float(F.cross_entropy(model(x.to(device))')}"]
+    assert found["labels"] == {"kind": "forward", "ranks_alone": "0"}, found
     assert _serious(run) <= {"sharded-forward-some-ranks", "rank-crashed"}, run.output
     assert "failed while check followed it" in run.output and run.report["steps_observed"] == 8, run.output
 
@@ -106,9 +104,9 @@ def test_an_evaluation_on_rank_0_alone_at_the_epoch_end_is_named_with_the_steps_
 def test_a_full_state_dict_gathered_on_rank_0_alone_at_the_epoch_end_is_named(tmp_path: Path) -> None:
     run = _check(tmp_path, "--gather-rank0")
     assert run.rc == 1 and run.report["findings"][0]["code"] == "state-gather-some-ranks", run.output
-    assert run.report["findings"][0]["title"] == (
-        "rank 0 gathered the full state dict alone: get_model_state_dict at " + line_of("full = get_model_state_dict(")
-    ), run.report["findings"][0]
+    found = run.report["findings"][0]
+    assert found["sites"] == [f"tests/scripts/{line_of('full = get_model_state_dict(')}"], found
+    assert found["labels"] == {"call": "get_model_state_dict", "ranks_alone": "0"}, found
     assert _serious(run) <= {"state-gather-some-ranks", "rank-crashed"}, run.output
 
 
@@ -116,31 +114,24 @@ def test_a_state_dict_on_rank_0_alone_after_an_evaluation_is_named_as_the_failur
     run = _check(tmp_path, "--save-rank0")
     assert run.rc == 1 and run.report["findings"][0]["code"] == "sharded-checkpoint-incomplete", run.output
     found = run.report["findings"][0]
-    assert found["title"] == (
-        f"rank 0 alone took the sharded model's state_dict(), at {line_of('torch.save(model.state_dict(), os.path')}: the "
-        "ranks' next collectives differed"
-    ), found
-    assert "the root stays unsharded after a forward that no backward follows" in found["detail"], found
+    assert found["sites"] == [f"tests/scripts/{line_of('torch.save(model.state_dict(), os.path')}"], found
+    assert found["labels"] == {"kind": "state-dict-some-ranks", "ranks_alone": "0"}, found
     assert "torch.distributed.checkpoint.save" in found["fix"] and "accelerator.save_state" in found["fix"], found
     assert _serious(run) <= {"sharded-checkpoint-incomplete", "rank-crashed"}, run.output
     crashed = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
     # Where rank 0 died, from its fault dump (every thread's: gloo aborts from a thread of its own).
-    assert all(
-        line_of("F.cross_entropy(model(x.to(device)), y.to(device)).backward()") in f["title"] for f in crashed
-    ), crashed
+    backward = f"tests/scripts/{line_of('F.cross_entropy(model(x.to(device)), y.to(device)).backward()')}"
+    assert all(f["sites"] == [backward] for f in crashed), crashed
+    assert all(f["caused_by"] == ["sharded-checkpoint-incomplete"] for f in crashed), crashed
 
 
 def test_a_save_of_rank_0s_shards_at_the_epoch_end_is_named_in_the_report_after_following(tmp_path: Path) -> None:
     run = _check(tmp_path, "--save-rank0", "--no-eval")
     assert run.rc == 1 and _serious(run) == {"sharded-checkpoint-incomplete"}, run.output
     found = run.finding("sharded-checkpoint-incomplete")
-    assert found["title"] == (
-        f"rank 0 alone saved the sharded state dict: {tmp_path / 'model-0.pt'} holds 1 of 2 ranks' shards"
-    ), found
-    assert (
-        "Checked: the torch.save calls of the observed steps and of the epoch end followed after them"
-        in (found["detail"])
-    ), found
+    assert found["ranks"] == [0] and {m["name"]: m["value"] for m in found["measured"]}["saving_ranks"] == 1
+    assert found["labels"]["kind"] == "some-ranks" and found["labels"]["file"] == str(tmp_path / "model-0.pt")
+    assert found["labels"]["saves_checked"] == "observed-steps-and-epoch-end", found
     assert run.report["following"]["epoch_ends"] == 1, run.report["following"]
 
 

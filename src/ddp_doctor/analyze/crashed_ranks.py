@@ -227,6 +227,7 @@ def killed_findings(
                 ),
                 ranks=[rank],
                 steps=[max(s.step, 0)],
+                sites=lines_of(place),
                 labels={"kind": "teardown" if torn else "signal", "signal": s.signal or ""},
                 fix=(
                     "the steps before destroy_process_group() are not affected; check that what the script does "

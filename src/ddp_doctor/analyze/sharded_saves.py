@@ -64,7 +64,10 @@ def incomplete_checkpoint(run: ShardedRun) -> list[Finding]:
         fix=save_fix(run.framework),
         sites=lines_of(site or ""),
         measured=measured,
-        labels=_shard_labels(shards, file, "one-path" if run.shard_save_one_path else "some-ranks"),
+        labels={
+            **_shard_labels(shards, file, "one-path" if run.shard_save_one_path else "some-ranks"),
+            "saves_checked": "observed-steps-and-epoch-end" if run.followed else "observed-steps",
+        },
     )
     return [finding]
 
