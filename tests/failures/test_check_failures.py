@@ -23,8 +23,8 @@ def test_crash_on_rank_1_names_the_rank_step_and_error(tmp_path: Path) -> None:
     assert run.codes == {"rank-crashed"}, run.output
     finding = run.finding("rank-crashed")
     assert finding["ranks"] == [1] and finding["steps"] == [3], finding
-    assert "ValueError: corrupt sample 1234 in shard 1" in finding["title"]
-    assert "crash_rank1.py:10" in finding["detail"]
+    assert finding["labels"] == {"kind": "raised", "exception": "ValueError"}, finding
+    assert [site.rsplit("/", 1)[-1] for site in finding["sites"]] == ["crash_rank1.py:10"], finding
     # Where rank 0 was: it either noticed the lost peer first or was stopped while still waiting in DDP's
     # all-reduce (which comes first depends on the machine's load); both name its step.
     assert (
@@ -84,8 +84,9 @@ def test_a_rank_0_evaluation_through_ddp_in_grad_mode_is_named_and_the_right_way
     wrong = check(["--nproc-per-node", "2", str(SCRIPTS / "eval_rank0.py"), "--grad"], tmp_path / "grad")
     mismatch = wrong.finding("collective-mismatch")
     assert mismatch["ranks"] == [0] and mismatch["steps"] == [2, 5], mismatch
-    assert "at tests/scripts/eval_rank0.py:24" in mismatch["detail"], mismatch
-    assert mismatch["severity"] == "warning" and "no buffers" in mismatch["detail"], mismatch  # it survived: says why
+    assert "tests/scripts/eval_rank0.py:24" in mismatch["sites"], mismatch
+    # it survived: a forward in grad mode with no backward, and no buffers to broadcast
+    assert mismatch["severity"] == "warning" and mismatch["labels"]["kind"] == "forward-without-backward", mismatch
     right = check(["--nproc-per-node", "2", str(SCRIPTS / "eval_rank0.py")], tmp_path / "no_grad")
     assert right.rc == 0 and right.codes == set(), right.output
 
@@ -96,7 +97,8 @@ def test_a_rank_0_evaluation_through_ddp_under_no_grad_with_batchnorm_is_named_a
     wrong = check(["--nproc-per-node", "2", str(SCRIPTS / "eval_rank0_bn.py")], tmp_path / "ddp")
     mismatch = wrong.finding("collective-mismatch")
     assert mismatch["severity"] == "error" and mismatch["ranks"] == [0] and mismatch["steps"] == [2, 5], mismatch
-    assert "from a forward without grad at tests/scripts/eval_rank0_bn.py:30 in step 2" in mismatch["title"], mismatch
+    assert "tests/scripts/eval_rank0_bn.py:30" in mismatch["sites"], mismatch
+    assert mismatch["labels"]["kind"] == "broadcast-without-grad", mismatch
     assert "ddp_model.module(x)" in mismatch["fix"], mismatch
     assert wrong.rc == 1, wrong.output
     right = check(["--nproc-per-node", "2", str(SCRIPTS / "eval_rank0_bn.py"), "--module"], tmp_path / "module")
