@@ -137,12 +137,13 @@ def test_a_skipped_all_reduce_is_a_collective_mismatch_with_both_sites(tmp_path:
     assert run.rc == 1, run.output
     mismatch = run.finding("collective-mismatch")
     assert 1 in mismatch["ranks"] and mismatch["steps"][0] == 3, mismatch
-    assert "rank 1 skipped all_reduce (skip_allreduce.py:15) that rank 0 called" in mismatch["title"], mismatch
-    assert "rank 0 called all_reduce(float32[1]) at tests/scripts/skip_allreduce.py:15 in step 3" in mismatch["detail"]
-    assert "rank 1 never called it" in mismatch["detail"]
+    assert mismatch["sites"][0] == "tests/scripts/skip_allreduce.py:15", mismatch
+    labels = {"kind": "sequence", "source": "beacons", "call": "all_reduce(float32[1])", "ranks_skipped": "1"}
+    assert mismatch["labels"] == labels, mismatch
     aborted = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
-    assert all("SIGABRT" in f["title"] for f in aborted), aborted  # never "out-of-memory"
-    assert any("The communication library said: enforce fail at" in f["detail"] for f in aborted), aborted
+    assert [f["labels"]["signal"] for f in aborted] == ["SIGABRT"] * len(aborted), aborted  # never "out-of-memory"
+    assert all(f["caused_by"] == ["collective-mismatch"] for f in aborted), aborted
+    assert any("enforce fail at" in f["detail"] for f in aborted), aborted  # gloo's own words reach the user
     assert "out-of-memory" not in json.dumps(run.report)
 
 
@@ -239,8 +240,9 @@ def test_a_barrier_only_rank_0_calls_is_named(tmp_path: Path) -> None:
     assert run.seconds < 200, run.seconds  # ended by --hang-after (a hang guard, not a speed test)
     assert run.rc == 1, run.output
     mismatch = run.finding("collective-mismatch")
-    assert "rank 1 skipped barrier (barrier_rank0.py:12) that rank 0 called" in mismatch["title"], mismatch
-    assert "rank 0 called barrier at tests/scripts/barrier_rank0.py:12 in step 3" in mismatch["detail"], mismatch
+    # the barrier's line, then where rank 1 was instead (its backward)
+    assert mismatch["sites"][0] == "tests/scripts/barrier_rank0.py:12", mismatch
+    assert (mismatch["labels"]["call"], mismatch["labels"]["ranks_skipped"]) == ("barrier", "1"), mismatch
     assert mismatch["ranks"] == [0, 1] and mismatch["steps"] == [3], mismatch
 
 
@@ -262,7 +264,10 @@ def test_a_broadcast_of_rank_dependent_shape_is_named(tmp_path: Path) -> None:
     run = _run(["--nproc-per-node", "2", "--timeout", "60", str(SCRIPTS / "broadcast_shapes.py")], tmp_path)
     assert run.rc == 1, run.output
     mismatch = run.finding("collective-mismatch")
-    assert "rank 1 called broadcast(float32[3]) at tests/scripts/broadcast_shapes.py:13" in mismatch["detail"]
-    assert "rank 0 called broadcast(float32[4]) at tests/scripts/broadcast_shapes.py:13" in mismatch["detail"]
+    assert mismatch["sites"] == ["tests/scripts/broadcast_shapes.py:13"], mismatch
+    calls = {mismatch["labels"]["call"], mismatch["labels"]["other_call"]}
+    assert calls == {"broadcast(float32[3])", "broadcast(float32[4])"}, mismatch
+    assert "ranks_skipped" not in mismatch["labels"] and "ranks_other_call" in mismatch["labels"], mismatch
     assert "same dtype and shape on every rank" in mismatch["fix"], mismatch
-    assert any(f["code"] == "rank-crashed" and "SIGABRT" in f["title"] for f in run.report["findings"])
+    crashed = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
+    assert any(f["labels"]["signal"] == "SIGABRT" for f in crashed), crashed

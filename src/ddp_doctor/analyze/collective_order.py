@@ -34,6 +34,7 @@ from ddp_doctor.analyze.collective_words import (
 from ddp_doctor.analyze.parting import Parting
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.agreed import Agreed
+from ddp_doctor.core.beacon import Collective
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, lines_of
 from ddp_doctor.core.following import FollowSummary
@@ -287,6 +288,11 @@ def dumps_apart(
     )
 
 
+def _call(c: Collective) -> str:
+    """A collective as a label: `broadcast(float32[3])`, `barrier`."""
+    return f"{c.op}({c.tensor})" if c.tensor else c.op
+
+
 def beacons_apart(states: dict[int, RankState], parting: Parting) -> Finding:
     """`collective-mismatch` of a failed run, at `parting`."""
     first, behind, different = parting.first, parting.behind, parting.different
@@ -311,5 +317,12 @@ def beacons_apart(states: dict[int, RankState], parting: Parting) -> Finding:
         sites=lines_of(
             c.site or "", *(s.collective.site or "" for s in different), *(s.user_frame or "" for s in behind)
         ),
-        labels={"kind": "sequence", "source": "beacons"},
+        labels={
+            "kind": "sequence",
+            "source": "beacons",
+            "call": _call(c),
+            **({"ranks_skipped": ",".join(str(s.rank) for s in behind)} if behind else {}),
+            **({"ranks_other_call": ",".join(str(s.rank) for s in different)} if different else {}),
+            **({"other_call": _call(different[0].collective)} if different and different[0].collective else {}),
+        },
     )
