@@ -98,7 +98,7 @@ def test_gradients_reduced_again_give_the_line_the_op_and_the_factor() -> None:
         "gradient_factor": (2, "ratio"),
         "group_size": (2, "count"),
     }, twice.measured
-    assert "all_reduce(float32[4, 3])" in twice.title  # the op and its tensor: not in the evidence
+    assert twice.labels == {"call": "all_reduce(float32[4, 3])", "reduction": "SUM"}, twice.labels
     for r in records:
         r.rereduce_sites = [f"step {s}: all_reduce(float32[4, 3], AVG)/2 at train.py:40" for s in range(3)]
     averaged = found(records)["grads-reduced-twice"]
@@ -162,7 +162,8 @@ def test_gradients_edited_on_one_rank_after_the_all_reduce_name_the_rank_the_par
     g = f["grads-changed-after-sync"]
     assert (g.ranks, g.steps, g.param_names) == ([0], [0, 1, 2], ["head_a.weight"]), g
     assert g.sites == ["train.py:30"] and "train.py:30" in g.fix
-    assert "when optimizer.step() began" in g.detail  # where they were compared (a closure's: "returned")
+    # where they were compared (a closure's: when the step returned), and the call seen between backward and step
+    assert g.labels == {"kind": "call", "call": "clip_grad_norm_(max_norm=0.5)", "compared_at": "step-begin"}
     assert "grads-not-synced" not in f  # they agreed after DDP's all-reduce: not a sync problem
     d = f["replica-divergence"]
     # The evidence links them, both ways (the divergence's fix is the cause's); the drift is measured.
@@ -172,7 +173,7 @@ def test_gradients_edited_on_one_rank_after_the_all_reduce_name_the_rank_the_par
 
 def test_a_closure_based_step_says_where_its_gradients_were_measured() -> None:
     g = found([_edited(0, False, measured=2), _edited(1, True, measured=2)])["grads-changed-after-sync"]
-    assert g.ranks == [1] and "when optimizer.step() returned" in g.detail
+    assert g.ranks == [1] and g.labels == {"kind": "grad-write", "compared_at": "step-return"}
     assert g.sites == []  # no clipping call seen: the gradients were written in place
 
 

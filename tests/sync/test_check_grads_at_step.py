@@ -26,11 +26,12 @@ def test_clip_on_rank0_only_is_grads_changed_after_sync(tmp_path) -> None:
     assert f["severity"] == "error" and f["ranks"] == [0], f
     assert f["steps"] == list(range(8)), f
     assert run.params("grads-changed-after-sync") == {"0.weight", "0.bias", "2.weight", "2.bias"}
-    assert "clip_grad_norm_(max_norm=0.5) at tests/scripts/grads_clip_rank0.py:24" in f["detail"], f
-    assert "tests/scripts/grads_clip_rank0.py:24" in f["fix"], f
-    assert "when optimizer.step() began" in f["detail"], f
+    assert f["sites"] == ["tests/scripts/grads_clip_rank0.py:24"], f
+    labels = {"kind": "call", "call": "clip_grad_norm_(max_norm=0.5)", "compared_at": "step-begin"}
+    assert f["labels"] == labels, f
+    assert "tests/scripts/grads_clip_rank0.py:24" in f["fix"], f  # the fix names the line to move
     assert _loud(run) == {"grads-changed-after-sync", "replica-divergence"}, run.output
-    assert "fix the cause: grads-changed-after-sync" in run.finding("replica-divergence")["fix"]
+    assert run.finding("replica-divergence")["caused_by"] == ["grads-changed-after-sync"]
     assert "the gradients agreed" not in run.output.lower().replace("\n", " ")
 
 
@@ -43,7 +44,7 @@ def test_grad_doubled_on_rank1_only_is_grads_changed_after_sync(tmp_path) -> Non
     f = run.finding("grads-changed-after-sync")
     assert f["ranks"] == [1] and f["steps"] == list(range(8)), f
     assert run.params("grads-changed-after-sync") == {"2.weight", "2.bias"}
-    assert "written in place or replaced" in f["detail"], f
+    assert f["labels"] == {"kind": "grad-write", "compared_at": "step-begin"} and f["sites"] == [], f
     assert "grads-not-synced" not in run.codes, run.output
     assert _loud(run) == {"grads-changed-after-sync", "replica-divergence"}, run.output
 
@@ -51,8 +52,8 @@ def test_grad_doubled_on_rank1_only_is_grads_changed_after_sync(tmp_path) -> Non
 @pytest.mark.parametrize(
     "script, how, line",
     [
-        ("nosync_every_micro.py", "under no_sync()", "tests/scripts/nosync_every_micro.py:24"),
-        ("sync_flag_off.py", "with require_backward_grad_sync=False", "tests/scripts/sync_flag_off.py:20"),
+        ("nosync_every_micro.py", "no_sync", "tests/scripts/nosync_every_micro.py:24"),
+        ("sync_flag_off.py", "require_backward_grad_sync", "tests/scripts/sync_flag_off.py:20"),
     ],
 )
 def test_sync_off_for_every_micro_batch_names_it(tmp_path, script: str, how: str, line: str) -> None:
@@ -65,11 +66,7 @@ def test_sync_off_for_every_micro_batch_names_it(tmp_path, script: str, how: str
     f = run.finding("grads-not-synced")
     assert f["ranks"] == [0, 1] and f["steps"] == list(range(8)), f
     assert run.params("grads-not-synced") == {"0.weight", "0.bias", "2.weight", "2.bias"}
-    assert how in f["detail"] and line in f["detail"] and line in f["fix"], f
-    if "flag" in script:
-        assert "require_backward_grad_sync = (micro_step == " in f["fix"], f
-    else:
-        assert "outside no_sync()" in f["fix"], f
+    assert f["labels"] == {"kind": "sync-off", "how": how} and f["sites"] == [line] and line in f["fix"], f
     assert "grads-changed-after-sync" not in run.codes
     assert _loud(run) == {"grads-not-synced", "replica-divergence"}, run.output
 

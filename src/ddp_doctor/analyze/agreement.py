@@ -79,6 +79,7 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
     ranks = [0] + others.ranks
     sites: list[str] = []  # the lines the cause names: the comm hook's, or where DDP's sync was turned off
     off = ""  # the title's note when DDP's sync was off for every backward
+    labels: dict[str, str] = {}  # the mechanism, where one was seen
     why, fix = (
         "",
         (
@@ -104,12 +105,14 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
                 steps=steps,
                 more_ranks=others.more,
                 measured=local.measured[:1],
+                labels={"kind": "local-sgd"},
             )
         ]
     hook = v.meta(0).get("comm_hook")
     if hook and not found.intersection(UNSYNCED) and not unsynced_steps(v, steps):
         where = f" (defined at {hook['site']})" if hook.get("site") else ""
         sites = [hook["site"]] if hook.get("site") else []
+        labels = {"kind": "comm-hook", "hook": hook["name"]}
         why = (
             f" DDP hands each gradient bucket to the comm hook {hook['name']}{where}, registered with "
             "register_comm_hook, instead of all-reducing it itself; the gradients the hook handed back differ "
@@ -127,6 +130,7 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
         verb = "set" if flag else "entered"
         where = f" ({verb} at {'; '.join(site.split(' at ', 1)[-1] for site in sites)})" if sites else ""
         how = "with require_backward_grad_sync=False" if flag else "under no_sync()"
+        labels = {"kind": "sync-off", "how": "require_backward_grad_sync" if flag else "no_sync"}
         off = f" (DDP's sync was off for every backward: {sites[0].split(' at ', 1)[0]})" if sites else ""
         why = (
             f" Every backward pass of these optimizer steps ran {how}{where}, the last micro-batch included, so "
@@ -152,6 +156,7 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
             more_ranks=others.more,
             fix=fix,
             sites=lines_of(*sites),
+            labels=labels,
         )
     ]
 

@@ -173,6 +173,7 @@ def grads_reduced_twice(v: View) -> list[Finding]:
                 fix="drop the manual reduction: DDP already averages the gradients. If it is meant to replace DDP's, "
                 "run the backward under ddp.no_sync(), or register a comm hook (ddp.register_comm_hook) instead.",
                 measured=_rereduced(signature, factor),
+                labels={"call": signature.rsplit("/", 1)[0], "reduction": reduction} if signature else {},
             ),
             who.more,
         )
@@ -232,6 +233,11 @@ def grads_changed_after_sync(v: View) -> list[Finding]:
                 ranks=who.ranks,
                 steps=steps,
                 fix=fix,
+                labels={
+                    "kind": "call" if sites else "grad-write",
+                    **({"call": sites[0].rsplit(" at ", 1)[0]} if sites else {}),
+                    "compared_at": "step-return" if closure else "step-begin",
+                },
             ),
             who.more,
         )
