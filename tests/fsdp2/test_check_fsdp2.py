@@ -124,8 +124,11 @@ def test_an_optimizer_built_before_fully_shard_is_named_with_its_line(tmp_path: 
     assert run.rc == 1 and run.codes == {"optimizer-params-replaced"}, run.output
     finding = run.finding("optimizer-params-replaced")
     assert finding["severity"] == "error" and finding["ranks"] == list(range(ranks))
-    assert f"AdamW created at tests/scripts/{line_of('opt = torch.optim.AdamW(')}" in finding["detail"]
-    assert "not one of the model's 6 trainable parameters changed" in finding["detail"]
+    assert finding["sites"] == [f"tests/scripts/{line_of('opt = torch.optim.AdamW(')}"], finding
+    labels = {"kind": "built-before-wrap", "optimizer": "AdamW", "weights_moved": "no"}
+    assert finding["labels"] == labels, finding
+    measured = {m["name"]: m["value"] for m in finding["measured"]}
+    assert (measured["model_params"], measured["stale_tensors"]) == (6, 6), measured
     assert "after every fully_shard call" in finding["fix"]
 
 
@@ -133,10 +136,7 @@ def test_gradient_sync_never_switched_back_on_is_named_with_its_line(tmp_path: P
     run = _check(tmp_path, "sync-off")
     assert run.rc == 1 and run.codes == {"gradient-sync-off"}, run.output
     finding = run.finding("gradient-sync-off")
-    assert (
-        f"tests/scripts/{line_of('model.set_requires_gradient_sync(False)')}" in finding["detail"]
-        and "changed on any rank" in finding["detail"]
-    )
+    assert finding["sites"] == [f"tests/scripts/{line_of('model.set_requires_gradient_sync(False)')}"], finding
     assert "set_requires_gradient_sync(micro_step == accumulation_steps - 1)" in finding["fix"]
 
 
@@ -234,8 +234,7 @@ def test_ignored_params_are_named_as_the_scripts_to_sync_and_an_info_when_it_doe
     assert run.rc == (1 if severity == "error" else 0) and run.codes == {"unsharded-params-not-synced"}, run.output
     finding = run.finding("unsharded-params-not-synced")
     assert finding["severity"] == severity and run.params("unsharded-params-not-synced") == {"head.weight", "head.bias"}
-    assert "as ignored_params at tests/scripts/fsdp2_ignored.py:42" in finding["detail"]
-    assert "added after" not in finding["detail"]
+    assert finding["labels"] == {"kind": "ignored"} and finding["sites"] == ["tests/scripts/fsdp2_ignored.py:42"]
 
 
 @pytest.mark.parametrize("save, kind", [("rank0", "some-ranks"), ("every-same", "one-path")])
@@ -388,11 +387,11 @@ def test_gradients_reduced_in_bfloat16_are_an_info_with_the_measured_difference(
         return
     assert run.codes == {"low-precision-reduce"}, run.output
     finding = run.finding("low-precision-reduce")
-    assert finding["severity"] == "info" and finding["title"] == (
-        "gradients are reduced in bfloat16 while the weights train in float32"
-    )
-    average = float(finding["detail"].split("differ by ")[1].split(" of their size")[0])
-    assert 1e-4 < average < 0.0039, finding["detail"]  # measured, and within bfloat16's step
+    assert finding["severity"] == "info", finding
+    assert finding["labels"] == {"reduce_dtype": "bfloat16", "weights_dtype": "float32"}, finding
+    measured = {m["name"]: (m["value"], m["unit"]) for m in finding["measured"]}
+    average, unit = measured["mean_relative_difference"]
+    assert 1e-4 < average < 0.0039 and unit == "fraction", measured  # measured, and within bfloat16's step
     assert "reduce_dtype=torch.float32" in finding["fix"]
 
 
@@ -461,6 +460,6 @@ def test_a_collective_rank_0_calls_alone_is_named_where_the_job_hangs(tmp_path: 
     assert run.rc == 1 and {f["code"] for f in run.report["findings"]} == {"collective-mismatch"}, run.output
     mismatch = run.finding("collective-mismatch")
     called = line_of("dist.all_reduce(mean)")
-    assert mismatch["title"] == f"rank 1 skipped all_reduce ({called}) that rank 0 called", mismatch
-    assert "in step 3" in mismatch["detail"] and "all-gathers of its forward" in mismatch["detail"], mismatch
+    assert mismatch["sites"][0] == f"tests/scripts/{called}" and 3 in mismatch["steps"], mismatch
+    assert (mismatch["labels"]["call"], mismatch["labels"]["ranks_skipped"]) == ("all_reduce(float32[])", "1"), mismatch
     assert mismatch["ranks"] == [0, 1] and "call it on every rank" in mismatch["fix"], mismatch

@@ -21,7 +21,7 @@ from ddp_doctor.analyze.parallelism import REPLICATE, api_of, every_rank, observ
 from ddp_doctor.analyze.sharded_fixes import sync_fix
 from ddp_doctor.analyze.view import detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, Recommendation, lines_of
+from ddp_doctor.core.findings import Finding, Measure, Recommendation, lines_of
 from ddp_doctor.core.sharded_run import ShardedRun
 
 __all__ = [
@@ -88,6 +88,11 @@ def low_precision_reduce(run: ShardedRun) -> list[Finding]:
         f"you meant (it halves the reduce-scatter's bytes); recipes that compute in {low} usually reduce in float32 "
         "(torchtitan's default).",
         ranks=every_rank(run),
+        labels={"reduce_dtype": low, "weights_dtype": weights},
+        measured=[
+            Measure("mean_relative_difference", run.low_reduce_rel, "fraction"),
+            Measure("largest_difference", run.low_reduce_abs, "abs"),
+        ],
         fix="reduce in float32 and keep computing in the low dtype: `MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
         "reduce_dtype=torch.float32)` in every fully_shard call (the reduce-scatter then moves twice the bytes). "
         'With Accelerate (whose mixed_precision="bf16" sets both to bfloat16): '

@@ -311,6 +311,8 @@ def optimizer_params_replaced(a: Agreed) -> list[Finding]:
                 params=s.params,
                 ranks=ranks,
                 steps=steps,
+                labels={"kind": "module-replaced"},
+                measured=[Measure("stale_tensors", s.stale, "count")],
                 fix="build the optimizer after the model is final (after every module replacement), over "
                 "`model.parameters()`; after replacing a module mid-training, build a new optimizer (and DDP) over "
                 "the new parameters.",
@@ -331,5 +333,16 @@ def optimizer_params_replaced(a: Agreed) -> list[Finding]:
             ranks=ranks,
             steps=steps,
             fix=optimizer_fix(a.framework, api.call, api.done),
+            sites=lines_of(s.optimizer),
+            labels={
+                "kind": "built-before-wrap",
+                "optimizer": s.optimizer.split(" ", 1)[0],
+                "weights_moved": "not-measured" if s.steps < 2 else "yes" if s.moved else "no",
+            },
+            measured=[
+                Measure("stale_tensors", s.stale, "count"),
+                Measure("model_params", s.model_params, "count"),
+                Measure("steps_observed", s.steps, "count"),
+            ],
         )
     ]
