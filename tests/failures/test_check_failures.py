@@ -35,7 +35,6 @@ def test_crash_on_rank_1_names_the_rank_step_and_error(tmp_path: Path) -> None:
     rec = run.report["recommendation"]
     assert [rec[k] for k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")] == [None] * 3, rec
     assert rec["verified"] is False and rec["flags_known"] is False and rec["render"] == {}, rec
-    assert "No DDP flags to recommend" in run.output, run.output
 
 
 def test_isinstance_copy_and_pickle_keep_working_while_observed(tmp_path: Path) -> None:
@@ -148,7 +147,6 @@ def test_destroy_process_group_with_none_before_the_steps_reports_on_the_steps_i
     assert rec["find_unused_parameters"] is False and rec["static_graph"] is False, rec
     assert rec["verified"] is True and rec["verification"]["outcome"] == "verified", rec
     assert rec["verification"]["steps_observed"] >= rec["verification"]["steps_needed"] == 3, rec
-    assert "Recommendation (verified)" in run.output, run.output
     assert "Fix the failure above" not in run.output, run.output
 
 
@@ -168,8 +166,7 @@ def test_static_graph_on_a_changing_graph_is_one_joint_finding_and_the_fix_is_ve
     assert {p["name"] for p in unsafe[0]["params"]} == {"aux.weight", "aux.bias"}, unsafe
     rec = run.report["recommendation"]
     assert rec["find_unused_parameters"] is True and rec["static_graph"] is False, rec
-    assert rec["verified"] is True, rec
-    assert "Recommendation (verified)" in run.output, run.output
+    assert rec["verified"] is True and rec["verification"]["outcome"] == "verified", rec
 
 
 def test_a_parameter_used_outside_forward_is_one_joint_finding_and_the_fix_is_verified(tmp_path: Path) -> None:
@@ -191,8 +188,7 @@ def test_a_parameter_used_outside_forward_is_one_joint_finding_and_the_fix_is_ve
     assert "head.bias" in {p["name"] for p in outside[0]["params"]}, outside
     rec = run.report["recommendation"]
     assert rec["static_graph"] is True and rec["find_unused_parameters"] is False, rec
-    assert rec["verified"] is True, rec
-    assert "No DDP flags to recommend" not in run.output and "Recommendation (verified)" in run.output, run.output
+    assert rec["verified"] is True and rec["render"], rec  # flags to apply, in code
 
 
 def test_a_report_without_a_shown_failure_never_points_at_one() -> None:
