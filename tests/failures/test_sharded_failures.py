@@ -30,9 +30,11 @@ def test_a_gather_counted_on_rank_0_alone_is_named_whatever_its_stale_sample_say
     gather, and the report had `rank-crashed` alone. The count, published before the gather's collective, names it."""
     found = gather_alone({0: _state(0, {GATHER: 6}), 1: _state(1, {})}, ["enforce fail at pair.cc:456"])
     assert found is not None and found.code == "state-gather-some-ranks"
-    assert found.title == "rank 0 gathered the full state dict alone: get_model_state_dict at fsdp2_train.py:62"
-    assert found.detail.startswith(f"{GATHER} all-gathers every sharded parameter")
-    assert "The communication library said: enforce fail at pair.cc:456" in found.detail
+    assert (found.sites, found.labels) == (
+        ["tests/scripts/fsdp2_train.py:62"],
+        {"call": "get_model_state_dict", "ranks_alone": "0"},
+    )
+    assert "enforce fail at pair.cc:456" in found.detail  # the communication library's own words reach the user
 
 
 def test_a_gather_every_rank_counted_is_no_finding_even_with_other_counts() -> None:
@@ -44,7 +46,7 @@ def test_without_counts_the_sample_or_traceback_still_names_a_gather() -> None:
     """A gather before the first optimizer step is not counted: the rank's innermost frame is the evidence."""
     inside = "torch/distributed/checkpoint/state_dict.py:1210 in get_model_state_dict"
     found = gather_alone({0: _state(0, {}, innermost=inside), 1: _state(1, {})}, [])
-    assert found is not None and found.title.startswith("rank 0 gathered the full state dict alone: get_model_state")
+    assert found is not None and found.labels == {"call": "get_model_state_dict", "ranks_alone": "0"}, found
 
 
 def _loader_state(rank: int, batches: int, step: int) -> RankState:
@@ -57,7 +59,9 @@ def _loader_state(rank: int, batches: int, step: int) -> RankState:
 def test_a_rank_that_ran_out_of_batches_is_the_cause_not_what_it_did_next() -> None:
     found = ran_out_alone({0: _loader_state(0, 20, 12), 1: _loader_state(1, 12, 12)})
     assert found is not None and found.code == "uneven-inputs" and found.severity == "error"
-    assert found.title.endswith("built at train.py:30 (rank 0: 20, rank 1: 12)"), found.title
+    assert found.sites == ["train.py:30"], found
+    measured = {m.name: m.value for m in found.measured}
+    assert measured == {"batches_most": 20, "batches_fewest": 12, "batches (rank 0)": 20, "batches (rank 1)": 12}
     assert "Join does not cover a sharded model" in found.fix
 
 

@@ -115,7 +115,9 @@ def uneven_inputs(v: View) -> list[Finding]:
             ranks=list(range(v.world)),
             steps=[fewest],
         )
-        return [with_evidence(finding, measured=batches(most, fewest))]
+        per_rank = [Measure(f"batches (rank {r})", c, "count") for r, c in enumerate(s.first_batches[:8])]
+        site = training_loader(v.meta(short.ranks[0])).get("site")
+        return [with_evidence(finding, sites=[site] if site else [], measured=[*batches(most, fewest), *per_rank])]
     if s.padded:
         d = training_loader(v.meta(0))
         pad = s.padded
@@ -240,7 +242,9 @@ def lengths_uneven(loaders: list[dict[str, Any]], parallelism: str, world: int) 
             steps=[],
             parallelism=parallelism,
         )
-        findings.append(with_evidence(finding, measured=batches(b["max"], b["min"])))
+        per_rank = [Measure(f"batches (rank {r})", n, "count") for r, n in enumerate(b["by_rank"]) if n is not None]
+        sites = [d["site"]] if d.get("site") else []
+        findings.append(with_evidence(finding, sites=sites, measured=[*batches(b["max"], b["min"]), *per_rank]))
     return findings
 
 
@@ -362,4 +366,5 @@ def ran_out_alone(states: dict[int, RankState]) -> Finding | None:
         steps=[fewest],
         parallelism="fsdp2",
     )
-    return with_evidence(finding, measured=batches(max(lengths.values()), fewest))
+    per_rank = [Measure(f"batches (rank {r})", n, "count") for r, n in sorted(lengths.items())[:8]]
+    return with_evidence(finding, sites=[site], measured=[*batches(max(lengths.values()), fewest), *per_rank])
