@@ -152,7 +152,9 @@ def test_sigkill_is_named_with_the_exact_step(tmp_path: Path) -> None:
     assert run.rc == 1, run.output
     finding = run.finding("rank-crashed")
     assert finding["ranks"] == [1] and finding["steps"] == [3], finding
-    assert "died of SIGKILL" in finding["title"] and "last published position" in finding["detail"], finding
+    assert finding["labels"] == {"kind": "signal", "signal": "SIGKILL"}, finding
+    # where it was is its last published position, and how old that was when it died
+    assert [m["name"] for m in finding["measured"]] == ["position_age"] and finding["measured"][0]["unit"] == "s"
     assert "DDP(" not in finding["detail"] and "_train.py:35" not in finding["detail"], finding
 
 

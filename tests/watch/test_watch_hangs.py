@@ -154,7 +154,7 @@ def test_a_rank_killed_by_sigkill_is_named_with_its_step_and_no_hang_is_called(t
     )
     assert run.rc == 1 and run.hang is None, run.output
     first = run.report["findings"][0]
-    assert first["code"] == "rank-crashed" and first["ranks"] == [1] and "SIGKILL" in first["title"], first
+    assert first["code"] == "rank-crashed" and first["ranks"] == [1] and first["labels"]["signal"] == "SIGKILL", first
     assert first["steps"] == [15], first
 
 

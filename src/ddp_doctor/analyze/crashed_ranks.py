@@ -229,6 +229,7 @@ def killed_findings(
                 steps=[max(s.step, 0)],
                 sites=lines_of(place),
                 labels={"kind": "teardown" if torn else "signal", "signal": s.signal or ""},
+                measured=[] if s.position_age_s is None else [Measure("position_age", s.position_age_s, "s")],
                 fix=(
                     "the steps before destroy_process_group() are not affected; check that what the script does "
                     "after it (a final save, an upload) completed, and run the same script without ddp-doctor to see "
