@@ -303,9 +303,10 @@ def test_replicas_apart_are_put_under_the_cause_another_finding_names_whatever_t
             [2],
         )
         assert f.fix.startswith("fix the cause: optimizer-differs") and f.ruled_out == []
+        assert f.labels == {"apart_since": "step"}, parallelism
     (ddp,) = replica_divergence(Agreed(parallelism="ddp", world=2, weights_apart=apart), frozenset())
     assert "optimizer-differs" in ddp.ruled_out and "grads-changed-after-sync" in ddp.ruled_out
     first = WeightsApart(params=head, reference=0, ranks=[1], at_start=True, steps=[0], observed=8)
     (seeded,) = replica_divergence(Agreed(parallelism="replicate", world=2, weights_apart=first), frozenset())
-    assert seeded.steps == [0] and "manual_seed" in seeded.fix
+    assert seeded.steps == [0] and seeded.labels == {"apart_since": "start"} and "manual_seed" in seeded.fix
     assert replica_divergence(Agreed(parallelism="replicate", world=1, weights_apart=first), frozenset()) == []

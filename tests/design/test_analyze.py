@@ -138,8 +138,8 @@ def test_weights_that_already_differ_at_entry() -> None:
     w1[:, 0, 0] = 1.0
     d = analyze(info(), [record(0, ALL, weights=w), record(1, ALL, weights=w1)])
     f = next(f for f in d.findings if f.code == "replica-divergence")
-    # At entry, not after step 0: no field of the evidence tells the two apart (the steps are the same).
-    assert f.param_names == ["trunk.weight"] and "already when observe() started" in f.detail
+    # At entry, not after step 0 (the steps are the same: the label tells the two apart).
+    assert f.param_names == ["trunk.weight"] and f.labels == {"apart_since": "start"}, f
 
 
 def test_identical_inputs_on_every_rank() -> None:

@@ -61,13 +61,21 @@ def all_ranks(v: View) -> list[int]:
 
 
 def with_evidence(
-    finding: Finding, *, sites: Iterable[str] = (), measured: Iterable[Measure] = (), ruled_out: Iterable[str] = ()
+    finding: Finding,
+    *,
+    sites: Iterable[str] = (),
+    measured: Iterable[Measure] = (),
+    ruled_out: Iterable[str] = (),
+    labels: dict[str, str] | None = None,
 ) -> Finding:
-    """`finding`, with the script lines of the recorded `sites` (`lines_of`), the quantities it was decided on and
-    the causes ruled out: for the finding builders shared with `guard` (`rules.py`), which take no evidence."""
+    """`finding`, with the script lines of the recorded `sites` (`lines_of`), the quantities it was decided on, the
+    causes ruled out and the evidence that is a name: for the finding builders shared with `guard` (`rules.py`),
+    which take no evidence."""
     finding.sites = lines_of(*sites)
     finding.measured = list(measured)
     finding.ruled_out = list(ruled_out)
+    if labels is not None:
+        finding.labels = dict(labels)
     return finding
 
 

@@ -70,6 +70,7 @@ def replica_divergence(a: Agreed, found: frozenset[str]) -> list[Finding]:
                 ),
                 measured=[Measure("largest_sum_difference", w.gap, "abs")],
                 ruled_out=ruled_out(found),
+                labels={"apart_since": "start" if w.at_start else "step"},
             ),
             w.more,
         )
@@ -227,4 +228,6 @@ def replicas_parted(w: WeightsApart, *, parallelism: str, causes: list[str]) -> 
         more_ranks=w.more,
         steps=w.steps,
         fix=fix,
+        labels={"apart_since": "start" if at_first else "step"},
+        measured=[Measure("steps_observed", steps, "count")],
     )
