@@ -32,22 +32,23 @@ def medians(record: RankRecord, s: int, world: int) -> Generator[Op, Reply, list
         remaining = [[t] * 4 for t in targets]  # [selection][quantity]
         prefix: list[list[int | None]] = [[None] * 4 for _ in targets]
         # 16 rounds of 4-bit digits: more (tiny) collectives than 8 rounds of bytes, 8 times fewer counts.
+        offsets = torch.arange(4, dtype=torch.int64) * 16  # one bincount for the 4 quantities' 16 bins each
         for level in range(16):
             shift = 60 - 4 * level
             digit = ((keys >> 60) + 8) if level == 0 else ((keys >> shift) & 0xF)
             hist = torch.zeros(n_sel, 4, 16, dtype=torch.int64)
             for j in range(n_sel):
-                for q in range(4):
-                    sel = torch.ones(s, dtype=torch.bool) if level == 0 else (keys[:, q] >> (shift + 4)) == prefix[j][q]
-                    hist[j, q] = torch.bincount(digit[sel, q], minlength=16)
+                picked = digit + offsets
+                if level:
+                    picked = picked[(keys >> (shift + 4)) == torch.tensor(prefix[j], dtype=torch.int64)]
+                hist[j] = torch.bincount(picked.reshape(-1), minlength=64).view(4, 16)
             t = SumRound(world)
             t.counts("hist", hist, total)
-            got = t.read((yield ("sum", t.tensor())))["hist"]
+            got = t.read((yield ("sum", t.tensor())))["hist"].cumsum(-1).tolist()
             for j in range(n_sel):
                 for q in range(4):
-                    cum = got[j, q].cumsum(0)
-                    bin_ = int((cum <= remaining[j][q]).sum())
-                    remaining[j][q] -= int(cum[bin_ - 1]) if bin_ else 0
+                    bin_ = sum(c <= remaining[j][q] for c in got[j][q])
+                    remaining[j][q] -= got[j][q][bin_ - 1] if bin_ else 0
                     base = prefix[j][q]
                     prefix[j][q] = bin_ - 8 if level == 0 else base * 16 + bin_
         for q in range(4):
@@ -63,29 +64,26 @@ def medians_over_ranks(
     `counts[q]` of them over the group (None: no rank holds one). The same radix select as `medians`, one value per
     rank and quantity: 16 rounds whose size depends on neither the world size nor the values. Collective."""
     n_q = len(values)
-    keys = order_key(torch.tensor([v if v is not None else 0.0 for v in values], dtype=torch.float64))
+    keys = order_key(torch.tensor([v if v is not None else 0.0 for v in values], dtype=torch.float64)).tolist()
     held = [v is not None for v in values]
     # The middle element (odd count) or the two middle ones (even): selection 0 and 1 (the same when odd).
     remaining = [[(c - 1) // 2 if c else 0 for c in counts], [c // 2 for c in counts]]
     prefix: list[list[int]] = [[0] * n_q, [0] * n_q]
     for level in range(16):
         shift = 60 - 4 * level
-        hist = torch.zeros(2, n_q, 16, dtype=torch.int64)
+        hist = [[[0] * 16 for _ in range(n_q)] for _ in range(2)]
         for j in range(2):
-            for q in range(n_q):
-                k = int(keys[q])
+            for q, k in enumerate(keys):
                 if not held[q] or (level and (k >> (shift + 4)) != prefix[j][q]):
                     continue
-                digit = ((k >> 60) + 8) if level == 0 else ((k >> shift) & 0xF)
-                hist[j, q, digit] = 1
+                hist[j][q][((k >> 60) + 8) if level == 0 else ((k >> shift) & 0xF)] = 1
         t = SumRound(world)
-        t.counts("hist", hist, world)
-        got = t.read((yield ("sum", t.tensor())))["hist"]
+        t.counts("hist", torch.tensor(hist, dtype=torch.int64).view(2, n_q, 16), world)
+        got = t.read((yield ("sum", t.tensor())))["hist"].cumsum(-1).tolist()
         for j in range(2):
             for q in range(n_q):
-                cum = got[j, q].cumsum(0)
-                bin_ = int((cum <= remaining[j][q]).sum())
-                remaining[j][q] -= int(cum[bin_ - 1]) if bin_ else 0
+                bin_ = sum(c <= remaining[j][q] for c in got[j][q])
+                remaining[j][q] -= got[j][q][bin_ - 1] if bin_ else 0
                 prefix[j][q] = bin_ - 8 if level == 0 else prefix[j][q] * 16 + bin_
     return [
         None if not c else (unkey(prefix[0][q]) + unkey(prefix[1][q])) / 2 if c % 2 == 0 else unkey(prefix[0][q])
