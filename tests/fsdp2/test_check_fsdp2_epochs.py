@@ -25,7 +25,6 @@ report said so ("a save after those steps, forwards and full-state-dict gathers 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -84,9 +83,10 @@ def test_rank_0_working_alone_past_the_groups_timeout_at_the_epoch_end_is_timeou
     risk = run.finding("timeout-risk")
     assert risk["severity"] == "error" and risk["ranks"] == [0], risk
     # 400 sleeps of 0.1 s projected from 2 of them: each overshoots its 0.1 s by a few ms (41 s seen here, alone).
-    assert re.search(r"about (39|4[0-4]) s", risk["title"]), risk
-    assert "the process group's timeout is 20 s" in risk["title"], risk
-    assert line_of("dcp.save(") in risk["detail"] and "2 of 400 batches" in risk["detail"], risk
+    measured = {m["name"]: m["value"] for m in risk["measured"]}
+    assert 39 <= measured["alone_projected"] < 45 and measured["group_timeout"] == 20, risk
+    assert any(site.endswith(line_of("dcp.save(")) for site in risk["sites"]), risk  # where the others waited
+    assert "2 of 400 batches" in risk["detail"], risk
     assert run.report["parallelism"] == "fsdp2" and run.report["following"]["epoch_ends"] == 1, run.report
     assert run.seconds < 60, run.seconds
 

@@ -62,8 +62,9 @@ def alone_too_long(run: Run, site: str, raise_timeout: str) -> None:
     assert warnings_or_errors(run) == {"timeout-risk"}, run.output
     risk = run.finding("timeout-risk")
     assert risk["severity"] == "error" and risk["ranks"] == [0], risk
-    assert "the process group's timeout is 20 s" in risk["title"], risk
-    assert f"{site}: 2 of 400 batches" in risk["detail"], risk
+    measured = {m["name"]: m["value"] for m in risk["measured"]}
+    assert measured["group_timeout"] == 20 and measured["alone_projected"] >= 20, risk
+    assert any(s.endswith(site) for s in risk["sites"]) and f"{site}: 2 of 400 batches" in risk["detail"], risk
     assert raise_timeout in risk["fix"], risk
     assert run.report["following"]["epoch_ends"] == 1, run.report["following"]
     assert run.seconds < 60, run.seconds

@@ -44,8 +44,9 @@ def test_rank_0_evaluating_alone_past_the_groups_timeout_is_timeout_risk_in_seco
     assert warnings_or_errors(run) == {"timeout-risk"}, run.output
     risk = run.finding("timeout-risk")
     assert risk["severity"] == "error" and risk["ranks"] == [0], risk
-    assert "the process group's timeout is 20 s" in risk["title"], risk
-    assert f"{EVAL_LOADER}: 2 of 400 batches" in risk["detail"], risk
+    measured = {m["name"]: m["value"] for m in risk["measured"]}
+    assert measured["group_timeout"] == 20 and measured["alone_projected"] >= 20, risk  # 400 batches of 0.1 s
+    assert any(site.endswith(EVAL_LOADER) for site in risk["sites"]), risk
     assert run.seconds < 60, run.seconds
     following = run.report["following"]
     assert following["epoch_ends"] == 1 and following["limit_batches"] == 2, following
@@ -63,8 +64,9 @@ def test_a_capped_evaluation_that_still_outlasts_the_timeout_is_named_with_the_s
     run = follow(tmp_path, "--eval-rank0", "3", "--pg-timeout", "4")
     assert run.rc == 1 and run.report["findings"][0]["code"] == "timeout-risk", run.output
     risk = run.report["findings"][0]
-    assert risk["ranks"] == [0] and "rank 1 timed out after 4 s" in risk["title"], risk
-    assert "time.sleep(args.eval_rank0)" in risk["detail"], risk
+    assert risk["ranks"] == [0] and risk["labels"] == {"waited": "1"}, risk
+    assert [(m["name"], m["value"]) for m in risk["measured"]] == [("group_timeout", 4)], risk
+    assert "time.sleep(args.eval_rank0)" in risk["detail"], risk  # where rank 0 was: its innermost line
     # The observed steps' diagnosis survives the failure: their verified recommendation is still there.
     assert run.report["recommendation"]["verified"] and run.report["steps_observed"] == 8, run.report
     assert "rank-crashed" not in run.codes and "failed while check followed it" in run.output, run.output

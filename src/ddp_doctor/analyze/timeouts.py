@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable
 
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, lines_of
+from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.following import FollowSummary
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.rankstate import RankState
@@ -81,6 +81,12 @@ def followed_timeout_risk(s: FollowSummary, framework: str) -> list[Finding]:
             ranks=[alone.rank],
             steps=[],
             fix=timeout_fix(framework),
+            sites=lines_of(alone.end, *alone.passes),
+            measured=[
+                Measure("alone", alone.measured_s, "s"),
+                *([Measure("alone_projected", alone.projected_s, "s")] if alone.projected_s is not None else []),
+                Measure("group_timeout", timeout, "s"),
+            ],
         )
     ]
 
@@ -119,5 +125,7 @@ def timed_out_waiting(states: dict[int, RankState], where: Callable[[RankState],
         ranks=away,
         steps=sorted({max(states[r].step, 0) for r in away}),
         sites=lines_of(crash.site or "", *(states[r].user_frame or states[r].site or "" for r in away)),
+        measured=[Measure("group_timeout", int(ms) / 1000, "s")] if ms else [],
+        labels={"waited": ",".join(map(str, sorted(waited)))},
         fix=timeout_fix(next((m.get("framework") for st in states.values() for m in st.models), "torch")),
     )
