@@ -127,8 +127,9 @@ def test_an_early_clean_exit_is_rank_exited_naming_rank_step_status_and_line(tmp
     assert run.rc == 1, run.output
     finding = run.finding("rank-exited")
     assert finding["ranks"] == [1] and finding["steps"] == [3], finding
-    assert "status 0" in finding["title"], finding
-    assert "exit_rank1.py:12" in finding["detail"] and "rank 0 lost its peer at step 3" in finding["detail"], finding
+    assert [(m["name"], m["value"]) for m in finding["measured"]] == [("exit_status", 0)], finding
+    assert finding["sites"] == ["tests/scripts/exit_rank1.py:12"], finding
+    assert "rank 0 lost its peer at step 3" in finding["detail"], finding  # where the other rank was
     assert "rank-hung" not in run.codes and "gather.py" not in run.output
 
 

@@ -15,7 +15,7 @@ from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone, ste
 from ddp_doctor.analyze.sharded_saves import state_dict_alone
 from ddp_doctor.analyze.timeouts import timed_out_waiting
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, lines_of
+from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import PHASES, Outcome
 from ddp_doctor.core.ranks import rank_list
@@ -103,6 +103,8 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
                         ),
                         ranks=[rank],
                         steps=[steps_by_rank[rank]],
+                        sites=lines_of(s.exit_site or ""),
+                        measured=[Measure("exit_status", s.exit_status or 0, "value")],
                         fix="make every rank take the same decision to stop: compute the stopping condition from values "
                         "reduced across ranks (all_reduce a flag), and give every rank the same number of batches.",
                     )
