@@ -1,4 +1,4 @@
-"""An FSDP2 job fed by a slow DataLoader: a map-style dataset that decodes each sample in about 5 ms, read with
+"""An FSDP2 job fed by a slow DataLoader: a map-style dataset that decodes each sample in about 10 ms, read with
 `--workers N` workers (default 0): with none, every step waits for its batch (`input-bound`); with enough, it does
 not. Prints each rank's median wait for the next batch and median step, measured by the script itself."""
 
@@ -21,7 +21,7 @@ class SlowDecode(Dataset):
         return 1024
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        time.sleep(0.005)  # decoding an image, say
+        time.sleep(0.010)  # decoding an image, say
         return torch.full((8,), float(i % 7)), i % 2
 
 
