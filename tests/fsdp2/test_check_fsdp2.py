@@ -237,7 +237,9 @@ def test_ignored_params_are_named_as_the_scripts_to_sync_and_an_info_when_it_doe
     assert finding["labels"] == {"kind": "ignored"} and finding["sites"] == ["tests/scripts/fsdp2_ignored.py:42"]
 
 
-@pytest.mark.parametrize("save, kind", [("rank0", "some-ranks"), ("every-same", "one-path")])
+@pytest.mark.parametrize(
+    "save, kind", [("rank0", "some-ranks"), ("every-same", "one-path")], ids=["rank0", "every-same"]
+)
 def test_a_checkpoint_of_some_ranks_shards_is_named_with_its_line(tmp_path: Path, save: str, kind: str) -> None:
     run = check(["--nproc-per-node", "2", SCRIPT, "--save", save, "--save-dir", str(tmp_path)], tmp_path, timeout=180)
     assert run.rc == 1 and run.codes == {"sharded-checkpoint-incomplete"}, run.output
