@@ -138,7 +138,8 @@ def _assert_clean_gan(run: Run) -> None:
     passes = run.finding("backward-passes-differ")
     assert passes["severity"] == "info" and passes["ranks"] == [0, 1], passes
     assert passes["steps"] == list(range(run.report["steps_observed"])) and run.report["steps_observed"] == 6
-    assert f"{GAN}:32" in passes["title"] and f"{GAN}:36" in passes["title"], passes["title"]
+    assert passes["sites"] == [f"{GAN}:32", f"{GAN}:36"], passes
+    assert passes["labels"] == {"kind": "manual-backward", "outcome": "handled"}, passes
     assert run.params("backward-passes-differ") == GENERATOR  # the discriminator's pass leaves them out
     rec = run.report["recommendation"]
     assert rec["find_unused_parameters"] is True and rec["static_graph"] is False, rec

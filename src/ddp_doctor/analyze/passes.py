@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from ddp_doctor.analyze.common import all_ranks, with_flags
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, ParamRef
+from ddp_doctor.core.findings import Finding, ParamRef, lines_of
 
 __all__ = ["Passes", "backward_passes_differ", "passes_of"]
 
@@ -104,6 +104,8 @@ def backward_passes_differ(v: View) -> list[Finding]:
                 params=p.params,
                 ranks=all_ranks(v),
                 steps=p.steps,
+                sites=lines_of(*p.sites),
+                labels={"kind": "manual-backward", "outcome": "handled" if handled else "needs-find-unused"},
                 fix="" if handled else with_flags(v, find_unused_parameters=True, static_graph=False) + ".",
             )
         ]
@@ -137,6 +139,11 @@ def backward_passes_differ(v: View) -> list[Finding]:
             params=p.params,
             ranks=all_ranks(v),
             steps=steps,
+            sites=lines_of(*p.sites),
+            labels={
+                "kind": "one-forward",
+                "outcome": "crashed" if p.crashed_twice else "broken" if broken else "each-parameter-once",
+            },
             fix="give each backward pass its own forward through the DDP model (with find_unused_parameters=True, "
             "since their parameter sets differ), or wrap the generator and the discriminator in DDP models of their "
             "own, so that each loss's backward follows its own forward.",
