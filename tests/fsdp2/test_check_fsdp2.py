@@ -368,6 +368,7 @@ def test_a_model_cast_to_bfloat16_before_sharding_under_a_bfloat16_policy_steps_
     assert run.rc == 0 and run.codes == {"low-precision-weights"}, run.output
     finding = run.finding("low-precision-weights")
     assert finding["severity"] == "warning" and finding["ranks"] == [0, 1], finding
+    assert finding["labels"] == {"weights_dtype": "bfloat16", "param_dtype": "bfloat16"}, finding
     assert run.report["sharding"]["param_dtype"] == ["bfloat16"]
 
 

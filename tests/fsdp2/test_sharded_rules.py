@@ -181,7 +181,8 @@ def test_parameters_that_never_change_while_the_rest_train_are_a_warning_only_th
     assert (g.code, g.severity, g.params) == ("training-stalled", "error", [])
     # weights in the low dtype the policy computes in: low-precision-weights explains them, said once
     low = _run(weights_dtype=["bfloat16"], sharding={"param_dtype": ["bfloat16"]}, **moving)
-    assert {f.code for f in diagnose_sharded(low).findings} == {"low-precision-weights"}
+    (w,) = diagnose_sharded(low).findings
+    assert (w.code, w.labels) == ("low-precision-weights", {"weights_dtype": "bfloat16", "param_dtype": "bfloat16"})
 
 
 def test_unused_parameters_and_buffers_apart_are_decided_from_the_agreed_per_tensor_facts() -> None:

@@ -127,6 +127,7 @@ def low_precision_weights(run: ShardedRun) -> list[Finding]:
         "with a small learning rate or late in training, most weights stop moving.",
         ranks=every_rank(run),
         steps=observed_steps(run),
+        labels={"weights_dtype": dtype, "param_dtype": "/".join(policy)},
         fix=f"keep the model in float32 until fully_shard (drop the cast to {dtype} before it): the policy's "
         f"param_dtype={dtype} still computes in {dtype}, and the optimizer steps float32 weights. If training in "
         f"pure {dtype} is meant, use an optimizer made for it (stochastic rounding or Kahan summation).",
