@@ -34,12 +34,11 @@ from ddp_doctor.analyze.collective_words import (
 from ddp_doctor.analyze.parting import Parting
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.agreed import Agreed
-from ddp_doctor.core.beacon import Collective
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, lines_of
 from ddp_doctor.core.following import FollowSummary
 from ddp_doctor.core.fr_dumps import FrDump, FrEntry
-from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.ranks import rank_list, ranks_label
 from ddp_doctor.core.rankstate import RankState
 from ddp_doctor.core.summary import Examples
 
@@ -288,11 +287,6 @@ def dumps_apart(
     )
 
 
-def _call(c: Collective) -> str:
-    """A collective as a label: `broadcast(float32[3])`, `barrier`."""
-    return f"{c.op}({c.tensor})" if c.tensor else c.op
-
-
 def beacons_apart(states: dict[int, RankState], parting: Parting) -> Finding:
     """`collective-mismatch` of a failed run, at `parting`."""
     first, behind, different = parting.first, parting.behind, parting.different
@@ -320,9 +314,9 @@ def beacons_apart(states: dict[int, RankState], parting: Parting) -> Finding:
         labels={
             "kind": "sequence",
             "source": "beacons",
-            "call": _call(c),
-            **({"ranks_skipped": ",".join(str(s.rank) for s in behind)} if behind else {}),
-            **({"ranks_other_call": ",".join(str(s.rank) for s in different)} if different else {}),
-            **({"other_call": _call(different[0].collective)} if different and different[0].collective else {}),
+            "call": c.describe(),
+            **({"ranks_skipped": ranks_label(s.rank for s in behind)} if behind else {}),
+            **({"ranks_other_call": ranks_label(s.rank for s in different)} if different else {}),
+            **({"other_call": different[0].collective.describe()} if different and different[0].collective else {}),
         },
     )

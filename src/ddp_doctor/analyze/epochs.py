@@ -6,6 +6,7 @@ reads the ranks' loader facts."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from typing import Any
 
 from ddp_doctor.analyze import rules
@@ -36,6 +37,11 @@ __all__ = [
 def batches(most: int, fewest: int) -> list[Measure]:
     """The evidence of batch counts that differ across ranks: the most and the fewest any rank got."""
     return [Measure("batches_most", most, "count"), Measure("batches_fewest", fewest, "count")]
+
+
+def batches_by_rank(counts: Iterable[tuple[int, int]]) -> list[Measure]:
+    """Each (rank, batches) pair as the evidence `batches (rank R)`."""
+    return [Measure(f"batches (rank {r})", n, "count") for r, n in counts]
 
 
 def joined_uneven(
@@ -115,7 +121,7 @@ def uneven_inputs(v: View) -> list[Finding]:
             ranks=list(range(v.world)),
             steps=[fewest],
         )
-        per_rank = [Measure(f"batches (rank {r})", c, "count") for r, c in enumerate(s.first_batches[:8])]
+        per_rank = batches_by_rank(enumerate(s.first_batches[:8]))
         site = training_loader(v.meta(short.ranks[0])).get("site")
         return [with_evidence(finding, sites=[site] if site else [], measured=[*batches(most, fewest), *per_rank])]
     if s.padded:
@@ -242,7 +248,7 @@ def lengths_uneven(loaders: list[dict[str, Any]], parallelism: str, world: int) 
             steps=[],
             parallelism=parallelism,
         )
-        per_rank = [Measure(f"batches (rank {r})", n, "count") for r, n in enumerate(b["by_rank"]) if n is not None]
+        per_rank = batches_by_rank((r, n) for r, n in enumerate(b["by_rank"]) if n is not None)
         sites = [d["site"]] if d.get("site") else []
         findings.append(with_evidence(finding, sites=sites, measured=[*batches(b["max"], b["min"]), *per_rank]))
     return findings
@@ -366,5 +372,5 @@ def ran_out_alone(states: dict[int, RankState]) -> Finding | None:
         steps=[fewest],
         parallelism="fsdp2",
     )
-    per_rank = [Measure(f"batches (rank {r})", n, "count") for r, n in sorted(lengths.items())[:8]]
+    per_rank = batches_by_rank(sorted(lengths.items())[:8])
     return with_evidence(finding, sites=[site], measured=[*batches(max(lengths.values()), fewest), *per_rank])

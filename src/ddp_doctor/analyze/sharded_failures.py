@@ -20,7 +20,7 @@ from ddp_doctor.analyze.positions import capped, short, where
 from ddp_doctor.analyze.sharded_fixes import gather_fix
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
-from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.ranks import rank_list, ranks_label
 from ddp_doctor.core.rankstate import RankState
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "gather_alone",
     "framework_of",
     "line_alone",
-    "ranks_label",
     "step_skipped_alone",
 ]
 
@@ -70,11 +69,6 @@ def line_alone(
         if len(alone) < len(ranks):
             return line, alone, sorted(r for r in ranks if r not in alone)
     return None
-
-
-def ranks_label(ranks: list[int]) -> str:
-    """Ranks as a label: `"0,3"`."""
-    return ",".join(map(str, ranks))
 
 
 def _counted_alone(states: dict[int, RankState]) -> dict[int, tuple[str, str | None]]:

@@ -12,12 +12,12 @@ shard (a [32, 16] local tensor of a [64, 16] weight), and loading it into the un
 from __future__ import annotations
 
 from ddp_doctor.analyze.positions import capped, short, where
-from ddp_doctor.analyze.sharded_failures import framework_of, line_alone, ranks_label
+from ddp_doctor.analyze.sharded_failures import framework_of, line_alone
 from ddp_doctor.analyze.sharded_fixes import save_fix
 from ddp_doctor.analyze.view import detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
-from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.ranks import rank_list, ranks_label
 from ddp_doctor.core.rankstate import RankState
 from ddp_doctor.core.sharded_run import ShardedRun
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.following import FollowSummary
-from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.ranks import rank_list, ranks_label
 from ddp_doctor.core.rankstate import RankState
 
 __all__ = ["followed_timeout_risk", "timed_out_waiting", "timeout_fix"]
@@ -126,6 +126,6 @@ def timed_out_waiting(states: dict[int, RankState], where: Callable[[RankState],
         steps=sorted({max(states[r].step, 0) for r in away}),
         sites=lines_of(crash.site or "", *(states[r].user_frame or states[r].site or "" for r in away)),
         measured=[Measure("group_timeout", int(ms) / 1000, "s")] if ms else [],
-        labels={"waited": ",".join(map(str, sorted(waited)))},
+        labels={"waited": ranks_label(waited)},
         fix=timeout_fix(next((m.get("framework") for st in states.values() for m in st.models), "torch")),
     )

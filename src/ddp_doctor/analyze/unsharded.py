@@ -80,10 +80,10 @@ def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding | 
     if not differ and not kept:
         return None
     why = _why(run, api)
+    # What every severity carries: the ranks and steps compared, why they are outside (and the ignored_params line).
     evidence = {
         "ranks": ranks,
         "steps": steps,
-        "fix": _fix(run, api),
         "labels": {"kind": _cause(run)},
         "sites": [run.ignored_site] if _cause(run) == "ignored" and run.ignored_site else [],
     }
@@ -106,6 +106,7 @@ def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding | 
             + ("." if _cause(run) == "beside" else "; whatever rank 0 saves is one rank's copy."),
             params=differ,
             measured=[Measure("largest_sum_gap", run.unsharded_gap, "abs"), observed],
+            fix=_fix(run, api),
             **evidence,
         )
     if run.unsharded_changed and run.steps >= 2:
@@ -119,11 +120,9 @@ def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding | 
             "every rank.",
             params=kept,
             measured=[observed],
-            **{
-                **evidence,
-                "fix": "nothing, if the script averages their gradients itself; if every rank trains on the same "
-                f"batches instead, that stops holding with a distributed sampler: then {_fix(run, api)}",
-            },
+            fix="nothing, if the script averages their gradients itself; if every rank trains on the same batches "
+            f"instead, that stops holding with a distributed sampler: then {_fix(run, api)}",
+            **evidence,
         )
     return Finding(
         code=Code.UNSHARDED_PARAMS_NOT_SYNCED,
@@ -135,5 +134,6 @@ def unsharded_finding(run: ShardedRun, ranks: list[int], api: Api) -> Finding | 
         "batches, unless the script averages their gradients itself.",
         params=kept,
         measured=[observed],
+        fix=_fix(run, api),
         **evidence,
     )

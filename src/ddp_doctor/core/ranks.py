@@ -20,10 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-__all__ = ["listed", "named_ranks", "other_ranks", "rank_list", "rank_ranges"]
+__all__ = ["listed", "named_ranks", "other_ranks", "rank_list", "rank_ranges", "ranks_label"]
 
 LIMIT = 8
 """How many items (single ranks or runs) a list shows by default: the exchange's number of example ranks."""
+
+
+def ranks_label(ranks: Iterable[int]) -> str:
+    """Ranks as a finding's label (`Finding.labels` holds strings): `"0,3"`, in rank order."""
+    return ",".join(map(str, sorted(ranks)))
 
 
 def other_ranks(more: int, *, noun: bool = True) -> str:

@@ -44,17 +44,23 @@ def medians(record: RankRecord, s: int, world: int) -> Generator[Op, Reply, list
                 hist[j] = torch.bincount(picked.reshape(-1), minlength=64).view(4, 16)
             t = SumRound(world)
             t.counts("hist", hist, total)
-            got = t.read((yield ("sum", t.tensor())))["hist"].cumsum(-1).tolist()
-            for j in range(n_sel):
-                for q in range(4):
-                    bin_ = sum(c <= remaining[j][q] for c in got[j][q])
-                    remaining[j][q] -= got[j][q][bin_ - 1] if bin_ else 0
-                    base = prefix[j][q]
-                    prefix[j][q] = bin_ - 8 if level == 0 else base * 16 + bin_
+            _descend((yield ("sum", t.tensor())), t, remaining, prefix, level)
         for q in range(4):
             lo, hi = unkey(prefix[0][q]), unkey(prefix[-1][q])
             timing[q] = lo if total % 2 else (lo + hi) / 2
     return timing
+
+
+def _descend(reply: Reply, t: SumRound, remaining: list[list[int]], prefix: list[list[Any]], level: int) -> None:
+    """One digit of the radix select, from the summed histograms `[selection][quantity][16]` in `reply`: each
+    selection's target falls in the bin where the cumulative count passes what remains of it; that bin extends the
+    selection's prefix (the top digit is signed) and the counts below it leave the target (in place)."""
+    got = t.read(reply)["hist"].cumsum(-1).tolist()
+    for j, rows in enumerate(got):
+        for q, cum in enumerate(rows):
+            bin_ = sum(c <= remaining[j][q] for c in cum)
+            remaining[j][q] -= cum[bin_ - 1] if bin_ else 0
+            prefix[j][q] = bin_ - 8 if level == 0 else prefix[j][q] * 16 + bin_
 
 
 def medians_over_ranks(
@@ -79,12 +85,7 @@ def medians_over_ranks(
                 hist[j][q][((k >> 60) + 8) if level == 0 else ((k >> shift) & 0xF)] = 1
         t = SumRound(world)
         t.counts("hist", torch.tensor(hist, dtype=torch.int64).view(2, n_q, 16), world)
-        got = t.read((yield ("sum", t.tensor())))["hist"].cumsum(-1).tolist()
-        for j in range(2):
-            for q in range(n_q):
-                bin_ = sum(c <= remaining[j][q] for c in got[j][q])
-                remaining[j][q] -= got[j][q][bin_ - 1] if bin_ else 0
-                prefix[j][q] = bin_ - 8 if level == 0 else prefix[j][q] * 16 + bin_
+        _descend((yield ("sum", t.tensor())), t, remaining, prefix, level)
     return [
         None if not c else (unkey(prefix[0][q]) + unkey(prefix[1][q])) / 2 if c % 2 == 0 else unkey(prefix[0][q])
         for q, c in enumerate(counts)
