@@ -29,6 +29,7 @@ DEFAULT = [
     "tests/integrations",
     "tests/timing/test_step_time.py",
     "tests/fsdp2/test_check_fsdp2.py",
+    "tests/fsdp2/test_check_fsdp2_some_ranks.py",
     "tests/fsdp2/test_check_fsdp2_epochs.py",
     "tests/timing/test_check_fsdp2_steps.py",
     "tests/sync/test_check_fsdp2_inputs.py",
