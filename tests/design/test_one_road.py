@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from ddp_doctor.analyze import diagnose_following, diagnose_unwrapped, diagnose_verified
+from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Diagnosis, Finding, ParamRef, Recommendation, Timing
 from ddp_doctor.core.following import FollowSummary
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 from ddp_doctor.report import Report, RunFacts
+from ddp_doctor.report.words import WORDS
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "ddp_doctor"
 
@@ -179,31 +181,6 @@ def test_an_unwrapped_run_is_diagnosed_from_its_typed_record() -> None:
     assert diagnose_unwrapped(dataclasses.replace(run, params=[], differ=[])).findings == []
 
 
-COLLECTIVES = {
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
-    "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv",
-    "isend", "monitored_barrier", "recv", "recv_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-    "scatter", "scatter_object_list", "send", "send_object_list",
-}  # fmt: skip
-
-
-def test_only_the_exchange_and_sync_gradients_communicate() -> None:
-    """Every collective or point-to-point call of `torch.distributed` (or its functional collectives) is in
-    exchange/, or in fixes/sync.py, which is the user's own gradient all-reduce. The observers, the sharded report
-    and the launch reach the other ranks through the exchange's functions only."""
-    calls = [
-        f"{p.relative_to(SRC)}:{n.lineno} {n.func.attr}"
-        for p, tree in _modules()
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Call)
-        and isinstance(n.func, ast.Attribute)
-        and n.func.attr in COLLECTIVES
-        and ast.unparse(n.func.value) in ("dist", "torch.distributed", "funcol", "c10d")
-    ]
-    outside = [c for c in calls if not c.startswith(("exchange/", "fixes/sync.py:"))]
-    assert outside == [] and any(c.startswith("exchange/") for c in calls), outside
-
-
 CHECK_ENTRIES = {"sharded_protocol", "unwrapped_rounds"}
 """The exchanges that launch and doctor drive themselves (DDP's `protocol` and the epoch end's `follow_rounds` are
 driven inside exchange/, by `runner.exchange` and `exchange_follow`)."""
@@ -336,3 +313,20 @@ def test_the_collective_scan_finds_each_way_of_calling_one(tmp_path: Path) -> No
         "    s = f'dist.broadcast(t, 0)'\n"
     )
     assert _collective_calls(tmp_path) == ["a.py:4 dist.all_reduce", "a.py:5 pg.allgather", "a.py:6 wait"]
+
+
+def test_the_codes_the_report_words_are_built_without_words() -> None:
+    """A code whose sentences report/words.py writes from the evidence is never built with a title or a detail
+    of its own, anywhere in the package: its words are in one place, and the evidence alone must carry what they
+    say (every finding of it goes through `ReportData.build`, which words it)."""
+    names = {c.name for c in Code if str(c) in WORDS}
+    builds = [
+        (f"{p.relative_to(SRC)}:{n.lineno}", {k.arg for k in n.keywords})
+        for p, tree in _modules()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and _called(n) == "Finding"
+        for k in n.keywords
+        if k.arg == "code" and isinstance(k.value, ast.Attribute) and k.value.attr in names
+    ]
+    worded = [site for site, keywords in builds if keywords & {"title", "detail"}]
+    assert worded == [] and len(builds) >= len(names), (worded, builds)

@@ -99,7 +99,6 @@ def test_second_round_names_the_rank_with_another_used_set_and_the_diverged_one(
     by_code = {f["code"]: f for f in first["findings"]}
     assert by_code["rank-dependent-graph"]["ranks"] == [3]
     assert by_code["rank-dependent-graph"]["params"][0]["name"] == "head_b.weight"
-    assert "Ranks [3] left these parameters" in by_code["rank-dependent-graph"]["detail"]
     assert by_code["replica-divergence"]["ranks"] == [0, 5]
     assert [p["name"] for p in by_code["replica-divergence"]["params"]] == ["trunk.weight"]
     assert by_code["replica-divergence"]["steps"] == [1, 2]
@@ -162,7 +161,6 @@ def test_large_world_names_examples_and_counts_the_rest() -> None:
     assert len(f.ranks) == EXAMPLES and set(f.ranks) <= lacking
     assert len(f.ranks) + f.more_ranks == len(lacking)
     assert f.to_dict()["more_ranks"] == len(lacking) - EXAMPLES
-    assert f"and {len(lacking) - EXAMPLES} other ranks" in f.detail
     div = next(f for f in d.findings if f.code == "replica-divergence")
     assert div.ranks == [0, 7, 150] and div.more_ranks == 0
 

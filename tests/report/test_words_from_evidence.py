@@ -1,7 +1,8 @@
-"""Every number a finding's title or detail states is in its typed evidence (JSON `params`, `ranks`, `steps`,
-`more_ranks`, `sites`, `measured`), so that a reader of the JSON gets it as a fact, not only inside a sentence. Checked on the
-golden reports of the bundled examples (tests/golden/, real `check` runs); the checker is tested on hand-built
-findings."""
+"""The report writes a finding's words from its evidence (`ddp_doctor.report.words`), and every number a
+finding's title or detail states is in its typed evidence (JSON `params`, `ranks`, `steps`, `more_ranks`, `sites`,
+`measured`), so that a reader of the JSON gets it as a fact, not only inside a sentence. The numbers are checked
+on the golden reports of the bundled examples (tests/golden/, real `check` runs); the checker and the words are
+tested on hand-built findings."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ddp_doctor.core.findings import Finding, Measure, ParamRef
+from ddp_doctor.report.words import worded
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 _NUMBER = re.compile(r"(?<![\w.:/-])(\d+(?:,\d{3})*(?:\.\d+)?(?:e-?\d+)?)(?![\w/]|\.\d)")
@@ -47,3 +51,53 @@ def test_the_checker_finds_a_number_said_only_in_words() -> None:
     ok["measured"] = [{"name": "gap", "value": 1.4999, "unit": "abs"}]
     assert unbacked(ok) == []
     assert unbacked({**ok, "detail": "rank 0: 13 batches, torch 2.13.0, layers.12.weight"}) == ["13"]
+
+
+def _worded(code: str, **evidence: Any) -> Finding:
+    return worded(Finding(code=code, severity="error", params=[ParamRef("head.weight", 8)], **evidence))
+
+
+def test_unused_parameters_are_worded_from_the_parallelism_and_the_flags() -> None:
+    """The words follow the evidence: the flags DDP was built with decide what the parameters cost, and FSDP2 or
+    `replicate` say so in their own names; the count of steps is that of `steps`."""
+    labels = {"parallelism": "ddp", "modules_ran": "False", "find_unused_parameters": "False", "static_graph": "False"}
+    default = _worded("unused-parameters", ranks=[0, 1], steps=[0, 1, 2], labels=labels)
+    assert default.title == "1 trainable parameter never reached the loss"
+    assert default.detail.startswith("On every rank and every one of the 3 observed steps, these parameters got no ")
+    assert "their modules never ran in a training forward" in default.detail
+    assert "Expected to have finished reduction" in default.detail
+    coping = _worded("unused-parameters", steps=[0], labels={**labels, "find_unused_parameters": "True"})
+    assert "The current flags cope" in coping.detail and "walks the autograd graph" in coping.detail
+    replicated = _worded("unused-parameters", steps=[0, 1], labels={"parallelism": "replicate"})
+    assert "2 observed optimizer steps with gradient sync on" in replicated.detail
+    assert "replicate raises no error" in replicated.detail and "whole copy" in replicated.detail
+    assert ": nothing in the loss reaches them" in replicated.detail
+
+
+def test_a_rank_dependent_graph_names_the_ranks_it_holds_and_counts_the_rest() -> None:
+    many = _worded("rank-dependent-graph", ranks=[3, 6], more_ranks=59, steps=[0])
+    assert "Ranks [3, 6] and 59 other ranks left these parameters" in many.detail
+    crash = _worded("rank-dependent-graph", ranks=[0, 1], steps=[2], labels={"kind": "crash", "failed_rank": "1"})
+    assert crash.title == "1 parameter(s) got a gradient on rank 0 but not on rank 1 in step 2"
+    assert crash.detail.startswith("Rank 1 failed at the start of step 3")
+
+
+def test_the_other_used_set_codes_are_worded_from_their_evidence() -> None:
+    blocked = _worded("grad-blocked", steps=[0, 1], sites=["train.py:23"], labels={"kind": "checkpoint"})
+    assert "(train.py:23)" in blocked.detail and "while DDP waits" in blocked.detail
+    handled = _worded("dynamic-graph", steps=[1], labels={"find_unused_parameters": "True", "static_graph": "False"})
+    assert handled.detail.endswith("which is what this run uses.")
+    crashed = _worded("static-graph-unsafe", ranks=[1], labels={"kind": "crashed"})
+    assert "DDP failed on rank(s) [1]" in crashed.detail
+    unneeded = _worded(
+        "find-unused-unneeded", ranks=[0, 1], steps=[0, 1, 2, 3], measured=[Measure("parameters_used", 5, "count")]
+    )
+    assert unneeded.detail.startswith("All 5 trainable parameters got a gradient on every one of the 2 ranks in all 4")
+
+
+def test_a_finding_with_its_own_words_keeps_them() -> None:
+    """A code not worded by the report, or a finding read back from a report's JSON, keeps its text."""
+    read = Finding(code="dynamic-graph", severity="info", title="as written", detail="d")
+    assert worded(read) is read
+    other = Finding(code="replica-divergence", severity="error", title="t", detail="d")
+    assert worded(other) is other

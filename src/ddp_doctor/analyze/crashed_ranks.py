@@ -83,13 +83,7 @@ def trained_elsewhere(states: dict[int, RankState], rank: int, crash: RaisedErro
     return Finding(
         code=Code.RANK_DEPENDENT_GRAPH,
         severity="error",
-        title=f"{len(names)} parameter(s) got a gradient on {rank_list(trained)} but not on rank {rank} in step "
-        f"{previous}",
-        detail=f"Rank {rank} failed at the start of step {crash.step} because these parameters got no gradient in "
-        f"step {previous}; {rank_list(trained)} closed that step with a gradient for every one of them (then "
-        f"waited for rank {rank} in a collective). The set "
-        "of parameters that reach the loss depends on the rank: a branch on the rank, or a task only some "
-        "ranks have data for. With default flags DDP cannot reduce such a set.",
+        labels={"kind": "crash", "failed_rank": str(rank)},
         params=_param_refs(explained),
         ranks=sorted({rank, *trained}),
         steps=[previous],

@@ -8,7 +8,7 @@ of the framework that built DDP.
 from __future__ import annotations
 
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, ParamRef
+from ddp_doctor.core.findings import Finding, ParamRef, count
 
 __all__ = [
     "buffer_divergence",
@@ -18,11 +18,6 @@ __all__ = [
     "unfrozen_after_wrap",
     "wrapper_bypass",
 ]
-
-
-def count(n: int, word: str) -> str:
-    """``"1 parameter"``, ``"3 parameters"``."""
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def frozen_after_wrap(

@@ -22,6 +22,7 @@ __all__ = [
     "Timing",
     "by_cause",
     "calls_of",
+    "count",
     "finite",
     "lines_of",
 ]
@@ -34,6 +35,11 @@ def lines_of(*sites: str) -> list[str]:
     """The script lines (`file:line`) in recorded sites such as ``"no_sync() at train.py:12"`` or
     ``"train.py:40 (in step)"``, each once, in order: a finding's `sites`."""
     return list(dict.fromkeys(f"{m[1]}:{m[2]}" for site in sites for m in _LINE.finditer(site or "")))
+
+
+def count(n: int, word: str) -> str:
+    """``"1 parameter"``, ``"3 parameters"``."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def calls_of(*sites: str) -> list[str]:
@@ -76,8 +82,10 @@ class Finding:
 
     code: str
     severity: str
-    title: str
-    detail: str
+    title: str = ""
+    """One line; empty where the report writes it from the evidence (`ddp_doctor.report.words`)."""
+    detail: str = ""
+    """What was seen and what it costs; empty where the report writes it, as the title."""
     params: list[ParamRef] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)

@@ -14,6 +14,7 @@ from ddp_doctor.core.figures import Divergence, UsageMap
 from ddp_doctor.core.findings import Crash, Diagnosis, Finding, Recommendation, Timing, finite
 from ddp_doctor.core.following import Following
 from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.report.words import worded
 
 if TYPE_CHECKING:
     from ddp_doctor.core.records import ModelInfo
@@ -196,7 +197,7 @@ class ReportData:
             world_size=facts.world_size,
             steps_observed=diagnosis.steps_observed,
             ddp_config=facts.ddp_config,
-            findings=diagnosis.findings,
+            findings=[worded(f) for f in diagnosis.findings],
             recommendation=diagnosis.recommendation,
             timing=diagnosis.timing,
             crashes=diagnosis.crashes,
