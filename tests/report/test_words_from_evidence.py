@@ -101,3 +101,38 @@ def test_a_finding_with_its_own_words_keeps_them() -> None:
     assert worded(read) is read
     other = Finding(code="replica-divergence", severity="error", title="t", detail="d")
     assert worded(other) is other
+
+
+def test_gradients_not_synced_are_worded_from_the_mechanism_seen() -> None:
+    """The mechanism (`kind`) and its lines decide the words; the ranks and steps are the finding's."""
+    ranks = {"ranks": [0, 1], "steps": [0, 1]}
+    plain = _worded("grads-not-synced", **ranks)
+    assert plain.title == "gradients of 1 parameter differ across ranks at the optimizer step"
+    assert plain.detail.endswith("Ranks [0, 1] disagree in steps [0, 1].")
+    off = _worded("grads-not-synced", **ranks, sites=["train.py:30"], labels={"kind": "sync-off", "how": "no_sync"})
+    assert off.title.endswith("(DDP's sync was off for every backward: no_sync())")
+    assert "ran under no_sync() (entered at train.py:30)" in off.detail
+    flag = {"kind": "sync-off", "how": "require_backward_grad_sync"}
+    assert "with require_backward_grad_sync=False (set at t.py:9)" in _worded(
+        "grads-not-synced", **ranks, sites=["t.py:9"], labels=flag
+    ).detail
+    hook = _worded("grads-not-synced", **ranks, sites=["t.py:4"], labels={"kind": "comm-hook", "hook": "my_hook"})
+    assert "comm hook my_hook (defined at t.py:4)" in hook.detail
+    local = _worded(
+        "grads-not-synced",
+        **ranks,
+        measured=[Measure("first_local_step", 3, "count"), Measure("start_localSGD_iter", 3, "count")],
+        labels={"kind": "local-sgd", "subgroup_size": "1"},
+    )
+    assert local.title == "post-local SGD: from step 3 the gradients are averaged over one rank, not all ranks"
+    assert "(start_localSGD_iter=3)" in local.detail and local.detail.endswith("at steps 0-2.")
+
+
+def test_a_reduction_error_is_worded_from_its_kind_and_step() -> None:
+    plain = _worded("reduction-error", ranks=[0, 1], steps=[1])
+    assert plain.detail.startswith("At the start of step 1, DDP found that the previous step's gradient reduction")
+    assert "because these trainable parameters got no gradient" in plain.detail
+    replaced = _worded("reduction-error", steps=[2], labels={"kind": "replaced"})
+    assert "never finished: these parameters, which DDP registered" in replaced.detail
+    second = _worded("reduction-error", steps=[0], sites=["m.py:7", "m.py:9"], labels={"kind": "second-pass"})
+    assert second.detail.startswith("Two backward passes through one forward (m.py:7, m.py:9): DDP failed at the")

@@ -9,13 +9,12 @@ from typing import Any
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.common import steps_of, with_evidence, with_more
 from ddp_doctor.analyze.links import UNSYNCED
-from ddp_doctor.analyze.local_sgd import grads_words, local_sgd
-from ddp_doctor.analyze.rules import count as _count
+from ddp_doctor.analyze.local_sgd import local_sgd
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.agreed import Agreed
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
-from ddp_doctor.core.ranks import listed, rank_list
+from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.core.sharded_run import ShardedRun
 
 __all__ = [
@@ -78,46 +77,36 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
     others = v.ranks("grad-differs")  # ranks whose gradients differ from rank 0's
     ranks = [0] + others.ranks
     sites: list[str] = []  # the lines the cause names: the comm hook's, or where DDP's sync was turned off
-    off = ""  # the title's note when DDP's sync was off for every backward
     labels: dict[str, str] = {}  # the mechanism, where one was seen
-    why, fix = (
-        "",
-        (
-            "see the findings that explain why (a bypassed wrapper, parameters unused with default flags, "
-            "requires_grad changed after wrap); gradients must be reduced by DDP before optimizer.step()."
-            if found.intersection(UNSYNCED)
-            else "gradients must be reduced by DDP before optimizer.step(): check that every rank runs the backward "
-            "pass through the DDP model (not its .module), with the same parameters trainable, and that nothing edits "
-            ".grad between backward and the optimizer step."
-        ),
+    fix = (
+        "see the findings that explain why (a bypassed wrapper, parameters unused with default flags, "
+        "requires_grad changed after wrap); gradients must be reduced by DDP before optimizer.step()."
+        if found.intersection(UNSYNCED)
+        else "gradients must be reduced by DDP before optimizer.step(): check that every rank runs the backward "
+        "pass through the DDP model (not its .module), with the same parameters trainable, and that nothing edits "
+        ".grad between backward and the optimizer step."
     )
     local = local_sgd(v)
     if local is not None and local.explains(steps) and not found.intersection(UNSYNCED):
-        title, detail = grads_words(local)
+        labels = {"kind": "local-sgd"}
+        if local.subgroup:
+            labels["subgroup_size"] = str(local.subgroup)
         return [
             Finding(
                 code=Code.GRADS_NOT_SYNCED,
                 severity="info",
-                title=title,
-                detail=detail,
                 params=v.params(params),
                 ranks=ranks,
                 steps=steps,
                 more_ranks=others.more,
-                measured=local.measured[:1],
-                labels={"kind": "local-sgd"},
+                measured=[*local.measured[:1], Measure("start_localSGD_iter", local.from_iteration, "count")],
+                labels=labels,
             )
         ]
     hook = v.meta(0).get("comm_hook")
     if hook and not found.intersection(UNSYNCED) and not unsynced_steps(v, steps):
-        where = f" (defined at {hook['site']})" if hook.get("site") else ""
         sites = [hook["site"]] if hook.get("site") else []
         labels = {"kind": "comm-hook", "hook": hook["name"]}
-        why = (
-            f" DDP hands each gradient bucket to the comm hook {hook['name']}{where}, registered with "
-            "register_comm_hook, instead of all-reducing it itself; the gradients the hook handed back differ "
-            "across ranks, so it does not all-reduce (and average) every bucket alike on every rank."
-        )
         fix = (
             f"make {hook['name']} all-reduce each bucket and divide by the world size before returning it, as "
             "torch's allreduce_hook does (torch.distributed.algorithms.ddp_comm_hooks.default_hooks): "
@@ -127,15 +116,7 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
     elif unsynced_steps(v, steps):
         sites = sorted(v.meta(0).get("nosync_sites", []))  # rank 0 differs too; its strings always travel
         flag = bool(sites) and all(site.startswith("require_backward_grad_sync") for site in sites)
-        verb = "set" if flag else "entered"
-        where = f" ({verb} at {'; '.join(site.split(' at ', 1)[-1] for site in sites)})" if sites else ""
-        how = "with require_backward_grad_sync=False" if flag else "under no_sync()"
         labels = {"kind": "sync-off", "how": "require_backward_grad_sync" if flag else "no_sync"}
-        off = f" (DDP's sync was off for every backward: {sites[0].split(' at ', 1)[0]})" if sites else ""
-        why = (
-            f" Every backward pass of these optimizer steps ran {how}{where}, the last micro-batch included, so "
-            "DDP never reduced the gradients: each rank stepped on its own."
-        )
         fix = (
             "set model.require_backward_grad_sync = True on the last micro-step of each optimizer step, as nanoGPT "
             "does: model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)"
@@ -147,9 +128,6 @@ def grads_not_synced(v: View, found: frozenset[str]) -> list[Finding]:
         Finding(
             code=Code.GRADS_NOT_SYNCED,
             severity="error",
-            title=f"gradients of {_count(int(params.sum()), 'parameter')} differ across ranks at the optimizer step{off}",
-            detail="When the optimizer stepped, these gradients were not the same on every rank, so the replicas "
-            f"take different updates. Ranks {listed(ranks, others.more)} disagree in steps {steps}.{why}",
             params=v.params(params),
             ranks=ranks,
             steps=steps,

@@ -11,7 +11,7 @@ from ddp_doctor.analyze.passes import passes_of
 from ddp_doctor.analyze.snippets import freeze_point
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, lines_of
 
 __all__ = ["frozen_after_wrap", "no_trainable", "reduction_error", "unfrozen_after_wrap"]
 
@@ -93,8 +93,6 @@ def no_trainable(v: View) -> list[Finding]:
         Finding(
             code=Code.NO_TRAINABLE_PARAMETERS,
             severity="error",
-            title="no parameter requires a gradient",
-            detail="At some observed step every parameter had requires_grad=False, so the step trains nothing.",
             ranks=empty.ranks,
             more_ranks=empty.more,
             steps=steps_of(v.summary.no_trainable_steps),
@@ -119,11 +117,8 @@ def reduction_error(v: View) -> list[Finding]:
             Finding(
                 code=Code.REDUCTION_ERROR,
                 severity="error",
-                title="DDP failed: 'Expected to have finished reduction', at a second backward pass through one forward",
-                detail=f"Two backward passes through one forward{passes.where()}: DDP failed at the second one in step "
-                f"{step}. The framework prepares DDP's reduction at each backward pass (Lightning's manual_backward), "
-                "and the first pass gave no gradient to these parameters, so its reduction never finished. They get "
-                "their gradient in the later pass: they are trained, not unused.",
+                labels={"kind": "second-pass"},
+                sites=lines_of(*passes.sites),
                 params=v.params(sorted(missing)),
                 ranks=crashed.ranks,
                 more_ranks=crashed.more,
@@ -141,11 +136,7 @@ def reduction_error(v: View) -> list[Finding]:
             Finding(
                 code=Code.REDUCTION_ERROR,
                 severity="error",
-                title="DDP failed: 'Expected to have finished reduction in the prior iteration'",
-                detail=f"At the start of step {step}, DDP found that the previous step's gradient reduction never "
-                "finished: these parameters, which DDP registered when it was built, are no longer in the model (a "
-                "module replaced after wrapping left them in DDP's reducer), so they never get a gradient. Until "
-                "it failed, the previous step's gradients were silently not all-reduced.",
+                labels={"kind": "replaced"},
                 params=v.params(left),
                 ranks=crashed.ranks,
                 more_ranks=crashed.more,
@@ -167,10 +158,6 @@ def reduction_error(v: View) -> list[Finding]:
         Finding(
             code=Code.REDUCTION_ERROR,
             severity="error",
-            title="DDP failed: 'Expected to have finished reduction in the prior iteration'",
-            detail=f"At the start of step {step}, DDP found that the previous step's gradient reduction never "
-            "finished, because these trainable parameters got no gradient. Until it failed, the previous "
-            "step's gradients were silently not all-reduced.",
             params=v.params(sorted(missing)),
             ranks=crashed.ranks,
             more_ranks=crashed.more,

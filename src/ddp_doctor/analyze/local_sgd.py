@@ -1,7 +1,7 @@
 """Post-local SGD: gradients and replicas that differ across ranks by design, from the step PyTorch's
 `post_localSGD_hook` stops all-reducing over every rank, until a model averager averages the parameters. What was
-seen (`observation/model_averaging.py`), and the words `grads-not-synced` (agreement.py) and `replica-divergence`
-(replica_state.py) use for it instead of calling the algorithm a bug.
+seen (`observation/model_averaging.py`), and the words `replica-divergence` (replica_state.py) uses for it instead
+of calling the algorithm a bug (`grads-not-synced`'s are the report's, `report/words.py`).
 
 Ground truth (tests/scripts/local_sgd.py, plain torchrun, torch 2.13.0, gloo, 2 ranks, `start_localSGD_iter=3`,
 subgroups of one rank, `PeriodicModelAverager(period=4, warmup_steps=3)`): exit 0; the gradients agree at steps 0-2
@@ -15,25 +15,7 @@ from __future__ import annotations
 from ddp_doctor.analyze.view import View
 from ddp_doctor.core.agreed import LocalAveraging
 
-__all__ = ["grads_words", "local_sgd", "weights_words"]
-
-
-def grads_words(local: LocalAveraging) -> tuple[str, str]:
-    """`grads-not-synced`'s title and detail, at info, under `local`."""
-    alone = local.subgroup == 1
-    over = "one rank" if alone else f"subgroups of {local.subgroup} ranks" if local.subgroup else "subgroups"
-    before = (
-        f" The gradients agreed across the ranks at step{'s 0-' if local.first_step > 1 else ' '}{local.first_step - 1}."
-        if local.first_step
-        else ""
-    )
-    return (
-        f"post-local SGD: from step {local.first_step} the gradients are averaged over {over}, not all ranks",
-        "DDP hands each gradient bucket to torch's post_localSGD_hook, which all-reduces it over every rank for "
-        f"the first {local.from_iteration} iterations (start_localSGD_iter={local.from_iteration}) and over {over} "
-        f"after: each {'rank' if alone else 'subgroup'} steps on its own gradients and the replicas part until a "
-        f"model averager averages the parameters. That is the algorithm, not a fault.{before}",
-    )
+__all__ = ["local_sgd", "weights_words"]
 
 
 def weights_words(local: LocalAveraging) -> tuple[str, str, str, str]:

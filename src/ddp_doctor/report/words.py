@@ -174,3 +174,96 @@ def _find_unused_unneeded(f: Finding) -> tuple[str, str]:
         f"{len(f.steps)} observed steps. find_unused_parameters=True makes DDP walk the whole autograd graph after "
         "every forward and delays communication, for nothing.",
     )
+
+
+@_words(Code.GRADS_NOT_SYNCED)
+def _grads_not_synced(f: Finding) -> tuple[str, str]:
+    """Label `kind`: the mechanism where one was seen (``sync-off``, `how` it was off, its lines the `sites`;
+    ``comm-hook``, the `hook`, its line the site; ``local-sgd``, post-local SGD by design, with the `subgroup_size`
+    and the measured `first_local_step` and `start_localSGD_iter`); none where the gradients differ for a cause
+    the other findings name or none seen."""
+    kind, n = f.labels.get("kind"), len(f.params)
+    if kind == "local-sgd":
+        return _local_sgd(f)
+    off, why = "", ""
+    if kind == "comm-hook":
+        hook, where = f.labels["hook"], f" (defined at {f.sites[0]})" if f.sites else ""
+        why = (
+            f" DDP hands each gradient bucket to the comm hook {hook}{where}, registered with register_comm_hook, "
+            "instead of all-reducing it itself; the gradients the hook handed back differ across ranks, so it does "
+            "not all-reduce (and average) every bucket alike on every rank."
+        )
+    elif kind == "sync-off":
+        flag = f.labels.get("how") == "require_backward_grad_sync"
+        call, verb = ("require_backward_grad_sync=False", "set") if flag else ("no_sync()", "entered")
+        where = f" ({verb} at {'; '.join(f.sites)})" if f.sites else ""
+        off = f" (DDP's sync was off for every backward: {call})" if f.sites else ""
+        how = "with require_backward_grad_sync=False" if flag else "under no_sync()"
+        why = (
+            f" Every backward pass of these optimizer steps ran {how}{where}, the last micro-batch included, so DDP "
+            "never reduced the gradients: each rank stepped on its own."
+        )
+    return (
+        f"gradients of {count(n, 'parameter')} differ across ranks at the optimizer step{off}",
+        "When the optimizer stepped, these gradients were not the same on every rank, so the replicas take "
+        f"different updates. Ranks {listed(f.ranks, f.more_ranks)} disagree in steps {f.steps}.{why}",
+    )
+
+
+def _local_sgd(f: Finding) -> tuple[str, str]:
+    measured = {m.name: int(m.value) for m in f.measured}
+    first, began, subgroup = (
+        measured["first_local_step"],
+        measured["start_localSGD_iter"],
+        f.labels.get("subgroup_size"),
+    )
+    alone = subgroup == "1"
+    over = "one rank" if alone else f"subgroups of {subgroup} ranks" if subgroup else "subgroups"
+    before = (
+        f" The gradients agreed across the ranks at step{'s 0-' if first > 1 else ' '}{first - 1}." if first else ""
+    )
+    return (
+        f"post-local SGD: from step {first} the gradients are averaged over {over}, not all ranks",
+        "DDP hands each gradient bucket to torch's post_localSGD_hook, which all-reduces it over every rank for "
+        f"the first {began} iterations (start_localSGD_iter={began}) and over {over} after: each "
+        f"{'rank' if alone else 'subgroup'} steps on its own gradients and the replicas part until a model averager "
+        f"averages the parameters. That is the algorithm, not a fault.{before}",
+    )
+
+
+@_words(Code.REDUCTION_ERROR)
+def _reduction_error(f: Finding) -> tuple[str, str]:
+    """DDP's 'Expected to have finished reduction' at the step of `steps`. Label `kind`: ``second-pass`` (at the
+    second backward pass through one forward, the passes' lines the `sites`), ``replaced`` (the parameters are a
+    replaced module's, left in DDP's reducer); none for trainable parameters that got no gradient."""
+    [step] = f.steps[:1] or [0]
+    kind = f.labels.get("kind")
+    if kind == "second-pass":
+        where = f" ({', '.join(f.sites)})" if f.sites else ""
+        return (
+            "DDP failed: 'Expected to have finished reduction', at a second backward pass through one forward",
+            f"Two backward passes through one forward{where}: DDP failed at the second one in step {step}. The "
+            "framework prepares DDP's reduction at each backward pass (Lightning's manual_backward), and the first "
+            "pass gave no gradient to these parameters, so its reduction never finished. They get their gradient in "
+            "the later pass: they are trained, not unused.",
+        )
+    why = (
+        "these parameters, which DDP registered when it was built, are no longer in the model (a module replaced "
+        "after wrapping left them in DDP's reducer), so they never get a gradient"
+        if kind == "replaced"
+        else "because these trainable parameters got no gradient"
+    )
+    return (
+        "DDP failed: 'Expected to have finished reduction in the prior iteration'",
+        f"At the start of step {step}, DDP found that the previous step's gradient reduction never finished"
+        f"{': ' if kind == 'replaced' else ', '}{why}. Until it failed, the previous step's gradients were silently "
+        "not all-reduced.",
+    )
+
+
+@_words(Code.NO_TRAINABLE_PARAMETERS)
+def _no_trainable(f: Finding) -> tuple[str, str]:
+    return (
+        "no parameter requires a gradient",
+        "At some observed step every parameter had requires_grad=False, so the step trains nothing.",
+    )
