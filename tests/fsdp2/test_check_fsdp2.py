@@ -277,7 +277,8 @@ def test_gradients_reduced_in_bfloat16_are_an_info_with_the_measured_difference(
     assert run.codes == {"low-precision-reduce"}, run.output
     finding = run.finding("low-precision-reduce")
     assert finding["severity"] == "info", finding
-    assert finding["labels"] == {"reduce_dtype": "bfloat16", "weights_dtype": "float32"}, finding
+    labels = {"reduce_dtype": "bfloat16", "weights_dtype": "float32"}
+    assert finding["labels"] == {**labels, "policy_param_dtype": "bfloat16", "policy_reduce_dtype": "unset"}, finding
     measured = {m["name"]: (m["value"], m["unit"]) for m in finding["measured"]}
     average, unit = measured["mean_relative_difference"]
     assert 1e-4 < average < 0.0039 and unit == "fraction", measured  # measured, and within bfloat16's step

@@ -113,9 +113,10 @@ def test_gradients_not_synced_are_worded_from_the_mechanism_seen() -> None:
     assert off.title.endswith("(DDP's sync was off for every backward: no_sync())")
     assert "ran under no_sync() (entered at train.py:30)" in off.detail
     flag = {"kind": "sync-off", "how": "require_backward_grad_sync"}
-    assert "with require_backward_grad_sync=False (set at t.py:9)" in _worded(
-        "grads-not-synced", **ranks, sites=["t.py:9"], labels=flag
-    ).detail
+    assert (
+        "with require_backward_grad_sync=False (set at t.py:9)"
+        in _worded("grads-not-synced", **ranks, sites=["t.py:9"], labels=flag).detail
+    )
     hook = _worded("grads-not-synced", **ranks, sites=["t.py:4"], labels={"kind": "comm-hook", "hook": "my_hook"})
     assert "comm hook my_hook (defined at t.py:4)" in hook.detail
     local = _worded(
@@ -136,3 +137,59 @@ def test_a_reduction_error_is_worded_from_its_kind_and_step() -> None:
     assert "never finished: these parameters, which DDP registered" in replaced.detail
     second = _worded("reduction-error", steps=[0], sites=["m.py:7", "m.py:9"], labels={"kind": "second-pass"})
     assert second.detail.startswith("Two backward passes through one forward (m.py:7, m.py:9): DDP failed at the")
+
+
+def test_a_second_reduction_is_worded_from_its_call_and_factor() -> None:
+    call = {"call": "all_reduce(float32[4, 3], SUM)", "reduction": "SUM"}
+    doubled = _worded(
+        "grads-reduced-twice",
+        ranks=[0, 1],
+        steps=[0, 1],
+        sites=["t.py:40"],
+        labels=call,
+        measured=[Measure("gradient_factor", 2, "ratio"), Measure("group_size", 2, "count")],
+    )
+    assert (
+        doubled.title
+        == "gradients reduced again after DDP reduced them (all_reduce(float32[4, 3], SUM) over 2 ranks at t.py:40)"
+    )
+    assert "each gradient is 2 times what DDP computed" in doubled.detail and doubled.detail.endswith("step(s) [0, 1].")
+    averaged = _worded("grads-reduced-twice", steps=[0], labels=call, measured=[Measure("gradient_factor", 1, "ratio")])
+    assert "changes nothing but exchanges every gradient a second time" in averaged.detail
+    assert "at an unknown place" in averaged.title
+    unknown = _worded("grads-reduced-twice", steps=[0], sites=["t.py:3"])
+    assert "ran a collective (a reduction) on parameters' .grad at t.py:3, which replaces" in unknown.detail
+
+
+def test_low_precision_is_worded_from_the_dtypes_and_the_measured_difference() -> None:
+    reduce = _worded(
+        "low-precision-reduce",
+        ranks=[0, 1, 2, 3],
+        labels={"reduce_dtype": "bfloat16", "weights_dtype": "float32", "policy_param_dtype": "bfloat16"},
+        measured=[
+            Measure("mean_relative_difference", 0.00123, "fraction"),
+            Measure("largest_difference", 4.5e-5, "abs"),
+        ],
+    )
+    assert reduce.title == "gradients are reduced in bfloat16 while the weights train in float32"
+    assert (
+        "param_dtype=bfloat16, reduce_dtype=unset" in reduce.detail
+        and "differ by 0.0012 of their size" in reduce.detail
+    )
+    assert "by 4.5e-05 at most" in reduce.detail and "rounding on 4 ranks" in reduce.detail
+    weights = _worded("low-precision-weights", labels={"weights_dtype": "bfloat16", "param_dtype": "bfloat16"})
+    assert weights.title.startswith("the optimizer steps bfloat16 weights") and "about 1/256" in weights.detail
+    same = _worded("identical-inputs-across-ranks", ranks=[0, 1, 2], steps=[0, 1])
+    assert same.detail.startswith("In all 2 observed steps the inputs were identical on all 3 ranks")
+
+
+def test_use_outside_forward_and_reentrant_checkpoints_are_worded_from_the_flags() -> None:
+    finder = {"find_unused_parameters": "True", "static_graph": "False"}
+    outside = _worded("used-outside-forward", labels=finder)
+    assert outside.title == "1 parameter used outside DDP's forward" and "arrives anyway" in outside.detail
+    assert "The current flags cope" in _worded("used-outside-forward", labels={}).detail
+    blocked = _worded("reentrant-checkpoint", sites=["c.py:23"], labels={"kind": "no-grad-inputs"})
+    assert blocked.title == "reentrant checkpoint without grad-requiring inputs at c.py:23"
+    static = {"find_unused_parameters": "False", "static_graph": "True"}
+    assert _worded("reentrant-checkpoint", labels=static).detail.endswith("static_graph=True handles it.")
+    assert "Default flags happened to reduce correctly" in _worded("reentrant-checkpoint").detail

@@ -162,9 +162,6 @@ def same_inputs(*, world: int, steps: list[int]) -> Finding:
     return Finding(
         code=Code.IDENTICAL_INPUTS_ACROSS_RANKS,
         severity="warning",
-        title="every rank got the same batch",
-        detail=f"In all {len(steps)} observed steps the inputs were identical on all {world} ranks, so "
-        "the ranks do the same work and the job trains no faster than one rank.",
         ranks=list(range(world)),
         steps=steps,
         measured=[Measure("steps_with_identical_inputs", len(steps), "count")],

@@ -143,30 +143,13 @@ def grads_reduced_twice(v: View) -> list[Finding]:
     who = v.ranks("rereduced")
     sites = meta_sites(v, who.ranks, "rereduce_sites")
     signature = sites[0].split(" at ", 1)[0] if sites else ""
-    line = sites[0].split(" at ", 1)[1] if sites and " at " in sites[0] else "an unknown place"
     reduction, factor = _factor(signature)
-    if factor is not None and factor != 1:
-        effect = (
-            f"so each gradient is {factor} times what DDP computed and every update is {factor} times too large, on "
-            "every rank alike (nothing diverges: the learning rate is silently scaled)"
-        )
-        severity = "error"
-    elif factor == 1:
-        effect = "which changes nothing but exchanges every gradient a second time each step"
-        severity = "warning"
-    else:
-        effect = "which replaces or changes what DDP computed"
-        severity = "error"
     return [
         with_more(
             Finding(
                 code=Code.GRADS_REDUCED_TWICE,
                 sites=lines_of(*sites),
-                severity=severity,
-                title=f"gradients reduced again after DDP reduced them ({signature or 'a collective'} at {line})",
-                detail=f"DDP averaged the gradients across the ranks during the backward pass; then the script ran "
-                f"{signature or 'a collective'} ({reduction}) on parameters' .grad at {line}, {effect}. Seen in "
-                f"step(s) {bad}.",
+                severity="warning" if factor == 1 else "error",
                 params=[],
                 ranks=who.ranks,
                 steps=bad,

@@ -15,6 +15,7 @@ __all__ = [
     "all_ranks",
     "freeze_fix",
     "freeze_fix_in",
+    "flag_labels",
     "has_flags",
     "steps_of",
     "with_evidence",
@@ -26,6 +27,12 @@ __all__ = [
 def with_flags(v: View, **flags: bool) -> str:
     """'build DDP with ...', in the words of the framework that built the model (TrainingArguments, ...)."""
     return flags_fix(v.info.framework, flags, v.info.flavor)
+
+
+def flag_labels(find_unused: bool, static_graph: bool) -> dict[str, str]:
+    """DDP's two flags of the used set as a finding's labels carry them: what the report's words read
+    (`report/words.py`)."""
+    return {"find_unused_parameters": str(find_unused), "static_graph": str(static_graph)}
 
 
 def has_flags(v: View, **flags: bool) -> bool:

@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddp_doctor.analyze.common import all_ranks, has_flags, steps_of, with_flags
-from ddp_doctor.analyze.rules import count as _count
+from ddp_doctor.analyze.common import all_ranks, flag_labels, has_flags, steps_of, with_flags
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, lines_of
@@ -61,23 +60,11 @@ def used_outside_forward(v: View) -> list[Finding]:
     if not outside.params and not outside.crashed:
         return []
     broken = v.find_unused and not v.static_graph
-    detail = (
-        "These parameters got a gradient, but they are not part of the autograd graph of DDP's forward "
-        "outputs: the loss uses them after forward (for example ddp.module.head(features)). "
-    )
-    detail += (
-        "With find_unused_parameters=True DDP marks them unused after forward and then their gradient "
-        "arrives anyway: 'Expected to mark a variable ready only once'."
-        if broken
-        else "The current flags cope, but find_unused_parameters=True would crash with 'Expected to mark a "
-        "variable ready only once'."
-    )
     return [
         Finding(
             code=Code.USED_OUTSIDE_FORWARD,
             severity="error" if broken else "info",
-            title=f"{_count(len(outside.params), 'parameter')} used outside DDP's forward",
-            detail=detail,
+            labels=flag_labels(v.find_unused, v.static_graph),
             **outside.seen(v),
             fix="compute them inside the wrapped module's forward"
             + (
@@ -102,10 +89,7 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
                 code=Code.REENTRANT_CHECKPOINT,
                 sites=lines_of(*sites),
                 severity="error",
-                title=f"reentrant checkpoint without grad-requiring inputs at {', '.join(sites)}",
-                detail="torch.utils.checkpoint with use_reentrant=True gives the checkpointed block no gradient at all "
-                "when none of the call's tensor inputs requires grad (PyTorch only warns). Its parameters look "
-                "unused, but freezing them would be the wrong fix: the script means to train them.",
+                labels={"kind": "no-grad-inputs"},
                 params=v.params(blocked),
                 ranks=all_ranks(v),
                 steps=list(range(v.steps)),
@@ -115,33 +99,12 @@ def reentrant_checkpoint(v: View) -> list[Finding]:
     if not reentrant.ranks:
         return []
     broken = v.find_unused and not v.static_graph
-    if broken:
-        severity, effect = (
-            "error",
-            (
-                "With find_unused_parameters=True DDP marks them unused after forward, then "
-                "the nested backward produces their gradient: 'Expected to mark a variable "
-                "ready only once'."
-            ),
-        )
-    elif v.static_graph:
-        severity, effect = "info", "static_graph=True handles it."
-    else:
-        severity, effect = (
-            "warning",
-            (
-                "Default flags happened to reduce correctly here, but correctness then "
-                "depends on the order gradients become ready; static_graph=True does not."
-            ),
-        )
     return [
         Finding(
             code=Code.REENTRANT_CHECKPOINT,
             sites=lines_of(*sites),
-            severity=severity,
-            title="reentrant activation checkpointing inside DDP",
-            detail="torch.utils.checkpoint with use_reentrant=True runs a nested backward for the checkpointed "
-            "segment, so its parameters are invisible in the graph of DDP's forward outputs. " + effect,
+            severity="error" if broken else "info" if v.static_graph else "warning",
+            labels=flag_labels(v.find_unused, v.static_graph),
             **reentrant.seen(v),
             fix="pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it composes with DDP)"
             + (

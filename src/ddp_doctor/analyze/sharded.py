@@ -71,24 +71,12 @@ def low_precision_reduce(run: ShardedRun) -> list[Finding]:
     if not run.low_reduce or not run.model_params_stepped:
         return []
     low, weights = run.low_reduce
-    step = {"bfloat16": "0.0039 (2^-8)", "float16": "0.00049 (2^-11)"}.get(low, "")
-    policy = ", ".join(f"{k}={'/'.join(run.sharding.get(k) or []) or 'unset'}" for k in ("param_dtype", "reduce_dtype"))
+    policy = {f"policy_{k}": "/".join(run.sharding.get(k) or []) or "unset" for k in ("param_dtype", "reduce_dtype")}
     finding = Finding(
         code=Code.LOW_PRECISION_REDUCE,
         severity="info",
-        title=f"gradients are reduced in {low} while the weights train in {weights}",
-        detail=f"FSDP2 reduce-scattered this run's gradients in {low} (seen at its reduce-scatter, on every rank), "
-        f"while the sharded weights the optimizer steps are {weights}: each gradient is summed over the ranks in "
-        f"{low} before the optimizer sees it. The mixed-precision policy: {policy} (with reduce_dtype unset, torch "
-        "2.13 reduces in param_dtype, 2.15 in the weights' dtype). Measured on the second observed step, every "
-        f"rank's reduce-scatter against a float32 one of the same inputs: the reduced gradients differ by "
-        f"{run.low_reduce_rel:.2g} of their size on average (the sum of the differences over the sum of the "
-        f"magnitudes), by {run.low_reduce_abs:.3g} at most in one element; {low}'s relative step is {step}. That is "
-        f"the summation's own rounding on {run.world} ranks, and it grows with the number of ranks. It may be what "
-        f"you meant (it halves the reduce-scatter's bytes); recipes that compute in {low} usually reduce in float32 "
-        "(torchtitan's default).",
         ranks=every_rank(run),
-        labels={"reduce_dtype": low, "weights_dtype": weights},
+        labels={"reduce_dtype": low, "weights_dtype": weights, **policy},
         measured=[
             Measure("mean_relative_difference", run.low_reduce_rel, "fraction"),
             Measure("largest_difference", run.low_reduce_abs, "abs"),
@@ -119,12 +107,6 @@ def low_precision_weights(run: ShardedRun) -> list[Finding]:
     finding = Finding(
         code=Code.LOW_PRECISION_WEIGHTS,
         severity="warning",
-        title=f"the optimizer steps {dtype} weights, the dtype the mixed-precision policy computes in",
-        detail=f"The mixed-precision policy (param_dtype={'/'.join(policy)}) computes in {dtype}, and the sharded "
-        f"weights the optimizer steps are {dtype} as well: fully_shard keeps each parameter in the dtype it had "
-        "when it took it, and the policy only casts copies for forward and backward. An update smaller than a "
-        f"weight's resolution in {dtype} (about 1/{256 if dtype == 'bfloat16' else 2048} of its size) is lost; "
-        "with a small learning rate or late in training, most weights stop moving.",
         ranks=every_rank(run),
         steps=observed_steps(run),
         labels={"weights_dtype": dtype, "param_dtype": "/".join(policy)},

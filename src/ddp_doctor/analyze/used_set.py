@@ -6,7 +6,7 @@ registers itself with `@detects`, and `core/codes.py`'s `REPORT_ORDER` places it
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.common import all_ranks, freeze_fix_in, steps_of, with_flags
+from ddp_doctor.analyze.common import all_ranks, flag_labels, freeze_fix_in, steps_of, with_flags
 from ddp_doctor.analyze.hidden_use import hidden_params
 from ddp_doctor.analyze.parallelism import api_for
 from ddp_doctor.analyze.passes import passes_of
@@ -38,7 +38,7 @@ def unused_parameters(a: Agreed) -> list[Finding]:
         labels["modules_ran"] = str(never.modules_ran)
     if a.parallelism == "ddp":
         find_unused, static = bool(a.ddp_flags.get("find_unused_parameters")), bool(a.ddp_flags.get("static_graph"))
-        labels |= _flags(find_unused, static)
+        labels |= flag_labels(find_unused, static)
         severity = "warning" if find_unused or static else "error"
         fix = freeze_fix_in(a.framework, a.flavor) + "."
     else:
@@ -60,11 +60,6 @@ def unused_parameters(a: Agreed) -> list[Finding]:
     return [found]
 
 
-def _flags(find_unused: bool, static: bool) -> dict[str, str]:
-    """DDP's two flags of the used set, as a finding's labels carry them (the report's words read them)."""
-    return {"find_unused_parameters": str(find_unused), "static_graph": str(static)}
-
-
 @detects(Code.GRAD_BLOCKED)
 def grad_blocked(v: View) -> list[Finding]:
     if not v.steps or v.crashed_before_first_step:
@@ -81,7 +76,7 @@ def grad_blocked(v: View) -> list[Finding]:
             params=v.params(blocked),
             ranks=all_ranks(v),
             steps=list(range(v.steps)),
-            labels={"kind": "checkpoint" if sites else "cut", **_flags(v.find_unused, v.static_graph)},
+            labels={"kind": "checkpoint" if sites else "cut", **flag_labels(v.find_unused, v.static_graph)},
             fix=(
                 "pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it works whether or not the inputs "
                 "require grad)"
@@ -107,7 +102,7 @@ def dynamic_graph(v: View) -> list[Finding]:
             params=v.params(dynamic),
             ranks=all_ranks(v),
             steps=steps,
-            labels=_flags(v.find_unused, v.static_graph),
+            labels=flag_labels(v.find_unused, v.static_graph),
             # info means the script already has exactly these flags: no fix to print.
             fix="" if severity == "info" else with_flags(v, find_unused_parameters=True, static_graph=False) + ".",
         )
@@ -130,7 +125,7 @@ def rank_dependent_graph(v: View) -> list[Finding]:
             ranks=lacking.ranks,
             more_ranks=lacking.more,
             steps=steps_of((v.used_any[:, rank_dep] != v.used_all[:, rank_dep]).any(-1)),
-            labels=_flags(v.find_unused, v.static_graph),
+            labels=flag_labels(v.find_unused, v.static_graph),
             # Either flag copes, and a script that is not on default flags has one of them: no fix to print then.
             fix=f"{with_flags(v, static_graph=True)} if each rank's used set is stable, else "
             f"{with_flags(v, find_unused_parameters=True)}."
