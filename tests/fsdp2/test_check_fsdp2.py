@@ -54,7 +54,10 @@ def test_a_clean_fsdp2_job_is_clean_and_its_sharding_is_named(tmp_path: Path, mi
     # a save after the observed steps, forwards on some ranks, the policy, skipped steps after them, a write to
     # the weights on some ranks (a 1-D mesh holds each shard once: no replica to compare, `replicas` 0), and modules
     # run beside the model
-    assert len(run.report["unchecked"]) == 6 and all(u.startswith("FSDP2: ") for u in run.report["unchecked"])
+    unchecked = ["sharded-saves", "calls-some-ranks", "mixed-precision", "optimizer-steps-skipped"]
+    unchecked += ["weights-written-some-ranks", "modules-beside"]
+    assert [u["what"] for u in run.report["not_checked"]] == unchecked, run.report["not_checked"]
+    assert {u["parallelism"] for u in run.report["not_checked"]} == {"fsdp2"}
     assert (compared["replicas"], compared["replica_rows"]) == (0, 0), compared
     assert run.report["steps_observed"] == 8  # the script trains 12 steps; the check stops it after --steps
     assert run.report["recommendation"]["flags_known"] is False and run.report["recommendation"]["static_graph"] is None
@@ -81,8 +84,8 @@ def test_state_read_after_an_evaluation_or_unreadable_is_not_taken_for_a_mistake
     assert run.rc == 0 and run.report["findings"] == [], run.output
     compared = run.report["compared"]
     assert (compared["parameters"], compared["outside_groups"], compared["buffers"]) == (6, 0, 0), compared
-    unread = [line for line in run.report["unchecked"] if "mix (Opaque)" in line]
-    assert len(unread) == (mistake == "opaque-buffer"), run.report["unchecked"]
+    unread = [u["tensors"] for u in run.report["not_checked"] if u["what"] == "unreadable"]
+    assert unread == ([["buffer mix (Opaque)"]] if mistake == "opaque-buffer" else []), run.report["not_checked"]
 
 
 @pytest.mark.parametrize("ranks", [2, 1])

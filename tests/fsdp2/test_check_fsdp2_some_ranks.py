@@ -96,6 +96,7 @@ def test_a_forward_through_the_sharded_model_on_rank_0_alone_is_named_with_its_l
     assert run.codes <= {"sharded-forward-some-ranks", "rank-crashed"}, run.output
     crashed = [f for f in run.report["findings"] if f["code"] == "rank-crashed"]
     assert all(f["caused_by"] == ["sharded-forward-some-ranks"] for f in crashed), crashed
+    assert finding["explains"] == (["rank-crashed"] if crashed else [])  # a crash that is reported is under it
 
 
 def test_a_training_pass_on_one_rank_alone_is_named_at_its_step_as_a_training_pass(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from dist import run_ranks
 
 from ddp_doctor.analyze.epochs import counted_uneven
 from ddp_doctor.analyze.following_ends import following_findings, unchecked
-from ddp_doctor.core.findings import Recommendation, Timing
+from ddp_doctor.core.findings import Recommendation, Timing, Unchecked
 from ddp_doctor.core.following import FollowRecord, FollowSummary, LoaderSeen
 from ddp_doctor.exchange.following_rounds import exchange_follow
 from ddp_doctor.report.model import Report
@@ -80,7 +80,9 @@ def test_the_exchange_counts_each_ranks_batches_and_lists_the_files_written(tmp_
         followed=True, declined=False, epoch_ends=1, ended_by="", seconds=0.1, loaders=results[0]["loaders"], counts={}
     )
     notes = unchecked(s, epochs=1, limit=2, steps=8)
-    assert len(notes) == 1 and notes[0].startswith("The DataLoader #2 built at make.py:5 has no len()"), notes
+    assert [(u.what, u.facts) for u in notes] == [
+        ("loader-later-passes", {"loader": "#2 built at make.py:5", "cap": 2})
+    ]
 
 
 def test_a_pass_that_handed_out_more_than_another_ranks_whole_pass_is_uneven_though_capped() -> None:
@@ -110,7 +112,11 @@ def test_a_pass_that_handed_out_more_than_another_ranks_whole_pass_is_uneven_tho
     # Not followed (the script ended in the observed steps): the counted passes are still compared.
     s = FollowSummary(followed=False, declined=False, epoch_ends=0, ended_by="", seconds=0, loaders=[loader], counts={})
     assert [x.code for x in following_findings(s)] == ["uneven-inputs"]
-    assert unchecked(s, epochs=0, limit=2, steps=8)[0].startswith("--follow-epochs 0: the script was stopped")
+    assert unchecked(s, epochs=0, limit=2, steps=8)[0].to_dict() == {
+        "what": "epoch-end",
+        "steps": 8,
+        "follow_epochs": 0,
+    }
 
 
 def test_the_files_written_and_what_went_unchecked_are_in_json_and_text() -> None:
@@ -140,10 +146,14 @@ def test_the_files_written_and_what_went_unchecked_are_in_json_and_text() -> Non
             {"path": "/w/gpt_snapshot.pt", "shown": "gpt_snapshot.pt", "site": "t.py:9", "how": "torch.save"}
             | {"existed": False, "ranks": [0]}
         ],
-        unchecked=["--follow-epochs 0: the script was stopped right after its 8 observed step(s)."],
+        unchecked=[
+            Unchecked("epoch-end", "--follow-epochs 0: the script was stopped.", {"steps": 8, "follow_epochs": 0})
+        ],
     )
     data = json.loads(report.to_json())
-    assert data["schema"] == "ddp-doctor/report@2" and list(data)[-2:] == ["files_written", "unchecked"], list(data)
+    assert data["schema"] == "ddp-doctor/report@2", data["schema"]
+    assert list(data)[-3:] == ["files_written", "unchecked", "not_checked"], list(data)
+    assert data["not_checked"] == [{"what": "epoch-end", "steps": 8, "follow_epochs": 0}]
     again = Report.from_dict(data)
     assert again.files_written == report.files_written and again.unchecked == report.unchecked
     text = " ".join(str(report).split())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ddp_doctor.core.findings import Finding, ParamRef, Recommendation, Timing
+from ddp_doctor.core.findings import Finding, ParamRef, Recommendation, Timing, Unchecked
 from ddp_doctor.core.ranks import listed, named_ranks, other_ranks, rank_list, rank_ranges
 from ddp_doctor.report import Report
 from ddp_doctor.report.html import check_section
@@ -183,7 +183,9 @@ def test_a_sharded_report_says_what_it_compared_with_counts_and_what_it_did_not(
         "all_gathers_per_step": 10,
     }  # fmt: skip
     report = dataclasses.replace(
-        _report([], ddp_config={}), compared=compared, unchecked=["FSDP2: a save of sharded state after the steps"]
+        _report([], ddp_config={}),
+        compared=compared,
+        unchecked=[Unchecked("sharded-saves", "FSDP2: a save of sharded state after the steps")],
     )
     words = _words(to_text(report, width=200))
     assert "No problems found in what was compared (below)." in words

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddp_doctor.core.codes import not_checked_for
+from ddp_doctor.core.findings import Unchecked
 from ddp_doctor.core.summary import Summary
 
 __all__ = ["compared", "not_read", "unreadable"]
@@ -69,7 +70,7 @@ def _beside(summary: Summary) -> int:
     return sum(all(name in h for h in held) for name in mine)
 
 
-def unreadable(summary: Summary) -> list[str]:
+def unreadable(summary: Summary) -> list[Unchecked]:
     """The tensors in the module tree whose values the check cannot read (a tensor subclass whose ops the fingerprint
     cannot run, as a quantized weight's; on the meta device; a lazy module's before its first forward): those beyond
     what DDP registered as rank 0 saw them at the last step, and DDP's buffers no rank recorded at any step. Their
@@ -86,7 +87,7 @@ def unreadable(summary: Summary) -> list[str]:
     if s and seen.numel() and bool(summary.input_present[:s].any()):
         never = (~seen[:s].any(0)).nonzero().flatten().tolist()
         held += [f"buffer {summary.info.buffer_names[i]} (no value read: a tensor subclass, or NaN)" for i in never]
-    return [not_read(held)] if held else []
+    return [Unchecked("unreadable", not_read(held), {"tensors": held})] if held else []
 
 
 def not_read(held: list[str]) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ddp_doctor.analyze.collective_order import followed_apart
 from ddp_doctor.analyze.epochs import counted_uneven, followed_epoch_repeated, lengths_uneven, loader_name
 from ddp_doctor.analyze.timeouts import followed_timeout_risk
-from ddp_doctor.core.findings import Finding
+from ddp_doctor.core.findings import Finding, Unchecked
 from ddp_doctor.core.following import Following, FollowSummary, JoinedLoop
 
 __all__ = ["following_findings", "following_section", "unchecked"]
@@ -82,24 +82,32 @@ def following_findings(
 
 def unchecked(
     summary: FollowSummary | None, *, epochs: int | None, limit: int, steps: int, watched: bool = False
-) -> list[str]:
-    """What the check did not run or could not see, in sentences: the epoch end with `--follow-epochs 0` (`watched`:
+) -> list[Unchecked]:
+    """What the check did not run or could not see: the epoch end with `--follow-epochs 0` (`watched`:
     the rest of the job; `epochs` None: the script was not stopped after its observed steps, it ended or failed
     before them), and the loaders without len() whose passes the check capped."""
     out = []
     if watched:
         out.append(
-            f"After its {steps} observed step(s) the job trained on under watch, which from then on looks for hangs "
-            "and failures, and compares only the parameters of the DDP models across this node's ranks every few "
-            "steps: the gradients, buffers, inputs, optimizer settings and the epoch ends (evaluation, checkpoint "
-            "saves, the collectives there) of the later steps were not compared."
+            Unchecked(
+                "later-steps",
+                f"After its {steps} observed step(s) the job trained on under watch, which from then on looks for hangs "
+                "and failures, and compares only the parameters of the DDP models across this node's ranks every few "
+                "steps: the gradients, buffers, inputs, optimizer settings and the epoch ends (evaluation, checkpoint "
+                "saves, the collectives there) of the later steps were not compared.",
+                {"steps": steps, "after": "watch"},
+            )
         )
     elif epochs == 0:  # (None: nothing came after the observed steps)
         out.append(
-            f"--follow-epochs 0: the script was stopped right after its {steps} observed step(s); its epoch end "
-            "(evaluation, checkpoint saves, the collectives there) and every later epoch went unchecked, and a "
-            "DataLoader pass still open then was never counted to its end. Leave --follow-epochs at 1 (the "
-            "default) to follow one epoch end."
+            Unchecked(
+                "epoch-end",
+                f"--follow-epochs 0: the script was stopped right after its {steps} observed step(s); its epoch end "
+                "(evaluation, checkpoint saves, the collectives there) and every later epoch went unchecked, and a "
+                "DataLoader pass still open then was never counted to its end. Leave --follow-epochs at 1 (the "
+                "default) to follow one epoch end.",
+                {"steps": steps, "follow_epochs": 0},
+            )
         )
     for d in summary.loaders if summary is not None else []:
         c = d.get("counted") or {}
@@ -109,16 +117,24 @@ def unchecked(
         if c.get("all_first_counted"):
             each = f" ({c['min']} each)" if c.get("min") == c.get("max") else ""
             out.append(
-                f"{name} has no len(): its batches were counted on every rank in its first pass{each}, but a later "
-                f"pass was capped by the check (at {limit} batch(es), or where the observed steps ended), so a "
-                "difference between the ranks' counts in later epochs (shards that change per epoch, say) would not "
-                "show."
+                Unchecked(
+                    "loader-later-passes",
+                    f"{name} has no len(): its batches were counted on every rank in its first pass{each}, but a later "
+                    f"pass was capped by the check (at {limit} batch(es), or where the observed steps ended), so a "
+                    "difference between the ranks' counts in later epochs (shards that change per epoch, say) would not "
+                    "show.",
+                    {"loader": loader_name(d), "cap": limit},
+                )
             )
         else:
             out.append(
-                f"{name} has no len(), and the check ended its passes before they ran to their end on every rank "
-                f"(after the observed steps, then at {limit} batch(es)): its batches per rank were never counted, so "
-                "ranks with different numbers of batches per epoch would not show. Raise --steps above its batches "
-                "per epoch to count a whole pass."
+                Unchecked(
+                    "loader-passes",
+                    f"{name} has no len(), and the check ended its passes before they ran to their end on every rank "
+                    f"(after the observed steps, then at {limit} batch(es)): its batches per rank were never counted, so "
+                    "ranks with different numbers of batches per epoch would not show. Raise --steps above its batches "
+                    "per epoch to count a whole pass.",
+                    {"loader": loader_name(d), "cap": limit},
+                )
             )
     return out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ddp_doctor.core.codes import Code
-from ddp_doctor.core.findings import Finding, Recommendation
+from ddp_doctor.core.findings import Finding, Recommendation, Unchecked
 from ddp_doctor.core.unwrapped_run import UnwrappedRun
 
 __all__ = ["unwrapped_compared", "unwrapped_findings", "unwrapped_recommendation", "unwrapped_unchecked"]
@@ -35,16 +35,17 @@ def unwrapped_compared(run: UnwrappedRun) -> dict[str, int | str]:
     }
 
 
-def unwrapped_unchecked(run: UnwrappedRun) -> list[str]:
+def unwrapped_unchecked(run: UnwrappedRun) -> list[Unchecked]:
     """What the check could not compare: the DTensor parameters of a parallelism it has no rules for."""
     if not run.dtensors:
         return []
     compared = f"the other {len(run.params)} were compared across ranks" if run.params else "it steps no other"
-    return [
+    text = (
         f"{run.dtensors} of the parameters the optimizer{_where(run)} steps are DTensors placed on a device mesh "
         "by a parallelism other than FSDP2 or replicate (tensor parallelism, say). Their local parts may differ "
         f"across ranks by design and the check has no rules for them, so none of them was compared; {compared}."
-    ]
+    )
+    return [Unchecked("dtensors", text, {"dtensors": run.dtensors, "compared": len(run.params)})]
 
 
 def _where(run: UnwrappedRun) -> str:

@@ -4,24 +4,29 @@ the agreed facts (`ShardedRun`) in. DDP's counterpart is `analyze/coverage.py`."
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ddp_doctor.analyze.coverage import not_read
 from ddp_doctor.core.codes import not_checked_for
+from ddp_doctor.core.findings import Unchecked
 from ddp_doctor.core.sharded_run import ShardedRun, parallelism_of
 from ddp_doctor.core.steptime import MIN_STEPS
 
 __all__ = ["sharded_compared", "sharded_unchecked"]
 
 
-def _untimed(run: ShardedRun) -> list[str]:
+def _untimed(run: ShardedRun) -> list[Unchecked]:
     """The step-time checks not made."""
     if run.timed_steps < MIN_STEPS:
-        return [f"the step time (timed over at least {MIN_STEPS} steps after the first, on CPU or one GPU a rank)"]
+        text = f"the step time (timed over at least {MIN_STEPS} steps after the first, on CPU or one GPU a rank)"
+        return [Unchecked("step-time", text, {"timed_steps": run.timed_steps, "needed": MIN_STEPS})]
     if run.gpu_timed:
-        return ["a straggler rank (on a GPU the time in the collectives is not timed: NCCL runs them on its streams)"]
+        text = "a straggler rank (on a GPU the time in the collectives is not timed: NCCL runs them on its streams)"
+        return [Unchecked("straggler", text, {"why": "gpu"})]
     if not run.comm_timed:
-        return ["a straggler rank (the time in the sharded model's collectives could not be timed)"]
+        text = "a straggler rank (the time in the sharded model's collectives could not be timed)"
+        return [Unchecked("straggler", text, {"why": "collectives-untimed"})]
     return []
 
 
@@ -61,22 +66,25 @@ def sharded_compared(run: ShardedRun) -> dict[str, Any]:
     }
 
 
-def _replicas_unchecked(run: ShardedRun, name: str) -> list[str]:
+def _replicas_unchecked(run: ShardedRun, name: str) -> list[Unchecked]:
     """What the replicas' comparison (`replicas_compared`) left out: a write to the weights on some ranks is seen
     only where a copy to compare with exists, and only as of the last observed step."""
     if run.world < 2:
         return []
     if run.replicas_compared:
-        return [
+        text = (
             f"{name}: the step between the first and the last observed one at which the replicas' weights parted "
             "(they are compared at those two)"
-        ]
+        )
+        return [Unchecked("replicas-parting-step", text)]
     if run.replica_rows > 0:  # the ranks hold more replica rows than the exchange compares
-        return [f"{name}: the replicas' weights ({run.replica_rows} shards each held by several ranks)"]
-    return [
+        text = f"{name}: the replicas' weights ({run.replica_rows} shards each held by several ranks)"
+        return [Unchecked("replicas", text, {"shards": run.replica_rows})]
+    text = (
         f"{name}: writes to the weights outside the optimizer on some ranks (each shard is held once: there is "
         "no copy to compare it with)"
-    ]
+    )
+    return [Unchecked("weights-written-some-ranks", text)]
 
 
 _BESIDE = (
@@ -85,46 +93,63 @@ _BESIDE = (
 )
 
 
-def sharded_unchecked(run: ShardedRun) -> list[str]:
+def sharded_unchecked(run: ShardedRun) -> list[Unchecked]:
     """What the sharded report did not check (`Diagnosis.unchecked`): its own gaps, and DDP's checks it has no
-    counterpart of yet, said rather than left out."""
+    counterpart of yet, said rather than left out. Each says the parallelism (`facts["parallelism"]`)."""
+    parallelism = parallelism_of(run.sharding)
     after = "after the epoch end followed" if run.followed else "after the observed steps"
+    since = {"after": "epoch-end" if run.followed else "observed-steps"}
     # A step some ranks skip within the observed steps stops the check there (`optimizer-step-skipped`).
     skipped = f"optimizer steps skipped on some ranks {after}"
-    if parallelism_of(run.sharding) == "replicate":
-        return [
-            "the mixed-precision policy of replicate",
+    if parallelism == "replicate":
+        out = [
+            Unchecked("mixed-precision", "the mixed-precision policy of replicate"),
             *_untimed(run),
-            f"replicate: {skipped}",
+            Unchecked("optimizer-steps-skipped", f"replicate: {skipped}", since),
             *_replicas_unchecked(run, "replicate"),
-            f"replicate: {_BESIDE}",
+            Unchecked("modules-beside", f"replicate: {_BESIDE}"),
         ]
-    who = "`ddp-doctor check` names them when they do" if run.in_process else "they are named when they do"
-    return [
-        f"FSDP2: a save of sharded state {after}",
-        f"FSDP2: forwards and full-state-dict gathers on some ranks only that did not break the run ({who})",
-        "FSDP2: the mixed-precision policy beyond the dtype of the gradients' reduce-scatter and of the weights the "
-        "optimizer steps",
-        *_untimed(run),
-        f"FSDP2: {skipped}",
-        *_replicas_unchecked(run, "FSDP2"),
-        f"FSDP2: {_BESIDE}",
-        *_beside_mesh(run),
-        *(["FSDP2: " + not_read([f"buffer {b}" for b in run.buffers_unreadable])] if run.buffers_unreadable else []),
-    ]
+    else:
+        who = "`ddp-doctor check` names them when they do" if run.in_process else "they are named when they do"
+        some = f"FSDP2: forwards and full-state-dict gathers on some ranks only that did not break the run ({who})"
+        unread = [f"buffer {b}" for b in run.buffers_unreadable]
+        out = [
+            Unchecked("sharded-saves", f"FSDP2: a save of sharded state {after}", since),
+            Unchecked("calls-some-ranks", some, {"in_process": run.in_process}),
+            Unchecked(
+                "mixed-precision",
+                "FSDP2: the mixed-precision policy beyond the dtype of the gradients' reduce-scatter and of the "
+                "weights the optimizer steps",
+            ),
+            *_untimed(run),
+            Unchecked("optimizer-steps-skipped", f"FSDP2: {skipped}", since),
+            *_replicas_unchecked(run, "FSDP2"),
+            Unchecked("modules-beside", f"FSDP2: {_BESIDE}"),
+            *_beside_mesh(run),
+            *([Unchecked("unreadable", "FSDP2: " + not_read(unread), {"tensors": unread})] if unread else []),
+        ]
+    return [dataclasses.replace(u, facts={**u.facts, "parallelism": parallelism}) for u in out]
 
 
-def _beside_mesh(run: ShardedRun) -> list[str]:
+def _beside_mesh(run: ShardedRun) -> list[Unchecked]:
     """A mesh smaller than the world (tensor parallelism beside FSDP2): the ranks of one tensor-parallel group must
     read the same batches, and their inputs are compared only across every rank, not within those groups."""
     size = run.sharding.get("mesh_size")
     if not size or size >= run.world:
         return []
     where = f"FSDP2 on a {size}-rank mesh beside another dimension of the {run.world}-rank world"
+    mesh = {"mesh_size": size, "world": run.world}
     if run.beside_compared:  # the groups' inputs were compared (`beside_inputs`): the samplers' own ranks are not
-        return [f"{where}: whether each rank's sampler holds its own data-parallel rank"]
-    return [
+        return [
+            Unchecked(
+                "sampler-rank-beside-mesh",
+                f"{where}: whether each rank's sampler holds its own data-parallel rank",
+                mesh,
+            )
+        ]
+    text = (
         f"{where} (tensor parallelism, say): whether the ranks that differ only along that dimension read the same "
         "batches (their parameters are not on one mesh of both), and whether each rank's sampler holds its own "
         "data-parallel rank"
-    ]
+    )
+    return [Unchecked("inputs-beside-mesh", text, mesh)]

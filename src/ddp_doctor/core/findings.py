@@ -20,6 +20,7 @@ __all__ = [
     "ParamRef",
     "Recommendation",
     "Timing",
+    "Unchecked",
     "by_cause",
     "calls_of",
     "count",
@@ -271,6 +272,20 @@ class Crash:
     """`file:line  code` of the script's line that raised ("" when unknown)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Unchecked:
+    """Something the check did not compare or could not see: `what` names it (a stable key, docs/json-schema.md's
+    `not_checked`), `facts` bound it (the steps observed, the loader, the parallelism whose gap it is, ...), `text`
+    says it."""
+
+    what: str
+    text: str
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"what": self.what, **self.facts}
+
+
 @dataclass(kw_only=True, frozen=True)
 class Diagnosis:
     """What `analyze` returns: pure data, no torch.distributed involved. Frozen: nothing edits a diagnosis after the
@@ -290,8 +305,8 @@ class Diagnosis:
     """The divergence curve's data."""
     following: Following | None = None
     """What `check` followed after the observed steps (the epoch ends, the loaders)."""
-    unchecked: list[str] = field(default_factory=list)
-    """What the check did not run or could not see, in sentences."""
+    unchecked: list[Unchecked] = field(default_factory=list)
+    """What the check did not run or could not see."""
     files_written: list[dict[str, Any]] = field(default_factory=list)
     """Files the script wrote under the check, as following's exchange agreed on them (passed through)."""
     files_unlisted: int = 0

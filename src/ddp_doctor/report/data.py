@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ddp_doctor.core import VERSION
 from ddp_doctor.core.codes import CODES, SEVERITIES, Code
 from ddp_doctor.core.figures import Divergence, UsageMap
-from ddp_doctor.core.findings import Crash, Diagnosis, Finding, Recommendation, Timing, finite
+from ddp_doctor.core.findings import Crash, Diagnosis, Finding, Recommendation, Timing, Unchecked, finite
 from ddp_doctor.core.following import Following
 from ddp_doctor.core.ranks import rank_list
 from ddp_doctor.report.words import worded
@@ -181,8 +181,9 @@ class ReportData:
     `shown`, `site`, `how`, `existed`, `ranks` (JSON key `files_written`, absent when empty)."""
     files_unlisted: int = 0
     """Ranks whose written files are not listed (JSON key `files_unlisted_ranks`, absent when 0)."""
-    unchecked: list[str] = field(default_factory=list)
-    """What the check did not run or could not see, in sentences (JSON key `unchecked`, absent when empty)."""
+    unchecked: list[Unchecked] = field(default_factory=list)
+    """What the check did not run or could not see: JSON `unchecked` the sentences (`@1`), `not_checked` each one's
+    key and facts (`@2`); both absent when empty."""
     compared: dict[str, Any] | None = None
     """What the exchange compared across the ranks, with counts (`analyze/coverage.py`; JSON key `compared`)."""
     schema: str = SCHEMA
@@ -279,7 +280,7 @@ class ReportData:
             following=Following.from_dict(data["following"]) if data.get("following") else None,
             files_written=list(data.get("files_written", [])),
             files_unlisted=int(data.get("files_unlisted_ranks", 0)),
-            unchecked=list(data.get("unchecked", [])),
+            unchecked=_unchecked_of(data),
             compared=data.get("compared"),
         )
         return cls.build(facts, diagnosis)
@@ -361,7 +362,8 @@ class ReportData:
         if self.files_unlisted:
             out["files_unlisted_ranks"] = self.files_unlisted
         if self.unchecked:
-            out["unchecked"] = self.unchecked
+            out["unchecked"] = [u.text for u in self.unchecked]
+            out["not_checked"] = [u.to_dict() for u in self.unchecked]
         if self.compared is not None:
             out["compared"] = self.compared
         if self.failed:
@@ -370,3 +372,12 @@ class ReportData:
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(finite(self.to_dict()), indent=2, **kwargs)
+
+
+def _unchecked_of(data: dict[str, Any]) -> list[Unchecked]:
+    """A report's `unchecked` sentences with their `not_checked` keys and facts (a report written before `@2`
+    carried them has the sentences only)."""
+    texts, keyed = data.get("unchecked", []), data.get("not_checked") or []
+    if len(keyed) != len(texts):
+        return [Unchecked("", text) for text in texts]
+    return [Unchecked(k["what"], text, {n: v for n, v in k.items() if n != "what"}) for text, k in zip(texts, keyed)]

@@ -328,7 +328,10 @@ def check_section(report: ReportData, *, key: str = "m0", heading: str | None = 
     lines = following_lines(report.following) if report.following is not None else []
     following = f"<p class='timing following'>{'<br>'.join(_e(x) for x in lines)}</p>" if lines else ""
     # What the script left behind and what the check did not see: beside the findings, not in the dim lines.
-    notes = [*(files_lines(report) if report.files_written else []), *(f"Not checked: {u}" for u in report.unchecked)]
+    notes = [
+        *(files_lines(report) if report.files_written else []),
+        *(f"Not checked: {u.text}" for u in report.unchecked),
+    ]
     left = f"<p class='crash'>{'<br>'.join(_e(x) for x in notes)}</p>" if notes else ""
     return (
         f"<section class='ddp-check' id='{key}'>{title}<p class='version'>ddp-doctor {_e(report.tool_version)}"

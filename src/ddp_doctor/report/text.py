@@ -164,8 +164,8 @@ def render(report: ReportData) -> Iterator[Any]:
         yield Text("\n".join(files_lines(report)), style="yellow")
     if report.compared is not None:
         yield Text(compared_line(report.compared), style="dim")
-    for line in report.unchecked:
-        yield Text(f"Not checked: {line}", style="yellow")
+    for u in report.unchecked:
+        yield Text(f"Not checked: {u.text}", style="yellow")
 
     yield _recommendation(report)
 
