@@ -193,3 +193,13 @@ def test_use_outside_forward_and_reentrant_checkpoints_are_worded_from_the_flags
     static = {"find_unused_parameters": "False", "static_graph": "True"}
     assert _worded("reentrant-checkpoint", labels=static).detail.endswith("static_graph=True handles it.")
     assert "Default flags happened to reduce correctly" in _worded("reentrant-checkpoint").detail
+
+
+def test_a_gradscaler_mismatch_shows_each_named_ranks_scale_and_counts_the_rest() -> None:
+    scales = [Measure("scale (rank 0)", 1024.0, "ratio"), Measure("scale (rank 6)", 512.0, "ratio")]
+    two = _worded("grad-scaler-mismatch", ranks=[0, 6, 7], steps=[1, 3], measured=scales, more_ranks=2)
+    assert two.title == (
+        "GradScaler's scale differs across ranks at step 1 (rank 0: 1024, rank 6: 512, rank 7: no scaler.step() "
+        "and 2 other ranks)"
+    )
+    assert two.detail.endswith("Also at step(s) [3].")

@@ -11,7 +11,6 @@ from ddp_doctor.analyze.snippets import sync_batchnorm
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure
-from ddp_doctor.core.ranks import other_ranks
 from ddp_doctor.core.records import decode_scale
 
 __all__ = ["batchnorm_not_synced", "grad_scaler_mismatch"]
@@ -29,25 +28,11 @@ def grad_scaler_mismatch(v: View) -> list[Finding]:
         return []
     first = bad[0]
     odd = v.ranks("scale-differs")
-
-    def scale(value: int) -> str:
-        return f"{decode_scale(value):g}" if value else "no scaler.step()"
-
     named = [(0, v.summary.scales0[first]), *((r, v.meta(r)["scale"]) for r in odd.ranks[:7])]
-    shown = ", ".join(f"rank {r}: {scale(value)}" for r, value in named)
-    more = odd.count - min(len(odd.ranks), 7)
     return [
         Finding(
             code=Code.GRAD_SCALER_MISMATCH,
             severity="warning",
-            title=f"GradScaler's scale differs across ranks at step {first} ({shown}" + other_ranks(more) + ")",
-            detail="With gradients synchronized by DDP, every rank sees the same infs and NaNs, so every rank's scaler "
-            "skips the same steps and keeps the same scale. Here they differ: DDP averages gradients scaled by "
-            "different factors and each rank divides the average by its own scale, so the ranks apply different "
-            "updates (and skip different steps), and the replicas drift apart. Usual causes: a scaler built with "
-            "a rank-dependent "
-            "init_scale, scaler.update() or scaler.step() called on some ranks only, or gradients that DDP did "
-            "not synchronize (see the other findings)." + (f" Also at step(s) {bad[1:]}." if len(bad) > 1 else ""),
             params=[],
             ranks=sorted({0, *odd.ranks}),
             steps=bad,

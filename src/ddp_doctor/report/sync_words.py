@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, count
-from ddp_doctor.core.ranks import listed
+from ddp_doctor.core.ranks import listed, other_ranks
 from ddp_doctor.report.wording import measure, words
 
 __all__: list[str] = []
@@ -140,4 +140,31 @@ def _low_precision_weights(f: Finding) -> tuple[str, str]:
         "and the policy only casts copies for forward and backward. An update smaller than a weight's resolution in "
         f"{dtype} (about 1/{256 if dtype == 'bfloat16' else 2048} of its size) is lost; with a small learning rate or "
         "late in training, most weights stop moving.",
+    )
+
+
+_SHOWN_SCALES = 8
+"""The ranks whose scale the title shows: rank 0 and the first seven others."""
+
+
+@words(Code.GRAD_SCALER_MISMATCH)
+def _grad_scaler_mismatch(f: Finding) -> tuple[str, str]:
+    """The ranks are rank 0 and examples of the others, the steps those at which the scales differ; measured: each
+    shown rank's scale at the first (`scale (rank R)`; none for a rank that called no scaler.step())."""
+    scales = {m.name: m.value for m in f.measured}
+    shown = f.ranks[:_SHOWN_SCALES]
+    said = ", ".join(
+        f"rank {r}: {scales[f'scale (rank {r})']:g}" if f"scale (rank {r})" in scales else f"rank {r}: no scaler.step()"
+        for r in shown
+    )
+    more = len(f.ranks) - len(shown) + f.more_ranks
+    also = f" Also at step(s) {f.steps[1:]}." if len(f.steps) > 1 else ""
+    return (
+        f"GradScaler's scale differs across ranks at step {f.steps[0]} ({said}{other_ranks(more)})",
+        "With gradients synchronized by DDP, every rank sees the same infs and NaNs, so every rank's scaler skips the "
+        "same steps and keeps the same scale. Here they differ: DDP averages gradients scaled by different factors "
+        "and each rank divides the average by its own scale, so the ranks apply different updates (and skip "
+        "different steps), and the replicas drift apart. Usual causes: a scaler built with a rank-dependent "
+        "init_scale, scaler.update() or scaler.step() called on some ranks only, or gradients that DDP did not "
+        f"synchronize (see the other findings).{also}",
     )
