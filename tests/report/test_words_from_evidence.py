@@ -203,3 +203,12 @@ def test_a_gradscaler_mismatch_shows_each_named_ranks_scale_and_counts_the_rest(
         "and 2 other ranks)"
     )
     assert two.detail.endswith("Also at step(s) [3].")
+
+
+def test_a_finding_without_words_or_its_measures_is_refused() -> None:
+    """A detector that left out the words of a code the report does not word, or a quantity its words state, fails
+    loudly rather than printing an empty title or a made-up number."""
+    with pytest.raises(AssertionError, match="built without words"):
+        worded(Finding(code="replica-divergence", severity="error"))
+    with pytest.raises(AssertionError, match="parameters_used"):
+        worded(Finding(code="find-unused-unneeded", severity="warning", ranks=[0, 1], steps=[0]))

@@ -48,16 +48,17 @@ def unused_parameters(a: Agreed) -> list[Finding]:
             f"remove them from the model if nothing uses them, or set requires_grad=False on them before {api.call} "
             "(and build the optimizer from the trainable parameters) while they are not used."
         )
-    found = Finding(
-        code=Code.UNUSED_PARAMETERS,
-        severity=severity,
-        params=never.params,
-        ranks=list(range(a.world)),
-        steps=list(range(never.steps)),
-        fix=fix,
-        labels=labels,
-    )
-    return [found]
+    return [
+        Finding(
+            code=Code.UNUSED_PARAMETERS,
+            severity=severity,
+            params=never.params,
+            ranks=list(range(a.world)),
+            steps=list(range(never.steps)),
+            fix=fix,
+            labels=labels,
+        )
+    ]
 
 
 @detects(Code.GRAD_BLOCKED)

@@ -7,12 +7,9 @@ from __future__ import annotations
 from ddp_doctor.core.codes import PARALLELISMS, Code
 from ddp_doctor.core.findings import Finding, count
 from ddp_doctor.core.ranks import listed, rank_list
-from ddp_doctor.report.wording import default_flags, flag, words
+from ddp_doctor.report.wording import default_flags, finds_unused, flag, value_of, words
 
 __all__: list[str] = []
-
-_CALL = {"fsdp2": "fully_shard", "replicate": "replicate"}
-"""The call that builds a sharded model of each parallelism."""
 
 
 @words(Code.UNUSED_PARAMETERS)
@@ -40,7 +37,7 @@ def _unused_parameters(f: Finding) -> tuple[str, str]:
         name = PARALLELISMS[parallelism]
         carried = (
             "the all-gathers of their fully_shard group still carry them in every forward"
-            if _CALL[parallelism] == "fully_shard"
+            if parallelism == "fsdp2"
             else "every rank still holds a whole copy of them"
         )
         effect = (
@@ -79,12 +76,11 @@ def _grad_blocked(f: Finding) -> tuple[str, str]:
 @words(Code.DYNAMIC_GRAPH)
 def _dynamic_graph(f: Finding) -> tuple[str, str]:
     """Labels: DDP's flags. The steps are those on which some of the parameters got no gradient."""
-    uses = flag(f, "find_unused_parameters") and not flag(f, "static_graph")
     return (
         f"{count(len(f.params), 'parameter')} reach the loss on some steps but not others",
         "The set of parameters that get a gradient changes from step to step (for example a branch taken on some "
         "steps). Only find_unused_parameters=True handles a used-set that changes"
-        + (", which is what this run uses." if uses else "."),
+        + (", which is what this run uses." if finds_unused(f) else "."),
     )
 
 
@@ -129,7 +125,7 @@ def _static_graph_unsafe(f: Finding) -> tuple[str, str]:
 @words(Code.FIND_UNUSED_UNNEEDED)
 def _find_unused_unneeded(f: Finding) -> tuple[str, str]:
     """Measured: `parameters_used`; the ranks and steps are every one."""
-    used = next(int(m.value) for m in f.measured if m.name == "parameters_used")
+    used = int(value_of(f, "parameters_used"))
     return (
         "find_unused_parameters=True, but every parameter is used",
         f"All {used} trainable parameters got a gradient on every one of the {len(f.ranks)} ranks in all "
@@ -143,7 +139,7 @@ def _reduction_error(f: Finding) -> tuple[str, str]:
     """DDP's 'Expected to have finished reduction' at the step of `steps`. Label `kind`: ``second-pass`` (at the
     second backward pass through one forward, the passes' lines the `sites`), ``replaced`` (the parameters are a
     replaced module's, left in DDP's reducer); none for trainable parameters that got no gradient."""
-    [step] = f.steps[:1] or [0]
+    step = f.steps[0] if f.steps else 0
     kind = f.labels.get("kind")
     if kind == "second-pass":
         where = f" ({', '.join(f.sites)})" if f.sites else ""
@@ -183,11 +179,10 @@ _MARKED_TWICE = "'Expected to mark a variable ready only once'"
 @words(Code.USED_OUTSIDE_FORWARD)
 def _used_outside_forward(f: Finding) -> tuple[str, str]:
     """Labels: DDP's flags (find_unused_parameters=True without static_graph breaks on it)."""
-    broken = flag(f, "find_unused_parameters") and not flag(f, "static_graph")
     effect = (
         f"With find_unused_parameters=True DDP marks them unused after forward and then their gradient arrives "
         f"anyway: {_MARKED_TWICE}."
-        if broken
+        if finds_unused(f)
         else f"The current flags cope, but find_unused_parameters=True would crash with {_MARKED_TWICE}."
     )
     return (
@@ -208,7 +203,7 @@ def _reentrant_checkpoint(f: Finding) -> tuple[str, str]:
             "none of the call's tensor inputs requires grad (PyTorch only warns). Its parameters look unused, but "
             "freezing them would be the wrong fix: the script means to train them.",
         )
-    if flag(f, "find_unused_parameters") and not flag(f, "static_graph"):
+    if finds_unused(f):
         effect = (
             "With find_unused_parameters=True DDP marks them unused after forward, then the nested backward "
             f"produces their gradient: {_MARKED_TWICE}."

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, count
 from ddp_doctor.core.ranks import listed, other_ranks
-from ddp_doctor.report.wording import measure, words
+from ddp_doctor.report.wording import measure, value_of, words
 
 __all__: list[str] = []
 
@@ -29,11 +29,11 @@ def _grads_not_synced(f: Finding) -> tuple[str, str]:
             "not all-reduce (and average) every bucket alike on every rank."
         )
     elif kind == "sync-off":
-        flag = f.labels.get("how") == "require_backward_grad_sync"
-        call, verb = ("require_backward_grad_sync=False", "set") if flag else ("no_sync()", "entered")
+        by_flag = f.labels.get("how") == "require_backward_grad_sync"
+        call, verb = ("require_backward_grad_sync=False", "set") if by_flag else ("no_sync()", "entered")
         where = f" ({verb} at {'; '.join(f.sites)})" if f.sites else ""
         off = f" (DDP's sync was off for every backward: {call})" if f.sites else ""
-        how = "with require_backward_grad_sync=False" if flag else "under no_sync()"
+        how = "with require_backward_grad_sync=False" if by_flag else "under no_sync()"
         why = (
             f" Every backward pass of these optimizer steps ran {how}{where}, the last micro-batch included, so DDP "
             "never reduced the gradients: each rank stepped on its own."
@@ -46,12 +46,8 @@ def _grads_not_synced(f: Finding) -> tuple[str, str]:
 
 
 def _local_sgd(f: Finding) -> tuple[str, str]:
-    measured = {m.name: int(m.value) for m in f.measured}
-    first, began, subgroup = (
-        measured["first_local_step"],
-        measured["start_localSGD_iter"],
-        f.labels.get("subgroup_size"),
-    )
+    first, began = int(value_of(f, "first_local_step")), int(value_of(f, "start_localSGD_iter"))
+    subgroup = f.labels.get("subgroup_size")
     alone = subgroup == "1"
     over = "one rank" if alone else f"subgroups of {subgroup} ranks" if subgroup else "subgroups"
     before = (
@@ -113,7 +109,7 @@ def _low_precision_reduce(f: Finding) -> tuple[str, str]:
     `largest_difference` against float32; the ranks are every one."""
     low, weights = f.labels["reduce_dtype"], f.labels["weights_dtype"]
     policy = ", ".join(f"{k}={f.labels.get(f'policy_{k}', 'unset')}" for k in ("param_dtype", "reduce_dtype"))
-    rel, largest = measure(f, "mean_relative_difference"), measure(f, "largest_difference")
+    rel, largest = value_of(f, "mean_relative_difference"), value_of(f, "largest_difference")
     return (
         f"gradients are reduced in {low} while the weights train in {weights}",
         f"FSDP2 reduce-scattered this run's gradients in {low} (seen at its reduce-scatter, on every rank), while "

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 
-__all__ = ["WORDS", "Words", "default_flags", "flag", "measure", "words"]
+__all__ = ["WORDS", "Words", "default_flags", "finds_unused", "flag", "measure", "value_of", "words"]
 
 Words = Callable[[Finding], tuple[str, str]]
 WORDS: dict[str, Words] = {}
@@ -36,6 +36,18 @@ def default_flags(f: Finding) -> bool:
     return not flag(f, "find_unused_parameters") and not flag(f, "static_graph")
 
 
+def finds_unused(f: Finding) -> bool:
+    """find_unused_parameters=True without static_graph: DDP marks what its forward does not reach unused."""
+    return flag(f, "find_unused_parameters") and not flag(f, "static_graph")
+
+
 def measure(f: Finding, name: str) -> float | None:
     """The value of the quantity `name` the finding measured, None where it did not."""
     return next((m.value for m in f.measured if m.name == name), None)
+
+
+def value_of(f: Finding, name: str) -> float:
+    """The quantity `name` that every builder of the finding's code measures (an error where one did not)."""
+    value = measure(f, name)
+    assert value is not None, f"{f.code} was built without its measured {name!r}"
+    return value

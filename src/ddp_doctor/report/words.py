@@ -23,7 +23,8 @@ __all__ = ["WORDS", "worded"]
 def worded(f: Finding) -> Finding:
     """`f` with its title and detail written from its evidence where its code's words are here and it has none."""
     fn = WORDS.get(f.code)
-    if fn is None or f.title:
+    if f.title:
         return f
+    assert fn is not None, f"{f.code} was built without words, and the report has none for it"
     title, detail = fn(f)
     return dataclasses.replace(f, title=title, detail=detail)
