@@ -1,4 +1,5 @@
-"""observe(): bad input, step counting, zero cost after exit, communication budget, crash explanation."""
+"""observe(): bad input, step counting, zero cost after exit, the communication budget, and the public names. How a
+rank explains its own failure is tests/observe/test_observe_failures.py."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
-from dist import RankFailure, run_ranks
-from scenarios import Net, batch
+from ddpsteps import sgd_model, train_step
+from dist import run_ranks
+from scenarios import batch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -21,24 +23,9 @@ from ddp_doctor import (
     NotDDPModelError,
     NoTrainableParametersError,
     ProcessGroupNotInitializedError,
-    ReductionError,
     ReportTimeoutError,
     observe,
 )
-
-
-def _model(**kwargs) -> tuple[DDP, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    ddp = DDP(Net(), **kwargs)
-    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
-
-
-def _step(ddp: DDP, opt: torch.optim.Optimizer | None, rank: int, step: int, *, use_b: bool = True) -> None:
-    x, y = batch(rank, step)
-    F.mse_loss(ddp(x, use_b=use_b), y).backward()
-    if opt is not None:
-        opt.step()
-        opt.zero_grad()
 
 
 def test_plain_module_is_rejected() -> None:
@@ -68,7 +55,7 @@ def test_guard_rejects_an_fsdp2_model_without_the_advice_to_wrap_it_in_ddp(tmp_p
 
 
 def _no_process_group(rank: int, world: int) -> str:
-    ddp, _ = _model()
+    ddp, _ = sgd_model()
     dist.destroy_process_group()
     with pytest.raises(ProcessGroupNotInitializedError, match="init_process_group") as info:
         observe(ddp)
@@ -81,7 +68,7 @@ def test_observe_without_process_group(tmp_path) -> None:
 
 
 def _nothing_trainable(rank: int, world: int) -> str:
-    ddp, _ = _model()
+    ddp, _ = sgd_model()
     for p in ddp.parameters():
         p.requires_grad_(False)
     with pytest.raises(NoTrainableParametersError, match="8 parameters and none requires a gradient") as info:
@@ -94,7 +81,7 @@ def test_nothing_trainable(tmp_path) -> None:
 
 
 def _bad_arguments(rank: int, world: int) -> None:
-    ddp, _ = _model()
+    ddp, _ = sgd_model()
     with pytest.raises(InvalidArgumentError, match="optimizer must be a torch.optim.Optimizer"):
         observe(ddp, optimizer="sgd")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="steps must be a positive int or None, got 0"):
@@ -109,9 +96,9 @@ def test_bad_arguments(tmp_path) -> None:
 
 
 def _report_on_one_rank(rank: int, world: int) -> str | None:
-    ddp, opt = _model()
+    ddp, opt = sgd_model()
     with observe(ddp, optimizer=opt) as doctor:
-        _step(ddp, opt, rank, 0)
+        train_step(ddp, opt, rank, 0)
     if rank == 1:
         return None  # rank 1 forgets report()
     with pytest.raises(ReportTimeoutError) as info:
@@ -134,7 +121,7 @@ def _hook_counts(ddp: DDP, opt: torch.optim.Optimizer) -> tuple[int, ...]:
 
 
 def _zero_cost_after_exit(rank: int, world: int) -> dict:
-    observed, opt_a = _model()
+    observed, opt_a = sgd_model()
     plain = DDP(copy.deepcopy(observed.module))
     opt_b = torch.optim.SGD(plain.parameters(), lr=0.1)
     before = _hook_counts(observed, opt_a)
@@ -143,12 +130,12 @@ def _zero_cost_after_exit(rank: int, world: int) -> dict:
     with observe(observed, optimizer=opt_a) as doctor:
         for step in range(3):
             during = during or _hook_counts(observed, opt_a)
-            _step(observed, opt_a, rank, step)
-            _step(plain, opt_b, rank, step)
+            train_step(observed, opt_a, rank, step)
+            train_step(plain, opt_b, rank, step)
     after = _hook_counts(observed, opt_a)
     for step in range(3, 6):
         for model in (observed, plain):
-            _step(model, None, rank, step)
+            train_step(model, None, rank, step)
         identical &= all(torch.equal(a.grad, b.grad) for a, b in zip(observed.parameters(), plain.parameters()))
         for opt in (opt_a, opt_b):
             opt.step()
@@ -180,7 +167,7 @@ _COLLECTIVES = (
 
 
 def _communication(rank: int, world: int) -> dict:
-    ddp, opt = _model()
+    ddp, opt = sgd_model()
     calls: dict[str, list] = {name: [] for name in _COLLECTIVES}
     originals = {name: getattr(dist, name) for name in _COLLECTIVES}
     # Both namespaces: torch.distributed's re-export and distributed_c10d's globals, through which torch's own
@@ -201,7 +188,7 @@ def _communication(rank: int, world: int) -> dict:
     try:
         with observe(ddp, optimizer=opt) as doctor:
             for step in range(4):
-                _step(ddp, opt, rank, step)
+                train_step(ddp, opt, rank, step)
         during = sum(len(v) for v in calls.values())
         doctor.report(timeout=20)
     finally:
@@ -220,12 +207,12 @@ def test_no_collectives_during_steps_and_fixed_shape_reductions_at_report(tmp_pa
 
 
 def _no_optimizer(rank: int, world: int) -> dict:
-    ddp, _ = _model()
+    ddp, _ = sgd_model()
     with observe(ddp) as doctor:
         for step in range(3):
             with ddp.no_sync():
-                _step(ddp, None, rank, step)
-            _step(ddp, None, rank, step)  # the synced micro-step ends the step
+                train_step(ddp, None, rank, step)
+            train_step(ddp, None, rank, step)  # the synced micro-step ends the step
             ddp.zero_grad()
     report = doctor.report(timeout=20)
     return {"steps": report.steps_observed, "codes": sorted(report.codes)}
@@ -238,7 +225,7 @@ def test_without_optimizer_a_step_is_a_synced_backward(tmp_path) -> None:
 def _limited_steps(rank: int, world: int, auto: bool) -> dict:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    ddp, opt = _model(find_unused_parameters=True)
+    ddp, opt = sgd_model(find_unused_parameters=True)
     theirs = []
     with observe(ddp, optimizer="auto" if auto else opt, steps=2) as doctor:
         # A library's own step hooks, registered after observe()'s: the steps end inside observe()'s hook, and
@@ -247,7 +234,7 @@ def _limited_steps(rank: int, world: int, auto: bool) -> dict:
         theirs.append(opt.register_step_post_hook(lambda *_: calls.append(1)))
         theirs.append(register_optimizer_step_post_hook(lambda *_: calls.append(1)))
         for step in range(5):
-            _step(ddp, opt, rank, step, use_b=step < 2)  # head_b unused after the observed steps: not seen
+            train_step(ddp, opt, rank, step, use_b=step < 2)  # head_b unused after the observed steps: not seen
         finished = doctor.finished
     hooks_left = len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks)
     for handle in theirs:
@@ -275,7 +262,7 @@ def _beside_own_optimizer(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.optim.optimizer import _global_optimizer_pre_hooks
 
-    ddp, opt = _model()
+    ddp, opt = sgd_model()
     temp = nn.Parameter(torch.zeros(()))  # a learnable loss temperature beside the model, under an Adam of its own
     own = torch.optim.Adam([temp], lr=0.01)
     # Neighbours that stay clean: a second DDP model nobody observes, and a model sharded with FSDP2 (its DTensor
@@ -327,82 +314,6 @@ def test_a_tensor_under_an_optimizer_of_its_own_is_compared_with_the_optimizer_g
     assert run_ranks(_beside_own_optimizer, tmp_path) == [expected] * 2
 
 
-def _reduction_error(rank: int, world: int) -> dict:
-    ddp, opt = _model()
-    doctor = observe(ddp, optimizer=opt)
-    with pytest.raises(ReductionError) as info, doctor:
-        for step in range(3):
-            _step(ddp, opt, rank, step, use_b=False)
-    report = doctor.report(timeout=20)
-    return {
-        "message": str(info.value),
-        "cause": type(info.value.__cause__).__name__,
-        "params": info.value.params,
-        "text": str(report),
-    }
-
-
-def test_reduction_error_is_explained_with_names_and_chained(tmp_path) -> None:
-    result = run_ranks(_reduction_error, tmp_path)[0]
-    assert result["cause"] == "RuntimeError"
-    assert result["params"] == ["head_b.weight", "head_b.bias"]
-    assert "head_b.weight, head_b.bias" in result["message"] and "static_graph=True" in result["message"]
-    assert "reduction-error" in result["text"] and "head_b.weight (64)" in result["text"]
-
-
-def _crash_mid_step(rank: int, world: int) -> dict:
-    ddp, opt = _model()
-    published: list[tuple[int, str]] = []
-    doctor = observe(ddp, optimizer=opt)
-    doctor.on_phase = lambda d: published.append((d.position.step, str(d.position.phase)))
-    with pytest.raises(ValueError), doctor:
-        for step in range(3):
-            x, y = batch(rank, step)
-            loss = F.mse_loss(ddp(x, use_b=True), y)
-            if step == 2:
-                raise ValueError("corrupt sample")
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-    return {"last": published[-1], "steps": doctor.steps_observed}
-
-
-def test_a_crash_leaves_the_published_position_where_the_step_failed(tmp_path) -> None:
-    # Closing the crashed step must not publish "step 3, between steps": a rank stopped before it writes its
-    # own crash record is reported by its last published position (seen in CI as "rank 0 was at step 4").
-    expected = {"last": (2, "after forward, before backward"), "steps": 3}
-    assert run_ranks(_crash_mid_step, tmp_path) == [expected] * 2
-
-
-def _used_set_news(rank: int, world: int) -> list:
-    ddp, opt = _model(find_unused_parameters=True)
-    news: list[tuple[int, str, tuple[int, list[str]]]] = []
-    doctor = observe(ddp, optimizer=opt)
-    doctor.on_phase = lambda d: (
-        d.position.used_set_news and news.append((d.steps_observed, str(d.position.phase), d.position.missing_grads()))
-    )
-    with doctor:
-        _step(ddp, opt, rank, 0, use_b=False)
-    return news
-
-
-def test_the_used_set_is_published_before_ddp_waits_for_the_all_reduce(tmp_path) -> None:
-    # A rank stuck in DDP's all-reduce for a peer that never reduces still tells which parameters it trained.
-    missing = (0, ["head_b.weight", "head_b.bias"])
-    # Published once, before the wait; closing the step does not publish (and compute) it again.
-    assert run_ranks(_used_set_news, tmp_path) == [[(0, "backward", missing)]] * 2
-
-
-def test_rank_failure_collects_every_traceback(tmp_path) -> None:
-    with pytest.raises(RankFailure, match=r"(?s)--- rank 1 ---.*boom on rank 1"):
-        run_ranks(_fail_on_rank_1, tmp_path, timeout=30)
-
-
-def _fail_on_rank_1(rank: int, world: int) -> None:
-    if rank == 1:
-        raise ValueError("boom on rank 1")
-
-
 def test_public_names_are_the_functions_and_the_implementation_modules_are_private() -> None:
     """`from ddp_doctor import guard` is the function (rich's pattern: private implementation modules, public names
     in the package), so no public module of the same name can shadow it or be shadowed by it."""
@@ -423,51 +334,3 @@ def test_public_names_are_the_functions_and_the_implementation_modules_are_priva
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(f"ddp_doctor.{name}")
     assert set(ddp_doctor.__all__) >= {"observe", "guard", "refreeze", "sync_gradients", "Doctor", "Guard"}
-
-
-def _explained(used: list[list[int]], ran: list[list[int]]) -> str:
-    """The reduction error a rank explains after the given steps (head_b = parameter 1)."""
-    from ddp_doctor.core.records import TIMING_COLUMNS, ModelInfo, RankRecord, StepCounters
-    from ddp_doctor.observation.crash import explain_failure
-
-    info = ModelInfo(
-        param_names=["trunk.weight", "head_b.weight"],
-        param_shapes=[(4, 4), (2, 4)],
-        trainable_at_wrap=[True, True],
-        ignored=[False, False],
-        buffer_names=[],
-        buffer_shapes=[],
-        ddp_config={},
-    )
-    steps = len(used)
-    u = torch.tensor(used, dtype=torch.bool)
-    c = StepCounters(ddp_forwards=1, micro_steps=1, synced_backwards=1, optimizer_step=1)
-    record = RankRecord(
-        rank=1,
-        used=u,
-        reachable=u.clone(),
-        ran=torch.tensor(ran, dtype=torch.bool),
-        trainable=torch.ones(steps, 2, dtype=torch.bool),
-        grad_fp=torch.zeros(steps, 2, 2, dtype=torch.float64),
-        weight_fp=torch.zeros(steps + 1, 2, 2, dtype=torch.float64),
-        buffer_fp=torch.zeros(steps, 0, 2, dtype=torch.float64),
-        input_fp=torch.zeros(steps, 2, dtype=torch.float64),
-        timing=torch.zeros(steps, TIMING_COLUMNS, dtype=torch.float64),
-        counters=torch.tensor([c.as_list()] * steps),
-    )
-    exc = RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one.")
-    return str(
-        explain_failure(exc, kind="reduction-error", rank=1, info=info, record=record, crash_in_window=True, hint="")
-    )
-
-
-def test_a_rank_never_advises_freezing_what_it_trained_in_another_step() -> None:
-    # head_b got a gradient in step 0 and none in step 1: the script trains it, the set changes.
-    text = _explained(used=[[1, 1], [1, 0]], ran=[[1, 1], [1, 0]])
-    assert "head_b.weight" in text and "keep them trainable" in text and "requires_grad=False" not in text
-    # Its module ran but no gradient reached it: still meant to train.
-    text = _explained(used=[[1, 0]], ran=[[1, 1]])
-    assert "keep them trainable" in text and "requires_grad=False" not in text
-    # Never ran, never got a gradient on this rank: freezing is one of the conditional fixes.
-    text = _explained(used=[[1, 0], [1, 0]], ran=[[1, 0], [1, 0]])
-    assert "if they are never meant to train, set requires_grad=False" in text
