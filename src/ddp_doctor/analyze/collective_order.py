@@ -32,6 +32,7 @@ from ddp_doctor.analyze.collective_words import (
     unpaired_words,
 )
 from ddp_doctor.analyze.parting import Parting
+from ddp_doctor.analyze.positions import positions
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.agreed import Agreed
 from ddp_doctor.core.codes import Code
@@ -319,4 +320,5 @@ def beacons_apart(states: dict[int, RankState], parting: Parting) -> Finding:
             **({"ranks_other_call": ranks_label(s.rank for s in different)} if different else {}),
             **({"other_call": different[0].collective.describe()} if different and different[0].collective else {}),
         },
+        positions=positions(states, [first.rank, *culprits]),
     )

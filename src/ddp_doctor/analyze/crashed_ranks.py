@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from ddp_doctor.analyze.positions import capped, fault_place, others, short, where
+from ddp_doctor.analyze.positions import capped, fault_place, others, others_ranks, positions, short, where
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
@@ -171,6 +171,7 @@ def crash_findings(states: dict[int, RankState], causes: dict[int, RankState]) -
                 steps=[step],
                 sites=lines_of(site),
                 labels={"kind": "raised", "exception": type_},
+                positions=positions(states, [*ranks, *others_ranks(states, list(causes))]),
                 fix="fix the error at that line"
                 + (
                     "."
@@ -204,7 +205,8 @@ def killed_findings(
             if s.position_age_s is None
             else f" (its last published position, {s.position_age_s:.1f} s before the end)"
         )
-        rest = others(states, [rank, *(mismatch.ranks if mismatch else [])])
+        culprits = [rank, *(mismatch.ranks if mismatch else [])]
+        rest = others(states, culprits)
         findings.append(
             Finding(
                 code=Code.RANK_CRASHED,
@@ -224,6 +226,7 @@ def killed_findings(
                 sites=lines_of(place),
                 labels={"kind": "teardown" if torn else "signal", "signal": s.signal or ""},
                 measured=[] if s.position_age_s is None else [Measure("position_age", s.position_age_s, "s")],
+                positions=positions(states, [rank, *others_ranks(states, culprits)]),
                 fix=(
                     "the steps before destroy_process_group() are not affected; check that what the script does "
                     "after it (a final save, an upload) completed, and run the same script without ddp-doctor to see "
@@ -285,6 +288,7 @@ def died_silently(states: dict[int, RankState], silent: list[int]) -> Finding:
         ranks=silent,
         steps=sorted({max(states[r].step, 0) for r in silent}),
         labels={"kind": "silent"},
+        positions=positions(states, [*silent, *others_ranks(states, silent)]),
         fix="check the system log (dmesg) and the memory use of that rank.",
     )
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ddp_doctor.analyze import rules
 from ddp_doctor.analyze.common import with_evidence, with_more
-from ddp_doctor.analyze.positions import capped, where
+from ddp_doctor.analyze.positions import capped, positions, where
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.agreed import Agreed
 from ddp_doctor.core.codes import Code
@@ -372,5 +372,6 @@ def ran_out_alone(states: dict[int, RankState]) -> Finding | None:
         steps=[fewest],
         parallelism="fsdp2",
     )
+    finding.positions = positions(states, short_ranks + rest)
     per_rank = batches_by_rank(sorted(lengths.items())[:8])
     return with_evidence(finding, sites=[site], measured=[*batches(max(lengths.values()), fewest), *per_rank])

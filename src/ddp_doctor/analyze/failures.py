@@ -9,7 +9,7 @@ from ddp_doctor.analyze.collective_order import beacons_apart
 from ddp_doctor.analyze.crashed_ranks import crash_findings, died_silently, exited_failing, killed_findings
 from ddp_doctor.analyze.epochs import ran_out_alone
 from ddp_doctor.analyze.parting import beacons_parting, failed_inside
-from ddp_doctor.analyze.positions import capped, others, where
+from ddp_doctor.analyze.positions import capped, others, others_ranks, positions, where
 from ddp_doctor.analyze.shapes import shape_findings
 from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone, step_skipped_alone
 from ddp_doctor.analyze.sharded_saves import state_dict_alone
@@ -105,12 +105,13 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
                         steps=[steps_by_rank[rank]],
                         sites=lines_of(s.exit_site or ""),
                         measured=[Measure("exit_status", s.exit_status or 0, "value")],
+                        positions=positions(states, [rank, *others_ranks(states, [*exited])]),
                         fix="make every rank take the same decision to stop: compute the stopping condition from values "
                         "reduced across ranks (all_reduce a flag), and give every rank the same number of batches.",
                     )
                 )
 
-    if not findings and (timeout := timed_out_waiting(states, where)) is not None:
+    if not findings and (timeout := timed_out_waiting(states)) is not None:
         findings.append(timeout)
     accounted = set(causes) | set(killed) | set(exited) | set(mismatch.ranks if mismatch else [])
     silent = [r for r in ranks if states[r].outcome is None and r not in accounted and not states[r].ended]
@@ -162,6 +163,7 @@ def _hung(states: dict[int, RankState], timed_out: bool, native: str | None) -> 
             ranks=stuck,
             steps=sorted({max(states[r].step, 0) for r in stuck}),
             sites=lines_of(*(states[r].user_frame or states[r].site or "" for r in stuck)),
+            positions=positions(states, sorted(waiting)),
             fix="look at what the stuck rank does at that line: a collective that only some ranks call, a loop with "
             "a different number of iterations per rank, or a data source that blocks.",
         )

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from ddp_doctor.core.frames import format_site
 from ddp_doctor.core.rankstate import RankState
+from ddp_doctor.core.whereabouts import Position, said
 
-__all__ = ["SHOWN", "capped", "fault_place", "others", "short", "where"]
+__all__ = ["SHOWN", "capped", "fault_place", "others", "others_ranks", "position", "positions", "short", "where"]
 
 _DDP_INIT = ("torch/nn/parallel/distributed.py", "__init__")
 SHOWN = 8
@@ -23,22 +24,22 @@ def capped(parts: list[str]) -> str:
     return "; ".join(parts[:SHOWN]) + (f"; and {more} other rank{'s' if more > 1 else ''}" if more > 0 else "")
 
 
-def where(s: RankState) -> str:
-    """`step 3, backward, at train.py:41`: where the rank was, from its most exact record."""
+def position(rank: int, s: RankState) -> Position:
+    """Where the rank was, from its most exact record (`core.whereabouts.HOW`)."""
     if s.raised is not None:
         # A crashed rank's own record is exact; its last sample may show the doctor's exit path.
-        return f"step {max(s.raised.step, 0)}, {s.raised.phase}, at {s.raised.site or 'an unknown place'}"
+        return Position(rank=rank, step=max(s.raised.step, 0), phase=s.raised.phase, how="raised", site=s.raised.site)
     step = max(s.step, 0)
     if s.in_collective and s.collective is not None:
         c = s.collective
-        return f"step {step}, {s.phase}, inside {c.describe()} called at {c.site or 'an unknown place'}"
+        return Position(rank=rank, step=step, phase=s.phase, how="in-collective", site=c.site, collective=c.describe())
     died_at = _fault_user_site(s)
     if died_at is not None:
         # Python's fault dump at the fatal signal (an abort, a segfault): exact, where a sample may be stale.
-        return f"step {step}, {s.phase}, at {died_at} (where it died)"
-    waiting = ", in DDP's backward (its gradient all-reduce)" if s.phase == "backward" else ""
+        return Position(rank=rank, step=step, phase=s.phase, how="died", site=died_at)
+    waiting = "ddp-backward" if s.phase == "backward" else None
     if not waiting and s.innermost and "/torch/autograd/" in s.innermost:
-        waiting = ", inside backward (where DDP's gradient all-reduce runs)"
+        waiting = "autograd"
     # The watchdog's sample of the user's line is newer than the last phase change only when the rank sat still
     # (a hang); otherwise the line published at the last phase change is the better one.
     sample_newer = s.user_frame is not None and (
@@ -47,11 +48,22 @@ def where(s: RankState) -> str:
         or (s.sample_age_s is not None and s.sample_age_s <= s.position_age_s)
     )
     if sample_newer:
-        age = f" (sampled; there for the last {s.sample_age_s:.1f} s)" if s.sample_age_s and s.sample_age_s > 1 else ""
-        return f"step {step}, {s.phase}{waiting}, at {s.user_frame}{age}"
+        return Position(
+            rank=rank, step=step, phase=s.phase, how="sampled", site=s.user_frame, waiting=waiting, age_s=s.sample_age_s
+        )
     if s.site:
-        return f"step {step}, {s.phase}{waiting}, after {s.site}"
-    return f"step {step}, {s.phase}{waiting}, at {s.innermost or 'an unknown place'}"
+        return Position(rank=rank, step=step, phase=s.phase, how="after", site=s.site, waiting=waiting)
+    return Position(rank=rank, step=step, phase=s.phase, how="innermost", site=s.innermost, waiting=waiting)
+
+
+def positions(states: dict[int, RankState], ranks: list[int]) -> list[Position]:
+    """The positions of the first `SHOWN` of `ranks` that have a state: the ones a finding's words describe."""
+    return [position(r, states[r]) for r in ranks if r in states][:SHOWN]
+
+
+def where(s: RankState) -> str:
+    """`step 3, backward, at train.py:41`: where the rank was, from its most exact record, in words."""
+    return said(position(s.rank, s))
 
 
 def short(site: str | None) -> str:
@@ -85,18 +97,24 @@ def _fault_user_site(s: RankState) -> str | None:
     )
 
 
+def others_ranks(states: dict[int, RankState], culprits: list[int]) -> list[int]:
+    """The ranks other than `culprits` that `others` describes: the ones that lost their peer, and the ones still
+    running."""
+    return [
+        r for r, s in sorted(states.items()) if r not in culprits and (s.crashed or (s.outcome is None and not s.ended))
+    ]
+
+
 def others(states: dict[int, RankState], culprits: list[int]) -> str:
     """Where the ranks other than `culprits` were: the ones that lost their peer, and the ones still running."""
     parts = []
-    for r in sorted(states):
-        if r in culprits:
-            continue
+    for r in others_ranks(states, culprits):
         s = states[r]
         if s.crashed:
             c = s.raised
             parts.append(
                 f"rank {r} lost its peer at step {max(c.step, 0)}, {c.phase}, at {c.site or 'an unknown place'}"
             )
-        elif s.outcome is None and not s.ended:
+        else:
             parts.append(f"rank {r} was at {where(s)}")
     return capped(parts)

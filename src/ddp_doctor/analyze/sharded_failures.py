@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddp_doctor.analyze.causes import sharded_step_skipped
-from ddp_doctor.analyze.positions import capped, short, where
+from ddp_doctor.analyze.positions import capped, positions, short, where
 from ddp_doctor.analyze.sharded_fixes import gather_fix
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
@@ -104,6 +104,7 @@ def gather_alone(states: dict[int, RankState], native: list[str]) -> Finding | N
         steps=sorted({max(states[r].raised.step if states[r].raised else states[r].step, 0) for r in gathering}),
         sites=lines_of(site or ""),
         labels={"call": call, "ranks_alone": ranks_label(sorted(gathering))},
+        positions=positions(states, [*sorted(gathering), *rest]),
         fix=gather_fix(framework_of(states)),
     )
 
@@ -142,6 +143,7 @@ def forward_alone(states: dict[int, RankState]) -> Finding | None:
             steps=sorted({step for step, _ in firsts.values()}),
             labels={"kind": "training" if training else "forward", "ranks_alone": ranks_label(alone)},
             measured=[Measure("forwards_alone", sum(counts.values()), "count")],
+            positions=positions(states, [*alone, *rest]),
             fix="run the same training passes on every rank: an extra objective's forward and backward on every "
             "rank, each on its own data (a zero-weighted loss where a rank has nothing for it), never under a "
             "condition one rank decides alone."

@@ -11,7 +11,7 @@ shard (a [32, 16] local tensor of a [64, 16] weight), and loading it into the un
 
 from __future__ import annotations
 
-from ddp_doctor.analyze.positions import capped, short, where
+from ddp_doctor.analyze.positions import capped, positions, short, where
 from ddp_doctor.analyze.sharded_failures import framework_of, line_alone
 from ddp_doctor.analyze.sharded_fixes import save_fix
 from ddp_doctor.analyze.view import detects
@@ -110,5 +110,6 @@ def state_dict_alone(states: dict[int, RankState], native: list[str]) -> Finding
             fix=save_fix(framework_of(states)),
             sites=lines_of(site),
             labels={"kind": "state-dict-some-ranks", "ranks_alone": ranks_label(alone)},
+            positions=positions(states, [*alone, *rest]),
         )
     return None

@@ -12,8 +12,8 @@ A run that died of it: some ranks raised a collective timeout while the others, 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 
+from ddp_doctor.analyze.positions import position, where
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.following import FollowSummary
@@ -95,10 +95,10 @@ _TIMEOUT_WORDS = ("Timed out waiting", "Watchdog caught collective operation tim
 _TIMEOUT_MS = re.compile(r"(?:Timed out waiting |Timeout\(ms\)=)(\d+)\s*ms|Timeout\(ms\)=(\d+)")
 
 
-def timed_out_waiting(states: dict[int, RankState], where: Callable[[RankState], str]) -> Finding | None:
+def timed_out_waiting(states: dict[int, RankState]) -> Finding | None:
     """A run that died of the process group's timeout: some ranks raised a collective timeout while the others,
     not in any collective, were working alone (an evaluation on rank 0, say). `timeout-risk` as it happened: the
-    ranks that kept the others waiting, and where they were. `where` words a rank's position."""
+    ranks that kept the others waiting, and where they were."""
     waited = {
         r: s
         for r, s in states.items()
@@ -127,5 +127,6 @@ def timed_out_waiting(states: dict[int, RankState], where: Callable[[RankState],
         sites=lines_of(crash.site or "", *(states[r].user_frame or states[r].site or "" for r in away)),
         measured=[Measure("group_timeout", int(ms) / 1000, "s")] if ms else [],
         labels={"waited": ranks_label(waited)},
+        positions=[position(r, states[r]) for r in [first, *away[:4]]],
         fix=timeout_fix(next((m.get("framework") for st in states.values() for m in st.models), "torch")),
     )

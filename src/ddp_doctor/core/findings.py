@@ -11,6 +11,7 @@ from ddp_doctor.core.codes import CODES, SEVERITIES
 from ddp_doctor.core.figures import Divergence, UsageMap
 from ddp_doctor.core.following import Following
 from ddp_doctor.core.steptime import RankTiming
+from ddp_doctor.core.whereabouts import Position
 
 __all__ = [
     "Crash",
@@ -109,6 +110,9 @@ class Finding:
     docs/json-schema.md lists each code's keys."""
     ruled_out: list[str] = field(default_factory=list)
     """For a finding whose cause was not seen: the codes of the causes the check looked for and ruled out."""
+    positions: list[Position] = field(default_factory=list)
+    """For a run that failed: where the ranks the finding describes were when it ended (the first few of them,
+    `analyze.positions.SHOWN`). In the JSON only when there are some."""
 
     def __post_init__(self) -> None:
         assert self.code in CODES, f"unknown finding code {self.code!r}"
@@ -138,6 +142,8 @@ class Finding:
         out["measured"] = [{"name": m.name, "value": finite(m.value), "unit": m.unit} for m in self.measured]
         out["labels"] = self.labels
         out["ruled_out"] = self.ruled_out
+        if self.positions:
+            out["positions"] = [p.to_dict() for p in self.positions]
         return out
 
     @classmethod
@@ -148,7 +154,8 @@ class Finding:
             Measure(m["name"], math.nan if m["value"] is None else m["value"], m["unit"])
             for m in data.get("measured", [])
         ]
-        return cls(**{**data, "params": params, "measured": measured})
+        positions = [Position.from_dict(p) for p in data.get("positions", [])]
+        return cls(**{**data, "params": params, "measured": measured, "positions": positions})
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
