@@ -212,3 +212,29 @@ def test_a_finding_without_words_or_its_measures_is_refused() -> None:
         worded(Finding(code="replica-divergence", severity="error"))
     with pytest.raises(AssertionError, match="parameters_used"):
         worded(Finding(code="find-unused-unneeded", severity="warning", ranks=[0, 1], steps=[0]))
+
+
+def test_a_hang_is_worded_from_the_ranks_positions() -> None:
+    """Each position the finding carries is said once, the ranks beyond them counted; the ranks on another node
+    and the communication library's line come from the labels."""
+    from ddp_doctor.core.whereabouts import Position
+
+    at = [
+        Position(rank=r, step=3, phase="backward", how="in-collective", site="t.py:5", collective="all_reduce")
+        for r in range(8)
+    ]
+    hung = Finding(
+        code="rank-hung",
+        severity="error",
+        ranks=[9],
+        positions=at,
+        measured=[Measure("ranks_waiting", 10, "count")],
+        labels={"timed_out": "True", "other_node_ranks": "12,13", "native": "gloo: timed out"},
+    )
+    f = worded(hung)
+    assert f.title == "rank 9 stopped making progress before the timeout"
+    assert f.detail.count("inside all_reduce called at t.py:5") == 8
+    assert "; and 2 other ranks." in f.detail
+    assert "waiting for the ones behind" in f.detail
+    assert "ranks 12-13 ran on another node" in f.detail or "ranks 12, 13 ran on another node" in f.detail
+    assert f.detail.endswith("The communication library said: gloo: timed out")

@@ -9,7 +9,7 @@ from ddp_doctor.analyze.collective_order import beacons_apart
 from ddp_doctor.analyze.crashed_ranks import crash_findings, died_silently, exited_failing, killed_findings
 from ddp_doctor.analyze.epochs import ran_out_alone
 from ddp_doctor.analyze.parting import beacons_parting, failed_inside
-from ddp_doctor.analyze.positions import capped, others, others_ranks, positions, where
+from ddp_doctor.analyze.positions import others, others_ranks, positions
 from ddp_doctor.analyze.shapes import shape_findings
 from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone, step_skipped_alone
 from ddp_doctor.analyze.sharded_saves import state_dict_alone
@@ -18,7 +18,7 @@ from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import PHASES, Outcome
-from ddp_doctor.core.ranks import rank_list
+from ddp_doctor.core.ranks import rank_list, ranks_label
 from ddp_doctor.core.rankstate import RankState
 
 __all__ = ["failure_findings"]
@@ -144,26 +144,21 @@ def _hung(states: dict[int, RankState], timed_out: bool, native: str | None) -> 
             stuck = unknown
     world = max(s.world_size for s in states.values())
     missing = [r for r in range(world) if r not in states]
+    labels = {"timed_out": str(timed_out)}
+    if missing:
+        labels["other_node_ranks"] = ranks_label(missing)
+    if native:
+        labels["native"] = native
     return [
         Finding(
             code=Code.RANK_HUNG,
             severity="error",
-            title=f"{rank_list(stuck)} stopped making progress" + (" before the timeout" if timed_out else ""),
-            detail=(
-                capped([f"rank {r} was at {where(s)}" for r, s in sorted(waiting.items())])
-                + "."
-                + (
-                    " The ranks ahead were waiting for the ones behind in a collective."
-                    if len(stuck) < len(order)
-                    else ""
-                )
-                + (f" {rank_list(missing)} ran on another node; that node's report covers them." if missing else "")
-                + (f" The communication library said: {native}" if native else "")
-            ),
             ranks=stuck,
             steps=sorted({max(states[r].step, 0) for r in stuck}),
             sites=lines_of(*(states[r].user_frame or states[r].site or "" for r in stuck)),
             positions=positions(states, sorted(waiting)),
+            measured=[Measure("ranks_waiting", len(waiting), "count")],
+            labels=labels,
             fix="look at what the stuck rank does at that line: a collective that only some ranks call, a loop with "
             "a different number of iterations per rank, or a data source that blocks.",
         )

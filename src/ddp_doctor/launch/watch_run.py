@@ -154,13 +154,14 @@ def hang_verdict(folder: Path, *, stalled_s: float, hang_after_s: float, group_t
             }
         )
     from ddp_doctor.analyze import failure_findings
+    from ddp_doctor.report.words import worded
 
     return HangVerdict(
         stalled_s=stalled_s,
         hang_after_s=hang_after_s,
         group_timeout_s=group_timeout_s,
         at=now,
-        findings=failure_findings(states, timed_out=True, native=[]),
+        findings=[worded(f) for f in failure_findings(states, timed_out=True, native=[])],
         sequences=parted(dumps),
         sequences_compared=len(dumps),
         positions=positions,
