@@ -273,9 +273,13 @@ def test_a_1024_rank_hang_names_a_handful_of_ranks_per_line() -> None:
         )
         for r in range(1024)
     }
+    from ddp_doctor.report.words import worded
+
     (hung,) = failure_findings(states, timed_out=True)
     assert hung.code == "rank-hung" and hung.ranks == [700]
-    assert "and 1016 other ranks" in hung.detail and hung.detail.count("rank ") < 12
+    assert len(hung.positions) == 8 and hung.measured[0].value == 1024  # the evidence: 8 positions, the rest counted
+    detail = worded(hung).detail
+    assert "and 1016 other ranks" in detail and detail.count("rank ") < 12
 
 
 def _mismatch(rank: int, world: int) -> str:
