@@ -9,19 +9,11 @@ from __future__ import annotations
 
 from ddp_doctor.core.frames import format_site
 from ddp_doctor.core.rankstate import RankState
-from ddp_doctor.core.whereabouts import Position, said
+from ddp_doctor.core.whereabouts import SHOWN, Position, capped, said
 
 __all__ = ["SHOWN", "capped", "fault_place", "others", "others_ranks", "position", "positions", "short", "where"]
 
 _DDP_INIT = ("torch/nn/parallel/distributed.py", "__init__")
-SHOWN = 8
-"""Ranks described one by one in a finding's text; the rest are counted (a 1,024-rank job stays readable)."""
-
-
-def capped(parts: list[str]) -> str:
-    """``part; part; ...`` for the first `SHOWN` parts, then ``and N other ranks``."""
-    more = len(parts) - SHOWN
-    return "; ".join(parts[:SHOWN]) + (f"; and {more} other rank{'s' if more > 1 else ''}" if more > 0 else "")
 
 
 def position(rank: int, s: RankState) -> Position:

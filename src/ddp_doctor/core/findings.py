@@ -112,7 +112,7 @@ class Finding:
     """For a finding whose cause was not seen: the codes of the causes the check looked for and ruled out."""
     positions: list[Position] = field(default_factory=list)
     """For a run that failed: where the ranks the finding describes were when it ended (the first few of them,
-    `analyze.positions.SHOWN`). In the JSON only when there are some."""
+    `core.whereabouts.SHOWN`). In the JSON only when there are some."""
 
     def __post_init__(self) -> None:
         assert self.code in CODES, f"unknown finding code {self.code!r}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["HOW", "Position", "said"]
+__all__ = ["HOW", "SHOWN", "Position", "capped", "said"]
 
 HOW = ("raised", "in-collective", "died", "sampled", "after", "innermost")
 """How the position was known, most exact first: the rank's own error record (`raised`); its beacon inside a
@@ -42,6 +42,18 @@ class Position:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Position:
         return cls(**data)
+
+
+SHOWN = 8
+"""Ranks described one by one in a finding's text and its `positions`; the rest are counted (a 1,024-rank job
+stays readable)."""
+
+
+def capped(parts: list[str], more: int = 0) -> str:
+    """``part; part; ...`` for the first `SHOWN` parts, then ``and N other ranks`` for the parts beyond them and
+    `more` ranks not among the parts at all."""
+    more += max(0, len(parts) - SHOWN)
+    return "; ".join(parts[:SHOWN]) + (f"; and {more} other rank{'s' if more > 1 else ''}" if more > 0 else "")
 
 
 _WAITING = {

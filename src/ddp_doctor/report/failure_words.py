@@ -7,7 +7,7 @@ from __future__ import annotations
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list
-from ddp_doctor.core.whereabouts import said
+from ddp_doctor.core.whereabouts import capped, said
 from ddp_doctor.report.wording import flag, value_of, words
 
 __all__: list[str] = []
@@ -20,9 +20,7 @@ def _rank_hung(f: Finding) -> tuple[str, str]:
     run), `other_node_ranks` (ranks another node's report covers) and `native` (the communication library's
     line)."""
     waiting = int(value_of(f, "ranks_waiting"))
-    parts = [f"rank {p.rank} was at {said(p)}" for p in f.positions]
-    more = waiting - len(parts)
-    shown = "; ".join(parts) + (f"; and {more} other rank{'s' if more > 1 else ''}" if more > 0 else "")
+    shown = capped([f"rank {p.rank} was at {said(p)}" for p in f.positions], more=waiting - len(f.positions))
     elsewhere = [int(r) for r in f.labels["other_node_ranks"].split(",")] if f.labels.get("other_node_ranks") else []
     detail = (
         shown
