@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from checkrun import EXAMPLES, REPO, assert_no_leftovers
+from checkrun import EXAMPLES, REPO, SCRIPTS, assert_no_leftovers
 
 from ddp_doctor.cli import torchrun_options
 from ddp_doctor.cli.torchrun_options import torchrun_actions, torchrun_parser
@@ -132,9 +132,12 @@ def test_options_of_every_action_kind_parse_like_torchruns_and_torchs_own_comman
 
 
 def _started_check() -> subprocess.Popen[str]:
+    """A check of a script that trains for minutes (`slow.py`): a signal a few seconds in always finds it running.
+    (A check of `clean.py` born warm can end within 3 s on a fast machine, and a signal then meets the launcher or
+    the CLI at their exit.)"""
     env = {**os.environ, "DDP_DOCTOR_TEST_TAG": f"start-{time.monotonic_ns()}"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddp_doctor.cli", "check", "--nproc-per-node", "2", str(EXAMPLES / "clean.py")],
+        [sys.executable, "-m", "ddp_doctor.cli", "check", "--nproc-per-node", "2", str(SCRIPTS / "slow.py")],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -161,6 +164,52 @@ def test_a_signal_while_the_cli_starts_exits_128_plus_it_with_one_line(sig: sign
     ours = [line for line in lines if line.startswith("ddp-doctor:")]
     assert len(ours) == 1 and f"interrupted by {sig.name}" in ours[0], lines
     assert_no_leftovers(proc.tag)  # type: ignore[attr-defined]
+
+
+_IN_A_CALLBACK = """
+import logging, os, signal, sys, time, weakref
+from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
+from ddp_doctor.launch.torchrun import _stops_never_printed
+
+log = logging.getLogger("torch.distributed.run")  # to torchrun.log in the launcher (`main`)
+log.handlers[:] = [logging.FileHandler(sys.argv[1])]
+log.propagate = False
+_stops_never_printed(SignalException)
+signal.signal(signal.SIGTERM, _terminate_process_handler)  # as torch's agent installs it
+
+
+class Held:
+    pass
+
+
+def collected(_ref):
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(100_000):  # the handler runs here, inside the collector's callback
+        pass
+
+
+held = Held()
+ref = weakref.ref(held, collected)
+try:
+    del held
+    time.sleep(10)  # where the agent waits
+    print("never stopped")
+except SignalException as exc:
+    print("stopped by", exc.sigval.name)
+"""
+
+
+def test_a_stop_signal_inside_the_launchers_callback_is_not_printed_and_still_stops_it(tmp_path: Path) -> None:
+    """torch's agent turns SIGTERM into `SignalException` wherever the launcher's main thread is. Inside a garbage
+    collector's callback Python printed it ("Exception ignored in ...", a traceback in the user's terminal, seen in
+    CI under Ctrl-C) and the signal was lost. The launcher swallows it there and sends the signal again, which
+    stops it where it waits."""
+    log = tmp_path / "torchrun.log"
+    done = subprocess.run([sys.executable, "-c", _IN_A_CALLBACK, str(log)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "stopped by SIGTERM", done.stdout
+    assert done.stderr == "", done.stderr
+    assert "SIGTERM arrived inside a callback" in log.read_text()
 
 
 def test_a_clean_check_reads_and_draws_its_report_without_importing_torch(tmp_path: Path) -> None:

@@ -17,7 +17,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 from ddp_doctor.launch import warm
 from ddp_doctor.launch.config import LAUNCHER_PID_VAR, RankConfig, die_with_parent
@@ -71,14 +73,60 @@ def main() -> None:
         log.propagate = False
     if not (born_warm and warm.install(entry, outdir)):
         warm.record_fresh(outdir)
+    _stops_never_printed(SignalException)
     try:
         run(argparse.Namespace(**_torch_types(namespace)))
     except ChildFailedError as exc:
+        _ignore_stop_signals()
         (outdir / "torchrun.json").write_text(json.dumps({"failures": _failures(exc)}))
         sys.exit(1)
     except SignalException as exc:
+        _ignore_stop_signals()
         logging.getLogger("torch.distributed.run").warning("torchrun stopped by %s", exc.sigval.name)
         sys.exit(128 + int(exc.sigval))
+    finally:
+        _ignore_stop_signals()
+
+
+def _stops_never_printed(signal_exception: type[BaseException]) -> None:
+    """torch's stop-signal handler raises `SignalException` wherever the main thread is. Where that is a garbage
+    collector's callback or a finalizer (`weakref.finalize`), Python prints the exception as ignored (to the
+    user's terminal: the launcher's stderr is the CLI's) and the agent never sees the signal. Seen when
+    `ddp-doctor` stopped the run while this process collected garbage or exited. Such an exception is logged to
+    torchrun.log instead, and the signal sent again, to reach the agent where it waits (once the agent is done, it
+    is ignored: `_ignore_stop_signals`)."""
+    log = logging.getLogger("torch.distributed.run")
+
+    def swallowed(exc: BaseException | None) -> bool:
+        if not isinstance(exc, signal_exception):
+            return False
+        sigval = getattr(exc, "sigval", signal.SIGTERM)
+        log.warning("%s arrived inside a callback; sent again", signal.Signals(sigval).name)
+        resend = threading.Timer(0.05, os.kill, (os.getpid(), int(sigval)))
+        resend.daemon = True
+        resend.start()
+        return True
+
+    excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+
+    def on_exception(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if not swallowed(exc):
+            excepthook(kind, exc, tb)
+
+    def on_unraisable(unraisable: Any) -> None:
+        if not swallowed(unraisable.exc_value):
+            unraisablehook(unraisable)
+
+    sys.excepthook, sys.unraisablehook = on_exception, on_unraisable
+
+
+def _ignore_stop_signals() -> None:
+    """Once torchrun's agent is done, a stop signal has nothing left to stop: torch's handler (still installed)
+    would raise `SignalException` wherever the interpreter is, its exit's finalizers included, and print a traceback
+    into the user's terminal (seen when `ddp-doctor` was interrupted as the run ended and stopped every process of
+    it). The CLI SIGKILLs what outlives its grace."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
