@@ -23,7 +23,13 @@ def test_crash_on_rank_1_names_the_rank_step_and_error(tmp_path: Path) -> None:
     assert run.codes == {"rank-crashed"}, run.output
     finding = run.finding("rank-crashed")
     assert finding["ranks"] == [1] and finding["steps"] == [3], finding
-    assert finding["labels"] == {"kind": "raised", "exception": "ValueError"}, finding
+    assert finding["labels"] == {
+        "kind": "raised",
+        "exception": "ValueError",
+        "message": "corrupt sample 1234 in shard 1",
+    }, finding
+    assert finding["measured"] == [{"name": "other_ranks", "value": 1, "unit": "count"}], finding
+    assert [p["rank"] for p in finding["positions"]] == [1, 0], finding
     assert [site.rsplit("/", 1)[-1] for site in finding["sites"]] == ["crash_rank1.py:10"], finding
     # Where rank 0 was: it either noticed the lost peer first or was stopped while still waiting in DDP's
     # all-reduce (which comes first depends on the machine's load); both name its step.

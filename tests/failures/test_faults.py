@@ -127,7 +127,8 @@ def test_an_early_clean_exit_is_rank_exited_naming_rank_step_status_and_line(tmp
     assert run.rc == 1, run.output
     finding = run.finding("rank-exited")
     assert finding["ranks"] == [1] and finding["steps"] == [3], finding
-    assert [(m["name"], m["value"]) for m in finding["measured"]] == [("exit_status", 0)], finding
+    assert [(m["name"], m["value"]) for m in finding["measured"]] == [("exit_status", 0), ("other_ranks", 1)], finding
+    assert finding["labels"]["site"].startswith("tests/scripts/exit_rank1.py:12"), finding
     assert finding["sites"] == ["tests/scripts/exit_rank1.py:12"], finding
     assert "rank 0 lost its peer at step 3" in finding["detail"], finding  # where the other rank was
     assert "rank-hung" not in run.codes and "gather.py" not in run.output
@@ -155,7 +156,8 @@ def test_sigkill_is_named_with_the_exact_step(tmp_path: Path) -> None:
     assert finding["ranks"] == [1] and finding["steps"] == [3], finding
     assert finding["labels"] == {"kind": "signal", "signal": "SIGKILL"}, finding
     # where it was is its last published position, and how old that was when it died
-    assert [m["name"] for m in finding["measured"]] == ["position_age"] and finding["measured"][0]["unit"] == "s"
+    assert [m["name"] for m in finding["measured"]] == ["position_age", "other_ranks"], finding
+    assert finding["measured"][0]["unit"] == "s" and finding["measured"][1]["value"] == 1, finding
     assert "DDP(" not in finding["detail"] and "_train.py:35" not in finding["detail"], finding
 
 

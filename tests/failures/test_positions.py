@@ -80,6 +80,7 @@ def test_positions_survive_the_json_and_are_left_out_where_there_are_none() -> N
         "collective": None,
         "waiting": None,
         "age_s": 12.5,
+        "lost_peer": False,
     }
     assert Finding.from_dict(data).positions == hung.positions
     assert "positions" not in Finding(code="rank-hung", severity="error", title="t").to_dict()
@@ -106,3 +107,19 @@ def test_how_a_position_was_known_and_where_backward_waits(state: RankState, how
 def test_a_position_of_an_unknown_kind_is_refused() -> None:
     with pytest.raises(AssertionError, match="unknown position kind 'guessed'"):
         Position(rank=0, step=0, phase="forward", how="guessed")
+
+
+def test_a_killed_rank_carries_its_own_position_then_the_others_and_counts_them() -> None:
+    """At 64 ranks rank 5 died of SIGKILL; rank 0 raised its lost connection, the other 62 still waited: the
+    finding carries rank 5's position, then the first 8 others' (rank 0's marked as a lost peer), and counts 63."""
+    lost = RaisedError(
+        type="RuntimeError", message="Connection closed by peer", site="train.py:50", step=3, peer_lost=True
+    )
+    states = {r: _waiting(r, 64) for r in range(64)}
+    states[0] = RankState(rank=0, world_size=64, outcome=Outcome.CRASHED, raised=lost, step=3)
+    states[5] = RankState(rank=5, world_size=64, step=3, phase="forward", signal="SIGKILL", site="train.py:30")
+    killed = next(f for f in failure_findings(states, timed_out=False) if f.labels.get("signal") == "SIGKILL")
+    assert killed.ranks == [5] and killed.labels["kind"] == "signal"
+    assert [p.rank for p in killed.positions] == [5, 0, 1, 2, 3, 4, 6, 7, 8]
+    assert killed.positions[1].lost_peer and not killed.positions[2].lost_peer
+    assert {m.name: m.value for m in killed.measured}["other_ranks"] == 63

@@ -56,7 +56,9 @@ def test_every_rank_saving_one_file_is_named_with_the_path_the_ranks_and_the_lin
         assert f["severity"] == "warning" and f["ranks"] == [0, 1] and f["steps"] == [1], f
         line = line_of(__file__, "# the line the " + "finding names")
         assert f["sites"] == [f"tests/lockstep/test_checkpoints.py:{line}"] and f"{tmp_path}/last.pt" in f["title"], f
-        assert (f["labels"], f["measured"]) == ({}, [{"name": "machines", "value": 1, "unit": "count"}]), f
+        assert f["labels"]["file"] == f"{tmp_path}/last.pt" and f["labels"]["every_rank"] == "True", f
+        assert f["labels"]["site"].startswith(f["sites"][0]) and "guard" not in f["labels"], f
+        assert {m["name"]: m["value"] for m in f["measured"]} == {"machines": 1, "writers_shown": 2, "more_files": 0}
         assert "dist.barrier()" in f["fix"] and "get_rank() == 0" in f["fix"], f
         prefix = [f for f in findings if f["code"] == "checkpoint-module-prefix"]
         assert len(prefix) == 1 and prefix[0]["severity"] == "info", findings
@@ -76,8 +78,13 @@ def test_a_save_under_local_rank_0_on_two_nodes_names_the_guard_and_counts_the_m
     """Every rank is its node's local rank 0 (two nodes of one rank each): the guard lets both through."""
     for findings in run_ranks(_save, tmp_path, args=(str(tmp_path), "local-rank-0", machines), env={"LOCAL_RANK": "0"}):
         (f,) = [f for f in findings if f["code"] == "checkpoint-same-path"]
-        assert (f["ranks"], f["steps"], f["labels"]) == ([0, 1], [1], {"guard": "local-rank"}), f
-        assert {m["name"]: m["value"] for m in f["measured"]} == {"machines": machines}, f
+        assert (f["ranks"], f["steps"], f["labels"]["guard"]) == ([0, 1], [1], "local-rank"), f
+        assert len(f["labels"]["hosts"].split(",")) == machines, f
+        assert {m["name"]: m["value"] for m in f["measured"]} == {
+            "machines": machines,
+            "writers_shown": 2,
+            "more_files": 0,
+        }
         assert f["fix"].startswith("guard the save with the global rank"), f  # which fix: no evidence field says
 
 
@@ -92,9 +99,9 @@ def test_the_check_of_two_torchrun_nodes_names_a_local_rank_0_snapshot(tmp_path:
     nodes = [start([*rdzv, "--node-rank", str(n), *script], tmp_path, name=f"node{n}.json") for n in (0, 1)]
     for run in [finish(proc, out, timeout=120, started=started) for proc, out in nodes]:
         same = run.finding("checkpoint-same-path")
-        assert (same["ranks"], same["labels"], same["sites"]) == (
+        assert (same["ranks"], same["labels"]["guard"], same["sites"]) == (
             [0, 1],
-            {"guard": "local-rank"},
+            "local-rank",
             [f"tests/scripts/local_rank_save.py:{line_of(SCRIPTS / 'local_rank_save.py', 'torch.save(')}"],
         ), run.output
-        assert {m["name"]: m["value"] for m in same["measured"]} == {"machines": 1}, same
+        assert {m["name"]: m["value"] for m in same["measured"]} == {"machines": 1, "writers_shown": 2, "more_files": 0}

@@ -64,7 +64,8 @@ def test_a_capped_evaluation_that_still_outlasts_the_timeout_is_named_with_the_s
     run = follow(tmp_path, "--eval-rank0", "3", "--pg-timeout", "4")
     assert run.rc == 1 and run.report["findings"][0]["code"] == "timeout-risk", run.output
     risk = run.report["findings"][0]
-    assert risk["ranks"] == [0] and risk["labels"] == {"waited": "1"}, risk
+    assert risk["ranks"] == [0] and risk["labels"]["waited"] == "1", risk
+    assert risk["labels"]["exception"] == "RuntimeError" and "Timed out" in risk["labels"]["message"], risk
     assert [(m["name"], m["value"]) for m in risk["measured"]] == [("group_timeout", 4)], risk
     assert "time.sleep(args.eval_rank0)" in risk["detail"], risk  # where rank 0 was: its innermost line
     # The observed steps' diagnosis survives the failure: their verified recommendation is still there.

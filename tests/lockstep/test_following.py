@@ -114,9 +114,14 @@ def test_timeout_risk_is_an_error_at_the_timeout_a_warning_at_half_and_nothing_b
     assert [f.severity for f in following_findings(summary(span(0.5, 100.0)))] == ["error"]
     assert [f.severity for f in following_findings(summary(span(0.5, 40.0)))] == ["warning"]
     assert following_findings(summary(span(0.5, 20.0))) == []
-    # Without a length the measured span alone is compared, and the title says the projection is unknown.
+    # Without a length the measured span alone is compared: no projection is measured.
     [unknown] = following_findings(summary(span(45.0, None)))
-    assert unknown.severity == "warning" and "unknown" in unknown.detail
+    assert unknown.severity == "warning" and [m.name for m in unknown.measured] == ["alone", "group_timeout"]
+    assert unknown.labels == {
+        "start": "the end of the observed steps",
+        "end": "DDP's gradient all-reduce after the forward at train.py:20",
+        "passes": "train.py:40: 2 of 400",
+    }
     assert following_findings(summary(span(0.5, 100.0), timeout=None)) == []  # no timeout known, no claim
 
 

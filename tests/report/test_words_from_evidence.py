@@ -237,3 +237,180 @@ def test_a_hang_is_worded_from_the_ranks_positions() -> None:
     assert "waiting for the ones behind" in f.detail
     assert " ranks 12, 13 ran on another node; that node's report covers them." in f.detail
     assert f.detail.endswith("The communication library said: gloo: timed out")
+
+
+def _at(rank: int, **kw: Any) -> Position:
+    return Position(rank=rank, step=kw.pop("step", 3), phase=kw.pop("phase", "backward"), **kw)
+
+
+def test_a_crash_is_worded_from_the_raising_ranks_and_the_others_positions() -> None:
+    """The raising rank's own position gives the line and phase; the others are said as lost their peer or still
+    where they were, by their positions, and counted beyond them."""
+    raised = Finding(
+        code="rank-crashed",
+        severity="error",
+        ranks=[1],
+        steps=[4],
+        labels={"kind": "raised", "exception": "ValueError", "message": "bad batch"},
+        measured=[Measure("other_ranks", 12, "count")],
+        positions=[
+            _at(1, step=4, phase="forward", how="raised", site="t.py:33"),
+            _at(0, how="raised", site="t.py:50", lost_peer=True),
+            _at(2, how="in-collective", site="t.py:50", collective="all_reduce(float32[4])"),
+        ],
+    )
+    f = worded(raised)
+    assert f.title == "rank 1 crashed at step 4: ValueError: bad batch"
+    assert f.detail.startswith("Raised at t.py:33 (forward); its traceback was printed above.")
+    assert "rank 0 lost its peer at step 3, backward, at t.py:50" in f.detail
+    assert "rank 2 was at step 3, backward, inside all_reduce(float32[4]) called at t.py:50" in f.detail
+    assert f.detail.endswith("; and 10 other ranks.")
+
+
+def test_a_rank_a_signal_ended_is_worded_from_its_fault_and_signal() -> None:
+    killed = Finding(
+        code="rank-crashed",
+        severity="error",
+        ranks=[1],
+        steps=[0],
+        sites=["t.py:15"],
+        labels={"kind": "signal", "signal": "SIGSEGV", "fault_frame": "DistributedDataParallel.__init__"},
+        measured=[Measure("position_age", 0.25, "s"), Measure("other_ranks", 0, "count")],
+        positions=[_at(1, step=0, phase="setup", how="died", site="t.py:15")],
+    )
+    f = worded(killed)
+    assert f.title == "rank 1 died of SIGSEGV in DistributedDataParallel.__init__ at t.py:15"
+    assert f.detail.startswith("It was at step 0, setup, at t.py:15 (where it died) (its last published position, 0.2")
+    assert "Cause: a segmentation fault inside native code" in f.detail and "The others" not in f.detail
+    torn = worded(
+        Finding(
+            code="rank-crashed",
+            severity="error",
+            ranks=[0],
+            steps=[9],
+            labels={"kind": "teardown", "signal": "SIGABRT", "native": "terminate called"},
+            positions=[_at(0, step=9, phase="torn down", how="innermost")],
+        )
+    )
+    assert torn.title == "rank 0 died of SIGABRT at step 9"
+    assert "after the script had destroyed its process group" in torn.detail
+    assert torn.detail.endswith("The communication library said: terminate called")
+
+
+def test_exits_and_silent_deaths_are_worded_from_their_labels() -> None:
+    exited = worded(
+        Finding(
+            code="rank-crashed",
+            severity="error",
+            ranks=[0, 1],
+            steps=[2],
+            labels={"kind": "exited", "site": "t.py:20", "phase": "forward", "every_rank": "True"},
+            measured=[Measure("exit_status", 3, "value")],
+        )
+    )
+    assert exited.title == "ranks 0, 1 exited with status 3 at step 2"
+    assert exited.detail == (
+        "The script's own exit with a failure status, at t.py:20 (forward) on every rank: torchrun reports the job "
+        "as failed."
+    )
+    silent = worded(
+        Finding(
+            code="rank-crashed",
+            severity="error",
+            ranks=list(range(10)),
+            steps=[1],
+            labels={"kind": "silent"},
+            measured=[Measure("other_ranks", 0, "count")],
+            positions=[_at(r, step=1, phase="forward", how="after", site="t.py:7") for r in range(8)],
+        )
+    )
+    assert silent.title == "ranks 0-9 died without a Python error"
+    assert silent.detail.count(": step 1, forward, after t.py:7") == 8
+    assert silent.detail.endswith("; and 2 other ranks.")
+    left = worded(
+        Finding(
+            code="rank-exited",
+            severity="error",
+            ranks=[1],
+            steps=[3],
+            labels={"site": "t.py:40", "phase": "forward", "trained_on": "0,2,3"},
+            measured=[Measure("exit_status", 0, "value"), Measure("other_ranks", 1, "count")],
+            positions=[_at(1, how="after", site="t.py:40"), _at(0, how="sampled", site="t.py:9")],
+        )
+    )
+    assert left.title == "rank 1 exited (status 0) at step 3; ranks 0, 2, 3 trained on"
+    assert left.detail.startswith("It left from t.py:40 (forward).")
+    assert left.detail.endswith("The others: rank 0 was at step 3, backward, at t.py:9.")
+
+
+def test_an_error_that_ended_every_ranks_loop_is_worded_with_what_was_compared() -> None:
+    loop = worded(
+        Finding(
+            code="rank-crashed",
+            severity="error",
+            ranks=[0, 1],
+            steps=[5],
+            labels={"kind": "raised", "exchanged": "True", "site": "t.py:12", "message": "boom", "every_rank": "True"},
+        )
+    )
+    assert loop.title == "ranks 0, 1 raised at step 5: boom"
+    assert "ended the loop at t.py:12 on every rank; the comparisons below cover the 5 step(s) before it." in (
+        loop.detail
+    )
+
+
+def test_a_timeout_risk_is_worded_from_the_span_or_from_the_ranks_that_timed_out() -> None:
+    """Followed: the span's sync points, its capped passes and the three measured times; as it happened: the
+    waiting rank's position and error, and where the ranks that worked alone were."""
+    span = worded(
+        Finding(
+            code="timeout-risk",
+            severity="error",
+            ranks=[0],
+            labels={"start": "t.py:10", "end": "t.py:30", "passes": "t.py:20: 2 of 400 batches, 0.31 s"},
+            measured=[
+                Measure("alone", 0.62, "s"),
+                Measure("alone_projected", 124.0, "s"),
+                Measure("group_timeout", 60.0, "s"),
+            ],
+        )
+    )
+    assert span.title == (
+        "rank 0 works alone for about 2.1 min at the loaders' real lengths while the others wait; the process "
+        "group's timeout is 60 s"
+    )
+    assert span.detail.startswith("Between t.py:10 and t.py:30, rank 0 worked alone for 0.62 s as measured")
+    assert "Capped DataLoader passes in that span: t.py:20: 2 of 400 batches, 0.31 s." in span.detail
+    assert "That reaches the process group's timeout of 60 s" in span.detail
+    unknown = worded(
+        Finding(
+            code="timeout-risk",
+            severity="warning",
+            ranks=[1],
+            labels={"start": "t.py:10", "end": "t.py:30"},
+            measured=[Measure("alone", 40.0, "s"), Measure("group_timeout", 60.0, "s")],
+        )
+    )
+    assert unknown.title.startswith("rank 1 works alone for 40 s while the others wait")
+    assert "the projection to the real lengths is unknown" in unknown.detail
+    assert "more than half of the process group's timeout of 60 s" in unknown.detail
+    happened = worded(
+        Finding(
+            code="timeout-risk",
+            severity="error",
+            ranks=[0],
+            steps=[2],
+            labels={"waited": "1,2,3", "exception": "DistBackendError", "message": "Timed out waiting 5000ms"},
+            measured=[Measure("group_timeout", 5.0, "s")],
+            positions=[
+                _at(1, step=2, phase="after backward", how="raised", site="t.py:50", lost_peer=True),
+                _at(0, step=2, phase="forward", how="sampled", site="t.py:70"),
+            ],
+        )
+    )
+    assert happened.title == "ranks 1-3 timed out after 5 s in a collective, waiting for rank 0, which worked alone"
+    assert happened.detail.startswith(
+        "Rank 1 waited in a collective at t.py:50 (step 2, after backward) until the process group's timeout ran "
+        "out after 5 s (DistBackendError: Timed out waiting 5000ms). Rank 0 was not in any collective: step 2, "
+        "forward, at t.py:70."
+    )

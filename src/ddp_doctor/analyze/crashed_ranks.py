@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from ddp_doctor.analyze.positions import capped, fault_place, others, others_ranks, positions, short, where
+from ddp_doctor.analyze.positions import beside, capped, fault_frame, fault_site, short, where
 from ddp_doctor.analyze.view import View, detects
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, ParamRef, lines_of
@@ -28,17 +28,6 @@ __all__ = [
     "script_raised",
     "trained_elsewhere",
 ]
-
-_SIGNAL_CAUSE = {
-    "SIGKILL": "SIGKILL can only come from outside the process: the kernel's out-of-memory killer, a scheduler, "
-    "or a person",
-    "SIGSEGV": "a segmentation fault inside native code (torch, a CUDA or communication library, or an extension)",
-    "SIGABRT": "an abort from native code (gloo and NCCL abort the process on a broken collective)",
-    "SIGBUS": "a bus error, usually shared memory (/dev/shm) running out under DataLoader workers",
-    "SIGFPE": "a floating-point exception in native code",
-    "SIGILL": "an illegal instruction in native code (a build for another CPU)",
-    "SIGTERM": "SIGTERM from outside the run",
-}
 
 _AFTER_STEPS = (Phase.FOLLOWING.value, Phase.WATCHED.value, Phase.TORN_DOWN.value)
 """Where a rank is once its observed steps were diagnosed."""
@@ -156,22 +145,18 @@ def crash_findings(states: dict[int, RankState], causes: dict[int, RankState]) -
             )
             continue
         own.setdefault((step, crash.type, crash.message, crash.site or "", crash.phase), []).append(rank)
-    waiting = others(states, list(causes))
     for (step, type_, message, site, phase), ranks in own.items():
+        carried, others_count = beside(states, ranks, list(causes))
         findings.append(
             Finding(
                 code=Code.RANK_CRASHED,
                 severity="error",
-                title=f"{rank_list(ranks)} crashed at step {step}: {type_}: {message[:200]}",
-                detail=(
-                    f"Raised at {site or 'an unknown place'} ({phase}); its traceback was printed above."
-                    + (f" The other ranks were stopped while waiting for it: {waiting}." if waiting else "")
-                ),
                 ranks=ranks,
                 steps=[step],
                 sites=lines_of(site),
-                labels={"kind": "raised", "exception": type_},
-                positions=positions(states, [*ranks, *others_ranks(states, list(causes))]),
+                labels={"kind": "raised", "exception": type_, "message": message[:200]},
+                measured=[others_count],
+                positions=carried,
                 fix="fix the error at that line"
                 + (
                     "."
@@ -191,42 +176,28 @@ def killed_findings(
     error lines."""
     findings = []
     for rank, s in sorted(killed.items()):
-        cause = _SIGNAL_CAUSE.get(s.signal or "", f"signal {s.signal}")
         torn = s.phase == Phase.TORN_DOWN.value and s.signal in ("SIGABRT", "SIGSEGV")
-        if torn:
-            cause = (
-                "native code failed after the script had destroyed its process group, with no collective left to "
-                "break: in the teardown, not in training (torch's gloo can abort a process there: terminate called "
-                "without an active exception)"
-            )
-        place = fault_place(s)
-        exact = (
-            ""
-            if s.position_age_s is None
-            else f" (its last published position, {s.position_age_s:.1f} s before the end)"
-        )
-        culprits = [rank, *(mismatch.ranks if mismatch else [])]
-        rest = others(states, culprits)
+        frame = fault_frame(s)
+        user = fault_site(s) if frame else None
+        carried, others_count = beside(states, [rank], [rank, *(mismatch.ranks if mismatch else [])])
+        labels = {"kind": "teardown" if torn else "signal", "signal": s.signal or ""}
+        if frame:
+            labels["fault_frame"] = frame
+        if native and s.signal in ("SIGABRT", "SIGSEGV"):
+            labels["native"] = native[0]
         findings.append(
             Finding(
                 code=Code.RANK_CRASHED,
                 severity="error",
-                title=f"rank {rank} died of {s.signal}" + (f" {place}" if place else f" at step {max(s.step, 0)}"),
-                detail=(
-                    f"It was at {where(s)}{exact}. Cause: {cause}."
-                    + (
-                        f" The communication library said: {native[0]}"
-                        if native and s.signal in ("SIGABRT", "SIGSEGV")
-                        else ""
-                    )
-                    + (f" The others: {rest}." if rest else "")
-                ),
                 ranks=[rank],
                 steps=[max(s.step, 0)],
-                sites=lines_of(place),
-                labels={"kind": "teardown" if torn else "signal", "signal": s.signal or ""},
-                measured=[] if s.position_age_s is None else [Measure("position_age", s.position_age_s, "s")],
-                positions=positions(states, [rank, *others_ranks(states, culprits)]),
+                sites=[user] if user else [],
+                labels=labels,
+                measured=[
+                    *([] if s.position_age_s is None else [Measure("position_age", s.position_age_s, "s")]),
+                    others_count,
+                ],
+                positions=carried,
                 fix=(
                     "the steps before destroy_process_group() are not affected; check that what the script does "
                     "after it (a final save, an upload) completed, and run the same script without ddp-doctor to see "
@@ -259,14 +230,10 @@ def exited_failing(states: dict[int, RankState], exited: dict[int, RankState]) -
         Finding(
             code=Code.RANK_CRASHED,
             severity="error",
-            title=f"{rank_list(ranks)} exited with status {status} at step {step}",
-            detail=f"The script's own exit with a failure status, at {site or 'an unknown place'} ({phase})"
-            + (" on every rank" if len(ranks) == len(states) else "")
-            + ": torchrun reports the job as failed.",
             ranks=ranks,
             steps=[step],
             sites=lines_of(site),
-            labels={"kind": "exited"},
+            labels={"kind": "exited", "site": site, "phase": phase, "every_rank": str(len(ranks) == len(states))},
             measured=[Measure("exit_status", status, "value")],
             fix="if the job should go on, find why the script exits there (the condition before that line).",
         )
@@ -276,19 +243,15 @@ def exited_failing(states: dict[int, RankState], exited: dict[int, RankState]) -
 
 def died_silently(states: dict[int, RankState], silent: list[int]) -> Finding:
     """`rank-crashed` for ranks that ended with no exception, exit status or fault record."""
+    carried, others_count = beside(states, silent, silent)
     return Finding(
         code=Code.RANK_CRASHED,
         severity="error",
-        title=f"{rank_list(silent)} died without a Python error",
-        detail=(
-            "It ended without an exception, exit status or fault record, at "
-            + capped([f"rank {r}: {where(states[r])}" for r in silent])
-            + (f". The others: {others(states, silent)}." if others(states, silent) else ".")
-        ),
         ranks=silent,
         steps=sorted({max(states[r].step, 0) for r in silent}),
         labels={"kind": "silent"},
-        positions=positions(states, [*silent, *others_ranks(states, silent)]),
+        measured=[others_count],
+        positions=carried,
         fix="check the system log (dmesg) and the memory use of that rank.",
     )
 
@@ -347,37 +310,20 @@ def script_raised(v: View) -> list[Finding]:
     findings = []
     named = sum(len(ranks) for ranks in groups.values())
     for (kind, step, message, site), ranks in groups.items():
-        first_line = message.splitlines()[0][:200] if message else "an exception"
         exited = kind == "exit"
+        labels = {"kind": "exited" if exited else "raised", "exchanged": "True", "site": site}
+        if message:
+            labels["message"] = message.splitlines()[0][:200]
+        labels["every_rank"] = str(counts == v.world)
         findings.append(
             Finding(
                 code=Code.RANK_CRASHED,
                 severity="error",
-                title=f"{rank_list(sorted(ranks))} {'exited' if exited else 'raised'} at step {step}: {first_line}",
-                detail=(
-                    (
-                        "The script's own sys.exit with a failure status ended the loop at "
-                        if exited
-                        else "The script's own error ended the loop at "
-                    )
-                    + (site or "an unknown place")
-                    + (" on every rank" if counts == v.world else "")
-                    + (
-                        f"; the comparisons below cover the {step} step(s) before it."
-                        if step
-                        else ", before any step closed: no step was compared."
-                    )
-                    + (
-                        " torchrun reports the job as failed."
-                        if exited
-                        else " The job fails here without the doctor too."
-                    )
-                ),
                 ranks=sorted(ranks),
                 more_ranks=max(counts - named, 0) if len(groups) == 1 else 0,
                 steps=[step],
                 sites=lines_of(site),
-                labels={"kind": "exited" if exited else "raised"},
+                labels=labels,
                 fix=(
                     "if the job should go on, find why the script exits there (the condition before that line); "
                     if exited

@@ -9,7 +9,7 @@ from ddp_doctor.analyze.collective_order import beacons_apart
 from ddp_doctor.analyze.crashed_ranks import crash_findings, died_silently, exited_failing, killed_findings
 from ddp_doctor.analyze.epochs import ran_out_alone
 from ddp_doctor.analyze.parting import beacons_parting, failed_inside
-from ddp_doctor.analyze.positions import others, others_ranks, positions
+from ddp_doctor.analyze.positions import beside, positions
 from ddp_doctor.analyze.shapes import shape_findings
 from ddp_doctor.analyze.sharded_failures import forward_alone, gather_alone, step_skipped_alone
 from ddp_doctor.analyze.sharded_saves import state_dict_alone
@@ -18,7 +18,7 @@ from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding, Measure, lines_of
 from ddp_doctor.core.phase import Phase
 from ddp_doctor.core.rankfiles import PHASES, Outcome
-from ddp_doctor.core.ranks import rank_list, ranks_label
+from ddp_doctor.core.ranks import ranks_label
 from ddp_doctor.core.rankstate import RankState
 
 __all__ = ["failure_findings"]
@@ -89,23 +89,20 @@ def failure_findings(states: dict[int, RankState], *, timed_out: bool, native: l
             for rank, s in sorted(exited.items()):
                 if s.phase == Phase.TORN_DOWN.value:
                     continue  # it ended after destroying its process group: no collective is left to wait in for it
-                waiting = others(states, [*exited])
+                carried, others_count = beside(states, [rank], [*exited])
+                labels = {"site": s.exit_site or "", "phase": s.phase}
+                if still:
+                    labels["trained_on"] = ranks_label(still)
                 findings.append(
                     Finding(
                         code=Code.RANK_EXITED,
                         severity="error",
-                        title=f"rank {rank} exited (status {s.exit_status}) at step {steps_by_rank[rank]}; "
-                        f"{rank_list(still) if still else 'the others'} trained on",
-                        detail=(
-                            f"It left from {s.exit_site or 'an unknown place'} ({s.phase}). A rank that leaves early makes "
-                            "the others wait for it in their next collective (DDP's gradient all-reduce) until it fails "
-                            "or times out." + (f" The others: {waiting}." if waiting else "")
-                        ),
                         ranks=[rank],
                         steps=[steps_by_rank[rank]],
                         sites=lines_of(s.exit_site or ""),
-                        measured=[Measure("exit_status", s.exit_status or 0, "value")],
-                        positions=positions(states, [rank, *others_ranks(states, [*exited])]),
+                        measured=[Measure("exit_status", s.exit_status or 0, "value"), others_count],
+                        labels=labels,
+                        positions=carried,
                         fix="make every rank take the same decision to stop: compute the stopping condition from values "
                         "reduced across ranks (all_reduce a flag), and give every rank the same number of batches.",
                     )

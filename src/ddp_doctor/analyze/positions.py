@@ -7,11 +7,23 @@ Pure: reads the supervisor's `RankState` per rank (the ranks' own files, merged)
 
 from __future__ import annotations
 
+from ddp_doctor.core.findings import Measure
 from ddp_doctor.core.frames import format_site
 from ddp_doctor.core.rankstate import RankState
 from ddp_doctor.core.whereabouts import SHOWN, Position, capped, said
 
-__all__ = ["SHOWN", "capped", "fault_place", "others", "others_ranks", "position", "positions", "short", "where"]
+__all__ = [
+    "SHOWN",
+    "beside",
+    "capped",
+    "fault_frame",
+    "fault_site",
+    "others_ranks",
+    "position",
+    "positions",
+    "short",
+    "where",
+]
 
 _DDP_INIT = ("torch/nn/parallel/distributed.py", "__init__")
 
@@ -20,12 +32,19 @@ def position(rank: int, s: RankState) -> Position:
     """Where the rank was, from its most exact record (`core.whereabouts.HOW`)."""
     if s.raised is not None:
         # A crashed rank's own record is exact; its last sample may show the doctor's exit path.
-        return Position(rank=rank, step=max(s.raised.step, 0), phase=s.raised.phase, how="raised", site=s.raised.site)
+        return Position(
+            rank=rank,
+            step=max(s.raised.step, 0),
+            phase=s.raised.phase,
+            how="raised",
+            site=s.raised.site,
+            lost_peer=s.raised.peer_lost,
+        )
     step = max(s.step, 0)
     if s.in_collective and s.collective is not None:
         c = s.collective
         return Position(rank=rank, step=step, phase=s.phase, how="in-collective", site=c.site, collective=c.describe())
-    died_at = _fault_user_site(s)
+    died_at = fault_site(s)
     if died_at is not None:
         # Python's fault dump at the fatal signal (an abort, a segfault): exact, where a sample may be stale.
         return Position(rank=rank, step=step, phase=s.phase, how="died", site=died_at)
@@ -63,20 +82,18 @@ def short(site: str | None) -> str:
     return site.rsplit("/", 1)[-1].split()[0] if site else "an unknown place"
 
 
-def fault_place(s: RankState) -> str:
-    """`in DistributedDataParallel.__init__ at train.py:12` from the fault dump."""
+def fault_frame(s: RankState) -> str:
+    """The frame a fatal signal struck, from the fault dump: `DistributedDataParallel.__init__` when DDP's
+    constructor is among its innermost three, else `fn (file.py)`; ``""`` without a dump."""
     if s.fault is None or not s.fault.frames:
         return ""
     inner_file, _, inner_fn = s.fault.frames[0]
     if any(inner_file.endswith(_DDP_INIT[0]) and fn == _DDP_INIT[1] for inner_file, _, fn in s.fault.frames[:3]):
-        place = "in DistributedDataParallel.__init__"
-    else:
-        place = f"in {inner_fn} ({inner_file.rsplit('/', 1)[-1]})"
-    user = _fault_user_site(s)
-    return place + (f" at {user}" if user else "")
+        return "DistributedDataParallel.__init__"
+    return f"{inner_fn} ({inner_file.rsplit('/', 1)[-1]})"
 
 
-def _fault_user_site(s: RankState) -> str | None:
+def fault_site(s: RankState) -> str | None:
     """The user's innermost line in the rank's fault dump (`file:line`, relative to the working folder)."""
     frames = s.fault.frames if s.fault is not None else []
     return next(
@@ -97,16 +114,9 @@ def others_ranks(states: dict[int, RankState], culprits: list[int]) -> list[int]
     ]
 
 
-def others(states: dict[int, RankState], culprits: list[int]) -> str:
-    """Where the ranks other than `culprits` were: the ones that lost their peer, and the ones still running."""
-    parts = []
-    for r in others_ranks(states, culprits):
-        s = states[r]
-        if s.crashed:
-            c = s.raised
-            parts.append(
-                f"rank {r} lost its peer at step {max(c.step, 0)}, {c.phase}, at {c.site or 'an unknown place'}"
-            )
-        else:
-            parts.append(f"rank {r} was at {where(s)}")
-    return capped(parts)
+def beside(states: dict[int, RankState], ranks: list[int], culprits: list[int]) -> tuple[list[Position], Measure]:
+    """What a failure finding about `ranks` carries of where the ranks were: the positions of the first `SHOWN` of
+    `ranks`, then those of the first `SHOWN` others (`others_ranks` of `culprits`), and how many others there are
+    (measured `other_ranks`), for the report's words of what the others did."""
+    rest = others_ranks(states, culprits)
+    return [*positions(states, ranks), *positions(states, rest)], Measure("other_ranks", len(rest), "count")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-__all__ = ["listed", "named_ranks", "other_ranks", "rank_list", "rank_ranges", "ranks_label"]
+__all__ = ["listed", "named_ranks", "other_ranks", "rank_list", "rank_ranges", "ranks_label", "ranks_of_label"]
 
 LIMIT = 8
 """How many items (single ranks or runs) a list shows by default: the exchange's number of example ranks."""
@@ -29,6 +29,11 @@ LIMIT = 8
 def ranks_label(ranks: Iterable[int]) -> str:
     """Ranks as a finding's label (`Finding.labels` holds strings): `"0,3"`, in rank order."""
     return ",".join(map(str, sorted(ranks)))
+
+
+def ranks_of_label(label: str | None) -> list[int]:
+    """The ranks a `ranks_label` holds (none for a missing or empty label)."""
+    return [int(r) for r in label.split(",")] if label else []
 
 
 def other_ranks(more: int, *, noun: bool = True) -> str:

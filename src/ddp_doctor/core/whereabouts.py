@@ -21,8 +21,9 @@ class Position:
     """One rank's position: its step, phase and line (`site`, ``file:line`` or a frame), how it was known (`how`,
     one of `HOW`), the collective it sat in (`collective`, ``all_reduce(float32[4])``) for ``in-collective``,
     `waiting` for where backward waits in DDP's gradient all-reduce (``ddp-backward``: the rank was in its
-    backward phase; ``autograd``: its innermost frame was autograd's), and `age_s`, for a sampled line, how long
-    the rank had been there."""
+    backward phase; ``autograd``: its innermost frame was autograd's), `age_s`, for a sampled line, how long
+    the rank had been there, and `lost_peer`, for a ``raised`` position, that the error was the rank's lost
+    connection to a peer that had failed (not an error of its own)."""
 
     rank: int
     step: int
@@ -32,6 +33,7 @@ class Position:
     collective: str | None = None
     waiting: str | None = None
     age_s: float | None = None
+    lost_peer: bool = False
 
     def __post_init__(self) -> None:
         assert self.how in HOW, f"unknown position kind {self.how!r}"

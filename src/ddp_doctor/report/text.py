@@ -18,6 +18,7 @@ from ddp_doctor.core.ranks import rank_ranges
 from ddp_doctor.core.steptime import PHASES, RankTiming
 from ddp_doctor.report.claims import compared_line
 from ddp_doctor.report.data import ReportData, recommendation_words
+from ddp_doctor.report.words import worded
 
 __all__ = ["phases_line", "render", "to_text"]
 
@@ -82,7 +83,9 @@ def _finding(f: Finding, consequences: list[Finding] = ()) -> Panel:
 
 
 def finding_sentences(f: Finding) -> str:
-    """One finding as plain sentences (its title, detail and fix), for an error message that carries it."""
+    """One finding as plain sentences (its title, detail and fix, written from its evidence where the report writes
+    them), for an error message that carries it."""
+    f = worded(f)
     return " ".join(part.rstrip(".") + "." for part in (f.title, f.detail, f.fix) if part)
 
 
