@@ -414,3 +414,47 @@ def test_a_timeout_risk_is_worded_from_the_span_or_from_the_ranks_that_timed_out
         "out after 5 s (DistBackendError: Timed out waiting 5000ms). Rank 0 was not in any collective: step 2, "
         "forward, at t.py:70."
     )
+
+
+def test_a_shared_checkpoint_path_is_worded_from_the_writers_machines_and_guard() -> None:
+    base = {"file": "/ckpt/last.pt", "site": "t.py:40  torch.save(state, path)"}
+    two_nodes = worded(
+        Finding(
+            code="checkpoint-same-path",
+            severity="warning",
+            ranks=[0, 8],
+            more_ranks=2,
+            steps=[3],
+            labels={**base, "guard": "local-rank", "hosts": "a,b"},
+            measured=[
+                Measure("machines", 2, "count"),
+                Measure("writers_shown", 2, "count"),
+                Measure("more_files", 1, "count"),
+            ],
+        )
+    )
+    assert two_nodes.title == "4 ranks wrote the same path /ckpt/last.pt with torch.save"
+    assert two_nodes.detail.startswith(
+        "Ranks 0, 8 and 2 others each called torch.save on /ckpt/last.pt at t.py:40  torch.save(state, path) (first "
+        "after step 3) (1 more file(s) likewise). Each of the first 2 is local rank 0 of its node"
+    )
+    assert "They run on at least 2 machines (a, b), so the path is one file only where" in two_nodes.detail
+    one = worded(
+        Finding(
+            code="checkpoint-same-path",
+            severity="warning",
+            ranks=[0, 1],
+            labels={**base, "followed": "True", "every_rank": "True", "hosts": "a"},
+            measured=[
+                Measure("machines", 1, "count"),
+                Measure("writers_shown", 2, "count"),
+                Measure("more_files", 0, "count"),
+            ],
+        )
+    )
+    assert one.title == "2 ranks wrote the same file /ckpt/last.pt with torch.save"
+    assert "(after the observed steps, at an epoch end the check followed). Every rank wrote it:" in one.detail
+    assert "On one machine, the writes race" in one.detail
+    prefix = worded(Finding(code="checkpoint-module-prefix", severity="info", ranks=[0], labels=base))
+    assert prefix.title == "the DDP wrapper's state dict was saved to /ckpt/last.pt (keys start with 'module.')"
+    assert prefix.detail.startswith("torch.save at t.py:40  torch.save(state, path) saved a state dict whose keys")

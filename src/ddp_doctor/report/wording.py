@@ -1,6 +1,6 @@
 """The registry of the findings' words that report/ writes from the evidence (`ddp_doctor.report.words`), and
 the readers of a finding's evidence the words share. Each family of codes registers its words in its own module
-(`graph_words.py`, `sync_words.py`)."""
+(`graph_words.py`, `sync_words.py`, `failure_words.py`, `checkpoint_words.py`)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ rich's `Table.add_row` takes the data and `__rich_console__` writes it out. `Rep
 it is given; a finding that already carries its text (a code not moved here yet) is left as it is.
 
 A code is moved here by giving it a function registered with `wording.words` in its family's module
-(`graph_words.py`, `sync_words.py`, `failure_words.py`) and removing `title=` and `detail=` from its builders, which
+(`graph_words.py`, `sync_words.py`, `failure_words.py`, `checkpoint_words.py`) and removing `title=` and `detail=` from its builders, which
 then put whatever the words need into the evidence (`tests/design/test_one_road.py` holds every builder of a code
 registered here to that). The labels each code's words read are in docs/json-schema.md's table.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from ddp_doctor.core.findings import Finding
-from ddp_doctor.report import failure_words, graph_words, sync_words  # noqa: F401  (each registers its codes' words)
+from ddp_doctor.report import checkpoint_words, failure_words, graph_words, sync_words  # noqa: F401  (each registers its codes' words)
 from ddp_doctor.report.wording import WORDS
 
 __all__ = ["WORDS", "worded"]
