@@ -458,3 +458,27 @@ def test_a_shared_checkpoint_path_is_worded_from_the_writers_machines_and_guard(
     prefix = worded(Finding(code="checkpoint-module-prefix", severity="info", ranks=[0], labels=base))
     assert prefix.title == "the DDP wrapper's state dict was saved to /ckpt/last.pt (keys start with 'module.')"
     assert prefix.detail.startswith("torch.save at t.py:40  torch.save(state, path) saved a state dict whose keys")
+
+
+def test_a_gather_on_some_ranks_is_worded_from_the_call_and_where_the_others_went() -> None:
+    gather = worded(
+        Finding(
+            code="state-gather-some-ranks",
+            severity="error",
+            ranks=list(range(12)),
+            steps=[4],
+            labels={
+                "call": "get_model_state_dict",
+                "site": "src/t.py:80  sd = get_model_state_dict(m)",
+                "ranks_alone": "0",
+            },
+            positions=[
+                _at(0, step=4, phase="after step", how="raised", site="src/t.py:80"),
+                *(_at(r, step=5, phase="forward", how="sampled", site="src/t.py:60") for r in range(1, 9)),
+            ],
+        )
+    )
+    assert gather.title == "rank 0 gathered the full state dict alone: get_model_state_dict at t.py:80"
+    assert "and ranks 1-11 never did: rank 1 went on to step 5, forward, at src/t.py:60;" in gather.detail
+    assert gather.detail.count("went on to") == 8 and "; and 3 other ranks. Their next collectives" in gather.detail
+    assert "The communication library said" not in gather.detail

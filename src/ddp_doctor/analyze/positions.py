@@ -10,7 +10,7 @@ from __future__ import annotations
 from ddp_doctor.core.findings import Measure
 from ddp_doctor.core.frames import format_site
 from ddp_doctor.core.rankstate import RankState
-from ddp_doctor.core.whereabouts import SHOWN, Position, capped, said
+from ddp_doctor.core.whereabouts import SHOWN, Position, capped, said, short
 
 __all__ = [
     "SHOWN",
@@ -75,11 +75,6 @@ def positions(states: dict[int, RankState], ranks: list[int]) -> list[Position]:
 def where(s: RankState) -> str:
     """`step 3, backward, at train.py:41`: where the rank was, from its most exact record, in words."""
     return said(position(s.rank, s))
-
-
-def short(site: str | None) -> str:
-    """`train.py:12` from a full site."""
-    return site.rsplit("/", 1)[-1].split()[0] if site else "an unknown place"
 
 
 def fault_frame(s: RankState) -> str:

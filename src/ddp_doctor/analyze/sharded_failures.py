@@ -90,21 +90,17 @@ def gather_alone(states: dict[int, RankState], native: list[str]) -> Finding | N
     first = min(gathering)
     call, site = gathering[first]
     rest = sorted(r for r in states if r not in gathering)
-    went = capped([f"rank {r} went on to {where(states[r])}" for r in rest])
-    said = f" The communication library said: {native[0]}" if native else ""
+    labels = {"call": call, "site": site or "", "ranks_alone": ranks_label(sorted(gathering))}
+    if native:
+        labels["native"] = native[0]
     return Finding(
         code=Code.STATE_GATHER_SOME_RANKS,
         severity="error",
-        title=f"{rank_list(sorted(gathering))} gathered the full state dict alone: {call} at {short(site)}",
-        detail=f"{call} at {site or 'an unknown place'} all-gathers every sharded parameter, a "
-        f"collective each rank must enter, and {rank_list(rest)} never did: {went}. Their next collectives (a "
-        "forward's all-gathers of the sharded parameters) were paired with the gather's, and a mismatched "
-        "collective aborts, hangs or exchanges the wrong data, depending on the backend and the sizes." + said,
         ranks=sorted(states),
         steps=sorted({max(states[r].raised.step if states[r].raised else states[r].step, 0) for r in gathering}),
         sites=lines_of(site or ""),
-        labels={"call": call, "ranks_alone": ranks_label(sorted(gathering))},
-        positions=positions(states, [*sorted(gathering), *rest]),
+        labels=labels,
+        positions=[*positions(states, sorted(gathering)), *positions(states, rest)],
         fix=gather_fix(framework_of(states)),
     )
 

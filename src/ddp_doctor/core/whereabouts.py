@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["HOW", "SHOWN", "Position", "capped", "said"]
+__all__ = ["HOW", "SHOWN", "Position", "capped", "said", "short"]
 
 HOW = ("raised", "in-collective", "died", "sampled", "after", "innermost")
 """How the position was known, most exact first: the rank's own error record (`raised`); its beacon inside a
@@ -81,3 +81,8 @@ def said(p: Position) -> str:
     if p.how == "after":
         return f"{head}{waiting}, after {at}"
     return f"{head}{waiting}, at {at}"
+
+
+def short(site: str | None) -> str:
+    """`train.py:12` from a full site (`path/to/train.py:12  code`)."""
+    return site.rsplit("/", 1)[-1].split()[0] if site else "an unknown place"

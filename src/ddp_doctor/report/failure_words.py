@@ -7,7 +7,7 @@ from __future__ import annotations
 from ddp_doctor.core.codes import Code
 from ddp_doctor.core.findings import Finding
 from ddp_doctor.core.ranks import rank_list, ranks_of_label
-from ddp_doctor.core.whereabouts import Position, capped, said
+from ddp_doctor.core.whereabouts import Position, capped, said, short
 from ddp_doctor.report.wording import flag, measure, value_of, words
 
 __all__: list[str] = []
@@ -221,5 +221,25 @@ def _timeout_risk(f: Finding) -> tuple[str, str]:
             else f"That is more than half of the process group's timeout of {_seconds(timeout)}: a slower "
             "machine, a bigger evaluation set or a busy file system takes it over the timeout."
         )
+    )
+    return title, detail
+
+
+@words(Code.STATE_GATHER_SOME_RANKS)
+def _state_gather_some_ranks(f: Finding) -> tuple[str, str]:
+    """Labels `call` (the gather), `site` (its line), `ranks_alone` (the ranks that gathered; `ranks` holds every
+    rank), `native` (the communication library's line); `positions`: the gathering ranks', then the others'."""
+    alone = ranks_of_label(f.labels["ranks_alone"])
+    rest = [r for r in f.ranks if r not in alone]
+    went = [p for p in f.positions if p.rank in set(rest)]
+    call, site = f.labels["call"], f.labels.get("site")
+    title = f"{rank_list(alone)} gathered the full state dict alone: {call} at {short(site)}"
+    detail = (
+        f"{call} at {site or 'an unknown place'} all-gathers every sharded parameter, a collective each rank must "
+        f"enter, and {rank_list(rest)} never did: "
+        + capped([f"rank {p.rank} went on to {said(p)}" for p in went], more=len(rest) - len(went))
+        + ". Their next collectives (a forward's all-gathers of the sharded parameters) were paired with the "
+        "gather's, and a mismatched collective aborts, hangs or exchanges the wrong data, depending on the backend "
+        "and the sizes." + (f" The communication library said: {f.labels['native']}" if f.labels.get("native") else "")
     )
     return title, detail
